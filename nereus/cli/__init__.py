@@ -1,0 +1,1 @@
+"""The `nereus` command line: a thin typer veneer over the library."""

@@ -1,0 +1,81 @@
+"""The typer application, its global options and the user-error boundary."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperGroup
+
+from nereus import __version__
+from nereus.errors import NereusError
+
+
+class _Options:
+    """Global flags, set by the callback before any command runs."""
+
+    debug = False
+
+
+class NereusGroup(TyperGroup):
+    """Turns user errors into one line on stderr and exit code 1 (no traceback)."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except NereusError as exc:
+            if _Options.debug:
+                raise
+            for line in getattr(exc, "problems", [str(exc)]):
+                typer.echo(f"error: {line}", err=True)
+            raise typer.Exit(1) from None
+        except Exception as exc:
+            # Usage errors and exits are typer's (or click's) own: let them through.
+            if _Options.debug or type(exc).__module__.split(".")[0] in ("typer", "click"):
+                raise
+            # A bug in nereus, not a user error: still no traceback without --debug.
+            typer.echo(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", err=True)
+            raise typer.Exit(3) from None
+
+
+app = typer.Typer(
+    cls=NereusGroup,
+    name="nereus",
+    help="Adaptive parallelism and stage fusion for RL post-training of LLMs.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=True,
+    rich_markup_mode=None,
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"nereus {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show Python tracebacks for errors.")] = False,
+) -> None:
+    """Adaptive parallelism and stage fusion for RL post-training of LLMs."""
+    _Options.debug = debug
+
+
+def register_commands() -> None:
+    """Attach every command module to `app` (imports stay light: no torch)."""
+    from nereus.cli import spec_commands
+
+    spec_commands.register(app)
+
+
+register_commands()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    sys.exit(app())

@@ -1,0 +1,103 @@
+"""`nereus check`, `nereus schema`, `nereus preset`: the file-format commands."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from nereus.errors import NereusError
+
+
+def check(
+    files: Annotated[list[Path], typer.Argument(help="nereus files (YAML or JSON) to validate.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with every result.")] = False,
+    warnings_as_errors: Annotated[
+        bool, typer.Option("--strict", help="Treat warnings as errors (exit 1).")
+    ] = False,
+) -> None:
+    """Validate files: schema and semantics. Exit 0 valid, 1 invalid, 2 usage error."""
+    from nereus.spec.check import check_file
+
+    results = [check_file(path) for path in files]
+    failed = [r for r in results if not r.ok or (warnings_as_errors and r.warnings)]
+    if as_json:
+        payload = {
+            "ok": not failed,
+            "files": [
+                {"file": r.file, "kind": r.kind, "ok": r.ok, "errors": r.errors, "warnings": r.warnings}
+                for r in results
+            ],
+        }
+        typer.echo(json.dumps(payload, indent=2))
+    else:
+        for r in results:
+            status = "ok" if r.ok else "invalid"
+            typer.echo(f"{r.file}: {status}" + (f" ({r.kind})" if r.kind else ""))
+            for line in r.errors + r.warnings:
+                typer.echo(f"  {line}")
+    if failed:
+        raise typer.Exit(1)
+
+
+def schema(
+    kind: Annotated[str, typer.Argument(help="Document kind, e.g. Plan, Cluster, Model, Workload.")],
+) -> None:
+    """Print the JSON Schema of a document kind."""
+    from nereus.spec.io import KINDS
+
+    match = {name.lower(): cls for name, cls in KINDS.items()}.get(kind.lower())
+    if match is None:
+        raise NereusError(f"unknown kind {kind!r}; use one of {', '.join(KINDS)}")
+    typer.echo(json.dumps(match.model_json_schema(), indent=2))
+
+
+preset_app = typer.Typer(help="List and print the built-in clusters, models and workloads.",
+                         no_args_is_help=True)
+
+
+@preset_app.command("list")
+def preset_list(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the names as JSON.")] = False,
+) -> None:
+    """List preset names by kind."""
+    from nereus.spec import presets
+
+    names = {
+        "clusters": [*presets.GPU_KINDS],
+        "models": [*presets.MODELS],
+        "workloads": [*presets.WORKLOAD_NAMES],
+    }
+    if as_json:
+        typer.echo(json.dumps(names, indent=2))
+        return
+    for kind, values in names.items():
+        typer.echo(f"{kind}: {', '.join(values)}")
+    typer.echo("clusters take a size: NAME-NODESxGPUS (h100-sxm-8x8) or --gpus N")
+
+
+@preset_app.command("show")
+def preset_show(
+    name: Annotated[str, typer.Argument(help="A cluster, model or workload preset name.")],
+    gpus: Annotated[int | None, typer.Option("--gpus", min=1, help="Cluster size for a bare GPU name.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of YAML.")] = False,
+) -> None:
+    """Print a preset as a document you can save, edit and pass back."""
+    from nereus.spec import presets
+    from nereus.spec.io import to_json, to_yaml
+
+    if name.lower() in presets.MODELS:
+        document = presets.model_preset(name)
+    elif name in presets.WORKLOAD_NAMES:
+        document = presets.workload_preset(name)
+    else:
+        document = presets.cluster_preset(name, gpus)
+    typer.echo(to_json(document) if as_json else to_yaml(document), nl=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(help="Validate nereus files (schema + semantics); exit 0 valid, 1 invalid.")(check)
+    app.command(help="Print the JSON Schema of a document kind.")(schema)
+    app.add_typer(preset_app, name="preset", help="List and print built-in presets.")

@@ -1,0 +1,259 @@
+"""Semantic validation: what a schema cannot say (GPUs exist, tp divides heads, ...)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from nereus.errors import SpecError
+from nereus.spec.base import Document
+from nereus.spec.cluster import Cluster
+from nereus.spec.model import Model
+from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.workload import Workload, model_stage_name, model_stages
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong (or suspicious) at a field path of a document."""
+
+    path: str
+    message: str
+    severity: Severity = "error"
+
+    def format(self, source: str) -> str:
+        prefix = "" if self.severity == "error" else "warning: "
+        return f"{source}: {self.path}: {prefix}{self.message}"
+
+
+def kv_heads_rule(model: Model, tp: int) -> str | None:
+    """Why `tp` cannot shard `model`'s attention, or None if it can.
+
+    Query heads are split evenly over tp ranks. KV heads are split when tp <= KV heads
+    (tp must divide them); beyond that each rank holds a replica of one KV head, so
+    tp must be a multiple of the KV heads.
+    """
+    if model.num_heads % tp:
+        return f"tp={tp} does not divide the {model.num_heads} attention heads of {model.name}"
+    if tp <= model.num_kv_heads and model.num_kv_heads % tp:
+        return f"tp={tp} does not divide the {model.num_kv_heads} KV heads of {model.name}"
+    if tp > model.num_kv_heads and tp % model.num_kv_heads:
+        return (
+            f"tp={tp} exceeds the {model.num_kv_heads} KV heads of {model.name} and is not a "
+            "multiple of them (KV heads are replicated only in whole copies)"
+        )
+    return None
+
+
+def pp_rule(model: Model, pp: int) -> str | None:
+    """Why `pp` cannot split `model`'s layers into equal stages, or None."""
+    if model.num_layers % pp:
+        return f"pp={pp} does not divide the {model.num_layers} layers of {model.name}"
+    return None
+
+
+def model_problems(model: Model, prefix: str = "") -> Iterator[Problem]:
+    if model.num_heads % model.num_kv_heads:
+        yield Problem(
+            f"{prefix}num_kv_heads",
+            f"{model.num_kv_heads} KV heads do not divide {model.num_heads} query heads; "
+            "grouped-query attention needs a divisor",
+        )
+
+
+def cluster_problems(cluster: Cluster, prefix: str = "") -> Iterator[Problem]:
+    if cluster.inter_node.bytes_per_s > cluster.intra_node.bytes_per_s:
+        yield Problem(
+            f"{prefix}inter_node.bytes_per_s",
+            "inter-node bandwidth exceeds intra-node bandwidth; check the units (bytes/s per GPU)",
+            "warning",
+        )
+
+
+def workload_problems(workload: Workload, prefix: str = "") -> Iterator[Problem]:
+    if workload.algorithm == "ppo" and workload.critic is None:
+        yield Problem(f"{prefix}critic", "ppo needs a critic model; name one")
+    if workload.algorithm != "ppo" and workload.critic is not None:
+        yield Problem(f"{prefix}critic", f"{workload.algorithm} uses no critic; remove this key")
+    if workload.algorithm == "grpo" and workload.samples_per_prompt < 2:
+        yield Problem(
+            f"{prefix}samples_per_prompt",
+            "grpo compares responses within a group; set samples_per_prompt to 2 or more",
+        )
+    if workload.samples_per_step % workload.mini_batches:
+        yield Problem(
+            f"{prefix}mini_batches",
+            f"{workload.samples_per_step} samples per step do not split into "
+            f"{workload.mini_batches} equal mini-batches; pick a divisor",
+        )
+    elif workload.micro_batch_size > workload.samples_per_step // workload.mini_batches:
+        yield Problem(
+            f"{prefix}micro_batch_size",
+            f"micro_batch_size {workload.micro_batch_size} exceeds the "
+            f"{workload.samples_per_step // workload.mini_batches} samples of a mini-batch",
+        )
+
+
+def _pool_problems(plan: Plan) -> Iterator[Problem]:
+    owner: dict[int, str] = {}
+    names: set[str] = set()
+    for i, pool in enumerate(plan.pools):
+        if pool.name in names:
+            yield Problem(f"pools[{i}].name", f"pool name {pool.name!r} is used twice")
+        names.add(pool.name)
+        for j, gpu in enumerate(pool.gpus):
+            if not 0 <= gpu < plan.cluster.num_gpus:
+                yield Problem(
+                    f"pools[{i}].gpus[{j}]",
+                    f"GPU {gpu} does not exist; the cluster has GPUs 0..{plan.cluster.num_gpus - 1}",
+                )
+            elif gpu in owner:
+                yield Problem(f"pools[{i}].gpus[{j}]", f"GPU {gpu} is already in pool {owner[gpu]!r}")
+            else:
+                owner[gpu] = pool.name
+
+
+def _stage_problems(plan: Plan, i: int, entry: StagePlan) -> Iterator[Problem]:
+    at = f"stages[{i}]"
+    model = plan.model(plan.workload.model_name(entry.role))
+    pools = {pool.name: set(pool.gpus) for pool in plan.pools}
+    if entry.pool not in pools:
+        yield Problem(f"{at}.pool", f"no pool named {entry.pool!r}; use one of {sorted(pools)}")
+    for rule, key in ((kv_heads_rule(model, entry.tp), "tp"), (pp_rule(model, entry.pp), "pp")):
+        if rule:
+            yield Problem(f"{at}.{key}", rule)
+    if entry.tp > plan.cluster.gpus_per_node:
+        yield Problem(
+            f"{at}.tp", f"tp={entry.tp} exceeds the {plan.cluster.gpus_per_node} GPUs of a node"
+        )
+    if entry.dp != len(entry.emus):
+        yield Problem(f"{at}.dp", f"dp={entry.dp} but {len(entry.emus)} EMUs are listed; make them equal")
+    seen: dict[int, int] = {}
+    for k, emu in enumerate(entry.emus):
+        if len(emu) != entry.tp * entry.pp:
+            yield Problem(
+                f"{at}.emus[{k}]",
+                f"an EMU with tp={entry.tp}, pp={entry.pp} needs {entry.tp * entry.pp} GPUs, got {len(emu)}",
+            )
+            continue
+        for j, gpu in enumerate(emu):
+            where = f"{at}.emus[{k}][{j}]"
+            if gpu in seen:
+                yield Problem(where, f"GPU {gpu} is also used by EMU {seen[gpu]} of {entry.model_stage}")
+            seen[gpu] = k
+            if entry.pool in pools and gpu not in pools[entry.pool]:
+                yield Problem(where, f"GPU {gpu} is not in pool {entry.pool!r}")
+        yield from _tp_group_problems(plan.cluster, entry, emu, f"{at}.emus[{k}]")
+
+
+def _tp_group_problems(cluster: Cluster, entry: StagePlan, emu: list[int], at: str) -> Iterator[Problem]:
+    for stage in range(entry.pp):
+        group = emu[stage * entry.tp : (stage + 1) * entry.tp]
+        if len({cluster.node_of(gpu) for gpu in group}) > 1:
+            yield Problem(
+                at,
+                f"tp group {group} of pipeline stage {stage} spans nodes; keep each tp group in one node",
+            )
+
+
+def _stage_set_problems(plan: Plan) -> Iterator[Problem]:
+    expected = [model_stage_name(role, stage) for role, stage in model_stages(plan.workload)]
+    seen: set[str] = set()
+    for i, entry in enumerate(plan.stages):
+        if entry.model_stage in seen:
+            yield Problem(f"stages[{i}].model_stage", f"{entry.model_stage} is listed twice")
+        elif entry.model_stage not in expected:
+            yield Problem(
+                f"stages[{i}].model_stage",
+                f"workload {plan.workload.name!r} ({plan.workload.algorithm}) does not run "
+                f"{entry.model_stage}; remove this entry",
+            )
+        seen.add(entry.model_stage)
+    for name in expected:
+        if name not in seen:
+            yield Problem("stages", f"no entry for {name}; add one")
+
+
+def _batch_problems(plan: Plan, i: int, entry: StagePlan) -> Iterator[Problem]:
+    if entry.stage != "training":
+        return
+    per_replica = plan.workload.samples_per_step // plan.workload.mini_batches // entry.dp
+    if per_replica < entry.micro_batches:
+        yield Problem(
+            f"stages[{i}].micro_batches",
+            f"{entry.micro_batches} micro-batches but each replica gets only {per_replica} "
+            "samples per mini-batch; lower micro_batches or dp",
+        )
+
+
+def plan_problems(plan: Plan) -> Iterator[Problem]:
+    for i, model in enumerate(plan.models):
+        yield from model_problems(model, f"models[{i}].")
+        if [m.name for m in plan.models].index(model.name) != i:
+            yield Problem(f"models[{i}].name", f"model {model.name!r} is listed twice")
+    yield from cluster_problems(plan.cluster, "cluster.")
+    yield from workload_problems(plan.workload, "workload.")
+    names = {model.name for model in plan.models}
+    missing = [(role, name) for role, name in plan.workload.role_models().items()
+               if name is not None and name not in names]
+    for role, name in missing:
+        yield Problem(f"workload.{role}", f"model {name!r} is not among the plan's models; add it")
+    yield from _pool_problems(plan)
+    yield from _stage_set_problems(plan)
+    if missing:
+        return  # stage checks need every model
+    for i, entry in enumerate(plan.stages):
+        if entry.role in plan.workload.roles():
+            yield from _stage_problems(plan, i, entry)
+            yield from _batch_problems(plan, i, entry)
+
+
+#: Semantic checks per document class; later layers register their own kinds.
+SEMANTIC_CHECKS: dict[type[Document], Callable[[Document], Iterator[Problem]]] = {
+    Model: model_problems,  # type: ignore[dict-item]
+    Cluster: cluster_problems,  # type: ignore[dict-item]
+    Workload: workload_problems,  # type: ignore[dict-item]
+    Plan: plan_problems,  # type: ignore[dict-item]
+}
+
+
+def semantic_problems(document: Document) -> list[Problem]:
+    """Every semantic problem of a schema-valid document, errors and warnings."""
+    check = SEMANTIC_CHECKS.get(type(document))
+    return list(check(document)) if check else []
+
+
+@dataclass
+class CheckResult:
+    """The outcome of checking one file."""
+
+    file: str
+    kind: str | None
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def check_file(path: str | Path) -> CheckResult:
+    """Schema and semantic validation of one file; never raises for bad input."""
+    from nereus.spec.io import load_document
+
+    source = str(path)
+    try:
+        document = load_document(path, check=False)
+    except SpecError as exc:
+        return CheckResult(source, None, errors=exc.problems)
+    problems = semantic_problems(document)
+    return CheckResult(
+        source,
+        document.kind,  # type: ignore[attr-defined]
+        errors=[p.format(source) for p in problems if p.severity == "error"],
+        warnings=[p.format(source) for p in problems if p.severity == "warning"],
+    )

@@ -1,0 +1,119 @@
+"""Plan: every model-stage's layout, its EMUs' GPUs, and what it was made for."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from nereus.spec.base import Document, StrictModel
+from nereus.spec.cluster import Cluster
+from nereus.spec.model import Model
+from nereus.spec.workload import Role, Stage, Workload
+
+ModelStageName = Literal[
+    "actor/generation",
+    "actor/inference",
+    "reference/inference",
+    "reward/inference",
+    "critic/inference",
+    "actor/training",
+    "critic/training",
+]
+
+
+class Pool(StrictModel):
+    """A set of GPUs whose model-stages share memory and run one after another."""
+
+    name: str = Field(min_length=1)
+    """Name the model-stages refer to, e.g. `pool0`."""
+    gpus: list[int] = Field(min_length=1)
+    """GPU ids in this pool; pools are disjoint."""
+
+
+class StagePlan(StrictModel):
+    """The layout and EMUs of one model-stage."""
+
+    model_stage: ModelStageName
+    """Which model in which stage, e.g. `actor/generation`."""
+    pool: str = Field(min_length=1)
+    """Name of the pool whose GPUs this model-stage's EMUs use."""
+    tp: int = Field(gt=0)
+    """Tensor-parallel degree of one replica (GPUs inside one node)."""
+    pp: int = Field(gt=0)
+    """Pipeline-parallel degree of one replica (divides the layers)."""
+    dp: int = Field(gt=0)
+    """Number of replicas (EMUs); equals the length of `emus`."""
+    emus: list[list[int]] = Field(min_length=1)
+    """Each EMU's ordered GPU ids: GPU of (pp stage s, tp rank r) is entry s * tp + r."""
+    micro_batches: int = Field(default=1, gt=0)
+    """Micro-batches per replica per optimizer step (pipeline depth of work)."""
+
+    @property
+    def role(self) -> Role:
+        return self.model_stage.split("/")[0]  # type: ignore[return-value]
+
+    @property
+    def stage(self) -> Stage:
+        return self.model_stage.split("/")[1]  # type: ignore[return-value]
+
+    @property
+    def gpus(self) -> list[int]:
+        """All GPUs of this model-stage, EMU by EMU."""
+        return [gpu for emu in self.emus for gpu in emu]
+
+
+class StagePrediction(StrictModel):
+    """What the cost model predicts for one model-stage."""
+
+    time_s: float = Field(ge=0)
+    """Predicted wall time of this model-stage per RL step."""
+    peak_memory_bytes: int = Field(ge=0)
+    """Predicted peak memory on the busiest GPU, with co-resident model-stages."""
+    time_breakdown_s: dict[str, float] = {}
+    """Seconds per latency term (compute, bubbles, collectives, ...)."""
+    memory_breakdown_bytes: dict[str, int] = {}
+    """Bytes per memory term (parameters, optimizer, activations, KV cache, ...)."""
+
+
+class Predictions(StrictModel):
+    """The cost model's predictions for a plan, as computed when it was written."""
+
+    step_time_s: float = Field(ge=0)
+    """Predicted wall time of one RL step (critical path of the workflow)."""
+    model_stages: dict[str, StagePrediction] = {}
+    """Per model-stage predictions keyed by `role/stage`."""
+    step_breakdown_s: dict[str, float] = {}
+    """Seconds of the step's critical path per phase."""
+
+
+class Plan(Document):
+    """A complete, self-contained execution plan for one RL job."""
+
+    kind: Literal["Plan"] = "Plan"
+    cluster: Cluster
+    """The cluster the plan was made for."""
+    models: list[Model] = Field(min_length=1)
+    """Every model the workload names (unique names)."""
+    workload: Workload
+    """The RL workload the plan was made for."""
+    pools: list[Pool] = Field(min_length=1)
+    """Disjoint GPU pools; model-stages in one pool share its GPUs."""
+    stages: list[StagePlan] = Field(min_length=1)
+    """One entry per model-stage the workload runs."""
+    predictions: Predictions | None = None
+    """Filled by `nereus plan`; checked for staleness by `nereus check`."""
+
+    def model(self, name: str) -> Model:
+        """The embedded model called `name`."""
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise KeyError(name)
+
+    def stage_plan(self, model_stage: str) -> StagePlan:
+        """The entry for `model_stage`, e.g. `critic/training`."""
+        for entry in self.stages:
+            if entry.model_stage == model_stage:
+                return entry
+        raise KeyError(model_stage)

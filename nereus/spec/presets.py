@@ -1,0 +1,196 @@
+"""Named clusters, models and workloads, with where each number comes from.
+
+Clusters: GPU figures from the vendors' datasheets (dense bf16, no sparsity).
+Bandwidths are per GPU and per direction: NVLink 3 = 600 GB/s bidirectional
+-> 300 GB/s; NVLink 4 = 900 GB/s -> 450 GB/s; one 200 Gb/s HDR NIC per A100 =
+25 GB/s; one 400 Gb/s NDR NIC per H100/H200 = 50 GB/s. MI250X figures are per GCD
+(the card is two GCDs): 383 TFLOP/s bf16 and 3.2 TB/s HBM2e per card, halved;
+Frontier-style nodes have 8 GCDs and 4 x 25 GB/s Slingshot NICs (12.5 GB/s per GCD);
+GCD-to-GCD Infinity Fabric is 50-200 GB/s depending on the pair: we use 100 GB/s.
+
+Models: hyperparameters from each model's published Hugging Face `config.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from nereus.errors import NereusError
+from nereus.spec.cluster import Cluster, GpuKind, Link
+from nereus.spec.model import Model
+from nereus.spec.workload import Optimizer, ResponseLengths, Workload
+
+GIB = 2**30
+
+GPU_KINDS: dict[str, tuple[GpuKind, Link, Link, int]] = {
+    # name: (gpu, intra-node link, inter-node link, gpus per node)
+    "a100-80gb": (
+        GpuKind(name="A100-SXM-80GB", memory_bytes=80 * GIB, bf16_flops=312e12, hbm_bytes_per_s=2.039e12),
+        Link(bytes_per_s=300e9, latency_s=3e-6),
+        Link(bytes_per_s=25e9, latency_s=10e-6),
+        8,
+    ),
+    "h100-sxm": (
+        GpuKind(name="H100-SXM-80GB", memory_bytes=80 * GIB, bf16_flops=989e12, hbm_bytes_per_s=3.35e12),
+        Link(bytes_per_s=450e9, latency_s=3e-6),
+        Link(bytes_per_s=50e9, latency_s=10e-6),
+        8,
+    ),
+    "h200": (
+        GpuKind(name="H200-SXM-141GB", memory_bytes=141 * 10**9, bf16_flops=989e12, hbm_bytes_per_s=4.8e12),
+        Link(bytes_per_s=450e9, latency_s=3e-6),
+        Link(bytes_per_s=50e9, latency_s=10e-6),
+        8,
+    ),
+    "mi250x": (
+        GpuKind(name="MI250X-GCD-64GB", memory_bytes=64 * GIB, bf16_flops=191.5e12, hbm_bytes_per_s=1.6384e12),
+        Link(bytes_per_s=100e9, latency_s=5e-6),
+        Link(bytes_per_s=12.5e9, latency_s=15e-6),
+        8,
+    ),
+}
+
+GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h200-sxm": "h200", "mi250": "mi250x"}
+
+
+def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int,
+           head_dim: int = 0, tied: bool = False, **extra: bool) -> Model:
+    return Model(name=name, num_layers=layers, hidden_dim=hidden, num_heads=heads,
+                 num_kv_heads=kv, head_dim=head_dim or hidden // heads, ffn_dim=ffn,
+                 vocab_size=vocab, tied_embeddings=tied, **extra)
+
+
+MODELS: dict[str, Model] = {
+    m.name: m
+    for m in (
+        _llama("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256),
+        _llama("llama-3.3-70b", 80, 8192, 64, 8, 28672, 128256),
+        _llama("qwen3-14b", 40, 5120, 40, 8, 17408, 151936, head_dim=128, qk_norm=True),
+        _llama("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, head_dim=128, qk_norm=True),
+        _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000),
+        _llama("llama-13b", 40, 5120, 40, 40, 13824, 32000),
+        _llama("llama-33b", 60, 6656, 52, 52, 17920, 32000),
+        _llama("llama-65b", 80, 8192, 64, 64, 22016, 32000),
+        # Tiny models for tests and CPU runs.
+        _llama("tiny", 4, 64, 4, 2, 172, 64, tied=True),
+        _llama("tiny-wide", 8, 128, 8, 4, 344, 64, tied=True),
+    )
+}
+
+
+def _workload(name: str, algorithm: str, models: dict[str, str | None], **fields: Any) -> Workload:
+    return Workload(name=name, algorithm=algorithm, **models, **fields)  # type: ignore[arg-type]
+
+
+def _paper_workloads(actor: str) -> dict[str, Workload]:
+    """PPO/GRPO/ReMax with settings like the papers': 512 samples, 1k prompts, long tail."""
+    lengths = ResponseLengths(median=500, p99=2500, max=8192)
+    shared: dict[str, Any] = dict(prompt_len=1024, response_len=lengths, ppo_epochs=1,
+                                  mini_batches=4, micro_batch_size=2, dtype="bf16",
+                                  optimizer=Optimizer())
+    return {
+        "ppo": _workload("ppo", "ppo", dict(actor=actor, critic=actor, reference=actor,
+                                            reward=actor), prompts_per_step=512, **shared),
+        "grpo": _workload("grpo", "grpo", dict(actor=actor, reference=actor, reward=actor),
+                          prompts_per_step=64, samples_per_prompt=8, **shared),
+        "remax": _workload("remax", "remax", dict(actor=actor, reference=actor, reward=actor),
+                           prompts_per_step=512, **shared),
+    }
+
+
+WORKLOAD_NAMES = ("ppo", "grpo", "remax", "tiny-ppo")
+
+
+def workload_preset(name: str, actor: str = "llama-3.1-8b") -> Workload:
+    """A workload preset with `actor` (and the same architecture for the other roles)."""
+    if name == "tiny-ppo":
+        return _workload("tiny-ppo", "ppo", dict(actor="tiny", critic="tiny", reference="tiny",
+                                                 reward="tiny"),
+                         prompts_per_step=16, prompt_len=16,
+                         response_len=ResponseLengths(median=8, p99=40, max=48),
+                         mini_batches=2, micro_batch_size=2, dtype="fp32")
+    workloads = _paper_workloads(actor)
+    if name not in workloads:
+        raise NereusError(f"unknown workload preset {name!r}; use one of {', '.join(WORKLOAD_NAMES)} or a YAML file")
+    return workloads[name]
+
+
+_CLUSTER_NAME = re.compile(r"^(?P<gpu>[a-z0-9-]+?)(?:-(?P<nodes>\d+)x(?P<per_node>\d+))?$")
+
+
+def cluster_preset(name: str, num_gpus: int | None = None) -> Cluster:
+    """`h100`, `h100-sxm-8x8` (nodes x GPUs per node); `num_gpus` sizes a bare GPU name."""
+    match = _CLUSTER_NAME.match(name.lower())
+    gpu_name = GPU_ALIASES.get(match["gpu"], match["gpu"]) if match else name
+    if not match or gpu_name not in GPU_KINDS:
+        known = ", ".join([*GPU_KINDS, *GPU_ALIASES])
+        raise NereusError(f"unknown cluster preset {name!r}; use one of {known} (optionally -NODESxGPUS) or a YAML file")
+    gpu, intra, inter, per_node = GPU_KINDS[gpu_name]
+    if match["nodes"]:
+        num_nodes, per_node = int(match["nodes"]), int(match["per_node"])
+    else:
+        num_gpus = num_gpus or per_node
+        num_nodes = -(-num_gpus // per_node)
+    if num_nodes < 1 or per_node < 1:
+        raise NereusError(f"cluster preset {name!r}: nodes and GPUs per node must be positive")
+    return Cluster(name=f"{gpu_name}-{num_nodes}x{per_node}", num_nodes=num_nodes,
+                   gpus_per_node=per_node, gpu=gpu, intra_node=intra, inter_node=inter)
+
+
+def model_preset(name: str) -> Model:
+    """A model by preset name, or from a Hugging Face `config.json` (file or folder)."""
+    if name.lower() in MODELS:
+        return MODELS[name.lower()]
+    path = Path(name)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.name == "config.json" and path.is_file():
+        return model_from_hf_config(path)
+    raise NereusError(f"unknown model preset {name!r}; use one of {', '.join(MODELS)}, a Model YAML or a Hugging Face config.json")
+
+
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def model_from_hf_config(path: Path, name: str | None = None) -> Model:
+    """Read Llama/Qwen2/Qwen3 field names from a Hugging Face `config.json`."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise NereusError(f"{path}: not a readable JSON config: {exc}") from None
+    if not isinstance(config, dict):
+        raise NereusError(f"{path}: expected a JSON object")
+    model_type = config.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise NereusError(f"{path}: model_type: {model_type!r} is not a Llama-style decoder; supported: {', '.join(HF_MODEL_TYPES)}")
+    required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+    for key in required:
+        if not isinstance(config.get(key), int):
+            raise NereusError(f"{path}: {key}: missing or not an integer")
+    heads = config["num_attention_heads"]
+    try:
+        return _model_from_fields(config, model_type, heads, name or config.get("_name_or_path") or path.parent.name)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        raise NereusError(f"{path}: {first['loc'][0]}: {first['msg']}") from None
+
+
+def _model_from_fields(config: dict[str, Any], model_type: str, heads: int, name: str) -> Model:
+    return Model(
+        name=name or "hf-model",
+        num_layers=config["num_hidden_layers"],
+        hidden_dim=config["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        ffn_dim=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+    )

@@ -1,0 +1,147 @@
+"""Workload: the RL algorithm, its models and the shape of one step's data."""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from nereus.spec.base import Document, StrictModel
+
+Algorithm = Literal["ppo", "grpo", "remax"]
+Role = Literal["actor", "critic", "reference", "reward"]
+Stage = Literal["generation", "inference", "training"]
+DType = Literal["bf16", "fp16", "fp32"]
+
+ROLES: tuple[Role, ...] = ("actor", "critic", "reference", "reward")
+STAGES: tuple[Stage, ...] = ("generation", "inference", "training")
+DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+_P99_Z = NormalDist().inv_cdf(0.99)
+
+
+class ResponseLengths(StrictModel):
+    """Log-normal response lengths in tokens, truncated at `max`.
+
+    The tail is given by the 99th percentile; p99 well above the median is the long
+    tail that makes a few samples keep generation running.
+    """
+
+    median: int = Field(gt=0)
+    """Median response length in tokens."""
+    p99: int = Field(gt=0)
+    """99th-percentile response length in tokens (>= median)."""
+    max: int = Field(gt=0)
+    """Hard cap on generated tokens (the sampling `max_tokens`); sizes the KV cache."""
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ResponseLengths:
+        if not self.median <= self.p99 <= self.max:
+            raise ValueError(
+                f"need median <= p99 <= max, got {self.median} / {self.p99} / {self.max}"
+            )
+        return self
+
+    @property
+    def sigma(self) -> float:
+        """Log-space standard deviation of the log-normal."""
+        return math.log(self.p99 / self.median) / _P99_Z
+
+    def quantile(self, q: float) -> float:
+        """Response length at quantile `q` in (0, 1), capped at `max`."""
+        assert 0.0 < q < 1.0, q
+        z = NormalDist().inv_cdf(q)
+        return min(float(self.max), self.median * math.exp(self.sigma * z))
+
+    def mean(self) -> float:
+        """Mean length (of the uncapped log-normal, then capped at `max`)."""
+        return min(float(self.max), self.median * math.exp(self.sigma**2 / 2))
+
+    def expected_longest(self, num_samples: int) -> float:
+        """Typical longest response among `num_samples` draws: the long tail of a batch."""
+        assert num_samples > 0, num_samples
+        return self.quantile(num_samples / (num_samples + 1.0)) if num_samples > 1 else self.mean()
+
+
+class Optimizer(StrictModel):
+    """Optimizer settings that decide memory per parameter."""
+
+    name: Literal["adamw"] = "adamw"
+    """Optimizer; AdamW keeps two fp32 moments per parameter."""
+    master_weights: bool = True
+    """Keep an fp32 copy of bf16/fp16 parameters (mixed precision)."""
+    shard_across_dp: bool = False
+    """Shard optimizer state and master weights across dp replicas (ZeRO-1)."""
+
+
+class Workload(Document):
+    """One RL post-training job's algorithm and per-step data shape."""
+
+    kind: Literal["Workload"] = "Workload"
+    name: str = Field(min_length=1)
+    """Name used in reports, e.g. `ppo`."""
+    algorithm: Algorithm
+    """RL algorithm: ppo (with critic), grpo or remax (no critic)."""
+    actor: str = Field(min_length=1)
+    """Model name of the policy being trained."""
+    critic: str | None = None
+    """Model name of the value model; required by ppo, absent for grpo and remax."""
+    reference: str | None = None
+    """Model name of the frozen reference policy for the KL term; null for no KL."""
+    reward: str | None = None
+    """Model name of the reward model; null for a rule-based reward."""
+    prompts_per_step: int = Field(gt=0)
+    """Prompts drawn per RL step."""
+    samples_per_prompt: int = Field(default=1, gt=0)
+    """Responses sampled per prompt (the group size of grpo)."""
+    prompt_len: int = Field(gt=0)
+    """Prompt length in tokens."""
+    response_len: ResponseLengths
+    """Distribution of generated response lengths."""
+    ppo_epochs: int = Field(default=1, gt=0)
+    """Passes over each step's samples during training."""
+    mini_batches: int = Field(default=1, gt=0)
+    """Optimizer updates per epoch; each uses 1/mini_batches of the samples."""
+    micro_batch_size: int = Field(default=1, gt=0)
+    """Sequences per forward/backward micro-batch."""
+    dtype: DType = "bf16"
+    """Parameter and activation dtype."""
+    optimizer: Optimizer = Optimizer()
+    """Optimizer and its state layout."""
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.prompts_per_step * self.samples_per_prompt
+
+    def role_models(self) -> dict[Role, str | None]:
+        """Model name per role; None where the role is unused."""
+        return {"actor": self.actor, "critic": self.critic,
+                "reference": self.reference, "reward": self.reward}
+
+    def roles(self) -> tuple[Role, ...]:
+        """The roles this workload uses, in canonical order."""
+        used = self.role_models()
+        return tuple(role for role in ROLES if used[role] is not None)
+
+    def model_name(self, role: Role) -> str:
+        """The model name that plays `role`."""
+        name = self.role_models()[role]
+        if name is None:
+            raise KeyError(f"workload {self.name!r} has no {role} model")
+        return name
+
+
+def model_stages(workload: Workload) -> tuple[tuple[Role, Stage], ...]:
+    """Every (role, stage) the workload runs each step, in workflow order."""
+    roles = workload.roles()
+    stages: list[tuple[Role, Stage]] = [("actor", "generation"), ("actor", "inference")]
+    stages += [(role, "inference") for role in ("reference", "reward", "critic") if role in roles]
+    stages += [(role, "training") for role in ("actor", "critic") if role in roles]
+    return tuple(stages)
+
+
+def model_stage_name(role: str, stage: str) -> str:
+    """The canonical `role/stage` name, e.g. `actor/generation`."""
+    return f"{role}/{stage}"
