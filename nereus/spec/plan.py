@@ -47,7 +47,7 @@ class StagePlan(StrictModel):
     emus: list[list[int]] = Field(min_length=1)
     """Each EMU's ordered GPU ids: GPU of (pp stage s, tp rank r) is entry s * tp + r."""
     micro_batches: int = Field(default=1, gt=0)
-    """Micro-batches per replica per optimizer step (pipeline depth of work)."""
+    """Micro-batches per replica: per mini-batch in training, per step in inference; 1 in generation."""
 
     @property
     def role(self) -> Role:

@@ -105,7 +105,7 @@ class Workload(Document):
     mini_batches: int = Field(default=1, gt=0)
     """Optimizer updates per epoch; each uses 1/mini_batches of the samples."""
     micro_batch_size: int = Field(default=1, gt=0)
-    """Sequences per forward/backward micro-batch."""
+    """Sequences per micro-batch of inference forwards; the planner picks training micro-batches."""
     dtype: DType = "bf16"
     """Parameter and activation dtype."""
     optimizer: Optimizer = Optimizer()

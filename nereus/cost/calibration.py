@@ -1,0 +1,39 @@
+"""Calibration: the cost model's efficiency knobs, one per operation class."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from nereus.spec.base import Document
+
+
+class Calibration(Document):
+    """Achieved fraction of peak per operation class, plus fixed overheads.
+
+    The defaults are typical of Megatron/vLLM on NVIDIA GPUs (GEMMs reach 50-70% of
+    dense peak, decode streams weights at 60-80% of HBM bandwidth, NCCL rings reach
+    70-80% of link bandwidth). `nereus fit` replaces them with measured values.
+    """
+
+    kind: Literal["Calibration"] = "Calibration"
+    gemm: float = Field(default=0.6, gt=0, le=1)
+    """Fraction of dense bf16 peak reached by the dense layers (GEMMs)."""
+    attention: float = Field(default=0.4, gt=0, le=1)
+    """Fraction of dense bf16 peak reached by attention score/value products."""
+    decode_memory: float = Field(default=0.7, gt=0, le=1)
+    """Fraction of HBM bandwidth reached by memory-bound work (decode, optimizer)."""
+    collective_intra: float = Field(default=0.75, gt=0, le=1)
+    """Fraction of intra-node link bandwidth reached by collectives and p2p."""
+    collective_inter: float = Field(default=0.7, gt=0, le=1)
+    """Fraction of inter-node link bandwidth reached by collectives and p2p."""
+    launch_overhead_s: float = Field(default=1e-5, ge=0)
+    """Fixed cost per layer per forward or backward pass (kernel launches)."""
+    workspace_fraction: float = Field(default=0.03, ge=0, lt=1)
+    """Device memory reserved per GPU for runtime, communicators and allocator slack."""
+    memory_headroom: float = Field(default=0.1, ge=0, lt=1)
+    """A layout is feasible when it uses at most (1 - headroom) of device memory."""
+
+
+DEFAULT_CALIBRATION = Calibration()

@@ -1,0 +1,138 @@
+"""Predictions for a whole plan: per model-stage time and memory, and the step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
+from nereus.cost.stage import StageCostModel
+from nereus.spec.cluster import Cluster
+from nereus.spec.model import Head
+from nereus.spec.plan import Plan, Predictions, StagePlan, StagePrediction
+from nereus.spec.workload import STAGES, Role, Stage, Workload
+
+GIB = 2**30
+RESIDENT_TERMS = ("parameters", "gradients", "optimizer")
+ACTOR_SYNC_TARGETS = ("actor/generation", "actor/inference")
+
+
+def head_of(role: Role) -> Head:
+    """Critic and reward models end in a scalar value head; the others in an LM head."""
+    return "value" if role in ("critic", "reward") else "lm"
+
+
+def stage_cost_model(plan_like: Plan, role: Role, stage: Stage, calibration: Calibration) -> StageCostModel:
+    model = plan_like.model(plan_like.workload.model_name(role))
+    return StageCostModel(model, head_of(role), stage, plan_like.workload, plan_like.cluster, calibration)
+
+
+def usable_memory(cluster: Cluster, calibration: Calibration) -> float:
+    """Bytes per GPU the model-stages may use: capacity less headroom and workspace."""
+    capacity = cluster.gpu.memory_bytes
+    return capacity * (1 - calibration.memory_headroom) - capacity * calibration.workspace_fraction
+
+
+def weight_sync_time(cluster: Cluster, workload: Workload, actor_params: int, calibration: Calibration,
+                     *, same_layout: bool, tp: int, pp: int, inter: bool) -> float:
+    """Moving updated actor weights into a generation/inference layout: 0 if identical."""
+    if same_layout:
+        return 0.0
+    link = cluster.inter_node if inter else cluster.intra_node
+    efficiency = calibration.collective_inter if inter else calibration.collective_intra
+    shard_bytes = actor_params * (2 if workload.dtype != "fp32" else 4) / (tp * pp)
+    return link.latency_s + shard_bytes / (link.bytes_per_s * efficiency)
+
+
+@dataclass
+class PlanEvaluation:
+    """The cost model's verdict on a plan."""
+
+    predictions: Predictions
+    memory_problems: list[str] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> bool:
+        return not self.memory_problems
+
+
+def _spans_nodes(cluster: Cluster, gpus: list[int]) -> bool:
+    return len({cluster.node_of(gpu) for gpu in gpus}) > 1
+
+
+def _stage_terms(plan: Plan, entry: StagePlan, calibration: Calibration) -> tuple[dict[str, float], dict[str, float]]:
+    model = stage_cost_model(plan, entry.role, entry.stage, calibration)
+    pp_inter = any(_spans_nodes(plan.cluster, emu) for emu in entry.emus)
+    dp_inter = _spans_nodes(plan.cluster, entry.gpus)
+    times = model.time_terms(entry.tp, entry.pp, entry.dp, entry.micro_batches, pp_inter, dp_inter)
+    memory = model.memory_terms(entry.tp, entry.pp, entry.dp, entry.micro_batches)
+    return {k: float(v) for k, v in times.items()}, {k: float(v) for k, v in memory.items()}
+
+
+def _weight_sync(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
+    train = plan.stage_plan("actor/training")
+    same = (entry.tp, entry.pp, entry.emus) == (train.tp, train.pp, train.emus)
+    train_nodes = {plan.cluster.node_of(g) for g in train.gpus}
+    inter = any(plan.cluster.node_of(g) not in train_nodes for g in entry.gpus)
+    actor = plan.model(plan.workload.actor)
+    return weight_sync_time(plan.cluster, plan.workload, actor.num_params("lm"), calibration,
+                            same_layout=same, tp=entry.tp, pp=entry.pp, inter=inter)
+
+
+def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) -> PlanEvaluation:
+    """Predict every model-stage's time and peak memory, and the step's critical path.
+
+    Assumes `plan` passed the semantic checks. Model states of every model-stage on a
+    GPU stay resident; a running model-stage adds its transient memory on top.
+    """
+    terms = {entry.model_stage: _stage_terms(plan, entry, calibration) for entry in plan.stages}
+    resident_on: dict[int, float] = {}
+    transient_of: dict[str, float] = {}
+    for entry in plan.stages:
+        _, memory = terms[entry.model_stage]
+        resident = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
+        transient_of[entry.model_stage] = sum(v for k, v in memory.items() if k not in RESIDENT_TERMS)
+        for gpu in entry.gpus:
+            resident_on[gpu] = resident_on.get(gpu, 0.0) + resident
+    workspace = plan.cluster.gpu.memory_bytes * calibration.workspace_fraction
+    limit = plan.cluster.gpu.memory_bytes * (1 - calibration.memory_headroom)
+    stage_predictions: dict[str, StagePrediction] = {}
+    problems: list[str] = []
+    for entry in plan.stages:
+        times, memory = terms[entry.model_stage]
+        own_resident = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
+        busiest = max(entry.gpus, key=lambda g: resident_on[g])
+        breakdown = dict(memory, co_resident=resident_on[busiest] - own_resident, workspace=workspace)
+        peak = sum(breakdown.values())
+        if entry.model_stage in ACTOR_SYNC_TARGETS:
+            times["weight_sync"] = _weight_sync(plan, entry, calibration)
+        stage_predictions[entry.model_stage] = StagePrediction(
+            time_s=sum(v for k, v in times.items() if k != "weight_sync"),
+            peak_memory_bytes=int(peak),
+            time_breakdown_s=times,
+            memory_breakdown_bytes={k: int(v) for k, v in breakdown.items()},
+        )
+        if peak > limit:
+            term, size = max(memory.items(), key=lambda kv: kv[1])
+            problems.append(
+                f"{entry.model_stage} (tp={entry.tp}, pp={entry.pp}) needs {peak / GIB:.1f} GiB on GPU {busiest} "
+                f"> {limit / GIB:.1f} GiB usable; largest term: {term} {size / GIB:.1f} GiB"
+            )
+    step = _step_breakdown(plan, stage_predictions)
+    predictions = Predictions(step_time_s=sum(step.values()), model_stages=stage_predictions, step_breakdown_s=step)
+    return PlanEvaluation(predictions, problems)
+
+
+def _step_breakdown(plan: Plan, stages: dict[str, StagePrediction]) -> dict[str, float]:
+    """Phases run one after another; in a phase, pools overlap and a pool runs serially."""
+    phases: dict[str, float] = {}
+    for stage in STAGES:
+        per_pool: dict[str, float] = {}
+        for entry in plan.stages:
+            if entry.stage == stage:
+                per_pool[entry.pool] = per_pool.get(entry.pool, 0.0) + stages[entry.model_stage].time_s
+        phases[stage] = max(per_pool.values(), default=0.0)
+    phases["weight_sync"] = max(
+        (stages[name].time_breakdown_s.get("weight_sync", 0.0) for name in ACTOR_SYNC_TARGETS if name in stages),
+        default=0.0,
+    )
+    return phases

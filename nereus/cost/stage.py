@@ -1,0 +1,261 @@
+"""Latency and peak memory of one model-stage under one layout.
+
+Every function takes tp, pp, dp and micro-batch counts as numbers or as numpy
+arrays of equal shape, so the planner prices thousands of layouts in one call.
+The formulas, per GPU of the busiest pipeline stage:
+
+* model states (ZeRO, Rajbhandari et al.): parameters and gradients in the
+  training dtype; AdamW keeps fp32 master weights and two fp32 moments (12 bytes per
+  parameter; 8 without master weights), divided by dp when sharded across dp.
+* activations (Korthikanti et al., sequence parallel with flash attention):
+  34 * s * b * h / tp bytes per layer for 16-bit activations; the first 1F1B stage
+  holds min(pp, micro-batches) micro-batches; fp32 logits 4 * s * b * V / tp.
+* KV cache: 2 * kv_heads_per_rank * head_dim * bytes per token and layer, for every
+  sample of a replica at prompt + maximum response length.
+* decode: per token step, max(FLOPs / compute, bytes read / HBM bandwidth): memory
+  bound until the batch passes the ridge point; the step count follows the longest
+  response of the batch, and the active batch shrinks as responses finish.
+* pipelines run 1F1B: (micro-batches + pp - 1) slots; the pp - 1 extra slots are bubbles.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+from typing import Any
+
+import numpy as np
+
+from nereus.cost.calibration import Calibration
+from nereus.spec.cluster import Cluster
+from nereus.spec.model import Head, Model
+from nereus.spec.workload import DTYPE_BYTES, Stage, Workload
+
+Array = Any  # a float, an int or a numpy array: the functions broadcast
+
+#: Decode is integrated over this many slices of the longest response.
+DECODE_SLICES = 16
+#: Bytes per parameter of AdamW state: fp32 master copy + two fp32 moments.
+ADAM_BYTES_MIXED = 12
+ADAM_BYTES_FP32 = 8
+KORTHIKANTI_BYTES_PER_SBH = 34
+
+
+@dataclass(frozen=True)
+class StageCostModel:
+    """Prices one model-stage (a model with its head, in one stage) on one cluster."""
+
+    model: Model
+    head: Head
+    stage: Stage
+    workload: Workload
+    cluster: Cluster
+    calibration: Calibration
+
+    # ---- sizes --------------------------------------------------------------------
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.workload.dtype]
+
+    def layer_params_per_rank(self, tp: Array) -> Array:
+        """Parameters of one block on one tp rank (KV heads replicate beyond their count)."""
+        m = self.model
+        q_dim = m.num_heads * m.head_dim
+        kv_heads_rank = np.maximum(m.num_kv_heads / tp, 1.0)
+        attention = 2 * m.hidden_dim * q_dim / tp + 2 * m.hidden_dim * m.head_dim * kv_heads_rank
+        mlp = 3 * m.hidden_dim * m.ffn_dim / tp
+        return attention + mlp + 2 * m.hidden_dim
+
+    def params_per_gpu(self, tp: Array, pp: Array) -> Array:
+        """Parameters on the busiest GPU: its layers plus the embedding or the head."""
+        m = self.model
+        layers = self.layer_params_per_rank(tp) * (m.num_layers / pp)
+        embedding = m.vocab_size * m.hidden_dim / tp
+        if self.head == "value":
+            head = 2.0 * m.hidden_dim + 1
+        elif m.tied_embeddings:
+            head = np.where(pp > 1, embedding, 0.0)  # the last stage needs its own copy
+        else:
+            head = embedding
+        first = layers + embedding + np.where(pp == 1, head, 0.0)
+        last = layers + head
+        return np.maximum(first, last)
+
+    def kv_bytes_per_token(self, tp: Array, pp: Array) -> Array:
+        """KV-cache bytes per token on one GPU (its layers, its KV heads)."""
+        m = self.model
+        kv_heads_rank = np.maximum(m.num_kv_heads / tp, 1.0)
+        return 2 * kv_heads_rank * m.head_dim * (m.num_layers / pp) * self.dtype_bytes
+
+    def dense_flops_per_token(self) -> float:
+        """Forward FLOPs per token of the GEMMs (2 per multiply-add), head included."""
+        m = self.model
+        head = m.vocab_size * m.hidden_dim if self.head == "lm" else m.hidden_dim
+        return 2.0 * (m.num_layers * (m.layer_params() - 2 * m.hidden_dim) + head)
+
+    def attention_flops(self, query_tokens: Array, context: Array) -> Array:
+        """Forward FLOPs of QK^T and AV for `query_tokens` attending to `context` keys."""
+        m = self.model
+        return 4.0 * query_tokens * context * m.num_heads * m.head_dim * m.num_layers
+
+    def samples_per_replica(self, dp: Array) -> Array:
+        return np.ceil(self.workload.samples_per_step / dp)
+
+    # ---- primitive times --------------------------------------------------------------
+    def _flop_rate(self) -> float:
+        return self.cluster.gpu.bf16_flops * (1.0 if self.dtype_bytes == 2 else 0.5)
+
+    def compute_time(self, dense_flops: Array, attention_flops: Array, gpus: Array) -> Array:
+        rate = self._flop_rate() * gpus
+        c = self.calibration
+        return dense_flops / (rate * c.gemm) + attention_flops / (rate * c.attention)
+
+    def link(self, inter: Array) -> tuple[Array, Array]:
+        """(bytes/s, latency) of the intra- or inter-node link, calibrated."""
+        c, intra_link, inter_link = self.calibration, self.cluster.intra_node, self.cluster.inter_node
+        bandwidth = np.where(inter, inter_link.bytes_per_s * c.collective_inter,
+                             intra_link.bytes_per_s * c.collective_intra)
+        latency = np.where(inter, inter_link.latency_s, intra_link.latency_s)
+        return bandwidth, latency
+
+    def allreduce_time(self, nbytes: Array, ranks: Array, inter: Array) -> Array:
+        """Ring all-reduce: 2 (n - 1) / n of the bytes over the link, 2 (n - 1) hops."""
+        bandwidth, latency = self.link(inter)
+        steps = 2.0 * (ranks - 1)
+        return np.where(ranks > 1, steps * latency + steps / ranks * nbytes / bandwidth, 0.0)
+
+    def p2p_time(self, nbytes: Array, inter: Array) -> Array:
+        bandwidth, latency = self.link(inter)
+        return latency + nbytes / bandwidth
+
+    # ---- memory ----------------------------------------------------------------------
+    def micro_batch_size(self, dp: Array, micro_batches: Array) -> Array:
+        """Sequences per micro-batch: training splits a replica's mini-batch share."""
+        if self.stage == "training":
+            per_replica = np.ceil(self.workload.samples_per_step / self.workload.mini_batches / dp)
+            return np.ceil(per_replica / micro_batches)
+        return np.ceil(self.samples_per_replica(dp) / micro_batches)
+
+    def memory_terms(self, tp: Array, pp: Array, dp: Array, micro_batches: Array) -> dict[str, Array]:
+        """Peak bytes per GPU by term. Model states are resident; the rest is transient."""
+        w, m = self.workload, self.model
+        params = self.params_per_gpu(tp, pp)
+        terms: dict[str, Array] = {"parameters": params * self.dtype_bytes}
+        max_len = w.prompt_len + w.response_len.max
+        if self.stage == "training":
+            adam = ADAM_BYTES_MIXED if self.dtype_bytes == 2 and w.optimizer.master_weights else ADAM_BYTES_FP32
+            shard = dp if w.optimizer.shard_across_dp else 1
+            terms["gradients"] = params * self.dtype_bytes
+            terms["optimizer"] = params * adam / shard
+            b = self.micro_batch_size(dp, micro_batches)
+            in_flight = np.minimum(pp, micro_batches)
+            per_layer = KORTHIKANTI_BYTES_PER_SBH * max_len * b * m.hidden_dim / tp * self.dtype_bytes / 2
+            terms["activations"] = per_layer * (m.num_layers / pp) * in_flight
+        elif self.stage == "inference":
+            b = self.micro_batch_size(dp, micro_batches)
+            terms["activations"] = KORTHIKANTI_BYTES_PER_SBH * max_len * b * m.hidden_dim / tp * self.dtype_bytes / 2
+        else:
+            b = self.samples_per_replica(dp)
+            terms["kv_cache"] = b * max_len * self.kv_bytes_per_token(tp, pp)
+        if self.head == "lm":
+            terms["logits"] = 4.0 * b * (max_len if self.stage != "generation" else 1) * m.vocab_size / tp
+        return terms
+
+    # ---- latency ---------------------------------------------------------------------
+    def time_terms(self, tp: Array, pp: Array, dp: Array, micro_batches: Array,
+                   pp_inter: Array, dp_inter: Array) -> dict[str, Array]:
+        """Seconds per RL step by term, for the slowest replica."""
+        if self.stage == "generation":
+            return self._generation_terms(tp, pp, dp, pp_inter)
+        return self._pipeline_terms(tp, pp, dp, micro_batches, pp_inter, dp_inter)
+
+    def _pipeline_terms(self, tp: Array, pp: Array, dp: Array, micro_batches: Array,
+                        pp_inter: Array, dp_inter: Array) -> dict[str, Array]:
+        """Inference forwards or 1F1B training: (m + pp - 1) slots per mini-batch."""
+        w, m = self.workload, self.model
+        seq = w.prompt_len + w.response_len.mean()
+        b = self.micro_batch_size(dp, micro_batches)
+        if self.stage == "training":
+            passes, rounds = 3.0, w.mini_batches * w.ppo_epochs  # backward = 2x forward
+            m_count = micro_batches
+        else:
+            passes, rounds = 1.0, 1
+            m_count = micro_batches
+        dense = self.dense_flops_per_token() * b * seq / pp * passes
+        attention = self.attention_flops(b * seq, seq / 2) / pp * passes  # causal: half the keys
+        slot_compute = self.compute_time(dense, attention, tp)
+        activation_bytes = b * seq * m.hidden_dim * self.dtype_bytes
+        layers = m.num_layers / pp
+        slot_tp = 2 * passes * layers * self.allreduce_time(activation_bytes, tp, False)
+        slot_pp = np.where(pp > 1, (1 + (passes > 1)) * self.p2p_time(activation_bytes, pp_inter), 0.0)
+        slot_overhead = (1 + (passes > 1)) * layers * self.calibration.launch_overhead_s
+        slot = slot_compute + slot_tp + slot_pp + slot_overhead
+        terms = {
+            "compute": rounds * m_count * slot_compute,
+            "tp_comm": rounds * m_count * slot_tp,
+            "pp_comm": rounds * m_count * slot_pp,
+            "overhead": rounds * m_count * slot_overhead,
+            "bubble": rounds * (pp - 1) * slot,
+        }
+        if self.stage == "training":
+            grad_bytes = self.params_per_gpu(tp, pp) * self.dtype_bytes
+            terms["dp_sync"] = rounds * self.allreduce_time(grad_bytes, dp, dp_inter)
+            terms["optimizer"] = rounds * self._optimizer_time(tp, pp, dp)
+        return terms
+
+    def _optimizer_time(self, tp: Array, pp: Array, dp: Array) -> Array:
+        """AdamW is memory bound: read and write params, grads, master and moments."""
+        shard = dp if self.workload.optimizer.shard_across_dp else 1
+        bytes_per_param = 2 * (2 * self.dtype_bytes + ADAM_BYTES_MIXED)
+        moved = self.params_per_gpu(tp, pp) / shard * bytes_per_param
+        return moved / (self.cluster.gpu.hbm_bytes_per_s * self.calibration.decode_memory)
+
+    def _generation_terms(self, tp: Array, pp: Array, dp: Array, pp_inter: Array) -> dict[str, Array]:
+        """Prefill, then decode steps until the longest response of the step finishes."""
+        w, m, c = self.workload, self.model, self.calibration
+        n = self.samples_per_replica(dp)
+        p = float(w.prompt_len)
+        # The step waits for the slowest replica, the one holding the longest response.
+        longest = w.response_len.expected_longest(w.samples_per_step)
+        pipeline = (2 * pp - 1) / pp  # pp micro-batches in flight: pp + pp - 1 slots
+        prefill_flops = self.dense_flops_per_token() * n * p, self.attention_flops(n * p, p / 2)
+        prefill = self.compute_time(*prefill_flops, tp * pp) * pipeline
+        # Decode, sliced: a trailing axis over DECODE_SLICES points of the longest response.
+        t, alive = _decode_grid(w)
+        tp_, pp_, n_, inter_ = (np.asarray(x, dtype=float)[..., None] for x in (tp, pp, n, pp_inter))
+        active = np.maximum(1.0, n_ * alive)
+        context = p + t
+        flops = active * self.dense_flops_per_token(), self.attention_flops(active, context)
+        compute = self.compute_time(*flops, tp_ * pp_ * pp_)  # one of pp micro-batches per stage
+        weights = self.params_per_gpu(tp_, pp_) * self.dtype_bytes
+        kv = active * context * self.kv_bytes_per_token(tp_, pp_) / pp_
+        memory = (weights + kv) / (self.cluster.gpu.hbm_bytes_per_s * c.decode_memory)
+        dt = longest / DECODE_SLICES
+        token_bytes = active * m.hidden_dim * self.dtype_bytes / pp_
+        tp_comm = 2 * m.num_layers * self.allreduce_time(token_bytes, tp_, False) * pp_
+        pp_comm = np.where(pp_ > 1, (2 * pp_ - 2) * self.p2p_time(token_bytes, inter_ > 0), 0.0)
+        return {
+            "prefill": prefill,
+            "decode": ((2 * pp_ - 1) * np.maximum(compute, memory) * dt).sum(axis=-1),
+            "tp_comm": (tp_comm * dt).sum(axis=-1),
+            "pp_comm": (pp_comm * dt).sum(axis=-1),
+            "overhead": m.num_layers * c.launch_overhead_s * longest * pipeline,
+        }
+
+
+_NORMAL = NormalDist()
+
+
+def _decode_grid(workload: Workload) -> tuple[np.ndarray, np.ndarray]:
+    """Slice midpoints of the longest response and the fraction still generating there."""
+    lengths = workload.response_len
+    longest = lengths.expected_longest(workload.samples_per_step)
+    t = (np.arange(DECODE_SLICES) + 0.5) / DECODE_SLICES * longest
+    if lengths.sigma == 0:
+        return t, np.where(t < lengths.median, 1.0, 0.0)
+    alive = [
+        0.0 if x >= lengths.max else 1.0 - _NORMAL.cdf((math.log(x) - math.log(lengths.median)) / lengths.sigma)
+        for x in t
+    ]
+    return t, np.array(alive)
