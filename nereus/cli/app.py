@@ -30,6 +30,9 @@ class NereusGroup(TyperGroup):
             for line in getattr(exc, "problems", [str(exc)]):
                 typer.echo(f"error: {line}", err=True)
             raise typer.Exit(1) from None
+        except BrokenPipeError:  # output piped into `head`: stop quietly
+            sys.stderr.close()
+            raise typer.Exit(0) from None
         except Exception as exc:
             # Usage errors and exits are typer's (or click's) own: let them through.
             if _Options.debug or type(exc).__module__.split(".")[0] in ("typer", "click"):
@@ -68,9 +71,10 @@ def _main(
 
 def register_commands() -> None:
     """Attach every command module to `app` (imports stay light: no torch)."""
-    from nereus.cli import spec_commands
+    from nereus.cli import plan_commands, spec_commands
 
     spec_commands.register(app)
+    plan_commands.register(app)
 
 
 register_commands()

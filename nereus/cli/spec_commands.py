@@ -19,6 +19,7 @@ def check(
     ] = False,
 ) -> None:
     """Validate files: schema and semantics. Exit 0 valid, 1 invalid, 2 usage error."""
+    import nereus.cost  # noqa: F401  (registers the cost model's plan checks)
     from nereus.spec.check import check_file
 
     results = [check_file(path) for path in files]
@@ -46,6 +47,7 @@ def schema(
     kind: Annotated[str, typer.Argument(help="Document kind, e.g. Plan, Cluster, Model, Workload.")],
 ) -> None:
     """Print the JSON Schema of a document kind."""
+    import nereus.cost  # noqa: F401  (registers the Calibration kind)
     from nereus.spec.io import KINDS
 
     match = {name.lower(): cls for name, cls in KINDS.items()}.get(kind.lower())

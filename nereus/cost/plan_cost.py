@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from nereus.cost.stage import StageCostModel
+from nereus.spec.check import Problem
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Head
 from nereus.spec.plan import Plan, Predictions, StagePlan, StagePrediction
@@ -136,3 +138,28 @@ def _step_breakdown(plan: Plan, stages: dict[str, StagePrediction]) -> dict[str,
         default=0.0,
     )
     return phases
+
+
+def _stale(stored: float, fresh: float) -> bool:
+    return abs(stored - fresh) > 1e-6 * max(abs(fresh), 1e-12)
+
+
+def plan_cost_problems(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) -> Iterator[Problem]:
+    """Memory feasibility (errors) and stale stored predictions (warnings) of a plan."""
+    evaluation = evaluate_plan(plan, calibration)
+    for i, entry in enumerate(plan.stages):
+        for message in evaluation.memory_problems:
+            if message.startswith(f"{entry.model_stage} "):
+                yield Problem(f"stages[{i}]", f"memory: {message}; raise tp or pp, or give it more GPUs")
+    if plan.predictions is None:
+        return
+    fresh = evaluation.predictions
+    if _stale(plan.predictions.step_time_s, fresh.step_time_s):
+        yield Problem("predictions.step_time_s",
+                      f"stale: stored {plan.predictions.step_time_s:.4g} s, the cost model now predicts "
+                      f"{fresh.step_time_s:.4g} s; rerun `nereus plan` or delete the predictions block", "warning")
+    for name, stored in plan.predictions.model_stages.items():
+        now = fresh.model_stages.get(name)
+        if now is None or _stale(stored.time_s, now.time_s) or stored.peak_memory_bytes != now.peak_memory_bytes:
+            yield Problem(f"predictions.model_stages.{name}",
+                          "stale: no longer matches the cost model for this layout", "warning")

@@ -22,6 +22,7 @@ class StrictModel(BaseModel):
         extra="forbid",
         use_attribute_docstrings=True,
         validate_default=True,
+        allow_inf_nan=False,
     )
 
 

@@ -120,7 +120,9 @@ def _pool_problems(plan: Plan) -> Iterator[Problem]:
 def _stage_problems(plan: Plan, i: int, entry: StagePlan) -> Iterator[Problem]:
     at = f"stages[{i}]"
     model = plan.model(plan.workload.model_name(entry.role))
-    pools = {pool.name: set(pool.gpus) for pool in plan.pools}
+    pools: dict[str, set[int]] = {}
+    for pool in plan.pools:
+        pools.setdefault(pool.name, set()).update(pool.gpus)
     if entry.pool not in pools:
         yield Problem(f"{at}.pool", f"no pool named {entry.pool!r}; use one of {sorted(pools)}")
     for rule, key in ((kv_heads_rule(model, entry.tp), "tp"), (pp_rule(model, entry.pp), "pp")):
@@ -221,10 +223,24 @@ SEMANTIC_CHECKS: dict[type[Document], Callable[[Document], Iterator[Problem]]] =
 }
 
 
+#: Checks that need a higher layer (the cost model's memory feasibility); they run only
+#: on documents that pass the checks above.
+LAYERED_CHECKS: dict[type[Document], list[Callable[[Document], Iterator[Problem]]]] = {}
+
+
+def register_check(kind: type[Document], check: Callable[[Document], Iterator[Problem]]) -> None:
+    """Add a semantic check from a higher layer (called at that layer's import)."""
+    LAYERED_CHECKS.setdefault(kind, []).append(check)
+
+
 def semantic_problems(document: Document) -> list[Problem]:
     """Every semantic problem of a schema-valid document, errors and warnings."""
     check = SEMANTIC_CHECKS.get(type(document))
-    return list(check(document)) if check else []
+    problems = list(check(document)) if check else []
+    if not any(p.severity == "error" for p in problems):
+        for layered in LAYERED_CHECKS.get(type(document), []):
+            problems += list(layered(document))
+    return problems
 
 
 @dataclass

@@ -51,8 +51,10 @@ class _StrictLoader(yaml.SafeLoader):
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
-            if isinstance(key, (list, dict)):
-                raise yaml.YAMLError(f"line {key_node.start_mark.line + 1}: a key must be a scalar")
+            try:
+                hash(key)
+            except TypeError:
+                raise yaml.YAMLError(f"line {key_node.start_mark.line + 1}: a key must be a scalar") from None
             if key in seen:
                 raise yaml.YAMLError(
                     f"line {key_node.start_mark.line + 1}: duplicate key {key!r}; keep one"
@@ -82,12 +84,17 @@ def parse_data(text: str, source: str) -> Any:
         raise SpecError([f"{source}: not valid {'JSON' if source.endswith('.json') else 'YAML'}: {detail}"]) from None
 
 
+def one_line(text: str) -> str:
+    """Escape line breaks so every reported problem stays on one line."""
+    return text.replace("\r", "\\r").replace("\n", "\\n")
+
+
 def format_loc(loc: tuple[int | str, ...]) -> str:
     """Render a pydantic error location as `stages[0].emus[1]`."""
     out = ""
     for part in loc:
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out or "(document)"
+    return one_line(out) or "(document)"
 
 
 def _describe(error: dict[str, Any], kind: type[Document]) -> str:
@@ -106,17 +113,17 @@ def _describe(error: dict[str, Any], kind: type[Document]) -> str:
 
 def validation_problems(exc: ValidationError, kind: type[Document], source: str) -> list[str]:
     """One line per pydantic error: `FILE: FIELD: what is wrong`."""
-    return [f"{source}: {format_loc(err['loc'])}: {_describe(dict(err), kind)}" for err in exc.errors()]
+    return [one_line(f"{source}: {format_loc(err['loc'])}: {_describe(dict(err), kind)}") for err in exc.errors()]
 
 
 def document_from_data(data: Any, source: str) -> Document:
     """Validate parsed data as the document its `kind:` names (schema only)."""
-    if data is None:
+    if data is None or data == "":
         raise SpecError([f"{source}: empty file; a nereus file starts with `kind:` and `version:`"])
     if not isinstance(data, dict):
         raise SpecError([f"{source}: expected a mapping with `kind:` at the top, got {type(data).__name__}"])
     kind_name = data.get("kind")
-    if kind_name not in KINDS:
+    if not isinstance(kind_name, str) or kind_name not in KINDS:
         known = ", ".join(KINDS)
         what = "missing" if "kind" not in data else f"unknown kind {kind_name!r}"
         raise SpecError([f"{source}: kind: {what}; use one of {known}"])
@@ -179,7 +186,16 @@ def to_data(document: Document) -> dict[str, Any]:
 
 
 class _Dumper(yaml.SafeDumper):
-    """Writes large floats as 9.89e+14 rather than 989000000000000.0."""
+    """Block style at the top level, flow style for short leaves, floats as 9.89e+14."""
+
+    def represent(self, data: Any) -> None:
+        node = self.represent_data(data)
+        if isinstance(node, yaml.MappingNode):
+            node.flow_style = False
+        self.serialize(node)
+        self.represented_objects = {}
+        self.object_keeper = []
+        self.alias_key = None
 
 
 def _represent_float(dumper: yaml.SafeDumper, value: float) -> Any:
@@ -195,7 +211,7 @@ _Dumper.add_representer(float, _represent_float)
 
 
 def to_yaml(document: Document) -> str:
-    """The document as YAML text."""
+    """The document as YAML text: block style at the top, short leaves in flow style."""
     return yaml.dump(to_data(document), Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=100)
 
 

@@ -170,8 +170,9 @@ def model_from_hf_config(path: Path, name: str | None = None) -> Model:
         raise NereusError(f"{path}: model_type: {model_type!r} is not a Llama-style decoder; supported: {', '.join(HF_MODEL_TYPES)}")
     required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
     for key in required:
-        if not isinstance(config.get(key), int):
-            raise NereusError(f"{path}: {key}: missing or not an integer")
+        value = config.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise NereusError(f"{path}: {key}: missing or not a positive integer")
     heads = config["num_attention_heads"]
     try:
         return _model_from_fields(config, model_type, heads, name or config.get("_name_or_path") or path.parent.name)

@@ -1,0 +1,1 @@
+"""Offline optimizers: plan search (and later transition DAGs, schedules, policies)."""

@@ -1,0 +1,371 @@
+"""Global plan search: the fastest memory-feasible layout of every model-stage.
+
+The space: per model-stage a power-of-two tp inside a node, a pp dividing the layers,
+dp from the pool's GPUs and (training) a micro-batch count; and a placement of the
+model-stages on GPU pools: fully colocated, or split in two pools at node granularity
+(actor vs. the other models, or generation vs. the rest). The search is exact branch
+and bound over the same option tables that `reference_search` enumerates in full.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from nereus.cost.calibration import Calibration
+from nereus.cost.plan_cost import GIB, head_of, usable_memory, weight_sync_time
+from nereus.cost.stage import StageCostModel
+from nereus.solver.layouts import OptionTable, price_layouts
+from nereus.spec.cluster import Cluster
+from nereus.spec.model import Model
+from nereus.spec.workload import STAGES, Workload, model_stage_name, model_stages
+
+Option = tuple[float, float, float, int, int, int, int]  # time, resident, transient, tp, pp, dp, m
+SYNC_TARGETS = ("actor/generation", "actor/inference")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What to plan for: the cluster, the models by name, the workload, the GPUs to use."""
+
+    cluster: Cluster
+    models: tuple[Model, ...]
+    workload: Workload
+    num_gpus: int
+    calibration: Calibration = field(default_factory=Calibration)
+
+    def model(self, name: str) -> Model:
+        return next(m for m in self.models if m.name == name)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Pools as (name, first GPU, size, model-stages)."""
+
+    name: str
+    pools: tuple[tuple[str, int, int, tuple[str, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One complete assignment: a placement and one option per model-stage."""
+
+    step_time_s: float
+    placement: Placement
+    choices: tuple[tuple[str, Option], ...]
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A layout that cannot fit even alone on its GPUs, and the term that overflows."""
+
+    model_stage: str
+    tp: int
+    pp: int
+    dp: int
+    micro_batches: int
+    needed_bytes: float
+    usable_bytes: float
+    largest_term: str
+    largest_bytes: float
+
+    def describe(self) -> str:
+        return (f"{self.model_stage} tp={self.tp} pp={self.pp} dp={self.dp}: needs {self.needed_bytes / GIB:.1f} GiB "
+                f"> {self.usable_bytes / GIB:.1f} GiB usable ({self.largest_term} {self.largest_bytes / GIB:.1f} GiB)")
+
+
+@dataclass
+class SearchOutcome:
+    """The best candidates (ascending step time) and the layouts rejected for memory."""
+
+    candidates: list[Candidate]
+    rejections: list[Rejection] = field(default_factory=list)
+    num_placements: int = 0
+    num_leaves: int = 0
+    search_time_s: float = 0.0
+
+
+def placements(request: PlanRequest) -> list[Placement]:
+    """Colocated, and every node-granular two-pool split of the two templates."""
+    n, per_node = request.num_gpus, request.cluster.gpus_per_node
+    names = [model_stage_name(r, s) for r, s in model_stages(request.workload)]
+    out = [Placement("colocated", (("shared", 0, n, tuple(names)),))]
+    actor = tuple(x for x in names if x.startswith("actor/"))
+    others = tuple(x for x in names if not x.startswith("actor/"))
+    rest = tuple(x for x in names if x != "actor/generation")
+    for k in range(1, -(-n // per_node)):
+        a = k * per_node
+        if others:
+            out.append(Placement(f"split-actor-{a}", (("actor", 0, a, actor), ("others", a, n - a, others))))
+        out.append(Placement(f"split-generation-{a}", (("generation", 0, a, ("actor/generation",)),
+                                                      ("rest", a, n - a, rest))))
+    return out
+
+
+def _cost_models(request: PlanRequest) -> dict[str, StageCostModel]:
+    w = request.workload
+    return {
+        model_stage_name(role, stage): StageCostModel(
+            request.model(w.model_name(role)), head_of(role), stage, w, request.cluster, request.calibration)
+        for role, stage in model_stages(w)
+    }
+
+
+def price_all(request: PlanRequest, layouts: list[Placement]) -> dict[tuple[str, int], OptionTable]:
+    """Option tables for every (model-stage, pool size) the placements need."""
+    sizes: dict[str, set[int]] = {}
+    for placement in layouts:
+        for _, _, size, stages in placement.pools:
+            for name in stages:
+                sizes.setdefault(name, set()).add(size)
+    tables: dict[tuple[str, int], OptionTable] = {}
+    for name, cost in _cost_models(request).items():
+        for size, table in price_layouts(cost, sorted(sizes[name])).items():
+            tables[name, size] = table
+    return tables
+
+
+@dataclass
+class _Problem:
+    """One placement compiled to plain lists for the hot loops."""
+
+    placement: Placement
+    names: list[str]  # actor/training first, then the sync targets, then the rest
+    pool_of: list[int]
+    phase_of: list[int]
+    options: list[list[Option]]
+    budget: float
+    sync: Callable[[Option, Option, bool], float]
+
+    def objective(self, chosen: Sequence[Option]) -> float | None:
+        """Step time of a full assignment, or None if some pool overflows memory."""
+        num_pools = len(self.placement.pools)
+        resident, transient = [0.0] * num_pools, [0.0] * num_pools
+        sums = [[0.0] * num_pools for _ in STAGES]
+        for i, option in enumerate(chosen):
+            p = self.pool_of[i]
+            resident[p] += option[1]
+            transient[p] = max(transient[p], option[2])
+            sums[self.phase_of[i]][p] += option[0]
+        if any(r + t > self.budget for r, t in zip(resident, transient, strict=True)):
+            return None
+        return sum(max(row) for row in sums) + self._sync_time(chosen)
+
+    def _sync_time(self, chosen: Sequence[Option]) -> float:
+        index = {name: i for i, name in enumerate(self.names)}
+        train = index["actor/training"]
+        return max(
+            (self.sync(chosen[train], chosen[index[d]], self.pool_of[train] == self.pool_of[index[d]])
+             for d in SYNC_TARGETS if d in index),
+            default=0.0,
+        )
+
+
+def _sync_function(request: PlanRequest) -> Callable[[Option, Option, bool], float]:
+    actor_params = request.model(request.workload.actor).num_params("lm")
+    per_node = request.cluster.gpus_per_node
+
+    def sync(train: Option, dest: Option, same_pool: bool) -> float:
+        same_layout = same_pool and train[3:5] == dest[3:5]
+        nodes = (-(-train[3] * train[4] * train[5] // per_node), -(-dest[3] * dest[4] * dest[5] // per_node))
+        inter = not same_pool or nodes[1] > nodes[0]
+        return weight_sync_time(request.cluster, request.workload, actor_params, request.calibration,
+                                same_layout=same_layout, tp=dest[3], pp=dest[4], inter=inter)
+
+    return sync
+
+
+def _order(names: list[str]) -> list[str]:
+    first = [n for n in ("actor/training", *SYNC_TARGETS) if n in names]
+    return first + [n for n in names if n not in first]
+
+
+def compile_problem(request: PlanRequest, placement: Placement,
+                    tables: dict[tuple[str, int], OptionTable], *, prune: bool) -> _Problem:
+    """Per-stage option lists; with `prune`, drop lone-infeasible and dominated options."""
+    budget = usable_memory(request.cluster, request.calibration)
+    pool_index = {name: (p, size) for p, (_, _, size, stages) in enumerate(placement.pools) for name in stages}
+    names = _order(list(pool_index))
+    options = []
+    for name in names:
+        table = tables[name, pool_index[name][1]].options
+        options.append(_pareto(table, budget, by_layout=name.startswith("actor/")) if prune else list(table))
+    return _Problem(placement, names, [pool_index[n][0] for n in names],
+                    [STAGES.index(n.split("/")[1]) for n in names], options, budget, _sync_function(request))
+
+
+def _pareto(options: list[Option], budget: float, *, by_layout: bool) -> list[Option]:
+    """Options sorted by time, without any that a faster-or-equal one dominates in memory.
+
+    Actor options are compared only within one (tp, pp): their layout decides the
+    weight-sync cost, so a slower layout may still win.
+    """
+    kept: list[Option] = []
+    for option in sorted(o for o in options if o[1] + o[2] <= budget):
+        if not any(k[1] <= option[1] and k[2] <= option[2] and (not by_layout or k[3:5] == option[3:5])
+                   for k in kept):
+            kept.append(option)
+    return kept
+
+
+class _TopK:
+    """The k best (step time, candidate) found so far; `bound` prunes the search."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.heap: list[tuple[float, int, Candidate]] = []  # max-heap on step time
+        self.counter = itertools.count()
+
+    @property
+    def bound(self) -> float:
+        return -self.heap[0][0] if len(self.heap) == self.k else math.inf
+
+    def offer(self, candidate: Candidate) -> None:
+        item = (-candidate.step_time_s, -next(self.counter), candidate)
+        if len(self.heap) < self.k:
+            heapq.heappush(self.heap, item)
+        elif candidate.step_time_s < self.bound:
+            heapq.heapreplace(self.heap, item)
+
+    def sorted(self) -> list[Candidate]:
+        return [c for _, _, c in sorted(self.heap, key=lambda item: (-item[0], -item[1]))]
+
+
+def _root_bound(problem: _Problem) -> float:
+    """Step time with every model-stage at its fastest option, ignoring memory and sync."""
+    if any(not opts for opts in problem.options):
+        return math.inf
+    num_pools = len(problem.placement.pools)
+    sums = [[0.0] * num_pools for _ in STAGES]
+    for i, opts in enumerate(problem.options):
+        sums[problem.phase_of[i]][problem.pool_of[i]] += opts[0][0]
+    return sum(max(row) for row in sums)
+
+
+def branch_and_bound(problem: _Problem, best: _TopK) -> int:
+    """Exact DFS over the option lists; returns the number of full assignments scored."""
+    n, num_pools = len(problem.names), len(problem.placement.pools)
+    if _root_bound(problem) >= best.bound:
+        return 0
+    min_time = [opts[0][0] for opts in problem.options]
+    min_res = [min(o[1] for o in opts) for opts in problem.options]
+    min_trans = [min(o[2] for o in opts) for opts in problem.options]
+    # Largest minimal transient among the stages still unassigned, per pool, by depth.
+    tail_trans = [[0.0] * num_pools for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        tail_trans[i] = list(tail_trans[i + 1])
+        tail_trans[i][problem.pool_of[i]] = max(tail_trans[i][problem.pool_of[i]], min_trans[i])
+    sums = [[0.0] * num_pools for _ in STAGES]
+    resident = [0.0] * num_pools
+    for i in range(n):
+        sums[problem.phase_of[i]][problem.pool_of[i]] += min_time[i]
+        resident[problem.pool_of[i]] += min_res[i]
+    transient = [0.0] * num_pools
+    chosen: list[Option] = []
+    leaves = 0
+
+    def visit(i: int) -> None:
+        nonlocal leaves
+        if i == n:
+            leaves += 1
+            step = sum(max(row) for row in sums) + problem._sync_time(chosen)
+            best.offer(Candidate(step, problem.placement, tuple(zip(problem.names, chosen, strict=True))))
+            return
+        p, phase = problem.pool_of[i], problem.phase_of[i]
+        for option in problem.options[i]:
+            extra = option[0] - min_time[i]
+            sums[phase][p] += extra
+            bound = sum(max(row) for row in sums)
+            sums[phase][p] -= extra
+            if bound >= best.bound:
+                break  # options are sorted by time: the rest are no better
+            res = resident[p] + option[1] - min_res[i]
+            trans = max(transient[p], option[2])
+            if res + max(trans, tail_trans[i + 1][p]) > problem.budget:
+                continue
+            sums[phase][p] += extra
+            saved = resident[p], transient[p]
+            resident[p], transient[p] = res, trans
+            chosen.append(option)
+            visit(i + 1)
+            chosen.pop()
+            resident[p], transient[p] = saved
+            sums[phase][p] -= extra
+
+    visit(0)
+    return leaves
+
+
+def _check_request(request: PlanRequest) -> None:
+    if request.num_gpus < 1:
+        raise ValueError("num_gpus must be at least 1")
+    if request.num_gpus > request.cluster.num_gpus:
+        raise ValueError(f"{request.num_gpus} GPUs requested but cluster {request.cluster.name} has "
+                         f"{request.cluster.num_gpus}")
+
+
+def search(request: PlanRequest, top_k: int = 1,
+           progress: Callable[[int, int], None] | None = None) -> SearchOutcome:
+    """Exact branch-and-bound search; returns up to `top_k` best feasible candidates."""
+    _check_request(request)
+    started = time.perf_counter()
+    layouts = placements(request)
+    tables = price_all(request, layouts)
+    problems = [compile_problem(request, p, tables, prune=True) for p in layouts]
+    problems.sort(key=_root_bound)
+    best = _TopK(top_k)
+    leaves = 0
+    for done, problem in enumerate(problems, 1):
+        leaves += branch_and_bound(problem, best)
+        if progress:
+            progress(done, len(problems))
+    outcome = SearchOutcome(best.sorted(), num_placements=len(layouts), num_leaves=leaves)
+    outcome.rejections = rejections(request, tables, outcome.candidates[0].placement if outcome.candidates
+                                    else layouts[0])
+    outcome.search_time_s = time.perf_counter() - started
+    return outcome
+
+
+def reference_search(request: PlanRequest, top_k: int = 1) -> SearchOutcome:
+    """Exhaustive enumeration of every assignment of every placement (small cases only)."""
+    _check_request(request)
+    layouts = placements(request)
+    tables = price_all(request, layouts)
+    best = _TopK(top_k)
+    leaves = 0
+    for placement in layouts:
+        problem = compile_problem(request, placement, tables, prune=False)
+        for chosen in itertools.product(*problem.options):
+            leaves += 1
+            step = problem.objective(chosen)
+            if step is not None:
+                best.offer(Candidate(step, placement, tuple(zip(problem.names, chosen, strict=True))))
+    return SearchOutcome(best.sorted(), num_placements=len(layouts), num_leaves=leaves)
+
+
+def rejections(request: PlanRequest, tables: dict[tuple[str, int], OptionTable],
+               placement: Placement) -> list[Rejection]:
+    """Layouts of `placement` that overflow memory even alone, with the largest term."""
+    budget = usable_memory(request.cluster, request.calibration)
+    out = []
+    for _, _, size, stages in placement.pools:
+        for name in stages:
+            table = tables[name, size]
+            for option, terms in zip(table.options, table.terms, strict=True):
+                needed = option[1] + option[2]
+                if needed > budget:
+                    term, amount = max(terms.items(), key=lambda kv: kv[1])
+                    out.append(Rejection(name, *option[3:], needed, budget, term, amount))
+    return out
+
+
+def iter_assignments(candidate: Candidate) -> Iterator[tuple[str, str, int, int, int, int, int]]:
+    """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches) per choice."""
+    pool_of = {name: (pool, start) for pool, start, _, stages in candidate.placement.pools for name in stages}
+    for name, option in candidate.choices:
+        pool, start = pool_of[name]
+        yield name, pool, start, *option[3:]

@@ -1,0 +1,100 @@
+"""The planner's public API: search, then turn candidates into Plan documents."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nereus.cost.calibration import Calibration
+from nereus.cost.plan_cost import evaluate_plan
+from nereus.errors import NereusError
+from nereus.solver.plan_search import Candidate, PlanRequest, Rejection, iter_assignments, search
+from nereus.spec.cluster import Cluster
+from nereus.spec.plan import Plan, Pool, StagePlan
+from nereus.spec.workload import model_stage_name, model_stages
+
+#: The largest GPU count probed when looking for the smallest one that fits.
+MAX_PROBE_GPUS = 65536
+
+
+@dataclass
+class PlanResult:
+    """The best plan, its runners-up, and the layouts rejected for memory."""
+
+    best: Plan
+    alternatives: list[Plan]
+    rejections: list[Rejection] = field(default_factory=list)
+    search_time_s: float = 0.0
+    num_placements: int = 0
+
+
+def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
+    """A Plan document for a candidate: contiguous EMUs from each pool's first GPU."""
+    pools = [Pool(name=name, gpus=list(range(start, start + size)))
+             for name, start, size, _ in candidate.placement.pools]
+    entries = {}
+    for name, pool, start, tp, pp, dp, micro_batches in iter_assignments(candidate):
+        emu_size = tp * pp
+        emus = [list(range(start + k * emu_size, start + (k + 1) * emu_size)) for k in range(dp)]
+        entries[name] = StagePlan(model_stage=name, pool=pool, tp=tp, pp=pp, dp=dp, emus=emus,  # type: ignore[arg-type]
+                                  micro_batches=micro_batches)
+    order = [model_stage_name(r, s) for r, s in model_stages(request.workload)]
+    names = {request.workload.model_name(role) for role in request.workload.roles()}
+    plan = Plan(cluster=request.cluster, models=[m for m in request.models if m.name in names],
+                workload=request.workload, pools=pools, stages=[entries[n] for n in order])
+    evaluation = evaluate_plan(plan, request.calibration)
+    assert evaluation.feasible, evaluation.memory_problems
+    assert abs(evaluation.predictions.step_time_s - candidate.step_time_s) <= 1e-9 * max(1.0, candidate.step_time_s)
+    return plan.model_copy(update={"predictions": evaluation.predictions})
+
+
+def make_plan(request: PlanRequest, top_k: int = 1,
+              progress: Callable[[int, int], None] | None = None) -> PlanResult:
+    """Search and return Plan documents, or raise NereusError saying what would fit."""
+    try:
+        outcome = search(request, top_k=top_k, progress=progress)
+    except ValueError as exc:
+        raise NereusError(str(exc)) from None
+    if not outcome.candidates:
+        raise NereusError(_infeasible_message(request, outcome.rejections))
+    plans = [build_plan(request, c) for c in outcome.candidates]
+    return PlanResult(plans[0], plans[1:], outcome.rejections, outcome.search_time_s, outcome.num_placements)
+
+
+def _infeasible_message(request: PlanRequest, rejected: list[Rejection]) -> str:
+    least = min(rejected, key=lambda r: r.needed_bytes, default=None)
+    reason = f"; e.g. {least.describe()}" if least else " (model-stages do not fit together)"
+    smallest = smallest_feasible_gpus(request)
+    fix = (f"the smallest GPU count that fits is {smallest}" if smallest
+           else f"nothing up to {MAX_PROBE_GPUS} GPUs fits")
+    return (f"no memory-feasible plan for {request.workload.name} on {request.num_gpus} "
+            f"{request.cluster.gpu.name} GPUs{reason}; {fix}")
+
+
+def _fits(request: PlanRequest, num_gpus: int) -> bool:
+    per_node = request.cluster.gpus_per_node
+    cluster = request.cluster.model_copy(update={"num_nodes": -(-num_gpus // per_node)})
+    probe = PlanRequest(cluster, request.models, request.workload, num_gpus, request.calibration)
+    return bool(search(probe).candidates)
+
+
+def smallest_feasible_gpus(request: PlanRequest) -> int | None:
+    """The fewest whole nodes' GPUs with a feasible plan (probing beyond the cluster)."""
+    per_node = request.cluster.gpus_per_node
+    high = max(per_node, -(-request.num_gpus // per_node) * per_node)
+    while not _fits(request, high):
+        if high >= MAX_PROBE_GPUS:
+            return None
+        high *= 2
+    low = per_node if high == per_node else high // 2
+    if low == high:
+        return high
+    while high - low > per_node:  # binary search over whole nodes
+        mid = (low + high) // 2 // per_node * per_node
+        low, high = (low, mid) if _fits(request, mid) else (mid, high)
+    return high
+
+
+def resize_cluster(cluster: Cluster, num_gpus: int) -> Cluster:
+    """The cluster with enough whole nodes for `num_gpus`."""
+    return cluster.model_copy(update={"num_nodes": -(-num_gpus // cluster.gpus_per_node)})
