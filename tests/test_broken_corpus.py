@@ -45,6 +45,8 @@ def test_corpus_has_the_raw_byte_cases() -> None:
         latin1.decode("utf-8")
     assert (BROKEN / "empty-file.yaml").read_bytes() == b""
     assert not (BROKEN / "whitespace-only.yaml").read_text().strip()
+    with_tab = (BROKEN / "whitespace-with-tab.yaml").read_text()
+    assert "\t" in with_tab and not with_tab.strip()
 
 
 @pytest.mark.parametrize("path", BROKEN_FILES, ids=lambda p: p.name)
@@ -57,6 +59,22 @@ def test_check_file_names_the_cause(path: Path) -> None:
     for line in result.errors + result.warnings:
         assert line.startswith(f"{path}: "), line
         assert "\n" not in line and "\r" not in line, line
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "whitespace-only.yaml",
+        "whitespace-with-tab.yaml",
+        "plan-duplicate-pool-name.yaml",
+        "cluster-infinite-flops.yaml",
+    ],
+)
+def test_single_cause_gives_a_single_error(name: str) -> None:
+    """No follow-on noise: e.g. a duplicated pool name is not also reported as GPUs 'not in pool'."""
+    errors = check_file(BROKEN / name).errors
+    assert len(errors) == 1, errors
+    assert not any("not in pool" in line for line in errors), errors
 
 
 @pytest.mark.parametrize("path", BROKEN_FILES, ids=lambda p: p.name)

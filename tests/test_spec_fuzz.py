@@ -3,28 +3,24 @@
 Invariants: `check_file` never raises and returns quickly; every error or warning is a
 single line that starts with the file's path; `load_document` raises only `SpecError`.
 
-Three bugs the fuzzers found are pinned as strict xfails at the bottom of this file
-(`test_known_bug_*`); until they are fixed the fuzzers skip inputs that trigger them
-(`_known_bug`). When a fix lands the xfail turns into an XPASS failure: then delete the
-xfail mark and the matching branch of `_known_bug`.
+Inputs the fuzzers once crashed on are pinned as regression tests at the bottom of this file.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nereus.errors import SpecError
 from nereus.spec.check import CheckResult, check_file
-from nereus.spec.io import KINDS, load_document, parse_data
+from nereus.spec.io import KINDS, load_document
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 EXAMPLE_TEXTS = {p.name: p.read_text(encoding="utf-8") for p in sorted(EXAMPLES.glob("*.yaml"))}
@@ -32,39 +28,6 @@ EXAMPLE_DATA = {name: yaml.safe_load(text) for name, text in EXAMPLE_TEXTS.items
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SECONDS_PER_FILE = 5.0  # generous; a check takes milliseconds
-
-
-# --- known bugs (see the xfail tests below) ---------------------------------------------
-
-
-def _has_key_with_line_break(data: Any) -> bool:
-    if isinstance(data, dict):
-        return any(
-            (isinstance(key, str) and ("\n" in key or "\r" in key)) or _has_key_with_line_break(value)
-            for key, value in data.items()
-        )
-    if isinstance(data, list):
-        return any(_has_key_with_line_break(value) for value in data)
-    return False
-
-
-def _known_bug(raw: bytes, suffix: str) -> bool:
-    """Whether `raw` triggers one of the pinned bugs (so a fuzzer should skip it)."""
-    if b"\x00" in raw:
-        return False
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    try:
-        data = parse_data(text, f"fuzz{suffix}")
-    except SpecError:
-        return False
-    except TypeError:
-        return True  # bug 2: an unhashable (!!set) mapping key
-    if isinstance(data, dict) and not isinstance(data.get("kind"), Hashable):
-        return True  # bug 1: `kind:` holding a list or mapping
-    return _has_key_with_line_break(data)  # bug 3: key with a line break in an error path
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -216,7 +179,6 @@ def mutated_example_data(draw: st.DrawFn) -> dict[str, Any]:
 @given(text=st.text(max_size=300))
 def test_random_text_yaml(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
     raw = text.encode()
-    assume(not _known_bug(raw, ".yaml"))
     _check(_fuzz_file(tmp_path_factory, ".yaml"), raw)
 
 
@@ -224,7 +186,6 @@ def test_random_text_yaml(tmp_path_factory: pytest.TempPathFactory, text: str) -
 @given(text=st.text(alphabet=st.sampled_from(list("kind:Plan version1{}[]\"',-#&*!|>\n\t ")), max_size=200))
 def test_yamlish_text(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
     raw = text.encode()
-    assume(not _known_bug(raw, ".yaml"))
     _check(_fuzz_file(tmp_path_factory, ".yaml"), raw)
 
 
@@ -232,7 +193,6 @@ def test_yamlish_text(tmp_path_factory: pytest.TempPathFactory, text: str) -> No
 @given(text=st.text(max_size=300))
 def test_random_text_json(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
     raw = text.encode()
-    assume(not _known_bug(raw, ".json"))
     _check(_fuzz_file(tmp_path_factory, ".json"), raw)
 
 
@@ -242,7 +202,6 @@ def test_dumped_structures(tmp_path_factory: pytest.TempPathFactory, data: Any, 
     suffix = ".json" if as_json else ".yaml"
     text = json.dumps(data) if as_json else yaml.safe_dump(data, allow_unicode=True)
     raw = text.encode()
-    assume(not _known_bug(raw, suffix))
     _check(_fuzz_file(tmp_path_factory, suffix), raw)
 
 
@@ -250,7 +209,6 @@ def test_dumped_structures(tmp_path_factory: pytest.TempPathFactory, data: Any, 
 @given(text=mutated_example())
 def test_mutated_example_text(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
     raw = text.encode()
-    assume(not _known_bug(raw, ".yaml"))
     _check(_fuzz_file(tmp_path_factory, ".yaml"), raw)
 
 
@@ -260,14 +218,12 @@ def test_mutated_example_data(tmp_path_factory: pytest.TempPathFactory, data: di
     suffix = ".json" if as_json else ".yaml"
     text = json.dumps(data) if as_json else yaml.safe_dump(data, allow_unicode=True)
     raw = text.encode()
-    assume(not _known_bug(raw, suffix))
     _check(_fuzz_file(tmp_path_factory, suffix), raw)
 
 
 @FUZZ
 @given(raw=st.binary(max_size=400), suffix=st.sampled_from([".yaml", ".json"]))
 def test_random_bytes(tmp_path_factory: pytest.TempPathFactory, raw: bytes, suffix: str) -> None:
-    assume(not _known_bug(raw, suffix))
     _check(_fuzz_file(tmp_path_factory, suffix), raw)
 
 
@@ -282,7 +238,6 @@ def test_random_bytes(tmp_path_factory: pytest.TempPathFactory, raw: bytes, suff
     )
 )
 def test_load_document_only_raises_spec_error(tmp_path_factory: pytest.TempPathFactory, raw: bytes) -> None:
-    assume(not _known_bug(raw, ".yaml"))
     path = _fuzz_file(tmp_path_factory, ".yaml")
     path.write_bytes(raw)
     _load_only_raises_spec_error(path)
@@ -310,33 +265,65 @@ def test_deep_nesting_is_an_error_not_a_crash(tmp_path: Path) -> None:
         assert not result.ok
 
 
-# --- bugs the fuzzers found (strict xfails: they fail loudly once fixed) ----------------
+# --- inputs the fuzzers once crashed on (regressions) -----------------------------------
 
-BUG_1_UNHASHABLE_KIND = "kind: [Plan]\nversion: 1\n"
-BUG_2_SET_KEY = "kind: Model\nversion: 1\n? !!set {a: null}\n: 1\n"
-BUG_3_KEY_WITH_NEWLINE = 'kind: Model\nversion: 1\n"rope\\ntheta": 1\n'
-
-
-def test_known_bug_detector_recognises_the_reproducers() -> None:
-    for text in (BUG_1_UNHASHABLE_KIND, BUG_2_SET_KEY, BUG_3_KEY_WITH_NEWLINE):
-        assert _known_bug(text.encode(), ".yaml"), text
-    for text in EXAMPLE_TEXTS.values():
-        assert not _known_bug(text.encode(), ".yaml")
+UNHASHABLE_KIND = "kind: [Plan]\nversion: 1\n"
+SET_KEY = "kind: Model\nversion: 1\n? !!set {a: null}\n: 1\n"
+KEY_WITH_NEWLINE = 'kind: Model\nversion: 1\n"rope\\ntheta": 1\n'
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="nereus bug: `kind: [..]` raises TypeError (unhashable)")
-def test_known_bug_1_unhashable_kind(tmp_path: Path) -> None:
-    result = _check(tmp_path / "doc.yaml", BUG_1_UNHASHABLE_KIND.encode())
-    assert not result.ok and "kind" in result.errors[0]
-
-
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="nereus bug: a !!set mapping key raises TypeError")
-def test_known_bug_2_set_key(tmp_path: Path) -> None:
-    result = _check(tmp_path / "doc.yaml", BUG_2_SET_KEY.encode())
+@pytest.mark.parametrize("text", [UNHASHABLE_KIND, "kind: {a: 1}\nversion: 1\n"], ids=["list", "mapping"])
+def test_kind_holding_a_collection_is_an_unknown_kind(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "doc.yaml"
+    result = _check(path, text.encode())
     assert not result.ok
+    assert len(result.errors) == 1
+    assert result.errors[0].startswith(f"{path}: kind: unknown kind"), result.errors
+    with pytest.raises(SpecError):
+        load_document(path)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="nereus bug: a key with a newline splits the error line")
-def test_known_bug_3_key_with_newline(tmp_path: Path) -> None:
-    result = _check(tmp_path / "doc.yaml", BUG_3_KEY_WITH_NEWLINE.encode())
+def test_set_mapping_key_is_a_yaml_error(tmp_path: Path) -> None:
+    path = tmp_path / "doc.yaml"
+    result = _check(path, SET_KEY.encode())
     assert not result.ok
+    assert len(result.errors) == 1
+    assert result.errors[0].startswith(f"{path}: not valid YAML"), result.errors
+    with pytest.raises(SpecError):
+        load_document(path)
+
+
+@pytest.mark.parametrize("text", [KEY_WITH_NEWLINE, KEY_WITH_NEWLINE.replace("\\n", "\\r\\n")], ids=["lf", "crlf"])
+def test_unknown_key_with_a_line_break_stays_on_one_line(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "doc.yaml"
+    result = _check(path, text.encode())  # _check asserts every line is a single line
+    assert not result.ok
+    [unknown] = [line for line in result.errors if "unknown key" in line]
+    assert unknown.startswith(f"{path}: rope\\"), unknown
+    with pytest.raises(SpecError) as info:
+        load_document(path)
+    for line in info.value.problems:
+        assert "\n" not in line and "\r" not in line, line
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan", ".NaN", "+.Inf"])
+def test_float_field_refuses_infinity_and_nan(tmp_path: Path, value: str) -> None:
+    text = EXAMPLE_TEXTS["cluster-h100-2x8.yaml"]
+    assert "bf16_flops: 9.89e+14" in text
+    path = tmp_path / "cluster.yaml"
+    result = _check(path, text.replace("bf16_flops: 9.89e+14", f"bf16_flops: {value}").encode())
+    assert not result.ok
+    assert any(line.startswith(f"{path}: gpu.bf16_flops: ") and "finite" in line for line in result.errors), result
+    with pytest.raises(SpecError):
+        load_document(path)
+
+
+@pytest.mark.parametrize("text", ["\t", " \t\n", "\n\t\n  \n", "\t\t\r\n"], ids=["tab", "space-tab", "lines", "crlf"])
+def test_whitespace_only_file_with_a_tab_is_empty(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "doc.yaml"
+    result = _check(path, text.encode())
+    assert not result.ok
+    assert len(result.errors) == 1
+    assert "empty file" in result.errors[0], result.errors
+    with pytest.raises(SpecError):
+        load_document(path)

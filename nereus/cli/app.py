@@ -61,8 +61,9 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _main(
-    version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
-                                          help="Print the version and exit.")] = False,
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
     debug: Annotated[bool, typer.Option("--debug", help="Show Python tracebacks for errors.")] = False,
 ) -> None:
     """Adaptive parallelism and stage fusion for RL post-training of LLMs."""

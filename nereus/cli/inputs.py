@@ -45,22 +45,29 @@ def resolve_workload(value: str, model: Model | None) -> Workload:
     """A workload preset or file; `model`, when given, plays every role."""
     from nereus.spec.presets import workload_preset
 
-    workload = (load_kind(value, Workload) if _looks_like_file(value)
-                else workload_preset(value, model.name if model else "llama-3.1-8b"))
+    workload = (
+        load_kind(value, Workload)
+        if _looks_like_file(value)
+        else workload_preset(value, model.name if model else "llama-3.1-8b")
+    )
     if model is None:
         return workload  # type: ignore[return-value]
     roles = {role: model.name for role, name in workload.role_models().items() if name is not None}  # type: ignore[attr-defined]
     return workload.model_copy(update=roles)  # type: ignore[return-value]
 
 
-def with_response_median(workload: Workload, median: int) -> Workload:
-    """Scale the response-length distribution so its median is `median` tokens."""
-    if median < 1:
-        raise NereusError(f"--seq-len must be a positive number of tokens, got {median}")
+def with_max_response(workload: Workload, max_tokens: int) -> Workload:
+    """Set the generation cap (maximum response length) to `max_tokens`.
+
+    The median and p99 scale by the same factor, so the distribution keeps its shape:
+    this is the "sequence length" that grows over an RL run.
+    """
+    if max_tokens < 1:
+        raise NereusError(f"--seq-len must be a positive number of tokens, got {max_tokens}")
     old = workload.response_len
-    scale = median / old.median
-    lengths = ResponseLengths(median=median, p99=max(median, round(old.p99 * scale)),
-                              max=max(median, round(old.max * scale)))
+    scale = max_tokens / old.max
+    median = max(1, round(old.median * scale))
+    lengths = ResponseLengths(median=median, p99=min(max_tokens, max(median, round(old.p99 * scale))), max=max_tokens)
     return workload.model_copy(update={"response_len": lengths})
 
 

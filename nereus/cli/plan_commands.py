@@ -11,13 +11,16 @@ import typer
 from nereus.errors import NereusError
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from nereus.cost.calibration import Calibration
     from nereus.solver.planner import PlanResult
     from nereus.spec.plan import Plan
 
 GIB = 2**30
-plan_app = typer.Typer(help="Search the fastest memory-feasible plan, or explain one.",
-                       invoke_without_command=True, no_args_is_help=False)
+plan_app = typer.Typer(
+    help="Search the fastest memory-feasible plan, or explain one.", invoke_without_command=True, no_args_is_help=False
+)
 
 
 def _gpu_ranges(gpus: list[int]) -> str:
@@ -34,20 +37,38 @@ def _gpu_ranges(gpus: list[int]) -> str:
 @plan_app.callback()
 def plan(
     ctx: typer.Context,
-    gpus: Annotated[int | None, typer.Option("--gpus", min=1, help="GPUs to plan for (default: the whole cluster).")] = None,
+    gpus: Annotated[
+        int | None, typer.Option("--gpus", min=1, help="GPUs to plan for (default: the whole cluster).")
+    ] = None,
     cluster: Annotated[str, typer.Option(help="Cluster preset (h100, a100-80gb-4x8, ...) or Cluster YAML.")] = "h100",
-    model: Annotated[str | None, typer.Option(help="Model preset, Model YAML or HF config.json; plays every role.")] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Model preset, Model YAML or HF config.json; plays every role.")
+    ] = None,
     workload: Annotated[str, typer.Option(help="Workload preset (ppo, grpo, remax) or Workload YAML.")] = "ppo",
-    seq_len: Annotated[int | None, typer.Option(help="Scale response lengths so their median is this many tokens.")] = None,
+    seq_len: Annotated[
+        int | None,
+        typer.Option(help="Maximum response length in tokens (sizes the KV cache); median and p99 scale alike."),
+    ] = None,
     calibration: Annotated[Path | None, typer.Option(help="Calibration YAML with measured efficiencies.")] = None,
-    output: Annotated[Path | None, typer.Option("-o", "--output", help="Write the best plan to this YAML/JSON file.")] = None,
+    output: Annotated[
+        Path | None, typer.Option("-o", "--output", help="Write the best plan to this YAML/JSON file.")
+    ] = None,
     top: Annotated[int, typer.Option(min=1, help="Also report this many best plans in total.")] = 1,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the plan, predictions and search time as JSON.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the plan, predictions and search time as JSON.")
+    ] = False,
 ) -> None:
     """Choose every model-stage's tp/pp/dp, GPUs and micro-batches for the fastest feasible step."""
     if ctx.invoked_subcommand is not None:
         return
-    from nereus.cli.inputs import load_kind, models_for, resolve_cluster, resolve_model, resolve_workload, with_response_median
+    from nereus.cli.inputs import (
+        load_kind,
+        models_for,
+        resolve_cluster,
+        resolve_model,
+        resolve_workload,
+        with_max_response,
+    )
     from nereus.cost.calibration import Calibration
     from nereus.solver.plan_search import PlanRequest
     from nereus.solver.planner import make_plan
@@ -56,14 +77,13 @@ def plan(
     the_model = resolve_model(model) if model else None
     the_workload = resolve_workload(workload, the_model)
     if seq_len is not None:
-        the_workload = with_response_median(the_workload, seq_len)
+        the_workload = with_max_response(the_workload, seq_len)
     the_cluster = resolve_cluster(cluster, gpus)
     num_gpus = gpus or the_cluster.num_gpus
     if num_gpus > the_cluster.num_gpus:
         raise NereusError(f"--gpus {num_gpus} exceeds the {the_cluster.num_gpus} GPUs of cluster {the_cluster.name}")
     the_calibration = load_kind(str(calibration), Calibration) if calibration else Calibration()
-    request = PlanRequest(the_cluster, models_for(the_workload, the_model), the_workload, num_gpus,
-                          the_calibration)  # type: ignore[arg-type]
+    request = PlanRequest(the_cluster, models_for(the_workload, the_model), the_workload, num_gpus, the_calibration)  # type: ignore[arg-type]
     result = make_plan(request, top_k=top)
     if output:
         save_document(result.best, output)
@@ -86,7 +106,7 @@ def _print_json(result: PlanResult) -> None:
     typer.echo(json.dumps(payload, indent=2))
 
 
-def _stage_table(plan: Plan, title: str, calibration: Calibration):  # type: ignore[no-untyped-def]
+def _stage_table(plan: Plan, title: str, calibration: Calibration) -> Table:
     from rich.table import Table
 
     assert plan.predictions is not None
@@ -96,9 +116,17 @@ def _stage_table(plan: Plan, title: str, calibration: Calibration):  # type: ign
         table.add_column(column, justify="left" if column in ("model-stage", "pool", "GPUs") else "right")
     for entry in plan.stages:
         pred = plan.predictions.model_stages[entry.model_stage]
-        table.add_row(entry.model_stage, entry.pool, str(entry.tp), str(entry.pp), str(entry.dp),
-                      str(entry.micro_batches), _gpu_ranges(sorted(entry.gpus)), f"{pred.time_s:.2f}",
-                      f"{pred.peak_memory_bytes / GIB:.1f} / {usable / GIB:.1f}")
+        table.add_row(
+            entry.model_stage,
+            entry.pool,
+            str(entry.tp),
+            str(entry.pp),
+            str(entry.dp),
+            str(entry.micro_batches),
+            _gpu_ranges(sorted(entry.gpus)),
+            f"{pred.time_s:.2f}",
+            f"{pred.peak_memory_bytes / GIB:.1f} / {usable / GIB:.1f}",
+        )
     return table
 
 
@@ -108,17 +136,27 @@ def _print_table(result: PlanResult, output: Path | None, calibration: Calibrati
     console = Console(width=120)
     plan = result.best
     assert plan.predictions is not None
-    console.print(_stage_table(plan, f"{plan.workload.name} on {sum(len(p.gpus) for p in plan.pools)} x "
-                                     f"{plan.cluster.gpu.name}", calibration))
+    console.print(
+        _stage_table(
+            plan,
+            f"{plan.workload.name} on {sum(len(p.gpus) for p in plan.pools)} x {plan.cluster.gpu.name}",
+            calibration,
+        )
+    )
     steps = plan.predictions.step_breakdown_s
-    console.print("step " + f"{plan.predictions.step_time_s:.2f} s = " +
-                  " + ".join(f"{name} {value:.2f}" for name, value in steps.items()))
+    console.print(
+        "step "
+        + f"{plan.predictions.step_time_s:.2f} s = "
+        + " + ".join(f"{name} {value:.2f}" for name, value in steps.items())
+    )
     for rank, alternative in enumerate(result.alternatives, 2):
         assert alternative.predictions is not None
         pools = "+".join(p.name for p in alternative.pools)
         console.print(f"#{rank}: {alternative.predictions.step_time_s:.2f} s ({pools})")
-    console.print(f"searched {result.num_placements} placements in {result.search_time_s * 1000:.1f} ms; "
-                  f"{len(result.rejections)} layouts rejected for memory")
+    console.print(
+        f"searched {result.num_placements} placements in {result.search_time_s * 1000:.1f} ms; "
+        f"{len(result.rejections)} layouts rejected for memory"
+    )
     for rejection in result.rejections[:3]:
         console.print(f"  rejected: {rejection.describe()}")
     if output:
@@ -148,4 +186,6 @@ def explain(
 
 
 def register(app: typer.Typer) -> None:
-    app.add_typer(plan_app, name="plan", help="Search the fastest memory-feasible plan (`plan explain FILE` shows why).")
+    app.add_typer(
+        plan_app, name="plan", help="Search the fastest memory-feasible plan (`plan explain FILE` shows why)."
+    )

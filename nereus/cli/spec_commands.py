@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from nereus.errors import NereusError
 
+if TYPE_CHECKING:
+    from nereus.spec.base import Document
+
 
 def check(
     files: Annotated[list[Path], typer.Argument(help="nereus files (YAML or JSON) to validate.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with every result.")] = False,
-    warnings_as_errors: Annotated[
-        bool, typer.Option("--strict", help="Treat warnings as errors (exit 1).")
-    ] = False,
+    warnings_as_errors: Annotated[bool, typer.Option("--strict", help="Treat warnings as errors (exit 1).")] = False,
 ) -> None:
     """Validate files: schema and semantics. Exit 0 valid, 1 invalid, 2 usage error."""
     import nereus.cost  # noqa: F401  (registers the cost model's plan checks)
@@ -56,8 +57,7 @@ def schema(
     typer.echo(json.dumps(match.model_json_schema(), indent=2))
 
 
-preset_app = typer.Typer(help="List and print the built-in clusters, models and workloads.",
-                         no_args_is_help=True)
+preset_app = typer.Typer(help="List and print the built-in clusters, models and workloads.", no_args_is_help=True)
 
 
 @preset_app.command("list")
@@ -90,6 +90,7 @@ def preset_show(
     from nereus.spec import presets
     from nereus.spec.io import to_json, to_yaml
 
+    document: Document
     if name.lower() in presets.MODELS:
         document = presets.model_preset(name)
     elif name in presets.WORKLOAD_NAMES:

@@ -28,36 +28,55 @@ def explain_plan(plan: Plan, calibration: Calibration) -> dict[str, Any]:
     """A JSON-ready derivation of every prediction, plus printable `lines`."""
     evaluation = evaluate_plan(plan, calibration)
     predictions = evaluation.predictions
-    lines = [f"plan for {plan.workload.name} ({plan.workload.algorithm}) on {plan.cluster.name}; "
-             f"calibration: gemm {calibration.gemm}, attention {calibration.attention}, "
-             f"memory-bound {calibration.decode_memory}, links {calibration.collective_intra}/"
-             f"{calibration.collective_inter}"]
+    lines = [
+        f"plan for {plan.workload.name} ({plan.workload.algorithm}) on {plan.cluster.name}; "
+        f"calibration: gemm {calibration.gemm}, attention {calibration.attention}, "
+        f"memory-bound {calibration.decode_memory}, links {calibration.collective_intra}/"
+        f"{calibration.collective_inter}"
+    ]
     stages: dict[str, Any] = {}
     for entry in plan.stages:
         pred = predictions.model_stages[entry.model_stage]
         derived = _derived(plan, entry.model_stage, calibration)
-        stages[entry.model_stage] = {"derived": derived, "time_s": pred.time_breakdown_s,
-                                     "memory_bytes": pred.memory_breakdown_bytes}
-        lines.append(f"\n{entry.model_stage}: tp={entry.tp} pp={entry.pp} dp={entry.dp} "
-                     f"micro_batches={entry.micro_batches} pool={entry.pool}")
+        stages[entry.model_stage] = {
+            "derived": derived,
+            "time_s": pred.time_breakdown_s,
+            "memory_bytes": pred.memory_breakdown_bytes,
+        }
+        lines.append(
+            f"\n{entry.model_stage}: tp={entry.tp} pp={entry.pp} dp={entry.dp} "
+            f"micro_batches={entry.micro_batches} pool={entry.pool}"
+        )
         lines.append("  inputs: " + ", ".join(f"{k}={v:.6g}" for k, v in derived.items()))
-        lines.append(f"  time {pred.time_s:.4g} s = " + " + ".join(
-            f"{k} {v:.4g}" for k, v in pred.time_breakdown_s.items() if k != "weight_sync"))
+        lines.append(
+            f"  time {pred.time_s:.4g} s = "
+            + " + ".join(f"{k} {v:.4g}" for k, v in pred.time_breakdown_s.items() if k != "weight_sync")
+        )
         if "weight_sync" in pred.time_breakdown_s:
             lines.append(f"  weight sync from actor/training: {pred.time_breakdown_s['weight_sync']:.4g} s")
-        lines.append(f"  peak memory {pred.peak_memory_bytes / GIB:.2f} GiB = " + " + ".join(
-            f"{k} {v / GIB:.2f}" for k, v in pred.memory_breakdown_bytes.items()))
+        lines.append(
+            f"  peak memory {pred.peak_memory_bytes / GIB:.2f} GiB = "
+            + " + ".join(f"{k} {v / GIB:.2f}" for k, v in pred.memory_breakdown_bytes.items())
+        )
     lines.append("\nstep (phases in sequence; within a phase pools overlap, a pool runs its model-stages serially):")
     for phase in STAGES:
         pools: dict[str, float] = {}
         for entry in plan.stages:
             if entry.stage == phase:
                 pools[entry.pool] = pools.get(entry.pool, 0.0) + predictions.model_stages[entry.model_stage].time_s
-        lines.append(f"  {phase}: max over pools of " + ", ".join(f"{p} {t:.4g}" for p, t in pools.items())
-                     + f" = {predictions.step_breakdown_s[phase]:.4g} s")
+        lines.append(
+            f"  {phase}: max over pools of "
+            + ", ".join(f"{p} {t:.4g}" for p, t in pools.items())
+            + f" = {predictions.step_breakdown_s[phase]:.4g} s"
+        )
     lines.append(f"  weight_sync: {predictions.step_breakdown_s['weight_sync']:.4g} s")
     lines.append(f"  step time: {predictions.step_time_s:.4g} s")
     for problem in evaluation.memory_problems:
         lines.append(f"infeasible: {problem}")
-    return {"step_time_s": predictions.step_time_s, "step_breakdown_s": predictions.step_breakdown_s,
-            "model_stages": stages, "memory_problems": evaluation.memory_problems, "lines": lines}
+    return {
+        "step_time_s": predictions.step_time_s,
+        "step_breakdown_s": predictions.step_breakdown_s,
+        "model_stages": stages,
+        "memory_problems": evaluation.memory_problems,
+        "lines": lines,
+    }

@@ -34,8 +34,17 @@ def usable_memory(cluster: Cluster, calibration: Calibration) -> float:
     return capacity * (1 - calibration.memory_headroom) - capacity * calibration.workspace_fraction
 
 
-def weight_sync_time(cluster: Cluster, workload: Workload, actor_params: int, calibration: Calibration,
-                     *, same_layout: bool, tp: int, pp: int, inter: bool) -> float:
+def weight_sync_time(
+    cluster: Cluster,
+    workload: Workload,
+    actor_params: int,
+    calibration: Calibration,
+    *,
+    same_layout: bool,
+    tp: int,
+    pp: int,
+    inter: bool,
+) -> float:
     """Moving updated actor weights into a generation/inference layout: 0 if identical."""
     if same_layout:
         return 0.0
@@ -76,8 +85,16 @@ def _weight_sync(plan: Plan, entry: StagePlan, calibration: Calibration) -> floa
     train_nodes = {plan.cluster.node_of(g) for g in train.gpus}
     inter = any(plan.cluster.node_of(g) not in train_nodes for g in entry.gpus)
     actor = plan.model(plan.workload.actor)
-    return weight_sync_time(plan.cluster, plan.workload, actor.num_params("lm"), calibration,
-                            same_layout=same, tp=entry.tp, pp=entry.pp, inter=inter)
+    return weight_sync_time(
+        plan.cluster,
+        plan.workload,
+        actor.num_params("lm"),
+        calibration,
+        same_layout=same,
+        tp=entry.tp,
+        pp=entry.pp,
+        inter=inter,
+    )
 
 
 def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) -> PlanEvaluation:
@@ -155,11 +172,15 @@ def plan_cost_problems(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATIO
         return
     fresh = evaluation.predictions
     if _stale(plan.predictions.step_time_s, fresh.step_time_s):
-        yield Problem("predictions.step_time_s",
-                      f"stale: stored {plan.predictions.step_time_s:.4g} s, the cost model now predicts "
-                      f"{fresh.step_time_s:.4g} s; rerun `nereus plan` or delete the predictions block", "warning")
+        yield Problem(
+            "predictions.step_time_s",
+            f"stale: stored {plan.predictions.step_time_s:.4g} s, the cost model now predicts "
+            f"{fresh.step_time_s:.4g} s; rerun `nereus plan` or delete the predictions block",
+            "warning",
+        )
     for name, stored in plan.predictions.model_stages.items():
         now = fresh.model_stages.get(name)
         if now is None or _stale(stored.time_s, now.time_s) or stored.peak_memory_bytes != now.peak_memory_bytes:
-            yield Problem(f"predictions.model_stages.{name}",
-                          "stale: no longer matches the cost model for this layout", "warning")
+            yield Problem(
+                f"predictions.model_stages.{name}", "stale: no longer matches the cost model for this layout", "warning"
+            )

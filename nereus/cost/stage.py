@@ -63,21 +63,27 @@ class StageCostModel:
         m = self.model
         q_dim = m.num_heads * m.head_dim
         kv_heads_rank = np.maximum(m.num_kv_heads / tp, 1.0)
-        attention = 2 * m.hidden_dim * q_dim / tp + 2 * m.hidden_dim * m.head_dim * kv_heads_rank
+        kv_dim_rank = m.head_dim * kv_heads_rank
+        attention = 2 * m.hidden_dim * q_dim / tp + 2 * m.hidden_dim * kv_dim_rank
+        if m.qkv_bias:
+            attention = attention + q_dim / tp + 2 * kv_dim_rank
+        if m.qk_norm:
+            attention = attention + 2 * m.head_dim
         mlp = 3 * m.hidden_dim * m.ffn_dim / tp
         return attention + mlp + 2 * m.hidden_dim
 
     def params_per_gpu(self, tp: Array, pp: Array) -> Array:
-        """Parameters on the busiest GPU: its layers plus the embedding or the head."""
+        """Parameters on the busiest GPU: its layers plus the embedding or the final norm and head."""
         m = self.model
         layers = self.layer_params_per_rank(tp) * (m.num_layers / pp)
         embedding = m.vocab_size * m.hidden_dim / tp
+        head: Array
         if self.head == "value":
             head = 2.0 * m.hidden_dim + 1
         elif m.tied_embeddings:
-            head = np.where(pp > 1, embedding, 0.0)  # the last stage needs its own copy
+            head = m.hidden_dim + np.where(pp > 1, embedding, 0.0)  # the last stage needs its own copy
         else:
-            head = embedding
+            head = m.hidden_dim + embedding
         first = layers + embedding + np.where(pp == 1, head, 0.0)
         last = layers + head
         return np.maximum(first, last)
@@ -88,11 +94,15 @@ class StageCostModel:
         kv_heads_rank = np.maximum(m.num_kv_heads / tp, 1.0)
         return 2 * kv_heads_rank * m.head_dim * (m.num_layers / pp) * self.dtype_bytes
 
-    def dense_flops_per_token(self) -> float:
-        """Forward FLOPs per token of the GEMMs (2 per multiply-add), head included."""
+    def dense_flops_per_token(self, pp: Array = 1) -> Array:
+        """Forward GEMM FLOPs per token (2 per multiply-add) on the busiest pipeline stage.
+
+        The last stage carries the output head besides its layers; with a large
+        vocabulary it is the slowest stage and sets the pipeline's pace.
+        """
         m = self.model
         head = m.vocab_size * m.hidden_dim if self.head == "lm" else m.hidden_dim
-        return 2.0 * (m.num_layers * (m.layer_params() - 2 * m.hidden_dim) + head)
+        return 2.0 * ((m.num_layers / pp) * (m.layer_params() - 2 * m.hidden_dim) + head)
 
     def attention_flops(self, query_tokens: Array, context: Array) -> Array:
         """Forward FLOPs of QK^T and AV for `query_tokens` attending to `context` keys."""
@@ -114,8 +124,9 @@ class StageCostModel:
     def link(self, inter: Array) -> tuple[Array, Array]:
         """(bytes/s, latency) of the intra- or inter-node link, calibrated."""
         c, intra_link, inter_link = self.calibration, self.cluster.intra_node, self.cluster.inter_node
-        bandwidth = np.where(inter, inter_link.bytes_per_s * c.collective_inter,
-                             intra_link.bytes_per_s * c.collective_intra)
+        bandwidth = np.where(
+            inter, inter_link.bytes_per_s * c.collective_inter, intra_link.bytes_per_s * c.collective_intra
+        )
         latency = np.where(inter, inter_link.latency_s, intra_link.latency_s)
         return bandwidth, latency
 
@@ -163,15 +174,17 @@ class StageCostModel:
         return terms
 
     # ---- latency ---------------------------------------------------------------------
-    def time_terms(self, tp: Array, pp: Array, dp: Array, micro_batches: Array,
-                   pp_inter: Array, dp_inter: Array) -> dict[str, Array]:
+    def time_terms(
+        self, tp: Array, pp: Array, dp: Array, micro_batches: Array, pp_inter: Array, dp_inter: Array
+    ) -> dict[str, Array]:
         """Seconds per RL step by term, for the slowest replica."""
         if self.stage == "generation":
             return self._generation_terms(tp, pp, dp, pp_inter)
         return self._pipeline_terms(tp, pp, dp, micro_batches, pp_inter, dp_inter)
 
-    def _pipeline_terms(self, tp: Array, pp: Array, dp: Array, micro_batches: Array,
-                        pp_inter: Array, dp_inter: Array) -> dict[str, Array]:
+    def _pipeline_terms(
+        self, tp: Array, pp: Array, dp: Array, micro_batches: Array, pp_inter: Array, dp_inter: Array
+    ) -> dict[str, Array]:
         """Inference forwards or 1F1B training: (m + pp - 1) slots per mini-batch."""
         w, m = self.workload, self.model
         seq = w.prompt_len + w.response_len.mean()
@@ -182,7 +195,7 @@ class StageCostModel:
         else:
             passes, rounds = 1.0, 1
             m_count = micro_batches
-        dense = self.dense_flops_per_token() * b * seq / pp * passes
+        dense = self.dense_flops_per_token(pp) * b * seq * passes
         attention = self.attention_flops(b * seq, seq / 2) / pp * passes  # causal: half the keys
         slot_compute = self.compute_time(dense, attention, tp)
         activation_bytes = b * seq * m.hidden_dim * self.dtype_bytes
@@ -219,15 +232,19 @@ class StageCostModel:
         # The step waits for the slowest replica, the one holding the longest response.
         longest = w.response_len.expected_longest(w.samples_per_step)
         pipeline = (2 * pp - 1) / pp  # pp micro-batches in flight: pp + pp - 1 slots
-        prefill_flops = self.dense_flops_per_token() * n * p, self.attention_flops(n * p, p / 2)
-        prefill = self.compute_time(*prefill_flops, tp * pp) * pipeline
+        # pp micro-batches of n / pp samples each; a slot is one on the busiest stage.
+        prefill_flops = self.dense_flops_per_token(pp) * n * p / pp, self.attention_flops(n * p, p / 2) / pp / pp
+        prefill = self.compute_time(*prefill_flops, tp) * (2 * pp - 1)
+        # Prefill all-reduces are large: (2 pp - 1) slots of 2 L / pp all-reduces per micro-batch.
+        prefill_bytes = n * p * m.hidden_dim * self.dtype_bytes / pp
+        prefill_tp = (2 * pp - 1) * 2 * m.num_layers / pp * self.allreduce_time(prefill_bytes, tp, False)
         # Decode, sliced: a trailing axis over DECODE_SLICES points of the longest response.
         t, alive = _decode_grid(w)
         tp_, pp_, n_, inter_ = (np.asarray(x, dtype=float)[..., None] for x in (tp, pp, n, pp_inter))
         active = np.maximum(1.0, n_ * alive)
         context = p + t
-        flops = active * self.dense_flops_per_token(), self.attention_flops(active, context)
-        compute = self.compute_time(*flops, tp_ * pp_ * pp_)  # one of pp micro-batches per stage
+        flops = active / pp_ * self.dense_flops_per_token(pp_), self.attention_flops(active, context) / pp_ / pp_
+        compute = self.compute_time(*flops, tp_)  # one of pp micro-batches on the busiest stage
         weights = self.params_per_gpu(tp_, pp_) * self.dtype_bytes
         kv = active * context * self.kv_bytes_per_token(tp_, pp_) / pp_
         memory = (weights + kv) / (self.cluster.gpu.hbm_bytes_per_s * c.decode_memory)
@@ -238,7 +255,7 @@ class StageCostModel:
         return {
             "prefill": prefill,
             "decode": ((2 * pp_ - 1) * np.maximum(compute, memory) * dt).sum(axis=-1),
-            "tp_comm": (tp_comm * dt).sum(axis=-1),
+            "tp_comm": prefill_tp + (tp_comm * dt).sum(axis=-1),
             "pp_comm": (pp_comm * dt).sum(axis=-1),
             "overhead": m.num_layers * c.launch_overhead_s * longest * pipeline,
         }

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 
@@ -12,71 +14,106 @@ from nereus.cost.stage import StageCostModel
 from nereus.spec.check import kv_heads_rule, pp_rule
 
 
-@dataclass(frozen=True)
+@dataclass
 class OptionTable:
-    """Every candidate layout of one model-stage on one pool size, as plain tuples.
+    """Every candidate layout of one model-stage on one pool size.
 
-    Each option is (time_s, resident_bytes, transient_bytes, tp, pp, dp, micro_batches).
-    `terms` keeps the per-term memory (bytes) of each option for error reports.
+    Columns are numpy arrays; `options` turns them, on first use, into the plain tuples
+    (time_s, resident_bytes, transient_bytes, tp, pp, dp, micro_batches) the search
+    loops over. `memory` keeps the per-term bytes behind each option for reports.
     """
 
-    options: list[tuple[float, float, float, int, int, int, int]]
-    terms: list[dict[str, float]]
+    columns: tuple[np.ndarray, ...]
+    memory: dict[str, np.ndarray]
+
+    @cached_property
+    def options(self) -> list[tuple[float, float, float, int, int, int, int]]:
+        time, resident, transient, *layout = (c.tolist() for c in self.columns)
+        layout = [[int(x) for x in col] for col in layout]
+        return list(zip(time, resident, transient, *layout, strict=True))
+
+    def fastest_time(self, budget: float) -> float:
+        """The fastest option that fits alone, or inf."""
+        fits = self.columns[1] + self.columns[2] <= budget
+        return float(self.columns[0][fits].min()) if fits.any() else math.inf
+
+    def terms(self, i: int) -> dict[str, float]:
+        """Bytes per memory term of option `i`."""
+        return {k: float(v[i]) for k, v in self.memory.items()}
 
 
-def micro_batch_choices(cost: StageCostModel, dp: int) -> list[int]:
-    """Training: micro-batch sizes 1, 2, 4, ... of a replica's mini-batch share."""
+def _valid_tp_pp(cost: StageCostModel) -> list[tuple[int, int]]:
+    """(tp, pp) pairs the model allows: power-of-two tp in a node, pp dividing the layers."""
+    model = cost.model
+    tps = [
+        1 << i
+        for i in range(cost.cluster.gpus_per_node.bit_length())
+        if 1 << i <= cost.cluster.gpus_per_node and kv_heads_rule(model, 1 << i) is None
+    ]
+    pps = [pp for pp in range(1, model.num_layers + 1) if pp_rule(model, pp) is None]
+    return [(tp, pp) for tp in tps for pp in pps]
+
+
+def _ceil_div(a: Any, b: Any) -> Any:
+    return -(-a // b)
+
+
+def candidate_grid(cost: StageCostModel, pool_sizes: list[int]) -> tuple[np.ndarray, ...]:
+    """(size, tp, pp, dp, micro_batches) columns of every candidate on every pool size.
+
+    tp is a power of two inside a node, pp divides the layers, dp fills the pool
+    (but never exceeds the samples a replica could get);
+    training tries micro-batch sizes 1, 2, 4, ... and the whole share of a replica.
+    """
+    pairs = np.array(_valid_tp_pp(cost), dtype=np.int64).reshape(-1, 2)
+    size, tp, pp = np.broadcast_arrays(
+        np.array(pool_sizes, dtype=np.int64)[:, None], pairs[None, :, 0], pairs[None, :, 1]
+    )
     w = cost.workload
-    if cost.stage == "generation":
-        return [1]
-    if cost.stage == "inference":
-        return [-(-int(cost.samples_per_replica(dp)) // w.micro_batch_size)]
-    share = -(-w.samples_per_step // w.mini_batches // dp)
-    sizes = {share} | {1 << i for i in range(share.bit_length()) if 1 << i <= share}
-    return sorted({-(-share // size) for size in sizes})
-
-
-@lru_cache(maxsize=4096)
-def emu_spans_nodes(emu_size: int, dp: int, gpus_per_node: int) -> bool:
-    """Whether some EMU, packed contiguously from a node boundary, straddles two nodes."""
-    return any((k * emu_size) % gpus_per_node + emu_size > gpus_per_node for k in range(dp))
-
-
-def candidate_layouts(cost: StageCostModel, pool_size: int) -> list[tuple[int, int, int, int]]:
-    """(tp, pp, dp, micro_batches): power-of-two tp in a node, pp dividing the layers."""
-    model, per_node = cost.model, cost.cluster.gpus_per_node
-    out = []
-    tp = 1
-    while tp <= min(per_node, pool_size):
-        if kv_heads_rule(model, tp) is None:
-            for pp in range(1, model.num_layers + 1):
-                if tp * pp > pool_size:
-                    break
-                if pp_rule(model, pp) is None:
-                    dp = pool_size // (tp * pp)
-                    out += [(tp, pp, dp, m) for m in micro_batch_choices(cost, dp)]
-        tp *= 2
-    return out
+    samples = w.samples_per_step // w.mini_batches if cost.stage == "training" else w.samples_per_step
+    keep = (tp * pp <= size) & (size // (tp * pp) <= samples)  # no replica may idle
+    size, tp, pp = size[keep], tp[keep], pp[keep]
+    dp = size // (tp * pp)
+    if cost.stage != "training":
+        if cost.stage == "generation":
+            return size, tp, pp, dp, np.ones_like(dp)
+        per_replica = _ceil_div(w.samples_per_step, dp)
+        return size, tp, pp, dp, _ceil_div(per_replica, w.micro_batch_size)
+    share = _ceil_div(w.samples_per_step // w.mini_batches, dp)
+    columns: list[list[np.ndarray]] = [[], [], [], [], []]
+    for b in [1 << i for i in range(int(share.max()).bit_length())] + [0]:
+        pick = share > b if b else np.ones_like(share, dtype=bool)  # b = 0 stands for "the whole share"
+        m = _ceil_div(share[pick], b) if b else np.ones(int(pick.sum()), dtype=np.int64)
+        for out, col in zip(columns, (size[pick], tp[pick], pp[pick], dp[pick], m), strict=True):
+            out.append(col)
+    return tuple(np.concatenate(col) for col in columns)
 
 
 def price_layouts(cost: StageCostModel, pool_sizes: list[int]) -> dict[int, OptionTable]:
     """Price every candidate layout on every pool size in one vectorised call."""
-    rows = [(size, *layout) for size in pool_sizes for layout in candidate_layouts(cost, size)]
-    if not rows:
-        return {size: OptionTable([], []) for size in pool_sizes}
-    size, tp, pp, dp, m = (np.array(col, dtype=float) for col in zip(*rows, strict=True))
+    size, tp, pp, dp, m = candidate_grid(cost, pool_sizes)
+    order = np.argsort(size, kind="stable")
+    size, tp, pp, dp, m = size[order], tp[order], pp[order], dp[order], m[order]
     per_node = cost.cluster.gpus_per_node
-    pp_inter = np.array([emu_spans_nodes(int(a * b), int(c), per_node) for a, b, c in zip(tp, pp, dp, strict=True)])
-    dp_inter = tp * pp * dp > per_node
-    times = cost.time_terms(tp, pp, dp, m, pp_inter, dp_inter)
-    memory = cost.memory_terms(tp, pp, dp, m)
-    total = sum(np.broadcast_to(v, size.shape) for v in times.values())
-    memory = {k: np.broadcast_to(v, size.shape) for k, v in memory.items()}
-    resident = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
-    transient = sum((v for k, v in memory.items() if k not in RESIDENT_TERMS), np.zeros(size.shape))
-    tables: dict[int, OptionTable] = {s: OptionTable([], []) for s in pool_sizes}
-    for i, row in enumerate(rows):
-        table = tables[row[0]]
-        table.options.append((float(total[i]), float(resident[i]), float(transient[i]), *row[1:]))
-        table.terms.append({k: float(v[i]) for k, v in memory.items()})
+    emu = tp * pp
+    # An EMU straddles nodes when it is larger than a node, or packs unevenly into one.
+    pp_inter = (emu > per_node) | ((per_node % emu != 0) & (emu * dp > per_node))
+    dp_inter = emu * dp > per_node
+    tp_f, pp_f, dp_f, m_f = (x.astype(float) for x in (tp, pp, dp, m))
+    times = cost.time_terms(tp_f, pp_f, dp_f, m_f, pp_inter, dp_inter)
+    memory = {
+        k: np.broadcast_to(v, size.shape).astype(float) for k, v in cost.memory_terms(tp_f, pp_f, dp_f, m_f).items()
+    }
+    zeros = np.zeros(size.shape)
+    total: np.ndarray = sum((np.broadcast_to(v, size.shape) for v in times.values()), zeros)
+    resident: np.ndarray = sum((v for k, v in memory.items() if k in RESIDENT_TERMS), zeros)
+    transient: np.ndarray = sum((v for k, v in memory.items() if k not in RESIDENT_TERMS), zeros)
+    bounds = np.searchsorted(size, [*pool_sizes, np.iinfo(np.int64).max])
+    tables = {}
+    for s, lo, hi in zip(pool_sizes, bounds[:-1], bounds[1:], strict=True):
+        piece = slice(lo, hi)
+        tables[s] = OptionTable(
+            (total[piece], resident[piece], transient[piece], tp[piece], pp[piece], dp[piece], m[piece]),
+            {k: v[piece] for k, v in memory.items()},
+        )
     return tables

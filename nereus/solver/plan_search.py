@@ -74,8 +74,10 @@ class Rejection:
     largest_bytes: float
 
     def describe(self) -> str:
-        return (f"{self.model_stage} tp={self.tp} pp={self.pp} dp={self.dp}: needs {self.needed_bytes / GIB:.1f} GiB "
-                f"> {self.usable_bytes / GIB:.1f} GiB usable ({self.largest_term} {self.largest_bytes / GIB:.1f} GiB)")
+        return (
+            f"{self.model_stage} tp={self.tp} pp={self.pp} dp={self.dp}: needs {self.needed_bytes / GIB:.1f} GiB "
+            f"> {self.usable_bytes / GIB:.1f} GiB usable ({self.largest_term} {self.largest_bytes / GIB:.1f} GiB)"
+        )
 
 
 @dataclass
@@ -101,8 +103,9 @@ def placements(request: PlanRequest) -> list[Placement]:
         a = k * per_node
         if others:
             out.append(Placement(f"split-actor-{a}", (("actor", 0, a, actor), ("others", a, n - a, others))))
-        out.append(Placement(f"split-generation-{a}", (("generation", 0, a, ("actor/generation",)),
-                                                      ("rest", a, n - a, rest))))
+        out.append(
+            Placement(f"split-generation-{a}", (("generation", 0, a, ("actor/generation",)), ("rest", a, n - a, rest)))
+        )
     return out
 
 
@@ -110,7 +113,8 @@ def _cost_models(request: PlanRequest) -> dict[str, StageCostModel]:
     w = request.workload
     return {
         model_stage_name(role, stage): StageCostModel(
-            request.model(w.model_name(role)), head_of(role), stage, w, request.cluster, request.calibration)
+            request.model(w.model_name(role)), head_of(role), stage, w, request.cluster, request.calibration
+        )
         for role, stage in model_stages(w)
     }
 
@@ -156,11 +160,15 @@ class _Problem:
         return sum(max(row) for row in sums) + self._sync_time(chosen)
 
     def _sync_time(self, chosen: Sequence[Option]) -> float:
+        """Weight-sync time; `chosen` must cover actor/training and the sync targets."""
         index = {name: i for i, name in enumerate(self.names)}
         train = index["actor/training"]
         return max(
-            (self.sync(chosen[train], chosen[index[d]], self.pool_of[train] == self.pool_of[index[d]])
-             for d in SYNC_TARGETS if d in index),
+            (
+                self.sync(chosen[train], chosen[index[d]], self.pool_of[train] == self.pool_of[index[d]])
+                for d in SYNC_TARGETS
+                if d in index
+            ),
             default=0.0,
         )
 
@@ -173,8 +181,16 @@ def _sync_function(request: PlanRequest) -> Callable[[Option, Option, bool], flo
         same_layout = same_pool and train[3:5] == dest[3:5]
         nodes = (-(-train[3] * train[4] * train[5] // per_node), -(-dest[3] * dest[4] * dest[5] // per_node))
         inter = not same_pool or nodes[1] > nodes[0]
-        return weight_sync_time(request.cluster, request.workload, actor_params, request.calibration,
-                                same_layout=same_layout, tp=dest[3], pp=dest[4], inter=inter)
+        return weight_sync_time(
+            request.cluster,
+            request.workload,
+            actor_params,
+            request.calibration,
+            same_layout=same_layout,
+            tp=dest[3],
+            pp=dest[4],
+            inter=inter,
+        )
 
     return sync
 
@@ -184,18 +200,37 @@ def _order(names: list[str]) -> list[str]:
     return first + [n for n in names if n not in first]
 
 
-def compile_problem(request: PlanRequest, placement: Placement,
-                    tables: dict[tuple[str, int], OptionTable], *, prune: bool) -> _Problem:
+def compile_problem(
+    request: PlanRequest,
+    placement: Placement,
+    tables: dict[tuple[str, int], OptionTable],
+    *,
+    prune: bool,
+    cache: dict[tuple[str, int], list[Option]] | None = None,
+) -> _Problem:
     """Per-stage option lists; with `prune`, drop lone-infeasible and dominated options."""
     budget = usable_memory(request.cluster, request.calibration)
     pool_index = {name: (p, size) for p, (_, _, size, stages) in enumerate(placement.pools) for name in stages}
     names = _order(list(pool_index))
+    cache = {} if cache is None else cache
     options = []
     for name in names:
-        table = tables[name, pool_index[name][1]].options
-        options.append(_pareto(table, budget, by_layout=name.startswith("actor/")) if prune else list(table))
-    return _Problem(placement, names, [pool_index[n][0] for n in names],
-                    [STAGES.index(n.split("/")[1]) for n in names], options, budget, _sync_function(request))
+        key = (name, pool_index[name][1])
+        if not prune:
+            options.append(sorted(tables[key].options))
+            continue
+        if key not in cache:
+            cache[key] = _pareto(tables[key].options, budget, by_layout=name.startswith("actor/"))
+        options.append(cache[key])
+    return _Problem(
+        placement,
+        names,
+        [pool_index[n][0] for n in names],
+        [STAGES.index(n.split("/")[1]) for n in names],
+        options,
+        budget,
+        _sync_function(request),
+    )
 
 
 def _pareto(options: list[Option], budget: float, *, by_layout: bool) -> list[Option]:
@@ -206,8 +241,7 @@ def _pareto(options: list[Option], budget: float, *, by_layout: bool) -> list[Op
     """
     kept: list[Option] = []
     for option in sorted(o for o in options if o[1] + o[2] <= budget):
-        if not any(k[1] <= option[1] and k[2] <= option[2] and (not by_layout or k[3:5] == option[3:5])
-                   for k in kept):
+        if not any(k[1] <= option[1] and k[2] <= option[2] and (not by_layout or k[3:5] == option[3:5]) for k in kept):
             kept.append(option)
     return kept
 
@@ -235,6 +269,15 @@ class _TopK:
         return [c for _, _, c in sorted(self.heap, key=lambda item: (-item[0], -item[1]))]
 
 
+def _placement_bound(placement: Placement, fastest: dict[tuple[str, int], float]) -> float:
+    """Step time with every model-stage at its fastest lone-feasible option."""
+    phases = [[0.0] * len(placement.pools) for _ in STAGES]
+    for p, (_, _, size, stages) in enumerate(placement.pools):
+        for name in stages:
+            phases[STAGES.index(name.split("/")[1])][p] += fastest[name, size]
+    return sum(max(row) for row in phases)
+
+
 def _root_bound(problem: _Problem) -> float:
     """Step time with every model-stage at its fastest option, ignoring memory and sync."""
     if any(not opts for opts in problem.options):
@@ -247,85 +290,102 @@ def _root_bound(problem: _Problem) -> float:
 
 
 def branch_and_bound(problem: _Problem, best: _TopK) -> int:
-    """Exact DFS over the option lists; returns the number of full assignments scored."""
+    """Exact DFS over the option lists; returns the number of full assignments scored.
+
+    The bound is the step time with unassigned model-stages at their fastest option
+    (plus the weight sync once its three actor model-stages are chosen); the memory
+    test charges unassigned model-stages their smallest footprint.
+    """
     n, num_pools = len(problem.names), len(problem.placement.pools)
     if _root_bound(problem) >= best.bound:
         return 0
     min_time = [opts[0][0] for opts in problem.options]
     min_res = [min(o[1] for o in opts) for opts in problem.options]
-    min_trans = [min(o[2] for o in opts) for opts in problem.options]
-    # Largest minimal transient among the stages still unassigned, per pool, by depth.
-    tail_trans = [[0.0] * num_pools for _ in range(n + 1)]
-    for i in range(n - 1, -1, -1):
-        tail_trans[i] = list(tail_trans[i + 1])
-        tail_trans[i][problem.pool_of[i]] = max(tail_trans[i][problem.pool_of[i]], min_trans[i])
+    tail_trans = _tail_transients(problem)
     sums = [[0.0] * num_pools for _ in STAGES]
     resident = [0.0] * num_pools
     for i in range(n):
         sums[problem.phase_of[i]][problem.pool_of[i]] += min_time[i]
         resident[problem.pool_of[i]] += min_res[i]
+    phase_max = [max(row) for row in sums]
     transient = [0.0] * num_pools
+    last_sync = max(i for i, name in enumerate(problem.names) if name == "actor/training" or name in SYNC_TARGETS)
     chosen: list[Option] = []
     leaves = 0
 
-    def visit(i: int) -> None:
+    def visit(i: int, sync: float) -> None:
         nonlocal leaves
         if i == n:
             leaves += 1
-            step = sum(max(row) for row in sums) + problem._sync_time(chosen)
-            best.offer(Candidate(step, problem.placement, tuple(zip(problem.names, chosen, strict=True))))
+            best.offer(
+                Candidate(sum(phase_max) + sync, problem.placement, tuple(zip(problem.names, chosen, strict=True)))
+            )
             return
         p, phase = problem.pool_of[i], problem.phase_of[i]
+        base = sum(phase_max) + sync - phase_max[phase]
         for option in problem.options[i]:
             extra = option[0] - min_time[i]
-            sums[phase][p] += extra
-            bound = sum(max(row) for row in sums)
-            sums[phase][p] -= extra
-            if bound >= best.bound:
+            if base + max(phase_max[phase], sums[phase][p] + extra) >= best.bound:
                 break  # options are sorted by time: the rest are no better
             res = resident[p] + option[1] - min_res[i]
             trans = max(transient[p], option[2])
             if res + max(trans, tail_trans[i + 1][p]) > problem.budget:
                 continue
+            saved = resident[p], transient[p], phase_max[phase]
             sums[phase][p] += extra
-            saved = resident[p], transient[p]
-            resident[p], transient[p] = res, trans
+            resident[p], transient[p], phase_max[phase] = res, trans, max(sums[phase])
             chosen.append(option)
-            visit(i + 1)
+            visit(i + 1, problem._sync_time(chosen) if i == last_sync else sync)
             chosen.pop()
-            resident[p], transient[p] = saved
             sums[phase][p] -= extra
+            resident[p], transient[p], phase_max[phase] = saved
 
-    visit(0)
+    visit(0, 0.0)
     return leaves
+
+
+def _tail_transients(problem: _Problem) -> list[list[float]]:
+    """Per depth and pool: the largest smallest-transient among unassigned model-stages."""
+    n, num_pools = len(problem.names), len(problem.placement.pools)
+    tail = [[0.0] * num_pools for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        tail[i] = list(tail[i + 1])
+        smallest = min(o[2] for o in problem.options[i])
+        tail[i][problem.pool_of[i]] = max(tail[i][problem.pool_of[i]], smallest)
+    return tail
 
 
 def _check_request(request: PlanRequest) -> None:
     if request.num_gpus < 1:
         raise ValueError("num_gpus must be at least 1")
     if request.num_gpus > request.cluster.num_gpus:
-        raise ValueError(f"{request.num_gpus} GPUs requested but cluster {request.cluster.name} has "
-                         f"{request.cluster.num_gpus}")
+        raise ValueError(
+            f"{request.num_gpus} GPUs requested but cluster {request.cluster.name} has {request.cluster.num_gpus}"
+        )
 
 
-def search(request: PlanRequest, top_k: int = 1,
-           progress: Callable[[int, int], None] | None = None) -> SearchOutcome:
+def search(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int], None] | None = None) -> SearchOutcome:
     """Exact branch-and-bound search; returns up to `top_k` best feasible candidates."""
     _check_request(request)
     started = time.perf_counter()
     layouts = placements(request)
     tables = price_all(request, layouts)
-    problems = [compile_problem(request, p, tables, prune=True) for p in layouts]
-    problems.sort(key=_root_bound)
-    best = _TopK(top_k)
-    leaves = 0
-    for done, problem in enumerate(problems, 1):
-        leaves += branch_and_bound(problem, best)
+    budget = usable_memory(request.cluster, request.calibration)
+    fastest = {key: table.fastest_time(budget) for key, table in tables.items()}
+    ordered = sorted(layouts, key=lambda p: _placement_bound(p, fastest))
+    best, leaves = _TopK(top_k), 0
+    cache: dict[tuple[str, int], list[Option]] = {}
+    for done, placement in enumerate(ordered, 1):
+        if _placement_bound(placement, fastest) < best.bound:
+            # Dominance pruning keeps the optimum but may drop runners-up: only for top-1.
+            problem = compile_problem(request, placement, tables, prune=top_k == 1, cache=cache)
+            leaves += branch_and_bound(problem, best)
         if progress:
-            progress(done, len(problems))
+            progress(done, len(ordered))
     outcome = SearchOutcome(best.sorted(), num_placements=len(layouts), num_leaves=leaves)
-    outcome.rejections = rejections(request, tables, outcome.candidates[0].placement if outcome.candidates
-                                    else layouts[0])
+    outcome.rejections = rejections(
+        request, tables, outcome.candidates[0].placement if outcome.candidates else layouts[0]
+    )
     outcome.search_time_s = time.perf_counter() - started
     return outcome
 
@@ -347,18 +407,19 @@ def reference_search(request: PlanRequest, top_k: int = 1) -> SearchOutcome:
     return SearchOutcome(best.sorted(), num_placements=len(layouts), num_leaves=leaves)
 
 
-def rejections(request: PlanRequest, tables: dict[tuple[str, int], OptionTable],
-               placement: Placement) -> list[Rejection]:
+def rejections(
+    request: PlanRequest, tables: dict[tuple[str, int], OptionTable], placement: Placement
+) -> list[Rejection]:
     """Layouts of `placement` that overflow memory even alone, with the largest term."""
     budget = usable_memory(request.cluster, request.calibration)
     out = []
     for _, _, size, stages in placement.pools:
         for name in stages:
             table = tables[name, size]
-            for option, terms in zip(table.options, table.terms, strict=True):
+            for i, option in enumerate(table.options):
                 needed = option[1] + option[2]
                 if needed > budget:
-                    term, amount = max(terms.items(), key=lambda kv: kv[1])
+                    term, amount = max(table.terms(i).items(), key=lambda kv: kv[1])
                     out.append(Rejection(name, *option[3:], needed, budget, term, amount))
     return out
 

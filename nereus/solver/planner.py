@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import evaluate_plan
 from nereus.errors import NereusError
 from nereus.solver.plan_search import Candidate, PlanRequest, Rejection, iter_assignments, search
@@ -30,26 +29,38 @@ class PlanResult:
 
 def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
     """A Plan document for a candidate: contiguous EMUs from each pool's first GPU."""
-    pools = [Pool(name=name, gpus=list(range(start, start + size)))
-             for name, start, size, _ in candidate.placement.pools]
+    pools = [
+        Pool(name=name, gpus=list(range(start, start + size))) for name, start, size, _ in candidate.placement.pools
+    ]
     entries = {}
     for name, pool, start, tp, pp, dp, micro_batches in iter_assignments(candidate):
         emu_size = tp * pp
         emus = [list(range(start + k * emu_size, start + (k + 1) * emu_size)) for k in range(dp)]
-        entries[name] = StagePlan(model_stage=name, pool=pool, tp=tp, pp=pp, dp=dp, emus=emus,  # type: ignore[arg-type]
-                                  micro_batches=micro_batches)
+        entries[name] = StagePlan(
+            model_stage=name,  # type: ignore[arg-type]
+            pool=pool,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            emus=emus,
+            micro_batches=micro_batches,
+        )
     order = [model_stage_name(r, s) for r, s in model_stages(request.workload)]
     names = {request.workload.model_name(role) for role in request.workload.roles()}
-    plan = Plan(cluster=request.cluster, models=[m for m in request.models if m.name in names],
-                workload=request.workload, pools=pools, stages=[entries[n] for n in order])
+    plan = Plan(
+        cluster=request.cluster,
+        models=[m for m in request.models if m.name in names],
+        workload=request.workload,
+        pools=pools,
+        stages=[entries[n] for n in order],
+    )
     evaluation = evaluate_plan(plan, request.calibration)
     assert evaluation.feasible, evaluation.memory_problems
     assert abs(evaluation.predictions.step_time_s - candidate.step_time_s) <= 1e-9 * max(1.0, candidate.step_time_s)
     return plan.model_copy(update={"predictions": evaluation.predictions})
 
 
-def make_plan(request: PlanRequest, top_k: int = 1,
-              progress: Callable[[int, int], None] | None = None) -> PlanResult:
+def make_plan(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int], None] | None = None) -> PlanResult:
     """Search and return Plan documents, or raise NereusError saying what would fit."""
     try:
         outcome = search(request, top_k=top_k, progress=progress)
@@ -65,10 +76,11 @@ def _infeasible_message(request: PlanRequest, rejected: list[Rejection]) -> str:
     least = min(rejected, key=lambda r: r.needed_bytes, default=None)
     reason = f"; e.g. {least.describe()}" if least else " (model-stages do not fit together)"
     smallest = smallest_feasible_gpus(request)
-    fix = (f"the smallest GPU count that fits is {smallest}" if smallest
-           else f"nothing up to {MAX_PROBE_GPUS} GPUs fits")
-    return (f"no memory-feasible plan for {request.workload.name} on {request.num_gpus} "
-            f"{request.cluster.gpu.name} GPUs{reason}; {fix}")
+    fix = f"the smallest GPU count that fits is {smallest}" if smallest else f"nothing up to {MAX_PROBE_GPUS} GPUs fits"
+    return (
+        f"no memory-feasible plan for {request.workload.name} on {request.num_gpus} "
+        f"{request.cluster.gpu.name} GPUs{reason}; {fix}"
+    )
 
 
 def _fits(request: PlanRequest, num_gpus: int) -> bool:

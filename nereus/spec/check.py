@@ -129,9 +129,7 @@ def _stage_problems(plan: Plan, i: int, entry: StagePlan) -> Iterator[Problem]:
         if rule:
             yield Problem(f"{at}.{key}", rule)
     if entry.tp > plan.cluster.gpus_per_node:
-        yield Problem(
-            f"{at}.tp", f"tp={entry.tp} exceeds the {plan.cluster.gpus_per_node} GPUs of a node"
-        )
+        yield Problem(f"{at}.tp", f"tp={entry.tp} exceeds the {plan.cluster.gpus_per_node} GPUs of a node")
     if entry.dp != len(entry.emus):
         yield Problem(f"{at}.dp", f"dp={entry.dp} but {len(entry.emus)} EMUs are listed; make them equal")
     seen: dict[int, int] = {}
@@ -181,14 +179,21 @@ def _stage_set_problems(plan: Plan) -> Iterator[Problem]:
 
 
 def _batch_problems(plan: Plan, i: int, entry: StagePlan) -> Iterator[Problem]:
-    if entry.stage != "training":
+    w = plan.workload
+    samples = w.samples_per_step // w.mini_batches if entry.stage == "training" else w.samples_per_step
+    per = "mini-batch" if entry.stage == "training" else "step"
+    if entry.dp > samples:
+        yield Problem(
+            f"stages[{i}].dp",
+            f"dp={entry.dp} replicas share only {samples} samples per {per}; some would idle: lower dp",
+        )
         return
-    per_replica = plan.workload.samples_per_step // plan.workload.mini_batches // entry.dp
-    if per_replica < entry.micro_batches:
+    busiest = -(-samples // entry.dp)  # replicas get ceil or floor of an uneven split
+    if entry.stage != "generation" and entry.micro_batches > busiest:
         yield Problem(
             f"stages[{i}].micro_batches",
-            f"{entry.micro_batches} micro-batches but each replica gets only {per_replica} "
-            "samples per mini-batch; lower micro_batches or dp",
+            f"{entry.micro_batches} micro-batches but a replica gets at most {busiest} samples per {per}; "
+            "lower micro_batches or dp",
         )
 
 
@@ -200,8 +205,9 @@ def plan_problems(plan: Plan) -> Iterator[Problem]:
     yield from cluster_problems(plan.cluster, "cluster.")
     yield from workload_problems(plan.workload, "workload.")
     names = {model.name for model in plan.models}
-    missing = [(role, name) for role, name in plan.workload.role_models().items()
-               if name is not None and name not in names]
+    missing = [
+        (role, name) for role, name in plan.workload.role_models().items() if name is not None and name not in names
+    ]
     for role, name in missing:
         yield Problem(f"workload.{role}", f"model {name!r} is not among the plan's models; add it")
     yield from _pool_problems(plan)

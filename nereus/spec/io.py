@@ -56,9 +56,7 @@ class _StrictLoader(yaml.SafeLoader):
             except TypeError:
                 raise yaml.YAMLError(f"line {key_node.start_mark.line + 1}: a key must be a scalar") from None
             if key in seen:
-                raise yaml.YAMLError(
-                    f"line {key_node.start_mark.line + 1}: duplicate key {key!r}; keep one"
-                )
+                raise yaml.YAMLError(f"line {key_node.start_mark.line + 1}: duplicate key {key!r}; keep one")
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -73,10 +71,12 @@ def _reject_duplicate_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def parse_data(text: str, source: str) -> Any:
     """Parse YAML or JSON text into plain Python data; errors name `source`."""
+    if not text.strip():
+        return None  # reported as an empty file
     try:
         if source.endswith(".json"):
             return json.loads(text, object_pairs_hook=_reject_duplicate_json_keys)
-        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - _StrictLoader is a SafeLoader
+        return yaml.load(text, Loader=_StrictLoader)
     except RecursionError:
         raise SpecError([f"{source}: nested too deeply to be a nereus file"]) from None
     except (yaml.YAMLError, ValueError) as exc:

@@ -69,8 +69,4 @@ class Model(Document):
 
     def num_params(self, head: Head = "lm") -> int:
         """Total parameters with the given output head."""
-        return (
-            self.embedding_params()
-            + self.num_layers * self.layer_params()
-            + self.head_params(head)
-        )
+        return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params(head)

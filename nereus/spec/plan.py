@@ -70,9 +70,9 @@ class StagePrediction(StrictModel):
     """Predicted wall time of this model-stage per RL step."""
     peak_memory_bytes: int = Field(ge=0)
     """Predicted peak memory on the busiest GPU, with co-resident model-stages."""
-    time_breakdown_s: dict[str, float] = {}
+    time_breakdown_s: dict[str, float] = Field(default_factory=dict)
     """Seconds per latency term (compute, bubbles, collectives, ...)."""
-    memory_breakdown_bytes: dict[str, int] = {}
+    memory_breakdown_bytes: dict[str, int] = Field(default_factory=dict)
     """Bytes per memory term (parameters, optimizer, activations, KV cache, ...)."""
 
 
@@ -81,9 +81,9 @@ class Predictions(StrictModel):
 
     step_time_s: float = Field(ge=0)
     """Predicted wall time of one RL step (critical path of the workflow)."""
-    model_stages: dict[str, StagePrediction] = {}
+    model_stages: dict[str, StagePrediction] = Field(default_factory=dict)
     """Per model-stage predictions keyed by `role/stage`."""
-    step_breakdown_s: dict[str, float] = {}
+    step_breakdown_s: dict[str, float] = Field(default_factory=dict)
     """Seconds of the step's critical path per phase."""
 
 

@@ -58,11 +58,30 @@ GPU_KINDS: dict[str, tuple[GpuKind, Link, Link, int]] = {
 GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h200-sxm": "h200", "mi250": "mi250x"}
 
 
-def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int,
-           head_dim: int = 0, tied: bool = False, **extra: bool) -> Model:
-    return Model(name=name, num_layers=layers, hidden_dim=hidden, num_heads=heads,
-                 num_kv_heads=kv, head_dim=head_dim or hidden // heads, ffn_dim=ffn,
-                 vocab_size=vocab, tied_embeddings=tied, **extra)
+def _llama(
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    kv: int,
+    ffn: int,
+    vocab: int,
+    head_dim: int = 0,
+    tied: bool = False,
+    qk_norm: bool = False,
+) -> Model:
+    return Model(
+        name=name,
+        num_layers=layers,
+        hidden_dim=hidden,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=head_dim or hidden // heads,
+        ffn_dim=ffn,
+        vocab_size=vocab,
+        tied_embeddings=tied,
+        qk_norm=qk_norm,
+    )
 
 
 MODELS: dict[str, Model] = {
@@ -90,16 +109,30 @@ def _workload(name: str, algorithm: str, models: dict[str, str | None], **fields
 def _paper_workloads(actor: str) -> dict[str, Workload]:
     """PPO/GRPO/ReMax with settings like the papers': 512 samples, 1k prompts, long tail."""
     lengths = ResponseLengths(median=500, p99=2500, max=8192)
-    shared: dict[str, Any] = dict(prompt_len=1024, response_len=lengths, ppo_epochs=1,
-                                  mini_batches=4, micro_batch_size=2, dtype="bf16",
-                                  optimizer=Optimizer())
+    shared: dict[str, Any] = dict(
+        prompt_len=1024,
+        response_len=lengths,
+        ppo_epochs=1,
+        mini_batches=4,
+        micro_batch_size=2,
+        dtype="bf16",
+        optimizer=Optimizer(),
+    )
     return {
-        "ppo": _workload("ppo", "ppo", dict(actor=actor, critic=actor, reference=actor,
-                                            reward=actor), prompts_per_step=512, **shared),
-        "grpo": _workload("grpo", "grpo", dict(actor=actor, reference=actor, reward=actor),
-                          prompts_per_step=64, samples_per_prompt=8, **shared),
-        "remax": _workload("remax", "remax", dict(actor=actor, reference=actor, reward=actor),
-                           prompts_per_step=512, **shared),
+        "ppo": _workload(
+            "ppo", "ppo", dict(actor=actor, critic=actor, reference=actor, reward=actor), prompts_per_step=512, **shared
+        ),
+        "grpo": _workload(
+            "grpo",
+            "grpo",
+            dict(actor=actor, reference=actor, reward=actor),
+            prompts_per_step=64,
+            samples_per_prompt=8,
+            **shared,
+        ),
+        "remax": _workload(
+            "remax", "remax", dict(actor=actor, reference=actor, reward=actor), prompts_per_step=512, **shared
+        ),
     }
 
 
@@ -109,11 +142,17 @@ WORKLOAD_NAMES = ("ppo", "grpo", "remax", "tiny-ppo")
 def workload_preset(name: str, actor: str = "llama-3.1-8b") -> Workload:
     """A workload preset with `actor` (and the same architecture for the other roles)."""
     if name == "tiny-ppo":
-        return _workload("tiny-ppo", "ppo", dict(actor="tiny", critic="tiny", reference="tiny",
-                                                 reward="tiny"),
-                         prompts_per_step=16, prompt_len=16,
-                         response_len=ResponseLengths(median=8, p99=40, max=48),
-                         mini_batches=2, micro_batch_size=2, dtype="fp32")
+        return _workload(
+            "tiny-ppo",
+            "ppo",
+            dict(actor="tiny", critic="tiny", reference="tiny", reward="tiny"),
+            prompts_per_step=16,
+            prompt_len=16,
+            response_len=ResponseLengths(median=8, p99=40, max=48),
+            mini_batches=2,
+            micro_batch_size=2,
+            dtype="fp32",
+        )
     workloads = _paper_workloads(actor)
     if name not in workloads:
         raise NereusError(f"unknown workload preset {name!r}; use one of {', '.join(WORKLOAD_NAMES)} or a YAML file")
@@ -129,7 +168,9 @@ def cluster_preset(name: str, num_gpus: int | None = None) -> Cluster:
     gpu_name = GPU_ALIASES.get(match["gpu"], match["gpu"]) if match else name
     if not match or gpu_name not in GPU_KINDS:
         known = ", ".join([*GPU_KINDS, *GPU_ALIASES])
-        raise NereusError(f"unknown cluster preset {name!r}; use one of {known} (optionally -NODESxGPUS) or a YAML file")
+        raise NereusError(
+            f"unknown cluster preset {name!r}; use one of {known} (optionally -NODESxGPUS) or a YAML file"
+        )
     gpu, intra, inter, per_node = GPU_KINDS[gpu_name]
     if match["nodes"]:
         num_nodes, per_node = int(match["nodes"]), int(match["per_node"])
@@ -138,8 +179,14 @@ def cluster_preset(name: str, num_gpus: int | None = None) -> Cluster:
         num_nodes = -(-num_gpus // per_node)
     if num_nodes < 1 or per_node < 1:
         raise NereusError(f"cluster preset {name!r}: nodes and GPUs per node must be positive")
-    return Cluster(name=f"{gpu_name}-{num_nodes}x{per_node}", num_nodes=num_nodes,
-                   gpus_per_node=per_node, gpu=gpu, intra_node=intra, inter_node=inter)
+    return Cluster(
+        name=f"{gpu_name}-{num_nodes}x{per_node}",
+        num_nodes=num_nodes,
+        gpus_per_node=per_node,
+        gpu=gpu,
+        intra_node=intra,
+        inter_node=inter,
+    )
 
 
 def model_preset(name: str) -> Model:
@@ -151,7 +198,9 @@ def model_preset(name: str) -> Model:
         path = path / "config.json"
     if path.name == "config.json" and path.is_file():
         return model_from_hf_config(path)
-    raise NereusError(f"unknown model preset {name!r}; use one of {', '.join(MODELS)}, a Model YAML or a Hugging Face config.json")
+    raise NereusError(
+        f"unknown model preset {name!r}; use one of {', '.join(MODELS)}, a Model YAML or a Hugging Face config.json"
+    )
 
 
 HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -167,7 +216,9 @@ def model_from_hf_config(path: Path, name: str | None = None) -> Model:
         raise NereusError(f"{path}: expected a JSON object")
     model_type = config.get("model_type")
     if model_type not in HF_MODEL_TYPES:
-        raise NereusError(f"{path}: model_type: {model_type!r} is not a Llama-style decoder; supported: {', '.join(HF_MODEL_TYPES)}")
+        raise NereusError(
+            f"{path}: model_type: {model_type!r} is not a Llama-style decoder; supported: {', '.join(HF_MODEL_TYPES)}"
+        )
     required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
     for key in required:
         value = config.get(key)

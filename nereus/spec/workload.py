@@ -39,9 +39,7 @@ class ResponseLengths(StrictModel):
     @model_validator(mode="after")
     def _ordered(self) -> ResponseLengths:
         if not self.median <= self.p99 <= self.max:
-            raise ValueError(
-                f"need median <= p99 <= max, got {self.median} / {self.p99} / {self.max}"
-            )
+            raise ValueError(f"need median <= p99 <= max, got {self.median} / {self.p99} / {self.max}")
         return self
 
     @property
@@ -117,8 +115,7 @@ class Workload(Document):
 
     def role_models(self) -> dict[Role, str | None]:
         """Model name per role; None where the role is unused."""
-        return {"actor": self.actor, "critic": self.critic,
-                "reference": self.reference, "reward": self.reward}
+        return {"actor": self.actor, "critic": self.critic, "reference": self.reference, "reward": self.reward}
 
     def roles(self) -> tuple[Role, ...]:
         """The roles this workload uses, in canonical order."""
