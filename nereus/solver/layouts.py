@@ -62,7 +62,7 @@ def candidate_grid(cost: StageCostModel, pool_sizes: list[int]) -> tuple[np.ndar
     """(size, tp, pp, dp, micro_batches) columns of every candidate on every pool size.
 
     tp is a power of two inside a node, pp divides the layers, dp fills the pool
-    (but never exceeds the samples a replica could get);
+    (up to one replica per sample);
     training tries micro-batch sizes 1, 2, 4, ... and the whole share of a replica.
     """
     pairs = np.array(_valid_tp_pp(cost), dtype=np.int64).reshape(-1, 2)
@@ -71,9 +71,9 @@ def candidate_grid(cost: StageCostModel, pool_sizes: list[int]) -> tuple[np.ndar
     )
     w = cost.workload
     samples = w.samples_per_step // w.mini_batches if cost.stage == "training" else w.samples_per_step
-    keep = (tp * pp <= size) & (size // (tp * pp) <= samples)  # no replica may idle
+    keep = tp * pp <= size
     size, tp, pp = size[keep], tp[keep], pp[keep]
-    dp = size // (tp * pp)
+    dp = np.minimum(size // (tp * pp), samples)  # a replica without samples would idle: leave its GPUs free
     if cost.stage != "training":
         if cost.stage == "generation":
             return size, tp, pp, dp, np.ones_like(dp)
@@ -81,7 +81,8 @@ def candidate_grid(cost: StageCostModel, pool_sizes: list[int]) -> tuple[np.ndar
         return size, tp, pp, dp, _ceil_div(per_replica, w.micro_batch_size)
     share = _ceil_div(w.samples_per_step // w.mini_batches, dp)
     columns: list[list[np.ndarray]] = [[], [], [], [], []]
-    for b in [1 << i for i in range(int(share.max()).bit_length())] + [0]:
+    largest = int(share.max()) if share.size else 0
+    for b in [*(1 << i for i in range(largest.bit_length())), 0]:
         pick = share > b if b else np.ones_like(share, dtype=bool)  # b = 0 stands for "the whole share"
         m = _ceil_div(share[pick], b) if b else np.ones(int(pick.sum()), dtype=np.int64)
         for out, col in zip(columns, (size[pick], tp[pick], pp[pick], dp[pick], m), strict=True):

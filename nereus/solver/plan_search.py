@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import GIB, head_of, usable_memory, weight_sync_time
 from nereus.cost.stage import StageCostModel
@@ -178,7 +180,7 @@ def _sync_function(request: PlanRequest) -> Callable[[Option, Option, bool], flo
     per_node = request.cluster.gpus_per_node
 
     def sync(train: Option, dest: Option, same_pool: bool) -> float:
-        same_layout = same_pool and train[3:5] == dest[3:5]
+        same_layout = same_pool and train[3:6] == dest[3:6]  # equal tp, pp, dp: identical EMUs
         nodes = (-(-train[3] * train[4] * train[5] // per_node), -(-dest[3] * dest[4] * dest[5] // per_node))
         inter = not same_pool or nodes[1] > nodes[0]
         return weight_sync_time(
@@ -253,10 +255,7 @@ class _TopK:
         self.k = k
         self.heap: list[tuple[float, int, Candidate]] = []  # max-heap on step time
         self.counter = itertools.count()
-
-    @property
-    def bound(self) -> float:
-        return -self.heap[0][0] if len(self.heap) == self.k else math.inf
+        self.bound = math.inf  # the k-th best step time once k are known
 
     def offer(self, candidate: Candidate) -> None:
         item = (-candidate.step_time_s, -next(self.counter), candidate)
@@ -264,6 +263,8 @@ class _TopK:
             heapq.heappush(self.heap, item)
         elif candidate.step_time_s < self.bound:
             heapq.heapreplace(self.heap, item)
+        if len(self.heap) == self.k:
+            self.bound = -self.heap[0][0]
 
     def sorted(self) -> list[Candidate]:
         return [c for _, _, c in sorted(self.heap, key=lambda item: (-item[0], -item[1]))]
@@ -416,11 +417,25 @@ def rejections(
     for _, _, size, stages in placement.pools:
         for name in stages:
             table = tables[name, size]
-            for i, option in enumerate(table.options):
-                needed = option[1] + option[2]
-                if needed > budget:
-                    term, amount = max(table.terms(i).items(), key=lambda kv: kv[1])
-                    out.append(Rejection(name, *option[3:], needed, budget, term, amount))
+            needed = table.columns[1] + table.columns[2]
+            terms = list(table.memory)
+            stacked = np.stack([table.memory[k] for k in terms])
+            for i in np.nonzero(needed > budget)[0].tolist():
+                largest = int(stacked[:, i].argmax())
+                tp, pp, dp, micro_batches = (int(c[i]) for c in table.columns[3:])
+                out.append(
+                    Rejection(
+                        name,
+                        tp,
+                        pp,
+                        dp,
+                        micro_batches,
+                        float(needed[i]),
+                        budget,
+                        terms[largest],
+                        float(stacked[largest, i]),
+                    )
+                )
     return out
 
 
