@@ -9,6 +9,7 @@ and bound over the same option tables that `reference_search` enumerates in full
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -87,10 +88,14 @@ class SearchOutcome:
     """The best candidates (ascending step time) and the layouts rejected for memory."""
 
     candidates: list[Candidate]
-    rejections: list[Rejection] = field(default_factory=list)
     num_placements: int = 0
     num_leaves: int = 0
     search_time_s: float = 0.0
+    report: Callable[[], list[Rejection]] | None = field(default=None, repr=False)
+
+    def rejections(self) -> list[Rejection]:
+        """Layouts that overflow memory alone (a diagnostic, built on demand)."""
+        return self.report() if self.report else []
 
 
 def placements(request: PlanRequest) -> list[Placement]:
@@ -128,10 +133,18 @@ def price_all(request: PlanRequest, layouts: list[Placement]) -> dict[tuple[str,
         for _, _, size, stages in placement.pools:
             for name in stages:
                 sizes.setdefault(name, set()).add(size)
+    # Model-stages with the same model, head and stage (reference and actor inference,
+    # often) price identically: group them and price each group once.
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    models = _cost_models(request)
+    for name, cost in models.items():
+        groups.setdefault((cost.model.name, cost.head, cost.stage), []).append(name)
     tables: dict[tuple[str, int], OptionTable] = {}
-    for name, cost in _cost_models(request).items():
-        for size, table in price_layouts(cost, sorted(sizes[name])).items():
-            tables[name, size] = table
+    for names in groups.values():
+        needed = sorted(set().union(*(sizes[name] for name in names)))
+        for size, table in price_layouts(models[names[0]], needed).items():
+            for name in names:
+                tables[name, size] = table
     return tables
 
 
@@ -140,7 +153,7 @@ class _Problem:
     """One placement compiled to plain lists for the hot loops."""
 
     placement: Placement
-    names: list[str]  # actor/training first, then the sync targets, then the rest
+    names: list[str]  # in search order (see `_order`)
     pool_of: list[int]
     phase_of: list[int]
     options: list[list[Option]]
@@ -198,7 +211,9 @@ def _sync_function(request: PlanRequest) -> Callable[[Option, Option, bool], flo
 
 
 def _order(names: list[str]) -> list[str]:
-    first = [n for n in ("actor/training", *SYNC_TARGETS) if n in names]
+    """Search order: training first (large, memory-hungry: it prunes most), then the
+    weight-sync targets (so the sync cost is known early), then the rest."""
+    first = [n for n in ("actor/training", "critic/training", *SYNC_TARGETS) if n in names]
     return first + [n for n in names if n not in first]
 
 
@@ -313,6 +328,18 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
     last_sync = max(i for i, name in enumerate(problem.names) if name == "actor/training" or name in SYNC_TARGETS)
     chosen: list[Option] = []
     leaves = 0
+    by_growth = [_fastest_by_growth(opts, min_res[j]) for j, opts in enumerate(problem.options)]
+
+    def memory_bound(i: int) -> float:
+        """Step-time bound where each unassigned model-stage takes its fastest option that
+        fits the memory its pool has left (each alone: a relaxation)."""
+        slack = [problem.budget - resident[q] - max(transient[q], tail_trans[i][q]) for q in range(num_pools)]
+        rows = [list(row) for row in sums]
+        for j in range(i, n):
+            growth, fastest = by_growth[j]
+            k = bisect.bisect_right(growth, slack[problem.pool_of[j]]) - 1
+            rows[problem.phase_of[j]][problem.pool_of[j]] += (fastest[k] if k >= 0 else math.inf) - min_time[j]
+        return sum(max(row) for row in rows)
 
     def visit(i: int, sync: float) -> None:
         nonlocal leaves
@@ -321,6 +348,8 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
             best.offer(
                 Candidate(sum(phase_max) + sync, problem.placement, tuple(zip(problem.names, chosen, strict=True)))
             )
+            return
+        if i and memory_bound(i) + sync >= best.bound:
             return
         p, phase = problem.pool_of[i], problem.phase_of[i]
         base = sum(phase_max) + sync - phase_max[phase]
@@ -343,6 +372,17 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
 
     visit(0, 0.0)
     return leaves
+
+
+def _fastest_by_growth(options: list[Option], min_res: float) -> tuple[list[float], list[float]]:
+    """Resident growth over the smallest option, ascending, and the fastest time up to it."""
+    growth, fastest = [], []
+    best = math.inf
+    for option in sorted(options, key=lambda o: o[1]):
+        best = min(best, option[0])
+        growth.append(option[1] - min_res)
+        fastest.append(best)
+    return growth, fastest
 
 
 def _tail_transients(problem: _Problem) -> list[list[float]]:
@@ -383,12 +423,11 @@ def search(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int], 
             leaves += branch_and_bound(problem, best)
         if progress:
             progress(done, len(ordered))
-    outcome = SearchOutcome(best.sorted(), num_placements=len(layouts), num_leaves=leaves)
-    outcome.rejections = rejections(
-        request, tables, outcome.candidates[0].placement if outcome.candidates else layouts[0]
+    found = best.sorted()
+    shown = found[0].placement if found else layouts[0]
+    return SearchOutcome(
+        found, len(layouts), leaves, time.perf_counter() - started, report=lambda: rejections(request, tables, shown)
     )
-    outcome.search_time_s = time.perf_counter() - started
-    return outcome
 
 
 def reference_search(request: PlanRequest, top_k: int = 1) -> SearchOutcome:

@@ -67,9 +67,9 @@ def make_plan(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int
     except ValueError as exc:
         raise NereusError(str(exc)) from None
     if not outcome.candidates:
-        raise NereusError(_infeasible_message(request, outcome.rejections))
+        raise NereusError(_infeasible_message(request, outcome.rejections()))
     plans = [build_plan(request, c) for c in outcome.candidates]
-    return PlanResult(plans[0], plans[1:], outcome.rejections, outcome.search_time_s, outcome.num_placements)
+    return PlanResult(plans[0], plans[1:], outcome.rejections(), outcome.search_time_s, outcome.num_placements)
 
 
 def _infeasible_message(request: PlanRequest, rejected: list[Rejection]) -> str:
