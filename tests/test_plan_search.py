@@ -311,8 +311,9 @@ class Layouts:
     step_time_s: float
 
 
-def ppo_8b_layouts(max_response: int, gpus: int = 16) -> Layouts:
+def ppo_8b_layouts(max_response: int, gpus: int = 16, prompts: int = 512, prompt_len: int = 1024) -> Layouts:
     workload = with_max_response(workload_preset("ppo"), max_response)
+    workload = workload.model_copy(update={"prompts_per_step": prompts, "prompt_len": prompt_len})
     request = PlanRequest(cluster_preset("h100", gpus), models_for(workload, None), workload, gpus)
     plan = make_plan(request).best
     assert plan.predictions is not None
@@ -341,6 +342,17 @@ def test_longer_responses_merge_inference_and_change_training_layout() -> None:
     assert long.generation_tp >= short.generation_tp
     assert long.training != short.training
     assert long.step_time_s > short.step_time_s
+
+
+def test_memory_pressure_from_longer_responses_merges_generation_and_inference() -> None:
+    """With 768 prompts of 512 tokens per step, 8000-token responses no longer fit the KV cache
+    and activations at the short-response layouts: generation and every inference
+    model-stage merge into wider tp, and training changes layout (the Nereus trend)."""
+    short = ppo_8b_layouts(500, prompts=768, prompt_len=512)
+    long = ppo_8b_layouts(8000, prompts=768, prompt_len=512)
+    assert long.generation_tp > short.generation_tp, (short, long)
+    assert all(long.inference_tp[name] > tp for name, tp in short.inference_tp.items()), (short, long)
+    assert long.training != short.training
 
 
 def test_step_time_grows_with_the_response_cap() -> None:
