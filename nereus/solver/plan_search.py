@@ -78,7 +78,7 @@ class Rejection:
 
     def describe(self) -> str:
         return (
-            f"{self.model_stage} tp={self.tp} pp={self.pp} dp={self.dp}: needs {self.needed_bytes / GIB:.1f} GiB "
+            f"{self.model_stage} tp={self.tp} pp={self.pp} dp={self.dp} micro_batches={self.micro_batches}: needs {self.needed_bytes / GIB:.1f} GiB "
             f"> {self.usable_bytes / GIB:.1f} GiB usable ({self.largest_term} {self.largest_bytes / GIB:.1f} GiB)"
         )
 
