@@ -77,9 +77,10 @@ class Rejection:
     largest_bytes: float
 
     def describe(self) -> str:
+        layout = f"tp={self.tp} pp={self.pp} dp={self.dp} micro_batches={self.micro_batches}"
         return (
-            f"{self.model_stage} tp={self.tp} pp={self.pp} dp={self.dp} micro_batches={self.micro_batches}: needs {self.needed_bytes / GIB:.1f} GiB "
-            f"> {self.usable_bytes / GIB:.1f} GiB usable ({self.largest_term} {self.largest_bytes / GIB:.1f} GiB)"
+            f"{self.model_stage} {layout}: needs {self.needed_bytes / GIB:.1f} GiB > "
+            f"{self.usable_bytes / GIB:.1f} GiB usable ({self.largest_term} {self.largest_bytes / GIB:.1f} GiB)"
         )
 
 
