@@ -76,6 +76,8 @@ def plan(
     from nereus.solver.planner import make_plan
     from nereus.spec.io import save_document
 
+    if output and not output.parent.is_dir():
+        raise NereusError(f"{output}: folder {output.parent} does not exist; create it first")
     the_model = resolve_model(model) if model else None
     the_workload = resolve_workload(workload, the_model)
     if seq_len is not None:

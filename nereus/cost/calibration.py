@@ -14,7 +14,7 @@ class Calibration(Document):
 
     The defaults are typical of Megatron/vLLM on NVIDIA GPUs (GEMMs reach 50-70% of
     dense peak, decode streams weights at 60-80% of HBM bandwidth, NCCL rings reach
-    70-80% of link bandwidth). `nereus fit` replaces them with measured values.
+    70-80% of link bandwidth). Pass measured values with `nereus plan --calibration FILE`.
     """
 
     kind: Literal["Calibration"] = "Calibration"
