@@ -173,9 +173,9 @@ class _Problem:
             sums[self.phase_of[i]][p] += option[0]
         if any(r + t > self.budget for r, t in zip(resident, transient, strict=True)):
             return None
-        return sum(max(row) for row in sums) + self._sync_time(chosen)
+        return sum(max(row) for row in sums) + self.sync_time(chosen)
 
-    def _sync_time(self, chosen: Sequence[Option]) -> float:
+    def sync_time(self, chosen: Sequence[Option]) -> float:
         """Weight-sync time; `chosen` must cover actor/training and the sync targets."""
         index = {name: i for i, name in enumerate(self.names)}
         train = index["actor/training"]
@@ -366,7 +366,7 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
             sums[phase][p] += extra
             resident[p], transient[p], phase_max[phase] = res, trans, max(sums[phase])
             chosen.append(option)
-            visit(i + 1, problem._sync_time(chosen) if i == last_sync else sync)
+            visit(i + 1, problem.sync_time(chosen) if i == last_sync else sync)
             chosen.pop()
             sums[phase][p] -= extra
             resident[p], transient[p], phase_max[phase] = saved
