@@ -92,8 +92,15 @@ def main() -> None:
         default=2e5,
         help="run reference_search only when its assignment count is at most this",
     )
-    parser.add_argument("--output", type=Path, default=RESULTS, help="JSON results file")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help="JSON results file (default: results/plan_search.json, or plan_search_quick.json)",
+    )
     args = parser.parse_args()
+    if args.output is None:  # a quick run never overwrites the full results the README quotes
+        args.output = RESULTS.with_name("plan_search_quick.json") if args.quick else RESULTS
     runs = min(args.runs, 3) if args.quick else args.runs
     models = MODELS[:1] if args.quick else MODELS
     gpu_counts = GPU_COUNTS[:3] if args.quick else GPU_COUNTS
