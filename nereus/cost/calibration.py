@@ -30,6 +30,8 @@ class Calibration(Document):
     """Fraction of inter-node link bandwidth reached by collectives and p2p."""
     launch_overhead_s: float = Field(default=1e-5, ge=0)
     """Fixed cost per layer per forward or backward pass (kernel launches)."""
+    communicator_setup_s: float = Field(default=0.1, ge=0)
+    """Seconds to create one process group (NCCL communicator) for a new layout."""
     workspace_fraction: float = Field(default=0.03, ge=0, lt=1)
     """Device memory reserved per GPU for runtime, communicators and allocator slack."""
     memory_headroom: float = Field(default=0.1, ge=0, lt=1)

@@ -1,0 +1,19 @@
+"""Transition DAGs between two plans: EMUs, local DAGs, the scheduled global DAG."""
+
+from nereus.solver.transition.local import intermediate_layout, local_dag, match_replicas, sub_replicas
+from nereus.solver.transition.primitives import Emu, Primitive, box_fraction
+from nereus.solver.transition.schedule import TransitionResult, build_transition, plan_emus, state_bytes
+
+__all__ = [
+    "Emu",
+    "Primitive",
+    "TransitionResult",
+    "box_fraction",
+    "build_transition",
+    "intermediate_layout",
+    "local_dag",
+    "match_replicas",
+    "plan_emus",
+    "state_bytes",
+    "sub_replicas",
+]

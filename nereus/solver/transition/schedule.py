@@ -1,0 +1,251 @@
+"""The global transition DAG: every model-stage's local DAG, ordered on shared GPUs.
+
+A list scheduler replays the primitives in time: a primitive starts when its data
+dependencies are done, its GPUs are idle and its allocations fit in memory. Releases
+(Destroy, Merge) go first; ties run generation, then inference, then training. When a
+primitive had to wait for memory another model-stage released on a GPU, the release
+becomes its GPU-ownership dependency. If nothing can start and nothing runs, the pair of
+plans has no safe order: the model-stages waiting on each other's memory are reported.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from nereus.cost.calibration import Calibration
+from nereus.cost.plan_cost import RESIDENT_TERMS, head_of, usable_memory
+from nereus.cost.stage import StageCostModel
+from nereus.errors import NereusError
+from nereus.solver.transition.local import local_dag
+from nereus.solver.transition.primitives import Emu, Primitive, box_fraction
+from nereus.spec.cluster import Cluster
+from nereus.spec.plan import Plan
+from nereus.spec.workload import STAGES
+
+EPS = 1e-9
+
+
+@dataclass
+class TransitionResult:
+    """A scheduled transition DAG and what it costs."""
+
+    primitives: list[Primitive]
+    makespan_s: float
+    bytes_moved: float
+    bytes_by_link: dict[str, float]
+    lower_bound_bytes: float
+    peak_extra_bytes: dict[int, float]
+    capacity_bytes: float
+    initial_bytes: dict[int, float]
+    blocking_cycle: list[str] = field(default_factory=list)
+
+    @property
+    def feasible(self) -> bool:
+        return not self.blocking_cycle
+
+
+def plan_emus(plan: Plan) -> dict[str, list[Emu]]:
+    """Every model-stage's EMUs in a plan."""
+    return {
+        entry.model_stage: [Emu(entry.model_stage, entry.tp, entry.pp, tuple(gpus)) for gpus in entry.emus]
+        for entry in plan.stages
+    }
+
+
+def state_bytes(plan: Plan, model_stage: str, calibration: Calibration) -> float:
+    """Bytes of one complete replica's state: parameters (training: + gradients, optimizer)."""
+    role, stage = model_stage.split("/")
+    model = plan.model(plan.workload.model_name(role))  # type: ignore[arg-type]
+    cost = StageCostModel(model, head_of(role), stage, plan.workload, plan.cluster, calibration)  # type: ignore[arg-type]
+    terms = cost.memory_terms(1, 1, 1, 1)
+    return float(sum(v for k, v in terms.items() if k in RESIDENT_TERMS))
+
+
+def held_bytes(emus: dict[str, list[Emu]], sizes: dict[str, float]) -> dict[int, float]:
+    """Bytes of model state on each GPU."""
+    held: dict[int, float] = {}
+    for name, replicas in emus.items():
+        for emu in replicas:
+            for gpu in emu.gpus:
+                held[gpu] = held.get(gpu, 0.0) + sizes[name] * box_fraction(emu.layout)
+    return held
+
+
+def primitive_duration(primitive: Primitive, cluster: Cluster, calibration: Calibration) -> float:
+    """Communicator set-up plus the slowest destination's incoming transfers."""
+    incoming: dict[int, float] = {}
+    for src, dst, nbytes in primitive.transfers:
+        inter = cluster.node_of(src) != cluster.node_of(dst)
+        link = cluster.inter_node if inter else cluster.intra_node
+        efficiency = calibration.collective_inter if inter else calibration.collective_intra
+        incoming[dst] = incoming.get(dst, 0.0) + link.latency_s + nbytes / (link.bytes_per_s * efficiency)
+    setup = calibration.communicator_setup_s if primitive.new_groups else 0.0
+    return setup + max(incoming.values(), default=0.0)
+
+
+def link_bytes(primitives: list[Primitive], cluster: Cluster) -> dict[str, float]:
+    out = {"intra_node": 0.0, "inter_node": 0.0}
+    for primitive in primitives:
+        for src, dst, nbytes in primitive.transfers:
+            out["inter_node" if cluster.node_of(src) != cluster.node_of(dst) else "intra_node"] += nbytes
+    return out
+
+
+def _box(emu: Emu, index: int) -> tuple[float, float, float, float]:
+    """(layer start, layer end, column start, column end) of the box at `index`."""
+    stage, rank = emu.position(index)
+    return stage / emu.pp, (stage + 1) / emu.pp, rank / emu.tp, (rank + 1) / emu.tp
+
+
+def lower_bound_bytes(emus_a: dict[str, list[Emu]], emus_b: dict[str, list[Emu]], sizes: dict[str, float]) -> float:
+    """Bytes every GPU must end up holding (in B) that it does not hold yet (in A)."""
+    total = 0.0
+    for name, replicas in emus_b.items():
+        held = {gpu: _box(emu, i) for emu in emus_a.get(name, []) for i, gpu in enumerate(emu.gpus)}
+        for emu in replicas:
+            for i, gpu in enumerate(emu.gpus):
+                b = _box(emu, i)
+                area = (b[1] - b[0]) * (b[3] - b[2])
+                a = held.get(gpu)
+                if a is not None:
+                    overlap = max(0.0, min(a[1], b[1]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[2], b[2]))
+                    area -= overlap
+                total += sizes[name] * area
+    return total
+
+
+def _priority(primitive: Primitive) -> tuple[int, int, int]:
+    stage = STAGES.index(primitive.model_stage.split("/")[1])
+    return (0 if primitive.releases else 1, stage, primitive.id)
+
+
+@dataclass
+class _Replay:
+    """Mutable state of the list scheduler."""
+
+    usage: dict[int, float]
+    capacity: float
+    busy_until: dict[int, float] = field(default_factory=dict)
+    last_release: dict[int, tuple[float, int, str]] = field(default_factory=dict)
+    blocked_since: dict[int, float] = field(default_factory=dict)
+    peak: dict[int, float] = field(default_factory=dict)
+
+    def fits(self, primitive: Primitive) -> bool:
+        return all(self.usage.get(g, 0.0) + b <= self.capacity + EPS for g, b in primitive.alloc.items())
+
+    def idle(self, primitive: Primitive, now: float) -> bool:
+        return all(self.busy_until.get(g, 0.0) <= now + EPS for g in primitive.gpus)
+
+    def start(self, primitive: Primitive, now: float) -> None:
+        primitive.start_s, primitive.end_s = now, now + primitive.duration_s
+        for gpu in primitive.gpus:
+            self.busy_until[gpu] = primitive.end_s
+        for gpu, nbytes in primitive.alloc.items():
+            self.usage[gpu] = self.usage.get(gpu, 0.0) + nbytes
+            self.peak[gpu] = max(self.peak.get(gpu, self.usage[gpu] - nbytes), self.usage[gpu])
+            waited = self.blocked_since.get(primitive.id)
+            release = self.last_release.get(gpu)
+            if waited is None or release is None or release[2] == primitive.model_stage:
+                continue
+            if release[0] >= waited and release[1] not in primitive.ownership_deps:
+                primitive.ownership_deps.append(release[1])
+
+    def finish(self, primitive: Primitive) -> None:
+        for gpu, nbytes in primitive.free.items():
+            self.usage[gpu] -= nbytes
+            self.last_release[gpu] = (primitive.end_s, primitive.id, primitive.model_stage)
+
+
+def list_schedule(primitives: list[Primitive], replay: _Replay) -> list[str]:
+    """Give every primitive a start and end; return the blocking cycle if stuck."""
+    by_id = {p.id: p for p in primitives}
+    waiting = {p.id: set(p.deps) for p in primitives}
+    dependents: dict[int, list[int]] = {}
+    for p in primitives:
+        for dep in p.deps:
+            dependents.setdefault(dep, []).append(p.id)
+    ready = sorted((p for p in primitives if not p.deps), key=_priority)
+    running: list[tuple[float, int]] = []
+    now = 0.0
+    while ready or running:
+        still = []
+        for primitive in ready:
+            if replay.idle(primitive, now) and replay.fits(primitive):
+                replay.start(primitive, now)
+                heapq.heappush(running, (primitive.end_s, primitive.id))
+            else:
+                if not replay.fits(primitive):
+                    replay.blocked_since.setdefault(primitive.id, now)
+                still.append(primitive)
+        ready = still
+        if not running:
+            return _blocking_cycle(ready, primitives, replay) if ready else []
+        now, finished = heapq.heappop(running)
+        done = [finished]
+        while running and running[0][0] <= now + EPS:
+            done.append(heapq.heappop(running)[1])
+        for pid in done:
+            replay.finish(by_id[pid])
+            for child in dependents.get(pid, []):
+                waiting[child].discard(pid)
+                if not waiting[child]:
+                    ready.append(by_id[child])
+        ready.sort(key=_priority)
+    return []
+
+
+def _blocking_cycle(blocked: list[Primitive], primitives: list[Primitive], replay: _Replay) -> list[str]:
+    """Model-stages that wait for memory other model-stages hold, as a cycle if any."""
+    import networkx as nx
+
+    unfinished = [p for p in primitives if p.end_s == 0.0 and p.start_s == 0.0 and p.duration_s >= 0]
+    graph = nx.DiGraph()
+    reasons = []
+    for primitive in blocked:
+        for gpu, nbytes in primitive.alloc.items():
+            if replay.usage.get(gpu, 0.0) + nbytes <= replay.capacity + EPS:
+                continue
+            holders = {p.model_stage for p in unfinished if gpu in p.free and p.model_stage != primitive.model_stage}
+            for holder in holders:
+                graph.add_edge(primitive.model_stage, holder, gpu=gpu)
+            reasons.append(
+                f"{primitive.model_stage} needs {nbytes / 2**30:.2f} GiB more on GPU {gpu} "
+                f"({(replay.capacity - replay.usage.get(gpu, 0.0)) / 2**30:.2f} GiB free)"
+            )
+    try:
+        cycle = nx.find_cycle(graph)
+    except nx.NetworkXNoCycle:
+        return reasons[:3] or ["no primitive can start"]
+    return [f"{a} waits for GPU {graph.edges[a, b]['gpu']} held by {b}" for a, b, *_ in cycle]
+
+
+def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None = None) -> TransitionResult:
+    """The scheduled global transition DAG from plan A to plan B."""
+    calibration = calibration or Calibration()
+    if plan_a.cluster != plan_b.cluster:
+        raise NereusError("the two plans are for different clusters; a transition needs one cluster")
+    emus_a, emus_b = plan_emus(plan_a), plan_emus(plan_b)
+    if set(emus_a) != set(emus_b):
+        raise NereusError(f"the plans run different model-stages: {sorted(set(emus_a) ^ set(emus_b))}")
+    sizes = {name: state_bytes(plan_b, name, calibration) for name in emus_b}
+    primitives: list[Primitive] = []
+    for name in emus_b:
+        primitives += local_dag(name, sizes[name], emus_a[name], emus_b[name], next_id=len(primitives))
+    for primitive in primitives:
+        primitive.duration_s = primitive_duration(primitive, plan_b.cluster, calibration)
+    initial = held_bytes(emus_a, sizes)
+    replay = _Replay(dict(initial), usable_memory(plan_b.cluster, calibration))
+    cycle = list_schedule(primitives, replay)
+    moved = link_bytes(primitives, plan_b.cluster)
+    return TransitionResult(
+        primitives=primitives,
+        makespan_s=max((p.end_s for p in primitives), default=0.0),
+        bytes_moved=sum(moved.values()),
+        bytes_by_link=moved,
+        lower_bound_bytes=lower_bound_bytes(emus_a, emus_b, sizes),
+        peak_extra_bytes={g: max(0.0, replay.peak[g] - initial.get(g, 0.0)) for g in sorted(replay.peak)},
+        capacity_bytes=replay.capacity,
+        initial_bytes=initial,
+        blocking_cycle=cycle,
+    )

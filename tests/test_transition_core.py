@@ -1,0 +1,85 @@
+"""Pure-logic tests of the transition core: intermediate layouts, local and global DAGs."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereus.solver.transition import Emu, build_transition, intermediate_layout, local_dag, sub_replicas
+from nereus.spec.io import load_document
+from nereus.spec.plan import Plan, StagePlan
+
+
+def test_intermediate_layout_is_the_gcd() -> None:
+    assert intermediate_layout((4, 2), (2, 4)) == (2, 2)
+    assert intermediate_layout((8, 1), (2, 1)) == (2, 1)
+
+
+def test_sub_replica_boxes_contain_the_emu_boxes() -> None:
+    emu = Emu("actor/training", 4, 2, tuple(range(8)))
+    replicas = sub_replicas(emu, (2, 1))
+    assert len(replicas) == 4 and sorted(g for r in replicas for g in r.gpus) == list(range(8))
+    for replica in replicas:
+        for index, gpu in enumerate(replica.gpus):
+            stage, rank = emu.position(gpu)  # the EMU's GPU ids are its positions here
+            i_stage, i_rank = divmod(index, 2)
+            assert stage // 2 == i_stage and rank // 2 == i_rank
+
+
+def test_merge_of_two_tp2_replicas_into_tp4() -> None:
+    a = [Emu("x/training", 2, 1, (0, 1)), Emu("x/training", 2, 1, (2, 3))]
+    b = [Emu("x/training", 4, 1, (0, 1, 2, 3))]
+    kinds = [p.kind for p in local_dag("x/training", 100.0, a, b)]
+    assert kinds.count("merge") == 1 and "split" not in kinds
+
+
+def test_split_then_extend_to_new_gpus_keeps_a_copy_until_copied() -> None:
+    a = [Emu("x/inference", 4, 1, (0, 1, 2, 3))]
+    b = [Emu("x/inference", 1, 2, (4, 5)), Emu("x/inference", 1, 2, (0, 2))]
+    dag = local_dag("x/inference", 100.0, a, b)
+    by_id = {p.id: p for p in dag}
+    split = next(p for p in dag if p.kind == "split")
+    assert split.alloc == dict.fromkeys((0, 1, 2, 3), 75.0)  # each GPU gathers 3 more quarters
+    for extend in (p for p in dag if p.kind == "extend"):
+        assert split.id in extend.deps
+    merges = [p for p in dag if p.kind == "merge"]
+    assert sorted(m.adds[0].gpus for m in merges) == [(0, 2), (4, 5)]
+    assert all(by_id[d].kind in ("split", "extend") for m in merges for d in m.deps)
+
+
+def test_identical_plans_need_no_primitives() -> None:
+    plan = load_document("examples/plan-tiny-ppo-4rank.yaml")
+    assert isinstance(plan, Plan)
+    result = build_transition(plan, plan)
+    assert result.primitives == [] and result.makespan_s == 0.0 and result.lower_bound_bytes == 0.0
+
+
+def _relayout(plan: Plan, model_stage: str, tp: int, pp: int, emus: list[list[int]]) -> Plan:
+    stages = [
+        StagePlan(
+            model_stage=e.model_stage, pool=e.pool, tp=tp, pp=pp, dp=len(emus), emus=emus, micro_batches=e.micro_batches
+        )
+        if e.model_stage == model_stage
+        else e
+        for e in plan.stages
+    ]
+    return plan.model_copy(update={"stages": stages, "predictions": None})
+
+
+@pytest.mark.parametrize(
+    ("tp", "pp", "emus"),
+    [(4, 1, [[0, 1, 2, 3]]), (1, 1, [[0], [1], [2], [3]]), (1, 4, [[3, 2, 1, 0]]), (2, 1, [[1, 0], [3, 2]])],
+)
+def test_global_transition_is_scheduled_and_moves_at_least_the_lower_bound(
+    tp: int, pp: int, emus: list[list[int]]
+) -> None:
+    plan_a = load_document("examples/plan-tiny-ppo-4rank.yaml")
+    assert isinstance(plan_a, Plan)
+    plan_b = _relayout(_relayout(plan_a, "actor/training", tp, pp, emus), "critic/inference", tp, pp, emus)
+    result = build_transition(plan_a, plan_b)
+    assert result.feasible
+    assert result.primitives and result.makespan_s > 0
+    assert result.bytes_moved >= result.lower_bound_bytes - 1e-6
+    for primitive in result.primitives:
+        assert primitive.end_s >= primitive.start_s
+        for dep in primitive.deps:
+            assert result.primitives[dep].end_s <= primitive.start_s + 1e-12
