@@ -13,14 +13,16 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import RESIDENT_TERMS, head_of, usable_memory
 from nereus.cost.stage import StageCostModel
 from nereus.errors import NereusError
 from nereus.solver.transition.local import local_dag
-from nereus.solver.transition.primitives import Emu, Primitive, box_fraction
+from nereus.solver.transition.primitives import Emu, Primitive
 from nereus.spec.cluster import Cluster
-from nereus.spec.plan import Plan
+from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.workload import STAGES
 
 EPS = 1e-9
@@ -45,12 +47,18 @@ class TransitionResult:
         return not self.blocking_cycle
 
 
-def plan_emus(plan: Plan) -> dict[str, list[Emu]]:
-    """Every model-stage's EMUs in a plan."""
+def plan_emus(plan: Plan, model_stages: list[str] | None = None) -> dict[str, list[Emu]]:
+    """The EMUs of every model-stage in a plan (or of the ones named)."""
     return {
         entry.model_stage: [Emu(entry.model_stage, entry.tp, entry.pp, tuple(gpus)) for gpus in entry.emus]
         for entry in plan.stages
+        if model_stages is None or entry.model_stage in model_stages
     }
+
+
+def _layout_of(plan: Plan, model_stage: str) -> tuple[int, int, list[list[int]]]:
+    entry = plan.stage_plan(model_stage)
+    return entry.tp, entry.pp, entry.emus
 
 
 def state_bytes(plan: Plan, model_stage: str, calibration: Calibration) -> float:
@@ -62,14 +70,12 @@ def state_bytes(plan: Plan, model_stage: str, calibration: Calibration) -> float
     return float(sum(v for k, v in terms.items() if k in RESIDENT_TERMS))
 
 
-def held_bytes(emus: dict[str, list[Emu]], sizes: dict[str, float]) -> dict[int, float]:
-    """Bytes of model state on each GPU."""
-    held: dict[int, float] = {}
-    for name, replicas in emus.items():
-        for emu in replicas:
-            for gpu in emu.gpus:
-                held[gpu] = held.get(gpu, 0.0) + sizes[name] * box_fraction(emu.layout)
-    return held
+def held_bytes(plan: Plan, sizes: dict[str, float]) -> dict[int, float]:
+    """Bytes of model state on each GPU under a plan (every model-stage's EMU boxes)."""
+    held = np.zeros(plan.cluster.num_gpus)
+    for entry in plan.stages:
+        np.add.at(held, np.asarray(entry.emus).ravel(), sizes[entry.model_stage] / (entry.tp * entry.pp))
+    return {gpu: nbytes for gpu, nbytes in enumerate(held.tolist()) if nbytes}
 
 
 def primitive_duration(primitive: Primitive, cluster: Cluster, calibration: Calibration) -> float:
@@ -92,26 +98,28 @@ def link_bytes(primitives: list[Primitive], cluster: Cluster) -> dict[str, float
     return out
 
 
-def _box(emu: Emu, index: int) -> tuple[float, float, float, float]:
-    """(layer start, layer end, column start, column end) of the box at `index`."""
-    stage, rank = emu.position(index)
-    return stage / emu.pp, (stage + 1) / emu.pp, rank / emu.tp, (rank + 1) / emu.tp
+def _boxes(entry: StagePlan, num_gpus: int) -> np.ndarray:
+    """Per GPU id: (layer start, layer end, column start, column end) of its box; NaN if none."""
+    boxes = np.full((num_gpus, 4), np.nan)
+    index = np.arange(entry.tp * entry.pp)
+    stage, rank = index // entry.tp, index % entry.tp
+    corners = np.stack([stage / entry.pp, (stage + 1) / entry.pp, rank / entry.tp, (rank + 1) / entry.tp], axis=1)
+    gpus = np.asarray(entry.emus)
+    boxes[gpus.ravel()] = np.tile(corners, (gpus.shape[0], 1))
+    return boxes
 
 
-def lower_bound_bytes(emus_a: dict[str, list[Emu]], emus_b: dict[str, list[Emu]], sizes: dict[str, float]) -> float:
+def lower_bound_bytes(plan_a: Plan, plan_b: Plan, changed: list[str], sizes: dict[str, float]) -> float:
     """Bytes every GPU must end up holding (in B) that it does not hold yet (in A)."""
     total = 0.0
-    for name, replicas in emus_b.items():
-        held = {gpu: _box(emu, i) for emu in emus_a.get(name, []) for i, gpu in enumerate(emu.gpus)}
-        for emu in replicas:
-            for i, gpu in enumerate(emu.gpus):
-                b = _box(emu, i)
-                area = (b[1] - b[0]) * (b[3] - b[2])
-                a = held.get(gpu)
-                if a is not None:
-                    overlap = max(0.0, min(a[1], b[1]) - max(a[0], b[0])) * max(0.0, min(a[3], b[3]) - max(a[2], b[2]))
-                    area -= overlap
-                total += sizes[name] * area
+    n = plan_b.cluster.num_gpus
+    for name in changed:
+        a, b = _boxes(plan_a.stage_plan(name), n), _boxes(plan_b.stage_plan(name), n)
+        needed = (b[:, 1] - b[:, 0]) * (b[:, 3] - b[:, 2])
+        rows = np.maximum(0.0, np.minimum(a[:, 1], b[:, 1]) - np.maximum(a[:, 0], b[:, 0]))
+        cols = np.maximum(0.0, np.minimum(a[:, 3], b[:, 3]) - np.maximum(a[:, 2], b[:, 2]))
+        overlap = np.nan_to_num(rows * cols)
+        total += sizes[name] * float(np.nansum(needed - overlap))
     return total
 
 
@@ -225,16 +233,18 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
     calibration = calibration or Calibration()
     if plan_a.cluster != plan_b.cluster:
         raise NereusError("the two plans are for different clusters; a transition needs one cluster")
-    emus_a, emus_b = plan_emus(plan_a), plan_emus(plan_b)
-    if set(emus_a) != set(emus_b):
-        raise NereusError(f"the plans run different model-stages: {sorted(set(emus_a) ^ set(emus_b))}")
-    sizes = {name: state_bytes(plan_b, name, calibration) for name in emus_b}
+    names: list[str] = [entry.model_stage for entry in plan_b.stages]
+    if sorted(names) != sorted(entry.model_stage for entry in plan_a.stages):
+        raise NereusError("the two plans run different model-stages; a transition keeps the workload")
+    changed = [name for name in names if _layout_of(plan_a, name) != _layout_of(plan_b, name)]
+    sizes = {name: state_bytes(plan_b, name, calibration) for name in names}
+    emus_a, emus_b = plan_emus(plan_a, changed), plan_emus(plan_b, changed)
     primitives: list[Primitive] = []
-    for name in emus_b:
+    for name in changed:
         primitives += local_dag(name, sizes[name], emus_a[name], emus_b[name], next_id=len(primitives))
     for primitive in primitives:
         primitive.duration_s = primitive_duration(primitive, plan_b.cluster, calibration)
-    initial = held_bytes(emus_a, sizes)
+    initial = held_bytes(plan_a, sizes)
     replay = _Replay(dict(initial), usable_memory(plan_b.cluster, calibration))
     cycle = list_schedule(primitives, replay)
     moved = link_bytes(primitives, plan_b.cluster)
@@ -243,7 +253,7 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
         makespan_s=max((p.end_s for p in primitives), default=0.0),
         bytes_moved=sum(moved.values()),
         bytes_by_link=moved,
-        lower_bound_bytes=lower_bound_bytes(emus_a, emus_b, sizes),
+        lower_bound_bytes=lower_bound_bytes(plan_a, plan_b, changed, sizes),
         peak_extra_bytes={g: max(0.0, replay.peak[g] - initial.get(g, 0.0)) for g in sorted(replay.peak)},
         capacity_bytes=replay.capacity,
         initial_bytes=initial,

@@ -1,0 +1,93 @@
+"""Benchmark: wall time of building the global transition DAG, 32 to 1024 H100s.
+
+Two drifts per GPU count, each a pair of plans from `nereus plan` for Llama-3.1-8B PPO:
+  seq-growth  responses capped at 1000 -> 8000 tokens on the same GPUs;
+  pool-shrink the job loses a quarter of its nodes (plans for N and 3N/4 GPUs on an
+              N-GPU cluster).
+Times `build_transition` (local DAGs, scheduling, bytes and lower bound), median of --runs.
+Prints a table and writes benchmarks/results/transition_time.json.
+
+    .venv/bin/python benchmarks/transition_time.py [--runs 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+from nereus.cli.inputs import models_for, with_max_response
+from nereus.solver.plan_search import PlanRequest
+from nereus.solver.planner import make_plan
+from nereus.solver.transition import build_transition
+from nereus.spec.plan import Plan
+from nereus.spec.presets import cluster_preset, workload_preset
+
+GPU_COUNTS = (32, 64, 128, 256, 512, 1024)
+RESULTS = Path(__file__).resolve().parent / "results" / "transition_time.json"
+
+
+def _plan(gpus: int, cluster_gpus: int, max_response: int) -> Plan:
+    workload = with_max_response(workload_preset("ppo"), max_response)
+    request = PlanRequest(cluster_preset("h100", cluster_gpus), models_for(workload, None), workload, gpus)
+    return make_plan(request).best
+
+
+def pairs(gpus: int) -> dict[str, tuple[Plan, Plan]]:
+    short, long = _plan(gpus, gpus, 1000), _plan(gpus, gpus, 8000)
+    smaller = _plan(gpus * 3 // 4, gpus, 8000)
+    return {
+        "seq-growth": (short, long.model_copy(update={"workload": short.workload})),
+        "pool-shrink": (long, smaller),
+    }
+
+
+def measure(plan_a: Plan, plan_b: Plan, runs: int) -> dict[str, object]:
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        result = build_transition(plan_a, plan_b)
+        times.append(time.perf_counter() - started)
+    return {
+        "median_ms": statistics.median(times) * 1000,
+        "primitives": len(result.primitives),
+        "kinds": dict(Counter(p.kind for p in result.primitives)),
+        "feasible": result.feasible,
+        "makespan_s": result.makespan_s,
+        "bytes_moved": result.bytes_moved,
+        "lower_bound_bytes": result.lower_bound_bytes,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5, help="timed repetitions per case (median reported)")
+    args = parser.parse_args()
+    rows = []
+    for gpus in GPU_COUNTS:
+        for drift, (plan_a, plan_b) in pairs(gpus).items():
+            rows.append({"gpus": gpus, "drift": drift, **measure(plan_a, plan_b, args.runs)})
+    header = (
+        f"{'GPUs':>5} {'drift':<12} {'median ms':>9} {'primitives':>10} {'feasible':>8} {'makespan s':>10} "
+        f"{'moved/LB':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        ratio = r["bytes_moved"] / r["lower_bound_bytes"] if r["lower_bound_bytes"] else float("nan")  # type: ignore[operator]
+        print(
+            f"{r['gpus']:>5} {r['drift']:<12} {r['median_ms']:>9.2f} {r['primitives']:>10} {r['feasible']!s:>8} "
+            f"{r['makespan_s']:>10.2f} {ratio:>8.2f}"
+        )
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": "transition_time", "runs": args.runs, "python": platform.python_version(), "results": rows}
+    RESULTS.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
