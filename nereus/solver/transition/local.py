@@ -180,8 +180,9 @@ def local_dag(
     spare = [r for r in replicas if r not in kept]
     sources = [r for r in replicas if r in kept] or spare[:1]  # always copy from a complete replica
     readers: dict[Emu, list[int]] = {r: [] for r in replicas}
+    source_set = set(sources)
     for replica in spare:  # release first: spares no slot needs go before any copy
-        if replica not in sources:
+        if replica not in source_set:
             _destroy(build, replica, replica.gpus, [origin[replica]])
     ready: list[list[int]] = []  # per slot: the ids its data waits for
     leftovers: list[tuple[Emu, tuple[int, ...], int]] = []
@@ -203,8 +204,9 @@ def local_dag(
         ready.append([extend.id])
     for replica, gpus, extend_id in leftovers:  # a moved replica's old GPUs, once copied
         _destroy(build, replica, gpus, [extend_id, *readers[replica]])
+    spare_set = set(spare)
     for source in sources:
-        if source in spare:  # the only copy B does not keep: destroyed after every copy
+        if source in spare_set:  # the only copy B does not keep: destroyed after every copy
             _destroy(build, source, source.gpus, [origin[source], *readers[source]])
     k = 0
     for emu, subs in slots_of:

@@ -23,6 +23,14 @@ class Emu:
     tp: int
     pp: int
     gpus: tuple[int, ...]
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # EMUs key many dicts and sets in the DAG builder: hash the GPU tuple once.
+        object.__setattr__(self, "_hash", hash((self.model_stage, self.tp, self.pp, self.gpus)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     @property
     def layout(self) -> Layout:
