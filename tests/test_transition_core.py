@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from plan_helpers import relayout
 
 from nereus.solver.transition import Emu, build_transition, intermediate_layout, local_dag, sub_replicas
 from nereus.spec.io import load_document
-from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.plan import Plan
 
 
 def test_intermediate_layout_is_the_gcd() -> None:
@@ -53,18 +54,6 @@ def test_identical_plans_need_no_primitives() -> None:
     assert result.primitives == [] and result.makespan_s == 0.0 and result.lower_bound_bytes == 0.0
 
 
-def _relayout(plan: Plan, model_stage: str, tp: int, pp: int, emus: list[list[int]]) -> Plan:
-    stages = [
-        StagePlan(
-            model_stage=e.model_stage, pool=e.pool, tp=tp, pp=pp, dp=len(emus), emus=emus, micro_batches=e.micro_batches
-        )
-        if e.model_stage == model_stage
-        else e
-        for e in plan.stages
-    ]
-    return plan.model_copy(update={"stages": stages, "predictions": None})
-
-
 @pytest.mark.parametrize(
     ("tp", "pp", "emus"),
     [(4, 1, [[0, 1, 2, 3]]), (1, 1, [[0], [1], [2], [3]]), (1, 4, [[3, 2, 1, 0]]), (2, 1, [[1, 0], [3, 2]])],
@@ -74,7 +63,7 @@ def test_global_transition_is_scheduled_and_moves_at_least_the_lower_bound(
 ) -> None:
     plan_a = load_document("examples/plan-tiny-ppo-4rank.yaml")
     assert isinstance(plan_a, Plan)
-    plan_b = _relayout(_relayout(plan_a, "actor/training", tp, pp, emus), "critic/inference", tp, pp, emus)
+    plan_b = relayout(relayout(plan_a, "actor/training", tp, pp, emus), "critic/inference", tp, pp, emus)
     result = build_transition(plan_a, plan_b)
     assert result.feasible
     assert result.primitives and result.makespan_s > 0

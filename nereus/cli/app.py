@@ -72,10 +72,11 @@ def _main(
 
 def register_commands() -> None:
     """Attach every command module to `app` (imports stay light: no torch)."""
-    from nereus.cli import plan_commands, spec_commands
+    from nereus.cli import dag_commands, plan_commands, spec_commands
 
     spec_commands.register(app)
     plan_commands.register(app)
+    dag_commands.register(app)
 
 
 register_commands()

@@ -25,17 +25,6 @@ plan_app = typer.Typer(
 )
 
 
-def _gpu_ranges(gpus: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5"."""
-    spans: list[list[int]] = []
-    for gpu in sorted(gpus):
-        if spans and gpu == spans[-1][1] + 1:
-            spans[-1][1] = gpu
-        else:
-            spans.append([gpu, gpu])
-    return ",".join(f"{a}-{b}" if a != b else f"{a}" for a, b in spans)
-
-
 @plan_app.callback()
 def plan(
     ctx: typer.Context,
@@ -130,6 +119,8 @@ def _print_json(result: PlanResult) -> None:
 def _stage_table(plan: Plan, title: str, calibration: Calibration) -> Table:
     from rich.table import Table
 
+    from nereus.render import gpu_ranges
+
     assert plan.predictions is not None
     usable = plan.cluster.gpu.memory_bytes * (1 - calibration.memory_headroom)
     table = Table(title=title, title_justify="left")
@@ -144,7 +135,7 @@ def _stage_table(plan: Plan, title: str, calibration: Calibration) -> Table:
             str(entry.pp),
             str(entry.dp),
             str(entry.micro_batches),
-            _gpu_ranges(sorted(entry.gpus)),
+            gpu_ranges(entry.gpus),
             f"{pred.time_s:.2f}",
             f"{pred.peak_memory_bytes / GIB:.1f} / {usable / GIB:.1f}",
         )

@@ -21,6 +21,7 @@ def check(
 ) -> None:
     """Validate files: schema and semantics. Exit 0 valid, 1 invalid, 2 usage error."""
     import nereus.cost  # noqa: F401  (registers the cost model's plan checks)
+    from nereus.solver.transition import document  # noqa: F401  (registers the Transition checks)
     from nereus.spec.check import check_file
 
     results = [check_file(path) for path in files]

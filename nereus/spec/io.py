@@ -17,6 +17,7 @@ from nereus.spec.base import Document
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
 from nereus.spec.plan import Plan
+from nereus.spec.transition import Transition
 from nereus.spec.workload import Workload
 
 #: Every document kind this release reads, by its `kind:` value.
@@ -25,6 +26,7 @@ KINDS: dict[str, type[Document]] = {
     "Model": Model,
     "Workload": Workload,
     "Plan": Plan,
+    "Transition": Transition,
 }
 
 MAX_FILE_BYTES = 64 * 1024 * 1024

@@ -72,7 +72,8 @@ class Primitive:
     adds: tuple[Emu, ...] = ()
     deps: list[int] = field(default_factory=list)
     new_groups: int = 0  # communicators this primitive creates
-    # Filled by the scheduler.
+    # Filled by the scheduler; `scheduled` stays False for primitives a deadlock left unrun.
+    scheduled: bool = False
     duration_s: float = 0.0
     start_s: float = 0.0
     end_s: float = 0.0

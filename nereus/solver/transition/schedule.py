@@ -11,6 +11,7 @@ plans has no safe order: the model-stages waiting on each other's memory are rep
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +25,7 @@ from nereus.solver.transition.primitives import Emu, Primitive
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.workload import STAGES
+from nereus.units import format_bytes
 
 EPS = 1e-9
 
@@ -41,6 +43,8 @@ class TransitionResult:
     capacity_bytes: float
     initial_bytes: dict[int, float]
     blocking_cycle: list[str] = field(default_factory=list)
+    priority_rule: str = ""
+    """The list-scheduling order that gave this schedule (see `priority_rules`)."""
 
     @property
     def feasible(self) -> bool:
@@ -123,9 +127,39 @@ def lower_bound_bytes(plan_a: Plan, plan_b: Plan, changed: list[str], sizes: dic
     return total
 
 
-def _priority(primitive: Primitive) -> tuple[int, int, int]:
-    stage = STAGES.index(primitive.model_stage.split("/")[1])
-    return (0 if primitive.releases else 1, stage, primitive.id)
+PriorityKey = Callable[[Primitive], tuple[float, ...]]
+
+
+def _stage_index(primitive: Primitive) -> int:
+    return STAGES.index(primitive.model_stage.split("/")[1])
+
+
+def _tail_lengths(primitives: list[Primitive]) -> dict[int, float]:
+    """Longest chain of durations from each primitive to the end of its local DAG."""
+    tail: dict[int, float] = {}
+    children: dict[int, list[int]] = {}
+    for p in primitives:
+        for dep in p.deps:
+            children.setdefault(dep, []).append(p.id)
+    for p in sorted(primitives, key=lambda q: -q.id):  # a dependency always has a smaller id
+        tail[p.id] = p.duration_s + max((tail[c] for c in children.get(p.id, [])), default=0.0)
+    return tail
+
+
+def priority_rules(primitives: list[Primitive]) -> dict[str, PriorityKey]:
+    """The orders the list scheduler tries; the best schedule wins.
+
+    `release-first` is the design's rule (releases first, then generation -> inference ->
+    training); the critical-path rules start long chains early, which matters when
+    model-stages share GPUs.
+    """
+    tail = _tail_lengths(primitives)
+    return {
+        "release-first": release_first,
+        "release-then-critical-path": lambda p: (0 if p.releases else 1, -tail[p.id], p.id),
+        "critical-path": lambda p: (-tail[p.id], p.id),
+        "release-then-late-stages": lambda p: (0 if p.releases else 1, -_stage_index(p), -tail[p.id], p.id),
+    }
 
 
 @dataclass
@@ -147,6 +181,7 @@ class _Replay:
 
     def start(self, primitive: Primitive, now: float) -> None:
         primitive.start_s, primitive.end_s = now, now + primitive.duration_s
+        primitive.scheduled = True
         for gpu in primitive.gpus:
             self.busy_until[gpu] = primitive.end_s
         for gpu, nbytes in primitive.alloc.items():
@@ -165,7 +200,12 @@ class _Replay:
             self.last_release[gpu] = (primitive.end_s, primitive.id, primitive.model_stage)
 
 
-def list_schedule(primitives: list[Primitive], replay: _Replay) -> list[str]:
+def release_first(primitive: Primitive) -> tuple[float, ...]:
+    """The design's order: releases first, then generation -> inference -> training."""
+    return (0 if primitive.releases else 1, _stage_index(primitive), primitive.id)
+
+
+def list_schedule(primitives: list[Primitive], replay: _Replay, priority: PriorityKey = release_first) -> list[str]:
     """Give every primitive a start and end; return the blocking cycle if stuck."""
     by_id = {p.id: p for p in primitives}
     waiting = {p.id: set(p.deps) for p in primitives}
@@ -173,7 +213,7 @@ def list_schedule(primitives: list[Primitive], replay: _Replay) -> list[str]:
     for p in primitives:
         for dep in p.deps:
             dependents.setdefault(dep, []).append(p.id)
-    ready = sorted((p for p in primitives if not p.deps), key=_priority)
+    ready = sorted((p for p in primitives if not p.deps), key=priority)
     running: list[tuple[float, int]] = []
     now = 0.0
     while ready or running:
@@ -181,6 +221,8 @@ def list_schedule(primitives: list[Primitive], replay: _Replay) -> list[str]:
         for primitive in ready:
             if replay.idle(primitive, now) and replay.fits(primitive):
                 replay.start(primitive, now)
+                if primitive.duration_s <= EPS:  # instantaneous: its frees count for what starts next
+                    replay.finish(primitive)
                 heapq.heappush(running, (primitive.end_s, primitive.id))
             else:
                 if not replay.fits(primitive):
@@ -194,20 +236,42 @@ def list_schedule(primitives: list[Primitive], replay: _Replay) -> list[str]:
         while running and running[0][0] <= now + EPS:
             done.append(heapq.heappop(running)[1])
         for pid in done:
-            replay.finish(by_id[pid])
+            if by_id[pid].duration_s > EPS:
+                replay.finish(by_id[pid])
             for child in dependents.get(pid, []):
                 waiting[child].discard(pid)
                 if not waiting[child]:
                     ready.append(by_id[child])
-        ready.sort(key=_priority)
+        ready.sort(key=priority)
     return []
+
+
+def _reset(primitives: list[Primitive]) -> None:
+    for p in primitives:
+        p.scheduled, p.start_s, p.end_s, p.ownership_deps = False, 0.0, 0.0, []
+
+
+def schedule_best(
+    primitives: list[Primitive], initial: dict[int, float], capacity: float
+) -> tuple[_Replay, list[str], str]:
+    """Run the list scheduler under each priority rule; keep the first safe, shortest one."""
+    rules = priority_rules(primitives)
+    scores = {}
+    for name, rule in rules.items():
+        _reset(primitives)
+        cycle = list_schedule(primitives, _Replay(dict(initial), capacity), rule)
+        scores[name] = (bool(cycle), max((p.end_s for p in primitives), default=0.0))
+    best = min(rules, key=lambda name: scores[name])
+    _reset(primitives)
+    replay = _Replay(dict(initial), capacity)
+    return replay, list_schedule(primitives, replay, rules[best]), best
 
 
 def _blocking_cycle(blocked: list[Primitive], primitives: list[Primitive], replay: _Replay) -> list[str]:
     """Model-stages that wait for memory other model-stages hold, as a cycle if any."""
     import networkx as nx
 
-    unfinished = [p for p in primitives if p.end_s == 0.0 and p.start_s == 0.0 and p.duration_s >= 0]
+    unfinished = [p for p in primitives if not p.scheduled]
     graph = nx.DiGraph()
     reasons = []
     for primitive in blocked:
@@ -218,14 +282,26 @@ def _blocking_cycle(blocked: list[Primitive], primitives: list[Primitive], repla
             for holder in holders:
                 graph.add_edge(primitive.model_stage, holder, gpu=gpu)
             reasons.append(
-                f"{primitive.model_stage} needs {nbytes / 2**30:.2f} GiB more on GPU {gpu} "
-                f"({(replay.capacity - replay.usage.get(gpu, 0.0)) / 2**30:.2f} GiB free)"
+                f"{primitive.model_stage} needs {format_bytes(nbytes)} more on GPU {gpu} "
+                f"({format_bytes(replay.capacity - replay.usage.get(gpu, 0.0))} free)"
             )
     try:
         cycle = nx.find_cycle(graph)
     except nx.NetworkXNoCycle:
         return reasons[:3] or ["no primitive can start"]
     return [f"{a} waits for GPU {graph.edges[a, b]['gpu']} held by {b}" for a, b, *_ in cycle]
+
+
+def _over_capacity(before: dict[int, float], after: dict[int, float], capacity: float) -> list[str]:
+    """Plans whose model states alone overflow a GPU: no order can help."""
+    problems = []
+    for label, held in (("plan A", before), ("plan B", after)):
+        problems += [
+            f"{label} holds {format_bytes(nbytes)} of model state on GPU {gpu} (usable: {format_bytes(capacity)})"
+            for gpu, nbytes in sorted(held.items())
+            if nbytes > capacity * (1 + 1e-9)
+        ][:3]
+    return problems
 
 
 def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None = None) -> TransitionResult:
@@ -245,8 +321,9 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
     for primitive in primitives:
         primitive.duration_s = primitive_duration(primitive, plan_b.cluster, calibration)
     initial = held_bytes(plan_a, sizes)
-    replay = _Replay(dict(initial), usable_memory(plan_b.cluster, calibration))
-    cycle = list_schedule(primitives, replay)
+    capacity = usable_memory(plan_b.cluster, calibration)
+    replay, cycle, rule = schedule_best(primitives, initial, capacity)
+    cycle = _over_capacity(initial, held_bytes(plan_b, sizes), capacity) + cycle
     moved = link_bytes(primitives, plan_b.cluster)
     return TransitionResult(
         primitives=primitives,
@@ -258,4 +335,5 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
         capacity_bytes=replay.capacity,
         initial_bytes=initial,
         blocking_cycle=cycle,
+        priority_rule=rule,
     )

@@ -1,0 +1,157 @@
+"""An independent check of a scheduled transition DAG.
+
+The checker replays the primitives' times abstractly, using only their start and end,
+memory (`alloc`, `free`), replica effects (`removes`, `retires`, `adds`), dependencies
+and GPUs, and reports every broken rule as one line: a dependency that ends after its
+dependent starts, two primitives on one GPU at once, a GPU over capacity, a model-stage
+left without a complete replica, or a final replica set that is not plan B's. It shares
+none of the scheduler's logic, so it catches the scheduler's mistakes as well as the
+local DAGs'. Ends within `EPS_S` of a start count as before it, as in the scheduler,
+and frees at one instant go before allocations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from nereus.solver.transition.primitives import Emu, Primitive
+from nereus.solver.transition.schedule import TransitionResult, plan_emus
+from nereus.spec.plan import Plan
+
+EPS_S = 1e-9  # seconds
+REL_BYTES = 1e-9  # memory tolerance, relative to the capacity
+
+
+def check_transition(
+    primitives: list[Primitive],
+    emus_a: dict[str, list[Emu]],
+    emus_b: dict[str, list[Emu]],
+    initial_bytes: dict[int, float],
+    capacity_bytes: float,
+) -> list[str]:
+    """Every rule the scheduled primitives break, one line each; empty when valid."""
+    return [
+        *dependency_violations(primitives),
+        *gpu_overlap_violations(primitives),
+        *memory_violations(primitives, initial_bytes, capacity_bytes),
+        *replica_violations(primitives, emus_a, emus_b),
+    ]
+
+
+def check_result(result: TransitionResult, plan_a: Plan, plan_b: Plan) -> list[str]:
+    """`check_transition` on a `build_transition` result."""
+    return check_transition(
+        result.primitives, plan_emus(plan_a), plan_emus(plan_b), result.initial_bytes, result.capacity_bytes
+    )
+
+
+def dependency_violations(primitives: list[Primitive]) -> list[str]:
+    """Data and ownership dependencies must end before their dependent starts."""
+    by_id = {p.id: p for p in primitives}
+    out = []
+    for p in primitives:
+        for kind, deps in (("dependency", p.deps), ("ownership dependency", p.ownership_deps)):
+            for dep in deps:
+                if dep not in by_id:
+                    out.append(f"primitive {p.id} ({p.model_stage}) has unknown {kind} {dep}")
+                elif by_id[dep].end_s > p.start_s + EPS_S:
+                    out.append(
+                        f"primitive {p.id} ({p.kind}, {p.model_stage}) starts at {p.start_s:.6g}s before its "
+                        f"{kind} {dep} ends at {by_id[dep].end_s:.6g}s"
+                    )
+    return out
+
+
+def gpu_overlap_violations(primitives: list[Primitive]) -> list[str]:
+    """No GPU runs two primitives at once (zero-length primitives never overlap)."""
+    on_gpu: dict[int, list[Primitive]] = {}
+    for p in primitives:
+        if p.end_s < p.start_s - EPS_S:
+            continue  # reported below as a negative duration
+        for gpu in p.gpus:
+            on_gpu.setdefault(gpu, []).append(p)
+    out = [
+        f"primitive {p.id} ({p.model_stage}) ends before it starts" for p in primitives if p.end_s < p.start_s - EPS_S
+    ]
+    for gpu, runs in sorted(on_gpu.items()):
+        last: Primitive | None = None  # the run that ends latest so far
+        for p in sorted(runs, key=lambda q: (q.start_s, q.end_s, q.id)):
+            if last is not None and p.end_s > p.start_s + EPS_S and p.start_s < last.end_s - EPS_S:
+                out.append(
+                    f"GPU {gpu} runs primitive {p.id} ({p.model_stage}) from {p.start_s:.6g}s while primitive "
+                    f"{last.id} ({last.model_stage}) runs until {last.end_s:.6g}s"
+                )
+            if last is None or p.end_s > last.end_s:
+                last = p
+    return out
+
+
+def memory_violations(primitives: list[Primitive], initial_bytes: dict[int, float], capacity: float) -> list[str]:
+    """Per GPU, allocations (at start) never exceed capacity; frees (at end) go first at a tie."""
+    events: dict[int, list[tuple[float, int, int, float]]] = {}  # GPU -> (time, 0 free / 1 alloc, id, bytes)
+    for p in primitives:
+        for gpu, nbytes in p.free.items():
+            events.setdefault(gpu, []).append((p.end_s - EPS_S, 0, p.id, nbytes))
+        for gpu, nbytes in p.alloc.items():
+            events.setdefault(gpu, []).append((p.start_s, 1, p.id, nbytes))
+    tolerance = REL_BYTES * max(capacity, 1.0)
+    out = [
+        f"GPU {gpu} starts with {nbytes:.6g} B over the capacity of {capacity:.6g} B"
+        for gpu, nbytes in sorted(initial_bytes.items())
+        if nbytes > capacity + tolerance
+    ]
+    for gpu, gpu_events in sorted(events.items()):
+        usage = initial_bytes.get(gpu, 0.0)
+        for _, is_alloc, pid, nbytes in sorted(gpu_events):
+            usage += nbytes if is_alloc else -nbytes
+            if is_alloc and usage > capacity + tolerance:
+                out.append(f"GPU {gpu} holds {usage:.6g} B > capacity {capacity:.6g} B when primitive {pid} starts")
+            if not is_alloc and usage < -tolerance:
+                out.append(f"GPU {gpu} frees more than it holds when primitive {pid} ends ({usage:.6g} B)")
+    return out
+
+
+_ReplicaEvent = tuple[float, int, int, tuple[Emu, ...], tuple[Emu, ...]]
+
+
+def _replica_events(primitives: Iterable[Primitive]) -> list[_ReplicaEvent]:
+    """(time, phase, id, leaving, joining), in replay order.
+
+    Ends within `EPS_S` of a start go before it (a dependent may start the moment its
+    input ends), except that a zero-length primitive's end follows its own start.
+    """
+    events: list[_ReplicaEvent] = []
+    for p in primitives:
+        zero = p.end_s <= p.start_s + EPS_S
+        events.append((p.start_s, 1, p.id, p.removes, ()))
+        events.append((p.start_s if zero else p.end_s - EPS_S, 2 if zero else 0, p.id, p.retires, p.adds))
+    return sorted(events, key=lambda e: (e[0], e[1], e[2]))
+
+
+def replica_violations(
+    primitives: list[Primitive], emus_a: dict[str, list[Emu]], emus_b: dict[str, list[Emu]]
+) -> list[str]:
+    """Every model-stage keeps a complete replica throughout and ends with exactly B's EMUs."""
+    replicas = {name: set(emus) for name, emus in emus_a.items()}
+    out = []
+    for time, _, pid, leaving, joining in _replica_events(primitives):
+        had = {e.model_stage: bool(replicas.get(e.model_stage)) for e in (*leaving, *joining)}
+        for emu in leaving:
+            if emu not in replicas.setdefault(emu.model_stage, set()):
+                out.append(f"primitive {pid} drops {emu.model_stage} replica {_name(emu)}, which it does not hold")
+            replicas[emu.model_stage].discard(emu)
+        for emu in joining:
+            replicas.setdefault(emu.model_stage, set()).add(emu)
+        for name in sorted(n for n, before in had.items() if before and not replicas[n]):
+            out.append(f"{name} has no complete replica from {time:.6g}s (after primitive {pid})")
+    for name in sorted(set(replicas) | set(emus_b)):
+        final, wanted = replicas.get(name, set()), set(emus_b.get(name, []))
+        if final != wanted:
+            extra = sorted(_name(e) for e in final - wanted)
+            missing = sorted(_name(e) for e in wanted - final)
+            out.append(f"{name} ends with replicas {extra} that B lacks and without B's {missing}")
+    return out
+
+
+def _name(emu: Emu) -> str:
+    return f"tp{emu.tp}pp{emu.pp}{list(emu.gpus)}"
