@@ -11,6 +11,7 @@ plans has no safe order: the model-stages waiting on each other's memory are rep
 from __future__ import annotations
 
 import heapq
+import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -151,14 +152,19 @@ def priority_rules(primitives: list[Primitive]) -> dict[str, PriorityKey]:
 
     `release-first` is the design's rule (releases first, then generation -> inference ->
     training); the critical-path rules start long chains early, which matters when
-    model-stages share GPUs.
+    model-stages share GPUs; `net-releasers-first` lets model-stages that shrink go
+    before those that grow, which avoids many hold-and-wait deadlocks.
     """
     tail = _tail_lengths(primitives)
+    net: dict[str, float] = {}  # bytes a model-stage frees minus bytes it allocates
+    for p in primitives:
+        net[p.model_stage] = net.get(p.model_stage, 0.0) + sum(p.free.values()) - sum(p.alloc.values())
     return {
         "release-first": release_first,
         "release-then-critical-path": lambda p: (0 if p.releases else 1, -tail[p.id], p.id),
         "critical-path": lambda p: (-tail[p.id], p.id),
         "release-then-late-stages": lambda p: (0 if p.releases else 1, -_stage_index(p), -tail[p.id], p.id),
+        "net-releasers-first": lambda p: (-net[p.model_stage], 0 if p.releases else 1, p.id),
     }
 
 
@@ -251,11 +257,34 @@ def _reset(primitives: list[Primitive]) -> None:
         p.scheduled, p.start_s, p.end_s, p.ownership_deps = False, 0.0, 0.0, []
 
 
+#: Extra seeded runs with perturbed critical-path priorities (biased random sampling);
+#: fewer on large DAGs, where each run costs more.
+RANDOM_RESTARTS = 12
+RANDOM_RESTARTS_LARGE = 2
+LARGE_DAG = 300
+
+
+def _perturbed_rules(primitives: list[Primitive], count: int) -> dict[str, PriorityKey]:
+    tail = _tail_lengths(primitives)
+    rng = random.Random(len(primitives))  # deterministic: the same DAG gets the same schedule
+    rules: dict[str, PriorityKey] = {}
+    for k in range(count):
+        noise = {p.id: 1.0 + 0.5 * rng.random() for p in primitives}
+        releases_first = k % 2 == 0
+
+        def rule(p: Primitive, n: dict[int, float] = noise, r: bool = releases_first) -> tuple[float, ...]:
+            return (0 if (r and p.releases) else 1, -tail[p.id] * n[p.id], p.id)
+
+        rules[f"perturbed-{k}"] = rule
+    return rules
+
+
 def schedule_best(
     primitives: list[Primitive], initial: dict[int, float], capacity: float
 ) -> tuple[_Replay, list[str], str]:
     """Run the list scheduler under each priority rule; keep the first safe, shortest one."""
-    rules = priority_rules(primitives)
+    restarts = RANDOM_RESTARTS if len(primitives) <= LARGE_DAG else RANDOM_RESTARTS_LARGE
+    rules = priority_rules(primitives) | _perturbed_rules(primitives, restarts)
     scores = {}
     for name, rule in rules.items():
         _reset(primitives)
