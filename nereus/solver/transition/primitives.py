@@ -9,6 +9,7 @@ layout (tp, pp) cuts it into tp * pp boxes; GPU `s * tp + r` of an EMU holds box
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Literal
 
 PrimitiveKind = Literal["split", "destroy", "extend", "merge"]
@@ -79,9 +80,9 @@ class Primitive:
     end_s: float = 0.0
     ownership_deps: list[int] = field(default_factory=list)
 
-    @property
+    @cached_property
     def gpus(self) -> tuple[int, ...]:
-        """Every GPU the primitive occupies."""
+        """Every GPU the primitive occupies (its GPU sets never change once built)."""
         return tuple(sorted(set(self.reads) | set(self.writes) | set(self.alloc) | set(self.free)))
 
     @property

@@ -211,8 +211,11 @@ def release_first(primitive: Primitive) -> tuple[float, ...]:
     return (0 if primitive.releases else 1, _stage_index(primitive), primitive.id)
 
 
-def list_schedule(primitives: list[Primitive], replay: _Replay, priority: PriorityKey = release_first) -> list[str]:
-    """Give every primitive a start and end; return the blocking cycle if stuck."""
+def list_schedule(
+    primitives: list[Primitive], replay: _Replay, priority: PriorityKey = release_first, explain: bool = True
+) -> list[str]:
+    """Give every primitive a start and end; return the blocking cycle if stuck
+    (without `explain`, just a marker: naming the cycle costs more than scheduling)."""
     by_id = {p.id: p for p in primitives}
     waiting = {p.id: set(p.deps) for p in primitives}
     dependents: dict[int, list[int]] = {}
@@ -225,18 +228,21 @@ def list_schedule(primitives: list[Primitive], replay: _Replay, priority: Priori
     while ready or running:
         still = []
         for primitive in ready:
-            if replay.idle(primitive, now) and replay.fits(primitive):
+            fits = replay.fits(primitive)
+            if fits and replay.idle(primitive, now):
                 replay.start(primitive, now)
                 if primitive.duration_s <= EPS:  # instantaneous: its frees count for what starts next
                     replay.finish(primitive)
                 heapq.heappush(running, (primitive.end_s, primitive.id))
-            else:
-                if not replay.fits(primitive):
-                    replay.blocked_since.setdefault(primitive.id, now)
-                still.append(primitive)
+                continue
+            if not fits:
+                replay.blocked_since.setdefault(primitive.id, now)
+            still.append(primitive)
         ready = still
         if not running:
-            return _blocking_cycle(ready, primitives, replay) if ready else []
+            if not ready:
+                return []
+            return _blocking_cycle(ready, primitives, replay) if explain else ["blocked"]
         now, finished = heapq.heappop(running)
         done = [finished]
         while running and running[0][0] <= now + EPS:
@@ -288,7 +294,7 @@ def schedule_best(
     scores = {}
     for name, rule in rules.items():
         _reset(primitives)
-        cycle = list_schedule(primitives, _Replay(dict(initial), capacity), rule)
+        cycle = list_schedule(primitives, _Replay(dict(initial), capacity), rule, explain=False)
         scores[name] = (bool(cycle), max((p.end_s for p in primitives), default=0.0))
     best = min(rules, key=lambda name: scores[name])
     _reset(primitives)
