@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -215,47 +215,80 @@ def list_schedule(
     primitives: list[Primitive], replay: _Replay, priority: PriorityKey = release_first, explain: bool = True
 ) -> list[str]:
     """Give every primitive a start and end; return the blocking cycle if stuck
-    (without `explain`, just a marker: naming the cycle costs more than scheduling)."""
+    (without `explain`, just a marker: naming the cycle costs more than scheduling).
+
+    A ready primitive that cannot start waits on the GPUs that stop it (busy, or short of
+    memory) and is looked at again only when something finishes there.
+    """
     by_id = {p.id: p for p in primitives}
-    waiting = {p.id: set(p.deps) for p in primitives}
+    key = {p.id: priority(p) for p in primitives}
+    waiting = {p.id: len(p.deps) for p in primitives}
     dependents: dict[int, list[int]] = {}
     for p in primitives:
         for dep in p.deps:
             dependents.setdefault(dep, []).append(p.id)
-    ready = sorted((p for p in primitives if not p.deps), key=priority)
-    running: list[tuple[float, int]] = []
+    candidates = {p.id for p in primitives if not p.deps}
+    state = _Waits(by_id, replay)
     now = 0.0
-    while ready or running:
-        still = []
-        for primitive in ready:
-            fits = replay.fits(primitive)
-            if fits and replay.idle(primitive, now):
-                replay.start(primitive, now)
-                if primitive.duration_s <= EPS:  # instantaneous: its frees count for what starts next
-                    replay.finish(primitive)
-                heapq.heappush(running, (primitive.end_s, primitive.id))
-                continue
-            if not fits:
-                replay.blocked_since.setdefault(primitive.id, now)
-            still.append(primitive)
-        ready = still
-        if not running:
-            if not ready:
+    while True:
+        while candidates:
+            candidates = state.try_start(sorted(candidates, key=key.__getitem__), now)
+        if not state.running:
+            if not state.blocked:
                 return []
-            return _blocking_cycle(ready, primitives, replay) if explain else ["blocked"]
-        now, finished = heapq.heappop(running)
-        done = [finished]
-        while running and running[0][0] <= now + EPS:
-            done.append(heapq.heappop(running)[1])
-        for pid in done:
-            if by_id[pid].duration_s > EPS:
-                replay.finish(by_id[pid])
-            for child in dependents.get(pid, []):
-                waiting[child].discard(pid)
+            stuck = [by_id[pid] for pid in sorted(state.blocked)]
+            return _blocking_cycle(stuck, primitives, replay) if explain else ["blocked"]
+        now = state.running[0][0]
+        while state.running and state.running[0][0] <= now + EPS:
+            primitive = by_id[heapq.heappop(state.running)[1]]
+            if primitive.duration_s > EPS:
+                replay.finish(primitive)
+            candidates |= state.wake(primitive.gpus)
+            for child in dependents.get(primitive.id, []):
+                waiting[child] -= 1
                 if not waiting[child]:
-                    ready.append(by_id[child])
-        ready.sort(key=priority)
-    return []
+                    candidates.add(child)
+
+
+@dataclass
+class _Waits:
+    """Ready primitives that could not start, indexed by the GPUs that stopped them."""
+
+    by_id: dict[int, Primitive]
+    replay: _Replay
+    blocked: set[int] = field(default_factory=set)
+    waiters: dict[int, set[int]] = field(default_factory=dict)
+    running: list[tuple[float, int]] = field(default_factory=list)
+
+    def wake(self, gpus: Iterable[int]) -> set[int]:
+        woken: set[int] = set()
+        for gpu in gpus:
+            woken |= self.waiters.pop(gpu, set())
+        return woken & self.blocked
+
+    def try_start(self, order: list[int], now: float) -> set[int]:
+        """Start what can start, in priority order; return ids an instantaneous free woke."""
+        replay, woken = self.replay, set()
+        for pid in order:
+            primitive = self.by_id[pid]
+            if primitive.scheduled:
+                continue
+            busy = [g for g in primitive.gpus if replay.busy_until.get(g, 0.0) > now + EPS]
+            short = [g for g, b in primitive.alloc.items() if replay.usage.get(g, 0.0) + b > replay.capacity + EPS]
+            if busy or short:
+                if short:
+                    replay.blocked_since.setdefault(pid, now)
+                self.blocked.add(pid)
+                for gpu in busy + short:
+                    self.waiters.setdefault(gpu, set()).add(pid)
+                continue
+            self.blocked.discard(pid)
+            replay.start(primitive, now)
+            heapq.heappush(self.running, (primitive.end_s, pid))
+            if primitive.duration_s <= EPS:  # instantaneous: its frees count for what starts next
+                replay.finish(primitive)
+                woken |= self.wake(primitive.free)
+        return woken
 
 
 def _reset(primitives: list[Primitive]) -> None:
@@ -285,18 +318,31 @@ def _perturbed_rules(primitives: list[Primitive], count: int) -> dict[str, Prior
     return rules
 
 
+def makespan_lower_bound(primitives: list[Primitive]) -> float:
+    """No schedule is shorter than the longest dependency chain or the busiest GPU's work."""
+    busy: dict[int, float] = {}
+    for p in primitives:
+        for gpu in p.gpus:
+            busy[gpu] = busy.get(gpu, 0.0) + p.duration_s
+    chain = max(_tail_lengths(primitives).values(), default=0.0)
+    return max(chain, max(busy.values(), default=0.0))
+
+
 def schedule_best(
     primitives: list[Primitive], initial: dict[int, float], capacity: float
 ) -> tuple[_Replay, list[str], str]:
     """Run the list scheduler under each priority rule; keep the first safe, shortest one."""
     restarts = RANDOM_RESTARTS if len(primitives) <= LARGE_DAG else RANDOM_RESTARTS_LARGE
     rules = priority_rules(primitives) | _perturbed_rules(primitives, restarts)
+    lower = makespan_lower_bound(primitives)
     scores = {}
     for name, rule in rules.items():
         _reset(primitives)
         cycle = list_schedule(primitives, _Replay(dict(initial), capacity), rule, explain=False)
         scores[name] = (bool(cycle), max((p.end_s for p in primitives), default=0.0))
-    best = min(rules, key=lambda name: scores[name])
+        if not cycle and scores[name][1] <= lower * (1 + 1e-9):
+            break  # provably optimal: no other order can be shorter
+    best = min(scores, key=lambda name: scores[name])
     _reset(primitives)
     replay = _Replay(dict(initial), capacity)
     return replay, list_schedule(primitives, replay, rules[best]), best
