@@ -35,7 +35,7 @@ from pathlib import Path
 from nereus.cost.calibration import Calibration
 from nereus.solver.transition import Primitive, build_transition, local_dag, plan_emus, state_bytes
 from nereus.solver.transition.check import check_result, check_transition
-from nereus.solver.transition.schedule import _Replay, held_bytes, list_schedule, primitive_duration
+from nereus.solver.transition.schedule import Replay, held_bytes, list_schedule, primitive_duration
 from nereus.spec.check import kv_heads_rule
 from nereus.spec.io import load_document
 from nereus.spec.model import Model
@@ -128,7 +128,7 @@ def independent_local_dags(plan_a: Plan, plan_b: Plan, initial: dict[int, float]
         dag = local_dag(name, sizes[name], emus_a[name], emus_b[name], next_id=len(out))
         for primitive in dag:
             primitive.duration_s = primitive_duration(primitive, plan_b.cluster, CALIBRATION)
-        assert list_schedule(dag, _Replay(dict(initial), math.inf)) == []
+        assert list_schedule(dag, Replay(dict(initial), math.inf)) == []
         out += dag
     return out
 

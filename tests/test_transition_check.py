@@ -15,7 +15,7 @@ from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.solver.transition import Emu, Primitive, build_transition, local_dag, plan_emus
 from nereus.solver.transition.check import check_result, check_transition
-from nereus.solver.transition.schedule import TransitionResult, _Replay, held_bytes, list_schedule, state_bytes
+from nereus.solver.transition.schedule import Replay, TransitionResult, held_bytes, list_schedule, state_bytes
 from nereus.spec.check import kv_heads_rule
 from nereus.spec.io import load_document
 from nereus.spec.model import Model
@@ -153,11 +153,11 @@ def _move_critic() -> tuple[list[Primitive], dict[str, list[Emu]], dict[str, lis
 def test_catches_a_dropped_dependency_through_the_replicas() -> None:
     """Without its edge to the copy, the old replica is destroyed first (releases go first)."""
     prims, a, b, initial = _move_critic()
-    assert list_schedule(prims, _Replay(dict(initial), 1000.0)) == []
+    assert list_schedule(prims, Replay(dict(initial), 1000.0)) == []
     assert check_transition(prims, a, b, initial, 1000.0) == []
     prims, a, b, initial = _move_critic()
     prims[1].deps.clear()
-    assert list_schedule(prims, _Replay(dict(initial), 1000.0)) == []
+    assert list_schedule(prims, Replay(dict(initial), 1000.0)) == []
     violations = check_transition(prims, a, b, initial, 1000.0)
     assert violations == ["critic/inference has no complete replica from 0s (after primitive 1)"]
 
@@ -165,14 +165,14 @@ def test_catches_a_dropped_dependency_through_the_replicas() -> None:
 def test_ends_within_the_schedulers_tolerance_count_as_before_a_start() -> None:
     """The scheduler finishes everything ending within 1e-9 s of `now` before starting more."""
     prims, a, b, initial = _move_critic()
-    assert list_schedule(prims, _Replay(dict(initial), 1000.0)) == []
+    assert list_schedule(prims, Replay(dict(initial), 1000.0)) == []
     prims[0].end_s += 5e-10  # the copy ends a hair after the destroy that waits for it starts
     assert check_transition(prims, a, b, initial, 1000.0) == []
 
 
 def test_catches_a_replica_dropped_twice_and_memory_freed_twice() -> None:
     prims, a, b, initial = _move_critic()
-    assert list_schedule(prims, _Replay(dict(initial), 1000.0)) == []
+    assert list_schedule(prims, Replay(dict(initial), 1000.0)) == []
     prims.append(dataclasses.replace(prims[1], id=2, deps=[1]))
     violations = check_transition(prims, a, b, initial, 1000.0)
     assert "primitive 2 drops critic/inference replica tp2pp1[0, 1], which it does not hold" in violations

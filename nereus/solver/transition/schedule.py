@@ -169,7 +169,7 @@ def priority_rules(primitives: list[Primitive]) -> dict[str, PriorityKey]:
 
 
 @dataclass
-class _Replay:
+class Replay:
     """Mutable state of the list scheduler."""
 
     usage: dict[int, float]
@@ -178,12 +178,6 @@ class _Replay:
     last_release: dict[int, tuple[float, int, str]] = field(default_factory=dict)
     blocked_since: dict[int, float] = field(default_factory=dict)
     peak: dict[int, float] = field(default_factory=dict)
-
-    def fits(self, primitive: Primitive) -> bool:
-        return all(self.usage.get(g, 0.0) + b <= self.capacity + EPS for g, b in primitive.alloc.items())
-
-    def idle(self, primitive: Primitive, now: float) -> bool:
-        return all(self.busy_until.get(g, 0.0) <= now + EPS for g in primitive.gpus)
 
     def start(self, primitive: Primitive, now: float) -> None:
         primitive.start_s, primitive.end_s = now, now + primitive.duration_s
@@ -212,7 +206,7 @@ def release_first(primitive: Primitive) -> tuple[float, ...]:
 
 
 def list_schedule(
-    primitives: list[Primitive], replay: _Replay, priority: PriorityKey = release_first, explain: bool = True
+    primitives: list[Primitive], replay: Replay, priority: PriorityKey = release_first, explain: bool = True
 ) -> list[str]:
     """Give every primitive a start and end; return the blocking cycle if stuck
     (without `explain`, just a marker: naming the cycle costs more than scheduling).
@@ -255,7 +249,7 @@ class _Waits:
     """Ready primitives that could not start, indexed by the GPUs that stopped them."""
 
     by_id: dict[int, Primitive]
-    replay: _Replay
+    replay: Replay
     blocked: set[int] = field(default_factory=set)
     waiters: dict[int, set[int]] = field(default_factory=dict)
     running: list[tuple[float, int]] = field(default_factory=list)
@@ -330,7 +324,7 @@ def makespan_lower_bound(primitives: list[Primitive]) -> float:
 
 def schedule_best(
     primitives: list[Primitive], initial: dict[int, float], capacity: float
-) -> tuple[_Replay, list[str], str]:
+) -> tuple[Replay, list[str], str]:
     """Run the list scheduler under each priority rule; keep the first safe, shortest one."""
     restarts = RANDOM_RESTARTS if len(primitives) <= LARGE_DAG else RANDOM_RESTARTS_LARGE
     rules = priority_rules(primitives) | _perturbed_rules(primitives, restarts)
@@ -338,17 +332,17 @@ def schedule_best(
     scores = {}
     for name, rule in rules.items():
         _reset(primitives)
-        cycle = list_schedule(primitives, _Replay(dict(initial), capacity), rule, explain=False)
+        cycle = list_schedule(primitives, Replay(dict(initial), capacity), rule, explain=False)
         scores[name] = (bool(cycle), max((p.end_s for p in primitives), default=0.0))
         if not cycle and scores[name][1] <= lower * (1 + 1e-9):
             break  # provably optimal: no other order can be shorter
     best = min(scores, key=lambda name: scores[name])
     _reset(primitives)
-    replay = _Replay(dict(initial), capacity)
+    replay = Replay(dict(initial), capacity)
     return replay, list_schedule(primitives, replay, rules[best]), best
 
 
-def _blocking_cycle(blocked: list[Primitive], primitives: list[Primitive], replay: _Replay) -> list[str]:
+def _blocking_cycle(blocked: list[Primitive], primitives: list[Primitive], replay: Replay) -> list[str]:
     """Model-stages that wait for memory other model-stages hold, as a cycle if any."""
     import networkx as nx
 
