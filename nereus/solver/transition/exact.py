@@ -216,6 +216,14 @@ def _true_makespan(inst: _Instance, starts: dict[int, float]) -> float:
     return max((starts[j] + inst.duration_s[j] for j in inst.ids), default=0.0)
 
 
+def _trivial(solver: str, inst: _Instance, time_limit_s: float, started: float) -> ExactResult | None:
+    """The answer without a solver: nothing to schedule, or memory over capacity at t = 0."""
+    if not inst.ids:
+        return _empty(solver, time_limit_s, started)
+    why = inst.over_capacity()
+    return _infeasible(solver, time_limit_s, started, why) if why else None
+
+
 def solve_cpsat(
     primitives: list[Primitive],
     initial_bytes: dict[int, float],
@@ -248,11 +256,9 @@ def solve_cpsat(
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise NereusError("solve_cpsat needs OR-Tools: pip install 'nereus[exact]' (or ortools)") from exc
     inst = _instance(primitives, initial_bytes, capacity_bytes, unit_bytes)
-    if not inst.ids:
-        return _empty("cpsat", time_limit_s, started)
-    why = inst.over_capacity()
-    if why:
-        return _infeasible("cpsat", time_limit_s, started, why)
+    trivial = _trivial("cpsat", inst, time_limit_s, started)
+    if trivial is not None:
+        return trivial
     longest = max(inst.duration_s.values())
     unit = longest / TIME_STEPS if longest > 0 else 1.0
     dur = {j: _round_up(inst.duration_s[j], unit) for j in inst.ids}
@@ -400,11 +406,9 @@ def solve_scip(
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise NereusError("solve_scip needs PySCIPOpt: pip install 'nereus[exact]' (or pyscipopt)") from exc
     inst = _instance(primitives, initial_bytes, capacity_bytes, unit_bytes)
-    if not inst.ids:
-        return _empty("scip", time_limit_s, started)
-    why = inst.over_capacity()
-    if why:
-        return _infeasible("scip", time_limit_s, started, why)
+    trivial = _trivial("scip", inst, time_limit_s, started)
+    if trivial is not None:
+        return trivial
     steps = int(horizon_steps) if horizon_steps is not None else SCIP_STEPS
     if steps < 1:
         raise NereusError(f"horizon_steps must be at least 1, got {horizon_steps}")
