@@ -11,6 +11,7 @@ plans has no safe order: the model-stages waiting on each other's memory are rep
 from __future__ import annotations
 
 import heapq
+import itertools
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -206,22 +207,32 @@ def release_first(primitive: Primitive) -> tuple[float, ...]:
 
 
 def list_schedule(
-    primitives: list[Primitive], replay: Replay, priority: PriorityKey = release_first, explain: bool = True
+    primitives: list[Primitive],
+    replay: Replay,
+    priority: PriorityKey = release_first,
+    explain: bool = True,
+    barriers: dict[int, list[int]] | None = None,
 ) -> list[str]:
     """Give every primitive a start and end; return the blocking cycle if stuck
     (without `explain`, just a marker: naming the cycle costs more than scheduling).
 
     A ready primitive that cannot start waits on the GPUs that stop it (busy, or short of
-    memory) and is looked at again only when something finishes there.
+    memory) and is looked at again only when something finishes there. `barriers` adds
+    ordering edges (primitive id -> ids it must follow); they are recorded as ownership
+    dependencies.
     """
+    barriers = barriers or {}
+    for pid, parents in barriers.items():
+        primitive = next(p for p in primitives if p.id == pid)
+        primitive.ownership_deps = sorted(set(primitive.ownership_deps) | set(parents))
     by_id = {p.id: p for p in primitives}
     key = {p.id: priority(p) for p in primitives}
-    waiting = {p.id: len(p.deps) for p in primitives}
+    waiting = {p.id: len(p.deps) + len(barriers.get(p.id, [])) for p in primitives}
     dependents: dict[int, list[int]] = {}
     for p in primitives:
-        for dep in p.deps:
+        for dep in [*p.deps, *barriers.get(p.id, [])]:
             dependents.setdefault(dep, []).append(p.id)
-    candidates = {p.id for p in primitives if not p.deps}
+    candidates = {p.id for p in primitives if not waiting[p.id]}
     state = _Waits(by_id, replay)
     now = 0.0
     while True:
@@ -337,9 +348,76 @@ def schedule_best(
         if not cycle and scores[name][1] <= lower * (1 + 1e-9):
             break  # provably optimal: no other order can be shorter
     best = min(scores, key=lambda name: scores[name])
+    if scores[best][0]:  # every order blocked: try model-stages one after another
+        sequential = _one_model_stage_at_a_time(primitives, initial, capacity)
+        if sequential is not None:
+            return sequential
     _reset(primitives)
     replay = Replay(dict(initial), capacity)
     return replay, list_schedule(primitives, replay, rules[best]), best
+
+
+def _one_model_stage_at_a_time(
+    primitives: list[Primitive], initial: dict[int, float], capacity: float
+) -> tuple[Replay, list[str], str] | None:
+    """Fallback: whole model-stages one after another, joined by barrier edges.
+
+    The memory a set of finished model-stages leaves does not depend on their order, so
+    a depth-first search over sets (at most 2^7) finds a sequence whenever one exists in
+    which each model-stage, scheduled alone, fits. None if there is none.
+    """
+    by_stage: dict[str, list[Primitive]] = {}
+    for p in primitives:
+        by_stage.setdefault(p.model_stage, []).append(p)
+    delta: dict[str, dict[int, float]] = {}  # per model-stage: bytes it leaves on each GPU
+    for name, group in by_stage.items():
+        change = delta.setdefault(name, {})
+        for p in group:
+            for gpu, nbytes in p.alloc.items():
+                change[gpu] = change.get(gpu, 0.0) + nbytes
+            for gpu, nbytes in p.free.items():
+                change[gpu] = change.get(gpu, 0.0) - nbytes
+    order = _stage_order(by_stage, delta, initial, capacity, frozenset(), set())
+    if order is None:
+        return None
+    barriers = {
+        p.id: [q.id for q in by_stage[before]]
+        for before, after in itertools.pairwise(order)
+        for p in by_stage[after]
+        if not p.deps
+    }
+    _reset(primitives)
+    replay = Replay(dict(initial), capacity)
+    if list_schedule(primitives, replay, explain=False, barriers=barriers):
+        return None
+    return replay, [], "one-model-stage-at-a-time: " + " > ".join(order)
+
+
+def _stage_order(
+    by_stage: dict[str, list[Primitive]],
+    delta: dict[str, dict[int, float]],
+    initial: dict[int, float],
+    capacity: float,
+    done: frozenset[str],
+    dead_ends: set[frozenset[str]],
+) -> list[str] | None:
+    if len(done) == len(by_stage):
+        return []
+    if done in dead_ends:
+        return None
+    usage = dict(initial)
+    for name in done:
+        for gpu, change in delta[name].items():
+            usage[gpu] = usage.get(gpu, 0.0) + change
+    for name in sorted(set(by_stage) - done, key=lambda n: sum(delta[n].values())):  # shrinking first
+        _reset(by_stage[name])
+        if list_schedule(by_stage[name], Replay(dict(usage), capacity), explain=False):
+            continue
+        rest = _stage_order(by_stage, delta, initial, capacity, done | {name}, dead_ends)
+        if rest is not None:
+            return [name, *rest]
+    dead_ends.add(done)
+    return None
 
 
 def _blocking_cycle(blocked: list[Primitive], primitives: list[Primitive], replay: Replay) -> list[str]:
