@@ -506,7 +506,7 @@ def test_kv_cache_overflow_is_named() -> None:
     assert len(evaluation.memory_problems) == 1, evaluation.memory_problems
     (message,) = evaluation.memory_problems
     assert message.startswith("actor/generation (tp=8, pp=1)")
-    assert f"largest term: kv_cache {kv / GIB:.1f} GiB" in message
+    assert f"largest term: kv_cache {kv / GIB:.3g} GiB" in message
     errors = [p for p in semantic_problems(plan) if p.severity == "error"]
     assert [p.path for p in errors] == ["stages[0]"]
     assert "kv_cache" in errors[0].message and "actor/generation" in errors[0].message
@@ -546,7 +546,7 @@ def test_optimizer_overflow_is_named() -> None:
     assert len(evaluation.memory_problems) == 1, evaluation.memory_problems
     (message,) = evaluation.memory_problems
     assert message.startswith("actor/training (tp=1, pp=1)")
-    assert f"largest term: optimizer {12 * params / GIB:.1f} GiB" in message
+    assert f"largest term: optimizer {12 * params / GIB:.3g} GiB" in message
     errors = [p for p in semantic_problems(plan) if p.severity == "error"]
     assert [p.path for p in errors] == ["stages[3]"]
     assert "optimizer" in errors[0].message and errors[0].message.startswith("memory: actor/training")

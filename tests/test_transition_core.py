@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from plan_helpers import relayout
 
@@ -72,3 +74,25 @@ def test_global_transition_is_scheduled_and_moves_at_least_the_lower_bound(
         assert primitive.end_s >= primitive.start_s
         for dep in primitive.deps:
             assert result.primitives[dep].end_s <= primitive.start_s + 1e-12
+
+
+def test_sequential_fallback_when_every_priority_order_blocks() -> None:
+    """A pair (from the coordination benchmark, seed 8) where every list-scheduling order
+    deadlocks but whole model-stages one after another fit: the barrier edges are recorded
+    as ownership dependencies and the replay checker accepts the schedule."""
+    from nereus.solver.transition.check import check_result
+    from nereus.solver.transition.schedule import Replay, list_schedule, priority_rules
+
+    data = Path(__file__).parent / "data"
+    # Tight on purpose: the plans' activations do not fit, only their model states matter here.
+    plan_a = load_document(data / "sequential-fallback-a.yaml", check=False)
+    plan_b = load_document(data / "sequential-fallback-b.yaml", check=False)
+    assert isinstance(plan_a, Plan) and isinstance(plan_b, Plan)
+    result = build_transition(plan_a, plan_b)
+    assert result.feasible and result.priority_rule.startswith("one-model-stage-at-a-time")
+    assert check_result(result, plan_a, plan_b) == []
+    assert any(p.ownership_deps for p in result.primitives)
+    for rule in priority_rules(result.primitives).values():
+        for p in result.primitives:
+            p.scheduled, p.ownership_deps = False, []
+        assert list_schedule(result.primitives, Replay(dict(result.initial_bytes), result.capacity_bytes), rule)

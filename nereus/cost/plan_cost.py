@@ -12,6 +12,7 @@ from nereus.spec.cluster import Cluster
 from nereus.spec.model import Head
 from nereus.spec.plan import Plan, Predictions, StagePlan, StagePrediction
 from nereus.spec.workload import STAGES, Role, Stage, Workload
+from nereus.units import format_bytes
 
 GIB = 2**30
 RESIDENT_TERMS = ("parameters", "gradients", "optimizer")
@@ -133,8 +134,8 @@ def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) ->
         if peak > limit:
             term, size = max(memory.items(), key=lambda kv: kv[1])
             problems.append(
-                f"{entry.model_stage} (tp={entry.tp}, pp={entry.pp}) needs {peak / GIB:.1f} GiB on GPU {busiest} "
-                f"> {limit / GIB:.1f} GiB usable; largest term: {term} {size / GIB:.1f} GiB"
+                f"{entry.model_stage} (tp={entry.tp}, pp={entry.pp}) needs {format_bytes(peak)} on GPU {busiest} "
+                f"> {format_bytes(limit)} usable; largest term: {term} {format_bytes(size)}"
             )
     step = _step_breakdown(plan, stage_predictions)
     predictions = Predictions(step_time_s=sum(step.values()), model_stages=stage_predictions, step_breakdown_s=step)
