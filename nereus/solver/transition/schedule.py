@@ -343,15 +343,18 @@ def schedule_best(
     scores = {}
     for name, rule in rules.items():
         _reset(primitives)
-        cycle = list_schedule(primitives, Replay(dict(initial), capacity), rule, explain=False)
+        replay = Replay(dict(initial), capacity)
+        cycle = list_schedule(primitives, replay, rule, explain=False)
         scores[name] = (bool(cycle), max((p.end_s for p in primitives), default=0.0))
         if not cycle and scores[name][1] <= lower * (1 + 1e-9):
-            break  # provably optimal: no other order can be shorter
+            return replay, [], name  # provably optimal: no other order can be shorter
     best = min(scores, key=lambda name: scores[name])
     if scores[best][0]:  # every order blocked: try model-stages one after another
         sequential = _one_model_stage_at_a_time(primitives, initial, capacity)
         if sequential is not None:
             return sequential
+    elif best == name and not cycle:  # the last run was the best: its state is current
+        return replay, [], best
     _reset(primitives)
     replay = Replay(dict(initial), capacity)
     return replay, list_schedule(primitives, replay, rules[best]), best
