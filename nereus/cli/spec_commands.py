@@ -15,7 +15,10 @@ if TYPE_CHECKING:
 
 
 def check(
-    files: Annotated[list[Path], typer.Argument(help="nereus files (YAML or JSON) to validate.")],
+    files: Annotated[
+        list[Path],
+        typer.Argument(help="nereus files (YAML or JSON) to validate.", exists=True, dir_okay=False),
+    ],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with every result.")] = False,
     warnings_as_errors: Annotated[bool, typer.Option("--strict", help="Treat warnings as errors (exit 1).")] = False,
 ) -> None:
