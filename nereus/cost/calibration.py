@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from nereus.spec.base import Document
+from nereus.spec.cluster import Cluster
 
 
 class Calibration(Document):
@@ -36,6 +37,12 @@ class Calibration(Document):
     """Device memory reserved per GPU for runtime, communicators and allocator slack."""
     memory_headroom: float = Field(default=0.1, ge=0, lt=1)
     """A layout is feasible when it uses at most (1 - headroom) of device memory."""
+
+    def link(self, cluster: Cluster, inter: bool) -> tuple[float, float]:
+        """(achieved bytes/s, latency) of the cluster's intra- or inter-node link."""
+        if inter:
+            return cluster.inter_node.bytes_per_s * self.collective_inter, cluster.inter_node.latency_s
+        return cluster.intra_node.bytes_per_s * self.collective_intra, cluster.intra_node.latency_s
 
 
 DEFAULT_CALIBRATION = Calibration()

@@ -11,7 +11,7 @@ from nereus.spec.check import Problem
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Head
 from nereus.spec.plan import Plan, Predictions, StagePlan, StagePrediction
-from nereus.spec.workload import STAGES, Role, Stage, Workload
+from nereus.spec.workload import DTYPE_BYTES, STAGES, Role, Stage, Workload
 from nereus.units import format_bytes
 
 GIB = 2**30
@@ -49,10 +49,8 @@ def weight_sync_time(
     """Moving updated actor weights into a generation/inference layout: 0 if identical."""
     if same_layout:
         return 0.0
-    link = cluster.inter_node if inter else cluster.intra_node
-    efficiency = calibration.collective_inter if inter else calibration.collective_intra
-    shard_bytes = actor_params * (2 if workload.dtype != "fp32" else 4) / (tp * pp)
-    return link.latency_s + shard_bytes / (link.bytes_per_s * efficiency)
+    bandwidth, latency = calibration.link(cluster, inter)
+    return latency + actor_params * DTYPE_BYTES[workload.dtype] / (tp * pp) / bandwidth
 
 
 @dataclass

@@ -123,12 +123,11 @@ class StageCostModel:
 
     def link(self, inter: Array) -> tuple[Array, Array]:
         """(bytes/s, latency) of the intra- or inter-node link, calibrated."""
-        c, intra_link, inter_link = self.calibration, self.cluster.intra_node, self.cluster.inter_node
-        bandwidth = np.where(
-            inter, inter_link.bytes_per_s * c.collective_inter, intra_link.bytes_per_s * c.collective_intra
+        (intra_bw, intra_latency), (inter_bw, inter_latency) = (
+            self.calibration.link(self.cluster, False),
+            self.calibration.link(self.cluster, True),
         )
-        latency = np.where(inter, inter_link.latency_s, intra_link.latency_s)
-        return bandwidth, latency
+        return np.where(inter, inter_bw, intra_bw), np.where(inter, inter_latency, intra_latency)
 
     def allreduce_time(self, nbytes: Array, ranks: Array, inter: Array) -> Array:
         """Ring all-reduce: 2 (n - 1) / n of the bytes over the link, 2 (n - 1) hops."""

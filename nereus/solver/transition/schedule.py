@@ -88,10 +88,8 @@ def primitive_duration(primitive: Primitive, cluster: Cluster, calibration: Cali
     """Communicator set-up plus the slowest destination's incoming transfers."""
     incoming: dict[int, float] = {}
     for src, dst, nbytes in primitive.transfers:
-        inter = cluster.node_of(src) != cluster.node_of(dst)
-        link = cluster.inter_node if inter else cluster.intra_node
-        efficiency = calibration.collective_inter if inter else calibration.collective_intra
-        incoming[dst] = incoming.get(dst, 0.0) + link.latency_s + nbytes / (link.bytes_per_s * efficiency)
+        bandwidth, latency = calibration.link(cluster, cluster.node_of(src) != cluster.node_of(dst))
+        incoming[dst] = incoming.get(dst, 0.0) + latency + nbytes / bandwidth
     setup = calibration.communicator_setup_s if primitive.new_groups else 0.0
     return setup + max(incoming.values(), default=0.0)
 
