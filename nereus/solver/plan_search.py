@@ -414,11 +414,11 @@ def search(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int], 
     tables = price_all(request, layouts)
     budget = usable_memory(request.cluster, request.calibration)
     fastest = {key: table.fastest_time(budget) for key, table in tables.items()}
-    ordered = sorted(layouts, key=lambda p: _placement_bound(p, fastest))
+    ordered = sorted((_placement_bound(p, fastest), i, p) for i, p in enumerate(layouts))
     best, leaves = _TopK(top_k), 0
     cache: dict[tuple[str, int], list[Option]] = {}
-    for done, placement in enumerate(ordered, 1):
-        if _placement_bound(placement, fastest) < best.bound:
+    for done, (bound, _, placement) in enumerate(ordered, 1):
+        if bound < best.bound:
             # Dominance pruning keeps the optimum but may drop runners-up: only for top-1.
             problem = compile_problem(request, placement, tables, prune=top_k == 1, cache=cache)
             leaves += branch_and_bound(problem, best)
