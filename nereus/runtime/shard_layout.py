@@ -1,0 +1,239 @@
+"""Which slice of every parameter each rank of an EMU holds: the runtime's sharding contract.
+
+Pure Python (no torch): the engine builds its modules from these shapes, the resharder
+and the checkpointer move state by intersecting these boxes. Ranks inside an EMU are
+stage-major, as in the planner: position `s * tp + r` is pipeline stage `s`, tensor rank `r`.
+
+Parameter names (L layers, i in 0..L-1; * marks a tensor-parallel split dim):
+    embed.weight                      [vocab*, hidden]          stage 0 (and the last stage when tied)
+    layers.i.attn_norm.weight         [hidden]
+    layers.i.attn.q_proj.weight       [heads*head_dim*, hidden]   (.bias with qkv_bias)
+    layers.i.attn.k_proj.weight       [kv_heads*head_dim*, hidden] (.bias with qkv_bias)
+    layers.i.attn.v_proj.weight       [kv_heads*head_dim*, hidden] (.bias with qkv_bias)
+    layers.i.attn.q_norm.weight       [head_dim]                 (qk_norm only)
+    layers.i.attn.k_norm.weight       [head_dim]                 (qk_norm only)
+    layers.i.attn.o_proj.weight       [hidden, heads*head_dim*]
+    layers.i.mlp_norm.weight          [hidden]
+    layers.i.mlp.gate_proj.weight     [ffn*, hidden]
+    layers.i.mlp.up_proj.weight       [ffn*, hidden]
+    layers.i.mlp.down_proj.weight     [hidden, ffn*]
+    final_norm.weight                 [hidden]                  last stage
+    lm_head.weight                    [vocab*, hidden]          last stage, untied LM head only
+    value_head.weight, .bias          [1, hidden], [1]          last stage, value head only
+
+When tp exceeds the KV heads, k/v are not split but replicated in whole heads: tensor
+rank r holds KV head r // (tp // kv_heads) (the planner's `kv_heads_rule`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from nereus.spec.check import kv_heads_rule, pp_rule
+from nereus.spec.model import Head, Model
+
+#: Where a parameter lives along the pipeline.
+Place = Literal["first", "layer", "last", "first_and_last"]
+
+#: A box: (offset, length) along every dim of the global tensor.
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One logical parameter of a model with a given head."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    """Shape of the whole, unsharded tensor."""
+    tp_dim: int | None
+    """The dim split across tensor ranks; None when every tensor rank holds it whole."""
+    place: Place
+    """Which pipeline stages hold it."""
+    layer: int | None = None
+    """The transformer block it belongs to (place == "layer")."""
+    kv: bool = False
+    """A k/v projection: replicated in whole heads once tp exceeds the KV heads."""
+
+
+def layout_problem(model: Model, tp: int, pp: int) -> str | None:
+    """Why the runtime cannot shard `model` as (tp, pp), or None if it can."""
+    if tp < 1 or pp < 1:
+        return f"tp={tp} and pp={pp} must be at least 1"
+    for reason in (kv_heads_rule(model, tp), pp_rule(model, pp)):
+        if reason:
+            return reason
+    if model.vocab_size % tp:
+        return f"tp={tp} does not divide the vocabulary of {model.vocab_size} ({model.name})"
+    if model.ffn_dim % tp:
+        return f"tp={tp} does not divide the MLP width {model.ffn_dim} ({model.name})"
+    return None
+
+
+def _layer_params(model: Model, layer: int) -> list[ParamInfo]:
+    q_dim = model.num_heads * model.head_dim
+    kv_dim = model.num_kv_heads * model.head_dim
+    prefix = f"layers.{layer}."
+    hidden = model.hidden_dim
+
+    def info(name: str, shape: tuple[int, ...], tp_dim: int | None, kv: bool = False) -> ParamInfo:
+        return ParamInfo(prefix + name, shape, tp_dim, "layer", layer, kv)
+
+    params = [info("attn_norm.weight", (hidden,), None)]
+    for proj, dim, kv in (("q", q_dim, False), ("k", kv_dim, True), ("v", kv_dim, True)):
+        params.append(info(f"attn.{proj}_proj.weight", (dim, hidden), 0, kv))
+        if model.qkv_bias:
+            params.append(info(f"attn.{proj}_proj.bias", (dim,), 0, kv))
+    if model.qk_norm:
+        params += [
+            info("attn.q_norm.weight", (model.head_dim,), None),
+            info("attn.k_norm.weight", (model.head_dim,), None),
+        ]
+    params += [
+        info("attn.o_proj.weight", (hidden, q_dim), 1),
+        info("mlp_norm.weight", (hidden,), None),
+        info("mlp.gate_proj.weight", (model.ffn_dim, hidden), 0),
+        info("mlp.up_proj.weight", (model.ffn_dim, hidden), 0),
+        info("mlp.down_proj.weight", (hidden, model.ffn_dim), 1),
+    ]
+    return params
+
+
+def param_infos(model: Model, head: Head = "lm") -> list[ParamInfo]:
+    """Every logical parameter, in forward order (embedding, blocks, final norm, head)."""
+    tied = head == "lm" and model.tied_embeddings
+    embed_place: Place = "first_and_last" if tied else "first"
+    params = [ParamInfo("embed.weight", (model.vocab_size, model.hidden_dim), 0, embed_place)]
+    for layer in range(model.num_layers):
+        params += _layer_params(model, layer)
+    params.append(ParamInfo("final_norm.weight", (model.hidden_dim,), None, "last"))
+    if head == "value":
+        params += [
+            ParamInfo("value_head.weight", (1, model.hidden_dim), None, "last"),
+            ParamInfo("value_head.bias", (1,), None, "last"),
+        ]
+    elif not tied:
+        params.append(ParamInfo("lm_head.weight", (model.vocab_size, model.hidden_dim), 0, "last"))
+    return params
+
+
+def stage_layers(model: Model, pp: int, stage: int) -> range:
+    """The transformer blocks pipeline stage `stage` of `pp` runs (equal contiguous runs)."""
+    per_stage = model.num_layers // pp
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def holds(info: ParamInfo, model: Model, pp: int, stage: int) -> bool:
+    """Whether pipeline stage `stage` of `pp` holds `info`."""
+    last = stage == pp - 1
+    if info.place == "first":
+        return stage == 0
+    if info.place == "last":
+        return last
+    if info.place == "first_and_last":
+        return stage == 0 or last
+    assert info.layer is not None
+    return info.layer in stage_layers(model, pp, stage)
+
+
+def tp_slice(info: ParamInfo, model: Model, tp: int, tp_rank: int) -> tuple[int, int]:
+    """(offset, length) of `info` along its tp_dim on tensor rank `tp_rank`."""
+    assert info.tp_dim is not None
+    size = info.global_shape[info.tp_dim]
+    if info.kv and tp > model.num_kv_heads:
+        head = tp_rank // (tp // model.num_kv_heads)
+        return head * model.head_dim, model.head_dim
+    length = size // tp
+    return tp_rank * length, length
+
+
+def local_box(info: ParamInfo, model: Model, tp: int, tp_rank: int) -> Box:
+    """The box of `info` a tensor rank holds (on a stage that holds it)."""
+    box = [(0, size) for size in info.global_shape]
+    if info.tp_dim is not None:
+        box[info.tp_dim] = tp_slice(info, model, tp, tp_rank)
+    return tuple(box)
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(length for _, length in box)
+
+
+def box_numel(box: Box) -> int:
+    numel = 1
+    for _, length in box:
+        numel *= length
+    return numel
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The overlap of two boxes of the same tensor, or None when they are disjoint."""
+    out = []
+    for (a_start, a_len), (b_start, b_len) in zip(a, b, strict=True):
+        start = max(a_start, b_start)
+        end = min(a_start + a_len, b_start + b_len)
+        if end <= start:
+            return None
+        out.append((start, end - start))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where one model's replicas live: (tp, pp) per replica, dp replicas, on these ranks.
+
+    `ranks` lists tp * pp * dp global ranks, replica-major, then stage-major, tensor rank
+    innermost: replica d, stage s, tensor rank r is `ranks[(d * pp + s) * tp + r]`.
+    Every replica holds the same logical state.
+    """
+
+    tp: int
+    pp: int
+    dp: int
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.ranks) != self.tp * self.pp * self.dp:
+            raise ValueError(
+                f"layout tp={self.tp} pp={self.pp} dp={self.dp} needs {self.tp * self.pp * self.dp} ranks, "
+                f"got {len(self.ranks)}"
+            )
+        if len(set(self.ranks)) != len(self.ranks):
+            raise ValueError(f"layout ranks {self.ranks} repeat a rank")
+
+    def coords(self, rank: int) -> tuple[int, int, int] | None:
+        """(replica, stage, tensor rank) of a global rank, or None if it is not in the layout."""
+        if rank not in self.ranks:
+            return None
+        replica_stage, tp_rank = divmod(self.ranks.index(rank), self.tp)
+        replica, stage = divmod(replica_stage, self.pp)
+        return replica, stage, tp_rank
+
+    def rank_at(self, replica: int, stage: int, tp_rank: int) -> int:
+        return self.ranks[(replica * self.pp + stage) * self.tp + tp_rank]
+
+
+#: Families of per-parameter state; every family of a parameter shares the parameter's box.
+STATE_FAMILIES = ("param", "grad", "exp_avg", "exp_avg_sq")
+
+
+def state_key(family: str, name: str) -> str:
+    """The key of one family's tensor for parameter `name` in a rank's flat state dict."""
+    assert family in STATE_FAMILIES, family
+    return f"{family}/{name}"
+
+
+def position_boxes(model: Model, head: Head, tp: int, pp: int) -> list[dict[str, Box]]:
+    """For each EMU position `s * tp + r`, the box of every parameter it holds."""
+    problem = layout_problem(model, tp, pp)
+    if problem:
+        raise ValueError(problem)
+    infos = param_infos(model, head)
+    boxes: list[dict[str, Box]] = []
+    for stage in range(pp):
+        for tp_rank in range(tp):
+            boxes.append(
+                {info.name: local_box(info, model, tp, tp_rank) for info in infos if holds(info, model, pp, stage)}
+            )
+    return boxes
