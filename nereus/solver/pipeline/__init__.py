@@ -1,0 +1,1 @@
+"""Pipeline schedules: the fused actor-critic schedule, its baselines, bounds and exact model."""

@@ -1,0 +1,158 @@
+"""An exact CP-SAT model of the fused-schedule problem, for small instances.
+
+Variables: a start per op; an interval per op on its node (NoOverlap: one op at a time);
+precedence with the p2p latency; for each (F, B) pair an activation interval from F's
+start to B's end, and a per-node Cumulative over them bounded by the activation cap.
+Lexicographic objective as in the heuristic: minimise the makespan; with the makespan
+fixed at its optimum, minimise the largest per-node peak. Times are scaled to integers
+(`TIME_STEPS` units for the longest op); the returned order is re-timed with the real
+durations by the evaluator, so its makespan is exact for the real times. ortools is
+imported only here, when the solver runs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from nereus.errors import NereusError
+from nereus.solver.pipeline.evaluate import Evaluation, evaluate
+from nereus.solver.pipeline.model import Instance
+
+ExactStatus = Literal["optimal", "feasible", "infeasible", "unknown"]
+TIME_STEPS = 10_000
+MEMORY_STEPS = 10_000
+#: The exact model refuses instances with more ops than this (it would not finish).
+MAX_EXACT_OPS = 2_000
+
+
+@dataclass
+class ExactResult:
+    """CP-SAT's schedule (re-timed by the evaluator), its status and bound."""
+
+    status: ExactStatus
+    """Of the makespan: "optimal" certifies that no schedule is faster."""
+    memory_optimal: bool
+    """The peak memory is the least among schedules with the optimal makespan."""
+    makespan: float | None
+    """Makespan of the returned order with the real durations."""
+    bound: float | None
+    """A lower bound on the optimal makespan (in real time units, less rounding slack)."""
+    peak_memory: float | None
+    orders: list[list[int]] | None
+    evaluation: Evaluation | None
+    wall_s: float
+    time_limit_s: float
+
+
+def solve_exact(inst: Instance, time_limit_s: float = 10.0, workers: int = 2) -> ExactResult:
+    """Minimise makespan, then peak memory, with CP-SAT within `time_limit_s`."""
+    if inst.num_ops > MAX_EXACT_OPS:
+        raise NereusError(
+            f"--exact: {inst.num_ops} ops is too many for the exact model (at most {MAX_EXACT_OPS}); "
+            "use fewer stages or micro-batches"
+        )
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError:
+        raise NereusError("--exact needs OR-Tools: pip install 'nereus[exact]' (or ortools)") from None
+    started = time.perf_counter()
+    unit = max(inst.duration) / TIME_STEPS
+    duration = [max(1, round(d / unit)) for d in inst.duration]
+    horizon = sum(duration) + sum(round(lat / unit) + 1 for preds in inst.preds for _, lat in preds)
+    model = cp_model.CpModel()
+    start = [model.new_int_var(0, horizon, f"s{op}") for op in range(inst.num_ops)]
+    makespan = model.new_int_var(0, horizon, "makespan")
+    by_node: dict[int, list] = {}
+    for op in range(inst.num_ops):
+        interval = model.new_fixed_size_interval_var(start[op], duration[op], f"i{op}")
+        by_node.setdefault(inst.node[op], []).append(interval)
+        model.add(makespan >= start[op] + duration[op])
+        for pred, lat in inst.preds[op]:
+            model.add(start[op] >= start[pred] + duration[pred] + _ceil(lat / unit))
+    for intervals in by_node.values():
+        model.add_no_overlap(intervals)
+    peak = _memory(model, cp_model, inst, start, duration, horizon)
+    model.minimize(makespan)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_workers = workers
+    status = solver.solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        name: ExactStatus = "infeasible" if status == cp_model.INFEASIBLE else "unknown"
+        wall = time.perf_counter() - started
+        return ExactResult(name, False, None, None, None, None, None, wall, time_limit_s)
+    optimal = status == cp_model.OPTIMAL
+    bound_units = solver.best_objective_bound
+    memory_optimal = False
+    starts = [solver.value(s) for s in start]
+    if optimal and peak is not None:
+        model.add(makespan <= int(solver.objective_value))
+        for op in range(inst.num_ops):
+            model.add_hint(start[op], solver.value(start[op]))
+        model.minimize(peak)
+        solver.parameters.max_time_in_seconds = max(0.1, time_limit_s - (time.perf_counter() - started))
+        second = solver.solve(model)
+        memory_optimal = second == cp_model.OPTIMAL
+        if second in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            starts = [solver.value(s) for s in start]
+    orders = _orders(inst, starts)
+    evaluation = evaluate(inst, orders)
+    assert evaluation.ok, "CP-SAT's order respects every dependency"
+    slack = unit * (inst.num_ops + 1)  # rounding each op to whole units moves the optimum by at most this
+    return ExactResult(
+        "optimal" if optimal else "feasible",
+        memory_optimal,
+        evaluation.makespan,
+        max(0.0, bound_units * unit - slack),
+        evaluation.max_peak_memory,
+        orders,
+        evaluation,
+        time.perf_counter() - started,
+        time_limit_s,
+    )
+
+
+def _ceil(value: float) -> int:
+    whole = int(value)
+    return whole + (whole < value)
+
+
+def _memory(model: Any, cp_model: Any, inst: Instance, start: list[Any], duration: list[int], horizon: int) -> Any:
+    """Activation intervals (F start .. B end) per node under a cumulative; returns the peak variable."""
+    grows = [op for op in range(inst.num_ops) if inst.memory_delta[op] > 0]
+    if not grows:
+        return None
+    scale = max(inst.memory_delta[op] for op in grows) / MEMORY_STEPS
+    release = {}
+    for op in range(inst.num_ops):
+        if inst.memory_delta[op] < 0:
+            k = inst.keys[op]
+            release[(inst.pipeline_of[op], k.microbatch, k.stage)] = op
+    cap = inst.problem.activation_cap
+    peak_limit = horizon if cap is None else int(cap / scale)
+    peak = model.new_int_var(0, max(peak_limit, 0) + MEMORY_STEPS * inst.num_ops, "peak")
+    if cap is not None:
+        model.add(peak <= int(cap / scale))
+    by_node: dict[int, tuple[list, list]] = {}
+    for op in grows:
+        k = inst.keys[op]
+        free = release[(inst.pipeline_of[op], k.microbatch, k.stage)]
+        length = model.new_int_var(1, horizon, f"hold{op}")
+        end = model.new_int_var(0, horizon, f"free{op}")
+        model.add(end == start[free] + duration[free])
+        interval = model.new_interval_var(start[op], length, end, f"a{op}")
+        intervals, demands = by_node.setdefault(inst.node[op], ([], []))
+        intervals.append(interval)
+        demands.append(max(1, _ceil(inst.memory_delta[op] / scale - 1e-9)))
+    for intervals, demands in by_node.values():
+        model.add_cumulative(intervals, demands, peak)
+    return peak
+
+
+def _orders(inst: Instance, starts: list[int]) -> list[list[int]]:
+    orders: list[list[int]] = [[] for _ in range(inst.problem.num_nodes)]
+    for op in sorted(range(inst.num_ops), key=lambda o: (starts[o], inst.duration[o] == 0, o)):
+        orders[inst.node[op]].append(op)
+    return orders
