@@ -77,6 +77,7 @@ def register_commands() -> None:
     spec_commands.register(app)
     plan_commands.register(app)
     dag_commands.register(app)
+    __import__("nereus.cli.schedule_commands", fromlist=["register"]).register(app)
 
 
 register_commands()

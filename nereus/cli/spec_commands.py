@@ -24,6 +24,7 @@ def check(
 ) -> None:
     """Validate files: schema and semantics. Exit 0 valid, 1 invalid, 2 usage error."""
     import nereus.cost  # noqa: F401  (registers the cost model's plan checks)
+    from nereus.solver.pipeline import document as _schedule  # noqa: F401  (registers the Schedule kind and checks)
     from nereus.solver.transition import document  # noqa: F401  (registers the Transition checks)
     from nereus.spec.check import check_file
 
@@ -53,6 +54,7 @@ def schema(
 ) -> None:
     """Print the JSON Schema of a document kind."""
     import nereus.cost  # noqa: F401  (registers the Calibration kind)
+    from nereus.solver.pipeline import document as _schedule  # noqa: F401  (registers the Schedule kind)
     from nereus.spec.io import KINDS
 
     match = {name.lower(): cls for name, cls in KINDS.items()}.get(kind.lower())
