@@ -2,21 +2,24 @@
 
 For --pairs seeded random plan pairs (PPO's seven model-stages sharing one pool of
 4-16 GPUs on 1-2 nodes, tiny models, random layouts and random disjoint EMU GPU sets),
-with usable memory per GPU of f x the busiest GPU of either plan (f drawn from
---capacity, default 1.2-1.6), it runs
-  global    build_transition: every local DAG list-scheduled together, memory aware;
+it runs
+  global    build_transition: every local DAG scheduled together, memory aware;
   baseline  each model-stage's local DAG scheduled alone with unlimited memory, all
             started together at t=0 ("local DAGs executed independently"),
 and replays both with the independent checker (nereus.solver.transition.check) at the
-real capacity. A pair succeeds when it is scheduled (no blocking cycle) and the checker
-finds no violation. Pairs the global scheduler reports as blocked are counted apart,
-and for each an exhaustive search (OrderSearch, --budget states) asks whether some
-order of the same primitives fits after all: "order found" (checked by the checker)
-means the list scheduler missed it; "infeasible" means no order of these primitives
-fits (another DAG might); "undecided" means the search ran out of budget.
-Prints a table and writes benchmarks/results/transition_coordination.json.
+real capacity. A pair succeeds when it is scheduled and the checker finds no violation.
 
-    .venv/bin/python benchmarks/transition_coordination.py [--pairs 1000] [--seed 0]
+Usable memory per GPU (--capacity-mode):
+  witness  f x the peak of a witness schedule, f drawn from --capacity (default 1.0-1.25):
+           the changed model-stages one after another in a random order, each local DAG
+           one primitive at a time in id order. The witness fits, so every pair has a safe
+           order and the global DAG must schedule all of them.
+  busiest  f x the busiest GPU of either plan (default 1.2-1.6): some pairs then have no
+           safe order of these primitives at all; build_transition's exhaustive order
+           search tells those ("infeasible") from ones it gave up on ("undecided").
+Prints a table and writes benchmarks/results/transition_coordination[-busiest].json.
+
+    .venv/bin/python benchmarks/transition_coordination.py [--pairs 1000] [--capacity-mode busiest]
 """
 
 from __future__ import annotations
@@ -43,7 +46,11 @@ from nereus.spec.plan import Plan, Pool
 from nereus.spec.presets import MODELS
 
 ROOT = Path(__file__).resolve().parent
-RESULTS = ROOT / "results" / "transition_coordination.json"
+RESULTS = {
+    "witness": ROOT / "results" / "transition_coordination.json",
+    "busiest": ROOT / "results" / "transition_coordination-busiest.json",
+}
+DEFAULT_FACTORS = {"witness": (1.0, 1.25), "busiest": (1.2, 1.6)}
 CALIBRATION = Calibration()
 MODEL_CHOICES = (
     MODELS["tiny"],
@@ -110,12 +117,33 @@ def sizes_of(plan: Plan) -> dict[str, float]:
     return {e.model_stage: state_bytes(plan, e.model_stage, CALIBRATION) for e in plan.stages}
 
 
-def random_pair(rng: random.Random, base: Plan, factors: tuple[float, float]) -> tuple[Plan, Plan, float]:
+def witness_peak(rng: random.Random, plan_a: Plan, plan_b: Plan) -> float:
+    """The most bytes any GPU holds when the changed model-stages run one after another
+    (in a random order), each local DAG one primitive at a time in id order."""
+    emus_a, emus_b, sizes = plan_emus(plan_a), plan_emus(plan_b), sizes_of(plan_b)
+    usage = held_bytes(plan_a, sizes)
+    peak = max(usage.values())
+    changed = [name for name in emus_b if set(emus_a[name]) != set(emus_b[name])]
+    rng.shuffle(changed)
+    for name in changed:
+        for primitive in local_dag(name, sizes[name], emus_a[name], emus_b[name]):  # ids are topological
+            for gpu, nbytes in primitive.alloc.items():
+                usage[gpu] = usage.get(gpu, 0.0) + nbytes
+                peak = max(peak, usage[gpu])
+            for gpu, nbytes in primitive.free.items():
+                usage[gpu] -= nbytes
+    return peak
+
+
+def random_pair(rng: random.Random, base: Plan, factors: tuple[float, float], mode: str) -> tuple[Plan, Plan, float]:
     setting = random_setting(rng, base)
     plan_a, plan_b = random_stages(rng, setting), random_stages(rng, setting)
-    busiest = max(max(held_bytes(p, sizes_of(p)).values()) for p in (plan_a, plan_b))
+    if mode == "witness":
+        reference = witness_peak(rng, plan_a, plan_b)
+    else:
+        reference = max(max(held_bytes(p, sizes_of(p)).values()) for p in (plan_a, plan_b))
     factor = rng.uniform(*factors)
-    return with_capacity(plan_a, factor * busiest), with_capacity(plan_b, factor * busiest), factor
+    return with_capacity(plan_a, factor * reference), with_capacity(plan_b, factor * reference), factor
 
 
 def independent_local_dags(plan_a: Plan, plan_b: Plan, initial: dict[int, float]) -> list[Primitive]:
@@ -131,164 +159,6 @@ def independent_local_dags(plan_a: Plan, plan_b: Plan, initial: dict[int, float]
         assert list_schedule(dag, Replay(dict(initial), math.inf)) == []
         out += dag
     return out
-
-
-class OrderSearch:
-    """Is there an order of the primitives, run one at a time, that fits in memory?
-
-    One at a time is no loss: running any valid schedule's primitives serially in order
-    of start time never holds more on a GPU. Primitives that allocate nothing (Destroy,
-    Merge) run as soon as they are ready, which only lowers memory. The search tries
-    random greedy orders first, then a depth-first search over the sets of done
-    primitives, pruned by a bound: before a primitive P runs, a GPU holds at least what
-    it holds now, plus P's undone ancestors' net bytes, less the most any other
-    model-stage can free there (the best dependency-closed set of its primitives: local
-    DAGs share no edges) and less every free of P's own model-stage not ordered with P.
-    """
-
-    def __init__(self, primitives: list[Primitive], initial: dict[int, float], capacity: float) -> None:
-        self.prims, self.initial, self.limit = primitives, initial, capacity * (1 + 1e-9)
-        n = len(primitives)
-        index = {p.id: i for i, p in enumerate(primitives)}
-        self.needs = [sum(1 << index[d] for d in p.deps) for p in primitives]
-        self.anc = [0] * n
-        for i in sorted(range(n), key=lambda i: primitives[i].id):  # local DAG ids are topological
-            for d in primitives[i].deps:
-                self.anc[i] |= 1 << index[d] | self.anc[index[d]]
-        self.desc = [sum(1 << j for j in range(n) if self.anc[j] >> i & 1) for i in range(n)]
-        self.stages = sorted({p.model_stage for p in primitives})
-        self.stage_mask = {m: sum(1 << i for i, p in enumerate(primitives) if p.model_stage == m) for m in self.stages}
-        assert all(self.anc[i] & ~self.stage_mask[p.model_stage] == 0 for i, p in enumerate(primitives))
-        self.net = [{g: p.alloc.get(g, 0.0) - p.free.get(g, 0.0) for g in {*p.alloc, *p.free}} for p in primitives]
-        self.gains: dict[tuple[str, int, int], float] = {}
-        self.seen: set[int] = set()
-
-    @staticmethod
-    def bits(mask: int) -> list[int]:
-        out = []
-        while mask:
-            low = mask & -mask
-            out.append(low.bit_length() - 1)
-            mask ^= low
-        return out
-
-    def gain(self, stage: str, gpu: int, done: int) -> float:
-        """The most bytes `stage`'s undone primitives can free on `gpu` (a best closed set)."""
-        key = (stage, gpu, done & self.stage_mask[stage])
-        if key not in self.gains:
-            todo = self.stage_mask[stage] & ~done
-            releases = [i for i in self.bits(todo) if gpu in self.prims[i].free]
-            best = 0.0
-            for subset in range(1, 1 << min(len(releases), 12)):
-                closed = 0
-                for k, i in enumerate(releases[:12]):
-                    if subset >> k & 1:
-                        closed |= (1 << i | self.anc[i]) & todo
-                best = max(best, -sum(self.net[i].get(gpu, 0.0) for i in self.bits(closed)))
-            if len(releases) > 12:  # too many to enumerate: every free counts
-                best = sum(self.prims[i].free[gpu] for i in releases)
-            self.gains[key] = best
-        return self.gains[key]
-
-    def dead(self, done: int, usage: dict[int, float]) -> bool:
-        todo = (1 << len(self.prims)) - 1 & ~done
-        for p in self.bits(todo):
-            prim = self.prims[p]
-            if not prim.alloc:
-                continue
-            before, loose = self.anc[p] & todo, self.stage_mask[prim.model_stage] & todo & ~self.anc[p] & ~self.desc[p]
-            for gpu, nbytes in prim.alloc.items():
-                low = usage.get(gpu, 0.0) + nbytes + sum(self.net[i].get(gpu, 0.0) for i in self.bits(before))
-                low -= sum(self.gain(m, gpu, done) for m in self.stages if m != prim.model_stage)
-                low -= sum(self.prims[i].free.get(gpu, 0.0) for i in self.bits(loose & ~(1 << p)))
-                if low > self.limit:
-                    return True
-        return False
-
-    def ready(self, done: int) -> list[int]:
-        return [i for i in range(len(self.prims)) if not done >> i & 1 and self.needs[i] & done == self.needs[i]]
-
-    def fits(self, i: int, usage: dict[int, float]) -> bool:
-        return all(usage.get(g, 0.0) + b <= self.limit for g, b in self.prims[i].alloc.items())
-
-    def apply(self, i: int, usage: dict[int, float], sign: float = 1.0) -> None:
-        for gpu, nbytes in self.net[i].items():
-            usage[gpu] = usage.get(gpu, 0.0) + sign * nbytes
-
-    def greedy(self, rng: random.Random, sticky: float) -> list[int] | None:
-        """One random order: releases first, else an allocation that fits (same model-stage with odds `sticky`)."""
-        done, usage, order, last = 0, dict(self.initial), [], ""
-        while done != (1 << len(self.prims)) - 1:
-            ready = self.ready(done)
-            batch = [i for i in ready if not self.prims[i].alloc]
-            if not batch:
-                fitting = [i for i in ready if self.fits(i, usage)]
-                same = [i for i in fitting if self.prims[i].model_stage == last]
-                if not fitting:
-                    return None
-                batch = [rng.choice(same if same and rng.random() < sticky else fitting)]
-                last = self.prims[batch[0]].model_stage
-            for i in batch:
-                self.apply(i, usage)
-                done |= 1 << i
-                order.append(i)
-        return order
-
-    def dfs(self, done: int, usage: dict[int, float], order: list[int], budget: int) -> bool:
-        released = []
-        while releases := [i for i in self.ready(done) if not self.prims[i].alloc]:
-            for i in releases:
-                self.apply(i, usage)
-                done |= 1 << i
-            released += releases
-        order.extend(released)
-        if done == (1 << len(self.prims)) - 1:
-            return True
-        if done not in self.seen and len(self.seen) < budget:
-            self.seen.add(done)
-            if not self.dead(done, usage):
-                for i in (i for i in self.ready(done) if self.fits(i, usage)):
-                    self.apply(i, usage)
-                    order.append(i)
-                    if self.dfs(done | 1 << i, usage, order, budget):
-                        return True
-                    order.pop()
-                    self.apply(i, usage, -1.0)
-        for i in released:
-            self.apply(i, usage, -1.0)
-        del order[len(order) - len(released) :]
-        return False
-
-    def search(self, budget: int) -> list[int] | None:
-        """Depth first from scratch: an order, or None (`self.seen` tells exhausted from out of budget)."""
-        order: list[int] = []
-        self.seen = set()
-        return order if self.dfs(0, dict(self.initial), order, budget) else None
-
-    def run(self, tries: int, budget: int) -> list[int] | str:
-        """An order of primitive ids, laid out one after another; else "infeasible" or "undecided".
-
-        A short search first (the bound often proves infeasibility at once), then `tries`
-        random greedy orders, then the full search.
-        """
-        quick = min(200, budget)
-        order = self.search(quick)
-        if order is None and len(self.seen) < quick:
-            return "infeasible"
-        rng = random.Random(0)
-        for k in range(tries if order is None else 0):
-            order = self.greedy(rng, sticky=0.8 * (k % 2))
-            if order is not None:
-                break
-        order = order or self.search(budget)
-        if order is None:
-            return "undecided" if len(self.seen) >= budget else "infeasible"
-        now = 0.0
-        for i in order:
-            p = self.prims[i]
-            p.start_s, p.end_s, p.ownership_deps = now, now + p.duration_s, []
-            now = p.end_s
-        return [self.prims[i].id for i in order]
 
 
 def category(violation: str) -> str:
@@ -315,8 +185,8 @@ class Outcome:
     global_makespan_s: float
     baseline_violations: dict[str, int]  # violation kind -> count
     baseline_makespan_s: float
-    blocked_search: str | None  # blocked pairs: "order found" / "infeasible" / "undecided"
-    blocked_order_violations: list[str]  # the checker on the order found, one at a time
+    global_rule: str  # how build_transition found its schedule
+    blocked_verdict: str | None  # blocked pairs: "infeasible" (proved) or "undecided"
 
     @property
     def global_ok(self) -> bool:
@@ -327,19 +197,16 @@ class Outcome:
         return not self.baseline_violations
 
 
-def run_pair(seed: int, base: Plan, factors: tuple[float, float], budget: int) -> Outcome:
-    plan_a, plan_b, factor = random_pair(random.Random(seed), base, factors)
+def run_pair(seed: int, base: Plan, factors: tuple[float, float], mode: str) -> Outcome:
+    plan_a, plan_b, factor = random_pair(random.Random(seed), base, factors, mode)
     result = build_transition(plan_a, plan_b, CALIBRATION)
     baseline = independent_local_dags(plan_a, plan_b, result.initial_bytes)
     emus_a, emus_b = plan_emus(plan_a), plan_emus(plan_b)
     base_violations = check_transition(baseline, emus_a, emus_b, result.initial_bytes, result.capacity_bytes)
     global_violations = check_result(result, plan_a, plan_b) if result.feasible else []
-    search, order_violations = None, []
-    if not result.feasible:  # is there an order the list scheduler missed?
-        order = OrderSearch(result.primitives, result.initial_bytes, result.capacity_bytes).run(100, budget)
-        search = order if isinstance(order, str) else "order found"
-        if not isinstance(order, str):
-            order_violations = check_result(result, plan_a, plan_b)
+    verdict = None
+    if not result.feasible:
+        verdict = "infeasible" if "exhaustive search" in result.blocking_cycle[-1] else "undecided"
     return Outcome(
         seed=seed,
         gpus=plan_a.cluster.num_gpus,
@@ -351,9 +218,20 @@ def run_pair(seed: int, base: Plan, factors: tuple[float, float], budget: int) -
         global_makespan_s=result.makespan_s,
         baseline_violations=dict(Counter(category(v) for v in base_violations)),
         baseline_makespan_s=max((p.end_s for p in baseline), default=0.0),
-        blocked_search=search,
-        blocked_order_violations=order_violations,
+        global_rule=result.priority_rule,
+        blocked_verdict=verdict,
     )
+
+
+def _method(rule: str) -> str:
+    """Which stage of build_transition's search gave the schedule."""
+    if rule.startswith("serial: local search"):
+        return "local search"
+    if rule.startswith("serial: "):
+        return "serial generator"
+    if rule.startswith(("one-model-stage", "order search")):
+        return rule.split(":")[0]
+    return "list scheduler"
 
 
 def summarize(rows: list[Outcome]) -> dict[str, object]:
@@ -372,11 +250,9 @@ def summarize(rows: list[Outcome]) -> dict[str, object]:
         "baseline_memory_safe_where_global_scheduled": sum("memory" not in r.baseline_violations for r in feasible),
         "baseline_memory_safe_where_global_blocked": sum("memory" not in r.baseline_violations for r in blocked),
         "baseline_failing_pairs_by_kind": dict(kinds),
-        "blocked_order_found": sum(r.blocked_search == "order found" for r in rows),
-        "blocked_order_found_but_violating": sum(bool(r.blocked_order_violations) for r in rows),
-        "blocked_no_order_exists": sum(r.blocked_search == "infeasible" for r in rows),
-        "blocked_undecided": sum(r.blocked_search == "undecided" for r in rows),
-        "known_feasible": len(feasible) + sum(r.blocked_search == "order found" for r in rows),
+        "blocked_no_order_exists": sum(r.blocked_verdict == "infeasible" for r in rows),
+        "blocked_undecided": sum(r.blocked_verdict == "undecided" for r in rows),
+        "scheduled_by": dict(Counter(_method(r.global_rule) for r in feasible)),
         "median_makespan_global_over_longest_local": round(statistics.median(ratios), 3) if ratios else None,
     }
 
@@ -390,11 +266,8 @@ ROWS = (
     ("independent local DAGs: memory-safe", "baseline_memory_safe"),
     ("  ... memory-safe where global is scheduled", "baseline_memory_safe_where_global_scheduled"),
     ("  ... memory-safe where global is blocked", "baseline_memory_safe_where_global_blocked"),
-    ("blocked: a one-at-a-time order fits (missed)", "blocked_order_found"),
-    ("blocked: ... but that order violates a rule", "blocked_order_found_but_violating"),
     ("blocked: no order of the DAG's primitives fits", "blocked_no_order_exists"),
     ("blocked: search undecided (budget)", "blocked_undecided"),
-    ("pairs with a valid order known (scheduled+found)", "known_feasible"),
 )
 
 
@@ -407,6 +280,7 @@ def print_table(summary: dict[str, object]) -> None:
         k = summary[key]
         assert isinstance(k, int)
         print(f"{label:<48} {k:>6} / {n} ({100 * k / n:5.1f}%)")
+    print(f"global DAG schedules found by: {summary['scheduled_by']}")
     print(f"independent local DAGs, failing pairs by violation kind: {summary['baseline_failing_pairs_by_kind']}")
     ratio = summary["median_makespan_global_over_longest_local"]
     print(f"median makespan, global DAG / longest local DAG run alone (global successes): {ratio}")
@@ -416,33 +290,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=1000, help="random plan pairs (seeds seed..seed+pairs-1)")
     parser.add_argument("--seed", type=int, default=0, help="first seed")
-    parser.add_argument("--capacity", type=float, nargs=2, default=(1.2, 1.6), metavar=("LO", "HI"))
-    parser.add_argument("--budget", type=int, default=3000, help="search states per blocked pair")
+    parser.add_argument(
+        "--capacity-mode", choices=("witness", "busiest"), default="witness", help="what the capacity scales"
+    )
+    parser.add_argument(
+        "--capacity",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("LO", "HI"),
+        help="range of the capacity factor (default 1.0-1.25 for witness, 1.2-1.6 for busiest)",
+    )
     args = parser.parse_args()
     base = _base()
     started = time.perf_counter()
-    factors = (args.capacity[0], args.capacity[1])
-    rows = [run_pair(seed, base, factors, args.budget) for seed in range(args.seed, args.seed + args.pairs)]
+    factors = tuple(args.capacity) if args.capacity else DEFAULT_FACTORS[args.capacity_mode]
+    rows = [run_pair(seed, base, factors, args.capacity_mode) for seed in range(args.seed, args.seed + args.pairs)]
     elapsed = time.perf_counter() - started
     summary = summarize(rows)
     print_table(summary)
     print(f"{args.pairs} pairs in {elapsed:.1f} s")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    results = RESULTS[args.capacity_mode]
+    results.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "transition_coordination",
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
         "settings": {
             "pairs": args.pairs,
             "seed": args.seed,
-            "capacity_factor": list(args.capacity),
-            "budget": args.budget,
+            "capacity_mode": args.capacity_mode,
+            "capacity_factor": list(factors),
         },
         "elapsed_s": elapsed,
         "summary": summary,
     }
     pairs = ",\n  ".join(json.dumps(asdict(r)) for r in rows)  # one pair a line
-    RESULTS.write_text(f'{json.dumps(payload, indent=1)[:-2]},\n "pairs": [\n  {pairs}\n ]\n}}\n')
-    print(f"wrote {RESULTS.relative_to(ROOT.parent)}")
+    results.write_text(f'{json.dumps(payload, indent=1)[:-2]},\n "pairs": [\n  {pairs}\n ]\n}}\n')
+    print(f"wrote {results.relative_to(ROOT.parent)}")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ def sub_replicas(emu: Emu, inter: Layout) -> list[Emu]:
     GPU at I position (si, ri) of replica (js, jr) sits at the EMU's position
     (si * fs + js, ri * ft + jr): its I box contains its EMU box.
     """
+    if emu.layout == inter:  # nothing to split: the EMU is its only I-replica
+        return [emu]
     ft, fs = emu.tp // inter[0], emu.pp // inter[1]
     replicas = []
     for js, jr in itertools.product(range(fs), range(ft)):
@@ -57,9 +59,9 @@ class _Builder:
 
 def _split(build: _Builder, emu: Emu, inter: Layout) -> tuple[Primitive | None, list[Emu]]:
     """Split one A EMU into I-replicas; None when A already is the intermediate layout."""
-    replicas = sub_replicas(emu, inter)
     if emu.layout == inter:
-        return None, replicas
+        return None, [emu]
+    replicas = sub_replicas(emu, inter)
     piece = build.state_bytes * box_fraction(emu.layout)
     grow = build.state_bytes * box_fraction(inter) - piece
     holders: dict[tuple[int, int], list[int]] = {}  # I position -> GPUs holding a piece of it

@@ -23,7 +23,9 @@ from nereus.cost.plan_cost import RESIDENT_TERMS, head_of, usable_memory
 from nereus.cost.stage import StageCostModel
 from nereus.errors import NereusError
 from nereus.solver.transition.local import local_dag
+from nereus.solver.transition.order_search import GREEDY_TRIES, SEARCH_BUDGET, OrderSearch
 from nereus.solver.transition.primitives import Emu, Primitive
+from nereus.solver.transition.serial import improve_order, schedule_in_order, serial_schedule
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.workload import STAGES
@@ -146,7 +148,7 @@ def _tail_lengths(primitives: list[Primitive]) -> dict[int, float]:
     return tail
 
 
-def priority_rules(primitives: list[Primitive]) -> dict[str, PriorityKey]:
+def priority_rules(primitives: list[Primitive], tail: dict[int, float] | None = None) -> dict[str, PriorityKey]:
     """The orders the list scheduler tries; the best schedule wins.
 
     `release-first` is the design's rule (releases first, then generation -> inference ->
@@ -154,7 +156,7 @@ def priority_rules(primitives: list[Primitive]) -> dict[str, PriorityKey]:
     model-stages share GPUs; `net-releasers-first` lets model-stages that shrink go
     before those that grow, which avoids many hold-and-wait deadlocks.
     """
-    tail = _tail_lengths(primitives)
+    tail = tail if tail is not None else _tail_lengths(primitives)
     net: dict[str, float] = {}  # bytes a model-stage frees minus bytes it allocates
     for p in primitives:
         net[p.model_stage] = net.get(p.model_stage, 0.0) + sum(p.free.values()) - sum(p.alloc.values())
@@ -306,8 +308,7 @@ RANDOM_RESTARTS_LARGE = 2
 LARGE_DAG = 300
 
 
-def _perturbed_rules(primitives: list[Primitive], count: int) -> dict[str, PriorityKey]:
-    tail = _tail_lengths(primitives)
+def _perturbed_rules(primitives: list[Primitive], count: int, tail: dict[int, float]) -> dict[str, PriorityKey]:
     rng = random.Random(len(primitives))  # deterministic: the same DAG gets the same schedule
     rules: dict[str, PriorityKey] = {}
     for k in range(count):
@@ -321,41 +322,131 @@ def _perturbed_rules(primitives: list[Primitive], count: int) -> dict[str, Prior
     return rules
 
 
-def makespan_lower_bound(primitives: list[Primitive]) -> float:
+def makespan_lower_bound(primitives: list[Primitive], tail: dict[int, float] | None = None) -> float:
     """No schedule is shorter than the longest dependency chain or the busiest GPU's work."""
     busy: dict[int, float] = {}
     for p in primitives:
         for gpu in p.gpus:
             busy[gpu] = busy.get(gpu, 0.0) + p.duration_s
-    chain = max(_tail_lengths(primitives).values(), default=0.0)
+    chain = max((tail if tail is not None else _tail_lengths(primitives)).values(), default=0.0)
     return max(chain, max(busy.values(), default=0.0))
+
+
+#: DAGs up to this size also get the serial schedule generator (it is quadratic).
+SERIAL_LIMIT = 200
+#: The local search over orders runs when the best schedule is further than this above
+#: the makespan lower bound (closer than that, it is within this of the optimum already):
+#: IMPROVE_RESTARTS searches of IMPROVE_STEPS moves each.
+IMPROVE_ABOVE_BOUND = 0.05
+IMPROVE_RESTARTS = 3
+IMPROVE_STEPS = 50
+
+
+@dataclass
+class _Snapshot:
+    """One schedule's times, kept while other priority orders are tried."""
+
+    rule: str
+    makespan_s: float
+    times: dict[int, tuple[float, float, list[int]]]
+    peak: dict[int, float]
+
+    @classmethod
+    def take(cls, rule: str, primitives: list[Primitive], peak: dict[int, float]) -> _Snapshot:
+        times = {p.id: (p.start_s, p.end_s, list(p.ownership_deps)) for p in primitives}
+        return cls(rule, max((p.end_s for p in primitives), default=0.0), times, dict(peak))
+
+    def restore(self, primitives: list[Primitive], initial: dict[int, float], capacity: float) -> Replay:
+        for p in primitives:
+            p.start_s, p.end_s, p.ownership_deps = self.times[p.id]
+            p.scheduled = True
+        return Replay(dict(initial), capacity, peak=dict(self.peak))
 
 
 def schedule_best(
     primitives: list[Primitive], initial: dict[int, float], capacity: float
 ) -> tuple[Replay, list[str], str]:
-    """Run the list scheduler under each priority rule; keep the first safe, shortest one."""
+    """Run the list scheduler under each priority rule (and, on small DAGs, the serial
+    generator too); keep the shortest safe schedule, stopping at the lower bound."""
     restarts = RANDOM_RESTARTS if len(primitives) <= LARGE_DAG else RANDOM_RESTARTS_LARGE
-    rules = priority_rules(primitives) | _perturbed_rules(primitives, restarts)
-    lower = makespan_lower_bound(primitives)
-    scores = {}
+    tail = _tail_lengths(primitives)
+    rules = priority_rules(primitives, tail) | _perturbed_rules(primitives, restarts, tail)
+    lower = makespan_lower_bound(primitives, tail) * (1 + 1e-9)
+    best: _Snapshot | None = None
     for name, rule in rules.items():
         _reset(primitives)
         replay = Replay(dict(initial), capacity)
-        cycle = list_schedule(primitives, replay, rule, explain=False)
-        scores[name] = (bool(cycle), max((p.end_s for p in primitives), default=0.0))
-        if not cycle and scores[name][1] <= lower * (1 + 1e-9):
-            return replay, [], name  # provably optimal: no other order can be shorter
-    best = min(scores, key=lambda name: scores[name])
-    if scores[best][0]:  # every order blocked: try model-stages one after another
-        sequential = _one_model_stage_at_a_time(primitives, initial, capacity)
-        if sequential is not None:
-            return sequential
-    elif best == name and not cycle:  # the last run was the best: its state is current
-        return replay, [], best
+        if list_schedule(primitives, replay, rule, explain=False):
+            continue
+        if best is None or max(p.end_s for p in primitives) < best.makespan_s - EPS:
+            best = _Snapshot.take(name, primitives, replay.peak)
+            if best.makespan_s <= lower:
+                return best.restore(primitives, initial, capacity), [], name
+    if len(primitives) <= SERIAL_LIMIT:
+        best = _serial_best(primitives, initial, capacity, rules, best, lower)
+    if best is not None:
+        return best.restore(primitives, initial, capacity), [], best.rule
+    sequential = _one_model_stage_at_a_time(primitives, initial, capacity)
+    if sequential is not None:  # a safe but serial schedule: improve it like any other
+        replay, _, sequence = sequential
+        best = _improve(primitives, initial, capacity, _Snapshot.take(sequence, primitives, replay.peak), lower)
+        return best.restore(primitives, initial, capacity), [], best.rule
+    found = OrderSearch(primitives, initial, capacity).run(GREEDY_TRIES, SEARCH_BUDGET)
+    if not isinstance(found, str):  # an order fits one at a time: pack it, then improve it
+        peak = schedule_in_order(primitives, initial, capacity, found)
+        assert peak is not None  # placing an order that fits one at a time never deadlocks
+        best = _improve(primitives, initial, capacity, _Snapshot.take("order search", primitives, peak), lower)
+        return best.restore(primitives, initial, capacity), [], best.rule
     _reset(primitives)
     replay = Replay(dict(initial), capacity)
-    return replay, list_schedule(primitives, replay, rules[best]), best
+    cycle = list_schedule(primitives, replay, release_first)
+    verdict = {
+        "infeasible": "no order of these primitives fits in memory (exhaustive search)",
+        "undecided": f"no order found that fits in memory (search stopped after {SEARCH_BUDGET} states)",
+    }[found]
+    return replay, [*cycle, verdict], "release-first"
+
+
+def _serial_best(
+    primitives: list[Primitive],
+    initial: dict[int, float],
+    capacity: float,
+    rules: dict[str, PriorityKey],
+    best: _Snapshot | None,
+    lower: float,
+) -> _Snapshot | None:
+    """The serial generator under every rule, and in the best schedule's start order."""
+    if best is not None:
+        starts = {pid: times[0] for pid, times in best.times.items()}
+        rules = {"left-shifted": lambda p: (starts[p.id], p.id), **rules}
+    for name, rule in rules.items():
+        _reset(primitives)
+        peak = serial_schedule(primitives, initial, capacity, rule)
+        if peak is None:
+            continue
+        makespan = max((p.end_s for p in primitives), default=0.0)
+        if best is None or makespan < best.makespan_s - EPS:
+            best = _Snapshot.take(f"serial: {name}", primitives, peak)
+            if makespan <= lower:
+                return best
+    return best if best is None else _improve(primitives, initial, capacity, best, lower)
+
+
+def _improve(
+    primitives: list[Primitive], initial: dict[int, float], capacity: float, best: _Snapshot, lower: float
+) -> _Snapshot:
+    """Local search over orders from the best schedule's start order, when it is far from the bound."""
+    if len(primitives) > SERIAL_LIMIT or best.makespan_s <= lower * (1 + IMPROVE_ABOVE_BOUND):
+        return best
+    order = sorted(best.times, key=lambda pid: (best.times[pid][0], pid))
+    for seed in range(IMPROVE_RESTARTS):
+        found = improve_order(primitives, initial, capacity, order, best.makespan_s, IMPROVE_STEPS, seed, lower)
+        if found is not None:
+            order = found[0]
+            peak = schedule_in_order(primitives, initial, capacity, order)
+            assert peak is not None  # the same order placed the same way before
+            best = _Snapshot.take(f"serial: local search {seed}", primitives, peak)
+    return best
 
 
 def _one_model_stage_at_a_time(

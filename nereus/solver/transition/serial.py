@@ -1,0 +1,237 @@
+"""Serial schedule generation: place primitives one by one at their earliest safe time.
+
+The list scheduler in `schedule.py` advances a clock and starts whatever fits now
+(non-delay schedules). Some optimal transitions keep a GPU idle for a moment so that a
+more urgent primitive can start there; non-delay schedules never do. This scheduler
+takes primitives in priority order (a ready one at a time) and puts each at the
+earliest time where its data dependencies are done, its GPUs are free for its whole run
+(gaps between earlier placements count) and its allocations fit under capacity at every
+later moment of the memory profile built so far. Such schedules include an optimal one
+for some priority order, so restarts over orders can close gaps the list scheduler
+leaves. It is quadratic in the primitives: used on small and medium DAGs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import random
+from collections.abc import Callable
+
+from nereus.solver.transition.primitives import Primitive
+
+EPS = 1e-9
+
+
+class _Profile:
+    """Per GPU: busy intervals and memory events (time, free-before-alloc, bytes delta)."""
+
+    def __init__(self, initial: dict[int, float], capacity: float) -> None:
+        self.initial, self.capacity = initial, capacity
+        self.busy: dict[int, list[tuple[float, float]]] = {}
+        self.events: dict[int, list[tuple[float, int, float]]] = {}
+
+    def gpu_free(self, gpu: int, start: float, end: float) -> bool:
+        """No placed run on `gpu` overlaps [start, end) (a zero-length run is the point `start`)."""
+        for busy_start, busy_end in self.busy.get(gpu, ()):
+            if busy_start >= end + EPS and end > start + EPS:
+                break
+            if busy_end - busy_start <= EPS:
+                continue  # zero-length runs never conflict
+            if end - start <= EPS:
+                if busy_start + EPS < start < busy_end - EPS:
+                    return False
+            elif busy_start < end - EPS and start < busy_end - EPS:
+                return False
+        return True
+
+    def fits(self, gpu: int, start: float, nbytes: float) -> bool:
+        """`nbytes` allocated at `start` stay under capacity at every later moment."""
+        usage = self.initial.get(gpu, 0.0)
+        worst = -float("inf")
+        for time, _, delta in self.events.get(gpu, ()):
+            if time > start + EPS and usage > worst:
+                worst = usage
+            usage += delta
+        worst = max(worst, usage)
+        return worst + nbytes <= self.capacity + EPS
+
+    def place(self, primitive: Primitive, start: float) -> None:
+        end = start + primitive.duration_s
+        for gpu in primitive.gpus:
+            bisect.insort(self.busy.setdefault(gpu, []), (start, end))
+        for gpu, nbytes in primitive.alloc.items():
+            bisect.insort(self.events.setdefault(gpu, []), (start, 1, nbytes))
+        for gpu, nbytes in primitive.free.items():
+            bisect.insort(self.events.setdefault(gpu, []), (end - EPS if end > start else start, 0, -nbytes))
+
+    def candidates(self, primitive: Primitive, earliest: float) -> list[float]:
+        """Times worth trying: the earliest, and every later end of a run or a free on its GPUs."""
+        times = {earliest}
+        for gpu in primitive.gpus:
+            times.update(end for _, end in self.busy.get(gpu, ()) if end > earliest)
+        for gpu in primitive.alloc:
+            times.update(t + EPS for t, kind, _ in self.events.get(gpu, ()) if kind == 0 and t > earliest)
+        return sorted(times)
+
+    def peak(self) -> dict[int, float]:
+        out = {}
+        for gpu, events in self.events.items():
+            usage = self.initial.get(gpu, 0.0)
+            out[gpu] = usage
+            for _, _, delta in events:
+                usage += delta
+                out[gpu] = max(out[gpu], usage)
+        return out
+
+
+def serial_schedule(
+    primitives: list[Primitive],
+    initial: dict[int, float],
+    capacity: float,
+    priority: Callable[[Primitive], tuple[float, ...]],
+) -> dict[int, float] | None:
+    """Place every primitive (ready ones in `priority` order); return peak bytes per GPU, or
+    None when some primitive never fits. Sets start, end and scheduled on success."""
+    by_id = {p.id: p for p in primitives}
+    waiting = {p.id: len(p.deps) for p in primitives}
+    dependents: dict[int, list[int]] = {}
+    for p in primitives:
+        for dep in p.deps:
+            dependents.setdefault(dep, []).append(p.id)
+    ready = [(priority(p), p.id) for p in primitives if not p.deps]
+    heapq.heapify(ready)
+    profile = _Profile(initial, capacity)
+    while ready:
+        primitive = by_id[heapq.heappop(ready)[1]]
+        earliest = max((by_id[d].end_s for d in primitive.deps), default=0.0)
+        start = _first_fit(profile, primitive, earliest)
+        if start is None:
+            return None
+        profile.place(primitive, start)
+        primitive.start_s, primitive.end_s = start, start + primitive.duration_s
+        primitive.scheduled = True
+        for child in dependents.get(primitive.id, []):
+            waiting[child] -= 1
+            if not waiting[child]:
+                heapq.heappush(ready, (priority(by_id[child]), child))
+    _ownership_edges(primitives, initial, capacity)
+    return profile.peak()
+
+
+def _first_fit(profile: _Profile, primitive: Primitive, earliest: float) -> float | None:
+    for start in profile.candidates(primitive, earliest):
+        end = start + primitive.duration_s
+        if all(profile.gpu_free(g, start, end) for g in primitive.gpus) and all(
+            profile.fits(g, start, b) for g, b in primitive.alloc.items()
+        ):
+            return start
+    return None
+
+
+def _ownership_edges(primitives: list[Primitive], initial: dict[int, float], capacity: float) -> None:
+    """Record, for each allocation that only fits thanks to another model-stage's earlier
+    release on that GPU, the latest such release as a GPU-ownership dependency."""
+    frees: dict[int, list[tuple[float, float, Primitive]]] = {}
+    allocs: dict[int, list[tuple[float, float]]] = {}
+    for p in primitives:
+        p.ownership_deps = []
+        for gpu, nbytes in p.free.items():
+            frees.setdefault(gpu, []).append((p.end_s, nbytes, p))
+        for gpu, nbytes in p.alloc.items():
+            allocs.setdefault(gpu, []).append((p.start_s, nbytes))
+    for p in primitives:
+        for gpu in p.alloc:
+            freed_before = [(t, b, q) for t, b, q in frees.get(gpu, []) if t <= p.start_s + EPS and q is not p]
+            held = initial.get(gpu, 0.0) + sum(b for t, b in allocs[gpu] if t <= p.start_s + EPS)
+            held -= sum(b for _, b, _ in freed_before)
+            foreign = [(t, b, q) for t, b, q in freed_before if q.model_stage != p.model_stage]
+            if foreign and held + max(b for _, b, _ in foreign) > capacity + EPS:
+                latest = max(foreign, key=lambda item: item[0])[2]
+                if latest.id not in p.ownership_deps:
+                    p.ownership_deps.append(latest.id)
+
+
+def improve_order(
+    primitives: list[Primitive],
+    initial: dict[int, float],
+    capacity: float,
+    order: list[int],
+    makespan_s: float,
+    iterations: int,
+    seed: int,
+    target_s: float,
+) -> tuple[list[int], float] | None:
+    """Local search over priority orders; the best order and makespan if it beats `makespan_s`.
+
+    A move takes a primitive that started later than its data allowed and puts it just
+    before one of the primitives that held its GPUs then (or, one time in four, moves a
+    random primitive earlier). Moves that do not lengthen the schedule are kept, so the
+    search crosses plateaus. Deterministic for a given seed.
+    """
+    rng = random.Random(seed)
+    by_id = {p.id: p for p in primitives}
+    current, best = list(order), None
+    if schedule_in_order(primitives, initial, capacity, current) is None:
+        return None
+    current_s = max((p.end_s for p in primitives), default=0.0)
+    if current_s < makespan_s - EPS:
+        best = (list(current), current_s)
+    for _ in range(iterations):
+        candidate = _neighbour(current, by_id, rng)
+        if schedule_in_order(primitives, initial, capacity, candidate) is None:
+            schedule_in_order(primitives, initial, capacity, current)
+            continue
+        span = max((p.end_s for p in primitives), default=0.0)
+        if span > current_s + EPS:
+            schedule_in_order(primitives, initial, capacity, current)
+            continue
+        if span < current_s - EPS and (best is None or span < best[1] - EPS):
+            best = (list(candidate), span)
+        current, current_s = candidate, span
+        if span <= target_s:
+            break
+    return best
+
+
+def schedule_in_order(
+    primitives: list[Primitive], initial: dict[int, float], capacity: float, order: list[int]
+) -> dict[int, float] | None:
+    """`serial_schedule` with the priority given as a list of primitive ids."""
+    rank = {pid: k for k, pid in enumerate(order)}
+    _clear(primitives)
+    return serial_schedule(primitives, initial, capacity, lambda p: (rank[p.id],))
+
+
+def _neighbour(order: list[int], by_id: dict[int, Primitive], rng: random.Random) -> list[int]:
+    """`order` with one primitive moved earlier (the schedule of `order` is on the primitives)."""
+    position = {pid: k for k, pid in enumerate(order)}
+    delayed = [p for p in by_id.values() if p.start_s > max((by_id[d].end_s for d in p.deps), default=0.0) + EPS]
+    moves = []
+    if delayed and rng.random() < 0.75:
+        p = rng.choice(delayed)
+        gpus = set(p.gpus)
+        moves = [
+            position[q.id]
+            for q in by_id.values()
+            if q is not p
+            and q.start_s < p.start_s - EPS
+            and q.end_s >= p.start_s - EPS
+            and gpus & set(q.gpus)
+            and position[q.id] < position[p.id]
+        ]
+        if not moves:  # waited for memory: anything that started before it may be the holder
+            moves = [k for k in range(position[p.id]) if by_id[order[k]].start_s <= p.start_s]
+    if moves:
+        i, j = position[p.id], rng.choice(moves)
+    else:
+        i = rng.randrange(1, len(order))
+        j = rng.randrange(0, i)
+    out = list(order)
+    out.insert(j, out.pop(i))
+    return out
+
+
+def _clear(primitives: list[Primitive]) -> None:
+    for p in primitives:
+        p.scheduled, p.start_s, p.end_s, p.ownership_deps = False, 0.0, 0.0, []
