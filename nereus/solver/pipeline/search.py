@@ -47,12 +47,16 @@ class SearchConfig:
     """Wall-clock seconds for the annealing (the greedy start and bounds come on top)."""
     seeds: int = 2
     """Independent annealing runs; they run in parallel processes, one per CPU at most."""
+    max_iterations: int | None = None
+    """Also stop each seed after this many neighbours (a run that does not depend on CPU speed)."""
 
     def __post_init__(self) -> None:
         if not self.time_limit_s > 0:
             raise NereusError(f"--time-limit must be > 0 seconds, got {self.time_limit_s}")
         if self.seeds < 1:
             raise NereusError(f"--seeds must be at least 1, got {self.seeds}")
+        if self.max_iterations is not None and self.max_iterations < 1:
+            raise NereusError(f"max_iterations must be at least 1, got {self.max_iterations}")
 
 
 @dataclass
@@ -142,6 +146,7 @@ def anneal(
     time_limit_s: float,
     target_latency: float,
     target_memory: float,
+    max_iterations: int | None = None,
 ) -> AnnealOutcome:
     """Two-phase simulated annealing from `start` (latency, then memory at no latency cost)."""
     rng = random.Random(seed)
@@ -158,20 +163,26 @@ def anneal(
     deadline_latency = time.perf_counter() + time_limit_s * (1 - MEMORY_PHASE_SHARE)
     deadline = time.perf_counter() + time_limit_s
     iterations = 0
+    budget = max_iterations if max_iterations is not None else math.inf
     for phase in ("latency", "memory"):
         stop = deadline_latency if phase == "latency" else deadline
+        phase_budget = budget * (1 - MEMORY_PHASE_SHARE) if phase == "latency" else budget
         if phase == "memory":
             orders, makespan, peaks = [list(o) for o in best.orders], best.makespan, peak_memory(inst, best.orders)
         scale = START_TEMPERATURE * (makespan if phase == "latency" else max(max(peaks), 1e-12))
         phase_start, phase_len = time.perf_counter(), max(stop - time.perf_counter(), 1e-9)
         temperature = scale
-        while True:
+        phase_first = iterations
+        while iterations < phase_budget:
             iterations += 1
             if iterations % 32 == 0:
                 now = time.perf_counter()
                 if now >= stop:
                     break
-                temperature = scale * COOLING ** ((now - phase_start) / phase_len)
+                done = (now - phase_start) / phase_len
+                if phase_budget < math.inf:
+                    done = max(done, (iterations - phase_first) / (phase_budget - phase_first))
+                temperature = scale * COOLING**done
             if phase == "latency" and best.makespan <= target_latency * (1 + RELATIVE_EPS):
                 break  # latency optimal: go on to memory
             if phase == "memory" and best.peak <= target_memory * (1 + RELATIVE_EPS):
@@ -232,7 +243,7 @@ def _run_seeds(
     workers = max(1, min(config.seeds, os.cpu_count() or 1))
     rounds = math.ceil(config.seeds / workers)
     per_seed = config.time_limit_s / rounds
-    args = (per_seed, bounds.latency, bounds.memory)
+    args = (per_seed, bounds.latency, bounds.memory, config.max_iterations)
     if workers == 1:
         outcomes = []
         for seed in range(config.seeds):
