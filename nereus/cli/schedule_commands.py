@@ -278,7 +278,7 @@ def migrate(
 
     the_plan = load_kind(str(plan), Plan)
     the_calibration = load_kind(str(calibration), Calibration) if calibration else Calibration()
-    profile = generation_profile(the_plan, the_calibration)
+    profile = generation_profile(the_plan, the_calibration)  # type: ignore[arg-type]
     with _progress("sweeping thresholds", 1) as report:
         result = sweep_thresholds(profile, num_batches=samples, seed=seed, progress=report)
     if as_json:

@@ -10,9 +10,10 @@ truncated at the maximum. Without fusion, inference (old log-probs, reference, r
 critic) starts once the last sample is done and is spread evenly over every instance.
 
 With fusion at threshold R, once at most R x batch samples remain they migrate to the
-fewest destinations satisfying both (a) decode throughput: a destination keeps at most
-the ridge-point batch, so its steps stay memory bound and no slower per token, and (b)
-KV memory: every remaining sample fits at its maximum length. Destinations are the
+fewest destinations satisfying both (a) decode throughput: a destination's step with its
+share of the remaining samples is no slower than the slowest instance's step just before
+the migration, so the long tail does not decode slower, and (b) KV memory: every
+remaining sample fits at its maximum length. Destinations are the
 instances with the most remaining samples (fewest moves). Each migrated sample either
 ships its KV cache over the inter-node link or ships its tokens and re-runs the prefill on
 the destination, whichever costs less overall; destinations pause while they receive.
@@ -234,11 +235,21 @@ def _tokens_at(profile: GenerationProfile, lengths: np.ndarray, t_m: float) -> n
     return generated
 
 
-def _destinations(profile: GenerationProfile, remaining: np.ndarray) -> int:
+def _destinations(profile: GenerationProfile, remaining: np.ndarray, generated: np.ndarray) -> int:
+    """The fewest destinations whose decode steps are no slower than the slowest instance's now
+    (throughput) and whose KV cache holds every remaining sample at its maximum length (memory)."""
     count = int(remaining.sum())
-    by_throughput = math.ceil(count / profile.ridge_batch)
+    context = np.where(remaining, profile.prompt_len + generated, 0)
+    slowest_now = float(profile.step_s(remaining.sum(axis=1), context.sum(axis=1)).max())
+    total_context = float(context.sum())
     by_memory = math.ceil(count * (profile.prompt_len + profile.lengths.max) / profile.kv_capacity_tokens)
-    return max(1, min(profile.num_instances, max(by_throughput, by_memory)))
+    k = max(1, by_memory)
+    while k < profile.num_instances:
+        step = float(profile.step_s(np.array(math.ceil(count / k)), np.array(total_context / k)))
+        if step <= slowest_now * (1 + 1e-9):
+            break
+        k += 1
+    return min(profile.num_instances, k)
 
 
 def _migrate(
@@ -249,11 +260,11 @@ def _migrate(
     remaining: np.ndarray,
     t_m: float,
 ) -> FusionOutcome:
-    k = _destinations(profile, remaining)
+    generated = _tokens_at(profile, lengths, t_m)
+    k = _destinations(profile, remaining, generated)
     per_instance = remaining.sum(axis=1)
     dests = [int(i) for i in np.argsort(-per_instance, kind="stable")[:k]]
-    generated = _tokens_at(profile, lengths, t_m)
-    moving = [(i, j) for i in range(len(lengths)) if i not in dests for j in np.flatnonzero(remaining[i])]
+    moving = [(i, j) for i in range(len(lengths)) if i not in dests for j in map(int, np.flatnonzero(remaining[i]))]
     received: dict[int, list[tuple[int, int]]] = {d: [] for d in dests}
     load = {d: int(per_instance[d]) for d in dests}
     for i, j in moving:
@@ -277,7 +288,7 @@ def _migrate(
         final = np.array([lengths[i, j] for i, j in members])
         ends = decode_finish_times(profile, gen, final, t_m + delay[d])
         arrivals += [(float(e), float(work[i, j])) for e, (i, j) in zip(ends, members, strict=True)]
-        done = float(ends.max())
+        done = float(ends.max()) if ends.size else t_m + delay[d]
         capacity.append((done, 1))
         generation_end = max(generation_end, done)
     total = _inference_end(profile, arrivals, capacity)
