@@ -2,7 +2,8 @@
 
 The search minimises latency first and peak activation memory second (lexicographically):
 phase one anneals the makespan (ties broken by peak memory), phase two anneals the peak
-memory among schedules no slower than the best found. A neighbour swaps two nearby ops on
+memory plus a penalty for latency lost (so the walk can cross slightly slower schedules),
+keeping only schedules no slower than the best found. A neighbour swaps two nearby ops on
 one node or moves one op a few places; neighbours that deadlock or break the activation
 cap are rejected. Independent seeds run in parallel processes and the best schedule wins.
 """
@@ -31,7 +32,7 @@ Orders = list[list[int]]
 #: How far (in positions on a node) a move or swap reaches.
 MOVE_SPAN = 8
 #: Share of each seed's time spent on the memory phase.
-MEMORY_PHASE_SHARE = 0.3
+MEMORY_PHASE_SHARE = 0.5
 #: Initial temperature as a fraction of the starting makespan (or peak memory).
 START_TEMPERATURE = 0.02
 #: The temperature falls by this factor over a phase.
@@ -169,7 +170,8 @@ def anneal(
         phase_budget = budget * (1 - MEMORY_PHASE_SHARE) if phase == "latency" else budget
         if phase == "memory":
             orders, makespan, peaks = [list(o) for o in best.orders], best.makespan, peak_memory(inst, best.orders)
-        scale = START_TEMPERATURE * (makespan if phase == "latency" else max(max(peaks), 1e-12))
+        peak_scale = max(max(peaks), 1e-12)
+        scale = START_TEMPERATURE * (makespan if phase == "latency" else peak_scale)
         phase_start, phase_len = time.perf_counter(), max(stop - time.perf_counter(), 1e-9)
         temperature = scale
         phase_first = iterations
@@ -201,7 +203,10 @@ def anneal(
             new_makespan = simulated[0]
             new_peaks = list(peaks)
             new_peaks[node] = new_peak_node
-            if _accept(phase, rng, temperature, makespan, max(peaks), new_makespan, max(new_peaks), best.makespan):
+            accepted = _accept(
+                phase, rng, temperature, makespan, max(peaks), new_makespan, max(new_peaks), best.makespan, peak_scale
+            )
+            if accepted:
                 makespan, peaks = new_makespan, new_peaks
                 faster = makespan < best.makespan * (1 - RELATIVE_EPS)
                 if faster or (makespan <= best.makespan * (1 + RELATIVE_EPS) and max(peaks) < best.peak):
@@ -210,6 +215,16 @@ def anneal(
                 orders[node] = old_order
     best.iterations = iterations
     return best
+
+
+#: Memory phase: being 1% slower than the best makespan costs this many peak-scales / 100.
+LATENCY_PENALTY = 20.0
+
+
+def _memory_energy(makespan: float, peak: float, best_makespan: float, peak_scale: float) -> float:
+    """Peak memory, plus a penalty for latency lost: the walk may cross slower schedules,
+    but only schedules as fast as the best are kept."""
+    return peak + LATENCY_PENALTY * peak_scale * max(0.0, makespan / best_makespan - 1.0)
 
 
 def _accept(
@@ -221,15 +236,16 @@ def _accept(
     new_makespan: float,
     new_peak: float,
     best_makespan: float,
+    peak_scale: float,
 ) -> bool:
     if phase == "latency":
         delta = new_makespan - makespan
         if abs(delta) <= RELATIVE_EPS * makespan:
             return new_peak <= peak or rng.random() < 0.5
     else:
-        if new_makespan > best_makespan * (1 + RELATIVE_EPS):
-            return False
-        delta = new_peak - peak
+        delta = _memory_energy(new_makespan, new_peak, best_makespan, peak_scale) - _memory_energy(
+            makespan, peak, best_makespan, peak_scale
+        )
         if delta == 0:
             return True
     if delta < 0:

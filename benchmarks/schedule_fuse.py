@@ -1,0 +1,145 @@
+"""Benchmark: the fused actor-critic pipeline schedule against bounds and serial baselines.
+
+Grid (as in RLHFuse's evaluation): actor stages 4/8/16; critic:actor stage ratio 1 and 1/2
+(the critic then runs as two replicas); micro-batches per model 1x, 2x, 4x the actor's
+stages; model pairs LLaMA-33B/13B and LLaMA-65B/33B (actor/critic). Forward time per stage
+is proportional to layers-per-stage x hidden^2, activation to layers-per-stage x hidden,
+backward = 2 x forward. Each case anneals --seeds seeds in parallel processes for
+--time-limit seconds (all seeds together); the greedy start, lower bounds and baselines
+come on top and are included in the reported search time.
+
+Targets: the latency lower bound reached in most cases, >= 1.15x faster than serial 1F1B,
+<= 60 s of search per case on 2 cores. Prints a table, writes
+benchmarks/results/schedule_fuse.json.
+
+    .venv/bin/python benchmarks/schedule_fuse.py                  # 36 cases, 5 s each
+    .venv/bin/python benchmarks/schedule_fuse.py --time-limit 2 --stages 4 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from nereus.solver.pipeline.model import ModelTimes
+from nereus.solver.pipeline.search import SearchConfig, search_fused
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "schedule_fuse.json"
+# (layers, hidden) of the LLaMA-1 sizes the paper fuses.
+LLAMA = {"13B": (40, 5120), "33B": (60, 6656), "65B": (80, 8192)}
+PAIRS = (("33B", "13B"), ("65B", "33B"))
+TARGET_SPEEDUP = 1.15
+TARGET_SEARCH_S = 60.0
+
+
+def model_times(name: str, size: str, stages: int, microbatches: int) -> ModelTimes:
+    """Stage times in ms-like units: layers/stage x hidden^2 / 1e8; activation in layers/stage x hidden / 1e4."""
+    layers, hidden = LLAMA[size]
+    per_stage = layers / stages
+    forward = per_stage * hidden**2 / 1e8
+    return ModelTimes.uniform(name, stages, microbatches, forward, 2 * forward, per_stage * hidden / 1e4)
+
+
+def run_case(pair: tuple[str, str], stages: int, ratio: float, factor: int, config: SearchConfig) -> dict[str, Any]:
+    critic_stages = int(stages * ratio)
+    microbatches = factor * stages
+    actor = model_times("actor", pair[0], stages, microbatches)
+    critic = model_times("critic", pair[1], critic_stages, microbatches)
+    started = time.perf_counter()
+    result = search_fused(actor, critic, config)
+    wall = time.perf_counter() - started
+    ev, bounds = result.evaluation, result.bounds
+    serial = result.baselines["serial-1f1b"]
+    chimera = result.baselines["serial-chimera"]
+    return {
+        "pair": f"{pair[0]}/{pair[1]}",
+        "actor_stages": stages,
+        "critic_stages": critic_stages,
+        "microbatches": microbatches,
+        "makespan": ev.makespan,
+        "lower_bound": bounds.latency,
+        "makespan_over_bound": ev.makespan / bounds.latency,
+        "reached_bound": ev.makespan <= bounds.latency * (1 + 1e-9),
+        "peak_memory": ev.max_peak_memory,
+        "memory_bound": bounds.memory,
+        "memory_over_bound": ev.max_peak_memory / bounds.memory,
+        "greedy_makespan": result.greedy.makespan,
+        "serial_1f1b": serial.makespan,
+        "serial_1f1b_peak_memory": serial.peak_memory,
+        "serial_chimera": chimera.makespan,
+        "speedup_vs_serial_1f1b": serial.makespan / ev.makespan,
+        "speedup_vs_serial_chimera": chimera.makespan / ev.makespan,
+        "bubble_ratio": ev.bubble_ratio,
+        "search_s": wall,
+        "iterations": result.iterations,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--time-limit", type=float, default=5.0, help="annealing seconds per case (default 5)")
+    parser.add_argument("--seeds", type=int, default=2, help="parallel annealing seeds (default 2)")
+    parser.add_argument("--stages", type=int, nargs="+", default=[4, 8, 16], help="actor stage counts")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    config = SearchConfig(time_limit_s=args.time_limit, seeds=args.seeds)
+    rows = []
+    header = f"{'pair':9} {'Sa':>3} {'Sc':>3} {'m':>3} {'fused':>9} {'bound':>9} {'/bound':>7} {'mem/bd':>7} {'vs 1F1B':>8} {'vs Chim':>8} {'greedy':>9} {'search':>7}"  # noqa: E501
+    print(header)
+    for pair in PAIRS:
+        for stages in args.stages:
+            for ratio in (1.0, 0.5):
+                for factor in (1, 2, 4):
+                    row = run_case(pair, stages, ratio, factor, config)
+                    rows.append(row)
+                    print(
+                        f"{row['pair']:9} {stages:>3} {row['critic_stages']:>3} {row['microbatches']:>3} "
+                        f"{row['makespan']:>9.1f} {row['lower_bound']:>9.1f} {row['makespan_over_bound']:>7.3f} "
+                        f"{row['memory_over_bound']:>7.2f} {row['speedup_vs_serial_1f1b']:>7.3f}x "
+                        f"{row['speedup_vs_serial_chimera']:>7.3f}x {row['greedy_makespan']:>9.1f} {row['search_s']:>6.1f}s",
+                        flush=True,
+                    )
+    reached = sum(r["reached_bound"] for r in rows)
+    speedups = [r["speedup_vs_serial_1f1b"] for r in rows]
+    summary = {
+        "cases": len(rows),
+        "reached_lower_bound": reached,
+        "mean_makespan_over_bound": statistics.mean(r["makespan_over_bound"] for r in rows),
+        "max_makespan_over_bound": max(r["makespan_over_bound"] for r in rows),
+        "mean_memory_over_bound": statistics.mean(r["memory_over_bound"] for r in rows),
+        "min_speedup_vs_serial_1f1b": min(speedups),
+        "geomean_speedup_vs_serial_1f1b": statistics.geometric_mean(speedups),
+        "cases_at_least_target_speedup": sum(s >= TARGET_SPEEDUP for s in speedups),
+        "geomean_speedup_vs_serial_chimera": statistics.geometric_mean(r["speedup_vs_serial_chimera"] for r in rows),
+        "max_search_s": max(r["search_s"] for r in rows),
+        "targets": {"speedup_vs_serial_1f1b": TARGET_SPEEDUP, "search_s": TARGET_SEARCH_S},
+    }
+    print(
+        f"\nlower bound reached in {reached}/{len(rows)} cases (mean makespan/bound "
+        f"{summary['mean_makespan_over_bound']:.3f}, worst {summary['max_makespan_over_bound']:.3f}); "
+        f"speedup vs serial 1F1B: geomean {summary['geomean_speedup_vs_serial_1f1b']:.3f}x, min "
+        f"{summary['min_speedup_vs_serial_1f1b']:.3f}x, >= {TARGET_SPEEDUP}x in "
+        f"{summary['cases_at_least_target_speedup']}/{len(rows)}; vs serial Chimera-style geomean "
+        f"{summary['geomean_speedup_vs_serial_chimera']:.3f}x; peak memory / bound mean "
+        f"{summary['mean_memory_over_bound']:.2f}; search at most {summary['max_search_s']:.1f} s"
+    )
+    payload = {
+        "benchmark": "schedule_fuse",
+        "config": {"time_limit_s": args.time_limit, "seeds": args.seeds, "stages": args.stages},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+        "summary": summary,
+        "cases": rows,
+    }
+    args.out.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
