@@ -78,6 +78,8 @@ def register_commands() -> None:
     plan_commands.register(app)
     dag_commands.register(app)
     __import__("nereus.cli.schedule_commands", fromlist=["register"]).register(app)
+    __import__("nereus.cli.trace_commands", fromlist=["register"]).register(app)
+    __import__("nereus.cli.simulate_commands", fromlist=["register"]).register(app)
 
 
 register_commands()

@@ -26,6 +26,7 @@ def check(
     import nereus.cost  # noqa: F401  (registers the cost model's plan checks)
     from nereus.solver.pipeline import document as _schedule  # noqa: F401  (registers the Schedule kind and checks)
     from nereus.solver.transition import document  # noqa: F401  (registers the Transition checks)
+    from nereus.spec import trace as _trace  # noqa: F401  (registers the Trace kind and checks)
     from nereus.spec.check import check_file
 
     results = [check_file(path) for path in files]
@@ -55,6 +56,7 @@ def schema(
     """Print the JSON Schema of a document kind."""
     import nereus.cost  # noqa: F401  (registers the Calibration kind)
     from nereus.solver.pipeline import document as _schedule  # noqa: F401  (registers the Schedule kind)
+    from nereus.spec import trace as _trace  # noqa: F401  (registers the Trace kind)
     from nereus.spec.io import KINDS
 
     match = {name.lower(): cls for name, cls in KINDS.items()}.get(kind.lower())

@@ -1,0 +1,230 @@
+"""Replan and price: plan search under current conditions, step times, transition and restart costs.
+
+Everything here is cached: plans by (GPUs, response lengths rounded up to a geometric
+grid, efficiency rounded down), evaluations by (plan, exact conditions), transitions by
+(plan A, plan B). A trace of a thousand steps then plans only a few dozen times.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from nereus.cost.calibration import Calibration
+from nereus.cost.plan_cost import evaluate_plan
+from nereus.errors import NereusError
+from nereus.solver.plan_search import PlanRequest
+from nereus.solver.planner import make_plan
+from nereus.solver.policy.types import PolicyConfig
+from nereus.solver.transition import build_transition, state_bytes
+from nereus.solver.transition.check import check_result
+from nereus.solver.transition.schedule import held_bytes
+from nereus.spec.check import plan_problems
+from nereus.spec.plan import Plan, Pool, StagePlan
+from nereus.spec.workload import ResponseLengths, Workload
+
+PlanKey = tuple[object, ...]
+SHORT_STAGE = {"generation": "gen", "inference": "inf", "training": "train"}
+
+
+def plan_key(plan: Plan) -> PlanKey:
+    """Identity of a plan's layout: pools and every model-stage's EMUs (not its workload)."""
+    pools = tuple((p.name, tuple(p.gpus)) for p in plan.pools)
+    stages = tuple(
+        (s.model_stage, s.pool, s.tp, s.pp, s.micro_batches, tuple(tuple(e) for e in s.emus)) for s in plan.stages
+    )
+    return (pools, stages)
+
+
+def layout_summary(plan: Plan) -> str:
+    """One short line: GPUs used and each model-stage's tp/pp/dp."""
+    gpus = sum(len(p.gpus) for p in plan.pools)
+    parts = [f"{s.role[:3]}-{SHORT_STAGE[s.stage]} {s.tp}/{s.pp}/{s.dp}" for s in plan.stages]
+    return f"{gpus} GPUs: " + ", ".join(parts)
+
+
+def max_gpu(plan: Plan) -> int:
+    """The highest GPU id the plan uses."""
+    return max(max(p.gpus) for p in plan.pools)
+
+
+@dataclass(frozen=True)
+class TransitionVerdict:
+    """Whether a transition DAG may run, and its cost (the DAG's critical path)."""
+
+    cost_s: float
+    problems: tuple[str, ...]
+    """Why it may not run: no order exists, the independent checker's findings."""
+    reads_gpus: frozenset[int] = frozenset()
+    """GPUs whose state the DAG copies or reshards from (a lost GPU here means it cannot run)."""
+
+    def passes(self, lost_gpus: frozenset[int] = frozenset()) -> bool:
+        return not self.problems and not (self.reads_gpus & lost_gpus)
+
+
+@dataclass
+class Replanner:
+    """The plan search and cost model under changing conditions, for one job (its base plan)."""
+
+    base: Plan
+    config: PolicyConfig = field(default_factory=PolicyConfig)
+    calibration: Calibration = field(default_factory=Calibration)
+    num_searches: int = 0
+    _plans: dict[tuple[object, ...], Plan | None] = field(default_factory=dict, repr=False)
+    _times: dict[tuple[object, ...], float | None] = field(default_factory=dict, repr=False)
+    _refits: dict[tuple[object, ...], Plan | None] = field(default_factory=dict, repr=False)
+    _transitions: dict[tuple[PlanKey, PlanKey], TransitionVerdict] = field(default_factory=dict, repr=False)
+
+    def workload_for(self, lengths: ResponseLengths) -> Workload:
+        return self.base.workload.model_copy(update={"response_len": lengths})
+
+    def calibration_for(self, efficiency: float) -> Calibration:
+        """The calibration with compute efficiencies scaled by the measured factor (capped at peak)."""
+        c = self.calibration
+        scaled = {name: min(1.0, getattr(c, name) * efficiency) for name in ("gemm", "attention", "decode_memory")}
+        return c.model_copy(update=scaled)
+
+    def rounded_lengths(self, lengths: ResponseLengths) -> ResponseLengths:
+        """The lengths plans are sized for: measured plus the growth margin, rounded up to the grid."""
+        ratio, margin = self.config.length_grid_ratio, 1.0 + self.config.growth_margin
+
+        def up(tokens: int) -> int:
+            grown = tokens * margin
+            return max(tokens, math.ceil(ratio ** math.ceil(math.log(grown) / math.log(ratio) - 1e-9)))
+
+        return ResponseLengths(median=up(lengths.median), p99=up(lengths.p99), max=up(lengths.max))
+
+    def rounded_efficiency(self, efficiency: float) -> float:
+        grid = self.config.efficiency_grid
+        return max(grid, math.floor(efficiency / grid + 1e-9) * grid)
+
+    def best_plan(self, gpus: int, lengths: ResponseLengths, efficiency: float) -> Plan | None:
+        """The fastest memory-feasible plan on GPUs 0..gpus-1, or None when nothing fits."""
+        rounded, eff = self.rounded_lengths(lengths), self.rounded_efficiency(efficiency)
+        key = (gpus, rounded.median, rounded.p99, rounded.max, eff)
+        if key not in self._plans:
+            workload = self.workload_for(rounded)
+            request = PlanRequest(self.base.cluster, tuple(self.base.models), workload, gpus, self.calibration_for(eff))
+            self.num_searches += 1
+            try:
+                self._plans[key] = make_plan(request).best
+            except NereusError:
+                self._plans[key] = None
+        return self._plans[key]
+
+    def step_time(self, plan: Plan, lengths: ResponseLengths, efficiency: float) -> float | None:
+        """Predicted step time of `plan` under these conditions; None when it overflows memory."""
+        key = (plan_key(plan), lengths.median, lengths.p99, lengths.max, efficiency)
+        if key not in self._times:
+            actual = plan.model_copy(update={"workload": self.workload_for(lengths)})
+            evaluation = evaluate_plan(actual, self.calibration_for(efficiency))
+            self._times[key] = evaluation.predictions.step_time_s if evaluation.feasible else None
+        return self._times[key]
+
+    def transition(self, plan_a: Plan, plan_b: Plan) -> TransitionVerdict:
+        """Build, schedule and independently check the DAG from A to B (cached)."""
+        key = (plan_key(plan_a), plan_key(plan_b))
+        if key not in self._transitions:
+            target = plan_b.model_copy(update={"workload": plan_a.workload})
+            result = build_transition(plan_a, target, self.calibration)
+            problems: tuple[str, ...]
+            if not result.feasible:
+                problems = ("no order of the primitives fits memory: " + "; ".join(result.blocking_cycle[:2]),)
+            else:
+                problems = tuple(check_result(result, plan_a, target))
+            reads = {src for p in result.primitives if p.kind != "destroy" for src, _, _ in p.transfers}
+            reads |= {g for p in result.primitives if p.kind != "destroy" for g in p.reads}
+            self._transitions[key] = TransitionVerdict(result.makespan_s, problems, frozenset(reads))
+        return self._transitions[key]
+
+    def restart_cost(self, plan: Plan) -> float:
+        """Checkpoint-and-restart into `plan`: relaunch plus writing and reading the busiest GPU's state."""
+        sizes: dict[str, float] = {
+            s.model_stage: state_bytes(plan, s.model_stage, self.calibration) for s in plan.stages
+        }
+        busiest = max(held_bytes(plan, sizes).values(), default=0.0)
+        return self.config.restart_overhead_s + 2 * busiest / self.config.checkpoint_bytes_per_s
+
+    def refit(self, plan: Plan, gpus: int, lengths: ResponseLengths, efficiency: float) -> Plan | None:
+        """Keep every tp/pp: scale dp to `gpus`, then split overflowing model-stages into more micro-batches.
+
+        What a runtime does without changing layouts: DP scaling and smaller micro-batches.
+        Sized for the rounded-up lengths, like `best_plan`. None when memory still overflows.
+        """
+        rounded, eff = self.rounded_lengths(lengths), self.rounded_efficiency(efficiency)
+        key = (plan_key(plan), gpus, rounded.median, rounded.p99, rounded.max, eff)
+        if key not in self._refits:
+            self._refits[key] = self._refit(plan, gpus, self.workload_for(rounded), self.calibration_for(eff))
+        return self._refits[key]
+
+    def _refit(self, plan: Plan, gpus: int, workload: Workload, calibration: Calibration) -> Plan | None:
+        candidate = self.dp_scaled(plan, gpus)
+        while candidate is not None:
+            evaluation = evaluate_plan(candidate.model_copy(update={"workload": workload}), calibration)
+            if evaluation.feasible:
+                return candidate
+            over = {m.split(" ", 1)[0] for m in evaluation.memory_problems}
+            stages = [_more_micro_batches(s, workload) if s.model_stage in over else s for s in candidate.stages]
+            if stages == candidate.stages:
+                return None
+            candidate = candidate.model_copy(update={"stages": stages})
+        return None
+
+    def dp_scaled(self, plan: Plan, gpus: int) -> Plan | None:
+        """The same tp/pp per model-stage with dp scaled to `gpus` GPUs; None when it cannot be built."""
+        sizes = _scaled_pool_sizes([len(p.gpus) for p in plan.pools], gpus, plan.cluster.gpus_per_node)
+        if sizes is None:
+            return None
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        pools = [
+            Pool(name=p.name, gpus=list(range(s, s + n))) for p, s, n in zip(plan.pools, starts, sizes, strict=True)
+        ]
+        where = {p.name: (s, n) for p, s, n in zip(plan.pools, starts, sizes, strict=True)}
+        stages = []
+        for entry in plan.stages:
+            start, size = where[entry.pool]
+            scaled = _scaled_stage(entry, start, size, _samples(plan.workload, entry))
+            if scaled is None:
+                return None
+            stages.append(scaled)
+        candidate = plan.model_copy(update={"pools": pools, "stages": stages, "predictions": None})
+        if any(p.severity == "error" for p in plan_problems(candidate)):
+            return None
+        return candidate
+
+
+def _samples(workload: Workload, entry: StagePlan) -> int:
+    per_step = workload.samples_per_step
+    return per_step // workload.mini_batches if entry.stage == "training" else per_step
+
+
+def _more_micro_batches(entry: StagePlan, workload: Workload) -> StagePlan:
+    """Twice the micro-batches (half the activations), up to one sample each; generation has one."""
+    if entry.stage == "generation":
+        return entry
+    share = _ceil_div(_samples(workload, entry), entry.dp)
+    return entry.model_copy(update={"micro_batches": min(share, entry.micro_batches * 2)})
+
+
+def _scaled_pool_sizes(sizes: list[int], gpus: int, per_node: int) -> list[int] | None:
+    if len(sizes) == 1:
+        return [gpus]
+    total = sum(sizes)
+    head = [max(per_node, round(n * gpus / total / per_node) * per_node) for n in sizes[:-1]]
+    last = gpus - sum(head)
+    return [*head, last] if last > 0 else None
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _scaled_stage(entry: StagePlan, start: int, size: int, samples: int) -> StagePlan | None:
+    emu_size = entry.tp * entry.pp
+    dp = min(size // emu_size, samples)
+    if dp == 0:
+        return None
+    micro_size = _ceil_div(_ceil_div(samples, entry.dp), entry.micro_batches)  # kept: samples per micro-batch
+    micro = 1 if entry.stage == "generation" else _ceil_div(_ceil_div(samples, dp), micro_size)
+    emus = [list(range(start + k * emu_size, start + (k + 1) * emu_size)) for k in range(dp)]
+    return entry.model_copy(update={"dp": dp, "emus": emus, "micro_batches": micro})
