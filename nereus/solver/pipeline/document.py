@@ -30,6 +30,10 @@ from nereus.spec.schedule import (
 )
 
 
+#: The most ops `nereus check` replays (a guard against absurd files, far above real schedules).
+MAX_CHECK_OPS = 2_000_000
+
+
 def _model_record(problem: Problem, model: ModelTimes) -> ScheduleModel:
     pipelines = [p for p in problem.pipelines if p.model == model]
     return ScheduleModel(
@@ -124,6 +128,9 @@ def problem_of(schedule: Schedule) -> Problem:
             raise NereusError(f"models[{i}]: replicas must split micro-batches 0..{record.microbatches - 1} once each")
         for r, (nodes, mbs) in enumerate(zip(record.replica_nodes, record.replica_microbatches, strict=True)):
             pipelines.append(Pipeline(model, r, tuple(nodes), tuple(mbs)))
+    num_ops = sum(len(r.forward) * r.microbatches * (3 if r.weight_grad else 2) for r in schedule.models)
+    if num_ops > MAX_CHECK_OPS:
+        raise NereusError(f"models: {num_ops} ops is more than this checker replays ({MAX_CHECK_OPS})")
     if len({m.name for m in schedule.models}) != len(schedule.models):
         raise NereusError("models: two models share a name; give each its own")
     return Problem(schedule.num_nodes, tuple(pipelines), schedule.p2p_latency, schedule.activation_cap)
