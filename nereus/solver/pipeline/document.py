@@ -29,7 +29,6 @@ from nereus.spec.schedule import (
     ScheduleSummary,
 )
 
-
 #: The most ops `nereus check` replays (a guard against absurd files, far above real schedules).
 MAX_CHECK_OPS = 2_000_000
 
