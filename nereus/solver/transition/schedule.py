@@ -332,11 +332,13 @@ def makespan_lower_bound(primitives: list[Primitive], tail: dict[int, float] | N
     return max(chain, max(busy.values(), default=0.0))
 
 
-#: DAGs up to this size also get the serial schedule generator (it is quadratic).
-SERIAL_LIMIT = 200
-#: The local search over orders runs when the best schedule is further than this above
-#: the makespan lower bound (closer than that, it is within this of the optimum already):
-#: IMPROVE_RESTARTS searches of IMPROVE_STEPS moves each.
+#: DAGs up to this size also get the serial schedule generator (it is quadratic) and,
+#: when every order deadlocks, the exhaustive order search (exponential in the worst case).
+SERIAL_LIMIT = 100
+#: The local search over orders runs on DAGs up to IMPROVE_LIMIT primitives when the best
+#: schedule is further than IMPROVE_ABOVE_BOUND above the makespan lower bound (closer than
+#: that, it is that close to the optimum already): IMPROVE_RESTARTS searches of IMPROVE_STEPS moves.
+IMPROVE_LIMIT = 60
 IMPROVE_ABOVE_BOUND = 0.05
 IMPROVE_RESTARTS = 3
 IMPROVE_STEPS = 50
@@ -391,7 +393,9 @@ def schedule_best(
         replay, _, sequence = sequential
         best = _improve(primitives, initial, capacity, _Snapshot.take(sequence, primitives, replay.peak), lower)
         return best.restore(primitives, initial, capacity), [], best.rule
-    found = OrderSearch(primitives, initial, capacity).run(GREEDY_TRIES, SEARCH_BUDGET)
+    found: list[int] | str = "too large"
+    if len(primitives) <= SERIAL_LIMIT:
+        found = OrderSearch(primitives, initial, capacity).run(GREEDY_TRIES, SEARCH_BUDGET)
     if not isinstance(found, str):  # an order fits one at a time: pack it, then improve it
         peak = schedule_in_order(primitives, initial, capacity, found)
         assert peak is not None  # placing an order that fits one at a time never deadlocks
@@ -403,6 +407,7 @@ def schedule_best(
     verdict = {
         "infeasible": "no order of these primitives fits in memory (exhaustive search)",
         "undecided": f"no order found that fits in memory (search stopped after {SEARCH_BUDGET} states)",
+        "too large": f"no order found that fits in memory (no exhaustive search above {SERIAL_LIMIT} primitives)",
     }[found]
     return replay, [*cycle, verdict], "release-first"
 
@@ -436,7 +441,7 @@ def _improve(
     primitives: list[Primitive], initial: dict[int, float], capacity: float, best: _Snapshot, lower: float
 ) -> _Snapshot:
     """Local search over orders from the best schedule's start order, when it is far from the bound."""
-    if len(primitives) > SERIAL_LIMIT or best.makespan_s <= lower * (1 + IMPROVE_ABOVE_BOUND):
+    if len(primitives) > IMPROVE_LIMIT or best.makespan_s <= lower * (1 + IMPROVE_ABOVE_BOUND):
         return best
     order = sorted(best.times, key=lambda pid: (best.times[pid][0], pid))
     for seed in range(IMPROVE_RESTARTS):
