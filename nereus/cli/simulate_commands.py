@@ -107,6 +107,8 @@ def _print_results(results: list[SimulationResult], trace_file: Path, plot: Path
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 120))  # pipes and files get the whole table
     table = Table(title=f"{trace_file} (simulator: cost-model step times)")
     for column in ("policy", "mean step s", "total h", "transitions", "restarts", "stalled", "transition share",
                    "decide ms/step"):  # fmt: skip
@@ -121,7 +123,8 @@ def _print_results(results: list[SimulationResult], trace_file: Path, plot: Path
         for d in results[0].decisions:
             if d.action != "keep":
                 console.print(f"step {d.step}: {d.action} ({d.path}) {d.reason}", highlight=False)
-                console.print(f"  -> {d.target_layout}", highlight=False)
+                if d.target_layout:
+                    console.print(f"  -> {d.target_layout}", highlight=False)
     for what, path in (("plot", plot), ("decision log", log)):
         if path is not None:
             console.print(f"wrote {what} {path}", highlight=False)

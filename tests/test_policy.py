@@ -1,0 +1,224 @@
+"""The adaptation policy: admission arithmetic, the urgent path, checked DAGs only, replay."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+
+from nereus.solver.plan_search import PlanRequest
+from nereus.solver.planner import make_plan
+from nereus.solver.policy import (
+    Decision,
+    Monitor,
+    NereusPolicy,
+    Observation,
+    PolicyConfig,
+    Replanner,
+    TransitionVerdict,
+    admits,
+    make_policy,
+    record_from_data,
+    record_to_data,
+    replay,
+)
+from nereus.solver.policy.replan import max_gpu
+from nereus.solver.simulate import simulate
+from nereus.solver.traces import DEFAULT_SHAPE, GrowthConfig, SpotConfig, combined_trace, scaled_lengths
+from nereus.solver.transition import build_transition
+from nereus.solver.transition.check import check_result
+from nereus.spec.plan import Plan
+from nereus.spec.presets import cluster_preset, model_preset, workload_preset
+from nereus.spec.workload import ResponseLengths
+
+GPUS = 16
+
+
+def lengths(tokens: int) -> ResponseLengths:
+    return scaled_lengths(DEFAULT_SHAPE, tokens)
+
+
+@pytest.fixture(scope="module")
+def plan() -> Plan:
+    workload = workload_preset("ppo").model_copy(update={"response_len": lengths(500)})
+    request = PlanRequest(cluster_preset("h100", GPUS), (model_preset("llama-3.1-8b"),), workload, GPUS)
+    return make_plan(request).best
+
+
+@pytest.fixture(scope="module")
+def replanner(plan: Plan) -> Replanner:
+    return Replanner(plan)
+
+
+@pytest.mark.parametrize(
+    ("savings", "horizon", "cost", "expected"),
+    [
+        (0.5, 20.0, 8.0, True),  # 0.5 s x 20 steps = 10 s >= 8 s
+        (0.5, 20.0, 10.0, True),  # exactly repaid
+        (0.5, 20.0, 10.5, False),  # 10 s < 10.5 s
+        (2.0, 0.5, 1.5, False),  # 1 s < 1.5 s
+        (0.0, 1e9, 0.0, False),  # no saving, never worth it
+        (-1.0, 100.0, 0.0, False),
+    ],
+)
+def test_admission_arithmetic(savings: float, horizon: float, cost: float, expected: bool) -> None:
+    assert admits(savings, horizon, cost) is expected
+
+
+def test_monitor_horizon_by_hand() -> None:
+    config = PolicyConfig(length_threshold=0.2, horizon_confidence=0.5, rate_window_steps=10, max_horizon_steps=1e6)
+    monitor = Monitor(config)
+    growth = 1.01  # 1% per step
+    for step in range(10):
+        monitor.observe(Observation(step, GPUS, lengths(round(1000 * growth**step))))
+    slope = monitor.signals["seq_len"].log_slope()
+    assert slope == pytest.approx(math.log(growth), rel=0.05)  # integer tokens round the path a little
+    expected = 0.5 * math.log(1.2) / slope  # confidence x steps until the next 20% crossing
+    assert monitor.horizon(Observation(9, GPUS, lengths(1094))) == pytest.approx(expected)
+    capped = Observation(9, GPUS, lengths(1094), steps_remaining=3)
+    assert monitor.horizon(capped) == 3.0
+
+
+def test_monitor_triggers_on_threshold_and_pool() -> None:
+    monitor = Monitor(PolicyConfig(length_threshold=0.2))
+    assert monitor.observe(Observation(0, 16, lengths(1000))) == []
+    assert monitor.observe(Observation(1, 16, lengths(1150))) == []
+    fired = monitor.observe(Observation(2, 12, lengths(1250)))
+    assert any(t.startswith("seq_len +2") for t in fired) and "gpus 16->12" in fired
+
+
+def test_opportunistic_decision_records_its_inputs(plan: Plan, replanner: Replanner) -> None:
+    policy = NereusPolicy(plan, replanner)
+    decisions = [policy.decide(Observation(s, GPUS, lengths(500), steps_remaining=100 - s)) for s in range(3)]
+    assert [d.action for d in decisions] == ["keep"] * 3 and decisions[0].path == "none"
+    grown = policy.decide(Observation(3, 32 // 2, lengths(700), steps_remaining=97))  # +40%: trigger
+    assert grown.triggers and grown.path in ("opportunistic", "urgent")
+    if grown.path == "opportunistic" and grown.savings_per_step_s is not None:
+        assert grown.current_step_time_s is not None and grown.target_step_time_s is not None
+        assert grown.savings_per_step_s == pytest.approx(grown.current_step_time_s - grown.target_step_time_s)
+        admitted = grown.action != "keep"
+        assert admitted == admits(grown.savings_per_step_s, grown.payback_horizon_steps, grown.transition_cost_s)
+
+
+def test_payback_rejects_when_transition_costs_too_much(plan: Plan, replanner: Replanner) -> None:
+    """The same opportunity, priced with a huge transition, is kept out by the payback rule only."""
+    pool_grown = Observation(1, GPUS, lengths(500), steps_remaining=50)
+
+    class Expensive(Replanner):
+        def transition(self, plan_a: Plan, plan_b: Plan) -> TransitionVerdict:
+            return replace(super().transition(plan_a, plan_b), cost_s=1e6)
+
+    small = Replanner(plan).best_plan(GPUS // 2, lengths(500), 1.0)  # half the GPUs: the full pool is faster
+    assert small is not None
+    for cls, expected in ((Replanner, "transition"), (Expensive, "keep")):
+        policy = NereusPolicy(small, cls(plan))
+        policy.decide(replace(pool_grown, step=0, gpus=GPUS // 2))
+        decision = policy.decide(pool_grown)
+        assert "gpus 8->16" in decision.triggers
+        if expected == "keep":
+            assert decision.action == "keep" and decision.reason.startswith("payback")
+            assert decision.savings_per_step_s * decision.payback_horizon_steps < decision.transition_cost_s
+        else:
+            assert decision.action in ("transition", "restart")
+
+
+def test_failing_dag_is_never_admitted(plan: Plan) -> None:
+    class Failing(Replanner):
+        def transition(self, plan_a: Plan, plan_b: Plan) -> TransitionVerdict:
+            return TransitionVerdict(0.01, ("checker: broken on purpose",))
+
+    trace = combined_trace(200, GPUS, GrowthConfig(every_steps=5), SpotConfig(num_changes=11), seed=2)
+    for name in ("nereus", "fixed", "dynarl", "periodic:3"):
+        result = simulate(trace, make_policy(name, plan, Failing(plan)))
+        assert all(d.action != "transition" for d in result.decisions)
+        assert any(d.action == "restart" for d in result.decisions)  # forced moves fall back to restarts
+
+
+def _check_urgent(decision: Decision, observation: Observation, policy: NereusPolicy, replanner: Replanner) -> None:
+    if decision.path != "urgent":
+        return
+    assert decision.action in ("transition", "restart", "suspend"), decision
+    if decision.action == "suspend":
+        assert policy.plan is None
+        usable = min(observation.gpus, observation.announced_gpus or observation.gpus)
+        assert replanner.best_plan(usable, observation.response_len, observation.efficiency) is None
+        return
+    assert policy.plan is not None and max_gpu(policy.plan) < observation.gpus
+    assert replanner.step_time(policy.plan, observation.response_len, observation.efficiency) is not None
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_urgent_path_yields_a_feasible_plan_or_an_explicit_restart(plan: Plan, replanner: Replanner, seed: int) -> None:
+    from nereus.solver.simulate import observation_of
+    from nereus.spec.trace import trace_conditions
+
+    trace = combined_trace(300, GPUS, GrowthConfig(every_steps=5), SpotConfig(num_changes=14), seed=seed)
+    for name in ("nereus", "fixed", "dynarl"):
+        policy = make_policy(name, plan, replanner)
+        urgent = 0
+        for conditions in trace_conditions(trace):
+            observation = observation_of(conditions, trace.num_steps)
+            decision = policy.decide(observation)
+            urgent += decision.path == "urgent"
+            _check_urgent(decision, observation, policy, replanner)  # type: ignore[arg-type]
+        assert urgent > 0
+
+
+def test_admitted_transitions_pass_the_checker(plan: Plan, replanner: Replanner) -> None:
+    from nereus.solver.simulate import observation_of
+    from nereus.spec.trace import trace_conditions
+
+    trace = combined_trace(300, GPUS, GrowthConfig(every_steps=5), SpotConfig(num_changes=14), seed=5)
+    checked = 0
+    for name in ("nereus", "dynarl"):
+        policy = make_policy(name, plan, replanner)
+        for conditions in trace_conditions(trace):
+            current = policy.plan
+            decision = policy.decide(observation_of(conditions, trace.num_steps))
+            if decision.action != "transition":
+                continue
+            assert current is not None and policy.plan is not None
+            target = policy.plan.model_copy(update={"workload": current.workload})
+            result = build_transition(current, target)
+            assert result.feasible and not check_result(result, current, target)
+            lost = set(range(conditions.gpus, max_gpu(current) + 1))
+            assert not any(set(p.reads) & lost for p in result.primitives if p.kind != "destroy")
+            checked += 1
+    assert checked > 0
+
+
+def test_replay_reproduces_the_log(plan: Plan, replanner: Replanner) -> None:
+    trace = combined_trace(150, GPUS, GrowthConfig(every_steps=5), SpotConfig(num_changes=11), seed=4)
+    for name in ("nereus", "periodic:3"):
+        result = simulate(trace, make_policy(name, plan, replanner))
+        data = json.loads(json.dumps([record_to_data(r) for r in result.log]))
+        records = [record_from_data(item) for item in data]
+        assert records == result.log
+        assert replay(records, lambda n=name: make_policy(n, plan, replanner)) == []
+        changed = next(i for i, r in enumerate(records) if r.decision.action != "keep")
+        tampered = list(records)
+        tampered[changed] = replace(records[changed], decision=replace(records[changed].decision, action="keep"))
+        assert replay(tampered, lambda n=name: make_policy(n, plan, replanner)) == [
+            f"step {records[changed].observation.step}: action differ"
+        ]
+
+
+def test_make_policy_names(plan: Plan) -> None:
+    assert make_policy("periodic:3", plan).name == "periodic:3"
+    for bad in ("periodic", "periodic:0", "periodic:x", "greedy"):
+        with pytest.raises(ValueError, match="unknown policy"):
+            make_policy(bad, plan)
+
+
+def test_refit_keeps_layouts_and_scales_dp(plan: Plan, replanner: Replanner) -> None:
+    small = replanner.best_plan(GPUS // 2, lengths(500), 1.0)
+    assert small is not None
+    scaled = replanner.refit(small, GPUS, lengths(500), 1.0)
+    assert scaled is not None and max_gpu(scaled) == GPUS - 1
+    for before, after in zip(small.stages, scaled.stages, strict=True):
+        assert (before.tp, before.pp) == (after.tp, after.pp) and after.dp >= before.dp
+    assert any(after.dp > before.dp for before, after in zip(small.stages, scaled.stages, strict=True))
+    assert replanner.step_time(scaled, lengths(500), 1.0) is not None
+    assert replanner.refit(plan, GPUS // 2, lengths(500), 1.0) is None  # critic training needs all 16 GPUs
