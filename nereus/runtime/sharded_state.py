@@ -1,0 +1,198 @@
+"""Shard metadata of a model's state on a RankLayout, and helpers to cut and gather it.
+
+A rank's state is a flat dict keyed by `state_key(family, name)`; every tensor has the
+shape of its box. `StateMeta` says, for one (model, head, layout, families), every key's
+global shape and dtype and the box each rank holds. The resharder and the checkpointer
+work on these boxes only; `cut` and `gather` turn a logical (unsharded) state into
+per-rank dicts and back, for tests, benchmarks and single-process tools.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from nereus.runtime.shard_layout import (
+    STATE_FAMILIES,
+    Box,
+    RankLayout,
+    box_numel,
+    box_shape,
+    param_infos,
+    position_boxes,
+    state_key,
+)
+from nereus.spec.model import Head, Model
+
+if TYPE_CHECKING:
+    import torch
+
+#: The dtype of every state tensor unless a caller says otherwise (AdamW keeps fp32 state).
+DEFAULT_DTYPE = "float32"
+
+#: Bytes per element of the dtypes state tensors may have.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One logical state tensor: a family of one parameter."""
+
+    key: str
+    """`family/name`, the key in every rank's state dict."""
+    family: str
+    name: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    """torch dtype name without the `torch.` prefix, e.g. `float32`."""
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True)
+class StateMeta:
+    """Shard metadata of one model's state laid out as `layout`."""
+
+    model: Model
+    head: Head
+    layout: RankLayout
+    families: tuple[str, ...]
+    tensors: dict[str, TensorMeta]
+    """Every logical tensor, by key, in forward order, families interleaved per parameter."""
+    boxes: dict[int, dict[str, Box]] = field(repr=False)
+    """For every rank of the layout, the box of each key it holds."""
+
+    def rank_boxes(self, rank: int) -> dict[str, Box]:
+        """The boxes `rank` holds; empty for a rank outside the layout."""
+        return self.boxes.get(rank, {})
+
+    def holders(self, key: str) -> dict[int, Box]:
+        """Every rank that holds `key`, with its box (replicas repeat the same box)."""
+        return {rank: boxes[key] for rank, boxes in self.boxes.items() if key in boxes}
+
+    def rank_bytes(self, rank: int) -> int:
+        """Bytes of state `rank` holds."""
+        return sum(box_numel(box) * self.tensors[key].itemsize for key, box in self.rank_boxes(rank).items())
+
+
+def state_meta(
+    model: Model,
+    head: Head,
+    layout: RankLayout,
+    families: Iterable[str] = STATE_FAMILIES,
+    dtypes: dict[str, str] | None = None,
+) -> StateMeta:
+    """The shard metadata of `model` with `head` laid out as `layout`.
+
+    `dtypes` maps a family to its dtype name; families it leaves out are DEFAULT_DTYPE.
+    Raises ValueError when the layout cannot shard the model or a family is unknown.
+    """
+    families = tuple(families)
+    unknown = [family for family in (*families, *(dtypes or {})) if family not in STATE_FAMILIES]
+    if unknown:
+        raise ValueError(f"unknown state families {unknown}; choose from {', '.join(STATE_FAMILIES)}")
+    for family, dtype in (dtypes or {}).items():
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"family {family}: dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+    tensors = {}
+    for info in param_infos(model, head):
+        for family in families:
+            key = state_key(family, info.name)
+            dtype = (dtypes or {}).get(family, DEFAULT_DTYPE)
+            tensors[key] = TensorMeta(key, family, info.name, info.global_shape, dtype)
+    positions = position_boxes(model, head, layout.tp, layout.pp)
+    boxes: dict[int, dict[str, Box]] = {}
+    for index, rank in enumerate(layout.ranks):
+        by_name = positions[index % (layout.tp * layout.pp)]
+        boxes[rank] = {state_key(family, name): box for name, box in by_name.items() for family in families}
+    return StateMeta(model, head, layout, families, tensors, boxes)
+
+
+def box_slices(box: Box, within: Box | None = None) -> tuple[slice, ...]:
+    """Index of `box` inside a tensor that holds `within` (the global tensor when None)."""
+    if within is None:
+        return tuple(slice(start, start + length) for start, length in box)
+    return tuple(
+        slice(start - outer, start - outer + length) for (start, length), (outer, _) in zip(box, within, strict=True)
+    )
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype), name
+    return dtype
+
+
+def random_tensor(meta: TensorMeta, seed: int) -> torch.Tensor:
+    """A reproducible random global tensor for `meta`: the same on every rank for one seed."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed ^ zlib.crc32(meta.key.encode()))
+    tensor = torch.randn(meta.global_shape, generator=generator, dtype=torch.float32)
+    return tensor.to(torch_dtype(meta.dtype))
+
+
+def random_logical_state(meta: StateMeta, seed: int) -> dict[str, torch.Tensor]:
+    """A random unsharded state: one global tensor per key (tests and benchmarks)."""
+    return {key: random_tensor(tensor, seed) for key, tensor in meta.tensors.items()}
+
+
+def random_rank_state(meta: StateMeta, rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """`rank`'s shards of `random_logical_state(meta, seed)`, built one key at a time."""
+    return {
+        key: random_tensor(meta.tensors[key], seed)[box_slices(box)].clone()
+        for key, box in meta.rank_boxes(rank).items()
+    }
+
+
+def cut(meta: StateMeta, logical: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    """`rank`'s state dict: a contiguous copy of its box of every logical tensor it holds."""
+    return {key: logical[key][box_slices(box)].clone() for key, box in meta.rank_boxes(rank).items()}
+
+
+def gather(meta: StateMeta, states: dict[int, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The logical state assembled from every rank's dict, checking the dicts against `meta`.
+
+    Raises ValueError when a rank misses a key, holds a tensor of the wrong shape or dtype,
+    replicas of a box disagree bitwise, or part of a tensor is held by no rank.
+    """
+    import torch
+
+    for rank, boxes in meta.boxes.items():
+        extra = sorted(set(states.get(rank, {})) - set(boxes))
+        if extra:
+            raise ValueError(f"rank {rank} holds keys outside its layout: {extra[:3]}")
+    logical: dict[str, torch.Tensor] = {}
+    for key, tensor_meta in meta.tensors.items():
+        logical[key] = torch.empty(tensor_meta.global_shape, dtype=torch_dtype(tensor_meta.dtype))
+        first_holder: dict[Box, int] = {}
+        for rank, box in meta.holders(key).items():
+            shard = states.get(rank, {}).get(key)
+            check_shard(rank, key, shard, box, tensor_meta)
+            assert shard is not None
+            if box in first_holder:
+                if not torch.equal(states[first_holder[box]][key], shard):
+                    raise ValueError(f"rank {rank}: {key} differs from rank {first_holder[box]}, a replica of its box")
+                continue
+            first_holder[box] = rank
+            logical[key][box_slices(box)] = shard
+        # The distinct boxes of one layout are disjoint, so they cover the tensor iff their sizes add up.
+        if sum(box_numel(box) for box in first_holder) != box_numel(tuple((0, n) for n in tensor_meta.global_shape)):
+            raise ValueError(f"{key}: no rank holds part of the tensor")
+    return logical
+
+
+def check_shard(rank: int, key: str, tensor: torch.Tensor | None, box: Box, meta: TensorMeta) -> None:
+    """Raise ValueError unless `tensor` is `rank`'s shard of `key`: present, box-shaped, of the right dtype."""
+    if tensor is None:
+        raise ValueError(f"rank {rank} is missing {key}")
+    if tuple(tensor.shape) != box_shape(box):
+        raise ValueError(f"rank {rank}: {key} has shape {tuple(tensor.shape)}, its box needs {box_shape(box)}")
+    if tensor.dtype != torch_dtype(meta.dtype):
+        raise ValueError(f"rank {rank}: {key} is {tensor.dtype}, expected {meta.dtype}")
