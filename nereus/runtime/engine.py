@@ -1,0 +1,461 @@
+"""The training engine of one model on one RankLayout: TP x PP x DP on torch.distributed.
+
+Every rank of the world calls `Engine.create` (process groups are created collectively);
+ranks outside the layout get None. A rank at (replica d, stage s, tensor rank r) holds
+exactly the parameters `shard_layout.holds` assigns to stage s, each the box
+`local_box(..., r)` of the whole tensor, so `local_state()` / `load_local_state()` speak
+the sharding contract the resharder and the checkpointer use.
+
+A training step: the global batch is split evenly over the replicas and each replica's
+rows into micro-batches; the pipeline executor runs them (1F1B or a given schedule); the
+loss is normalised by the global batch's loss weight so that summing gradients over
+micro-batches and replicas gives the single-process gradient; tied embeddings sum their
+gradient between the first and last stage; then AdamW updates every shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from nereus.runtime import dist as launch
+from nereus.runtime.model import (
+    Batch,
+    DecoderStage,
+    box_slice,
+    init_logical_param,
+    positions_from_mask,
+    shard_params,
+)
+from nereus.runtime.optim import AdamW, AdamWConfig
+from nereus.runtime.pipeline import (
+    PipelineExecutor,
+    StageLink,
+    check_op_lists,
+    forward_only,
+    one_f_one_b,
+    parse_op_lists,
+)
+from nereus.runtime.shard_layout import (
+    STATE_FAMILIES,
+    RankLayout,
+    box_shape,
+    holds,
+    layout_problem,
+    local_box,
+    param_infos,
+    state_key,
+)
+from nereus.runtime.tensor_parallel import TensorParallel, gather_last_dim
+from nereus.spec.model import Head, Model
+
+
+class HeadOps(Protocol):
+    """What an objective may ask of the model's last stage."""
+
+    def token_log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+
+
+class Objective(Protocol):
+    """A per-token training loss; the step loss is sum(weights * token_losses) / sum(weights)."""
+
+    def weights(self, batch: Batch) -> torch.Tensor:
+        """[batch, seq] non-negative weight of every token's loss."""
+        ...
+
+    def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
+        """[batch, seq] loss of every token from the last stage's output (local logit columns or values)."""
+        ...
+
+
+def _loss_mask(batch: Batch) -> torch.Tensor:
+    mask = batch.fields["loss_mask"] if "loss_mask" in batch.fields else batch.mask()
+    return mask.to(torch.float32)
+
+
+def next_token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, head: HeadOps) -> torch.Tensor:
+    """[b, t - 1]: log p(tokens[:, i + 1]) under the logits at position i."""
+    return head.token_log_probs(logits[:, :-1], tokens[:, 1:])
+
+
+@dataclass(frozen=True)
+class NextTokenLoss:
+    """Language-model cross-entropy on the tokens the `loss_mask` field marks (default: every
+    real token after the first)."""
+
+    def weights(self, batch: Batch) -> torch.Tensor:
+        weights = _loss_mask(batch).clone()
+        weights[:, 0] = 0.0  # the first token has no prediction
+        return weights
+
+    def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
+        losses = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=output.device)
+        losses[:, 1:] = -next_token_log_probs(output, batch.tokens, head)
+        return losses
+
+
+@dataclass(frozen=True)
+class ValueLoss:
+    """Squared error of the value head against the `value_targets` field, on `loss_mask` tokens."""
+
+    def weights(self, batch: Batch) -> torch.Tensor:
+        return _loss_mask(batch)
+
+    def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
+        return (output.float() - batch.field("value_targets").float()).pow(2)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine initialises and updates its parameters."""
+
+    optimizer: AdamWConfig = field(default_factory=AdamWConfig)
+    """AdamW hyperparameters."""
+    init_seed: int = 0
+    """Seed of the initial weights (each parameter's value depends only on it and the name)."""
+
+
+_GROUP_CACHE: dict[tuple[int, ...], Any] = {}
+_GROUP_WORLD: list[Any] = [None]
+
+
+def _group(ranks: Sequence[int]) -> Any:
+    """The process group of `ranks` (None for one rank); every world rank must call this
+    for the same rank sets in the same order. Groups are reused across layouts."""
+    if len(ranks) == 1:
+        return None
+    if _GROUP_WORLD[0] is not dist.group.WORLD:
+        _GROUP_CACHE.clear()
+        _GROUP_WORLD[0] = dist.group.WORLD
+    key = tuple(sorted(ranks))
+    if key not in _GROUP_CACHE:
+        _GROUP_CACHE[key] = dist.new_group(list(key))
+    return _GROUP_CACHE[key]
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's coordinates in a RankLayout and its process groups."""
+
+    layout: RankLayout
+    replica: int
+    stage: int
+    tp: TensorParallel
+    link: StageLink
+    dp_group: Any
+    """The ranks holding the same shards in the other replicas (None when dp is 1)."""
+    embed_group: Any
+    """First and last stage of this replica and tensor rank, tied embeddings with pp > 1 only."""
+
+
+def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups | None:
+    """Create the layout's groups (collective: every world rank calls it, in the same order)."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    rank = dist.get_rank()
+    coords = layout.coords(rank)
+    mine: dict[str, Any] = {}
+
+    def make(kind: str, ranks: list[int]) -> None:
+        group = _group(ranks)
+        if rank in ranks:
+            mine[kind] = group
+
+    for d in range(dp):
+        for s in range(pp):
+            tp_ranks = [layout.rank_at(d, s, r) for r in range(tp)]
+            make("tp", tp_ranks)
+            if tp > model.num_kv_heads:
+                copies = tp // model.num_kv_heads
+                for kv_head in range(model.num_kv_heads):
+                    make("kv", tp_ranks[kv_head * copies : (kv_head + 1) * copies])
+    for d in range(dp):
+        for r in range(tp):
+            stage_ranks = [layout.rank_at(d, s, r) for s in range(pp)]
+            make("pp", stage_ranks)
+            if head == "lm" and model.tied_embeddings and pp > 1:
+                make("embed", [stage_ranks[0], stage_ranks[-1]])
+    for s in range(pp):
+        for r in range(tp):
+            make("dp", [layout.rank_at(d, s, r) for d in range(dp)])
+    if coords is None:
+        return None
+    replica, stage, tp_rank = coords
+    link = StageLink(
+        stage,
+        pp,
+        layout.rank_at(replica, stage - 1, tp_rank) if stage > 0 else None,
+        layout.rank_at(replica, stage + 1, tp_rank) if stage < pp - 1 else None,
+        mine.get("pp"),
+    )
+    tensor = TensorParallel(tp, tp_rank, mine.get("tp"), mine.get("kv"))
+    return ParallelGroups(layout, replica, stage, tensor, link, mine.get("dp"), mine.get("embed"))
+
+
+def even_split(num_rows: int, parts: int) -> list[tuple[int, int]]:
+    """(start, stop) of `parts` contiguous runs covering `num_rows`, sizes differing by at most one."""
+    base, extra = divmod(num_rows, parts)
+    bounds, start = [], 0
+    for part in range(parts):
+        stop = start + base + (part < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class Engine:
+    """One rank's shard of a model in a RankLayout: forward, backward, AdamW, state."""
+
+    def __init__(self, model: Model, head: Head, groups: ParallelGroups, config: EngineConfig):
+        self.model = model
+        self.head = head
+        self.groups = groups
+        self.config = config
+        self.device = launch.device()
+        layout = groups.layout
+        self.stage = DecoderStage(model, head, groups.tp, layout.pp, groups.stage).to(self.device)
+        self.params: dict[str, torch.nn.Parameter] = dict(self.stage.named_parameters())
+        self._check_contract()
+        with torch.no_grad():
+            for info in param_infos(model, head):
+                if info.name in self.params:
+                    box = local_box(info, model, layout.tp, groups.tp.rank)
+                    self.params[info.name].copy_(box_slice(init_logical_param(info, config.init_seed), box))
+        self.optimizer = AdamW(self.params, config.optimizer)
+        self.executor = PipelineExecutor(groups.link, torch.float32, self.device)
+
+    @classmethod
+    def create(cls, model: Model, head: Head, layout: RankLayout, config: EngineConfig | None = None) -> Engine | None:
+        """Collective over the world: this rank's engine, or None when it is outside `layout`."""
+        problem = layout_problem(model, layout.tp, layout.pp)
+        if problem:
+            raise ValueError(f"layout tp={layout.tp} pp={layout.pp}: {problem}")
+        groups = build_groups(model, head, layout)
+        return None if groups is None else cls(model, head, groups, config or EngineConfig())
+
+    def _check_contract(self) -> None:
+        layout, g = self.groups.layout, self.groups
+        expected = {
+            info.name: box_shape(local_box(info, self.model, layout.tp, g.tp.rank))
+            for info in param_infos(self.model, self.head)
+            if holds(info, self.model, layout.pp, g.stage)
+        }
+        actual = {name: tuple(p.shape) for name, p in self.params.items()}
+        assert actual == expected, (actual, expected)
+
+    # ---- state (the sharding contract) ----
+
+    @property
+    def optimizer_step(self) -> int:
+        """AdamW steps taken so far."""
+        return self.optimizer.step_count
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """Every family present, keyed `family/name`; the tensors are the live ones (no copy)."""
+        state: dict[str, torch.Tensor] = {}
+        for name, param in self.params.items():
+            state[state_key("param", name)] = param.detach()
+            if param.grad is not None:
+                state[state_key("grad", name)] = param.grad
+            if name in self.optimizer.exp_avg:
+                state[state_key("exp_avg", name)] = self.optimizer.exp_avg[name]
+                state[state_key("exp_avg_sq", name)] = self.optimizer.exp_avg_sq[name]
+        return state
+
+    def load_local_state(self, state: Mapping[str, torch.Tensor], step: int) -> None:
+        """Install a `local_state()`-shaped dict in place; parameters are required, the other
+        families optional (moments for every parameter or for none)."""
+        by_family: dict[str, dict[str, torch.Tensor]] = {family: {} for family in STATE_FAMILIES}
+        for key, tensor in state.items():
+            family, _, name = key.partition("/")
+            if family not in by_family or name not in self.params:
+                raise ValueError(f"state key {key!r} is not a {'/'.join(STATE_FAMILIES)} tensor of this rank's shard")
+            if tuple(tensor.shape) != tuple(self.params[name].shape):
+                raise ValueError(
+                    f"state {key!r} has shape {tuple(tensor.shape)}, this shard holds {tuple(self.params[name].shape)}"
+                )
+            by_family[family][name] = tensor
+        missing = sorted(set(self.params) - set(by_family["param"]))
+        if missing:
+            raise ValueError(f"state lacks parameters {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+        for family in ("exp_avg", "exp_avg_sq"):
+            if by_family[family] and set(by_family[family]) != set(self.params):
+                raise ValueError(f"state has {family} for some parameters but not all")
+        if step < 0:
+            raise ValueError(f"optimizer step must be >= 0, got {step}")
+        with torch.no_grad():
+            for name, param in self.params.items():
+                param.copy_(by_family["param"][name])
+                grad = by_family["grad"].get(name)
+                param.grad = None if grad is None else grad.detach().to(param.dtype).clone()
+        self.optimizer.exp_avg = {n: t.detach().float().clone() for n, t in by_family["exp_avg"].items()}
+        self.optimizer.exp_avg_sq = {n: t.detach().float().clone() for n, t in by_family["exp_avg_sq"].items()}
+        self.optimizer.step_count = step
+
+    def load_logical_params(self, logical: Mapping[str, torch.Tensor]) -> None:
+        """Set this shard's parameters from whole (unsharded) tensors by name; keeps the optimizer state."""
+        g = self.groups
+        shard = shard_params(logical, self.model, self.head, g.layout.tp, g.layout.pp, g.stage, g.tp.rank)
+        with torch.no_grad():
+            for name, param in self.params.items():
+                param.copy_(shard[name])
+
+    # ---- training ----
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def replica_rows(self, batch: Batch) -> Batch:
+        """This replica's share of a global batch: a contiguous run of rows, shares differing by
+        at most one row (the loss is normalised globally, so uneven shares stay exact)."""
+        dp = self.groups.layout.dp
+        if batch.num_rows < dp:
+            raise ValueError(f"batch of {batch.num_rows} rows cannot give each of dp={dp} replicas a row")
+        start, stop = even_split(batch.num_rows, dp)[self.groups.replica]
+        return batch.rows(start, stop)
+
+    def forward_backward(
+        self,
+        batch: Batch,
+        objective: Objective,
+        num_microbatches: int = 1,
+        schedule: Sequence[Sequence[Any]] | None = None,
+    ) -> float:
+        """Accumulate the gradient of the global batch's loss; return that loss on every rank.
+
+        `schedule`: per pipeline stage, the ordered ops ({kind: F|B, microbatch}); 1F1B if None.
+        """
+        normalizer = float(objective.weights(batch).sum())
+        if normalizer <= 0:
+            raise ValueError("the batch has no token with a positive loss weight")
+        rows = self.replica_rows(batch)
+        bounds = self._microbatches(rows, num_microbatches)
+        pp = self.groups.layout.pp
+        op_lists = one_f_one_b(pp, num_microbatches) if schedule is None else parse_op_lists(schedule)
+        if len(op_lists) != pp:
+            raise ValueError(f"schedule has {len(op_lists)} stage op lists, the layout has pp={pp}")
+        check_op_lists(op_lists, num_microbatches, backward=True)
+
+        def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
+            part = rows.rows(*bounds[mb])
+            output = self._stage_forward(part, stage_input)
+            if not self.stage.is_last:
+                return output
+            weights = objective.weights(part).to(self.device)
+            return (objective.token_losses(output, part, self.stage) * weights).sum() / normalizer
+
+        outputs = self.executor.run(op_lists[self.groups.stage], step, self._hidden_shape(batch, bounds), train=True)
+        self._sync_grads()
+        loss = torch.zeros((), device=self.device)
+        if self.stage.is_last:
+            loss = torch.stack(list(outputs.values())).sum()
+            if self.groups.dp_group is not None:
+                dist.all_reduce(loss, group=self.groups.dp_group)
+        return float(self._from_last_stage(loss))
+
+    def update(self) -> None:
+        """One AdamW step on every shard (after forward_backward)."""
+        self.optimizer.step()
+
+    def train_step(
+        self,
+        batch: Batch,
+        objective: Objective,
+        num_microbatches: int = 1,
+        schedule: Sequence[Sequence[Any]] | None = None,
+    ) -> float:
+        """zero_grad, forward_backward, update; returns the loss before the update."""
+        self.zero_grad()
+        loss = self.forward_backward(batch, objective, num_microbatches, schedule)
+        self.update()
+        return loss
+
+    def _microbatches(self, rows: Batch, num_microbatches: int) -> list[tuple[int, int]]:
+        if not 1 <= num_microbatches <= rows.num_rows:
+            raise ValueError(f"{rows.num_rows} rows per replica cannot make {num_microbatches} non-empty micro-batches")
+        return even_split(rows.num_rows, num_microbatches)
+
+    def _hidden_shape(self, batch: Batch, bounds: list[tuple[int, int]]) -> Callable[[int], tuple[int, ...]]:
+        seq = int(batch.tokens.shape[1])
+        return lambda mb: (bounds[mb][1] - bounds[mb][0], seq, self.model.hidden_dim)
+
+    def _stage_forward(self, part: Batch, stage_input: torch.Tensor | None) -> torch.Tensor:
+        mask = part.mask().to(self.device)
+        inputs = part.tokens.to(self.device) if stage_input is None else stage_input
+        return self.stage(inputs, mask, positions_from_mask(mask))
+
+    def _sync_grads(self) -> None:
+        grads = [p.grad for p in self.params.values()]
+        assert all(g is not None for g in grads), "every shard parameter takes part in the loss"
+        if self.groups.embed_group is not None:
+            dist.all_reduce(self.params["embed.weight"].grad, group=self.groups.embed_group)
+        if self.groups.dp_group is not None:
+            flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
+            dist.all_reduce(flat, group=self.groups.dp_group)
+            offset = 0
+            for g in grads:
+                assert g is not None
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The last stage's `tensor` on every stage of this replica (same shape everywhere)."""
+        link = self.groups.link
+        if link.num_stages == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        last = self.groups.layout.rank_at(self.groups.replica, link.num_stages - 1, self.groups.tp.rank)
+        dist.broadcast(tensor, src=last, group=link.group)
+        return tensor
+
+    # ---- inference ----
+
+    def _forward_outputs(
+        self, batch: Batch, num_microbatches: int, reduce: Any, out_shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """Run this replica's forward over `batch`; `reduce(output, part)` turns each last-stage
+        output into the rows of the result, which every rank of the replica receives."""
+        bounds = self._microbatches(batch, num_microbatches)
+        ops = forward_only(self.groups.layout.pp, num_microbatches)[self.groups.stage]
+
+        def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
+            part = batch.rows(*bounds[mb])
+            output = self._stage_forward(part, stage_input)
+            return reduce(output, part) if self.stage.is_last else output
+
+        with torch.no_grad():
+            outputs = self.executor.run(ops, step, self._hidden_shape(batch, bounds), train=False)
+        result = torch.zeros(out_shape, device=self.device)
+        if self.stage.is_last:
+            result = torch.cat([outputs[mb] for mb in range(num_microbatches)])
+        return self._from_last_stage(result)
+
+    def logits(self, batch: Batch, num_microbatches: int = 1) -> torch.Tensor:
+        """Full-vocabulary logits [b, t, vocab] of this replica's `batch`, on every rank of it."""
+        self._require_head("lm")
+        shape = (*batch.tokens.shape, self.model.vocab_size)
+        return self._forward_outputs(
+            batch, num_microbatches, lambda out, _: gather_last_dim(out, self.groups.tp), shape
+        )
+
+    def log_probs(self, batch: Batch, num_microbatches: int = 1) -> torch.Tensor:
+        """[b, t - 1]: log p(tokens[:, i + 1] | tokens[:, : i + 1]) (actor and reference inference)."""
+        self._require_head("lm")
+        rows, seq = batch.tokens.shape
+
+        def reduce(out: torch.Tensor, part: Batch) -> torch.Tensor:
+            return next_token_log_probs(out, part.tokens.to(self.device), self.stage)
+
+        return self._forward_outputs(batch, num_microbatches, reduce, (rows, seq - 1))
+
+    def values(self, batch: Batch, num_microbatches: int = 1) -> torch.Tensor:
+        """[b, t] value-head outputs (critic and reward inference)."""
+        self._require_head("value")
+        return self._forward_outputs(batch, num_microbatches, lambda out, _: out.float(), tuple(batch.tokens.shape))
+
+    def _require_head(self, head: Head) -> None:
+        if self.head != head:
+            raise ValueError(f"this engine has a {self.head} head; the call needs a {head} head")

@@ -1,0 +1,379 @@
+"""Llama-style decoders (RMSNorm, RoPE, SwiGLU, GQA) with an LM head or a scalar value head.
+
+`DecoderStage` is what one rank runs: the layers of its pipeline stage, with its tensor
+rank's slices of every weight (the boxes `shard_layout.local_box` names), so its
+`named_parameters()` are exactly the contract's names and shapes. `ReferenceModel` is
+the whole model in one process, written plainly (full weights, `F.cross_entropy`): the
+tests hold the sharded engine to it.
+
+Positions come from an attention mask (True for real tokens), so left-padded prompts and
+padded batches get the RoPE positions and the attention of the unpadded sequences.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from nereus.runtime.shard_layout import ParamInfo, box_shape, holds, local_box, param_infos, stage_layers
+from nereus.runtime.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+    copy_to_group,
+    vocab_parallel_cross_entropy,
+)
+from nereus.spec.model import Head, Model
+
+#: RMSNorm epsilon (Llama 3's value; the Model spec does not carry one).
+RMS_NORM_EPS = 1e-5
+#: RoPE base frequency (the original Llama value; the Model spec does not carry one).
+ROPE_THETA = 10000.0
+#: Standard deviation of the normal initialisation of weight matrices.
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Rows of token sequences plus the per-token tensors an objective needs."""
+
+    tokens: torch.Tensor
+    """[batch, seq] token ids."""
+    attention_mask: torch.Tensor | None = None
+    """[batch, seq] bool, True for real tokens; None means no padding."""
+    fields: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    """Extra [batch, ...] tensors by name (e.g. `loss_mask`, `value_targets`)."""
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def mask(self) -> torch.Tensor:
+        if self.attention_mask is None:
+            return torch.ones_like(self.tokens, dtype=torch.bool)
+        return self.attention_mask.bool()
+
+    def rows(self, start: int, stop: int) -> Batch:
+        mask = None if self.attention_mask is None else self.attention_mask[start:stop]
+        return Batch(self.tokens[start:stop], mask, {k: v[start:stop] for k, v in self.fields.items()})
+
+    def field(self, name: str) -> torch.Tensor:
+        if name not in self.fields:
+            raise ValueError(f"batch has no field {name!r} (it has {sorted(self.fields) or 'none'})")
+        return self.fields[name]
+
+
+def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """RoPE position of every token: how many real tokens precede it (pads get 0)."""
+    return (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [batch, 1, seq, head_dim] for rotate-half RoPE."""
+    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq
+    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    variance = x.float().pow(2).mean(dim=-1, keepdim=True)
+    return (x.float() * torch.rsqrt(variance + RMS_NORM_EPS)).to(x.dtype) * weight
+
+
+def attention_mask_4d(key_mask: torch.Tensor, num_queries: int) -> torch.Tensor:
+    """[batch, 1, queries, keys] bool: causal (queries are the last keys) and no padded keys."""
+    num_keys = key_mask.shape[-1]
+    query_slot = torch.arange(num_keys - num_queries, num_keys, device=key_mask.device)
+    causal = torch.arange(num_keys, device=key_mask.device).unsqueeze(0) <= query_slot.unsqueeze(1)
+    allowed = causal.unsqueeze(0) & key_mask.bool().unsqueeze(1)
+    # A padded query row would see no key at all (NaN softmax); let it see itself.
+    allowed |= torch.eye(num_keys, dtype=torch.bool, device=key_mask.device)[-num_queries:].unsqueeze(0)
+    return allowed.unsqueeze(1)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [b, heads, t, d], k/v [b, kv_heads, s, d] -> [b, t, heads * d]."""
+    repeat = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(repeat, dim=1)
+    v = v.repeat_interleave(repeat, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(1, 2).flatten(2)
+
+
+@dataclass
+class LayerCache:
+    """One layer's keys and values for generation: [batch, local kv heads, capacity, head_dim]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, grad_group: object = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim))
+        self.grad_group = grad_group
+        """Tensor ranks whose partial gradients must be summed (per-head norms see only local heads)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, copy_to_group(self.weight, self.grad_group))
+
+
+class Attention(nn.Module):
+    def __init__(self, model: Model, tp: TensorParallel):
+        super().__init__()
+        self.head_dim = model.head_dim
+        self.local_heads = model.num_heads // tp.size
+        self.local_kv_heads = max(1, model.num_kv_heads // tp.size)
+        kv_out = self.local_kv_heads * model.head_dim
+        self.q_proj = ColumnParallelLinear(model.hidden_dim, self.local_heads * model.head_dim, model.qkv_bias, tp)
+        self.k_proj = ColumnParallelLinear(model.hidden_dim, kv_out, model.qkv_bias, tp, tp.kv_group)
+        self.v_proj = ColumnParallelLinear(model.hidden_dim, kv_out, model.qkv_bias, tp, tp.kv_group)
+        if model.qk_norm:
+            self.q_norm = RMSNorm(model.head_dim, tp.group)
+            self.k_norm = RMSNorm(model.head_dim, tp.group)
+        self.qk_norm = model.qk_norm
+        self.o_proj = RowParallelLinear(self.local_heads * model.head_dim, model.hidden_dim, tp)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: LayerCache | None,
+        cache_start: int,
+    ) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.local_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            cache.keys[:, :, cache_start : cache_start + seq] = k
+            cache.values[:, :, cache_start : cache_start + seq] = v
+            k = cache.keys[:, :, : cache_start + seq]
+            v = cache.values[:, :, : cache_start + seq]
+        return self.o_proj(grouped_attention(q, k, v, mask))
+
+
+class MLP(nn.Module):
+    def __init__(self, model: Model, tp: TensorParallel):
+        super().__init__()
+        local_ffn = model.ffn_dim // tp.size
+        self.gate_proj = ColumnParallelLinear(model.hidden_dim, local_ffn, False, tp)
+        self.up_proj = ColumnParallelLinear(model.hidden_dim, local_ffn, False, tp)
+        self.down_proj = RowParallelLinear(local_ffn, model.hidden_dim, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, model: Model, tp: TensorParallel):
+        super().__init__()
+        self.attn_norm = RMSNorm(model.hidden_dim)
+        self.attn = Attention(model, tp)
+        self.mlp_norm = RMSNorm(model.hidden_dim)
+        self.mlp = MLP(model, tp)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor,
+        cache: LayerCache | None = None,
+        cache_start: int = 0,
+    ) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope, mask, cache, cache_start)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of a decoder on one tensor rank.
+
+    Stage 0 embeds token ids; later stages take the previous stage's hidden states. The
+    last stage returns its head's output: this rank's logit columns [b, t, vocab / tp] or
+    values [b, t]; the others return hidden states [b, t, hidden].
+    """
+
+    def __init__(self, model: Model, head: Head, tp: TensorParallel, pp: int, stage: int):
+        super().__init__()
+        self.model = model
+        self.head = head
+        self.tp = tp
+        self.is_first = stage == 0
+        self.is_last = stage == pp - 1
+        self.layer_ids = stage_layers(model, pp, stage)
+        tied = head == "lm" and model.tied_embeddings
+        if self.is_first or (self.is_last and tied):
+            self.embed = VocabParallelEmbedding(model.vocab_size, model.hidden_dim, tp)
+        self.layers = nn.ModuleDict({str(i): Block(model, tp) for i in self.layer_ids})
+        if self.is_last:
+            self.final_norm = RMSNorm(model.hidden_dim)
+            if head == "value":
+                self.value_head = nn.Linear(model.hidden_dim, 1)
+            elif not tied:
+                self.lm_head = ColumnParallelLinear(model.hidden_dim, model.vocab_size // tp.size, False, tp)
+        self.vocab_start = tp.rank * (model.vocab_size // tp.size)
+
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        key_mask: torch.Tensor,
+        positions: torch.Tensor,
+        caches: Mapping[int, LayerCache] | None = None,
+        cache_start: int = 0,
+    ) -> torch.Tensor:
+        """`inputs`: token ids (first stage) or hidden states; `key_mask` [b, keys] covers the cache."""
+        x = self.embed(inputs) if self.is_first else inputs
+        rope = rope_tables(positions, self.model.head_dim, x.dtype)
+        mask = attention_mask_4d(key_mask, x.shape[1])
+        for layer_id, block in zip(self.layer_ids, self.layers.values(), strict=True):
+            x = block(x, rope, mask, None if caches is None else caches[layer_id], cache_start)
+        if not self.is_last:
+            return x
+        x = self.final_norm(x)
+        if self.head == "value":
+            values: torch.Tensor = self.value_head(x).squeeze(-1)
+            return values
+        if hasattr(self, "lm_head"):
+            return self.lm_head(x)
+        return F.linear(copy_to_group(x, self.tp.group), self.embed.weight)
+
+    def token_log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """log p(target) per token from this rank's logit columns."""
+        return -vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.tp)
+
+    def new_caches(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> dict[int, LayerCache]:
+        local_kv = max(1, self.model.num_kv_heads // self.tp.size)
+        shape = (batch, local_kv, capacity, self.model.head_dim)
+        return {
+            i: LayerCache(
+                torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+            )
+            for i in self.layer_ids
+        }
+
+
+class ReferenceModel(nn.Module):
+    """The whole model in one process, with full weights under the contract's names."""
+
+    def __init__(self, model: Model, head: Head = "lm"):
+        super().__init__()
+        self.model = model
+        self.head = head
+        self.weights = nn.ParameterDict()
+        for info in param_infos(model, head):
+            self.weights[info.name.replace(".", "__")] = nn.Parameter(torch.empty(info.global_shape))
+
+    def param(self, name: str) -> torch.Tensor:
+        return self.weights[name.replace(".", "__")]
+
+    def named_logical_parameters(self) -> dict[str, nn.Parameter]:
+        return {name.replace("__", "."): p for name, p in self.weights.items()}
+
+    def _optional(self, name: str) -> torch.Tensor | None:
+        """A parameter the model may lack (biases, the untied LM head)."""
+        weight: torch.Tensor | None = self.weights.get(name.replace(".", "__"))
+        return weight
+
+    def _attention(
+        self, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
+    ) -> torch.Tensor:
+        m, p = self.model, f"layers.{i}.attn."
+        batch, seq, _ = x.shape
+
+        def project(proj: str, heads: int) -> torch.Tensor:
+            out = F.linear(x, self.param(p + f"{proj}_proj.weight"), self._optional(p + f"{proj}_proj.bias"))
+            return out.view(batch, seq, heads, m.head_dim).transpose(1, 2)
+
+        q, k, v = project("q", m.num_heads), project("k", m.num_kv_heads), project("v", m.num_kv_heads)
+        if m.qk_norm:
+            q, k = rms_norm(q, self.param(p + "q_norm.weight")), rms_norm(k, self.param(p + "k_norm.weight"))
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        return F.linear(grouped_attention(q, k, v, mask), self.param(p + "o_proj.weight"))
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Full logits [b, t, vocab] or values [b, t]."""
+        mask = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        x = F.embedding(tokens, self.param("embed.weight"))
+        rope = rope_tables(positions_from_mask(mask), self.model.head_dim, x.dtype)
+        mask4 = attention_mask_4d(mask, tokens.shape[1])
+        for i in range(self.model.num_layers):
+            p = f"layers.{i}."
+            x = x + self._attention(i, rms_norm(x, self.param(p + "attn_norm.weight")), rope, mask4)
+            h = rms_norm(x, self.param(p + "mlp_norm.weight"))
+            gate = F.linear(h, self.param(p + "mlp.gate_proj.weight"))
+            up = F.linear(h, self.param(p + "mlp.up_proj.weight"))
+            x = x + F.linear(F.silu(gate) * up, self.param(p + "mlp.down_proj.weight"))
+        x = rms_norm(x, self.param("final_norm.weight"))
+        if self.head == "value":
+            return F.linear(x, self.param("value_head.weight"), self.param("value_head.bias")).squeeze(-1)
+        lm = self._optional("lm_head.weight")
+        return F.linear(x, self.param("embed.weight") if lm is None else lm)
+
+    def token_log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        flat = -F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="none")
+        return flat.view(targets.shape)
+
+
+def _name_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_logical_param(info: ParamInfo, seed: int, randomize_all: bool = False) -> torch.Tensor:
+    """The whole (unsharded) initial value of one parameter, a function of (seed, name) only.
+
+    Weight matrices are N(0, INIT_STD); norms start at one and biases at zero, unless
+    `randomize_all` (tests: every parameter then carries a distinct random value).
+    """
+    generator = torch.Generator().manual_seed(_name_seed(seed, info.name))
+    values = torch.randn(info.global_shape, generator=generator, dtype=torch.float32)
+    is_norm = info.name.endswith("norm.weight")
+    is_bias = info.name.endswith(".bias")
+    if randomize_all:
+        return 1.0 + 0.1 * values if is_norm else 0.1 * values if is_bias else INIT_STD * values
+    if is_norm:
+        return torch.ones(info.global_shape)
+    if is_bias:
+        return torch.zeros(info.global_shape)
+    return INIT_STD * values
+
+
+def init_logical_params(model: Model, head: Head, seed: int, randomize_all: bool = False) -> dict[str, torch.Tensor]:
+    return {info.name: init_logical_param(info, seed, randomize_all) for info in param_infos(model, head)}
+
+
+def box_slice(tensor: torch.Tensor, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The part of a whole tensor inside `box`."""
+    return tensor[tuple(slice(start, start + length) for start, length in box)]
+
+
+def shard_params(
+    logical: Mapping[str, torch.Tensor], model: Model, head: Head, tp: int, pp: int, stage: int, tp_rank: int
+) -> dict[str, torch.Tensor]:
+    """This rank's slices of whole parameters: exactly the names and boxes of the contract."""
+    out = {}
+    for info in param_infos(model, head):
+        if holds(info, model, pp, stage):
+            box = local_box(info, model, tp, tp_rank)
+            piece = box_slice(logical[info.name], box)
+            assert tuple(piece.shape) == box_shape(box), (info.name, piece.shape, box)
+            out[info.name] = piece.clone()
+    return out

@@ -1,0 +1,202 @@
+"""Pipeline parallelism: per-stage op lists, their deadlock check, and the send/recv executor.
+
+A schedule is, per pipeline stage, an ordered list of ops `F(mb)` (forward of micro-batch
+`mb`) and `B(mb)` (its backward). The executor runs any such list: a forward receives its
+input from the previous stage and sends its output on; a backward receives the output's
+gradient from the next stage and sends its input's gradient back. Sends are asynchronous
+and receives block, so a stage waits only for data it needs; a list in which every stage
+could end up waiting is refused before anything runs (`check_op_lists`).
+
+Messages are tagged by micro-batch and direction, so stages may order micro-batches
+differently (gloo matches by tag; NCCL matches in order, which 1F1B satisfies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+OpKind = Literal["F", "B"]
+
+
+@dataclass(frozen=True, order=True)
+class Op:
+    """One op of a stage: the forward or backward of one micro-batch."""
+
+    kind: OpKind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}"
+
+
+def parse_op(item: Any) -> Op:
+    """An op from `Op`, `("F", 3)`, `{"kind": "F", "microbatch": 3}` or an object with those attributes."""
+    if isinstance(item, Op):
+        return item
+    if isinstance(item, Mapping):
+        kind, microbatch = item.get("kind"), item.get("microbatch")
+    elif isinstance(item, tuple) and len(item) == 2:
+        kind, microbatch = item
+    else:
+        kind, microbatch = getattr(item, "kind", None), getattr(item, "microbatch", None)
+    if kind not in ("F", "B") or not isinstance(microbatch, int) or microbatch < 0:
+        raise ValueError(
+            f"pipeline op {item!r}: needs kind F or B and a micro-batch index >= 0 "
+            "(split backward W ops are not executable; use a schedule without weight-gradient ops)"
+        )
+    return Op(kind, microbatch)
+
+
+def parse_op_lists(op_lists: Sequence[Sequence[Any]]) -> list[list[Op]]:
+    return [[parse_op(item) for item in ops] for ops in op_lists]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Op]]:
+    """The 1F1B schedule: warm-up forwards, alternating forward/backward, cool-down backwards."""
+    schedule = []
+    for stage in range(num_stages):
+        warmup = min(num_stages - stage - 1, num_microbatches)
+        ops = [Op("F", mb) for mb in range(warmup)]
+        for mb in range(num_microbatches - warmup):
+            ops += [Op("F", warmup + mb), Op("B", mb)]
+        ops += [Op("B", mb) for mb in range(num_microbatches - warmup, num_microbatches)]
+        schedule.append(ops)
+    return schedule
+
+
+def forward_only(num_stages: int, num_microbatches: int) -> list[list[Op]]:
+    """Every stage runs the micro-batches' forwards in order (inference)."""
+    return [[Op("F", mb) for mb in range(num_microbatches)] for _ in range(num_stages)]
+
+
+def check_op_lists(op_lists: Sequence[Sequence[Op]], num_microbatches: int, backward: bool) -> None:
+    """Raise ValueError unless every stage runs each micro-batch's F once (and B once, after it)
+    and the stages can run their lists to the end without all waiting on each other."""
+    num_stages = len(op_lists)
+    kinds: tuple[OpKind, ...] = ("F", "B") if backward else ("F",)
+    expected = sorted(Op(kind, mb) for kind in kinds for mb in range(num_microbatches))
+    for stage, ops in enumerate(op_lists):
+        if sorted(ops) != expected:
+            want = "F and B" if backward else "F"
+            raise ValueError(
+                f"pipeline stage {stage}: needs {want} of micro-batches 0..{num_microbatches - 1} once each"
+            )
+        for mb in range(num_microbatches):
+            if backward and ops.index(Op("B", mb)) < ops.index(Op("F", mb)):
+                raise ValueError(f"pipeline stage {stage}: B{mb} comes before F{mb}")
+    done: set[tuple[int, Op]] = set()
+    cursor = [0] * num_stages
+    progress = True
+    while progress:
+        progress = False
+        for stage, ops in enumerate(op_lists):
+            while cursor[stage] < len(ops) and _ready(stage, ops[cursor[stage]], num_stages, done):
+                done.add((stage, ops[cursor[stage]]))
+                cursor[stage] += 1
+                progress = True
+    stuck = [f"stage {s} at {ops[cursor[s]]}" for s, ops in enumerate(op_lists) if cursor[s] < len(ops)]
+    if stuck:
+        raise ValueError(f"pipeline schedule deadlocks: {', '.join(stuck)} wait on each other")
+
+
+def _ready(stage: int, op: Op, num_stages: int, done: set[tuple[int, Op]]) -> bool:
+    if op.kind == "F":
+        return stage == 0 or (stage - 1, op) in done
+    if stage == num_stages - 1:
+        return (stage, Op("F", op.microbatch)) in done
+    return (stage + 1, op) in done
+
+
+@dataclass(frozen=True)
+class StageLink:
+    """Where this rank's pipeline neighbours are (global ranks) and the group they share."""
+
+    stage: int
+    num_stages: int
+    prev_rank: int | None
+    next_rank: int | None
+    group: Any
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+
+def _tag(microbatch: int, is_grad: bool) -> int:
+    return 2 * microbatch + int(is_grad)
+
+
+#: forward_step(microbatch, input or None on the first stage) -> output (on the last stage:
+#: the scalar loss when training, the head output otherwise).
+ForwardStep = Callable[[int, torch.Tensor | None], torch.Tensor]
+
+
+class PipelineExecutor:
+    """Runs one stage's op list with explicit send/recv to the neighbouring stages."""
+
+    def __init__(self, link: StageLink, dtype: torch.dtype, device: torch.device):
+        self.link = link
+        self.dtype = dtype
+        self.device = device
+
+    def run(
+        self,
+        ops: Sequence[Op],
+        forward_step: ForwardStep,
+        input_shape: Callable[[int], tuple[int, ...]],
+        train: bool,
+    ) -> dict[int, torch.Tensor]:
+        """Run `ops`; returns the last stage's forward outputs by micro-batch (detached)."""
+        link = self.link
+        pending: list[Any] = []
+        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        for op in ops:
+            mb = op.microbatch
+            if op.kind == "F":
+                stage_input = None
+                if not link.is_first:
+                    stage_input = self._recv(input_shape(mb), link.prev_rank, _tag(mb, False))
+                    stage_input.requires_grad_(train)
+                with torch.set_grad_enabled(train):
+                    output = forward_step(mb, stage_input)
+                if link.is_last:
+                    outputs[mb] = output.detach()
+                else:
+                    pending.append(self._send(output.detach(), link.next_rank, _tag(mb, False)))
+                if train:
+                    saved[mb] = (stage_input, output)
+            else:
+                stage_input, output = saved.pop(mb)
+                if link.is_last:
+                    output.backward()
+                else:
+                    grad = self._recv(tuple(output.shape), link.next_rank, _tag(mb, True))
+                    torch.autograd.backward(output, grad)
+                if stage_input is not None:
+                    assert stage_input.grad is not None
+                    pending.append(self._send(stage_input.grad, link.prev_rank, _tag(mb, True)))
+        for work, _buffer in pending:
+            work.wait()
+        return outputs
+
+    def _recv(self, shape: tuple[int, ...], src: int | None, tag: int) -> torch.Tensor:
+        assert src is not None
+        tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
+        dist.recv(tensor, src=src, group=self.link.group, tag=tag)
+        return tensor
+
+    def _send(self, tensor: torch.Tensor, dst: int | None, tag: int) -> tuple[Any, torch.Tensor]:
+        """Start sending; the caller keeps the returned buffer alive until the send is waited on."""
+        assert dst is not None
+        buffer = tensor.contiguous()
+        return dist.isend(buffer, dst=dst, group=self.link.group, tag=tag), buffer

@@ -1,0 +1,230 @@
+"""Tensor, pipeline and data parallelism against the single-process reference model.
+
+One 8-rank gloo world (spawned once per module) runs every (tp, pp, dp) layout with
+tp * pp * dp <= 8 that the tiny model admits, plus model variants (qkv bias, qk-norm,
+untied head; value head) on layouts that exercise each code path. Each rank compares its
+shards with the matching slices of the reference's logits, loss, gradients and the
+parameters and AdamW moments after three optimizer steps, and returns the largest error.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from nereus.runtime.dist import spawn
+from nereus.runtime.engine import Engine, EngineConfig, NextTokenLoss, Objective, ValueLoss
+from nereus.runtime.model import Batch, ReferenceModel, init_logical_params, shard_params
+from nereus.runtime.optim import AdamWConfig
+from nereus.runtime.pipeline import Op, check_op_lists, forward_only, one_f_one_b, parse_op, parse_op_lists
+from nereus.runtime.shard_layout import RankLayout, layout_problem, state_key
+from nereus.spec.model import Head, Model
+from nereus.spec.presets import MODELS
+
+WORLD = 8
+TOL = 1e-5
+TINY = MODELS["tiny"]
+#: qkv bias, qk-norm and an untied LM head, on the tiny shapes.
+VARIANT = TINY.model_copy(update={"name": "tiny-variant", "qkv_bias": True, "qk_norm": True, "tied_embeddings": False})
+#: eps well above fp32 gradient noise, so Adam does not blow ulp-level differences up to lr-sized steps.
+OPTIMIZER = AdamWConfig(lr=1e-3, eps=1e-4, weight_decay=0.1)
+ROWS, SEQ, STEPS = 16, 10, 3
+
+
+def tiny_layouts(model: Model = TINY, world: int = WORLD) -> list[tuple[int, int, int]]:
+    """Every (tp, pp, dp) with tp * pp * dp <= world that `model` admits."""
+    return [
+        (tp, pp, dp)
+        for tp, pp, dp in itertools.product(range(1, world + 1), repeat=3)
+        if tp * pp * dp <= world and layout_problem(model, tp, pp) is None
+    ]
+
+
+LAYOUTS = tiny_layouts()
+#: Variant models run on layouts that cover KV replication, tied/untied pipelines and dp.
+VARIANT_CASES: list[tuple[str, Model, Head, tuple[int, int, int]]] = [
+    ("variant", VARIANT, "lm", (4, 2, 1)),
+    ("variant", VARIANT, "lm", (2, 2, 2)),
+    ("variant", VARIANT, "lm", (1, 4, 2)),
+    ("value", TINY, "value", (4, 1, 2)),
+    ("value", TINY, "value", (2, 4, 1)),
+    ("value", TINY, "value", (1, 2, 1)),
+]
+CASES: list[tuple[str, Model, Head, tuple[int, int, int]]] = [
+    ("tiny", TINY, "lm", layout) for layout in LAYOUTS
+] + VARIANT_CASES
+
+
+def make_batches(head: Head, seed: int) -> list[Batch]:
+    """STEPS batches with padding on the left and a loss mask (and value targets)."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(STEPS):
+        tokens = torch.randint(0, TINY.vocab_size, (ROWS, SEQ), generator=generator)
+        pad = torch.randint(0, 3, (ROWS,), generator=generator)
+        mask = torch.arange(SEQ).unsqueeze(0) >= pad.unsqueeze(1)
+        loss_mask = mask & (torch.rand(ROWS, SEQ, generator=generator) > 0.2)
+        fields = {"loss_mask": loss_mask}
+        if head == "value":
+            fields["value_targets"] = torch.randn(ROWS, SEQ, generator=generator)
+        batches.append(Batch(tokens, mask, fields))
+    return batches
+
+
+def objective_for(head: Head) -> Objective:
+    return ValueLoss() if head == "value" else NextTokenLoss()
+
+
+def reference_run(model: Model, head: Head, seed: int) -> dict[str, object]:
+    """Logits, loss and gradients of the first batch, then the state after STEPS AdamW steps."""
+    torch.manual_seed(0)
+    logical = init_logical_params(model, head, seed, randomize_all=True)
+    ref = ReferenceModel(model, head)
+    params = ref.named_logical_parameters()
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(logical[name])
+    c = OPTIMIZER
+    optimizer = torch.optim.AdamW(
+        list(params.values()), lr=c.lr, betas=(c.beta1, c.beta2), eps=c.eps, weight_decay=c.weight_decay
+    )
+    objective = objective_for(head)
+    out: dict[str, object] = {"logical": logical}
+    for step, batch in enumerate(make_batches(head, seed)):
+        optimizer.zero_grad()
+        output = ref(batch.tokens, batch.attention_mask)
+        weights = objective.weights(batch)
+        loss = (objective.token_losses(output, batch, ref) * weights).sum() / weights.sum()
+        loss.backward()
+        if step == 0:
+            out["output"] = output.detach()
+            out["loss"] = float(loss.detach())
+            out["grads"] = {name: p.grad.clone() for name, p in params.items()}  # type: ignore[union-attr]
+        optimizer.step()
+    out["params"] = {name: p.detach().clone() for name, p in params.items()}
+    out["exp_avg"] = {name: optimizer.state[p]["exp_avg"] for name, p in params.items()}
+    out["exp_avg_sq"] = {name: optimizer.state[p]["exp_avg_sq"] for name, p in params.items()}
+    return out
+
+
+def _max_error(local: dict[str, torch.Tensor], family: str, whole: dict[str, torch.Tensor], shard_of) -> float:
+    expected = shard_of(whole)
+    assert {k for k in local if k.startswith(family + "/")} == {state_key(family, n) for n in expected}
+    return max(float((local[state_key(family, n)] - t).abs().max()) for n, t in expected.items())
+
+
+def check_case(
+    model: Model, head: Head, dims: tuple[int, int, int], ref: dict, schedule=None
+) -> dict[str, float] | None:
+    """Run one layout on ranks 0..n-1 (collective over the world); this rank's errors."""
+    tp, pp, dp = dims
+    layout = RankLayout(tp, pp, dp, tuple(range(tp * pp * dp)))
+    engine = Engine.create(model, head, layout, EngineConfig(optimizer=OPTIMIZER))
+    if engine is None:
+        return None
+    stage, tp_rank = engine.groups.stage, engine.groups.tp.rank
+
+    def shard_of(whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return shard_params(whole, model, head, tp, pp, stage, tp_rank)
+
+    engine.load_logical_params(ref["logical"])
+    batches = make_batches(head, 7)
+    objective = objective_for(head)
+    num_microbatches = 2 if pp > 1 else 1
+    first = batches[0].rows(0, ROWS // dp)  # inference runs this replica's batch as given
+    output = engine.logits(first, num_microbatches) if head == "lm" else engine.values(first, num_microbatches)
+    errors = {"output": float((output - ref["output"][: ROWS // dp]).abs().max())}
+    for step, batch in enumerate(batches):
+        engine.zero_grad()
+        loss = engine.forward_backward(batch, objective, num_microbatches, schedule)
+        if step == 0:
+            errors["loss"] = abs(loss - ref["loss"])
+            errors["grad"] = _max_error(engine.local_state(), "grad", ref["grads"], shard_of)
+        engine.update()
+    state = engine.local_state()
+    for family in ("param", "exp_avg", "exp_avg_sq"):
+        key = "params" if family == "param" else family
+        errors[f"{family} after {STEPS} steps"] = _max_error(state, family, ref[key], shard_of)
+    assert engine.optimizer_step == STEPS
+    return errors
+
+
+def gpipe(pp: int, num_microbatches: int) -> list[list[dict[str, object]]]:
+    """All forwards then all backwards, as solver-style dicts (a non-1F1B schedule)."""
+    return [
+        [{"kind": "F", "microbatch": mb} for mb in range(num_microbatches)]
+        + [{"kind": "B", "microbatch": mb} for mb in reversed(range(num_microbatches))]
+        for _ in range(pp)
+    ]
+
+
+def world_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
+    torch.set_num_threads(1)
+    kinds = {name: (model, head) for name, model, head, _ in CASES}
+    refs = {name: reference_run(model, head, 7) for name, (model, head) in kinds.items()}
+    results: dict[str, dict[str, float]] = {}
+    for name, model, head, dims in CASES:
+        errors = check_case(model, head, dims, refs[name])
+        if errors is not None:
+            results[f"{name}-{dims}"] = errors
+    errors = check_case(TINY, "lm", (1, 4, 1), refs["tiny"], schedule=gpipe(4, 2))
+    if errors is not None:
+        results["gpipe-(1, 4, 1)"] = errors
+    return results
+
+
+@pytest.fixture(scope="module")
+def world_errors() -> dict[str, dict[str, float]]:
+    merged: dict[str, dict[str, float]] = {}
+    for rank_results in spawn(world_worker, WORLD):
+        for case, errors in rank_results.items():
+            into = merged.setdefault(case, {})
+            for key, value in errors.items():
+                into[key] = max(into.get(key, 0.0), value)
+    return merged
+
+
+def test_layouts_cover_the_tiny_model() -> None:
+    assert len(LAYOUTS) == 24
+    assert (4, 2, 1) in LAYOUTS and (1, 1, 8) in LAYOUTS and (8, 1, 1) not in LAYOUTS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [f"{name}-{dims}" for name, _, _, dims in CASES] + ["gpipe-(1, 4, 1)"])
+def test_layout_matches_reference(world_errors: dict[str, dict[str, float]], case: str) -> None:
+    errors = world_errors[case]
+    assert set(errors) >= {"output", "loss", "grad", "param after 3 steps", "exp_avg after 3 steps"}
+    bad = {key: value for key, value in errors.items() if not value <= TOL}
+    assert not bad, f"{case}: errors above {TOL}: {bad}"
+
+
+# ---- schedules (pure logic) ----
+
+
+def test_one_f_one_b_shape() -> None:
+    schedule = one_f_one_b(4, 6)
+    assert [str(op) for op in schedule[0][:5]] == ["F0", "F1", "F2", "F3", "B0"]
+    assert [str(op) for op in schedule[3][:4]] == ["F0", "B0", "F1", "B1"]
+    check_op_lists(schedule, 6, backward=True)
+    check_op_lists(forward_only(3, 2), 2, backward=False)
+
+
+def test_parse_ops_accepts_solver_forms() -> None:
+    assert parse_op({"kind": "B", "microbatch": 2}) == Op("B", 2)
+    assert parse_op(("F", 0)) == Op("F", 0)
+    assert parse_op_lists(gpipe(2, 2))[1][2] == Op("B", 1)
+    with pytest.raises(ValueError, match="W ops"):
+        parse_op({"kind": "W", "microbatch": 0})
+
+
+def test_check_op_lists_refuses_bad_schedules() -> None:
+    # Stage 0 waits for B0 from stage 1, which first waits for F1 that stage 0 has not sent.
+    deadlock = [[Op("F", 0), Op("B", 0), Op("F", 1), Op("B", 1)], [Op("F", 1), Op("F", 0), Op("B", 0), Op("B", 1)]]
+    with pytest.raises(ValueError, match="deadlocks"):
+        check_op_lists(deadlock, 2, backward=True)
+    with pytest.raises(ValueError, match="once each"):
+        check_op_lists([[Op("F", 0), Op("B", 0)]], 2, backward=True)
+    with pytest.raises(ValueError, match="B0 comes before F0"):
+        check_op_lists([[Op("B", 0), Op("F", 0)]], 1, backward=True)
