@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 from nereus.runtime.shard_layout import Box, box_numel, box_shape, intersect
-from nereus.runtime.sharded_state import StateMeta, box_slices, check_shard, torch_dtype
+from nereus.runtime.sharded_state import StateMeta, box_slices, check_rank_state, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -145,15 +145,6 @@ class ReshardResult:
     bytes_received: int
 
 
-def _check_state(meta: StateMeta, rank: int, tensors: dict[str, torch.Tensor]) -> None:
-    boxes = meta.rank_boxes(rank)
-    extra = sorted(set(tensors) - set(boxes))
-    if extra:
-        raise ValueError(f"rank {rank}: state holds keys outside the source layout: {extra[:3]}")
-    for key, box in boxes.items():
-        check_shard(rank, key, tensors.get(key), box, meta.tensors[key])
-
-
 def execute(
     plan: ReshardPlan,
     rank: int,
@@ -174,7 +165,7 @@ def execute(
     if not in_source and not in_target:
         return ReshardResult({}, None, 0, 0)
     if in_source:
-        _check_state(plan.source, rank, tensors)
+        check_rank_state(plan.source, rank, tensors)
         if step is None:
             raise ValueError(f"rank {rank} is in the source layout and must pass its optimizer step")
     if device is None:

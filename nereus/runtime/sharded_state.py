@@ -196,3 +196,13 @@ def check_shard(rank: int, key: str, tensor: torch.Tensor | None, box: Box, meta
         raise ValueError(f"rank {rank}: {key} has shape {tuple(tensor.shape)}, its box needs {box_shape(box)}")
     if tensor.dtype != torch_dtype(meta.dtype):
         raise ValueError(f"rank {rank}: {key} is {tensor.dtype}, expected {meta.dtype}")
+
+
+def check_rank_state(meta: StateMeta, rank: int, tensors: dict[str, torch.Tensor]) -> None:
+    """Raise ValueError unless `tensors` is exactly `rank`'s state in `meta`'s layout."""
+    boxes = meta.rank_boxes(rank)
+    extra = sorted(set(tensors) - set(boxes))
+    if extra:
+        raise ValueError(f"rank {rank}: state holds keys outside the layout: {extra[:3]}")
+    for key, box in boxes.items():
+        check_shard(rank, key, tensors.get(key), box, meta.tensors[key])

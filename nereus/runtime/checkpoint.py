@@ -1,0 +1,474 @@
+"""Checkpoints: one safetensors shard per writing rank plus a JSON index, loadable into any layout.
+
+Layout of a checkpoint folder:
+    index.json                 model, head, saved layout, optimizer step, every tensor's global
+                               shape and dtype, and per shard its file, byte size, CRC-32 and the
+                               (key, box, CRC-32) of every tensor it holds; the index carries a
+                               CRC-32 of itself, so an edited index is refused
+    shard-00003.safetensors    rank 3's boxes, keyed by `family/name`
+
+Replicas hold identical boxes, so each distinct box is written once, by its least-loaded
+holder. Saving is atomic: shards and index go into a temporary folder beside the target,
+every file and the folder are fsynced, then the folder is renamed into place; a target that
+exists is refused. Loading into any RankLayout reads, for each box the rank needs, only the
+stored tensors that overlap it, checks each one's CRC-32, and copies the overlap.
+Anything missing, truncated, corrupted or inconsistent is refused with a one-line
+NereusError naming the file and the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import ValidationError
+
+from nereus.errors import NereusError
+from nereus.runtime.shard_layout import Box, RankLayout, box_numel, box_shape, intersect, layout_problem
+from nereus.runtime.sharded_state import DTYPE_BYTES, StateMeta, box_slices, check_rank_state, state_meta, torch_dtype
+from nereus.spec.base import StrictModel
+from nereus.spec.model import Head, Model
+
+if TYPE_CHECKING:
+    import torch
+
+INDEX_NAME = "index.json"
+FORMAT_NAME: Literal["nereus-checkpoint"] = "nereus-checkpoint"
+#: Bytes read at a time when checksumming a whole shard file.
+_CHUNK_BYTES = 1 << 24
+
+
+class ShardEntry(StrictModel):
+    """One stored tensor of a shard: a box of one key."""
+
+    key: str
+    """`family/name`, also the tensor's name inside the safetensors file."""
+    box: list[tuple[int, int]]
+    """(offset, length) along every dim of the global tensor."""
+    crc32: int
+    """CRC-32 of the tensor's raw bytes (row-major)."""
+
+
+class ShardRecord(StrictModel):
+    """One safetensors file of the checkpoint."""
+
+    file: str
+    """File name inside the checkpoint folder."""
+    rank: int
+    """The rank that wrote it (its position in the saved layout)."""
+    nbytes: int
+    """Size of the whole file."""
+    crc32: int
+    """CRC-32 of the whole file."""
+    entries: list[ShardEntry]
+
+
+class TensorRecord(StrictModel):
+    """One logical tensor of the saved state."""
+
+    key: str
+    global_shape: list[int]
+    dtype: str
+    """torch dtype name, e.g. `float32`."""
+
+
+class CheckpointIndex(StrictModel):
+    """The JSON index of a checkpoint folder."""
+
+    format: Literal["nereus-checkpoint"] = FORMAT_NAME
+    version: Literal[1] = 1
+    model: Model
+    head: Head
+    tp: int
+    pp: int
+    dp: int
+    ranks: list[int]
+    """Global ranks of the saved layout (replica-major, stage-major, tensor rank innermost)."""
+    step: int
+    """Optimizer steps taken when the checkpoint was saved."""
+    families: list[str]
+    tensors: list[TensorRecord]
+    shards: list[ShardRecord]
+    index_crc32: int = 0
+    """CRC-32 of the index written with this field at 0: any edit changes it."""
+
+    def layout(self) -> RankLayout:
+        return RankLayout(self.tp, self.pp, self.dp, tuple(self.ranks))
+
+
+@dataclass(frozen=True)
+class LoadedState:
+    """One rank's state read from a checkpoint."""
+
+    tensors: dict[str, torch.Tensor]
+    step: int
+    meta: StateMeta
+    """The shard metadata of the layout it was loaded into."""
+    bytes_read: int
+    """Bytes of stored tensors read: each stored tensor that overlaps a needed box, whole (to check its CRC)."""
+
+
+def _crc(tensor: torch.Tensor) -> int:
+    import torch
+
+    raw = tensor.detach().contiguous().view(torch.uint8).numpy()
+    return zlib.crc32(raw.data)
+
+
+def _file_crc(path: Path) -> int:
+    crc = 0
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK_BYTES):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def writers(meta: StateMeta) -> dict[int, list[str]]:
+    """The keys each rank writes: every distinct box once, by its least-loaded holder."""
+    load: dict[int, int] = defaultdict(int)
+    assigned: dict[int, list[str]] = {rank: [] for rank in meta.layout.ranks}
+    for key, tensor in meta.tensors.items():
+        by_box: dict[Box, list[int]] = defaultdict(list)
+        for rank, box in meta.holders(key).items():
+            by_box[box].append(rank)
+        for box, holders in by_box.items():
+            writer = min(holders, key=lambda rank: (load[rank], rank))
+            load[writer] += box_numel(box) * tensor.itemsize
+            assigned[writer].append(key)
+    return assigned
+
+
+def _write_shard(folder: Path, meta: StateMeta, rank: int, tensors: dict[str, torch.Tensor]) -> ShardRecord | None:
+    """Write `rank`'s assigned boxes into one fsynced safetensors file; None if it writes nothing."""
+    from safetensors.torch import save_file
+
+    check_rank_state(meta, rank, tensors)
+    boxes = meta.rank_boxes(rank)
+    keys = writers(meta)[rank]
+    if not keys:
+        return None
+    payload = {key: tensors[key].detach().cpu().contiguous() for key in keys}
+    path = folder / f"shard-{rank:05d}.safetensors"
+    save_file(payload, str(path))
+    _fsync(path)
+    entries = [ShardEntry(key=key, box=list(boxes[key]), crc32=_crc(payload[key])) for key in keys]
+    return ShardRecord(file=path.name, rank=rank, nbytes=path.stat().st_size, crc32=_file_crc(path), entries=entries)
+
+
+def _index_text(index: CheckpointIndex) -> str:
+    return index.model_dump_json(indent=1)
+
+
+def _sealed(index: CheckpointIndex) -> CheckpointIndex:
+    unsealed = index.model_copy(update={"index_crc32": 0})
+    return index.model_copy(update={"index_crc32": zlib.crc32(_index_text(unsealed).encode())})
+
+
+def _make_index(meta: StateMeta, step: int, shards: Iterable[ShardRecord]) -> CheckpointIndex:
+    layout = meta.layout
+    tensors = [TensorRecord(key=t.key, global_shape=list(t.global_shape), dtype=t.dtype) for t in meta.tensors.values()]
+    index = CheckpointIndex(
+        model=meta.model,
+        head=meta.head,
+        tp=layout.tp,
+        pp=layout.pp,
+        dp=layout.dp,
+        ranks=list(layout.ranks),
+        step=step,
+        families=list(meta.families),
+        tensors=tensors,
+        shards=sorted(shards, key=lambda shard: shard.rank),
+    )
+    return _sealed(index)
+
+
+def _start(target: Path) -> Path:
+    if target.exists():
+        raise NereusError(f"{target}: already exists; save each checkpoint into a new folder")
+    if not target.parent.is_dir():
+        raise NereusError(f"{target.parent}: no such folder; create it before saving a checkpoint into it")
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+
+
+def _finish(folder: Path, target: Path, index: CheckpointIndex) -> None:
+    """Write the index, fsync it and the folder, and rename the folder into place."""
+    index_path = folder / INDEX_NAME
+    index_path.write_text(_index_text(index))
+    _fsync(index_path)
+    _fsync(folder)
+    os.rename(folder, target)
+    _fsync(target.parent)
+
+
+def save_checkpoint(
+    path: str | Path, meta: StateMeta, states: dict[int, dict[str, torch.Tensor]], step: int
+) -> CheckpointIndex:
+    """Save every rank's state (all held by this process) as a checkpoint at `path`, atomically."""
+    target = Path(path)
+    missing = [rank for rank in meta.layout.ranks if rank not in states]
+    if missing:
+        raise ValueError(f"save_checkpoint needs the state of every rank of the layout; missing ranks {missing}")
+    folder = _start(target)
+    try:
+        records = [_write_shard(folder, meta, rank, states[rank]) for rank in meta.layout.ranks]
+        index = _make_index(meta, step, [record for record in records if record is not None])
+        _finish(folder, target, index)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return index
+
+
+def save_checkpoint_distributed(
+    path: str | Path, meta: StateMeta, rank: int, tensors: dict[str, torch.Tensor], step: int
+) -> CheckpointIndex:
+    """Save a checkpoint from a torch.distributed job; every rank of the job calls it.
+
+    Each rank of the layout writes its own shard into a shared temporary folder (the path must
+    be visible to every rank), global rank 0 writes the index and renames the folder. A failure
+    on any rank removes the temporary folder and raises on every rank.
+    """
+    import torch.distributed as dist
+
+    target = Path(path)
+    started: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            started[0] = str(_start(target))
+        except NereusError as error:
+            started[0] = error
+    dist.broadcast_object_list(started, src=0)
+    if isinstance(started[0], NereusError):
+        raise started[0]
+    folder = Path(started[0])
+    outcome: Any = None
+    try:
+        outcome = _write_shard(folder, meta, rank, tensors) if rank in meta.boxes else None
+    except (NereusError, ValueError, OSError) as error:
+        outcome = f"rank {rank}: {error}"
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, outcome)
+    result: list[Any] = [None]
+    if dist.get_rank() == 0:
+        result[0] = _seal_or_discard(folder, target, meta, step, outcomes)
+    dist.broadcast_object_list(result, src=0)
+    if isinstance(result[0], str):
+        raise NereusError(result[0])
+    assert isinstance(result[0], CheckpointIndex)
+    return result[0]
+
+
+def _seal_or_discard(
+    folder: Path, target: Path, meta: StateMeta, step: int, outcomes: list[Any]
+) -> CheckpointIndex | str:
+    """On rank 0: finish the save, or remove the folder and return the first failure."""
+    failures = [outcome for outcome in outcomes if isinstance(outcome, str)]
+    try:
+        if failures:
+            raise NereusError(f"{target}: saving failed on {failures[0]}")
+        index = _make_index(meta, step, [outcome for outcome in outcomes if isinstance(outcome, ShardRecord)])
+        _finish(folder, target, index)
+        return index
+    except (NereusError, OSError) as error:
+        shutil.rmtree(folder, ignore_errors=True)
+        return str(error)
+
+
+# --- reading --------------------------------------------------------------------------------
+
+
+def read_index(path: str | Path) -> CheckpointIndex:
+    """The checked index of the checkpoint folder at `path`."""
+    index_path = Path(path) / INDEX_NAME
+    if not index_path.is_file():
+        raise NereusError(f"{index_path}: missing; {path} is not a finished nereus checkpoint")
+    text = index_path.read_text()
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise NereusError(
+            f"{index_path}: not valid JSON ({error.msg} at line {error.lineno}); the index is corrupted"
+        ) from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+        raise NereusError(f"{index_path}: not a nereus checkpoint index (format must be {FORMAT_NAME!r})")
+    try:
+        index = CheckpointIndex.model_validate_json(text)
+    except ValidationError as error:
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise NereusError(f"{index_path}: {where}: {first['msg']}; the index is corrupted or was edited") from None
+    if _sealed(index).index_crc32 != index.index_crc32:
+        raise NereusError(f"{index_path}: checksum mismatch; the index was edited or corrupted")
+    problem = _index_problem(index)
+    if problem:
+        raise NereusError(f"{index_path}: {problem}")
+    return index
+
+
+def _index_problem(index: CheckpointIndex) -> str | None:
+    """Why a checksum-valid index still cannot be right, or None."""
+    problem = layout_problem(index.model, index.tp, index.pp)
+    if problem or len(index.ranks) != index.tp * index.pp * index.dp or len(set(index.ranks)) != len(index.ranks):
+        return f"saved layout tp={index.tp} pp={index.pp} dp={index.dp} on ranks {index.ranks} is invalid"
+    expected = _saved_meta(index)
+    records = {record.key: record for record in index.tensors}
+    for key, tensor in expected.tensors.items():
+        record = records.get(key)
+        if record is None or tuple(record.global_shape) != tensor.global_shape or record.dtype not in DTYPE_BYTES:
+            return f"tensor {key} is missing or does not match model {index.model.name}"
+    stored: dict[str, int] = defaultdict(int)
+    for shard in index.shards:
+        for entry in shard.entries:
+            box = tuple(entry.box)
+            if entry.key not in records or box not in {b for b in expected.holders(entry.key).values()}:
+                return f"{shard.file}: {entry.key} box {entry.box} is not a box of the saved layout"
+            stored[entry.key] += box_numel(box)
+    for key, tensor in expected.tensors.items():
+        if stored[key] != box_numel(tuple((0, size) for size in tensor.global_shape)):
+            return f"the shards do not hold all of {key} exactly once"
+    return None
+
+
+def _saved_meta(index: CheckpointIndex) -> StateMeta:
+    dtypes = {record.key: record.dtype for record in index.tensors}
+    families = tuple(index.families)
+    meta = state_meta(index.model, index.head, index.layout(), families)
+    tensors = {key: replace(tensor, dtype=dtypes.get(key, tensor.dtype)) for key, tensor in meta.tensors.items()}
+    return StateMeta(meta.model, meta.head, meta.layout, families, tensors, meta.boxes)
+
+
+def checkpoint_meta(path: str | Path) -> StateMeta:
+    """The shard metadata of the layout a checkpoint was saved from."""
+    return _saved_meta(read_index(path))
+
+
+class _ShardReader:
+    """Opens shard files on first use, checks their size and header, and CRC-checks each tensor read."""
+
+    def __init__(self, folder: Path, index: CheckpointIndex) -> None:
+        self.folder = folder
+        self.records = {shard.file: shard for shard in index.shards}
+        self.dtypes = {record.key: record.dtype for record in index.tensors}
+        self.handles: dict[str, Any] = {}
+        self.bytes_read = 0
+
+    def open(self, file: str) -> Any:
+        """The safe_open handle of `file`, after checking it exists and has the indexed size."""
+        from safetensors import safe_open
+
+        if file in self.handles:
+            return self.handles[file]
+        path = self.folder / file
+        record = self.records[file]
+        if not path.is_file():
+            raise NereusError(f"{path}: missing shard; the checkpoint is incomplete")
+        size = path.stat().st_size
+        if size != record.nbytes:
+            raise NereusError(
+                f"{path}: {size} bytes, the index says {record.nbytes}; the shard is truncated or corrupted"
+            )
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except Exception as error:  # safetensors raises its own error types for a bad header
+            raise NereusError(f"{path}: unreadable safetensors header ({error}); the shard is corrupted") from None
+        self.handles[file] = handle
+        return handle
+
+    def tensor(self, file: str, entry: ShardEntry) -> torch.Tensor:
+        """The stored tensor of `entry`, checked against its box, dtype and CRC-32."""
+        path = self.folder / file
+        try:
+            stored = self.open(file).get_tensor(entry.key)
+        except NereusError:
+            raise
+        except Exception as error:
+            raise NereusError(f"{path}: cannot read {entry.key} ({error}); the shard is corrupted") from None
+        shape, dtype = box_shape(tuple(entry.box)), torch_dtype(self.dtypes[entry.key])
+        if tuple(stored.shape) != shape or stored.dtype != dtype:
+            raise NereusError(
+                f"{path}: {entry.key} is {stored.dtype} {tuple(stored.shape)}, the index says {dtype} {shape}; "
+                "the shard is corrupted"
+            )
+        if _crc(stored) != entry.crc32:
+            raise NereusError(f"{path}: {entry.key} fails its CRC-32 check; the shard is corrupted")
+        self.bytes_read += stored.numel() * stored.element_size()
+        return stored
+
+
+def load_checkpoint(
+    path: str | Path,
+    layout: RankLayout,
+    rank: int,
+    model: Model | None = None,
+    head: Head | None = None,
+    families: Iterable[str] | None = None,
+    device: torch.device | None = None,
+) -> LoadedState:
+    """Read `rank`'s state for `layout` from the checkpoint at `path` (any saved layout).
+
+    `model` and `head`, when given, must match the checkpoint's; `families` defaults to
+    every family saved. A rank outside `layout` gets an empty state.
+    """
+    import torch
+
+    folder = Path(path)
+    index = read_index(folder)
+    if model is not None and model != index.model:
+        raise NereusError(f"{folder}: holds model {index.model.name}, not {model.name}; load the matching checkpoint")
+    if head is not None and head != index.head:
+        raise NereusError(f"{folder}: holds a model with a {index.head} head, not a {head} head")
+    wanted = tuple(index.families if families is None else families)
+    absent = [family for family in wanted if family not in index.families]
+    if absent:
+        raise NereusError(f"{folder}: has no {', '.join(absent)} state (saved families: {', '.join(index.families)})")
+    problem = layout_problem(index.model, layout.tp, layout.pp)
+    if problem:
+        raise NereusError(f"cannot load {folder} into tp={layout.tp} pp={layout.pp}: {problem}")
+    saved = _saved_meta(index)
+    meta = state_meta(index.model, index.head, layout, wanted)
+    meta = StateMeta(meta.model, meta.head, layout, wanted, {k: saved.tensors[k] for k in meta.tensors}, meta.boxes)
+    reader = _ShardReader(folder, index)
+    stored_boxes: dict[str, list[tuple[str, ShardEntry]]] = defaultdict(list)
+    for shard in index.shards:
+        for entry in shard.entries:
+            stored_boxes[entry.key].append((shard.file, entry))
+    tensors = {}
+    for key, box in meta.rank_boxes(rank).items():
+        out = torch.empty(box_shape(box), dtype=torch_dtype(meta.tensors[key].dtype), device=device)
+        for file, entry in stored_boxes[key]:
+            stored_box = tuple(entry.box)
+            piece = intersect(box, stored_box)
+            if piece is not None:
+                out[box_slices(piece, box)] = reader.tensor(file, entry)[box_slices(piece, stored_box)]
+        tensors[key] = out
+    return LoadedState(tensors, index.step, meta, reader.bytes_read)
+
+
+def verify_checkpoint(path: str | Path) -> CheckpointIndex:
+    """Check the index and every shard's size, whole-file CRC-32, header and tensors."""
+    folder = Path(path)
+    index = read_index(folder)
+    reader = _ShardReader(folder, index)
+    for shard in index.shards:
+        reader.open(shard.file)
+        if _file_crc(folder / shard.file) != shard.crc32:
+            raise NereusError(f"{folder / shard.file}: fails its CRC-32 check; the shard is corrupted")
+        for entry in shard.entries:
+            reader.tensor(shard.file, entry)
+    return index
