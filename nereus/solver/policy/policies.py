@@ -129,23 +129,36 @@ class AdaptationPolicy(ABC):
                 f"{self._usable_gpus(observation)} GPUs: checkpoint and wait for GPUs", triggers,
             )  # fmt: skip
         current_time = self._step_time(self.plan, observation) if self.plan is not None else None
+        horizon = self.monitor.horizon(observation)
+        options = [option for target in candidates for option in self._urgent_options(observation, target, horizon)]
+        # Profitability is waived (the plan must change), but among the ways to change, pick the
+        # one with the least expected time over the horizon: steps plus the move itself.
+        action, target, cost, _ = min(options, key=lambda option: option[3])
+        how = "moving by a checked transition DAG" if action == "transition" else (
+            "checkpoint and restart (no DAG passes, or it is slower)" if self.plan is not None
+            else "resuming from the checkpoint"
+        )  # fmt: skip
+        return self._decision(
+            observation, action, "urgent", f"{urgency}; {how}", triggers, target=target,
+            current_step_time_s=current_time, target_step_time_s=self._step_time(target, observation),
+            transition_cost_s=cost, payback_horizon_steps=horizon,
+        )  # fmt: skip
+
+    def _urgent_options(
+        self, observation: Observation, target: Plan, horizon: float
+    ) -> list[tuple[Action, Plan, float, float]]:
+        """(action, target, its cost, expected seconds over the horizon): a restart, and the DAG when it passes."""
+        step_time = self._step_time(target, observation)
+        assert step_time is not None
+        steps = step_time * max(horizon, 1.0)
+        restart = self.replanner.restart_cost(target)
+        options: list[tuple[Action, Plan, float, float]] = [("restart", target, restart, restart + steps)]
         if self.plan is not None:
             lost = frozenset(range(observation.gpus, max_gpu(self.plan) + 1))
-            for target in candidates:
-                verdict = self.replanner.transition(self.plan, target)
-                if verdict.passes(lost):
-                    return self._decision(
-                        observation, "transition", "urgent", f"{urgency}; moving by a checked transition DAG",
-                        triggers, target=target, current_step_time_s=current_time,
-                        target_step_time_s=self._step_time(target, observation), transition_cost_s=verdict.cost_s,
-                    )  # fmt: skip
-        target = candidates[0]
-        why = "no transition DAG passes" if self.plan is not None else "resuming from the checkpoint"
-        return self._decision(
-            observation, "restart", "urgent", f"{urgency}; {why}: checkpoint and restart", triggers,
-            target=target, current_step_time_s=current_time, target_step_time_s=self._step_time(target, observation),
-            transition_cost_s=self.replanner.restart_cost(target),
-        )  # fmt: skip
+            verdict = self.replanner.transition(self.plan, target)
+            if verdict.passes(lost):
+                options.insert(0, ("transition", target, verdict.cost_s, verdict.cost_s + steps))
+        return options
 
     def _keep(self, observation: Observation, reason: str, triggers: tuple[str, ...], **inputs: object) -> Decision:
         path: Path = "opportunistic" if reason else "none"
