@@ -9,17 +9,15 @@ parameters and AdamW moments after three optimizer steps, and returns the larges
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 
 from nereus.runtime.dist import spawn
-from nereus.runtime.engine import Engine, EngineConfig, NextTokenLoss, Objective, ValueLoss
+from nereus.runtime.engine import Engine, EngineConfig, NextTokenLoss, Objective, ValueLoss, admissible_layouts
 from nereus.runtime.model import Batch, ReferenceModel, init_logical_params, shard_params
 from nereus.runtime.optim import AdamWConfig
 from nereus.runtime.pipeline import Op, check_op_lists, forward_only, one_f_one_b, parse_op, parse_op_lists
-from nereus.runtime.shard_layout import RankLayout, layout_problem, state_key
+from nereus.runtime.shard_layout import RankLayout, state_key
 from nereus.spec.model import Head, Model
 from nereus.spec.presets import MODELS
 
@@ -33,16 +31,7 @@ OPTIMIZER = AdamWConfig(lr=1e-3, eps=1e-4, weight_decay=0.1)
 ROWS, SEQ, STEPS = 16, 10, 3
 
 
-def tiny_layouts(model: Model = TINY, world: int = WORLD) -> list[tuple[int, int, int]]:
-    """Every (tp, pp, dp) with tp * pp * dp <= world that `model` admits."""
-    return [
-        (tp, pp, dp)
-        for tp, pp, dp in itertools.product(range(1, world + 1), repeat=3)
-        if tp * pp * dp <= world and layout_problem(model, tp, pp) is None
-    ]
-
-
-LAYOUTS = tiny_layouts()
+LAYOUTS = admissible_layouts(TINY, WORLD)
 #: Variant models run on layouts that cover KV replication, tied/untied pipelines and dp.
 VARIANT_CASES: list[tuple[str, Model, Head, tuple[int, int, int]]] = [
     ("variant", VARIANT, "lm", (4, 2, 1)),

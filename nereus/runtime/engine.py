@@ -195,6 +195,17 @@ def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups
     return ParallelGroups(layout, replica, stage, tensor, link, mine.get("dp"), mine.get("embed"))
 
 
+def admissible_layouts(model: Model, max_ranks: int) -> list[tuple[int, int, int]]:
+    """Every (tp, pp, dp) with tp * pp * dp <= max_ranks that the runtime can shard `model` as."""
+    return [
+        (tp, pp, dp)
+        for tp in range(1, max_ranks + 1)
+        for pp in range(1, max_ranks // tp + 1)
+        if layout_problem(model, tp, pp) is None
+        for dp in range(1, max_ranks // (tp * pp) + 1)
+    ]
+
+
 def even_split(num_rows: int, parts: int) -> list[tuple[int, int]]:
     """(start, stop) of `parts` contiguous runs covering `num_rows`, sizes differing by at most one."""
     base, extra = divmod(num_rows, parts)
