@@ -90,16 +90,20 @@ def test_monitor_triggers_on_threshold_and_pool() -> None:
 
 
 def test_opportunistic_decision_records_its_inputs(plan: Plan, replanner: Replanner) -> None:
-    policy = NereusPolicy(plan, replanner)
-    decisions = [policy.decide(Observation(s, GPUS, lengths(500), steps_remaining=100 - s)) for s in range(3)]
-    assert [d.action for d in decisions] == ["keep"] * 3 and decisions[0].path == "none"
-    grown = policy.decide(Observation(3, 32 // 2, lengths(700), steps_remaining=97))  # +40%: trigger
-    assert grown.triggers and grown.path in ("opportunistic", "urgent")
-    if grown.path == "opportunistic" and grown.savings_per_step_s is not None:
-        assert grown.current_step_time_s is not None and grown.target_step_time_s is not None
-        assert grown.savings_per_step_s == pytest.approx(grown.current_step_time_s - grown.target_step_time_s)
-        admitted = grown.action != "keep"
-        assert admitted == admits(grown.savings_per_step_s, grown.payback_horizon_steps, grown.transition_cost_s)
+    small = replanner.best_plan(GPUS // 2, lengths(500), 1.0)
+    assert small is not None
+    policy = NereusPolicy(small, replanner)
+    quiet = [policy.decide(Observation(s, GPUS // 2, lengths(500), steps_remaining=100 - s)) for s in range(3)]
+    assert [(d.action, d.path) for d in quiet] == [("keep", "none")] * 3
+    grown = policy.decide(Observation(3, GPUS, lengths(500), steps_remaining=97))
+    assert grown.triggers == ("gpus 8->16",) and grown.path == "opportunistic"
+    assert grown.current_step_time_s is not None and grown.target_step_time_s is not None
+    assert grown.savings_per_step_s == pytest.approx(grown.current_step_time_s - grown.target_step_time_s)
+    assert grown.payback_horizon_steps == 97  # min(0.5 x 500-step max horizon, 97 steps left)
+    assert grown.transition_cost_s is not None
+    admitted = grown.action != "keep"
+    assert admitted == admits(grown.savings_per_step_s, grown.payback_horizon_steps, grown.transition_cost_s)
+    assert admitted and policy.plan is not None and max_gpu(policy.plan) == GPUS - 1
 
 
 def test_payback_rejects_when_transition_costs_too_much(plan: Plan, replanner: Replanner) -> None:
@@ -109,6 +113,9 @@ def test_payback_rejects_when_transition_costs_too_much(plan: Plan, replanner: R
     class Expensive(Replanner):
         def transition(self, plan_a: Plan, plan_b: Plan) -> TransitionVerdict:
             return replace(super().transition(plan_a, plan_b), cost_s=1e6)
+
+        def restart_cost(self, plan: Plan) -> float:
+            return 2e6
 
     small = Replanner(plan).best_plan(GPUS // 2, lengths(500), 1.0)  # half the GPUs: the full pool is faster
     assert small is not None
@@ -222,3 +229,14 @@ def test_refit_keeps_layouts_and_scales_dp(plan: Plan, replanner: Replanner) -> 
     assert any(after.dp > before.dp for before, after in zip(small.stages, scaled.stages, strict=True))
     assert replanner.step_time(scaled, lengths(500), 1.0) is not None
     assert replanner.refit(plan, GPUS // 2, lengths(500), 1.0) is None  # critic training needs all 16 GPUs
+
+
+def test_efficiency_drop_triggers_a_replan_and_slows_steps(plan: Plan, replanner: Replanner) -> None:
+    start = replanner.best_plan(GPUS, lengths(500), 1.0)
+    assert start is not None
+    policy = NereusPolicy(start, replanner)
+    policy.decide(Observation(0, GPUS, lengths(500), efficiency=1.0))
+    decision = policy.decide(Observation(1, GPUS, lengths(500), efficiency=0.7))
+    assert decision.triggers == ("efficiency -30%",) and decision.path == "opportunistic"
+    slow, fast = replanner.step_time(start, lengths(500), 0.7), replanner.step_time(start, lengths(500), 1.0)
+    assert slow is not None and fast is not None and slow > fast

@@ -199,9 +199,13 @@ class AdaptationPolicy(ABC):
             return self._keep(observation, "the replanned plan is not predicted faster", triggers, **inputs)
         action: Action = "transition"
         how = "transition"
+        restart = self.replanner.restart_cost(target)
         if not verdict.passes():  # no DAG: the only way there is a checkpoint-and-restart
             action, how = "restart", f"restart (its DAG fails: {verdict.problems[0]})"
-            inputs["transition_cost_s"] = self.replanner.restart_cost(target)
+            inputs["transition_cost_s"] = restart
+        elif restart < verdict.cost_s:
+            action, how = "restart", f"restart (cheaper than the {verdict.cost_s:.3g} s DAG)"
+            inputs["transition_cost_s"] = restart
         cost = inputs["transition_cost_s"]
         assert isinstance(cost, float)
         if horizon is not None and not admits(savings, horizon, cost):
