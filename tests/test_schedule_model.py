@@ -17,12 +17,12 @@ from nereus.solver.pipeline.baselines import (
 )
 from nereus.solver.pipeline.bounds import lower_bounds
 from nereus.solver.pipeline.evaluate import evaluate, timing_violations
-from nereus.solver.pipeline.model import ModelTimes, build_instance, fused_problem, single_problem
+from nereus.solver.pipeline.model import Instance, ModelTimes, build_instance, fused_problem, single_problem
 
 SHAPES = [(1, 1), (2, 1), (2, 4), (4, 4), (4, 8), (4, 2), (8, 16), (8, 3)]
 
 
-def _single(p: int, m: int, f: float = 1.0, b: float = 2.0, act: float = 1.5, w: float | None = None):  # type: ignore[no-untyped-def]
+def _single(p: int, m: int, f: float = 1.0, b: float = 2.0, act: float = 1.5, w: float | None = None) -> Instance:
     return build_instance(single_problem(ModelTimes.uniform("a", p, m, f, b, act, w), p))
 
 
@@ -131,3 +131,35 @@ def test_bad_shapes_are_user_errors() -> None:
         fused_problem(ModelTimes.uniform("actor", 8, 8, 1, 2), ModelTimes.uniform("critic", 2, 3, 1, 2))
     with pytest.raises(NereusError, match="positive"):
         ModelTimes.uniform("actor", 2, 2, 0.0, 1.0)
+
+
+def test_incremental_resimulation_matches_a_full_one() -> None:
+    import random
+
+    from nereus.solver.pipeline.evaluate import resimulate, simulate
+    from nereus.solver.pipeline.search import _neighbour, greedy_schedule
+
+    actor = ModelTimes.uniform("actor", 8, 8, 3.0, 6.0, 1.0)
+    critic = ModelTimes.uniform("critic", 4, 8, 2.0, 5.0, 1.0)
+    inst = build_instance(fused_problem(actor, critic, p2p_latency=0.25))
+    _, orders, _ = greedy_schedule(inst, ("actor", "critic"))
+    state = simulate(inst, orders)
+    assert state is not None
+    rng = random.Random(7)
+    checked = deadlocked = 0
+    for _ in range(400):
+        node, new_order, first = _neighbour(rng, orders, list(range(inst.problem.num_nodes)))
+        old_order = orders[node]
+        orders[node] = new_order
+        full = simulate(inst, orders)
+        fast = resimulate(inst, orders, state[1], state[2], state[1][old_order[first]])
+        assert (full is None) == (fast is None)
+        if full is None or fast is None:
+            deadlocked += 1
+            orders[node] = old_order
+            continue
+        checked += 1
+        assert fast[0] == pytest.approx(full[0])
+        assert fast[1] == pytest.approx(full[1]) and fast[2] == pytest.approx(full[2])
+        state = full  # walk on, so later moves start from changed schedules
+    assert checked > 100 and deadlocked > 10

@@ -82,6 +82,71 @@ def simulate(inst: Instance, orders: Orders) -> tuple[float, list[float], list[f
     return max(end, default=0.0), earliest, end
 
 
+def resimulate(
+    inst: Instance, orders: Orders, start: Sequence[float], end: Sequence[float], since: float
+) -> tuple[float, list[float], list[float]] | None:
+    """`simulate` after a change to orders that ran as (start, end), touching only ops that
+    started at or after `since` there (a node's ops from one position on).
+
+    Ops that started before `since` keep their times: their dependencies and node
+    predecessors all ended before it, so nothing they wait for changed. The rest (on each
+    node a suffix of its order) is recomputed.
+    """
+    n = inst.num_ops
+    affected = [t >= since for t in start]
+    remaining = [0] * n
+    earliest = [0.0] * n
+    next_on_node = [-1] * n
+    stack = []
+    count = 0
+    preds = inst.preds
+    for order in orders:
+        previous = -1
+        for op in order:
+            if affected[op]:
+                count += 1
+                ready, waiting = 0.0, 0
+                for pred, lat in preds[op]:
+                    if affected[pred]:
+                        waiting += 1
+                    elif end[pred] + lat > ready:
+                        ready = end[pred] + lat
+                if previous >= 0:
+                    if affected[previous]:
+                        waiting += 1
+                        next_on_node[previous] = op
+                    elif end[previous] > ready:
+                        ready = end[previous]
+                remaining[op], earliest[op] = waiting, ready
+                if not waiting:
+                    stack.append(op)
+            previous = op
+    new_start, new_end = list(start), list(end)
+    duration, succs = inst.duration, inst.succs
+    done = 0
+    while stack:
+        op = stack.pop()
+        finish = earliest[op] + duration[op]
+        new_start[op], new_end[op] = earliest[op], finish
+        done += 1
+        for succ, lat in succs[op]:
+            if finish + lat > earliest[succ]:
+                earliest[succ] = finish + lat
+            remaining[succ] -= 1
+            if not remaining[succ]:
+                stack.append(succ)
+        nxt = next_on_node[op]
+        if nxt >= 0:
+            if finish > earliest[nxt]:
+                earliest[nxt] = finish
+            remaining[nxt] -= 1
+            if not remaining[nxt]:
+                stack.append(nxt)
+    if done < count:
+        return None
+    return max(new_end, default=0.0), new_start, new_end
+
+
 def peak_memory(inst: Instance, orders: Orders) -> list[float]:
     """Peak activation per node: nodes run ops one by one, so a prefix sum in order suffices."""
     peaks = []

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from nereus.errors import NereusError
 from nereus.solver.pipeline.baselines import BaselineResult, pair_baselines
 from nereus.solver.pipeline.bounds import LowerBounds, heads_and_tails, lower_bounds
-from nereus.solver.pipeline.evaluate import Evaluation, evaluate, peak_memory, simulate
+from nereus.solver.pipeline.evaluate import Evaluation, evaluate, peak_memory, resimulate, simulate
 from nereus.solver.pipeline.greedy import GreedyRule, list_schedule, rule_key, window_limits
 from nereus.solver.pipeline.model import Instance, ModelTimes, Problem, build_instance, fused_problem
 
@@ -126,7 +126,8 @@ def greedy_schedule(inst: Instance, names: tuple[str, str]) -> tuple[str, Orders
     return best
 
 
-def _neighbour(rng: random.Random, orders: Orders, movable: list[int]) -> tuple[int, list[int]]:
+def _neighbour(rng: random.Random, orders: Orders, movable: list[int]) -> tuple[int, list[int], int]:
+    """(node, its new order, first position that changed): a swap of two nearby ops or a short move."""
     node = movable[rng.randrange(len(movable))]
     order = list(orders[node])
     i = rng.randrange(len(order))
@@ -137,7 +138,7 @@ def _neighbour(rng: random.Random, orders: Orders, movable: list[int]) -> tuple[
         order[i], order[j] = order[j], order[i]
     else:
         order.insert(j, order.pop(i))
-    return node, order
+    return node, order, min(i, j)
 
 
 def anneal(
@@ -154,9 +155,9 @@ def anneal(
     cap = inst.problem.activation_cap
     movable = [n for n, order in enumerate(start) if len(order) > 1]
     orders = [list(o) for o in start]
-    result = simulate(inst, orders)
-    assert result is not None, "the start schedule runs"
-    makespan = result[0]
+    state = simulate(inst, orders)
+    assert state is not None, "the start schedule runs"
+    makespan = state[0]
     peaks = peak_memory(inst, orders)
     best = AnnealOutcome(seed, [list(o) for o in orders], makespan, max(peaks), 0)
     if not movable:
@@ -170,6 +171,8 @@ def anneal(
         phase_budget = budget * (1 - MEMORY_PHASE_SHARE) if phase == "latency" else budget
         if phase == "memory":
             orders, makespan, peaks = [list(o) for o in best.orders], best.makespan, peak_memory(inst, best.orders)
+            state = simulate(inst, orders)
+            assert state is not None, "the best schedule runs"
         peak_scale = max(max(peaks), 1e-12)
         scale = START_TEMPERATURE * (makespan if phase == "latency" else peak_scale)
         phase_start, phase_len = time.perf_counter(), max(stop - time.perf_counter(), 1e-9)
@@ -189,14 +192,14 @@ def anneal(
                 break  # latency optimal: go on to memory
             if phase == "memory" and best.peak <= target_memory * (1 + RELATIVE_EPS):
                 break
-            node, new_order = _neighbour(rng, orders, movable)
+            node, new_order, first = _neighbour(rng, orders, movable)
             old_order = orders[node]
             orders[node] = new_order
             new_peak_node = peak_memory(inst, [new_order])[0]
             if cap is not None and new_peak_node > cap * (1 + RELATIVE_EPS):
                 orders[node] = old_order
                 continue
-            simulated = simulate(inst, orders)
+            simulated = resimulate(inst, orders, state[1], state[2], state[1][old_order[first]])
             if simulated is None:
                 orders[node] = old_order
                 continue
@@ -207,7 +210,7 @@ def anneal(
                 phase, rng, temperature, makespan, max(peaks), new_makespan, max(new_peaks), best.makespan, peak_scale
             )
             if accepted:
-                makespan, peaks = new_makespan, new_peaks
+                makespan, peaks, state = new_makespan, new_peaks, simulated
                 faster = makespan < best.makespan * (1 - RELATIVE_EPS)
                 if faster or (makespan <= best.makespan * (1 + RELATIVE_EPS) and max(peaks) < best.peak):
                     best = AnnealOutcome(seed, [list(o) for o in orders], makespan, max(peaks), iterations)
