@@ -157,7 +157,8 @@ def execute(
 
     `tensors` is the rank's state in the source layout (empty if it is not in it) and
     `step` its optimizer step (None if it is not in the source layout). New tensors are
-    allocated on `device` (default: the device of the rank's tensors, else the CPU).
+    allocated on `device` (default: the device of the rank's tensors, else the CPU); a
+    tensor whose box is the same in both layouts is passed through, not copied.
     """
     import torch
 
@@ -170,12 +171,16 @@ def execute(
             raise ValueError(f"rank {rank} is in the source layout and must pass its optimizer step")
     if device is None:
         device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    # A tensor whose box is the same in both layouts is handed over as is, not copied.
+    kept = {t.key for t in plan.transfers if t.local and t.dst == rank and t.piece == t.src_box == t.dst_box}
     new = {
-        key: torch.empty(box_shape(box), dtype=torch_dtype(plan.target.tensors[key].dtype), device=device)
+        key: tensors[key]
+        if key in kept and tensors[key].device == device
+        else torch.empty(box_shape(box), dtype=torch_dtype(plan.target.tensors[key].dtype), device=device)
         for key, box in plan.target.rank_boxes(rank).items()
     }
     for transfer in plan.transfers:
-        if transfer.local and transfer.dst == rank:
+        if transfer.local and transfer.dst == rank and new[transfer.key] is not tensors[transfer.key]:
             _dst_view(new, transfer).copy_(_src_view(tensors, transfer))
     mover = _broadcast if method == "broadcast" else _point_to_point
     sent, received = mover(plan, rank, tensors, new)
