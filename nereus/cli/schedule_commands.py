@@ -224,7 +224,7 @@ def _print_fuse(document: Schedule, greedy_rule: str, written: list[Path]) -> No
         f"{m.name} {len(m.forward)} stages x {len(m.replica_nodes)} replica(s), {m.microbatches} micro-batches"
         for m in document.models
     )
-    console = Console(width=120, highlight=False)
+    console = Console(width=120, highlight=False, soft_wrap=True)
     console.print(f"fused schedule on {document.num_nodes} nodes: {models}", markup=False)
     reached = "lower bound reached" if s.gap <= 1e-9 else f"gap {100 * s.gap:.1f}%"
     console.print(f"makespan: {s.makespan:.6g}{t} (lower bound {s.lower_bound:.6g}{t}, {reached})", markup=False)
@@ -291,7 +291,7 @@ def _print_migrate(result: SweepResult) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=120, highlight=False)
+    console = Console(width=120, highlight=False, soft_wrap=True)
     p = result.profile
     console.print(
         f"generation: {p.num_instances} instances x {p.samples_per_instance} samples, lengths median "
