@@ -161,7 +161,27 @@ def world_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
     errors = check_case(TINY, "lm", (1, 4, 1), refs["tiny"], schedule=gpipe(4, 2))
     if errors is not None:
         results["gpipe-(1, 4, 1)"] = errors
+    errors = check_accumulation(refs["tiny"])
+    if errors is not None:
+        results["accumulate-(2, 2, 2)"] = errors
     return results
+
+
+def check_accumulation(ref: dict) -> dict[str, float] | None:
+    """Two forward_backward calls without zero_grad hold twice the gradient (no double reduction)."""
+    tp, pp, dp = 2, 2, 2
+    engine = Engine.create(TINY, "lm", RankLayout(tp, pp, dp, tuple(range(8))))
+    assert engine is not None
+    engine.load_logical_params(ref["logical"])
+    batch = make_batches("lm", 7)[0]
+    for _ in range(2):
+        engine.forward_backward(batch, NextTokenLoss(), 2)
+    twice = {name: 2 * grad for name, grad in ref["grads"].items()}
+
+    def shard_of(whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return shard_params(whole, TINY, "lm", tp, pp, engine.groups.stage, engine.groups.tp.rank)
+
+    return {"grad": _max_error(engine.local_state(), "grad", twice, shard_of)}
 
 
 def merge_rank_errors(per_rank: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -185,10 +205,16 @@ def test_every_layout_matches_reference() -> None:
     """One test for the whole world (a parametrised one would spawn it once per xdist worker);
     the failure message names every layout and quantity that is off."""
     merged = merge_rank_errors(spawn(world_worker, WORLD))
-    expected_cases = {f"{name}-{dims}" for name, _, _, dims in CASES} | {"gpipe-(1, 4, 1)"}
+    expected_cases = {f"{name}-{dims}" for name, _, _, dims in CASES} | {"gpipe-(1, 4, 1)", "accumulate-(2, 2, 2)"}
     assert set(merged) == expected_cases
-    for errors in merged.values():
-        assert set(errors) >= {"output", "loss", "grad", f"param after {STEPS} steps", f"exp_avg after {STEPS} steps"}
+    for case, errors in merged.items():
+        assert case.startswith("accumulate") or set(errors) >= {
+            "output",
+            "loss",
+            "grad",
+            f"param after {STEPS} steps",
+            f"exp_avg after {STEPS} steps",
+        }
     bad = {case: {k: v for k, v in errors.items() if not v <= TOL} for case, errors in merged.items()}
     bad = {case: errors for case, errors in bad.items() if errors}
     assert not bad, f"errors above {TOL}: {bad}"

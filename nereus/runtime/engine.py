@@ -94,7 +94,7 @@ class NextTokenLoss:
 
     def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
         losses = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=output.device)
-        losses[:, 1:] = -next_token_log_probs(output, batch.tokens, head)
+        losses[:, 1:] = -next_token_log_probs(output, batch.tokens.to(output.device), head)
         return losses
 
 
@@ -106,7 +106,7 @@ class ValueLoss:
         return _loss_mask(batch)
 
     def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
-        return (output.float() - batch.field("value_targets").float()).pow(2)
+        return (output.float() - batch.field("value_targets").to(output.device).float()).pow(2)
 
 
 @dataclass(frozen=True)
@@ -301,10 +301,13 @@ class Engine:
             for name, param in self.params.items():
                 param.copy_(by_family["param"][name])
                 grad = by_family["grad"].get(name)
-                param.grad = None if grad is None else grad.detach().to(param.dtype).clone()
-        self.optimizer.exp_avg = {n: t.detach().float().clone() for n, t in by_family["exp_avg"].items()}
-        self.optimizer.exp_avg_sq = {n: t.detach().float().clone() for n, t in by_family["exp_avg_sq"].items()}
+                param.grad = None if grad is None else grad.detach().to(param.device, param.dtype).clone()
+        self.optimizer.exp_avg = {n: self._fp32_copy(t) for n, t in by_family["exp_avg"].items()}
+        self.optimizer.exp_avg_sq = {n: self._fp32_copy(t) for n, t in by_family["exp_avg_sq"].items()}
         self.optimizer.step_count = step
+
+    def _fp32_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to(self.device, torch.float32).clone()
 
     def load_logical_params(self, logical: Mapping[str, torch.Tensor]) -> None:
         """Set this shard's parameters from whole (unsharded) tensors by name; keeps the optimizer state."""
@@ -335,7 +338,8 @@ class Engine:
         num_microbatches: int = 1,
         schedule: Sequence[Sequence[Any]] | None = None,
     ) -> float:
-        """Accumulate the gradient of the global batch's loss; return that loss on every rank.
+        """Add the gradient of the global batch's loss to the held gradients (summed over
+        micro-batches, replicas and tied copies); return that loss on every rank.
 
         `schedule`: per pipeline stage, the ordered ops ({kind: F|B, microbatch}); 1F1B if None.
         """
@@ -358,8 +362,14 @@ class Engine:
             weights = objective.weights(part).to(self.device)
             return (objective.token_losses(output, part, self.stage) * weights).sum() / normalizer
 
+        # Reduce only this call's gradient: gradients already held were reduced by earlier calls.
+        earlier = {name: param.grad for name, param in self.params.items()}
+        self.zero_grad()
         outputs = self.executor.run(op_lists[self.groups.stage], step, self._hidden_shape(batch, bounds), train=True)
         self._sync_grads()
+        for name, grad in earlier.items():
+            if grad is not None:
+                self.params[name].grad.add_(grad)  # type: ignore[union-attr]
         loss = torch.zeros((), device=self.device)
         if self.stage.is_last:
             loss = torch.stack(list(outputs.values())).sum()
