@@ -260,7 +260,7 @@ def _print_fuse(document: Schedule, greedy_rule: str, written: list[Path]) -> No
 @schedule_app.command("migrate")
 def migrate(
     plan: Annotated[Path, typer.Option("--plan", help="Plan whose actor/generation layout and workload to simulate.")],
-    samples: Annotated[
+    num_batches: Annotated[
         int, typer.Option("--batches", min=1, help="Sampled batches the threshold is averaged over.")
     ] = 4,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the sampled response lengths.")] = 0,
@@ -280,7 +280,7 @@ def migrate(
     the_calibration = load_kind(str(calibration), Calibration) if calibration else Calibration()
     profile = generation_profile(the_plan, the_calibration)  # type: ignore[arg-type]
     with _progress("sweeping thresholds", 1) as report:
-        result = sweep_thresholds(profile, num_batches=samples, seed=seed, progress=report)
+        result = sweep_thresholds(profile, num_batches=num_batches, seed=seed, progress=report)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=2))
     else:
