@@ -24,7 +24,7 @@ from nereus.solver.policy import (
     record_to_data,
     replay,
 )
-from nereus.solver.policy.replan import max_gpu
+from nereus.solver.policy.replan import max_gpu, survivors
 from nereus.solver.simulate import simulate
 from nereus.solver.traces import DEFAULT_SHAPE, GrowthConfig, SpotConfig, combined_trace, scaled_lengths
 from nereus.solver.transition import build_transition
@@ -178,7 +178,7 @@ def test_admitted_transitions_pass_the_checker(plan: Plan, replanner: Replanner)
     from nereus.spec.trace import trace_conditions
 
     trace = combined_trace(300, GPUS, GrowthConfig(every_steps=5), SpotConfig(num_changes=14), seed=5)
-    checked = 0
+    checked = surprise = 0
     for name in ("nereus", "dynarl"):
         policy = make_policy(name, plan, replanner)
         for conditions in trace_conditions(trace):
@@ -187,13 +187,16 @@ def test_admitted_transitions_pass_the_checker(plan: Plan, replanner: Replanner)
             if decision.action != "transition":
                 continue
             assert current is not None and policy.plan is not None
+            source = current if max_gpu(current) < conditions.gpus else survivors(current, conditions.gpus)
+            assert source is not None  # a surprise loss moves from the surviving EMUs
             target = policy.plan.model_copy(update={"workload": current.workload})
-            result = build_transition(current, target)
-            assert result.feasible and not check_result(result, current, target)
+            result = build_transition(source, target)
+            assert result.feasible and not check_result(result, source, target)
             lost = set(range(conditions.gpus, max_gpu(current) + 1))
             assert not any(set(p.reads) & lost for p in result.primitives if p.kind != "destroy")
             checked += 1
-    assert checked > 0
+            surprise += source is not current
+    assert checked > 0 and surprise > 0
 
 
 def test_replay_reproduces_the_log(plan: Plan, replanner: Replanner) -> None:
@@ -217,6 +220,19 @@ def test_make_policy_names(plan: Plan) -> None:
     for bad in ("periodic", "periodic:0", "periodic:x", "greedy"):
         with pytest.raises(ValueError, match="unknown policy"):
             make_policy(bad, plan)
+
+
+def test_survivors_drop_lost_emus(plan: Plan) -> None:
+    halves = [list(range(8)), list(range(8, 16))]
+    two = plan.model_copy(
+        update={"stages": [s.model_copy(update={"dp": 2, "emus": halves, "tp": 4, "pp": 2}) for s in plan.stages]}
+    )
+    alive = survivors(two, 12)  # GPUs 12..15 are gone: the second replica of every model-stage is lost
+    assert alive is not None and all(s.emus == [halves[0]] and s.dp == 1 for s in alive.stages)
+    assert survivors(two, 16) == two.model_copy(update={"predictions": None})
+    one = two.model_copy(update={"stages": [s.model_copy(update={"dp": 1, "emus": [list(range(8, 16))]}) if k == 0
+                                            else s for k, s in enumerate(two.stages)]})  # fmt: skip
+    assert survivors(one, 12) is None  # the first model-stage had its only replica on lost GPUs
 
 
 def test_refit_keeps_layouts_and_scales_dp(plan: Plan, replanner: Replanner) -> None:

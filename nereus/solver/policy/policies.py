@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from nereus.solver.policy.monitor import Monitor
-from nereus.solver.policy.replan import Replanner, TransitionVerdict, layout_summary, max_gpu, plan_key
+from nereus.solver.policy.replan import Replanner, TransitionVerdict, layout_summary, max_gpu, plan_key, survivors
 from nereus.solver.policy.types import Action, Decision, Observation, Path, PolicyConfig
 from nereus.spec.plan import Plan
 
@@ -110,9 +110,9 @@ class AdaptationPolicy(ABC):
         )
 
     def _urgent_candidates(self, observation: Observation) -> list[Plan]:
-        """Plans to move to, fastest first: the replanned optimum, and the current layouts refitted."""
+        """Plans to move to, fastest first: the replanned best few, and the current layouts refitted."""
         gpus = self._usable_gpus(observation)
-        plans = [self.replanner.best_plan(gpus, observation.response_len, observation.efficiency)]
+        plans: list[Plan | None] = [*self.replanner.best_plans(gpus, observation.response_len, observation.efficiency)]
         if self.plan is not None:
             plans.append(self._refit(self.plan, gpus, observation))
         return self._runnable(plans, observation)
@@ -144,6 +144,12 @@ class AdaptationPolicy(ABC):
             transition_cost_s=cost, payback_horizon_steps=horizon,
         )  # fmt: skip
 
+    def _surviving_plan(self, observation: Observation) -> Plan | None:
+        """The running plan less the EMUs on GPUs that are gone (None if nothing runs or a model-stage lost all)."""
+        if self.plan is None or max_gpu(self.plan) < observation.gpus:
+            return self.plan
+        return survivors(self.plan, observation.gpus)
+
     def _urgent_options(
         self, observation: Observation, target: Plan, horizon: float
     ) -> list[tuple[Action, Plan, float, float]]:
@@ -153,10 +159,10 @@ class AdaptationPolicy(ABC):
         steps = step_time * max(horizon, 1.0)
         restart = self.replanner.restart_cost(target)
         options: list[tuple[Action, Plan, float, float]] = [("restart", target, restart, restart + steps)]
-        if self.plan is not None:
-            lost = frozenset(range(observation.gpus, max_gpu(self.plan) + 1))
-            verdict = self.replanner.transition(self.plan, target)
-            if verdict.passes(lost):
+        source = self._surviving_plan(observation)
+        if source is not None:
+            verdict = self.replanner.transition(source, target)
+            if verdict.passes(frozenset(range(observation.gpus, max_gpu(source) + 1))):
                 options.insert(0, ("transition", target, verdict.cost_s, verdict.cost_s + steps))
         return options
 

@@ -48,6 +48,21 @@ def max_gpu(plan: Plan) -> int:
     return max(max(p.gpus) for p in plan.pools)
 
 
+def survivors(plan: Plan, num_gpus: int) -> Plan | None:
+    """`plan` without the EMUs that touch GPUs >= `num_gpus` (lost without notice).
+
+    Their replicas are gone; the survivors hold complete copies of the state, so a DAG from
+    here reads only live GPUs. None when some model-stage lost every replica.
+    """
+    stages = []
+    for entry in plan.stages:
+        alive = [emu for emu in entry.emus if max(emu) < num_gpus]
+        if not alive:
+            return None
+        stages.append(entry.model_copy(update={"emus": alive, "dp": len(alive)}))
+    return plan.model_copy(update={"stages": stages, "predictions": None})
+
+
 @dataclass(frozen=True)
 class TransitionVerdict:
     """Whether a transition DAG may run, and its cost (the DAG's critical path)."""
@@ -70,7 +85,7 @@ class Replanner:
     config: PolicyConfig = field(default_factory=PolicyConfig)
     calibration: Calibration = field(default_factory=Calibration)
     num_searches: int = 0
-    _plans: dict[tuple[object, ...], Plan | None] = field(default_factory=dict, repr=False)
+    _plans: dict[tuple[object, ...], list[Plan]] = field(default_factory=dict, repr=False)
     _times: dict[tuple[object, ...], float | None] = field(default_factory=dict, repr=False)
     _refits: dict[tuple[object, ...], Plan | None] = field(default_factory=dict, repr=False)
     _transitions: dict[tuple[PlanKey, PlanKey], TransitionVerdict] = field(default_factory=dict, repr=False)
@@ -100,6 +115,11 @@ class Replanner:
 
     def best_plan(self, gpus: int, lengths: ResponseLengths, efficiency: float) -> Plan | None:
         """The fastest memory-feasible plan on GPUs 0..gpus-1, or None when nothing fits."""
+        plans = self.best_plans(gpus, lengths, efficiency)
+        return plans[0] if plans else None
+
+    def best_plans(self, gpus: int, lengths: ResponseLengths, efficiency: float) -> list[Plan]:
+        """The `config.num_alternatives` fastest plans, fastest first (empty when nothing fits)."""
         rounded, eff = self.rounded_lengths(lengths), self.rounded_efficiency(efficiency)
         key = (gpus, rounded.median, rounded.p99, rounded.max, eff)
         if key not in self._plans:
@@ -107,9 +127,10 @@ class Replanner:
             request = PlanRequest(self.base.cluster, tuple(self.base.models), workload, gpus, self.calibration_for(eff))
             self.num_searches += 1
             try:
-                self._plans[key] = make_plan(request).best
+                result = make_plan(request, top_k=self.config.num_alternatives)
+                self._plans[key] = [result.best, *result.alternatives]
             except NereusError:
-                self._plans[key] = None
+                self._plans[key] = []
         return self._plans[key]
 
     def step_time(self, plan: Plan, lengths: ResponseLengths, efficiency: float) -> float | None:

@@ -82,6 +82,8 @@ class PolicyConfig:
     """Plans are searched for response lengths rounded up to this geometric grid (plan cache)."""
     efficiency_grid: float = 0.05
     """Efficiency is rounded down to this grid when planning (plan cache)."""
+    num_alternatives: int = 3
+    """Plans the urgent path may move to: the fastest few, so one whose DAG passes is likelier."""
     restart_overhead_s: float = 120.0
     """Fixed cost of a checkpoint-and-restart: relaunch, rendezvous, communicator set-up."""
     checkpoint_bytes_per_s: float = 2e9
@@ -96,5 +98,7 @@ class PolicyConfig:
             raise ValueError(f"growth_margin must be >= 0, got {self.growth_margin}")
         if self.length_grid_ratio <= 1 or self.efficiency_grid <= 0:
             raise ValueError("length_grid_ratio must exceed 1 and efficiency_grid must be positive")
+        if self.num_alternatives < 1:
+            raise ValueError(f"num_alternatives must be at least 1, got {self.num_alternatives}")
         if self.rate_window_steps < 2:
             raise ValueError(f"rate_window_steps must be at least 2, got {self.rate_window_steps}")
