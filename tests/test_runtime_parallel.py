@@ -9,6 +9,8 @@ parameters and AdamW moments after three optimizer steps, and returns the larges
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -16,7 +18,15 @@ from nereus.runtime.dist import spawn
 from nereus.runtime.engine import Engine, EngineConfig, NextTokenLoss, Objective, ValueLoss, admissible_layouts
 from nereus.runtime.model import Batch, ReferenceModel, init_logical_params, shard_params
 from nereus.runtime.optim import AdamWConfig
-from nereus.runtime.pipeline import Op, check_op_lists, forward_only, one_f_one_b, parse_op, parse_op_lists
+from nereus.runtime.pipeline import (
+    Op,
+    check_op_lists,
+    forward_only,
+    one_f_one_b,
+    op_lists_from_schedule,
+    parse_op,
+    parse_op_lists,
+)
 from nereus.runtime.shard_layout import RankLayout, state_key
 from nereus.spec.model import Head, Model
 from nereus.spec.presets import MODELS
@@ -105,7 +115,7 @@ def _max_error(local: dict[str, torch.Tensor], family: str, whole: dict[str, tor
 
 
 def check_case(
-    model: Model, head: Head, dims: tuple[int, int, int], ref: dict, schedule=None
+    model: Model, head: Head, dims: tuple[int, int, int], ref: dict, schedule=None, num_microbatches: int = 2
 ) -> dict[str, float] | None:
     """Run one layout on ranks 0..n-1 (collective over the world); this rank's errors."""
     tp, pp, dp = dims
@@ -121,7 +131,7 @@ def check_case(
     engine.load_logical_params(ref["logical"])
     batches = make_batches(head, 7)
     objective = objective_for(head)
-    num_microbatches = 2 if pp > 1 else 1
+    num_microbatches = num_microbatches if pp > 1 else 1
     first = batches[0].rows(0, ROWS // dp)  # inference runs this replica's batch as given
     output = engine.logits(first, num_microbatches) if head == "lm" else engine.values(first, num_microbatches)
     errors = {"output": float((output - ref["output"][: ROWS // dp]).abs().max())}
@@ -149,7 +159,19 @@ def gpipe(pp: int, num_microbatches: int) -> list[list[dict[str, object]]]:
     ]
 
 
-def world_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
+def fused_actor_schedule() -> list[list[Op]]:
+    """The actor's op lists from a fused actor-critic schedule found by `nereus schedule fuse`'s search."""
+    from nereus.solver.pipeline.document import to_document
+    from nereus.solver.pipeline.model import ModelTimes
+    from nereus.solver.pipeline.search import SearchConfig, search_fused
+
+    actor = ModelTimes.uniform("actor", 4, 4, forward=1.0, backward=2.0)
+    critic = ModelTimes.uniform("critic", 2, 4, forward=1.0, backward=2.0)
+    result = search_fused(actor, critic, SearchConfig(time_limit_s=1, seeds=1, max_iterations=300))
+    return op_lists_from_schedule(to_document(result), "actor")
+
+
+def world_worker(rank: int, world: int, fused: list[list[Op]]) -> dict[str, dict[str, float]]:
     torch.set_num_threads(1)
     kinds = {name: (model, head) for name, model, head, _ in CASES}
     refs = {name: reference_run(model, head, 7) for name, (model, head) in kinds.items()}
@@ -161,6 +183,9 @@ def world_worker(rank: int, world: int) -> dict[str, dict[str, float]]:
     errors = check_case(TINY, "lm", (1, 4, 1), refs["tiny"], schedule=gpipe(4, 2))
     if errors is not None:
         results["gpipe-(1, 4, 1)"] = errors
+    errors = check_case(TINY, "lm", (1, 4, 1), refs["tiny"], schedule=fused, num_microbatches=4)
+    if errors is not None:
+        results["fused-(1, 4, 1)"] = errors
     errors = check_accumulation(refs["tiny"])
     if errors is not None:
         results["accumulate-(2, 2, 2)"] = errors
@@ -204,8 +229,11 @@ def test_layouts_cover_the_tiny_model() -> None:
 def test_every_layout_matches_reference() -> None:
     """One test for the whole world (a parametrised one would spawn it once per xdist worker);
     the failure message names every layout and quantity that is off."""
-    merged = merge_rank_errors(spawn(world_worker, WORLD))
-    expected_cases = {f"{name}-{dims}" for name, _, _, dims in CASES} | {"gpipe-(1, 4, 1)", "accumulate-(2, 2, 2)"}
+    fused = fused_actor_schedule()
+    assert fused != one_f_one_b(4, 4)  # the fused order is not plain 1F1B
+    merged = merge_rank_errors(spawn(world_worker, WORLD, fused))
+    extra = {"gpipe-(1, 4, 1)", "fused-(1, 4, 1)", "accumulate-(2, 2, 2)"}
+    expected_cases = {f"{name}-{dims}" for name, _, _, dims in CASES} | extra
     assert set(merged) == expected_cases
     for case, errors in merged.items():
         assert case.startswith("accumulate") or set(errors) >= {
@@ -248,3 +276,21 @@ def test_check_op_lists_refuses_bad_schedules() -> None:
         check_op_lists([[Op("F", 0), Op("B", 0)]], 2, backward=True)
     with pytest.raises(ValueError, match="B0 comes before F0"):
         check_op_lists([[Op("B", 0), Op("F", 0)]], 1, backward=True)
+
+
+def test_op_lists_from_schedule_picks_one_replica() -> None:
+    def op(model: str, replica: int, mb: int, stage: int, kind: str) -> SimpleNamespace:
+        return SimpleNamespace(model=model, replica=replica, microbatch=mb, stage=stage, kind=kind)
+
+    critic = SimpleNamespace(name="critic", forward=[1.0], replica_microbatches=[[0, 2], [1, 3]])
+    nodes = [
+        SimpleNamespace(ops=[op("critic", 1, 1, 0, "F"), op("critic", 0, 0, 0, "F"), op("critic", 1, 3, 0, "F")]),
+        SimpleNamespace(ops=[op("critic", 1, 3, 0, "B"), op("critic", 1, 1, 0, "B")]),
+    ]
+    schedule = SimpleNamespace(models=[critic], nodes=nodes)
+    lists = op_lists_from_schedule(schedule, "critic", replica=1)  # type: ignore[arg-type]
+    assert [[str(o) for o in ops] for ops in lists] == [["F0", "F1", "B1", "B0"]]
+    with pytest.raises(ValueError, match="no model 'actor'"):
+        op_lists_from_schedule(schedule, "actor")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="2 replicas"):
+        op_lists_from_schedule(schedule, "critic", replica=2)  # type: ignore[arg-type]

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from nereus.spec.schedule import Schedule
 
 OpKind = Literal["F", "B"]
 
@@ -54,6 +57,28 @@ def parse_op(item: Any) -> Op:
 
 def parse_op_lists(op_lists: Sequence[Sequence[Any]]) -> list[list[Op]]:
     return [[parse_op(item) for item in ops] for ops in op_lists]
+
+
+def op_lists_from_schedule(schedule: Schedule, model: str, replica: int = 0) -> list[list[Op]]:
+    """One model replica's per-stage op lists out of a `Schedule` document (`nereus schedule`).
+
+    A fused schedule interleaves several models on each node; only the order of this
+    replica's own ops on each stage matters to it. Micro-batch ids are renumbered to the
+    replica's local 0..k-1 in the order of `replica_microbatches`.
+    """
+    records = {record.name: record for record in schedule.models}
+    if model not in records:
+        raise ValueError(f"schedule has no model {model!r} (it has {', '.join(sorted(records))})")
+    record = records[model]
+    if not 0 <= replica < len(record.replica_microbatches):
+        raise ValueError(f"schedule model {model!r} has {len(record.replica_microbatches)} replicas, not {replica + 1}")
+    local = {mb: index for index, mb in enumerate(record.replica_microbatches[replica])}
+    op_lists: list[list[Op]] = [[] for _ in record.forward]
+    for node in schedule.nodes:
+        for op in node.ops:
+            if op.model == model and op.replica == replica:
+                op_lists[op.stage].append(parse_op({"kind": op.kind, "microbatch": local[op.microbatch]}))
+    return op_lists
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int) -> list[list[Op]]:
