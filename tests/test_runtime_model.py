@@ -173,6 +173,10 @@ def state_worker(rank: int, world: int) -> dict[str, object]:
     other.update()
     same = all(torch.equal(engine.local_state()[k], other.local_state()[k]) for k in state)
     errors = []
+    try:
+        Engine.create(TINY, "lm", RankLayout(1, 1, 2, (0, 1)))
+    except ValueError as exc:
+        errors.append(str(exc))
     broken = [
         {k: v for k, v in state.items() if k != state_key("param", "embed.weight")},
         {**state, state_key("param", "final_norm.weight"): torch.zeros(3)},
@@ -192,8 +196,14 @@ def test_local_state_round_trip_and_refusals() -> None:
     assert result["families"] == ["exp_avg", "exp_avg_sq", "grad", "param"]
     assert result["same"] and result["step"] == 2
     errors = result["errors"]
-    assert len(errors) == 4
-    assert "lacks parameters embed.weight" in errors[0]
-    assert "shape (3,)" in errors[1]
-    assert "momentum/embed.weight" in errors[2]
-    assert "exp_avg for some parameters" in errors[3]
+    assert len(errors) == 5
+    assert "not all ranks of this 1-rank world" in errors[0]
+    assert "lacks parameters embed.weight" in errors[1]
+    assert "shape (3,)" in errors[2]
+    assert "momentum/embed.weight" in errors[3]
+    assert "exp_avg for some parameters" in errors[4]
+
+
+def test_engine_refuses_a_layout_the_model_does_not_admit() -> None:
+    with pytest.raises(ValueError, match="tp=3 does not divide the 4 attention heads"):
+        Engine.create(TINY, "lm", RankLayout(3, 1, 1, (0, 1, 2)))

@@ -244,6 +244,9 @@ class Engine:
         problem = layout_problem(model, layout.tp, layout.pp)
         if problem:
             raise ValueError(f"layout tp={layout.tp} pp={layout.pp}: {problem}")
+        world = dist.get_world_size()
+        if not all(0 <= rank < world for rank in layout.ranks):
+            raise ValueError(f"layout ranks {layout.ranks} are not all ranks of this {world}-rank world")
         groups = build_groups(model, head, layout)
         return None if groups is None else cls(model, head, groups, config or EngineConfig())
 
