@@ -44,8 +44,9 @@ def size(shape: tuple[int, int, int]) -> int:
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny-wide"])
-def test_cut_then_gather_is_the_identity_on_every_layout(model: str) -> None:
-    for shape in layouts(model):
+def test_cut_then_gather_is_the_identity(model: str) -> None:
+    # Every (tp, pp) of both models; replicas only on the small one (they repeat the same boxes).
+    for shape in [shape for shape in layouts(model) if model == "tiny" or shape[2] == 1]:
         source = meta(model, shape, tuple(reversed(range(size(shape)))), ("param",))
         logical = random_logical_state(source, SEED)
         states = {rank: cut(source, logical, rank) for rank in source.layout.ranks}
@@ -173,7 +174,7 @@ def reshard_cases() -> list[Case]:
         ("tiny-wide", ("param",), (2, 4, 1), tuple(range(8)), (4, 1, 2), (7, 6, 5, 4, 3, 2, 1, 0), "broadcast"),
     ]
     kinds = ("same", "shuffled", "disjoint")
-    for index in range(24):
+    for index in range(20):
         model = ("tiny", "tiny-wide")[index % 2]
         families = (STATE_FAMILIES, ("param",))[index // 2 % 2]
         shape_a, shape_b = rng.choice(layouts(model)), rng.choice(layouts(model))

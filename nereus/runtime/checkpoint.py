@@ -33,7 +33,14 @@ from pydantic import ValidationError
 
 from nereus.errors import NereusError
 from nereus.runtime.shard_layout import Box, RankLayout, box_numel, box_shape, intersect, layout_problem
-from nereus.runtime.sharded_state import DTYPE_BYTES, StateMeta, box_slices, check_rank_state, state_meta, torch_dtype
+from nereus.runtime.sharded_state import (
+    TORCH_DTYPE_BYTES,
+    StateMeta,
+    box_slices,
+    check_rank_state,
+    state_meta,
+    torch_dtype,
+)
 from nereus.spec.base import StrictModel
 from nereus.spec.model import Head, Model
 
@@ -330,7 +337,7 @@ def _index_problem(index: CheckpointIndex) -> str | None:
     records = {record.key: record for record in index.tensors}
     for key, tensor in expected.tensors.items():
         record = records.get(key)
-        if record is None or tuple(record.global_shape) != tensor.global_shape or record.dtype not in DTYPE_BYTES:
+        if record is None or tuple(record.global_shape) != tensor.global_shape or record.dtype not in TORCH_DTYPE_BYTES:
             return f"tensor {key} is missing or does not match model {index.model.name}"
     stored: dict[str, int] = defaultdict(int)
     for shard in index.shards:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -53,6 +54,10 @@ class Transfer:
     @property
     def local(self) -> bool:
         return self.src == self.dst
+
+
+#: One message: (how the sender got the piece: None for its source, the receiver's transfer).
+Hop = tuple[Transfer | None, Transfer]
 
 
 @dataclass(frozen=True)
@@ -179,11 +184,14 @@ def execute(
         else torch.empty(box_shape(box), dtype=torch_dtype(plan.target.tensors[key].dtype), device=device)
         for key, box in plan.target.rank_boxes(rank).items()
     }
-    for transfer in plan.transfers:
-        if transfer.local and transfer.dst == rank and new[transfer.key] is not tensors[transfer.key]:
-            _dst_view(new, transfer).copy_(_src_view(tensors, transfer))
+
+    def copy_local_pieces() -> None:
+        for transfer in plan.transfers:
+            if transfer.local and transfer.dst == rank and new[transfer.key] is not tensors[transfer.key]:
+                _dst_view(new, transfer).copy_(_src_view(tensors, transfer))
+
     mover = _broadcast if method == "broadcast" else _point_to_point
-    sent, received = mover(plan, rank, tensors, new)
+    sent, received = mover(plan, rank, tensors, new, copy_local_pieces)
     new_step = _share_step(plan, rank, step, device)
     return ReshardResult(new, new_step if in_target else None, sent, received)
 
@@ -206,21 +214,43 @@ def _receive_buffer(view: torch.Tensor, pending: list[tuple[torch.Tensor, torch.
 
 
 def _point_to_point(
-    plan: ReshardPlan, rank: int, tensors: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
+    plan: ReshardPlan,
+    rank: int,
+    tensors: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    meanwhile: Callable[[], None],
 ) -> tuple[int, int]:
+    """Send every piece straight from its source; run `meanwhile` while the messages fly."""
+    hops: list[Hop] = [(None, transfer) for transfer in plan.moved()]
+    return _exchange(hops, rank, tensors, new, meanwhile)
+
+
+def _exchange(
+    hops: list[Hop],
+    rank: int,
+    tensors: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    meanwhile: Callable[[], None],
+) -> tuple[int, int]:
+    """Post this rank's sends and receives of `hops`, run `meanwhile`, wait; (bytes sent, received)."""
     import torch.distributed as dist
 
     ops: list[dist.P2POp] = []
     pending: list[tuple[torch.Tensor, torch.Tensor]] = []
     sent = received = 0
-    for transfer in plan.moved():
-        if transfer.src == rank:
-            ops.append(dist.P2POp(dist.isend, _src_view(tensors, transfer).contiguous(), transfer.dst))
+    for got, transfer in hops:
+        sender = transfer.src if got is None else got.dst
+        if sender == rank:
+            data = _src_view(tensors, transfer) if got is None else _dst_view(new, got)
+            ops.append(dist.P2POp(dist.isend, data.contiguous(), transfer.dst))
             sent += transfer.nbytes
         elif transfer.dst == rank:
-            ops.append(dist.P2POp(dist.irecv, _receive_buffer(_dst_view(new, transfer), pending), transfer.src))
+            ops.append(dist.P2POp(dist.irecv, _receive_buffer(_dst_view(new, transfer), pending), sender))
             received += transfer.nbytes
-    _run(ops)
+    requests = dist.batch_isend_irecv(ops) if ops else []
+    meanwhile()
+    for request in requests:
+        request.wait()
     for view, buffer in pending:
         view.copy_(buffer)
     return sent, received
@@ -240,10 +270,6 @@ def _fan_out_groups(plan: ReshardPlan) -> list[list[Transfer]]:
     for transfer in plan.moved():
         groups[(transfer.src, transfer.key, transfer.piece)].append(transfer)
     return list(groups.values())
-
-
-#: One hop of a tree broadcast: (how the sender got the piece: None for its source, the receiver's transfer).
-Hop = tuple[Transfer | None, Transfer]
 
 
 def broadcast_rounds(plan: ReshardPlan) -> list[list[Hop]]:
@@ -268,28 +294,23 @@ def broadcast_rounds(plan: ReshardPlan) -> list[list[Hop]]:
 
 
 def _broadcast(
-    plan: ReshardPlan, rank: int, tensors: dict[str, torch.Tensor], new: dict[str, torch.Tensor]
+    plan: ReshardPlan,
+    rank: int,
+    tensors: dict[str, torch.Tensor],
+    new: dict[str, torch.Tensor],
+    meanwhile: Callable[[], None],
 ) -> tuple[int, int]:
-    """Move every piece by a binomial-tree broadcast over point-to-point sends."""
-    import torch.distributed as dist
-
+    """Move every piece by a binomial-tree broadcast over point-to-point sends, round by round."""
     sent = received = 0
-    for hops in broadcast_rounds(plan):
-        ops: list[dist.P2POp] = []
-        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for got, transfer in hops:
-            sender = transfer.src if got is None else got.dst
-            if sender == rank:
-                data = _src_view(tensors, transfer) if got is None else _dst_view(new, got)
-                ops.append(dist.P2POp(dist.isend, data.contiguous(), transfer.dst))
-                sent += transfer.nbytes
-            elif transfer.dst == rank:
-                ops.append(dist.P2POp(dist.irecv, _receive_buffer(_dst_view(new, transfer), pending), sender))
-                received += transfer.nbytes
-        _run(ops)
-        for view, buffer in pending:
-            view.copy_(buffer)
+    rounds = broadcast_rounds(plan) or [[]]
+    for number, hops in enumerate(rounds):
+        round_sent, round_received = _exchange(hops, rank, tensors, new, meanwhile if number == 0 else _nothing)
+        sent, received = sent + round_sent, received + round_received
     return sent, received
+
+
+def _nothing() -> None:
+    return None
 
 
 def _share_step(plan: ReshardPlan, rank: int, step: int | None, device: torch.device) -> int | None:

@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 #: The dtype of every state tensor unless a caller says otherwise (AdamW keeps fp32 state).
 DEFAULT_DTYPE = "float32"
 
-#: Bytes per element of the dtypes state tensors may have.
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+#: Bytes per element of the dtypes state tensors may have, by torch name (the spec
+#: layer's DTYPE_BYTES is keyed by workload names such as bf16).
+TORCH_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class TensorMeta:
 
     @property
     def itemsize(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        return TORCH_DTYPE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -96,8 +97,8 @@ def state_meta(
     if unknown:
         raise ValueError(f"unknown state families {unknown}; choose from {', '.join(STATE_FAMILIES)}")
     for family, dtype in (dtypes or {}).items():
-        if dtype not in DTYPE_BYTES:
-            raise ValueError(f"family {family}: dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        if dtype not in TORCH_DTYPE_BYTES:
+            raise ValueError(f"family {family}: dtype {dtype!r} is not one of {', '.join(TORCH_DTYPE_BYTES)}")
     tensors = {}
     for info in param_infos(model, head):
         for family in families:
