@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -79,8 +80,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per layout")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per layout")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     rows = sorted((row for ranks in spawn(time_layouts, args.ranks, args) for row in ranks), key=lambda r: r["ranks"])
-    print(f"{args.model}: forward+backward of {args.rows} x {args.seq} tokens, gloo, 1 thread per rank")
+    print(
+        f"{args.model}: forward+backward of {args.rows} x {args.seq} tokens, gloo, 1 thread per rank "
+        f"(machine load {load_before:.1f} before the run)"
+    )
     print(f"{'tp':>3} {'pp':>3} {'dp':>3} {'mb':>3} {'step ms':>9} {'tokens/s':>10} {'tok/s/rank':>11}")
     for row in rows:
         print(
@@ -98,6 +103,7 @@ def main() -> None:
         "backend": "gloo",
         "warmup": args.warmup,
         "iters": args.iters,
+        "load_average_1m_before": load_before,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "layouts": rows,

@@ -378,7 +378,7 @@ class Engine:
             loss = torch.stack(list(outputs.values())).sum()
             if self.groups.dp_group is not None:
                 dist.all_reduce(loss, group=self.groups.dp_group)
-        return float(self._from_last_stage(loss))
+        return float(self.from_last_stage(loss))
 
     def update(self) -> None:
         """One AdamW step on every shard (after forward_backward)."""
@@ -425,7 +425,7 @@ class Engine:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
-    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+    def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last stage's `tensor` on every stage of this replica (same shape everywhere)."""
         link = self.groups.link
         if link.num_stages == 1:
@@ -455,11 +455,11 @@ class Engine:
         result = torch.zeros(out_shape, device=self.device)
         if self.stage.is_last:
             result = torch.cat([outputs[mb] for mb in range(num_microbatches)])
-        return self._from_last_stage(result)
+        return self.from_last_stage(result)
 
     def logits(self, batch: Batch, num_microbatches: int = 1) -> torch.Tensor:
         """Full-vocabulary logits [b, t, vocab] of this replica's `batch`, on every rank of it."""
-        self._require_head("lm")
+        self.require_head("lm")
         shape = (*batch.tokens.shape, self.model.vocab_size)
         return self._forward_outputs(
             batch, num_microbatches, lambda out, _: gather_last_dim(out, self.groups.tp), shape
@@ -467,7 +467,7 @@ class Engine:
 
     def log_probs(self, batch: Batch, num_microbatches: int = 1) -> torch.Tensor:
         """[b, t - 1]: log p(tokens[:, i + 1] | tokens[:, : i + 1]) (actor and reference inference)."""
-        self._require_head("lm")
+        self.require_head("lm")
         rows, seq = batch.tokens.shape
 
         def reduce(out: torch.Tensor, part: Batch) -> torch.Tensor:
@@ -477,9 +477,9 @@ class Engine:
 
     def values(self, batch: Batch, num_microbatches: int = 1) -> torch.Tensor:
         """[b, t] value-head outputs (critic and reward inference)."""
-        self._require_head("value")
+        self.require_head("value")
         return self._forward_outputs(batch, num_microbatches, lambda out, _: out.float(), tuple(batch.tokens.shape))
 
-    def _require_head(self, head: Head) -> None:
+    def require_head(self, head: Head) -> None:
         if self.head != head:
             raise ValueError(f"this engine has a {self.head} head; the call needs a {head} head")

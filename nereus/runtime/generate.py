@@ -133,7 +133,7 @@ def _decode(
 
 def generate(engine: Engine, prompts: Sequence[Sequence[int]], config: SamplingConfig) -> Generation:
     """Generate from `prompts` on this engine's replica (collective over its ranks)."""
-    engine._require_head("lm")
+    engine.require_head("lm")
     stage, link, tp = engine.stage, engine.groups.link, engine.groups.tp
     device = engine.device
     capacity = max(len(p) for p in prompts) + config.max_new_tokens
@@ -159,7 +159,7 @@ def generate(engine: Engine, prompts: Sequence[Sequence[int]], config: SamplingC
         return gather_last_dim(output[:, -1], tp)
 
     def share(chosen: torch.Tensor) -> torch.Tensor:
-        return engine._from_last_stage(chosen.to(device)).cpu()
+        return engine.from_last_stage(chosen.to(device)).cpu()
 
     return _decode(prompts, config, next_logits, share)
 
