@@ -6,7 +6,7 @@ exactly the parameters `shard_layout.holds` assigns to stage s, each the box
 `local_box(..., r)` of the whole tensor, so `local_state()` / `load_local_state()` speak
 the sharding contract the resharder and the checkpointer use.
 
-A training step: the global batch is split evenly over the replicas and each replica's
+A training step: the global batch is split as evenly as possible over the replicas and each replica's
 rows into micro-batches; the pipeline executor runs them (1F1B or a given schedule); the
 loss is normalised by the global batch's loss weight so that summing gradients over
 micro-batches and replicas gives the single-process gradient; tied embeddings sum their
