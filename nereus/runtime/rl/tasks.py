@@ -67,7 +67,10 @@ class Problem:
 class Task(Protocol):
     """A family of verifiable problems."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The task's name in `TASKS`."""
+        ...
 
     def sample(self, rng: random.Random) -> Problem:
         """One problem drawn with `rng`."""
