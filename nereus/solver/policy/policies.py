@@ -2,9 +2,11 @@
 
 All share `decide(observation) -> Decision` and the urgent path: when the running plan
 is invalid (its GPUs are gone or about to go, or it is predicted to overflow memory) the
-policy waives profitability and moves to the best plan that has a transition DAG passing
-the independent checker, or else to a checkpoint-and-restart; when nothing fits at all
-it suspends. They differ in the opportunistic path: when to replan and what to admit.
+policy waives profitability. Among the planner's best few plans and the running layouts
+refitted, it takes the move with the least expected time over the payback horizon: a
+transition DAG that passes the independent checker (after a loss without notice, built
+from the surviving EMUs) or a checkpoint-and-restart. When nothing fits, it suspends.
+The policies differ in the opportunistic path: when to replan and what to admit.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class AdaptationPolicy(ABC):
     name = "base"
 
     def __init__(self, plan: Plan, replanner: Replanner | None = None, config: PolicyConfig | None = None) -> None:
+        if config is not None and replanner is not None and config != replanner.config:
+            raise ValueError("the policy and its replanner must share one PolicyConfig")
         self.config = config or (replanner.config if replanner else PolicyConfig())
         self.replanner = replanner or Replanner(plan, self.config)
         self.plan: Plan | None = plan
