@@ -88,20 +88,34 @@ def held_bytes(plan: Plan, sizes: dict[str, float]) -> dict[int, float]:
 
 def primitive_duration(primitive: Primitive, cluster: Cluster, calibration: Calibration) -> float:
     """Communicator set-up plus the slowest destination's incoming transfers."""
-    incoming: dict[int, float] = {}
-    for src, dst, nbytes in primitive.transfers:
-        bandwidth, latency = calibration.link(cluster, cluster.node_of(src) != cluster.node_of(dst))
-        incoming[dst] = incoming.get(dst, 0.0) + latency + nbytes / bandwidth
-    setup = calibration.communicator_setup_s if primitive.new_groups else 0.0
-    return setup + max(incoming.values(), default=0.0)
+    return primitive_durations([primitive], cluster, calibration)[0]
+
+
+def primitive_durations(primitives: list[Primitive], cluster: Cluster, calibration: Calibration) -> list[float]:
+    """`primitive_duration` of each primitive (the links are looked up once)."""
+    per_node = cluster.gpus_per_node
+    intra, inter = calibration.link(cluster, False), calibration.link(cluster, True)
+    out = []
+    for primitive in primitives:
+        incoming: dict[int, float] = {}
+        for src, dst, nbytes in primitive.transfers:
+            bandwidth, latency = inter if src // per_node != dst // per_node else intra
+            incoming[dst] = incoming.get(dst, 0.0) + latency + nbytes / bandwidth
+        setup = calibration.communicator_setup_s if primitive.new_groups else 0.0
+        out.append(setup + max(incoming.values(), default=0.0))
+    return out
 
 
 def link_bytes(primitives: list[Primitive], cluster: Cluster) -> dict[str, float]:
-    out = {"intra_node": 0.0, "inter_node": 0.0}
+    intra = inter = 0.0
+    per_node = cluster.gpus_per_node
     for primitive in primitives:
         for src, dst, nbytes in primitive.transfers:
-            out["inter_node" if cluster.node_of(src) != cluster.node_of(dst) else "intra_node"] += nbytes
-    return out
+            if src // per_node != dst // per_node:
+                inter += nbytes
+            else:
+                intra += nbytes
+    return {"intra_node": intra, "inter_node": inter}
 
 
 def _boxes(entry: StagePlan, num_gpus: int) -> np.ndarray:
@@ -568,8 +582,9 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
     primitives: list[Primitive] = []
     for name in changed:
         primitives += local_dag(name, sizes[name], emus_a[name], emus_b[name], next_id=len(primitives))
-    for primitive in primitives:
-        primitive.duration_s = primitive_duration(primitive, plan_b.cluster, calibration)
+    durations = primitive_durations(primitives, plan_b.cluster, calibration)
+    for primitive, duration in zip(primitives, durations, strict=True):
+        primitive.duration_s = duration
     initial = held_bytes(plan_a, sizes)
     capacity = usable_memory(plan_b.cluster, calibration)
     replay, cycle, rule = schedule_best(primitives, initial, capacity)
