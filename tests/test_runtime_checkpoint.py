@@ -142,16 +142,25 @@ def test_a_damaged_checkpoint_is_refused_with_a_one_line_error(tmp_path: Path, d
         assert "\n" not in text and str(path) in text
 
 
-def test_a_forged_index_with_a_valid_checksum_is_still_checked(tmp_path: Path) -> None:
+FORGERIES = {
+    "not a box of the saved layout": lambda entries: entries.__setitem__(
+        0, entries[0].model_copy(update={"box": [(0, 3), (0, 64)]})
+    ),
+    "stored twice": lambda entries: entries.append(entries[0]),
+    "do not hold all": lambda entries: entries.pop(0),
+}
+
+
+@pytest.mark.parametrize("problem", sorted(FORGERIES))
+def test_a_forged_index_with_a_valid_checksum_is_still_checked(tmp_path: Path, problem: str) -> None:
     from nereus.runtime.checkpoint import CheckpointIndex, _sealed
 
-    path, _ = saved(tmp_path, meta("tiny", 2, 1, 1))
+    path, _ = saved(tmp_path, meta("tiny", 2, 1, 1, families=("param",)))
     index = read_index(path)
-    entries = index.shards[0].entries
-    entries[0] = entries[0].model_copy(update={"box": [(0, 3), (0, 64)]})
+    FORGERIES[problem](index.shards[0].entries)
     forged = _sealed(CheckpointIndex.model_validate(index.model_dump()))
     (path / INDEX_NAME).write_text(forged.model_dump_json())
-    with pytest.raises(NereusError, match="not a box of the saved layout"):
+    with pytest.raises(NereusError, match=problem):
         read_index(path)
 
 

@@ -333,22 +333,28 @@ def _index_problem(index: CheckpointIndex) -> str | None:
     problem = layout_problem(index.model, index.tp, index.pp)
     if problem or len(index.ranks) != index.tp * index.pp * index.dp or len(set(index.ranks)) != len(index.ranks):
         return f"saved layout tp={index.tp} pp={index.pp} dp={index.dp} on ranks {index.ranks} is invalid"
-    expected = _saved_meta(index)
+    try:
+        expected = _saved_meta(index)
+    except ValueError as error:
+        return str(error)
     records = {record.key: record for record in index.tensors}
     for key, tensor in expected.tensors.items():
         record = records.get(key)
         if record is None or tuple(record.global_shape) != tensor.global_shape or record.dtype not in TORCH_DTYPE_BYTES:
             return f"tensor {key} is missing or does not match model {index.model.name}"
-    stored: dict[str, int] = defaultdict(int)
+    stored: dict[str, set[Box]] = defaultdict(set)
     for shard in index.shards:
         for entry in shard.entries:
             box = tuple(entry.box)
-            if entry.key not in records or box not in {b for b in expected.holders(entry.key).values()}:
+            if entry.key not in records or box not in set(expected.holders(entry.key).values()):
                 return f"{shard.file}: {entry.key} box {entry.box} is not a box of the saved layout"
-            stored[entry.key] += box_numel(box)
+            if box in stored[entry.key]:
+                return f"{shard.file}: {entry.key} box {entry.box} is stored twice"
+            stored[entry.key].add(box)
     for key, tensor in expected.tensors.items():
-        if stored[key] != box_numel(tuple((0, size) for size in tensor.global_shape)):
-            return f"the shards do not hold all of {key} exactly once"
+        # Distinct boxes of one layout are disjoint: they cover the tensor iff their sizes add up.
+        if sum(box_numel(box) for box in stored[key]) != box_numel(tuple((0, n) for n in tensor.global_shape)):
+            return f"the shards do not hold all of {key}"
     return None
 
 
