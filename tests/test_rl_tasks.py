@@ -30,6 +30,7 @@ def test_tokenizer_round_trip_and_specials() -> None:
     assert TOKENIZER.decode(ids) == text
     assert TOKENIZER.decode([TOKENIZER.bos_id, *ids[:3], TOKENIZER.eos_id, *ids[3:]]) == text[:3]
     assert TOKENIZER.vocab_size == 3 + len(ALPHABET) <= 64  # fits the tiny preset's vocabulary
+    assert TOKENIZER.decode([ids[0], TOKENIZER.vocab_size, 63]) == text[0] + "??"  # ids a bigger model may emit
     with pytest.raises(ValueError, match="'x' is not in"):
         TOKENIZER.encode("1x")
 

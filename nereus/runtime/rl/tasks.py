@@ -16,6 +16,8 @@ from typing import Protocol
 
 #: Characters the tasks write; token ids follow the special tokens in this order.
 ALPHABET = "0123456789+-=:SA"
+#: What `decode` writes for an id outside the alphabet; it never matches an answer character.
+UNKNOWN_CHAR = "?"
 
 
 @dataclass(frozen=True)
@@ -46,13 +48,15 @@ class CharTokenizer:
         return ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        """Text of `ids` up to the first end-of-sequence token; other special tokens are dropped."""
+        """Text of `ids` up to the first end-of-sequence token; other special tokens are dropped
+        and ids past the alphabet (a model's vocabulary may be larger) become `UNKNOWN_CHAR`."""
         chars = []
         for token in ids:
             if token == self.eos_id:
                 break
             if token >= self.num_special:
-                chars.append(self.alphabet[token - self.num_special])
+                index = token - self.num_special
+                chars.append(self.alphabet[index] if index < len(self.alphabet) else UNKNOWN_CHAR)
         return "".join(chars)
 
 

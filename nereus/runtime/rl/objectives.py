@@ -1,0 +1,101 @@
+"""Engine objectives for the RL losses, on the engine's per-token log-prob interface.
+
+Per-token fields are aligned with the tokens: column i holds the quantity of token i
+(its log-prob given the tokens before it, its advantage, ...), column 0 is unused. The
+engine's `log_probs` and `values` give one column per position; `align_to_tokens` and
+`values_to_tokens` turn them into this convention, and the objectives do the same with the
+model output, so inference and training see identical numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nereus.runtime.engine import HeadOps, next_token_log_probs
+from nereus.runtime.model import Batch
+from nereus.runtime.rl.algorithms import clipped_policy_loss, clipped_value_loss, kl_divergence
+from nereus.runtime.tensor_parallel import TensorParallel, reduce_from_group
+
+
+def align_to_tokens(next_token_values: torch.Tensor) -> torch.Tensor:
+    """[b, t - 1] values of tokens 1.. (e.g. `Engine.log_probs`) -> [b, t] with a zero column 0."""
+    return torch.nn.functional.pad(next_token_values, (1, 0))
+
+
+def values_to_tokens(position_values: torch.Tensor) -> torch.Tensor:
+    """[b, t] value-head outputs per position -> [b, t] value of emitting token i, which the
+    critic estimates from the state before it (position i - 1); column 0 is zero."""
+    return align_to_tokens(position_values[:, :-1])
+
+
+def vocab_parallel_entropy(local_logits: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """Entropy of the softmax over the full vocabulary from this tensor rank's logit columns."""
+    logits = local_logits.float()
+    peak = logits.detach().max(dim=-1, keepdim=True).values
+    if tp.group is not None:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=tp.group)
+    exp = torch.exp(logits - peak)
+    total = reduce_from_group(exp.sum(dim=-1), tp.group)
+    weighted = reduce_from_group((exp * logits).sum(dim=-1), tp.group)
+    return torch.log(total) + peak.squeeze(-1) - weighted / total
+
+
+def _loss_mask(batch: Batch) -> torch.Tensor:
+    return batch.field("loss_mask").to(torch.float32)
+
+
+@dataclass(frozen=True)
+class PolicyObjective:
+    """PPO's clipped surrogate (also GRPO's and ReMax's): needs fields `loss_mask`,
+    `old_log_probs`, `advantages`, and `ref_log_probs` when `kl_loss_coef` > 0."""
+
+    clip_eps: float
+    """Trust region of the probability ratio: clip to [1 - eps, 1 + eps]."""
+    kl_loss_coef: float
+    """Weight of the k3 KL(policy || reference) loss term (GRPO style); 0 disables it."""
+    entropy_coef: float
+    """Weight of the entropy bonus (subtracted from the loss); 0 disables it."""
+    tp: TensorParallel
+    """The engine's tensor group (the entropy needs the whole vocabulary)."""
+
+    def weights(self, batch: Batch) -> torch.Tensor:
+        return _loss_mask(batch)
+
+    def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
+        device = output.device
+        log_probs = align_to_tokens(next_token_log_probs(output, batch.tokens.to(device), head))
+        losses = clipped_policy_loss(
+            log_probs,
+            batch.field("old_log_probs").to(device),
+            batch.field("advantages").to(device),
+            self.clip_eps,
+        )
+        if self.kl_loss_coef > 0:
+            ref = batch.field("ref_log_probs").to(device)
+            losses = losses + self.kl_loss_coef * kl_divergence(log_probs, ref, "k3")
+        if self.entropy_coef > 0:
+            losses = losses - self.entropy_coef * align_to_tokens(vocab_parallel_entropy(output[:, :-1], self.tp))
+        return losses
+
+
+@dataclass(frozen=True)
+class ClippedValueObjective:
+    """PPO's clipped value loss: needs fields `loss_mask`, `old_values` and `returns`."""
+
+    clip_eps: float
+    """How far a value may move from its old estimate before the clipped loss takes over."""
+
+    def weights(self, batch: Batch) -> torch.Tensor:
+        return _loss_mask(batch)
+
+    def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
+        device = output.device
+        return clipped_value_loss(
+            values_to_tokens(output.float()),
+            batch.field("old_values").to(device),
+            batch.field("returns").to(device),
+            self.clip_eps,
+        )

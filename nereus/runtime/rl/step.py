@@ -1,0 +1,433 @@
+"""One RL step driven by a Plan, and a loop of steps, run on every rank of a spawned world.
+
+Each model-stage of the plan gets its own engine on its EMUs' ranks (GPU id = rank), built
+from the same init seed, so actor/generation, actor/inference and actor/training start from
+the same weights and the reference stays at them. A step reads top to bottom:
+
+1. generation: each actor/generation replica samples responses for its share of the prompts;
+2. inference: actor old log-probs, reference log-probs, critic values (each stage's replicas
+   on their share of the rows) and the rule-based reward of the task;
+3. advantages: PPO (KL-penalised token rewards + GAE), GRPO (group-relative) or ReMax
+   (greedy baseline, from an extra greedy generation);
+4. training: actor (clipped surrogate) and critic (clipped value loss), by mini-batches;
+5. weight sync: actor/training -> actor/generation and actor/inference, critic/training ->
+   critic/inference, through the resharder.
+
+Rows move between stages through the world (`all_gather_object`): every rank ends each
+phase with the whole batch, so any placement (colocated or split pools) works the same way.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nereus.runtime.engine import Engine, EngineConfig, even_split
+from nereus.runtime.generate import SamplingConfig, generate
+from nereus.runtime.model import Batch
+from nereus.runtime.optim import AdamWConfig
+from nereus.runtime.reshard import ReshardPlan, execute, plan_reshard
+from nereus.runtime.rl.algorithms import (
+    broadcast_to_tokens,
+    gae,
+    group_advantages,
+    masked_mean,
+    masked_whiten,
+    remax_advantages,
+    token_rewards,
+)
+from nereus.runtime.rl.objectives import ClippedValueObjective, PolicyObjective, align_to_tokens, values_to_tokens
+from nereus.runtime.rl.tasks import CharTokenizer, Problem, encode_prompt, get_task, sample_problems
+from nereus.runtime.rl.tasks import score_response as rule_score
+from nereus.runtime.shard_layout import RankLayout
+from nereus.runtime.sharded_state import state_meta
+from nereus.runtime.tensor_parallel import TensorParallel
+from nereus.spec.model import Head, Model
+from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.workload import Role
+
+#: Weight syncs after training: (source model-stage, target model-stage).
+WEIGHT_SYNCS = (
+    ("actor/training", "actor/generation"),
+    ("actor/training", "actor/inference"),
+    ("critic/training", "critic/inference"),
+)
+
+
+@dataclass(frozen=True)
+class RLConfig:
+    """Hyperparameters of the RL loop (the plan's workload gives batch shapes and algorithm)."""
+
+    task: str = "sort"
+    """Synthetic task the prompts come from (`tasks.TASKS`)."""
+    seed: int = 0
+    """Seed of the initial weights, the prompts and the sampling."""
+    actor_lr: float = 3e-3
+    """AdamW learning rate of the actor."""
+    critic_lr: float = 3e-3
+    """AdamW learning rate of the critic."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon of both models."""
+    temperature: float = 1.0
+    """Sampling temperature of generation."""
+    max_new_tokens: int = 16
+    """Most tokens per response (responses stop earlier at EOS)."""
+    clip_eps: float = 0.2
+    """PPO ratio clip."""
+    value_clip_eps: float = 0.2
+    """PPO value clip."""
+    gamma: float = 1.0
+    """GAE discount."""
+    lam: float = 0.95
+    """GAE lambda."""
+    kl_coef: float = 0.02
+    """PPO: weight of the k1 KL penalty in the token rewards."""
+    kl_loss_coef: float = 0.02
+    """GRPO and ReMax: weight of the k3 KL loss in the policy objective."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus in the policy objective."""
+
+    def __post_init__(self) -> None:
+        get_task(self.task)
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one RL step measured (identical on every rank)."""
+
+    step: int
+    reward: float
+    """Mean rule-based score of the sampled responses."""
+    kl: float
+    """Mean k1 KL(actor || reference) per response token, at the sampling policy."""
+    response_len_mean: float
+    response_len_max: int
+    actor_loss: float
+    """Mean over mini-batches and epochs of the policy loss."""
+    critic_loss: float | None
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    """Wall time per model-stage (slowest rank), plus `advantages` and `weight_sync`."""
+
+
+@dataclass
+class Stage:
+    """One model-stage on this rank: its plan entry, layout and engine (None off its ranks)."""
+
+    plan: StagePlan
+    model: Model
+    head: Head
+    layout: RankLayout
+    engine: Engine | None
+
+
+def stage_layout(entry: StagePlan) -> RankLayout:
+    """The runtime layout of a plan entry: GPU ids are world ranks, EMU by EMU."""
+    return RankLayout(entry.tp, entry.pp, entry.dp, tuple(entry.gpus))
+
+
+def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
+    """Why `plan` cannot run on `world_size` ranks with `config` (empty when it can)."""
+    from nereus.runtime.shard_layout import layout_problem
+
+    problems = []
+    workload = plan.workload
+    num_rows = workload.prompts_per_step * workload.samples_per_prompt
+    used = sorted({gpu for entry in plan.stages for gpu in entry.gpus})
+    if used and used[-1] >= world_size:
+        problems.append(f"the plan uses GPU {used[-1]} but the world has {world_size} ranks (0..{world_size - 1})")
+    tokenizer = CharTokenizer()
+    for entry in plan.stages:
+        name = entry.model_stage
+        model = plan.model(workload.model_name(entry.role))
+        problem = layout_problem(model, entry.tp, entry.pp)
+        if problem:
+            problems.append(f"{name}: {problem}")
+        if model.vocab_size < tokenizer.vocab_size:
+            problems.append(
+                f"{name}: model {model.name} has {model.vocab_size} tokens, the tokenizer needs {tokenizer.vocab_size}"
+            )
+        rows = num_rows // workload.mini_batches if entry.stage == "training" else num_rows
+        if rows // entry.dp < entry.micro_batches:
+            problems.append(f"{name}: {rows} rows over dp={entry.dp} cannot fill micro_batches={entry.micro_batches}")
+    if workload.algorithm == "grpo" and workload.samples_per_prompt < 2:
+        problems.append("grpo needs samples_per_prompt >= 2 (groups of one have no baseline)")
+    has_critic = any(entry.role == "critic" for entry in plan.stages)
+    if workload.algorithm == "ppo" and not has_critic:
+        problems.append("ppo needs critic/inference and critic/training stages")
+    if workload.algorithm != "ppo" and has_critic:
+        problems.append(f"{workload.algorithm} trains no critic; remove the critic stages")
+    return problems
+
+
+def build_stages(plan: Plan, config: RLConfig) -> dict[str, Stage]:
+    """Every model-stage's engine (collective: every rank builds them in plan order)."""
+    stages: dict[str, Stage] = {}
+    for entry in plan.stages:
+        if entry.role == "reward":
+            continue  # rewards are rule-based: the task scores responses, no model runs
+        role: Role = entry.role
+        lr = config.critic_lr if role == "critic" else config.actor_lr
+        engine_config = EngineConfig(AdamWConfig(lr=lr, eps=config.adam_eps), init_seed=config.seed)
+        model = plan.model(plan.workload.model_name(role))
+        head: Head = "value" if role == "critic" else "lm"
+        layout = stage_layout(entry)
+        engine = Engine.create(model, head, layout, engine_config)
+        stages[entry.model_stage] = Stage(entry, model, head, layout, engine)
+    return stages
+
+
+# ---- moving rows between ranks ----
+
+
+def share_replica_rows(stage: Stage, rows: torch.Tensor | None) -> torch.Tensor:
+    """Each replica's result rows -> the whole batch on every world rank, replica order."""
+    engine = stage.engine
+    lead = engine is not None and engine.groups.stage == 0 and engine.groups.tp.rank == 0
+    mine = (engine.groups.replica, rows.cpu()) if lead and engine is not None and rows is not None else None
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    parts = sorted((part for part in gathered if part is not None), key=lambda part: part[0])
+    assert [replica for replica, _ in parts] == list(range(stage.layout.dp)), parts
+    return torch.cat([tensor for _, tensor in parts])
+
+
+def share_objects(stage: Stage, value: list[Any] | None) -> list[Any]:
+    """Each replica's list -> the concatenation over replicas on every world rank."""
+    engine = stage.engine
+    lead = engine is not None and engine.groups.stage == 0 and engine.groups.tp.rank == 0
+    mine = (engine.groups.replica, value) if lead and engine is not None else None
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    parts = sorted((part for part in gathered if part is not None), key=lambda part: part[0])
+    return [item for _, items in parts for item in items]
+
+
+# ---- phases ----
+
+
+def generate_responses(stage: Stage, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
+    """Every prompt's response, each replica sampling its contiguous share with its own seed."""
+    engine = stage.engine
+    mine = None
+    if engine is not None:
+        start, stop = even_split(len(prompts), stage.layout.dp)[engine.groups.replica]
+        seed = sampling.seed * 1009 + engine.groups.replica
+        replica_sampling = SamplingConfig(**{**sampling.__dict__, "seed": seed})
+        mine = generate(engine, prompts[start:stop], replica_sampling).responses()
+    return share_objects(stage, mine)
+
+
+def rollout_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Batch:
+    """Prompts left-padded and responses right-padded into one batch; `loss_mask` marks responses."""
+    prompt_width = max(len(p) for p in prompts)
+    width = prompt_width + max(len(r) for r in responses)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.bool)
+    loss_mask = torch.zeros((len(prompts), width), dtype=torch.float32)
+    for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        start = prompt_width - len(prompt)
+        tokens[row, start : prompt_width + len(response)] = torch.tensor(prompt + response)
+        attention[row, start : prompt_width + len(response)] = True
+        loss_mask[row, prompt_width : prompt_width + len(response)] = 1.0
+    return Batch(tokens, attention, {"loss_mask": loss_mask})
+
+
+def infer(stage: Stage, batch: Batch, kind: str) -> torch.Tensor:
+    """Token-aligned `log_probs` or `values` of the whole batch, each replica on its rows."""
+    engine = stage.engine
+    rows = None
+    if engine is not None:
+        mine = engine.replica_rows(batch)
+        if kind == "log_probs":
+            rows = align_to_tokens(engine.log_probs(mine, stage.plan.micro_batches))
+        else:
+            rows = values_to_tokens(engine.values(mine, stage.plan.micro_batches))
+    return share_replica_rows(stage, rows)
+
+
+def train(stage: Stage, batch: Batch, objective: Any, num_mini_batches: int, num_epochs: int) -> float:
+    """Epochs of mini-batch updates on the whole batch; the mean loss (same on every rank)."""
+    engine = stage.engine
+    losses = []
+    if engine is not None:
+        for _ in range(num_epochs):
+            for start, stop in even_split(batch.num_rows, num_mini_batches):
+                losses.append(engine.train_step(batch.rows(start, stop), objective, stage.plan.micro_batches))
+    return float(torch.tensor(share_objects(stage, [sum(losses) / max(len(losses), 1)])).mean())
+
+
+def sync_plans(stages: dict[str, Stage]) -> list[tuple[Stage, Stage, ReshardPlan]]:
+    """The resharding plan of every weight sync the plan's stages call for (parameters only)."""
+    plans = []
+    for source_name, target_name in WEIGHT_SYNCS:
+        if source_name in stages and target_name in stages:
+            source, target = stages[source_name], stages[target_name]
+            plan = plan_reshard(
+                state_meta(source.model, source.head, source.layout, ("param",)),
+                state_meta(target.model, target.head, target.layout, ("param",)),
+            )
+            plans.append((source, target, plan))
+    return plans
+
+
+def sync_weights(syncs: list[tuple[Stage, Stage, ReshardPlan]]) -> None:
+    """Copy the trained parameters into the generation and inference engines by resharding."""
+    rank = dist.get_rank()
+    for source, target, plan in syncs:
+        tensors, step = {}, None
+        if source.engine is not None:
+            tensors = {k: v for k, v in source.engine.local_state().items() if k.startswith("param/")}
+            step = source.engine.optimizer_step
+        result = execute(plan, rank, tensors, step)
+        if target.engine is not None:
+            assert result.step is not None
+            target.engine.load_local_state(result.tensors, result.step)
+
+
+# ---- the step ----
+
+
+@contextmanager
+def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def step_seed(seed: int, step: int) -> int:
+    """A per-step seed that differs across steps and runs with different seeds."""
+    return zlib.crc32(f"{seed}:{step}".encode())
+
+
+def slowest_rank(seconds: dict[str, float], names: list[str]) -> dict[str, float]:
+    """Every name's time on the slowest rank (ranks that skip a phase report 0)."""
+    times = torch.tensor([seconds.get(name, 0.0) for name in names], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return {name: float(value) for name, value in zip(names, times, strict=True)}
+
+
+def rl_step(
+    plan: Plan,
+    config: RLConfig,
+    stages: dict[str, Stage],
+    syncs: list[tuple[Stage, Stage, ReshardPlan]],
+    step: int,
+) -> StepMetrics:
+    """One RL step on this rank (collective over the world)."""
+    workload, tokenizer, task = plan.workload, CharTokenizer(), get_task(config.task)
+    seconds: dict[str, float] = {}
+    seed = step_seed(config.seed, step)
+    problems = [
+        p for p in sample_problems(task, workload.prompts_per_step, seed) for _ in range(workload.samples_per_prompt)
+    ]
+    prompts = [encode_prompt(tokenizer, problem) for problem in problems]
+    sampling = SamplingConfig(
+        config.max_new_tokens,
+        config.temperature,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+        seed=seed,
+    )
+
+    with timed(seconds, "actor/generation"):
+        responses = generate_responses(stages["actor/generation"], prompts, sampling)
+        greedy = None
+        if workload.algorithm == "remax":
+            greedy_sampling = SamplingConfig(**{**sampling.__dict__, "temperature": 0.0})
+            greedy = generate_responses(stages["actor/generation"], prompts, greedy_sampling)
+    batch = rollout_batch(prompts, responses, tokenizer.pad_id)
+    mask = batch.field("loss_mask")
+
+    with timed(seconds, "reward/inference"):
+        scores = score_all(tokenizer, problems, responses)
+    with timed(seconds, "actor/inference"):
+        old_log_probs = infer(stages["actor/inference"], batch, "log_probs") * mask
+    with timed(seconds, "reference/inference"):
+        ref_log_probs = infer(stages["reference/inference"], batch, "log_probs") * mask
+    old_values = None
+    if "critic/inference" in stages:
+        with timed(seconds, "critic/inference"):
+            old_values = infer(stages["critic/inference"], batch, "values") * mask
+
+    returns = None
+    with timed(seconds, "advantages"):
+        if workload.algorithm == "ppo":
+            assert old_values is not None
+            rewards = token_rewards(scores, mask, old_log_probs, ref_log_probs, config.kl_coef)
+            advantages, returns = gae(rewards, old_values, mask, config.gamma, config.lam)
+            advantages = masked_whiten(advantages, mask)
+        elif workload.algorithm == "grpo":
+            advantages = broadcast_to_tokens(group_advantages(scores, workload.samples_per_prompt), mask)
+        else:
+            assert greedy is not None
+            advantages = broadcast_to_tokens(remax_advantages(scores, score_all(tokenizer, problems, greedy)), mask)
+    fields = {**batch.fields, "old_log_probs": old_log_probs, "ref_log_probs": ref_log_probs, "advantages": advantages}
+    train_batch = Batch(batch.tokens, batch.attention_mask, fields)
+
+    actor = stages["actor/training"]
+    with timed(seconds, "actor/training"):
+        kl_loss_coef = 0.0 if workload.algorithm == "ppo" else config.kl_loss_coef
+        tp = actor.engine.groups.tp if actor.engine is not None else TensorParallel.single()
+        objective = PolicyObjective(config.clip_eps, kl_loss_coef, config.entropy_coef, tp)
+        actor_loss = train(actor, train_batch, objective, workload.mini_batches, workload.ppo_epochs)
+    critic_loss = None
+    if "critic/training" in stages:
+        assert old_values is not None and returns is not None, "a critic is trained under ppo only"
+        critic_batch = Batch(
+            batch.tokens, batch.attention_mask, {**batch.fields, "old_values": old_values, "returns": returns}
+        )
+        with timed(seconds, "critic/training"):
+            objective_v = ClippedValueObjective(config.value_clip_eps)
+            critic_loss = train(
+                stages["critic/training"], critic_batch, objective_v, workload.mini_batches, workload.ppo_epochs
+            )
+
+    with timed(seconds, "weight_sync"):
+        sync_weights(syncs)
+
+    lengths = mask.sum(dim=1)
+    names = [entry.model_stage for entry in plan.stages] + ["advantages", "weight_sync"]
+    return StepMetrics(
+        step=step,
+        reward=float(scores.mean()),
+        kl=float(masked_mean(old_log_probs - ref_log_probs, mask)),
+        response_len_mean=float(lengths.mean()),
+        response_len_max=int(lengths.max()),
+        actor_loss=actor_loss,
+        critic_loss=critic_loss,
+        stage_seconds=slowest_rank(seconds, names),
+    )
+
+
+def score_all(tokenizer: CharTokenizer, problems: list[Problem], responses: list[list[int]]) -> torch.Tensor:
+    """[batch] rule-based scores."""
+    return torch.tensor([rule_score(tokenizer, p, r) for p, r in zip(problems, responses, strict=True)])
+
+
+def run_steps(
+    rank: int,
+    world_size: int,
+    plan: Plan,
+    config: RLConfig,
+    num_steps: int,
+    on_step: Callable[[StepMetrics], None] | None = None,
+) -> list[StepMetrics]:
+    """`num_steps` RL steps on this rank of a spawned world; every rank returns the same metrics."""
+    torch.manual_seed(config.seed)
+    stages = build_stages(plan, config)
+    syncs = sync_plans(stages)
+    metrics = []
+    for step in range(num_steps):
+        metrics.append(rl_step(plan, config, stages, syncs, step))
+        if on_step is not None and rank == 0:
+            on_step(metrics[-1])
+    return metrics
