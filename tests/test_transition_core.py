@@ -77,10 +77,10 @@ def test_global_transition_is_scheduled_and_moves_at_least_the_lower_bound(
 
 
 def test_sequential_fallback_when_every_priority_order_blocks() -> None:
-    """A pair (from the coordination benchmark, seed 8) where every list-scheduling order
-    deadlocks but whole model-stages one after another fit: the barrier edges are recorded
-    as ownership dependencies and the replay checker accepts the schedule. (The serial
-    generator finds a shorter order there, so build_transition uses that.)"""
+    """A pair (from the coordination benchmark with busiest-GPU memory, seed 483) where every
+    list-scheduling order deadlocks but whole model-stages one after another fit: the
+    barrier edges are recorded as ownership dependencies and the replay checker accepts
+    the schedule."""
     from nereus.solver.transition.check import check_result
     from nereus.solver.transition.schedule import Replay, _one_model_stage_at_a_time, list_schedule, priority_rules
 
@@ -90,7 +90,7 @@ def test_sequential_fallback_when_every_priority_order_blocks() -> None:
     plan_b = load_document(data / "sequential-fallback-b.yaml", check=False)
     assert isinstance(plan_a, Plan) and isinstance(plan_b, Plan)
     result = build_transition(plan_a, plan_b)
-    assert result.feasible and result.priority_rule.startswith("serial: ")
+    assert result.feasible and result.priority_rule.startswith(("serial: ", "one-model-stage-at-a-time"))
     assert check_result(result, plan_a, plan_b) == []
     serial_makespan = result.makespan_s
     sequential = _one_model_stage_at_a_time(result.primitives, result.initial_bytes, result.capacity_bytes)

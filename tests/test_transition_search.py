@@ -177,6 +177,9 @@ def test_former_outliers_are_within_five_percent_of_the_cpsat_optimum(name: str)
     result = build_transition(plan_a, plan_b)
     assert result.feasible and check_result(result, plan_a, plan_b) == []
     exact = solve_cpsat(result.primitives, result.initial_bytes, result.capacity_bytes, time_limit_s=20.0)
-    assert exact.status == "optimal" and exact.makespan_s is not None
-    assert exact.makespan_s <= result.makespan_s * (1 + 1e-9)  # the heuristic never beats a proven optimum
-    assert result.makespan_s <= 1.05 * exact.makespan_s
+    assert exact.status in ("optimal", "feasible") and exact.makespan_s is not None and exact.bound_s is not None
+    if exact.status == "optimal":  # the heuristic never beats a proven optimum
+        assert exact.makespan_s <= result.makespan_s * (1 + 1e-9)
+    bound = max(exact.bound_s, makespan_lower_bound(result.primitives))
+    best_known = min(exact.makespan_s, result.makespan_s)
+    assert result.makespan_s <= 1.05 * (best_known if exact.status == "optimal" else bound)

@@ -162,10 +162,55 @@ def _merge(build: _Builder, target: Emu, parts: list[Emu], deps: list[int]) -> P
     )
 
 
+#: Copies per source replica above which new replicas are copied as a doubling tree.
+STAR_ROUNDS = 4
+
+
+def _fan_out(
+    build: _Builder,
+    pending: list[int],
+    slots: list[Emu],
+    sources: list[Emu],
+    origin: dict[Emu, int],
+    readers: dict[Emu, list[int]],
+    ready: list[list[int]],
+    star_rounds: int | None,
+) -> None:
+    """Copy a complete replica into every slot in `pending`.
+
+    Few copies per source (at most `star_rounds` each; any number when it is None) all read the sources: the copies stay
+    independent, so the scheduler may order them freely around other model-stages. More
+    than that fan out as a doubling tree: round by round every complete copy (a source or
+    a slot filled in an earlier round) feeds one empty slot, so n new replicas take about
+    log2(n / sources) rounds instead of n / sources copies queued on the sources' GPUs.
+    """
+    tree = star_rounds is not None and len(pending) > star_rounds * len(sources)
+    available = [(source, origin[source]) for source in sources]
+    queue = list(pending)
+    while queue:
+        filled = []
+        for source, source_ready in available:
+            if not queue:
+                break
+            k = queue.pop(0)
+            extend = _extend(build, source, slots[k], list(range(len(slots[k].gpus))), [source_ready])
+            readers.setdefault(source, []).append(extend.id)
+            ready[k] = [extend.id]
+            filled.append((slots[k], extend.id))
+        if tree:
+            available += filled
+
+
 def local_dag(
-    model_stage: str, state_bytes: float, emus_a: list[Emu], emus_b: list[Emu], next_id: int = 0
+    model_stage: str,
+    state_bytes: float,
+    emus_a: list[Emu],
+    emus_b: list[Emu],
+    next_id: int = 0,
+    star_rounds: int | None = STAR_ROUNDS,
 ) -> list[Primitive]:
-    """Primitives that turn one model-stage's EMUs A into B, with their data edges."""
+    """Primitives that turn one model-stage's EMUs A into B, with their data edges
+    (`star_rounds`: see `_fan_out`)."""
     if set(emus_a) == set(emus_b):
         return []
     inter = intermediate_layout(emus_a[0].layout, emus_b[0].layout)
@@ -186,24 +231,22 @@ def local_dag(
     for replica in spare:  # release first: spares no slot needs go before any copy
         if replica not in source_set:
             _destroy(build, replica, replica.gpus, [origin[replica]])
-    ready: list[list[int]] = []  # per slot: the ids its data waits for
+    ready: list[list[int]] = [[] for _ in slots]  # per slot: the ids its data waits for
     leftovers: list[tuple[Emu, tuple[int, ...], int]] = []
     for k, slot in enumerate(slots):
         matched = assignment.get(k)
         if matched is None:
-            source = sources[k % len(sources)]
-            extend = _extend(build, source, slot, list(range(len(slot.gpus))), [origin[source]])
-            readers[source].append(extend.id)
-            ready.append([extend.id])
             continue
         moved = [i for i, (g, h) in enumerate(zip(matched.gpus, slot.gpus, strict=True)) if g != h]
         if not moved:
-            ready.append([origin[matched]])
+            ready[k] = [origin[matched]]
             continue
         extend = _extend(build, matched, slot, moved, [origin[matched]])
         readers[matched].append(extend.id)
         leftovers.append((matched, tuple(matched.gpus[i] for i in moved), extend.id))
-        ready.append([extend.id])
+        ready[k] = [extend.id]
+    pending = [k for k in range(len(slots)) if k not in assignment]
+    _fan_out(build, pending, slots, sources, origin, readers, ready, star_rounds)
     for replica, gpus, extend_id in leftovers:  # a moved replica's old GPUs, once copied
         _destroy(build, replica, gpus, [extend_id, *readers[replica]])
     spare_set = set(spare)
@@ -212,7 +255,9 @@ def local_dag(
             _destroy(build, source, source.gpus, [origin[source], *readers[source]])
     k = 0
     for emu, subs in slots_of:
+        # A slot that served as a copy source is merged only after those copies read it.
         deps = [d for slot_deps in ready[k : k + len(subs)] for d in slot_deps]
+        deps += [d for slot in subs for d in readers.get(slot, [])]
         if len(subs) > 1:
             _merge(build, emu, subs, deps)
         k += len(subs)

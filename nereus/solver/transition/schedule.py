@@ -22,7 +22,7 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import RESIDENT_TERMS, head_of, usable_memory
 from nereus.cost.stage import StageCostModel
 from nereus.errors import NereusError
-from nereus.solver.transition.local import local_dag
+from nereus.solver.transition.local import STAR_ROUNDS, local_dag
 from nereus.solver.transition.order_search import GREEDY_TRIES, SEARCH_BUDGET, OrderSearch
 from nereus.solver.transition.primitives import Emu, Primitive
 from nereus.solver.transition.serial import improve_order, schedule_in_order, serial_schedule
@@ -568,6 +568,10 @@ def _over_capacity(before: dict[int, float], after: dict[int, float], capacity: 
     return problems
 
 
+def _shape(primitives: list[Primitive]) -> list[tuple[object, ...]]:
+    return [(p.kind, p.reads, p.writes, tuple(p.deps)) for p in primitives]
+
+
 def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None = None) -> TransitionResult:
     """The scheduled global transition DAG from plan A to plan B."""
     calibration = calibration or Calibration()
@@ -579,15 +583,28 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
     changed = [name for name in names if _layout_of(plan_a, name) != _layout_of(plan_b, name)]
     sizes = {name: state_bytes(plan_b, name, calibration) for name in names}
     emus_a, emus_b = plan_emus(plan_a, changed), plan_emus(plan_b, changed)
-    primitives: list[Primitive] = []
-    for name in changed:
-        primitives += local_dag(name, sizes[name], emus_a[name], emus_b[name], next_id=len(primitives))
-    durations = primitive_durations(primitives, plan_b.cluster, calibration)
-    for primitive, duration in zip(primitives, durations, strict=True):
-        primitive.duration_s = duration
     initial = held_bytes(plan_a, sizes)
     capacity = usable_memory(plan_b.cluster, calibration)
+
+    def dag(star_rounds: int | None) -> list[Primitive]:
+        primitives: list[Primitive] = []
+        for name in changed:
+            primitives += local_dag(
+                name, sizes[name], emus_a[name], emus_b[name], next_id=len(primitives), star_rounds=star_rounds
+            )
+        durations = primitive_durations(primitives, plan_b.cluster, calibration)
+        for primitive, duration in zip(primitives, durations, strict=True):
+            primitive.duration_s = duration
+        return primitives
+
+    primitives = dag(STAR_ROUNDS)
     replay, cycle, rule = schedule_best(primitives, initial, capacity)
+    if cycle:  # tree-shaped copies hold intermediate replicas longer: try copying from the sources only
+        star = dag(None)
+        if _shape(star) != _shape(primitives):
+            star_replay, star_cycle, star_rule = schedule_best(star, initial, capacity)
+            if not star_cycle:
+                primitives, replay, cycle, rule = star, star_replay, star_cycle, star_rule
     cycle = _over_capacity(initial, held_bytes(plan_b, sizes), capacity) + cycle
     moved = link_bytes(primitives, plan_b.cluster)
     return TransitionResult(
