@@ -41,8 +41,12 @@ def test_sort_rewards_right_wrong_partial() -> None:
     fixed = Problem("S:3120=", "0123")
     right = [*TOKENIZER.encode("0123"), TOKENIZER.eos_id]
     assert score_response(TOKENIZER, fixed, right) == 1.0
-    assert score_response(TOKENIZER, fixed, TOKENIZER.encode("0132")) == pytest.approx(0.5 * 2 / 4)
-    assert score_response(TOKENIZER, fixed, TOKENIZER.encode("012345")) == pytest.approx(0.5 * 4 / 6)
+    # two digits in place, all four present
+    assert score_response(TOKENIZER, fixed, TOKENIZER.encode("0132")) == pytest.approx((0.5 * 2 + 0.3 * 4) / 4)
+    # the answer followed by junk: four in place and present, over the longer length 6
+    assert score_response(TOKENIZER, fixed, TOKENIZER.encode("012345")) == pytest.approx(0.8 * 4 / 6)
+    # one 1 in place; the multiset counts the repeated 1s once
+    assert score_response(TOKENIZER, fixed, TOKENIZER.encode("1119")) == pytest.approx((0.5 * 1 + 0.3 * 1) / 4)
     assert score_response(TOKENIZER, fixed, TOKENIZER.encode("9999")) == 0.0
     assert score_response(TOKENIZER, fixed, [TOKENIZER.eos_id]) == 0.0
 
@@ -54,8 +58,18 @@ def test_add_rewards_and_answers() -> None:
         assert int(problem.answer) == int(a) + int(b)
         assert score_response(TOKENIZER, problem, [*TOKENIZER.encode(problem.answer), TOKENIZER.eos_id]) == 1.0
     assert answer_score("579", "579") == 1.0
-    assert answer_score("578", "579") == pytest.approx(0.5 * 2 / 3)
+    assert answer_score("578", "579") == pytest.approx(0.8 * 2 / 3)
+    assert answer_score("975", "579") == pytest.approx((0.5 * 1 + 0.3 * 3) / 3)
     assert answer_score("", "579") == 0.0
+
+
+def test_only_the_exact_answer_scores_above_partial_credit() -> None:
+    rng = random.Random(0)
+    for _ in range(2000):
+        answer = "".join(rng.choice("0123") for _ in range(rng.randint(1, 5)))
+        response = "".join(rng.choice("0123?") for _ in range(rng.randint(0, 6)))
+        score = answer_score(response, answer)
+        assert score == 1.0 if response == answer else 0.0 <= score <= 0.8
 
 
 def test_seeded_sampling_is_deterministic() -> None:

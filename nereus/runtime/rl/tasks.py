@@ -1,8 +1,8 @@
 """Synthetic verifiable tasks with rule-based rewards and a character-level tokenizer.
 
 Every task draws prompts from a seeded `random.Random`, knows each prompt's right answer
-and scores a response by rule: 1.0 for the right answer, partial credit for the share of
-answer characters in the right place. Problem sizes are drawn from a long-tailed
+and scores a response by rule: 1.0 for the right answer, partial credit for answer
+characters in the right place and for answer characters present at all. Problem sizes are drawn from a long-tailed
 distribution (most small, a few large), so response lengths vary per sample and a batch's
 generation has a long tail.
 """
@@ -10,6 +10,7 @@ generation has a long tail.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -87,13 +88,19 @@ def long_tailed_size(rng: random.Random, smallest: int, largest: int, mean_extra
 
 
 def answer_score(response: str, answer: str) -> float:
-    """1.0 for the exact answer, otherwise the share of positions (over the longer of the two)
-    where the response has the answer's character, at most 0.5 so exactness always pays."""
+    """1.0 for the exact answer; otherwise partial credit, at most 0.8 so exactness always pays:
+    0.5 x the share of positions holding the answer's character plus 0.3 x the share of the
+    answer's characters the response contains (as a multiset), both over the longer of the two
+    strings, so a response too long or too short loses credit. The dense part gives a
+    randomly initialised policy a signal to climb before it ever gets an answer right."""
     if response == answer:
         return 1.0
     longest = max(len(response), len(answer))
-    matches = sum(a == b for a, b in zip(response, answer, strict=False))
-    return 0.5 * matches / longest if longest else 0.0
+    if longest == 0:
+        return 0.0
+    in_place = sum(a == b for a, b in zip(response, answer, strict=False))
+    shared = sum((Counter(response) & Counter(answer)).values())
+    return (0.5 * in_place + 0.3 * shared) / longest
 
 
 @dataclass(frozen=True)
