@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from nereus.runtime.dist import spawn
-from nereus.runtime.rl.step import RLConfig, StepMetrics, plan_problems, run_steps
+from nereus.runtime.rl.config import RLConfig, RunConfig
+from nereus.runtime.rl.step import StepMetrics, plan_problems, run_steps
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 
@@ -56,7 +57,7 @@ def run(algorithm: str, num_steps: int, config: RLConfig) -> dict[str, Any]:
     problems = plan_problems(plan, NUM_RANKS, config)
     assert not problems, problems
     start = time.perf_counter()
-    metrics: list[StepMetrics] = spawn(run_steps, NUM_RANKS, plan, config, num_steps)[0]
+    metrics: list[StepMetrics] = spawn(run_steps, NUM_RANKS, plan, RunConfig(rl=config, num_steps=num_steps))[0]
     wall = time.perf_counter() - start
     rewards = [m.reward for m in metrics]
     stage_names = sorted(metrics[0].stage_seconds)
@@ -79,7 +80,7 @@ def main() -> None:
     parser.add_argument("--algorithms", nargs="+", default=["ppo", "grpo"], choices=["ppo", "grpo", "remax"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    config = RLConfig(task="sort", seed=args.seed, max_new_tokens=12)
+    config = RLConfig(task="sort", seed=args.seed)
     results = [run(algorithm, args.steps, config) for algorithm in args.algorithms]
     for result in results:
         curve = [statistics.mean(result["rewards"][i : i + 5]) for i in range(0, len(result["rewards"]), 5)]
@@ -92,7 +93,7 @@ def main() -> None:
             f"{result['reward_last10']:>9.3f}{result['wall_s']:>8.1f}  {stages}"
         )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    record = {"config": config.__dict__, "num_ranks": NUM_RANKS, "machine": platform.platform(), "runs": results}
+    record = {"config": config.model_dump(), "num_ranks": NUM_RANKS, "machine": platform.platform(), "runs": results}
     tmp = RESULTS.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=1))
     tmp.replace(RESULTS)

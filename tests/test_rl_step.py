@@ -3,23 +3,27 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from nereus.errors import NereusError
 from nereus.runtime.dist import spawn
 from nereus.runtime.rl.algorithms import entropy_from_logits
+from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.runtime.rl.objectives import vocab_parallel_entropy
 from nereus.runtime.rl.step import (
-    RLConfig,
     Stage,
     StepMetrics,
     build_stages,
     plan_problems,
     rl_step,
     rollout_batch,
+    run_steps,
     sync_plans,
 )
 from nereus.runtime.sharded_state import gather, state_meta
@@ -122,6 +126,7 @@ def test_ppo_steps_are_finite_synced_and_deterministic() -> None:
         assert 1 <= metrics.response_len_mean <= metrics.response_len_max <= CONFIG.max_new_tokens
         assert set(metrics.stage_seconds) >= {"actor/generation", "actor/training", "critic/training", "weight_sync"}
         assert all(seconds >= 0 for seconds in metrics.stage_seconds.values())
+        assert len(metrics.state_bytes_per_rank) == 2 and min(metrics.state_bytes_per_rank) > 0
     assert result["metrics"][0].kl == 0.0  # the actor starts at the reference
     assert result["metrics"][-1].kl != 0.0
     assert result["synced"] == {"actor/generation": True, "actor/inference": True, "critic/inference": True}
@@ -181,3 +186,32 @@ def entropy_worker(rank: int, world: int) -> tuple[float, float]:
 def test_vocab_parallel_entropy_matches_full_vocabulary() -> None:
     for value_error, grad_error in spawn(entropy_worker, 2):
         assert value_error < 1e-5 and grad_error < 1e-6
+
+
+@pytest.mark.slow
+def test_example_four_rank_plan_runs_a_step() -> None:
+    """The colocated 4-rank example plan as written (tp=2 inference, pp=2 x dp=2 training)."""
+    plan = load_document(EXAMPLE)
+    assert isinstance(plan, Plan)
+    metrics = spawn(run_steps, 4, plan, RunConfig(rl=CONFIG, num_steps=1))
+    assert [numbers(m) for m in metrics[0]] == [numbers(m) for m in metrics[3]]
+    assert math.isfinite(metrics[0][0].actor_loss) and metrics[0][0].critic_loss is not None
+    assert len(metrics[0][0].state_bytes_per_rank) == 4
+
+
+def test_run_config_is_strict(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text("kind: RunConfig\nversion: 1\nrl: {task: add, actor_lr: 1, seed: 2}\nnum_steps: 5\n")
+    config = load_document(path)
+    assert isinstance(config, RunConfig)
+    assert (config.rl.task, config.rl.actor_lr, config.rl.seed, config.num_steps) == ("add", 1.0, 2, 5)
+    assert config.rl.kl_coef == RLConfig().kl_coef
+    for body, message in [
+        ("rl: {task: mul}", "rl.task: unknown task 'mul'; choose from sort, add"),
+        ("rl: {actor_lr: -1.0}", "rl.actor_lr"),
+        ("rl: {clip: 0.1}", "rl.clip"),
+        ("num_steps: '5'", "num_steps"),
+    ]:
+        path.write_text(f"kind: RunConfig\nversion: 1\n{body}\n")
+        with pytest.raises(NereusError, match=re.escape(message)):
+            load_document(path)

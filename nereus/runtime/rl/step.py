@@ -19,6 +19,7 @@ phase with the whole batch, so any placement (colocated or split pools) works th
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -43,6 +44,7 @@ from nereus.runtime.rl.algorithms import (
     remax_advantages,
     token_rewards,
 )
+from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.runtime.rl.objectives import ClippedValueObjective, PolicyObjective, align_to_tokens, values_to_tokens
 from nereus.runtime.rl.tasks import CharTokenizer, Problem, encode_prompt, get_task, sample_problems
 from nereus.runtime.rl.tasks import score_response as rule_score
@@ -62,46 +64,6 @@ WEIGHT_SYNCS = (
 
 
 @dataclass(frozen=True)
-class RLConfig:
-    """Hyperparameters of the RL loop (the plan's workload gives batch shapes and algorithm)."""
-
-    task: str = "sort"
-    """Synthetic task the prompts come from (`tasks.TASKS`)."""
-    seed: int = 0
-    """Seed of the initial weights, the prompts and the sampling."""
-    actor_lr: float = 1e-2
-    """AdamW learning rate of the actor (high: the tiny models start from random weights)."""
-    critic_lr: float = 1e-2
-    """AdamW learning rate of the critic."""
-    adam_eps: float = 1e-8
-    """AdamW epsilon of both models."""
-    temperature: float = 1.0
-    """Sampling temperature of generation."""
-    max_new_tokens: int = 16
-    """Most tokens per response (responses stop earlier at EOS)."""
-    clip_eps: float = 0.2
-    """PPO ratio clip."""
-    value_clip_eps: float = 0.2
-    """PPO value clip."""
-    gamma: float = 1.0
-    """GAE discount."""
-    lam: float = 0.95
-    """GAE lambda."""
-    kl_coef: float = 0.001
-    """PPO: weight of the k1 KL penalty in the token rewards (small: a random policy scores
-    about 0.02 per response, and a larger penalty summed over its tokens swamps that signal)."""
-    kl_loss_coef: float = 0.02
-    """GRPO and ReMax: weight of the k3 KL loss in the policy objective."""
-    entropy_coef: float = 0.0
-    """Weight of the entropy bonus in the policy objective."""
-
-    def __post_init__(self) -> None:
-        get_task(self.task)
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-
-
-@dataclass(frozen=True)
 class StepMetrics:
     """What one RL step measured (identical on every rank)."""
 
@@ -117,6 +79,8 @@ class StepMetrics:
     critic_loss: float | None
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """Wall time per model-stage (slowest rank), plus `advantages` and `weight_sync`."""
+    state_bytes_per_rank: list[int] = field(default_factory=list)
+    """Bytes of parameters, gradients and optimizer moments every rank's engines hold, by rank."""
 
 
 @dataclass
@@ -222,7 +186,7 @@ def generate_responses(stage: Stage, prompts: list[list[int]], sampling: Samplin
     if engine is not None:
         start, stop = even_split(len(prompts), stage.layout.dp)[engine.groups.replica]
         seed = sampling.seed * 1009 + engine.groups.replica
-        replica_sampling = SamplingConfig(**{**sampling.__dict__, "seed": seed})
+        replica_sampling = dataclasses.replace(sampling, seed=seed)
         mine = generate(engine, prompts[start:stop], replica_sampling).responses()
     return share_objects(stage, mine)
 
@@ -343,7 +307,7 @@ def rl_step(
         responses = generate_responses(stages["actor/generation"], prompts, sampling)
         greedy = None
         if workload.algorithm == "remax":
-            greedy_sampling = SamplingConfig(**{**sampling.__dict__, "temperature": 0.0})
+            greedy_sampling = dataclasses.replace(sampling, temperature=0.0)
             greedy = generate_responses(stages["actor/generation"], prompts, greedy_sampling)
     batch = rollout_batch(prompts, responses, tokenizer.pad_id)
     mask = batch.field("loss_mask")
@@ -406,7 +370,21 @@ def rl_step(
         actor_loss=actor_loss,
         critic_loss=critic_loss,
         stage_seconds=slowest_rank(seconds, names),
+        state_bytes_per_rank=state_bytes_per_rank(stages),
     )
+
+
+def state_bytes_per_rank(stages: dict[str, Stage]) -> list[int]:
+    """Bytes of engine state each rank holds after the step (collective)."""
+    held = sum(
+        tensor.numel() * tensor.element_size()
+        for stage in stages.values()
+        if stage.engine is not None
+        for tensor in stage.engine.local_state().values()
+    )
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, held)
+    return [int(value) for value in gathered]
 
 
 def score_all(tokenizer: CharTokenizer, problems: list[Problem], responses: list[list[int]]) -> torch.Tensor:
@@ -418,16 +396,17 @@ def run_steps(
     rank: int,
     world_size: int,
     plan: Plan,
-    config: RLConfig,
-    num_steps: int,
+    run: RunConfig,
     on_step: Callable[[StepMetrics], None] | None = None,
 ) -> list[StepMetrics]:
-    """`num_steps` RL steps on this rank of a spawned world; every rank returns the same metrics."""
+    """`run.num_steps` RL steps on this rank of a spawned world; every rank returns the same
+    metrics, and rank 0 hands each step's to `on_step` as it finishes."""
+    config = run.rl
     torch.manual_seed(config.seed)
     stages = build_stages(plan, config)
     syncs = sync_plans(stages)
     metrics = []
-    for step in range(num_steps):
+    for step in range(run.num_steps):
         metrics.append(rl_step(plan, config, stages, syncs, step))
         if on_step is not None and rank == 0:
             on_step(metrics[-1])

@@ -1,0 +1,70 @@
+"""The RL run configuration: a strict `RunConfig` document (kind: RunConfig).
+
+It holds what the plan does not: the task, the seeds, the algorithm's hyperparameters and
+the number of steps; the plan gives the models, the batch shapes and every model-stage's
+layout. This module imports no torch, so a bad config is refused before ranks are spawned.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from nereus.runtime.rl.tasks import TASKS
+from nereus.spec.base import Document, StrictModel
+from nereus.spec.io import register_kind
+
+
+class RLConfig(StrictModel):
+    """Hyperparameters of the RL loop (the plan's workload gives batch shapes and algorithm)."""
+
+    task: str = "sort"
+    """Synthetic task the prompts come from: `sort` or `add`."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of the initial weights, the prompts and the sampling."""
+    actor_lr: float = Field(default=1e-2, gt=0)
+    """AdamW learning rate of the actor (high: the tiny models start from random weights)."""
+    critic_lr: float = Field(default=1e-2, gt=0)
+    """AdamW learning rate of the critic."""
+    adam_eps: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon of both models."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature of generation (above 0: RL needs exploration)."""
+    max_new_tokens: int = Field(default=12, ge=1)
+    """Most tokens per response (responses stop earlier at EOS)."""
+    clip_eps: float = Field(default=0.2, gt=0, lt=1)
+    """PPO ratio clip: the ratio is kept in [1 - clip_eps, 1 + clip_eps]."""
+    value_clip_eps: float = Field(default=0.2, gt=0)
+    """PPO value clip: how far a value may move from its old estimate."""
+    gamma: float = Field(default=1.0, gt=0, le=1)
+    """GAE discount."""
+    lam: float = Field(default=0.95, ge=0, le=1)
+    """GAE lambda."""
+    kl_coef: float = Field(default=0.001, ge=0)
+    """PPO: weight of the k1 KL penalty in the token rewards (small: a random policy scores
+    about 0.02 per response, and a larger penalty summed over its tokens swamps that signal)."""
+    kl_loss_coef: float = Field(default=0.02, ge=0)
+    """GRPO and ReMax: weight of the k3 KL loss in the policy objective."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Weight of the entropy bonus in the policy objective."""
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, task: str) -> str:
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+        return task
+
+
+class RunConfig(Document):
+    """One RL run: hyperparameters and length (the plan is given separately)."""
+
+    kind: Literal["RunConfig"] = "RunConfig"
+    rl: RLConfig = Field(default_factory=RLConfig)
+    """The RL loop's hyperparameters."""
+    num_steps: int = Field(default=50, gt=0)
+    """RL steps to run."""
+
+
+register_kind(RunConfig)
