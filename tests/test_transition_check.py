@@ -159,7 +159,11 @@ def test_catches_a_dropped_dependency_through_the_replicas() -> None:
     prims[1].deps.clear()
     assert list_schedule(prims, Replay(dict(initial), 1000.0)) == []
     violations = check_transition(prims, a, b, initial, 1000.0)
-    assert violations == ["critic/inference has no complete replica from 0s (after primitive 1)"]
+    assert violations == [
+        "critic/inference has no complete replica from 0s (after primitive 1)",
+        "primitive 0 (extend, critic/inference) copies from replica tp2pp1[0, 1], which is not a complete copy "
+        "from 1s to 2s",
+    ]
 
 
 def test_ends_within_the_schedulers_tolerance_count_as_before_a_start() -> None:

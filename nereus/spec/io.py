@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -27,6 +28,14 @@ KINDS: dict[str, type[Document]] = {
     "Workload": Workload,
     "Plan": Plan,
     "Transition": Transition,
+}
+
+#: Kinds defined above the spec layer, and the module that registers each (with its
+#: semantic checks); imported the first time a file of that kind is read.
+LATE_KINDS = {
+    "Calibration": "nereus.cost",
+    "Schedule": "nereus.solver.pipeline.document",
+    "Trace": "nereus.spec.trace",
 }
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
@@ -125,8 +134,10 @@ def document_from_data(data: Any, source: str) -> Document:
     if not isinstance(data, dict):
         raise SpecError([f"{source}: expected a mapping with `kind:` at the top, got {type(data).__name__}"])
     kind_name = data.get("kind")
+    if isinstance(kind_name, str) and kind_name not in KINDS and kind_name in LATE_KINDS:
+        importlib.import_module(LATE_KINDS[kind_name])
     if not isinstance(kind_name, str) or kind_name not in KINDS:
-        known = ", ".join(KINDS)
+        known = ", ".join(dict.fromkeys([*KINDS, *LATE_KINDS]))
         what = "missing" if "kind" not in data else f"unknown kind {kind_name!r}"
         raise SpecError([f"{source}: kind: {what}; use one of {known}"])
     if "version" not in data:

@@ -104,6 +104,8 @@ class PrimitiveRecord(StrictModel):
     """Replicas that stop being replicas when it ends (their data lives on in `adds`)."""
     adds: list[EmuRecord] = Field(default_factory=list)
     """Replicas that become complete copies when it ends."""
+    copies_from: list[EmuRecord] = Field(default_factory=list)
+    """Replicas it reads (an Extend's source): each must be a complete copy while it runs."""
 
     @property
     def gpus(self) -> list[int]:

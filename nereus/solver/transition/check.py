@@ -35,6 +35,7 @@ def check_transition(
         *gpu_overlap_violations(primitives),
         *memory_violations(primitives, initial_bytes, capacity_bytes),
         *replica_violations(primitives, emus_a, emus_b),
+        *copy_source_violations(primitives, emus_a),
     ]
 
 
@@ -150,6 +151,28 @@ def replica_violations(
             extra = sorted(_name(e) for e in final - wanted)
             missing = sorted(_name(e) for e in wanted - final)
             out.append(f"{name} ends with replicas {extra} that B lacks and without B's {missing}")
+    return out
+
+
+def copy_source_violations(primitives: list[Primitive], emus_a: dict[str, list[Emu]]) -> list[str]:
+    """A primitive's `copies_from` replicas are complete from its start to its end."""
+    alive: dict[Emu, list[list[float]]] = {e: [[-float("inf"), float("inf")]] for es in emus_a.values() for e in es}
+    for time, _, _, leaving, joining in _replica_events(primitives):
+        for emu in leaving:
+            spans = alive.get(emu)
+            if spans and spans[-1][1] == float("inf"):
+                spans[-1][1] = time
+        for emu in joining:
+            alive.setdefault(emu, []).append([time, float("inf")])
+    out = []
+    for p in primitives:
+        for emu in p.copies_from:
+            spans = alive.get(emu, [])
+            if not any(start <= p.start_s + EPS_S and end >= p.end_s - 2 * EPS_S for start, end in spans):
+                out.append(
+                    f"primitive {p.id} ({p.kind}, {p.model_stage}) copies from replica {_name(emu)}, "
+                    f"which is not a complete copy from {p.start_s:.6g}s to {p.end_s:.6g}s"
+                )
     return out
 
 

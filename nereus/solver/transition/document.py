@@ -75,6 +75,7 @@ def _record(primitive: Primitive, cluster: Cluster) -> PrimitiveRecord:
         removes=_emus(primitive.removes),
         retires=_emus(primitive.retires),
         adds=_emus(primitive.adds),
+        copies_from=_emus(primitive.copies_from),
     )
 
 
@@ -144,6 +145,7 @@ def _primitive(record: PrimitiveRecord) -> Primitive:
         removes=_emu_tuple(stage, record.removes),
         retires=_emu_tuple(stage, record.retires),
         adds=_emu_tuple(stage, record.adds),
+        copies_from=_emu_tuple(stage, record.copies_from),
         deps=list(record.depends_on),
         new_groups=record.new_groups,
         duration_s=record.end_s - record.start_s,

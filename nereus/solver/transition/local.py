@@ -123,6 +123,7 @@ def _extend(build: _Builder, source: Emu, slot: Emu, positions: list[int], deps:
         free={},
         transfers=tuple((source.gpus[i], slot.gpus[i], box) for i in positions),
         adds=(slot,),
+        copies_from=(source,),
         deps=[d for d in deps if d >= 0],
         new_groups=1,
     )

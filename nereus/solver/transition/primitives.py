@@ -55,7 +55,7 @@ class Primitive:
     when it ends; it occupies every GPU in `gpus` for its whole duration. `removes`
     are replicas that stop being complete copies when it starts; `retires` stop being
     replicas when it ends (their data lives on in `adds`); `adds` become complete
-    copies when it ends.
+    copies when it ends; `copies_from` are read and must stay complete while it runs.
     """
 
     id: int
@@ -71,6 +71,7 @@ class Primitive:
     removes: tuple[Emu, ...] = ()
     retires: tuple[Emu, ...] = ()
     adds: tuple[Emu, ...] = ()
+    copies_from: tuple[Emu, ...] = ()  # replicas it reads: complete copies for its whole run
     deps: list[int] = field(default_factory=list)
     new_groups: int = 0  # communicators this primitive creates
     # Filled by the scheduler; `scheduled` stays False for primitives a deadlock left unrun.
