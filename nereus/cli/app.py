@@ -72,14 +72,17 @@ def _main(
 
 def register_commands() -> None:
     """Attach every command module to `app` (imports stay light: no torch)."""
-    from nereus.cli import dag_commands, plan_commands, spec_commands
+    from nereus.cli import (
+        dag_commands,
+        plan_commands,
+        schedule_commands,
+        simulate_commands,
+        spec_commands,
+        trace_commands,
+    )
 
-    spec_commands.register(app)
-    plan_commands.register(app)
-    dag_commands.register(app)
-    __import__("nereus.cli.schedule_commands", fromlist=["register"]).register(app)
-    __import__("nereus.cli.trace_commands", fromlist=["register"]).register(app)
-    __import__("nereus.cli.simulate_commands", fromlist=["register"]).register(app)
+    for module in (spec_commands, plan_commands, dag_commands, schedule_commands, trace_commands, simulate_commands):
+        module.register(app)
 
 
 register_commands()
