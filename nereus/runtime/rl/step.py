@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nereus.runtime import dist as launch
 from nereus.runtime.engine import Engine, EngineConfig, even_split
 from nereus.runtime.generate import SamplingConfig, generate
 from nereus.runtime.model import Batch
@@ -153,27 +154,16 @@ def build_stages(plan: Plan, config: RLConfig) -> dict[str, Stage]:
 # ---- moving rows between ranks ----
 
 
-def share_replica_rows(stage: Stage, rows: torch.Tensor | None) -> torch.Tensor:
-    """Each replica's result rows -> the whole batch on every world rank, replica order."""
-    engine = stage.engine
-    lead = engine is not None and engine.groups.stage == 0 and engine.groups.tp.rank == 0
-    mine = (engine.groups.replica, rows.cpu()) if lead and engine is not None and rows is not None else None
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    parts = sorted((part for part in gathered if part is not None), key=lambda part: part[0])
-    assert [replica for replica, _ in parts] == list(range(stage.layout.dp)), parts
-    return torch.cat([tensor for _, tensor in parts])
-
-
-def share_objects(stage: Stage, value: list[Any] | None) -> list[Any]:
-    """Each replica's list -> the concatenation over replicas on every world rank."""
+def by_replica(stage: Stage, value: Any) -> list[Any]:
+    """Each replica's `value` (from its first rank) on every world rank, in replica order."""
     engine = stage.engine
     lead = engine is not None and engine.groups.stage == 0 and engine.groups.tp.rank == 0
     mine = (engine.groups.replica, value) if lead and engine is not None else None
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     parts = sorted((part for part in gathered if part is not None), key=lambda part: part[0])
-    return [item for _, items in parts for item in items]
+    assert [replica for replica, _ in parts] == list(range(stage.layout.dp)), parts
+    return [part for _, part in parts]
 
 
 # ---- phases ----
@@ -188,7 +178,7 @@ def generate_responses(stage: Stage, prompts: list[list[int]], sampling: Samplin
         seed = sampling.seed * 1009 + engine.groups.replica
         replica_sampling = dataclasses.replace(sampling, seed=seed)
         mine = generate(engine, prompts[start:stop], replica_sampling).responses()
-    return share_objects(stage, mine)
+    return [response for share in by_replica(stage, mine) for response in share]
 
 
 def rollout_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Batch:
@@ -216,7 +206,7 @@ def infer(stage: Stage, batch: Batch, kind: str) -> torch.Tensor:
             rows = align_to_tokens(engine.log_probs(mine, stage.plan.micro_batches))
         else:
             rows = values_to_tokens(engine.values(mine, stage.plan.micro_batches))
-    return share_replica_rows(stage, rows)
+    return torch.cat(by_replica(stage, None if rows is None else rows.cpu()))
 
 
 def train(stage: Stage, batch: Batch, objective: Any, num_mini_batches: int, num_epochs: int) -> float:
@@ -227,7 +217,8 @@ def train(stage: Stage, batch: Batch, objective: Any, num_mini_batches: int, num
         for _ in range(num_epochs):
             for start, stop in even_split(batch.num_rows, num_mini_batches):
                 losses.append(engine.train_step(batch.rows(start, stop), objective, stage.plan.micro_batches))
-    return float(torch.tensor(share_objects(stage, [sum(losses) / max(len(losses), 1)])).mean())
+    # Every replica reports the global batch's loss; take the first.
+    return float(by_replica(stage, sum(losses) / max(len(losses), 1))[0])
 
 
 def sync_plans(stages: dict[str, Stage]) -> list[tuple[Stage, Stage, ReshardPlan]]:
@@ -275,9 +266,40 @@ def step_seed(seed: int, step: int) -> int:
 
 def slowest_rank(seconds: dict[str, float], names: list[str]) -> dict[str, float]:
     """Every name's time on the slowest rank (ranks that skip a phase report 0)."""
-    times = torch.tensor([seconds.get(name, 0.0) for name in names], dtype=torch.float64)
+    # On the rank's device: NCCL reduces only GPU tensors.
+    times = torch.tensor([seconds.get(name, 0.0) for name in names], dtype=torch.float64, device=launch.device())
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return {name: float(value) for name, value in zip(names, times, strict=True)}
+    return {name: float(value) for name, value in zip(names, times.tolist(), strict=True)}
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What inference measured of one step's responses (token-aligned [batch, seq] or [batch])."""
+
+    mask: torch.Tensor
+    scores: torch.Tensor
+    old_log_probs: torch.Tensor
+    ref_log_probs: torch.Tensor
+    old_values: torch.Tensor | None
+    """Critic values (PPO only)."""
+    greedy_scores: torch.Tensor | None
+    """Scores of the greedy responses (ReMax only)."""
+
+
+def compute_advantages(
+    algorithm: str, config: RLConfig, rollout: Rollout, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token advantages, and the critic's returns under PPO (None otherwise)."""
+    mask = rollout.mask
+    if algorithm == "ppo":
+        assert rollout.old_values is not None
+        rewards = token_rewards(rollout.scores, mask, rollout.old_log_probs, rollout.ref_log_probs, config.kl_coef)
+        advantages, returns = gae(rewards, rollout.old_values, mask, config.gamma, config.lam)
+        return masked_whiten(advantages, mask), returns
+    if algorithm == "grpo":
+        return broadcast_to_tokens(group_advantages(rollout.scores, group_size), mask), None
+    assert algorithm == "remax" and rollout.greedy_scores is not None, algorithm
+    return broadcast_to_tokens(remax_advantages(rollout.scores, rollout.greedy_scores), mask), None
 
 
 def rl_step(
@@ -291,9 +313,9 @@ def rl_step(
     workload, tokenizer, task = plan.workload, CharTokenizer(), get_task(config.task)
     seconds: dict[str, float] = {}
     seed = step_seed(config.seed, step)
-    problems = [
-        p for p in sample_problems(task, workload.prompts_per_step, seed) for _ in range(workload.samples_per_prompt)
-    ]
+    # Each prompt repeated samples_per_prompt times in a row: GRPO's groups.
+    drawn = sample_problems(task, workload.prompts_per_step, seed)
+    problems = [problem for problem in drawn for _ in range(workload.samples_per_prompt)]
     prompts = [encode_prompt(tokenizer, problem) for problem in problems]
     sampling = SamplingConfig(
         config.max_new_tokens,
@@ -323,18 +345,10 @@ def rl_step(
         with timed(seconds, "critic/inference"):
             old_values = infer(stages["critic/inference"], batch, "values") * mask
 
-    returns = None
     with timed(seconds, "advantages"):
-        if workload.algorithm == "ppo":
-            assert old_values is not None
-            rewards = token_rewards(scores, mask, old_log_probs, ref_log_probs, config.kl_coef)
-            advantages, returns = gae(rewards, old_values, mask, config.gamma, config.lam)
-            advantages = masked_whiten(advantages, mask)
-        elif workload.algorithm == "grpo":
-            advantages = broadcast_to_tokens(group_advantages(scores, workload.samples_per_prompt), mask)
-        else:
-            assert greedy is not None
-            advantages = broadcast_to_tokens(remax_advantages(scores, score_all(tokenizer, problems, greedy)), mask)
+        greedy_scores = None if greedy is None else score_all(tokenizer, problems, greedy)
+        rollout = Rollout(mask, scores, old_log_probs, ref_log_probs, old_values, greedy_scores)
+        advantages, returns = compute_advantages(workload.algorithm, config, rollout, workload.samples_per_prompt)
     fields = {**batch.fields, "old_log_probs": old_log_probs, "ref_log_probs": ref_log_probs, "advantages": advantages}
     train_batch = Batch(batch.tokens, batch.attention_mask, fields)
 
