@@ -35,9 +35,19 @@ EXAMPLE = "examples/plan-tiny-ppo-4rank.yaml"
 CONFIG = RLConfig(max_new_tokens=6, seed=3)
 
 
-def two_rank_plan(algorithm: str = "ppo") -> Plan:
-    """The example's tiny models on ranks 0 and 1, every model-stage in a different layout so
-    that the weight syncs reshard (tp=2 <- pp=2, dp=2 <- pp=2, ...)."""
+#: Split placement: generation and reference on rank 0, actor inference and training on rank 1.
+SPLIT = {
+    "actor/generation": (1, 1, 1, [[0]], 1),
+    "actor/inference": (1, 1, 1, [[1]], 2),
+    "reference/inference": (1, 1, 1, [[0]], 1),
+    "actor/training": (1, 1, 1, [[1]], 2),
+}
+
+
+def two_rank_plan(algorithm: str = "ppo", split: bool = False) -> Plan:
+    """The example's tiny models on ranks 0 and 1. Colocated: every model-stage on both ranks in
+    a different layout so that the weight syncs reshard (tp=2 <- pp=2, dp=2 <- pp=2, ...).
+    Split (critic-free algorithms): the `SPLIT` pools, so weights cross between disjoint ranks."""
     example = load_document(EXAMPLE)
     assert isinstance(example, Plan)
     document = example.model_dump(mode="json")
@@ -53,6 +63,10 @@ def two_rank_plan(algorithm: str = "ppo") -> Plan:
     critic = algorithm == "ppo"
     document["cluster"]["gpus_per_node"] = 2
     document["pools"] = [{"name": "all", "gpus": [0, 1]}]
+    if split:
+        assert algorithm != "ppo"
+        layouts = SPLIT
+        document["pools"] = [{"name": "gen", "gpus": [0]}, {"name": "train", "gpus": [1]}]
     document["workload"].update(
         algorithm=algorithm,
         critic="tiny" if critic else None,
@@ -60,7 +74,15 @@ def two_rank_plan(algorithm: str = "ppo") -> Plan:
         samples_per_prompt=2 if algorithm == "grpo" else 1,
     )
     document["stages"] = [
-        {"model_stage": name, "pool": "all", "tp": tp, "pp": pp, "dp": dp, "emus": emus, "micro_batches": mb}
+        {
+            "model_stage": name,
+            "pool": document["pools"][emus[0][0] if split else 0]["name"],
+            "tp": tp,
+            "pp": pp,
+            "dp": dp,
+            "emus": emus,
+            "micro_batches": mb,
+        }
         for name, (tp, pp, dp, emus, mb) in layouts.items()
         if critic or not name.startswith("critic")
     ]
@@ -134,9 +156,9 @@ def test_ppo_steps_are_finite_synced_and_deterministic() -> None:
     assert [numbers(m) for m in result["metrics"]] == [numbers(m) for m in second[0]["metrics"]]
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "remax"])
-def test_critic_free_algorithms_run(algorithm: str) -> None:
-    plan = two_rank_plan(algorithm)
+@pytest.mark.parametrize(("algorithm", "split"), [("grpo", True), ("remax", False)])
+def test_critic_free_algorithms_run(algorithm: str, split: bool) -> None:
+    plan = two_rank_plan(algorithm, split)
     assert plan_problems(plan, 2, CONFIG) == []
     result = spawn(run_and_check_sync, 2, plan, CONFIG, 2)[0]
     assert all(math.isfinite(value) for m in result["metrics"] for value in numbers(m) if value is not None)
