@@ -225,7 +225,7 @@ def run_pair(seed: int, base: Plan, factors: tuple[float, float], mode: str) -> 
 
 def _method(rule: str) -> str:
     """Which stage of build_transition's search gave the schedule."""
-    if rule.startswith("serial: local search"):
+    if rule.startswith("local search"):
         return "local search"
     if rule.startswith("serial: "):
         return "serial generator"

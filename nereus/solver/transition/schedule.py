@@ -355,7 +355,7 @@ SERIAL_LIMIT = 100
 IMPROVE_LIMIT = 60
 IMPROVE_ABOVE_BOUND = 0.05
 IMPROVE_RESTARTS = 3
-IMPROVE_STEPS = 30
+IMPROVE_STEPS = 100
 
 
 @dataclass
@@ -366,11 +366,14 @@ class _Snapshot:
     makespan_s: float
     times: dict[int, tuple[float, float, list[int]]]
     peak: dict[int, float]
+    order: list[int]
+    """A priority order (primitive ids) that reproduces the schedule: by start, releases first."""
 
     @classmethod
     def take(cls, rule: str, primitives: list[Primitive], peak: dict[int, float]) -> _Snapshot:
         times = {p.id: (p.start_s, p.end_s, list(p.ownership_deps)) for p in primitives}
-        return cls(rule, max((p.end_s for p in primitives), default=0.0), times, dict(peak))
+        order = [p.id for p in sorted(primitives, key=lambda p: (p.start_s, 0 if p.releases else 1, p.end_s, p.id))]
+        return cls(rule, max((p.end_s for p in primitives), default=0.0), times, dict(peak), order)
 
     def restore(self, primitives: list[Primitive], initial: dict[int, float], capacity: float) -> Replay:
         for p in primitives:
@@ -436,8 +439,8 @@ def _serial_best(
 ) -> _Snapshot | None:
     """The serial generator under every rule, and in the best schedule's start order."""
     if best is not None:
-        starts = {pid: times[0] for pid, times in best.times.items()}
-        rules = {"left-shifted": lambda p: (starts[p.id], p.id), **rules}
+        rank = {pid: k for k, pid in enumerate(best.order)}
+        rules = {"left-shifted": lambda p: (rank[p.id],), **rules}
     for name, rule in rules.items():
         _reset(primitives)
         peak = serial_schedule(primitives, initial, capacity, rule)
@@ -454,18 +457,52 @@ def _serial_best(
 def _improve(
     primitives: list[Primitive], initial: dict[int, float], capacity: float, best: _Snapshot, lower: float
 ) -> _Snapshot:
-    """Local search over orders from the best schedule's start order, when it is far from the bound."""
+    """Local search over orders from the best schedule's start order, when it is far from the bound.
+
+    Each order is scheduled by both generators (the list scheduler and the serial one)
+    and scored by the shorter safe schedule: on memory-tight DAGs many orders deadlock
+    in one of them but not in the other.
+    """
     if len(primitives) > IMPROVE_LIMIT or best.makespan_s <= lower * (1 + IMPROVE_ABOVE_BOUND):
         return best
-    order = sorted(best.times, key=lambda pid: (best.times[pid][0], pid))
+
+    def evaluate(order: list[int]) -> float | None:
+        return _schedule_both(primitives, initial, capacity, order)[0]
+
+    order = best.order
     for seed in range(IMPROVE_RESTARTS):
-        found = improve_order(primitives, initial, capacity, order, best.makespan_s, IMPROVE_STEPS, seed, lower)
+        found = improve_order(primitives, evaluate, order, best.makespan_s, IMPROVE_STEPS, seed, lower)
         if found is not None:
             order = found[0]
-            peak = schedule_in_order(primitives, initial, capacity, order)
-            assert peak is not None  # the same order placed the same way before
-            best = _Snapshot.take(f"serial: local search {seed}", primitives, peak)
+            span, peak = _schedule_both(primitives, initial, capacity, order)
+            assert span is not None and peak is not None  # the same order scheduled before
+            best = _Snapshot.take(f"local search {seed}", primitives, peak)
     return best
+
+
+def _schedule_both(
+    primitives: list[Primitive], initial: dict[int, float], capacity: float, order: list[int]
+) -> tuple[float | None, dict[int, float] | None]:
+    """Schedule `order` with the list scheduler and the serial generator; leave the shorter
+    safe schedule on the primitives and return its makespan and peak bytes per GPU."""
+    rank = {pid: k for k, pid in enumerate(order)}
+
+    def key(p: Primitive) -> tuple[float, ...]:
+        return (rank[p.id],)
+
+    _reset(primitives)
+    replay = Replay(dict(initial), capacity)
+    listed = None if list_schedule(primitives, replay, key, explain=False) else max(p.end_s for p in primitives)
+    peak = schedule_in_order(primitives, initial, capacity, order)
+    serial = max(p.end_s for p in primitives) if peak is not None else None
+    if serial is not None and (listed is None or serial <= listed + EPS):
+        return serial, peak
+    if listed is None:
+        return None, None
+    _reset(primitives)
+    replay = Replay(dict(initial), capacity)
+    list_schedule(primitives, replay, key, explain=False)
+    return listed, replay.peak
 
 
 def _one_model_stage_at_a_time(

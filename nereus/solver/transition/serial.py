@@ -154,8 +154,7 @@ def _ownership_edges(primitives: list[Primitive], initial: dict[int, float], cap
 
 def improve_order(
     primitives: list[Primitive],
-    initial: dict[int, float],
-    capacity: float,
+    evaluate: Callable[[list[int]], float | None],
     order: list[int],
     makespan_s: float,
     iterations: int,
@@ -164,27 +163,26 @@ def improve_order(
 ) -> tuple[list[int], float] | None:
     """Local search over priority orders; the best order and makespan if it beats `makespan_s`.
 
-    A move takes a primitive that started later than its data allowed and puts it just
-    before one of the primitives that held its GPUs then (or, one time in four, moves a
-    random primitive earlier). Moves that do not lengthen the schedule are kept, so the
-    search crosses plateaus. Deterministic for a given seed.
+    `evaluate(order)` schedules the primitives in that priority order (leaving the times on
+    them) and returns the makespan, or None on a deadlock. A move takes a primitive that
+    started later than its data allowed and puts it just before one of the primitives that
+    held its GPUs then (or, one time in four, moves a random primitive earlier). Moves
+    that do not lengthen the schedule are kept, so the search crosses plateaus.
+    Deterministic for a given seed.
     """
     rng = random.Random(seed)
     by_id = {p.id: p for p in primitives}
     current, best = list(order), None
-    if schedule_in_order(primitives, initial, capacity, current) is None:
+    current_s = evaluate(current)
+    if current_s is None:
         return None
-    current_s = max((p.end_s for p in primitives), default=0.0)
     if current_s < makespan_s - EPS:
         best = (list(current), current_s)
     for _ in range(iterations):
         candidate = _neighbour(current, by_id, rng)
-        if schedule_in_order(primitives, initial, capacity, candidate) is None:
-            schedule_in_order(primitives, initial, capacity, current)
-            continue
-        span = max((p.end_s for p in primitives), default=0.0)
-        if span > current_s + EPS:
-            schedule_in_order(primitives, initial, capacity, current)
+        span = evaluate(candidate)
+        if span is None or span > current_s + EPS:
+            evaluate(current)  # the neighbourhood reads the current schedule's times
             continue
         if span < current_s - EPS and (best is None or span < best[1] - EPS):
             best = (list(candidate), span)
