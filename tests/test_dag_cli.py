@@ -8,14 +8,12 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
+from cli_helpers import invoke, one_error_line
 from plan_helpers import relayout
-from typer.testing import CliRunner
 
 import nereus.solver.transition
-from nereus.cli.app import app
 from nereus.render.dot import transition_dot
 from nereus.solver.transition.check import check_result
 from nereus.solver.transition.document import from_document, to_document
@@ -42,20 +40,6 @@ PRIMITIVE_KEYS = {
     "depends_on",
     "ownership_deps",
 }
-
-runner = CliRunner()
-
-
-def invoke(*args: str | Path) -> Any:
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def _one_error_line(result: Any) -> str:
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return str(lines[0])
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +176,7 @@ def test_show_svg_with_dot_runs_it(transition_file: Path, tmp_path: Path, monkey
 def test_show_svg_when_dot_fails(transition_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = _fake_dot(tmp_path, "sys.stderr.write('Error: syntax error in line 1\\n'); sys.exit(2)")
     monkeypatch.setattr(shutil, "which", lambda name: fake)
-    line = _one_error_line(invoke("dag", "show", transition_file, "--format", "svg"))
+    line = one_error_line(invoke("dag", "show", transition_file, "--format", "svg"))
     assert "dot -Tsvg" in line and "syntax error" in line
 
 
@@ -233,7 +217,7 @@ def test_gantt_without_matplotlib_is_one_line(
 ) -> None:
     for name in ("matplotlib", "matplotlib.backends.backend_agg", "matplotlib.figure", "matplotlib.patches"):
         monkeypatch.setitem(sys.modules, name, None)
-    line = _one_error_line(invoke("dag", "show", transition_file, "--gantt", tmp_path / "g.png"))
+    line = one_error_line(invoke("dag", "show", transition_file, "--gantt", tmp_path / "g.png"))
     assert "matplotlib" in line and "nereus[plot]" in line
     assert not (tmp_path / "g.png").exists()
 
@@ -262,7 +246,7 @@ def test_exact_cpsat_is_included(plan_b: Path) -> None:
 def test_exact_without_the_backend_is_one_line(plan_b: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(nereus.solver.transition, "exact", raising=False)
     monkeypatch.setitem(sys.modules, "nereus.solver.transition.exact", None)
-    line = _one_error_line(invoke("dag", "build", EXAMPLE, plan_b, "--exact", "scip"))
+    line = one_error_line(invoke("dag", "build", EXAMPLE, plan_b, "--exact", "scip"))
     assert "--exact scip" in line
 
 
@@ -274,7 +258,7 @@ def test_infeasible_pair_prints_the_blocking_cycle_and_still_writes(plan_b: Path
     )
     out = tmp_path / "t.yaml"
     result = invoke("dag", "build", EXAMPLE, plan_b, "--calibration", calibration, "-o", out)
-    line = _one_error_line(result)
+    line = one_error_line(result)
     assert "no safe order" in line and "wrote" in line
     assert "feasible: no; blocking:" in result.stdout and "needs" in result.stdout
     check = invoke("check", out)
@@ -311,7 +295,7 @@ def test_check_refuses_edges_to_missing_primitives(transition_file: Path, tmp_pa
     bad.write_text(json.dumps(data), encoding="utf-8")
     result = invoke("check", bad)
     assert result.exit_code == 1 and "primitives[0].depends_on[0]: refers to no primitive 99" in result.stdout
-    assert _one_error_line(invoke("dag", "show", bad)).endswith("other than 0")
+    assert one_error_line(invoke("dag", "show", bad)).endswith("other than 0")
 
 
 def test_schema_transition() -> None:
@@ -349,7 +333,7 @@ def test_bad_inputs_are_one_line_errors(case: str, expected: str, plan_b: Path, 
         "transition": ["dag", "show", EXAMPLE],
         "folder": ["dag", "build", EXAMPLE, plan_b, "-o", tmp_path / "no" / "t.yaml"],
     }
-    assert expected in _one_error_line(invoke(*cases[case]))
+    assert expected in one_error_line(invoke(*cases[case]))
 
 
 def test_dag_commands_import_neither_torch_nor_matplotlib(plan_b: Path, tmp_path: Path) -> None:

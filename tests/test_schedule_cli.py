@@ -7,32 +7,15 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
-from typer.testing import CliRunner
-
-from nereus.cli.app import app
+from cli_helpers import invoke, one_error_line
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "plan-tiny-ppo-4rank.yaml"
 EXPLICIT = ["--stages", "4,2", "--microbatches", "4,4", "--fwd", "5,4", "--bwd", "10,8", "--act", "1.95,2"]
 QUICK = ["--time-limit", "0.3", "--seeds", "1"]
 OP_KEYS = {"model", "replica", "microbatch", "stage", "kind", "start", "end"}
-
-runner = CliRunner()
-
-
-def invoke(*args: str | Path) -> Any:
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def _one_error_line(result: Any) -> str:
-    assert result.exit_code == 1, result.output
-    assert "Traceback" not in result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    return str(lines[0])
 
 
 @pytest.fixture(scope="module")
@@ -146,13 +129,13 @@ def test_plan_form_and_exact(tmp_path: Path) -> None:
     ],
 )
 def test_bad_input_is_one_line(args: list[str], message: str) -> None:
-    line = _one_error_line(invoke("schedule", "fuse", *args, *QUICK))
+    line = one_error_line(invoke("schedule", "fuse", *args, *QUICK))
     assert message in line
 
 
 def test_failed_run_leaves_no_file(tmp_path: Path) -> None:
     out = tmp_path / "s.yaml"
-    _one_error_line(invoke("schedule", "fuse", *EXPLICIT, *QUICK, "--act-cap", "0.5", "-o", out))
+    one_error_line(invoke("schedule", "fuse", *EXPLICIT, *QUICK, "--act-cap", "0.5", "-o", out))
     assert not out.exists() and list(tmp_path.iterdir()) == []
 
 

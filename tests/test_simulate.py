@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
-from typer.testing import CliRunner
+from cli_helpers import invoke
 
-from nereus.cli.app import app
 from nereus.errors import NereusError
 from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
@@ -22,11 +20,6 @@ from nereus.spec.presets import cluster_preset, model_preset, workload_preset
 
 GPUS = 16
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-runner = CliRunner()
-
-
-def invoke(*args: str | Path) -> Any:
-    return runner.invoke(app, [str(a) for a in args])
 
 
 @pytest.fixture(scope="module")

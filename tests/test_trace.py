@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
-from typer.testing import CliRunner
+from cli_helpers import invoke
 
-from nereus.cli.app import app
 from nereus.errors import SpecError
 from nereus.solver.traces import GrowthConfig, SpotConfig, combined_trace, sequence_growth_trace, spot_trace
 from nereus.spec.check import semantic_problems
@@ -19,11 +17,6 @@ from nereus.spec.workload import ResponseLengths
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 LENGTHS = ResponseLengths(median=100, p99=300, max=500)
-runner = CliRunner()
-
-
-def invoke(*args: str | Path) -> Any:
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def test_sequence_growth_reaches_paper_lengths_and_is_seeded() -> None:

@@ -5,6 +5,7 @@ independent replay checker and, where small enough, against CP-SAT."""
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -129,39 +130,19 @@ def test_every_rule_under_the_serial_generator_is_valid_or_reports_deadlock() ->
             assert check_result(result, plan_a, plan_b) == []
 
 
-def _witness_peak(plan_a: Plan, plan_b: Plan, rng: random.Random) -> float:
-    """Peak bytes on any GPU when changed model-stages run one after another, primitives in id order."""
-    from nereus.cost.calibration import Calibration
-    from nereus.solver.transition import local_dag, plan_emus, state_bytes
-    from nereus.solver.transition.schedule import held_bytes
-
-    sizes = {e.model_stage: state_bytes(plan_b, e.model_stage, Calibration()) for e in plan_b.stages}
-    emus_a, emus_b = plan_emus(plan_a), plan_emus(plan_b)
-    usage = held_bytes(plan_a, sizes)
-    peak = max(usage.values())
-    changed = [name for name in emus_b if set(emus_a[name]) != set(emus_b[name])]
-    rng.shuffle(changed)
-    for name in changed:
-        for p in local_dag(name, sizes[name], emus_a[name], emus_b[name]):
-            for gpu, nbytes in p.alloc.items():
-                usage[gpu] = usage.get(gpu, 0.0) + nbytes
-                peak = max(peak, usage[gpu])
-            for gpu, nbytes in p.free.items():
-                usage[gpu] -= nbytes
-    return peak
-
-
 @pytest.mark.parametrize("seed", range(24))
 def test_pairs_with_a_known_safe_order_are_always_scheduled(seed: int) -> None:
     """Memory just above what a one-at-a-time witness needs: a safe order exists, so the
     global DAG must find one, and the checker must accept it (the coordination benchmark
     runs 1,000 of these)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     from test_transition_check import random_setting, random_stages, with_capacity
+    from transition_coordination import witness_peak
 
     rng = random.Random(seed)
     setting = random_setting(rng)
     plan_a, plan_b = random_stages(rng, setting), random_stages(rng, setting)
-    capacity = rng.uniform(1.0, 1.1) * _witness_peak(plan_a, plan_b, rng)
+    capacity = rng.uniform(1.0, 1.1) * witness_peak(rng, plan_a, plan_b)
     plan_a, plan_b = with_capacity(plan_a, capacity), with_capacity(plan_b, capacity)
     result = build_transition(plan_a, plan_b)
     assert result.feasible, result.blocking_cycle

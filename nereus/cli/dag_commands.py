@@ -254,7 +254,7 @@ def show(
     svg needs Graphviz's `dot` on PATH; without it the DOT text is written next to the
     output (or the input) with a .dot suffix, a note goes to stderr, and the exit is 0.
     """
-    from nereus.spec.io import to_json, write_text_atomic
+    from nereus.spec.io import to_json, write_bytes_atomic, write_text_atomic
 
     _check_folder(output)
     _check_folder(gantt)
@@ -277,7 +277,7 @@ def show(
     if gantt:
         from nereus.render.gantt import transition_gantt_png
 
-        gantt.write_bytes(transition_gantt_png(document))
+        write_bytes_atomic(gantt, transition_gantt_png(document))
         typer.echo(f"wrote {gantt}", err=True)
 
 
@@ -293,7 +293,7 @@ def _text(document: Transition, fmt: ShowFormat) -> str:
 
 def _show_svg(document: Transition, source: Path, output: Path | None) -> None:
     from nereus.render.dot import transition_dot
-    from nereus.spec.io import write_text_atomic
+    from nereus.spec.io import write_bytes_atomic, write_text_atomic
 
     dot_text = transition_dot(document)
     dot = shutil.which("dot")
@@ -311,7 +311,7 @@ def _show_svg(document: Transition, source: Path, output: Path | None) -> None:
         detail = (run.stderr.decode(errors="replace").strip().splitlines() or ["no message"])[0]
         raise NereusError(f"`dot -Tsvg` failed (exit {run.returncode}): {detail}")
     if output:
-        output.write_bytes(run.stdout)
+        write_bytes_atomic(output, run.stdout)
     else:
         typer.echo(run.stdout.decode(errors="replace"), nl=False)
 

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from nereus.cli.progress import progress_bar
 from nereus.errors import NereusError
 
 if TYPE_CHECKING:
@@ -77,7 +76,7 @@ def plan(
         raise NereusError(f"--gpus {num_gpus} exceeds the {the_cluster.num_gpus} GPUs of cluster {the_cluster.name}")
     the_calibration = load_kind(str(calibration), Calibration) if calibration else Calibration()
     request = PlanRequest(the_cluster, models_for(the_workload, the_model), the_workload, num_gpus, the_calibration)  # type: ignore[arg-type]
-    with _progress_bar("searching placements") as progress:
+    with progress_bar("searching placements") as progress:
         result = make_plan(request, top_k=top, progress=progress)
     if output:
         save_document(result.best, output)
@@ -85,22 +84,6 @@ def plan(
         _print_json(result)
     else:
         _print_table(result, output, the_calibration)  # type: ignore[arg-type]
-
-
-@contextmanager
-def _progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
-    """A transient rich progress bar on stderr (only on a terminal), fed by a callback."""
-    from rich.console import Console
-    from rich.progress import Progress
-
-    console = Console(stderr=True)
-    with Progress(console=console, transient=True, disable=not console.is_terminal) as bar:
-        task = bar.add_task(description, total=None)
-
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield update
 
 
 def _print_json(result: PlanResult) -> None:

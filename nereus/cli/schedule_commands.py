@@ -118,7 +118,7 @@ def fuse(
     """
     from nereus.solver.pipeline.document import to_document
     from nereus.solver.pipeline.search import SearchConfig, search_fused
-    from nereus.spec.io import save_document, to_json, write_text_atomic
+    from nereus.spec.io import save_document, to_json, write_bytes_atomic, write_text_atomic
 
     _check_output(output, (".yaml", ".yml", ".json"), "-o")
     _check_output(gantt, (".png", ".svg"), "--gantt")
@@ -152,7 +152,7 @@ def fuse(
         from nereus.render.schedule_gantt import schedule_gantt
 
         data = schedule_gantt(document, gantt.suffix.lower().lstrip("."))
-        _write_bytes_atomic(gantt, data)
+        write_bytes_atomic(gantt, data)
     if perfetto:
         from nereus.render.schedule_perfetto import schedule_trace
 
@@ -174,20 +174,6 @@ def _plan_models(path: Path, calibration: Path | None) -> tuple[ModelTimes, Mode
     the_calibration = load_kind(str(calibration), Calibration) if calibration else Calibration()
     pipelines = plan_pipelines(the_plan, the_calibration)  # type: ignore[arg-type]
     return pipelines.actor, pipelines.critic, pipelines.activation_cap
-
-
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    import os
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 class _progress:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from nereus.cli.progress import progress_bar
 from nereus.errors import NereusError
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def simulate(
             chosen = make_policy(name, plan, replanner)  # type: ignore[arg-type]
         except ValueError as exc:
             raise NereusError(f"--policy: {exc}") from None
-        with _progress_bar(f"simulating {name}") as progress:
+        with progress_bar(f"simulating {name}") as progress:
             results.append(run(trace, chosen, noise=noise, seed=seed, progress=progress))  # type: ignore[arg-type]
     if plot is not None:
         _write_plot(results, plot)
@@ -70,19 +71,13 @@ def simulate(
 
 
 def _write_plot(results: list[SimulationResult], path: Path) -> None:
-    from nereus.cli.schedule_commands import _write_bytes_atomic
     from nereus.render.simulate_plot import FORMATS, simulation_plot_bytes
+    from nereus.spec.io import write_bytes_atomic
 
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise NereusError(f"--plot {path}: unknown image type {path.suffix!r}; use .png, .svg or .pdf")
-    _write_bytes_atomic(path, simulation_plot_bytes(results, fmt))
-
-
-def _progress_bar(description: str) -> Any:
-    from nereus.cli.plan_commands import _progress_bar as bar
-
-    return bar(description)
+    write_bytes_atomic(path, simulation_plot_bytes(results, fmt))
 
 
 def _payload(results: list[SimulationResult], trace_file: Path, plan_file: Path) -> dict[str, Any]:

@@ -243,12 +243,17 @@ def save_document(document: Document, path: str | Path) -> None:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write `text` to `path` through a temporary file in the same folder."""
+    write_bytes_atomic(path, text.encode("utf-8"))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file in the same folder (never half-written)."""
     if path.parent and not path.parent.exists():
         raise SpecError([f"{path}: folder {path.parent} does not exist; create it first"])
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

@@ -57,12 +57,29 @@ def simulate(inst: Instance, orders: Orders) -> tuple[float, list[float], list[f
     earliest = [0.0] * n
     end = [0.0] * n
     stack = [order[0] for order in orders if order and remaining[order[0]] == 0]
+    done = _propagate(inst, stack, earliest, remaining, next_on_node, earliest, end)
+    if done < n:
+        return None
+    return max(end, default=0.0), earliest, end
+
+
+def _propagate(
+    inst: Instance,
+    stack: list[int],
+    earliest: list[float],
+    remaining: list[int],
+    next_on_node: list[int],
+    start: list[float],
+    end: list[float],
+) -> int:
+    """Kahn's algorithm from the ready ops on `stack`: time each op at its earliest start,
+    release its dependents and its successor on the node; return how many ops ran."""
     duration, succs = inst.duration, inst.succs
     done = 0
     while stack:
         op = stack.pop()
         finish = earliest[op] + duration[op]
-        end[op] = finish
+        start[op], end[op] = earliest[op], finish
         done += 1
         for succ, lat in succs[op]:
             if finish + lat > earliest[succ]:
@@ -77,9 +94,7 @@ def simulate(inst: Instance, orders: Orders) -> tuple[float, list[float], list[f
             remaining[nxt] -= 1
             if not remaining[nxt]:
                 stack.append(nxt)
-    if done < n:
-        return None
-    return max(end, default=0.0), earliest, end
+    return done
 
 
 def resimulate(
@@ -122,26 +137,7 @@ def resimulate(
                     stack.append(op)
             previous = op
     new_start, new_end = list(start), list(end)
-    duration, succs = inst.duration, inst.succs
-    done = 0
-    while stack:
-        op = stack.pop()
-        finish = earliest[op] + duration[op]
-        new_start[op], new_end[op] = earliest[op], finish
-        done += 1
-        for succ, lat in succs[op]:
-            if finish + lat > earliest[succ]:
-                earliest[succ] = finish + lat
-            remaining[succ] -= 1
-            if not remaining[succ]:
-                stack.append(succ)
-        nxt = next_on_node[op]
-        if nxt >= 0:
-            if finish > earliest[nxt]:
-                earliest[nxt] = finish
-            remaining[nxt] -= 1
-            if not remaining[nxt]:
-                stack.append(nxt)
+    done = _propagate(inst, stack, earliest, remaining, next_on_node, new_start, new_end)
     if done < count:
         return None
     return max(new_end, default=0.0), new_start, new_end
