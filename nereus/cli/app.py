@@ -75,13 +75,23 @@ def register_commands() -> None:
     from nereus.cli import (
         dag_commands,
         plan_commands,
+        profile_commands,
         schedule_commands,
         simulate_commands,
         spec_commands,
         trace_commands,
     )
 
-    for module in (spec_commands, plan_commands, dag_commands, schedule_commands, trace_commands, simulate_commands):
+    modules = (
+        spec_commands,
+        plan_commands,
+        dag_commands,
+        schedule_commands,
+        trace_commands,
+        simulate_commands,
+        profile_commands,
+    )
+    for module in modules:
         module.register(app)
 
 

@@ -16,9 +16,11 @@ if TYPE_CHECKING:
 
     from nereus.cost.calibration import Calibration
     from nereus.solver.planner import PlanResult
+    from nereus.spec.cluster import Cluster
     from nereus.spec.plan import Plan
 
 GIB = 2**30
+DEFAULT_CLUSTER = "h100"
 plan_app = typer.Typer(
     help="Search the fastest memory-feasible plan, or explain one.", invoke_without_command=True, no_args_is_help=False
 )
@@ -30,7 +32,13 @@ def plan(
     gpus: Annotated[
         int | None, typer.Option("--gpus", min=1, help="GPUs to plan for (default: the whole cluster).")
     ] = None,
-    cluster: Annotated[str, typer.Option(help="Cluster preset (h100, a100-80gb-4x8, ...) or Cluster YAML.")] = "h100",
+    cluster: Annotated[
+        str | None, typer.Option(help="Cluster preset (h100, a100-80gb-4x8, ...) or Cluster YAML [default: h100].")
+    ] = None,
+    profile: Annotated[
+        Path | None,
+        typer.Option(help="Profile YAML from `nereus profile`: plan for the measured machine instead of --cluster."),
+    ] = None,
     model: Annotated[
         str | None, typer.Option(help="Model preset, Model YAML or HF config.json; plays every role.")
     ] = None,
@@ -54,7 +62,6 @@ def plan(
     from nereus.cli.inputs import (
         load_kind,
         models_for,
-        resolve_cluster,
         resolve_model,
         resolve_workload,
         with_max_response,
@@ -70,7 +77,7 @@ def plan(
     the_workload = resolve_workload(workload, the_model)
     if seq_len is not None:
         the_workload = with_max_response(the_workload, seq_len)
-    the_cluster = resolve_cluster(cluster, gpus)
+    the_cluster = _plan_cluster(cluster, profile, gpus)
     num_gpus = gpus or the_cluster.num_gpus
     if num_gpus > the_cluster.num_gpus:
         raise NereusError(f"--gpus {num_gpus} exceeds the {the_cluster.num_gpus} GPUs of cluster {the_cluster.name}")
@@ -84,6 +91,23 @@ def plan(
         _print_json(result)
     else:
         _print_table(result, output, the_calibration)  # type: ignore[arg-type]
+
+
+def _plan_cluster(cluster: str | None, profile: Path | None, gpus: int | None) -> Cluster:
+    """The preset or file of --cluster, or the machine a --profile measured (not both)."""
+    from nereus.cli.inputs import load_kind, resolve_cluster
+
+    if profile is None:
+        return resolve_cluster(cluster or DEFAULT_CLUSTER, gpus)
+    if cluster is not None:
+        raise NereusError("--cluster and --profile both describe the hardware; give one of them")
+    from nereus.cost.profile import Profile, cluster_from_profile
+
+    measured = load_kind(str(profile), Profile)
+    try:
+        return cluster_from_profile(measured, str(profile), gpus)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise NereusError(str(exc)) from None
 
 
 def _print_json(result: PlanResult) -> None:

@@ -37,12 +37,23 @@ class Calibration(Document):
     """Device memory reserved per GPU for runtime, communicators and allocator slack."""
     memory_headroom: float = Field(default=0.1, ge=0, lt=1)
     """A layout is feasible when it uses at most (1 - headroom) of device memory."""
+    link_latency_scale: float = Field(default=1.0, gt=0)
+    """Achieved over nominal link latency: the software cost of one small message or collective hop."""
+    stage_overhead_s: float = Field(default=0.0, ge=0)
+    """Fixed seconds per model-stage per step (moving its rows between ranks, building batches)."""
+    decode_token_overhead_s: float = Field(default=0.0, ge=0)
+    """Fixed seconds per generated token beyond the layers (sampling, stop checks, sharing tokens)."""
+    step_overhead_s: float = Field(default=0.0, ge=0)
+    """Fixed seconds per RL step outside the model-stages (advantages, prompt sampling, metrics)."""
+    concurrent_pools: bool = True
+    """Pools of one phase run at the same time (false: the runtime runs model-stages one after another)."""
 
     def link(self, cluster: Cluster, inter: bool) -> tuple[float, float]:
         """(achieved bytes/s, latency) of the cluster's intra- or inter-node link."""
+        scale = self.link_latency_scale
         if inter:
-            return cluster.inter_node.bytes_per_s * self.collective_inter, cluster.inter_node.latency_s
-        return cluster.intra_node.bytes_per_s * self.collective_intra, cluster.intra_node.latency_s
+            return cluster.inter_node.bytes_per_s * self.collective_inter, cluster.inter_node.latency_s * scale
+        return cluster.intra_node.bytes_per_s * self.collective_intra, cluster.intra_node.latency_s * scale
 
 
 DEFAULT_CALIBRATION = Calibration()

@@ -135,24 +135,28 @@ def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) ->
                 f"{entry.model_stage} (tp={entry.tp}, pp={entry.pp}) needs {format_bytes(peak)} on GPU {busiest} "
                 f"> {format_bytes(limit)} usable; largest term: {term} {format_bytes(size)}"
             )
-    step = _step_breakdown(plan, stage_predictions)
+    step = _step_breakdown(plan, stage_predictions, calibration)
     predictions = Predictions(step_time_s=sum(step.values()), model_stages=stage_predictions, step_breakdown_s=step)
     return PlanEvaluation(predictions, problems)
 
 
-def _step_breakdown(plan: Plan, stages: dict[str, StagePrediction]) -> dict[str, float]:
-    """Phases run one after another; in a phase, pools overlap and a pool runs serially."""
+def _step_breakdown(plan: Plan, stages: dict[str, StagePrediction], calibration: Calibration) -> dict[str, float]:
+    """Phases run one after another; in a phase, pools overlap (unless the calibration says
+    they do not) and a pool runs serially."""
     phases: dict[str, float] = {}
     for stage in STAGES:
         per_pool: dict[str, float] = {}
         for entry in plan.stages:
             if entry.stage == stage:
                 per_pool[entry.pool] = per_pool.get(entry.pool, 0.0) + stages[entry.model_stage].time_s
-        phases[stage] = max(per_pool.values(), default=0.0)
+        times = list(per_pool.values()) or [0.0]
+        phases[stage] = max(times) if calibration.concurrent_pools else sum(times)
     phases["weight_sync"] = max(
         (stages[name].time_breakdown_s.get("weight_sync", 0.0) for name in ACTOR_SYNC_TARGETS if name in stages),
         default=0.0,
     )
+    if calibration.step_overhead_s > 0:  # absent by default: the phases alone make the step
+        phases["step_overhead"] = calibration.step_overhead_s
     return phases
 
 

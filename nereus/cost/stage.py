@@ -207,7 +207,7 @@ class StageCostModel:
             "compute": rounds * m_count * slot_compute,
             "tp_comm": rounds * m_count * slot_tp,
             "pp_comm": rounds * m_count * slot_pp,
-            "overhead": rounds * m_count * slot_overhead,
+            "overhead": rounds * m_count * slot_overhead + self.calibration.stage_overhead_s,
             "bubble": rounds * (pp - 1) * slot,
         }
         if self.stage == "training":
@@ -256,7 +256,8 @@ class StageCostModel:
             "decode": ((2 * pp_ - 1) * np.maximum(compute, memory) * dt).sum(axis=-1),
             "tp_comm": prefill_tp + (tp_comm * dt).sum(axis=-1),
             "pp_comm": (pp_comm * dt).sum(axis=-1),
-            "overhead": m.num_layers * c.launch_overhead_s * longest * pipeline,
+            "overhead": (m.num_layers * c.launch_overhead_s * pipeline + c.decode_token_overhead_s) * longest
+            + c.stage_overhead_s,
         }
 
 

@@ -160,6 +160,13 @@ class _Problem:
     options: list[list[Option]]
     budget: float
     sync: Callable[[Option, Option, bool], float]
+    concurrent_pools: bool = True
+    """Pools of a phase overlap (the phase takes its slowest pool) or run one after another."""
+    step_overhead_s: float = 0.0
+    """Fixed seconds every step adds (the calibration's)."""
+
+    def phase_time(self, per_pool: list[float]) -> float:
+        return max(per_pool) if self.concurrent_pools else sum(per_pool)
 
     def objective(self, chosen: Sequence[Option]) -> float | None:
         """Step time of a full assignment, or None if some pool overflows memory."""
@@ -173,7 +180,7 @@ class _Problem:
             sums[self.phase_of[i]][p] += option[0]
         if any(r + t > self.budget for r, t in zip(resident, transient, strict=True)):
             return None
-        return sum(max(row) for row in sums) + self.sync_time(chosen)
+        return sum(self.phase_time(row) for row in sums) + self.sync_time(chosen) + self.step_overhead_s
 
     def sync_time(self, chosen: Sequence[Option]) -> float:
         """Weight-sync time; `chosen` must cover actor/training and the sync targets."""
@@ -248,6 +255,8 @@ def compile_problem(
         options,
         budget,
         _sync_function(request),
+        request.calibration.concurrent_pools,
+        request.calibration.step_overhead_s,
     )
 
 
@@ -324,7 +333,7 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
     for i in range(n):
         sums[problem.phase_of[i]][problem.pool_of[i]] += min_time[i]
         resident[problem.pool_of[i]] += min_res[i]
-    phase_max = [max(row) for row in sums]
+    phase_max = [problem.phase_time(row) for row in sums]  # with serial pools: the phase's sum
     transient = [0.0] * num_pools
     last_sync = max(i for i, name in enumerate(problem.names) if name == "actor/training" or name in SYNC_TARGETS)
     chosen: list[Option] = []
@@ -347,7 +356,11 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
         if i == n:
             leaves += 1
             best.offer(
-                Candidate(sum(phase_max) + sync, problem.placement, tuple(zip(problem.names, chosen, strict=True)))
+                Candidate(
+                    sum(phase_max) + sync + problem.step_overhead_s,
+                    problem.placement,
+                    tuple(zip(problem.names, chosen, strict=True)),
+                )
             )
             return
         if i and memory_bound(i) + sync >= best.bound:
@@ -364,7 +377,7 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
                 continue
             saved = resident[p], transient[p], phase_max[phase]
             sums[phase][p] += extra
-            resident[p], transient[p], phase_max[phase] = res, trans, max(sums[phase])
+            resident[p], transient[p], phase_max[phase] = res, trans, problem.phase_time(sums[phase])
             chosen.append(option)
             visit(i + 1, problem.sync_time(chosen) if i == last_sync else sync)
             chosen.pop()

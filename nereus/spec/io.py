@@ -34,6 +34,7 @@ KINDS: dict[str, type[Document]] = {
 #: semantic checks); imported the first time a file of that kind is read.
 LATE_KINDS = {
     "Calibration": "nereus.cost",
+    "Profile": "nereus.cost.profile",
     "RunConfig": "nereus.runtime.rl.config",  # pure pydantic: reading one never imports torch
     "Schedule": "nereus.solver.pipeline.document",
     "Trace": "nereus.spec.trace",

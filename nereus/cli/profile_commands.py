@@ -1,0 +1,203 @@
+"""`nereus profile` (measure this machine) and `nereus fit` (calibrate the cost model to runs)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
+
+import typer
+
+from nereus.cli.progress import progress_bar
+from nereus.errors import NereusError
+
+if TYPE_CHECKING:
+    from nereus.cost.calibration import Calibration
+    from nereus.cost.fit import ErrorReport
+    from nereus.cost.profile import Profile
+    from nereus.spec.model import Model
+
+#: Models profiled when neither --model nor --plan names any: small enough for a CPU.
+DEFAULT_PROFILE_MODELS = ("tiny", "tiny-wide")
+
+
+def _check_output(output: Path) -> None:
+    if not output.parent.is_dir():
+        raise NereusError(f"{output}: folder {output.parent} does not exist; create it first")
+
+
+def _profile_models(models: list[str] | None, plan: Path | None) -> tuple[Model, ...]:
+    from nereus.cli.inputs import load_kind, resolve_model
+    from nereus.spec.plan import Plan
+
+    chosen = [resolve_model(name) for name in models or []]
+    if plan is not None:
+        chosen += load_kind(str(plan), Plan).models  # type: ignore[attr-defined]
+    if not chosen:
+        chosen = [resolve_model(name) for name in DEFAULT_PROFILE_MODELS]
+    return tuple({m.name: m for m in chosen}.values())
+
+
+def profile(
+    output: Annotated[Path, typer.Option("-o", "--output", help="Write the Profile to this YAML/JSON file.")],
+    nproc: Annotated[int, typer.Option("--nproc", min=1, help="Local ranks for the collectives (1 skips them).")] = 2,
+    device: Annotated[Literal["cpu", "cuda"], typer.Option(help="Measure the CPU (gloo) or the GPUs (NCCL).")] = "cpu",
+    quick: Annotated[bool, typer.Option("--quick", help="Fewer, shorter measurements (under a minute).")] = False,
+    model: Annotated[
+        list[str] | None,
+        typer.Option("--model", help="Model preset or YAML whose layer shapes to time (repeatable)."),
+    ] = None,
+    plan: Annotated[Path | None, typer.Option(help="Time the layer shapes of this plan's models.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON.")] = False,
+) -> None:
+    """Measure GEMMs, attention, memory bandwidth, collectives and communicator set-up here.
+
+    Models default to the tiny presets. `nereus plan --profile FILE` plans for the measured
+    machine instead of a preset cluster.
+    """
+    from nereus.runtime.profiling import ProfileConfig, run_profile
+    from nereus.spec.io import save_document, to_data
+
+    _check_output(output)
+    config = ProfileConfig(_profile_models(model, plan), num_ranks=nproc, device=device, quick=quick)
+    started = time.perf_counter()
+    with progress_bar("profiling") as progress:
+        try:
+            measured = run_profile(config, progress)
+        except ValueError as exc:
+            raise NereusError(str(exc)) from None
+    wall_s = time.perf_counter() - started
+    save_document(measured, output)
+    if as_json:
+        typer.echo(json.dumps({"profile": to_data(measured), "wall_s": wall_s, "output": str(output)}, indent=2))
+        return
+    _print_profile(measured, wall_s, output)
+
+
+def _print_profile(measured: Profile, wall_s: float, output: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=110)
+    console.print(
+        f"{measured.device_name}: {measured.num_ranks} ranks x {measured.threads_per_rank} thread, "
+        f"{measured.backend}, {measured.dtype}"
+    )
+    best = max(measured.gemm, key=lambda g: g.flops_per_s)
+    worst = min(measured.gemm, key=lambda g: g.flops_per_s)
+    console.print(
+        f"GEMM      {best.flops_per_s / 1e9:8.1f} GFLOP/s best ({best.m}x{best.k}x{best.n}), "
+        f"{worst.flops_per_s / 1e9:.1f} worst ({worst.m}x{worst.k}x{worst.n}), {len(measured.gemm)} shapes"
+    )
+    for a in measured.attention:
+        console.print(
+            f"attention {a.flops_per_s / 1e9:8.1f} GFLOP/s (b={a.batch} h={a.heads} s={a.seq_len} d={a.head_dim})"
+        )
+    console.print(f"memory    {measured.memory_bytes_per_s / 1e9:8.1f} GB/s copy")
+    if measured.collectives:
+        table = Table(title="collectives", title_justify="left")
+        for column in ("op", "ranks", "latency (us)", "bandwidth (GB/s)", "largest (MiB)", "its time (ms)"):
+            table.add_column(column, justify="left" if column == "op" else "right")
+        for c in measured.collectives:
+            largest = c.sizes[-1]
+            table.add_row(
+                c.op,
+                str(c.num_ranks),
+                f"{c.latency_s * 1e6:.0f}",
+                f"{c.bytes_per_s / 1e9:.2f}",
+                f"{largest.bytes / 2**20:.0f}",
+                f"{largest.seconds * 1e3:.2f}",
+            )
+        console.print(table)
+    if measured.communicator_setup_s is not None:
+        console.print(f"new communicator: {measured.communicator_setup_s * 1e3:.1f} ms")
+    console.print(f"wrote {output} in {wall_s:.1f} s")
+
+
+def fit(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Output folders of `nereus run` (plan.yaml, metrics.jsonl).")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Write the Calibration to this YAML/JSON file.")],
+    profile_file: Annotated[
+        Path | None,
+        typer.Option("--profile", help="Price the runs on this Profile's machine (as `nereus plan --profile` will)."),
+    ] = None,
+    start: Annotated[
+        Path | None, typer.Option("--calibration", help="Calibration to start from (default: the built-in one).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the fit and its errors as JSON.")] = False,
+) -> None:
+    """Fit the cost model's efficiencies to measured per-model-stage step times (least squares).
+
+    The first 2 steps of every run are warm-up and are dropped. With runs of two or more
+    plans, each plan's runs are also predicted by a fit on the other plans' runs (held-out
+    error; never trained and tested on the same plan). Use the result with
+    `nereus plan --calibration FILE` (and the same --profile).
+    """
+    from nereus.cli.inputs import load_kind
+    from nereus.cost.calibration import Calibration
+    from nereus.cost.fit import fit_runs, held_out_errors, read_run, run_errors
+    from nereus.cost.profile import Profile, cluster_from_profile
+    from nereus.spec.io import save_document, to_data
+
+    _check_output(output)
+    the_start = load_kind(str(start), Calibration) if start else Calibration()
+    cluster = None
+    try:
+        if profile_file is not None:
+            the_profile = load_kind(str(profile_file), Profile)
+            assert isinstance(the_profile, Profile)
+            cluster = cluster_from_profile(the_profile, str(profile_file))
+            if the_profile.communicator_setup_s is not None:
+                the_start = the_start.model_copy(update={"communicator_setup_s": the_profile.communicator_setup_s})
+        runs = [read_run(run_dir) for run_dir in run_dirs]
+        with progress_bar("fitting") as progress:
+            calibration, fitted = fit_runs(runs, the_start, cluster, progress)  # type: ignore[arg-type]
+            held_out = held_out_errors(runs, the_start, cluster)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise NereusError(str(exc)) from None
+    in_sample = run_errors(runs, calibration, cluster)
+    save_document(calibration, output)
+    if as_json:
+        payload = {
+            "calibration": to_data(calibration),
+            "fitted": fitted,
+            "in_sample": in_sample.summary(),
+            "held_out": held_out.summary() if held_out else None,
+        }
+        typer.echo(json.dumps(payload, indent=2, default=_nan_to_none))
+        return
+    _print_fit(calibration, fitted, in_sample, held_out, output)
+
+
+def _nan_to_none(value: object) -> object:
+    return None if isinstance(value, float) and math.isnan(value) else str(value)
+
+
+def _print_fit(
+    calibration: Calibration, fitted: list[str], in_sample: ErrorReport, held_out: ErrorReport | None, output: Path
+) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=110)
+    console.print("fitted: " + ", ".join(f"{name} {getattr(calibration, name):.4g}" for name in fitted))
+    console.print(f"pools of a phase run concurrently: {calibration.concurrent_pools}")
+    table = Table(title="mean absolute error (medians per run)", title_justify="left")
+    for column in ("model-stage", "in-sample", "held-out plans"):
+        table.add_column(column, justify="left" if column == "model-stage" else "right")
+    for key in [*in_sample.keys(), "step"]:
+        other = f"{held_out.mape(key):.1%}" if held_out else "-"
+        table.add_row(key, f"{in_sample.mape(key):.1%}", other)
+    console.print(table)
+    if held_out:
+        console.print(f"step, held-out plans: max error {held_out.step_max:.1%} over {len(held_out.runs)} runs")
+    else:
+        console.print("held-out error needs runs of at least two different plans")
+    console.print(f"wrote {output}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("profile")(profile)
+    app.command("fit")(fit)

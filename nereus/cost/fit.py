@@ -1,0 +1,428 @@
+"""Fitting the cost model's efficiencies to measured step timings (`nereus fit`).
+
+The cost model is linear in the inverse efficiencies (seconds = work / (peak x efficiency))
+and in its fixed overheads, except where it takes a maximum (decode is compute- or
+memory-bound) or overlaps pools. So the fit is Gauss-Newton on that piecewise-linear
+model: linearise every prediction in the fitted parameters by finite differences, solve a
+bounded least-squares problem (efficiencies at most 1, overheads at least 0), and
+linearise again at the solution. Residuals are measured as fractions of the step's wall
+time, so a model-stage weighs as much as it costs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nereus.cost.calibration import Calibration
+from nereus.cost.plan_cost import evaluate_plan
+from nereus.spec.cluster import Cluster
+from nereus.spec.plan import Plan
+from nereus.spec.workload import ResponseLengths
+
+#: The first steps of every run pay for allocation and lazy initialisation; the fit drops them.
+WARMUP_STEPS = 2
+#: Calibration fields the fit estimates. Efficiencies are fitted as their inverse.
+EFFICIENCIES = ("gemm", "attention", "decode_memory", "collective_intra", "collective_inter")
+SCALARS = ("launch_overhead_s", "link_latency_scale", "stage_overhead_s", "decode_token_overhead_s", "step_overhead_s")
+FITTED = EFFICIENCIES + SCALARS
+#: Lower bound of every fitted parameter (inverse efficiency >= 1: at most 100% of peak).
+LOWER = {**{name: 1.0 for name in EFFICIENCIES}, **{name: 0.0 for name in SCALARS}, "link_latency_scale": 1e-3}
+#: Scale of a parameter for finite differences and for the pull towards the prior.
+TYPICAL = {**{name: 1.0 for name in EFFICIENCIES}, "link_latency_scale": 1.0}
+TYPICAL_SECONDS = 1e-4
+#: Weight of the pull towards the starting calibration, relative to one residual row.
+RIDGE = 1e-4
+GAUSS_NEWTON_ITERATIONS = 6
+STEP_KEY = "step"
+REQUIRED_METRICS = ("step", "step_seconds", "stage_seconds", "prompt_len", "response_len_max")
+
+
+# ---- measured runs ----
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One RL step's measured sizes and wall times."""
+
+    step: int
+    prompt_len: int
+    response_len_max: int
+    step_seconds: float
+    stage_seconds: dict[str, float]
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One `nereus run` directory: its plan and its post-warm-up steps."""
+
+    source: str
+    plan: Plan
+    steps: tuple[StepSample, ...]
+
+    @property
+    def plan_key(self) -> str:
+        """Identity of the plan's placement (pools and layouts), whatever the workload size."""
+        layout = [p.model_dump() for p in self.plan.pools] + [s.model_dump() for s in self.plan.stages]
+        return json.dumps(layout, sort_keys=True)
+
+
+def _sample(data: Any, where: str) -> StepSample:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a JSON object per line")
+    missing = [key for key in REQUIRED_METRICS if key not in data]
+    if missing:
+        raise ValueError(f"{where}: missing key {missing[0]!r}; metrics must come from `nereus run`")
+    stages = data["stage_seconds"]
+    if not isinstance(stages, dict) or not all(isinstance(v, (int, float)) for v in stages.values()):
+        raise ValueError(f"{where}: stage_seconds must map model-stage names to seconds")
+    try:
+        return StepSample(
+            int(data["step"]),
+            int(data["prompt_len"]),
+            int(data["response_len_max"]),
+            float(data["step_seconds"]),
+            {str(k): float(v) for k, v in stages.items()},
+        )
+    except (TypeError, ValueError):
+        raise ValueError(f"{where}: step, prompt_len, response_len_max and step_seconds must be numbers") from None
+
+
+def read_run(run_dir: Path, warmup_steps: int = WARMUP_STEPS) -> RunRecord:
+    """A run directory's plan and its steps after `warmup_steps`, with one-line errors."""
+    from nereus.spec.io import load_document
+
+    if not run_dir.is_dir():
+        raise ValueError(f"{run_dir}: not a directory; give the --out folder of `nereus run`")
+    plan = load_document(run_dir / "plan.yaml")
+    if not isinstance(plan, Plan):
+        raise ValueError(f"{run_dir / 'plan.yaml'}: kind: expected Plan, got {type(plan).__name__}")
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ValueError(f"{metrics}: no such file; is {run_dir} a `nereus run` output folder?")
+    samples = []
+    for number, line in enumerate(metrics.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{metrics}: line {number}: not JSON ({exc.msg})") from None
+            samples.append(_sample(data, f"{metrics}: line {number}"))
+    kept = tuple(s for s in samples if s.step >= warmup_steps)
+    if not kept:
+        raise ValueError(
+            f"{metrics}: {len(samples)} steps, none after the {warmup_steps} warm-up steps; run more steps"
+        )
+    return RunRecord(str(run_dir), plan, kept)
+
+
+def measured_plan(plan: Plan, prompt_len: int, response_len_max: int, cluster: Cluster | None = None) -> Plan:
+    """The plan priced at the sizes a step ran: padded prompts and every row as long as the
+    longest response (the runtime pads rows to it and decodes until it ends)."""
+    longest = max(1, response_len_max)
+    lengths = ResponseLengths(median=longest, p99=longest, max=longest)
+    workload = plan.workload.model_copy(update={"prompt_len": max(1, prompt_len), "response_len": lengths})
+    update: dict[str, Any] = {"workload": workload, "predictions": None}
+    if cluster is not None:
+        if cluster.num_gpus < plan.cluster.num_gpus:
+            raise ValueError(
+                f"the profile has {cluster.num_gpus} GPUs but the run's plan uses {plan.cluster.num_gpus}; "
+                "profile with more ranks"
+            )
+        update["cluster"] = cluster
+    return plan.model_copy(update=update)
+
+
+# ---- the linearised model ----
+
+
+def parameters(calibration: Calibration) -> np.ndarray:
+    """The fitted parameter vector of a calibration (inverse efficiencies, then scalars)."""
+    values = [1.0 / getattr(calibration, name) for name in EFFICIENCIES]
+    return np.array(values + [float(getattr(calibration, name)) for name in SCALARS])
+
+
+def with_parameters(calibration: Calibration, theta: np.ndarray) -> Calibration:
+    """`calibration` with the fitted fields set from `theta` (clipped to their bounds)."""
+    update: dict[str, Any] = {}
+    for name, value in zip(FITTED, theta, strict=True):
+        value = max(float(value), LOWER[name])
+        update[name] = min(1.0, 1.0 / value) if name in EFFICIENCIES else value
+    return Calibration.model_validate({**calibration.model_dump(), **update})
+
+
+def predict(plan: Plan, calibration: Calibration) -> dict[str, float]:
+    """Seconds per model-stage, `weight_sync`, and the whole `step`, as the runtime reports them."""
+    predictions = evaluate_plan(plan, calibration).predictions
+    out = {name: p.time_s for name, p in predictions.model_stages.items()}
+    out["weight_sync"] = predictions.step_breakdown_s.get("weight_sync", 0.0)
+    out[STEP_KEY] = predictions.step_time_s
+    return out
+
+
+def _step_size(name: str, value: float) -> float:
+    return 1e-3 * max(abs(value), TYPICAL.get(name, TYPICAL_SECONDS))
+
+
+def linearise(plan: Plan, calibration: Calibration) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """Predictions at `calibration` and their gradients in the fitted parameters."""
+    theta = parameters(calibration)
+    base = predict(plan, calibration)
+    gradients = {key: np.zeros(len(FITTED)) for key in base}
+    for k, name in enumerate(FITTED):
+        h = _step_size(name, theta[k])
+        moved = theta.copy()
+        moved[k] += h
+        shifted = predict(plan, _unchecked(calibration, moved))
+        for key in base:
+            gradients[key][k] = (shifted[key] - base[key]) / h
+    return base, gradients
+
+
+def _unchecked(calibration: Calibration, theta: np.ndarray) -> Calibration:
+    """Like `with_parameters` without validation: finite differences may step past 100%."""
+    update = {name: (1.0 / v if name in EFFICIENCIES else float(v)) for name, v in zip(FITTED, theta, strict=True)}
+    return calibration.model_copy(update=update)
+
+
+# ---- least squares ----
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured time and where its prediction comes from."""
+
+    group: int
+    """Index of the (plan, sizes) point in the linearisation cache."""
+    key: str
+    """Model-stage name, `weight_sync`, or `step`."""
+    seconds: float
+    scale: float
+    """Seconds the residual is divided by (the step's wall time)."""
+
+
+def bounded_lstsq(design: np.ndarray, target: np.ndarray, lower: np.ndarray, free: np.ndarray) -> np.ndarray:
+    """min |design x - target| with x >= lower, by fixing violated parameters at their bound."""
+    x = lower.copy()
+    active = free.copy()
+    for _ in range(len(lower) + 1):
+        if not active.any():
+            return x
+        rest = target - design[:, ~active] @ x[~active]
+        columns = design[:, active]
+        norms = np.linalg.norm(columns, axis=0)
+        norms[norms == 0] = 1.0
+        solution, *_ = np.linalg.lstsq(columns / norms, rest, rcond=None)
+        x[active] = solution / norms
+        violated = active & (x < lower)
+        if not violated.any():
+            return x
+        x[violated] = lower[violated]
+        active &= ~violated
+    return x
+
+
+def _exercised(gradients: list[dict[str, np.ndarray]]) -> np.ndarray:
+    """Parameters some prediction depends on (the others keep their prior value)."""
+    total = np.zeros(len(FITTED))
+    for grads in gradients:
+        for g in grads.values():
+            total += np.abs(g)
+    return total > 0
+
+
+def gauss_newton(
+    plans: Sequence[Plan],
+    rows: Sequence[Row],
+    start: Calibration,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Calibration, np.ndarray]:
+    """Fit the parameters to `rows`; returns the calibration and which parameters were exercised."""
+    theta0 = parameters(start)
+    theta = theta0.copy()
+    lower = np.array([LOWER[name] for name in FITTED])
+    exercised = np.zeros(len(FITTED), dtype=bool)
+    for iteration in range(GAUSS_NEWTON_ITERATIONS):
+        calibration = _unchecked(start, theta)
+        points = [linearise(plan, calibration) for plan in plans]
+        exercised = _exercised([grads for _, grads in points])
+        design = np.array([points[r.group][1][r.key] / r.scale for r in rows])
+        target = np.array([(r.seconds - points[r.group][0][r.key]) / r.scale for r in rows]) + design @ theta
+        # A light pull towards the prior keeps weakly determined parameters near it; each
+        # parameter's pull is scaled by how much the predictions depend on it.
+        weight = math.sqrt(RIDGE) * np.maximum(np.linalg.norm(design, axis=0), 1e-12)
+        design = np.vstack([design, np.diag(weight)])
+        target = np.concatenate([target, weight * theta0])
+        updated = bounded_lstsq(design, target, np.where(exercised, lower, theta0), exercised)
+        updated[~exercised] = theta0[~exercised]
+        converged = np.allclose(updated, theta, rtol=1e-4, atol=1e-12)
+        theta = updated
+        if progress is not None:
+            progress(iteration + 1, GAUSS_NEWTON_ITERATIONS)
+        if converged:
+            break
+    return with_parameters(start, theta), exercised
+
+
+# ---- fitting runs, and held-out error ----
+
+
+@dataclass
+class Observations:
+    """Runs turned into least-squares rows over distinct (plan, sizes) points."""
+
+    plans: list[Plan] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
+    index: dict[tuple[int, int, int], int] = field(default_factory=dict)
+
+    def add(self, run_number: int, run: RunRecord, cluster: Cluster | None) -> None:
+        for sample in run.steps:
+            sizes = (run_number, sample.prompt_len, sample.response_len_max)
+            if sizes not in self.index:
+                self.index[sizes] = len(self.plans)
+                self.plans.append(measured_plan(run.plan, sample.prompt_len, sample.response_len_max, cluster))
+            group = self.index[sizes]
+            scale = max(sample.step_seconds, 1e-9)
+            known = {entry.model_stage for entry in run.plan.stages} | {"weight_sync"}
+            for key, seconds in sample.stage_seconds.items():
+                if key in known:
+                    self.rows.append(Row(group, key, seconds, scale))
+            self.rows.append(Row(group, STEP_KEY, sample.step_seconds, scale))
+
+
+def observations(runs: Sequence[RunRecord], cluster: Cluster | None) -> Observations:
+    out = Observations()
+    for number, run in enumerate(runs):
+        out.add(number, run, cluster)
+    return out
+
+
+def fit_runs(
+    runs: Sequence[RunRecord],
+    start: Calibration,
+    cluster: Cluster | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Calibration, list[str]]:
+    """The calibration that best explains `runs`, and the names of the fitted fields.
+
+    Pools either overlap within a phase or run one after another: both are fitted and the
+    one with the smaller step error on these runs is kept.
+    """
+    data = observations(runs, cluster)
+    best: tuple[float, Calibration, np.ndarray] | None = None
+    for concurrent in (True, False):
+        begin = start.model_copy(update={"concurrent_pools": concurrent})
+        calibration, exercised = gauss_newton(data.plans, data.rows, begin, progress)
+        error = run_errors(runs, calibration, cluster).step_mape
+        if best is None or error < best[0]:
+            best = (error, calibration, exercised)
+    assert best is not None
+    _, calibration, exercised = best
+    return calibration, [name for name, used in zip(FITTED, exercised, strict=True) if used]
+
+
+@dataclass(frozen=True)
+class RunError:
+    """Measured and predicted medians of one run (post-warm-up steps)."""
+
+    source: str
+    plan_key: str
+    measured: dict[str, float]
+    predicted: dict[str, float]
+
+    def error(self, key: str) -> float:
+        """Relative error of `key` (predicted / measured - 1)."""
+        return self.predicted[key] / self.measured[key] - 1.0
+
+
+@dataclass
+class ErrorReport:
+    """Errors of predictions against measurements, per run and summarised."""
+
+    runs: list[RunError]
+
+    def keys(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for run in self.runs:
+            seen.update(dict.fromkeys(k for k in run.measured if k != STEP_KEY and run.measured[k] > 0))
+        return list(seen)
+
+    def mape(self, key: str) -> float:
+        errors = [abs(r.error(key)) for r in self.runs if r.measured.get(key, 0) > 0 and key in r.predicted]
+        return statistics.fmean(errors) if errors else math.nan
+
+    @property
+    def step_mape(self) -> float:
+        return self.mape(STEP_KEY)
+
+    @property
+    def step_max(self) -> float:
+        return max((abs(r.error(STEP_KEY)) for r in self.runs), default=math.nan)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "step_mape": self.step_mape,
+            "step_max_ape": self.step_max,
+            "model_stage_mape": {key: self.mape(key) for key in self.keys()},
+            "runs": [
+                {
+                    "run": r.source,
+                    "measured_step_s": r.measured[STEP_KEY],
+                    "predicted_step_s": r.predicted[STEP_KEY],
+                    "error": r.error(STEP_KEY),
+                }
+                for r in self.runs
+            ],
+        }
+
+
+def run_errors(runs: Sequence[RunRecord], calibration: Calibration, cluster: Cluster | None = None) -> ErrorReport:
+    """Median measured vs median predicted times of every run, under `calibration`."""
+    out = []
+    for run in runs:
+        measured: dict[str, list[float]] = {}
+        predicted: dict[str, list[float]] = {}
+        cache: dict[tuple[int, int], dict[str, float]] = {}
+        for sample in run.steps:
+            sizes = (sample.prompt_len, sample.response_len_max)
+            if sizes not in cache:
+                cache[sizes] = predict(measured_plan(run.plan, *sizes, cluster), calibration)
+            for key, seconds in [*sample.stage_seconds.items(), (STEP_KEY, sample.step_seconds)]:
+                if key in cache[sizes]:
+                    measured.setdefault(key, []).append(seconds)
+                    predicted.setdefault(key, []).append(cache[sizes][key])
+        out.append(
+            RunError(
+                run.source,
+                run.plan_key,
+                {k: statistics.median(v) for k, v in measured.items()},
+                {k: statistics.median(v) for k, v in predicted.items()},
+            )
+        )
+    return ErrorReport(out)
+
+
+def held_out_errors(
+    runs: Sequence[RunRecord], start: Calibration, cluster: Cluster | None = None
+) -> ErrorReport | None:
+    """Leave-one-plan-out: each plan's runs predicted by a fit on the other plans' runs.
+
+    None when the runs cover fewer than two plans (nothing to hold out).
+    """
+    keys = list(dict.fromkeys(run.plan_key for run in runs))
+    if len(keys) < 2:
+        return None
+    out: list[RunError] = []
+    for key in keys:
+        train = [run for run in runs if run.plan_key != key]
+        test = [run for run in runs if run.plan_key == key]
+        calibration, _ = fit_runs(train, start, cluster)
+        out.extend(run_errors(test, calibration, cluster).runs)
+    return ErrorReport(out)

@@ -1,0 +1,116 @@
+"""Online calibration: least squares with exponential forgetting, one RL step at a time.
+
+The runtime controller calls `OnlineCalibrator.update` after every step with what the step
+measured; the calibrator returns the efficiencies that best explain the recent steps. It
+fits the same parameters as `nereus fit` (inverse efficiencies and fixed overheads) on the
+same rows (each model-stage's time and the step's, as fractions of the step's wall time),
+linearised around the current estimate. Old steps fade by `forgetting` per step, so a
+drift in efficiency (thermal throttling, a noisy neighbour, longer sequences changing the
+regime) is tracked within about 1 / (1 - forgetting) steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from nereus.cost.calibration import Calibration
+from nereus.cost.fit import (
+    FITTED,
+    LOWER,
+    STEP_KEY,
+    bounded_lstsq,
+    linearise,
+    measured_plan,
+    parameters,
+    with_parameters,
+)
+from nereus.spec.cluster import Cluster
+from nereus.spec.plan import Plan
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    """How fast the estimate moves."""
+
+    forgetting: float = 0.9
+    """Weight of the previous step's information relative to this one's, in (0, 1]; 1 never forgets."""
+    prior_weight: float = 1e-3
+    """Confidence in the starting calibration, as a fraction of one step's information."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.forgetting <= 1:
+            raise ValueError(f"forgetting must be in (0, 1], got {self.forgetting}")
+        if self.prior_weight <= 0:
+            raise ValueError(f"prior_weight must be positive, got {self.prior_weight}")
+
+
+class OnlineCalibrator:
+    """Exponentially weighted least squares over the cost model's fitted parameters.
+
+    Kept in information form (normal matrix and vector). Forgetting shrinks the old
+    information towards the prior's instead of towards zero, so directions no step excites
+    (an inter-node link on one node) keep their prior value rather than winding up.
+    """
+
+    def __init__(self, start: Calibration, config: OnlineConfig | None = None, cluster: Cluster | None = None) -> None:
+        self.config = config or OnlineConfig()
+        self.cluster = cluster
+        self.calibration = start
+        self.prior = parameters(start)
+        # Set at the first step, from how strongly that step's predictions depend on each parameter.
+        self.prior_information = np.zeros((len(FITTED), len(FITTED)))
+        self.information = self.prior_information.copy()
+        self.vector = np.zeros(len(FITTED))
+        self.lower = np.array([LOWER[name] for name in FITTED])
+        self.num_updates = 0
+
+    def update(
+        self,
+        plan: Plan,
+        step_seconds: float,
+        stage_seconds: Mapping[str, float],
+        prompt_len: int,
+        response_len_max: int,
+    ) -> Calibration:
+        """Fold one step's measurements in; returns the updated calibration.
+
+        `stage_seconds` maps model-stage names (and `weight_sync`) to seconds, as a step's
+        metrics report them; names the plan does not price are ignored.
+        """
+        if step_seconds <= 0:
+            raise ValueError(f"step_seconds must be positive, got {step_seconds}")
+        sized = measured_plan(plan, prompt_len, response_len_max, self.cluster)
+        base, gradients = linearise(sized, self.calibration)
+        theta_now = parameters(self.calibration)
+        rows = [(key, seconds) for key, seconds in stage_seconds.items() if key in base and key != STEP_KEY]
+        rows.append((STEP_KEY, step_seconds))
+        if self.num_updates == 0:
+            self._set_prior([gradients[key] / step_seconds for key, _ in rows])
+        keep = self.config.forgetting
+        self.information = keep * self.information + (1 - keep) * self.prior_information
+        self.vector = keep * self.vector + (1 - keep) * self.prior_information @ self.prior
+        for key, seconds in rows:
+            x = gradients[key] / step_seconds
+            # Linearised at theta_now: measured = predicted(theta_now) + x . (theta - theta_now).
+            target = (seconds - base[key]) / step_seconds + x @ theta_now
+            self.information += np.outer(x, x)
+            self.vector += x * target
+        # The bounded minimiser of theta' R theta - 2 b' theta, as least squares through R = L L'.
+        factor = np.linalg.cholesky(self.information)
+        target = np.linalg.solve(factor, self.vector)
+        free = np.ones(len(FITTED), dtype=bool)
+        theta = bounded_lstsq(factor.T, target, self.lower, free)
+        self.calibration = with_parameters(self.calibration, theta)
+        self.num_updates += 1
+        return self.calibration
+
+    def _set_prior(self, rows: list[np.ndarray]) -> None:
+        """Prior information: `prior_weight` times one step's, per parameter (a tiny floor
+        keeps parameters no prediction depends on at their starting value)."""
+        strength = self.config.prior_weight * sum(x**2 for x in rows)
+        self.prior_information = np.diag(np.maximum(strength, 1e-12 * max(float(strength.max()), 1.0)))
+        self.information = self.prior_information.copy()
+        self.vector = self.prior_information @ self.prior
