@@ -46,8 +46,10 @@ class ExactResult:
     time_limit_s: float
 
 
-def solve_exact(inst: Instance, time_limit_s: float = 10.0, workers: int = 2) -> ExactResult:
-    """Minimise makespan, then peak memory, with CP-SAT within `time_limit_s`."""
+def solve_exact(
+    inst: Instance, time_limit_s: float = 10.0, workers: int = 2, *, minimise_memory: bool = True
+) -> ExactResult:
+    """Minimise makespan, then (with `minimise_memory`) peak memory, with CP-SAT within `time_limit_s`."""
     if inst.num_ops > MAX_EXACT_OPS:
         raise NereusError(
             f"--exact: {inst.num_ops} ops is too many for the exact model (at most {MAX_EXACT_OPS}); "
@@ -87,7 +89,7 @@ def solve_exact(inst: Instance, time_limit_s: float = 10.0, workers: int = 2) ->
     bound_units = solver.best_objective_bound
     memory_optimal = False
     starts = [solver.value(s) for s in start]
-    if optimal and peak is not None:
+    if optimal and peak is not None and minimise_memory:
         model.add(makespan <= int(solver.objective_value))
         for op in range(inst.num_ops):
             model.add_hint(start[op], solver.value(start[op]))
