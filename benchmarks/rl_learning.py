@@ -21,7 +21,8 @@ from typing import Any
 
 from nereus.runtime.dist import spawn
 from nereus.runtime.rl.config import RLConfig, RunConfig
-from nereus.runtime.rl.step import StepMetrics, plan_problems, run_steps
+from nereus.runtime.rl.setup import plan_problems
+from nereus.runtime.rl.step import StepMetrics, run_steps
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 

@@ -16,11 +16,11 @@ from nereus.runtime.dist import spawn
 from nereus.runtime.rl.algorithms import entropy_from_logits
 from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.runtime.rl.objectives import vocab_parallel_entropy
+from nereus.runtime.rl.setup import plan_problems
 from nereus.runtime.rl.step import (
     Stage,
     StepMetrics,
     build_stages,
-    plan_problems,
     rl_step,
     rollout_batch,
     run_steps,

@@ -75,7 +75,7 @@ def register_commands() -> None:
     from nereus.cli import (
         dag_commands,
         plan_commands,
-        profile_commands,
+        run_commands,
         schedule_commands,
         simulate_commands,
         spec_commands,
@@ -89,7 +89,7 @@ def register_commands() -> None:
         schedule_commands,
         trace_commands,
         simulate_commands,
-        profile_commands,
+        run_commands,
     )
     for module in modules:
         module.register(app)

@@ -138,7 +138,8 @@ def _file_crc(path: Path) -> int:
     return crc
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file or folder to disk (a folder: so a rename into it survives a crash)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -173,7 +174,7 @@ def _write_shard(folder: Path, meta: StateMeta, rank: int, tensors: dict[str, to
     payload = {key: tensors[key].detach().cpu().contiguous() for key in keys}
     path = folder / f"shard-{rank:05d}.safetensors"
     save_file(payload, str(path))
-    _fsync(path)
+    fsync_path(path)
     entries = [ShardEntry(key=key, box=list(boxes[key]), crc32=_crc(payload[key])) for key in keys]
     return ShardRecord(file=path.name, rank=rank, nbytes=path.stat().st_size, crc32=_file_crc(path), entries=entries)
 
@@ -217,10 +218,10 @@ def _finish(folder: Path, target: Path, index: CheckpointIndex) -> None:
     """Write the index, fsync it and the folder, and rename the folder into place."""
     index_path = folder / INDEX_NAME
     index_path.write_text(_index_text(index))
-    _fsync(index_path)
-    _fsync(folder)
+    fsync_path(index_path)
+    fsync_path(folder)
     os.rename(folder, target)
-    _fsync(target.parent)
+    fsync_path(target.parent)
 
 
 def save_checkpoint(

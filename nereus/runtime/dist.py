@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from nereus.errors import NereusError
 
@@ -48,9 +51,26 @@ def init_from_env(timeout: timedelta = DEFAULT_TIMEOUT) -> None:
     dist.init_process_group(backend(), init_method="env://", timeout=timeout)
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank when its parent dies (torch asks for SIGINT, which a
+    rank blocked inside a collective never handles), so a killed launcher leaves no orphans."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:  # not Linux: nothing to ask
+        return
+    pr_set_pdeathsig = 1
+    libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the request: go now
+        os._exit(1)
+
+
 def _child(
     rank: int, world_size: int, folder: str, fn: Callable[..., Any], args: tuple[Any, ...], num_threads: int
 ) -> None:
+    _die_with_parent()
     torch.set_num_threads(num_threads)
     os.environ["LOCAL_RANK"] = str(rank)
     result_path = Path(folder) / f"result-{rank}.pkl"
@@ -64,29 +84,90 @@ def _child(
             world_size=world_size,
             timeout=DEFAULT_TIMEOUT,
         )
-        outcome: tuple[bool, Any] = (True, fn(rank, world_size, *args))
+        outcome: tuple[bool, Any, float] = (True, fn(rank, world_size, *args), time.time())
+        # No rank tears its communicator down while a peer may still be sending on it.
+        dist.barrier()
+        dist.destroy_process_group()
     except BaseException as exc:  # report any failure to the parent, which raises it
-        outcome = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    result_path.write_bytes(pickle.dumps(outcome))
+        outcome = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.time())
+    _write_atomically(result_path, pickle.dumps(outcome))
+    if not outcome[0]:
+        # Exit non-zero without tearing down: the parent then stops every other rank, which
+        # may be blocked in a collective waiting for this one.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, num_threads: int = 1) -> list[Any]:
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+#: Seconds the surviving ranks get to exit on their own after one rank fails.
+FAILURE_GRACE_S = 2.0
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    num_threads: int = 1,
+    on_wait: Callable[[], None] | None = None,
+) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` local ranks; return each rank's result.
 
-    `fn` must be importable (a module-level function). A rank that raises makes `spawn`
-    raise RuntimeError with that rank's traceback.
+    `fn` must be importable (a module-level function). `on_wait`, when given, is called about
+    ten times a second while the ranks run, and once after they end (e.g. to drain a queue
+    the ranks report progress on). A rank that raises or dies takes the others down within
+    a few seconds, and `spawn` raises RuntimeError naming it, with its traceback when it had one.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     with tempfile.TemporaryDirectory(prefix="nereus-rdzv-") as folder:
-        mp.start_processes(
-            _child, args=(world_size, folder, fn, args, num_threads), nprocs=world_size, join=True, start_method="spawn"
-        )
-        outcomes = [pickle.loads((Path(folder) / f"result-{rank}.pkl").read_bytes()) for rank in range(world_size)]
-    failures = [f"rank {rank}: {value}" for rank, (ok, value) in enumerate(outcomes) if not ok]
+        child_args = (world_size, folder, fn, args, num_threads)
+        context = mp.start_processes(_child, args=child_args, nprocs=world_size, join=False, start_method="spawn")
+        failure = None
+        try:
+            while not context.join(timeout=0.1, grace_period=FAILURE_GRACE_S):
+                if on_wait is not None:
+                    on_wait()
+        except ProcessException as error:
+            failure = error
+        finally:
+            for process in context.processes:  # e.g. on KeyboardInterrupt in the parent
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+        if on_wait is not None:
+            on_wait()
+        outcomes = {rank: _read_outcome(Path(folder), rank) for rank in range(world_size)}
+    # The rank that failed first names the cause (its peers then fail on closed connections);
+    # a rank that died without a word (a signal) is the cause when there is one.
+    raised = sorted((o[2], rank, o[1]) for rank, o in outcomes.items() if o is not None and not o[0])
+    failures = [f"rank {rank}: {message}" for _, rank, message in raised]
+    if failure is not None and outcomes[failure.error_index] is None:
+        failures.insert(0, f"rank {failure.error_index}: {_exit_description(failure)}")
+    if not failures and None in outcomes.values():
+        failures = [f"rank {min(r for r, o in outcomes.items() if o is None)}: ended without a result"]
     if failures:
         raise RuntimeError("\n".join(failures))
-    return [value for _, value in outcomes]
+    return [outcome[1] for outcome in outcomes.values() if outcome is not None]
+
+
+def _read_outcome(folder: Path, rank: int) -> tuple[bool, Any, float] | None:
+    """(succeeded, result or error text, when it ended), or None when the rank left none."""
+    path = folder / f"result-{rank}.pkl"
+    if not path.is_file():
+        return None
+    outcome: tuple[bool, Any, float] = pickle.loads(path.read_bytes())
+    return outcome
+
+
+def _exit_description(error: ProcessException) -> str:
+    if isinstance(error, ProcessExitedException) and error.signal_name:
+        return f"died from signal {error.signal_name}"
+    if isinstance(error, ProcessExitedException):
+        return f"exited with code {error.exit_code}"
+    return str(error)

@@ -58,13 +58,20 @@ class RLConfig(StrictModel):
 
 
 class RunConfig(Document):
-    """One RL run: hyperparameters and length (the plan is given separately)."""
+    """One RL run: hyperparameters, length and checkpointing (the layouts come from a plan)."""
 
     kind: Literal["RunConfig"] = "RunConfig"
     rl: RLConfig = Field(default_factory=RLConfig)
     """The RL loop's hyperparameters."""
+    plan: str | None = None
+    """Plan YAML the run uses (models, workload, every model-stage's layout), relative to this
+    file; `nereus run --plan` overrides it. One of the two is required."""
     num_steps: int = Field(default=50, gt=0)
-    """RL steps to run."""
+    """RL steps to run (the total, counting steps done before a resume)."""
+    checkpoint_every: int = Field(default=10, gt=0)
+    """Save a checkpoint after every this many steps (and after the last step)."""
+    keep_checkpoints: int = Field(default=2, gt=0)
+    """Newest checkpoints kept; older ones are deleted once a newer one is complete."""
 
 
 register_kind(RunConfig)

@@ -74,10 +74,15 @@ class StepMetrics:
     kl: float
     """Mean k1 KL(actor || reference) per response token, at the sampling policy."""
     response_len_mean: float
+    response_len_min: int
     response_len_max: int
+    prompt_len: int
+    """Tokens of the left-padded prompts (the longest prompt of the step)."""
     actor_loss: float
     """Mean over mini-batches and epochs of the policy loss."""
     critic_loss: float | None
+    step_seconds: float
+    """Wall time of the whole step (slowest rank)."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """Wall time per model-stage (slowest rank), plus `advantages` and `weight_sync`."""
     state_bytes_per_rank: list[int] = field(default_factory=list)
@@ -98,40 +103,6 @@ class Stage:
 def stage_layout(entry: StagePlan) -> RankLayout:
     """The runtime layout of a plan entry: GPU ids are world ranks, EMU by EMU."""
     return RankLayout(entry.tp, entry.pp, entry.dp, tuple(entry.gpus))
-
-
-def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
-    """Why `plan` cannot run on `world_size` ranks with `config` (empty when it can)."""
-    from nereus.runtime.shard_layout import layout_problem
-
-    problems = []
-    workload = plan.workload
-    num_rows = workload.prompts_per_step * workload.samples_per_prompt
-    used = sorted({gpu for entry in plan.stages for gpu in entry.gpus})
-    if used and used[-1] >= world_size:
-        problems.append(f"the plan uses GPU {used[-1]} but the world has {world_size} ranks (0..{world_size - 1})")
-    tokenizer = CharTokenizer()
-    for entry in plan.stages:
-        name = entry.model_stage
-        model = plan.model(workload.model_name(entry.role))
-        problem = layout_problem(model, entry.tp, entry.pp)
-        if problem:
-            problems.append(f"{name}: {problem}")
-        if model.vocab_size < tokenizer.vocab_size:
-            problems.append(
-                f"{name}: model {model.name} has {model.vocab_size} tokens, the tokenizer needs {tokenizer.vocab_size}"
-            )
-        rows = num_rows // workload.mini_batches if entry.stage == "training" else num_rows
-        if rows // entry.dp < entry.micro_batches:
-            problems.append(f"{name}: {rows} rows over dp={entry.dp} cannot fill micro_batches={entry.micro_batches}")
-    if workload.algorithm == "grpo" and workload.samples_per_prompt < 2:
-        problems.append("grpo needs samples_per_prompt >= 2 (groups of one have no baseline)")
-    has_critic = any(entry.role == "critic" for entry in plan.stages)
-    if workload.algorithm == "ppo" and not has_critic:
-        problems.append("ppo needs critic/inference and critic/training stages")
-    if workload.algorithm != "ppo" and has_critic:
-        problems.append(f"{workload.algorithm} trains no critic; remove the critic stages")
-    return problems
 
 
 def build_stages(plan: Plan, config: RLConfig) -> dict[str, Stage]:
@@ -312,6 +283,7 @@ def rl_step(
     """One RL step on this rank (collective over the world)."""
     workload, tokenizer, task = plan.workload, CharTokenizer(), get_task(config.task)
     seconds: dict[str, float] = {}
+    start = time.perf_counter()
     seed = step_seed(config.seed, step)
     # Each prompt repeated samples_per_prompt times in a row: GRPO's groups.
     drawn = sample_problems(task, workload.prompts_per_step, seed)
@@ -374,16 +346,21 @@ def rl_step(
         sync_weights(syncs)
 
     lengths = mask.sum(dim=1)
+    seconds["step"] = time.perf_counter() - start
     names = [entry.model_stage for entry in plan.stages] + ["advantages", "weight_sync"]
+    stage_seconds = slowest_rank(seconds, [*names, "step"])
     return StepMetrics(
         step=step,
         reward=float(scores.mean()),
         kl=float(masked_mean(old_log_probs - ref_log_probs, mask)),
         response_len_mean=float(lengths.mean()),
+        response_len_min=int(lengths.min()),
         response_len_max=int(lengths.max()),
+        prompt_len=max(len(prompt) for prompt in prompts),
         actor_loss=actor_loss,
         critic_loss=critic_loss,
-        stage_seconds=slowest_rank(seconds, names),
+        step_seconds=stage_seconds.pop("step"),
+        stage_seconds=stage_seconds,
         state_bytes_per_rank=state_bytes_per_rank(stages),
     )
 

@@ -1,0 +1,206 @@
+"""`nereus run`: RL training under a plan on local ranks, and `nereus run --resume`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from nereus.errors import NereusError
+
+if TYPE_CHECKING:
+    from nereus.runtime.rl.setup import RunSetup
+    from nereus.runtime.rl.step import StepMetrics
+
+#: Model-stages shown in the progress line, with their short names.
+SHOWN_STAGES = {
+    "actor/generation": "gen",
+    "actor/inference": "act-inf",
+    "reference/inference": "ref",
+    "reward/inference": "rew",
+    "critic/inference": "crit-inf",
+    "actor/training": "act-train",
+    "critic/training": "crit-train",
+    "weight_sync": "sync",
+}
+
+
+def describe_step(metrics: StepMetrics) -> str:
+    """One line: reward, KL, response length and where the step's time went."""
+    times = " ".join(
+        f"{short} {metrics.stage_seconds[name]:.2f}"
+        for name, short in SHOWN_STAGES.items()
+        if name in metrics.stage_seconds
+    )
+    return (
+        f"reward {metrics.reward:.3f}  kl {metrics.kl:+.4f}  len {metrics.response_len_mean:.1f}/"
+        f"{metrics.response_len_max}  {metrics.step_seconds:.2f}s ({times})"
+    )
+
+
+@contextmanager
+def step_progress(setup: RunSetup) -> Iterator[Callable[[StepMetrics], None]]:
+    """A rich bar on a terminal (step, reward, KL, length, per-stage times); elsewhere a line per step on stderr."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    columns = (
+        TextColumn("step"),
+        MofNCompleteColumn(),
+        BarColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[line]}"),
+    )
+    with Progress(*columns, console=console, disable=not console.is_terminal) as bar:
+        task = bar.add_task("run", total=setup.config.num_steps, completed=setup.start_step, line="starting ranks")
+
+        def on_step(metrics: StepMetrics) -> None:
+            bar.update(task, completed=metrics.step + 1, line=describe_step(metrics))
+            if not console.is_terminal:
+                typer.echo(f"step {metrics.step + 1}/{setup.config.num_steps}  {describe_step(metrics)}", err=True)
+
+        yield on_step
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What this invocation did (timings) and where the whole run stands (rewards of every
+    step so far, from metrics.jsonl): the closing table, or `--json`."""
+
+    out: str
+    num_ranks: int
+    first_step: int
+    """Steps done before this invocation (0 for a new run)."""
+    num_steps: int
+    steps_run: int
+    wall_s: float
+    reward_first10: float | None
+    """Mean reward of the run's first 10 steps."""
+    reward_last10: float | None
+    reward_margin: float | None
+    """Last-10 mean minus first-10 mean."""
+    mean_step_s: float | None
+    mean_stage_s: dict[str, float]
+    checkpoint: str | None
+
+
+def summarize(setup: RunSetup, records: list[StepMetrics], wall_s: float) -> RunSummary:
+    from nereus.runtime.rl.setup import latest_checkpoint, read_metrics
+
+    rewards = [record["reward"] for record in read_metrics(setup.out)]
+    first = statistics.mean(rewards[:10]) if rewards else None
+    last = statistics.mean(rewards[-10:]) if rewards else None
+    names = sorted({name for m in records for name in m.stage_seconds})
+    checkpoint = latest_checkpoint(setup.out)
+    return RunSummary(
+        out=str(setup.out),
+        num_ranks=setup.num_ranks,
+        first_step=setup.start_step,
+        num_steps=setup.config.num_steps,
+        steps_run=len(records),
+        wall_s=round(wall_s, 2),
+        reward_first10=first,
+        reward_last10=last,
+        reward_margin=None if first is None or last is None else last - first,
+        mean_step_s=statistics.mean(m.step_seconds for m in records) if records else None,
+        mean_stage_s={name: statistics.mean(m.stage_seconds.get(name, 0.0) for m in records) for name in names},
+        checkpoint=None if checkpoint is None else str(checkpoint),
+    )
+
+
+def print_summary(result: RunSummary) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(
+        f"ran steps {result.first_step + 1}-{result.num_steps} of the run on {result.num_ranks} ranks"
+        f" in {result.wall_s} s -> {result.out}"
+    )
+    if result.reward_first10 is not None and result.reward_last10 is not None:
+        console.print(
+            f"mean reward of the run's first 10 steps {result.reward_first10:.3f}, "
+            f"of its last 10 steps {result.reward_last10:.3f} (margin {result.reward_margin:+.3f})"
+        )
+    if result.mean_step_s is not None:
+        table = Table("model-stage", "mean s/step")
+        for name, seconds in result.mean_stage_s.items():
+            table.add_row(name, f"{seconds:.3f}")
+        table.add_row("whole step", f"{result.mean_step_s:.3f}")
+        console.print(table)
+    console.print(f"last checkpoint: {result.checkpoint}")
+
+
+def run(
+    config_file: Annotated[
+        Path | None,
+        typer.Argument(help="RunConfig YAML (e.g. examples/run-ppo.yaml); omit with --resume.", dir_okay=False),
+    ] = None,
+    plan_file: Annotated[
+        Path | None, typer.Option("--plan", help="Plan YAML; overrides the config's plan (on --resume: reshards).")
+    ] = None,
+    num_ranks: Annotated[
+        int | None,
+        typer.Option(
+            "--nproc",
+            min=1,
+            help="Local ranks to spawn (default: the plan's). On --resume without --plan, "
+            "a different count makes the planner lay the run out anew.",
+        ),
+    ] = None,
+    num_steps: Annotated[
+        int | None, typer.Option("--steps", min=1, help="Total RL steps (overrides the config's num_steps).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Run folder (default: runs/CONFIG-DATE-TIME); must be new or empty.")
+    ] = None,
+    resume: Annotated[
+        Path | None,
+        typer.Option("--resume", help="Continue the run in this folder from its last checkpoint.", file_okay=False),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Run RL post-training under a plan on local ranks (gloo on CPU, NCCL on GPUs)."""
+    from nereus.runtime.rl.setup import new_run, resume_run
+
+    if resume is not None:
+        if config_file is not None or out is not None:
+            raise NereusError("--resume DIR continues the run in DIR: drop CONFIG and --out")
+        setup = resume_run(resume, plan_file, num_ranks, num_steps)
+    elif config_file is None:
+        raise NereusError("give a RunConfig YAML (e.g. examples/run-ppo.yaml) or --resume DIR")
+    else:
+        setup = new_run(config_file, plan_file, num_ranks, num_steps, out)
+    result = launch_with_progress(setup)
+    if as_json:
+        typer.echo(json.dumps(dataclasses.asdict(result), indent=1))
+    else:
+        print_summary(result)
+
+
+def launch_with_progress(setup: RunSetup) -> RunSummary:
+    from nereus.runtime.rl.run import launch
+
+    if setup.planned:
+        typer.echo(f"planned a new layout for {setup.num_ranks} ranks (see {setup.out}/plan.yaml)", err=True)
+    if setup.checkpoint is not None:
+        typer.echo(f"resuming from {setup.checkpoint} (step {setup.start_step})", err=True)
+    start = time.perf_counter()
+    with step_progress(setup) as on_step:
+        records = launch(setup, on_step)
+    return summarize(setup, records, time.perf_counter() - start)
+
+
+def register(app: typer.Typer) -> None:
+    app.command(help="Run RL post-training under a plan on local ranks, or --resume one (checkpoints, metrics.jsonl).")(
+        run
+    )

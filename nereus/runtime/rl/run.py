@@ -1,0 +1,183 @@
+"""`nereus run` as a library: the loop every rank runs, its checkpoints, and the launcher.
+
+Each rank builds the plan's engines, restores the checkpoint a resume starts from (into the
+current plan's layouts, whatever layouts saved it), then runs the steps. After each step rank
+0 appends the step's record to metrics.jsonl (flushed and fsynced); every `checkpoint_every`
+steps all ranks save the trained models into one checkpoint folder, atomically. Per-step
+seeds depend only on (seed, step), so a run resumed from a checkpoint repeats, bitwise, the
+steps an uninterrupted run takes after it (same plan and ranks).
+
+The launcher spawns the ranks and reports each finished step to a callback by reading
+metrics.jsonl as it grows: what the user sees is what is on disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nereus.errors import NereusError
+from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
+from nereus.runtime.dist import spawn
+from nereus.runtime.rl.setup import (
+    CHECKPOINT_STATE_NAME,
+    CHECKPOINTS_NAME,
+    FAILURE_NAME,
+    METRICS_NAME,
+    RunSetup,
+    checkpoint_folder,
+    finished_checkpoints,
+    latest_checkpoint,
+    prepare_folder,
+)
+from nereus.runtime.rl.step import Stage, StepMetrics, build_stages, rl_step, sync_plans, sync_weights
+from nereus.runtime.sharded_state import state_meta
+from nereus.spec.plan import Plan
+
+#: Model-stages whose state a checkpoint holds; the others are rebuilt from it (generation and
+#: inference by weight sync) or from the init seed (the reference, which never trains).
+TRAINED_STAGES = ("actor/training", "critic/training")
+#: State families saved: gradients are dropped, every step starts from zero gradients.
+CHECKPOINT_FAMILIES = ("param", "exp_avg", "exp_avg_sq")
+
+
+def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
+    """The whole run on this rank; returns the number of steps the run has finished."""
+    config = setup.config
+    torch.manual_seed(config.rl.seed)
+    stages = build_stages(setup.plan, config.rl)
+    syncs = sync_plans(stages)
+    if setup.checkpoint is not None:
+        restore(stages, setup.checkpoint, rank)
+        sync_weights(syncs)  # generation and inference engines get the restored weights
+    for step in range(setup.start_step, config.num_steps):
+        metrics = rl_step(setup.plan, config.rl, stages, syncs, step)
+        if rank == 0:
+            append_metrics(setup.out / METRICS_NAME, metrics)
+        done = step + 1
+        if done % config.checkpoint_every == 0 or done == config.num_steps:
+            save_run_checkpoint(setup, stages, done, rank)
+    return config.num_steps
+
+
+def append_metrics(path: Path, metrics: StepMetrics) -> None:
+    """One JSON line, on disk before the step's checkpoint can be."""
+    with path.open("a") as handle:
+        handle.write(json.dumps(dataclasses.asdict(metrics)) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def optimizer_steps(plan: Plan, num_rl_steps: int) -> int:
+    """AdamW steps each trained model has taken after `num_rl_steps` RL steps."""
+    return num_rl_steps * plan.workload.mini_batches * plan.workload.ppo_epochs
+
+
+def save_run_checkpoint(setup: RunSetup, stages: dict[str, Stage], step: int, rank: int) -> None:
+    """Save every trained model into checkpoints/step-NNNNNN (collective, atomic)."""
+    root = setup.out / CHECKPOINTS_NAME
+    shared: list[Any] = [None]
+    if rank == 0:
+        root.mkdir(exist_ok=True)
+        shared[0] = tempfile.mkdtemp(prefix=f".step-{step:06d}.tmp-", dir=root)
+    dist.broadcast_object_list(shared, src=0)
+    folder = Path(shared[0])
+    num_optimizer_steps = optimizer_steps(setup.plan, step)
+    for name in TRAINED_STAGES:
+        if name not in stages:
+            continue
+        stage = stages[name]
+        meta = state_meta(stage.model, stage.head, stage.layout, CHECKPOINT_FAMILIES)
+        tensors = {}
+        if stage.engine is not None:
+            assert stage.engine.optimizer_step == num_optimizer_steps, (stage.engine.optimizer_step, step)
+            tensors = {k: v for k, v in stage.engine.local_state().items() if k.split("/")[0] in CHECKPOINT_FAMILIES}
+        save_checkpoint_distributed(folder / stage.plan.role, meta, rank, tensors, num_optimizer_steps)
+    if rank == 0:
+        _seal(folder, checkpoint_folder(setup.out, step), step)
+        for old in finished_checkpoints(setup.out)[: -setup.config.keep_checkpoints]:
+            shutil.rmtree(old)
+    dist.barrier()
+
+
+def _seal(folder: Path, target: Path, step: int) -> None:
+    """Write the state file, make everything durable, and rename the folder into place."""
+    state_path = folder / CHECKPOINT_STATE_NAME
+    with state_path.open("w") as handle:
+        json.dump({"step": step}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+    fsync_path(folder)
+    os.rename(folder, target)
+    fsync_path(target.parent)
+
+
+def restore(stages: dict[str, Stage], checkpoint: Path, rank: int) -> None:
+    """Load every trained model's state from `checkpoint` into this rank's shard of it."""
+    for name in TRAINED_STAGES:
+        stage = stages.get(name)
+        if stage is None or stage.engine is None:
+            continue
+        loaded = load_checkpoint(checkpoint / stage.plan.role, stage.layout, rank, stage.model, stage.head)
+        stage.engine.load_local_state(loaded.tensors, loaded.step)
+
+
+class MetricsTail:
+    """Reads the records a run appends to metrics.jsonl, complete lines only."""
+
+    def __init__(self, path: Path, on_step: Callable[[StepMetrics], None] | None) -> None:
+        self.path = path
+        self.on_step = on_step
+        self.offset = path.stat().st_size if path.exists() else 0
+        self.records: list[StepMetrics] = []
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open("rb") as handle:
+            handle.seek(self.offset)
+            chunk = handle.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        self.offset += len(complete)
+        for line in complete.decode().splitlines():
+            metrics = StepMetrics(**json.loads(line))
+            self.records.append(metrics)
+            if self.on_step is not None:
+                self.on_step(metrics)
+
+
+class RunFailed(NereusError):
+    """A rank failed; the message says which, where the full error is, and how to resume."""
+
+
+def launch(setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
+    """Prepare the run folder, spawn the ranks, run to `num_steps`; returns the steps run now.
+
+    `on_step` gets each step's metrics as soon as it is on disk. A failing rank stops every
+    rank within seconds; RunFailed then names it and the checkpoint to resume from.
+    """
+    prepare_folder(setup)
+    tail = MetricsTail(setup.out / METRICS_NAME, on_step)
+    try:
+        spawn(run_rank, setup.num_ranks, setup, on_wait=tail.poll)
+    except RuntimeError as error:
+        failure_log = setup.out / FAILURE_NAME
+        failure_log.write_text(str(error) + "\n")
+        first_line = str(error).splitlines()[0]
+        checkpoint = latest_checkpoint(setup.out)
+        resume = (
+            f"resume from {checkpoint.name} with `nereus run --resume {setup.out}`"
+            if checkpoint is not None
+            else "no checkpoint was taken yet"
+        )
+        raise RunFailed(f"run failed: {first_line} (full error in {failure_log}); {resume}") from None
+    return tail.records

@@ -1,0 +1,253 @@
+"""Everything `nereus run` settles before it spawns a rank: the config, the plan, the number
+of ranks, the run folder and the step a resume starts from.
+
+It imports no torch, so a bad config, a plan that does not fit `--nproc` or a run folder in
+the way is refused in a fraction of a second with one line, before any process exists.
+
+A run folder holds:
+    config.yaml      the RunConfig the run uses (its `plan` points at plan.yaml)
+    plan.yaml        the Plan it runs under (replaced when a resume changes the plan)
+    metrics.jsonl    one JSON record per finished step
+    checkpoints/     step-000010/ ... : every trained model's state after that many steps
+    failure.log      the full error of a run that failed (written only then)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nereus.errors import NereusError
+from nereus.runtime.rl.config import RLConfig, RunConfig
+from nereus.spec.io import load_document, save_document, write_text_atomic
+from nereus.spec.plan import Plan
+
+CONFIG_NAME = "config.yaml"
+PLAN_NAME = "plan.yaml"
+METRICS_NAME = "metrics.jsonl"
+CHECKPOINTS_NAME = "checkpoints"
+FAILURE_NAME = "failure.log"
+#: The file inside a finished run checkpoint that records the step it was taken after.
+CHECKPOINT_STATE_NAME = "state.json"
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """A run ready to spawn: what to run, on how many ranks, where, and from which step."""
+
+    config: RunConfig
+    """The effective config (`num_steps` as overridden by `--steps`)."""
+    plan: Plan
+    num_ranks: int
+    out: Path
+    """The run folder."""
+    start_step: int
+    """First step to run: 0, or the step of the checkpoint resumed from."""
+    checkpoint: Path | None
+    """The checkpoint folder a resume loads (None for a new run or one never checkpointed)."""
+    planned: bool
+    """True when the plan was made by the planner for `num_ranks` (a resume onto other ranks)."""
+
+
+def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
+    """Why `plan` cannot run on `world_size` ranks with `config` (empty when it can)."""
+    from nereus.runtime.rl.tasks import CharTokenizer
+    from nereus.runtime.shard_layout import layout_problem
+
+    problems = []
+    workload = plan.workload
+    num_rows = workload.prompts_per_step * workload.samples_per_prompt
+    used = sorted({gpu for entry in plan.stages for gpu in entry.gpus})
+    if used and used[-1] >= world_size:
+        problems.append(f"the plan uses GPU {used[-1]} but the world has {world_size} ranks (0..{world_size - 1})")
+    tokenizer = CharTokenizer()
+    for entry in plan.stages:
+        name = entry.model_stage
+        model = plan.model(workload.model_name(entry.role))
+        problem = layout_problem(model, entry.tp, entry.pp)
+        if problem:
+            problems.append(f"{name}: {problem}")
+        if model.vocab_size < tokenizer.vocab_size:
+            problems.append(
+                f"{name}: model {model.name} has {model.vocab_size} tokens, the tokenizer needs {tokenizer.vocab_size}"
+            )
+        rows = num_rows // workload.mini_batches if entry.stage == "training" else num_rows
+        if rows // entry.dp < entry.micro_batches:
+            problems.append(f"{name}: {rows} rows over dp={entry.dp} cannot fill micro_batches={entry.micro_batches}")
+    if workload.algorithm == "grpo" and workload.samples_per_prompt < 2:
+        problems.append("grpo needs samples_per_prompt >= 2 (groups of one have no baseline)")
+    has_critic = any(entry.role == "critic" for entry in plan.stages)
+    if workload.algorithm == "ppo" and not has_critic:
+        problems.append("ppo needs critic/inference and critic/training stages")
+    if workload.algorithm != "ppo" and has_critic:
+        problems.append(f"{workload.algorithm} trains no critic; remove the critic stages")
+    return problems
+
+
+def plan_num_ranks(plan: Plan) -> int:
+    """Ranks the plan's GPU ids call for (GPU id = rank)."""
+    return 1 + max(gpu for entry in plan.stages for gpu in entry.gpus)
+
+
+def _load(path: Path, kind: type[Any]) -> Any:
+    document = load_document(path)
+    if not isinstance(document, kind):
+        raise NereusError(f"{path}: kind: expected {kind.__name__}, got {type(document).__name__}")
+    return document
+
+
+def _check_plan(plan: Plan, where: str, num_ranks: int, config: RLConfig) -> None:
+    needed = plan_num_ranks(plan)
+    if needed != num_ranks:
+        raise NereusError(
+            f"{where}: the plan places model-stages on {needed} ranks (GPUs 0..{needed - 1}) but --nproc is "
+            f"{num_ranks}; pass --nproc {needed} or a plan for {num_ranks} ranks"
+        )
+    problems = plan_problems(plan, num_ranks, config)
+    if problems:
+        raise NereusError(f"{where}: {problems[0]}")
+
+
+def new_run(
+    config_path: Path,
+    plan_path: Path | None = None,
+    num_ranks: int | None = None,
+    num_steps: int | None = None,
+    out: Path | None = None,
+) -> RunSetup:
+    """Check a new run of `config_path` (raises NereusError on any problem); writes nothing."""
+    config: RunConfig = _load(config_path, RunConfig)
+    if plan_path is None and config.plan is None:
+        raise NereusError(f"{config_path}: plan: not set; name a Plan YAML there or pass --plan")
+    where = plan_path if plan_path is not None else config_path.parent / str(config.plan)
+    if not where.is_file():
+        field = "--plan" if plan_path is not None else f"{config_path}: plan"
+        raise NereusError(f"{field}: {where} does not exist; give the path of a Plan YAML")
+    plan: Plan = _load(where, Plan)
+    num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
+    _check_plan(plan, str(where), num_ranks, config.rl)
+    if num_steps is not None:
+        config = config.model_copy(update={"num_steps": num_steps})
+    out = out if out is not None else Path("runs") / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise NereusError(f"{out}: already exists; resume it with `nereus run --resume {out}` or pass another --out")
+    return RunSetup(config, plan, num_ranks, out, 0, None, planned=False)
+
+
+def resume_run(
+    out: Path, plan_path: Path | None = None, num_ranks: int | None = None, num_steps: int | None = None
+) -> RunSetup:
+    """Check a resume of the run folder `out`, onto another plan or number of ranks if asked."""
+    if not (out / CONFIG_NAME).is_file():
+        raise NereusError(f"{out}: not a run folder ({CONFIG_NAME} missing); pass the --out folder of a `nereus run`")
+    config: RunConfig = _load(out / CONFIG_NAME, RunConfig)
+    stored: Plan = _load(out / PLAN_NAME, Plan)
+    if num_steps is not None:
+        config = config.model_copy(update={"num_steps": num_steps})
+    planned = False
+    if plan_path is not None:
+        plan: Plan = _load(plan_path, Plan)
+        _check_same_work(plan, stored, plan_path)
+    elif num_ranks is not None and num_ranks != plan_num_ranks(stored):
+        plan, planned = replan(stored, num_ranks), True
+    else:
+        plan = stored
+    num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
+    _check_plan(plan, str(plan_path or out / PLAN_NAME), num_ranks, config.rl)
+    checkpoint = latest_checkpoint(out)
+    start_step = 0 if checkpoint is None else checkpoint_step(checkpoint)
+    if start_step >= config.num_steps:
+        raise NereusError(
+            f"{out}: already ran {start_step} of {config.num_steps} steps; pass --steps N (N > {start_step}) to go on"
+        )
+    return RunSetup(config, plan, num_ranks, out, start_step, checkpoint, planned)
+
+
+def _check_same_work(plan: Plan, stored: Plan, where: Path) -> None:
+    """A resumed run keeps its models and workload: only the layouts may change."""
+    if plan.models != stored.models:
+        raise NereusError(f"{where}: models: differ from the run's; a resume may change layouts, not models")
+    if plan.workload != stored.workload:
+        old, new = stored.workload, plan.workload
+        changed = [name for name in type(new).model_fields if getattr(new, name) != getattr(old, name)]
+        raise NereusError(
+            f"{where}: workload.{changed[0]}: differs from the run's; a resume may change layouts, not the workload"
+        )
+
+
+def replan(stored: Plan, num_ranks: int) -> Plan:
+    """The planner's best plan for the stored plan's models and workload on `num_ranks` ranks."""
+    from nereus.solver.plan_search import PlanRequest
+    from nereus.solver.planner import make_plan
+
+    cluster = stored.cluster.model_copy(update={"num_nodes": 1, "gpus_per_node": num_ranks})
+    request = PlanRequest(cluster, tuple(stored.models), stored.workload, num_ranks)
+    return make_plan(request).best
+
+
+# ---- the run folder ----
+
+
+def checkpoint_folder(out: Path, step: int) -> Path:
+    return out / CHECKPOINTS_NAME / f"step-{step:06d}"
+
+
+def checkpoint_step(folder: Path) -> int:
+    """The step a finished checkpoint was taken after (from its state file)."""
+    state_path = folder / CHECKPOINT_STATE_NAME
+    try:
+        step = json.loads(state_path.read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise NereusError(f"{state_path}: unreadable ({error}); the checkpoint is damaged, delete {folder}") from None
+    if not isinstance(step, int) or step < 1:
+        raise NereusError(f"{state_path}: step: must be a positive integer, got {step!r}; delete {folder}")
+    return step
+
+
+def finished_checkpoints(out: Path) -> list[Path]:
+    """Finished checkpoint folders, oldest first (temporary folders of an interrupted save are skipped)."""
+    root = out / CHECKPOINTS_NAME
+    if not root.is_dir():
+        return []
+    return sorted(path for path in root.iterdir() if path.name.startswith("step-") and path.is_dir())
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    folders = finished_checkpoints(out)
+    return folders[-1] if folders else None
+
+
+def read_metrics(out: Path) -> list[dict[str, Any]]:
+    """The run's per-step records, in order."""
+    path = out / METRICS_NAME
+    if not path.is_file():
+        return []
+    records = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            raise NereusError(f"{path}: line {number} is not JSON; the metrics file is damaged") from None
+    return records
+
+
+def prepare_folder(setup: RunSetup) -> None:
+    """Write the config and plan, drop what a resume will redo (metrics of steps after the
+    checkpoint, temporary folders of an interrupted save) and the previous failure log."""
+    out = setup.out
+    out.mkdir(parents=True, exist_ok=True)
+    config = setup.config.model_copy(update={"plan": PLAN_NAME})
+    save_document(config, out / CONFIG_NAME)
+    save_document(setup.plan, out / PLAN_NAME)
+    kept = [record for record in read_metrics(out) if record["step"] < setup.start_step]
+    write_text_atomic(out / METRICS_NAME, "".join(json.dumps(record) + "\n" for record in kept))
+    root = out / CHECKPOINTS_NAME
+    if root.is_dir():
+        for path in root.iterdir():
+            if path.name.startswith("."):
+                shutil.rmtree(path, ignore_errors=True)
+    (out / FAILURE_NAME).unlink(missing_ok=True)

@@ -1,0 +1,247 @@
+"""`nereus run` end to end: refusals before any rank exists, metrics and checkpoints, resume
+bitwise, resume onto another number of ranks, and a run killed with SIGKILL (tier: CLI e2e,
+multi-process gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from nereus.runtime.checkpoint import verify_checkpoint
+from nereus.runtime.rl.setup import finished_checkpoints, read_metrics
+from tests.cli_helpers import invoke, one_error_line
+
+DATA = Path(__file__).parent / "data"
+PLAN_2RANK = DATA / "plan-tiny-ppo-2rank.yaml"
+EXAMPLES = Path(__file__).parent.parent / "examples"
+#: Fields of a metrics record that are measurements of time, not of the training.
+TIMING_FIELDS = ("stage_seconds", "step_seconds")
+
+
+def write_config(folder: Path, **fields: Any) -> Path:
+    """A small 2-rank PPO config (short responses) next to a copy of the 2-rank plan."""
+    shutil.copy(PLAN_2RANK, folder / "plan.yaml")
+    document = {
+        "kind": "RunConfig",
+        "version": 1,
+        "plan": "plan.yaml",
+        "num_steps": 4,
+        "checkpoint_every": 2,
+        "rl": {"task": "sort", "seed": 3, "max_new_tokens": 6},
+        **fields,
+    }
+    path = folder / "run.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def training_records(out: Path) -> list[dict[str, Any]]:
+    return [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in read_metrics(out)]
+
+
+def assert_checkpoints_whole(out: Path) -> None:
+    for folder in finished_checkpoints(out):
+        assert json.loads((folder / "state.json").read_text())["step"] >= 1
+        for role in ("actor", "critic"):
+            verify_checkpoint(folder / role)
+
+
+# ---- refusals: one line, nothing spawned, nothing written ----
+
+
+@pytest.mark.parametrize(
+    ("fields", "args", "expected"),
+    [
+        ({"rl": {"task": "juggle"}}, [], "unknown task 'juggle'"),
+        ({"num_steps": 0}, [], "num_steps"),
+        ({"plan": "missing.yaml"}, [], "missing.yaml does not exist"),
+        ({}, ["--nproc", "3"], "--nproc is 3; pass --nproc 2"),
+        ({"plan": None}, [], "plan: not set"),
+    ],
+)
+def test_bad_config_or_plan_is_refused_before_spawning(
+    tmp_path: Path, fields: dict[str, Any], args: list[str], expected: str
+) -> None:
+    config = write_config(tmp_path, **fields)
+    out = tmp_path / "out"
+    start = time.perf_counter()
+    line = one_error_line(invoke("run", config, "--out", out, *args))
+    assert expected in line
+    assert time.perf_counter() - start < 5, "refusals must come before any rank is spawned"
+    assert not out.exists()
+
+
+def test_resume_refuses_a_plan_with_another_workload(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out).mkdir()
+    shutil.copy(PLAN_2RANK, out / "plan.yaml")
+    (out / "config.yaml").write_text(yaml.safe_dump({"kind": "RunConfig", "version": 1, "plan": "plan.yaml"}))
+    other = yaml.safe_load(PLAN_2RANK.read_text())
+    other["workload"]["prompts_per_step"] = 16
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
+    line = one_error_line(invoke("run", "--resume", out, "--plan", tmp_path / "other.yaml"))
+    assert "workload.prompts_per_step: differs from the run's" in line
+
+
+def test_existing_out_folder_is_refused(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "something").write_text("x")
+    assert "already exists; resume it with" in one_error_line(invoke("run", config, "--out", tmp_path / "out"))
+
+
+# ---- runs ----
+
+
+def test_run_writes_metrics_and_checkpoints_and_resumes_bitwise(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert invoke("run", config, "--out", whole, "--json").exit_code == 0
+    records = read_metrics(whole)
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    first = records[0]
+    assert set(first["stage_seconds"]) >= {"actor/generation", "critic/training", "weight_sync"}
+    assert len(first["state_bytes_per_rank"]) == 2 and min(first["state_bytes_per_rank"]) > 0
+    assert [p.name for p in finished_checkpoints(whole)] == ["step-000002", "step-000004"]
+    assert_checkpoints_whole(whole)
+
+    assert invoke("run", config, "--out", split, "--steps", "2").exit_code == 0
+    result = invoke("run", "--resume", split, "--steps", "4", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["first_step"] == 2 and summary["steps_run"] == 2
+    assert training_records(split) == training_records(whole)
+
+
+def test_resume_onto_other_ranks_continues_from_the_same_state(tmp_path: Path) -> None:
+    """4 ranks -> checkpoint -> 2 ranks (replanned) and 1 rank: the weights loaded equal the saved ones."""
+    from nereus.runtime.checkpoint import load_checkpoint
+    from nereus.runtime.shard_layout import RankLayout
+
+    config = write_config(tmp_path, checkpoint_every=2, num_steps=2)
+    four = yaml.safe_load((EXAMPLES / "plan-tiny-ppo-4rank.yaml").read_text())
+    four["workload"]["prompts_per_step"] = 8
+    (tmp_path / "plan4.yaml").write_text(yaml.safe_dump(four))
+    out = tmp_path / "out"
+    assert invoke("run", config, "--plan", tmp_path / "plan4.yaml", "--out", out).exit_code == 0
+    saved = load_checkpoint(out / "checkpoints" / "step-000002" / "actor", RankLayout(1, 1, 1, (0,)), 0).tensors
+    result = invoke("run", "--resume", out, "--nproc", "2", "--steps", "3", "--json")
+    assert result.exit_code == 0, result.output
+    assert "planned a new layout for 2 ranks" in result.stderr
+    plan = yaml.safe_load((out / "plan.yaml").read_text())
+    assert {gpu for stage in plan["stages"] for emu in stage["emus"] for gpu in emu} == {0, 1}
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
+    # Resuming restores exactly the saved logical state: check it through the library on 1 rank.
+    from nereus.runtime.dist import spawn
+    from nereus.runtime.rl.setup import resume_run
+
+    setup = resume_run(out, num_ranks=1, num_steps=4)
+    setup = type(setup)(**{**setup.__dict__, "checkpoint": out / "checkpoints" / "step-000002", "start_step": 2})
+    restored = spawn(restored_actor_params, 1, setup)[0]
+    for key, tensor in restored.items():
+        assert (tensor == saved[key]).all(), key
+
+
+def restored_actor_params(rank: int, world_size: int, setup: Any) -> dict[str, Any]:
+    from nereus.runtime.rl.run import restore
+    from nereus.runtime.rl.step import build_stages, sync_plans, sync_weights
+
+    stages = build_stages(setup.plan, setup.config.rl)
+    restore(stages, setup.checkpoint, rank)
+    sync_weights(sync_plans(stages))
+    generation = stages["actor/generation"].engine
+    training = stages["actor/training"].engine
+    assert generation is not None and training is not None
+    for key, tensor in training.local_state().items():
+        if key.startswith("param/"):
+            assert (generation.local_state()[key] == tensor).all(), key
+    return {k: v.clone() for k, v in training.local_state().items()}
+
+
+# ---- killed runs (subprocesses) ----
+
+
+def start_run(*args: str | Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "nereus", "run", *map(str, args)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+
+
+def rank_pids(parent: int) -> list[int]:
+    """PIDs of the spawned ranks of `parent` (children running multiprocessing's spawn_main)."""
+    pids = []
+    for child in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        if b"spawn_main" in cmdline:
+            pids.append(int(child))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in status
+
+
+def wait_for(condition: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_is_bitwise(tmp_path: Path) -> None:
+    config = write_config(tmp_path, num_steps=6)
+    whole = tmp_path / "whole"
+    start = time.monotonic()
+    assert invoke("run", config, "--out", whole).exit_code == 0
+    duration = time.monotonic() - start
+    chooser = random.Random(7)
+    for attempt in range(2):
+        out = tmp_path / f"killed-{attempt}"
+        process = start_run(config, "--out", out)
+        wait_for(lambda pid=process.pid: len(rank_pids(pid)) == 2, 60)
+        ranks = rank_pids(process.pid)
+        time.sleep(chooser.uniform(0.2, 0.8) * duration)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        wait_for(lambda ranks=ranks: not any(alive(pid) for pid in ranks), 10)  # no orphaned ranks
+        assert_checkpoints_whole(out)
+        result = invoke("run", "--resume", out)
+        if "already ran 6 of 6 steps" in result.output:  # the kill came after the end
+            continue
+        assert result.exit_code == 0, result.output
+        assert_checkpoints_whole(out)
+        assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
+        assert training_records(out) == training_records(whole)
+
+
+@pytest.mark.slow
+def test_a_dead_rank_takes_the_run_down_and_keeps_the_checkpoint(tmp_path: Path) -> None:
+    config = write_config(tmp_path, num_steps=40, checkpoint_every=1)
+    out = tmp_path / "out"
+    process = start_run(config, "--out", out)
+    wait_for(lambda: len(read_metrics(out)) >= 2 if (out / "metrics.jsonl").exists() else False, 90)
+    ranks = rank_pids(process.pid)
+    os.kill(ranks[1], signal.SIGKILL)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 1
+    error = stderr.decode().strip().splitlines()[-1]
+    assert error.startswith("error: run failed: rank ") and "resume from step-" in error, error
+    assert not any(alive(pid) for pid in ranks)
+    assert (out / "failure.log").is_file()
+    assert_checkpoints_whole(out)
