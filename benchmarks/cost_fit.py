@@ -28,7 +28,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "cost_fit.json"
-NEREUS = [sys.executable, "-m", "nereus.cli.app"]
+NEREUS = [str(Path(sys.executable).parent / "nereus")]
 
 #: Layouts per model-stage: (tp, pp, dp, emus, micro_batches); pools "all" = [0, 1] unless split.
 COLOCATED = ("all", [0, 1])
