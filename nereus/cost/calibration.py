@@ -21,6 +21,9 @@ class Calibration(Document):
     kind: Literal["Calibration"] = "Calibration"
     gemm: float = Field(default=0.6, gt=0, le=1)
     """Fraction of dense bf16 peak reached by the dense layers (GEMMs)."""
+    decode_gemm: float | None = Field(default=None, gt=0, le=1)
+    """Fraction of dense peak reached by the decode GEMMs (a few rows per token step, far
+    below large-batch GEMMs on most hardware); None: the same as `gemm`."""
     attention: float = Field(default=0.4, gt=0, le=1)
     """Fraction of dense bf16 peak reached by attention score/value products."""
     decode_memory: float = Field(default=0.7, gt=0, le=1)

@@ -30,7 +30,7 @@ from nereus.spec.workload import ResponseLengths
 #: The first steps of every run pay for allocation and lazy initialisation; the fit drops them.
 WARMUP_STEPS = 2
 #: Calibration fields the fit estimates. Efficiencies are fitted as their inverse.
-EFFICIENCIES = ("gemm", "attention", "decode_memory", "collective_intra", "collective_inter")
+EFFICIENCIES = ("gemm", "decode_gemm", "attention", "decode_memory", "collective_intra", "collective_inter")
 SCALARS = ("launch_overhead_s", "link_latency_scale", "stage_overhead_s", "decode_token_overhead_s", "step_overhead_s")
 FITTED = EFFICIENCIES + SCALARS
 #: Lower bound of every fitted parameter (inverse efficiency >= 1: at most 100% of peak).
@@ -145,8 +145,15 @@ def measured_plan(plan: Plan, prompt_len: int, response_len_max: int, cluster: C
 
 def parameters(calibration: Calibration) -> np.ndarray:
     """The fitted parameter vector of a calibration (inverse efficiencies, then scalars)."""
-    values = [1.0 / getattr(calibration, name) for name in EFFICIENCIES]
+    values = [1.0 / _efficiency(calibration, name) for name in EFFICIENCIES]
     return np.array(values + [float(getattr(calibration, name)) for name in SCALARS])
+
+
+def _efficiency(calibration: Calibration, name: str) -> float:
+    if name == "decode_gemm" and calibration.decode_gemm is None:
+        return calibration.gemm  # unset: decode GEMMs run as efficiently as the others
+    value: float = getattr(calibration, name)
+    return value
 
 
 def with_parameters(calibration: Calibration, theta: np.ndarray) -> Calibration:
@@ -209,24 +216,45 @@ class Row:
 
 
 def bounded_lstsq(design: np.ndarray, target: np.ndarray, lower: np.ndarray, free: np.ndarray) -> np.ndarray:
-    """min |design x - target| with x >= lower, by fixing violated parameters at their bound."""
+    """min |design x - target| with x >= lower; parameters not `free` stay at `lower`.
+
+    Lawson-Hanson active-set NNLS on x - lower, with columns scaled to unit norm.
+    """
     x = lower.copy()
-    active = free.copy()
-    for _ in range(len(lower) + 1):
-        if not active.any():
-            return x
-        rest = target - design[:, ~active] @ x[~active]
-        columns = design[:, active]
-        norms = np.linalg.norm(columns, axis=0)
-        norms[norms == 0] = 1.0
-        solution, *_ = np.linalg.lstsq(columns / norms, rest, rcond=None)
-        x[active] = solution / norms
-        violated = active & (x < lower)
-        if not violated.any():
-            return x
-        x[violated] = lower[violated]
-        active &= ~violated
+    columns = design[:, free]
+    norms = np.linalg.norm(columns, axis=0)
+    norms[norms == 0] = 1.0
+    a = columns / norms
+    b = target - design @ lower
+    z = _nnls(a, b)
+    x[free] = lower[free] + z / norms
     return x
+
+
+def _nnls(a: np.ndarray, b: np.ndarray, tolerance: float = 1e-12) -> np.ndarray:
+    """Lawson-Hanson non-negative least squares: min |a z - b| with z >= 0."""
+    n = a.shape[1]
+    z = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    for _ in range(3 * n + 3):
+        gradient = a.T @ (b - a @ z)
+        candidates = ~passive & (gradient > tolerance)
+        if not candidates.any():
+            break
+        passive[int(np.argmax(np.where(candidates, gradient, -np.inf)))] = True
+        for _ in range(3 * n + 3):
+            trial = np.zeros(n)
+            trial[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (trial[passive] > 0).all():
+                z = trial
+                break
+            # Step towards the trial until a passive coordinate hits zero; that one leaves.
+            blocking = passive & (trial <= 0)
+            step = np.min(z[blocking] / np.maximum(z[blocking] - trial[blocking], 1e-300))
+            z = z + step * (trial - z)
+            passive &= z > tolerance
+            z[~passive] = 0.0
+    return z
 
 
 def _exercised(gradients: list[dict[str, np.ndarray]]) -> np.ndarray:
@@ -280,27 +308,31 @@ class Observations:
 
     plans: list[Plan] = field(default_factory=list)
     rows: list[Row] = field(default_factory=list)
-    index: dict[tuple[int, int, int], int] = field(default_factory=dict)
 
-    def add(self, run_number: int, run: RunRecord, cluster: Cluster | None) -> None:
+    def add(self, run: RunRecord, cluster: Cluster | None) -> None:
+        """One row per time the run reports at each of its sizes: the median over its steps of
+        that size (robust to a step slowed by another process)."""
+        by_size: dict[tuple[int, int], list[StepSample]] = {}
         for sample in run.steps:
-            sizes = (run_number, sample.prompt_len, sample.response_len_max)
-            if sizes not in self.index:
-                self.index[sizes] = len(self.plans)
-                self.plans.append(measured_plan(run.plan, sample.prompt_len, sample.response_len_max, cluster))
-            group = self.index[sizes]
-            scale = max(sample.step_seconds, 1e-9)
-            known = {entry.model_stage for entry in run.plan.stages} | {"weight_sync"}
-            for key, seconds in sample.stage_seconds.items():
+            by_size.setdefault((sample.prompt_len, sample.response_len_max), []).append(sample)
+        known = {entry.model_stage for entry in run.plan.stages} | {"weight_sync", STEP_KEY}
+        for (prompt_len, response_len_max), samples in by_size.items():
+            group = len(self.plans)
+            self.plans.append(measured_plan(run.plan, prompt_len, response_len_max, cluster))
+            step = statistics.median(s.step_seconds for s in samples)
+            times = {STEP_KEY: [s.step_seconds for s in samples]}
+            for sample in samples:
+                for key, seconds in sample.stage_seconds.items():
+                    times.setdefault(key, []).append(seconds)
+            for key, values in times.items():
                 if key in known:
-                    self.rows.append(Row(group, key, seconds, scale))
-            self.rows.append(Row(group, STEP_KEY, sample.step_seconds, scale))
+                    self.rows.append(Row(group, key, statistics.median(values), max(step, 1e-9)))
 
 
 def observations(runs: Sequence[RunRecord], cluster: Cluster | None) -> Observations:
     out = Observations()
-    for number, run in enumerate(runs):
-        out.add(number, run, cluster)
+    for run in runs:
+        out.add(run, cluster)
     return out
 
 

@@ -110,7 +110,7 @@ class OnlineCalibrator:
     def _set_prior(self, rows: list[np.ndarray]) -> None:
         """Prior information: `prior_weight` times one step's, per parameter (a tiny floor
         keeps parameters no prediction depends on at their starting value)."""
-        strength = self.config.prior_weight * sum(x**2 for x in rows)
+        strength = self.config.prior_weight * np.sum(np.square(rows), axis=0)
         self.prior_information = np.diag(np.maximum(strength, 1e-12 * max(float(strength.max()), 1.0)))
         self.information = self.prior_information.copy()
         self.vector = self.prior_information @ self.prior

@@ -116,10 +116,11 @@ class StageCostModel:
     def _flop_rate(self) -> float:
         return self.cluster.gpu.bf16_flops * (1.0 if self.dtype_bytes == 2 else 0.5)
 
-    def compute_time(self, dense_flops: Array, attention_flops: Array, gpus: Array) -> Array:
+    def compute_time(self, dense_flops: Array, attention_flops: Array, gpus: Array, decode: bool = False) -> Array:
         rate = self._flop_rate() * gpus
         c = self.calibration
-        return dense_flops / (rate * c.gemm) + attention_flops / (rate * c.attention)
+        gemm = c.decode_gemm if decode and c.decode_gemm is not None else c.gemm
+        return dense_flops / (rate * gemm) + attention_flops / (rate * c.attention)
 
     def link(self, inter: Array) -> tuple[Array, Array]:
         """(bytes/s, latency) of the intra- or inter-node link, calibrated."""
@@ -243,7 +244,7 @@ class StageCostModel:
         active = np.maximum(1.0, n_ * alive)
         context = p + t
         flops = active / pp_ * self.dense_flops_per_token(pp_), self.attention_flops(active, context) / pp_ / pp_
-        compute = self.compute_time(*flops, tp_)  # one of pp micro-batches on the busiest stage
+        compute = self.compute_time(*flops, tp_, decode=True)  # one of pp micro-batches on the busiest stage
         weights = self.params_per_gpu(tp_, pp_) * self.dtype_bytes
         kv = active * context * self.kv_bytes_per_token(tp_, pp_) / pp_
         memory = (weights + kv) / (self.cluster.gpu.hbm_bytes_per_s * c.decode_memory)

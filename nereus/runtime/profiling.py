@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 from nereus.cost.profile import (
@@ -127,7 +128,7 @@ def measure_gemms(config: ProfileConfig, dtype: Any, progress: Callable[[], None
     for m, n, k in gemm_shapes(config.models, config.tokens):
         a = torch.randn(m, k, dtype=dtype, device=config.device)
         b = torch.randn(k, n, dtype=dtype, device=config.device)
-        seconds = median_seconds(lambda a=a, b=b: a @ b, config.seconds_per_point, _synchronizer(config.device))
+        seconds = median_seconds(partial(torch.matmul, a, b), config.seconds_per_point, _synchronizer(config.device))
         out.append(GemmMeasurement(m=m, n=n, k=k, seconds=seconds, flops_per_s=2.0 * m * n * k / seconds))
         progress()
     return out
@@ -141,7 +142,7 @@ def measure_attention(config: ProfileConfig, dtype: Any, progress: Callable[[], 
     for batch, heads, seq_len, head_dim in attention_shapes(config.models, config.quick):
         q, k, v = (torch.randn(batch, heads, seq_len, head_dim, dtype=dtype, device=config.device) for _ in range(3))
         seconds = median_seconds(
-            lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            partial(F.scaled_dot_product_attention, q, k, v, is_causal=True),
             config.seconds_per_point,
             _synchronizer(config.device),
         )
