@@ -245,3 +245,17 @@ def test_a_dead_rank_takes_the_run_down_and_keeps_the_checkpoint(tmp_path: Path)
     assert not any(alive(pid) for pid in ranks)
     assert (out / "failure.log").is_file()
     assert_checkpoints_whole(out)
+
+
+def test_reward_model_option_runs_checkpoints_and_resumes_bitwise(tmp_path: Path) -> None:
+    rl = {"task": "sort", "seed": 3, "max_new_tokens": 6, "reward": "model", "reward_model_steps": 4}
+    config = write_config(tmp_path, rl=rl, num_steps=2, checkpoint_every=1)
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert invoke("run", config, "--out", whole).exit_code == 0
+    records = read_metrics(whole)
+    assert all(r["reward"] != r["score"] for r in records), "the reward comes from the model, not the rule"
+    assert records[0]["stage_seconds"]["reward/inference"] > 0
+    assert (whole / "checkpoints" / "step-000002" / "reward" / "index.json").is_file()
+    assert invoke("run", config, "--out", split, "--steps", "1").exit_code == 0
+    assert invoke("run", "--resume", split, "--steps", "2").exit_code == 0
+    assert training_records(split) == training_records(whole)

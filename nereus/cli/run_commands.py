@@ -29,6 +29,7 @@ SHOWN_STAGES = {
     "critic/inference": "crit-inf",
     "actor/training": "act-train",
     "critic/training": "crit-train",
+    "exchange": "xchg",
     "weight_sync": "sync",
 }
 
@@ -40,8 +41,9 @@ def describe_step(metrics: StepMetrics) -> str:
         for name, short in SHOWN_STAGES.items()
         if name in metrics.stage_seconds
     )
+    score = "" if metrics.score == metrics.reward else f" (rule {metrics.score:.3f})"
     return (
-        f"reward {metrics.reward:.3f}  kl {metrics.kl:+.4f}  len {metrics.response_len_mean:.1f}/"
+        f"reward {metrics.reward:.3f}{score}  kl {metrics.kl:+.4f}  len {metrics.response_len_mean:.1f}/"
         f"{metrics.response_len_max}  {metrics.step_seconds:.2f}s ({times})"
     )
 

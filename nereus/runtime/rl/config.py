@@ -48,6 +48,15 @@ class RLConfig(StrictModel):
     """GRPO and ReMax: weight of the k3 KL loss in the policy objective."""
     entropy_coef: float = Field(default=0.0, ge=0)
     """Weight of the entropy bonus in the policy objective."""
+    reward: Literal["rule", "model"] = "rule"
+    """`rule`: the task scores each response. `model`: a value-head transformer on the plan's
+    reward/inference stage scores it, fitted to rule scores of synthetic responses first."""
+    reward_model_steps: int = Field(default=150, ge=1)
+    """Reward model: AdamW steps of its fit before RL starts."""
+    reward_model_batch: int = Field(default=32, ge=1)
+    """Reward model: synthetic responses per fitting step."""
+    reward_model_lr: float = Field(default=3e-3, gt=0)
+    """Reward model: AdamW learning rate of its fit."""
 
     @field_validator("task")
     @classmethod

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from nereus.errors import NereusError
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import spawn
+from nereus.runtime.rl.reward_model import fit_reward_model
 from nereus.runtime.rl.setup import (
     CHECKPOINT_STATE_NAME,
     CHECKPOINTS_NAME,
@@ -40,14 +41,19 @@ from nereus.runtime.rl.setup import (
     prepare_folder,
 )
 from nereus.runtime.rl.step import Stage, StepMetrics, build_stages, rl_step, sync_plans, sync_weights
+from nereus.runtime.rl.tasks import get_task
 from nereus.runtime.sharded_state import state_meta
 from nereus.spec.plan import Plan
 
-#: Model-stages whose state a checkpoint holds; the others are rebuilt from it (generation and
+#: Model-stages whose state a checkpoint holds, with the families saved: the trained models'
+#: parameters and moments (gradients are dropped: every step starts from zero gradients) and
+#: the fitted reward model's parameters. The others are rebuilt from these (generation and
 #: inference by weight sync) or from the init seed (the reference, which never trains).
-TRAINED_STAGES = ("actor/training", "critic/training")
-#: State families saved: gradients are dropped, every step starts from zero gradients.
-CHECKPOINT_FAMILIES = ("param", "exp_avg", "exp_avg_sq")
+SAVED_STAGES = {
+    "actor/training": ("param", "exp_avg", "exp_avg_sq"),
+    "critic/training": ("param", "exp_avg", "exp_avg_sq"),
+    "reward/inference": ("param",),
+}
 
 
 def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
@@ -56,6 +62,8 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     torch.manual_seed(config.rl.seed)
     stages = build_stages(setup.plan, config.rl)
     syncs = sync_plans(stages)
+    if "reward/inference" in stages and setup.checkpoint is None:
+        fit_reward_model(stages["reward/inference"], get_task(config.rl.task), config.rl)
     if setup.checkpoint is not None:
         restore(stages, setup.checkpoint, rank)
         sync_weights(syncs)  # generation and inference engines get the restored weights
@@ -91,16 +99,19 @@ def save_run_checkpoint(setup: RunSetup, stages: dict[str, Stage], step: int, ra
         shared[0] = tempfile.mkdtemp(prefix=f".step-{step:06d}.tmp-", dir=root)
     dist.broadcast_object_list(shared, src=0)
     folder = Path(shared[0])
-    num_optimizer_steps = optimizer_steps(setup.plan, step)
-    for name in TRAINED_STAGES:
+    for name, families in SAVED_STAGES.items():
         if name not in stages:
             continue
         stage = stages[name]
-        meta = state_meta(stage.model, stage.head, stage.layout, CHECKPOINT_FAMILIES)
+        # Every rank passes the same step to the index: the AdamW steps the model has taken.
+        num_optimizer_steps = (
+            setup.config.rl.reward_model_steps if stage.plan.role == "reward" else optimizer_steps(setup.plan, step)
+        )
+        meta = state_meta(stage.model, stage.head, stage.layout, families)
         tensors = {}
         if stage.engine is not None:
-            assert stage.engine.optimizer_step == num_optimizer_steps, (stage.engine.optimizer_step, step)
-            tensors = {k: v for k, v in stage.engine.local_state().items() if k.split("/")[0] in CHECKPOINT_FAMILIES}
+            assert stage.engine.optimizer_step == num_optimizer_steps, (name, stage.engine.optimizer_step, step)
+            tensors = {k: v for k, v in stage.engine.local_state().items() if k.split("/")[0] in families}
         save_checkpoint_distributed(folder / stage.plan.role, meta, rank, tensors, num_optimizer_steps)
     if rank == 0:
         _seal(folder, checkpoint_folder(setup.out, step), step)
@@ -122,8 +133,8 @@ def _seal(folder: Path, target: Path, step: int) -> None:
 
 
 def restore(stages: dict[str, Stage], checkpoint: Path, rank: int) -> None:
-    """Load every trained model's state from `checkpoint` into this rank's shard of it."""
-    for name in TRAINED_STAGES:
+    """Load every saved model's state from `checkpoint` into this rank's shard of it."""
+    for name in SAVED_STAGES:
         stage = stages.get(name)
         if stage is None or stage.engine is None:
             continue

@@ -6,7 +6,7 @@ the same weights and the reference stays at them. A step reads top to bottom:
 
 1. generation: each actor/generation replica samples responses for its share of the prompts;
 2. inference: actor old log-probs, reference log-probs, critic values (each stage's replicas
-   on their share of the rows) and the rule-based reward of the task;
+   on their share of the rows) and the reward: the task's rule or the reward model;
 3. advantages: PPO (KL-penalised token rewards + GAE), GRPO (group-relative) or ReMax
    (greedy baseline, from an extra greedy generation);
 4. training: actor (clipped surrogate) and critic (clipped value loss), by mini-batches;
@@ -70,7 +70,9 @@ class StepMetrics:
 
     step: int
     reward: float
-    """Mean rule-based score of the sampled responses."""
+    """Mean reward of the sampled responses (the reward model's, under `reward: model`)."""
+    score: float
+    """Mean rule-based score of the sampled responses (equals `reward` under `reward: rule`)."""
     kl: float
     """Mean k1 KL(actor || reference) per response token, at the sampling policy."""
     response_len_mean: float
@@ -106,16 +108,19 @@ def stage_layout(entry: StagePlan) -> RankLayout:
 
 
 def build_stages(plan: Plan, config: RLConfig) -> dict[str, Stage]:
-    """Every model-stage's engine (collective: every rank builds them in plan order)."""
+    """Every model-stage's engine (collective: every rank builds them in plan order). The
+    reward stage gets an engine only under `reward: model`; the rule needs no model."""
     stages: dict[str, Stage] = {}
     for entry in plan.stages:
-        if entry.role == "reward":
-            continue  # rewards are rule-based: the task scores responses, no model runs
         role: Role = entry.role
-        lr = config.critic_lr if role == "critic" else config.actor_lr
-        engine_config = EngineConfig(AdamWConfig(lr=lr, eps=config.adam_eps), init_seed=config.seed)
+        if role == "reward" and config.reward == "rule":
+            continue
+        lr = {"critic": config.critic_lr, "reward": config.reward_model_lr}.get(role, config.actor_lr)
+        # The reward model starts from its own weights, not the critic's.
+        seed = config.seed + 1 if role == "reward" else config.seed
+        engine_config = EngineConfig(AdamWConfig(lr=lr, eps=config.adam_eps), init_seed=seed)
         model = plan.model(plan.workload.model_name(role))
-        head: Head = "value" if role == "critic" else "lm"
+        head: Head = "value" if role in ("critic", "reward") else "lm"
         layout = stage_layout(entry)
         engine = Engine.create(model, head, layout, engine_config)
         stages[entry.model_stage] = Stage(entry, model, head, layout, engine)
@@ -167,29 +172,91 @@ def rollout_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: 
     return Batch(tokens, attention, {"loss_mask": loss_mask})
 
 
-def infer(stage: Stage, batch: Batch, kind: str) -> torch.Tensor:
-    """Token-aligned `log_probs` or `values` of the whole batch, each replica on its rows."""
+#: Inference model-stages and what each computes for every token of the rollout.
+INFERENCE_KINDS = {
+    "actor/inference": "log_probs",
+    "reference/inference": "log_probs",
+    "critic/inference": "values",
+    "reward/inference": "position_values",
+}
+
+
+def local_infer(stage: Stage, batch: Batch, kind: str) -> torch.Tensor | None:
+    """[rows, t] of this rank's replica (None off the stage's ranks): token-aligned `log_probs`
+    or `values` (of emitting each token), or the value head's `position_values` as they come."""
     engine = stage.engine
-    rows = None
-    if engine is not None:
-        mine = engine.replica_rows(batch)
-        if kind == "log_probs":
-            rows = align_to_tokens(engine.log_probs(mine, stage.plan.micro_batches))
-        else:
-            rows = values_to_tokens(engine.values(mine, stage.plan.micro_batches))
-    return torch.cat(by_replica(stage, None if rows is None else rows.cpu()))
+    if engine is None:
+        return None
+    mine = engine.replica_rows(batch)
+    if kind == "log_probs":
+        return align_to_tokens(engine.log_probs(mine, stage.plan.micro_batches)).cpu()
+    if kind == "values":
+        return values_to_tokens(engine.values(mine, stage.plan.micro_batches)).cpu()
+    assert kind == "position_values", kind
+    return engine.values(mine, stage.plan.micro_batches).cpu()
 
 
-def train(stage: Stage, batch: Batch, objective: Any, num_mini_batches: int, num_epochs: int) -> float:
-    """Epochs of mini-batch updates on the whole batch; the mean loss (same on every rank)."""
+def gather_rows(stage: Stage, rows: torch.Tensor | None) -> torch.Tensor:
+    """The whole batch's rows from every replica's share (collective)."""
+    return torch.cat(by_replica(stage, rows))
+
+
+def infer(stage: Stage, batch: Batch, kind: str) -> torch.Tensor:
+    """`local_infer` of the whole batch, each replica on its rows (collective)."""
+    return gather_rows(stage, local_infer(stage, batch, kind))
+
+
+def run_inference(stages: dict[str, Stage], batch: Batch, seconds: dict[str, float]) -> dict[str, torch.Tensor]:
+    """Every inference model-stage on its replicas' rows, then one exchange of the rows: the
+    model-stages of disjoint pools compute at the same time."""
+    local = {}
+    for name, kind in INFERENCE_KINDS.items():
+        if name in stages:
+            with timed(seconds, name):
+                local[name] = local_infer(stages[name], batch, kind)
+    with timed(seconds, "exchange"):
+        return {name: gather_rows(stages[name], rows) for name, rows in local.items()}
+
+
+def last_token_mask(batch: Batch) -> torch.Tensor:
+    """[b, t] one-hot at each row's last response token (where the reward model reads its score)."""
+    response = batch.field("loss_mask")
+    positions = torch.arange(response.shape[1]).expand_as(response)
+    last = torch.where(response > 0, positions, -1).max(dim=1).values
+    return torch.nn.functional.one_hot(last, response.shape[1]).float()
+
+
+def model_scores(stage: Stage, batch: Batch) -> torch.Tensor:
+    """[b] the reward model's score of every row (collective)."""
+    return scores_from_values(infer(stage, batch, "position_values"), batch)
+
+
+def scores_from_values(position_values: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """[b] a reward model's score of every row: its value at the last response token."""
+    return (position_values * last_token_mask(batch)).sum(dim=1)
+
+
+def local_train(stage: Stage, batch: Batch, objective: Any, num_mini_batches: int, num_epochs: int) -> list[float]:
+    """Epochs of mini-batch updates on the whole batch on this rank; each update's loss (none
+    off the stage's ranks)."""
     engine = stage.engine
     losses = []
     if engine is not None:
         for _ in range(num_epochs):
             for start, stop in even_split(batch.num_rows, num_mini_batches):
                 losses.append(engine.train_step(batch.rows(start, stop), objective, stage.plan.micro_batches))
+    return losses
+
+
+def gather_loss(stage: Stage, losses: list[float]) -> float:
+    """The mean loss of the updates, the same on every rank (collective)."""
     # Every replica reports the global batch's loss; take the first.
     return float(by_replica(stage, sum(losses) / max(len(losses), 1))[0])
+
+
+def train(stage: Stage, batch: Batch, objective: Any, num_mini_batches: int, num_epochs: int) -> float:
+    """`local_train`, then the mean loss on every rank (collective)."""
+    return gather_loss(stage, local_train(stage, batch, objective, num_mini_batches, num_epochs))
 
 
 def sync_plans(stages: dict[str, Stage]) -> list[tuple[Stage, Stage, ReshardPlan]]:
@@ -306,52 +373,35 @@ def rl_step(
     batch = rollout_batch(prompts, responses, tokenizer.pad_id)
     mask = batch.field("loss_mask")
 
+    inferred = run_inference(stages, batch, seconds)
     with timed(seconds, "reward/inference"):
-        scores = score_all(tokenizer, problems, responses)
-    with timed(seconds, "actor/inference"):
-        old_log_probs = infer(stages["actor/inference"], batch, "log_probs") * mask
-    with timed(seconds, "reference/inference"):
-        ref_log_probs = infer(stages["reference/inference"], batch, "log_probs") * mask
-    old_values = None
-    if "critic/inference" in stages:
-        with timed(seconds, "critic/inference"):
-            old_values = infer(stages["critic/inference"], batch, "values") * mask
+        rule_scores = score_all(tokenizer, problems, responses)
+        reward_values = inferred.get("reward/inference")
+        scores = rule_scores if reward_values is None else scores_from_values(reward_values, batch)
+    old_log_probs = inferred["actor/inference"] * mask
+    ref_log_probs = inferred["reference/inference"] * mask
+    old_values = inferred["critic/inference"] * mask if "critic/inference" in inferred else None
 
     with timed(seconds, "advantages"):
-        greedy_scores = None if greedy is None else score_all(tokenizer, problems, greedy)
+        greedy_scores = None
+        if greedy is not None:
+            greedy_batch = rollout_batch(prompts, greedy, tokenizer.pad_id)
+            greedy_scores = reward_of(stages, tokenizer, problems, greedy_batch, greedy)
         rollout = Rollout(mask, scores, old_log_probs, ref_log_probs, old_values, greedy_scores)
         advantages, returns = compute_advantages(workload.algorithm, config, rollout, workload.samples_per_prompt)
-    fields = {**batch.fields, "old_log_probs": old_log_probs, "ref_log_probs": ref_log_probs, "advantages": advantages}
-    train_batch = Batch(batch.tokens, batch.attention_mask, fields)
-
-    actor = stages["actor/training"]
-    with timed(seconds, "actor/training"):
-        kl_loss_coef = 0.0 if workload.algorithm == "ppo" else config.kl_loss_coef
-        tp = actor.engine.groups.tp if actor.engine is not None else TensorParallel.single()
-        objective = PolicyObjective(config.clip_eps, kl_loss_coef, config.entropy_coef, tp)
-        actor_loss = train(actor, train_batch, objective, workload.mini_batches, workload.ppo_epochs)
-    critic_loss = None
-    if "critic/training" in stages:
-        assert old_values is not None and returns is not None, "a critic is trained under ppo only"
-        critic_batch = Batch(
-            batch.tokens, batch.attention_mask, {**batch.fields, "old_values": old_values, "returns": returns}
-        )
-        with timed(seconds, "critic/training"):
-            objective_v = ClippedValueObjective(config.value_clip_eps)
-            critic_loss = train(
-                stages["critic/training"], critic_batch, objective_v, workload.mini_batches, workload.ppo_epochs
-            )
+    actor_loss, critic_loss = run_training(plan, config, stages, batch, rollout, advantages, returns, seconds)
 
     with timed(seconds, "weight_sync"):
         sync_weights(syncs)
 
     lengths = mask.sum(dim=1)
     seconds["step"] = time.perf_counter() - start
-    names = [entry.model_stage for entry in plan.stages] + ["advantages", "weight_sync"]
+    names = [entry.model_stage for entry in plan.stages] + ["advantages", "exchange", "weight_sync"]
     stage_seconds = slowest_rank(seconds, [*names, "step"])
     return StepMetrics(
         step=step,
         reward=float(scores.mean()),
+        score=float(rule_scores.mean()),
         kl=float(masked_mean(old_log_probs - ref_log_probs, mask)),
         response_len_mean=float(lengths.mean()),
         response_len_min=int(lengths.min()),
@@ -365,6 +415,44 @@ def rl_step(
     )
 
 
+def run_training(
+    plan: Plan,
+    config: RLConfig,
+    stages: dict[str, Stage],
+    batch: Batch,
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    returns: torch.Tensor | None,
+    seconds: dict[str, float],
+) -> tuple[float, float | None]:
+    """Actor and critic updates, then one exchange of their losses (so a critic on its own pool
+    trains while the actor does); the mean actor and critic losses."""
+    workload = plan.workload
+    fields = {"old_log_probs": rollout.old_log_probs, "ref_log_probs": rollout.ref_log_probs, "advantages": advantages}
+    actor = stages["actor/training"]
+    with timed(seconds, "actor/training"):
+        kl_loss_coef = 0.0 if workload.algorithm == "ppo" else config.kl_loss_coef
+        tp = actor.engine.groups.tp if actor.engine is not None else TensorParallel.single()
+        objective = PolicyObjective(config.clip_eps, kl_loss_coef, config.entropy_coef, tp)
+        actor_batch = Batch(batch.tokens, batch.attention_mask, {**batch.fields, **fields})
+        actor_losses = local_train(actor, actor_batch, objective, workload.mini_batches, workload.ppo_epochs)
+    critic = stages.get("critic/training")
+    critic_losses = None
+    if critic is not None:
+        assert rollout.old_values is not None and returns is not None, "a critic is trained under ppo only"
+        critic_fields = {**batch.fields, "old_values": rollout.old_values, "returns": returns}
+        critic_batch = Batch(batch.tokens, batch.attention_mask, critic_fields)
+        with timed(seconds, "critic/training"):
+            value_objective = ClippedValueObjective(config.value_clip_eps)
+            critic_losses = local_train(
+                critic, critic_batch, value_objective, workload.mini_batches, workload.ppo_epochs
+            )
+    with timed(seconds, "exchange"):
+        actor_loss = gather_loss(actor, actor_losses)
+        critic_loss = None if critic is None or critic_losses is None else gather_loss(critic, critic_losses)
+    return actor_loss, critic_loss
+
+
 def state_bytes_per_rank(stages: dict[str, Stage]) -> list[int]:
     """Bytes of engine state each rank holds after the step (collective)."""
     held = sum(
@@ -376,6 +464,18 @@ def state_bytes_per_rank(stages: dict[str, Stage]) -> list[int]:
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, held)
     return [int(value) for value in gathered]
+
+
+def reward_of(
+    stages: dict[str, Stage],
+    tokenizer: CharTokenizer,
+    problems: list[Problem],
+    batch: Batch,
+    responses: list[list[int]],
+) -> torch.Tensor:
+    """[batch] rewards: the reward model's scores when the run has one, else the task's rule."""
+    reward_model = stages.get("reward/inference")
+    return score_all(tokenizer, problems, responses) if reward_model is None else model_scores(reward_model, batch)
 
 
 def score_all(tokenizer: CharTokenizer, problems: list[Problem], responses: list[list[int]]) -> torch.Tensor:
