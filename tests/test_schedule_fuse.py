@@ -88,7 +88,7 @@ def test_exact_optimum_between_bound_and_heuristic(case: tuple[int, ...]) -> Non
     from nereus.solver.pipeline.exact import solve_exact
 
     result = _fuse(case, SearchConfig(time_limit_s=30, seeds=1, max_iterations=20000))
-    exact = solve_exact(result.instance, time_limit_s=3, workers=2)
+    exact = solve_exact(result.instance, time_limit_s=30, workers=2, minimise_memory=False)
     assert exact.status == "optimal" and exact.makespan is not None and exact.evaluation is not None
     assert exact.evaluation.ok
     assert exact.makespan >= result.bounds.latency - 1e-6

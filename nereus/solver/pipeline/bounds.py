@@ -42,7 +42,8 @@ class LowerBounds:
         return max(self.critical_path, self.node_work, self.average_work, self.arrival_work_tail, self.one_machine)
 
 
-def _topological(inst: Instance) -> list[int]:
+def topological_order(inst: Instance) -> list[int]:
+    """Op ids, every op after its dependencies."""
     remaining = [len(p) for p in inst.preds]
     order = [op for op in range(inst.num_ops) if not remaining[op]]
     for op in order:  # the list grows while we walk it
@@ -56,7 +57,7 @@ def _topological(inst: Instance) -> list[int]:
 
 def heads_and_tails(inst: Instance) -> tuple[list[float], list[float]]:
     """Earliest start of each op and the longest chain after it ends (resources ignored)."""
-    order = _topological(inst)
+    order = topological_order(inst)
     head = [0.0] * inst.num_ops
     for op in order:
         for succ, lat in inst.succs[op]:

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 from nereus.errors import NereusError
 from nereus.solver.pipeline.baselines import BaselineResult, pair_baselines
-from nereus.solver.pipeline.bounds import LowerBounds, heads_and_tails, lower_bounds
+from nereus.solver.pipeline.bounds import LowerBounds, heads_and_tails, lower_bounds, memory_bound
 from nereus.solver.pipeline.evaluate import Evaluation, evaluate, peak_memory, resimulate, simulate
 from nereus.solver.pipeline.greedy import GreedyRule, list_schedule, rule_key, window_limits
+from nereus.solver.pipeline.improve import forward_backward
 from nereus.solver.pipeline.model import Instance, ModelTimes, Problem, build_instance, fused_problem
 
 Progress = Callable[[int, int], None]
@@ -32,9 +33,11 @@ Orders = list[list[int]]
 #: How far (in positions on a node) a move or swap reaches.
 MOVE_SPAN = 8
 #: Share of each seed's time spent on the memory phase.
-MEMORY_PHASE_SHARE = 0.5
-#: Initial temperature as a fraction of the starting makespan (or peak memory).
-START_TEMPERATURE = 0.02
+MEMORY_PHASE_SHARE = 0.3
+#: Initial temperature as a fraction of the starting makespan (latency phase) ...
+LATENCY_TEMPERATURE = 0.01
+#: ... or of the starting peak memory (memory phase).
+MEMORY_TEMPERATURE = 0.02
 #: The temperature falls by this factor over a phase.
 COOLING = 1e-3
 RELATIVE_EPS = 1e-9
@@ -94,17 +97,21 @@ class FusedResult:
 GREEDY_CAP_FACTORS = (1.0, 1.25, 1.5, 2.0, 3.0)
 
 
-def greedy_schedule(inst: Instance, names: tuple[str, str]) -> tuple[str, Orders, Evaluation]:
-    """The best list schedule (latency, then memory) within the activation cap.
+Start = tuple[str, Orders, Evaluation]
+"""A starting schedule: how it was made, its node orders and evaluation."""
+
+
+def list_schedules(inst: Instance, names: tuple[str, str]) -> list[Start]:
+    """Every list schedule within the activation cap, fastest (then least memory) first.
 
     Rules: the longest remaining chain first or not, either model first on ties, with or
     without 1F1B in-flight windows; the longest-chain rules also run under tighter
     activation caps (multiples of the memory bound) to find the same latency with less memory.
     """
-    best: tuple[str, Orders, Evaluation] | None = None
+    starts: list[Start] = []
     user_cap = inst.problem.activation_cap
     _, tails = heads_and_tails(inst)
-    memory = lower_bounds(inst).memory
+    memory = memory_bound(inst.problem)
     for by_tail, model_order, windows in itertools.product((True, False), (names, names[::-1]), (True, False)):
         name = ("longest tail, " if by_tail else "") + f"{model_order[0]} first" + (", 1F1B windows" if windows else "")
         rule = GreedyRule(name, model_order, windows, tuple(tails) if by_tail else None)
@@ -113,17 +120,47 @@ def greedy_schedule(inst: Instance, names: tuple[str, str]) -> tuple[str, Orders
             if cap is not None and user_cap is not None and cap > user_cap:
                 continue
             orders = list_schedule(inst, rule_key(inst, rule), window_limits(inst) if windows else None, cap)
-            if orders is None:
-                continue
-            ev = evaluate(inst, orders)
-            if best is None or (ev.makespan, ev.max_peak_memory) < (best[2].makespan, best[2].max_peak_memory):
-                best = (rule.name + (f", cap {cap:g}" if cap is not None else ""), orders, ev)
-    if best is None:
+            if orders is not None:
+                label = rule.name + (f", cap {cap:g}" if cap is not None else "")
+                starts.append((label, orders, evaluate(inst, orders)))
+    if not starts:
         raise NereusError(
             f"activation cap {user_cap:g} is too small: no list schedule fits (the serial 1F1B peak is "
             f"{memory:g}); raise --act-cap"
         )
-    return best
+    return sorted(starts, key=lambda s: (s[2].makespan, s[2].max_peak_memory))
+
+
+def greedy_schedule(inst: Instance, names: tuple[str, str]) -> Start:
+    """The best list schedule (latency, then memory) within the activation cap."""
+    return list_schedules(inst, names)[0]
+
+
+#: Forward-backward improvement runs on this many of the best distinct list schedules.
+IMPROVED_STARTS = 4
+
+
+def starting_schedules(inst: Instance, names: tuple[str, str]) -> tuple[Start, list[Start]]:
+    """The best list schedule, and the annealing starts: the best few list schedules after
+    forward-backward improvement (kept only within the activation cap), fastest first."""
+    schedules = list_schedules(inst, names)
+    cap = inst.problem.activation_cap
+    starts: list[Start] = []
+    seen: set[float] = set()
+    for name, orders, ev in schedules:
+        if len(starts) == IMPROVED_STARTS:
+            break
+        if ev.makespan in seen:
+            continue  # the same makespan usually means the same schedule: improve distinct ones
+        seen.add(ev.makespan)
+        improved, makespan = forward_backward(inst, orders)
+        better = evaluate(inst, improved)
+        fits = cap is None or better.max_peak_memory <= cap * (1 + RELATIVE_EPS)
+        if fits and makespan < ev.makespan * (1 - RELATIVE_EPS):
+            starts.append((name + ", forward-backward", improved, better))
+        else:
+            starts.append((name, orders, ev))
+    return schedules[0], sorted(starts, key=lambda s: (s[2].makespan, s[2].max_peak_memory))
 
 
 def _neighbour(rng: random.Random, orders: Orders, movable: list[int]) -> tuple[int, list[int], int]:
@@ -141,6 +178,71 @@ def _neighbour(rng: random.Random, orders: Orders, movable: list[int]) -> tuple[
     return node, order, min(i, j)
 
 
+def critical_node_arcs(inst: Instance, orders: Orders, start: list[float], end: list[float]) -> list[tuple[int, int]]:
+    """(node, position) of every op on one critical path that waits for the op before it on its node.
+
+    The path is walked back from the op that ends last, following at each op the constraint
+    that fixes its start (a dependency, else its node predecessor). Only reordering such
+    node arcs can shorten this path.
+    """
+    position = {}
+    for node, order in enumerate(orders):
+        for i, op in enumerate(order):
+            position[op] = (node, i)
+    makespan = max(end, default=0.0)
+    tol = RELATIVE_EPS * max(1.0, makespan)
+    op = max(range(inst.num_ops), key=end.__getitem__)
+    arcs = []
+    while start[op] > tol:
+        node, i = position[op]
+        pred = next((p for p, lat in inst.preds[op] if abs(end[p] + lat - start[op]) <= tol), -1)
+        if pred < 0 and i and abs(end[orders[node][i - 1]] - start[op]) <= tol:
+            arcs.append((node, i))
+            pred = orders[node][i - 1]
+        if pred < 0:
+            break
+        op = pred
+    return arcs
+
+
+def _critical_move(rng: random.Random, orders: Orders, arcs: list[tuple[int, int]]) -> tuple[int, list[int], int]:
+    """Break a critical node arc: move its later op ahead of the earlier one, or the earlier op
+    behind the later one (each by a random few places more)."""
+    node, i = arcs[rng.randrange(len(arcs))]
+    order = list(orders[node])
+    if rng.random() < 0.5:
+        j = max(0, i - 1 - rng.randint(0, MOVE_SPAN))
+        order.insert(j, order.pop(i))
+        return node, order, j
+    j = min(len(order) - 1, i + rng.randint(0, MOVE_SPAN))
+    order.insert(j, order.pop(i - 1))
+    return node, order, i - 1
+
+
+@dataclass
+class _Walk:
+    """The annealing walk's current schedule."""
+
+    orders: Orders
+    start: list[float]
+    end: list[float]
+    makespan: float
+    peaks: list[float]
+
+    @classmethod
+    def of(cls, inst: Instance, orders: Orders) -> _Walk:
+        state = simulate(inst, orders)
+        assert state is not None, "the walk starts from a schedule that runs"
+        return cls([list(o) for o in orders], state[1], state[2], state[0], peak_memory(inst, orders))
+
+
+def _lateness(end: list[float], tail: list[float], target: float) -> float:
+    """How far ops end past the latest time that still lets the schedule meet `target`:
+    zero exactly when the makespan is at most the target; it shrinks with every op that
+    stops being late, so it guides the walk across makespan plateaus."""
+    return sum(max(0.0, e + t - target) for e, t in zip(end, tail, strict=True))
+
+
 def anneal(
     inst: Instance,
     start: Orders,
@@ -152,76 +254,114 @@ def anneal(
 ) -> AnnealOutcome:
     """Two-phase simulated annealing from `start` (latency, then memory at no latency cost)."""
     rng = random.Random(seed)
-    cap = inst.problem.activation_cap
+    walk = _Walk.of(inst, start)
+    best = AnnealOutcome(seed, [list(o) for o in walk.orders], walk.makespan, max(walk.peaks), 0)
     movable = [n for n, order in enumerate(start) if len(order) > 1]
-    orders = [list(o) for o in start]
-    state = simulate(inst, orders)
-    assert state is not None, "the start schedule runs"
-    makespan = state[0]
-    peaks = peak_memory(inst, orders)
-    best = AnnealOutcome(seed, [list(o) for o in orders], makespan, max(peaks), 0)
     if not movable:
         return best
-    deadline_latency = time.perf_counter() + time_limit_s * (1 - MEMORY_PHASE_SHARE)
-    deadline = time.perf_counter() + time_limit_s
-    iterations = 0
+    began = time.perf_counter()
     budget = max_iterations if max_iterations is not None else math.inf
-    for phase in ("latency", "memory"):
-        stop = deadline_latency if phase == "latency" else deadline
-        phase_budget = budget * (1 - MEMORY_PHASE_SHARE) if phase == "latency" else budget
-        if phase == "memory":
-            orders, makespan, peaks = [list(o) for o in best.orders], best.makespan, peak_memory(inst, best.orders)
-            state = simulate(inst, orders)
-            assert state is not None, "the best schedule runs"
-        peak_scale = max(max(peaks), 1e-12)
-        scale = START_TEMPERATURE * (makespan if phase == "latency" else peak_scale)
-        phase_start, phase_len = time.perf_counter(), max(stop - time.perf_counter(), 1e-9)
-        temperature = scale
-        phase_first = iterations
-        while iterations < phase_budget:
-            iterations += 1
-            if iterations % 32 == 0:
-                now = time.perf_counter()
-                if now >= stop:
-                    break
-                done = (now - phase_start) / phase_len
-                if phase_budget < math.inf:
-                    done = max(done, (iterations - phase_first) / (phase_budget - phase_first))
-                temperature = scale * COOLING**done
-            if phase == "latency" and best.makespan <= target_latency * (1 + RELATIVE_EPS):
-                break  # latency optimal: go on to memory
-            if phase == "memory" and best.peak <= target_memory * (1 + RELATIVE_EPS):
-                break
-            node, new_order, first = _neighbour(rng, orders, movable)
-            old_order = orders[node]
-            orders[node] = new_order
-            new_peak_node = peak_memory(inst, [new_order])[0]
-            if cap is not None and new_peak_node > cap * (1 + RELATIVE_EPS):
-                orders[node] = old_order
-                continue
-            simulated = resimulate(inst, orders, state[1], state[2], state[1][old_order[first]])
-            if simulated is None:
-                orders[node] = old_order
-                continue
-            new_makespan = simulated[0]
-            new_peaks = list(peaks)
-            new_peaks[node] = new_peak_node
-            accepted = _accept(
-                phase, rng, temperature, makespan, max(peaks), new_makespan, max(new_peaks), best.makespan, peak_scale
-            )
-            if accepted:
-                makespan, peaks, state = new_makespan, new_peaks, simulated
-                faster = makespan < best.makespan * (1 - RELATIVE_EPS)
-                if faster or (makespan <= best.makespan * (1 + RELATIVE_EPS) and max(peaks) < best.peak):
-                    best = AnnealOutcome(seed, [list(o) for o in orders], makespan, max(peaks), iterations)
-            else:
-                orders[node] = old_order
+    phases = (
+        (_Phase("latency", began + time_limit_s * (1 - MEMORY_PHASE_SHARE), budget * (1 - MEMORY_PHASE_SHARE))),
+        (_Phase("memory", began + time_limit_s, budget)),
+    )
+    iterations = 0
+    for phase in phases:
+        if phase.name == "memory":
+            walk = _Walk.of(inst, best.orders)
+        iterations = _anneal_phase(inst, phase, walk, best, rng, movable, iterations, target_latency, target_memory)
     best.iterations = iterations
     return best
 
 
+@dataclass(frozen=True)
+class _Phase:
+    name: str
+    """latency or memory"""
+    deadline: float
+    """perf_counter time at which the phase stops."""
+    budget: float
+    """Iteration count at which the phase stops."""
+
+
+def _anneal_phase(
+    inst: Instance,
+    phase: _Phase,
+    walk: _Walk,
+    best: AnnealOutcome,
+    rng: random.Random,
+    movable: list[int],
+    iterations: int,
+    target_latency: float,
+    target_memory: float,
+) -> int:
+    """One annealing phase from `walk`, updating `best` in place; returns the iteration count."""
+    cap = inst.problem.activation_cap
+    _, tail = heads_and_tails(inst)
+    latency_phase = phase.name == "latency"
+
+    def energy(makespan: float, end: list[float], peaks: list[float]) -> float:
+        if latency_phase:
+            return makespan + LATENESS_WEIGHT * _lateness(end, tail, target_latency) / inst.problem.num_nodes
+        return _memory_energy(makespan, max(peaks), best.makespan, peak_scale)
+
+    peak_scale = max(max(walk.peaks), 1e-12)
+    scale = LATENCY_TEMPERATURE * walk.makespan if latency_phase else MEMORY_TEMPERATURE * peak_scale
+    current = energy(walk.makespan, walk.end, walk.peaks)
+    phase_start, phase_len = time.perf_counter(), max(phase.deadline - time.perf_counter(), 1e-9)
+    temperature, first_iteration = scale, iterations
+    arcs: list[tuple[int, int]] | None = None
+    while iterations < phase.budget:
+        iterations += 1
+        if iterations % 32 == 0:
+            now = time.perf_counter()
+            if now >= phase.deadline:
+                break
+            done = (now - phase_start) / phase_len
+            if phase.budget < math.inf:
+                done = max(done, (iterations - first_iteration) / (phase.budget - first_iteration))
+            temperature = scale * COOLING**done
+        if latency_phase and best.makespan <= target_latency * (1 + RELATIVE_EPS):
+            break  # latency optimal: go on to memory
+        if not latency_phase and best.peak <= target_memory * (1 + RELATIVE_EPS):
+            break
+        if latency_phase and rng.random() < CRITICAL_SHARE:
+            arcs = arcs if arcs is not None else critical_node_arcs(inst, walk.orders, walk.start, walk.end)
+            if not arcs:
+                continue
+            node, new_order, first = _critical_move(rng, walk.orders, arcs)
+        else:
+            node, new_order, first = _neighbour(rng, walk.orders, movable)
+        old_order = walk.orders[node]
+        new_peak_node = peak_memory(inst, [new_order])[0]
+        if cap is not None and new_peak_node > cap * (1 + RELATIVE_EPS):
+            continue
+        walk.orders[node] = new_order
+        simulated = resimulate(inst, walk.orders, walk.start, walk.end, walk.start[old_order[first]])
+        if simulated is None:
+            walk.orders[node] = old_order
+            continue
+        new_peaks = list(walk.peaks)
+        new_peaks[node] = new_peak_node
+        candidate = energy(simulated[0], simulated[2], new_peaks)
+        if _accept(rng, temperature, current, candidate, max(walk.peaks), max(new_peaks)):
+            walk.makespan, walk.start, walk.end, walk.peaks = simulated[0], simulated[1], simulated[2], new_peaks
+            current, arcs = candidate, None
+            peak = max(new_peaks)
+            faster = walk.makespan < best.makespan * (1 - RELATIVE_EPS)
+            if faster or (walk.makespan <= best.makespan * (1 + RELATIVE_EPS) and peak < best.peak):
+                best.orders, best.makespan, best.peak = [list(o) for o in walk.orders], walk.makespan, peak
+        else:
+            walk.orders[node] = old_order
+    return iterations
+
+
 #: Memory phase: being 1% slower than the best makespan costs this many peak-scales / 100.
 LATENCY_PENALTY = 20.0
+#: Latency phase: weight of the summed lateness of ops (per node) against the makespan.
+LATENESS_WEIGHT = 1.0
+#: Latency phase: share of moves that reorder a critical node arc (the rest are random).
+CRITICAL_SHARE = 0.5
 
 
 def _memory_energy(makespan: float, peak: float, best_makespan: float, peak_scale: float) -> float:
@@ -231,47 +371,35 @@ def _memory_energy(makespan: float, peak: float, best_makespan: float, peak_scal
 
 
 def _accept(
-    phase: str,
-    rng: random.Random,
-    temperature: float,
-    makespan: float,
-    peak: float,
-    new_makespan: float,
-    new_peak: float,
-    best_makespan: float,
-    peak_scale: float,
+    rng: random.Random, temperature: float, current: float, candidate: float, peak: float, new_peak: float
 ) -> bool:
-    if phase == "latency":
-        delta = new_makespan - makespan
-        if abs(delta) <= RELATIVE_EPS * makespan:
-            return new_peak <= peak or rng.random() < 0.5
-    else:
-        delta = _memory_energy(new_makespan, new_peak, best_makespan, peak_scale) - _memory_energy(
-            makespan, peak, best_makespan, peak_scale
-        )
-        if delta == 0:
-            return True
+    """Metropolis on the energy; among equal energies prefer less memory (then a coin flip)."""
+    delta = candidate - current
+    if abs(delta) <= RELATIVE_EPS * max(abs(current), 1e-12):
+        return new_peak <= peak or rng.random() < 0.5
     if delta < 0:
         return True
     return temperature > 0 and rng.random() < math.exp(-delta / temperature)
 
 
 def _run_seeds(
-    inst: Instance, start: Orders, config: SearchConfig, bounds: LowerBounds, progress: Progress | None
+    inst: Instance, starts: list[Start], config: SearchConfig, bounds: LowerBounds, progress: Progress | None
 ) -> list[AnnealOutcome]:
+    """Seed i anneals from starts[i % len(starts)]: restarts from several constructions."""
     workers = max(1, min(config.seeds, os.cpu_count() or 1))
     rounds = math.ceil(config.seeds / workers)
     per_seed = config.time_limit_s / rounds
     args = (per_seed, bounds.latency, bounds.memory, config.max_iterations)
+    jobs = [(starts[seed % len(starts)][1], seed) for seed in range(config.seeds)]
     if workers == 1:
         outcomes = []
-        for seed in range(config.seeds):
+        for done, (start, seed) in enumerate(jobs, 1):
             outcomes.append(anneal(inst, start, seed, *args))
             if progress:
-                progress(seed + 1, config.seeds)
+                progress(done, config.seeds)
         return outcomes
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(anneal, inst, start, seed, *args) for seed in range(config.seeds)]
+        futures = [pool.submit(anneal, inst, start, seed, *args) for start, seed in jobs]
         outcomes = []
         for done, future in enumerate(as_completed(futures), 1):
             outcomes.append(future.result())
@@ -288,7 +416,8 @@ def search_fused(
     activation_cap: float | None = None,
     progress: Progress | None = None,
 ) -> FusedResult:
-    """The fused actor-critic schedule: greedy start, annealed over `config.seeds` seeds."""
+    """The fused actor-critic schedule: list schedules, forward-backward improvement, then
+    annealing over `config.seeds` seeds from the best few starts."""
     config = config or SearchConfig()
     if actor.name == critic.name:
         raise NereusError(f"the two models need different names, both are {actor.name!r}")
@@ -296,13 +425,14 @@ def search_fused(
     started = time.perf_counter()
     inst = build_instance(problem)
     bounds = lower_bounds(inst)
-    rule, greedy_orders, greedy_eval = greedy_schedule(inst, (actor.name, critic.name))
-    outcomes = _run_seeds(inst, greedy_orders, config, bounds, progress)
+    (rule, _, greedy_eval), starts = starting_schedules(inst, (actor.name, critic.name))
+    outcomes = _run_seeds(inst, starts, config, bounds, progress)
     best = min(outcomes, key=lambda o: (o.makespan, o.peak, o.seed))
     final = evaluate(inst, best.orders)
     assert final.ok, (final.violations, final.deadlocked)
-    if (greedy_eval.makespan, greedy_eval.max_peak_memory) < (final.makespan, final.max_peak_memory):
-        best.orders, final = greedy_orders, greedy_eval  # annealing keeps the start unless it improves it
+    first = starts[0][2]
+    if (first.makespan, first.max_peak_memory) < (final.makespan, final.max_peak_memory):
+        best.orders, final = starts[0][1], first  # annealing keeps the start unless it improves it
     return FusedResult(
         problem=problem,
         instance=inst,
