@@ -130,8 +130,8 @@ def print_summary(result: RunSummary) -> None:
     )
     if result.reward_first10 is not None and result.reward_last10 is not None:
         console.print(
-            f"mean reward of the run's first 10 steps {result.reward_first10:.3f}, "
-            f"of its last 10 steps {result.reward_last10:.3f} (margin {result.reward_margin:+.3f})"
+            f"mean reward: first 10 steps {result.reward_first10:.3f}, last 10 steps {result.reward_last10:.3f}"
+            f" ({result.reward_margin:+.3f})"
         )
     if result.mean_step_s is not None:
         table = Table("model-stage", "mean s/step")
