@@ -44,8 +44,10 @@ def test_fused_schedule_is_valid_and_never_worse_than_greedy(case: tuple[int, ..
     result = _fuse(case)
     ev = evaluate(result.instance, result.orders)
     assert ev.ok and ev.makespan == pytest.approx(result.evaluation.makespan)
-    fused = (result.evaluation.makespan, result.evaluation.max_peak_memory)
-    assert fused <= (result.greedy.makespan, result.greedy.max_peak_memory)
+    fused, greedy = result.evaluation, result.greedy
+    assert fused.makespan <= greedy.makespan * (1 + 1e-9)
+    if fused.makespan >= greedy.makespan * (1 - 1e-9):  # as fast (up to float sums): no more memory
+        assert fused.max_peak_memory <= greedy.max_peak_memory
     bound = result.bounds.latency
     assert bound <= result.evaluation.makespan + 1e-9
     for baseline in result.baselines.values():

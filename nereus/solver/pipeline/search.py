@@ -1,11 +1,18 @@
-"""The fused schedule: greedy list scheduling, then simulated annealing over node orders.
+"""The fused schedule: list schedules, forward-backward improvement, then simulated annealing.
 
-The search minimises latency first and peak activation memory second (lexicographically):
-phase one anneals the makespan (ties broken by peak memory), phase two anneals the peak
-memory plus a penalty for latency lost (so the walk can cross slightly slower schedules),
-keeping only schedules no slower than the best found. A neighbour swaps two nearby ops on
-one node or moves one op a few places; neighbours that deadlock or break the activation
-cap are rejected. Independent seeds run in parallel processes and the best schedule wins.
+Starts: list schedules under several priority rules and activation caps; the best few are
+re-justified right and left (`improve.forward_backward`) while that shortens them.
+The search then minimises latency first and peak activation memory second
+(lexicographically). Phase one anneals the makespan plus the summed lateness of ops past
+the lower bound (zero exactly when the bound is met, so the walk is guided across makespan
+plateaus), with half of its moves breaking an arc of the critical path (an op that waits
+for its node predecessor moves ahead of it, or that predecessor behind it). Phase two
+anneals the peak memory plus a penalty for latency lost (so the walk can cross slightly
+slower schedules), half of its moves taking a forward past the highest peak or a backward
+ahead of it, keeping only schedules no slower than the best found. Other neighbours swap
+two nearby ops on one node or move one op a few places; neighbours that deadlock or break
+the activation cap are rejected. Independent seeds run in parallel processes and the best
+schedule wins.
 """
 
 from __future__ import annotations
@@ -138,6 +145,8 @@ def greedy_schedule(inst: Instance, names: tuple[str, str]) -> Start:
 
 #: Forward-backward improvement runs on this many of the best distinct list schedules.
 IMPROVED_STARTS = 4
+#: Seeds also start from starts at most this much slower (relative) than the fastest.
+RESTART_SLACK = 0.01
 
 
 def starting_schedules(inst: Instance, names: tuple[str, str]) -> tuple[Start, list[Start]]:
@@ -219,6 +228,34 @@ def _critical_move(rng: random.Random, orders: Orders, arcs: list[tuple[int, int
     return node, order, i - 1
 
 
+def _peak_move(inst: Instance, rng: random.Random, orders: Orders, peaks: list[float]) -> tuple[int, list[int], int]:
+    """Lower the highest peak: on a node at the peak, move a forward that runs before the
+    peak to a few places after it, or a backward that runs after it to a few places before."""
+    top = max(peaks)
+    node = rng.choice([n for n, p in enumerate(peaks) if p >= top * (1 - RELATIVE_EPS)])
+    order = list(orders[node])
+    delta = inst.memory_delta
+    held, at = 0.0, 0
+    for i, op in enumerate(order):
+        held += delta[op]
+        if held >= top * (1 - RELATIVE_EPS):
+            at = i
+            break
+    if rng.random() < 0.5:
+        forwards = [i for i in range(at + 1) if delta[order[i]] > 0]
+        i = forwards[rng.randrange(len(forwards))]
+        j = min(len(order) - 1, at + rng.randint(1, MOVE_SPAN))
+        order.insert(j, order.pop(i))
+        return node, order, i
+    backwards = [i for i in range(at + 1, len(order)) if delta[order[i]] < 0]
+    if not backwards:
+        return node, order, len(order) - 1  # nothing to move: an unchanged order
+    i = backwards[rng.randrange(len(backwards))]
+    j = max(0, at - rng.randint(0, MOVE_SPAN))
+    order.insert(j, order.pop(i))
+    return node, order, j
+
+
 @dataclass
 class _Walk:
     """The annealing walk's current schedule."""
@@ -261,9 +298,10 @@ def anneal(
         return best
     began = time.perf_counter()
     budget = max_iterations if max_iterations is not None else math.inf
+    latency_share = 1 - MEMORY_PHASE_SHARE
     phases = (
-        (_Phase("latency", began + time_limit_s * (1 - MEMORY_PHASE_SHARE), budget * (1 - MEMORY_PHASE_SHARE))),
-        (_Phase("memory", began + time_limit_s, budget)),
+        _Phase("latency", began + time_limit_s * latency_share, budget * latency_share),
+        _Phase("memory", began + time_limit_s, budget),
     )
     iterations = 0
     for phase in phases:
@@ -303,8 +341,11 @@ def _anneal_phase(
     def energy(makespan: float, end: list[float], peaks: list[float]) -> float:
         if latency_phase:
             return makespan + LATENESS_WEIGHT * _lateness(end, tail, target_latency) / inst.problem.num_nodes
-        return _memory_energy(makespan, max(peaks), best.makespan, peak_scale)
+        return _memory_energy(makespan, max(peaks), reference, peak_scale)
 
+    # Schedules within RELATIVE_EPS of `reference` count as equally fast; it moves only on a
+    # real improvement, so a chain of "equal" schedules cannot creep slower.
+    reference = best.makespan
     peak_scale = max(max(walk.peaks), 1e-12)
     scale = LATENCY_TEMPERATURE * walk.makespan if latency_phase else MEMORY_TEMPERATURE * peak_scale
     current = energy(walk.makespan, walk.end, walk.peaks)
@@ -330,6 +371,8 @@ def _anneal_phase(
             if not arcs:
                 continue
             node, new_order, first = _critical_move(rng, walk.orders, arcs)
+        elif not latency_phase and rng.random() < PEAK_SHARE:
+            node, new_order, first = _peak_move(inst, rng, walk.orders, walk.peaks)
         else:
             node, new_order, first = _neighbour(rng, walk.orders, movable)
         old_order = walk.orders[node]
@@ -348,9 +391,10 @@ def _anneal_phase(
             walk.makespan, walk.start, walk.end, walk.peaks = simulated[0], simulated[1], simulated[2], new_peaks
             current, arcs = candidate, None
             peak = max(new_peaks)
-            faster = walk.makespan < best.makespan * (1 - RELATIVE_EPS)
-            if faster or (walk.makespan <= best.makespan * (1 + RELATIVE_EPS) and peak < best.peak):
+            faster = walk.makespan < reference * (1 - RELATIVE_EPS)
+            if faster or (walk.makespan <= reference * (1 + RELATIVE_EPS) and peak < best.peak):
                 best.orders, best.makespan, best.peak = [list(o) for o in walk.orders], walk.makespan, peak
+                reference = walk.makespan if faster else reference
         else:
             walk.orders[node] = old_order
     return iterations
@@ -359,9 +403,11 @@ def _anneal_phase(
 #: Memory phase: being 1% slower than the best makespan costs this many peak-scales / 100.
 LATENCY_PENALTY = 20.0
 #: Latency phase: weight of the summed lateness of ops (per node) against the makespan.
-LATENESS_WEIGHT = 1.0
+LATENESS_WEIGHT = 3.0
 #: Latency phase: share of moves that reorder a critical node arc (the rest are random).
 CRITICAL_SHARE = 0.5
+#: Memory phase: share of moves aimed at the highest peak (the rest are random).
+PEAK_SHARE = 0.5
 
 
 def _memory_energy(makespan: float, peak: float, best_makespan: float, peak_scale: float) -> float:
@@ -385,12 +431,15 @@ def _accept(
 def _run_seeds(
     inst: Instance, starts: list[Start], config: SearchConfig, bounds: LowerBounds, progress: Progress | None
 ) -> list[AnnealOutcome]:
-    """Seed i anneals from starts[i % len(starts)]: restarts from several constructions."""
+    """Seeds cycle over the starts within RESTART_SLACK of the fastest: restarts from several
+    constructions that are about as fast (they differ in memory and in where they get stuck)."""
     workers = max(1, min(config.seeds, os.cpu_count() or 1))
     rounds = math.ceil(config.seeds / workers)
     per_seed = config.time_limit_s / rounds
     args = (per_seed, bounds.latency, bounds.memory, config.max_iterations)
-    jobs = [(starts[seed % len(starts)][1], seed) for seed in range(config.seeds)]
+    fastest = starts[0][2].makespan
+    close = [orders for _, orders, ev in starts if ev.makespan <= fastest * (1 + RESTART_SLACK)]
+    jobs = [(close[seed % len(close)], seed) for seed in range(config.seeds)]
     if workers == 1:
         outcomes = []
         for done, (start, seed) in enumerate(jobs, 1):
@@ -427,16 +476,19 @@ def search_fused(
     bounds = lower_bounds(inst)
     (rule, _, greedy_eval), starts = starting_schedules(inst, (actor.name, critic.name))
     outcomes = _run_seeds(inst, starts, config, bounds, progress)
-    best = min(outcomes, key=lambda o: (o.makespan, o.peak, o.seed))
-    final = evaluate(inst, best.orders)
+    # The annealing keeps a start unless it improves it; makespans within RELATIVE_EPS tie
+    # (float sums in another order), and ties go to the least memory.
+    candidates = [(o.makespan, o.peak, o.orders) for o in outcomes] + [
+        (ev.makespan, ev.max_peak_memory, orders) for _, orders, ev in starts
+    ]
+    fastest = min(makespan for makespan, _, _ in candidates)
+    _, _, orders = min((c for c in candidates if c[0] <= fastest * (1 + RELATIVE_EPS)), key=lambda c: c[1])
+    final = evaluate(inst, orders)
     assert final.ok, (final.violations, final.deadlocked)
-    first = starts[0][2]
-    if (first.makespan, first.max_peak_memory) < (final.makespan, final.max_peak_memory):
-        best.orders, final = starts[0][1], first  # annealing keeps the start unless it improves it
     return FusedResult(
         problem=problem,
         instance=inst,
-        orders=best.orders,
+        orders=orders,
         evaluation=final,
         bounds=bounds,
         greedy=greedy_eval,
