@@ -1,7 +1,7 @@
 """How well does the calibrated cost model predict real RL steps? (issue 9)
 
 Sweeps distinct (plan, workload size) points of the tiny PPO workload on 2 CPU ranks with
-one thread each, `nereus run ... --steps 6` per point (subprocess), after `nereus profile
+one thread each, `nereus run ... --steps 8` per point (subprocess), after `nereus profile
 --quick` measured the machine. The cost model is fitted (`nereus fit`'s library) on the runs
 of half the plans and predicts the step latency of the other half's runs: mean and maximum
 absolute percentage error. Then the planner, with the calibrated model on the profiled
@@ -10,15 +10,17 @@ fastest measured plan of the sweep at that size.
 
 The workload is tiny-ppo with a rule-based reward (`reward: null`): the runtime scores
 responses by rule, so no reward model should be priced. Prints a table, writes
-benchmarks/results/cost_fit.json. About 8 minutes on 2 cores.
+benchmarks/results/cost_fit.json. About 10 minutes on 2 idle cores (more under load).
 
-    .venv/bin/python benchmarks/cost_fit.py [--steps 6] [--keep DIR]
+    .venv/bin/python benchmarks/cost_fit.py [--steps 8] [--keep DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,7 +49,7 @@ STAGES = (
 
 
 def _with_micro(layout: Layout, micro_batches: int) -> Layout:
-    return (*layout[:4], micro_batches)  # type: ignore[return-value]
+    return (*layout[:4], micro_batches)
 
 
 def _uniform(layout: Layout, training_micro: int = 1) -> dict[str, Layout]:
@@ -102,6 +104,8 @@ def sweep_layouts() -> dict[str, dict[str, Any]]:
 
 #: Workload sizes: (prompts per step, max new tokens, mini-batches).
 SIZES = ((8, 8, 1), (16, 12, 2), (24, 16, 2))
+#: Points run a second time at the end, to measure how repeatable a measurement is here.
+REPEATS = 4
 #: Sizes each plan runs at (by index into SIZES): every plan at two sizes.
 PLAN_SIZES = (0, 1), (1, 2), (0, 2)
 
@@ -121,7 +125,7 @@ def workload(prompts: int, new_tokens: int, mini_batches: int) -> dict[str, Any]
         "prompt_len": 16,
         "response_len": {"median": new_tokens, "p99": new_tokens, "max": new_tokens},
         "mini_batches": mini_batches,
-        "micro_batch_size": 1,
+        "micro_batch_size": 8,
         "dtype": "fp32",
     }
 
@@ -182,7 +186,9 @@ def run_point(plan: Any, new_tokens: int, steps: int, folder: Path) -> Path:
 def profile(folder: Path) -> Path:
     path = folder / "profile.yaml"
     command = [*NEREUS, "profile", "--quick", "--nproc", "2", "-o", str(path)]
-    subprocess.run(command, check=True, capture_output=True, cwd=ROOT)
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
     return path
 
 
@@ -200,7 +206,7 @@ def planner_pick(size: tuple[int, int, int], cluster: Any, calibration: Any) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=6, help="RL steps per run (the first 2 are warm-up)")
+    parser.add_argument("--steps", type=int, default=8, help="RL steps per run (the first 2 are warm-up)")
     parser.add_argument("--keep", type=Path, help="keep the run folders here (default: a temporary folder)")
     args = parser.parse_args()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="nereus-cost-fit-"))
@@ -209,23 +215,27 @@ def main() -> None:
 
 def sweep(folder: Path, steps: int) -> int:
     from nereus.cost.calibration import Calibration
-    from nereus.cost.fit import fit_runs, predict, read_run, run_errors
+    from nereus.cost.fit import fit_runs, read_run, run_errors
     from nereus.cost.profile import Profile, cluster_from_profile
     from nereus.spec.io import load_document
 
     started = time.perf_counter()
+    folder.mkdir(parents=True, exist_ok=True)
     profile_path = profile(folder)
     the_profile = load_document(profile_path)
     assert isinstance(the_profile, Profile)
     cluster = cluster_from_profile(the_profile, str(profile_path), 2)
     names = list(sweep_layouts())
     runs: dict[tuple[str, int], Any] = {}
+    load: list[float] = []
     for i, name in enumerate(names):
         for size_index in PLAN_SIZES[i % len(PLAN_SIZES)]:
             size = SIZES[size_index]
             point = folder / f"{name}-s{size_index}"
+            load.append(os.getloadavg()[0])
             runs[name, size_index] = read_run(run_point(make_plan(name, size, cluster), size[1], steps, point))
             print(f"  ran {name} at size {size_index} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    repeatability = rerun(list(runs.items())[:REPEATS], cluster, steps, folder)
     train_names, test_names = names[0::2], names[1::2]
     train = [run for (name, _), run in runs.items() if name in train_names]
     test = [run for (name, _), run in runs.items() if name in test_names]
@@ -233,7 +243,7 @@ def sweep(folder: Path, steps: int) -> int:
     held_out = run_errors(test, calibration, cluster)
     in_sample = run_errors(train, calibration, cluster)
     uncalibrated = run_errors(test, Calibration(), cluster)
-    picks = []
+    picks: list[dict[str, Any]] = []
     for size_index, size in enumerate(SIZES):
         chosen = planner_pick(size, cluster, calibration)
         point = folder / f"planner-s{size_index}"
@@ -270,13 +280,33 @@ def sweep(folder: Path, steps: int) -> int:
         "in_sample": in_sample.summary(),
         "uncalibrated_held_out": {"step_mape": uncalibrated.step_mape, "step_max_ape": uncalibrated.step_max},
         "planner": picks,
+        "repeatability": repeatability,
+        "load_average_1min": {"min": min(load), "median": statistics.median(load), "max": max(load)},
         "wall_s": time.perf_counter() - started,
     }
-    _ = predict  # the library's predictions are what run_errors compares
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result, held_out)
     ok = held_out.step_mape <= 0.10 and all(p["ratio"] <= 1.05 for p in picks)
     return 0 if ok else 1
+
+
+def rerun(points: list[tuple[tuple[str, int], Any]], cluster: Any, steps: int, folder: Path) -> dict[str, Any]:
+    """Run the first points again: how far the same point's median step time moves between
+    two runs on this machine (the noise floor no cost model can beat)."""
+    from nereus.cost.calibration import Calibration
+    from nereus.cost.fit import read_run, run_errors
+
+    changes = {}
+    for (name, size_index), first in points:
+        size = SIZES[size_index]
+        again = read_run(
+            run_point(make_plan(name, size, cluster), size[1], steps, folder / f"again-{name}-s{size_index}")
+        )
+        before = run_errors([first], Calibration(), cluster).runs[0].measured["step"]
+        after = run_errors([again], Calibration(), cluster).runs[0].measured["step"]
+        changes[f"{name}-s{size_index}"] = after / before - 1
+    values = [abs(v) for v in changes.values()]
+    return {"change": changes, "mean_abs_change": statistics.fmean(values), "max_abs_change": max(values)}
 
 
 def print_table(result: dict[str, Any], held_out: Any) -> None:
@@ -296,6 +326,12 @@ def print_table(result: dict[str, Any], held_out: Any) -> None:
             f"size {pick['size']}: planner's plan {pick['planner_measured_step_s']:.3f} s measured vs fastest swept "
             f"{pick['fastest_sweep_plan']} {pick['fastest_sweep_step_s']:.3f} s: ratio {pick['ratio']:.3f}"
         )
+    again = result["repeatability"]
+    print(
+        f"same point run twice: median step time moved {again['mean_abs_change']:.1%} on average, "
+        f"{again['max_abs_change']:.1%} at most ({len(again['change'])} points); 1-min load average "
+        f"{result['load_average_1min']['median']:.1f} on {os.cpu_count()} cores"
+    )
     print(f"{result['points']} points, {result['wall_s']:.0f} s")
 
 

@@ -88,8 +88,8 @@ def _print_profile(measured: Profile, wall_s: float, output: Path) -> None:
     best = max(measured.gemm, key=lambda g: g.flops_per_s)
     worst = min(measured.gemm, key=lambda g: g.flops_per_s)
     console.print(
-        f"GEMM      {best.flops_per_s / 1e9:8.1f} GFLOP/s best ({best.m}x{best.k}x{best.n}), "
-        f"{worst.flops_per_s / 1e9:.1f} worst ({worst.m}x{worst.k}x{worst.n}), {len(measured.gemm)} shapes"
+        f"GEMM      {best.flops_per_s / 1e9:8.1f} GFLOP/s best (m={best.m} k={best.k} n={best.n}), "
+        f"{worst.flops_per_s / 1e9:.1f} worst (m={worst.m} k={worst.k} n={worst.n}), {len(measured.gemm)} shapes"
     )
     for a in measured.attention:
         console.print(
