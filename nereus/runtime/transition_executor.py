@@ -1,0 +1,148 @@
+"""The EMU executor: run a transition DAG's primitives on live sharded state.
+
+Every rank walks the scheduled primitives in the same order (by predicted start, then id;
+the schedule respects every data and GPU-ownership edge) and takes part in those that touch
+it. It holds, per model-stage, the state of each replica (EMU) it is a GPU of:
+
+    split    one replica -> its intermediate replicas on the same GPUs (reshard);
+    merge    intermediate replicas -> one coarser replica on their GPUs (reshard);
+    extend   a replica's boxes copied to a new replica's GPUs (reshard; the source stays);
+    destroy  a replica's state dropped.
+
+Each move is `nereus.runtime.reshard` between the primitive's source and target replica
+layouts, so every byte is copied, never recomputed, and the logical state after the
+transition equals the state before it bitwise. At the end every model-stage's replicas are
+those of plan B, and each rank's state is returned in plan B's layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from nereus.cost.plan_cost import head_of
+from nereus.runtime.reshard import execute, plan_reshard
+from nereus.runtime.shard_layout import RankLayout
+from nereus.runtime.sharded_state import StateMeta, state_meta
+from nereus.solver.transition.primitives import Emu, Primitive
+from nereus.solver.transition.schedule import plan_emus
+from nereus.spec.plan import Plan
+
+if TYPE_CHECKING:
+    import torch
+
+#: A rank's state of one replica: its tensors (keyed `family/name`) and optimizer step.
+ReplicaState = tuple[dict[str, "torch.Tensor"], int | None]
+
+
+@dataclass(frozen=True)
+class ExecutedTransition:
+    """What one rank did during a transition."""
+
+    states: dict[str, ReplicaState]
+    """This rank's state of every model-stage it holds in plan B, in plan B's layout."""
+    bytes_sent: int
+    bytes_received: int
+    num_primitives: int
+    """Primitives this rank took part in."""
+
+
+def emu_layout(emus: Iterable[Emu]) -> RankLayout:
+    """Replicas of one layout as one RankLayout (replica-major, in the given order)."""
+    emus = list(emus)
+    tp, pp = emus[0].layout
+    assert all(emu.layout == (tp, pp) for emu in emus), emus
+    return RankLayout(tp, pp, len(emus), tuple(gpu for emu in emus for gpu in emu.gpus))
+
+
+def plan_emu_list(plan: Plan, model_stage: str) -> list[Emu]:
+    return plan_emus(plan, [model_stage])[model_stage]
+
+
+class _Executor:
+    """One rank's replicas of every model-stage, updated primitive by primitive."""
+
+    def __init__(self, plan_a: Plan, rank: int, families: dict[str, tuple[str, ...]]) -> None:
+        self.plan = plan_a
+        self.rank = rank
+        self.families = families
+        self.held: dict[Emu, ReplicaState] = {}
+        self.sent = self.received = self.count = 0
+
+    def meta(self, model_stage: str, layout: RankLayout) -> StateMeta:
+        entry = self.plan.stage_plan(model_stage)
+        model = self.plan.model(self.plan.workload.model_name(entry.role))
+        return state_meta(model, head_of(entry.role), layout, self.families[model_stage])
+
+    def load(self, model_stage: str, state: ReplicaState) -> None:
+        """This rank's plan-A state of `model_stage` becomes the state of its replica."""
+        for emu in plan_emu_list(self.plan, model_stage):
+            if self.rank in emu.gpus:
+                self.held[emu] = state
+
+    def move(self, sources: list[Emu], targets: list[Emu]) -> None:
+        """Reshard from the `sources` replicas to the `targets` replicas (collective over their GPUs)."""
+        model_stage = sources[0].model_stage
+        source_layout, target_layout = emu_layout(sources), emu_layout(targets)
+        plan = plan_reshard(self.meta(model_stage, source_layout), self.meta(model_stage, target_layout))
+        mine = next((emu for emu in sources if self.rank in emu.gpus), None)
+        tensors, step = self.held[mine] if mine is not None else ({}, None)
+        result = execute(plan, self.rank, tensors, step)
+        self.sent += result.bytes_sent
+        self.received += result.bytes_received
+        for emu in targets:
+            if self.rank in emu.gpus:
+                self.held[emu] = (result.tensors, result.step)
+
+    def run(self, primitive: Primitive) -> None:
+        # A reshard is collective over the GPUs of its source and target replicas.
+        involved = (*primitive.retires, *primitive.removes, *primitive.adds, *primitive.copies_from)
+        if not any(self.rank in emu.gpus for emu in involved):
+            return
+        self.count += 1
+        if primitive.kind == "split" or primitive.kind == "merge":
+            self.move(list(primitive.retires), list(primitive.adds))
+        elif primitive.kind == "extend":
+            self.move(list(primitive.copies_from), list(primitive.adds))
+            return  # the source replica stays a replica
+        # A retired or removed replica's state lives on (if at all) in the added ones.
+        for emu in (*primitive.retires, *primitive.removes):
+            self.held.pop(emu, None)
+
+    def result(self, plan_b: Plan) -> dict[str, ReplicaState]:
+        """Each model-stage's state in plan B's layout (the rank's replica of it)."""
+        states: dict[str, ReplicaState] = {}
+        for entry in plan_b.stages:
+            for emu in plan_emu_list(plan_b, entry.model_stage):
+                if self.rank in emu.gpus:
+                    states[entry.model_stage] = self.held[emu]
+        return states
+
+
+def run_order(primitives: list[Primitive]) -> list[Primitive]:
+    """The order every rank walks: by predicted start, then id (the schedule respects all edges)."""
+    assert all(p.scheduled for p in primitives), "execute only a fully scheduled transition"
+    return sorted(primitives, key=lambda p: (p.start_s, p.id))
+
+
+def execute_transition(
+    primitives: list[Primitive],
+    plan_a: Plan,
+    plan_b: Plan,
+    rank: int,
+    states: dict[str, ReplicaState],
+    families: dict[str, tuple[str, ...]],
+) -> ExecutedTransition:
+    """Move this rank's state from plan A's layouts to plan B's (collective over the world).
+
+    `states` holds this rank's plan-A state of every model-stage it is a GPU of, with the
+    families `families[model_stage]` (e.g. parameters and AdamW moments for training).
+    Model-stages whose layout is the same in both plans have no primitives and keep their state.
+    """
+    executor = _Executor(plan_a, rank, families)
+    for model_stage, state in states.items():
+        executor.load(model_stage, state)
+    for primitive in run_order(primitives):
+        executor.run(primitive)
+    return ExecutedTransition(executor.result(plan_b), executor.sent, executor.received, executor.count)
