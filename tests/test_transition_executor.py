@@ -53,15 +53,13 @@ def metas(plan: Plan) -> dict[str, Any]:
     return found
 
 
-def walk(rank: int, world_size: int, plans: list[Plan]) -> list[dict[str, Any]]:
+def walk(rank: int, world_size: int, plans: list[Plan], transitions: list[Any]) -> list[dict[str, Any]]:
     """Start from random plan-0 state, run every transition; this rank's state after each."""
     states = {name: (random_rank_state(meta, rank, seed=11), 5) for name, meta in metas(plans[0]).items()}
     states = {name: state for name, state in states.items() if state[0]}
     snapshots = [states]
-    for plan_a, plan_b in itertools.pairwise(plans):
-        transition = build_transition(plan_a, plan_b)
-        assert transition.feasible, transition.blocking_cycle
-        done = execute_transition(transition.primitives, plan_a, plan_b, rank, states, families(plan_a))
+    for (plan_a, plan_b), primitives in zip(itertools.pairwise(plans), transitions, strict=True):
+        done = execute_transition(primitives, plan_a, plan_b, rank, states, families(plan_a))
         states = done.states
         snapshot = {name: (dict(tensors), step) for name, (tensors, step) in states.items()}
         snapshots.append({**snapshot, "moved": (done.bytes_sent, done.num_primitives)})
@@ -71,7 +69,10 @@ def walk(rank: int, world_size: int, plans: list[Plan]) -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_state_survives_every_transition_bitwise() -> None:
     plans = [make_plan(*layout) for _, layout in SEQUENCE]
-    per_rank = spawn(walk, 4, plans)
+    # Built once here: every rank must walk the very same primitives in the same order.
+    transitions = [build_transition(a, b) for a, b in itertools.pairwise(plans)]
+    assert all(t.feasible for t in transitions), [t.blocking_cycle for t in transitions]
+    per_rank = spawn(walk, 4, plans, [t.primitives for t in transitions])
     before = None
     for index, plan in enumerate(plans):
         for name, meta in metas(plan).items():

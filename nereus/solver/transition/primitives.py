@@ -33,6 +33,10 @@ class Emu:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple[type[Emu], tuple[str, int, int, tuple[int, ...]]]:
+        # String hashes differ between processes: rebuild (and rehash) on unpickling.
+        return (type(self), (self.model_stage, self.tp, self.pp, self.gpus))
+
     @property
     def layout(self) -> Layout:
         return (self.tp, self.pp)
