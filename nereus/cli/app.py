@@ -75,6 +75,7 @@ def register_commands() -> None:
     from nereus.cli import (
         dag_commands,
         plan_commands,
+        profile_commands,
         run_commands,
         schedule_commands,
         simulate_commands,
@@ -90,6 +91,7 @@ def register_commands() -> None:
         trace_commands,
         simulate_commands,
         run_commands,
+        profile_commands,
     )
     for module in modules:
         module.register(app)
