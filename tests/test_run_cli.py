@@ -68,6 +68,8 @@ def assert_checkpoints_whole(out: Path) -> None:
         ({"plan": "missing.yaml"}, [], "missing.yaml does not exist"),
         ({}, ["--nproc", "3"], "--nproc is 3; pass --nproc 2"),
         ({"plan": None}, [], "plan: not set"),
+        ({"plan_switches": [{"step": 9, "plan": "plan.yaml"}]}, [], "plan_switches.0.step: 9 is not before"),
+        ({"plan_switches": [{"step": 1, "plan": "nope.yaml"}]}, [], "plan_switches.0.plan:"),
     ],
 )
 def test_bad_config_or_plan_is_refused_before_spawning(
@@ -259,3 +261,42 @@ def test_reward_model_option_runs_checkpoints_and_resumes_bitwise(tmp_path: Path
     assert invoke("run", config, "--out", split, "--steps", "1").exit_code == 0
     assert invoke("run", "--resume", split, "--steps", "2").exit_code == 0
     assert training_records(split) == training_records(whole)
+
+
+def test_plan_switches_move_state_live_and_resume_under_the_plan_in_force(tmp_path: Path) -> None:
+    """2 ranks: tp/pp layouts -> colocated dp=2 at step 2 -> actor and critic on their own rank at step 3."""
+    plan = yaml.safe_load(PLAN_2RANK.read_text())
+    colocated = {**plan, "stages": [{**e, "tp": 1, "pp": 1, "dp": 2, "emus": [[0], [1]]} for e in plan["stages"]]}
+    split = {
+        **plan,
+        "pools": [{"name": "actor", "gpus": [0]}, {"name": "critic", "gpus": [1]}],
+        "stages": [
+            {**e, "pool": p, "tp": 1, "pp": 1, "dp": 1, "emus": [[g]], "micro_batches": 1}
+            for e in plan["stages"]
+            for p, g in [("critic", 1) if e["model_stage"].startswith("critic") else ("actor", 0)]
+        ],
+    }
+    (tmp_path / "colocated.yaml").write_text(yaml.safe_dump(colocated))
+    (tmp_path / "split.yaml").write_text(yaml.safe_dump(split))
+    switches = [{"step": 2, "plan": "colocated.yaml"}, {"step": 3, "plan": "split.yaml"}]
+    config = write_config(tmp_path, num_steps=4, checkpoint_every=3, plan_switches=switches)
+    plain, switched = tmp_path / "plain", tmp_path / "switched"
+    assert (
+        invoke(
+            "run", write_config(tmp_path / "plain-config", num_steps=4) if False else config, "--out", switched
+        ).exit_code
+        == 0
+    )
+    records = read_metrics(switched)
+    assert ["transition" in r["stage_seconds"] for r in records] == [False, False, True, True]
+    assert (switched / "plan-from-step-000003.yaml").is_file()
+    # Before the first switch the run is the plain run, bitwise; after, training goes on.
+    plain_config = write_config(tmp_path, num_steps=4, checkpoint_every=3)
+    assert invoke("run", plain_config, "--out", plain).exit_code == 0
+    assert training_records(switched)[:2] == training_records(plain)[:2]
+    assert all(r["actor_loss"] == r["actor_loss"] and r["critic_loss"] is not None for r in records)  # finite
+    # Resume after the checkpoint at step 3: under the plan in force then (split).
+    shutil.rmtree(switched / "checkpoints" / "step-000004")
+    result = invoke("run", "--resume", switched)
+    assert result.exit_code == 0, result.output
+    assert training_records(switched)[3] == {k: v for k, v in records[3].items() if k not in TIMING_FIELDS}

@@ -111,12 +111,12 @@ class _Executor:
             self.held.pop(emu, None)
 
     def result(self, plan_b: Plan) -> dict[str, ReplicaState]:
-        """Each model-stage's state in plan B's layout (the rank's replica of it)."""
+        """Each moved model-stage's state in plan B's layout (the rank's replica of it)."""
         states: dict[str, ReplicaState] = {}
-        for entry in plan_b.stages:
-            for emu in plan_emu_list(plan_b, entry.model_stage):
+        for model_stage in self.families:
+            for emu in plan_emu_list(plan_b, model_stage):
                 if self.rank in emu.gpus:
-                    states[entry.model_stage] = self.held[emu]
+                    states[model_stage] = self.held[emu]
         return states
 
 
@@ -136,13 +136,15 @@ def execute_transition(
 ) -> ExecutedTransition:
     """Move this rank's state from plan A's layouts to plan B's (collective over the world).
 
-    `states` holds this rank's plan-A state of every model-stage it is a GPU of, with the
-    families `families[model_stage]` (e.g. parameters and AdamW moments for training).
-    Model-stages whose layout is the same in both plans have no primitives and keep their state.
+    `families` names the model-stages to move and their state families (e.g. parameters
+    and AdamW moments for training); `states` holds this rank's plan-A state of each of them
+    it is a GPU of. Primitives of other model-stages are skipped. Model-stages whose layout
+    is the same in both plans have no primitives and keep their state.
     """
     executor = _Executor(plan_a, rank, families)
     for model_stage, state in states.items():
         executor.load(model_stage, state)
     for primitive in run_order(primitives):
-        executor.run(primitive)
+        if primitive.model_stage in families:
+            executor.run(primitive)
     return ExecutedTransition(executor.result(plan_b), executor.sent, executor.received, executor.count)

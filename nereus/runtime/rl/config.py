@@ -66,6 +66,17 @@ class RLConfig(StrictModel):
         return task
 
 
+class PlanSwitch(StrictModel):
+    """A plan change at a step boundary, carried out live by the EMU executor: every
+    model-stage's state moves through the transition DAG, no restart, no checkpoint."""
+
+    step: int = Field(gt=0)
+    """The new plan runs from this step on (0-based; the first step trains under the first plan)."""
+    plan: str
+    """Plan YAML to switch to, relative to the config file: the same models and workload, any
+    layouts on any of the run's ranks."""
+
+
 class RunConfig(Document):
     """One RL run: hyperparameters, length and checkpointing (the layouts come from a plan)."""
 
@@ -81,6 +92,16 @@ class RunConfig(Document):
     """Save a checkpoint after every this many steps (and after the last step)."""
     keep_checkpoints: int = Field(default=2, gt=0)
     """Newest checkpoints kept; older ones are deleted once a newer one is complete."""
+    plan_switches: list[PlanSwitch] = Field(default_factory=list)
+    """Plan changes during the run, in increasing step order."""
+
+    @field_validator("plan_switches")
+    @classmethod
+    def _increasing(cls, switches: list[PlanSwitch]) -> list[PlanSwitch]:
+        steps = [switch.step for switch in switches]
+        if steps != sorted(set(steps)):
+            raise ValueError(f"steps must increase strictly, got {steps}")
+        return switches
 
 
 register_kind(RunConfig)

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from nereus.errors import NereusError
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import spawn
+from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.reward_model import fit_reward_model
 from nereus.runtime.rl.setup import (
     CHECKPOINT_STATE_NAME,
@@ -35,14 +37,16 @@ from nereus.runtime.rl.setup import (
     FAILURE_NAME,
     METRICS_NAME,
     RunSetup,
+    Switch,
     checkpoint_folder,
     finished_checkpoints,
     latest_checkpoint,
     prepare_folder,
 )
-from nereus.runtime.rl.step import Stage, StepMetrics, build_stages, rl_step, sync_plans, sync_weights
+from nereus.runtime.rl.step import Stage, StepMetrics, build_stages, rl_step, slowest_rank, sync_plans, sync_weights
 from nereus.runtime.rl.tasks import get_task
 from nereus.runtime.sharded_state import state_meta
+from nereus.runtime.transition_executor import ReplicaState, execute_transition
 from nereus.spec.plan import Plan
 
 #: Model-stages whose state a checkpoint holds, with the families saved: the trained models'
@@ -58,23 +62,57 @@ SAVED_STAGES = {
 
 def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     """The whole run on this rank; returns the number of steps the run has finished."""
-    config = setup.config
+    config, plan = setup.config, setup.plan
     torch.manual_seed(config.rl.seed)
-    stages = build_stages(setup.plan, config.rl)
+    stages = build_stages(plan, config.rl)
     syncs = sync_plans(stages)
     if "reward/inference" in stages and setup.checkpoint is None:
         fit_reward_model(stages["reward/inference"], get_task(config.rl.task), config.rl)
     if setup.checkpoint is not None:
         restore(stages, setup.checkpoint, rank)
         sync_weights(syncs)  # generation and inference engines get the restored weights
+    switches = {switch.step: switch for switch in setup.switches}
     for step in range(setup.start_step, config.num_steps):
-        metrics = rl_step(setup.plan, config.rl, stages, syncs, step)
+        transition_s = None
+        if step in switches:
+            start = time.perf_counter()
+            stages = switch_plan(stages, plan, switches[step], config.rl, rank)
+            syncs, plan = sync_plans(stages), switches[step].plan
+            transition_s = slowest_rank({"transition": time.perf_counter() - start}, ["transition"])["transition"]
+        metrics = rl_step(plan, config.rl, stages, syncs, step)
+        if transition_s is not None:
+            metrics = dataclasses.replace(metrics, stage_seconds={**metrics.stage_seconds, "transition": transition_s})
         if rank == 0:
             append_metrics(setup.out / METRICS_NAME, metrics)
         done = step + 1
         if done % config.checkpoint_every == 0 or done == config.num_steps:
             save_run_checkpoint(setup, stages, done, rank)
     return config.num_steps
+
+
+def state_families(model_stage: str) -> tuple[str, ...]:
+    """What a model-stage's engines hold between steps: parameters, and AdamW moments in training."""
+    return ("param", "exp_avg", "exp_avg_sq") if model_stage.endswith("/training") else ("param",)
+
+
+def switch_plan(stages: dict[str, Stage], plan: Plan, switch: Switch, config: RLConfig, rank: int) -> dict[str, Stage]:
+    """Build the new plan's engines and move every model-stage's state into them through the
+    switch's transition DAG (collective); the old engines are dropped."""
+    new_stages = build_stages(switch.plan, config)
+    families = {name: state_families(name) for name in stages}
+    states: dict[str, ReplicaState] = {}
+    for name, stage in stages.items():
+        if stage.engine is not None:
+            held = stage.engine.local_state()
+            tensors = {key: held[key] for key in held if key.split("/")[0] in families[name]}
+            states[name] = (tensors, stage.engine.optimizer_step)
+    moved = execute_transition(switch.primitives, plan, switch.plan, rank, states, families)
+    for name, stage in new_stages.items():
+        if stage.engine is not None:
+            tensors, step = moved.states[name]
+            assert step is not None, name
+            stage.engine.load_local_state(tensors, step)
+    return new_stages
 
 
 def append_metrics(path: Path, metrics: StepMetrics) -> None:

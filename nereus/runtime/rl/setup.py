@@ -36,6 +36,19 @@ CHECKPOINT_STATE_NAME = "state.json"
 
 
 @dataclass(frozen=True)
+class Switch:
+    """A checked plan switch: from the step `step` on, `plan`, reached through `primitives`."""
+
+    step: int
+    plan: Plan
+    primitives: list[Any]
+    """The scheduled transition DAG from the previous plan (built once, here: every rank must
+    walk the very same primitives)."""
+    predicted_s: float
+    """The DAG's predicted makespan."""
+
+
+@dataclass(frozen=True)
 class RunSetup:
     """A run ready to spawn: what to run, on how many ranks, where, and from which step."""
 
@@ -51,6 +64,8 @@ class RunSetup:
     """The checkpoint folder a resume loads (None for a new run or one never checkpointed)."""
     planned: bool
     """True when the plan was made by the planner for `num_ranks` (a resume onto other ranks)."""
+    switches: tuple[Switch, ...] = ()
+    """Plan switches still ahead (steps after `start_step`)."""
 
 
 def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
@@ -132,10 +147,37 @@ def new_run(
     _check_plan(plan, str(where), num_ranks, config.rl)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
+    switches = resolve_switches(config, config_path.parent, plan, num_ranks)
     out = out if out is not None else Path("runs") / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise NereusError(f"{out}: already exists; resume it with `nereus run --resume {out}` or pass another --out")
-    return RunSetup(config, plan, num_ranks, out, 0, None, planned=False)
+    return RunSetup(config, plan, num_ranks, out, 0, None, planned=False, switches=switches)
+
+
+def resolve_switches(config: RunConfig, folder: Path, first: Plan, num_ranks: int) -> tuple[Switch, ...]:
+    """Load and check every plan switch and build its transition DAG from the plan before it."""
+    from nereus.solver.transition.schedule import build_transition
+
+    switches, previous = [], first
+    for index, switch in enumerate(config.plan_switches):
+        field = f"plan_switches.{index}"
+        if switch.step >= config.num_steps:
+            raise NereusError(f"{field}.step: {switch.step} is not before the run's last step ({config.num_steps - 1})")
+        where = folder / switch.plan
+        if not where.is_file():
+            raise NereusError(f"{field}.plan: {where} does not exist; give the path of a Plan YAML")
+        plan: Plan = _load(where, Plan)
+        _check_same_work(plan, first, where)
+        problems = plan_problems(plan, num_ranks, config.rl)
+        if problems:
+            raise NereusError(f"{where}: {problems[0]}")
+        transition = build_transition(previous, plan)
+        if not transition.feasible:
+            cycle = " -> ".join(transition.blocking_cycle)
+            raise NereusError(f"{field}: no safe transition order from the previous plan (blocking cycle {cycle})")
+        switches.append(Switch(switch.step, plan, transition.primitives, transition.makespan_s))
+        previous = plan
+    return tuple(switches)
 
 
 def resume_run(
@@ -149,6 +191,10 @@ def resume_run(
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
     planned = False
+    if config.plan_switches and (plan_path is not None or num_ranks is not None):
+        raise NereusError(
+            f"{out}: the run switches plans on its own (plan_switches); resume it without --plan and --nproc"
+        )
     if plan_path is not None:
         plan: Plan = _load(plan_path, Plan)
         _check_same_work(plan, stored, plan_path)
@@ -164,7 +210,13 @@ def resume_run(
         raise NereusError(
             f"{out}: already ran {start_step} of {config.num_steps} steps; pass --steps N (N > {start_step}) to go on"
         )
-    return RunSetup(config, plan, num_ranks, out, start_step, checkpoint, planned)
+    switches = resolve_switches(config, out, plan, num_ranks)
+    # A checkpoint loads into any layout: resume under the plan in force at its step.
+    for switch in switches:
+        if switch.step <= start_step:
+            plan = switch.plan
+    ahead = tuple(switch for switch in switches if switch.step > start_step)
+    return RunSetup(config, plan, num_ranks, out, start_step, checkpoint, planned, ahead)
 
 
 def _check_same_work(plan: Plan, stored: Plan, where: Path) -> None:
@@ -190,6 +242,11 @@ def replan(stored: Plan, num_ranks: int) -> Plan:
 
 
 # ---- the run folder ----
+
+
+def switch_plan_name(step: int) -> str:
+    """The run folder's copy of the plan a switch moves to."""
+    return f"plan-from-step-{step:06d}.yaml"
 
 
 def checkpoint_folder(out: Path, step: int) -> Path:
@@ -240,9 +297,19 @@ def prepare_folder(setup: RunSetup) -> None:
     checkpoint, temporary folders of an interrupted save) and the previous failure log."""
     out = setup.out
     out.mkdir(parents=True, exist_ok=True)
-    config = setup.config.model_copy(update={"plan": PLAN_NAME})
-    save_document(config, out / CONFIG_NAME)
-    save_document(setup.plan, out / PLAN_NAME)
+    if setup.start_step == 0:  # a resume keeps the run's files as they are
+        switches = [
+            switch.model_copy(update={"plan": switch_plan_name(switch.step)}) for switch in setup.config.plan_switches
+        ]
+        for switch, checked in zip(switches, setup.switches, strict=True):
+            save_document(checked.plan, out / switch.plan)
+        config = setup.config.model_copy(update={"plan": PLAN_NAME, "plan_switches": switches})
+        save_document(config, out / CONFIG_NAME)
+        save_document(setup.plan, out / PLAN_NAME)
+    else:
+        save_document(setup.config, out / CONFIG_NAME)
+        if not setup.config.plan_switches:
+            save_document(setup.plan, out / PLAN_NAME)
     kept = [record for record in read_metrics(out) if record["step"] < setup.start_step]
     write_text_atomic(out / METRICS_NAME, "".join(json.dumps(record) + "\n" for record in kept))
     root = out / CHECKPOINTS_NAME
