@@ -31,6 +31,7 @@ SHOWN_STAGES = {
     "critic/training": "crit-train",
     "exchange": "xchg",
     "weight_sync": "sync",
+    "transition": "transition",
 }
 
 
