@@ -300,3 +300,37 @@ def test_plan_switches_move_state_live_and_resume_under_the_plan_in_force(tmp_pa
     result = invoke("run", "--resume", switched)
     assert result.exit_code == 0, result.output
     assert training_records(switched)[3] == {k: v for k, v in records[3].items() if k not in TIMING_FIELDS}
+
+
+def test_controller_moves_off_a_leaving_rank_and_logs_every_decision(tmp_path: Path) -> None:
+    """Rank 1 leaves at step 2 with one step of notice: the urgent path moves every model-stage
+    onto rank 0 before it goes; every decision is logged with its observation."""
+    config = write_config(tmp_path, num_steps=6, checkpoint_every=3)
+    out = tmp_path / "out"
+    result = invoke("run", config, "--out", out, "--trace", DATA / "trace-spot-2rank.yaml", "--policy", "nereus")
+    assert result.exit_code == 0, result.output
+    decisions = [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()]
+    assert [d["observation"]["step"] for d in decisions] == list(range(6))
+    assert [d["observation"]["gpus"] for d in decisions] == [2, 2, 1, 1, 2, 2]
+    moved = [d["decision"] for d in decisions if d["decision"]["action"] in ("transition", "restart")]
+    assert moved and moved[0]["step"] == 1 and moved[0]["path"] == "urgent"
+    records = read_metrics(out)
+    assert any(moved[0]["action"] in r["stage_seconds"] for r in records[1:2])
+    # From the move on, rank 1 holds no state: nothing runs on a GPU that has left.
+    assert all(r["state_bytes_per_rank"][1] == 0 for r in records[1:4])
+    assert (out / "trace.yaml").is_file()
+    plan_at_3 = yaml.safe_load((out / "checkpoints" / "step-000003" / "plan.yaml").read_text())
+    assert {gpu for stage in plan_at_3["stages"] for emu in stage["emus"] for gpu in emu} == {0}
+
+
+def test_controller_refuses_a_trace_larger_than_the_world(tmp_path: Path) -> None:
+    trace = yaml.safe_load((DATA / "trace-spot-2rank.yaml").read_text())
+    trace["events"][1]["gpus"] = 3
+    (tmp_path / "trace.yaml").write_text(yaml.safe_dump(trace))
+    config = write_config(tmp_path)
+    line = one_error_line(invoke("run", config, "--out", tmp_path / "out", "--trace", tmp_path / "trace.yaml"))
+    assert "the pool reaches 3 GPUs but the run has 2 ranks" in line
+    line = one_error_line(
+        invoke("run", config, "--out", tmp_path / "out", "--trace", DATA / "trace-spot-2rank.yaml", "--policy", "bogus")
+    )
+    assert "policy: unknown policy 'bogus'" in line

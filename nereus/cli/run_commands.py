@@ -170,19 +170,31 @@ def run(
         Path | None,
         typer.Option("--resume", help="Continue the run in this folder from its last checkpoint.", file_okay=False),
     ] = None,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            "--trace", help="Trace YAML of GPU-pool events: the online controller may change the plan.", dir_okay=False
+        ),
+    ] = None,
+    policy: Annotated[
+        str | None,
+        typer.Option("--policy", help="Controller policy: nereus, fixed, dynarl or periodic:K (default nereus)."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Run RL post-training under a plan on local ranks (gloo on CPU, NCCL on GPUs)."""
     from nereus.runtime.rl.setup import new_run, resume_run
 
     if resume is not None:
-        if config_file is not None or out is not None:
-            raise NereusError("--resume DIR continues the run in DIR: drop CONFIG and --out")
+        if config_file is not None or out is not None or trace is not None or policy is not None:
+            raise NereusError(
+                "--resume DIR continues the run in DIR as it was set up: drop CONFIG, --out, --trace, --policy"
+            )
         setup = resume_run(resume, plan_file, num_ranks, num_steps)
     elif config_file is None:
         raise NereusError("give a RunConfig YAML (e.g. examples/run-ppo.yaml) or --resume DIR")
     else:
-        setup = new_run(config_file, plan_file, num_ranks, num_steps, out)
+        setup = new_run(config_file, plan_file, num_ranks, num_steps, out, trace, policy)
     result = launch_with_progress(setup)
     if as_json:
         typer.echo(json.dumps(dataclasses.asdict(result), indent=1))

@@ -94,6 +94,11 @@ class RunConfig(Document):
     """Newest checkpoints kept; older ones are deleted once a newer one is complete."""
     plan_switches: list[PlanSwitch] = Field(default_factory=list)
     """Plan changes during the run, in increasing step order."""
+    trace: str | None = None
+    """Trace YAML (relative to this file) of GPU-pool events: with it, the online controller
+    decides every step whether to change the plan (`nereus run --trace`)."""
+    policy: str = "nereus"
+    """Adaptation policy of the controller: nereus, fixed, dynarl or periodic:K."""
 
     @field_validator("plan_switches")
     @classmethod

@@ -30,12 +30,15 @@ from nereus.errors import NereusError
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import spawn
 from nereus.runtime.rl.config import RLConfig
+from nereus.runtime.rl.controller import Controller
 from nereus.runtime.rl.reward_model import fit_reward_model
 from nereus.runtime.rl.setup import (
     CHECKPOINT_STATE_NAME,
     CHECKPOINTS_NAME,
     FAILURE_NAME,
     METRICS_NAME,
+    PLAN_NAME,
+    Move,
     RunSetup,
     Switch,
     checkpoint_folder,
@@ -47,6 +50,7 @@ from nereus.runtime.rl.step import Stage, StepMetrics, build_stages, rl_step, sl
 from nereus.runtime.rl.tasks import get_task
 from nereus.runtime.sharded_state import state_meta
 from nereus.runtime.transition_executor import ReplicaState, execute_transition
+from nereus.spec.io import save_document
 from nereus.spec.plan import Plan
 
 #: Model-stages whose state a checkpoint holds, with the families saved: the trained models'
@@ -72,22 +76,60 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
         restore(stages, setup.checkpoint, rank)
         sync_weights(syncs)  # generation and inference engines get the restored weights
     switches = {switch.step: switch for switch in setup.switches}
+    controller = make_controller(setup, plan, rank)
     for step in range(setup.start_step, config.num_steps):
-        transition_s = None
-        if step in switches:
-            start = time.perf_counter()
-            stages = switch_plan(stages, plan, switches[step], config.rl, rank)
-            syncs, plan = sync_plans(stages), switches[step].plan
-            transition_s = slowest_rank({"transition": time.perf_counter() - start}, ["transition"])["transition"]
+        start = time.perf_counter()
+        move = next_move(setup, controller, switches, step)
+        if move is not None:
+            stages = apply_move(setup, stages, plan, move, step, rank)
+            syncs, plan = sync_plans(stages), move.plan
+            moved_s = slowest_rank({move.action: time.perf_counter() - start}, [move.action])
         metrics = rl_step(plan, config.rl, stages, syncs, step)
-        if transition_s is not None:
-            metrics = dataclasses.replace(metrics, stage_seconds={**metrics.stage_seconds, "transition": transition_s})
+        if move is not None:
+            metrics = dataclasses.replace(metrics, stage_seconds={**metrics.stage_seconds, **moved_s})
+        if controller is not None:
+            controller.measured(metrics.response_len_mean, metrics.response_len_max, metrics.step_seconds)
         if rank == 0:
             append_metrics(setup.out / METRICS_NAME, metrics)
         done = step + 1
         if done % config.checkpoint_every == 0 or done == config.num_steps:
-            save_run_checkpoint(setup, stages, done, rank)
+            save_run_checkpoint(setup, plan, stages, done, rank)
     return config.num_steps
+
+
+def make_controller(setup: RunSetup, plan: Plan, rank: int) -> Controller | None:
+    """The online controller, on rank 0 of a run with a trace."""
+    if setup.trace is None or rank != 0:
+        return None
+    config = setup.config
+    return Controller(plan, setup.trace, config.policy, setup.out, config.rl, config.num_steps, setup.num_ranks)
+
+
+def next_move(setup: RunSetup, controller: Controller | None, switches: dict[int, Switch], step: int) -> Move | None:
+    """The plan change before `step`, the same on every rank (collective when a controller runs)."""
+    if step in switches:
+        return switches[step].move
+    if setup.trace is None:
+        return None
+    decided: list[Any] = [controller.decide(step) if controller is not None else None]
+    dist.broadcast_object_list(decided, src=0)
+    move: Move | None = decided[0]
+    return move
+
+
+def apply_move(
+    setup: RunSetup, stages: dict[str, Stage], plan: Plan, move: Move, step: int, rank: int
+) -> dict[str, Stage]:
+    """Carry out a plan change: live through its transition DAG, or through a checkpoint."""
+    if move.action == "transition":
+        return switch_plan(stages, plan, move, setup.config.rl, rank)
+    folder = checkpoint_folder(setup.out, step)
+    if not folder.exists():
+        save_run_checkpoint(setup, plan, stages, step, rank)
+    new_stages = build_stages(move.plan, setup.config.rl)
+    restore(new_stages, folder, rank)
+    sync_weights(sync_plans(new_stages))
+    return new_stages
 
 
 def state_families(model_stage: str) -> tuple[str, ...]:
@@ -95,7 +137,7 @@ def state_families(model_stage: str) -> tuple[str, ...]:
     return ("param", "exp_avg", "exp_avg_sq") if model_stage.endswith("/training") else ("param",)
 
 
-def switch_plan(stages: dict[str, Stage], plan: Plan, switch: Switch, config: RLConfig, rank: int) -> dict[str, Stage]:
+def switch_plan(stages: dict[str, Stage], plan: Plan, switch: Move, config: RLConfig, rank: int) -> dict[str, Stage]:
     """Build the new plan's engines and move every model-stage's state into them through the
     switch's transition DAG (collective); the old engines are dropped."""
     new_stages = build_stages(switch.plan, config)
@@ -128,8 +170,8 @@ def optimizer_steps(plan: Plan, num_rl_steps: int) -> int:
     return num_rl_steps * plan.workload.mini_batches * plan.workload.ppo_epochs
 
 
-def save_run_checkpoint(setup: RunSetup, stages: dict[str, Stage], step: int, rank: int) -> None:
-    """Save every trained model into checkpoints/step-NNNNNN (collective, atomic)."""
+def save_run_checkpoint(setup: RunSetup, plan: Plan, stages: dict[str, Stage], step: int, rank: int) -> None:
+    """Save every trained model and the plan in force into checkpoints/step-NNNNNN (collective, atomic)."""
     root = setup.out / CHECKPOINTS_NAME
     shared: list[Any] = [None]
     if rank == 0:
@@ -152,6 +194,7 @@ def save_run_checkpoint(setup: RunSetup, stages: dict[str, Stage], step: int, ra
             tensors = {k: v for k, v in stage.engine.local_state().items() if k.split("/")[0] in families}
         save_checkpoint_distributed(folder / stage.plan.role, meta, rank, tensors, num_optimizer_steps)
     if rank == 0:
+        save_document(plan, folder / PLAN_NAME)
         _seal(folder, checkpoint_folder(setup.out, step), step)
         for old in finished_checkpoints(setup.out)[: -setup.config.keep_checkpoints]:
             shutil.rmtree(old)

@@ -8,7 +8,10 @@ A run folder holds:
     config.yaml      the RunConfig the run uses (its `plan` points at plan.yaml)
     plan.yaml        the Plan it runs under (replaced when a resume changes the plan)
     metrics.jsonl    one JSON record per finished step
-    checkpoints/     step-000010/ ... : every trained model's state after that many steps
+    trace.yaml       the controller's trace (runs with --trace only)
+    decisions.jsonl  the controller's decisions with their inputs (runs with --trace only)
+    checkpoints/     step-000010/ ... : every trained model's state after that many steps,
+                     and the plan in force then
     failure.log      the full error of a run that failed (written only then)
 """
 
@@ -25,8 +28,10 @@ from nereus.errors import NereusError
 from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.spec.io import load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
+from nereus.spec.trace import Trace
 
 CONFIG_NAME = "config.yaml"
+TRACE_NAME = "trace.yaml"
 PLAN_NAME = "plan.yaml"
 METRICS_NAME = "metrics.jsonl"
 CHECKPOINTS_NAME = "checkpoints"
@@ -36,16 +41,26 @@ CHECKPOINT_STATE_NAME = "state.json"
 
 
 @dataclass(frozen=True)
-class Switch:
-    """A checked plan switch: from the step `step` on, `plan`, reached through `primitives`."""
+class Move:
+    """A plan change the ranks carry out before a step, the same on every rank."""
 
-    step: int
+    action: str
+    """`transition` (live, through the DAG) or `restart` (through a checkpoint)."""
     plan: Plan
+    """The plan in force from then on."""
     primitives: list[Any]
-    """The scheduled transition DAG from the previous plan (built once, here: every rank must
-    walk the very same primitives)."""
+    """The scheduled transition DAG (empty for a restart), built once by one process: every
+    rank must walk the very same primitives."""
     predicted_s: float
     """The DAG's predicted makespan."""
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A checked `plan_switches` entry: before `step`, `move`."""
+
+    step: int
+    move: Move
 
 
 @dataclass(frozen=True)
@@ -65,7 +80,9 @@ class RunSetup:
     planned: bool
     """True when the plan was made by the planner for `num_ranks` (a resume onto other ranks)."""
     switches: tuple[Switch, ...] = ()
-    """Plan switches still ahead (steps after `start_step`)."""
+    """Plan switches still ahead (from `start_step` on: a checkpoint holds the plan before them)."""
+    trace: Trace | None = None
+    """GPU-pool events for the online controller (None: no controller)."""
 
 
 def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
@@ -133,9 +150,15 @@ def new_run(
     num_ranks: int | None = None,
     num_steps: int | None = None,
     out: Path | None = None,
+    trace_path: Path | None = None,
+    policy: str | None = None,
 ) -> RunSetup:
     """Check a new run of `config_path` (raises NereusError on any problem); writes nothing."""
     config: RunConfig = _load(config_path, RunConfig)
+    if trace_path is not None:
+        config = config.model_copy(update={"trace": str(trace_path.resolve())})
+    if policy is not None:
+        config = config.model_copy(update={"policy": policy})
     if plan_path is None and config.plan is None:
         raise NereusError(f"{config_path}: plan: not set; name a Plan YAML there or pass --plan")
     where = plan_path if plan_path is not None else config_path.parent / str(config.plan)
@@ -148,10 +171,33 @@ def new_run(
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
     switches = resolve_switches(config, config_path.parent, plan, num_ranks)
+    trace = resolve_trace(config, config_path.parent, plan, num_ranks)
     out = out if out is not None else Path("runs") / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise NereusError(f"{out}: already exists; resume it with `nereus run --resume {out}` or pass another --out")
-    return RunSetup(config, plan, num_ranks, out, 0, None, planned=False, switches=switches)
+    return RunSetup(config, plan, num_ranks, out, 0, None, planned=False, switches=switches, trace=trace)
+
+
+def resolve_trace(config: RunConfig, folder: Path, plan: Plan, num_ranks: int) -> Trace | None:
+    """The controller's trace, checked against the plan and the ranks; the policy name checked."""
+    from nereus.solver.policy import make_policy
+
+    if config.trace is None:
+        return None
+    if config.plan_switches:
+        raise NereusError("plan_switches and trace: give one; the controller decides plan changes itself")
+    try:
+        make_policy(config.policy, plan)
+    except ValueError as error:
+        raise NereusError(f"policy: {error}") from None
+    where = folder / config.trace
+    trace: Trace = _load(where, Trace)
+    largest = max([trace.gpus, *(e.gpus for e in trace.events if e.gpus is not None)])
+    if largest > num_ranks:
+        raise NereusError(f"{where}: gpus: the pool reaches {largest} GPUs but the run has {num_ranks} ranks")
+    if plan_num_ranks(plan) > trace.gpus:
+        raise NereusError(f"{where}: gpus: starts with {trace.gpus} GPUs, the plan uses {plan_num_ranks(plan)}")
+    return trace
 
 
 def resolve_switches(config: RunConfig, folder: Path, first: Plan, num_ranks: int) -> tuple[Switch, ...]:
@@ -175,7 +221,7 @@ def resolve_switches(config: RunConfig, folder: Path, first: Plan, num_ranks: in
         if not transition.feasible:
             cycle = " -> ".join(transition.blocking_cycle)
             raise NereusError(f"{field}: no safe transition order from the previous plan (blocking cycle {cycle})")
-        switches.append(Switch(switch.step, plan, transition.primitives, transition.makespan_s))
+        switches.append(Switch(switch.step, Move("transition", plan, transition.primitives, transition.makespan_s)))
         previous = plan
     return tuple(switches)
 
@@ -211,12 +257,12 @@ def resume_run(
             f"{out}: already ran {start_step} of {config.num_steps} steps; pass --steps N (N > {start_step}) to go on"
         )
     switches = resolve_switches(config, out, plan, num_ranks)
-    # A checkpoint loads into any layout: resume under the plan in force at its step.
-    for switch in switches:
-        if switch.step <= start_step:
-            plan = switch.plan
-    ahead = tuple(switch for switch in switches if switch.step > start_step)
-    return RunSetup(config, plan, num_ranks, out, start_step, checkpoint, planned, ahead)
+    # A checkpoint loads into any layout: resume under the plan in force when it was taken.
+    if checkpoint is not None and plan_path is None and not planned and (checkpoint / PLAN_NAME).is_file():
+        plan = _load(checkpoint / PLAN_NAME, Plan)
+    ahead = tuple(switch for switch in switches if switch.step >= start_step)
+    trace = resolve_trace(config, out, plan, num_ranks)
+    return RunSetup(config, plan, num_ranks, out, start_step, checkpoint, planned, ahead, trace)
 
 
 def _check_same_work(plan: Plan, stored: Plan, where: Path) -> None:
@@ -302,8 +348,12 @@ def prepare_folder(setup: RunSetup) -> None:
             switch.model_copy(update={"plan": switch_plan_name(switch.step)}) for switch in setup.config.plan_switches
         ]
         for switch, checked in zip(switches, setup.switches, strict=True):
-            save_document(checked.plan, out / switch.plan)
-        config = setup.config.model_copy(update={"plan": PLAN_NAME, "plan_switches": switches})
+            save_document(checked.move.plan, out / switch.plan)
+        trace = None
+        if setup.trace is not None:
+            trace = TRACE_NAME
+            save_document(setup.trace, out / TRACE_NAME)
+        config = setup.config.model_copy(update={"plan": PLAN_NAME, "plan_switches": switches, "trace": trace})
         save_document(config, out / CONFIG_NAME)
         save_document(setup.plan, out / PLAN_NAME)
     else:
