@@ -86,7 +86,8 @@ class ScheduleSummary(StrictModel):
     makespan: float = Field(ge=0)
     """Time from the first op's start to the last op's end."""
     lower_bound: float = Field(ge=0)
-    """Largest latency lower bound (critical path, node work, average work, arrival + work + tail)."""
+    """Largest latency lower bound (critical path, node work, average work, arrival + work + tail,
+    and the per-node one-machine bound with rank releases and tails)."""
     gap: float
     """makespan / lower_bound - 1 (0 proves the schedule optimal)."""
     peak_memory: float = Field(ge=0)
