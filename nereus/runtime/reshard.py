@@ -8,7 +8,7 @@ same node, then the least-loaded sender. The bytes that cross ranks are compared
 lower bound: the bytes each target rank must hold but does not hold yet.
 
 `execute` runs a plan on every rank of a torch.distributed job over `batch_isend_irecv`
-(the pieces for one peer packed into one message), either straight from each
+(one message per piece; contiguous pieces go without a copy), either straight from each
 piece's source ("p2p") or as a binomial-tree broadcast ("broadcast"): a piece that one
 source sends to several ranks is relayed by the ranks that already received it, so the
 source sends it about log2(receivers + 1) times instead of once per receiver.
@@ -204,6 +204,15 @@ def _dst_view(tensors: dict[str, torch.Tensor], transfer: Transfer) -> torch.Ten
     return tensors[transfer.key][box_slices(transfer.piece, transfer.dst_box)]
 
 
+def _receive_buffer(view: torch.Tensor, pending: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """A tensor to receive into: the view itself when contiguous, else a buffer copied in later."""
+    if view.is_contiguous():
+        return view
+    buffer = view.new_empty(view.shape)
+    pending.append((view, buffer))
+    return buffer
+
+
 def _point_to_point(
     plan: ReshardPlan,
     rank: int,
@@ -223,72 +232,28 @@ def _exchange(
     new: dict[str, torch.Tensor],
     meanwhile: Callable[[], None],
 ) -> tuple[int, int]:
-    """Post this rank's sends and receives of `hops`, run `meanwhile`, wait; (bytes sent, received).
-
-    The pieces for one peer travel as one message, packed in hop order (identical on both
-    sides): hundreds of small messages cost gloo twice the time of one large one.
-    """
+    """Post this rank's sends and receives of `hops`, run `meanwhile`, wait; (bytes sent, received)."""
     import torch.distributed as dist
 
-    outgoing: dict[int, list[torch.Tensor]] = defaultdict(list)
-    incoming: dict[int, list[torch.Tensor]] = defaultdict(list)
+    ops: list[dist.P2POp] = []
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
     sent = received = 0
     for got, transfer in hops:
         sender = transfer.src if got is None else got.dst
         if sender == rank:
-            outgoing[transfer.dst].append(_src_view(tensors, transfer) if got is None else _dst_view(new, got))
+            data = _src_view(tensors, transfer) if got is None else _dst_view(new, got)
+            ops.append(dist.P2POp(dist.isend, data.contiguous(), transfer.dst))
             sent += transfer.nbytes
         elif transfer.dst == rank:
-            incoming[sender].append(_dst_view(new, transfer))
+            ops.append(dist.P2POp(dist.irecv, _receive_buffer(_dst_view(new, transfer), pending), sender))
             received += transfer.nbytes
-    ops = [dist.P2POp(dist.isend, _pack(views), peer) for peer, views in outgoing.items()]
-    buffers = {peer: _packed_buffer(views) for peer, views in incoming.items()}
-    ops += [dist.P2POp(dist.irecv, buffer, peer) for peer, buffer in buffers.items()]
     requests = dist.batch_isend_irecv(ops) if ops else []
     meanwhile()
     for request in requests:
         request.wait()
-    for peer, views in incoming.items():
-        _unpack(buffers[peer], views)
+    for view, buffer in pending:
+        view.copy_(buffer)
     return sent, received
-
-
-#: Byte alignment of each piece inside a packed message (so it can be viewed as any dtype).
-_ALIGN = 8
-
-
-def _slots(views: list[torch.Tensor]) -> list[tuple[int, int]]:
-    """(offset, bytes) of every view inside the packed message."""
-    slots, offset = [], 0
-    for view in views:
-        nbytes = view.numel() * view.element_size()
-        slots.append((offset, nbytes))
-        offset += -(-nbytes // _ALIGN) * _ALIGN
-    return slots
-
-
-def _packed_buffer(views: list[torch.Tensor]) -> torch.Tensor:
-    import torch
-
-    offset, nbytes = _slots(views)[-1]
-    return torch.empty(offset + nbytes, dtype=torch.uint8, device=views[0].device)
-
-
-def _pack(views: list[torch.Tensor]) -> torch.Tensor:
-    """The views' bytes in one contiguous message (a lone contiguous view goes without a copy)."""
-    import torch
-
-    if len(views) == 1 and views[0].is_contiguous():
-        return views[0].reshape(-1).view(torch.uint8)
-    buffer = _packed_buffer(views)
-    for view, (offset, nbytes) in zip(views, _slots(views), strict=True):
-        buffer[offset : offset + nbytes].view(view.dtype).view(view.shape).copy_(view)
-    return buffer
-
-
-def _unpack(buffer: torch.Tensor, views: list[torch.Tensor]) -> None:
-    for view, (offset, nbytes) in zip(views, _slots(views), strict=True):
-        view.copy_(buffer[offset : offset + nbytes].view(view.dtype).view(view.shape))
 
 
 def _run(ops: list[dist.P2POp]) -> None:
