@@ -334,3 +334,41 @@ def test_controller_refuses_a_trace_larger_than_the_world(tmp_path: Path) -> Non
         invoke("run", config, "--out", tmp_path / "out", "--trace", DATA / "trace-spot-2rank.yaml", "--policy", "bogus")
     )
     assert "policy: unknown policy 'bogus'" in line
+
+
+def alternating_switches(folder: Path, num_steps: int) -> list[dict[str, Any]]:
+    """Switches at every step from 1 on, alternating the 2-rank plan with its colocated dp=2 form."""
+    plan = yaml.safe_load(PLAN_2RANK.read_text())
+    colocated = {**plan, "stages": [{**e, "tp": 1, "pp": 1, "dp": 2, "emus": [[0], [1]]} for e in plan["stages"]]}
+    (folder / "colocated.yaml").write_text(yaml.safe_dump(colocated))
+    (folder / "original.yaml").write_text(yaml.safe_dump(plan))
+    return [{"step": s, "plan": "colocated.yaml" if s % 2 else "original.yaml"} for s in range(1, num_steps)]
+
+
+@pytest.mark.slow
+def test_sigkill_during_transitions_keeps_checkpoints_and_resumes_bitwise(tmp_path: Path) -> None:
+    """A plan switch before every step: random kills land in transitions often; every finished
+    checkpoint stays valid and the resumed run repeats the uninterrupted one bitwise."""
+    switches = alternating_switches(tmp_path, 6)
+    config = write_config(tmp_path, num_steps=6, checkpoint_every=2, plan_switches=switches)
+    whole = tmp_path / "whole"
+    start = time.monotonic()
+    assert invoke("run", config, "--out", whole).exit_code == 0
+    duration = time.monotonic() - start
+    assert all("transition" in r["stage_seconds"] for r in read_metrics(whole)[1:])
+    chooser = random.Random(5)
+    for attempt in range(2):
+        out = tmp_path / f"killed-{attempt}"
+        process = start_run(config, "--out", out)
+        wait_for(lambda pid=process.pid: len(rank_pids(pid)) == 2, 60)
+        ranks = rank_pids(process.pid)
+        time.sleep(chooser.uniform(0.3, 0.8) * duration)
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+        wait_for(lambda ranks=ranks: not any(alive(pid) for pid in ranks), 10)
+        assert_checkpoints_whole(out)
+        result = invoke("run", "--resume", out)
+        if "already ran 6 of 6 steps" in result.output:
+            continue
+        assert result.exit_code == 0, result.output
+        assert training_records(out) == training_records(whole)
