@@ -19,7 +19,9 @@ import pytest
 import yaml
 
 from nereus.runtime.checkpoint import verify_checkpoint
-from nereus.runtime.rl.setup import finished_checkpoints, read_metrics
+from nereus.runtime.rl.config import RLConfig
+from nereus.runtime.rl.setup import finished_checkpoints, read_metrics, state_bytes_by_rank
+from nereus.spec.io import load_document
 from tests.cli_helpers import invoke, one_error_line
 
 DATA = Path(__file__).parent / "data"
@@ -96,6 +98,16 @@ def test_resume_refuses_a_plan_with_another_workload(tmp_path: Path) -> None:
     assert "workload.prompts_per_step: differs from the run's" in line
 
 
+def test_a_plan_over_the_per_gpu_memory_is_refused(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    plan["cluster"]["gpu"]["memory_bytes"] = 4_000_000
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+    line = one_error_line(invoke("run", config, "--out", tmp_path / "out"))
+    assert "rank 0 would hold" in line and "of model state, more than the" in line and "per GPU" in line
+    assert not (tmp_path / "out").exists()
+
+
 def test_existing_out_folder_is_refused(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     (tmp_path / "out").mkdir()
@@ -115,6 +127,10 @@ def test_run_writes_metrics_and_checkpoints_and_resumes_bitwise(tmp_path: Path) 
     first = records[0]
     assert set(first["stage_seconds"]) >= {"actor/generation", "critic/training", "weight_sync"}
     assert len(first["state_bytes_per_rank"]) == 2 and min(first["state_bytes_per_rank"]) > 0
+    # The memory check before spawning predicts exactly what the ranks then hold.
+    plan = load_document(whole / "plan.yaml")
+    predicted = state_bytes_by_rank(plan, RLConfig())  # type: ignore[arg-type]
+    assert [predicted[rank] for rank in (0, 1)] == first["state_bytes_per_rank"]
     assert [p.name for p in finished_checkpoints(whole)] == ["step-000002", "step-000004"]
     assert_checkpoints_whole(whole)
 

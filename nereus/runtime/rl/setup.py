@@ -110,6 +110,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
         rows = num_rows // workload.mini_batches if entry.stage == "training" else num_rows
         if rows // entry.dp < entry.micro_batches:
             problems.append(f"{name}: {rows} rows over dp={entry.dp} cannot fill micro_batches={entry.micro_batches}")
+    problems += memory_problems(plan, config)
     if workload.algorithm == "grpo" and workload.samples_per_prompt < 2:
         problems.append("grpo needs samples_per_prompt >= 2 (groups of one have no baseline)")
     has_critic = any(entry.role == "critic" for entry in plan.stages)
@@ -118,6 +119,40 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     if workload.algorithm != "ppo" and has_critic:
         problems.append(f"{workload.algorithm} trains no critic; remove the critic stages")
     return problems
+
+
+def state_bytes_by_rank(plan: Plan, config: RLConfig) -> dict[int, int]:
+    """Bytes of engine state (fp32 parameters; in training also gradients and both AdamW
+    moments) every rank holds under `plan`, summed over its model-stages."""
+    from nereus.cost.plan_cost import head_of
+    from nereus.runtime.shard_layout import RankLayout, layout_problem
+    from nereus.runtime.sharded_state import state_meta
+
+    held: dict[int, int] = {}
+    for entry in plan.stages:
+        model = plan.model(plan.workload.model_name(entry.role))
+        if (entry.role == "reward" and config.reward == "rule") or layout_problem(model, entry.tp, entry.pp):
+            continue  # no engine (rule reward), or a layout reported on its own
+        families = ("param", "grad", "exp_avg", "exp_avg_sq") if entry.stage == "training" else ("param",)
+        layout = RankLayout(entry.tp, entry.pp, entry.dp, tuple(entry.gpus))
+        meta = state_meta(model, head_of(entry.role), layout, families)
+        for rank in meta.boxes:
+            held[rank] = held.get(rank, 0) + meta.rank_bytes(rank)
+    return held
+
+
+def memory_problems(plan: Plan, config: RLConfig) -> list[str]:
+    """Ranks whose engine state would exceed the cluster's per-GPU memory: such a plan is
+    refused, never attempted (the runtime holds every model-stage's state at once)."""
+    from nereus.units import format_bytes
+
+    capacity = plan.cluster.gpu.memory_bytes
+    return [
+        f"rank {rank} would hold {format_bytes(nbytes)} of model state, more than the "
+        f"{format_bytes(capacity)} per GPU of cluster {plan.cluster.name}; pick a plan that spreads it"
+        for rank, nbytes in sorted(state_bytes_by_rank(plan, config).items())
+        if nbytes > capacity
+    ]
 
 
 def plan_num_ranks(plan: Plan) -> int:
