@@ -20,8 +20,9 @@ import yaml
 
 from nereus.runtime.checkpoint import verify_checkpoint
 from nereus.runtime.rl.config import RLConfig
-from nereus.runtime.rl.setup import finished_checkpoints, read_metrics, state_bytes_by_rank
+from nereus.runtime.rl.setup import finished_checkpoints, memory_problems, read_metrics, state_bytes_by_rank
 from nereus.spec.io import load_document
+from nereus.spec.plan import Plan
 from tests.cli_helpers import invoke, one_error_line
 
 DATA = Path(__file__).parent / "data"
@@ -103,9 +104,13 @@ def test_a_plan_over_the_per_gpu_memory_is_refused(tmp_path: Path) -> None:
     plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
     plan["cluster"]["gpu"]["memory_bytes"] = 4_000_000
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
-    line = one_error_line(invoke("run", config, "--out", tmp_path / "out"))
-    assert "rank 0 would hold" in line and "of model state, more than the" in line and "per GPU" in line
+    result = invoke("run", config, "--out", tmp_path / "out")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert all(line.startswith("error: ") and "memory:" in line for line in result.stderr.strip().splitlines())
     assert not (tmp_path / "out").exists()
+    # The runtime's own check, from the exact shard sizes (it also vets the controller's targets).
+    problems = memory_problems(Plan.model_validate(plan), RLConfig())
+    assert problems and problems[0].startswith("rank 0 would hold") and "per GPU of cluster" in problems[0]
 
 
 def test_existing_out_folder_is_refused(tmp_path: Path) -> None:
