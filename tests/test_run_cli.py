@@ -236,21 +236,27 @@ def test_sigkill_at_random_moments_then_resume_is_bitwise(tmp_path: Path) -> Non
     chooser = random.Random(7)
     for attempt in range(2):
         out = tmp_path / f"killed-{attempt}"
-        process = start_run(config, "--out", out)
-        wait_for(lambda pid=process.pid: len(rank_pids(pid)) == 2, 60)
-        ranks = rank_pids(process.pid)
-        time.sleep(chooser.uniform(0.2, 0.8) * duration)
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
-        wait_for(lambda ranks=ranks: not any(alive(pid) for pid in ranks), 10)  # no orphaned ranks
-        assert_checkpoints_whole(out)
-        result = invoke("run", "--resume", out)
+        result = kill_then_resume(config, out, chooser.uniform(0.2, 0.8) * duration)
         if "already ran 6 of 6 steps" in result.output:  # the kill came after the end
             continue
         assert result.exit_code == 0, result.output
         assert_checkpoints_whole(out)
         assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
         assert training_records(out) == training_records(whole)
+
+
+def kill_then_resume(config: Path, out: Path, delay_s: float) -> Any:
+    """Start a run, SIGKILL its launcher after `delay_s`, check no rank outlives it and every
+    finished checkpoint is whole, then resume it in-process; the resume's result."""
+    process = start_run(config, "--out", out)
+    wait_for(lambda: len(rank_pids(process.pid)) == 2, 60)
+    ranks = rank_pids(process.pid)
+    time.sleep(delay_s)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    wait_for(lambda: not any(alive(pid) for pid in ranks), 10)  # no orphaned ranks
+    assert_checkpoints_whole(out)
+    return invoke("run", "--resume", out)
 
 
 @pytest.mark.slow
@@ -380,15 +386,7 @@ def test_sigkill_during_transitions_keeps_checkpoints_and_resumes_bitwise(tmp_pa
     chooser = random.Random(5)
     for attempt in range(2):
         out = tmp_path / f"killed-{attempt}"
-        process = start_run(config, "--out", out)
-        wait_for(lambda pid=process.pid: len(rank_pids(pid)) == 2, 60)
-        ranks = rank_pids(process.pid)
-        time.sleep(chooser.uniform(0.3, 0.8) * duration)
-        os.kill(process.pid, signal.SIGKILL)
-        process.wait()
-        wait_for(lambda ranks=ranks: not any(alive(pid) for pid in ranks), 10)
-        assert_checkpoints_whole(out)
-        result = invoke("run", "--resume", out)
+        result = kill_then_resume(config, out, chooser.uniform(0.3, 0.8) * duration)
         if "already ran 6 of 6 steps" in result.output:
             continue
         assert result.exit_code == 0, result.output

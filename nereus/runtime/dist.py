@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from nereus.errors import NereusError
+from nereus.spec.io import write_bytes_atomic
 
 #: How long a collective may wait before the job is declared hung.
 DEFAULT_TIMEOUT = timedelta(seconds=120)
@@ -90,19 +91,13 @@ def _child(
         dist.destroy_process_group()
     except BaseException as exc:  # report any failure to the parent, which raises it
         outcome = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.time())
-    _write_atomically(result_path, pickle.dumps(outcome))
+    write_bytes_atomic(result_path, pickle.dumps(outcome))
     if not outcome[0]:
         # Exit non-zero without tearing down: the parent then stops every other rank, which
         # may be blocked in a collective waiting for this one.
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 #: Seconds the surviving ranks get to exit on their own after one rank fails.

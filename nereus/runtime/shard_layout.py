@@ -32,6 +32,7 @@ from typing import Literal
 
 from nereus.spec.check import kv_heads_rule, pp_rule
 from nereus.spec.model import Head, Model
+from nereus.spec.plan import StagePlan
 
 #: Where a parameter lives along the pipeline.
 Place = Literal["first", "layer", "last", "first_and_last"]
@@ -237,3 +238,8 @@ def position_boxes(model: Model, head: Head, tp: int, pp: int) -> list[dict[str,
                 {info.name: local_box(info, model, tp, tp_rank) for info in infos if holds(info, model, pp, stage)}
             )
     return boxes
+
+
+def stage_layout(entry: StagePlan) -> RankLayout:
+    """The runtime layout of a plan entry: GPU ids are world ranks, EMU by EMU."""
+    return RankLayout(entry.tp, entry.pp, entry.dp, tuple(entry.gpus))

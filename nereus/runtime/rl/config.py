@@ -58,6 +58,10 @@ class RLConfig(StrictModel):
     reward_model_lr: float = Field(default=3e-3, gt=0)
     """Reward model: AdamW learning rate of its fit."""
 
+    def runs_engine(self, role: str) -> bool:
+        """Whether a model-stage of `role` runs an engine: all do, except a rule-scored reward."""
+        return role != "reward" or self.reward == "model"
+
     @field_validator("task")
     @classmethod
     def _known_task(cls, task: str) -> str:

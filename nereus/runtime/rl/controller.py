@@ -12,7 +12,6 @@ The controller imports no torch: rank 0 broadcasts what it returns.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -107,15 +106,4 @@ class Controller:
         if refusal is not None:
             record["runtime"] = refusal
         with self.log_path.open("a") as handle:
-            handle.write(json.dumps(_finite(record), allow_nan=False) + "\n")
-
-
-def _finite(value: Any) -> Any:
-    """`value` with infinite or NaN floats (e.g. an unbounded horizon) as None, for strict JSON."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(item) for item in value]
-    return value
+            handle.write(json.dumps(record) + "\n")

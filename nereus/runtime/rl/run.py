@@ -46,22 +46,32 @@ from nereus.runtime.rl.setup import (
     latest_checkpoint,
     prepare_folder,
 )
-from nereus.runtime.rl.step import Stage, StepMetrics, build_stages, rl_step, slowest_rank, sync_plans, sync_weights
+from nereus.runtime.rl.step import (
+    Stage,
+    StepMetrics,
+    build_stages,
+    engine_state,
+    rl_step,
+    slowest_rank,
+    sync_plans,
+    sync_weights,
+)
 from nereus.runtime.rl.tasks import get_task
 from nereus.runtime.sharded_state import state_meta
 from nereus.runtime.transition_executor import ReplicaState, execute_transition
-from nereus.spec.io import save_document
+from nereus.spec.io import save_document, write_text_atomic
 from nereus.spec.plan import Plan
 
-#: Model-stages whose state a checkpoint holds, with the families saved: the trained models'
-#: parameters and moments (gradients are dropped: every step starts from zero gradients) and
-#: the fitted reward model's parameters. The others are rebuilt from these (generation and
-#: inference by weight sync) or from the init seed (the reference, which never trains).
-SAVED_STAGES = {
-    "actor/training": ("param", "exp_avg", "exp_avg_sq"),
-    "critic/training": ("param", "exp_avg", "exp_avg_sq"),
-    "reward/inference": ("param",),
-}
+#: Model-stages whose state (`state_families`) a checkpoint holds: the trained models and the
+#: fitted reward model. The others are rebuilt from these (generation and inference by weight
+#: sync) or from the init seed (the reference, which never trains).
+SAVED_STAGES = ("actor/training", "critic/training", "reward/inference")
+
+
+def state_families(model_stage: str) -> tuple[str, ...]:
+    """What a model-stage's state is between steps: parameters, and AdamW moments in training
+    (gradients are dropped: every step starts from zero gradients)."""
+    return ("param", "exp_avg", "exp_avg_sq") if model_stage.endswith("/training") else ("param",)
 
 
 def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
@@ -132,11 +142,6 @@ def apply_move(
     return new_stages
 
 
-def state_families(model_stage: str) -> tuple[str, ...]:
-    """What a model-stage's engines hold between steps: parameters, and AdamW moments in training."""
-    return ("param", "exp_avg", "exp_avg_sq") if model_stage.endswith("/training") else ("param",)
-
-
 def switch_plan(stages: dict[str, Stage], plan: Plan, switch: Move, config: RLConfig, rank: int) -> dict[str, Stage]:
     """Build the new plan's engines and move every model-stage's state into them through the
     switch's transition DAG (collective); the old engines are dropped."""
@@ -145,9 +150,7 @@ def switch_plan(stages: dict[str, Stage], plan: Plan, switch: Move, config: RLCo
     states: dict[str, ReplicaState] = {}
     for name, stage in stages.items():
         if stage.engine is not None:
-            held = stage.engine.local_state()
-            tensors = {key: held[key] for key in held if key.split("/")[0] in families[name]}
-            states[name] = (tensors, stage.engine.optimizer_step)
+            states[name] = (engine_state(stage.engine, families[name]), stage.engine.optimizer_step)
     moved = execute_transition(switch.primitives, plan, switch.plan, rank, states, families)
     for name, stage in new_stages.items():
         if stage.engine is not None:
@@ -179,19 +182,19 @@ def save_run_checkpoint(setup: RunSetup, plan: Plan, stages: dict[str, Stage], s
         shared[0] = tempfile.mkdtemp(prefix=f".step-{step:06d}.tmp-", dir=root)
     dist.broadcast_object_list(shared, src=0)
     folder = Path(shared[0])
-    for name, families in SAVED_STAGES.items():
+    for name in SAVED_STAGES:
         if name not in stages:
             continue
-        stage = stages[name]
+        stage, families = stages[name], state_families(name)
         # Every rank passes the same step to the index: the AdamW steps the model has taken.
         num_optimizer_steps = (
-            setup.config.rl.reward_model_steps if stage.plan.role == "reward" else optimizer_steps(setup.plan, step)
+            setup.config.rl.reward_model_steps if stage.plan.role == "reward" else optimizer_steps(plan, step)
         )
         meta = state_meta(stage.model, stage.head, stage.layout, families)
         tensors = {}
         if stage.engine is not None:
             assert stage.engine.optimizer_step == num_optimizer_steps, (name, stage.engine.optimizer_step, step)
-            tensors = {k: v for k, v in stage.engine.local_state().items() if k.split("/")[0] in families}
+            tensors = engine_state(stage.engine, families)
         save_checkpoint_distributed(folder / stage.plan.role, meta, rank, tensors, num_optimizer_steps)
     if rank == 0:
         save_document(plan, folder / PLAN_NAME)
@@ -203,11 +206,7 @@ def save_run_checkpoint(setup: RunSetup, plan: Plan, stages: dict[str, Stage], s
 
 def _seal(folder: Path, target: Path, step: int) -> None:
     """Write the state file, make everything durable, and rename the folder into place."""
-    state_path = folder / CHECKPOINT_STATE_NAME
-    with state_path.open("w") as handle:
-        json.dump({"step": step}, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    write_text_atomic(folder / CHECKPOINT_STATE_NAME, json.dumps({"step": step}))
     fsync_path(folder)
     os.rename(folder, target)
     fsync_path(target.parent)

@@ -125,17 +125,16 @@ def state_bytes_by_rank(plan: Plan, config: RLConfig) -> dict[int, int]:
     """Bytes of engine state (fp32 parameters; in training also gradients and both AdamW
     moments) every rank holds under `plan`, summed over its model-stages."""
     from nereus.cost.plan_cost import head_of
-    from nereus.runtime.shard_layout import RankLayout, layout_problem
+    from nereus.runtime.shard_layout import layout_problem, stage_layout
     from nereus.runtime.sharded_state import state_meta
 
     held: dict[int, int] = {}
     for entry in plan.stages:
         model = plan.model(plan.workload.model_name(entry.role))
-        if (entry.role == "reward" and config.reward == "rule") or layout_problem(model, entry.tp, entry.pp):
+        if not config.runs_engine(entry.role) or layout_problem(model, entry.tp, entry.pp):
             continue  # no engine (rule reward), or a layout reported on its own
         families = ("param", "grad", "exp_avg", "exp_avg_sq") if entry.stage == "training" else ("param",)
-        layout = RankLayout(entry.tp, entry.pp, entry.dp, tuple(entry.gpus))
-        meta = state_meta(model, head_of(entry.role), layout, families)
+        meta = state_meta(model, head_of(entry.role), stage_layout(entry), families)
         for rank in meta.boxes:
             held[rank] = held.get(rank, 0) + meta.rank_bytes(rank)
     return held

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nereus.cost.plan_cost import head_of
 from nereus.runtime import dist as launch
 from nereus.runtime.engine import Engine, EngineConfig, even_split
 from nereus.runtime.generate import SamplingConfig, generate
@@ -49,7 +50,7 @@ from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.runtime.rl.objectives import ClippedValueObjective, PolicyObjective, align_to_tokens, values_to_tokens
 from nereus.runtime.rl.tasks import CharTokenizer, Problem, encode_prompt, get_task, sample_problems
 from nereus.runtime.rl.tasks import score_response as rule_score
-from nereus.runtime.shard_layout import RankLayout
+from nereus.runtime.shard_layout import RankLayout, stage_layout
 from nereus.runtime.sharded_state import state_meta
 from nereus.runtime.tensor_parallel import TensorParallel
 from nereus.spec.model import Head, Model
@@ -102,25 +103,20 @@ class Stage:
     engine: Engine | None
 
 
-def stage_layout(entry: StagePlan) -> RankLayout:
-    """The runtime layout of a plan entry: GPU ids are world ranks, EMU by EMU."""
-    return RankLayout(entry.tp, entry.pp, entry.dp, tuple(entry.gpus))
-
-
 def build_stages(plan: Plan, config: RLConfig) -> dict[str, Stage]:
     """Every model-stage's engine (collective: every rank builds them in plan order). The
     reward stage gets an engine only under `reward: model`; the rule needs no model."""
     stages: dict[str, Stage] = {}
     for entry in plan.stages:
         role: Role = entry.role
-        if role == "reward" and config.reward == "rule":
+        if not config.runs_engine(role):
             continue
         lr = {"critic": config.critic_lr, "reward": config.reward_model_lr}.get(role, config.actor_lr)
         # The reward model starts from its own weights, not the critic's.
         seed = config.seed + 1 if role == "reward" else config.seed
         engine_config = EngineConfig(AdamWConfig(lr=lr, eps=config.adam_eps), init_seed=seed)
         model = plan.model(plan.workload.model_name(role))
-        head: Head = "value" if role in ("critic", "reward") else "lm"
+        head = head_of(role)
         layout = stage_layout(entry)
         engine = Engine.create(model, head, layout, engine_config)
         stages[entry.model_stage] = Stage(entry, model, head, layout, engine)
@@ -273,13 +269,18 @@ def sync_plans(stages: dict[str, Stage]) -> list[tuple[Stage, Stage, ReshardPlan
     return plans
 
 
+def engine_state(engine: Engine, families: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The engine's live tensors of `families` (keyed `family/name`)."""
+    return {key: tensor for key, tensor in engine.local_state().items() if key.split("/")[0] in families}
+
+
 def sync_weights(syncs: list[tuple[Stage, Stage, ReshardPlan]]) -> None:
     """Copy the trained parameters into the generation and inference engines by resharding."""
     rank = dist.get_rank()
     for source, target, plan in syncs:
         tensors, step = {}, None
         if source.engine is not None:
-            tensors = {k: v for k, v in source.engine.local_state().items() if k.startswith("param/")}
+            tensors = engine_state(source.engine, ("param",))
             step = source.engine.optimizer_step
         result = execute(plan, rank, tensors, step)
         if target.engine is not None:
