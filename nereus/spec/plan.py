@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from nereus.spec.base import Document, StrictModel
 from nereus.spec.cluster import Cluster
@@ -87,6 +87,28 @@ class Predictions(StrictModel):
     """Seconds of the step's critical path per phase."""
 
 
+class Fusion(StrictModel):
+    """RLHFuse's stage fusions: both off by default, so a plan runs stage by stage."""
+
+    inter_stage: bool = False
+    """Generation and inference fuse at sample level: once few samples still generate, they
+    migrate to the fewest generation replicas that fit them and the freed ranks start the
+    inference model-stages on the finished samples."""
+    migration_threshold: float | None = Field(default=None, gt=0, lt=1)
+    """Fraction of the batch still generating at which the long tail migrates; None uses the
+    best threshold of `nereus schedule migrate` for this plan. Only with `inter_stage`."""
+    intra_stage: bool = False
+    """Actor and critic training share their ranks in one fused bidirectional pipeline
+    (`nereus schedule fuse`): the actor's stages run forward over the ranks, the critic's in
+    the reverse order, interleaved. Needs both trained with the same pp on the same ranks."""
+
+    @model_validator(mode="after")
+    def _threshold_needs_inter_stage(self) -> Fusion:
+        if self.migration_threshold is not None and not self.inter_stage:
+            raise ValueError("migration_threshold is set but inter_stage is false; set inter_stage: true or drop it")
+        return self
+
+
 class Plan(Document):
     """A complete, self-contained execution plan for one RL job."""
 
@@ -103,6 +125,8 @@ class Plan(Document):
     """One entry per model-stage the workload runs."""
     predictions: Predictions | None = None
     """Filled by `nereus plan`; checked for staleness by `nereus check`."""
+    fusion: Fusion = Field(default_factory=Fusion)
+    """Stage fusions the runtime applies (off by default)."""
 
     def model(self, name: str) -> Model:
         """The embedded model called `name`."""

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator
 from nereus.runtime.rl.tasks import TASKS
 from nereus.spec.base import Document, StrictModel
 from nereus.spec.io import register_kind
+from nereus.spec.plan import Fusion
 
 
 class RLConfig(StrictModel):
@@ -103,6 +104,9 @@ class RunConfig(Document):
     decides every step whether to change the plan (`nereus run --trace`)."""
     policy: str = "nereus"
     """Adaptation policy of the controller: nereus, fixed, dynarl or periodic:K."""
+    fusion: Fusion | None = None
+    """Stage fusions for this run; None keeps the plan's `fusion:` block, a block given here
+    replaces it whole."""
 
     @field_validator("plan_switches")
     @classmethod
