@@ -76,6 +76,7 @@ def register_commands() -> None:
         dag_commands,
         plan_commands,
         profile_commands,
+        report_commands,
         run_commands,
         schedule_commands,
         simulate_commands,
@@ -92,6 +93,7 @@ def register_commands() -> None:
         simulate_commands,
         run_commands,
         profile_commands,
+        report_commands,
     )
     for module in modules:
         module.register(app)

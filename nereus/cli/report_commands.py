@@ -1,0 +1,120 @@
+"""`nereus report DIR`: a run's step-time breakdown, transitions and prediction error; PNG and Perfetto trace."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from nereus.errors import NereusError
+
+if TYPE_CHECKING:
+    from nereus.render.run_report import RunReport
+
+
+def _check_output(option: str, path: Path | None, suffix: str) -> None:
+    if path is None:
+        return
+    if path.suffix.lower() != suffix:
+        raise NereusError(f"{option} {path}: expected a {suffix} file name")
+    if not path.parent.is_dir():
+        raise NereusError(f"{option} {path}: folder {path.parent} does not exist; create it first")
+
+
+def report(
+    folder: Annotated[Path, typer.Argument(help="A run folder (the --out of `nereus run`).")],
+    png: Annotated[
+        Path | None,
+        typer.Option("--png", help="Write a figure: stacked model-stage times per step, transitions, rewards."),
+    ] = None,
+    perfetto: Annotated[
+        Path | None,
+        typer.Option("--perfetto", help="Write the run's Chrome trace here (open in ui.perfetto.dev)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Summarise a run: step-time breakdown, transitions and their share, cost-model error per model-stage."""
+    from nereus.render.run_report import read_run, report_png, summarise
+    from nereus.render.run_timeline import write_run_trace
+    from nereus.spec.io import write_bytes_atomic
+
+    _check_output("--png", png, ".png")
+    _check_output("--perfetto", perfetto, ".json")
+    data = read_run(folder)
+    result = summarise(data)
+    if perfetto is not None:
+        write_run_trace(folder, perfetto)
+    if png is not None:
+        write_bytes_atomic(png, report_png(data))
+    if as_json:
+        typer.echo(json.dumps(dataclasses.asdict(result), indent=1))
+    else:
+        print_report(result)
+    for option, path in (("figure", png), ("trace", perfetto)):
+        if path is not None:
+            typer.echo(f"wrote {option} {path}", err=True)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def print_report(result: RunReport) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from nereus.render.run_report import REWARD_WINDOW
+
+    console = Console(soft_wrap=True)
+    window = min(REWARD_WINDOW, result.num_steps)
+    console.print(
+        f"{result.folder}: {result.num_steps} steps in {result.run_s:.2f} s; step mean {result.mean_step_s:.3f} s,"
+        f" median {result.median_step_s:.3f} s; mean reward first {window} steps {result.reward_first:.3f},"
+        f" last {window} {result.reward_last:.3f}"
+    )
+    stages = Table("model-stage / phase", "mean s/step", "share of step", title="where a step's time goes")
+    for stage in result.stages:
+        stages.add_row(stage.name, f"{stage.mean_s:.3f}", f"{100 * stage.share:.1f}%")
+    other_share = result.other_s / result.mean_step_s if result.mean_step_s > 0 else 0.0
+    stages.add_row("(other)", f"{result.other_s:.3f}", f"{100 * other_share:.1f}%")
+    console.print(stages)
+    if result.other_s < 0:
+        console.print("(each part is timed on its own slowest rank, so the parts can add up to more than the step)")
+    console.print(
+        f"transitions: {len(result.transitions)}, {result.transition_s:.2f} s,"
+        f" {100 * result.transition_share:.1f}% of run time"
+    )
+    if result.transitions:
+        moves = Table("before step", "action", "measured s", "predicted s", "primitives")
+        for move in result.transitions:
+            primitives = "-" if move.num_primitives is None else str(move.num_primitives)
+            moves.add_row(
+                str(move.step), move.action, _seconds(move.measured_s), _seconds(move.predicted_s), primitives
+            )
+        console.print(moves)
+    if result.prediction_errors:
+        errors = Table("model-stage", "steps", "mean predicted s", "mean measured s", "MAPE", title="cost model")
+        for error in result.prediction_errors:
+            errors.add_row(
+                error.name,
+                str(error.num_steps),
+                f"{error.mean_predicted_s:.3f}",
+                f"{error.mean_measured_s:.3f}",
+                f"{error.mape_percent:.1f}%",
+            )
+        console.print(errors)
+    else:
+        console.print("cost model: no predictions recorded in metrics.jsonl (runs before predictions were logged)")
+    if result.decisions:
+        counts = ", ".join(f"{action} {count}" for action, count in sorted(result.decisions.items()))
+        refused = f" ({result.num_refused} refused by the runtime)" if result.num_refused else ""
+        console.print(f"controller decisions: {counts}{refused}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command(help="Summarise a run folder (step-time breakdown, transitions, prediction error); PNG, Perfetto.")(
+        report
+    )

@@ -1,0 +1,259 @@
+"""`nereus report DIR` and the run's Perfetto trace, on small synthetic run folders whose
+numbers are worked out by hand below."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cli_helpers import invoke, one_error_line
+
+from nereus.render.run_report import summarise_run
+from nereus.render.run_timeline import stage_layout, write_run_trace
+
+EXAMPLE_PLAN = Path(__file__).resolve().parent.parent / "examples" / "plan-tiny-ppo-4rank.yaml"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+T0 = 1_700_000_000.0
+US = 1e6
+
+# Three steps; a live transition (measured 1.0 s, predicted 0.8 s, 2 primitives) runs before step 1.
+STEPS: list[dict[str, Any]] = [
+    {"step": 0, "reward": 0.1, "step_seconds": 2.0,
+     "stage_seconds": {"actor/generation": 1.0, "actor/training": 0.5, "exchange": 0.25},
+     "predicted_step_seconds": 1.5, "predicted_stage_seconds": {"actor/generation": 0.8, "actor/training": 0.5},
+     "plan_index": 0},
+    {"step": 1, "reward": 0.2, "step_seconds": 3.0,
+     "stage_seconds": {"actor/generation": 2.0, "actor/training": 0.5, "exchange": 0.25, "transition": 1.0},
+     "predicted_step_seconds": 2.0, "predicted_stage_seconds": {"actor/generation": 1.0, "actor/training": 1.0},
+     "plan_index": 1},
+    # Predictions absent (a run from before they were logged): no error terms, no predicted spans.
+    {"step": 2, "reward": 0.6, "step_seconds": 4.0,
+     "stage_seconds": {"actor/generation": 2.0, "actor/training": 1.0, "exchange": 0.5}},
+]  # fmt: skip
+
+DECISIONS = [
+    {"observation": {"step": 0}, "decision": {"step": 0, "action": "keep", "transition_cost_s": None}},
+    {"observation": {"step": 1}, "decision": {"step": 1, "action": "transition", "transition_cost_s": 0.7}},
+    {"observation": {"step": 2}, "decision": {"step": 2, "action": "transition", "transition_cost_s": 0.5},
+     "runtime": "runtime refused the target plan: ..."},
+]  # fmt: skip
+
+
+def rank_spans(rank: int) -> list[dict[str, Any]]:
+    """Rank 1 runs everything 10 ms after rank 0; rank 1 alone has a span of a kind the trace writer does not know."""
+    lag = 0.01 * rank
+
+    def span(step: int, cat: str, name: str, start: float, end: float, **args: Any) -> dict[str, Any]:
+        return {"rank": rank, "step": step, "cat": cat, "name": name, "start": T0 + start + lag,
+                "end": T0 + end + lag, "args": args}  # fmt: skip
+
+    spans = [
+        span(0, "stage", "actor/generation", 0.0, 1.0),
+        span(0, "stage", "actor/training", 1.2, 1.7),
+        span(0, "phase", "exchange", 1.7, 1.95),
+        span(1, "transition", "transition", 2.0, 3.0, action="transition", predicted_s=0.8, num_primitives=2),
+        # Two primitives that overlap without nesting: two lanes.
+        span(1, "primitive", "split actor/training", 2.1, 2.5, id="p0", kind="split", model_stage="actor/training",
+             predicted_start_s=0.0, predicted_end_s=0.3, bytes_sent=10, bytes_received=20),
+        span(1, "primitive", "merge actor/generation", 2.2, 2.9, id="p1", kind="merge",
+             model_stage="actor/generation", predicted_start_s=0.3, predicted_end_s=0.8, bytes_sent=5,
+             bytes_received=5),
+        span(1, "stage", "actor/generation", 3.0, 5.0),
+        span(1, "stage", "actor/training", 5.0, 5.5),
+        span(2, "stage", "actor/generation", 6.0, 8.0),
+        span(2, "stage", "actor/training", 8.0, 9.0),
+        span(2, "checkpoint", "step-000003", 9.5, 9.8),
+    ]  # fmt: skip
+    if rank == 1:
+        spans.append(span(2, "fused", "actor fwd mb0", 8.1, 8.2, replica=0))
+    return spans
+
+
+def write_lines(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+@pytest.fixture()
+def run_folder(tmp_path: Path) -> Path:
+    """plan.yaml has pool `all`; the checkpoint after step 2 (plan 1 in force) calls it `everything`."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("kind: RunConfig\n")
+    plan_text = EXAMPLE_PLAN.read_text()
+    (folder / "plan.yaml").write_text(plan_text)
+    checkpoint = folder / "checkpoints" / "step-000002"
+    checkpoint.mkdir(parents=True)
+    renamed = plan_text.replace("name: all", "name: everything").replace("pool: all", "pool: everything")
+    (checkpoint / "plan.yaml").write_text(renamed)
+    write_lines(folder / "metrics.jsonl", STEPS)
+    write_lines(folder / "decisions.jsonl", DECISIONS)
+    for rank in (0, 1):
+        write_lines(folder / "timeline" / f"rank-{rank}.jsonl", rank_spans(rank))
+    return folder
+
+
+def test_report_numbers_equal_hand_computed(run_folder: Path) -> None:
+    report = summarise_run(run_folder)
+    assert report.num_steps == 3
+    assert report.mean_step_s == pytest.approx(3.0) and report.median_step_s == pytest.approx(3.0)
+    assert report.run_s == pytest.approx(2.0 + 3.0 + 4.0 + 1.0)
+    means = {stage.name: (stage.mean_s, stage.share) for stage in report.stages}
+    assert list(means) == ["actor/generation", "actor/training", "exchange"]  # transition is not part of a step
+    assert means["actor/generation"] == pytest.approx((5 / 3, 5 / 9))
+    assert means["actor/training"] == pytest.approx((2 / 3, 2 / 9))
+    assert means["exchange"] == pytest.approx((1 / 3, 1 / 9))
+    assert report.other_s == pytest.approx(3.0 - 8 / 3)
+    assert report.transition_s == pytest.approx(1.0) and report.transition_share == pytest.approx(0.1)
+    [move] = report.transitions
+    assert (move.step, move.action, move.num_primitives) == (1, "transition", 2)
+    assert move.measured_s == pytest.approx(1.0) and move.predicted_s == pytest.approx(0.8)  # the span's, not 0.7
+    errors = {e.name: e for e in report.prediction_errors}
+    assert list(errors) == ["actor/generation", "actor/training", "step"]
+    assert errors["actor/generation"].mape_percent == pytest.approx(100 * (0.2 + 0.5) / 2)
+    assert errors["actor/training"].mape_percent == pytest.approx(100 * (0.0 + 1.0) / 2)
+    assert errors["step"].mape_percent == pytest.approx(100 * (0.25 + 1 / 3) / 2)
+    assert errors["step"].num_steps == 2 and errors["step"].mean_predicted_s == pytest.approx(1.75)
+    assert report.reward_first == pytest.approx(0.3) and report.reward_last == pytest.approx(0.3)
+    assert report.decisions == {"keep": 1, "transition": 2} and report.num_refused == 1
+    assert report.num_spans == 23
+
+
+def test_rewards_average_the_first_and_last_ten_steps(tmp_path: Path) -> None:
+    (tmp_path / "config.yaml").write_text("kind: RunConfig\n")
+    steps = [{"step": s, "reward": float(s), "step_seconds": 1.0, "stage_seconds": {}} for s in range(12)]
+    write_lines(tmp_path / "metrics.jsonl", steps)
+    report = summarise_run(tmp_path)
+    assert (report.reward_first, report.reward_last) == (pytest.approx(4.5), pytest.approx(6.5))
+    assert report.prediction_errors == [] and report.transitions == [] and report.num_spans == 0
+
+
+def test_without_a_timeline_the_transition_prediction_comes_from_the_decision(run_folder: Path) -> None:
+    for path in (run_folder / "timeline").iterdir():
+        path.unlink()
+    [move] = summarise_run(run_folder).transitions
+    assert move.predicted_s == pytest.approx(0.7) and move.num_primitives is None
+
+
+def events_by_process(payload: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    names = {e["pid"]: e["args"]["name"] for e in payload["traceEvents"] if e.get("name") == "process_name"}
+    grouped: dict[str, list[dict[str, Any]]] = {name: [] for name in names.values()}
+    for event in payload["traceEvents"]:
+        grouped[names[event["pid"]]].append(event)
+    return grouped
+
+
+def track_names(events: list[dict[str, Any]]) -> dict[int, str]:
+    return {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+
+
+def test_trace_has_every_rank_span_on_its_tracks(run_folder: Path) -> None:
+    path = write_run_trace(run_folder)
+    assert path == run_folder / "timeline.json"
+    processes = events_by_process(json.loads(path.read_text()))
+    assert set(processes) == {"predicted (cost model)", "rank 0", "rank 1"}
+    for rank in (0, 1):
+        events = processes[f"rank {rank}"]
+        spans = [e for e in events if e["ph"] == "X"]
+        assert len(spans) == len(rank_spans(rank))
+        tracks = track_names(events)
+        expected = ["model-stages", "phases", "transitions", "primitives", "primitives 2", "checkpoints"]
+        assert [tracks[tid] for tid in sorted(tracks)] == expected + (["fused"] if rank == 1 else [])
+        lag_us = 0.01 * rank * US
+        generation = [e for e in spans if e["name"] == "actor/generation"]
+        assert [e["ts"] for e in generation] == pytest.approx([lag_us, 3 * US + lag_us, 6 * US + lag_us])
+        assert generation[0]["dur"] == pytest.approx(US) and generation[0]["args"] == {"step": 0}
+        # No track holds overlapping spans.
+        for tid in tracks:
+            lane = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == tid)
+            assert all(end <= nxt + 1e-3 for (_, end), (nxt, _) in itertools.pairwise(lane))
+
+
+def test_trace_lays_predicted_spans_beside_the_measured_ones(run_folder: Path) -> None:
+    out = run_folder.parent / "elsewhere.json"
+    assert write_run_trace(run_folder, out) == out and not (run_folder / "timeline.json").exists()
+    predicted = [e for e in events_by_process(json.loads(out.read_text()))["predicted (cost model)"] if e["ph"] == "X"]
+    got = sorted((e["cat"], e["name"], round(e["ts"]), round(e["dur"])) for e in predicted)
+    assert got == sorted([
+        ("step", "step 0", 0, 1_500_000),
+        ("stage", "actor/generation", 0, 800_000),
+        ("stage", "actor/training", 800_000, 500_000),  # training after generation
+        ("step", "step 1", 3_000_000, 2_000_000),
+        ("stage", "actor/generation", 3_000_000, 1_000_000),
+        ("stage", "actor/training", 4_000_000, 1_000_000),
+        ("transition", "transition", 2_000_000, 800_000),
+        ("primitive", "split actor/training", 2_000_000, 300_000),  # once, not once per rank
+        ("primitive", "merge actor/generation", 2_300_000, 500_000),
+    ])  # fmt: skip
+    pools = {e["args"]["step"]: e["args"]["pool"] for e in predicted if e["cat"] == "stage"}
+    assert pools == {0: "all", 1: "everything"}  # each step under the plan then in force
+
+
+def test_stage_layout_runs_pools_side_by_side_within_a_phase() -> None:
+    predicted = {"actor/generation": 1.0, "actor/inference": 0.5, "reference/inference": 0.25,
+                 "critic/inference": 0.4, "actor/training": 2.0}  # fmt: skip
+    pools = {"actor/generation": "a", "actor/inference": "a", "reference/inference": "b",
+             "critic/inference": "b", "actor/training": "a"}  # fmt: skip
+    starts = {name: begin for name, _, begin in stage_layout(predicted, pools, 10.0)}
+    assert starts == pytest.approx({"actor/generation": 10.0, "actor/inference": 11.0,
+                                    "reference/inference": 11.0, "critic/inference": 11.25,
+                                    "actor/training": 11.65})  # fmt: skip
+    unknown = {name: begin for name, _, begin in stage_layout(predicted, {}, 0.0)}
+    assert unknown["critic/inference"] == pytest.approx(1.75)  # no plan: one after another
+
+
+def test_report_command_prints_tables_json_png_and_trace(run_folder: Path, tmp_path: Path) -> None:
+    result = invoke("report", run_folder)
+    assert result.exit_code == 0, result.output
+    for text in ("3 steps in 10.00 s", "actor/generation", "55.6%", "transitions: 1, 1.00 s, 10.0% of run time",
+                 "35.0%", "keep 1, transition 2 (1 refused by the runtime)"):  # fmt: skip
+        assert text in result.stdout, text
+    png, trace = tmp_path / "report.png", tmp_path / "trace.json"
+    result = invoke("report", run_folder, "--json", "--png", png, "--perfetto", trace)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["transition_share"] == pytest.approx(0.1) and payload["transitions"][0]["predicted_s"] == 0.8
+    assert png.read_bytes().startswith(PNG_SIGNATURE)
+    assert json.loads(trace.read_text())["traceEvents"]
+
+
+def corrupt(path: Path, line: int, text: str) -> None:
+    lines = path.read_text().splitlines()
+    lines[line - 1] = text
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize(
+    ("damage", "expected"),
+    [
+        (lambda f: (f / "metrics.jsonl").write_text(""), "metrics.jsonl: no finished step recorded yet"),
+        (lambda f: corrupt(f / "metrics.jsonl", 2, '{"step": 1, "rew'), "metrics.jsonl: line 2: not JSON"),
+        (lambda f: corrupt(f / "metrics.jsonl", 3, '{"step": 2, "reward": 1}'),
+         "metrics.jsonl: line 3: missing field 'step_seconds'"),
+        (lambda f: corrupt(f / "metrics.jsonl", 1, json.dumps({**STEPS[0], "step_seconds": "fast"})),
+         "metrics.jsonl: line 1: step_seconds: expected a finite number, got 'fast'"),
+        (lambda f: corrupt(f / "timeline" / "rank-1.jsonl", 4, "[1, 2]"),
+         "rank-1.jsonl: line 4: expected a JSON object, got list"),
+        (lambda f: corrupt(f / "decisions.jsonl", 2, '{"decision": {"step": 1}}'),
+         "decisions.jsonl: line 2: missing field 'decision.action'"),
+        (lambda f: (f / "config.yaml").unlink(), "not a run folder (config.yaml missing)"),
+    ],
+)  # fmt: skip
+def test_bad_folders_are_one_line_errors(run_folder: Path, damage: Any, expected: str) -> None:
+    damage(run_folder)
+    assert expected in one_error_line(invoke("report", run_folder))
+
+
+def test_bad_outputs_and_missing_folders_are_one_line_errors(run_folder: Path, tmp_path: Path) -> None:
+    assert "no such folder" in one_error_line(invoke("report", tmp_path / "nowhere"))
+    assert "expected a .png file name" in one_error_line(invoke("report", run_folder, "--png", tmp_path / "a.svg"))
+    missing = tmp_path / "no" / "trace.json"
+    assert "does not exist; create it first" in one_error_line(invoke("report", run_folder, "--perfetto", missing))
+    for path in (run_folder / "timeline").iterdir():
+        path.unlink()
+    trace = tmp_path / "trace.json"
+    assert "no span recorded" in one_error_line(invoke("report", run_folder, "--perfetto", trace))
+    assert not trace.exists()
