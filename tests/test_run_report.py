@@ -3,7 +3,6 @@ numbers are worked out by hand below."""
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -54,19 +53,21 @@ def rank_spans(rank: int) -> list[dict[str, Any]]:
         span(0, "stage", "actor/generation", 0.0, 1.0),
         span(0, "stage", "actor/training", 1.2, 1.7),
         span(0, "phase", "exchange", 1.7, 1.95),
-        span(1, "transition", "transition", 2.0, 3.0, action="transition", predicted_s=0.8, num_primitives=2),
+        span(1, "transition", "transition", 2.0, 3.0, predicted_s=0.8, num_primitives=2),
+        span(1, "transition", "build engines and groups", 2.0, 2.05),  # nested: same track
         # Two primitives that overlap without nesting: two lanes.
-        span(1, "primitive", "split actor/training", 2.1, 2.5, id="p0", kind="split", model_stage="actor/training",
+        span(1, "primitive", "split p0", 2.1, 2.5, id="p0", kind="split", model_stage="actor/training",
              predicted_start_s=0.0, predicted_end_s=0.3, bytes_sent=10, bytes_received=20),
-        span(1, "primitive", "merge actor/generation", 2.2, 2.9, id="p1", kind="merge",
-             model_stage="actor/generation", predicted_start_s=0.3, predicted_end_s=0.8, bytes_sent=5,
-             bytes_received=5),
+        span(1, "primitive", "merge p1", 2.2, 2.9, id="p1", kind="merge", model_stage="actor/generation",
+             predicted_start_s=0.3, predicted_end_s=0.8, bytes_sent=5, bytes_received=5),
         span(1, "stage", "actor/generation", 3.0, 5.0),
         span(1, "stage", "actor/training", 5.0, 5.5),
         span(2, "stage", "actor/generation", 6.0, 8.0),
         span(2, "stage", "actor/training", 8.0, 9.0),
         span(2, "checkpoint", "step-000003", 9.5, 9.8),
     ]  # fmt: skip
+    if rank == 0:
+        spans.append(span(1, "controller", "decide", 1.96, 1.99))
     if rank == 1:
         spans.append(span(2, "fused", "actor fwd mb0", 8.1, 8.2, replica=0))
     return spans
@@ -110,7 +111,7 @@ def test_report_numbers_equal_hand_computed(run_folder: Path) -> None:
     assert report.transition_s == pytest.approx(1.0) and report.transition_share == pytest.approx(0.1)
     [move] = report.transitions
     assert (move.step, move.action, move.num_primitives) == (1, "transition", 2)
-    assert move.measured_s == pytest.approx(1.0) and move.predicted_s == pytest.approx(0.8)  # the span's, not 0.7
+    assert move.measured_s == pytest.approx(1.0) and move.predicted_s == pytest.approx(0.7)  # the decision's
     errors = {e.name: e for e in report.prediction_errors}
     assert list(errors) == ["actor/generation", "actor/training", "step"]
     assert errors["actor/generation"].mape_percent == pytest.approx(100 * (0.2 + 0.5) / 2)
@@ -119,7 +120,7 @@ def test_report_numbers_equal_hand_computed(run_folder: Path) -> None:
     assert errors["step"].num_steps == 2 and errors["step"].mean_predicted_s == pytest.approx(1.75)
     assert report.reward_first == pytest.approx(0.3) and report.reward_last == pytest.approx(0.3)
     assert report.decisions == {"keep": 1, "transition": 2} and report.num_refused == 1
-    assert report.num_spans == 23
+    assert report.num_spans == 2 * 12 + 2  # 12 on each rank, a controller span, a fused op
 
 
 def test_rewards_average_the_first_and_last_ten_steps(tmp_path: Path) -> None:
@@ -131,11 +132,14 @@ def test_rewards_average_the_first_and_last_ten_steps(tmp_path: Path) -> None:
     assert report.prediction_errors == [] and report.transitions == [] and report.num_spans == 0
 
 
-def test_without_a_timeline_the_transition_prediction_comes_from_the_decision(run_folder: Path) -> None:
+def test_transition_prediction_without_a_decision_or_a_timeline(run_folder: Path) -> None:
+    (run_folder / "decisions.jsonl").unlink()  # a configured plan switch: the DAG's makespan
+    [move] = summarise_run(run_folder).transitions
+    assert move.predicted_s == pytest.approx(0.8) and move.num_primitives == 2
     for path in (run_folder / "timeline").iterdir():
         path.unlink()
     [move] = summarise_run(run_folder).transitions
-    assert move.predicted_s == pytest.approx(0.7) and move.num_primitives is None
+    assert move.predicted_s is None and move.num_primitives is None
 
 
 def events_by_process(payload: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -150,6 +154,16 @@ def track_names(events: list[dict[str, Any]]) -> dict[int, str]:
     return {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
 
 
+def assert_stacked(intervals: list[tuple[float, float]]) -> None:
+    """Spans on one track must nest or follow one another (no partial overlap)."""
+    open_ends: list[float] = []
+    for start, end in sorted(intervals, key=lambda i: (i[0], -i[1])):
+        while open_ends and open_ends[-1] <= start + 1e-3:
+            open_ends.pop()
+        assert not open_ends or end <= open_ends[-1] + 1e-3, (start, end)
+        open_ends.append(end)
+
+
 def test_trace_has_every_rank_span_on_its_tracks(run_folder: Path) -> None:
     path = write_run_trace(run_folder)
     assert path == run_folder / "timeline.json"
@@ -161,15 +175,14 @@ def test_trace_has_every_rank_span_on_its_tracks(run_folder: Path) -> None:
         assert len(spans) == len(rank_spans(rank))
         tracks = track_names(events)
         expected = ["model-stages", "phases", "transitions", "primitives", "primitives 2", "checkpoints"]
-        assert [tracks[tid] for tid in sorted(tracks)] == expected + (["fused"] if rank == 1 else [])
+        expected += ["controller"] if rank == 0 else ["fused"]
+        assert [tracks[tid] for tid in sorted(tracks)] == expected
         lag_us = 0.01 * rank * US
         generation = [e for e in spans if e["name"] == "actor/generation"]
         assert [e["ts"] for e in generation] == pytest.approx([lag_us, 3 * US + lag_us, 6 * US + lag_us])
         assert generation[0]["dur"] == pytest.approx(US) and generation[0]["args"] == {"step": 0}
-        # No track holds overlapping spans.
         for tid in tracks:
-            lane = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == tid)
-            assert all(end <= nxt + 1e-3 for (_, end), (nxt, _) in itertools.pairwise(lane))
+            assert_stacked([(e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == tid])
 
 
 def test_trace_lays_predicted_spans_beside_the_measured_ones(run_folder: Path) -> None:
@@ -184,9 +197,9 @@ def test_trace_lays_predicted_spans_beside_the_measured_ones(run_folder: Path) -
         ("step", "step 1", 3_000_000, 2_000_000),
         ("stage", "actor/generation", 3_000_000, 1_000_000),
         ("stage", "actor/training", 4_000_000, 1_000_000),
-        ("transition", "transition", 2_000_000, 800_000),
-        ("primitive", "split actor/training", 2_000_000, 300_000),  # once, not once per rank
-        ("primitive", "merge actor/generation", 2_300_000, 500_000),
+        ("transition", "transition", 2_000_000, 700_000),  # the decision's cost
+        ("primitive", "split p0", 2_000_000, 300_000),  # once, not once per rank
+        ("primitive", "merge p1", 2_300_000, 500_000),  # the DAG's offsets
     ])  # fmt: skip
     pools = {e["args"]["step"]: e["args"]["pool"] for e in predicted if e["cat"] == "stage"}
     assert pools == {0: "all", 1: "everything"}  # each step under the plan then in force
@@ -215,7 +228,7 @@ def test_report_command_prints_tables_json_png_and_trace(run_folder: Path, tmp_p
     result = invoke("report", run_folder, "--json", "--png", png, "--perfetto", trace)
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
-    assert payload["transition_share"] == pytest.approx(0.1) and payload["transitions"][0]["predicted_s"] == 0.8
+    assert payload["transition_share"] == pytest.approx(0.1) and payload["transitions"][0]["predicted_s"] == 0.7
     assert png.read_bytes().startswith(PNG_SIGNATURE)
     assert json.loads(trace.read_text())["traceEvents"]
 

@@ -313,24 +313,48 @@ def _mean_stage_times(steps: list[StepRecord], mean_step: float) -> list[StageTi
     return stages
 
 
+def move_spans(spans: list[Span]) -> dict[int, Span]:
+    """The plan change before each step: its earliest `transition` span over the ranks that
+    carries the prediction (spans nested in it, e.g. building engines, carry none)."""
+    moves: dict[int, Span] = {}
+    for span in spans:  # sorted by start
+        if span.cat == "transition" and "predicted_s" in span.args and span.step not in moves:
+            moves[span.step] = span
+    return moves
+
+
+def move_predictions(data: RunData) -> dict[int, float]:
+    """The cost model's seconds for the plan change before each step: the controller's
+    decision (transition DAG or restart cost) where one decided it, else the timeline's
+    (a configured plan switch)."""
+    predicted = {}
+    for step, span in move_spans(data.spans).items():
+        value = span.args["predicted_s"]
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            predicted[step] = float(value)
+    for decision in data.decisions:
+        if decision.action in MOVE_ACTIONS and decision.refused is None and decision.transition_cost_s is not None:
+            predicted[decision.step] = decision.transition_cost_s
+    return predicted
+
+
 def _transitions(data: RunData) -> list[TransitionTime]:
-    spans = {span.step: span for span in data.spans if span.cat == "transition"}
-    costs = {d.step: d.transition_cost_s for d in data.decisions if d.action in MOVE_ACTIONS and d.refused is None}
+    spans = move_spans(data.spans)
+    predicted = move_predictions(data)
     moves = []
     for record in data.steps:
         for action in MOVE_ACTIONS:
             if action not in record.stage_seconds:
                 continue
             span = spans.get(record.step)
-            predicted = span.args.get("predicted_s") if span is not None else costs.get(record.step)
             count = span.args.get("num_primitives") if span is not None else None
             moves.append(
                 TransitionTime(
                     step=record.step,
                     action=action,
                     measured_s=record.stage_seconds[action],
-                    predicted_s=None if predicted is None else float(predicted),
-                    num_primitives=None if count is None else int(count),
+                    predicted_s=predicted.get(record.step),
+                    num_primitives=count if isinstance(count, int) else None,
                 )
             )
     return moves
@@ -423,6 +447,7 @@ def report_png(data: RunData, dpi: int = 100) -> bytes:
         heights = [r.stage_seconds.get(name, 0.0) for r in data.steps]
         times.bar(steps, heights, bottom=bottom, width=0.85, color=color, label=name, linewidth=0)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    moves = _transitions(data)
     for action, hatch in zip(MOVE_ACTIONS, ("//", "xx"), strict=True):
         heights = [r.stage_seconds.get(action, 0.0) for r in data.steps]
         if any(heights):
@@ -431,6 +456,11 @@ def report_png(data: RunData, dpi: int = 100) -> bytes:
             for step, height in zip(steps, heights, strict=True):
                 if height:
                     times.axvline(step, color="crimson", linewidth=0.6, linestyle=":")
+            base = dict(zip(steps, bottom, strict=True))
+            forecast = [(m.step, base[m.step] + m.predicted_s) for m in moves if m.action == action and m.predicted_s]
+            if forecast:
+                times.plot(*zip(*forecast, strict=True), linestyle="none", marker="_", markersize=14,
+                           markeredgewidth=2, color="crimson", label=f"{action}: predicted")  # fmt: skip
             bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     predicted = [(r.step, r.predicted_step_seconds) for r in data.steps if r.predicted_step_seconds is not None]
     if predicted:

@@ -34,7 +34,16 @@ from pathlib import Path
 from typing import Any
 
 from nereus.errors import NereusError
-from nereus.render.run_report import TIMELINE_NAME, RunData, Span, StepRecord, plan_pools, read_run
+from nereus.render.run_report import (
+    TIMELINE_NAME,
+    RunData,
+    Span,
+    StepRecord,
+    move_predictions,
+    move_spans,
+    plan_pools,
+    read_run,
+)
 from nereus.spec.io import write_text_atomic
 
 TRACE_NAME = "timeline.json"
@@ -70,16 +79,20 @@ class Interval:
 
 
 def lanes(intervals: list[Interval]) -> list[list[Interval]]:
-    """Greedy interval packing: each lane holds intervals that do not overlap."""
-    packed: list[list[Interval]] = []
+    """Greedy packing into lanes whose intervals nest properly (one inside another, or one
+    after another): a partial overlap goes to another lane."""
+    packed: list[tuple[list[Interval], list[float]]] = []  # (lane, ends of its open intervals)
     for interval in sorted(intervals, key=lambda i: (i.start, -i.end)):
-        for lane in packed:
-            if lane[-1].end <= interval.start + EPS_S:
+        for lane, open_ends in packed:
+            while open_ends and open_ends[-1] <= interval.start + EPS_S:
+                open_ends.pop()
+            if not open_ends or interval.end <= open_ends[-1] + EPS_S:
                 lane.append(interval)
+                open_ends.append(interval.end)
                 break
         else:
-            packed.append([interval])
-    return packed
+            packed.append(([interval], [interval.end]))
+    return [lane for lane, _ in packed]
 
 
 def track_order(cats: Iterable[str]) -> list[str]:
@@ -154,28 +167,26 @@ def predicted_step_intervals(record: StepRecord, start: float, pools: dict[str, 
     return intervals
 
 
-def predicted_move_intervals(spans: list[Span]) -> list[Interval]:
-    """Each transition's predicted span and its primitives' predicted spans, from the
-    transition's measured start (earliest over ranks)."""
-    starts: dict[int, float] = {}
+def predicted_move_intervals(data: RunData) -> list[Interval]:
+    """Each plan change's predicted span and its primitives' predicted spans, from the
+    change's measured start (earliest over ranks)."""
+    moves = move_spans(data.spans)
+    predictions = move_predictions(data)
     intervals = []
-    for span in spans:
-        if span.cat == "transition" and span.step not in starts:
-            starts[span.step] = span.start  # spans come sorted by start
-            predicted = span.args.get("predicted_s")
-            if isinstance(predicted, int | float):
-                args = {"step": span.step, "action": span.args.get("action"), "predicted_s": predicted}
-                intervals.append(Interval("transition", span.name, span.start, span.start + predicted, args))
+    for step, move in moves.items():
+        if step in predictions:
+            args = {"step": step, "predicted_s": predictions[step], "measured_s": move.end - move.start}
+            intervals.append(Interval("transition", move.name, move.start, move.start + predictions[step], args))
     seen: set[tuple[int, str]] = set()
-    for span in spans:
+    for span in data.spans:
         begin, end = span.args.get("predicted_start_s"), span.args.get("predicted_end_s")
         key = (span.step, str(span.args.get("id", span.name)))
-        if span.cat != "primitive" or span.step not in starts or key in seen:
+        if span.cat != "primitive" or span.step not in moves or key in seen:
             continue
         if not isinstance(begin, int | float) or not isinstance(end, int | float):
             continue
         seen.add(key)
-        origin = starts[span.step]
+        origin = moves[span.step].start
         args = {k: span.args[k] for k in ("id", "kind", "model_stage") if k in span.args}
         args.update(step=span.step, predicted_start_s=begin, predicted_end_s=end)
         intervals.append(Interval("primitive", span.name, origin + begin, origin + end, args))
@@ -193,7 +204,7 @@ def predicted_intervals(data: RunData) -> list[Interval]:
         if record.step in step_starts:
             start = step_starts[record.step]
             intervals += predicted_step_intervals(record, start, pools.get(record.plan_index, {}))
-    return intervals + predicted_move_intervals(data.spans)
+    return intervals + predicted_move_intervals(data)
 
 
 def run_trace_payload(data: RunData) -> dict[str, Any]:
