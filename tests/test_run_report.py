@@ -17,12 +17,15 @@ EXAMPLE_PLAN = Path(__file__).resolve().parent.parent / "examples" / "plan-tiny-
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 T0 = 1_700_000_000.0
 US = 1e6
+CONFIG = "kind: RunConfig\nversion: 1\nplan: plan.yaml\nrl: {reward: rule}\n"
 
 # Three steps; a live transition (measured 1.0 s, predicted 0.8 s, 2 primitives) runs before step 1.
 STEPS: list[dict[str, Any]] = [
+    # The rule-scored reward (config `reward: rule`) takes 0.3 ms; the cost model predicts a model's 30 ms.
     {"step": 0, "reward": 0.1, "step_seconds": 2.0,
-     "stage_seconds": {"actor/generation": 1.0, "actor/training": 0.5, "exchange": 0.25},
-     "predicted_step_seconds": 1.5, "predicted_stage_seconds": {"actor/generation": 0.8, "actor/training": 0.5},
+     "stage_seconds": {"actor/generation": 1.0, "reward/inference": 0.0003, "actor/training": 0.5, "exchange": 0.25},
+     "predicted_step_seconds": 1.5,
+     "predicted_stage_seconds": {"actor/generation": 0.8, "reward/inference": 0.03, "actor/training": 0.5},
      "plan_index": 0},
     {"step": 1, "reward": 0.2, "step_seconds": 3.0,
      "stage_seconds": {"actor/generation": 2.0, "actor/training": 0.5, "exchange": 0.25, "transition": 1.0},
@@ -83,7 +86,7 @@ def run_folder(tmp_path: Path) -> Path:
     """plan.yaml has pool `all`; the checkpoint after step 2 (plan 1 in force) calls it `everything`."""
     folder = tmp_path / "run"
     folder.mkdir()
-    (folder / "config.yaml").write_text("kind: RunConfig\n")
+    (folder / "config.yaml").write_text(CONFIG)
     plan_text = EXAMPLE_PLAN.read_text()
     (folder / "plan.yaml").write_text(plan_text)
     checkpoint = folder / "checkpoints" / "step-000002"
@@ -103,17 +106,20 @@ def test_report_numbers_equal_hand_computed(run_folder: Path) -> None:
     assert report.mean_step_s == pytest.approx(3.0) and report.median_step_s == pytest.approx(3.0)
     assert report.run_s == pytest.approx(2.0 + 3.0 + 4.0 + 1.0)
     means = {stage.name: (stage.mean_s, stage.share) for stage in report.stages}
-    assert list(means) == ["actor/generation", "actor/training", "exchange"]  # transition is not part of a step
+    # The transition is not part of a step.
+    assert list(means) == ["actor/generation", "reward/inference", "actor/training", "exchange"]
     assert means["actor/generation"] == pytest.approx((5 / 3, 5 / 9))
+    assert means["reward/inference"] == pytest.approx((0.0001, 0.0001 / 3))
     assert means["actor/training"] == pytest.approx((2 / 3, 2 / 9))
     assert means["exchange"] == pytest.approx((1 / 3, 1 / 9))
-    assert report.other_s == pytest.approx(3.0 - 8 / 3)
+    assert report.other_s == pytest.approx(3.0 - 8 / 3 - 0.0001)
     assert report.transition_s == pytest.approx(1.0) and report.transition_share == pytest.approx(0.1)
     [move] = report.transitions
     assert (move.step, move.action, move.num_primitives) == (1, "transition", 2)
     assert move.measured_s == pytest.approx(1.0) and move.predicted_s == pytest.approx(0.7)  # the decision's
     errors = {e.name: e for e in report.prediction_errors}
     assert list(errors) == ["actor/generation", "actor/training", "step"]
+    assert report.not_compared == ["reward/inference"]
     assert errors["actor/generation"].mape_percent == pytest.approx(100 * (0.2 + 0.5) / 2)
     assert errors["actor/training"].mape_percent == pytest.approx(100 * (0.0 + 1.0) / 2)
     assert errors["step"].mape_percent == pytest.approx(100 * (0.25 + 1 / 3) / 2)
@@ -123,8 +129,16 @@ def test_report_numbers_equal_hand_computed(run_folder: Path) -> None:
     assert report.num_spans == 2 * 12 + 2  # 12 on each rank, a controller span, a fused op
 
 
+def test_a_reward_model_is_compared(run_folder: Path) -> None:
+    (run_folder / "config.yaml").write_text(CONFIG.replace("reward: rule", "reward: model"))
+    report = summarise_run(run_folder)
+    errors = {e.name: e for e in report.prediction_errors}
+    assert report.not_compared == [] and errors["reward/inference"].num_steps == 1
+    assert errors["reward/inference"].mape_percent == pytest.approx(100 * (0.03 - 0.0003) / 0.0003)
+
+
 def test_rewards_average_the_first_and_last_ten_steps(tmp_path: Path) -> None:
-    (tmp_path / "config.yaml").write_text("kind: RunConfig\n")
+    (tmp_path / "config.yaml").write_text(CONFIG)
     steps = [{"step": s, "reward": float(s), "step_seconds": 1.0, "stage_seconds": {}} for s in range(12)]
     write_lines(tmp_path / "metrics.jsonl", steps)
     report = summarise_run(tmp_path)
@@ -193,7 +207,8 @@ def test_trace_lays_predicted_spans_beside_the_measured_ones(run_folder: Path) -
     assert got == sorted([
         ("step", "step 0", 0, 1_500_000),
         ("stage", "actor/generation", 0, 800_000),
-        ("stage", "actor/training", 800_000, 500_000),  # training after generation
+        ("stage", "reward/inference", 800_000, 30_000),  # inference after generation
+        ("stage", "actor/training", 830_000, 500_000),  # training after inference
         ("step", "step 1", 3_000_000, 2_000_000),
         ("stage", "actor/generation", 3_000_000, 1_000_000),
         ("stage", "actor/training", 4_000_000, 1_000_000),
@@ -253,6 +268,7 @@ def corrupt(path: Path, line: int, text: str) -> None:
         (lambda f: corrupt(f / "decisions.jsonl", 2, '{"decision": {"step": 1}}'),
          "decisions.jsonl: line 2: missing field 'decision.action'"),
         (lambda f: (f / "config.yaml").unlink(), "not a run folder (config.yaml missing)"),
+        (lambda f: (f / "config.yaml").write_text(EXAMPLE_PLAN.read_text()), "kind: expected RunConfig, got Plan"),
     ],
 )  # fmt: skip
 def test_bad_folders_are_one_line_errors(run_folder: Path, damage: Any, expected: str) -> None:

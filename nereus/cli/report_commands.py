@@ -106,6 +106,8 @@ def print_report(result: RunReport) -> None:
                 f"{error.mape_percent:.1f}%",
             )
         console.print(errors)
+        if result.not_compared:
+            console.print(f"not compared (no model runs them: reward: rule): {', '.join(result.not_compared)}")
     else:
         console.print("cost model: no predictions recorded in metrics.jsonl (runs before predictions were logged)")
     if result.decisions:

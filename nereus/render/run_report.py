@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.errors import NereusError
+from nereus.runtime.rl.config import RunConfig
 from nereus.runtime.rl.controller import DECISIONS_NAME
 from nereus.runtime.rl.setup import CHECKPOINTS_NAME, CONFIG_NAME, METRICS_NAME, PLAN_NAME, switch_plan_name
 
@@ -81,6 +82,7 @@ class RunData:
     """Everything read from a run folder."""
 
     folder: Path
+    config: RunConfig
     steps: list[StepRecord]
     decisions: list[Decision]
     spans: list[Span]
@@ -178,14 +180,21 @@ def _decision(where: str, data: dict[str, Any]) -> Decision:
     )
 
 
-def check_run_folder(folder: Path) -> None:
-    """One line when `folder` is not a run folder."""
+def run_config(folder: Path) -> RunConfig:
+    """The run folder's config (one line when `folder` is not a run folder)."""
+    from nereus.spec.io import load_document
+
     if not folder.is_dir():
         raise NereusError(f"{folder}: no such folder; pass the --out folder of a `nereus run`")
-    if not (folder / CONFIG_NAME).is_file():
+    path = folder / CONFIG_NAME
+    if not path.is_file():
         raise NereusError(
             f"{folder}: not a run folder ({CONFIG_NAME} missing); pass the --out folder of a `nereus run`"
         )
+    config = load_document(path)
+    if not isinstance(config, RunConfig):
+        raise NereusError(f"{path}: kind: expected RunConfig, got {type(config).__name__}; is {folder} a run folder?")
+    return config
 
 
 def read_spans(folder: Path) -> list[Span]:
@@ -199,7 +208,7 @@ def read_spans(folder: Path) -> list[Span]:
 
 def read_run(folder: Path, need_steps: bool = True) -> RunData:
     """Parse a run folder; with `need_steps`, a run without a finished step is refused."""
-    check_run_folder(folder)
+    config = run_config(folder)
     metrics = folder / METRICS_NAME
     steps = [_step_record(where, data) for where, data in _json_lines(metrics)] if metrics.is_file() else []
     if need_steps and not steps:
@@ -208,7 +217,7 @@ def read_run(folder: Path, need_steps: bool = True) -> RunData:
     decisions = (
         [_decision(where, data) for where, data in _json_lines(decisions_path)] if decisions_path.is_file() else []
     )
-    return RunData(folder, steps, decisions, read_spans(folder))
+    return RunData(folder, config, steps, decisions, read_spans(folder))
 
 
 def plan_pools(folder: Path, steps: list[StepRecord]) -> dict[int, dict[str, str]]:
@@ -293,6 +302,9 @@ class RunReport:
     transition_share: float
     """Of run_s."""
     prediction_errors: list[PredictionError]
+    not_compared: list[str]
+    """Predicted model-stages the run runs without a model (reward/inference under `reward:
+    rule`): their measured time is the rule's, nothing the prediction describes."""
     reward_first: float
     """Mean reward of the first REWARD_WINDOW steps."""
     reward_last: float
@@ -371,8 +383,9 @@ def _error(name: str, pairs: list[tuple[float, float]]) -> PredictionError:
     )
 
 
-def _prediction_errors(steps: list[StepRecord]) -> list[PredictionError]:
-    names = list(dict.fromkeys(name for r in steps for name in r.predicted_stage_seconds))
+def _prediction_errors(steps: list[StepRecord], skipped: list[str]) -> list[PredictionError]:
+    names = [name for r in steps for name in r.predicted_stage_seconds if name not in skipped]
+    names = list(dict.fromkeys(names))
     errors = []
     for name in names:
         pairs = [
@@ -399,6 +412,8 @@ def summarise(data: RunData) -> RunReport:
     transition_s = sum(t.measured_s for t in transitions)
     run_s = sum(step_times) + transition_s
     rewards = [r.reward for r in data.steps]
+    predicted = dict.fromkeys(name for r in data.steps for name in r.predicted_stage_seconds)
+    not_compared = [name for name in predicted if not data.config.rl.runs_engine(name.partition("/")[0])]
     return RunReport(
         folder=str(data.folder),
         num_steps=len(data.steps),
@@ -410,7 +425,8 @@ def summarise(data: RunData) -> RunReport:
         transitions=transitions,
         transition_s=transition_s,
         transition_share=transition_s / run_s if run_s > 0 else 0.0,
-        prediction_errors=_prediction_errors(data.steps),
+        prediction_errors=_prediction_errors(data.steps, not_compared),
+        not_compared=not_compared,
         reward_first=statistics.mean(rewards[:REWARD_WINDOW]),
         reward_last=statistics.mean(rewards[-REWARD_WINDOW:]),
         decisions=dict(Counter(d.action for d in data.decisions)),
