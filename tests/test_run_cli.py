@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import signal
@@ -28,8 +29,8 @@ from tests.cli_helpers import invoke, one_error_line
 DATA = Path(__file__).parent / "data"
 PLAN_2RANK = DATA / "plan-tiny-ppo-2rank.yaml"
 EXAMPLES = Path(__file__).parent.parent / "examples"
-#: Fields of a metrics record that are measurements of time, not of the training.
-TIMING_FIELDS = ("stage_seconds", "step_seconds")
+#: Fields that depend on wall time (predictions come from a calibration fitted to measured times).
+TIMING_FIELDS = ("stage_seconds", "step_seconds", "predicted_step_seconds", "predicted_stage_seconds")
 
 
 def write_config(folder: Path, **fields: Any) -> Path:
@@ -73,6 +74,8 @@ def assert_checkpoints_whole(out: Path) -> None:
         ({"plan": None}, [], "plan: not set"),
         ({"plan_switches": [{"step": 9, "plan": "plan.yaml"}]}, [], "plan_switches.0.step: 9 is not before"),
         ({"plan_switches": [{"step": 1, "plan": "nope.yaml"}]}, [], "plan_switches.0.plan:"),
+        ({"lengths_from_trace": True}, [], "lengths_from_trace: needs a trace"),
+        ({"calibration": "nope.yaml"}, [], "calibration: "),
     ],
 )
 def test_bad_config_or_plan_is_refused_before_spawning(
@@ -348,6 +351,35 @@ def test_controller_moves_off_a_leaving_rank_and_logs_every_decision(tmp_path: P
     assert (out / "trace.yaml").is_file()
     plan_at_3 = yaml.safe_load((out / "checkpoints" / "step-000003" / "plan.yaml").read_text())
     assert {gpu for stage in plan_at_3["stages"] for emu in stage["emus"] for gpu in emu} == {0}
+
+
+def test_trace_lengths_timeline_and_controller_state_survive_a_resume(tmp_path: Path) -> None:
+    """Responses follow the trace's lengths; every rank logs its spans; a resume goes on with the
+    controller's decisions and the online calibration where the checkpoint left them."""
+    trace = yaml.safe_load((DATA / "trace-spot-2rank.yaml").read_text())
+    trace["response_len"] = {"median": 3, "p99": 3, "max": 3}
+    trace["events"] = [{"step": 3, "response_len": {"median": 7, "p99": 7, "max": 7}}]
+    (tmp_path / "trace.yaml").write_text(yaml.safe_dump(trace))
+    config = write_config(tmp_path, num_steps=6, checkpoint_every=3, trace="trace.yaml", lengths_from_trace=True)
+    out = tmp_path / "out"
+    assert invoke("run", config, "--out", out).exit_code == 0
+    records = read_metrics(out)
+    assert [r["response_len_max"] <= (3 if r["step"] < 3 else 7) for r in records] == [True] * 6
+    assert max(r["response_len_max"] for r in records[3:]) > 3
+    assert all(r["predicted_step_seconds"] > 0 and r["plan_index"] >= 0 for r in records)
+    shutil.rmtree(out / "checkpoints" / "step-000006")
+    assert invoke("run", "--resume", out).exit_code == 0
+    decisions = [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()]
+    assert [d["observation"]["step"] for d in decisions] == list(range(6))
+    for rank in (0, 1):
+        spans = [json.loads(line) for line in (out / "timeline" / f"rank-{rank}.jsonl").read_text().splitlines()]
+        generation = [s["step"] for s in spans if s["name"] == "actor/generation"]
+        assert generation == list(range(6)), rank
+        assert all(s["end"] >= s["start"] for s in spans)
+    state = pickle.loads((out / "checkpoints" / "step-000006" / "controller.pkl").read_bytes())
+    # Steps 1, 2, 4, 5 calibrate (each process's first step is warm-up): 2 of them before the resume.
+    assert state.predictor.calibrator.num_updates == 4
+    assert state.controller.plan == load_document(out / "checkpoints" / "step-000006" / "plan.yaml")
 
 
 def test_controller_refuses_a_trace_larger_than_the_world(tmp_path: Path) -> None:

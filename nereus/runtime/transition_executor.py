@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nereus.cost.plan_cost import head_of
+from nereus.runtime import timeline
 from nereus.runtime.reshard import execute, plan_reshard
 from nereus.runtime.shard_layout import RankLayout
 from nereus.runtime.sharded_state import StateMeta, state_meta
@@ -101,6 +102,20 @@ class _Executor:
         if not any(self.rank in emu.gpus for emu in involved):
             return
         self.count += 1
+        sent, received = self.sent, self.received
+        with timeline.span(
+            "primitive",
+            f"{primitive.kind} {primitive.id}",
+            id=str(primitive.id),
+            kind=primitive.kind,
+            model_stage=primitive.model_stage,
+            predicted_start_s=primitive.start_s,
+            predicted_end_s=primitive.end_s,
+        ) as late:
+            self._apply(primitive)
+            late.update(bytes_sent=self.sent - sent, bytes_received=self.received - received)
+
+    def _apply(self, primitive: Primitive) -> None:
         if primitive.kind == "split" or primitive.kind == "merge":
             self.move(list(primitive.retires), list(primitive.adds))
         elif primitive.kind == "extend":

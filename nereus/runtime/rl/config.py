@@ -104,6 +104,16 @@ class RunConfig(Document):
     decides every step whether to change the plan (`nereus run --trace`)."""
     policy: str = "nereus"
     """Adaptation policy of the controller: nereus, fixed, dynarl or periodic:K."""
+    lengths_from_trace: bool = False
+    """With a trace: each step's responses stop at the trace's `response_len.max` in force at
+    that step (or earlier at EOS) in place of `rl.max_new_tokens`, so the run's sequences grow
+    or shrink as the trace says (the untrained tiny models rarely stop early)."""
+    calibration: str | None = None
+    """Calibration YAML (`nereus fit`, relative to this file) the run's predictions and the
+    controller's cost model start from; None: the default calibration."""
+    online_calibration: bool = True
+    """Refit the cost model's efficiencies after every step from what the step measured
+    (recursive least squares with forgetting); the predictions and the controller use it."""
     fusion: Fusion | None = None
     """Stage fusions for this run; None keeps the plan's `fusion:` block, a block given here
     replaces it whole."""

@@ -7,6 +7,11 @@ policy, and logs the decision with its inputs to DIR/decisions.jsonl. A transiti
 back as the target plan with its scheduled DAG (built here, once, so every rank walks the
 same primitives); a restart as the target plan alone (the ranks move through a checkpoint).
 The controller imports no torch: rank 0 broadcasts what it returns.
+
+`Predictor` (every run, rank 0) prices each step with the cost model calibrated on the
+steps before it, puts the prediction beside the measurement in metrics.jsonl, and then
+folds the step into the online calibration; the controller plans with that calibration.
+Both are pickled into every checkpoint, so a resumed run decides as the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -15,15 +20,52 @@ import json
 from pathlib import Path
 from typing import Any
 
+from nereus.cost.calibration import Calibration
+from nereus.cost.fit import STEP_KEY, measured_plan, parameters, predict
+from nereus.cost.online import OnlineCalibrator
 from nereus.errors import NereusError
 from nereus.runtime.rl.config import RLConfig
-from nereus.runtime.rl.setup import Move, plan_problems
+from nereus.runtime.rl.setup import DECISIONS_NAME, Move, plan_problems
 from nereus.solver.policy import Observation, Replanner, make_policy, record_to_data
 from nereus.spec.plan import Plan
 from nereus.spec.trace import Conditions, Trace, trace_conditions
 from nereus.spec.workload import ResponseLengths
 
-DECISIONS_NAME = "decisions.jsonl"
+#: Relative change of a fitted parameter past which the controller replans with the new calibration.
+RECALIBRATE_CHANGE = 0.1
+
+
+class Predictor:
+    """The cost model's prediction of every step, from the calibration of the steps before it."""
+
+    def __init__(self, calibration: Calibration, online: bool, config: RLConfig) -> None:
+        self.calibration = calibration
+        self.calibrator = OnlineCalibrator(calibration) if online else None
+        self.config = config
+
+    def predict(self, plan: Plan, prompt_len: int, response_len_max: int) -> dict[str, float]:
+        """Seconds per model-stage that runs an engine and for the whole `step`, at the sizes the step ran."""
+        predicted = predict(measured_plan(plan, prompt_len, response_len_max), self.calibration)
+        return {name: seconds for name, seconds in predicted.items() if self._priced(name)}
+
+    def update(self, plan: Plan, metrics: Any) -> None:
+        """Fold a finished step's StepMetrics into the calibration (online calibration on)."""
+        if self.calibrator is None or metrics.step_seconds <= 0:
+            return
+        stages = {name: seconds for name, seconds in metrics.stage_seconds.items() if self._priced(name)}
+        self.calibration = self.calibrator.update(
+            plan, metrics.step_seconds, stages, metrics.prompt_len, metrics.response_len_max
+        )
+
+    def _priced(self, name: str) -> bool:
+        # A rule-scored reward runs no model: the cost model's reward/inference has nothing to match.
+        return "/" not in name or self.config.runs_engine(name.split("/")[0])
+
+
+def prediction_fields(predicted: dict[str, float]) -> dict[str, Any]:
+    """The metrics record's prediction fields."""
+    stages = {name: seconds for name, seconds in predicted.items() if name != STEP_KEY}
+    return {"predicted_step_seconds": predicted[STEP_KEY], "predicted_stage_seconds": stages}
 
 
 def measured_lengths(mean: float, longest: int) -> ResponseLengths:
@@ -36,9 +78,17 @@ class Controller:
     """The policy, the trace and the decision log of one run (lives on rank 0)."""
 
     def __init__(
-        self, plan: Plan, trace: Trace, policy: str, out: Path, config: RLConfig, num_steps: int, num_ranks: int
+        self,
+        plan: Plan,
+        trace: Trace,
+        policy: str,
+        out: Path,
+        config: RLConfig,
+        num_steps: int,
+        num_ranks: int,
+        calibration: Calibration,
     ) -> None:
-        self.replanner = Replanner(plan)
+        self.replanner = Replanner(plan, calibration=calibration)
         self.policy = make_policy(policy, plan, self.replanner)
         self.conditions: list[Conditions] = list(trace_conditions(trace))
         self.plan = plan
@@ -49,9 +99,20 @@ class Controller:
         self.lengths = plan.workload.response_len
         self.efficiency = 1.0
 
-    def measured(self, response_len_mean: float, response_len_max: int, step_seconds: float) -> None:
-        """Take in one finished step's measurements."""
+    def resumed(self, plan: Plan, out: Path) -> None:
+        """Go on from a checkpoint: the plan in force is the one it saved (a restart's
+        checkpoint predates the move, which is then decided again)."""
+        self.plan = plan
+        self.policy.plan = plan
+        self.log_path = out / DECISIONS_NAME
+
+    def measured(
+        self, response_len_mean: float, response_len_max: int, step_seconds: float, calibration: Calibration
+    ) -> None:
+        """Take in one finished step's measurements and the calibration refitted with them."""
         self.lengths = measured_lengths(response_len_mean, response_len_max)
+        if moved_by(self.replanner.calibration, calibration) > RECALIBRATE_CHANGE:
+            self.replanner.recalibrate(calibration)
         predicted = self.replanner.step_time(self.plan, self.lengths, 1.0)
         if predicted is not None and step_seconds > 0:
             # Efficiency relative to the calibration, on the policy's grid of (0, 4].
@@ -107,3 +168,9 @@ class Controller:
             record["runtime"] = refusal
         with self.log_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
+
+
+def moved_by(old: Calibration, new: Calibration) -> float:
+    """The largest relative change of a fitted parameter between two calibrations."""
+    before, after = parameters(old), parameters(new)
+    return float(max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(after, before, strict=True)))

@@ -16,25 +16,30 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from nereus.cost.calibration import Calibration
 from nereus.errors import NereusError
+from nereus.runtime import timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import spawn
 from nereus.runtime.rl.config import RLConfig
-from nereus.runtime.rl.controller import Controller
+from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
 from nereus.runtime.rl.reward_model import fit_reward_model
 from nereus.runtime.rl.setup import (
     CHECKPOINT_STATE_NAME,
     CHECKPOINTS_NAME,
+    CONTROLLER_STATE_NAME,
     FAILURE_NAME,
     METRICS_NAME,
     PLAN_NAME,
@@ -61,6 +66,7 @@ from nereus.runtime.sharded_state import state_meta
 from nereus.runtime.transition_executor import ReplicaState, execute_transition
 from nereus.spec.io import save_document, write_text_atomic
 from nereus.spec.plan import Plan
+from nereus.spec.trace import trace_conditions
 
 #: Model-stages whose state (`state_families`) a checkpoint holds: the trained models and the
 #: fitted reward model. The others are rebuilt from these (generation and inference by weight
@@ -72,6 +78,17 @@ def state_families(model_stage: str) -> tuple[str, ...]:
     """What a model-stage's state is between steps: parameters, and AdamW moments in training
     (gradients are dropped: every step starts from zero gradients)."""
     return ("param", "exp_avg", "exp_avg_sq") if model_stage.endswith("/training") else ("param",)
+
+
+@dataclass
+class RunState:
+    """What rank 0 carries from step to step besides the models: the online-calibrated
+    predictor, the controller (runs with a trace) and which plan is in force. Pickled into
+    every checkpoint, so a resume predicts and decides as the uninterrupted run would."""
+
+    predictor: Predictor
+    controller: Controller | None
+    plan_index: int = 0
 
 
 def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
@@ -86,56 +103,104 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
         restore(stages, setup.checkpoint, rank)
         sync_weights(syncs)  # generation and inference engines get the restored weights
     switches = {switch.step: switch for switch in setup.switches}
-    controller = make_controller(setup, plan, rank)
-    for step in range(setup.start_step, config.num_steps):
-        start = time.perf_counter()
-        move = next_move(setup, controller, switches, step)
-        if move is not None:
-            stages = apply_move(setup, stages, plan, move, step, rank)
-            syncs, plan = sync_plans(stages), move.plan
-            moved_s = slowest_rank({move.action: time.perf_counter() - start}, [move.action])
-        metrics = rl_step(plan, config.rl, stages, syncs, step)
-        if move is not None:
-            metrics = dataclasses.replace(metrics, stage_seconds={**metrics.stage_seconds, **moved_s})
-        if controller is not None:
-            controller.measured(metrics.response_len_mean, metrics.response_len_max, metrics.step_seconds)
-        if rank == 0:
-            append_metrics(setup.out / METRICS_NAME, metrics)
-        done = step + 1
-        if done % config.checkpoint_every == 0 or done == config.num_steps:
-            save_run_checkpoint(setup, plan, stages, done, rank)
+    state = run_state(setup, plan) if rank == 0 else None
+    lengths = step_lengths(setup)
+    with timeline.recording(timeline.Timeline(setup.out, rank)) as spans:
+        for step in range(setup.start_step, config.num_steps):
+            spans.step = step
+            start = time.perf_counter()
+            move = next_move(setup, state, switches, step)
+            if move is not None:
+                with timeline.span("transition", move.action, predicted_s=move.predicted_s) as late:
+                    stages = apply_move(setup, stages, plan, move, step, rank, state)
+                    late["num_primitives"] = len(move.primitives)
+                syncs, plan = sync_plans(stages), move.plan
+                moved_s = slowest_rank({move.action: time.perf_counter() - start}, [move.action])
+            rl = config.rl if lengths is None else config.rl.model_copy(update={"max_new_tokens": lengths[step]})
+            metrics = rl_step(plan, rl, stages, syncs, step)
+            if move is not None:
+                metrics = dataclasses.replace(metrics, stage_seconds={**metrics.stage_seconds, **moved_s})
+            if state is not None:
+                with timeline.span("controller", "predict + calibrate"):
+                    # A process's first step pays one-off warm-up costs: not a sample of the plan.
+                    metrics = measured(state, plan, metrics, move is not None, learn=step > setup.start_step)
+                append_metrics(setup.out / METRICS_NAME, metrics)
+            done = step + 1
+            if done % config.checkpoint_every == 0 or done == config.num_steps:
+                with timeline.span("checkpoint", f"step-{done:06d}"):
+                    save_run_checkpoint(setup, plan, stages, done, rank, state)
+            spans.flush()
     return config.num_steps
 
 
-def make_controller(setup: RunSetup, plan: Plan, rank: int) -> Controller | None:
-    """The online controller, on rank 0 of a run with a trace."""
-    if setup.trace is None or rank != 0:
+def run_state(setup: RunSetup, plan: Plan) -> RunState:
+    """Rank 0's predictor and controller: from the checkpoint a resume starts at, else new."""
+    saved = setup.checkpoint / CONTROLLER_STATE_NAME if setup.checkpoint is not None else None
+    if saved is not None and saved.is_file():
+        state: RunState = pickle.loads(saved.read_bytes())
+        if state.controller is not None:
+            state.controller.resumed(plan, setup.out)
+        return state
+    calibration = setup.calibration if setup.calibration is not None else Calibration()
+    predictor = Predictor(calibration, setup.config.online_calibration, setup.config.rl)
+    controller = None
+    if setup.trace is not None:
+        config = setup.config
+        controller = Controller(
+            plan, setup.trace, config.policy, setup.out, config.rl, config.num_steps, setup.num_ranks, calibration
+        )
+    return RunState(predictor, controller)
+
+
+def step_lengths(setup: RunSetup) -> list[int] | None:
+    """Each step's longest response under `lengths_from_trace` (None: rl.max_new_tokens)."""
+    if not setup.config.lengths_from_trace:
         return None
-    config = setup.config
-    return Controller(plan, setup.trace, config.policy, setup.out, config.rl, config.num_steps, setup.num_ranks)
+    assert setup.trace is not None, "checked by new_run"
+    conditions = list(trace_conditions(setup.trace))
+    return [conditions[min(step, len(conditions) - 1)].response_len.max for step in range(setup.config.num_steps)]
 
 
-def next_move(setup: RunSetup, controller: Controller | None, switches: dict[int, Switch], step: int) -> Move | None:
+def measured(state: RunState, plan: Plan, metrics: StepMetrics, moved: bool, learn: bool) -> StepMetrics:
+    """The step's record with its prediction; then (if `learn`) the step goes into the
+    calibration; the controller takes in the step."""
+    state.plan_index += int(moved)
+    predicted = state.predictor.predict(plan, metrics.prompt_len, metrics.response_len_max)
+    metrics = dataclasses.replace(metrics, **prediction_fields(predicted), plan_index=state.plan_index)
+    if learn:
+        state.predictor.update(plan, metrics)
+    if state.controller is not None:
+        state.controller.measured(
+            metrics.response_len_mean, metrics.response_len_max, metrics.step_seconds, state.predictor.calibration
+        )
+    return metrics
+
+
+def next_move(setup: RunSetup, state: RunState | None, switches: dict[int, Switch], step: int) -> Move | None:
     """The plan change before `step`, the same on every rank (collective when a controller runs)."""
     if step in switches:
         return switches[step].move
     if setup.trace is None:
         return None
-    decided: list[Any] = [controller.decide(step) if controller is not None else None]
+    decided: list[Any] = [None]
+    if state is not None:
+        assert state.controller is not None
+        with timeline.span("controller", "decide"):
+            decided[0] = state.controller.decide(step)
     dist.broadcast_object_list(decided, src=0)
     move: Move | None = decided[0]
     return move
 
 
 def apply_move(
-    setup: RunSetup, stages: dict[str, Stage], plan: Plan, move: Move, step: int, rank: int
+    setup: RunSetup, stages: dict[str, Stage], plan: Plan, move: Move, step: int, rank: int, state: RunState | None
 ) -> dict[str, Stage]:
     """Carry out a plan change: live through its transition DAG, or through a checkpoint."""
     if move.action == "transition":
         return switch_plan(stages, plan, move, setup.config.rl, rank)
     folder = checkpoint_folder(setup.out, step)
     if not folder.exists():
-        save_run_checkpoint(setup, plan, stages, step, rank)
+        save_run_checkpoint(setup, plan, stages, step, rank, state)
     new_stages = build_stages(move.plan, setup.config.rl)
     restore(new_stages, folder, rank)
     sync_weights(sync_plans(new_stages))
@@ -145,7 +210,8 @@ def apply_move(
 def switch_plan(stages: dict[str, Stage], plan: Plan, switch: Move, config: RLConfig, rank: int) -> dict[str, Stage]:
     """Build the new plan's engines and move every model-stage's state into them through the
     switch's transition DAG (collective); the old engines are dropped."""
-    new_stages = build_stages(switch.plan, config)
+    with timeline.span("transition", "build engines and groups"):
+        new_stages = build_stages(switch.plan, config)
     families = {name: state_families(name) for name in stages}
     states: dict[str, ReplicaState] = {}
     for name, stage in stages.items():
@@ -173,8 +239,11 @@ def optimizer_steps(plan: Plan, num_rl_steps: int) -> int:
     return num_rl_steps * plan.workload.mini_batches * plan.workload.ppo_epochs
 
 
-def save_run_checkpoint(setup: RunSetup, plan: Plan, stages: dict[str, Stage], step: int, rank: int) -> None:
-    """Save every trained model and the plan in force into checkpoints/step-NNNNNN (collective, atomic)."""
+def save_run_checkpoint(
+    setup: RunSetup, plan: Plan, stages: dict[str, Stage], step: int, rank: int, state: RunState | None
+) -> None:
+    """Save every trained model, the plan in force and rank 0's run state into
+    checkpoints/step-NNNNNN (collective, atomic)."""
     root = setup.out / CHECKPOINTS_NAME
     shared: list[Any] = [None]
     if rank == 0:
@@ -198,6 +267,8 @@ def save_run_checkpoint(setup: RunSetup, plan: Plan, stages: dict[str, Stage], s
         save_checkpoint_distributed(folder / stage.plan.role, meta, rank, tensors, num_optimizer_steps)
     if rank == 0:
         save_document(plan, folder / PLAN_NAME)
+        if state is not None:
+            (folder / CONTROLLER_STATE_NAME).write_bytes(pickle.dumps(state))
         _seal(folder, checkpoint_folder(setup.out, step), step)
         for old in finished_checkpoints(setup.out)[: -setup.config.keep_checkpoints]:
             shutil.rmtree(old)

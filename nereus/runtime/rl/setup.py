@@ -9,6 +9,8 @@ A run folder holds:
     plan.yaml        the Plan it runs under (replaced when a resume changes the plan)
     metrics.jsonl    one JSON record per finished step
     trace.yaml       the controller's trace (runs with --trace only)
+    calibration.yaml the cost model's starting calibration (when the config names one)
+    timeline/        rank-R.jsonl: every rank's spans (model-stages, transitions, checkpoints)
     decisions.jsonl  the controller's decisions with their inputs (runs with --trace only)
     checkpoints/     step-000010/ ... : every trained model's state after that many steps,
                      and the plan in force then
@@ -24,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nereus.cost.calibration import Calibration
 from nereus.errors import NereusError
+from nereus.runtime import timeline
 from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.spec.io import load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
@@ -32,6 +36,10 @@ from nereus.spec.trace import Trace
 
 CONFIG_NAME = "config.yaml"
 TRACE_NAME = "trace.yaml"
+CALIBRATION_NAME = "calibration.yaml"
+DECISIONS_NAME = "decisions.jsonl"
+#: The controller's state (policy, calibration) inside a run checkpoint, pickled by rank 0.
+CONTROLLER_STATE_NAME = "controller.pkl"
 PLAN_NAME = "plan.yaml"
 METRICS_NAME = "metrics.jsonl"
 CHECKPOINTS_NAME = "checkpoints"
@@ -83,6 +91,8 @@ class RunSetup:
     """Plan switches still ahead (from `start_step` on: a checkpoint holds the plan before them)."""
     trace: Trace | None = None
     """GPU-pool events for the online controller (None: no controller)."""
+    calibration: Calibration | None = None
+    """The cost model's starting calibration (None: the default one)."""
 
 
 def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
@@ -197,6 +207,8 @@ def new_run(
         config = config.model_copy(update={"policy": policy})
     if plan_path is None and config.plan is None:
         raise NereusError(f"{config_path}: plan: not set; name a Plan YAML there or pass --plan")
+    if config.lengths_from_trace and config.trace is None:
+        raise NereusError(f"{config_path}: lengths_from_trace: needs a trace; set trace: there or pass --trace")
     where = plan_path if plan_path is not None else config_path.parent / str(config.plan)
     if not where.is_file():
         field = "--plan" if plan_path is not None else f"{config_path}: plan"
@@ -208,10 +220,22 @@ def new_run(
         config = config.model_copy(update={"num_steps": num_steps})
     switches = resolve_switches(config, config_path.parent, plan, num_ranks)
     trace = resolve_trace(config, config_path.parent, plan, num_ranks)
+    calibration = resolve_calibration(config, config_path.parent)
     out = out if out is not None else Path("runs") / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise NereusError(f"{out}: already exists; resume it with `nereus run --resume {out}` or pass another --out")
-    return RunSetup(config, plan, num_ranks, out, 0, None, planned=False, switches=switches, trace=trace)
+    return RunSetup(config, plan, num_ranks, out, 0, None, False, switches, trace, calibration)
+
+
+def resolve_calibration(config: RunConfig, folder: Path) -> Calibration | None:
+    """The calibration the config names (relative to `folder`), loaded and checked."""
+    if config.calibration is None:
+        return None
+    where = folder / config.calibration
+    if not where.is_file():
+        raise NereusError(f"calibration: {where} does not exist; give a Calibration YAML (`nereus fit` writes one)")
+    calibration: Calibration = _load(where, Calibration)
+    return calibration
 
 
 def resolve_trace(config: RunConfig, folder: Path, plan: Plan, num_ranks: int) -> Trace | None:
@@ -298,7 +322,8 @@ def resume_run(
         plan = _load(checkpoint / PLAN_NAME, Plan)
     ahead = tuple(switch for switch in switches if switch.step >= start_step)
     trace = resolve_trace(config, out, plan, num_ranks)
-    return RunSetup(config, plan, num_ranks, out, start_step, checkpoint, planned, ahead, trace)
+    calibration = resolve_calibration(config, out)
+    return RunSetup(config, plan, num_ranks, out, start_step, checkpoint, planned, ahead, trace, calibration)
 
 
 def _check_same_work(plan: Plan, stored: Plan, where: Path) -> None:
@@ -374,6 +399,21 @@ def read_metrics(out: Path) -> list[dict[str, Any]]:
     return records
 
 
+def drop_decisions_from(out: Path, step: int) -> None:
+    """Drop the controller's decisions before steps >= `step` (a resume decides them again)."""
+    path = out / DECISIONS_NAME
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["observation"]["step"] < step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a kill: that decision is made again
+    write_text_atomic(path, "".join(kept))
+
+
 def prepare_folder(setup: RunSetup) -> None:
     """Write the config and plan, drop what a resume will redo (metrics of steps after the
     checkpoint, temporary folders of an interrupted save) and the previous failure log."""
@@ -385,11 +425,15 @@ def prepare_folder(setup: RunSetup) -> None:
         ]
         for switch, checked in zip(switches, setup.switches, strict=True):
             save_document(checked.move.plan, out / switch.plan)
-        trace = None
+        trace = calibration = None
         if setup.trace is not None:
             trace = TRACE_NAME
             save_document(setup.trace, out / TRACE_NAME)
-        config = setup.config.model_copy(update={"plan": PLAN_NAME, "plan_switches": switches, "trace": trace})
+        if setup.calibration is not None:
+            calibration = CALIBRATION_NAME
+            save_document(setup.calibration, out / CALIBRATION_NAME)
+        copies = {"plan": PLAN_NAME, "plan_switches": switches, "trace": trace, "calibration": calibration}
+        config = setup.config.model_copy(update=copies)
         save_document(config, out / CONFIG_NAME)
         save_document(setup.plan, out / PLAN_NAME)
     else:
@@ -398,6 +442,8 @@ def prepare_folder(setup: RunSetup) -> None:
             save_document(setup.plan, out / PLAN_NAME)
     kept = [record for record in read_metrics(out) if record["step"] < setup.start_step]
     write_text_atomic(out / METRICS_NAME, "".join(json.dumps(record) + "\n" for record in kept))
+    drop_decisions_from(out, setup.start_step)
+    timeline.drop_steps_from(out, setup.start_step)
     root = out / CHECKPOINTS_NAME
     if root.is_dir():
         for path in root.iterdir():

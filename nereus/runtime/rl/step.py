@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from nereus.cost.plan_cost import head_of
 from nereus.runtime import dist as launch
+from nereus.runtime import timeline
 from nereus.runtime.engine import Engine, EngineConfig, even_split
 from nereus.runtime.generate import SamplingConfig, generate
 from nereus.runtime.model import Batch
@@ -90,6 +91,13 @@ class StepMetrics:
     """Wall time per model-stage (slowest rank), plus `advantages` and `weight_sync`."""
     state_bytes_per_rank: list[int] = field(default_factory=list)
     """Bytes of parameters, gradients and optimizer moments every rank's engines hold, by rank."""
+    predicted_step_seconds: float | None = None
+    """The cost model's step time for the plan in force at the step's sizes, calibrated on the
+    steps before it (set by the run loop; None where nothing predicted it)."""
+    predicted_stage_seconds: dict[str, float] = field(default_factory=dict)
+    """The same prediction per model-stage (and `weight_sync`)."""
+    plan_index: int = 0
+    """Which plan is in force: 0 for the run's first, +1 at every transition or restart."""
 
 
 @dataclass
@@ -293,9 +301,11 @@ def sync_weights(syncs: list[tuple[Stage, Stage, ReshardPlan]]) -> None:
 
 @contextmanager
 def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
-    start = time.perf_counter()
+    """Add the block's wall time to `seconds[name]` and record it on the run's timeline."""
+    start, wall_start = time.perf_counter(), time.time()
     yield
     seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+    timeline.record("stage" if "/" in name else "phase", name, wall_start, time.time())
 
 
 def step_seed(seed: int, step: int) -> int:

@@ -90,6 +90,14 @@ class Replanner:
     _refits: dict[tuple[object, ...], Plan | None] = field(default_factory=dict, repr=False)
     _transitions: dict[tuple[PlanKey, PlanKey], TransitionVerdict] = field(default_factory=dict, repr=False)
 
+    def recalibrate(self, calibration: Calibration) -> None:
+        """Plan with `calibration` from now on; plans and times cached under the old one are dropped."""
+        self.calibration = calibration
+        self._plans.clear()
+        self._times.clear()
+        self._refits.clear()
+        self._transitions.clear()
+
     def workload_for(self, lengths: ResponseLengths) -> Workload:
         return self.base.workload.model_copy(update={"response_len": lengths})
 
