@@ -33,6 +33,8 @@ from nereus.runtime.model import (
 )
 from nereus.runtime.optim import AdamW, AdamWConfig
 from nereus.runtime.pipeline import (
+    ForwardStep,
+    Op,
     PipelineExecutor,
     StageLink,
     check_op_lists,
@@ -217,6 +219,20 @@ def even_split(num_rows: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+@dataclass(frozen=True)
+class TrainingJob:
+    """One stage's share of a started `forward_backward` (see `Engine.begin_forward_backward`)."""
+
+    ops: list[Op]
+    """This stage's ops, in the order the schedule runs them."""
+    forward_step: ForwardStep
+    """Micro-batch forward (on the last stage: its share of the normalised loss)."""
+    input_shape: Callable[[int], tuple[int, ...]]
+    """Shape of the hidden state a micro-batch's forward receives from the previous stage."""
+    earlier_grads: dict[str, torch.Tensor | None]
+    """The gradients held before the call, added back after this call's are reduced."""
+
+
 class Engine:
     """One rank's shard of a model in a RankLayout: forward, backward, AdamW, state."""
 
@@ -346,6 +362,20 @@ class Engine:
 
         `schedule`: per pipeline stage, the ordered ops ({kind: F|B, microbatch}); 1F1B if None.
         """
+        job = self.begin_forward_backward(batch, objective, num_microbatches, schedule)
+        outputs = self.executor.run(job.ops, job.forward_step, job.input_shape, train=True)
+        return self.finish_forward_backward(job, outputs)
+
+    def begin_forward_backward(
+        self,
+        batch: Batch,
+        objective: Objective,
+        num_microbatches: int = 1,
+        schedule: Sequence[Sequence[Any]] | None = None,
+    ) -> TrainingJob:
+        """The first half of `forward_backward`: check the schedule, set the held gradients
+        aside and zero them, and return this stage's ops and forward step. Run the ops (this
+        engine's executor, or a fused one sharing the ranks), then `finish_forward_backward`."""
         normalizer = float(objective.weights(batch).sum())
         if normalizer <= 0:
             raise ValueError("the batch has no token with a positive loss weight")
@@ -368,9 +398,13 @@ class Engine:
         # Reduce only this call's gradient: gradients already held were reduced by earlier calls.
         earlier = {name: param.grad for name, param in self.params.items()}
         self.zero_grad()
-        outputs = self.executor.run(op_lists[self.groups.stage], step, self._hidden_shape(batch, bounds), train=True)
+        return TrainingJob(op_lists[self.groups.stage], step, self._hidden_shape(batch, bounds), earlier)
+
+    def finish_forward_backward(self, job: TrainingJob, outputs: Mapping[int, torch.Tensor]) -> float:
+        """The second half of `forward_backward` once `job`'s ops ran (collective over the
+        layout): reduce the gradients, add back the ones set aside, return the loss."""
         self._sync_grads()
-        for name, grad in earlier.items():
+        for name, grad in job.earlier_grads.items():
             if grad is not None:
                 self.params[name].grad.add_(grad)  # type: ignore[union-attr]
         loss = torch.zeros((), device=self.device)

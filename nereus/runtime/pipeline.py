@@ -7,12 +7,14 @@ gradient from the next stage and sends its input's gradient back. Sends are asyn
 and receives block, so a stage waits only for data it needs; a list in which every stage
 could end up waiting is refused before anything runs (`check_op_lists`).
 
-Messages are tagged by micro-batch and direction, so stages may order micro-batches
-differently (gloo matches by tag; NCCL matches in order, which 1F1B satisfies).
+Messages are tagged by micro-batch, direction and channel (one channel per pipeline when
+several share the ranks, as in the fused actor-critic pipeline), so stages may order
+micro-batches differently (gloo matches by tag; NCCL matches in order, which 1F1B satisfies).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -102,39 +104,59 @@ def forward_only(num_stages: int, num_microbatches: int) -> list[list[Op]]:
 def check_op_lists(op_lists: Sequence[Sequence[Op]], num_microbatches: int, backward: bool) -> None:
     """Raise ValueError unless every stage runs each micro-batch's F once (and B once, after it)
     and the stages can run their lists to the end without all waiting on each other."""
-    num_stages = len(op_lists)
+    check_stage_ops(op_lists, num_microbatches, backward)
+    stuck = blocked_heads([[("", stage, op) for op in ops] for stage, ops in enumerate(op_lists)], {"": len(op_lists)})
+    if stuck:
+        heads = ", ".join(f"stage {stage} at {op}" for _, (_, stage, op) in stuck)
+        raise ValueError(f"pipeline schedule deadlocks: {heads} wait on each other")
+
+
+def check_stage_ops(op_lists: Sequence[Sequence[Op]], num_microbatches: int, backward: bool, what: str = "") -> None:
+    """Raise ValueError unless every stage runs each micro-batch's F once (and B once, after it).
+    `what` names the pipeline in the message (e.g. `actor `)."""
     kinds: tuple[OpKind, ...] = ("F", "B") if backward else ("F",)
     expected = sorted(Op(kind, mb) for kind in kinds for mb in range(num_microbatches))
     for stage, ops in enumerate(op_lists):
         if sorted(ops) != expected:
             want = "F and B" if backward else "F"
             raise ValueError(
-                f"pipeline stage {stage}: needs {want} of micro-batches 0..{num_microbatches - 1} once each"
+                f"{what}pipeline stage {stage}: needs {want} of micro-batches 0..{num_microbatches - 1} once each"
             )
         for mb in range(num_microbatches):
             if backward and ops.index(Op("B", mb)) < ops.index(Op("F", mb)):
-                raise ValueError(f"pipeline stage {stage}: B{mb} comes before F{mb}")
-    done: set[tuple[int, Op]] = set()
-    cursor = [0] * num_stages
+                raise ValueError(f"{what}pipeline stage {stage}: B{mb} comes before F{mb}")
+
+
+#: An op of one of several pipelines that share ranks: (pipeline name, its stage, the op).
+StageOp = tuple[str, int, Op]
+
+
+def blocked_heads(node_ops: Sequence[Sequence[StageOp]], num_stages: Mapping[str, int]) -> list[tuple[int, StageOp]]:
+    """Run every rank's list as far as it gets when sends never block and receives wait for
+    their data; the (rank, op) every rank that cannot finish waits at (empty: no deadlock).
+
+    Well-formed lists only (see `check_stage_ops`): each pipeline's stages run each op once.
+    """
+    done: set[StageOp] = set()
+    cursor = [0] * len(node_ops)
     progress = True
     while progress:
         progress = False
-        for stage, ops in enumerate(op_lists):
-            while cursor[stage] < len(ops) and _ready(stage, ops[cursor[stage]], num_stages, done):
-                done.add((stage, ops[cursor[stage]]))
-                cursor[stage] += 1
+        for node, ops in enumerate(node_ops):
+            while cursor[node] < len(ops) and _ready(ops[cursor[node]], num_stages, done):
+                done.add(ops[cursor[node]])
+                cursor[node] += 1
                 progress = True
-    stuck = [f"stage {s} at {ops[cursor[s]]}" for s, ops in enumerate(op_lists) if cursor[s] < len(ops)]
-    if stuck:
-        raise ValueError(f"pipeline schedule deadlocks: {', '.join(stuck)} wait on each other")
+    return [(node, ops[cursor[node]]) for node, ops in enumerate(node_ops) if cursor[node] < len(ops)]
 
 
-def _ready(stage: int, op: Op, num_stages: int, done: set[tuple[int, Op]]) -> bool:
+def _ready(item: StageOp, num_stages: Mapping[str, int], done: set[StageOp]) -> bool:
+    name, stage, op = item
     if op.kind == "F":
-        return stage == 0 or (stage - 1, op) in done
-    if stage == num_stages - 1:
-        return (stage, Op("F", op.microbatch)) in done
-    return (stage + 1, op) in done
+        return stage == 0 or (name, stage - 1, op) in done
+    if stage == num_stages[name] - 1:
+        return (name, stage, Op("F", op.microbatch)) in done
+    return (name, stage + 1, op) in done
 
 
 @dataclass(frozen=True)
@@ -156,13 +178,101 @@ class StageLink:
         return self.stage == self.num_stages - 1
 
 
-def _tag(microbatch: int, is_grad: bool) -> int:
-    return 2 * microbatch + int(is_grad)
+def _tag(microbatch: int, is_grad: bool, channel: int = 0, num_channels: int = 1) -> int:
+    """A message tag unique per micro-batch, direction and channel (one channel per pipeline
+    sharing the ranks), so two pipelines' messages between the same ranks never match."""
+    return 2 * (microbatch * num_channels + channel) + int(is_grad)
 
 
 #: forward_step(microbatch, input or None on the first stage) -> output (on the last stage:
 #: the scalar loss when training, the head output otherwise).
 ForwardStep = Callable[[int, torch.Tensor | None], torch.Tensor]
+
+#: A started send and the buffer it reads (kept alive until the send is waited on).
+PendingSend = tuple[Any, torch.Tensor]
+
+
+class PipelineLane:
+    """One pipeline's stage on this rank during one run: runs its ops one at a time.
+
+    A forward receives its input from the previous stage (blocking) and starts sending its
+    output on; a backward receives the output's gradient from the next stage and starts
+    sending its input's gradient back. Sends go to the caller's `pending` list.
+    """
+
+    def __init__(
+        self,
+        link: StageLink,
+        forward_step: ForwardStep,
+        input_shape: Callable[[int], tuple[int, ...]],
+        train: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+        channel: int = 0,
+        num_channels: int = 1,
+    ):
+        self.link = link
+        self.forward_step = forward_step
+        self.input_shape = input_shape
+        self.train = train
+        self.dtype = dtype
+        self.device = device
+        self.channel = channel
+        self.num_channels = num_channels
+        self.saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        """The last stage's forward outputs by micro-batch (detached)."""
+
+    def run_op(self, op: Op, pending: list[PendingSend]) -> float:
+        """Run `op`; returns the perf_counter time its input had arrived (compute began)."""
+        link, mb = self.link, op.microbatch
+        if op.kind == "F":
+            stage_input = None
+            if not link.is_first:
+                stage_input = self._recv(self.input_shape(mb), link.prev_rank, self._tag(mb, False))
+                stage_input.requires_grad_(self.train)
+            ready = time.perf_counter()
+            with torch.set_grad_enabled(self.train):
+                output = self.forward_step(mb, stage_input)
+            if link.is_last:
+                self.outputs[mb] = output.detach()
+            else:
+                pending.append(self._send(output.detach(), link.next_rank, self._tag(mb, False)))
+            if self.train:
+                self.saved[mb] = (stage_input, output)
+            return ready
+        stage_input, output = self.saved.pop(mb)
+        if link.is_last:
+            ready = time.perf_counter()
+            output.backward()
+        else:
+            grad = self._recv(tuple(output.shape), link.next_rank, self._tag(mb, True))
+            ready = time.perf_counter()
+            torch.autograd.backward(output, grad)
+        if stage_input is not None:
+            assert stage_input.grad is not None
+            pending.append(self._send(stage_input.grad, link.prev_rank, self._tag(mb, True)))
+        return ready
+
+    def _tag(self, microbatch: int, is_grad: bool) -> int:
+        return _tag(microbatch, is_grad, self.channel, self.num_channels)
+
+    def _recv(self, shape: tuple[int, ...], src: int | None, tag: int) -> torch.Tensor:
+        assert src is not None
+        tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
+        dist.recv(tensor, src=src, group=self.link.group, tag=tag)
+        return tensor
+
+    def _send(self, tensor: torch.Tensor, dst: int | None, tag: int) -> PendingSend:
+        """Start sending; the caller keeps the returned buffer alive until the send is waited on."""
+        assert dst is not None
+        buffer = tensor.contiguous()
+        return dist.isend(buffer, dst=dst, group=self.link.group, tag=tag), buffer
+
+
+def wait_all(pending: Sequence[PendingSend]) -> None:
+    for work, _buffer in pending:
+        work.wait()
 
 
 class PipelineExecutor:
@@ -181,47 +291,9 @@ class PipelineExecutor:
         train: bool,
     ) -> dict[int, torch.Tensor]:
         """Run `ops`; returns the last stage's forward outputs by micro-batch (detached)."""
-        link = self.link
-        pending: list[Any] = []
-        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        outputs: dict[int, torch.Tensor] = {}
+        lane = PipelineLane(self.link, forward_step, input_shape, train, self.dtype, self.device)
+        pending: list[PendingSend] = []
         for op in ops:
-            mb = op.microbatch
-            if op.kind == "F":
-                stage_input = None
-                if not link.is_first:
-                    stage_input = self._recv(input_shape(mb), link.prev_rank, _tag(mb, False))
-                    stage_input.requires_grad_(train)
-                with torch.set_grad_enabled(train):
-                    output = forward_step(mb, stage_input)
-                if link.is_last:
-                    outputs[mb] = output.detach()
-                else:
-                    pending.append(self._send(output.detach(), link.next_rank, _tag(mb, False)))
-                if train:
-                    saved[mb] = (stage_input, output)
-            else:
-                stage_input, output = saved.pop(mb)
-                if link.is_last:
-                    output.backward()
-                else:
-                    grad = self._recv(tuple(output.shape), link.next_rank, _tag(mb, True))
-                    torch.autograd.backward(output, grad)
-                if stage_input is not None:
-                    assert stage_input.grad is not None
-                    pending.append(self._send(stage_input.grad, link.prev_rank, _tag(mb, True)))
-        for work, _buffer in pending:
-            work.wait()
-        return outputs
-
-    def _recv(self, shape: tuple[int, ...], src: int | None, tag: int) -> torch.Tensor:
-        assert src is not None
-        tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
-        dist.recv(tensor, src=src, group=self.link.group, tag=tag)
-        return tensor
-
-    def _send(self, tensor: torch.Tensor, dst: int | None, tag: int) -> tuple[Any, torch.Tensor]:
-        """Start sending; the caller keeps the returned buffer alive until the send is waited on."""
-        assert dst is not None
-        buffer = tensor.contiguous()
-        return dist.isend(buffer, dst=dst, group=self.link.group, tag=tag), buffer
+            lane.run_op(op, pending)
+        wait_all(pending)
+        return lane.outputs

@@ -34,6 +34,8 @@ from nereus.cost.plan_cost import head_of
 from nereus.runtime import dist as launch
 from nereus.runtime import timeline
 from nereus.runtime.engine import Engine, EngineConfig, even_split
+from nereus.runtime.fused_pipeline import FusedPart, OpTiming, fused_train_step
+from nereus.runtime.fused_schedule import fused_schedule
 from nereus.runtime.generate import SamplingConfig, generate
 from nereus.runtime.model import Batch
 from nereus.runtime.optim import AdamWConfig
@@ -55,7 +57,7 @@ from nereus.runtime.shard_layout import RankLayout, stage_layout
 from nereus.runtime.sharded_state import state_meta
 from nereus.runtime.tensor_parallel import TensorParallel
 from nereus.spec.model import Head, Model
-from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.plan import Fusion, Plan, StagePlan
 from nereus.spec.workload import Role
 
 #: Weight syncs after training: (source model-stage, target model-stage).
@@ -435,33 +437,86 @@ def run_training(
     advantages: torch.Tensor,
     returns: torch.Tensor | None,
     seconds: dict[str, float],
+    *,
+    fusion: Fusion | None = None,
+    op_timings: list[OpTiming] | None = None,
 ) -> tuple[float, float | None]:
     """Actor and critic updates, then one exchange of their losses (so a critic on its own pool
-    trains while the actor does); the mean actor and critic losses."""
+    trains while the actor does); the mean actor and critic losses.
+
+    Under `intra_stage` fusion (`fusion`, or the plan's block when None) both train together in
+    the fused pipeline, mini-batch by mini-batch (`fused_training`), and each fused op's timing
+    on this rank is appended to `op_timings` when given.
+    """
     workload = plan.workload
     fields = {"old_log_probs": rollout.old_log_probs, "ref_log_probs": rollout.ref_log_probs, "advantages": advantages}
     actor = stages["actor/training"]
-    with timed(seconds, "actor/training"):
-        kl_loss_coef = 0.0 if workload.algorithm == "ppo" else config.kl_loss_coef
-        tp = actor.engine.groups.tp if actor.engine is not None else TensorParallel.single()
-        objective = PolicyObjective(config.clip_eps, kl_loss_coef, config.entropy_coef, tp)
-        actor_batch = Batch(batch.tokens, batch.attention_mask, {**batch.fields, **fields})
-        actor_losses = local_train(actor, actor_batch, objective, workload.mini_batches, workload.ppo_epochs)
+    kl_loss_coef = 0.0 if workload.algorithm == "ppo" else config.kl_loss_coef
+    tp = actor.engine.groups.tp if actor.engine is not None else TensorParallel.single()
+    objective = PolicyObjective(config.clip_eps, kl_loss_coef, config.entropy_coef, tp)
+    actor_batch = Batch(batch.tokens, batch.attention_mask, {**batch.fields, **fields})
     critic = stages.get("critic/training")
     critic_losses = None
     if critic is not None:
         assert rollout.old_values is not None and returns is not None, "a critic is trained under ppo only"
         critic_fields = {**batch.fields, "old_values": rollout.old_values, "returns": returns}
         critic_batch = Batch(batch.tokens, batch.attention_mask, critic_fields)
-        with timed(seconds, "critic/training"):
-            value_objective = ClippedValueObjective(config.value_clip_eps)
-            critic_losses = local_train(
-                critic, critic_batch, value_objective, workload.mini_batches, workload.ppo_epochs
-            )
+        value_objective = ClippedValueObjective(config.value_clip_eps)
+    if (plan.fusion if fusion is None else fusion).intra_stage:
+        assert critic is not None, "intra-stage fusion needs a critic (refused with the plan otherwise)"
+        actor_job = (actor, actor_batch, objective)
+        critic_job = (critic, critic_batch, value_objective)
+        actor_losses, critic_losses = fused_training(plan, actor_job, critic_job, seconds, op_timings)
+    else:
+        with timed(seconds, "actor/training"):
+            actor_losses = local_train(actor, actor_batch, objective, workload.mini_batches, workload.ppo_epochs)
+        if critic is not None:
+            with timed(seconds, "critic/training"):
+                critic_losses = local_train(
+                    critic, critic_batch, value_objective, workload.mini_batches, workload.ppo_epochs
+                )
     with timed(seconds, "exchange"):
         actor_loss = gather_loss(actor, actor_losses)
         critic_loss = None if critic is None or critic_losses is None else gather_loss(critic, critic_losses)
     return actor_loss, critic_loss
+
+
+#: A training model-stage, the batch it trains on and its objective.
+TrainingJob = tuple[Stage, Batch, Any]
+
+
+def fused_training(
+    plan: Plan,
+    actor_job: TrainingJob,
+    critic_job: TrainingJob,
+    seconds: dict[str, float],
+    op_timings: list[OpTiming] | None,
+) -> tuple[list[float], list[float]]:
+    """Epochs of mini-batch updates of actor and critic together, each mini-batch one run of
+    the plan's fused schedule (`fused_schedule`, cached per plan); each update's losses (none
+    off the training ranks). Both model-stages ran for the whole phase, so `seconds` gets its
+    wall time under actor/training and critic/training alike."""
+    workload = plan.workload
+    (actor, actor_batch, actor_objective), (critic, critic_batch, critic_objective) = actor_job, critic_job
+    actor_losses: list[float] = []
+    critic_losses: list[float] = []
+    # Searched once per plan (cached), outside the timed phase.
+    schedule = fused_schedule(plan) if actor.engine is not None else None
+    with timed(seconds, "actor/training"), timed(seconds, "critic/training"):
+        if schedule is not None:
+            assert actor.engine is not None and critic.engine is not None, "fusion trains both on the same ranks"
+            for _ in range(workload.ppo_epochs):
+                for start, stop in even_split(actor_batch.num_rows, workload.mini_batches):
+                    parts = [
+                        FusedPart("actor", actor.engine, actor_batch.rows(start, stop), actor_objective),
+                        FusedPart("critic", critic.engine, critic_batch.rows(start, stop), critic_objective),
+                    ]
+                    (actor_loss, critic_loss), timings = fused_train_step(parts, schedule)
+                    actor_losses.append(actor_loss)
+                    critic_losses.append(critic_loss)
+                    if op_timings is not None:
+                        op_timings.extend(timings)
+    return actor_losses, critic_losses
 
 
 def state_bytes_per_rank(stages: dict[str, Stage]) -> list[int]:

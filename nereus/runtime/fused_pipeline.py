@@ -1,0 +1,200 @@
+"""The fused actor-critic pipeline executor: RLHFuse's intra-stage fusion on real ranks.
+
+Actor and critic train with the same pp on the same ranks: actor stage s and critic stage
+N-1-s share a rank, so the two pipelines run in opposite directions and each fills the
+other's bubbles. Every rank runs its node's ops of a fused `Schedule` (`nereus schedule
+fuse`, or `fused_schedule(plan)`) in the schedule's order, both models interleaved: sends
+never block, receives wait for their data, and each model's messages carry their own tag
+channel, so an actor activation and a critic gradient between the same two ranks never
+match each other. Before anything runs, the whole schedule (every node, both models) is
+checked to finish without all ranks waiting on each other.
+
+The gradients are exactly those of separate actor and critic training: each model's
+micro-batches, loss normalisation and gradient reduction are its engine's own
+(`Engine.begin_forward_backward` / `finish_forward_backward`); only the op order differs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from nereus.runtime.engine import Engine, Objective
+from nereus.runtime.model import Batch
+from nereus.runtime.pipeline import (
+    PendingSend,
+    PipelineLane,
+    StageOp,
+    blocked_heads,
+    check_stage_ops,
+    op_lists_from_schedule,
+    parse_op,
+    wait_all,
+)
+
+if TYPE_CHECKING:
+    from nereus.spec.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class FusedPart:
+    """One model of the fused pipeline on this rank and what it trains on."""
+
+    name: str
+    """The model's name in the schedule (`actor`, `critic`)."""
+    engine: Engine
+    batch: Batch
+    """The global mini-batch (each replica takes its rows, as in `Engine.forward_backward`)."""
+    objective: Objective
+
+
+@dataclass(frozen=True)
+class OpTiming:
+    """When one op of the fused pipeline ran on one rank (`time.perf_counter` readings of
+    that rank's process; subtract a reading taken on the same rank, e.g. the step's start)."""
+
+    rank: int
+    model: str
+    """The schedule's model name (`actor`, `critic`)."""
+    kind: str
+    """F (forward) or B (backward)."""
+    microbatch: int
+    stage: int
+    """The model's pipeline stage on this rank."""
+    start: float
+    """The rank began the op (from here to `ready` it waited for its input)."""
+    ready: float
+    """Its input had arrived and compute began."""
+    end: float
+    """Compute done and the output's send started."""
+
+
+def schedule_node_ops(schedule: Schedule) -> list[list[StageOp]]:
+    """Every node's ops of a single-replica-per-model `Schedule`, as (model, stage, op) with
+    the model's local micro-batch ids (see `op_lists_from_schedule`)."""
+    local = {}
+    for record in schedule.models:
+        if len(record.replica_microbatches) != 1:
+            raise ValueError(
+                f"schedule model {record.name!r} runs as {len(record.replica_microbatches)} replicas; "
+                "the fused executor runs models with the same pp (one replica each)"
+            )
+        local[record.name] = {mb: index for index, mb in enumerate(record.replica_microbatches[0])}
+    node_ops: list[list[StageOp]] = [[] for _ in range(schedule.num_nodes)]
+    for node in schedule.nodes:
+        for op in node.ops:
+            node_ops[node.node].append(
+                (op.model, op.stage, parse_op({"kind": op.kind, "microbatch": local[op.model][op.microbatch]}))
+            )
+    return node_ops
+
+
+def check_fused_schedule(schedule: Schedule) -> list[list[StageOp]]:
+    """Every node's ops after checking that each model's stages run each of its micro-batches'
+    F and B once (B after F) and that the nodes finish without all waiting on each other;
+    ValueError otherwise."""
+    node_ops = schedule_node_ops(schedule)
+    num_stages = {record.name: len(record.forward) for record in schedule.models}
+    for record in schedule.models:
+        check_stage_ops(op_lists_from_schedule(schedule, record.name), record.microbatches, True, f"{record.name} ")
+    stuck = blocked_heads(node_ops, num_stages)
+    if stuck:
+        heads = ", ".join(f"node {node} at {model} {op} of stage {stage}" for node, (model, stage, op) in stuck)
+        raise ValueError(f"fused pipeline schedule deadlocks: {heads} wait on each other")
+    return node_ops
+
+
+def node_of(schedule: Schedule, part: FusedPart) -> int:
+    """The schedule node this rank is, from where `part`'s stage runs."""
+    record = next((r for r in schedule.models if r.name == part.name), None)
+    if record is None:
+        raise ValueError(f"schedule has no model {part.name!r}")
+    groups = part.engine.groups
+    if len(record.forward) != groups.layout.pp:
+        raise ValueError(
+            f"schedule model {part.name!r} has {len(record.forward)} stages, its engine pp={groups.layout.pp}"
+        )
+    return record.replica_nodes[0][groups.stage]
+
+
+class FusedExecutor:
+    """Runs one rank's interleaved ops of several pipelines (one `PipelineLane` per model)."""
+
+    def __init__(self, lanes: dict[str, PipelineLane]):
+        self.lanes = lanes
+
+    def run(self, ops: Sequence[StageOp]) -> list[OpTiming]:
+        """Run `ops` in order, then wait for every send; each op's timing."""
+        rank = dist.get_rank()
+        pending: list[PendingSend] = []
+        timings = []
+        for model, stage, op in ops:
+            lane = self.lanes[model]
+            assert lane.link.stage == stage, (model, stage, lane.link.stage)
+            start = time.perf_counter()
+            ready = lane.run_op(op, pending)
+            timings.append(OpTiming(rank, model, op.kind, op.microbatch, stage, start, ready, time.perf_counter()))
+        wait_all(pending)
+        return timings
+
+
+def fused_forward_backward(parts: Sequence[FusedPart], schedule: Schedule) -> tuple[list[float], list[OpTiming]]:
+    """Every part's `forward_backward` on its mini-batch, run together as `schedule` interleaves
+    them on this rank (collective over the parts' ranks); each part's loss and the op timings.
+
+    Every part's engine must sit on this rank, at the stage the schedule places on this
+    rank's node; each model's micro-batch count is the schedule's.
+    """
+    node_ops = check_fused_schedule(schedule)
+    nodes = {node_of(schedule, part) for part in parts}
+    if len(nodes) != 1:
+        placed = ", ".join(f"{part.name} stage {part.engine.groups.stage}" for part in parts)
+        raise ValueError(f"this rank holds {placed}, which the schedule puts on different nodes {sorted(nodes)}")
+    node = nodes.pop()
+    microbatches = {record.name: record.microbatches for record in schedule.models}
+    if sorted(part.name for part in parts) != sorted(microbatches):
+        raise ValueError(f"the schedule fuses {', '.join(microbatches)}; give one part for each")
+    lanes, jobs = {}, []
+    for channel, part in enumerate(parts):
+        engine = part.engine
+        op_lists = op_lists_from_schedule(schedule, part.name)
+        job = engine.begin_forward_backward(part.batch, part.objective, microbatches[part.name], op_lists)
+        mine = [op for model, _, op in node_ops[node] if model == part.name]
+        assert mine == job.ops, (part.name, mine, job.ops)
+        executor = engine.executor
+        lanes[part.name] = PipelineLane(
+            engine.groups.link, job.forward_step, job.input_shape, True, executor.dtype, executor.device,
+            channel, len(parts),
+        )  # fmt: skip
+        jobs.append(job)
+    timings = FusedExecutor(lanes).run(node_ops[node])
+    losses = [
+        part.engine.finish_forward_backward(job, lanes[part.name].outputs)
+        for part, job in zip(parts, jobs, strict=True)
+    ]
+    return losses, timings
+
+
+def fused_train_step(parts: Sequence[FusedPart], schedule: Schedule) -> tuple[list[float], list[OpTiming]]:
+    """Every part's `train_step` (zero_grad, forward_backward, update), fused by `schedule`."""
+    for part in parts:
+        part.engine.zero_grad()
+    losses, timings = fused_forward_backward(parts, schedule)
+    for part in parts:
+        part.engine.update()
+    return losses, timings
+
+
+__all__ = [
+    "FusedExecutor",
+    "FusedPart",
+    "OpTiming",
+    "check_fused_schedule",
+    "fused_forward_backward",
+    "fused_train_step",
+    "schedule_node_ops",
+]

@@ -1,0 +1,99 @@
+"""Intra-stage fusion of a plan, without torch: whether the plan can run it, and its schedule.
+
+Under `fusion.intra_stage` the actor and critic train in one bidirectional pipeline on the
+same ranks (RLHFuse's intra-stage fusion): actor stage s and critic stage N-1-s share a rank,
+so the critic's EMU lists the actor's GPUs stage by stage in reverse. The op order each rank
+runs is the fused schedule `nereus schedule fuse --plan` searches, built here in-process
+from the plan (same library, same cost-model times and activation cap) and cached per plan.
+
+The search runs with a fixed iteration budget and one seed, never a wall-clock limit, so
+every rank that builds the schedule of a plan gets the very same op order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from nereus.errors import NereusError
+from nereus.spec.plan import Plan, StagePlan
+
+if TYPE_CHECKING:
+    from nereus.spec.schedule import Schedule
+
+#: Annealing neighbours of the run-time schedule search (one seed): a deterministic budget
+#: that takes well under a second for pipelines of a few stages and micro-batches.
+SEARCH_ITERATIONS = 3000
+#: Only a guard: the iteration budget ends the search long before (a wall-clock end would
+#: make ranks disagree on the schedule).
+SEARCH_TIME_LIMIT_S = 3600.0
+
+
+def reversed_stages(entry: StagePlan) -> list[list[int]]:
+    """`entry`'s EMUs with their pipeline stages in reverse order (tensor ranks kept in order)."""
+    tp = entry.tp
+    return [
+        [gpu for stage in reversed(range(entry.pp)) for gpu in emu[stage * tp : (stage + 1) * tp]] for emu in entry.emus
+    ]
+
+
+def intra_stage_problems(plan: Plan) -> list[str]:
+    """Why `plan` cannot run `fusion.intra_stage` (empty when it can, or when fusion is off).
+
+    Call it on the plan a run uses, with the run config's `fusion:` block applied.
+    """
+    if not plan.fusion.intra_stage:
+        return []
+    field = "fusion.intra_stage"
+    try:
+        actor, critic = plan.stage_plan("actor/training"), plan.stage_plan("critic/training")
+    except KeyError as missing:
+        return [f"{field}: the plan has no {missing.args[0]} stage; intra-stage fusion trains actor and critic "
+                "together (PPO); set intra_stage: false"]  # fmt: skip
+    if (actor.tp, actor.pp, actor.dp) != (critic.tp, critic.pp, critic.dp):
+        return [
+            f"{field}: actor/training is tp={actor.tp} pp={actor.pp} dp={actor.dp} but critic/training is "
+            f"tp={critic.tp} pp={critic.pp} dp={critic.dp}; fusion needs both with the same layout on the "
+            "same ranks, or intra_stage: false"
+        ]
+    expected = reversed_stages(actor)
+    if critic.emus != expected:
+        return [
+            f"{field}: critic/training emus {critic.emus} must be actor/training's {actor.emus} with the "
+            f"pipeline stages reversed, {expected} (critic stage 0 shares ranks with actor stage {actor.pp - 1}); "
+            "fix critic/training emus or set intra_stage: false"
+        ]
+    try:
+        fused_schedule(plan)
+    except NereusError as error:
+        return [f"{field}: no fused schedule for this plan: {error}"]
+    return []
+
+
+def fused_schedule(plan: Plan) -> Schedule:
+    """The fused actor-critic `Schedule` of `plan`'s training stages (cached per plan);
+    NereusError when the plan has none (e.g. no memory left for activations)."""
+    # The key: everything of the plan the schedule depends on.
+    key = plan.model_dump_json(include={"cluster", "models", "workload", "stages"})
+    if key not in _SCHEDULES:
+        if len(_SCHEDULES) >= MAX_CACHED_SCHEDULES:
+            _SCHEDULES.pop(next(iter(_SCHEDULES)))
+        _SCHEDULES[key] = _search(plan)
+    return _SCHEDULES[key]
+
+
+#: Plans whose schedules stay cached (a run switches between a few plans at most).
+MAX_CACHED_SCHEDULES = 8
+_SCHEDULES: dict[str, Schedule] = {}
+
+
+def _search(plan: Plan) -> Schedule:
+    from nereus.solver.pipeline.document import to_document
+    from nereus.solver.pipeline.from_plan import plan_pipelines
+    from nereus.solver.pipeline.search import SearchConfig, search_fused
+
+    pipelines = plan_pipelines(plan)
+    if pipelines.activation_cap <= 0:
+        raise NereusError("the actor and critic training states leave no GPU memory for activations")
+    config = SearchConfig(time_limit_s=SEARCH_TIME_LIMIT_S, seeds=1, max_iterations=SEARCH_ITERATIONS)
+    result = search_fused(pipelines.actor, pipelines.critic, config, activation_cap=pipelines.activation_cap)
+    return to_document(result, time_unit="s", memory_unit="GiB")
