@@ -25,7 +25,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,7 @@ from nereus.runtime.rl.algorithms import (
     token_rewards,
 )
 from nereus.runtime.rl.config import RLConfig, RunConfig
+from nereus.runtime.rl.inter_stage import migration_settings
 from nereus.runtime.rl.objectives import ClippedValueObjective, PolicyObjective, align_to_tokens, values_to_tokens
 from nereus.runtime.rl.tasks import CharTokenizer, Problem, encode_prompt, get_task, sample_problems
 from nereus.runtime.rl.tasks import score_response as rule_score
@@ -59,6 +60,9 @@ from nereus.runtime.tensor_parallel import TensorParallel
 from nereus.spec.model import Head, Model
 from nereus.spec.plan import Fusion, Plan, StagePlan
 from nereus.spec.workload import Role
+
+if TYPE_CHECKING:
+    from nereus.runtime.rl.fused_rollout import RolloutEvent
 
 #: Weight syncs after training: (source model-stage, target model-stage).
 WEIGHT_SYNCS = (
@@ -151,15 +155,21 @@ def by_replica(stage: Stage, value: Any) -> list[Any]:
 # ---- phases ----
 
 
-def generate_responses(stage: Stage, prompts: list[list[int]], sampling: SamplingConfig) -> list[list[int]]:
-    """Every prompt's response, each replica sampling its contiguous share with its own seed."""
+def generate_responses(
+    stage: Stage, prompts: list[list[int]], sampling: SamplingConfig, budgets: list[int] | None = None
+) -> list[list[int]]:
+    """Every prompt's response, each replica sampling its contiguous share; prompt i is sample
+    i (its tokens come from its own generator, whichever replica decodes it) and stops after
+    `budgets[i]` tokens when given."""
     engine = stage.engine
     mine = None
     if engine is not None:
         start, stop = even_split(len(prompts), stage.layout.dp)[engine.groups.replica]
-        seed = sampling.seed * 1009 + engine.groups.replica
-        replica_sampling = dataclasses.replace(sampling, seed=seed)
-        mine = generate(engine, prompts[start:stop], replica_sampling).responses()
+        if stop > start:
+            share = None if budgets is None else budgets[start:stop]
+            mine = generate(engine, prompts[start:stop], sampling, range(start, stop), share).responses()
+        else:
+            mine = []
     return [response for share in by_replica(stage, mine) for response in share]
 
 
@@ -188,18 +198,22 @@ INFERENCE_KINDS = {
 
 
 def local_infer(stage: Stage, batch: Batch, kind: str) -> torch.Tensor | None:
-    """[rows, t] of this rank's replica (None off the stage's ranks): token-aligned `log_probs`
-    or `values` (of emitting each token), or the value head's `position_values` as they come."""
+    """[rows, t] of this rank's replica (None off the stage's ranks): `replica_infer` of its rows."""
     engine = stage.engine
     if engine is None:
         return None
-    mine = engine.replica_rows(batch)
+    return replica_infer(engine, engine.replica_rows(batch), kind, stage.plan.micro_batches)
+
+
+def replica_infer(engine: Engine, rows: Batch, kind: str, micro_batches: int) -> torch.Tensor:
+    """[rows, t] of `rows` on this replica (collective over its ranks): token-aligned
+    `log_probs` or `values` (of emitting each token), or the value head's `position_values`."""
     if kind == "log_probs":
-        return align_to_tokens(engine.log_probs(mine, stage.plan.micro_batches)).cpu()
+        return align_to_tokens(engine.log_probs(rows, micro_batches)).cpu()
     if kind == "values":
-        return values_to_tokens(engine.values(mine, stage.plan.micro_batches)).cpu()
+        return values_to_tokens(engine.values(rows, micro_batches)).cpu()
     assert kind == "position_values", kind
-    return engine.values(mine, stage.plan.micro_batches).cpu()
+    return engine.values(rows, micro_batches).cpu()
 
 
 def gather_rows(stage: Stage, rows: torch.Tensor | None) -> torch.Tensor:
@@ -359,8 +373,13 @@ def rl_step(
     stages: dict[str, Stage],
     syncs: list[tuple[Stage, Stage, ReshardPlan]],
     step: int,
+    *,
+    fusion: Fusion | None = None,
+    events: list[RolloutEvent] | None = None,
 ) -> StepMetrics:
-    """One RL step on this rank (collective over the world)."""
+    """One RL step on this rank (collective over the world). `fusion` replaces the plan's
+    fusion block when given; under inter-stage fusion this rank's rollout events are appended
+    to `events` when given."""
     workload, tokenizer, task = plan.workload, CharTokenizer(), get_task(config.task)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -377,16 +396,30 @@ def rl_step(
         seed=seed,
     )
 
-    with timed(seconds, "actor/generation"):
-        responses = generate_responses(stages["actor/generation"], prompts, sampling)
-        greedy = None
-        if workload.algorithm == "remax":
+    in_force = plan.fusion if fusion is None else fusion
+    inferred = None
+    if in_force.inter_stage:
+        # Imported here: the fused rollout builds on this module's helpers.
+        from nereus.runtime.rl.fused_rollout import fused_rollout
+
+        settings = migration_settings(plan, in_force)
+        fused = fused_rollout(stages, prompts, sampling, settings, seconds)
+        responses, inferred = fused.responses, fused.inferred
+        if events is not None:
+            events.extend(fused.events)
+    else:
+        with timed(seconds, "actor/generation"):
+            responses = generate_responses(stages["actor/generation"], prompts, sampling)
+    greedy = None
+    if workload.algorithm == "remax":
+        with timed(seconds, "actor/generation"):
             greedy_sampling = dataclasses.replace(sampling, temperature=0.0)
             greedy = generate_responses(stages["actor/generation"], prompts, greedy_sampling)
     batch = rollout_batch(prompts, responses, tokenizer.pad_id)
     mask = batch.field("loss_mask")
 
-    inferred = run_inference(stages, batch, seconds)
+    if inferred is None:
+        inferred = run_inference(stages, batch, seconds)
     with timed(seconds, "reward/inference"):
         rule_scores = score_all(tokenizer, problems, responses)
         reward_values = inferred.get("reward/inference")

@@ -1,0 +1,381 @@
+"""Inter-stage fusion (RLHFuse): sample-level generation and inference with one long-tail migration.
+
+Run on every rank of the world (collective). The actor/generation replicas decode their
+contiguous shares of the prompts in lock-step, counting the samples still generating over
+all replicas after every step. Once at most `threshold x batch` remain, they migrate to the
+fewest replicas that fit them (a replica fits as many as its starting share; those with the
+most remaining samples keep theirs, moved samples go to the least loaded): each moved row's
+KV cache goes from every (stage, tensor rank) of its replica to the same position of the
+destination, or only its tokens go and the destination recomputes the prefix, whichever the
+cost model says is cheaper (`inter_stage.migration_mechanism`). Sampling is per sample
+(`generate.sample_seed`), so a sample's tokens do not depend on where it is decoded.
+
+The destinations decode the tail. Meanwhile every inference model-stage replica clear of the
+destinations' ranks runs its share of the samples already finished (reference and actor
+log-probs, critic values, reward-model values). After the tail, the samples not yet inferred
+are split over every replica of each stage, and one exchange gives every rank the whole batch,
+laid out exactly as the unfused step's rollout batch. Each rank also returns its events.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nereus.runtime import dist as launch
+from nereus.runtime.engine import even_split
+from nereus.runtime.generate import CachedForward, Decoder, HandOff, SamplingConfig
+from nereus.runtime.model import Batch
+from nereus.runtime.rl.inter_stage import INFERENCE_STAGES, MigrationSettings, migration_mechanism
+from nereus.runtime.rl.step import INFERENCE_KINDS, Stage, replica_infer, rollout_batch, timed
+
+#: What a `RolloutEvent` records.
+EVENT_KINDS = (
+    "generation_start",
+    "sample_finished",
+    "migration_start",
+    "migration_end",
+    "generation_end",
+    "inference_start",
+    "inference_end",
+)
+
+
+@dataclass(frozen=True)
+class RolloutEvent:
+    """One moment of the fused rollout on one rank."""
+
+    kind: str
+    """One of `EVENT_KINDS`."""
+    rank: int
+    time_s: float
+    """`time.perf_counter()` on that rank (one monotonic clock for all local ranks)."""
+    model_stage: str | None = None
+    """The inference model-stage (inference_start/end), else None."""
+    samples: tuple[int, ...] = ()
+    """Samples concerned: finished at this step, migrated, or inferred."""
+
+
+@dataclass(frozen=True)
+class Migration:
+    """The long-tail migration the rollout made (the same on every rank)."""
+
+    remaining: int
+    """Samples still generating when it triggered."""
+    destinations: tuple[int, ...]
+    """Generation replicas that decoded the tail."""
+    moved: tuple[int, ...]
+    """Samples that changed replica."""
+    mechanism: str
+    """`kv-transfer` or `recompute` (`none` when no sample moved)."""
+
+
+@dataclass(frozen=True)
+class FusedRollout:
+    """Responses and inference results of the batch, as the unfused step gets them."""
+
+    responses: list[list[int]]
+    inferred: dict[str, torch.Tensor]
+    """Per inference model-stage, [batch, seq] aligned with `rollout_batch(prompts, responses)`."""
+    events: list[RolloutEvent]
+    """This rank's events, in time order."""
+    migration: Migration | None
+    """None when the batch finished, or left no replica free, before the threshold."""
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.rank = dist.get_rank()
+        self.events: list[RolloutEvent] = []
+
+    def note(self, kind: str, model_stage: str | None = None, samples: Sequence[int] = ()) -> None:
+        self.events.append(RolloutEvent(kind, self.rank, time.perf_counter(), model_stage, tuple(samples)))
+
+
+def _leads(stage: Stage) -> bool:
+    """Whether this rank speaks for its replica of `stage` in exchanges."""
+    engine = stage.engine
+    return engine is not None and engine.groups.stage == 0 and engine.groups.tp.rank == 0
+
+
+def _active_counts(generation: Stage, decoder: Decoder | None) -> list[int]:
+    """Samples still generating on every generation replica (collective over the world)."""
+    counts = torch.zeros(generation.layout.dp, dtype=torch.float64, device=launch.device())
+    if decoder is not None and _leads(generation):
+        assert generation.engine is not None
+        counts[generation.engine.groups.replica] = decoder.num_active
+    dist.all_reduce(counts)
+    return [int(count) for count in counts.tolist()]
+
+
+def _gather(value: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def plan_moves(active: Sequence[Sequence[int]], capacity: int) -> tuple[list[int], dict[tuple[int, int], list[int]]]:
+    """Destinations (the fewest replicas holding at most `capacity` each, those with the most
+    active samples first) and the samples each other replica sends each destination."""
+    remaining = sum(len(ids) for ids in active)
+    count = math.ceil(remaining / capacity)
+    order = sorted(range(len(active)), key=lambda replica: (-len(active[replica]), replica))
+    destinations = sorted(order[:count])
+    load = {d: len(active[d]) for d in destinations}
+    moves: dict[tuple[int, int], list[int]] = {}
+    for source in range(len(active)):
+        if source in load:
+            continue
+        for sample in active[source]:
+            target = min(destinations, key=lambda d: (load[d], d))
+            moves.setdefault((source, target), []).append(sample)
+            load[target] += 1
+    return destinations, moves
+
+
+def _send(hand_off: HandOff, dst: int) -> None:
+    shapes = None if hand_off.kv is None else [tuple(kv.shape) for kv in hand_off.kv]
+    dist.send_object_list([replace(hand_off, kv=None), shapes], dst=dst)
+    if hand_off.kv is not None:
+        dist.send(torch.cat([kv.reshape(-1) for kv in hand_off.kv]).to(launch.device()), dst=dst)
+
+
+def _receive(src: int) -> HandOff:
+    header: list[Any] = [None, None]
+    dist.recv_object_list(header, src=src)
+    hand_off, shapes = header
+    if shapes is None:
+        return hand_off
+    flat = torch.empty(sum(math.prod(shape) for shape in shapes), device=launch.device())
+    dist.recv(flat, src=src)
+    pieces = flat.cpu().split([math.prod(shape) for shape in shapes])
+    return replace(hand_off, kv=[piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)])
+
+
+def _migrate(generation: Stage, decoder: Decoder | None, moves: dict[tuple[int, int], list[int]], cache: bool) -> None:
+    """Each move's rows go from every (stage, tensor rank) of the source replica to the same
+    position of the destination. Sources only send and destinations only receive, in one
+    global order, so the point-to-point messages cannot deadlock."""
+    layout, rank = generation.layout, dist.get_rank()
+    for (source, target), samples in sorted(moves.items()):
+        for stage in range(layout.pp):
+            for tp_rank in range(layout.tp):
+                src, dst = layout.rank_at(source, stage, tp_rank), layout.rank_at(target, stage, tp_rank)
+                if rank == src:
+                    assert decoder is not None
+                    _send(decoder.take(samples, cache), dst)
+                elif rank == dst:
+                    assert decoder is not None
+                    decoder.receive(_receive(src))
+
+
+def _infer_samples(
+    stage: Stage, kind: str, samples: list[int], prompts: Sequence[list[int]], responses: dict[int, list[int]]
+) -> tuple[list[int], torch.Tensor, int] | None:
+    """This replica's rows of `samples` (None when it has none or is off the stage): the
+    sample ids, their token-aligned rows and the batch's prompt width."""
+    if stage.engine is None or not samples:
+        return None
+    batch = rollout_batch([prompts[s] for s in samples], [responses[s] for s in samples], 0)
+    rows = replica_infer(stage.engine, batch, kind, min(stage.plan.micro_batches, len(samples)))
+    return samples, rows, max(len(prompts[s]) for s in samples)
+
+
+def _share(samples: list[int], replicas: list[int], replica: int) -> list[int]:
+    """Replica `replica`'s contiguous share of `samples` split over `replicas`."""
+    if replica not in replicas:
+        return []
+    start, stop = even_split(len(samples), len(replicas))[replicas.index(replica)]
+    return samples[start:stop]
+
+
+def _clear_replicas(stage: Stage, busy_ranks: set[int]) -> list[int]:
+    layout = stage.layout
+    size = layout.tp * layout.pp
+    return [d for d in range(layout.dp) if not set(layout.ranks[d * size : (d + 1) * size]) & busy_ranks]
+
+
+def _place(
+    batch: Batch, prompts: Sequence[list[int]], parts: list[tuple[list[int], torch.Tensor, int]]
+) -> torch.Tensor:
+    """Rows computed on sub-batches, moved into the whole rollout batch's columns (zeros off
+    the real tokens, which every consumer masks out)."""
+    width = max(len(p) for p in prompts)
+    lengths = batch.attention_mask.sum(dim=1) if batch.attention_mask is not None else None
+    assert lengths is not None
+    out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+    for samples, rows, sub_width in parts:
+        for row, sample in enumerate(samples):
+            start, real = len(prompts[sample]), int(lengths[sample])
+            out[sample, width - start : width - start + real] = rows[row, sub_width - start : sub_width - start + real]
+    return out
+
+
+def _plan_migration(
+    generation: Stage,
+    decoder: Decoder | None,
+    counts: list[int],
+    capacity: int,
+    settings: MigrationSettings,
+    mechanism: str | None,
+) -> tuple[Migration, dict[tuple[int, int], list[int]], dict[int, list[int]]] | None:
+    """The migration (same on every rank), its moves and the responses finished so far; None
+    when nothing is left to generate or the tail needs every replica (collective)."""
+    remaining = sum(counts)
+    if remaining == 0 or math.ceil(remaining / capacity) >= len(counts):
+        return None
+    mine = None
+    if decoder is not None and _leads(generation):
+        lengths = decoder.mask.sum(dim=1).tolist()
+        assert generation.engine is not None
+        replica = generation.engine.groups.replica
+        mine = (replica, decoder.sample_ids, dict(zip(decoder.sample_ids, lengths, strict=True)), decoder.responses)
+    active: list[list[int]] = [[] for _ in counts]
+    context: dict[int, int] = {}
+    finished: dict[int, list[int]] = {}
+    for part in _gather(mine):
+        if part is None:
+            continue
+        replica, active[replica], lengths_by_sample, done = part
+        context.update(lengths_by_sample)
+        finished.update(done)
+    destinations, moves = plan_moves(active, capacity)
+    moved = tuple(sorted(s for samples in moves.values() for s in samples))
+    layout = generation.layout
+    chosen = mechanism or migration_mechanism(
+        settings.profile, sum(context[s] for s in moved), len(moves) * layout.tp * layout.pp
+    )
+    migration = Migration(remaining, tuple(destinations), moved, chosen if moved else "none")
+    return migration, moves, finished
+
+
+def fused_rollout(
+    stages: dict[str, Stage],
+    prompts: list[list[int]],
+    sampling: SamplingConfig,
+    settings: MigrationSettings,
+    seconds: dict[str, float],
+    budgets: list[int] | None = None,
+    mechanism: str | None = None,
+) -> FusedRollout:
+    """Generate every prompt's response and run the inference model-stages on it, fused.
+    Prompt i is sample i; `budgets[i]` caps its length (default `sampling.max_new_tokens`);
+    `mechanism` forces `kv-transfer` or `recompute` (None: the cost model picks)."""
+    recorder = _Recorder()
+    generation = stages["actor/generation"]
+    layout = generation.layout
+    caps = budgets if budgets is not None else [sampling.max_new_tokens] * len(prompts)
+    shares = even_split(len(prompts), layout.dp)
+    start = time.perf_counter()
+    recorder.note("generation_start")
+    decoder = None
+    if generation.engine is not None:
+        decoder = Decoder(CachedForward(generation.engine), sampling)
+        first, stop = shares[generation.engine.groups.replica]
+        if stop > first:
+            decoder.start(prompts[first:stop], range(first, stop), caps[first:stop])
+    # Lock-step until at most `allowed` samples are still generating over all replicas.
+    allowed = math.floor(settings.threshold * len(prompts))
+    while True:
+        _decode_step(decoder, recorder)
+        counts = _active_counts(generation, decoder)
+        if sum(counts) <= allowed:
+            break
+    planned = _plan_migration(generation, decoder, counts, max(b - a for a, b in shares), settings, mechanism)
+    migration, finished = (planned[0], planned[2]) if planned is not None else (None, {})
+    busy = set(layout.ranks)
+    if planned is not None:
+        recorder.note("migration_start", samples=planned[0].moved)
+        _migrate(generation, decoder, planned[1], planned[0].mechanism == "kv-transfer")
+        recorder.note("migration_end", samples=planned[0].moved)
+        size = layout.tp * layout.pp
+        busy = {r for d in planned[0].destinations for r in layout.ranks[d * size : (d + 1) * size]}
+    if dist.get_rank() in busy:
+        while decoder is not None and decoder.num_active:
+            _decode_step(decoder, recorder)
+    recorder.note("generation_end")
+    seconds["actor/generation"] = seconds.get("actor/generation", 0.0) + time.perf_counter() - start
+    # Freed ranks: the finished samples on every inference replica clear of the tail's ranks.
+    early: dict[str, list[int]] = {}
+    parts: list[tuple[str, list[int], torch.Tensor, int]] = []
+    for name in INFERENCE_STAGES if planned is not None else ():
+        if name in stages and _clear_replicas(stages[name], busy):
+            early[name] = sorted(finished)
+            _infer(
+                stages[name],
+                name,
+                early[name],
+                _clear_replicas(stages[name], busy),
+                prompts,
+                finished,
+                recorder,
+                parts,
+                seconds,
+            )
+    with timed(seconds, "exchange"):
+        responses: dict[int, list[int]] = {}
+        for part in _gather(decoder.responses if decoder is not None and _leads(generation) else None):
+            responses.update(part or {})
+    assert sorted(responses) == list(range(len(prompts))), "every sample was generated once"
+    for name in INFERENCE_STAGES:
+        if name in stages:
+            rest = [s for s in range(len(prompts)) if s not in set(early.get(name, ()))]
+            _infer(
+                stages[name],
+                name,
+                rest,
+                list(range(stages[name].layout.dp)),
+                prompts,
+                responses,
+                recorder,
+                parts,
+                seconds,
+            )
+    ordered = [responses[s] for s in range(len(prompts))]
+    batch = rollout_batch(prompts, ordered, sampling.pad_token_id)
+    with timed(seconds, "exchange"):
+        gathered = [item for chunk in _gather(parts) for item in chunk]
+    inferred = {
+        name: _place(batch, prompts, [(ids, rows, width) for stage, ids, rows, width in gathered if stage == name])
+        for name in INFERENCE_STAGES
+        if name in stages
+    }
+    return FusedRollout(ordered, inferred, recorder.events, migration)
+
+
+def _decode_step(decoder: Decoder | None, recorder: _Recorder) -> None:
+    if decoder is not None and decoder.num_active:
+        finished = decoder.step()
+        if finished:
+            recorder.note("sample_finished", samples=finished)
+
+
+def _infer(
+    stage: Stage,
+    name: str,
+    samples: list[int],
+    replicas: list[int],
+    prompts: Sequence[list[int]],
+    responses: dict[int, list[int]],
+    recorder: _Recorder,
+    parts: list[tuple[str, list[int], torch.Tensor, int]],
+    seconds: dict[str, float],
+) -> None:
+    """This rank's replica of `stage` (when among `replicas`) infers its share of `samples`;
+    the replica's lead keeps the rows for the exchange."""
+    engine = stage.engine
+    mine = _share(samples, replicas, engine.groups.replica) if engine is not None else []
+    if not mine:
+        return
+    recorder.note("inference_start", name, mine)
+    with timed(seconds, name):
+        result = _infer_samples(stage, INFERENCE_KINDS[name], mine, prompts, responses)
+    recorder.note("inference_end", name, mine)
+    if result is not None and _leads(stage):
+        parts.append((name, *result))
