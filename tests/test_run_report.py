@@ -71,6 +71,9 @@ def rank_spans(rank: int) -> list[dict[str, Any]]:
     ]  # fmt: skip
     if rank == 0:
         spans.append(span(1, "controller", "decide", 1.96, 1.99))
+    if rank == 1:  # predicted beside p0 (same offsets), measured after it
+        spans.append(span(1, "primitive", "extend p2", 2.51, 2.6, id="p2", kind="extend",
+                          model_stage="reference/inference", predicted_start_s=0.0, predicted_end_s=0.3))  # fmt: skip
     if rank == 1:
         spans.append(span(2, "fused", "actor fwd mb0", 8.1, 8.2, replica=0))
     return spans
@@ -126,7 +129,7 @@ def test_report_numbers_equal_hand_computed(run_folder: Path) -> None:
     assert errors["step"].num_steps == 2 and errors["step"].mean_predicted_s == pytest.approx(1.75)
     assert report.reward_first == pytest.approx(0.3) and report.reward_last == pytest.approx(0.3)
     assert report.decisions == {"keep": 1, "transition": 2} and report.num_refused == 1
-    assert report.num_spans == 2 * 12 + 2  # 12 on each rank, a controller span, a fused op
+    assert report.num_spans == 2 * 12 + 3  # 12 on each rank; a controller span, an extend, a fused op
 
 
 def test_a_reward_model_is_compared(run_folder: Path) -> None:
@@ -168,13 +171,13 @@ def track_names(events: list[dict[str, Any]]) -> dict[int, str]:
     return {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
 
 
-def assert_stacked(intervals: list[tuple[float, float]]) -> None:
-    """Spans on one track must nest or follow one another (no partial overlap)."""
+def assert_stacked(intervals: list[tuple[float, float]], nest: bool) -> None:
+    """Spans on one track follow one another or (with `nest`) lie inside one another."""
     open_ends: list[float] = []
     for start, end in sorted(intervals, key=lambda i: (i[0], -i[1])):
         while open_ends and open_ends[-1] <= start + 1e-3:
             open_ends.pop()
-        assert not open_ends or end <= open_ends[-1] + 1e-3, (start, end)
+        assert not open_ends or (nest and end <= open_ends[-1] + 1e-3), (start, end)
         open_ends.append(end)
 
 
@@ -195,14 +198,15 @@ def test_trace_has_every_rank_span_on_its_tracks(run_folder: Path) -> None:
         generation = [e for e in spans if e["name"] == "actor/generation"]
         assert [e["ts"] for e in generation] == pytest.approx([lag_us, 3 * US + lag_us, 6 * US + lag_us])
         assert generation[0]["dur"] == pytest.approx(US) and generation[0]["args"] == {"step": 0}
-        for tid in tracks:
-            assert_stacked([(e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == tid])
+        for tid, track in tracks.items():
+            assert_stacked([(e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == tid], track == "transitions")
 
 
 def test_trace_lays_predicted_spans_beside_the_measured_ones(run_folder: Path) -> None:
     out = run_folder.parent / "elsewhere.json"
     assert write_run_trace(run_folder, out) == out and not (run_folder / "timeline.json").exists()
-    predicted = [e for e in events_by_process(json.loads(out.read_text()))["predicted (cost model)"] if e["ph"] == "X"]
+    events = events_by_process(json.loads(out.read_text()))["predicted (cost model)"]
+    predicted = [e for e in events if e["ph"] == "X"]
     got = sorted((e["cat"], e["name"], round(e["ts"]), round(e["dur"])) for e in predicted)
     assert got == sorted([
         ("step", "step 0", 0, 1_500_000),
@@ -215,7 +219,12 @@ def test_trace_lays_predicted_spans_beside_the_measured_ones(run_folder: Path) -
         ("transition", "transition", 2_000_000, 700_000),  # the decision's cost
         ("primitive", "split p0", 2_000_000, 300_000),  # once, not once per rank
         ("primitive", "merge p1", 2_300_000, 500_000),  # the DAG's offsets
+        ("primitive", "extend p2", 2_000_000, 300_000),
     ])  # fmt: skip
+    tracks = track_names(events)
+    assert sorted(tracks.values()) == ["model-stages", "primitives", "primitives 2", "steps", "transitions"]
+    for tid in tracks:  # concurrent primitives side by side, not nested
+        assert_stacked([(e["ts"], e["ts"] + e["dur"]) for e in predicted if e["tid"] == tid], nest=False)
     pools = {e["args"]["step"]: e["args"]["pool"] for e in predicted if e["cat"] == "stage"}
     assert pools == {0: "all", 1: "everything"}  # each step under the plan then in force
 

@@ -25,9 +25,8 @@ from nereus.errors import NereusError
 from nereus.runtime.rl.config import RunConfig
 from nereus.runtime.rl.controller import DECISIONS_NAME
 from nereus.runtime.rl.setup import CHECKPOINTS_NAME, CONFIG_NAME, METRICS_NAME, PLAN_NAME, switch_plan_name
+from nereus.runtime.timeline import TIMELINE_NAME
 
-#: The run folder's per-rank span files: TIMELINE_NAME/rank-R.jsonl.
-TIMELINE_NAME = "timeline"
 #: stage_seconds entries that are plan changes before the step, not part of it.
 MOVE_ACTIONS = ("transition", "restart")
 #: Steps averaged for the first and last reward.

@@ -3,8 +3,8 @@
 Measured: one process per rank, with tracks for model-stages, phases (advantages,
 exchange, weight sync), transitions, their primitives, checkpoints and the controller, in
 that order; a kind of span this module does not know gets a track of its own, named by its
-category. Spans that overlap without nesting (concurrent primitives, say) go to extra lanes
-of their track ("primitives 2", ...), so every track is a proper stack.
+category. Spans that overlap (concurrent primitives, say) go to extra lanes of their track
+("primitives 2", ...); only a transition's own set-up spans nest inside it on its track.
 
 Predicted (a process of its own, shown first): the cost model's spans beside the measured
 ones, taken from metrics.jsonl (prediction of the plan in force, with the online
@@ -12,14 +12,15 @@ calibration of that step):
 - per step, a `step` span of the predicted step time from the step's measured start
   (the earliest model-stage or phase span of that step over all ranks);
 - the predicted model-stage spans laid out from that start: generation, then inference,
-  then training, one phase after another (the cost model's step breakdown); inside a phase
-  the plan's pools start together and a pool runs its model-stages one after another, in
-  the order the metrics list them. The pools come from the plan in force (see
-  `run_report.plan_pools`); a step whose plan the folder no longer holds puts every
-  model-stage in one pool, i.e. in sequence;
-- per transition, its predicted span (`predicted_s` from its measured start) and every
-  primitive at its predicted offsets from the transition's measured start (once per
-  primitive, not per rank).
+  then training, then whatever else was predicted (weight sync), one phase after another
+  (the cost model's step breakdown); inside a phase the plan's pools start together and a
+  pool runs its model-stages one after another, in the order the metrics list them. The
+  pools come from the plan in force (see `run_report.plan_pools`); a step whose plan the
+  folder no longer holds puts every model-stage in one pool, i.e. in sequence;
+- per plan change (transition or restart), its predicted span from its measured start
+  (the controller's predicted cost, else the DAG's makespan: `run_report.move_predictions`)
+  and every primitive at the DAG's predicted offsets from that start (once per primitive,
+  not per rank).
 
 Times are microseconds from the run's first span.
 """
@@ -35,7 +36,6 @@ from typing import Any
 
 from nereus.errors import NereusError
 from nereus.render.run_report import (
-    TIMELINE_NAME,
     RunData,
     Span,
     StepRecord,
@@ -44,6 +44,7 @@ from nereus.render.run_report import (
     plan_pools,
     read_run,
 )
+from nereus.runtime.timeline import TIMELINE_NAME
 from nereus.spec.io import write_text_atomic
 
 TRACE_NAME = "timeline.json"
@@ -58,6 +59,8 @@ TRACK_TITLES = {
     "checkpoint": "checkpoints",
     "controller": "controller",
 }
+#: Categories whose spans contain spans of their own kind (a transition: building engines).
+NESTED_CATS = ("transition",)
 #: Model-stages run phase by phase in this order (the cost model's step breakdown).
 PHASES = ("generation", "inference", "training")
 #: The pool of a model-stage whose plan is unknown (all of them: one after another).
@@ -78,15 +81,16 @@ class Interval:
     args: dict[str, Any]
 
 
-def lanes(intervals: list[Interval]) -> list[list[Interval]]:
-    """Greedy packing into lanes whose intervals nest properly (one inside another, or one
-    after another): a partial overlap goes to another lane."""
+def lanes(intervals: list[Interval], nest: bool) -> list[list[Interval]]:
+    """Greedy packing into lanes. With `nest`, a lane may hold an interval inside another
+    (a plan change and its set-up); otherwise only intervals one after another, so that
+    concurrent ones (primitives, pools) sit side by side, never as parent and child."""
     packed: list[tuple[list[Interval], list[float]]] = []  # (lane, ends of its open intervals)
     for interval in sorted(intervals, key=lambda i: (i.start, -i.end)):
         for lane, open_ends in packed:
             while open_ends and open_ends[-1] <= interval.start + EPS_S:
                 open_ends.pop()
-            if not open_ends or interval.end <= open_ends[-1] + EPS_S:
+            if not open_ends or (nest and interval.end <= open_ends[-1] + EPS_S):
                 lane.append(interval)
                 open_ends.append(interval.end)
                 break
@@ -112,7 +116,7 @@ def process_events(pid: int, title: str, sort_index: int, intervals: list[Interv
     tid = 0
     for cat in track_order(by_cat):
         title_of_cat = TRACK_TITLES.get(cat, cat)
-        for number, lane in enumerate(lanes(by_cat[cat]), start=1):
+        for number, lane in enumerate(lanes(by_cat[cat], nest=cat in NESTED_CATS), start=1):
             tid += 1
             name = title_of_cat if number == 1 else f"{title_of_cat} {number}"
             events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}})
