@@ -140,6 +140,18 @@ def test_a_reward_model_is_compared(run_folder: Path) -> None:
     assert errors["reward/inference"].mape_percent == pytest.approx(100 * (0.03 - 0.0003) / 0.0003)
 
 
+def test_from_step_leaves_the_warm_up_out(run_folder: Path) -> None:
+    report = summarise_run(run_folder, first_step=1)
+    assert (report.first_step, report.num_steps, report.mean_step_s) == (1, 2, pytest.approx(3.5))
+    assert report.run_s == pytest.approx(3.0 + 4.0 + 1.0) and len(report.transitions) == 1
+    errors = {e.name: e.mape_percent for e in report.prediction_errors}
+    assert errors == {"actor/generation": pytest.approx(50.0), "actor/training": pytest.approx(100.0),
+                      "step": pytest.approx(100 / 3)}  # fmt: skip
+    assert report.decisions == {"transition": 2} and report.reward_first == pytest.approx(0.4)
+    result = invoke("report", run_folder, "--from-step", "5")
+    assert "--from-step 5: " in one_error_line(result) and "has steps 0-2" in result.stderr
+
+
 def test_rewards_average_the_first_and_last_ten_steps(tmp_path: Path) -> None:
     (tmp_path / "config.yaml").write_text(CONFIG)
     steps = [{"step": s, "reward": float(s), "step_seconds": 1.0, "stage_seconds": {}} for s in range(12)]

@@ -32,18 +32,21 @@ def report(
     ] = None,
     perfetto: Annotated[
         Path | None,
-        typer.Option("--perfetto", help="Write the run's Chrome trace here (open in ui.perfetto.dev)."),
+        typer.Option("--perfetto", help="Write the whole run's Chrome trace here (open in ui.perfetto.dev)."),
     ] = None,
+    first_step: Annotated[
+        int, typer.Option("--from-step", min=0, help="Report steps from this one on (e.g. 2: past the warm-up).")
+    ] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Summarise a run: step-time breakdown, transitions and their share, cost-model error per model-stage."""
-    from nereus.render.run_report import read_run, report_png, summarise
+    from nereus.render.run_report import read_run, report_png, since, summarise
     from nereus.render.run_timeline import write_run_trace
     from nereus.spec.io import write_bytes_atomic
 
     _check_output("--png", png, ".png")
     _check_output("--perfetto", perfetto, ".json")
-    data = read_run(folder)
+    data = since(read_run(folder), first_step)
     result = summarise(data)
     if perfetto is not None:
         write_run_trace(folder, perfetto)
@@ -70,11 +73,12 @@ def print_report(result: RunReport) -> None:
 
     console = Console(soft_wrap=True)
     window = min(REWARD_WINDOW, result.num_steps)
-    console.print(
-        f"{result.folder}: {result.num_steps} steps in {result.run_s:.2f} s; step mean {result.mean_step_s:.3f} s,"
-        f" median {result.median_step_s:.3f} s; mean reward first {window} steps {result.reward_first:.3f},"
-        f" last {window} {result.reward_last:.3f}"
-    )
+    from_step = f" (from step {result.first_step})" if result.first_step else ""
+    steps = f"{result.num_steps} steps{from_step} in {result.run_s:.2f} s"
+    mean, median = f"{result.mean_step_s:.3f}", f"{result.median_step_s:.3f}"
+    console.print(f"{result.folder}: {steps}; step mean {mean} s, median {median} s")
+    first, last = f"{result.reward_first:.3f}", f"{result.reward_last:.3f}"
+    console.print(f"mean reward: first {window} steps {first}, last {window} {last}")
     stages = Table("model-stage / phase", "mean s/step", "share of step", title="where a step's time goes")
     for stage in result.stages:
         stages.add_row(stage.name, f"{stage.mean_s:.3f}", f"{100 * stage.share:.1f}%")

@@ -219,6 +219,17 @@ def read_run(folder: Path, need_steps: bool = True) -> RunData:
     return RunData(folder, config, steps, decisions, read_spans(folder))
 
 
+def since(data: RunData, first_step: int) -> RunData:
+    """The run from step `first_step` on (e.g. past the warm-up steps); one line if none is left."""
+    steps = [record for record in data.steps if record.step >= first_step]
+    if not steps:
+        last = max((record.step for record in data.steps), default=-1)
+        raise NereusError(f"--from-step {first_step}: {data.folder} has steps 0-{last}; pick one of them")
+    decisions = [decision for decision in data.decisions if decision.step >= first_step]
+    spans = [span for span in data.spans if span.step >= first_step]
+    return RunData(data.folder, data.config, steps, decisions, spans)
+
+
 def plan_pools(folder: Path, steps: list[StepRecord]) -> dict[int, dict[str, str]]:
     """model-stage -> pool of every plan index whose plan the folder still holds: plan.yaml for
     the first, a configured switch's plan file from its step, a checkpoint's plan for the plan
@@ -286,8 +297,10 @@ class RunReport:
     """What `nereus report DIR` shows (and prints as JSON)."""
 
     folder: str
+    first_step: int
+    """The first step reported (later than 0 when asked to skip the warm-up)."""
     num_steps: int
-    """Finished steps in metrics.jsonl."""
+    """Finished steps in metrics.jsonl from first_step on."""
     run_s: float
     """Sum of step times and transition times."""
     mean_step_s: float
@@ -415,6 +428,7 @@ def summarise(data: RunData) -> RunReport:
     not_compared = [name for name in predicted if not data.config.rl.runs_engine(name.partition("/")[0])]
     return RunReport(
         folder=str(data.folder),
+        first_step=data.steps[0].step,
         num_steps=len(data.steps),
         run_s=run_s,
         mean_step_s=mean_step,
@@ -434,9 +448,9 @@ def summarise(data: RunData) -> RunReport:
     )
 
 
-def summarise_run(folder: Path) -> RunReport:
-    """Read and summarise the run folder `folder`."""
-    return summarise(read_run(folder))
+def summarise_run(folder: Path, first_step: int = 0) -> RunReport:
+    """Read and summarise the run folder `folder`, from step `first_step` on."""
+    return summarise(since(read_run(folder), first_step))
 
 
 # ---------------------------------------------------------------------------------- figure
