@@ -7,11 +7,16 @@ holds is copied locally; any other piece comes from one of its holders, preferri
 same node, then the least-loaded sender. The bytes that cross ranks are compared with the
 lower bound: the bytes each target rank must hold but does not hold yet.
 
-`execute` runs a plan on every rank of a torch.distributed job over `batch_isend_irecv`
-(one message per piece; contiguous pieces go without a copy), either straight from each
+`execute` runs a plan on every rank of a torch.distributed job, either straight from each
 piece's source ("p2p") or as a binomial-tree broadcast ("broadcast"): a piece that one
 source sends to several ranks is relayed by the ranks that already received it, so the
 source sends it about log2(receivers + 1) times instead of once per receiver.
+Two ranks on one host holding CPU state exchange their pieces through shared memory
+(`nereus.runtime.shm`: one copy into a pooled segment, one copy out, no sockets); other
+pairs (other hosts, GPUs under NCCL) send one process-group message per piece
+(contiguous pieces go without a copy). Pairs swap host tokens first, so the choice is
+made per pair and automatically. `out` lets a repeated reshard fill the previous
+result (or an engine's live tensors) instead of allocating fresh memory.
 The two layouts may use different or overlapping ranks; a rank in neither returns at once.
 """
 
@@ -20,9 +25,10 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from nereus.runtime import shm
 from nereus.runtime.shard_layout import Box, box_numel, box_shape, intersect
 from nereus.runtime.sharded_state import StateMeta, box_slices, check_rank_state, torch_dtype
 
@@ -30,8 +36,12 @@ if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
 
-#: How the executor moves pieces between ranks.
+#: How the executor routes pieces: each straight from its source, or relayed along a binomial tree.
 Method = Literal["p2p", "broadcast"]
+#: How pieces travel between two ranks. "auto": through a shared-memory segment when both
+#: ranks are on one host and hold CPU state under gloo, else as process-group messages
+#: (gloo over TCP, NCCL on GPUs); "process_group": always as process-group messages.
+Transport = Literal["auto", "process_group"]
 
 
 @dataclass(frozen=True)
@@ -148,6 +158,8 @@ class ReshardResult:
     """The optimizer step (None when the rank is not in the target layout)."""
     bytes_sent: int
     bytes_received: int
+    bytes_received_shared_memory: int = 0
+    """The part of `bytes_received` that came through same-host shared memory."""
 
 
 def execute(
@@ -157,13 +169,20 @@ def execute(
     step: int | None,
     method: Method = "p2p",
     device: torch.device | None = None,
+    transport: Transport = "auto",
+    out: dict[str, torch.Tensor] | None = None,
 ) -> ReshardResult:
-    """Run `plan` on this rank; every rank in either layout must call it with the same plan.
+    """Run `plan` on this rank; every rank in either layout must call it with the same
+    plan, method and transport.
 
     `tensors` is the rank's state in the source layout (empty if it is not in it) and
     `step` its optimizer step (None if it is not in the source layout). New tensors are
     allocated on `device` (default: the device of the rank's tensors, else the CPU); a
     tensor whose box is the same in both layouts is passed through, not copied.
+    `out`, when given, is the rank's state in the target layout to overwrite in place
+    instead (e.g. an engine's live tensors, or the result of the previous reshard), so a
+    repeated reshard allocates nothing; it must not share memory with `tensors`, except
+    that a kept tensor may be the very same object in both, and sets the device.
     """
     import torch
 
@@ -174,26 +193,55 @@ def execute(
         check_rank_state(plan.source, rank, tensors)
         if step is None:
             raise ValueError(f"rank {rank} is in the source layout and must pass its optimizer step")
-    if device is None:
-        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
     # A tensor whose box is the same in both layouts is handed over as is, not copied.
     kept = {t.key for t in plan.transfers if t.local and t.dst == rank and t.piece == t.src_box == t.dst_box}
-    new = {
-        key: tensors[key]
-        if key in kept and tensors[key].device == device
-        else torch.empty(box_shape(box), dtype=torch_dtype(plan.target.tensors[key].dtype), device=device)
-        for key, box in plan.target.rank_boxes(rank).items()
-    }
+    if out is not None:
+        _check_out(plan, rank, tensors, out, kept, device)
+        new = dict(out)
+        device = next(iter(out.values())).device if out else device or torch.device("cpu")
+    else:
+        if device is None:
+            device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+        new = {
+            key: tensors[key]
+            if key in kept and tensors[key].device == device
+            else torch.empty(box_shape(box), dtype=torch_dtype(plan.target.tensors[key].dtype), device=device)
+            for key, box in plan.target.rank_boxes(rank).items()
+        }
 
     def copy_local_pieces() -> None:
         for transfer in plan.transfers:
             if transfer.local and transfer.dst == rank and new[transfer.key] is not tensors[transfer.key]:
                 _dst_view(new, transfer).copy_(_src_view(tensors, transfer))
 
-    mover = _broadcast if method == "broadcast" else _point_to_point
-    sent, received = mover(plan, rank, tensors, new, copy_local_pieces)
+    rounds: list[list[Hop]] = [[(None, t) for t in plan.moved()]] if method == "p2p" else broadcast_rounds(plan)
+    cpu_only = device.type == "cpu" and all(tensor.device.type == "cpu" for tensor in tensors.values())
+    shared = _shared_memory_peers(_peers(rounds, rank), transport == "auto" and cpu_only)
+    moved = Moved()
+    for number, hops in enumerate(rounds or [[]]):
+        _exchange(hops, rank, tensors, new, copy_local_pieces if number == 0 else _nothing, shared, moved)
     new_step = _share_step(plan, rank, step, device)
-    return ReshardResult(new, new_step if in_target else None, sent, received)
+    return ReshardResult(new, new_step if in_target else None, moved.sent, moved.received, moved.received_shared)
+
+
+def _check_out(
+    plan: ReshardPlan,
+    rank: int,
+    tensors: dict[str, torch.Tensor],
+    out: dict[str, torch.Tensor],
+    kept: set[str],
+    device: torch.device | None,
+) -> None:
+    """Raise ValueError unless `out` is exactly the rank's target state and overwriting it spares the source."""
+    check_rank_state(plan.target, rank, out)
+    sources = {tensor.untyped_storage().data_ptr(): key for key, tensor in tensors.items() if tensor.numel()}
+    for key, tensor in out.items():
+        shared = sources.get(tensor.untyped_storage().data_ptr()) if tensor.numel() else None
+        if shared is not None and not (shared == key and key in kept and tensor is tensors[key]):
+            raise ValueError(f"rank {rank}: out[{key!r}] shares memory with the source tensor {shared!r}")
+    devices = {tensor.device for tensor in out.values()} | ({device} if device is not None else set())
+    if len(devices) > 1:
+        raise ValueError(f"rank {rank}: out tensors and device disagree: {sorted(map(str, devices))}")
 
 
 def _src_view(tensors: dict[str, torch.Tensor], transfer: Transfer) -> torch.Tensor:
@@ -213,16 +261,115 @@ def _receive_buffer(view: torch.Tensor, pending: list[tuple[torch.Tensor, torch.
     return buffer
 
 
-def _point_to_point(
-    plan: ReshardPlan,
+def _sender(hop: Hop) -> int:
+    got, transfer = hop
+    return transfer.src if got is None else got.dst
+
+
+def _peers(rounds: list[list[Hop]], rank: int) -> list[int]:
+    """Every rank this rank sends a piece to or receives one from, in any round."""
+    peers = set()
+    for hops in rounds:
+        for hop in hops:
+            sender, receiver = _sender(hop), hop[1].dst
+            if rank in (sender, receiver):
+                peers.add(receiver if sender == rank else sender)
+    return sorted(peers)
+
+
+def _shared_memory_peers(peers: list[int], usable: bool) -> dict[int, bytes]:
+    """The peers this rank shares a host's memory with, by their process nonce.
+
+    Every pair that exchanges pieces swaps host tokens first (one small message each
+    way); both sides then decide alike. Only CPU state under gloo takes part: NCCL moves
+    device tensors itself, and a rank that must not share sends a token nobody has.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not peers or dist.get_backend() != "gloo":
+        return {}
+    token = shm.host_token() if usable else shm.private_token()
+    mine = torch.frombuffer(bytearray(token + shm.PROCESS_NONCE), dtype=torch.uint8)
+    theirs = {peer: torch.empty_like(mine) for peer in peers}
+    requests = [_post(dist.isend, mine, peer, HELLO_TAG) for peer in peers]
+    _wait(requests + [_post(dist.irecv, theirs[peer], peer, HELLO_TAG) for peer in peers])
+    shared = {}
+    for peer, hello in theirs.items():
+        raw = hello.numpy().tobytes()
+        if usable and raw[: shm.TOKEN_BYTES] == token:
+            shared[peer] = raw[shm.TOKEN_BYTES :]
+    return shared
+
+
+#: Message tags that keep the control messages of the shared-memory path apart from the pieces.
+HELLO_TAG, HEADER_TAG, DONE_TAG = 17, 18, 19
+
+
+@dataclass
+class Moved:
+    """Bytes one rank moved in `execute`, summed over rounds."""
+
+    sent: int = 0
+    received: int = 0
+    received_shared: int = 0
+
+
+def _wait(requests: list[dist.Work]) -> None:
+    for request in requests:
+        request.wait()
+
+
+def _post(operation: Callable[..., dist.Work | None], tensor: torch.Tensor, peer: int, tag: int) -> dist.Work:
+    """Post one asynchronous control message (gloo returns a request for each)."""
+    request = operation(tensor, peer, tag=tag)
+    assert request is not None, "a point-to-point message in this process returned no request"
+    return request
+
+
+@dataclass
+class Sorted:
+    """One rank's pieces of one round, by how they travel."""
+
+    ops: list[dist.P2POp] = field(default_factory=list)
+    """Process-group messages, one per piece."""
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """(strided target view, contiguous receive buffer): copied in once the messages arrive."""
+    staged: dict[int, list[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
+    """Pieces to stage in shared memory, by receiving peer, in hop order."""
+    unstaged: dict[int, list[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
+    """Target views to fill from shared memory, by sending peer, in hop order."""
+
+
+def _sort_hops(
+    hops: list[Hop],
     rank: int,
     tensors: dict[str, torch.Tensor],
     new: dict[str, torch.Tensor],
-    meanwhile: Callable[[], None],
-) -> tuple[int, int]:
-    """Send every piece straight from its source; run `meanwhile` while the messages fly."""
-    hops: list[Hop] = [(None, transfer) for transfer in plan.moved()]
-    return _exchange(hops, rank, tensors, new, meanwhile)
+    shared: dict[int, bytes],
+    moved: Moved,
+) -> Sorted:
+    import torch.distributed as dist
+
+    pieces = Sorted()
+    for hop in hops:
+        sender, (got, transfer) = _sender(hop), hop
+        if sender == rank:
+            data = _src_view(tensors, transfer) if got is None else _dst_view(new, got)
+            if transfer.dst in shared:
+                pieces.staged[transfer.dst].append(data)
+            else:
+                pieces.ops.append(dist.P2POp(dist.isend, data.contiguous(), transfer.dst))
+            moved.sent += transfer.nbytes
+        elif transfer.dst == rank:
+            view = _dst_view(new, transfer)
+            if sender in shared:
+                pieces.unstaged[sender].append(view)
+                moved.received_shared += transfer.nbytes
+            else:
+                pieces.ops.append(dist.P2POp(dist.irecv, _receive_buffer(view, pieces.pending), sender))
+            moved.received += transfer.nbytes
+    return pieces
 
 
 def _exchange(
@@ -231,29 +378,59 @@ def _exchange(
     tensors: dict[str, torch.Tensor],
     new: dict[str, torch.Tensor],
     meanwhile: Callable[[], None],
-) -> tuple[int, int]:
-    """Post this rank's sends and receives of `hops`, run `meanwhile`, wait; (bytes sent, received)."""
+    shared: dict[int, bytes],
+    moved: Moved,
+) -> None:
+    """Move this rank's pieces of `hops`, running `meanwhile` while they travel.
+
+    Pieces to and from `shared` peers go through a shared-memory segment per peer: the
+    sender copies its pieces in and sends the segment's name; the receiver copies them
+    out and answers, so the sender may reuse the segment. Other pieces are messages of
+    the process group (gloo or NCCL), one per piece.
+    """
+    import torch
     import torch.distributed as dist
 
-    ops: list[dist.P2POp] = []
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-    sent = received = 0
-    for got, transfer in hops:
-        sender = transfer.src if got is None else got.dst
-        if sender == rank:
-            data = _src_view(tensors, transfer) if got is None else _dst_view(new, got)
-            ops.append(dist.P2POp(dist.isend, data.contiguous(), transfer.dst))
-            sent += transfer.nbytes
-        elif transfer.dst == rank:
-            ops.append(dist.P2POp(dist.irecv, _receive_buffer(_dst_view(new, transfer), pending), sender))
-            received += transfer.nbytes
-    requests = dist.batch_isend_irecv(ops) if ops else []
+    pieces = _sort_hops(hops, rank, tensors, new, shared, moved)
+    requests = dist.batch_isend_irecv(pieces.ops) if pieces.ops else []
+    headers = {peer: torch.empty(shm.NAME_BYTES, dtype=torch.uint8) for peer in pieces.unstaged}
+    arrivals = {peer: _post(dist.irecv, header, peer, HEADER_TAG) for peer, header in headers.items()}
+    answers = {peer: _post(dist.irecv, torch.empty(1, dtype=torch.uint8), peer, DONE_TAG) for peer in pieces.staged}
+    names, control = {}, []
+    for peer, staged in sorted(pieces.staged.items()):
+        segment = shm.outgoing_segment(peer, shared[peer], _staged_bytes(staged))
+        for piece, place in zip(staged, _places(segment, staged), strict=True):
+            place.copy_(piece)
+        names[peer] = segment.name
+        name = torch.frombuffer(bytearray(shm.encode_name(segment.name)), dtype=torch.uint8)
+        control.append(_post(dist.isend, name, peer, HEADER_TAG))
     meanwhile()
-    for request in requests:
-        request.wait()
-    for view, buffer in pending:
+    for peer, views in sorted(pieces.unstaged.items()):
+        arrivals[peer].wait()
+        segment = shm.incoming_segment(peer, shm.decode_name(headers[peer].numpy().tobytes()), _staged_bytes(views))
+        for view, place in zip(views, _places(segment, views), strict=True):
+            view.copy_(place)
+        control.append(_post(dist.isend, torch.ones(1, dtype=torch.uint8), peer, DONE_TAG))
+    for peer, answer in answers.items():
+        answer.wait()
+        shm.forget_unopened(names[peer])  # the receiver has mapped and unlinked it
+    _wait([*requests, *control])
+    for view, buffer in pieces.pending:
         view.copy_(buffer)
-    return sent, received
+
+
+def _staged_bytes(pieces: list[torch.Tensor]) -> int:
+    return sum(shm.aligned(piece.numel() * piece.element_size()) for piece in pieces)
+
+
+def _places(segment: shm.Segment, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Where each piece lies in `segment`: one after another, cache-line aligned, in hop order."""
+    places, offset = [], 0
+    for piece in pieces:
+        nbytes = piece.numel() * piece.element_size()
+        places.append(segment.data[offset : offset + nbytes].view(piece.dtype).view(piece.shape))
+        offset += shm.aligned(nbytes)
+    return places
 
 
 def _run(ops: list[dist.P2POp]) -> None:
@@ -291,22 +468,6 @@ def broadcast_rounds(plan: ReshardPlan) -> list[list[Hop]]:
             rounds[number] += hops
             holders += [transfer for _, transfer in hops]
     return rounds
-
-
-def _broadcast(
-    plan: ReshardPlan,
-    rank: int,
-    tensors: dict[str, torch.Tensor],
-    new: dict[str, torch.Tensor],
-    meanwhile: Callable[[], None],
-) -> tuple[int, int]:
-    """Move every piece by a binomial-tree broadcast over point-to-point sends, round by round."""
-    sent = received = 0
-    rounds = broadcast_rounds(plan) or [[]]
-    for number, hops in enumerate(rounds):
-        round_sent, round_received = _exchange(hops, rank, tensors, new, meanwhile if number == 0 else _nothing)
-        sent, received = sent + round_sent, received + round_received
-    return sent, received
 
 
 def _nothing() -> None:
