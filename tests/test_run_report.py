@@ -4,6 +4,8 @@ numbers are worked out by hand below."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -307,3 +309,16 @@ def test_bad_outputs_and_missing_folders_are_one_line_errors(run_folder: Path, t
     trace = tmp_path / "trace.json"
     assert "no span recorded" in one_error_line(invoke("report", run_folder, "--perfetto", trace))
     assert not trace.exists()
+
+
+def test_report_and_trace_do_not_import_torch(run_folder: Path) -> None:
+    """A fresh interpreter: `nereus report` (with --perfetto) reads a run without torch."""
+    script = (
+        "import sys\nfrom nereus.cli.app import app\n"
+        f"app(['report', {str(run_folder)!r}, '--perfetto', {str(run_folder / 't.json')!r}], standalone_mode=False)\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "NO-TORCH"
+    assert (run_folder / "t.json").is_file()
