@@ -162,6 +162,54 @@ def test_fused_rollout_gives_the_unfused_samples_log_probs_and_values() -> None:
                 assert sorted(finished) == [5, 6, 7, 8, 9, 10, 11]
 
 
+def four_rank_plan(generation: tuple[int, int]) -> Plan:
+    """The example on 4 ranks: actor/generation in (tp, pp) with dp=2, the critic's inference
+    in pp=2 (dp=2), the other model-stages one EMU per rank."""
+    document = example_plan().model_dump(mode="json")
+    document["cluster"]["gpus_per_node"] = 4
+    document["pools"] = [{"name": "all", "gpus": [0, 1, 2, 3]}]
+    tp, pp = generation
+    layouts = {"actor/generation": (tp, pp), "critic/inference": (1, 2), "critic/training": (1, 2)}
+    for stage in document["stages"]:
+        tp, pp = layouts.get(stage["model_stage"], (1, 1))
+        size = tp * pp
+        stage.update(tp=tp, pp=pp, dp=4 // size, emus=[list(range(d * size, (d + 1) * size)) for d in range(4 // size)])
+    return Plan.model_validate(document)
+
+
+def sharded_rollout_worker(rank: int, world: int) -> dict[str, Any]:
+    out = {}
+    for generation in ((2, 1), (1, 2)):
+        plan = four_rank_plan(generation)
+        stages = build_stages(plan, RLConfig(seed=1))
+        sampling = dataclasses.replace(SAMPLING, eos_token_id=None)
+        responses = generate_responses(stages["actor/generation"], PROMPTS, sampling, BUDGETS)
+        batch = rollout_batch(PROMPTS, responses, 0)
+        unfused = run_inference(stages, batch, {})
+        settings = dataclasses.replace(migration_settings(plan, plan.fusion), threshold=0.25)
+        for mechanism in ("kv-transfer", "recompute"):
+            fused = fused_rollout(stages, PROMPTS, sampling, settings, {}, BUDGETS, mechanism)
+            error = max(
+                float(((unfused[n] - fused.inferred[n]) * batch.field("loss_mask")).abs().max()) for n in unfused
+            )
+            out[f"tp{generation[0]}-pp{generation[1]}-{mechanism}"] = (
+                fused.responses == responses,
+                error,
+                fused.migration,
+            )
+    return out
+
+
+@pytest.mark.slow
+def test_migration_moves_cache_rows_under_tp_and_pp() -> None:
+    """Generation replicas of tp=2 or pp=2: every (stage, tensor rank) sends its own cache rows."""
+    for rank, cases in enumerate(spawn(sharded_rollout_worker, 4)):
+        assert len(cases) == 4
+        for case, (same, error, migration) in cases.items():
+            assert same and error < 1e-5, (rank, case, error)
+            assert migration is not None and migration.moved == (5,) and migration.mechanism in case
+
+
 # ---- the RL step with the fusion switch ----
 
 
@@ -192,10 +240,10 @@ def test_rl_step_with_inter_stage_fusion_matches_the_unfused_step() -> None:
 
 
 def test_moves_go_to_the_fewest_fullest_replicas() -> None:
-    destinations, moves = plan_moves([[0, 1], [5], [9, 10, 11], []], capacity=3)
+    destinations, moves = plan_moves([[0, 1], [5], [9, 10, 11], []], 2)
     assert destinations == [0, 2]
     assert moves == {(1, 0): [5]}
-    destinations, moves = plan_moves([[1], [4], [8], [12]], capacity=4)
+    destinations, moves = plan_moves([[1], [4], [8], [12]], 1)
     assert destinations == [0]
     assert moves == {(1, 0): [4], (2, 0): [8], (3, 0): [12]}
 

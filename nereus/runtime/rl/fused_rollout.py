@@ -3,11 +3,13 @@
 Run on every rank of the world (collective). The actor/generation replicas decode their
 contiguous shares of the prompts in lock-step, counting the samples still generating over
 all replicas after every step. Once at most `threshold x batch` remain, they migrate to the
-fewest replicas that fit them (a replica fits as many as its starting share; those with the
-most remaining samples keep theirs, moved samples go to the least loaded): each moved row's
-KV cache goes from every (stage, tensor rank) of its replica to the same position of the
-destination, or only its tokens go and the destination recomputes the prefix, whichever the
-cost model says is cheaper (`inter_stage.migration_mechanism`). Sampling is per sample
+fewest replicas that fit them: a replica fits as many samples as it started with (its cache
+held them and its decode step ran them; the simulator's stricter rule, a destination's step
+no slower than the slowest replica's now, refuses any move while decoding is bound by KV
+reads). Those with the most remaining samples keep theirs, moved samples go to the least
+loaded. Each moved row's KV cache goes from every (stage, tensor rank) of its replica to the
+same position of the destination, or only its tokens go and the destination recomputes the
+prefix, whichever the cost model says is cheaper (`inter_stage.migration_mechanism`). Sampling is per sample
 (`generate.sample_seed`), so a sample's tokens do not depend on where it is decoded.
 
 The destinations decode the tail. Meanwhile every inference model-stage replica clear of the
@@ -120,13 +122,13 @@ def _gather(value: Any) -> list[Any]:
     return gathered
 
 
-def plan_moves(active: Sequence[Sequence[int]], capacity: int) -> tuple[list[int], dict[tuple[int, int], list[int]]]:
-    """Destinations (the fewest replicas holding at most `capacity` each, those with the most
-    active samples first) and the samples each other replica sends each destination."""
-    remaining = sum(len(ids) for ids in active)
-    count = math.ceil(remaining / capacity)
+def plan_moves(
+    active: Sequence[Sequence[int]], num_destinations: int
+) -> tuple[list[int], dict[tuple[int, int], list[int]]]:
+    """The `num_destinations` replicas with the most active samples (fewest moves) and the
+    samples each other replica sends each destination (to the least loaded first)."""
     order = sorted(range(len(active)), key=lambda replica: (-len(active[replica]), replica))
-    destinations = sorted(order[:count])
+    destinations = sorted(order[:num_destinations])
     load = {d: len(active[d]) for d in destinations}
     moves: dict[tuple[int, int], list[int]] = {}
     for source in range(len(active)):
@@ -245,7 +247,7 @@ def _plan_migration(
         replica, active[replica], lengths_by_sample, done = part
         context.update(lengths_by_sample)
         finished.update(done)
-    destinations, moves = plan_moves(active, capacity)
+    destinations, moves = plan_moves(active, math.ceil(remaining / capacity))
     moved = tuple(sorted(s for samples in moves.values() for s in samples))
     layout = generation.layout
     chosen = mechanism or migration_mechanism(

@@ -1,0 +1,280 @@
+"""Benchmark: generation + inference wall time of one PPO rollout with and without inter-stage fusion.
+
+Two gloo ranks, one thread each, run examples/plan-tiny-ppo-2rank-fused.yaml (tiny actor,
+reference, critic and reward model; every model-stage one EMU per rank). The batch's response
+lengths are IMPOSED by this benchmark: the tiny random model does not write long-tailed
+responses by itself, so EOS is off and each sample stops at its own length budget, drawn
+(seeded) from the workload's `response_len` log-normal (median, p99, max below), the same
+draw `nereus schedule migrate` simulates. Sampling is per sample, so both paths produce the
+very same samples; the benchmark checks that, and the log-probs and values, every repetition.
+
+Without fusion: each rank generates its half of the batch, then every inference model-stage
+(actor old log-probs, reference log-probs, critic values, reward-model values) runs on each
+rank's half. With fusion (`fused_rollout`): once at most threshold x batch samples still
+generate, they migrate to one rank and the other starts inference on the finished samples.
+Times are the slowest rank's, median over --reps interleaved repetitions, at each of
+--thresholds.
+
+The simulator's prediction (nereus/solver/migration.py `run_batch`) uses the same lengths
+and a GenerationProfile CALIBRATED on this machine: decode step time fitted to measured steps
+(per step, per active sample and per context token: the simulator's max(memory, compute) form
+with a fixed per-step cost), inference seconds per token from the measured unfused inference,
+prefill from the measured forward time. Its destination rule differs from the runtime's (see
+nereus/runtime/rl/fused_rollout.py), so the `sim dest` column says where it kept the tail.
+
+    .venv/bin/python benchmarks/fused_rollout.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nereus.runtime.dist import spawn
+from nereus.runtime.generate import CachedForward, Decoder, SamplingConfig
+from nereus.runtime.rl.config import RLConfig
+from nereus.runtime.rl.fused_rollout import fused_rollout
+from nereus.runtime.rl.inter_stage import MigrationSettings, migration_settings
+from nereus.runtime.rl.step import build_stages, generate_responses, rollout_batch, run_inference, timed
+from nereus.runtime.rl.tasks import CharTokenizer, encode_prompt, get_task, sample_problems
+from nereus.solver.migration import GenerationProfile, run_batch, sample_lengths
+from nereus.spec.io import load_document
+from nereus.spec.plan import Fusion, Plan
+from nereus.spec.workload import ResponseLengths
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAN = ROOT / "examples" / "plan-tiny-ppo-2rank-fused.yaml"
+RESULTS = ROOT / "benchmarks" / "results" / "fused_rollout.json"
+
+
+def bench_plan(args: argparse.Namespace) -> Plan:
+    plan = load_document(PLAN)
+    assert isinstance(plan, Plan)
+    lengths = ResponseLengths(median=args.median, p99=args.p99, max=args.max)
+    workload = plan.workload.model_copy(update={"prompts_per_step": args.samples, "response_len": lengths})
+    return plan.model_copy(update={"workload": workload})
+
+
+def imposed_lengths(plan: Plan, seed: int) -> np.ndarray:
+    """[2, samples / 2] length budgets: rank 0's half, then rank 1's (log-normal, seeded)."""
+    shape = dataclasses.replace(
+        migration_settings(plan, Fusion(inter_stage=True)).profile,
+        num_instances=2,
+        samples_per_instance=plan.workload.samples_per_step // 2,
+    )
+    return sample_lengths(shape, np.random.default_rng(seed))
+
+
+def slowest(seconds: float) -> float:
+    value = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+def decode_steps(stages: dict[str, Any], prompts: list[list[int]], sampling: SamplingConfig) -> list[list[float]]:
+    """(active samples, context tokens, seconds) of decode steps at several batch sizes (this rank)."""
+    engine = stages["actor/generation"].engine
+    rows = []
+    for batch in (1, 2, 4, 8, 16, 32):
+        decoder = Decoder(CachedForward(engine), sampling)
+        decoder.start(prompts[:batch], range(batch), [48] * batch)
+        while decoder.num_active:
+            context = int(decoder.mask.sum())
+            started = time.perf_counter()
+            decoder.step()
+            rows.append([batch, context, time.perf_counter() - started])
+    return rows
+
+
+def timed_rollout(fn: Any) -> tuple[float, Any]:
+    """The slowest rank's wall time of `fn()` from a common start, and its result."""
+    dist.barrier()
+    started = time.perf_counter()
+    result = fn()
+    return slowest(time.perf_counter() - started), result
+
+
+def rollout_times(rank: int, world: int, plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
+    stages = build_stages(plan, RLConfig(reward="model", seed=args.seed))
+    tokenizer = CharTokenizer()
+    problems = sample_problems(get_task("sort"), plan.workload.samples_per_step, args.seed)
+    prompts = [encode_prompt(tokenizer, problem) for problem in problems]
+    budgets = [int(n) for n in imposed_lengths(plan, args.seed).ravel()]
+    sampling = SamplingConfig(plan.workload.response_len.max, 1.0, eos_token_id=None, seed=args.seed)
+    profile = migration_settings(plan, plan.fusion).profile
+    phases: dict[str, list[float]] = {"generation": [], "inference": []}
+    times: dict[str, list[float]] = {"without": [], **{f"{t:g}": [] for t in args.thresholds}}
+    same, error, migrations = True, 0.0, {}
+
+    def unfused() -> tuple[list[list[int]], dict[str, torch.Tensor]]:
+        seconds: dict[str, float] = {}
+        with timed(seconds, "generation"):
+            responses = generate_responses(stages["actor/generation"], prompts, sampling, budgets)
+        with timed(seconds, "inference"):
+            inferred = run_inference(stages, rollout_batch(prompts, responses, tokenizer.pad_id), {})
+        for name, value in seconds.items():
+            phases[name].append(slowest(value))
+        return responses, inferred
+
+    for rep in range(args.warmup + args.reps):
+        elapsed, (responses, inferred) = timed_rollout(unfused)
+        if rep >= args.warmup:
+            times["without"].append(elapsed)
+        mask = rollout_batch(prompts, responses, tokenizer.pad_id).field("loss_mask")
+        for threshold in args.thresholds:
+            settings = MigrationSettings(threshold, profile)
+            elapsed, fused = timed_rollout(lambda s=settings: fused_rollout(stages, prompts, sampling, s, {}, budgets))
+            if rep >= args.warmup:
+                times[f"{threshold:g}"].append(elapsed)
+            same &= fused.responses == responses
+            error = max([error] + [float(((inferred[n] - fused.inferred[n]) * mask).abs().max()) for n in inferred])
+            migrations[f"{threshold:g}"] = dataclasses.asdict(fused.migration) if fused.migration else None
+    dist.barrier()
+    steps = decode_steps(stages, prompts, sampling)  # on both ranks at once: the same contention
+    return {
+        "times": times,
+        "generation_s": statistics.median(phases["generation"][args.warmup :]),
+        "inference_s": statistics.median(phases["inference"][args.warmup :]),
+        "same_samples": same,
+        "max_error": error,
+        "migrations": migrations,
+        "decode_steps": steps,
+        "tokens": sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True)),
+        "prompt_len": sum(len(p) for p in prompts) / len(prompts),
+    }
+
+
+def fit_decode(steps: list[list[float]]) -> tuple[float, float, float]:
+    """(seconds per step, per active sample, per context token) by least squares."""
+    data = np.array(steps)
+    design = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+    coef, *_ = np.linalg.lstsq(design, data[:, 2], rcond=None)
+    return tuple(float(max(c, 0.0)) for c in coef)  # type: ignore[return-value]
+
+
+def calibrated_profile(plan: Plan, measured: dict[str, Any]) -> GenerationProfile:
+    per_step, per_sample, per_context = fit_decode(measured["decode_steps"])
+    base = migration_settings(plan, Fusion(inter_stage=True)).profile
+    per_token = 2 * measured["inference_s"] / measured["tokens"]  # replica-seconds: each of 2 ranks did half
+    return dataclasses.replace(
+        base,
+        num_instances=2,
+        samples_per_instance=plan.workload.samples_per_step // 2,
+        prompt_len=round(measured["prompt_len"]),
+        # The simulator's step is max(weight read + context x KV read, samples x compute); on a
+        # CPU rank the per-sample cost adds to the fixed one, so fold it into the memory side.
+        weight_read_s=per_step,
+        kv_read_s_per_token=per_context,
+        compute_s_per_token=per_sample,
+        prefill_s_per_token=per_token / 4,  # one of the four inference forwards
+        inference_s_per_token=per_token,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--samples", type=int, default=64, help="samples in the batch (half per rank)")
+    parser.add_argument("--median", type=int, default=12, help="imposed response length: median")
+    parser.add_argument("--p99", type=int, default=120, help="imposed response length: 99th percentile")
+    parser.add_argument("--max", type=int, default=160, help="imposed response length: cap")
+    parser.add_argument("--thresholds", type=str, default="0.1,0.2,0.3", help="migration thresholds timed")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions of each path")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions")
+    parser.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and sampling")
+    args = parser.parse_args()
+    args.thresholds = [float(t) for t in args.thresholds.split(",")]
+    plan = bench_plan(args)
+    lengths = imposed_lengths(plan, args.seed)
+    load_before = os.getloadavg()[0]
+    measured = spawn(rollout_times, 2, plan, args)[0]
+    profile = calibrated_profile(plan, measured)
+    baseline = run_batch(profile, lengths, None)
+    flat = lengths.ravel()
+    median_len, p99_len = float(np.median(flat)), float(np.percentile(flat, 99))
+    without = statistics.median(measured["times"]["without"])
+    print(
+        f"tiny PPO rollout (4 inference model-stages), 2 gloo ranks x 1 thread, {args.samples} samples; "
+        f"lengths imposed by the benchmark: median {median_len:.0f}, p99 {p99_len:.0f} "
+        f"({p99_len / median_len:.1f}x), max {flat.max()} (machine load {load_before:.1f} before)"
+    )
+    print(
+        f"without fusion: {without:.3f} s (generation {measured['generation_s']:.3f} s + inference "
+        f"{measured['inference_s']:.3f} s); simulated {baseline.total_s:.3f} s"
+    )
+    print(
+        f"{'threshold':>9} {'measured s':>11} {'speed-up':>9} {'simulated s':>12} {'predicted':>10} "
+        f"{'moved':>6} {'sim dest':>9}"
+    )
+    rows = []
+    for threshold in args.thresholds:
+        key = f"{threshold:g}"
+        fused = statistics.median(measured["times"][key])
+        outcome = run_batch(profile, lengths, threshold)
+        migration = measured["migrations"][key]
+        moved = len(migration["moved"]) if migration else 0
+        rows.append(
+            {
+                "threshold": threshold,
+                "measured_s": fused,
+                "all_measured_s": measured["times"][key],
+                "speedup": without / fused,
+                "simulated_s": outcome.total_s,
+                "predicted_speedup": baseline.total_s / outcome.total_s,
+                "migration": migration,
+                "simulated_destinations": outcome.destinations,
+                "simulated_mechanism": outcome.mechanism,
+            }
+        )
+        print(
+            f"{threshold:>9.2f} {fused:>11.3f} {without / fused:>8.2f}x {outcome.total_s:>12.3f} "
+            f"{baseline.total_s / outcome.total_s:>9.2f}x {moved:>6} {outcome.destinations:>9}"
+        )
+    print(f"same samples: {measured['same_samples']}; max |log-prob/value difference|: {measured['max_error']:.2e}")
+    result = {
+        "benchmark": "fused_rollout",
+        "plan": str(PLAN.relative_to(ROOT)),
+        "samples": args.samples,
+        "lengths_imposed_by_benchmark": True,
+        "response_len": {"median": args.median, "p99": args.p99, "max": args.max},
+        "drawn_lengths": {
+            "median": median_len,
+            "p99": p99_len,
+            "max": int(flat.max()),
+            "p99_over_median": p99_len / median_len,
+        },
+        "reps": args.reps,
+        "ranks": 2,
+        "threads_per_rank": 1,
+        "load_average_1m_before": load_before,
+        "without_fusion": {
+            "measured_s": without,
+            "all_measured_s": measured["times"]["without"],
+            "generation_s": measured["generation_s"],
+            "inference_s": measured["inference_s"],
+            "simulated_s": baseline.total_s,
+        },
+        "with_fusion": rows,
+        "calibrated_profile": {k: v for k, v in dataclasses.asdict(profile).items() if k != "lengths"},
+        "same_samples": measured["same_samples"],
+        "max_abs_difference": measured["max_error"],
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
