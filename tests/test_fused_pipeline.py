@@ -18,11 +18,18 @@ import torch
 
 from nereus.runtime.dist import spawn
 from nereus.runtime.engine import Engine, EngineConfig, NextTokenLoss, ValueLoss
-from nereus.runtime.fused_pipeline import FusedPart, OpTiming, check_fused_schedule, fused_train_step
+from nereus.runtime.fused_pipeline import (
+    FusedPart,
+    OpTiming,
+    OrderedSends,
+    check_fused_schedule,
+    fused_train_step,
+    message_orders,
+)
 from nereus.runtime.fused_schedule import fused_schedule, intra_stage_problems, reversed_stages
 from nereus.runtime.model import Batch
 from nereus.runtime.optim import AdamWConfig
-from nereus.runtime.pipeline import Op
+from nereus.runtime.pipeline import Op, Sends
 from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.step import build_stages, rl_step, sync_plans
 from nereus.runtime.shard_layout import RankLayout
@@ -173,6 +180,26 @@ def test_a_schedule_missing_an_op_is_refused() -> None:
     broken = node.model_copy(update={"ops": node.ops[1:]})
     with pytest.raises(ValueError, match="pipeline stage"):
         check_fused_schedule(schedule.model_copy(update={"nodes": [schedule.nodes[0], broken]}))
+
+
+def test_sends_are_posted_in_the_order_the_peer_receives_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL pairs messages in posting order: a message produced early is held until the ones
+    its peer receives first are posted (this schedule produces them in another order)."""
+    schedule = schedule_for(ACTOR_MICROBATCHES, CRITIC_MICROBATCHES)
+    produced, received = message_orders(schedule, check_fused_schedule(schedule))
+    assert any(produced[pair] != received[pair] for pair in produced)
+    posted: dict[int, list[tuple[str, str, int]]] = {}
+
+    def record(self: Sends, lane: str, op: Op, tensor: torch.Tensor, dst: int, tag: int, group: Any) -> None:
+        posted.setdefault(dst, []).append((lane, op.kind, op.microbatch))
+
+    monkeypatch.setattr(Sends, "post", record)
+    for node in range(schedule.num_nodes):
+        sends = OrderedSends(node, received)
+        for model, kind, mb in produced[(node, 1 - node)]:
+            sends.post(model, Op(kind, mb), torch.zeros(1), 1 - node, 0, None)  # type: ignore[arg-type]
+        assert not sends.held
+    assert posted == {1 - node: received[(node, 1 - node)] for node in range(2)}
 
 
 # ---- plans ----

@@ -7,7 +7,9 @@ fuse`, or `fused_schedule(plan)`) in the schedule's order, both models interleav
 never block, receives wait for their data, and each model's messages carry their own tag
 channel, so an actor activation and a critic gradient between the same two ranks never
 match each other. Before anything runs, the whole schedule (every node, both models) is
-checked to finish without all ranks waiting on each other.
+checked to finish without all ranks waiting on each other. Each rank posts its sends to a
+peer in the order the peer receives them (`OrderedSends`), so the messages also match where
+the backend pairs them by order rather than by tag (NCCL).
 
 The gradients are exactly those of separate actor and critic training: each model's
 micro-batches, loss normalisation and gradient reduction are its engine's own
@@ -17,23 +19,25 @@ micro-batches, loss normalisation and gradient reduction are its engine's own
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from nereus.runtime.engine import Engine, Objective
 from nereus.runtime.model import Batch
 from nereus.runtime.pipeline import (
-    PendingSend,
+    Op,
     PipelineLane,
+    Sends,
     StageOp,
     blocked_heads,
     check_stage_ops,
     op_lists_from_schedule,
     parse_op,
-    wait_all,
 )
 
 if TYPE_CHECKING:
@@ -108,6 +112,58 @@ def check_fused_schedule(schedule: Schedule) -> list[list[StageOp]]:
     return node_ops
 
 
+#: A message between two nodes: (model, kind of the op that sends and receives it, micro-batch).
+Message = tuple[str, str, int]
+
+
+def message_orders(
+    schedule: Schedule, node_ops: list[list[StageOp]]
+) -> tuple[dict[tuple[int, int], list[Message]], dict[tuple[int, int], list[Message]]]:
+    """Per (source node, destination node): the messages in the order the source's ops
+    produce them, and in the order the destination's ops receive them."""
+    nodes = {record.name: record.replica_nodes[0] for record in schedule.models}
+    produced: dict[tuple[int, int], list[Message]] = {}
+    received: dict[tuple[int, int], list[Message]] = {}
+    for node, ops in enumerate(node_ops):
+        for model, stage, op in ops:
+            last = len(nodes[model]) - 1
+            # F receives from stage - 1 and sends to stage + 1; B the other way round.
+            step = 1 if op.kind == "F" else -1
+            message = (model, op.kind, op.microbatch)
+            if 0 <= stage - step <= last:
+                received.setdefault((nodes[model][stage - step], node), []).append(message)
+            if 0 <= stage + step <= last:
+                produced.setdefault((node, nodes[model][stage + step]), []).append(message)
+    assert {pair: sorted(m) for pair, m in produced.items()} == {pair: sorted(m) for pair, m in received.items()}
+    return produced, received
+
+
+class OrderedSends(Sends):
+    """Sends to each peer posted in the order the peer receives them (NCCL matches a pair's
+    messages in posting order, not by tag). A message produced early is held (the rank goes
+    on: posting never blocks) until those the peer receives before it are posted. A peer
+    waiting for message k has received every message before it, so those were posted and k
+    is posted the moment it is produced: holding adds no wait the deadlock check missed."""
+
+    def __init__(self, node: int, received: dict[tuple[int, int], list[Message]]):
+        super().__init__()
+        self.queues = {dst: deque(messages) for (src, dst), messages in received.items() if src == node}
+        self.queue_of = {message: dst for dst, queue in self.queues.items() for message in queue}
+        self.held: dict[Message, tuple[torch.Tensor, int, int, Any]] = {}
+
+    def post(self, lane: str, op: Op, tensor: torch.Tensor, dst: int, tag: int, group: Any) -> None:
+        message = (lane, op.kind, op.microbatch)
+        self.held[message] = (tensor, dst, tag, group)
+        queue = self.queues[self.queue_of[message]]
+        while queue and queue[0] in self.held:
+            first = queue.popleft()
+            super().post(first[0], Op(first[1], first[2]), *self.held.pop(first))  # type: ignore[arg-type]
+
+    def wait(self) -> None:
+        assert not self.held, f"messages never posted: {sorted(self.held)}"
+        super().wait()
+
+
 def node_of(schedule: Schedule, part: FusedPart) -> int:
     """The schedule node this rank is, from where `part`'s stage runs."""
     record = next((r for r in schedule.models if r.name == part.name), None)
@@ -124,21 +180,21 @@ def node_of(schedule: Schedule, part: FusedPart) -> int:
 class FusedExecutor:
     """Runs one rank's interleaved ops of several pipelines (one `PipelineLane` per model)."""
 
-    def __init__(self, lanes: dict[str, PipelineLane]):
+    def __init__(self, lanes: dict[str, PipelineLane], sends: Sends):
         self.lanes = lanes
+        self.sends = sends
 
     def run(self, ops: Sequence[StageOp]) -> list[OpTiming]:
         """Run `ops` in order, then wait for every send; each op's timing."""
         rank = dist.get_rank()
-        pending: list[PendingSend] = []
         timings = []
         for model, stage, op in ops:
             lane = self.lanes[model]
             assert lane.link.stage == stage, (model, stage, lane.link.stage)
             start = time.perf_counter()
-            ready = lane.run_op(op, pending)
+            ready = lane.run_op(op, self.sends)
             timings.append(OpTiming(rank, model, op.kind, op.microbatch, stage, start, ready, time.perf_counter()))
-        wait_all(pending)
+        self.sends.wait()
         return timings
 
 
@@ -168,10 +224,11 @@ def fused_forward_backward(parts: Sequence[FusedPart], schedule: Schedule) -> tu
         executor = engine.executor
         lanes[part.name] = PipelineLane(
             engine.groups.link, job.forward_step, job.input_shape, True, executor.dtype, executor.device,
-            channel, len(parts),
+            part.name, channel, len(parts),
         )  # fmt: skip
         jobs.append(job)
-    timings = FusedExecutor(lanes).run(node_ops[node])
+    _, received = message_orders(schedule, node_ops)
+    timings = FusedExecutor(lanes, OrderedSends(node, received)).run(node_ops[node])
     losses = [
         part.engine.finish_forward_backward(job, lanes[part.name].outputs)
         for part, job in zip(parts, jobs, strict=True)
@@ -193,8 +250,10 @@ __all__ = [
     "FusedExecutor",
     "FusedPart",
     "OpTiming",
+    "OrderedSends",
     "check_fused_schedule",
     "fused_forward_backward",
     "fused_train_step",
+    "message_orders",
     "schedule_node_ops",
 ]

@@ -188,16 +188,30 @@ def _tag(microbatch: int, is_grad: bool, channel: int = 0, num_channels: int = 1
 #: the scalar loss when training, the head output otherwise).
 ForwardStep = Callable[[int, torch.Tensor | None], torch.Tensor]
 
-#: A started send and the buffer it reads (kept alive until the send is waited on).
-PendingSend = tuple[Any, torch.Tensor]
+
+class Sends:
+    """Sends started as soon as they are posted; `wait` waits for all of them."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Any, torch.Tensor]] = []
+        """Started sends and the buffers they read (kept alive until waited on)."""
+
+    def post(self, lane: str, op: Op, tensor: torch.Tensor, dst: int, tag: int, group: Any) -> None:
+        """Send `tensor`, the output of `op` of pipeline `lane`, to global rank `dst`."""
+        buffer = tensor.contiguous()
+        self.pending.append((dist.isend(buffer, dst=dst, group=group, tag=tag), buffer))
+
+    def wait(self) -> None:
+        for work, _buffer in self.pending:
+            work.wait()
 
 
 class PipelineLane:
     """One pipeline's stage on this rank during one run: runs its ops one at a time.
 
-    A forward receives its input from the previous stage (blocking) and starts sending its
-    output on; a backward receives the output's gradient from the next stage and starts
-    sending its input's gradient back. Sends go to the caller's `pending` list.
+    A forward receives its input from the previous stage (blocking) and posts its output to
+    the next; a backward receives the output's gradient from the next stage and posts its
+    input's gradient to the previous one. Posting never blocks (see `Sends`).
     """
 
     def __init__(
@@ -208,6 +222,7 @@ class PipelineLane:
         train: bool,
         dtype: torch.dtype,
         device: torch.device,
+        name: str = "",
         channel: int = 0,
         num_channels: int = 1,
     ):
@@ -217,14 +232,17 @@ class PipelineLane:
         self.train = train
         self.dtype = dtype
         self.device = device
+        self.name = name
+        """The pipeline's name among several sharing the ranks (the schedule's model name)."""
         self.channel = channel
         self.num_channels = num_channels
         self.saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         """The last stage's forward outputs by micro-batch (detached)."""
 
-    def run_op(self, op: Op, pending: list[PendingSend]) -> float:
-        """Run `op`; returns the perf_counter time its input had arrived (compute began)."""
+    def run_op(self, op: Op, sends: Sends) -> float:
+        """Run `op`, posting its output to `sends`; returns the perf_counter time its input
+        had arrived (compute began)."""
         link, mb = self.link, op.microbatch
         if op.kind == "F":
             stage_input = None
@@ -237,7 +255,8 @@ class PipelineLane:
             if link.is_last:
                 self.outputs[mb] = output.detach()
             else:
-                pending.append(self._send(output.detach(), link.next_rank, self._tag(mb, False)))
+                assert link.next_rank is not None
+                sends.post(self.name, op, output.detach(), link.next_rank, self._tag(mb, False), link.group)
             if self.train:
                 self.saved[mb] = (stage_input, output)
             return ready
@@ -250,8 +269,8 @@ class PipelineLane:
             ready = time.perf_counter()
             torch.autograd.backward(output, grad)
         if stage_input is not None:
-            assert stage_input.grad is not None
-            pending.append(self._send(stage_input.grad, link.prev_rank, self._tag(mb, True)))
+            assert stage_input.grad is not None and link.prev_rank is not None
+            sends.post(self.name, op, stage_input.grad, link.prev_rank, self._tag(mb, True), link.group)
         return ready
 
     def _tag(self, microbatch: int, is_grad: bool) -> int:
@@ -262,17 +281,6 @@ class PipelineLane:
         tensor = torch.empty(shape, dtype=self.dtype, device=self.device)
         dist.recv(tensor, src=src, group=self.link.group, tag=tag)
         return tensor
-
-    def _send(self, tensor: torch.Tensor, dst: int | None, tag: int) -> PendingSend:
-        """Start sending; the caller keeps the returned buffer alive until the send is waited on."""
-        assert dst is not None
-        buffer = tensor.contiguous()
-        return dist.isend(buffer, dst=dst, group=self.link.group, tag=tag), buffer
-
-
-def wait_all(pending: Sequence[PendingSend]) -> None:
-    for work, _buffer in pending:
-        work.wait()
 
 
 class PipelineExecutor:
@@ -292,8 +300,8 @@ class PipelineExecutor:
     ) -> dict[int, torch.Tensor]:
         """Run `ops`; returns the last stage's forward outputs by micro-batch (detached)."""
         lane = PipelineLane(self.link, forward_step, input_shape, train, self.dtype, self.device)
-        pending: list[PendingSend] = []
+        sends = Sends()
         for op in ops:
-            lane.run_op(op, pending)
-        wait_all(pending)
+            lane.run_op(op, sends)
+        sends.wait()
         return lane.outputs
