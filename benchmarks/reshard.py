@@ -4,15 +4,20 @@ The model is a Llama-style decoder of 100.1M parameters (12 layers, hidden 768, 
 4 KV heads, SwiGLU 2048, vocabulary 32000, tied embeddings); its state is param, exp_avg
 and exp_avg_sq in fp32 (1.2 GB). For each pair of layouts on the same 2 ranks (gloo, one
 thread per rank) it times:
-  in-memory   nereus.runtime.reshard.execute (point-to-point over gloo);
-  DCP         a round trip through torch.distributed.checkpoint: save the source layout
-              (tensor-parallel tensors as DTensors, the rest as plain tensors), then load
-              into the target layout (DCP reshards by its own chunk metadata);
-  nereus ckpt the same round trip through nereus.runtime.checkpoint.
+  in-memory     nereus.runtime.reshard.execute, transport "auto" (the two ranks share a
+                host, so pieces go through shared memory), allocating its result;
+  DCP           a round trip through torch.distributed.checkpoint: save the source layout
+                (tensor-parallel tensors as DTensors, the rest as plain tensors), then load
+                into freshly allocated tensors of the target layout (DCP reshards by its
+                own chunk metadata);
+  buffers       both again, filling the previous run's target tensors instead of fresh
+                ones (the steady state of a repeated reshard such as a weight sync);
+  gloo          execute with transport "process_group": every piece a gloo TCP message;
+  nereus ckpt   the round trip through nereus.runtime.checkpoint.
 Every result is checked bitwise against the expected target shards. Both checkpoint
 round trips write to a temporary folder on the local disk with fsync; their reads come
-from the page cache. Reports medians of --runs, the in-memory speed-up over DCP, and bytes
-moved against the lower bound.
+from the page cache. Reports medians of --runs, the in-memory speed-ups over DCP, bytes
+moved against the lower bound, and the machine's load average (others may be working).
 Prints a table and writes benchmarks/results/reshard.json.
 
     .venv/bin/python benchmarks/reshard.py [--runs 3]
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -36,7 +42,7 @@ import torch.distributed as dist
 
 from nereus.runtime.checkpoint import load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import spawn
-from nereus.runtime.reshard import execute, plan_reshard
+from nereus.runtime.reshard import ReshardPlan, Transport, execute, plan_reshard
 from nereus.runtime.shard_layout import RankLayout, box_shape
 from nereus.runtime.sharded_state import StateMeta, random_rank_state, state_meta
 from nereus.spec.model import Model
@@ -101,24 +107,51 @@ def local_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {key: value.to_local() if isinstance(value, DTensor) else value for key, value in state.items()}
 
 
+#: The target tensors of the previous run to fill in place, or None to allocate fresh ones.
+Buffers = dict[str, torch.Tensor] | None
+
+
 def dcp_round_trip(
-    source: StateMeta, target: StateMeta, rank: int, tensors: dict[str, torch.Tensor], folder: str, mesh: Any
+    plan: ReshardPlan, rank: int, tensors: dict[str, torch.Tensor], into: Buffers, folder: str, mesh: Any
 ) -> dict[str, torch.Tensor]:
+    """DCP save of the source layout, then load into the target layout (into `into`, else fresh tensors)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(dcp_state(source, rank, tensors, mesh), storage_writer=dcp.FileSystemWriter(folder))
-    empty = {key: torch.empty(box_shape(box)) for key, box in target.rank_boxes(rank).items()}
-    loading = dcp_state(target, rank, empty, mesh)
+    dcp.save(dcp_state(plan.source, rank, tensors, mesh), storage_writer=dcp.FileSystemWriter(folder))
+    empty = into or {key: torch.empty(box_shape(box)) for key, box in plan.target.rank_boxes(rank).items()}
+    loading = dcp_state(plan.target, rank, empty, mesh)
     dcp.load(loading, storage_reader=dcp.FileSystemReader(folder))
     return local_tensors(loading)
 
 
 def nereus_round_trip(
-    source: StateMeta, target: StateMeta, rank: int, tensors: dict[str, torch.Tensor], folder: str, mesh: Any
+    plan: ReshardPlan, rank: int, tensors: dict[str, torch.Tensor], into: Buffers, folder: str, mesh: Any
 ) -> dict[str, torch.Tensor]:
     path = Path(folder) / "ckpt"
-    save_checkpoint_distributed(path, source, rank, tensors, 1)
-    return load_checkpoint(path, target.layout, rank).tensors
+    save_checkpoint_distributed(path, plan.source, rank, tensors, 1)
+    return load_checkpoint(path, plan.target.layout, rank).tensors
+
+
+def in_memory(transport: Transport) -> Any:
+    def run(
+        plan: ReshardPlan, rank: int, tensors: dict[str, torch.Tensor], into: Buffers, folder: str, mesh: Any
+    ) -> dict[str, torch.Tensor]:
+        return execute(plan, rank, tensors, 1, transport=transport, out=into).tensors
+
+    return run
+
+
+#: (name, how, fills the previous run's target tensors). A "buffers" method runs right after
+#: its fresh twin and fills that run's result (zeroed first): the steady state of a repeated
+#: reshard, e.g. a weight sync every RL step, against DCP loading into the same buffers.
+METHODS = (
+    ("memory", in_memory("auto"), False),
+    ("memory_buffers", in_memory("auto"), True),
+    ("memory_gloo", in_memory("process_group"), False),
+    ("dcp", dcp_round_trip, False),
+    ("dcp_buffers", dcp_round_trip, True),
+    ("nereus_ckpt", nereus_round_trip, False),
+)
 
 
 def fresh_folder(rank: int, scratch: str, name: str) -> str:
@@ -131,6 +164,11 @@ def fresh_folder(rank: int, scratch: str, name: str) -> str:
     return str(folder)
 
 
+def zeroed(previous: dict[str, torch.Tensor], source: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`previous` with every tensor zeroed, except those passed through from the source (kept as they are)."""
+    return {key: tensor if tensor is source.get(key) else tensor.zero_() for key, tensor in previous.items()}
+
+
 def measure_pair(
     rank: int, shapes: tuple[tuple[int, int, int], tuple[int, int, int]], runs: int, scratch: str, mesh: Any
 ) -> dict[str, Any]:
@@ -138,29 +176,29 @@ def measure_pair(
     plan = plan_reshard(source, target)
     tensors = random_rank_state(source, rank, SEED)
     expected = random_rank_state(target, rank, SEED)
-    times: dict[str, list[float]] = {"memory": [], "dcp": [], "nereus_ckpt": []}
+    times: dict[str, list[float]] = {name: [] for name, _, _ in METHODS}
     correct = True
     for run in range(runs):
-        elapsed, result = timed(partial(execute, plan, rank, tensors, 1))
-        times["memory"].append(elapsed)
-        correct &= all(torch.equal(result.tensors[key], expected[key]) for key in expected)
-        del result
-        for method, trip in (("dcp", dcp_round_trip), ("nereus_ckpt", nereus_round_trip)):
-            folder = fresh_folder(rank, scratch, f"{method}-{run}")
-            elapsed, loaded = timed(partial(trip, source, target, rank, tensors, folder, mesh))
-            times[method].append(elapsed)
-            correct &= all(torch.equal(loaded[key], expected[key]) for key in expected)
-            del loaded  # keep one target state alive at a time, so runs do not pay for each other's memory
+        previous: Buffers = None
+        for name, trip, fills in METHODS:
+            into = zeroed(previous, tensors) if fills and previous else None
+            previous = None  # at most one target state alive, so methods do not pay for each other's memory
+            folder = fresh_folder(rank, scratch, f"{name}-{run}")
+            elapsed, result = timed(partial(trip, plan, rank, tensors, into, folder, mesh))
+            times[name].append(elapsed)
+            correct &= result.keys() == expected.keys() and all(torch.equal(result[k], expected[k]) for k in expected)
+            previous, into = result, None
+            del result
     flags: list[Any] = [None, None]
     dist.all_gather_object(flags, correct)
-    medians = {method: statistics.median(values) for method, values in times.items()}
+    medians = {name: statistics.median(values) for name, values in times.items()}
     return {
         "source": shapes[0],
         "target": shapes[1],
-        "memory_s": medians["memory"],
-        "dcp_s": medians["dcp"],
-        "nereus_checkpoint_s": medians["nereus_ckpt"],
+        **{f"{name}_s": median for name, median in medians.items()},
         "speedup_vs_dcp": medians["dcp"] / medians["memory"],
+        "speedup_buffers_vs_dcp_buffers": medians["dcp_buffers"] / medians["memory_buffers"],
+        "speedup_gloo_vs_dcp": medians["dcp"] / medians["memory_gloo"],
         "bytes_moved": plan.bytes_moved,
         "lower_bound_bytes": plan.lower_bound,
         "state_bytes": sum(source.rank_bytes(r) for r in (0, 1)),
@@ -182,17 +220,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="timed repetitions per pair (median reported)")
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="nereus-reshard-bench-") as scratch:
         rows = spawn(_worker, 2, args.runs, scratch)[0]
     gb = 1e9
     print(f"{MODEL.name}: {MODEL.num_params() / 1e6:.1f}M params, state {rows[0]['state_bytes'] / gb:.2f} GB (fp32 x3)")
+    print(f"load average before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f} (1 min)")
     print(
-        f"{'pair':<12} {'in-memory':>10} {'DCP':>8} {'nereus ckpt':>12} {'speed-up':>9} {'moved GB':>9} {'bound GB':>9}"
+        f"{'pair':<12} {'in-memory':>10} {'DCP':>7} {'speed-up':>9} {'| buffers:':>10} {'in-mem':>7} {'DCP':>7} "
+        f"{'speed-up':>9} {'| gloo':>8} {'nereus ckpt':>12} {'moved GB':>9} {'bound GB':>9}"
     )
     for row in rows:
         print(
-            f"{row['pair']:<12} {row['memory_s']:>9.2f}s {row['dcp_s']:>7.2f}s {row['nereus_checkpoint_s']:>11.2f}s "
-            f"{row['speedup_vs_dcp']:>8.1f}x {row['bytes_moved'] / gb:>9.3f} {row['lower_bound_bytes'] / gb:>9.3f}"
+            f"{row['pair']:<12} {row['memory_s']:>9.3f}s {row['dcp_s']:>6.2f}s {row['speedup_vs_dcp']:>8.1f}x "
+            f"{'':>10} {row['memory_buffers_s']:>6.3f}s {row['dcp_buffers_s']:>6.2f}s "
+            f"{row['speedup_buffers_vs_dcp_buffers']:>8.1f}x {row['memory_gloo_s']:>7.2f}s "
+            f"{row['nereus_ckpt_s']:>11.2f}s {row['bytes_moved'] / gb:>9.3f} {row['lower_bound_bytes'] / gb:>9.3f}"
             + ("" if row["bitwise_equal"] else "  MISMATCH")
         )
     RESULTS.parent.mkdir(exist_ok=True)
@@ -203,6 +246,7 @@ def main() -> None:
         "ranks": 2,
         "threads_per_rank": 1,
         "runs": args.runs,
+        "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
         "python": platform.python_version(),
         "torch": torch.__version__,
         "results": rows,

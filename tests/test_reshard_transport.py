@@ -124,6 +124,10 @@ def test_both_transports_reshard_there_and_back_bitwise_and_pick_shared_memory_p
 # --- pooled segments and caller buffers (one 2-rank world) ------------------------------
 
 
+def _full_shared_memory(peer: int, nonce: bytes, nbytes: int) -> shm.Segment:
+    raise OSError(28, "No space left on device")
+
+
 def _reuse_worker(rank: int, world_size: int) -> dict[str, object]:
     source, target = meta("tiny", (2, 1, 1), (0, 1)), meta("tiny", (1, 1, 2), (0, 1))
     plan = plan_reshard(source, target)
@@ -145,7 +149,13 @@ def _reuse_worker(rank: int, world_size: int) -> dict[str, object]:
     shm.release_segments()
     released = shm.pooled()
     after_release = execute(plan, rank, start, 3)
+    # Rank 0 cannot make a segment (a full /dev/shm): its pieces fall back to gloo messages.
+    if rank == 0:
+        shm.outgoing_segment = _full_shared_memory
+    full = execute(plan, rank, start, 3)
     return {
+        "full_ok": all(torch.equal(full.tensors[key], expected[key]) for key in expected),
+        "full_shared": (full.bytes_received_shared_memory, full.bytes_received),
         "first_ok": all(torch.equal(first.tensors[key], expected[key]) for key in expected),
         "again_ok": in_place and equal,
         "pool": (pool_after_first, pool_after_again, pool_after_growth, released),
@@ -154,14 +164,19 @@ def _reuse_worker(rank: int, world_size: int) -> dict[str, object]:
     }
 
 
-def test_segments_are_pooled_per_peer_and_out_buffers_are_filled_in_place() -> None:
-    for outcome in spawn(_reuse_worker, 2):
+def test_segments_are_pooled_out_buffers_filled_in_place_and_a_full_dev_shm_falls_back() -> None:
+    outcomes = spawn(_reuse_worker, 2)
+    for outcome in outcomes:
         assert outcome["first_ok"] and outcome["again_ok"] and outcome["after_release_ok"] and outcome["shared"]
         first, again, grown, released = outcome["pool"]
         assert len(first) == 2 and again == first  # one staging and one reading segment, reused
         assert all(new[1] > old[1] for new, old in zip(grown, first, strict=True))
         assert {name for name, _ in grown}.isdisjoint(name for name, _ in first)
         assert released == []
+        assert outcome["full_ok"]
+    # Rank 1 gets its pieces from rank 0, who had no segment; rank 0 still reads rank 1's segment.
+    (shared_0, received_0), (shared_1, received_1) = (outcome["full_shared"] for outcome in outcomes)
+    assert shared_0 == received_0 > 0 and shared_1 == 0 < received_1
 
 
 # --- checks that need no process group --------------------------------------------------

@@ -302,8 +302,8 @@ def _shared_memory_peers(peers: list[int], usable: bool) -> dict[int, bytes]:
     return shared
 
 
-#: Message tags that keep the control messages of the shared-memory path apart from the pieces.
-HELLO_TAG, HEADER_TAG, DONE_TAG = 17, 18, 19
+#: Message tags that keep the shared-memory path's messages apart from the pieces' messages.
+HELLO_TAG, HEADER_TAG, DONE_TAG, FALLBACK_TAG = 17, 18, 19, 20
 
 
 @dataclass
@@ -365,7 +365,6 @@ def _sort_hops(
             view = _dst_view(new, transfer)
             if sender in shared:
                 pieces.unstaged[sender].append(view)
-                moved.received_shared += transfer.nbytes
             else:
                 pieces.ops.append(dist.P2POp(dist.irecv, _receive_buffer(view, pieces.pending), sender))
             moved.received += transfer.nbytes
@@ -396,27 +395,66 @@ def _exchange(
     headers = {peer: torch.empty(shm.NAME_BYTES, dtype=torch.uint8) for peer in pieces.unstaged}
     arrivals = {peer: _post(dist.irecv, header, peer, HEADER_TAG) for peer, header in headers.items()}
     answers = {peer: _post(dist.irecv, torch.empty(1, dtype=torch.uint8), peer, DONE_TAG) for peer in pieces.staged}
-    names, control = {}, []
-    for peer, staged in sorted(pieces.staged.items()):
-        segment = shm.outgoing_segment(peer, shared[peer], _staged_bytes(staged))
-        for piece, place in zip(staged, _places(segment, staged), strict=True):
-            place.copy_(piece)
-        names[peer] = segment.name
-        name = torch.frombuffer(bytearray(shm.encode_name(segment.name)), dtype=torch.uint8)
-        control.append(_post(dist.isend, name, peer, HEADER_TAG))
+    names = {peer: _stage(peer, staged, shared[peer], requests) for peer, staged in sorted(pieces.staged.items())}
     meanwhile()
     for peer, views in sorted(pieces.unstaged.items()):
         arrivals[peer].wait()
-        segment = shm.incoming_segment(peer, shm.decode_name(headers[peer].numpy().tobytes()), _staged_bytes(views))
-        for view, place in zip(views, _places(segment, views), strict=True):
-            view.copy_(place)
-        control.append(_post(dist.isend, torch.ones(1, dtype=torch.uint8), peer, DONE_TAG))
+        name = shm.decode_name(headers[peer].numpy().tobytes())
+        moved.received_shared += _unstage(peer, name, views, requests, pieces.pending)
     for peer, answer in answers.items():
         answer.wait()
-        shm.forget_unopened(names[peer])  # the receiver has mapped and unlinked it
-    _wait([*requests, *control])
+        shm.forget_unopened(names[peer])  # the receiver has mapped and unlinked it (if there was one)
+    _wait(requests)
     for view, buffer in pieces.pending:
         view.copy_(buffer)
+
+
+def _stage(peer: int, pieces: list[torch.Tensor], nonce: bytes, requests: list[dist.Work]) -> str:
+    """Copy `pieces` into this rank's segment for `peer` and send its name; return the name.
+
+    When no segment can be made (e.g. /dev/shm is full) the name is empty and the pieces
+    follow as process-group messages instead.
+    """
+    import torch
+    import torch.distributed as dist
+
+    try:
+        segment: shm.Segment | None = shm.outgoing_segment(peer, nonce, _staged_bytes(pieces))
+    except OSError:
+        segment = None
+    name = "" if segment is None else segment.name
+    header = torch.frombuffer(bytearray(shm.encode_name(name)), dtype=torch.uint8)
+    if segment is None:
+        requests.append(_post(dist.isend, header, peer, HEADER_TAG))
+        requests += [_post(dist.isend, piece.contiguous(), peer, FALLBACK_TAG) for piece in pieces]
+        return name
+    for piece, place in zip(pieces, _places(segment, pieces), strict=True):
+        place.copy_(piece)
+    requests.append(_post(dist.isend, header, peer, HEADER_TAG))
+    return name
+
+
+def _unstage(
+    peer: int,
+    name: str,
+    views: list[torch.Tensor],
+    requests: list[dist.Work],
+    pending: list[tuple[torch.Tensor, torch.Tensor]],
+) -> int:
+    """Fill `views` from `peer`'s segment `name` (or its messages when the name is empty),
+    then tell the peer it may reuse the segment; return the bytes read from shared memory."""
+    import torch
+    import torch.distributed as dist
+
+    if not name:
+        requests += [_post(dist.irecv, _receive_buffer(view, pending), peer, FALLBACK_TAG) for view in views]
+        requests.append(_post(dist.isend, torch.ones(1, dtype=torch.uint8), peer, DONE_TAG))
+        return 0
+    segment = shm.incoming_segment(peer, name, _staged_bytes(views))
+    for view, place in zip(views, _places(segment, views), strict=True):
+        view.copy_(place)
+    requests.append(_post(dist.isend, torch.ones(1, dtype=torch.uint8), peer, DONE_TAG))
+    return sum(view.numel() * view.element_size() for view in views)
 
 
 def _staged_bytes(pieces: list[torch.Tensor]) -> int:

@@ -98,7 +98,8 @@ def outgoing_segment(peer: int, nonce: bytes, nbytes: int) -> Segment:
     """The pooled segment this rank stages `nbytes` for `peer` in.
 
     A new one when the pooled one is too small or was made for an earlier process at
-    that rank (which has unlinked its name: the new process could not map it).
+    that rank (which has unlinked its name: the new process could not map it). Raises
+    OSError when /dev/shm cannot hold it.
     """
     pooled = _outgoing.get(peer)
     if pooled is not None and pooled[0] == nonce and pooled[1].nbytes >= nbytes:
@@ -108,7 +109,12 @@ def outgoing_segment(peer: int, nonce: bytes, nbytes: int) -> Segment:
     path = SHM_ROOT / name
     descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(descriptor, max(nbytes, 1))
+        # Reserve the pages now: a full /dev/shm then fails here (OSError) instead of
+        # killing the rank with SIGBUS when a copy first touches a missing page.
+        os.posix_fallocate(descriptor, 0, max(nbytes, 1))
+    except OSError:
+        path.unlink()
+        raise
     finally:
         os.close(descriptor)
     _unopened.add(name)
