@@ -111,6 +111,10 @@ class RunConfig(Document):
     calibration: str | None = None
     """Calibration YAML (`nereus fit`, relative to this file) the run's predictions and the
     controller's cost model start from; None: the default calibration."""
+    verify_transitions: bool = False
+    """Check every live transition: gather each model-stage's logical state (parameters and
+    optimizer moments) on rank 0 before and after, and stop the run unless they are equal
+    bitwise; the digests go to the timeline. For tests and audits: it costs a full gather."""
     online_calibration: bool = True
     """Refit the cost model's efficiencies after every step from what the step measured
     (recursive least squares with forgetting); the predictions and the controller use it."""

@@ -14,6 +14,7 @@ metrics.jsonl as it grows: what the user sees is what is on disk.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import pickle
@@ -62,7 +63,7 @@ from nereus.runtime.rl.step import (
     sync_weights,
 )
 from nereus.runtime.rl.tasks import get_task
-from nereus.runtime.sharded_state import state_meta
+from nereus.runtime.sharded_state import gather, state_meta
 from nereus.runtime.transition_executor import ReplicaState, execute_transition
 from nereus.spec.io import save_document, write_text_atomic
 from nereus.spec.plan import Plan
@@ -74,10 +75,11 @@ from nereus.spec.trace import trace_conditions
 SAVED_STAGES = ("actor/training", "critic/training", "reward/inference")
 
 
-def state_families(model_stage: str) -> tuple[str, ...]:
+def state_families(model_stage: str, updated: bool = True) -> tuple[str, ...]:
     """What a model-stage's state is between steps: parameters, and AdamW moments in training
-    (gradients are dropped: every step starts from zero gradients)."""
-    return ("param", "exp_avg", "exp_avg_sq") if model_stage.endswith("/training") else ("param",)
+    once it has updated (AdamW creates them at the first update; gradients are dropped:
+    every step starts from zero gradients)."""
+    return ("param", "exp_avg", "exp_avg_sq") if model_stage.endswith("/training") and updated else ("param",)
 
 
 @dataclass
@@ -197,7 +199,7 @@ def apply_move(
 ) -> dict[str, Stage]:
     """Carry out a plan change: live through its transition DAG, or through a checkpoint."""
     if move.action == "transition":
-        return switch_plan(stages, plan, move, setup.config.rl, rank)
+        return switch_plan(stages, plan, move, setup.config.rl, rank, step > 0, setup.config.verify_transitions)
     folder = checkpoint_folder(setup.out, step)
     if not folder.exists():
         save_run_checkpoint(setup, plan, stages, step, rank, state)
@@ -207,12 +209,23 @@ def apply_move(
     return new_stages
 
 
-def switch_plan(stages: dict[str, Stage], plan: Plan, switch: Move, config: RLConfig, rank: int) -> dict[str, Stage]:
+def switch_plan(
+    stages: dict[str, Stage],
+    plan: Plan,
+    switch: Move,
+    config: RLConfig,
+    rank: int,
+    updated: bool = True,
+    verify: bool = False,
+) -> dict[str, Stage]:
     """Build the new plan's engines and move every model-stage's state into them through the
-    switch's transition DAG (collective); the old engines are dropped."""
+    switch's transition DAG (collective); the old engines are dropped. `updated`: the trained
+    models have taken an optimizer step (they have AdamW moments). With `verify`, the logical
+    state before and after is compared bitwise (a mismatch stops the run)."""
     with timeline.span("transition", "build engines and groups"):
         new_stages = build_stages(switch.plan, config)
-    families = {name: state_families(name) for name in stages}
+    families = {name: state_families(name, updated) for name in stages}
+    before = logical_digests(stages, families) if verify else {}
     states: dict[str, ReplicaState] = {}
     for name, stage in stages.items():
         if stage.engine is not None:
@@ -223,7 +236,44 @@ def switch_plan(stages: dict[str, Stage], plan: Plan, switch: Move, config: RLCo
             tensors, step = moved.states[name]
             assert step is not None, name
             stage.engine.load_local_state(tensors, step)
+    if verify:
+        with timeline.span("transition", "verify state") as late:
+            after = logical_digests(new_stages, families)
+            changed = sorted(name for name in before if before[name] != after.get(name))
+            late.update(state_sha256=after, equal=not changed)
+        if changed:
+            raise RuntimeError(f"the transition changed the logical state of {', '.join(changed)}")
     return new_stages
+
+
+def cpu_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key: tensor.detach().cpu() for key, tensor in tensors.items()}
+
+
+def logical_digests(stages: dict[str, Stage], families: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """sha256 of every model-stage's logical state and optimizer step, assembled on rank 0
+    from every rank's shards (collective; other ranks get {}). Replicas must agree bitwise."""
+    mine = {
+        name: (cpu_copies(engine_state(stage.engine, families[name])), stage.engine.optimizer_step)
+        for name, stage in stages.items()
+        if stage.engine is not None and name in families
+    }
+    parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(mine, parts if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return {}
+    digests = {}
+    for name, stage in stages.items():
+        if name not in families:
+            continue
+        meta = state_meta(stage.model, stage.head, stage.layout, families[name])
+        logical = gather(meta, {rank: parts[rank][name][0] for rank in meta.boxes})
+        digest = hashlib.sha256(repr(sorted({parts[rank][name][1] for rank in meta.boxes})).encode())
+        for key in sorted(logical):
+            digest.update(key.encode())
+            digest.update(logical[key].contiguous().numpy().tobytes())
+        digests[name] = digest.hexdigest()
+    return digests
 
 
 def append_metrics(path: Path, metrics: StepMetrics) -> None:
@@ -254,7 +304,7 @@ def save_run_checkpoint(
     for name in SAVED_STAGES:
         if name not in stages:
             continue
-        stage, families = stages[name], state_families(name)
+        stage, families = stages[name], state_families(name, step > 0)
         # Every rank passes the same step to the index: the AdamW steps the model has taken.
         num_optimizer_steps = (
             setup.config.rl.reward_model_steps if stage.plan.role == "reward" else optimizer_steps(plan, step)

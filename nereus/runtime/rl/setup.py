@@ -367,8 +367,8 @@ def checkpoint_step(folder: Path) -> int:
         step = json.loads(state_path.read_text())["step"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise NereusError(f"{state_path}: unreadable ({error}); the checkpoint is damaged, delete {folder}") from None
-    if not isinstance(step, int) or step < 1:
-        raise NereusError(f"{state_path}: step: must be a positive integer, got {step!r}; delete {folder}")
+    if not isinstance(step, int) or step < 0:
+        raise NereusError(f"{state_path}: step: must be an integer >= 0, got {step!r}; delete {folder}")
     return step
 
 
