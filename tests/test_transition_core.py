@@ -90,7 +90,9 @@ def test_sequential_fallback_when_every_priority_order_blocks() -> None:
     plan_b = load_document(data / "sequential-fallback-b.yaml", check=False)
     assert isinstance(plan_a, Plan) and isinstance(plan_b, Plan)
     result = build_transition(plan_a, plan_b)
-    assert result.feasible and result.priority_rule.startswith(("serial: ", "one-model-stage-at-a-time"))
+    assert result.feasible and result.priority_rule.startswith(
+        ("serial: ", "local search", "one-model-stage-at-a-time")
+    )
     assert check_result(result, plan_a, plan_b) == []
     serial_makespan = result.makespan_s
     sequential = _one_model_stage_at_a_time(result.primitives, result.initial_bytes, result.capacity_bytes)

@@ -10,32 +10,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Literal
+from typing import Literal, NamedTuple
 
 PrimitiveKind = Literal["split", "destroy", "extend", "merge"]
 Layout = tuple[int, int]  # (tp, pp)
 
 
-@dataclass(frozen=True)
-class Emu:
-    """One replica of a model-stage: its layout and ordered GPUs (stage-major)."""
+class Emu(NamedTuple):
+    """One replica of a model-stage: its layout and ordered GPUs (stage-major).
+
+    A named tuple rather than a frozen dataclass: a large transition makes thousands of
+    them, and a tuple is built, hashed and compared in C.
+    """
 
     model_stage: str
     tp: int
     pp: int
     gpus: tuple[int, ...]
-    _hash: int = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        # EMUs key many dicts and sets in the DAG builder: hash the GPU tuple once.
-        object.__setattr__(self, "_hash", hash((self.model_stage, self.tp, self.pp, self.gpus)))
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __reduce__(self) -> tuple[type[Emu], tuple[str, int, int, tuple[int, ...]]]:
-        # String hashes differ between processes: rebuild (and rehash) on unpickling.
-        return (type(self), (self.model_stage, self.tp, self.pp, self.gpus))
 
     @property
     def layout(self) -> Layout:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
@@ -57,8 +58,9 @@ class TransitionResult:
 
 def plan_emus(plan: Plan, model_stages: list[str] | None = None) -> dict[str, list[Emu]]:
     """The EMUs of every model-stage in a plan (or of the ones named)."""
+    make = tuple.__new__  # Emu's own constructor, without a Python-level call per EMU
     return {
-        entry.model_stage: [Emu(entry.model_stage, entry.tp, entry.pp, tuple(gpus)) for gpus in entry.emus]
+        entry.model_stage: [make(Emu, (entry.model_stage, entry.tp, entry.pp, tuple(gpus))) for gpus in entry.emus]
         for entry in plan.stages
         if model_stages is None or entry.model_stage in model_stages
     }
@@ -80,10 +82,22 @@ def state_bytes(plan: Plan, model_stage: str, calibration: Calibration) -> float
 
 def held_bytes(plan: Plan, sizes: dict[str, float]) -> dict[int, float]:
     """Bytes of model state on each GPU under a plan (every model-stage's EMU boxes)."""
-    held = np.zeros(plan.cluster.num_gpus)
-    for entry in plan.stages:
-        np.add.at(held, np.asarray(entry.emus).ravel(), sizes[entry.model_stage] / (entry.tp * entry.pp))
-    return {gpu: nbytes for gpu, nbytes in enumerate(held.tolist()) if nbytes}
+    return {gpu: nbytes for gpu, nbytes in enumerate(_held_array(plan, sizes).tolist()) if nbytes}
+
+
+def _held_array(plan: Plan, sizes: dict[str, float]) -> np.ndarray:
+    """`held_bytes` as an array over GPU ids (one bincount over every model-stage's GPUs)."""
+    gpus = [_gpu_array(entry) for entry in plan.stages]
+    weights = [
+        np.full(len(g), sizes[entry.model_stage] / (entry.tp * entry.pp))
+        for g, entry in zip(gpus, plan.stages, strict=True)
+    ]
+    return np.bincount(np.concatenate(gpus), np.concatenate(weights), minlength=plan.cluster.num_gpus)
+
+
+def _gpu_array(entry: StagePlan) -> np.ndarray:
+    """A model-stage's GPU ids, EMU after EMU (`np.asarray` on the nested lists is far slower)."""
+    return np.fromiter(itertools.chain.from_iterable(entry.emus), np.int64, entry.tp * entry.pp * len(entry.emus))
 
 
 def primitive_duration(primitive: Primitive, cluster: Cluster, calibration: Calibration) -> float:
@@ -124,8 +138,7 @@ def _boxes(entry: StagePlan, num_gpus: int) -> np.ndarray:
     index = np.arange(entry.tp * entry.pp)
     stage, rank = index // entry.tp, index % entry.tp
     corners = np.stack([stage / entry.pp, (stage + 1) / entry.pp, rank / entry.tp, (rank + 1) / entry.tp], axis=1)
-    gpus = np.asarray(entry.emus)
-    boxes[gpus.ravel()] = np.tile(corners, (gpus.shape[0], 1))
+    boxes[_gpu_array(entry)] = np.tile(corners, (len(entry.emus), 1))
     return boxes
 
 
@@ -144,21 +157,30 @@ def lower_bound_bytes(plan_a: Plan, plan_b: Plan, changed: list[str], sizes: dic
 
 
 PriorityKey = Callable[[Primitive], tuple[float, ...]]
+Effort = Literal["design-rule", "list", "full"]
+
+
+_STAGE_INDEX: dict[str, int] = {}  # model-stage name -> index of its stage in STAGES
 
 
 def _stage_index(primitive: Primitive) -> int:
-    return STAGES.index(primitive.model_stage.split("/")[1])
+    index = _STAGE_INDEX.get(primitive.model_stage)
+    if index is None:
+        index = _STAGE_INDEX[primitive.model_stage] = STAGES.index(primitive.model_stage.split("/")[1])
+    return index
 
 
 def _tail_lengths(primitives: list[Primitive]) -> dict[int, float]:
     """Longest chain of durations from each primitive to the end of its local DAG."""
     tail: dict[int, float] = {}
-    children: dict[int, list[int]] = {}
-    for p in primitives:
+    ordered = primitives
+    if any(a.id > b.id for a, b in itertools.pairwise(primitives)):
+        ordered = sorted(primitives, key=lambda q: q.id)
+    for p in reversed(ordered):  # a dependency always has a smaller id: children come first
+        tail[p.id] = tail.get(p.id, 0.0) + p.duration_s
         for dep in p.deps:
-            children.setdefault(dep, []).append(p.id)
-    for p in sorted(primitives, key=lambda q: -q.id):  # a dependency always has a smaller id
-        tail[p.id] = p.duration_s + max((tail[c] for c in children.get(p.id, [])), default=0.0)
+            if tail.get(dep, 0.0) < tail[p.id]:
+                tail[dep] = tail[p.id]
     return tail
 
 
@@ -195,24 +217,35 @@ class Replay:
     peak: dict[int, float] = field(default_factory=dict)
 
     def start(self, primitive: Primitive, now: float) -> None:
-        primitive.start_s, primitive.end_s = now, now + primitive.duration_s
+        end = now + primitive.duration_s
+        primitive.start_s, primitive.end_s = now, end
         primitive.scheduled = True
+        busy_until, usage, peak = self.busy_until, self.usage, self.peak
         for gpu in primitive.gpus:
-            self.busy_until[gpu] = primitive.end_s
+            busy_until[gpu] = end
         for gpu, nbytes in primitive.alloc.items():
-            self.usage[gpu] = self.usage.get(gpu, 0.0) + nbytes
-            self.peak[gpu] = max(self.peak.get(gpu, self.usage[gpu] - nbytes), self.usage[gpu])
-            waited = self.blocked_since.get(primitive.id)
+            before = usage.get(gpu, 0.0)
+            after = usage[gpu] = before + nbytes
+            if after >= peak.get(gpu, before):
+                peak[gpu] = after
+        waited = self.blocked_since.get(primitive.id)
+        if waited is None:
+            return
+        for gpu in primitive.alloc:  # memory it waited for, released by another model-stage
             release = self.last_release.get(gpu)
-            if waited is None or release is None or release[2] == primitive.model_stage:
+            if release is None or release[2] == primitive.model_stage:
                 continue
             if release[0] >= waited and release[1] not in primitive.ownership_deps:
                 primitive.ownership_deps.append(release[1])
 
     def finish(self, primitive: Primitive) -> None:
+        if not primitive.free:
+            return
+        usage, last_release = self.usage, self.last_release
+        release = (primitive.end_s, primitive.id, primitive.model_stage)
         for gpu, nbytes in primitive.free.items():
-            self.usage[gpu] -= nbytes
-            self.last_release[gpu] = (primitive.end_s, primitive.id, primitive.model_stage)
+            usage[gpu] -= nbytes
+            last_release[gpu] = release
 
 
 def release_first(primitive: Primitive) -> tuple[float, ...]:
@@ -236,15 +269,14 @@ def list_schedule(
     dependencies.
     """
     barriers = barriers or {}
-    for pid, parents in barriers.items():
-        primitive = next(p for p in primitives if p.id == pid)
-        primitive.ownership_deps = sorted(set(primitive.ownership_deps) | set(parents))
     by_id = {p.id: p for p in primitives}
+    for pid, parents in barriers.items():
+        by_id[pid].ownership_deps = sorted(set(by_id[pid].ownership_deps) | set(parents))
     key = {p.id: priority(p) for p in primitives}
-    waiting = {p.id: len(p.deps) + len(barriers.get(p.id, [])) for p in primitives}
+    waiting = {p.id: len(p.deps) + len(barriers.get(p.id, ())) for p in primitives}
     dependents: dict[int, list[int]] = {}
     for p in primitives:
-        for dep in [*p.deps, *barriers.get(p.id, [])]:
+        for dep in (*p.deps, *barriers.get(p.id, ())) if barriers else p.deps:
             dependents.setdefault(dep, []).append(p.id)
     candidates = {p.id for p in primitives if not waiting[p.id]}
     state = _Waits(by_id, replay)
@@ -280,20 +312,25 @@ class _Waits:
     running: list[tuple[float, int]] = field(default_factory=list)
 
     def wake(self, gpus: Iterable[int]) -> set[int]:
+        if not self.waiters:
+            return set()
         woken: set[int] = set()
+        waiters = self.waiters
         for gpu in gpus:
-            woken |= self.waiters.pop(gpu, set())
+            if gpu in waiters:
+                woken |= waiters.pop(gpu)
         return woken & self.blocked
 
     def try_start(self, order: list[int], now: float) -> set[int]:
         """Start what can start, in priority order; return ids an instantaneous free woke."""
         replay, woken = self.replay, set()
+        busy_until, usage, limit, horizon = replay.busy_until, replay.usage, replay.capacity + EPS, now + EPS
         for pid in order:
             primitive = self.by_id[pid]
             if primitive.scheduled:
                 continue
-            busy = [g for g in primitive.gpus if replay.busy_until.get(g, 0.0) > now + EPS]
-            short = [g for g, b in primitive.alloc.items() if replay.usage.get(g, 0.0) + b > replay.capacity + EPS]
+            busy = [g for g in primitive.gpus if busy_until.get(g, 0.0) > horizon]
+            short = [g for g, b in primitive.alloc.items() if usage.get(g, 0.0) + b > limit] if primitive.alloc else []
             if busy or short:
                 if short:
                     replay.blocked_since.setdefault(pid, now)
@@ -322,9 +359,11 @@ RANDOM_RESTARTS_LARGE = 2
 LARGE_DAG = 300
 
 
-def _perturbed_rules(primitives: list[Primitive], count: int, tail: dict[int, float]) -> dict[str, PriorityKey]:
+def _perturbed_rules(
+    primitives: list[Primitive], count: int, tail: dict[int, float]
+) -> Iterator[tuple[str, PriorityKey]]:
+    """Critical-path rules with seeded noise, built one at a time (most builds never need them)."""
     rng = random.Random(len(primitives))  # deterministic: the same DAG gets the same schedule
-    rules: dict[str, PriorityKey] = {}
     for k in range(count):
         noise = {p.id: 1.0 + 0.5 * rng.random() for p in primitives}
         releases_first = k % 2 == 0
@@ -332,18 +371,19 @@ def _perturbed_rules(primitives: list[Primitive], count: int, tail: dict[int, fl
         def rule(p: Primitive, n: dict[int, float] = noise, r: bool = releases_first) -> tuple[float, ...]:
             return (0 if (r and p.releases) else 1, -tail[p.id] * n[p.id], p.id)
 
-        rules[f"perturbed-{k}"] = rule
-    return rules
+        yield f"perturbed-{k}", rule
 
 
 def makespan_lower_bound(primitives: list[Primitive], tail: dict[int, float] | None = None) -> float:
     """No schedule is shorter than the longest dependency chain or the busiest GPU's work."""
-    busy: dict[int, float] = {}
-    for p in primitives:
-        for gpu in p.gpus:
-            busy[gpu] = busy.get(gpu, 0.0) + p.duration_s
+    timed = [p for p in primitives if p.duration_s > 0.0]
+    busiest = 0.0
+    if timed:  # per-GPU sums in one bincount: large DAGs touch thousands of GPU slots
+        gpus = np.fromiter(itertools.chain.from_iterable(p.gpus for p in timed), np.int64)
+        work = np.repeat([p.duration_s for p in timed], [len(p.gpus) for p in timed])
+        busiest = float(np.bincount(gpus, work).max()) if len(gpus) else 0.0
     chain = max((tail if tail is not None else _tail_lengths(primitives)).values(), default=0.0)
-    return max(chain, max(busy.values(), default=0.0))
+    return max(chain, busiest)
 
 
 #: DAGs up to this size also get the serial schedule generator (it is quadratic) and,
@@ -383,16 +423,31 @@ class _Snapshot:
 
 
 def schedule_best(
-    primitives: list[Primitive], initial: dict[int, float], capacity: float
+    primitives: list[Primitive], initial: dict[int, float], capacity: float, effort: Effort = "full"
 ) -> tuple[Replay, list[str], str]:
     """Run the list scheduler under each priority rule (and, on small DAGs, the serial
-    generator too); keep the shortest safe schedule, stopping at the lower bound."""
+    generator too); keep the shortest safe schedule, stopping at the lower bound.
+
+    The design's rule goes first and, when its schedule meets the lower bound (the common
+    case), nothing else is built: no other rule, no snapshot. `effort` says how far to go
+    when schedules deadlock: the design's rule alone, every priority rule, or (full) the
+    serial generator, whole model-stages in sequence and the exhaustive order search too.
+    """
     restarts = RANDOM_RESTARTS if len(primitives) <= LARGE_DAG else RANDOM_RESTARTS_LARGE
     tail = _tail_lengths(primitives)
-    rules = priority_rules(primitives, tail) | _perturbed_rules(primitives, restarts, tail)
     lower = makespan_lower_bound(primitives, tail) * (1 + 1e-9)
+    _reset(primitives)
+    replay = Replay(dict(initial), capacity)
     best: _Snapshot | None = None
-    for name, rule in rules.items():
+    if not list_schedule(primitives, replay, release_first, explain=False):
+        if max((p.end_s for p in primitives), default=0.0) <= lower:
+            return replay, [], "release-first"
+        best = _Snapshot.take("release-first", primitives, replay.peak)
+    elif effort == "design-rule":
+        return replay, ["the design's priority order deadlocks"], "release-first"
+    rules = priority_rules(primitives, tail)
+    for name, rule in itertools.chain(list(rules.items())[1:], _perturbed_rules(primitives, restarts, tail)):
+        rules[name] = rule
         _reset(primitives)
         replay = Replay(dict(initial), capacity)
         if list_schedule(primitives, replay, rule, explain=False):
@@ -401,6 +456,8 @@ def schedule_best(
             best = _Snapshot.take(name, primitives, replay.peak)
             if best.makespan_s <= lower:
                 return best.restore(primitives, initial, capacity), [], name
+    if best is None and effort != "full":
+        return replay, ["every priority order deadlocks"], "release-first"
     if len(primitives) <= SERIAL_LIMIT:
         best = _serial_best(primitives, initial, capacity, rules, best, lower)
     if best is not None:
@@ -593,20 +650,53 @@ def _blocking_cycle(blocked: list[Primitive], primitives: list[Primitive], repla
     return [f"{a} waits for GPU {graph.edges[a, b]['gpu']} held by {b}" for a, b, *_ in cycle]
 
 
-def _over_capacity(before: dict[int, float], after: dict[int, float], capacity: float) -> list[str]:
-    """Plans whose model states alone overflow a GPU: no order can help."""
+def _over_capacity(before: np.ndarray, after: np.ndarray, capacity: float) -> list[str]:
+    """Plans whose model states alone overflow a GPU (bytes per GPU id): no order can help."""
     problems = []
     for label, held in (("plan A", before), ("plan B", after)):
         problems += [
-            f"{label} holds {format_bytes(nbytes)} of model state on GPU {gpu} (usable: {format_bytes(capacity)})"
-            for gpu, nbytes in sorted(held.items())
-            if nbytes > capacity * (1 + 1e-9)
-        ][:3]
+            f"{label} holds {format_bytes(held[gpu])} of model state on GPU {gpu} (usable: {format_bytes(capacity)})"
+            for gpu in np.flatnonzero(held > capacity * (1 + 1e-9))[:3].tolist()
+        ]
     return problems
 
 
 def _shape(primitives: list[Primitive]) -> list[tuple[object, ...]]:
     return [(p.kind, p.reads, p.writes, tuple(p.deps)) for p in primitives]
+
+
+#: Local-DAG variants (star_rounds, unswap) in the order tried; see `local_dag`.
+DAG_SHAPES: tuple[tuple[int | None, bool], ...] = (
+    (STAR_ROUNDS, False),
+    (None, False),
+    (STAR_ROUNDS, True),
+    (None, True),
+)
+
+
+def _schedule_shapes(
+    shapes: Iterable[list[Primitive]], initial: dict[int, float], capacity: float
+) -> tuple[Replay, list[str], str, list[Primitive]]:
+    """The first DAG shape that schedules, trying every shape at one effort before any gets
+    the next; when none does, the first shape's full failure report."""
+    tried: list[list[Primitive]] = []
+    for primitives in shapes:  # built one by one: the first usually schedules at once
+        if any(_shape(primitives) == _shape(other) for other in tried):
+            continue
+        tried.append(primitives)
+        replay, cycle, rule = schedule_best(primitives, initial, capacity, "design-rule")
+        if not cycle:
+            return replay, cycle, rule, primitives
+    failure: tuple[Replay, list[str], str] | None = None
+    for effort in ("list", "full"):
+        for primitives in tried:
+            replay, cycle, rule = schedule_best(primitives, initial, capacity, effort)
+            if not cycle:
+                return replay, cycle, rule, primitives
+            if effort == "full" and failure is None:
+                failure = replay, cycle, rule
+    assert failure is not None
+    return (*failure, tried[0])
 
 
 def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None = None) -> TransitionResult:
@@ -620,29 +710,27 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
     changed = [name for name in names if _layout_of(plan_a, name) != _layout_of(plan_b, name)]
     sizes = {name: state_bytes(plan_b, name, calibration) for name in names}
     emus_a, emus_b = plan_emus(plan_a, changed), plan_emus(plan_b, changed)
-    initial = held_bytes(plan_a, sizes)
+    held_a = _held_array(plan_a, sizes)
+    initial = {gpu: nbytes for gpu, nbytes in enumerate(held_a.tolist()) if nbytes}
     capacity = usable_memory(plan_b.cluster, calibration)
 
-    def dag(star_rounds: int | None) -> list[Primitive]:
+    def dag(star_rounds: int | None, unswap: bool = False) -> list[Primitive]:
         primitives: list[Primitive] = []
         for name in changed:
             primitives += local_dag(
-                name, sizes[name], emus_a[name], emus_b[name], next_id=len(primitives), star_rounds=star_rounds
+                name, sizes[name], emus_a[name], emus_b[name], len(primitives), star_rounds, unswap=unswap
             )
         durations = primitive_durations(primitives, plan_b.cluster, calibration)
         for primitive, duration in zip(primitives, durations, strict=True):
             primitive.duration_s = duration
         return primitives
 
-    primitives = dag(STAR_ROUNDS)
-    replay, cycle, rule = schedule_best(primitives, initial, capacity)
-    if cycle:  # tree-shaped copies hold intermediate replicas longer: try copying from the sources only
-        star = dag(None)
-        if _shape(star) != _shape(primitives):
-            star_replay, star_cycle, star_rule = schedule_best(star, initial, capacity)
-            if not star_cycle:
-                primitives, replay, cycle, rule = star, star_replay, star_cycle, star_rule
-    cycle = _over_capacity(initial, held_bytes(plan_b, sizes), capacity) + cycle
+    # When a DAG deadlocks, other shapes: tree-shaped copies hold intermediate replicas
+    # longer (copy from the sources only), replicas trading GPUs need two boxes at once
+    # (copy those afresh). Built lazily: the first shape usually schedules at once.
+    shapes = (dag(star_rounds, unswap) for star_rounds, unswap in DAG_SHAPES)
+    replay, cycle, rule, primitives = _schedule_shapes(shapes, initial, capacity)
+    cycle = _over_capacity(held_a, _held_array(plan_b, sizes), capacity) + cycle
     moved = link_bytes(primitives, plan_b.cluster)
     return TransitionResult(
         primitives=primitives,
