@@ -17,6 +17,8 @@ Both are pickled into every checkpoint, so a resumed run decides as the uninterr
 from __future__ import annotations
 
 import json
+import statistics
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,8 @@ from nereus.spec.plan import Plan
 from nereus.spec.trace import Conditions, Trace, trace_conditions
 from nereus.spec.workload import ResponseLengths
 
+#: Steps whose predicted/measured ratios the efficiency is the median of.
+EFFICIENCY_WINDOW = 5
 #: Relative change of a fitted parameter past which the controller replans with the new calibration.
 RECALIBRATE_CHANGE = 0.1
 
@@ -98,6 +102,7 @@ class Controller:
         self.log_path = out / DECISIONS_NAME
         self.lengths = plan.workload.response_len
         self.efficiency = 1.0
+        self.ratios: deque[float] = deque(maxlen=EFFICIENCY_WINDOW)
 
     def resumed(self, plan: Plan, out: Path) -> None:
         """Go on from a checkpoint: the plan in force is the one it saved (a restart's
@@ -115,8 +120,10 @@ class Controller:
             self.replanner.recalibrate(calibration)
         predicted = self.replanner.step_time(self.plan, self.lengths, 1.0)
         if predicted is not None and step_seconds > 0:
-            # Efficiency relative to the calibration, on the policy's grid of (0, 4].
-            self.efficiency = min(4.0, max(0.01, predicted / step_seconds))
+            # Efficiency relative to the calibration, on the policy's grid of (0, 4]; the median
+            # of the last few steps, so one noisy step (a neighbour's burst) fires no replan.
+            self.ratios.append(min(4.0, max(0.01, predicted / step_seconds)))
+            self.efficiency = statistics.median(self.ratios)
 
     def observe(self, step: int) -> Observation:
         conditions = self.conditions[min(step, len(self.conditions) - 1)]
