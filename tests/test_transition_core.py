@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from plan_helpers import relayout
 
-from nereus.solver.transition import Emu, build_transition, intermediate_layout, local_dag, sub_replicas
+from nereus.solver.transition import Emu, Primitive, build_transition, intermediate_layout, local_dag, sub_replicas
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 
@@ -104,3 +104,67 @@ def test_sequential_fallback_when_every_priority_order_blocks() -> None:
         for p in result.primitives:
             p.scheduled, p.ownership_deps = False, []
         assert list_schedule(result.primitives, Replay(dict(result.initial_bytes), result.capacity_bytes), rule)
+
+
+def test_spare_replicas_of_one_split_go_in_one_destroy() -> None:
+    a = [Emu("x/inference", 1, 1, (g,)) for g in range(4)]
+    b = [Emu("x/inference", 1, 1, (0,)), Emu("x/inference", 1, 1, (1,))]
+    dag = local_dag("x/inference", 8.0, a, b)
+    assert [p.kind for p in dag] == ["destroy"]
+    assert dag[0].removes == tuple(a[2:]) and dag[0].free == {2: 8.0, 3: 8.0}
+
+
+def _reference_match(replicas: list[Emu], slots: list[Emu]) -> dict[int, Emu]:
+    """The greedy by GPUs already in place, pair by pair (what `match_replicas` computes faster)."""
+    pairs = [
+        (-sum(g == h for g, h in zip(r.gpus, s.gpus, strict=True)), k, n, r)
+        for k, s in enumerate(slots)
+        for n, r in enumerate(replicas)
+    ]
+    assignment: dict[int, Emu] = {}
+    for count, k, _, replica in sorted(pairs, key=lambda p: p[:3]):
+        if count and k not in assignment and replica not in assignment.values():
+            assignment[k] = replica
+    return assignment
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_replica_matching_equals_the_pairwise_greedy(seed: int) -> None:
+    import random
+
+    from nereus.solver.transition import match_replicas
+
+    rng = random.Random(seed)
+    size, count = rng.choice([1, 2, 4]), rng.randint(1, 5)
+    gpus_a, gpus_b = rng.sample(range(24), size * count), rng.sample(range(24), size * count)
+    if seed % 3 == 0:  # some replicas stay exactly where they are
+        gpus_b[:size] = gpus_a[:size]
+    replicas = [Emu("x/inference", size, 1, tuple(gpus_a[i : i + size])) for i in range(0, len(gpus_a), size)]
+    slots = [Emu("x/inference", size, 1, tuple(gpus_b[i : i + size])) for i in range(0, len(gpus_b), size)]
+    assert match_replicas(replicas, slots) == _reference_match(replicas, slots)
+
+
+def test_replicas_trading_gpus_are_copied_afresh_when_memory_binds() -> None:
+    """tp4 pp2 -> tp2 pp4 on the same 8 GPUs: the two intermediate replicas of the split
+    each move half their boxes onto the other's GPUs. With room for one extra box per GPU
+    that is a cycle of memory waits; the unswapped DAG drops one replica first and copies
+    its slot afresh, and the checker accepts it."""
+    from nereus.solver.transition.check import check_transition
+    from nereus.solver.transition.schedule import Replay, list_schedule
+
+    a = [Emu("x/training", 4, 2, tuple(range(8)))]
+    b = [Emu("x/training", 2, 4, tuple(range(8)))]
+    initial, capacity = dict.fromkeys(range(8), 1.0), 3.0  # A's boxes; an I box is 2
+
+    def schedule(unswap: bool) -> tuple[list[Primitive], list[str]]:
+        dag = local_dag("x/training", 8.0, a, b, unswap=unswap)
+        for p in dag:
+            p.duration_s = 1.0 if p.transfers else 0.0
+        return dag, list_schedule(dag, Replay(dict(initial), capacity))
+
+    swapped, cycle = schedule(unswap=False)
+    assert cycle and all("needs 2 B more" in line for line in cycle)
+    fresh, cycle = schedule(unswap=True)
+    assert cycle == []
+    assert check_transition(fresh, {"x/training": a}, {"x/training": b}, initial, capacity) == []
+    assert sum(len(p.transfers) for p in fresh) > sum(len(p.transfers) for p in swapped)

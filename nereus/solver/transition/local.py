@@ -64,10 +64,10 @@ def _split(build: _Builder, emu: Emu, inter: Layout) -> tuple[Primitive | None, 
     replicas = sub_replicas(emu, inter)
     piece = build.state_bytes * box_fraction(emu.layout)
     grow = build.state_bytes * box_fraction(inter) - piece
-    holders: dict[tuple[int, int], list[int]] = {}  # I position -> GPUs holding a piece of it
+    holders: dict[int, list[int]] = {}  # I position (index in a replica) -> GPUs holding a piece of it
     for replica in replicas:
         for index, gpu in enumerate(replica.gpus):
-            holders.setdefault(divmod(index, inter[0]), []).append(gpu)
+            holders.setdefault(index, []).append(gpu)
     transfers = tuple((src, dst, piece) for group in holders.values() for dst in group for src in group if src != dst)
     primitive = build.add(
         kind="split",

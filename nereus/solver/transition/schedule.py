@@ -221,8 +221,9 @@ class Replay:
         primitive.start_s, primitive.end_s = now, end
         primitive.scheduled = True
         busy_until, usage, peak = self.busy_until, self.usage, self.peak
-        for gpu in primitive.gpus:
-            busy_until[gpu] = end
+        if primitive.duration_s > EPS:  # an instantaneous one leaves its (idle) GPUs idle
+            for gpu in primitive.gpus:
+                busy_until[gpu] = end
         for gpu, nbytes in primitive.alloc.items():
             before = usage.get(gpu, 0.0)
             after = usage[gpu] = before + nbytes
