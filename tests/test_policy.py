@@ -256,3 +256,11 @@ def test_efficiency_drop_triggers_a_replan_and_slows_steps(plan: Plan, replanner
     assert decision.triggers == ("efficiency -30%",) and decision.path == "opportunistic"
     slow, fast = replanner.step_time(start, lengths(500), 0.7), replanner.step_time(start, lengths(500), 1.0)
     assert slow is not None and fast is not None and slow > fast
+
+
+def test_measured_memory_over_the_usable_share_takes_the_urgent_path(plan: Plan, replanner: Replanner) -> None:
+    policy = NereusPolicy(plan, replanner)
+    calm = policy.decide(Observation(0, GPUS, lengths(500), memory_used=0.5, steps_remaining=100))
+    assert calm.path == "none"
+    full = policy.decide(Observation(1, GPUS, lengths(500), memory_used=0.95, steps_remaining=99))
+    assert full.path == "urgent" and "measured memory 95%" in full.reason

@@ -1,7 +1,8 @@
 """The online controller of `nereus run --trace T --policy P`, on rank 0.
 
 Before each step it builds the policy library's Observation from what the run measured
-(response lengths of the last step, measured over predicted step time as the efficiency)
+(response lengths of the last step, measured over predicted step time as the efficiency,
+the bytes the fullest rank holds over its memory)
 and from the trace's GPU-pool events (GPUs available now, announced changes), asks the
 policy, and logs the decision with its inputs to DIR/decisions.jsonl. A transition comes
 back as the target plan with its scheduled DAG (built here, once, so every rank walks the
@@ -102,6 +103,7 @@ class Controller:
         self.log_path = out / DECISIONS_NAME
         self.lengths = plan.workload.response_len
         self.efficiency = 1.0
+        self.memory_used: float | None = None
         self.ratios: deque[float] = deque(maxlen=EFFICIENCY_WINDOW)
 
     def resumed(self, plan: Plan, out: Path) -> None:
@@ -111,11 +113,12 @@ class Controller:
         self.policy.plan = plan
         self.log_path = out / DECISIONS_NAME
 
-    def measured(
-        self, response_len_mean: float, response_len_max: int, step_seconds: float, calibration: Calibration
-    ) -> None:
-        """Take in one finished step's measurements and the calibration refitted with them."""
-        self.lengths = measured_lengths(response_len_mean, response_len_max)
+    def measured(self, metrics: Any, calibration: Calibration) -> None:
+        """Take in one finished step's StepMetrics and the calibration refitted with them."""
+        self.lengths = measured_lengths(metrics.response_len_mean, metrics.response_len_max)
+        held = max(metrics.state_bytes_per_rank, default=0)
+        self.memory_used = held / self.plan.cluster.gpu.memory_bytes
+        step_seconds = metrics.step_seconds
         if moved_by(self.replanner.calibration, calibration) > RECALIBRATE_CHANGE:
             self.replanner.recalibrate(calibration)
         predicted = self.replanner.step_time(self.plan, self.lengths, 1.0)
@@ -135,6 +138,7 @@ class Controller:
             announced_gpus=conditions.announced_gpus,
             announced_step=conditions.announced_step,
             steps_remaining=self.num_steps - step,
+            memory_used=self.memory_used,
         )
 
     def decide(self, step: int) -> Move | None:

@@ -172,9 +172,7 @@ def measured(state: RunState, plan: Plan, metrics: StepMetrics, moved: bool, lea
     if learn:
         state.predictor.update(plan, metrics)
     if state.controller is not None:
-        state.controller.measured(
-            metrics.response_len_mean, metrics.response_len_max, metrics.step_seconds, state.predictor.calibration
-        )
+        state.controller.measured(metrics, state.predictor.calibration)
     return metrics
 
 

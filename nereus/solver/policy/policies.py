@@ -81,6 +81,9 @@ class AdaptationPolicy(ABC):
             return f"GPUs >= {observation.announced_gpus} leave at step {observation.announced_step} (announced)"
         if self._step_time(self.plan, observation) is None:
             return "predicted memory violation under the current response lengths"
+        usable = 1.0 - self.replanner.calibration.memory_headroom
+        if observation.memory_used is not None and observation.memory_used > usable:
+            return f"measured memory {observation.memory_used:.0%} of a GPU, over the usable {usable:.0%}"
         return None
 
     def _decision(

@@ -29,6 +29,9 @@ class Observation:
     """The step the announced pool size takes effect."""
     steps_remaining: int | None = None
     """Steps left in the run including this one, when known; caps the payback horizon."""
+    memory_used: float | None = None
+    """Measured bytes held on the fullest GPU over its memory capacity (None: not measured);
+    above the calibration's usable share the running plan is invalid."""
 
 
 @dataclass(frozen=True)
