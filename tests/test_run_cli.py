@@ -376,6 +376,8 @@ def test_trace_lengths_timeline_and_controller_state_survive_a_resume(tmp_path: 
         generation = [s["step"] for s in spans if s["name"] == "actor/generation"]
         assert generation == list(range(6)), rank
         assert all(s["end"] >= s["start"] for s in spans)
+    events = json.loads((out / "timeline.json").read_text())["traceEvents"]
+    assert {e["name"] for e in events if e.get("ph") == "X"} >= {"actor/generation", "step-000006"}
     state = pickle.loads((out / "checkpoints" / "step-000006" / "controller.pkl").read_bytes())
     # Steps 1, 2, 4, 5 calibrate (each process's first step is warm-up): 2 of them before the resume.
     assert state.predictor.calibrator.num_updates == 4

@@ -94,6 +94,8 @@ class RunSummary:
     mean_step_s: float | None
     mean_stage_s: dict[str, float]
     checkpoint: str | None
+    timeline: str | None = None
+    """The run's Perfetto trace (DIR/timeline.json), rewritten at the end of every invocation."""
 
 
 def summarize(setup: RunSetup, records: list[StepMetrics], wall_s: float) -> RunSummary:
@@ -141,6 +143,8 @@ def print_summary(result: RunSummary) -> None:
         table.add_row("whole step", f"{result.mean_step_s:.3f}")
         console.print(table)
     console.print(f"last checkpoint: {result.checkpoint}")
+    if result.timeline is not None:
+        console.print(f"timeline: {result.timeline} (open in ui.perfetto.dev); summary: nereus report {result.out}")
 
 
 def run(
@@ -210,9 +214,26 @@ def launch_with_progress(setup: RunSetup) -> RunSummary:
     if setup.checkpoint is not None:
         typer.echo(f"resuming from {setup.checkpoint} (step {setup.start_step})", err=True)
     start = time.perf_counter()
-    with step_progress(setup) as on_step:
-        records = launch(setup, on_step)
-    return summarize(setup, records, time.perf_counter() - start)
+    try:
+        with step_progress(setup) as on_step:
+            records = launch(setup, on_step)
+    except NereusError:
+        write_timeline(setup.out)  # what the ranks did before the failure helps find it
+        raise
+    summary = summarize(setup, records, time.perf_counter() - start)
+    return dataclasses.replace(summary, timeline=write_timeline(setup.out))
+
+
+def write_timeline(out: Path) -> str | None:
+    """DIR/timeline.json from the ranks' span logs (Perfetto opens it); None, with a warning,
+    when it cannot be written: the run's own results stand either way."""
+    from nereus.render.run_timeline import write_run_trace
+
+    try:
+        return str(write_run_trace(out))
+    except (NereusError, OSError) as error:
+        typer.echo(f"warning: no timeline written: {error}", err=True)
+        return None
 
 
 def register(app: typer.Typer) -> None:
