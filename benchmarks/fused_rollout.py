@@ -17,9 +17,9 @@ Times are the slowest rank's, median over --reps interleaved repetitions, at eac
 
 The simulator's prediction (nereus/solver/migration.py `run_batch`) uses the same lengths
 and a GenerationProfile CALIBRATED on this machine: decode step time fitted to measured steps
-(per step, per active sample and per context token: the simulator's max(memory, compute) form
-with a fixed per-step cost), inference seconds per token from the measured unfused inference,
-prefill from the measured forward time. Its destination rule differs from the runtime's (see
+(per step, per active sample and per context token, fitted to timed steps, then scaled so the
+simulated unfused generation takes the measured time), inference seconds per token from the
+measured unfused inference, prefill from the measured forward time. Its destination rule differs from the runtime's (see
 nereus/runtime/rl/fused_rollout.py), so the `sim dest` column says where it kept the tail.
 
     .venv/bin/python benchmarks/fused_rollout.py
@@ -163,22 +163,32 @@ def fit_decode(steps: list[list[float]]) -> tuple[float, float, float]:
     return tuple(float(max(c, 0.0)) for c in coef)  # type: ignore[return-value]
 
 
-def calibrated_profile(plan: Plan, measured: dict[str, Any]) -> GenerationProfile:
+def calibrated_profile(plan: Plan, measured: dict[str, Any], lengths: np.ndarray) -> GenerationProfile:
+    """The simulator's profile fitted to this machine: the decode step's shape from the timed
+    steps, scaled so the simulated unfused generation takes the measured time; inference per
+    token from the measured unfused inference."""
     per_step, per_sample, per_context = fit_decode(measured["decode_steps"])
     base = migration_settings(plan, Fusion(inter_stage=True)).profile
-    per_token = 2 * measured["inference_s"] / measured["tokens"]  # replica-seconds: each of 2 ranks did half
-    return dataclasses.replace(
+    per_token = 2 * measured["inference_s"] / measured["tokens"]  # replica-seconds: each rank did half
+    shaped = dataclasses.replace(
         base,
         num_instances=2,
         samples_per_instance=plan.workload.samples_per_step // 2,
         prompt_len=round(measured["prompt_len"]),
-        # The simulator's step is max(weight read + context x KV read, samples x compute); on a
-        # CPU rank the per-sample cost adds to the fixed one, so fold it into the memory side.
+        # The simulator's step is max(weight read + context x KV read, samples x compute): the
+        # fixed per-step cost stands for the weight read, attention over the context for the KV read.
         weight_read_s=per_step,
         kv_read_s_per_token=per_context,
         compute_s_per_token=per_sample,
         prefill_s_per_token=per_token / 4,  # one of the four inference forwards
         inference_s_per_token=per_token,
+    )
+    scale = measured["generation_s"] / run_batch(shaped, lengths, None).generation_s
+    return dataclasses.replace(
+        shaped,
+        weight_read_s=per_step * scale,
+        kv_read_s_per_token=per_context * scale,
+        compute_s_per_token=per_sample * scale,
     )
 
 
@@ -198,7 +208,7 @@ def main() -> None:
     lengths = imposed_lengths(plan, args.seed)
     load_before = os.getloadavg()[0]
     measured = spawn(rollout_times, 2, plan, args)[0]
-    profile = calibrated_profile(plan, measured)
+    profile = calibrated_profile(plan, measured, lengths)
     baseline = run_batch(profile, lengths, None)
     flat = lengths.ravel()
     median_len, p99_len = float(np.median(flat)), float(np.percentile(flat, 99))

@@ -15,7 +15,7 @@ from nereus.runtime.engine import Engine
 from nereus.runtime.generate import CachedForward, Decoder, SamplingConfig, reference_generate, sample_seed
 from nereus.runtime.model import ReferenceModel, init_logical_params
 from nereus.runtime.rl.config import RLConfig
-from nereus.runtime.rl.fused_rollout import EVENT_KINDS, fused_rollout, plan_moves
+from nereus.runtime.rl.fused_rollout import EARLY_CHUNK, EVENT_KINDS, fused_rollout, plan_moves
 from nereus.runtime.rl.inter_stage import (
     check_inter_stage,
     effective_fusion,
@@ -151,12 +151,12 @@ def test_fused_rollout_gives_the_unfused_samples_log_probs_and_values() -> None:
             inferred = {e.model_stage for e in events if e.kind == "inference_start"}
             assert len(inferred) == 4
             if rank == 0:
-                # The freed rank infers the nine samples finished before the migration early,
-                # before the tail (samples 6 and 11 on rank 1) has finished.
+                # The freed rank starts on the nine samples finished before the migration (in
+                # chunks) while rank 1 decodes the tail (samples 6 and 11).
                 kinds = [event.kind for event in events]
                 assert kinds.index("migration_end") < kinds.index("inference_start")
                 first = next(event for event in events if event.kind == "inference_start")
-                assert len(first.samples) == 9
+                assert first.samples == (0, 1, 2, 3, 4, 7, 8, 9)[:EARLY_CHUNK]
                 assert sorted(finished) == [0, 1, 2, 3, 4]
             else:
                 assert sorted(finished) == [5, 6, 7, 8, 9, 10, 11]

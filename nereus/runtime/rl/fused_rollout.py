@@ -14,9 +14,11 @@ prefix, whichever the cost model says is cheaper (`inter_stage.migration_mechani
 
 The destinations decode the tail. Meanwhile every inference model-stage replica clear of the
 destinations' ranks runs its share of the samples already finished (reference and actor
-log-probs, critic values, reward-model values). After the tail, the samples not yet inferred
-are split over every replica of each stage, and one exchange gives every rank the whole batch,
-laid out exactly as the unfused step's rollout batch. Each rank also returns its events.
+log-probs, critic values, reward-model values), in chunks of `EARLY_CHUNK` samples, until
+every destination rank has sent word that its tail is done. Then the samples not yet
+inferred are split over every replica of each stage, and one exchange gives every rank the
+whole batch, laid out exactly as the unfused step's rollout batch. Each rank also returns
+its events.
 """
 
 from __future__ import annotations
@@ -257,6 +259,80 @@ def _plan_migration(
     return migration, moves, finished
 
 
+#: Samples per early inference call: a freed rank checks between calls whether the tail has
+#: ended, so that the rest of the finished samples are shared with the destinations.
+EARLY_CHUNK = 8
+
+
+class _TailSignal:
+    """On a rank clear of the tail: has every destination rank finished decoding? (Each sends
+    one message when it has; the receives are posted at once and polled.)"""
+
+    def __init__(self, busy: set[int]):
+        self.buffers = [torch.zeros(1, device=launch.device()) for _ in busy]
+        self.requests = []
+        for buffer, src in zip(self.buffers, sorted(busy), strict=True):
+            request = dist.irecv(buffer, src=src)
+            assert request is not None, "a point-to-point receive in the default group returns its work"
+            self.requests.append(request)
+
+    def ended(self) -> bool:
+        return all(request.is_completed() for request in self.requests)
+
+    def wait(self) -> None:
+        for request in self.requests:
+            request.wait()
+
+
+def _announce_tail_end(others: list[int]) -> None:
+    for dst in others:
+        dist.send(torch.ones(1, device=launch.device()), dst=dst)
+
+
+def _replica_agrees(stage: Stage, flag: bool) -> bool:
+    """`flag` OR-ed over the ranks of this rank's replica of `stage` (over its tensor then its
+    pipeline group), so that they stop together."""
+    engine = stage.engine
+    assert engine is not None
+    value = torch.tensor([float(flag)], device=launch.device())
+    for group in (engine.groups.tp.group, engine.groups.link.group):
+        if group is not None:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item() > 0)
+
+
+def _early_inference(
+    stages: dict[str, Stage],
+    busy: set[int],
+    finished: dict[int, list[int]],
+    prompts: Sequence[list[int]],
+    signal: _TailSignal,
+    recorder: _Recorder,
+    parts: list[tuple[str, list[int], torch.Tensor, int]],
+    seconds: dict[str, float],
+) -> dict[str, list[int]]:
+    """On every inference replica clear of the tail's ranks: the finished samples' share, in
+    chunks, until the tail ends. The samples this rank's replicas inferred, where it leads them."""
+    done: dict[str, list[int]] = {}
+    if not finished or dist.get_rank() in busy:
+        return done
+    for name in INFERENCE_STAGES:
+        stage = stages.get(name)
+        if stage is None or stage.engine is None:
+            continue
+        clear = _clear_replicas(stage, busy)
+        mine = _share(sorted(finished), clear, stage.engine.groups.replica)
+        for first in range(0, len(mine), EARLY_CHUNK):
+            # Every rank of the replica checks before every chunk, so they stop at the same one.
+            if _replica_agrees(stage, signal.ended()):
+                break
+            chunk = mine[first : first + EARLY_CHUNK]
+            _infer(stage, name, chunk, [stage.engine.groups.replica], prompts, finished, recorder, parts, seconds)
+            if _leads(stage):
+                done.setdefault(name, []).extend(chunk)
+    return done
+
+
 def fused_rollout(
     stages: dict[str, Stage],
     prompts: list[list[int]],
@@ -298,47 +374,33 @@ def fused_rollout(
         recorder.note("migration_end", samples=planned[0].moved)
         size = layout.tp * layout.pp
         busy = {r for d in planned[0].destinations for r in layout.ranks[d * size : (d + 1) * size]}
-    if dist.get_rank() in busy:
+    rank = dist.get_rank()
+    others = [r for r in range(dist.get_world_size()) if r not in busy]
+    signal = _TailSignal(busy if planned is not None and rank not in busy else set())
+    if rank in busy:
         while decoder is not None and decoder.num_active:
             _decode_step(decoder, recorder)
+        if planned is not None:
+            _announce_tail_end(others)
     recorder.note("generation_end")
     seconds["actor/generation"] = seconds.get("actor/generation", 0.0) + time.perf_counter() - start
-    # Freed ranks: the finished samples on every inference replica clear of the tail's ranks.
-    early: dict[str, list[int]] = {}
     parts: list[tuple[str, list[int], torch.Tensor, int]] = []
-    for name in INFERENCE_STAGES if planned is not None else ():
-        if name in stages and _clear_replicas(stages[name], busy):
-            early[name] = sorted(finished)
-            _infer(
-                stages[name],
-                name,
-                early[name],
-                _clear_replicas(stages[name], busy),
-                prompts,
-                finished,
-                recorder,
-                parts,
-                seconds,
-            )
+    early = _early_inference(stages, busy, finished, prompts, signal, recorder, parts, seconds)
+    signal.wait()
     with timed(seconds, "exchange"):
         responses: dict[int, list[int]] = {}
-        for part in _gather(decoder.responses if decoder is not None and _leads(generation) else None):
+        inferred_early: dict[str, set[int]] = {name: set() for name in INFERENCE_STAGES}
+        mine = decoder.responses if decoder is not None and _leads(generation) else None
+        for part, done in _gather((mine, early)):
             responses.update(part or {})
+            for name, samples in done.items():
+                inferred_early[name].update(samples)
     assert sorted(responses) == list(range(len(prompts))), "every sample was generated once"
     for name in INFERENCE_STAGES:
         if name in stages:
-            rest = [s for s in range(len(prompts)) if s not in set(early.get(name, ()))]
-            _infer(
-                stages[name],
-                name,
-                rest,
-                list(range(stages[name].layout.dp)),
-                prompts,
-                responses,
-                recorder,
-                parts,
-                seconds,
-            )
+            rest = [s for s in range(len(prompts)) if s not in inferred_early[name]]
+            replicas = list(range(stages[name].layout.dp))
+            _infer(stages[name], name, rest, replicas, prompts, responses, recorder, parts, seconds)
     ordered = [responses[s] for s in range(len(prompts))]
     batch = rollout_batch(prompts, ordered, sampling.pad_token_id)
     with timed(seconds, "exchange"):
