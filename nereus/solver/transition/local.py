@@ -31,14 +31,17 @@ def sub_replicas(emu: Emu, inter: Layout) -> list[Emu]:
     if emu.layout == inter:  # nothing to split: the EMU is its only I-replica
         return [emu]
     ft, fs = emu.tp // inter[0], emu.pp // inter[1]
-    replicas = []
-    for js, jr in itertools.product(range(fs), range(ft)):
-        gpus = tuple(
-            emu.gpus[(si * fs + js) * emu.tp + ri * ft + jr]
-            for si, ri in itertools.product(range(inter[1]), range(inter[0]))
+    rows = [emu.gpus[stage * emu.tp : (stage + 1) * emu.tp] for stage in range(emu.pp)]
+    # Replica (js, jr) takes every fs-th pipeline stage from js and every ft-th rank from jr.
+    return [
+        Emu(
+            emu.model_stage,
+            inter[0],
+            inter[1],
+            tuple(itertools.chain.from_iterable(row[jr::ft] for row in rows[js::fs])),
         )
-        replicas.append(Emu(emu.model_stage, inter[0], inter[1], gpus))
-    return replicas
+        for js, jr in itertools.product(range(fs), range(ft))
+    ]
 
 
 @dataclass

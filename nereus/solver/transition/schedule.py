@@ -87,17 +87,17 @@ def held_bytes(plan: Plan, sizes: dict[str, float]) -> dict[int, float]:
 
 def _held_array(plan: Plan, sizes: dict[str, float]) -> np.ndarray:
     """`held_bytes` as an array over GPU ids (one bincount over every model-stage's GPUs)."""
-    gpus = [_gpu_array(entry) for entry in plan.stages]
-    weights = [
-        np.full(len(g), sizes[entry.model_stage] / (entry.tp * entry.pp))
-        for g, entry in zip(gpus, plan.stages, strict=True)
-    ]
-    return np.bincount(np.concatenate(gpus), np.concatenate(weights), minlength=plan.cluster.num_gpus)
+    gpus = np.array(
+        list(itertools.chain.from_iterable(gpu_list for entry in plan.stages for gpu_list in entry.emus)), np.int64
+    )
+    boxes = [sizes[entry.model_stage] / (entry.tp * entry.pp) for entry in plan.stages]
+    counts = [entry.tp * entry.pp * len(entry.emus) for entry in plan.stages]
+    return np.bincount(gpus, np.repeat(boxes, counts), minlength=plan.cluster.num_gpus)
 
 
 def _gpu_array(entry: StagePlan) -> np.ndarray:
     """A model-stage's GPU ids, EMU after EMU (`np.asarray` on the nested lists is far slower)."""
-    return np.fromiter(itertools.chain.from_iterable(entry.emus), np.int64, entry.tp * entry.pp * len(entry.emus))
+    return np.array(list(itertools.chain.from_iterable(entry.emus)), np.int64)
 
 
 def primitive_duration(primitive: Primitive, cluster: Cluster, calibration: Calibration) -> float:
@@ -436,16 +436,22 @@ def schedule_best(
     """
     restarts = RANDOM_RESTARTS if len(primitives) <= LARGE_DAG else RANDOM_RESTARTS_LARGE
     tail = _tail_lengths(primitives)
-    lower = makespan_lower_bound(primitives, tail) * (1 + 1e-9)
+    chain = max(tail.values(), default=0.0) * (1 + 1e-9)  # the bound's cheap half
     _reset(primitives)
     replay = Replay(dict(initial), capacity)
     best: _Snapshot | None = None
+    lower = chain
     if not list_schedule(primitives, replay, release_first, explain=False):
-        if max((p.end_s for p in primitives), default=0.0) <= lower:
+        makespan = max((p.end_s for p in primitives), default=0.0)
+        if makespan > chain:  # only then are the per-GPU sums worth computing
+            lower = makespan_lower_bound(primitives, tail) * (1 + 1e-9)
+        if makespan <= lower:
             return replay, [], "release-first"
         best = _Snapshot.take("release-first", primitives, replay.peak)
     elif effort == "design-rule":
         return replay, ["the design's priority order deadlocks"], "release-first"
+    else:
+        lower = makespan_lower_bound(primitives, tail) * (1 + 1e-9)
     rules = priority_rules(primitives, tail)
     for name, rule in itertools.chain(list(rules.items())[1:], _perturbed_rules(primitives, restarts, tail)):
         rules[name] = rule
