@@ -184,7 +184,6 @@ def execute(
     repeated reshard allocates nothing; it must not share memory with `tensors`, except
     that a kept tensor may be the very same object in both, and sets the device.
     """
-    import torch
 
     in_source, in_target = rank in plan.source.boxes, rank in plan.target.boxes
     if not in_source and not in_target:
@@ -193,21 +192,7 @@ def execute(
         check_rank_state(plan.source, rank, tensors)
         if step is None:
             raise ValueError(f"rank {rank} is in the source layout and must pass its optimizer step")
-    # A tensor whose box is the same in both layouts is handed over as is, not copied.
-    kept = {t.key for t in plan.transfers if t.local and t.dst == rank and t.piece == t.src_box == t.dst_box}
-    if out is not None:
-        _check_out(plan, rank, tensors, out, kept, device)
-        new = dict(out)
-        device = next(iter(out.values())).device if out else device or torch.device("cpu")
-    else:
-        if device is None:
-            device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
-        new = {
-            key: tensors[key]
-            if key in kept and tensors[key].device == device
-            else torch.empty(box_shape(box), dtype=torch_dtype(plan.target.tensors[key].dtype), device=device)
-            for key, box in plan.target.rank_boxes(rank).items()
-        }
+    new, device = _target_tensors(plan, rank, tensors, device, out)
 
     def copy_local_pieces() -> None:
         for transfer in plan.transfers:
@@ -222,6 +207,32 @@ def execute(
         _exchange(hops, rank, tensors, new, copy_local_pieces if number == 0 else _nothing, shared, moved)
     new_step = _share_step(plan, rank, step, device)
     return ReshardResult(new, new_step if in_target else None, moved.sent, moved.received, moved.received_shared)
+
+
+def _target_tensors(
+    plan: ReshardPlan,
+    rank: int,
+    tensors: dict[str, torch.Tensor],
+    device: torch.device | None,
+    out: dict[str, torch.Tensor] | None,
+) -> tuple[dict[str, torch.Tensor], torch.device]:
+    """The tensors the rank's target state goes into, and their device."""
+    import torch
+
+    # A tensor whose box is the same in both layouts is handed over as is, not copied.
+    kept = {t.key for t in plan.transfers if t.local and t.dst == rank and t.piece == t.src_box == t.dst_box}
+    if out is not None:
+        _check_out(plan, rank, tensors, out, kept, device)
+        return dict(out), next(iter(out.values())).device if out else device or torch.device("cpu")
+    if device is None:
+        device = next(iter(tensors.values())).device if tensors else torch.device("cpu")
+    new = {
+        key: tensors[key]
+        if key in kept and tensors[key].device == device
+        else torch.empty(box_shape(box), dtype=torch_dtype(plan.target.tensors[key].dtype), device=device)
+        for key, box in plan.target.rank_boxes(rank).items()
+    }
+    return new, device
 
 
 def _check_out(
