@@ -161,6 +161,7 @@ def test_rewards_average_the_first_and_last_ten_steps(tmp_path: Path) -> None:
     report = summarise_run(tmp_path)
     assert (report.reward_first, report.reward_last) == (pytest.approx(4.5), pytest.approx(6.5))
     assert report.prediction_errors == [] and report.transitions == [] and report.num_spans == 0
+    assert "mean reward: first 10 steps 4.500, last 10 6.500" in invoke("report", tmp_path).stdout
 
 
 def test_transition_prediction_without_a_decision_or_a_timeline(run_folder: Path) -> None:
@@ -260,7 +261,8 @@ def test_report_command_prints_tables_json_png_and_trace(run_folder: Path, tmp_p
     result = invoke("report", run_folder)
     assert result.exit_code == 0, result.output
     for text in ("3 steps in 10.00 s", "actor/generation", "55.6%", "transitions: 1, 1.00 s, 10.0% of run time",
-                 "35.0%", "keep 1, transition 2 (1 refused by the runtime)"):  # fmt: skip
+                 "35.0%", "keep 1, transition 2 (1 refused by the runtime)",
+                 "mean reward: 0.300 over the 3 steps"):  # fmt: skip
         assert text in result.stdout, text
     png, trace = tmp_path / "report.png", tmp_path / "trace.json"
     result = invoke("report", run_folder, "--json", "--png", png, "--perfetto", trace)

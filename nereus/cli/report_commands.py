@@ -78,7 +78,10 @@ def print_report(result: RunReport) -> None:
     mean, median = f"{result.mean_step_s:.3f}", f"{result.median_step_s:.3f}"
     console.print(f"{result.folder}: {steps}; step mean {mean} s, median {median} s")
     first, last = f"{result.reward_first:.3f}", f"{result.reward_last:.3f}"
-    console.print(f"mean reward: first {window} steps {first}, last {window} {last}")
+    if result.num_steps > REWARD_WINDOW:
+        console.print(f"mean reward: first {window} steps {first}, last {window} {last}")
+    else:  # the two windows are the same steps
+        console.print(f"mean reward: {first} over the {result.num_steps} steps")
     stages = Table("model-stage / phase", "mean s/step", "share of step", title="where a step's time goes")
     for stage in result.stages:
         stages.add_row(stage.name, f"{stage.mean_s:.3f}", f"{100 * stage.share:.1f}%")

@@ -496,7 +496,8 @@ def report_png(data: RunData, dpi: int = 100) -> bytes:
         times.plot(*zip(*predicted, strict=True), color="black", linewidth=1.2, marker=".", label="predicted step")
     times.set_ylabel("seconds")
     times.set_title(f"{data.folder.name}: measured step time by model-stage (slowest rank)")
-    times.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    if times.get_legend_handles_labels()[0]:  # a run without recorded parts has nothing to label
+        times.legend(fontsize=7, ncol=2, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     reward.plot(steps, [r.reward for r in data.steps], color="tab:green", linewidth=1)
     reward.set_ylabel("reward")
     reward.set_xlabel("step")
