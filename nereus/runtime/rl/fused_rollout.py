@@ -1,8 +1,8 @@
 """Inter-stage fusion (RLHFuse): sample-level generation and inference with one long-tail migration.
 
 Run on every rank of the world (collective). The actor/generation replicas decode their
-contiguous shares of the prompts in lock-step, counting the samples still generating over
-all replicas after every step. Once at most `threshold x batch` remain, they migrate to the
+contiguous shares of the prompts, counting the samples still generating over all replicas
+every `COUNT_EVERY` steps. Once at most `threshold x batch` remain, they migrate to the
 fewest replicas that fit them: a replica fits as many samples as it started with (its cache
 held them and its decode step ran them; the simulator's stricter rule, a destination's step
 no slower than the slowest replica's now, refuses any move while decoding is bound by KV
@@ -23,6 +23,7 @@ its events.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Sequence
@@ -259,6 +260,11 @@ def _plan_migration(
     return migration, moves, finished
 
 
+#: Decode steps between counts of the samples still generating: a count is a world collective
+#: that holds the replicas in lock-step, so it is taken only every few steps (the migration
+#: may start up to this many steps minus one after the threshold is reached).
+COUNT_EVERY = 4
+
 #: Samples per early inference call: a freed rank checks between calls whether the tail has
 #: ended, so that the rest of the finished samples are shared with the destinations.
 EARLY_CHUNK = 8
@@ -358,13 +364,14 @@ def fused_rollout(
         first, stop = shares[generation.engine.groups.replica]
         if stop > first:
             decoder.start(prompts[first:stop], range(first, stop), caps[first:stop])
-    # Lock-step until at most `allowed` samples are still generating over all replicas.
+    # Decode until at most `allowed` samples are still generating over all replicas.
     allowed = math.floor(settings.threshold * len(prompts))
-    while True:
+    for step in itertools.count(1):
         _decode_step(decoder, recorder)
-        counts = _active_counts(generation, decoder)
-        if sum(counts) <= allowed:
-            break
+        if step % COUNT_EVERY == 0:
+            counts = _active_counts(generation, decoder)
+            if sum(counts) <= allowed:
+                break
     planned = _plan_migration(generation, decoder, counts, max(b - a for a, b in shares), settings, mechanism)
     migration, finished = (planned[0], planned[2]) if planned is not None else (None, {})
     busy = set(layout.ranks)
