@@ -168,3 +168,21 @@ def test_replicas_trading_gpus_are_copied_afresh_when_memory_binds() -> None:
     assert cycle == []
     assert check_transition(fresh, {"x/training": a}, {"x/training": b}, initial, capacity) == []
     assert sum(len(p.transfers) for p in fresh) > sum(len(p.transfers) for p in swapped)
+
+
+def test_planner_pool_shrink_at_64_gpus_schedules_safely() -> None:
+    """Llama-3.1-8B PPO planned for 64 H100s, then for 48 of them (the time benchmark's
+    64-GPU pool-shrink). Actor training there goes tp4 pp2 -> tp2 pp4 on the same GPUs and
+    its split replicas trade GPUs; this pair used to be reported infeasible."""
+    from nereus.cli.inputs import models_for, with_max_response
+    from nereus.solver.plan_search import PlanRequest
+    from nereus.solver.planner import make_plan
+    from nereus.solver.transition.check import check_result
+    from nereus.spec.presets import cluster_preset, workload_preset
+
+    workload = with_max_response(workload_preset("ppo"), 8000)
+    models = models_for(workload, None)
+    plan_a, plan_b = (make_plan(PlanRequest(cluster_preset("h100", 64), models, workload, n)).best for n in (64, 48))
+    result = build_transition(plan_a, plan_b)
+    assert result.feasible, result.blocking_cycle
+    assert check_result(result, plan_a, plan_b) == []
