@@ -19,7 +19,7 @@ Usable memory per GPU (--capacity-mode):
            search tells those ("infeasible") from ones it gave up on ("undecided").
 Prints a table and writes benchmarks/results/transition_coordination[-busiest].json.
 
-    .venv/bin/python benchmarks/transition_coordination.py [--pairs 1000] [--capacity-mode busiest]
+    .venv/bin/python benchmarks/transition_coordination.py [--pairs 1000] [--capacity-mode busiest] [--workers 4]
 """
 
 from __future__ import annotations
@@ -301,11 +301,22 @@ def main() -> None:
         metavar=("LO", "HI"),
         help="range of the capacity factor (default 1.0-1.25 for witness, 1.2-1.6 for busiest)",
     )
+    parser.add_argument(
+        "--workers", type=int, default=1, help="processes running pairs side by side (the results do not depend on it)"
+    )
     args = parser.parse_args()
     base = _base()
     started = time.perf_counter()
     factors = tuple(args.capacity) if args.capacity else DEFAULT_FACTORS[args.capacity_mode]
-    rows = [run_pair(seed, base, factors, args.capacity_mode) for seed in range(args.seed, args.seed + args.pairs)]
+    seeds = range(args.seed, args.seed + args.pairs)
+    if args.workers > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(args.workers) as pool:
+            jobs = [pool.submit(run_pair, seed, base, factors, args.capacity_mode) for seed in seeds]
+            rows = [job.result() for job in jobs]
+    else:
+        rows = [run_pair(seed, base, factors, args.capacity_mode) for seed in seeds]
     elapsed = time.perf_counter() - started
     summary = summarize(rows)
     print_table(summary)
