@@ -31,7 +31,7 @@ from nereus.runtime.model import Batch
 from nereus.runtime.optim import AdamWConfig
 from nereus.runtime.pipeline import Op, Sends
 from nereus.runtime.rl.config import RLConfig
-from nereus.runtime.rl.step import build_stages, rl_step, sync_plans
+from nereus.runtime.rl.step import build_stages, fused_training, rl_step, sync_plans
 from nereus.runtime.shard_layout import RankLayout
 from nereus.solver.pipeline.document import to_document
 from nereus.solver.pipeline.model import ModelTimes
@@ -261,6 +261,9 @@ def test_the_run_time_schedule_is_the_plans_and_is_cached() -> None:
 # ---- one RL step ----
 
 
+TRAINING_OBJECTIVES = {"actor/training": NextTokenLoss(), "critic/training": ValueLoss()}
+
+
 def fused_and_plain_step(rank: int, world: int) -> dict[str, float]:
     """One PPO step under the fused plan and under the same plan unfused, in one world."""
     torch.set_num_threads(1)
@@ -280,6 +283,16 @@ def fused_and_plain_step(rank: int, world: int) -> dict[str, float]:
         families = ("param",) if name.endswith("inference") else ("param", "grad", "exp_avg")
         errors[name] = largest_difference(fused_stages[name].engine, plain_stages[name].engine, families)  # type: ignore[arg-type]
     errors["fused_training_s"] = fused_metrics.stage_seconds["critic/training"]
+    # The op timings the RL step hands out: each of the two updates (mini-batches) runs this
+    # rank's node of the schedule once.
+    plan, timings, seconds = two_rank_plan(True), [], {}
+    batch = make_batch("value", 5)
+    jobs = [(fused_stages[name], batch, objective) for name, objective in TRAINING_OBJECTIVES.items()]
+    fused_training(plan, jobs[0], jobs[1], seconds, timings)
+    node_ops = check_fused_schedule(fused_schedule(plan))[fused_stages["actor/training"].engine.groups.stage]  # type: ignore[union-attr]
+    ran = [(t.update, t.model, t.stage, Op(t.kind, t.microbatch)) for t in timings]  # type: ignore[arg-type]
+    errors["timings_match"] = float(ran != [(update, *item) for update in range(2) for item in node_ops])
+    errors["timed_both"] = float(abs(seconds["actor/training"] - seconds["critic/training"]) > 1e-3)
     return errors
 
 

@@ -74,7 +74,10 @@ class OpTiming:
     ready: float
     """Its input had arrived and compute began."""
     end: float
-    """Compute done and the output's send started."""
+    """Compute done and the output's send posted."""
+    update: int = 0
+    """Which optimizer update of the training phase the op belongs to (epoch-major, then
+    mini-batch; set by the RL step, 0 for a lone `fused_train_step`)."""
 
 
 def schedule_node_ops(schedule: Schedule) -> list[list[StageOp]]:

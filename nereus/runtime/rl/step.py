@@ -538,17 +538,17 @@ def fused_training(
     with timed(seconds, "actor/training"), timed(seconds, "critic/training"):
         if schedule is not None:
             assert actor.engine is not None and critic.engine is not None, "fusion trains both on the same ranks"
-            for _ in range(workload.ppo_epochs):
-                for start, stop in even_split(actor_batch.num_rows, workload.mini_batches):
-                    parts = [
-                        FusedPart("actor", actor.engine, actor_batch.rows(start, stop), actor_objective),
-                        FusedPart("critic", critic.engine, critic_batch.rows(start, stop), critic_objective),
-                    ]
-                    (actor_loss, critic_loss), timings = fused_train_step(parts, schedule)
-                    actor_losses.append(actor_loss)
-                    critic_losses.append(critic_loss)
-                    if op_timings is not None:
-                        op_timings.extend(timings)
+            mini_batches = even_split(actor_batch.num_rows, workload.mini_batches)
+            for update, (start, stop) in enumerate(mini_batches * workload.ppo_epochs):
+                parts = [
+                    FusedPart("actor", actor.engine, actor_batch.rows(start, stop), actor_objective),
+                    FusedPart("critic", critic.engine, critic_batch.rows(start, stop), critic_objective),
+                ]
+                (actor_loss, critic_loss), timings = fused_train_step(parts, schedule)
+                actor_losses.append(actor_loss)
+                critic_losses.append(critic_loss)
+                if op_timings is not None:
+                    op_timings.extend(dataclasses.replace(timing, update=update) for timing in timings)
     return actor_losses, critic_losses
 
 
