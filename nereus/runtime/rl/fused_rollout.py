@@ -15,7 +15,7 @@ prefix, whichever the cost model says is cheaper (`inter_stage.migration_mechani
 The destinations decode the tail. Meanwhile every inference model-stage replica clear of the
 destinations' ranks runs its share of the samples already finished (reference and actor
 log-probs, critic values, reward-model values), in chunks of `EARLY_CHUNK` samples, until
-every destination rank has sent word that its tail is done. Then the samples not yet
+every destination rank has marked its tail done in the process group's store. Then the samples not yet
 inferred are split over every replica of each stage, and one exchange gives every rank the
 whole batch, laid out exactly as the unfused step's rollout batch. Each rank also returns
 its events.
@@ -270,29 +270,26 @@ COUNT_EVERY = 4
 EARLY_CHUNK = 8
 
 
-class _TailSignal:
-    """On a rank clear of the tail: has every destination rank finished decoding? (Each sends
-    one message when it has; the receives are posted at once and polled.)"""
+#: Numbers the rollouts (every rank runs the same ones in the same order) to key their signals.
+_ROLLOUT_IDS = itertools.count()
 
-    def __init__(self, busy: set[int]):
-        self.buffers = [torch.zeros(1, device=launch.device()) for _ in busy]
-        self.requests = []
-        for buffer, src in zip(self.buffers, sorted(busy), strict=True):
-            request = dist.irecv(buffer, src=src)
-            assert request is not None, "a point-to-point receive in the default group returns its work"
-            self.requests.append(request)
+
+class _TailSignal:
+    """Whether every rank decoding the tail has finished, through the process group's store:
+    a destination rank sets its key when done, a freed rank checks the keys between chunks
+    without blocking (gloo's point-to-point receives complete only when waited on)."""
+
+    def __init__(self, busy: set[int], rollout: int):
+        # The default group's store (rendezvous): torch exposes it only under this name.
+        self.store = dist.distributed_c10d._get_default_store()
+        self.prefix = f"nereus/fused-rollout/{rollout}/tail-done/"
+        self.keys = [f"{self.prefix}{rank}" for rank in sorted(busy)]
+
+    def announce(self, rank: int) -> None:
+        self.store.set(f"{self.prefix}{rank}", "1")
 
     def ended(self) -> bool:
-        return all(request.is_completed() for request in self.requests)
-
-    def wait(self) -> None:
-        for request in self.requests:
-            request.wait()
-
-
-def _announce_tail_end(others: list[int]) -> None:
-    for dst in others:
-        dist.send(torch.ones(1, device=launch.device()), dst=dst)
+        return self.store.check(self.keys)
 
 
 def _replica_agrees(stage: Stage, flag: bool) -> bool:
@@ -382,18 +379,16 @@ def fused_rollout(
         size = layout.tp * layout.pp
         busy = {r for d in planned[0].destinations for r in layout.ranks[d * size : (d + 1) * size]}
     rank = dist.get_rank()
-    others = [r for r in range(dist.get_world_size()) if r not in busy]
-    signal = _TailSignal(busy if planned is not None and rank not in busy else set())
+    signal = _TailSignal(busy, next(_ROLLOUT_IDS))
     if rank in busy:
         while decoder is not None and decoder.num_active:
             _decode_step(decoder, recorder)
         if planned is not None:
-            _announce_tail_end(others)
+            signal.announce(rank)
     recorder.note("generation_end")
     seconds["actor/generation"] = seconds.get("actor/generation", 0.0) + time.perf_counter() - start
     parts: list[tuple[str, list[int], torch.Tensor, int]] = []
     early = _early_inference(stages, busy, finished, prompts, signal, recorder, parts, seconds)
-    signal.wait()
     with timed(seconds, "exchange"):
         responses: dict[int, list[int]] = {}
         inferred_early: dict[str, set[int]] = {name: set() for name in INFERENCE_STAGES}
