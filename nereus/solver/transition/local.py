@@ -6,6 +6,9 @@ keeps its A box and gathers the rest of its larger I box), replicas B does not n
 destroyed, B's missing I-replicas are copied in (Extend), and groups of I-replicas
 merge into B's EMUs (each GPU keeps the part of its I box that B assigns it: no data
 moves). Replicas are matched to B's slots by how many GPUs already hold the right box.
+Spare replicas that become free together (those of one split, or all of them when A is
+the intermediate layout) go in one Destroy. Matched replicas that would trade GPUs with
+each other can instead be copied afresh (`unswap`, tried when the DAG deadlocks).
 """
 
 from __future__ import annotations
