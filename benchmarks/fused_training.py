@@ -4,15 +4,22 @@ Two gloo ranks (one thread each) hold the actor (pp=2 on ranks 0, 1) and the cri
 ranks 1, 0: the fused layout). Each repetition trains one mini-batch of --rows sequences of
 --seq tokens on both models, each split into --microbatches micro-batches:
 
-    serial  actor `train_step` with 1F1B, then critic `train_step` with 1F1B;
-    fused   `fused_train_step` running the plan's fused schedule (`fused_schedule(plan)`, the
-            schedule `nereus run` executes under fusion.intra_stage).
+    serial        actor `train_step` with 1F1B, then critic `train_step` with 1F1B;
+    fused         `fused_train_step` running the plan's fused schedule (`fused_schedule(plan)`,
+                  the schedule `nereus run` executes under fusion.intra_stage);
+    serial order  `fused_train_step` running the serial order (each node: the actor's 1F1B,
+                  then the critic's), so the fused executor's per-op timings split both
+                  orders into computing and waiting for input.
 
-The models are the tiny preset scaled up (hidden 256, MLP 688, 8 heads, 4 layers, vocab 64)
-so that compute dominates the gloo messages. The actor trains with the LM loss, the critic
+The models are the tiny preset scaled up (--hidden 256: MLP 688, 8 heads, 4 layers, vocab
+64) so that compute dominates the gloo messages. The actor trains with the LM loss, the critic
 with the value loss (the engine's objectives; PPO's clipped objectives cost the same passes).
-Modes alternate repetition by repetition (same load on both); after --warmup untimed
-rounds, the median of --reps timed ones is reported, each from a barrier to a barrier.
+The modes rotate round by round (same load on all); after --warmup untimed rounds, the
+median of --reps timed ones is reported, each from a barrier to a barrier.
+
+The per-op timings also give each rank's time in the ops alone (computing plus waiting for
+input, in its median round): what the schedule models, without the optimizer step, the
+gradient and loss collectives and the barriers, which neither order overlaps.
 
 Predicted speed-ups come from the solver's evaluator: the schedule's own (cost-model times:
 serial 1F1B makespan / fused makespan), and the same two orders re-timed with the forward
@@ -41,33 +48,47 @@ from nereus.runtime.engine import Engine, EngineConfig, NextTokenLoss, ValueLoss
 from nereus.runtime.fused_pipeline import FusedPart, OpTiming, fused_train_step
 from nereus.runtime.fused_schedule import fused_schedule, intra_stage_problems
 from nereus.runtime.model import Batch
+from nereus.runtime.pipeline import one_f_one_b
 from nereus.runtime.shard_layout import RankLayout
 from nereus.solver.pipeline.baselines import pair_baselines
 from nereus.solver.pipeline.document import orders_of, problem_of
 from nereus.solver.pipeline.evaluate import evaluate
 from nereus.solver.pipeline.model import ModelTimes, build_instance
 from nereus.spec.io import load_document
+from nereus.spec.model import Model
 from nereus.spec.plan import Plan
 from nereus.spec.presets import MODELS
 from nereus.spec.schedule import Schedule
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fused_training.json"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "plan-tiny-ppo-4rank.yaml"
-#: The tiny preset scaled up: 4 layers as tiny, 4x the width.
-MODEL = MODELS["tiny"].model_copy(
-    update={"name": "tiny-x4", "hidden_dim": 256, "num_heads": 8, "num_kv_heads": 4, "head_dim": 32, "ffn_dim": 688}
-)
 
 
-def fused_plan(microbatches: int) -> Plan:
+def scaled_tiny(hidden: int) -> Model:
+    """The tiny preset (4 layers, vocab 64) at width `hidden`: 32-dim heads, half as many KV
+    heads, MLP 688/256 of the width (256 gives 8 heads and MLP 688)."""
+    heads = hidden // 32
+    return MODELS["tiny"].model_copy(
+        update={
+            "name": f"tiny-h{hidden}",
+            "hidden_dim": hidden,
+            "num_heads": heads,
+            "num_kv_heads": max(1, heads // 2),
+            "head_dim": 32,
+            "ffn_dim": hidden * 688 // 256,
+        }
+    )
+
+
+def fused_plan(model: Model, microbatches: int) -> Plan:
     """A 2-rank PPO plan of the scaled model with intra-stage fusion: actor training pp=2 on
     [0, 1], critic training pp=2 on [1, 0]; every other model-stage dp=2."""
     example = load_document(EXAMPLE)
     assert isinstance(example, Plan)
     document = example.model_dump(mode="json")
-    document["models"] = [MODEL.model_dump(mode="json")]
+    document["models"] = [model.model_dump(mode="json")]
     for role in ("actor", "critic", "reference", "reward"):
-        document["workload"][role] = MODEL.name
+        document["workload"][role] = model.name
     document["workload"]["mini_batches"] = 1
     document["cluster"]["gpus_per_node"] = 2
     document["pools"] = [{"name": "all", "gpus": [0, 1]}]
@@ -85,40 +106,70 @@ def fused_plan(microbatches: int) -> Plan:
     return plan
 
 
-def make_batch(rows: int, seq: int, head: str) -> Batch:
+def make_batch(model: Model, rows: int, seq: int, head: str) -> Batch:
     generator = torch.Generator().manual_seed(1 if head == "value" else 0)
-    tokens = torch.randint(0, MODEL.vocab_size, (rows, seq), generator=generator)
+    tokens = torch.randint(0, model.vocab_size, (rows, seq), generator=generator)
     fields = {"value_targets": torch.randn(rows, seq, generator=generator)} if head == "value" else {}
     return Batch(tokens, None, fields)
 
 
 def timed_rounds(rank: int, world: int, args: argparse.Namespace, schedule: Schedule) -> dict[str, Any]:
     torch.set_num_threads(1)
-    actor = Engine.create(MODEL, "lm", RankLayout(1, 2, 1, (0, 1)), EngineConfig(init_seed=1))
-    critic = Engine.create(MODEL, "value", RankLayout(1, 2, 1, (1, 0)), EngineConfig(init_seed=2))
+    model = scaled_tiny(args.hidden)
+    actor = Engine.create(model, "lm", RankLayout(1, 2, 1, (0, 1)), EngineConfig(init_seed=1))
+    critic = Engine.create(model, "value", RankLayout(1, 2, 1, (1, 0)), EngineConfig(init_seed=2))
     assert actor is not None and critic is not None
-    actor_batch, critic_batch = make_batch(args.rows, args.seq, "lm"), make_batch(args.rows, args.seq, "value")
+    actor_batch, critic_batch = (
+        make_batch(model, args.rows, args.seq, "lm"),
+        make_batch(model, args.rows, args.seq, "value"),
+    )
     parts = [
         FusedPart("actor", actor, actor_batch, NextTokenLoss()),
         FusedPart("critic", critic, critic_batch, ValueLoss()),
     ]
-    seconds: dict[str, list[float]] = {"serial": [], "fused": []}
-    timings: list[OpTiming] = []
+    orders = {"fused": schedule, "serial order": serial_order(schedule)}
+    seconds: dict[str, list[float]] = {"serial": [], "fused": [], "serial order": []}
+    timings: dict[str, list[OpTiming]] = {"fused": [], "serial order": []}
+    modes = list(seconds)
     for round_index in range(args.warmup + args.reps):
-        for mode in ("fused", "serial") if round_index % 2 else ("serial", "fused"):
+        # Rotate the modes' order so that none always runs first (after the same other one).
+        for mode in modes[round_index % 3 :] + modes[: round_index % 3]:
             dist.barrier()
             started = time.perf_counter()
             if mode == "serial":
                 actor.train_step(actor_batch, NextTokenLoss(), args.microbatches)
                 critic.train_step(critic_batch, ValueLoss(), args.microbatches)
             else:
-                _, round_timings = fused_train_step(parts, schedule)
+                _, round_timings = fused_train_step(parts, orders[mode])
                 if round_index >= args.warmup:
-                    timings += round_timings
+                    timings[mode] += round_timings
             dist.barrier()
             if round_index >= args.warmup:
                 seconds[mode].append(time.perf_counter() - started)
     return {"seconds": seconds, "timings": timings}
+
+
+def serial_order(schedule: Schedule) -> Schedule:
+    """The fused schedule's ops in serial 1F1B order on every node: the actor's 1F1B, then
+    the critic's (the serial baseline, run by the fused executor so its op timings compare)."""
+    nodes = []
+    for node in schedule.nodes:
+        ops = {(op.model, op.stage, op.kind, op.microbatch): op for op in node.ops}
+        serial = []
+        for record in schedule.models:
+            stage = record.replica_nodes[0].index(node.node)
+            for op in one_f_one_b(len(record.forward), record.microbatches)[stage]:
+                serial.append(ops[(record.name, stage, op.kind, record.replica_microbatches[0][op.microbatch])])
+        nodes.append(node.model_copy(update={"ops": serial}))
+    return schedule.model_copy(update={"nodes": nodes})
+
+
+def split_time(timings: list[OpTiming], reps: int) -> tuple[float, float]:
+    """(computing, waiting for input) seconds of the rank's ops in the median round (by their sum)."""
+    per_round = len(timings) // reps
+    rounds = [timings[i * per_round : (i + 1) * per_round] for i in range(reps)]
+    splits = sorted((sum(t.end - t.ready for t in ops), sum(t.ready - t.start for t in ops)) for ops in rounds)
+    return min(splits, key=lambda split: abs(sum(split) - statistics.median(sum(s) for s in splits)))
 
 
 def measured_times(timings: list[OpTiming], schedule: Schedule) -> dict[str, ModelTimes]:
@@ -160,42 +211,67 @@ def retimed_speedup(schedule: Schedule, times: dict[str, ModelTimes]) -> tuple[f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--output", type=Path, default=RESULTS, help="where to write the JSON result")
+    parser.add_argument("--hidden", type=int, default=256, help="model width (multiple of 64)")
     parser.add_argument("--rows", type=int, default=16, help="sequences in the mini-batch (both models)")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per model")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds")
-    parser.add_argument("--reps", type=int, default=10, help="timed rounds (each runs both modes)")
+    parser.add_argument("--reps", type=int, default=10, help="timed rounds (each runs every mode)")
     args = parser.parse_args()
-    plan = fused_plan(args.microbatches)
+    model = scaled_tiny(args.hidden)
+    plan = fused_plan(model, args.microbatches)
     schedule = fused_schedule(plan)
     load_before = os.getloadavg()[0]
     outcomes = spawn(timed_rounds, 2, args, schedule)
     # A round's wall time is the slower rank's (both leave the closing barrier together).
-    serial_runs = [max(pair) for pair in zip(*(o["seconds"]["serial"] for o in outcomes), strict=True)]
-    fused_runs = [max(pair) for pair in zip(*(o["seconds"]["fused"] for o in outcomes), strict=True)]
-    serial_s, fused_s = statistics.median(serial_runs), statistics.median(fused_runs)
-    times = measured_times([t for o in outcomes for t in o["timings"]], schedule)
-    retimed = retimed_speedup(schedule, times)
+    runs = {
+        mode: [max(pair) for pair in zip(*(o["seconds"][mode] for o in outcomes), strict=True)]
+        for mode in ("serial", "fused", "serial order")
+    }
+    median = {mode: statistics.median(values) for mode, values in runs.items()}
+    serial_s, fused_s = median["serial"], median["fused"]
+    times = measured_times([t for o in outcomes for t in o["timings"]["fused"]], schedule)
+    serial_retimed, fused_retimed, speedup_retimed = retimed_speedup(schedule, times)
+    # Per rank in its median round, averaged over the ranks: seconds computing and waiting for input.
+    split = {
+        mode: [
+            statistics.mean(values)
+            for values in zip(*(split_time(o["timings"][mode], args.reps) for o in outcomes), strict=True)
+        ]
+        for mode in ("serial order", "fused")
+    }
     summary = schedule.summary
     print(
-        f"{MODEL.name} actor + critic, pp=2 on 2 gloo ranks (1 thread each), mini-batch {args.rows} x {args.seq} "
+        f"{model.name} actor + critic, pp=2 on 2 gloo ranks (1 thread each), mini-batch {args.rows} x {args.seq} "
         f"tokens, {args.microbatches} micro-batches per model, median of {args.reps} (machine load "
         f"{load_before:.1f} before the run)"
     )
-    print(f"{'':<34} {'serial 1F1B':>12} {'fused':>10} {'speed-up':>9}")
-    print(f"{'measured wall time (ms)':<34} {serial_s * 1e3:>12.1f} {fused_s * 1e3:>10.1f} {serial_s / fused_s:>8.2f}x")
+    print(f"{'':<40} {'serial 1F1B':>12} {'fused':>10} {'speed-up':>9}")
+    print(f"{'measured wall time (ms)':<40} {serial_s * 1e3:>12.1f} {fused_s * 1e3:>10.1f} {serial_s / fused_s:>8.2f}x")
+    serial_order_s = median["serial order"]
     print(
-        f"{'schedule, cost-model times (ms)':<34} {summary.serial_1f1b_makespan * 1e3:>12.3f} "
+        f"{'  serial order in the fused executor (ms)':<40} {serial_order_s * 1e3:>12.1f} {fused_s * 1e3:>10.1f} "
+        f"{serial_order_s / fused_s:>8.2f}x"
+    )
+    print(
+        f"{'schedule, cost-model times (ms)':<40} {summary.serial_1f1b_makespan * 1e3:>12.3f} "
         f"{summary.makespan * 1e3:>10.3f} {summary.speedup_vs_serial:>8.2f}x"
     )
-    serial_retimed, fused_retimed, speedup_retimed = retimed
     print(
-        f"{'schedule, measured op times (ms)':<34} {serial_retimed * 1e3:>12.1f} {fused_retimed * 1e3:>10.1f} "
+        f"{'schedule, measured op times (ms)':<40} {serial_retimed * 1e3:>12.1f} {fused_retimed * 1e3:>10.1f} "
         f"{speedup_retimed:>8.2f}x"
+    )
+    for mode, (compute, waiting) in split.items():
+        print(f"{f'per rank, {mode}: compute / wait (ms)':<40} {compute * 1e3:>12.1f} {waiting * 1e3:>10.1f}")
+    serial_ops, fused_ops = sum(split["serial order"]), sum(split["fused"])
+    print(
+        f"{'per rank, ops only: compute + wait (ms)':<40} {serial_ops * 1e3:>12.1f} {fused_ops * 1e3:>10.1f} "
+        f"{serial_ops / fused_ops:>8.2f}x"
     )
     result = {
         "benchmark": "fused_training",
-        "model": MODEL.model_dump(mode="json"),
+        "model": model.model_dump(mode="json"),
         "rows": args.rows,
         "seq": args.seq,
         "microbatches_per_model": args.microbatches,
@@ -205,8 +281,11 @@ def main() -> None:
         "warmup": args.warmup,
         "reps": args.reps,
         "load_average_1m_before": load_before,
-        "serial_1f1b_s": {"median": serial_s, "runs": serial_runs},
-        "fused_s": {"median": fused_s, "runs": fused_runs},
+        "serial_1f1b_s": {"median": serial_s, "runs": runs["serial"]},
+        "fused_s": {"median": fused_s, "runs": runs["fused"]},
+        "serial_order_in_fused_executor_s": {"median": serial_order_s, "runs": runs["serial order"]},
+        "per_rank_compute_and_wait_s": {mode: {"compute": c, "wait": w} for mode, (c, w) in split.items()},
+        "ops_only_speedup": serial_ops / fused_ops,
         "measured_speedup": serial_s / fused_s,
         "predicted_speedup_cost_model": summary.speedup_vs_serial,
         "predicted_speedup_measured_op_times": speedup_retimed,
@@ -217,9 +296,9 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":
