@@ -187,6 +187,7 @@ def _infer_samples(
     sample ids, their token-aligned rows and the batch's prompt width."""
     if stage.engine is None or not samples:
         return None
+    # Pads are masked out of attention: their id does not change any real token's row.
     batch = rollout_batch([prompts[s] for s in samples], [responses[s] for s in samples], 0)
     rows = replica_infer(stage.engine, batch, kind, min(stage.plan.micro_batches, len(samples)))
     return samples, rows, max(len(prompts[s]) for s in samples)
@@ -212,8 +213,7 @@ def _place(
     """Rows computed on sub-batches, moved into the whole rollout batch's columns (zeros off
     the real tokens, which every consumer masks out)."""
     width = max(len(p) for p in prompts)
-    lengths = batch.attention_mask.sum(dim=1) if batch.attention_mask is not None else None
-    assert lengths is not None
+    lengths = batch.mask().sum(dim=1)
     out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
     for samples, rows, sub_width in parts:
         for row, sample in enumerate(samples):
@@ -348,6 +348,8 @@ def fused_rollout(
     """Generate every prompt's response and run the inference model-stages on it, fused.
     Prompt i is sample i; `budgets[i]` caps its length (default `sampling.max_new_tokens`);
     `mechanism` forces `kv-transfer` or `recompute` (None: the cost model picks)."""
+    if mechanism not in (None, "kv-transfer", "recompute"):
+        raise ValueError(f"mechanism must be kv-transfer, recompute or None (the cost model picks), got {mechanism!r}")
     recorder = _Recorder()
     generation = stages["actor/generation"]
     layout = generation.layout
