@@ -76,6 +76,8 @@ def assert_checkpoints_whole(out: Path) -> None:
         ({"plan_switches": [{"step": 1, "plan": "nope.yaml"}]}, [], "plan_switches.0.plan:"),
         ({"lengths_from_trace": True}, [], "lengths_from_trace: needs a trace"),
         ({"calibration": "nope.yaml"}, [], "calibration: "),
+        ({"fusion": {"intra_stage": True}}, [], "fusion.intra_stage: "),
+        ({"fusion": {"inter_stage": True}}, [], "fusion.inter_stage: needs actor/generation dp >= 2"),
     ],
 )
 def test_bad_config_or_plan_is_refused_before_spawning(

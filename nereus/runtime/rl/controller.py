@@ -150,8 +150,9 @@ class Controller:
             raise NereusError(f"step {step}: {decision.reason}; no plan fits the GPUs left, the run stops")
         if decision.action in ("transition", "restart"):
             assert self.policy.plan is not None
-            # The policy sizes plans for measured lengths; the run keeps its workload's batch shapes.
-            target = self.policy.plan.model_copy(update={"workload": self.plan.workload})
+            # The policy sizes plans for measured lengths; the run keeps its workload's batch
+            # shapes and its fusion block (a target fusion cannot run is refused below).
+            target = self.policy.plan.model_copy(update={"workload": self.plan.workload, "fusion": self.plan.fusion})
             problems = plan_problems(target, self.num_ranks, self.config)
             if problems:  # a layout the engine cannot run: keep the current plan, say why
                 refusal = f"runtime refused the target plan: {problems[0]}"

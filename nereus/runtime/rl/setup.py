@@ -97,6 +97,8 @@ class RunSetup:
 
 def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     """Why `plan` cannot run on `world_size` ranks with `config` (empty when it can)."""
+    from nereus.runtime.fused_schedule import intra_stage_problems
+    from nereus.runtime.rl.inter_stage import inter_stage_problems
     from nereus.runtime.rl.tasks import CharTokenizer
     from nereus.runtime.shard_layout import layout_problem
 
@@ -121,6 +123,8 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
         if rows // entry.dp < entry.micro_batches:
             problems.append(f"{name}: {rows} rows over dp={entry.dp} cannot fill micro_batches={entry.micro_batches}")
     problems += memory_problems(plan, config)
+    problems += intra_stage_problems(plan)
+    problems += [f"fusion.inter_stage: {problem}" for problem in inter_stage_problems(plan, plan.fusion, config)]
     if workload.algorithm == "grpo" and workload.samples_per_prompt < 2:
         problems.append("grpo needs samples_per_prompt >= 2 (groups of one have no baseline)")
     has_critic = any(entry.role == "critic" for entry in plan.stages)
@@ -162,6 +166,12 @@ def memory_problems(plan: Plan, config: RLConfig) -> list[str]:
         for rank, nbytes in sorted(state_bytes_by_rank(plan, config).items())
         if nbytes > capacity
     ]
+
+
+def with_fusion(plan: Plan, config: RunConfig) -> Plan:
+    """The plan with the run config's `fusion:` block in force (it replaces the plan's whole;
+    the run folder's plan.yaml then shows the fusion the run uses)."""
+    return plan if config.fusion is None else plan.model_copy(update={"fusion": config.fusion})
 
 
 def plan_num_ranks(plan: Plan) -> int:
@@ -213,7 +223,7 @@ def new_run(
     if not where.is_file():
         field = "--plan" if plan_path is not None else f"{config_path}: plan"
         raise NereusError(f"{field}: {where} does not exist; give the path of a Plan YAML")
-    plan: Plan = _load(where, Plan)
+    plan = with_fusion(_load(where, Plan), config)
     num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
     _check_plan(plan, str(where), num_ranks, config.rl)
     if num_steps is not None:
@@ -272,7 +282,7 @@ def resolve_switches(config: RunConfig, folder: Path, first: Plan, num_ranks: in
         where = folder / switch.plan
         if not where.is_file():
             raise NereusError(f"{field}.plan: {where} does not exist; give the path of a Plan YAML")
-        plan: Plan = _load(where, Plan)
+        plan = with_fusion(_load(where, Plan), config)
         _check_same_work(plan, first, where)
         problems = plan_problems(plan, num_ranks, config.rl)
         if problems:
@@ -293,7 +303,7 @@ def resume_run(
     if not (out / CONFIG_NAME).is_file():
         raise NereusError(f"{out}: not a run folder ({CONFIG_NAME} missing); pass the --out folder of a `nereus run`")
     config: RunConfig = _load(out / CONFIG_NAME, RunConfig)
-    stored: Plan = _load(out / PLAN_NAME, Plan)
+    stored = with_fusion(_load(out / PLAN_NAME, Plan), config)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
     planned = False
@@ -302,7 +312,7 @@ def resume_run(
             f"{out}: the run switches plans on its own (plan_switches); resume it without --plan and --nproc"
         )
     if plan_path is not None:
-        plan: Plan = _load(plan_path, Plan)
+        plan = with_fusion(_load(plan_path, Plan), config)
         _check_same_work(plan, stored, plan_path)
     elif num_ranks is not None and num_ranks != plan_num_ranks(stored):
         plan, planned = replan(stored, num_ranks), True
@@ -319,7 +329,7 @@ def resume_run(
     switches = resolve_switches(config, out, plan, num_ranks)
     # A checkpoint loads into any layout: resume under the plan in force when it was taken.
     if checkpoint is not None and plan_path is None and not planned and (checkpoint / PLAN_NAME).is_file():
-        plan = _load(checkpoint / PLAN_NAME, Plan)
+        plan = with_fusion(_load(checkpoint / PLAN_NAME, Plan), config)
     ahead = tuple(switch for switch in switches if switch.step >= start_step)
     trace = resolve_trace(config, out, plan, num_ranks)
     calibration = resolve_calibration(config, out)
@@ -345,7 +355,7 @@ def replan(stored: Plan, num_ranks: int) -> Plan:
 
     cluster = stored.cluster.model_copy(update={"num_nodes": 1, "gpus_per_node": num_ranks})
     request = PlanRequest(cluster, tuple(stored.models), stored.workload, num_ranks)
-    return make_plan(request).best
+    return make_plan(request).best.model_copy(update={"fusion": stored.fusion})
 
 
 # ---- the run folder ----
