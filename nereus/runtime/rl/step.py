@@ -398,6 +398,7 @@ def rl_step(
 
     in_force = plan.fusion if fusion is None else fusion
     inferred = None
+    rollout_events: list[RolloutEvent] = []
     if in_force.inter_stage:
         # Imported here: the fused rollout builds on this module's helpers.
         from nereus.runtime.rl.fused_rollout import fused_rollout
@@ -405,6 +406,7 @@ def rl_step(
         settings = migration_settings(plan, in_force)
         fused = fused_rollout(stages, prompts, sampling, settings, seconds)
         responses, inferred = fused.responses, fused.inferred
+        rollout_events = fused.events
         if events is not None:
             events.extend(fused.events)
     else:
@@ -435,7 +437,11 @@ def rl_step(
             greedy_scores = reward_of(stages, tokenizer, problems, greedy_batch, greedy)
         rollout = Rollout(mask, scores, old_log_probs, ref_log_probs, old_values, greedy_scores)
         advantages, returns = compute_advantages(workload.algorithm, config, rollout, workload.samples_per_prompt)
-    actor_loss, critic_loss = run_training(plan, config, stages, batch, rollout, advantages, returns, seconds)
+    op_timings: list[OpTiming] = []
+    actor_loss, critic_loss = run_training(
+        plan, config, stages, batch, rollout, advantages, returns, seconds, fusion=in_force, op_timings=op_timings
+    )
+    record_fused(rollout_events, op_timings)
 
     with timed(seconds, "weight_sync"):
         sync_weights(syncs)
@@ -459,6 +465,34 @@ def rl_step(
         stage_seconds=stage_seconds,
         state_bytes_per_rank=state_bytes_per_rank(stages),
     )
+
+
+def record_fused(events: list[RolloutEvent], op_timings: list[OpTiming]) -> None:
+    """Put the fused rollout's and the fused pipeline's moments on the run's timeline (their
+    clocks are perf_counter readings of this rank: shifted onto the timeline's wall clock)."""
+    offset = time.time() - time.perf_counter()
+    opened: dict[tuple[str, str | None], float] = {}
+    for event in events:
+        what, edge = event.kind.rsplit("_", 1)
+        if edge == "start":
+            opened[(what, event.model_stage)] = event.time_s
+        elif edge == "end" and (what, event.model_stage) in opened:
+            start = opened.pop((what, event.model_stage))
+            name = what if event.model_stage is None else f"{event.model_stage} ({what})"
+            timeline.record("fused", name, start + offset, event.time_s + offset, samples=len(event.samples))
+        else:  # a moment, e.g. a sample finished
+            moment = event.time_s + offset
+            timeline.record("fused", event.kind, moment, moment, samples=list(event.samples))
+    for op in op_timings:
+        timeline.record(
+            "fused",
+            f"{op.model} {op.kind}{op.microbatch}",
+            op.ready + offset,
+            op.end + offset,
+            stage=op.stage,
+            update=op.update,
+            wait_s=op.ready - op.start,
+        )
 
 
 def run_training(
