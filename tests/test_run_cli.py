@@ -477,3 +477,18 @@ def test_sigkill_during_transitions_keeps_checkpoints_and_resumes_bitwise(tmp_pa
             continue
         assert result.exit_code == 0, result.output
         assert training_records(out) == training_records(whole)
+
+
+def test_a_run_config_fusion_block_reaches_the_run_and_its_timeline(tmp_path: Path) -> None:
+    """`fusion: {intra_stage: true}` in the run config (the plan's own block is off): the run
+    trains through the fused pipeline, records it, and its plan.yaml says so."""
+    plan = yaml.safe_load((EXAMPLES / "plan-tiny-ppo-2rank-intra.yaml").read_text())
+    plan["fusion"] = {"intra_stage": False}
+    config = write_config(tmp_path, num_steps=2, fusion={"intra_stage": True})
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+    out = tmp_path / "out"
+    assert invoke("run", config, "--out", out).exit_code == 0
+    assert yaml.safe_load((out / "plan.yaml").read_text())["fusion"]["intra_stage"] is True
+    spans = [json.loads(line) for line in (out / "timeline" / "rank-1.jsonl").read_text().splitlines()]
+    fused = {s["name"] for s in spans if s["cat"] == "fused"}
+    assert {"actor F0", "actor B0", "critic F0", "critic B0"} <= fused
