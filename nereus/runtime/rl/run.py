@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from nereus.cost.calibration import Calibration
 from nereus.errors import NereusError
-from nereus.runtime import timeline
+from nereus.runtime import shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import spawn
 from nereus.runtime.rl.config import RLConfig
@@ -229,6 +229,7 @@ def switch_plan(
         if stage.engine is not None:
             states[name] = (engine_state(stage.engine, families[name]), stage.engine.optimizer_step)
     moved = execute_transition(switch.primitives, plan, switch.plan, rank, states, families)
+    shm.release_segments()  # a one-off move: do not keep its shared-memory staging mapped
     for name, stage in new_stages.items():
         if stage.engine is not None:
             tensors, step = moved.states[name]
