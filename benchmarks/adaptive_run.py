@@ -1,0 +1,163 @@
+"""Benchmark (measured, not simulated): `nereus run` under a sequence-growth trace, the
+adaptive policy against the fixed initial plan, on 2 CPU ranks with one thread each.
+
+The tiny PPO workload runs `--steps` RL steps with `lengths_from_trace`: each step's
+responses stop at the trace's `response_len.max` (the untrained tiny models rarely stop
+early), growing from 4 to 48 tokens. Every policy starts from the same plan: the planner's
+best for the trace's first lengths on 2 ranks, under the starting calibration (the default
+one, or `--calibration FILE` from `nereus fit`). Each policy then runs with online
+calibration (the cost model refitted after every step); `fixed` keeps the initial layouts.
+
+Reported per policy: the mean wall time per step over the whole run (first model-stage
+span to the end of the last step, from DIR/timeline: transitions, controller and
+checkpoints included), the mean of the steps' own times, transitions and their share of
+the run's wall time, the plans used, and the reward of the last steps (same seeds: the
+curves should stay close). Prints a table and writes benchmarks/results/adaptive_run.json.
+
+    .venv/bin/python benchmarks/adaptive_run.py [--steps 30] [--policies fixed nereus]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from nereus.cost.calibration import Calibration
+from nereus.runtime.rl.config import RLConfig, RunConfig
+from nereus.runtime.rl.run import launch
+from nereus.runtime.rl.setup import RunSetup, plan_problems, read_metrics
+from nereus.solver.plan_search import PlanRequest
+from nereus.solver.planner import make_plan
+from nereus.solver.policy.replan import layout_summary
+from nereus.spec.io import load_document
+from nereus.spec.plan import Plan
+from nereus.spec.trace import Trace, TraceEvent
+from nereus.spec.workload import ResponseLengths
+
+ROOT = Path(__file__).resolve().parent.parent
+BASE_PLAN = ROOT / "tests" / "data" / "plan-tiny-ppo-2rank.yaml"
+RESULTS = ROOT / "benchmarks" / "results" / "adaptive_run.json"
+NUM_RANKS = 2
+#: (first step, longest response) of the growth: 4 -> 48 tokens, 12x.
+GROWTH = ((0, 4), (4, 8), (8, 16), (12, 24), (16, 32), (20, 48))
+
+
+def lengths(tokens: int) -> ResponseLengths:
+    return ResponseLengths(median=tokens, p99=tokens, max=tokens)
+
+
+def growth_trace(num_steps: int) -> Trace:
+    """The pool stays at 2 ranks; the longest response grows per GROWTH (scaled to `num_steps`)."""
+    scale = num_steps / 24
+    events = [TraceEvent(step=round(step * scale), response_len=lengths(tokens)) for step, tokens in GROWTH[1:]]
+    return Trace(
+        name="seq-growth-2rank",
+        description="tiny PPO on 2 ranks: the longest response grows 4 -> 48 tokens",
+        num_steps=num_steps,
+        gpus=NUM_RANKS,
+        response_len=lengths(GROWTH[0][1]),
+        events=events,
+    )
+
+
+def initial_plan(calibration: Calibration) -> Plan:
+    """The planner's best plan for the trace's first lengths on 2 ranks."""
+    base = load_document(BASE_PLAN)
+    assert isinstance(base, Plan)
+    workload = base.workload.model_copy(update={"response_len": lengths(GROWTH[0][1])})
+    request = PlanRequest(base.cluster, tuple(base.models), workload, NUM_RANKS, calibration)
+    best = make_plan(request).best
+    # The run keeps the base workload's batch shapes; the trace drives the lengths.
+    return best.model_copy(update={"workload": base.workload})
+
+
+def run_policy(
+    policy: str, plan: Plan, trace: Trace, calibration: Calibration | None, num_steps: int, folder: Path
+) -> dict[str, Any]:
+    rl = RLConfig(task="sort", seed=0)
+    config = RunConfig(
+        rl=rl, num_steps=num_steps, checkpoint_every=num_steps, policy=policy, lengths_from_trace=True, trace="t"
+    )
+    problems = plan_problems(plan, NUM_RANKS, rl)
+    assert not problems, problems
+    out = folder / policy.replace(":", "-")
+    setup = RunSetup(config, plan, NUM_RANKS, out, 0, None, False, (), trace, calibration)
+    launch(setup)
+    return summarise(policy, out)
+
+
+def summarise(policy: str, out: Path) -> dict[str, Any]:
+    records = read_metrics(out)
+    spans = [json.loads(line) for path in sorted((out / "timeline").glob("rank-*.jsonl")) for line in path.open()]
+    wall = max(s["end"] for s in spans) - min(s["start"] for s in spans)
+    moves = [
+        {"step": r["step"], "action": action, "seconds": r["stage_seconds"][action]}
+        for r in records
+        for action in ("transition", "restart")
+        if action in r["stage_seconds"]
+    ]
+    decisions = [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()]
+    plans = [d["decision"]["target_layout"] for d in decisions if d["decision"]["action"] in ("transition", "restart")]
+    moved_s = sum(m["seconds"] for m in moves)
+    return {
+        "policy": policy,
+        "num_steps": len(records),
+        "wall_s": wall,
+        "mean_step_wall_s": wall / len(records),
+        "mean_step_s": statistics.mean(r["step_seconds"] for r in records),
+        "transitions": moves,
+        "transition_share": moved_s / wall,
+        "targets": plans,
+        "response_len_max": [r["response_len_max"] for r in records],
+        "step_seconds": [r["step_seconds"] for r in records],
+        "predicted_step_seconds": [r["predicted_step_seconds"] for r in records],
+        "rewards": [r["reward"] for r in records],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="RL steps per policy")
+    parser.add_argument("--policies", nargs="+", default=["fixed", "nereus"], help="policies to compare")
+    parser.add_argument("--calibration", type=Path, help="starting Calibration YAML (`nereus fit`)")
+    args = parser.parse_args()
+    calibration = load_document(args.calibration) if args.calibration else None
+    assert calibration is None or isinstance(calibration, Calibration)
+    trace = growth_trace(args.steps)
+    plan = initial_plan(calibration or Calibration())
+    print(f"initial plan (planner's best for {GROWTH[0][1]} tokens): {layout_summary(plan)}")
+    with tempfile.TemporaryDirectory(prefix="nereus-adaptive-") as folder:
+        results = [run_policy(p, plan, trace, calibration, args.steps, Path(folder)) for p in args.policies]
+    fixed = next((r for r in results if r["policy"] == "fixed"), results[0])
+    print(f"{'policy':<12}{'s/step (wall)':>14}{'s/step (steps)':>15}{'vs fixed':>10}{'moves':>7}{'move share':>12}")
+    for r in results:
+        change = 1 - r["mean_step_wall_s"] / fixed["mean_step_wall_s"]
+        print(
+            f"{r['policy']:<12}{r['mean_step_wall_s']:>14.3f}{r['mean_step_s']:>15.3f}{100 * change:>9.1f}%"
+            f"{len(r['transitions']):>7}{100 * r['transition_share']:>11.1f}%"
+        )
+    record = {
+        "benchmark": "adaptive_run",
+        "measured": True,
+        "workload": "tiny PPO, 16 prompts, sort task, lengths_from_trace",
+        "num_ranks": NUM_RANKS,
+        "threads_per_rank": 1,
+        "trace": trace.model_dump(mode="json"),
+        "initial_plan": layout_summary(plan),
+        "calibration": str(args.calibration) if args.calibration else "default",
+        "machine": platform.platform(),
+        "results": results,
+    }
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    tmp = RESULTS.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(RESULTS)
+
+
+if __name__ == "__main__":
+    main()
