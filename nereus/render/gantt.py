@@ -4,28 +4,21 @@ from __future__ import annotations
 
 import io
 
-from nereus.errors import NereusError
-from nereus.render import KIND_COLORS
+from nereus.render import KIND_COLORS, new_figure
 from nereus.spec.transition import Transition
 
 
 def transition_gantt_png(transition: Transition, dpi: int = 100) -> bytes:
     """PNG bytes: one row per GPU, one bar per primitive on each GPU it occupies."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
-    except ImportError:
-        raise NereusError("--gantt needs matplotlib; install it with `pip install 'nereus[plot]'`") from None
-
     gpus = sorted({gpu for p in transition.primitives for gpu in p.gpus}) or list(
         range(transition.target.cluster.num_gpus)
     )
     row = {gpu: i for i, gpu in enumerate(gpus)}
     makespan = transition.summary.makespan_s or 1.0
     min_width = makespan * 0.004  # zero-length primitives (Destroy) stay visible
-    figure = Figure(figsize=(10, min(60.0, 1.5 + 0.35 * len(gpus))))
-    FigureCanvasAgg(figure)
+    figure = new_figure("--gantt", (10, min(60.0, 1.5 + 0.35 * len(gpus))))
+    from matplotlib.patches import Patch
+
     axes = figure.add_subplot()
     for p in transition.primitives:
         width = max(p.end_s - p.start_s, min_width)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.errors import NereusError
+from nereus.render import new_figure
 from nereus.runtime.rl.config import RunConfig
 from nereus.runtime.rl.controller import DECISIONS_NAME
 from nereus.runtime.rl.setup import CHECKPOINTS_NAME, CONFIG_NAME, METRICS_NAME, PLAN_NAME, switch_plan_name
@@ -459,14 +460,7 @@ def summarise_run(folder: Path, first_step: int = 0) -> RunReport:
 def report_png(data: RunData, dpi: int = 100) -> bytes:
     """Top: per-step stacked bars of model-stage and phase times, the plan change before a step
     stacked on top (hatched), the predicted step time as a line. Bottom: the reward curve."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise NereusError("--png needs matplotlib; install it with `pip install 'nereus[plot]'`") from None
-
-    figure = Figure(figsize=(11, 6.5))
-    FigureCanvasAgg(figure)
+    figure = new_figure("--png", (11, 6.5))
     times, reward = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1))
     steps = [r.step for r in data.steps]
     bottom = [0.0] * len(steps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 
 from nereus.errors import NereusError
+from nereus.render import new_figure
 from nereus.spec.schedule import Schedule
 
 #: Bar colour per (model position, op kind): models in ColorBrewer blues and oranges, F light, B dark.
@@ -19,16 +20,11 @@ def schedule_gantt(schedule: Schedule, fmt: str = "png", dpi: int = 100) -> byte
     """PNG or SVG bytes: one row per node, one bar per op, labelled with its micro-batch."""
     if fmt not in ("png", "svg"):
         raise NereusError(f"--gantt writes .png or .svg, got .{fmt}; pick one of those suffixes")
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch
-    except ImportError:
-        raise NereusError("--gantt needs matplotlib; install it with `pip install 'nereus[plot]'`") from None
     colors = {m.name: MODEL_COLORS[i % len(MODEL_COLORS)] for i, m in enumerate(schedule.models)}
     makespan = schedule.summary.makespan or 1.0
-    figure = Figure(figsize=(12, min(40.0, 1.5 + 0.45 * schedule.num_nodes)))
-    FigureCanvasAgg(figure)
+    figure = new_figure("--gantt", (12, min(40.0, 1.5 + 0.45 * schedule.num_nodes)))
+    from matplotlib.patches import Patch
+
     axes = figure.add_subplot()
     for record in schedule.nodes:
         for op in record.ops:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING
 
-from nereus.errors import NereusError
+from nereus.render import new_figure
 
 if TYPE_CHECKING:
     from nereus.solver.simulate import SimulationResult
@@ -15,14 +15,7 @@ FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 
 def simulation_plot_bytes(results: list[SimulationResult], fmt: str = "png", dpi: int = 100) -> bytes:
     """Top: step latency per policy, transitions (o) and restarts (x) marked. Bottom: GPUs and response cap."""
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError:
-        raise NereusError("--plot needs matplotlib; install it with `pip install 'nereus[plot]'`") from None
-
-    figure = Figure(figsize=(10, 6))
-    FigureCanvasAgg(figure)
+    figure = new_figure("--plot", (10, 6))
     latency, drift = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1))
     for result in results:
         steps = [r.step for r in result.steps]

@@ -92,17 +92,7 @@ def span(cat: str, name: str, **args: Any) -> Iterator[dict[str, Any]]:
 
 def drop_steps_from(out: Path, step: int) -> None:
     """Drop every rank's spans of steps >= `step` (a resume redoes them)."""
-    folder = out / TIMELINE_NAME
-    if not folder.is_dir():
-        return
-    from nereus.spec.io import write_text_atomic
+    from nereus.spec.io import keep_json_lines
 
-    for path in sorted(folder.glob("rank-*.jsonl")):
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] < step:
-                    kept.append(line + "\n")
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by a kill: its step is redone anyway
-        write_text_atomic(path, "".join(kept))
+    for path in sorted((out / TIMELINE_NAME).glob("rank-*.jsonl")):
+        keep_json_lines(path, lambda span: span["step"] < step)

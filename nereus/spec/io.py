@@ -7,6 +7,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +241,22 @@ def save_document(document: Document, path: str | Path) -> None:
     path = Path(path)
     text = to_json(document) if path.suffix == ".json" else to_yaml(document)
     write_text_atomic(path, text)
+
+
+def keep_json_lines(path: Path, keep: Callable[[Any], bool]) -> None:
+    """Rewrite a JSON-lines file atomically with the records `keep` accepts; a line that does
+    not parse, or that `keep` cannot read (KeyError, TypeError), is dropped: it is what a kill
+    cuts short. A missing file is left missing."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if keep(json.loads(line)):
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            continue
+    write_text_atomic(path, "".join(kept))
 
 
 def write_text_atomic(path: Path, text: str) -> None:

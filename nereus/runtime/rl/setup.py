@@ -30,7 +30,7 @@ from nereus.cost.calibration import Calibration
 from nereus.errors import NereusError
 from nereus.runtime import timeline
 from nereus.runtime.rl.config import RLConfig, RunConfig
-from nereus.spec.io import load_document, save_document, write_text_atomic
+from nereus.spec.io import keep_json_lines, load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
 from nereus.spec.trace import Trace
 
@@ -411,17 +411,7 @@ def read_metrics(out: Path) -> list[dict[str, Any]]:
 
 def drop_decisions_from(out: Path, step: int) -> None:
     """Drop the controller's decisions before steps >= `step` (a resume decides them again)."""
-    path = out / DECISIONS_NAME
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["observation"]["step"] < step:
-                kept.append(line + "\n")
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut short by a kill: that decision is made again
-    write_text_atomic(path, "".join(kept))
+    keep_json_lines(out / DECISIONS_NAME, lambda record: record["observation"]["step"] < step)
 
 
 def prepare_folder(setup: RunSetup) -> None:
