@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.checkpoint import load_checkpoint, save_checkpoint_distributed
-from nereus.runtime.dist import spawn
+from nereus.runtime.dist import HUGE_PAGES_ENV, spawn
 from nereus.runtime.reshard import ReshardPlan, Transport, execute, plan_reshard
 from nereus.runtime.shard_layout import RankLayout, box_shape
 from nereus.runtime.sharded_state import StateMeta, random_rank_state, state_meta
@@ -207,25 +207,51 @@ def measure_pair(
     }
 
 
-def _worker(rank: int, world_size: int, runs: int, scratch: str) -> list[dict[str, Any]]:
+def _worker(rank: int, world_size: int, runs: int, scratch: str) -> tuple[str | None, list[dict[str, Any]]]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,))  # made once: not part of any timed round trip
-    return [
+    rows = [
         {"pair": name, **measure_pair(rank, (source, target), runs, scratch, mesh)} for name, source, target in PAIRS
     ]
+    return os.environ.get(HUGE_PAGES_ENV), rows
+
+
+def kernel_thp_mode(kind: str) -> str:
+    """The kernel's transparent-huge-page mode for anonymous ("enabled") or shmem memory."""
+    try:
+        text = Path(f"/sys/kernel/mm/transparent_hugepage/{kind}").read_text()
+    except OSError:
+        return "unavailable"
+    return text.split("[")[1].split("]")[0] if "[" in text else text.strip()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3, help="timed repetitions per pair (median reported)")
+    parser.add_argument(
+        "--huge-pages",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=f"spawn the ranks with {HUGE_PAGES_ENV}=1 (nereus's default; a value in the environment wins)",
+    )
+    parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON results go")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="nereus-reshard-bench-") as scratch:
-        rows = spawn(_worker, 2, args.runs, scratch)[0]
+        rank_huge_pages, rows = spawn(_worker, 2, args.runs, scratch, huge_pages=args.huge_pages)[0]
+    thp = {
+        "rank_env": rank_huge_pages,
+        "kernel_anon": kernel_thp_mode("enabled"),
+        "kernel_shmem": kernel_thp_mode("shmem_enabled"),
+    }
     gb = 1e9
     print(f"{MODEL.name}: {MODEL.num_params() / 1e6:.1f}M params, state {rows[0]['state_bytes'] / gb:.2f} GB (fp32 x3)")
     print(f"load average before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f} (1 min)")
+    print(
+        f"ranks' {HUGE_PAGES_ENV}={thp['rank_env']}; kernel THP: anonymous {thp['kernel_anon']}, "
+        f"shmem {thp['kernel_shmem']}"
+    )
     print(
         f"{'pair':<12} {'in-memory':>10} {'DCP':>7} {'speed-up':>9} {'| buffers:':>10} {'in-mem':>7} {'DCP':>7} "
         f"{'speed-up':>9} {'| gloo':>8} {'nereus ckpt':>12} {'moved GB':>9} {'bound GB':>9}"
@@ -238,7 +264,7 @@ def main() -> None:
             f"{row['nereus_ckpt_s']:>11.2f}s {row['bytes_moved'] / gb:>9.3f} {row['lower_bound_bytes'] / gb:>9.3f}"
             + ("" if row["bitwise_equal"] else "  MISMATCH")
         )
-    RESULTS.parent.mkdir(exist_ok=True)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "reshard",
         "model": MODEL.name,
@@ -247,11 +273,12 @@ def main() -> None:
         "threads_per_rank": 1,
         "runs": args.runs,
         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
+        "transparent_huge_pages": thp,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "results": rows,
     }
-    RESULTS.write_text(json.dumps(payload, indent=2) + "\n")
+    args.output.write_text(json.dumps(payload, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,13 @@
 `spawn` starts N local ranks that meet through a file in a temporary folder (no port
 races between parallel tests); `init_from_env` joins a job started by torchrun. Either
 way the rest of the runtime sees an initialised default process group.
+
+Spawned ranks put their large CPU tensors on transparent huge pages by default (torch's
+allocator reads THP_MEM_ALLOC_ENABLE once, before its first allocation, so it is set in
+the ranks' environment at launch): a fresh 400 MB tensor then costs about 0.07 s to fill
+instead of 0.3 s of 4 KiB page faults on the machine this was measured on, which is what
+a resharded state freshly allocated on every rank pays. A value of the variable already in
+the environment is passed on unchanged; under torchrun, set it in the job's environment.
 """
 
 from __future__ import annotations
@@ -13,7 +20,8 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -28,6 +36,11 @@ from nereus.spec.io import write_bytes_atomic
 
 #: How long a collective may wait before the job is declared hung.
 DEFAULT_TIMEOUT = timedelta(seconds=120)
+
+#: torch's CPU allocator reads this once: "1" advises every allocation of 2 MiB or more
+#: MADV_HUGEPAGE (honoured when the kernel's THP mode is "madvise" or "always"; a no-op
+#: under "never").
+HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 
 
 def backend() -> str:
@@ -110,6 +123,7 @@ def spawn(
     *args: Any,
     num_threads: int = 1,
     on_wait: Callable[[], None] | None = None,
+    huge_pages: bool = True,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` local ranks; return each rank's result.
 
@@ -117,12 +131,15 @@ def spawn(
     ten times a second while the ranks run, and once after they end (e.g. to drain a queue
     the ranks report progress on). A rank that raises or dies takes the others down within
     a few seconds, and `spawn` raises RuntimeError naming it, with its traceback when it had one.
+    `huge_pages` starts the ranks with HUGE_PAGES_ENV=1 (large CPU tensors on transparent
+    huge pages); a value of that variable already in the environment always wins.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     with tempfile.TemporaryDirectory(prefix="nereus-rdzv-") as folder:
         child_args = (world_size, folder, fn, args, num_threads)
-        context = mp.start_processes(_child, args=child_args, nprocs=world_size, join=False, start_method="spawn")
+        with _rank_environment(huge_pages):
+            context = mp.start_processes(_child, args=child_args, nprocs=world_size, join=False, start_method="spawn")
         failure = None
         try:
             while not context.join(timeout=0.1, grace_period=FAILURE_GRACE_S):
@@ -149,6 +166,19 @@ def spawn(
     if failures:
         raise RuntimeError("\n".join(failures))
     return [outcome[1] for outcome in outcomes.values() if outcome is not None]
+
+
+@contextmanager
+def _rank_environment(huge_pages: bool) -> Iterator[None]:
+    """The environment spawned ranks inherit: HUGE_PAGES_ENV=1 when asked and unset."""
+    added = huge_pages and HUGE_PAGES_ENV not in os.environ
+    if added:
+        os.environ[HUGE_PAGES_ENV] = "1"
+    try:
+        yield
+    finally:
+        if added:
+            os.environ.pop(HUGE_PAGES_ENV, None)
 
 
 def _read_outcome(folder: Path, rank: int) -> tuple[bool, Any, float] | None:

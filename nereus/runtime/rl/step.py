@@ -299,14 +299,20 @@ def engine_state(engine: Engine, families: tuple[str, ...]) -> dict[str, torch.T
 
 
 def sync_weights(syncs: list[tuple[Stage, Stage, ReshardPlan]]) -> None:
-    """Copy the trained parameters into the generation and inference engines by resharding."""
+    """Copy the trained parameters into the generation and inference engines by resharding.
+
+    The pieces land straight in the target engine's live parameter tensors (no fresh
+    state, no second copy); `load_local_state` then only takes the step and drops stale
+    gradients and moments (copying a tensor onto itself is a no-op).
+    """
     rank = dist.get_rank()
     for source, target, plan in syncs:
         tensors, step = {}, None
         if source.engine is not None:
             tensors = engine_state(source.engine, ("param",))
             step = source.engine.optimizer_step
-        result = execute(plan, rank, tensors, step)
+        live = engine_state(target.engine, ("param",)) if target.engine is not None else None
+        result = execute(plan, rank, tensors, step, out=live)
         if target.engine is not None:
             assert result.step is not None
             target.engine.load_local_state(result.tensors, result.step)
