@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from fractions import Fraction
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -15,7 +16,14 @@ from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.solver.transition import Emu, Primitive, build_transition, local_dag, plan_emus
 from nereus.solver.transition.check import check_result, check_transition
-from nereus.solver.transition.schedule import Replay, TransitionResult, held_bytes, list_schedule, state_bytes
+from nereus.solver.transition.schedule import (
+    Replay,
+    TransitionResult,
+    held_bytes,
+    list_schedule,
+    lower_bound_bytes,
+    state_bytes,
+)
 from nereus.spec.check import kv_heads_rule
 from nereus.spec.io import load_document
 from nereus.spec.model import Model
@@ -296,6 +304,54 @@ def _assert_sound(plan_a: Plan, plan_b: Plan) -> bool:
 def test_random_plan_pairs_are_valid_or_report_a_blocking_cycle(rng: random.Random) -> None:
     plan_a, plan_b = random_pair(rng)
     _assert_sound(plan_a, plan_b)
+
+
+def _placement(entry: StagePlan) -> tuple[int, int, list[list[int]]]:
+    return entry.tp, entry.pp, entry.emus
+
+
+def _lower_bound_by_boxes(plan_a: Plan, plan_b: Plan) -> float:
+    """Per B GPU of each changed model-stage: the exact area of its box that its A box
+    (if any) does not cover, times the state's bytes. GPU `s * tp + r` of an EMU holds box (s, r)."""
+
+    def boxes(entry: StagePlan) -> dict[int, tuple[Fraction, Fraction, Fraction, Fraction]]:
+        out = {}
+        for emu in entry.emus:
+            for index, gpu in enumerate(emu):
+                s, r = divmod(index, entry.tp)
+                out[gpu] = (
+                    Fraction(s, entry.pp),
+                    Fraction(s + 1, entry.pp),
+                    Fraction(r, entry.tp),
+                    Fraction(r + 1, entry.tp),
+                )
+        return out
+
+    total = 0.0
+    for entry_b in plan_b.stages:
+        entry_a = plan_a.stage_plan(entry_b.model_stage)
+        if _placement(entry_a) == _placement(entry_b):
+            continue
+        held, needed = boxes(entry_a), boxes(entry_b)
+        missing = Fraction(0)
+        for gpu, (top, bottom, left, right) in needed.items():
+            missing += (bottom - top) * (right - left)
+            if gpu in held:
+                a_top, a_bottom, a_left, a_right = held[gpu]
+                rows = max(Fraction(0), min(bottom, a_bottom) - max(top, a_top))
+                missing -= rows * max(Fraction(0), min(right, a_right) - max(left, a_left))
+        total += state_bytes(plan_b, entry_b.model_stage, Calibration()) * float(missing)
+    return total
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rng=st.randoms(use_true_random=False))
+def test_lower_bound_is_the_box_area_each_gpu_lacks(rng: random.Random) -> None:
+    plan_a, plan_b = random_pair(rng)
+    changed = [b.model_stage for b in plan_b.stages if _placement(b) != _placement(plan_a.stage_plan(b.model_stage))]
+    sizes = {e.model_stage: state_bytes(plan_b, e.model_stage, Calibration()) for e in plan_b.stages}
+    expected = _lower_bound_by_boxes(plan_a, plan_b)
+    assert math.isclose(lower_bound_bytes(plan_a, plan_b, changed, sizes), expected, rel_tol=1e-9, abs_tol=1e-6)
 
 
 def test_seeded_sweep_of_200_pairs_is_mostly_feasible_and_always_valid() -> None:

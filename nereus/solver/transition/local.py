@@ -14,7 +14,9 @@ each other can instead be copied afresh (`unswap`, tried when the DAG deadlocks)
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
+from itertools import repeat
 from math import gcd
 
 from nereus.solver.transition.primitives import Emu, Layout, Primitive, box_fraction
@@ -96,6 +98,9 @@ def match_replicas(replicas: list[Emu], slots: list[Emu]) -> dict[int, Emu]:
     return {k: replicas[r] for k, r in _match(replicas, slots).items()}
 
 
+_GPUS = operator.attrgetter("gpus")  # an Emu's GPU tuple, as a C-level getter
+
+
 def _match(replicas: list[Emu], slots: list[Emu]) -> dict[int, int]:
     """`match_replicas` as slot index -> replica index.
 
@@ -105,12 +110,9 @@ def _match(replicas: list[Emu], slots: list[Emu]) -> dict[int, int]:
     """
     # A slot on exactly a replica's GPUs is the best pair for both (every GPU holds its box,
     # and GPUs hold one replica each): the greedy takes those first, so take them here.
-    exact = {replica.gpus: r for r, replica in enumerate(replicas)}
-    assignment: dict[int, int] = {}
-    for k, slot in enumerate(slots):
-        r = exact.get(slot.gpus)
-        if r is not None:
-            assignment[k] = r
+    exact = dict(zip(map(_GPUS, replicas), itertools.count()))  # (in C: large plans have many replicas)
+    found = map(exact.get, map(_GPUS, slots))
+    assignment = {k: r for k, r in enumerate(found) if r is not None}
     if len(assignment) == len(slots) or len(assignment) == len(replicas):
         return assignment
     used = set(assignment.values())
@@ -133,18 +135,22 @@ def _match(replicas: list[Emu], slots: list[Emu]) -> dict[int, int]:
     return assignment
 
 
-def _extend(build: _Builder, source: Emu, slot: Emu, positions: list[int], deps: list[int]) -> Primitive:
+def _extend(build: _Builder, source: Emu, slot: Emu, positions: list[int] | None, deps: list[int]) -> Primitive:
+    """Copy the boxes at `positions` (None: every position) of `source` onto `slot`'s GPUs."""
     box = build.state_bytes * box_fraction(slot.layout)
-    targets = tuple(slot.gpus[i] for i in positions)
+    if positions is None:  # a whole replica: the GPU tuples as they are
+        reads, targets = source.gpus, slot.gpus
+    else:
+        reads, targets = tuple(source.gpus[i] for i in positions), tuple(slot.gpus[i] for i in positions)
     return build.add(
         kind="extend",
         source_layout=source.layout,
         target_layout=slot.layout,
-        reads=tuple(source.gpus[i] for i in positions),
+        reads=reads,
         writes=targets,
         alloc=dict.fromkeys(targets, box),
         free={},
-        transfers=tuple((source.gpus[i], slot.gpus[i], box) for i in positions),
+        transfers=tuple(zip(reads, targets, repeat(box))),
         adds=(slot,),
         copies_from=(source,),
         deps=[d for d in deps if d >= 0],
@@ -232,7 +238,7 @@ def _fan_out(
                 if swap is not None:  # trade places: this source serves the next slot
                     available[n], available[swap] = available[swap], available[n]
                     source, source_ready, readers = available[n]
-            extend = _extend(build, source, slots[k], list(range(len(slots[k].gpus))), [source_ready])
+            extend = _extend(build, source, slots[k], None, [source_ready])
             readers.append(extend.id)
             filled[k] = (slots[k], extend.id, [])
             round_filled.append(filled[k])
@@ -302,7 +308,7 @@ def local_dag(
         if unswap:  # copy from where it lands, so no copy holds its old GPUs
             source_of[r] = (slot, extend.id, slot_readers.setdefault(k, []))
     pending = [k for k in range(len(slots)) if k not in assignment]
-    sources = [source_of.get(r, (replicas[r], origin[r], readers[r])) for r in source_ids]
+    sources = [source_of.get(r) or (replicas[r], origin[r], readers[r]) for r in source_ids]
     for k, (_, extend_id, copy_readers) in _fan_out(build, pending, slots, sources, star_rounds, unswap).items():
         ready[k] = [extend_id]
         slot_readers[k] = copy_readers

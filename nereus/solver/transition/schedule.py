@@ -10,11 +10,13 @@ plans has no safe order: the model-stages waiting on each other's memory are rep
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Literal
 
 import numpy as np
@@ -28,7 +30,7 @@ from nereus.solver.transition.order_search import GREEDY_TRIES, SEARCH_BUDGET, O
 from nereus.solver.transition.primitives import Emu, Primitive
 from nereus.solver.transition.serial import improve_order, schedule_in_order, serial_schedule
 from nereus.spec.cluster import Cluster
-from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.plan import Plan
 from nereus.spec.workload import STAGES
 from nereus.units import format_bytes
 
@@ -58,9 +60,11 @@ class TransitionResult:
 
 def plan_emus(plan: Plan, model_stages: list[str] | None = None) -> dict[str, list[Emu]]:
     """The EMUs of every model-stage in a plan (or of the ones named)."""
-    make = tuple.__new__  # Emu's own constructor, without a Python-level call per EMU
+    make = functools.partial(tuple.__new__, Emu)  # Emu's own constructor, without a Python-level call per EMU
     return {
-        entry.model_stage: [make(Emu, (entry.model_stage, entry.tp, entry.pp, tuple(gpus))) for gpus in entry.emus]
+        entry.model_stage: list(
+            map(make, zip(repeat(entry.model_stage), repeat(entry.tp), repeat(entry.pp), map(tuple, entry.emus)))
+        )
         for entry in plan.stages
         if model_stages is None or entry.model_stage in model_stages
     }
@@ -82,22 +86,30 @@ def state_bytes(plan: Plan, model_stage: str, calibration: Calibration) -> float
 
 def held_bytes(plan: Plan, sizes: dict[str, float]) -> dict[int, float]:
     """Bytes of model state on each GPU under a plan (every model-stage's EMU boxes)."""
-    return {gpu: nbytes for gpu, nbytes in enumerate(_held_array(plan, sizes).tolist()) if nbytes}
+    held = _PlanGpus(plan).held(sizes)
+    return {gpu: nbytes for gpu, nbytes in enumerate(held.tolist()) if nbytes}
 
 
-def _held_array(plan: Plan, sizes: dict[str, float]) -> np.ndarray:
-    """`held_bytes` as an array over GPU ids (one bincount over every model-stage's GPUs)."""
-    gpus = np.array(
-        list(itertools.chain.from_iterable(gpu_list for entry in plan.stages for gpu_list in entry.emus)), np.int64
-    )
-    boxes = [sizes[entry.model_stage] / (entry.tp * entry.pp) for entry in plan.stages]
-    counts = [entry.tp * entry.pp * len(entry.emus) for entry in plan.stages]
-    return np.bincount(gpus, np.repeat(boxes, counts), minlength=plan.cluster.num_gpus)
+class _PlanGpus:
+    """Every model-stage's GPU ids in one plan, EMU after EMU, flattened once (in C) and
+    shared by the held-bytes, over-capacity and lower-bound computations."""
 
+    def __init__(self, plan: Plan) -> None:
+        self.num_gpus = plan.cluster.num_gpus
+        self.layouts: dict[str, tuple[int, int]] = {entry.model_stage: (entry.tp, entry.pp) for entry in plan.stages}
+        counts = [entry.tp * entry.pp * len(entry.emus) for entry in plan.stages]
+        every = itertools.chain.from_iterable(itertools.chain.from_iterable(entry.emus for entry in plan.stages))
+        self.flat = np.fromiter(every, np.int64, count=sum(counts))
+        self.counts = counts
+        bounds = itertools.pairwise(itertools.accumulate(counts, initial=0))
+        self.gpus: dict[str, np.ndarray] = {
+            entry.model_stage: self.flat[lo:hi] for entry, (lo, hi) in zip(plan.stages, bounds, strict=True)
+        }
 
-def _gpu_array(entry: StagePlan) -> np.ndarray:
-    """A model-stage's GPU ids, EMU after EMU (`np.asarray` on the nested lists is far slower)."""
-    return np.array(list(itertools.chain.from_iterable(entry.emus)), np.int64)
+    def held(self, sizes: dict[str, float]) -> np.ndarray:
+        """`held_bytes` as an array over GPU ids (one bincount over every model-stage's GPUs)."""
+        boxes = [sizes[name] / (tp * pp) for name, (tp, pp) in self.layouts.items()]
+        return np.bincount(self.flat, np.repeat(boxes, self.counts), minlength=self.num_gpus)
 
 
 def primitive_duration(primitive: Primitive, cluster: Cluster, calibration: Calibration) -> float:
@@ -132,27 +144,28 @@ def link_bytes(primitives: list[Primitive], cluster: Cluster) -> dict[str, float
     return {"intra_node": intra, "inter_node": inter}
 
 
-def _boxes(entry: StagePlan, num_gpus: int) -> np.ndarray:
-    """Per GPU id: (layer start, layer end, column start, column end) of its box; NaN if none."""
-    boxes = np.full((num_gpus, 4), np.nan)
-    index = np.arange(entry.tp * entry.pp)
-    stage, rank = index // entry.tp, index % entry.tp
-    corners = np.stack([stage / entry.pp, (stage + 1) / entry.pp, rank / entry.tp, (rank + 1) / entry.tp], axis=1)
-    boxes[_gpu_array(entry)] = np.tile(corners, (len(entry.emus), 1))
-    return boxes
-
-
 def lower_bound_bytes(plan_a: Plan, plan_b: Plan, changed: list[str], sizes: dict[str, float]) -> float:
     """Bytes every GPU must end up holding (in B) that it does not hold yet (in A)."""
+    return _lower_bound(_PlanGpus(plan_a), _PlanGpus(plan_b), changed, sizes)
+
+
+def _lower_bound(gpus_a: _PlanGpus, gpus_b: _PlanGpus, changed: list[str], sizes: dict[str, float]) -> float:
+    """`lower_bound_bytes` from both plans' GPU arrays: per B GPU, its box less the part of
+    it the GPU's A box (if any) covers. GPU `s * tp + r` of an EMU holds box (s, r)."""
     total = 0.0
-    n = plan_b.cluster.num_gpus
+    position_a = np.empty(gpus_a.num_gpus, np.int64)
     for name in changed:
-        a, b = _boxes(plan_a.stage_plan(name), n), _boxes(plan_b.stage_plan(name), n)
-        needed = (b[:, 1] - b[:, 0]) * (b[:, 3] - b[:, 2])
-        rows = np.maximum(0.0, np.minimum(a[:, 1], b[:, 1]) - np.maximum(a[:, 0], b[:, 0]))
-        cols = np.maximum(0.0, np.minimum(a[:, 3], b[:, 3]) - np.maximum(a[:, 2], b[:, 2]))
-        overlap = np.nan_to_num(rows * cols)
-        total += sizes[name] * float(np.nansum(needed - overlap))
+        (tp_a, pp_a), (tp_b, pp_b) = gpus_a.layouts[name], gpus_b.layouts[name]
+        on_a, on_b = gpus_a.gpus[name], gpus_b.gpus[name]
+        position_a.fill(-1)
+        position_a[on_a] = np.arange(len(on_a)) % (tp_a * pp_a)
+        index_a = position_a[on_b]
+        stage_a, rank_a = np.divmod(index_a, tp_a)
+        stage_b, rank_b = np.divmod(np.arange(len(on_b)) % (tp_b * pp_b), tp_b)
+        rows = np.minimum((stage_a + 1) / pp_a, (stage_b + 1) / pp_b) - np.maximum(stage_a / pp_a, stage_b / pp_b)
+        cols = np.minimum((rank_a + 1) / tp_a, (rank_b + 1) / tp_b) - np.maximum(rank_a / tp_a, rank_b / tp_b)
+        covered = np.where(index_a >= 0, np.maximum(rows, 0.0) * np.maximum(cols, 0.0), 0.0)
+        total += sizes[name] * (len(on_b) / (tp_b * pp_b) - float(covered.sum()))
     return total
 
 
@@ -222,8 +235,7 @@ class Replay:
         primitive.scheduled = True
         busy_until, usage, peak = self.busy_until, self.usage, self.peak
         if primitive.duration_s > EPS:  # an instantaneous one leaves its (idle) GPUs idle
-            for gpu in primitive.gpus:
-                busy_until[gpu] = end
+            busy_until.update(zip(primitive.gpus, repeat(end)))
         for gpu, nbytes in primitive.alloc.items():
             before = usage.get(gpu, 0.0)
             after = usage[gpu] = before + nbytes
@@ -242,11 +254,10 @@ class Replay:
     def finish(self, primitive: Primitive) -> None:
         if not primitive.free:
             return
-        usage, last_release = self.usage, self.last_release
-        release = (primitive.end_s, primitive.id, primitive.model_stage)
+        usage = self.usage
         for gpu, nbytes in primitive.free.items():
             usage[gpu] -= nbytes
-            last_release[gpu] = release
+        self.last_release.update(dict.fromkeys(primitive.free, (primitive.end_s, primitive.id, primitive.model_stage)))
 
 
 def release_first(primitive: Primitive) -> tuple[float, ...]:
@@ -293,9 +304,9 @@ def list_schedule(
         now = state.running[0][0]
         while state.running and state.running[0][0] <= now + EPS:
             primitive = by_id[heapq.heappop(state.running)[1]]
-            if primitive.duration_s > EPS:
+            if primitive.duration_s > EPS:  # an instantaneous one freed (and woke) when it started
                 replay.finish(primitive)
-            candidates |= state.wake(primitive.gpus)
+                candidates |= state.wake(primitive.gpus)
             for child in dependents.get(primitive.id, []):
                 waiting[child] -= 1
                 if not waiting[child]:
@@ -317,9 +328,8 @@ class _Waits:
             return set()
         woken: set[int] = set()
         waiters = self.waiters
-        for gpu in gpus:
-            if gpu in waiters:
-                woken |= waiters.pop(gpu)
+        for gpu in waiters.keys() & gpus:  # in C: a large release touches many GPUs, few with waiters
+            woken |= waiters.pop(gpu)
         return woken & self.blocked
 
     def try_start(self, order: list[int], now: float) -> set[int]:
@@ -330,8 +340,12 @@ class _Waits:
             primitive = self.by_id[pid]
             if primitive.scheduled:
                 continue
-            busy = [g for g in primitive.gpus if busy_until.get(g, 0.0) > horizon]
-            short = [g for g, b in primitive.alloc.items() if usage.get(g, 0.0) + b > limit] if primitive.alloc else []
+            gpus, alloc = primitive.gpus, primitive.alloc
+            # The common case (idle, room) checked in C; the GPUs that stop it only when some do.
+            busy = []
+            if _any_above(busy_until, gpus, horizon):
+                busy = [g for g in gpus if busy_until.get(g, 0.0) > horizon]
+            short = [g for g, b in alloc.items() if usage.get(g, 0.0) + b > limit] if alloc else []
             if busy or short:
                 if short:
                     replay.blocked_since.setdefault(pid, now)
@@ -346,6 +360,11 @@ class _Waits:
                 replay.finish(primitive)
                 woken |= self.wake(primitive.free)
         return woken
+
+
+def _any_above(values: dict[int, float], gpus: Iterable[int], threshold: float) -> bool:
+    """Some GPU's value (0 when absent) is above `threshold` (the loop runs in C)."""
+    return max(map(values.get, gpus, repeat(0.0)), default=0.0) > threshold
 
 
 def _reset(primitives: list[Primitive]) -> None:
@@ -717,7 +736,8 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
     changed = [name for name in names if _layout_of(plan_a, name) != _layout_of(plan_b, name)]
     sizes = {name: state_bytes(plan_b, name, calibration) for name in names}
     emus_a, emus_b = plan_emus(plan_a, changed), plan_emus(plan_b, changed)
-    held_a = _held_array(plan_a, sizes)
+    gpus_a, gpus_b = _PlanGpus(plan_a), _PlanGpus(plan_b)
+    held_a = gpus_a.held(sizes)
     initial = {gpu: nbytes for gpu, nbytes in enumerate(held_a.tolist()) if nbytes}
     capacity = usable_memory(plan_b.cluster, calibration)
 
@@ -737,14 +757,14 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
     # (copy those afresh). Built lazily: the first shape usually schedules at once.
     shapes = (dag(star_rounds, unswap) for star_rounds, unswap in DAG_SHAPES)
     replay, cycle, rule, primitives = _schedule_shapes(shapes, initial, capacity)
-    cycle = _over_capacity(held_a, _held_array(plan_b, sizes), capacity) + cycle
+    cycle = _over_capacity(held_a, gpus_b.held(sizes), capacity) + cycle
     moved = link_bytes(primitives, plan_b.cluster)
     return TransitionResult(
         primitives=primitives,
         makespan_s=max((p.end_s for p in primitives), default=0.0),
         bytes_moved=sum(moved.values()),
         bytes_by_link=moved,
-        lower_bound_bytes=lower_bound_bytes(plan_a, plan_b, changed, sizes),
+        lower_bound_bytes=_lower_bound(gpus_a, gpus_b, changed, sizes),
         peak_extra_bytes={g: max(0.0, replay.peak[g] - initial.get(g, 0.0)) for g in sorted(replay.peak)},
         capacity_bytes=replay.capacity,
         initial_bytes=initial,
