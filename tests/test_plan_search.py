@@ -435,9 +435,10 @@ def test_one_layer_request_fills_few_gpus() -> None:
         assert len(plan.stage_plan("actor/training").gpus) == gpus
 
 
-@pytest.mark.parametrize("gpus", [4, 16, 24])
+@pytest.mark.parametrize("gpus", [16, 24])
 def test_training_without_a_full_layout_leaves_gpus_free(gpus: int) -> None:
-    """2 samples on 4+ GPUs, tp = pp = 1: dp is capped at 2 and the other GPUs stay free."""
+    """2 samples on 16+ GPUs (node-granular pools of 8+), tp = pp = 1: dp is capped at 2 and the
+    other GPUs stay free. (Inside one node pools of 1 or 2 GPUs exist, which training fills.)"""
     request = one_layer_request(gpus)
     assert training_leaves_gpus_free(request)
     outcome = search(request)

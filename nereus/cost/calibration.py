@@ -42,6 +42,9 @@ class Calibration(Document):
     """A layout is feasible when it uses at most (1 - headroom) of device memory."""
     link_latency_scale: float = Field(default=1.0, gt=0)
     """Achieved over nominal link latency: the software cost of one small message or collective hop."""
+    micro_batch_overhead_s: float = Field(default=0.0, ge=0)
+    """Fixed seconds per micro-batch per forward or backward pass beyond the layers (embedding,
+    head, loss and the objective's element-wise work): large on CPUs, negligible on GPUs."""
     stage_overhead_s: float = Field(default=0.0, ge=0)
     """Fixed seconds per model-stage per step (moving its rows between ranks, building batches)."""
     decode_token_overhead_s: float = Field(default=0.0, ge=0)
@@ -49,7 +52,8 @@ class Calibration(Document):
     step_overhead_s: float = Field(default=0.0, ge=0)
     """Fixed seconds per RL step outside the model-stages (advantages, prompt sampling, metrics)."""
     concurrent_pools: bool = True
-    """Pools of one phase run at the same time (false: the runtime runs model-stages one after another)."""
+    """Pools of one phase run at the same time (nereus's runtime does: each rank runs only its own
+    model-stages); false prices a runtime that runs model-stages one after another."""
 
     def link(self, cluster: Cluster, inter: bool) -> tuple[float, float]:
         """(achieved bytes/s, latency) of the cluster's intra- or inter-node link."""

@@ -31,7 +31,14 @@ from nereus.spec.workload import ResponseLengths
 WARMUP_STEPS = 2
 #: Calibration fields the fit estimates. Efficiencies are fitted as their inverse.
 EFFICIENCIES = ("gemm", "decode_gemm", "attention", "decode_memory", "collective_intra", "collective_inter")
-SCALARS = ("launch_overhead_s", "link_latency_scale", "stage_overhead_s", "decode_token_overhead_s", "step_overhead_s")
+SCALARS = (
+    "launch_overhead_s",
+    "micro_batch_overhead_s",
+    "link_latency_scale",
+    "stage_overhead_s",
+    "decode_token_overhead_s",
+    "step_overhead_s",
+)
 FITTED = EFFICIENCIES + SCALARS
 #: Lower bound of every fitted parameter (inverse efficiency >= 1: at most 100% of peak).
 LOWER = {**{name: 1.0 for name in EFFICIENCIES}, **{name: 0.0 for name in SCALARS}, "link_latency_scale": 1e-3}
@@ -344,19 +351,12 @@ def fit_runs(
 ) -> tuple[Calibration, list[str]]:
     """The calibration that best explains `runs`, and the names of the fitted fields.
 
-    Pools either overlap within a phase or run one after another: both are fitted and the
-    one with the smaller step error on these runs is kept.
+    Pools of a phase are priced as the runtime runs them, at the same time: a fit cannot
+    learn that from runs (few plans split their pools) and must not trade it for a better
+    in-sample error.
     """
     data = observations(runs, cluster)
-    best: tuple[float, Calibration, np.ndarray] | None = None
-    for concurrent in (True, False):
-        begin = start.model_copy(update={"concurrent_pools": concurrent})
-        calibration, exercised = gauss_newton(data.plans, data.rows, begin, progress)
-        error = run_errors(runs, calibration, cluster).step_mape
-        if best is None or error < best[0]:
-            best = (error, calibration, exercised)
-    assert best is not None
-    _, calibration, exercised = best
+    calibration, exercised = gauss_newton(data.plans, data.rows, start, progress)
     return calibration, [name for name, used in zip(FITTED, exercised, strict=True) if used]
 
 

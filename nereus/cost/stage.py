@@ -202,13 +202,14 @@ class StageCostModel:
         layers = m.num_layers / pp
         slot_tp = 2 * passes * layers * self.allreduce_time(activation_bytes, tp, False)
         slot_pp = np.where(pp > 1, (1 + (passes > 1)) * self.p2p_time(activation_bytes, pp_inter), 0.0)
-        slot_overhead = (1 + (passes > 1)) * layers * self.calibration.launch_overhead_s
+        c = self.calibration
+        slot_overhead = (1 + (passes > 1)) * (layers * c.launch_overhead_s + c.micro_batch_overhead_s)
         slot = slot_compute + slot_tp + slot_pp + slot_overhead
         terms = {
             "compute": rounds * m_count * slot_compute,
             "tp_comm": rounds * m_count * slot_tp,
             "pp_comm": rounds * m_count * slot_pp,
-            "overhead": rounds * m_count * slot_overhead + self.calibration.stage_overhead_s,
+            "overhead": rounds * m_count * slot_overhead + c.stage_overhead_s,
             "bubble": rounds * (pp - 1) * slot,
         }
         if self.stage == "training":

@@ -3,7 +3,7 @@
 The space: per model-stage a power-of-two tp inside a node, a pp dividing the layers,
 dp from the pool's GPUs and (training) a micro-batch count; and a placement of the
 model-stages on GPU pools: fully colocated, or split in two pools at node granularity
-(actor vs. the other models, or generation vs. the rest). The search is exact branch
+(GPU granularity inside one node; actor vs. the other models, or generation vs. the rest). The search is exact branch
 and bound over the same option tables that `reference_search` enumerates in full.
 """
 
@@ -99,16 +99,23 @@ class SearchOutcome:
         return self.report() if self.report else []
 
 
+def split_sizes(num_gpus: int, gpus_per_node: int) -> list[int]:
+    """First-pool sizes of the two-pool splits: node-granular, or every GPU count when the
+    GPUs fit in one node (a split inside a node shares no inter-node link)."""
+    if num_gpus <= gpus_per_node:
+        return list(range(1, num_gpus))
+    return [k * gpus_per_node for k in range(1, -(-num_gpus // gpus_per_node))]
+
+
 def placements(request: PlanRequest) -> list[Placement]:
-    """Colocated, and every node-granular two-pool split of the two templates."""
+    """Colocated, and every two-pool split (`split_sizes`) of the two templates."""
     n, per_node = request.num_gpus, request.cluster.gpus_per_node
     names = [model_stage_name(r, s) for r, s in model_stages(request.workload)]
     out = [Placement("colocated", (("shared", 0, n, tuple(names)),))]
     actor = tuple(x for x in names if x.startswith("actor/"))
     others = tuple(x for x in names if not x.startswith("actor/"))
     rest = tuple(x for x in names if x != "actor/generation")
-    for k in range(1, -(-n // per_node)):
-        a = k * per_node
+    for a in split_sizes(n, per_node):
         if others:
             out.append(Placement(f"split-actor-{a}", (("actor", 0, a, actor), ("others", a, n - a, others))))
         out.append(
@@ -159,7 +166,8 @@ class _Problem:
     phase_of: list[int]
     options: list[list[Option]]
     budget: float
-    sync: Callable[[Option, Option, bool], float]
+    pool_start: list[int]  # first GPU of each model-stage's pool
+    sync: Callable[[Option, Option, int, int], float]
     concurrent_pools: bool = True
     """Pools of a phase overlap (the phase takes its slowest pool) or run one after another."""
     step_overhead_s: float = 0.0
@@ -188,7 +196,7 @@ class _Problem:
         train = index["actor/training"]
         return max(
             (
-                self.sync(chosen[train], chosen[index[d]], self.pool_of[train] == self.pool_of[index[d]])
+                self.sync(chosen[train], chosen[index[d]], self.pool_start[train], self.pool_start[index[d]])
                 for d in SYNC_TARGETS
                 if d in index
             ),
@@ -196,14 +204,19 @@ class _Problem:
         )
 
 
-def _sync_function(request: PlanRequest) -> Callable[[Option, Option, bool], float]:
+def _sync_function(request: PlanRequest) -> Callable[[Option, Option, int, int], float]:
     actor_params = request.model(request.workload.actor).num_params("lm")
     per_node = request.cluster.gpus_per_node
 
-    def sync(train: Option, dest: Option, same_pool: bool) -> float:
-        same_layout = same_pool and train[3:6] == dest[3:6]  # equal tp, pp, dp: identical EMUs
-        nodes = (-(-train[3] * train[4] * train[5] // per_node), -(-dest[3] * dest[4] * dest[5] // per_node))
-        inter = not same_pool or nodes[1] > nodes[0]
+    def nodes(option: Option, start: int) -> range:
+        """Nodes of the contiguous GPUs an option's EMUs take from its pool's first GPU."""
+        size = option[3] * option[4] * option[5]
+        return range(start // per_node, (start + size - 1) // per_node + 1)
+
+    def sync(train: Option, dest: Option, train_start: int, dest_start: int) -> float:
+        same_layout = train_start == dest_start and train[3:6] == dest[3:6]  # equal tp, pp, dp: identical EMUs
+        train_nodes = nodes(train, train_start)
+        inter = any(node not in train_nodes for node in nodes(dest, dest_start))
         return weight_sync_time(
             request.cluster,
             request.workload,
@@ -236,6 +249,7 @@ def compile_problem(
     """Per-stage option lists; with `prune`, drop lone-infeasible and dominated options."""
     budget = usable_memory(request.cluster, request.calibration)
     pool_index = {name: (p, size) for p, (_, _, size, stages) in enumerate(placement.pools) for name in stages}
+    start_of = {name: start for _, start, _, stages in placement.pools for name in stages}
     names = _order(list(pool_index))
     cache = {} if cache is None else cache
     options = []
@@ -254,6 +268,7 @@ def compile_problem(
         [STAGES.index(n.split("/")[1]) for n in names],
         options,
         budget,
+        [start_of[n] for n in names],
         _sync_function(request),
         request.calibration.concurrent_pools,
         request.calibration.step_overhead_s,
