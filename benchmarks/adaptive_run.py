@@ -15,6 +15,7 @@ the run's wall time, the plans used, and the reward of the last steps (same seed
 curves should stay close). Prints a table and writes benchmarks/results/adaptive_run.json.
 
     .venv/bin/python benchmarks/adaptive_run.py [--steps 30] [--policies fixed nereus]
+        [--calibration calibration.yaml --profile profile.yaml] [--output FILE]
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from nereus.cost.calibration import Calibration
+from nereus.cost.profile import Profile, cluster_from_profile
 from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.runtime.rl.run import launch
 from nereus.runtime.rl.setup import RunSetup, plan_problems, read_metrics
 from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.solver.policy.replan import layout_summary
+from nereus.spec.cluster import Cluster
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.trace import Trace, TraceEvent
@@ -65,12 +68,13 @@ def growth_trace(num_steps: int) -> Trace:
     )
 
 
-def initial_plan(calibration: Calibration) -> Plan:
-    """The planner's best plan for the trace's first lengths on 2 ranks."""
+def initial_plan(calibration: Calibration, cluster: Cluster | None = None) -> Plan:
+    """The planner's best plan for the trace's first lengths on 2 ranks (of `cluster`, default
+    the base plan's)."""
     base = load_document(BASE_PLAN)
     assert isinstance(base, Plan)
     workload = base.workload.model_copy(update={"response_len": lengths(GROWTH[0][1])})
-    request = PlanRequest(base.cluster, tuple(base.models), workload, NUM_RANKS, calibration)
+    request = PlanRequest(cluster or base.cluster, tuple(base.models), workload, NUM_RANKS, calibration)
     best = make_plan(request).best
     # The run keeps the base workload's batch shapes; the trace drives the lengths.
     return best.model_copy(update={"workload": base.workload})
@@ -120,20 +124,9 @@ def summarise(policy: str, out: Path) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30, help="RL steps per policy")
-    parser.add_argument("--policies", nargs="+", default=["fixed", "nereus"], help="policies to compare")
-    parser.add_argument("--calibration", type=Path, help="starting Calibration YAML (`nereus fit`)")
-    args = parser.parse_args()
-    calibration = load_document(args.calibration) if args.calibration else None
-    assert calibration is None or isinstance(calibration, Calibration)
-    trace = growth_trace(args.steps)
-    plan = initial_plan(calibration or Calibration())
-    print(f"initial plan (planner's best for {GROWTH[0][1]} tokens): {layout_summary(plan)}")
-    with tempfile.TemporaryDirectory(prefix="nereus-adaptive-") as folder:
-        results = [run_policy(p, plan, trace, calibration, args.steps, Path(folder)) for p in args.policies]
+def print_repeat(repeat: int, results: list[dict[str, Any]]) -> None:
     fixed = next((r for r in results if r["policy"] == "fixed"), results[0])
+    print(f"repeat {repeat}")
     print(f"{'policy':<12}{'s/step (wall)':>14}{'s/step (steps)':>15}{'vs fixed':>10}{'moves':>7}{'move share':>12}")
     for r in results:
         change = 1 - r["mean_step_wall_s"] / fixed["mean_step_wall_s"]
@@ -141,22 +134,84 @@ def main() -> None:
             f"{r['policy']:<12}{r['mean_step_wall_s']:>14.3f}{r['mean_step_s']:>15.3f}{100 * change:>9.1f}%"
             f"{len(r['transitions']):>7}{100 * r['transition_share']:>11.1f}%"
         )
+
+
+def summarise_repeats(policies: list[str], repeats: list[list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per policy: the median wall time per step, and each repeat's change against `fixed`
+    (lower is better: 1 - policy / fixed, the first policy when `fixed` did not run)."""
+    base = "fixed" if "fixed" in policies else policies[0]
+    summary = {}
+    for k, policy in enumerate(policies):
+        walls = [results[k]["mean_step_wall_s"] for results in repeats]
+        changes = [
+            1 - results[k]["mean_step_wall_s"] / results[policies.index(base)]["mean_step_wall_s"]
+            for results in repeats
+        ]
+        summary[policy] = {
+            "median_step_wall_s": statistics.median(walls),
+            "step_wall_s": walls,
+            "change_vs_fixed": changes,
+            "median_change_vs_fixed": statistics.median(changes),
+            "transitions": [len(results[k]["transitions"]) for results in repeats],
+            "transition_share": [results[k]["transition_share"] for results in repeats],
+        }
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30, help="RL steps per policy")
+    parser.add_argument("--policies", nargs="+", default=["fixed", "nereus"], help="policies to compare")
+    parser.add_argument("--calibration", type=Path, help="starting Calibration YAML (`nereus fit`)")
+    parser.add_argument(
+        "--profile", type=Path, help="plan on this Profile's cluster (`nereus profile`; use with its --calibration)"
+    )
+    parser.add_argument("--repeats", type=int, default=1, help="run every policy this many times, alternating")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="where to write the results JSON")
+    args = parser.parse_args()
+    calibration = load_document(args.calibration) if args.calibration else None
+    assert calibration is None or isinstance(calibration, Calibration)
+    cluster = None
+    if args.profile:
+        profile = load_document(args.profile)
+        assert isinstance(profile, Profile)
+        cluster = cluster_from_profile(profile, str(args.profile), NUM_RANKS)
+    trace = growth_trace(args.steps)
+    plan = initial_plan(calibration or Calibration(), cluster)
+    print(f"initial plan (planner's best for {GROWTH[0][1]} tokens): {layout_summary(plan)}")
+    repeats: list[list[dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory(prefix="nereus-adaptive-") as folder:
+        # Policies alternate within each repeat, so slow spells of this shared machine hit both.
+        for repeat in range(args.repeats):
+            where = Path(folder) / f"repeat-{repeat}"
+            repeats.append([run_policy(p, plan, trace, calibration, args.steps, where) for p in args.policies])
+            print_repeat(repeat, repeats[-1])
+    summary = summarise_repeats(args.policies, repeats)
+    for policy, row in summary.items():
+        print(
+            f"{policy}: median {row['median_step_wall_s']:.3f} s/step (wall) over {args.repeats} repeats; "
+            f"vs fixed per repeat {', '.join(f'{100 * c:+.1f}%' for c in row['change_vs_fixed'])}, "
+            f"median {100 * row['median_change_vs_fixed']:+.1f}%"
+        )
     record = {
         "benchmark": "adaptive_run",
         "measured": True,
-        "workload": "tiny PPO, 16 prompts, sort task, lengths_from_trace",
+        "workload": f"tiny PPO, {plan.workload.prompts_per_step} prompts, sort task, lengths_from_trace",
         "num_ranks": NUM_RANKS,
         "threads_per_rank": 1,
         "trace": trace.model_dump(mode="json"),
         "initial_plan": layout_summary(plan),
         "calibration": str(args.calibration) if args.calibration else "default",
+        "profile": str(args.profile) if args.profile else None,
         "machine": platform.platform(),
-        "results": results,
+        "repeats": args.repeats,
+        "summary": summary,
+        "results": repeats,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    tmp = RESULTS.with_suffix(".json.tmp")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.output.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(RESULTS)
+    tmp.replace(args.output)
 
 
 if __name__ == "__main__":
