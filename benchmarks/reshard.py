@@ -17,10 +17,13 @@ thread per rank) it times:
 Every result is checked bitwise against the expected target shards. Both checkpoint
 round trips write to a temporary folder on the local disk with fsync; their reads come
 from the page cache. Reports medians of --runs, the in-memory speed-ups over DCP, bytes
-moved against the lower bound, and the machine's load average (others may be working).
+moved against the lower bound, the busier rank's CPU seconds (user + system, so page
+faults count; less sensitive than wall time to other work on the machine), the machine's
+load average (others may be working) and whether the ranks ran with transparent huge pages
+(--huge-pages; off by default, as in nereus's launcher).
 Prints a table and writes benchmarks/results/reshard.json.
 
-    .venv/bin/python benchmarks/reshard.py [--runs 3]
+    .venv/bin/python benchmarks/reshard.py [--runs 3] [--huge-pages] [--output FILE]
 """
 
 from __future__ import annotations
@@ -73,13 +76,15 @@ def layout_meta(shape: tuple[int, int, int]) -> StateMeta:
     return state_meta(MODEL, "lm", RankLayout(*shape, (0, 1)), FAMILIES)
 
 
-def timed(action: Any) -> tuple[float, Any]:
-    """Wall time of `action` across both ranks (barriers on both sides)."""
+def timed(action: Any) -> tuple[float, float, Any]:
+    """Wall time of `action` across both ranks (barriers on both sides), and this rank's CPU
+    seconds in it (user + system: page faults included; less sensitive to other load)."""
     dist.barrier()
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     result = action()
+    cpu = time.process_time() - started_cpu
     dist.barrier()
-    return time.perf_counter() - started, result
+    return time.perf_counter() - started, cpu, result
 
 
 def dcp_state(meta: StateMeta, rank: int, tensors: dict[str, torch.Tensor], mesh: Any) -> dict[str, Any]:
@@ -177,6 +182,7 @@ def measure_pair(
     tensors = random_rank_state(source, rank, SEED)
     expected = random_rank_state(target, rank, SEED)
     times: dict[str, list[float]] = {name: [] for name, _, _ in METHODS}
+    cpu_times: dict[str, list[float]] = {name: [] for name, _, _ in METHODS}
     correct = True
     for run in range(runs):
         previous: Buffers = None
@@ -184,18 +190,24 @@ def measure_pair(
             into = zeroed(previous, tensors) if fills and previous else None
             previous = None  # at most one target state alive, so methods do not pay for each other's memory
             folder = fresh_folder(rank, scratch, f"{name}-{run}")
-            elapsed, result = timed(partial(trip, plan, rank, tensors, into, folder, mesh))
+            elapsed, cpu, result = timed(partial(trip, plan, rank, tensors, into, folder, mesh))
             times[name].append(elapsed)
+            cpu_times[name].append(cpu)
             correct &= result.keys() == expected.keys() and all(torch.equal(result[k], expected[k]) for k in expected)
             previous, into = result, None
             del result
     flags: list[Any] = [None, None]
     dist.all_gather_object(flags, correct)
+    per_rank_cpu: list[Any] = [None, None]
+    dist.all_gather_object(per_rank_cpu, cpu_times)
+    # Per run, the busier rank's CPU seconds.
+    cpu = {name: [max(pair) for pair in zip(*(c[name] for c in per_rank_cpu), strict=True)] for name in cpu_times}
     medians = {name: statistics.median(values) for name, values in times.items()}
     return {
         "source": shapes[0],
         "target": shapes[1],
         **{f"{name}_s": median for name, median in medians.items()},
+        **{f"{name}_cpu_s": statistics.median(values) for name, values in cpu.items()},
         "speedup_vs_dcp": medians["dcp"] / medians["memory"],
         "speedup_buffers_vs_dcp_buffers": medians["dcp_buffers"] / medians["memory_buffers"],
         "speedup_gloo_vs_dcp": medians["dcp"] / medians["memory_gloo"],
@@ -204,6 +216,7 @@ def measure_pair(
         "state_bytes": sum(source.rank_bytes(r) for r in (0, 1)),
         "bitwise_equal": all(flags),
         "all_times_s": times,
+        "all_cpu_s": cpu,
     }
 
 
@@ -232,8 +245,8 @@ def main() -> None:
     parser.add_argument(
         "--huge-pages",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help=f"spawn the ranks with {HUGE_PAGES_ENV}=1 (nereus's default; a value in the environment wins)",
+        default=False,
+        help=f"spawn the ranks with {HUGE_PAGES_ENV}=1 (off by default, as in nereus; a value in the environment wins)",
     )
     parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON results go")
     args = parser.parse_args()
@@ -264,6 +277,10 @@ def main() -> None:
             f"{row['nereus_ckpt_s']:>11.2f}s {row['bytes_moved'] / gb:>9.3f} {row['lower_bound_bytes'] / gb:>9.3f}"
             + ("" if row["bitwise_equal"] else "  MISMATCH")
         )
+    print(f"{'CPU s, busier rank':<19} {'in-memory':>10} {'buffers':>8} {'DCP':>7}")
+    for row in rows:
+        fresh, buffers, dcp = row["memory_cpu_s"], row["memory_buffers_cpu_s"], row["dcp_cpu_s"]
+        print(f"{row['pair']:<19} {fresh:>9.3f}s {buffers:>7.3f}s {dcp:>6.2f}s")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "reshard",

@@ -1,10 +1,10 @@
-"""Spawned ranks allocate large CPU tensors on transparent huge pages unless told otherwise.
+"""Spawned ranks allocate large CPU tensors on transparent huge pages when asked.
 
-`spawn(huge_pages=True)` (the default) starts the ranks with THP_MEM_ALLOC_ENABLE=1, so
-torch advises its large allocations MADV_HUGEPAGE (the kernel's "hg" flag on the mapping:
-a freshly resharded state then faults in 2 MiB pages, not 4 KiB ones); a value the user
-set in the environment is passed on unchanged, and the launcher's own environment is left
-as it was.
+`spawn(huge_pages=True)` starts the ranks with THP_MEM_ALLOC_ENABLE=1, so torch advises
+its large allocations MADV_HUGEPAGE (the kernel's "hg" flag on the mapping: a freshly
+resharded state then faults in 2 MiB pages, not 4 KiB ones); by default the ranks inherit
+the environment as it is, a value the user set is passed on unchanged either way, and the
+launcher's own environment is left as it was.
 """
 
 from __future__ import annotations
@@ -41,11 +41,11 @@ def _allocation_worker(rank: int, world_size: int) -> tuple[str | None, bool]:
     return os.environ.get(HUGE_PAGES_ENV), "hg" in mapping_flags(tensor.data_ptr())
 
 
-def test_ranks_get_huge_pages_by_default_and_a_users_value_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ranks_get_huge_pages_when_asked_and_a_users_value_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(HUGE_PAGES_ENV, raising=False)
-    assert spawn(_allocation_worker, 1) == [("1", True)]
+    assert spawn(_allocation_worker, 1) == [(None, False)]
+    assert spawn(_allocation_worker, 1, huge_pages=True) == [("1", True)]
     assert HUGE_PAGES_ENV not in os.environ  # the launcher's environment is restored
-    assert spawn(_allocation_worker, 1, huge_pages=False) == [(None, False)]
     monkeypatch.setenv(HUGE_PAGES_ENV, "0")
-    assert spawn(_allocation_worker, 1) == [("0", False)]
+    assert spawn(_allocation_worker, 1, huge_pages=True) == [("0", False)]
     assert os.environ[HUGE_PAGES_ENV] == "0"

@@ -4,12 +4,15 @@
 races between parallel tests); `init_from_env` joins a job started by torchrun. Either
 way the rest of the runtime sees an initialised default process group.
 
-Spawned ranks put their large CPU tensors on transparent huge pages by default (torch's
-allocator reads THP_MEM_ALLOC_ENABLE once, before its first allocation, so it is set in
-the ranks' environment at launch): a fresh 400 MB tensor then costs about 0.07 s to fill
-instead of 0.3 s of 4 KiB page faults on the machine this was measured on, which is what
-a resharded state freshly allocated on every rank pays. A value of the variable already in
-the environment is passed on unchanged; under torchrun, set it in the job's environment.
+`spawn(huge_pages=True)` starts the ranks with torch's allocator putting large CPU tensors
+on transparent huge pages (it reads THP_MEM_ALLOC_ENABLE once, before its first
+allocation, so the variable goes into the ranks' environment at launch; under torchrun,
+set it in the job's environment). It is off by default because it is faster only for
+memory the process freed moments ago: on the VM this was measured on, a 400 MB tensor on
+recycled huge pages filled in 0.07 s against 0.3 s on 4 KiB pages, but on never-used
+memory in 1.7 s against 0.26 s (the hypervisor's free-page reporting hands back free 2 MiB
+blocks, so a huge-page fault there is a cold host fault). A value of the variable already
+in the environment is always passed on unchanged.
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ def spawn(
     *args: Any,
     num_threads: int = 1,
     on_wait: Callable[[], None] | None = None,
-    huge_pages: bool = True,
+    huge_pages: bool = False,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` local ranks; return each rank's result.
 
