@@ -124,6 +124,8 @@ class StageCostModel:
 
     def link(self, inter: Array) -> tuple[Array, Array]:
         """(bytes/s, latency) of the intra- or inter-node link, calibrated."""
+        if np.ndim(inter) == 0:  # one layout (the common case outside the planner): no arrays
+            return self.calibration.link(self.cluster, bool(inter))
         (intra_bw, intra_latency), (inter_bw, inter_latency) = (
             self.calibration.link(self.cluster, False),
             self.calibration.link(self.cluster, True),
