@@ -15,7 +15,14 @@ from nereus.spec.io import load_document, save_document
 from nereus.spec.plan import Plan
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-TRUE = Calibration(gemm=0.25, attention=0.3, launch_overhead_s=3e-4, stage_overhead_s=1e-3, link_latency_scale=2.0)
+TRUE = Calibration(
+    gemm=0.25,
+    attention=0.3,
+    launch_overhead_s=3e-4,
+    micro_batch_overhead_s=5e-4,
+    stage_overhead_s=1e-3,
+    link_latency_scale=2.0,
+)
 PLANS = ("plan-tiny-ppo-4rank.yaml", "plan-tiny-ppo-4rank-relaid.yaml")
 
 
@@ -69,12 +76,21 @@ def test_fit_recovers_the_step_times_and_drops_warm_up(run_dirs: list[Path]) -> 
     assert all(len(run.steps) == 4 and run.steps[0].step == 2 for run in runs)
     assert run_errors(runs, Calibration()).step_mape > 0.5  # the defaults are far off
     calibration, fitted = fit_runs(runs, Calibration())
-    assert {"gemm", "launch_overhead_s", "link_latency_scale"} <= set(fitted)
+    assert {"gemm", "launch_overhead_s", "micro_batch_overhead_s", "link_latency_scale"} <= set(fitted)
     assert "collective_inter" not in fitted  # one node: nothing crosses nodes, the prior stays
     assert calibration.collective_inter == Calibration().collective_inter
     report = run_errors(runs, calibration)
     assert report.step_mape < 0.02
     assert report.mape("actor/generation") < 0.05
+
+
+@pytest.mark.parametrize("concurrent", [True, False])
+def test_fit_prices_pools_as_the_start_says_never_as_fits_best(run_dirs: list[Path], concurrent: bool) -> None:
+    """Whether pools of a phase overlap is how the runtime runs them, not a fitted knob: a fit
+    on few split plans used to pick serial pools and over-price every split plan."""
+    runs = [read_run(d) for d in run_dirs]
+    calibration, _ = fit_runs(runs, Calibration(concurrent_pools=concurrent))
+    assert calibration.concurrent_pools is concurrent
 
 
 def test_held_out_error_never_trains_on_the_tested_plan(run_dirs: list[Path]) -> None:

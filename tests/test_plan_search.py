@@ -12,6 +12,7 @@ import pytest
 
 import nereus.cost  # noqa: F401  (registers the cost model's plan checks)
 from nereus.cli.inputs import models_for, with_max_response
+from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import evaluate_plan, plan_cost_problems, usable_memory
 from nereus.errors import NereusError
 from nereus.solver.plan_search import (
@@ -23,6 +24,7 @@ from nereus.solver.plan_search import (
     price_all,
     reference_search,
     search,
+    split_sizes,
 )
 from nereus.solver.planner import build_plan, make_plan
 from nereus.spec.check import kv_heads_rule, pp_rule, semantic_problems
@@ -594,3 +596,43 @@ def test_random_built_plans_pass_check() -> None:
             if errors:
                 failures.append((seed, errors[0]))
     assert failures == []
+
+
+def test_split_sizes_are_per_gpu_inside_one_node_and_per_node_beyond() -> None:
+    assert split_sizes(2, 2) == [1]
+    assert split_sizes(8, 8) == [1, 2, 3, 4, 5, 6, 7]
+    assert split_sizes(16, 8) == [8]
+    assert split_sizes(24, 8) == [8, 16]
+    assert split_sizes(1, 8) == []
+
+
+def test_two_ranks_of_one_node_can_split_the_actor_from_the_other_models() -> None:
+    """Per-rank overheads dominate (tiny model; the calibration `nereus fit` found on 2 CPU ranks,
+    rounded): running the actor on one rank and the other models on the other beats every
+    colocated layout, and the planner's step time equals evaluate_plan's for that intra-node
+    split (the weight sync stays intra-node)."""
+    plan = load_document(Path(__file__).parent / "data" / "plan-tiny-ppo-2rank.yaml")
+    assert isinstance(plan, Plan)
+    calibration = Calibration(
+        gemm=1.0,
+        decode_gemm=0.064,
+        attention=0.016,
+        decode_memory=0.081,
+        collective_intra=0.075,
+        launch_overhead_s=5.7e-4,
+        micro_batch_overhead_s=2.4e-3,
+        link_latency_scale=4.3,
+        stage_overhead_s=2.0e-3,
+        decode_token_overhead_s=4.4e-3,
+        step_overhead_s=0.031,
+    )
+    request = PlanRequest(plan.cluster, tuple(plan.models), plan.workload, 2, calibration)
+    names = {p.name for p in placements(request)}
+    assert {"colocated", "split-actor-1", "split-generation-1"} <= names
+    best = make_plan(request).best
+    assert [(p.name, p.gpus) for p in best.pools] == [("actor", [0]), ("others", [1])]
+    assert best.predictions is not None
+    assert best.predictions.step_time_s == pytest.approx(evaluate_plan(best, calibration).predictions.step_time_s)
+    assert step_times(search(request, top_k=3)) == pytest.approx(
+        step_times(reference_search(request, top_k=3)), rel=REL
+    )
