@@ -348,8 +348,10 @@ def _lower_bound_by_boxes(plan_a: Plan, plan_b: Plan) -> float:
 @given(rng=st.randoms(use_true_random=False))
 def test_lower_bound_is_the_box_area_each_gpu_lacks(rng: random.Random) -> None:
     plan_a, plan_b = random_pair(rng)
-    changed = [b.model_stage for b in plan_b.stages if _placement(b) != _placement(plan_a.stage_plan(b.model_stage))]
-    sizes = {e.model_stage: state_bytes(plan_b, e.model_stage, Calibration()) for e in plan_b.stages}
+    changed: list[str] = [
+        b.model_stage for b in plan_b.stages if _placement(b) != _placement(plan_a.stage_plan(b.model_stage))
+    ]
+    sizes: dict[str, float] = {e.model_stage: state_bytes(plan_b, e.model_stage, Calibration()) for e in plan_b.stages}
     expected = _lower_bound_by_boxes(plan_a, plan_b)
     assert math.isclose(lower_bound_bytes(plan_a, plan_b, changed, sizes), expected, rel_tol=1e-9, abs_tol=1e-6)
 
