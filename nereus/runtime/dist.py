@@ -80,7 +80,10 @@ def _die_with_parent() -> None:
         return
     pr_set_pdeathsig = 1
     libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent died before the request: go now
+    # The parent died before the request (this rank was reparented, to init or to a
+    # subreaper): go now. Compare with the parent recorded at spawn, not with pid 1.
+    parent = mp.parent_process()
+    if parent is not None and os.getppid() != parent.pid:
         os._exit(1)
 
 
