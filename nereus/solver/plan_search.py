@@ -2,9 +2,10 @@
 
 The space: per model-stage a power-of-two tp inside a node, a pp dividing the layers,
 dp from the pool's GPUs and (training) a micro-batch count; and a placement of the
-model-stages on GPU pools: fully colocated, or split in two pools at node granularity
-(GPU granularity inside one node; actor vs. the other models, or generation vs. the rest). The search is exact branch
-and bound over the same option tables that `reference_search` enumerates in full.
+model-stages on GPU pools: fully colocated, or split in two pools at node granularity (GPU
+granularity inside one node; actor vs. the other models, or generation vs. the rest). The
+search is exact branch and bound over the same option tables that `reference_search`
+enumerates in full.
 """
 
 from __future__ import annotations
