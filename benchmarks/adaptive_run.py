@@ -30,6 +30,7 @@ from typing import Any
 
 from nereus.cost.calibration import Calibration
 from nereus.cost.profile import Profile, cluster_from_profile
+from nereus.render.run_report import read_spans
 from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.runtime.rl.run import launch
 from nereus.runtime.rl.setup import RunSetup, plan_problems, read_metrics
@@ -37,7 +38,7 @@ from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.solver.policy.replan import layout_summary
 from nereus.spec.cluster import Cluster
-from nereus.spec.io import load_document
+from nereus.spec.io import load_document, write_text_atomic
 from nereus.spec.plan import Plan
 from nereus.spec.trace import Trace, TraceEvent
 from nereus.spec.workload import ResponseLengths
@@ -97,8 +98,8 @@ def run_policy(
 
 def summarise(policy: str, out: Path) -> dict[str, Any]:
     records = read_metrics(out)
-    spans = [json.loads(line) for path in sorted((out / "timeline").glob("rank-*.jsonl")) for line in path.open()]
-    wall = max(s["end"] for s in spans) - min(s["start"] for s in spans)
+    spans = read_spans(out)
+    wall = max(s.end for s in spans) - min(s.start for s in spans)
     moves = [
         {"step": r["step"], "action": action, "seconds": r["stage_seconds"][action]}
         for r in records
@@ -209,9 +210,7 @@ def main() -> None:
         "results": repeats,
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.output.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(args.output)
+    write_text_atomic(args.output, json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":
