@@ -13,13 +13,19 @@ each other can instead be copied afresh (`unswap`, tried when the DAG deadlocks)
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import repeat
 from math import gcd
 
+import numpy as np
+
 from nereus.solver.transition.primitives import Emu, Layout, Primitive, box_fraction
+
+Gpus = tuple[int, ...]  # a replica's GPUs, stage-major
 
 
 def intermediate_layout(a: Layout, b: Layout) -> Layout:
@@ -27,36 +33,42 @@ def intermediate_layout(a: Layout, b: Layout) -> Layout:
     return (gcd(a[0], b[0]), gcd(a[1], b[1]))
 
 
-def sub_replicas(emu: Emu, inter: Layout) -> list[Emu]:
-    """The I-replicas an EMU splits into (or is merged from), in I-position order.
+def sub_gpus(gpus: Gpus, layout: Layout, inter: Layout) -> list[Gpus]:
+    """The GPU tuples of the I-replicas a replica of `layout` on `gpus` splits into (or is
+    merged from), in I-position order.
 
-    GPU at I position (si, ri) of replica (js, jr) sits at the EMU's position
-    (si * fs + js, ri * ft + jr): its I box contains its EMU box.
+    GPU at I position (si, ri) of replica (js, jr) sits at the replica's position
+    (si * fs + js, ri * ft + jr): its I box contains its box.
     """
-    if emu.layout == inter:  # nothing to split: the EMU is its only I-replica
-        return [emu]
-    ft, fs = emu.tp // inter[0], emu.pp // inter[1]
-    rows = [emu.gpus[stage * emu.tp : (stage + 1) * emu.tp] for stage in range(emu.pp)]
+    if layout == inter:  # nothing to split: the replica is its only I-replica
+        return [gpus]
+    tp, ft, fs = layout[0], layout[0] // inter[0], layout[1] // inter[1]
+    rows = [gpus[stage * tp : (stage + 1) * tp] for stage in range(layout[1])]
     # Replica (js, jr) takes every fs-th pipeline stage from js and every ft-th rank from jr.
     return [
-        Emu(
-            emu.model_stage,
-            inter[0],
-            inter[1],
-            tuple(itertools.chain.from_iterable(row[jr::ft] for row in rows[js::fs])),
-        )
+        tuple(itertools.chain.from_iterable(row[jr::ft] for row in rows[js::fs]))
         for js, jr in itertools.product(range(fs), range(ft))
     ]
 
 
+def sub_replicas(emu: Emu, inter: Layout) -> list[Emu]:
+    """The I-replicas an EMU splits into (or is merged from), in I-position order."""
+    return [_EMU((emu.model_stage, inter[0], inter[1], gpus)) for gpus in sub_gpus(emu.gpus, emu.layout, inter)]
+
+
+_EMU = functools.partial(tuple.__new__, Emu)  # Emu from a 4-tuple, without a Python-level call
+
+
 @dataclass
 class _Builder:
-    """Accumulates primitives with consecutive ids."""
+    """Accumulates primitives with consecutive ids; makes EMUs only for the replicas they name."""
 
     model_stage: str
     state_bytes: float
     next_id: int
     primitives: list[Primitive]
+    node_size: int | None = None
+    """GPUs per node when independent copies are batched (see `_batches`); None: one Extend per copy."""
 
     def add(self, **fields: object) -> Primitive:
         primitive = Primitive(id=self.next_id, model_stage=self.model_stage, **fields)  # type: ignore[arg-type]
@@ -64,30 +76,32 @@ class _Builder:
         self.primitives.append(primitive)
         return primitive
 
+    def emu(self, layout: Layout, gpus: Gpus) -> Emu:
+        return _EMU((self.model_stage, layout[0], layout[1], gpus))
 
-def _split(build: _Builder, emu: Emu, inter: Layout) -> tuple[Primitive | None, list[Emu]]:
-    """Split one A EMU into I-replicas; None when A already is the intermediate layout."""
-    if emu.layout == inter:
-        return None, [emu]
-    replicas = sub_replicas(emu, inter)
-    piece = build.state_bytes * box_fraction(emu.layout)
+    def emus(self, layout: Layout, replicas: Iterable[Gpus]) -> list[Emu]:
+        """`emu` of each, in C."""
+        return list(map(_EMU, zip(repeat(self.model_stage), repeat(layout[0]), repeat(layout[1]), replicas)))
+
+
+def _split(build: _Builder, gpus: Gpus, layout: Layout, inter: Layout) -> tuple[Primitive, list[Gpus]]:
+    """Split one A replica into I-replicas (A is not the intermediate layout)."""
+    replicas = sub_gpus(gpus, layout, inter)
+    piece = build.state_bytes * box_fraction(layout)
     grow = build.state_bytes * box_fraction(inter) - piece
-    holders: dict[int, list[int]] = {}  # I position (index in a replica) -> GPUs holding a piece of it
-    for replica in replicas:
-        for index, gpu in enumerate(replica.gpus):
-            holders.setdefault(index, []).append(gpu)
-    transfers = tuple((src, dst, piece) for group in holders.values() for dst in group for src in group if src != dst)
+    holders = zip(*replicas, strict=True)  # per I position, the GPUs holding a piece of it
+    transfers = tuple((src, dst, piece) for group in holders for dst in group for src in group if src != dst)
     primitive = build.add(
         kind="split",
-        source_layout=emu.layout,
+        source_layout=layout,
         target_layout=inter,
-        reads=emu.gpus,
-        writes=emu.gpus,
-        alloc=dict.fromkeys(emu.gpus, grow),
+        reads=gpus,
+        writes=gpus,
+        alloc=dict.fromkeys(gpus, grow),
         free={},
         transfers=transfers,
-        retires=(emu,),
-        adds=tuple(replicas),
+        retires=(build.emu(layout, gpus),),
+        adds=tuple(build.emu(inter, replica) for replica in replicas),
         new_groups=len(replicas),
     )
     return primitive, replicas
@@ -95,14 +109,13 @@ def _split(build: _Builder, emu: Emu, inter: Layout) -> tuple[Primitive | None, 
 
 def match_replicas(replicas: list[Emu], slots: list[Emu]) -> dict[int, Emu]:
     """Slot index -> replica, greedily by GPUs already holding the right box."""
-    return {k: replicas[r] for k, r in _match(replicas, slots).items()}
+    exact, partial = _match([replica.gpus for replica in replicas], [slot.gpus for slot in slots])
+    return {k: replicas[r] for k, r in sorted({**exact, **partial}.items())}
 
 
-_GPUS = operator.attrgetter("gpus")  # an Emu's GPU tuple, as a C-level getter
-
-
-def _match(replicas: list[Emu], slots: list[Emu]) -> dict[int, int]:
-    """`match_replicas` as slot index -> replica index.
+def _match(replicas: list[Gpus], slots: list[Gpus]) -> tuple[dict[int, int], dict[int, int]]:
+    """`match_replicas` on GPU tuples, as slot index -> replica index: the slots a replica
+    fills where it is, and those a replica fills by moving some of its boxes.
 
     A GPU holds at most one replica of a model-stage, so overlaps are counted through a
     GPU -> (replica, position) index instead of comparing every pair; ties go to the
@@ -110,38 +123,38 @@ def _match(replicas: list[Emu], slots: list[Emu]) -> dict[int, int]:
     """
     # A slot on exactly a replica's GPUs is the best pair for both (every GPU holds its box,
     # and GPUs hold one replica each): the greedy takes those first, so take them here.
-    exact = dict(zip(map(_GPUS, replicas), itertools.count()))  # (in C: large plans have many replicas)
-    found = map(exact.get, map(_GPUS, slots))
-    assignment = {k: r for k, r in enumerate(found) if r is not None}
-    if len(assignment) == len(slots) or len(assignment) == len(replicas):
-        return assignment
-    used = set(assignment.values())
-    owner = {gpu: (r, i) for r, replica in enumerate(replicas) if r not in used for i, gpu in enumerate(replica.gpus)}
+    index = dict(zip(replicas, itertools.count()))  # (in C: large plans have many replicas)
+    exact = {k: r for k, r in enumerate(map(index.get, slots)) if r is not None}
+    partial: dict[int, int] = {}
+    if len(exact) == len(slots) or len(exact) == len(replicas):
+        return exact, partial
+    used = set(exact.values())
+    unused = [r for r in range(len(replicas)) if r not in used] if used else range(len(replicas))
+    open_slots = [k for k in range(len(slots)) if k not in exact] if exact else range(len(slots))
+    slot_gpus = set(itertools.chain.from_iterable(slots[k] for k in open_slots))
+    if slot_gpus.isdisjoint(itertools.chain.from_iterable(replicas[r] for r in unused)):
+        return exact, partial  # no replica left holds a box on a slot's GPUs
+    owner = {gpu: (r, i) for r in unused for i, gpu in enumerate(replicas[r]) if gpu in slot_gpus}
     pairs = []
-    for k, slot in enumerate(slots):
-        if k in assignment:
-            continue
+    for k in open_slots:
         counts: dict[int, int] = {}
-        for i, gpu in enumerate(slot.gpus):
+        for i, gpu in enumerate(slots[k]):
             held = owner.get(gpu)
             if held is not None and held[1] == i:
                 counts[held[0]] = counts.get(held[0], 0) + 1
         pairs += [(-count, k, r) for r, count in counts.items()]
     pairs.sort()
     for _, k, r in pairs:
-        if k not in assignment and r not in used:
-            assignment[k] = r
+        if k not in partial and r not in used:
+            partial[k] = r
             used.add(r)
-    return assignment
+    return exact, partial
 
 
-def _extend(build: _Builder, source: Emu, slot: Emu, positions: list[int] | None, deps: list[int]) -> Primitive:
-    """Copy the boxes at `positions` (None: every position) of `source` onto `slot`'s GPUs."""
+def _extend(build: _Builder, source: Emu, slot: Emu, positions: list[int], deps: list[int]) -> Primitive:
+    """Copy the boxes at `positions` of `source` onto `slot`'s GPUs (a replica that moves)."""
     box = build.state_bytes * box_fraction(slot.layout)
-    if positions is None:  # a whole replica: the GPU tuples as they are
-        reads, targets = source.gpus, slot.gpus
-    else:
-        reads, targets = tuple(source.gpus[i] for i in positions), tuple(slot.gpus[i] for i in positions)
+    reads, targets = tuple(source.gpus[i] for i in positions), tuple(slot.gpus[i] for i in positions)
     return build.add(
         kind="extend",
         source_layout=source.layout,
@@ -158,7 +171,29 @@ def _extend(build: _Builder, source: Emu, slot: Emu, positions: list[int] | None
     )
 
 
-def _destroy(build: _Builder, replicas: list[Emu], gpus: tuple[int, ...], deps: list[int]) -> Primitive:
+def _copy(build: _Builder, sources: list[Emu], slots: list[Emu], ready: int) -> Primitive:
+    """Whole replicas `sources[i]` copied onto `slots[i]`'s GPUs, side by side in one Extend
+    (no GPU in two of the copies; each copy has its own communicator)."""
+    box = build.state_bytes * box_fraction(slots[0].layout)
+    reads = tuple(itertools.chain.from_iterable(map(_GPUS, sources)))
+    targets = tuple(itertools.chain.from_iterable(map(_GPUS, slots)))
+    return build.add(
+        kind="extend",
+        source_layout=sources[0].layout,
+        target_layout=slots[0].layout,
+        reads=reads,
+        writes=targets,
+        alloc=dict.fromkeys(targets, box),
+        free={},
+        transfers=tuple(zip(reads, targets, repeat(box))),
+        adds=tuple(slots),
+        copies_from=tuple(sources),
+        deps=[ready] if ready >= 0 else [],
+        new_groups=len(slots),
+    )
+
+
+def _destroy(build: _Builder, replicas: list[Emu], gpus: Gpus, deps: list[int]) -> Primitive:
     """Drop `replicas` (all of one layout) from `gpus`: one release, however many replicas."""
     layout = replicas[0].layout
     box = build.state_bytes * box_fraction(layout)
@@ -196,16 +231,19 @@ def _merge(build: _Builder, target: Emu, parts: list[Emu], deps: list[int]) -> P
 
 #: Copies per source replica above which new replicas are copied as a doubling tree.
 STAR_ROUNDS = 4
+#: Copies in one round of `_fan_out` from which alike copies are batched into one Extend.
+BATCH_MIN_COPIES = 16
 
 
 #: A copy source: a complete replica, the id its data waits for, and the ids that read it.
 _Source = tuple[Emu, int, list[int]]
+_GPUS = operator.attrgetter("gpus")  # an Emu's GPU tuple, as a C-level getter
 
 
 def _fan_out(
     build: _Builder,
     pending: list[int],
-    slots: list[Emu],
+    slots: list[Gpus],
     sources: list[_Source],
     star_rounds: int | None,
     disjoint: bool = False,
@@ -219,39 +257,100 @@ def _fan_out(
     log2(n / sources) rounds instead of n / sources copies queued on the sources' GPUs.
     With `disjoint`, a slot is copied from a source on none of its GPUs where one is left
     this round (a source moving off those GPUs would need both boxes there at once).
+    The copies of a round go into Extends as `_batches` groups them.
     """
     tree = star_rounds is not None and len(pending) > star_rounds * len(sources)
     available = list(sources)
     filled: dict[int, _Source] = {}
     queue = pending[::-1]  # popped from the end: slots in order
+    inter = sources[0][0].layout
     while queue:
+        if disjoint:
+            pairs = _disjoint_pairs(available, queue, slots)
+        else:  # each source in order serves the next slot
+            pairs = list(zip(available, queue[: -len(available) - 1 : -1], strict=False))
+            del queue[-len(pairs) :]
+        copies = list(
+            zip((source for source, _ in pairs), build.emus(inter, [slots[k] for _, k in pairs]), strict=True)
+        )
         round_filled = []
-        for n, (source, source_ready, readers) in enumerate(available):
-            if not queue:
-                break
-            k = queue.pop()
-            if disjoint and not set(source.gpus).isdisjoint(slots[k].gpus):
-                swap = next(
-                    (m for m in range(n + 1, len(available)) if set(available[m][0].gpus).isdisjoint(slots[k].gpus)),
-                    None,
-                )
-                if swap is not None:  # trade places: this source serves the next slot
-                    available[n], available[swap] = available[swap], available[n]
-                    source, source_ready, readers = available[n]
-            extend = _extend(build, source, slots[k], None, [source_ready])
-            readers.append(extend.id)
-            filled[k] = (slots[k], extend.id, [])
+        for ((_, _, readers), k), (_, slot), copy_id in zip(pairs, copies, _emit(build, copies), strict=True):
+            readers.append(copy_id)
+            filled[k] = (slot, copy_id, [])
             round_filled.append(filled[k])
         if tree:
             available += round_filled
     return filled
 
 
-def _same_replicas(emus_a: list[Emu], emus_b: list[Emu]) -> bool:
-    """Both lists hold the same replicas (one model-stage, one layout per list)."""
-    if len(emus_a) != len(emus_b) or emus_a[0].layout != emus_b[0].layout:
-        return False
-    return {e.gpus for e in emus_a} == {e.gpus for e in emus_b}
+def _disjoint_pairs(available: list[_Source], queue: list[int], slots: list[Gpus]) -> list[tuple[_Source, int]]:
+    """One round of `_fan_out`: each source serves the next slot (popped from `queue`), but
+    trades places with a later source when only that one is on none of the slot's GPUs."""
+    pairs = []
+    for n in range(len(available)):
+        if not queue:
+            break
+        k = queue.pop()
+        if not set(available[n][0].gpus).isdisjoint(slots[k]):
+            swap = next(
+                (m for m in range(n + 1, len(available)) if set(available[m][0].gpus).isdisjoint(slots[k])),
+                None,
+            )
+            if swap is not None:  # trade places: this source serves the next slot
+                available[n], available[swap] = available[swap], available[n]
+        pairs.append((available[n], k))
+    return pairs
+
+
+def _emit(build: _Builder, copies: list[tuple[_Source, Emu]]) -> list[int]:
+    """One Extend per batch of copies (see `_batches`); the Extend id of each copy."""
+    ids = [0] * len(copies)
+    for batch in _batches(copies, build.node_size):
+        sources, slots = [copies[i][0][0] for i in batch], [copies[i][1] for i in batch]
+        primitive = _copy(build, sources, slots, copies[batch[0]][0][1])
+        for i in batch:
+            ids[i] = primitive.id
+    return ids
+
+
+def _batches(copies: list[tuple[_Source, Emu]], node_size: int | None) -> list[list[int]]:
+    """Copies of one round (indices) that go side by side into one Extend.
+
+    Batched copies start and end together, so only copies that are alike share one:
+    their sources are ready at the same moment (same id), and either all or none of them
+    send over the inter-node link (one copy's duration, the slowest link it uses, is
+    then the batch's). No GPU may be in two copies of a batch: each GPU sends or
+    receives one box, as when the copies run alone. Only rounds of at least
+    `BATCH_MIN_COPIES` copies are batched, and only with `node_size`: a batch waits until
+    all its GPUs are idle, which can delay a copy that would have started alone, so
+    batching is kept for the transitions that re-create many replicas, where hundreds of
+    Extends would dominate planning time.
+    """
+    if node_size is None or len(copies) < BATCH_MIN_COPIES:
+        return [[i] for i in range(len(copies))]
+    size = len(copies[0][1].gpus)
+    read = np.fromiter(itertools.chain.from_iterable(c[0][0].gpus for c in copies), np.int64, len(copies) * size)
+    written = np.fromiter(itertools.chain.from_iterable(c[1].gpus for c in copies), np.int64, len(copies) * size)
+    crosses = (read // node_size != written // node_size).reshape(len(copies), size).any(axis=1).tolist()
+    keys = [(source[1], cross) for (source, _), cross in zip(copies, crosses, strict=True)]
+    groups: dict[tuple[int, bool], list[list[int]]] = {}
+    if set(read.tolist()).isdisjoint(written.tolist()):  # sources and slots are disjoint among themselves
+        for i, key in enumerate(keys):
+            groups.setdefault(key, [[]])[0].append(i)
+        return [batch for batches in groups.values() for batch in batches]
+    used: dict[int, set[int]] = {}  # id(batch) -> its GPUs
+    order: list[list[int]] = []
+    for i, key in enumerate(keys):
+        gpus = {*copies[i][0][0].gpus, *copies[i][1].gpus}
+        batch = next((b for b in groups.get(key, []) if used[id(b)].isdisjoint(gpus)), None)
+        if batch is None:
+            batch = []
+            groups.setdefault(key, []).append(batch)
+            order.append(batch)
+            used[id(batch)] = set()
+        batch.append(i)
+        used[id(batch)] |= gpus
+    return order
 
 
 def local_dag(
@@ -262,85 +361,119 @@ def local_dag(
     next_id: int = 0,
     star_rounds: int | None = STAR_ROUNDS,
     unswap: bool = False,
+    node_size: int | None = None,
 ) -> list[Primitive]:
     """Primitives that turn one model-stage's EMUs A into B, with their data edges
-    (`star_rounds`: see `_fan_out`; `unswap`: see `_drop_swap_cycles`)."""
-    if _same_replicas(emus_a, emus_b):
+    (`star_rounds`: see `_fan_out`; `unswap`: see `_drop_swap_cycles`; `node_size`: see `_batches`)."""
+    return replica_dag(
+        model_stage,
+        state_bytes,
+        (emus_a[0].layout, [emu.gpus for emu in emus_a]),
+        (emus_b[0].layout, [emu.gpus for emu in emus_b]),
+        next_id,
+        star_rounds,
+        unswap,
+        node_size,
+    )
+
+
+#: One model-stage in one plan: its layout and its EMUs' GPU tuples.
+Replicas = tuple[Layout, list[Gpus]]
+
+
+def replica_dag(
+    model_stage: str,
+    state_bytes: float,
+    side_a: Replicas,
+    side_b: Replicas,
+    next_id: int = 0,
+    star_rounds: int | None = STAR_ROUNDS,
+    unswap: bool = False,
+    node_size: int | None = None,
+) -> list[Primitive]:
+    """`local_dag` from GPU tuples: EMUs are made only for the replicas primitives name
+    (most replicas of a large plan stay where they are and need none)."""
+    (layout_a, gpus_a), (layout_b, gpus_b) = side_a, side_b
+    if layout_a == layout_b and len(gpus_a) == len(gpus_b) and set(gpus_a) == set(gpus_b):
         return []
-    inter = intermediate_layout(emus_a[0].layout, emus_b[0].layout)
-    build = _Builder(model_stage, state_bytes, next_id, [])
-    replicas: list[Emu] = list(emus_a)
-    origin: list[int] = [-1] * len(replicas)  # per I-replica: id of the split that made it (-1: none)
-    if emus_a[0].layout != inter:
+    inter = intermediate_layout(layout_a, layout_b)
+    build = _Builder(model_stage, state_bytes, next_id, [], node_size)
+    replicas, origin = gpus_a, [-1] * len(gpus_a)  # per I-replica: id of the split that made it (-1: none)
+    if layout_a != inter:
         replicas, origin = [], []
-        for emu in emus_a:
-            split, subs = _split(build, emu, inter)
-            assert split is not None
+        for gpus in gpus_a:
+            split, subs = _split(build, gpus, layout_a, inter)
             replicas += subs
             origin += [split.id] * len(subs)
-    slots_of = [sub_replicas(emu, inter) for emu in emus_b] if emus_b[0].layout != inter else []
-    slots = [slot for subs in slots_of for slot in subs] if slots_of else list(emus_b)
-    assignment = _match(replicas, slots)
+    slots_of = [sub_gpus(gpus, layout_b, inter) for gpus in gpus_b] if layout_b != inter else []
+    slots = [slot for subs in slots_of for slot in subs] if slots_of else gpus_b
+    in_place, moving = _match(replicas, slots)  # slot index -> replica, kept where it is / moved
     if unswap:
-        _drop_swap_cycles(replicas, slots, assignment)
-    kept = [False] * len(replicas)
-    for r in assignment.values():
-        kept[r] = True
-    spare = [r for r, keep in enumerate(kept) if not keep]
-    source_ids = [r for r, keep in enumerate(kept) if keep] or spare[:1]  # always copy from a complete replica
-    readers: list[list[int]] = [[] for _ in replicas]  # per I-replica: ids of the copies that read it
-    _destroy_unneeded(build, replicas, origin, spare, set(source_ids))
-    ready: list[list[int]] = [[] for _ in slots]  # per slot: the ids its data waits for
+        _drop_swap_cycles(replicas, slots, moving)
+    kept = {*in_place.values(), *moving.values()}
+    spare = sorted(set(range(len(replicas))).difference(kept))
+    source_ids = sorted(kept) or spare[:1]  # always copy from a complete replica
+    readers: dict[int, list[int]] = {}  # I-replica -> ids of the copies that read it
+    _destroy_unneeded(build, inter, replicas, origin, spare if kept else spare[1:])
+    ready: dict[int, list[int]] = {}  # slot index (moved or copied) -> the ids its data waits for
     slot_readers: dict[int, list[int]] = {}  # slot index -> copies that read it
-    leftovers: list[tuple[int, tuple[int, ...], int]] = []
+    leftovers: list[tuple[int, Gpus, int]] = []
     source_of: dict[int, _Source] = {}  # kept replica -> where copies read it from
-    for k, r in assignment.items():
-        matched, slot = replicas[r], slots[k]
-        if matched.gpus == slot.gpus:  # in place: the slot is the replica, copies from it included
-            ready[k] = [origin[r]]
-            slot_readers[k] = readers[r]
-            continue
-        moved = [i for i, (g, h) in enumerate(zip(matched.gpus, slot.gpus, strict=True)) if g != h]
-        extend = _extend(build, matched, slot, moved, [origin[r]])
-        readers[r].append(extend.id)
-        leftovers.append((r, tuple(matched.gpus[i] for i in moved), extend.id))
+    for k, r in moving.items():
+        matched, slot = replicas[r], build.emu(inter, slots[k])
+        moved = [i for i, (g, h) in enumerate(zip(matched, slot.gpus, strict=True)) if g != h]
+        extend = _extend(build, build.emu(inter, matched), slot, moved, [origin[r]])
+        readers.setdefault(r, []).append(extend.id)
+        leftovers.append((r, tuple(matched[i] for i in moved), extend.id))
         ready[k] = [extend.id]
         if unswap:  # copy from where it lands, so no copy holds its old GPUs
             source_of[r] = (slot, extend.id, slot_readers.setdefault(k, []))
-    pending = [k for k in range(len(slots)) if k not in assignment]
-    sources = [source_of.get(r) or (replicas[r], origin[r], readers[r]) for r in source_ids]
-    for k, (_, extend_id, copy_readers) in _fan_out(build, pending, slots, sources, star_rounds, unswap).items():
-        ready[k] = [extend_id]
-        slot_readers[k] = copy_readers
+    pending = sorted(set(range(len(slots))).difference(in_place, moving))
+    if pending:
+        # Without `unswap` a round pairs sources with slots in order: at most len(pending) are read.
+        used = source_ids if unswap else source_ids[: len(pending)]
+        emus = build.emus(inter, [replicas[r] for r in used])
+        sources = [
+            source_of.get(r) or (emu, origin[r], readers.setdefault(r, [])) for r, emu in zip(used, emus, strict=True)
+        ]
+        for k, (_, extend_id, copy_readers) in _fan_out(build, pending, slots, sources, star_rounds, unswap).items():
+            ready[k] = [extend_id]
+            slot_readers[k] = copy_readers
     for r, gpus, extend_id in leftovers:  # a moved replica's old GPUs, once copied
-        _destroy(build, [replicas[r]], gpus, [extend_id, *readers[r]])
-    for r in source_ids:
-        if not kept[r]:  # the only copy B does not keep: destroyed after every copy
-            _destroy(build, [replicas[r]], replicas[r].gpus, [origin[r], *readers[r]])
+        _destroy(build, [build.emu(inter, replicas[r])], gpus, [extend_id, *readers.get(r, ())])
+    if not kept and spare:  # the only copy B does not keep: destroyed after every copy
+        r = spare[0]
+        _destroy(build, [build.emu(inter, replicas[r])], replicas[r], [origin[r], *readers.get(r, ())])
     k = 0
-    for emu, subs in zip(emus_b, slots_of, strict=False):  # no slots_of: B is the intermediate layout
-        if len(subs) > 1:
-            # A slot that served as a copy source is merged only after those copies read it.
-            deps = [d for j in range(k, k + len(subs)) for d in (*ready[j], *slot_readers.get(j, ()))]
-            _merge(build, emu, subs, deps)
+    for gpus, subs in zip(gpus_b, slots_of, strict=False):  # no slots_of: B is the intermediate layout
+        # A slot that served as a copy source is merged only after those copies read it.
+        deps = []
+        for j in range(k, k + len(subs)):
+            if j in in_place:
+                deps += [origin[in_place[j]], *readers.get(in_place[j], ())]
+            else:
+                deps += [*ready[j], *slot_readers.get(j, ())]
+        _merge(build, build.emu(layout_b, gpus), build.emus(inter, subs), deps)
         k += len(subs)
     return build.primitives
 
 
 def _destroy_unneeded(
-    build: _Builder, replicas: list[Emu], origin: list[int], spare: list[int], sources: set[int]
+    build: _Builder, inter: Layout, replicas: list[Gpus], origin: list[int], unneeded: list[int]
 ) -> None:
     """Release first: spares no slot needs go before any copy. Spares made by one split
     (or, without splits, all of them) become ready together and free at once: one Destroy each."""
-    unneeded: dict[int, list[Emu]] = {}
-    for r in spare:
-        if r not in sources:
-            unneeded.setdefault(origin[r], []).append(replicas[r])
-    for split_id, group in unneeded.items():
-        _destroy(build, group, tuple(gpu for replica in group for gpu in replica.gpus), [split_id])
+    groups: dict[int, list[Gpus]] = {}
+    if unneeded and origin[unneeded[0]] == origin[unneeded[-1]] == -1:  # no splits: one group (in C)
+        groups[-1] = [replicas[r] for r in unneeded]
+    else:
+        for r in unneeded:
+            groups.setdefault(origin[r], []).append(replicas[r])
+    for split_id, group in groups.items():
+        _destroy(build, build.emus(inter, group), tuple(itertools.chain.from_iterable(group)), [split_id])
 
 
-def _drop_swap_cycles(replicas: list[Emu], slots: list[Emu], assignment: dict[int, int]) -> None:
+def _drop_swap_cycles(replicas: list[Gpus], slots: list[Gpus], assignment: dict[int, int]) -> None:
     """Unmatch replicas until no moved replicas wait on each other in a cycle.
 
     A matched replica that moves some positions copies them onto GPUs that may still hold
@@ -350,15 +483,14 @@ def _drop_swap_cycles(replicas: list[Emu], slots: list[Emu], assignment: dict[in
     destroyed up front and its slot is copied from a complete replica, at the price of
     the bytes it kept in place.
     """
-    owner = {gpu: r for r, replica in enumerate(replicas) for gpu in replica.gpus}
+    owner = {gpu: r for r, replica in enumerate(replicas) for gpu in replica}
     while True:
         moving = {
-            r: [replicas[r].gpus[i] for i, h in enumerate(slots[k].gpus) if h != replicas[r].gpus[i]]
-            for k, r in assignment.items()
+            r: [replicas[r][i] for i, h in enumerate(slots[k]) if h != replicas[r][i]] for k, r in assignment.items()
         }
         moving = {r: gpus for r, gpus in moving.items() if gpus}
         targets = {
-            r: {owner[h] for h in slots[k].gpus if h in owner and owner[h] in moving and owner[h] != r}
+            r: {owner[h] for h in slots[k] if h in owner and owner[h] in moving and owner[h] != r}
             for k, r in assignment.items()
             if r in moving
         }
@@ -366,7 +498,7 @@ def _drop_swap_cycles(replicas: list[Emu], slots: list[Emu], assignment: dict[in
         if not cycle:
             return
         # The replica keeping fewest GPUs in place loses least when it is copied afresh.
-        drop = min(cycle, key=lambda r: (len(replicas[r].gpus) - len(moving[r]), r))
+        drop = min(cycle, key=lambda r: (len(replicas[r]) - len(moving[r]), r))
         del assignment[next(k for k, r in assignment.items() if r == drop)]
 
 

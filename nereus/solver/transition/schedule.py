@@ -25,12 +25,12 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import RESIDENT_TERMS, head_of, usable_memory
 from nereus.cost.stage import StageCostModel
 from nereus.errors import NereusError
-from nereus.solver.transition.local import STAR_ROUNDS, local_dag
+from nereus.solver.transition.local import STAR_ROUNDS, Replicas, replica_dag
 from nereus.solver.transition.order_search import GREEDY_TRIES, SEARCH_BUDGET, OrderSearch
 from nereus.solver.transition.primitives import Emu, Primitive
 from nereus.solver.transition.serial import improve_order, schedule_in_order, serial_schedule
 from nereus.spec.cluster import Cluster
-from nereus.spec.plan import Plan
+from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.workload import STAGES
 from nereus.units import format_bytes
 
@@ -70,9 +70,13 @@ def plan_emus(plan: Plan, model_stages: list[str] | None = None) -> dict[str, li
     }
 
 
-def _layout_of(plan: Plan, model_stage: str) -> tuple[int, int, list[list[int]]]:
-    entry = plan.stage_plan(model_stage)
+def _layout_of(entry: StagePlan) -> tuple[int, int, list[list[int]]]:
     return entry.tp, entry.pp, entry.emus
+
+
+def _side(entry: StagePlan) -> Replicas:
+    """A model-stage's layout and EMU GPU tuples (no Emu objects: most replicas never need one)."""
+    return (entry.tp, entry.pp), list(map(tuple, entry.emus))
 
 
 def state_bytes(plan: Plan, model_stage: str, calibration: Calibration) -> float:
@@ -91,25 +95,33 @@ def held_bytes(plan: Plan, sizes: dict[str, float]) -> dict[int, float]:
 
 
 class _PlanGpus:
-    """Every model-stage's GPU ids in one plan, EMU after EMU, flattened once (in C) and
-    shared by the held-bytes, over-capacity and lower-bound computations."""
+    """Model-stages' GPU ids in one plan (every one, or those named), EMU after EMU,
+    flattened once (in C) and shared by the held-bytes, over-capacity and lower-bound
+    computations."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, model_stages: list[str] | None = None) -> None:
+        entries = [e for e in plan.stages if model_stages is None or e.model_stage in model_stages]
         self.num_gpus = plan.cluster.num_gpus
-        self.layouts: dict[str, tuple[int, int]] = {entry.model_stage: (entry.tp, entry.pp) for entry in plan.stages}
-        counts = [entry.tp * entry.pp * len(entry.emus) for entry in plan.stages]
-        every = itertools.chain.from_iterable(itertools.chain.from_iterable(entry.emus for entry in plan.stages))
+        self.layouts: dict[str, tuple[int, int]] = {entry.model_stage: (entry.tp, entry.pp) for entry in entries}
+        counts = [entry.tp * entry.pp * len(entry.emus) for entry in entries]
+        every = itertools.chain.from_iterable(itertools.chain.from_iterable(entry.emus for entry in entries))
         self.flat = np.fromiter(every, np.int64, count=sum(counts))
         self.counts = counts
         bounds = itertools.pairwise(itertools.accumulate(counts, initial=0))
         self.gpus: dict[str, np.ndarray] = {
-            entry.model_stage: self.flat[lo:hi] for entry, (lo, hi) in zip(plan.stages, bounds, strict=True)
+            entry.model_stage: self.flat[lo:hi] for entry, (lo, hi) in zip(entries, bounds, strict=True)
         }
 
-    def held(self, sizes: dict[str, float]) -> np.ndarray:
-        """`held_bytes` as an array over GPU ids (one bincount over every model-stage's GPUs)."""
-        boxes = [sizes[name] / (tp * pp) for name, (tp, pp) in self.layouts.items()]
-        return np.bincount(self.flat, np.repeat(boxes, self.counts), minlength=self.num_gpus)
+    def held(self, sizes: dict[str, float], model_stages: list[str] | None = None) -> np.ndarray:
+        """`held_bytes` as an array over GPU ids (one bincount over the model-stages' GPUs),
+        counting every model-stage here or only those named."""
+        names = list(self.layouts) if model_stages is None else [n for n in self.layouts if n in model_stages]
+        gpus, counts = self.flat, self.counts
+        if len(names) < len(self.layouts):
+            gpus = np.concatenate([self.gpus[name] for name in names] or [np.zeros(0, np.int64)])
+            counts = [self.gpus[name].size for name in names]
+        boxes = [sizes[name] / (self.layouts[name][0] * self.layouts[name][1]) for name in names]
+        return np.bincount(gpus, np.repeat(boxes, counts), minlength=self.num_gpus)
 
 
 def primitive_duration(primitive: Primitive, cluster: Cluster, calibration: Calibration) -> float:
@@ -160,6 +172,10 @@ def _lower_bound(gpus_a: _PlanGpus, gpus_b: _PlanGpus, changed: list[str], sizes
         position_a.fill(-1)
         position_a[on_a] = np.arange(len(on_a)) % (tp_a * pp_a)
         index_a = position_a[on_b]
+        if (tp_a, pp_a) == (tp_b, pp_b):  # a box is covered only by the same box
+            in_place = np.count_nonzero(index_a == np.arange(len(on_b)) % (tp_b * pp_b))
+            total += sizes[name] / (tp_b * pp_b) * (len(on_b) - in_place)
+            continue
         stage_a, rank_a = np.divmod(index_a, tp_a)
         stage_b, rank_b = np.divmod(np.arange(len(on_b)) % (tp_b * pp_b), tp_b)
         rows = np.minimum((stage_a + 1) / pp_a, (stage_b + 1) / pp_b) - np.maximum(stage_a / pp_a, stage_b / pp_b)
@@ -691,12 +707,16 @@ def _shape(primitives: list[Primitive]) -> list[tuple[object, ...]]:
     return [(p.kind, p.reads, p.writes, tuple(p.deps)) for p in primitives]
 
 
-#: Local-DAG variants (star_rounds, unswap) in the order tried; see `local_dag`.
-DAG_SHAPES: tuple[tuple[int | None, bool], ...] = (
-    (STAR_ROUNDS, False),
-    (None, False),
-    (STAR_ROUNDS, True),
-    (None, True),
+#: Local-DAG variants (star_rounds, unswap, batched copies) in the order tried; see `local_dag`.
+DAG_SHAPES: tuple[tuple[int | None, bool, bool], ...] = (
+    (STAR_ROUNDS, False, True),
+    (None, False, True),
+    (STAR_ROUNDS, True, True),
+    (None, True, True),
+    (STAR_ROUNDS, False, False),
+    (None, False, False),
+    (STAR_ROUNDS, True, False),
+    (None, True, False),
 )
 
 
@@ -730,34 +750,47 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
     calibration = calibration or Calibration()
     if plan_a.cluster != plan_b.cluster:
         raise NereusError("the two plans are for different clusters; a transition needs one cluster")
-    names: list[str] = [entry.model_stage for entry in plan_b.stages]
-    if sorted(names) != sorted(entry.model_stage for entry in plan_a.stages):
+    entries_a: dict[str, StagePlan] = {entry.model_stage: entry for entry in plan_a.stages}
+    if sorted(entries_a) != sorted(entry.model_stage for entry in plan_b.stages):
         raise NereusError("the two plans run different model-stages; a transition keeps the workload")
-    changed = [name for name in names if _layout_of(plan_a, name) != _layout_of(plan_b, name)]
-    sizes = {name: state_bytes(plan_b, name, calibration) for name in names}
-    emus_a, emus_b = plan_emus(plan_a, changed), plan_emus(plan_b, changed)
-    gpus_a, gpus_b = _PlanGpus(plan_a), _PlanGpus(plan_b)
+    changed_b = [e for e in plan_b.stages if (e.tp, e.pp, e.emus) != _layout_of(entries_a[e.model_stage])]
+    changed: list[str] = [entry.model_stage for entry in changed_b]
+    sizes = {name: state_bytes(plan_b, name, calibration) for name in entries_a}
+    gpus_a, gpus_b = _PlanGpus(plan_a), _PlanGpus(plan_b, changed)  # B's unchanged model-stages are A's
     held_a = gpus_a.held(sizes)
-    initial = {gpu: nbytes for gpu, nbytes in enumerate(held_a.tolist()) if nbytes}
+    on_gpus = np.flatnonzero(held_a)
+    initial = dict(zip(on_gpus.tolist(), held_a[on_gpus].tolist(), strict=True))
     capacity = usable_memory(plan_b.cluster, calibration)
+    sides = [(_side(entries_a[entry.model_stage]), _side(entry)) for entry in changed_b]
+    node_size = plan_b.cluster.gpus_per_node
 
-    def dag(star_rounds: int | None, unswap: bool = False) -> list[Primitive]:
+    def dag(star_rounds: int | None, unswap: bool, batch: bool) -> list[Primitive]:
         primitives: list[Primitive] = []
-        for name in changed:
-            primitives += local_dag(
-                name, sizes[name], emus_a[name], emus_b[name], len(primitives), star_rounds, unswap=unswap
+        for name, (side_a, side_b) in zip(changed, sides, strict=True):
+            primitives += replica_dag(
+                name, sizes[name], side_a, side_b, len(primitives), star_rounds, unswap, node_size if batch else None
             )
         durations = primitive_durations(primitives, plan_b.cluster, calibration)
         for primitive, duration in zip(primitives, durations, strict=True):
             primitive.duration_s = duration
         return primitives
 
-    # When a DAG deadlocks, other shapes: tree-shaped copies hold intermediate replicas
-    # longer (copy from the sources only), replicas trading GPUs need two boxes at once
-    # (copy those afresh). Built lazily: the first shape usually schedules at once.
-    shapes = (dag(star_rounds, unswap) for star_rounds, unswap in DAG_SHAPES)
-    replay, cycle, rule, primitives = _schedule_shapes(shapes, initial, capacity)
-    cycle = _over_capacity(held_a, gpus_b.held(sizes), capacity) + cycle
+    def shapes() -> Iterator[list[Primitive]]:
+        """When a DAG deadlocks, other shapes: tree-shaped copies hold intermediate replicas
+        longer (copy from the sources only), replicas trading GPUs need two boxes at once
+        (copy those afresh), single copies wait for fewer GPUs than batched ones (only
+        tried when some copies were batched). Built lazily: the first shape usually
+        schedules at once."""
+        batched = False
+        for star_rounds, unswap, batch in DAG_SHAPES:
+            if batch or batched:
+                primitives = dag(star_rounds, unswap, batch)
+                batched |= batch and any(len(p.adds) > 1 for p in primitives if p.kind == "extend")
+                yield primitives
+
+    replay, cycle, rule, primitives = _schedule_shapes(shapes(), initial, capacity)
+    held_b = held_a - gpus_a.held(sizes, changed) + gpus_b.held(sizes)
+    cycle = _over_capacity(held_a, held_b, capacity) + cycle
     moved = link_bytes(primitives, plan_b.cluster)
     return TransitionResult(
         primitives=primitives,
