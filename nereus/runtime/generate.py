@@ -85,18 +85,22 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch
     return tokens, mask
 
 
-def sample_next(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
-    """[b] next tokens from [b, vocab] logits."""
-    logits = logits.float()
-    if config.temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits / config.temperature, dim=-1)
+def sampling_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """[b, vocab] probabilities of sampling at `config`'s temperature (> 0) and top-p; rows independent."""
+    probs = torch.softmax(logits.float() / config.temperature, dim=-1)
     if config.top_p < 1:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(before >= config.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return probs
+
+
+def sample_next(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
+    """[b] next tokens from [b, vocab] logits."""
+    if config.temperature == 0:
+        return logits.float().argmax(dim=-1)
+    return torch.multinomial(sampling_probs(logits, config), 1, generator=generator).squeeze(-1)
 
 
 def sample_seed(seed: int, sample_id: int) -> int:
@@ -109,7 +113,9 @@ def sample_rows(logits: torch.Tensor, config: SamplingConfig, generators: Sequen
     """[b] next tokens from [b, vocab] logits, row i drawing from `generators[i]` only."""
     if config.temperature == 0:
         return logits.float().argmax(dim=-1)
-    return torch.cat([sample_next(logits[row : row + 1], config, generators[row]) for row in range(len(generators))])
+    # One softmax for the batch (rows are independent), then each row's draw from its own generator.
+    probs = sampling_probs(logits, config)
+    return torch.cat([torch.multinomial(probs[row], 1, generator=generators[row]) for row in range(len(generators))])
 
 
 @dataclass(frozen=True)

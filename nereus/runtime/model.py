@@ -75,20 +75,25 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [batch, 1, seq, head_dim] for rotate-half RoPE."""
+    """cos and signed sin [batch, 1, seq, head_dim] for rotate-half RoPE: the sin table's
+    first half negated, so `apply_rope` rotates with one roll instead of a negate and a cat."""
     inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq
-    angles = torch.cat([angles, angles], dim=-1).unsqueeze(1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    sin = angles.sin()
+    signed_sin = torch.cat([-sin, sin], dim=-1).unsqueeze(1)
+    cos = torch.cat([angles, angles], dim=-1).unsqueeze(1).cos()
+    return cos.to(dtype), signed_sin.to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x cos + rotate_half(x) sin, rotate_half(x) = [-x2, x1]: [x2, x1] times the signed sin
+    (negating a product's factor gives the same bits as negating the product)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused op (same values as the expression below)
+        return F.rms_norm(x, (x.shape[-1],), weight, RMS_NORM_EPS)
     variance = x.float().pow(2).mean(dim=-1, keepdim=True)
     return (x.float() * torch.rsqrt(variance + RMS_NORM_EPS)).to(x.dtype) * weight
 
@@ -106,10 +111,7 @@ def attention_mask_4d(key_mask: torch.Tensor, num_queries: int) -> torch.Tensor:
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q [b, heads, t, d], k/v [b, kv_heads, s, d] -> [b, t, heads * d]."""
-    repeat = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(repeat, dim=1)
-    v = v.repeat_interleave(repeat, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     return out.transpose(1, 2).flatten(2)
 
 
