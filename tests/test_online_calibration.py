@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.fit import STEP_KEY, measured_plan, predict
+from nereus.cost.fit import STEP_KEY, linearise, measured_plan, parameters, predict
 from nereus.cost.online import OnlineCalibrator, OnlineConfig
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
@@ -76,3 +76,35 @@ def test_bad_settings_and_measurements_are_refused() -> None:
         OnlineConfig(forgetting=0.0)
     with pytest.raises(ValueError, match="step_seconds"):
         OnlineCalibrator(Calibration()).update(plans()[0], 0.0, {}, 16, 8)
+
+
+class Relinearising(OnlineCalibrator):
+    """The reference: a fresh finite-difference linearisation at every step."""
+
+    def _linearised(self, sized, theta, predicted):  # type: ignore[no-untyped-def]
+        self.num_linearisations += 1
+        return linearise(sized, self.calibration)
+
+
+def test_reusing_the_affine_form_gives_the_reference_estimates_with_few_linearisations() -> None:
+    cached, reference = OnlineCalibrator(Calibration()), Relinearising(Calibration())
+    for calibrator in (cached, reference):
+        feed(calibrator, TRUE, range(30))
+        feed(calibrator, DRIFTED, range(30, 60))
+    assert parameters(cached.calibration) == pytest.approx(parameters(reference.calibration), rel=1e-8)
+    assert reference.num_linearisations == 60
+    # 10 (plan, sizes) points: once each, again while the estimate still crosses kinks, then reused.
+    assert 10 <= cached.num_linearisations <= 30
+
+
+def test_a_prediction_off_the_cached_affine_form_relinearises() -> None:
+    calibrator = OnlineCalibrator(Calibration())
+    plan = plans()[0]
+    sized = measured_plan(plan, 16, 8)
+    truth = predict(sized, TRUE)
+    step_seconds = truth.pop(STEP_KEY)
+    calibrator.update(plan, step_seconds, truth, 16, 8)
+    assert calibrator.num_linearisations == 1
+    off = {key: seconds * 1.01 for key, seconds in predict(sized, calibrator.calibration).items()}
+    calibrator.update(plan, step_seconds, truth, 16, 8, predicted=off)
+    assert calibrator.num_linearisations == 2

@@ -185,10 +185,14 @@ def _step_size(name: str, value: float) -> float:
     return 1e-3 * max(abs(value), TYPICAL.get(name, TYPICAL_SECONDS))
 
 
-def linearise(plan: Plan, calibration: Calibration) -> tuple[dict[str, float], dict[str, np.ndarray]]:
-    """Predictions at `calibration` and their gradients in the fitted parameters."""
+def linearise(
+    plan: Plan, calibration: Calibration, base: dict[str, float] | None = None
+) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """Predictions at `calibration` and their gradients in the fitted parameters (`base`:
+    the predictions at `calibration`, when the caller has them already)."""
     theta = parameters(calibration)
-    base = predict(plan, calibration)
+    if base is None:
+        base = predict(plan, calibration)
     gradients = {key: np.zeros(len(FITTED)) for key in base}
     for k, name in enumerate(FITTED):
         h = _step_size(name, theta[k])

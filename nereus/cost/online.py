@@ -7,12 +7,18 @@ same rows (each model-stage's time and the step's, as fractions of the step's wa
 linearised around the current estimate. Old steps fade by `forgetting` per step, so a
 drift in efficiency (thermal throttling, a noisy neighbour, longer sequences changing the
 regime) is tracked within about 1 / (1 - forgetting) steps.
+
+The cost model is piecewise affine in the fitted parameters (times proportional to inverse
+efficiencies and overheads, combined by sums and maxima), so a linearisation stays exact
+until the estimate crosses a kink. The calibrator keeps the last few (per sized plan) and reuses one while
+the step's prediction at the new estimate still equals the cached affine form: one cost
+model evaluation per step instead of one per parameter plus one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,6 +31,7 @@ from nereus.cost.fit import (
     linearise,
     measured_plan,
     parameters,
+    predict,
     with_parameters,
 )
 from nereus.spec.cluster import Cluster
@@ -47,6 +54,35 @@ class OnlineConfig:
             raise ValueError(f"prior_weight must be positive, got {self.prior_weight}")
 
 
+#: Linearisations kept (one per sized plan: the plans a run alternates between, or a size's recurrences).
+NUM_LINEARISATIONS_KEPT = 16
+#: Relative mismatch between a fresh prediction and the cached affine form past which the
+#: cost model is relinearised (far above rounding, far below any kink's effect).
+AFFINE_TOLERANCE = 1e-9
+
+
+@dataclass
+class Linearisation:
+    """The cost model's affine form around one estimate, for one sized plan."""
+
+    plan: Plan
+    """The plan at the sizes a step ran (`measured_plan`)."""
+    offsets: dict[str, float]
+    """Per predicted key: prediction minus gradient . parameters, at the linearisation point."""
+    gradients: dict[str, np.ndarray] = field(repr=False)
+    """Per predicted key: derivative in each fitted parameter (order of FITTED)."""
+
+    def holds(self, plan: Plan, theta: np.ndarray, predicted: Mapping[str, float]) -> bool:
+        """Whether `predicted` (at parameters `theta`, for `plan`) lies on this affine form."""
+        if plan != self.plan or predicted.keys() != self.offsets.keys():
+            return False
+        for key, seconds in predicted.items():
+            affine = self.offsets[key] + float(self.gradients[key] @ theta)
+            if abs(affine - seconds) > AFFINE_TOLERANCE * max(abs(seconds), abs(affine)) + 1e-15:
+                return False
+        return True
+
+
 class OnlineCalibrator:
     """Exponentially weighted least squares over the cost model's fitted parameters.
 
@@ -66,6 +102,8 @@ class OnlineCalibrator:
         self.vector = np.zeros(len(FITTED))
         self.lower = np.array([LOWER[name] for name in FITTED])
         self.num_updates = 0
+        self.linearisations: list[Linearisation] = []  # most recent last
+        self.num_linearisations = 0
 
     def update(
         self,
@@ -74,17 +112,20 @@ class OnlineCalibrator:
         stage_seconds: Mapping[str, float],
         prompt_len: int,
         response_len_max: int,
+        predicted: Mapping[str, float] | None = None,
     ) -> Calibration:
         """Fold one step's measurements in; returns the updated calibration.
 
         `stage_seconds` maps model-stage names (and `weight_sync`) to seconds, as a step's
-        metrics report them; names the plan does not price are ignored.
+        metrics report them; names the plan does not price are ignored. `predicted`: the cost
+        model's full prediction of this step at the current calibration, if the caller has
+        it (saves an evaluation).
         """
         if step_seconds <= 0:
             raise ValueError(f"step_seconds must be positive, got {step_seconds}")
         sized = measured_plan(plan, prompt_len, response_len_max, self.cluster)
-        base, gradients = linearise(sized, self.calibration)
         theta_now = parameters(self.calibration)
+        base, gradients = self._linearised(sized, theta_now, predicted)
         rows = [(key, seconds) for key, seconds in stage_seconds.items() if key in base and key != STEP_KEY]
         rows.append((STEP_KEY, step_seconds))
         if self.num_updates == 0:
@@ -106,6 +147,25 @@ class OnlineCalibrator:
         self.calibration = with_parameters(self.calibration, theta)
         self.num_updates += 1
         return self.calibration
+
+    def _linearised(
+        self, sized: Plan, theta: np.ndarray, predicted: Mapping[str, float] | None
+    ) -> tuple[Mapping[str, float], dict[str, np.ndarray]]:
+        """Predictions and gradients at the current estimate: the cached affine form's while
+        the fresh prediction still lies on it, else a new finite-difference linearisation."""
+        base = dict(predicted) if predicted is not None else predict(sized, self.calibration)
+        for cached in self.linearisations:
+            if cached.plan == sized:
+                if cached.holds(sized, theta, base):
+                    return base, cached.gradients
+                self.linearisations.remove(cached)
+                break
+        base, gradients = linearise(sized, self.calibration, base)
+        offsets = {key: seconds - float(gradients[key] @ theta) for key, seconds in base.items()}
+        kept = self.linearisations[-(NUM_LINEARISATIONS_KEPT - 1) :]
+        self.linearisations = [*kept, Linearisation(sized, offsets, gradients)]
+        self.num_linearisations += 1
+        return base, gradients
 
     def _set_prior(self, rows: list[np.ndarray]) -> None:
         """Prior information: `prior_weight` times one step's, per parameter (a tiny floor
