@@ -383,8 +383,10 @@ def test_trace_lengths_timeline_and_controller_state_survive_a_resume(tmp_path: 
     events = json.loads((out / "timeline.json").read_text())["traceEvents"]
     assert {e["name"] for e in events if e.get("ph") == "X"} >= {"actor/generation", "step-000006"}
     state = pickle.loads((out / "checkpoints" / "step-000006" / "controller.pkl").read_bytes())
-    # Steps 1, 2, 4, 5 calibrate (each process's first step is warm-up): 2 of them before the resume.
-    assert state.predictor.calibrator.num_updates == 4
+    # Steps 1, 2, 4, 5 calibrate (each process's first step is warm-up): 2 of them before the resume;
+    # a step's update runs during the next step, so step 5's waits in the checkpoint.
+    assert state.predictor.calibrator.num_updates == 3
+    assert state.predictor.pending is not None and state.predictor.pending[1].step == 5
     assert state.controller.plan == load_document(out / "checkpoints" / "step-000006" / "plan.yaml")
 
 

@@ -109,19 +109,25 @@ def split_sizes(num_gpus: int, gpus_per_node: int) -> list[int]:
 
 
 def placements(request: PlanRequest) -> list[Placement]:
-    """Colocated, and every two-pool split (`split_sizes`) of the two templates."""
+    """Colocated, and every two-pool split (`split_sizes`) of the two templates.
+
+    A split puts generation's pool on the last GPUs: GPU 0 (rank 0, which also runs the
+    run's controller) then has no part in generation and does its control work meanwhile.
+    The first pool starts on a node boundary and takes whole nodes (`split_sizes`); the
+    last takes the rest.
+    """
     n, per_node = request.num_gpus, request.cluster.gpus_per_node
     names = [model_stage_name(r, s) for r, s in model_stages(request.workload)]
     out = [Placement("colocated", (("shared", 0, n, tuple(names)),))]
     actor = tuple(x for x in names if x.startswith("actor/"))
     others = tuple(x for x in names if not x.startswith("actor/"))
     rest = tuple(x for x in names if x != "actor/generation")
-    for a in split_sizes(n, per_node):
+    for first in split_sizes(n, per_node):
+        a = n - first
         if others:
-            out.append(Placement(f"split-actor-{a}", (("actor", 0, a, actor), ("others", a, n - a, others))))
-        out.append(
-            Placement(f"split-generation-{a}", (("generation", 0, a, ("actor/generation",)), ("rest", a, n - a, rest)))
-        )
+            out.append(Placement(f"split-actor-{a}", (("others", 0, first, others), ("actor", first, a, actor))))
+        generation = ("generation", first, a, ("actor/generation",))
+        out.append(Placement(f"split-generation-{a}", (("rest", 0, first, rest), generation)))
     return out
 
 

@@ -10,8 +10,10 @@ same primitives); a restart as the target plan alone (the ranks move through a c
 The controller imports no torch: rank 0 broadcasts what it returns.
 
 `Predictor` (every run, rank 0) prices each step with the cost model calibrated on the
-steps before it, puts the prediction beside the measurement in metrics.jsonl, and then
-folds the step into the online calibration; the controller plans with that calibration.
+steps before it and puts the prediction beside the measurement in metrics.jsonl; the step
+is folded into the online calibration during the next step, while rank 0 has no part in
+generation (else right after it), so the controller plans with the calibration of all
+steps but the last.
 Both are pickled into every checkpoint, so a resumed run decides as the uninterrupted one.
 """
 
@@ -47,10 +49,16 @@ class Predictor:
         self.calibration = calibration
         self.calibrator = OnlineCalibrator(calibration) if online else None
         self.config = config
+        # The last prediction and what it priced (plan, sizes, calibration): the online update
+        # of the same step linearises around the same point and reuses it.
+        self.last: tuple[Plan, int, int, Calibration, dict[str, float]] | None = None
+        self.pending: tuple[Plan, Any] | None = None
+        """A finished step `defer` queued for the next `flush`."""
 
     def predict(self, plan: Plan, prompt_len: int, response_len_max: int) -> dict[str, float]:
         """Seconds per model-stage that runs an engine and for the whole `step`, at the sizes the step ran."""
         predicted = predict(measured_plan(plan, prompt_len, response_len_max), self.calibration)
+        self.last = (plan, prompt_len, response_len_max, self.calibration, predicted)
         return {name: seconds for name, seconds in predicted.items() if self._priced(name)}
 
     def update(self, plan: Plan, metrics: Any) -> None:
@@ -58,9 +66,29 @@ class Predictor:
         if self.calibrator is None or metrics.step_seconds <= 0:
             return
         stages = {name: seconds for name, seconds in metrics.stage_seconds.items() if self._priced(name)}
+        sizes = (plan, metrics.prompt_len, metrics.response_len_max, self.calibration)
+        reuse = self.last is not None and all(a is b or a == b for a, b in zip(self.last[:4], sizes, strict=True))
         self.calibration = self.calibrator.update(
-            plan, metrics.step_seconds, stages, metrics.prompt_len, metrics.response_len_max
+            plan,
+            metrics.step_seconds,
+            stages,
+            metrics.prompt_len,
+            metrics.response_len_max,
+            predicted=self.last[4] if reuse and self.last is not None else None,
         )
+
+    def defer(self, plan: Plan, metrics: Any) -> None:
+        """Queue a finished step's `update` for the next `flush`: rank 0 runs it while it
+        idles in the next step (no part in generation), else right after that step."""
+        self.flush()
+        self.pending = (plan, metrics)
+
+    def flush(self) -> None:
+        """Fold the queued step in, if any."""
+        if self.pending is not None:
+            plan, metrics = self.pending
+            self.pending = None
+            self.update(plan, metrics)
 
     def _priced(self, name: str) -> bool:
         # A rule-scored reward runs no model: the cost model's reward/inference has nothing to match.

@@ -92,6 +92,12 @@ class RunState:
     controller: Controller | None
     plan_index: int = 0
 
+    def calibrate_idle(self) -> None:
+        """The deferred online update, while this rank waits for others' generation."""
+        if self.predictor.pending is not None:
+            with timeline.span("controller", "calibrate (idle)"):
+                self.predictor.flush()
+
 
 def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     """The whole run on this rank; returns the number of steps the run has finished."""
@@ -119,11 +125,12 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
                 syncs, plan = sync_plans(stages), move.plan
                 moved_s = slowest_rank({move.action: time.perf_counter() - start}, [move.action])
             rl = config.rl if lengths is None else config.rl.model_copy(update={"max_new_tokens": lengths[step]})
-            metrics = rl_step(plan, rl, stages, syncs, step)
+            metrics = rl_step(plan, rl, stages, syncs, step, idle=None if state is None else state.calibrate_idle)
             if move is not None:
                 metrics = dataclasses.replace(metrics, stage_seconds={**metrics.stage_seconds, **moved_s})
             if state is not None:
                 with timeline.span("controller", "predict + calibrate"):
+                    state.predictor.flush()  # the last step's update, if generation left no idle time
                     # A process's first step pays one-off warm-up costs: not a sample of the plan.
                     metrics = measured(state, plan, metrics, move is not None, learn=step > setup.start_step)
                 append_metrics(setup.out / METRICS_NAME, metrics)
@@ -164,13 +171,13 @@ def step_lengths(setup: RunSetup) -> list[int] | None:
 
 
 def measured(state: RunState, plan: Plan, metrics: StepMetrics, moved: bool, learn: bool) -> StepMetrics:
-    """The step's record with its prediction; then (if `learn`) the step goes into the
+    """The step's record with its prediction; then (if `learn`) the step is queued for the
     calibration; the controller takes in the step."""
     state.plan_index += int(moved)
     predicted = state.predictor.predict(plan, metrics.prompt_len, metrics.response_len_max)
     metrics = dataclasses.replace(metrics, **prediction_fields(predicted), plan_index=state.plan_index)
     if learn:
-        state.predictor.update(plan, metrics)
+        state.predictor.defer(plan, metrics)
     if state.controller is not None:
         state.controller.measured(metrics, state.predictor.calibration)
     return metrics

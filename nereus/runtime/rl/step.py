@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -142,27 +142,43 @@ def build_stages(plan: Plan, config: RLConfig) -> dict[str, Stage]:
 
 def by_replica(stage: Stage, value: Any) -> list[Any]:
     """Each replica's `value` (from its first rank) on every world rank, in replica order."""
-    engine = stage.engine
-    lead = engine is not None and engine.groups.stage == 0 and engine.groups.tp.rank == 0
-    mine = (engine.groups.replica, value) if lead and engine is not None else None
+    return by_replica_of({"": stage}, {"": value})[""]
+
+
+def by_replica_of(stages: Mapping[str, Stage], values: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """`by_replica` of every named stage and its value at once: one object gather."""
+    mine = {}
+    for name, stage in stages.items():
+        engine = stage.engine
+        if engine is not None and engine.groups.stage == 0 and engine.groups.tp.rank == 0:
+            mine[name] = (engine.groups.replica, values[name])
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    parts = sorted((part for part in gathered if part is not None), key=lambda part: part[0])
-    assert [replica for replica, _ in parts] == list(range(stage.layout.dp)), parts
-    return [part for _, part in parts]
+    out = {}
+    for name, stage in stages.items():
+        parts = sorted((rank_parts[name] for rank_parts in gathered if name in rank_parts), key=lambda p: p[0])
+        assert [replica for replica, _ in parts] == list(range(stage.layout.dp)), (name, parts)
+        out[name] = [part for _, part in parts]
+    return out
 
 
 # ---- phases ----
 
 
 def generate_responses(
-    stage: Stage, prompts: list[list[int]], sampling: SamplingConfig, budgets: list[int] | None = None
+    stage: Stage,
+    prompts: list[list[int]],
+    sampling: SamplingConfig,
+    budgets: list[int] | None = None,
+    idle: Callable[[], None] | None = None,
 ) -> list[list[int]]:
     """Every prompt's response, each replica sampling its contiguous share; prompt i is sample
     i (its tokens come from its own generator, whichever replica decodes it) and stops after
-    `budgets[i]` tokens when given."""
+    `budgets[i]` tokens when given. A rank with no part in generation first runs `idle`."""
     engine = stage.engine
     mine = None
+    if engine is None and idle is not None:
+        idle()
     if engine is not None:
         start, stop = even_split(len(prompts), stage.layout.dp)[engine.groups.replica]
         if stop > start:
@@ -235,7 +251,8 @@ def run_inference(stages: dict[str, Stage], batch: Batch, seconds: dict[str, flo
             with timed(seconds, name):
                 local[name] = local_infer(stages[name], batch, kind)
     with timed(seconds, "exchange"):
-        return {name: gather_rows(stages[name], rows) for name, rows in local.items()}
+        shares = by_replica_of({name: stages[name] for name in local}, local)
+        return {name: torch.cat(parts) for name, parts in shares.items()}
 
 
 def last_token_mask(batch: Batch) -> torch.Tensor:
@@ -268,10 +285,15 @@ def local_train(stage: Stage, batch: Batch, objective: Any, num_mini_batches: in
     return losses
 
 
+def mean_loss(losses: list[float] | None) -> float:
+    """The mean loss of a rank's updates (0 on a rank that trained nothing)."""
+    return float(sum(losses or []) / max(len(losses or []), 1))
+
+
 def gather_loss(stage: Stage, losses: list[float]) -> float:
     """The mean loss of the updates, the same on every rank (collective)."""
     # Every replica reports the global batch's loss; take the first.
-    return float(by_replica(stage, sum(losses) / max(len(losses), 1))[0])
+    return float(by_replica(stage, mean_loss(losses))[0])
 
 
 def train(stage: Stage, batch: Batch, objective: Any, num_mini_batches: int, num_epochs: int) -> float:
@@ -335,12 +357,28 @@ def step_seed(seed: int, step: int) -> int:
     return zlib.crc32(f"{seed}:{step}".encode())
 
 
+def gather_numbers(values: list[float]) -> torch.Tensor:
+    """[world, len(values)] float64 on the CPU: every rank's `values` (collective)."""
+    # On the rank's device: NCCL gathers only GPU tensors.
+    mine = torch.tensor(values, dtype=torch.float64, device=launch.device())
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return torch.stack(rows).cpu()
+
+
 def slowest_rank(seconds: dict[str, float], names: list[str]) -> dict[str, float]:
     """Every name's time on the slowest rank (ranks that skip a phase report 0)."""
-    # On the rank's device: NCCL reduces only GPU tensors.
-    times = torch.tensor([seconds.get(name, 0.0) for name in names], dtype=torch.float64, device=launch.device())
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return {name: float(value) for name, value in zip(names, times.tolist(), strict=True)}
+    return step_totals(seconds, names, {})[0]
+
+
+def step_totals(
+    seconds: dict[str, float], names: list[str], stages: dict[str, Stage]
+) -> tuple[dict[str, float], list[int]]:
+    """`slowest_rank` of `seconds` and the bytes of engine state each rank holds (of `stages`),
+    from one all-gather: each collective costs a few ms on gloo."""
+    table = gather_numbers([*(seconds.get(name, 0.0) for name in names), float(local_state_bytes(stages))])
+    slowest = table[:, :-1].max(dim=0).values.tolist()
+    return dict(zip(names, slowest, strict=True)), [int(held) for held in table[:, -1].tolist()]
 
 
 @dataclass(frozen=True)
@@ -382,10 +420,12 @@ def rl_step(
     *,
     fusion: Fusion | None = None,
     events: list[RolloutEvent] | None = None,
+    idle: Callable[[], None] | None = None,
 ) -> StepMetrics:
     """One RL step on this rank (collective over the world). `fusion` replaces the plan's
     fusion block when given; under inter-stage fusion this rank's rollout events are appended
-    to `events` when given."""
+    to `events` when given. `idle`: work this rank runs while others generate, if it has no
+    part in generation (rank 0's deferred calibration)."""
     workload, tokenizer, task = plan.workload, CharTokenizer(), get_task(config.task)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -417,7 +457,7 @@ def rl_step(
             events.extend(fused.events)
     else:
         with timed(seconds, "actor/generation"):
-            responses = generate_responses(stages["actor/generation"], prompts, sampling)
+            responses = generate_responses(stages["actor/generation"], prompts, sampling, idle=idle)
     greedy = None
     if workload.algorithm == "remax":
         with timed(seconds, "actor/generation"):
@@ -455,7 +495,7 @@ def rl_step(
     lengths = mask.sum(dim=1)
     seconds["step"] = time.perf_counter() - start
     names = [entry.model_stage for entry in plan.stages] + ["advantages", "exchange", "weight_sync"]
-    stage_seconds = slowest_rank(seconds, [*names, "step"])
+    stage_seconds, held = step_totals(seconds, [*names, "step"], stages)
     return StepMetrics(
         step=step,
         reward=float(scores.mean()),
@@ -469,7 +509,7 @@ def rl_step(
         critic_loss=critic_loss,
         step_seconds=stage_seconds.pop("step"),
         stage_seconds=stage_seconds,
-        state_bytes_per_rank=state_bytes_per_rank(stages),
+        state_bytes_per_rank=held,
     )
 
 
@@ -549,9 +589,11 @@ def run_training(
                     critic, critic_batch, value_objective, workload.mini_batches, workload.ppo_epochs
                 )
     with timed(seconds, "exchange"):
-        actor_loss = gather_loss(actor, actor_losses)
-        critic_loss = None if critic is None or critic_losses is None else gather_loss(critic, critic_losses)
-    return actor_loss, critic_loss
+        trained = {"actor": actor} if critic is None or critic_losses is None else {"actor": actor, "critic": critic}
+        losses = {"actor": actor_losses, "critic": critic_losses}
+        # Every replica reports the global batch's loss; take the first.
+        means = by_replica_of(trained, {name: mean_loss(losses[name]) for name in trained})
+    return means["actor"][0], means["critic"][0] if "critic" in means else None
 
 
 #: A training model-stage, the batch it trains on and its objective.
@@ -592,17 +634,14 @@ def fused_training(
     return actor_losses, critic_losses
 
 
-def state_bytes_per_rank(stages: dict[str, Stage]) -> list[int]:
-    """Bytes of engine state each rank holds after the step (collective)."""
-    held = sum(
+def local_state_bytes(stages: dict[str, Stage]) -> int:
+    """Bytes of engine state this rank holds."""
+    return sum(
         tensor.numel() * tensor.element_size()
         for stage in stages.values()
         if stage.engine is not None
         for tensor in stage.engine.local_state().values()
     )
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, held)
-    return [int(value) for value in gathered]
 
 
 def reward_of(
