@@ -89,6 +89,18 @@ def test_monitor_triggers_on_threshold_and_pool() -> None:
     assert any(t.startswith("seq_len +2") for t in fired) and "gpus 16->12" in fired
 
 
+def test_a_refitted_cost_model_fires_and_restarts_the_efficiency_signal() -> None:
+    monitor = Monitor(PolicyConfig(efficiency_threshold=0.2, horizon_confidence=0.5, max_horizon_steps=1e6))
+    for step, efficiency in enumerate([0.05, 0.2, 0.9]):  # an online fit converging from a bad start
+        monitor.observe(Observation(step, GPUS, lengths(1000), efficiency=efficiency))
+    assert monitor.horizon(Observation(2, GPUS, lengths(1000))) < 1  # the transient looks like fast drift
+    fired = monitor.observe(Observation(3, GPUS, lengths(1000), efficiency=1.0, recalibrated=True))
+    assert fired == ["recalibrated"]  # the efficiency is judged against the new model only
+    assert monitor.signals["efficiency"].reference == 1.0
+    assert monitor.horizon(Observation(3, GPUS, lengths(1000))) == 0.5 * 1e6  # no drift since: the cap (x confidence)
+    assert monitor.observe(Observation(4, GPUS, lengths(1000), efficiency=1.05)) == []
+
+
 def test_opportunistic_decision_records_its_inputs(plan: Plan, replanner: Replanner) -> None:
     small = replanner.best_plan(GPUS // 2, lengths(500), 1.0)
     assert small is not None

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.fit import STEP_KEY, measured_plan, parameters, predict
+from nereus.cost.fit import STEP_KEY, measured_plan, predict
 from nereus.cost.online import OnlineCalibrator
 from nereus.errors import NereusError
 from nereus.runtime.rl.config import RLConfig
@@ -38,7 +38,8 @@ from nereus.spec.workload import ResponseLengths
 
 #: Steps whose predicted/measured ratios the efficiency is the median of.
 EFFICIENCY_WINDOW = 5
-#: Relative change of a fitted parameter past which the controller replans with the new calibration.
+#: Relative change of the running plan's predicted step time past which the controller plans
+#: with the refitted calibration (smaller refits leave its plans and efficiency history alone).
 RECALIBRATE_CHANGE = 0.1
 
 
@@ -133,6 +134,8 @@ class Controller:
         self.efficiency = 1.0
         self.memory_used: float | None = None
         self.ratios: deque[float] = deque(maxlen=EFFICIENCY_WINDOW)
+        self.recalibrated = False
+        """The replanner took a new calibration since the last decision."""
 
     def resumed(self, plan: Plan, out: Path) -> None:
         """Go on from a checkpoint: the plan in force is the one it saved (a restart's
@@ -147,14 +150,26 @@ class Controller:
         held = max(metrics.state_bytes_per_rank, default=0)
         self.memory_used = held / self.plan.cluster.gpu.memory_bytes
         step_seconds = metrics.step_seconds
-        if moved_by(self.replanner.calibration, calibration) > RECALIBRATE_CHANGE:
+        if self._changes_prediction(calibration):
             self.replanner.recalibrate(calibration)
+            self.ratios.clear()  # measured against the old model
+            self.recalibrated = True
         predicted = self.replanner.step_time(self.plan, self.lengths, 1.0)
         if predicted is not None and step_seconds > 0:
             # Efficiency relative to the calibration, on the policy's grid of (0, 4]; the median
             # of the last few steps, so one noisy step (a neighbour's burst) fires no replan.
             self.ratios.append(min(4.0, max(0.01, predicted / step_seconds)))
             self.efficiency = statistics.median(self.ratios)
+
+    def _changes_prediction(self, calibration: Calibration) -> bool:
+        """Whether `calibration` moves the running plan's predicted step time by more than RECALIBRATE_CHANGE."""
+        if calibration == self.replanner.calibration:
+            return False
+        before = self.replanner.step_time(self.plan, self.lengths, 1.0)
+        after = self.replanner.step_time_under(self.plan, self.lengths, calibration)
+        if before is None or after is None:
+            return before != after
+        return abs(after / before - 1) > RECALIBRATE_CHANGE
 
     def observe(self, step: int) -> Observation:
         conditions = self.conditions[min(step, len(self.conditions) - 1)]
@@ -167,11 +182,13 @@ class Controller:
             announced_step=conditions.announced_step,
             steps_remaining=self.num_steps - step,
             memory_used=self.memory_used,
+            recalibrated=self.recalibrated,
         )
 
     def decide(self, step: int) -> Move | None:
         """The policy's decision before `step`, logged; the move the ranks must make, if any."""
         decision = self.policy.decide(self.observe(step))
+        self.recalibrated = False
         move, refusal = None, None
         if decision.action == "suspend":
             self._log(refusal)
@@ -208,9 +225,3 @@ class Controller:
             record["runtime"] = refusal
         with self.log_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
-
-
-def moved_by(old: Calibration, new: Calibration) -> float:
-    """The largest relative change of a fitted parameter between two calibrations."""
-    before, after = parameters(old), parameters(new)
-    return float(max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(after, before, strict=True)))

@@ -1,8 +1,10 @@
 """Monitor: drifting signals against their reference values, and when they will drift again.
 
 Sequence length and measured efficiency trigger a replan when they move more than a
-relative threshold from the value they had at the last replan. Pool changes and predicted
-memory violations always trigger (the policy checks those itself). Each signal's drift
+relative threshold from the value they had at the last replan. Pool changes, a refitted
+cost model and predicted memory violations always trigger (the policy checks the last
+itself); a refit also restarts the efficiency signal, whose past values were measured
+against the old model. Each signal's drift
 rate (slope of its logarithm per step, least squares over a window) predicts how many
 steps remain until it crosses its threshold again: the payback horizon.
 """
@@ -82,6 +84,11 @@ class Monitor:
         """Record the observation; return the triggers it fires (pool changes included)."""
         values = {"seq_len": length_signal(observation), "efficiency": observation.efficiency}
         fired = []
+        if observation.recalibrated:
+            efficiency = self.signals["efficiency"]
+            efficiency.history.clear()
+            efficiency.reference = None
+            fired.append("recalibrated")
         for name, signal in self.signals.items():
             signal.observe(observation.step, values[name])
             label = signal.crossing(values[name])

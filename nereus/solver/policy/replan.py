@@ -145,10 +145,13 @@ class Replanner:
         """Predicted step time of `plan` under these conditions; None when it overflows memory."""
         key = (plan_key(plan), lengths.median, lengths.p99, lengths.max, efficiency)
         if key not in self._times:
-            actual = plan.model_copy(update={"workload": self.workload_for(lengths)})
-            evaluation = evaluate_plan(actual, self.calibration_for(efficiency))
-            self._times[key] = evaluation.predictions.step_time_s if evaluation.feasible else None
+            self._times[key] = self.step_time_under(plan, lengths, self.calibration_for(efficiency))
         return self._times[key]
+
+    def step_time_under(self, plan: Plan, lengths: ResponseLengths, calibration: Calibration) -> float | None:
+        """`step_time` under another calibration (not cached)."""
+        evaluation = evaluate_plan(plan.model_copy(update={"workload": self.workload_for(lengths)}), calibration)
+        return evaluation.predictions.step_time_s if evaluation.feasible else None
 
     def transition(self, plan_a: Plan, plan_b: Plan) -> TransitionVerdict:
         """Build, schedule and independently check the DAG from A to B (cached)."""

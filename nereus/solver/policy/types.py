@@ -32,6 +32,9 @@ class Observation:
     memory_used: float | None = None
     """Measured bytes held on the fullest GPU over its memory capacity (None: not measured);
     above the calibration's usable share the running plan is invalid."""
+    recalibrated: bool = False
+    """The cost model was refitted since the last observation: efficiencies measured against
+    the old one no longer compare, and plans priced with it may rank differently."""
 
 
 @dataclass(frozen=True)
