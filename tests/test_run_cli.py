@@ -383,11 +383,36 @@ def test_trace_lengths_timeline_and_controller_state_survive_a_resume(tmp_path: 
     events = json.loads((out / "timeline.json").read_text())["traceEvents"]
     assert {e["name"] for e in events if e.get("ph") == "X"} >= {"actor/generation", "step-000006"}
     state = pickle.loads((out / "checkpoints" / "step-000006" / "controller.pkl").read_bytes())
-    # Steps 1, 2, 4, 5 calibrate (each process's first step is warm-up): 2 of them before the resume;
-    # a step's update runs during the next step, so step 5's waits in the checkpoint.
-    assert state.predictor.calibrator.num_updates == 3
-    assert state.predictor.pending is not None and state.predictor.pending[1].step == 5
+    # Steps 1, 2, 4, 5 calibrate (each process's first step is warm-up): 2 of them before the resume.
+    # Under a plan that keeps rank 0 out of generation, step 5's update waits in the checkpoint.
+    pending = state.predictor.pending
+    assert state.predictor.calibrator.num_updates + (pending is not None) == 4
+    assert pending is None or pending[1].step == 5
     assert state.controller.plan == load_document(out / "checkpoints" / "step-000006" / "plan.yaml")
+
+
+def test_with_generation_off_rank_0_each_online_update_runs_in_the_next_steps_generation(tmp_path: Path) -> None:
+    """The actor's model-stages on rank 1, the rest on rank 0: rank 0 folds each step into the
+    calibration while rank 1 generates the next one; the last step's update waits in the checkpoint."""
+    plan = yaml.safe_load(PLAN_2RANK.read_text())
+    plan.pop("predictions", None)
+    plan["pools"] = [{"name": "others", "gpus": [0]}, {"name": "actor", "gpus": [1]}]
+    for stage in plan["stages"]:
+        gpu = 1 if stage["model_stage"].startswith("actor/") else 0
+        stage.update(pool="actor" if gpu else "others", tp=1, pp=1, dp=1, emus=[[gpu]], micro_batches=1)
+    config = write_config(tmp_path, checkpoint_every=4)
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+    out = tmp_path / "out"
+    assert invoke("run", config, "--out", out).exit_code == 0
+    state = pickle.loads((out / "checkpoints" / "step-000004" / "controller.pkl").read_bytes())
+    assert state.predictor.calibrator.num_updates == 2  # steps 1 and 2 (step 0 is warm-up)
+    assert state.predictor.pending is not None and state.predictor.pending[1].step == 3
+    spans = [json.loads(line) for line in (out / "timeline" / "rank-0.jsonl").read_text().splitlines()]
+    generation = {s["step"]: s for s in spans if s["name"] == "actor/generation"}
+    idle = [s for s in spans if s["name"] == "calibrate (idle)"]
+    assert [s["step"] for s in idle] == [2, 3]
+    for span in idle:  # inside rank 0's wait for the step's generation
+        assert generation[span["step"]]["start"] <= span["start"] <= span["end"] <= generation[span["step"]]["end"]
 
 
 def pool_trace_run(folder: Path) -> tuple[Path, Path]:

@@ -171,13 +171,16 @@ def step_lengths(setup: RunSetup) -> list[int] | None:
 
 
 def measured(state: RunState, plan: Plan, metrics: StepMetrics, moved: bool, learn: bool) -> StepMetrics:
-    """The step's record with its prediction; then (if `learn`) the step is queued for the
-    calibration; the controller takes in the step."""
+    """The step's record with its prediction; then (if `learn`) the step goes into the
+    calibration, or is queued for rank 0's idle time in the next step when the plan gives
+    rank 0 no part in generation; the controller takes in the step."""
     state.plan_index += int(moved)
     predicted = state.predictor.predict(plan, metrics.prompt_len, metrics.response_len_max)
     metrics = dataclasses.replace(metrics, **prediction_fields(predicted), plan_index=state.plan_index)
-    if learn:
-        state.predictor.defer(plan, metrics)
+    if learn and 0 not in plan.stage_plan("actor/generation").gpus:
+        state.predictor.defer(plan, metrics)  # rank 0 will idle in the next step's generation
+    elif learn:
+        state.predictor.update(plan, metrics)
     if state.controller is not None:
         state.controller.measured(metrics, state.predictor.calibration)
     return metrics
