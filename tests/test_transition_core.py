@@ -186,3 +186,64 @@ def test_planner_pool_shrink_at_64_gpus_schedules_safely() -> None:
     result = build_transition(plan_a, plan_b)
     assert result.feasible, result.blocking_cycle
     assert check_result(result, plan_a, plan_b) == []
+
+
+def _single_gpu_replicas(gpus: range) -> list[Emu]:
+    return [Emu("x/inference", 1, 1, (g,)) for g in gpus]
+
+
+@pytest.mark.parametrize(("node_size", "batches"), [(None, [1] * 16), (8, [16]), (24, [8, 8])])
+def test_alike_copies_of_a_large_round_share_one_extend(node_size: int | None, batches: list[int]) -> None:
+    """16 new replicas copied from 16 kept ones: one Extend per copy unless batched; batched,
+    copies that all cross nodes (8 GPUs a node) share one Extend, and with 24 GPUs a node
+    the copies staying inside node 0 and those leaving it go in two."""
+    from nereus.solver.transition.check import check_transition
+    from nereus.solver.transition.local import BATCH_MIN_COPIES
+    from nereus.solver.transition.schedule import Replay, list_schedule
+
+    assert BATCH_MIN_COPIES <= 16
+    a, b = _single_gpu_replicas(range(16)), _single_gpu_replicas(range(32))
+    dag = local_dag("x/inference", 8.0, a, b, node_size=node_size)
+    extends = [p for p in dag if p.kind == "extend"]
+    assert [len(p.adds) for p in extends] == batches and not [p for p in dag if p.kind != "extend"]
+    for extend in extends:  # copy i reads copies_from[i] and fills adds[i]; no GPU in two copies
+        assert [s.gpus[0] + 16 for s in extend.copies_from] == [t.gpus[0] for t in extend.adds]
+        assert len(set(extend.reads) | set(extend.writes)) == 2 * len(extend.adds) == len(extend.gpus)
+        assert extend.transfers == tuple(zip(extend.reads, extend.writes, [8.0] * len(extend.adds), strict=True))
+    for p in dag:
+        p.duration_s = 1.0
+    assert list_schedule(dag, Replay(dict.fromkeys(range(16), 8.0), 16.0)) == []
+    assert max(p.end_s for p in dag) == 1.0  # side by side, batched or not
+    assert check_transition(dag, {"x/inference": a}, {"x/inference": b}, dict.fromkeys(range(16), 8.0), 16.0) == []
+
+
+def test_small_rounds_are_never_batched() -> None:
+    a, b = _single_gpu_replicas(range(4)), _single_gpu_replicas(range(8))
+    assert [len(p.adds) for p in local_dag("x/inference", 8.0, a, b, node_size=2)] == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_stamped_local_dag_equals_a_fresh_build(seed: int) -> None:
+    """Model-stages with the same EMUs in both plans get the first one's DAG, renamed: it must
+    be exactly what building theirs would give (ids, bytes, EMUs, edges, GPU sets)."""
+    import random
+
+    from nereus.solver.transition.local import replica_dag, stamp
+
+    rng = random.Random(seed)
+    gpus = 16
+
+    def side() -> tuple[tuple[int, int], list[tuple[int, ...]]]:
+        tp, pp = rng.choice([(tp, pp) for tp in (1, 2, 4) for pp in (1, 2, 4) if tp * pp <= gpus])
+        order = rng.sample(range(gpus), tp * pp * rng.randint(1, gpus // (tp * pp)))
+        return (tp, pp), [tuple(order[i : i + tp * pp]) for i in range(0, len(order), tp * pp)]
+
+    def fields(dag: list[Primitive]) -> list[tuple[object, ...]]:
+        names = "id model_stage kind source_layout target_layout reads writes alloc free transfers removes"
+        names += " retires adds copies_from deps new_groups gpus"
+        return [tuple(getattr(p, name) for name in names.split()) for p in dag]
+
+    side_a, side_b = side(), side()
+    template = replica_dag("x/training", 100.0, side_a, side_b, next_id=3, unswap=seed % 2 == 1)
+    fresh = replica_dag("y/inference", 37.5, side_a, side_b, next_id=40, unswap=seed % 2 == 1)
+    assert fields(stamp(template, "y/inference", 37.5, 40)) == fields(fresh)

@@ -87,3 +87,26 @@ def test_state_survives_every_transition_bitwise() -> None:
             name: gather(meta, {r: per_rank[r][index][name][0] for r in meta.boxes})
             for name, meta in metas(plan).items()
         }
+
+
+@pytest.mark.slow
+def test_batched_extend_runs_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dp2 -> dp4: the two new replicas are copied side by side. Batching is lowered to two
+    copies a round here (large transitions batch rounds of 16 or more), so the executor
+    runs one Extend with two sources and two targets; the state survives bitwise."""
+    import nereus.solver.transition.local as local
+
+    monkeypatch.setattr(local, "BATCH_MIN_COPIES", 2)
+    plans = [make_plan(1, 1, [[0], [1]]), make_plan(1, 1, [[0], [1], [2], [3]])]
+    transition = build_transition(plans[0], plans[1])
+    assert transition.feasible
+    extends = [p for p in transition.primitives if p.kind == "extend"]
+    assert extends and all(len(p.adds) == 2 and len(p.copies_from) == 2 for p in extends)
+    per_rank = spawn(walk, 4, plans, [transition.primitives])
+    for name, meta in metas(plans[1]).items():
+        after = gather(meta, {rank: per_rank[rank][1][name][0] for rank in meta.boxes})
+        before_meta = metas(plans[0])[name]
+        before = gather(before_meta, {rank: per_rank[rank][0][name][0] for rank in before_meta.boxes})
+        assert after.keys() == before.keys()
+        for key, tensor in after.items():
+            assert tensor.equal(before[key]), (name, key)

@@ -13,13 +13,15 @@ each other can instead be copied afresh (`unswap`, tried when the DAG deadlocks)
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import operator
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import repeat
 from math import gcd
+from typing import cast
 
 import numpy as np
 
@@ -57,6 +59,8 @@ def sub_replicas(emu: Emu, inter: Layout) -> list[Emu]:
 
 
 _EMU = functools.partial(tuple.__new__, Emu)  # Emu from a 4-tuple, without a Python-level call
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_IS_REPLICA = functools.partial(operator.is_not, None)  # a replica index, not a missing one
 
 
 @dataclass
@@ -70,8 +74,11 @@ class _Builder:
     node_size: int | None = None
     """GPUs per node when independent copies are batched (see `_batches`); None: one Extend per copy."""
 
-    def add(self, **fields: object) -> Primitive:
+    def add(self, occupied: Iterable[int], **fields: object) -> Primitive:
+        """A primitive on the `occupied` GPUs (its reads, writes, allocations and frees)."""
         primitive = Primitive(id=self.next_id, model_stage=self.model_stage, **fields)  # type: ignore[arg-type]
+        # Seed the cached `gpus`: the builder knows the set; the generic union costs more.
+        primitive.__dict__["gpus"] = tuple(sorted(occupied))
         self.next_id += 1
         self.primitives.append(primitive)
         return primitive
@@ -89,9 +96,12 @@ def _split(build: _Builder, gpus: Gpus, layout: Layout, inter: Layout) -> tuple[
     replicas = sub_gpus(gpus, layout, inter)
     piece = build.state_bytes * box_fraction(layout)
     grow = build.state_bytes * box_fraction(inter) - piece
-    holders = zip(*replicas, strict=True)  # per I position, the GPUs holding a piece of it
-    transfers = tuple((src, dst, piece) for group in holders for dst in group for src in group if src != dst)
+    # Per I position, the GPUs holding a piece of it: each sends its piece to the others
+    # (destination-major, in C: a wide split has hundreds of transfers).
+    pairs = list(itertools.chain.from_iterable(map(itertools.permutations, zip(*replicas, strict=True), repeat(2))))
+    transfers = tuple(zip(map(_SECOND, pairs), map(_FIRST, pairs), repeat(piece)))
     primitive = build.add(
+        gpus,
         kind="split",
         source_layout=layout,
         target_layout=inter,
@@ -123,25 +133,31 @@ def _match(replicas: list[Gpus], slots: list[Gpus]) -> tuple[dict[int, int], dic
     """
     # A slot on exactly a replica's GPUs is the best pair for both (every GPU holds its box,
     # and GPUs hold one replica each): the greedy takes those first, so take them here.
-    index = dict(zip(replicas, itertools.count()))  # (in C: large plans have many replicas)
-    exact = {k: r for k, r in enumerate(map(index.get, slots)) if r is not None}
+    # Every pass over all replicas or slots runs in C: large plans have hundreds of them.
+    found: list[int | None] = list(map(dict(zip(replicas, itertools.count())).get, slots))
+    hit = list(map(operator.is_not, found, repeat(None)))
+    matched = cast("Iterator[int]", itertools.compress(found, hit))  # the slots a replica is found for
+    exact = dict(zip(itertools.compress(itertools.count(), hit), matched, strict=True))
     partial: dict[int, int] = {}
     if len(exact) == len(slots) or len(exact) == len(replicas):
         return exact, partial
     used = set(exact.values())
-    unused = [r for r in range(len(replicas)) if r not in used] if used else range(len(replicas))
-    open_slots = [k for k in range(len(slots)) if k not in exact] if exact else range(len(slots))
-    slot_gpus = set(itertools.chain.from_iterable(slots[k] for k in open_slots))
-    if slot_gpus.isdisjoint(itertools.chain.from_iterable(replicas[r] for r in unused)):
+    unused = sorted(set(range(len(replicas))).difference(used))
+    open_slots = list(itertools.compress(itertools.count(), map(operator.not_, hit)))
+    slot_gpus = set(itertools.chain.from_iterable(map(slots.__getitem__, open_slots)))
+    if slot_gpus.isdisjoint(itertools.chain.from_iterable(map(replicas.__getitem__, unused))):
         return exact, partial  # no replica left holds a box on a slot's GPUs
-    owner = {gpu: (r, i) for r in unused for i, gpu in enumerate(replicas[r]) if gpu in slot_gpus}
+    # (GPU, position) -> the unused replica holding that box there (replicas share one layout).
+    positions = range(len(replicas[0]))
+    held = zip(map(replicas.__getitem__, unused), repeat(positions))  # (a replica's GPUs, positions)
+    boxes = itertools.chain.from_iterable(itertools.starmap(zip, held))
+    owners = itertools.chain.from_iterable(map(repeat, unused, repeat(len(positions))))
+    owner = dict(zip(boxes, owners, strict=True))
     pairs = []
     for k in open_slots:
-        counts: dict[int, int] = {}
-        for i, gpu in enumerate(slots[k]):
-            held = owner.get(gpu)
-            if held is not None and held[1] == i:
-                counts[held[0]] = counts.get(held[0], 0) + 1
+        counts: collections.Counter[int] = collections.Counter(
+            filter(_IS_REPLICA, map(owner.get, zip(slots[k], positions, strict=True)))  # type: ignore[arg-type]
+        )
         pairs += [(-count, k, r) for r, count in counts.items()]
     pairs.sort()
     for _, k, r in pairs:
@@ -154,8 +170,9 @@ def _match(replicas: list[Gpus], slots: list[Gpus]) -> tuple[dict[int, int], dic
 def _extend(build: _Builder, source: Emu, slot: Emu, positions: list[int], deps: list[int]) -> Primitive:
     """Copy the boxes at `positions` of `source` onto `slot`'s GPUs (a replica that moves)."""
     box = build.state_bytes * box_fraction(slot.layout)
-    reads, targets = tuple(source.gpus[i] for i in positions), tuple(slot.gpus[i] for i in positions)
+    reads, targets = tuple(map(source.gpus.__getitem__, positions)), tuple(map(slot.gpus.__getitem__, positions))
     return build.add(
+        {*reads, *targets},
         kind="extend",
         source_layout=source.layout,
         target_layout=slot.layout,
@@ -178,6 +195,7 @@ def _copy(build: _Builder, sources: list[Emu], slots: list[Emu], ready: int) -> 
     reads = tuple(itertools.chain.from_iterable(map(_GPUS, sources)))
     targets = tuple(itertools.chain.from_iterable(map(_GPUS, slots)))
     return build.add(
+        {*reads, *targets},
         kind="extend",
         source_layout=sources[0].layout,
         target_layout=slots[0].layout,
@@ -198,6 +216,7 @@ def _destroy(build: _Builder, replicas: list[Emu], gpus: Gpus, deps: list[int]) 
     layout = replicas[0].layout
     box = build.state_bytes * box_fraction(layout)
     return build.add(
+        set(gpus),
         kind="destroy",
         source_layout=layout,
         target_layout=layout,
@@ -214,6 +233,7 @@ def _destroy(build: _Builder, replicas: list[Emu], gpus: Gpus, deps: list[int]) 
 def _merge(build: _Builder, target: Emu, parts: list[Emu], deps: list[int]) -> Primitive:
     shrink = build.state_bytes * (box_fraction(parts[0].layout) - box_fraction(target.layout))
     return build.add(
+        target.gpus,
         kind="merge",
         source_layout=parts[0].layout,
         target_layout=target.layout,
@@ -238,6 +258,7 @@ BATCH_MIN_COPIES = 16
 #: A copy source: a complete replica, the id its data waits for, and the ids that read it.
 _Source = tuple[Emu, int, list[int]]
 _GPUS = operator.attrgetter("gpus")  # an Emu's GPU tuple, as a C-level getter
+_TP, _PP = operator.attrgetter("tp"), operator.attrgetter("pp")
 
 
 def _fan_out(
@@ -332,9 +353,11 @@ def _batches(copies: list[tuple[_Source, Emu]], node_size: int | None) -> list[l
     read = np.fromiter(itertools.chain.from_iterable(c[0][0].gpus for c in copies), np.int64, len(copies) * size)
     written = np.fromiter(itertools.chain.from_iterable(c[1].gpus for c in copies), np.int64, len(copies) * size)
     crosses = (read // node_size != written // node_size).reshape(len(copies), size).any(axis=1).tolist()
-    keys = [(source[1], cross) for (source, _), cross in zip(copies, crosses, strict=True)]
+    keys = list(zip((source[1] for source, _ in copies), crosses, strict=True))
     groups: dict[tuple[int, bool], list[list[int]]] = {}
     if set(read.tolist()).isdisjoint(written.tolist()):  # sources and slots are disjoint among themselves
+        if len(set(keys)) == 1:  # the common case: all alike
+            return [list(range(len(copies)))]
         for i, key in enumerate(keys):
             groups.setdefault(key, [[]])[0].append(i)
         return [batch for batches in groups.values() for batch in batches]
@@ -421,10 +444,10 @@ def replica_dag(
     source_of: dict[int, _Source] = {}  # kept replica -> where copies read it from
     for k, r in moving.items():
         matched, slot = replicas[r], build.emu(inter, slots[k])
-        moved = [i for i, (g, h) in enumerate(zip(matched, slot.gpus, strict=True)) if g != h]
+        moved = list(itertools.compress(itertools.count(), map(operator.ne, matched, slot.gpus)))
         extend = _extend(build, build.emu(inter, matched), slot, moved, [origin[r]])
         readers.setdefault(r, []).append(extend.id)
-        leftovers.append((r, tuple(matched[i] for i in moved), extend.id))
+        leftovers.append((r, extend.reads, extend.id))
         ready[k] = [extend.id]
         if unswap:  # copy from where it lands, so no copy holds its old GPUs
             source_of[r] = (slot, extend.id, slot_readers.setdefault(k, []))
@@ -436,7 +459,8 @@ def replica_dag(
         sources = [
             source_of.get(r) or (emu, origin[r], readers.setdefault(r, [])) for r, emu in zip(used, emus, strict=True)
         ]
-        for k, (_, extend_id, copy_readers) in _fan_out(build, pending, slots, sources, star_rounds, unswap).items():
+        filled = _fan_out(build, pending, slots, sources, star_rounds, unswap)
+        for k, (_, extend_id, copy_readers) in filled.items() if slots_of else ():  # read by merges only
             ready[k] = [extend_id]
             slot_readers[k] = copy_readers
     for r, gpus, extend_id in leftovers:  # a moved replica's old GPUs, once copied
@@ -456,6 +480,49 @@ def replica_dag(
         _merge(build, build.emu(layout_b, gpus), build.emus(inter, subs), deps)
         k += len(subs)
     return build.primitives
+
+
+def stamp(template: list[Primitive], model_stage: str, state_bytes: float, next_id: int = 0) -> list[Primitive]:
+    """`template` (one model-stage's local DAG, ids from its first) for another model-stage
+    whose EMUs sit on the very same GPUs in both plans: the same primitives with its name,
+    ids and bytes (computed as the builders compute them). Inference model-stages sharing
+    a pool have identical EMUs, and this skips the matching and copy planning for them."""
+    shift = next_id - template[0].id if template else 0
+    build = _Builder(model_stage, state_bytes, next_id, [])
+    for p in template:
+        moved, kept = _stamped_bytes(p, state_bytes)
+        build.add(
+            p.gpus,
+            kind=p.kind,
+            source_layout=p.source_layout,
+            target_layout=p.target_layout,
+            reads=p.reads,
+            writes=p.writes,
+            alloc=dict.fromkeys(p.alloc, kept) if p.alloc else {},
+            free=dict.fromkeys(p.free, kept) if p.free else {},
+            transfers=tuple(zip(map(_FIRST, p.transfers), map(_SECOND, p.transfers), repeat(moved))),
+            removes=_renamed(p.removes, model_stage),
+            retires=_renamed(p.retires, model_stage),
+            adds=_renamed(p.adds, model_stage),
+            copies_from=_renamed(p.copies_from, model_stage),
+            deps=[d + shift for d in p.deps],
+            new_groups=p.new_groups,
+        )
+    return build.primitives
+
+
+def _stamped_bytes(p: Primitive, state_bytes: float) -> tuple[float, float]:
+    """(bytes per transfer, bytes allocated or freed per GPU) of `p` for a state of `state_bytes`."""
+    source, target = state_bytes * box_fraction(p.source_layout), state_bytes * box_fraction(p.target_layout)
+    if p.kind == "split":
+        return source, target - source
+    if p.kind == "merge":
+        return 0.0, state_bytes * (box_fraction(p.source_layout) - box_fraction(p.target_layout))
+    return (target, target) if p.kind == "extend" else (0.0, source)
+
+
+def _renamed(emus: tuple[Emu, ...], model_stage: str) -> tuple[Emu, ...]:
+    return tuple(map(_EMU, zip(repeat(model_stage), map(_TP, emus), map(_PP, emus), map(_GPUS, emus))))
 
 
 def _destroy_unneeded(

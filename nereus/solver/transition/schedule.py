@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+import operator
 import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import RESIDENT_TERMS, head_of, usable_memory
 from nereus.cost.stage import StageCostModel
 from nereus.errors import NereusError
-from nereus.solver.transition.local import STAR_ROUNDS, Replicas, replica_dag
+from nereus.solver.transition.local import STAR_ROUNDS, Replicas, replica_dag, stamp
 from nereus.solver.transition.order_search import GREEDY_TRIES, SEARCH_BUDGET, OrderSearch
 from nereus.solver.transition.primitives import Emu, Primitive
 from nereus.solver.transition.serial import improve_order, schedule_in_order, serial_schedule
@@ -249,14 +250,19 @@ class Replay:
         end = now + primitive.duration_s
         primitive.start_s, primitive.end_s = now, end
         primitive.scheduled = True
-        busy_until, usage, peak = self.busy_until, self.usage, self.peak
         if primitive.duration_s > EPS:  # an instantaneous one leaves its (idle) GPUs idle
-            busy_until.update(zip(primitive.gpus, repeat(end)))
-        for gpu, nbytes in primitive.alloc.items():
-            before = usage.get(gpu, 0.0)
-            after = usage[gpu] = before + nbytes
-            if after >= peak.get(gpu, before):
-                peak[gpu] = after
+            self.busy_until.update(zip(primitive.gpus, repeat(end)))
+        alloc, usage, peak = primitive.alloc, self.usage, self.peak
+        if len(alloc) > WIDE:  # usage and peak per GPU in C (a batched copy allocates on hundreds)
+            after = list(map(operator.add, map(usage.get, alloc, repeat(0.0)), alloc.values()))
+            usage.update(zip(alloc, after, strict=True))
+            peak.update(zip(alloc, map(max, map(peak.get, alloc, after), after), strict=True))
+        else:
+            for gpu, nbytes in alloc.items():
+                before = usage.get(gpu, 0.0)
+                now_held = usage[gpu] = before + nbytes
+                if now_held >= peak.get(gpu, before):
+                    peak[gpu] = now_held
         waited = self.blocked_since.get(primitive.id)
         if waited is None:
             return
@@ -270,9 +276,12 @@ class Replay:
     def finish(self, primitive: Primitive) -> None:
         if not primitive.free:
             return
-        usage = self.usage
-        for gpu, nbytes in primitive.free.items():
-            usage[gpu] -= nbytes
+        usage, free = self.usage, primitive.free
+        if len(free) > WIDE:
+            usage.update(zip(free, map(operator.sub, map(usage.__getitem__, free), free.values()), strict=True))
+        else:
+            for gpu, nbytes in free.items():
+                usage[gpu] -= nbytes
         self.last_release.update(dict.fromkeys(primitive.free, (primitive.end_s, primitive.id, primitive.model_stage)))
 
 
@@ -349,25 +358,37 @@ class _Waits:
         return woken & self.blocked
 
     def try_start(self, order: list[int], now: float) -> set[int]:
-        """Start what can start, in priority order; return ids an instantaneous free woke."""
+        """Start what can start, in priority order; return ids an instantaneous free woke.
+
+        One that cannot start waits on the GPUs that stop it and is looked at again when
+        something finishes there: on every GPU short of memory, and, of its busy GPUs, on
+        one per distinct finish time (a wide primitive need not wait on hundreds of GPUs
+        to be looked at at the same moments).
+        """
         replay, woken = self.replay, set()
         busy_until, usage, limit, horizon = replay.busy_until, replay.usage, replay.capacity + EPS, now + EPS
+        waiters = self.waiters
         for pid in order:
             primitive = self.by_id[pid]
             if primitive.scheduled:
                 continue
             gpus, alloc = primitive.gpus, primitive.alloc
-            # The common case (idle, room) checked in C; the GPUs that stop it only when some do.
-            busy = []
-            if _any_above(busy_until, gpus, horizon):
-                busy = [g for g in gpus if busy_until.get(g, 0.0) > horizon]
-            short = [g for g, b in alloc.items() if usage.get(g, 0.0) + b > limit] if alloc else []
-            if busy or short:
-                if short:
+            busy = _any_above(busy_until, gpus, horizon)
+            if len(alloc) > WIDE:  # the common case (room everywhere) checked in C first
+                short = max(map(operator.add, map(usage.get, alloc, repeat(0.0)), alloc.values())) > limit
+                lacking = [g for g, b in alloc.items() if usage.get(g, 0.0) + b > limit] if short else []
+            else:
+                lacking = [g for g, b in alloc.items() if usage.get(g, 0.0) + b > limit] if alloc else []
+            if busy or lacking:
+                stop = lacking
+                if lacking:
                     replay.blocked_since.setdefault(pid, now)
+                if busy:  # finish time -> one GPU that is busy until then
+                    ends = dict(zip(map(busy_until.get, gpus, repeat(0.0)), gpus, strict=True))
+                    stop = [gpu for end, gpu in ends.items() if end > horizon] + lacking
                 self.blocked.add(pid)
-                for gpu in busy + short:
-                    self.waiters.setdefault(gpu, set()).add(pid)
+                for gpu in stop:
+                    waiters.setdefault(gpu, set()).add(pid)
                 continue
             self.blocked.discard(pid)
             replay.start(primitive, now)
@@ -376,6 +397,11 @@ class _Waits:
                 replay.finish(primitive)
                 woken |= self.wake(primitive.free)
         return woken
+
+
+#: GPUs above which a primitive's per-GPU memory updates run as C-level maps (below, a
+#: plain loop costs less than setting them up).
+WIDE = 16
 
 
 def _any_above(values: dict[int, float], gpus: Iterable[int], threshold: float) -> bool:
@@ -656,7 +682,7 @@ def _stage_order(
     for name in done:
         for gpu, change in delta[name].items():
             usage[gpu] = usage.get(gpu, 0.0) + change
-    for name in sorted(set(by_stage) - done, key=lambda n: sum(delta[n].values())):  # shrinking first
+    for name in sorted(set(by_stage) - done, key=lambda n: (sum(delta[n].values()), n)):  # shrinking first
         _reset(by_stage[name])
         if list_schedule(by_stage[name], Replay(dict(usage), capacity), explain=False):
             continue
@@ -679,7 +705,7 @@ def _blocking_cycle(blocked: list[Primitive], primitives: list[Primitive], repla
             if replay.usage.get(gpu, 0.0) + nbytes <= replay.capacity + EPS:
                 continue
             holders = {p.model_stage for p in unfinished if gpu in p.free and p.model_stage != primitive.model_stage}
-            for holder in holders:
+            for holder in sorted(holders):  # sorted: the same report in every process
                 graph.add_edge(primitive.model_stage, holder, gpu=gpu)
             reasons.append(
                 f"{primitive.model_stage} needs {format_bytes(nbytes)} more on GPU {gpu} "
@@ -690,6 +716,13 @@ def _blocking_cycle(blocked: list[Primitive], primitives: list[Primitive], repla
     except nx.NetworkXNoCycle:
         return reasons[:3] or ["no primitive can start"]
     return [f"{a} waits for GPU {graph.edges[a, b]['gpu']} held by {b}" for a, b, *_ in cycle]
+
+
+def _extra(peak: dict[int, float], initial: dict[int, float]) -> dict[int, float]:
+    """Per GPU (sorted), how far its peak rises above what it held at the start (in C)."""
+    gpus = sorted(peak)
+    rise = map(operator.sub, map(peak.__getitem__, gpus), map(initial.get, gpus, repeat(0.0)))
+    return dict(zip(gpus, map(max, repeat(0.0), rise), strict=True))
 
 
 def _over_capacity(before: np.ndarray, after: np.ndarray, capacity: float) -> list[str]:
@@ -766,10 +799,16 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
 
     def dag(star_rounds: int | None, unswap: bool, batch: bool) -> list[Primitive]:
         primitives: list[Primitive] = []
+        built: list[tuple[tuple[Replicas, Replicas], list[Primitive]]] = []  # local DAGs by EMUs
         for name, (side_a, side_b) in zip(changed, sides, strict=True):
-            primitives += replica_dag(
-                name, sizes[name], side_a, side_b, len(primitives), star_rounds, unswap, node_size if batch else None
-            )
+            twin = next((dag for other, dag in built if other == (side_a, side_b)), None)
+            if twin is not None:  # the same EMUs as a model-stage done already: its DAG, renamed
+                local = stamp(twin, name, sizes[name], len(primitives))
+            else:
+                size, batch_nodes = sizes[name], node_size if batch else None
+                local = replica_dag(name, size, side_a, side_b, len(primitives), star_rounds, unswap, batch_nodes)
+                built.append(((side_a, side_b), local))
+            primitives += local
         durations = primitive_durations(primitives, plan_b.cluster, calibration)
         for primitive, duration in zip(primitives, durations, strict=True):
             primitive.duration_s = duration
@@ -798,7 +837,7 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
         bytes_moved=sum(moved.values()),
         bytes_by_link=moved,
         lower_bound_bytes=_lower_bound(gpus_a, gpus_b, changed, sizes),
-        peak_extra_bytes={g: max(0.0, replay.peak[g] - initial.get(g, 0.0)) for g in sorted(replay.peak)},
+        peak_extra_bytes=_extra(replay.peak, initial),
         capacity_bytes=replay.capacity,
         initial_bytes=initial,
         blocking_cycle=cycle,
