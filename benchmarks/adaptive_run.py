@@ -5,8 +5,10 @@ The tiny PPO workload runs `--steps` RL steps with `lengths_from_trace`: each st
 responses stop at the trace's `response_len.max` (the untrained tiny models rarely stop
 early), growing from 4 to 48 tokens. Every policy starts from the same plan: the planner's
 best for the trace's first lengths on 2 ranks, under the starting calibration (the default
-one, or `--calibration FILE` from `nereus fit`). Each policy then runs with online
-calibration (the cost model refitted after every step); `fixed` keeps the initial layouts.
+one, or `--calibration FILE` from `nereus fit`). Every policy runs with online calibration
+(the cost model refitted after every step), as `nereus run` does by default; `fixed` keeps
+the initial layouts. `--no-fixed-calibration` runs `fixed` without it, the stricter baseline:
+it never replans, so it need not pay for the refits.
 
 Reported per policy: the mean wall time per step over the whole run (first model-stage
 span to the end of the last step, from DIR/timeline: transitions, controller and
@@ -15,7 +17,7 @@ the run's wall time, the plans used, and the reward of the last steps (same seed
 curves should stay close). Prints a table and writes benchmarks/results/adaptive_run.json.
 
     .venv/bin/python benchmarks/adaptive_run.py [--steps 30] [--policies fixed nereus]
-        [--calibration calibration.yaml --profile profile.yaml] [--output FILE]
+        [--calibration calibration.yaml --profile profile.yaml] [--no-fixed-calibration] [--output FILE]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import json
 import platform
 import statistics
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +85,23 @@ def initial_plan(calibration: Calibration, cluster: Cluster | None = None) -> Pl
 
 
 def run_policy(
-    policy: str, plan: Plan, trace: Trace, calibration: Calibration | None, num_steps: int, folder: Path
+    policy: str,
+    plan: Plan,
+    trace: Trace,
+    calibration: Calibration | None,
+    num_steps: int,
+    folder: Path,
+    fixed_calibrates: bool = True,
 ) -> dict[str, Any]:
     rl = RLConfig(task="sort", seed=0)
     config = RunConfig(
-        rl=rl, num_steps=num_steps, checkpoint_every=num_steps, policy=policy, lengths_from_trace=True, trace="t"
+        rl=rl,
+        num_steps=num_steps,
+        checkpoint_every=num_steps,
+        policy=policy,
+        lengths_from_trace=True,
+        trace="t",
+        online_calibration=policy != "fixed" or fixed_calibrates,
     )
     problems = plan_problems(plan, NUM_RANKS, rl)
     assert not problems, problems
@@ -168,6 +183,12 @@ def main() -> None:
         "--profile", type=Path, help="plan on this Profile's cluster (`nereus profile`; use with its --calibration)"
     )
     parser.add_argument("--repeats", type=int, default=1, help="run every policy this many times, alternating")
+    parser.add_argument(
+        "--fixed-calibration",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the fixed policy with online calibration, as `nereus run` does by default",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS, help="where to write the results JSON")
     args = parser.parse_args()
     calibration = load_document(args.calibration) if args.calibration else None
@@ -185,7 +206,8 @@ def main() -> None:
         # Policies alternate within each repeat, so slow spells of this shared machine hit both.
         for repeat in range(args.repeats):
             where = Path(folder) / f"repeat-{repeat}"
-            repeats.append([run_policy(p, plan, trace, calibration, args.steps, where) for p in args.policies])
+            run = partial(run_policy, trace=trace, calibration=calibration, num_steps=args.steps, folder=where)
+            repeats.append([run(p, plan, fixed_calibrates=args.fixed_calibration) for p in args.policies])
             print_repeat(repeat, repeats[-1])
     summary = summarise_repeats(args.policies, repeats)
     for policy, row in summary.items():
@@ -204,6 +226,7 @@ def main() -> None:
         "initial_plan": layout_summary(plan),
         "calibration": str(args.calibration) if args.calibration else "default",
         "profile": str(args.profile) if args.profile else None,
+        "fixed_online_calibration": args.fixed_calibration,
         "machine": platform.platform(),
         "repeats": args.repeats,
         "summary": summary,
