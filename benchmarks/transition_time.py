@@ -6,8 +6,10 @@ Two drifts per GPU count, each a pair of plans from `nereus plan` for Llama-3.1-
               N-GPU cluster).
 Times `build_transition` (local DAGs, scheduling, bytes and lower bound), median of --runs,
 as wall time and as the process's CPU time (the one to quote when the machine is shared:
-other jobs stretch wall time, not the CPU time the build itself needs), and the fastest
-run's CPU time. The list scheduler is safe by construction, so the replay checker
+other jobs stretch wall time, and less so the CPU time the build itself needs), and the
+fastest run's CPU time; the 1-minute load average before and after is recorded. `copies`
+counts the replicas Extends create (large rounds of alike copies share one Extend, so
+it can exceed the number of Extends). The list scheduler is safe by construction, so the replay checker
 (`check_result`) runs outside the timed path, once per case: its violations are recorded.
 Prints a table and writes benchmarks/results/transition_time.json.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -66,6 +69,7 @@ def measure(plan_a: Plan, plan_b: Plan, runs: int) -> dict[str, object]:
         "rule": result.priority_rule,
         "primitives": len(result.primitives),
         "kinds": dict(Counter(p.kind for p in result.primitives)),
+        "copies": sum(len(p.adds) for p in result.primitives if p.kind == "extend"),
         "feasible": result.feasible,
         "makespan_s": result.makespan_s,
         "bytes_moved": result.bytes_moved,
@@ -78,12 +82,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="timed repetitions per case (median reported)")
     args = parser.parse_args()
     rows = []
+    load_before = os.getloadavg()[0]
     for gpus in GPU_COUNTS:
         for drift, (plan_a, plan_b) in pairs(gpus).items():
             rows.append({"gpus": gpus, "drift": drift, **measure(plan_a, plan_b, args.runs)})
     header = (
-        f"{'GPUs':>5} {'drift':<12} {'wall ms':>9} {'CPU ms':>9} {'min CPU':>8} {'primitives':>10} {'feasible':>8} "
-        f"{'checker':>7} {'makespan s':>10} {'moved/LB':>8}"
+        f"{'GPUs':>5} {'drift':<12} {'wall ms':>9} {'CPU ms':>9} {'min CPU':>8} {'primitives':>10} {'copies':>6} "
+        f"{'feasible':>8} {'checker':>7} {'makespan s':>10} {'moved/LB':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -91,11 +96,20 @@ def main() -> None:
         ratio = r["bytes_moved"] / r["lower_bound_bytes"] if r["lower_bound_bytes"] else float("nan")  # type: ignore[operator]
         print(
             f"{r['gpus']:>5} {r['drift']:<12} {r['median_ms']:>9.2f} {r['median_cpu_ms']:>9.2f} "
-            f"{r['min_cpu_ms']:>8.2f} {r['primitives']:>10} {r['feasible']!s:>8} {r['checker_violations']!s:>7} "
-            f"{r['makespan_s']:>10.2f} {ratio:>8.2f}"
+            f"{r['min_cpu_ms']:>8.2f} {r['primitives']:>10} {r['copies']:>6} {r['feasible']!s:>8} "
+            f"{r['checker_violations']!s:>7} {r['makespan_s']:>10.2f} {ratio:>8.2f}"
         )
+    load = {"before": load_before, "after": os.getloadavg()[0]}
+    print(f"1-minute load average: {load['before']:.2f} before, {load['after']:.2f} after ({os.cpu_count()} CPUs)")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": "transition_time", "runs": args.runs, "python": platform.python_version(), "results": rows}
+    payload = {
+        "benchmark": "transition_time",
+        "runs": args.runs,
+        "python": platform.python_version(),
+        "load_average_1min": load,
+        "cpus": os.cpu_count(),
+        "results": rows,
+    }
     RESULTS.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {RESULTS}")
 

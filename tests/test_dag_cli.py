@@ -357,3 +357,22 @@ def test_dag_commands_import_neither_torch_nor_matplotlib(plan_b: Path, tmp_path
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
     assert out.is_file()
+
+
+def test_batched_extend_round_trips_and_replays_clean(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An Extend copying two replicas side by side (batching lowered to two copies a round)
+    survives the file form: rebuilt from the document, the checker replays it clean."""
+    import nereus.solver.transition.local as local
+    from nereus.solver.transition import build_transition
+
+    monkeypatch.setattr(local, "BATCH_MIN_COPIES", 2)
+    plan = load_document("examples/plan-tiny-ppo-4rank.yaml")
+    assert isinstance(plan, Plan)
+    plan_a = relayout(plan, "critic/inference", 1, 1, [[0], [1]])
+    plan_b = relayout(plan, "critic/inference", 1, 1, [[0], [1], [2], [3]])
+    result = build_transition(plan_a, plan_b)
+    assert any(p.kind == "extend" and len(p.adds) == 2 for p in result.primitives)
+    document = to_document(plan_a, plan_b, result)
+    rebuilt = from_document(document)
+    assert [(p.adds, p.copies_from) for p in rebuilt.primitives] == [(p.adds, p.copies_from) for p in result.primitives]
+    assert check_result(rebuilt, plan_a, plan_b) == []
