@@ -9,6 +9,8 @@ moves). Replicas are matched to B's slots by how many GPUs already hold the righ
 Spare replicas that become free together (those of one split, or all of them when A is
 the intermediate layout) go in one Destroy. Matched replicas that would trade GPUs with
 each other can instead be copied afresh (`unswap`, tried when the DAG deadlocks).
+Large rounds of alike copies share one Extend (`_batches`), and a model-stage whose EMUs
+match one already built in both plans gets that DAG renamed (`stamp`).
 """
 
 from __future__ import annotations
