@@ -15,6 +15,7 @@ from plan_helpers import relayout
 
 import nereus.solver.transition
 from nereus.render.dot import transition_dot
+from nereus.render.tree import primitive_line
 from nereus.solver.transition.check import check_result
 from nereus.solver.transition.document import from_document, to_document
 from nereus.spec.io import load_document, save_document
@@ -376,3 +377,5 @@ def test_batched_extend_round_trips_and_replays_clean(monkeypatch: pytest.Monkey
     rebuilt = from_document(document)
     assert [(p.adds, p.copies_from) for p in rebuilt.primitives] == [(p.adds, p.copies_from) for p in result.primitives]
     assert check_result(rebuilt, plan_a, plan_b) == []
+    batched = next(p for p in document.primitives if p.kind == "extend" and len(p.adds) == 2)
+    assert " | 2 replicas | GPUs " in primitive_line(batched)  # `dag show` says how many it copies

@@ -27,6 +27,8 @@ def _layout(entry: StagePlan) -> str:
 def primitive_line(primitive: PrimitiveRecord) -> str:
     """E.g. `#6 merge tp=1 pp=1 -> tp=2 pp=1 | GPUs 0-1 | 0.301-0.401 s | deps #4`."""
     parts = [primitive_title(primitive), f"GPUs {gpu_ranges(primitive.gpus)}", time_span(primitive)]
+    if primitive.kind == "extend" and len(primitive.adds) > 1:  # a batched Extend: copies side by side
+        parts.insert(1, f"{len(primitive.adds)} replicas")
     moved = primitive.bytes_intra_node + primitive.bytes_inter_node
     if moved:
         parts.append(f"moves {format_bytes(moved)}")
