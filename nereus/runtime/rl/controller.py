@@ -10,10 +10,10 @@ same primitives); a restart as the target plan alone (the ranks move through a c
 The controller imports no torch: rank 0 broadcasts what it returns.
 
 `Predictor` (every run, rank 0) prices each step with the cost model calibrated on the
-steps before it and puts the prediction beside the measurement in metrics.jsonl; the step
-is folded into the online calibration during the next step, while rank 0 has no part in
-generation (else right after it), so the controller plans with the calibration of all
-steps but the last.
+steps before it, puts the prediction beside the measurement in metrics.jsonl, and folds
+the step into the online calibration: at once, or, when the plan gives rank 0 no part in
+generation, during the next step's generation (then the controller plans with the
+calibration of all steps but the last).
 Both are pickled into every checkpoint, so a resumed run decides as the uninterrupted one.
 """
 
