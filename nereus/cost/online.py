@@ -10,9 +10,9 @@ regime) is tracked within about 1 / (1 - forgetting) steps.
 
 The cost model is piecewise affine in the fitted parameters (times proportional to inverse
 efficiencies and overheads, combined by sums and maxima), so a linearisation stays exact
-until the estimate crosses a kink. The calibrator keeps the last few (per sized plan) and reuses one while
-the step's prediction at the new estimate still equals the cached affine form: one cost
-model evaluation per step instead of one per parameter plus one.
+until the estimate crosses a kink. The calibrator keeps the last few (one per sized plan)
+and reuses one while the step's prediction at the new estimate still equals the cached
+affine form: one cost model evaluation per step instead of one per parameter plus one.
 """
 
 from __future__ import annotations
@@ -72,9 +72,9 @@ class Linearisation:
     gradients: dict[str, np.ndarray] = field(repr=False)
     """Per predicted key: derivative in each fitted parameter (order of FITTED)."""
 
-    def holds(self, plan: Plan, theta: np.ndarray, predicted: Mapping[str, float]) -> bool:
-        """Whether `predicted` (at parameters `theta`, for `plan`) lies on this affine form."""
-        if plan != self.plan or predicted.keys() != self.offsets.keys():
+    def holds(self, theta: np.ndarray, predicted: Mapping[str, float]) -> bool:
+        """Whether `predicted` (at parameters `theta`, for this plan) lies on this affine form."""
+        if predicted.keys() != self.offsets.keys():
             return False
         for key, seconds in predicted.items():
             affine = self.offsets[key] + float(self.gradients[key] @ theta)
@@ -156,7 +156,7 @@ class OnlineCalibrator:
         base = dict(predicted) if predicted is not None else predict(sized, self.calibration)
         for cached in self.linearisations:
             if cached.plan == sized:
-                if cached.holds(sized, theta, base):
+                if cached.holds(theta, base):
                     return base, cached.gradients
                 self.linearisations.remove(cached)
                 break

@@ -177,10 +177,11 @@ def measured(state: RunState, plan: Plan, metrics: StepMetrics, moved: bool, lea
     state.plan_index += int(moved)
     predicted = state.predictor.predict(plan, metrics.prompt_len, metrics.response_len_max)
     metrics = dataclasses.replace(metrics, **prediction_fields(predicted), plan_index=state.plan_index)
-    if learn and 0 not in plan.stage_plan("actor/generation").gpus:
-        state.predictor.defer(plan, metrics)  # rank 0 will idle in the next step's generation
-    elif learn:
-        state.predictor.update(plan, metrics)
+    if learn:
+        if 0 in plan.stage_plan("actor/generation").gpus:
+            state.predictor.update(plan, metrics)
+        else:  # rank 0 will idle in the next step's generation
+            state.predictor.defer(plan, metrics)
     if state.controller is not None:
         state.controller.measured(metrics, state.predictor.calibration)
     return metrics

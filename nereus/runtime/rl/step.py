@@ -285,9 +285,9 @@ def local_train(stage: Stage, batch: Batch, objective: Any, num_mini_batches: in
     return losses
 
 
-def mean_loss(losses: list[float] | None) -> float:
+def mean_loss(losses: list[float]) -> float:
     """The mean loss of a rank's updates (0 on a rank that trained nothing)."""
-    return float(sum(losses or []) / max(len(losses or []), 1))
+    return float(sum(losses) / max(len(losses), 1))
 
 
 def gather_loss(stage: Stage, losses: list[float]) -> float:
@@ -589,10 +589,11 @@ def run_training(
                     critic, critic_batch, value_objective, workload.mini_batches, workload.ppo_epochs
                 )
     with timed(seconds, "exchange"):
-        trained = {"actor": actor} if critic is None or critic_losses is None else {"actor": actor, "critic": critic}
-        losses = {"actor": actor_losses, "critic": critic_losses}
+        trained, losses = {"actor": actor}, {"actor": mean_loss(actor_losses)}
+        if critic is not None and critic_losses is not None:
+            trained["critic"], losses["critic"] = critic, mean_loss(critic_losses)
         # Every replica reports the global batch's loss; take the first.
-        means = by_replica_of(trained, {name: mean_loss(losses[name]) for name in trained})
+        means = by_replica_of(trained, losses)
     return means["actor"][0], means["critic"][0] if "critic" in means else None
 
 

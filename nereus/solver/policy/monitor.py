@@ -4,9 +4,9 @@ Sequence length and measured efficiency trigger a replan when they move more tha
 relative threshold from the value they had at the last replan. Pool changes, a refitted
 cost model and predicted memory violations always trigger (the policy checks the last
 itself); a refit also restarts the efficiency signal, whose past values were measured
-against the old model. Each signal's drift
-rate (slope of its logarithm per step, least squares over a window) predicts how many
-steps remain until it crosses its threshold again: the payback horizon.
+against the old model. Each signal's drift rate (slope of its logarithm per step, least
+squares over a window) predicts how many steps remain until it crosses its threshold
+again: the payback horizon.
 """
 
 from __future__ import annotations
@@ -39,6 +39,11 @@ class Signal:
             self.history.popleft()
         if self.reference is None:
             self.reference = value
+
+    def restart(self) -> None:
+        """Forget the history and the reference: the next value becomes both."""
+        self.history.clear()
+        self.reference = None
 
     def crossing(self, value: float) -> str | None:
         """A trigger label when `value` is past the threshold from the reference."""
@@ -85,9 +90,7 @@ class Monitor:
         values = {"seq_len": length_signal(observation), "efficiency": observation.efficiency}
         fired = []
         if observation.recalibrated:
-            efficiency = self.signals["efficiency"]
-            efficiency.history.clear()
-            efficiency.reference = None
+            self.signals["efficiency"].restart()
             fired.append("recalibrated")
         for name, signal in self.signals.items():
             signal.observe(observation.step, values[name])
