@@ -15,7 +15,6 @@ match one already built in both plans gets that DAG renamed (`stamp`).
 
 from __future__ import annotations
 
-import collections
 import functools
 import itertools
 import operator
@@ -27,7 +26,7 @@ from typing import cast
 
 import numpy as np
 
-from nereus.solver.transition.primitives import Emu, Layout, Primitive, box_fraction
+from nereus.solver.transition.primitives import Emu, Layout, Primitive, PrimitiveKind, box_fraction
 
 Gpus = tuple[int, ...]  # a replica's GPUs, stage-major
 
@@ -60,7 +59,24 @@ def sub_replicas(emu: Emu, inter: Layout) -> list[Emu]:
     return [_EMU((emu.model_stage, inter[0], inter[1], gpus)) for gpus in sub_gpus(emu.gpus, emu.layout, inter)]
 
 
-_EMU = functools.partial(tuple.__new__, Emu)  # Emu from a 4-tuple, without a Python-level call
+def _sub_array(replicas: list[Gpus], layout: Layout, inter: Layout) -> np.ndarray:
+    """`sub_gpus` of every replica at once: array [replica, I-replica, I position]."""
+    tp, pp = inter
+    ft, fs = layout[0] // tp, layout[1] // pp
+    gpus = np.fromiter(itertools.chain.from_iterable(replicas), np.int64, len(replicas) * layout[0] * layout[1])
+    # Axes (replica, si, js, ri, jr) -> (replica, js, jr, si, ri): see `sub_gpus`.
+    return gpus.reshape(len(replicas), pp, fs, tp, ft).transpose(0, 2, 4, 1, 3).reshape(len(replicas), fs * ft, -1)
+
+
+def _all_sub_gpus(replicas: list[Gpus], layout: Layout, inter: Layout) -> list[Gpus]:
+    """`sub_gpus` of each replica, concatenated (one array pass: B may have hundreds)."""
+    if layout == inter:
+        return list(replicas)
+    return list(map(tuple, _sub_array(replicas, layout, inter).reshape(-1, inter[0] * inter[1]).tolist()))
+
+
+_NEW_TUPLE = tuple.__new__  # Emu from a 4-tuple without the Python-level Emu.__new__
+_EMU = functools.partial(_NEW_TUPLE, Emu)
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _IS_REPLICA = functools.partial(operator.is_not, None)  # a replica index, not a missing one
 
@@ -76,9 +92,45 @@ class _Builder:
     node_size: int | None = None
     """GPUs per node when independent copies are batched (see `_batches`); None: one Extend per copy."""
 
-    def add(self, occupied: Iterable[int], **fields: object) -> Primitive:
-        """A primitive on the `occupied` GPUs (its reads, writes, allocations and frees)."""
-        primitive = Primitive(id=self.next_id, model_stage=self.model_stage, **fields)  # type: ignore[arg-type]
+    def add(
+        self,
+        occupied: Iterable[int],
+        *,
+        kind: PrimitiveKind,
+        source_layout: Layout,
+        target_layout: Layout,
+        reads: Gpus,
+        writes: Gpus,
+        alloc: dict[int, float],
+        free: dict[int, float],
+        transfers: tuple[tuple[int, int, float], ...],
+        removes: tuple[Emu, ...] = (),
+        retires: tuple[Emu, ...] = (),
+        adds: tuple[Emu, ...] = (),
+        copies_from: tuple[Emu, ...] = (),
+        deps: list[int] | None = None,
+        new_groups: int = 0,
+    ) -> Primitive:
+        """A primitive on the `occupied` GPUs (its reads, writes, allocations and frees).
+        Fields are passed on by name: through **kwargs they cost more than the rest of it."""
+        primitive = Primitive(
+            id=self.next_id,
+            kind=kind,
+            model_stage=self.model_stage,
+            source_layout=source_layout,
+            target_layout=target_layout,
+            reads=reads,
+            writes=writes,
+            alloc=alloc,
+            free=free,
+            transfers=transfers,
+            removes=removes,
+            retires=retires,
+            adds=adds,
+            copies_from=copies_from,
+            deps=[] if deps is None else deps,
+            new_groups=new_groups,
+        )
         # Seed the cached `gpus`: the builder knows the set; the generic union costs more.
         primitive.__dict__["gpus"] = tuple(sorted(occupied))
         self.next_id += 1
@@ -93,30 +145,38 @@ class _Builder:
         return list(map(_EMU, zip(repeat(self.model_stage), repeat(layout[0]), repeat(layout[1]), replicas)))
 
 
-def _split(build: _Builder, gpus: Gpus, layout: Layout, inter: Layout) -> tuple[Primitive, list[Gpus]]:
-    """Split one A replica into I-replicas (A is not the intermediate layout)."""
-    replicas = sub_gpus(gpus, layout, inter)
+def _splits(build: _Builder, replicas_a: list[Gpus], layout: Layout, inter: Layout) -> tuple[list[Gpus], list[int]]:
+    """Split every A replica into I-replicas (A is not the intermediate layout): the
+    I-replicas in order, and per I-replica the id of the split that made it."""
+    subs = _sub_array(replicas_a, layout, inter)
+    num_subs = subs.shape[1]
     piece = build.state_bytes * box_fraction(layout)
     grow = build.state_bytes * box_fraction(inter) - piece
-    # Per I position, the GPUs holding a piece of it: each sends its piece to the others
-    # (destination-major, in C: a wide split has hundreds of transfers).
-    pairs = list(itertools.chain.from_iterable(map(itertools.permutations, zip(*replicas, strict=True), repeat(2))))
-    transfers = tuple(zip(map(_SECOND, pairs), map(_FIRST, pairs), repeat(piece)))
-    primitive = build.add(
-        gpus,
-        kind="split",
-        source_layout=layout,
-        target_layout=inter,
-        reads=gpus,
-        writes=gpus,
-        alloc=dict.fromkeys(gpus, grow),
-        free={},
-        transfers=transfers,
-        retires=(build.emu(layout, gpus),),
-        adds=tuple(build.emu(inter, replica) for replica in replicas),
-        new_groups=len(replicas),
-    )
-    return primitive, replicas
+    # Per I position, the GPUs holding a piece of it: each sends its piece to the others,
+    # destination-major (the order of itertools.permutations; a wide split has hundreds).
+    destination, source = np.array(list(itertools.permutations(range(num_subs), 2)), np.int64).reshape(-1, 2).T
+    senders = subs[:, source, :].transpose(0, 2, 1).reshape(len(replicas_a), -1).tolist()
+    receivers = subs[:, destination, :].transpose(0, 2, 1).reshape(len(replicas_a), -1).tolist()
+    replicas = list(map(tuple, subs.reshape(-1, subs.shape[2]).tolist()))
+    origin = []
+    for i, gpus in enumerate(replicas_a):
+        made = replicas[i * num_subs : (i + 1) * num_subs]
+        split = build.add(
+            gpus,
+            kind="split",
+            source_layout=layout,
+            target_layout=inter,
+            reads=gpus,
+            writes=gpus,
+            alloc=dict.fromkeys(gpus, grow),
+            free={},
+            transfers=tuple(zip(senders[i], receivers[i], repeat(piece))),
+            retires=(build.emu(layout, gpus),),
+            adds=tuple(build.emus(inter, made)),
+            new_groups=num_subs,
+        )
+        origin += [split.id] * num_subs
+    return replicas, origin
 
 
 def match_replicas(replicas: list[Emu], slots: list[Emu]) -> dict[int, Emu]:
@@ -149,43 +209,54 @@ def _match(replicas: list[Gpus], slots: list[Gpus]) -> tuple[dict[int, int], dic
     slot_gpus = set(itertools.chain.from_iterable(map(slots.__getitem__, open_slots)))
     if slot_gpus.isdisjoint(itertools.chain.from_iterable(map(replicas.__getitem__, unused))):
         return exact, partial  # no replica left holds a box on a slot's GPUs
-    # (GPU, position) -> the unused replica holding that box there (replicas share one layout).
-    positions = range(len(replicas[0]))
-    held = zip(map(replicas.__getitem__, unused), repeat(positions))  # (a replica's GPUs, positions)
-    boxes = itertools.chain.from_iterable(itertools.starmap(zip, held))
-    owners = itertools.chain.from_iterable(map(repeat, unused, repeat(len(positions))))
-    owner = dict(zip(boxes, owners, strict=True))
-    pairs = []
-    for k in open_slots:
-        counts: collections.Counter[int] = collections.Counter(
-            filter(_IS_REPLICA, map(owner.get, zip(slots[k], positions, strict=True)))  # type: ignore[arg-type]
-        )
-        pairs += [(-count, k, r) for r, count in counts.items()]
-    pairs.sort()
-    for _, k, r in pairs:
-        if k not in partial and r not in used:
-            partial[k] = r
-            used.add(r)
+    for k, r in _overlaps(list(map(replicas.__getitem__, unused)), list(map(slots.__getitem__, open_slots))):
+        if open_slots[k] not in partial and unused[r] not in used:
+            partial[open_slots[k]] = unused[r]
+            used.add(unused[r])
     return exact, partial
 
 
-def _extend(build: _Builder, source: Emu, slot: Emu, positions: list[int], deps: list[int]) -> Primitive:
-    """Copy the boxes at `positions` of `source` onto `slot`'s GPUs (a replica that moves)."""
-    box = build.state_bytes * box_fraction(slot.layout)
-    reads, targets = tuple(map(source.gpus.__getitem__, positions)), tuple(map(slot.gpus.__getitem__, positions))
+def _overlaps(replicas: list[Gpus], slots: list[Gpus]) -> list[tuple[int, int]]:
+    """(slot, replica) index pairs with at least one GPU holding the slot's box there, by
+    most such GPUs, then slot, then replica. Replicas share one layout, so the GPU ->
+    (replica, position) index is two arrays over GPU ids."""
+    num_positions = len(replicas[0])
+    held = np.fromiter(itertools.chain.from_iterable(replicas), np.int64, len(replicas) * num_positions)
+    wanted = np.fromiter(itertools.chain.from_iterable(slots), np.int64, len(slots) * num_positions)
+    owner = np.full(max(held.max(), wanted.max()) + 1, -1)
+    position = owner.copy()
+    owner[held] = np.arange(len(replicas)).repeat(num_positions)
+    position[held] = np.tile(np.arange(num_positions), len(replicas))
+    in_place = position[wanted] == np.tile(np.arange(num_positions), len(slots))
+    # One key per (slot, replica) overlap: the count of its GPUs in place.
+    keys, counts = np.unique(
+        np.arange(len(slots)).repeat(num_positions)[in_place] * len(replicas) + owner[wanted][in_place],
+        return_counts=True,
+    )
+    order = np.lexsort((keys, -counts))  # keys order by slot, then replica
+    slot_index, replica_index = np.divmod(keys[order], len(replicas))
+    return list(zip(slot_index.tolist(), replica_index.tolist(), strict=True))
+
+
+def _extend(build: _Builder, inter: Layout, source: Gpus, slot: Gpus, dep: int) -> Primitive:
+    """Copy the boxes `source` holds elsewhere than `slot` onto `slot`'s GPUs (a matched
+    I-replica that moves; `dep`: the id its data waits for, -1: none)."""
+    box = build.state_bytes * box_fraction(inter)
+    moved = list(map(operator.ne, source, slot))
+    reads, targets = tuple(itertools.compress(source, moved)), tuple(itertools.compress(slot, moved))
     return build.add(
         {*reads, *targets},
         kind="extend",
-        source_layout=source.layout,
-        target_layout=slot.layout,
+        source_layout=inter,
+        target_layout=inter,
         reads=reads,
         writes=targets,
         alloc=dict.fromkeys(targets, box),
         free={},
         transfers=tuple(zip(reads, targets, repeat(box))),
-        adds=(slot,),
-        copies_from=(source,),
-        deps=[d for d in deps if d >= 0],
+        adds=(build.emu(inter, slot),),
+        copies_from=(build.emu(inter, source),),
+        deps=[dep] if dep >= 0 else [],
         new_groups=1,
     )
 
@@ -232,23 +303,28 @@ def _destroy(build: _Builder, replicas: list[Emu], gpus: Gpus, deps: list[int]) 
     )
 
 
-def _merge(build: _Builder, target: Emu, parts: list[Emu], deps: list[int]) -> Primitive:
-    shrink = build.state_bytes * (box_fraction(parts[0].layout) - box_fraction(target.layout))
-    return build.add(
-        target.gpus,
-        kind="merge",
-        source_layout=parts[0].layout,
-        target_layout=target.layout,
-        reads=(),
-        writes=target.gpus,
-        alloc={},
-        free=dict.fromkeys(target.gpus, shrink),
-        transfers=(),
-        retires=tuple(parts),
-        adds=(target,),
-        deps=sorted({d for d in deps if d >= 0}),
-        new_groups=1,
-    )
+def _merges(build: _Builder, layout: Layout, gpus_b: list[Gpus], parts: list[Emu], waits: list[list[int]]) -> None:
+    """Merge each B replica from its I-replicas (`parts`, consecutive per replica), once
+    the ids each part waits for are done: no data moves, each GPU frees what B drops."""
+    per_replica = len(parts) // len(gpus_b)
+    free = build.state_bytes * (box_fraction(parts[0].layout) - box_fraction(layout))
+    for start, target in zip(range(0, len(parts), per_replica), build.emus(layout, gpus_b), strict=True):
+        deps = {d for wait in waits[start : start + per_replica] for d in wait if d >= 0}
+        build.add(
+            target.gpus,
+            kind="merge",
+            source_layout=parts[0].layout,
+            target_layout=layout,
+            reads=(),
+            writes=target.gpus,
+            alloc={},
+            free=dict.fromkeys(target.gpus, free),
+            transfers=(),
+            retires=tuple(parts[start : start + per_replica]),
+            adds=(target,),
+            deps=sorted(deps),
+            new_groups=1,
+        )
 
 
 #: Copies per source replica above which new replicas are copied as a doubling tree.
@@ -425,13 +501,8 @@ def replica_dag(
     build = _Builder(model_stage, state_bytes, next_id, [], node_size)
     replicas, origin = gpus_a, [-1] * len(gpus_a)  # per I-replica: id of the split that made it (-1: none)
     if layout_a != inter:
-        replicas, origin = [], []
-        for gpus in gpus_a:
-            split, subs = _split(build, gpus, layout_a, inter)
-            replicas += subs
-            origin += [split.id] * len(subs)
-    slots_of = [sub_gpus(gpus, layout_b, inter) for gpus in gpus_b] if layout_b != inter else []
-    slots = [slot for subs in slots_of for slot in subs] if slots_of else gpus_b
+        replicas, origin = _splits(build, gpus_a, layout_a, inter)
+    slots = _all_sub_gpus(gpus_b, layout_b, inter)
     in_place, moving = _match(replicas, slots)  # slot index -> replica, kept where it is / moved
     if unswap:
         _drop_swap_cycles(replicas, slots, moving)
@@ -445,14 +516,12 @@ def replica_dag(
     leftovers: list[tuple[int, Gpus, int]] = []
     source_of: dict[int, _Source] = {}  # kept replica -> where copies read it from
     for k, r in moving.items():
-        matched, slot = replicas[r], build.emu(inter, slots[k])
-        moved = list(itertools.compress(itertools.count(), map(operator.ne, matched, slot.gpus)))
-        extend = _extend(build, build.emu(inter, matched), slot, moved, [origin[r]])
+        extend = _extend(build, inter, replicas[r], slots[k], origin[r])
         readers.setdefault(r, []).append(extend.id)
         leftovers.append((r, extend.reads, extend.id))
         ready[k] = [extend.id]
         if unswap:  # copy from where it lands, so no copy holds its old GPUs
-            source_of[r] = (slot, extend.id, slot_readers.setdefault(k, []))
+            source_of[r] = (extend.adds[0], extend.id, slot_readers.setdefault(k, []))
     pending = sorted(set(range(len(slots))).difference(in_place, moving))
     if pending:
         # Without `unswap` a round pairs sources with slots in order: at most len(pending) are read.
@@ -462,7 +531,7 @@ def replica_dag(
             source_of.get(r) or (emu, origin[r], readers.setdefault(r, [])) for r, emu in zip(used, emus, strict=True)
         ]
         filled = _fan_out(build, pending, slots, sources, star_rounds, unswap)
-        for k, (_, extend_id, copy_readers) in filled.items() if slots_of else ():  # read by merges only
+        for k, (_, extend_id, copy_readers) in filled.items() if layout_b != inter else ():  # read by merges only
             ready[k] = [extend_id]
             slot_readers[k] = copy_readers
     for r, gpus, extend_id in leftovers:  # a moved replica's old GPUs, once copied
@@ -470,17 +539,15 @@ def replica_dag(
     if not kept and spare:  # the only copy B does not keep: destroyed after every copy
         r = spare[0]
         _destroy(build, [build.emu(inter, replicas[r])], replicas[r], [origin[r], *readers.get(r, ())])
-    k = 0
-    for gpus, subs in zip(gpus_b, slots_of, strict=False):  # no slots_of: B is the intermediate layout
+    if layout_b != inter:
         # A slot that served as a copy source is merged only after those copies read it.
-        deps = []
-        for j in range(k, k + len(subs)):
-            if j in in_place:
-                deps += [origin[in_place[j]], *readers.get(in_place[j], ())]
-            else:
-                deps += [*ready[j], *slot_readers.get(j, ())]
-        _merge(build, build.emu(layout_b, gpus), build.emus(inter, subs), deps)
-        k += len(subs)
+        waits = [
+            [origin[in_place[k]], *readers.get(in_place[k], ())]
+            if k in in_place
+            else [*ready[k], *slot_readers.get(k, ())]
+            for k in range(len(slots))
+        ]
+        _merges(build, layout_b, gpus_b, build.emus(inter, slots), waits)
     return build.primitives
 
 
@@ -488,21 +555,29 @@ def stamp(template: list[Primitive], model_stage: str, state_bytes: float, next_
     """`template` (one model-stage's local DAG, ids from its first) for another model-stage
     whose EMUs sit on the very same GPUs in both plans: the same primitives with its name,
     ids and bytes (computed as the builders compute them). Inference model-stages sharing
-    a pool have identical EMUs, and this skips the matching and copy planning for them."""
+    a pool have identical EMUs, and this skips the matching and copy planning for them.
+    GPU tuples are immutable and shared with the template; only names and bytes are new."""
     shift = next_id - template[0].id if template else 0
-    build = _Builder(model_stage, state_bytes, next_id, [])
-    for p in template:
-        moved, kept = _stamped_bytes(p, state_bytes)
-        build.add(
-            p.gpus,
+    bytes_of: dict[tuple[str, Layout, Layout], tuple[float, float]] = {}  # alike primitives, alike bytes
+    primitives = []
+    for primitive_id, p in enumerate(template, next_id):
+        key = (p.kind, p.source_layout, p.target_layout)
+        if key not in bytes_of:
+            bytes_of[key] = _stamped_bytes(p, state_bytes)
+        moved, kept = bytes_of[key]
+        primitive = Primitive(
+            id=primitive_id,
             kind=p.kind,
+            model_stage=model_stage,
             source_layout=p.source_layout,
             target_layout=p.target_layout,
             reads=p.reads,
             writes=p.writes,
             alloc=dict.fromkeys(p.alloc, kept) if p.alloc else {},
             free=dict.fromkeys(p.free, kept) if p.free else {},
-            transfers=tuple(zip(map(_FIRST, p.transfers), map(_SECOND, p.transfers), repeat(moved))),
+            transfers=tuple(zip(map(_FIRST, p.transfers), map(_SECOND, p.transfers), repeat(moved)))
+            if p.transfers
+            else (),
             removes=_renamed(p.removes, model_stage),
             retires=_renamed(p.retires, model_stage),
             adds=_renamed(p.adds, model_stage),
@@ -510,7 +585,9 @@ def stamp(template: list[Primitive], model_stage: str, state_bytes: float, next_
             deps=[d + shift for d in p.deps],
             new_groups=p.new_groups,
         )
-    return build.primitives
+        primitive.__dict__["gpus"] = p.gpus  # sorted already: see `_Builder.add`
+        primitives.append(primitive)
+    return primitives
 
 
 def _stamped_bytes(p: Primitive, state_bytes: float) -> tuple[float, float]:
@@ -524,6 +601,15 @@ def _stamped_bytes(p: Primitive, state_bytes: float) -> tuple[float, float]:
 
 
 def _renamed(emus: tuple[Emu, ...], model_stage: str) -> tuple[Emu, ...]:
+    """`emus` for `model_stage`. Most primitives name none, one or two: the cheapest way
+    differs by length (a Python-level loop pays off only for few)."""
+    if not emus:
+        return emus
+    if len(emus) == 1:
+        _, tp, pp, gpus = emus[0]
+        return (_NEW_TUPLE(Emu, (model_stage, tp, pp, gpus)),)
+    if len(emus) < 8:
+        return tuple([_NEW_TUPLE(Emu, (model_stage, tp, pp, gpus)) for _, tp, pp, gpus in emus])
     return tuple(map(_EMU, zip(repeat(model_stage), map(_TP, emus), map(_PP, emus), map(_GPUS, emus))))
 
 
