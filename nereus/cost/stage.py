@@ -150,17 +150,23 @@ class StageCostModel:
             return np.ceil(per_replica / micro_batches)
         return np.ceil(self.samples_per_replica(dp) / micro_batches)
 
+    def model_state_terms(self, params: Array, dp: Array) -> dict[str, Array]:
+        """Resident bytes per GPU holding `params` parameters: parameters, and in training
+        gradients and optimizer state (sharded across dp when the optimizer says so)."""
+        terms: dict[str, Array] = {"parameters": params * self.dtype_bytes}
+        if self.stage == "training":
+            optimizer = self.workload.optimizer
+            adam = ADAM_BYTES_MIXED if self.dtype_bytes == 2 and optimizer.master_weights else ADAM_BYTES_FP32
+            terms["gradients"] = params * self.dtype_bytes
+            terms["optimizer"] = params * adam / (dp if optimizer.shard_across_dp else 1)
+        return terms
+
     def memory_terms(self, tp: Array, pp: Array, dp: Array, micro_batches: Array) -> dict[str, Array]:
         """Peak bytes per GPU by term. Model states are resident; the rest is transient."""
         w, m = self.workload, self.model
-        params = self.params_per_gpu(tp, pp)
-        terms: dict[str, Array] = {"parameters": params * self.dtype_bytes}
+        terms = self.model_state_terms(self.params_per_gpu(tp, pp), dp)
         max_len = w.prompt_len + w.response_len.max
         if self.stage == "training":
-            adam = ADAM_BYTES_MIXED if self.dtype_bytes == 2 and w.optimizer.master_weights else ADAM_BYTES_FP32
-            shard = dp if w.optimizer.shard_across_dp else 1
-            terms["gradients"] = params * self.dtype_bytes
-            terms["optimizer"] = params * adam / shard
             b = self.micro_batch_size(dp, micro_batches)
             in_flight = np.minimum(pp, micro_batches)
             per_layer = KORTHIKANTI_BYTES_PER_SBH * max_len * b * m.hidden_dim / tp * self.dtype_bytes / 2

@@ -11,11 +11,9 @@ plans has no safe order: the model-stages waiting on each other's memory are rep
 from __future__ import annotations
 
 import functools
-import heapq
 import itertools
-import operator
 import random
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Literal
@@ -23,19 +21,24 @@ from typing import Literal
 import numpy as np
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.plan_cost import RESIDENT_TERMS, head_of, usable_memory
+from nereus.cost.plan_cost import head_of, usable_memory
 from nereus.cost.stage import StageCostModel
 from nereus.errors import NereusError
 from nereus.solver.transition.local import STAR_ROUNDS, Replicas, replica_dag, stamp
 from nereus.solver.transition.order_search import GREEDY_TRIES, SEARCH_BUDGET, OrderSearch
 from nereus.solver.transition.primitives import Emu, Primitive
+from nereus.solver.transition.replay import (
+    EPS,
+    PriorityKey,
+    Replay,
+    list_schedule,
+    release_first,
+    stage_index,
+)
 from nereus.solver.transition.serial import improve_order, schedule_in_order, serial_schedule
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, StagePlan
-from nereus.spec.workload import STAGES
 from nereus.units import format_bytes
-
-EPS = 1e-9
 
 
 @dataclass
@@ -85,8 +88,7 @@ def state_bytes(plan: Plan, model_stage: str, calibration: Calibration) -> float
     role, stage = model_stage.split("/")
     model = plan.model(plan.workload.model_name(role))  # type: ignore[arg-type]
     cost = StageCostModel(model, head_of(role), stage, plan.workload, plan.cluster, calibration)  # type: ignore[arg-type]
-    terms = cost.memory_terms(1, 1, 1, 1)
-    return float(sum(v for k, v in terms.items() if k in RESIDENT_TERMS))
+    return float(sum(cost.model_state_terms(cost.params_per_gpu(1, 1), 1).values()))
 
 
 def held_bytes(plan: Plan, sizes: dict[str, float]) -> dict[int, float]:
@@ -186,18 +188,7 @@ def _lower_bound(gpus_a: _PlanGpus, gpus_b: _PlanGpus, changed: list[str], sizes
     return total
 
 
-PriorityKey = Callable[[Primitive], tuple[float, ...]]
 Effort = Literal["design-rule", "list", "full"]
-
-
-_STAGE_INDEX: dict[str, int] = {}  # model-stage name -> index of its stage in STAGES
-
-
-def _stage_index(primitive: Primitive) -> int:
-    index = _STAGE_INDEX.get(primitive.model_stage)
-    if index is None:
-        index = _STAGE_INDEX[primitive.model_stage] = STAGES.index(primitive.model_stage.split("/")[1])
-    return index
 
 
 def _tail_lengths(primitives: list[Primitive]) -> dict[int, float]:
@@ -230,183 +221,9 @@ def priority_rules(primitives: list[Primitive], tail: dict[int, float] | None = 
         "release-first": release_first,
         "release-then-critical-path": lambda p: (0 if p.releases else 1, -tail[p.id], p.id),
         "critical-path": lambda p: (-tail[p.id], p.id),
-        "release-then-late-stages": lambda p: (0 if p.releases else 1, -_stage_index(p), -tail[p.id], p.id),
+        "release-then-late-stages": lambda p: (0 if p.releases else 1, -stage_index(p), -tail[p.id], p.id),
         "net-releasers-first": lambda p: (-net[p.model_stage], 0 if p.releases else 1, p.id),
     }
-
-
-@dataclass
-class Replay:
-    """Mutable state of the list scheduler."""
-
-    usage: dict[int, float]
-    capacity: float
-    busy_until: dict[int, float] = field(default_factory=dict)
-    last_release: dict[int, tuple[float, int, str]] = field(default_factory=dict)
-    blocked_since: dict[int, float] = field(default_factory=dict)
-    peak: dict[int, float] = field(default_factory=dict)
-
-    def start(self, primitive: Primitive, now: float) -> None:
-        end = now + primitive.duration_s
-        primitive.start_s, primitive.end_s = now, end
-        primitive.scheduled = True
-        if primitive.duration_s > EPS:  # an instantaneous one leaves its (idle) GPUs idle
-            self.busy_until.update(zip(primitive.gpus, repeat(end)))
-        alloc, usage, peak = primitive.alloc, self.usage, self.peak
-        if len(alloc) > WIDE:  # usage and peak per GPU in C (a batched copy allocates on hundreds)
-            after = list(map(operator.add, map(usage.get, alloc, repeat(0.0)), alloc.values()))
-            usage.update(zip(alloc, after, strict=True))
-            peak.update(zip(alloc, map(max, map(peak.get, alloc, after), after), strict=True))
-        else:
-            for gpu, nbytes in alloc.items():
-                before = usage.get(gpu, 0.0)
-                now_held = usage[gpu] = before + nbytes
-                if now_held >= peak.get(gpu, before):
-                    peak[gpu] = now_held
-        waited = self.blocked_since.get(primitive.id)
-        if waited is None:
-            return
-        for gpu in primitive.alloc:  # memory it waited for, released by another model-stage
-            release = self.last_release.get(gpu)
-            if release is None or release[2] == primitive.model_stage:
-                continue
-            if release[0] >= waited and release[1] not in primitive.ownership_deps:
-                primitive.ownership_deps.append(release[1])
-
-    def finish(self, primitive: Primitive) -> None:
-        if not primitive.free:
-            return
-        usage, free = self.usage, primitive.free
-        if len(free) > WIDE:
-            usage.update(zip(free, map(operator.sub, map(usage.__getitem__, free), free.values()), strict=True))
-        else:
-            for gpu, nbytes in free.items():
-                usage[gpu] -= nbytes
-        self.last_release.update(dict.fromkeys(primitive.free, (primitive.end_s, primitive.id, primitive.model_stage)))
-
-
-def release_first(primitive: Primitive) -> tuple[float, ...]:
-    """The design's order: releases first, then generation -> inference -> training."""
-    return (0 if primitive.releases else 1, _stage_index(primitive), primitive.id)
-
-
-def list_schedule(
-    primitives: list[Primitive],
-    replay: Replay,
-    priority: PriorityKey = release_first,
-    explain: bool = True,
-    barriers: dict[int, list[int]] | None = None,
-) -> list[str]:
-    """Give every primitive a start and end; return the blocking cycle if stuck
-    (without `explain`, just a marker: naming the cycle costs more than scheduling).
-
-    A ready primitive that cannot start waits on the GPUs that stop it (busy, or short of
-    memory) and is looked at again only when something finishes there. `barriers` adds
-    ordering edges (primitive id -> ids it must follow); they are recorded as ownership
-    dependencies.
-    """
-    barriers = barriers or {}
-    by_id = {p.id: p for p in primitives}
-    for pid, parents in barriers.items():
-        by_id[pid].ownership_deps = sorted(set(by_id[pid].ownership_deps) | set(parents))
-    key = {p.id: priority(p) for p in primitives}
-    waiting = {p.id: len(p.deps) + len(barriers.get(p.id, ())) for p in primitives}
-    dependents: dict[int, list[int]] = {}
-    for p in primitives:
-        for dep in (*p.deps, *barriers.get(p.id, ())) if barriers else p.deps:
-            dependents.setdefault(dep, []).append(p.id)
-    candidates = {p.id for p in primitives if not waiting[p.id]}
-    state = _Waits(by_id, replay)
-    now = 0.0
-    while True:
-        while candidates:
-            candidates = state.try_start(sorted(candidates, key=key.__getitem__), now)
-        if not state.running:
-            if not state.blocked:
-                return []
-            stuck = [by_id[pid] for pid in sorted(state.blocked)]
-            return _blocking_cycle(stuck, primitives, replay) if explain else ["blocked"]
-        now = state.running[0][0]
-        while state.running and state.running[0][0] <= now + EPS:
-            primitive = by_id[heapq.heappop(state.running)[1]]
-            if primitive.duration_s > EPS:  # an instantaneous one freed (and woke) when it started
-                replay.finish(primitive)
-                candidates |= state.wake(primitive.gpus)
-            for child in dependents.get(primitive.id, []):
-                waiting[child] -= 1
-                if not waiting[child]:
-                    candidates.add(child)
-
-
-@dataclass
-class _Waits:
-    """Ready primitives that could not start, indexed by the GPUs that stopped them."""
-
-    by_id: dict[int, Primitive]
-    replay: Replay
-    blocked: set[int] = field(default_factory=set)
-    waiters: dict[int, set[int]] = field(default_factory=dict)
-    running: list[tuple[float, int]] = field(default_factory=list)
-
-    def wake(self, gpus: Iterable[int]) -> set[int]:
-        if not self.waiters:
-            return set()
-        woken: set[int] = set()
-        waiters = self.waiters
-        for gpu in waiters.keys() & gpus:  # in C: a large release touches many GPUs, few with waiters
-            woken |= waiters.pop(gpu)
-        return woken & self.blocked
-
-    def try_start(self, order: list[int], now: float) -> set[int]:
-        """Start what can start, in priority order; return ids an instantaneous free woke.
-
-        One that cannot start waits on the GPUs that stop it and is looked at again when
-        something finishes there: on every GPU short of memory, and, of its busy GPUs, on
-        one per distinct finish time (a wide primitive need not wait on hundreds of GPUs
-        to be looked at at the same moments).
-        """
-        replay, woken = self.replay, set()
-        busy_until, usage, limit, horizon = replay.busy_until, replay.usage, replay.capacity + EPS, now + EPS
-        waiters = self.waiters
-        for pid in order:
-            primitive = self.by_id[pid]
-            if primitive.scheduled:
-                continue
-            gpus, alloc = primitive.gpus, primitive.alloc
-            busy = _any_above(busy_until, gpus, horizon)
-            if len(alloc) > WIDE:  # the common case (room everywhere) checked in C first
-                short = max(map(operator.add, map(usage.get, alloc, repeat(0.0)), alloc.values())) > limit
-                lacking = [g for g, b in alloc.items() if usage.get(g, 0.0) + b > limit] if short else []
-            else:
-                lacking = [g for g, b in alloc.items() if usage.get(g, 0.0) + b > limit] if alloc else []
-            if busy or lacking:
-                stop = lacking
-                if lacking:
-                    replay.blocked_since.setdefault(pid, now)
-                if busy:  # finish time -> one GPU that is busy until then
-                    ends = dict(zip(map(busy_until.get, gpus, repeat(0.0)), gpus, strict=True))
-                    stop = [gpu for end, gpu in ends.items() if end > horizon] + lacking
-                self.blocked.add(pid)
-                for gpu in stop:
-                    waiters.setdefault(gpu, set()).add(pid)
-                continue
-            self.blocked.discard(pid)
-            replay.start(primitive, now)
-            heapq.heappush(self.running, (primitive.end_s, pid))
-            if primitive.duration_s <= EPS:  # instantaneous: its frees count for what starts next
-                replay.finish(primitive)
-                woken |= self.wake(primitive.free)
-        return woken
-
-
-#: GPUs above which a primitive's per-GPU memory updates run as C-level maps (below, a
-#: plain loop costs less than setting them up).
-WIDE = 16
-
-
-def _any_above(values: dict[int, float], gpus: Iterable[int], threshold: float) -> bool:
-    """Some GPU's value (0 when absent) is above `threshold` (the loop runs in C)."""
-    return max(map(values.get, gpus, repeat(0.0)), default=0.0) > threshold
 
 
 def _reset(primitives: list[Primitive]) -> None:
@@ -693,36 +510,9 @@ def _stage_order(
     return None
 
 
-def _blocking_cycle(blocked: list[Primitive], primitives: list[Primitive], replay: Replay) -> list[str]:
-    """Model-stages that wait for memory other model-stages hold, as a cycle if any."""
-    import networkx as nx
-
-    unfinished = [p for p in primitives if not p.scheduled]
-    graph = nx.DiGraph()
-    reasons = []
-    for primitive in blocked:
-        for gpu, nbytes in primitive.alloc.items():
-            if replay.usage.get(gpu, 0.0) + nbytes <= replay.capacity + EPS:
-                continue
-            holders = {p.model_stage for p in unfinished if gpu in p.free and p.model_stage != primitive.model_stage}
-            for holder in sorted(holders):  # sorted: the same report in every process
-                graph.add_edge(primitive.model_stage, holder, gpu=gpu)
-            reasons.append(
-                f"{primitive.model_stage} needs {format_bytes(nbytes)} more on GPU {gpu} "
-                f"({format_bytes(replay.capacity - replay.usage.get(gpu, 0.0))} free)"
-            )
-    try:
-        cycle = nx.find_cycle(graph)
-    except nx.NetworkXNoCycle:
-        return reasons[:3] or ["no primitive can start"]
-    return [f"{a} waits for GPU {graph.edges[a, b]['gpu']} held by {b}" for a, b, *_ in cycle]
-
-
 def _extra(peak: dict[int, float], initial: dict[int, float]) -> dict[int, float]:
-    """Per GPU (sorted), how far its peak rises above what it held at the start (in C)."""
-    gpus = sorted(peak)
-    rise = map(operator.sub, map(peak.__getitem__, gpus), map(initial.get, gpus, repeat(0.0)))
-    return dict(zip(gpus, map(max, repeat(0.0), rise), strict=True))
+    """Per GPU (sorted), how far its peak rises above what it held at the start."""
+    return {gpu: max(0.0, nbytes - initial.get(gpu, 0.0)) for gpu, nbytes in sorted(peak.items())}
 
 
 def _over_capacity(before: np.ndarray, after: np.ndarray, capacity: float) -> list[str]:

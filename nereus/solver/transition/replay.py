@@ -1,0 +1,260 @@
+"""The list scheduler: replay primitives in time on per-GPU memory and busy times.
+
+A primitive starts when its data dependencies are done, its GPUs are idle and its
+allocations fit in memory. When it had to wait for memory another model-stage released
+on a GPU, the release becomes its GPU-ownership dependency. If nothing can start and
+nothing runs, the model-stages waiting on each other's memory are reported.
+
+Per-GPU state lives in lists indexed by GPU id (reading one costs a third of a dict
+look-up): at 1024 GPUs one primitive copies or releases replicas on hundreds of GPUs,
+so its checks run as C-level passes over them.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import operator
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from nereus.solver.transition.primitives import Primitive
+from nereus.spec.workload import STAGES
+from nereus.units import format_bytes
+
+EPS = 1e-9
+
+PriorityKey = Callable[[Primitive], tuple[float, ...]]
+
+
+class Replay:
+    """Mutable state of the list scheduler: bytes held, busy-until time, peak bytes and
+    the last release, per GPU id (lists sized by `bind`).
+
+    `usage` is what each GPU holds at the start; `peak` (when given) is a finished
+    schedule's peak bytes per GPU, for a replay restored from a snapshot.
+    """
+
+    def __init__(self, usage: dict[int, float], capacity: float, peak: dict[int, float] | None = None) -> None:
+        self.initial = usage
+        self.capacity = capacity
+        self.blocked_since: dict[int, float] = {}
+        """Primitive id -> when it first waited for memory."""
+        self.stage_of: dict[int, str] = {}
+        """Model-stage of each primitive that released memory (for ownership dependencies)."""
+        self._restored_peak = peak or {}
+        self.held: list[float] = []
+        self.busy_until: list[float] = []
+        self.peak_held: list[float] = []  # -inf where nothing was ever allocated
+        self.release_end: list[float] = []
+        self.release_id: list[int] = []  # -1 where nothing was released yet
+
+    def bind(self, num_gpus: int) -> None:
+        """Make room for GPU ids below `num_gpus` (state so far is kept)."""
+        size = max(num_gpus, max(self.initial, default=-1) + 1)
+        more = size - len(self.held)
+        if more <= 0:
+            return
+        fresh = not self.held
+        self.held += [0.0] * more
+        if fresh:
+            for gpu, nbytes in self.initial.items():
+                self.held[gpu] = nbytes
+        self.busy_until += [0.0] * more
+        self.peak_held += [-math.inf] * more
+        self.release_end += [0.0] * more
+        self.release_id += [-1] * more
+
+    def usage(self, gpu: int) -> float:
+        """Bytes `gpu` holds now."""
+        return self.held[gpu] if gpu < len(self.held) else self.initial.get(gpu, 0.0)
+
+    @property
+    def peak(self) -> dict[int, float]:
+        """Per GPU that ever allocated: the most bytes it held after an allocation."""
+        if not self.peak_held:
+            return dict(self._restored_peak)
+        return {gpu: nbytes for gpu, nbytes in enumerate(self.peak_held) if nbytes > -math.inf}
+
+    def start(self, primitive: Primitive, now: float) -> None:
+        end = now + primitive.duration_s
+        primitive.start_s, primitive.end_s = now, end
+        primitive.scheduled = True
+        busy, held, peak = self.busy_until, self.held, self.peak_held
+        if primitive.duration_s > EPS:  # an instantaneous one leaves its (idle) GPUs idle
+            for gpu in primitive.gpus:
+                busy[gpu] = end
+        for gpu, nbytes in primitive.alloc.items():
+            now_held = held[gpu] = held[gpu] + nbytes
+            if now_held > peak[gpu]:
+                peak[gpu] = now_held
+        waited = self.blocked_since.get(primitive.id)
+        if waited is None:
+            return
+        for gpu in primitive.alloc:  # memory it waited for, released by another model-stage
+            release = self.release_id[gpu]
+            if release < 0 or self.stage_of[release] == primitive.model_stage:
+                continue
+            if self.release_end[gpu] >= waited and release not in primitive.ownership_deps:
+                primitive.ownership_deps.append(release)
+
+    def finish(self, primitive: Primitive) -> None:
+        if not primitive.free:
+            return
+        self.stage_of[primitive.id] = primitive.model_stage
+        held, release_end, release_id = self.held, self.release_end, self.release_id
+        for gpu, nbytes in primitive.free.items():
+            held[gpu] -= nbytes
+            release_end[gpu] = primitive.end_s
+            release_id[gpu] = primitive.id
+
+
+_STAGE_INDEX: dict[str, int] = {}  # model-stage name -> index of its stage in STAGES
+
+
+def stage_index(primitive: Primitive) -> int:
+    index = _STAGE_INDEX.get(primitive.model_stage)
+    if index is None:
+        index = _STAGE_INDEX[primitive.model_stage] = STAGES.index(primitive.model_stage.split("/")[1])
+    return index
+
+
+def release_first(primitive: Primitive) -> tuple[float, ...]:
+    """The design's order: releases first, then generation -> inference -> training."""
+    return (0 if primitive.releases else 1, stage_index(primitive), primitive.id)
+
+
+def list_schedule(
+    primitives: list[Primitive],
+    replay: Replay,
+    priority: PriorityKey = release_first,
+    explain: bool = True,
+    barriers: dict[int, list[int]] | None = None,
+) -> list[str]:
+    """Give every primitive a start and end; return the blocking cycle if stuck
+    (without `explain`, just a marker: naming the cycle costs more than scheduling).
+
+    A ready primitive that cannot start waits on the GPUs that stop it (busy, or short of
+    memory) and is looked at again only when something finishes there. `barriers` adds
+    ordering edges (primitive id -> ids it must follow); they are recorded as ownership
+    dependencies.
+    """
+    barriers = barriers or {}
+    by_id = {p.id: p for p in primitives}
+    for pid, parents in barriers.items():
+        by_id[pid].ownership_deps = sorted(set(by_id[pid].ownership_deps) | set(parents))
+    replay.bind(max((p.gpus[-1] for p in primitives if p.gpus), default=-1) + 1)
+    key = {p.id: priority(p) for p in primitives}
+    waiting = {p.id: len(p.deps) + len(barriers.get(p.id, ())) for p in primitives}
+    dependents: dict[int, list[int]] = {}
+    for p in primitives:
+        for dep in (*p.deps, *barriers.get(p.id, ())) if barriers else p.deps:
+            dependents.setdefault(dep, []).append(p.id)
+    candidates = {p.id for p in primitives if not waiting[p.id]}
+    state = _Waits(by_id, replay)
+    now = 0.0
+    while True:
+        while candidates:
+            candidates = state.try_start(sorted(candidates, key=key.__getitem__), now)
+        if not state.running:
+            if not state.blocked:
+                return []
+            stuck = [by_id[pid] for pid in sorted(state.blocked)]
+            return blocking_cycle(stuck, primitives, replay) if explain else ["blocked"]
+        now = state.running[0][0]
+        while state.running and state.running[0][0] <= now + EPS:
+            primitive = by_id[heapq.heappop(state.running)[1]]
+            if primitive.duration_s > EPS:  # an instantaneous one freed (and woke) when it started
+                replay.finish(primitive)
+                candidates |= state.wake(primitive.gpus)
+            for child in dependents.get(primitive.id, []):
+                waiting[child] -= 1
+                if not waiting[child]:
+                    candidates.add(child)
+
+
+@dataclass
+class _Waits:
+    """Ready primitives that could not start, indexed by the GPUs that stopped them."""
+
+    by_id: dict[int, Primitive]
+    replay: Replay
+    blocked: set[int] = field(default_factory=set)
+    waiters: dict[int, set[int]] = field(default_factory=dict)
+    running: list[tuple[float, int]] = field(default_factory=list)
+
+    def wake(self, gpus: Iterable[int]) -> set[int]:
+        if not self.waiters:
+            return set()
+        woken: set[int] = set()
+        waiters = self.waiters
+        for gpu in waiters.keys() & gpus:  # in C: a large release touches many GPUs, few with waiters
+            woken |= waiters.pop(gpu)
+        return woken & self.blocked
+
+    def try_start(self, order: list[int], now: float) -> set[int]:
+        """Start what can start, in priority order; return ids an instantaneous free woke.
+
+        One that cannot start waits on the GPUs that stop it and is looked at again when
+        something finishes there: on every GPU short of memory, and, of its busy GPUs, on
+        one per distinct finish time (a wide primitive need not wait on hundreds of GPUs
+        to be looked at at the same moments).
+        """
+        replay, woken = self.replay, set()
+        for pid in order:
+            primitive = self.by_id[pid]
+            if primitive.scheduled:
+                continue
+            busy, lacking = self._stoppers(primitive, now + EPS)
+            if busy or lacking:
+                if lacking:
+                    replay.blocked_since.setdefault(pid, now)
+                self.blocked.add(pid)
+                for gpu in busy + lacking:
+                    self.waiters.setdefault(gpu, set()).add(pid)
+                continue
+            self.blocked.discard(pid)
+            replay.start(primitive, now)
+            heapq.heappush(self.running, (primitive.end_s, pid))
+            if primitive.duration_s <= EPS:  # instantaneous: its frees count for what starts next
+                replay.finish(primitive)
+                woken |= self.wake(primitive.free)
+        return woken
+
+    def _stoppers(self, primitive: Primitive, horizon: float) -> tuple[list[int], list[int]]:
+        """(one busy GPU per distinct finish time after `horizon`, GPUs short of memory);
+        the common case (idle, room everywhere) is checked by C-level passes first."""
+        busy_until, held, limit = self.replay.busy_until, self.replay.held, self.replay.capacity + EPS
+        gpus, alloc = primitive.gpus, primitive.alloc
+        lacking: list[int] = []
+        if alloc and max(map(operator.add, map(held.__getitem__, alloc), alloc.values())) > limit:
+            lacking = [gpu for gpu, nbytes in alloc.items() if held[gpu] + nbytes > limit]
+        if max(map(busy_until.__getitem__, gpus), default=0.0) <= horizon:
+            return [], lacking
+        last_gpu_per_end = dict(zip(map(busy_until.__getitem__, gpus), gpus, strict=True))
+        return [gpu for end, gpu in last_gpu_per_end.items() if end > horizon], lacking
+
+
+def blocking_cycle(blocked: list[Primitive], primitives: list[Primitive], replay: Replay) -> list[str]:
+    """Model-stages that wait for memory other model-stages hold, as a cycle if any."""
+    import networkx as nx
+
+    unfinished = [p for p in primitives if not p.scheduled]
+    graph = nx.DiGraph()
+    reasons = []
+    for primitive in blocked:
+        for gpu, nbytes in primitive.alloc.items():
+            if replay.usage(gpu) + nbytes <= replay.capacity + EPS:
+                continue
+            holders = {p.model_stage for p in unfinished if gpu in p.free and p.model_stage != primitive.model_stage}
+            for holder in sorted(holders):  # sorted: the same report in every process
+                graph.add_edge(primitive.model_stage, holder, gpu=gpu)
+            reasons.append(
+                f"{primitive.model_stage} needs {format_bytes(nbytes)} more on GPU {gpu} "
+                f"({format_bytes(replay.capacity - replay.usage(gpu))} free)"
+            )
+    try:
+        cycle = nx.find_cycle(graph)
+    except nx.NetworkXNoCycle:
+        return reasons[:3] or ["no primitive can start"]
+    return [f"{a} waits for GPU {graph.edges[a, b]['gpu']} held by {b}" for a, b, *_ in cycle]
