@@ -15,6 +15,8 @@ match one already built in both plans gets that DAG renamed (`stamp`).
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
 import itertools
 import operator
@@ -81,6 +83,28 @@ _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _IS_REPLICA = functools.partial(operator.is_not, None)  # a replica index, not a missing one
 
 
+#: Primitive's leading fields in constructor order: the builders pass them by position.
+_FIELDS = (
+    "id",
+    "kind",
+    "model_stage",
+    "source_layout",
+    "target_layout",
+    "reads",
+    "writes",
+    "alloc",
+    "free",
+    "transfers",
+    "removes",
+    "retires",
+    "adds",
+    "copies_from",
+    "deps",
+    "new_groups",
+)
+assert tuple(field.name for field in dataclasses.fields(Primitive))[: len(_FIELDS)] == _FIELDS, "update _FIELDS"
+
+
 @dataclass
 class _Builder:
     """Accumulates primitives with consecutive ids; makes EMUs only for the replicas they name."""
@@ -113,23 +137,23 @@ class _Builder:
     ) -> Primitive:
         """A primitive on the `occupied` GPUs (its reads, writes, allocations and frees).
         Fields are passed on by name: through **kwargs they cost more than the rest of it."""
-        primitive = Primitive(
-            id=self.next_id,
-            kind=kind,
-            model_stage=self.model_stage,
-            source_layout=source_layout,
-            target_layout=target_layout,
-            reads=reads,
-            writes=writes,
-            alloc=alloc,
-            free=free,
-            transfers=transfers,
-            removes=removes,
-            retires=retires,
-            adds=adds,
-            copies_from=copies_from,
-            deps=[] if deps is None else deps,
-            new_groups=new_groups,
+        primitive = Primitive(  # by position (see `_FIELDS`): by name costs a third more
+            self.next_id,
+            kind,
+            self.model_stage,
+            source_layout,
+            target_layout,
+            reads,
+            writes,
+            alloc,
+            free,
+            transfers,
+            removes,
+            retires,
+            adds,
+            copies_from,
+            [] if deps is None else deps,
+            new_groups,
         )
         # Seed the cached `gpus`: the builder knows the set; the generic union costs more.
         primitive.__dict__["gpus"] = tuple(sorted(occupied))
@@ -218,24 +242,18 @@ def _match(replicas: list[Gpus], slots: list[Gpus]) -> tuple[dict[int, int], dic
 
 def _overlaps(replicas: list[Gpus], slots: list[Gpus]) -> list[tuple[int, int]]:
     """(slot, replica) index pairs with at least one GPU holding the slot's box there, by
-    most such GPUs, then slot, then replica. Replicas share one layout, so the GPU ->
-    (replica, position) index is two arrays over GPU ids."""
+    most such GPUs, then slot, then replica (replicas share one layout)."""
     num_positions = len(replicas[0])
     held = np.fromiter(itertools.chain.from_iterable(replicas), np.int64, len(replicas) * num_positions)
     wanted = np.fromiter(itertools.chain.from_iterable(slots), np.int64, len(slots) * num_positions)
-    owner = np.full(max(held.max(), wanted.max()) + 1, -1)
-    position = owner.copy()
-    owner[held] = np.arange(len(replicas)).repeat(num_positions)
-    position[held] = np.tile(np.arange(num_positions), len(replicas))
-    in_place = position[wanted] == np.tile(np.arange(num_positions), len(slots))
-    # One key per (slot, replica) overlap: the count of its GPUs in place.
-    keys, counts = np.unique(
-        np.arange(len(slots)).repeat(num_positions)[in_place] * len(replicas) + owner[wanted][in_place],
-        return_counts=True,
-    )
-    order = np.lexsort((keys, -counts))  # keys order by slot, then replica
-    slot_index, replica_index = np.divmod(keys[order], len(replicas))
-    return list(zip(slot_index.tolist(), replica_index.tolist(), strict=True))
+    positions = np.arange(num_positions)
+    # [position, GPU] -> the replica holding that box on that GPU (-1: none).
+    holder = np.full((num_positions, max(held.max(), wanted.max()) + 1), -1)
+    holder[positions, held.reshape(-1, num_positions)] = np.arange(len(replicas))[:, None]
+    found = holder[positions, wanted.reshape(-1, num_positions)]
+    slot_index, position = np.nonzero(found >= 0)
+    overlaps = collections.Counter(zip(slot_index.tolist(), found[slot_index, position].tolist(), strict=True))
+    return sorted(overlaps, key=lambda pair: (-overlaps[pair], pair))
 
 
 def _extend(build: _Builder, inter: Layout, source: Gpus, slot: Gpus, dep: int) -> Primitive:
@@ -303,13 +321,15 @@ def _destroy(build: _Builder, replicas: list[Emu], gpus: Gpus, deps: list[int]) 
     )
 
 
-def _merges(build: _Builder, layout: Layout, gpus_b: list[Gpus], parts: list[Emu], waits: list[list[int]]) -> None:
+def _merges(build: _Builder, layout: Layout, gpus_b: list[Gpus], parts: list[Emu], waits: dict[int, list[int]]) -> None:
     """Merge each B replica from its I-replicas (`parts`, consecutive per replica), once
-    the ids each part waits for are done: no data moves, each GPU frees what B drops."""
+    the ids each part waits for (`waits`, by part; -1: none) are done: no data moves,
+    each GPU frees what B drops."""
     per_replica = len(parts) // len(gpus_b)
     free = build.state_bytes * (box_fraction(parts[0].layout) - box_fraction(layout))
     for start, target in zip(range(0, len(parts), per_replica), build.emus(layout, gpus_b), strict=True):
-        deps = {d for wait in waits[start : start + per_replica] for d in wait if d >= 0}
+        deps = set(itertools.chain.from_iterable(map(waits.get, range(start, start + per_replica), repeat(()))))
+        deps.discard(-1)
         build.add(
             target.gpus,
             kind="merge",
@@ -370,7 +390,7 @@ def _fan_out(
             pairs = list(zip(available, queue[: -len(available) - 1 : -1], strict=False))
             del queue[-len(pairs) :]
         copies = list(
-            zip((source for source, _ in pairs), build.emus(inter, [slots[k] for _, k in pairs]), strict=True)
+            zip(map(_FIRST, pairs), build.emus(inter, map(slots.__getitem__, map(_SECOND, pairs))), strict=True)
         )
         round_filled = []
         for ((_, _, readers), k), (_, slot), copy_id in zip(pairs, copies, _emit(build, copies), strict=True):
@@ -427,13 +447,14 @@ def _batches(copies: list[tuple[_Source, Emu]], node_size: int | None) -> list[l
     """
     if node_size is None or len(copies) < BATCH_MIN_COPIES:
         return [[i] for i in range(len(copies))]
-    size = len(copies[0][1].gpus)
-    read = np.fromiter(itertools.chain.from_iterable(c[0][0].gpus for c in copies), np.int64, len(copies) * size)
-    written = np.fromiter(itertools.chain.from_iterable(c[1].gpus for c in copies), np.int64, len(copies) * size)
-    crosses = (read // node_size != written // node_size).reshape(len(copies), size).any(axis=1).tolist()
-    keys = list(zip((source[1] for source, _ in copies), crosses, strict=True))
+    sources = list(map(_FIRST, copies))
+    read = tuple(itertools.chain.from_iterable(map(_GPUS, map(_FIRST, sources))))
+    written = tuple(itertools.chain.from_iterable(map(_GPUS, map(_SECOND, copies))))
+    nodes_apart = np.array(read) // node_size != np.array(written) // node_size
+    crosses = nodes_apart.reshape(len(copies), -1).any(axis=1).tolist()
+    keys = list(zip(map(_SECOND, sources), crosses, strict=True))
     groups: dict[tuple[int, bool], list[list[int]]] = {}
-    if set(read.tolist()).isdisjoint(written.tolist()):  # sources and slots are disjoint among themselves
+    if set(read).isdisjoint(written):  # sources and slots are disjoint among themselves
         if len(set(keys)) == 1:  # the common case: all alike
             return [list(range(len(copies)))]
         for i, key in enumerate(keys):
@@ -541,12 +562,10 @@ def replica_dag(
         _destroy(build, [build.emu(inter, replicas[r])], replicas[r], [origin[r], *readers.get(r, ())])
     if layout_b != inter:
         # A slot that served as a copy source is merged only after those copies read it.
-        waits = [
-            [origin[in_place[k]], *readers.get(in_place[k], ())]
-            if k in in_place
-            else [*ready[k], *slot_readers.get(k, ())]
-            for k in range(len(slots))
-        ]
+        waits = {k: [*ids, *slot_readers.get(k, ())] for k, ids in ready.items()}
+        for k, r in in_place.items():
+            if origin[r] >= 0 or r in readers:  # most kept replicas wait for nothing
+                waits[k] = [origin[r], *readers.get(r, ())]
         _merges(build, layout_b, gpus_b, build.emus(inter, slots), waits)
     return build.primitives
 
@@ -559,16 +578,15 @@ def stamp(template: list[Primitive], model_stage: str, state_bytes: float, next_
     GPU tuples are immutable and shared with the template; only names and bytes are new."""
     shift = next_id - template[0].id if template else 0
     bytes_of: dict[tuple[str, Layout, Layout], tuple[float, float]] = {}  # alike primitives, alike bytes
-    primitives = []
-    for primitive_id, p in enumerate(template, next_id):
+    build = _Builder(model_stage, state_bytes, next_id, [])
+    for p in template:
         key = (p.kind, p.source_layout, p.target_layout)
         if key not in bytes_of:
             bytes_of[key] = _stamped_bytes(p, state_bytes)
         moved, kept = bytes_of[key]
-        primitive = Primitive(
-            id=primitive_id,
+        build.add(
+            p.gpus,  # sorted already: sorting it again costs one pass
             kind=p.kind,
-            model_stage=model_stage,
             source_layout=p.source_layout,
             target_layout=p.target_layout,
             reads=p.reads,
@@ -582,12 +600,10 @@ def stamp(template: list[Primitive], model_stage: str, state_bytes: float, next_
             retires=_renamed(p.retires, model_stage),
             adds=_renamed(p.adds, model_stage),
             copies_from=_renamed(p.copies_from, model_stage),
-            deps=[d + shift for d in p.deps],
+            deps=list(map(shift.__add__, p.deps)),
             new_groups=p.new_groups,
         )
-        primitive.__dict__["gpus"] = p.gpus  # sorted already: see `_Builder.add`
-        primitives.append(primitive)
-    return primitives
+    return build.primitives
 
 
 def _stamped_bytes(p: Primitive, state_bytes: float) -> tuple[float, float]:
