@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import operator
 from collections.abc import Iterable, Iterator
@@ -58,7 +57,7 @@ def sub_gpus(gpus: Gpus, layout: Layout, inter: Layout) -> list[Gpus]:
 
 def sub_replicas(emu: Emu, inter: Layout) -> list[Emu]:
     """The I-replicas an EMU splits into (or is merged from), in I-position order."""
-    return [_EMU((emu.model_stage, inter[0], inter[1], gpus)) for gpus in sub_gpus(emu.gpus, emu.layout, inter)]
+    return [_NEW_TUPLE(Emu, (emu.model_stage, *inter, gpus)) for gpus in sub_gpus(emu.gpus, emu.layout, inter)]
 
 
 def _sub_array(replicas: list[Gpus], layout: Layout, inter: Layout) -> np.ndarray:
@@ -77,10 +76,8 @@ def _all_sub_gpus(replicas: list[Gpus], layout: Layout, inter: Layout) -> list[G
     return list(map(tuple, _sub_array(replicas, layout, inter).reshape(-1, inter[0] * inter[1]).tolist()))
 
 
-_NEW_TUPLE = tuple.__new__  # Emu from a 4-tuple without the Python-level Emu.__new__
-_EMU = functools.partial(_NEW_TUPLE, Emu)
+_NEW_TUPLE = tuple.__new__  # _NEW_TUPLE(Emu, 4-tuple): an Emu without the Python-level Emu.__new__
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_IS_REPLICA = functools.partial(operator.is_not, None)  # a replica index, not a missing one
 
 
 #: Primitive's leading fields in constructor order: the builders pass them by position.
@@ -162,26 +159,21 @@ class _Builder:
         return primitive
 
     def emu(self, layout: Layout, gpus: Gpus) -> Emu:
-        return _EMU((self.model_stage, layout[0], layout[1], gpus))
+        return _NEW_TUPLE(Emu, (self.model_stage, layout[0], layout[1], gpus))
 
     def emus(self, layout: Layout, replicas: Iterable[Gpus]) -> list[Emu]:
         """`emu` of each, in C."""
-        return list(map(_EMU, zip(repeat(self.model_stage), repeat(layout[0]), repeat(layout[1]), replicas)))
+        fields = zip(repeat(self.model_stage), repeat(layout[0]), repeat(layout[1]), replicas)
+        return list(map(_NEW_TUPLE, repeat(Emu), fields))
 
 
 def _splits(build: _Builder, replicas_a: list[Gpus], layout: Layout, inter: Layout) -> tuple[list[Gpus], list[int]]:
     """Split every A replica into I-replicas (A is not the intermediate layout): the
     I-replicas in order, and per I-replica the id of the split that made it."""
-    subs = _sub_array(replicas_a, layout, inter)
-    num_subs = subs.shape[1]
+    replicas, senders, receivers = _split_transfers(replicas_a, layout, inter)
+    num_subs = len(replicas) // len(replicas_a)
     piece = build.state_bytes * box_fraction(layout)
     grow = build.state_bytes * box_fraction(inter) - piece
-    # Per I position, the GPUs holding a piece of it: each sends its piece to the others,
-    # destination-major (the order of itertools.permutations; a wide split has hundreds).
-    destination, source = np.array(list(itertools.permutations(range(num_subs), 2)), np.int64).reshape(-1, 2).T
-    senders = subs[:, source, :].transpose(0, 2, 1).reshape(len(replicas_a), -1).tolist()
-    receivers = subs[:, destination, :].transpose(0, 2, 1).reshape(len(replicas_a), -1).tolist()
-    replicas = list(map(tuple, subs.reshape(-1, subs.shape[2]).tolist()))
     origin = []
     for i, gpus in enumerate(replicas_a):
         made = replicas[i * num_subs : (i + 1) * num_subs]
@@ -201,6 +193,29 @@ def _splits(build: _Builder, replicas_a: list[Gpus], layout: Layout, inter: Layo
         )
         origin += [split.id] * num_subs
     return replicas, origin
+
+
+def _split_transfers(
+    replicas_a: list[Gpus], layout: Layout, inter: Layout
+) -> tuple[list[Gpus], list[list[int]], list[list[int]]]:
+    """The I-replicas of every A replica (concatenated), and per A replica the senders and
+    receivers of its split's transfers: per I position, the GPUs holding a piece of it
+    each send it to the others, destination-major (the order of itertools.permutations).
+    Many replicas go through one array pass; for a few, its fixed cost is more than a
+    pass per replica."""
+    if len(replicas_a) < ARRAY_MIN_REPLICAS:
+        subs_of = [sub_gpus(gpus, layout, inter) for gpus in replicas_a]
+        pairs_of = [
+            list(itertools.chain.from_iterable(map(itertools.permutations, zip(*subs, strict=True), repeat(2))))
+            for subs in subs_of
+        ]
+        senders = [list(map(_SECOND, pairs)) for pairs in pairs_of]
+        return [sub for subs in subs_of for sub in subs], senders, [list(map(_FIRST, pairs)) for pairs in pairs_of]
+    subs = _sub_array(replicas_a, layout, inter)
+    destination, source = np.array(list(itertools.permutations(range(subs.shape[1]), 2)), np.int64).reshape(-1, 2).T
+    senders = subs[:, source, :].transpose(0, 2, 1).reshape(len(replicas_a), -1).tolist()
+    receivers = subs[:, destination, :].transpose(0, 2, 1).reshape(len(replicas_a), -1).tolist()
+    return list(map(tuple, subs.reshape(-1, subs.shape[2]).tolist())), senders, receivers
 
 
 def match_replicas(replicas: list[Emu], slots: list[Emu]) -> dict[int, Emu]:
@@ -243,6 +258,18 @@ def _match(replicas: list[Gpus], slots: list[Gpus]) -> tuple[dict[int, int], dic
 def _overlaps(replicas: list[Gpus], slots: list[Gpus]) -> list[tuple[int, int]]:
     """(slot, replica) index pairs with at least one GPU holding the slot's box there, by
     most such GPUs, then slot, then replica (replicas share one layout)."""
+    if len(replicas) + len(slots) < 2 * ARRAY_MIN_REPLICAS:  # (position, GPU) -> replica, in a dict
+        holder = {box: r for r, replica in enumerate(replicas) for box in enumerate(replica)}
+        overlaps = collections.Counter(
+            (k, holder[box]) for k, slot in enumerate(slots) for box in enumerate(slot) if box in holder
+        )
+    else:
+        overlaps = _overlap_counts(replicas, slots)
+    return sorted(overlaps, key=lambda pair: (-overlaps[pair], pair))
+
+
+def _overlap_counts(replicas: list[Gpus], slots: list[Gpus]) -> collections.Counter[tuple[int, int]]:
+    """(slot, replica) -> GPUs holding the slot's box there, in one array pass."""
     num_positions = len(replicas[0])
     held = np.fromiter(itertools.chain.from_iterable(replicas), np.int64, len(replicas) * num_positions)
     wanted = np.fromiter(itertools.chain.from_iterable(slots), np.int64, len(slots) * num_positions)
@@ -252,8 +279,7 @@ def _overlaps(replicas: list[Gpus], slots: list[Gpus]) -> list[tuple[int, int]]:
     holder[positions, held.reshape(-1, num_positions)] = np.arange(len(replicas))[:, None]
     found = holder[positions, wanted.reshape(-1, num_positions)]
     slot_index, position = np.nonzero(found >= 0)
-    overlaps = collections.Counter(zip(slot_index.tolist(), found[slot_index, position].tolist(), strict=True))
-    return sorted(overlaps, key=lambda pair: (-overlaps[pair], pair))
+    return collections.Counter(zip(slot_index.tolist(), found[slot_index, position].tolist(), strict=True))
 
 
 def _extend(build: _Builder, inter: Layout, source: Gpus, slot: Gpus, dep: int) -> Primitive:
@@ -347,6 +373,8 @@ def _merges(build: _Builder, layout: Layout, gpus_b: list[Gpus], parts: list[Emu
         )
 
 
+#: Replicas from which one array pass over all of them costs less than a pass per replica.
+ARRAY_MIN_REPLICAS = 4
 #: Copies per source replica above which new replicas are copied as a doubling tree.
 STAR_ROUNDS = 4
 #: Copies in one round of `_fan_out` from which alike copies are batched into one Extend.
@@ -425,8 +453,8 @@ def _emit(build: _Builder, copies: list[tuple[_Source, Emu]]) -> list[int]:
     """One Extend per batch of copies (see `_batches`); the Extend id of each copy."""
     ids = [0] * len(copies)
     for batch in _batches(copies, build.node_size):
-        sources, slots = [copies[i][0][0] for i in batch], [copies[i][1] for i in batch]
-        primitive = _copy(build, sources, slots, copies[batch[0]][0][1])
+        chosen = list(map(copies.__getitem__, batch))
+        primitive = _copy(build, list(map(_FIRST, map(_FIRST, chosen))), list(map(_SECOND, chosen)), chosen[0][0][1])
         for i in batch:
             ids[i] = primitive.id
     return ids
@@ -450,7 +478,9 @@ def _batches(copies: list[tuple[_Source, Emu]], node_size: int | None) -> list[l
     sources = list(map(_FIRST, copies))
     read = tuple(itertools.chain.from_iterable(map(_GPUS, map(_FIRST, sources))))
     written = tuple(itertools.chain.from_iterable(map(_GPUS, map(_SECOND, copies))))
-    nodes_apart = np.array(read) // node_size != np.array(written) // node_size
+    nodes_apart = (
+        np.fromiter(read, np.int64, len(read)) // node_size != np.fromiter(written, np.int64, len(read)) // node_size
+    )
     crosses = nodes_apart.reshape(len(copies), -1).any(axis=1).tolist()
     keys = list(zip(map(_SECOND, sources), crosses, strict=True))
     groups: dict[tuple[int, bool], list[list[int]]] = {}
@@ -528,8 +558,7 @@ def replica_dag(
     if unswap:
         _drop_swap_cycles(replicas, slots, moving)
     kept = {*in_place.values(), *moving.values()}
-    spare = sorted(set(range(len(replicas))).difference(kept))
-    source_ids = sorted(kept) or spare[:1]  # always copy from a complete replica
+    spare = sorted(set(range(len(replicas))).difference(kept)) if len(kept) < len(replicas) else []
     readers: dict[int, list[int]] = {}  # I-replica -> ids of the copies that read it
     _destroy_unneeded(build, inter, replicas, origin, spare if kept else spare[1:])
     ready: dict[int, list[int]] = {}  # slot index (moved or copied) -> the ids its data waits for
@@ -543,8 +572,9 @@ def replica_dag(
         ready[k] = [extend.id]
         if unswap:  # copy from where it lands, so no copy holds its old GPUs
             source_of[r] = (extend.adds[0], extend.id, slot_readers.setdefault(k, []))
-    pending = sorted(set(range(len(slots))).difference(in_place, moving))
-    if pending:
+    if len(in_place) + len(moving) < len(slots):  # slots no replica fills: copied
+        pending = sorted(set(range(len(slots))).difference(in_place, moving))
+        source_ids = sorted(kept) or spare[:1]  # always copy from a complete replica
         # Without `unswap` a round pairs sources with slots in order: at most len(pending) are read.
         used = source_ids if unswap else source_ids[: len(pending)]
         emus = build.emus(inter, [replicas[r] for r in used])
@@ -626,7 +656,9 @@ def _renamed(emus: tuple[Emu, ...], model_stage: str) -> tuple[Emu, ...]:
         return (_NEW_TUPLE(Emu, (model_stage, tp, pp, gpus)),)
     if len(emus) < 8:
         return tuple([_NEW_TUPLE(Emu, (model_stage, tp, pp, gpus)) for _, tp, pp, gpus in emus])
-    return tuple(map(_EMU, zip(repeat(model_stage), map(_TP, emus), map(_PP, emus), map(_GPUS, emus))))
+    return tuple(
+        map(_NEW_TUPLE, repeat(Emu), zip(repeat(model_stage), map(_TP, emus), map(_PP, emus), map(_GPUS, emus)))
+    )
 
 
 def _destroy_unneeded(
