@@ -135,15 +135,20 @@ def primitive_duration(primitive: Primitive, cluster: Cluster, calibration: Cali
 def primitive_durations(primitives: list[Primitive], cluster: Cluster, calibration: Calibration) -> list[float]:
     """`primitive_duration` of each primitive (the links are looked up once)."""
     per_node = cluster.gpus_per_node
-    intra, inter = calibration.link(cluster, False), calibration.link(cluster, True)
+    (intra_bandwidth, intra_latency), (inter_bandwidth, inter_latency) = (
+        calibration.link(cluster, False),
+        calibration.link(cluster, True),
+    )
+    setup = calibration.communicator_setup_s
     out = []
     for primitive in primitives:
         incoming: dict[int, float] = {}
-        for src, dst, nbytes in primitive.transfers:
-            bandwidth, latency = inter if src // per_node != dst // per_node else intra
-            incoming[dst] = incoming.get(dst, 0.0) + latency + nbytes / bandwidth
-        setup = calibration.communicator_setup_s if primitive.new_groups else 0.0
-        out.append(setup + max(incoming.values(), default=0.0))
+        for src, dst, nbytes in primitive.transfers:  # a 1024-GPU transition has ~1000: no tuple unpacking per link
+            if src // per_node != dst // per_node:
+                incoming[dst] = incoming.get(dst, 0.0) + inter_latency + nbytes / inter_bandwidth
+            else:
+                incoming[dst] = incoming.get(dst, 0.0) + intra_latency + nbytes / intra_bandwidth
+        out.append((setup if primitive.new_groups else 0.0) + max(incoming.values(), default=0.0))
     return out
 
 
@@ -510,9 +515,15 @@ def _stage_order(
     return None
 
 
-def _extra(peak: dict[int, float], initial: dict[int, float]) -> dict[int, float]:
-    """Per GPU (sorted), how far its peak rises above what it held at the start."""
-    return {gpu: max(0.0, nbytes - initial.get(gpu, 0.0)) for gpu, nbytes in sorted(peak.items())}
+def _extra(replay: Replay, held_a: np.ndarray) -> dict[int, float]:
+    """Per GPU that allocated (sorted), how far its peak rises above what it held at the
+    start (over the live replay's per-GPU list in one array pass when it has one)."""
+    if not replay.peak_held:  # restored from a snapshot: its peak dict
+        return {gpu: max(0.0, nbytes - float(held_a[gpu])) for gpu, nbytes in sorted(replay.peak.items())}
+    peak = np.array(replay.peak_held)
+    allocated = np.flatnonzero(peak > -np.inf)
+    rise = np.maximum(0.0, peak[allocated] - held_a[allocated])
+    return dict(zip(allocated.tolist(), rise.tolist(), strict=True))
 
 
 def _over_capacity(before: np.ndarray, after: np.ndarray, capacity: float) -> list[str]:
@@ -627,7 +638,7 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
         bytes_moved=sum(moved.values()),
         bytes_by_link=moved,
         lower_bound_bytes=_lower_bound(gpus_a, gpus_b, changed, sizes),
-        peak_extra_bytes=_extra(replay.peak, initial),
+        peak_extra_bytes=_extra(replay, held_a),
         capacity_bytes=replay.capacity,
         initial_bytes=initial,
         blocking_cycle=cycle,
