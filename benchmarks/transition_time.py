@@ -7,7 +7,9 @@ Two drifts per GPU count, each a pair of plans from `nereus plan` for Llama-3.1-
 Times `build_transition` (local DAGs, scheduling, bytes and lower bound), median of --runs,
 as wall time and as the process's CPU time (the one to quote when the machine is shared:
 other jobs stretch wall time, and less so the CPU time the build itself needs), and the
-fastest run's CPU time; the 1-minute load average before and after is recorded. `copies`
+fastest run's CPU time; the 1-minute load average before and after is recorded, and so is the
+machine's pure-Python speed then (`reference_loop_ms`: CPU ms of sum(range(10**6)), best of 5):
+this VM's speed drifts by up to 1.5x from minute to minute, so compare runs through it. `copies`
 counts the replicas Extends create (large rounds of alike copies share one Extend, so
 it can exceed the number of Extends). The list scheduler is safe by construction, so the replay checker
 (`check_result`) runs outside the timed path, once per case: its violations are recorded.
@@ -77,12 +79,22 @@ def measure(plan_a: Plan, plan_b: Plan, runs: int) -> dict[str, object]:
     }
 
 
+def reference_loop_ms() -> float:
+    """CPU milliseconds of a fixed pure-Python loop (best of 5): the machine's speed right now."""
+    best = float("inf")
+    for _ in range(5):
+        started = time.process_time()
+        sum(range(10**6))
+        best = min(best, time.process_time() - started)
+    return best * 1000
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="timed repetitions per case (median reported)")
     args = parser.parse_args()
     rows = []
-    load_before = os.getloadavg()[0]
+    load_before, reference_before = os.getloadavg()[0], reference_loop_ms()
     for gpus in GPU_COUNTS:
         for drift, (plan_a, plan_b) in pairs(gpus).items():
             rows.append({"gpus": gpus, "drift": drift, **measure(plan_a, plan_b, args.runs)})
@@ -100,13 +112,16 @@ def main() -> None:
             f"{r['checker_violations']!s:>7} {r['makespan_s']:>10.2f} {ratio:>8.2f}"
         )
     load = {"before": load_before, "after": os.getloadavg()[0]}
+    reference = {"before": reference_before, "after": reference_loop_ms()}
     print(f"1-minute load average: {load['before']:.2f} before, {load['after']:.2f} after ({os.cpu_count()} CPUs)")
+    print(f"reference loop, CPU ms: {reference['before']:.1f} before, {reference['after']:.1f} after")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "transition_time",
         "runs": args.runs,
         "python": platform.python_version(),
         "load_average_1min": load,
+        "reference_loop_ms": reference,
         "cpus": os.cpu_count(),
         "results": rows,
     }
