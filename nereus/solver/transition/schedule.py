@@ -134,25 +134,11 @@ def primitive_duration(primitive: Primitive, cluster: Cluster, calibration: Cali
 
 def primitive_durations(primitives: list[Primitive], cluster: Cluster, calibration: Calibration) -> list[float]:
     """`primitive_duration` of each primitive (the links are looked up once)."""
-    per_node = cluster.gpus_per_node
-    (intra_bandwidth, intra_latency), (inter_bandwidth, inter_latency) = (
-        calibration.link(cluster, False),
-        calibration.link(cluster, True),
-    )
-    setup = calibration.communicator_setup_s
-    out = []
-    for primitive in primitives:
-        incoming: dict[int, float] = {}
-        for src, dst, nbytes in primitive.transfers:  # a 1024-GPU transition has ~1000: no tuple unpacking per link
-            if src // per_node != dst // per_node:
-                incoming[dst] = incoming.get(dst, 0.0) + inter_latency + nbytes / inter_bandwidth
-            else:
-                incoming[dst] = incoming.get(dst, 0.0) + intra_latency + nbytes / intra_bandwidth
-        out.append((setup if primitive.new_groups else 0.0) + max(incoming.values(), default=0.0))
-    return out
+    return _price(primitives, cluster, calibration)[0]
 
 
 def link_bytes(primitives: list[Primitive], cluster: Cluster) -> dict[str, float]:
+    """Bytes the primitives move within nodes and across them."""
     intra = inter = 0.0
     per_node = cluster.gpus_per_node
     for primitive in primitives:
@@ -162,6 +148,31 @@ def link_bytes(primitives: list[Primitive], cluster: Cluster) -> dict[str, float
             else:
                 intra += nbytes
     return {"intra_node": intra, "inter_node": inter}
+
+
+def _price(
+    primitives: list[Primitive], cluster: Cluster, calibration: Calibration
+) -> tuple[list[float], dict[str, float]]:
+    """Each primitive's duration and, as `link_bytes` counts them, the bytes moved per link
+    class: one pass over the transfers (a 1024-GPU transition has about a thousand)."""
+    per_node = cluster.gpus_per_node
+    (intra_bandwidth, intra_latency), (inter_bandwidth, inter_latency) = (
+        calibration.link(cluster, False),
+        calibration.link(cluster, True),
+    )
+    setup = calibration.communicator_setup_s
+    durations, intra, inter = [], 0.0, 0.0
+    for primitive in primitives:
+        incoming: dict[int, float] = {}
+        for src, dst, nbytes in primitive.transfers:
+            if src // per_node != dst // per_node:
+                inter += nbytes
+                incoming[dst] = incoming.get(dst, 0.0) + inter_latency + nbytes / inter_bandwidth
+            else:
+                intra += nbytes
+                incoming[dst] = incoming.get(dst, 0.0) + intra_latency + nbytes / intra_bandwidth
+        durations.append((setup if primitive.new_groups else 0.0) + max(incoming.values(), default=0.0))
+    return durations, {"intra_node": intra, "inter_node": inter}
 
 
 def lower_bound_bytes(plan_a: Plan, plan_b: Plan, changed: list[str], sizes: dict[str, float]) -> float:
@@ -597,6 +608,7 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
     capacity = usable_memory(plan_b.cluster, calibration)
     sides = [(_side(entries_a[entry.model_stage]), _side(entry)) for entry in changed_b]
     node_size = plan_b.cluster.gpus_per_node
+    moved_by_shape: dict[int, dict[str, float]] = {}  # id of a shape's primitive list -> bytes by link class
 
     def dag(star_rounds: int | None, unswap: bool, batch: bool) -> list[Primitive]:
         primitives: list[Primitive] = []
@@ -610,7 +622,7 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
                 local = replica_dag(name, size, side_a, side_b, len(primitives), star_rounds, unswap, batch_nodes)
                 built.append(((side_a, side_b), local))
             primitives += local
-        durations = primitive_durations(primitives, plan_b.cluster, calibration)
+        durations, moved_by_shape[id(primitives)] = _price(primitives, plan_b.cluster, calibration)
         for primitive, duration in zip(primitives, durations, strict=True):
             primitive.duration_s = duration
         return primitives
@@ -631,7 +643,7 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
     replay, cycle, rule, primitives = _schedule_shapes(shapes(), initial, capacity)
     held_b = held_a - gpus_a.held(sizes, changed) + gpus_b.held(sizes)
     cycle = _over_capacity(held_a, held_b, capacity) + cycle
-    moved = link_bytes(primitives, plan_b.cluster)
+    moved = moved_by_shape[id(primitives)]
     return TransitionResult(
         primitives=primitives,
         makespan_s=max((p.end_s for p in primitives), default=0.0),
