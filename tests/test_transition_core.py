@@ -247,3 +247,23 @@ def test_a_stamped_local_dag_equals_a_fresh_build(seed: int) -> None:
     template = replica_dag("x/training", 100.0, side_a, side_b, next_id=3, unswap=seed % 2 == 1)
     fresh = replica_dag("y/inference", 37.5, side_a, side_b, next_id=40, unswap=seed % 2 == 1)
     assert fields(stamp(template, "y/inference", 37.5, 40)) == fields(fresh)
+
+
+def test_a_copy_tree_is_told_from_star_copies() -> None:
+    """build_transition skips the star_rounds=None shape when the star shape grew no tree
+    (it would be the same DAG): `_copies_a_new_replica` tells the two apart."""
+    from nereus.solver.transition.local import STAR_ROUNDS
+    from nereus.solver.transition.schedule import _copies_a_new_replica
+
+    source = [Emu("actor/generation", 1, 1, (0,))]
+
+    def grown(count: int, star_rounds: int | None) -> list[Primitive]:
+        slots = [Emu("actor/generation", 1, 1, (gpu,)) for gpu in range(count)]
+        return local_dag("actor/generation", 100.0, source, slots, star_rounds=star_rounds)
+
+    few, many = STAR_ROUNDS + 1, 4 * STAR_ROUNDS
+    assert not _copies_a_new_replica(grown(few, STAR_ROUNDS))  # every copy reads the source
+    assert _copies_a_new_replica(grown(many, STAR_ROUNDS))  # later rounds read earlier copies
+    assert not _copies_a_new_replica(grown(many, None))
+    shape = [(p.kind, p.reads, p.writes, p.deps) for p in grown(few, STAR_ROUNDS)]
+    assert shape == [(p.kind, p.reads, p.writes, p.deps) for p in grown(few, None)]

@@ -552,6 +552,13 @@ def _shape(primitives: list[Primitive]) -> list[tuple[object, ...]]:
     return [(p.kind, p.reads, p.writes, tuple(p.deps)) for p in primitives]
 
 
+def _copies_a_new_replica(primitives: list[Primitive]) -> bool:
+    """Some Extend copies from a replica another Extend made: the copies grew as a doubling
+    tree (without `unswap`, the only way a copy reads a replica that is new)."""
+    new = {emu for p in primitives if p.kind == "extend" for emu in p.adds}
+    return any(emu in new for p in primitives if p.kind == "extend" for emu in p.copies_from)
+
+
 #: Local-DAG variants (star_rounds, unswap, batched copies) in the order tried; see `local_dag`.
 DAG_SHAPES: tuple[tuple[int | None, bool, bool], ...] = (
     (STAR_ROUNDS, False, True),
@@ -634,11 +641,15 @@ def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None
         tried when some copies were batched). Built lazily: the first shape usually
         schedules at once."""
         batched = False
+        treeless: set[bool] = set()  # `batch` values whose star-shaped DAG (no unswap) grew no copy tree
         for star_rounds, unswap, batch in DAG_SHAPES:
-            if batch or batched:
-                primitives = dag(star_rounds, unswap, batch)
-                batched |= batch and any(len(p.adds) > 1 for p in primitives if p.kind == "extend")
-                yield primitives
+            if not (batch or batched) or (star_rounds is None and not unswap and batch in treeless):
+                continue  # (a star shape without a tree is the very DAG star_rounds=None builds)
+            primitives = dag(star_rounds, unswap, batch)
+            batched |= batch and any(len(p.adds) > 1 for p in primitives if p.kind == "extend")
+            yield primitives
+            if star_rounds is not None and not unswap and not _copies_a_new_replica(primitives):
+                treeless.add(batch)  # checked only when a next shape is wanted
 
     replay, cycle, rule, primitives = _schedule_shapes(shapes(), initial, capacity)
     held_b = held_a - gpus_a.held(sizes, changed) + gpus_b.held(sizes)
