@@ -290,45 +290,45 @@ def _overlap_counts(replicas: list[Gpus], slots: list[Gpus]) -> collections.Coun
 def _extend(build: _Builder, inter: Layout, source: Gpus, slot: Gpus, dep: int) -> Primitive:
     """Copy the boxes `source` holds elsewhere than `slot` onto `slot`'s GPUs (a matched
     I-replica that moves; `dep`: the id its data waits for, -1: none)."""
-    box = build.state_bytes * box_fraction(inter)
     moved = list(map(operator.ne, source, slot))
     reads, targets = tuple(itertools.compress(source, moved)), tuple(itertools.compress(slot, moved))
-    return build.add(
-        {*reads, *targets},
-        kind="extend",
-        source_layout=inter,
-        target_layout=inter,
-        reads=reads,
-        writes=targets,
-        alloc=dict.fromkeys(targets, box),
-        free={},
-        transfers=tuple(zip(reads, targets, repeat(box))),
-        adds=(build.emu(inter, slot),),
-        copies_from=(build.emu(inter, source),),
-        deps=[dep] if dep >= 0 else [],
-        new_groups=1,
-    )
+    return _extend_op(build, inter, reads, targets, (build.emu(inter, source),), (build.emu(inter, slot),), dep)
 
 
 def _copy(build: _Builder, sources: list[Emu], slots: list[Emu], ready: int) -> Primitive:
     """Whole replicas `sources[i]` copied onto `slots[i]`'s GPUs, side by side in one Extend
     (no GPU in two of the copies; each copy has its own communicator)."""
-    box = build.state_bytes * box_fraction(slots[0].layout)
     reads = tuple(itertools.chain.from_iterable(map(_GPUS, sources)))
     targets = tuple(itertools.chain.from_iterable(map(_GPUS, slots)))
+    return _extend_op(build, slots[0].layout, reads, targets, tuple(sources), tuple(slots), ready)
+
+
+def _extend_op(
+    build: _Builder,
+    layout: Layout,
+    reads: Gpus,
+    targets: Gpus,
+    sources: tuple[Emu, ...],
+    slots: tuple[Emu, ...],
+    dep: int,
+) -> Primitive:
+    """An Extend of replicas in `layout`: `reads[i]` sends its box to `targets[i]`, and
+    `slots` become complete copies of `sources`, one communicator each (`dep`: the id the
+    sources' data waits for, -1: none)."""
+    box = build.state_bytes * box_fraction(layout)
     return build.add(
         {*reads, *targets},
         kind="extend",
-        source_layout=sources[0].layout,
-        target_layout=slots[0].layout,
+        source_layout=layout,
+        target_layout=layout,
         reads=reads,
         writes=targets,
         alloc=dict.fromkeys(targets, box),
         free={},
         transfers=tuple(zip(reads, targets, repeat(box))),
-        adds=tuple(slots),
-        copies_from=tuple(sources),
-        deps=[ready] if ready >= 0 else [],
+        adds=slots,
+        copies_from=sources,
+        deps=[dep] if dep >= 0 else [],
         new_groups=len(slots),
     )
 

@@ -43,12 +43,15 @@ class Replay:
         """Primitive id -> when it first waited for memory."""
         self.stage_of: dict[int, str] = {}
         """Model-stage of each primitive that released memory (for ownership dependencies)."""
-        self._restored_peak = peak or {}
         self.held: list[float] = []
         self.busy_until: list[float] = []
         self.peak_held: list[float] = []  # -inf where nothing was ever allocated
         self.release_end: list[float] = []
         self.release_id: list[int] = []  # -1 where nothing was released yet
+        if peak:
+            self.bind(max(peak) + 1)
+            for gpu, nbytes in peak.items():
+                self.peak_held[gpu] = nbytes
 
     def bind(self, num_gpus: int) -> None:
         """Make room for GPU ids below `num_gpus` (state so far is kept)."""
@@ -70,8 +73,6 @@ class Replay:
     @property
     def peak(self) -> dict[int, float]:
         """Per GPU that ever allocated: the most bytes it held after an allocation."""
-        if not self.peak_held:
-            return dict(self._restored_peak)
         return {gpu: nbytes for gpu, nbytes in enumerate(self.peak_held) if nbytes > -math.inf}
 
     def start(self, primitive: Primitive, now: float) -> None:

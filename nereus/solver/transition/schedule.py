@@ -139,22 +139,14 @@ def primitive_durations(primitives: list[Primitive], cluster: Cluster, calibrati
 
 def link_bytes(primitives: list[Primitive], cluster: Cluster) -> dict[str, float]:
     """Bytes the primitives move within nodes and across them."""
-    intra = inter = 0.0
-    per_node = cluster.gpus_per_node
-    for primitive in primitives:
-        for src, dst, nbytes in primitive.transfers:
-            if src // per_node != dst // per_node:
-                inter += nbytes
-            else:
-                intra += nbytes
-    return {"intra_node": intra, "inter_node": inter}
+    return _price(primitives, cluster, DEFAULT_CALIBRATION)[1]  # bytes do not depend on the calibration
 
 
 def _price(
     primitives: list[Primitive], cluster: Cluster, calibration: Calibration
 ) -> tuple[list[float], dict[str, float]]:
-    """Each primitive's duration and, as `link_bytes` counts them, the bytes moved per link
-    class: one pass over the transfers (a 1024-GPU transition has about a thousand)."""
+    """Each primitive's duration and the bytes moved within nodes and across them: one
+    pass over the transfers (a 1024-GPU transition has about a thousand)."""
     per_node = cluster.gpus_per_node
     (intra_bandwidth, intra_latency), (inter_bandwidth, inter_latency) = (
         calibration.link(cluster, False),
@@ -528,9 +520,7 @@ def _stage_order(
 
 def _extra(replay: Replay, held_a: np.ndarray) -> dict[int, float]:
     """Per GPU that allocated (sorted), how far its peak rises above what it held at the
-    start (over the live replay's per-GPU list in one array pass when it has one)."""
-    if not replay.peak_held:  # restored from a snapshot: its peak dict
-        return {gpu: max(0.0, nbytes - float(held_a[gpu])) for gpu, nbytes in sorted(replay.peak.items())}
+    start (over the replay's per-GPU list in one array pass)."""
     peak = np.array(replay.peak_held)
     allocated = np.flatnonzero(peak > -np.inf)
     rise = np.maximum(0.0, peak[allocated] - held_a[allocated])
