@@ -1,19 +1,22 @@
 """The EMU executor runs transition DAGs on live sharded state (tier: multi-process gloo):
-through tp, pp, dp and placement changes, a pool shrink and a pool growth, the gathered
-logical state after each transition equals the state before it, bitwise."""
+through tp, pp, dp and placement changes, a pool shrink and a pool growth, and through
+random sequences of mixed per-model-stage layouts, the gathered logical state after each
+transition equals the state before it, bitwise."""
 
 from __future__ import annotations
 
 import itertools
+import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from test_transition_check import _relayout, random_setting, random_stages
 
 from nereus.cost.plan_cost import head_of
 from nereus.runtime.dist import spawn
-from nereus.runtime.shard_layout import RankLayout
+from nereus.runtime.shard_layout import RankLayout, layout_problem
 from nereus.runtime.sharded_state import gather, random_rank_state, state_meta
 from nereus.runtime.transition_executor import execute_transition
 from nereus.solver.transition.schedule import build_transition
@@ -66,27 +69,67 @@ def walk(rank: int, world_size: int, plans: list[Plan], transitions: list[Any]) 
     return snapshots
 
 
+def assert_state_kept(plans: list[Plan], per_rank: list[list[dict[str, Any]]]) -> None:
+    """Each plan's gathered logical state (and optimizer step) equals the previous plan's, bitwise."""
+    before = None
+    for index, plan in enumerate(plans):
+        now = {}
+        for name, meta in metas(plan).items():
+            held = {rank: per_rank[rank][index][name][0] for rank in meta.boxes}
+            assert all(per_rank[rank][index][name][1] == 5 for rank in meta.boxes), "optimizer steps kept"
+            now[name] = gather(meta, held)
+            if before is not None:
+                assert now[name].keys() == before[name].keys()
+                for key, tensor in now[name].items():
+                    assert tensor.equal(before[name][key]), (index, name, key)
+        before = now
+
+
 @pytest.mark.slow
 def test_state_survives_every_transition_bitwise() -> None:
     plans = [make_plan(*layout) for _, layout in SEQUENCE]
     # Built once here: every rank must walk the very same primitives in the same order.
     transitions = [build_transition(a, b) for a, b in itertools.pairwise(plans)]
     assert all(t.feasible for t in transitions), [t.blocking_cycle for t in transitions]
-    per_rank = spawn(walk, 4, plans, [t.primitives for t in transitions])
-    before = None
-    for index, plan in enumerate(plans):
-        for name, meta in metas(plan).items():
-            held = {rank: per_rank[rank][index][name][0] for rank in meta.boxes}
-            assert all(per_rank[rank][index][name][1] == 5 for rank in meta.boxes), "optimizer steps kept"
-            logical = gather(meta, held)
-            if before is not None:
-                assert logical.keys() == before[name].keys()
-                for key, tensor in logical.items():
-                    assert tensor.equal(before[name][key]), (SEQUENCE[index][0], name, key)
-        before = {
-            name: gather(meta, {r: per_rank[r][index][name][0] for r in meta.boxes})
-            for name, meta in metas(plan).items()
-        }
+    assert_state_kept(plans, spawn(walk, 4, plans, [t.primitives for t in transitions]))
+
+
+def runnable(plan: Plan) -> bool:
+    """The runtime can shard every model-stage's layout (`nereus run` refuses other plans)."""
+    return all(layout_problem(plan.model(plan.workload.model_name(e.role)), e.tp, e.pp) is None for e in plan.stages)
+
+
+def random_sequence(seed: int, num_gpus: int, length: int) -> tuple[list[Plan], list[Any]]:
+    """`length` runnable random plans on one random `num_gpus`-GPU setting (each model-stage its
+    own layout and GPUs; a fifth of them kept from the plan before) and the feasible
+    transitions between them."""
+    rng = random.Random(seed)
+    setting = random_setting(rng)
+    while setting.cluster.num_gpus != num_gpus:
+        setting = random_setting(rng)
+    plans: list[Plan] = []
+    transitions: list[Any] = []
+    while len(plans) < length:
+        plan = random_stages(rng, setting)
+        if plans:
+            kept = [e for e in plans[-1].stages if rng.random() < 0.2]
+            plan = _relayout(plan, {e.model_stage: (e.tp, e.pp, e.emus) for e in kept})
+        if not runnable(plan):
+            continue
+        if plans:
+            transition = build_transition(plans[-1], plan)
+            if not transition.feasible:
+                continue
+            transitions.append(transition.primitives)
+        plans.append(plan)
+    return plans, transitions
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1])
+def test_random_layout_sequences_keep_state_bitwise(seed: int) -> None:
+    plans, transitions = random_sequence(seed, num_gpus=4, length=4)
+    assert_state_kept(plans, spawn(walk, 4, plans, transitions))
 
 
 @pytest.mark.slow
@@ -102,11 +145,4 @@ def test_batched_extend_runs_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
     assert transition.feasible
     extends = [p for p in transition.primitives if p.kind == "extend"]
     assert extends and all(len(p.adds) == 2 and len(p.copies_from) == 2 for p in extends)
-    per_rank = spawn(walk, 4, plans, [transition.primitives])
-    for name, meta in metas(plans[1]).items():
-        after = gather(meta, {rank: per_rank[rank][1][name][0] for rank in meta.boxes})
-        before_meta = metas(plans[0])[name]
-        before = gather(before_meta, {rank: per_rank[rank][0][name][0] for rank in before_meta.boxes})
-        assert after.keys() == before.keys()
-        for key, tensor in after.items():
-            assert tensor.equal(before[key]), (name, key)
+    assert_state_kept(plans, spawn(walk, 4, plans, [transition.primitives]))
