@@ -521,3 +521,16 @@ def test_a_run_config_fusion_block_reaches_the_run_and_its_timeline(tmp_path: Pa
     spans = [json.loads(line) for line in (out / "timeline" / "rank-1.jsonl").read_text().splitlines()]
     fused = {s["name"] for s in spans if s["cat"] == "fused"}
     assert {"actor F0", "actor B0", "critic F0", "critic B0"} <= fused
+
+
+def test_the_closing_summary_keeps_long_paths_on_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from nereus.cli.run_commands import RunSummary, print_summary
+
+    out = "runs/" + "a-long-run-folder-name-" * 4
+    summary = RunSummary(
+        out, 4, 0, 50, 50, 94.9, 0.023, 0.052, 0.029, 1.3, {"actor/generation": 0.6}, None, out + "/t.json"
+    )
+    print_summary(summary)
+    lines = capsys.readouterr().out.splitlines()
+    assert f"ran steps 1-50 of the run on 4 ranks in 94.9 s -> {out}" in lines
+    assert f"timeline: {out}/t.json (open in ui.perfetto.dev); summary: nereus report {out}" in lines

@@ -126,7 +126,7 @@ def print_summary(result: RunSummary) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(soft_wrap=True)  # a path on a long line must stay one line to copy it
     console.print(
         f"ran steps {result.first_step + 1}-{result.num_steps} of the run on {result.num_ranks} ranks"
         f" in {result.wall_s} s -> {result.out}"
