@@ -103,7 +103,7 @@ def _print_results(results: list[SimulationResult], trace_file: Path, plot: Path
 
     console = Console()
     if not console.is_terminal:
-        console = Console(width=max(console.width, 120))  # pipes and files get the whole table
+        console = Console(width=max(console.width, 120), soft_wrap=True)  # pipes and files: whole table and lines
     table = Table(title=f"{trace_file} (simulator: cost-model step times)")
     for column in ("policy", "mean step s", "total h", "transitions", "restarts", "stalled", "transition share",
                    "decide ms/step"):  # fmt: skip
