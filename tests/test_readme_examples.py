@@ -128,12 +128,13 @@ def test_readme_sessions_print_what_the_readme_shows(scratch: Path) -> None:
                 ["bash", "-c", command.shell], cwd=scratch, env=env, capture_output=True, text=True, timeout=300
             )
             status, printed = done.returncode, (done.stdout + done.stderr).splitlines()
-        if normalised(printed) != normalised(command.expected):
+        shown, got = normalised(command.expected), normalised(printed)
+        if got != shown:
             mismatches.append(
                 f"README.md:{command.line}: $ {command.shell}\n--- README\n"
-                + "\n".join(normalised(command.expected))
+                + "\n".join(shown)
                 + "\n--- printed\n"
-                + "\n".join(normalised(printed))
+                + "\n".join(got)
             )
     assert not mismatches, "\n\n".join(mismatches)
 
