@@ -93,6 +93,7 @@ def _child(
     _die_with_parent()
     torch.set_num_threads(num_threads)
     os.environ["LOCAL_RANK"] = str(rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
     result_path = Path(folder) / f"result-{rank}.pkl"
     try:
         if torch.cuda.is_available():

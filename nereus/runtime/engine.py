@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime import dist as launch
+from nereus.runtime import host_collectives
 from nereus.runtime.model import (
     Batch,
     DecoderStage,
@@ -411,7 +412,7 @@ class Engine:
         if self.stage.is_last:
             loss = torch.stack(list(outputs.values())).sum()
             if self.groups.dp_group is not None:
-                dist.all_reduce(loss, group=self.groups.dp_group)
+                host_collectives.all_reduce(loss, self.groups.dp_group)
         return float(self.from_last_stage(loss))
 
     def update(self) -> None:
@@ -449,10 +450,10 @@ class Engine:
         grads = [p.grad for p in self.params.values()]
         assert all(g is not None for g in grads), "every shard parameter takes part in the loss"
         if self.groups.embed_group is not None:
-            dist.all_reduce(self.params["embed.weight"].grad, group=self.groups.embed_group)
+            host_collectives.all_reduce(self.params["embed.weight"].grad, self.groups.embed_group)  # type: ignore[arg-type]
         if self.groups.dp_group is not None:
             flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
-            dist.all_reduce(flat, group=self.groups.dp_group)
+            host_collectives.all_reduce(flat, self.groups.dp_group)
             offset = 0
             for g in grads:
                 assert g is not None
@@ -466,7 +467,7 @@ class Engine:
             return tensor
         tensor = tensor.contiguous()
         last = self.groups.layout.rank_at(self.groups.replica, link.num_stages - 1, self.groups.tp.rank)
-        dist.broadcast(tensor, src=last, group=link.group)
+        host_collectives.broadcast(tensor, last, link.group)
         return tensor
 
     # ---- inference ----

@@ -201,13 +201,16 @@ def _collective_call(op: str, rank: int, world: int, tensor: Any) -> Callable[[]
     import torch
     import torch.distributed as dist
 
+    from nereus.runtime import host_collectives
+
+    # The engine's own calls: on one host they go through shared memory, not the process group.
     if op == "all_reduce":
-        return lambda: dist.all_reduce(tensor)
+        return lambda: host_collectives.all_reduce(tensor)
     if op == "all_gather":
         shards = [torch.empty_like(tensor) for _ in range(world)]
-        return lambda: dist.all_gather(shards, tensor)
+        return lambda: host_collectives.all_gather(shards, tensor)
     if op == "broadcast":
-        return lambda: dist.broadcast(tensor, src=0)
+        return lambda: host_collectives.broadcast(tensor, 0)
     assert op == "p2p", op
 
     def ping_pong() -> None:  # rank 0 -> 1 -> 0; the others wait at the next barrier

@@ -88,10 +88,28 @@ _outgoing: dict[int, tuple[bytes, Segment]] = {}
 _incoming: dict[int, Segment] = {}
 
 
-def _map(path: Path, nbytes: int) -> torch.Tensor:
+def map_file(path: Path, nbytes: int) -> torch.Tensor:
+    """The first `nbytes` of the shared-memory file `path`, mapped MAP_SHARED, as uint8."""
     import torch
 
     return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def create_file(name: str, nbytes: int) -> Path:
+    """A new zeroed file `name` in /dev/shm of `nbytes`, unlinked at exit unless `forget_unopened`
+    says a peer has taken it over. Its pages are reserved now: a full /dev/shm fails here
+    (OSError) instead of killing the rank with SIGBUS when a copy first touches a missing page."""
+    path = SHM_ROOT / name
+    descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.posix_fallocate(descriptor, 0, max(nbytes, 1))
+    except OSError:
+        path.unlink()
+        raise
+    finally:
+        os.close(descriptor)
+    _unopened.add(name)
+    return path
 
 
 def outgoing_segment(peer: int, nonce: bytes, nbytes: int) -> Segment:
@@ -106,19 +124,8 @@ def outgoing_segment(peer: int, nonce: bytes, nbytes: int) -> Segment:
         return pooled[1]
     _outgoing.pop(peer, None)  # unmapped once no view of it is left
     name = f"nereus-{os.getpid()}-{peer}-{secrets.token_hex(8)}"
-    path = SHM_ROOT / name
-    descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        # Reserve the pages now: a full /dev/shm then fails here (OSError) instead of
-        # killing the rank with SIGBUS when a copy first touches a missing page.
-        os.posix_fallocate(descriptor, 0, max(nbytes, 1))
-    except OSError:
-        path.unlink()
-        raise
-    finally:
-        os.close(descriptor)
-    _unopened.add(name)
-    segment = Segment(name, _map(path, max(nbytes, 1)))
+    path = create_file(name, nbytes)
+    segment = Segment(name, map_file(path, max(nbytes, 1)))
     _outgoing[peer] = (nonce, segment)
     return segment
 
@@ -129,7 +136,7 @@ def incoming_segment(peer: int, name: str, nbytes: int) -> Segment:
     if segment is not None and segment.name == name and segment.nbytes >= nbytes:
         return segment
     path = SHM_ROOT / name
-    segment = Segment(name, _map(path, max(nbytes, 1)))
+    segment = Segment(name, map_file(path, max(nbytes, 1)))
     path.unlink()  # both sides hold the mapping now; nothing is left in /dev/shm
     _incoming[peer] = segment
     return segment

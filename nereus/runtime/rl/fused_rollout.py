@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime import dist as launch
+from nereus.runtime import host_collectives
 from nereus.runtime.engine import even_split
 from nereus.runtime.generate import CachedForward, Decoder, HandOff, SamplingConfig
 from nereus.runtime.model import Batch
@@ -115,7 +116,7 @@ def _active_counts(generation: Stage, decoder: Decoder | None) -> list[int]:
     if decoder is not None and _leads(generation):
         assert generation.engine is not None
         counts[generation.engine.groups.replica] = decoder.num_active
-    dist.all_reduce(counts)
+    host_collectives.all_reduce(counts)
     return [int(count) for count in counts.tolist()]
 
 
@@ -300,7 +301,7 @@ def _replica_agrees(stage: Stage, flag: bool) -> bool:
     value = torch.tensor([float(flag)], device=launch.device())
     for group in (engine.groups.tp.group, engine.groups.link.group):
         if group is not None:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+            host_collectives.all_reduce(value, group, op="max")
     return bool(value.item() > 0)
 
 

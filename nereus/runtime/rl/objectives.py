@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from nereus.runtime import host_collectives
 from nereus.runtime.engine import HeadOps, next_token_log_probs
 from nereus.runtime.model import Batch
 from nereus.runtime.rl.algorithms import clipped_policy_loss, clipped_value_loss, kl_divergence
@@ -36,7 +36,7 @@ def vocab_parallel_entropy(local_logits: torch.Tensor, tp: TensorParallel) -> to
     logits = local_logits.float()
     peak = logits.detach().max(dim=-1, keepdim=True).values
     if tp.group is not None:
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=tp.group)
+        host_collectives.all_reduce(peak, tp.group, op="max")
     exp = torch.exp(logits - peak)
     total = reduce_from_group(exp.sum(dim=-1), tp.group)
     weighted = reduce_from_group((exp * logits).sum(dim=-1), tp.group)

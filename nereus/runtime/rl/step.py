@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from nereus.cost.plan_cost import head_of
 from nereus.runtime import dist as launch
-from nereus.runtime import timeline
+from nereus.runtime import host_collectives, timeline
 from nereus.runtime.engine import Engine, EngineConfig, even_split
 from nereus.runtime.fused_pipeline import FusedPart, OpTiming, fused_train_step
 from nereus.runtime.fused_schedule import fused_schedule
@@ -362,7 +362,7 @@ def gather_numbers(values: list[float]) -> torch.Tensor:
     # On the rank's device: NCCL gathers only GPU tensors.
     mine = torch.tensor(values, dtype=torch.float64, device=launch.device())
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(rows, mine)
+    host_collectives.all_gather(rows, mine)
     return torch.stack(rows).cpu()
 
 

@@ -1,0 +1,97 @@
+"""Benchmark: all-reduce and all-gather latency on 2 ranks of one host, shared memory against gloo.
+
+`nereus.runtime.host_collectives` (what the engine's tensor parallelism, gradient all-reduce
+and the profiler use) against `torch.distributed` on the same gloo world, for messages of
+4 B to 4 MiB: each rank's mean seconds per call over a fixed wall budget, the slower rank
+reported, one thread per rank. Prints a table and writes benchmarks/results/collectives.json.
+
+    .venv/bin/python benchmarks/collectives.py [--budget-s 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nereus.runtime import host_collectives
+from nereus.runtime.dist import spawn
+
+RESULTS = Path(__file__).resolve().parent / "results" / "collectives.json"
+SIZES = (4, 1024, 32 * 1024, 256 * 1024, 4 * 1024 * 1024)
+NUM_RANKS = 2
+
+
+def calls(tensor: torch.Tensor) -> dict[str, Callable[[], None]]:
+    parts = [torch.empty_like(tensor) for _ in range(NUM_RANKS)]
+    return {
+        "all_reduce host": lambda: host_collectives.all_reduce(tensor),
+        "all_reduce gloo": lambda: dist.all_reduce(tensor),
+        "all_gather host": lambda: host_collectives.all_gather(parts, tensor),
+        "all_gather gloo": lambda: dist.all_gather(parts, tensor),
+    }
+
+
+def seconds_per_call(call: Callable[[], None], budget_s: float) -> float:
+    """Mean over a repeat count both ranks agree on (the larger estimate)."""
+    for _ in range(3):
+        call()
+    started = time.perf_counter()
+    call()
+    wanted = torch.tensor([max(5.0, budget_s / max(time.perf_counter() - started, 1e-7))])
+    dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
+    repeats = int(min(wanted.item(), 5000))
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    return (time.perf_counter() - started) / repeats
+
+
+def _worker(rank: int, world: int, budget_s: float) -> dict[str, dict[int, float]]:
+    timings: dict[str, dict[int, float]] = {}
+    for size in SIZES:
+        tensor = torch.ones(max(1, size // 4))
+        for name, call in calls(tensor).items():
+            timings.setdefault(name, {})[size] = seconds_per_call(call, budget_s)
+    return timings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-s", type=float, default=0.5, help="wall seconds per (operation, size) point")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON results go")
+    args = parser.parse_args()
+    load_before = os.getloadavg()[0]
+    per_rank = spawn(_worker, NUM_RANKS, args.budget_s)
+    slowest = {name: {size: max(r[name][size] for r in per_rank) for size in SIZES} for name in per_rank[0]}
+    print(f"{NUM_RANKS} ranks x 1 thread on one host; load average before {load_before:.2f}")
+    print(f"{'bytes':>9} " + " ".join(f"{name:>16}" for name in slowest) + "  speed-up (reduce, gather)")
+    for size in SIZES:
+        cells = " ".join(f"{slowest[name][size] * 1e6:>13.1f} us" for name in slowest)
+        reduce_gain = slowest["all_reduce gloo"][size] / slowest["all_reduce host"][size]
+        gather_gain = slowest["all_gather gloo"][size] / slowest["all_gather host"][size]
+        print(f"{size:>9} {cells}  {reduce_gain:>6.1f}x {gather_gain:>6.1f}x")
+    record: dict[str, Any] = {
+        "benchmark": "collectives",
+        "num_ranks": NUM_RANKS,
+        "threads_per_rank": 1,
+        "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
+        "machine": platform.platform(),
+        "torch": torch.__version__,
+        "seconds_per_call": {name: {str(size): value for size, value in row.items()} for name, row in slowest.items()},
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(record, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

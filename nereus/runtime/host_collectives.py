@@ -1,0 +1,301 @@
+"""All-reduce, all-gather and broadcast among the ranks of one host through shared memory.
+
+gloo's all-reduce costs about 2 ms a call on a VM's loopback for any tensor up to a few
+hundred KiB, and tensor parallelism runs two per decoder layer, so on CPU ranks it, not
+the math, set the speed of every tensor-parallel layout. When every rank of a process
+group shares a host (equal `shm.host_token`), the group instead gets one shared segment:
+each rank copies its tensor into its own slot, announces it by raising its counter, waits
+for the others' counters and combines every slot in rank order, so every rank computes the
+very same bits. A rank then raises a second counter to say it has read the slots; slots
+alternate between two sets, so the next call need not wait for slow readers of this one.
+
+Waiting spins for a moment and then sleeps on a futex on the counter, so ranks that
+outnumber the cores (tests run 8 ranks on 2) do not starve the one they wait for. Groups
+whose ranks do not share a host, CUDA tensors and hosts other than x86-64 Linux (whose
+ordering of stores this relies on) go through `torch.distributed.all_reduce`, as does
+everything when NEREUS_HOST_COLLECTIVES=0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import secrets
+import sys
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+from nereus.runtime import shm
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+#: Set to 0 to send every all-reduce through the process group (to compare, or to debug).
+ENABLE_ENV = "NEREUS_HOST_COLLECTIVES"
+#: Bytes of one rank's slot: larger tensors are reduced in chunks of this size.
+SLOT_BYTES = 1 << 20
+#: One counter per cache line, so ranks raising their own counters do not contend.
+_LINE = 64
+_INT32_PER_LINE = _LINE // 4
+#: How long a rank polls a counter before it sleeps on it, in polls (~0.1 us each): waking a
+#: sleeping rank costs a VM hundreds of microseconds, so ranks that each have a core poll
+#: for ~0.2 ms; ranks that outnumber the cores sleep almost at once.
+_SPINS_OWN_CORE, _SPINS_SHARED_CORE = 2000, 16
+#: How long one futex sleep may last before the counter is read again (a missed wake-up
+#: costs at most this), in nanoseconds.
+_SLEEP_NS = 2_000_000
+_SYS_FUTEX = 202  # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+
+Op = Literal["sum", "max"]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_SLEEP = _Timespec(0, _SLEEP_NS)
+
+
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc
+
+
+def _supported() -> bool:
+    return sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
+
+
+_LIBC = _libc() if _supported() else None
+
+
+class _Channel:
+    """One process group's segment: per rank an `arrived` and a `done` counter (raised to
+    the call's sequence number) and, per slot set, a slot."""
+
+    def __init__(self, num_ranks: int, index: int, data: torch.Tensor, timeout_s: float) -> None:
+        import numpy as np
+
+        self.num_ranks = num_ranks
+        self.index = index
+        """This rank's index in the group."""
+        self.data = data
+        """The whole segment as bytes (keeps the mapping alive)."""
+        header = _header_bytes(num_ranks)
+        self.counters: np.ndarray = data[:header].numpy().view(np.int32)[::_INT32_PER_LINE]
+        """arrived[r] at r, done[r] at num_ranks + r (one cache line each)."""
+        base = data.data_ptr()
+        self.addresses = [ctypes.c_void_p(base + k * _LINE) for k in range(2 * num_ranks)]
+        self.slots = [
+            [data[header + (parity * num_ranks + r) * SLOT_BYTES :][:SLOT_BYTES] for r in range(num_ranks)]
+            for parity in (0, 1)
+        ]
+        self.views: dict[tuple[int, Any, int], list[torch.Tensor]] = {}
+        """(parity, dtype, elements) -> every rank's slot as such a tensor (shapes recur call after call)."""
+        self.others = [r for r in range(num_ranks) if r != index]
+        self.seq = 0
+        self.timeout_s = timeout_s
+        self.spins = _SPINS_OWN_CORE if _local_ranks(num_ranks) <= len(os.sched_getaffinity(0)) else _SPINS_SHARED_CORE
+
+    def slot_views(self, parity: int, chunk: torch.Tensor) -> list[torch.Tensor]:
+        key = (parity, chunk.dtype, chunk.numel())
+        views = self.views.get(key)
+        if views is None:
+            nbytes = chunk.numel() * chunk.element_size()
+            views = self.views[key] = [slot[:nbytes].view(chunk.dtype) for slot in self.slots[parity]]
+            if len(self.views) > 64:  # shapes that stopped recurring
+                del self.views[next(iter(self.views))]
+        return views
+
+    def raise_counter(self, which: int, value: int) -> None:
+        self.counters[which] = value
+        assert _LIBC is not None
+        _LIBC.syscall(_SYS_FUTEX, self.addresses[which], _FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
+
+    def wait_others(self, offset: int, value: int) -> None:
+        """Until every other rank's counter (arrived: offset 0, done: offset num_ranks) reaches `value`."""
+        counters = self.counters
+        for rank in self.others:
+            which = offset + rank
+            if counters[which] < value:
+                self._wait(which, value)
+
+    def _wait(self, which: int, value: int) -> None:
+        counters = self.counters
+        for _ in range(self.spins):
+            if counters[which] >= value:
+                return
+        assert _LIBC is not None
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            seen = int(counters[which])
+            if seen >= value:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"host collective: rank {which % self.num_ranks} of the group did not arrive within "
+                    f"{self.timeout_s:g} s (it may have died)"
+                )
+            # Sleeps only while the counter still holds `seen`: a raise in between returns at once.
+            _LIBC.syscall(_SYS_FUTEX, self.addresses[which], _FUTEX_WAIT, seen, ctypes.byref(_SLEEP), None, 0)
+
+
+def _local_ranks(num_ranks: int) -> int:
+    """Ranks on this host: the launcher's LOCAL_WORLD_SIZE (torchrun and `spawn` set it), at
+    least the group's."""
+    return max(num_ranks, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
+
+
+def _header_bytes(num_ranks: int) -> int:
+    return 2 * num_ranks * _LINE
+
+
+#: Per process group (held, so its id is not reused): its channel, or None for the process group's own all-reduce.
+_CHANNELS: dict[int, tuple[Any, _Channel | None]] = {}
+
+
+def all_reduce(tensor: torch.Tensor, group: Any = None, op: Op = "sum") -> None:
+    """Reduce `tensor` in place over `group` (default: the world), like
+    `torch.distributed.all_reduce`; every rank of the group must call it with a tensor of
+    the same shape and dtype."""
+    import torch.distributed as dist
+
+    channel = _channel(group) if tensor.device.type == "cpu" else None
+    if channel is None:
+        dist.all_reduce(tensor, op=_dist_op(op), group=group)
+        return
+    flat = tensor.contiguous().view(-1)
+    step = SLOT_BYTES // flat.element_size()
+    if flat.numel() <= step:
+        _reduce_chunk(channel, flat, op)
+    else:
+        for start in range(0, flat.numel(), step):
+            _reduce_chunk(channel, flat[start : start + step], op)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+
+
+def all_gather(parts: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
+    """`torch.distributed.all_gather`: `parts[r]` receives rank r's `tensor` (every rank's of
+    the same shape and dtype)."""
+    import torch.distributed as dist
+
+    channel = _channel(group) if tensor.device.type == "cpu" else None
+    flat = tensor.contiguous().view(-1)
+    if channel is None or flat.numel() * flat.element_size() > SLOT_BYTES:
+        dist.all_gather(parts, tensor, group=group)
+        return
+
+    def gather(slots: list[torch.Tensor]) -> None:
+        for part, slot in zip(parts, slots, strict=True):
+            part.copy_(slot.view_as(part))
+
+    _rendezvous(channel, flat, gather)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> None:
+    """`torch.distributed.broadcast`: every rank's `tensor` becomes global rank `src`'s."""
+    import torch.distributed as dist
+
+    channel = _channel(group) if tensor.device.type == "cpu" else None
+    flat = tensor.contiguous().view(-1)
+    if channel is None or flat.numel() * flat.element_size() > SLOT_BYTES:
+        dist.broadcast(tensor, src=src, group=group)
+        return
+    root = src if group is None else dist.get_group_rank(group, src)
+    if root != channel.index:
+        # Only the root's slot is read: the others announce their arrival without copying.
+        _rendezvous(channel, flat, lambda slots: tensor.copy_(slots[root].view_as(tensor)), publish=False)
+    else:
+        _rendezvous(channel, flat, lambda slots: None)
+
+
+def _reduce_chunk(channel: _Channel, chunk: torch.Tensor, op: Op) -> None:
+    import torch
+
+    combine = torch.add if op == "sum" else torch.maximum
+
+    def reduce(slots: list[torch.Tensor]) -> None:
+        combine(slots[0], slots[1], out=chunk)
+        for other in slots[2:]:
+            combine(chunk, other, out=chunk)
+
+    _rendezvous(channel, chunk, reduce)
+
+
+def _rendezvous(
+    channel: _Channel, chunk: torch.Tensor, read: Callable[[list[torch.Tensor]], object], publish: bool = True
+) -> None:
+    """Put `chunk` in this rank's slot (unless not `publish`), wait for every rank's, `read`
+    all the slots (in rank order), then say so."""
+    channel.seq += 1
+    seq, num_ranks = channel.seq, channel.num_ranks
+    slots = channel.slot_views(seq & 1, chunk)
+    # This parity's slots were last read in call seq - 2: wait until every rank is done with them.
+    channel.wait_others(num_ranks, seq - 2)
+    if publish:
+        slots[channel.index].copy_(chunk)
+    channel.raise_counter(channel.index, seq)
+    channel.wait_others(0, seq)
+    read(slots)
+    channel.raise_counter(num_ranks + channel.index, seq)
+
+
+def _dist_op(op: Op) -> Any:
+    import torch.distributed as dist
+
+    return dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+
+
+def _channel(group: Any) -> _Channel | None:
+    """The group's channel, made collectively on its first all-reduce (None: not shareable)."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD if group is None else group
+    cached = _CHANNELS.get(id(group))
+    if cached is not None and cached[0] is group:
+        return cached[1]
+    channel = _open_channel(group)
+    _CHANNELS[id(group)] = (group, channel)
+    return channel
+
+
+def _open_channel(group: Any) -> _Channel | None:
+    import torch.distributed as dist
+
+    from nereus.runtime.dist import DEFAULT_TIMEOUT
+
+    num_ranks, index = dist.get_world_size(group), dist.get_rank(group)
+    if num_ranks == 1:
+        return None
+    usable = _supported() and os.environ.get(ENABLE_ENV, "1") != "0"
+    tokens: list[Any] = [None] * num_ranks
+    dist.all_gather_object(tokens, shm.host_token() if usable else shm.private_token(), group=group)
+    if len(set(tokens)) != 1:
+        return None
+    nbytes = _header_bytes(num_ranks) + 2 * num_ranks * SLOT_BYTES
+    name = [_create_segment(nbytes) if index == 0 else None]
+    dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
+    if not name[0]:  # /dev/shm could not hold it: every rank stays on the process group
+        return None
+    path = shm.SHM_ROOT / name[0]
+    data = shm.map_file(path, nbytes)
+    dist.barrier(group=group)
+    if index == 0:  # every rank has mapped it: the mappings outlive the name
+        path.unlink()
+        shm.forget_unopened(name[0])
+    return _Channel(num_ranks, index, data, DEFAULT_TIMEOUT.total_seconds())
+
+
+def _create_segment(nbytes: int) -> str:
+    """The name of a new segment of `nbytes`, or "" when /dev/shm cannot hold it."""
+    name = f"nereus-ar-{os.getpid()}-{secrets.token_hex(8)}"
+    try:
+        shm.create_file(name, nbytes)
+    except OSError:
+        return ""
+    return name
