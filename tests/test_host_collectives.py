@@ -1,11 +1,13 @@
-"""Same-host all-reduce and all-gather through shared memory (multi-process gloo tier).
+"""Same-host all-reduce, all-gather and object collectives through shared memory
+(multi-process gloo tier).
 
 One spawned 4-rank world runs every case: sums and maxima of several dtypes and shapes
 (0-d, non-contiguous, several slots long) over the world, over two disjoint pairs at once
 and over an odd pair, interleaved; every result must equal the reduction of all ranks'
-inputs in rank order, bitwise. Groups whose ranks sit on different (pretend) hosts, or
-made with NEREUS_HOST_COLLECTIVES=0, must take the process group's path: the same bits as
-its own all-reduce.
+inputs in rank order, bitwise. All-gathers, object gathers and object broadcasts (small,
+and over a slot) must deliver every rank's value. Groups whose ranks sit on different
+(pretend) hosts, or made with NEREUS_HOST_COLLECTIVES=0, must take the process group's
+path: the same bits as its own all-reduce.
 """
 
 from __future__ import annotations
@@ -77,6 +79,23 @@ def _gathered(rank: int, group: Any, ranks: list[int]) -> bool:
     return all(torch.equal(part, make(other, 1)) for part, other in zip(parts, ranks, strict=True))
 
 
+def _objects(rank: int, world_size: int, pair: tuple[Any, list[int]]) -> list[str]:
+    """Object gathers and broadcasts, small and over a slot (the process group's path then)."""
+    wrong = []
+    for size in (0, 100, host_collectives.SLOT_BYTES):
+        mine = {"rank": rank, "blob": bytes([rank]) * size}
+        gathered: list[Any] = [None] * world_size
+        host_collectives.all_gather_object(gathered, mine)
+        if gathered != [{"rank": r, "blob": bytes([r]) * size} for r in range(world_size)]:
+            wrong.append(f"all_gather_object {size}")
+        group, ranks = pair
+        shared = [mine] if rank == ranks[1] else [None]
+        host_collectives.broadcast_object_list(shared, ranks[1], group)
+        if shared != [{"rank": ranks[1], "blob": bytes([ranks[1]]) * size}]:
+            wrong.append(f"broadcast_object_list {size}")
+    return wrong
+
+
 def _worker(rank: int, world_size: int) -> dict[str, Any]:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     odd = dist.new_group([1, 3])
@@ -89,6 +108,7 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     mine = [group for group, ranks in groups.values() if rank in ranks]
     outcome["shared"] = [host_collectives._channel(group) is not None for group in mine]
     outcome["gathered"] = _gathered(rank, None, list(range(world_size)))
+    outcome["objects"] = _objects(rank, world_size, groups["pair"])
     # Ranks 0-1 and 2-3 on pretend hosts: a fresh world-wide group cannot share memory.
     saved = shm._HOST_TOKEN
     shm._HOST_TOKEN = bytes([rank // 2 + 1]) * shm.TOKEN_BYTES
@@ -126,6 +146,7 @@ def test_host_all_reduce_matches_the_rank_order_reduction_bitwise_in_every_group
         assert outcome["one host"] == [], rank
         assert outcome["shared"] == [True] * len(outcome["shared"]), rank
         assert outcome["gathered"], rank
+        assert outcome["objects"] == [], rank
         assert outcome["two hosts"] == [] and not outcome["split shared"], rank
         assert outcome["disabled"] == [] and not outcome["disabled shared"], rank
         assert outcome["leftovers"] == [], rank

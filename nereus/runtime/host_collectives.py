@@ -1,4 +1,5 @@
-"""All-reduce, all-gather and broadcast among the ranks of one host through shared memory.
+"""All-reduce, all-gather and broadcast (of tensors and of pickled objects) among the ranks of one
+host through shared memory.
 
 gloo's all-reduce costs about 2 ms a call on a VM's loopback for any tensor up to a few
 hundred KiB, and tensor parallelism runs two per decoder layer, so on CPU ranks it, not
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pickle
 import platform
 import secrets
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -51,6 +54,8 @@ _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 
 Op = Literal["sum", "max"]
+#: The length prefix of a pickled message in its slot (-1: it did not fit).
+_LENGTH = struct.Struct("<q")
 
 
 class _Timespec(ctypes.Structure):
@@ -94,19 +99,20 @@ class _Channel:
             [data[header + (parity * num_ranks + r) * SLOT_BYTES :][:SLOT_BYTES] for r in range(num_ranks)]
             for parity in (0, 1)
         ]
-        self.views: dict[tuple[int, Any, int], list[torch.Tensor]] = {}
-        """(parity, dtype, elements) -> every rank's slot as such a tensor (shapes recur call after call)."""
+        self.views: dict[tuple[Any, int], list[list[torch.Tensor]]] = {}
+        """(dtype, elements) -> `slot_views` (shapes recur call after call)."""
         self.others = [r for r in range(num_ranks) if r != index]
         self.seq = 0
         self.timeout_s = timeout_s
         self.spins = _SPINS_OWN_CORE if _local_ranks(num_ranks) <= len(os.sched_getaffinity(0)) else _SPINS_SHARED_CORE
 
-    def slot_views(self, parity: int, chunk: torch.Tensor) -> list[torch.Tensor]:
-        key = (parity, chunk.dtype, chunk.numel())
+    def slot_views(self, chunk: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Per parity, every rank's slot as a tensor like `chunk` (flat)."""
+        key = (chunk.dtype, chunk.numel())
         views = self.views.get(key)
         if views is None:
             nbytes = chunk.numel() * chunk.element_size()
-            views = self.views[key] = [slot[:nbytes].view(chunk.dtype) for slot in self.slots[parity]]
+            views = self.views[key] = [[slot[:nbytes].view(chunk.dtype) for slot in slots] for slots in self.slots]
             if len(self.views) > 64:  # shapes that stopped recurring
                 del self.views[next(iter(self.views))]
         return views
@@ -194,7 +200,7 @@ def all_gather(parts: list[torch.Tensor], tensor: torch.Tensor, group: Any = Non
         for part, slot in zip(parts, slots, strict=True):
             part.copy_(slot.view_as(part))
 
-    _rendezvous(channel, flat, gather)
+    _rendezvous(channel, channel.slot_views(flat), lambda slot: slot.copy_(flat), gather)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> None:
@@ -209,9 +215,59 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> None:
     root = src if group is None else dist.get_group_rank(group, src)
     if root != channel.index:
         # Only the root's slot is read: the others announce their arrival without copying.
-        _rendezvous(channel, flat, lambda slots: tensor.copy_(slots[root].view_as(tensor)), publish=False)
+        _rendezvous(channel, channel.slot_views(flat), None, lambda slots: tensor.copy_(slots[root].view_as(tensor)))
     else:
-        _rendezvous(channel, flat, lambda slots: None)
+        _rendezvous(channel, channel.slot_views(flat), lambda slot: slot.copy_(flat), lambda slots: None)
+
+
+def all_gather_object(gathered: list[Any], obj: Any, group: Any = None) -> None:
+    """`torch.distributed.all_gather_object`: `gathered[r]` becomes rank r's `obj` (pickled)."""
+    import torch.distributed as dist
+
+    channel = _channel(group)
+    messages = None if channel is None else _exchange_bytes(channel, pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
+    if messages is None:  # every rank takes this path together: some payload needed more than a slot
+        dist.all_gather_object(gathered, obj, group=group)
+        return
+    gathered[:] = [pickle.loads(message) for message in messages]
+
+
+def broadcast_object_list(objects: list[Any], src: int, group: Any = None) -> None:
+    """`torch.distributed.broadcast_object_list`: `objects` becomes global rank `src`'s list."""
+    import torch.distributed as dist
+
+    channel = _channel(group)
+    root = src if group is None else dist.get_group_rank(group, src)
+    mine = b"" if channel is None or root != channel.index else pickle.dumps(objects, pickle.HIGHEST_PROTOCOL)
+    messages = None if channel is None else _exchange_bytes(channel, mine)
+    if messages is None:
+        dist.broadcast_object_list(objects, src=src, group=group)
+        return
+    objects[:] = pickle.loads(messages[root])
+
+
+def _exchange_bytes(channel: _Channel, message: bytes) -> list[bytes] | None:
+    """Every rank's `message`, in rank order; None on every rank when one did not fit a slot."""
+    import torch
+
+    fits = len(message) <= SLOT_BYTES - _LENGTH.size
+    framed = _LENGTH.pack(len(message) if fits else -1) + (message if fits else b"")
+    messages: list[bytes] | None = []
+
+    def write(slot: torch.Tensor) -> None:
+        slot[: len(framed)].copy_(torch.frombuffer(bytearray(framed), dtype=torch.uint8))
+
+    def read(slots: list[torch.Tensor]) -> None:
+        nonlocal messages
+        lengths = [_LENGTH.unpack(slot[: _LENGTH.size].numpy().tobytes())[0] for slot in slots]
+        if min(lengths) < 0:
+            messages = None
+            return
+        start = _LENGTH.size
+        messages = [slot[start : start + length].numpy().tobytes() for slot, length in zip(slots, lengths, strict=True)]
+
+    _rendezvous(channel, channel.slots, write, read)
+    return messages
 
 
 def _reduce_chunk(channel: _Channel, chunk: torch.Tensor, op: Op) -> None:
@@ -224,21 +280,24 @@ def _reduce_chunk(channel: _Channel, chunk: torch.Tensor, op: Op) -> None:
         for other in slots[2:]:
             combine(chunk, other, out=chunk)
 
-    _rendezvous(channel, chunk, reduce)
+    _rendezvous(channel, channel.slot_views(chunk), lambda slot: slot.copy_(chunk), reduce)
 
 
 def _rendezvous(
-    channel: _Channel, chunk: torch.Tensor, read: Callable[[list[torch.Tensor]], object], publish: bool = True
+    channel: _Channel,
+    slot_sets: list[list[torch.Tensor]],
+    write: Callable[[torch.Tensor], object] | None,
+    read: Callable[[list[torch.Tensor]], object],
 ) -> None:
-    """Put `chunk` in this rank's slot (unless not `publish`), wait for every rank's, `read`
-    all the slots (in rank order), then say so."""
+    """`write` this rank's slot (unless None), wait for every rank's, `read` all the slots
+    (in rank order), then say so. `slot_sets` holds the slots of each parity."""
     channel.seq += 1
     seq, num_ranks = channel.seq, channel.num_ranks
-    slots = channel.slot_views(seq & 1, chunk)
+    slots = slot_sets[seq & 1]
     # This parity's slots were last read in call seq - 2: wait until every rank is done with them.
     channel.wait_others(num_ranks, seq - 2)
-    if publish:
-        slots[channel.index].copy_(chunk)
+    if write is not None:
+        write(slots[channel.index])
     channel.raise_counter(channel.index, seq)
     channel.wait_others(0, seq)
     read(slots)

@@ -122,7 +122,7 @@ def _active_counts(generation: Stage, decoder: Decoder | None) -> list[int]:
 
 def _gather(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
+    host_collectives.all_gather_object(gathered, value)
     return gathered
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from nereus.cost.calibration import Calibration
 from nereus.errors import NereusError
-from nereus.runtime import shm, timeline
+from nereus.runtime import host_collectives, shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import spawn
 from nereus.runtime.rl.config import RLConfig
@@ -198,7 +198,7 @@ def next_move(setup: RunSetup, state: RunState | None, switches: dict[int, Switc
         assert state.controller is not None
         with timeline.span("controller", "decide"):
             decided[0] = state.controller.decide(step)
-    dist.broadcast_object_list(decided, src=0)
+    host_collectives.broadcast_object_list(decided, 0)
     move: Move | None = decided[0]
     return move
 

@@ -13,7 +13,7 @@ the same weights and the reference stays at them. A step reads top to bottom:
 5. weight sync: actor/training -> actor/generation and actor/inference, critic/training ->
    critic/inference, through the resharder.
 
-Rows move between stages through the world (`all_gather_object`): every rank ends each
+Rows move between stages through the world (an object all-gather): every rank ends each
 phase with the whole batch, so any placement (colocated or split pools) works the same way.
 """
 
@@ -153,7 +153,7 @@ def by_replica_of(stages: Mapping[str, Stage], values: Mapping[str, Any]) -> dic
         if engine is not None and engine.groups.stage == 0 and engine.groups.tp.rank == 0:
             mine[name] = (engine.groups.replica, values[name])
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
+    host_collectives.all_gather_object(gathered, mine)
     out = {}
     for name, stage in stages.items():
         parts = sorted((rank_parts[name] for rank_parts in gathered if name in rank_parts), key=lambda p: p[0])
