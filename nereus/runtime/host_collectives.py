@@ -13,8 +13,9 @@ alternate between two sets, so the next call need not wait for slow readers of t
 Waiting spins for a moment and then sleeps on a futex on the counter, so ranks that
 outnumber the cores (tests run 8 ranks on 2) do not starve the one they wait for. Groups
 whose ranks do not share a host, CUDA tensors and hosts other than x86-64 Linux (whose
-ordering of stores this relies on) go through `torch.distributed.all_reduce`, as does
-everything when NEREUS_HOST_COLLECTIVES=0.
+ordering of stores this relies on) use the `torch.distributed` call of the same name, as
+does everything when NEREUS_HOST_COLLECTIVES=0, and every rank of a group together when a
+gather, broadcast or object outgrows a slot (all-reduces go slot by slot instead).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-#: Set to 0 to send every all-reduce through the process group (to compare, or to debug).
+#: Set to 0 to send every collective through the process group (to compare, or to debug).
 ENABLE_ENV = "NEREUS_HOST_COLLECTIVES"
 #: Bytes of one rank's slot: larger tensors are reduced in chunks of this size.
 SLOT_BYTES = 1 << 20
@@ -312,7 +313,7 @@ def _dist_op(op: Op) -> Any:
 
 
 def _channel(group: Any) -> _Channel | None:
-    """The group's channel, made collectively on its first all-reduce (None: not shareable)."""
+    """The group's channel, made collectively on its first call here (None: not shareable)."""
     import torch.distributed as dist
 
     group = dist.group.WORLD if group is None else group
