@@ -192,9 +192,8 @@ def all_gather(parts: list[torch.Tensor], tensor: torch.Tensor, group: Any = Non
     the same shape and dtype)."""
     import torch.distributed as dist
 
-    channel = _channel(group) if tensor.device.type == "cpu" else None
-    flat = tensor.contiguous().view(-1)
-    if channel is None or flat.numel() * flat.element_size() > SLOT_BYTES:
+    channel, flat = _one_slot(tensor, group)
+    if channel is None:
         dist.all_gather(parts, tensor, group=group)
         return
 
@@ -209,17 +208,30 @@ def broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> None:
     """`torch.distributed.broadcast`: every rank's `tensor` becomes global rank `src`'s."""
     import torch.distributed as dist
 
-    channel = _channel(group) if tensor.device.type == "cpu" else None
-    flat = tensor.contiguous().view(-1)
-    if channel is None or flat.numel() * flat.element_size() > SLOT_BYTES:
+    channel, flat = _one_slot(tensor, group)
+    if channel is None:
         dist.broadcast(tensor, src=src, group=group)
         return
-    root = src if group is None else dist.get_group_rank(group, src)
+    root = _group_index(group, src)
     if root != channel.index:
         # Only the root's slot is read: the others announce their arrival without copying.
         _rendezvous(channel, channel.slot_views(flat), None, lambda slots: tensor.copy_(slots[root].view_as(tensor)))
     else:
         _rendezvous(channel, channel.slot_views(flat), lambda slot: slot.copy_(flat), lambda slots: None)
+
+
+def _one_slot(tensor: torch.Tensor, group: Any) -> tuple[_Channel | None, torch.Tensor]:
+    """The group's channel when `tensor` fits one slot (None: use the process group), and
+    `tensor` flat."""
+    flat = tensor.contiguous().view(-1)
+    fits = tensor.device.type == "cpu" and flat.numel() * flat.element_size() <= SLOT_BYTES
+    return (_channel(group) if fits else None), flat
+
+
+def _group_index(group: Any, global_rank: int) -> int:
+    import torch.distributed as dist
+
+    return global_rank if group is None else dist.get_group_rank(group, global_rank)
 
 
 def all_gather_object(gathered: list[Any], obj: Any, group: Any = None) -> None:
@@ -239,7 +251,7 @@ def broadcast_object_list(objects: list[Any], src: int, group: Any = None) -> No
     import torch.distributed as dist
 
     channel = _channel(group)
-    root = src if group is None else dist.get_group_rank(group, src)
+    root = _group_index(group, src)
     mine = b"" if channel is None or root != channel.index else pickle.dumps(objects, pickle.HIGHEST_PROTOCOL)
     messages = None if channel is None else _exchange_bytes(channel, mine)
     if messages is None:
