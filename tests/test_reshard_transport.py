@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nereus.runtime import shm
-from nereus.runtime.dist import spawn
+from nereus.runtime.dist import STREAMING_COPY_TUNABLE, TUNABLES_ENV, spawn
 from nereus.runtime.reshard import Hop, ReshardPlan, broadcast_rounds, execute, plan_reshard
 from nereus.runtime.shard_layout import STATE_FAMILIES, RankLayout
 from nereus.runtime.sharded_state import StateMeta, cut, random_logical_state, state_meta
@@ -213,3 +213,33 @@ def test_host_tokens_match_on_one_host_and_private_tokens_match_nothing() -> Non
     name = f"nereus-{os.getpid()}-3-0123456789abcdef"
     assert shm.decode_name(shm.encode_name(name)) == name and len(shm.encode_name(name)) == shm.NAME_BYTES
     assert [shm.aligned(n) for n in (0, 1, 64, 65)] == [0, 64, 64, 128]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "numel"),
+    [(torch.float32, (shm.BULK_COPY_BYTES // 4) + 3), (torch.bfloat16, shm.BULK_COPY_BYTES), (torch.int64, 100)],
+)
+def test_copy_bulk_equals_copy_for_views_at_offsets_and_strided_or_mixed_pieces(dtype: torch.dtype, numel: int) -> None:
+    generator = torch.Generator().manual_seed(SEED)
+    source = torch.randint(-1000, 1000, (numel + 9,), generator=generator).to(dtype)
+    target = torch.zeros(numel + 5, dtype=dtype)
+    shm.copy_bulk(target[5:], source[9:])  # contiguous views that start inside their storage
+    assert torch.equal(target[5:], source[9:]) and torch.equal(target[:5], torch.zeros(5, dtype=dtype))
+    wide = torch.zeros(2 * numel, dtype=dtype).view(numel, 2)
+    shm.copy_bulk(wide[:, 1], source[:numel])  # strided destination: torch's copy
+    assert torch.equal(wide[:, 1], source[:numel]) and not wide[:, 0].any()
+    floats = torch.zeros(numel, dtype=torch.float64)
+    shm.copy_bulk(floats, source[:numel])  # another dtype: converted, as copy_ does
+    assert torch.equal(floats, source[:numel].to(torch.float64))
+
+
+def _tunables_worker(rank: int, world_size: int) -> str | None:
+    return os.environ.get(TUNABLES_ENV)
+
+
+def test_ranks_stream_bulk_copies_unless_the_user_set_glibc_tunables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TUNABLES_ENV, raising=False)
+    assert spawn(_tunables_worker, 1) == [STREAMING_COPY_TUNABLE]
+    assert TUNABLES_ENV not in os.environ  # the launcher's environment is restored
+    monkeypatch.setenv(TUNABLES_ENV, "glibc.malloc.arena_max=2")
+    assert spawn(_tunables_worker, 1) == ["glibc.malloc.arena_max=2"]

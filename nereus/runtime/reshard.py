@@ -197,7 +197,7 @@ def execute(
     def copy_local_pieces() -> None:
         for transfer in plan.transfers:
             if transfer.local and transfer.dst == rank and new[transfer.key] is not tensors[transfer.key]:
-                _dst_view(new, transfer).copy_(_src_view(tensors, transfer))
+                shm.copy_bulk(_dst_view(new, transfer), _src_view(tensors, transfer))
 
     rounds: list[list[Hop]] = [[(None, t) for t in plan.moved()]] if method == "p2p" else broadcast_rounds(plan)
     cpu_only = device.type == "cpu" and all(tensor.device.type == "cpu" for tensor in tensors.values())
@@ -440,7 +440,7 @@ def _stage(peer: int, pieces: list[torch.Tensor], nonce: bytes, requests: list[d
         requests += [_post(dist.isend, piece.contiguous(), peer, FALLBACK_TAG) for piece in pieces]
         return name
     for piece, place in zip(pieces, _places(segment, pieces), strict=True):
-        place.copy_(piece)
+        shm.copy_bulk(place, piece)
     requests.append(_post(dist.isend, header, peer, HEADER_TAG))
     return name
 
@@ -463,7 +463,7 @@ def _unstage(
         return 0
     segment = shm.incoming_segment(peer, name, _staged_bytes(views))
     for view, place in zip(views, _places(segment, views), strict=True):
-        view.copy_(place)
+        shm.copy_bulk(view, place)
     requests.append(_post(dist.isend, torch.ones(1, dtype=torch.uint8), peer, DONE_TAG))
     return sum(view.numel() * view.element_size() for view in views)
 
