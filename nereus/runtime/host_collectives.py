@@ -178,11 +178,8 @@ def all_reduce(tensor: torch.Tensor, group: Any = None, op: Op = "sum") -> None:
         return
     flat = tensor.contiguous().view(-1)
     step = SLOT_BYTES // flat.element_size()
-    if flat.numel() <= step:
-        _reduce_chunk(channel, flat, op)
-    else:
-        for start in range(0, flat.numel(), step):
-            _reduce_chunk(channel, flat[start : start + step], op)
+    for start in range(0, flat.numel(), step):
+        _reduce_chunk(channel, flat[start : start + step], op)
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
 
@@ -194,7 +191,7 @@ def all_gather(parts: list[torch.Tensor], tensor: torch.Tensor, group: Any = Non
 
     channel, flat = _one_slot(tensor, group)
     if channel is None:
-        dist.all_gather(parts, tensor, group=group)
+        dist.all_gather(parts, flat.view_as(tensor), group=group)  # the process group needs it contiguous
         return
 
     def gather(slots: list[torch.Tensor]) -> None:
