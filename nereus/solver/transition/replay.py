@@ -6,18 +6,17 @@ on a GPU, the release becomes its GPU-ownership dependency. If nothing can start
 nothing runs, the model-stages waiting on each other's memory are reported.
 
 Per-GPU state lives in lists indexed by GPU id (reading one costs a third of a dict
-look-up): at 1024 GPUs one primitive copies or releases replicas on hundreds of GPUs,
-so its checks run as C-level passes over them.
+look-up): at 1024 GPUs one primitive copies or releases replicas on hundreds of GPUs.
+Its checks are plain loops over them: on Python 3.11 a loop of list reads and stores
+costs about half a C-level `map` of `list.__getitem__`/`__setitem__`.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-import operator
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from itertools import repeat
 
 from nereus.solver.transition.primitives import Primitive
 from nereus.spec.workload import STAGES
@@ -29,8 +28,8 @@ PriorityKey = Callable[[Primitive], tuple[float, ...]]
 
 
 class Replay:
-    """Mutable state of the list scheduler: bytes held, busy-until time, peak bytes and
-    the last release, per GPU id (lists sized by `bind`).
+    """Mutable state of the list scheduler: bytes held, busy-until time and peak bytes per
+    GPU id (lists sized by `bind`), and the releases so far.
 
     `usage` is what each GPU holds at the start; `peak` (when given) is a finished
     schedule's peak bytes per GPU, for a replay restored from a snapshot.
@@ -41,13 +40,11 @@ class Replay:
         self.capacity = capacity
         self.blocked_since: dict[int, float] = {}
         """Primitive id -> when it first waited for memory."""
-        self.stage_of: dict[int, str] = {}
-        """Model-stage of each primitive that released memory (for ownership dependencies)."""
+        self.releases: list[Primitive] = []
+        """Primitives that freed memory, in the order they finished (for ownership dependencies)."""
         self.held: list[float] = []
         self.busy_until: list[float] = []
         self.peak_held: list[float] = []  # -inf where nothing was ever allocated
-        self.release_end: list[float] = []
-        self.release_id: list[int] = []  # -1 where nothing was released yet
         if peak:
             self.bind(max(peak) + 1)
             for gpu, nbytes in peak.items():
@@ -55,16 +52,18 @@ class Replay:
 
     def bind(self, num_gpus: int) -> None:
         """Make room for GPU ids below `num_gpus` (state so far is kept)."""
+        start = len(self.held)
         size = max(num_gpus, max(self.initial, default=-1) + 1)
-        more = size - len(self.held)
+        more = size - start
         if more <= 0:
             return
-        start = len(self.held)
-        self.held += map(self.initial.get, range(start, size), repeat(0.0))  # in C: 1024 GPUs at scale
+        held = self.held
+        held += [0.0] * more
+        for gpu, nbytes in self.initial.items():  # a loop of list stores beats a C-level map of dict.get
+            if gpu >= start:
+                held[gpu] = nbytes
         self.busy_until += [0.0] * more
         self.peak_held += [-math.inf] * more
-        self.release_end += [0.0] * more
-        self.release_id += [-1] * more
 
     def usage(self, gpu: int) -> float:
         """Bytes `gpu` holds now."""
@@ -88,24 +87,38 @@ class Replay:
             if now_held > peak[gpu]:
                 peak[gpu] = now_held
         waited = self.blocked_since.get(primitive.id)
-        if waited is None:
-            return
-        for gpu in primitive.alloc:  # memory it waited for, released by another model-stage
-            release = self.release_id[gpu]
-            if release < 0 or self.stage_of[release] == primitive.model_stage:
+        if waited is not None:
+            self._add_ownership_deps(primitive, waited)
+
+    def _add_ownership_deps(self, primitive: Primitive, waited: float) -> None:
+        """Record, as ownership dependencies of `primitive`, the releases by other model-stages
+        since it began to wait of the memory it allocates: per GPU, the last release there,
+        in the order of the GPUs in its allocations. Looked up only for a primitive that
+        waited, so releases (every Destroy and Merge) keep no per-GPU record."""
+        unresolved = set(primitive.alloc)
+        last_release: dict[int, Primitive] = {}  # GPU -> the last primitive that freed memory there
+        for release in reversed(self.releases):
+            found = unresolved.intersection(release.free)
+            if found:
+                last_release.update(dict.fromkeys(found, release))
+                unresolved -= found
+                if not unresolved:
+                    break
+        deps = primitive.ownership_deps
+        for gpu in primitive.alloc:
+            release = last_release.get(gpu)
+            if release is None or release.model_stage == primitive.model_stage:
                 continue
-            if self.release_end[gpu] >= waited and release not in primitive.ownership_deps:
-                primitive.ownership_deps.append(release)
+            if release.end_s >= waited and release.id not in deps:
+                deps.append(release.id)
 
     def finish(self, primitive: Primitive) -> None:
         if not primitive.free:
             return
-        self.stage_of[primitive.id] = primitive.model_stage
-        held, release_end, release_id = self.held, self.release_end, self.release_id
+        self.releases.append(primitive)
+        held = self.held
         for gpu, nbytes in primitive.free.items():
             held[gpu] -= nbytes
-            release_end[gpu] = primitive.end_s
-            release_id[gpu] = primitive.id
 
 
 _STAGE_INDEX: dict[str, int] = {}  # model-stage name -> index of its stage in STAGES
@@ -222,13 +235,19 @@ class _Waits:
 
     def _stoppers(self, primitive: Primitive, horizon: float) -> tuple[list[int], list[int]]:
         """(one busy GPU per distinct finish time after `horizon`, GPUs short of memory);
-        the common case (idle, room everywhere) is checked by C-level passes first."""
+        the common case (idle, room everywhere) is checked first, without building lists."""
         busy_until, held, limit = self.replay.busy_until, self.replay.held, self.replay.capacity + EPS
-        gpus, alloc = primitive.gpus, primitive.alloc
         lacking: list[int] = []
-        if alloc and max(map(operator.add, map(held.__getitem__, alloc), alloc.values())) > limit:
-            lacking = [gpu for gpu, nbytes in alloc.items() if held[gpu] + nbytes > limit]
-        if max(map(busy_until.__getitem__, gpus), default=0.0) <= horizon:
+        alloc = primitive.alloc
+        for gpu, nbytes in alloc.items():  # list reads in a loop: cheaper than C-level maps of __getitem__
+            if held[gpu] + nbytes > limit:
+                lacking = [gpu for gpu, nbytes in alloc.items() if held[gpu] + nbytes > limit]
+                break
+        gpus = primitive.gpus
+        for gpu in gpus:
+            if busy_until[gpu] > horizon:
+                break
+        else:
             return [], lacking
         last_gpu_per_end = dict(zip(map(busy_until.__getitem__, gpus), gpus, strict=True))
         return [gpu for end, gpu in last_gpu_per_end.items() if end > horizon], lacking
