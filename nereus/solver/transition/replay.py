@@ -106,11 +106,11 @@ class Replay:
                     break
         deps = primitive.ownership_deps
         for gpu in primitive.alloc:
-            release = last_release.get(gpu)
-            if release is None or release.model_stage == primitive.model_stage:
+            last = last_release.get(gpu)
+            if last is None or last.model_stage == primitive.model_stage:
                 continue
-            if release.end_s >= waited and release.id not in deps:
-                deps.append(release.id)
+            if last.end_s >= waited and last.id not in deps:
+                deps.append(last.id)
 
     def finish(self, primitive: Primitive) -> None:
         if not primitive.free:
