@@ -243,14 +243,12 @@ class _Waits:
             if held[gpu] + nbytes > limit:
                 lacking = [gpu for gpu, nbytes in alloc.items() if held[gpu] + nbytes > limit]
                 break
-        gpus = primitive.gpus
-        for gpu in gpus:
-            if busy_until[gpu] > horizon:
-                break
-        else:
-            return [], lacking
-        last_gpu_per_end = dict(zip(map(busy_until.__getitem__, gpus), gpus, strict=True))
-        return [gpu for end, gpu in last_gpu_per_end.items() if end > horizon], lacking
+        last_gpu_per_end: dict[float, int] = {}  # busy GPUs only, by when they finish
+        for gpu in primitive.gpus:
+            end = busy_until[gpu]
+            if end > horizon:
+                last_gpu_per_end[end] = gpu
+        return list(last_gpu_per_end.values()), lacking
 
 
 def blocking_cycle(blocked: list[Primitive], primitives: list[Primitive], replay: Replay) -> list[str]:

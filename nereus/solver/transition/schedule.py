@@ -10,7 +10,9 @@ plans has no safe order: the model-stages waiting on each other's memory are rep
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import itertools
 import random
 from collections.abc import Iterable, Iterator
@@ -587,8 +589,32 @@ def _schedule_shapes(
     return (*failure, tried[0])
 
 
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector, and resume it if it was running.
+
+    A build allocates tens of thousands of short-lived objects with no reference cycles
+    among them (primitives refer to each other by id), so each collection the allocations
+    trigger frees nothing, yet walks the young objects and, now and then, every object of
+    the caller's heap (in `nereus run`, the controller's and torch's): about a tenth of
+    the build at 1024 GPUs. Reference counting still frees everything as usual.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None = None) -> TransitionResult:
     """The scheduled global transition DAG from plan A to plan B."""
+    with _cyclic_gc_paused():
+        return _build_transition(plan_a, plan_b, calibration)
+
+
+def _build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None) -> TransitionResult:
     calibration = DEFAULT_CALIBRATION if calibration is None else calibration  # building one costs ~0.1 ms
     if plan_a.cluster != plan_b.cluster:
         raise NereusError("the two plans are for different clusters; a transition needs one cluster")
