@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
 from plan_helpers import relayout
 
+from nereus.errors import NereusError
 from nereus.solver.transition import Emu, Primitive, build_transition, intermediate_layout, local_dag, sub_replicas
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
@@ -54,6 +56,23 @@ def test_identical_plans_need_no_primitives() -> None:
     assert isinstance(plan, Plan)
     result = build_transition(plan, plan)
     assert result.primitives == [] and result.makespan_s == 0.0 and result.lower_bound_bytes == 0.0
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_build_leaves_the_garbage_collector_as_it_found_it(enabled: bool) -> None:
+    plan_a = load_document("examples/plan-tiny-ppo-4rank.yaml")
+    assert isinstance(plan_a, Plan)
+    plan_b = relayout(plan_a, "actor/training", 4, 1, [[0, 1, 2, 3]])
+    was_enabled = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        assert build_transition(plan_a, plan_b).primitives
+        assert gc.isenabled() is enabled
+        with pytest.raises(NereusError):  # and so does a build that fails
+            build_transition(plan_a, plan_b.model_copy(update={"stages": plan_b.stages[1:]}))
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was_enabled else gc.disable)()
 
 
 @pytest.mark.parametrize(
