@@ -85,12 +85,46 @@ def _side(entry: StagePlan) -> Replicas:
     return (entry.tp, entry.pp), list(map(tuple, entry.emus))
 
 
+def _twins(changed_b: list[StagePlan], entries_a: dict[str, StagePlan]) -> dict[str, str]:
+    """Model-stage -> the first earlier one (itself no twin) with the very same EMUs in both
+    plans: its local DAG is the other's, renamed (colocated inference model-stages).
+    Compared on the plans' own lists, before any is converted."""
+    twin_of: dict[str, str] = {}
+    originals: list[tuple[StagePlan, StagePlan]] = []
+    for entry_b in changed_b:
+        entry_a = entries_a[entry_b.model_stage]
+        twin = next((a.model_stage for a, b in originals if _same_emus(a, entry_a) and _same_emus(b, entry_b)), None)
+        if twin is None:
+            originals.append((entry_a, entry_b))
+        else:
+            twin_of[entry_b.model_stage] = twin
+    return twin_of
+
+
+def _same_emus(one: StagePlan, other: StagePlan) -> bool:
+    return one.tp == other.tp and one.pp == other.pp and one.emus == other.emus
+
+
 def state_bytes(plan: Plan, model_stage: str, calibration: Calibration) -> float:
     """Bytes of one complete replica's state: parameters (training: + gradients, optimizer)."""
     role, stage = model_stage.split("/")
     model = plan.model(plan.workload.model_name(role))  # type: ignore[arg-type]
     cost = StageCostModel(model, head_of(role), stage, plan.workload, plan.cluster, calibration)  # type: ignore[arg-type]
     return float(sum(cost.model_state_terms(cost.params_per_gpu(1, 1), 1).values()))
+
+
+def _state_sizes(plan: Plan, model_stages: Iterable[str], calibration: Calibration) -> dict[str, float]:
+    """`state_bytes` of each model-stage, priced once per model, head and kind of state
+    (generation and inference hold the same parameters; only training adds more)."""
+    sizes: dict[str, float] = {}
+    priced: dict[tuple[str, str, bool], float] = {}
+    for name in model_stages:
+        role, stage = name.split("/")
+        key = (plan.workload.model_name(role), head_of(role), stage == "training")  # type: ignore[arg-type]
+        if key not in priced:
+            priced[key] = state_bytes(plan, name, calibration)
+        sizes[name] = priced[key]
+    return sizes
 
 
 def held_bytes(plan: Plan, sizes: dict[str, float]) -> dict[int, float]:
@@ -623,27 +657,29 @@ def _build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | Non
         raise NereusError("the two plans run different model-stages; a transition keeps the workload")
     changed_b = [e for e in plan_b.stages if (e.tp, e.pp, e.emus) != _layout_of(entries_a[e.model_stage])]
     changed: list[str] = [entry.model_stage for entry in changed_b]
-    sizes = {name: state_bytes(plan_b, name, calibration) for name in entries_a}
+    sizes = _state_sizes(plan_b, entries_a, calibration)
     gpus_a, gpus_b = _PlanGpus(plan_a), _PlanGpus(plan_b, changed)  # B's unchanged model-stages are A's
     held_a = gpus_a.held(sizes)
     on_gpus = np.flatnonzero(held_a)
     initial = dict(zip(on_gpus.tolist(), held_a[on_gpus].tolist(), strict=True))
     capacity = usable_memory(plan_b.cluster, calibration)
-    sides = [(_side(entries_a[entry.model_stage]), _side(entry)) for entry in changed_b]
+    twin_of = _twins(changed_b, entries_a)
+    sides: dict[str, tuple[Replicas, Replicas]] = {
+        e.model_stage: (_side(entries_a[e.model_stage]), _side(e)) for e in changed_b if e.model_stage not in twin_of
+    }
     node_size = plan_b.cluster.gpus_per_node
     moved_by_shape: dict[int, dict[str, float]] = {}  # id of a shape's primitive list -> bytes by link class
 
     def dag(star_rounds: int | None, unswap: bool, batch: bool) -> list[Primitive]:
         primitives: list[Primitive] = []
-        built: list[tuple[tuple[Replicas, Replicas], list[Primitive]]] = []  # local DAGs by EMUs
-        for name, (side_a, side_b) in zip(changed, sides, strict=True):
-            twin = next((dag for other, dag in built if other == (side_a, side_b)), None)
-            if twin is not None:  # the same EMUs as a model-stage done already: its DAG, renamed
-                local = stamp(twin, name, sizes[name], len(primitives))
+        built: dict[str, list[Primitive]] = {}  # local DAGs of the model-stages that are no twins
+        for name in changed:
+            if name in twin_of:  # the same EMUs as a model-stage done already: its DAG, renamed
+                local = stamp(built[twin_of[name]], name, sizes[name], len(primitives))
             else:
-                size, batch_nodes = sizes[name], node_size if batch else None
-                local = replica_dag(name, size, side_a, side_b, len(primitives), star_rounds, unswap, batch_nodes)
-                built.append(((side_a, side_b), local))
+                batch_nodes = node_size if batch else None
+                local = replica_dag(name, sizes[name], *sides[name], len(primitives), star_rounds, unswap, batch_nodes)
+                built[name] = local
             primitives += local
         durations, moved_by_shape[id(primitives)] = _price(primitives, plan_b.cluster, calibration)
         for primitive, duration in zip(primitives, durations, strict=True):
