@@ -31,8 +31,9 @@ class Replay:
     """Mutable state of the list scheduler: bytes held, busy-until time and peak bytes per
     GPU id (lists sized by `bind`), and the releases so far.
 
-    `usage` is what each GPU holds at the start; `peak` (when given) is a finished
-    schedule's peak bytes per GPU, for a replay restored from a snapshot.
+    `usage` is what each GPU holds at the start (read, never changed: replays may share
+    it); `peak` (when given) is a finished schedule's peak bytes per GPU, for a replay
+    restored from a snapshot.
     """
 
     def __init__(self, usage: dict[int, float], capacity: float, peak: dict[int, float] | None = None) -> None:

@@ -28,7 +28,7 @@ from nereus.cost.stage import StageCostModel
 from nereus.errors import NereusError
 from nereus.solver.transition.local import STAR_ROUNDS, Replicas, replica_dag, stamp
 from nereus.solver.transition.order_search import GREEDY_TRIES, SEARCH_BUDGET, OrderSearch
-from nereus.solver.transition.primitives import Emu, Primitive
+from nereus.solver.transition.primitives import Emu, Layout, Primitive
 from nereus.solver.transition.replay import (
     EPS,
     PriorityKey,
@@ -85,19 +85,17 @@ def _side(entry: StagePlan) -> Replicas:
     return (entry.tp, entry.pp), list(map(tuple, entry.emus))
 
 
-def _twins(changed_b: list[StagePlan], entries_a: dict[str, StagePlan]) -> dict[str, str]:
+def _twins(changed: list[str], gpus_a: _PlanGpus, gpus_b: _PlanGpus) -> dict[str, str]:
     """Model-stage -> the first earlier one (itself no twin) with the very same EMUs in both
-    plans: its local DAG is the other's, renamed (colocated inference model-stages).
-    Compared on the plans' own lists, before any is converted."""
+    plans: its local DAG is the other's, renamed (colocated inference model-stages)."""
     twin_of: dict[str, str] = {}
-    originals: list[tuple[StagePlan, StagePlan]] = []
-    for entry_b in changed_b:
-        entry_a = entries_a[entry_b.model_stage]
-        twin = next((a.model_stage for a, b in originals if _same_emus(a, entry_a) and _same_emus(b, entry_b)), None)
-        if twin is None:
-            originals.append((entry_a, entry_b))
+    originals: dict[tuple[str, str], str] = {}  # (A's, B's representative) -> the first model-stage with them
+    for name in changed:
+        key = (gpus_a.representative(name), gpus_b.representative(name))
+        if key in originals:
+            twin_of[name] = originals[key]
         else:
-            twin_of[entry_b.model_stage] = twin
+            originals[key] = name
     return twin_of
 
 
@@ -136,20 +134,37 @@ def held_bytes(plan: Plan, sizes: dict[str, float]) -> dict[int, float]:
 class _PlanGpus:
     """Model-stages' GPU ids in one plan (every one, or those named), EMU after EMU,
     flattened once (in C) and shared by the held-bytes, over-capacity and lower-bound
-    computations."""
+    computations. Model-stages with the very same layout and EMUs (colocated inference
+    model-stages) share one flattened copy: comparing the plan's lists costs a third of
+    flattening them."""
 
     def __init__(self, plan: Plan, model_stages: list[str] | None = None) -> None:
         entries = [e for e in plan.stages if model_stages is None or e.model_stage in model_stages]
         self.num_gpus = plan.cluster.num_gpus
         self.layouts: dict[str, tuple[int, int]] = {entry.model_stage: (entry.tp, entry.pp) for entry in entries}
-        counts = [entry.tp * entry.pp * len(entry.emus) for entry in entries]
-        every = itertools.chain.from_iterable(itertools.chain.from_iterable(entry.emus for entry in entries))
-        self.flat = np.fromiter(every, np.int64, count=sum(counts))
-        self.counts = counts
+        self.same_as: dict[str, str] = {}
+        """Model-stage -> the first one here with the very same layout and EMUs (absent: itself)."""
+        own: list[StagePlan] = []
+        for entry in entries:
+            original = next((other for other in own if _same_emus(other, entry)), None)
+            if original is None:
+                own.append(entry)
+            else:
+                self.same_as[entry.model_stage] = original.model_stage
+        counts = [entry.tp * entry.pp * len(entry.emus) for entry in own]
+        every = itertools.chain.from_iterable(itertools.chain.from_iterable(entry.emus for entry in own))
+        flat = np.fromiter(every, np.int64, count=sum(counts))
         bounds = itertools.pairwise(itertools.accumulate(counts, initial=0))
         self.gpus: dict[str, np.ndarray] = {
-            entry.model_stage: self.flat[lo:hi] for entry, (lo, hi) in zip(entries, bounds, strict=True)
+            entry.model_stage: flat[lo:hi] for entry, (lo, hi) in zip(own, bounds, strict=True)
         }
+        for name, first in self.same_as.items():
+            self.gpus[name] = self.gpus[first]
+        self.counts = [self.gpus[entry.model_stage].size for entry in entries]
+        self.flat = flat if not self.same_as else np.concatenate([self.gpus[entry.model_stage] for entry in entries])
+
+    def representative(self, model_stage: str) -> str:
+        return self.same_as.get(model_stage, model_stage)
 
     def held(self, sizes: dict[str, float], model_stages: list[str] | None = None) -> np.ndarray:
         """`held_bytes` as an array over GPU ids (one bincount over the model-stages' GPUs),
@@ -210,26 +225,44 @@ def lower_bound_bytes(plan_a: Plan, plan_b: Plan, changed: list[str], sizes: dic
 
 def _lower_bound(gpus_a: _PlanGpus, gpus_b: _PlanGpus, changed: list[str], sizes: dict[str, float]) -> float:
     """`lower_bound_bytes` from both plans' GPU arrays: per B GPU, its box less the part of
-    it the GPU's A box (if any) covers. GPU `s * tp + r` of an EMU holds box (s, r)."""
+    it the GPU's A box (if any) covers. GPU `s * tp + r` of an EMU holds box (s, r).
+    Model-stages with the very same EMUs in both plans share the covered fraction."""
     total = 0.0
     position_a = np.empty(gpus_a.num_gpus, np.int64)
+    covered_of: dict[tuple[str, str], float] = {}  # (A's, B's representative) -> boxes B needs that A holds
     for name in changed:
         (tp_a, pp_a), (tp_b, pp_b) = gpus_a.layouts[name], gpus_b.layouts[name]
-        on_a, on_b = gpus_a.gpus[name], gpus_b.gpus[name]
-        position_a.fill(-1)
-        position_a[on_a] = np.arange(len(on_a)) % (tp_a * pp_a)
-        index_a = position_a[on_b]
-        if (tp_a, pp_a) == (tp_b, pp_b):  # a box is covered only by the same box
-            in_place = np.count_nonzero(index_a == np.arange(len(on_b)) % (tp_b * pp_b))
-            total += sizes[name] / (tp_b * pp_b) * (len(on_b) - in_place)
-            continue
-        stage_a, rank_a = np.divmod(index_a, tp_a)
-        stage_b, rank_b = np.divmod(np.arange(len(on_b)) % (tp_b * pp_b), tp_b)
-        rows = np.minimum((stage_a + 1) / pp_a, (stage_b + 1) / pp_b) - np.maximum(stage_a / pp_a, stage_b / pp_b)
-        cols = np.minimum((rank_a + 1) / tp_a, (rank_b + 1) / tp_b) - np.maximum(rank_a / tp_a, rank_b / tp_b)
-        covered = np.where(index_a >= 0, np.maximum(rows, 0.0) * np.maximum(cols, 0.0), 0.0)
-        total += sizes[name] * (len(on_b) / (tp_b * pp_b) - float(covered.sum()))
+        num_boxes = gpus_b.gpus[name].size / (tp_b * pp_b)
+        key = (gpus_a.representative(name), gpus_b.representative(name))
+        if key not in covered_of:
+            covered_of[key] = _covered_boxes(
+                gpus_a.gpus[name], gpus_b.gpus[name], (tp_a, pp_a), (tp_b, pp_b), position_a
+            )
+        if (tp_a, pp_a) == (tp_b, pp_b):  # whole boxes: count them, then size them
+            total += sizes[name] / (tp_b * pp_b) * (gpus_b.gpus[name].size - covered_of[key])
+        else:
+            total += sizes[name] * (num_boxes - covered_of[key])
     return total
+
+
+def _covered_boxes(
+    on_a: np.ndarray, on_b: np.ndarray, layout_a: Layout, layout_b: Layout, position_a: np.ndarray
+) -> float:
+    """How much of B's boxes the GPUs already hold in A: in boxes of B's layout when the
+    layouts are equal (then a box is covered only by the same box, whole), else in
+    fractions of the whole state. `position_a` is scratch space, one entry per GPU id."""
+    (tp_a, pp_a), (tp_b, pp_b) = layout_a, layout_b
+    position_a.fill(-1)
+    position_a[on_a] = np.arange(len(on_a)) % (tp_a * pp_a)
+    index_a = position_a[on_b]
+    if layout_a == layout_b:
+        return int(np.count_nonzero(index_a == np.arange(len(on_b)) % (tp_b * pp_b)))
+    stage_a, rank_a = np.divmod(index_a, tp_a)
+    stage_b, rank_b = np.divmod(np.arange(len(on_b)) % (tp_b * pp_b), tp_b)
+    rows = np.minimum((stage_a + 1) / pp_a, (stage_b + 1) / pp_b) - np.maximum(stage_a / pp_a, stage_b / pp_b)
+    cols = np.minimum((rank_a + 1) / tp_a, (rank_b + 1) / tp_b) - np.maximum(rank_a / tp_a, rank_b / tp_b)
+    covered = np.where(index_a >= 0, np.maximum(rows, 0.0) * np.maximum(cols, 0.0), 0.0)
+    return float(covered.sum())
 
 
 Effort = Literal["design-rule", "list", "full"]
@@ -342,7 +375,7 @@ class _Snapshot:
         for p in primitives:
             p.start_s, p.end_s, p.ownership_deps = self.times[p.id]
             p.scheduled = True
-        return Replay(dict(initial), capacity, peak=dict(self.peak))
+        return Replay(initial, capacity, peak=dict(self.peak))
 
 
 def schedule_best(
@@ -360,7 +393,7 @@ def schedule_best(
     tail = _tail_lengths(primitives)
     chain = max(tail.values(), default=0.0) * (1 + 1e-9)  # the bound's cheap half
     _reset(primitives)
-    replay = Replay(dict(initial), capacity)
+    replay = Replay(initial, capacity)
     best: _Snapshot | None = None
     lower = chain
     if not list_schedule(primitives, replay, release_first, explain=False):
@@ -378,7 +411,7 @@ def schedule_best(
     for name, rule in itertools.chain(list(rules.items())[1:], _perturbed_rules(primitives, restarts, tail)):
         rules[name] = rule
         _reset(primitives)
-        replay = Replay(dict(initial), capacity)
+        replay = Replay(initial, capacity)
         if list_schedule(primitives, replay, rule, explain=False):
             continue
         if best is None or max(p.end_s for p in primitives) < best.makespan_s - EPS:
@@ -405,7 +438,7 @@ def schedule_best(
         best = _improve(primitives, initial, capacity, _Snapshot.take("order search", primitives, peak), lower)
         return best.restore(primitives, initial, capacity), [], best.rule
     _reset(primitives)
-    replay = Replay(dict(initial), capacity)
+    replay = Replay(initial, capacity)
     cycle = list_schedule(primitives, replay, release_first)
     verdict = {
         "infeasible": "no order of these primitives fits in memory (exhaustive search)",
@@ -477,7 +510,7 @@ def _schedule_both(
         return (rank[p.id],)
 
     _reset(primitives)
-    replay = Replay(dict(initial), capacity)
+    replay = Replay(initial, capacity)
     listed = None if list_schedule(primitives, replay, key, explain=False) else max(p.end_s for p in primitives)
     peak = schedule_in_order(primitives, initial, capacity, order)
     serial = max(p.end_s for p in primitives) if peak is not None else None
@@ -486,7 +519,7 @@ def _schedule_both(
     if listed is None:
         return None, None
     _reset(primitives)
-    replay = Replay(dict(initial), capacity)
+    replay = Replay(initial, capacity)
     list_schedule(primitives, replay, key, explain=False)
     return listed, replay.peak
 
@@ -521,7 +554,7 @@ def _one_model_stage_at_a_time(
         if not p.deps
     }
     _reset(primitives)
-    replay = Replay(dict(initial), capacity)
+    replay = Replay(initial, capacity)
     if list_schedule(primitives, replay, explain=False, barriers=barriers):
         return None
     return replay, [], "one-model-stage-at-a-time: " + " > ".join(order)
@@ -545,7 +578,7 @@ def _stage_order(
             usage[gpu] = usage.get(gpu, 0.0) + change
     for name in sorted(set(by_stage) - done, key=lambda n: (sum(delta[n].values()), n)):  # shrinking first
         _reset(by_stage[name])
-        if list_schedule(by_stage[name], Replay(dict(usage), capacity), explain=False):
+        if list_schedule(by_stage[name], Replay(usage, capacity), explain=False):
             continue
         rest = _stage_order(by_stage, delta, initial, capacity, done | {name}, dead_ends)
         if rest is not None:
@@ -663,7 +696,7 @@ def _build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | Non
     on_gpus = np.flatnonzero(held_a)
     initial = dict(zip(on_gpus.tolist(), held_a[on_gpus].tolist(), strict=True))
     capacity = usable_memory(plan_b.cluster, calibration)
-    twin_of = _twins(changed_b, entries_a)
+    twin_of = _twins(changed, gpus_a, gpus_b)
     sides: dict[str, tuple[Replicas, Replicas]] = {
         e.model_stage: (_side(entries_a[e.model_stage]), _side(e)) for e in changed_b if e.model_stage not in twin_of
     }
