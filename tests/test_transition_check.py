@@ -411,3 +411,25 @@ def test_hold_and_wait_pair_has_a_safe_order() -> None:
         p.start_s, p.end_s, p.ownership_deps = now, now + p.duration_s, []
         now = p.end_s
     assert check_result(result, plan_a, plan_b) == []
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(rng=st.randoms(use_true_random=False))
+def test_colocated_twins_share_arrays_without_changing_bytes_or_bounds(rng: random.Random) -> None:
+    """A model-stage placed exactly as another one in both plans (colocated inference):
+    held bytes, the lower bound and the built DAG are what each model-stage gives alone."""
+    plan_a, plan_b = random_pair(rng)
+    original, twin = rng.sample([e.model_stage for e in plan_a.stages], 2)
+    placed = [plan.stage_plan(original) for plan in (plan_a, plan_b)]
+    plan_a, plan_b = (_relayout(p, {twin: (e.tp, e.pp, e.emus)}) for p, e in zip((plan_a, plan_b), placed, strict=True))
+    sizes: dict[str, float] = {e.model_stage: state_bytes(plan_b, e.model_stage, Calibration()) for e in plan_b.stages}
+    expected: dict[int, float] = {}
+    for entry in plan_a.stages:
+        for gpus in entry.emus:
+            for gpu in gpus:
+                expected[gpu] = expected.get(gpu, 0.0) + sizes[entry.model_stage] / (entry.tp * entry.pp)
+    assert held_bytes(plan_a, sizes) == pytest.approx(expected, rel=1e-12)
+    changed = [b.model_stage for b in plan_b.stages if _placement(b) != _placement(plan_a.stage_plan(b.model_stage))]
+    bound = lower_bound_bytes(plan_a, plan_b, changed, sizes)
+    assert math.isclose(bound, _lower_bound_by_boxes(plan_a, plan_b), rel_tol=1e-9, abs_tol=1e-6)
+    _assert_sound(plan_a, plan_b)
