@@ -91,7 +91,10 @@ def test_reusing_the_affine_form_gives_the_reference_estimates_with_few_linearis
     for calibrator in (cached, reference):
         feed(calibrator, TRUE, range(30))
         feed(calibrator, DRIFTED, range(30, 60))
-    assert parameters(cached.calibration) == pytest.approx(parameters(reference.calibration), rel=1e-8)
+    # Equal in exact arithmetic; the reference's finite differences round differently from CPU to CPU
+    # (3.3e-8 relative on one parameter on one machine); a form kept past its kinks errs far more
+    # (never re-linearising: 14x on one parameter).
+    assert parameters(cached.calibration) == pytest.approx(parameters(reference.calibration), rel=1e-6)
     assert reference.num_linearisations == 60
     # 10 (plan, sizes) points: once each, again while the estimate still crosses kinks, then reused.
     assert 10 <= cached.num_linearisations <= 30
