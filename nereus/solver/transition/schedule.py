@@ -37,7 +37,7 @@ from nereus.solver.transition.replay import (
     release_first,
     stage_index,
 )
-from nereus.solver.transition.serial import improve_order, schedule_in_order, serial_schedule
+from nereus.solver.transition.serial import improve_order, pilot_order, schedule_in_order, serial_schedule
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, StagePlan
 from nereus.units import format_bytes
@@ -352,6 +352,11 @@ IMPROVE_LIMIT = 60
 IMPROVE_ABOVE_BOUND = 0.05
 IMPROVE_RESTARTS = 3
 IMPROVE_STEPS = 100
+#: DAGs up to this size that are still that far above the bound get the pilot method
+#: (`serial.pilot_order`, cubic in the primitives): memory-tight ones whose order the
+#: local search does not reach (two gap instances went from 16.7% and 28.5% above the
+#: optimum to 0%; over 160 gap instances the heuristic took 7% longer in all).
+PILOT_LIMIT = 20
 
 
 @dataclass
@@ -470,7 +475,17 @@ def _serial_best(
             best = _Snapshot.take(f"serial: {name}", primitives, peak)
             if makespan <= lower:
                 return best
-    return best if best is None else _improve(primitives, initial, capacity, best, lower)
+    if best is None:
+        return None
+    best = _improve(primitives, initial, capacity, best, lower)
+    if len(primitives) > PILOT_LIMIT or best.makespan_s <= lower * (1 + IMPROVE_ABOVE_BOUND):
+        return best
+    found = pilot_order(primitives, initial, capacity, rules["release-then-critical-path"])
+    if found is None or found[0] >= best.makespan_s - EPS:
+        return best
+    peak = schedule_in_order(primitives, initial, capacity, found[1])
+    assert peak is not None  # the order the pilot run placed, placed again
+    return _improve(primitives, initial, capacity, _Snapshot.take("pilot", primitives, peak), lower)
 
 
 def _improve(

@@ -74,6 +74,13 @@ class _Profile:
             times.update(t + EPS for t, kind, _ in self.events.get(gpu, ()) if kind == 0 and t > earliest)
         return sorted(times)
 
+    def copy(self) -> _Profile:
+        """An independent profile with the same placements (a branch of a search)."""
+        twin = _Profile(self.initial, self.capacity)
+        twin.busy = {gpu: list(runs) for gpu, runs in self.busy.items()}
+        twin.events = {gpu: list(events) for gpu, events in self.events.items()}
+        return twin
+
     def peak(self) -> dict[int, float]:
         out = {}
         for gpu, events in self.events.items():
@@ -93,30 +100,102 @@ def serial_schedule(
 ) -> dict[int, float] | None:
     """Place every primitive (ready ones in `priority` order); return peak bytes per GPU, or
     None when some primitive never fits. Sets start, end and scheduled on success."""
-    by_id = {p.id: p for p in primitives}
-    waiting = {p.id: len(p.deps) for p in primitives}
-    dependents: dict[int, list[int]] = {}
-    for p in primitives:
-        for dep in p.deps:
-            dependents.setdefault(dep, []).append(p.id)
-    ready = [(priority(p), p.id) for p in primitives if not p.deps]
-    heapq.heapify(ready)
     profile = _Profile(initial, capacity)
+    starts: dict[int, float] = {}
+    if _complete(_Dag(primitives), profile, starts, priority) is None:
+        return None
+    for p in primitives:
+        p.start_s, p.end_s, p.scheduled = starts[p.id], starts[p.id] + p.duration_s, True
+    _ownership_edges(primitives, initial, capacity)
+    return profile.peak()
+
+
+class _Dag:
+    """The primitives by id and each one's dependents."""
+
+    def __init__(self, primitives: list[Primitive]) -> None:
+        self.by_id = {p.id: p for p in primitives}
+        self.dependents: dict[int, list[int]] = {}
+        for p in primitives:
+            for dep in p.deps:
+                self.dependents.setdefault(dep, []).append(p.id)
+
+
+def _complete(
+    dag: _Dag, profile: _Profile, starts: dict[int, float], priority: Callable[[Primitive], tuple[float, ...]]
+) -> list[int] | None:
+    """Place every primitive not in `starts` yet (ready ones in `priority` order) on
+    `profile`, recording their starts; the order placed, or None when one never fits."""
+    by_id = dag.by_id
+    waiting = {pid: sum(d not in starts for d in p.deps) for pid, p in by_id.items() if pid not in starts}
+    ready = [(priority(by_id[pid]), pid) for pid, count in waiting.items() if not count]
+    heapq.heapify(ready)
+    placed = []
     while ready:
         primitive = by_id[heapq.heappop(ready)[1]]
-        earliest = max((by_id[d].end_s for d in primitive.deps), default=0.0)
-        start = _first_fit(profile, primitive, earliest)
+        start = _first_fit(profile, primitive, _earliest(primitive, by_id, starts))
         if start is None:
             return None
         profile.place(primitive, start)
-        primitive.start_s, primitive.end_s = start, start + primitive.duration_s
-        primitive.scheduled = True
-        for child in dependents.get(primitive.id, []):
+        starts[primitive.id] = start
+        placed.append(primitive.id)
+        for child in dag.dependents.get(primitive.id, []):
             waiting[child] -= 1
             if not waiting[child]:
                 heapq.heappush(ready, (priority(by_id[child]), child))
-    _ownership_edges(primitives, initial, capacity)
-    return profile.peak()
+    return placed
+
+
+def _earliest(primitive: Primitive, by_id: dict[int, Primitive], starts: dict[int, float]) -> float:
+    """When `primitive`'s data dependencies (placed at `starts`) are all done."""
+    return max((starts[d] + by_id[d].duration_s for d in primitive.deps), default=0.0)
+
+
+def pilot_order(
+    primitives: list[Primitive],
+    initial: dict[int, float],
+    capacity: float,
+    priority: Callable[[Primitive], tuple[float, ...]],
+) -> tuple[float, list[int]] | None:
+    """The pilot method over the serial generator: the best order it finds and its makespan.
+
+    Step by step, every primitive that may be placed next is tried: placed at its earliest
+    safe time, the rest completed by the serial generator in `priority` order (the pilot
+    run). The primitive whose pilot run ends first is kept and the next step begins; the
+    best complete schedule of any pilot run is returned (None if every one got stuck). A
+    memory-tight transition often needs a releasing chain to go before the primitive the
+    priority would pick; one pilot run per candidate sees that where one order cannot.
+    Quadratic in the primitives times the candidates per step: for small DAGs.
+    """
+    dag = _Dag(primitives)
+    profile = _Profile(initial, capacity)
+    starts: dict[int, float] = {}
+    prefix: list[int] = []
+    best: tuple[float, list[int]] | None = None
+    while len(starts) < len(primitives):
+        candidates = [p for pid, p in dag.by_id.items() if pid not in starts and all(d in starts for d in p.deps)]
+        step: tuple[float, tuple[float, ...], Primitive, float] | None = None
+        for primitive in sorted(candidates, key=priority):
+            start = _first_fit(profile, primitive, _earliest(primitive, dag.by_id, starts))
+            if start is None:
+                continue
+            trial, trial_starts = profile.copy(), {**starts, primitive.id: start}
+            trial.place(primitive, start)
+            rest = _complete(dag, trial, trial_starts, priority)
+            if rest is None:
+                continue
+            span = max((t + dag.by_id[pid].duration_s for pid, t in trial_starts.items()), default=0.0)
+            if best is None or span < best[0] - EPS:
+                best = (span, [*prefix, primitive.id, *rest])
+            if step is None or span < step[0] - EPS:
+                step = (span, priority(primitive), primitive, start)
+        if step is None:
+            return best
+        _, _, primitive, start = step
+        profile.place(primitive, start)
+        starts[primitive.id] = start
+        prefix.append(primitive.id)
+    return best
 
 
 def _first_fit(profile: _Profile, primitive: Primitive, earliest: float) -> float | None:
