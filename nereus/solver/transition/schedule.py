@@ -352,11 +352,13 @@ IMPROVE_LIMIT = 60
 IMPROVE_ABOVE_BOUND = 0.05
 IMPROVE_RESTARTS = 3
 IMPROVE_STEPS = 100
-#: DAGs up to this size that are still that far above the bound get the pilot method
-#: (`serial.pilot_order`, cubic in the primitives): memory-tight ones whose order the
-#: local search does not reach (two gap instances went from 16.7% and 28.5% above the
-#: optimum to 0%; over 160 gap instances the heuristic took 7% longer in all).
-PILOT_LIMIT = 20
+#: DAGs up to this size that are still that far above the bound after all of the above get
+#: the pilot method (`serial.pilot_order`) under each of PILOT_RULES: memory-tight ones
+#: whose order the local search does not reach (gap instances 25, 65, 77 and 79 went from
+#: 7-29% above the CP-SAT optimum to within 0.1%; over 160 instances the heuristic took
+#: about 45% longer in all, 0.4 s more on the slowest).
+PILOT_LIMIT = 40
+PILOT_RULES = ("release-first", "release-then-critical-path", "release-then-late-stages", "net-releasers-first")
 
 
 @dataclass
@@ -428,11 +430,13 @@ def schedule_best(
     if len(primitives) <= SERIAL_LIMIT:
         best = _serial_best(primitives, initial, capacity, rules, best, lower)
     if best is not None:
+        best = _with_pilot(primitives, initial, capacity, best, lower)
         return best.restore(primitives, initial, capacity), [], best.rule
     sequential = _one_model_stage_at_a_time(primitives, initial, capacity)
     if sequential is not None:  # a safe but serial schedule: improve it like any other
         replay, _, sequence = sequential
         best = _improve(primitives, initial, capacity, _Snapshot.take(sequence, primitives, replay.peak), lower)
+        best = _with_pilot(primitives, initial, capacity, best, lower)
         return best.restore(primitives, initial, capacity), [], best.rule
     found: list[int] | str = "too large"
     if len(primitives) <= SERIAL_LIMIT:
@@ -441,6 +445,7 @@ def schedule_best(
         peak = schedule_in_order(primitives, initial, capacity, found)
         assert peak is not None  # placing an order that fits one at a time never deadlocks
         best = _improve(primitives, initial, capacity, _Snapshot.take("order search", primitives, peak), lower)
+        best = _with_pilot(primitives, initial, capacity, best, lower)
         return best.restore(primitives, initial, capacity), [], best.rule
     _reset(primitives)
     replay = Replay(initial, capacity)
@@ -477,15 +482,28 @@ def _serial_best(
                 return best
     if best is None:
         return None
-    best = _improve(primitives, initial, capacity, best, lower)
+    return _improve(primitives, initial, capacity, best, lower)
+
+
+def _with_pilot(
+    primitives: list[Primitive], initial: dict[int, float], capacity: float, best: _Snapshot, lower: float
+) -> _Snapshot:
+    """`best`, or a shorter schedule from pilot runs under each of `PILOT_RULES` (then
+    improved by the local search), on DAGs up to `PILOT_LIMIT` primitives still more than
+    `IMPROVE_ABOVE_BOUND` above the bound."""
     if len(primitives) > PILOT_LIMIT or best.makespan_s <= lower * (1 + IMPROVE_ABOVE_BOUND):
         return best
-    found = pilot_order(primitives, initial, capacity, rules["release-then-critical-path"])
-    if found is None or found[0] >= best.makespan_s - EPS:
+    rules = priority_rules(primitives)
+    pilot: tuple[float, list[int], str] | None = None
+    for name in PILOT_RULES:  # which rule completes a prefix well differs from DAG to DAG
+        found = pilot_order(primitives, initial, capacity, rules[name])
+        if found is not None and found[0] < (pilot[0] if pilot else best.makespan_s) - EPS:
+            pilot = (*found, name)
+    if pilot is None:
         return best
-    peak = schedule_in_order(primitives, initial, capacity, found[1])
-    assert peak is not None  # the order the pilot run placed, placed again
-    return _improve(primitives, initial, capacity, _Snapshot.take("pilot", primitives, peak), lower)
+    peak = schedule_in_order(primitives, initial, capacity, pilot[1])
+    assert peak is not None  # the order a pilot run placed, placed again
+    return _improve(primitives, initial, capacity, _Snapshot.take(f"pilot: {pilot[2]}", primitives, peak), lower)
 
 
 def _improve(
