@@ -229,6 +229,8 @@ def _method(rule: str) -> str:
         return "local search"
     if rule.startswith("serial: "):
         return "serial generator"
+    if rule.startswith("pilot: "):
+        return "pilot method"
     if rule.startswith(("one-model-stage", "order search")):
         return rule.split(":")[0]
     return "list scheduler"
