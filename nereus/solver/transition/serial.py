@@ -174,7 +174,7 @@ def pilot_order(
     best: tuple[float, list[int]] | None = None
     while len(starts) < len(primitives):
         candidates = [p for pid, p in dag.by_id.items() if pid not in starts and all(d in starts for d in p.deps)]
-        step: tuple[float, tuple[float, ...], Primitive, float] | None = None
+        step: tuple[float, Primitive, float] | None = None  # (pilot makespan, primitive, start); ties: priority
         for primitive in sorted(candidates, key=priority):
             start = _first_fit(profile, primitive, _earliest(primitive, dag.by_id, starts))
             if start is None:
@@ -188,10 +188,10 @@ def pilot_order(
             if best is None or span < best[0] - EPS:
                 best = (span, [*prefix, primitive.id, *rest])
             if step is None or span < step[0] - EPS:
-                step = (span, priority(primitive), primitive, start)
+                step = (span, primitive, start)
         if step is None:
             return best
-        _, _, primitive, start = step
+        _, primitive, start = step
         profile.place(primitive, start)
         starts[primitive.id] = start
         prefix.append(primitive.id)
