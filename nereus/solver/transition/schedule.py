@@ -231,17 +231,15 @@ def _lower_bound(gpus_a: _PlanGpus, gpus_b: _PlanGpus, changed: list[str], sizes
     position_a = np.empty(gpus_a.num_gpus, np.int64)
     covered_of: dict[tuple[str, str], float] = {}  # (A's, B's representative) -> boxes B needs that A holds
     for name in changed:
-        (tp_a, pp_a), (tp_b, pp_b) = gpus_a.layouts[name], gpus_b.layouts[name]
-        num_boxes = gpus_b.gpus[name].size / (tp_b * pp_b)
+        layout_a, layout_b = gpus_a.layouts[name], gpus_b.layouts[name]
+        on_b, per_replica = gpus_b.gpus[name], layout_b[0] * layout_b[1]
         key = (gpus_a.representative(name), gpus_b.representative(name))
         if key not in covered_of:
-            covered_of[key] = _covered_boxes(
-                gpus_a.gpus[name], gpus_b.gpus[name], (tp_a, pp_a), (tp_b, pp_b), position_a
-            )
-        if (tp_a, pp_a) == (tp_b, pp_b):  # whole boxes: count them, then size them
-            total += sizes[name] / (tp_b * pp_b) * (gpus_b.gpus[name].size - covered_of[key])
+            covered_of[key] = _covered_boxes(gpus_a.gpus[name], on_b, layout_a, layout_b, position_a)
+        if layout_a == layout_b:  # whole boxes: count them, then size them
+            total += sizes[name] / per_replica * (on_b.size - covered_of[key])
         else:
-            total += sizes[name] * (num_boxes - covered_of[key])
+            total += sizes[name] * (on_b.size / per_replica - covered_of[key])
     return total
 
 
@@ -430,13 +428,11 @@ def schedule_best(
     if len(primitives) <= SERIAL_LIMIT:
         best = _serial_best(primitives, initial, capacity, rules, best, lower)
     if best is not None:
-        best = _with_pilot(primitives, initial, capacity, best, lower)
         return best.restore(primitives, initial, capacity), [], best.rule
     sequential = _one_model_stage_at_a_time(primitives, initial, capacity)
     if sequential is not None:  # a safe but serial schedule: improve it like any other
         replay, _, sequence = sequential
-        best = _improve(primitives, initial, capacity, _Snapshot.take(sequence, primitives, replay.peak), lower)
-        best = _with_pilot(primitives, initial, capacity, best, lower)
+        best = _polished(primitives, initial, capacity, _Snapshot.take(sequence, primitives, replay.peak), lower)
         return best.restore(primitives, initial, capacity), [], best.rule
     found: list[int] | str = "too large"
     if len(primitives) <= SERIAL_LIMIT:
@@ -444,8 +440,7 @@ def schedule_best(
     if not isinstance(found, str):  # an order fits one at a time: pack it, then improve it
         peak = schedule_in_order(primitives, initial, capacity, found)
         assert peak is not None  # placing an order that fits one at a time never deadlocks
-        best = _improve(primitives, initial, capacity, _Snapshot.take("order search", primitives, peak), lower)
-        best = _with_pilot(primitives, initial, capacity, best, lower)
+        best = _polished(primitives, initial, capacity, _Snapshot.take("order search", primitives, peak), lower)
         return best.restore(primitives, initial, capacity), [], best.rule
     _reset(primitives)
     replay = Replay(initial, capacity)
@@ -480,9 +475,14 @@ def _serial_best(
             best = _Snapshot.take(f"serial: {name}", primitives, peak)
             if makespan <= lower:
                 return best
-    if best is None:
-        return None
-    return _improve(primitives, initial, capacity, best, lower)
+    return best if best is None else _polished(primitives, initial, capacity, best, lower)
+
+
+def _polished(
+    primitives: list[Primitive], initial: dict[int, float], capacity: float, best: _Snapshot, lower: float
+) -> _Snapshot:
+    """`best` after the local search over orders and then, if still far from the bound, the pilot method."""
+    return _with_pilot(primitives, initial, capacity, _improve(primitives, initial, capacity, best, lower), lower)
 
 
 def _with_pilot(
