@@ -50,12 +50,19 @@ def _load_plan(path: Path) -> Plan:
     return load_kind(str(path), Plan)  # type: ignore[return-value]
 
 
-def _same_cluster(plan_a: Plan, plan_b: Plan, path_a: Path, path_b: Path) -> None:
+def _comparable(plan_a: Plan, plan_b: Plan, path_a: Path, path_b: Path) -> None:
+    """Refuse, naming both files, plans that no transition can join: other clusters or model-stages."""
     a, b = plan_a.cluster, plan_b.cluster
-    if a == b:
-        return
-    what = f"{a.name} vs {b.name}" if a.name != b.name else f"both named {a.name} but described differently"
-    raise NereusError(f"{path_a} and {path_b} are plans for different clusters ({what}); a transition runs on one")
+    if a != b:
+        what = f"{a.name} vs {b.name}" if a.name != b.name else f"both named {a.name} but described differently"
+        raise NereusError(f"{path_a} and {path_b} are plans for different clusters ({what}); a transition runs on one")
+    stages_a, stages_b = {e.model_stage for e in plan_a.stages}, {e.model_stage for e in plan_b.stages}
+    if stages_a != stages_b:
+        only = [f"{name} only in {path_a if name in stages_a else path_b}" for name in sorted(stages_a ^ stages_b)]
+        raise NereusError(
+            f"{path_a} and {path_b} run different model-stages ({'; '.join(only)}); "
+            "plan both for the same workload (a transition keeps the workload)"
+        )
 
 
 def _solve_exact(solver: ExactSolver, result: TransitionResult, time_limit_s: float, workers: int) -> Any:
@@ -109,7 +116,7 @@ def build(
 
     _check_folder(output)
     the_a, the_b = _load_plan(plan_a), _load_plan(plan_b)
-    _same_cluster(the_a, the_b, plan_a, plan_b)
+    _comparable(the_a, the_b, plan_a, plan_b)
     the_calibration = load_kind(str(calibration), Calibration) if calibration else Calibration()
     result = build_transition(the_a, the_b, the_calibration)  # type: ignore[arg-type]
     exact_results = []
