@@ -5,13 +5,18 @@ The model is a Llama-style decoder of 100.1M parameters (12 layers, hidden 768, 
 and exp_avg_sq in fp32 (1.2 GB). For each pair of layouts on the same 2 ranks (gloo, one
 thread per rank) it times:
   in-memory     nereus.runtime.reshard.execute, transport "auto" (the two ranks share a
-                host, so pieces go through shared memory), allocating its result;
+                host), with each rank's state in its state arena (nereus.runtime.arena:
+                shared memory reserved and mapped by both ranks before timing, as a GPU
+                job registers its buffers), so every moved piece is copied once, straight
+                out of the sender's tensor; the result is allocated in the arena;
+  staged        the same without arenas: pieces staged through a shared-memory segment
+                (two copies), the result in fresh memory (page faults count);
   DCP           a round trip through torch.distributed.checkpoint: save the source layout
                 (tensor-parallel tensors as DTensors, the rest as plain tensors), then load
                 into freshly allocated tensors of the target layout (DCP reshards by its
                 own chunk metadata);
-  buffers       both again, filling the previous run's target tensors instead of fresh
-                ones (the steady state of a repeated reshard such as a weight sync);
+  buffers       in-memory and DCP again, filling the previous run's target tensors instead
+                of fresh ones (the steady state of a repeated reshard such as a weight sync);
   gloo          execute with transport "process_group": every piece a gloo TCP message;
   nereus ckpt   the round trip through nereus.runtime.checkpoint.
 Every result is checked bitwise against the expected target shards. Both checkpoint
@@ -23,7 +28,7 @@ load average (others may be working) and whether the ranks ran with transparent 
 (--huge-pages; off by default, as in nereus's launcher).
 Prints a table and writes benchmarks/results/reshard.json.
 
-    .venv/bin/python benchmarks/reshard.py [--runs 3] [--huge-pages] [--output FILE]
+    .venv/bin/python benchmarks/reshard.py [--runs 3] [--huge-pages] [--arena-gb 2.5] [--output FILE]
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nereus.runtime import arena
 from nereus.runtime.checkpoint import load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import HUGE_PAGES_ENV, spawn
 from nereus.runtime.reshard import ReshardPlan, Transport, execute, plan_reshard
@@ -146,12 +152,21 @@ def in_memory(transport: Transport) -> Any:
     return run
 
 
+def staged(
+    plan: ReshardPlan, rank: int, tensors: dict[str, torch.Tensor], into: Buffers, folder: str, mesh: Any
+) -> dict[str, torch.Tensor]:
+    """execute without the arena: `tensors` is the copy of the state outside it (see measure_pair)."""
+    with arena.suspended():
+        return execute(plan, rank, tensors, 1, out=into).tensors
+
+
 #: (name, how, fills the previous run's target tensors). A "buffers" method runs right after
 #: its fresh twin and fills that run's result (zeroed first): the steady state of a repeated
 #: reshard, e.g. a weight sync every RL step, against DCP loading into the same buffers.
 METHODS = (
     ("memory", in_memory("auto"), False),
     ("memory_buffers", in_memory("auto"), True),
+    ("memory_staged", staged, False),
     ("memory_gloo", in_memory("process_group"), False),
     ("dcp", dcp_round_trip, False),
     ("dcp_buffers", dcp_round_trip, True),
@@ -179,7 +194,11 @@ def measure_pair(
 ) -> dict[str, Any]:
     source, target = layout_meta(shapes[0]), layout_meta(shapes[1])
     plan = plan_reshard(source, target)
-    tensors = random_rank_state(source, rank, SEED)
+    plain = random_rank_state(source, rank, SEED)
+    state_arena = arena.current()
+    assert state_arena is not None, "the worker reserves the arena"
+    tensors = {key: state_arena.copy(tensor) for key, tensor in plain.items()}
+    arena.connect()  # maps any chunk the arena grew by since (untimed, like the first connect)
     expected = random_rank_state(target, rank, SEED)
     times: dict[str, list[float]] = {name: [] for name, _, _ in METHODS}
     cpu_times: dict[str, list[float]] = {name: [] for name, _, _ in METHODS}
@@ -190,7 +209,8 @@ def measure_pair(
             into = zeroed(previous, tensors) if fills and previous else None
             previous = None  # at most one target state alive, so methods do not pay for each other's memory
             folder = fresh_folder(rank, scratch, f"{name}-{run}")
-            elapsed, cpu, result = timed(partial(trip, plan, rank, tensors, into, folder, mesh))
+            state = plain if trip is staged else tensors
+            elapsed, cpu, result = timed(partial(trip, plan, rank, state, into, folder, mesh))
             times[name].append(elapsed)
             cpu_times[name].append(cpu)
             correct &= result.keys() == expected.keys() and all(torch.equal(result[k], expected[k]) for k in expected)
@@ -211,6 +231,7 @@ def measure_pair(
         "speedup_vs_dcp": medians["dcp"] / medians["memory"],
         "speedup_buffers_vs_dcp_buffers": medians["dcp_buffers"] / medians["memory_buffers"],
         "speedup_gloo_vs_dcp": medians["dcp"] / medians["memory_gloo"],
+        "speedup_staged_vs_dcp": medians["dcp"] / medians["memory_staged"],
         "bytes_moved": plan.bytes_moved,
         "lower_bound_bytes": plan.lower_bound,
         "state_bytes": sum(source.rank_bytes(r) for r in (0, 1)),
@@ -220,14 +241,19 @@ def measure_pair(
     }
 
 
-def _worker(rank: int, world_size: int, runs: int, scratch: str) -> tuple[str | None, list[dict[str, Any]]]:
+def _worker(
+    rank: int, world_size: int, runs: int, scratch: str, arena_bytes: int
+) -> tuple[str | None, list[dict[str, Any]], int]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,))  # made once: not part of any timed round trip
+    arena.reserve(arena_bytes)  # reserved and mapped once, untimed
     rows = [
         {"pair": name, **measure_pair(rank, (source, target), runs, scratch, mesh)} for name, source, target in PAIRS
     ]
-    return os.environ.get(HUGE_PAGES_ENV), rows
+    state_arena = arena.current()
+    assert state_arena is not None
+    return os.environ.get(HUGE_PAGES_ENV), rows, len(state_arena.chunks)
 
 
 def kernel_thp_mode(kind: str) -> str:
@@ -248,11 +274,19 @@ def main() -> None:
         default=False,
         help=f"spawn the ranks with {HUGE_PAGES_ENV}=1 (off by default, as in nereus; a value in the environment wins)",
     )
+    parser.add_argument(
+        "--arena-gb", type=float, default=2.5, help="each rank's state arena in GB (it grows when short)"
+    )
     parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON results go")
     args = parser.parse_args()
+    if not args.arena_gb > 0:
+        parser.error(f"--arena-gb must be positive, got {args.arena_gb}")
     load_before = os.getloadavg()[0]
+    arena_bytes = int(args.arena_gb * 1e9)
     with tempfile.TemporaryDirectory(prefix="nereus-reshard-bench-") as scratch:
-        rank_huge_pages, rows = spawn(_worker, 2, args.runs, scratch, huge_pages=args.huge_pages)[0]
+        outcomes = spawn(_worker, 2, args.runs, scratch, arena_bytes, huge_pages=args.huge_pages)
+    rank_huge_pages, rows, _ = outcomes[0]
+    arena_chunks = [chunks for _, _, chunks in outcomes]
     thp = {
         "rank_env": rank_huge_pages,
         "kernel_anon": kernel_thp_mode("enabled"),
@@ -265,22 +299,24 @@ def main() -> None:
         f"ranks' {HUGE_PAGES_ENV}={thp['rank_env']}; kernel THP: anonymous {thp['kernel_anon']}, "
         f"shmem {thp['kernel_shmem']}"
     )
+    print(f"state arena: {args.arena_gb:g} GB per rank; chunks at the end per rank: {arena_chunks}")
     print(
         f"{'pair':<12} {'in-memory':>10} {'DCP':>7} {'speed-up':>9} {'| buffers:':>10} {'in-mem':>7} {'DCP':>7} "
-        f"{'speed-up':>9} {'| gloo':>8} {'nereus ckpt':>12} {'moved GB':>9} {'bound GB':>9}"
+        f"{'speed-up':>9} {'| staged':>9} {'gloo':>6} {'nereus ckpt':>12} {'moved GB':>9} {'bound GB':>9}"
     )
     for row in rows:
         print(
             f"{row['pair']:<12} {row['memory_s']:>9.3f}s {row['dcp_s']:>6.2f}s {row['speedup_vs_dcp']:>8.1f}x "
             f"{'':>10} {row['memory_buffers_s']:>6.3f}s {row['dcp_buffers_s']:>6.2f}s "
-            f"{row['speedup_buffers_vs_dcp_buffers']:>8.1f}x {row['memory_gloo_s']:>7.2f}s "
+            f"{row['speedup_buffers_vs_dcp_buffers']:>8.1f}x {row['memory_staged_s']:>8.3f}s "
+            f"{row['memory_gloo_s']:>5.2f}s "
             f"{row['nereus_ckpt_s']:>11.2f}s {row['bytes_moved'] / gb:>9.3f} {row['lower_bound_bytes'] / gb:>9.3f}"
             + ("" if row["bitwise_equal"] else "  MISMATCH")
         )
-    print(f"{'CPU s, busier rank':<19} {'in-memory':>10} {'buffers':>8} {'DCP':>7}")
+    print(f"{'CPU s, busier rank':<19} {'in-memory':>10} {'buffers':>8} {'staged':>8} {'DCP':>7}")
     for row in rows:
         fresh, buffers, dcp = row["memory_cpu_s"], row["memory_buffers_cpu_s"], row["dcp_cpu_s"]
-        print(f"{row['pair']:<19} {fresh:>9.3f}s {buffers:>7.3f}s {dcp:>6.2f}s")
+        print(f"{row['pair']:<19} {fresh:>9.3f}s {buffers:>7.3f}s {row['memory_staged_cpu_s']:>7.3f}s {dcp:>6.2f}s")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "reshard",
@@ -291,6 +327,8 @@ def main() -> None:
         "runs": args.runs,
         "load_average_1min": {"before": load_before, "after": os.getloadavg()[0]},
         "transparent_huge_pages": thp,
+        "arena_gb_per_rank": args.arena_gb,
+        "arena_chunks_at_end": arena_chunks,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "results": rows,

@@ -4,7 +4,9 @@ automatic choice between them per pair of ranks, and resharding into caller buff
 One spawned 4-rank gloo world runs every case A -> B -> A on both transports, once with
 all ranks on one host and once with the ranks split over two pretend hosts (ranks 0-1
 and 2-3 get different host tokens), where same-host pairs must share memory and the
-others must fall back to gloo messages, bitwise identical either way.
+others must fall back to gloo messages, bitwise identical either way. A third pass runs
+"auto" with state arenas on every rank but rank 2: pieces a same-host peer sends from its
+arena must be read straight out of it, rank 2's must still be staged.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import pytest
 import torch
 
-from nereus.runtime import shm
+from nereus.runtime import arena, shm
 from nereus.runtime.dist import STREAMING_COPY_TUNABLE, TUNABLES_ENV, spawn
 from nereus.runtime.reshard import Hop, ReshardPlan, broadcast_rounds, execute, plan_reshard
 from nereus.runtime.shard_layout import STATE_FAMILIES, RankLayout
@@ -24,6 +26,9 @@ from nereus.spec.presets import MODELS
 WORLD = 4
 SEED = 11
 TRANSPORTS = ("auto", "process_group")
+#: Transports the world runs with: the two above, then "auto" with arenas (ARENA_RANKS).
+MODES = (*TRANSPORTS, "auto+arena")
+ARENA_RANKS = (0, 1, 3)
 #: Host of every rank: all on one, or split in two.
 HOSTS = {"one host": (0, 0, 0, 0), "two hosts": (0, 0, 1, 1)}
 
@@ -54,12 +59,14 @@ def hops(plan: ReshardPlan, method: str) -> list[Hop]:
     return [hop for hops in broadcast_rounds(plan) for hop in hops]
 
 
-def shared_bytes(plan: ReshardPlan, method: str, hosts: tuple[int, ...]) -> int:
-    """Bytes that must go through shared memory: every hop between two ranks of one host."""
+def shared_bytes(
+    plan: ReshardPlan, method: str, hosts: tuple[int, ...], senders: tuple[int, ...] = (0, 1, 2, 3)
+) -> int:
+    """Bytes that must go through shared memory (from `senders`): every hop between two ranks of one host."""
     total = 0
     for got, transfer in hops(plan, method):
         sender = transfer.src if got is None else got.dst
-        total += transfer.nbytes if hosts[sender] == hosts[transfer.dst] else 0
+        total += transfer.nbytes if hosts[sender] == hosts[transfer.dst] and sender in senders else 0
     return total
 
 
@@ -67,26 +74,33 @@ def _pretend_host(host: int) -> None:
     shm._HOST_TOKEN = bytes([host + 1]) * shm.TOKEN_BYTES
 
 
-Outcome = tuple[bool, bool, int, int, int]
+Outcome = tuple[bool, bool, int, int, int, int, int]
 
 
 def _transport_worker(rank: int, world_size: int) -> tuple[dict[tuple[str, str, int], Outcome], list[str]]:
     outcomes = {}
     for hosts_name, hosts in HOSTS.items():
         _pretend_host(hosts[rank])
-        for transport in TRANSPORTS:
+        for mode in MODES:
+            if mode == "auto+arena" and rank in ARENA_RANKS:
+                arena.reserve(1 << 20)  # smaller than some states: the arena must grow
+            arena.connect()
             for number, case in enumerate(CASES):
-                outcomes[(hosts_name, transport, number)] = _there_and_back(rank, case, number, transport)
+                outcomes[(hosts_name, mode, number)] = _there_and_back(rank, case, number, mode)
+            arena.release()
     leftovers = sorted(path.name for path in shm.SHM_ROOT.glob(f"nereus-{os.getpid()}-*"))
     return outcomes, leftovers
 
 
-def _there_and_back(rank: int, case: Case, number: int, transport: str) -> Outcome:
+def _there_and_back(rank: int, case: Case, number: int, mode: str) -> Outcome:
     source, there, back = case_plans(case)
     logical = random_logical_state(source, SEED + number)
     start = cut(source, logical, rank) if rank in source.boxes else {}
+    state_arena = arena.current()
+    if state_arena is not None:
+        start = {key: state_arena.copy(tensor) for key, tensor in start.items()}
     step = 7 + number if rank in source.boxes else None
-    method = case[-1]
+    method, transport = case[-1], mode.removesuffix("+arena")
     middle = execute(there, rank, start, step, method=method, transport=transport)  # type: ignore[arg-type]
     expected = cut(there.target, logical, rank) if rank in there.target.boxes else {}
     middle_ok = middle.tensors.keys() == expected.keys() and all(
@@ -96,28 +110,37 @@ def _there_and_back(rank: int, case: Case, number: int, transport: str) -> Outco
     end_ok = end.tensors.keys() == start.keys() and all(torch.equal(end.tensors[key], start[key]) for key in start)
     end_ok &= end.step == step
     received = middle.bytes_received + end.bytes_received
-    return middle_ok, end_ok, received, middle.bytes_received_shared_memory, end.bytes_received_shared_memory
+    shared = middle.bytes_received_shared_memory, end.bytes_received_shared_memory
+    return middle_ok, end_ok, received, *shared, middle.bytes_received_direct, end.bytes_received_direct
 
 
 @pytest.mark.slow
 def test_both_transports_reshard_there_and_back_bitwise_and_pick_shared_memory_per_host() -> None:
     per_rank = spawn(_transport_worker, WORLD)
     for hosts_name, hosts in HOSTS.items():
-        for transport in TRANSPORTS:
+        for mode in MODES:
             for number, case in enumerate(CASES):
                 _, there, back = case_plans(case)
-                outcomes = [per_rank[rank][0][(hosts_name, transport, number)] for rank in range(WORLD)]
-                label = (hosts_name, transport, case)
+                outcomes = [per_rank[rank][0][(hosts_name, mode, number)] for rank in range(WORLD)]
+                label = (hosts_name, mode, case)
                 assert all(outcome[0] and outcome[1] for outcome in outcomes), label
                 assert sum(outcome[2] for outcome in outcomes) == there.bytes_moved + back.bytes_moved, label
-                via_shm = [sum(outcome[3] for outcome in outcomes), sum(outcome[4] for outcome in outcomes)]
-                if transport == "process_group":
-                    assert via_shm == [0, 0], label
-                else:
-                    method = case[-1]
-                    assert via_shm == [shared_bytes(there, method, hosts), shared_bytes(back, method, hosts)], label
-    # The split-host cases really mix both paths, and no segment file is left behind.
+                via_shm, direct = ([sum(outcome[i + j] for outcome in outcomes) for j in (0, 1)] for i in (3, 5))
+                method = case[-1]
+                if mode == "process_group":
+                    assert via_shm == direct == [0, 0], label
+                    continue
+                assert via_shm == [shared_bytes(there, method, hosts), shared_bytes(back, method, hosts)], label
+                senders = ARENA_RANKS if mode == "auto+arena" else ()
+                expected = [shared_bytes(plan, method, hosts, senders) for plan in (there, back)]
+                assert direct == expected, label
+    # The split-host cases really mix both paths, arena runs mix direct and staged pieces,
+    # and no segment file is left behind.
     assert 0 < shared_bytes(case_plans(CASES[2])[1], "p2p", HOSTS["two hosts"]) < case_plans(CASES[2])[1].bytes_moved
+    there = case_plans(CASES[4])[1]
+    assert (
+        0 < shared_bytes(there, "p2p", HOSTS["one host"], ARENA_RANKS) < shared_bytes(there, "p2p", HOSTS["one host"])
+    )
     assert all(leftovers == [] for _, leftovers in per_rank)
 
 

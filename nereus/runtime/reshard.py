@@ -12,8 +12,11 @@ piece's source ("p2p") or as a binomial-tree broadcast ("broadcast"): a piece th
 source sends to several ranks is relayed by the ranks that already received it, so the
 source sends it about log2(receivers + 1) times instead of once per receiver.
 Two ranks on one host holding CPU state exchange their pieces through shared memory
-(`nereus.runtime.shm`: one copy into a pooled segment, one copy out, no sockets); other
-pairs (other hosts, GPUs under NCCL) send one process-group message per piece
+(`nereus.runtime.shm`: one copy into a pooled segment, one copy out, no sockets); a
+piece that lies in the sender's state arena (`nereus.runtime.arena`) is not staged: the
+receiver copies it straight out of the sender's tensor. While this process has an
+arena, `execute` allocates its results in it, so the next reshard reads them directly too.
+Other pairs (other hosts, GPUs under NCCL) send one process-group message per piece
 (contiguous pieces go without a copy). Pairs swap host tokens first, so the choice is
 made per pair and automatically. `out` lets a repeated reshard fill the previous
 result (or an engine's live tensors) instead of allocating fresh memory.
@@ -28,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from nereus.runtime import shm
+from nereus.runtime import arena, shm
 from nereus.runtime.shard_layout import Box, box_numel, box_shape, intersect
 from nereus.runtime.sharded_state import StateMeta, box_slices, check_rank_state, torch_dtype
 
@@ -160,6 +163,8 @@ class ReshardResult:
     bytes_received: int
     bytes_received_shared_memory: int = 0
     """The part of `bytes_received` that came through same-host shared memory."""
+    bytes_received_direct: int = 0
+    """The part of `bytes_received_shared_memory` copied straight out of the sender's arena (not staged)."""
 
 
 def execute(
@@ -177,8 +182,9 @@ def execute(
 
     `tensors` is the rank's state in the source layout (empty if it is not in it) and
     `step` its optimizer step (None if it is not in the source layout). New tensors are
-    allocated on `device` (default: the device of the rank's tensors, else the CPU); a
-    tensor whose box is the same in both layouts is passed through, not copied.
+    allocated on `device` (default: the device of the rank's tensors, else the CPU; on
+    the CPU in this process's state arena when it has one); a tensor whose box is the
+    same in both layouts is passed through, not copied.
     `out`, when given, is the rank's state in the target layout to overwrite in place
     instead (e.g. an engine's live tensors, or the result of the previous reshard), so a
     repeated reshard allocates nothing; it must not share memory with `tensors`, except
@@ -206,7 +212,9 @@ def execute(
     for number, hops in enumerate(rounds or [[]]):
         _exchange(hops, rank, tensors, new, copy_local_pieces if number == 0 else _nothing, shared, moved)
     new_step = _share_step(plan, rank, step, device)
-    return ReshardResult(new, new_step if in_target else None, moved.sent, moved.received, moved.received_shared)
+    return ReshardResult(
+        new, new_step if in_target else None, moved.sent, moved.received, moved.received_shared, moved.received_direct
+    )
 
 
 def _target_tensors(
@@ -229,10 +237,20 @@ def _target_tensors(
     new = {
         key: tensors[key]
         if key in kept and tensors[key].device == device
-        else torch.empty(box_shape(box), dtype=torch_dtype(plan.target.tensors[key].dtype), device=device)
+        else _empty(box_shape(box), torch_dtype(plan.target.tensors[key].dtype), device)
         for key, box in plan.target.rank_boxes(rank).items()
     }
     return new, device
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new target tensor: in this process's arena when it has one and the tensor is on the CPU."""
+    import torch
+
+    state_arena = arena.current()
+    if state_arena is not None and device.type == "cpu":
+        return state_arena.empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _check_out(
@@ -314,7 +332,14 @@ def _shared_memory_peers(peers: list[int], usable: bool) -> dict[int, bytes]:
 
 
 #: Message tags that keep the shared-memory path's messages apart from the pieces' messages.
-HELLO_TAG, HEADER_TAG, DONE_TAG, FALLBACK_TAG = 17, 18, 19, 20
+HELLO_TAG, HEADER_TAG, DONE_TAG, FALLBACK_TAG, WHERE_TAG = 17, 18, 19, 20, 21
+#: How a piece to a shared-memory peer travels: staged in the segment, read straight out of
+#: the sender's arena, or (no segment could be made) as a process-group message.
+STAGED, DIRECT, MESSAGE = 0, 1, 2
+#: One row per piece: how, then where in the sender's arena (pid, fd, chunk id, chunk bytes,
+#: offset) and the piece's strides (up to MAX_DIMS; a piece of more dims is staged).
+MAX_DIMS = 4
+WHERE_WIDTH = 6 + MAX_DIMS
 
 
 @dataclass
@@ -324,6 +349,7 @@ class Moved:
     sent: int = 0
     received: int = 0
     received_shared: int = 0
+    received_direct: int = 0
 
 
 def _wait(requests: list[dist.Work]) -> None:
@@ -393,10 +419,10 @@ def _exchange(
 ) -> None:
     """Move this rank's pieces of `hops`, running `meanwhile` while they travel.
 
-    Pieces to and from `shared` peers go through a shared-memory segment per peer: the
-    sender copies its pieces in and sends the segment's name; the receiver copies them
-    out and answers, so the sender may reuse the segment. Other pieces are messages of
-    the process group (gloo or NCCL), one per piece.
+    Pieces to and from `shared` peers go by shared memory: the sender tells the receiver
+    where each piece is (its own arena, or a segment it copied the rest into) and the
+    receiver copies them out and answers, so the sender may change its tensors or reuse
+    the segment. Other pieces are messages of the process group (gloo or NCCL), one per piece.
     """
     import torch
     import torch.distributed as dist
@@ -404,14 +430,18 @@ def _exchange(
     pieces = _sort_hops(hops, rank, tensors, new, shared, moved)
     requests = dist.batch_isend_irecv(pieces.ops) if pieces.ops else []
     headers = {peer: torch.empty(shm.NAME_BYTES, dtype=torch.uint8) for peer in pieces.unstaged}
-    arrivals = {peer: _post(dist.irecv, header, peer, HEADER_TAG) for peer, header in headers.items()}
+    wheres = {peer: torch.empty(len(views), WHERE_WIDTH, dtype=torch.int64) for peer, views in pieces.unstaged.items()}
+    arrivals = {
+        peer: (_post(dist.irecv, headers[peer], peer, HEADER_TAG), _post(dist.irecv, wheres[peer], peer, WHERE_TAG))
+        for peer in pieces.unstaged
+    }
     answers = {peer: _post(dist.irecv, torch.empty(1, dtype=torch.uint8), peer, DONE_TAG) for peer in pieces.staged}
     names = {peer: _stage(peer, staged, shared[peer], requests) for peer, staged in sorted(pieces.staged.items())}
     meanwhile()
     for peer, views in sorted(pieces.unstaged.items()):
-        arrivals[peer].wait()
+        _wait(list(arrivals[peer]))
         name = shm.decode_name(headers[peer].numpy().tobytes())
-        moved.received_shared += _unstage(peer, name, views, requests, pieces.pending)
+        _unstage(peer, name, wheres[peer].tolist(), views, requests, pieces.pending, moved)
     for peer, answer in answers.items():
         answer.wait()
         shm.forget_unopened(names[peer])  # the receiver has mapped and unlinked it (if there was one)
@@ -420,52 +450,76 @@ def _exchange(
         view.copy_(buffer)
 
 
-def _stage(peer: int, pieces: list[torch.Tensor], nonce: bytes, requests: list[dist.Work]) -> str:
-    """Copy `pieces` into this rank's segment for `peer` and send its name; return the name.
+def _where(piece: torch.Tensor) -> list[int] | None:
+    """The row saying where `piece` lies in this process's arena, or None when it must be staged."""
+    state_arena = arena.current()
+    location = state_arena.locate(piece) if state_arena is not None and piece.dim() <= MAX_DIMS else None
+    if location is None:
+        return None
+    strides = list(piece.stride()) + [0] * (MAX_DIMS - piece.dim())
+    return [DIRECT, location.pid, location.fd, location.chunk_id, location.chunk_bytes, location.offset, *strides]
 
-    When no segment can be made (e.g. /dev/shm is full) the name is empty and the pieces
-    follow as process-group messages instead.
+
+def _stage(peer: int, pieces: list[torch.Tensor], nonce: bytes, requests: list[dist.Work]) -> str:
+    """Tell `peer` where each of `pieces` is, copying those not in this rank's arena into its
+    segment for `peer` first; return the segment's name ("" when none was used).
+
+    When no segment can be made (e.g. /dev/shm is full) those pieces follow as
+    process-group messages instead.
     """
     import torch
     import torch.distributed as dist
 
+    rows = [_where(piece) for piece in pieces]
+    staged = [piece for piece, row in zip(pieces, rows, strict=True) if row is None]
     try:
-        segment: shm.Segment | None = shm.outgoing_segment(peer, nonce, _staged_bytes(pieces))
+        segment = shm.outgoing_segment(peer, nonce, _staged_bytes(staged)) if staged else None
     except OSError:
         segment = None
+    fallback = [0] * (WHERE_WIDTH - 1)
+    how = [row or [STAGED if segment is not None else MESSAGE, *fallback] for row in rows]
+    if segment is not None:
+        for piece, place in zip(staged, _places(segment, staged), strict=True):
+            shm.copy_bulk(place, piece)
     name = "" if segment is None else segment.name
     header = torch.frombuffer(bytearray(shm.encode_name(name)), dtype=torch.uint8)
-    if segment is None:
-        requests.append(_post(dist.isend, header, peer, HEADER_TAG))
-        requests += [_post(dist.isend, piece.contiguous(), peer, FALLBACK_TAG) for piece in pieces]
-        return name
-    for piece, place in zip(pieces, _places(segment, pieces), strict=True):
-        shm.copy_bulk(place, piece)
     requests.append(_post(dist.isend, header, peer, HEADER_TAG))
+    requests.append(_post(dist.isend, torch.tensor(how, dtype=torch.int64).view(-1, WHERE_WIDTH), peer, WHERE_TAG))
+    if segment is None:
+        requests += [_post(dist.isend, piece.contiguous(), peer, FALLBACK_TAG) for piece in staged]
     return name
 
 
 def _unstage(
     peer: int,
     name: str,
+    rows: list[list[int]],
     views: list[torch.Tensor],
     requests: list[dist.Work],
     pending: list[tuple[torch.Tensor, torch.Tensor]],
-) -> int:
-    """Fill `views` from `peer`'s segment `name` (or its messages when the name is empty),
-    then tell the peer it may reuse the segment; return the bytes read from shared memory."""
+    moved: Moved,
+) -> None:
+    """Fill `views` as `rows` say: from `peer`'s arena, its segment `name` or its messages;
+    then tell the peer it may change its tensors and reuse the segment."""
     import torch
     import torch.distributed as dist
 
-    if not name:
-        requests += [_post(dist.irecv, _receive_buffer(view, pending), peer, FALLBACK_TAG) for view in views]
-        requests.append(_post(dist.isend, torch.ones(1, dtype=torch.uint8), peer, DONE_TAG))
-        return 0
-    segment = shm.incoming_segment(peer, name, _staged_bytes(views))
-    for view, place in zip(views, _places(segment, views), strict=True):
-        shm.copy_bulk(view, place)
+    staged = [view for view, row in zip(views, rows, strict=True) if row[0] == STAGED]
+    places = iter(_places(shm.incoming_segment(peer, name, _staged_bytes(staged)), staged) if staged else [])
+    for view, (how, *where) in zip(views, rows, strict=True):
+        nbytes = view.numel() * view.element_size()
+        if how == MESSAGE:
+            requests.append(_post(dist.irecv, _receive_buffer(view, pending), peer, FALLBACK_TAG))
+            continue
+        if how == DIRECT:
+            location = arena.Location(*where[:5])
+            piece = arena.peer_tensor(location, tuple(view.shape), tuple(where[5 : 5 + view.dim()]), view.dtype)
+            moved.received_direct += nbytes
+        else:
+            piece = next(places)
+        shm.copy_bulk(view, piece)
+        moved.received_shared += nbytes
     requests.append(_post(dist.isend, torch.ones(1, dtype=torch.uint8), peer, DONE_TAG))
-    return sum(view.numel() * view.element_size() for view in views)
 
 
 def _staged_bytes(pieces: list[torch.Tensor]) -> int:

@@ -1,0 +1,266 @@
+"""A rank's state arena: CPU tensors in shared memory that peer ranks on the host read directly.
+
+Resharding through a staging segment copies every moved byte twice (sender into the
+segment, receiver out of it). When the sender's state already lives in shared memory
+that the receiver has mapped, the receiver copies each piece straight out of the
+sender's tensor: one copy, the bound for CPU memory. `reserve` gives a process such an
+arena (anonymous memfd chunks, mapped with their pages populated, so tensors carved
+from it take no page faults); `connect` maps every same-host peer's chunks once, the
+way a GPU job registers buffers before its first transfer. While an arena is reserved,
+`nereus.runtime.reshard.execute` allocates its results in it and senders offer their
+arena pieces by location instead of staging them.
+
+A tensor from `StateArena.empty` keeps its block until the last tensor sharing its
+storage is gone; the block then returns to the free list (coalesced with free
+neighbours) at the next allocation. Chunks are never unmapped while the arena lives,
+and a peer opens a chunk through /proc/PID/fd, so nothing is left in /dev/shm when a
+rank dies.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import mmap
+import os
+import secrets
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+#: Blocks start on a cache line, so bulk copies of them run at full speed.
+ALIGN = 64
+#: The least a chunk added when the arena runs out holds (bigger requests get their size).
+GROWTH_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where a tensor's first element lies, as a process on the same host finds it."""
+
+    pid: int
+    fd: int
+    chunk_id: int
+    """Random per chunk: tells a chunk from a later one that reused the same descriptor number."""
+    chunk_bytes: int
+    offset: int
+    """Byte offset of the tensor's first element in the chunk."""
+
+
+@dataclass
+class _Chunk:
+    fd: int
+    nbytes: int
+    buffer: mmap.mmap
+    base: int
+    chunk_id: int = field(default_factory=lambda: secrets.randbits(62))
+    free_offsets: list[int] = field(default_factory=list)
+    """Offsets of the free blocks, sorted; `free_sizes` holds their lengths."""
+    free_sizes: dict[int, int] = field(default_factory=dict)
+
+    def take(self, nbytes: int) -> int | None:
+        """First fit: the offset of a block of `nbytes` now in use, or None when none is free."""
+        for index, offset in enumerate(self.free_offsets):
+            size = self.free_sizes[offset]
+            if size >= nbytes:
+                del self.free_offsets[index], self.free_sizes[offset]
+                if size > nbytes:
+                    self.free_offsets.insert(index, offset + nbytes)
+                    self.free_sizes[offset + nbytes] = size - nbytes
+                return offset
+        return None
+
+    def give_back(self, offset: int, nbytes: int) -> None:
+        index = bisect.bisect_left(self.free_offsets, offset)
+        following = self.free_offsets[index] if index < len(self.free_offsets) else None
+        if following == offset + nbytes:  # merge with the free block after it
+            nbytes += self.free_sizes.pop(following)
+            del self.free_offsets[index]
+        if index and self.free_offsets[index - 1] + self.free_sizes[self.free_offsets[index - 1]] == offset:
+            self.free_sizes[self.free_offsets[index - 1]] += nbytes  # and with the one before it
+            return
+        self.free_offsets.insert(index, offset)
+        self.free_sizes[offset] = nbytes
+
+
+def _map_populated(fd: int, nbytes: int) -> tuple[mmap.mmap, int]:
+    """`fd` mapped shared with every page table entry filled now, and the mapping's address."""
+    buffer = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
+    anchor = ctypes.c_char.from_buffer(buffer)
+    address = ctypes.addressof(anchor)
+    del anchor  # only the address is needed; the export would pin the mapping
+    return buffer, address
+
+
+def _new_chunk(nbytes: int) -> _Chunk:
+    """A memfd of `nbytes` with its memory reserved (a full host fails here, not with SIGBUS later)."""
+    fd = os.memfd_create("nereus-arena", os.MFD_CLOEXEC)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        buffer, base = _map_populated(fd, nbytes)
+    except OSError:
+        os.close(fd)
+        raise
+    chunk = _Chunk(fd, nbytes, buffer, base)
+    chunk.free_offsets, chunk.free_sizes = [0], {0: nbytes}
+    return chunk
+
+
+def _aligned(nbytes: int, to: int) -> int:
+    return -(-nbytes // to) * to
+
+
+class StateArena:
+    """Shared-memory chunks that CPU state tensors are carved from."""
+
+    def __init__(self, nbytes: int):
+        if nbytes <= 0:
+            raise ValueError(f"an arena needs a positive size, got {nbytes} bytes")
+        self.chunks: list[_Chunk] = [_new_chunk(_aligned(nbytes, mmap.PAGESIZE))]
+        # Blocks whose last tensor died; returned at the next allocation, not inside the
+        # finalizer, which may run in the middle of one.
+        self._released: list[tuple[_Chunk, int, int]] = []
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(chunk.nbytes for chunk in self.chunks)
+
+    @property
+    def free_bytes(self) -> int:
+        self._return_released()
+        return sum(sum(chunk.free_sizes.values()) for chunk in self.chunks)
+
+    def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous CPU tensor in the arena (a new chunk is added when none fits)."""
+        import torch
+
+        numel = 1
+        for size in shape:
+            numel *= size
+        nbytes = _aligned(max(numel * torch.empty((), dtype=dtype).element_size(), 1), ALIGN)
+        self._return_released()
+        for chunk in self.chunks:
+            offset = chunk.take(nbytes)
+            if offset is not None:
+                return self._tensor(chunk, offset, nbytes, numel, shape, dtype)
+        self.chunks.append(_new_chunk(_aligned(max(nbytes, GROWTH_BYTES), mmap.PAGESIZE)))
+        offset = self.chunks[-1].take(nbytes)
+        assert offset == 0, "a new chunk starts free"
+        return self._tensor(self.chunks[-1], offset, nbytes, numel, shape, dtype)
+
+    def _tensor(
+        self, chunk: _Chunk, offset: int, nbytes: int, numel: int, shape: Any, dtype: torch.dtype
+    ) -> torch.Tensor:
+        import torch
+
+        window = (ctypes.c_char * nbytes).from_buffer(chunk.buffer, offset)
+        weakref.finalize(window, self._released.append, (chunk, offset, nbytes))
+        flat = torch.frombuffer(window, dtype=torch.uint8)  # holds `window` until its storage dies
+        return flat[: numel * torch.empty((), dtype=dtype).element_size()].view(dtype).view(tuple(shape))
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A copy of the CPU tensor `tensor` in the arena."""
+        result = self.empty(tuple(tensor.shape), tensor.dtype)
+        result.copy_(tensor)
+        return result
+
+    def locate(self, tensor: torch.Tensor) -> Location | None:
+        """Where `tensor`'s first element lies, or None when it is not in this arena."""
+        if tensor.device.type != "cpu" or not tensor.numel():
+            return None
+        address = tensor.data_ptr()
+        for chunk in self.chunks:
+            if chunk.base <= address < chunk.base + chunk.nbytes:
+                return Location(os.getpid(), chunk.fd, chunk.chunk_id, chunk.nbytes, address - chunk.base)
+        return None
+
+    def locations(self) -> list[Location]:
+        """One location per chunk (its start): what a peer maps in `connect`."""
+        return [Location(os.getpid(), chunk.fd, chunk.chunk_id, chunk.nbytes, 0) for chunk in self.chunks]
+
+    def _return_released(self) -> None:
+        while self._released:
+            chunk, offset, nbytes = self._released.pop()
+            chunk.give_back(offset, nbytes)
+
+
+_current: StateArena | None = None
+#: Peers' chunks this process has mapped, by (pid, fd, chunk id), as uint8 tensors.
+_peer_chunks: dict[tuple[int, int, int], torch.Tensor] = {}
+
+
+def reserve(nbytes: int) -> StateArena:
+    """Give this process an arena of `nbytes` (more chunks are added as needed); returns it."""
+    global _current
+    if _current is not None:
+        raise ValueError("this process already has a state arena; call release() first")
+    _current = StateArena(nbytes)
+    return _current
+
+
+def current() -> StateArena | None:
+    """This process's arena, or None when it has none (resharding then stages its pieces)."""
+    return _current
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """Run the body as if this process had no arena (e.g. to measure the staged path)."""
+    global _current
+    kept, _current = _current, None
+    try:
+        yield
+    finally:
+        _current = kept
+
+
+def release() -> None:
+    """Forget this process's arena and the peers' chunks it mapped; their memory returns once
+    no tensor uses it."""
+    global _current
+    _current = None
+    _peer_chunks.clear()
+
+
+def peer_tensor(
+    location: Location, shape: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype
+) -> torch.Tensor:
+    """A view of a peer's tensor at `location` (mapped once per chunk, its pages populated)."""
+    import torch
+
+    key = (location.pid, location.fd, location.chunk_id)
+    chunk = _peer_chunks.get(key)
+    if chunk is None:
+        descriptor = os.open(f"/proc/{location.pid}/fd/{location.fd}", os.O_RDWR)
+        try:
+            buffer, _ = _map_populated(descriptor, location.chunk_bytes)
+        finally:
+            os.close(descriptor)
+        chunk = _peer_chunks[key] = torch.frombuffer(buffer, dtype=torch.uint8)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    assert location.offset % itemsize == 0, "arena blocks are aligned to their element size"
+    return chunk.view(dtype).as_strided(shape, strides, location.offset // itemsize)
+
+
+def connect(group: Any = None) -> int:
+    """Map every chunk of every rank of `group` that shares this host and has an arena (a
+    collective: every rank of the group calls it); returns how many peer chunks are mapped.
+    Chunks a peer adds later are mapped on first use."""
+    import torch
+    import torch.distributed as dist
+
+    from nereus.runtime import shm
+
+    mine = (shm.host_token(), _current.locations() if _current is not None else [])
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for token, locations in everyone:
+        for location in locations:
+            if token == shm.host_token() and location.pid != os.getpid():
+                peer_tensor(location, (1,), (1,), torch.uint8)
+    return len(_peer_chunks)
