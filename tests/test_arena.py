@@ -42,8 +42,12 @@ def test_freed_neighbours_coalesce_and_the_arena_grows_when_full() -> None:
     assert pool.free_bytes == 3072 and pool.chunks[0].free_offsets == [0, 2048]
     del second
     assert pool.free_bytes == 4096 and pool.chunks[0].free_offsets == [0]
-    big = pool.empty((2048,), torch.float32)  # 8 KiB: a new chunk of at least GROWTH_BYTES
-    assert len(pool.chunks) == 2 and pool.reserved_bytes == 4096 + arena.GROWTH_BYTES
+    big = pool.empty((2048,), torch.float32)  # 8 KiB: a new chunk of its size (more than the 4 KiB so far)
+    assert len(pool.chunks) == 2 and pool.reserved_bytes == 4096 + 8192
+    tiny = pool.empty((1,), torch.float32)  # a small one fits the first chunk
+    small = pool.empty((1024,), torch.float32)  # 4 KiB, none free: the arena doubles (12 KiB more)
+    assert pool.reserved_bytes == 2 * (4096 + 8192) and tiny.numel() == 1
+    assert pool.locate(small).chunk_id == pool.chunks[2].chunk_id  # type: ignore[union-attr]
     assert pool.locate(big) is not None and pool.locate(big).chunk_id == pool.chunks[1].chunk_id  # type: ignore[union-attr]
 
 

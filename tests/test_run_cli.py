@@ -447,6 +447,10 @@ def test_a_run_through_tp_pp_dp_pool_shrink_and_growth_keeps_its_state_bitwise(t
     spans = [json.loads(line) for line in (out / "timeline" / "rank-0.jsonl").read_text().splitlines()]
     checks = [s["args"] for s in spans if s["name"] == "verify state"]
     assert len(checks) >= 4 and all(check["equal"] for check in checks)
+    # The ranks keep their state in arenas: moved pieces are read straight out of the sender's.
+    primitives = [s["args"] for s in spans if s["cat"] == "primitive"]
+    assert sum(p["bytes_received_direct"] for p in primitives) > 0
+    assert all(0 <= p["bytes_received_direct"] <= p["bytes_received"] for p in primitives)
     decisions = [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()]
     moves = [(d["observation"]["gpus"], d["decision"]) for d in decisions if d["decision"]["action"] != "keep"]
     layouts = [decision["target_layout"] for _, decision in moves]

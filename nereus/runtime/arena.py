@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 #: Blocks start on a cache line, so bulk copies of them run at full speed.
 ALIGN = 64
-#: The least a chunk added when the arena runs out holds (bigger requests get their size).
+#: A chunk added when the arena runs out holds what it has so far, at most this much (bigger
+#: requests get their size).
 GROWTH_BYTES = 256 << 20
 
 
@@ -148,7 +149,8 @@ class StateArena:
             offset = chunk.take(nbytes)
             if offset is not None:
                 return self._tensor(chunk, offset, nbytes, numel, shape, dtype)
-        self.chunks.append(_new_chunk(_aligned(max(nbytes, GROWTH_BYTES), mmap.PAGESIZE)))
+        growth = min(GROWTH_BYTES, self.reserved_bytes)  # doubles while small, then steps of GROWTH_BYTES
+        self.chunks.append(_new_chunk(_aligned(max(nbytes, growth), mmap.PAGESIZE)))
         offset = self.chunks[-1].take(nbytes)
         assert offset == 0, "a new chunk starts free"
         return self._tensor(self.chunks[-1], offset, nbytes, numel, shape, dtype)
@@ -245,6 +247,23 @@ def peer_tensor(
     itemsize = torch.empty((), dtype=dtype).element_size()
     assert location.offset % itemsize == 0, "arena blocks are aligned to their element size"
     return chunk.view(dtype).as_strided(shape, strides, location.offset // itemsize)
+
+
+def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.empty`, in this process's arena when it has one and `device` is the CPU."""
+    import torch
+
+    if _current is not None and device.type == "cpu":
+        return _current.empty(shape, dtype)
+    return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+def adopt(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` itself, or a copy in this process's arena when it has one, `tensor` is on the
+    CPU and not in it yet."""
+    if _current is None or tensor.device.type != "cpu" or _current.locate(tensor) is not None:
+        return tensor
+    return _current.copy(tensor)
 
 
 def connect(group: Any = None) -> int:

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from nereus.runtime import arena, host_collectives
 from nereus.runtime import dist as launch
-from nereus.runtime import host_collectives
 from nereus.runtime.model import (
     Batch,
     DecoderStage,
@@ -252,6 +252,8 @@ class Engine:
                 if info.name in self.params:
                     box = local_box(info, model, layout.tp, groups.tp.rank)
                     self.params[info.name].copy_(box_slice(init_logical_param(info, config.init_seed), box))
+            for param in self.params.values():
+                param.data = arena.adopt(param.data)  # peers reshard straight out of it (CPU, with an arena)
         self.optimizer = AdamW(self.params, config.optimizer)
         self.executor = PipelineExecutor(groups.link, torch.float32, self.device)
 
@@ -327,7 +329,9 @@ class Engine:
         self.optimizer.step_count = step
 
     def _fp32_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().to(self.device, torch.float32).clone()
+        copy = arena.empty(tuple(tensor.shape), torch.float32, self.device)
+        copy.copy_(tensor.detach())
+        return copy
 
     def load_logical_params(self, logical: Mapping[str, torch.Tensor]) -> None:
         """Set this shard's parameters from whole (unsharded) tensors by name; keeps the optimizer state."""

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nereus.runtime import arena
+
 
 @dataclass(frozen=True)
 class AdamWConfig:
@@ -61,8 +63,8 @@ class AdamW:
                 continue
             grad = param.grad.float()
             if name not in self.exp_avg:
-                self.exp_avg[name] = torch.zeros_like(param, dtype=torch.float32)
-                self.exp_avg_sq[name] = torch.zeros_like(param, dtype=torch.float32)
+                self.exp_avg[name] = _zeros(param)
+                self.exp_avg_sq[name] = _zeros(param)
             exp_avg, exp_avg_sq = self.exp_avg[name], self.exp_avg_sq[name]
             exp_avg.lerp_(grad, 1 - c.beta1)
             exp_avg_sq.mul_(c.beta2).addcmul_(grad, grad, value=1 - c.beta2)
@@ -75,3 +77,8 @@ class AdamW:
     def zero_grad(self) -> None:
         for param in self.params.values():
             param.grad = None
+
+
+def _zeros(param: torch.Tensor) -> torch.Tensor:
+    """An fp32 moment for `param`, in the process's state arena when it has one (CPU)."""
+    return arena.empty(tuple(param.shape), torch.float32, param.device).zero_()

@@ -237,20 +237,10 @@ def _target_tensors(
     new = {
         key: tensors[key]
         if key in kept and tensors[key].device == device
-        else _empty(box_shape(box), torch_dtype(plan.target.tensors[key].dtype), device)
+        else arena.empty(box_shape(box), torch_dtype(plan.target.tensors[key].dtype), device)
         for key, box in plan.target.rank_boxes(rank).items()
     }
     return new, device
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A new target tensor: in this process's arena when it has one and the tensor is on the CPU."""
-    import torch
-
-    state_arena = arena.current()
-    if state_arena is not None and device.type == "cpu":
-        return state_arena.empty(shape, dtype)
-    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _check_out(

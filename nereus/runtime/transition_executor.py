@@ -69,7 +69,7 @@ class _Executor:
         self.rank = rank
         self.families = families
         self.held: dict[Emu, ReplicaState] = {}
-        self.sent = self.received = self.count = 0
+        self.sent = self.received = self.received_direct = self.count = 0
 
     def meta(self, model_stage: str, layout: RankLayout) -> StateMeta:
         entry = self.plan.stage_plan(model_stage)
@@ -92,6 +92,7 @@ class _Executor:
         result = execute(plan, self.rank, tensors, step)
         self.sent += result.bytes_sent
         self.received += result.bytes_received
+        self.received_direct += result.bytes_received_direct
         for emu in targets:
             if self.rank in emu.gpus:
                 self.held[emu] = (result.tensors, result.step)
@@ -102,7 +103,7 @@ class _Executor:
         if not any(self.rank in emu.gpus for emu in involved):
             return
         self.count += 1
-        sent, received = self.sent, self.received
+        sent, received, direct = self.sent, self.received, self.received_direct
         with timeline.span(
             "primitive",
             f"{primitive.kind} {primitive.id}",
@@ -113,7 +114,11 @@ class _Executor:
             predicted_end_s=primitive.end_s,
         ) as late:
             self._apply(primitive)
-            late.update(bytes_sent=self.sent - sent, bytes_received=self.received - received)
+            late.update(
+                bytes_sent=self.sent - sent,
+                bytes_received=self.received - received,
+                bytes_received_direct=self.received_direct - direct,  # read straight out of a peer's arena
+            )
 
     def _apply(self, primitive: Primitive) -> None:
         if primitive.kind == "split" or primitive.kind == "merge":

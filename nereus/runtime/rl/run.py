@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from nereus.cost.calibration import Calibration
 from nereus.errors import NereusError
-from nereus.runtime import host_collectives, shm, timeline
+from nereus.runtime import arena, host_collectives, shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
-from nereus.runtime.dist import spawn
+from nereus.runtime.dist import device, spawn
 from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
 from nereus.runtime.rl.reward_model import fit_reward_model
@@ -51,6 +51,7 @@ from nereus.runtime.rl.setup import (
     finished_checkpoints,
     latest_checkpoint,
     prepare_folder,
+    state_bytes_by_rank,
 )
 from nereus.runtime.rl.step import (
     Stage,
@@ -103,6 +104,7 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     """The whole run on this rank; returns the number of steps the run has finished."""
     config, plan = setup.config, setup.plan
     torch.manual_seed(config.rl.seed)
+    reserve_arena(plan, config.rl, rank)
     stages = build_stages(plan, config.rl)
     syncs = sync_plans(stages)
     if "reward/inference" in stages and setup.checkpoint is None:
@@ -140,6 +142,18 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
                     save_run_checkpoint(setup, plan, stages, done, rank, state)
             spans.flush()
     return config.num_steps
+
+
+def reserve_arena(plan: Plan, config: RLConfig, rank: int) -> None:
+    """On CPU ranks, keep engine state in a state arena that the other ranks map (collective):
+    transitions and weight syncs then read each moved piece straight out of its holder.
+    Room for twice the state the plan puts on the rank (a transition holds both layouts);
+    it grows if a later plan needs more."""
+    if device().type != "cpu":
+        return
+    if arena.current() is None:
+        arena.reserve(max(2 * state_bytes_by_rank(plan, config).get(rank, 0), 1 << 20))
+    arena.connect()
 
 
 def run_state(setup: RunSetup, plan: Plan) -> RunState:
