@@ -79,6 +79,12 @@ def test_reserve_once_per_process_and_reject_a_bad_size() -> None:
     finally:
         arena.release()
     assert arena.current() is None
+    descriptors = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        arena.reserve(8192).empty((4,), torch.float32)
+        arena.release()
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == descriptors  # released arenas close their memfds
     with pytest.raises(ValueError, match="positive size"):
         StateArena(0)
 

@@ -109,6 +109,7 @@ def _new_chunk(nbytes: int) -> _Chunk:
         raise
     chunk = _Chunk(fd, nbytes, buffer, base)
     chunk.free_offsets, chunk.free_sizes = [0], {0: nbytes}
+    weakref.finalize(chunk, os.close, fd)  # the memory goes back once the mapping is gone too
     return chunk
 
 
