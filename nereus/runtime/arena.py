@@ -139,12 +139,11 @@ class StateArena:
 
     def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor in the arena (a new chunk is added when none fits)."""
-        import torch
 
         numel = 1
         for size in shape:
             numel *= size
-        nbytes = _aligned(max(numel * torch.empty((), dtype=dtype).element_size(), 1), ALIGN)
+        nbytes = _aligned(max(numel * dtype.itemsize, 1), ALIGN)
         self._return_released()
         for chunk in self.chunks:
             offset = chunk.take(nbytes)
@@ -164,7 +163,7 @@ class StateArena:
         window = (ctypes.c_char * nbytes).from_buffer(chunk.buffer, offset)
         weakref.finalize(window, self._released.append, (chunk, offset, nbytes))
         flat = torch.frombuffer(window, dtype=torch.uint8)  # holds `window` until its storage dies
-        return flat[: numel * torch.empty((), dtype=dtype).element_size()].view(dtype).view(tuple(shape))
+        return flat[: numel * dtype.itemsize].view(dtype).view(tuple(shape))
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A copy of the CPU tensor `tensor` in the arena."""
@@ -197,9 +196,16 @@ _current: StateArena | None = None
 _peer_chunks: dict[tuple[int, int, int], torch.Tensor] = {}
 
 
+def supported() -> bool:
+    """Whether this platform has what an arena needs (Linux: memfd_create, MAP_POPULATE, /proc)."""
+    return hasattr(os, "memfd_create") and hasattr(mmap, "MAP_POPULATE") and os.path.isdir("/proc/self/fd")
+
+
 def reserve(nbytes: int) -> StateArena:
     """Give this process an arena of `nbytes` (more chunks are added as needed); returns it."""
     global _current
+    if not supported():
+        raise ValueError("a state arena needs Linux (memfd_create, MAP_POPULATE and /proc)")
     if _current is not None:
         raise ValueError("this process already has a state arena; call release() first")
     _current = StateArena(nbytes)
@@ -245,9 +251,8 @@ def peer_tensor(
         finally:
             os.close(descriptor)
         chunk = _peer_chunks[key] = torch.frombuffer(buffer, dtype=torch.uint8)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    assert location.offset % itemsize == 0, "arena blocks are aligned to their element size"
-    return chunk.view(dtype).as_strided(shape, strides, location.offset // itemsize)
+    assert location.offset % dtype.itemsize == 0, "arena blocks are aligned to their element size"
+    return chunk.view(dtype).as_strided(shape, strides, location.offset // dtype.itemsize)
 
 
 def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -149,8 +149,8 @@ def reserve_arena(plan: Plan, config: RLConfig, rank: int) -> None:
     transitions and weight syncs then read each moved piece straight out of its holder.
     Room for twice the state the plan puts on the rank (a transition holds both layouts);
     it grows if a later plan needs more."""
-    if device().type != "cpu":
-        return
+    if device().type != "cpu" or not arena.supported():
+        return  # pieces are then staged (CPU) or sent by NCCL (GPU)
     if arena.current() is None:
         arena.reserve(max(2 * state_bytes_by_rank(plan, config).get(rank, 0), 1 << 20))
     arena.connect()
