@@ -174,11 +174,22 @@ def _reuse_worker(rank: int, world_size: int) -> dict[str, object]:
     shm.release_segments()
     released = shm.pooled()
     after_release = execute(plan, rank, start, 3)
+    # Arenas on both ranks, but rank 1 cannot map rank 0's (another PID namespace, say): rank 0
+    # must stage what it sends to rank 1, while rank 1's pieces are read straight out of its arena.
+    arena.reserve(1 << 20)
+    if rank == 1:
+        arena.peer_tensor = _unmappable  # type: ignore[assignment]
+    readable_sources = arena.connect()
+    in_arena = {key: arena.current().copy(tensor) for key, tensor in start.items()}  # type: ignore[union-attr]
+    one_way = execute(plan, rank, in_arena, 3)
+    arena.release()
     # Rank 0 cannot make a segment (a full /dev/shm): its pieces fall back to gloo messages.
     if rank == 0:
         shm.outgoing_segment = _full_shared_memory
     full = execute(plan, rank, start, 3)
     return {
+        "one_way_ok": all(torch.equal(one_way.tensors[key], expected[key]) for key in expected),
+        "one_way": (readable_sources, one_way.bytes_received_direct, one_way.bytes_received_shared_memory),
         "full_ok": all(torch.equal(full.tensors[key], expected[key]) for key in expected),
         "full_shared": (full.bytes_received_shared_memory, full.bytes_received),
         "first_ok": all(torch.equal(first.tensors[key], expected[key]) for key in expected),
@@ -189,9 +200,18 @@ def _reuse_worker(rank: int, world_size: int) -> dict[str, object]:
     }
 
 
+def _unmappable(*args: object) -> torch.Tensor:
+    raise PermissionError(13, "Permission denied")
+
+
 def test_segments_are_pooled_out_buffers_filled_in_place_and_a_full_dev_shm_falls_back() -> None:
     outcomes = spawn(_reuse_worker, 2)
+    # Rank 0 reads rank 1's arena directly; rank 1 could not map rank 0's, so it got staged pieces.
+    (sources_0, direct_0, shared_0), (sources_1, direct_1, shared_1) = (outcome["one_way"] for outcome in outcomes)
+    assert sources_0 == {1} and direct_0 == shared_0 > 0
+    assert sources_1 == set() and direct_1 == 0 < shared_1
     for outcome in outcomes:
+        assert outcome["one_way_ok"]
         assert outcome["first_ok"] and outcome["again_ok"] and outcome["after_release_ok"] and outcome["shared"]
         first, again, grown, released = outcome["pool"]
         assert len(first) == 2 and again == first  # one staging and one reading segment, reused

@@ -194,6 +194,8 @@ class StateArena:
 _current: StateArena | None = None
 #: Peers' chunks this process has mapped, by (pid, fd, chunk id), as uint8 tensors.
 _peer_chunks: dict[tuple[int, int, int], torch.Tensor] = {}
+#: Ranks that mapped this process's chunks at the last `connect`.
+_readers: set[int] = set()
 
 
 def supported() -> bool:
@@ -234,6 +236,7 @@ def release() -> None:
     global _current
     _current = None
     _peer_chunks.clear()
+    _readers.clear()
 
 
 def peer_tensor(
@@ -272,20 +275,38 @@ def adopt(tensor: torch.Tensor) -> torch.Tensor:
     return _current.copy(tensor)
 
 
-def connect(group: Any = None) -> int:
-    """Map every chunk of every rank of `group` that shares this host and has an arena (a
-    collective: every rank of the group calls it); returns how many peer chunks are mapped.
+def connect(group: Any = None) -> set[int]:
+    """Map the chunks of every rank of `group` that shares this host and has an arena, and
+    learn which ranks mapped this rank's (a collective: every rank of the group calls it).
+    Returns the ranks whose arenas this rank reads. A rank that cannot map a peer's chunks
+    (e.g. another PID namespace) is not its reader, so the peer stages what it sends there.
     Chunks a peer adds later are mapped on first use."""
     import torch
     import torch.distributed as dist
 
     from nereus.runtime import shm
 
-    mine = (shm.host_token(), _current.locations() if _current is not None else [])
+    me = dist.get_rank()
+    mine = (me, shm.host_token(), _current.locations() if _current is not None else [])
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    for token, locations in everyone:
-        for location in locations:
-            if token == shm.host_token() and location.pid != os.getpid():
+    sources = set()
+    for rank, token, locations in everyone:
+        if rank == me or token != shm.host_token() or not locations:
+            continue
+        try:
+            for location in locations:
                 peer_tensor(location, (1,), (1,), torch.uint8)
-    return len(_peer_chunks)
+        except OSError:
+            continue
+        sources.add(rank)
+    read_by: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(read_by, (me, sources), group=group)
+    _readers.clear()
+    _readers.update(rank for rank, theirs in read_by if me in theirs)
+    return sources
+
+
+def readers() -> set[int]:
+    """The ranks that mapped this rank's arena at `connect`: pieces for them go by location."""
+    return set(_readers)

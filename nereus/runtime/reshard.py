@@ -440,10 +440,13 @@ def _exchange(
         view.copy_(buffer)
 
 
-def _where(piece: torch.Tensor) -> list[int] | None:
-    """The row saying where `piece` lies in this process's arena, or None when it must be staged."""
+def _where(piece: torch.Tensor, peer: int) -> list[int] | None:
+    """The row telling `peer` where `piece` lies in this process's arena, or None when it
+    must be staged (no arena, not in it, or `peer` did not map it at `arena.connect`)."""
     state_arena = arena.current()
-    location = state_arena.locate(piece) if state_arena is not None and piece.dim() <= MAX_DIMS else None
+    if state_arena is None or peer not in arena.readers() or piece.dim() > MAX_DIMS:
+        return None
+    location = state_arena.locate(piece)
     if location is None:
         return None
     strides = list(piece.stride()) + [0] * (MAX_DIMS - piece.dim())
@@ -460,7 +463,7 @@ def _stage(peer: int, pieces: list[torch.Tensor], nonce: bytes, requests: list[d
     import torch
     import torch.distributed as dist
 
-    rows = [_where(piece) for piece in pieces]
+    rows = [_where(piece, peer) for piece in pieces]
     staged = [piece for piece, row in zip(pieces, rows, strict=True) if row is None]
     try:
         segment = shm.outgoing_segment(peer, nonce, _staged_bytes(staged)) if staged else None
