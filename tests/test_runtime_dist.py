@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.dist import spawn
+from nereus.runtime.dist import BLAS_THREADS_ENV, spawn
 
 
 def all_reduce_one(rank: int, world_size: int) -> float:
@@ -51,3 +51,23 @@ def test_a_failing_rank_takes_the_world_down_and_is_named(fn: object, expected: 
         spawn(fn, 3)
     assert str(caught.value).splitlines()[0] == expected
     assert time.monotonic() - start < 60
+
+
+def _blas_worker(rank: int, world_size: int) -> tuple[str | None, int]:
+    import numpy as np
+
+    matrix = np.random.default_rng(rank).random((200, 200))
+    np.linalg.lstsq(matrix, matrix[:, 0], rcond=None)
+    return os.environ.get(BLAS_THREADS_ENV), len(os.listdir("/proc/self/task"))
+
+
+def test_ranks_get_as_many_blas_threads_as_torch_threads_unless_the_user_set_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(BLAS_THREADS_ENV, raising=False)
+    (one, threads_one), _ = spawn(_blas_worker, 2)
+    assert one == "1" and BLAS_THREADS_ENV not in os.environ  # the launcher's environment is restored
+    monkeypatch.setenv(BLAS_THREADS_ENV, "3")
+    (three, threads_three), _ = spawn(_blas_worker, 2)
+    # OpenBLAS's pool: min(3, cores) threads, one of them the caller.
+    assert three == "3" and threads_three == threads_one + min(3, os.cpu_count() or 1) - 1

@@ -19,6 +19,8 @@ so `shm.copy_bulk` (resharding's staging and local copies) streams its stores pa
 cache: the copied state is not read again soon, and a cached store first reads the line
 it overwrites. A GLIBC_TUNABLES already in the environment is passed on unchanged (add the
 setting to it to keep the speed-up); under torchrun, set it in the job's environment.
+Their numpy BLAS gets as many threads as their torch ops (BLAS_THREADS_ENV, unless set), so
+two one-thread ranks on two cores really use one core each.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 #: non-temporal (cache-bypassing) stores in the ranks (x86-64 glibc; ignored elsewhere).
 TUNABLES_ENV = "GLIBC_TUNABLES"
 STREAMING_COPY_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x100000"
+
+#: numpy's OpenBLAS reads this once, at import: a rank's BLAS calls (the online calibration's
+#: least squares) use as many threads as its torch ops, not a pool sized for the whole host
+#: whose spinning workers take the other ranks' cores.
+BLAS_THREADS_ENV = "OPENBLAS_NUM_THREADS"
 
 
 def backend() -> str:
@@ -156,7 +163,7 @@ def spawn(
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     with tempfile.TemporaryDirectory(prefix="nereus-rdzv-") as folder:
         child_args = (world_size, folder, fn, args, num_threads)
-        with _rank_environment(huge_pages):
+        with _rank_environment(huge_pages, num_threads):
             context = mp.start_processes(_child, args=child_args, nprocs=world_size, join=False, start_method="spawn")
         failure = None
         try:
@@ -187,10 +194,15 @@ def spawn(
 
 
 @contextmanager
-def _rank_environment(huge_pages: bool) -> Iterator[None]:
-    """The environment spawned ranks inherit: HUGE_PAGES_ENV=1 when asked and unset, and
-    STREAMING_COPY_TUNABLE when GLIBC_TUNABLES is unset. Values already set are kept."""
-    wanted = {TUNABLES_ENV: STREAMING_COPY_TUNABLE, **({HUGE_PAGES_ENV: "1"} if huge_pages else {})}
+def _rank_environment(huge_pages: bool, num_threads: int) -> Iterator[None]:
+    """The environment spawned ranks inherit: HUGE_PAGES_ENV=1 when asked and unset,
+    STREAMING_COPY_TUNABLE when GLIBC_TUNABLES is unset, and BLAS threads = `num_threads`
+    when unset. Values already set are kept."""
+    wanted = {
+        TUNABLES_ENV: STREAMING_COPY_TUNABLE,
+        BLAS_THREADS_ENV: str(num_threads),
+        **({HUGE_PAGES_ENV: "1"} if huge_pages else {}),
+    }
     added = [name for name in wanted if name not in os.environ]
     for name in added:
         os.environ[name] = wanted[name]
