@@ -195,9 +195,7 @@ def measure_pair(
     source, target = layout_meta(shapes[0]), layout_meta(shapes[1])
     plan = plan_reshard(source, target)
     plain = random_rank_state(source, rank, SEED)
-    state_arena = arena.current()
-    assert state_arena is not None, "the worker reserves the arena"
-    tensors = {key: state_arena.copy(tensor) for key, tensor in plain.items()}
+    tensors = {key: arena.adopt(tensor) for key, tensor in plain.items()}  # into the worker's arena
     arena.connect()  # maps any chunk the arena grew by since (untimed, like the first connect)
     expected = random_rank_state(target, rank, SEED)
     times: dict[str, list[float]] = {name: [] for name, _, _ in METHODS}
@@ -247,12 +245,10 @@ def _worker(
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2,))  # made once: not part of any timed round trip
-    arena.reserve(arena_bytes)  # reserved and mapped once, untimed
+    state_arena = arena.reserve(arena_bytes)  # reserved and mapped once, untimed
     rows = [
         {"pair": name, **measure_pair(rank, (source, target), runs, scratch, mesh)} for name, source, target in PAIRS
     ]
-    state_arena = arena.current()
-    assert state_arena is not None
     return os.environ.get(HUGE_PAGES_ENV), rows, len(state_arena.chunks)
 
 

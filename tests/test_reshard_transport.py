@@ -178,7 +178,7 @@ def _reuse_worker(rank: int, world_size: int) -> dict[str, object]:
     # must stage what it sends to rank 1, while rank 1's pieces are read straight out of its arena.
     arena.reserve(1 << 20)
     if rank == 1:
-        arena.peer_tensor = _unmappable  # type: ignore[assignment]
+        arena._peer_chunk = _unmappable  # type: ignore[assignment]
     readable_sources = arena.connect()
     in_arena = {key: arena.current().copy(tensor) for key, tensor in start.items()}  # type: ignore[union-attr]
     one_way = execute(plan, rank, in_arena, 3)

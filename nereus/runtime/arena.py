@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import math
 import mmap
 import os
 import secrets
@@ -30,11 +31,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nereus.runtime import shm
+
 if TYPE_CHECKING:
     import torch
 
 #: Blocks start on a cache line, so bulk copies of them run at full speed.
-ALIGN = 64
+ALIGN = shm.ALIGN
 #: A chunk added when the arena runs out holds what it has so far, at most this much (bigger
 #: requests get their size).
 GROWTH_BYTES = 256 << 20
@@ -113,17 +116,13 @@ def _new_chunk(nbytes: int) -> _Chunk:
     return chunk
 
 
-def _aligned(nbytes: int, to: int) -> int:
-    return -(-nbytes // to) * to
-
-
 class StateArena:
     """Shared-memory chunks that CPU state tensors are carved from."""
 
     def __init__(self, nbytes: int):
         if nbytes <= 0:
             raise ValueError(f"an arena needs a positive size, got {nbytes} bytes")
-        self.chunks: list[_Chunk] = [_new_chunk(_aligned(nbytes, mmap.PAGESIZE))]
+        self.chunks: list[_Chunk] = [_new_chunk(shm.aligned(nbytes, mmap.PAGESIZE))]
         # Blocks whose last tensor died; returned at the next allocation, not inside the
         # finalizer, which may run in the middle of one.
         self._released: list[tuple[_Chunk, int, int]] = []
@@ -140,17 +139,15 @@ class StateArena:
     def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor in the arena (a new chunk is added when none fits)."""
 
-        numel = 1
-        for size in shape:
-            numel *= size
-        nbytes = _aligned(max(numel * dtype.itemsize, 1), ALIGN)
+        numel = math.prod(shape)
+        nbytes = shm.aligned(max(numel * dtype.itemsize, 1))
         self._return_released()
         for chunk in self.chunks:
             offset = chunk.take(nbytes)
             if offset is not None:
                 return self._tensor(chunk, offset, nbytes, numel, shape, dtype)
         growth = min(GROWTH_BYTES, self.reserved_bytes)  # doubles while small, then steps of GROWTH_BYTES
-        self.chunks.append(_new_chunk(_aligned(max(nbytes, growth), mmap.PAGESIZE)))
+        self.chunks.append(_new_chunk(shm.aligned(max(nbytes, growth), mmap.PAGESIZE)))
         offset = self.chunks[-1].take(nbytes)
         assert offset == 0, "a new chunk starts free"
         return self._tensor(self.chunks[-1], offset, nbytes, numel, shape, dtype)
@@ -243,6 +240,12 @@ def peer_tensor(
     location: Location, shape: tuple[int, ...], strides: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
     """A view of a peer's tensor at `location` (mapped once per chunk, its pages populated)."""
+    assert location.offset % dtype.itemsize == 0, "arena blocks are aligned to their element size"
+    return _peer_chunk(location).view(dtype).as_strided(shape, strides, location.offset // dtype.itemsize)
+
+
+def _peer_chunk(location: Location) -> torch.Tensor:
+    """The whole chunk `location` lies in, as uint8: mapped (pages populated) on first use, then cached."""
     import torch
 
     key = (location.pid, location.fd, location.chunk_id)
@@ -254,8 +257,7 @@ def peer_tensor(
         finally:
             os.close(descriptor)
         chunk = _peer_chunks[key] = torch.frombuffer(buffer, dtype=torch.uint8)
-    assert location.offset % dtype.itemsize == 0, "arena blocks are aligned to their element size"
-    return chunk.view(dtype).as_strided(shape, strides, location.offset // dtype.itemsize)
+    return chunk
 
 
 def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -281,10 +283,7 @@ def connect(group: Any = None) -> set[int]:
     Returns the ranks whose arenas this rank reads. A rank that cannot map a peer's chunks
     (e.g. another PID namespace) is not its reader, so the peer stages what it sends there.
     Chunks a peer adds later are mapped on first use."""
-    import torch
     import torch.distributed as dist
-
-    from nereus.runtime import shm
 
     me = dist.get_rank()
     mine = (me, shm.host_token(), _current.locations() if _current is not None else [])
@@ -296,7 +295,7 @@ def connect(group: Any = None) -> set[int]:
             continue
         try:
             for location in locations:
-                peer_tensor(location, (1,), (1,), torch.uint8)
+                _peer_chunk(location)
         except OSError:
             continue
         sources.add(rank)

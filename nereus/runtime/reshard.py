@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 from typing import TYPE_CHECKING, Literal
 
 from nereus.runtime import arena, shm
@@ -326,10 +326,11 @@ HELLO_TAG, HEADER_TAG, DONE_TAG, FALLBACK_TAG, WHERE_TAG = 17, 18, 19, 20, 21
 #: How a piece to a shared-memory peer travels: staged in the segment, read straight out of
 #: the sender's arena, or (no segment could be made) as a process-group message.
 STAGED, DIRECT, MESSAGE = 0, 1, 2
-#: One row per piece: how, then where in the sender's arena (pid, fd, chunk id, chunk bytes,
-#: offset) and the piece's strides (up to MAX_DIMS; a piece of more dims is staged).
+#: One row per piece: how, then where in the sender's arena (the fields of arena.Location)
+#: and the piece's strides (up to MAX_DIMS; a piece of more dims is staged).
 MAX_DIMS = 4
-WHERE_WIDTH = 6 + MAX_DIMS
+LOCATION_FIELDS = len(fields(arena.Location))
+WHERE_WIDTH = 1 + LOCATION_FIELDS + MAX_DIMS
 
 
 @dataclass
@@ -450,7 +451,7 @@ def _where(piece: torch.Tensor, peer: int) -> list[int] | None:
     if location is None:
         return None
     strides = list(piece.stride()) + [0] * (MAX_DIMS - piece.dim())
-    return [DIRECT, location.pid, location.fd, location.chunk_id, location.chunk_bytes, location.offset, *strides]
+    return [DIRECT, *astuple(location), *strides]
 
 
 def _stage(peer: int, pieces: list[torch.Tensor], nonce: bytes, requests: list[dist.Work]) -> str:
@@ -505,8 +506,8 @@ def _unstage(
             requests.append(_post(dist.irecv, _receive_buffer(view, pending), peer, FALLBACK_TAG))
             continue
         if how == DIRECT:
-            location = arena.Location(*where[:5])
-            piece = arena.peer_tensor(location, tuple(view.shape), tuple(where[5 : 5 + view.dim()]), view.dtype)
+            location, strides = arena.Location(*where[:LOCATION_FIELDS]), where[LOCATION_FIELDS:]
+            piece = arena.peer_tensor(location, tuple(view.shape), tuple(strides[: view.dim()]), view.dtype)
             moved.received_direct += nbytes
         else:
             piece = next(places)

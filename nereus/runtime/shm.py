@@ -178,8 +178,9 @@ def decode_name(raw: bytes) -> str:
     return raw.rstrip(b"\0").decode()
 
 
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+def aligned(nbytes: int, to: int = ALIGN) -> int:
+    """`nbytes` rounded up to a multiple of `to` (a cache line unless told)."""
+    return -(-nbytes // to) * to
 
 
 #: Contiguous CPU copies of at least this many bytes go through libc's memmove (see `copy_bulk`).
