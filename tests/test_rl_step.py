@@ -167,6 +167,19 @@ def test_critic_free_algorithms_run(algorithm: str, split: bool) -> None:
     assert result["actor_moved"] and result["reference_kept"]
 
 
+def test_stop_at_eos_off_runs_every_response_to_its_limit() -> None:
+    """With EOS honoured some response of the untrained actor stops early (else this test
+    could not fail); with `stop_at_eos` off every response is exactly `max_new_tokens` long."""
+    plan = two_rank_plan("grpo", split=True)
+    lengths = {}
+    for stop in (True, False):
+        config = RLConfig(max_new_tokens=24, seed=3, stop_at_eos=stop)
+        metrics = spawn(run_and_check_sync, 2, plan, config, 2)[0]["metrics"]
+        lengths[stop] = [(m.response_len_mean, m.response_len_max) for m in metrics]
+    assert any(mean < 24 for mean, _ in lengths[True])
+    assert lengths[False] == [(24.0, 24), (24.0, 24)]
+
+
 def test_plan_problems_name_the_mismatch() -> None:
     example = load_document(EXAMPLE)
     assert isinstance(example, Plan)

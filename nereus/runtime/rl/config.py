@@ -33,7 +33,10 @@ class RLConfig(StrictModel):
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature of generation (above 0: RL needs exploration)."""
     max_new_tokens: int = Field(default=12, ge=1)
-    """Most tokens per response (responses stop earlier at EOS)."""
+    """Most tokens per response (responses stop earlier at EOS unless `stop_at_eos` is off)."""
+    stop_at_eos: bool = True
+    """False: every response runs to its length limit, EOS or not (vLLM's `ignore_eos`): for
+    benchmarks whose response lengths must follow a trace exactly."""
     clip_eps: float = Field(default=0.2, gt=0, lt=1)
     """PPO ratio clip: the ratio is kept in [1 - clip_eps, 1 + clip_eps]."""
     value_clip_eps: float = Field(default=0.2, gt=0)

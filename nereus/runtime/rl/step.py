@@ -437,7 +437,7 @@ def rl_step(
     sampling = SamplingConfig(
         config.max_new_tokens,
         config.temperature,
-        eos_token_id=tokenizer.eos_id,
+        eos_token_id=tokenizer.eos_id if config.stop_at_eos else None,
         pad_token_id=tokenizer.pad_id,
         seed=seed,
     )
