@@ -1,14 +1,15 @@
 """Benchmark (measured, not simulated): `nereus run` under a sequence-growth trace, the
 adaptive policy against the fixed initial plan, on 2 CPU ranks with one thread each.
 
-The tiny PPO workload runs `--steps` RL steps with `lengths_from_trace`: each step's
-responses stop at the trace's `response_len.max` (the untrained tiny models rarely stop
-early), growing from 4 to 48 tokens. Every policy starts from the same plan: the planner's
-best for the trace's first lengths on 2 ranks, under the starting calibration (the default
-one, or `--calibration FILE` from `nereus fit`). Every policy runs with online calibration
-(the cost model refitted after every step), as `nereus run` does by default; `fixed` keeps
-the initial layouts. `--no-fixed-calibration` runs `fixed` without it, the stricter baseline:
-it never replans, so it need not pay for the refits.
+The tiny PPO workload runs `--steps` RL steps with `lengths_from_trace` and `stop_at_eos:
+false`: every response of a step is exactly the trace's `response_len.max`, which steps
+through `--lengths` in equal segments of the run (default 4 -> 48 tokens). Every policy
+starts from the same plan: the planner's best for the first length on 2 ranks, under the
+starting calibration (the default one, or `--calibration FILE` from `nereus fit`). Every
+policy runs with online calibration (the cost model refitted after every step), as
+`nereus run` does by default; `fixed` keeps the initial layouts. `--no-fixed-calibration`
+runs `fixed` without it, the stricter baseline: it never replans, so it need not pay for
+the refits. `adaptive_bound.py` measures the most any policy could gain here.
 
 Reported per policy: the mean wall time per step over the whole run (first model-stage
 span to the end of the last step, from DIR/timeline: transitions, controller and
@@ -16,7 +17,7 @@ checkpoints included), the mean of the steps' own times, transitions and their s
 the run's wall time, the plans used, and the reward of the last steps (same seeds: the
 curves should stay close). Prints a table and writes benchmarks/results/adaptive_run.json.
 
-    .venv/bin/python benchmarks/adaptive_run.py [--steps 30] [--policies fixed nereus]
+    .venv/bin/python benchmarks/adaptive_run.py [--steps 30] [--lengths 4 8 16 24 32 48] [--policies fixed nereus]
         [--calibration calibration.yaml --profile profile.yaml] [--no-fixed-calibration] [--output FILE]
 """
 
@@ -50,34 +51,38 @@ ROOT = Path(__file__).resolve().parent.parent
 BASE_PLAN = ROOT / "tests" / "data" / "plan-tiny-ppo-2rank.yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "adaptive_run.json"
 NUM_RANKS = 2
-#: (first step, longest response) of the growth: 4 -> 48 tokens, 12x.
-GROWTH = ((0, 4), (4, 8), (8, 16), (12, 24), (16, 32), (20, 48))
+#: The longest response of each equal segment of the run: 4 -> 48 tokens, 12x.
+GROWTH = (4, 8, 16, 24, 32, 48)
 
 
 def lengths(tokens: int) -> ResponseLengths:
     return ResponseLengths(median=tokens, p99=tokens, max=tokens)
 
 
-def growth_trace(num_steps: int) -> Trace:
-    """The pool stays at 2 ranks; the longest response grows per GROWTH (scaled to `num_steps`)."""
-    scale = num_steps / 24
-    events = [TraceEvent(step=round(step * scale), response_len=lengths(tokens)) for step, tokens in GROWTH[1:]]
+def growth_trace(num_steps: int, growth: tuple[int, ...] = GROWTH) -> Trace:
+    """The pool stays at 2 ranks; the longest response steps through `growth`, one equal
+    segment of the run each."""
+    events = [
+        TraceEvent(step=round(k * num_steps / len(growth)), response_len=lengths(tokens))
+        for k, tokens in enumerate(growth)
+        if k
+    ]
     return Trace(
         name="seq-growth-2rank",
-        description="tiny PPO on 2 ranks: the longest response grows 4 -> 48 tokens",
+        description=f"tiny PPO on 2 ranks: the longest response grows {growth[0]} -> {growth[-1]} tokens",
         num_steps=num_steps,
         gpus=NUM_RANKS,
-        response_len=lengths(GROWTH[0][1]),
+        response_len=lengths(growth[0]),
         events=events,
     )
 
 
-def initial_plan(calibration: Calibration, cluster: Cluster | None = None) -> Plan:
-    """The planner's best plan for the trace's first lengths on 2 ranks (of `cluster`, default
+def initial_plan(calibration: Calibration, cluster: Cluster | None = None, tokens: int = GROWTH[0]) -> Plan:
+    """The planner's best plan for responses of `tokens` on 2 ranks (of `cluster`, default
     the base plan's)."""
     base = load_document(BASE_PLAN)
     assert isinstance(base, Plan)
-    workload = base.workload.model_copy(update={"response_len": lengths(GROWTH[0][1])})
+    workload = base.workload.model_copy(update={"response_len": lengths(tokens)})
     request = PlanRequest(cluster or base.cluster, tuple(base.models), workload, NUM_RANKS, calibration)
     best = make_plan(request).best
     # The run keeps the base workload's batch shapes; the trace drives the lengths.
@@ -93,7 +98,7 @@ def run_policy(
     folder: Path,
     fixed_calibrates: bool = True,
 ) -> dict[str, Any]:
-    rl = RLConfig(task="sort", seed=0)
+    rl = RLConfig(task="sort", seed=0, stop_at_eos=False)  # every response exactly the trace's length
     config = RunConfig(
         rl=rl,
         num_steps=num_steps,
@@ -182,6 +187,9 @@ def main() -> None:
     parser.add_argument(
         "--profile", type=Path, help="plan on this Profile's cluster (`nereus profile`; use with its --calibration)"
     )
+    parser.add_argument(
+        "--lengths", type=int, nargs="+", default=list(GROWTH), help="response length of each equal segment of the run"
+    )
     parser.add_argument("--repeats", type=int, default=1, help="run every policy this many times, alternating")
     parser.add_argument(
         "--fixed-calibration",
@@ -198,9 +206,9 @@ def main() -> None:
         profile = load_document(args.profile)
         assert isinstance(profile, Profile)
         cluster = cluster_from_profile(profile, str(args.profile), NUM_RANKS)
-    trace = growth_trace(args.steps)
-    plan = initial_plan(calibration or Calibration(), cluster)
-    print(f"initial plan (planner's best for {GROWTH[0][1]} tokens): {layout_summary(plan)}")
+    trace = growth_trace(args.steps, tuple(args.lengths))
+    plan = initial_plan(calibration or Calibration(), cluster, args.lengths[0])
+    print(f"initial plan (planner's best for {args.lengths[0]} tokens): {layout_summary(plan)}")
     repeats: list[list[dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="nereus-adaptive-") as folder:
         # Policies alternate within each repeat, so slow spells of this shared machine hit both.
