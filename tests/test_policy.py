@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -20,6 +21,7 @@ from nereus.solver.policy import (
     TransitionVerdict,
     admits,
     make_policy,
+    plan_key,
     record_from_data,
     record_to_data,
     replay,
@@ -141,6 +143,55 @@ def test_payback_rejects_when_transition_costs_too_much(plan: Plan, replanner: R
             assert decision.savings_per_step_s * decision.payback_horizon_steps < decision.transition_cost_s
         else:
             assert decision.action in ("transition", "restart")
+
+
+class Scripted(Replanner):
+    """Step times as functions of the longest response; every replan proposes `target`."""
+
+    def __init__(self, plan: Plan, target: Plan, times: dict[str, Callable[[int], float]]):
+        super().__init__(plan)
+        self.target, self.times = target, times
+
+    def best_plan(self, gpus: int, lengths: ResponseLengths, efficiency: float) -> Plan | None:
+        return self.target
+
+    def step_time(self, plan: Plan, lengths: ResponseLengths, efficiency: float) -> float | None:
+        return self.times[plan_key(plan)](lengths.max)
+
+    def transition(self, plan_a: Plan, plan_b: Plan) -> TransitionVerdict:
+        return replace(super().transition(plan_a, plan_b), cost_s=10.0)
+
+    def restart_cost(self, plan: Plan) -> float:
+        return 1e9
+
+
+@pytest.mark.parametrize("lead_lasts", [True, False])
+def test_growing_lengths_admit_a_move_whose_lead_grows_with_them(plan: Plan, lead_lasts: bool) -> None:
+    """Lengths grow 2% a step, so the next 20% crossing is ~9 steps away and 0.5 x 9 steps of a
+    0.6 s saving cannot repay a 10 s move; but the target's lead grows with the lengths, so it
+    pays over the steps left. When the lead ends by the next crossing, the move stays out."""
+    small = Replanner(plan).best_plan(GPUS // 2, lengths(1000), 1.0)
+    assert small is not None
+
+    def target_time(tokens: int) -> float:
+        return 1.5e-3 * tokens if lead_lasts or tokens < 1300 else 3e-3 * tokens
+
+    times = {plan_key(small): lambda tokens: 2e-3 * tokens, plan_key(plan): target_time}
+    policy = NereusPolicy(small, Scripted(plan, plan, times))
+    decisions = [
+        policy.decide(Observation(step, GPUS, lengths(round(1000 * 1.02**step)), steps_remaining=100 - step))
+        for step in range(11)
+    ]
+    replans = [d for d in decisions if d.path == "opportunistic"]
+    assert len(replans) == 1 and replans[0].triggers[0].startswith("seq_len +2")
+    decision = replans[0]
+    if lead_lasts:
+        assert decision.action == "transition" and decision.reason.startswith("repays as the lengths drift")
+        assert decision.savings_per_step_s * decision.payback_horizon_steps >= decision.transition_cost_s
+        assert decision.payback_horizon_steps == 100 - decision.step  # the other signals are steady
+    else:
+        assert decision.action == "keep" and decision.reason.startswith("payback")
+        assert decision.payback_horizon_steps < 5
 
 
 def test_failing_dag_is_never_admitted(plan: Plan) -> None:

@@ -103,14 +103,22 @@ class Monitor:
         self.last_gpus = observation.gpus
         return fired
 
+    def length_drift(self) -> float:
+        """The factor the lengths are drifting towards: one threshold up when they grow, down
+        when they shrink, 1.0 when steady."""
+        signal = self.signals["seq_len"]
+        slope = signal.log_slope()
+        return 1.0 if slope == 0 else (1.0 + signal.threshold) ** math.copysign(1.0, slope)
+
     def reset_references(self, observation: Observation) -> None:
         """After a replan, the current values become the references."""
         self.signals["seq_len"].reference = length_signal(observation)
         self.signals["efficiency"].reference = observation.efficiency
 
-    def horizon(self, observation: Observation) -> float:
-        """Confidence-adjusted steps until conditions are expected to change again."""
-        estimates = [signal.steps_to_cross() for signal in self.signals.values()]
+    def horizon(self, observation: Observation, past_lengths: bool = False) -> float:
+        """Confidence-adjusted steps until conditions are expected to change again;
+        `past_lengths`: ignore the next length crossing (for a move that still pays after it)."""
+        estimates = [s.steps_to_cross() for name, s in self.signals.items() if not (past_lengths and name == "seq_len")]
         if len(self.pool_change_steps) >= 2:
             gaps = [b - a for a, b in zip(self.pool_change_steps, self.pool_change_steps[1:], strict=False)]
             estimates.append(sum(gaps) / len(gaps))

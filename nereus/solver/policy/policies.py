@@ -18,6 +18,7 @@ from nereus.solver.policy.monitor import Monitor
 from nereus.solver.policy.replan import Replanner, TransitionVerdict, layout_summary, max_gpu, plan_key, survivors
 from nereus.solver.policy.types import Action, Decision, Observation, Path, PolicyConfig
 from nereus.spec.plan import Plan
+from nereus.spec.workload import ResponseLengths
 
 
 def admits(savings_per_step_s: float, horizon_steps: float, transition_cost_s: float) -> bool:
@@ -221,11 +222,37 @@ class AdaptationPolicy(ABC):
             inputs["transition_cost_s"] = restart
         cost = inputs["transition_cost_s"]
         assert isinstance(cost, float)
-        if horizon is not None and not admits(savings, horizon, cost):
-            reason = f"payback: {savings:.3g} s/step x {horizon:.3g} steps < {cost:.3g} s {how}"
-            return self._keep(observation, reason, triggers, **inputs)
-        reason = f"faster; {how}" if horizon is None else f"repays: {savings:.3g} s/step x {horizon:.3g} steps; {how}"
+        if horizon is None:
+            reason = f"faster; {how}"
+        elif admits(savings, horizon, cost):
+            reason = f"repays: {savings:.3g} s/step x {horizon:.3g} steps; {how}"
+        else:
+            trend = self._trend_payback(observation, target, savings)
+            if trend is None or not admits(*trend, cost):
+                reason = f"payback: {savings:.3g} s/step x {horizon:.3g} steps < {cost:.3g} s {how}"
+                return self._keep(observation, reason, triggers, **inputs)
+            inputs["savings_per_step_s"], inputs["payback_horizon_steps"] = trend
+            reason = f"repays as the lengths drift: {trend[0]:.3g} s/step x {trend[1]:.3g} steps; {how}"
         return self._decision(observation, action, "opportunistic", reason, triggers, target=target, **inputs)
+
+    def _trend_payback(self, observation: Observation, target: Plan, savings: float) -> tuple[float, float] | None:
+        """(saving per step, horizon) when the lengths drift and the target stays faster past
+        their next crossing: the saving there or now, whichever is smaller, over the horizon
+        the other signals allow. None when the lengths are steady or the target's lead ends."""
+        assert self.plan is not None
+        drift = self.monitor.length_drift()
+        if drift == 1.0:
+            return None
+        lengths = observation.response_len
+        ahead = ResponseLengths(
+            median=max(1, round(lengths.median * drift)),
+            p99=max(1, round(lengths.p99 * drift)),
+            max=max(1, round(lengths.max * drift)),
+        )
+        current, moved = (self.replanner.step_time(p, ahead, observation.efficiency) for p in (self.plan, target))
+        if current is None or moved is None:
+            return None
+        return min(savings, current - moved), self.monitor.horizon(observation, past_lengths=True)
 
     @abstractmethod
     def _routine(self, observation: Observation, triggers: tuple[str, ...]) -> Decision:
