@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from nereus.solver.policy.monitor import Monitor
 from nereus.solver.policy.replan import Replanner, TransitionVerdict, layout_summary, max_gpu, plan_key, survivors
 from nereus.solver.policy.types import Action, Decision, Observation, Path, PolicyConfig
+from nereus.solver.traces import scaled_lengths
 from nereus.spec.plan import Plan
-from nereus.spec.workload import ResponseLengths
 
 
 def admits(savings_per_step_s: float, horizon_steps: float, transition_cost_s: float) -> bool:
@@ -244,11 +244,7 @@ class AdaptationPolicy(ABC):
         if drift == 1.0:
             return None
         lengths = observation.response_len
-        ahead = ResponseLengths(
-            median=max(1, round(lengths.median * drift)),
-            p99=max(1, round(lengths.p99 * drift)),
-            max=max(1, round(lengths.max * drift)),
-        )
+        ahead = scaled_lengths(lengths, max(1, round(lengths.max * drift)))
         current, moved = (self.replanner.step_time(p, ahead, observation.efficiency) for p in (self.plan, target))
         if current is None or moved is None:
             return None
