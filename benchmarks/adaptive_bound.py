@@ -14,7 +14,7 @@ its transitions, its controller and its prediction errors, so it cannot beat the
 more than this machine's noise. Prints a table and writes benchmarks/results/adaptive_bound.json.
 
     .venv/bin/python benchmarks/adaptive_bound.py [--trace-steps 48] [--steps-per-length 5] [--top-k 4]
-        [--calibration benchmarks/results/cost_fit_calibration.yaml] [--output FILE]
+        [--calibration benchmarks/results/cost_fit_calibration.yaml] [--output FILE] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=4, help="planner plans per length and calibration")
     parser.add_argument("--calibration", type=Path, default=FITTED, help="a second calibration to plan with")
     parser.add_argument("--output", type=Path, default=RESULTS, help="where to write the results JSON")
+    parser.add_argument("--keep", type=Path, help="keep the run folders here (for `nereus fit`)")
     args = parser.parse_args()
     fitted = load_document(args.calibration)
     assert isinstance(fitted, Calibration)
@@ -159,11 +160,12 @@ def main() -> None:
     trace = staircase(args.steps_per_length, args.lengths)
     print(f"{len(plans)} candidates, {trace.num_steps} steps each, lengths {args.lengths}")
     samples: dict[str, dict[int, list[float]]] = {name: {} for name in plans}
-    with tempfile.TemporaryDirectory(prefix="nereus-bound-") as folder:
+    with tempfile.TemporaryDirectory(prefix="nereus-bound-") as scratch:
+        folder = args.keep or Path(scratch)
         # Candidates alternate within each repeat, so slow spells of this shared machine hit all.
         for repeat in range(args.repeats):
             for name, plan in plans.items():
-                for tokens, seconds in measure(plan, trace, Path(folder) / f"{name}-{repeat}").items():
+                for tokens, seconds in measure(plan, trace, folder / f"{name}-{repeat}").items():
                     samples[name].setdefault(tokens, []).extend(seconds)
             print(f"repeat {repeat} done", flush=True)
     times = {name: {t: statistics.median(s) for t, s in by_length.items()} for name, by_length in samples.items()}
