@@ -27,14 +27,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from adaptive_run import BASE_PLAN, GROWTH, NUM_RANKS, growth_trace, initial_plan, lengths
+from adaptive_run import GROWTH, NUM_RANKS, growth_trace, initial_plan, planned, run_policy
 
 from nereus.cost.calibration import Calibration
-from nereus.runtime.rl.config import RLConfig, RunConfig
-from nereus.runtime.rl.run import launch
-from nereus.runtime.rl.setup import RunSetup, plan_problems, read_metrics
-from nereus.solver.plan_search import PlanRequest
-from nereus.solver.planner import make_plan
+from nereus.solver.policy.replan import plan_key
 from nereus.spec.io import load_document, write_text_atomic
 from nereus.spec.plan import Plan
 from nereus.spec.trace import Trace
@@ -47,24 +43,15 @@ FITTED = ROOT / "benchmarks" / "results" / "cost_fit_calibration.yaml"
 def candidates(calibrations: list[Calibration], top_k: int, growth: list[int]) -> dict[str, Plan]:
     """`adaptive_run`'s initial plan first, then the planner's top-k for every length of
     `growth`, under every calibration, deduplicated."""
-    base = load_document(BASE_PLAN)
-    assert isinstance(base, Plan)
     found = {"initial": initial_plan(Calibration(), tokens=growth[0])}
-    seen = {_key(found["initial"])}
+    seen = {plan_key(found["initial"])}
     for calibration in calibrations:
         for tokens in growth:
-            workload = base.workload.model_copy(update={"response_len": lengths(tokens)})
-            request = PlanRequest(base.cluster, tuple(base.models), workload, NUM_RANKS, calibration)
-            result = make_plan(request, top_k=top_k)
-            for plan in [result.best, *result.alternatives]:
-                if _key(plan) not in seen:
-                    seen.add(_key(plan))
-                    found[f"c{len(found)}"] = plan.model_copy(update={"workload": base.workload})
+            for plan in planned(calibration, tokens=tokens, top_k=top_k):
+                if plan_key(plan) not in seen:
+                    seen.add(plan_key(plan))
+                    found[f"c{len(found)}"] = plan
     return found
-
-
-def _key(plan: Plan) -> str:
-    return json.dumps([s.model_dump(mode="json") for s in plan.stages], sort_keys=True)
 
 
 def staircase(steps_per_length: int, growth: list[int]) -> Trace:
@@ -73,23 +60,12 @@ def staircase(steps_per_length: int, growth: list[int]) -> Trace:
 
 
 def measure(plan: Plan, trace: Trace, folder: Path) -> dict[int, list[float]]:
-    """Step seconds of `plan` at each length of `trace` (fixed policy, exact lengths)."""
-    rl = RLConfig(task="sort", seed=0, stop_at_eos=False)
-    config = RunConfig(
-        rl=rl,
-        num_steps=trace.num_steps,
-        checkpoint_every=trace.num_steps,
-        policy="fixed",
-        lengths_from_trace=True,
-        trace="t",
-        online_calibration=False,
-    )
-    problems = plan_problems(plan, NUM_RANKS, rl)
-    assert not problems, problems
-    launch(RunSetup(config, plan, NUM_RANKS, folder, 0, None, False, (), trace, None))
+    """Step seconds of `plan` at each length of `trace` (fixed policy without online
+    calibration, exact lengths)."""
+    run = run_policy("fixed", plan, trace, None, trace.num_steps, folder, fixed_calibrates=False)
     by_length: dict[int, list[float]] = {}
-    for record in read_metrics(folder):
-        by_length.setdefault(record["response_len_max"], []).append(record["step_seconds"])
+    for tokens, seconds in zip(run["response_len_max"], run["step_seconds"], strict=True):
+        by_length.setdefault(tokens, []).append(seconds)
     return dict(sorted(by_length.items()))
 
 

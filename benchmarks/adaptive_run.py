@@ -77,16 +77,23 @@ def growth_trace(num_steps: int, growth: tuple[int, ...] = GROWTH) -> Trace:
     )
 
 
-def initial_plan(calibration: Calibration, cluster: Cluster | None = None, tokens: int = GROWTH[0]) -> Plan:
-    """The planner's best plan for responses of `tokens` on 2 ranks (of `cluster`, default
-    the base plan's)."""
+def planned(
+    calibration: Calibration, cluster: Cluster | None = None, tokens: int = GROWTH[0], top_k: int = 1
+) -> list[Plan]:
+    """The planner's `top_k` best plans, best first, for responses of `tokens` on 2 ranks (of
+    `cluster`, default the base plan's)."""
     base = load_document(BASE_PLAN)
     assert isinstance(base, Plan)
     workload = base.workload.model_copy(update={"response_len": lengths(tokens)})
     request = PlanRequest(cluster or base.cluster, tuple(base.models), workload, NUM_RANKS, calibration)
-    best = make_plan(request).best
-    # The run keeps the base workload's batch shapes; the trace drives the lengths.
-    return best.model_copy(update={"workload": base.workload})
+    result = make_plan(request, top_k=top_k)
+    # The runs keep the base workload's batch shapes; the trace drives the lengths.
+    return [plan.model_copy(update={"workload": base.workload}) for plan in [result.best, *result.alternatives]]
+
+
+def initial_plan(calibration: Calibration, cluster: Cluster | None = None, tokens: int = GROWTH[0]) -> Plan:
+    """The planner's best plan for responses of `tokens` (see `planned`)."""
+    return planned(calibration, cluster, tokens)[0]
 
 
 def run_policy(
@@ -95,9 +102,10 @@ def run_policy(
     trace: Trace,
     calibration: Calibration | None,
     num_steps: int,
-    folder: Path,
+    out: Path,
     fixed_calibrates: bool = True,
 ) -> dict[str, Any]:
+    """Run `policy` from `plan` through `trace` into the run folder `out`; its summary."""
     rl = RLConfig(task="sort", seed=0, stop_at_eos=False)  # every response exactly the trace's length
     config = RunConfig(
         rl=rl,
@@ -110,7 +118,6 @@ def run_policy(
     )
     problems = plan_problems(plan, NUM_RANKS, rl)
     assert not problems, problems
-    out = folder / policy.replace(":", "-")
     setup = RunSetup(config, plan, NUM_RANKS, out, 0, None, False, (), trace, calibration)
     launch(setup)
     return summarise(policy, out)
@@ -214,8 +221,13 @@ def main() -> None:
         # Policies alternate within each repeat, so slow spells of this shared machine hit both.
         for repeat in range(args.repeats):
             where = Path(folder) / f"repeat-{repeat}"
-            run = partial(run_policy, trace=trace, calibration=calibration, num_steps=args.steps, folder=where)
-            repeats.append([run(p, plan, fixed_calibrates=args.fixed_calibration) for p in args.policies])
+            run = partial(run_policy, trace=trace, calibration=calibration, num_steps=args.steps)
+            repeats.append(
+                [
+                    run(p, plan, out=where / p.replace(":", "-"), fixed_calibrates=args.fixed_calibration)
+                    for p in args.policies
+                ]
+            )
             print_repeat(repeat, repeats[-1])
     summary = summarise_repeats(args.policies, repeats)
     for policy, row in summary.items():

@@ -138,7 +138,6 @@ class StateArena:
 
     def empty(self, shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor in the arena (a new chunk is added when none fits)."""
-
         numel = math.prod(shape)
         nbytes = shm.aligned(max(numel * dtype.itemsize, 1))
         self._return_released()
