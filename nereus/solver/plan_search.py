@@ -23,12 +23,11 @@ import numpy as np
 from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import GIB, head_of, usable_memory, weight_sync_time
 from nereus.cost.stage import StageCostModel
-from nereus.solver.layouts import OptionTable, price_layouts
+from nereus.solver.layouts import MemoryChoices, Option, OptionTable, price_layouts
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
 from nereus.spec.workload import STAGES, Workload, model_stage_name, model_stages
 
-Option = tuple[float, float, float, int, int, int, int]  # time, resident, transient, tp, pp, dp, m
 SYNC_TARGETS = ("actor/generation", "actor/inference")
 
 
@@ -41,6 +40,8 @@ class PlanRequest:
     workload: Workload
     num_gpus: int
     calibration: Calibration = field(default_factory=Calibration)
+    choices: MemoryChoices = field(default_factory=MemoryChoices)
+    """The memory-saving choices the search may use (RUNTIME_CHOICES: what `nereus run` executes)."""
 
     def model(self, name: str) -> Model:
         return next(m for m in self.models if m.name == name)
@@ -72,13 +73,14 @@ class Rejection:
     pp: int
     dp: int
     micro_batches: int
+    choice: str
     needed_bytes: float
     usable_bytes: float
     largest_term: str
     largest_bytes: float
 
     def describe(self) -> str:
-        layout = f"tp={self.tp} pp={self.pp} dp={self.dp} micro_batches={self.micro_batches}"
+        layout = f"tp={self.tp} pp={self.pp} dp={self.dp} micro_batches={self.micro_batches}{self.choice}"
         return (
             f"{self.model_stage} {layout}: needs {self.needed_bytes / GIB:.1f} GiB > "
             f"{self.usable_bytes / GIB:.1f} GiB usable ({self.largest_term} {self.largest_bytes / GIB:.1f} GiB)"
@@ -157,7 +159,7 @@ def price_all(request: PlanRequest, layouts: list[Placement]) -> dict[tuple[str,
     tables: dict[tuple[str, int], OptionTable] = {}
     for names in groups.values():
         needed = sorted(set().union(*(sizes[name] for name in names)))
-        for size, table in price_layouts(models[names[0]], needed).items():
+        for size, table in price_layouts(models[names[0]], needed, request.choices).items():
             for name in names:
                 tables[name, size] = table
     return tables
@@ -505,6 +507,7 @@ def rejections(
                         pp,
                         dp,
                         micro_batches,
+                        describe_choice(table.options[i][7]),
                         float(needed[i]),
                         budget,
                         terms[largest],
@@ -514,8 +517,19 @@ def rejections(
     return out
 
 
-def iter_assignments(candidate: Candidate) -> Iterator[tuple[str, str, int, int, int, int, int]]:
-    """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches) per choice."""
+def describe_choice(choice: tuple[int, int, int, int, int]) -> str:
+    """` recompute=full token_budget=... ` for the choices an option makes (empty: none)."""
+    kv, recompute, token_budget, zero1, offload = choice
+    parts = [f"kv_budget={kv / GIB:.1f}GiB" if kv else "", "recompute=full" if recompute else ""]
+    parts += [f"token_budget={token_budget}" if token_budget else "", "zero1" if zero1 else ""]
+    parts += ["offload" if offload else ""]
+    return "".join(f" {p}" for p in parts if p)
+
+
+def iter_assignments(
+    candidate: Candidate,
+) -> Iterator[tuple[str, str, int, int, int, int, int, tuple[int, int, int, int, int]]]:
+    """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches, choice) per model-stage."""
     pool_of = {name: (pool, start) for pool, start, _, stages in candidate.placement.pools for name in stages}
     for name, option in candidate.choices:
         pool, start = pool_of[name]
