@@ -31,6 +31,7 @@ from nereus.cost.online import OnlineCalibrator
 from nereus.errors import NereusError
 from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.setup import DECISIONS_NAME, Move, plan_problems
+from nereus.solver.layouts import RUNTIME_CHOICES
 from nereus.solver.policy import Observation, Replanner, make_policy, record_to_data
 from nereus.spec.plan import Plan
 from nereus.spec.trace import Conditions, Trace, trace_conditions
@@ -122,7 +123,7 @@ class Controller:
         num_ranks: int,
         calibration: Calibration,
     ) -> None:
-        self.replanner = Replanner(plan, calibration=calibration)
+        self.replanner = Replanner(plan, calibration=calibration, choices=RUNTIME_CHOICES)
         self.policy = make_policy(policy, plan, self.replanner)
         self.conditions: list[Conditions] = list(trace_conditions(trace))
         self.plan = plan

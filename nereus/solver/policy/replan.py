@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import evaluate_plan
 from nereus.errors import NereusError
+from nereus.solver.layouts import MemoryChoices
 from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.solver.policy.types import PolicyConfig
@@ -84,6 +85,8 @@ class Replanner:
     base: Plan
     config: PolicyConfig = field(default_factory=PolicyConfig)
     calibration: Calibration = field(default_factory=Calibration)
+    choices: MemoryChoices = field(default_factory=MemoryChoices)
+    """The memory-saving choices replanned plans may use (RUNTIME_CHOICES inside `nereus run`)."""
     num_searches: int = 0
     _plans: dict[tuple[object, ...], list[Plan]] = field(default_factory=dict, repr=False)
     _times: dict[tuple[object, ...], float | None] = field(default_factory=dict, repr=False)
@@ -132,7 +135,9 @@ class Replanner:
         key = (gpus, rounded.median, rounded.p99, rounded.max, eff)
         if key not in self._plans:
             workload = self.workload_for(rounded)
-            request = PlanRequest(self.base.cluster, tuple(self.base.models), workload, gpus, self.calibration_for(eff))
+            request = PlanRequest(
+                self.base.cluster, tuple(self.base.models), workload, gpus, self.calibration_for(eff), self.choices
+            )
             self.num_searches += 1
             try:
                 result = make_plan(request, top_k=self.config.num_alternatives)
