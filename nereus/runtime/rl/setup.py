@@ -180,8 +180,6 @@ def plan_num_ranks(plan: Plan) -> int:
 
 
 def _load(path: Path, kind: type[Any]) -> Any:
-    import nereus.cost  # noqa: F401  (registers the plan's memory checks: the same checks in every process)
-
     document = load_document(path)
     if not isinstance(document, kind):
         raise NereusError(f"{path}: kind: expected {kind.__name__}, got {type(document).__name__}")
