@@ -4,17 +4,7 @@ of ranks, the run folder and the step a resume starts from.
 It imports no torch, so a bad config, a plan that does not fit `--nproc` or a run folder in
 the way is refused in a fraction of a second with one line, before any process exists.
 
-A run folder holds:
-    config.yaml      the RunConfig the run uses (its `plan` points at plan.yaml)
-    plan.yaml        the Plan it runs under (replaced when a resume changes the plan)
-    metrics.jsonl    one JSON record per finished step
-    trace.yaml       the controller's trace (runs with --trace only)
-    calibration.yaml the cost model's starting calibration (when the config names one)
-    timeline/        rank-R.jsonl: every rank's spans (model-stages, transitions, checkpoints)
-    decisions.jsonl  the controller's decisions with their inputs (runs with --trace only)
-    checkpoints/     step-000010/ ... : every trained model's state after that many steps,
-                     and the plan in force then
-    failure.log      the full error of a run that failed (written only then)
+The run folder's layout and readers are `nereus.spec.run_folder`'s.
 """
 
 from __future__ import annotations
@@ -32,20 +22,21 @@ from nereus.runtime import timeline
 from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.spec.io import keep_json_lines, load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
+from nereus.spec.run_folder import (
+    CALIBRATION_NAME,
+    CHECKPOINT_STATE_NAME,
+    CHECKPOINTS_NAME,
+    CONFIG_NAME,
+    DECISIONS_NAME,
+    FAILURE_NAME,
+    METRICS_NAME,
+    PLAN_NAME,
+    TRACE_NAME,
+    latest_checkpoint,
+    read_metrics,
+    switch_plan_name,
+)
 from nereus.spec.trace import Trace
-
-CONFIG_NAME = "config.yaml"
-TRACE_NAME = "trace.yaml"
-CALIBRATION_NAME = "calibration.yaml"
-DECISIONS_NAME = "decisions.jsonl"
-#: The controller's state (policy, calibration) inside a run checkpoint, pickled by rank 0.
-CONTROLLER_STATE_NAME = "controller.pkl"
-PLAN_NAME = "plan.yaml"
-METRICS_NAME = "metrics.jsonl"
-CHECKPOINTS_NAME = "checkpoints"
-FAILURE_NAME = "failure.log"
-#: The file inside a finished run checkpoint that records the step it was taken after.
-CHECKPOINT_STATE_NAME = "state.json"
 
 
 @dataclass(frozen=True)
@@ -359,15 +350,6 @@ def replan(stored: Plan, num_ranks: int) -> Plan:
 # ---- the run folder ----
 
 
-def switch_plan_name(step: int) -> str:
-    """The run folder's copy of the plan a switch moves to."""
-    return f"plan-from-step-{step:06d}.yaml"
-
-
-def checkpoint_folder(out: Path, step: int) -> Path:
-    return out / CHECKPOINTS_NAME / f"step-{step:06d}"
-
-
 def checkpoint_step(folder: Path) -> int:
     """The step a finished checkpoint was taken after (from its state file)."""
     state_path = folder / CHECKPOINT_STATE_NAME
@@ -378,33 +360,6 @@ def checkpoint_step(folder: Path) -> int:
     if not isinstance(step, int) or step < 0:
         raise NereusError(f"{state_path}: step: must be an integer >= 0, got {step!r}; delete {folder}")
     return step
-
-
-def finished_checkpoints(out: Path) -> list[Path]:
-    """Finished checkpoint folders, oldest first (temporary folders of an interrupted save are skipped)."""
-    root = out / CHECKPOINTS_NAME
-    if not root.is_dir():
-        return []
-    return sorted(path for path in root.iterdir() if path.name.startswith("step-") and path.is_dir())
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    folders = finished_checkpoints(out)
-    return folders[-1] if folders else None
-
-
-def read_metrics(out: Path) -> list[dict[str, Any]]:
-    """The run's per-step records, in order."""
-    path = out / METRICS_NAME
-    if not path.is_file():
-        return []
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            raise NereusError(f"{path}: line {number} is not JSON; the metrics file is damaged") from None
-    return records
 
 
 def drop_decisions_from(out: Path, step: int) -> None:
