@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nereus.errors import NereusError
+from nereus.errors import ArgumentError
 from nereus.render import new_figure
 from nereus.spec.run_folder import (
     CHECKPOINTS_NAME,
@@ -42,7 +42,9 @@ def since(data: RunFolder, first_step: int) -> RunFolder:
     steps = [record for record in data.steps if record.step >= first_step]
     if not steps:
         last = max((record.step for record in data.steps), default=-1)
-        raise NereusError(f"--from-step {first_step}: {data.folder} has steps 0-{last}; pick one of them")
+        raise ArgumentError(
+            f"`first_step` {first_step}: {data.folder} has steps 0-{last}; pick one of them", "first_step"
+        )
     decisions = [decision for decision in data.decisions if decision.step >= first_step]
     spans = [span for span in data.spans if span.step >= first_step]
     return RunFolder(data.folder, data.config, steps, decisions, spans)
@@ -277,7 +279,7 @@ def summarise_run(folder: Path, first_step: int = 0) -> RunReport:
 def report_png(data: RunFolder, dpi: int = 100) -> bytes:
     """Top: per-step stacked bars of model-stage and phase times, the plan change before a step
     stacked on top (hatched), the predicted step time as a line. Bottom: the reward curve."""
-    figure = new_figure("--png", (11, 6.5))
+    figure = new_figure((11, 6.5))
     times, reward = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1))
     steps = [r.step for r in data.steps]
     bottom = [0.0] * len(steps)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.cost.calibration import Calibration
-from nereus.errors import NereusError
+from nereus.errors import ArgumentError
 from nereus.runtime import arena, host_collectives, shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import device, spawn
@@ -364,7 +364,7 @@ def restore(stages: dict[str, Stage], checkpoint: Path, rank: int) -> None:
         stage.engine.load_local_state(loaded.tensors, loaded.step)
 
 
-class RunFailed(NereusError):
+class RunFailed(ArgumentError):
     """A rank failed; the message says which, where the full error is, and how to resume."""
 
 
@@ -384,9 +384,10 @@ def launch(setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None
         first_line = str(error).splitlines()[0]
         checkpoint = latest_checkpoint(setup.out)
         resume = (
-            f"resume from {checkpoint.name} with `nereus run --resume {setup.out}`"
+            f"resume from {checkpoint.name} with `resume` {setup.out}"
             if checkpoint is not None
             else "no checkpoint was taken yet"
         )
-        raise RunFailed(f"run failed: {first_line} (full error in {failure_log}); {resume}") from None
+        named = ("resume",) if checkpoint is not None else ()
+        raise RunFailed(f"run failed: {first_line} (full error in {failure_log}); {resume}", *named) from None
     return tail.records

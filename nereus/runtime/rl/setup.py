@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.cost.calibration import Calibration
-from nereus.errors import NereusError
+from nereus.errors import ArgumentError, NereusError
 from nereus.runtime import timeline
 from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.spec.io import keep_json_lines, load_document, save_document, write_text_atomic
@@ -180,9 +180,10 @@ def _load(path: Path, kind: type[Any]) -> Any:
 def _check_plan(plan: Plan, where: str, num_ranks: int, config: RLConfig) -> None:
     needed = plan_num_ranks(plan)
     if needed != num_ranks:
-        raise NereusError(
-            f"{where}: the plan places model-stages on {needed} ranks (GPUs 0..{needed - 1}) but --nproc is "
-            f"{num_ranks}; pass --nproc {needed} or a plan for {num_ranks} ranks"
+        raise ArgumentError(
+            f"{where}: the plan places model-stages on {needed} ranks (GPUs 0..{needed - 1}) but `num_ranks` is "
+            f"{num_ranks}; pass `num_ranks` {needed} or a plan for {num_ranks} ranks",
+            "num_ranks",
         )
     problems = plan_problems(plan, num_ranks, config)
     if problems:
@@ -205,13 +206,18 @@ def new_run(
     if policy is not None:
         config = config.model_copy(update={"policy": policy})
     if plan_path is None and config.plan is None:
-        raise NereusError(f"{config_path}: plan: not set; name a Plan YAML there or pass --plan")
+        raise ArgumentError(f"{config_path}: plan: not set; name a Plan YAML there or pass `plan_path`", "plan_path")
     if config.lengths_from_trace and config.trace is None:
-        raise NereusError(f"{config_path}: lengths_from_trace: needs a trace; set trace: there or pass --trace")
+        raise ArgumentError(
+            f"{config_path}: lengths_from_trace: needs a trace; set trace: there or pass `trace_path`", "trace_path"
+        )
     where = plan_path if plan_path is not None else config_path.parent / str(config.plan)
     if not where.is_file():
-        field = "--plan" if plan_path is not None else f"{config_path}: plan"
-        raise NereusError(f"{field}: {where} does not exist; give the path of a Plan YAML")
+        given = plan_path is not None
+        field = "`plan_path`" if given else f"{config_path}: plan"
+        raise ArgumentError(
+            f"{field}: {where} does not exist; give the path of a Plan YAML", *(("plan_path",) if given else ())
+        )
     plan = with_fusion(_load(where, Plan), config)
     num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
     _check_plan(plan, str(where), num_ranks, config.rl)
@@ -222,7 +228,7 @@ def new_run(
     calibration = resolve_calibration(config, config_path.parent)
     out = out if out is not None else Path("runs") / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise NereusError(f"{out}: already exists; resume it with `nereus run --resume {out}` or pass another --out")
+        raise ArgumentError(f"{out}: already exists; resume it with `resume` or pass another `out`", "resume", "out")
     return RunSetup(config, plan, num_ranks, out, 0, None, False, switches, trace, calibration)
 
 
@@ -290,15 +296,17 @@ def resume_run(
 ) -> RunSetup:
     """Check a resume of the run folder `out`, onto another plan or number of ranks if asked."""
     if not (out / CONFIG_NAME).is_file():
-        raise NereusError(f"{out}: not a run folder ({CONFIG_NAME} missing); pass the --out folder of a `nereus run`")
+        raise NereusError(f"{out}: not a run folder ({CONFIG_NAME} missing); give the output folder of a `nereus run`")
     config: RunConfig = _load(out / CONFIG_NAME, RunConfig)
     stored = with_fusion(_load(out / PLAN_NAME, Plan), config)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
     planned = False
     if config.plan_switches and (plan_path is not None or num_ranks is not None):
-        raise NereusError(
-            f"{out}: the run switches plans on its own (plan_switches); resume it without --plan and --nproc"
+        raise ArgumentError(
+            f"{out}: the run switches plans on its own (plan_switches); resume it without `plan_path` and `num_ranks`",
+            "plan_path",
+            "num_ranks",
         )
     if plan_path is not None:
         plan = with_fusion(_load(plan_path, Plan), config)
@@ -312,8 +320,10 @@ def resume_run(
     checkpoint = latest_checkpoint(out)
     start_step = 0 if checkpoint is None else checkpoint_step(checkpoint)
     if start_step >= config.num_steps:
-        raise NereusError(
-            f"{out}: already ran {start_step} of {config.num_steps} steps; pass --steps N (N > {start_step}) to go on"
+        raise ArgumentError(
+            f"{out}: already ran {start_step} of {config.num_steps} steps; pass `num_steps` N (N > {start_step}) "
+            "to go on",
+            "num_steps",
         )
     switches = resolve_switches(config, out, plan, num_ranks)
     # A checkpoint loads into any layout: resume under the plan in force when it was taken.
