@@ -14,6 +14,8 @@ from nereus.spec.base import Document
 from nereus.spec.io import load_document, save_document
 from nereus.spec.plan import Plan
 
+pytestmark = pytest.mark.logic
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 # A fresh interpreter that imports only the spec layer's public entry point, checks the file
