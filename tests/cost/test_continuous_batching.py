@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from nereus.cost.continuous_batching import decode_profile, priced_decode, simulate_continuous_batching
 from nereus.spec.workload import ResponseLengths
 
+pytestmark = pytest.mark.logic
+
 #: The stated tolerance of the closed form against the reference engine.
 TOLERANCE = 0.10
 
