@@ -288,12 +288,22 @@ def _pareto(options: list[Option], budget: float, *, by_layout: bool) -> list[Op
     """Options sorted by time, without any that a faster-or-equal one dominates in memory.
 
     Actor options are compared only within one (tp, pp): their layout decides the
-    weight-sync cost, so a slower layout may still win.
+    weight-sync cost, so a slower layout may still win. The kept options' memory frontier
+    per key is a staircase (resident ascending, transient descending), so a dominance test
+    is one bisection.
     """
     kept: list[Option] = []
+    stairs: dict[tuple[int, ...], tuple[list[float], list[float]]] = {}
     for option in sorted(o for o in options if o[1] + o[2] <= budget):
-        if not any(k[1] <= option[1] and k[2] <= option[2] and (not by_layout or k[3:5] == option[3:5]) for k in kept):
-            kept.append(option)
+        resident, transient = stairs.setdefault(option[3:5] if by_layout else (), ([], []))
+        below = bisect.bisect_right(resident, option[1])
+        if below and transient[below - 1] <= option[2]:
+            continue  # the least transient among no-larger residents is no larger
+        kept.append(option)
+        start = end = bisect.bisect_left(resident, option[1])
+        while end < len(resident) and transient[end] >= option[2]:
+            end += 1  # frontier points this option dominates in memory
+        resident[start:end], transient[start:end] = [option[1]], [option[2]]
     return kept
 
 
@@ -449,8 +459,7 @@ def search(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int], 
     started = time.perf_counter()
     layouts = placements(request)
     tables = price_all(request, layouts)
-    budget = usable_memory(request.cluster, request.calibration)
-    fastest = {key: table.fastest_time(budget) for key, table in tables.items()}
+    fastest = {key: table.fastest for key, table in tables.items()}
     ordered = sorted((_placement_bound(p, fastest), i, p) for i, p in enumerate(layouts))
     best, leaves = _TopK(top_k), 0
     cache: dict[tuple[str, int], list[Option]] = {}
