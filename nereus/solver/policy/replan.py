@@ -29,10 +29,20 @@ SHORT_STAGE = {"generation": "gen", "inference": "inf", "training": "train"}
 
 
 def plan_key(plan: Plan) -> PlanKey:
-    """Identity of a plan's layout: pools and every model-stage's EMUs (not its workload)."""
+    """Identity of a plan's layout: pools, every model-stage's EMUs and its memory-saving
+    choices (which change its time and memory as much as the layout does; not its workload)."""
     pools = tuple((p.name, tuple(p.gpus)) for p in plan.pools)
     stages = tuple(
-        (s.model_stage, s.pool, s.tp, s.pp, s.micro_batches, tuple(tuple(e) for e in s.emus)) for s in plan.stages
+        (
+            s.model_stage,
+            s.pool,
+            s.tp,
+            s.pp,
+            s.micro_batches,
+            tuple(tuple(e) for e in s.emus),
+            (s.kv_budget_bytes, s.recompute, s.token_budget, s.zero1, s.offload),
+        )
+        for s in plan.stages
     )
     return (pools, stages)
 
