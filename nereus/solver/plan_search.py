@@ -11,6 +11,7 @@ enumerates in full.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 import math
@@ -217,25 +218,31 @@ def _sync_function(request: PlanRequest) -> Callable[[Option, Option, int, int],
     actor_params = request.model(request.workload.actor).num_params("lm")
     per_node = request.cluster.gpus_per_node
 
-    def nodes(option: Option, start: int) -> range:
-        """Nodes of the contiguous GPUs an option's EMUs take from its pool's first GPU."""
-        size = option[3] * option[4] * option[5]
-        return range(start // per_node, (start + size - 1) // per_node + 1)
+    def nodes(layout: tuple[int, ...], start: int) -> tuple[int, int]:
+        """First and last node of the contiguous GPUs a (tp, pp, dp) layout takes from its pool's first GPU."""
+        size = layout[0] * layout[1] * layout[2]
+        return start // per_node, (start + size - 1) // per_node
 
-    def sync(train: Option, dest: Option, train_start: int, dest_start: int) -> float:
-        same_layout = train_start == dest_start and train[3:6] == dest[3:6]  # equal tp, pp, dp: identical EMUs
-        train_nodes = nodes(train, train_start)
-        inter = any(node not in train_nodes for node in nodes(dest, dest_start))
+    @functools.cache
+    def priced(train: tuple[int, ...], dest: tuple[int, ...], train_start: int, dest_start: int) -> float:
+        """The sync time by (tp, pp, dp) of both sides: options differing only in memory
+        choices share it, so the search asks for the same few values many times."""
+        same_layout = train_start == dest_start and train == dest  # equal tp, pp, dp: identical EMUs
+        train_first, train_last = nodes(train, train_start)
+        dest_first, dest_last = nodes(dest, dest_start)
         return weight_sync_time(
             request.cluster,
             request.workload,
             actor_params,
             request.calibration,
             same_layout=same_layout,
-            tp=dest[3],
-            pp=dest[4],
-            inter=inter,
+            tp=dest[0],
+            pp=dest[1],
+            inter=dest_first < train_first or dest_last > train_last,
         )
+
+    def sync(train: Option, dest: Option, train_start: int, dest_start: int) -> float:
+        return priced(train[3:6], dest[3:6], train_start, dest_start)
 
     return sync
 
