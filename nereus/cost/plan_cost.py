@@ -89,6 +89,19 @@ def split_resident(memory: dict[str, Any], offload: Any) -> tuple[Any, Any]:
     return np.where(offload, 0.0, states), rest + np.where(offload, states, 0.0)
 
 
+def resident_share(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
+    """Share of a model-stage's full model state (parameters, gradients, unsharded optimizer)
+    that stays on its GPUs between stages, as `evaluate_plan` counts it: 0 when offloaded,
+    less than 1 under ZeRO-1, 1 otherwise."""
+    if entry.offload:
+        return 0.0
+    model = stage_cost_model(plan, entry.role, entry.stage, calibration)
+    params = model.params_per_gpu(entry.tp, entry.pp)
+    kept = model.model_state_terms(params, entry.dp, stage_choices(entry)["zero1"])
+    full = model.model_state_terms(params, 1, False)
+    return float(sum(kept.values()) / sum(full.values()))
+
+
 def _stage_terms(plan: Plan, entry: StagePlan, calibration: Calibration) -> tuple[dict[str, float], dict[str, float]]:
     model = stage_cost_model(plan, entry.role, entry.stage, calibration)
     pp_inter = any(_spans_nodes(plan.cluster, emu) for emu in entry.emus)
