@@ -102,6 +102,21 @@ def resident_share(plan: Plan, entry: StagePlan, calibration: Calibration) -> fl
     return float(sum(kept.values()) / sum(full.values()))
 
 
+def one_sequence_bytes(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
+    """KV bytes per GPU of one prompt plus maximum-length response: the least a generation
+    model-stage's KV budget must hold for the engine to run at all."""
+    model = stage_cost_model(plan, entry.role, entry.stage, calibration)
+    w = plan.workload
+    return float(math.ceil((w.prompt_len + w.response_len.max) * model.kv_bytes_per_token(entry.tp, entry.pp)))
+
+
+def one_sequence_shortfall(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
+    """Bytes a generation KV budget lacks for one maximum-length sequence (0: it runs)."""
+    if entry.stage != "generation" or entry.kv_budget_bytes is None:
+        return 0.0
+    return max(0.0, one_sequence_bytes(plan, entry, calibration) - entry.kv_budget_bytes)
+
+
 def _stage_terms(plan: Plan, entry: StagePlan, calibration: Calibration) -> tuple[dict[str, float], dict[str, float]]:
     model = stage_cost_model(plan, entry.role, entry.stage, calibration)
     pp_inter = any(_spans_nodes(plan.cluster, emu) for emu in entry.emus)
@@ -168,6 +183,13 @@ def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) ->
             time_breakdown_s=times,
             memory_breakdown_bytes={k: int(v) for k, v in breakdown.items()},
         )
+        short = one_sequence_shortfall(plan, entry, calibration)
+        if short > 0:
+            budget = format_bytes(entry.kv_budget_bytes or 0)
+            problems.append(
+                f"{entry.model_stage} (tp={entry.tp}, pp={entry.pp}) KV budget {budget} "
+                f"holds no maximum-length sequence ({format_bytes(short)} short)"
+            )
         if peak > limit:
             term, size = max(memory.items(), key=lambda kv: kv[1])
             problems.append(
