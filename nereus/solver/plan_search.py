@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.plan_cost import GIB, head_of, usable_memory, weight_sync_time
+from nereus.cost.plan_cost import GIB, RESIDENT_TERMS, head_of, usable_memory, weight_sync_time
 from nereus.cost.stage import StageCostModel
 from nereus.solver.layouts import MemoryChoices, Option, OptionTable, price_layouts
 from nereus.spec.cluster import Cluster
@@ -550,3 +550,80 @@ def iter_assignments(
     for name, option in candidate.choices:
         pool, start = pool_of[name]
         yield name, pool, start, *option[3:]
+
+
+@dataclass(frozen=True)
+class PoolShortfall:
+    """Why a pool's model-stages cannot share its GPUs, even each at its smallest footprint:
+    their resident states together plus the largest transient need, per GPU."""
+
+    placement: str
+    pool: str
+    states: tuple[tuple[str, float], ...]
+    """(model-stage with its layout and choices, resident bytes per GPU)."""
+    transient_stage: str
+    transient: tuple[tuple[str, float], ...]
+    """(term, bytes per GPU) of the model-stage whose running needs the most."""
+    usable_bytes: float
+
+    @property
+    def needed_bytes(self) -> float:
+        return sum(b for _, b in self.states) + sum(b for _, b in self.transient)
+
+    def describe(self) -> str:
+        states = sum(b for _, b in self.states)
+        parts = ", ".join(f"{name} {b / GIB:.1f}" for name, b in self.states if b > 0)
+        transient = " + ".join(f"{term} {b / GIB:.1f} GiB" for term, b in self.transient if b > 0)
+        return (
+            f"{self.placement} placement, pool {self.pool}: "
+            f"{self.needed_bytes / GIB:.1f} GiB > {self.usable_bytes / GIB:.1f} GiB usable per GPU = "
+            f"states {states / GIB:.1f} GiB ({parts}) + while {self.transient_stage} runs {transient}"
+        )
+
+
+def closest_shortfall(request: PlanRequest) -> PoolShortfall | None:
+    """The placement that misses memory by the least and the terms of its fullest pool, per
+    GPU (see `_pool_shortfall` for the options it takes)."""
+    layouts = placements(request)
+    tables = price_all(request, layouts)
+    budget = usable_memory(request.cluster, request.calibration)
+    misses = []
+    for placement in layouts:
+        pools = [
+            _pool_shortfall(placement.name, pool, {n: tables[n, size] for n in stages}, budget)
+            for pool, _, size, stages in placement.pools
+        ]
+        worst = max(pools, key=lambda p: p.needed_bytes)
+        if worst.needed_bytes > budget:
+            misses.append(worst)
+    return min(misses, key=lambda p: p.needed_bytes, default=None)
+
+
+def _pool_shortfall(placement: str, pool: str, tables: dict[str, OptionTable], budget: float) -> PoolShortfall:
+    """A model-stage that fits in no layout alone, at its smallest footprint; else every
+    model-stage at its least resident option (offloaded where allowed) on the shared GPUs."""
+    alone = {name: min(t.options, key=lambda o: o[1] + o[2]) for name, t in tables.items()}
+    for name, option in alone.items():
+        if option[1] + option[2] > budget:
+            terms = tables[name].terms(tables[name].options.index(option))
+            states = tuple((k, v) for k, v in terms.items() if k in RESIDENT_TERMS)
+            label = f"{name} alone [{_layout_text(option)}]"
+            return PoolShortfall(placement, pool, states, label, _transient(terms, False), budget)
+    picked = {name: min(t.options, key=lambda o: (o[1], o[2])) for name, t in tables.items()}
+    states = tuple((f"{name} [{_layout_text(o)}]", o[1]) for name, o in picked.items())
+    running = max(picked, key=lambda name: picked[name][2])
+    terms = tables[running].terms(tables[running].options.index(picked[running]))
+    label = f"{running} [{_layout_text(picked[running])}]"
+    return PoolShortfall(placement, pool, states, label, _transient(terms, bool(picked[running][7][4])), budget)
+
+
+def _transient(terms: dict[str, float], offloaded: bool) -> tuple[tuple[str, float], ...]:
+    """A running model-stage's transient terms (with its states when they sleep between runs)."""
+    out = [(k, v) for k, v in terms.items() if k not in RESIDENT_TERMS]
+    if offloaded:
+        out.append(("its states", sum(v for k, v in terms.items() if k in RESIDENT_TERMS)))
+    return tuple(out)
+
+
+def _layout_text(option: Option) -> str:
+    return f"tp={option[3]} pp={option[4]} dp={option[5]}{describe_choice(option[7])}"

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from nereus.cost.plan_cost import evaluate_plan
 from nereus.errors import NereusError
-from nereus.solver.plan_search import Candidate, PlanRequest, Rejection, iter_assignments, search
+from nereus.solver.plan_search import Candidate, PlanRequest, Rejection, closest_shortfall, iter_assignments, search
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, Pool, StagePlan
 from nereus.spec.workload import model_stage_name, model_stages
@@ -80,8 +80,12 @@ def make_plan(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int
 
 
 def _infeasible_message(request: PlanRequest, rejected: list[Rejection]) -> str:
+    short = closest_shortfall(request)
     least = min(rejected, key=lambda r: r.needed_bytes, default=None)
-    reason = f"; e.g. {least.describe()}" if least else " (model-stages do not fit together)"
+    if short is not None:
+        reason = f"; closest: {short.describe()}"
+    else:
+        reason = f"; e.g. {least.describe()}" if least else " (model-stages do not fit together)"
     smallest = smallest_feasible_gpus(request)
     fix = f"the smallest GPU count that fits is {smallest}" if smallest else f"nothing up to {MAX_PROBE_GPUS} GPUs fits"
     return (

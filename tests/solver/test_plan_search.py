@@ -21,6 +21,7 @@ from nereus.solver.plan_search import (
     Candidate,
     PlanRequest,
     SearchOutcome,
+    closest_shortfall,
     compile_problem,
     placements,
     price_all,
@@ -671,3 +672,18 @@ def test_two_ranks_of_one_node_can_split_the_actor_from_the_other_models() -> No
         step_times(reference_search(resident, top_k=3)), rel=REL
     )
     assert step_times(search(resident))[0] == pytest.approx(best.predictions.step_time_s, rel=REL)
+
+
+def test_70b_on_16_gpus_says_why_term_by_term() -> None:
+    """The closest miss, per GPU: the model-stage that fits in no layout alone, its states by term
+    plus what it needs while it runs, against the usable memory; the terms add up."""
+    with pytest.raises(NereusError) as info:
+        make_plan(ppo_request("llama-3.3-70b", 16))
+    message = str(info.value)
+    assert "actor/training alone [tp=8 pp=2 dp=1 recompute=full]" in message, message
+    short = closest_shortfall(ppo_request("llama-3.3-70b", 16))
+    assert short is not None and short.needed_bytes > short.usable_bytes
+    assert [name for name, _ in short.states] == ["parameters", "gradients", "optimizer"]
+    assert {term for term, _ in short.transient} >= {"activations", "logits"}
+    assert short.describe() in message
+    assert short.needed_bytes == pytest.approx(sum(b for _, b in short.states) + sum(b for _, b in short.transient))
