@@ -79,6 +79,7 @@ def _llama(
     head_dim: int = 0,
     tied: bool = False,
     qk_norm: bool = False,
+    qkv_bias: bool = False,
 ) -> Model:
     return Model(
         name=name,
@@ -91,6 +92,7 @@ def _llama(
         vocab_size=vocab,
         tied_embeddings=tied,
         qk_norm=qk_norm,
+        qkv_bias=qkv_bias,
     )
 
 
@@ -99,6 +101,8 @@ MODELS: dict[str, Model] = {
     for m in (
         _llama("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256),
         _llama("llama-3.3-70b", 80, 8192, 64, 8, 28672, 128256),
+        # Qwen2-7B(-Instruct) config.json: 28 layers, hidden 3584, 28 heads, 4 KV heads, QKV bias.
+        _llama("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, qkv_bias=True),
         _llama("qwen3-14b", 40, 5120, 40, 8, 17408, 151936, head_dim=128, qk_norm=True),
         _llama("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, head_dim=128, qk_norm=True),
         _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000),
