@@ -141,7 +141,19 @@ def world_worker(rank: int, world: int, cases: dict[str, tuple[Path, dict[str, t
                 "logits": _masked_error(logits, expected["logits"], mask),
                 "generated": sampled.responses() == expected["generated"].tolist(),
             }
+            if (tp, pp) == (2, 2):
+                results[f"{name} critic"] = critic_from_actor(engine, folder)
     return results
+
+
+def critic_from_actor(actor: Engine, folder: Path) -> bool:
+    """A critic loaded from the actor's folder: the actor's weights, a new value head."""
+    critic = Engine.create(actor.model, "value", actor.groups.layout)
+    assert critic is not None
+    kept = load_engine(critic, folder)
+    heads = {"value_head.weight", "value_head.bias"}
+    same = all(torch.equal(p, actor.params[n]) for n, p in critic.params.items() if n not in heads)
+    return same and (set(kept) == heads if critic.stage.is_last else kept == [])
 
 
 @pytest.mark.multiprocess
@@ -152,7 +164,10 @@ def test_every_layout_computes_what_transformers_computes(cases: dict[str, Any])
         for key, value in rank_results.items():
             results.setdefault(key, []).append(value)
     expected_layouts = {(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (1, 4)}
-    assert {key for key in results} == {f"{n} tp={tp} pp={pp}" for n in CONFIGS for tp, pp in expected_layouts}
+    layouts = {f"{n} tp={tp} pp={pp}" for n in CONFIGS for tp, pp in expected_layouts}
+    assert set(results) == layouts | {f"{n} critic" for n in CONFIGS}
+    for key in set(results) - layouts:
+        assert all(results.pop(key)), key
     for key, per_rank in results.items():
         for errors in per_rank:
             assert errors["logits"] < TOL, (key, errors)

@@ -29,6 +29,8 @@ NAME_TABLE: tuple[tuple[str, str], ...] = (
     ("final_norm.weight", "model.norm.weight"),
     ("lm_head.weight", "lm_head.weight"),
     ("value_head.weight", "score.weight"),
+    # transformers' sequence-classification score has no bias: this name is nereus's own.
+    ("value_head.bias", "score.bias"),
 )
 
 #: Runtime parameters a Hugging Face checkpoint may lack: a new value head starts from the
