@@ -127,6 +127,9 @@ class Plan(Document):
     """Filled by `nereus plan`; checked for staleness by `nereus check`."""
     fusion: Fusion = Field(default_factory=Fusion)
     """Stage fusions the runtime applies (off by default)."""
+    weights: str | None = None
+    """Hugging Face folder the runtime reads the actor's, reference's and critic's initial
+    weights from (absolute path); None: every model starts from the run's seed."""
 
     def model(self, name: str) -> Model:
         """The embedded model called `name`."""

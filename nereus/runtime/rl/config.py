@@ -93,7 +93,17 @@ class RunConfig(Document):
     """The RL loop's hyperparameters."""
     plan: str | None = None
     """Plan YAML the run uses (models, workload, every model-stage's layout), relative to this
-    file; `nereus run --plan` overrides it. One of the two is required."""
+    file; `nereus run --plan` overrides it. One of the two is required unless `model` is set."""
+    model: str | None = None
+    """Hugging Face model folder (relative to this file): every role's architecture and the
+    actor's, reference's and critic's (new value head) initial weights. Without a plan the
+    run plans itself from `workload` for its ranks."""
+    workload: str = "tiny-ppo"
+    """Workload preset or YAML (relative to this file) a run with `model` and no plan is
+    planned for; its model names are replaced by the folder's model."""
+    cluster: str = "h100-sxm"
+    """Cluster preset or YAML (relative to this file) whose GPU kind a self-planned run is
+    laid out for (one node with as many GPUs as the run has ranks)."""
     num_steps: int = Field(default=50, gt=0)
     """RL steps to run (the total, counting steps done before a resume)."""
     checkpoint_every: int = Field(default=10, gt=0)

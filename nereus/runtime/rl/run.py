@@ -34,6 +34,8 @@ from nereus.errors import NereusError
 from nereus.runtime import arena, host_collectives, shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import device, spawn
+from nereus.runtime.hf.load import load_engines
+from nereus.runtime.hf.run_setup import LOADED_ROLES
 from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
 from nereus.runtime.rl.reward_model import fit_reward_model
@@ -107,6 +109,9 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     reserve_arena(plan, config.rl, rank)
     stages = build_stages(plan, config.rl)
     syncs = sync_plans(stages)
+    if plan.weights is not None and setup.checkpoint is None:
+        loaded = [s.engine for s in stages.values() if s.engine is not None and s.plan.role in LOADED_ROLES]
+        load_engines(loaded, Path(plan.weights))
     if "reward/inference" in stages and setup.checkpoint is None:
         fit_reward_model(stages["reward/inference"], get_task(config.rl.task), config.rl)
     if setup.checkpoint is not None:

@@ -29,7 +29,9 @@ from typing import Any
 from nereus.cost.calibration import Calibration
 from nereus.errors import NereusError
 from nereus.runtime import timeline
+from nereus.runtime.hf.run_setup import HfWeights, check_plan_models, hf_weights, plans_for_folder
 from nereus.runtime.rl.config import RLConfig, RunConfig
+from nereus.spec.cluster import Cluster
 from nereus.spec.io import keep_json_lines, load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
 from nereus.spec.trace import Trace
@@ -215,17 +217,12 @@ def new_run(
         config = config.model_copy(update={"trace": str(trace_path.resolve())})
     if policy is not None:
         config = config.model_copy(update={"policy": policy})
-    if plan_path is None and config.plan is None:
-        raise NereusError(f"{config_path}: plan: not set; name a Plan YAML there or pass --plan")
     if config.lengths_from_trace and config.trace is None:
         raise NereusError(f"{config_path}: lengths_from_trace: needs a trace; set trace: there or pass --trace")
-    where = plan_path if plan_path is not None else config_path.parent / str(config.plan)
-    if not where.is_file():
-        field = "--plan" if plan_path is not None else f"{config_path}: plan"
-        raise NereusError(f"{field}: {where} does not exist; give the path of a Plan YAML")
-    plan = with_fusion(_load(where, Plan), config)
-    num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
-    _check_plan(plan, str(where), num_ranks, config.rl)
+    weights = None if config.model is None else hf_weights(config_path.parent / config.model)
+    if weights is not None:
+        config = config.model_copy(update={"model": str(weights.folder)})  # the run folder's copy
+    plan, num_ranks, planned = first_plan(config, config_path, plan_path, num_ranks, weights)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
     switches = resolve_switches(config, config_path.parent, plan, num_ranks)
@@ -234,7 +231,48 @@ def new_run(
     out = out if out is not None else Path("runs") / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise NereusError(f"{out}: already exists; resume it with `nereus run --resume {out}` or pass another --out")
-    return RunSetup(config, plan, num_ranks, out, 0, None, False, switches, trace, calibration)
+    return RunSetup(config, plan, num_ranks, out, 0, None, planned, switches, trace, calibration)
+
+
+def first_plan(
+    config: RunConfig, config_path: Path, plan_path: Path | None, num_ranks: int | None, weights: HfWeights | None
+) -> tuple[Plan, int, bool]:
+    """The plan a new run starts under, its number of ranks, and whether the run planned it."""
+    if plan_path is None and config.plan is None:
+        if weights is None:
+            raise NereusError(f"{config_path}: plan: not set; name a Plan YAML there, pass --plan, or set model:")
+        if num_ranks is None:
+            raise NereusError(f"{config_path}: plan: not set, so the run plans itself and needs its number of ranks")
+        return self_plan(config, config_path.parent, weights, num_ranks), num_ranks, True
+    where = plan_path if plan_path is not None else config_path.parent / str(config.plan)
+    if not where.is_file():
+        field = "--plan" if plan_path is not None else f"{config_path}: plan"
+        raise NereusError(f"{field}: {where} does not exist; give the path of a Plan YAML")
+    plan = with_fusion(_load(where, Plan), config)
+    if weights is not None:
+        check_plan_models(plan, weights, str(where))
+        plan = plan.model_copy(update={"weights": str(weights.folder)})
+    num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
+    _check_plan(plan, str(where), num_ranks, config.rl)
+    return plan, num_ranks, False
+
+
+def self_plan(config: RunConfig, folder: Path, weights: HfWeights, num_ranks: int) -> Plan:
+    """The best plan for the config's workload with the folder's model that the runtime can run."""
+    from nereus.spec.presets import cluster_preset, workload_preset
+    from nereus.spec.workload import Workload
+
+    def document(value: str, kind: type[Any], preset: Any) -> Any:
+        return _load(folder / value, kind) if value.endswith((".yaml", ".yml", ".json")) else preset(value)
+
+    workload = document(config.workload, Workload, lambda name: workload_preset(name, weights.model.name))
+    cluster = document(config.cluster, Cluster, cluster_preset)
+    plans = [with_fusion(plan, config) for plan in plans_for_folder(weights, workload, cluster, num_ranks)]
+    problems = [plan_problems(plan, num_ranks, config.rl) for plan in plans]
+    for plan, found in zip(plans, problems, strict=True):
+        if not found:
+            return plan
+    raise NereusError(f"{folder / config.workload}: no plan for {num_ranks} ranks runs: {problems[0][0]}")
 
 
 def resolve_calibration(config: RunConfig, folder: Path) -> Calibration | None:
@@ -355,7 +393,7 @@ def replan(stored: Plan, num_ranks: int) -> Plan:
 
     cluster = stored.cluster.model_copy(update={"num_nodes": 1, "gpus_per_node": num_ranks})
     request = PlanRequest(cluster, tuple(stored.models), stored.workload, num_ranks)
-    return make_plan(request).best.model_copy(update={"fusion": stored.fusion})
+    return make_plan(request).best.model_copy(update={"fusion": stored.fusion, "weights": stored.weights})
 
 
 # ---- the run folder ----
