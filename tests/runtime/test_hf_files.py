@@ -20,6 +20,8 @@ from nereus.spec.presets import MODELS
 
 MODEL = MODELS["tiny"].model_copy(update={"num_layers": 2, "tied_embeddings": False, "qkv_bias": True})
 
+pytestmark = pytest.mark.one_rank
+
 
 def _save(folder: Path, sharded: bool) -> dict[str, torch.Tensor]:
     folder.mkdir()

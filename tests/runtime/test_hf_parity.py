@@ -14,6 +14,7 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.one_rank
 
 from nereus.runtime.dist import spawn  # noqa: E402
 from nereus.runtime.engine import Engine, admissible_layouts  # noqa: E402

@@ -23,6 +23,8 @@ LLAMA3_SCALING = {
     "rope_type": "llama3",
 }
 
+pytestmark = pytest.mark.logic
+
 
 def _base(model_type: str, **fields: Any) -> dict[str, Any]:
     config = {
@@ -119,6 +121,7 @@ def test_folder_without_config_is_refused(tmp_path: Path) -> None:
         model_from_hf_config(tmp_path)
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("suffix", ["", "/config.json"])
 def test_plan_accepts_a_folder_or_its_config(tmp_path: Path, suffix: str) -> None:
     folder = _write(tmp_path, _base("qwen2", tie_word_embeddings=True, rope_theta=1e6), "tiny-qwen")
@@ -131,6 +134,7 @@ def test_plan_accepts_a_folder_or_its_config(tmp_path: Path, suffix: str) -> Non
     assert "rope_theta: 1.0e+06" in text and "qkv_bias: true" in text
 
 
+@pytest.mark.cli
 def test_plan_refuses_an_unimplemented_option_in_one_line(tmp_path: Path) -> None:
     folder = _write(tmp_path, _base("llama", rope_scaling={"rope_type": "yarn", "factor": 4.0}))
     result = CliRunner().invoke(app, ["plan", "--model", str(folder), "--gpus", "2"])
