@@ -74,6 +74,7 @@ def register_commands() -> None:
     """Attach every command module to `app` (imports stay light: no torch)."""
     from nereus.cli import (
         dag_commands,
+        export_commands,
         plan_commands,
         profile_commands,
         report_commands,
@@ -94,6 +95,7 @@ def register_commands() -> None:
         run_commands,
         profile_commands,
         report_commands,
+        export_commands,
     )
     for module in modules:
         module.register(app)

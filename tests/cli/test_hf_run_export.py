@@ -1,0 +1,119 @@
+"""A run from a transformers-made Hugging Face folder and back: `model: DIR` with no plan
+plans itself, loads the folder's weights, and `nereus export hf` writes a folder transformers
+loads; with a learning rate too small to move a float32 weight the round trip is bitwise."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from nereus.spec.io import load_document
+from nereus.spec.plan import Plan
+from tests.cli_helpers import invoke, one_error_line
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.cli
+
+
+def qwen2_folder(root: Path) -> Path:
+    """Qwen2-style: tied embeddings, qkv bias, theta 1e6, eps 1e-6; every weight nonzero."""
+    config = transformers.Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=32,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn(param.shape))
+    folder = root / "qwen-tiny"
+    model.save_pretrained(folder)
+    (folder / "tokenizer_config.json").write_text('{"model_max_length": 256}\n')
+    return folder
+
+
+def write_config(root: Path, **fields: object) -> Path:
+    document = {
+        "kind": "RunConfig",
+        "version": 1,
+        "model": "qwen-tiny",
+        "workload": "tiny-ppo",
+        "num_steps": 1,
+        "checkpoint_every": 1,
+        "rl": {"task": "sort", "seed": 3, "max_new_tokens": 4, "actor_lr": 1e-30},
+        **fields,
+    }
+    path = root / "run.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_run_from_a_folder_and_export_it_back_bitwise(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    source = qwen2_folder(tmp_path)
+    result = invoke("run", write_config(tmp_path), "--nproc", "2", "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    plan = load_document(tmp_path / "run" / "plan.yaml")
+    assert isinstance(plan, Plan) and plan.weights == str(source)
+    assert {m.rope_theta for m in plan.models} == {1e6} and plan.models[0].qkv_bias
+
+    exported = tmp_path / "exported"
+    result = invoke("export", "hf", tmp_path / "run", "--step", "1", "-o", exported)
+    assert result.exit_code == 0, result.output
+    assert (exported / "config.json").read_bytes() == (source / "config.json").read_bytes()
+    assert (exported / "tokenizer_config.json").read_bytes() == (source / "tokenizer_config.json").read_bytes()
+    before, after = load_file(source / "model.safetensors"), load_file(exported / "model.safetensors")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+    tokens = torch.randint(3, 32, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()(tokens).logits
+        ours = transformers.AutoModelForCausalLM.from_pretrained(source).eval()(tokens).logits
+    assert torch.equal(theirs, ours)
+
+    critic = tmp_path / "critic"
+    assert invoke("export", "hf", tmp_path / "run", "--model", "critic", "-o", critic).exit_code == 0
+    assert json.loads((critic / "config.json").read_text())["architectures"] == ["Qwen2ForSequenceClassification"]
+    assert "score.weight" in load_file(critic / "model.safetensors")
+
+
+def test_bad_folder_is_refused_before_any_rank(tmp_path: Path) -> None:
+    (tmp_path / "qwen-tiny").mkdir()
+    result = invoke("run", write_config(tmp_path), "--nproc", "2", "--out", tmp_path / "run")
+    assert "qwen-tiny/config.json: not found" in one_error_line(result)
+    assert not (tmp_path / "run").exists()
+
+
+def test_weights_that_disagree_with_the_config_are_refused(tmp_path: Path) -> None:
+    source = qwen2_folder(tmp_path)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    result = invoke("run", write_config(tmp_path), "--nproc", "2", "--out", tmp_path / "run")
+    line = one_error_line(result)
+    assert "model.safetensors: tensor model.layers.0.mlp.gate_proj.weight has shape [128, 64]" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_export_of_a_missing_step_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    line = one_error_line(invoke("export", "hf", tmp_path / "run", "--step", "3", "-o", tmp_path / "x"))
+    assert "no checkpoint of step 3" in line
