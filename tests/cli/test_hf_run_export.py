@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from cli_helpers import invoke, one_error_line
+from hf_helpers import save_random_model
 
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
-from tests.cli_helpers import invoke, one_error_line
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.cli
@@ -21,28 +22,16 @@ pytestmark = pytest.mark.cli
 
 def qwen2_folder(root: Path) -> Path:
     """Qwen2-style: tied embeddings, qkv bias, theta 1e6, eps 1e-6; every weight nonzero."""
-    config = transformers.Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=32,
-        tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-        rms_norm_eps=1e-6,
-        max_position_embeddings=256,
-        bos_token_id=None,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.05 * torch.randn(param.shape))
-    folder = root / "qwen-tiny"
-    model.save_pretrained(folder)
+    fields = {
+        "num_hidden_layers": 2,
+        "vocab_size": 32,
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 256,
+        "eos_token_id": 2,
+    }
+    folder = save_random_model(root / "qwen-tiny", "Qwen2Config", fields)
     (folder / "tokenizer_config.json").write_text('{"model_max_length": 256}\n')
     return folder
 

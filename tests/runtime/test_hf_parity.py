@@ -16,6 +16,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.one_rank
 
+from hf_helpers import save_random_model  # noqa: E402
+
 from nereus.runtime.dist import spawn  # noqa: E402
 from nereus.runtime.engine import Engine, admissible_layouts  # noqa: E402
 from nereus.runtime.generate import SamplingConfig, generate  # noqa: E402
@@ -28,17 +30,7 @@ from nereus.spec.model import Model  # noqa: E402
 WORLD = 4
 TOL = 1e-5
 VOCAB, ROWS, SEQ, NEW_TOKENS = 96, 4, 12, 8
-_SHAPES = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 4,
-    "vocab_size": VOCAB,
-    "eos_token_id": None,
-    "bos_token_id": None,
-    "pad_token_id": 0,
-}
+_SHAPES = {"num_hidden_layers": 4, "vocab_size": VOCAB, "eos_token_id": None}
 LLAMA3_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -63,31 +55,9 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {
 }
 
 
-def _randomise(model: Any) -> None:
-    """Values far from the default init so every term matters: a small embedding (the first
-    norm then depends on eps), O(0.1) matrices and biases, norms around one."""
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * noise)
-            elif "embed_tokens" in name:
-                param.copy_(0.02 * noise)
-            else:
-                param.copy_(0.1 * noise)
-
-
 def make_folder(root: Path, name: str) -> Path:
     class_name, fields, sharded = CONFIGS[name]
-    config = getattr(transformers, class_name)(**_SHAPES, **fields)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomise(model)
-    folder = root / name
-    model.save_pretrained(folder, max_shard_size="100KB" if sharded else "1GB")
-    assert (folder / "model.safetensors.index.json").is_file() == sharded
-    return folder
+    return save_random_model(root / name, class_name, {**_SHAPES, **fields}, sharded)
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:
