@@ -6,9 +6,11 @@ heads over 8 KV heads, SwiGLU 8192, vocabulary 128256, tied embeddings: 1.24B pa
 Two gloo ranks then each build a tp=2 engine and load their halves with
 `nereus.runtime.hf.load.load_engine` (safetensors `get_slice` of each tensor's box, one
 tensor's file mapping open at a time). Each rank reports its peak resident set size
-(`ru_maxrss`, which includes the Python + torch baseline) and the bytes of parameters it
-holds. The acceptance: every rank's peak stays under 0.75x of the full model's bytes, so
-no rank held the whole model. Each run also checks the loaded shards bitwise against the
+(VmHWM of /proc/self/status: the high-water mark of this process image, which includes
+the Python + torch baseline; `ru_maxrss` would not do, Linux carries it over from the
+parent through fork and exec) and the bytes of parameters it holds. The acceptance:
+every rank's peak stays under 0.75x of the full model's bytes, so no rank held the whole
+model. Each run also checks the loaded shards bitwise against the
 files. Reports medians over --runs; writes benchmarks/results/hf_load_memory.json.
 
     .venv/bin/python benchmarks/hf_load_memory.py [--runs 1] [--output FILE]
@@ -17,10 +19,6 @@ files. Reports medians over --runs; writes benchmarks/results/hf_load_memory.jso
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import resource
 import statistics
 import tempfile
 import time
@@ -28,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _record import begin, write_result
 
 from nereus.runtime.dist import spawn
 from nereus.runtime.engine import Engine, EngineConfig
@@ -73,16 +72,24 @@ def make_folder(folder: Path) -> float:
     return time.perf_counter() - start
 
 
+def peak_rss_bytes() -> int:
+    """This process image's peak resident set size (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
 def rank_load(rank: int, world: int, folder: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
-    baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    baseline = peak_rss_bytes()
     model = model_from_hf_config(folder)
     start = time.perf_counter()
     engine = Engine.create(model, "lm", RankLayout(2, 1, 1, (0, 1)), EngineConfig(init_only=frozenset()))
     assert engine is not None
     load_engine(engine, folder)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     held = sum(p.numel() * p.element_size() for p in engine.params.values())
     # Spot-check every held shard against the files, bitwise (after the peak was read).
     entries = checkpoint_tensors(folder)
@@ -105,6 +112,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, help="Repetitions of the 2-rank load (medians reported).")
     parser.add_argument("--output", type=Path, default=RESULTS, help="JSON file to write.")
     args = parser.parse_args()
+    started = begin()
     with tempfile.TemporaryDirectory(prefix="nereus-hf-1b-") as root:
         folder = Path(root) / "llama-1b"
         made_s = make_folder(folder)
@@ -136,7 +144,6 @@ def main() -> None:
         "limit_over_model": LIMIT,
         "passed": all(r["peak_over_model"] < LIMIT for r in ranks),
         "ranks": ranks,
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
     }
     print(f"{model.num_params('lm') / 1e9:.2f}B parameters, {full_bytes / 1e9:.2f} GB fp32, {len(files)} files")
     print(f"{'rank':>4} {'peak RSS GB':>12} {'x model':>8} {'held GB':>8} {'baseline GB':>12} {'load s':>7}")
@@ -146,8 +153,12 @@ def main() -> None:
             f"{r['held_bytes'] / 1e9:>8.2f} {r['baseline_rss_bytes'] / 1e9:>12.2f} {r['load_seconds']:>7.1f}"
         )
     print(f"limit {LIMIT}x: {'passed' if result['passed'] else 'FAILED'}")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=1) + "\n")
+    repetitions = {
+        f"rank{rank}_{field}": [next(r for r in run if r["rank"] == rank)[field] for run in runs]
+        for rank in range(2)
+        for field in ("peak_rss_bytes", "seconds")
+    }
+    write_result(args.output, result, started, repetitions)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import yaml
 from cli_helpers import invoke, one_error_line
 from hf_helpers import save_random_model
 
-from nereus.spec.io import load_document
+from nereus.spec.io import load_document, save_document
 from nereus.spec.plan import Plan
 
 transformers = pytest.importorskip("transformers")
@@ -44,12 +44,55 @@ def write_config(root: Path, **fields: object) -> Path:
         "workload": "tiny-ppo",
         "num_steps": 1,
         "checkpoint_every": 1,
-        "rl": {"task": "sort", "seed": 3, "max_new_tokens": 4, "actor_lr": 1e-30},
+        "rl": {"task": "sort", "seed": 3, "max_new_tokens": 4, "actor_lr": 1e-30, "log_samples": 6},
         **fields,
     }
     path = root / "run.yaml"
     path.write_text(yaml.safe_dump(document))
     return path
+
+
+def check_samples(run: Path, source: Path) -> int:
+    """samples.jsonl's log-probs against transformers' for the same prompt + response ids."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    records = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(records) == 6 and {r["step"] for r in records} == {0}
+    for record in records:
+        ids = record["prompt_ids"] + record["response_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+        start = len(record["prompt_ids"])
+        theirs = [float(logits[j - 1, ids[j]]) for j in range(start, len(ids))]
+        assert len(record["logprobs"]) == len(theirs) > 0
+        assert max(abs(a - b) for a, b in zip(record["logprobs"], theirs, strict=True)) < 1e-4, record
+        assert set(record) >= {"prompt", "response", "reward"} and record["prompt"]
+    return len(records)
+
+
+def forced_plan(root: Path, source: Path, tp: int, pp: int) -> Path:
+    """A 2-rank plan for the folder's model with every model-stage at (tp, pp) on both ranks."""
+    path = root / f"plan-tp{tp}-pp{pp}.yaml"
+    result = invoke("plan", "--model", source, "--workload", "tiny-ppo", "--gpus", "2", "-o", path)
+    assert result.exit_code == 0, result.output
+    plan = load_document(path)
+    assert isinstance(plan, Plan)
+    pool = plan.pools[0].model_copy(update={"name": "all", "gpus": [0, 1]})
+    stages = [s.model_copy(update={"pool": "all", "tp": tp, "pp": pp, "dp": 1, "emus": [[0, 1]]}) for s in plan.stages]
+    save_document(plan.model_copy(update={"pools": [pool], "stages": stages, "predictions": None}), path)
+    return path
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_samples_of_a_tp_or_pp_run_match_transformers(tmp_path: Path, tp: int, pp: int) -> None:
+    source = qwen2_folder(tmp_path)
+    plan = forced_plan(tmp_path, source, tp, pp)
+    result = invoke("run", write_config(tmp_path, plan=plan.name), "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    stored = load_document(tmp_path / "run" / "plan.yaml")
+    assert isinstance(stored, Plan) and {(s.tp, s.pp) for s in stored.stages} == {(tp, pp)}
+    check_samples(tmp_path / "run", source)
 
 
 @pytest.mark.multiprocess
@@ -63,6 +106,7 @@ def test_run_from_a_folder_and_export_it_back_bitwise(tmp_path: Path) -> None:
     plan = load_document(tmp_path / "run" / "plan.yaml")
     assert isinstance(plan, Plan) and plan.weights == str(source)
     assert {m.rope_theta for m in plan.models} == {1e6} and plan.models[0].qkv_bias
+    check_samples(tmp_path / "run", source)
 
     exported = tmp_path / "exported"
     result = invoke("export", "hf", tmp_path / "run", "--step", "1", "-o", exported)

@@ -52,6 +52,9 @@ class RLConfig(StrictModel):
     """GRPO and ReMax: weight of the k3 KL loss in the policy objective."""
     entropy_coef: float = Field(default=0.0, ge=0)
     """Weight of the entropy bonus in the policy objective."""
+    log_samples: int = Field(default=0, ge=0)
+    """Samples per step written to samples.jsonl in the run folder (0: none): text, token
+    ids, the actor's log-probability of every response token (temperature 1) and reward."""
     reward: Literal["rule", "model"] = "rule"
     """`rule`: the task scores each response. `model`: a value-head transformer on the plan's
     reward/inference stage scores it, fitted to rule scores of synthetic responses first."""

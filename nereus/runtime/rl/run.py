@@ -39,6 +39,7 @@ from nereus.runtime.hf.run_setup import LOADED_ROLES
 from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
 from nereus.runtime.rl.reward_model import fit_reward_model
+from nereus.runtime.rl.samples import append_samples
 from nereus.runtime.rl.setup import (
     CHECKPOINT_STATE_NAME,
     CHECKPOINTS_NAME,
@@ -46,6 +47,7 @@ from nereus.runtime.rl.setup import (
     FAILURE_NAME,
     METRICS_NAME,
     PLAN_NAME,
+    SAMPLES_NAME,
     Move,
     RunSetup,
     Switch,
@@ -132,7 +134,11 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
                 syncs, plan = sync_plans(stages), move.plan
                 moved_s = slowest_rank({move.action: time.perf_counter() - start}, [move.action])
             rl = config.rl if lengths is None else config.rl.model_copy(update={"max_new_tokens": lengths[step]})
-            metrics = rl_step(plan, rl, stages, syncs, step, idle=None if state is None else state.calibrate_idle)
+            samples: list[dict[str, Any]] | None = [] if rank == 0 and rl.log_samples else None
+            idle = None if state is None else state.calibrate_idle
+            metrics = rl_step(plan, rl, stages, syncs, step, idle=idle, samples=samples)
+            if samples:
+                append_samples(setup.out / SAMPLES_NAME, samples)
             if move is not None:
                 metrics = dataclasses.replace(metrics, stage_seconds={**metrics.stage_seconds, **moved_s})
             if state is not None:

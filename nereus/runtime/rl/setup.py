@@ -8,6 +8,7 @@ A run folder holds:
     config.yaml      the RunConfig the run uses (its `plan` points at plan.yaml)
     plan.yaml        the Plan it runs under (replaced when a resume changes the plan)
     metrics.jsonl    one JSON record per finished step
+    samples.jsonl    rl.log_samples samples per step (text, ids, log-probs, reward)
     trace.yaml       the controller's trace (runs with --trace only)
     calibration.yaml the cost model's starting calibration (when the config names one)
     timeline/        rank-R.jsonl: every rank's spans (model-stages, transitions, checkpoints)
@@ -44,6 +45,8 @@ DECISIONS_NAME = "decisions.jsonl"
 CONTROLLER_STATE_NAME = "controller.pkl"
 PLAN_NAME = "plan.yaml"
 METRICS_NAME = "metrics.jsonl"
+#: `rl.log_samples` records (nereus.runtime.rl.samples writes them; the name lives here, torch-free).
+SAMPLES_NAME = "samples.jsonl"
 CHECKPOINTS_NAME = "checkpoints"
 FAILURE_NAME = "failure.log"
 #: The file inside a finished run checkpoint that records the step it was taken after.
@@ -481,6 +484,7 @@ def prepare_folder(setup: RunSetup) -> None:
     kept = [record for record in read_metrics(out) if record["step"] < setup.start_step]
     write_text_atomic(out / METRICS_NAME, "".join(json.dumps(record) + "\n" for record in kept))
     drop_decisions_from(out, setup.start_step)
+    keep_json_lines(out / SAMPLES_NAME, lambda record: record["step"] < setup.start_step)
     timeline.drop_steps_from(out, setup.start_step)
     root = out / CHECKPOINTS_NAME
     if root.is_dir():

@@ -54,6 +54,7 @@ from nereus.runtime.rl.algorithms import (
 from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.runtime.rl.inter_stage import migration_settings
 from nereus.runtime.rl.objectives import ClippedValueObjective, PolicyObjective, align_to_tokens, values_to_tokens
+from nereus.runtime.rl.samples import sample_records
 from nereus.runtime.rl.tasks import CharTokenizer, Problem, encode_prompt, get_task, sample_problems
 from nereus.runtime.rl.tasks import score_response as rule_score
 from nereus.runtime.shard_layout import RankLayout, stage_layout
@@ -425,11 +426,13 @@ def rl_step(
     fusion: Fusion | None = None,
     events: list[RolloutEvent] | None = None,
     idle: Callable[[], None] | None = None,
+    samples: list[dict[str, Any]] | None = None,
 ) -> StepMetrics:
     """One RL step on this rank (collective over the world). `fusion` replaces the plan's
     fusion block when given; under inter-stage fusion this rank's rollout events are appended
-    to `events` when given. `idle`: work this rank runs while others generate, if it has no
-    part in generation (rank 0's deferred calibration)."""
+    to `events` when given, and `config.log_samples` sample records to `samples`. `idle`:
+    work this rank runs while others generate, if it has no part in generation (rank 0's
+    deferred calibration)."""
     workload, tokenizer, task = plan.workload, CharTokenizer(), get_task(config.task)
     seconds: dict[str, float] = {}
     start = time.perf_counter()
@@ -477,6 +480,8 @@ def rl_step(
         reward_values = inferred.get("reward/inference")
         scores = rule_scores if reward_values is None else scores_from_values(reward_values, batch)
     old_log_probs = inferred["actor/inference"] * mask
+    if samples is not None:
+        samples += sample_records(step, prompts, responses, old_log_probs, scores, rule_scores, config.log_samples)
     ref_log_probs = inferred["reference/inference"] * mask
     old_values = inferred["critic/inference"] * mask if "critic/inference" in inferred else None
 
