@@ -33,13 +33,16 @@ def randomise(model: Any) -> None:
                 param.copy_(0.1 * noise)
 
 
-def save_random_model(folder: Path, class_name: str, fields: dict[str, Any], sharded: bool = False) -> Path:
-    """A randomised fp32 `transformers.<class_name>` model saved at `folder` (sharded: with an index)."""
+def save_random_model(
+    folder: Path, class_name: str, fields: dict[str, Any], sharded: bool = False, head: str = "ForCausalLM"
+) -> Path:
+    """A randomised fp32 model of config `transformers.<class_name>` with `head` (the
+    AutoModel<head> class) saved at `folder` (sharded: with an index)."""
     import transformers
 
     config = getattr(transformers, class_name)(**{**TINY_SHAPES, **fields})
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = getattr(transformers, f"AutoModel{head}").from_config(config, dtype=torch.float32)
     randomise(model)
     model.save_pretrained(folder, max_shard_size="100KB" if sharded else "1GB")
     assert (folder / "model.safetensors.index.json").is_file() == sharded

@@ -25,7 +25,7 @@ def export_hf_command(
     """Write the actor (or critic) of a run that started from a Hugging Face folder as one."""
     from nereus.runtime.hf.export import export_hf, run_checkpoint_and_source
 
-    checkpoint, source = run_checkpoint_and_source(run_dir, step)
+    checkpoint, source = run_checkpoint_and_source(run_dir, step, role)
     result = export_hf(checkpoint, source, out, role)
     if as_json:
         typer.echo(json.dumps(dataclasses.asdict(result), indent=1))

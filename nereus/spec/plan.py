@@ -127,9 +127,10 @@ class Plan(Document):
     """Filled by `nereus plan`; checked for staleness by `nereus check`."""
     fusion: Fusion = Field(default_factory=Fusion)
     """Stage fusions the runtime applies (off by default)."""
-    weights: str | None = None
-    """Hugging Face folder the runtime reads the actor's, reference's and critic's initial
-    weights from (absolute path); None: every model starts from the run's seed."""
+    weights: dict[Role, str] | None = None
+    """Hugging Face folder each role's initial weights are read from (absolute paths; a
+    critic read from a causal LM gets a new value head); a role not named, or None: the
+    model starts from the run's seed."""
 
     def model(self, name: str) -> Model:
         """The embedded model called `name`."""

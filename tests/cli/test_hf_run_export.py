@@ -20,8 +20,9 @@ transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.cli
 
 
-def qwen2_folder(root: Path) -> Path:
-    """Qwen2-style: tied embeddings, qkv bias, theta 1e6, eps 1e-6; every weight nonzero."""
+def qwen2_folder(root: Path, head: str = "ForCausalLM") -> Path:
+    """Qwen2-style: tied embeddings, qkv bias, theta 1e6, eps 1e-6; every weight nonzero.
+    `head` ForSequenceClassification: a one-label value-head checkpoint of the same shapes."""
     fields = {
         "num_hidden_layers": 2,
         "vocab_size": 32,
@@ -31,7 +32,10 @@ def qwen2_folder(root: Path) -> Path:
         "max_position_embeddings": 256,
         "eos_token_id": 2,
     }
-    folder = save_random_model(root / "qwen-tiny", "Qwen2Config", fields)
+    if head != "ForCausalLM":  # one label, read at the last token (batches of one: no pad id)
+        fields.update(num_labels=1, pad_token_id=None)
+    name = "qwen-tiny" if head == "ForCausalLM" else "qwen-tiny-rm"
+    folder = save_random_model(root / name, "Qwen2Config", fields, head=head)
     (folder / "tokenizer_config.json").write_text('{"model_max_length": 256}\n')
     return folder
 
@@ -104,7 +108,7 @@ def test_run_from_a_folder_and_export_it_back_bitwise(tmp_path: Path) -> None:
     result = invoke("run", write_config(tmp_path), "--nproc", "2", "--out", tmp_path / "run")
     assert result.exit_code == 0, result.output
     plan = load_document(tmp_path / "run" / "plan.yaml")
-    assert isinstance(plan, Plan) and plan.weights == str(source)
+    assert isinstance(plan, Plan) and plan.weights == dict.fromkeys(("actor", "reference", "critic"), str(source))
     assert {m.rope_theta for m in plan.models} == {1e6} and plan.models[0].qkv_bias
     check_samples(tmp_path / "run", source)
 
@@ -150,3 +154,40 @@ def test_export_of_a_missing_step_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "run").mkdir()
     line = one_error_line(invoke("export", "hf", tmp_path / "run", "--step", "3", "-o", tmp_path / "x"))
     assert "no checkpoint of step 3" in line
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_critic_and_reward_model_from_a_value_head_folder(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    qwen2_folder(tmp_path)
+    value_folder = qwen2_folder(tmp_path, "ForSequenceClassification")
+    rl: dict[str, object] = {"task": "sort", "seed": 3, "max_new_tokens": 4, "actor_lr": 1e-30, "critic_lr": 1e-30}
+    rl["log_samples"] = 6
+    rl["reward"] = "model"
+    config = write_config(tmp_path, critic_model=value_folder.name, reward_model=value_folder.name, rl=rl)
+    result = invoke("run", config, "--nproc", "2", "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    # The reward of every logged sample is what transformers' classifier says of it.
+    scorer = transformers.AutoModelForSequenceClassification.from_pretrained(value_folder).eval()
+    for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        with torch.no_grad():
+            expected = float(scorer(torch.tensor([record["prompt_ids"] + record["response_ids"]])).logits[0, 0])
+        assert abs(record["reward"] - expected) < 1e-4, (record, expected)
+    # The critic started from the same folder, and a learning rate of 1e-30 leaves it there.
+    critic = tmp_path / "critic"
+    assert invoke("export", "hf", tmp_path / "run", "--model", "critic", "-o", critic).exit_code == 0
+    assert (critic / "config.json").read_bytes() == (value_folder / "config.json").read_bytes()
+    before, after = load_file(value_folder / "model.safetensors"), load_file(critic / "model.safetensors")
+    assert all(torch.equal(before[name], after[name]) for name in before)
+
+
+def test_a_reward_folder_needs_a_score_head_and_the_model_reward(tmp_path: Path) -> None:
+    qwen2_folder(tmp_path)
+    config = write_config(tmp_path, reward_model="qwen-tiny")
+    assert "reward_model: needs rl.reward: model" in one_error_line(invoke("run", config, "--nproc", "2"))
+    rl = {"task": "sort", "reward": "model"}
+    config = write_config(tmp_path, reward_model="qwen-tiny", rl=rl)
+    assert "has no score.weight" in one_error_line(invoke("run", config, "--nproc", "2"))

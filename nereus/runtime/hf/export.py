@@ -49,9 +49,9 @@ class Export:
     """Files copied from the input folder besides config.json."""
 
 
-def run_checkpoint_and_source(run_dir: Path, step: int | None) -> tuple[Path, Path]:
+def run_checkpoint_and_source(run_dir: Path, step: int | None, role: str) -> tuple[Path, Path]:
     """The checkpoint folder of `run_dir` to export (step `step`, default the latest) and the
-    Hugging Face folder the run started from."""
+    Hugging Face folder `role` started from."""
     from nereus.runtime.rl.setup import PLAN_NAME, checkpoint_folder, finished_checkpoints, latest_checkpoint
     from nereus.spec.io import load_document
     from nereus.spec.plan import Plan
@@ -66,12 +66,12 @@ def run_checkpoint_and_source(run_dir: Path, step: int | None) -> tuple[Path, Pa
     plan_file = checkpoint / PLAN_NAME if (checkpoint / PLAN_NAME).is_file() else run_dir / PLAN_NAME
     plan = load_document(plan_file)
     assert isinstance(plan, Plan), plan_file
-    if plan.weights is None:
+    if plan.weights is None or role not in plan.weights:
         raise NereusError(
-            f"{plan_file}: weights: the run did not start from a Hugging Face folder; "
-            "only such a run has a config.json and tokenizer to export with"
+            f"{plan_file}: weights: the run's {role} did not start from a Hugging Face folder; only such a "
+            "model has a config.json and tokenizer to export with"
         )
-    return checkpoint, Path(plan.weights)
+    return checkpoint, Path(plan.weights[role])
 
 
 def whole_params(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -87,6 +87,8 @@ def _config_text(source: Path, role: str) -> str:
     if role == "actor":
         return text
     config = json.loads(text)
+    if any(name.endswith("ForSequenceClassification") for name in config.get("architectures", [])):
+        return text  # the critic started from a value-head checkpoint: its config already says so
     # The critic is the same decoder with a one-output score head.
     kinds = [name.replace("ForCausalLM", "ForSequenceClassification") for name in config.get("architectures", [])]
     config.update(architectures=kinds, num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})

@@ -8,7 +8,7 @@ mapped pages are resident at a time. Values are converted to the engine's float3
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -45,12 +45,6 @@ def load_engine(engine: Engine, folder: Path) -> list[str]:
             box = local_box(info, model, layout.tp, g.tp.rank)
             engine.params[info.name].copy_(read_box(entries[info.name], hf_name(info.name), box))
     return kept
-
-
-def load_engines(engines: Iterable[Engine], folder: Path) -> None:
-    """`load_engine` for each of this rank's engines (a critic's value head stays new)."""
-    for engine in engines:
-        load_engine(engine, folder)
 
 
 def read_logical(folder: Path, model: Model, head: Head) -> dict[str, torch.Tensor]:

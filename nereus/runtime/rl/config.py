@@ -101,6 +101,13 @@ class RunConfig(Document):
     """Hugging Face model folder (relative to this file): every role's architecture and the
     actor's, reference's and critic's (new value head) initial weights. Without a plan the
     run plans itself from `workload` for its ranks."""
+    critic_model: str | None = None
+    """Hugging Face folder the critic starts from instead (relative to this file): a
+    sequence-classification checkpoint (one label) of the same architecture, or a causal LM
+    (a new value head)."""
+    reward_model: str | None = None
+    """Hugging Face sequence-classification folder (one label, same architecture; relative to
+    this file) the reward model (`rl.reward: model`) is read from instead of being fitted."""
     workload: str = "tiny-ppo"
     """Workload preset or YAML (relative to this file) a run with `model` and no plan is
     planned for; its model names are replaced by the folder's model."""

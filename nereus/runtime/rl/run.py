@@ -34,8 +34,7 @@ from nereus.errors import NereusError
 from nereus.runtime import arena, host_collectives, shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import device, spawn
-from nereus.runtime.hf.load import load_engines
-from nereus.runtime.hf.run_setup import LOADED_ROLES
+from nereus.runtime.hf.load import load_engine
 from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
 from nereus.runtime.rl.reward_model import fit_reward_model
@@ -111,10 +110,11 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     reserve_arena(plan, config.rl, rank)
     stages = build_stages(plan, config.rl)
     syncs = sync_plans(stages)
-    if plan.weights is not None and setup.checkpoint is None:
-        loaded = [s.engine for s in stages.values() if s.engine is not None and s.plan.role in LOADED_ROLES]
-        load_engines(loaded, Path(plan.weights))
-    if "reward/inference" in stages and setup.checkpoint is None:
+    weights = {} if plan.weights is None or setup.checkpoint is not None else plan.weights
+    for stage in stages.values():
+        if stage.engine is not None and stage.plan.role in weights:
+            load_engine(stage.engine, Path(weights[stage.plan.role]))
+    if "reward/inference" in stages and setup.checkpoint is None and "reward" not in weights:
         fit_reward_model(stages["reward/inference"], get_task(config.rl.task), config.rl)
     if setup.checkpoint is not None:
         restore(stages, setup.checkpoint, rank)
@@ -341,9 +341,9 @@ def save_run_checkpoint(
             continue
         stage, families = stages[name], state_families(name, step > 0)
         # Every rank passes the same step to the index: the AdamW steps the model has taken.
-        num_optimizer_steps = (
-            setup.config.rl.reward_model_steps if stage.plan.role == "reward" else optimizer_steps(plan, step)
-        )
+        num_optimizer_steps = optimizer_steps(plan, step)
+        if stage.plan.role == "reward":  # fitted before the run, or read from a folder as it is
+            num_optimizer_steps = 0 if "reward" in (plan.weights or {}) else setup.config.rl.reward_model_steps
         meta = state_meta(stage.model, stage.head, stage.layout, families)
         tensors = {}
         if stage.engine is not None:

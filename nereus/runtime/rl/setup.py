@@ -30,12 +30,13 @@ from typing import Any
 from nereus.cost.calibration import Calibration
 from nereus.errors import NereusError
 from nereus.runtime import timeline
-from nereus.runtime.hf.run_setup import HfWeights, check_plan_models, hf_weights, plans_for_folder
+from nereus.runtime.hf.run_setup import HfSources, check_plan_models, hf_sources, plans_for_folder
 from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.spec.cluster import Cluster
 from nereus.spec.io import keep_json_lines, load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
 from nereus.spec.trace import Trace
+from nereus.spec.workload import Role
 
 CONFIG_NAME = "config.yaml"
 TRACE_NAME = "trace.yaml"
@@ -222,10 +223,11 @@ def new_run(
         config = config.model_copy(update={"policy": policy})
     if config.lengths_from_trace and config.trace is None:
         raise NereusError(f"{config_path}: lengths_from_trace: needs a trace; set trace: there or pass --trace")
-    weights = None if config.model is None else hf_weights(config_path.parent / config.model)
-    if weights is not None:
-        config = config.model_copy(update={"model": str(weights.folder)})  # the run folder's copy
-    plan, num_ranks, planned = first_plan(config, config_path, plan_path, num_ranks, weights)
+    sources = resolve_sources(config, config_path)
+    if sources is not None:  # the run folder's copy names the folders wherever it is read
+        where = {field: str(sources.folders[role]) for field, role in SOURCE_FIELDS.items() if getattr(config, field)}
+        config = config.model_copy(update=where)
+    plan, num_ranks, planned = first_plan(config, config_path, plan_path, num_ranks, sources)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
     switches = resolve_switches(config, config_path.parent, plan, num_ranks)
@@ -237,30 +239,49 @@ def new_run(
     return RunSetup(config, plan, num_ranks, out, 0, None, planned, switches, trace, calibration)
 
 
+#: RunConfig fields naming a Hugging Face folder, and the role each gives weights to.
+SOURCE_FIELDS: dict[str, Role] = {"model": "actor", "critic_model": "critic", "reward_model": "reward"}
+
+
+def resolve_sources(config: RunConfig, config_path: Path) -> HfSources | None:
+    """The config's Hugging Face folders (relative to it), checked; None without `model:`."""
+    folder = config_path.parent
+    if config.model is None:
+        extra = next((field for field in ("critic_model", "reward_model") if getattr(config, field)), None)
+        if extra:
+            raise NereusError(f"{config_path}: {extra}: needs model: (the actor's folder, which every role plays)")
+        return None
+    if config.reward_model is not None and config.rl.reward != "model":
+        raise NereusError(f"{config_path}: reward_model: needs rl.reward: model (the rule needs no model)")
+    critic = None if config.critic_model is None else folder / config.critic_model
+    reward = None if config.reward_model is None else folder / config.reward_model
+    return hf_sources(folder / config.model, critic, reward)
+
+
 def first_plan(
-    config: RunConfig, config_path: Path, plan_path: Path | None, num_ranks: int | None, weights: HfWeights | None
+    config: RunConfig, config_path: Path, plan_path: Path | None, num_ranks: int | None, sources: HfSources | None
 ) -> tuple[Plan, int, bool]:
     """The plan a new run starts under, its number of ranks, and whether the run planned it."""
     if plan_path is None and config.plan is None:
-        if weights is None:
+        if sources is None:
             raise NereusError(f"{config_path}: plan: not set; name a Plan YAML there, pass --plan, or set model:")
         if num_ranks is None:
             raise NereusError(f"{config_path}: plan: not set, so the run plans itself and needs its number of ranks")
-        return self_plan(config, config_path.parent, weights, num_ranks), num_ranks, True
+        return self_plan(config, config_path.parent, sources, num_ranks), num_ranks, True
     where = plan_path if plan_path is not None else config_path.parent / str(config.plan)
     if not where.is_file():
         field = "--plan" if plan_path is not None else f"{config_path}: plan"
         raise NereusError(f"{field}: {where} does not exist; give the path of a Plan YAML")
     plan = with_fusion(_load(where, Plan), config)
-    if weights is not None:
-        check_plan_models(plan, weights, str(where))
-        plan = plan.model_copy(update={"weights": str(weights.folder)})
+    if sources is not None:
+        check_plan_models(plan, sources, str(where))
+        plan = sources.for_plan(plan)
     num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
     _check_plan(plan, str(where), num_ranks, config.rl)
     return plan, num_ranks, False
 
 
-def self_plan(config: RunConfig, folder: Path, weights: HfWeights, num_ranks: int) -> Plan:
+def self_plan(config: RunConfig, folder: Path, sources: HfSources, num_ranks: int) -> Plan:
     """The best plan for the config's workload with the folder's model that the runtime can run."""
     from nereus.spec.presets import cluster_preset, workload_preset
     from nereus.spec.workload import Workload
@@ -268,9 +289,9 @@ def self_plan(config: RunConfig, folder: Path, weights: HfWeights, num_ranks: in
     def document(value: str, kind: type[Any], preset: Any) -> Any:
         return _load(folder / value, kind) if value.endswith((".yaml", ".yml", ".json")) else preset(value)
 
-    workload = document(config.workload, Workload, lambda name: workload_preset(name, weights.model.name))
+    workload = document(config.workload, Workload, lambda name: workload_preset(name, sources.model.name))
     cluster = document(config.cluster, Cluster, cluster_preset)
-    plans = [with_fusion(plan, config) for plan in plans_for_folder(weights, workload, cluster, num_ranks)]
+    plans = [with_fusion(plan, config) for plan in plans_for_folder(sources, workload, cluster, num_ranks)]
     problems = [plan_problems(plan, num_ranks, config.rl) for plan in plans]
     for plan, found in zip(plans, problems, strict=True):
         if not found:

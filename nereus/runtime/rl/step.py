@@ -38,7 +38,6 @@ from nereus.runtime.fused_pipeline import FusedPart, OpTiming, fused_train_step
 from nereus.runtime.fused_schedule import fused_schedule
 from nereus.runtime.generate import SamplingConfig, generate
 from nereus.runtime.hf.names import OPTIONAL
-from nereus.runtime.hf.run_setup import LOADED_ROLES
 from nereus.runtime.model import Batch
 from nereus.runtime.optim import AdamWConfig
 from nereus.runtime.reshard import ReshardPlan, execute, plan_reshard
@@ -132,7 +131,7 @@ def build_stages(plan: Plan, config: RLConfig) -> dict[str, Stage]:
         # The reward model starts from its own weights, not the critic's.
         seed = config.seed + 1 if role == "reward" else config.seed
         # Weights a Hugging Face folder provides are read into the engine, not seeded first.
-        init_only = OPTIONAL if plan.weights is not None and role in LOADED_ROLES else None
+        init_only = OPTIONAL if plan.weights is not None and role in plan.weights else None
         engine_config = EngineConfig(AdamWConfig(lr=lr, eps=config.adam_eps), init_seed=seed, init_only=init_only)
         model = plan.model(plan.workload.model_name(role))
         head = head_of(role)
