@@ -191,3 +191,10 @@ def test_a_reward_folder_needs_a_score_head_and_the_model_reward(tmp_path: Path)
     rl = {"task": "sort", "reward": "model"}
     config = write_config(tmp_path, reward_model="qwen-tiny", rl=rl)
     assert "has no score.weight" in one_error_line(invoke("run", config, "--nproc", "2"))
+
+
+def test_a_vocabulary_smaller_than_the_tokenizer_is_refused(tmp_path: Path) -> None:
+    save_random_model(tmp_path / "qwen-tiny", "Qwen2Config", {"num_hidden_layers": 2, "vocab_size": 16})
+    line = one_error_line(invoke("run", write_config(tmp_path), "--nproc", "2", "--out", tmp_path / "run"))
+    assert "has 16 tokens, the tokenizer needs 19" in line
+    assert not (tmp_path / "run").exists()

@@ -1,9 +1,10 @@
 """Exactly the network transformers computes: tiny random Llama (plain and llama3 RoPE
-scaling), Qwen2 (qkv bias, tied embeddings) and Qwen3 (q/k norm, wide heads) models, each
-with GQA, are made and saved by `transformers` itself, loaded by nereus into every layout
-with tp * pp <= 4 the model admits, and compared with `AutoModelForCausalLM`: logits within
-1e-5 (fp32) and greedy generations token-identical. Perturbing RoPE theta, RMSNorm eps or
-the qkv bias breaks the agreement (so the comparison can fail)."""
+scaling), Qwen2 (qkv bias, tied embeddings), Qwen3 (q/k norm, wide heads) and Mistral (no
+sliding window; a GELU gate) models, each with GQA, are made and saved by `transformers`
+itself, loaded by nereus into every layout with tp * pp <= 4 the model admits, and compared
+with `AutoModelForCausalLM`: logits within 1e-5 (fp32) and greedy generations
+token-identical. Perturbing RoPE theta, RMSNorm eps or the qkv bias breaks the agreement
+(so the comparison can fail)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], bool]] = {
         False,
     ),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, True),
+    "mistral": ("MistralConfig", {"sliding_window": None, "rms_norm_eps": 1e-5, "hidden_act": "gelu"}, False),
 }
 
 
