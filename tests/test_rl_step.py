@@ -226,7 +226,7 @@ def run_rank_recording_steps(rank: int, world: int, setup: RunSetup) -> list[Ste
         measured.append(rl_step(*args, **kwargs))
         return measured[-1]
 
-    run.rl_step = recording  # type: ignore[assignment]
+    run.rl_step = recording
     run.run_rank(rank, world, setup)
     return measured
 
