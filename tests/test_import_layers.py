@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.logic
+
 PACKAGE = Path(__file__).resolve().parent.parent / "nereus"
 
 
