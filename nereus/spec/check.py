@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from nereus.errors import SpecError
-from nereus.spec.base import Document
 from nereus.spec.cluster import Cluster
+from nereus.spec.io import load_document
 from nereus.spec.model import Model
 from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.registry import kind_of, semantic_problems
 from nereus.spec.workload import Workload, model_stage_name, model_stages
 
 Severity = Literal["error", "warning"]
@@ -220,35 +221,6 @@ def plan_problems(plan: Plan) -> Iterator[Problem]:
             yield from _batch_problems(plan, i, entry)
 
 
-#: Semantic checks per document class; later layers register their own kinds.
-SEMANTIC_CHECKS: dict[type[Document], Callable[[Document], Iterator[Problem]]] = {
-    Model: model_problems,  # type: ignore[dict-item]
-    Cluster: cluster_problems,  # type: ignore[dict-item]
-    Workload: workload_problems,  # type: ignore[dict-item]
-    Plan: plan_problems,  # type: ignore[dict-item]
-}
-
-
-#: Checks that need a higher layer (the cost model's memory feasibility); they run only
-#: on documents that pass the checks above.
-LAYERED_CHECKS: dict[type[Document], list[Callable[[Document], Iterator[Problem]]]] = {}
-
-
-def register_check(kind: type[Document], check: Callable[[Document], Iterator[Problem]]) -> None:
-    """Add a semantic check from a higher layer (called at that layer's import)."""
-    LAYERED_CHECKS.setdefault(kind, []).append(check)
-
-
-def semantic_problems(document: Document) -> list[Problem]:
-    """Every semantic problem of a schema-valid document, errors and warnings."""
-    check = SEMANTIC_CHECKS.get(type(document))
-    problems = list(check(document)) if check else []
-    if not any(p.severity == "error" for p in problems):
-        for layered in LAYERED_CHECKS.get(type(document), []):
-            problems += list(layered(document))
-    return problems
-
-
 @dataclass
 class CheckResult:
     """The outcome of checking one file."""
@@ -265,8 +237,6 @@ class CheckResult:
 
 def check_file(path: str | Path) -> CheckResult:
     """Schema and semantic validation of one file; never raises for bad input."""
-    from nereus.spec.io import load_document
-
     source = str(path)
     try:
         document = load_document(path, check=False)
@@ -275,7 +245,7 @@ def check_file(path: str | Path) -> CheckResult:
     problems = semantic_problems(document)
     return CheckResult(
         source,
-        document.kind,  # type: ignore[attr-defined]
+        kind_of(document),
         errors=[p.format(source) for p in problems if p.severity == "error"],
         warnings=[p.format(source) for p in problems if p.severity == "warning"],
     )

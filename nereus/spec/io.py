@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -16,37 +15,9 @@ from pydantic import ValidationError
 
 from nereus.errors import SpecError
 from nereus.spec.base import Document
-from nereus.spec.cluster import Cluster
-from nereus.spec.model import Model
-from nereus.spec.plan import Plan
-from nereus.spec.transition import Transition
-from nereus.spec.workload import Workload
-
-#: Every document kind this release reads, by its `kind:` value.
-KINDS: dict[str, type[Document]] = {
-    "Cluster": Cluster,
-    "Model": Model,
-    "Workload": Workload,
-    "Plan": Plan,
-    "Transition": Transition,
-}
-
-#: Kinds defined above the spec layer, and the module that registers each (with its
-#: semantic checks); imported the first time a file of that kind is read.
-LATE_KINDS = {
-    "Calibration": "nereus.cost",
-    "Profile": "nereus.cost.profile",
-    "RunConfig": "nereus.runtime.rl.config",  # pure pydantic: reading one never imports torch
-    "Schedule": "nereus.solver.pipeline.document",
-    "Trace": "nereus.spec.trace",
-}
+from nereus.spec.registry import KINDS, document_class, semantic_problems
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
-
-
-def register_kind(kind: type[Document]) -> None:
-    """Make `kind` readable by `load_document` (used by layers that add kinds)."""
-    KINDS[kind.model_fields["kind"].default] = kind
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -137,15 +108,13 @@ def document_from_data(data: Any, source: str) -> Document:
     if not isinstance(data, dict):
         raise SpecError([f"{source}: expected a mapping with `kind:` at the top, got {type(data).__name__}"])
     kind_name = data.get("kind")
-    if isinstance(kind_name, str) and kind_name not in KINDS and kind_name in LATE_KINDS:
-        importlib.import_module(LATE_KINDS[kind_name])
-    if not isinstance(kind_name, str) or kind_name not in KINDS:
-        known = ", ".join(dict.fromkeys([*KINDS, *LATE_KINDS]))
+    kind = document_class(kind_name) if isinstance(kind_name, str) else None
+    if kind is None:
+        known = ", ".join(KINDS)
         what = "missing" if "kind" not in data else f"unknown kind {kind_name!r}"
         raise SpecError([f"{source}: kind: {what}; use one of {known}"])
     if "version" not in data:
         raise SpecError([f"{source}: version: required field is missing; add `version: 1`"])
-    kind = KINDS[kind_name]
     try:
         return kind.model_validate(data)
     except ValidationError as exc:
@@ -177,8 +146,6 @@ def load_document(path: str | Path, *, check: bool = True) -> Document:
     path = Path(path)
     document = document_from_data(parse_data(read_text(path), str(path)), str(path))
     if check:
-        from nereus.spec.check import semantic_problems
-
         errors = [p.format(str(path)) for p in semantic_problems(document) if p.severity == "error"]
         if errors:
             raise SpecError(errors)

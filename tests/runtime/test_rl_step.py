@@ -19,12 +19,13 @@ from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.runtime.rl.objectives import vocab_parallel_entropy
 from nereus.runtime.rl.setup import RunSetup, plan_problems, prepare_folder
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, rollout_batch
-from nereus.runtime.rl.step import StepMetrics, rl_step
+from nereus.runtime.rl.step import rl_step
 from nereus.runtime.rl.update import sync_plans
 from nereus.runtime.sharded_state import gather, state_meta
 from nereus.runtime.tensor_parallel import TensorParallel
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
+from nereus.spec.run_folder import StepMetrics
 
 pytestmark = pytest.mark.one_rank
 
