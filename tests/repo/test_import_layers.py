@@ -12,10 +12,11 @@ import ast
 from pathlib import Path
 
 import pytest
+from repo_paths import ROOT
 
 pytestmark = pytest.mark.logic
 
-PACKAGE = Path(__file__).resolve().parent.parent / "nereus"
+PACKAGE = ROOT / "nereus"
 
 
 def module_name(path: Path) -> str:
@@ -109,7 +110,6 @@ def test_the_package_has_no_import_cycle() -> None:
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-@pytest.mark.xfail(strict=False, reason="run-folder module pending")
 def test_render_imports_nothing_from_the_runtime() -> None:
     graph = import_graph()
     reaches = sorted(
