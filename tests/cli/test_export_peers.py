@@ -19,6 +19,8 @@ from nereus.spec.check import semantic_problems
 from nereus.spec.io import load_document, save_document
 from nereus.spec.plan import Plan, Pool
 
+pytestmark = pytest.mark.cli
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 EXAMPLE_PLANS = sorted(EXAMPLES.glob("plan-*.yaml"))
 

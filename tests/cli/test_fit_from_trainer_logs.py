@@ -18,6 +18,8 @@ from nereus.interop.verl import export_verl
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 
+pytestmark = pytest.mark.cli
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 TRUE = Calibration(gemm=0.25, attention=0.3, launch_overhead_s=3e-4, micro_batch_overhead_s=5e-4)
 PLANS = ("plan-tiny-ppo-4rank.yaml", "plan-tiny-ppo-4rank-relaid.yaml")

@@ -14,6 +14,8 @@ import pytest
 import yaml
 from cli_helpers import invoke
 
+pytestmark = pytest.mark.cli
+
 ROOT = Path(__file__).resolve().parents[2]
 BROKEN = ROOT / "tests" / "broken"
 
