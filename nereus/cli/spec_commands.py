@@ -34,10 +34,6 @@ def check(
     warnings_as_errors: Annotated[bool, typer.Option("--strict", help="Treat warnings as errors (exit 1).")] = False,
 ) -> None:
     """Validate files: schema and semantics. Exit 0 valid, 1 invalid, 2 usage error."""
-    import nereus.cost  # noqa: F401  (registers the cost model's plan checks)
-    from nereus.solver.pipeline import document as _schedule  # noqa: F401  (registers the Schedule kind and checks)
-    from nereus.solver.transition import document  # noqa: F401  (registers the Transition checks)
-    from nereus.spec import trace as _trace  # noqa: F401  (registers the Trace kind and checks)
     from nereus.spec.check import check_file
 
     results = [check_file(path) for path in files]
@@ -94,12 +90,10 @@ def schema(
     kind: Annotated[str, typer.Argument(help="Document kind, e.g. Plan, Cluster, Model, Workload.")],
 ) -> None:
     """Print the JSON Schema of a document kind."""
-    import nereus.cost  # noqa: F401  (registers the Calibration kind)
-    from nereus.solver.pipeline import document as _schedule  # noqa: F401  (registers the Schedule kind)
-    from nereus.spec import trace as _trace  # noqa: F401  (registers the Trace kind)
-    from nereus.spec.io import KINDS
+    from nereus.spec.registry import KINDS, document_class
 
-    match = {name.lower(): cls for name, cls in KINDS.items()}.get(kind.lower())
+    name = {name.lower(): name for name in KINDS}.get(kind.lower())
+    match = document_class(name) if name is not None else None
     if match is None:
         raise NereusError(f"unknown kind {kind!r}; use one of {', '.join(KINDS)}")
     typer.echo(json.dumps(match.model_json_schema(), indent=2))

@@ -25,6 +25,7 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import evaluate_plan
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan
+from nereus.spec.run_folder import METRICS_NAME, PLAN_NAME, json_lines
 from nereus.spec.workload import STAGES, ResponseLengths
 
 #: The first steps of every run pay for allocation and lazy initialisation; the fit drops them.
@@ -107,21 +108,14 @@ def read_run(run_dir: Path, warmup_steps: int = WARMUP_STEPS) -> RunRecord:
     from nereus.spec.io import load_document
 
     if not run_dir.is_dir():
-        raise ValueError(f"{run_dir}: not a directory; give the --out folder of `nereus run`")
-    plan = load_document(run_dir / "plan.yaml")
+        raise ValueError(f"{run_dir}: not a directory; give the output folder of a `nereus run`")
+    plan = load_document(run_dir / PLAN_NAME)
     if not isinstance(plan, Plan):
-        raise ValueError(f"{run_dir / 'plan.yaml'}: kind: expected Plan, got {type(plan).__name__}")
-    metrics = run_dir / "metrics.jsonl"
+        raise ValueError(f"{run_dir / PLAN_NAME}: kind: expected Plan, got {type(plan).__name__}")
+    metrics = run_dir / METRICS_NAME
     if not metrics.is_file():
         raise ValueError(f"{metrics}: no such file; is {run_dir} a `nereus run` output folder?")
-    samples = []
-    for number, line in enumerate(metrics.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{metrics}: line {number}: not JSON ({exc.msg})") from None
-            samples.append(_sample(data, f"{metrics}: line {number}"))
+    samples = [_sample(data, where) for where, data in json_lines(metrics)]
     kept = tuple(s for s in samples if s.step >= warmup_steps)
     if not kept:
         raise ValueError(

@@ -22,9 +22,10 @@ from repo_paths import DATA, EXAMPLES
 
 from nereus.runtime.checkpoint import verify_checkpoint
 from nereus.runtime.rl.config import RLConfig
-from nereus.runtime.rl.setup import finished_checkpoints, memory_problems, read_metrics, state_bytes_by_rank
+from nereus.runtime.rl.setup import memory_problems, state_bytes_by_rank
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
+from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke, one_error_line
 
 pytestmark = pytest.mark.cli
