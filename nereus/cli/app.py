@@ -91,6 +91,7 @@ def register_commands() -> None:
     """Attach every command module to `app` (imports stay light: no torch)."""
     from nereus.cli import (
         dag_commands,
+        export_commands,
         plan_commands,
         profile_commands,
         report_commands,
@@ -105,6 +106,7 @@ def register_commands() -> None:
         spec_commands,
         plan_commands,
         dag_commands,
+        export_commands,
         schedule_commands,
         trace_commands,
         simulate_commands,
