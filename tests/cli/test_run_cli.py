@@ -22,9 +22,10 @@ from repo_paths import DATA, EXAMPLES
 
 from nereus.runtime.checkpoint import verify_checkpoint
 from nereus.runtime.rl.config import RLConfig
-from nereus.runtime.rl.setup import finished_checkpoints, memory_problems, read_metrics, state_bytes_by_rank
+from nereus.runtime.rl.setup import memory_problems, state_bytes_by_rank
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
+from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke, one_error_line
 
 pytestmark = pytest.mark.cli
@@ -188,7 +189,8 @@ def test_resume_onto_other_ranks_continues_from_the_same_state(tmp_path: Path) -
 
 def restored_actor_params(rank: int, world_size: int, setup: Any) -> dict[str, Any]:
     from nereus.runtime.rl.run import restore
-    from nereus.runtime.rl.step import build_stages, sync_plans, sync_weights
+    from nereus.runtime.rl.stages import build_stages
+    from nereus.runtime.rl.update import sync_plans, sync_weights
 
     stages = build_stages(setup.plan, setup.config.rl)
     restore(stages, setup.checkpoint, rank)

@@ -17,7 +17,6 @@ import math
 import pytest
 from repo_paths import EXAMPLES
 
-import nereus.cost  # noqa: F401  (registers the cost model's plan checks)
 from nereus.cost.calibration import DEFAULT_CALIBRATION
 from nereus.cost.plan_cost import evaluate_plan
 from nereus.cost.stage import StageCostModel

@@ -9,6 +9,7 @@ import pytest
 
 from nereus.runtime.rl.tasks import (
     ALPHABET,
+    TASKS,
     AddNumbers,
     CharTokenizer,
     Problem,
@@ -19,6 +20,7 @@ from nereus.runtime.rl.tasks import (
     sample_problems,
     score_response,
 )
+from nereus.spec.run_config import TASK_NAMES
 
 pytestmark = pytest.mark.one_rank
 
@@ -81,6 +83,10 @@ def test_seeded_sampling_is_deterministic() -> None:
         assert sample_problems(task, 20, seed=7) != sample_problems(task, 20, seed=8)
     with pytest.raises(ValueError, match="unknown task 'mul'"):
         get_task("mul")
+
+
+def test_the_config_accepts_exactly_the_shipped_tasks() -> None:
+    assert tuple(TASKS) == TASK_NAMES
 
 
 def test_prompts_encode_and_fit_the_tokenizer() -> None:

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from repo_paths import DATA
 
-import nereus.cost  # noqa: F401  (registers the cost model's plan checks)
 from nereus.cli.inputs import models_for, with_max_response
 from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import evaluate_plan, plan_cost_problems, usable_memory

@@ -52,9 +52,9 @@ class Export:
 def run_checkpoint_and_source(run_dir: Path, step: int | None, role: str) -> tuple[Path, Path]:
     """The checkpoint folder of `run_dir` to export (step `step`, default the latest) and the
     Hugging Face folder `role` started from."""
-    from nereus.runtime.rl.setup import PLAN_NAME, checkpoint_folder, finished_checkpoints, latest_checkpoint
     from nereus.spec.io import load_document
     from nereus.spec.plan import Plan
+    from nereus.spec.run_folder import PLAN_NAME, checkpoint_folder, finished_checkpoints, latest_checkpoint
 
     checkpoint = latest_checkpoint(run_dir) if step is None else checkpoint_folder(run_dir, step)
     if checkpoint is None or not checkpoint.is_dir():

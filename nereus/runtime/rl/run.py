@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.cost.calibration import Calibration
-from nereus.errors import NereusError
+from nereus.errors import ArgumentError
 from nereus.runtime import arena, host_collectives, shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import device, spawn
@@ -39,7 +39,17 @@ from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
 from nereus.runtime.rl.reward_model import fit_reward_model
 from nereus.runtime.rl.samples import append_samples
-from nereus.runtime.rl.setup import (
+from nereus.runtime.rl.setup import Move, RunSetup, Switch, prepare_folder, state_bytes_by_rank
+from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, engine_state
+from nereus.runtime.rl.step import rl_step
+from nereus.runtime.rl.tasks import get_task
+from nereus.runtime.rl.timing import slowest_rank
+from nereus.runtime.rl.update import sync_plans, sync_weights
+from nereus.runtime.sharded_state import gather, state_meta
+from nereus.runtime.transition_executor import ReplicaState, execute_transition
+from nereus.spec.io import save_document, write_text_atomic
+from nereus.spec.plan import Plan
+from nereus.spec.run_folder import (
     CHECKPOINT_STATE_NAME,
     CHECKPOINTS_NAME,
     CONTROLLER_STATE_NAME,
@@ -47,30 +57,12 @@ from nereus.runtime.rl.setup import (
     METRICS_NAME,
     PLAN_NAME,
     SAMPLES_NAME,
-    Move,
-    RunSetup,
-    Switch,
+    MetricsTail,
+    StepMetrics,
     checkpoint_folder,
     finished_checkpoints,
     latest_checkpoint,
-    prepare_folder,
-    state_bytes_by_rank,
 )
-from nereus.runtime.rl.step import (
-    Stage,
-    StepMetrics,
-    build_stages,
-    engine_state,
-    rl_step,
-    slowest_rank,
-    sync_plans,
-    sync_weights,
-)
-from nereus.runtime.rl.tasks import get_task
-from nereus.runtime.sharded_state import gather, state_meta
-from nereus.runtime.transition_executor import ReplicaState, execute_transition
-from nereus.spec.io import save_document, write_text_atomic
-from nereus.spec.plan import Plan
 from nereus.spec.trace import trace_conditions
 
 #: Model-stages whose state (`state_families`) a checkpoint holds: the trained models and the
@@ -110,11 +102,8 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     reserve_arena(plan, config.rl, rank)
     stages = build_stages(plan, config.rl)
     syncs = sync_plans(stages)
-    weights = {} if plan.weights is None or setup.checkpoint is not None else plan.weights
-    for stage in stages.values():
-        if stage.engine is not None and stage.plan.role in weights:
-            load_engine(stage.engine, Path(weights[stage.plan.role]))
-    if "reward/inference" in stages and setup.checkpoint is None and "reward" not in weights:
+    load_folders(stages, plan)
+    if "reward/inference" in stages and setup.checkpoint is None and "reward" not in (plan.weights or {}):
         fit_reward_model(stages["reward/inference"], get_task(config.rl.task), config.rl)
     if setup.checkpoint is not None:
         restore(stages, setup.checkpoint, rank)
@@ -228,9 +217,24 @@ def next_move(setup: RunSetup, state: RunState | None, switches: dict[int, Switc
     return move
 
 
+def load_folders(stages: dict[str, ModelStageRuntime], plan: Plan) -> None:
+    """Read every role's Hugging Face folder (`plan.weights`) into its engines on this rank.
+    Before a checkpoint restore too: a checkpoint holds the trained models, not the
+    reference, which must come back from its folder rather than from the seed."""
+    for stage in stages.values():
+        if stage.engine is not None and stage.plan.role in (plan.weights or {}):
+            load_engine(stage.engine, Path((plan.weights or {})[stage.plan.role]))
+
+
 def apply_move(
-    setup: RunSetup, stages: dict[str, Stage], plan: Plan, move: Move, step: int, rank: int, state: RunState | None
-) -> dict[str, Stage]:
+    setup: RunSetup,
+    stages: dict[str, ModelStageRuntime],
+    plan: Plan,
+    move: Move,
+    step: int,
+    rank: int,
+    state: RunState | None,
+) -> dict[str, ModelStageRuntime]:
     """Carry out a plan change: live through its transition DAG, or through a checkpoint."""
     if move.action == "transition":
         return switch_plan(stages, plan, move, setup.config.rl, rank, step > 0, setup.config.verify_transitions)
@@ -238,20 +242,21 @@ def apply_move(
     if not folder.exists():
         save_run_checkpoint(setup, plan, stages, step, rank, state)
     new_stages = build_stages(move.plan, setup.config.rl)
+    load_folders(new_stages, move.plan)
     restore(new_stages, folder, rank)
     sync_weights(sync_plans(new_stages))
     return new_stages
 
 
 def switch_plan(
-    stages: dict[str, Stage],
+    stages: dict[str, ModelStageRuntime],
     plan: Plan,
     switch: Move,
     config: RLConfig,
     rank: int,
     updated: bool = True,
     verify: bool = False,
-) -> dict[str, Stage]:
+) -> dict[str, ModelStageRuntime]:
     """Build the new plan's engines and move every model-stage's state into them through the
     switch's transition DAG (collective); the old engines are dropped. `updated`: the trained
     models have taken an optimizer step (they have AdamW moments). With `verify`, the logical
@@ -285,7 +290,7 @@ def cpu_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: tensor.detach().cpu() for key, tensor in tensors.items()}
 
 
-def logical_digests(stages: dict[str, Stage], families: dict[str, tuple[str, ...]]) -> dict[str, str]:
+def logical_digests(stages: dict[str, ModelStageRuntime], families: dict[str, tuple[str, ...]]) -> dict[str, str]:
     """sha256 of every model-stage's logical state and optimizer step, assembled on rank 0
     from every rank's shards (collective; other ranks get {}). Replicas must agree bitwise."""
     mine = {
@@ -325,7 +330,7 @@ def optimizer_steps(plan: Plan, num_rl_steps: int) -> int:
 
 
 def save_run_checkpoint(
-    setup: RunSetup, plan: Plan, stages: dict[str, Stage], step: int, rank: int, state: RunState | None
+    setup: RunSetup, plan: Plan, stages: dict[str, ModelStageRuntime], step: int, rank: int, state: RunState | None
 ) -> None:
     """Save every trained model, the plan in force and rank 0's run state into
     checkpoints/step-NNNNNN (collective, atomic)."""
@@ -368,7 +373,7 @@ def _seal(folder: Path, target: Path, step: int) -> None:
     fsync_path(target.parent)
 
 
-def restore(stages: dict[str, Stage], checkpoint: Path, rank: int) -> None:
+def restore(stages: dict[str, ModelStageRuntime], checkpoint: Path, rank: int) -> None:
     """Load every saved model's state from `checkpoint` into this rank's shard of it."""
     for name in SAVED_STAGES:
         stage = stages.get(name)
@@ -378,31 +383,7 @@ def restore(stages: dict[str, Stage], checkpoint: Path, rank: int) -> None:
         stage.engine.load_local_state(loaded.tensors, loaded.step)
 
 
-class MetricsTail:
-    """Reads the records a run appends to metrics.jsonl, complete lines only."""
-
-    def __init__(self, path: Path, on_step: Callable[[StepMetrics], None] | None) -> None:
-        self.path = path
-        self.on_step = on_step
-        self.offset = path.stat().st_size if path.exists() else 0
-        self.records: list[StepMetrics] = []
-
-    def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with self.path.open("rb") as handle:
-            handle.seek(self.offset)
-            chunk = handle.read()
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        self.offset += len(complete)
-        for line in complete.decode().splitlines():
-            metrics = StepMetrics(**json.loads(line))
-            self.records.append(metrics)
-            if self.on_step is not None:
-                self.on_step(metrics)
-
-
-class RunFailed(NereusError):
+class RunFailed(ArgumentError):
     """A rank failed; the message says which, where the full error is, and how to resume."""
 
 
@@ -413,7 +394,7 @@ def launch(setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None
     rank within seconds; RunFailed then names it and the checkpoint to resume from.
     """
     prepare_folder(setup)
-    tail = MetricsTail(setup.out / METRICS_NAME, on_step)
+    tail = MetricsTail(setup.out, on_step)
     try:
         spawn(run_rank, setup.num_ranks, setup, on_wait=tail.poll)
     except RuntimeError as error:
@@ -422,9 +403,10 @@ def launch(setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None
         first_line = str(error).splitlines()[0]
         checkpoint = latest_checkpoint(setup.out)
         resume = (
-            f"resume from {checkpoint.name} with `nereus run --resume {setup.out}`"
+            f"resume from {checkpoint.name} with `resume` {setup.out}"
             if checkpoint is not None
             else "no checkpoint was taken yet"
         )
-        raise RunFailed(f"run failed: {first_line} (full error in {failure_log}); {resume}") from None
+        named = ("resume",) if checkpoint is not None else ()
+        raise RunFailed(f"run failed: {first_line} (full error in {failure_log}); {resume}", *named) from None
     return tail.records

@@ -13,22 +13,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from nereus.runtime.rl.scoring import Scored
 from nereus.runtime.rl.tasks import CharTokenizer
 
 
 def sample_records(
-    step: int,
-    prompts: list[list[int]],
-    responses: list[list[int]],
-    log_probs: torch.Tensor,
-    rewards: torch.Tensor,
-    scores: torch.Tensor,
-    count: int,
+    step: int, prompts: list[list[int]], responses: list[list[int]], scored: Scored, count: int
 ) -> list[dict[str, Any]]:
-    """The first `count` samples of a step. `log_probs` [rows, t] is token-aligned over the
-    rollout batch: prompts left-padded to the widest, responses after it."""
+    """The first `count` samples of a step. The log-probs are token-aligned over the rollout
+    batch: prompts left-padded to the widest, responses after it."""
     tokenizer = CharTokenizer()
     width = max(len(prompt) for prompt in prompts)
     records = []
@@ -42,9 +35,9 @@ def sample_records(
                 "response": tokenizer.decode(response),
                 "prompt_ids": prompts[row],
                 "response_ids": response,
-                "logprobs": log_probs[row, width : width + len(response)].tolist(),
-                "reward": float(rewards[row]),
-                "score": float(scores[row]),
+                "logprobs": scored.old_log_probs[row, width : width + len(response)].tolist(),
+                "reward": float(scored.scores[row]),
+                "score": float(scored.rule_scores[row]),
             }
         )
     return records
