@@ -126,7 +126,7 @@ def critic_from_actor(actor: Engine, folder: Path) -> bool:
     kept = load_engine(critic, folder)
     heads = {"value_head.weight", "value_head.bias"}
     same = all(torch.equal(p, actor.params[n]) for n, p in critic.params.items() if n not in heads)
-    return same and (set(kept) == heads if critic.stage.is_last else kept == [])
+    return same and (set(kept) == heads if critic.pipeline_stage.is_last else kept == [])
 
 
 @pytest.mark.multiprocess
