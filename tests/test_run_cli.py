@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import shutil
 import signal
@@ -21,6 +20,7 @@ import yaml
 
 from nereus.runtime.checkpoint import verify_checkpoint
 from nereus.runtime.rl.config import RLConfig
+from nereus.runtime.rl.controller import read_run_state
 from nereus.runtime.rl.setup import finished_checkpoints, memory_problems, read_metrics, state_bytes_by_rank
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
@@ -382,12 +382,13 @@ def test_trace_lengths_timeline_and_controller_state_survive_a_resume(tmp_path: 
         assert all(s["end"] >= s["start"] for s in spans)
     events = json.loads((out / "timeline.json").read_text())["traceEvents"]
     assert {e["name"] for e in events if e.get("ph") == "X"} >= {"actor/generation", "step-000006"}
-    state = pickle.loads((out / "checkpoints" / "step-000006" / "controller.pkl").read_bytes())
+    state = read_run_state(out / "checkpoints" / "step-000006" / "controller.json")
     # Steps 1, 2, 4, 5 calibrate (each process's first step is warm-up): 2 of them before the resume.
     # Under a plan that keeps rank 0 out of generation, step 5's update waits in the checkpoint.
     pending = state.predictor.pending
+    assert state.predictor.calibrator is not None and state.controller is not None
     assert state.predictor.calibrator.num_updates + (pending is not None) == 4
-    assert pending is None or pending[1].step == 5
+    assert pending is None or pending.metrics["step"] == 5
     assert state.controller.plan == load_document(out / "checkpoints" / "step-000006" / "plan.yaml")
 
 
@@ -404,9 +405,10 @@ def test_with_generation_off_rank_0_each_online_update_runs_in_the_next_steps_ge
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
     out = tmp_path / "out"
     assert invoke("run", config, "--out", out).exit_code == 0
-    state = pickle.loads((out / "checkpoints" / "step-000004" / "controller.pkl").read_bytes())
+    state = read_run_state(out / "checkpoints" / "step-000004" / "controller.json")
+    assert state.predictor.calibrator is not None
     assert state.predictor.calibrator.num_updates == 2  # steps 1 and 2 (step 0 is warm-up)
-    assert state.predictor.pending is not None and state.predictor.pending[1].step == 3
+    assert state.predictor.pending is not None and state.predictor.pending.metrics["step"] == 3
     spans = [json.loads(line) for line in (out / "timeline" / "rank-0.jsonl").read_text().splitlines()]
     generation = {s["step"]: s for s in spans if s["name"] == "actor/generation"}
     idle = [s for s in spans if s["name"] == "calibrate (idle)"]

@@ -29,7 +29,7 @@ class NereusGroup(TyperGroup):
                 raise
             for line in getattr(exc, "problems", [str(exc)]):
                 typer.echo(f"error: {line}", err=True)
-            raise typer.Exit(1) from None
+            raise typer.Exit(getattr(exc, "exit_code", 1)) from None
         except BrokenPipeError:  # output piped into `head`: stop quietly
             sys.stderr.close()
             raise typer.Exit(0) from None

@@ -90,7 +90,7 @@ def parse_data(text: str, source: str) -> Any:
     try:
         if source.endswith(".json"):
             return json.loads(text, object_pairs_hook=_reject_duplicate_json_keys)
-        return yaml.load(text, Loader=_StrictLoader)
+        return yaml.load(text, Loader=_StrictLoader)  # safe: _StrictLoader is a SafeLoader subclass
     except RecursionError:
         raise SpecError([f"{source}: nested too deeply to be a nereus file"]) from None
     except (yaml.YAMLError, ValueError) as exc:

@@ -14,24 +14,36 @@ steps before it, puts the prediction beside the measurement in metrics.jsonl, an
 the step into the online calibration: at once, or, when the plan gives rank 0 no part in
 generation, during the next step's generation (then the controller plans with the
 calibration of all steps but the last).
-Both are pickled into every checkpoint, so a resumed run decides as the uninterrupted one.
+Both are saved as data (`RunStateData`, JSON) into every checkpoint, so a resumed run predicts
+and decides as the uninterrupted one; nothing in a checkpoint is unpickled or evaluated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from nereus.cost.calibration import Calibration
 from nereus.cost.fit import STEP_KEY, measured_plan, predict
-from nereus.cost.online import OnlineCalibrator
+from nereus.cost.online import CalibratorState, OnlineCalibrator
 from nereus.errors import NereusError
 from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.setup import DECISIONS_NAME, Move, plan_problems
-from nereus.solver.policy import Observation, Replanner, make_policy, record_to_data
+from nereus.solver.policy import (
+    Observation,
+    PolicyState,
+    Replanner,
+    make_policy,
+    policy_state,
+    record_to_data,
+    restore_policy,
+)
+from nereus.spec.base import StrictModel
 from nereus.spec.plan import Plan
 from nereus.spec.trace import Conditions, Trace, trace_conditions
 from nereus.spec.workload import ResponseLengths
@@ -41,6 +53,36 @@ EFFICIENCY_WINDOW = 5
 #: Relative change of the running plan's predicted step time past which the controller plans
 #: with the refitted calibration (smaller refits leave its plans and efficiency history alone).
 RECALIBRATE_CHANGE = 0.1
+
+
+class PredictionState(StrictModel):
+    """The Predictor's last prediction and what it priced."""
+
+    plan: Plan
+    prompt_len: int
+    response_len_max: int
+    calibration: Calibration
+    predicted: dict[str, float]
+    """Seconds per predicted key."""
+
+
+class PendingState(StrictModel):
+    """A finished step whose online update waits for the next step."""
+
+    plan: Plan
+    metrics: dict[str, Any]
+    """The step's StepMetrics as metrics.jsonl holds them."""
+
+
+class PredictorState(StrictModel):
+    """A Predictor between steps, as data."""
+
+    calibration: Calibration
+    """The calibration the next step is predicted with."""
+    calibrator: CalibratorState | None
+    """The online calibrator (None: online calibration off)."""
+    last: PredictionState | None
+    pending: PendingState | None
 
 
 class Predictor:
@@ -91,6 +133,38 @@ class Predictor:
             self.pending = None
             self.update(plan, metrics)
 
+    def state(self) -> PredictorState:
+        """The predictor as data (`from_state` rebuilds it)."""
+        last = pending = None
+        if self.last is not None:
+            plan, prompt_len, response_len_max, calibration, predicted = self.last
+            last = PredictionState(
+                plan=plan,
+                prompt_len=prompt_len,
+                response_len_max=response_len_max,
+                calibration=calibration,
+                predicted=dict(predicted),
+            )
+        if self.pending is not None:
+            pending = PendingState(plan=self.pending[0], metrics=dataclasses.asdict(self.pending[1]))
+        calibrator = self.calibrator.state() if self.calibrator is not None else None
+        return PredictorState(calibration=self.calibration, calibrator=calibrator, last=last, pending=pending)
+
+    @classmethod
+    def from_state(
+        cls, state: PredictorState, config: RLConfig, metrics_from_data: Callable[[dict[str, Any]], Any]
+    ) -> Predictor:
+        """The predictor `state` describes; `metrics_from_data` rebuilds a queued step's metrics."""
+        predictor = cls(state.calibration, False, config)
+        if state.calibrator is not None:
+            predictor.calibrator = OnlineCalibrator.from_state(state.calibrator)
+        if state.last is not None:
+            last = state.last
+            predictor.last = (last.plan, last.prompt_len, last.response_len_max, last.calibration, last.predicted)
+        if state.pending is not None:
+            predictor.pending = (state.pending.plan, metrics_from_data(state.pending.metrics))
+        return predictor
+
     def _priced(self, name: str) -> bool:
         # A rule-scored reward runs no model: the cost model's reward/inference has nothing to match.
         return "/" not in name or self.config.runs_engine(name.split("/")[0])
@@ -106,6 +180,21 @@ def measured_lengths(mean: float, longest: int) -> ResponseLengths:
     """A response-length distribution from one step's mean and maximum (tokens, at least 1)."""
     median = max(1, round(mean))
     return ResponseLengths(median=median, p99=max(median, longest), max=max(median, longest))
+
+
+class ControllerState(StrictModel):
+    """A Controller between decisions, as data (the trace, config and run folder come from the run)."""
+
+    plan: Plan
+    """The plan in force."""
+    policy: PolicyState
+    lengths: ResponseLengths
+    """The last measured response lengths."""
+    efficiency: float
+    memory_used: float | None
+    ratios: list[float]
+    """The recent predicted/measured ratios the efficiency is the median of."""
+    recalibrated: bool
 
 
 class Controller:
@@ -136,6 +225,28 @@ class Controller:
         self.ratios: deque[float] = deque(maxlen=EFFICIENCY_WINDOW)
         self.recalibrated = False
         """The replanner took a new calibration since the last decision."""
+
+    def state(self) -> ControllerState:
+        """The controller as data (`restore` puts it back)."""
+        return ControllerState(
+            plan=self.plan,
+            policy=policy_state(self.policy),
+            lengths=self.lengths,
+            efficiency=self.efficiency,
+            memory_used=self.memory_used,
+            ratios=list(self.ratios),
+            recalibrated=self.recalibrated,
+        )
+
+    def restore(self, state: ControllerState) -> None:
+        """Go on from `state` (saved by a controller of the same policy); ValueError when it does not fit."""
+        restore_policy(self.policy, state.policy)
+        self.plan = state.plan
+        self.lengths = state.lengths
+        self.efficiency = state.efficiency
+        self.memory_used = state.memory_used
+        self.ratios = deque(state.ratios, maxlen=EFFICIENCY_WINDOW)
+        self.recalibrated = state.recalibrated
 
     def resumed(self, plan: Plan, out: Path) -> None:
         """Go on from a checkpoint: the plan in force is the one it saved (a restart's
@@ -225,3 +336,48 @@ class Controller:
             record["runtime"] = refusal
         with self.log_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
+
+
+#: The `format` of a run checkpoint's run-state file.
+RUN_STATE_FORMAT: Literal["nereus-run-state"] = "nereus-run-state"
+
+
+class RunStateData(StrictModel):
+    """Rank 0's run state inside a run checkpoint (controller.json): plain JSON, validated on read."""
+
+    format: Literal["nereus-run-state"] = RUN_STATE_FORMAT
+    """Always `nereus-run-state`."""
+    version: Literal[1] = 1
+    """Schema version; this release reads 1."""
+    predictor: PredictorState
+    controller: ControllerState | None
+    """None for a run without a trace (no controller)."""
+    plan_index: int
+    """Plan changes so far (metrics' plan_index)."""
+
+
+def read_run_state(path: Path) -> RunStateData:
+    """The validated run state at `path`; NereusError naming the file and the field otherwise."""
+    from pydantic import ValidationError
+
+    from nereus.spec.io import format_loc
+
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as error:
+        raise NereusError(f"{path}: unreadable ({error}); the checkpoint is damaged") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise NereusError(
+            f"{path}: not valid JSON ({error.msg} at line {error.lineno}); the checkpoint is damaged"
+        ) from None
+    if not isinstance(raw, dict) or raw.get("format") != RUN_STATE_FORMAT:
+        raise NereusError(f"{path}: format: must be {RUN_STATE_FORMAT!r}; not a nereus run state")
+    if raw.get("version") != 1:
+        raise NereusError(f"{path}: version: {raw.get('version')!r} is not one this nereus reads (1)")
+    try:
+        return RunStateData.model_validate_json(text)
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise NereusError(f"{path}: {format_loc(first['loc'])}: {first['msg']}; the checkpoint is damaged") from None
