@@ -25,6 +25,7 @@ two one-thread ranks on two cores really use one core each.
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import sys
@@ -185,14 +186,18 @@ def spawn(
         with _rank_environment(huge_pages, num_threads):
             context = mp.start_processes(_child, args=child_args, nprocs=world_size, join=False, start_method="spawn")
         failure = None
+        stopped: set[int] = set()  # ranks seen stopped (SIGSTOP): torch kills them once another fails
         try:
-            while not context.join(timeout=0.1, grace_period=FAILURE_GRACE_S):
+            for tick in itertools.count():
+                if context.join(timeout=0.1, grace_period=FAILURE_GRACE_S):
+                    break
+                if tick % 10 == 9:
+                    stopped |= {rank for rank, process in enumerate(context.processes) if _stopped(process.pid)}
                 if on_wait is not None:
                     on_wait()
         except ProcessException as error:
             failure = error
         finally:
-            silent = _silent_ranks(context.processes, Path(folder)) if failure is not None else {}
             for process in context.processes:  # e.g. on KeyboardInterrupt in the parent
                 if process.is_alive():
                     process.kill()
@@ -206,12 +211,12 @@ def spawn(
     failures = [f"rank {rank}: {message}" for _, rank, message in raised]
     if failure is not None and outcomes[failure.error_index] is None:
         failures.insert(0, f"rank {failure.error_index}: {_exit_description(failure)}")
-    if silent and all(_timed_out(message) for _, _, message in raised):
+    first = failure.error_index if failure is not None else None
+    silent = [rank for rank, outcome in outcomes.items() if outcome is None and rank != first]
+    if silent and raised and all(_timed_out(message) for _, _, message in raised):
         # The others gave up waiting on these: they are the cause, not the ranks that timed out.
         waited = f"{timeout.total_seconds():g} s"
-        failures[:0] = [
-            f"rank {rank}: {state}; the other ranks waited {waited} for it" for rank, state in silent.items()
-        ]
+        failures[:0] = [f"rank {rank}: {_silence(rank in stopped)}; the others waited {waited}" for rank in silent]
     if not failures and None in outcomes.values():
         failures = [f"rank {min(r for r, o in outcomes.items() if o is None)}: ended without a result"]
     if failures:
@@ -239,13 +244,8 @@ def _rank_environment(huge_pages: bool, num_threads: int) -> Iterator[None]:
             os.environ.pop(name, None)
 
 
-def _silent_ranks(processes: list[Any], folder: Path) -> dict[int, str]:
-    """Ranks still alive without a result once another has failed: stopped or stuck."""
-    silent = {}
-    for rank, process in enumerate(processes):
-        if process.is_alive() and not (folder / f"result-{rank}.pkl").exists():
-            silent[rank] = "stopped by a signal (SIGSTOP?)" if _stopped(process.pid) else "hung (alive, not responding)"
-    return silent
+def _silence(stopped: bool) -> str:
+    return "stopped by a signal (SIGSTOP) and did not respond" if stopped else "hung (alive, not responding)"
 
 
 def _stopped(pid: int) -> bool:
