@@ -55,3 +55,22 @@ class Cluster(Document):
     def node_of(self, gpu: int) -> int:
         """The node that holds GPU id `gpu`."""
         return gpu // self.gpus_per_node
+
+
+def _shape_fields(cluster: Cluster) -> dict[str, object]:
+    """What a pool change keeps: everything but the name and the node count."""
+    return cluster.model_dump(exclude={"name", "num_nodes"})
+
+
+def cluster_mismatch(a: Cluster, b: Cluster) -> list[str]:
+    """The fields (besides name and node count) in which two clusters differ."""
+    shape_a, shape_b = _shape_fields(a), _shape_fields(b)
+    return [name for name in shape_a if shape_a[name] != shape_b[name]]
+
+
+def larger_pool(a: Cluster, b: Cluster) -> Cluster | None:
+    """The larger of two clusters of the same GPU kind, node shape and links that differ only
+    in node count (the smaller one is then its first nodes: GPU ids agree); None otherwise."""
+    if cluster_mismatch(a, b) or a.num_nodes == b.num_nodes:
+        return None
+    return a if a.num_nodes > b.num_nodes else b
