@@ -7,8 +7,10 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from nereus.cli.app import app
@@ -161,6 +163,43 @@ def test_stale_predictions_warn_and_fail_strict(plan_file: Path, tmp_path: Path)
     strict = invoke("check", "--strict", str(path))
     assert strict.exit_code == 1, strict.output
     assert "warning: stale" in strict.stdout
+
+
+def _edited(plan_file: Path, tmp_path: Path, edit: Any) -> Path:
+    data = yaml.safe_load(plan_file.read_text())
+    edit(data["predictions"])
+    path = tmp_path / "edited.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_any_stored_prediction_that_differs_warns_and_fails_strict(plan_file: Path, tmp_path: Path) -> None:
+    """Not only the step time and each model-stage's total: every stored number is recomputed."""
+    stage = "actor/training"
+
+    def edit(predictions: dict[str, Any]) -> None:
+        breakdown = predictions["model_stages"][stage]["memory_breakdown_bytes"]
+        breakdown["optimizer"] += 1
+        predictions["step_breakdown_s"]["generation"] *= 1.01
+        predictions["model_stages"][stage]["time_breakdown_s"]["invented"] = 1.0
+
+    path = _edited(plan_file, tmp_path, edit)
+    result = invoke("check", str(path))
+    assert result.exit_code == 0, result.output
+    assert f"{stage}.memory_breakdown_bytes.optimizer: warning: stale: stored " in result.stdout
+    assert "predictions.step_breakdown_s.generation: warning: stale: stored" in result.stdout
+    assert f"predictions.model_stages.{stage}.time_breakdown_s.invented: warning: stale: stored, but" in result.stdout
+    assert result.stdout.count("warning: stale") == 3, result.stdout
+    assert invoke("check", "--strict", str(path)).exit_code == 1
+
+
+def test_a_negative_byte_count_in_predictions_is_an_error(plan_file: Path, tmp_path: Path) -> None:
+    def edit(predictions: dict[str, Any]) -> None:
+        predictions["model_stages"]["actor/training"]["memory_breakdown_bytes"]["optimizer"] = -1
+
+    result = invoke("check", str(_edited(plan_file, tmp_path, edit)))
+    assert result.exit_code == 1, result.output
+    assert "memory_breakdown_bytes.optimizer" in result.stdout and "greater than or equal to 0" in result.stdout
 
 
 def test_plan_cli_does_not_import_torch(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, NonNegativeFloat, NonNegativeInt
 
 from nereus.spec.base import Document, StrictModel
 
@@ -21,17 +21,17 @@ class ScheduleModel(StrictModel):
     """Model name the ops refer to, e.g. `actor`."""
     microbatches: int = Field(gt=0)
     """Micro-batches of one step over all replicas."""
-    forward: list[float] = Field(min_length=1)
+    forward: list[NonNegativeFloat] = Field(min_length=1)
     """Forward time of one micro-batch per stage (in `time_unit`)."""
-    backward: list[float] = Field(min_length=1)
+    backward: list[NonNegativeFloat] = Field(min_length=1)
     """Backward time per stage (its input-gradient part when `weight_grad` is set)."""
-    weight_grad: list[float] | None = None
+    weight_grad: list[NonNegativeFloat] | None = None
     """Weight-gradient time per stage when the backward is split."""
-    activation: list[float] = Field(min_length=1)
+    activation: list[NonNegativeFloat] = Field(min_length=1)
     """Activation memory one in-flight micro-batch holds per stage (in `memory_unit`)."""
-    replica_nodes: list[list[int]] = Field(min_length=1)
+    replica_nodes: list[list[NonNegativeInt]] = Field(min_length=1)
     """Per replica, the node of each stage."""
-    replica_microbatches: list[list[int]] = Field(min_length=1)
+    replica_microbatches: list[list[NonNegativeInt]] = Field(min_length=1)
     """Per replica, the micro-batch ids it processes."""
 
 
@@ -68,11 +68,11 @@ class ExactSummary(StrictModel):
 
     status: Literal["optimal", "feasible", "infeasible", "unknown"]
     """Of the makespan: optimal certifies that no schedule is faster."""
-    makespan: float | None
+    makespan: NonNegativeFloat | None
     """The exact model's makespan (re-timed with the real durations)."""
-    bound: float | None
+    bound: NonNegativeFloat | None
     """Its lower bound on the optimal makespan."""
-    peak_memory: float | None
+    peak_memory: NonNegativeFloat | None
     """Peak activation memory of its schedule."""
     memory_optimal: bool
     """Its peak memory is the least among the fastest schedules."""
@@ -100,7 +100,7 @@ class ScheduleSummary(StrictModel):
     """Actor 1F1B, then critic 1F1B, on the same nodes."""
     serial_chimera_makespan: float = Field(ge=0)
     """Actor Chimera-style, then critic Chimera-style."""
-    speedup_vs_serial: float
+    speedup_vs_serial: float = Field(ge=0)
     """serial_1f1b_makespan / makespan."""
     greedy_makespan: float = Field(ge=0)
     """The greedy list schedule the search started from."""
@@ -124,7 +124,7 @@ class Schedule(Document):
     """Pipeline nodes (GPU groups of equal size)."""
     p2p_latency: float = Field(default=0.0, ge=0)
     """Added to every dependency between two different nodes."""
-    activation_cap: float | None = None
+    activation_cap: NonNegativeFloat | None = None
     """Per-node activation memory limit the schedule respects; null for none."""
     models: list[ScheduleModel] = Field(min_length=1)
     """The models (actor first) and their placement."""
