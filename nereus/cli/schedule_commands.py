@@ -249,7 +249,7 @@ def migrate(
     num_batches: Annotated[
         int, typer.Option("--batches", min=1, help="Sampled batches the threshold is averaged over.")
     ] = 4,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the sampled response lengths.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the sampled response lengths.")] = 0,
     calibration: Annotated[
         Path | None, typer.Option("--calibration", help="Calibration file for the cost model.")
     ] = None,

@@ -27,6 +27,7 @@ from nereus.runtime.rl.config import RunConfig
 from nereus.runtime.rl.controller import DECISIONS_NAME
 from nereus.runtime.rl.setup import CHECKPOINTS_NAME, CONFIG_NAME, METRICS_NAME, PLAN_NAME, switch_plan_name
 from nereus.runtime.timeline import TIMELINE_NAME
+from nereus.spec.io import read_utf8
 
 #: stage_seconds entries that are plan changes before the step, not part of it.
 MOVE_ACTIONS = ("transition", "restart")
@@ -113,7 +114,7 @@ def _seconds_map(value: Any, where: str, key: str) -> dict[str, float]:
 def _json_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
     """(where, object) per non-blank line; `where` names the file and line for errors."""
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
+    for number, line in enumerate(read_utf8(path).splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}: line {number}"

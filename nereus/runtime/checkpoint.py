@@ -42,7 +42,7 @@ from nereus.runtime.sharded_state import (
     torch_dtype,
 )
 from nereus.spec.base import StrictModel
-from nereus.spec.io import one_line
+from nereus.spec.io import one_line, read_utf8
 from nereus.spec.model import Head, Model
 
 if TYPE_CHECKING:
@@ -309,7 +309,7 @@ def read_index(path: str | Path) -> CheckpointIndex:
     index_path = Path(path) / INDEX_NAME
     if not index_path.is_file():
         raise NereusError(f"{index_path}: missing; {path} is not a finished nereus checkpoint")
-    text = index_path.read_text()
+    text = read_utf8(index_path)
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as error:

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from nereus.errors import SpecError
+from nereus.errors import NereusError, SpecError
 from nereus.spec.base import Document
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
@@ -243,6 +243,16 @@ def save_document(document: Document, path: str | Path) -> None:
     write_text_atomic(path, text)
 
 
+def read_utf8(path: Path) -> str:
+    """A text file nereus wrote (a run folder's logs, a checkpoint index), or a NereusError
+    naming it when its bytes are not UTF-8 (a damaged file)."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise NereusError(f"{path}: not UTF-8 text (bad byte at offset {exc.start}); the file is damaged") from None
+
+
 def keep_json_lines(path: Path, keep: Callable[[Any], bool]) -> None:
     """Rewrite a JSON-lines file atomically with the records `keep` accepts; a line that does
     not parse, or that `keep` cannot read (KeyError, TypeError), is dropped: it is what a kill
@@ -250,7 +260,8 @@ def keep_json_lines(path: Path, keep: Callable[[Any], bool]) -> None:
     if not path.is_file():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    # A damaged byte makes its line unparseable, so that line is dropped like a cut one.
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
             if keep(json.loads(line)):
                 kept.append(line + "\n")

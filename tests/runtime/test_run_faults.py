@@ -102,6 +102,7 @@ def truncate(path: Path) -> None:
         (Path.unlink, "plan.yaml", "plan.yaml: missing"),
         (flip_byte, "controller.json", "controller.json: sha256 differs"),
         (Path.unlink, "actor/index.json", "index.json: missing"),
+        (flip_byte, "critic/index.json", "index.json: not UTF-8 text"),
     ],
 )
 def test_a_damaged_newest_checkpoint_is_named_and_refused(

@@ -34,7 +34,7 @@ from nereus.cost.calibration import Calibration
 from nereus.errors import NereusError
 from nereus.runtime import timeline
 from nereus.runtime.rl.config import RLConfig, RunConfig
-from nereus.spec.io import keep_json_lines, load_document, save_document, write_text_atomic
+from nereus.spec.io import keep_json_lines, load_document, read_utf8, save_document, write_text_atomic
 from nereus.spec.plan import Plan
 from nereus.spec.trace import Trace
 
@@ -340,6 +340,7 @@ def resume_run(
         plan = stored
     num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
     _check_plan(plan, str(plan_path or out / PLAN_NAME), num_ranks, config.rl)
+    read_metrics(out)  # a damaged metrics file is refused here, before anything is written
     checkpoint, damaged = resumable_checkpoint(out, from_previous)
     start_step = 0 if checkpoint is None else checkpoint_step(checkpoint)
     if start_step >= config.num_steps:
@@ -505,7 +506,7 @@ def read_metrics(out: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     records = []
-    text = path.read_text()
+    text = read_utf8(path)
     # A last line without its newline is an append a kill interrupted: that step did not finish.
     complete = text[: text.rfind("\n") + 1]
     for number, line in enumerate(complete.splitlines(), start=1):
