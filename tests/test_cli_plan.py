@@ -223,3 +223,25 @@ def test_plan_cli_does_not_import_torch(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "NO-TORCH"
     assert out.is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--gpus", "1000000"], "cluster preset 'h100': 1000000 GPUs; nereus handles clusters of at most 16384"),
+        (["--cluster", "h100-99999x8"], "799992 GPUs; nereus handles clusters of at most 16384"),
+    ],
+)
+def test_a_cluster_too_large_to_search_is_refused_at_once(args: list[str], expected: str) -> None:
+    """Found by the careless-input test: these searched for minutes (or overflowed) before."""
+    assert_one_line_error(invoke("plan", *args), expected)
+
+
+def test_a_cluster_file_too_large_is_a_schema_error(tmp_path: Path) -> None:
+    data = yaml.safe_load((Path(__file__).parent.parent / "examples" / "cluster-h100-2x8.yaml").read_text())
+    data["gpus_per_node"] = 10**30
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert_one_line_error(
+        invoke("plan", "--cluster", str(path)), "gpus_per_node: Input should be less than or equal to 16384"
+    )

@@ -348,6 +348,21 @@ test_trace_generate = careless(
     ).map(lambda t: [t[0], "--steps", "30", *t[1]]),
     output="trace.yaml",
 )
+test_simulate = careless(
+    "simulate",
+    st.tuples(
+        careless_file(TRACE, "t.yaml", (PLAN,)),
+        plan_file("p.yaml", DATA / "plan-tiny-ppo-2rank.yaml"),
+        options(
+            policy=st.sampled_from(["nereus", "fixed", "dynarl", "periodic:2", "periodic:0", "x"]),
+            compare=st.just(True),
+            noise=junk_text(),
+            seed=junk_text(),
+            json=st.just(True),
+            log=st.just(FileArg("log.json", None)),
+        ),
+    ).map(lambda t: [t[0], "--plan", t[1], *t[2]]),
+)
 test_trace_show = careless(
     "trace show",
     st.tuples(careless_file(TRACE, "t.yaml", (PLAN,)), options(json=st.just(True))).map(lambda t: [t[0], *t[1]]),
