@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -40,6 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from _record import begin, write_result
 
 from nereus.runtime.dist import spawn
 from nereus.runtime.generate import CachedForward, Decoder, SamplingConfig
@@ -203,6 +203,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and sampling")
     args = parser.parse_args()
+    recording = begin()
     args.thresholds = [float(t) for t in args.thresholds.split(",")]
     plan = bench_plan(args)
     lengths = imposed_lengths(plan, args.seed)
@@ -284,8 +285,7 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS, result, recording, {"rollout_s": measured["times"]})
     print(f"wrote {RESULTS}")
 
 

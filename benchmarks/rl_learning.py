@@ -12,12 +12,13 @@ benchmarks/results/rl_learning.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from _record import begin, write_result
 
 from nereus.runtime.dist import spawn
 from nereus.runtime.rl.config import RLConfig, RunConfig
@@ -81,6 +82,7 @@ def main() -> None:
     parser.add_argument("--algorithms", nargs="+", default=["ppo", "grpo"], choices=["ppo", "grpo", "remax"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    recording = begin()
     config = RLConfig(task="sort", seed=args.seed)
     results = [run(algorithm, args.steps, config) for algorithm in args.algorithms]
     for result in results:
@@ -93,11 +95,9 @@ def main() -> None:
             f"{result['algorithm']:<10}{result['steps']:>6}{result['reward_first10']:>9.3f}"
             f"{result['reward_last10']:>9.3f}{result['wall_s']:>8.1f}  {stages}"
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
     record = {"config": config.model_dump(), "num_ranks": NUM_RANKS, "machine": platform.platform(), "runs": results}
-    tmp = RESULTS.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(RESULTS)
+    # One deterministic run per algorithm: its per-step rewards are the raw numbers.
+    write_result(RESULTS, record, recording, {"reward": {r["algorithm"]: r["rewards"] for r in results}})
 
 
 if __name__ == "__main__":

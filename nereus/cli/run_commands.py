@@ -18,7 +18,7 @@ from nereus.errors import NereusError
 
 if TYPE_CHECKING:
     from nereus.runtime.rl.setup import RunSetup
-    from nereus.runtime.rl.step import StepMetrics
+    from nereus.spec.run_folder import StepMetrics
 
 #: Model-stages shown in the progress line, with their short names.
 SHOWN_STAGES = {
@@ -99,7 +99,7 @@ class RunSummary:
 
 
 def summarize(setup: RunSetup, records: list[StepMetrics], wall_s: float) -> RunSummary:
-    from nereus.runtime.rl.setup import latest_checkpoint, read_metrics
+    from nereus.spec.run_folder import latest_checkpoint, read_metrics
 
     rewards = [record["reward"] for record in read_metrics(setup.out)]
     first = statistics.mean(rewards[:10]) if rewards else None
@@ -195,19 +195,14 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Run RL post-training under a plan on local ranks (gloo on CPU, NCCL on GPUs)."""
-    from nereus.runtime.rl.setup import DamagedCheckpoint, new_run, resume_run
+    from nereus.runtime.rl.setup import new_run, resume_run
 
     if resume is not None:
         if config_file is not None or out is not None or trace is not None or policy is not None:
             raise NereusError(
                 "--resume DIR continues the run in DIR as it was set up: drop CONFIG, --out, --trace, --policy"
             )
-        try:
-            setup = resume_run(resume, plan_file, num_ranks, num_steps, from_previous)
-        except DamagedCheckpoint as error:
-            if from_previous:
-                raise
-            raise NereusError(f"{error}; pass --resume-from-previous to continue from an older valid one") from None
+        setup = resume_run(resume, plan_file, num_ranks, num_steps, from_previous)
         for folder in setup.damaged:
             typer.echo(f"set aside damaged checkpoint {folder.name} (in {resume}/damaged-checkpoints)", err=True)
     elif from_previous:

@@ -164,7 +164,6 @@ def fuse(
 
 
 def _plan_models(path: Path, calibration: Path | None) -> tuple[ModelTimes, ModelTimes, float]:
-    import nereus.cost  # noqa: F401  (registers the cost model's plan checks)
     from nereus.cli.inputs import load_kind
     from nereus.cost.calibration import Calibration
     from nereus.solver.pipeline.from_plan import plan_pipelines
@@ -256,7 +255,6 @@ def migrate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Simulate generation with long-tail migration; sweep the threshold 5%..95%; report the best."""
-    import nereus.cost  # noqa: F401  (registers the cost model's plan checks)
     from nereus.cli.inputs import load_kind
     from nereus.cost.calibration import Calibration
     from nereus.solver.migration import generation_profile, sweep_thresholds

@@ -29,6 +29,8 @@ from hypothesis import strategies as st
 from tests.cli_helpers import invoke, one_error_line
 from tests.run_helpers import write_config
 
+pytestmark = pytest.mark.cli
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 EXAMPLES_DIR = ROOT / "examples"
 DATA = ROOT / "tests" / "data"
@@ -444,15 +446,18 @@ _fit = careless(
 )
 
 
+@pytest.mark.multiprocess
 def test_run(finished_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     stop_before_work(monkeypatch)
     _run()
 
 
+@pytest.mark.multiprocess
 def test_report(finished_run: Path) -> None:
     _report()
 
 
+@pytest.mark.multiprocess
 def test_fit(finished_run: Path) -> None:
     _fit()
 
@@ -460,6 +465,7 @@ def test_fit(finished_run: Path) -> None:
 # ---- regressions the careless inputs found ----
 
 
+@pytest.mark.multiprocess
 def test_report_and_resume_name_a_file_that_is_not_utf8(finished_run: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     shutil.copytree(finished_run, out)

@@ -11,10 +11,12 @@ from nereus.cost.calibration import Calibration
 from nereus.errors import NereusError
 from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.controller import Controller, Predictor, RunStateData, read_run_state
-from nereus.runtime.rl.step import StepMetrics
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
+from nereus.spec.run_folder import StepMetrics
 from nereus.spec.trace import Trace
+
+pytestmark = pytest.mark.logic
 
 DATA = Path(__file__).parent.parent / "data"
 

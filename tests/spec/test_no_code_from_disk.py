@@ -7,7 +7,11 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 import nereus
+
+pytestmark = pytest.mark.logic
 
 PACKAGE = Path(nereus.__file__).parent
 #: Calls that can run code from their input.

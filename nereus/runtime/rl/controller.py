@@ -33,7 +33,7 @@ from nereus.cost.fit import STEP_KEY, measured_plan, predict
 from nereus.cost.online import CalibratorState, OnlineCalibrator
 from nereus.errors import NereusError
 from nereus.runtime.rl.config import RLConfig
-from nereus.runtime.rl.setup import DECISIONS_NAME, Move, plan_problems
+from nereus.runtime.rl.setup import Move, plan_problems
 from nereus.solver.policy import (
     Observation,
     PolicyState,
@@ -45,6 +45,7 @@ from nereus.solver.policy import (
 )
 from nereus.spec.base import StrictModel
 from nereus.spec.plan import Plan
+from nereus.spec.run_folder import DECISIONS_NAME
 from nereus.spec.trace import Conditions, Trace, trace_conditions
 from nereus.spec.workload import ResponseLengths
 

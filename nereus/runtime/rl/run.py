@@ -30,33 +30,16 @@ import torch
 import torch.distributed as dist
 
 from nereus.cost.calibration import Calibration
-from nereus.errors import NereusError
+from nereus.errors import ArgumentError, NereusError
 from nereus.runtime import arena, host_collectives, shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import device, spawn
 from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.controller import Controller, Predictor, RunStateData, prediction_fields, read_run_state
 from nereus.runtime.rl.reward_model import fit_reward_model
-from nereus.runtime.rl.setup import (
-    CHECKPOINT_STATE_NAME,
-    CHECKPOINTS_NAME,
-    CONTROLLER_STATE_NAME,
-    FAILURE_NAME,
-    METRICS_NAME,
-    PLAN_NAME,
-    Move,
-    RunSetup,
-    Switch,
-    checkpoint_folder,
-    finished_checkpoints,
-    latest_checkpoint,
-    prepare_folder,
-    seal_manifest,
-    state_bytes_by_rank,
-)
+from nereus.runtime.rl.setup import Move, RunSetup, Switch, prepare_folder, seal_manifest, state_bytes_by_rank
 from nereus.runtime.rl.step import (
     Stage,
-    StepMetrics,
     build_stages,
     engine_state,
     rl_step,
@@ -69,6 +52,19 @@ from nereus.runtime.sharded_state import gather, state_meta
 from nereus.runtime.transition_executor import ReplicaState, execute_transition
 from nereus.spec.io import save_document, write_text_atomic
 from nereus.spec.plan import Plan
+from nereus.spec.run_folder import (
+    CHECKPOINT_STATE_NAME,
+    CHECKPOINTS_NAME,
+    CONTROLLER_STATE_NAME,
+    FAILURE_NAME,
+    METRICS_NAME,
+    PLAN_NAME,
+    MetricsTail,
+    StepMetrics,
+    checkpoint_folder,
+    finished_checkpoints,
+    latest_checkpoint,
+)
 from nereus.spec.trace import trace_conditions
 
 #: Model-stages whose state (`state_families`) a checkpoint holds: the trained models and the
@@ -385,31 +381,7 @@ def restore(stages: dict[str, Stage], checkpoint: Path, rank: int) -> None:
         stage.engine.load_local_state(loaded.tensors, loaded.step)
 
 
-class MetricsTail:
-    """Reads the records a run appends to metrics.jsonl, complete lines only."""
-
-    def __init__(self, path: Path, on_step: Callable[[StepMetrics], None] | None) -> None:
-        self.path = path
-        self.on_step = on_step
-        self.offset = path.stat().st_size if path.exists() else 0
-        self.records: list[StepMetrics] = []
-
-    def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with self.path.open("rb") as handle:
-            handle.seek(self.offset)
-            chunk = handle.read()
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        self.offset += len(complete)
-        for line in complete.decode().splitlines():
-            metrics = StepMetrics(**json.loads(line))
-            self.records.append(metrics)
-            if self.on_step is not None:
-                self.on_step(metrics)
-
-
-class RunFailed(NereusError):
+class RunFailed(ArgumentError):
     """A rank failed; the message says which, where the full error is, and how to resume."""
 
 
@@ -426,7 +398,7 @@ def launch(setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None
     rank within seconds; RunFailed then names it and the checkpoint to resume from.
     """
     prepare_folder(setup)
-    tail = MetricsTail(setup.out / METRICS_NAME, on_step)
+    tail = MetricsTail(setup.out, on_step)
     timeout = timedelta(seconds=setup.config.collective_timeout_s)
     try:
         spawn(run_rank, setup.num_ranks, setup, on_wait=tail.poll, timeout=timeout)
@@ -445,9 +417,10 @@ def _failed(setup: RunSetup, error: str, kind: type[RunFailed]) -> RunFailed:
     failure_log.write_text(error + "\n")
     checkpoint = latest_checkpoint(setup.out)
     resume = (
-        f"resume from {checkpoint.name} with `nereus run --resume {setup.out}`"
+        f"resume from {checkpoint.name} with `resume` {setup.out}"
         if checkpoint is not None
         else "no checkpoint was taken yet"
     )
+    named = ("resume",) if checkpoint is not None else ()
     what = "interrupted" if kind is RunInterrupted else "failed"
-    return kind(f"run {what}: {error.splitlines()[0]} (full error in {failure_log}); {resume}")
+    return kind(f"run {what}: {error.splitlines()[0]} (full error in {failure_log}); {resume}", *named)

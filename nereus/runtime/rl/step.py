@@ -24,7 +24,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,6 +59,7 @@ from nereus.runtime.sharded_state import state_meta
 from nereus.runtime.tensor_parallel import TensorParallel
 from nereus.spec.model import Head, Model
 from nereus.spec.plan import Fusion, Plan, StagePlan
+from nereus.spec.run_folder import StepMetrics
 from nereus.spec.workload import Role
 
 if TYPE_CHECKING:
@@ -70,40 +71,6 @@ WEIGHT_SYNCS = (
     ("actor/training", "actor/inference"),
     ("critic/training", "critic/inference"),
 )
-
-
-@dataclass(frozen=True)
-class StepMetrics:
-    """What one RL step measured (identical on every rank)."""
-
-    step: int
-    reward: float
-    """Mean reward of the sampled responses (the reward model's, under `reward: model`)."""
-    score: float
-    """Mean rule-based score of the sampled responses (equals `reward` under `reward: rule`)."""
-    kl: float
-    """Mean k1 KL(actor || reference) per response token, at the sampling policy."""
-    response_len_mean: float
-    response_len_min: int
-    response_len_max: int
-    prompt_len: int
-    """Tokens of the left-padded prompts (the longest prompt of the step)."""
-    actor_loss: float
-    """Mean over mini-batches and epochs of the policy loss."""
-    critic_loss: float | None
-    step_seconds: float
-    """Wall time of the whole step (slowest rank)."""
-    stage_seconds: dict[str, float] = field(default_factory=dict)
-    """Wall time per model-stage (slowest rank), plus `advantages` and `weight_sync`."""
-    state_bytes_per_rank: list[int] = field(default_factory=list)
-    """Bytes of parameters, gradients and optimizer moments every rank's engines hold, by rank."""
-    predicted_step_seconds: float | None = None
-    """The cost model's step time for the plan in force at the step's sizes, calibrated on the
-    steps before it (set by the run loop; None where nothing predicted it)."""
-    predicted_stage_seconds: dict[str, float] = field(default_factory=dict)
-    """The same prediction per model-stage (and `weight_sync`)."""
-    plan_index: int = 0
-    """Which plan is in force: 0 for the run's first, +1 at every transition or restart."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from nereus.errors import NereusError
+from nereus.errors import MissingDependency, NereusError
 from nereus.solver.pipeline.evaluate import Evaluation, evaluate
 from nereus.solver.pipeline.model import Instance
 
@@ -52,13 +52,13 @@ def solve_exact(
     """Minimise makespan, then (with `minimise_memory`) peak memory, with CP-SAT within `time_limit_s`."""
     if inst.num_ops > MAX_EXACT_OPS:
         raise NereusError(
-            f"--exact: {inst.num_ops} ops is too many for the exact model (at most {MAX_EXACT_OPS}); "
+            f"{inst.num_ops} ops is too many for the exact pipeline model (at most {MAX_EXACT_OPS}); "
             "use fewer stages or micro-batches"
         )
     try:
         from ortools.sat.python import cp_model
     except ImportError:
-        raise NereusError("--exact needs OR-Tools: pip install 'nereus[exact]' (or ortools)") from None
+        raise MissingDependency("the exact pipeline model", "OR-Tools", "exact") from None
     started = time.perf_counter()
     unit = max(inst.duration) / TIME_STEPS
     duration = [max(1, round(d / unit)) for d in inst.duration]
