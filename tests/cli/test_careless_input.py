@@ -52,6 +52,8 @@ EXAMPLES = {
     "fit": 10,
     "report": 10,
     "run": 10,
+    "export verl": 10,
+    "export openrlhf": 10,
 }
 
 
@@ -364,6 +366,18 @@ test_simulate = careless(
             log=st.just(FileArg("log.json", None)),
         ),
     ).map(lambda t: [t[0], "--plan", t[1], *t[2]]),
+)
+test_export_verl = careless(
+    "export verl",
+    st.tuples(plan_file(), options(format=st.sampled_from(["yaml", "overrides", "toml"]), json=st.just(True))).map(
+        lambda t: [t[0], *t[1]]
+    ),
+    output="verl.yaml",
+)
+test_export_openrlhf = careless(
+    "export openrlhf",
+    st.tuples(plan_file(), options(json=st.just(True))).map(lambda t: [t[0], *t[1]]),
+    output="openrlhf.txt",
 )
 test_trace_show = careless(
     "trace show",
