@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
+from repo_paths import EXAMPLES
 from typer.testing import CliRunner
 
 from nereus.cli.app import app
@@ -240,7 +241,7 @@ def test_a_cluster_too_large_to_search_is_refused_at_once(args: list[str], expec
 
 
 def test_a_cluster_file_too_large_is_a_schema_error(tmp_path: Path) -> None:
-    data = yaml.safe_load((Path(__file__).parent.parent / "examples" / "cluster-h100-2x8.yaml").read_text())
+    data = yaml.safe_load((EXAMPLES / "cluster-h100-2x8.yaml").read_text())
     data["gpus_per_node"] = 10**30
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(data))
