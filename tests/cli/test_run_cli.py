@@ -171,7 +171,8 @@ def test_resume_onto_other_ranks_continues_from_the_same_state(tmp_path: Path) -
 
 def restored_actor_params(rank: int, world_size: int, setup: Any) -> dict[str, Any]:
     from nereus.runtime.rl.run import restore
-    from nereus.runtime.rl.step import build_stages, sync_plans, sync_weights
+    from nereus.runtime.rl.stages import build_stages
+    from nereus.runtime.rl.update import sync_plans, sync_weights
 
     stages = build_stages(setup.plan, setup.config.rl)
     restore(stages, setup.checkpoint, rank)

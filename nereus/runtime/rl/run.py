@@ -38,16 +38,11 @@ from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.controller import Controller, Predictor, RunStateData, prediction_fields, read_run_state
 from nereus.runtime.rl.reward_model import fit_reward_model
 from nereus.runtime.rl.setup import Move, RunSetup, Switch, prepare_folder, seal_manifest, state_bytes_by_rank
-from nereus.runtime.rl.step import (
-    Stage,
-    build_stages,
-    engine_state,
-    rl_step,
-    slowest_rank,
-    sync_plans,
-    sync_weights,
-)
+from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, engine_state
+from nereus.runtime.rl.step import rl_step
 from nereus.runtime.rl.tasks import get_task
+from nereus.runtime.rl.timing import slowest_rank
+from nereus.runtime.rl.update import sync_plans, sync_weights
 from nereus.runtime.sharded_state import gather, state_meta
 from nereus.runtime.transition_executor import ReplicaState, execute_transition
 from nereus.spec.io import save_document, write_text_atomic
@@ -228,8 +223,14 @@ def next_move(setup: RunSetup, state: RunState | None, switches: dict[int, Switc
 
 
 def apply_move(
-    setup: RunSetup, stages: dict[str, Stage], plan: Plan, move: Move, step: int, rank: int, state: RunState | None
-) -> dict[str, Stage]:
+    setup: RunSetup,
+    stages: dict[str, ModelStageRuntime],
+    plan: Plan,
+    move: Move,
+    step: int,
+    rank: int,
+    state: RunState | None,
+) -> dict[str, ModelStageRuntime]:
     """Carry out a plan change: live through its transition DAG, or through a checkpoint."""
     if move.action == "transition":
         return switch_plan(stages, plan, move, setup.config.rl, rank, step > 0, setup.config.verify_transitions)
@@ -243,14 +244,14 @@ def apply_move(
 
 
 def switch_plan(
-    stages: dict[str, Stage],
+    stages: dict[str, ModelStageRuntime],
     plan: Plan,
     switch: Move,
     config: RLConfig,
     rank: int,
     updated: bool = True,
     verify: bool = False,
-) -> dict[str, Stage]:
+) -> dict[str, ModelStageRuntime]:
     """Build the new plan's engines and move every model-stage's state into them through the
     switch's transition DAG (collective); the old engines are dropped. `updated`: the trained
     models have taken an optimizer step (they have AdamW moments). With `verify`, the logical
@@ -284,7 +285,7 @@ def cpu_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: tensor.detach().cpu() for key, tensor in tensors.items()}
 
 
-def logical_digests(stages: dict[str, Stage], families: dict[str, tuple[str, ...]]) -> dict[str, str]:
+def logical_digests(stages: dict[str, ModelStageRuntime], families: dict[str, tuple[str, ...]]) -> dict[str, str]:
     """sha256 of every model-stage's logical state and optimizer step, assembled on rank 0
     from every rank's shards (collective; other ranks get {}). Replicas must agree bitwise."""
     mine = {
@@ -324,7 +325,7 @@ def optimizer_steps(plan: Plan, num_rl_steps: int) -> int:
 
 
 def save_run_checkpoint(
-    setup: RunSetup, plan: Plan, stages: dict[str, Stage], step: int, rank: int, state: RunState | None
+    setup: RunSetup, plan: Plan, stages: dict[str, ModelStageRuntime], step: int, rank: int, state: RunState | None
 ) -> None:
     """Save every trained model, the plan in force and rank 0's run state into
     checkpoints/step-NNNNNN (collective, atomic)."""
@@ -371,7 +372,7 @@ def _seal(folder: Path, target: Path, step: int) -> None:
     fsync_path(target.parent)
 
 
-def restore(stages: dict[str, Stage], checkpoint: Path, rank: int) -> None:
+def restore(stages: dict[str, ModelStageRuntime], checkpoint: Path, rank: int) -> None:
     """Load every saved model's state from `checkpoint` into this rank's shard of it."""
     for name in SAVED_STAGES:
         stage = stages.get(name)
