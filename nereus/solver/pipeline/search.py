@@ -156,24 +156,26 @@ def greedy_schedule(inst: Instance, names: tuple[str, str]) -> Start:
 
 
 #: Forward-backward improvement runs on this many of the best distinct list schedules.
-IMPROVED_STARTS = 4
+IMPROVED_STARTS = 16
 #: Seeds also start from starts at most this much slower (relative) than the fastest.
 RESTART_SLACK = 0.01
 
 
 def starting_schedules(inst: Instance, names: tuple[str, str]) -> tuple[Start, list[Start]]:
-    """The best list schedule, and the annealing starts: the best few list schedules after
-    forward-backward improvement (kept only within the activation cap), fastest first."""
+    """The best list schedule, and the annealing starts: the best distinct list schedules
+    (latency, then memory) after forward-backward improvement (kept only within the
+    activation cap), fastest first. Lean list schedules (1F1B windows, tight caps) often
+    come out of the improvement almost as fast as the fastest at a fraction of its memory."""
     schedules = list_schedules(inst, names)
     cap = inst.problem.activation_cap
     starts: list[Start] = []
-    seen: set[float] = set()
+    seen: set[tuple[float, float]] = set()
     for name, orders, ev in schedules:
         if len(starts) == IMPROVED_STARTS:
             break
-        if ev.makespan in seen:
-            continue  # the same makespan usually means the same schedule: improve distinct ones
-        seen.add(ev.makespan)
+        if (ev.makespan, ev.max_peak_memory) in seen:
+            continue  # the same makespan and peak usually mean the same schedule: improve distinct ones
+        seen.add((ev.makespan, ev.max_peak_memory))
         improved, makespan = forward_backward(inst, orders)
         better = evaluate(inst, improved)
         fits = cap is None or better.max_peak_memory <= cap * (1 + RELATIVE_EPS)
@@ -467,9 +469,11 @@ def _memory_phase(
     movable: list[int],
     iterations: int,
     target_memory: float,
+    origin: Orders | None = None,
 ) -> int:
     """Lower the peak activation of `best` without making it slower than it was on entry;
-    returns the iteration count.
+    returns the iteration count. The walk starts from `origin` (default: `best`), which may
+    be slower: the lateness term brings it back to `best`'s makespan.
 
     The walk anneals a penalty that is zero exactly when a schedule is as fast as `best` and
     holds less than its peak: the lateness past `best`'s makespan (in mean op durations) plus
@@ -489,7 +493,7 @@ def _memory_phase(
     step = min(grows) * MEMORY_STEP
     time_unit = sum(inst.duration) / max(inst.num_ops, 1)
     memory_unit = sum(grows) / len(grows)
-    walk = _Walk.of(inst, best.orders)
+    walk = _Walk.of(inst, origin or best.orders)
     level = best.peak - step
     excess = [memory_profile(delta, order, level)[1] for order in walk.orders]
 
@@ -575,14 +579,16 @@ def _run_seeds(
     inst: Instance, starts: list[Start], config: SearchConfig, bounds: LowerBounds, progress: Progress | None
 ) -> list[AnnealOutcome]:
     """Seeds cycle over the starts within RESTART_SLACK of the fastest: restarts from several
-    constructions that are about as fast (they differ in memory and in where they get stuck)."""
+    constructions that are about as fast (they differ in memory and in where they get stuck).
+    Even seeds take them fastest first, odd seeds leanest first."""
     workers = max(1, min(config.seeds, os.cpu_count() or 1))
     rounds = math.ceil(config.seeds / workers)
     per_seed = config.time_limit_s / rounds
     args = (per_seed, bounds.latency, bounds.memory, config.max_iterations)
     fastest = starts[0][2].makespan
-    close = [orders for _, orders, ev in starts if ev.makespan <= fastest * (1 + RESTART_SLACK)]
-    jobs = [(close[seed % len(close)], seed) for seed in range(config.seeds)]
+    close = [(orders, ev) for _, orders, ev in starts if ev.makespan <= fastest * (1 + RESTART_SLACK)]
+    lean = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
+    jobs = [((close if seed % 2 == 0 else lean)[(seed // 2) % len(close)][0], seed) for seed in range(config.seeds)]
     if workers == 1:
         outcomes = []
         for done, (start, seed) in enumerate(jobs, 1):
