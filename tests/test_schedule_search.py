@@ -149,9 +149,9 @@ def test_the_memory_phase_lowers_the_peak_of_a_fast_schedule() -> None:
     schedule front-loads forwards; the memory phase keeps its makespan at less memory."""
     actor = ModelTimes.uniform("actor", 4, 16, 6.6, 13.3, 10.0)
     critic = ModelTimes.uniform("critic", 4, 16, 2.6, 5.2, 5.1)
-    result = search_fused(actor, critic, SearchConfig(time_limit_s=60, seeds=1, max_iterations=20000))
+    result = search_fused(actor, critic, SearchConfig(time_limit_s=60, seeds=1, max_iterations=40000))
     assert result.evaluation.makespan <= result.greedy.makespan * (1 + 1e-9)
-    assert result.evaluation.max_peak_memory < 0.9 * result.greedy.max_peak_memory
+    assert result.evaluation.max_peak_memory < 0.7 * result.greedy.max_peak_memory
     assert result.memory_lower_bound <= result.evaluation.max_peak_memory
 
 

@@ -331,11 +331,14 @@ def anneal(
     target_latency: float,
     target_memory: float,
     max_iterations: int | None = None,
+    fallback: Orders | None = None,
 ) -> AnnealOutcome:
     """Two-phase simulated annealing from `start`: latency, then memory at the makespan found.
 
     Each phase owns its share of the time (and iteration) budget; a latency phase that meets
-    the lower bound early hands the rest of its share to the memory phase.
+    the lower bound early hands the rest of its share to the memory phase. When `fallback`
+    (the fastest start) is faster than what the latency phase reached, the memory phase
+    works on it instead: only the fastest schedules can win.
     """
     rng = random.Random(seed)
     walk = _Walk.of(inst, start)
@@ -348,6 +351,10 @@ def anneal(
     latency_share = 1 - MEMORY_PHASE_SHARE
     latency = _Phase(began + time_limit_s * latency_share, budget * latency_share)
     iterations = _latency_phase(inst, latency, walk, best, rng, movable, 0, target_latency)
+    if fallback is not None:
+        faster = _Walk.of(inst, fallback)
+        if faster.makespan < best.makespan * (1 - RELATIVE_EPS):
+            best = AnnealOutcome(seed, [list(o) for o in fallback], faster.makespan, max(faster.peaks), 0)
     memory = _Phase(began + time_limit_s, budget)
     best.iterations = _memory_phase(inst, memory, best, rng, movable, iterations, target_memory)
     return best
@@ -552,7 +559,7 @@ def _memory_phase(
 #: Latency phase: weight of the summed lateness of ops (per node) against the makespan.
 LATENESS_WEIGHT = 3.0
 #: Memory phase: weight of the lateness (in mean op durations) against the excess (in mean activations).
-MEMORY_LATENESS_WEIGHT = 10.0
+MEMORY_LATENESS_WEIGHT = 3.0
 #: Latency phase: share of moves that reorder a critical node arc (the rest are random).
 CRITICAL_SHARE = 0.5
 #: Memory phase: share of moves aimed at a high moment (the rest are random or critical).
@@ -584,7 +591,7 @@ def _run_seeds(
     workers = max(1, min(config.seeds, os.cpu_count() or 1))
     rounds = math.ceil(config.seeds / workers)
     per_seed = config.time_limit_s / rounds
-    args = (per_seed, bounds.latency, bounds.memory, config.max_iterations)
+    args = (per_seed, bounds.latency, bounds.memory, config.max_iterations, starts[0][1])
     fastest = starts[0][2].makespan
     close = [(orders, ev) for _, orders, ev in starts if ev.makespan <= fastest * (1 + RESTART_SLACK)]
     lean = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
