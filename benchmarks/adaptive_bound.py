@@ -20,18 +20,18 @@ more than this machine's noise. Prints a table and writes benchmarks/results/ada
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from _record import begin, write_result
 from adaptive_run import GROWTH, NUM_RANKS, growth_trace, initial_plan, planned, run_policy
 
 from nereus.cost.calibration import Calibration
 from nereus.solver.policy.replan import plan_key
-from nereus.spec.io import load_document, write_text_atomic
+from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.trace import Trace
 
@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=RESULTS, help="where to write the results JSON")
     parser.add_argument("--keep", type=Path, help="keep the run folders here (for `nereus fit`)")
     args = parser.parse_args()
+    recording = begin()
     fitted = load_document(args.calibration)
     assert isinstance(fitted, Calibration)
     plans = candidates([Calibration(), fitted], args.top_k, args.lengths)
@@ -163,8 +164,7 @@ def main() -> None:
         "step_seconds": samples,
         **result,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(args.output, json.dumps(record, indent=1))
+    write_result(args.output, record, recording, {"step_seconds_by_plan_and_length": samples})
 
 
 if __name__ == "__main__":

@@ -32,18 +32,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from _record import begin, write_result
+
 from nereus.cost.calibration import Calibration
 from nereus.cost.profile import Profile, cluster_from_profile
-from nereus.render.run_report import read_spans
 from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.runtime.rl.run import launch
-from nereus.runtime.rl.setup import RunSetup, plan_problems, read_metrics
+from nereus.runtime.rl.setup import RunSetup, plan_problems
 from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.solver.policy.replan import layout_summary
 from nereus.spec.cluster import Cluster
-from nereus.spec.io import load_document, write_text_atomic
+from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
+from nereus.spec.run_folder import read_metrics, read_spans
 from nereus.spec.trace import Trace, TraceEvent
 from nereus.spec.workload import ResponseLengths
 
@@ -206,6 +208,7 @@ def main() -> None:
     )
     parser.add_argument("--output", type=Path, default=RESULTS, help="where to write the results JSON")
     args = parser.parse_args()
+    recording = begin()
     calibration = load_document(args.calibration) if args.calibration else None
     assert calibration is None or isinstance(calibration, Calibration)
     cluster = None
@@ -252,8 +255,8 @@ def main() -> None:
         "summary": summary,
         "results": repeats,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(args.output, json.dumps(record, indent=1))
+    walls = {p: [results[k]["mean_step_wall_s"] for results in repeats] for k, p in enumerate(args.policies)}
+    write_result(args.output, record, recording, {"mean_step_wall_s_by_policy": walls})
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ reported, one thread per rank. Prints a table and writes benchmarks/results/coll
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -21,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _record import begin, write_result
 
 from nereus.runtime import host_collectives
 from nereus.runtime.dist import spawn
@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=0.5, help="wall seconds per (operation, size) point")
     parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON results go")
     args = parser.parse_args()
+    recording = begin()
     load_before = os.getloadavg()[0]
     per_rank = spawn(_worker, NUM_RANKS, args.budget_s)
     slowest = {name: {size: max(r[name][size] for r in per_rank) for size in SIZES} for name in per_rank[0]}
@@ -89,8 +90,9 @@ def main() -> None:
         "torch": torch.__version__,
         "seconds_per_call": {name: {str(size): value for size, value in row.items()} for name, row in slowest.items()},
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(record, indent=2) + "\n")
+    # Each point is one timed loop of many calls (its mean per call); per rank, slowest first.
+    per_rank_s = {name: {str(s): [r[name][s] for r in per_rank] for s in SIZES} for name in per_rank[0]}
+    write_result(args.output, record, recording, {"seconds_per_call_by_rank": per_rank_s})
 
 
 if __name__ == "__main__":

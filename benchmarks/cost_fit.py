@@ -18,7 +18,6 @@ benchmarks/results/cost_fit.json. About 10 minutes on 2 idle cores (more under l
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -27,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _record import Started, begin, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "cost_fit.json"
@@ -209,11 +210,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="RL steps per run (the first 2 are warm-up)")
     parser.add_argument("--keep", type=Path, help="keep the run folders here (default: a temporary folder)")
     args = parser.parse_args()
+    recording = begin()
     folder = args.keep or Path(tempfile.mkdtemp(prefix="nereus-cost-fit-"))
-    sys.exit(sweep(folder, args.steps))
+    sys.exit(sweep(folder, args.steps, recording))
 
 
-def sweep(folder: Path, steps: int) -> int:
+def sweep(folder: Path, steps: int, recording: Started) -> int:
     from nereus.cost.calibration import Calibration
     from nereus.cost.fit import fit_runs, read_run, run_errors
     from nereus.cost.profile import Profile, cluster_from_profile
@@ -284,7 +286,8 @@ def sweep(folder: Path, steps: int) -> int:
         "load_average_1min": {"min": min(load), "median": statistics.median(load), "max": max(load)},
         "wall_s": time.perf_counter() - started,
     }
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    step_s = {f"{name}-s{size}": [s.step_seconds for s in run.steps] for (name, size), run in runs.items()}
+    write_result(RESULTS, result, recording, {"step_s_after_warmup": step_s})
     print_table(result, held_out)
     ok = held_out.step_mape <= 0.10 and all(p["ratio"] <= 1.05 for p in picks)
     return 0 if ok else 1

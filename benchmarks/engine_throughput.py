@@ -15,7 +15,6 @@ Prints a table and writes benchmarks/results/engine_throughput.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from _record import begin, write_result
 
 from nereus.runtime.dist import spawn
 from nereus.runtime.engine import Engine, NextTokenLoss, admissible_layouts
@@ -65,6 +65,7 @@ def time_layouts(rank: int, world: int, args: argparse.Namespace) -> list[dict[s
                     "step_s": median,
                     "tokens_per_s": args.rows * args.seq / median,
                     "tokens_per_s_per_rank": args.rows * args.seq / median / (tp * pp * dp),
+                    "step_s_runs": times,
                 }
             )
     return rows
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per layout")
     parser.add_argument("--iters", type=int, default=10, help="timed steps per layout")
     args = parser.parse_args()
+    recording = begin()
     load_before = os.getloadavg()[0]
     rows = sorted((row for ranks in spawn(time_layouts, args.ranks, args) for row in ranks), key=lambda r: r["ranks"])
     print(
@@ -92,7 +94,7 @@ def main() -> None:
             f"{row['tp']:>3} {row['pp']:>3} {row['dp']:>3} {row['microbatches']:>3} {row['step_s'] * 1e3:>9.1f} "
             f"{row['tokens_per_s']:>10.0f} {row['tokens_per_s_per_rank']:>11.0f}"
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    step_s = {f"tp{r['tp']} pp{r['pp']} dp{r['dp']}": r.pop("step_s_runs") for r in rows}
     result = {
         "benchmark": "engine_throughput",
         "model": args.model,
@@ -108,7 +110,7 @@ def main() -> None:
         "torch": torch.__version__,
         "layouts": rows,
     }
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS, result, recording, {"step_s": step_s})
     print(f"wrote {RESULTS}")
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -40,14 +39,18 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from _record import begin, write_result
 
 from nereus.runtime.dist import spawn
 from nereus.runtime.generate import CachedForward, Decoder, SamplingConfig
 from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.fused_rollout import fused_rollout
 from nereus.runtime.rl.inter_stage import MigrationSettings, migration_settings
-from nereus.runtime.rl.step import build_stages, generate_responses, rollout_batch, run_inference, timed
+from nereus.runtime.rl.rollout import generate_responses
+from nereus.runtime.rl.scoring import run_inference
+from nereus.runtime.rl.stages import build_stages, rollout_batch
 from nereus.runtime.rl.tasks import CharTokenizer, encode_prompt, get_task, sample_problems
+from nereus.runtime.rl.timing import timed
 from nereus.solver.migration import GenerationProfile, run_batch, sample_lengths
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan
@@ -203,6 +206,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and sampling")
     args = parser.parse_args()
+    recording = begin()
     args.thresholds = [float(t) for t in args.thresholds.split(",")]
     plan = bench_plan(args)
     lengths = imposed_lengths(plan, args.seed)
@@ -284,8 +288,7 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(RESULTS, result, recording, {"rollout_s": measured["times"]})
     print(f"wrote {RESULTS}")
 
 

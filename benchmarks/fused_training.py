@@ -32,7 +32,6 @@ stage and model). Prints a table and writes benchmarks/results/fused_training.js
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -42,6 +41,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _record import begin, write_result
 
 from nereus.runtime.dist import spawn
 from nereus.runtime.engine import Engine, EngineConfig, NextTokenLoss, ValueLoss
@@ -222,6 +222,7 @@ def main() -> None:
     model = scaled_tiny(args.hidden)
     plan = fused_plan(model, args.microbatches)
     schedule = fused_schedule(plan)
+    recording = begin()
     load_before = os.getloadavg()[0]
     outcomes = spawn(timed_rounds, 2, args, schedule)
     # A round's wall time is the slower rank's (both leave the closing barrier together).
@@ -296,8 +297,7 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.output, result, recording, {"round_s": runs})
     print(f"wrote {args.output}")
 
 

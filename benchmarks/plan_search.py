@@ -14,12 +14,13 @@ Prints a table and writes benchmarks/results/plan_search.json.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import statistics
 import time
 from pathlib import Path
+
+from _record import begin, write_result
 
 from nereus.cli.inputs import models_for
 from nereus.solver.plan_search import PlanRequest, compile_problem, placements, price_all, reference_search, search
@@ -69,6 +70,8 @@ def measure(model: str, gpus: int, runs: int, max_product: float) -> dict[str, o
         "model": model,
         "gpus": gpus,
         "median_ms": statistics.median(times) * 1000,
+        "search_ms_runs": [t * 1000 for t in times],
+        "top3_ms_runs": [t * 1000 for t in top3_times],
         "top3_median_ms": statistics.median(top3_times) * 1000,
         "runs": runs,
         "gap": gap,
@@ -99,6 +102,7 @@ def main() -> None:
         help="JSON results file (default: results/plan_search.json, or plan_search_quick.json)",
     )
     args = parser.parse_args()
+    recording = begin()
     if args.output is None:  # a quick run never overwrites the full results the README quotes
         args.output = RESULTS.with_name("plan_search_quick.json") if args.quick else RESULTS
     runs = min(args.runs, 3) if args.quick else args.runs
@@ -121,7 +125,10 @@ def main() -> None:
             f"{r['exhaustive_assignments']:>10.2e} {r['reference']:>16} {step:>8}  "
             f"{r['placement'] or '-'}"
         )
-    args.output.parent.mkdir(parents=True, exist_ok=True)
+    repetitions = {
+        f"{r['model']}/{r['gpus']}": {"search_ms": r.pop("search_ms_runs"), "top3_ms": r.pop("top3_ms_runs")}
+        for r in rows
+    }
     payload = {
         "benchmark": "plan_search",
         "workload": "ppo",
@@ -132,7 +139,7 @@ def main() -> None:
         "machine": platform.machine(),
         "results": rows,
     }
-    args.output.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    write_result(args.output, payload, recording, repetitions)
     print(f"wrote {args.output}")
 
 

@@ -34,7 +34,6 @@ Prints a table and writes benchmarks/results/reshard.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -47,6 +46,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _record import begin, write_result
 
 from nereus.runtime import arena
 from nereus.runtime.checkpoint import load_checkpoint, save_checkpoint_distributed
@@ -277,6 +277,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.arena_gb > 0:
         parser.error(f"--arena-gb must be positive, got {args.arena_gb}")
+    recording = begin()
     load_before = os.getloadavg()[0]
     arena_bytes = int(args.arena_gb * 1e9)
     with tempfile.TemporaryDirectory(prefix="nereus-reshard-bench-") as scratch:
@@ -329,7 +330,8 @@ def main() -> None:
         "torch": torch.__version__,
         "results": rows,
     }
-    args.output.write_text(json.dumps(payload, indent=2) + "\n")
+    repetitions = {row["pair"]: {"wall_s": row["all_times_s"], "cpu_s": row["all_cpu_s"]} for row in rows}
+    write_result(args.output, payload, recording, repetitions)
 
 
 if __name__ == "__main__":

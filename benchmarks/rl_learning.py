@@ -12,19 +12,21 @@ benchmarks/results/rl_learning.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from nereus.runtime.dist import spawn
+from _record import begin, write_result
+
 from nereus.runtime.rl.config import RLConfig, RunConfig
-from nereus.runtime.rl.setup import plan_problems
-from nereus.runtime.rl.step import StepMetrics, run_steps
+from nereus.runtime.rl.run import launch
+from nereus.runtime.rl.setup import RunSetup, plan_problems
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
+from nereus.spec.run_folder import StepMetrics
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "plan-tiny-ppo-4rank.yaml"
 RESULTS = Path(__file__).resolve().parent / "results" / "rl_learning.json"
@@ -58,7 +60,12 @@ def run(algorithm: str, num_steps: int, config: RLConfig) -> dict[str, Any]:
     problems = plan_problems(plan, NUM_RANKS, config)
     assert not problems, problems
     start = time.perf_counter()
-    metrics: list[StepMetrics] = spawn(run_steps, NUM_RANKS, plan, RunConfig(rl=config, num_steps=num_steps))[0]
+    # What `nereus run` runs (checkpoints and metrics.jsonl included), in a throwaway run folder.
+    with tempfile.TemporaryDirectory(prefix="rl-learning-") as folder:
+        setup = RunSetup(
+            RunConfig(rl=config, num_steps=num_steps), plan, NUM_RANKS, Path(folder) / "run", 0, None, False
+        )
+        metrics: list[StepMetrics] = launch(setup)
     wall = time.perf_counter() - start
     rewards = [m.reward for m in metrics]
     stage_names = sorted(metrics[0].stage_seconds)
@@ -81,6 +88,7 @@ def main() -> None:
     parser.add_argument("--algorithms", nargs="+", default=["ppo", "grpo"], choices=["ppo", "grpo", "remax"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    recording = begin()
     config = RLConfig(task="sort", seed=args.seed)
     results = [run(algorithm, args.steps, config) for algorithm in args.algorithms]
     for result in results:
@@ -93,11 +101,9 @@ def main() -> None:
             f"{result['algorithm']:<10}{result['steps']:>6}{result['reward_first10']:>9.3f}"
             f"{result['reward_last10']:>9.3f}{result['wall_s']:>8.1f}  {stages}"
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
     record = {"config": config.model_dump(), "num_ranks": NUM_RANKS, "machine": platform.platform(), "runs": results}
-    tmp = RESULTS.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(RESULTS)
+    # One deterministic run per algorithm: its per-step rewards are the raw numbers.
+    write_result(RESULTS, record, recording, {"reward": {r["algorithm"]: r["rewards"] for r in results}})
 
 
 if __name__ == "__main__":

@@ -20,12 +20,13 @@ calibrates them). Prints a table and writes benchmarks/results/rl_plans.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from _record import begin, write_result
 
 from nereus.cost.plan_cost import evaluate_plan
 from nereus.runtime.rl.config import RLConfig, RunConfig
@@ -96,6 +97,7 @@ def measure(name: str, num_steps: int, warmup: int, config: RLConfig) -> dict[st
         "measured_stage_s": {n: statistics.mean(m.stage_seconds[n] for m in records) for n in stage_names},
         "predicted_stage_s": {n: p.time_s for n, p in predicted.model_stages.items()},
         "rewards": [m.reward for m in records],
+        "step_seconds": [m.step_seconds for m in records],
     }
 
 
@@ -105,6 +107,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first steps dropped")
     parser.add_argument("--plans", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     args = parser.parse_args()
+    recording = begin()
     config = RLConfig(task="sort", seed=0)
     results = [measure(name, args.steps, args.warmup, config) for name in args.plans]
     fastest = min(r["measured_step_s"] for r in results)
@@ -115,7 +118,7 @@ def main() -> None:
             f"{r['predicted_step_s']:>12.4f}{r['predicted_step_s'] / r['measured_step_s']:>10.3f}"
             f"{r['measured_step_s'] / fastest:>10.2f}x"
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    step_seconds = {r["plan"]: r.pop("step_seconds") for r in results}
     record = {
         "workload": "tiny PPO, 16 prompts, sort task",
         "num_ranks": NUM_RANKS,
@@ -125,9 +128,7 @@ def main() -> None:
         "machine": platform.platform(),
         "runs": results,
     }
-    tmp = RESULTS.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(RESULTS)
+    write_result(RESULTS, record, recording, {"step_s_after_warmup": step_seconds})
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Prints a table and writes benchmarks/results/transition_gap.json.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import random
@@ -25,6 +24,8 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from _record import begin, write_result
 
 from nereus.cost.calibration import Calibration
 from nereus.solver.transition import TransitionResult, build_transition
@@ -111,14 +112,16 @@ def least_capacity(result: TransitionResult, low: float, high: float) -> float:
     return float(hi)
 
 
-def timed_heuristic(plan_a: Plan, plan_b: Plan, calibration: Calibration, runs: int) -> tuple[TransitionResult, float]:
+def timed_heuristic(
+    plan_a: Plan, plan_b: Plan, calibration: Calibration, runs: int
+) -> tuple[TransitionResult, list[float]]:
     times, result = [], None
     for _ in range(runs):
         t0 = time.perf_counter()
         result = build_transition(plan_a, plan_b, calibration)
         times.append(time.perf_counter() - t0)
     assert result is not None
-    return result, statistics.median(times)
+    return result, times
 
 
 def instance(seed: int, base: Plan, calibration: Calibration) -> tuple[str, Plan, Plan, float | None]:
@@ -148,7 +151,8 @@ def instance(seed: int, base: Plan, calibration: Calibration) -> tuple[str, Plan
 
 def measure(seed: int, base: Plan, calibration: Calibration, time_limit: float, runs: int) -> dict[str, Any]:
     family, plan_a, plan_b, fraction = instance(seed, base, calibration)
-    heuristic, heuristic_s = timed_heuristic(plan_a, plan_b, calibration, runs)
+    heuristic, heuristic_runs = timed_heuristic(plan_a, plan_b, calibration, runs)
+    heuristic_s = statistics.median(heuristic_runs)
     exact = solve_cpsat(heuristic.primitives, heuristic.initial_bytes, heuristic.capacity_bytes, time_limit, workers=1)
     h = heuristic.makespan_s if heuristic.feasible else None
     gap = bound_gap = None
@@ -166,6 +170,7 @@ def measure(seed: int, base: Plan, calibration: Calibration, time_limit: float, 
         "heuristic_feasible": heuristic.feasible,
         "heuristic_makespan_s": h,
         "heuristic_s": heuristic_s,
+        "heuristic_runs_s": heuristic_runs,
         "cpsat_status": exact.status,
         "cpsat_makespan_s": exact.makespan_s,
         "cpsat_bound_s": exact.bound_s,
@@ -210,6 +215,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--show", type=int, metavar="SEED", help="print one instance's two schedules and exit")
     args = parser.parse_args()
+    recording = begin()
     calibration = Calibration()
     base = load_document(TINY)
     assert isinstance(base, Plan)
@@ -278,22 +284,17 @@ def main() -> None:
         f"heuristic build_transition median {summary['heuristic_s_median'] * 1e3:.2f} ms "
         f"(max {summary['heuristic_s_max'] * 1e3:.2f} ms); CP-SAT median {summary['cpsat_wall_s_median']:.2f} s"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "benchmark": "transition_gap",
-                "python": platform.python_version(),
-                "machine": platform.machine(),
-                "time_limit_s": args.time_limit,
-                "workers": 1,
-                "summary": summary,
-                "rows": rows,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    payload = {
+        "benchmark": "transition_gap",
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "time_limit_s": args.time_limit,
+        "workers": 1,
+        "summary": summary,
+        "rows": rows,
+    }
+    runs = {str(r["seed"]): r.pop("heuristic_runs_s") for r in rows}
+    write_result(args.out, payload, recording, {"heuristic_s": runs})
     print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
 
 

@@ -22,13 +22,14 @@ Prints a table and writes benchmarks/results/transition_time.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import time
 from collections import Counter
 from pathlib import Path
+
+from _record import begin, write_result
 
 from nereus.cli.inputs import models_for, with_max_response
 from nereus.solver.plan_search import PlanRequest
@@ -69,6 +70,7 @@ def measure(plan_a: Plan, plan_b: Plan, runs: int) -> dict[str, object]:
     return {
         "median_ms": statistics.median(times) * 1000,
         "median_cpu_ms": statistics.median(cpu_times) * 1000,
+        "runs_ms": {"wall": [t * 1000 for t in times], "cpu": [t * 1000 for t in cpu_times]},
         "min_cpu_ms": min(cpu_times) * 1000,
         "checker_violations": len(check_result(result, plan_a, plan_b)) if result.feasible else None,
         "rule": result.priority_rule,
@@ -96,6 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="timed repetitions per case (median reported)")
     args = parser.parse_args()
+    recording = begin()
     rows = []
     load_before, reference_before = os.getloadavg()[0], reference_loop_ms()
     for gpus in GPU_COUNTS:
@@ -118,7 +121,7 @@ def main() -> None:
     reference = {"before": reference_before, "after": reference_loop_ms()}
     print(f"1-minute load average: {load['before']:.2f} before, {load['after']:.2f} after ({os.cpu_count()} CPUs)")
     print(f"reference loop, CPU ms: {reference['before']:.1f} before, {reference['after']:.1f} after")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    repetitions = {f"{r['gpus']} {r['drift']}": r.pop("runs_ms") for r in rows}
     payload = {
         "benchmark": "transition_time",
         "runs": args.runs,
@@ -128,7 +131,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "results": rows,
     }
-    RESULTS.write_text(json.dumps(payload, indent=2) + "\n")
+    write_result(RESULTS, payload, recording, {"build_ms": repetitions})
     print(f"wrote {RESULTS}")
 
 

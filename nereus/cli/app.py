@@ -9,7 +9,23 @@ import typer
 from typer.core import TyperGroup
 
 from nereus import __version__
-from nereus.errors import NereusError
+from nereus.errors import ArgumentError, NereusError
+
+#: The command-line flag of each library argument an `ArgumentError` names.
+ARGUMENT_FLAGS = {
+    "activation_cap": "--act-cap",
+    "device": "--device",
+    "first_step": "--from-step",
+    "num_batches": "--batches",
+    "num_ranks": "--nproc",
+    "num_steps": "--steps",
+    "out": "--out",
+    "plan_path": "--plan",
+    "resume": "`nereus run --resume`",
+    "seeds": "--seeds",
+    "time_limit_s": "--time-limit",
+    "trace_path": "--trace",
+}
 
 
 class _Options:
@@ -27,7 +43,8 @@ class NereusGroup(TyperGroup):
         except NereusError as exc:
             if _Options.debug:
                 raise
-            for line in getattr(exc, "problems", [str(exc)]):
+            shown = exc.render(ARGUMENT_FLAGS) if isinstance(exc, ArgumentError) else str(exc)
+            for line in getattr(exc, "problems", [shown]):
                 typer.echo(f"error: {line}", err=True)
             raise typer.Exit(1) from None
         except BrokenPipeError:  # output piped into `head`: stop quietly
@@ -74,6 +91,7 @@ def register_commands() -> None:
     """Attach every command module to `app` (imports stay light: no torch)."""
     from nereus.cli import (
         dag_commands,
+        export_commands,
         plan_commands,
         profile_commands,
         report_commands,
@@ -88,6 +106,7 @@ def register_commands() -> None:
         spec_commands,
         plan_commands,
         dag_commands,
+        export_commands,
         schedule_commands,
         trace_commands,
         simulate_commands,

@@ -43,7 +43,6 @@ def _check_folder(path: Path | None) -> None:
 
 
 def _load_plan(path: Path) -> Plan:
-    import nereus.cost  # noqa: F401  (registers the cost model's plan checks)
     from nereus.cli.inputs import load_kind
     from nereus.spec.plan import Plan
 

@@ -40,13 +40,14 @@ def report(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Summarise a run: step-time breakdown, transitions and their share, cost-model error per model-stage."""
-    from nereus.render.run_report import read_run, report_png, since, summarise
+    from nereus.render.run_report import report_png, since, summarise
     from nereus.render.run_timeline import write_run_trace
     from nereus.spec.io import write_bytes_atomic
+    from nereus.spec.run_folder import read_run_folder
 
     _check_output("--png", png, ".png")
     _check_output("--perfetto", perfetto, ".json")
-    data = since(read_run(folder), first_step)
+    data = since(read_run_folder(folder), first_step)
     result = summarise(data)
     if perfetto is not None:
         write_run_trace(folder, perfetto)

@@ -18,7 +18,7 @@ from nereus.errors import NereusError
 
 if TYPE_CHECKING:
     from nereus.runtime.rl.setup import RunSetup
-    from nereus.runtime.rl.step import StepMetrics
+    from nereus.spec.run_folder import StepMetrics
 
 #: Model-stages shown in the progress line, with their short names.
 SHOWN_STAGES = {
@@ -99,7 +99,7 @@ class RunSummary:
 
 
 def summarize(setup: RunSetup, records: list[StepMetrics], wall_s: float) -> RunSummary:
-    from nereus.runtime.rl.setup import latest_checkpoint, read_metrics
+    from nereus.spec.run_folder import latest_checkpoint, read_metrics
 
     rewards = [record["reward"] for record in read_metrics(setup.out)]
     first = statistics.mean(rewards[:10]) if rewards else None

@@ -152,11 +152,8 @@ def fuse(
     if exact:
         from nereus.solver.pipeline.exact import solve_exact, solve_memory_at
 
-        try:
-            exact_result = solve_exact(result.instance, exact_time_limit)
-            exact_memory = solve_memory_at(result.instance, result.orders, exact_time_limit)
-        except NereusError as exc:
-            raise NereusError(f"--exact: {exc}") from None
+        exact_result = solve_exact(result.instance, exact_time_limit)
+        exact_memory = solve_memory_at(result.instance, result.orders, exact_time_limit)
     document = to_document(result, exact_result, *units, exact_memory=exact_memory)
     if output:
         save_document(document, output)
@@ -176,7 +173,6 @@ def fuse(
 
 
 def _plan_models(path: Path, calibration: Path | None) -> tuple[ModelTimes, ModelTimes, float]:
-    import nereus.cost  # noqa: F401  (registers the cost model's plan checks)
     from nereus.cli.inputs import load_kind
     from nereus.cost.calibration import Calibration
     from nereus.solver.pipeline.from_plan import plan_pipelines
@@ -284,7 +280,6 @@ def migrate(
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
     """Simulate generation with long-tail migration; sweep the threshold 5%..95%; report the best."""
-    import nereus.cost  # noqa: F401  (registers the cost model's plan checks)
     from nereus.cli.inputs import load_kind
     from nereus.cost.calibration import Calibration
     from nereus.solver.migration import generation_profile, sweep_thresholds

@@ -37,7 +37,6 @@ def simulate(
     log_file: Annotated[Path | None, typer.Option("--log", help="Write the full decision log (JSON).")] = None,
 ) -> None:
     """Simulate a run through a drift trace: step latency, decisions, transitions (cost-model results)."""
-    import nereus.cost  # noqa: F401  (registers the plan's memory checks)
     from nereus.cli.inputs import load_kind
     from nereus.solver.policy import Replanner, make_policy
     from nereus.solver.simulate import simulate as run

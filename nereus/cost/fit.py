@@ -25,7 +25,8 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import evaluate_plan
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan
-from nereus.spec.workload import ResponseLengths
+from nereus.spec.run_folder import METRICS_NAME, PLAN_NAME, json_lines
+from nereus.spec.workload import STAGES, ResponseLengths
 
 #: The first steps of every run pay for allocation and lazy initialisation; the fit drops them.
 WARMUP_STEPS = 2
@@ -107,21 +108,14 @@ def read_run(run_dir: Path, warmup_steps: int = WARMUP_STEPS) -> RunRecord:
     from nereus.spec.io import load_document
 
     if not run_dir.is_dir():
-        raise ValueError(f"{run_dir}: not a directory; give the --out folder of `nereus run`")
-    plan = load_document(run_dir / "plan.yaml")
+        raise ValueError(f"{run_dir}: not a directory; give the output folder of a `nereus run`")
+    plan = load_document(run_dir / PLAN_NAME)
     if not isinstance(plan, Plan):
-        raise ValueError(f"{run_dir / 'plan.yaml'}: kind: expected Plan, got {type(plan).__name__}")
-    metrics = run_dir / "metrics.jsonl"
+        raise ValueError(f"{run_dir / PLAN_NAME}: kind: expected Plan, got {type(plan).__name__}")
+    metrics = run_dir / METRICS_NAME
     if not metrics.is_file():
         raise ValueError(f"{metrics}: no such file; is {run_dir} a `nereus run` output folder?")
-    samples = []
-    for number, line in enumerate(metrics.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{metrics}: line {number}: not JSON ({exc.msg})") from None
-            samples.append(_sample(data, f"{metrics}: line {number}"))
+    samples = [_sample(data, where) for where, data in json_lines(metrics)]
     kept = tuple(s for s in samples if s.step >= warmup_steps)
     if not kept:
         raise ValueError(
@@ -177,6 +171,8 @@ def predict(plan: Plan, calibration: Calibration) -> dict[str, float]:
     predictions = evaluate_plan(plan, calibration).predictions
     out = {name: p.time_s for name, p in predictions.model_stages.items()}
     out["weight_sync"] = predictions.step_breakdown_s.get("weight_sync", 0.0)
+    # Whole phases, for trainers that time a phase rather than each model-stage (OpenRLHF).
+    out.update({f"phase/{stage}": predictions.step_breakdown_s.get(stage, 0.0) for stage in STAGES})
     out[STEP_KEY] = predictions.step_time_s
     return out
 
@@ -327,6 +323,7 @@ class Observations:
         for sample in run.steps:
             by_size.setdefault((sample.prompt_len, sample.response_len_max), []).append(sample)
         known = {entry.model_stage for entry in run.plan.stages} | {"weight_sync", STEP_KEY}
+        known |= {f"phase/{stage}" for stage in STAGES}
         for (prompt_len, response_len_max), samples in by_size.items():
             group = len(self.plans)
             self.plans.append(measured_plan(run.plan, prompt_len, response_len_max, cluster))

@@ -13,9 +13,8 @@ import numpy as np
 from pydantic import Field
 
 from nereus.spec.base import Document, StrictModel
-from nereus.spec.check import Problem, register_check
+from nereus.spec.check import Problem
 from nereus.spec.cluster import Cluster, GpuKind, Link
-from nereus.spec.io import register_kind
 from nereus.spec.workload import DType
 
 CollectiveOp = Literal["all_reduce", "all_gather", "broadcast", "p2p"]
@@ -186,7 +185,3 @@ def profile_problems(profile: Profile) -> Iterator[Problem]:
             yield Problem(f"collectives[{i}].sizes", "sizes must be distinct and ascending by bytes")
     if profile.num_ranks > 1 and not profile.collectives:
         yield Problem("collectives", f"{profile.num_ranks} ranks but no collective measured", "warning")
-
-
-register_kind(Profile)
-register_check(Profile, profile_problems)  # type: ignore[arg-type]

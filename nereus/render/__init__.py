@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nereus.errors import NereusError
+from nereus.errors import MissingDependency
 from nereus.spec.transition import LayoutRecord, PrimitiveRecord
 from nereus.units import format_bytes
 
@@ -55,14 +55,14 @@ def primitive_title(primitive: PrimitiveRecord) -> str:
 __all__ = ["KIND_COLORS", "format_bytes", "gpu_ranges", "layout_text", "primitive_title", "time_span"]
 
 
-def new_figure(option: str, figsize: tuple[float, float]) -> Any:
-    """A matplotlib Figure on the Agg canvas (no display needed); a NereusError naming the
-    `option` that asked for it when matplotlib is missing."""
+def new_figure(figsize: tuple[float, float]) -> Any:
+    """A matplotlib Figure on the Agg canvas (no display needed); MissingDependency when
+    matplotlib is not installed."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise NereusError(f"{option} needs matplotlib; install it with `pip install 'nereus[plot]'`") from None
+        raise MissingDependency("drawing a figure", "matplotlib", "plot") from None
     figure = Figure(figsize=figsize)
     FigureCanvasAgg(figure)
     return figure

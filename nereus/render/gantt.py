@@ -16,7 +16,7 @@ def transition_gantt_png(transition: Transition, dpi: int = 100) -> bytes:
     row = {gpu: i for i, gpu in enumerate(gpus)}
     makespan = transition.summary.makespan_s or 1.0
     min_width = makespan * 0.004  # zero-length primitives (Destroy) stay visible
-    figure = new_figure("--gantt", (10, min(60.0, 1.5 + 0.35 * len(gpus))))
+    figure = new_figure((10, min(60.0, 1.5 + 0.35 * len(gpus))))
     from matplotlib.patches import Patch
 
     axes = figure.add_subplot()

@@ -1,10 +1,10 @@
 """A finished (or running) `nereus run` folder, read back and summarised: `nereus report DIR`.
 
-`read_run` parses the folder's files into typed records (metrics.jsonl, decisions.jsonl,
-timeline/rank-R.jsonl), refusing a malformed line with one error naming the file and line;
-`summarise` turns them into a `RunReport` (step-time breakdown, transitions and their share
-of the run, cost-model error per model-stage, rewards, decisions by action); `report_png`
-draws the per-step figure. Nothing here imports torch; matplotlib only inside `report_png`.
+`nereus.spec.run_folder.read_run_folder` parses the folder's files into typed records
+(metrics.jsonl, decisions.jsonl, timeline/rank-R.jsonl); `summarise` turns them into a
+`RunReport` (step-time breakdown, transitions and their share of the run, cost-model error
+per model-stage, rewards, decisions by action); `report_png` draws the per-step figure.
+Nothing here imports torch or the runtime; matplotlib only inside `report_png`.
 
 Run time is the sum of the steps' wall times plus the transitions' (a step's `step_seconds`
 excludes the plan change before it, which metrics record as `transition` or `restart`).
@@ -13,20 +13,23 @@ excludes the plan change before it, which metrics record as `transition` or `res
 from __future__ import annotations
 
 import io
-import json
-import math
 import statistics
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nereus.errors import NereusError
+from nereus.errors import ArgumentError
 from nereus.render import new_figure
-from nereus.runtime.rl.config import RunConfig
-from nereus.runtime.rl.controller import DECISIONS_NAME
-from nereus.runtime.rl.setup import CHECKPOINTS_NAME, CONFIG_NAME, METRICS_NAME, PLAN_NAME, switch_plan_name
-from nereus.runtime.timeline import TIMELINE_NAME
+from nereus.spec.run_folder import (
+    CHECKPOINTS_NAME,
+    PLAN_NAME,
+    RunFolder,
+    Span,
+    StepRecord,
+    read_run_folder,
+    switch_plan_name,
+)
 
 #: stage_seconds entries that are plan changes before the step, not part of it.
 MOVE_ACTIONS = ("transition", "restart")
@@ -34,201 +37,17 @@ MOVE_ACTIONS = ("transition", "restart")
 REWARD_WINDOW = 10
 
 
-@dataclass(frozen=True)
-class StepRecord:
-    """The fields of one metrics.jsonl line that the report and the timeline use."""
-
-    step: int
-    reward: float
-    step_seconds: float
-    """Wall time of the step on the slowest rank (without the plan change before it)."""
-    stage_seconds: dict[str, float]
-    """Per model-stage and phase; `transition`/`restart` when the plan changed before the step."""
-    predicted_step_seconds: float | None = None
-    """The cost model's step time for the plan in force (None in runs that did not record it)."""
-    predicted_stage_seconds: dict[str, float] = field(default_factory=dict)
-    plan_index: int = 0
-    """Which plan is in force: 0 for the first, +1 at every transition or restart."""
-
-
-@dataclass(frozen=True)
-class Span:
-    """One line of timeline/rank-R.jsonl: something rank `rank` did during `step`."""
-
-    rank: int
-    step: int
-    cat: str
-    """stage, phase, transition, primitive, checkpoint, controller, or a later kind."""
-    name: str
-    start: float
-    """time.time() seconds."""
-    end: float
-    args: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Decision:
-    """One controller decision (decisions.jsonl)."""
-
-    step: int
-    action: str
-    transition_cost_s: float | None
-    refused: str | None
-    """Why the runtime refused the policy's target plan (the plan was kept), or None."""
-
-
-@dataclass(frozen=True)
-class RunData:
-    """Everything read from a run folder."""
-
-    folder: Path
-    config: RunConfig
-    steps: list[StepRecord]
-    decisions: list[Decision]
-    spans: list[Span]
-    """Empty when the run wrote no timeline."""
-
-
-# ---------------------------------------------------------------------------------- reading
-
-
-def _number(value: Any, where: str, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise NereusError(f"{where}: {key}: expected a finite number, got {value!r}")
-    return float(value)
-
-
-def _integer(value: Any, where: str, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise NereusError(f"{where}: {key}: expected an integer, got {value!r}")
-    return value
-
-
-def _seconds_map(value: Any, where: str, key: str) -> dict[str, float]:
-    if not isinstance(value, dict):
-        raise NereusError(f"{where}: {key}: expected an object of seconds, got {value!r}")
-    return {str(name): _number(seconds, where, f"{key}.{name}") for name, seconds in value.items()}
-
-
-def _json_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """(where, object) per non-blank line; `where` names the file and line for errors."""
-    rows = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}: line {number}"
-        try:
-            data = json.loads(line)
-        except ValueError:
-            raise NereusError(f"{where}: not JSON (a truncated or damaged line); fix or delete the line") from None
-        if not isinstance(data, dict):
-            raise NereusError(f"{where}: expected a JSON object, got {type(data).__name__}")
-        rows.append((where, data))
-    return rows
-
-
-def _required(data: dict[str, Any], where: str, key: str, parent: str = "") -> Any:
-    if key not in data:
-        raise NereusError(f"{where}: missing field {parent + key!r}")
-    return data[key]
-
-
-def _step_record(where: str, data: dict[str, Any]) -> StepRecord:
-    predicted = data.get("predicted_step_seconds")
-    return StepRecord(
-        step=_integer(_required(data, where, "step"), where, "step"),
-        reward=_number(_required(data, where, "reward"), where, "reward"),
-        step_seconds=_number(_required(data, where, "step_seconds"), where, "step_seconds"),
-        stage_seconds=_seconds_map(_required(data, where, "stage_seconds"), where, "stage_seconds"),
-        predicted_step_seconds=None if predicted is None else _number(predicted, where, "predicted_step_seconds"),
-        predicted_stage_seconds=_seconds_map(
-            data.get("predicted_stage_seconds") or {}, where, "predicted_stage_seconds"
-        ),
-        plan_index=_integer(data.get("plan_index", 0), where, "plan_index"),
-    )
-
-
-def _span(where: str, data: dict[str, Any]) -> Span:
-    args = data.get("args", {})
-    if not isinstance(args, dict):
-        raise NereusError(f"{where}: args: expected an object, got {args!r}")
-    span = Span(
-        rank=_integer(_required(data, where, "rank"), where, "rank"),
-        step=_integer(_required(data, where, "step"), where, "step"),
-        cat=str(_required(data, where, "cat")),
-        name=str(_required(data, where, "name")),
-        start=_number(_required(data, where, "start"), where, "start"),
-        end=_number(_required(data, where, "end"), where, "end"),
-        args=args,
-    )
-    if span.end < span.start:
-        raise NereusError(f"{where}: end {span.end} is before start {span.start}")
-    return span
-
-
-def _decision(where: str, data: dict[str, Any]) -> Decision:
-    decision = _required(data, where, "decision")
-    if not isinstance(decision, dict):
-        raise NereusError(f"{where}: decision: expected an object, got {decision!r}")
-    cost = decision.get("transition_cost_s")
-    refused = data.get("runtime")
-    return Decision(
-        step=_integer(_required(decision, where, "step", "decision."), where, "decision.step"),
-        action=str(_required(decision, where, "action", "decision.")),
-        transition_cost_s=None if cost is None else _number(cost, where, "decision.transition_cost_s"),
-        refused=None if refused is None else str(refused),
-    )
-
-
-def run_config(folder: Path) -> RunConfig:
-    """The run folder's config (one line when `folder` is not a run folder)."""
-    from nereus.spec.io import load_document
-
-    if not folder.is_dir():
-        raise NereusError(f"{folder}: no such folder; pass the --out folder of a `nereus run`")
-    path = folder / CONFIG_NAME
-    if not path.is_file():
-        raise NereusError(
-            f"{folder}: not a run folder ({CONFIG_NAME} missing); pass the --out folder of a `nereus run`"
-        )
-    config = load_document(path)
-    if not isinstance(config, RunConfig):
-        raise NereusError(f"{path}: kind: expected RunConfig, got {type(config).__name__}; is {folder} a run folder?")
-    return config
-
-
-def read_spans(folder: Path) -> list[Span]:
-    """Every rank's spans, by start time (empty when the run wrote no timeline)."""
-    spans = []
-    for path in sorted((folder / TIMELINE_NAME).glob("rank-*.jsonl")):
-        for where, data in _json_lines(path):
-            spans.append(_span(where, data))
-    return sorted(spans, key=lambda span: (span.start, span.rank))
-
-
-def read_run(folder: Path, need_steps: bool = True) -> RunData:
-    """Parse a run folder; with `need_steps`, a run without a finished step is refused."""
-    config = run_config(folder)
-    metrics = folder / METRICS_NAME
-    steps = [_step_record(where, data) for where, data in _json_lines(metrics)] if metrics.is_file() else []
-    if need_steps and not steps:
-        raise NereusError(f"{metrics}: no finished step recorded yet; report a run once its first step is done")
-    decisions_path = folder / DECISIONS_NAME
-    decisions = (
-        [_decision(where, data) for where, data in _json_lines(decisions_path)] if decisions_path.is_file() else []
-    )
-    return RunData(folder, config, steps, decisions, read_spans(folder))
-
-
-def since(data: RunData, first_step: int) -> RunData:
+def since(data: RunFolder, first_step: int) -> RunFolder:
     """The run from step `first_step` on (e.g. past the warm-up steps); one line if none is left."""
     steps = [record for record in data.steps if record.step >= first_step]
     if not steps:
         last = max((record.step for record in data.steps), default=-1)
-        raise NereusError(f"--from-step {first_step}: {data.folder} has steps 0-{last}; pick one of them")
+        raise ArgumentError(
+            f"`first_step` {first_step}: {data.folder} has steps 0-{last}; pick one of them", "first_step"
+        )
     decisions = [decision for decision in data.decisions if decision.step >= first_step]
     spans = [span for span in data.spans if span.step >= first_step]
-    return RunData(data.folder, data.config, steps, decisions, spans)
+    return RunFolder(data.folder, data.config, steps, decisions, spans)
 
 
 def plan_pools(folder: Path, steps: list[StepRecord]) -> dict[int, dict[str, str]]:
@@ -348,7 +167,7 @@ def move_spans(spans: list[Span]) -> dict[int, Span]:
     return moves
 
 
-def move_predictions(data: RunData) -> dict[int, float]:
+def move_predictions(data: RunFolder) -> dict[int, float]:
     """The cost model's seconds for the plan change before each step: the controller's
     decision (transition DAG or restart cost) where one decided it, else the timeline's
     (a configured plan switch)."""
@@ -363,7 +182,7 @@ def move_predictions(data: RunData) -> dict[int, float]:
     return predicted
 
 
-def _transitions(data: RunData) -> list[TransitionTime]:
+def _transitions(data: RunFolder) -> list[TransitionTime]:
     spans = move_spans(data.spans)
     predicted = move_predictions(data)
     moves = []
@@ -415,9 +234,9 @@ def _prediction_errors(steps: list[StepRecord], skipped: list[str]) -> list[Pred
     return errors
 
 
-def summarise(data: RunData) -> RunReport:
+def summarise(data: RunFolder) -> RunReport:
     """The report of parsed run data (at least one step)."""
-    assert data.steps, "read_run refuses a run without steps"
+    assert data.steps, "read_run_folder refuses a run without steps"
     step_times = [r.step_seconds for r in data.steps]
     mean_step = statistics.mean(step_times)
     stages = _mean_stage_times(data.steps, mean_step)
@@ -451,16 +270,16 @@ def summarise(data: RunData) -> RunReport:
 
 def summarise_run(folder: Path, first_step: int = 0) -> RunReport:
     """Read and summarise the run folder `folder`, from step `first_step` on."""
-    return summarise(since(read_run(folder), first_step))
+    return summarise(since(read_run_folder(folder), first_step))
 
 
 # ---------------------------------------------------------------------------------- figure
 
 
-def report_png(data: RunData, dpi: int = 100) -> bytes:
+def report_png(data: RunFolder, dpi: int = 100) -> bytes:
     """Top: per-step stacked bars of model-stage and phase times, the plan change before a step
     stacked on top (hatched), the predicted step time as a line. Bottom: the reward curve."""
-    figure = new_figure("--png", (11, 6.5))
+    figure = new_figure((11, 6.5))
     times, reward = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1))
     steps = [r.step for r in data.steps]
     bottom = [0.0] * len(steps)

@@ -35,17 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from nereus.errors import NereusError
-from nereus.render.run_report import (
-    RunData,
-    Span,
-    StepRecord,
-    move_predictions,
-    move_spans,
-    plan_pools,
-    read_run,
-)
-from nereus.runtime.timeline import TIMELINE_NAME
+from nereus.render.run_report import move_predictions, move_spans, plan_pools
 from nereus.spec.io import write_text_atomic
+from nereus.spec.run_folder import TIMELINE_NAME, RunFolder, Span, StepRecord, read_run_folder
 
 TRACE_NAME = "timeline.json"
 US = 1e6
@@ -171,7 +163,7 @@ def predicted_step_intervals(record: StepRecord, start: float, pools: dict[str, 
     return intervals
 
 
-def predicted_move_intervals(data: RunData) -> list[Interval]:
+def predicted_move_intervals(data: RunFolder) -> list[Interval]:
     """Each plan change's predicted span and its primitives' predicted spans, from the
     change's measured start (earliest over ranks)."""
     moves = move_spans(data.spans)
@@ -197,7 +189,7 @@ def predicted_move_intervals(data: RunData) -> list[Interval]:
     return intervals
 
 
-def predicted_intervals(data: RunData) -> list[Interval]:
+def predicted_intervals(data: RunFolder) -> list[Interval]:
     step_starts: dict[int, float] = {}
     for span in data.spans:
         if span.cat in ("stage", "phase"):
@@ -211,7 +203,7 @@ def predicted_intervals(data: RunData) -> list[Interval]:
     return intervals + predicted_move_intervals(data)
 
 
-def run_trace_payload(data: RunData) -> dict[str, Any]:
+def run_trace_payload(data: RunFolder) -> dict[str, Any]:
     """The Chrome trace of parsed run data with at least one span."""
     assert data.spans, "run_trace_payload needs a timeline"
     origin = min(span.start for span in data.spans)
@@ -225,7 +217,7 @@ def run_trace_payload(data: RunData) -> dict[str, Any]:
 
 def write_run_trace(folder: Path, out: Path | None = None) -> Path:
     """Write the run's Chrome trace to `out` (default DIR/timeline.json), atomically; returns the path."""
-    data = read_run(folder, need_steps=False)
+    data = read_run_folder(folder, need_steps=False)
     if not data.spans:
         raise NereusError(
             f"{folder / TIMELINE_NAME}: no span recorded (no rank-R.jsonl, or empty); runs write it as they go"

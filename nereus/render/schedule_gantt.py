@@ -19,10 +19,10 @@ MODEL_COLORS = (
 def schedule_gantt(schedule: Schedule, fmt: str = "png", dpi: int = 100) -> bytes:
     """PNG or SVG bytes: one row per node, one bar per op, labelled with its micro-batch."""
     if fmt not in ("png", "svg"):
-        raise NereusError(f"--gantt writes .png or .svg, got .{fmt}; pick one of those suffixes")
+        raise NereusError(f"a schedule Gantt chart is drawn as .png or .svg, got .{fmt}; pick one of those suffixes")
     colors = {m.name: MODEL_COLORS[i % len(MODEL_COLORS)] for i, m in enumerate(schedule.models)}
     makespan = schedule.summary.makespan or 1.0
-    figure = new_figure("--gantt", (12, min(40.0, 1.5 + 0.45 * schedule.num_nodes)))
+    figure = new_figure((12, min(40.0, 1.5 + 0.45 * schedule.num_nodes)))
     from matplotlib.patches import Patch
 
     axes = figure.add_subplot()

@@ -15,7 +15,7 @@ FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf"}
 
 def simulation_plot_bytes(results: list[SimulationResult], fmt: str = "png", dpi: int = 100) -> bytes:
     """Top: step latency per policy, transitions (o) and restarts (x) marked. Bottom: GPUs and response cap."""
-    figure = new_figure("--plot", (10, 6))
+    figure = new_figure((10, 6))
     latency, drift = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1))
     for result in results:
         steps = [r.step for r in result.steps]

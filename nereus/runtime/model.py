@@ -1,6 +1,6 @@
 """Llama-style decoders (RMSNorm, RoPE, SwiGLU, GQA) with an LM head or a scalar value head.
 
-`DecoderStage` is what one rank runs: the layers of its pipeline stage, with its tensor
+`DecoderPipelineStage` is what one rank runs: the layers of its pipeline stage, with its tensor
 rank's slices of every weight (the boxes `shard_layout.local_box` names), so its
 `named_parameters()` are exactly the contract's names and shapes. `ReferenceModel` is
 the whole model in one process, written plainly (full weights, `F.cross_entropy`): the
@@ -205,7 +205,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class DecoderStage(nn.Module):
+class DecoderPipelineStage(nn.Module):
     """One pipeline stage of a decoder on one tensor rank.
 
     Stage 0 embeds token ids; later stages take the previous stage's hidden states. The

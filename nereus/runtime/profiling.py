@@ -26,6 +26,7 @@ from nereus.cost.profile import (
     TimedSize,
     fit_latency_bandwidth,
 )
+from nereus.errors import ArgumentError
 from nereus.spec.model import Model
 
 Progress = Callable[[int, int], None]
@@ -341,11 +342,11 @@ def device_problem(config: ProfileConfig) -> str | None:
 
     if config.device == "cuda":
         if not torch.cuda.is_available():
-            return "--device cuda: no CUDA device is visible; use --device cpu"
+            return "`device` cuda: no CUDA device is visible; use `device` cpu"
         if config.num_ranks > torch.cuda.device_count():
-            return f"--nproc {config.num_ranks}: only {torch.cuda.device_count()} GPUs are visible"
+            return f"`num_ranks` {config.num_ranks}: only {torch.cuda.device_count()} GPUs are visible"
     elif config.num_ranks > (os.cpu_count() or 1):
-        return f"--nproc {config.num_ranks}: more ranks than the {os.cpu_count()} CPU cores measure contention"
+        return f"`num_ranks` {config.num_ranks}: more ranks than the {os.cpu_count()} CPU cores measure contention"
     return None
 
 
@@ -355,7 +356,7 @@ def run_profile(config: ProfileConfig, progress: Progress | None = None) -> Prof
 
     problem = device_problem(config)
     if problem:
-        raise ValueError(problem)
+        raise ArgumentError(problem, *(name for name in ("device", "num_ranks") if f"`{name}`" in problem))
     dtype_name = "bf16" if config.device == "cuda" else "fp32"
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
     total = len(gemm_shapes(config.models, config.tokens)) + len(attention_shapes(config.models, config.quick)) + 2

@@ -25,11 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TIMELINE_NAME = "timeline"
-
-
-def rank_file(out: Path, rank: int) -> Path:
-    return out / TIMELINE_NAME / f"rank-{rank}.jsonl"
+from nereus.spec.io import keep_json_lines
+from nereus.spec.run_folder import timeline_file, timeline_files
 
 
 @dataclass
@@ -52,7 +49,7 @@ class Timeline:
         """Append the buffered spans to this rank's file (after a step: a crash loses one step's spans)."""
         if not self.spans:
             return
-        path = rank_file(self.out, self.rank)
+        path = timeline_file(self.out, self.rank)
         path.parent.mkdir(exist_ok=True)
         with path.open("a") as handle:
             handle.write("".join(json.dumps(span) + "\n" for span in self.spans))
@@ -92,7 +89,5 @@ def span(cat: str, name: str, **args: Any) -> Iterator[dict[str, Any]]:
 
 def drop_steps_from(out: Path, step: int) -> None:
     """Drop every rank's spans of steps >= `step` (a resume redoes them)."""
-    from nereus.spec.io import keep_json_lines
-
-    for path in sorted((out / TIMELINE_NAME).glob("rank-*.jsonl")):
+    for path in timeline_files(out):
         keep_json_lines(path, lambda span: span["step"] < step)

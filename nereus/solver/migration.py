@@ -33,7 +33,7 @@ import numpy as np
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from nereus.cost.plan_cost import evaluate_plan, stage_cost_model, usable_memory
-from nereus.errors import NereusError
+from nereus.errors import ArgumentError, NereusError
 from nereus.spec.plan import Plan
 from nereus.spec.workload import DTYPE_BYTES, ResponseLengths
 
@@ -300,7 +300,7 @@ def sweep_thresholds(
 ) -> SweepResult:
     """Mean generation + inference time per threshold over sampled batches; the best threshold."""
     if num_batches < 1:
-        raise NereusError(f"--batches must be at least 1, got {num_batches}")
+        raise ArgumentError(f"`num_batches` must be at least 1, got {num_batches}", "num_batches")
     rng = np.random.default_rng(seed)
     batches = [sample_lengths(profile, rng) for _ in range(num_batches)]
     baseline = [run_batch(profile, b, None) for b in batches]

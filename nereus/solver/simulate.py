@@ -120,7 +120,7 @@ def check_trace_fits(trace: Trace, plan: Plan) -> None:
     if largest > cluster:
         raise NereusError(
             f"trace {trace.name!r}: gpus: the pool reaches {largest} GPUs but the plan's cluster has {cluster}; "
-            "plan on a cluster with enough GPUs (nereus plan --cluster ... --gpus N)"
+            f"plan on a cluster of at least {largest} GPUs"
         )
     if max_gpu(plan) >= trace.gpus:
         raise NereusError(

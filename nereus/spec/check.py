@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from nereus.errors import SpecError
-from nereus.spec.base import Document
 from nereus.spec.cluster import Cluster
+from nereus.spec.io import ParseError, document_from_data, field_marks, locate, parse_data, read_text
 from nereus.spec.model import Model
 from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.registry import kind_of, semantic_problems
 from nereus.spec.workload import Workload, model_stage_name, model_stages
 
 Severity = Literal["error", "warning"]
@@ -220,33 +221,28 @@ def plan_problems(plan: Plan) -> Iterator[Problem]:
             yield from _batch_problems(plan, i, entry)
 
 
-#: Semantic checks per document class; later layers register their own kinds.
-SEMANTIC_CHECKS: dict[type[Document], Callable[[Document], Iterator[Problem]]] = {
-    Model: model_problems,  # type: ignore[dict-item]
-    Cluster: cluster_problems,  # type: ignore[dict-item]
-    Workload: workload_problems,  # type: ignore[dict-item]
-    Plan: plan_problems,  # type: ignore[dict-item]
-}
+@dataclass(frozen=True)
+class Finding:
+    """One error or warning of a checked file, with where in the file it is."""
 
+    file: str
+    text: str
+    """The problem as one line, `FILE: FIELD: what is wrong`."""
+    severity: Severity
+    field_path: str | None = None
+    """The field path it is about (`stages[0].tp`), when it is about one."""
+    line: int | None = None
+    """1-based line of the field (or of its nearest written parent)."""
+    column: int | None = None
+    """1-based column of that line."""
 
-#: Checks that need a higher layer (the cost model's memory feasibility); they run only
-#: on documents that pass the checks above.
-LAYERED_CHECKS: dict[type[Document], list[Callable[[Document], Iterator[Problem]]]] = {}
-
-
-def register_check(kind: type[Document], check: Callable[[Document], Iterator[Problem]]) -> None:
-    """Add a semantic check from a higher layer (called at that layer's import)."""
-    LAYERED_CHECKS.setdefault(kind, []).append(check)
-
-
-def semantic_problems(document: Document) -> list[Problem]:
-    """Every semantic problem of a schema-valid document, errors and warnings."""
-    check = SEMANTIC_CHECKS.get(type(document))
-    problems = list(check(document)) if check else []
-    if not any(p.severity == "error" for p in problems):
-        for layered in LAYERED_CHECKS.get(type(document), []):
-            problems += list(layered(document))
-    return problems
+    @property
+    def located(self) -> str:
+        """The line with the position after the file name, `FILE:LINE:COL: FIELD: ...`
+        (the form editors and CI logs link to the place)."""
+        if self.line is None or not self.text.startswith(f"{self.file}: "):
+            return self.text
+        return f"{self.file}:{self.line}:{self.column}: {self.text[len(self.file) + 2 :]}"
 
 
 @dataclass
@@ -255,8 +251,15 @@ class CheckResult:
 
     file: str
     kind: str | None
-    errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[str]:
+        return [f.located for f in self.findings if f.severity == "error"]
+
+    @property
+    def warnings(self) -> list[str]:
+        return [f.located for f in self.findings if f.severity == "warning"]
 
     @property
     def ok(self) -> bool:
@@ -264,18 +267,30 @@ class CheckResult:
 
 
 def check_file(path: str | Path) -> CheckResult:
-    """Schema and semantic validation of one file; never raises for bad input."""
-    from nereus.spec.io import load_document
-
+    """Schema and semantic validation of one file, every finding with its line and column;
+    never raises for bad input."""
     source = str(path)
+    text = ""
     try:
-        document = load_document(path, check=False)
+        text = read_text(Path(path))
+        document = document_from_data(parse_data(text, source), source)
     except SpecError as exc:
-        return CheckResult(source, None, errors=exc.problems)
-    problems = semantic_problems(document)
-    return CheckResult(
-        source,
-        document.kind,  # type: ignore[attr-defined]
-        errors=[p.format(source) for p in problems if p.severity == "error"],
-        warnings=[p.format(source) for p in problems if p.severity == "warning"],
-    )
+        # a text that does not parse has no field marks; parsing it again is wasted (or deep)
+        marks = field_marks(text) if any(exc.fields) else {}
+        at_parse = exc.position if isinstance(exc, ParseError) else None
+        findings = [
+            _finding(source, line, "error", name, at_parse if name is None else locate(name, marks))
+            for line, name in zip(exc.problems, exc.fields, strict=True)
+        ]
+        return CheckResult(source, None, findings)
+    marks = field_marks(text)
+    findings = [
+        _finding(source, p.format(source), p.severity, p.path, locate(p.path, marks))
+        for p in semantic_problems(document)
+    ]
+    return CheckResult(source, kind_of(document), findings)
+
+
+def _finding(source: str, text: str, severity: Severity, name: str | None, at: tuple[int, int] | None) -> Finding:
+    line, column = at if at else (None, None)
+    return Finding(source, text, severity, name, line, column)

@@ -9,17 +9,7 @@ from pydantic import Field, model_validator
 from nereus.spec.base import Document, StrictModel
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
-from nereus.spec.workload import Role, Stage, Workload
-
-ModelStageName = Literal[
-    "actor/generation",
-    "actor/inference",
-    "reference/inference",
-    "reward/inference",
-    "critic/inference",
-    "actor/training",
-    "critic/training",
-]
+from nereus.spec.workload import ModelStageName, Role, Stage, Workload
 
 
 class Pool(StrictModel):

@@ -1,7 +1,7 @@
 """Trace: the drift one RL job sees, step by step (GPU pool, response lengths, efficiency).
 
 A trace starts from the conditions at step 0 and lists the steps where something
-changes. Importing this module registers the `Trace` kind and its semantic check.
+changes. `nereus.spec.registry` names the kind and its semantic check.
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from typing import Literal
 from pydantic import Field
 
 from nereus.spec.base import Document, StrictModel
-from nereus.spec.check import Problem, register_check
-from nereus.spec.io import register_kind
+from nereus.spec.check import Problem
 from nereus.spec.workload import ResponseLengths
 
 
@@ -109,7 +108,3 @@ def trace_problems(trace: Trace) -> Iterator[Problem]:
     for i, event in enumerate(trace.events):
         yield from _event_problems(trace, i, event, previous)
         previous = max(previous, event.step)
-
-
-register_kind(Trace)
-register_check(Trace, trace_problems)  # type: ignore[arg-type]

@@ -13,8 +13,9 @@ from typing import Literal
 from pydantic import Field
 
 from nereus.spec.base import Document, StrictModel
-from nereus.spec.check import SEMANTIC_CHECKS, Problem, plan_problems
-from nereus.spec.plan import ModelStageName, Plan
+from nereus.spec.check import Problem, plan_problems
+from nereus.spec.plan import Plan
+from nereus.spec.workload import ModelStageName
 
 PrimitiveKindName = Literal["split", "destroy", "extend", "merge"]
 
@@ -225,6 +226,3 @@ def transition_structure_problems(transition: Transition) -> Iterator[Problem]:
             "summary.feasible",
             "a feasible transition has no blocking cycle and an infeasible one names it; make them agree",
         )
-
-
-SEMANTIC_CHECKS[Transition] = transition_structure_problems  # type: ignore[assignment]

@@ -30,9 +30,10 @@ from nereus.cost.fit import STEP_KEY, measured_plan, predict
 from nereus.cost.online import OnlineCalibrator
 from nereus.errors import NereusError
 from nereus.runtime.rl.config import RLConfig
-from nereus.runtime.rl.setup import DECISIONS_NAME, Move, plan_problems
+from nereus.runtime.rl.setup import Move, plan_problems
 from nereus.solver.policy import Observation, Replanner, make_policy, record_to_data
 from nereus.spec.plan import Plan
+from nereus.spec.run_folder import DECISIONS_NAME
 from nereus.spec.trace import Conditions, Trace, trace_conditions
 from nereus.spec.workload import ResponseLengths
 

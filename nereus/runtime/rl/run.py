@@ -30,44 +30,36 @@ import torch
 import torch.distributed as dist
 
 from nereus.cost.calibration import Calibration
-from nereus.errors import NereusError
+from nereus.errors import ArgumentError
 from nereus.runtime import arena, host_collectives, shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import device, spawn
 from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
 from nereus.runtime.rl.reward_model import fit_reward_model
-from nereus.runtime.rl.setup import (
+from nereus.runtime.rl.setup import Move, RunSetup, Switch, prepare_folder, state_bytes_by_rank
+from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, engine_state
+from nereus.runtime.rl.step import rl_step
+from nereus.runtime.rl.tasks import get_task
+from nereus.runtime.rl.timing import slowest_rank
+from nereus.runtime.rl.update import sync_plans, sync_weights
+from nereus.runtime.sharded_state import gather, state_meta
+from nereus.runtime.transition_executor import ReplicaState, execute_transition
+from nereus.spec.io import save_document, write_text_atomic
+from nereus.spec.plan import Plan
+from nereus.spec.run_folder import (
     CHECKPOINT_STATE_NAME,
     CHECKPOINTS_NAME,
     CONTROLLER_STATE_NAME,
     FAILURE_NAME,
     METRICS_NAME,
     PLAN_NAME,
-    Move,
-    RunSetup,
-    Switch,
+    MetricsTail,
+    StepMetrics,
     checkpoint_folder,
     finished_checkpoints,
     latest_checkpoint,
-    prepare_folder,
-    state_bytes_by_rank,
 )
-from nereus.runtime.rl.step import (
-    Stage,
-    StepMetrics,
-    build_stages,
-    engine_state,
-    rl_step,
-    slowest_rank,
-    sync_plans,
-    sync_weights,
-)
-from nereus.runtime.rl.tasks import get_task
-from nereus.runtime.sharded_state import gather, state_meta
-from nereus.runtime.transition_executor import ReplicaState, execute_transition
-from nereus.spec.io import save_document, write_text_atomic
-from nereus.spec.plan import Plan
 from nereus.spec.trace import trace_conditions
 
 #: Model-stages whose state (`state_families`) a checkpoint holds: the trained models and the
@@ -218,8 +210,14 @@ def next_move(setup: RunSetup, state: RunState | None, switches: dict[int, Switc
 
 
 def apply_move(
-    setup: RunSetup, stages: dict[str, Stage], plan: Plan, move: Move, step: int, rank: int, state: RunState | None
-) -> dict[str, Stage]:
+    setup: RunSetup,
+    stages: dict[str, ModelStageRuntime],
+    plan: Plan,
+    move: Move,
+    step: int,
+    rank: int,
+    state: RunState | None,
+) -> dict[str, ModelStageRuntime]:
     """Carry out a plan change: live through its transition DAG, or through a checkpoint."""
     if move.action == "transition":
         return switch_plan(stages, plan, move, setup.config.rl, rank, step > 0, setup.config.verify_transitions)
@@ -233,14 +231,14 @@ def apply_move(
 
 
 def switch_plan(
-    stages: dict[str, Stage],
+    stages: dict[str, ModelStageRuntime],
     plan: Plan,
     switch: Move,
     config: RLConfig,
     rank: int,
     updated: bool = True,
     verify: bool = False,
-) -> dict[str, Stage]:
+) -> dict[str, ModelStageRuntime]:
     """Build the new plan's engines and move every model-stage's state into them through the
     switch's transition DAG (collective); the old engines are dropped. `updated`: the trained
     models have taken an optimizer step (they have AdamW moments). With `verify`, the logical
@@ -274,7 +272,7 @@ def cpu_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: tensor.detach().cpu() for key, tensor in tensors.items()}
 
 
-def logical_digests(stages: dict[str, Stage], families: dict[str, tuple[str, ...]]) -> dict[str, str]:
+def logical_digests(stages: dict[str, ModelStageRuntime], families: dict[str, tuple[str, ...]]) -> dict[str, str]:
     """sha256 of every model-stage's logical state and optimizer step, assembled on rank 0
     from every rank's shards (collective; other ranks get {}). Replicas must agree bitwise."""
     mine = {
@@ -314,7 +312,7 @@ def optimizer_steps(plan: Plan, num_rl_steps: int) -> int:
 
 
 def save_run_checkpoint(
-    setup: RunSetup, plan: Plan, stages: dict[str, Stage], step: int, rank: int, state: RunState | None
+    setup: RunSetup, plan: Plan, stages: dict[str, ModelStageRuntime], step: int, rank: int, state: RunState | None
 ) -> None:
     """Save every trained model, the plan in force and rank 0's run state into
     checkpoints/step-NNNNNN (collective, atomic)."""
@@ -357,7 +355,7 @@ def _seal(folder: Path, target: Path, step: int) -> None:
     fsync_path(target.parent)
 
 
-def restore(stages: dict[str, Stage], checkpoint: Path, rank: int) -> None:
+def restore(stages: dict[str, ModelStageRuntime], checkpoint: Path, rank: int) -> None:
     """Load every saved model's state from `checkpoint` into this rank's shard of it."""
     for name in SAVED_STAGES:
         stage = stages.get(name)
@@ -367,31 +365,7 @@ def restore(stages: dict[str, Stage], checkpoint: Path, rank: int) -> None:
         stage.engine.load_local_state(loaded.tensors, loaded.step)
 
 
-class MetricsTail:
-    """Reads the records a run appends to metrics.jsonl, complete lines only."""
-
-    def __init__(self, path: Path, on_step: Callable[[StepMetrics], None] | None) -> None:
-        self.path = path
-        self.on_step = on_step
-        self.offset = path.stat().st_size if path.exists() else 0
-        self.records: list[StepMetrics] = []
-
-    def poll(self) -> None:
-        if not self.path.exists():
-            return
-        with self.path.open("rb") as handle:
-            handle.seek(self.offset)
-            chunk = handle.read()
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        self.offset += len(complete)
-        for line in complete.decode().splitlines():
-            metrics = StepMetrics(**json.loads(line))
-            self.records.append(metrics)
-            if self.on_step is not None:
-                self.on_step(metrics)
-
-
-class RunFailed(NereusError):
+class RunFailed(ArgumentError):
     """A rank failed; the message says which, where the full error is, and how to resume."""
 
 
@@ -402,7 +376,7 @@ def launch(setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None
     rank within seconds; RunFailed then names it and the checkpoint to resume from.
     """
     prepare_folder(setup)
-    tail = MetricsTail(setup.out / METRICS_NAME, on_step)
+    tail = MetricsTail(setup.out, on_step)
     try:
         spawn(run_rank, setup.num_ranks, setup, on_wait=tail.poll)
     except RuntimeError as error:
@@ -411,9 +385,10 @@ def launch(setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None
         first_line = str(error).splitlines()[0]
         checkpoint = latest_checkpoint(setup.out)
         resume = (
-            f"resume from {checkpoint.name} with `nereus run --resume {setup.out}`"
+            f"resume from {checkpoint.name} with `resume` {setup.out}"
             if checkpoint is not None
             else "no checkpoint was taken yet"
         )
-        raise RunFailed(f"run failed: {first_line} (full error in {failure_log}); {resume}") from None
+        named = ("resume",) if checkpoint is not None else ()
+        raise RunFailed(f"run failed: {first_line} (full error in {failure_log}); {resume}", *named) from None
     return tail.records

@@ -4,17 +4,7 @@ of ranks, the run folder and the step a resume starts from.
 It imports no torch, so a bad config, a plan that does not fit `--nproc` or a run folder in
 the way is refused in a fraction of a second with one line, before any process exists.
 
-A run folder holds:
-    config.yaml      the RunConfig the run uses (its `plan` points at plan.yaml)
-    plan.yaml        the Plan it runs under (replaced when a resume changes the plan)
-    metrics.jsonl    one JSON record per finished step
-    trace.yaml       the controller's trace (runs with --trace only)
-    calibration.yaml the cost model's starting calibration (when the config names one)
-    timeline/        rank-R.jsonl: every rank's spans (model-stages, transitions, checkpoints)
-    decisions.jsonl  the controller's decisions with their inputs (runs with --trace only)
-    checkpoints/     step-000010/ ... : every trained model's state after that many steps,
-                     and the plan in force then
-    failure.log      the full error of a run that failed (written only then)
+The run folder's layout and readers are `nereus.spec.run_folder`'s.
 """
 
 from __future__ import annotations
@@ -27,25 +17,26 @@ from pathlib import Path
 from typing import Any
 
 from nereus.cost.calibration import Calibration
-from nereus.errors import NereusError
+from nereus.errors import ArgumentError, NereusError
 from nereus.runtime import timeline
 from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.spec.io import keep_json_lines, load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
+from nereus.spec.run_folder import (
+    CALIBRATION_NAME,
+    CHECKPOINT_STATE_NAME,
+    CHECKPOINTS_NAME,
+    CONFIG_NAME,
+    DECISIONS_NAME,
+    FAILURE_NAME,
+    METRICS_NAME,
+    PLAN_NAME,
+    TRACE_NAME,
+    latest_checkpoint,
+    read_metrics,
+    switch_plan_name,
+)
 from nereus.spec.trace import Trace
-
-CONFIG_NAME = "config.yaml"
-TRACE_NAME = "trace.yaml"
-CALIBRATION_NAME = "calibration.yaml"
-DECISIONS_NAME = "decisions.jsonl"
-#: The controller's state (policy, calibration) inside a run checkpoint, pickled by rank 0.
-CONTROLLER_STATE_NAME = "controller.pkl"
-PLAN_NAME = "plan.yaml"
-METRICS_NAME = "metrics.jsonl"
-CHECKPOINTS_NAME = "checkpoints"
-FAILURE_NAME = "failure.log"
-#: The file inside a finished run checkpoint that records the step it was taken after.
-CHECKPOINT_STATE_NAME = "state.json"
 
 
 @dataclass(frozen=True)
@@ -180,8 +171,6 @@ def plan_num_ranks(plan: Plan) -> int:
 
 
 def _load(path: Path, kind: type[Any]) -> Any:
-    import nereus.cost  # noqa: F401  (registers the plan's memory checks: the same checks in every process)
-
     document = load_document(path)
     if not isinstance(document, kind):
         raise NereusError(f"{path}: kind: expected {kind.__name__}, got {type(document).__name__}")
@@ -191,9 +180,10 @@ def _load(path: Path, kind: type[Any]) -> Any:
 def _check_plan(plan: Plan, where: str, num_ranks: int, config: RLConfig) -> None:
     needed = plan_num_ranks(plan)
     if needed != num_ranks:
-        raise NereusError(
-            f"{where}: the plan places model-stages on {needed} ranks (GPUs 0..{needed - 1}) but --nproc is "
-            f"{num_ranks}; pass --nproc {needed} or a plan for {num_ranks} ranks"
+        raise ArgumentError(
+            f"{where}: the plan places model-stages on {needed} ranks (GPUs 0..{needed - 1}) but `num_ranks` is "
+            f"{num_ranks}; pass `num_ranks` {needed} or a plan for {num_ranks} ranks",
+            "num_ranks",
         )
     problems = plan_problems(plan, num_ranks, config)
     if problems:
@@ -216,13 +206,18 @@ def new_run(
     if policy is not None:
         config = config.model_copy(update={"policy": policy})
     if plan_path is None and config.plan is None:
-        raise NereusError(f"{config_path}: plan: not set; name a Plan YAML there or pass --plan")
+        raise ArgumentError(f"{config_path}: plan: not set; name a Plan YAML there or pass `plan_path`", "plan_path")
     if config.lengths_from_trace and config.trace is None:
-        raise NereusError(f"{config_path}: lengths_from_trace: needs a trace; set trace: there or pass --trace")
+        raise ArgumentError(
+            f"{config_path}: lengths_from_trace: needs a trace; set trace: there or pass `trace_path`", "trace_path"
+        )
     where = plan_path if plan_path is not None else config_path.parent / str(config.plan)
     if not where.is_file():
-        field = "--plan" if plan_path is not None else f"{config_path}: plan"
-        raise NereusError(f"{field}: {where} does not exist; give the path of a Plan YAML")
+        given = plan_path is not None
+        field = "`plan_path`" if given else f"{config_path}: plan"
+        raise ArgumentError(
+            f"{field}: {where} does not exist; give the path of a Plan YAML", *(("plan_path",) if given else ())
+        )
     plan = with_fusion(_load(where, Plan), config)
     num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
     _check_plan(plan, str(where), num_ranks, config.rl)
@@ -233,7 +228,7 @@ def new_run(
     calibration = resolve_calibration(config, config_path.parent)
     out = out if out is not None else Path("runs") / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise NereusError(f"{out}: already exists; resume it with `nereus run --resume {out}` or pass another --out")
+        raise ArgumentError(f"{out}: already exists; resume it with `resume` or pass another `out`", "resume", "out")
     return RunSetup(config, plan, num_ranks, out, 0, None, False, switches, trace, calibration)
 
 
@@ -301,15 +296,17 @@ def resume_run(
 ) -> RunSetup:
     """Check a resume of the run folder `out`, onto another plan or number of ranks if asked."""
     if not (out / CONFIG_NAME).is_file():
-        raise NereusError(f"{out}: not a run folder ({CONFIG_NAME} missing); pass the --out folder of a `nereus run`")
+        raise NereusError(f"{out}: not a run folder ({CONFIG_NAME} missing); give the output folder of a `nereus run`")
     config: RunConfig = _load(out / CONFIG_NAME, RunConfig)
     stored = with_fusion(_load(out / PLAN_NAME, Plan), config)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
     planned = False
     if config.plan_switches and (plan_path is not None or num_ranks is not None):
-        raise NereusError(
-            f"{out}: the run switches plans on its own (plan_switches); resume it without --plan and --nproc"
+        raise ArgumentError(
+            f"{out}: the run switches plans on its own (plan_switches); resume it without `plan_path` and `num_ranks`",
+            "plan_path",
+            "num_ranks",
         )
     if plan_path is not None:
         plan = with_fusion(_load(plan_path, Plan), config)
@@ -323,8 +320,10 @@ def resume_run(
     checkpoint = latest_checkpoint(out)
     start_step = 0 if checkpoint is None else checkpoint_step(checkpoint)
     if start_step >= config.num_steps:
-        raise NereusError(
-            f"{out}: already ran {start_step} of {config.num_steps} steps; pass --steps N (N > {start_step}) to go on"
+        raise ArgumentError(
+            f"{out}: already ran {start_step} of {config.num_steps} steps; pass `num_steps` N (N > {start_step}) "
+            "to go on",
+            "num_steps",
         )
     switches = resolve_switches(config, out, plan, num_ranks)
     # A checkpoint loads into any layout: resume under the plan in force when it was taken.
@@ -361,15 +360,6 @@ def replan(stored: Plan, num_ranks: int) -> Plan:
 # ---- the run folder ----
 
 
-def switch_plan_name(step: int) -> str:
-    """The run folder's copy of the plan a switch moves to."""
-    return f"plan-from-step-{step:06d}.yaml"
-
-
-def checkpoint_folder(out: Path, step: int) -> Path:
-    return out / CHECKPOINTS_NAME / f"step-{step:06d}"
-
-
 def checkpoint_step(folder: Path) -> int:
     """The step a finished checkpoint was taken after (from its state file)."""
     state_path = folder / CHECKPOINT_STATE_NAME
@@ -380,33 +370,6 @@ def checkpoint_step(folder: Path) -> int:
     if not isinstance(step, int) or step < 0:
         raise NereusError(f"{state_path}: step: must be an integer >= 0, got {step!r}; delete {folder}")
     return step
-
-
-def finished_checkpoints(out: Path) -> list[Path]:
-    """Finished checkpoint folders, oldest first (temporary folders of an interrupted save are skipped)."""
-    root = out / CHECKPOINTS_NAME
-    if not root.is_dir():
-        return []
-    return sorted(path for path in root.iterdir() if path.name.startswith("step-") and path.is_dir())
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    folders = finished_checkpoints(out)
-    return folders[-1] if folders else None
-
-
-def read_metrics(out: Path) -> list[dict[str, Any]]:
-    """The run's per-step records, in order."""
-    path = out / METRICS_NAME
-    if not path.is_file():
-        return []
-    records = []
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            raise NereusError(f"{path}: line {number} is not JSON; the metrics file is damaged") from None
-    return records
 
 
 def drop_decisions_from(out: Path, step: int) -> None:

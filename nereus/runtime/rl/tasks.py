@@ -140,8 +140,8 @@ class AddNumbers:
         return Problem(f"A:{a}+{b}=", str(a + b))
 
 
-#: The shipped tasks by name.
-TASKS: dict[str, Task] = {"sort": SortDigits(), "add": AddNumbers()}
+#: The shipped tasks by name (`nereus.spec.run_config.TASK_NAMES` lists the same, for the config's check).
+TASKS: dict[str, Task] = {task.name: task for task in (SortDigits(), AddNumbers())}
 
 
 def get_task(name: str) -> Task:

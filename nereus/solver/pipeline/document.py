@@ -1,6 +1,6 @@
 """Fused schedules as `Schedule` documents and back, and their semantic check.
 
-Importing this module registers the Schedule kind and its check: ops must be well formed
+The check (named in `nereus.spec.registry`) says: ops must be well formed
 (every op of the problem exactly once, on its stage's node), the evaluator must run the
 node orders without deadlock, the stored times must respect durations, node order and
 dependencies, and the peak memory must stay within the cap (errors); a summary that no
@@ -18,8 +18,6 @@ from nereus.solver.pipeline.exact import ExactMemory, ExactResult
 from nereus.solver.pipeline.model import Instance, ModelTimes, OpKey, Pipeline, Problem, build_instance
 from nereus.solver.pipeline.search import FusedResult
 from nereus.spec.check import Problem as CheckProblem
-from nereus.spec.check import register_check
-from nereus.spec.io import register_kind
 from nereus.spec.schedule import (
     ExactMemorySummary,
     ExactSummary,
@@ -207,7 +205,3 @@ def schedule_problems(schedule: Schedule) -> Iterator[CheckProblem]:
         old = getattr(stored, name)
         if not math.isclose(old, fresh, rel_tol=1e-9, abs_tol=1e-12):
             yield CheckProblem(f"summary.{name}", f"stale: stored {old!r}, the ops give {fresh!r}", "warning")
-
-
-register_kind(Schedule)
-register_check(Schedule, schedule_problems)  # type: ignore[arg-type]

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from nereus.errors import NereusError
+from nereus.errors import MissingDependency, NereusError
 from nereus.solver.pipeline.evaluate import Evaluation, evaluate, simulate
 from nereus.solver.pipeline.model import Instance
 
@@ -67,7 +67,7 @@ class _Scaled:
 def _check_size(inst: Instance) -> None:
     if inst.num_ops > MAX_EXACT_OPS:
         raise NereusError(
-            f"{inst.num_ops} ops is too many for the exact model (at most {MAX_EXACT_OPS}); "
+            f"{inst.num_ops} ops is too many for the exact pipeline model (at most {MAX_EXACT_OPS}); "
             "use fewer stages or micro-batches"
         )
 
@@ -77,7 +77,7 @@ def _scaled_model(inst: Instance) -> _Scaled:
     try:
         from ortools.sat.python import cp_model
     except ImportError:
-        raise NereusError("the exact model needs OR-Tools: pip install 'nereus[exact]' (or ortools)") from None
+        raise MissingDependency("the exact pipeline model", "OR-Tools", "exact") from None
     unit = max(inst.duration) / TIME_STEPS
     duration = [max(1, round(d / unit)) for d in inst.duration]
     latency = [[_ceil(lat / unit) for _, lat in preds] for preds in inst.preds]

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
-from nereus.errors import NereusError
+from nereus.errors import ArgumentError, NereusError
 from nereus.solver.pipeline.baselines import BaselineResult, pair_baselines
 from nereus.solver.pipeline.bounds import (
     LowerBounds,
@@ -73,9 +73,9 @@ class SearchConfig:
 
     def __post_init__(self) -> None:
         if not self.time_limit_s > 0:
-            raise NereusError(f"--time-limit must be > 0 seconds, got {self.time_limit_s}")
+            raise ArgumentError(f"`time_limit_s` must be > 0 seconds, got {self.time_limit_s}", "time_limit_s")
         if self.seeds < 1:
-            raise NereusError(f"--seeds must be at least 1, got {self.seeds}")
+            raise ArgumentError(f"`seeds` must be at least 1, got {self.seeds}", "seeds")
         if self.max_iterations is not None and self.max_iterations < 1:
             raise NereusError(f"max_iterations must be at least 1, got {self.max_iterations}")
 
@@ -143,9 +143,10 @@ def list_schedules(inst: Instance, names: tuple[str, str]) -> list[Start]:
                 label = rule.name + (f", cap {cap:g}" if cap is not None else "")
                 starts.append((label, orders, evaluate(inst, orders)))
     if not starts:
-        raise NereusError(
+        raise ArgumentError(
             f"activation cap {user_cap:g} is too small: no list schedule fits (the serial 1F1B peak is "
-            f"{memory:g}); raise --act-cap"
+            f"{memory:g}); raise `activation_cap`",
+            "activation_cap",
         )
     return sorted(starts, key=lambda s: (s[2].makespan, s[2].max_peak_memory))
 

@@ -2,7 +2,8 @@
 
 `to_document` turns a scheduled `TransitionResult` into the file `nereus dag build`
 writes; `from_document` rebuilds the result (primitives, EMUs, memory) so the checker
-can replay a file. Importing this module registers the file's semantic check: the
+can replay a file. `transition_problems` is the file's semantic check (named in
+`nereus.spec.registry`): the
 checker's violations are errors, a summary that no longer matches a rebuild is a
 warning (stale).
 """
@@ -17,7 +18,7 @@ from typing import Any, Protocol
 from nereus.errors import NereusError
 from nereus.solver.transition.primitives import Emu, Primitive
 from nereus.solver.transition.schedule import TransitionResult, build_transition, link_bytes
-from nereus.spec.check import Problem, register_check
+from nereus.spec.check import Problem
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan
 from nereus.spec.transition import (
@@ -242,6 +243,3 @@ def transition_problems(transition: Transition) -> Iterator[Problem]:
             "rerun `nereus dag build` (a custom --calibration also explains this)",
             "warning",
         )
-
-
-register_check(Transition, transition_problems)  # type: ignore[arg-type]

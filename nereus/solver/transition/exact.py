@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from nereus.errors import NereusError
+from nereus.errors import MissingDependency, NereusError
 from nereus.solver.transition.primitives import Primitive
 
 ExactStatus = Literal["optimal", "feasible", "infeasible", "unknown"]
@@ -254,7 +254,7 @@ def solve_cpsat(
     try:
         from ortools.sat.python import cp_model
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise NereusError("solve_cpsat needs OR-Tools: pip install 'nereus[exact]' (or ortools)") from exc
+        raise MissingDependency("the CP-SAT transition solver", "OR-Tools", "exact") from exc
     inst = _instance(primitives, initial_bytes, capacity_bytes, unit_bytes)
     trivial = _trivial("cpsat", inst, time_limit_s, started)
     if trivial is not None:
@@ -404,7 +404,7 @@ def solve_scip(
     try:
         import pyscipopt
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise NereusError("solve_scip needs PySCIPOpt: pip install 'nereus[exact]' (or pyscipopt)") from exc
+        raise MissingDependency("the SCIP transition solver", "PySCIPOpt", "exact") from exc
     inst = _instance(primitives, initial_bytes, capacity_bytes, unit_bytes)
     trivial = _trivial("scip", inst, time_limit_s, started)
     if trivial is not None:

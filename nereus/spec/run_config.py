@@ -1,0 +1,136 @@
+"""The RL run configuration: a strict `RunConfig` document (kind: RunConfig).
+
+It holds what the plan does not: the task, the seeds, the algorithm's hyperparameters and
+the number of steps; the plan gives the models, the batch shapes and every model-stage's
+layout. It lives in the spec layer (no torch, no runtime import), so a bad config is refused
+before ranks are spawned and `nereus report` reads one without the runtime.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from nereus.spec.base import Document, StrictModel
+from nereus.spec.plan import Fusion
+
+#: The synthetic tasks a run can train on; `nereus.runtime.rl.tasks` implements each.
+TASK_NAMES: tuple[str, ...] = ("sort", "add")
+
+
+class RLConfig(StrictModel):
+    """Hyperparameters of the RL loop (the plan's workload gives batch shapes and algorithm)."""
+
+    task: str = "sort"
+    """Synthetic task the prompts come from: `sort` or `add`."""
+    seed: int = Field(default=0, ge=0)
+    """Seed of the initial weights, the prompts and the sampling."""
+    actor_lr: float = Field(default=1e-2, gt=0)
+    """AdamW learning rate of the actor (high: the tiny models start from random weights)."""
+    critic_lr: float = Field(default=1e-2, gt=0)
+    """AdamW learning rate of the critic."""
+    adam_eps: float = Field(default=1e-8, gt=0)
+    """AdamW epsilon of both models."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature of generation (above 0: RL needs exploration)."""
+    max_new_tokens: int = Field(default=12, ge=1)
+    """Most tokens per response (responses stop earlier at EOS unless `stop_at_eos` is off)."""
+    stop_at_eos: bool = True
+    """False: every response runs to its length limit, EOS or not (vLLM's `ignore_eos`): for
+    benchmarks whose response lengths must follow a trace exactly."""
+    clip_eps: float = Field(default=0.2, gt=0, lt=1)
+    """PPO ratio clip: the ratio is kept in [1 - clip_eps, 1 + clip_eps]."""
+    value_clip_eps: float = Field(default=0.2, gt=0)
+    """PPO value clip: how far a value may move from its old estimate."""
+    gamma: float = Field(default=1.0, gt=0, le=1)
+    """GAE discount."""
+    lam: float = Field(default=0.95, ge=0, le=1)
+    """GAE lambda."""
+    kl_coef: float = Field(default=0.001, ge=0)
+    """PPO: weight of the k1 KL penalty in the token rewards (small: a random policy scores
+    about 0.02 per response, and a larger penalty summed over its tokens swamps that signal)."""
+    kl_loss_coef: float = Field(default=0.02, ge=0)
+    """GRPO and ReMax: weight of the k3 KL loss in the policy objective."""
+    entropy_coef: float = Field(default=0.0, ge=0)
+    """Weight of the entropy bonus in the policy objective."""
+    reward: Literal["rule", "model"] = "rule"
+    """`rule`: the task scores each response. `model`: a value-head transformer on the plan's
+    reward/inference stage scores it, fitted to rule scores of synthetic responses first."""
+    reward_model_steps: int = Field(default=150, ge=1)
+    """Reward model: AdamW steps of its fit before RL starts."""
+    reward_model_batch: int = Field(default=32, ge=1)
+    """Reward model: synthetic responses per fitting step."""
+    reward_model_lr: float = Field(default=3e-3, gt=0)
+    """Reward model: AdamW learning rate of its fit."""
+
+    def runs_engine(self, role: str) -> bool:
+        """Whether a model-stage of `role` runs an engine: all do, except a rule-scored reward."""
+        return role != "reward" or self.reward == "model"
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, task: str) -> str:
+        if task not in TASK_NAMES:
+            raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASK_NAMES)}")
+        return task
+
+
+class PlanSwitch(StrictModel):
+    """A plan change at a step boundary, carried out live by the EMU executor: every
+    model-stage's state moves through the transition DAG, no restart, no checkpoint."""
+
+    step: int = Field(gt=0)
+    """The new plan runs from this step on (0-based; the first step trains under the first plan)."""
+    plan: str
+    """Plan YAML to switch to, relative to the config file: the same models and workload, any
+    layouts on any of the run's ranks."""
+
+
+class RunConfig(Document):
+    """One RL run: hyperparameters, length and checkpointing (the layouts come from a plan)."""
+
+    kind: Literal["RunConfig"] = "RunConfig"
+    rl: RLConfig = Field(default_factory=RLConfig)
+    """The RL loop's hyperparameters."""
+    plan: str | None = None
+    """Plan YAML the run uses (models, workload, every model-stage's layout), relative to this
+    file; `nereus run --plan` overrides it. One of the two is required."""
+    num_steps: int = Field(default=50, gt=0)
+    """RL steps to run (the total, counting steps done before a resume)."""
+    checkpoint_every: int = Field(default=10, gt=0)
+    """Save a checkpoint after every this many steps (and after the last step)."""
+    keep_checkpoints: int = Field(default=2, gt=0)
+    """Newest checkpoints kept; older ones are deleted once a newer one is complete."""
+    plan_switches: list[PlanSwitch] = Field(default_factory=list)
+    """Plan changes during the run, in increasing step order."""
+    trace: str | None = None
+    """Trace YAML (relative to this file) of GPU-pool events: with it, the online controller
+    decides every step whether to change the plan (`nereus run --trace`)."""
+    policy: str = "nereus"
+    """Adaptation policy of the controller: nereus, fixed, dynarl or periodic:K."""
+    lengths_from_trace: bool = False
+    """With a trace: each step's responses stop at the trace's `response_len.max` in force at
+    that step (or earlier at EOS) in place of `rl.max_new_tokens`, so the run's sequences grow
+    or shrink as the trace says (the untrained tiny models rarely stop early)."""
+    calibration: str | None = None
+    """Calibration YAML (`nereus fit`, relative to this file) the run's predictions and the
+    controller's cost model start from; None: the default calibration."""
+    verify_transitions: bool = False
+    """Check every live transition: gather each model-stage's logical state (parameters and
+    optimizer moments) on rank 0 before and after, and stop the run unless they are equal
+    bitwise; the digests go to the timeline. For tests and audits: it costs a full gather."""
+    online_calibration: bool = True
+    """Refit the cost model's efficiencies after every step from what the step measured
+    (recursive least squares with forgetting); the predictions and the controller use it."""
+    fusion: Fusion | None = None
+    """Stage fusions for this run; None keeps the plan's `fusion:` block, a block given here
+    replaces it whole."""
+
+    @field_validator("plan_switches")
+    @classmethod
+    def _increasing(cls, switches: list[PlanSwitch]) -> list[PlanSwitch]:
+        steps = [switch.step for switch in switches]
+        if steps != sorted(set(steps)):
+            raise ValueError(f"steps must increase strictly, got {steps}")
+        return switches

@@ -1,0 +1,188 @@
+"""`nereus plan`, `nereus plan explain` and `nereus check` end to end (typer's CliRunner)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from nereus.cli.app import app
+from nereus.spec.io import load_document, save_document
+from nereus.spec.plan import Plan
+
+pytestmark = pytest.mark.cli
+
+runner = CliRunner()
+
+
+def invoke(*args: str):  # type: ignore[no-untyped-def]
+    return runner.invoke(app, list(args))
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("plan") / "out.yaml"
+    result = invoke("plan", "--gpus", "16", "-o", str(path))
+    assert result.exit_code == 0, result.output
+    assert "wrote" in result.stdout
+    return path
+
+
+def test_plan_writes_a_file_that_check_accepts(plan_file: Path) -> None:
+    assert plan_file.is_file()
+    plan = load_document(plan_file)
+    assert isinstance(plan, Plan)
+    assert plan.predictions is not None
+    assert sorted(g for pool in plan.pools for g in pool.gpus) == list(range(16))
+    result = invoke("check", str(plan_file))
+    assert result.exit_code == 0, result.output
+    assert f"{plan_file}: ok (Plan)" in result.stdout
+    assert "warning" not in result.stdout
+
+
+def test_plan_prints_a_table() -> None:
+    result = invoke("plan", "--gpus", "16")
+    assert result.exit_code == 0, result.output
+    for name in ("actor/generation", "critic/training", "step ", "searched"):
+        assert name in result.stdout
+
+
+def test_plan_json() -> None:
+    result = invoke("plan", "--gpus", "16", "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert {"plan", "search_time_s"} <= set(payload)
+    assert payload["plan"]["kind"] == "Plan"
+    assert payload["search_time_s"] >= 0
+    assert payload["plan"]["predictions"]["step_time_s"] > 0
+
+
+@pytest.mark.parametrize("gpus", [24, 40, 48, 96])
+def test_plan_on_uneven_gpu_counts_passes_check(gpus: int, tmp_path: Path) -> None:
+    """dp that does not divide the samples: the busiest replica gets ceil(samples / dp)."""
+    path = tmp_path / "plan.yaml"
+    result = invoke("plan", "--gpus", str(gpus), "-o", str(path))
+    assert result.exit_code == 0, result.output
+    check = invoke("check", "--strict", str(path))
+    assert check.exit_code == 0, check.output
+    assert f"{path}: ok (Plan)" in check.stdout
+    assert "warning" not in check.stdout and "error" not in check.stdout
+
+
+def test_plan_seq_len_is_the_maximum_response(tmp_path: Path) -> None:
+    """--seq-len N caps responses at N tokens; the ppo preset's median 500 / p99 2500 / max 8192 scale alike."""
+    steps = {}
+    for seq_len in (500, 8000):
+        path = tmp_path / f"plan-{seq_len}.yaml"
+        result = invoke("plan", "--gpus", "16", "--seq-len", str(seq_len), "-o", str(path))
+        assert result.exit_code == 0, result.output
+        plan = load_document(path)
+        assert isinstance(plan, Plan) and plan.predictions is not None
+        lengths = plan.workload.response_len
+        assert (lengths.median, lengths.p99, lengths.max) == (
+            round(500 * seq_len / 8192),
+            round(2500 * seq_len / 8192),
+            seq_len,
+        )
+        check = invoke("check", "--strict", str(path))
+        assert check.exit_code == 0, check.output
+        steps[seq_len] = plan.predictions.step_time_s
+    assert steps[8000] > steps[500]
+
+
+def test_plan_seq_len_must_be_positive() -> None:
+    result = invoke("plan", "--gpus", "16", "--seq-len", "0")
+    assert_one_line_error(result, "--seq-len must be a positive number of tokens, got 0")
+
+
+def test_plan_explain(plan_file: Path) -> None:
+    result = invoke("plan", "explain", str(plan_file))
+    assert result.exit_code == 0, result.output
+    assert "step time" in result.stdout
+    assert "infeasible" not in result.stdout
+    stored = load_document(plan_file)
+    assert isinstance(stored, Plan) and stored.predictions is not None
+    assert f"step time: {stored.predictions.step_time_s:.4g} s" in result.stdout
+
+
+def test_plan_explain_json(plan_file: Path) -> None:
+    result = invoke("plan", "explain", str(plan_file), "--json")
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert payload["memory_problems"] == []
+    assert payload["step_time_s"] == pytest.approx(sum(payload["step_breakdown_s"].values()), rel=1e-12)
+
+
+def assert_one_line_error(result, *fragments: str) -> None:  # type: ignore[no-untyped-def]
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("error: ")
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_plan_70b_on_8_gpus_is_one_line_error() -> None:
+    result = invoke("plan", "--gpus", "8", "--model", "llama-3.3-70b")
+    assert_one_line_error(result, "no memory-feasible plan", "smallest GPU count that fits is 80")
+
+
+def test_plan_more_gpus_than_the_cluster() -> None:
+    result = invoke("plan", "--cluster", "h100-sxm-2x8", "--gpus", "100000")
+    assert_one_line_error(result, "--gpus 100000 exceeds the 16 GPUs of cluster h100-sxm-2x8")
+
+
+def test_plan_unknown_workload() -> None:
+    assert_one_line_error(invoke("plan", "--workload", "nope"), "unknown workload preset 'nope'")
+
+
+def test_plan_gpus_must_be_positive() -> None:
+    result = invoke("plan", "--gpus", "0")
+    assert result.exit_code == 2  # a usage error (typer's range check)
+    assert "Traceback" not in result.output
+
+
+def test_stale_predictions_warn_and_fail_strict(plan_file: Path, tmp_path: Path) -> None:
+    plan = load_document(plan_file)
+    assert isinstance(plan, Plan) and plan.predictions is not None
+    edited = plan.model_copy(
+        update={"predictions": plan.predictions.model_copy(update={"step_time_s": plan.predictions.step_time_s * 2})}
+    )
+    path = tmp_path / "edited.yaml"
+    save_document(edited, path)
+    result = invoke("check", str(path))
+    assert result.exit_code == 0, result.output
+    assert "warning: stale" in result.stdout
+    assert "predictions.step_time_s" in result.stdout
+    strict = invoke("check", "--strict", str(path))
+    assert strict.exit_code == 1, strict.output
+    assert "warning: stale" in strict.stdout
+
+
+def test_plan_cli_does_not_import_torch(tmp_path: Path) -> None:
+    """`nereus --help`, `plan` and `check` run without importing torch (a fresh interpreter)."""
+    out = tmp_path / "p.yaml"
+    script = textwrap.dedent(f"""
+        import sys
+        import nereus.spec, nereus.cost, nereus.solver
+        import nereus.solver.plan_search, nereus.solver.planner
+        from nereus.cli.app import app
+        for argv in (["--help"], ["plan", "--gpus", "16", "-o", {str(out)!r}], ["check", {str(out)!r}],
+                     ["plan", "explain", {str(out)!r}]):
+            try:
+                code = app(argv, prog_name="nereus", standalone_mode=False)
+            except SystemExit as exc:
+                code = exc.code
+            assert code in (None, 0), (argv, code)
+        print("TORCH" if "torch" in sys.modules else "NO-TORCH")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "NO-TORCH"
+    assert out.is_file()
