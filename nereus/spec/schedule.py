@@ -80,6 +80,21 @@ class ExactSummary(StrictModel):
     """Seconds the solver ran."""
 
 
+class ExactMemorySummary(StrictModel):
+    """CP-SAT's least peak activation among schedules as fast as the heuristic's."""
+
+    status: Literal["optimal", "feasible", "infeasible", "unknown"]
+    """Of the peak: optimal certifies that no schedule this fast holds less."""
+    peak_memory: float | None
+    """Peak activation of its schedule."""
+    bound: float | None
+    """Its lower bound on the least peak at this makespan."""
+    makespan: float | None
+    """Makespan of its schedule, re-timed with the real durations."""
+    wall_s: float = Field(ge=0)
+    """Seconds the solver ran."""
+
+
 class ScheduleSummary(StrictModel):
     """Headline numbers of the schedule, against bounds and baselines."""
 
@@ -94,6 +109,8 @@ class ScheduleSummary(StrictModel):
     """Largest per-node peak activation memory."""
     memory_bound: float = Field(ge=0)
     """Serial 1F1B first-stage peak, the memory reference bound."""
+    memory_lower_bound: float | None = Field(default=None, ge=0)
+    """Lower bound on the peak of every schedule as fast as this one (None when not computed)."""
     bubble_ratio: float
     """Idle fraction of nodes x makespan."""
     serial_1f1b_makespan: float = Field(ge=0)
@@ -110,6 +127,8 @@ class ScheduleSummary(StrictModel):
     """Annealing seeds run in parallel."""
     exact: ExactSummary | None = None
     """The exact model's result when `--exact` was given."""
+    exact_memory: ExactMemorySummary | None = None
+    """The exact model's least peak at this schedule's makespan when `--exact` was given."""
 
 
 class Schedule(Document):
