@@ -19,7 +19,7 @@ from repo_paths import DATA, EXAMPLES
 
 from nereus.runtime.checkpoint import verify_checkpoint
 from nereus.runtime.rl.config import RLConfig
-from nereus.runtime.rl.controller import read_run_state
+from nereus.runtime.rl.run_state import read_run_state
 from nereus.runtime.rl.setup import memory_problems, state_bytes_by_rank
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan

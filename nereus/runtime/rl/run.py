@@ -35,8 +35,9 @@ from nereus.runtime import arena, host_collectives, shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import device, spawn
 from nereus.runtime.rl.config import RLConfig
-from nereus.runtime.rl.controller import Controller, Predictor, RunStateData, prediction_fields, read_run_state
+from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
 from nereus.runtime.rl.reward_model import fit_reward_model
+from nereus.runtime.rl.run_state import RunStateData, read_run_state
 from nereus.runtime.rl.setup import Move, RunSetup, Switch, prepare_folder, seal_manifest, state_bytes_by_rank
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, engine_state
 from nereus.runtime.rl.step import rl_step

@@ -426,7 +426,7 @@ def checkpoint_problem(folder: Path) -> str | None:
     a missing or unreadable state file, a missing file, a checksum that differs, a model
     checkpoint whose index or shards fail their checks, or a run state that fails its schema."""
     from nereus.runtime.checkpoint import check_files
-    from nereus.runtime.rl.controller import read_run_state
+    from nereus.runtime.rl.run_state import read_run_state
 
     legacy = folder / LEGACY_STATE_NAME
     if legacy.exists():
