@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.errors import NereusError
-from nereus.spec.cluster import Cluster, GpuKind, Link
+from nereus.spec.cluster import Cluster, GpuKind, Link, size_problem
 from nereus.spec.hf_config import model_from_hf_config
 from nereus.spec.model import Llama3RopeScaling, Model
 from nereus.spec.workload import Optimizer, ResponseLengths, Workload
@@ -191,6 +191,9 @@ def cluster_preset(name: str, num_gpus: int | None = None) -> Cluster:
         num_nodes = -(-num_gpus // per_node)
     if num_nodes < 1 or per_node < 1:
         raise NereusError(f"cluster preset {name!r}: nodes and GPUs per node must be positive")
+    problem = size_problem(num_nodes, per_node)
+    if problem:
+        raise NereusError(f"cluster preset {name!r}: {problem}")
     return Cluster(
         name=f"{gpu_name}-{num_nodes}x{per_node}",
         num_nodes=num_nodes,

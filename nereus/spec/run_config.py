@@ -120,6 +120,9 @@ class RunConfig(Document):
     """RL steps to run (the total, counting steps done before a resume)."""
     checkpoint_every: int = Field(default=10, gt=0)
     """Save a checkpoint after every this many steps (and after the last step)."""
+    collective_timeout_s: float = Field(default=120.0, gt=0)
+    """Seconds a collective waits for the other ranks before the run stops, naming the rank
+    that did not arrive (a hung or stopped rank)."""
     keep_checkpoints: int = Field(default=2, gt=0)
     """Newest checkpoints kept; older ones are deleted once a newer one is complete."""
     plan_switches: list[PlanSwitch] = Field(default_factory=list)

@@ -9,7 +9,9 @@ The run folder's layout and readers are `nereus.spec.run_folder`'s.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -29,18 +31,25 @@ from nereus.spec.run_folder import (
     CHECKPOINT_STATE_NAME,
     CHECKPOINTS_NAME,
     CONFIG_NAME,
+    CONTROLLER_STATE_NAME,
+    DAMAGED_NAME,
     DECISIONS_NAME,
     FAILURE_NAME,
+    LEGACY_STATE_NAME,
     METRICS_NAME,
     PLAN_NAME,
     SAMPLES_NAME,
     TRACE_NAME,
-    latest_checkpoint,
+    finished_checkpoints,
     read_metrics,
     switch_plan_name,
 )
 from nereus.spec.trace import Trace
 from nereus.spec.workload import Role
+
+#: The `format` and `version` of a run checkpoint's state file.
+CHECKPOINT_FORMAT = "nereus-run-checkpoint"
+CHECKPOINT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -88,6 +97,8 @@ class RunSetup:
     """GPU-pool events for the online controller (None: no controller)."""
     calibration: Calibration | None = None
     """The cost model's starting calibration (None: the default one)."""
+    damaged: tuple[Path, ...] = ()
+    """Damaged checkpoints newer than `checkpoint`, moved aside before the run starts."""
 
 
 def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
@@ -354,9 +365,16 @@ def resolve_switches(config: RunConfig, folder: Path, first: Plan, num_ranks: in
 
 
 def resume_run(
-    out: Path, plan_path: Path | None = None, num_ranks: int | None = None, num_steps: int | None = None
+    out: Path,
+    plan_path: Path | None = None,
+    num_ranks: int | None = None,
+    num_steps: int | None = None,
+    from_previous: bool = False,
 ) -> RunSetup:
-    """Check a resume of the run folder `out`, onto another plan or number of ranks if asked."""
+    """Check a resume of the run folder `out`, onto another plan or number of ranks if asked.
+
+    The newest checkpoint must pass `checkpoint_problem`, else DamagedCheckpoint; with
+    `from_previous` the newest one that passes is used and the newer ones are set aside."""
     if not (out / CONFIG_NAME).is_file():
         raise NereusError(f"{out}: not a run folder ({CONFIG_NAME} missing); give the output folder of a `nereus run`")
     config: RunConfig = _load(out / CONFIG_NAME, RunConfig)
@@ -379,7 +397,8 @@ def resume_run(
         plan = stored
     num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
     _check_plan(plan, str(plan_path or out / PLAN_NAME), num_ranks, config.rl)
-    checkpoint = latest_checkpoint(out)
+    read_metrics(out)  # a damaged metrics file is refused here, before anything is written
+    checkpoint, damaged = resumable_checkpoint(out, from_previous)
     start_step = 0 if checkpoint is None else checkpoint_step(checkpoint)
     if start_step >= config.num_steps:
         raise ArgumentError(
@@ -394,7 +413,7 @@ def resume_run(
     ahead = tuple(switch for switch in switches if switch.step >= start_step)
     trace = resolve_trace(config, out, plan, num_ranks)
     calibration = resolve_calibration(config, out)
-    return RunSetup(config, plan, num_ranks, out, start_step, checkpoint, planned, ahead, trace, calibration)
+    return RunSetup(config, plan, num_ranks, out, start_step, checkpoint, planned, ahead, trace, calibration, damaged)
 
 
 def _check_same_work(plan: Plan, stored: Plan, where: Path) -> None:
@@ -432,6 +451,94 @@ def checkpoint_step(folder: Path) -> int:
     if not isinstance(step, int) or step < 0:
         raise NereusError(f"{state_path}: step: must be an integer >= 0, got {step!r}; delete {folder}")
     return step
+
+
+class DamagedCheckpoint(ArgumentError):
+    """The newest checkpoint fails its checks; `folder` and `problem` say which and why."""
+
+    def __init__(self, folder: Path, problem: str) -> None:
+        super().__init__(
+            f"{problem}; refusing to resume from the damaged newest checkpoint {folder.name} "
+            "(pass `from_previous` to continue from the newest valid one)",
+            "from_previous",
+        )
+        self.folder = folder
+        self.problem = problem
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def seal_manifest(folder: Path, step: int) -> dict[str, Any]:
+    """The state file of a run checkpoint about to be sealed: its step, the sha256 of every
+    file beside it and the model checkpoints (sub-folders, which checksum their own shards)."""
+    entries = sorted(folder.iterdir())
+    files = {path.name: file_sha256(path) for path in entries if path.is_file() and path.name != CHECKPOINT_STATE_NAME}
+    models = [path.name for path in entries if path.is_dir()]
+    return {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step, "files": files, "models": models}
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why the run checkpoint `folder` cannot be resumed from (None: it can): a pickle in it,
+    a missing or unreadable state file, a missing file, a checksum that differs, a model
+    checkpoint whose index or shards fail their checks, or a run state that fails its schema."""
+    from nereus.runtime.checkpoint import check_files
+    from nereus.runtime.rl.run_state import read_run_state
+
+    legacy = folder / LEGACY_STATE_NAME
+    if legacy.exists():
+        return (
+            f"{legacy}: a pickled run state (written by nereus before checkpoints were data); it is never "
+            "loaded, since unpickling a file can run any code in it"
+        )
+    state_path = folder / CHECKPOINT_STATE_NAME
+    try:
+        manifest = json.loads(state_path.read_text())
+    except (OSError, ValueError) as error:
+        return f"{state_path}: unreadable ({error})"
+    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+        return f"{state_path}: format: must be {CHECKPOINT_FORMAT!r} (a checkpoint of an older nereus, or edited)"
+    files, models = manifest.get("files"), manifest.get("models")
+    if not isinstance(files, dict) or not isinstance(models, list):
+        return f"{state_path}: files and models: missing; the state file is damaged"
+    for name, digest in sorted(files.items()):
+        path = folder / str(name)
+        if not path.is_file():
+            return f"{path}: missing (the state file lists it)"
+        if file_sha256(path) != digest:
+            return f"{path}: sha256 differs from the one in {state_path.name}; the file is corrupted"
+    for name in models:
+        try:
+            check_files(folder / str(name))
+        except NereusError as error:
+            return str(error)
+    if CONTROLLER_STATE_NAME in files:
+        try:
+            read_run_state(folder / CONTROLLER_STATE_NAME)
+        except NereusError as error:
+            return str(error)
+    return None
+
+
+def resumable_checkpoint(out: Path, from_previous: bool) -> tuple[Path | None, tuple[Path, ...]]:
+    """The checkpoint a resume starts from and the damaged newer ones it passes over (only
+    with `from_previous`); DamagedCheckpoint when the newest is damaged and not `from_previous`."""
+    damaged: list[Path] = []
+    for folder in reversed(finished_checkpoints(out)):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return folder, tuple(damaged)
+        if not from_previous:
+            raise DamagedCheckpoint(folder, problem)
+        damaged.append(folder)
+    if damaged:
+        raise NereusError(f"{out}: no checkpoint is valid (the oldest: {checkpoint_problem(damaged[-1])})")
+    return None, ()
 
 
 def drop_decisions_from(out: Path, step: int) -> None:
@@ -475,4 +582,16 @@ def prepare_folder(setup: RunSetup) -> None:
         for path in root.iterdir():
             if path.name.startswith("."):
                 shutil.rmtree(path, ignore_errors=True)
+    set_aside(setup.damaged, out / DAMAGED_NAME)
     (out / FAILURE_NAME).unlink(missing_ok=True)
+
+
+def set_aside(folders: tuple[Path, ...], into: Path) -> None:
+    """Move damaged checkpoints out of the checkpoints folder (a later save may take their step)."""
+    for folder in folders:
+        into.mkdir(exist_ok=True)
+        target = into / folder.name
+        suffix = 1
+        while target.exists():
+            target, suffix = into / f"{folder.name}.{suffix}", suffix + 1
+        os.rename(folder, target)
