@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from nereus.cost.stage import StageCostModel
@@ -69,12 +72,47 @@ def _spans_nodes(cluster: Cluster, gpus: list[int]) -> bool:
     return len({cluster.node_of(gpu) for gpu in gpus}) > 1
 
 
+def stage_choices(entry: StagePlan) -> dict[str, Any]:
+    """The entry's memory-saving choices as the cost model's keyword arguments."""
+    return {
+        "recompute": int(entry.recompute == "full"),
+        "zero1": entry.zero1,
+        "kv_budget": math.inf if entry.kv_budget_bytes is None else float(entry.kv_budget_bytes),
+    }
+
+
+def split_resident(memory: dict[str, Any], offload: Any) -> tuple[Any, Any]:
+    """(resident, transient) bytes: an offloaded model-stage's states are only there while it runs."""
+    states = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
+    rest = sum(v for k, v in memory.items() if k not in RESIDENT_TERMS)
+    return np.where(offload, 0.0, states), rest + np.where(offload, states, 0.0)
+
+
+def resident_share(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
+    """Share of a model-stage's full model state (parameters, gradients, unsharded optimizer)
+    that stays on its GPUs between stages, as `evaluate_plan` counts it: 0 when offloaded,
+    less than 1 under ZeRO-1, 1 otherwise."""
+    if entry.offload:
+        return 0.0
+    model = stage_cost_model(plan, entry.role, entry.stage, calibration)
+    params = model.params_per_gpu(entry.tp, entry.pp)
+    kept = model.model_state_terms(params, entry.dp, stage_choices(entry)["zero1"])
+    full = model.model_state_terms(params, 1, False)
+    return float(sum(kept.values()) / sum(full.values()))
+
+
 def _stage_terms(plan: Plan, entry: StagePlan, calibration: Calibration) -> tuple[dict[str, float], dict[str, float]]:
     model = stage_cost_model(plan, entry.role, entry.stage, calibration)
     pp_inter = any(_spans_nodes(plan.cluster, emu) for emu in entry.emus)
     dp_inter = _spans_nodes(plan.cluster, entry.gpus)
-    times = model.time_terms(entry.tp, entry.pp, entry.dp, entry.micro_batches, pp_inter, dp_inter)
-    memory = model.memory_terms(entry.tp, entry.pp, entry.dp, entry.micro_batches)
+    choices = stage_choices(entry)
+    times = model.time_terms(entry.tp, entry.pp, entry.dp, entry.micro_batches, pp_inter, dp_inter, **choices)
+    memory = model.memory_terms(
+        entry.tp, entry.pp, entry.dp, entry.micro_batches, token_budget=entry.token_budget or 0, **choices
+    )
+    if entry.offload:
+        states = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
+        times["offload"] = model.offload_time(states)
     return {k: float(v) for k, v in times.items()}, {k: float(v) for k, v in memory.items()}
 
 
@@ -107,8 +145,8 @@ def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) ->
     transient_of: dict[str, float] = {}
     for entry in plan.stages:
         _, memory = terms[entry.model_stage]
-        resident = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
-        transient_of[entry.model_stage] = sum(v for k, v in memory.items() if k not in RESIDENT_TERMS)
+        resident, transient = (float(x) for x in split_resident(memory, entry.offload))
+        transient_of[entry.model_stage] = transient
         for gpu in entry.gpus:
             resident_on[gpu] = resident_on.get(gpu, 0.0) + resident
     workspace = plan.cluster.gpu.memory_bytes * calibration.workspace_fraction
@@ -117,7 +155,7 @@ def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) ->
     problems: list[str] = []
     for entry in plan.stages:
         times, memory = terms[entry.model_stage]
-        own_resident = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
+        own_resident = float(split_resident(memory, entry.offload)[0])
         busiest = max(entry.gpus, key=lambda g: resident_on[g])
         breakdown = dict(memory, co_resident=resident_on[busiest] - own_resident, workspace=workspace)
         peak = sum(breakdown.values())

@@ -33,8 +33,10 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
         Pool(name=name, gpus=list(range(start, start + size))) for name, start, size, _ in candidate.placement.pools
     ]
     entries = {}
-    for name, pool, start, tp, pp, dp, micro_batches in iter_assignments(candidate):
+    for name, pool, start, tp, pp, dp, micro_batches, choice in iter_assignments(candidate):
         emu_size = tp * pp
+        kv, recompute, token_budget, zero1, offload = choice
+        training = name.endswith("/training")
         emus = [list(range(start + k * emu_size, start + (k + 1) * emu_size)) for k in range(dp)]
         entries[name] = StagePlan(
             model_stage=name,  # type: ignore[arg-type]
@@ -44,6 +46,11 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
             dp=dp,
             emus=emus,
             micro_batches=micro_batches,
+            recompute="full" if recompute else "none",
+            token_budget=token_budget or None,
+            zero1=bool(zero1) if training else None,
+            offload=bool(offload),
+            kv_budget_bytes=kv or None,
         )
     order = [model_stage_name(r, s) for r, s in model_stages(request.workload)]
     names = {request.workload.model_name(role) for role in request.workload.roles()}
@@ -86,7 +93,7 @@ def _infeasible_message(request: PlanRequest, rejected: list[Rejection]) -> str:
 def _fits(request: PlanRequest, num_gpus: int) -> bool:
     per_node = request.cluster.gpus_per_node
     cluster = request.cluster.model_copy(update={"num_nodes": -(-num_gpus // per_node)})
-    probe = PlanRequest(cluster, request.models, request.workload, num_gpus, request.calibration)
+    probe = PlanRequest(cluster, request.models, request.workload, num_gpus, request.calibration, request.choices)
     return bool(search(probe).candidates)
 
 

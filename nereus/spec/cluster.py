@@ -42,6 +42,11 @@ class Link(StrictModel):
     """One-message latency in seconds."""
 
 
+#: PCIe Gen5 x16 is 64 GB/s per direction; a node's GPUs pair up behind shared switch
+#: uplinks to the host, so one GPU offloading while its neighbour does gets about half.
+PCIE5_X16_SHARE = Link(bytes_per_s=32e9, latency_s=10e-6)
+
+
 class Cluster(Document):
     """Homogeneous nodes of identical GPUs; GPU ids are node * gpus_per_node + local."""
 
@@ -58,6 +63,9 @@ class Cluster(Document):
     """GPU-to-GPU link inside a node (NVLink, Infinity Fabric)."""
     inter_node: Link
     """Per-GPU network link between nodes (InfiniBand, RoCE, Slingshot)."""
+    host_link: Link = PCIE5_X16_SHARE
+    """Per-GPU share of the host-device link (PCIe) when every GPU of a node moves states to or
+    from host memory at once: prices offloading idle model-stages. Default: half of PCIe Gen5 x16."""
 
     @model_validator(mode="after")
     def _not_too_large(self) -> Cluster:

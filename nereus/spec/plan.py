@@ -38,6 +38,33 @@ class StagePlan(StrictModel):
     """Each EMU's ordered GPU ids: GPU of (pp stage s, tp rank r) is entry s * tp + r."""
     micro_batches: int = Field(default=1, gt=0)
     """Micro-batches per replica: per mini-batch in training, per step in inference; 1 in generation."""
+    recompute: Literal["none", "full"] = "none"
+    """Training only: `full` keeps each layer's input and reruns its forward in the backward
+    (gradient checkpointing), `none` keeps every activation."""
+    token_budget: int | None = Field(default=None, gt=0)
+    """Training only: tokens per micro-batch when micro-batches are packed to a token budget;
+    None: micro-batches of equal row counts, sized for rows of the maximum length."""
+    zero1: bool | None = None
+    """Training only: AdamW state sharded across dp (ZeRO-1); None: as the workload's optimizer says."""
+    offload: bool = False
+    """Between its runs, this model-stage's resident states sleep in host memory (moved out
+    and back over the cluster's host link every step)."""
+    kv_budget_bytes: int | None = Field(default=None, gt=0)
+    """Generation only: KV-cache bytes per GPU the engine batches continuously into; None:
+    room for every sample of a replica at the maximum length at once."""
+
+    @model_validator(mode="after")
+    def _choices_fit_the_stage(self) -> StagePlan:
+        stage = self.model_stage.split("/")[1]
+        if stage != "training":
+            for name in ("token_budget", "zero1"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} applies to training model-stages only; drop it from {self.model_stage}")
+            if self.recompute != "none":
+                raise ValueError(f"recompute applies to training model-stages only; drop it from {self.model_stage}")
+        if stage != "generation" and self.kv_budget_bytes is not None:
+            raise ValueError(f"kv_budget_bytes applies to generation only; drop it from {self.model_stage}")
+        return self
 
     @property
     def role(self) -> Role:

@@ -53,6 +53,16 @@ GPU_KINDS: dict[str, tuple[GpuKind, Link, Link, int]] = {
     ),
 }
 
+#: Per-GPU share of the host link when a node's GPUs offload at once (see Cluster.host_link):
+#: PCIe Gen4 x16 (32 GB/s per direction) for A100, Gen5 x16 (64 GB/s) for H100/H200, both
+#: halved for two GPUs per switch uplink; MI250X: 36 GB/s Infinity Fabric per GCD pair, halved.
+HOST_LINKS: dict[str, Link] = {
+    "a100-80gb": Link(bytes_per_s=16e9, latency_s=10e-6),
+    "h100-sxm": Link(bytes_per_s=32e9, latency_s=10e-6),
+    "h200": Link(bytes_per_s=32e9, latency_s=10e-6),
+    "mi250x": Link(bytes_per_s=18e9, latency_s=10e-6),
+}
+
 GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h200-sxm": "h200", "mi250": "mi250x"}
 
 
@@ -201,6 +211,7 @@ def cluster_preset(name: str, num_gpus: int | None = None) -> Cluster:
         gpu=gpu,
         intra_node=intra,
         inter_node=inter,
+        host_link=HOST_LINKS[gpu_name],
     )
 
 

@@ -133,7 +133,7 @@ def assert_one_line_error(result, *fragments: str) -> None:  # type: ignore[no-u
 
 def test_plan_70b_on_8_gpus_is_one_line_error() -> None:
     result = invoke("plan", "--gpus", "8", "--model", "llama-3.3-70b")
-    assert_one_line_error(result, "no memory-feasible plan", "smallest GPU count that fits is 80")
+    assert_one_line_error(result, "no memory-feasible plan", "smallest GPU count that fits is 24")
 
 
 def test_plan_more_gpus_than_the_cluster() -> None:

@@ -508,3 +508,21 @@ def test_the_closing_summary_keeps_long_paths_on_one_line(capsys: pytest.Capture
     lines = capsys.readouterr().out.splitlines()
     assert f"ran steps 1-50 of the run on 4 ranks in 94.9 s -> {out}" in lines
     assert f"timeline: {out}/t.json (open in ui.perfetto.dev); summary: nereus report {out}" in lines
+
+
+@pytest.mark.parametrize(
+    ("choice", "pin"),
+    [({"offload": True}, "--offload off"), ({"recompute": "full"}, "--recompute none")],
+)
+def test_a_plan_with_a_choice_the_runtime_lacks_is_refused(tmp_path: Path, choice: dict, pin: str) -> None:
+    config = write_config(tmp_path)
+    plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    training = next(s for s in plan["stages"] if s["model_stage"] == "actor/training")
+    training.update(choice)
+    plan.pop("predictions", None)
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+    result = invoke("run", config, "--out", tmp_path / "out")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    line = one_error_line(result)
+    assert "actor/training" in line and "not executed by the runtime" in line and pin in line
+    assert not (tmp_path / "out").exists()

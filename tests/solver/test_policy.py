@@ -243,7 +243,9 @@ def test_admitted_transitions_pass_the_checker(plan: Plan, replanner: Replanner)
     from nereus.solver.simulate import observation_of
     from nereus.spec.trace import trace_conditions
 
-    trace = combined_trace(300, GPUS, GrowthConfig(every_steps=5), SpotConfig(num_changes=14), seed=5)
+    # seed 1: 41 admitted transitions, 4 of them after a surprise loss (seed 5 had none once plans
+    # bounded their KV cache: memory no longer forces the moves it did)
+    trace = combined_trace(300, GPUS, GrowthConfig(every_steps=5), SpotConfig(num_changes=14), seed=1)
     checked = surprise = 0
     for name in ("nereus", "dynarl"):
         policy = make_policy(name, plan, replanner)

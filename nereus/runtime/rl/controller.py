@@ -40,6 +40,7 @@ from nereus.runtime.rl.run_state import (
     PredictorState,
 )
 from nereus.runtime.rl.setup import Move, plan_problems
+from nereus.solver.layouts import RUNTIME_CHOICES
 from nereus.solver.policy import (
     Observation,
     Replanner,
@@ -171,7 +172,7 @@ class Controller:
         num_ranks: int,
         calibration: Calibration,
     ) -> None:
-        self.replanner = Replanner(plan, calibration=calibration)
+        self.replanner = Replanner(plan, calibration=calibration, choices=RUNTIME_CHOICES)
         self.policy = make_policy(policy, plan, self.replanner)
         self.conditions: list[Conditions] = list(trace_conditions(trace))
         self.plan = plan

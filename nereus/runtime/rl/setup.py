@@ -128,6 +128,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
         rows = num_rows // workload.mini_batches if entry.stage == "training" else num_rows
         if rows // entry.dp < entry.micro_batches:
             problems.append(f"{name}: {rows} rows over dp={entry.dp} cannot fill micro_batches={entry.micro_batches}")
+    problems += unexecutable_choices(plan)
     problems += memory_problems(plan, config)
     problems += intra_stage_problems(plan)
     problems += [f"fusion.inter_stage: {problem}" for problem in inter_stage_problems(plan, plan.fusion, config)]
@@ -139,6 +140,26 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     if workload.algorithm != "ppo" and has_critic:
         problems.append(f"{workload.algorithm} trains no critic; remove the critic stages")
     return problems
+
+
+def unexecutable_choices(plan: Plan) -> list[str]:
+    """Memory-saving choices of the plan the runtime does not execute yet, each with its pin."""
+    found = []
+    for entry in plan.stages:
+        unsupported = [
+            (entry.recompute != "none", "recompute", "--recompute none"),
+            (entry.token_budget is not None, "token_budget", "--token-budget off"),
+            (bool(entry.zero1), "zero1", "--zero1 off"),
+            (entry.offload, "offload", "--offload off"),
+            (entry.kv_budget_bytes is not None, "kv_budget_bytes", "--kv-budget off"),
+        ]
+        found += [
+            f"{entry.model_stage}: {name} is not executed by the runtime yet; replan with `nereus plan {pin}` "
+            f"(or --for-runtime)"
+            for used, name, pin in unsupported
+            if used
+        ]
+    return found
 
 
 def state_bytes_by_rank(plan: Plan, config: RLConfig) -> dict[int, int]:
@@ -430,11 +451,12 @@ def _check_same_work(plan: Plan, stored: Plan, where: Path) -> None:
 
 def replan(stored: Plan, num_ranks: int) -> Plan:
     """The planner's best plan for the stored plan's models and workload on `num_ranks` ranks."""
+    from nereus.solver.layouts import RUNTIME_CHOICES
     from nereus.solver.plan_search import PlanRequest
     from nereus.solver.planner import make_plan
 
     cluster = stored.cluster.model_copy(update={"num_nodes": 1, "gpus_per_node": num_ranks})
-    request = PlanRequest(cluster, tuple(stored.models), stored.workload, num_ranks)
+    request = PlanRequest(cluster, tuple(stored.models), stored.workload, num_ranks, choices=RUNTIME_CHOICES)
     return make_plan(request).best.model_copy(update={"fusion": stored.fusion, "weights": stored.weights})
 
 

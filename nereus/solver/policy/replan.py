@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import evaluate_plan
 from nereus.errors import NereusError
+from nereus.solver.layouts import MemoryChoices
 from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.solver.policy.types import PolicyConfig
@@ -28,10 +29,20 @@ SHORT_STAGE = {"generation": "gen", "inference": "inf", "training": "train"}
 
 
 def plan_key(plan: Plan) -> PlanKey:
-    """Identity of a plan's layout: pools and every model-stage's EMUs (not its workload)."""
+    """Identity of a plan's layout: pools, every model-stage's EMUs and its memory-saving
+    choices (which change its time and memory as much as the layout does; not its workload)."""
     pools = tuple((p.name, tuple(p.gpus)) for p in plan.pools)
     stages = tuple(
-        (s.model_stage, s.pool, s.tp, s.pp, s.micro_batches, tuple(tuple(e) for e in s.emus)) for s in plan.stages
+        (
+            s.model_stage,
+            s.pool,
+            s.tp,
+            s.pp,
+            s.micro_batches,
+            tuple(tuple(e) for e in s.emus),
+            (s.kv_budget_bytes, s.recompute, s.token_budget, s.zero1, s.offload),
+        )
+        for s in plan.stages
     )
     return (pools, stages)
 
@@ -84,6 +95,8 @@ class Replanner:
     base: Plan
     config: PolicyConfig = field(default_factory=PolicyConfig)
     calibration: Calibration = field(default_factory=Calibration)
+    choices: MemoryChoices = field(default_factory=MemoryChoices)
+    """The memory-saving choices replanned plans may use (RUNTIME_CHOICES inside `nereus run`)."""
     num_searches: int = 0
     _plans: dict[tuple[object, ...], list[Plan]] = field(default_factory=dict, repr=False)
     _times: dict[tuple[object, ...], float | None] = field(default_factory=dict, repr=False)
@@ -132,7 +145,9 @@ class Replanner:
         key = (gpus, rounded.median, rounded.p99, rounded.max, eff)
         if key not in self._plans:
             workload = self.workload_for(rounded)
-            request = PlanRequest(self.base.cluster, tuple(self.base.models), workload, gpus, self.calibration_for(eff))
+            request = PlanRequest(
+                self.base.cluster, tuple(self.base.models), workload, gpus, self.calibration_for(eff), self.choices
+            )
             self.num_searches += 1
             try:
                 result = make_plan(request, top_k=self.config.num_alternatives)
