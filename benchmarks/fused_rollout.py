@@ -46,8 +46,11 @@ from nereus.runtime.generate import CachedForward, Decoder, SamplingConfig
 from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.fused_rollout import fused_rollout
 from nereus.runtime.rl.inter_stage import MigrationSettings, migration_settings
-from nereus.runtime.rl.step import build_stages, generate_responses, rollout_batch, run_inference, timed
+from nereus.runtime.rl.rollout import generate_responses
+from nereus.runtime.rl.scoring import run_inference
+from nereus.runtime.rl.stages import build_stages, rollout_batch
 from nereus.runtime.rl.tasks import CharTokenizer, encode_prompt, get_task, sample_problems
+from nereus.runtime.rl.timing import timed
 from nereus.solver.migration import GenerationProfile, run_batch, sample_lengths
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan

@@ -14,18 +14,19 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from _record import begin, write_result
 
-from nereus.runtime.dist import spawn
 from nereus.runtime.rl.config import RLConfig, RunConfig
-from nereus.runtime.rl.setup import plan_problems
-from nereus.runtime.rl.step import StepMetrics, run_steps
+from nereus.runtime.rl.run import launch
+from nereus.runtime.rl.setup import RunSetup, plan_problems
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
+from nereus.spec.run_folder import StepMetrics
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "plan-tiny-ppo-4rank.yaml"
 RESULTS = Path(__file__).resolve().parent / "results" / "rl_learning.json"
@@ -59,7 +60,12 @@ def run(algorithm: str, num_steps: int, config: RLConfig) -> dict[str, Any]:
     problems = plan_problems(plan, NUM_RANKS, config)
     assert not problems, problems
     start = time.perf_counter()
-    metrics: list[StepMetrics] = spawn(run_steps, NUM_RANKS, plan, RunConfig(rl=config, num_steps=num_steps))[0]
+    # What `nereus run` runs (checkpoints and metrics.jsonl included), in a throwaway run folder.
+    with tempfile.TemporaryDirectory(prefix="rl-learning-") as folder:
+        setup = RunSetup(
+            RunConfig(rl=config, num_steps=num_steps), plan, NUM_RANKS, Path(folder) / "run", 0, None, False
+        )
+        metrics: list[StepMetrics] = launch(setup)
     wall = time.perf_counter() - start
     rewards = [m.reward for m in metrics]
     stage_names = sorted(metrics[0].stage_seconds)

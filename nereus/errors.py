@@ -19,9 +19,13 @@ class SpecError(NereusError):
     "FILE: FIELD.PATH: what is wrong; what to do".
     """
 
-    def __init__(self, problems: list[str]) -> None:
+    def __init__(self, problems: list[str], fields: list[str | None] | None = None) -> None:
         assert problems, "SpecError needs at least one problem"
+        assert fields is None or len(fields) == len(problems), "one field path per problem"
         self.problems = problems
+        #: The field path each problem is about (`stages[0].tp`), where known: `nereus check`
+        #: turns it into a line and column of the file.
+        self.fields: list[str | None] = fields if fields is not None else [None] * len(problems)
         super().__init__(problems[0])
 
 

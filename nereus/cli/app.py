@@ -16,6 +16,7 @@ ARGUMENT_FLAGS = {
     "activation_cap": "--act-cap",
     "device": "--device",
     "first_step": "--from-step",
+    "from_previous": "--resume-from-previous",
     "num_batches": "--batches",
     "num_ranks": "--nproc",
     "num_steps": "--steps",
@@ -46,7 +47,7 @@ class NereusGroup(TyperGroup):
             shown = exc.render(ARGUMENT_FLAGS) if isinstance(exc, ArgumentError) else str(exc)
             for line in getattr(exc, "problems", [shown]):
                 typer.echo(f"error: {line}", err=True)
-            raise typer.Exit(1) from None
+            raise typer.Exit(getattr(exc, "exit_code", 1)) from None
         except BrokenPipeError:  # output piped into `head`: stop quietly
             sys.stderr.close()
             raise typer.Exit(0) from None
@@ -91,6 +92,7 @@ def register_commands() -> None:
     """Attach every command module to `app` (imports stay light: no torch)."""
     from nereus.cli import (
         dag_commands,
+        export_commands,
         plan_commands,
         profile_commands,
         report_commands,
@@ -105,6 +107,7 @@ def register_commands() -> None:
         spec_commands,
         plan_commands,
         dag_commands,
+        export_commands,
         schedule_commands,
         trace_commands,
         simulate_commands,

@@ -15,7 +15,7 @@ from nereus.errors import NereusError
 
 if TYPE_CHECKING:
     from nereus.cost.calibration import Calibration
-    from nereus.cost.fit import ErrorReport
+    from nereus.cost.fit import ErrorReport, RunRecord
     from nereus.cost.profile import Profile
     from nereus.spec.model import Model
 
@@ -117,7 +117,12 @@ def _print_profile(measured: Profile, wall_s: float, output: Path) -> None:
 
 
 def fit(
-    run_dirs: Annotated[list[Path], typer.Argument(help="Output folders of `nereus run` (plan.yaml, metrics.jsonl).")],
+    run_dirs: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Output folders of `nereus run` (plan.yaml, metrics.jsonl), or the trainer logs of --from."
+        ),
+    ],
     output: Annotated[Path, typer.Option("-o", "--output", help="Write the Calibration to this YAML/JSON file.")],
     profile_file: Annotated[
         Path | None,
@@ -127,6 +132,16 @@ def fit(
         Path | None, typer.Option("--calibration", help="Calibration to start from (default: the built-in one).")
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the fit and its errors as JSON.")] = False,
+    source: Annotated[
+        Literal["nereus", "verl", "openrlhf"],
+        typer.Option(
+            "--from", help="Whose runs: nereus run folders, verl JSON-lines metrics, or OpenRLHF stdout logs."
+        ),
+    ] = "nereus",
+    plans: Annotated[
+        list[Path] | None,
+        typer.Option("--plan", help="With --from verl|openrlhf: the plan each log ran (one for all, or one per log)."),
+    ] = None,
 ) -> None:
     """Fit the cost model's efficiencies to measured per-model-stage step times (least squares).
 
@@ -137,7 +152,7 @@ def fit(
     """
     from nereus.cli.inputs import load_kind
     from nereus.cost.calibration import Calibration
-    from nereus.cost.fit import fit_runs, held_out_errors, read_run, run_errors
+    from nereus.cost.fit import fit_runs, held_out_errors, run_errors
     from nereus.cost.profile import Profile, cluster_from_profile
     from nereus.spec.io import save_document, to_data
 
@@ -151,7 +166,7 @@ def fit(
             cluster = cluster_from_profile(the_profile, str(profile_file))
             if the_profile.communicator_setup_s is not None:
                 the_start = the_start.model_copy(update={"communicator_setup_s": the_profile.communicator_setup_s})
-        runs = [read_run(run_dir) for run_dir in run_dirs]
+        runs = _read_runs(source, run_dirs, plans or [])
         with progress_bar("fitting") as progress:
             calibration, fitted = fit_runs(runs, the_start, cluster, progress)  # type: ignore[arg-type]
             held_out = held_out_errors(runs, the_start, cluster)  # type: ignore[arg-type]
@@ -169,6 +184,22 @@ def fit(
         typer.echo(json.dumps(payload, indent=2, default=_nan_to_none))
         return
     _print_fit(calibration, fitted, in_sample, held_out, output)
+
+
+def _read_runs(source: str, paths: list[Path], plans: list[Path]) -> list[RunRecord]:
+    from nereus.cli.inputs import load_kind
+    from nereus.cost.fit import read_run
+    from nereus.interop.logs import read_trainer_runs
+    from nereus.spec.plan import Plan
+
+    if source == "nereus":
+        if plans:
+            raise NereusError("--plan: nereus run folders hold their plan; drop --plan or add --from verl|openrlhf")
+        return [read_run(run_dir) for run_dir in paths]
+    if not plans:
+        raise NereusError(f"--from {source} needs --plan PLAN.yaml: the plan the logged run used")
+    loaded = [load_kind(str(path), Plan) for path in plans]
+    return read_trainer_runs(source, paths, loaded)  # type: ignore[arg-type]
 
 
 def _nan_to_none(value: object) -> object:

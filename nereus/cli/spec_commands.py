@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -12,6 +12,10 @@ from nereus.errors import NereusError
 
 if TYPE_CHECKING:
     from nereus.spec.base import Document
+    from nereus.spec.check import CheckResult, Finding
+
+
+CheckFormat = Literal["human", "json", "github"]
 
 
 def check(
@@ -20,6 +24,13 @@ def check(
         typer.Argument(help="nereus files (YAML or JSON) to validate.", exists=True, dir_okay=False),
     ],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with every result.")] = False,
+    output_format: Annotated[
+        CheckFormat,
+        typer.Option(
+            "--format",
+            help="human: FILE:LINE:COL lines; json: as --json; github: GitHub Actions ::error/::warning annotations.",
+        ),
+    ] = "human",
     warnings_as_errors: Annotated[bool, typer.Option("--strict", help="Treat warnings as errors (exit 1).")] = False,
 ) -> None:
     """Validate files: schema and semantics. Exit 0 valid, 1 invalid, 2 usage error."""
@@ -27,15 +38,13 @@ def check(
 
     results = [check_file(path) for path in files]
     failed = [r for r in results if not r.ok or (warnings_as_errors and r.warnings)]
-    if as_json:
-        payload = {
-            "ok": not failed,
-            "files": [
-                {"file": r.file, "kind": r.kind, "ok": r.ok, "errors": r.errors, "warnings": r.warnings}
-                for r in results
-            ],
-        }
+    if as_json or output_format == "json":
+        payload = {"ok": not failed, "files": [_result_data(r) for r in results]}
         typer.echo(json.dumps(payload, indent=2))
+    elif output_format == "github":
+        for r in results:
+            for finding in r.findings:
+                typer.echo(github_annotation(finding))
     else:
         for r in results:
             status = "ok" if r.ok else "invalid"
@@ -44,6 +53,37 @@ def check(
                 typer.echo(f"  {line}")
     if failed:
         raise typer.Exit(1)
+
+
+def _result_data(r: CheckResult) -> dict[str, Any]:
+    problems = [
+        {
+            "severity": f.severity,
+            "field": f.field_path,
+            "line": f.line,
+            "column": f.column,
+            "message": f.text.removeprefix(f"{r.file}: "),
+        }
+        for f in r.findings
+    ]
+    data = {"file": r.file, "kind": r.kind, "ok": r.ok, "errors": r.errors, "warnings": r.warnings}
+    return {**data, "problems": problems}
+
+
+def github_annotation(finding: Finding) -> str:
+    """One GitHub Actions workflow command (`::error file=F,line=L,col=C::message`); the
+    message and properties are escaped as the runner expects."""
+
+    def escape(text: str, properties: bool = False) -> str:
+        text = text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+        return text.replace(":", "%3A").replace(",", "%2C") if properties else text
+
+    fields = [f"file={escape(finding.file, True)}"]
+    if finding.line is not None:
+        fields += [f"line={finding.line}", f"col={finding.column}"]
+    fields.append("title=nereus check")
+    message = finding.text.removeprefix(f"{finding.file}: ")
+    return f"::{finding.severity} {','.join(fields)}::{escape(message)}"
 
 
 def schema(

@@ -26,7 +26,7 @@ from nereus.cost.plan_cost import evaluate_plan
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan
 from nereus.spec.run_folder import METRICS_NAME, PLAN_NAME, json_lines
-from nereus.spec.workload import ResponseLengths
+from nereus.spec.workload import STAGES, ResponseLengths
 
 #: The first steps of every run pay for allocation and lazy initialisation; the fit drops them.
 WARMUP_STEPS = 2
@@ -171,6 +171,8 @@ def predict(plan: Plan, calibration: Calibration) -> dict[str, float]:
     predictions = evaluate_plan(plan, calibration).predictions
     out = {name: p.time_s for name, p in predictions.model_stages.items()}
     out["weight_sync"] = predictions.step_breakdown_s.get("weight_sync", 0.0)
+    # Whole phases, for trainers that time a phase rather than each model-stage (OpenRLHF).
+    out.update({f"phase/{stage}": predictions.step_breakdown_s.get(stage, 0.0) for stage in STAGES})
     out[STEP_KEY] = predictions.step_time_s
     return out
 
@@ -321,6 +323,7 @@ class Observations:
         for sample in run.steps:
             by_size.setdefault((sample.prompt_len, sample.response_len_max), []).append(sample)
         known = {entry.model_stage for entry in run.plan.stages} | {"weight_sync", STEP_KEY}
+        known |= {f"phase/{stage}" for stage in STAGES}
         for (prompt_len, response_len_max), samples in by_size.items():
             group = len(self.plans)
             self.plans.append(measured_plan(run.plan, prompt_len, response_len_max, cluster))

@@ -15,12 +15,11 @@ from nereus.spec.check import Problem
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Head
 from nereus.spec.plan import Plan, Predictions, StagePlan, StagePrediction
-from nereus.spec.workload import DTYPE_BYTES, STAGES, Role, Stage, Workload
+from nereus.spec.workload import ACTOR_SYNC_TARGETS, DTYPE_BYTES, STAGES, Role, Stage, Workload
 from nereus.units import format_bytes
 
 GIB = 2**30
 RESIDENT_TERMS = ("parameters", "gradients", "optimizer")
-ACTOR_SYNC_TARGETS = ("actor/generation", "actor/inference")
 
 
 def head_of(role: Role) -> Head:
@@ -234,17 +233,39 @@ def plan_cost_problems(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATIO
                 yield Problem(f"stages[{i}]", f"memory: {message}; raise tp or pp, or give it more GPUs")
     if plan.predictions is None:
         return
-    fresh = evaluation.predictions
-    if _stale(plan.predictions.step_time_s, fresh.step_time_s):
-        yield Problem(
-            "predictions.step_time_s",
-            f"stale: stored {plan.predictions.step_time_s:.4g} s, the cost model now predicts "
-            f"{fresh.step_time_s:.4g} s; rerun `nereus plan` or delete the predictions block",
-            "warning",
-        )
-    for name, stored in plan.predictions.model_stages.items():
-        now = fresh.model_stages.get(name)
-        if now is None or _stale(stored.time_s, now.time_s) or stored.peak_memory_bytes != now.peak_memory_bytes:
-            yield Problem(
-                f"predictions.model_stages.{name}", "stale: no longer matches the cost model for this layout", "warning"
-            )
+    stored, fresh = plan.predictions.model_dump(), evaluation.predictions.model_dump()
+    differences = list(_differences(stored, fresh, "predictions"))
+    for where, what in differences[:MAX_STALE_REPORTED]:
+        yield Problem(where, f"stale: {what}; rerun `nereus plan` or delete the predictions block", "warning")
+    if len(differences) > MAX_STALE_REPORTED:
+        more = len(differences) - MAX_STALE_REPORTED
+        yield Problem("predictions", f"stale: {more} more stored numbers differ from the cost model", "warning")
+
+
+#: Stale predictions reported one by one; the rest are counted in one more warning.
+MAX_STALE_REPORTED = 12
+
+
+def _differences(stored: Any, fresh: Any, at: str) -> Iterator[tuple[str, str]]:
+    """Every place where a stored prediction differs from the recomputed one: (path, what)."""
+    if isinstance(stored, dict) and isinstance(fresh, dict):
+        for key in sorted(set(stored) | set(fresh)):
+            where = f"{at}.{key}"
+            if key not in fresh:
+                yield where, "stored, but the cost model predicts no such entry"
+            elif key not in stored:
+                yield where, f"missing; the cost model predicts {_shown(fresh[key])}"
+            else:
+                yield from _differences(stored[key], fresh[key], where)
+    elif isinstance(stored, int) and isinstance(fresh, int):
+        if stored != fresh:
+            yield at, f"stored {stored}, the cost model predicts {fresh}"
+    elif isinstance(stored, float | int) and isinstance(fresh, float | int):
+        if _stale(float(stored), float(fresh)):
+            yield at, f"stored {stored:.6g}, the cost model predicts {fresh:.6g}"
+    elif stored != fresh:
+        yield at, f"stored {_shown(stored)}, the cost model predicts {_shown(fresh)}"
+
+
+def _shown(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else "an entry" if isinstance(value, dict) else repr(value)

@@ -26,7 +26,7 @@ from nereus.runtime import arena, host_collectives
 from nereus.runtime import dist as launch
 from nereus.runtime.model import (
     Batch,
-    DecoderStage,
+    DecoderPipelineStage,
     box_slice,
     init_logical_param,
     positions_from_mask,
@@ -37,7 +37,7 @@ from nereus.runtime.pipeline import (
     ForwardStep,
     Op,
     PipelineExecutor,
-    StageLink,
+    PipelineLink,
     check_op_lists,
     forward_only,
     one_f_one_b,
@@ -120,6 +120,10 @@ class EngineConfig:
     """AdamW hyperparameters."""
     init_seed: int = 0
     """Seed of the initial weights (each parameter's value depends only on it and the name)."""
+    init_only: frozenset[str] | None = None
+    """Names of the parameters initialised from the seed; None: all. The others are left
+    for a loader to fill (weights read from a Hugging Face folder): a whole seeded tensor
+    is never built for them."""
 
 
 _GROUP_CACHE: dict[tuple[int, ...], Any] = {}
@@ -146,9 +150,10 @@ class ParallelGroups:
 
     layout: RankLayout
     replica: int
-    stage: int
+    pp_rank: int
+    """This rank's pipeline stage in its replica."""
     tp: TensorParallel
-    link: StageLink
+    link: PipelineLink
     dp_group: Any
     """The ranks holding the same shards in the other replicas (None when dp is 1)."""
     embed_group: Any
@@ -187,7 +192,7 @@ def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups
     if coords is None:
         return None
     replica, stage, tp_rank = coords
-    link = StageLink(
+    link = PipelineLink(
         stage,
         pp,
         layout.rank_at(replica, stage - 1, tp_rank) if stage > 0 else None,
@@ -244,12 +249,12 @@ class Engine:
         self.config = config
         self.device = launch.device()
         layout = groups.layout
-        self.stage = DecoderStage(model, head, groups.tp, layout.pp, groups.stage).to(self.device)
-        self.params: dict[str, torch.nn.Parameter] = dict(self.stage.named_parameters())
+        self.pipeline_stage = DecoderPipelineStage(model, head, groups.tp, layout.pp, groups.pp_rank).to(self.device)
+        self.params: dict[str, torch.nn.Parameter] = dict(self.pipeline_stage.named_parameters())
         self._check_contract()
         with torch.no_grad():
             for info in param_infos(model, head):
-                if info.name in self.params:
+                if info.name in self.params and (config.init_only is None or info.name in config.init_only):
                     box = local_box(info, model, layout.tp, groups.tp.rank)
                     self.params[info.name].copy_(box_slice(init_logical_param(info, config.init_seed), box))
             for param in self.params.values():
@@ -274,7 +279,7 @@ class Engine:
         expected = {
             info.name: box_shape(local_box(info, self.model, layout.tp, g.tp.rank))
             for info in param_infos(self.model, self.head)
-            if holds(info, self.model, layout.pp, g.stage)
+            if holds(info, self.model, layout.pp, g.pp_rank)
         }
         actual = {name: tuple(p.shape) for name, p in self.params.items()}
         assert actual == expected, (actual, expected)
@@ -336,7 +341,7 @@ class Engine:
     def load_logical_params(self, logical: Mapping[str, torch.Tensor]) -> None:
         """Set this shard's parameters from whole (unsharded) tensors by name; keeps the optimizer state."""
         g = self.groups
-        shard = shard_params(logical, self.model, self.head, g.layout.tp, g.layout.pp, g.stage, g.tp.rank)
+        shard = shard_params(logical, self.model, self.head, g.layout.tp, g.layout.pp, g.pp_rank, g.tp.rank)
         with torch.no_grad():
             for name, param in self.params.items():
                 param.copy_(shard[name])
@@ -395,15 +400,15 @@ class Engine:
         def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
             part = rows.rows(*bounds[mb])
             output = self._stage_forward(part, stage_input)
-            if not self.stage.is_last:
+            if not self.pipeline_stage.is_last:
                 return output
             weights = objective.weights(part).to(self.device)
-            return (objective.token_losses(output, part, self.stage) * weights).sum() / normalizer
+            return (objective.token_losses(output, part, self.pipeline_stage) * weights).sum() / normalizer
 
         # Reduce only this call's gradient: gradients already held were reduced by earlier calls.
         earlier = {name: param.grad for name, param in self.params.items()}
         self.zero_grad()
-        return TrainingJob(op_lists[self.groups.stage], step, self._hidden_shape(batch, bounds), earlier)
+        return TrainingJob(op_lists[self.groups.pp_rank], step, self._hidden_shape(batch, bounds), earlier)
 
     def finish_forward_backward(self, job: TrainingJob, outputs: Mapping[int, torch.Tensor]) -> float:
         """The second half of `forward_backward` once `job`'s ops ran (collective over the
@@ -413,7 +418,7 @@ class Engine:
             if grad is not None:
                 self.params[name].grad.add_(grad)  # type: ignore[union-attr]
         loss = torch.zeros((), device=self.device)
-        if self.stage.is_last:
+        if self.pipeline_stage.is_last:
             loss = torch.stack(list(outputs.values())).sum()
             if self.groups.dp_group is not None:
                 host_collectives.all_reduce(loss, self.groups.dp_group)
@@ -448,7 +453,7 @@ class Engine:
     def _stage_forward(self, part: Batch, stage_input: torch.Tensor | None) -> torch.Tensor:
         mask = part.mask().to(self.device)
         inputs = part.tokens.to(self.device) if stage_input is None else stage_input
-        return self.stage(inputs, mask, positions_from_mask(mask))
+        return self.pipeline_stage(inputs, mask, positions_from_mask(mask))
 
     def _sync_grads(self) -> None:
         grads = [p.grad for p in self.params.values()]
@@ -482,17 +487,17 @@ class Engine:
         """Run this replica's forward over `batch`; `reduce(output, part)` turns each last-stage
         output into the rows of the result, which every rank of the replica receives."""
         bounds = self._microbatches(batch, num_microbatches)
-        ops = forward_only(self.groups.layout.pp, num_microbatches)[self.groups.stage]
+        ops = forward_only(self.groups.layout.pp, num_microbatches)[self.groups.pp_rank]
 
         def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
             part = batch.rows(*bounds[mb])
             output = self._stage_forward(part, stage_input)
-            return reduce(output, part) if self.stage.is_last else output
+            return reduce(output, part) if self.pipeline_stage.is_last else output
 
         with torch.no_grad():
             outputs = self.executor.run(ops, step, self._hidden_shape(batch, bounds), train=False)
         result = torch.zeros(out_shape, device=self.device)
-        if self.stage.is_last:
+        if self.pipeline_stage.is_last:
             result = torch.cat([outputs[mb] for mb in range(num_microbatches)])
         return self.from_last_stage(result)
 
@@ -510,7 +515,7 @@ class Engine:
         rows, seq = batch.tokens.shape
 
         def reduce(out: torch.Tensor, part: Batch) -> torch.Tensor:
-            return next_token_log_probs(out, part.tokens.to(self.device), self.stage)
+            return next_token_log_probs(out, part.tokens.to(self.device), self.pipeline_stage)
 
         return self._forward_outputs(batch, num_microbatches, reduce, (rows, seq - 1))
 

@@ -177,7 +177,7 @@ def node_of(schedule: Schedule, part: FusedPart) -> int:
         raise ValueError(
             f"schedule model {part.name!r} has {len(record.forward)} stages, its engine pp={groups.layout.pp}"
         )
-    return record.replica_nodes[0][groups.stage]
+    return record.replica_nodes[0][groups.pp_rank]
 
 
 class FusedExecutor:
@@ -193,7 +193,7 @@ class FusedExecutor:
         timings = []
         for model, stage, op in ops:
             lane = self.lanes[model]
-            assert lane.link.stage == stage, (model, stage, lane.link.stage)
+            assert lane.link.pp_rank == stage, (model, stage, lane.link.pp_rank)
             start = time.perf_counter()
             ready = lane.run_op(op, self.sends)
             timings.append(OpTiming(rank, model, op.kind, op.microbatch, stage, start, ready, time.perf_counter()))
@@ -211,7 +211,7 @@ def fused_forward_backward(parts: Sequence[FusedPart], schedule: Schedule) -> tu
     node_ops = check_fused_schedule(schedule)
     nodes = {node_of(schedule, part) for part in parts}
     if len(nodes) != 1:
-        placed = ", ".join(f"{part.name} stage {part.engine.groups.stage}" for part in parts)
+        placed = ", ".join(f"{part.name} stage {part.engine.groups.pp_rank}" for part in parts)
         raise ValueError(f"this rank holds {placed}, which the schedule puts on different nodes {sorted(nodes)}")
     node = nodes.pop()
     microbatches = {record.name: record.microbatches for record in schedule.models}

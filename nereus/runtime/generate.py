@@ -312,7 +312,7 @@ def replica_forward(
 ) -> torch.Tensor | None:
     """Feed `new` tokens (the columns from `start` on) through the replica's stages, their keys
     and values going into `caches`; the last stage's output (None on the other stages)."""
-    stage, link = engine.stage, engine.groups.link
+    stage, link = engine.pipeline_stage, engine.groups.link
     device = engine.device
     new, key_mask = new.to(device), key_mask.to(device)
     positions = positions_from_mask(key_mask)[:, start:]
@@ -340,7 +340,7 @@ class CachedForward:
         """Columns of the batch already in the cache."""
 
     def _new_caches(self, num_rows: int, capacity: int) -> dict[int, LayerCache]:
-        return self.engine.stage.new_caches(num_rows, capacity, torch.float32, self.engine.device)
+        return self.engine.pipeline_stage.new_caches(num_rows, capacity, torch.float32, self.engine.device)
 
     def reset(self, num_rows: int, capacity: int) -> None:
         self.caches, self.cached = self._new_caches(num_rows, capacity), 0

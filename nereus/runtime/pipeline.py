@@ -160,10 +160,11 @@ def _ready(item: StageOp, num_stages: Mapping[str, int], done: set[StageOp]) -> 
 
 
 @dataclass(frozen=True)
-class StageLink:
+class PipelineLink:
     """Where this rank's pipeline neighbours are (global ranks) and the group they share."""
 
-    stage: int
+    pp_rank: int
+    """This rank's pipeline stage."""
     num_stages: int
     prev_rank: int | None
     next_rank: int | None
@@ -171,11 +172,11 @@ class StageLink:
 
     @property
     def is_first(self) -> bool:
-        return self.stage == 0
+        return self.pp_rank == 0
 
     @property
     def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+        return self.pp_rank == self.num_stages - 1
 
 
 def _tag(microbatch: int, is_grad: bool, channel: int = 0, num_channels: int = 1) -> int:
@@ -216,7 +217,7 @@ class PipelineLane:
 
     def __init__(
         self,
-        link: StageLink,
+        link: PipelineLink,
         forward_step: ForwardStep,
         input_shape: Callable[[int], tuple[int, ...]],
         train: bool,
@@ -286,7 +287,7 @@ class PipelineLane:
 class PipelineExecutor:
     """Runs one stage's op list with explicit send/recv to the neighbouring stages."""
 
-    def __init__(self, link: StageLink, dtype: torch.dtype, device: torch.device):
+    def __init__(self, link: PipelineLink, dtype: torch.dtype, device: torch.device):
         self.link = link
         self.dtype = dtype
         self.device = device

@@ -27,9 +27,7 @@ from nereus.cost.stage import StageCostModel
 from nereus.solver.layouts import MemoryChoices, Option, OptionTable, price_layouts
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
-from nereus.spec.workload import STAGES, Workload, model_stage_name, model_stages
-
-SYNC_TARGETS = ("actor/generation", "actor/inference")
+from nereus.spec.workload import ACTOR_SYNC_TARGETS, STAGES, Workload, model_stage_name, model_stages
 
 
 @dataclass(frozen=True)
@@ -207,7 +205,7 @@ class _Problem:
         return max(
             (
                 self.sync(chosen[train], chosen[index[d]], self.pool_start[train], self.pool_start[index[d]])
-                for d in SYNC_TARGETS
+                for d in ACTOR_SYNC_TARGETS
                 if d in index
             ),
             default=0.0,
@@ -250,7 +248,7 @@ def _sync_function(request: PlanRequest) -> Callable[[Option, Option, int, int],
 def _order(names: list[str]) -> list[str]:
     """Search order: training first (large, memory-hungry: it prunes most), then the
     weight-sync targets (so the sync cost is known early), then the rest."""
-    first = [n for n in ("actor/training", "critic/training", *SYNC_TARGETS) if n in names]
+    first = [n for n in ("actor/training", "critic/training", *ACTOR_SYNC_TARGETS) if n in names]
     return first + [n for n in names if n not in first]
 
 
@@ -376,7 +374,7 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
         resident[problem.pool_of[i]] += min_res[i]
     phase_max = [problem.phase_time(row) for row in sums]  # with serial pools: the phase's sum
     transient = [0.0] * num_pools
-    last_sync = max(i for i, name in enumerate(problem.names) if name == "actor/training" or name in SYNC_TARGETS)
+    last_sync = max(i for i, name in enumerate(problem.names) if name == "actor/training" or name in ACTOR_SYNC_TARGETS)
     chosen: list[Option] = []
     leaves = 0
     by_growth = [_fastest_by_growth(opts, min_res[j]) for j, opts in enumerate(problem.options)]

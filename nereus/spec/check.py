@@ -9,7 +9,7 @@ from typing import Literal
 
 from nereus.errors import SpecError
 from nereus.spec.cluster import Cluster
-from nereus.spec.io import load_document
+from nereus.spec.io import ParseError, document_from_data, field_marks, locate, parse_data, read_text
 from nereus.spec.model import Model
 from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.registry import kind_of, semantic_problems
@@ -221,14 +221,45 @@ def plan_problems(plan: Plan) -> Iterator[Problem]:
             yield from _batch_problems(plan, i, entry)
 
 
+@dataclass(frozen=True)
+class Finding:
+    """One error or warning of a checked file, with where in the file it is."""
+
+    file: str
+    text: str
+    """The problem as one line, `FILE: FIELD: what is wrong`."""
+    severity: Severity
+    field_path: str | None = None
+    """The field path it is about (`stages[0].tp`), when it is about one."""
+    line: int | None = None
+    """1-based line of the field (or of its nearest written parent)."""
+    column: int | None = None
+    """1-based column of that line."""
+
+    @property
+    def located(self) -> str:
+        """The line with the position after the file name, `FILE:LINE:COL: FIELD: ...`
+        (the form editors and CI logs link to the place)."""
+        if self.line is None or not self.text.startswith(f"{self.file}: "):
+            return self.text
+        return f"{self.file}:{self.line}:{self.column}: {self.text[len(self.file) + 2 :]}"
+
+
 @dataclass
 class CheckResult:
     """The outcome of checking one file."""
 
     file: str
     kind: str | None
-    errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def errors(self) -> list[str]:
+        return [f.located for f in self.findings if f.severity == "error"]
+
+    @property
+    def warnings(self) -> list[str]:
+        return [f.located for f in self.findings if f.severity == "warning"]
 
     @property
     def ok(self) -> bool:
@@ -236,16 +267,30 @@ class CheckResult:
 
 
 def check_file(path: str | Path) -> CheckResult:
-    """Schema and semantic validation of one file; never raises for bad input."""
+    """Schema and semantic validation of one file, every finding with its line and column;
+    never raises for bad input."""
     source = str(path)
+    text = ""
     try:
-        document = load_document(path, check=False)
+        text = read_text(Path(path))
+        document = document_from_data(parse_data(text, source), source)
     except SpecError as exc:
-        return CheckResult(source, None, errors=exc.problems)
-    problems = semantic_problems(document)
-    return CheckResult(
-        source,
-        kind_of(document),
-        errors=[p.format(source) for p in problems if p.severity == "error"],
-        warnings=[p.format(source) for p in problems if p.severity == "warning"],
-    )
+        # a text that does not parse has no field marks; parsing it again is wasted (or deep)
+        marks = field_marks(text) if any(exc.fields) else {}
+        at_parse = exc.position if isinstance(exc, ParseError) else None
+        findings = [
+            _finding(source, line, "error", name, at_parse if name is None else locate(name, marks))
+            for line, name in zip(exc.problems, exc.fields, strict=True)
+        ]
+        return CheckResult(source, None, findings)
+    marks = field_marks(text)
+    findings = [
+        _finding(source, p.format(source), p.severity, p.path, locate(p.path, marks))
+        for p in semantic_problems(document)
+    ]
+    return CheckResult(source, kind_of(document), findings)
+
+
+def _finding(source: str, text: str, severity: Severity, name: str | None, at: tuple[int, int] | None) -> Finding:
+    line, column = at if at else (None, None)
+    return Finding(source, text, severity, name, line, column)

@@ -13,11 +13,19 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from nereus.errors import SpecError
+from nereus.errors import NereusError, SpecError
 from nereus.spec.base import Document
 from nereus.spec.registry import KINDS, document_class, semantic_problems
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
+
+
+class _PositionedError(yaml.YAMLError):
+    """A refusal of the strict loader, with the mark of the node it is about."""
+
+    def __init__(self, message: str, mark: Any) -> None:
+        super().__init__(message)
+        self.mark = mark
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -26,9 +34,10 @@ class _StrictLoader(yaml.SafeLoader):
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise yaml.YAMLError(
+            raise _PositionedError(
                 f"line {event.start_mark.line + 1}: YAML aliases (*name) are not "
-                "supported in nereus files; write the value out"
+                "supported in nereus files; write the value out",
+                event.start_mark,
             )
         return super().compose_node(parent, index)
 
@@ -39,9 +48,13 @@ class _StrictLoader(yaml.SafeLoader):
             try:
                 hash(key)
             except TypeError:
-                raise yaml.YAMLError(f"line {key_node.start_mark.line + 1}: a key must be a scalar") from None
+                raise _PositionedError(
+                    f"line {key_node.start_mark.line + 1}: a key must be a scalar", key_node.start_mark
+                ) from None
             if key in seen:
-                raise yaml.YAMLError(f"line {key_node.start_mark.line + 1}: duplicate key {key!r}; keep one")
+                raise _PositionedError(
+                    f"line {key_node.start_mark.line + 1}: duplicate key {key!r}; keep one", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -54,19 +67,53 @@ def _reject_duplicate_json_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
+class ParseError(SpecError):
+    """A text that is not valid YAML or JSON, with where the parser stopped."""
+
+    def __init__(self, problem: str, position: tuple[int, int] | None) -> None:
+        super().__init__([problem])
+        self.position = position
+        """1-based (line, column) of the syntax error, when the parser gave one."""
+
+
 def parse_data(text: str, source: str) -> Any:
     """Parse YAML or JSON text into plain Python data; errors name `source`."""
     if not text.strip():
         return None  # reported as an empty file
+    is_json = source.endswith(".json")
     try:
-        if source.endswith(".json"):
+        if is_json:
             return json.loads(text, object_pairs_hook=_reject_duplicate_json_keys)
-        return yaml.load(text, Loader=_StrictLoader)
+        return yaml.load(text, Loader=_StrictLoader)  # safe: _StrictLoader is a SafeLoader subclass
     except RecursionError:
         raise SpecError([f"{source}: nested too deeply to be a nereus file"]) from None
     except (yaml.YAMLError, ValueError) as exc:
         detail = " ".join(str(exc).split())
-        raise SpecError([f"{source}: not valid {'JSON' if source.endswith('.json') else 'YAML'}: {detail}"]) from None
+        problem = f"{source}: not valid {'JSON' if is_json else 'YAML'}: {detail}"
+        raise ParseError(problem, _syntax_position(exc, text)) from None
+
+
+def _syntax_position(exc: Exception, text: str) -> tuple[int, int] | None:
+    if isinstance(exc, json.JSONDecodeError):
+        return (exc.lineno, exc.colno)
+    if isinstance(exc, ValueError):  # a JSON duplicate key: json gives no place, YAML's composer does
+        try:
+            yaml.load(text, Loader=_StrictLoader)  # safe: _StrictLoader is a SafeLoader subclass
+        except yaml.YAMLError as yaml_exc:
+            return _yaml_position(yaml_exc)
+        except RecursionError:
+            return None
+        return None
+    return _yaml_position(exc)
+
+
+def _yaml_position(exc: Exception) -> tuple[int, int] | None:
+    mark = None
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+    elif isinstance(exc, _PositionedError):
+        mark = exc.mark
+    return (mark.line + 1, mark.column + 1) if mark else None
 
 
 def one_line(text: str) -> str:
@@ -101,6 +148,51 @@ def validation_problems(exc: ValidationError, kind: type[Document], source: str)
     return [one_line(f"{source}: {format_loc(err['loc'])}: {_describe(dict(err), kind)}") for err in exc.errors()]
 
 
+def validation_error(exc: ValidationError, kind: type[Document], source: str) -> SpecError:
+    """The SpecError of a pydantic error, with the field path of every problem."""
+    return SpecError(validation_problems(exc, kind, source), [format_loc(err["loc"]) for err in exc.errors()])
+
+
+def field_marks(text: str) -> dict[str, tuple[int, int]]:
+    """The 1-based (line, column) where each field path of a YAML or JSON text is written:
+    a mapping entry at its key, a list item at its first character. Field paths are spelled as
+    in error messages (`stages[0].emus[1]`); `(document)` is the top. Empty when the text
+    does not parse (its parse error has the position)."""
+    try:
+        root = yaml.compose(text, Loader=_StrictLoader)
+    except (yaml.YAMLError, RecursionError):
+        return {}
+    marks: dict[str, tuple[int, int]] = {}
+    if root is None:
+        return marks
+    marks["(document)"] = (root.start_mark.line + 1, root.start_mark.column + 1)
+    stack: list[tuple[str, Any]] = [("", root)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                child = f"{path}.{key_node.value}" if path else str(key_node.value)
+                marks.setdefault(one_line(child), (key_node.start_mark.line + 1, key_node.start_mark.column + 1))
+                stack.append((child, value_node))
+        elif isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                child = f"{path}[{index}]"
+                marks.setdefault(one_line(child), (item.start_mark.line + 1, item.start_mark.column + 1))
+                stack.append((child, item))
+    return marks
+
+
+def locate(field: str | None, marks: dict[str, tuple[int, int]]) -> tuple[int, int] | None:
+    """Where `field` is written, else where its nearest written parent is (a missing key is
+    reported at the mapping that lacks it); None without marks."""
+    while field:
+        if field in marks:
+            return marks[field]
+        cut = max(field.rfind("."), field.rfind("["))
+        field = field[:cut] if cut > 0 else ""
+    return marks.get("(document)")
+
+
 def document_from_data(data: Any, source: str) -> Document:
     """Validate parsed data as the document its `kind:` names (schema only)."""
     if data is None or data == "":
@@ -112,13 +204,13 @@ def document_from_data(data: Any, source: str) -> Document:
     if kind is None:
         known = ", ".join(KINDS)
         what = "missing" if "kind" not in data else f"unknown kind {kind_name!r}"
-        raise SpecError([f"{source}: kind: {what}; use one of {known}"])
+        raise SpecError([f"{source}: kind: {what}; use one of {known}"], ["kind"])
     if "version" not in data:
-        raise SpecError([f"{source}: version: required field is missing; add `version: 1`"])
+        raise SpecError([f"{source}: version: required field is missing; add `version: 1`"], ["version"])
     try:
         return kind.model_validate(data)
     except ValidationError as exc:
-        raise SpecError(validation_problems(exc, kind, source)) from None
+        raise validation_error(exc, kind, source) from None
 
 
 def read_text(path: Path) -> str:
@@ -210,6 +302,16 @@ def save_document(document: Document, path: str | Path) -> None:
     write_text_atomic(path, text)
 
 
+def read_utf8(path: Path) -> str:
+    """A text file nereus wrote (a run folder's logs, a checkpoint index), or a NereusError
+    naming it when its bytes are not UTF-8 (a damaged file)."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise NereusError(f"{path}: not UTF-8 text (bad byte at offset {exc.start}); the file is damaged") from None
+
+
 def keep_json_lines(path: Path, keep: Callable[[Any], bool]) -> None:
     """Rewrite a JSON-lines file atomically with the records `keep` accepts; a line that does
     not parse, or that `keep` cannot read (KeyError, TypeError), is dropped: it is what a kill
@@ -217,7 +319,8 @@ def keep_json_lines(path: Path, keep: Callable[[Any], bool]) -> None:
     if not path.is_file():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    # A damaged byte makes its line unparseable, so that line is dropped like a cut one.
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
             if keep(json.loads(line)):
                 kept.append(line + "\n")

@@ -4,22 +4,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, model_validator
 
 from nereus.spec.base import Document, StrictModel
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
-from nereus.spec.workload import Role, Stage, Workload
-
-ModelStageName = Literal[
-    "actor/generation",
-    "actor/inference",
-    "reference/inference",
-    "reward/inference",
-    "critic/inference",
-    "actor/training",
-    "critic/training",
-]
+from nereus.spec.workload import ModelStageName, Role, Stage, Workload
 
 
 class Pool(StrictModel):
@@ -27,7 +17,7 @@ class Pool(StrictModel):
 
     name: str = Field(min_length=1)
     """Name the model-stages refer to, e.g. `pool0`."""
-    gpus: list[int] = Field(min_length=1)
+    gpus: list[NonNegativeInt] = Field(min_length=1)
     """GPU ids in this pool; pools are disjoint."""
 
 
@@ -44,7 +34,7 @@ class StagePlan(StrictModel):
     """Pipeline-parallel degree of one replica (divides the layers)."""
     dp: int = Field(gt=0)
     """Number of replicas (EMUs); equals the length of `emus`."""
-    emus: list[list[int]] = Field(min_length=1)
+    emus: list[list[NonNegativeInt]] = Field(min_length=1)
     """Each EMU's ordered GPU ids: GPU of (pp stage s, tp rank r) is entry s * tp + r."""
     micro_batches: int = Field(default=1, gt=0)
     """Micro-batches per replica: per mini-batch in training, per step in inference; 1 in generation."""
@@ -97,9 +87,9 @@ class StagePrediction(StrictModel):
     """Predicted wall time of this model-stage per RL step."""
     peak_memory_bytes: int = Field(ge=0)
     """Predicted peak memory on the busiest GPU, with co-resident model-stages."""
-    time_breakdown_s: dict[str, float] = Field(default_factory=dict)
+    time_breakdown_s: dict[str, NonNegativeFloat] = Field(default_factory=dict)
     """Seconds per latency term (compute, bubbles, collectives, ...)."""
-    memory_breakdown_bytes: dict[str, int] = Field(default_factory=dict)
+    memory_breakdown_bytes: dict[str, NonNegativeInt] = Field(default_factory=dict)
     """Bytes per memory term (parameters, optimizer, activations, KV cache, ...)."""
 
 
@@ -110,7 +100,7 @@ class Predictions(StrictModel):
     """Predicted wall time of one RL step (critical path of the workflow)."""
     model_stages: dict[str, StagePrediction] = Field(default_factory=dict)
     """Per model-stage predictions keyed by `role/stage`."""
-    step_breakdown_s: dict[str, float] = Field(default_factory=dict)
+    step_breakdown_s: dict[str, NonNegativeFloat] = Field(default_factory=dict)
     """Seconds of the step's critical path per phase."""
 
 
@@ -154,6 +144,10 @@ class Plan(Document):
     """Filled by `nereus plan`; checked for staleness by `nereus check`."""
     fusion: Fusion = Field(default_factory=Fusion)
     """Stage fusions the runtime applies (off by default)."""
+    weights: dict[Role, str] | None = None
+    """Hugging Face folder each role's initial weights are read from (absolute paths; a
+    critic read from a causal LM gets a new value head); a role not named, or None: the
+    model starts from the run's seed."""
 
     def model(self, name: str) -> Model:
         """The embedded model called `name`."""

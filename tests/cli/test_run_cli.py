@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,11 +19,13 @@ from repo_paths import DATA, EXAMPLES
 
 from nereus.runtime.checkpoint import verify_checkpoint
 from nereus.runtime.rl.config import RLConfig
+from nereus.runtime.rl.run_state import read_run_state
 from nereus.runtime.rl.setup import memory_problems, state_bytes_by_rank
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke, one_error_line
+from tests.run_helpers import alive, rank_pids, start_run, wait_for, write_config
 
 pytestmark = pytest.mark.cli
 
@@ -35,23 +34,6 @@ PLAN_2RANK = DATA / "plan-tiny-ppo-2rank.yaml"
 EXAMPLES = EXAMPLES
 #: Fields that depend on wall time (predictions come from a calibration fitted to measured times).
 TIMING_FIELDS = ("stage_seconds", "step_seconds", "predicted_step_seconds", "predicted_stage_seconds")
-
-
-def write_config(folder: Path, **fields: Any) -> Path:
-    """A small 2-rank PPO config (short responses) next to a copy of the 2-rank plan."""
-    shutil.copy(PLAN_2RANK, folder / "plan.yaml")
-    document = {
-        "kind": "RunConfig",
-        "version": 1,
-        "plan": "plan.yaml",
-        "num_steps": 4,
-        "checkpoint_every": 2,
-        "rl": {"task": "sort", "seed": 3, "max_new_tokens": 6},
-        **fields,
-    }
-    path = folder / "run.yaml"
-    path.write_text(yaml.safe_dump(document))
-    return path
 
 
 def training_records(out: Path) -> list[dict[str, Any]]:
@@ -189,7 +171,8 @@ def test_resume_onto_other_ranks_continues_from_the_same_state(tmp_path: Path) -
 
 def restored_actor_params(rank: int, world_size: int, setup: Any) -> dict[str, Any]:
     from nereus.runtime.rl.run import restore
-    from nereus.runtime.rl.step import build_stages, sync_plans, sync_weights
+    from nereus.runtime.rl.stages import build_stages
+    from nereus.runtime.rl.update import sync_plans, sync_weights
 
     stages = build_stages(setup.plan, setup.config.rl)
     restore(stages, setup.checkpoint, rank)
@@ -204,37 +187,6 @@ def restored_actor_params(rank: int, world_size: int, setup: Any) -> dict[str, A
 
 
 # ---- killed runs (subprocesses) ----
-
-
-def start_run(*args: str | Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "nereus", "run", *map(str, args)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
-
-
-def rank_pids(parent: int) -> list[int]:
-    """PIDs of the spawned ranks of `parent` (children running multiprocessing's spawn_main)."""
-    pids = []
-    for child in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        if b"spawn_main" in cmdline:
-            pids.append(int(child))
-    return pids
-
-
-def alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "State:\tZ" not in status
-
-
-def wait_for(condition: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 @pytest.mark.multiprocess
@@ -394,12 +346,13 @@ def test_trace_lengths_timeline_and_controller_state_survive_a_resume(tmp_path: 
         assert all(s["end"] >= s["start"] for s in spans)
     events = json.loads((out / "timeline.json").read_text())["traceEvents"]
     assert {e["name"] for e in events if e.get("ph") == "X"} >= {"actor/generation", "step-000006"}
-    state = pickle.loads((out / "checkpoints" / "step-000006" / "controller.pkl").read_bytes())
+    state = read_run_state(out / "checkpoints" / "step-000006" / "controller.json")
     # Steps 1, 2, 4, 5 calibrate (each process's first step is warm-up): 2 of them before the resume.
     # Under a plan that keeps rank 0 out of generation, step 5's update waits in the checkpoint.
     pending = state.predictor.pending
+    assert state.predictor.calibrator is not None and state.controller is not None
     assert state.predictor.calibrator.num_updates + (pending is not None) == 4
-    assert pending is None or pending[1].step == 5
+    assert pending is None or pending.metrics["step"] == 5
     assert state.controller.plan == load_document(out / "checkpoints" / "step-000006" / "plan.yaml")
 
 
@@ -417,9 +370,10 @@ def test_with_generation_off_rank_0_each_online_update_runs_in_the_next_steps_ge
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
     out = tmp_path / "out"
     assert invoke("run", config, "--out", out).exit_code == 0
-    state = pickle.loads((out / "checkpoints" / "step-000004" / "controller.pkl").read_bytes())
+    state = read_run_state(out / "checkpoints" / "step-000004" / "controller.json")
+    assert state.predictor.calibrator is not None
     assert state.predictor.calibrator.num_updates == 2  # steps 1 and 2 (step 0 is warm-up)
-    assert state.predictor.pending is not None and state.predictor.pending[1].step == 3
+    assert state.predictor.pending is not None and state.predictor.pending.metrics["step"] == 3
     spans = [json.loads(line) for line in (out / "timeline" / "rank-0.jsonl").read_text().splitlines()]
     generation = {s["step"]: s for s in spans if s["name"] == "actor/generation"}
     idle = [s for s in spans if s["name"] == "calibrate (idle)"]

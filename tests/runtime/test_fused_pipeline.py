@@ -31,7 +31,9 @@ from nereus.runtime.model import Batch
 from nereus.runtime.optim import AdamWConfig
 from nereus.runtime.pipeline import Op, Sends
 from nereus.runtime.rl.config import RLConfig
-from nereus.runtime.rl.step import build_stages, fused_training, rl_step, sync_plans
+from nereus.runtime.rl.stages import build_stages
+from nereus.runtime.rl.step import rl_step
+from nereus.runtime.rl.update import fused_training, sync_plans
 from nereus.runtime.shard_layout import RankLayout
 from nereus.solver.pipeline.document import to_document
 from nereus.solver.pipeline.model import ModelTimes
@@ -116,7 +118,7 @@ def fused_vs_separate(rank: int, world: int, layouts: list[tuple[int, int, int]]
             "critic": largest_difference(fused_critic, solo_critic),
             "moved": largest_difference(fused_actor, engines(tp, pp, dp, world)[0], ("param",)),
             "timings": timings,
-            "stages": (fused_actor.groups.stage, fused_critic.groups.stage),
+            "stages": (fused_actor.groups.pp_rank, fused_critic.groups.pp_rank),
         }
     return results
 
@@ -293,7 +295,7 @@ def fused_and_plain_step(rank: int, world: int) -> dict[str, float]:
     batch = make_batch("value", 5)
     jobs = [(fused_stages[name], batch, objective) for name, objective in TRAINING_OBJECTIVES.items()]
     fused_training(plan, jobs[0], jobs[1], seconds, timings)
-    node_ops = check_fused_schedule(fused_schedule(plan))[fused_stages["actor/training"].engine.groups.stage]  # type: ignore[union-attr]
+    node_ops = check_fused_schedule(fused_schedule(plan))[fused_stages["actor/training"].engine.groups.pp_rank]  # type: ignore[union-attr]
     ran = [(t.update, t.model, t.stage, Op(t.kind, t.microbatch)) for t in timings]  # type: ignore[arg-type]
     errors["timings_match"] = float(ran != [(update, *item) for update in range(2) for item in node_ops])
     errors["timed_both"] = float(abs(seconds["actor/training"] - seconds["critic/training"]) > 1e-3)

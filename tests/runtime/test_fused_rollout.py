@@ -22,7 +22,11 @@ from nereus.runtime.rl.inter_stage import (
     migration_mechanism,
     migration_settings,
 )
-from nereus.runtime.rl.step import build_stages, generate_responses, rl_step, rollout_batch, run_inference, sync_plans
+from nereus.runtime.rl.rollout import generate_responses
+from nereus.runtime.rl.scoring import run_inference
+from nereus.runtime.rl.stages import build_stages, rollout_batch
+from nereus.runtime.rl.step import rl_step
+from nereus.runtime.rl.update import sync_plans
 from nereus.runtime.shard_layout import RankLayout
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from nereus.runtime.rl.reward_model import synthetic_response
-from nereus.runtime.rl.step import last_token_mask, rollout_batch, scores_from_values
+from nereus.runtime.rl.scoring import last_token_mask, scores_from_values
+from nereus.runtime.rl.stages import rollout_batch
 from nereus.runtime.rl.tasks import CharTokenizer, Problem, score_response
 
 pytestmark = pytest.mark.one_rank

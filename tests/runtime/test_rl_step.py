@@ -13,23 +13,19 @@ import torch.distributed as dist
 
 from nereus.errors import NereusError
 from nereus.runtime.dist import spawn
+from nereus.runtime.rl import run
 from nereus.runtime.rl.algorithms import entropy_from_logits
 from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.runtime.rl.objectives import vocab_parallel_entropy
-from nereus.runtime.rl.setup import plan_problems
-from nereus.runtime.rl.step import (
-    Stage,
-    StepMetrics,
-    build_stages,
-    rl_step,
-    rollout_batch,
-    run_steps,
-    sync_plans,
-)
+from nereus.runtime.rl.setup import RunSetup, plan_problems, prepare_folder
+from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, rollout_batch
+from nereus.runtime.rl.step import rl_step
+from nereus.runtime.rl.update import sync_plans
 from nereus.runtime.sharded_state import gather, state_meta
 from nereus.runtime.tensor_parallel import TensorParallel
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
+from nereus.spec.run_folder import StepMetrics
 
 pytestmark = pytest.mark.one_rank
 
@@ -91,7 +87,7 @@ def two_rank_plan(algorithm: str = "ppo", split: bool = False) -> Plan:
     return Plan.model_validate(document)
 
 
-def logical_params(stage: Stage) -> dict[str, torch.Tensor]:
+def logical_params(stage: ModelStageRuntime) -> dict[str, torch.Tensor]:
     """The stage's whole parameters, gathered from every rank (collective)."""
     mine = {}
     if stage.engine is not None:
@@ -229,13 +225,28 @@ def test_vocab_parallel_entropy_matches_full_vocabulary() -> None:
         assert value_error < 1e-5 and grad_error < 1e-6
 
 
+def run_rank_recording_steps(rank: int, world: int, setup: RunSetup) -> list[StepMetrics]:
+    """`nereus run`'s loop on this rank (`run.run_rank`), returning what each step measured here."""
+    measured: list[StepMetrics] = []
+
+    def recording(*args: Any, **kwargs: Any) -> StepMetrics:
+        measured.append(rl_step(*args, **kwargs))
+        return measured[-1]
+
+    run.rl_step = recording
+    run.run_rank(rank, world, setup)
+    return measured
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_example_four_rank_plan_runs_a_step() -> None:
+def test_example_four_rank_plan_runs_a_step(tmp_path: Path) -> None:
     """The colocated 4-rank example plan as written (tp=2 inference, pp=2 x dp=2 training)."""
     plan = load_document(EXAMPLE)
     assert isinstance(plan, Plan)
-    metrics = spawn(run_steps, 4, plan, RunConfig(rl=CONFIG, num_steps=1))
+    setup = RunSetup(RunConfig(rl=CONFIG, num_steps=1), plan, 4, tmp_path / "run", 0, None, False)
+    prepare_folder(setup)
+    metrics = spawn(run_rank_recording_steps, 4, setup)
     assert [numbers(m) for m in metrics[0]] == [numbers(m) for m in metrics[3]]
     assert math.isfinite(metrics[0][0].actor_loss) and metrics[0][0].critic_loss is not None
     assert len(metrics[0][0].state_bytes_per_rank) == 4

@@ -10,7 +10,7 @@ from nereus.runtime.dist import spawn
 from nereus.runtime.engine import Engine, NextTokenLoss, ValueLoss
 from nereus.runtime.model import (
     Batch,
-    DecoderStage,
+    DecoderPipelineStage,
     ReferenceModel,
     init_logical_param,
     init_logical_params,
@@ -39,8 +39,8 @@ def reference(model: Model, head: Head, seed: int = 3) -> ReferenceModel:
     return ref
 
 
-def single_stage(model: Model, head: Head, seed: int = 3) -> DecoderStage:
-    stage = DecoderStage(model, head, TensorParallel.single(), 1, 0)
+def single_stage(model: Model, head: Head, seed: int = 3) -> DecoderPipelineStage:
+    stage = DecoderPipelineStage(model, head, TensorParallel.single(), 1, 0)
     shard = shard_params(init_logical_params(model, head, seed, randomize_all=True), model, head, 1, 1, 0, 0)
     with torch.no_grad():
         for name, param in stage.named_parameters():
@@ -55,7 +55,7 @@ def test_stage_parameters_are_the_contract_boxes(model: Model, head: Head) -> No
             boxes = position_boxes(model, head, tp, pp)
             for stage in range(pp):
                 for tp_rank in range(tp):
-                    module = DecoderStage(model, head, TensorParallel(tp, tp_rank), pp, stage)
+                    module = DecoderPipelineStage(model, head, TensorParallel(tp, tp_rank), pp, stage)
                     shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
                     expected = {
                         name: tuple(length for _, length in box) for name, box in boxes[stage * tp + tp_rank].items()

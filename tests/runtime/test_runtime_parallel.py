@@ -125,7 +125,7 @@ def check_case(
     engine = Engine.create(model, head, layout, EngineConfig(optimizer=OPTIMIZER))
     if engine is None:
         return None
-    stage, tp_rank = engine.groups.stage, engine.groups.tp.rank
+    stage, tp_rank = engine.groups.pp_rank, engine.groups.tp.rank
 
     def shard_of(whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return shard_params(whole, model, head, tp, pp, stage, tp_rank)
@@ -206,7 +206,7 @@ def check_accumulation(ref: dict) -> dict[str, float] | None:
     twice = {name: 2 * grad for name, grad in ref["grads"].items()}
 
     def shard_of(whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return shard_params(whole, TINY, "lm", tp, pp, engine.groups.stage, engine.groups.tp.rank)
+        return shard_params(whole, TINY, "lm", tp, pp, engine.groups.pp_rank, engine.groups.tp.rank)
 
     return {"grad": _max_error(engine.local_state(), "grad", twice, shard_of)}
 

@@ -19,8 +19,9 @@ from test_rl_step import CONFIG, two_rank_plan
 from nereus.runtime import reshard
 from nereus.runtime.dist import spawn
 from nereus.runtime.reshard import ReshardResult, execute
-from nereus.runtime.rl import step as rl_step
-from nereus.runtime.rl.step import Stage, build_stages, engine_state, sync_plans, sync_weights
+from nereus.runtime.rl import update as rl_update
+from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, engine_state
+from nereus.runtime.rl.update import sync_plans, sync_weights
 from nereus.runtime.sharded_state import random_logical_state, state_meta
 from nereus.spec.plan import Plan
 
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.one_rank
 TRAINED_STEP = 7
 
 
-def _train_stand_in(stage: Stage, seed: int) -> None:
+def _train_stand_in(stage: ModelStageRuntime, seed: int) -> None:
     """Give a training stage new weights (the same logical values on every replica) and a step."""
     if stage.engine is None:
         return
@@ -51,7 +52,7 @@ def _recording_results(results: list[ReshardResult]) -> None:
         results.append(result)
         return result
 
-    rl_step.execute = run  # type: ignore[assignment]
+    rl_update.execute = run  # type: ignore[assignment]
 
 
 def _check_plan(rank: int, plan: Plan) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from check_lines import names_file
 from repo_paths import TESTS
 from typer.testing import CliRunner
 
@@ -59,7 +60,7 @@ def test_check_file_names_the_cause(path: Path) -> None:
     expected = EXPECTED[path.name]
     assert any(expected in line for line in result.errors), (expected, result.errors)
     for line in result.errors + result.warnings:
-        assert line.startswith(f"{path}: "), line
+        assert names_file(line, path), line
         assert "\n" not in line and "\r" not in line, line
 
 
@@ -91,7 +92,7 @@ def test_cli_check_exits_1_with_one_line_per_error(path: Path) -> None:
     # One output line per reported error: no error spills onto a second line.
     assert len(errors) == len(check_file(path).errors)
     for line in errors:
-        assert line.startswith(f"  {path}: "), line
+        assert names_file(line, path, indent="  "), line
     assert any(EXPECTED[path.name] in line for line in errors)
 
 

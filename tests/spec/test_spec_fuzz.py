@@ -1,7 +1,8 @@
 """Fuzzing the file reader: whatever the bytes, `check_file` answers with one-line errors.
 
 Invariants: `check_file` never raises and returns quickly; every error or warning is a
-single line that starts with the file's path; `load_document` raises only `SpecError`.
+single line that starts with the file's path (then `:LINE:COL` where the checker knows the
+place); `load_document` raises only `SpecError`.
 
 Inputs the fuzzers once crashed on are pinned as regression tests at the bottom of this file.
 """
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+from check_lines import names_file
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from repo_paths import EXAMPLES
@@ -47,7 +49,7 @@ def _check(path: Path, raw: bytes) -> CheckResult:
     assert result.kind is None or result.kind in KINDS
     for line in result.errors + result.warnings:
         assert isinstance(line, str)
-        assert line.startswith(f"{path}: "), line
+        assert names_file(line, path), line
         assert "\n" not in line and "\r" not in line, line
     return result
 
@@ -62,7 +64,7 @@ def _load_only_raises_spec_error(path: Path) -> None:
     except SpecError as exc:
         assert exc.problems
         for line in exc.problems:
-            assert line.startswith(f"{path}: "), line
+            assert line.startswith(f"{path}: "), line  # load_document's errors carry no position
             assert "\n" not in line and "\r" not in line, line
 
 
@@ -264,8 +266,9 @@ def test_missing_file_and_directory(tmp_path: Path) -> None:
 
 def test_deep_nesting_is_an_error_not_a_crash(tmp_path: Path) -> None:
     for suffix, text in ((".yaml", "[" * 5000 + "]" * 5000), (".json", "[" * 100_000 + "]" * 100_000)):
-        result = _check(tmp_path / f"deep{suffix}", text.encode())
-        assert not result.ok
+        path = tmp_path / f"deep{suffix}"
+        result = _check(path, text.encode())
+        assert result.errors == [f"{path}: nested too deeply to be a nereus file"], result.errors
 
 
 # --- inputs the fuzzers once crashed on (regressions) -----------------------------------
@@ -281,7 +284,7 @@ def test_kind_holding_a_collection_is_an_unknown_kind(tmp_path: Path, text: str)
     result = _check(path, text.encode())
     assert not result.ok
     assert len(result.errors) == 1
-    assert result.errors[0].startswith(f"{path}: kind: unknown kind"), result.errors
+    assert names_file(result.errors[0], path, "kind: unknown kind"), result.errors
     with pytest.raises(SpecError):
         load_document(path)
 
@@ -291,7 +294,7 @@ def test_set_mapping_key_is_a_yaml_error(tmp_path: Path) -> None:
     result = _check(path, SET_KEY.encode())
     assert not result.ok
     assert len(result.errors) == 1
-    assert result.errors[0].startswith(f"{path}: not valid YAML"), result.errors
+    assert names_file(result.errors[0], path, "not valid YAML"), result.errors
     with pytest.raises(SpecError):
         load_document(path)
 
@@ -302,7 +305,7 @@ def test_unknown_key_with_a_line_break_stays_on_one_line(tmp_path: Path, text: s
     result = _check(path, text.encode())  # _check asserts every line is a single line
     assert not result.ok
     [unknown] = [line for line in result.errors if "unknown key" in line]
-    assert unknown.startswith(f"{path}: rope\\"), unknown
+    assert names_file(unknown, path, "rope\\"), unknown
     with pytest.raises(SpecError) as info:
         load_document(path)
     for line in info.value.problems:
@@ -316,7 +319,7 @@ def test_float_field_refuses_infinity_and_nan(tmp_path: Path, value: str) -> Non
     path = tmp_path / "cluster.yaml"
     result = _check(path, text.replace("bf16_flops: 9.89e+14", f"bf16_flops: {value}").encode())
     assert not result.ok
-    assert any(line.startswith(f"{path}: gpu.bf16_flops: ") and "finite" in line for line in result.errors), result
+    assert any(names_file(line, path, "gpu.bf16_flops: ") and "finite" in line for line in result.errors), result
     with pytest.raises(SpecError):
         load_document(path)
 

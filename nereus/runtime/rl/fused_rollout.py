@@ -38,8 +38,11 @@ from nereus.runtime import host_collectives
 from nereus.runtime.engine import even_split
 from nereus.runtime.generate import CachedForward, Decoder, HandOff, SamplingConfig
 from nereus.runtime.model import Batch
-from nereus.runtime.rl.inter_stage import INFERENCE_STAGES, MigrationSettings, migration_mechanism
-from nereus.runtime.rl.step import INFERENCE_KINDS, Stage, replica_infer, rollout_batch, timed
+from nereus.runtime.rl.inter_stage import MigrationSettings, migration_mechanism
+from nereus.runtime.rl.scoring import replica_infer
+from nereus.runtime.rl.stages import ModelStageRuntime, leads, rollout_batch
+from nereus.runtime.rl.timing import timed
+from nereus.spec.workload import INFERENCE_OUTPUTS, INFERENCE_STAGES, InferenceOutput, ModelStageName
 
 #: What a `RolloutEvent` records.
 EVENT_KINDS = (
@@ -104,16 +107,10 @@ class _Recorder:
         self.events.append(RolloutEvent(kind, self.rank, time.perf_counter(), model_stage, tuple(samples)))
 
 
-def _leads(stage: Stage) -> bool:
-    """Whether this rank speaks for its replica of `stage` in exchanges."""
-    engine = stage.engine
-    return engine is not None and engine.groups.stage == 0 and engine.groups.tp.rank == 0
-
-
-def _active_counts(generation: Stage, decoder: Decoder | None) -> list[int]:
+def _active_counts(generation: ModelStageRuntime, decoder: Decoder | None) -> list[int]:
     """Samples still generating on every generation replica (collective over the world)."""
     counts = torch.zeros(generation.layout.dp, dtype=torch.float64, device=launch.device())
-    if decoder is not None and _leads(generation):
+    if decoder is not None and leads(generation):
         assert generation.engine is not None
         counts[generation.engine.groups.replica] = decoder.num_active
     host_collectives.all_reduce(counts)
@@ -164,7 +161,9 @@ def _receive(src: int) -> HandOff:
     return replace(hand_off, kv=[piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)])
 
 
-def _migrate(generation: Stage, decoder: Decoder | None, moves: dict[tuple[int, int], list[int]], cache: bool) -> None:
+def _migrate(
+    generation: ModelStageRuntime, decoder: Decoder | None, moves: dict[tuple[int, int], list[int]], cache: bool
+) -> None:
     """Each move's rows go from every (stage, tensor rank) of the source replica to the same
     position of the destination. Sources only send and destinations only receive, in one
     global order, so the point-to-point messages cannot deadlock."""
@@ -182,7 +181,11 @@ def _migrate(generation: Stage, decoder: Decoder | None, moves: dict[tuple[int, 
 
 
 def _infer_samples(
-    stage: Stage, kind: str, samples: list[int], prompts: Sequence[list[int]], responses: dict[int, list[int]]
+    stage: ModelStageRuntime,
+    output: InferenceOutput,
+    samples: list[int],
+    prompts: Sequence[list[int]],
+    responses: dict[int, list[int]],
 ) -> tuple[list[int], torch.Tensor, int] | None:
     """This replica's rows of `samples` (None when it has none or is off the stage): the
     sample ids, their token-aligned rows and the batch's prompt width."""
@@ -190,7 +193,7 @@ def _infer_samples(
         return None
     # Pads are masked out of attention: their id does not change any real token's row.
     batch = rollout_batch([prompts[s] for s in samples], [responses[s] for s in samples], 0)
-    rows = replica_infer(stage.engine, batch, kind, min(stage.plan.micro_batches, len(samples)))
+    rows = replica_infer(stage.engine, batch, output, min(stage.plan.micro_batches, len(samples)))
     return samples, rows, max(len(prompts[s]) for s in samples)
 
 
@@ -202,7 +205,7 @@ def _share(samples: list[int], replicas: list[int], replica: int) -> list[int]:
     return samples[start:stop]
 
 
-def _clear_replicas(stage: Stage, busy_ranks: set[int]) -> list[int]:
+def _clear_replicas(stage: ModelStageRuntime, busy_ranks: set[int]) -> list[int]:
     layout = stage.layout
     size = layout.tp * layout.pp
     return [d for d in range(layout.dp) if not set(layout.ranks[d * size : (d + 1) * size]) & busy_ranks]
@@ -224,7 +227,7 @@ def _place(
 
 
 def _plan_migration(
-    generation: Stage,
+    generation: ModelStageRuntime,
     decoder: Decoder | None,
     counts: list[int],
     capacity: int,
@@ -237,7 +240,7 @@ def _plan_migration(
     if remaining == 0 or math.ceil(remaining / capacity) >= len(counts):
         return None
     mine = None
-    if decoder is not None and _leads(generation):
+    if decoder is not None and leads(generation):
         lengths = decoder.mask.sum(dim=1).tolist()
         assert generation.engine is not None
         replica = generation.engine.groups.replica
@@ -293,7 +296,7 @@ class _TailSignal:
         return self.store.check(self.keys)
 
 
-def _replica_agrees(stage: Stage, flag: bool) -> bool:
+def _replica_agrees(stage: ModelStageRuntime, flag: bool) -> bool:
     """`flag` OR-ed over the ranks of this rank's replica of `stage` (over its tensor then its
     pipeline group), so that they stop together."""
     engine = stage.engine
@@ -306,7 +309,7 @@ def _replica_agrees(stage: Stage, flag: bool) -> bool:
 
 
 def _early_inference(
-    stages: dict[str, Stage],
+    stages: dict[str, ModelStageRuntime],
     busy: set[int],
     finished: dict[int, list[int]],
     prompts: Sequence[list[int]],
@@ -332,13 +335,13 @@ def _early_inference(
                 break
             chunk = mine[first : first + EARLY_CHUNK]
             _infer(stage, name, chunk, [stage.engine.groups.replica], prompts, finished, recorder, parts, seconds)
-            if _leads(stage):
+            if leads(stage):
                 done.setdefault(name, []).extend(chunk)
     return done
 
 
 def fused_rollout(
-    stages: dict[str, Stage],
+    stages: dict[str, ModelStageRuntime],
     prompts: list[list[int]],
     sampling: SamplingConfig,
     settings: MigrationSettings,
@@ -395,7 +398,7 @@ def fused_rollout(
     with timed(seconds, "exchange"):
         responses: dict[int, list[int]] = {}
         inferred_early: dict[str, set[int]] = {name: set() for name in INFERENCE_STAGES}
-        mine = decoder.responses if decoder is not None and _leads(generation) else None
+        mine = decoder.responses if decoder is not None and leads(generation) else None
         for part, done in _gather((mine, early)):
             responses.update(part or {})
             for name, samples in done.items():
@@ -410,7 +413,7 @@ def fused_rollout(
     batch = rollout_batch(prompts, ordered, sampling.pad_token_id)
     with timed(seconds, "exchange"):
         gathered = [item for chunk in _gather(parts) for item in chunk]
-    inferred = {
+    inferred: dict[str, torch.Tensor] = {
         name: _place(batch, prompts, [(ids, rows, width) for stage, ids, rows, width in gathered if stage == name])
         for name in INFERENCE_STAGES
         if name in stages
@@ -426,8 +429,8 @@ def _decode_step(decoder: Decoder | None, recorder: _Recorder) -> None:
 
 
 def _infer(
-    stage: Stage,
-    name: str,
+    stage: ModelStageRuntime,
+    name: ModelStageName,
     samples: list[int],
     replicas: list[int],
     prompts: Sequence[list[int]],
@@ -444,7 +447,7 @@ def _infer(
         return
     recorder.note("inference_start", name, mine)
     with timed(seconds, name):
-        result = _infer_samples(stage, INFERENCE_KINDS[name], mine, prompts, responses)
+        result = _infer_samples(stage, INFERENCE_OUTPUTS[name], mine, prompts, responses)
     recorder.note("inference_end", name, mine)
-    if result is not None and _leads(stage):
+    if result is not None and leads(stage):
         parts.append((name, *result))

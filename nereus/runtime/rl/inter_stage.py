@@ -16,9 +16,7 @@ from nereus.errors import NereusError
 from nereus.runtime.rl.config import RLConfig
 from nereus.solver.migration import GenerationProfile, generation_profile, sweep_thresholds
 from nereus.spec.plan import Fusion, Plan
-
-#: Inference model-stages the fused rollout may start early, in the order every rank runs them.
-INFERENCE_STAGES = ("actor/inference", "reference/inference", "critic/inference", "reward/inference")
+from nereus.spec.workload import INFERENCE_STAGES
 
 
 def effective_fusion(plan: Plan, run_fusion: Fusion | None) -> Fusion:

@@ -16,9 +16,11 @@ import torch
 from nereus.runtime.engine import ValueLoss
 from nereus.runtime.model import Batch
 from nereus.runtime.rl.config import RLConfig
-from nereus.runtime.rl.step import Stage, last_token_mask, rollout_batch, train
+from nereus.runtime.rl.scoring import last_token_mask
+from nereus.runtime.rl.stages import ModelStageRuntime, rollout_batch
 from nereus.runtime.rl.tasks import CharTokenizer, Problem, Task, encode_prompt, sample_problems
 from nereus.runtime.rl.tasks import score_response as rule_score
+from nereus.runtime.rl.update import train
 
 #: Shares of the synthetic responses that are exact answers, answers with a few digits changed
 #: and random digit strings; the rest are random tokens of the whole vocabulary, like an
@@ -47,7 +49,7 @@ def synthetic_response(
     return [*tokenizer.encode(text), tokenizer.eos_id][:max_new_tokens]
 
 
-def fit_reward_model(stage: Stage, task: Task, config: RLConfig) -> list[float]:
+def fit_reward_model(stage: ModelStageRuntime, task: Task, config: RLConfig) -> list[float]:
     """Fit the reward/inference engine to rule scores (collective); the loss of every step."""
     tokenizer = CharTokenizer()
     losses = []

@@ -1,0 +1,184 @@
+"""What every trainer export shares: the plan as the trainer can run it, what differs, and
+what the difference costs by the cost model."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
+from nereus.cost.plan_cost import evaluate_plan
+from nereus.spec.plan import Fusion, Plan, Pool, StagePlan
+
+#: A setting's value as the trainers take it (a store-true flag is True).
+Value = int | float | str | bool
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One thing the plan decides that the trainer cannot express."""
+
+    planned: str
+    """What the plan decides, e.g. `actor/inference tp=2 pp=1 on GPUs 0-3`."""
+    exported: str
+    """What was exported instead, and why."""
+
+
+@dataclass
+class Export:
+    """A plan as one trainer's settings, and the plan that those settings really run."""
+
+    trainer: str
+    """`verl` or `openrlhf`."""
+    version: str
+    """The trainer release the settings were checked against."""
+    settings: dict[str, Value]
+    """Setting name (a dotted config key or a flag name) to value, in the order written."""
+    differences: list[Difference]
+    """Everything the plan decides that the trainer cannot express."""
+    exported_plan: Plan
+    """The plan as the trainer will run it (what `nereus fit --from` prices)."""
+    planned_step_s: float
+    """The cost model's step time of the plan as planned."""
+    exported_step_s: float
+    """The cost model's step time of the plan as exported."""
+    memory_problems: list[str] = field(default_factory=list)
+    """Where the plan as exported no longer fits in memory, by the cost model."""
+
+    def warning_lines(self) -> list[str]:
+        """The warning block: every difference, then what it costs; empty when none."""
+        if not self.differences and not self.memory_problems:
+            return []
+        lines = [f"{self.trainer} {self.version} cannot express {len(self.differences)} decision(s) of this plan:"]
+        lines += [f"  - plan: {d.planned}; exported: {d.exported}" for d in self.differences]
+        lines += [f"  - as exported, memory: {problem}" for problem in self.memory_problems]
+        change = self.exported_step_s / self.planned_step_s - 1 if self.planned_step_s > 0 else 0.0
+        lines.append(
+            f"  predicted step time: {self.planned_step_s:.4g} s as planned, "
+            f"{self.exported_step_s:.4g} s as exported ({change:+.1%})"
+        )
+        return lines
+
+
+def gpu_ranges(gpus: list[int]) -> str:
+    """`0-3,8-11` for a GPU list."""
+    ordered = sorted(set(gpus))
+    parts: list[str] = []
+    start = previous = ordered[0]
+    for gpu in [*ordered[1:], None]:
+        if gpu is not None and gpu == previous + 1:
+            previous = gpu
+            continue
+        parts.append(f"{start}-{previous}" if previous > start else str(start))
+        if gpu is not None:
+            start = previous = gpu
+    return ",".join(parts)
+
+
+def describe(entry: StagePlan) -> str:
+    """`actor/training tp=2 pp=1 dp=2 on GPUs 0-3`."""
+    return f"{entry.model_stage} tp={entry.tp} pp={entry.pp} dp={entry.dp} on GPUs {gpu_ranges(entry.gpus)}"
+
+
+def samples_per_pass(plan: Plan, entry: StagePlan) -> int:
+    """Samples one pass of the model-stage covers: a mini-batch in training, the step otherwise."""
+    w = plan.workload
+    return w.samples_per_step // w.mini_batches if entry.stage == "training" else w.samples_per_step
+
+
+def per_gpu_micro_batch(plan: Plan, entry: StagePlan) -> int:
+    """Sequences per micro-batch on one replica, as the trainers' `*_per_gpu` settings count them."""
+    per_replica = math.ceil(samples_per_pass(plan, entry) / entry.dp)
+    return max(1, math.ceil(per_replica / entry.micro_batches))
+
+
+def laid_out(plan: Plan, entry: StagePlan, gpus: list[int], tp: int, pp: int, micro_batch: int, pool: str) -> StagePlan:
+    """`entry` re-laid over `gpus` (ordered) as consecutive EMUs of tp x pp GPUs, with as many
+    micro-batches as a per-GPU micro-batch of `micro_batch` sequences makes."""
+    size = tp * pp
+    if len(gpus) % size:
+        raise ValueError(
+            f"{entry.model_stage}: tp={tp} x pp={pp} does not divide the {len(gpus)} GPUs the trainer gives it; "
+            "plan it with a layout that does"
+        )
+    dp = len(gpus) // size
+    emus = [gpus[k * size : (k + 1) * size] for k in range(dp)]
+    per_replica = math.ceil(samples_per_pass(plan, entry) / dp)
+    micro_batches = 1 if entry.stage == "generation" else max(1, math.ceil(per_replica / micro_batch))
+    return StagePlan(
+        model_stage=entry.model_stage, pool=pool, tp=tp, pp=pp, dp=dp, emus=emus, micro_batches=micro_batches
+    )
+
+
+def finish(
+    trainer: str,
+    version: str,
+    plan: Plan,
+    settings: dict[str, Value],
+    differences: list[Difference],
+    stages: list[StagePlan],
+    pools: list[Pool],
+    calibration: Calibration = DEFAULT_CALIBRATION,
+    exported_plan: Plan | None = None,
+) -> Export:
+    """The Export of `plan` whose trainer runs `stages` on `pools` (of `exported_plan`, when the
+    trainer changes more than the layouts), priced by the cost model."""
+    exported = unfused(exported_plan or plan).model_copy(update={"stages": stages, "pools": pools, "predictions": None})
+    planned = evaluate_plan(plan, calibration)
+    evaluation = evaluate_plan(exported, calibration)
+    return Export(
+        trainer,
+        version,
+        settings,
+        differences,
+        exported,
+        planned.predictions.step_time_s,
+        evaluation.predictions.step_time_s,
+        evaluation.memory_problems,
+    )
+
+
+def free_memory_fraction(plan: Plan, model_stage: str, calibration: Calibration = DEFAULT_CALIBRATION) -> float:
+    """The fraction of a GPU's memory a generation engine may take on `model_stage`'s busiest GPU:
+    what the co-resident model states, the workspace and the cost model's headroom leave,
+    rounded down to a hundredth (vLLM's `gpu_memory_utilization`)."""
+    prediction = evaluate_plan(plan, calibration).predictions.model_stages[model_stage]
+    memory = plan.cluster.gpu.memory_bytes
+    taken = prediction.memory_breakdown_bytes.get("co_resident", 0) + prediction.memory_breakdown_bytes.get(
+        "workspace", 0
+    )
+    free = (memory * (1 - calibration.memory_headroom) - taken) / memory
+    return min(0.95, max(0.05, math.floor(free * 100) / 100))
+
+
+def stage_difference(plan: Plan, planned: StagePlan, exported: StagePlan, reason: str) -> Difference | None:
+    """The Difference between a model-stage as planned and as exported, or None if the trainer
+    runs it as planned (same layout, same GPUs, same per-GPU micro-batch)."""
+    same = (planned.tp, planned.pp, planned.dp, sorted(planned.gpus)) == (
+        exported.tp,
+        exported.pp,
+        exported.dp,
+        sorted(exported.gpus),
+    )
+    planned_micro = per_gpu_micro_batch(plan, planned)
+    exported_micro = per_gpu_micro_batch(plan, exported)
+    if same and (planned.stage == "generation" or planned_micro == exported_micro):
+        return None
+    micro = "" if planned.stage == "generation" else f", {planned_micro} sequences per GPU micro-batch"
+    micro_out = "" if planned.stage == "generation" else f", {exported_micro} sequences per GPU micro-batch"
+    return Difference(describe(planned) + micro, f"{describe(exported)}{micro_out} ({reason})")
+
+
+def fusion_differences(plan: Plan, trainer: str) -> list[Difference]:
+    """RLHFuse's stage fusions, which neither trainer runs: the export runs stage by stage."""
+    out = []
+    if plan.fusion.inter_stage:
+        out.append(Difference("inter-stage fusion (generation tail migrates)", f"stage by stage ({trainer} has none)"))
+    if plan.fusion.intra_stage:
+        out.append(Difference("intra-stage fusion (actor and critic in one pipeline)", f"serial training ({trainer})"))
+    return out
+
+
+def unfused(plan: Plan) -> Plan:
+    """`plan` without stage fusion (as a trainer without it runs it)."""
+    return plan.model_copy(update={"fusion": Fusion()})

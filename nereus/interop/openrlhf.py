@@ -1,0 +1,173 @@
+"""A plan as the command line of OpenRLHF's PPO trainer (`openrlhf.cli.train_ppo_ray`).
+
+OpenRLHF gives each model (actor, reference, reward, critic) its own group of whole nodes
+(or a part of one node), trains and infers with DeepSpeed ZeRO data parallelism (one tensor
+parallel size for every DeepSpeed model, no pipeline parallelism) and generates with vLLM
+engines of one tensor parallel size. The actor's old log-probs come from the actor's
+training group, the critic's values from the critic's. Models share GPUs only through its
+colocation flags. Whatever else a plan decides becomes a Difference.
+"""
+
+from __future__ import annotations
+
+import shlex
+
+from nereus.interop import CHECKED_VERSIONS
+from nereus.interop.common import (
+    Difference,
+    Export,
+    Value,
+    finish,
+    free_memory_fraction,
+    fusion_differences,
+    laid_out,
+    per_gpu_micro_batch,
+    stage_difference,
+)
+from nereus.spec.plan import Plan, Pool, StagePlan
+
+#: OpenRLHF's `--algo.advantage.estimator` per nereus algorithm; ReMax's greedy-rollout
+#: baseline has no OpenRLHF estimator.
+ADVANTAGE_ESTIMATORS = {"ppo": "gae", "grpo": "group_norm"}
+#: The model-stage whose GPUs each OpenRLHF model group gets.
+GROUPS = {
+    "actor": "actor/training",
+    "ref": "reference/inference",
+    "reward": "reward/inference",
+    "critic": "critic/training",
+}
+#: Model-stages OpenRLHF runs on another model-stage's workers.
+TIED = {"actor/inference": "actor/training", "critic/inference": "critic/training"}
+
+
+def export_openrlhf(plan: Plan) -> Export:
+    """`plan` as OpenRLHF flags, the plan OpenRLHF will run and what differs."""
+    planned, w = plan, plan.workload
+    if w.algorithm not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(
+            f"algorithm {w.algorithm!r}: OpenRLHF {CHECKED_VERSIONS['openrlhf']} has no {w.algorithm} estimator "
+            f"(it offers {', '.join(sorted(set(ADVANTAGE_ESTIMATORS.values())))}); plan ppo or grpo, or export to verl"
+        )
+    ds_tp = plan.stage_plan("actor/training").tp
+    exported: dict[str, StagePlan] = {entry.model_stage: _exported(plan, entry, ds_tp) for entry in plan.stages}
+    differences = [
+        d
+        for entry in plan.stages
+        if (d := stage_difference(plan, entry, exported[entry.model_stage], _reason(entry, ds_tp))) is not None
+    ]
+    differences += fusion_differences(plan, "OpenRLHF")
+    if w.dtype == "fp32":
+        differences.append(Difference("dtype fp32", "--ds.param_dtype bf16 (OpenRLHF trains in bf16 or fp16)"))
+        plan = plan.model_copy(update={"workload": w.model_copy(update={"dtype": "bf16"})})
+    stages = [exported[entry.model_stage] for entry in plan.stages]
+    pools = _pools(stages)
+    stages = [s.model_copy(update={"pool": _pool_of(pools, s)}) for s in stages]
+    draft = plan.model_copy(update={"stages": stages, "pools": pools, "predictions": None})
+    settings = _settings(plan, exported, ds_tp, free_memory_fraction(draft, "actor/generation"))
+    return finish(
+        "OpenRLHF", CHECKED_VERSIONS["openrlhf"], planned, settings, differences, stages, pools, exported_plan=plan
+    )
+
+
+def _reason(entry: StagePlan, ds_tp: int) -> str:
+    if entry.model_stage == "actor/inference":
+        return "OpenRLHF computes old log-probs on the actor's training group"
+    if entry.model_stage == "critic/inference":
+        return "OpenRLHF computes values on the critic's training group, with its micro-batch"
+    if entry.stage == "generation":
+        return "vLLM engines of OpenRLHF take a tensor parallel size only"
+    return f"DeepSpeed in OpenRLHF: no pipeline parallelism, one tensor parallel size ({ds_tp}) for every model"
+
+
+def _exported(plan: Plan, entry: StagePlan, ds_tp: int) -> StagePlan:
+    if entry.stage == "generation":
+        # A vLLM engine of tp x pp GPUs becomes one of tp GPUs: as many engines on the same GPUs.
+        return laid_out(plan, entry, sorted(entry.gpus), entry.tp, 1, 1, entry.pool)
+    owner = plan.stage_plan(TIED.get(entry.model_stage, entry.model_stage))
+    micro_from = owner if entry.model_stage == "critic/inference" else entry
+    micro = per_gpu_micro_batch(plan, micro_from)
+    return laid_out(plan, entry, sorted(owner.gpus), ds_tp, 1, micro, owner.pool)
+
+
+def _pools(stages: list[StagePlan]) -> list[Pool]:
+    """One pool per distinct GPU set of the exported model-stages (merging overlapping sets)."""
+    groups: list[set[int]] = []
+    for entry in stages:
+        gpus = set(entry.gpus)
+        for other in [g for g in groups if g & gpus]:
+            groups.remove(other)
+            gpus |= other
+        groups.append(gpus)
+    groups.sort(key=min)
+    return [Pool(name=f"pool{i}", gpus=sorted(g)) for i, g in enumerate(groups)]
+
+
+def _pool_of(pools: list[Pool], entry: StagePlan) -> str:
+    return next(p.name for p in pools if set(entry.gpus) <= set(p.gpus))
+
+
+def _nodes(plan: Plan, entry: StagePlan) -> tuple[int, int]:
+    """OpenRLHF's (num_nodes, num_gpus_per_node) for a group on `entry`'s GPUs."""
+    count, per_node = len(entry.gpus), plan.cluster.gpus_per_node
+    if count <= per_node:
+        return 1, count
+    if count % per_node:
+        raise ValueError(
+            f"{entry.model_stage}: {count} GPUs are no whole number of {per_node}-GPU nodes, and OpenRLHF "
+            "places a group of more than one node in whole nodes; plan it on whole nodes"
+        )
+    return count // per_node, per_node
+
+
+def _settings(plan: Plan, stages: dict[str, StagePlan], ds_tp: int, memory_fraction: float) -> dict[str, Value]:
+    w = plan.workload
+    gen = stages["actor/generation"]
+    out: dict[str, Value] = {}
+    for group, name in GROUPS.items():
+        if name in stages:
+            out[f"--{group}.num_nodes"], out[f"--{group}.num_gpus_per_node"] = _nodes(plan, stages[name])
+    out |= {
+        "--vllm.num_engines": gen.dp,
+        "--vllm.tensor_parallel_size": gen.tp,
+        "--vllm.gpu_memory_utilization": memory_fraction,
+        "--ds.tensor_parallel_size": ds_tp,
+        "--ds.zero_stage": 1 if w.optimizer.shard_across_dp else 0,
+        "--ds.param_dtype": plan.workload.dtype,
+        "--rollout.batch_size": w.prompts_per_step,
+        "--rollout.n_samples_per_prompt": w.samples_per_prompt,
+        "--rollout.micro_batch_size": per_gpu_micro_batch(plan, stages["actor/inference"]),
+        "--rollout.max_new_tokens": w.response_len.max,
+        "--data.max_len": w.prompt_len + w.response_len.max,
+        "--train.batch_size": w.samples_per_step // w.mini_batches,
+        "--train.micro_batch_size": per_gpu_micro_batch(plan, stages["actor/training"]),
+        "--train.max_epochs": w.ppo_epochs,
+        "--algo.advantage.estimator": ADVANTAGE_ESTIMATORS[w.algorithm],
+    }
+    if w.reference is None:
+        out["--algo.kl.init_coef"] = 0.0  # OpenRLHF builds no reference model without a KL term
+    elif w.algorithm != "ppo":
+        out["--algo.kl.use_loss"] = True
+    out |= _colocation(stages)
+    return out
+
+
+def _colocation(stages: dict[str, StagePlan]) -> dict[str, Value]:
+    def same(a: str, b: str) -> bool:
+        return a in stages and b in stages and sorted(stages[a].gpus) == sorted(stages[b].gpus)
+
+    if all(sorted(s.gpus) == sorted(stages["actor/generation"].gpus) for s in stages.values()):
+        return {"--train.colocate_all": True, "--vllm.enable_sleep": True, "--ds.enable_sleep": True}
+    out: dict[str, Value] = {}
+    if same("actor/training", "reference/inference"):
+        out["--train.colocate_actor_ref"] = True
+    if same("critic/training", "reward/inference"):
+        out["--train.colocate_critic_reward"] = True
+    return out
+
+
+def as_command_line(export: Export) -> str:
+    """The flags as one shell-quoted command line (a store-true flag stands alone)."""
+    lines = ["python3 -m openrlhf.cli.train_ppo_ray"]
+    for flag, value in export.settings.items():
+        lines.append(flag if value is True else f"{flag} {shlex.quote(str(value))}")
+    return " \\\n  ".join(lines) + "\n"

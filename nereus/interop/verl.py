@@ -1,0 +1,160 @@
+"""A plan as configuration of verl's Megatron PPO trainer (the `ppo_megatron_trainer` family).
+
+verl runs every model on one resource pool of all the job's GPUs (its default), one model
+after another; the actor's old log-probs come from the actor's training workers, the
+critic's values from the critic's training workers, and the rollout engine (vLLM) and the
+reward model (served by its own engine) take a tensor and a pipeline size. Whatever else a
+plan decides becomes a Difference.
+"""
+
+from __future__ import annotations
+
+import yaml
+
+from nereus.interop import CHECKED_VERSIONS
+from nereus.interop.common import (
+    Difference,
+    Export,
+    Value,
+    finish,
+    free_memory_fraction,
+    fusion_differences,
+    laid_out,
+    per_gpu_micro_batch,
+    stage_difference,
+)
+from nereus.spec.plan import Plan, Pool, StagePlan
+
+#: verl's `algorithm.adv_estimator` per nereus algorithm.
+ADVANTAGE_ESTIMATORS = {"ppo": "gae", "grpo": "grpo", "remax": "remax"}
+MEGATRON_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+#: The config section that sets each trained or inferring model's Megatron layout.
+MEGATRON_SECTIONS = {
+    "actor/training": "actor_rollout_ref.actor.megatron",
+    "reference/inference": "actor_rollout_ref.ref.megatron",
+    "critic/training": "critic.megatron",
+}
+SHARED_POOL = "global_pool"
+POOL_REASON = "verl's default resource pool hosts every model on all {n} GPUs"
+TIED_REASONS = {
+    "actor/inference": "verl computes old log-probs on the actor's training workers",
+    "critic/inference": "verl computes values on the critic's training workers, with their micro-batch",
+}
+
+
+def export_verl(plan: Plan) -> Export:
+    """`plan` as verl settings (dotted config keys), the plan verl will run and what differs."""
+    gpus = list(range(plan.cluster.num_gpus))
+    exported = _exported_stages(plan, gpus)
+    differences = [
+        d
+        for entry in plan.stages
+        if (d := stage_difference(plan, entry, exported[entry.model_stage], _reason(entry, len(gpus)))) is not None
+    ]
+    differences += _batch_differences(plan) + fusion_differences(plan, "verl")
+    stages = [exported[entry.model_stage] for entry in plan.stages]
+    pools = [Pool(name=SHARED_POOL, gpus=gpus)]
+    draft = plan.model_copy(update={"stages": stages, "pools": pools, "predictions": None})
+    settings = _settings(plan, exported, free_memory_fraction(draft, "actor/generation"))
+    return finish("verl", CHECKED_VERSIONS["verl"], plan, settings, differences, stages, pools)
+
+
+def _reason(entry: StagePlan, num_gpus: int) -> str:
+    return TIED_REASONS.get(entry.model_stage, POOL_REASON.format(n=num_gpus))
+
+
+def _exported_stages(plan: Plan, gpus: list[int]) -> dict[str, StagePlan]:
+    # The actor's old log-probs keep their own micro-batch (`log_prob_micro_batch_size_per_gpu`);
+    # the critic's values have none of their own.
+    layout_of = {"actor/inference": "actor/training", "critic/inference": "critic/training"}
+    micro_of = {"critic/inference": "critic/training"}
+    out: dict[str, StagePlan] = {}
+    for entry in plan.stages:
+        layout = plan.stage_plan(layout_of.get(entry.model_stage, entry.model_stage))
+        micro = per_gpu_micro_batch(plan, plan.stage_plan(micro_of.get(entry.model_stage, entry.model_stage)))
+        out[entry.model_stage] = laid_out(plan, entry, gpus, layout.tp, layout.pp, micro, SHARED_POOL)
+    return out
+
+
+def _batch_differences(plan: Plan) -> list[Difference]:
+    w = plan.workload
+    if w.prompts_per_step % w.mini_batches:
+        return [
+            Difference(
+                f"{w.mini_batches} mini-batches of {w.samples_per_step // w.mini_batches} samples",
+                f"ppo_mini_batch_size={max(1, w.prompts_per_step // w.mini_batches)} prompts "
+                "(verl counts mini-batches in whole prompts)",
+            )
+        ]
+    return []
+
+
+def _settings(plan: Plan, stages: dict[str, StagePlan], memory_fraction: float) -> dict[str, Value]:
+    w = plan.workload
+    gen = stages["actor/generation"]
+    out: dict[str, Value] = {
+        "trainer.nnodes": plan.cluster.num_nodes,
+        "trainer.n_gpus_per_node": plan.cluster.gpus_per_node,
+        "data.train_batch_size": w.prompts_per_step,
+        "data.max_prompt_length": w.prompt_len,
+        "data.max_response_length": w.response_len.max,
+        "algorithm.adv_estimator": ADVANTAGE_ESTIMATORS[w.algorithm],
+        "algorithm.use_kl_in_reward": w.reference is not None and w.algorithm == "ppo",
+        "actor_rollout_ref.actor.use_kl_loss": w.reference is not None and w.algorithm != "ppo",
+        "actor_rollout_ref.actor.ppo_epochs": w.ppo_epochs,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": max(1, w.prompts_per_step // w.mini_batches),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": per_gpu_micro_batch(plan, stages["actor/training"]),
+        "actor_rollout_ref.rollout.name": "vllm",
+        "actor_rollout_ref.rollout.n": w.samples_per_prompt,
+        "actor_rollout_ref.rollout.tensor_model_parallel_size": gen.tp,
+        "actor_rollout_ref.rollout.pipeline_model_parallel_size": gen.pp,
+        "actor_rollout_ref.rollout.gpu_memory_utilization": memory_fraction,
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": per_gpu_micro_batch(
+            plan, stages["actor/inference"]
+        ),
+    }
+    for name, section in MEGATRON_SECTIONS.items():
+        if name in stages:
+            out[f"{section}.tensor_model_parallel_size"] = stages[name].tp
+            out[f"{section}.pipeline_model_parallel_size"] = stages[name].pp
+            out[f"{section}.dtype"] = MEGATRON_DTYPES[w.dtype]
+            if name != "reference/inference":
+                out[f"{section}.use_distributed_optimizer"] = w.optimizer.shard_across_dp
+    if "reference/inference" in stages:
+        ref = stages["reference/inference"]
+        out["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] = per_gpu_micro_batch(plan, ref)
+    out["critic.enable"] = "critic/training" in stages
+    if "critic/training" in stages:
+        out["critic.ppo_mini_batch_size"] = out["actor_rollout_ref.actor.ppo_mini_batch_size"]
+        out["critic.ppo_micro_batch_size_per_gpu"] = per_gpu_micro_batch(plan, stages["critic/training"])
+    out["reward.reward_model.enable"] = "reward/inference" in stages
+    if "reward/inference" in stages:
+        out["reward.reward_model.rollout.name"] = "vllm"
+        out["reward.reward_model.rollout.tensor_model_parallel_size"] = stages["reward/inference"].tp
+        out["reward.reward_model.rollout.pipeline_model_parallel_size"] = stages["reward/inference"].pp
+    return out
+
+
+def as_overrides(export: Export) -> str:
+    """Hydra `key=value` overrides, one per line (append them to the verl command line)."""
+    return "".join(f"{key}={_hydra_value(value)}\n" for key, value in export.settings.items())
+
+
+def _hydra_value(value: Value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def as_yaml(export: Export) -> str:
+    """The settings as a nested verl config file (merge it over `ppo_megatron_trainer`)."""
+    nested: dict[str, object] = {}
+    for key, value in export.settings.items():
+        *parents, leaf = key.split(".")
+        node = nested
+        for part in parents:
+            child = node.setdefault(part, {})
+            assert isinstance(child, dict), key
+            node = child
+        node[leaf] = value
+    return yaml.safe_dump(nested, sort_keys=False)

@@ -1,0 +1,139 @@
+"""The model-stages of a plan on this rank, and the rows their replicas exchange.
+
+Each model-stage of the plan gets its own engine on its EMUs' ranks (GPU id = rank), built
+from the same init seed, so actor/generation, actor/inference and actor/training start from
+the same weights and the reference stays at them.
+
+Rows move between model-stages through the world (an object all-gather): every rank ends each
+phase with the whole batch, so any placement (colocated or split pools) works the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nereus.cost.plan_cost import head_of
+from nereus.runtime import host_collectives
+from nereus.runtime.engine import Engine, EngineConfig
+from nereus.runtime.hf.names import OPTIONAL
+from nereus.runtime.model import Batch
+from nereus.runtime.optim import AdamWConfig
+from nereus.runtime.rl.config import RLConfig
+from nereus.runtime.shard_layout import RankLayout, stage_layout
+from nereus.spec.model import Head, Model
+from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.workload import Role
+
+
+@dataclass
+class ModelStageRuntime:
+    """One model-stage on this rank: its plan entry, layout and engine (None off its ranks)."""
+
+    plan: StagePlan
+    model: Model
+    head: Head
+    layout: RankLayout
+    engine: Engine | None
+
+
+def build_stages(plan: Plan, config: RLConfig) -> dict[str, ModelStageRuntime]:
+    """Every model-stage's engine (collective: every rank builds them in plan order). The
+    reward stage gets an engine only under `reward: model`; the rule needs no model."""
+    stages: dict[str, ModelStageRuntime] = {}
+    for entry in plan.stages:
+        role: Role = entry.role
+        if not config.runs_engine(role):
+            continue
+        lr = {"critic": config.critic_lr, "reward": config.reward_model_lr}.get(role, config.actor_lr)
+        # The reward model starts from its own weights, not the critic's.
+        seed = config.seed + 1 if role == "reward" else config.seed
+        # Weights a Hugging Face folder provides are read into the engine, not seeded first.
+        init_only = OPTIONAL if plan.weights is not None and role in plan.weights else None
+        engine_config = EngineConfig(AdamWConfig(lr=lr, eps=config.adam_eps), init_seed=seed, init_only=init_only)
+        model = plan.model(plan.workload.model_name(role))
+        head = head_of(role)
+        layout = stage_layout(entry)
+        engine = Engine.create(model, head, layout, engine_config)
+        stages[entry.model_stage] = ModelStageRuntime(entry, model, head, layout, engine)
+    return stages
+
+
+def engine_state(engine: Engine, families: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The engine's live tensors of `families` (keyed `family/name`)."""
+    return {key: tensor for key, tensor in engine.local_state().items() if key.split("/")[0] in families}
+
+
+def local_state_bytes(stages: dict[str, ModelStageRuntime]) -> int:
+    """Bytes of engine state this rank holds."""
+    return sum(
+        tensor.numel() * tensor.element_size()
+        for stage in stages.values()
+        if stage.engine is not None
+        for tensor in stage.engine.local_state().values()
+    )
+
+
+# ---- the rows of a step, and moving them between ranks ----
+
+
+def rollout_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Batch:
+    """Prompts left-padded and responses right-padded into one batch; `loss_mask` marks responses."""
+    prompt_width = max(len(p) for p in prompts)
+    width = prompt_width + max(len(r) for r in responses)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.bool)
+    loss_mask = torch.zeros((len(prompts), width), dtype=torch.float32)
+    for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        start = prompt_width - len(prompt)
+        tokens[row, start : prompt_width + len(response)] = torch.tensor(prompt + response)
+        attention[row, start : prompt_width + len(response)] = True
+        loss_mask[row, prompt_width : prompt_width + len(response)] = 1.0
+    return Batch(tokens, attention, {"loss_mask": loss_mask})
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """What generation hands to the later phases: the responses and the batch of their rows."""
+
+    responses: list[list[int]]
+    batch: Batch
+    """`rollout_batch` of the prompts and the responses."""
+    inferred: dict[str, torch.Tensor] | None = None
+    """The inference model-stages' rows the fused rollout already computed (None unfused)."""
+    greedy: list[list[int]] | None = None
+    """ReMax's greedy responses, its baseline (None under the other algorithms)."""
+    greedy_batch: Batch | None = None
+    """`rollout_batch` of the prompts and the greedy responses."""
+
+
+def leads(stage: ModelStageRuntime) -> bool:
+    """Whether this rank speaks for its replica of `stage` in exchanges (its first rank)."""
+    engine = stage.engine
+    return engine is not None and engine.groups.pp_rank == 0 and engine.groups.tp.rank == 0
+
+
+def by_replica(stage: ModelStageRuntime, value: Any) -> list[Any]:
+    """Each replica's `value` (from its first rank) on every world rank, in replica order."""
+    return by_replica_of({"": stage}, {"": value})[""]
+
+
+def by_replica_of(stages: Mapping[str, ModelStageRuntime], values: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """`by_replica` of every named stage and its value at once: one object gather."""
+    mine = {}
+    for name, stage in stages.items():
+        if leads(stage):
+            assert stage.engine is not None
+            mine[name] = (stage.engine.groups.replica, values[name])
+    gathered: list[Any] = [None] * dist.get_world_size()
+    host_collectives.all_gather_object(gathered, mine)
+    out = {}
+    for name, stage in stages.items():
+        parts = sorted((rank_parts[name] for rank_parts in gathered if name in rank_parts), key=lambda p: p[0])
+        assert [replica for replica, _ in parts] == list(range(stage.layout.dp)), (name, parts)
+        out[name] = [part for _, part in parts]
+    return out

@@ -1,0 +1,81 @@
+"""Where a step's time went: timed phases, their slowest-rank totals, and the fused moments
+put on the run's timeline (`nereus.runtime.timeline`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from nereus.runtime import dist as launch
+from nereus.runtime import host_collectives, timeline
+from nereus.runtime.fused_pipeline import OpTiming
+from nereus.runtime.rl.stages import ModelStageRuntime, local_state_bytes
+
+if TYPE_CHECKING:
+    from nereus.runtime.rl.fused_rollout import RolloutEvent
+
+
+@contextmanager
+def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
+    """Add the block's wall time to `seconds[name]` and record it on the run's timeline."""
+    start, wall_start = time.perf_counter(), time.time()
+    yield
+    seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
+    timeline.record("stage" if "/" in name else "phase", name, wall_start, time.time())
+
+
+def gather_numbers(values: list[float]) -> torch.Tensor:
+    """[world, len(values)] float64 on the CPU: every rank's `values` (collective)."""
+    # On the rank's device: NCCL gathers only GPU tensors.
+    mine = torch.tensor(values, dtype=torch.float64, device=launch.device())
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    host_collectives.all_gather(rows, mine)
+    return torch.stack(rows).cpu()
+
+
+def slowest_rank(seconds: dict[str, float], names: list[str]) -> dict[str, float]:
+    """Every name's time on the slowest rank (ranks that skip a phase report 0)."""
+    return step_totals(seconds, names, {})[0]
+
+
+def step_totals(
+    seconds: dict[str, float], names: list[str], stages: dict[str, ModelStageRuntime]
+) -> tuple[dict[str, float], list[int]]:
+    """`slowest_rank` of `seconds` and the bytes of engine state each rank holds (of `stages`),
+    from one all-gather: each collective costs a few ms on gloo."""
+    table = gather_numbers([*(seconds.get(name, 0.0) for name in names), float(local_state_bytes(stages))])
+    slowest = table[:, :-1].max(dim=0).values.tolist()
+    return dict(zip(names, slowest, strict=True)), [int(held) for held in table[:, -1].tolist()]
+
+
+def record_fused(events: list[RolloutEvent], op_timings: list[OpTiming]) -> None:
+    """Put the fused rollout's and the fused pipeline's moments on the run's timeline (their
+    clocks are perf_counter readings of this rank: shifted onto the timeline's wall clock)."""
+    offset = time.time() - time.perf_counter()
+    opened: dict[tuple[str, str | None], float] = {}
+    for event in events:
+        what, edge = event.kind.rsplit("_", 1)
+        if edge == "start":
+            opened[(what, event.model_stage)] = event.time_s
+        elif edge == "end" and (what, event.model_stage) in opened:
+            start = opened.pop((what, event.model_stage))
+            name = what if event.model_stage is None else f"{event.model_stage} ({what})"
+            timeline.record("fused", name, start + offset, event.time_s + offset, samples=len(event.samples))
+        else:  # a moment, e.g. a sample finished
+            moment = event.time_s + offset
+            timeline.record("fused", event.kind, moment, moment, samples=list(event.samples))
+    for op in op_timings:
+        timeline.record(
+            "fused",
+            f"{op.model} {op.kind}{op.microbatch}",
+            op.ready + offset,
+            op.end + offset,
+            stage=op.stage,
+            update=op.update,
+            wait_s=op.ready - op.start,
+        )

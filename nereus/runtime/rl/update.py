@@ -1,0 +1,240 @@
+"""Phases 3 to 5 of a step: advantages, training, weight sync.
+
+3. advantages: PPO (KL-penalised token rewards + GAE), GRPO (group-relative) or ReMax
+   (greedy baseline, scored from the rollout's extra greedy generation);
+4. training: actor (clipped surrogate) and critic (clipped value loss), by mini-batches, or
+   both together in the fused pipeline under intra-stage fusion;
+5. weight sync: every `WEIGHT_SYNCS` pair of the plan (actor/training -> actor/generation
+   and actor/inference, critic/training -> critic/inference), through the resharder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nereus.runtime.engine import even_split
+from nereus.runtime.fused_pipeline import FusedPart, OpTiming, fused_train_step
+from nereus.runtime.fused_schedule import fused_schedule
+from nereus.runtime.model import Batch
+from nereus.runtime.reshard import ReshardPlan, execute, plan_reshard
+from nereus.runtime.rl.algorithms import (
+    broadcast_to_tokens,
+    gae,
+    group_advantages,
+    masked_whiten,
+    remax_advantages,
+    token_rewards,
+)
+from nereus.runtime.rl.config import RLConfig
+from nereus.runtime.rl.objectives import ClippedValueObjective, PolicyObjective
+from nereus.runtime.rl.scoring import Scored, reward_of
+from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of, engine_state
+from nereus.runtime.rl.tasks import CharTokenizer, Problem
+from nereus.runtime.rl.timing import timed
+from nereus.runtime.sharded_state import state_meta
+from nereus.runtime.tensor_parallel import TensorParallel
+from nereus.spec.plan import Fusion, Plan
+from nereus.spec.workload import WEIGHT_SYNCS, Workload
+
+#: A weight sync: the source model-stage, the target and the resharding plan between them.
+WeightSync = tuple[ModelStageRuntime, ModelStageRuntime, ReshardPlan]
+
+
+# ---- 3. advantages ----
+
+
+def advantages_of(
+    workload: Workload,
+    config: RLConfig,
+    stages: dict[str, ModelStageRuntime],
+    tokenizer: CharTokenizer,
+    problems: list[Problem],
+    rollout: Rollout,
+    scored: Scored,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token advantages, and the critic's returns under PPO (None otherwise); under ReMax
+    the greedy responses are scored first (collective where a reward model scores them)."""
+    greedy_scores = None
+    if rollout.greedy is not None:
+        assert rollout.greedy_batch is not None
+        greedy_scores = reward_of(stages, tokenizer, problems, rollout.greedy_batch, rollout.greedy)
+    return compute_advantages(workload.algorithm, config, scored, workload.samples_per_prompt, greedy_scores)
+
+
+def compute_advantages(
+    algorithm: str, config: RLConfig, scored: Scored, group_size: int, greedy_scores: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token advantages, and the critic's returns under PPO (None otherwise)."""
+    mask = scored.mask
+    if algorithm == "ppo":
+        assert scored.old_values is not None
+        rewards = token_rewards(scored.scores, mask, scored.old_log_probs, scored.ref_log_probs, config.kl_coef)
+        advantages, returns = gae(rewards, scored.old_values, mask, config.gamma, config.lam)
+        return masked_whiten(advantages, mask), returns
+    if algorithm == "grpo":
+        return broadcast_to_tokens(group_advantages(scored.scores, group_size), mask), None
+    assert algorithm == "remax" and greedy_scores is not None, algorithm
+    return broadcast_to_tokens(remax_advantages(scored.scores, greedy_scores), mask), None
+
+
+# ---- 4. training ----
+
+
+def run_training(
+    plan: Plan,
+    config: RLConfig,
+    stages: dict[str, ModelStageRuntime],
+    rollout: Rollout,
+    scored: Scored,
+    advantages: torch.Tensor,
+    returns: torch.Tensor | None,
+    seconds: dict[str, float],
+    fusion: Fusion,
+    op_timings: list[OpTiming],
+) -> tuple[float, float | None]:
+    """Actor and critic updates on the rollout's batch, then one exchange of their losses (so a
+    critic on its own pool trains while the actor does); the mean actor and critic losses.
+
+    Under `fusion.intra_stage` both train together in the fused pipeline, mini-batch by
+    mini-batch (`fused_training`), and each fused op's timing on this rank is appended to
+    `op_timings`.
+    """
+    workload, batch = plan.workload, rollout.batch
+    fields = {"old_log_probs": scored.old_log_probs, "ref_log_probs": scored.ref_log_probs, "advantages": advantages}
+    actor = stages["actor/training"]
+    kl_loss_coef = 0.0 if workload.algorithm == "ppo" else config.kl_loss_coef
+    tp = actor.engine.groups.tp if actor.engine is not None else TensorParallel.single()
+    objective = PolicyObjective(config.clip_eps, kl_loss_coef, config.entropy_coef, tp)
+    actor_batch = Batch(batch.tokens, batch.attention_mask, {**batch.fields, **fields})
+    critic = stages.get("critic/training")
+    critic_losses = None
+    if critic is not None:
+        assert scored.old_values is not None and returns is not None, "a critic is trained under ppo only"
+        critic_fields = {**batch.fields, "old_values": scored.old_values, "returns": returns}
+        critic_batch = Batch(batch.tokens, batch.attention_mask, critic_fields)
+        value_objective = ClippedValueObjective(config.value_clip_eps)
+    if fusion.intra_stage:
+        assert critic is not None, "intra-stage fusion needs a critic (refused with the plan otherwise)"
+        actor_job = (actor, actor_batch, objective)
+        critic_job = (critic, critic_batch, value_objective)
+        actor_losses, critic_losses = fused_training(plan, actor_job, critic_job, seconds, op_timings)
+    else:
+        with timed(seconds, "actor/training"):
+            actor_losses = local_train(actor, actor_batch, objective, workload.mini_batches, workload.ppo_epochs)
+        if critic is not None:
+            with timed(seconds, "critic/training"):
+                critic_losses = local_train(
+                    critic, critic_batch, value_objective, workload.mini_batches, workload.ppo_epochs
+                )
+    with timed(seconds, "exchange"):
+        trained, losses = {"actor": actor}, {"actor": mean_loss(actor_losses)}
+        if critic is not None and critic_losses is not None:
+            trained["critic"], losses["critic"] = critic, mean_loss(critic_losses)
+        # Every replica reports the global batch's loss; take the first.
+        means = by_replica_of(trained, losses)
+    return means["actor"][0], means["critic"][0] if "critic" in means else None
+
+
+def local_train(
+    stage: ModelStageRuntime, batch: Batch, objective: Any, num_mini_batches: int, num_epochs: int
+) -> list[float]:
+    """Epochs of mini-batch updates on the whole batch on this rank; each update's loss (none
+    off the stage's ranks)."""
+    engine = stage.engine
+    losses = []
+    if engine is not None:
+        for _ in range(num_epochs):
+            for start, stop in even_split(batch.num_rows, num_mini_batches):
+                losses.append(engine.train_step(batch.rows(start, stop), objective, stage.plan.micro_batches))
+    return losses
+
+
+def mean_loss(losses: list[float]) -> float:
+    """The mean loss of a rank's updates (0 on a rank that trained nothing)."""
+    return float(sum(losses) / max(len(losses), 1))
+
+
+def train(stage: ModelStageRuntime, batch: Batch, objective: Any, num_mini_batches: int, num_epochs: int) -> float:
+    """`local_train`, then the mean loss on every rank (collective)."""
+    losses = local_train(stage, batch, objective, num_mini_batches, num_epochs)
+    # Every replica reports the global batch's loss; take the first.
+    return float(by_replica(stage, mean_loss(losses))[0])
+
+
+#: A training model-stage, the batch it trains on and its objective.
+TrainingJob = tuple[ModelStageRuntime, Batch, Any]
+
+
+def fused_training(
+    plan: Plan,
+    actor_job: TrainingJob,
+    critic_job: TrainingJob,
+    seconds: dict[str, float],
+    op_timings: list[OpTiming] | None,
+) -> tuple[list[float], list[float]]:
+    """Epochs of mini-batch updates of actor and critic together, each mini-batch one run of
+    the plan's fused schedule (`fused_schedule`, cached per plan); each update's losses (none
+    off the training ranks). Both model-stages ran for the whole phase, so `seconds` gets its
+    wall time under actor/training and critic/training alike."""
+    workload = plan.workload
+    (actor, actor_batch, actor_objective), (critic, critic_batch, critic_objective) = actor_job, critic_job
+    actor_losses: list[float] = []
+    critic_losses: list[float] = []
+    # Searched once per plan (cached), outside the timed phase.
+    schedule = fused_schedule(plan) if actor.engine is not None else None
+    with timed(seconds, "actor/training"), timed(seconds, "critic/training"):
+        if schedule is not None:
+            assert actor.engine is not None and critic.engine is not None, "fusion trains both on the same ranks"
+            mini_batches = even_split(actor_batch.num_rows, workload.mini_batches)
+            for update, (start, stop) in enumerate(mini_batches * workload.ppo_epochs):
+                parts = [
+                    FusedPart("actor", actor.engine, actor_batch.rows(start, stop), actor_objective),
+                    FusedPart("critic", critic.engine, critic_batch.rows(start, stop), critic_objective),
+                ]
+                (actor_loss, critic_loss), timings = fused_train_step(parts, schedule)
+                actor_losses.append(actor_loss)
+                critic_losses.append(critic_loss)
+                if op_timings is not None:
+                    op_timings.extend(dataclasses.replace(timing, update=update) for timing in timings)
+    return actor_losses, critic_losses
+
+
+# ---- 5. weight sync ----
+
+
+def sync_plans(stages: dict[str, ModelStageRuntime]) -> list[WeightSync]:
+    """The resharding plan of every weight sync the plan's stages call for (parameters only)."""
+    plans = []
+    for source_name, target_name in WEIGHT_SYNCS:
+        if source_name in stages and target_name in stages:
+            source, target = stages[source_name], stages[target_name]
+            plan = plan_reshard(
+                state_meta(source.model, source.head, source.layout, ("param",)),
+                state_meta(target.model, target.head, target.layout, ("param",)),
+            )
+            plans.append((source, target, plan))
+    return plans
+
+
+def sync_weights(syncs: list[WeightSync]) -> None:
+    """Copy the trained parameters into the generation and inference engines by resharding.
+
+    The pieces land straight in the target engine's live parameter tensors (no fresh
+    state, no second copy); `load_local_state` then only takes the step and drops stale
+    gradients and moments (copying a tensor onto itself is a no-op).
+    """
+    rank = dist.get_rank()
+    for source, target, plan in syncs:
+        tensors, step = {}, None
+        if source.engine is not None:
+            tensors = engine_state(source.engine, ("param",))
+            step = source.engine.optimizer_step
+        live = engine_state(target.engine, ("param",)) if target.engine is not None else None
+        result = execute(plan, rank, tensors, step, out=live)
+        if target.engine is not None:
+            assert result.step is not None
+            target.engine.load_local_state(result.tensors, result.step)
