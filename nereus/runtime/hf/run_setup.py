@@ -101,10 +101,13 @@ def plans_for_folder(sources: HfSources, workload: Workload, cluster: Cluster, n
     """The planner's best plans (best first) running the folder's model in every role of
     `workload` on `num_ranks` local ranks (one node of `cluster`'s GPU kind); each records
     the folder as its weight source."""
+    from nereus.solver.layouts import RUNTIME_CHOICES
     from nereus.solver.plan_search import PlanRequest
     from nereus.solver.planner import make_plan
 
     local = cluster.model_copy(update={"num_nodes": 1, "gpus_per_node": num_ranks})
-    request = PlanRequest(local, (sources.model,), every_role_is(workload, sources.model.name), num_ranks)
+    request = PlanRequest(
+        local, (sources.model,), every_role_is(workload, sources.model.name), num_ranks, choices=RUNTIME_CHOICES
+    )
     result = make_plan(request, top_k=PLANS_TRIED)
     return [sources.for_plan(plan) for plan in (result.best, *result.alternatives)]
