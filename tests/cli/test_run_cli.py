@@ -18,11 +18,11 @@ import yaml
 from repo_paths import DATA, EXAMPLES
 
 from nereus.runtime.checkpoint import verify_checkpoint
-from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.run_state import read_run_state
 from nereus.runtime.rl.setup import memory_problems, state_bytes_by_rank
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
+from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke, one_error_line
 from tests.run_helpers import alive, rank_pids, start_run, wait_for, write_config

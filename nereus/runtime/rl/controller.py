@@ -32,7 +32,6 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.fit import STEP_KEY, measured_plan, predict
 from nereus.cost.online import OnlineCalibrator
 from nereus.errors import NereusError
-from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.run_state import (
     ControllerState,
     PendingState,
@@ -50,6 +49,7 @@ from nereus.solver.policy import (
     restore_policy,
 )
 from nereus.spec.plan import Plan
+from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import DECISIONS_NAME
 from nereus.spec.trace import Conditions, Trace, trace_conditions
 from nereus.spec.workload import ResponseLengths

@@ -35,7 +35,6 @@ from nereus.runtime import arena, host_collectives, shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import device, spawn
 from nereus.runtime.hf.load import load_engine
-from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
 from nereus.runtime.rl.reward_model import fit_reward_model
 from nereus.runtime.rl.run_state import RunStateData, read_run_state
@@ -50,6 +49,7 @@ from nereus.runtime.sharded_state import gather, state_meta
 from nereus.runtime.transition_executor import ReplicaState, execute_transition
 from nereus.spec.io import save_document, write_text_atomic
 from nereus.spec.plan import Plan
+from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import (
     CHECKPOINT_STATE_NAME,
     CHECKPOINTS_NAME,

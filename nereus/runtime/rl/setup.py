@@ -22,10 +22,10 @@ from nereus.cost.calibration import Calibration
 from nereus.errors import ArgumentError, NereusError
 from nereus.runtime import timeline
 from nereus.runtime.hf.run_setup import HfSources, check_plan_models, hf_sources, plans_for_folder
-from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.spec.cluster import Cluster
 from nereus.spec.io import keep_json_lines, load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
+from nereus.spec.run_config import RLConfig, RunConfig
 from nereus.spec.run_folder import (
     CALIBRATION_NAME,
     CHECKPOINT_STATE_NAME,

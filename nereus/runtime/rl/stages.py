@@ -23,10 +23,10 @@ from nereus.runtime.engine import Engine, EngineConfig
 from nereus.runtime.hf.names import OPTIONAL
 from nereus.runtime.model import Batch
 from nereus.runtime.optim import AdamWConfig
-from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.shard_layout import RankLayout, stage_layout
 from nereus.spec.model import Head, Model
 from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.run_config import RLConfig
 from nereus.spec.workload import Role
 
 

@@ -24,7 +24,6 @@ from typing import Any
 from nereus.runtime.fused_pipeline import OpTiming
 from nereus.runtime.generate import SamplingConfig
 from nereus.runtime.rl.algorithms import masked_mean
-from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.fused_rollout import RolloutEvent
 from nereus.runtime.rl.rollout import rollout
 from nereus.runtime.rl.samples import sample_records
@@ -34,6 +33,7 @@ from nereus.runtime.rl.tasks import CharTokenizer, Problem, encode_prompt, get_t
 from nereus.runtime.rl.timing import record_fused, step_totals, timed
 from nereus.runtime.rl.update import WeightSync, advantages_of, run_training, sync_weights
 from nereus.spec.plan import Fusion, Plan
+from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import StepMetrics
 from nereus.spec.workload import Workload
 
