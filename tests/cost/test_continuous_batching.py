@@ -7,7 +7,7 @@ from statistics import NormalDist
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given, seed, settings
 from hypothesis import strategies as st
 
 from nereus.cost.continuous_batching import decode_profile, priced_decode, simulate_continuous_batching
@@ -46,9 +46,11 @@ def cases(draw: st.DrawFn) -> tuple[ResponseLengths, int, int, int, tuple[float,
 
 
 @pytest.mark.slow
-# Derandomized: CI runs the same 25 cases every time. Random exploration has found a case 19% off
-# (one preemption); the closed form does not price re-prefill after preemption yet.
-@settings(max_examples=25, deadline=None, derandomize=True)
+# Seeded: CI runs the same 25 cases on every machine (derandomize=True seeds from the test's
+# digest, which changed with the checkout path). Random exploration finds cases up to 20% off
+# when many sequences are preempted; the closed form does not price preemption yet.
+@seed(20261202)
+@settings(max_examples=25, deadline=None, database=None)
 @given(cases(), st.integers(0, 3))
 def test_closed_form_within_tolerance_of_reference(case, seed) -> None:
     lengths, prompt, n, capacity, (weights, kv, dense, attention) = case
