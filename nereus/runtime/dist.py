@@ -148,16 +148,30 @@ def init_from_env(timeout: timedelta = DEFAULT_TIMEOUT) -> list[Peer]:
 
 #: How often a joined rank's heartbeat thread bumps its counter, in seconds.
 HEARTBEAT_S = 0.5
+#: The name of a joined rank's torchrun watchdog timer.
+WATCHDOG_SCOPE = "nereus-heartbeat"
 
 
 class Heartbeat:
     """A joined rank's sign of life: a thread bumps this rank's counter in the launcher's
     key-value store (torchrun's agent store, which outlives a stuck worker) every HEARTBEAT_S.
     A stopped process (SIGSTOP) or a dead one stops bumping: when a collective times out,
-    the survivors read the counters to name the rank they waited for (`unresponsive`)."""
+    the survivors read the counters to name the rank they waited for (`unresponsive`).
 
-    def __init__(self) -> None:
+    When torchrun runs its watchdog (TORCHELASTIC_ENABLE_FILE_TIMER=1 in the job's
+    environment), every beat also re-arms a watchdog timer of `timeout_s`: the agent then
+    SIGKILLs a worker stopped for that long, so a stopped rank alone on its node cannot keep
+    its agent, and the job, waiting forever."""
+
+    def __init__(self, timeout_s: float) -> None:
         import threading
+
+        self.timeout_s = timeout_s
+        self.watchdog: Any = None
+        if os.environ.get("TORCHELASTIC_TIMER_FILE"):
+            from torch.distributed.elastic.timer import FileTimerClient
+
+            self.watchdog = FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"])
 
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         client = dist.TCPStore(
@@ -167,24 +181,26 @@ class Heartbeat:
             timeout=timedelta(seconds=5),
             wait_for_workers=False,
         )
-        self.store = dist.PrefixStore(f"nereus/attempt-{restart}/beat", client)
+        self.store = dist.PrefixStore(f"nereus/attempt-{restart}", client)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._beat, name="nereus-heartbeat", daemon=True)
         self.thread.start()
 
     def _beat(self) -> None:
-        key = str(dist.get_rank())
+        key = f"beat/{dist.get_rank()}"
         while not self.stop.is_set():
             try:
                 self.store.add(key, 1)
-            except Exception:  # the store went away (its node ended): nothing left to tell
+                if self.watchdog is not None:
+                    self.watchdog.acquire(WATCHDOG_SCOPE, time.time() + self.timeout_s)
+            except Exception:  # the store or the agent went away (its node ended): nothing left to tell
                 return
             self.stop.wait(HEARTBEAT_S)
 
     def counts(self, ranks: list[int]) -> dict[int, int] | None:
         """Every rank's counter now (None: the store cannot be reached)."""
         try:
-            return {rank: self.store.add(str(rank), 0) for rank in ranks}
+            return {rank: self.store.add(f"beat/{rank}", 0) for rank in ranks}
         except Exception:
             return None
 
@@ -198,6 +214,27 @@ class Heartbeat:
             return []
         return [_peers[rank] for rank in others if after[rank] == before[rank]]
 
+    def announce(self, key: str) -> None:
+        """Tell every rank waiting in `wait_for` that `key` happened."""
+        self.store.set(key, "1")
+
+    def wait_for(self, key: str, rank: int, what: str) -> None:
+        """Wait, however long it takes, until `rank` announces `key` (e.g. rank 0's setup,
+        which may plan for minutes: longer than any collective may wait); raise NereusError
+        when `rank` stops beating first."""
+        last, still = -1, 0
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=4 * HEARTBEAT_S))
+                return
+            except Exception:  # not yet: is `rank` still alive?
+                counts = self.counts([rank])
+                beat = -1 if counts is None else counts[rank]
+                still = still + 1 if beat == last else 0
+                last = beat
+            if still >= 2:
+                raise NereusError(f"{_peers[rank].describe()} stopped responding during {what}")
+
     def verdict(self, mine: str) -> str:
         """The job's one account of a failure: the first rank to offer one sets it, and every
         later rank gets that one back (so ranks that looked at different moments agree);
@@ -209,8 +246,12 @@ class Heartbeat:
         return agreed.decode() if isinstance(agreed, bytes) else str(agreed)
 
     def close(self) -> None:
+        """Stop beating and disarm the watchdog (the store stays usable for `verdict`)."""
         self.stop.set()
         self.thread.join(timeout=2 * HEARTBEAT_S)
+        if self.watchdog is not None:
+            with suppress(Exception):
+                self.watchdog.release(WATCHDOG_SCOPE)
 
 
 def describe_unresponsive(peer: Peer) -> str:

@@ -509,6 +509,9 @@ class JoinedJob:
                 payload[0] = (setup, marker.name)
             except NereusError as error:
                 payload[0] = portable_error(error)
+            self.heartbeat.announce("setup")
+        else:
+            self.heartbeat.wait_for("setup", 0, "the run's setup")
         dist.broadcast_object_list(payload, src=0)
         if isinstance(payload[0], NereusError):
             raise payload[0]
@@ -559,6 +562,7 @@ class JoinedJob:
         silent = self.heartbeat.unresponsive()
         for peer in silent:
             kill_unresponsive_sibling(peer)
+        self.heartbeat.close()  # this rank leaves: its watchdog timer must not outlive it
         mine = self.peers[self.rank].describe()
         if silent:
             cause = "; ".join(describe_unresponsive(peer) for peer in silent)
@@ -574,7 +578,7 @@ class JoinedJob:
 def join_job(timeout_s: float) -> JoinedJob:
     """Join the torchrun job this process is a worker of (collective over the whole job)."""
     peers = init_from_env(timedelta(seconds=timeout_s))
-    return JoinedJob(peers, Heartbeat(), timeout_s)
+    return JoinedJob(peers, Heartbeat(timeout_s), timeout_s)
 
 
 def portable_error(error: NereusError) -> NereusError:
