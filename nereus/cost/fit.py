@@ -46,9 +46,22 @@ LOWER = {**{name: 1.0 for name in EFFICIENCIES}, **{name: 0.0 for name in SCALAR
 #: Scale of a parameter for finite differences and for the pull towards the prior.
 TYPICAL = {**{name: 1.0 for name in EFFICIENCIES}, "link_latency_scale": 1.0}
 TYPICAL_SECONDS = 1e-4
-#: Weight of the pull towards the starting calibration, relative to one residual row.
-RIDGE = 1e-4
-GAUSS_NEWTON_ITERATIONS = 6
+#: Weight of the pull towards the starting calibration, relative to a parameter's whole
+#: sensitivity. Kept tiny: for parameters whose effects are nearly collinear the pull acts
+#: on the small independent part and biased them by 10-20% at 1e-4; the identifiability
+#: check below, not the pull, decides what the data cannot determine.
+RIDGE = 1e-7
+#: Overheads keep the stronger pull: one plan's runs cannot tell them apart, and unpulled
+#: they drift to values that mispredict other plans (held-out error).
+SCALAR_RIDGE = 1e-4
+PULL = np.array([RIDGE] * len(EFFICIENCIES) + [SCALAR_RIDGE] * len(SCALARS))
+GAUSS_NEWTON_ITERATIONS = 12
+#: An efficiency whose relative standard error exceeds this is reported as not identified
+#: and kept at its starting value (the other parameters refitted without it).
+IDENTIFIED_REL_ERROR = 0.025
+#: Least residual (fraction of step time) the standard errors assume: synthetic or very
+#: regular runs fit almost exactly, and a zero residual would call every parameter known.
+NOISE_FLOOR = 0.002
 STEP_KEY = "step"
 REQUIRED_METRICS = ("step", "step_seconds", "stage_seconds", "prompt_len", "response_len_max")
 
@@ -273,29 +286,43 @@ def _exercised(gradients: list[dict[str, np.ndarray]]) -> np.ndarray:
     return total > 0
 
 
+@dataclass(frozen=True)
+class GaussNewtonFit:
+    """A converged fit and its last linearisation."""
+
+    theta: np.ndarray
+    exercised: np.ndarray
+    """Parameters some prediction depends on and the fit was free to move."""
+    design: np.ndarray
+    """d(residual)/d(parameter) per row at `theta` (rows scaled by their step time)."""
+    residual: np.ndarray
+
+
 def gauss_newton(
     plans: Sequence[Plan],
     rows: Sequence[Row],
     start: Calibration,
     progress: Callable[[int, int], None] | None = None,
-) -> tuple[Calibration, np.ndarray]:
-    """Fit the parameters to `rows`; returns the calibration and which parameters were exercised."""
+    fixed: np.ndarray | None = None,
+) -> GaussNewtonFit:
+    """Fit the parameters to `rows`, those `fixed` kept at their value in `start`."""
     theta0 = parameters(start)
     theta = theta0.copy()
     lower = np.array([LOWER[name] for name in FITTED])
-    exercised = np.zeros(len(FITTED), dtype=bool)
+    pinned = np.zeros(len(FITTED), dtype=bool) if fixed is None else fixed
     for iteration in range(GAUSS_NEWTON_ITERATIONS):
         calibration = _unchecked(start, theta)
         points = [linearise(plan, calibration) for plan in plans]
-        exercised = _exercised([grads for _, grads in points])
+        exercised = _exercised([grads for _, grads in points]) & ~pinned
         design = np.array([points[r.group][1][r.key] / r.scale for r in rows])
-        target = np.array([(r.seconds - points[r.group][0][r.key]) / r.scale for r in rows]) + design @ theta
+        residual = np.array([(r.seconds - points[r.group][0][r.key]) / r.scale for r in rows])
+        target = residual + design @ theta
         # A light pull towards the prior keeps weakly determined parameters near it; each
         # parameter's pull is scaled by how much the predictions depend on it.
-        weight = math.sqrt(RIDGE) * np.maximum(np.linalg.norm(design, axis=0), 1e-12)
-        design = np.vstack([design, np.diag(weight)])
+        weight = np.sqrt(PULL) * np.maximum(np.linalg.norm(design, axis=0), 1e-12)
+        pulled = np.vstack([design, np.diag(weight)])
         target = np.concatenate([target, weight * theta0])
-        updated = bounded_lstsq(design, target, np.where(exercised, lower, theta0), exercised)
+        updated = bounded_lstsq(pulled, target, np.where(exercised, lower, theta0), exercised)
         updated[~exercised] = theta0[~exercised]
         converged = np.allclose(updated, theta, rtol=1e-4, atol=1e-12)
         theta = updated
@@ -303,7 +330,29 @@ def gauss_newton(
             progress(iteration + 1, GAUSS_NEWTON_ITERATIONS)
         if converged:
             break
-    return with_parameters(start, theta), exercised
+    return GaussNewtonFit(theta, exercised, design, residual)
+
+
+def unidentified(fit: GaussNewtonFit) -> np.ndarray:
+    """Efficiencies the rows cannot determine: relative standard error above IDENTIFIED_REL_ERROR.
+
+    A parameter's standard error is the residual noise over the part of its effect that no
+    combination of the other free parameters reproduces (its column's distance from their
+    span): collinear effects, however large, leave that part small.
+    """
+    free = fit.exercised & (fit.theta > np.array([LOWER[name] for name in FITTED]) * (1 + 1e-9))
+    rows, count = fit.design.shape
+    sigma = max(float(np.linalg.norm(fit.residual)) / math.sqrt(max(rows - int(free.sum()), 1)), NOISE_FLOOR)
+    relative = fit.design * fit.theta  # d(residual) / d(log parameter)
+    out = np.zeros(count, dtype=bool)
+    for k in np.flatnonzero(free[: len(EFFICIENCIES)]):
+        others = relative[:, free & (np.arange(count) != k)]
+        column = relative[:, k]
+        if others.shape[1]:
+            column = column - others @ np.linalg.lstsq(others, column, rcond=None)[0]
+        independent = float(np.linalg.norm(column))
+        out[k] = independent == 0 or sigma / independent > IDENTIFIED_REL_ERROR
+    return out
 
 
 # ---- fitting runs, and held-out error ----
@@ -344,21 +393,53 @@ def observations(runs: Sequence[RunRecord], cluster: Cluster | None) -> Observat
     return out
 
 
-def fit_runs(
+@dataclass(frozen=True)
+class FitResult:
+    """A fitted calibration and what the runs did and did not determine."""
+
+    calibration: Calibration
+    fitted: list[str]
+    """Fields the fit estimated from the runs."""
+    not_identified: list[str]
+    """Efficiencies the runs exercise but cannot separate from the others (relative standard
+    error above IDENTIFIED_REL_ERROR); they keep their starting value."""
+
+
+def fit_calibration(
     runs: Sequence[RunRecord],
     start: Calibration,
     cluster: Cluster | None = None,
     progress: Callable[[int, int], None] | None = None,
-) -> tuple[Calibration, list[str]]:
-    """The calibration that best explains `runs`, and the names of the fitted fields.
+) -> FitResult:
+    """The calibration that best explains `runs`, refitted without the efficiencies they
+    cannot identify (those keep their value in `start`).
 
     Pools of a phase are priced as the runtime runs them, at the same time: a fit cannot
     learn that from runs (few plans split their pools) and must not trade it for a better
     in-sample error.
     """
     data = observations(runs, cluster)
-    calibration, exercised = gauss_newton(data.plans, data.rows, start, progress)
-    return calibration, [name for name, used in zip(FITTED, exercised, strict=True) if used]
+    fit = gauss_newton(data.plans, data.rows, start, progress)
+    unknown = unidentified(fit)
+    if unknown.any():
+        fit = gauss_newton(data.plans, data.rows, start, progress, fixed=unknown)
+    fitted = [name for name, used in zip(FITTED, fit.exercised, strict=True) if used]
+    calibration = with_parameters(start, fit.theta)
+    # Fields the runs did not determine stay exactly as given (decode_gemm None included).
+    kept = {name: getattr(start, name) for name in FITTED if name not in fitted}
+    calibration = calibration.model_copy(update=kept)
+    return FitResult(calibration, fitted, [name for name, u in zip(FITTED, unknown, strict=True) if u])
+
+
+def fit_runs(
+    runs: Sequence[RunRecord],
+    start: Calibration,
+    cluster: Cluster | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Calibration, list[str]]:
+    """`fit_calibration`'s calibration and the names of the fields it fitted."""
+    result = fit_calibration(runs, start, cluster, progress)
+    return result.calibration, result.fitted
 
 
 @dataclass(frozen=True)
