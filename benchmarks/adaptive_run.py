@@ -36,7 +36,6 @@ from _record import begin, write_result
 
 from nereus.cost.calibration import Calibration
 from nereus.cost.profile import Profile, cluster_from_profile
-from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.runtime.rl.run import launch
 from nereus.runtime.rl.setup import RunSetup, plan_problems
 from nereus.solver.plan_search import PlanRequest
@@ -45,6 +44,7 @@ from nereus.solver.policy.replan import layout_summary
 from nereus.spec.cluster import Cluster
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
+from nereus.spec.run_config import RLConfig, RunConfig
 from nereus.spec.run_folder import read_metrics, read_spans
 from nereus.spec.trace import Trace, TraceEvent
 from nereus.spec.workload import ResponseLengths

@@ -43,7 +43,6 @@ from _record import begin, write_result
 
 from nereus.runtime.dist import spawn
 from nereus.runtime.generate import CachedForward, Decoder, SamplingConfig
-from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.fused_rollout import fused_rollout
 from nereus.runtime.rl.inter_stage import MigrationSettings, migration_settings
 from nereus.runtime.rl.rollout import generate_responses
@@ -54,6 +53,7 @@ from nereus.runtime.rl.timing import timed
 from nereus.solver.migration import GenerationProfile, run_batch, sample_lengths
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan
+from nereus.spec.run_config import RLConfig
 from nereus.spec.workload import ResponseLengths
 
 ROOT = Path(__file__).resolve().parent.parent

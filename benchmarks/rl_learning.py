@@ -21,11 +21,11 @@ from typing import Any
 
 from _record import begin, write_result
 
-from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.runtime.rl.run import launch
 from nereus.runtime.rl.setup import RunSetup, plan_problems
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
+from nereus.spec.run_config import RLConfig, RunConfig
 from nereus.spec.run_folder import StepMetrics
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "plan-tiny-ppo-4rank.yaml"

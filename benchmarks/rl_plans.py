@@ -29,11 +29,11 @@ from typing import Any
 from _record import begin, write_result
 
 from nereus.cost.plan_cost import evaluate_plan
-from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.runtime.rl.run import launch
 from nereus.runtime.rl.setup import RunSetup, plan_problems
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
+from nereus.spec.run_config import RLConfig, RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "plan-tiny-ppo-4rank.yaml"

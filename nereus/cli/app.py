@@ -16,6 +16,7 @@ ARGUMENT_FLAGS = {
     "activation_cap": "--act-cap",
     "device": "--device",
     "first_step": "--from-step",
+    "from_previous": "--resume-from-previous",
     "num_batches": "--batches",
     "num_ranks": "--nproc",
     "num_steps": "--steps",
@@ -46,7 +47,7 @@ class NereusGroup(TyperGroup):
             shown = exc.render(ARGUMENT_FLAGS) if isinstance(exc, ArgumentError) else str(exc)
             for line in getattr(exc, "problems", [shown]):
                 typer.echo(f"error: {line}", err=True)
-            raise typer.Exit(1) from None
+            raise typer.Exit(getattr(exc, "exit_code", 1)) from None
         except BrokenPipeError:  # output piped into `head`: stop quietly
             sys.stderr.close()
             raise typer.Exit(0) from None

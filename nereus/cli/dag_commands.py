@@ -49,12 +49,30 @@ def _load_plan(path: Path) -> Plan:
     return load_kind(str(path), Plan)  # type: ignore[return-value]
 
 
-def _comparable(plan_a: Plan, plan_b: Plan, path_a: Path, path_b: Path) -> None:
-    """Refuse, naming both files, plans that no transition can join: other clusters or model-stages."""
+def _comparable(plan_a: Plan, plan_b: Plan, path_a: Path, path_b: Path) -> tuple[Plan, Plan]:
+    """The two plans on one cluster, or a refusal naming both files: clusters that differ in
+    more than node count, or other model-stages. Plans whose clusters differ only in node count
+    (a pool that grows or shrinks) both move onto the larger one, said in one line on stderr."""
+    from nereus.spec.cluster import cluster_mismatch, larger_pool
+
     a, b = plan_a.cluster, plan_b.cluster
     if a != b:
-        what = f"{a.name} vs {b.name}" if a.name != b.name else f"both named {a.name} but described differently"
-        raise NereusError(f"{path_a} and {path_b} are plans for different clusters ({what}); a transition runs on one")
+        larger = larger_pool(a, b)
+        if larger is None:
+            fields = ", ".join(cluster_mismatch(a, b))
+            what = f"{a.name} vs {b.name}" if a.name != b.name else f"both named {a.name} but described differently"
+            what += f": {fields} differ" if fields else ""
+            raise NereusError(
+                f"{path_a} and {path_b} are plans for different clusters ({what}); "
+                "a transition runs on one cluster, or on two that differ only in node count"
+            )
+        smaller = b if larger is a else a
+        typer.echo(
+            f"sub-pool: {smaller.name} ({smaller.num_gpus} GPUs) is the first {smaller.num_nodes} of the "
+            f"{larger.num_nodes} nodes of {larger.name}; the transition runs on {larger.name}",
+            err=True,
+        )
+        plan_a, plan_b = (plan.model_copy(update={"cluster": larger}) for plan in (plan_a, plan_b))
     stages_a, stages_b = {e.model_stage for e in plan_a.stages}, {e.model_stage for e in plan_b.stages}
     if stages_a != stages_b:
         only = [f"{name} only in {path_a if name in stages_a else path_b}" for name in sorted(stages_a ^ stages_b)]
@@ -62,6 +80,7 @@ def _comparable(plan_a: Plan, plan_b: Plan, path_a: Path, path_b: Path) -> None:
             f"{path_a} and {path_b} run different model-stages ({'; '.join(only)}); "
             "plan both for the same workload (a transition keeps the workload)"
         )
+    return plan_a, plan_b
 
 
 def _solve_exact(solver: ExactSolver, result: TransitionResult, time_limit_s: float, workers: int) -> Any:
@@ -115,7 +134,7 @@ def build(
 
     _check_folder(output)
     the_a, the_b = _load_plan(plan_a), _load_plan(plan_b)
-    _comparable(the_a, the_b, plan_a, plan_b)
+    the_a, the_b = _comparable(the_a, the_b, plan_a, plan_b)
     the_calibration = load_kind(str(calibration), Calibration) if calibration else Calibration()
     result = build_transition(the_a, the_b, the_calibration)  # type: ignore[arg-type]
     exact_results = []

@@ -1,7 +1,9 @@
-"""`nereus export`: a plan as the configuration of another trainer (verl, OpenRLHF)."""
+"""`nereus export`: a plan as the configuration of another trainer (verl, OpenRLHF), and a
+trained run's model as a Hugging Face folder."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
@@ -13,7 +15,10 @@ from nereus.errors import NereusError
 if TYPE_CHECKING:
     from nereus.interop.common import Export
 
-export_app = typer.Typer(help="Write a plan as another trainer's configuration.", no_args_is_help=True)
+export_app = typer.Typer(
+    help="Write a plan as another trainer's configuration, or a run's model as a Hugging Face folder.",
+    no_args_is_help=True,
+)
 
 PlanArgument = Annotated[Path, typer.Argument(help="The Plan file (from `nereus plan -o`).", dir_okay=False)]
 OutputOption = Annotated[
@@ -90,5 +95,33 @@ def export_openrlhf(plan: PlanArgument, output: OutputOption = None, as_json: Js
     _emit(export, openrlhf.as_command_line(export), output, as_json)
 
 
+@export_app.command("hf")
+def export_hf_command(
+    run_dir: Annotated[Path, typer.Argument(help="A run folder (the --out of `nereus run`).", file_okay=False)],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Hugging Face folder to write (new or empty).")],
+    step: Annotated[
+        int | None, typer.Option("--step", min=0, help="Checkpoint step to export (default: the latest).")
+    ] = None,
+    role: Annotated[str, typer.Option("--model", help="Which trained model: actor or critic.")] = "actor",
+    as_json: Annotated[bool, typer.Option("--json", help="Print what was written as JSON.")] = False,
+) -> None:
+    """A run checkpoint's actor (or critic) as a Hugging Face folder (the run must have started from one)."""
+    from nereus.runtime.hf.export import export_hf, run_checkpoint_and_source
+
+    checkpoint, source = run_checkpoint_and_source(run_dir, step, role)
+    result = export_hf(checkpoint, source, output, role)
+    if as_json:
+        typer.echo(json.dumps(dataclasses.asdict(result), indent=1))
+    else:
+        typer.echo(
+            f"wrote {result.folder}: {result.role} from {result.checkpoint}, {result.num_tensors} tensors in "
+            f"{result.num_files} safetensors file(s); copied {', '.join(result.copied) or 'no other files'}"
+        )
+
+
 def register(app: typer.Typer) -> None:
-    app.add_typer(export_app, name="export", help="Write a plan as another trainer's configuration (verl, OpenRLHF).")
+    app.add_typer(
+        export_app,
+        name="export",
+        help="Write a plan as another trainer's configuration (verl, OpenRLHF), or a run's model as a HF folder.",
+    )

@@ -50,10 +50,9 @@ def resolve_workload(value: str, model: Model | None) -> Workload:
         if _looks_like_file(value)
         else workload_preset(value, model.name if model else "llama-3.1-8b")
     )
-    if model is None:
-        return workload  # type: ignore[return-value]
-    roles = {role: model.name for role, name in workload.role_models().items() if name is not None}  # type: ignore[attr-defined]
-    return workload.model_copy(update=roles)  # type: ignore[return-value]
+    from nereus.runtime.hf.run_setup import every_role_is
+
+    return workload if model is None else every_role_is(workload, model.name)  # type: ignore[return-value,arg-type]
 
 
 def with_max_response(workload: Workload, max_tokens: int) -> Workload:

@@ -15,9 +15,10 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from nereus.cost.calibration import Calibration
+    from nereus.solver.layouts import MemoryChoices
     from nereus.solver.planner import PlanResult
     from nereus.spec.cluster import Cluster
-    from nereus.spec.plan import Plan
+    from nereus.spec.plan import Plan, StagePlan
 
 GIB = 2**30
 DEFAULT_CLUSTER = "h100"
@@ -55,6 +56,27 @@ def plan(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the plan, predictions and search time as JSON.")
     ] = False,
+    recompute: Annotated[
+        str, typer.Option(help="Activation recomputation of training: none, full, or search (both).")
+    ] = "search",
+    token_budget: Annotated[
+        str, typer.Option(help="Training micro-batches packed to a token budget: on, off, or search.")
+    ] = "search",
+    zero1: Annotated[str, typer.Option(help="AdamW state sharded across dp (ZeRO-1): on, off, or search.")] = "search",
+    offload: Annotated[
+        str, typer.Option(help="Idle model-stages' states sleep in host memory: on, off, or search.")
+    ] = "search",
+    kv_budget: Annotated[
+        str,
+        typer.Option(help="Generation into a bounded KV budget with continuous batching: on, off, or search."),
+    ] = "search",
+    for_runtime: Annotated[
+        bool,
+        typer.Option(
+            "--for-runtime",
+            help="Only what `nereus run` executes: no recompute, token budgets, ZeRO-1, offload or KV budget.",
+        ),
+    ] = False,
 ) -> None:
     """Choose every model-stage's tp/pp/dp, GPUs and micro-batches for the fastest feasible step."""
     if ctx.invoked_subcommand is not None:
@@ -82,7 +104,15 @@ def plan(
     if num_gpus > the_cluster.num_gpus:
         raise NereusError(f"--gpus {num_gpus} exceeds the {the_cluster.num_gpus} GPUs of cluster {the_cluster.name}")
     the_calibration = load_kind(str(calibration), Calibration) if calibration else Calibration()
-    request = PlanRequest(the_cluster, models_for(the_workload, the_model), the_workload, num_gpus, the_calibration)  # type: ignore[arg-type]
+    choices = _memory_choices(recompute, token_budget, zero1, offload, kv_budget, for_runtime)
+    request = PlanRequest(
+        the_cluster,
+        models_for(the_workload, the_model),
+        the_workload,
+        num_gpus,
+        the_calibration,  # type: ignore[arg-type]
+        choices,
+    )
     with progress_bar("searching placements") as progress:
         result = make_plan(request, top_k=top, progress=progress)
     if output:
@@ -91,6 +121,38 @@ def plan(
         _print_json(result)
     else:
         _print_table(result, output, the_calibration)  # type: ignore[arg-type]
+
+
+def _switch(flag: str, value: str, on: object, off: object) -> tuple[object, ...]:
+    values = {"on": (on,), "off": (off,), "search": (off, on)}
+    if value not in values:
+        raise NereusError(f"{flag} {value}: use on, off or search")
+    return values[value]
+
+
+def _memory_choices(
+    recompute: str, token_budget: str, zero1: str, offload: str, kv_budget: str, for_runtime: bool
+) -> MemoryChoices:
+    """The search space the flags leave (each flag pins one choice; --for-runtime pins all off)."""
+    from nereus.solver.layouts import RUNTIME_CHOICES, MemoryChoices
+
+    pinned = {"recompute": recompute, "token-budget": token_budget, "zero1": zero1, "offload": offload}
+    pinned["kv-budget"] = kv_budget
+    if for_runtime:
+        others = [f"--{name} {value}" for name, value in pinned.items() if value not in ("search", "off", "none")]
+        if others:
+            raise NereusError(f"--for-runtime excludes {others[0]}: the runtime does not execute it yet")
+        return RUNTIME_CHOICES
+    recompute_values = {"none": ("none",), "full": ("full",), "search": ("none", "full")}
+    if recompute not in recompute_values:
+        raise NereusError(f"--recompute {recompute}: use none, full or search")
+    return MemoryChoices(
+        recompute=recompute_values[recompute],
+        token_budget=_switch("--token-budget", token_budget, True, False),  # type: ignore[arg-type]
+        zero1=_switch("--zero1", zero1, True, False),  # type: ignore[arg-type]
+        offload=_switch("--offload", offload, True, False),  # type: ignore[arg-type]
+        kv_budget=_switch("--kv-budget", kv_budget, True, False),  # type: ignore[arg-type]
+    )
 
 
 def _plan_cluster(cluster: str | None, profile: Path | None, gpus: int | None) -> Cluster:
@@ -131,8 +193,22 @@ def _stage_table(plan: Plan, title: str, calibration: Calibration) -> Table:
     assert plan.predictions is not None
     usable = plan.cluster.gpu.memory_bytes * (1 - calibration.memory_headroom)
     table = Table(title=title, title_justify="left")
-    for column in ("model-stage", "pool", "tp", "pp", "dp", "micro", "GPUs", "time (s)", "memory/GPU (GiB)"):
-        table.add_column(column, justify="left" if column in ("model-stage", "pool", "GPUs") else "right")
+    columns = (
+        "model-stage",
+        "pool",
+        "tp",
+        "pp",
+        "dp",
+        "micro",
+        "GPUs",
+        "memory choices",
+        "time (s)",
+        "memory/GPU (GiB)",
+    )
+    for column in columns:
+        table.add_column(
+            column, justify="left" if column in ("model-stage", "pool", "GPUs", "memory choices") else "right"
+        )
     for entry in plan.stages:
         pred = plan.predictions.model_stages[entry.model_stage]
         table.add_row(
@@ -143,16 +219,33 @@ def _stage_table(plan: Plan, title: str, calibration: Calibration) -> Table:
             str(entry.dp),
             str(entry.micro_batches),
             gpu_ranges(entry.gpus),
+            stage_choice_text(entry) or "-",
             f"{pred.time_s:.2f}",
             f"{pred.peak_memory_bytes / GIB:.1f} / {usable / GIB:.1f}",
         )
     return table
 
 
+def stage_choice_text(entry: StagePlan) -> str:
+    """The memory-saving choices of one model-stage, e.g. `recompute, tokens<=9216, zero1`."""
+    parts = []
+    if entry.kv_budget_bytes is not None:
+        parts.append(f"kv {entry.kv_budget_bytes / GIB:.1f} GiB")
+    if entry.recompute != "none":
+        parts.append(f"recompute {entry.recompute}")
+    if entry.token_budget is not None:
+        parts.append(f"tokens<={entry.token_budget}")
+    if entry.zero1:
+        parts.append("zero1")
+    if entry.offload:
+        parts.append("offload")
+    return ", ".join(parts)
+
+
 def _print_table(result: PlanResult, output: Path | None, calibration: Calibration) -> None:
     from rich.console import Console
 
-    console = Console(width=120)
+    console = Console(width=140)
     plan = result.best
     assert plan.predictions is not None
     console.print(

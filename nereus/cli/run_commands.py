@@ -184,6 +184,14 @@ def run(
         str | None,
         typer.Option("--policy", help="Controller policy: nereus, fixed, dynarl or periodic:K (default nereus)."),
     ] = None,
+    from_previous: Annotated[
+        bool,
+        typer.Option(
+            "--resume-from-previous",
+            help="With --resume: when the newest checkpoint is damaged, continue from the newest valid "
+            "one (the damaged ones move to DIR/damaged-checkpoints).",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Run RL post-training under a plan on local ranks (gloo on CPU, NCCL on GPUs)."""
@@ -194,7 +202,11 @@ def run(
             raise NereusError(
                 "--resume DIR continues the run in DIR as it was set up: drop CONFIG, --out, --trace, --policy"
             )
-        setup = resume_run(resume, plan_file, num_ranks, num_steps)
+        setup = resume_run(resume, plan_file, num_ranks, num_steps, from_previous)
+        for folder in setup.damaged:
+            typer.echo(f"set aside damaged checkpoint {folder.name} (in {resume}/damaged-checkpoints)", err=True)
+    elif from_previous:
+        raise NereusError("--resume-from-previous goes with --resume DIR")
     elif config_file is None:
         raise NereusError("give a RunConfig YAML (e.g. examples/run-ppo.yaml) or --resume DIR")
     else:

@@ -13,7 +13,7 @@ from nereus.errors import NereusError
 if TYPE_CHECKING:
     from nereus.solver.migration import SweepResult
     from nereus.solver.pipeline.model import ModelTimes
-    from nereus.spec.schedule import Schedule
+    from nereus.spec.schedule import ExactMemorySummary, Schedule
 
 schedule_app = typer.Typer(help="Fused pipeline schedules and long-tail migration.", no_args_is_help=True)
 
@@ -94,8 +94,16 @@ def fuse(
         float, typer.Option("--time-limit", min=0.01, help="Seconds of annealing (all seeds together).")
     ] = 10.0,
     seeds: Annotated[int, typer.Option("--seeds", min=1, help="Annealing seeds, run in parallel processes.")] = 2,
-    exact: Annotated[bool, typer.Option("--exact", help="Also solve exactly with CP-SAT (small instances).")] = False,
-    exact_time_limit: Annotated[float, typer.Option("--exact-time-limit", min=0.1, help="Seconds for CP-SAT.")] = 30.0,
+    exact: Annotated[
+        bool,
+        typer.Option(
+            "--exact",
+            help="Also solve with CP-SAT (small instances): the fastest schedule, and the least peak at this makespan.",
+        ),
+    ] = False,
+    exact_time_limit: Annotated[
+        float, typer.Option("--exact-time-limit", min=0.1, help="Seconds for each of the two CP-SAT solves.")
+    ] = 30.0,
     calibration: Annotated[
         Path | None, typer.Option("--calibration", help="Calibration file for --plan times.")
     ] = None,
@@ -140,12 +148,13 @@ def fuse(
         units = ("", "")
     with _progress(f"annealing {seeds} seed(s) for {time_limit:g} s", seeds) as report:
         result = search_fused(actor, critic, config, p2p_latency, act_cap, report)
-    exact_result = None
+    exact_result = exact_memory = None
     if exact:
-        from nereus.solver.pipeline.exact import solve_exact
+        from nereus.solver.pipeline.exact import solve_exact, solve_memory_at
 
         exact_result = solve_exact(result.instance, exact_time_limit)
-    document = to_document(result, exact_result, *units)
+        exact_memory = solve_memory_at(result.instance, result.orders, exact_time_limit)
+    document = to_document(result, exact_result, *units, exact_memory=exact_memory)
     if output:
         save_document(document, output)
     if gantt:
@@ -214,8 +223,10 @@ def _print_fuse(document: Schedule, greedy_rule: str, written: list[Path]) -> No
     reached = "lower bound reached" if s.gap <= 1e-9 else f"gap {100 * s.gap:.1f}%"
     console.print(f"makespan: {s.makespan:.6g}{t} (lower bound {s.lower_bound:.6g}{t}, {reached})", markup=False)
     ratio = s.peak_memory / s.memory_bound if s.memory_bound else 1.0
+    floor = "" if s.memory_lower_bound is None else f", lower bound at this makespan {s.memory_lower_bound:.4g}{mem}"
     console.print(
-        f"peak activation: {s.peak_memory:.4g}{mem} per node (memory bound {s.memory_bound:.4g}{mem}, {ratio:.2f}x)",
+        f"peak activation: {s.peak_memory:.4g}{mem} per node (memory bound {s.memory_bound:.4g}{mem}, "
+        f"{ratio:.2f}x{floor})",
         markup=False,
     )
     console.print(f"bubble ratio: {100 * s.bubble_ratio:.1f}%", markup=False)
@@ -238,8 +249,22 @@ def _print_fuse(document: Schedule, greedy_rule: str, written: list[Path]) -> No
             line += f", makespan {e.makespan:.6g}{t} ({match}), bound {e.bound:.6g}, peak {e.peak_memory:.4g}{mem}"
             line += " (memory optimal)" if e.memory_optimal else ""
         console.print(line + f", {e.wall_s:.2f} s", markup=False)
+    if s.exact_memory is not None:
+        _print_exact_memory(console, s.exact_memory, s.peak_memory, mem)
     for path in written:
         console.print(f"wrote {path}", markup=False)
+
+
+def _print_exact_memory(console: Any, e: ExactMemorySummary, peak: float, mem: str) -> None:
+    line = f"exact CP-SAT memory at this makespan: {e.status}"
+    if e.peak_memory is not None:
+        match = (
+            "heuristic matches it"
+            if peak <= e.peak_memory * (1 + 1e-9)
+            else f"heuristic {100 * (peak / e.peak_memory - 1):.1f}% higher"
+        )
+        line += f", peak {e.peak_memory:.4g}{mem} ({match}), bound {e.bound or 0:.4g}{mem}"
+    console.print(line + f", {e.wall_s:.2f} s", markup=False)
 
 
 @schedule_app.command("migrate")
@@ -248,7 +273,7 @@ def migrate(
     num_batches: Annotated[
         int, typer.Option("--batches", min=1, help="Sampled batches the threshold is averaged over.")
     ] = 4,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the sampled response lengths.")] = 0,
+    seed: Annotated[int, typer.Option("--seed", min=0, help="Seed of the sampled response lengths.")] = 0,
     calibration: Annotated[
         Path | None, typer.Option("--calibration", help="Calibration file for the cost model.")
     ] = None,

@@ -6,7 +6,8 @@ from typing import Any
 
 from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import GIB, evaluate_plan, stage_cost_model
-from nereus.spec.plan import Plan
+from nereus.cost.stage import StageCostModel
+from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.workload import STAGES
 
 
@@ -22,6 +23,31 @@ def _derived(plan: Plan, model_stage: str, calibration: Calibration) -> dict[str
         "longest_response_tokens": w.response_len.expected_longest(w.samples_per_step),
         "params_per_gpu": float(cost.params_per_gpu(entry.tp, entry.pp)),
     }
+
+
+def cost_of(plan: Plan, entry: StagePlan, calibration: Calibration) -> StageCostModel:
+    return stage_cost_model(plan, entry.role, entry.stage, calibration)
+
+
+def choice_line(entry: StagePlan, cost: StageCostModel) -> str:
+    """Every memory-saving choice of the entry, including the ones left off."""
+    if entry.stage == "generation":
+        full = float(cost.full_kv_bytes(entry.tp, entry.pp, entry.dp))
+        kv = (
+            f"KV budget {entry.kv_budget_bytes / GIB:.2f} GiB per GPU of the {full / GIB:.2f} GiB the whole "
+            f"batch needs (continuous batching)"
+            if entry.kv_budget_bytes is not None
+            else f"KV cache for the whole batch ({full / GIB:.2f} GiB per GPU)"
+        )
+        return f"{kv}; offload {'on' if entry.offload else 'off'}"
+    if entry.stage == "inference":
+        return f"offload {'on' if entry.offload else 'off'}"
+    zero1 = entry.zero1 if entry.zero1 is not None else cost.workload.optimizer.shard_across_dp
+    batching = f"packed to {entry.token_budget} tokens" if entry.token_budget else "equal rows at the maximum length"
+    return (
+        f"recompute {entry.recompute}; micro-batches {batching}; ZeRO-1 {'on' if zero1 else 'off'}; "
+        f"offload {'on' if entry.offload else 'off'}"
+    )
 
 
 def explain_plan(plan: Plan, calibration: Calibration) -> dict[str, Any]:
@@ -47,6 +73,7 @@ def explain_plan(plan: Plan, calibration: Calibration) -> dict[str, Any]:
             f"\n{entry.model_stage}: tp={entry.tp} pp={entry.pp} dp={entry.dp} "
             f"micro_batches={entry.micro_batches} pool={entry.pool}"
         )
+        lines.append("  memory choices: " + choice_line(entry, cost_of(plan, entry, calibration)))
         lines.append("  inputs: " + ", ".join(f"{k}={v:.6g}" for k, v in derived.items()))
         lines.append(
             f"  time {pred.time_s:.4g} s = "

@@ -34,6 +34,7 @@ from nereus.cost.fit import (
     predict,
     with_parameters,
 )
+from nereus.spec.base import StrictModel
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan
 
@@ -81,6 +82,58 @@ class Linearisation:
             if abs(affine - seconds) > AFFINE_TOLERANCE * max(abs(seconds), abs(affine)) + 1e-15:
                 return False
         return True
+
+
+class LinearisationState(StrictModel):
+    """A kept linearisation as data (inside a run checkpoint)."""
+
+    plan: Plan
+    """The sized plan it was taken for."""
+    offsets: dict[str, float]
+    """Per predicted key: prediction minus gradient . parameters."""
+    gradients: dict[str, list[float]]
+    """Per predicted key: derivative in each fitted parameter (order of FITTED)."""
+
+
+class CalibratorState(StrictModel):
+    """Everything an OnlineCalibrator carries between steps, as data: a resumed run's
+    calibrator continues exactly where the saved one stopped."""
+
+    forgetting: float
+    """OnlineConfig.forgetting."""
+    prior_weight: float
+    """OnlineConfig.prior_weight."""
+    cluster: Cluster | None
+    """The cluster steps are sized on (None: each plan's own)."""
+    calibration: Calibration
+    """The current estimate."""
+    prior: list[float]
+    """The starting calibration's fitted parameters."""
+    prior_information: list[list[float]]
+    """The prior's information matrix (set at the first step)."""
+    information: list[list[float]]
+    """The normal matrix of the forgetting least squares."""
+    vector: list[float]
+    """Its right-hand side."""
+    num_updates: int
+    """Steps folded in."""
+    linearisations: list[LinearisationState]
+    """Kept affine forms, most recent last."""
+    num_linearisations: int
+    """Linearisations computed so far."""
+
+
+def _matrix(rows: list[list[float]], size: int, name: str) -> np.ndarray:
+    matrix = np.array(rows, dtype=float).reshape(-1, size) if rows else np.zeros((0, size))
+    if matrix.shape != (size, size):
+        raise ValueError(f"{name}: must be a {size}x{size} matrix, got shape {matrix.shape}")
+    return matrix
+
+
+def _vector(values: list[float], size: int, name: str) -> np.ndarray:
+    if len(values) != size:
+        raise ValueError(f"{name}: must hold {size} numbers (one per fitted parameter), got {len(values)}")
+    return np.array(values, dtype=float)
 
 
 class OnlineCalibrator:
@@ -174,3 +227,50 @@ class OnlineCalibrator:
         self.prior_information = np.diag(np.maximum(strength, 1e-12 * max(float(strength.max()), 1.0)))
         self.information = self.prior_information.copy()
         self.vector = self.prior_information @ self.prior
+
+    def state(self) -> CalibratorState:
+        """The calibrator as data (`from_state` rebuilds it)."""
+        kept = [
+            LinearisationState(
+                plan=cached.plan,
+                offsets=dict(cached.offsets),
+                gradients={key: [float(x) for x in row] for key, row in cached.gradients.items()},
+            )
+            for cached in self.linearisations
+        ]
+        return CalibratorState(
+            forgetting=self.config.forgetting,
+            prior_weight=self.config.prior_weight,
+            cluster=self.cluster,
+            calibration=self.calibration,
+            prior=[float(x) for x in self.prior],
+            prior_information=self.prior_information.tolist(),
+            information=self.information.tolist(),
+            vector=self.vector.tolist(),
+            num_updates=self.num_updates,
+            linearisations=kept,
+            num_linearisations=self.num_linearisations,
+        )
+
+    @classmethod
+    def from_state(cls, state: CalibratorState) -> OnlineCalibrator:
+        """The calibrator `state` describes; ValueError when its arrays do not fit the fitted parameters."""
+        size = len(FITTED)
+        calibrator = cls(state.calibration, OnlineConfig(state.forgetting, state.prior_weight), state.cluster)
+        calibrator.prior = _vector(state.prior, size, "prior")
+        calibrator.prior_information = _matrix(state.prior_information, size, "prior_information")
+        calibrator.information = _matrix(state.information, size, "information")
+        calibrator.vector = _vector(state.vector, size, "vector")
+        if state.num_updates < 0 or state.num_linearisations < 0:
+            raise ValueError("num_updates and num_linearisations must be >= 0")
+        calibrator.num_updates = state.num_updates
+        calibrator.num_linearisations = state.num_linearisations
+        calibrator.linearisations = [
+            Linearisation(
+                kept.plan,
+                dict(kept.offsets),
+                {key: _vector(row, size, f"linearisations.gradients.{key}") for key, row in kept.gradients.items()},
+            )
+            for kept in state.linearisations
+        ]
+        return calibrator

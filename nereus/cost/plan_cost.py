@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from nereus.cost.stage import StageCostModel
@@ -68,12 +72,62 @@ def _spans_nodes(cluster: Cluster, gpus: list[int]) -> bool:
     return len({cluster.node_of(gpu) for gpu in gpus}) > 1
 
 
+def stage_choices(entry: StagePlan) -> dict[str, Any]:
+    """The entry's memory-saving choices as the cost model's keyword arguments."""
+    return {
+        "recompute": int(entry.recompute == "full"),
+        "zero1": entry.zero1,
+        "kv_budget": math.inf if entry.kv_budget_bytes is None else float(entry.kv_budget_bytes),
+    }
+
+
+def split_resident(memory: dict[str, Any], offload: Any) -> tuple[Any, Any]:
+    """(resident, transient) bytes: an offloaded model-stage's states are only there while it runs."""
+    states = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
+    rest = sum(v for k, v in memory.items() if k not in RESIDENT_TERMS)
+    return np.where(offload, 0.0, states), rest + np.where(offload, states, 0.0)
+
+
+def resident_share(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
+    """Share of a model-stage's full model state (parameters, gradients, unsharded optimizer)
+    that stays on its GPUs between stages, as `evaluate_plan` counts it: 0 when offloaded,
+    less than 1 under ZeRO-1, 1 otherwise."""
+    if entry.offload:
+        return 0.0
+    model = stage_cost_model(plan, entry.role, entry.stage, calibration)
+    params = model.params_per_gpu(entry.tp, entry.pp)
+    kept = model.model_state_terms(params, entry.dp, stage_choices(entry)["zero1"])
+    full = model.model_state_terms(params, 1, False)
+    return float(sum(kept.values()) / sum(full.values()))
+
+
+def one_sequence_bytes(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
+    """KV bytes per GPU of one prompt plus maximum-length response: the least a generation
+    model-stage's KV budget must hold for the engine to run at all."""
+    model = stage_cost_model(plan, entry.role, entry.stage, calibration)
+    w = plan.workload
+    return float(math.ceil((w.prompt_len + w.response_len.max) * model.kv_bytes_per_token(entry.tp, entry.pp)))
+
+
+def one_sequence_shortfall(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
+    """Bytes a generation KV budget lacks for one maximum-length sequence (0: it runs)."""
+    if entry.stage != "generation" or entry.kv_budget_bytes is None:
+        return 0.0
+    return max(0.0, one_sequence_bytes(plan, entry, calibration) - entry.kv_budget_bytes)
+
+
 def _stage_terms(plan: Plan, entry: StagePlan, calibration: Calibration) -> tuple[dict[str, float], dict[str, float]]:
     model = stage_cost_model(plan, entry.role, entry.stage, calibration)
     pp_inter = any(_spans_nodes(plan.cluster, emu) for emu in entry.emus)
     dp_inter = _spans_nodes(plan.cluster, entry.gpus)
-    times = model.time_terms(entry.tp, entry.pp, entry.dp, entry.micro_batches, pp_inter, dp_inter)
-    memory = model.memory_terms(entry.tp, entry.pp, entry.dp, entry.micro_batches)
+    choices = stage_choices(entry)
+    times = model.time_terms(entry.tp, entry.pp, entry.dp, entry.micro_batches, pp_inter, dp_inter, **choices)
+    memory = model.memory_terms(
+        entry.tp, entry.pp, entry.dp, entry.micro_batches, token_budget=entry.token_budget or 0, **choices
+    )
+    if entry.offload:
+        states = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
+        times["offload"] = model.offload_time(states)
     return {k: float(v) for k, v in times.items()}, {k: float(v) for k, v in memory.items()}
 
 
@@ -106,8 +160,8 @@ def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) ->
     transient_of: dict[str, float] = {}
     for entry in plan.stages:
         _, memory = terms[entry.model_stage]
-        resident = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
-        transient_of[entry.model_stage] = sum(v for k, v in memory.items() if k not in RESIDENT_TERMS)
+        resident, transient = (float(x) for x in split_resident(memory, entry.offload))
+        transient_of[entry.model_stage] = transient
         for gpu in entry.gpus:
             resident_on[gpu] = resident_on.get(gpu, 0.0) + resident
     workspace = plan.cluster.gpu.memory_bytes * calibration.workspace_fraction
@@ -116,7 +170,7 @@ def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) ->
     problems: list[str] = []
     for entry in plan.stages:
         times, memory = terms[entry.model_stage]
-        own_resident = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
+        own_resident = float(split_resident(memory, entry.offload)[0])
         busiest = max(entry.gpus, key=lambda g: resident_on[g])
         breakdown = dict(memory, co_resident=resident_on[busiest] - own_resident, workspace=workspace)
         peak = sum(breakdown.values())
@@ -128,6 +182,13 @@ def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) ->
             time_breakdown_s=times,
             memory_breakdown_bytes={k: int(v) for k, v in breakdown.items()},
         )
+        short = one_sequence_shortfall(plan, entry, calibration)
+        if short > 0:
+            budget = format_bytes(entry.kv_budget_bytes or 0)
+            problems.append(
+                f"{entry.model_stage} (tp={entry.tp}, pp={entry.pp}) KV budget {budget} "
+                f"holds no maximum-length sequence ({format_bytes(short)} short)"
+            )
         if peak > limit:
             term, size = max(memory.items(), key=lambda kv: kv[1])
             problems.append(
@@ -172,17 +233,39 @@ def plan_cost_problems(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATIO
                 yield Problem(f"stages[{i}]", f"memory: {message}; raise tp or pp, or give it more GPUs")
     if plan.predictions is None:
         return
-    fresh = evaluation.predictions
-    if _stale(plan.predictions.step_time_s, fresh.step_time_s):
-        yield Problem(
-            "predictions.step_time_s",
-            f"stale: stored {plan.predictions.step_time_s:.4g} s, the cost model now predicts "
-            f"{fresh.step_time_s:.4g} s; rerun `nereus plan` or delete the predictions block",
-            "warning",
-        )
-    for name, stored in plan.predictions.model_stages.items():
-        now = fresh.model_stages.get(name)
-        if now is None or _stale(stored.time_s, now.time_s) or stored.peak_memory_bytes != now.peak_memory_bytes:
-            yield Problem(
-                f"predictions.model_stages.{name}", "stale: no longer matches the cost model for this layout", "warning"
-            )
+    stored, fresh = plan.predictions.model_dump(), evaluation.predictions.model_dump()
+    differences = list(_differences(stored, fresh, "predictions"))
+    for where, what in differences[:MAX_STALE_REPORTED]:
+        yield Problem(where, f"stale: {what}; rerun `nereus plan` or delete the predictions block", "warning")
+    if len(differences) > MAX_STALE_REPORTED:
+        more = len(differences) - MAX_STALE_REPORTED
+        yield Problem("predictions", f"stale: {more} more stored numbers differ from the cost model", "warning")
+
+
+#: Stale predictions reported one by one; the rest are counted in one more warning.
+MAX_STALE_REPORTED = 12
+
+
+def _differences(stored: Any, fresh: Any, at: str) -> Iterator[tuple[str, str]]:
+    """Every place where a stored prediction differs from the recomputed one: (path, what)."""
+    if isinstance(stored, dict) and isinstance(fresh, dict):
+        for key in sorted(set(stored) | set(fresh)):
+            where = f"{at}.{key}"
+            if key not in fresh:
+                yield where, "stored, but the cost model predicts no such entry"
+            elif key not in stored:
+                yield where, f"missing; the cost model predicts {_shown(fresh[key])}"
+            else:
+                yield from _differences(stored[key], fresh[key], where)
+    elif isinstance(stored, int) and isinstance(fresh, int):
+        if stored != fresh:
+            yield at, f"stored {stored}, the cost model predicts {fresh}"
+    elif isinstance(stored, float | int) and isinstance(fresh, float | int):
+        if _stale(float(stored), float(fresh)):
+            yield at, f"stored {stored:.6g}, the cost model predicts {fresh:.6g}"
+    elif stored != fresh:
+        yield at, f"stored {_shown(stored)}, the cost model predicts {_shown(fresh)}"
+
+
+def _shown(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else "an entry" if isinstance(value, dict) else repr(value)

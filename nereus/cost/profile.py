@@ -14,7 +14,7 @@ from pydantic import Field
 
 from nereus.spec.base import Document, StrictModel
 from nereus.spec.check import Problem
-from nereus.spec.cluster import Cluster, GpuKind, Link
+from nereus.spec.cluster import Cluster, GpuKind, Link, size_problem
 from nereus.spec.workload import DType
 
 CollectiveOp = Literal["all_reduce", "all_gather", "broadcast", "p2p"]
@@ -158,6 +158,9 @@ def cluster_from_profile(profile: Profile, source: str, num_gpus: int | None = N
     )
     link = Link(bytes_per_s=p2p.bytes_per_s, latency_s=p2p.latency_s)
     count = num_gpus or profile.num_ranks
+    problem = size_problem(1, count)
+    if problem:
+        raise ValueError(f"{source}: a one-node cluster of {problem}")
     return Cluster(
         name=f"profile-{profile.device}-1x{count}",
         num_nodes=1,

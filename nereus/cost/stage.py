@@ -10,11 +10,23 @@ The formulas, per GPU of the busiest pipeline stage:
 * activations (Korthikanti et al., sequence parallel with flash attention):
   34 * s * b * h / tp bytes per layer for 16-bit activations; the first 1F1B stage
   holds min(pp, micro-batches) micro-batches; fp32 logits 4 * s * b * V / tp.
+* activation recomputation (`recompute` 1): a layer keeps only its 2 * s * b * h input
+  (Korthikanti et al.'s full recomputation) plus one layer's working set, and the
+  backward pass reruns the forward: 4 passes of compute instead of 3.
+* token-budget micro-batches (`token_budget` > 0 tokens): a micro-batch is packed to at
+  most that many tokens, so activations are sized by the budget rather than by rows of
+  the maximum length (verl's `ppo_max_token_len_per_gpu`).
+* ZeRO-1 (`zero1` 1): AdamW state sharded across dp; the gradient all-reduce becomes a
+  reduce-scatter plus an all-gather of the updated parameters (the same ring bytes).
 * KV cache: 2 * kv_heads_per_rank * head_dim * bytes per token and layer, for every
-  sample of a replica at prompt + maximum response length.
+  sample of a replica at prompt + maximum response length, or a budget of bytes
+  (`kv_budget`) the engine batches continuously into (nereus.cost.continuous_batching).
 * decode: per token step, max(FLOPs / compute, bytes read / HBM bandwidth): memory
   bound until the batch passes the ridge point; the step count follows the longest
-  response of the batch, and the active batch shrinks as responses finish.
+  response of the batch, and the active batch shrinks as responses finish, or under a
+  binding budget, the batch runs at the budget's concurrency until the queue drains.
+* offload (sleep): a model-stage's resident states move to host memory between its runs,
+  over the host link (the cluster's `host_link`), once in and once out per step.
 * pipelines run 1F1B: (micro-batches + pp - 1) slots; the pp - 1 extra slots are bubbles.
 """
 
@@ -22,24 +34,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 
 from nereus.cost.calibration import Calibration
+from nereus.cost.continuous_batching import decode_profile
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Head, Model
 from nereus.spec.workload import DTYPE_BYTES, Stage, Workload
 
 Array = Any  # a float, an int or a numpy array: the functions broadcast
 
-#: Decode is integrated over this many slices of the longest response.
-DECODE_SLICES = 16
 #: Bytes per parameter of AdamW state: fp32 master copy + two fp32 moments.
 ADAM_BYTES_MIXED = 12
 ADAM_BYTES_FP32 = 8
 KORTHIKANTI_BYTES_PER_SBH = 34
+#: Bytes per s * b * h a layer keeps under full recomputation: its input only.
+RECOMPUTE_BYTES_PER_SBH = 2
+#: Share of a token budget that first-fit packing of variable-length rows fills.
+PACKING_FILL = 0.9
 
 
 @dataclass(frozen=True)
@@ -150,68 +164,130 @@ class StageCostModel:
             return np.ceil(per_replica / micro_batches)
         return np.ceil(self.samples_per_replica(dp) / micro_batches)
 
-    def model_state_terms(self, params: Array, dp: Array) -> dict[str, Array]:
+    def model_state_terms(self, params: Array, dp: Array, zero1: Array | None = None) -> dict[str, Array]:
         """Resident bytes per GPU holding `params` parameters: parameters, and in training
-        gradients and optimizer state (sharded across dp when the optimizer says so)."""
+        gradients and optimizer state (sharded across dp under ZeRO-1; None: as the
+        workload's optimizer says)."""
         terms: dict[str, Array] = {"parameters": params * self.dtype_bytes}
         if self.stage == "training":
             optimizer = self.workload.optimizer
             adam = ADAM_BYTES_MIXED if self.dtype_bytes == 2 and optimizer.master_weights else ADAM_BYTES_FP32
             terms["gradients"] = params * self.dtype_bytes
-            terms["optimizer"] = params * adam / (dp if optimizer.shard_across_dp else 1)
+            terms["optimizer"] = params * adam / np.where(self._zero1(zero1), dp, 1)
         return terms
 
-    def memory_terms(self, tp: Array, pp: Array, dp: Array, micro_batches: Array) -> dict[str, Array]:
+    def _zero1(self, zero1: Array | None) -> Array:
+        return self.workload.optimizer.shard_across_dp if zero1 is None else zero1
+
+    def full_kv_bytes(self, tp: Array, pp: Array, dp: Array) -> Array:
+        """KV bytes per GPU for every sample of a replica at the maximum length at once."""
+        max_len = self.workload.prompt_len + self.workload.response_len.max
+        return self.samples_per_replica(dp) * max_len * self.kv_bytes_per_token(tp, pp)
+
+    def micro_batch_tokens(self, dp: Array, micro_batches: Array, token_budget: Array = 0) -> Array:
+        """Tokens one micro-batch's activations are sized for: rows at the maximum length,
+        or the token budget when micro-batches are packed to one."""
+        max_len = self.workload.prompt_len + self.workload.response_len.max
+        rows = self.micro_batch_size(dp, micro_batches) * max_len
+        return np.where(np.asarray(token_budget) > 0, token_budget, rows)
+
+    def packed_token_budget(self, dp: Array, micro_batches: Array) -> Array:
+        """The token budget that packs a replica's mini-batch share into `micro_batches`
+        micro-batches at the mean length (never below one maximum-length row)."""
+        w = self.workload
+        share = np.ceil(w.samples_per_step / w.mini_batches / dp) * (w.prompt_len + w.response_len.mean())
+        return np.maximum(w.prompt_len + w.response_len.max, np.ceil(share / micro_batches / PACKING_FILL))
+
+    def memory_terms(
+        self,
+        tp: Array,
+        pp: Array,
+        dp: Array,
+        micro_batches: Array,
+        *,
+        recompute: Array = 0,
+        token_budget: Array = 0,
+        zero1: Array | None = None,
+        kv_budget: Array = math.inf,
+    ) -> dict[str, Array]:
         """Peak bytes per GPU by term. Model states are resident; the rest is transient."""
         w, m = self.workload, self.model
-        terms = self.model_state_terms(self.params_per_gpu(tp, pp), dp)
+        terms = self.model_state_terms(self.params_per_gpu(tp, pp), dp, zero1)
         max_len = w.prompt_len + w.response_len.max
         if self.stage == "training":
-            b = self.micro_batch_size(dp, micro_batches)
+            tokens = self.micro_batch_tokens(dp, micro_batches, token_budget)
             in_flight = np.minimum(pp, micro_batches)
-            per_layer = KORTHIKANTI_BYTES_PER_SBH * max_len * b * m.hidden_dim / tp * self.dtype_bytes / 2
-            terms["activations"] = per_layer * (m.num_layers / pp) * in_flight
+            full = KORTHIKANTI_BYTES_PER_SBH * tokens * m.hidden_dim / tp * self.dtype_bytes / 2
+            kept = np.where(recompute, RECOMPUTE_BYTES_PER_SBH * tokens * m.hidden_dim * self.dtype_bytes / 2, full)
+            terms["activations"] = kept * (m.num_layers / pp) * in_flight + np.where(recompute, full, 0.0)
+            rows = tokens / max_len
         elif self.stage == "inference":
-            b = self.micro_batch_size(dp, micro_batches)
-            terms["activations"] = KORTHIKANTI_BYTES_PER_SBH * max_len * b * m.hidden_dim / tp * self.dtype_bytes / 2
+            rows = self.micro_batch_size(dp, micro_batches)
+            terms["activations"] = KORTHIKANTI_BYTES_PER_SBH * max_len * rows * m.hidden_dim / tp * self.dtype_bytes / 2
         else:
-            b = self.samples_per_replica(dp)
-            terms["kv_cache"] = b * max_len * self.kv_bytes_per_token(tp, pp)
+            rows = self.samples_per_replica(dp)
+            terms["kv_cache"] = np.minimum(kv_budget, self.full_kv_bytes(tp, pp, dp))
         if self.head == "lm":
-            terms["logits"] = 4.0 * b * (max_len if self.stage != "generation" else 1) * m.vocab_size / tp
+            terms["logits"] = 4.0 * rows * (max_len if self.stage != "generation" else 1) * m.vocab_size / tp
         return terms
+
+    def offload_time(self, resident_bytes: Array) -> Array:
+        """Seconds to move resident states to the host after a run and back before the next."""
+        link = self.cluster.host_link
+        return 2 * (link.latency_s + resident_bytes / link.bytes_per_s)
 
     # ---- latency ---------------------------------------------------------------------
     def time_terms(
-        self, tp: Array, pp: Array, dp: Array, micro_batches: Array, pp_inter: Array, dp_inter: Array
+        self,
+        tp: Array,
+        pp: Array,
+        dp: Array,
+        micro_batches: Array,
+        pp_inter: Array,
+        dp_inter: Array,
+        *,
+        recompute: Array = 0,
+        zero1: Array | None = None,
+        kv_budget: Array = math.inf,
     ) -> dict[str, Array]:
         """Seconds per RL step by term, for the slowest replica."""
         if self.stage == "generation":
-            return self._generation_terms(tp, pp, dp, pp_inter)
-        return self._pipeline_terms(tp, pp, dp, micro_batches, pp_inter, dp_inter)
+            return self._generation_terms(tp, pp, dp, pp_inter, kv_budget)
+        return self._pipeline_terms(tp, pp, dp, micro_batches, pp_inter, dp_inter, recompute, zero1)
 
     def _pipeline_terms(
-        self, tp: Array, pp: Array, dp: Array, micro_batches: Array, pp_inter: Array, dp_inter: Array
+        self,
+        tp: Array,
+        pp: Array,
+        dp: Array,
+        micro_batches: Array,
+        pp_inter: Array,
+        dp_inter: Array,
+        recompute: Array = 0,
+        zero1: Array | None = None,
     ) -> dict[str, Array]:
         """Inference forwards or 1F1B training: (m + pp - 1) slots per mini-batch."""
         w, m = self.workload, self.model
         seq = w.prompt_len + w.response_len.mean()
         b = self.micro_batch_size(dp, micro_batches)
+        passes: Array
+        launches: Array
         if self.stage == "training":
-            passes, rounds = 3.0, w.mini_batches * w.ppo_epochs  # backward = 2x forward
-            m_count = micro_batches
+            # backward = 2x forward; recomputation reruns the forward inside the backward
+            passes, rounds = np.where(recompute, 4.0, 3.0), w.mini_batches * w.ppo_epochs
+            launches = np.where(recompute, 3.0, 2.0)  # forward, (recompute), backward
         else:
-            passes, rounds = 1.0, 1
-            m_count = micro_batches
+            passes, rounds, launches = 1.0, 1, 1.0
+        m_count = micro_batches
         dense = self.dense_flops_per_token(pp) * b * seq * passes
         attention = self.attention_flops(b * seq, seq / 2) / pp * passes  # causal: half the keys
         slot_compute = self.compute_time(dense, attention, tp)
         activation_bytes = b * seq * m.hidden_dim * self.dtype_bytes
         layers = m.num_layers / pp
         slot_tp = 2 * passes * layers * self.allreduce_time(activation_bytes, tp, False)
-        slot_pp = np.where(pp > 1, (1 + (passes > 1)) * self.p2p_time(activation_bytes, pp_inter), 0.0)
+        slot_pp = np.where(pp > 1, np.minimum(launches, 2.0) * self.p2p_time(activation_bytes, pp_inter), 0.0)
         c = self.calibration
-        slot_overhead = (1 + (passes > 1)) * (layers * c.launch_overhead_s + c.micro_batch_overhead_s)
+        slot_overhead = launches * layers * c.launch_overhead_s + np.minimum(launches, 2.0) * c.micro_batch_overhead_s
         slot = slot_compute + slot_tp + slot_pp + slot_overhead
         terms = {
             "compute": rounds * m_count * slot_compute,
@@ -222,19 +298,22 @@ class StageCostModel:
         }
         if self.stage == "training":
             grad_bytes = self.params_per_gpu(tp, pp) * self.dtype_bytes
+            # ZeRO-1 reduce-scatters gradients and all-gathers parameters: a ring all-reduce's bytes.
             terms["dp_sync"] = rounds * self.allreduce_time(grad_bytes, dp, dp_inter)
-            terms["optimizer"] = rounds * self._optimizer_time(tp, pp, dp)
+            terms["optimizer"] = rounds * self._optimizer_time(tp, pp, dp, zero1)
         return terms
 
-    def _optimizer_time(self, tp: Array, pp: Array, dp: Array) -> Array:
+    def _optimizer_time(self, tp: Array, pp: Array, dp: Array, zero1: Array | None = None) -> Array:
         """AdamW is memory bound: read and write params, grads, master and moments."""
-        shard = dp if self.workload.optimizer.shard_across_dp else 1
+        shard = np.where(self._zero1(zero1), dp, 1)
         bytes_per_param = 2 * (2 * self.dtype_bytes + ADAM_BYTES_MIXED)
         moved = self.params_per_gpu(tp, pp) / shard * bytes_per_param
         return moved / (self.cluster.gpu.hbm_bytes_per_s * self.calibration.decode_memory)
 
-    def _generation_terms(self, tp: Array, pp: Array, dp: Array, pp_inter: Array) -> dict[str, Array]:
-        """Prefill, then decode steps until the longest response of the step finishes."""
+    def _generation_terms(
+        self, tp: Array, pp: Array, dp: Array, pp_inter: Array, kv_budget: Array = math.inf
+    ) -> dict[str, Array]:
+        """Prefill, then decode iterations until the longest response of the step finishes."""
         w, m, c = self.workload, self.model, self.calibration
         n = self.samples_per_replica(dp)
         p = float(w.prompt_len)
@@ -247,42 +326,24 @@ class StageCostModel:
         # Prefill all-reduces are large: (2 pp - 1) slots of 2 L / pp all-reduces per micro-batch.
         prefill_bytes = n * p * m.hidden_dim * self.dtype_bytes / pp
         prefill_tp = (2 * pp - 1) * 2 * m.num_layers / pp * self.allreduce_time(prefill_bytes, tp, False)
-        # Decode, sliced: a trailing axis over DECODE_SLICES points of the longest response.
-        t, alive = _decode_grid(w)
-        tp_, pp_, n_, inter_ = (np.asarray(x, dtype=float)[..., None] for x in (tp, pp, n, pp_inter))
-        active = np.maximum(1.0, n_ * alive)
-        context = p + t
-        flops = active / pp_ * self.dense_flops_per_token(pp_), self.attention_flops(active, context) / pp_ / pp_
+        # Decode, sliced (a trailing axis): iterations, running sequences and their KV tokens.
+        capacity = np.asarray(kv_budget, dtype=float) / self.kv_bytes_per_token(tp, pp)
+        dt, running, tokens = decode_profile(w.response_len, p, n, capacity, longest)
+        tp_, pp_, inter_ = (np.asarray(x, dtype=float)[..., None] for x in (tp, pp, pp_inter))
+        flops = running / pp_ * self.dense_flops_per_token(pp_), self.attention_flops(1.0, tokens) / pp_ / pp_
         compute = self.compute_time(*flops, tp_, decode=True)  # one of pp micro-batches on the busiest stage
         weights = self.params_per_gpu(tp_, pp_) * self.dtype_bytes
-        kv = active * context * self.kv_bytes_per_token(tp_, pp_) / pp_
+        kv = tokens * self.kv_bytes_per_token(tp_, pp_) / pp_
         memory = (weights + kv) / (self.cluster.gpu.hbm_bytes_per_s * c.decode_memory)
-        dt = longest / DECODE_SLICES
-        token_bytes = active * m.hidden_dim * self.dtype_bytes / pp_
+        token_bytes = running * m.hidden_dim * self.dtype_bytes / pp_
         tp_comm = 2 * m.num_layers * self.allreduce_time(token_bytes, tp_, False) * pp_
         pp_comm = np.where(pp_ > 1, (2 * pp_ - 2) * self.p2p_time(token_bytes, inter_ > 0), 0.0)
+        iterations = dt.sum(axis=-1)
         return {
             "prefill": prefill,
             "decode": ((2 * pp_ - 1) * np.maximum(compute, memory) * dt).sum(axis=-1),
             "tp_comm": prefill_tp + (tp_comm * dt).sum(axis=-1),
             "pp_comm": (pp_comm * dt).sum(axis=-1),
-            "overhead": (m.num_layers * c.launch_overhead_s * pipeline + c.decode_token_overhead_s) * longest
+            "overhead": (m.num_layers * c.launch_overhead_s * pipeline + c.decode_token_overhead_s) * iterations
             + c.stage_overhead_s,
         }
-
-
-_NORMAL = NormalDist()
-
-
-def _decode_grid(workload: Workload) -> tuple[np.ndarray, np.ndarray]:
-    """Slice midpoints of the longest response and the fraction still generating there."""
-    lengths = workload.response_len
-    longest = lengths.expected_longest(workload.samples_per_step)
-    t = (np.arange(DECODE_SLICES) + 0.5) / DECODE_SLICES * longest
-    if lengths.sigma == 0:
-        return t, np.where(t < lengths.median, 1.0, 0.0)
-    alive = [
-        0.0 if x >= lengths.max else 1.0 - _NORMAL.cdf((math.log(x) - math.log(lengths.median)) / lengths.sigma)
-        for x in t
-    ]
-    return t, np.array(alive)

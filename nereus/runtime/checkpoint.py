@@ -42,6 +42,7 @@ from nereus.runtime.sharded_state import (
     torch_dtype,
 )
 from nereus.spec.base import StrictModel
+from nereus.spec.io import one_line, read_utf8
 from nereus.spec.model import Head, Model
 
 if TYPE_CHECKING:
@@ -270,6 +271,8 @@ def save_checkpoint_distributed(
         outcome = _write_shard(folder, meta, rank, tensors) if rank in meta.boxes else None
     except (NereusError, ValueError, OSError) as error:
         outcome = f"rank {rank}: {error}"
+    except Exception as error:  # safetensors reports a failed write (a full disk) in its own error type
+        outcome = f"rank {rank}: writing {folder / f'shard-{rank:05d}.safetensors'} failed: {one_line(str(error))}"
     outcomes: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(outcomes, outcome)
     result: list[Any] = [None]
@@ -306,7 +309,7 @@ def read_index(path: str | Path) -> CheckpointIndex:
     index_path = Path(path) / INDEX_NAME
     if not index_path.is_file():
         raise NereusError(f"{index_path}: missing; {path} is not a finished nereus checkpoint")
-    text = index_path.read_text()
+    text = read_utf8(index_path)
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as error:
@@ -472,6 +475,25 @@ def load_checkpoint(
                 out[box_slices(piece, box)] = reader.tensor(file, entry)[box_slices(piece, stored_box)]
         tensors[key] = out
     return LoadedState(tensors, index.step, meta, reader.bytes_read)
+
+
+def check_files(path: str | Path) -> CheckpointIndex:
+    """Check the index and every shard file's presence, size and whole-file CRC-32 (no tensor is
+    decoded: cheap enough to vet a checkpoint before a resume spawns any rank)."""
+    folder = Path(path)
+    index = read_index(folder)
+    for shard in index.shards:
+        file = folder / shard.file
+        if not file.is_file():
+            raise NereusError(f"{file}: missing shard; the checkpoint is incomplete")
+        size = file.stat().st_size
+        if size != shard.nbytes:
+            raise NereusError(
+                f"{file}: {size} bytes, the index says {shard.nbytes}; the shard is truncated or corrupted"
+            )
+        if _file_crc(file) != shard.crc32:
+            raise NereusError(f"{file}: fails its CRC-32 check; the shard is corrupted")
+    return index
 
 
 def verify_checkpoint(path: str | Path) -> CheckpointIndex:

@@ -25,6 +25,7 @@ two one-thread ranks on two cores really use one core each.
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import sys
@@ -47,6 +48,14 @@ from nereus.spec.io import write_bytes_atomic
 
 #: How long a collective may wait before the job is declared hung.
 DEFAULT_TIMEOUT = timedelta(seconds=120)
+#: The timeout this process's collectives run under (`spawn` sets its ranks').
+_collective_timeout = DEFAULT_TIMEOUT
+
+
+def collective_timeout() -> timedelta:
+    """How long a collective of this process may wait for its peers."""
+    return _collective_timeout
+
 
 #: torch's CPU allocator reads this once: "1" advises every allocation of 2 MiB or more
 #: MADV_HUGEPAGE (honoured when the kernel's THP mode is "madvise" or "always"; a no-op
@@ -106,9 +115,17 @@ def _die_with_parent() -> None:
 
 
 def _child(
-    rank: int, world_size: int, folder: str, fn: Callable[..., Any], args: tuple[Any, ...], num_threads: int
+    rank: int,
+    world_size: int,
+    folder: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    num_threads: int,
+    timeout: timedelta,
 ) -> None:
+    global _collective_timeout
     _die_with_parent()
+    _collective_timeout = timeout
     torch.set_num_threads(num_threads)
     os.environ["LOCAL_RANK"] = str(rank)
     os.environ["LOCAL_WORLD_SIZE"] = str(world_size)
@@ -121,7 +138,7 @@ def _child(
             init_method=f"file://{folder}/rendezvous",
             rank=rank,
             world_size=world_size,
-            timeout=DEFAULT_TIMEOUT,
+            timeout=timeout,
         )
         outcome: tuple[bool, Any, float] = (True, fn(rank, world_size, *args), time.time())
         # No rank tears its communicator down while a peer may still be sending on it.
@@ -129,7 +146,7 @@ def _child(
         dist.destroy_process_group()
     except BaseException as exc:  # report any failure to the parent, which raises it
         outcome = (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}", time.time())
-    write_bytes_atomic(result_path, pickle.dumps(outcome))
+    write_bytes_atomic(result_path, pickle.dumps(outcome))  # safe: read only by this rank's launcher
     if not outcome[0]:
         # Exit non-zero without tearing down: the parent then stops every other rank, which
         # may be blocked in a collective waiting for this one.
@@ -149,6 +166,7 @@ def spawn(
     num_threads: int = 1,
     on_wait: Callable[[], None] | None = None,
     huge_pages: bool = False,
+    timeout: timedelta = DEFAULT_TIMEOUT,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` local ranks; return each rank's result.
 
@@ -157,17 +175,24 @@ def spawn(
     the ranks report progress on). A rank that raises or dies takes the others down within
     a few seconds, and `spawn` raises RuntimeError naming it, with its traceback when it had one.
     `huge_pages` starts the ranks with HUGE_PAGES_ENV=1 (large CPU tensors on transparent
-    huge pages); a value of that variable already in the environment always wins.
+    huge pages); a value of that variable already in the environment always wins. A
+    collective that waits longer than `timeout` fails; a rank the others timed out on (alive,
+    but stopped or stuck) is then named as the cause.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     with tempfile.TemporaryDirectory(prefix="nereus-rdzv-") as folder:
-        child_args = (world_size, folder, fn, args, num_threads)
+        child_args = (world_size, folder, fn, args, num_threads, timeout)
         with _rank_environment(huge_pages, num_threads):
             context = mp.start_processes(_child, args=child_args, nprocs=world_size, join=False, start_method="spawn")
         failure = None
+        stopped: set[int] = set()  # ranks seen stopped (SIGSTOP): torch kills them once another fails
         try:
-            while not context.join(timeout=0.1, grace_period=FAILURE_GRACE_S):
+            for tick in itertools.count():
+                if context.join(timeout=0.1, grace_period=FAILURE_GRACE_S):
+                    break
+                if tick % 10 == 9:
+                    stopped |= {rank for rank, process in enumerate(context.processes) if _stopped(process.pid)}
                 if on_wait is not None:
                     on_wait()
         except ProcessException as error:
@@ -186,6 +211,12 @@ def spawn(
     failures = [f"rank {rank}: {message}" for _, rank, message in raised]
     if failure is not None and outcomes[failure.error_index] is None:
         failures.insert(0, f"rank {failure.error_index}: {_exit_description(failure)}")
+    first = failure.error_index if failure is not None else None
+    silent = [rank for rank, outcome in outcomes.items() if outcome is None and rank != first]
+    if silent and raised and all(_timed_out(message) for _, _, message in raised):
+        # The others gave up waiting on these: they are the cause, not the ranks that timed out.
+        waited = f"{timeout.total_seconds():g} s"
+        failures[:0] = [f"rank {rank}: {_silence(rank in stopped)}; the others waited {waited}" for rank in silent]
     if not failures and None in outcomes.values():
         failures = [f"rank {min(r for r, o in outcomes.items() if o is None)}: ended without a result"]
     if failures:
@@ -213,12 +244,30 @@ def _rank_environment(huge_pages: bool, num_threads: int) -> Iterator[None]:
             os.environ.pop(name, None)
 
 
+def _silence(stopped: bool) -> str:
+    return "stopped by a signal (SIGSTOP) and did not respond" if stopped else "hung (alive, not responding)"
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return fields[0] in ("T", "t")
+
+
+def _timed_out(message: str) -> bool:
+    """Whether a rank's error is a collective that waited too long."""
+    text = message.lower()
+    return "timed out" in text or "timeout" in text or "did not arrive within" in text
+
+
 def _read_outcome(folder: Path, rank: int) -> tuple[bool, Any, float] | None:
     """(succeeded, result or error text, when it ended), or None when the rank left none."""
     path = folder / f"result-{rank}.pkl"
     if not path.is_file():
         return None
-    outcome: tuple[bool, Any, float] = pickle.loads(path.read_bytes())
+    outcome: tuple[bool, Any, float] = pickle.loads(path.read_bytes())  # safe: own ranks' file, private 0700 dir
     return outcome
 
 

@@ -120,6 +120,10 @@ class EngineConfig:
     """AdamW hyperparameters."""
     init_seed: int = 0
     """Seed of the initial weights (each parameter's value depends only on it and the name)."""
+    init_only: frozenset[str] | None = None
+    """Names of the parameters initialised from the seed; None: all. The others are left
+    for a loader to fill (weights read from a Hugging Face folder): a whole seeded tensor
+    is never built for them."""
 
 
 _GROUP_CACHE: dict[tuple[int, ...], Any] = {}
@@ -250,7 +254,7 @@ class Engine:
         self._check_contract()
         with torch.no_grad():
             for info in param_infos(model, head):
-                if info.name in self.params:
+                if info.name in self.params and (config.init_only is None or info.name in config.init_only):
                     box = local_box(info, model, layout.tp, groups.tp.rank)
                     self.params[info.name].copy_(box_slice(init_logical_param(info, config.init_seed), box))
             for param in self.params.values():

@@ -240,7 +240,7 @@ def all_gather_object(gathered: list[Any], obj: Any, group: Any = None) -> None:
     if messages is None:  # every rank takes this path together: some payload needed more than a slot
         dist.all_gather_object(gathered, obj, group=group)
         return
-    gathered[:] = [pickle.loads(message) for message in messages]
+    gathered[:] = [pickle.loads(message) for message in messages]  # safe: messages of this run's own ranks
 
 
 def broadcast_object_list(objects: list[Any], src: int, group: Any = None) -> None:
@@ -254,7 +254,7 @@ def broadcast_object_list(objects: list[Any], src: int, group: Any = None) -> No
     if messages is None:
         dist.broadcast_object_list(objects, src=src, group=group)
         return
-    objects[:] = pickle.loads(messages[root])
+    objects[:] = pickle.loads(messages[root])  # safe: a message of this run's own root rank
 
 
 def _exchange_bytes(channel: _Channel, message: bytes) -> list[bytes] | None:
@@ -337,7 +337,7 @@ def _channel(group: Any) -> _Channel | None:
 def _open_channel(group: Any) -> _Channel | None:
     import torch.distributed as dist
 
-    from nereus.runtime.dist import DEFAULT_TIMEOUT
+    from nereus.runtime.dist import collective_timeout
 
     num_ranks, index = dist.get_world_size(group), dist.get_rank(group)
     if num_ranks == 1:
@@ -358,7 +358,7 @@ def _open_channel(group: Any) -> _Channel | None:
     if index == 0:  # every rank has mapped it: the mappings outlive the name
         path.unlink()
         shm.forget_unopened(name[0])
-    return _Channel(num_ranks, index, data, DEFAULT_TIMEOUT.total_seconds())
+    return _Channel(num_ranks, index, data, collective_timeout().total_seconds())
 
 
 def _create_segment(nbytes: int) -> str:

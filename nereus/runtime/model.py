@@ -1,5 +1,9 @@
 """Llama-style decoders (RMSNorm, RoPE, SwiGLU, GQA) with an LM head or a scalar value head.
 
+Every number that changes the network (RoPE theta and scaling, RMSNorm eps, the MLP's
+activation, max positions) comes from the Model document, so a model read from a Hugging
+Face config computes what transformers computes for it.
+
 `DecoderPipelineStage` is what one rank runs: the layers of its pipeline stage, with its tensor
 rank's slices of every weight (the boxes `shard_layout.local_box` names), so its
 `named_parameters()` are exactly the contract's names and shapes. `ReferenceModel` is
@@ -13,6 +17,7 @@ padded batches get the RoPE positions and the attention of the unpadded sequence
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -29,12 +34,8 @@ from nereus.runtime.tensor_parallel import (
     copy_to_group,
     vocab_parallel_cross_entropy,
 )
-from nereus.spec.model import Head, Model
+from nereus.spec.model import Activation, Head, Model
 
-#: RMSNorm epsilon (Llama 3's value; the Model spec does not carry one).
-RMS_NORM_EPS = 1e-5
-#: RoPE base frequency (the original Llama value; the Model spec does not carry one).
-ROPE_THETA = 10000.0
 #: Standard deviation of the normal initialisation of weight matrices.
 INIT_STD = 0.02
 
@@ -74,10 +75,28 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
-def rope_tables(positions: torch.Tensor, head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(model: Model) -> torch.Tensor:
+    """The [head_dim / 2] RoPE frequencies (float64): theta^(-2i/d), then the model's scaling."""
+    head_dim = model.head_dim
+    inv_freq = 1.0 / (model.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    scaling = model.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: wavelengths longer than the pre-training context / low_freq_factor are divided
+    # by `factor`, shorter than context / high_freq_factor kept, those between blended
+    # linearly in (context / wavelength).
+    context = scaling.original_max_positions
+    ratio = context / (2 * math.pi / inv_freq)  # pre-training context over wavelength
+    blend = ((ratio - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0, 1)
+    return (1 - blend) * inv_freq / scaling.factor + blend * inv_freq
+
+
+def rope_tables(positions: torch.Tensor, model: Model, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin [batch, 1, seq, head_dim] for rotate-half RoPE: the sin table's
     first half negated, so `apply_rope` rotates with one roll instead of a negate and a cat."""
-    inv_freq = 1.0 / (ROPE_THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq = rope_inv_freq(model).to(positions.device)
     angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq
     sin = angles.sin()
     signed_sin = torch.cat([-sin, sin], dim=-1).unsqueeze(1)
@@ -91,11 +110,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:  # one fused op (same values as the expression below)
-        return F.rms_norm(x, (x.shape[-1],), weight, RMS_NORM_EPS)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     variance = x.float().pow(2).mean(dim=-1, keepdim=True)
-    return (x.float() * torch.rsqrt(variance + RMS_NORM_EPS)).to(x.dtype) * weight
+    return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight
+
+
+def activate(x: torch.Tensor, activation: Activation) -> torch.Tensor:
+    """The MLP's gate activation."""
+    if activation == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if activation == "gelu_pytorch_tanh" else "none")
+
+
+def check_positions(model: Model, num_positions: int) -> None:
+    """Refuse a sequence longer than the model takes (its RoPE was never trained past it)."""
+    if num_positions > model.max_positions:
+        raise ValueError(
+            f"a sequence of {num_positions} tokens is longer than model {model.name}'s max_positions "
+            f"{model.max_positions}; shorten the prompts or responses"
+        )
 
 
 def attention_mask_4d(key_mask: torch.Tensor, num_queries: int) -> torch.Tensor:
@@ -124,14 +159,15 @@ class LayerCache:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, grad_group: object = None):
+    def __init__(self, dim: int, eps: float, grad_group: object = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
+        self.eps = eps
         self.grad_group = grad_group
         """Tensor ranks whose partial gradients must be summed (per-head norms see only local heads)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, copy_to_group(self.weight, self.grad_group))
+        return rms_norm(x, copy_to_group(self.weight, self.grad_group), self.eps)
 
 
 class Attention(nn.Module):
@@ -145,8 +181,8 @@ class Attention(nn.Module):
         self.k_proj = ColumnParallelLinear(model.hidden_dim, kv_out, model.qkv_bias, tp, tp.kv_group)
         self.v_proj = ColumnParallelLinear(model.hidden_dim, kv_out, model.qkv_bias, tp, tp.kv_group)
         if model.qk_norm:
-            self.q_norm = RMSNorm(model.head_dim, tp.group)
-            self.k_norm = RMSNorm(model.head_dim, tp.group)
+            self.q_norm = RMSNorm(model.head_dim, model.rms_norm_eps, tp.group)
+            self.k_norm = RMSNorm(model.head_dim, model.rms_norm_eps, tp.group)
         self.qk_norm = model.qk_norm
         self.o_proj = RowParallelLinear(self.local_heads * model.head_dim, model.hidden_dim, tp)
 
@@ -180,17 +216,18 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(model.hidden_dim, local_ffn, False, tp)
         self.up_proj = ColumnParallelLinear(model.hidden_dim, local_ffn, False, tp)
         self.down_proj = RowParallelLinear(local_ffn, model.hidden_dim, tp)
+        self.activation = model.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(activate(self.gate_proj(x), self.activation) * self.up_proj(x))
 
 
 class Block(nn.Module):
     def __init__(self, model: Model, tp: TensorParallel):
         super().__init__()
-        self.attn_norm = RMSNorm(model.hidden_dim)
+        self.attn_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
         self.attn = Attention(model, tp)
-        self.mlp_norm = RMSNorm(model.hidden_dim)
+        self.mlp_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
         self.mlp = MLP(model, tp)
 
     def forward(
@@ -226,7 +263,7 @@ class DecoderPipelineStage(nn.Module):
             self.embed = VocabParallelEmbedding(model.vocab_size, model.hidden_dim, tp)
         self.layers = nn.ModuleDict({str(i): Block(model, tp) for i in self.layer_ids})
         if self.is_last:
-            self.final_norm = RMSNorm(model.hidden_dim)
+            self.final_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
             if head == "value":
                 self.value_head = nn.Linear(model.hidden_dim, 1)
             elif not tied:
@@ -242,8 +279,9 @@ class DecoderPipelineStage(nn.Module):
         cache_start: int = 0,
     ) -> torch.Tensor:
         """`inputs`: token ids (first stage) or hidden states; `key_mask` [b, keys] covers the cache."""
+        check_positions(self.model, key_mask.shape[-1])
         x = self.embed(inputs) if self.is_first else inputs
-        rope = rope_tables(positions, self.model.head_dim, x.dtype)
+        rope = rope_tables(positions, self.model, x.dtype)
         mask = attention_mask_4d(key_mask, x.shape[1])
         for layer_id, block in zip(self.layer_ids, self.layers.values(), strict=True):
             x = block(x, rope, mask, None if caches is None else caches[layer_id], cache_start)
@@ -306,24 +344,27 @@ class ReferenceModel(nn.Module):
 
         q, k, v = project("q", m.num_heads), project("k", m.num_kv_heads), project("v", m.num_kv_heads)
         if m.qk_norm:
-            q, k = rms_norm(q, self.param(p + "q_norm.weight")), rms_norm(k, self.param(p + "k_norm.weight"))
+            q = rms_norm(q, self.param(p + "q_norm.weight"), m.rms_norm_eps)
+            k = rms_norm(k, self.param(p + "k_norm.weight"), m.rms_norm_eps)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return F.linear(grouped_attention(q, k, v, mask), self.param(p + "o_proj.weight"))
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Full logits [b, t, vocab] or values [b, t]."""
+        m = self.model
+        check_positions(m, tokens.shape[1])
         mask = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         x = F.embedding(tokens, self.param("embed.weight"))
-        rope = rope_tables(positions_from_mask(mask), self.model.head_dim, x.dtype)
+        rope = rope_tables(positions_from_mask(mask), m, x.dtype)
         mask4 = attention_mask_4d(mask, tokens.shape[1])
-        for i in range(self.model.num_layers):
+        for i in range(m.num_layers):
             p = f"layers.{i}."
-            x = x + self._attention(i, rms_norm(x, self.param(p + "attn_norm.weight")), rope, mask4)
-            h = rms_norm(x, self.param(p + "mlp_norm.weight"))
+            x = x + self._attention(i, rms_norm(x, self.param(p + "attn_norm.weight"), m.rms_norm_eps), rope, mask4)
+            h = rms_norm(x, self.param(p + "mlp_norm.weight"), m.rms_norm_eps)
             gate = F.linear(h, self.param(p + "mlp.gate_proj.weight"))
             up = F.linear(h, self.param(p + "mlp.up_proj.weight"))
-            x = x + F.linear(F.silu(gate) * up, self.param(p + "mlp.down_proj.weight"))
-        x = rms_norm(x, self.param("final_norm.weight"))
+            x = x + F.linear(activate(gate, m.activation) * up, self.param(p + "mlp.down_proj.weight"))
+        x = rms_norm(x, self.param("final_norm.weight"), m.rms_norm_eps)
         if self.head == "value":
             return F.linear(x, self.param("value_head.weight"), self.param("value_head.bias")).squeeze(-1)
         lm = self._optional("lm_head.weight")

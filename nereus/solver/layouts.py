@@ -9,33 +9,83 @@ from typing import Any
 
 import numpy as np
 
-from nereus.cost.plan_cost import RESIDENT_TERMS
+from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, usable_memory
 from nereus.cost.stage import StageCostModel
 from nereus.spec.check import kv_heads_rule, pp_rule
+
+#: Bounded KV budgets tried, as fractions of a GPU's usable memory (plus one maximum-length
+#: sequence, the least that runs, and the unbounded budget).
+KV_BUDGET_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7)
+
+#: (kv_budget_bytes or 0, recompute, token_budget or 0, zero1, offload) of one option.
+Choice = tuple[int, int, int, int, int]
+Option = tuple[float, float, float, int, int, int, int, Choice]  # time, resident, transient, tp, pp, dp, m, choice
+
+
+@dataclass(frozen=True)
+class MemoryChoices:
+    """Which memory-saving choices the planner may use (one value pins the choice)."""
+
+    recompute: tuple[str, ...] = ("none", "full")
+    """Activation recomputation of training model-stages: `none`, `full`."""
+    token_budget: tuple[bool, ...] = (False, True)
+    """Training micro-batches of equal rows (False) or packed to a token budget (True)."""
+    zero1: tuple[bool, ...] = (False, True)
+    """AdamW state sharded across dp (True) or replicated (False)."""
+    offload: tuple[bool, ...] = (False, True)
+    """Idle model-stages' states sleep in host memory (True) or stay on the GPUs (False)."""
+    kv_budget: tuple[bool, ...] = (False, True)
+    """Generation batches continuously into a bounded KV budget (True) or holds every sample (False)."""
+
+
+#: What `nereus run` executes today: every state resident, every activation kept, fixed rows,
+#: the whole batch's KV cache.
+RUNTIME_CHOICES = MemoryChoices(("none",), (False,), (False,), (False,), (False,))
+
+
+@dataclass(frozen=True)
+class ListedOptions:
+    """Every listed choice of every distinct layout of one model-stage (shared by its pool sizes)."""
+
+    columns: tuple[np.ndarray, ...]
+    """(time_s, resident_bytes, transient_bytes, tp, pp, dp, micro_batches)."""
+    memory: dict[str, np.ndarray]
+    """Bytes per memory term."""
+    choices: tuple[np.ndarray, ...]
+    """(kv_budget_bytes, recompute, token_budget, zero1, offload), integers (0: off)."""
 
 
 @dataclass
 class OptionTable:
-    """Every candidate layout of one model-stage on one pool size.
+    """Every candidate layout of one model-stage on one pool size: rows of a `ListedOptions`.
 
-    Columns are numpy arrays; `options` turns them, on first use, into the plain tuples
-    (time_s, resident_bytes, transient_bytes, tp, pp, dp, micro_batches) the search
-    loops over. `memory` keeps the per-term bytes behind each option for reports.
+    `options` turns them, on first use, into the plain tuples (time_s, resident_bytes,
+    transient_bytes, tp, pp, dp, micro_batches, choice) the search loops over; `memory`
+    keeps the per-term bytes behind each option for reports.
     """
 
-    columns: tuple[np.ndarray, ...]
-    memory: dict[str, np.ndarray]
+    listed: ListedOptions
+    rows: np.ndarray
+    fastest: float
+    """The fastest option that fits alone in the GPUs' usable memory, or inf."""
 
     @cached_property
-    def options(self) -> list[tuple[float, float, float, int, int, int, int]]:
-        time, resident, transient, *layout = (c.tolist() for c in self.columns)
-        layout = [[int(x) for x in col] for col in layout]
-        return list(zip(time, resident, transient, *layout, strict=True))
+    def columns(self) -> tuple[np.ndarray, ...]:
+        return tuple(c[self.rows] for c in self.listed.columns)
 
-    def fastest_time(self, budget: float) -> float:
-        """The fastest option that fits alone, or inf."""
-        fits = self.columns[1] + self.columns[2] <= budget
-        return float(self.columns[0][fits].min()) if fits.any() else math.inf
+    @cached_property
+    def memory(self) -> dict[str, np.ndarray]:
+        return {k: v[self.rows] for k, v in self.listed.memory.items()}
+
+    @cached_property
+    def choices(self) -> tuple[np.ndarray, ...]:
+        return tuple(c[self.rows] for c in self.listed.choices)
+
+    @cached_property
+    def options(self) -> list[Option]:
+        time, resident, transient, *layout = (c.tolist() for c in self.columns)
+        picks = list(zip(*(c.astype(np.int64).tolist() for c in self.choices), strict=True))
+        return list(zip(time, resident, transient, *layout, picks, strict=True))
 
     def terms(self, i: int) -> dict[str, float]:
         """Bytes per memory term of option `i`."""
@@ -90,31 +140,231 @@ def candidate_grid(cost: StageCostModel, pool_sizes: list[int]) -> tuple[np.ndar
     return tuple(np.concatenate(col) for col in columns)
 
 
-def price_layouts(cost: StageCostModel, pool_sizes: list[int]) -> dict[int, OptionTable]:
-    """Price every candidate layout on every pool size in one vectorised call."""
-    size, tp, pp, dp, m = candidate_grid(cost, pool_sizes)
-    order = np.argsort(size, kind="stable")
-    size, tp, pp, dp, m = size[order], tp[order], pp[order], dp[order], m[order]
-    per_node = cost.cluster.gpus_per_node
-    emu = tp * pp
+def _expand(columns: list[np.ndarray], values: list[float]) -> list[np.ndarray]:
+    """Every row of `columns` once per value of a new trailing column."""
+    reps = len(values)
+    out = [np.repeat(c, reps) for c in columns]
+    return [*out, np.tile(np.array(values, dtype=float), len(columns[0]))]
+
+
+def _kv_levels(
+    cost: StageCostModel, columns: list[np.ndarray], allowed: MemoryChoices
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """Generation rows per KV budget: unbounded (if allowed), the fractions of usable memory
+    below the whole batch's need, and one maximum-length sequence."""
+    usable = usable_memory(cost.cluster, cost.calibration)
+    tp, pp, dp = (c.astype(float) for c in columns[1:4])
+    full = cost.full_kv_bytes(tp, pp, dp)
+    one = np.ceil((cost.workload.prompt_len + cost.workload.response_len.max) * cost.kv_bytes_per_token(tp, pp))
+    rows, levels = [], []
+    candidates = [np.floor(usable * f) * np.ones_like(full) for f in KV_BUDGET_FRACTIONS] + [one]
+    for level in candidates:
+        pick = (level >= one) & (level < full)
+        rows.append(pick)
+        levels.append(np.where(pick, level, 0.0))
+    if False in allowed.kv_budget:
+        rows.append(np.ones(full.shape, dtype=bool))
+        levels.append(np.full(full.shape, np.inf))
+    out = [np.concatenate([c[r] for r in rows]) for c in columns]
+    return out, np.concatenate([lv[r] for lv, r in zip(levels, rows, strict=True)])
+
+
+@dataclass
+class _Timed:
+    """Distinct layouts times the choices that change the time's formulas (recompute, KV
+    budget), each priced once; the other choices follow by arithmetic (`_expand_choices`)."""
+
+    layout: list[np.ndarray]  # index of the distinct layout, tp, pp, dp, micro-batches
+    kv: np.ndarray  # KV budget in bytes (inf: none)
+    recompute: np.ndarray
+    time: np.ndarray  # seconds (inf where no choice of the row fits alone)
+    optimizer_time: np.ndarray  # the share of `time` ZeRO-1 divides by dp
+    memory: dict[str, np.ndarray]  # without ZeRO-1 (unless pinned) and token budgets
+    token_budget: np.ndarray  # the packed budget's tokens (training), 0 elsewhere
+    token_ratio: np.ndarray  # those tokens over the rows' tokens: activations and logits scale by it
+
+
+def _timed_grid(
+    cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
+    """Distinct (index, tp, pp, dp, m) rows once per recompute choice (training) or KV budget (generation)."""
+    columns = list(distinct)
+    if cost.stage == "training":
+        columns = _expand(columns, [float(r == "full") for r in allowed.recompute])
+        return columns[:5], np.full(columns[0].shape, np.inf), columns[5]
+    if cost.stage == "generation" and True in allowed.kv_budget:
+        columns, kv = _kv_levels(cost, columns, allowed)
+    else:
+        kv = np.full(columns[0].shape, np.inf)
+    return columns, kv, np.zeros(columns[0].shape)
+
+
+def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices) -> _Timed:
+    """Memory of every timed row, and its time where some choice of it fits alone."""
+    layout, kv, recompute = _timed_grid(cost, distinct, allowed)
+    tp, pp, dp, m = (c.astype(float) for c in layout[1:])
+    pinned = cost.stage == "training" and cost.workload.optimizer.shard_across_dp
+    zero1 = np.full(tp.shape, pinned)
+    memory = cost.memory_terms(tp, pp, dp, m, recompute=recompute, zero1=zero1, kv_budget=kv)
+    memory = {k: np.broadcast_to(v, tp.shape).astype(float) for k, v in memory.items()}
+    token_budget, token_ratio = np.zeros(tp.shape), np.ones(tp.shape)
+    if cost.stage == "training":
+        token_budget = cost.packed_token_budget(dp, m)
+        token_ratio = token_budget / cost.micro_batch_tokens(dp, m)
+    least = _least_memory(memory, dp, token_ratio, allowed, pinned)
+    fits = least <= usable_memory(cost.cluster, cost.calibration)
+    time, optimizer_time = np.full(tp.shape, np.inf), np.zeros(tp.shape)
+    emu, per_node = tp[fits] * pp[fits], cost.cluster.gpus_per_node
     # An EMU straddles nodes when it is larger than a node, or packs unevenly into one.
-    pp_inter = (emu > per_node) | ((per_node % emu != 0) & (emu * dp > per_node))
-    dp_inter = emu * dp > per_node
-    tp_f, pp_f, dp_f, m_f = (x.astype(float) for x in (tp, pp, dp, m))
-    times = cost.time_terms(tp_f, pp_f, dp_f, m_f, pp_inter, dp_inter)
-    memory = {
-        k: np.broadcast_to(v, size.shape).astype(float) for k, v in cost.memory_terms(tp_f, pp_f, dp_f, m_f).items()
-    }
-    zeros = np.zeros(size.shape)
-    total: np.ndarray = sum((np.broadcast_to(v, size.shape) for v in times.values()), zeros)
-    resident: np.ndarray = sum((v for k, v in memory.items() if k in RESIDENT_TERMS), zeros)
-    transient: np.ndarray = sum((v for k, v in memory.items() if k not in RESIDENT_TERMS), zeros)
-    bounds = np.searchsorted(size, [*pool_sizes, np.iinfo(np.int64).max])
+    pp_inter = (emu > per_node) | ((per_node % emu != 0) & (emu * dp[fits] > per_node))
+    dp_inter = emu * dp[fits] > per_node
+    args = (tp[fits], pp[fits], dp[fits], m[fits], pp_inter, dp_inter)
+    times = cost.time_terms(*args, recompute=recompute[fits], zero1=zero1[fits], kv_budget=kv[fits])
+    time[fits] = sum((np.broadcast_to(v, emu.shape) for v in times.values()), np.zeros(emu.shape))
+    if cost.stage == "training":
+        optimizer_time[fits] = times["optimizer"]
+    return _Timed(layout, kv, recompute, time, optimizer_time, memory, token_budget, token_ratio)
+
+
+def _least_memory(
+    memory: dict[str, np.ndarray], dp: np.ndarray, token_ratio: np.ndarray, allowed: MemoryChoices, pinned: bool
+) -> np.ndarray:
+    """The smallest footprint any expansion of a row can have (offload moves bytes, not removes them)."""
+    scale = np.minimum(token_ratio, 1.0) if True in allowed.token_budget else 1.0
+    total = np.zeros(dp.shape)
+    for name, value in memory.items():
+        if name == "optimizer" and not pinned and True in allowed.zero1:
+            value = value / dp
+        total = total + (value * scale if name in TOKEN_TERMS else value)
+    return total
+
+
+#: Memory terms of a training model-stage that grow with the tokens of a micro-batch.
+TOKEN_TERMS = ("activations", "logits")
+
+
+def _expand_choices(
+    cost: StageCostModel, g: _Timed, allowed: MemoryChoices
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], tuple[np.ndarray, ...]]:
+    """(timed row, time, memory terms, choice columns) of every allowed choice worth pricing.
+
+    Two choices are decided per row before pricing, as one option always dominates the
+    other: a token budget holding fewer tokens than the fixed rows has the same time and
+    less memory (more tokens: more memory), and ZeRO-1 over dp > 1 has less optimizer
+    memory and a faster update at the same communication (over one replica it is no change).
+    A pinned choice is kept as pinned.
+    """
+    training = cost.stage == "training"
+    n = g.time.shape[0]
+    token = _decided(allowed.token_budget, g.token_ratio < 1) if training else np.zeros(n, dtype=bool)
+    pinned = training and cost.workload.optimizer.shard_across_dp
+    zero1 = np.zeros(n, dtype=bool)
+    if training and not pinned:
+        zero1 = _decided(allowed.zero1, g.layout[3] > 1) & (g.layout[3] > 1)
+    dp = g.layout[3].astype(float)
+    scale = np.where(token, g.token_ratio, 1.0)
+    terms = {k: v * scale if k in TOKEN_TERMS else v for k, v in g.memory.items()}
+    time = g.time
+    if training and not pinned:
+        terms["optimizer"] = np.where(zero1, terms["optimizer"] / dp, terms["optimizer"])
+        time = time - np.where(zero1, g.optimizer_time * (1 - 1 / dp), 0.0)
+    states = sum((v for k, v in terms.items() if k in RESIDENT_TERMS), np.zeros(n))
+    rows = np.arange(n)
+    kv = np.where(np.isinf(g.kv), 0.0, g.kv)
+    token_budget = np.where(token, g.token_budget, 0.0)
+    zero1_flag = np.full(n, 1.0) if pinned else zero1.astype(float)
+    offloads = [float(o) for o in allowed.offload]
+    return (
+        np.tile(rows, len(offloads)),
+        np.concatenate([time + (cost.offload_time(states) if o else 0.0) for o in offloads]),
+        {k: np.tile(v, len(offloads)) for k, v in terms.items()},
+        tuple(
+            np.tile(c, len(offloads)) if i < 4 else np.repeat(offloads, n)
+            for i, c in enumerate((kv, g.recompute, token_budget, zero1_flag, np.zeros(n)))
+        ),
+    )
+
+
+def _decided(allowed: tuple[bool, ...], better: np.ndarray) -> np.ndarray:
+    """Per row, the choice: the one pinned, or where both are allowed, on where it is `better`."""
+    if len(set(allowed)) == 1:
+        return np.full(better.shape, allowed[0])
+    return better
+
+
+def price_layouts(
+    cost: StageCostModel, pool_sizes: list[int], allowed: MemoryChoices | None = None
+) -> dict[int, OptionTable]:
+    """Price every candidate layout and choice on every pool size, vectorised.
+
+    Time and memory depend on (tp, pp, dp, micro-batches) and the choices, not on the pool
+    size: each distinct layout is priced once, and every pool size's table lists its rows.
+    """
+    allowed = allowed or MemoryChoices()
+    base = candidate_grid(cost, pool_sizes)
+    order = np.argsort(base[0], kind="stable")
+    size, *layout = (c[order].astype(np.int64) for c in base)
+    key = np.zeros(size.shape, dtype=np.int64)
+    for column in layout:  # one integer per (tp, pp, dp, m)
+        key = key * (int(column.max(initial=0)) + 1) + column
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    timed = _price_timed(cost, [np.arange(first.size), *(c[first] for c in layout)], allowed)
+    rows, total, memory, picks = _expand_choices(cost, timed, allowed)
+    resident, transient = (np.broadcast_to(x, total.shape) for x in split_resident(memory, picks[4] > 0))
+    of_layout = timed.layout[0][rows].astype(np.int64)
+    budget = usable_memory(cost.cluster, cost.calibration)
+    keep = _worth_listing(of_layout, total, resident, transient, budget)
+    rows, of_layout = rows[keep], of_layout[keep]
+    listed = ListedOptions(
+        (total[keep], resident[keep], transient[keep], *(c[rows].astype(np.int64) for c in timed.layout[1:])),
+        {k: v[keep] for k, v in memory.items()},
+        tuple(c[keep] for c in picks),
+    )
+    base_row, pick = _rows_per_base(of_layout, inverse.reshape(-1), first.size)
+    bounds = np.searchsorted(size[base_row], [*pool_sizes, np.iinfo(np.int64).max])
+    fitting = np.where(listed.columns[1] + listed.columns[2] <= budget, listed.columns[0], np.inf)[pick]
     tables = {}
     for s, lo, hi in zip(pool_sizes, bounds[:-1], bounds[1:], strict=True):
-        piece = slice(lo, hi)
-        tables[s] = OptionTable(
-            (total[piece], resident[piece], transient[piece], tp[piece], pp[piece], dp[piece], m[piece]),
-            {k: v[piece] for k, v in memory.items()},
-        )
+        tables[s] = OptionTable(listed, pick[lo:hi], float(fitting[lo:hi].min(initial=math.inf)))
     return tables
+
+
+def _worth_listing(
+    layout: np.ndarray, time: np.ndarray, resident: np.ndarray, transient: np.ndarray, budget: float
+) -> np.ndarray:
+    """The choices of one layout worth listing: those that fit alone and that no other choice
+    of the same layout beats or equals in time, resident and transient bytes at once (so the
+    search loses nothing: tp, pp and dp, hence the weight sync, are the same); for a layout
+    where no choice fits, its smallest footprint only (the rejection report's row)."""
+    fits = resident + transient <= budget
+    order = np.argsort(layout, kind="stable")
+    grouped = layout[order]
+    slot = np.arange(grouped.size) - np.searchsorted(grouped, grouped, side="left")
+    shape = (int(layout.max(initial=-1)) + 1, int(slot.max(initial=-1)) + 1)
+    t, r, s, total = (np.full(shape, np.inf) for _ in range(4))
+    for padded, values in ((t, time), (r, resident), (s, transient)):
+        padded[grouped, slot] = np.where(fits[order], values[order], np.inf)
+    total[grouped, slot] = (resident + transient)[order]
+    beaten = np.zeros(shape, dtype=bool)
+    later = np.arange(shape[1])
+    for j in range(shape[1]):  # rival j of every row of every layout (a loop: few choices per layout)
+        tj, rj, sj = t[:, j : j + 1], r[:, j : j + 1], s[:, j : j + 1]
+        beaten |= (tj <= t) & (rj <= r) & (sj <= s) & ((tj < t) | (rj < r) | (sj < s) | (later > j))
+    keep = np.zeros(layout.size, dtype=bool)
+    keep[order] = fits[order] & ~beaten[grouped, slot]
+    lone = np.nonzero(np.isinf(r).all(axis=1) & (shape[1] > 0))[0]  # no choice fits: the smallest footprint
+    source = np.zeros(shape, dtype=np.int64)
+    source[grouped, slot] = order
+    keep[source[lone, total[lone].argmin(axis=1)]] = True
+    return keep
+
+
+def _rows_per_base(of_layout: np.ndarray, base_layout: np.ndarray, layouts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(base row, expanded row) pairs: for each base row in turn, every expanded row of its layout."""
+    by_layout = np.argsort(of_layout, kind="stable")
+    counts = np.bincount(of_layout, minlength=layouts)
+    starts = np.cumsum(counts) - counts
+    per_base = counts[base_layout]
+    base_row = np.repeat(np.arange(base_layout.size), per_base)
+    within = np.arange(base_row.size) - np.repeat(np.cumsum(per_base) - per_base, per_base)
+    return base_row, by_layout[starts[base_layout][base_row] + within]

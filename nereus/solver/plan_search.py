@@ -11,6 +11,7 @@ enumerates in full.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 import math
@@ -21,14 +22,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.plan_cost import GIB, head_of, usable_memory, weight_sync_time
+from nereus.cost.plan_cost import GIB, RESIDENT_TERMS, head_of, usable_memory, weight_sync_time
 from nereus.cost.stage import StageCostModel
-from nereus.solver.layouts import OptionTable, price_layouts
+from nereus.solver.layouts import MemoryChoices, Option, OptionTable, price_layouts
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
 from nereus.spec.workload import ACTOR_SYNC_TARGETS, STAGES, Workload, model_stage_name, model_stages
-
-Option = tuple[float, float, float, int, int, int, int]  # time, resident, transient, tp, pp, dp, m
 
 
 @dataclass(frozen=True)
@@ -40,6 +39,8 @@ class PlanRequest:
     workload: Workload
     num_gpus: int
     calibration: Calibration = field(default_factory=Calibration)
+    choices: MemoryChoices = field(default_factory=MemoryChoices)
+    """The memory-saving choices the search may use (RUNTIME_CHOICES: what `nereus run` executes)."""
 
     def model(self, name: str) -> Model:
         return next(m for m in self.models if m.name == name)
@@ -71,13 +72,14 @@ class Rejection:
     pp: int
     dp: int
     micro_batches: int
+    choice: str
     needed_bytes: float
     usable_bytes: float
     largest_term: str
     largest_bytes: float
 
     def describe(self) -> str:
-        layout = f"tp={self.tp} pp={self.pp} dp={self.dp} micro_batches={self.micro_batches}"
+        layout = f"tp={self.tp} pp={self.pp} dp={self.dp} micro_batches={self.micro_batches}{self.choice}"
         return (
             f"{self.model_stage} {layout}: needs {self.needed_bytes / GIB:.1f} GiB > "
             f"{self.usable_bytes / GIB:.1f} GiB usable ({self.largest_term} {self.largest_bytes / GIB:.1f} GiB)"
@@ -156,7 +158,7 @@ def price_all(request: PlanRequest, layouts: list[Placement]) -> dict[tuple[str,
     tables: dict[tuple[str, int], OptionTable] = {}
     for names in groups.values():
         needed = sorted(set().union(*(sizes[name] for name in names)))
-        for size, table in price_layouts(models[names[0]], needed).items():
+        for size, table in price_layouts(models[names[0]], needed, request.choices).items():
             for name in names:
                 tables[name, size] = table
     return tables
@@ -214,25 +216,31 @@ def _sync_function(request: PlanRequest) -> Callable[[Option, Option, int, int],
     actor_params = request.model(request.workload.actor).num_params("lm")
     per_node = request.cluster.gpus_per_node
 
-    def nodes(option: Option, start: int) -> range:
-        """Nodes of the contiguous GPUs an option's EMUs take from its pool's first GPU."""
-        size = option[3] * option[4] * option[5]
-        return range(start // per_node, (start + size - 1) // per_node + 1)
+    def nodes(layout: tuple[int, ...], start: int) -> tuple[int, int]:
+        """First and last node of the contiguous GPUs a (tp, pp, dp) layout takes from its pool's first GPU."""
+        size = layout[0] * layout[1] * layout[2]
+        return start // per_node, (start + size - 1) // per_node
 
-    def sync(train: Option, dest: Option, train_start: int, dest_start: int) -> float:
-        same_layout = train_start == dest_start and train[3:6] == dest[3:6]  # equal tp, pp, dp: identical EMUs
-        train_nodes = nodes(train, train_start)
-        inter = any(node not in train_nodes for node in nodes(dest, dest_start))
+    @functools.cache
+    def priced(train: tuple[int, ...], dest: tuple[int, ...], train_start: int, dest_start: int) -> float:
+        """The sync time by (tp, pp, dp) of both sides: options differing only in memory
+        choices share it, so the search asks for the same few values many times."""
+        same_layout = train_start == dest_start and train == dest  # equal tp, pp, dp: identical EMUs
+        train_first, train_last = nodes(train, train_start)
+        dest_first, dest_last = nodes(dest, dest_start)
         return weight_sync_time(
             request.cluster,
             request.workload,
             actor_params,
             request.calibration,
             same_layout=same_layout,
-            tp=dest[3],
-            pp=dest[4],
-            inter=inter,
+            tp=dest[0],
+            pp=dest[1],
+            inter=dest_first < train_first or dest_last > train_last,
         )
+
+    def sync(train: Option, dest: Option, train_start: int, dest_start: int) -> float:
+        return priced(train[3:6], dest[3:6], train_start, dest_start)
 
     return sync
 
@@ -285,12 +293,22 @@ def _pareto(options: list[Option], budget: float, *, by_layout: bool) -> list[Op
     """Options sorted by time, without any that a faster-or-equal one dominates in memory.
 
     Actor options are compared only within one (tp, pp): their layout decides the
-    weight-sync cost, so a slower layout may still win.
+    weight-sync cost, so a slower layout may still win. The kept options' memory frontier
+    per key is a staircase (resident ascending, transient descending), so a dominance test
+    is one bisection.
     """
     kept: list[Option] = []
+    stairs: dict[tuple[int, ...], tuple[list[float], list[float]]] = {}
     for option in sorted(o for o in options if o[1] + o[2] <= budget):
-        if not any(k[1] <= option[1] and k[2] <= option[2] and (not by_layout or k[3:5] == option[3:5]) for k in kept):
-            kept.append(option)
+        resident, transient = stairs.setdefault(option[3:5] if by_layout else (), ([], []))
+        below = bisect.bisect_right(resident, option[1])
+        if below and transient[below - 1] <= option[2]:
+            continue  # the least transient among no-larger residents is no larger
+        kept.append(option)
+        start = end = bisect.bisect_left(resident, option[1])
+        while end < len(resident) and transient[end] >= option[2]:
+            end += 1  # frontier points this option dominates in memory
+        resident[start:end], transient[start:end] = [option[1]], [option[2]]
     return kept
 
 
@@ -446,8 +464,7 @@ def search(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int], 
     started = time.perf_counter()
     layouts = placements(request)
     tables = price_all(request, layouts)
-    budget = usable_memory(request.cluster, request.calibration)
-    fastest = {key: table.fastest_time(budget) for key, table in tables.items()}
+    fastest = {key: table.fastest for key, table in tables.items()}
     ordered = sorted((_placement_bound(p, fastest), i, p) for i, p in enumerate(layouts))
     best, leaves = _TopK(top_k), 0
     cache: dict[tuple[str, int], list[Option]] = {}
@@ -504,6 +521,7 @@ def rejections(
                         pp,
                         dp,
                         micro_batches,
+                        describe_choice(table.options[i][7]),
                         float(needed[i]),
                         budget,
                         terms[largest],
@@ -513,9 +531,97 @@ def rejections(
     return out
 
 
-def iter_assignments(candidate: Candidate) -> Iterator[tuple[str, str, int, int, int, int, int]]:
-    """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches) per choice."""
+def describe_choice(choice: tuple[int, int, int, int, int]) -> str:
+    """` recompute=full token_budget=... ` for the choices an option makes (empty: none)."""
+    kv, recompute, token_budget, zero1, offload = choice
+    parts = [f"kv_budget={kv / GIB:.1f}GiB" if kv else "", "recompute=full" if recompute else ""]
+    parts += [f"token_budget={token_budget}" if token_budget else "", "zero1" if zero1 else ""]
+    parts += ["offload" if offload else ""]
+    return "".join(f" {p}" for p in parts if p)
+
+
+def iter_assignments(
+    candidate: Candidate,
+) -> Iterator[tuple[str, str, int, int, int, int, int, tuple[int, int, int, int, int]]]:
+    """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches, choice) per model-stage."""
     pool_of = {name: (pool, start) for pool, start, _, stages in candidate.placement.pools for name in stages}
     for name, option in candidate.choices:
         pool, start = pool_of[name]
         yield name, pool, start, *option[3:]
+
+
+@dataclass(frozen=True)
+class PoolShortfall:
+    """Why a pool's model-stages cannot share its GPUs, even each at its smallest footprint:
+    their resident states together plus the largest transient need, per GPU."""
+
+    placement: str
+    pool: str
+    states: tuple[tuple[str, float], ...]
+    """(model-stage with its layout and choices, resident bytes per GPU)."""
+    transient_stage: str
+    transient: tuple[tuple[str, float], ...]
+    """(term, bytes per GPU) of the model-stage whose running needs the most."""
+    usable_bytes: float
+
+    @property
+    def needed_bytes(self) -> float:
+        return sum(b for _, b in self.states) + sum(b for _, b in self.transient)
+
+    def describe(self) -> str:
+        states = sum(b for _, b in self.states)
+        parts = ", ".join(f"{name} {b / GIB:.1f}" for name, b in self.states if b > 0)
+        transient = " + ".join(f"{term} {b / GIB:.1f} GiB" for term, b in self.transient if b > 0)
+        return (
+            f"{self.placement} placement, pool {self.pool}: "
+            f"{self.needed_bytes / GIB:.1f} GiB > {self.usable_bytes / GIB:.1f} GiB usable per GPU = "
+            f"states {states / GIB:.1f} GiB ({parts}) + while {self.transient_stage} runs {transient}"
+        )
+
+
+def closest_shortfall(request: PlanRequest) -> PoolShortfall | None:
+    """The placement that misses memory by the least and the terms of its fullest pool, per
+    GPU (see `_pool_shortfall` for the options it takes)."""
+    layouts = placements(request)
+    tables = price_all(request, layouts)
+    budget = usable_memory(request.cluster, request.calibration)
+    misses = []
+    for placement in layouts:
+        pools = [
+            _pool_shortfall(placement.name, pool, {n: tables[n, size] for n in stages}, budget)
+            for pool, _, size, stages in placement.pools
+        ]
+        worst = max(pools, key=lambda p: p.needed_bytes)
+        if worst.needed_bytes > budget:
+            misses.append(worst)
+    return min(misses, key=lambda p: p.needed_bytes, default=None)
+
+
+def _pool_shortfall(placement: str, pool: str, tables: dict[str, OptionTable], budget: float) -> PoolShortfall:
+    """A model-stage that fits in no layout alone, at its smallest footprint; else every
+    model-stage at its least resident option (offloaded where allowed) on the shared GPUs."""
+    alone = {name: min(t.options, key=lambda o: o[1] + o[2]) for name, t in tables.items()}
+    for name, option in alone.items():
+        if option[1] + option[2] > budget:
+            terms = tables[name].terms(tables[name].options.index(option))
+            states = tuple((k, v) for k, v in terms.items() if k in RESIDENT_TERMS)
+            label = f"{name} alone [{_layout_text(option)}]"
+            return PoolShortfall(placement, pool, states, label, _transient(terms, False), budget)
+    picked = {name: min(t.options, key=lambda o: (o[1], o[2])) for name, t in tables.items()}
+    states = tuple((f"{name} [{_layout_text(o)}]", o[1]) for name, o in picked.items())
+    running = max(picked, key=lambda name: picked[name][2])
+    terms = tables[running].terms(tables[running].options.index(picked[running]))
+    label = f"{running} [{_layout_text(picked[running])}]"
+    return PoolShortfall(placement, pool, states, label, _transient(terms, bool(picked[running][7][4])), budget)
+
+
+def _transient(terms: dict[str, float], offloaded: bool) -> tuple[tuple[str, float], ...]:
+    """A running model-stage's transient terms (with its states when they sleep between runs)."""
+    out = [(k, v) for k, v in terms.items() if k not in RESIDENT_TERMS]
+    if offloaded:
+        out.append(("its states", sum(v for k, v in terms.items() if k in RESIDENT_TERMS)))
+    return tuple(out)
+
+
+def _layout_text(option: Option) -> str:
+    return f"tp={option[3]} pp={option[4]} dp={option[5]}{describe_choice(option[7])}"

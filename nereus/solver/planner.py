@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from nereus.cost.plan_cost import evaluate_plan
 from nereus.errors import NereusError
-from nereus.solver.plan_search import Candidate, PlanRequest, Rejection, iter_assignments, search
+from nereus.solver.plan_search import Candidate, PlanRequest, Rejection, closest_shortfall, iter_assignments, search
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, Pool, StagePlan
 from nereus.spec.workload import model_stage_name, model_stages
@@ -33,8 +33,10 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
         Pool(name=name, gpus=list(range(start, start + size))) for name, start, size, _ in candidate.placement.pools
     ]
     entries = {}
-    for name, pool, start, tp, pp, dp, micro_batches in iter_assignments(candidate):
+    for name, pool, start, tp, pp, dp, micro_batches, choice in iter_assignments(candidate):
         emu_size = tp * pp
+        kv, recompute, token_budget, zero1, offload = choice
+        training = name.endswith("/training")
         emus = [list(range(start + k * emu_size, start + (k + 1) * emu_size)) for k in range(dp)]
         entries[name] = StagePlan(
             model_stage=name,  # type: ignore[arg-type]
@@ -44,6 +46,11 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
             dp=dp,
             emus=emus,
             micro_batches=micro_batches,
+            recompute="full" if recompute else "none",
+            token_budget=token_budget or None,
+            zero1=bool(zero1) if training else None,
+            offload=bool(offload),
+            kv_budget_bytes=kv or None,
         )
     order = [model_stage_name(r, s) for r, s in model_stages(request.workload)]
     names = {request.workload.model_name(role) for role in request.workload.roles()}
@@ -73,8 +80,12 @@ def make_plan(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int
 
 
 def _infeasible_message(request: PlanRequest, rejected: list[Rejection]) -> str:
+    short = closest_shortfall(request)
     least = min(rejected, key=lambda r: r.needed_bytes, default=None)
-    reason = f"; e.g. {least.describe()}" if least else " (model-stages do not fit together)"
+    if short is not None:
+        reason = f"; closest: {short.describe()}"
+    else:
+        reason = f"; e.g. {least.describe()}" if least else " (model-stages do not fit together)"
     smallest = smallest_feasible_gpus(request)
     fix = f"the smallest GPU count that fits is {smallest}" if smallest else f"nothing up to {MAX_PROBE_GPUS} GPUs fits"
     return (
@@ -86,7 +97,7 @@ def _infeasible_message(request: PlanRequest, rejected: list[Rejection]) -> str:
 def _fits(request: PlanRequest, num_gpus: int) -> bool:
     per_node = request.cluster.gpus_per_node
     cluster = request.cluster.model_copy(update={"num_nodes": -(-num_gpus // per_node)})
-    probe = PlanRequest(cluster, request.models, request.workload, num_gpus, request.calibration)
+    probe = PlanRequest(cluster, request.models, request.workload, num_gpus, request.calibration, request.choices)
     return bool(search(probe).candidates)
 
 

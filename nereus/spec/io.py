@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from nereus.errors import SpecError
+from nereus.errors import NereusError, SpecError
 from nereus.spec.base import Document
 from nereus.spec.registry import KINDS, document_class, semantic_problems
 
@@ -84,7 +84,7 @@ def parse_data(text: str, source: str) -> Any:
     try:
         if is_json:
             return json.loads(text, object_pairs_hook=_reject_duplicate_json_keys)
-        return yaml.load(text, Loader=_StrictLoader)
+        return yaml.load(text, Loader=_StrictLoader)  # safe: _StrictLoader is a SafeLoader subclass
     except RecursionError:
         raise SpecError([f"{source}: nested too deeply to be a nereus file"]) from None
     except (yaml.YAMLError, ValueError) as exc:
@@ -98,7 +98,7 @@ def _syntax_position(exc: Exception, text: str) -> tuple[int, int] | None:
         return (exc.lineno, exc.colno)
     if isinstance(exc, ValueError):  # a JSON duplicate key: json gives no place, YAML's composer does
         try:
-            yaml.load(text, Loader=_StrictLoader)
+            yaml.load(text, Loader=_StrictLoader)  # safe: _StrictLoader is a SafeLoader subclass
         except yaml.YAMLError as yaml_exc:
             return _yaml_position(yaml_exc)
         except RecursionError:
@@ -302,6 +302,16 @@ def save_document(document: Document, path: str | Path) -> None:
     write_text_atomic(path, text)
 
 
+def read_utf8(path: Path) -> str:
+    """A text file nereus wrote (a run folder's logs, a checkpoint index), or a NereusError
+    naming it when its bytes are not UTF-8 (a damaged file)."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise NereusError(f"{path}: not UTF-8 text (bad byte at offset {exc.start}); the file is damaged") from None
+
+
 def keep_json_lines(path: Path, keep: Callable[[Any], bool]) -> None:
     """Rewrite a JSON-lines file atomically with the records `keep` accepts; a line that does
     not parse, or that `keep` cannot read (KeyError, TypeError), is dropped: it is what a kill
@@ -309,7 +319,8 @@ def keep_json_lines(path: Path, keep: Callable[[Any], bool]) -> None:
     if not path.is_file():
         return
     kept = []
-    for line in path.read_text().splitlines():
+    # A damaged byte makes its line unparseable, so that line is dropped like a cut one.
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
         try:
             if keep(json.loads(line)):
                 kept.append(line + "\n")

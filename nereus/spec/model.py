@@ -1,16 +1,51 @@
-"""Model: the hyperparameters of a Llama-style decoder."""
+"""Model: the hyperparameters of a Llama-style decoder, including every one that changes
+the numbers it computes (RoPE, RMSNorm eps, activation), so a runtime built from it computes
+the network a Hugging Face checkpoint of the same config computes."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field
 
-from nereus.spec.base import Document
+from nereus.spec.base import Document, StrictModel
 
 #: An LM head predicts the vocabulary (actor, reference); a value head predicts one
 #: scalar per token (critic, reward model).
 Head = Literal["lm", "value"]
+
+
+#: The MLP's gate activation (Hugging Face `hidden_act`): SiLU for SwiGLU, or a GELU.
+Activation = Literal["silu", "gelu", "gelu_pytorch_tanh"]
+
+
+class LinearRopeScaling(StrictModel):
+    """Position interpolation: every RoPE frequency divided by `factor`."""
+
+    type: Literal["linear"]
+    """Scaling kind."""
+    factor: float = Field(gt=0)
+    """How many times longer than trained the positions may go."""
+
+
+class Llama3RopeScaling(StrictModel):
+    """Llama 3.1's frequency-dependent RoPE scaling: long wavelengths divided by `factor`,
+    short ones kept, those in between interpolated smoothly."""
+
+    type: Literal["llama3"]
+    """Scaling kind."""
+    factor: float = Field(gt=0)
+    """Divisor of the low frequencies."""
+    low_freq_factor: float = Field(gt=0)
+    """Wavelengths above original_max_positions / low_freq_factor are fully scaled."""
+    high_freq_factor: float = Field(gt=0)
+    """Wavelengths below original_max_positions / high_freq_factor are not scaled."""
+    original_max_positions: int = Field(gt=0)
+    """Context length the model was pre-trained with (`original_max_position_embeddings`)."""
+
+
+#: RoPE scaling, told apart by `type`.
+RopeScaling = Annotated[LinearRopeScaling | Llama3RopeScaling, Field(discriminator="type")]
 
 
 class Model(Document):
@@ -42,6 +77,16 @@ class Model(Document):
     """Bias on the q/k/v projections (Qwen2)."""
     qk_norm: bool = False
     """RMSNorm on queries and keys per head (Qwen3)."""
+    rope_theta: float = Field(default=10000.0, gt=0)
+    """RoPE base frequency (`rope_theta`): 10000 for Llama 1/2, 500000 for Llama 3, 1e6 for Qwen2.5/3."""
+    rope_scaling: RopeScaling | None = None
+    """RoPE frequency scaling (`rope_scaling`); None for plain RoPE."""
+    rms_norm_eps: float = Field(default=1e-5, gt=0)
+    """Epsilon inside every RMSNorm (`rms_norm_eps`)."""
+    activation: Activation = "silu"
+    """The MLP's gate activation (`hidden_act`)."""
+    max_positions: int = Field(default=2048, gt=0)
+    """Longest sequence (prompt plus response) the model takes (`max_position_embeddings`)."""
 
     def layer_params(self) -> int:
         """Parameters of one transformer block."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, NonNegativeFloat, NonNegativeInt, model_validator
 
 from nereus.spec.base import Document, StrictModel
 from nereus.spec.cluster import Cluster
@@ -17,7 +17,7 @@ class Pool(StrictModel):
 
     name: str = Field(min_length=1)
     """Name the model-stages refer to, e.g. `pool0`."""
-    gpus: list[int] = Field(min_length=1)
+    gpus: list[NonNegativeInt] = Field(min_length=1)
     """GPU ids in this pool; pools are disjoint."""
 
 
@@ -34,10 +34,37 @@ class StagePlan(StrictModel):
     """Pipeline-parallel degree of one replica (divides the layers)."""
     dp: int = Field(gt=0)
     """Number of replicas (EMUs); equals the length of `emus`."""
-    emus: list[list[int]] = Field(min_length=1)
+    emus: list[list[NonNegativeInt]] = Field(min_length=1)
     """Each EMU's ordered GPU ids: GPU of (pp stage s, tp rank r) is entry s * tp + r."""
     micro_batches: int = Field(default=1, gt=0)
     """Micro-batches per replica: per mini-batch in training, per step in inference; 1 in generation."""
+    recompute: Literal["none", "full"] = "none"
+    """Training only: `full` keeps each layer's input and reruns its forward in the backward
+    (gradient checkpointing), `none` keeps every activation."""
+    token_budget: int | None = Field(default=None, gt=0)
+    """Training only: tokens per micro-batch when micro-batches are packed to a token budget;
+    None: micro-batches of equal row counts, sized for rows of the maximum length."""
+    zero1: bool | None = None
+    """Training only: AdamW state sharded across dp (ZeRO-1); None: as the workload's optimizer says."""
+    offload: bool = False
+    """Between its runs, this model-stage's resident states sleep in host memory (moved out
+    and back over the cluster's host link every step)."""
+    kv_budget_bytes: int | None = Field(default=None, gt=0)
+    """Generation only: KV-cache bytes per GPU the engine batches continuously into; None:
+    room for every sample of a replica at the maximum length at once."""
+
+    @model_validator(mode="after")
+    def _choices_fit_the_stage(self) -> StagePlan:
+        stage = self.model_stage.split("/")[1]
+        if stage != "training":
+            for name in ("token_budget", "zero1"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} applies to training model-stages only; drop it from {self.model_stage}")
+            if self.recompute != "none":
+                raise ValueError(f"recompute applies to training model-stages only; drop it from {self.model_stage}")
+        if stage != "generation" and self.kv_budget_bytes is not None:
+            raise ValueError(f"kv_budget_bytes applies to generation only; drop it from {self.model_stage}")
+        return self
 
     @property
     def role(self) -> Role:
@@ -60,9 +87,9 @@ class StagePrediction(StrictModel):
     """Predicted wall time of this model-stage per RL step."""
     peak_memory_bytes: int = Field(ge=0)
     """Predicted peak memory on the busiest GPU, with co-resident model-stages."""
-    time_breakdown_s: dict[str, float] = Field(default_factory=dict)
+    time_breakdown_s: dict[str, NonNegativeFloat] = Field(default_factory=dict)
     """Seconds per latency term (compute, bubbles, collectives, ...)."""
-    memory_breakdown_bytes: dict[str, int] = Field(default_factory=dict)
+    memory_breakdown_bytes: dict[str, NonNegativeInt] = Field(default_factory=dict)
     """Bytes per memory term (parameters, optimizer, activations, KV cache, ...)."""
 
 
@@ -73,7 +100,7 @@ class Predictions(StrictModel):
     """Predicted wall time of one RL step (critical path of the workflow)."""
     model_stages: dict[str, StagePrediction] = Field(default_factory=dict)
     """Per model-stage predictions keyed by `role/stage`."""
-    step_breakdown_s: dict[str, float] = Field(default_factory=dict)
+    step_breakdown_s: dict[str, NonNegativeFloat] = Field(default_factory=dict)
     """Seconds of the step's critical path per phase."""
 
 
@@ -117,6 +144,10 @@ class Plan(Document):
     """Filled by `nereus plan`; checked for staleness by `nereus check`."""
     fusion: Fusion = Field(default_factory=Fusion)
     """Stage fusions the runtime applies (off by default)."""
+    weights: dict[Role, str] | None = None
+    """Hugging Face folder each role's initial weights are read from (absolute paths; a
+    critic read from a causal LM gets a new value head); a role not named, or None: the
+    model starts from the run's seed."""
 
     def model(self, name: str) -> Model:
         """The embedded model called `name`."""

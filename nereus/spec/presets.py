@@ -13,16 +13,14 @@ Models: hyperparameters from each model's published Hugging Face `config.json`.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from nereus.errors import NereusError
-from nereus.spec.cluster import Cluster, GpuKind, Link
-from nereus.spec.model import Model
+from nereus.spec.cluster import Cluster, GpuKind, Link, size_problem
+from nereus.spec.hf_config import model_from_hf_config
+from nereus.spec.model import Llama3RopeScaling, Model
 from nereus.spec.workload import Optimizer, ResponseLengths, Workload
 
 GIB = 2**30
@@ -55,6 +53,16 @@ GPU_KINDS: dict[str, tuple[GpuKind, Link, Link, int]] = {
     ),
 }
 
+#: Per-GPU share of the host link when a node's GPUs offload at once (see Cluster.host_link):
+#: PCIe Gen4 x16 (32 GB/s per direction) for A100, Gen5 x16 (64 GB/s) for H100/H200, both
+#: halved for two GPUs per switch uplink; MI250X: 36 GB/s Infinity Fabric per GCD pair, halved.
+HOST_LINKS: dict[str, Link] = {
+    "a100-80gb": Link(bytes_per_s=16e9, latency_s=10e-6),
+    "h100-sxm": Link(bytes_per_s=32e9, latency_s=10e-6),
+    "h200": Link(bytes_per_s=32e9, latency_s=10e-6),
+    "mi250x": Link(bytes_per_s=18e9, latency_s=10e-6),
+}
+
 GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h200-sxm": "h200", "mi250": "mi250x"}
 
 
@@ -69,6 +77,7 @@ def _llama(
     head_dim: int = 0,
     tied: bool = False,
     qk_norm: bool = False,
+    **numerics: Any,
 ) -> Model:
     return Model(
         name=name,
@@ -81,20 +90,36 @@ def _llama(
         vocab_size=vocab,
         tied_embeddings=tied,
         qk_norm=qk_norm,
+        **numerics,
     )
+
+
+#: Llama 3.1 / 3.3's RoPE: theta 500000, llama3 scaling from the 8k pre-training context.
+_LLAMA3_ROPE: dict[str, Any] = {
+    "rope_theta": 500000.0,
+    "rope_scaling": Llama3RopeScaling(
+        type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_positions=8192
+    ),
+    "max_positions": 131072,
+}
+_QWEN3: dict[str, Any] = {"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_positions": 40960, "qk_norm": True}
+#: Qwen2-7B(-Instruct) config.json: QKV bias, theta 1e6, 32k positions.
+_QWEN2: dict[str, Any] = {"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_positions": 32768, "qkv_bias": True}
+_LLAMA1: dict[str, Any] = {"rms_norm_eps": 1e-6, "max_positions": 2048}
 
 
 MODELS: dict[str, Model] = {
     m.name: m
     for m in (
-        _llama("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256),
-        _llama("llama-3.3-70b", 80, 8192, 64, 8, 28672, 128256),
-        _llama("qwen3-14b", 40, 5120, 40, 8, 17408, 151936, head_dim=128, qk_norm=True),
-        _llama("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, head_dim=128, qk_norm=True),
-        _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000),
-        _llama("llama-13b", 40, 5120, 40, 40, 13824, 32000),
-        _llama("llama-33b", 60, 6656, 52, 52, 17920, 32000),
-        _llama("llama-65b", 80, 8192, 64, 64, 22016, 32000),
+        _llama("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256, **_LLAMA3_ROPE),
+        _llama("llama-3.3-70b", 80, 8192, 64, 8, 28672, 128256, **_LLAMA3_ROPE),
+        _llama("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, **_QWEN2),
+        _llama("qwen3-14b", 40, 5120, 40, 8, 17408, 151936, head_dim=128, **_QWEN3),
+        _llama("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, head_dim=128, **_QWEN3),
+        _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, max_positions=4096),
+        _llama("llama-13b", 40, 5120, 40, 40, 13824, 32000, **_LLAMA1),
+        _llama("llama-33b", 60, 6656, 52, 52, 17920, 32000, **_LLAMA1),
+        _llama("llama-65b", 80, 8192, 64, 64, 22016, 32000, **_LLAMA1),
         # Tiny models for tests and CPU runs.
         _llama("tiny", 4, 64, 4, 2, 172, 64, tied=True),
         _llama("tiny-wide", 8, 128, 8, 4, 344, 64, tied=True),
@@ -179,6 +204,9 @@ def cluster_preset(name: str, num_gpus: int | None = None) -> Cluster:
         num_nodes = -(-num_gpus // per_node)
     if num_nodes < 1 or per_node < 1:
         raise NereusError(f"cluster preset {name!r}: nodes and GPUs per node must be positive")
+    problem = size_problem(num_nodes, per_node)
+    if problem:
+        raise NereusError(f"cluster preset {name!r}: {problem}")
     return Cluster(
         name=f"{gpu_name}-{num_nodes}x{per_node}",
         num_nodes=num_nodes,
@@ -186,6 +214,7 @@ def cluster_preset(name: str, num_gpus: int | None = None) -> Cluster:
         gpu=gpu,
         intra_node=intra,
         inter_node=inter,
+        host_link=HOST_LINKS[gpu_name],
     )
 
 
@@ -194,55 +223,8 @@ def model_preset(name: str) -> Model:
     if name.lower() in MODELS:
         return MODELS[name.lower()]
     path = Path(name)
-    if path.is_dir():
-        path = path / "config.json"
-    if path.name == "config.json" and path.is_file():
+    if path.is_dir() or (path.name == "config.json" and path.is_file()):
         return model_from_hf_config(path)
     raise NereusError(
         f"unknown model preset {name!r}; use one of {', '.join(MODELS)}, a Model YAML or a Hugging Face config.json"
-    )
-
-
-HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-
-
-def model_from_hf_config(path: Path, name: str | None = None) -> Model:
-    """Read Llama/Qwen2/Qwen3 field names from a Hugging Face `config.json`."""
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise NereusError(f"{path}: not a readable JSON config: {exc}") from None
-    if not isinstance(config, dict):
-        raise NereusError(f"{path}: expected a JSON object")
-    model_type = config.get("model_type")
-    if model_type not in HF_MODEL_TYPES:
-        raise NereusError(
-            f"{path}: model_type: {model_type!r} is not a Llama-style decoder; supported: {', '.join(HF_MODEL_TYPES)}"
-        )
-    required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
-    for key in required:
-        value = config.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise NereusError(f"{path}: {key}: missing or not a positive integer")
-    heads = config["num_attention_heads"]
-    try:
-        return _model_from_fields(config, model_type, heads, name or config.get("_name_or_path") or path.parent.name)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        raise NereusError(f"{path}: {first['loc'][0]}: {first['msg']}") from None
-
-
-def _model_from_fields(config: dict[str, Any], model_type: str, heads: int, name: str) -> Model:
-    return Model(
-        name=name or "hf-model",
-        num_layers=config["num_hidden_layers"],
-        hidden_dim=config["hidden_size"],
-        num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-        ffn_dim=config["intermediate_size"],
-        vocab_size=config["vocab_size"],
-        tied_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-        qk_norm=model_type == "qwen3",
     )

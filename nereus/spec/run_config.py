@@ -54,6 +54,9 @@ class RLConfig(StrictModel):
     """GRPO and ReMax: weight of the k3 KL loss in the policy objective."""
     entropy_coef: float = Field(default=0.0, ge=0)
     """Weight of the entropy bonus in the policy objective."""
+    log_samples: int = Field(default=0, ge=0)
+    """Samples per step written to samples.jsonl in the run folder (0: none): text, token
+    ids, the actor's log-probability of every response token (temperature 1) and reward."""
     reward: Literal["rule", "model"] = "rule"
     """`rule`: the task scores each response. `model`: a value-head transformer on the plan's
     reward/inference stage scores it, fitted to rule scores of synthetic responses first."""
@@ -95,11 +98,31 @@ class RunConfig(Document):
     """The RL loop's hyperparameters."""
     plan: str | None = None
     """Plan YAML the run uses (models, workload, every model-stage's layout), relative to this
-    file; `nereus run --plan` overrides it. One of the two is required."""
+    file; `nereus run --plan` overrides it. One of the two is required unless `model` is set."""
+    model: str | None = None
+    """Hugging Face model folder (relative to this file): every role's architecture and the
+    actor's, reference's and critic's (new value head) initial weights. Without a plan the
+    run plans itself from `workload` for its ranks."""
+    critic_model: str | None = None
+    """Hugging Face folder the critic starts from instead (relative to this file): a
+    sequence-classification checkpoint (one label) of the same architecture, or a causal LM
+    (a new value head)."""
+    reward_model: str | None = None
+    """Hugging Face sequence-classification folder (one label, same architecture; relative to
+    this file) the reward model (`rl.reward: model`) is read from instead of being fitted."""
+    workload: str = "tiny-ppo"
+    """Workload preset or YAML (relative to this file) a run with `model` and no plan is
+    planned for; its model names are replaced by the folder's model."""
+    cluster: str = "h100-sxm"
+    """Cluster preset or YAML (relative to this file) whose GPU kind a self-planned run is
+    laid out for (one node with as many GPUs as the run has ranks)."""
     num_steps: int = Field(default=50, gt=0)
     """RL steps to run (the total, counting steps done before a resume)."""
     checkpoint_every: int = Field(default=10, gt=0)
     """Save a checkpoint after every this many steps (and after the last step)."""
+    collective_timeout_s: float = Field(default=120.0, gt=0)
+    """Seconds a collective waits for the other ranks before the run stops, naming the rank
+    that did not arrive (a hung or stopped rank)."""
     keep_checkpoints: int = Field(default=2, gt=0)
     """Newest checkpoints kept; older ones are deleted once a newer one is complete."""
     plan_switches: list[PlanSwitch] = Field(default_factory=list)

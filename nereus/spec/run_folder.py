@@ -6,12 +6,15 @@ A run folder holds:
     config.yaml      the RunConfig the run uses (its `plan` points at plan.yaml)
     plan.yaml        the Plan it runs under (replaced when a resume changes the plan)
     metrics.jsonl    one `StepMetrics` JSON record per finished step
+    samples.jsonl    `rl.log_samples` samples of every step (text, ids, log-probs, reward)
     trace.yaml       the controller's trace (runs with a trace only)
     calibration.yaml the cost model's starting calibration (when the config names one)
     timeline/        rank-R.jsonl: every rank's spans (model-stages, transitions, checkpoints)
     decisions.jsonl  the controller's decisions with their inputs (runs with a trace only)
     checkpoints/     step-000010/ ... : every trained model's state after that many steps,
-                     and the plan in force then
+                     the plan in force then, rank 0's run state (controller.json) and
+                     state.json: the step and the sha256 of every file beside it
+    damaged-checkpoints/  newer checkpoints a resume from an older one set aside
     failure.log      the full error of a run that failed (written only then)
 
 Every reader refuses a malformed line with one error naming the file and the line.
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.errors import NereusError
+from nereus.spec.io import read_utf8
 from nereus.spec.run_config import RunConfig
 
 CONFIG_NAME = "config.yaml"
@@ -34,14 +38,19 @@ PLAN_NAME = "plan.yaml"
 TRACE_NAME = "trace.yaml"
 CALIBRATION_NAME = "calibration.yaml"
 METRICS_NAME = "metrics.jsonl"
+SAMPLES_NAME = "samples.jsonl"
 DECISIONS_NAME = "decisions.jsonl"
 TIMELINE_NAME = "timeline"
 CHECKPOINTS_NAME = "checkpoints"
 FAILURE_NAME = "failure.log"
 #: The file inside a finished run checkpoint that records the step it was taken after.
 CHECKPOINT_STATE_NAME = "state.json"
-#: The controller's state (policy, calibration) inside a run checkpoint, pickled by rank 0.
-CONTROLLER_STATE_NAME = "controller.pkl"
+#: Rank 0's run state (predictor, online calibration, controller) inside a run checkpoint: JSON.
+CONTROLLER_STATE_NAME = "controller.json"
+#: Where nereus before checkpoints were data pickled the run state: such a checkpoint is refused.
+LEGACY_STATE_NAME = "controller.pkl"
+#: Where a resume from an older checkpoint moves the damaged newer ones (kept for inspection).
+DAMAGED_NAME = "damaged-checkpoints"
 
 
 def switch_plan_name(step: int) -> str:
@@ -206,10 +215,14 @@ def required(data: dict[str, Any], where: str, key: str, parent: str = "") -> An
     return data[key]
 
 
-def json_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """(where, object) per non-blank line of a JSON-lines log; `where` names the file and line."""
+def json_lines(path: Path, complete_only: bool = False) -> list[tuple[str, dict[str, Any]]]:
+    """(where, object) per non-blank line of a JSON-lines log; `where` names the file and line.
+    `complete_only`: a last line without its newline (an append a kill cut short) is left out."""
     rows = []
-    for number_, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    text = read_utf8(path)
+    if complete_only:
+        text = text[: text.rfind("\n") + 1]
+    for number_, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}: line {number_}"
@@ -229,7 +242,7 @@ def json_lines(path: Path) -> list[tuple[str, dict[str, Any]]]:
 def read_metrics(out: Path) -> list[dict[str, Any]]:
     """The run's per-step records as written, in order (empty before the first step)."""
     path = out / METRICS_NAME
-    return [data for _, data in json_lines(path)] if path.is_file() else []
+    return [data for _, data in json_lines(path, complete_only=True)] if path.is_file() else []
 
 
 def step_record(where: str, data: dict[str, Any]) -> StepRecord:

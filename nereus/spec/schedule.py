@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, NonNegativeFloat, NonNegativeInt
 
 from nereus.spec.base import Document, StrictModel
 
@@ -21,17 +21,17 @@ class ScheduleModel(StrictModel):
     """Model name the ops refer to, e.g. `actor`."""
     microbatches: int = Field(gt=0)
     """Micro-batches of one step over all replicas."""
-    forward: list[float] = Field(min_length=1)
+    forward: list[NonNegativeFloat] = Field(min_length=1)
     """Forward time of one micro-batch per stage (in `time_unit`)."""
-    backward: list[float] = Field(min_length=1)
+    backward: list[NonNegativeFloat] = Field(min_length=1)
     """Backward time per stage (its input-gradient part when `weight_grad` is set)."""
-    weight_grad: list[float] | None = None
+    weight_grad: list[NonNegativeFloat] | None = None
     """Weight-gradient time per stage when the backward is split."""
-    activation: list[float] = Field(min_length=1)
+    activation: list[NonNegativeFloat] = Field(min_length=1)
     """Activation memory one in-flight micro-batch holds per stage (in `memory_unit`)."""
-    replica_nodes: list[list[int]] = Field(min_length=1)
+    replica_nodes: list[list[NonNegativeInt]] = Field(min_length=1)
     """Per replica, the node of each stage."""
-    replica_microbatches: list[list[int]] = Field(min_length=1)
+    replica_microbatches: list[list[NonNegativeInt]] = Field(min_length=1)
     """Per replica, the micro-batch ids it processes."""
 
 
@@ -68,14 +68,29 @@ class ExactSummary(StrictModel):
 
     status: Literal["optimal", "feasible", "infeasible", "unknown"]
     """Of the makespan: optimal certifies that no schedule is faster."""
-    makespan: float | None
+    makespan: NonNegativeFloat | None
     """The exact model's makespan (re-timed with the real durations)."""
-    bound: float | None
+    bound: NonNegativeFloat | None
     """Its lower bound on the optimal makespan."""
-    peak_memory: float | None
+    peak_memory: NonNegativeFloat | None
     """Peak activation memory of its schedule."""
     memory_optimal: bool
     """Its peak memory is the least among the fastest schedules."""
+    wall_s: float = Field(ge=0)
+    """Seconds the solver ran."""
+
+
+class ExactMemorySummary(StrictModel):
+    """CP-SAT's least peak activation among schedules as fast as the heuristic's."""
+
+    status: Literal["optimal", "feasible", "infeasible", "unknown"]
+    """Of the peak: optimal certifies that no schedule this fast holds less."""
+    peak_memory: float | None
+    """Peak activation of its schedule."""
+    bound: float | None
+    """Its lower bound on the least peak at this makespan."""
+    makespan: float | None
+    """Makespan of its schedule, re-timed with the real durations."""
     wall_s: float = Field(ge=0)
     """Seconds the solver ran."""
 
@@ -94,13 +109,15 @@ class ScheduleSummary(StrictModel):
     """Largest per-node peak activation memory."""
     memory_bound: float = Field(ge=0)
     """Serial 1F1B first-stage peak, the memory reference bound."""
+    memory_lower_bound: float | None = Field(default=None, ge=0)
+    """Lower bound on the peak of every schedule as fast as this one (None when not computed)."""
     bubble_ratio: float
     """Idle fraction of nodes x makespan."""
     serial_1f1b_makespan: float = Field(ge=0)
     """Actor 1F1B, then critic 1F1B, on the same nodes."""
     serial_chimera_makespan: float = Field(ge=0)
     """Actor Chimera-style, then critic Chimera-style."""
-    speedup_vs_serial: float
+    speedup_vs_serial: float = Field(ge=0)
     """serial_1f1b_makespan / makespan."""
     greedy_makespan: float = Field(ge=0)
     """The greedy list schedule the search started from."""
@@ -110,6 +127,8 @@ class ScheduleSummary(StrictModel):
     """Annealing seeds run in parallel."""
     exact: ExactSummary | None = None
     """The exact model's result when `--exact` was given."""
+    exact_memory: ExactMemorySummary | None = None
+    """The exact model's least peak at this schedule's makespan when `--exact` was given."""
 
 
 class Schedule(Document):
@@ -124,7 +143,7 @@ class Schedule(Document):
     """Pipeline nodes (GPU groups of equal size)."""
     p2p_latency: float = Field(default=0.0, ge=0)
     """Added to every dependency between two different nodes."""
-    activation_cap: float | None = None
+    activation_cap: NonNegativeFloat | None = None
     """Per-node activation memory limit the schedule respects; null for none."""
     models: list[ScheduleModel] = Field(min_length=1)
     """The models (actor first) and their placement."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, NonNegativeInt
 
 from nereus.spec.base import Document, StrictModel
 from nereus.spec.check import Problem, plan_problems
@@ -56,7 +56,7 @@ class EmuRecord(StrictModel):
     """Tensor-parallel degree of the replica."""
     pp: int = Field(gt=0)
     """Pipeline-parallel degree of the replica."""
-    gpus: list[int] = Field(min_length=1)
+    gpus: list[NonNegativeInt] = Field(min_length=1)
     """Ordered GPU ids: GPU of (pp stage s, tp rank r) is entry s * tp + r."""
 
 
@@ -74,9 +74,9 @@ class PrimitiveRecord(StrictModel):
     """Layout of the replicas the primitive starts from."""
     target_layout: LayoutRecord
     """Layout of the replicas it produces."""
-    gpus_read: list[int]
+    gpus_read: list[NonNegativeInt]
     """GPUs whose state is read (sources of the copies)."""
-    gpus_written: list[int]
+    gpus_written: list[NonNegativeInt]
     """GPUs whose state is written."""
     alloc_bytes: list[GpuBytes]
     """Bytes allocated per GPU when the primitive starts."""
@@ -94,9 +94,9 @@ class PrimitiveRecord(StrictModel):
     """Predicted start, seconds after the transition begins."""
     end_s: float = Field(ge=0)
     """Predicted end, seconds after the transition begins."""
-    depends_on: list[int] = Field(default_factory=list)
+    depends_on: list[NonNegativeInt] = Field(default_factory=list)
     """Data edges: ids of primitives whose output this one needs."""
-    ownership_deps: list[int] = Field(default_factory=list)
+    ownership_deps: list[NonNegativeInt] = Field(default_factory=list)
     """GPU-ownership edges: ids of primitives (of other model-stages) that had to release
     memory on a shared GPU before this one could allocate."""
     removes: list[EmuRecord] = Field(default_factory=list)

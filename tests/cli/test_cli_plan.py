@@ -7,8 +7,11 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
+from repo_paths import EXAMPLES
 from typer.testing import CliRunner
 
 from nereus.cli.app import app
@@ -130,7 +133,7 @@ def assert_one_line_error(result, *fragments: str) -> None:  # type: ignore[no-u
 
 def test_plan_70b_on_8_gpus_is_one_line_error() -> None:
     result = invoke("plan", "--gpus", "8", "--model", "llama-3.3-70b")
-    assert_one_line_error(result, "no memory-feasible plan", "smallest GPU count that fits is 80")
+    assert_one_line_error(result, "no memory-feasible plan", "smallest GPU count that fits is 24")
 
 
 def test_plan_more_gpus_than_the_cluster() -> None:
@@ -165,6 +168,43 @@ def test_stale_predictions_warn_and_fail_strict(plan_file: Path, tmp_path: Path)
     assert "warning: stale" in strict.stdout
 
 
+def _edited(plan_file: Path, tmp_path: Path, edit: Any) -> Path:
+    data = yaml.safe_load(plan_file.read_text())
+    edit(data["predictions"])
+    path = tmp_path / "edited.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_any_stored_prediction_that_differs_warns_and_fails_strict(plan_file: Path, tmp_path: Path) -> None:
+    """Not only the step time and each model-stage's total: every stored number is recomputed."""
+    stage = "actor/training"
+
+    def edit(predictions: dict[str, Any]) -> None:
+        breakdown = predictions["model_stages"][stage]["memory_breakdown_bytes"]
+        breakdown["optimizer"] += 1
+        predictions["step_breakdown_s"]["generation"] *= 1.01
+        predictions["model_stages"][stage]["time_breakdown_s"]["invented"] = 1.0
+
+    path = _edited(plan_file, tmp_path, edit)
+    result = invoke("check", str(path))
+    assert result.exit_code == 0, result.output
+    assert f"{stage}.memory_breakdown_bytes.optimizer: warning: stale: stored " in result.stdout
+    assert "predictions.step_breakdown_s.generation: warning: stale: stored" in result.stdout
+    assert f"predictions.model_stages.{stage}.time_breakdown_s.invented: warning: stale: stored, but" in result.stdout
+    assert result.stdout.count("warning: stale") == 3, result.stdout
+    assert invoke("check", "--strict", str(path)).exit_code == 1
+
+
+def test_a_negative_byte_count_in_predictions_is_an_error(plan_file: Path, tmp_path: Path) -> None:
+    def edit(predictions: dict[str, Any]) -> None:
+        predictions["model_stages"]["actor/training"]["memory_breakdown_bytes"]["optimizer"] = -1
+
+    result = invoke("check", str(_edited(plan_file, tmp_path, edit)))
+    assert result.exit_code == 1, result.output
+    assert "memory_breakdown_bytes.optimizer" in result.stdout and "greater than or equal to 0" in result.stdout
+
+
 def test_plan_cli_does_not_import_torch(tmp_path: Path) -> None:
     """`nereus --help`, `plan` and `check` run without importing torch (a fresh interpreter)."""
     out = tmp_path / "p.yaml"
@@ -186,3 +226,25 @@ def test_plan_cli_does_not_import_torch(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "NO-TORCH"
     assert out.is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--gpus", "1000000"], "cluster preset 'h100': 1000000 GPUs; nereus handles clusters of at most 16384"),
+        (["--cluster", "h100-99999x8"], "799992 GPUs; nereus handles clusters of at most 16384"),
+    ],
+)
+def test_a_cluster_too_large_to_search_is_refused_at_once(args: list[str], expected: str) -> None:
+    """Found by the careless-input test: these searched for minutes (or overflowed) before."""
+    assert_one_line_error(invoke("plan", *args), expected)
+
+
+def test_a_cluster_file_too_large_is_a_schema_error(tmp_path: Path) -> None:
+    data = yaml.safe_load((EXAMPLES / "cluster-h100-2x8.yaml").read_text())
+    data["gpus_per_node"] = 10**30
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert_one_line_error(
+        invoke("plan", "--cluster", str(path)), "gpus_per_node: Input should be less than or equal to 16384"
+    )

@@ -384,3 +384,27 @@ def test_batched_extend_round_trips_and_replays_clean(monkeypatch: pytest.Monkey
     assert check_result(rebuilt, plan_a, plan_b) == []
     batched = next(p for p in document.primitives if p.kind == "extend" and len(p.adds) == 2)
     assert " | 2 replicas | GPUs " in primitive_line(batched)  # `dag show` says how many it copies
+
+
+def test_plans_for_16_and_32_gpus_of_one_preset_build_as_a_pool_change(tmp_path: Path) -> None:
+    """The pool-growth case: `plan --gpus 16` and `--gpus 32` on h100 write 2- and 4-node clusters."""
+    small, large, out = tmp_path / "p16.yaml", tmp_path / "p32.yaml", tmp_path / "t.yaml"
+    for gpus, path in (("16", small), ("32", large)):
+        assert invoke("plan", "--gpus", gpus, "-o", path).exit_code == 0
+    for a, b in ((small, large), (large, small)):
+        result = invoke("dag", "build", a, b, "-o", out)
+        assert result.exit_code == 0, result.output
+        lines = [line for line in result.stderr.splitlines() if line.startswith("sub-pool: ")]
+        assert lines == [
+            "sub-pool: h100-sxm-2x8 (16 GPUs) is the first 2 of the 4 nodes of h100-sxm-4x8; "
+            "the transition runs on h100-sxm-4x8"
+        ]
+        checked = invoke("check", "--strict", out)
+        assert checked.exit_code == 0 and "ok (Transition)" in checked.stdout, checked.output
+    # A node of another shape is still refused, with the reason.
+    plan = load_document(large)
+    assert isinstance(plan, Plan)
+    cluster = plan.cluster.model_copy(update={"gpus_per_node": 4, "num_nodes": 8, "name": "h100-sxm-8x4"})
+    save_document(plan.model_copy(update={"cluster": cluster}), tmp_path / "other.yaml")
+    line = one_error_line(invoke("dag", "build", small, tmp_path / "other.yaml"))
+    assert "(h100-sxm-2x8 vs h100-sxm-8x4: gpus_per_node differ)" in line, line

@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,12 +18,14 @@ import yaml
 from repo_paths import DATA, EXAMPLES
 
 from nereus.runtime.checkpoint import verify_checkpoint
-from nereus.runtime.rl.config import RLConfig
+from nereus.runtime.rl.run_state import read_run_state
 from nereus.runtime.rl.setup import memory_problems, state_bytes_by_rank
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
+from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke, one_error_line
+from tests.run_helpers import alive, rank_pids, start_run, wait_for, write_config
 
 pytestmark = pytest.mark.cli
 
@@ -35,23 +34,6 @@ PLAN_2RANK = DATA / "plan-tiny-ppo-2rank.yaml"
 EXAMPLES = EXAMPLES
 #: Fields that depend on wall time (predictions come from a calibration fitted to measured times).
 TIMING_FIELDS = ("stage_seconds", "step_seconds", "predicted_step_seconds", "predicted_stage_seconds")
-
-
-def write_config(folder: Path, **fields: Any) -> Path:
-    """A small 2-rank PPO config (short responses) next to a copy of the 2-rank plan."""
-    shutil.copy(PLAN_2RANK, folder / "plan.yaml")
-    document = {
-        "kind": "RunConfig",
-        "version": 1,
-        "plan": "plan.yaml",
-        "num_steps": 4,
-        "checkpoint_every": 2,
-        "rl": {"task": "sort", "seed": 3, "max_new_tokens": 6},
-        **fields,
-    }
-    path = folder / "run.yaml"
-    path.write_text(yaml.safe_dump(document))
-    return path
 
 
 def training_records(out: Path) -> list[dict[str, Any]]:
@@ -205,37 +187,6 @@ def restored_actor_params(rank: int, world_size: int, setup: Any) -> dict[str, A
 
 
 # ---- killed runs (subprocesses) ----
-
-
-def start_run(*args: str | Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "nereus", "run", *map(str, args)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
-
-
-def rank_pids(parent: int) -> list[int]:
-    """PIDs of the spawned ranks of `parent` (children running multiprocessing's spawn_main)."""
-    pids = []
-    for child in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        if b"spawn_main" in cmdline:
-            pids.append(int(child))
-    return pids
-
-
-def alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "State:\tZ" not in status
-
-
-def wait_for(condition: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 @pytest.mark.multiprocess
@@ -395,12 +346,13 @@ def test_trace_lengths_timeline_and_controller_state_survive_a_resume(tmp_path: 
         assert all(s["end"] >= s["start"] for s in spans)
     events = json.loads((out / "timeline.json").read_text())["traceEvents"]
     assert {e["name"] for e in events if e.get("ph") == "X"} >= {"actor/generation", "step-000006"}
-    state = pickle.loads((out / "checkpoints" / "step-000006" / "controller.pkl").read_bytes())
+    state = read_run_state(out / "checkpoints" / "step-000006" / "controller.json")
     # Steps 1, 2, 4, 5 calibrate (each process's first step is warm-up): 2 of them before the resume.
     # Under a plan that keeps rank 0 out of generation, step 5's update waits in the checkpoint.
     pending = state.predictor.pending
+    assert state.predictor.calibrator is not None and state.controller is not None
     assert state.predictor.calibrator.num_updates + (pending is not None) == 4
-    assert pending is None or pending[1].step == 5
+    assert pending is None or pending.metrics["step"] == 5
     assert state.controller.plan == load_document(out / "checkpoints" / "step-000006" / "plan.yaml")
 
 
@@ -418,9 +370,10 @@ def test_with_generation_off_rank_0_each_online_update_runs_in_the_next_steps_ge
     (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
     out = tmp_path / "out"
     assert invoke("run", config, "--out", out).exit_code == 0
-    state = pickle.loads((out / "checkpoints" / "step-000004" / "controller.pkl").read_bytes())
+    state = read_run_state(out / "checkpoints" / "step-000004" / "controller.json")
+    assert state.predictor.calibrator is not None
     assert state.predictor.calibrator.num_updates == 2  # steps 1 and 2 (step 0 is warm-up)
-    assert state.predictor.pending is not None and state.predictor.pending[1].step == 3
+    assert state.predictor.pending is not None and state.predictor.pending.metrics["step"] == 3
     spans = [json.loads(line) for line in (out / "timeline" / "rank-0.jsonl").read_text().splitlines()]
     generation = {s["step"]: s for s in spans if s["name"] == "actor/generation"}
     idle = [s for s in spans if s["name"] == "calibrate (idle)"]
@@ -461,7 +414,9 @@ def test_a_run_through_tp_pp_dp_pool_shrink_and_growth_keeps_its_state_bitwise(t
     assert invoke("run", traced, "--out", out).exit_code == 0
     spans = [json.loads(line) for line in (out / "timeline" / "rank-0.jsonl").read_text().splitlines()]
     checks = [s["args"] for s in spans if s["name"] == "verify state"]
-    assert len(checks) >= 4 and all(check["equal"] for check in checks)
+    # At least the announced shrink and the growth back go by checked DAGs; the controller's other,
+    # voluntary moves depend on measured step times (efficiency), so their number is not asserted.
+    assert len(checks) >= 2 and all(check["equal"] for check in checks)
     # The ranks keep their state in arenas: moved pieces are read straight out of the sender's.
     primitives = [s["args"] for s in spans if s["cat"] == "primitive"]
     assert sum(p["bytes_received_direct"] for p in primitives) > 0
@@ -472,8 +427,9 @@ def test_a_run_through_tp_pp_dp_pool_shrink_and_growth_keeps_its_state_bitwise(t
     assert {2, 4} <= {int(layout.split(" ")[0]) for layout in layouts}, "a shrink to 2 and a growth back to 4"
     entries = [entry for layout in layouts for entry in layout.split(": ", 1)[1].split(", ")]
     tp_pp_dp = {tuple(int(n) for n in entry.split(" ")[1].split("/")) for entry in entries}
-    assert any(tp > 1 for tp, _, _ in tp_pp_dp) and any(pp > 1 for _, pp, _ in tp_pp_dp)
-    assert len({dp for _, _, dp in tp_pp_dp}) >= 3
+    # 10 MiB ranks: on 2 GPUs some model-stage needs tp or pp > 1; on 4 some runs dp > 1.
+    assert any(tp > 1 or pp > 1 for tp, pp, _ in tp_pp_dp), layouts
+    assert len({dp for _, _, dp in tp_pp_dp}) >= 2, layouts
     assert invoke("run", plain, "--out", plain_out).exit_code == 0
     moved, kept = read_metrics(out), read_metrics(plain_out)
     # Stated tolerance: per-step reward within 0.02 (a sample or two scored differently), KL and
@@ -555,3 +511,21 @@ def test_the_closing_summary_keeps_long_paths_on_one_line(capsys: pytest.Capture
     lines = capsys.readouterr().out.splitlines()
     assert f"ran steps 1-50 of the run on 4 ranks in 94.9 s -> {out}" in lines
     assert f"timeline: {out}/t.json (open in ui.perfetto.dev); summary: nereus report {out}" in lines
+
+
+@pytest.mark.parametrize(
+    ("choice", "pin"),
+    [({"offload": True}, "--offload off"), ({"recompute": "full"}, "--recompute none")],
+)
+def test_a_plan_with_a_choice_the_runtime_lacks_is_refused(tmp_path: Path, choice: dict, pin: str) -> None:
+    config = write_config(tmp_path)
+    plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    training = next(s for s in plan["stages"] if s["model_stage"] == "actor/training")
+    training.update(choice)
+    plan.pop("predictions", None)
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+    result = invoke("run", config, "--out", tmp_path / "out")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    line = one_error_line(result)
+    assert "actor/training" in line and "not executed by the runtime" in line and pin in line
+    assert not (tmp_path / "out").exists()

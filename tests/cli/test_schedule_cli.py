@@ -115,7 +115,25 @@ def test_plan_form_and_exact(tmp_path: Path) -> None:
     assert data["time_unit"] == "s" and data["memory_unit"] == "GiB"
     assert data["summary"]["exact"]["status"] == "optimal"
     assert data["summary"]["makespan"] >= data["summary"]["exact"]["makespan"] - 1e-12
+    # CP-SAT's least peak at the heuristic's makespan: never above the heuristic's peak, never
+    # below the memory lower bound at that makespan, and printed.
+    lean, summary = data["summary"]["exact_memory"], data["summary"]
+    assert lean["status"] in ("optimal", "feasible") and "exact CP-SAT memory at this makespan" in result.stdout
+    assert summary["memory_lower_bound"] <= lean["peak_memory"] + 1e-9 <= summary["peak_memory"] + 2e-9
+    assert f"lower bound at this makespan {summary['memory_lower_bound']:.4g}" in result.stdout
     assert invoke("check", out).exit_code == 0
+
+
+def test_act_cap_trades_makespan_for_memory() -> None:
+    """8 micro-batches: the fastest schedule holds about twice the memory bound; under a cap of
+    the bound the search returns a slower schedule that fits."""
+    args = [*EXPLICIT[:2], "--microbatches", "8,8", *EXPLICIT[4:], *QUICK, "--json"]
+    free = json.loads(invoke("schedule", "fuse", *args).stdout)["summary"]
+    cap = free["memory_bound"]
+    assert free["peak_memory"] > cap
+    capped = json.loads(invoke("schedule", "fuse", *args, "--act-cap", str(cap)).stdout)["summary"]
+    assert capped["peak_memory"] <= cap + 1e-9
+    assert free["makespan"] < capped["makespan"] < capped["serial_1f1b_makespan"]
 
 
 @pytest.mark.parametrize(

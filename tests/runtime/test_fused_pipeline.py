@@ -30,7 +30,6 @@ from nereus.runtime.fused_schedule import fused_schedule, intra_stage_problems, 
 from nereus.runtime.model import Batch
 from nereus.runtime.optim import AdamWConfig
 from nereus.runtime.pipeline import Op, Sends
-from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.stages import build_stages
 from nereus.runtime.rl.step import rl_step
 from nereus.runtime.rl.update import fused_training, sync_plans
@@ -41,6 +40,7 @@ from nereus.solver.pipeline.search import SearchConfig, search_fused
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.presets import MODELS
+from nereus.spec.run_config import RLConfig
 from nereus.spec.schedule import Schedule
 
 pytestmark = pytest.mark.one_rank

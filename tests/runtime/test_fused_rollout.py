@@ -14,7 +14,6 @@ from nereus.runtime.dist import spawn
 from nereus.runtime.engine import Engine
 from nereus.runtime.generate import CachedForward, Decoder, SamplingConfig, reference_generate, sample_seed
 from nereus.runtime.model import ReferenceModel, init_logical_params
-from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.fused_rollout import EARLY_CHUNK, EVENT_KINDS, fused_rollout, plan_moves
 from nereus.runtime.rl.inter_stage import (
     check_inter_stage,
@@ -31,6 +30,7 @@ from nereus.runtime.shard_layout import RankLayout
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.presets import MODELS
+from nereus.spec.run_config import RLConfig
 
 pytestmark = pytest.mark.one_rank
 

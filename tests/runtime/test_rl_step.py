@@ -15,7 +15,6 @@ from nereus.errors import NereusError
 from nereus.runtime.dist import spawn
 from nereus.runtime.rl import run
 from nereus.runtime.rl.algorithms import entropy_from_logits
-from nereus.runtime.rl.config import RLConfig, RunConfig
 from nereus.runtime.rl.objectives import vocab_parallel_entropy
 from nereus.runtime.rl.setup import RunSetup, plan_problems, prepare_folder
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, rollout_batch
@@ -25,6 +24,7 @@ from nereus.runtime.sharded_state import gather, state_meta
 from nereus.runtime.tensor_parallel import TensorParallel
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
+from nereus.spec.run_config import RLConfig, RunConfig
 from nereus.spec.run_folder import StepMetrics
 
 pytestmark = pytest.mark.one_rank

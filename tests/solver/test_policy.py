@@ -243,7 +243,9 @@ def test_admitted_transitions_pass_the_checker(plan: Plan, replanner: Replanner)
     from nereus.solver.simulate import observation_of
     from nereus.spec.trace import trace_conditions
 
-    trace = combined_trace(300, GPUS, GrowthConfig(every_steps=5), SpotConfig(num_changes=14), seed=5)
+    # seed 1: 41 admitted transitions, 4 of them after a surprise loss (seed 5 had none once plans
+    # bounded their KV cache: memory no longer forces the moves it did)
+    trace = combined_trace(300, GPUS, GrowthConfig(every_steps=5), SpotConfig(num_changes=14), seed=1)
     checked = surprise = 0
     for name in ("nereus", "dynarl"):
         policy = make_policy(name, plan, replanner)
@@ -330,3 +332,19 @@ def test_measured_memory_over_the_usable_share_takes_the_urgent_path(plan: Plan,
     assert calm.path == "none"
     full = policy.decide(Observation(1, GPUS, lengths(500), memory_used=0.95, steps_remaining=99))
     assert full.path == "urgent" and "measured memory 95%" in full.reason
+
+
+def test_fixed_runs_generation_in_smaller_waves_before_it_replans(plan: Plan, replanner: Replanner) -> None:
+    """The paper's fixed baseline: longer responses keep every tp/pp; generation gets a KV budget
+    of what its GPUs have left (slower than the best plan), until not even one maximum-length
+    sequence fits."""
+    kept = replanner.refit(plan, GPUS, lengths(8000), 1.0)
+    assert kept is not None
+    assert [(s.tp, s.pp) for s in kept.stages] == [(s.tp, s.pp) for s in plan.stages]
+    generation = kept.stage_plan("actor/generation")
+    assert generation.kv_budget_bytes is not None
+    fixed_time = replanner.step_time(kept, lengths(8000), 1.0)
+    best = replanner.best_plan(GPUS, lengths(8000), 1.0)
+    assert best is not None and fixed_time is not None
+    assert fixed_time > replanner.step_time(best, lengths(8000), 1.0)  # type: ignore[operator]
+    assert replanner.refit(plan, GPUS, lengths(500_000), 1.0) is None  # that length fits no kept layout: replan

@@ -13,11 +13,17 @@ from nereus.solver.pipeline.evaluate import evaluate, peak_memory, simulate
 from nereus.solver.pipeline.improve import forward_backward, serial_schedule
 from nereus.solver.pipeline.model import Instance, ModelTimes, build_instance, fused_problem, single_problem
 from nereus.solver.pipeline.search import (
+    AnnealOutcome,
     SearchConfig,
+    _memory_phase,
     _peak_move,
+    _Phase,
+    anneal,
     critical_node_arcs,
     greedy_schedule,
+    memory_profile,
     search_fused,
+    starting_schedules,
 )
 
 pytestmark = pytest.mark.logic
@@ -86,19 +92,70 @@ def test_critical_arcs_are_tight_node_arcs() -> None:
         assert state[1][orders[node][i]] == pytest.approx(state[2][orders[node][i - 1]])
 
 
-def test_peak_move_moves_one_op_on_a_peak_node() -> None:
+def test_peak_move_moves_one_op_on_a_node_above_the_level() -> None:
     inst = build_instance(single_problem(ModelTimes.uniform("a", 4, 8, 1.0, 2.0, 1.0), 4))
     orders = gpipe(inst)  # every forward first: node 0 peaks at 8 micro-batches
     peaks = peak_memory(inst, orders)
+    level = max(peaks) - 1
+    excess = [memory_profile(inst.memory_delta, order, level)[1] for order in orders]
+    assert all(e == 1.0 for e in excess)  # every node holds all 8 for one moment
     rng = random.Random(3)
     lowered = 0
     for _ in range(50):
-        node, order, first = _peak_move(inst, rng, orders, peaks)
-        assert peaks[node] == max(peaks)
+        node, order, first = _peak_move(inst, rng, orders, excess, level)
+        assert excess[node] > 0
         assert sorted(order) == sorted(orders[node])
         assert order[:first] == orders[node][:first]
-        lowered += peak_memory(inst, [order])[0] < peaks[node]
+        lowered += memory_profile(inst.memory_delta, order, level)[1] < excess[node]
     assert lowered > 0
+
+
+def test_memory_profile_is_the_peak_and_the_excess_over_the_level() -> None:
+    inst = build_instance(single_problem(ModelTimes.uniform("a", 2, 3, 1.0, 2.0, 2.0), 2))
+    order = gpipe(inst)[0]  # node 0: F F F B B B, holding 2, 4, 6, 4, 2, 0
+    assert memory_profile(inst.memory_delta, order, 3.0) == (6.0, 1 + 3 + 1)
+    assert memory_profile(inst.memory_delta, order, 6.0) == (6.0, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_memory_phase_never_raises_the_makespan_and_reports_its_replay(seed: int) -> None:
+    inst = _random_instance(seed)
+    bounds = lower_bounds(inst)
+    _, starts = starting_schedules(inst, ("actor", "critic"))
+    _, orders, ev = starts[-1]  # the slowest start: room to lower the peak at its makespan
+    best = AnnealOutcome(seed, [list(o) for o in orders], ev.makespan, ev.max_peak_memory, 0)
+    movable = [n for n, o in enumerate(orders) if len(o) > 1]
+    _memory_phase(inst, _Phase(float("inf"), 3000), best, random.Random(seed), movable, 0, 0.0)
+    replay = evaluate(inst, best.orders)
+    assert replay.ok
+    assert best.makespan <= ev.makespan * (1 + 1e-9)
+    assert replay.makespan == pytest.approx(best.makespan, rel=1e-12)
+    assert replay.max_peak_memory == best.peak <= ev.max_peak_memory
+    assert bounds.latency <= replay.makespan + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_anneal_outcome_is_its_own_replay(seed: int) -> None:
+    inst = _random_instance(seed)
+    bounds = lower_bounds(inst)
+    _, starts = starting_schedules(inst, ("actor", "critic"))
+    outcome = anneal(inst, starts[0][1], seed, 60.0, bounds.latency, bounds.memory, max_iterations=2000)
+    replay = evaluate(inst, outcome.orders)
+    assert replay.ok and replay.makespan == pytest.approx(outcome.makespan, rel=1e-12)
+    assert replay.max_peak_memory == outcome.peak
+    assert outcome.makespan <= starts[0][2].makespan * (1 + 1e-9)
+
+
+@pytest.mark.slow
+def test_the_memory_phase_lowers_the_peak_of_a_fast_schedule() -> None:
+    """33B/13B-like times, 4 actor and 4 critic stages, 16 micro-batches: the fastest list
+    schedule front-loads forwards; the memory phase keeps its makespan at less memory."""
+    actor = ModelTimes.uniform("actor", 4, 16, 6.6, 13.3, 10.0)
+    critic = ModelTimes.uniform("critic", 4, 16, 2.6, 5.2, 5.1)
+    result = search_fused(actor, critic, SearchConfig(time_limit_s=60, seeds=1, max_iterations=40000))
+    assert result.evaluation.makespan <= result.greedy.makespan * (1 + 1e-9)
+    assert result.evaluation.max_peak_memory < 0.7 * result.greedy.max_peak_memory
+    assert result.memory_lower_bound <= result.evaluation.max_peak_memory
 
 
 def test_search_reaches_the_bound_where_list_scheduling_does_not() -> None:

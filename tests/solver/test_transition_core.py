@@ -288,3 +288,46 @@ def test_a_copy_tree_is_told_from_star_copies() -> None:
     assert not _copies_a_new_replica(grown(many, None))
     shape = [(p.kind, p.reads, p.writes, p.deps) for p in grown(few, STAR_ROUNDS)]
     assert shape == [(p.kind, p.reads, p.writes, p.deps) for p in grown(few, None)]
+
+
+def _with_choices(plan: Plan, model_stage: str, **choices: object) -> Plan:
+    stages = [s.model_copy(update=choices) if s.model_stage == model_stage else s for s in plan.stages]
+    return plan.model_copy(update={"stages": stages, "predictions": None})
+
+
+def test_offloaded_and_sharded_states_are_not_counted_as_resident() -> None:
+    """The builder counts what the cost model keeps resident: an offloaded model-stage's states
+    sleep in host memory (none on its GPUs, nothing to move), ZeRO-1 keeps 1/dp of AdamW state."""
+    from nereus.cli.inputs import models_for
+    from nereus.cost.calibration import DEFAULT_CALIBRATION
+    from nereus.cost.plan_cost import resident_share
+    from nereus.solver.plan_search import PlanRequest
+    from nereus.solver.planner import make_plan
+    from nereus.solver.transition.schedule import state_bytes
+    from nereus.spec.presets import cluster_preset, workload_preset
+
+    workload = workload_preset("ppo")
+    planned = make_plan(PlanRequest(cluster_preset("h100", 16), models_for(workload, None), workload, 16)).best
+    plan = _with_choices(planned, "critic/training", zero1=False, offload=False)
+    training = plan.stage_plan("critic/training")
+    full = state_bytes(plan, "critic/training", DEFAULT_CALIBRATION) / (training.tp * training.pp)
+    base = build_transition(plan, plan).initial_bytes
+    offloaded = _with_choices(plan, "critic/training", offload=True)
+    gpu = training.gpus[0]
+    assert build_transition(offloaded, offloaded).initial_bytes[gpu] == pytest.approx(base[gpu] - full)
+    assert resident_share(offloaded, offloaded.stage_plan("critic/training"), DEFAULT_CALIBRATION) == 0.0
+    assert training.dp > 1
+    sharded = _with_choices(plan, "critic/training", zero1=True)
+    share = resident_share(sharded, sharded.stage_plan("critic/training"), DEFAULT_CALIBRATION)
+    assert 0 < share < 1
+    assert build_transition(sharded, sharded).initial_bytes[gpu] == pytest.approx(base[gpu] - full * (1 - share))
+    # moving an offloaded model-stage to another layout moves no bytes between GPUs
+    size = training.tp * training.pp * 2
+    emus = [training.gpus[i : i + size] for i in range(0, len(training.gpus), size)]
+    moved = relayout(offloaded, "critic/training", training.tp * 2, training.pp, emus)
+    result = build_transition(offloaded, _with_choices(moved, "critic/training", offload=True))
+    assert any(p.model_stage == "critic/training" for p in result.primitives)
+    assert all(
+        nbytes == 0 for p in result.primitives if p.model_stage == "critic/training" for *_, nbytes in p.transfers
+    )
+    assert result.bytes_moved == 0

@@ -128,6 +128,15 @@ def test_hf_llama_config_matches_preset(tmp_path: Path) -> None:
             "vocab_size": 128256,
             "tie_word_embeddings": False,
             "rope_theta": 500000.0,
+            "rope_scaling": {
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+                "rope_type": "llama3",
+            },
+            "rms_norm_eps": 1e-05,
+            "max_position_embeddings": 131072,
             "torch_dtype": "bfloat16",
         },
     )

@@ -14,14 +14,17 @@ steps before it, puts the prediction beside the measurement in metrics.jsonl, an
 the step into the online calibration: at once, or, when the plan gives rank 0 no part in
 generation, during the next step's generation (then the controller plans with the
 calibration of all steps but the last).
-Both are pickled into every checkpoint, so a resumed run decides as the uninterrupted one.
+Both are saved as data (`RunStateData`, JSON) into every checkpoint, so a resumed run predicts
+and decides as the uninterrupted one; nothing in a checkpoint is unpickled or evaluated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +32,24 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.fit import STEP_KEY, measured_plan, predict
 from nereus.cost.online import OnlineCalibrator
 from nereus.errors import NereusError
-from nereus.runtime.rl.config import RLConfig
+from nereus.runtime.rl.run_state import (
+    ControllerState,
+    PendingState,
+    PredictionState,
+    PredictorState,
+)
 from nereus.runtime.rl.setup import Move, plan_problems
-from nereus.solver.policy import Observation, Replanner, make_policy, record_to_data
+from nereus.solver.layouts import RUNTIME_CHOICES
+from nereus.solver.policy import (
+    Observation,
+    Replanner,
+    make_policy,
+    policy_state,
+    record_to_data,
+    restore_policy,
+)
 from nereus.spec.plan import Plan
+from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import DECISIONS_NAME
 from nereus.spec.trace import Conditions, Trace, trace_conditions
 from nereus.spec.workload import ResponseLengths
@@ -92,6 +109,38 @@ class Predictor:
             self.pending = None
             self.update(plan, metrics)
 
+    def state(self) -> PredictorState:
+        """The predictor as data (`from_state` rebuilds it)."""
+        last = pending = None
+        if self.last is not None:
+            plan, prompt_len, response_len_max, calibration, predicted = self.last
+            last = PredictionState(
+                plan=plan,
+                prompt_len=prompt_len,
+                response_len_max=response_len_max,
+                calibration=calibration,
+                predicted=dict(predicted),
+            )
+        if self.pending is not None:
+            pending = PendingState(plan=self.pending[0], metrics=dataclasses.asdict(self.pending[1]))
+        calibrator = self.calibrator.state() if self.calibrator is not None else None
+        return PredictorState(calibration=self.calibration, calibrator=calibrator, last=last, pending=pending)
+
+    @classmethod
+    def from_state(
+        cls, state: PredictorState, config: RLConfig, metrics_from_data: Callable[[dict[str, Any]], Any]
+    ) -> Predictor:
+        """The predictor `state` describes; `metrics_from_data` rebuilds a queued step's metrics."""
+        predictor = cls(state.calibration, False, config)
+        if state.calibrator is not None:
+            predictor.calibrator = OnlineCalibrator.from_state(state.calibrator)
+        if state.last is not None:
+            last = state.last
+            predictor.last = (last.plan, last.prompt_len, last.response_len_max, last.calibration, last.predicted)
+        if state.pending is not None:
+            predictor.pending = (state.pending.plan, metrics_from_data(state.pending.metrics))
+        return predictor
+
     def _priced(self, name: str) -> bool:
         # A rule-scored reward runs no model: the cost model's reward/inference has nothing to match.
         return "/" not in name or self.config.runs_engine(name.split("/")[0])
@@ -123,7 +172,7 @@ class Controller:
         num_ranks: int,
         calibration: Calibration,
     ) -> None:
-        self.replanner = Replanner(plan, calibration=calibration)
+        self.replanner = Replanner(plan, calibration=calibration, choices=RUNTIME_CHOICES)
         self.policy = make_policy(policy, plan, self.replanner)
         self.conditions: list[Conditions] = list(trace_conditions(trace))
         self.plan = plan
@@ -137,6 +186,28 @@ class Controller:
         self.ratios: deque[float] = deque(maxlen=EFFICIENCY_WINDOW)
         self.recalibrated = False
         """The replanner took a new calibration since the last decision."""
+
+    def state(self) -> ControllerState:
+        """The controller as data (`restore` puts it back)."""
+        return ControllerState(
+            plan=self.plan,
+            policy=policy_state(self.policy),
+            lengths=self.lengths,
+            efficiency=self.efficiency,
+            memory_used=self.memory_used,
+            ratios=list(self.ratios),
+            recalibrated=self.recalibrated,
+        )
+
+    def restore(self, state: ControllerState) -> None:
+        """Go on from `state` (saved by a controller of the same policy); ValueError when it does not fit."""
+        restore_policy(self.policy, state.policy)
+        self.plan = state.plan
+        self.lengths = state.lengths
+        self.efficiency = state.efficiency
+        self.memory_used = state.memory_used
+        self.ratios = deque(state.ratios, maxlen=EFFICIENCY_WINDOW)
+        self.recalibrated = state.recalibrated
 
     def resumed(self, plan: Plan, out: Path) -> None:
         """Go on from a checkpoint: the plan in force is the one it saved (a restart's

@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass
 
 from nereus.errors import NereusError
-from nereus.runtime.rl.config import RLConfig
 from nereus.solver.migration import GenerationProfile, generation_profile, sweep_thresholds
 from nereus.spec.plan import Fusion, Plan
+from nereus.spec.run_config import RLConfig
 from nereus.spec.workload import INFERENCE_STAGES
 
 

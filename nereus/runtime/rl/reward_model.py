@@ -15,12 +15,12 @@ import torch
 
 from nereus.runtime.engine import ValueLoss
 from nereus.runtime.model import Batch
-from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.scoring import last_token_mask
 from nereus.runtime.rl.stages import ModelStageRuntime, rollout_batch
 from nereus.runtime.rl.tasks import CharTokenizer, Problem, Task, encode_prompt, sample_problems
 from nereus.runtime.rl.tasks import score_response as rule_score
 from nereus.runtime.rl.update import train
+from nereus.spec.run_config import RLConfig
 
 #: Shares of the synthetic responses that are exact answers, answers with a few digits changed
 #: and random digit strings; the rest are random tokens of the whole vocabulary, like an

@@ -17,12 +17,12 @@ import dataclasses
 import hashlib
 import json
 import os
-import pickle
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +30,16 @@ import torch
 import torch.distributed as dist
 
 from nereus.cost.calibration import Calibration
-from nereus.errors import ArgumentError
+from nereus.errors import ArgumentError, NereusError
 from nereus.runtime import arena, host_collectives, shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import device, spawn
-from nereus.runtime.rl.config import RLConfig
+from nereus.runtime.hf.load import load_engine
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
 from nereus.runtime.rl.reward_model import fit_reward_model
-from nereus.runtime.rl.setup import Move, RunSetup, Switch, prepare_folder, state_bytes_by_rank
+from nereus.runtime.rl.run_state import RunStateData, read_run_state
+from nereus.runtime.rl.samples import append_samples
+from nereus.runtime.rl.setup import Move, RunSetup, Switch, prepare_folder, seal_manifest, state_bytes_by_rank
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, engine_state
 from nereus.runtime.rl.step import rl_step
 from nereus.runtime.rl.tasks import get_task
@@ -47,6 +49,7 @@ from nereus.runtime.sharded_state import gather, state_meta
 from nereus.runtime.transition_executor import ReplicaState, execute_transition
 from nereus.spec.io import save_document, write_text_atomic
 from nereus.spec.plan import Plan
+from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import (
     CHECKPOINT_STATE_NAME,
     CHECKPOINTS_NAME,
@@ -54,6 +57,7 @@ from nereus.spec.run_folder import (
     FAILURE_NAME,
     METRICS_NAME,
     PLAN_NAME,
+    SAMPLES_NAME,
     MetricsTail,
     StepMetrics,
     checkpoint_folder,
@@ -78,12 +82,18 @@ def state_families(model_stage: str, updated: bool = True) -> tuple[str, ...]:
 @dataclass
 class RunState:
     """What rank 0 carries from step to step besides the models: the online-calibrated
-    predictor, the controller (runs with a trace) and which plan is in force. Pickled into
-    every checkpoint, so a resume predicts and decides as the uninterrupted run would."""
+    predictor, the controller (runs with a trace) and which plan is in force. Saved as JSON
+    (RunStateData) into every checkpoint, so a resume predicts and decides as the
+    uninterrupted run would."""
 
     predictor: Predictor
     controller: Controller | None
     plan_index: int = 0
+
+    def data(self) -> RunStateData:
+        """The state as the checkpoint's JSON document."""
+        controller = self.controller.state() if self.controller is not None else None
+        return RunStateData(predictor=self.predictor.state(), controller=controller, plan_index=self.plan_index)
 
     def calibrate_idle(self) -> None:
         """The deferred online update, while this rank waits for others' generation."""
@@ -99,7 +109,8 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     reserve_arena(plan, config.rl, rank)
     stages = build_stages(plan, config.rl)
     syncs = sync_plans(stages)
-    if "reward/inference" in stages and setup.checkpoint is None:
+    load_folders(stages, plan)
+    if "reward/inference" in stages and setup.checkpoint is None and "reward" not in (plan.weights or {}):
         fit_reward_model(stages["reward/inference"], get_task(config.rl.task), config.rl)
     if setup.checkpoint is not None:
         restore(stages, setup.checkpoint, rank)
@@ -119,7 +130,11 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
                 syncs, plan = sync_plans(stages), move.plan
                 moved_s = slowest_rank({move.action: time.perf_counter() - start}, [move.action])
             rl = config.rl if lengths is None else config.rl.model_copy(update={"max_new_tokens": lengths[step]})
-            metrics = rl_step(plan, rl, stages, syncs, step, idle=None if state is None else state.calibrate_idle)
+            samples: list[dict[str, Any]] | None = [] if rank == 0 and rl.log_samples else None
+            idle = None if state is None else state.calibrate_idle
+            metrics = rl_step(plan, rl, stages, syncs, step, idle=idle, samples=samples)
+            if samples:
+                append_samples(setup.out / SAMPLES_NAME, samples)
             if move is not None:
                 metrics = dataclasses.replace(metrics, stage_seconds={**metrics.stage_seconds, **moved_s})
             if state is not None:
@@ -150,12 +165,6 @@ def reserve_arena(plan: Plan, config: RLConfig, rank: int) -> None:
 
 def run_state(setup: RunSetup, plan: Plan) -> RunState:
     """Rank 0's predictor and controller: from the checkpoint a resume starts at, else new."""
-    saved = setup.checkpoint / CONTROLLER_STATE_NAME if setup.checkpoint is not None else None
-    if saved is not None and saved.is_file():
-        state: RunState = pickle.loads(saved.read_bytes())
-        if state.controller is not None:
-            state.controller.resumed(plan, setup.out)
-        return state
     calibration = setup.calibration if setup.calibration is not None else Calibration()
     predictor = Predictor(calibration, setup.config.online_calibration, setup.config.rl)
     controller = None
@@ -164,7 +173,20 @@ def run_state(setup: RunSetup, plan: Plan) -> RunState:
         controller = Controller(
             plan, setup.trace, config.policy, setup.out, config.rl, config.num_steps, setup.num_ranks, calibration
         )
-    return RunState(predictor, controller)
+    saved = setup.checkpoint / CONTROLLER_STATE_NAME if setup.checkpoint is not None else None
+    if saved is None or not saved.is_file():
+        return RunState(predictor, controller)
+    data = read_run_state(saved)
+    if (data.controller is None) != (controller is None):
+        raise NereusError(f"{saved}: controller: saved by a run {'without' if controller else 'with'} a trace")
+    try:
+        predictor = Predictor.from_state(data.predictor, setup.config.rl, lambda record: StepMetrics(**record))
+        if controller is not None and data.controller is not None:
+            controller.restore(data.controller)
+            controller.resumed(plan, setup.out)
+    except (TypeError, ValueError) as error:
+        raise NereusError(f"{saved}: {error}; the run state does not fit this run") from None
+    return RunState(predictor, controller, data.plan_index)
 
 
 def step_lengths(setup: RunSetup) -> list[int] | None:
@@ -209,6 +231,15 @@ def next_move(setup: RunSetup, state: RunState | None, switches: dict[int, Switc
     return move
 
 
+def load_folders(stages: dict[str, ModelStageRuntime], plan: Plan) -> None:
+    """Read every role's Hugging Face folder (`plan.weights`) into its engines on this rank.
+    Before a checkpoint restore too: a checkpoint holds the trained models, not the
+    reference, which must come back from its folder rather than from the seed."""
+    for stage in stages.values():
+        if stage.engine is not None and stage.plan.role in (plan.weights or {}):
+            load_engine(stage.engine, Path((plan.weights or {})[stage.plan.role]))
+
+
 def apply_move(
     setup: RunSetup,
     stages: dict[str, ModelStageRuntime],
@@ -225,6 +256,7 @@ def apply_move(
     if not folder.exists():
         save_run_checkpoint(setup, plan, stages, step, rank, state)
     new_stages = build_stages(move.plan, setup.config.rl)
+    load_folders(new_stages, move.plan)
     restore(new_stages, folder, rank)
     sync_weights(sync_plans(new_stages))
     return new_stages
@@ -328,9 +360,9 @@ def save_run_checkpoint(
             continue
         stage, families = stages[name], state_families(name, step > 0)
         # Every rank passes the same step to the index: the AdamW steps the model has taken.
-        num_optimizer_steps = (
-            setup.config.rl.reward_model_steps if stage.plan.role == "reward" else optimizer_steps(plan, step)
-        )
+        num_optimizer_steps = optimizer_steps(plan, step)
+        if stage.plan.role == "reward":  # fitted before the run, or read from a folder as it is
+            num_optimizer_steps = 0 if "reward" in (plan.weights or {}) else setup.config.rl.reward_model_steps
         meta = state_meta(stage.model, stage.head, stage.layout, families)
         tensors = {}
         if stage.engine is not None:
@@ -340,16 +372,20 @@ def save_run_checkpoint(
     if rank == 0:
         save_document(plan, folder / PLAN_NAME)
         if state is not None:
-            (folder / CONTROLLER_STATE_NAME).write_bytes(pickle.dumps(state))
+            write_text_atomic(folder / CONTROLLER_STATE_NAME, state.data().model_dump_json())
         _seal(folder, checkpoint_folder(setup.out, step), step)
         for old in finished_checkpoints(setup.out)[: -setup.config.keep_checkpoints]:
-            shutil.rmtree(old)
+            # Out of the checkpoints' names first: an interrupted delete leaves no half checkpoint.
+            hidden = old.with_name(f".deleting-{old.name}")
+            os.rename(old, hidden)
+            shutil.rmtree(hidden)
     dist.barrier()
 
 
 def _seal(folder: Path, target: Path, step: int) -> None:
-    """Write the state file, make everything durable, and rename the folder into place."""
-    write_text_atomic(folder / CHECKPOINT_STATE_NAME, json.dumps({"step": step}))
+    """Write the state file (the step and every file's checksum), make everything durable,
+    and rename the folder into place."""
+    write_text_atomic(folder / CHECKPOINT_STATE_NAME, json.dumps(seal_manifest(folder, step), indent=1))
     fsync_path(folder)
     os.rename(folder, target)
     fsync_path(target.parent)
@@ -369,6 +405,12 @@ class RunFailed(ArgumentError):
     """A rank failed; the message says which, where the full error is, and how to resume."""
 
 
+class RunInterrupted(RunFailed):
+    """The run was interrupted (SIGINT, Ctrl-C); exits with the shell's 128 + SIGINT."""
+
+    exit_code = 130
+
+
 def launch(setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
     """Prepare the run folder, spawn the ranks, run to `num_steps`; returns the steps run now.
 
@@ -377,18 +419,28 @@ def launch(setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None
     """
     prepare_folder(setup)
     tail = MetricsTail(setup.out, on_step)
+    timeout = timedelta(seconds=setup.config.collective_timeout_s)
     try:
-        spawn(run_rank, setup.num_ranks, setup, on_wait=tail.poll)
+        spawn(run_rank, setup.num_ranks, setup, on_wait=tail.poll, timeout=timeout)
+    except KeyboardInterrupt:
+        raise _failed(setup, "interrupted (SIGINT)", RunInterrupted) from None
     except RuntimeError as error:
-        failure_log = setup.out / FAILURE_NAME
-        failure_log.write_text(str(error) + "\n")
-        first_line = str(error).splitlines()[0]
-        checkpoint = latest_checkpoint(setup.out)
-        resume = (
-            f"resume from {checkpoint.name} with `resume` {setup.out}"
-            if checkpoint is not None
-            else "no checkpoint was taken yet"
-        )
-        named = ("resume",) if checkpoint is not None else ()
-        raise RunFailed(f"run failed: {first_line} (full error in {failure_log}); {resume}", *named) from None
+        # Ctrl-C reaches the ranks too: a rank may report it before the launcher does.
+        kind = RunInterrupted if "KeyboardInterrupt" in str(error).splitlines()[0] else RunFailed
+        raise _failed(setup, str(error), kind) from None
     return tail.records
+
+
+def _failed(setup: RunSetup, error: str, kind: type[RunFailed]) -> RunFailed:
+    """Write the failure log; the error naming the cause, the log and the checkpoint to resume from."""
+    failure_log = setup.out / FAILURE_NAME
+    failure_log.write_text(error + "\n")
+    checkpoint = latest_checkpoint(setup.out)
+    resume = (
+        f"resume from {checkpoint.name} with `resume` {setup.out}"
+        if checkpoint is not None
+        else "no checkpoint was taken yet"
+    )
+    named = ("resume",) if checkpoint is not None else ()
+    what = "interrupted" if kind is RunInterrupted else "failed"
+    return kind(f"run {what}: {error.splitlines()[0]} (full error in {failure_log}); {resume}", *named)

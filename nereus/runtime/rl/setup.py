@@ -9,7 +9,9 @@ The run folder's layout and readers are `nereus.spec.run_folder`'s.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -19,24 +21,35 @@ from typing import Any
 from nereus.cost.calibration import Calibration
 from nereus.errors import ArgumentError, NereusError
 from nereus.runtime import timeline
-from nereus.runtime.rl.config import RLConfig, RunConfig
+from nereus.runtime.hf.run_setup import HfSources, check_plan_models, hf_sources, plans_for_folder
+from nereus.spec.cluster import Cluster
 from nereus.spec.io import keep_json_lines, load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
+from nereus.spec.run_config import RLConfig, RunConfig
 from nereus.spec.run_folder import (
     CALIBRATION_NAME,
     CHECKPOINT_STATE_NAME,
     CHECKPOINTS_NAME,
     CONFIG_NAME,
+    CONTROLLER_STATE_NAME,
+    DAMAGED_NAME,
     DECISIONS_NAME,
     FAILURE_NAME,
+    LEGACY_STATE_NAME,
     METRICS_NAME,
     PLAN_NAME,
+    SAMPLES_NAME,
     TRACE_NAME,
-    latest_checkpoint,
+    finished_checkpoints,
     read_metrics,
     switch_plan_name,
 )
 from nereus.spec.trace import Trace
+from nereus.spec.workload import Role
+
+#: The `format` and `version` of a run checkpoint's state file.
+CHECKPOINT_FORMAT = "nereus-run-checkpoint"
+CHECKPOINT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,8 @@ class RunSetup:
     """GPU-pool events for the online controller (None: no controller)."""
     calibration: Calibration | None = None
     """The cost model's starting calibration (None: the default one)."""
+    damaged: tuple[Path, ...] = ()
+    """Damaged checkpoints newer than `checkpoint`, moved aside before the run starts."""
 
 
 def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
@@ -113,6 +128,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
         rows = num_rows // workload.mini_batches if entry.stage == "training" else num_rows
         if rows // entry.dp < entry.micro_batches:
             problems.append(f"{name}: {rows} rows over dp={entry.dp} cannot fill micro_batches={entry.micro_batches}")
+    problems += unexecutable_choices(plan)
     problems += memory_problems(plan, config)
     problems += intra_stage_problems(plan)
     problems += [f"fusion.inter_stage: {problem}" for problem in inter_stage_problems(plan, plan.fusion, config)]
@@ -124,6 +140,26 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     if workload.algorithm != "ppo" and has_critic:
         problems.append(f"{workload.algorithm} trains no critic; remove the critic stages")
     return problems
+
+
+def unexecutable_choices(plan: Plan) -> list[str]:
+    """Memory-saving choices of the plan the runtime does not execute yet, each with its pin."""
+    found = []
+    for entry in plan.stages:
+        unsupported = [
+            (entry.recompute != "none", "recompute", "--recompute none"),
+            (entry.token_budget is not None, "token_budget", "--token-budget off"),
+            (bool(entry.zero1), "zero1", "--zero1 off"),
+            (entry.offload, "offload", "--offload off"),
+            (entry.kv_budget_bytes is not None, "kv_budget_bytes", "--kv-budget off"),
+        ]
+        found += [
+            f"{entry.model_stage}: {name} is not executed by the runtime yet; replan with `nereus plan {pin}` "
+            f"(or --for-runtime)"
+            for used, name, pin in unsupported
+            if used
+        ]
+    return found
 
 
 def state_bytes_by_rank(plan: Plan, config: RLConfig) -> dict[int, int]:
@@ -205,22 +241,15 @@ def new_run(
         config = config.model_copy(update={"trace": str(trace_path.resolve())})
     if policy is not None:
         config = config.model_copy(update={"policy": policy})
-    if plan_path is None and config.plan is None:
-        raise ArgumentError(f"{config_path}: plan: not set; name a Plan YAML there or pass `plan_path`", "plan_path")
     if config.lengths_from_trace and config.trace is None:
         raise ArgumentError(
             f"{config_path}: lengths_from_trace: needs a trace; set trace: there or pass `trace_path`", "trace_path"
         )
-    where = plan_path if plan_path is not None else config_path.parent / str(config.plan)
-    if not where.is_file():
-        given = plan_path is not None
-        field = "`plan_path`" if given else f"{config_path}: plan"
-        raise ArgumentError(
-            f"{field}: {where} does not exist; give the path of a Plan YAML", *(("plan_path",) if given else ())
-        )
-    plan = with_fusion(_load(where, Plan), config)
-    num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
-    _check_plan(plan, str(where), num_ranks, config.rl)
+    sources = resolve_sources(config, config_path)
+    if sources is not None:  # the run folder's copy names the folders wherever it is read
+        where = {field: str(sources.folders[role]) for field, role in SOURCE_FIELDS.items() if getattr(config, field)}
+        config = config.model_copy(update=where)
+    plan, num_ranks, planned = first_plan(config, config_path, plan_path, num_ranks, sources)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
     switches = resolve_switches(config, config_path.parent, plan, num_ranks)
@@ -229,7 +258,72 @@ def new_run(
     out = out if out is not None else Path("runs") / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ArgumentError(f"{out}: already exists; resume it with `resume` or pass another `out`", "resume", "out")
-    return RunSetup(config, plan, num_ranks, out, 0, None, False, switches, trace, calibration)
+    return RunSetup(config, plan, num_ranks, out, 0, None, planned, switches, trace, calibration)
+
+
+#: RunConfig fields naming a Hugging Face folder, and the role each gives weights to.
+SOURCE_FIELDS: dict[str, Role] = {"model": "actor", "critic_model": "critic", "reward_model": "reward"}
+
+
+def resolve_sources(config: RunConfig, config_path: Path) -> HfSources | None:
+    """The config's Hugging Face folders (relative to it), checked; None without `model:`."""
+    folder = config_path.parent
+    if config.model is None:
+        extra = next((field for field in ("critic_model", "reward_model") if getattr(config, field)), None)
+        if extra:
+            raise NereusError(f"{config_path}: {extra}: needs model: (the actor's folder, which every role plays)")
+        return None
+    if config.reward_model is not None and config.rl.reward != "model":
+        raise NereusError(f"{config_path}: reward_model: needs rl.reward: model (the rule needs no model)")
+    critic = None if config.critic_model is None else folder / config.critic_model
+    reward = None if config.reward_model is None else folder / config.reward_model
+    return hf_sources(folder / config.model, critic, reward)
+
+
+def first_plan(
+    config: RunConfig, config_path: Path, plan_path: Path | None, num_ranks: int | None, sources: HfSources | None
+) -> tuple[Plan, int, bool]:
+    """The plan a new run starts under, its number of ranks, and whether the run planned it."""
+    if plan_path is None and config.plan is None:
+        if sources is None:
+            raise ArgumentError(
+                f"{config_path}: plan: not set; name a Plan YAML there, set model:, or pass `plan_path`", "plan_path"
+            )
+        if num_ranks is None:
+            raise ArgumentError(f"{config_path}: plan: not set, so the run plans itself; pass `num_ranks`", "num_ranks")
+        return self_plan(config, config_path.parent, sources, num_ranks), num_ranks, True
+    where = plan_path if plan_path is not None else config_path.parent / str(config.plan)
+    if not where.is_file():
+        given = plan_path is not None
+        field = "`plan_path`" if given else f"{config_path}: plan"
+        raise ArgumentError(
+            f"{field}: {where} does not exist; give the path of a Plan YAML", *(("plan_path",) if given else ())
+        )
+    plan = with_fusion(_load(where, Plan), config)
+    if sources is not None:
+        check_plan_models(plan, sources, str(where))
+        plan = sources.for_plan(plan)
+    num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
+    _check_plan(plan, str(where), num_ranks, config.rl)
+    return plan, num_ranks, False
+
+
+def self_plan(config: RunConfig, folder: Path, sources: HfSources, num_ranks: int) -> Plan:
+    """The best plan for the config's workload with the folder's model that the runtime can run."""
+    from nereus.spec.presets import cluster_preset, workload_preset
+    from nereus.spec.workload import Workload
+
+    def document(value: str, kind: type[Any], preset: Any) -> Any:
+        return _load(folder / value, kind) if value.endswith((".yaml", ".yml", ".json")) else preset(value)
+
+    workload = document(config.workload, Workload, lambda name: workload_preset(name, sources.model.name))
+    cluster = document(config.cluster, Cluster, cluster_preset)
+    plans = [with_fusion(plan, config) for plan in plans_for_folder(sources, workload, cluster, num_ranks)]
+    problems = [plan_problems(plan, num_ranks, config.rl) for plan in plans]
+    for plan, found in zip(plans, problems, strict=True):
+        if not found:
+            return plan
+    raise NereusError(f"{folder / config.workload}: no plan for {num_ranks} ranks runs: {problems[0][0]}")
 
 
 def resolve_calibration(config: RunConfig, folder: Path) -> Calibration | None:
@@ -292,9 +386,16 @@ def resolve_switches(config: RunConfig, folder: Path, first: Plan, num_ranks: in
 
 
 def resume_run(
-    out: Path, plan_path: Path | None = None, num_ranks: int | None = None, num_steps: int | None = None
+    out: Path,
+    plan_path: Path | None = None,
+    num_ranks: int | None = None,
+    num_steps: int | None = None,
+    from_previous: bool = False,
 ) -> RunSetup:
-    """Check a resume of the run folder `out`, onto another plan or number of ranks if asked."""
+    """Check a resume of the run folder `out`, onto another plan or number of ranks if asked.
+
+    The newest checkpoint must pass `checkpoint_problem`, else DamagedCheckpoint; with
+    `from_previous` the newest one that passes is used and the newer ones are set aside."""
     if not (out / CONFIG_NAME).is_file():
         raise NereusError(f"{out}: not a run folder ({CONFIG_NAME} missing); give the output folder of a `nereus run`")
     config: RunConfig = _load(out / CONFIG_NAME, RunConfig)
@@ -317,7 +418,8 @@ def resume_run(
         plan = stored
     num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
     _check_plan(plan, str(plan_path or out / PLAN_NAME), num_ranks, config.rl)
-    checkpoint = latest_checkpoint(out)
+    read_metrics(out)  # a damaged metrics file is refused here, before anything is written
+    checkpoint, damaged = resumable_checkpoint(out, from_previous)
     start_step = 0 if checkpoint is None else checkpoint_step(checkpoint)
     if start_step >= config.num_steps:
         raise ArgumentError(
@@ -332,7 +434,7 @@ def resume_run(
     ahead = tuple(switch for switch in switches if switch.step >= start_step)
     trace = resolve_trace(config, out, plan, num_ranks)
     calibration = resolve_calibration(config, out)
-    return RunSetup(config, plan, num_ranks, out, start_step, checkpoint, planned, ahead, trace, calibration)
+    return RunSetup(config, plan, num_ranks, out, start_step, checkpoint, planned, ahead, trace, calibration, damaged)
 
 
 def _check_same_work(plan: Plan, stored: Plan, where: Path) -> None:
@@ -349,12 +451,13 @@ def _check_same_work(plan: Plan, stored: Plan, where: Path) -> None:
 
 def replan(stored: Plan, num_ranks: int) -> Plan:
     """The planner's best plan for the stored plan's models and workload on `num_ranks` ranks."""
+    from nereus.solver.layouts import RUNTIME_CHOICES
     from nereus.solver.plan_search import PlanRequest
     from nereus.solver.planner import make_plan
 
     cluster = stored.cluster.model_copy(update={"num_nodes": 1, "gpus_per_node": num_ranks})
-    request = PlanRequest(cluster, tuple(stored.models), stored.workload, num_ranks)
-    return make_plan(request).best.model_copy(update={"fusion": stored.fusion})
+    request = PlanRequest(cluster, tuple(stored.models), stored.workload, num_ranks, choices=RUNTIME_CHOICES)
+    return make_plan(request).best.model_copy(update={"fusion": stored.fusion, "weights": stored.weights})
 
 
 # ---- the run folder ----
@@ -370,6 +473,94 @@ def checkpoint_step(folder: Path) -> int:
     if not isinstance(step, int) or step < 0:
         raise NereusError(f"{state_path}: step: must be an integer >= 0, got {step!r}; delete {folder}")
     return step
+
+
+class DamagedCheckpoint(ArgumentError):
+    """The newest checkpoint fails its checks; `folder` and `problem` say which and why."""
+
+    def __init__(self, folder: Path, problem: str) -> None:
+        super().__init__(
+            f"{problem}; refusing to resume from the damaged newest checkpoint {folder.name} "
+            "(pass `from_previous` to continue from the newest valid one)",
+            "from_previous",
+        )
+        self.folder = folder
+        self.problem = problem
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def seal_manifest(folder: Path, step: int) -> dict[str, Any]:
+    """The state file of a run checkpoint about to be sealed: its step, the sha256 of every
+    file beside it and the model checkpoints (sub-folders, which checksum their own shards)."""
+    entries = sorted(folder.iterdir())
+    files = {path.name: file_sha256(path) for path in entries if path.is_file() and path.name != CHECKPOINT_STATE_NAME}
+    models = [path.name for path in entries if path.is_dir()]
+    return {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "step": step, "files": files, "models": models}
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why the run checkpoint `folder` cannot be resumed from (None: it can): a pickle in it,
+    a missing or unreadable state file, a missing file, a checksum that differs, a model
+    checkpoint whose index or shards fail their checks, or a run state that fails its schema."""
+    from nereus.runtime.checkpoint import check_files
+    from nereus.runtime.rl.run_state import read_run_state
+
+    legacy = folder / LEGACY_STATE_NAME
+    if legacy.exists():
+        return (
+            f"{legacy}: a pickled run state (written by nereus before checkpoints were data); it is never "
+            "loaded, since unpickling a file can run any code in it"
+        )
+    state_path = folder / CHECKPOINT_STATE_NAME
+    try:
+        manifest = json.loads(state_path.read_text())
+    except (OSError, ValueError) as error:
+        return f"{state_path}: unreadable ({error})"
+    if not isinstance(manifest, dict) or manifest.get("format") != CHECKPOINT_FORMAT:
+        return f"{state_path}: format: must be {CHECKPOINT_FORMAT!r} (a checkpoint of an older nereus, or edited)"
+    files, models = manifest.get("files"), manifest.get("models")
+    if not isinstance(files, dict) or not isinstance(models, list):
+        return f"{state_path}: files and models: missing; the state file is damaged"
+    for name, digest in sorted(files.items()):
+        path = folder / str(name)
+        if not path.is_file():
+            return f"{path}: missing (the state file lists it)"
+        if file_sha256(path) != digest:
+            return f"{path}: sha256 differs from the one in {state_path.name}; the file is corrupted"
+    for name in models:
+        try:
+            check_files(folder / str(name))
+        except NereusError as error:
+            return str(error)
+    if CONTROLLER_STATE_NAME in files:
+        try:
+            read_run_state(folder / CONTROLLER_STATE_NAME)
+        except NereusError as error:
+            return str(error)
+    return None
+
+
+def resumable_checkpoint(out: Path, from_previous: bool) -> tuple[Path | None, tuple[Path, ...]]:
+    """The checkpoint a resume starts from and the damaged newer ones it passes over (only
+    with `from_previous`); DamagedCheckpoint when the newest is damaged and not `from_previous`."""
+    damaged: list[Path] = []
+    for folder in reversed(finished_checkpoints(out)):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return folder, tuple(damaged)
+        if not from_previous:
+            raise DamagedCheckpoint(folder, problem)
+        damaged.append(folder)
+    if damaged:
+        raise NereusError(f"{out}: no checkpoint is valid (the oldest: {checkpoint_problem(damaged[-1])})")
+    return None, ()
 
 
 def drop_decisions_from(out: Path, step: int) -> None:
@@ -406,10 +597,23 @@ def prepare_folder(setup: RunSetup) -> None:
     kept = [record for record in read_metrics(out) if record["step"] < setup.start_step]
     write_text_atomic(out / METRICS_NAME, "".join(json.dumps(record) + "\n" for record in kept))
     drop_decisions_from(out, setup.start_step)
+    keep_json_lines(out / SAMPLES_NAME, lambda record: record["step"] < setup.start_step)
     timeline.drop_steps_from(out, setup.start_step)
     root = out / CHECKPOINTS_NAME
     if root.is_dir():
         for path in root.iterdir():
             if path.name.startswith("."):
                 shutil.rmtree(path, ignore_errors=True)
+    set_aside(setup.damaged, out / DAMAGED_NAME)
     (out / FAILURE_NAME).unlink(missing_ok=True)
+
+
+def set_aside(folders: tuple[Path, ...], into: Path) -> None:
+    """Move damaged checkpoints out of the checkpoints folder (a later save may take their step)."""
+    for folder in folders:
+        into.mkdir(exist_ok=True)
+        target = into / folder.name
+        suffix = 1
+        while target.exists():
+            target, suffix = into / f"{folder.name}.{suffix}", suffix + 1
+        os.rename(folder, target)

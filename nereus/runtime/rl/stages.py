@@ -20,12 +20,13 @@ import torch.distributed as dist
 from nereus.cost.plan_cost import head_of
 from nereus.runtime import host_collectives
 from nereus.runtime.engine import Engine, EngineConfig
+from nereus.runtime.hf.names import OPTIONAL
 from nereus.runtime.model import Batch
 from nereus.runtime.optim import AdamWConfig
-from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.shard_layout import RankLayout, stage_layout
 from nereus.spec.model import Head, Model
 from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.run_config import RLConfig
 from nereus.spec.workload import Role
 
 
@@ -51,7 +52,9 @@ def build_stages(plan: Plan, config: RLConfig) -> dict[str, ModelStageRuntime]:
         lr = {"critic": config.critic_lr, "reward": config.reward_model_lr}.get(role, config.actor_lr)
         # The reward model starts from its own weights, not the critic's.
         seed = config.seed + 1 if role == "reward" else config.seed
-        engine_config = EngineConfig(AdamWConfig(lr=lr, eps=config.adam_eps), init_seed=seed)
+        # Weights a Hugging Face folder provides are read into the engine, not seeded first.
+        init_only = OPTIONAL if plan.weights is not None and role in plan.weights else None
+        engine_config = EngineConfig(AdamWConfig(lr=lr, eps=config.adam_eps), init_seed=seed, init_only=init_only)
         model = plan.model(plan.workload.model_name(role))
         head = head_of(role)
         layout = stage_layout(entry)

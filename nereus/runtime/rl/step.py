@@ -19,19 +19,21 @@ from __future__ import annotations
 import time
 import zlib
 from collections.abc import Callable
+from typing import Any
 
 from nereus.runtime.fused_pipeline import OpTiming
 from nereus.runtime.generate import SamplingConfig
 from nereus.runtime.rl.algorithms import masked_mean
-from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.fused_rollout import RolloutEvent
 from nereus.runtime.rl.rollout import rollout
+from nereus.runtime.rl.samples import sample_records
 from nereus.runtime.rl.scoring import Scored, score
 from nereus.runtime.rl.stages import ModelStageRuntime
 from nereus.runtime.rl.tasks import CharTokenizer, Problem, encode_prompt, get_task, sample_problems
 from nereus.runtime.rl.timing import record_fused, step_totals, timed
 from nereus.runtime.rl.update import WeightSync, advantages_of, run_training, sync_weights
 from nereus.spec.plan import Fusion, Plan
+from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import StepMetrics
 from nereus.spec.workload import Workload
 
@@ -46,11 +48,13 @@ def rl_step(
     fusion: Fusion | None = None,
     events: list[RolloutEvent] | None = None,
     idle: Callable[[], None] | None = None,
+    samples: list[dict[str, Any]] | None = None,
 ) -> StepMetrics:
     """One RL step on this rank (collective over the world). `fusion` replaces the plan's
     fusion block when given; under inter-stage fusion this rank's rollout events are appended
-    to `events` when given. `idle`: work this rank runs while others generate, if it has no
-    part in generation (rank 0's deferred calibration)."""
+    to `events` when given, and `config.log_samples` sample records to `samples`. `idle`:
+    work this rank runs while others generate, if it has no part in generation (rank 0's
+    deferred calibration)."""
     start = time.perf_counter()
     seconds: dict[str, float] = {}
     in_force = plan.fusion if fusion is None else fusion
@@ -61,6 +65,8 @@ def rl_step(
     generated = rollout(plan, stages, prompts, sampling, in_force, seconds, fused_events, idle)
     # 2. inference: old and reference log-probs, values, rewards
     scored = score(stages, tokenizer, problems, generated, seconds)
+    if samples is not None:
+        samples += sample_records(step, prompts, generated.responses, scored, config.log_samples)
     # 3. advantages
     with timed(seconds, "advantages"):
         advantages, returns = advantages_of(plan.workload, config, stages, tokenizer, problems, generated, scored)

@@ -29,7 +29,6 @@ from nereus.runtime.rl.algorithms import (
     remax_advantages,
     token_rewards,
 )
-from nereus.runtime.rl.config import RLConfig
 from nereus.runtime.rl.objectives import ClippedValueObjective, PolicyObjective
 from nereus.runtime.rl.scoring import Scored, reward_of
 from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of, engine_state
@@ -38,6 +37,7 @@ from nereus.runtime.rl.timing import timed
 from nereus.runtime.sharded_state import state_meta
 from nereus.runtime.tensor_parallel import TensorParallel
 from nereus.spec.plan import Fusion, Plan
+from nereus.spec.run_config import RLConfig
 from nereus.spec.workload import WEIGHT_SYNCS, Workload
 
 #: A weight sync: the source model-stage, the target and the resharding plan between them.

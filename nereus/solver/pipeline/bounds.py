@@ -14,11 +14,13 @@ Latency (each a valid lower bound on every schedule of the problem):
 Memory: the serial 1F1B peak, max over models of the first stage's in-flight activations
 (min(S, m) micro-batches). RLHFuse reports it as the fused schedule's memory lower bound; it
 is a reference (a slow schedule holding one micro-batch at a time goes below it), and
-the search's memory phase stops once it is reached.
+the search's memory phase stops once it is reached. `memory_bound_at` is a true lower
+bound on the peak of every schedule no slower than a given makespan (see there).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass
 
@@ -230,3 +232,95 @@ def lower_bounds(inst: Instance) -> LowerBounds:
         one_machine=one_machine_bound(inst.problem),
         memory=memory_bound(inst.problem),
     )
+
+
+@dataclass(frozen=True)
+class _NodeGroup:
+    """One (pipeline, stage) on a node, for the memory bound: rank releases and start deadlines."""
+
+    activation: float
+    forward: float
+    backward: float
+    weight_grad: float
+    f_release: list[float]
+    f_deadline: list[float]
+    """Latest start of the k-th forward that still lets the schedule end by the makespan."""
+    b_release: list[float]
+    w_release: list[float]
+
+
+def _node_groups(problem: Problem, makespan: float) -> list[list[_NodeGroup]]:
+    tables = rank_tables(problem)
+    groups: list[list[_NodeGroup]] = [[] for _ in range(problem.num_nodes)]
+    for p, pipeline in enumerate(problem.pipelines):
+        model = pipeline.model
+        for s in range(model.num_stages):
+            f, w = model.forward[s], (model.weight_grad or (0.0,) * model.num_stages)[s]
+            deadlines = [makespan - f - tail for tail in tables.tail[(p, s, "F")]]
+            w_release = tables.release.get((p, s, "W"), [])
+            releases = (tables.release[(p, s, "F")], deadlines, tables.release[(p, s, "B")], w_release)
+            groups[pipeline.stage_nodes[s]].append(_NodeGroup(model.activation[s], f, model.backward[s], w, *releases))
+    return groups
+
+
+def _count(values: list[float], t: float, *, strict: bool) -> int:
+    """How many of the sorted `values` are below `t` (at most `t` unless `strict`)."""
+    return bisect.bisect_left(values, t) if strict else bisect.bisect_right(values, t)
+
+
+def _held_at(groups: list[_NodeGroup], need: float, t: float, strict: bool) -> float:
+    """Least activation a node can hold at time t when its ops started by t must add up to
+    `need` of work: a fractional knapsack over the forwards it may still have started.
+
+    Per group: backwards started by t are at most those released by t (and at most the
+    forwards started); forwards started are at least those past their deadline. Backwards
+    (and weight gradients) as early as they can be only lower the memory and add work, so
+    they are taken in full; the missing work comes from extra forwards, cheapest activation
+    per unit of work first.
+    """
+    held, work, extras = 0.0, 0.0, []
+    for g in groups:
+        f_max = _count(g.f_release, t, strict=strict)
+        f_min = _count(g.f_deadline, t, strict=strict)
+        b = min(_count(g.b_release, t, strict=strict), f_max)
+        f = max(f_min, b)
+        w = min(_count(g.w_release, t, strict=strict), b)
+        held += g.activation * (f - b)
+        work += g.forward * f + g.backward * b + g.weight_grad * w
+        if f_max > f:
+            extras.append((g.activation / g.forward, g.forward, f_max - f))
+    for ratio, duration, count in sorted(extras):
+        if work >= need:
+            break
+        used = min(count, (need - work) / duration)
+        work += used * duration
+        held += used * duration * ratio
+    return held
+
+
+def memory_bound_at(inst: Instance, makespan: float) -> float:
+    """A lower bound on the peak activation per node of every schedule that ends by `makespan`.
+
+    At any time t, a node's ops that have not started must still fit in (t, makespan], so
+    the ops started by t carry at least its work less (makespan - t). Rank releases bound how
+    many forwards, backwards and weight gradients of each stage can have started by t; rank
+    tails give each forward a latest start. The activation the node holds at t is at least
+    the least a fractional knapsack of those counts allows (`_held_at`); the bound is its
+    largest value over nodes and over the times where a count changes (both sides of each).
+    It is not below the largest single activation: every forward holds its own.
+    """
+    problem = inst.problem
+    work = [0.0] * problem.num_nodes
+    for op in range(inst.num_ops):
+        work[inst.node[op]] += inst.duration[op]
+    tolerance = 1e-9 * max(1.0, makespan)
+    best = max((d for d in inst.memory_delta if d > 0), default=0.0)
+    for node, groups in enumerate(_node_groups(problem, makespan)):
+        times = sorted({t for g in groups for t in (*g.f_release, *g.f_deadline, *g.b_release, *g.w_release)})
+        for t in [*times, makespan]:
+            if not 0 <= t <= makespan:
+                continue
+            need = work[node] - (makespan - t) - tolerance
+            for strict in (True, False):
+                best = max(best, _held_at(groups, need, t, strict))
+    return best

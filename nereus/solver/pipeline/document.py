@@ -14,11 +14,12 @@ from collections.abc import Iterator
 
 from nereus.errors import NereusError
 from nereus.solver.pipeline.evaluate import describe, evaluate, timing_violations
-from nereus.solver.pipeline.exact import ExactResult
+from nereus.solver.pipeline.exact import ExactMemory, ExactResult
 from nereus.solver.pipeline.model import Instance, ModelTimes, OpKey, Pipeline, Problem, build_instance
 from nereus.solver.pipeline.search import FusedResult
 from nereus.spec.check import Problem as CheckProblem
 from nereus.spec.schedule import (
+    ExactMemorySummary,
     ExactSummary,
     Schedule,
     ScheduleModel,
@@ -69,10 +70,24 @@ def exact_summary(result: ExactResult) -> ExactSummary:
     )
 
 
+def exact_memory_summary(result: ExactMemory) -> ExactMemorySummary:
+    return ExactMemorySummary(
+        status=result.status,
+        peak_memory=result.peak_memory,
+        bound=result.bound,
+        makespan=result.makespan,
+        wall_s=result.wall_s,
+    )
+
+
 def to_document(
-    result: FusedResult, exact: ExactResult | None = None, time_unit: str = "", memory_unit: str = ""
+    result: FusedResult,
+    exact: ExactResult | None = None,
+    time_unit: str = "",
+    memory_unit: str = "",
+    exact_memory: ExactMemory | None = None,
 ) -> Schedule:
-    """The `Schedule` document of a fused search (with the exact model's result, if run)."""
+    """The `Schedule` document of a fused search (with the exact model's results, if run)."""
     ev, problem = result.evaluation, result.problem
     assert ev.start is not None and ev.end is not None, "the fused schedule runs"
     serial = result.baselines["serial-1f1b"].makespan
@@ -82,6 +97,7 @@ def to_document(
         gap=ev.makespan / result.bounds.latency - 1 if result.bounds.latency > 0 else 0.0,
         peak_memory=ev.max_peak_memory,
         memory_bound=result.bounds.memory,
+        memory_lower_bound=result.memory_lower_bound,
         bubble_ratio=ev.bubble_ratio,
         serial_1f1b_makespan=serial,
         serial_chimera_makespan=result.baselines["serial-chimera"].makespan,
@@ -90,6 +106,7 @@ def to_document(
         search_s=result.search_s,
         seeds=result.seeds,
         exact=exact_summary(exact) if exact else None,
+        exact_memory=exact_memory_summary(exact_memory) if exact_memory else None,
     )
     return Schedule(
         time_unit=time_unit,

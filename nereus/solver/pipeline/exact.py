@@ -13,11 +13,11 @@ imported only here, when the solver runs.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from nereus.errors import MissingDependency, NereusError
-from nereus.solver.pipeline.evaluate import Evaluation, evaluate
+from nereus.solver.pipeline.evaluate import Evaluation, evaluate, simulate
 from nereus.solver.pipeline.model import Instance
 
 ExactStatus = Literal["optimal", "feasible", "infeasible", "unknown"]
@@ -46,23 +46,42 @@ class ExactResult:
     time_limit_s: float
 
 
-def solve_exact(
-    inst: Instance, time_limit_s: float = 10.0, workers: int = 2, *, minimise_memory: bool = True
-) -> ExactResult:
-    """Minimise makespan, then (with `minimise_memory`) peak memory, with CP-SAT within `time_limit_s`."""
+@dataclass
+class _Scaled:
+    """The CP-SAT model of an instance in whole time units, before an objective is set."""
+
+    model: Any
+    unit: float
+    """Real time of one integer time unit."""
+    duration: list[int]
+    latency: list[list[int]]
+    """Per op, the integer latency of each of its dependency edges (as in `inst.preds`)."""
+    start: list[Any]
+    makespan: Any
+    peak: Any
+    """The largest per-node activation (None when no op holds any)."""
+    memory_scale: float
+    """Real activation of one integer memory unit."""
+
+
+def _check_size(inst: Instance) -> None:
     if inst.num_ops > MAX_EXACT_OPS:
         raise NereusError(
             f"{inst.num_ops} ops is too many for the exact pipeline model (at most {MAX_EXACT_OPS}); "
             "use fewer stages or micro-batches"
         )
+
+
+def _scaled_model(inst: Instance) -> _Scaled:
+    """Starts, one-at-a-time nodes, dependencies with latency, and the per-node activation."""
     try:
         from ortools.sat.python import cp_model
     except ImportError:
         raise MissingDependency("the exact pipeline model", "OR-Tools", "exact") from None
-    started = time.perf_counter()
     unit = max(inst.duration) / TIME_STEPS
     duration = [max(1, round(d / unit)) for d in inst.duration]
-    horizon = sum(duration) + sum(round(lat / unit) + 1 for preds in inst.preds for _, lat in preds)
+    latency = [[_ceil(lat / unit) for _, lat in preds] for preds in inst.preds]
+    horizon = sum(duration) + sum(lat + 1 for lats in latency for lat in lats)
     model = cp_model.CpModel()
     start = [model.new_int_var(0, horizon, f"s{op}") for op in range(inst.num_ops)]
     makespan = model.new_int_var(0, horizon, "makespan")
@@ -71,15 +90,33 @@ def solve_exact(
         interval = model.new_fixed_size_interval_var(start[op], duration[op], f"i{op}")
         by_node.setdefault(inst.node[op], []).append(interval)
         model.add(makespan >= start[op] + duration[op])
-        for pred, lat in inst.preds[op]:
-            model.add(start[op] >= start[pred] + duration[pred] + _ceil(lat / unit))
+        for (pred, _), lat in zip(inst.preds[op], latency[op], strict=True):
+            model.add(start[op] >= start[pred] + duration[pred] + lat)
     for intervals in by_node.values():
         model.add_no_overlap(intervals)
-    peak = _memory(model, cp_model, inst, start, duration, horizon)
-    model.minimize(makespan)
+    peak, scale = _memory(model, inst, start, duration, horizon)
+    return _Scaled(model, unit, duration, latency, start, makespan, peak, scale)
+
+
+def _solver(cp_model: Any, time_limit_s: float, workers: int) -> Any:
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = workers
+    return solver
+
+
+def solve_exact(
+    inst: Instance, time_limit_s: float = 10.0, workers: int = 2, *, minimise_memory: bool = True
+) -> ExactResult:
+    """Minimise makespan, then (with `minimise_memory`) peak memory, with CP-SAT within `time_limit_s`."""
+    _check_size(inst)
+    from ortools.sat.python import cp_model
+
+    started = time.perf_counter()
+    scaled = _scaled_model(inst)
+    model, start, makespan, peak, unit = scaled.model, scaled.start, scaled.makespan, scaled.peak, scaled.unit
+    model.minimize(makespan)
+    solver = _solver(cp_model, time_limit_s, workers)
     status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         name: ExactStatus = "infeasible" if status == cp_model.INFEASIBLE else "unknown"
@@ -116,16 +153,89 @@ def solve_exact(
     )
 
 
+@dataclass
+class ExactMemory:
+    """CP-SAT's least peak activation among schedules no slower than a given one."""
+
+    status: ExactStatus
+    """Of the peak: "optimal" certifies that no schedule this fast holds less."""
+    peak_memory: float | None
+    """Peak of CP-SAT's schedule (from its node orders)."""
+    bound: float | None
+    """A lower bound on that least peak (in real memory units, less rounding slack)."""
+    makespan: float | None
+    """Makespan of CP-SAT's schedule re-timed with the real durations."""
+    orders: list[list[int]] | None
+    wall_s: float
+
+
+def solve_memory_at(
+    inst: Instance, orders: list[list[int]], time_limit_s: float = 10.0, workers: int = 2
+) -> ExactMemory:
+    """Minimise the peak activation per node over schedules no slower than `orders`.
+
+    "No slower" is judged in the model's whole time units: `orders` re-timed with the
+    rounded durations gives the makespan limit, and that timing is the solver's hint, so it
+    starts from a feasible schedule and never returns one holding more than `orders`.
+    """
+    _check_size(inst)
+    from ortools.sat.python import cp_model
+
+    started = time.perf_counter()
+    scaled = _scaled_model(inst)
+    if scaled.peak is None:
+        return ExactMemory("optimal", 0.0, 0.0, None, None, time.perf_counter() - started)
+    timed = simulate(_in_units(inst, scaled), orders)
+    assert timed is not None, "the schedule to match runs"
+    scaled.model.add(scaled.makespan <= round(timed[0]))
+    for op in range(inst.num_ops):
+        scaled.model.add_hint(scaled.start[op], round(timed[1][op]))
+    scaled.model.minimize(scaled.peak)
+    solver = _solver(cp_model, time_limit_s, workers)
+    status = solver.solve(scaled.model)
+    wall = time.perf_counter() - started
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        name: ExactStatus = "infeasible" if status == cp_model.INFEASIBLE else "unknown"
+        return ExactMemory(name, None, None, None, None, wall)
+    found = _orders(inst, [solver.value(s) for s in scaled.start])
+    evaluation = evaluate(inst, found)
+    assert evaluation.ok, "CP-SAT's order respects every dependency"
+    # Demands are rounded up to whole memory units, at most one unit per in-flight activation.
+    slack = scaled.memory_scale * sum(1 for d in inst.memory_delta if d > 0)
+    return ExactMemory(
+        "optimal" if status == cp_model.OPTIMAL else "feasible",
+        evaluation.max_peak_memory,
+        max(0.0, solver.best_objective_bound * scaled.memory_scale - slack),
+        evaluation.makespan,
+        found,
+        wall,
+    )
+
+
+def _in_units(inst: Instance, scaled: _Scaled) -> Instance:
+    """`inst` with the model's whole-unit durations and latencies (for re-timing an order)."""
+    preds = [
+        [(pred, float(lat)) for (pred, _), lat in zip(edges, lats, strict=True)]
+        for edges, lats in zip(inst.preds, scaled.latency, strict=True)
+    ]
+    succs: list[list[tuple[int, float]]] = [[] for _ in range(inst.num_ops)]
+    for op, edges in enumerate(preds):
+        for pred, lat in edges:
+            succs[pred].append((op, lat))
+    return replace(inst, duration=[float(d) for d in scaled.duration], preds=preds, succs=succs)
+
+
 def _ceil(value: float) -> int:
     whole = int(value)
     return whole + (whole < value)
 
 
-def _memory(model: Any, cp_model: Any, inst: Instance, start: list[Any], duration: list[int], horizon: int) -> Any:
-    """Activation intervals (F start .. B end) per node under a cumulative; returns the peak variable."""
+def _memory(model: Any, inst: Instance, start: list[Any], duration: list[int], horizon: int) -> tuple[Any, float]:
+    """Activation intervals (F start .. B end) per node under a cumulative; returns the peak
+    variable and the real activation of one of its units."""
     grows = [op for op in range(inst.num_ops) if inst.memory_delta[op] > 0]
     if not grows:
-        return None
+        return None, 1.0
     scale = max(inst.memory_delta[op] for op in grows) / MEMORY_STEPS
     release = {}
     for op in range(inst.num_ops):
@@ -150,7 +260,7 @@ def _memory(model: Any, cp_model: Any, inst: Instance, start: list[Any], duratio
         demands.append(max(1, _ceil(inst.memory_delta[op] / scale - 1e-9)))
     for intervals, demands in by_node.values():
         model.add_cumulative(intervals, demands, peak)
-    return peak
+    return peak, scale
 
 
 def _orders(inst: Instance, starts: list[int]) -> list[list[int]]:

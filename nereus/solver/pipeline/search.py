@@ -3,15 +3,19 @@
 Starts: list schedules under several priority rules and activation caps; the best few are
 re-justified right and left (`improve.forward_backward`) while that shortens them.
 The search then minimises latency first and peak activation memory second
-(lexicographically). Phase one anneals the makespan plus the summed lateness of ops past
-the lower bound (zero exactly when the bound is met, so the walk is guided across makespan
-plateaus), with half of its moves breaking an arc of the critical path (an op that waits
-for its node predecessor moves ahead of it, or that predecessor behind it). Phase two
-anneals the peak memory plus a penalty for latency lost (so the walk can cross slightly
-slower schedules), half of its moves taking a forward past the highest peak or a backward
-ahead of it, keeping only schedules no slower than the best found. Other neighbours swap
-two nearby ops on one node or move one op a few places; neighbours that deadlock or break
-the activation cap are rejected. Independent seeds run in parallel processes and the best
+(lexicographically), each phase with its own share of the time limit. Phase one anneals
+the makespan plus the summed lateness of ops past the lower bound (zero exactly when the
+bound is met, so the walk is guided across makespan plateaus), with half of its moves
+breaking an arc of the critical path (an op that waits for its node predecessor moves
+ahead of it, or that predecessor behind it). Phase two keeps that makespan and anneals a
+penalty that is zero exactly when a schedule is that fast and holds less than the best
+peak: the lateness past the makespan plus each node's excess over a level just under the
+peak, summed over the moments it stands above it. Half of its moves shift one of the
+forwards nearest a high moment to after it, or a backward to before it; only schedules no
+slower are kept, and each lowers the level. It stops at the memory lower bound at that
+makespan (or the serial 1F1B reference). Other neighbours swap two nearby ops on one node
+or move one op a few places; neighbours that deadlock or break the activation cap are
+rejected. Independent seeds run in parallel processes and the best
 schedule wins.
 """
 
@@ -28,7 +32,13 @@ from dataclasses import dataclass, field
 
 from nereus.errors import ArgumentError, NereusError
 from nereus.solver.pipeline.baselines import BaselineResult, pair_baselines
-from nereus.solver.pipeline.bounds import LowerBounds, heads_and_tails, lower_bounds, memory_bound
+from nereus.solver.pipeline.bounds import (
+    LowerBounds,
+    heads_and_tails,
+    lower_bounds,
+    memory_bound,
+    memory_bound_at,
+)
 from nereus.solver.pipeline.evaluate import Evaluation, evaluate, peak_memory, resimulate, simulate
 from nereus.solver.pipeline.greedy import GreedyRule, list_schedule, rule_key, window_limits
 from nereus.solver.pipeline.improve import forward_backward
@@ -39,12 +49,12 @@ Orders = list[list[int]]
 
 #: How far (in positions on a node) a move or swap reaches.
 MOVE_SPAN = 8
-#: Share of each seed's time spent on the memory phase.
-MEMORY_PHASE_SHARE = 0.3
-#: Initial temperature as a fraction of the starting makespan (latency phase) ...
+#: Share of each seed's time (and iterations) that belongs to the memory phase.
+MEMORY_PHASE_SHARE = 0.5
+#: Initial temperature of the latency phase as a fraction of the starting makespan ...
 LATENCY_TEMPERATURE = 0.01
-#: ... or of the starting peak memory (memory phase).
-MEMORY_TEMPERATURE = 0.02
+#: ... and of the memory phase in its penalty's units (mean activations, mean op durations).
+MEMORY_TEMPERATURE = 1.0
 #: The temperature falls by this factor over a phase.
 COOLING = 1e-3
 RELATIVE_EPS = 1e-9
@@ -96,6 +106,8 @@ class FusedResult:
     search_s: float
     seeds: int
     iterations: int
+    memory_lower_bound: float = 0.0
+    """Lower bound on the peak of every schedule as fast as this one (`memory_bound_at`)."""
     per_seed: list[tuple[int, float, float]] = field(default_factory=list)
     """(seed, makespan, peak memory) of every annealing run."""
 
@@ -145,24 +157,26 @@ def greedy_schedule(inst: Instance, names: tuple[str, str]) -> Start:
 
 
 #: Forward-backward improvement runs on this many of the best distinct list schedules.
-IMPROVED_STARTS = 4
+IMPROVED_STARTS = 16
 #: Seeds also start from starts at most this much slower (relative) than the fastest.
 RESTART_SLACK = 0.01
 
 
 def starting_schedules(inst: Instance, names: tuple[str, str]) -> tuple[Start, list[Start]]:
-    """The best list schedule, and the annealing starts: the best few list schedules after
-    forward-backward improvement (kept only within the activation cap), fastest first."""
+    """The best list schedule, and the annealing starts: the best distinct list schedules
+    (latency, then memory) after forward-backward improvement (kept only within the
+    activation cap), fastest first. Lean list schedules (1F1B windows, tight caps) often
+    come out of the improvement almost as fast as the fastest at a fraction of its memory."""
     schedules = list_schedules(inst, names)
     cap = inst.problem.activation_cap
     starts: list[Start] = []
-    seen: set[float] = set()
+    seen: set[tuple[float, float]] = set()
     for name, orders, ev in schedules:
         if len(starts) == IMPROVED_STARTS:
             break
-        if ev.makespan in seen:
-            continue  # the same makespan usually means the same schedule: improve distinct ones
-        seen.add(ev.makespan)
+        if (ev.makespan, ev.max_peak_memory) in seen:
+            continue  # the same makespan and peak usually mean the same schedule: improve distinct ones
+        seen.add((ev.makespan, ev.max_peak_memory))
         improved, makespan = forward_backward(inst, orders)
         better = evaluate(inst, improved)
         fits = cap is None or better.max_peak_memory <= cap * (1 + RELATIVE_EPS)
@@ -229,28 +243,52 @@ def _critical_move(rng: random.Random, orders: Orders, arcs: list[tuple[int, int
     return node, order, i - 1
 
 
-def _peak_move(inst: Instance, rng: random.Random, orders: Orders, peaks: list[float]) -> tuple[int, list[int], int]:
-    """Lower the highest peak: on a node at the peak, move a forward that runs before the
-    peak to a few places after it, or a backward that runs after it to a few places before."""
-    top = max(peaks)
-    node = rng.choice([n for n, p in enumerate(peaks) if p >= top * (1 - RELATIVE_EPS)])
+def memory_profile(delta: list[float], order: list[int], level: float) -> tuple[float, float]:
+    """(peak, excess) of one node's order: its highest held activation, and the sum over its
+    positions of how far the held activation stands above `level` (zero when the node never
+    exceeds it; it shrinks with every moment that stops being high, so it guides the memory
+    walk across plateaus of the peak the way the lateness guides the latency walk)."""
+    held = peak = excess = 0.0
+    for op in order:
+        held += delta[op]
+        if held > peak:
+            peak = held
+        if held > level:
+            excess += held - level
+    return peak, excess
+
+
+def _peak_move(
+    inst: Instance, rng: random.Random, orders: Orders, excess: list[float], level: float
+) -> tuple[int, list[int], int]:
+    """Lower a high moment: on a node above `level` (picked in proportion to its excess), at a
+    position where it holds more than `level`, move one of the last few forwards before that
+    moment to a few places after it, or one of the next few backwards after it to a few places
+    before it. The ops nearest the moment move, so the rest of the schedule barely changes."""
+    pick, node = rng.random() * sum(excess), 0
+    while node < len(excess) - 1 and (excess[node] <= 0 or pick > excess[node]):
+        pick -= excess[node]
+        node += 1
     order = list(orders[node])
     delta = inst.memory_delta
-    held, at = 0.0, 0
+    high, held = [], 0.0
     for i, op in enumerate(order):
         held += delta[op]
-        if held >= top * (1 - RELATIVE_EPS):
-            at = i
-            break
+        if held > level:
+            high.append(i)
+    if not high:
+        return node, order, len(order) - 1  # nothing above the level: an unchanged order
+    at = high[rng.randrange(len(high))]
     if rng.random() < 0.5:
-        forwards = [i for i in range(at + 1) if delta[order[i]] > 0]
-        i = forwards[rng.randrange(len(forwards))]
-        j = min(len(order) - 1, at + rng.randint(1, MOVE_SPAN))
-        order.insert(j, order.pop(i))
-        return node, order, i
-    backwards = [i for i in range(at + 1, len(order)) if delta[order[i]] < 0]
+        forwards = [i for i in range(at, -1, -1) if delta[order[i]] > 0][:NEAREST_OPS]
+        if forwards:
+            i = forwards[rng.randrange(len(forwards))]
+            j = min(len(order) - 1, at + rng.randint(0, MOVE_SPAN))
+            order.insert(j, order.pop(i))
+            return node, order, i
+    backwards = [i for i in range(at + 1, len(order)) if delta[order[i]] < 0][:NEAREST_OPS]
     if not backwards:
-        return node, order, len(order) - 1  # nothing to move: an unchanged order
+        return node, order, len(order) - 1
     i = backwards[rng.randrange(len(backwards))]
     j = max(0, at - rng.randint(0, MOVE_SPAN))
     order.insert(j, order.pop(i))
@@ -274,11 +312,16 @@ class _Walk:
         return cls([list(o) for o in orders], state[1], state[2], state[0], peak_memory(inst, orders))
 
 
-def _lateness(end: list[float], tail: list[float], target: float) -> float:
-    """How far ops end past the latest time that still lets the schedule meet `target`:
-    zero exactly when the makespan is at most the target; it shrinks with every op that
-    stops being late, so it guides the walk across makespan plateaus."""
-    return sum(max(0.0, e + t - target) for e, t in zip(end, tail, strict=True))
+def _lateness(end: list[float], deadline: list[float]) -> float:
+    """How far ops end past their deadline (the latest end that still lets the schedule meet
+    a target makespan: the target less the op's tail): zero exactly when the makespan is at
+    most the target; it shrinks with every op that stops being late, so it guides the walk
+    across makespan plateaus."""
+    return sum([e - d for e, d in zip(end, deadline, strict=True) if e > d])
+
+
+def _deadlines(tail: list[float], target: float) -> list[float]:
+    return [target - t for t in tail]
 
 
 def anneal(
@@ -289,8 +332,15 @@ def anneal(
     target_latency: float,
     target_memory: float,
     max_iterations: int | None = None,
+    fallback: Orders | None = None,
 ) -> AnnealOutcome:
-    """Two-phase simulated annealing from `start` (latency, then memory at no latency cost)."""
+    """Two-phase simulated annealing from `start`: latency, then memory at the makespan found.
+
+    Each phase owns its share of the time (and iteration) budget; a latency phase that meets
+    the lower bound early hands the rest of its share to the memory phase. When `fallback`
+    (the fastest start) is faster than what the latency phase reached, the memory phase
+    works on it instead: only the fastest schedules can win.
+    """
     rng = random.Random(seed)
     walk = _Walk.of(inst, start)
     best = AnnealOutcome(seed, [list(o) for o in walk.orders], walk.makespan, max(walk.peaks), 0)
@@ -300,30 +350,66 @@ def anneal(
     began = time.perf_counter()
     budget = max_iterations if max_iterations is not None else math.inf
     latency_share = 1 - MEMORY_PHASE_SHARE
-    phases = (
-        _Phase("latency", began + time_limit_s * latency_share, budget * latency_share),
-        _Phase("memory", began + time_limit_s, budget),
-    )
-    iterations = 0
-    for phase in phases:
-        if phase.name == "memory":
-            walk = _Walk.of(inst, best.orders)
-        iterations = _anneal_phase(inst, phase, walk, best, rng, movable, iterations, target_latency, target_memory)
-    best.iterations = iterations
+    latency = _Phase(began + time_limit_s * latency_share, budget * latency_share)
+    iterations = _latency_phase(inst, latency, walk, best, rng, movable, 0, target_latency)
+    if fallback is not None:
+        faster = _Walk.of(inst, fallback)
+        if faster.makespan < best.makespan * (1 - RELATIVE_EPS):
+            best = AnnealOutcome(seed, [list(o) for o in fallback], faster.makespan, max(faster.peaks), 0)
+    memory = _Phase(began + time_limit_s, budget)
+    best.iterations = _memory_phase(inst, memory, best, rng, movable, iterations, target_memory)
     return best
 
 
 @dataclass(frozen=True)
 class _Phase:
-    name: str
-    """latency or memory"""
     deadline: float
     """perf_counter time at which the phase stops."""
     budget: float
     """Iteration count at which the phase stops."""
 
 
-def _anneal_phase(
+class _Clock:
+    """A phase's cooling schedule: the temperature falls from `scale` by COOLING over the
+    phase's time or iterations, whichever runs out first."""
+
+    def __init__(self, phase: _Phase, scale: float, iterations: int) -> None:
+        self.phase, self.scale, self.first = phase, scale, iterations
+        self.began = time.perf_counter()
+        self.length = max(phase.deadline - self.began, 1e-9)
+        self.temperature = scale
+
+    def tick(self, iterations: int) -> bool:
+        """Update the temperature; False once the phase is over."""
+        if iterations >= self.phase.budget:
+            return False
+        if iterations % 32:
+            return True
+        now = time.perf_counter()
+        if now >= self.phase.deadline:
+            return False
+        done = (now - self.began) / self.length
+        if self.phase.budget < math.inf:
+            done = max(done, (iterations - self.first) / (self.phase.budget - self.first))
+        self.temperature = self.scale * COOLING**done
+        return True
+
+
+def _try(inst: Instance, walk: _Walk, node: int, new_order: list[int], first: int) -> Evaluated | None:
+    """Put `new_order` on `node` and re-time the walk from the first changed op: the new
+    (makespan, start, end), or None (and the order restored) when it deadlocks."""
+    old_order = walk.orders[node]
+    walk.orders[node] = new_order
+    simulated = resimulate(inst, walk.orders, walk.start, walk.end, walk.start[old_order[first]])
+    if simulated is None:
+        walk.orders[node] = old_order
+    return simulated
+
+
+Evaluated = tuple[float, list[float], list[float]]
+
+
+def _latency_phase(
     inst: Instance,
     phase: _Phase,
     walk: _Walk,
@@ -332,63 +418,45 @@ def _anneal_phase(
     movable: list[int],
     iterations: int,
     target_latency: float,
-    target_memory: float,
 ) -> int:
-    """One annealing phase from `walk`, updating `best` in place; returns the iteration count."""
+    """Anneal the makespan plus the ops' lateness past the lower bound; `best` is updated in
+    place (fastest, then least memory); returns the iteration count."""
     cap = inst.problem.activation_cap
     _, tail = heads_and_tails(inst)
-    latency_phase = phase.name == "latency"
 
-    def energy(makespan: float, end: list[float], peaks: list[float]) -> float:
-        if latency_phase:
-            return makespan + LATENESS_WEIGHT * _lateness(end, tail, target_latency) / inst.problem.num_nodes
-        return _memory_energy(makespan, max(peaks), reference, peak_scale)
+    deadline = _deadlines(tail, target_latency)
+
+    def energy(makespan: float, end: list[float]) -> float:
+        return makespan + LATENESS_WEIGHT * _lateness(end, deadline) / inst.problem.num_nodes
 
     # Schedules within RELATIVE_EPS of `reference` count as equally fast; it moves only on a
     # real improvement, so a chain of "equal" schedules cannot creep slower.
     reference = best.makespan
-    peak_scale = max(max(walk.peaks), 1e-12)
-    scale = LATENCY_TEMPERATURE * walk.makespan if latency_phase else MEMORY_TEMPERATURE * peak_scale
-    current = energy(walk.makespan, walk.end, walk.peaks)
-    phase_start, phase_len = time.perf_counter(), max(phase.deadline - time.perf_counter(), 1e-9)
-    temperature, first_iteration = scale, iterations
+    clock = _Clock(phase, LATENCY_TEMPERATURE * walk.makespan, iterations)
+    current = energy(walk.makespan, walk.end)
     arcs: list[tuple[int, int]] | None = None
-    while iterations < phase.budget:
+    while clock.tick(iterations):
         iterations += 1
-        if iterations % 32 == 0:
-            now = time.perf_counter()
-            if now >= phase.deadline:
-                break
-            done = (now - phase_start) / phase_len
-            if phase.budget < math.inf:
-                done = max(done, (iterations - first_iteration) / (phase.budget - first_iteration))
-            temperature = scale * COOLING**done
-        if latency_phase and best.makespan <= target_latency * (1 + RELATIVE_EPS):
+        if best.makespan <= target_latency * (1 + RELATIVE_EPS):
             break  # latency optimal: go on to memory
-        if not latency_phase and best.peak <= target_memory * (1 + RELATIVE_EPS):
-            break
-        if latency_phase and rng.random() < CRITICAL_SHARE:
+        if rng.random() < CRITICAL_SHARE:
             arcs = arcs if arcs is not None else critical_node_arcs(inst, walk.orders, walk.start, walk.end)
             if not arcs:
                 continue
             node, new_order, first = _critical_move(rng, walk.orders, arcs)
-        elif not latency_phase and rng.random() < PEAK_SHARE:
-            node, new_order, first = _peak_move(inst, rng, walk.orders, walk.peaks)
         else:
             node, new_order, first = _neighbour(rng, walk.orders, movable)
-        old_order = walk.orders[node]
         new_peak_node = peak_memory(inst, [new_order])[0]
         if cap is not None and new_peak_node > cap * (1 + RELATIVE_EPS):
             continue
-        walk.orders[node] = new_order
-        simulated = resimulate(inst, walk.orders, walk.start, walk.end, walk.start[old_order[first]])
+        old_order = walk.orders[node]
+        simulated = _try(inst, walk, node, new_order, first)
         if simulated is None:
-            walk.orders[node] = old_order
             continue
         new_peaks = list(walk.peaks)
         new_peaks[node] = new_peak_node
-        candidate = energy(simulated[0], simulated[2], new_peaks)
-        if _accept(rng, temperature, current, candidate, max(walk.peaks), max(new_peaks)):
+        candidate = energy(simulated[0], simulated[2])
+        if _accept(rng, clock.temperature, current, candidate, max(walk.peaks), max(new_peaks)):
             walk.makespan, walk.start, walk.end, walk.peaks = simulated[0], simulated[1], simulated[2], new_peaks
             current, arcs = candidate, None
             peak = max(new_peaks)
@@ -401,20 +469,106 @@ def _anneal_phase(
     return iterations
 
 
-#: Memory phase: being 1% slower than the best makespan costs this many peak-scales / 100.
-LATENCY_PENALTY = 20.0
+def _memory_phase(
+    inst: Instance,
+    phase: _Phase,
+    best: AnnealOutcome,
+    rng: random.Random,
+    movable: list[int],
+    iterations: int,
+    target_memory: float,
+    origin: Orders | None = None,
+) -> int:
+    """Lower the peak activation of `best` without making it slower than it was on entry;
+    returns the iteration count. The walk starts from `origin` (default: `best`), which may
+    be slower: the lateness term brings it back to `best`'s makespan.
+
+    The walk anneals a penalty that is zero exactly when a schedule is as fast as `best` and
+    holds less than its peak: the lateness past `best`'s makespan (in mean op durations) plus
+    every node's excess over a level one activation step under the best peak (in mean
+    activations). Slower or higher schedules may be crossed; only ones as fast and lower are
+    kept, and each lowers the level. Half the moves target a high moment of a node above the
+    level, a share of the rest (while the walk is late) a critical node arc.
+    """
+    makespan = best.makespan
+    floor = max(target_memory, memory_bound_at(inst, makespan))
+    if best.peak <= floor * (1 + RELATIVE_EPS):
+        return iterations
+    cap = inst.problem.activation_cap
+    _, tail = heads_and_tails(inst)
+    delta = inst.memory_delta
+    grows = [d for d in delta if d > 0]
+    step = min(grows) * MEMORY_STEP
+    time_unit = sum(inst.duration) / max(inst.num_ops, 1)
+    memory_unit = sum(grows) / len(grows)
+    walk = _Walk.of(inst, origin or best.orders)
+    level = best.peak - step
+    excess = [memory_profile(delta, order, level)[1] for order in walk.orders]
+
+    deadline = _deadlines(tail, makespan * (1 + RELATIVE_EPS))
+
+    def energy(end: list[float], node_excess: list[float]) -> float:
+        late = _lateness(end, deadline) / time_unit
+        return MEMORY_LATENESS_WEIGHT * late + sum(node_excess) / memory_unit
+
+    clock = _Clock(phase, MEMORY_TEMPERATURE, iterations)
+    current = energy(walk.end, excess)
+    late = walk.makespan > makespan * (1 + RELATIVE_EPS)
+    arcs: list[tuple[int, int]] | None = None
+    while clock.tick(iterations):
+        iterations += 1
+        if best.peak <= floor * (1 + RELATIVE_EPS):
+            break
+        draw = rng.random()
+        if draw < PEAK_SHARE:
+            node, new_order, first = _peak_move(inst, rng, walk.orders, excess, level)
+        elif late and draw < PEAK_SHARE + CRITICAL_SHARE * (1 - PEAK_SHARE):
+            arcs = arcs if arcs is not None else critical_node_arcs(inst, walk.orders, walk.start, walk.end)
+            if not arcs:
+                continue
+            node, new_order, first = _critical_move(rng, walk.orders, arcs)
+        else:
+            node, new_order, first = _neighbour(rng, walk.orders, movable)
+        if new_order == walk.orders[node]:
+            continue
+        peak_node, excess_node = memory_profile(delta, new_order, level)
+        if cap is not None and peak_node > cap * (1 + RELATIVE_EPS):
+            continue
+        old_order = walk.orders[node]
+        simulated = _try(inst, walk, node, new_order, first)
+        if simulated is None:
+            continue
+        new_excess = list(excess)
+        new_excess[node] = excess_node
+        candidate = energy(simulated[2], new_excess)
+        if not _accept(rng, clock.temperature, current, candidate, 0.0, 0.0):
+            walk.orders[node] = old_order
+            continue
+        walk.makespan, walk.start, walk.end = simulated
+        walk.peaks[node] = peak_node
+        excess, current, arcs = new_excess, candidate, None
+        late = walk.makespan > makespan * (1 + RELATIVE_EPS)
+        peak = max(walk.peaks)
+        if not late and peak < best.peak * (1 - RELATIVE_EPS):
+            best.orders, best.peak, best.makespan = [list(o) for o in walk.orders], peak, walk.makespan
+            level = peak - step
+            excess = [memory_profile(delta, order, level)[1] for order in walk.orders]
+            current = energy(walk.end, excess)
+    return iterations
+
+
 #: Latency phase: weight of the summed lateness of ops (per node) against the makespan.
 LATENESS_WEIGHT = 3.0
+#: Memory phase: weight of the lateness (in mean op durations) against the excess (in mean activations).
+MEMORY_LATENESS_WEIGHT = 3.0
 #: Latency phase: share of moves that reorder a critical node arc (the rest are random).
 CRITICAL_SHARE = 0.5
-#: Memory phase: share of moves aimed at the highest peak (the rest are random).
+#: Memory phase: share of moves aimed at a high moment (the rest are random or critical).
 PEAK_SHARE = 0.5
-
-
-def _memory_energy(makespan: float, peak: float, best_makespan: float, peak_scale: float) -> float:
-    """Peak memory, plus a penalty for latency lost: the walk may cross slower schedules,
-    but only schedules as fast as the best are kept."""
-    return peak + LATENCY_PENALTY * peak_scale * max(0.0, makespan / best_makespan - 1.0)
+#: Memory phase: the level sits this many of the smallest activations under the best peak.
+MEMORY_STEP = 1.0
+#: Memory phase: forwards (backwards) this near a high moment are the ones a peak move shifts.
+NEAREST_OPS = 4
 
 
 def _accept(
@@ -433,14 +587,16 @@ def _run_seeds(
     inst: Instance, starts: list[Start], config: SearchConfig, bounds: LowerBounds, progress: Progress | None
 ) -> list[AnnealOutcome]:
     """Seeds cycle over the starts within RESTART_SLACK of the fastest: restarts from several
-    constructions that are about as fast (they differ in memory and in where they get stuck)."""
+    constructions that are about as fast (they differ in memory and in where they get stuck).
+    Even seeds take them fastest first, odd seeds leanest first."""
     workers = max(1, min(config.seeds, os.cpu_count() or 1))
     rounds = math.ceil(config.seeds / workers)
     per_seed = config.time_limit_s / rounds
-    args = (per_seed, bounds.latency, bounds.memory, config.max_iterations)
+    args = (per_seed, bounds.latency, bounds.memory, config.max_iterations, starts[0][1])
     fastest = starts[0][2].makespan
-    close = [orders for _, orders, ev in starts if ev.makespan <= fastest * (1 + RESTART_SLACK)]
-    jobs = [(close[seed % len(close)], seed) for seed in range(config.seeds)]
+    close = [(orders, ev) for _, orders, ev in starts if ev.makespan <= fastest * (1 + RESTART_SLACK)]
+    lean = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
+    jobs = [((close if seed % 2 == 0 else lean)[(seed // 2) % len(close)][0], seed) for seed in range(config.seeds)]
     if workers == 1:
         outcomes = []
         for done, (start, seed) in enumerate(jobs, 1):
@@ -498,5 +654,6 @@ def search_fused(
         search_s=time.perf_counter() - started,
         seeds=config.seeds,
         iterations=sum(o.iterations for o in outcomes),
+        memory_lower_bound=memory_bound_at(inst, final.makespan),
         per_seed=[(o.seed, o.makespan, o.peak) for o in outcomes],
     )

@@ -17,6 +17,7 @@ from nereus.solver.policy.policies import (
     make_policy,
 )
 from nereus.solver.policy.replan import Replanner, TransitionVerdict, layout_summary, plan_key
+from nereus.solver.policy.state import PolicyState, policy_state, restore_policy
 from nereus.solver.policy.types import Decision, Observation, PolicyConfig
 
 __all__ = [
@@ -31,13 +32,16 @@ __all__ = [
     "Observation",
     "PeriodicPolicy",
     "PolicyConfig",
+    "PolicyState",
     "Replanner",
     "TransitionVerdict",
     "admits",
     "layout_summary",
     "make_policy",
     "plan_key",
+    "policy_state",
     "record_from_data",
     "record_to_data",
     "replay",
+    "restore_policy",
 ]

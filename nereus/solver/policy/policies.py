@@ -293,9 +293,12 @@ class PeriodicPolicy(AdaptationPolicy):
 
 
 class FixedPolicy(AdaptationPolicy):
-    """The initial tp/pp kept: dp scales with the pool, micro-batches shrink for memory.
+    """The paper's fixed baseline: the initial tp/pp kept, dp scaled with the pool; under
+    memory pressure generation runs in smaller waves (a KV budget of what its GPUs have left,
+    slower under continuous batching) and other model-stages in smaller micro-batches.
 
-    Replans (urgent path) only when that cannot run; the new layouts are then kept.
+    Replans (urgent path) only when that cannot run, i.e. not even one maximum-length
+    sequence fits; the new layouts are then kept.
     """
 
     name = "fixed"

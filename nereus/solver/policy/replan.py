@@ -11,8 +11,9 @@ import math
 from dataclasses import dataclass, field
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.plan_cost import evaluate_plan
+from nereus.cost.plan_cost import PlanEvaluation, evaluate_plan, one_sequence_bytes
 from nereus.errors import NereusError
+from nereus.solver.layouts import MemoryChoices
 from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.solver.policy.types import PolicyConfig
@@ -28,10 +29,20 @@ SHORT_STAGE = {"generation": "gen", "inference": "inf", "training": "train"}
 
 
 def plan_key(plan: Plan) -> PlanKey:
-    """Identity of a plan's layout: pools and every model-stage's EMUs (not its workload)."""
+    """Identity of a plan's layout: pools, every model-stage's EMUs and its memory-saving
+    choices (which change its time and memory as much as the layout does; not its workload)."""
     pools = tuple((p.name, tuple(p.gpus)) for p in plan.pools)
     stages = tuple(
-        (s.model_stage, s.pool, s.tp, s.pp, s.micro_batches, tuple(tuple(e) for e in s.emus)) for s in plan.stages
+        (
+            s.model_stage,
+            s.pool,
+            s.tp,
+            s.pp,
+            s.micro_batches,
+            tuple(tuple(e) for e in s.emus),
+            (s.kv_budget_bytes, s.recompute, s.token_budget, s.zero1, s.offload),
+        )
+        for s in plan.stages
     )
     return (pools, stages)
 
@@ -84,6 +95,8 @@ class Replanner:
     base: Plan
     config: PolicyConfig = field(default_factory=PolicyConfig)
     calibration: Calibration = field(default_factory=Calibration)
+    choices: MemoryChoices = field(default_factory=MemoryChoices)
+    """The memory-saving choices replanned plans may use (RUNTIME_CHOICES inside `nereus run`)."""
     num_searches: int = 0
     _plans: dict[tuple[object, ...], list[Plan]] = field(default_factory=dict, repr=False)
     _times: dict[tuple[object, ...], float | None] = field(default_factory=dict, repr=False)
@@ -132,7 +145,9 @@ class Replanner:
         key = (gpus, rounded.median, rounded.p99, rounded.max, eff)
         if key not in self._plans:
             workload = self.workload_for(rounded)
-            request = PlanRequest(self.base.cluster, tuple(self.base.models), workload, gpus, self.calibration_for(eff))
+            request = PlanRequest(
+                self.base.cluster, tuple(self.base.models), workload, gpus, self.calibration_for(eff), self.choices
+            )
             self.num_searches += 1
             try:
                 result = make_plan(request, top_k=self.config.num_alternatives)
@@ -192,14 +207,25 @@ class Replanner:
     def _refit(self, plan: Plan, gpus: int, workload: Workload, calibration: Calibration) -> Plan | None:
         candidate = self.dp_scaled(plan, gpus)
         while candidate is not None:
-            evaluation = evaluate_plan(candidate.model_copy(update={"workload": workload}), calibration)
+            sized = candidate.model_copy(update={"workload": workload})
+            evaluation = evaluate_plan(sized, calibration)
             if evaluation.feasible:
                 return candidate
             over = {m.split(" ", 1)[0] for m in evaluation.memory_problems}
-            stages = [_more_micro_batches(s, workload) if s.model_stage in over else s for s in candidate.stages]
-            if stages == candidate.stages:
+            stages = [
+                _smaller_waves(sized, s, evaluation, calibration)
+                if s.stage == "generation"
+                else _more_micro_batches(s, workload)
+                for s in candidate.stages
+                if s.model_stage in over
+            ]
+            if any(s is None for s in stages):
+                return None  # not even one maximum-length sequence fits: only a new layout helps
+            changed = {s.model_stage: s for s in stages if s is not None}
+            updated = [changed.get(s.model_stage, s) for s in candidate.stages]
+            if updated == candidate.stages:
                 return None
-            candidate = candidate.model_copy(update={"stages": stages})
+            candidate = candidate.model_copy(update={"stages": updated})
         return None
 
     def dp_scaled(self, plan: Plan, gpus: int) -> Plan | None:
@@ -230,11 +256,29 @@ def _samples(workload: Workload, entry: StagePlan) -> int:
     return per_step // workload.mini_batches if entry.stage == "training" else per_step
 
 
+def _smaller_waves(
+    plan: Plan, entry: StagePlan, evaluation: PlanEvaluation, calibration: Calibration
+) -> StagePlan | None:
+    """Generation batched continuously into the KV memory its GPUs have left (smaller waves:
+    slower, priced by the cost model's continuous batching); None when not even one
+    maximum-length sequence fits there."""
+    prediction = evaluation.predictions.model_stages[entry.model_stage]
+    limit = plan.cluster.gpu.memory_bytes * (1 - calibration.memory_headroom)
+    kv = prediction.memory_breakdown_bytes.get("kv_cache", 0)
+    budget = math.floor(kv - (prediction.peak_memory_bytes - limit)) - 2**20  # a MiB below: integer byte counts
+    if budget < one_sequence_bytes(plan, entry, calibration):
+        return None
+    return entry.model_copy(update={"kv_budget_bytes": budget})
+
+
 def _more_micro_batches(entry: StagePlan, workload: Workload) -> StagePlan:
-    """Twice the micro-batches (half the activations), up to one sample each; generation has one."""
+    """Twice the micro-batches (half the activations), up to one sample each; then, in
+    training, activation recomputation (the layout stays); generation has one."""
     if entry.stage == "generation":
         return entry
     share = _ceil_div(_samples(workload, entry), entry.dp)
+    if entry.micro_batches >= share and entry.stage == "training" and entry.recompute == "none":
+        return entry.model_copy(update={"recompute": "full"})
     return entry.model_copy(update={"micro_batches": min(share, entry.micro_batches * 2)})
 
 

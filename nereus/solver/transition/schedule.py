@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
-from nereus.cost.plan_cost import head_of, usable_memory
+from nereus.cost.plan_cost import head_of, resident_share, usable_memory
 from nereus.cost.stage import StageCostModel
 from nereus.errors import NereusError
 from nereus.solver.transition.local import STAR_ROUNDS, Replicas, replica_dag, stamp
@@ -123,6 +123,18 @@ def _state_sizes(plan: Plan, model_stages: Iterable[str], calibration: Calibrati
             priced[key] = state_bytes(plan, name, calibration)
         sizes[name] = priced[key]
     return sizes
+
+
+def _resident_sizes(plan_a: Plan, plan_b: Plan, sizes: dict[str, float], calibration: Calibration) -> dict[str, float]:
+    """State bytes each model-stage keeps on GPUs in either plan (the cost model's resident
+    share: an offloaded state sleeps in host memory, so it neither occupies GPUs nor moves
+    between them; it loads in its new layout when it next runs, which the step already pays)."""
+    entries_b = {e.model_stage: e for e in plan_b.stages}
+    return {
+        e.model_stage: sizes[e.model_stage]
+        * max(resident_share(plan_a, e, calibration), resident_share(plan_b, entries_b[e.model_stage], calibration))
+        for e in plan_a.stages
+    }
 
 
 def held_bytes(plan: Plan, sizes: dict[str, float]) -> dict[int, float]:
@@ -723,7 +735,7 @@ def _build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | Non
         raise NereusError("the two plans run different model-stages; a transition keeps the workload")
     changed_b = [e for e in plan_b.stages if (e.tp, e.pp, e.emus) != _layout_of(entries_a[e.model_stage])]
     changed: list[str] = [entry.model_stage for entry in changed_b]
-    sizes = _state_sizes(plan_b, entries_a, calibration)
+    sizes = _resident_sizes(plan_a, plan_b, _state_sizes(plan_b, entries_a, calibration), calibration)
     gpus_a, gpus_b = _PlanGpus(plan_a), _PlanGpus(plan_b, changed)  # B's unchanged model-stages are A's
     held_a = gpus_a.held(sizes)
     on_gpus = np.flatnonzero(held_a)

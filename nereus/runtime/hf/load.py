@@ -1,0 +1,63 @@
+"""Hugging Face weights straight into a rank's TP/PP shards, by box overlap.
+
+Each rank opens only the files holding tensors its shard needs and reads, through
+safetensors' `get_slice`, only the box of each tensor it holds: no rank builds a whole
+tensor it does not hold whole. A file is opened once per tensor, so at most one tensor's
+mapped pages are resident at a time. Values are converted to the engine's float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from nereus.runtime.engine import Engine
+from nereus.runtime.hf.files import TensorEntry, check_weights
+from nereus.runtime.hf.names import hf_name
+from nereus.runtime.shard_layout import Box, local_box, param_infos
+from nereus.spec.model import Head, Model
+
+
+def read_box(entry: TensorEntry, name: str, box: Box) -> torch.Tensor:
+    """The part of checkpoint tensor `name` inside `box`, read from its file alone."""
+    from safetensors import safe_open
+
+    with safe_open(str(entry.file), framework="pt") as handle:
+        piece: torch.Tensor = handle.get_slice(name)[tuple(slice(start, start + length) for start, length in box)]
+    return piece
+
+
+def load_engine(engine: Engine, folder: Path) -> list[str]:
+    """Set this rank's parameters from a Hugging Face folder; the names the folder lacks (a
+    new value head) keep the engine's initialisation and are returned."""
+    model, layout, g = engine.model, engine.groups.layout, engine.groups
+    entries = check_weights(folder, model, engine.head)
+    kept = []
+    with torch.no_grad():
+        for info in param_infos(model, engine.head):
+            if info.name not in engine.params:
+                continue
+            if info.name not in entries:
+                kept.append(info.name)
+                continue
+            box = local_box(info, model, layout.tp, g.tp.rank)
+            engine.params[info.name].copy_(read_box(entries[info.name], hf_name(info.name), box))
+    return kept
+
+
+def read_logical(folder: Path, model: Model, head: Head) -> dict[str, torch.Tensor]:
+    """Every parameter the folder holds, whole, as float32 (single-process use: tests, export)."""
+    entries = check_weights(folder, model, head)
+    whole: dict[str, torch.Tensor] = {}
+    for info in param_infos(model, head):
+        if info.name in entries:
+            box = tuple((0, size) for size in info.global_shape)
+            whole[info.name] = read_box(entries[info.name], hf_name(info.name), box).float()
+    return whole
+
+
+def as_hf_state(logical: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole runtime parameters under their Hugging Face names."""
+    return {hf_name(name): tensor for name, tensor in logical.items()}

@@ -1,0 +1,199 @@
+"""A Model document from a Hugging Face `config.json` (Llama, Qwen2, Qwen3, Mistral).
+
+Every field that changes what the network computes is read, or the config is refused with
+one line naming the field: an option nereus does not implement (a sliding window, YaRN
+RoPE, an o_proj bias, ...) is never dropped silently. Both RoPE formats in use are read:
+`rope_theta` + `rope_scaling` (checkpoints published so far) and the `rope_parameters`
+block transformers 5 writes.
+
+A key a config leaves out takes the value transformers' config class gives it (its
+defaults, per model type, are in `HF_DEFAULTS`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, get_args
+
+from pydantic import ValidationError
+
+from nereus.errors import NereusError
+from nereus.spec.model import Activation, LinearRopeScaling, Llama3RopeScaling, Model, RopeScaling
+
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+CONFIG_NAME = "config.json"
+
+_COMMON_DEFAULTS: dict[str, Any] = {
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "head_dim": None,
+}
+#: What transformers' config class of each model type assumes for a key the file lacks.
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {**_COMMON_DEFAULTS, "max_position_embeddings": 2048},
+    "qwen2": {**_COMMON_DEFAULTS, "max_position_embeddings": 32768},
+    "qwen3": {**_COMMON_DEFAULTS, "max_position_embeddings": 32768, "head_dim": 128},
+    "mistral": {**_COMMON_DEFAULTS, "max_position_embeddings": 131072, "sliding_window": 4096},
+}
+_REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
+
+
+def config_file(path: Path) -> Path:
+    """The config.json of a Hugging Face folder, or `path` itself when it names the file."""
+    if path.is_dir():
+        path = path / CONFIG_NAME
+        if not path.is_file():
+            raise NereusError(f"{path}: not found; a Hugging Face model folder holds a config.json")
+    elif not path.is_file():
+        raise NereusError(f"{path}: not found; give a Hugging Face model folder or its config.json")
+    return path
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    """The JSON object of a config.json (folder or file), or a NereusError naming the file."""
+    path = config_file(path)
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise NereusError(f"{path}: not a readable JSON config: {exc}") from None
+    if not isinstance(config, dict):
+        raise NereusError(f"{path}: expected a JSON object")
+    return config
+
+
+def model_from_hf_config(path: Path, name: str | None = None) -> Model:
+    """The Model of a Hugging Face folder or config.json (NereusError naming the field otherwise)."""
+    file = config_file(path)
+    config = read_hf_config(file)
+    default_name = config.get("_name_or_path") or file.parent.name
+    try:
+        return model_from_hf_dict(config, name or default_name or "hf-model")
+    except (_Refused, ValidationError) as exc:
+        raise NereusError(f"{file}: {_message(exc)}") from None
+
+
+class _Refused(Exception):
+    """A config field nereus cannot honour: `field: why`."""
+
+
+def _message(exc: Exception) -> str:
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0]
+        return f"{'.'.join(str(part) for part in first['loc'])}: {first['msg']}"
+    return str(exc)
+
+
+def _value(config: dict[str, Any], key: str) -> Any:
+    """The config's value of `key`, or transformers' default for its model type."""
+    return config[key] if key in config else HF_DEFAULTS[config["model_type"]][key]
+
+
+def _positive_int(config: dict[str, Any], key: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise _Refused(f"{key}: missing or not a positive integer")
+    return value
+
+
+def model_from_hf_dict(config: dict[str, Any], name: str) -> Model:
+    """The Model of a parsed config.json (raises _Refused or ValidationError on a bad field)."""
+    model_type = config.get("model_type")
+    if model_type not in HF_MODEL_TYPES:
+        raise _Refused(
+            f"model_type: {model_type!r} is not a decoder nereus implements; supported: {', '.join(HF_MODEL_TYPES)}"
+        )
+    sizes = {key: _positive_int(config, key) for key in _REQUIRED}
+    _refuse_unimplemented(config)
+    heads = sizes["num_attention_heads"]
+    theta, scaling = rope_from_hf(config)
+    return Model(
+        name=name,
+        num_layers=sizes["num_hidden_layers"],
+        hidden_dim=sizes["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=_value(config, "head_dim") or sizes["hidden_size"] // heads,
+        ffn_dim=sizes["intermediate_size"],
+        vocab_size=sizes["vocab_size"],
+        tied_embeddings=_value(config, "tie_word_embeddings"),
+        qkv_bias=model_type == "qwen2",
+        qk_norm=model_type == "qwen3",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        rms_norm_eps=float(_value(config, "rms_norm_eps")),
+        activation=_activation(config),
+        max_positions=_value(config, "max_position_embeddings"),
+    )
+
+
+def _activation(config: dict[str, Any]) -> Activation:
+    act = _value(config, "hidden_act")
+    if act not in get_args(Activation):
+        raise _Refused(f"hidden_act: {act!r} is not implemented; nereus has {', '.join(get_args(Activation))}")
+    result: Activation = act
+    return result
+
+
+def _refuse_unimplemented(config: dict[str, Any]) -> None:
+    """Options that change the network and that the runtime does not compute."""
+    # Qwen2's q/k/v bias is implied by its model type; elsewhere attention_bias also adds an o_proj bias.
+    if config["model_type"] != "qwen2" and _value(config, "attention_bias"):
+        raise _Refused("attention_bias: true adds q/k/v/o biases; nereus implements q/k/v biases for qwen2 only")
+    if _value(config, "mlp_bias"):
+        raise _Refused("mlp_bias: true is not implemented (the MLP has no biases in nereus)")
+    if config["model_type"] == "mistral" and _value(config, "sliding_window") is not None:
+        raise _Refused("sliding_window: sliding-window attention is not implemented; set it to null")
+    if _value(config, "use_sliding_window"):
+        raise _Refused("use_sliding_window: sliding-window attention is not implemented; set it to false")
+    layer_types = config.get("layer_types") or []
+    if any(kind != "full_attention" for kind in layer_types):
+        raise _Refused("layer_types: only full_attention layers are implemented")
+    factor = config.get("partial_rotary_factor")
+    if factor not in (None, 1, 1.0):
+        raise _Refused(f"partial_rotary_factor: {factor} is not implemented (RoPE on the whole head only)")
+
+
+def rope_from_hf(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
+    if isinstance(config.get("rope_parameters"), dict):
+        block, field, theta_field = config["rope_parameters"], "rope_parameters", "rope_parameters.rope_theta"
+        theta = block.get("rope_theta", _value(config, "rope_theta"))
+    else:
+        block, field, theta_field = config.get("rope_scaling"), "rope_scaling", "rope_theta"
+        theta = _value(config, "rope_theta")
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise _Refused(f"{theta_field}: {theta!r} is not a positive number")
+    return float(theta), _scaling(block, field)
+
+
+def _scaling(block: Any, field: str) -> RopeScaling | None:
+    if block is None:
+        return None
+    if not isinstance(block, dict):
+        raise _Refused(f"{field}: expected an object, got {block!r}")
+    kind = block.get("rope_type", block.get("type", "default"))
+    if kind == "default":
+        return None
+    try:
+        if kind == "linear":
+            return LinearRopeScaling(type="linear", factor=float(block["factor"]))
+        if kind == "llama3":
+            return Llama3RopeScaling(
+                type="llama3",
+                factor=float(block["factor"]),
+                low_freq_factor=float(block["low_freq_factor"]),
+                high_freq_factor=float(block["high_freq_factor"]),
+                original_max_positions=block["original_max_position_embeddings"],
+            )
+    except KeyError as missing:
+        raise _Refused(f"{field}.{missing.args[0]}: missing for rope_type {kind!r}") from None
+    except (TypeError, ValueError) as exc:
+        raise _Refused(f"{field}: {_message(exc)}") from None
+    raise _Refused(f"{field}.rope_type: {kind!r} is not implemented; nereus has default, linear and llama3")

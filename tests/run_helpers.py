@@ -1,0 +1,66 @@
+"""What the `nereus run` tests share: a small 2-rank config, launching a run as a process,
+finding its ranks, and waiting with a bound."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DATA = Path(__file__).parent / "data"
+PLAN_2RANK = DATA / "plan-tiny-ppo-2rank.yaml"
+
+
+def write_config(folder: Path, **fields: Any) -> Path:
+    """A small 2-rank PPO config (short responses) next to a copy of the 2-rank plan."""
+    shutil.copy(PLAN_2RANK, folder / "plan.yaml")
+    document = {
+        "kind": "RunConfig",
+        "version": 1,
+        "plan": "plan.yaml",
+        "num_steps": 4,
+        "checkpoint_every": 2,
+        "rl": {"task": "sort", "seed": 3, "max_new_tokens": 6},
+        **fields,
+    }
+    path = folder / "run.yaml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def start_run(*args: str | Path) -> subprocess.Popen[bytes]:
+    """`nereus run ARGS` as a process in its own session (a signal to its group reaches the ranks)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "nereus", "run", *map(str, args)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+
+
+def rank_pids(parent: int) -> list[int]:
+    """PIDs of the spawned ranks of `parent` (children running multiprocessing's spawn_main)."""
+    pids = []
+    for child in Path(f"/proc/{parent}/task/{parent}/children").read_text().split():
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        if b"spawn_main" in cmdline:
+            pids.append(int(child))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "State:\tZ" not in status
+
+
+def wait_for(condition: Any, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
