@@ -146,33 +146,32 @@ def init_from_env(timeout: timedelta = DEFAULT_TIMEOUT) -> list[Peer]:
     return peers()
 
 
-#: How often a joined rank's heartbeat thread bumps its counter, in seconds.
+#: How often a joined rank's heartbeat thread beats, in seconds.
 HEARTBEAT_S = 0.5
-#: The name of a joined rank's torchrun watchdog timer.
-WATCHDOG_SCOPE = "nereus-heartbeat"
+#: A rank whose counter has not moved for this long is taken as stopped or dead, in seconds.
+SILENT_S = 4 * HEARTBEAT_S
+#: How much longer than the collective timeout a rank's guard waits for a heartbeat before
+#: it kills the rank: the other ranks time out and name it first, the guard then ends it.
+GUARD_GRACE_S = 10.0
 
 
 class Heartbeat:
     """A joined rank's sign of life: a thread bumps this rank's counter in the launcher's
-    key-value store (torchrun's agent store, which outlives a stuck worker) every HEARTBEAT_S.
-    A stopped process (SIGSTOP) or a dead one stops bumping: when a collective times out,
-    the survivors read the counters to name the rank they waited for (`unresponsive`).
+    key-value store (torchrun's agent store, which outlives a stuck worker) and writes a byte
+    to this rank's guard (`nereus.runtime.guard`) every HEARTBEAT_S. A stopped process
+    (SIGSTOP) or a dead one stops beating: when a collective times out, the survivors read
+    the counters to name the rank they waited for (`unresponsive`), and the stopped rank's
+    guard kills it `GUARD_GRACE_S` after the timeout so that its agent ends the job.
 
-    When torchrun runs its watchdog (TORCHELASTIC_ENABLE_FILE_TIMER=1 in the job's
-    environment), every beat also re-arms a watchdog timer of `timeout_s`: the agent then
-    SIGKILLs a worker stopped for that long, so a stopped rank alone on its node cannot keep
-    its agent, and the job, waiting forever."""
+    Rank 0, which reports a failure to the user, also watches every rank's counter each beat
+    (`last_moved`): it can name the silent rank even after the store has gone (the store's
+    host node may be the one that failed)."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, watch: bool) -> None:
         import threading
 
         self.timeout_s = timeout_s
-        self.watchdog: Any = None
-        if os.environ.get("TORCHELASTIC_TIMER_FILE"):
-            from torch.distributed.elastic.timer import FileTimerClient
-
-            self.watchdog = FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"])
-
+        self.guard, self.beats = start_guard(timeout_s + GUARD_GRACE_S)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         client = dist.TCPStore(
             os.environ["MASTER_ADDR"],
@@ -182,6 +181,11 @@ class Heartbeat:
             wait_for_workers=False,
         )
         self.store = dist.PrefixStore(f"nereus/attempt-{restart}", client)
+        self.store_lost = False
+        self.watched = [peer.rank for peer in _peers if peer.rank != dist.get_rank()] if watch else []
+        now = time.monotonic()
+        self.last_moved: dict[int, tuple[int, float]] = {rank: (-1, now) for rank in self.watched}
+        self.last_read = now
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._beat, name="nereus-heartbeat", daemon=True)
         self.thread.start()
@@ -189,13 +193,24 @@ class Heartbeat:
     def _beat(self) -> None:
         key = f"beat/{dist.get_rank()}"
         while not self.stop.is_set():
-            try:
-                self.store.add(key, 1)
-                if self.watchdog is not None:
-                    self.watchdog.acquire(WATCHDOG_SCOPE, time.time() + self.timeout_s)
-            except Exception:  # the store or the agent went away (its node ended): nothing left to tell
-                return
+            with suppress(OSError):  # a full pipe: the guard is behind, not the rank
+                os.write(self.beats, b".")
+            if not self.store_lost:
+                try:
+                    self.store.add(key, 1)
+                    self._watch()
+                except Exception:  # the store's host went away (its node ended): the guard still hears us
+                    self.store_lost = True
             self.stop.wait(HEARTBEAT_S)
+
+    def _watch(self) -> None:
+        """Note when each watched rank's counter last moved."""
+        counts = {rank: self.store.add(f"beat/{rank}", 0) for rank in self.watched}
+        now = time.monotonic()
+        for rank, count in counts.items():
+            if count != self.last_moved[rank][0]:
+                self.last_moved[rank] = (count, now)
+        self.last_read = now
 
     def counts(self, ranks: list[int]) -> dict[int, int] | None:
         """Every rank's counter now (None: the store cannot be reached)."""
@@ -205,10 +220,15 @@ class Heartbeat:
             return None
 
     def unresponsive(self) -> list[Peer]:
-        """The other ranks whose counters did not move over a few heartbeats (stopped or dead)."""
+        """The other ranks whose counters did not move over a few heartbeats (stopped or dead);
+        a watching rank judges by what it saw last while the store could still be read."""
+        if self.watched:
+            if not self.store_lost:
+                time.sleep(SILENT_S)  # a rank stopped a moment ago must show as silent too
+            return [_peers[r] for r, (_, moved) in self.last_moved.items() if self.last_read - moved >= SILENT_S]
         others = [peer.rank for peer in _peers if peer.rank != dist.get_rank()]
         before = self.counts(others)
-        time.sleep(4 * HEARTBEAT_S)
+        time.sleep(SILENT_S)
         after = self.counts(others)
         if before is None or after is None:
             return []
@@ -225,7 +245,7 @@ class Heartbeat:
         last, still = -1, 0
         while True:
             try:
-                self.store.wait([key], timedelta(seconds=4 * HEARTBEAT_S))
+                self.store.wait([key], timedelta(seconds=SILENT_S))
                 return
             except Exception:  # not yet: is `rank` still alive?
                 counts = self.counts([rank])
@@ -239,6 +259,8 @@ class Heartbeat:
         """The job's one account of a failure: the first rank to offer one sets it, and every
         later rank gets that one back (so ranks that looked at different moments agree);
         `mine` when the store cannot be reached."""
+        if self.store_lost:
+            return mine
         try:
             agreed = self.store.compare_set("verdict", "", mine)
         except Exception:
@@ -246,12 +268,43 @@ class Heartbeat:
         return agreed.decode() if isinstance(agreed, bytes) else str(agreed)
 
     def close(self) -> None:
-        """Stop beating and disarm the watchdog (the store stays usable for `verdict`)."""
+        """Stop beating and let the guard go (it exits when the pipe closes)."""
         self.stop.set()
         self.thread.join(timeout=2 * HEARTBEAT_S)
-        if self.watchdog is not None:
-            with suppress(Exception):
-                self.watchdog.release(WATCHDOG_SCOPE)
+        with suppress(OSError):
+            os.close(self.beats)
+        with suppress(Exception):
+            self.guard.wait(timeout=5)
+
+
+def exit_without_teardown(code: int) -> None:
+    """Once the interpreter exits, leave with `code` before the process group's native
+    teardown runs: a failed job's group may still have a collective in flight towards a dead
+    or stopped peer, and destroying its worker thread aborts the process (SIGABRT)."""
+    import atexit
+    import sys
+
+    def leave() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    atexit.register(leave)
+
+
+def start_guard(silence_s: float) -> tuple[Any, int]:
+    """Start this rank's guard (`nereus.runtime.guard`); returns it and the pipe end to beat on."""
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    label = f"rank {dist.get_rank()} (node {node_name()}, pid {os.getpid()})"
+    command = [sys.executable, "-m", "nereus.runtime.guard", str(os.getpid()), str(read_end), str(silence_s), label]
+    # its own session: a signal to the rank's process group (Ctrl-Z, SIGSTOP) does not stop the guard
+    guard = subprocess.Popen(command, pass_fds=(read_end,), start_new_session=True, stdin=subprocess.DEVNULL)
+    os.close(read_end)
+    return guard, write_end
 
 
 def describe_unresponsive(peer: Peer) -> str:

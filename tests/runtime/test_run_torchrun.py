@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -41,21 +42,40 @@ def free_port() -> int:
         return port
 
 
-def start_agents(nodes: int, per_node: int, *args: str | Path, env: dict[str, str] | None = None) -> list[Any]:
-    """`nodes` torchrun agents of one job, agent n as node `node<n>`, each in its own session."""
+def start_agents(
+    nodes: int, per_node: int, *args: str | Path, store_on: int = 0, extra: tuple[str, ...] = ()
+) -> list[Any]:
+    """`nodes` torchrun agents of one job, agent n as node `node<n>`, each in its own session.
+    Node `store_on` hosts the rendezvous store: the others wait for it to listen before they
+    start (in place: torchrun orders nodes by process id, so node 0 still gets rank 0)."""
     port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node"]
-    command += [str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}"]
+    command += [str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *extra]
     command += ["--rdzv-id", f"test-{port}", "-m", "nereus", "run", *map(str, args)]
+    wait = ["bash", "-c", 'until (exec 3<>"/dev/tcp/127.0.0.1/$0") 2>/dev/null; do sleep 0.1; done; exec "$@"']
     agents = []
     for node in range(nodes):
-        node_env = {**os.environ, "PYTHONUNBUFFERED": "1", "NEREUS_NODE_ID": f"node{node}", **(env or {})}
+        node_env = {**os.environ, "PYTHONUNBUFFERED": "1", "NEREUS_NODE_ID": f"node{node}"}
+        argv = command if node == store_on else [*wait, str(port), *command]
         agents.append(
-            subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=node_env, start_new_session=True
-            )
+            subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=node_env, start_new_session=True)
         )
     return agents
+
+
+def guards_of(workers: list[int]) -> list[int]:
+    """The guard processes (`nereus.runtime.guard`) still watching any of `workers`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"nereus.runtime.guard" in argv and argv[argv.index(b"nereus.runtime.guard") + 1] in {
+            str(pid).encode() for pid in workers
+        }:
+            found.append(int(entry.name))
+    return found
 
 
 def finish(agents: list[Any], timeout: float) -> list[str]:
@@ -112,24 +132,59 @@ def test_two_nodes_match_one_node_and_resume_on_one_node_with_fewer_ranks(tmp_pa
 
 
 def test_a_stopped_rank_on_another_node_stops_the_job_within_the_timeout(tmp_path: Path) -> None:
-    """SIGSTOP on rank 1, alone on node 1, with collective_timeout_s = 10: both agents exit
-    within 10 s + 30 s, the error names rank 1 and its node, no worker is left, and the
-    checkpoints stay valid (torchrun's watchdog kills the stopped worker, and then its own
-    agent: torch's FileTimerServer ends the agent process after reaping a worker)."""
+    """SIGSTOP on rank 1, alone on node 1, which hosts the job's store, with
+    collective_timeout_s = 10 and no torchrun watchdog: both agents exit within 10 s + 30 s,
+    rank 0's terminal gets the one-line error naming rank 1 and its node, no worker or guard
+    is left, and the checkpoints stay valid (rank 1's guard kills it; its agent then ends and
+    takes the store with it, so rank 0 names rank 1 from what it saw before)."""
     config = write_config(tmp_path, num_steps=40, checkpoint_every=1, collective_timeout_s=TIMEOUT_S)
     out = tmp_path / "out"
-    agents = start_agents(2, 1, config, "--out", out, env={"TORCHELASTIC_ENABLE_FILE_TIMER": "1"})
-    wait_for(lambda: running(agents) and (out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2, 200)
+    agents = start_agents(2, 1, config, "--out", out, store_on=1)
+    wait_for(lambda: running(agents) and bool(finished_checkpoints(out)), 300)
     workers = [peer["pid"] for peer in json.loads((out / "world.json").read_text())]
+    assert len(guards_of(workers)) == 2
     os.kill(workers[1], signal.SIGSTOP)
     start = time.monotonic()
     outputs = [agent.communicate(timeout=TIMEOUT_S + 30.0) for agent in agents]
     assert time.monotonic() - start < TIMEOUT_S + 30.0
     assert all(agent.returncode != 0 for agent in agents)
-    errors = [line for _, err in outputs for line in err.decode().splitlines() if line.startswith("error: run failed")]
-    assert errors, outputs[0][1].decode()[-2000:]
-    assert all("rank 1 (node node1" in line for line in errors), errors
-    wait_for(lambda: not any(alive(pid) for pid in workers), 10)
+    rank0 = [line for line in outputs[0][1].decode().splitlines() if line.startswith("error: ")]
+    assert len(rank0) == 1 and rank0[0].startswith("error: run failed: rank 1 (node node1"), outputs[0][1].decode()
+    wait_for(lambda: not any(alive(pid) for pid in workers) and not guards_of(workers), 10)
     checkpoints = finished_checkpoints(out)
     assert checkpoints and all(checkpoint_problem(folder) is None for folder in checkpoints)
     assert "rank 1 (node node1" in (out / "failure.log").read_text()
+
+
+def test_an_elastic_job_that_loses_a_node_goes_on_from_its_checkpoint_on_the_other(tmp_path: Path) -> None:
+    """`--nnodes 1:2 --max-restarts 1`, 2 nodes x 1 rank: node 1 dies (its agent and rank
+    SIGKILLed) after a checkpoint; node 0's agent restarts its worker on a world of 1, which
+    resumes from that checkpoint replanned for 1 rank and runs to the end, and decisions.jsonl
+    records the pool event with the decision."""
+    config = write_config(tmp_path, num_steps=4, checkpoint_every=1, collective_timeout_s=TIMEOUT_S)
+    out = tmp_path / "out"
+    rendezvous = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
+    extra = ("--nnodes", "1:2", "--max-restarts", "1", "--rdzv-conf", rendezvous)
+    agents = start_agents(2, 1, config, "--out", out, extra=extra)
+    wait_for(lambda: running(agents) and bool(finished_checkpoints(out)), 300)
+    world = json.loads((out / "world.json").read_text())
+    assert [peer["node"] for peer in world] == ["node0", "node1"]
+    os.killpg(agents[1].pid, signal.SIGKILL)  # node 1 goes: its agent and its rank at once
+    with suppress(ProcessLookupError):
+        os.kill(world[1]["pid"], signal.SIGKILL)
+    agents[1].communicate(timeout=10)
+    (stderr,) = finish(agents[:1], 400)
+    assert "planned a new layout for 1 ranks" in stderr and "resuming from" in stderr
+    pool = [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()]
+    pool = [record for record in pool if record["observation"].get("event") == "pool"]
+    assert len(pool) == 1, pool
+    (record,) = pool
+    assert record["observation"]["gpus"] == 1 and record["observation"]["previous_gpus"] == 2
+    assert record["observation"]["restart"] == 1 and record["decision"]["action"] == "replan"
+    start = record["decision"]["step"]
+    assert start >= 1 and record["checkpoint"] == f"step-{start:06d}"
+    assert f"{record['checkpoint']} (step {start})" in stderr
+    assert [record["step"] for record in read_metrics(out)] == [0, 1, 2, 3]
+    assert [peer["node"] for peer in json.loads((out / "world.json").read_text())] == ["node0"]
+    assert all(checkpoint_problem(folder) is None for folder in finished_checkpoints(out))
+    wait_for(lambda: not any(alive(peer["pid"]) for peer in world) and not guards_of([p["pid"] for p in world]), 10)

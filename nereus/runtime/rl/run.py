@@ -38,6 +38,7 @@ from nereus.runtime.dist import (
     Peer,
     describe_unresponsive,
     device,
+    exit_without_teardown,
     init_from_env,
     kill_unresponsive_sibling,
     spawn,
@@ -546,7 +547,9 @@ class JoinedJob:
             run_rank(self.rank, self.world_size, setup)
             dist.barrier()  # no rank tears its communicator down while a peer may still send on it
         except Exception as error:
-            raise self.failed(setup, error) from None
+            failure = self.failed(setup, error)
+            exit_without_teardown(getattr(failure, "exit_code", 1))
+            raise failure from None
         finally:
             done.set()
             follower.join()
@@ -559,10 +562,11 @@ class JoinedJob:
     def failed(self, setup: RunSetup, error: BaseException) -> RunFailed:
         """The error every rank reports: the ranks that stopped responding, when some did (they
         are the cause, the others only waited for them), else this rank's own error."""
+        global _reporting
+        _reporting = True  # the launcher's SIGTERM must not cut the report short (it waits 30 s)
         silent = self.heartbeat.unresponsive()
         for peer in silent:
             kill_unresponsive_sibling(peer)
-        self.heartbeat.close()  # this rank leaves: its watchdog timer must not outlive it
         mine = self.peers[self.rank].describe()
         if silent:
             cause = "; ".join(describe_unresponsive(peer) for peer in silent)
@@ -575,10 +579,29 @@ class JoinedJob:
         return RunFailed(f"run failed: {cause} (seen from {mine})")
 
 
+class LauncherStopped(NereusError):
+    """torchrun's agent stopped this rank (SIGTERM): the job is ending (another node failed,
+    or the user stopped it) or restarting (a node left or joined an elastic pool)."""
+
+
+#: Set once this rank reports a failure: a SIGTERM then waits for the report to be written.
+_reporting = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Turn the agent's SIGTERM into an error the rank reports like any other (naming the ranks
+    that went silent, when some did) instead of dying mid-step with nothing said."""
+    if not _reporting:
+        raise LauncherStopped("stopped by its torchrun agent (SIGTERM)")
+
+
 def join_job(timeout_s: float) -> JoinedJob:
     """Join the torchrun job this process is a worker of (collective over the whole job)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
     peers = init_from_env(timedelta(seconds=timeout_s))
-    return JoinedJob(peers, Heartbeat(timeout_s), timeout_s)
+    return JoinedJob(peers, Heartbeat(timeout_s, watch=dist.get_rank() == 0), timeout_s)
 
 
 def portable_error(error: NereusError) -> NereusError:
