@@ -43,20 +43,20 @@ def free_port() -> int:
 
 
 def start_agents(
-    nodes: int, per_node: int, *args: str | Path, store_on: int = 0, extra: tuple[str, ...] = ()
+    nodes: int, per_node: int, *args: str | Path, store_on: int = 0, extra: tuple[str, ...] = (), rdzv_conf: str = ""
 ) -> list[Any]:
-    """`nodes` torchrun agents of one job, agent n as node `node<n>`, each in its own session.
-    Node `store_on` hosts the rendezvous store: the others wait for it to listen before they
-    start (in place: torchrun orders nodes by process id, so node 0 still gets rank 0)."""
+    """`nodes` torchrun agents of one job, agent n as node `node<n>`, each in its own session,
+    started in node order (torchrun orders nodes by process id: node 0 gets rank 0). Node
+    `store_on` hosts the rendezvous store; the others are told not to (`is_host=0`)."""
     port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node"]
     command += [str(per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", *extra]
-    command += ["--rdzv-id", f"test-{port}", "-m", "nereus", "run", *map(str, args)]
-    wait = ["bash", "-c", 'until (exec 3<>"/dev/tcp/127.0.0.1/$0") 2>/dev/null; do sleep 0.1; done; exec "$@"']
+    command += ["--rdzv-id", f"test-{port}"]
     agents = []
     for node in range(nodes):
         node_env = {**os.environ, "PYTHONUNBUFFERED": "1", "NEREUS_NODE_ID": f"node{node}"}
-        argv = command if node == store_on else [*wait, str(port), *command]
+        conf = ",".join(item for item in (rdzv_conf, "" if node == store_on else "is_host=0") if item)
+        argv = [*command, *(("--rdzv-conf", conf) if conf else ()), "-m", "nereus", "run", *map(str, args)]
         agents.append(
             subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=node_env, start_new_session=True)
         )
@@ -163,9 +163,10 @@ def test_an_elastic_job_that_loses_a_node_goes_on_from_its_checkpoint_on_the_oth
     records the pool event with the decision."""
     config = write_config(tmp_path, num_steps=4, checkpoint_every=1, collective_timeout_s=TIMEOUT_S)
     out = tmp_path / "out"
-    rendezvous = "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"
-    extra = ("--nnodes", "1:2", "--max-restarts", "1", "--rdzv-conf", rendezvous)
-    agents = start_agents(2, 1, config, "--out", out, extra=extra)
+    # the restart's rendezvous waits 5 s for more nodes, and takes a node 2 s silent for gone
+    rendezvous = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
+    extra = ("--nnodes", "1:2", "--max-restarts", "1")
+    agents = start_agents(2, 1, config, "--out", out, extra=extra, rdzv_conf=rendezvous)
     wait_for(lambda: running(agents) and bool(finished_checkpoints(out)), 300)
     world = json.loads((out / "world.json").read_text())
     assert [peer["node"] for peer in world] == ["node0", "node1"]
