@@ -152,7 +152,7 @@ HEARTBEAT_S = 0.5
 SILENT_S = 4 * HEARTBEAT_S
 #: How much longer than the collective timeout a rank's guard waits for a heartbeat before
 #: it kills the rank: the other ranks time out and name it first, the guard then ends it.
-GUARD_GRACE_S = 10.0
+GUARD_GRACE_S = 5.0
 
 
 class Heartbeat:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from repo_paths import EXAMPLES
 
 from nereus.runtime.checkpoint import load_checkpoint
-from nereus.runtime.rl.setup import checkpoint_problem
+from nereus.runtime.rl.setup import checkpoint_problem, joined_setup
 from nereus.runtime.shard_layout import RankLayout
 from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke
@@ -32,6 +34,10 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 #: slow steps never hit it, so only the stopped rank does.
 TIMEOUT_S = 10.0
 #: Fields of a step record that measure time (they differ run to run); the rest must agree.
+#: An elastic job: one node may go, and torchrun then restarts the workers once.
+ELASTIC = ("--nnodes", "1:2", "--max-restarts", "1")
+#: The restart's rendezvous waits 5 s for more nodes and takes a node silent for 2 s as gone.
+RENDEZVOUS = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
 TIMED = ("step_seconds", "stage_seconds", "predicted_step_seconds", "predicted_stage_seconds")
 
 
@@ -102,33 +108,68 @@ def close(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def test_two_nodes_match_one_node_and_resume_on_one_node_with_fewer_ranks(tmp_path: Path) -> None:
-    """examples/run-ppo.yaml (4 ranks) for 4 steps on 2 nodes x 2 ranks equals a 4-rank run on
-    one host step for step (1e-6 relative), as does its checkpoint; 1 node x 2 ranks then
-    resumes it, replanned for 2 ranks."""
-    single, multi = tmp_path / "single", tmp_path / "multi"
-    assert invoke("run", EXAMPLES / "run-ppo.yaml", "--steps", "4", "--out", single).exit_code == 0
-    finish(start_agents(2, 2, EXAMPLES / "run-ppo.yaml", "--steps", "4", "--out", multi), 400)
+def ppo_config(folder: Path) -> Path:
+    """examples/run-ppo.yaml, checkpointing every 4 steps (nothing else changes: the same
+    model-stages, plan, seeds and task), next to a copy of its plan."""
+    document = yaml.safe_load((EXAMPLES / "run-ppo.yaml").read_text())
+    shutil.copy(EXAMPLES / document["plan"], folder / document["plan"])
+    path = folder / "run-ppo.yaml"
+    path.write_text(yaml.safe_dump({**document, "checkpoint_every": 4}))
+    return path
+
+
+def lose_node(agent: Any, pids: list[int]) -> None:
+    """The node of `agent` goes away: its agent and its ranks `pids` are SIGKILLed at once."""
+    os.killpg(agent.pid, signal.SIGKILL)
+    for pid in pids:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    agent.communicate(timeout=10)
+
+
+def test_two_nodes_match_one_node_then_go_on_elastically_on_one_node_with_fewer_ranks(tmp_path: Path) -> None:
+    """examples/run-ppo.yaml (4 ranks) on 2 nodes x 2 ranks as an elastic job (`--nnodes 1:2
+    --max-restarts 1`): its first 4 steps equal a 4-rank run on one host step for step (1e-6
+    relative), as does its step-4 checkpoint. Node 1 then dies (agent and ranks SIGKILLed)
+    and the job goes on on node 0 alone: torchrun restarts its workers on a world of 2, which
+    resume from step 4 replanned for 2 ranks, run step 5, and log the pool event in
+    decisions.jsonl. A `--resume` of the folder on 2 ranks then continues after step 5."""
+    config, single, multi = ppo_config(tmp_path), tmp_path / "single", tmp_path / "multi"
+    assert invoke("run", config, "--steps", "4", "--out", single).exit_code == 0
+    agents = start_agents(2, 2, config, "--steps", "5", "--out", multi, extra=ELASTIC, rdzv_conf=RENDEZVOUS)
+    step_4 = multi / "checkpoints" / "step-000004"
+    wait_for(lambda: running(agents) and "step-000004" in {f.name for f in finished_checkpoints(multi)}, 400)
     world = json.loads((multi / "world.json").read_text())
     assert [(peer["rank"], peer["node"]) for peer in world] == [(0, "node0"), (1, "node0"), (2, "node1"), (3, "node1")]
     assert len({peer["memory_domain"] for peer in world}) == 2  # no shared memory across the nodes
+    lose_node(agents[1], [peer["pid"] for peer in world[2:]])
+    (stderr,) = finish(agents[:1], 400)
+
     expected, got = read_metrics(single), read_metrics(multi)
-    assert len(expected) == len(got) == 4
-    for want, have in zip(expected, got, strict=True):
+    assert [record["step"] for record in got] == [0, 1, 2, 3, 4]
+    for want, have in zip(expected, got[:4], strict=True):
         for field, value in want.items():
             assert field in TIMED or close(value, have[field]), (want["step"], field, value, have[field])
     one = RankLayout(1, 1, 1, (0,))
     for role in ("actor", "critic"):
         saved = load_checkpoint(single / "checkpoints" / "step-000004" / role, one, 0).tensors
-        joined = load_checkpoint(multi / "checkpoints" / "step-000004" / role, one, 0).tensors
+        joined = load_checkpoint(step_4 / role, one, 0).tensors
         for key, tensor in saved.items():
             assert (tensor - joined[key]).abs().max() <= 1e-6 * max(1.0, float(tensor.abs().max())), (role, key)
-    (stderr,) = finish(start_agents(1, 2, "--resume", multi, "--steps", "5"), 300)
-    assert "planned a new layout for 2 ranks" in stderr
-    assert "resuming from" in stderr and "step-000004 (step 4)" in stderr
-    assert [record["step"] for record in read_metrics(multi)] == [0, 1, 2, 3, 4]
+
+    assert "planned a new layout for 2 ranks" in stderr and f"resuming from {step_4} (step 4)" in stderr
     assert [peer["node"] for peer in json.loads((multi / "world.json").read_text())] == ["node0", "node0"]
+    decisions = [json.loads(line) for line in (multi / "decisions.jsonl").read_text().splitlines()]
+    pool = [record for record in decisions if record["observation"].get("event") == "pool"]
+    assert len(pool) == 1, decisions
+    assert pool[0]["observation"] == {"step": 4, "event": "pool", "restart": 1, "gpus": 2, "previous_gpus": 4}
+    assert pool[0]["decision"]["action"] == "replan" and pool[0]["checkpoint"] == "step-000004"
     assert all(checkpoint_problem(folder) is None for folder in finished_checkpoints(multi))
+    pids = [peer["pid"] for peer in world]
+    wait_for(lambda: not any(alive(pid) for pid in pids) and not guards_of(pids), 10)
+    # `--resume` under torchrun takes the same path on the job's world: 2 ranks, no replanning
+    again = joined_setup(2, None, None, 6, None, multi)
+    assert (again.start_step, again.planned, again.num_ranks) == (5, False, 2)
 
 
 def test_a_stopped_rank_on_another_node_stops_the_job_within_the_timeout(tmp_path: Path) -> None:
@@ -154,38 +195,3 @@ def test_a_stopped_rank_on_another_node_stops_the_job_within_the_timeout(tmp_pat
     checkpoints = finished_checkpoints(out)
     assert checkpoints and all(checkpoint_problem(folder) is None for folder in checkpoints)
     assert "rank 1 (node node1" in (out / "failure.log").read_text()
-
-
-def test_an_elastic_job_that_loses_a_node_goes_on_from_its_checkpoint_on_the_other(tmp_path: Path) -> None:
-    """`--nnodes 1:2 --max-restarts 1`, 2 nodes x 1 rank: node 1 dies (its agent and rank
-    SIGKILLed) after a checkpoint; node 0's agent restarts its worker on a world of 1, which
-    resumes from that checkpoint replanned for 1 rank and runs to the end, and decisions.jsonl
-    records the pool event with the decision."""
-    config = write_config(tmp_path, num_steps=4, checkpoint_every=1, collective_timeout_s=TIMEOUT_S)
-    out = tmp_path / "out"
-    # the restart's rendezvous waits 5 s for more nodes, and takes a node 2 s silent for gone
-    rendezvous = "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
-    extra = ("--nnodes", "1:2", "--max-restarts", "1")
-    agents = start_agents(2, 1, config, "--out", out, extra=extra, rdzv_conf=rendezvous)
-    wait_for(lambda: running(agents) and bool(finished_checkpoints(out)), 300)
-    world = json.loads((out / "world.json").read_text())
-    assert [peer["node"] for peer in world] == ["node0", "node1"]
-    os.killpg(agents[1].pid, signal.SIGKILL)  # node 1 goes: its agent and its rank at once
-    with suppress(ProcessLookupError):
-        os.kill(world[1]["pid"], signal.SIGKILL)
-    agents[1].communicate(timeout=10)
-    (stderr,) = finish(agents[:1], 400)
-    assert "planned a new layout for 1 ranks" in stderr and "resuming from" in stderr
-    pool = [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()]
-    pool = [record for record in pool if record["observation"].get("event") == "pool"]
-    assert len(pool) == 1, pool
-    (record,) = pool
-    assert record["observation"]["gpus"] == 1 and record["observation"]["previous_gpus"] == 2
-    assert record["observation"]["restart"] == 1 and record["decision"]["action"] == "replan"
-    start = record["decision"]["step"]
-    assert start >= 1 and record["checkpoint"] == f"step-{start:06d}"
-    assert f"{record['checkpoint']} (step {start})" in stderr
-    assert [record["step"] for record in read_metrics(out)] == [0, 1, 2, 3]
-    assert [peer["node"] for peer in json.loads((out / "world.json").read_text())] == ["node0"]
-    assert all(checkpoint_problem(folder) is None for folder in finished_checkpoints(out))
-    wait_for(lambda: not any(alive(peer["pid"]) for peer in world) and not guards_of([p["pid"] for p in world]), 10)
