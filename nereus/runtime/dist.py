@@ -137,7 +137,18 @@ def init_from_env(timeout: timedelta = DEFAULT_TIMEOUT) -> list[Peer]:
     _collective_timeout = timeout
     if torch.cuda.is_available():
         torch.cuda.set_device(device())
-    dist.init_process_group(backend(), init_method="env://", timeout=timeout)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
+        # torchrun keeps one store across restarts of the workers: each attempt's group keys go
+        # under its own prefix, or a restarted rank may read a dead rank's address from before
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        client = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
+        )
+        store = dist.PrefixStore(f"nereus/attempt-{restart}/group", client)
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend(), store=store, rank=rank, world_size=size, timeout=timeout)
+    else:
+        dist.init_process_group(backend(), init_method="env://", timeout=timeout)
     domain = shm.host_token().hex()[:12]
     mine = Peer(dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0")), node_name(), os.getpid(), domain)
     gathered: list[Any] = [None] * dist.get_world_size()
