@@ -175,7 +175,7 @@ def restored_actor_params(rank: int, world_size: int, setup: Any) -> dict[str, A
     from nereus.runtime.rl.update import sync_plans, sync_weights
 
     stages = build_stages(setup.plan, setup.config.rl)
-    restore(stages, setup.checkpoint, rank)
+    restore(stages, setup.checkpoint, rank, setup.config.rl)
     sync_weights(sync_plans(stages))
     generation = stages["actor/generation"].engine
     training = stages["actor/training"].engine
