@@ -106,6 +106,7 @@ def run_trl(folder: Path, num_steps: int, work: Path) -> dict[str, Any]:
         max_grad_norm=CLIP, beta=KL, epsilon=0.2, num_iterations=1, loss_type="dapo", scale_rewards="group",
         temperature=1.0, top_p=1.0, top_k=0, shuffle_dataset=False, seed=SEED, use_cpu=True, bf16=False,
         logging_steps=1, report_to=[], save_strategy="no", disable_dropout=True, dataloader_num_workers=0,
+        disable_tqdm=True,
     )  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
@@ -113,6 +114,7 @@ def run_trl(folder: Path, num_steps: int, work: Path) -> dict[str, Any]:
         model=model, reward_funcs=sort_reward, args=config, processing_class=tokenizer,
         train_dataset=Dataset.from_list(prompts_by_step(num_steps)), callbacks=[StepClock()],
     )  # fmt: skip
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # the table says it all
     start = time.perf_counter()
     trainer.train()
     rewards = [float(log["reward"]) for log in trainer.state.log_history if "reward" in log]
