@@ -7,7 +7,7 @@ mean reward of the first and last 10 steps, the mean step time per model-stage, 
 benchmarks/results/rl_learning.json.
 
 `--main-job` runs the README's main job instead, `examples/run-learn.yaml` as it is (4 ranks,
-its supervised warm-start, 100 GRPO steps), and writes benchmarks/results/rl_main_job.json:
+its supervised warm-start, 130 GRPO steps), and writes benchmarks/results/rl_main_job.json:
 the per-step rewards, the mean of the first and last 10 steps and the wall time.
 
     .venv/bin/python benchmarks/rl_learning.py [--steps 50] [--algorithms ppo grpo]
