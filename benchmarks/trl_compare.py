@@ -6,8 +6,11 @@ group size, response cap, learning rate, KL coefficient, gradient clipping, loss
 aggregation and rule reward (`tasks.answer_score`). The model folder carries a `tokenizers`
 tokenizer over nereus's characters with the same ids (pad 0, bos 1, eos 2, the alphabet
 from 3), so both sides see the same tokens. TRL runs in one process on every core; nereus on
-1 rank and on 2 ranks (one thread each). The runs alternate (TRL, nereus 1 rank, nereus 2
-ranks, and again per round), so the machine's load falls on all of them.
+1 rank and on 2 ranks (one thread each). TRL runs once more with one thread: on a loaded
+machine a multi-threaded torch op waits for its other thread to be scheduled, which the
+one-thread run shows apart from the trainer's own cost. The runs alternate (TRL, TRL one
+thread, nereus 1 rank, nereus 2 ranks, and again per round), so the machine's load falls on
+all of them.
 
 Seconds per step: the wall time from one finished step to the next (TRL: its `on_step_end`
 callbacks; nereus: metrics.jsonl records as the launcher reads them), median over the steps
@@ -40,6 +43,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "trl_compare.json"
 #: The shared recipe (nereus's GRPO defaults where TRL has the same knob).
 PROMPTS, GROUP, MAX_NEW_TOKENS, LR, KL, CLIP, SEED = 8, 4, 12, 1e-3, 0.02, 1.0, 0
 WARMUP_STEPS, REWARD_STEPS = 3, 5
+RUNNERS = ("trl", "trl-1thread", "nereus-1", "nereus-2")
 
 
 def make_model(folder: Path) -> Path:
@@ -85,14 +89,14 @@ def sort_reward(prompts: list[str], completions: list[str], answer: list[str], *
     return [answer_score(completion, right) for completion, right in zip(completions, answer, strict=True)]
 
 
-def run_trl(folder: Path, num_steps: int, work: Path) -> dict[str, Any]:
-    """TRL's GRPOTrainer, one process on every core; per-step wall times and rewards."""
+def run_trl(folder: Path, num_steps: int, work: Path, threads: int) -> dict[str, Any]:
+    """TRL's GRPOTrainer in one process with `threads` torch threads; per-step wall times and rewards."""
     import torch
     import transformers
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    torch.set_num_threads(threads)
     ends: list[float] = []
 
     class StepClock(transformers.TrainerCallback):
@@ -118,7 +122,8 @@ def run_trl(folder: Path, num_steps: int, work: Path) -> dict[str, Any]:
     start = time.perf_counter()
     trainer.train()
     rewards = [float(log["reward"]) for log in trainer.state.log_history if "reward" in log]
-    return {"runner": "trl", "step_ends": [end - start for end in ends], "rewards": rewards}
+    runner = "trl" if threads > 1 else "trl-1thread"
+    return {"runner": runner, "step_ends": [end - start for end in ends], "rewards": rewards}
 
 
 def run_nereus(folder: Path, num_steps: int, num_ranks: int, work: Path) -> dict[str, Any]:
@@ -166,32 +171,34 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="rounds of TRL, nereus 1 rank, nereus 2 ranks")
     args = parser.parse_args()
     recording = begin()
+    cores = len(os.sched_getaffinity(0))
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="trl-compare-") as folder:
         work = Path(folder)
         model = make_model(work / "model")
         for round_ in range(args.rounds):
-            for runner in ("trl", "nereus-1", "nereus-2"):
+            for runner in RUNNERS:
                 place = work / f"round-{round_}"
                 place.mkdir(exist_ok=True)
-                if runner == "trl":
-                    run = run_trl(model, args.steps, place)
+                if runner.startswith("trl"):
+                    run = run_trl(model, args.steps, place, 1 if runner == "trl-1thread" else cores)
                 else:
                     run = run_nereus(model, args.steps, int(runner[-1]), place)
                 runs.append({**summary(run), "round": round_})
                 print(f"round {round_} {runner}: {runs[-1]['median_step_s']:.3f} s/step", flush=True)
-    by_runner = {name: [run for run in runs if run["runner"] == name] for name in ("trl", "nereus-1", "nereus-2")}
+    by_runner = {name: [run for run in runs if run["runner"] == name] for name in RUNNERS}
     medians = {name: statistics.median(s for run in group for s in run["step_s"]) for name, group in by_runner.items()}
-    print(f"{'runner':<10}{'s/step':>9}{'vs TRL':>8}{'reward first 5':>16}{'reward last 5':>15}")
+    print(f"{'runner':<12}{'s/step':>9}{'vs TRL':>8}{'reward first 5':>16}{'reward last 5':>15}")
     for name, group in by_runner.items():
         first = statistics.mean(run["reward_first"] for run in group)
         last = statistics.mean(run["reward_last"] for run in group)
-        print(f"{name:<10}{medians[name]:>9.3f}{medians['trl'] / medians[name]:>7.2f}x{first:>16.3f}{last:>15.3f}")
-    best = max(medians["nereus-1"], medians["nereus-2"])
+        print(f"{name:<12}{medians[name]:>9.3f}{medians['trl'] / medians[name]:>7.2f}x{first:>16.3f}{last:>15.3f}")
+    slower = max(medians["nereus-1"], medians["nereus-2"])
     print(
-        f"nereus is {medians['trl'] / best:.2f}x faster per step than TRL on {len(os.sched_getaffinity(0))} cores "
-        f"(the slower of its 1- and 2-rank runs; median over {args.rounds} round(s) x {args.steps} steps "
-        f"after {WARMUP_STEPS} warm-up steps)"
+        f"nereus is {medians['trl'] / slower:.2f}x faster per step than TRL on {cores} cores "
+        f"({medians['trl-1thread'] / slower:.2f}x than TRL on one thread; the slower of nereus's 1- and 2-rank "
+        f"runs; medians over {args.rounds} round(s) x {args.steps} steps after {WARMUP_STEPS} warm-up steps; "
+        f"load average {os.getloadavg()[0]:.1f})"
     )
     recipe = {"prompts": PROMPTS, "group": GROUP, "max_new_tokens": MAX_NEW_TOKENS, "lr": LR, "kl": KL, "clip": CLIP}
     payload = {"recipe": recipe, "steps": args.steps, "rounds": args.rounds, "median_step_s": medians, "runs": runs}
