@@ -43,8 +43,6 @@ DECODE_SLICES = 16
 LENGTH_POINTS = 64
 #: Points of the residual-length distribution (over 0 .. max).
 RESIDUAL_POINTS = 257
-#: Places in the arrival order the longest response is averaged over.
-_ORDER_POINTS = 32
 
 _NORMAL = NormalDist()
 
@@ -137,19 +135,29 @@ def decode_profile(
 def _expected_finish(
     queued: np.ndarray, drain: np.ndarray, longest: float, kept: np.ndarray, started: np.ndarray, fills_at: np.ndarray
 ) -> np.ndarray:
-    """E[max(queued + drain, longest + wait)] over the longest response's place in the arrival order.
+    """E[max(queued + drain, longest + wait)] over the longest response's place u in the
+    arrival order, uniform on [0, 1].
 
     Preemption takes the newest, so the running set is always the oldest unfinished sequences
-    that fit: the first `kept` share of the order never waits; a later place x is (re)admitted
+    that fit: the first `kept` share of the order never waits; a later place is (re)admitted
     as the queue reaches it, at a time spread evenly from `fills_at` to `queued`, and has
     already written `fills_at` tokens if it was among the `started` share admitted at once.
+    The wait is linear in u on each side of `started`, so the expectation is exact per piece.
     """
-    u = (np.arange(_ORDER_POINTS) + 0.5) / _ORDER_POINTS
-    kept, started, fills_at, queued = (np.asarray(a)[..., None] for a in (kept, started, fills_at, queued))
-    late = np.clip((u - kept) / np.maximum(1.0 - kept, 1e-12), 0.0, 1.0)
-    admitted = fills_at + late * (queued - fills_at)
-    wait = np.where(u < kept, 0.0, admitted - np.where(u < started, fills_at, 0.0))
-    return np.maximum(queued + drain[..., None], longest + np.maximum(wait, 0.0)).mean(axis=-1)
+    others = queued + drain
+    slope = (queued - fills_at) / np.maximum(1.0 - kept, 1e-12)  # admission time per unit of place
+    edge = np.clip(started, kept, 1.0)
+    # On [kept, edge) the place had written fills_at tokens already; on [edge, 1] it starts fresh.
+    early = _mean_max_linear(others, longest - slope * kept, slope, kept, edge)
+    late = _mean_max_linear(others, longest + fills_at - slope * kept, slope, edge, np.ones_like(edge))
+    return kept * np.maximum(others, longest) + early + late
+
+
+def _mean_max_linear(floor: np.ndarray, c0: np.ndarray, c1: np.ndarray, u0: np.ndarray, u1: np.ndarray) -> np.ndarray:
+    """The integral over u in [u0, u1] of max(floor, c0 + c1 u), for c1 >= 0."""
+    cross = np.clip((floor - c0) / np.maximum(c1, 1e-300), u0, u1)
+    cross = np.where(c1 > 0, cross, np.where(c0 >= floor, u0, u1))
+    return floor * (cross - u0) + c0 * (u1 - cross) + c1 * (u1**2 - cross**2) / 2
 
 
 def priced_decode(
