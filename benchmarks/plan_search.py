@@ -45,6 +45,8 @@ import sys, time
 from nereus.cli.inputs import models_for
 from nereus.solver.plan_search import PlanRequest, search
 from nereus.spec.presets import cluster_preset, workload_preset
+import nereus
+print(nereus.__file__, flush=True)
 requests = {}
 for line in sys.stdin:
     model, gpus = line.split()
@@ -63,9 +65,14 @@ class Worker:
 
     def __init__(self, root: Path) -> None:
         env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+        # cwd too: `python -c` puts the working directory first on sys.path.
         self.process = subprocess.Popen(
-            [sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+            [sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root
         )
+        assert self.process.stdout is not None
+        imported = Path(self.process.stdout.readline().strip())
+        if root not in imported.parents:
+            raise RuntimeError(f"the worker for {root} imported nereus from {imported}")
 
     def time_ms(self, model: str, gpus: int) -> float:
         assert self.process.stdin is not None and self.process.stdout is not None
