@@ -113,6 +113,9 @@ def import_reward(spec: PythonReward) -> RewardFunction:
     folder = str(Path(spec.folder or ".").resolve())
     if folder not in sys.path:
         sys.path.insert(0, folder)
+    cached = sys.modules.get(module_name)
+    if cached is not None and not str(getattr(cached, "__file__", "")).startswith(folder + "/"):
+        del sys.modules[module_name]  # a module of that name from another folder (an earlier run)
     try:
         module = importlib.import_module(module_name)
     except Exception as error:  # any failure of the user's module is a user error
