@@ -71,10 +71,18 @@ def as_number(text: str) -> Fraction | None:
     return value
 
 
+def reference_answer(answer: str) -> str | None:
+    """The answer a dataset's answer field gives: the marked one (`####`, `\\boxed{}`) of a
+    worked solution, else the whole field (`72`, `x + 1`)."""
+    if _GSM8K.search(answer) or boxed_content(answer) is not None:
+        return final_answer(answer)
+    return answer.strip() or None
+
+
 def math_matches(response: str, answer: str) -> bool:
     """Whether the response's final answer equals the answer's (numerically when both are
     numbers, else as whitespace-free strings)."""
-    theirs, ours = final_answer(response), final_answer(answer)
+    theirs, ours = final_answer(response), reference_answer(answer)
     if theirs is None or ours is None:
         return False
     left, right = as_number(theirs), as_number(ours)
