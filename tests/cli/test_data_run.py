@@ -6,7 +6,6 @@ killed with SIGKILL after a checkpoint and resumed, it matches the uninterrupted
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import signal
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+from hf_helpers import tiny_math_model
 from repo_paths import DATA, EXAMPLES
 
 from nereus.spec.run_folder import finished_checkpoints, read_metrics
@@ -30,11 +30,7 @@ TIMING_FIELDS = ("stage_seconds", "step_seconds", "predicted_step_seconds", "pre
 
 def make_folder(out: Path) -> Path:
     """examples/tiny_math_model.py's folder, trained on the test dataset."""
-    spec = importlib.util.spec_from_file_location("tiny_math_model", EXAMPLES / "tiny_math_model.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return Path(module.make_folder(out, [DATA / "math-train.jsonl"]))
+    return Path(tiny_math_model().make_folder(out, [DATA / "math-train.jsonl"]))
 
 
 def write_config(root: Path, **fields: Any) -> Path:

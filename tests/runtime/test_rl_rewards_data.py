@@ -90,17 +90,13 @@ def test_overlong_prompts_truncated_keep_their_end(tmp_path: Path) -> None:
 
 
 def test_a_folder_tokenizer_renders_chat_messages_with_its_template(tmp_path: Path) -> None:
-    import importlib.util
-
-    from repo_paths import DATA, EXAMPLES
+    from hf_helpers import tiny_math_model
+    from repo_paths import DATA
 
     from nereus.runtime.rl.tokenizer import load_folder_tokenizer
 
     pytest.importorskip("tokenizers")
-    spec = importlib.util.spec_from_file_location("tiny_math_model", EXAMPLES / "tiny_math_model.py")
-    assert spec is not None and spec.loader is not None
-    maker = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(maker)
+    maker = tiny_math_model()
     maker.save_tokenizer(tmp_path, [DATA / "math-chat.jsonl"])
     tokenizer = load_folder_tokenizer(tmp_path)
     assert (tokenizer.pad_id, tokenizer.eos_id, tokenizer.vocab_size) == (0, 2, maker.VOCAB_SIZE)
