@@ -131,6 +131,9 @@ class StepMetrics:
     clipping, averaged over the step's updates (mini-batches x epochs)."""
     lr: dict[str, float] = field(default_factory=dict)
     """Per trained model-stage: the learning rate the step trained at (`rl.lr_schedule`)."""
+    eval_reward: float | None = None
+    """Mean reward of the actor's greedy responses to the `data.eval` prompts after this
+    step (None: no evaluation at this step)."""
 
 
 @dataclass(frozen=True)
