@@ -65,6 +65,7 @@ def assert_checkpoints_whole(out: Path) -> None:
         ({"calibration": "nope.yaml"}, [], "calibration: "),
         ({"fusion": {"intra_stage": True}}, [], "fusion.intra_stage: "),
         ({"fusion": {"inter_stage": True}}, [], "fusion.inter_stage: needs actor/generation dp >= 2"),
+        ({"rl": {"sft_steps": 2, "sft_batch": 1}}, [], "rl.sft_batch: 1 demonstrations over actor/training's dp=1"),
     ],
 )
 def test_bad_config_or_plan_is_refused_before_spawning(
