@@ -16,6 +16,7 @@ A run folder holds:
                      state.json: the step and the sha256 of every file beside it
     damaged-checkpoints/  newer checkpoints a resume from an older one set aside
     failure.log      the full error of a run that failed (written only then)
+    world.json       a torchrun job's ranks: node, local rank, pid, shared-memory domain
 
 Every reader refuses a malformed line with one error naming the file and the line.
 """
@@ -43,6 +44,7 @@ DECISIONS_NAME = "decisions.jsonl"
 TIMELINE_NAME = "timeline"
 CHECKPOINTS_NAME = "checkpoints"
 FAILURE_NAME = "failure.log"
+WORLD_NAME = "world.json"
 #: The file inside a finished run checkpoint that records the step it was taken after.
 CHECKPOINT_STATE_NAME = "state.json"
 #: Rank 0's run state (predictor, online calibration, controller) inside a run checkpoint: JSON.

@@ -33,7 +33,16 @@ from nereus.cost.calibration import Calibration
 from nereus.errors import ArgumentError, NereusError
 from nereus.runtime import arena, host_collectives, shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
-from nereus.runtime.dist import device, spawn
+from nereus.runtime.dist import (
+    Heartbeat,
+    Peer,
+    describe_unresponsive,
+    device,
+    exit_without_teardown,
+    init_from_env,
+    kill_unresponsive_sibling,
+    spawn,
+)
 from nereus.runtime.hf.load import load_engine
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
 from nereus.runtime.rl.evaluation import eval_due, evaluate
@@ -48,7 +57,17 @@ from nereus.runtime.rl.run_data import (
 )
 from nereus.runtime.rl.run_state import RunStateData, read_run_state
 from nereus.runtime.rl.samples import append_samples
-from nereus.runtime.rl.setup import Move, RunSetup, Switch, prepare_folder, seal_manifest, state_bytes_by_rank
+from nereus.runtime.rl.setup import (
+    Move,
+    RunSetup,
+    Switch,
+    log_pool_restart,
+    plan_num_ranks,
+    prepare_folder,
+    seal_manifest,
+    state_bytes_by_rank,
+    torchrun_restart,
+)
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, engine_state
 from nereus.runtime.rl.step import rl_step
 from nereus.runtime.rl.tasks import get_task
@@ -58,7 +77,7 @@ from nereus.runtime.rl.update import sync_plans, sync_weights
 from nereus.runtime.rl.warm_start import warm_start
 from nereus.runtime.sharded_state import gather, state_meta
 from nereus.runtime.transition_executor import ReplicaState, execute_transition
-from nereus.spec.io import save_document, write_text_atomic
+from nereus.spec.io import load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import (
@@ -69,6 +88,7 @@ from nereus.spec.run_folder import (
     METRICS_NAME,
     PLAN_NAME,
     SAMPLES_NAME,
+    WORLD_NAME,
     MetricsTail,
     StepMetrics,
     checkpoint_folder,
@@ -490,3 +510,149 @@ def _failed(setup: RunSetup, error: str, kind: type[RunFailed]) -> RunFailed:
     named = ("resume",) if checkpoint is not None else ()
     what = "interrupted" if kind is RunInterrupted else "failed"
     return kind(f"run {what}: {error.splitlines()[0]} (full error in {failure_log}); {resume}", *named)
+
+
+# ---- a worker of a torchrun job ----
+
+
+@dataclass
+class JoinedJob:
+    """This process as one rank of a job torchrun started: the job's world is the run's world
+    (global rank = the plan's GPU id; torchrun numbers ranks node by node). Global rank 0
+    does what `launch` does for spawned ranks (check, plan, run folder, metrics, checkpoint
+    commits, controller) besides running its own rank."""
+
+    peers: list[Peer]
+    heartbeat: Heartbeat
+    timeout_s: float
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.peers)
+
+    def agree(self, make_setup: Callable[[int], RunSetup]) -> RunSetup:
+        """Rank 0 checks and prepares the run for the job's world size; every rank gets the same
+        setup, or raises the same error. Refused when a node cannot see the run folder."""
+        payload: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                setup = make_setup(self.world_size)
+                checkpoint = None if setup.checkpoint is None else setup.checkpoint.resolve()
+                setup = dataclasses.replace(setup, out=setup.out.resolve(), checkpoint=checkpoint)
+                stored = setup.out / PLAN_NAME
+                document = load_document(stored) if stored.is_file() else None
+                previous = plan_num_ranks(document) if isinstance(document, Plan) else None
+                prepare_folder(setup)
+                world = [dataclasses.asdict(peer) for peer in self.peers]
+                write_text_atomic(setup.out / WORLD_NAME, json.dumps(world, indent=1))
+                if torchrun_restart() > 0:
+                    log_pool_restart(setup, self.world_size, previous)
+                marker = setup.out / f".job-{os.getpid()}-{time.time_ns()}"
+                marker.write_text("seen by every rank?\n")
+                payload[0] = (setup, marker.name)
+            except NereusError as error:
+                payload[0] = portable_error(error)
+            self.heartbeat.announce("setup")
+        else:
+            self.heartbeat.wait_for("setup", 0, "the run's setup")
+        dist.broadcast_object_list(payload, src=0)
+        if isinstance(payload[0], NereusError):
+            raise payload[0]
+        setup, marker_name = payload[0]
+        seen: list[Any] = [None] * self.world_size
+        dist.all_gather_object(seen, (setup.out / marker_name).is_file())
+        if self.rank == 0:
+            (setup.out / marker_name).unlink()
+        blind = sorted({self.peers[rank].node for rank, ok in enumerate(seen) if not ok})
+        if blind:
+            raise NereusError(
+                f"{setup.out}: the run folder is not visible from node {', '.join(blind)}; put it on storage "
+                "every node mounts at the same path (a shared filesystem)"
+            )
+        return setup
+
+    def run(self, setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
+        """Run this rank to `num_steps`; rank 0 hands each step on disk to `on_step`. A failure
+        anywhere raises RunFailed on every surviving rank, naming the rank (and node) at fault."""
+        import threading
+
+        tail = MetricsTail(setup.out, on_step) if self.rank == 0 else None
+        done = threading.Event()
+
+        def follow() -> None:
+            while tail is not None and not done.wait(0.2):
+                tail.poll()
+
+        follower = threading.Thread(target=follow, name="nereus-metrics", daemon=True)
+        follower.start()
+        try:
+            run_rank(self.rank, self.world_size, setup)
+            dist.barrier()  # no rank tears its communicator down while a peer may still send on it
+        except Exception as error:
+            failure = self.failed(setup, error)
+            exit_without_teardown(getattr(failure, "exit_code", 1))
+            raise failure from None
+        finally:
+            done.set()
+            follower.join()
+        if tail is not None:
+            tail.poll()
+        self.heartbeat.close()
+        dist.destroy_process_group()
+        return [] if tail is None else tail.records
+
+    def failed(self, setup: RunSetup, error: BaseException) -> RunFailed:
+        """The error every rank reports: the ranks that stopped responding, when some did (they
+        are the cause, the others only waited for them), else this rank's own error."""
+        global _reporting
+        _reporting = True  # the launcher's SIGTERM must not cut the report short (it waits 30 s)
+        silent = self.heartbeat.unresponsive()
+        for peer in silent:
+            kill_unresponsive_sibling(peer)
+        mine = self.peers[self.rank].describe()
+        if silent:
+            cause = "; ".join(describe_unresponsive(peer) for peer in silent)
+            cause += f"; the others waited {self.timeout_s:g} s"
+        else:
+            cause = f"{mine}: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+        cause = self.heartbeat.verdict(cause)
+        if self.rank == 0:
+            return _failed(setup, f"{cause}\n\n{mine}: {type(error).__name__}: {error}", RunFailed)
+        return RunFailed(f"run failed: {cause} (seen from {mine})")
+
+
+class LauncherStopped(NereusError):
+    """torchrun's agent stopped this rank (SIGTERM): the job is ending (another node failed,
+    or the user stopped it) or restarting (a node left or joined an elastic pool)."""
+
+
+#: Set once this rank reports a failure: a SIGTERM then waits for the report to be written.
+_reporting = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Turn the agent's SIGTERM into an error the rank reports like any other (naming the ranks
+    that went silent, when some did) instead of dying mid-step with nothing said."""
+    if not _reporting:
+        raise LauncherStopped("stopped by its torchrun agent (SIGTERM)")
+
+
+def join_job(timeout_s: float) -> JoinedJob:
+    """Join the torchrun job this process is a worker of (collective over the whole job)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    peers = init_from_env(timedelta(seconds=timeout_s))
+    return JoinedJob(peers, Heartbeat(timeout_s, watch=dist.get_rank() == 0), timeout_s)
+
+
+def portable_error(error: NereusError) -> NereusError:
+    """`error` as a plain NereusError (ArgumentError keeps the arguments it names), so it
+    survives being sent to the other ranks whatever its subclass's constructor takes."""
+    if isinstance(error, ArgumentError):
+        return ArgumentError(str(error), *error.arguments)
+    return NereusError(str(error))

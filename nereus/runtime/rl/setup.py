@@ -668,3 +668,92 @@ def set_aside(folders: tuple[Path, ...], into: Path) -> None:
         while target.exists():
             target, suffix = into / f"{folder.name}.{suffix}", suffix + 1
         os.rename(folder, target)
+
+
+# ---- a run that joins a torchrun job ----
+
+
+def torchrun_worker() -> bool:
+    """Whether this process is a worker of torchrun (or of another env:// launcher)."""
+    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def torchrun_restart() -> int:
+    """How many times torchrun's agent has restarted this job's workers (0: first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def joined_setup(
+    world_size: int,
+    config_path: Path | None,
+    plan_path: Path | None,
+    num_steps: int | None,
+    out: Path | None,
+    resume: Path | None,
+    trace_path: Path | None = None,
+    policy: str | None = None,
+    from_previous: bool = False,
+) -> RunSetup:
+    """The run a job of `world_size` ranks runs: a new run on exactly that many ranks, or a
+    resume (replanned when the world differs from the run's). After torchrun restarted the
+    workers (a node left or joined: an elastic pool), a new run in `out` resumes from its last
+    checkpoint on the world it now has."""
+    restarted = torchrun_restart() > 0 and out is not None and (out / CONFIG_NAME).is_file()
+    if resume is None and out is None and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise ArgumentError("a job torchrun may restart must name its run folder: pass `out`", "out")
+    if resume is not None or restarted:
+        folder = resume if resume is not None else out
+        assert folder is not None
+        setup = resume_run(folder, plan_path, None if plan_path else world_size, num_steps, from_previous)
+        where = str(plan_path or folder / PLAN_NAME)
+    else:
+        assert config_path is not None, "checked by the caller"
+        ranks = world_size if plans_itself(config_path, plan_path) else None
+        setup = new_run(config_path, plan_path, ranks, num_steps, out, trace_path, policy)
+        where = str(plan_path or (config_path.parent / setup.config.plan if setup.config.plan else config_path))
+    check_world(setup.plan, world_size, where)
+    return setup
+
+
+def log_pool_restart(setup: RunSetup, world_size: int, previous: int | None) -> None:
+    """Record in decisions.jsonl that the pool changed under the run (torchrun restarted its
+    workers) and what the run did: go on from its checkpoint, replanned for `world_size`."""
+    event = {"step": setup.start_step, "event": "pool", "restart": torchrun_restart(), "gpus": world_size}
+    action = "replan" if setup.planned else "restart"
+    record = {
+        "observation": {**event, "previous_gpus": previous},
+        "decision": {"step": setup.start_step, "action": action, "transition_cost_s": None},
+        "runtime": None,
+        "checkpoint": None if setup.checkpoint is None else setup.checkpoint.name,
+    }
+    with (setup.out / DECISIONS_NAME).open("a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def configured_timeout_s(config_path: Path | None, resume: Path | None) -> float:
+    """The collective timeout a joined rank starts its process group with, read before the
+    group exists (every rank reads the config itself); the default when the config cannot
+    be read: rank 0 then reports what is wrong with it."""
+    path = resume / CONFIG_NAME if resume is not None else config_path
+    try:
+        config = _load(Path(str(path)), RunConfig)
+    except (NereusError, OSError):
+        return float(RunConfig.model_fields["collective_timeout_s"].default)
+    return float(config.collective_timeout_s)
+
+
+def plans_itself(config_path: Path, plan_path: Path | None) -> bool:
+    """Whether a new run of `config_path` plans its layout for its ranks (no plan given)."""
+    config: RunConfig = _load(config_path, RunConfig)
+    return plan_path is None and config.plan is None
+
+
+def check_world(plan: Plan, world_size: int, where: str) -> None:
+    """Refuse a run whose plan (read from `where`) does not use exactly the ranks of the job it joined."""
+    needed = plan_num_ranks(plan)
+    if needed != world_size:
+        raise NereusError(
+            f"{where}: the plan places model-stages on {needed} GPUs "
+            f"(ranks 0..{needed - 1}) but the job has {world_size} ranks; launch {needed} ranks in all, or give a "
+            f"plan for {world_size}"
+        )
