@@ -66,6 +66,10 @@ class RLConfig(StrictModel):
     """Reward model: synthetic responses per fitting step."""
     reward_model_lr: float = Field(default=3e-3, gt=0)
     """Reward model: AdamW learning rate of its fit."""
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype a bf16 workload's gradients are summed in across dp replicas: fp32 (upcast per
+    bucket for the sum, then rounded back to the bf16 gradient) or bf16 (half the bytes on
+    the wire, rounding at every partial sum). fp32 workloads reduce in fp32 either way."""
 
     def runs_engine(self, role: str) -> bool:
         """Whether a model-stage of `role` runs an engine: all do, except a rule-scored reward."""

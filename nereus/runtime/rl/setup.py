@@ -107,6 +107,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     from nereus.runtime.rl.inter_stage import inter_stage_problems
     from nereus.runtime.rl.tasks import CharTokenizer
     from nereus.runtime.shard_layout import layout_problem
+    from nereus.runtime.sharded_state import RUNTIME_DTYPES
 
     problems = []
     workload = plan.workload
@@ -132,6 +133,8 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     problems += memory_problems(plan, config)
     problems += intra_stage_problems(plan)
     problems += [f"fusion.inter_stage: {problem}" for problem in inter_stage_problems(plan, plan.fusion, config)]
+    if workload.dtype not in RUNTIME_DTYPES:
+        problems.append(f"workload dtype {workload.dtype} is not run (no loss scaling); use bf16 or fp32")
     if workload.algorithm == "grpo" and workload.samples_per_prompt < 2:
         problems.append("grpo needs samples_per_prompt >= 2 (groups of one have no baseline)")
     has_critic = any(entry.role == "critic" for entry in plan.stages)
@@ -149,7 +152,6 @@ def unexecutable_choices(plan: Plan) -> list[str]:
         unsupported = [
             (entry.recompute != "none", "recompute", "--recompute none"),
             (entry.token_budget is not None, "token_budget", "--token-budget off"),
-            (bool(entry.zero1), "zero1", "--zero1 off"),
             (entry.offload, "offload", "--offload off"),
             (entry.kv_budget_bytes is not None, "kv_budget_bytes", "--kv-budget off"),
         ]

@@ -31,10 +31,10 @@ from nereus.runtime.rl.algorithms import (
 )
 from nereus.runtime.rl.objectives import ClippedValueObjective, PolicyObjective
 from nereus.runtime.rl.scoring import Scored, reward_of
-from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of, engine_state
+from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of
 from nereus.runtime.rl.tasks import CharTokenizer, Problem
 from nereus.runtime.rl.timing import timed
-from nereus.runtime.sharded_state import state_meta
+from nereus.runtime.sharded_state import StateMeta, state_meta
 from nereus.runtime.tensor_parallel import TensorParallel
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
@@ -212,12 +212,15 @@ def sync_plans(stages: dict[str, ModelStageRuntime]) -> list[WeightSync]:
     for source_name, target_name in WEIGHT_SYNCS:
         if source_name in stages and target_name in stages:
             source, target = stages[source_name], stages[target_name]
-            plan = plan_reshard(
-                state_meta(source.model, source.head, source.layout, ("param",)),
-                state_meta(target.model, target.head, target.layout, ("param",)),
-            )
+            plan = plan_reshard(weights_meta(source), weights_meta(target))
             plans.append((source, target, plan))
     return plans
+
+
+def weights_meta(stage: ModelStageRuntime) -> StateMeta:
+    """The shard metadata of a model-stage's working weights (the compute dtype, never the
+    masters: a sync sends what the trainer computes with)."""
+    return state_meta(stage.model, stage.head, stage.layout, ("param",), {"param": stage.compute_dtype})
 
 
 def sync_weights(syncs: list[WeightSync]) -> None:
@@ -231,9 +234,9 @@ def sync_weights(syncs: list[WeightSync]) -> None:
     for source, target, plan in syncs:
         tensors, step = {}, None
         if source.engine is not None:
-            tensors = engine_state(source.engine, ("param",))
+            tensors = source.engine.weights()
             step = source.engine.optimizer_step
-        live = engine_state(target.engine, ("param",)) if target.engine is not None else None
+        live = target.engine.weights() if target.engine is not None else None
         result = execute(plan, rank, tensors, step, out=live)
         if target.engine is not None:
             assert result.step is not None
