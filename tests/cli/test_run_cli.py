@@ -26,22 +26,13 @@ from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke, one_error_line
-from tests.run_helpers import alive, rank_pids, start_run, wait_for, write_config
+from tests.run_helpers import TIMING_FIELDS, alive, rank_pids, start_run, wait_for, write_config
 
 pytestmark = pytest.mark.cli
 
 DATA = DATA
 PLAN_2RANK = DATA / "plan-tiny-ppo-2rank.yaml"
 EXAMPLES = EXAMPLES
-#: Fields that depend on wall time (predictions come from a calibration fitted to measured times).
-TIMING_FIELDS = (
-    "stage_seconds",
-    "step_seconds",
-    "predicted_step_seconds",
-    "predicted_stage_seconds",
-    "memory_peak_bytes",
-    "memory_peak_bytes_by_stage",
-)
 
 
 def training_records(out: Path) -> list[dict[str, Any]]:
