@@ -2,11 +2,12 @@
 
 Measured (`PeakTracker`): on CUDA, `torch.cuda.max_memory_allocated` (the caching
 allocator's high-water mark of live tensors), its peak reset at every mark. On CPU, the
-process's peak resident set (`VmHWM` in /proc/self/status) above the rank's idle
-baseline (its resident set before any engine was built), the peak reset at every mark by
-writing 5 to /proc/self/clear_refs (Linux 4.0+). CPU numbers are an upper bound of the
-live tensors: they include heap the allocator keeps after a free and the state arena's
-shared pages, and a peer's arena pages this rank read while resharding.
+process's peak resident set (`VmHWM` in /proc/self/status) less its shared pages
+(`RssShmem`: the state arena, resident whole from its reservation on, and the peers'
+arenas it maps to reshard) and less the idle rank's private resident set, plus the bytes
+of tensors in its own arena; the peak is reset at every mark by writing 5 to
+/proc/self/clear_refs (Linux 4.0+). CPU numbers are an upper bound of the live tensors:
+they include heap the allocator keeps after a free.
 
 Predicted (`predicted_peaks`): per rank and model-stage, the cost model's memory terms of
 the running model-stage plus the model states of every other model-stage resident on the
@@ -52,7 +53,7 @@ class PeakTracker:
 
     cuda: bool
     baseline: int = 0
-    """CPU: resident bytes of the idle rank, subtracted from every reading."""
+    """CPU: private resident bytes of the idle rank, subtracted from every reading."""
     step_peak: int = 0
     segment_peaks: dict[str, int] = field(default_factory=dict)
     open: list[str] = field(default_factory=list)
@@ -62,7 +63,7 @@ class PeakTracker:
         """A tracker of this process on `device_type`; on CPU its idle baseline is read now."""
         tracker = cls(cuda=device_type == "cuda")
         if not tracker.cuda and cpu_peak_supported():
-            tracker.baseline = _status_bytes("VmRSS")
+            tracker.baseline = _status_bytes("VmRSS") - _status_bytes("RssShmem")
         return tracker
 
     def _read_and_reset(self) -> int:
@@ -72,12 +73,19 @@ class PeakTracker:
             peak = int(torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
             return peak
+        from nereus.runtime import arena
+
         try:
-            peak = _status_bytes("VmHWM")
+            peak, shared = _status_bytes("VmHWM"), _status_bytes("RssShmem")
             _CLEAR_REFS.write_text("5")  # the peak restarts from the current resident set
         except (OSError, RuntimeError):
             return 0
-        return max(0, peak - self.baseline)
+        # Shared pages (this rank's state arena, resident whole from its reservation on, and
+        # the peers' arenas it mapped to reshard) are not this rank's: count the arena's used
+        # bytes instead, beside the private pages' peak.
+        held = arena.current()
+        in_arena = held.reserved_bytes - held.free_bytes if held is not None else 0
+        return max(0, peak - shared - self.baseline) + in_arena
 
     def _fold(self) -> None:
         peak = self._read_and_reset()
