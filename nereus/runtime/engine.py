@@ -223,7 +223,7 @@ def admissible_layouts(model: Model, max_ranks: int) -> list[tuple[int, int, int
 
 #: Most gradient elements reduced in one collective: the flat staging buffer a reduction
 #: needs is at most this (4 bytes each in fp32), however large the model.
-GRAD_BUCKET_ELEMENTS = 1 << 24
+GRAD_BUCKET_ELEMENTS = 1 << 22
 
 
 def buckets(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:

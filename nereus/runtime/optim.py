@@ -52,6 +52,9 @@ class AdamWConfig:
 
 ReduceDType = Literal["fp32", "bf16"]
 
+#: Elements of one tensor AdamW updates at a time (its fp32 temporaries: 16 MiB each).
+UPDATE_SLICE_ELEMENTS = 1 << 22
+
 
 @dataclass(frozen=True)
 class Precision:
@@ -119,21 +122,38 @@ class AdamW:
             self._update(name, grad, target)
 
     def _update(self, name: str, grad: torch.Tensor, target: torch.Tensor) -> None:
+        if name not in self.exp_avg:
+            self.exp_avg[name] = _zeros(target)
+            self.exp_avg_sq[name] = _zeros(target)
+        master = self.masters.get(name)
+        tensors = [grad, target, self.exp_avg[name], self.exp_avg_sq[name], *([master] if master is not None else [])]
+        flats = [t.view(-1) for t in tensors]
+        # Slice by slice: the update's fp32 temporaries stay UPDATE_SLICE_ELEMENTS long
+        # however large the tensor (the same elementwise arithmetic, so the same bits).
+        for start in range(0, flats[0].numel(), UPDATE_SLICE_ELEMENTS):
+            g, t, m1, m2, *rest = (f[start : start + UPDATE_SLICE_ELEMENTS] for f in flats)
+            self._update_slice(g, t, m1, m2, rest[0] if rest else None)
+
+    def _update_slice(
+        self,
+        grad: torch.Tensor,
+        target: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        master: torch.Tensor | None,
+    ) -> None:
         c = self.config
         bias1 = 1 - c.beta1**self.step_count
         bias2_sqrt = math.sqrt(1 - c.beta2**self.step_count)
         grad = grad.float()
-        if name not in self.exp_avg:
-            self.exp_avg[name] = _zeros(target)
-            self.exp_avg_sq[name] = _zeros(target)
-        exp_avg, exp_avg_sq = self.exp_avg[name], self.exp_avg_sq[name]
         exp_avg.lerp_(grad, 1 - c.beta1)
         exp_avg_sq.mul_(c.beta2).addcmul_(grad, grad, value=1 - c.beta2)
         # An fp32 parameter is its own master (float() returns it); a 16-bit one without a
         # master is stepped through a temporary fp32 copy.
-        master = self.masters[name] if name in self.masters else target.float()
+        if master is None:
+            master = target.float()
         master.mul_(1 - c.lr * c.weight_decay)
-        denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(c.eps)
+        denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(c.eps)
         master.addcdiv_(exp_avg, denom, value=-c.lr / bias1)
         if master is not target:
             target.copy_(master)

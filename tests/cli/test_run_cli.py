@@ -20,7 +20,7 @@ from repo_paths import DATA, EXAMPLES
 from nereus.runtime.checkpoint import verify_checkpoint
 from nereus.runtime.memory import predicted_rank_peaks
 from nereus.runtime.rl.run_state import read_run_state
-from nereus.runtime.rl.setup import memory_problems, state_bytes_by_rank
+from nereus.runtime.rl.setup import memory_problems, plan_problems, state_bytes_by_rank
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
@@ -117,6 +117,10 @@ def test_a_rank_capacity_refuses_what_is_predicted_not_to_fit_and_admits_what_is
     )
     line = one_error_line(invoke("run", tight, "--out", tmp_path / "refused"))
     assert "at its peak" in line and "rl.rank_memory_bytes" in line and not (tmp_path / "refused").exists()
+    # The controller vets every target plan with the same check (plan_problems).
+    vetted = plan_problems(plan, 2, RLConfig(rank_memory_bytes=peak - 1))
+    assert any("at its peak" in problem for problem in vetted)
+    assert not any("at its peak" in p for p in plan_problems(plan, 2, RLConfig(rank_memory_bytes=peak)))
     fits = write_config(
         tmp_path, num_steps=1, rl={"task": "sort", "seed": 3, "max_new_tokens": 4, "rank_memory_bytes": peak}
     )
