@@ -13,10 +13,17 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from nereus.spec.base import Document, StrictModel
+from nereus.spec.data_config import DataConfig, FormatReward, PythonReward
 from nereus.spec.plan import Fusion
 
 #: The synthetic tasks a run can train on; `nereus.runtime.rl.tasks` implements each.
 TASK_NAMES: tuple[str, ...] = ("sort", "add")
+
+#: How token losses become a mini-batch's loss (verl's `loss_agg_mode` names):
+#: `token-mean` averages over every response token of the mini-batch, `seq-mean-token-sum`
+#: sums each sequence's tokens and averages over sequences, `seq-mean-token-mean` averages
+#: each sequence's tokens first (every sequence weighs the same).
+LossAggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 
 
 class RLConfig(StrictModel):
@@ -57,9 +64,15 @@ class RLConfig(StrictModel):
     log_samples: int = Field(default=0, ge=0)
     """Samples per step written to samples.jsonl in the run folder (0: none): text, token
     ids, the actor's log-probability of every response token (temperature 1) and reward."""
-    reward: Literal["rule", "model"] = "rule"
-    """`rule`: the task scores each response. `model`: a value-head transformer on the plan's
-    reward/inference stage scores it, fitted to rule scores of synthetic responses first."""
+    reward: Literal["rule", "model", "math", "exact"] | PythonReward = "rule"
+    """`rule`: the task's partial-credit score. `math`: 1 when the response's final number
+    (`#### 42`, `\\boxed{42}` or its last number) equals the answer's. `exact`: 1 when the
+    normalised texts are equal. `{python: module:function}`: a user function (prompt,
+    response, answer) -> float. `model`: a value-head transformer on the plan's
+    reward/inference stage scores it (from `reward_model:`, or fitted to rule scores of
+    synthetic responses first)."""
+    format_reward: FormatReward | None = None
+    """A bonus added to the reward of responses in the expected form (None: no bonus)."""
     reward_model_steps: int = Field(default=150, ge=1)
     """Reward model: AdamW steps of its fit before RL starts."""
     reward_model_batch: int = Field(default=32, ge=1)
@@ -74,6 +87,31 @@ class RLConfig(StrictModel):
     """Dtype a bf16 workload's gradients are summed in across dp replicas: fp32 (upcast per
     bucket for the sum, then rounded back to the bf16 gradient) or bf16 (half the bytes on
     the wire, rounding at every partial sum). fp32 workloads reduce in fp32 either way."""
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    """Largest global gradient norm (over every shard of a model, all tp/pp/dp ranks) of an
+    update: a larger gradient is scaled down to it (torch's `clip_grad_norm_`); None: no
+    clipping. Every trained model; the norm before clipping goes to metrics.jsonl."""
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    """RL steps over which every trained model's learning rate rises linearly to its peak
+    (`actor_lr`, `critic_lr`): step s < lr_warmup_steps trains at peak x (s + 1) / lr_warmup_steps."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After the warm-up: `constant` keeps the peak; `cosine` decays it along half a cosine to
+    peak x `min_lr_ratio` at the run's last step (`lr_decay_steps`)."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """`cosine`: the final learning rate as a share of the peak."""
+    lr_decay_steps: int | None = Field(default=None, gt=0)
+    """`cosine`: the step count the decay ends at; None: the run's `num_steps`."""
+    loss_agg_mode: LossAggregation = "token-mean"
+    """How the policy and value losses aggregate token losses over a mini-batch (verl's
+    names): `token-mean`, `seq-mean-token-sum` or `seq-mean-token-mean`."""
+    sft_steps: int = Field(default=0, ge=0)
+    """Supervised warm-start: AdamW steps of the actor on task demonstrations (prompt and right
+    answer) before the first RL step; the reference starts from the warmed-up actor, and RL
+    from a fresh optimizer (0: start RL from the initial weights)."""
+    sft_lr: float = Field(default=3e-3, gt=0)
+    """Learning rate of the supervised warm-start."""
+    sft_batch: int = Field(default=16, ge=1)
+    """Demonstrations per supervised warm-start step."""
 
     def runs_engine(self, role: str) -> bool:
         """Whether a model-stage of `role` runs an engine: all do, except a rule-scored reward."""
@@ -85,6 +123,15 @@ class RLConfig(StrictModel):
         if task not in TASK_NAMES:
             raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASK_NAMES)}")
         return task
+
+
+class LogConfig(StrictModel):
+    """Where a run's per-step metrics go besides metrics.jsonl."""
+
+    tensorboard: bool = False
+    """Also write every step's scalars (reward, losses, KL, grad norms, learning rates, seconds)
+    as TensorBoard events under the run folder's `tensorboard/` (needs the `tensorboard`
+    package: the `tensorboard` extra)."""
 
 
 class PlanSwitch(StrictModel):
@@ -157,6 +204,11 @@ class RunConfig(Document):
     fusion: Fusion | None = None
     """Stage fusions for this run; None keeps the plan's `fusion:` block, a block given here
     replaces it whole."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Extra per-step logging (TensorBoard)."""
+    data: DataConfig | None = None
+    """Prompts and answers from a dataset file in place of `rl.task`'s generator (the model
+    folder's tokenizer encodes them)."""
 
     @field_validator("plan_switches")
     @classmethod

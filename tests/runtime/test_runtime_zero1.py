@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from nereus.runtime.dist import spawn
 from nereus.runtime.engine import Engine, EngineConfig, NextTokenLoss
+from nereus.runtime.grad_norm import global_grad_norm
 from nereus.runtime.model import Batch
 from nereus.runtime.optim import AdamWConfig, stage_precision
 from nereus.runtime.reshard import execute, plan_reshard
@@ -63,6 +64,7 @@ def zero1_worker(rank: int, world: int, workload: Any) -> dict[str, Any]:
     for e in (plain, sharded):
         for _ in range(3):
             e.train_step(batch(), NextTokenLoss())
+    norm_error = abs(global_grad_norm(plain) - global_grad_norm(sharded))
     param_error = max(float((plain.params[n].float() - p.float()).abs().max()) for n, p in sharded.params.items())
     whole = logical(workload, dp2, False, contract(plain))
     split = logical(workload, dp2, True, contract(sharded))
@@ -83,6 +85,7 @@ def zero1_worker(rank: int, world: int, workload: Any) -> dict[str, Any]:
         one = all(torch.equal(to_one.tensors[k], split[k]) for k in split)
     return {
         "param_error": param_error,
+        "norm_error": norm_error,
         "state_error": state_error,
         "bytes": sharded.state_bytes(),
         "plain_bytes": plain.state_bytes(),
@@ -99,7 +102,7 @@ def test_zero1_steps_match_unsharded_and_reshard_bitwise(workload: Any) -> None:
     tolerance = 1e-6 if workload.dtype == "fp32" else 0.0
     for result in results:
         assert result["param_error"] <= tolerance and result["state_error"] <= 1e-6
-        assert result["round_trip"] and result["continued"]
+        assert result["round_trip"] and result["continued"] and result["norm_error"] <= 1e-9
         n = result["numel"]
         weights = 4 if workload.dtype == "fp32" else 2
         optimizer = (8 if workload.dtype == "fp32" else 12) * n

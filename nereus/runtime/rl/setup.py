@@ -9,7 +9,6 @@ The run folder's layout and readers are `nereus.spec.run_folder`'s.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,6 +21,8 @@ from nereus.cost.calibration import Calibration
 from nereus.errors import ArgumentError, NereusError
 from nereus.runtime import timeline
 from nereus.runtime.hf.run_setup import HfSources, check_plan_models, hf_sources, plans_for_folder
+from nereus.runtime.rl.datasets import file_sha256
+from nereus.runtime.rl.run_data import REWARD_ERRORS_NAME, RunData, check_data_state, prepare_data
 from nereus.spec.cluster import Cluster
 from nereus.spec.io import keep_json_lines, load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
@@ -99,6 +100,8 @@ class RunSetup:
     """The cost model's starting calibration (None: the default one)."""
     damaged: tuple[Path, ...] = ()
     """Damaged checkpoints newer than `checkpoint`, moved aside before the run starts."""
+    data: RunData | None = None
+    """The run's tokenizer and encoded prompts (None: the character tokenizer and the task)."""
 
 
 def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
@@ -130,6 +133,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
         if rows // entry.dp < entry.micro_batches:
             problems.append(f"{name}: {rows} rows over dp={entry.dp} cannot fill micro_batches={entry.micro_batches}")
     problems += unexecutable_choices(plan)
+    problems += sft_problems(plan, config)
     problems += memory_problems(plan, config)
     problems += intra_stage_problems(plan)
     problems += [f"fusion.inter_stage: {problem}" for problem in inter_stage_problems(plan, plan.fusion, config)]
@@ -143,6 +147,33 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     if workload.algorithm != "ppo" and has_critic:
         problems.append(f"{workload.algorithm} trains no critic; remove the critic stages")
     return problems
+
+
+def check_logging(config: RunConfig, where: Path) -> None:
+    """Refuse a config asking for TensorBoard events where the package is missing, or for a
+    warm-start on the synthetic task's demonstrations in a run that reads a dataset."""
+    import importlib.util
+
+    if config.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise NereusError(
+            f"{where}: log.tensorboard: the tensorboard package is not installed; "
+            "`pip install 'nereus[tensorboard]'` or set it to false"
+        )
+    if config.data is not None and config.rl.sft_steps:
+        raise NereusError(
+            f"{where}: rl.sft_steps: the warm-start demonstrates rl.task's problems, not a data: file; set it to 0"
+        )
+
+
+def sft_problems(plan: Plan, config: RLConfig) -> list[str]:
+    """Why the supervised warm-start cannot run on the plan's actor/training layout."""
+    entry = plan.stage_plan("actor/training")
+    if config.sft_steps and config.sft_batch // entry.dp < entry.micro_batches:
+        return [
+            f"rl.sft_batch: {config.sft_batch} demonstrations over actor/training's dp={entry.dp} cannot fill "
+            f"micro_batches={entry.micro_batches}; raise sft_batch to at least {entry.dp * entry.micro_batches}"
+        ]
+    return []
 
 
 def unexecutable_choices(plan: Plan) -> list[str]:
@@ -254,6 +285,7 @@ def new_run(
 ) -> RunSetup:
     """Check a new run of `config_path` (raises NereusError on any problem); writes nothing."""
     config: RunConfig = _load(config_path, RunConfig)
+    check_logging(config, config_path)
     if trace_path is not None:
         config = config.model_copy(update={"trace": str(trace_path.resolve())})
     if policy is not None:
@@ -266,7 +298,9 @@ def new_run(
     if sources is not None:  # the run folder's copy names the folders wherever it is read
         where = {field: str(sources.folders[role]) for field, role in SOURCE_FIELDS.items() if getattr(config, field)}
         config = config.model_copy(update=where)
+    config = with_absolute_data(config, config_path.parent)
     plan, num_ranks, planned = first_plan(config, config_path, plan_path, num_ranks, sources)
+    data = prepare_data(config, plan, config_path.parent)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
     switches = resolve_switches(config, config_path.parent, plan, num_ranks)
@@ -275,7 +309,25 @@ def new_run(
     out = out if out is not None else Path("runs") / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ArgumentError(f"{out}: already exists; resume it with `resume` or pass another `out`", "resume", "out")
-    return RunSetup(config, plan, num_ranks, out, 0, None, planned, switches, trace, calibration)
+    return RunSetup(config, plan, num_ranks, out, 0, None, planned, switches, trace, calibration, data=data)
+
+
+def with_absolute_data(config: RunConfig, folder: Path) -> RunConfig:
+    """The config with its dataset files and reward module folder made absolute (relative to
+    `folder`), so the run folder's copy finds them wherever it is resumed from."""
+    from nereus.spec.data_config import PythonReward
+
+    rl = config.rl
+    if isinstance(rl.reward, PythonReward):
+        reward_folder = (folder / (rl.reward.folder or ".")).resolve()
+        rl = rl.model_copy(update={"reward": rl.reward.model_copy(update={"folder": str(reward_folder)})})
+    data = config.data
+    if data is not None:
+        files = {"train": str((folder / data.train).resolve())}
+        if data.eval is not None:
+            files["eval"] = str((folder / data.eval).resolve())
+        data = data.model_copy(update=files)
+    return config.model_copy(update={"rl": rl, "data": data})
 
 
 #: RunConfig fields naming a Hugging Face folder, and the role each gives weights to.
@@ -416,6 +468,7 @@ def resume_run(
     if not (out / CONFIG_NAME).is_file():
         raise NereusError(f"{out}: not a run folder ({CONFIG_NAME} missing); give the output folder of a `nereus run`")
     config: RunConfig = _load(out / CONFIG_NAME, RunConfig)
+    check_logging(config, out / CONFIG_NAME)
     stored = with_fusion(_load(out / PLAN_NAME, Plan), config)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
@@ -451,7 +504,12 @@ def resume_run(
     ahead = tuple(switch for switch in switches if switch.step >= start_step)
     trace = resolve_trace(config, out, plan, num_ranks)
     calibration = resolve_calibration(config, out)
-    return RunSetup(config, plan, num_ranks, out, start_step, checkpoint, planned, ahead, trace, calibration, damaged)
+    data = prepare_data(config, plan, out)
+    if checkpoint is not None:
+        check_data_state(checkpoint, data, start_step, plan.workload.prompts_per_step)
+    return RunSetup(
+        config, plan, num_ranks, out, start_step, checkpoint, planned, ahead, trace, calibration, damaged, data
+    )
 
 
 def _check_same_work(plan: Plan, stored: Plan, where: Path) -> None:
@@ -503,14 +561,6 @@ class DamagedCheckpoint(ArgumentError):
         )
         self.folder = folder
         self.problem = problem
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def seal_manifest(folder: Path, step: int) -> dict[str, Any]:
@@ -615,6 +665,7 @@ def prepare_folder(setup: RunSetup) -> None:
     write_text_atomic(out / METRICS_NAME, "".join(json.dumps(record) + "\n" for record in kept))
     drop_decisions_from(out, setup.start_step)
     keep_json_lines(out / SAMPLES_NAME, lambda record: record["step"] < setup.start_step)
+    keep_json_lines(out / REWARD_ERRORS_NAME, lambda record: record["step"] < setup.start_step)
     timeline.drop_steps_from(out, setup.start_step)
     root = out / CHECKPOINTS_NAME
     if root.is_dir():
