@@ -43,11 +43,19 @@ def global_grad_norm(engine: Engine) -> float:
     """The L2 norm of the whole model's gradient, the same on every rank of the layout
     (collective over each replica's tensor and pipeline groups)."""
     total = torch.zeros((), dtype=torch.float64, device=engine.device)
+    groups = engine.groups
     for name in counted_params(engine):
         grad = engine.params[name].grad
-        if grad is not None:
-            total += grad.detach().double().pow(2).sum()
-    groups = engine.groups
+        if grad is None:
+            continue
+        # Under ZeRO-1 a replica's gradient is reduced in its own rows only: each replica
+        # counts those, and a tensor kept whole (fewer rows than dp) on the first replica.
+        piece = engine.mine(name, grad)
+        if engine.zero1 and piece.shape == grad.shape and groups.replica != 0:
+            continue
+        total += piece.detach().double().pow(2).sum()
+    if engine.zero1:
+        host_collectives.all_reduce(total, groups.dp_group)
     # Tensor ranks first (each stage's total on each of its ranks), then across the stages.
     if groups.tp.group is not None:
         host_collectives.all_reduce(total, groups.tp.group)

@@ -79,6 +79,14 @@ class RLConfig(StrictModel):
     """Reward model: synthetic responses per fitting step."""
     reward_model_lr: float = Field(default=3e-3, gt=0)
     """Reward model: AdamW learning rate of its fit."""
+    rank_memory_bytes: int | None = Field(default=None, gt=0)
+    """Bytes one rank may use; None: the plan cluster's per-GPU memory. A plan whose predicted
+    peak on some rank exceeds it is refused before ranks are spawned, and the controller never
+    moves to one (on CPU, set it to what each rank process may take)."""
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype a bf16 workload's gradients are summed in across dp replicas: fp32 (upcast per
+    bucket for the sum, then rounded back to the bf16 gradient) or bf16 (half the bytes on
+    the wire, rounding at every partial sum). fp32 workloads reduce in fp32 either way."""
     grad_clip: float | None = Field(default=1.0, gt=0)
     """Largest global gradient norm (over every shard of a model, all tp/pp/dp ranks) of an
     update: a larger gradient is scaled down to it (torch's `clip_grad_norm_`); None: no

@@ -19,22 +19,21 @@ import yaml
 from repo_paths import DATA, EXAMPLES
 
 from nereus.runtime.checkpoint import verify_checkpoint
+from nereus.runtime.memory import predicted_rank_peaks
 from nereus.runtime.rl.run_state import read_run_state
-from nereus.runtime.rl.setup import memory_problems, state_bytes_by_rank
+from nereus.runtime.rl.setup import memory_problems, plan_problems, state_bytes_by_rank
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke, one_error_line
-from tests.run_helpers import alive, rank_pids, start_run, wait_for, write_config
+from tests.run_helpers import TIMING_FIELDS, alive, rank_pids, start_run, wait_for, write_config
 
 pytestmark = pytest.mark.cli
 
 DATA = DATA
 PLAN_2RANK = DATA / "plan-tiny-ppo-2rank.yaml"
 EXAMPLES = EXAMPLES
-#: Fields that depend on wall time (predictions come from a calibration fitted to measured times).
-TIMING_FIELDS = ("stage_seconds", "step_seconds", "predicted_step_seconds", "predicted_stage_seconds")
 
 
 def training_records(out: Path) -> list[dict[str, Any]]:
@@ -104,6 +103,38 @@ def test_a_plan_over_the_per_gpu_memory_is_refused(tmp_path: Path) -> None:
     # The runtime's own check, from the exact shard sizes (it also vets the controller's targets).
     problems = memory_problems(Plan.model_validate(plan), RLConfig())
     assert problems and problems[0].startswith("rank 0 would hold") and "per GPU of cluster" in problems[0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_rank_capacity_refuses_what_is_predicted_not_to_fit_and_admits_what_is(tmp_path: Path) -> None:
+    """`rl.rank_memory_bytes` one byte under the plan's predicted peak is refused before any
+    rank exists; at the predicted peak the run starts, and every step records each rank's
+    measured and predicted peak, overall and per model-stage."""
+    plan: Plan = load_document(PLAN_2RANK)  # type: ignore[assignment]
+    rule = ["reward/inference"]  # a rule reward runs no model
+    peak = max(predicted_rank_peaks(plan, 2, skip=rule))
+    tight = write_config(
+        tmp_path, num_steps=1, rl={"task": "sort", "seed": 3, "max_new_tokens": 4, "rank_memory_bytes": peak - 1}
+    )
+    line = one_error_line(invoke("run", tight, "--out", tmp_path / "refused"))
+    assert "at its peak" in line and "rl.rank_memory_bytes" in line and not (tmp_path / "refused").exists()
+    # The controller vets every target plan with the same check (plan_problems).
+    vetted = plan_problems(plan, 2, RLConfig(rank_memory_bytes=peak - 1))
+    assert any("at its peak" in problem for problem in vetted)
+    assert not any("at its peak" in p for p in plan_problems(plan, 2, RLConfig(rank_memory_bytes=peak)))
+    fits = write_config(
+        tmp_path, num_steps=1, rl={"task": "sort", "seed": 3, "max_new_tokens": 4, "rank_memory_bytes": peak}
+    )
+    assert invoke("run", fits, "--out", tmp_path / "runs").exit_code == 0
+    (record,) = read_metrics(tmp_path / "runs")
+    assert record["predicted_memory_peak_bytes"] == predicted_rank_peaks(plan, 2, skip=rule)
+    assert len(record["memory_peak_bytes"]) == 2 and min(record["memory_peak_bytes"]) > 0
+    by_stage = record["memory_peak_bytes_by_stage"]
+    assert set(by_stage) == {e.model_stage for e in plan.stages if e.role != "reward"}
+    assert set(record["predicted_memory_peak_bytes_by_stage"]) == set(by_stage)
+    report = invoke("report", tmp_path / "runs")
+    assert report.exit_code == 0 and "peak memory" in report.output and "actor/training" in report.output
 
 
 def test_existing_out_folder_is_refused(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from nereus.cost.calibration import Calibration
 from nereus.errors import ArgumentError, NereusError
-from nereus.runtime import arena, host_collectives, shm, timeline
+from nereus.runtime import arena, host_collectives, memory, shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import (
     Heartbeat,
@@ -75,7 +75,7 @@ from nereus.runtime.rl.tensorboard import TensorBoardLog
 from nereus.runtime.rl.timing import slowest_rank
 from nereus.runtime.rl.update import sync_plans, sync_weights
 from nereus.runtime.rl.warm_start import warm_start
-from nereus.runtime.sharded_state import gather, state_meta
+from nereus.runtime.sharded_state import gather
 from nereus.runtime.transition_executor import ReplicaState, execute_transition
 from nereus.spec.io import load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
@@ -143,6 +143,7 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     """The whole run on this rank; returns the number of steps the run has finished."""
     config, plan = setup.config, setup.plan
     torch.manual_seed(config.rl.seed)
+    memory.start(device().type)  # the idle baseline, before any state exists
     reserve_arena(plan, config.rl, rank)
     stages = build_stages(plan, config.rl)
     syncs = sync_plans(stages)
@@ -328,7 +329,7 @@ def switch_plan(
     states: dict[str, ReplicaState] = {}
     for name, stage in stages.items():
         if stage.engine is not None:
-            states[name] = (engine_state(stage.engine, families[name]), stage.engine.optimizer_step)
+            states[name] = (stage.engine.whole_state(families[name]), stage.engine.optimizer_step)
     moved = execute_transition(switch.primitives, plan, switch.plan, rank, states, families)
     shm.release_segments()  # a one-off move: do not keep its shared-memory staging mapped
     for name, stage in new_stages.items():
@@ -366,7 +367,7 @@ def logical_digests(stages: dict[str, ModelStageRuntime], families: dict[str, tu
     for name, stage in stages.items():
         if name not in families:
             continue
-        meta = state_meta(stage.model, stage.head, stage.layout, families[name])
+        meta = stage.meta(families[name])
         logical = gather(meta, {rank: parts[rank][name][0] for rank in meta.boxes})
         digest = hashlib.sha256(repr(sorted({parts[rank][name][1] for rank in meta.boxes})).encode())
         for key in sorted(logical):
@@ -411,7 +412,7 @@ def save_run_checkpoint(
             num_optimizer_steps = 0 if "reward" in (plan.weights or {}) else setup.config.rl.reward_model_steps
         if stage.plan.role == "reference":  # the warm-start's weights; RL starts a fresh optimizer
             num_optimizer_steps = 0
-        meta = state_meta(stage.model, stage.head, stage.layout, families)
+        meta = stage.meta(families)
         tensors = {}
         if stage.engine is not None:
             assert stage.engine.optimizer_step == num_optimizer_steps, (name, stage.engine.optimizer_step, step)

@@ -110,6 +110,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     from nereus.runtime.rl.inter_stage import inter_stage_problems
     from nereus.runtime.rl.tasks import CharTokenizer
     from nereus.runtime.shard_layout import layout_problem
+    from nereus.runtime.sharded_state import RUNTIME_DTYPES
 
     problems = []
     workload = plan.workload
@@ -136,6 +137,8 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     problems += memory_problems(plan, config)
     problems += intra_stage_problems(plan)
     problems += [f"fusion.inter_stage: {problem}" for problem in inter_stage_problems(plan, plan.fusion, config)]
+    if workload.dtype not in RUNTIME_DTYPES:
+        problems.append(f"workload dtype {workload.dtype} is not run (no loss scaling); use bf16 or fp32")
     if workload.algorithm == "grpo" and workload.samples_per_prompt < 2:
         problems.append("grpo needs samples_per_prompt >= 2 (groups of one have no baseline)")
     has_critic = any(entry.role == "critic" for entry in plan.stages)
@@ -180,7 +183,6 @@ def unexecutable_choices(plan: Plan) -> list[str]:
         unsupported = [
             (entry.recompute != "none", "recompute", "--recompute none"),
             (entry.token_budget is not None, "token_budget", "--token-budget off"),
-            (bool(entry.zero1), "zero1", "--zero1 off"),
             (entry.offload, "offload", "--offload off"),
             (entry.kv_budget_bytes is not None, "kv_budget_bytes", "--kv-budget off"),
         ]
@@ -194,35 +196,50 @@ def unexecutable_choices(plan: Plan) -> list[str]:
 
 
 def state_bytes_by_rank(plan: Plan, config: RLConfig) -> dict[int, int]:
-    """Bytes of engine state (fp32 parameters; in training also gradients and both AdamW
-    moments) every rank holds under `plan`, summed over its model-stages."""
+    """Bytes of engine state every rank holds under `plan`, summed over its model-stages:
+    parameters in the workload's dtype, and in training the gradients (same dtype), the fp32
+    masters of 16-bit weights and both fp32 AdamW moments (their ZeRO-1 rows when sharded)."""
     from nereus.cost.plan_cost import head_of
     from nereus.runtime.shard_layout import layout_problem, stage_layout
-    from nereus.runtime.sharded_state import state_meta
+    from nereus.runtime.sharded_state import keeps_masters, stage_dp_sharded, state_dtypes, state_meta
 
     held: dict[int, int] = {}
+    workload = plan.workload
     for entry in plan.stages:
-        model = plan.model(plan.workload.model_name(entry.role))
+        model = plan.model(workload.model_name(entry.role))
         if not config.runs_engine(entry.role) or layout_problem(model, entry.tp, entry.pp):
             continue  # no engine (rule reward), or a layout reported on its own
         families = ("param", "grad", "exp_avg", "exp_avg_sq") if entry.stage == "training" else ("param",)
-        meta = state_meta(model, head_of(entry.role), stage_layout(entry), families)
-        for rank in meta.boxes:
-            held[rank] = held.get(rank, 0) + meta.rank_bytes(rank)
+        dtypes, layout = state_dtypes(workload, entry.stage), stage_layout(entry)
+        metas = [state_meta(model, head_of(entry.role), layout, families, dtypes, stage_dp_sharded(workload, entry))]
+        if keeps_masters(workload, entry.stage):  # the 16-bit working weights beside the masters
+            metas.append(state_meta(model, head_of(entry.role), layout, ("param",), {"param": dtypes["grad"]}))
+        for meta in metas:
+            for rank in meta.boxes:
+                held[rank] = held.get(rank, 0) + meta.rank_bytes(rank)
     return held
 
 
 def memory_problems(plan: Plan, config: RLConfig) -> list[str]:
-    """Ranks whose engine state would exceed the cluster's per-GPU memory: such a plan is
-    refused, never attempted (the runtime holds every model-stage's state at once)."""
+    """Ranks whose predicted peak (the cost model's, `nereus.runtime.memory.predicted_peaks`:
+    the running model-stage's memory plus every model state resident on the rank) exceeds a
+    rank's memory (`config.rank_memory_bytes`, else the cluster's per-GPU memory): such a plan
+    is refused, never attempted."""
+    from nereus.runtime.memory import predicted_peaks
     from nereus.units import format_bytes
 
-    capacity = plan.cluster.gpu.memory_bytes
+    capacity = plan.cluster.gpu.memory_bytes if config.rank_memory_bytes is None else config.rank_memory_bytes
+    where = f"per GPU of cluster {plan.cluster.name}" if config.rank_memory_bytes is None else "of rl.rank_memory_bytes"
+    worst: dict[int, tuple[int, str]] = {}
+    skip = [entry.model_stage for entry in plan.stages if not config.runs_engine(entry.role)]
+    for model_stage, by_rank in predicted_peaks(plan, skip=skip).items():
+        for rank, peak in by_rank.items():
+            worst[rank] = max(worst.get(rank, (0, "")), (peak, model_stage))
     return [
-        f"rank {rank} would hold {format_bytes(nbytes)} of model state, more than the "
-        f"{format_bytes(capacity)} per GPU of cluster {plan.cluster.name}; pick a plan that spreads it"
-        for rank, nbytes in sorted(state_bytes_by_rank(plan, config).items())
-        if nbytes > capacity
+        f"rank {rank} would hold {format_bytes(peak)} at its peak (while {model_stage} runs), more than the "
+        f"{format_bytes(capacity)} {where}; pick a plan that spreads it"
+        for rank, (peak, model_stage) in sorted(worst.items())
+        if peak > capacity
     ]
 
 

@@ -21,8 +21,10 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+from nereus.runtime import memory
 from nereus.runtime.fused_pipeline import OpTiming
 from nereus.runtime.generate import SamplingConfig
+from nereus.runtime.memory import predicted_peaks
 from nereus.runtime.rl.algorithms import masked_mean
 from nereus.runtime.rl.datasets import Prompt
 from nereus.runtime.rl.fused_rollout import RolloutEvent
@@ -60,6 +62,9 @@ def rl_step(
     deferred calibration). `inputs`: the run's tokenizer, prompts and reward (default: the
     synthetic task's)."""
     start = time.perf_counter()
+    peaks = memory.tracker()
+    if peaks is not None:
+        peaks.start_step()
     seconds: dict[str, float] = {}
     in_force = plan.fusion if fusion is None else fusion
     inputs = inputs if inputs is not None else step_inputs(config, None)
@@ -130,7 +135,11 @@ def step_metrics(
     rules, grad_norms = updates
     lengths = scored.mask.sum(dim=1)
     names = [entry.model_stage for entry in plan.stages] + ["advantages", "exchange", "weight_sync"]
-    stage_seconds, held = step_totals(seconds, [*names, "step"], stages)
+    totals = step_totals(seconds, [*names, "step"], stages)
+    stage_seconds = totals.seconds
+    predicted = predicted_peaks(plan, skip=[e.model_stage for e in plan.stages if e.model_stage not in stages])
+    num_ranks = len(totals.memory_peak)
+    predicted_by_stage = {name: [by_rank.get(r, 0) for r in range(num_ranks)] for name, by_rank in predicted.items()}
     return StepMetrics(
         step=step,
         reward=float(scored.scores.mean()),
@@ -144,7 +153,11 @@ def step_metrics(
         critic_loss=losses[1],
         step_seconds=stage_seconds.pop("step"),
         stage_seconds=stage_seconds,
-        state_bytes_per_rank=held,
+        state_bytes_per_rank=totals.state_bytes,
+        memory_peak_bytes=totals.memory_peak,
+        predicted_memory_peak_bytes=[max(column) for column in zip(*predicted_by_stage.values(), strict=True)],
+        memory_peak_bytes_by_stage={n: v for n, v in totals.memory_peak_by_stage.items() if n in stages},
+        predicted_memory_peak_bytes_by_stage=predicted_by_stage,
         grad_norm=dict(grad_norms),
         lr={name: rule.lr for name, rule in rules.items()},
     )

@@ -34,9 +34,9 @@ from nereus.runtime.rl.objectives import ClippedValueObjective, PolicyObjective
 from nereus.runtime.rl.optimization import UpdateRule, apply_update, fused_update
 from nereus.runtime.rl.rewards import Scorer
 from nereus.runtime.rl.scoring import Scored, reward_of
-from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of, engine_state
+from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of
 from nereus.runtime.rl.timing import timed
-from nereus.runtime.sharded_state import state_meta
+from nereus.runtime.sharded_state import StateMeta, state_meta
 from nereus.runtime.tensor_parallel import TensorParallel
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
@@ -262,6 +262,12 @@ def weight_sync(source: ModelStageRuntime, target: ModelStageRuntime) -> WeightS
     return source, target, plan
 
 
+def weights_meta(stage: ModelStageRuntime) -> StateMeta:
+    """The shard metadata of a model-stage's working weights (the compute dtype, never the
+    masters: a sync sends what the trainer computes with)."""
+    return state_meta(stage.model, stage.head, stage.layout, ("param",), {"param": stage.compute_dtype})
+
+
 def sync_weights(syncs: list[WeightSync]) -> None:
     """Copy the trained parameters into the generation and inference engines by resharding.
 
@@ -273,9 +279,9 @@ def sync_weights(syncs: list[WeightSync]) -> None:
     for source, target, plan in syncs:
         tensors, step = {}, None
         if source.engine is not None:
-            tensors = engine_state(source.engine, ("param",))
+            tensors = source.engine.weights()
             step = source.engine.optimizer_step
-        live = engine_state(target.engine, ("param",)) if target.engine is not None else None
+        live = target.engine.weights() if target.engine is not None else None
         result = execute(plan, rank, tensors, step, out=live)
         if target.engine is not None:
             assert result.step is not None
