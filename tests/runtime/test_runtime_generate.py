@@ -13,8 +13,9 @@ from test_runtime_parallel import merge_rank_errors
 
 from nereus.runtime.dist import spawn
 from nereus.runtime.engine import Engine, admissible_layouts
-from nereus.runtime.generate import SamplingConfig, generate, left_pad, reference_generate, sample_next
+from nereus.runtime.generate import SamplingConfig, generate, left_pad, reference_generate
 from nereus.runtime.model import Batch, ReferenceModel, init_logical_params
+from nereus.runtime.sampling import sample_next
 from nereus.runtime.shard_layout import RankLayout
 from nereus.spec.model import Head
 from nereus.spec.presets import MODELS
