@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 from nereus.runtime.fused_pipeline import OpTiming
-from nereus.runtime.generate import SamplingConfig
 from nereus.runtime.rl.algorithms import masked_mean
 from nereus.runtime.rl.fused_rollout import RolloutEvent
 from nereus.runtime.rl.rollout import rollout
@@ -32,6 +31,7 @@ from nereus.runtime.rl.stages import ModelStageRuntime
 from nereus.runtime.rl.tasks import CharTokenizer, Problem, encode_prompt, get_task, sample_problems
 from nereus.runtime.rl.timing import record_fused, step_totals, timed
 from nereus.runtime.rl.update import WeightSync, advantages_of, run_training, sync_weights
+from nereus.runtime.sampling import SamplingConfig
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import StepMetrics
@@ -93,9 +93,11 @@ def draw_prompts(
     sampling = SamplingConfig(
         config.max_new_tokens,
         config.temperature,
+        top_p=config.top_p,
         eos_token_id=tokenizer.eos_id if config.stop_at_eos else None,
         pad_token_id=tokenizer.pad_id,
         seed=seed,
+        top_k=config.top_k,
     )
     return problems, [encode_prompt(tokenizer, problem) for problem in problems], sampling
 
