@@ -40,15 +40,17 @@ from nereus.units import format_bytes
 
 class BatchingDecoder:
     """Continuous batching for one replica (collective over its ranks: each calls the same
-    methods with the same arguments). `demand_tokens`: tokens the pool is sized for at most
-    (default: the started requests' prompts plus budgets)."""
+    methods with the same arguments). `room_for`: the pool holds at most this many sequences
+    of this many tokens (default: every started request at its prompt plus budget)."""
 
-    def __init__(self, engine: Engine, config: SamplingConfig, budget: KVBudget, demand_tokens: int | None = None):
+    def __init__(
+        self, engine: Engine, config: SamplingConfig, budget: KVBudget, room_for: tuple[int, int] | None = None
+    ):
         engine.require_head("lm")
         self.engine = engine
         self.config = config
         self.budget = budget
-        self.demand_tokens = demand_tokens
+        self.room_for = room_for
         self.scheduler: Scheduler | None = None
         self.cache: PagedKVCache | None = None
         self.requests: dict[int, Request] = {}
@@ -86,7 +88,7 @@ class BatchingDecoder:
         return Request(int(sample_id), list(tokens), prompt_len, budget, key)
 
     def _submit(self, requests: list[Request]) -> None:
-        scheduler = self._scheduler(sum(r.prompt_len + r.budget for r in requests))
+        scheduler = self._scheduler(requests)
         longest = max(r.prompt_len + r.budget for r in requests)
         if not scheduler.fits_alone(longest):
             self._refuse(longest, scheduler.allocator.num_blocks)
@@ -106,15 +108,19 @@ class BatchingDecoder:
     def _block(self) -> int:
         return self.budget.block_tokens
 
-    def _scheduler(self, demand_tokens: int) -> Scheduler:
-        """The scheduler, its pool allocated on first use (collective over the replica)."""
+    def _scheduler(self, requests: Sequence[Request]) -> Scheduler:
+        """The scheduler, its pool allocated on first use, for `requests` at their longest
+        unless `room_for` says otherwise (collective over the replica)."""
         if self.scheduler is not None:
             return self.scheduler
         stage, groups = self.engine.pipeline_stage, self.engine.groups
         element = next(stage.parameters()).element_size()
         block_bytes = self._block * kv_bytes_per_token(stage.model, groups.tp.size, len(stage.layer_ids), element)
-        demand = self.demand_tokens if self.demand_tokens is not None else demand_tokens
-        mine = pool_blocks(self.budget, block_bytes, blocks_for(demand, self._block), self.engine.device)
+        if self.room_for is not None:
+            demand = self.room_for[0] * blocks_for(self.room_for[1], self._block)
+        else:
+            demand = sum(blocks_for(r.prompt_len + r.budget, self._block) for r in requests)
+        mine = pool_blocks(self.budget, block_bytes, demand, self.engine.device)
         # Every rank of the replica must hold the same requests: the smallest pool binds.
         agreed = torch.tensor([-float(mine)], dtype=torch.float64, device=self.engine.device)
         for group in (groups.tp.group, groups.link.group):
@@ -223,7 +229,7 @@ class BatchingDecoder:
                 hand_off.sample_ids, hand_off.sequences, hand_off.prompt_lens, hand_off.budgets, strict=True
             )
         ]
-        scheduler = self._scheduler(sum(r.prompt_len + r.budget for r in requests))
+        scheduler = self._scheduler(requests)
         for row, request in enumerate(requests):
             rows = None if hand_off.kv is None else hand_off.kv[row]
             if rows is not None and rows.shape[3] == len(request.tokens) - 1 and scheduler.place(request):

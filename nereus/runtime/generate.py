@@ -294,15 +294,20 @@ class RecomputeForward:
         pass
 
 
+class _Decoding(Protocol):
+    def start(self, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int], budgets: Sequence[int]) -> None: ...
+    def run(self) -> None: ...
+    def generation(self, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int]) -> Generation: ...
+
+
 def _generate(
-    forward: Forward,
+    decoder: _Decoding,
     prompts: Sequence[Sequence[int]],
     config: SamplingConfig,
     sample_ids: Sequence[int] | None,
     budgets: Sequence[int] | None,
 ) -> Generation:
     ids = list(range(len(prompts))) if sample_ids is None else list(sample_ids)
-    decoder = Decoder(forward, config)
     decoder.start(prompts, ids, [config.max_new_tokens] * len(prompts) if budgets is None else budgets)
     decoder.run()
     return decoder.generation(prompts, ids)
@@ -323,12 +328,10 @@ def generate(
     KV pool follows `kv_budget` (default: room for every sequence, within the rank's memory);
     the static engine has no budget."""
     if strategy == "static":
-        return _generate(CachedForward(engine), prompts, config, sample_ids, budgets)
-    ids = list(range(len(prompts))) if sample_ids is None else list(sample_ids)
-    decoder = BatchingDecoder(engine, config, kv_budget or KVBudget())
-    decoder.start(prompts, ids, [config.max_new_tokens] * len(prompts) if budgets is None else budgets)
-    decoder.run()
-    return decoder.generation(prompts, ids)
+        decoder: _Decoding = Decoder(CachedForward(engine), config)
+    else:
+        decoder = BatchingDecoder(engine, config, kv_budget or KVBudget())
+    return _generate(decoder, prompts, config, sample_ids, budgets)
 
 
 def reference_generate(
@@ -339,4 +342,4 @@ def reference_generate(
     budgets: Sequence[int] | None = None,
 ) -> Generation:
     """`generate` by the single-process reference model, recomputing the prefix every step."""
-    return _generate(RecomputeForward(model), prompts, config, sample_ids, budgets)
+    return _generate(Decoder(RecomputeForward(model), config), prompts, config, sample_ids, budgets)

@@ -172,12 +172,12 @@ class PagedLayerView:
         """Store the new [b, kv heads, t, d] keys and values, return the context's [b, kv heads, window, d]."""
         b, heads, t, d = keys.shape
         flat = self.write.reshape(-1)
-        self.keys[flat] = keys.transpose(1, 2).reshape(b * t, heads, d)
-        self.values[flat] = values.transpose(1, 2).reshape(b * t, heads, d)
+        self.keys.index_copy_(0, flat, keys.transpose(1, 2).reshape(b * t, heads, d))
+        self.values.index_copy_(0, flat, values.transpose(1, 2).reshape(b * t, heads, d))
         if self.read is None:
             return keys, values
         window = self.read.shape[1]
         gathered = self.read.reshape(-1)
-        k = self.keys[gathered].view(b, window, heads, d).transpose(1, 2)
-        v = self.values[gathered].view(b, window, heads, d).transpose(1, 2)
+        k = self.keys.index_select(0, gathered).view(b, window, heads, d).transpose(1, 2)
+        v = self.values.index_select(0, gathered).view(b, window, heads, d).transpose(1, 2)
         return k, v

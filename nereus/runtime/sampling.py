@@ -90,33 +90,25 @@ def stream_uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.float64) * 2.0**-53
 
 
-def filtered_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """[b, vocab] probabilities at `config`'s temperature (> 0), top-k and top-p; rows independent."""
-    scaled = logits.float() / config.temperature
-    if 0 < config.top_k < scaled.shape[-1]:
-        kth = scaled.topk(config.top_k, dim=-1).values[:, -1:]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
-    if config.top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= config.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return probs
-
-
 def sample_at(logits: torch.Tensor, config: SamplingConfig, uniforms: torch.Tensor) -> torch.Tensor:
-    """[b] next tokens from [b, vocab] logits: greedy, or the inverse CDF of each row's
-    filtered distribution at its uniform (float64, [b], on the logits' device)."""
+    """[b] next tokens from [b, vocab] logits: greedy, or the inverse CDF at each row's uniform
+    (float64, [b], on the logits' device) of its distribution at `config`'s temperature,
+    restricted to its top_k most likely tokens and to the nucleus of mass top_p."""
     if config.temperature == 0:
         return logits.float().argmax(dim=-1)
-    probs = filtered_probs(logits, config)
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-    cdf = sorted_probs.double().cumsum(dim=-1)
+    # One sort serves both filters and the CDF: most likely first, ties in vocabulary order.
+    ordered, order = (logits.float() / config.temperature).sort(dim=-1, descending=True, stable=True)
+    if 0 < config.top_k < ordered.shape[-1]:
+        ordered[:, config.top_k :] = float("-inf")
+    probs = torch.softmax(ordered, dim=-1)
+    if config.top_p < 1:
+        before = probs.cumsum(dim=-1) - probs
+        probs = probs.masked_fill(before >= config.top_p, 0.0)
+    cdf = probs.double().cumsum(dim=-1)
     target = uniforms.unsqueeze(-1) * cdf[:, -1:]
-    # Tokens of zero probability sit at the end of the order: cdf there equals the total,
-    # which stays above u * total, so they are never counted past.
-    index = (cdf <= target).sum(dim=-1).clamp(max=probs.shape[-1] - 1)
+    # Filtered tokens sit at the end of the order: cdf there equals the total, which stays
+    # above u * total, so they are never counted past.
+    index = (cdf <= target).sum(dim=-1).clamp(max=ordered.shape[-1] - 1)
     return order.gather(-1, index.unsqueeze(-1)).squeeze(-1)
 
 

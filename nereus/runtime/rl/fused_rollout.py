@@ -371,7 +371,7 @@ def fused_rollout(
     if generation.engine is not None:
         # Sized for a destination's load: as many samples as a share, at the batch's longest.
         longest = max(len(p) for p in prompts) + max(caps)
-        decoder = BatchingDecoder(generation.engine, sampling, kv_budget or KVBudget(), capacity * longest)
+        decoder = BatchingDecoder(generation.engine, sampling, kv_budget or KVBudget(), (capacity, longest))
         first, stop = shares[generation.engine.groups.replica]
         if stop > first:
             decoder.start(prompts[first:stop], range(first, stop), caps[first:stop])
