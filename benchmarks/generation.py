@@ -16,12 +16,19 @@ median over `--reps` repetitions; nereus's two engines alternate repetitions, tr
 runs after them. nereus's engines must give identical samples (checked), and nereus's greedy
 tokens are compared with transformers' on the uniform mix.
 
+`long-tail-kv` is the long tail where memory binds: each rank's KV cache may hold only
+`--kv-fraction` of the batch's tokens (at tp=1; tp=2 ranks hold half the heads, so twice the
+tokens), an emulation of GPU memory pressure on a CPU. The static engine and transformers then
+run the batch in waves of rows preallocated to their prompt width plus longest budget; nereus
+admits and preempts by what the sequences actually hold.
+
     .venv/bin/python benchmarks/generation.py
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import tempfile
 import time
@@ -37,6 +44,7 @@ from nereus.runtime.dist import spawn
 from nereus.runtime.engine import Engine
 from nereus.runtime.generate import SamplingConfig, generate
 from nereus.runtime.hf.load import load_engine
+from nereus.runtime.kv_cache import KVBudget, replica_kv_bytes_per_token
 from nereus.runtime.shard_layout import RankLayout
 from nereus.spec.hf_config import model_from_hf_config
 
@@ -74,14 +82,20 @@ def make_model(folder: Path, seed: int) -> Path:
     return folder
 
 
-def workload(args: argparse.Namespace) -> tuple[list[list[int]], dict[str, list[int]]]:
-    """The prompts and each mix's length budgets (seeded)."""
+def workload(args: argparse.Namespace) -> tuple[list[list[int]], dict[str, tuple[list[int], float | None]]]:
+    """The prompts, and each mix's length budgets and KV budget (a share of the whole batch's
+    cache at tp=1; None: unbounded), seeded."""
     rng = np.random.default_rng(args.seed)
     prompts = [[int(t) for t in rng.integers(1, 1024, int(n))] for n in rng.integers(8, 25, args.samples)]
     sigma = np.log(args.p99 / args.median) / 2.326
     drawn = np.round(args.median * np.exp(sigma * rng.standard_normal(args.samples)))
     tail = np.clip(drawn, 1, args.max)
-    return prompts, {"uniform": [args.uniform] * args.samples, "long-tail": [int(n) for n in tail]}
+    tail_budgets = [int(n) for n in tail]
+    return prompts, {
+        "uniform": ([args.uniform] * args.samples, None),
+        "long-tail": (tail_budgets, None),
+        "long-tail-kv": (tail_budgets, args.kv_fraction),
+    }
 
 
 def sampling(mode: str, longest: int, seed: int) -> SamplingConfig:
@@ -96,64 +110,108 @@ def slowest(seconds: float) -> float:
     return float(value)
 
 
+def static_waves(prompts: list[list[int]], budgets: list[int], kv_tokens: float) -> list[tuple[int, int]]:
+    """Consecutive row ranges a static engine runs one after another when its KV cache may hold
+    `kv_tokens` tokens: it preallocates every row to the batch's prompt width plus its longest budget."""
+    waves, start = [], 0
+    while start < len(prompts):
+        stop = start + 1
+        while stop < len(prompts):
+            width = max(len(p) for p in prompts[start : stop + 1]) + max(budgets[start : stop + 1])
+            if (stop + 1 - start) * width > kv_tokens:
+                break
+            stop += 1
+        waves.append((start, stop))
+        start = stop
+    return waves
+
+
+def kv_budget_bytes(model: Any, prompts: list[list[int]], budgets: list[int], fraction: float | None) -> int | None:
+    """Per-rank bytes of `fraction` of the whole batch's KV cache on one rank (None: unbounded)."""
+    if fraction is None:
+        return None
+    return int(fraction * sum(len(p) + n for p, n in zip(prompts, budgets, strict=True)) * token_bytes(model, 1))
+
+
+def token_bytes(model: Any, tp: int) -> int:
+    return replica_kv_bytes_per_token(model, tp, 1, 4)
+
+
+def timed_engine(engine: Engine, name: str, prompts: list, config: SamplingConfig, budgets: list, kv: int | None):
+    """(slowest rank's seconds, responses) of one engine on the batch under `kv` bytes per rank."""
+    dist.barrier()
+    started = time.perf_counter()
+    if name == "continuous":
+        responses = generate(engine, prompts, config, budgets=budgets, kv_budget=KVBudget(budget_bytes=kv)).responses()
+    else:
+        tokens = math.inf if kv is None else kv / token_bytes(engine.model, engine.groups.tp.size)
+        responses = []
+        for a, b in static_waves(prompts, budgets, tokens):
+            part = generate(engine, prompts[a:b], config, range(a, b), budgets[a:b], strategy="static")
+            responses += part.responses()
+    return slowest(time.perf_counter() - started), responses
+
+
 def nereus_worker(rank: int, world: int, folder: Path, prompts: list[list[int]], mixes: dict, args: Any) -> dict:
     torch.set_num_threads(1)
     model = model_from_hf_config(folder)
     engine = Engine.create(model, "lm", RankLayout(world, 1, 1, tuple(range(world))))
     assert engine is not None and load_engine(engine, folder) == []
     out: dict[str, Any] = {}
-    for mix, budgets in mixes.items():
+    for mix, (budgets, fraction) in mixes.items():
+        kv = kv_budget_bytes(model, prompts, budgets, fraction)
         for mode in MODES:
             config = sampling(mode, max(budgets), args.seed)
             times: dict[str, list[float]] = {name: [] for name in ENGINES}
             responses: dict[str, Any] = {}
             for rep in range(args.warmup + args.reps):
                 for name in ENGINES:
-                    dist.barrier()
-                    started = time.perf_counter()
-                    result = generate(engine, prompts, config, budgets=budgets, strategy=name)  # type: ignore[arg-type]
-                    elapsed = slowest(time.perf_counter() - started)
+                    elapsed, responses[name] = timed_engine(engine, name, prompts, config, budgets, kv)
                     if rep >= args.warmup:
                         times[name].append(elapsed)
-                    responses[name] = result.responses()
             out[f"{mix}/{mode}"] = {
                 "times": times,
                 "same_samples": responses["continuous"] == responses["static"],
                 "responses": responses["continuous"],
+                "kv_budget_bytes": kv,
             }
     return out
 
 
-def transformers_times(folder: Path, prompts: list[list[int]], budgets: list[int], mode: str, args: Any, threads: int):
-    """Wall times of transformers' generate on the whole batch (left-padded), and its tokens."""
+def transformers_times(
+    folder: Path, prompts: list[list[int]], budgets: list[int], mode: str, args: Any, threads: int, kv_tokens: float
+) -> tuple[list[float], list[list[int]]]:
+    """Wall times of transformers' generate on the batch (left-padded; in the static engine's
+    waves when the KV cache is bounded), and its tokens."""
     import transformers
 
     torch.set_num_threads(threads)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    width = max(len(p) for p in prompts)
-    tokens = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    longest = max(budgets)
     options: dict[str, Any] = {"do_sample": False} if mode == "greedy" else {"do_sample": True, "top_p": 0.9}
-    times, generated = [], None
+    times, generated = [], []
     for rep in range(args.warmup + args.reps):
         torch.manual_seed(args.seed + rep)
         started = time.perf_counter()
-        with torch.no_grad():
-            generated = model.generate(
-                input_ids=tokens,
-                attention_mask=mask,
-                max_new_tokens=longest,
-                min_new_tokens=longest,
-                pad_token_id=0,
-                temperature=1.0,
-                top_k=0,
-                **options,
-            )
+        generated = []
+        for a, b in static_waves(prompts, budgets, kv_tokens):
+            wave, longest = prompts[a:b], max(budgets[a:b])
+            width = max(len(p) for p in wave)
+            tokens = torch.tensor([[0] * (width - len(p)) + p for p in wave])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in wave])
+            with torch.no_grad():
+                out = model.generate(
+                    input_ids=tokens,
+                    attention_mask=mask,
+                    max_new_tokens=longest,
+                    min_new_tokens=longest,
+                    pad_token_id=0,
+                    temperature=1.0,
+                    **options,
+                )
+            generated += out[:, width:].tolist()
         if rep >= args.warmup:
             times.append(time.perf_counter() - started)
-    assert generated is not None
-    return times, generated[:, width:].tolist()
+    return times, generated
 
 
 def main() -> None:
@@ -163,21 +221,27 @@ def main() -> None:
     parser.add_argument("--median", type=int, default=16, help="long-tail mix: median response length")
     parser.add_argument("--p99", type=int, default=160, help="long-tail mix: 99th percentile")
     parser.add_argument("--max", type=int, default=192, help="long-tail mix: cap")
+    parser.add_argument("--kv-fraction", type=float, default=0.25, help="long-tail-kv: KV cache share of the batch")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions of each engine")
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, prompts, lengths and sampling")
     args = parser.parse_args()
     recording = begin()
     prompts, mixes = workload(args)
+    tail = mixes["long-tail"][0]
     rows, repetitions = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_model(Path(tmp) / "llama", args.seed)
+        model = model_from_hf_config(folder)
         for ranks in (1, 2):
             measured = spawn(nereus_worker, ranks, folder, prompts, mixes, args)[0]
             for case, result in measured.items():
                 mix, mode = case.split("/")
-                hf_times, hf_tokens = transformers_times(folder, prompts, mixes[mix], mode, args, ranks)
-                wanted = sum(mixes[mix])
+                budgets, fraction = mixes[mix]
+                kv = kv_budget_bytes(model, prompts, budgets, fraction)
+                kv_tokens = math.inf if kv is None else kv / token_bytes(model, 1)
+                hf_times, hf_tokens = transformers_times(folder, prompts, budgets, mode, args, ranks, kv_tokens)
+                wanted = sum(budgets)
                 times = {**result["times"], "transformers": hf_times}
                 rate = {name: wanted / statistics.median(t) for name, t in times.items()}
                 agree = None
@@ -201,6 +265,7 @@ def main() -> None:
                         "nereus_over_transformers": rate["continuous"] / rate["transformers"],
                         "nereus_over_static": rate["continuous"] / rate["static"],
                         "same_samples_nereus_static": result["same_samples"],
+                        "kv_budget_bytes_per_rank": result["kv_budget_bytes"],
                         "greedy_same_as_transformers": agree,
                     }
                 )
@@ -216,7 +281,14 @@ def main() -> None:
         "model": "random Llama: 4 layers, hidden 256, 8 heads / 4 KV heads, vocab 1024, fp32",
         "samples": args.samples,
         "lengths": {"uniform": args.uniform, "long_tail": {"median": args.median, "p99": args.p99, "max": args.max}},
-        "drawn_long_tail": {"median": float(np.median(mixes["long-tail"])), "max": max(mixes["long-tail"])},
+        "drawn_long_tail": {"median": float(np.median(tail)), "max": max(tail)},
+        "kv_fraction": args.kv_fraction,
+        "kv_note": (
+            "long-tail-kv: each rank's KV cache may hold kv_fraction of the whole batch's tokens at tp=1 "
+            "(emulating GPU memory pressure on a CPU); the static engine and transformers then run the batch "
+            "in waves of rows preallocated to prompt width + longest budget, nereus batches continuously "
+            "(tp=2 ranks hold half the heads, so the same bytes hold twice the tokens)"
+        ),
         "reps": args.reps,
         "threads_per_rank": 1,
         "transformers_threads": "as many as nereus has ranks",
