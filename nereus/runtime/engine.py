@@ -64,10 +64,15 @@ class HeadOps(Protocol):
 
 
 class Objective(Protocol):
-    """A per-token training loss; the step loss is sum(weights * token_losses) / sum(weights)."""
+    """A per-token training loss; the step loss is sum(weights * token_losses) / normalizer."""
 
     def weights(self, batch: Batch) -> torch.Tensor:
         """[batch, seq] non-negative weight of every token's loss."""
+        ...
+
+    def normalizer(self, batch: Batch) -> float:
+        """What the weighted token losses of the whole `batch` (all replicas and micro-batches)
+        are divided by: sum(weights) for a mean over tokens."""
         ...
 
     def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
@@ -95,6 +100,9 @@ class NextTokenLoss:
         weights[:, 0] = 0.0  # the first token has no prediction
         return weights
 
+    def normalizer(self, batch: Batch) -> float:
+        return float(self.weights(batch).sum())
+
     def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
         losses = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=output.device)
         losses[:, 1:] = -next_token_log_probs(output, batch.tokens.to(output.device), head)
@@ -107,6 +115,9 @@ class ValueLoss:
 
     def weights(self, batch: Batch) -> torch.Tensor:
         return _loss_mask(batch)
+
+    def normalizer(self, batch: Batch) -> float:
+        return float(self.weights(batch).sum())
 
     def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
         return (output.float() - batch.field("value_targets").to(output.device).float()).pow(2)
@@ -386,7 +397,7 @@ class Engine:
         """The first half of `forward_backward`: check the schedule, set the held gradients
         aside and zero them, and return this stage's ops and forward step. Run the ops (this
         engine's executor, or a fused one sharing the ranks), then `finish_forward_backward`."""
-        normalizer = float(objective.weights(batch).sum())
+        normalizer = float(objective.normalizer(batch))
         if normalizer <= 0:
             raise ValueError("the batch has no token with a positive loss weight")
         rows = self.replica_rows(batch)

@@ -126,6 +126,11 @@ class StepMetrics:
     """The same prediction per model-stage (and `weight_sync`)."""
     plan_index: int = FIRST_PLAN
     """Which plan is in force: 0 for the run's first, +1 at every transition or restart."""
+    grad_norm: dict[str, float] = field(default_factory=dict)
+    """Per trained model-stage: the global gradient norm (all shards of the model) before
+    clipping, averaged over the step's updates (mini-batches x epochs)."""
+    lr: dict[str, float] = field(default_factory=dict)
+    """Per trained model-stage: the learning rate the step trained at (`rl.lr_schedule`)."""
     eval_reward: float | None = None
     """Mean reward of the actor's greedy responses to the `data.eval` prompts after this
     step (None: no evaluation at this step)."""

@@ -5,6 +5,7 @@ multi-process gloo)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -64,6 +65,7 @@ def assert_checkpoints_whole(out: Path) -> None:
         ({"calibration": "nope.yaml"}, [], "calibration: "),
         ({"fusion": {"intra_stage": True}}, [], "fusion.intra_stage: "),
         ({"fusion": {"inter_stage": True}}, [], "fusion.inter_stage: needs actor/generation dp >= 2"),
+        ({"rl": {"sft_steps": 2, "sft_batch": 1}}, [], "rl.sft_batch: 1 demonstrations over actor/training's dp=1"),
     ],
 )
 def test_bad_config_or_plan_is_refused_before_spawning(
@@ -116,11 +118,21 @@ def test_existing_out_folder_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_run_writes_metrics_and_checkpoints_and_resumes_bitwise(tmp_path: Path) -> None:
-    config = write_config(tmp_path)
+    """With the training basics on: a supervised warm-start, lr warm-up then cosine decay,
+    gradient clipping, per-sequence loss aggregation and TensorBoard events."""
+    rl = {"task": "sort", "seed": 3, "max_new_tokens": 6, "sft_steps": 2, "sft_batch": 4, "lr_warmup_steps": 1}
+    rl.update(lr_schedule="cosine", min_lr_ratio=0.5, grad_clip=0.5, loss_agg_mode="seq-mean-token-sum")
+    config = write_config(tmp_path, rl=rl, log={"tensorboard": True})
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert invoke("run", config, "--out", whole, "--json").exit_code == 0
     records = read_metrics(whole)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
+    actor_lrs = [r["lr"]["actor/training"] for r in records]
+    cosine_end = 0.5e-2 * (1 + 0.5 * (1 + math.cos(2 * math.pi / 3)))  # warm-up 1, decay over steps 1..4
+    assert actor_lrs[:2] == [1e-2, 1e-2] and actor_lrs[-1] == pytest.approx(cosine_end)
+    assert all(set(r["grad_norm"]) == {"actor/training", "critic/training"} for r in records)
+    assert all(norm > 0 for r in records for norm in r["grad_norm"].values())
+    assert list((whole / "tensorboard").glob("events.out.tfevents.*"))
     first = records[0]
     assert set(first["stage_seconds"]) >= {"actor/generation", "critic/training", "weight_sync"}
     assert len(first["state_bytes_per_rank"]) == 2 and min(first["state_bytes_per_rank"]) > 0
@@ -130,6 +142,7 @@ def test_run_writes_metrics_and_checkpoints_and_resumes_bitwise(tmp_path: Path) 
     assert [predicted[rank] for rank in (0, 1)] == first["state_bytes_per_rank"]
     assert [p.name for p in finished_checkpoints(whole)] == ["step-000002", "step-000004"]
     assert_checkpoints_whole(whole)
+    verify_checkpoint(finished_checkpoints(whole)[-1] / "reference")  # the warmed-up actor
 
     assert invoke("run", config, "--out", split, "--steps", "2").exit_code == 0
     result = invoke("run", "--resume", split, "--steps", "4", "--json")
@@ -175,7 +188,7 @@ def restored_actor_params(rank: int, world_size: int, setup: Any) -> dict[str, A
     from nereus.runtime.rl.update import sync_plans, sync_weights
 
     stages = build_stages(setup.plan, setup.config.rl)
-    restore(stages, setup.checkpoint, rank)
+    restore(stages, setup.checkpoint, rank, setup.config.rl)
     sync_weights(sync_plans(stages))
     generation = stages["actor/generation"].engine
     training = stages["actor/training"].engine

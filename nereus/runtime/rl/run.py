@@ -37,6 +37,7 @@ from nereus.runtime.dist import device, spawn
 from nereus.runtime.hf.load import load_engine
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
 from nereus.runtime.rl.evaluation import eval_due, evaluate
+from nereus.runtime.rl.optimization import with_decay_horizon
 from nereus.runtime.rl.reward_model import fit_reward_model
 from nereus.runtime.rl.run_data import (
     DATA_STATE_NAME,
@@ -51,8 +52,10 @@ from nereus.runtime.rl.setup import Move, RunSetup, Switch, prepare_folder, seal
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, engine_state
 from nereus.runtime.rl.step import rl_step
 from nereus.runtime.rl.tasks import get_task
+from nereus.runtime.rl.tensorboard import TensorBoardLog
 from nereus.runtime.rl.timing import slowest_rank
 from nereus.runtime.rl.update import sync_plans, sync_weights
+from nereus.runtime.rl.warm_start import warm_start
 from nereus.runtime.sharded_state import gather, state_meta
 from nereus.runtime.transition_executor import ReplicaState, execute_transition
 from nereus.spec.io import save_document, write_text_atomic
@@ -78,6 +81,12 @@ from nereus.spec.trace import trace_conditions
 #: fitted reward model. The others are rebuilt from these (generation and inference by weight
 #: sync) or from the init seed (the reference, which never trains).
 SAVED_STAGES = ("actor/training", "critic/training", "reward/inference")
+
+
+def saved_stages(config: RLConfig) -> tuple[str, ...]:
+    """`SAVED_STAGES`, and the reference after a supervised warm-start (its weights are the
+    warmed-up actor's, which neither the seed nor a folder gives back)."""
+    return (*SAVED_STAGES, "reference/inference") if config.sft_steps else SAVED_STAGES
 
 
 def state_families(model_stage: str, updated: bool = True) -> tuple[str, ...]:
@@ -121,13 +130,17 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     if "reward/inference" in stages and setup.checkpoint is None and "reward" not in (plan.weights or {}):
         fit_reward_model(stages["reward/inference"], get_task(config.rl.task), config.rl)
     if setup.checkpoint is not None:
-        restore(stages, setup.checkpoint, rank)
+        restore(stages, setup.checkpoint, rank, config.rl)
         sync_weights(syncs)  # generation and inference engines get the restored weights
     switches = {switch.step: switch for switch in setup.switches}
     state = run_state(setup, plan) if rank == 0 else None
     lengths = step_lengths(setup)
+    rl_config = with_decay_horizon(config.rl, config.num_steps)
     inputs = step_inputs(config.rl, setup.data)
     with timeline.recording(timeline.Timeline(setup.out, rank)) as spans:
+        if setup.checkpoint is None and config.rl.sft_steps:
+            spans.step = 0
+            warm_start(stages, config.rl, get_task(config.rl.task), syncs)
         for step in range(setup.start_step, config.num_steps):
             spans.step = step
             start = time.perf_counter()
@@ -138,7 +151,7 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
                     late["num_primitives"] = len(move.primitives)
                 syncs, plan = sync_plans(stages), move.plan
                 moved_s = slowest_rank({move.action: time.perf_counter() - start}, [move.action])
-            rl = config.rl if lengths is None else config.rl.model_copy(update={"max_new_tokens": lengths[step]})
+            rl = rl_config if lengths is None else rl_config.model_copy(update={"max_new_tokens": lengths[step]})
             samples: list[dict[str, Any]] | None = [] if rank == 0 and rl.log_samples else None
             idle = None if state is None else state.calibrate_idle
             metrics = rl_step(plan, rl, stages, syncs, step, idle=idle, samples=samples, inputs=inputs)
@@ -270,7 +283,7 @@ def apply_move(
         save_run_checkpoint(setup, plan, stages, step, rank, state)
     new_stages = build_stages(move.plan, setup.config.rl)
     load_folders(new_stages, move.plan)
-    restore(new_stages, folder, rank)
+    restore(new_stages, folder, rank, setup.config.rl)
     sync_weights(sync_plans(new_stages))
     return new_stages
 
@@ -368,7 +381,7 @@ def save_run_checkpoint(
         shared[0] = tempfile.mkdtemp(prefix=f".step-{step:06d}.tmp-", dir=root)
     dist.broadcast_object_list(shared, src=0)
     folder = Path(shared[0])
-    for name in SAVED_STAGES:
+    for name in saved_stages(setup.config.rl):
         if name not in stages:
             continue
         stage, families = stages[name], state_families(name, step > 0)
@@ -376,6 +389,8 @@ def save_run_checkpoint(
         num_optimizer_steps = optimizer_steps(plan, step)
         if stage.plan.role == "reward":  # fitted before the run, or read from a folder as it is
             num_optimizer_steps = 0 if "reward" in (plan.weights or {}) else setup.config.rl.reward_model_steps
+        if stage.plan.role == "reference":  # the warm-start's weights; RL starts a fresh optimizer
+            num_optimizer_steps = 0
         meta = state_meta(stage.model, stage.head, stage.layout, families)
         tensors = {}
         if stage.engine is not None:
@@ -407,9 +422,9 @@ def _seal(folder: Path, target: Path, step: int) -> None:
     fsync_path(target.parent)
 
 
-def restore(stages: dict[str, ModelStageRuntime], checkpoint: Path, rank: int) -> None:
+def restore(stages: dict[str, ModelStageRuntime], checkpoint: Path, rank: int, config: RLConfig) -> None:
     """Load every saved model's state from `checkpoint` into this rank's shard of it."""
-    for name in SAVED_STAGES:
+    for name in saved_stages(config):
         stage = stages.get(name)
         if stage is None or stage.engine is None:
             continue
@@ -433,8 +448,9 @@ def launch(setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None
     `on_step` gets each step's metrics as soon as it is on disk. A failing rank stops every
     rank within seconds; RunFailed then names it and the checkpoint to resume from.
     """
+    board = TensorBoardLog(setup.out) if setup.config.log.tensorboard else None
     prepare_folder(setup)
-    tail = MetricsTail(setup.out, on_step)
+    tail = MetricsTail(setup.out, on_step if board is None else _both(board, on_step))
     timeout = timedelta(seconds=setup.config.collective_timeout_s)
     try:
         spawn(run_rank, setup.num_ranks, setup, on_wait=tail.poll, timeout=timeout)
@@ -444,7 +460,21 @@ def launch(setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None
         # Ctrl-C reaches the ranks too: a rank may report it before the launcher does.
         kind = RunInterrupted if "KeyboardInterrupt" in str(error).splitlines()[0] else RunFailed
         raise _failed(setup, str(error), kind) from None
+    finally:
+        if board is not None:
+            board.close()
     return tail.records
+
+
+def _both(
+    first: Callable[[StepMetrics], None], then: Callable[[StepMetrics], None] | None
+) -> Callable[[StepMetrics], None]:
+    def call(metrics: StepMetrics) -> None:
+        first(metrics)
+        if then is not None:
+            then(metrics)
+
+    return call
 
 
 def _failed(setup: RunSetup, error: str, kind: type[RunFailed]) -> RunFailed:

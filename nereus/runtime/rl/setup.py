@@ -132,6 +132,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
         if rows // entry.dp < entry.micro_batches:
             problems.append(f"{name}: {rows} rows over dp={entry.dp} cannot fill micro_batches={entry.micro_batches}")
     problems += unexecutable_choices(plan)
+    problems += sft_problems(plan, config)
     problems += memory_problems(plan, config)
     problems += kv_budget_problems(plan)
     problems += intra_stage_problems(plan)
@@ -144,6 +145,33 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     if workload.algorithm != "ppo" and has_critic:
         problems.append(f"{workload.algorithm} trains no critic; remove the critic stages")
     return problems
+
+
+def check_logging(config: RunConfig, where: Path) -> None:
+    """Refuse a config asking for TensorBoard events where the package is missing, or for a
+    warm-start on the synthetic task's demonstrations in a run that reads a dataset."""
+    import importlib.util
+
+    if config.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise NereusError(
+            f"{where}: log.tensorboard: the tensorboard package is not installed; "
+            "`pip install 'nereus[tensorboard]'` or set it to false"
+        )
+    if config.data is not None and config.rl.sft_steps:
+        raise NereusError(
+            f"{where}: rl.sft_steps: the warm-start demonstrates rl.task's problems, not a data: file; set it to 0"
+        )
+
+
+def sft_problems(plan: Plan, config: RLConfig) -> list[str]:
+    """Why the supervised warm-start cannot run on the plan's actor/training layout."""
+    entry = plan.stage_plan("actor/training")
+    if config.sft_steps and config.sft_batch // entry.dp < entry.micro_batches:
+        return [
+            f"rl.sft_batch: {config.sft_batch} demonstrations over actor/training's dp={entry.dp} cannot fill "
+            f"micro_batches={entry.micro_batches}; raise sft_batch to at least {entry.dp * entry.micro_batches}"
+        ]
+    return []
 
 
 def unexecutable_choices(plan: Plan) -> list[str]:
@@ -262,6 +290,7 @@ def new_run(
 ) -> RunSetup:
     """Check a new run of `config_path` (raises NereusError on any problem); writes nothing."""
     config: RunConfig = _load(config_path, RunConfig)
+    check_logging(config, config_path)
     if trace_path is not None:
         config = config.model_copy(update={"trace": str(trace_path.resolve())})
     if policy is not None:
@@ -444,6 +473,7 @@ def resume_run(
     if not (out / CONFIG_NAME).is_file():
         raise NereusError(f"{out}: not a run folder ({CONFIG_NAME} missing); give the output folder of a `nereus run`")
     config: RunConfig = _load(out / CONFIG_NAME, RunConfig)
+    check_logging(config, out / CONFIG_NAME)
     stored = with_fusion(_load(out / PLAN_NAME, Plan), config)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})

@@ -25,6 +25,7 @@ from nereus.runtime.fused_pipeline import OpTiming
 from nereus.runtime.rl.algorithms import masked_mean
 from nereus.runtime.rl.datasets import Prompt
 from nereus.runtime.rl.fused_rollout import RolloutEvent
+from nereus.runtime.rl.optimization import UpdateRule, update_rules
 from nereus.runtime.rl.rollout import rollout
 from nereus.runtime.rl.run_data import StepInputs, step_inputs
 from nereus.runtime.rl.samples import sample_records
@@ -75,7 +76,11 @@ def rl_step(
         advantages, returns = advantages_of(plan.workload, config, stages, inputs.scorer, problems, generated, scored)
     # 4. training
     op_timings: list[OpTiming] = []
-    losses = run_training(plan, config, stages, generated, scored, advantages, returns, seconds, in_force, op_timings)
+    rules = update_rules(config, step, list(stages))
+    grad_norms: dict[str, float] = {}
+    losses = run_training(
+        plan, config, stages, generated, scored, advantages, returns, seconds, in_force, op_timings, rules, grad_norms
+    )
     record_fused(fused_events, op_timings)
     # 5. weight sync
     with timed(seconds, "weight_sync"):
@@ -83,7 +88,7 @@ def rl_step(
     if events is not None:
         events.extend(fused_events)
     seconds["step"] = time.perf_counter() - start
-    return step_metrics(plan, stages, step, prompts, scored, losses, seconds)
+    return step_metrics(plan, stages, step, prompts, scored, losses, seconds, (rules, grad_norms))
 
 
 def draw_prompts(
@@ -120,8 +125,11 @@ def step_metrics(
     scored: Scored,
     losses: tuple[float, float | None],
     seconds: dict[str, float],
+    updates: tuple[dict[str, UpdateRule], dict[str, float]],
 ) -> StepMetrics:
-    """The step's record, the same on every rank: its times are the slowest rank's (collective)."""
+    """The step's record, the same on every rank: its times are the slowest rank's (collective).
+    `updates`: each trained model-stage's update rule and mean gradient norm."""
+    rules, grad_norms = updates
     lengths = scored.mask.sum(dim=1)
     names = [entry.model_stage for entry in plan.stages] + ["advantages", "exchange", "weight_sync"]
     stage_seconds, held = step_totals(seconds, [*names, "step"], stages)
@@ -139,4 +147,6 @@ def step_metrics(
         step_seconds=stage_seconds.pop("step"),
         stage_seconds=stage_seconds,
         state_bytes_per_rank=held,
+        grad_norm=dict(grad_norms),
+        lr={name: rule.lr for name, rule in rules.items()},
     )
