@@ -153,6 +153,7 @@ def unexecutable_choices(plan: Plan) -> list[str]:
             (entry.recompute != "none", "recompute", "--recompute none"),
             (entry.token_budget is not None, "token_budget", "--token-budget off"),
             (bool(entry.zero1), "zero1", "--zero1 off"),
+            (entry.full_shard, "full_shard", "--full-shard off"),
             (entry.offload, "offload", "--offload off"),
             (entry.kv_budget_bytes is not None, "kv_budget_bytes", "--kv-budget off"),
         ]
