@@ -37,8 +37,9 @@ class MemoryChoices:
     kv_budget: tuple[bool, ...] = (False, True)
     """Generation batches continuously into a bounded KV budget (True) or holds every sample (False)."""
     full_shard: tuple[bool, ...] = (False, True)
-    """Training and inference shard parameters (and gradients, optimizer state) across dp (True,
-    searched where dp > 1; it shards the optimizer whatever `zero1` says) or hold them whole (False)."""
+    """Training and inference shard parameters (and gradients, optimizer state) across dp (True;
+    searched where dp > 1 and pp = 1; it shards the optimizer whatever `zero1` says) or hold them
+    whole (False)."""
 
 
 #: What `nereus run` executes today: every state resident, every activation kept, fixed rows,
@@ -205,8 +206,9 @@ def _timed_grid(
         *columns, recompute = _expand(columns, [float(r == "full") for r in allowed.recompute])
     *columns, full_shard = _expand(columns, [float(f) for f in allowed.full_shard])
     recompute = np.repeat(recompute, len(allowed.full_shard))
-    # Searched, full sharding over one replica shards nothing and only adds the gathered units.
-    keep = (full_shard == 0) | (columns[3] > 1) | (False not in allowed.full_shard)
+    # Searched, full sharding is tried where it shards something (dp > 1) and as FSDP and ZeRO-3 run
+    # it, without pipeline stages (Megatron pipelines shard the optimizer only: ZeRO-1).
+    keep = (full_shard == 0) | ((columns[3] > 1) & (columns[2] == 1)) | (False not in allowed.full_shard)
     return [c[keep] for c in columns], np.full(int(keep.sum()), np.inf), recompute[keep], full_shard[keep]
 
 

@@ -49,7 +49,8 @@ class StagePlan(StrictModel):
     full_shard: bool = False
     """Training and inference only: parameters (and in training gradients and AdamW state) sharded
     across dp, each layer all-gathered before its forward and again before its backward and its
-    gradients reduce-scattered (ZeRO-3, FSDP's FULL_SHARD); False: every replica holds them whole."""
+    gradients reduce-scattered (ZeRO-3, FSDP's FULL_SHARD), the optimizer state whatever `zero1`
+    says; False: every replica holds them whole."""
     offload: bool = False
     """Between its runs, this model-stage's resident states sleep in host memory (moved out
     and back over the cluster's host link every step)."""
@@ -70,10 +71,6 @@ class StagePlan(StrictModel):
             raise ValueError(f"kv_budget_bytes applies to generation only; drop it from {self.model_stage}")
         if self.full_shard and stage == "generation":
             raise ValueError(f"full_shard applies to training and inference only; drop it from {self.model_stage}")
-        if self.full_shard and self.zero1 is False:
-            raise ValueError(
-                f"full_shard shards the optimizer state too; set zero1 true or drop it from {self.model_stage}"
-            )
         return self
 
     @property
