@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -204,12 +203,18 @@ def _timed_grid(
     recompute: np.ndarray = np.zeros(len(columns[0]))
     if cost.stage == "training":
         *columns, recompute = _expand(columns, [float(r == "full") for r in allowed.recompute])
-    *columns, full_shard = _expand(columns, [float(f) for f in allowed.full_shard])
-    recompute = np.repeat(recompute, len(allowed.full_shard))
-    # Searched, full sharding is tried where it shards something (dp > 1) and as FSDP and ZeRO-3 run
-    # it, without pipeline stages (Megatron pipelines shard the optimizer only: ZeRO-1).
-    keep = (full_shard == 0) | ((columns[3] > 1) & (columns[2] == 1)) | (False not in allowed.full_shard)
-    return [c[keep] for c in columns], np.full(int(keep.sum()), np.inf), recompute[keep], full_shard[keep]
+    n = len(columns[0])
+    if False not in allowed.full_shard:  # pinned on
+        return columns, np.full(n, np.inf), recompute, np.ones(n)
+    if True in allowed.full_shard:
+        # Searched, full sharding is tried where it shards something (dp > 1) and as FSDP and ZeRO-3
+        # run it, without pipeline stages (Megatron pipelines shard the optimizer only: ZeRO-1).
+        twin = np.nonzero((columns[3] > 1) & (columns[2] == 1))[0]
+        columns = [np.concatenate([c, c[twin]]) for c in columns]
+        recompute = np.concatenate([recompute, recompute[twin]])
+    full_shard = np.zeros(len(columns[0]))
+    full_shard[n:] = 1.0
+    return columns, np.full(len(columns[0]), np.inf), recompute, full_shard
 
 
 def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices) -> _Timed:
@@ -343,10 +348,16 @@ def price_layouts(
     base_row, pick = _rows_per_base(of_layout, inverse.reshape(-1), first.size)
     bounds = np.searchsorted(size[base_row], [*pool_sizes, np.iinfo(np.int64).max])
     fitting = np.where(listed.columns[1] + listed.columns[2] <= budget, listed.columns[0], np.inf)[pick]
-    tables = {}
-    for s, lo, hi in zip(pool_sizes, bounds[:-1], bounds[1:], strict=True):
-        tables[s] = OptionTable(listed, pick[lo:hi], float(fitting[lo:hi].min(initial=math.inf)))
-    return tables
+    # Each pool size's fastest fitting option in one pass: its rows are the slice [lo, hi), and
+    # the slices tile the array, so a segment ends where the next non-empty one starts.
+    fastest = np.full(len(pool_sizes), np.inf)
+    filled = bounds[1:] > bounds[:-1]
+    if filled.any():
+        fastest[filled] = np.minimum.reduceat(fitting, bounds[:-1][filled])
+    return {
+        s: OptionTable(listed, pick[lo:hi], float(f))
+        for s, lo, hi, f in zip(pool_sizes, bounds[:-1], bounds[1:], fastest.tolist(), strict=True)
+    }
 
 
 def _worth_listing(
