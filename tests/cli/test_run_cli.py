@@ -559,7 +559,11 @@ def test_the_closing_summary_keeps_long_paths_on_one_line(capsys: pytest.Capture
 
 @pytest.mark.parametrize(
     ("choice", "pin"),
-    [({"offload": True}, "--offload off"), ({"recompute": "full"}, "--recompute none")],
+    [
+        ({"offload": True}, "--offload off"),
+        ({"recompute": "full"}, "--recompute none"),
+        ({"full_shard": True}, "--full-shard off"),
+    ],
 )
 def test_a_plan_with_a_choice_the_runtime_lacks_is_refused(tmp_path: Path, choice: dict, pin: str) -> None:
     config = write_config(tmp_path)

@@ -184,6 +184,7 @@ def unexecutable_choices(plan: Plan) -> list[str]:
         unsupported = [
             (entry.recompute != "none", "recompute", "--recompute none"),
             (entry.token_budget is not None, "token_budget", "--token-budget off"),
+            (entry.full_shard, "full_shard", "--full-shard off"),
             (entry.offload, "offload", "--offload off"),
         ]
         found += [
