@@ -480,10 +480,12 @@ def resume_run(
             "num_ranks",
         )
     checkpoint, damaged = resumable_checkpoint(out, from_previous)
-    # The ranks ran the checkpoint's plan when it was taken, which may not be the folder's: an
-    # elastic restart that replanned may have failed before its first checkpoint.
+    # A run without plan changes of its own ran the checkpoint's plan on exactly its ranks, and
+    # that plan may not be the folder's: an elastic restart that replanned may have failed
+    # before its first checkpoint. (With switches or a controller the world is the folder plan's.)
     in_force, in_force_at = stored, out / PLAN_NAME
-    if checkpoint is not None and not config.plan_switches and (checkpoint / PLAN_NAME).is_file():
+    fixed = not config.plan_switches and config.trace is None
+    if checkpoint is not None and fixed and (checkpoint / PLAN_NAME).is_file():
         in_force_at = checkpoint / PLAN_NAME
         in_force = with_fusion(_load(in_force_at, Plan), config)
     if plan_path is not None:
