@@ -189,6 +189,10 @@ def test_two_nodes_match_one_node_then_go_on_elastically_on_one_node_with_fewer_
             assert (tensor - joined[key]).abs().max() <= 1e-6 * max(1.0, float(tensor.abs().max())), (role, key)
 
     assert "planned a new layout for 2 ranks" in stderr and f"resuming from {step_4} (step 4)" in stderr
+    # the failed attempt says the agent carries on, not to resume by hand
+    failed = [line for line in stderr.splitlines() if line.startswith("error: run failed")]
+    assert failed and all("torchrun's agent restarts the workers (restart 1 of 1)" in line for line in failed), stderr
+    assert all("they resume from step-000004 on their own" in line for line in failed), failed
     assert [peer["node"] for peer in json.loads((multi / "world.json").read_text())] == ["node0", "node0"]
     decisions = [json.loads(line) for line in (multi / "decisions.jsonl").read_text().splitlines()]
     pool = [record for record in decisions if record["observation"].get("event") == "pool"]
