@@ -135,6 +135,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     problems += unexecutable_choices(plan)
     problems += sft_problems(plan, config)
     problems += memory_problems(plan, config)
+    problems += kv_budget_problems(plan)
     problems += intra_stage_problems(plan)
     problems += [f"fusion.inter_stage: {problem}" for problem in inter_stage_problems(plan, plan.fusion, config)]
     if workload.dtype not in RUNTIME_DTYPES:
@@ -183,8 +184,8 @@ def unexecutable_choices(plan: Plan) -> list[str]:
         unsupported = [
             (entry.recompute != "none", "recompute", "--recompute none"),
             (entry.token_budget is not None, "token_budget", "--token-budget off"),
+            (entry.full_shard, "full_shard", "--full-shard off"),
             (entry.offload, "offload", "--offload off"),
-            (entry.kv_budget_bytes is not None, "kv_budget_bytes", "--kv-budget off"),
         ]
         found += [
             f"{entry.model_stage}: {name} is not executed by the runtime yet; replan with `nereus plan {pin}` "
@@ -241,6 +242,28 @@ def memory_problems(plan: Plan, config: RLConfig) -> list[str]:
         for rank, (peak, model_stage) in sorted(worst.items())
         if peak > capacity
     ]
+
+
+def kv_budget_problems(plan: Plan) -> list[str]:
+    """Generation KV budgets too small for one sequence of the plan's maximum length: the
+    engine could never admit it (its KV cache is fp32, the engine's compute dtype)."""
+    from nereus.runtime.kv_cache import BLOCK_TOKENS, one_sequence_bytes
+
+    w = plan.workload
+    tokens = w.prompt_len + w.response_len.max
+    found = []
+    for entry in plan.stages:
+        if entry.kv_budget_bytes is None:
+            continue
+        model = plan.model(w.model_name(entry.role))
+        needed = one_sequence_bytes(model, entry.tp, entry.pp, tokens, 4, BLOCK_TOKENS)
+        if entry.kv_budget_bytes < needed:
+            found.append(
+                f"{entry.model_stage}: kv_budget_bytes {entry.kv_budget_bytes} cannot hold one sequence of the "
+                f"plan's maximum length ({w.prompt_len} + {w.response_len.max} tokens): it needs {needed} bytes "
+                f"per GPU; raise kv_budget_bytes to at least {needed}"
+            )
+    return found
 
 
 def with_fusion(plan: Plan, config: RunConfig) -> Plan:
