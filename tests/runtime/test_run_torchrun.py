@@ -109,13 +109,13 @@ def running(agents: list[Any]) -> bool:
     return True
 
 
-def close(a: Any, b: Any, rel: float = 1e-6) -> bool:
+def close(a: Any, b: Any, rel: float = 1e-6, tiny: float = 1e-12) -> bool:
     if isinstance(a, float) or isinstance(b, float):
-        return math.isclose(a, b, rel_tol=rel, abs_tol=1e-12)
+        return math.isclose(a, b, rel_tol=rel, abs_tol=tiny)
     if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(close(x, y, rel) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(close(x, y, rel, tiny) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(close(a[key], b[key], rel) for key in a)
+        return a.keys() == b.keys() and all(close(a[key], b[key], rel, tiny) for key in a)
     return bool(a == b)
 
 
@@ -207,12 +207,13 @@ def test_two_nodes_match_one_node_then_go_on_elastically_on_one_node_with_fewer_
     assert (again.start_step, again.planned, again.num_ranks) == (5, False, 2)
     # A job of its own resumes the 2x2 job's last checkpoint on 1 node x 2 ranks: its step 4
     # is the elastic restart's (the same checkpoint onto the same 2-rank plan) and continues
-    # the uninterrupted 4-rank run's logical state (1e-5: 2 ranks sum in another order).
+    # the uninterrupted 4-rank run's logical state (1e-5 relative or 1e-6 absolute: 2 ranks sum
+    # in another order, and the PPO loss is a difference of near-equal terms).
     resumed = resume_by_its_own_job(multi, tmp_path / "resumed")
     for field, value in got[4].items():
         assert field in MEASURED or close(value, resumed[field]), (field, value, resumed[field])
     for field in LEARNING:
-        assert close(expected[4][field], resumed[field], 1e-5), (field, expected[4][field], resumed[field])
+        assert close(expected[4][field], resumed[field], 1e-5, 1e-6), (field, expected[4][field], resumed[field])
 
 
 def test_a_stopped_rank_on_another_node_stops_the_job_within_the_timeout(tmp_path: Path) -> None:
