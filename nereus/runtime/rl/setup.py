@@ -502,17 +502,26 @@ def resume_run(
             "plan_path",
             "num_ranks",
         )
+    checkpoint, damaged = resumable_checkpoint(out, from_previous)
+    # A run without plan changes of its own ran the checkpoint's plan on exactly its ranks, and
+    # that plan may not be the folder's: an elastic restart that replanned may have failed
+    # before its first checkpoint. (With switches or a controller the world is the folder plan's.)
+    in_force, in_force_at = stored, out / PLAN_NAME
+    fixed = not config.plan_switches and config.trace is None
+    if checkpoint is not None and fixed and (checkpoint / PLAN_NAME).is_file():
+        in_force_at = checkpoint / PLAN_NAME
+        in_force = with_fusion(_load(in_force_at, Plan), config)
     if plan_path is not None:
         plan = with_fusion(_load(plan_path, Plan), config)
         _check_same_work(plan, stored, plan_path)
-    elif num_ranks is not None and num_ranks != plan_num_ranks(stored):
+    elif num_ranks is not None and num_ranks != plan_num_ranks(in_force):
         plan, planned = replan(stored, num_ranks), True
     else:
-        plan = stored
+        plan = in_force
     num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
-    _check_plan(plan, str(plan_path or out / PLAN_NAME), num_ranks, config.rl)
+    where = plan_path or (in_force_at if plan is in_force else out / PLAN_NAME)
+    _check_plan(plan, str(where), num_ranks, config.rl)
     read_metrics(out)  # a damaged metrics file is refused here, before anything is written
-    checkpoint, damaged = resumable_checkpoint(out, from_previous)
     start_step = 0 if checkpoint is None else checkpoint_step(checkpoint)
     if start_step >= config.num_steps:
         raise ArgumentError(
@@ -721,6 +730,11 @@ def torchrun_worker() -> bool:
 def torchrun_restart() -> int:
     """How many times torchrun's agent has restarted this job's workers (0: first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def torchrun_restarts_left() -> int:
+    """How many more times torchrun's agent restarts this job's workers when they fail."""
+    return max(0, int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - torchrun_restart())
 
 
 def joined_setup(
