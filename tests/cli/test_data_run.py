@@ -26,7 +26,6 @@ pytest.importorskip("tokenizers")
 pytestmark = pytest.mark.cli
 
 
-
 def make_folder(out: Path) -> Path:
     """examples/tiny_math_model.py's folder, trained on the test dataset."""
     return Path(tiny_math_model().make_folder(out, [DATA / "math-train.jsonl"]))
