@@ -9,7 +9,8 @@ The formulas, per GPU of the busiest pipeline stage:
   parameter; 8 without master weights), divided by dp when sharded across dp.
 * activations (Korthikanti et al., sequence parallel with flash attention):
   34 * s * b * h / tp bytes per layer for 16-bit activations; the first 1F1B stage
-  holds min(pp, micro-batches) micro-batches; fp32 logits 4 * s * b * V / tp.
+  holds min(pp, micro-batches) micro-batches; fp32 logits 4 * s * b * V / tp; a tied
+  embedding's backward holds two extra gradient-sized copies (`tied_gradient_bytes`).
 * activation recomputation (`recompute` 1): a layer keeps only its 2 * s * b * h input
   (Korthikanti et al.'s full recomputation) plus one layer's working set, and the
   backward pass reruns the forward: 4 passes of compute instead of 3.
@@ -260,7 +261,21 @@ class StageCostModel:
             terms["kv_cache"] = np.minimum(kv_budget, self.full_kv_bytes(tp, pp, dp))
         if self.head == "lm":
             terms["logits"] = 4.0 * rows * (max_len if self.stage != "generation" else 1) * m.vocab_size / tp
+        if self.stage == "training":
+            terms["tied_gradients"] = self.tied_gradient_bytes(tp, pp)
         return terms
+
+    def tied_gradient_bytes(self, tp: Array, pp: Array) -> Array:
+        """Transient bytes of a tied embedding's backward on a GPU that holds both its uses
+        (pp = 1): the LM head's gradient of the shared weight waits in autograd's buffer
+        until the lookup's arrives at the end of the backward pass, and their sum is made
+        beside both, so two gradient-sized copies exist above the one kept (measured on
+        CPU ranks: docs/memory.md). With pp > 1 each stage's copy has one use, so none."""
+        m = self.model
+        if self.head != "lm" or not m.tied_embeddings:
+            return np.zeros(np.shape(pp))
+        embedding = m.vocab_size * m.hidden_dim / tp * self.dtype_bytes
+        return np.where(pp == 1, 2.0 * embedding, 0.0)
 
     def offload_time(self, resident_bytes: Array) -> Array:
         """Seconds to move resident states to the host after a run and back before the next."""

@@ -237,17 +237,33 @@ def admissible_layouts(model: Model, max_ranks: int) -> list[tuple[int, int, int
 GRAD_BUCKET_ELEMENTS = 1 << 22
 
 
-def buckets(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
-    """Consecutive runs of the names of `tensors` of at most GRAD_BUCKET_ELEMENTS elements
-    each (a larger tensor alone)."""
-    runs: list[list[str]] = [[]]
+#: One tensor's piece in a bucket: its rows on each replica (one view: a tensor kept whole).
+Piece = list[torch.Tensor]
+
+
+def row_pieces(views: Piece) -> list[Piece]:
+    """`views` (one tensor's rows on each replica) cut into blocks of rows of at most
+    GRAD_BUCKET_ELEMENTS elements per replica, block j of every replica together: so a
+    tensor larger than a bucket (a large vocabulary's embedding) is staged block by block."""
+    if views[0].dim() == 0:
+        return [views]
+    largest = max(view.numel() for view in views)
+    parts = max(1, min(min(view.shape[0] for view in views), -(-largest // GRAD_BUCKET_ELEMENTS)))
+    bounds = [even_split(view.shape[0], parts) for view in views]
+    return [[view[a:b] for view, (a, b) in zip(views, block, strict=True)] for block in zip(*bounds, strict=True)]
+
+
+def buckets(pieces: Iterable[Piece]) -> list[list[Piece]]:
+    """Consecutive runs of `pieces` of at most GRAD_BUCKET_ELEMENTS elements per replica each."""
+    runs: list[list[Piece]] = [[]]
     size = 0
-    for name, tensor in tensors.items():
-        if runs[-1] and size + tensor.numel() > GRAD_BUCKET_ELEMENTS:
+    for piece in pieces:
+        numel = max(view.numel() for view in piece)
+        if runs[-1] and size + numel > GRAD_BUCKET_ELEMENTS:
             runs.append([])
             size = 0
-        runs[-1].append(name)
-        size += tensor.numel()
+        runs[-1].append(piece)
+        size += numel
     return [run for run in runs if run]
 
 
@@ -553,21 +569,30 @@ class Engine:
     def _all_gather_rows(self, whole: Mapping[str, torch.Tensor]) -> None:
         """Fill the other replicas' rows of parameter-shaped tensors whose own rows are set
         (collective over dp; one dtype per call, buckets of GRAD_BUCKET_ELEMENTS)."""
-        dp = self.groups.layout.dp
-        sharded = {n: t for n, t in whole.items() if self.mine(n, t).shape != t.shape}
-        for names in buckets(sharded):
-            size = max(sum(self.rows(n, sharded[n], d).numel() for n in names) for d in range(dp))
-            local = torch.zeros(size, dtype=sharded[names[0]].dtype, device=self.device)
-            mine = torch.cat([self.mine(n, sharded[n]).reshape(-1) for n in names])
+        dp, me = self.groups.layout.dp, self.groups.replica
+        for bucket in buckets(self._replica_pieces(whole, sharded=True)):
+            size = max(sum(piece[d].numel() for piece in bucket) for d in range(dp))
+            local = torch.zeros(size, dtype=bucket[0][0].dtype, device=self.device)
+            mine = torch.cat([piece[me].reshape(-1) for piece in bucket])
             local[: mine.numel()] = mine
             parts = [torch.empty_like(local) for _ in range(dp)]
             host_collectives.all_gather(parts, local, self.groups.dp_group)
             for d, part in enumerate(parts):
                 offset = 0
-                for n in names:
-                    rows = self.rows(n, sharded[n], d)
-                    rows.copy_(part[offset : offset + rows.numel()].view_as(rows))
-                    offset += rows.numel()
+                for piece in bucket:
+                    piece[d].copy_(part[offset : offset + piece[d].numel()].view_as(piece[d]))
+                    offset += piece[d].numel()
+
+    def _replica_pieces(self, tensors: Mapping[str, torch.Tensor], sharded: bool) -> list[Piece]:
+        """The row blocks (`row_pieces`) of the ZeRO-1 sharded tensors of `tensors` (`sharded`,
+        each replica's rows) or of the tensors kept whole (one view each)."""
+        dp = self.groups.layout.dp
+        pieces = []
+        for name, tensor in tensors.items():
+            if (self.mine(name, tensor).shape != tensor.shape) == sharded:
+                views = [self.rows(name, tensor, d) for d in range(dp)] if sharded else [tensor]
+                pieces += row_pieces(views)
+        return pieces
 
     def whole_state(self, families: Sequence[str]) -> dict[str, torch.Tensor]:
         """`local_state()`'s `families` with every ZeRO-1 sharded tensor assembled whole (a
@@ -622,12 +647,10 @@ class Engine:
         if self.groups.dp_group is None:
             return
         held = {n: p.grad for n, p in self.params.items() if p.grad is not None}
-        whole = {n: g for n, g in held.items() if self.mine(n, g).shape == g.shape}
-        for names in buckets(whole):
-            self._all_reduce_bucket([whole[n] for n in names])
-        sharded = {n: g for n, g in held.items() if n not in whole}
-        for names in buckets(sharded):
-            self._reduce_scatter_bucket(names, sharded)
+        for bucket in buckets(self._replica_pieces(held, sharded=False)):
+            self._all_reduce_bucket([piece[0] for piece in bucket])
+        for bucket in buckets(self._replica_pieces(held, sharded=True)):
+            self._reduce_scatter_bucket(bucket)
 
     def _all_reduce_bucket(self, bucket: list[torch.Tensor]) -> None:
         """Sum one bucket of gradients over dp in the precision's reduction dtype."""
@@ -638,22 +661,23 @@ class Engine:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
-    def _reduce_scatter_bucket(self, names: list[str], grads: Mapping[str, torch.Tensor]) -> None:
+    def _reduce_scatter_bucket(self, bucket: list[Piece]) -> None:
         """ZeRO-1: sum one bucket over dp into this replica's rows only (the other rows keep
         this replica's own, unreduced contribution: the optimizer reads just its rows)."""
         dp, me = self.groups.layout.dp, self.groups.replica
         dtype = self.config.precision.reduce_dtype
-        chunks = [torch.cat([self.rows(n, grads[n], d).reshape(-1).to(dtype) for n in names]) for d in range(dp)]
-        size = max(chunk.numel() for chunk in chunks)
+        size = max(sum(piece[d].numel() for piece in bucket) for d in range(dp))
         flat = torch.zeros(dp * size, dtype=dtype, device=self.device)
-        for d, chunk in enumerate(chunks):
-            flat[d * size : d * size + chunk.numel()] = chunk
+        for d in range(dp):
+            offset = d * size
+            for piece in bucket:
+                flat[offset : offset + piece[d].numel()] = piece[d].reshape(-1)
+                offset += piece[d].numel()
         summed = reduce_scatter(flat, self.groups.dp_group, dp, me)
         offset = 0
-        for n in names:
-            rows = self.mine(n, grads[n])
-            rows.copy_(summed[offset : offset + rows.numel()].view_as(rows))
-            offset += rows.numel()
+        for piece in bucket:
+            piece[me].copy_(summed[offset : offset + piece[me].numel()].view_as(piece[me]))
+            offset += piece[me].numel()
 
     def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last stage's `tensor` on every stage of this replica (same shape everywhere)."""

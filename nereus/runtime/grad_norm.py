@@ -20,6 +20,8 @@ from nereus.runtime.shard_layout import local_box, param_infos
 
 #: Added to the norm before dividing by it (torch.nn.utils.clip_grad_norm_'s guard).
 CLIP_EPS = 1e-6
+#: Gradient elements squared in float64 at a time (32 MiB of temporaries per slice).
+NORM_SLICE_ELEMENTS = 1 << 22
 
 
 def counted_params(engine: Engine) -> list[str]:
@@ -53,7 +55,10 @@ def global_grad_norm(engine: Engine) -> float:
         piece = engine.mine(name, grad)
         if engine.zero1 and piece.shape == grad.shape and groups.replica != 0:
             continue
-        total += piece.detach().double().pow(2).sum()
+        # Slice by slice: the float64 copies stay bounded however large the tensor (an
+        # embedding's whole-tensor copies would outgrow the model's own gradients).
+        for part in piece.detach().reshape(-1).split(NORM_SLICE_ELEMENTS):
+            total += part.double().pow(2).sum()
     if engine.zero1:
         host_collectives.all_reduce(total, groups.dp_group)
     # Tensor ranks first (each stage's total on each of its ranks), then across the stages.

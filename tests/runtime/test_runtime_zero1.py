@@ -110,3 +110,28 @@ def test_zero1_steps_match_unsharded_and_reshard_bitwise(workload: Any) -> None:
         assert result["bytes"] == {"parameters": weights * n, "gradients": weights * n, "optimizer": optimizer // 2}
         assert result["plain_bytes"]["optimizer"] == optimizer
     assert results[0]["gathered_on_one"]
+
+
+def small_bucket_worker(rank: int, world: int, workload: Any) -> bool:
+    """The same steps with buckets far smaller than a tensor (every gradient and every
+    all-gathered weight staged in row blocks) as with the default buckets: bitwise."""
+    from nereus.runtime import engine as engine_module
+
+    torch.set_num_threads(1)
+    dp2 = RankLayout(1, 1, 2, (0, 1))
+    same = True
+    for zero1 in (False, True):
+        engines = []
+        for bucket_elements in (engine_module.GRAD_BUCKET_ELEMENTS, 97):
+            engine_module.GRAD_BUCKET_ELEMENTS = bucket_elements
+            made = engine(workload, dp2, zero1)
+            for _ in range(2):
+                made.train_step(batch(), NextTokenLoss())
+            engines.append(contract(made))
+        engine_module.GRAD_BUCKET_ELEMENTS = 1 << 22
+        same &= all(torch.equal(engines[0][k], v) for k, v in engines[1].items())
+    return same
+
+
+def test_row_block_buckets_change_no_bit() -> None:
+    assert all(spawn(small_bucket_worker, 2, BF16))

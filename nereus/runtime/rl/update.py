@@ -255,11 +255,7 @@ def sync_plans(stages: dict[str, ModelStageRuntime]) -> list[WeightSync]:
 
 def weight_sync(source: ModelStageRuntime, target: ModelStageRuntime) -> WeightSync:
     """The sync of `source`'s parameters into `target`'s engines, with its resharding plan."""
-    plan = plan_reshard(
-        state_meta(source.model, source.head, source.layout, ("param",)),
-        state_meta(target.model, target.head, target.layout, ("param",)),
-    )
-    return source, target, plan
+    return source, target, plan_reshard(weights_meta(source), weights_meta(target))
 
 
 def weights_meta(stage: ModelStageRuntime) -> StateMeta:
