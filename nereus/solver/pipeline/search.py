@@ -91,6 +91,16 @@ class AnnealOutcome:
     iterations: int
 
 
+@dataclass(frozen=True)
+class LeanStart:
+    """A schedule built to hold at most `cap` on every node, made as fast as it allows."""
+
+    cap: float
+    orders: Orders
+    makespan: float
+    peak: float
+
+
 @dataclass
 class FusedResult:
     """The fused schedule with everything needed to judge it."""
@@ -110,6 +120,8 @@ class FusedResult:
     """Lower bound on the peak of every schedule as fast as this one (`memory_bound_at`)."""
     per_seed: list[tuple[int, float, float]] = field(default_factory=list)
     """(seed, makespan, peak memory) of every annealing run."""
+    lean: list[LeanStart] = field(default_factory=list)
+    """The lean starts (`lean_starts`): what holding less costs in makespan."""
 
 
 #: Activation caps the greedy tries, as multiples of the memory bound (memory at no latency cost).
@@ -151,6 +163,32 @@ def list_schedules(inst: Instance, names: tuple[str, str]) -> list[Start]:
     return sorted(starts, key=lambda s: (s[2].makespan, s[2].max_peak_memory))
 
 
+#: Activation caps of the lean starts, as multiples of the memory bound.
+LEAN_CAP_FACTORS = (1.1, 1.3, 1.6)
+
+
+def lean_starts(inst: Instance, names: tuple[str, str]) -> list[LeanStart]:
+    """Per cap of LEAN_CAP_FACTORS (within the user's cap), tightest first: the fastest of a
+    few list schedules with 1F1B windows under the cap, each improved by forward-backward
+    passes that keep to the cap."""
+    user_cap = inst.problem.activation_cap
+    memory = memory_bound(inst.problem)
+    _, tails = heads_and_tails(inst)
+    rules = (GreedyRule("lean", names[::-1], True), GreedyRule("lean", names, True),
+             GreedyRule("lean", names, True, tuple(tails)))  # fmt: skip
+    starts = []
+    caps = [memory * factor for factor in LEAN_CAP_FACTORS] + ([] if user_cap is None else [user_cap])
+    for cap in sorted(caps):
+        if user_cap is not None and cap > user_cap * (1 + RELATIVE_EPS):
+            continue
+        built = [list_schedule(inst, rule_key(inst, rule), window_limits(inst), cap) for rule in rules]
+        improved = [forward_backward(inst, orders, cap=cap) for orders in built if orders is not None]
+        if improved:
+            orders, makespan = min(improved, key=lambda pair: pair[1])
+            starts.append(LeanStart(cap, orders, makespan, max(peak_memory(inst, orders))))
+    return starts
+
+
 def greedy_schedule(inst: Instance, names: tuple[str, str]) -> Start:
     """The best list schedule (latency, then memory) within the activation cap."""
     return list_schedules(inst, names)[0]
@@ -164,7 +202,7 @@ RESTART_SLACK = 0.01
 
 def starting_schedules(inst: Instance, names: tuple[str, str]) -> tuple[Start, list[Start]]:
     """The best list schedule, and the annealing starts: the best distinct list schedules
-    (latency, then memory) after forward-backward improvement (kept only within the
+    (latency, then memory) after forward-backward improvement (whose passes keep to the
     activation cap), fastest first. Lean list schedules (1F1B windows, tight caps) often
     come out of the improvement almost as fast as the fastest at a fraction of its memory."""
     schedules = list_schedules(inst, names)
@@ -177,10 +215,9 @@ def starting_schedules(inst: Instance, names: tuple[str, str]) -> tuple[Start, l
         if (ev.makespan, ev.max_peak_memory) in seen:
             continue  # the same makespan and peak usually mean the same schedule: improve distinct ones
         seen.add((ev.makespan, ev.max_peak_memory))
-        improved, makespan = forward_backward(inst, orders)
+        improved, makespan = forward_backward(inst, orders, cap=cap)
         better = evaluate(inst, improved)
-        fits = cap is None or better.max_peak_memory <= cap * (1 + RELATIVE_EPS)
-        if fits and makespan < ev.makespan * (1 - RELATIVE_EPS):
+        if makespan < ev.makespan * (1 - RELATIVE_EPS):
             starts.append((name + ", forward-backward", improved, better))
         else:
             starts.append((name, orders, ev))
@@ -351,7 +388,8 @@ def anneal(
     budget = max_iterations if max_iterations is not None else math.inf
     latency_share = 1 - MEMORY_PHASE_SHARE
     latency = _Phase(began + time_limit_s * latency_share, budget * latency_share)
-    iterations = _latency_phase(inst, latency, walk, best, rng, movable, 0, target_latency)
+    cap = inst.problem.activation_cap
+    iterations = _latency_phase(inst, latency, walk, best, rng, movable, 0, target_latency, cap)
     if fallback is not None:
         faster = _Walk.of(inst, fallback)
         if faster.makespan < best.makespan * (1 - RELATIVE_EPS):
@@ -418,10 +456,11 @@ def _latency_phase(
     movable: list[int],
     iterations: int,
     target_latency: float,
+    cap: float | None,
 ) -> int:
-    """Anneal the makespan plus the ops' lateness past the lower bound; `best` is updated in
-    place (fastest, then least memory); returns the iteration count."""
-    cap = inst.problem.activation_cap
+    """Anneal the makespan plus the ops' lateness past `target_latency` with every node's
+    activation within `cap`; `best` is updated in place (fastest, then least memory);
+    returns the iteration count."""
     _, tail = heads_and_tails(inst)
 
     deadline = _deadlines(tail, target_latency)
@@ -502,7 +541,7 @@ def _memory_phase(
     time_unit = sum(inst.duration) / max(inst.num_ops, 1)
     memory_unit = sum(grows) / len(grows)
     walk = _Walk.of(inst, origin or best.orders)
-    level = best.peak - step
+    level = min(best.peak, max(walk.peaks)) - step
     excess = [memory_profile(delta, order, level)[1] for order in walk.orders]
 
     deadline = _deadlines(tail, makespan * (1 + RELATIVE_EPS))
@@ -595,8 +634,8 @@ def _run_seeds(
     args = (per_seed, bounds.latency, bounds.memory, config.max_iterations, starts[0][1])
     fastest = starts[0][2].makespan
     close = [(orders, ev) for _, orders, ev in starts if ev.makespan <= fastest * (1 + RESTART_SLACK)]
-    lean = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
-    jobs = [((close if seed % 2 == 0 else lean)[(seed // 2) % len(close)][0], seed) for seed in range(config.seeds)]
+    leanest = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
+    jobs = [((close if seed % 2 == 0 else leanest)[(seed // 2) % len(close)][0], seed) for seed in range(config.seeds)]
     if workers == 1:
         outcomes = []
         for done, (start, seed) in enumerate(jobs, 1):
@@ -632,12 +671,16 @@ def search_fused(
     inst = build_instance(problem)
     bounds = lower_bounds(inst)
     (rule, _, greedy_eval), starts = starting_schedules(inst, (actor.name, critic.name))
+    lean = lean_starts(inst, (actor.name, critic.name))
+    if activation_cap is not None:  # under a cap the lean starts are often the fastest ones
+        starts += [(f"lean, cap {start.cap:g}", start.orders, evaluate(inst, start.orders)) for start in lean]
+        starts.sort(key=lambda s: (s[2].makespan, s[2].max_peak_memory))
     outcomes = _run_seeds(inst, starts, config, bounds, progress)
     # The annealing keeps a start unless it improves it; makespans within RELATIVE_EPS tie
     # (float sums in another order), and ties go to the least memory.
-    candidates = [(o.makespan, o.peak, o.orders) for o in outcomes] + [
-        (ev.makespan, ev.max_peak_memory, orders) for _, orders, ev in starts
-    ]
+    candidates = [(o.makespan, o.peak, o.orders) for o in outcomes]
+    candidates += [(ev.makespan, ev.max_peak_memory, orders) for _, orders, ev in starts]
+    candidates += [(start.makespan, start.peak, start.orders) for start in lean]
     fastest = min(makespan for makespan, _, _ in candidates)
     _, _, orders = min((c for c in candidates if c[0] <= fastest * (1 + RELATIVE_EPS)), key=lambda c: c[1])
     final = evaluate(inst, orders)
@@ -656,4 +699,5 @@ def search_fused(
         iterations=sum(o.iterations for o in outcomes),
         memory_lower_bound=memory_bound_at(inst, final.makespan),
         per_seed=[(o.seed, o.makespan, o.peak) for o in outcomes],
+        lean=lean,
     )
