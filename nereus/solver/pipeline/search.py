@@ -26,7 +26,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
@@ -370,13 +370,15 @@ def anneal(
     target_memory: float,
     max_iterations: int | None = None,
     fallback: Orders | None = None,
+    lean: Sequence[LeanStart] = (),
 ) -> AnnealOutcome:
     """Two-phase simulated annealing from `start`: latency, then memory at the makespan found.
 
     Each phase owns its share of the time (and iteration) budget; a latency phase that meets
     the lower bound early hands the rest of its share to the memory phase. When `fallback`
     (the fastest start) is faster than what the latency phase reached, the memory phase
-    works on it instead: only the fastest schedules can win.
+    works on it instead: only the fastest schedules can win. The memory phase first looks
+    for an as fast schedule among the `lean` starts' neighbours (`_lean_phase`).
     """
     rng = random.Random(seed)
     walk = _Walk.of(inst, start)
@@ -395,8 +397,51 @@ def anneal(
         if faster.makespan < best.makespan * (1 - RELATIVE_EPS):
             best = AnnealOutcome(seed, [list(o) for o in fallback], faster.makespan, max(faster.peaks), 0)
     memory = _Phase(began + time_limit_s, budget)
+    iterations = _lean_phase(inst, memory, best, rng, movable, iterations, target_memory, lean)
     best.iterations = _memory_phase(inst, memory, best, rng, movable, iterations, target_memory)
     return best
+
+
+def _lean_phase(
+    inst: Instance,
+    phase: _Phase,
+    best: AnnealOutcome,
+    rng: random.Random,
+    movable: list[int],
+    iterations: int,
+    target_memory: float,
+    lean: Sequence[LeanStart],
+) -> int:
+    """Look for a schedule as fast as `best` under a tight activation cap: per cap of
+    LEAN_TRY_FACTORS (x the memory bound) below `best`'s peak, anneal the latency from the
+    fastest lean start within it towards `best`'s makespan, never above the cap, for
+    LEAN_TRY_SHARE of the phase. The first that gets there replaces `best`. A fast schedule
+    found without a cap tends to run every forward early, and no short move leads from there
+    to one that interleaves the backwards; a lean start already does."""
+    user_cap = inst.problem.activation_cap
+    for factor in LEAN_TRY_FACTORS:
+        cap = factor * target_memory
+        fits = [start for start in lean if start.peak <= cap * (1 + RELATIVE_EPS)]
+        if cap >= best.peak or not fits or (user_cap is not None and cap > user_cap):
+            continue
+        start = min(fits, key=lambda s: s.makespan)
+        now = time.perf_counter()
+        sub = _Phase(
+            now + (phase.deadline - now) * LEAN_TRY_SHARE, iterations + (phase.budget - iterations) * LEAN_TRY_SHARE
+        )
+        attempt = AnnealOutcome(best.seed, [list(o) for o in start.orders], start.makespan, start.peak, 0)
+        walk = _Walk.of(inst, start.orders)
+        iterations = _latency_phase(inst, sub, walk, attempt, rng, movable, iterations, best.makespan, cap)
+        if attempt.makespan <= best.makespan * (1 + RELATIVE_EPS) and attempt.peak < best.peak:
+            best.orders, best.makespan, best.peak = attempt.orders, attempt.makespan, attempt.peak
+            break
+    return iterations
+
+
+#: Caps (x the memory bound) under which the lean phase looks for a schedule as fast as the best.
+LEAN_TRY_FACTORS = (1.3, 1.7)
+#: Share of the memory phase's remaining time (and iterations) each lean try may take.
+LEAN_TRY_SHARE = 0.3
 
 
 @dataclass(frozen=True)
@@ -623,7 +668,12 @@ def _accept(
 
 
 def _run_seeds(
-    inst: Instance, starts: list[Start], config: SearchConfig, bounds: LowerBounds, progress: Progress | None
+    inst: Instance,
+    starts: list[Start],
+    lean: list[LeanStart],
+    config: SearchConfig,
+    bounds: LowerBounds,
+    progress: Progress | None,
 ) -> list[AnnealOutcome]:
     """Seeds cycle over the starts within RESTART_SLACK of the fastest: restarts from several
     constructions that are about as fast (they differ in memory and in where they get stuck).
@@ -631,7 +681,7 @@ def _run_seeds(
     workers = max(1, min(config.seeds, os.cpu_count() or 1))
     rounds = math.ceil(config.seeds / workers)
     per_seed = config.time_limit_s / rounds
-    args = (per_seed, bounds.latency, bounds.memory, config.max_iterations, starts[0][1])
+    args = (per_seed, bounds.latency, bounds.memory, config.max_iterations, starts[0][1], lean)
     fastest = starts[0][2].makespan
     close = [(orders, ev) for _, orders, ev in starts if ev.makespan <= fastest * (1 + RESTART_SLACK)]
     leanest = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
@@ -675,7 +725,7 @@ def search_fused(
     if activation_cap is not None:  # under a cap the lean starts are often the fastest ones
         starts += [(f"lean, cap {start.cap:g}", start.orders, evaluate(inst, start.orders)) for start in lean]
         starts.sort(key=lambda s: (s[2].makespan, s[2].max_peak_memory))
-    outcomes = _run_seeds(inst, starts, config, bounds, progress)
+    outcomes = _run_seeds(inst, starts, lean, config, bounds, progress)
     # The annealing keeps a start unless it improves it; makespans within RELATIVE_EPS tie
     # (float sums in another order), and ties go to the least memory.
     candidates = [(o.makespan, o.peak, o.orders) for o in outcomes]
