@@ -9,6 +9,12 @@ Prints a table and writes benchmarks/results/plan_search.json.
 
     .venv/bin/python benchmarks/plan_search.py            # full: 5 runs, 32..1024 GPUs
     .venv/bin/python benchmarks/plan_search.py --quick    # 3 runs, 32..128 GPUs, 8B only
+    .venv/bin/python benchmarks/plan_search.py --baseline /tmp/old   # also time another checkout
+
+With --baseline DIR (a checkout of older code, e.g. `git archive c853336 | tar -x -C DIR`),
+each case is also timed there, in a worker process importing nereus from DIR, alternating
+with a worker on this checkout run by run, so both see the same machine load; the table
+adds both medians and the median of the paired ratios.
 """
 
 from __future__ import annotations
@@ -17,10 +23,12 @@ import argparse
 import math
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-from _record import begin, write_result
+from _record import Started, begin, write_result
 
 from nereus.cli.inputs import models_for
 from nereus.solver.plan_search import PlanRequest, compile_problem, placements, price_all, reference_search, search
@@ -29,6 +37,63 @@ from nereus.spec.presets import cluster_preset, workload_preset
 MODELS = ("llama-3.1-8b", "llama-3.3-70b")
 GPU_COUNTS = (32, 64, 128, 256, 512, 1024)
 RESULTS = Path(__file__).resolve().parent / "results" / "plan_search.json"
+
+
+#: A worker: reads "model gpus" lines, answers each with the seconds of one search() (after a warm-up).
+WORKER = """
+import sys, time
+from nereus.cli.inputs import models_for
+from nereus.solver.plan_search import PlanRequest, search
+from nereus.spec.presets import cluster_preset, workload_preset
+import nereus
+print(nereus.__file__, flush=True)
+requests = {}
+for line in sys.stdin:
+    model, gpus = line.split()
+    if line not in requests:
+        workload = workload_preset("ppo", actor=model)
+        requests[line] = PlanRequest(cluster_preset("h100", int(gpus)), models_for(workload, None), workload, int(gpus))
+        search(requests[line])
+    started = time.perf_counter()
+    search(requests[line])
+    print(time.perf_counter() - started, flush=True)
+"""
+
+
+class Worker:
+    """A search() timer in its own process, importing nereus from `root`."""
+
+    def __init__(self, root: Path) -> None:
+        env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+        # cwd too: `python -c` puts the working directory first on sys.path.
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root
+        )
+        assert self.process.stdout is not None
+        imported = Path(self.process.stdout.readline().strip())
+        if root not in imported.parents:
+            raise RuntimeError(f"the worker for {root} imported nereus from {imported}")
+
+    def time_ms(self, model: str, gpus: int) -> float:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(f"{model} {gpus}\n")
+        self.process.stdin.flush()
+        return float(self.process.stdout.readline()) * 1000
+
+
+def paired(model: str, gpus: int, runs: int, workers: tuple[Worker, Worker]) -> dict[str, object]:
+    """Alternate the baseline and this checkout run by run (who goes first alternates too)."""
+    baseline, current = [], []
+    for run in range(runs):
+        for worker in workers[:: 1 if run % 2 == 0 else -1]:
+            (baseline if worker is workers[0] else current).append(worker.time_ms(model, gpus))
+    return {
+        "baseline_ms_runs": baseline,
+        "current_ms_runs": current,
+        "baseline_median_ms": statistics.median(baseline),
+        "current_median_ms": statistics.median(current),
+        "paired_ratio_median": statistics.median(c / b for b, c in zip(baseline, current, strict=True)),
+    }
 
 
 def exhaustive_size(request: PlanRequest) -> int:
@@ -101,8 +166,17 @@ def main() -> None:
         default=None,
         help="JSON results file (default: results/plan_search.json, or plan_search_quick.json)",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="a checkout of older code to time side by side (results/plan_search_vs_baseline.json)",
+    )
     args = parser.parse_args()
     recording = begin()
+    if args.baseline is not None:
+        compare(args.baseline, MODELS, GPU_COUNTS, max(args.runs, 5), recording)
+        return
     if args.output is None:  # a quick run never overwrites the full results the README quotes
         args.output = RESULTS.with_name("plan_search_quick.json") if args.quick else RESULTS
     runs = min(args.runs, 3) if args.quick else args.runs
@@ -141,6 +215,30 @@ def main() -> None:
     }
     write_result(args.output, payload, recording, repetitions)
     print(f"wrote {args.output}")
+
+
+def compare(
+    baseline: Path, models: tuple[str, ...], gpu_counts: tuple[int, ...], runs: int, recording: Started
+) -> None:
+    workers = (Worker(baseline.resolve()), Worker(Path(__file__).resolve().parent.parent))
+    rows = []
+    print(f"{'model':<14} {'GPUs':>5} {'baseline ms':>11} {'now ms':>8} {'paired ratio':>12}")
+    for model in models:
+        for gpus in gpu_counts:
+            row = {"model": model, "gpus": gpus, **paired(model, gpus, runs, workers)}
+            rows.append(row)
+            print(
+                f"{model:<14} {gpus:>5} {row['baseline_median_ms']:>11.1f} {row['current_median_ms']:>8.1f} "
+                f"{row['paired_ratio_median']:>11.2f}x"
+            )
+    repetitions = {
+        f"{r['model']}/{r['gpus']}": {"baseline_ms": r.pop("baseline_ms_runs"), "current_ms": r.pop("current_ms_runs")}
+        for r in rows
+    }
+    payload = {"benchmark": "plan_search_vs_baseline", "baseline": str(baseline), "runs": runs, "results": rows}
+    output = RESULTS.with_name("plan_search_vs_baseline.json")
+    write_result(output, payload, recording, repetitions)
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":

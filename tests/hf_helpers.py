@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
+from repo_paths import EXAMPLES
 
 #: Shapes every tiny test model shares (GQA: 4 query heads over 2 KV heads).
 TINY_SHAPES: dict[str, Any] = {
@@ -47,3 +50,12 @@ def save_random_model(
     model.save_pretrained(folder, max_shard_size="100KB" if sharded else "1GB")
     assert (folder / "model.safetensors.index.json").is_file() == sharded
     return folder
+
+
+def tiny_math_model() -> ModuleType:
+    """examples/tiny_math_model.py (a script, not a package): its tokenizer and folder makers."""
+    spec = importlib.util.spec_from_file_location("tiny_math_model", EXAMPLES / "tiny_math_model.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -15,7 +15,7 @@ from nereus.errors import NereusError
 
 if TYPE_CHECKING:
     from nereus.cost.calibration import Calibration
-    from nereus.cost.fit import ErrorReport, RunRecord
+    from nereus.cost.fit import ErrorReport, FitResult, RunRecord
     from nereus.cost.profile import Profile
     from nereus.spec.model import Model
 
@@ -152,12 +152,13 @@ def fit(
     """
     from nereus.cli.inputs import load_kind
     from nereus.cost.calibration import Calibration
-    from nereus.cost.fit import fit_runs, held_out_errors, run_errors
+    from nereus.cost.fit import fit_calibration, held_out_errors, run_errors
     from nereus.cost.profile import Profile, cluster_from_profile
     from nereus.spec.io import save_document, to_data
 
     _check_output(output)
     the_start = load_kind(str(start), Calibration) if start else Calibration()
+    assert isinstance(the_start, Calibration)
     cluster = None
     try:
         if profile_file is not None:
@@ -168,22 +169,26 @@ def fit(
                 the_start = the_start.model_copy(update={"communicator_setup_s": the_profile.communicator_setup_s})
         runs = _read_runs(source, run_dirs, plans or [])
         with progress_bar("fitting") as progress:
-            calibration, fitted = fit_runs(runs, the_start, cluster, progress)  # type: ignore[arg-type]
-            held_out = held_out_errors(runs, the_start, cluster)  # type: ignore[arg-type]
+            result = fit_calibration(runs, the_start, cluster, progress)
+            held_out = held_out_errors(runs, the_start, cluster)
     except ValueError as exc:
         raise NereusError(str(exc)) from None
+    calibration = result.calibration
     in_sample = run_errors(runs, calibration, cluster)
     save_document(calibration, output)
     if as_json:
         payload = {
             "calibration": to_data(calibration),
-            "fitted": fitted,
+            "fitted": result.fitted,
+            "identified": result.identified,
+            "not_identified": result.not_identified,
+            "relative_standard_error": result.relative_error,
             "in_sample": in_sample.summary(),
             "held_out": held_out.summary() if held_out else None,
         }
         typer.echo(json.dumps(payload, indent=2, default=_nan_to_none))
         return
-    _print_fit(calibration, fitted, in_sample, held_out, output)
+    _print_fit(result, the_start, in_sample, held_out, output)
 
 
 def _read_runs(source: str, paths: list[Path], plans: list[Path]) -> list[RunRecord]:
@@ -207,13 +212,20 @@ def _nan_to_none(value: object) -> object:
 
 
 def _print_fit(
-    calibration: Calibration, fitted: list[str], in_sample: ErrorReport, held_out: ErrorReport | None, output: Path
+    result: FitResult, start: Calibration, in_sample: ErrorReport, held_out: ErrorReport | None, output: Path
 ) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=110)
-    console.print("fitted: " + ", ".join(f"{name} {getattr(calibration, name):.4g}" for name in fitted))
+    calibration = result.calibration
+    known = [
+        f"{name} {getattr(calibration, name):.4g} ±{result.relative_error[name]:.1%}" for name in result.identified
+    ]
+    console.print("identified (± relative standard error): " + (", ".join(known) or "none"))
+    if result.not_identified:
+        leaning = [f"{name} {getattr(calibration, name):.4g}" for name in result.not_identified]
+        console.print("not identified by these runs, pulled towards the starting calibration: " + ", ".join(leaning))
     console.print(f"pools of a phase run concurrently: {calibration.concurrent_pools}")
     table = Table(title="mean absolute error (medians per run)", title_justify="left")
     for column in ("model-stage", "in-sample", "held-out plans"):

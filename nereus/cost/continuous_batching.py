@@ -18,8 +18,9 @@ admission slack, shared by sequences whose time-averaged context is
 p + E[L (L + 1) / 2] / E[L], so the KV token-iterations of the whole batch over that
 fill give the saturated iterations. Then the sequences in flight drain; their remaining
 lengths follow the length-biased residual distribution, and the longest of them ends the
-drain, unless the batch's longest response, admitted at a uniformly random moment of the
-saturated phase, ends later (its expected finish is taken over that admission time).
+drain, unless the batch's longest response ends later: its wait depends on its place in the
+arrival order (the oldest places never wait, later ones are readmitted as the queue reaches
+them), and its expected finish is taken over that place.
 """
 
 from __future__ import annotations
@@ -113,7 +114,10 @@ def decode_profile(
     drain_longest = np.interp(in_flight / (in_flight + 1), cdf, r)
     drain_kv = in_flight * float(np.trapezoid(1.0 - cdf, r)) * context
     queued = np.maximum(0.0, (n * shape.kv_iterations_per_sequence - drain_kv) / fill)
-    total = _expected_finish(queued, drain_longest, longest)
+    # Admitted at once: as many as fit at their prompt; the cache fills when they have grown to share it.
+    started = np.minimum(n, np.maximum(1.0, np.floor(np.where(bound, capacity, 1.0) / (prompt + 1.0))))
+    fills_at = np.clip(fill / started - prompt, 0.0, queued)
+    total = _expected_finish(queued, drain_longest, longest, in_flight / n, started / n, fills_at)
     drain = np.maximum(total - queued, 0.0)
     td = (np.arange(half) + 0.5) / half * drain[..., None]
     drain_running = np.maximum(1.0, in_flight[..., None] * (1.0 - np.interp(td, r, cdf)))
@@ -128,12 +132,32 @@ def decode_profile(
     return tuple(np.where(pick, b, f) for b, f in zip(bound_profile, free, strict=True))  # type: ignore[return-value]
 
 
-def _expected_finish(queued: np.ndarray, drain: np.ndarray, longest: float) -> np.ndarray:
-    """E[max(queued + drain, a + longest)] for an admission time a uniform on [0, queued]."""
-    x = queued + drain - longest
-    safe = np.maximum(queued, 1e-12)
-    mixed = (x / safe) * (queued + drain) + (1 - x / safe) * (longest + (x + queued) / 2)
-    return np.where(x <= 0, queued / 2 + longest, np.where(x >= queued, queued + drain, mixed))
+def _expected_finish(
+    queued: np.ndarray, drain: np.ndarray, longest: float, kept: np.ndarray, started: np.ndarray, fills_at: np.ndarray
+) -> np.ndarray:
+    """E[max(queued + drain, longest + wait)] over the longest response's place u in the
+    arrival order, uniform on [0, 1].
+
+    Preemption takes the newest, so the running set is always the oldest unfinished sequences
+    that fit: the first `kept` share of the order never waits; a later place is (re)admitted
+    as the queue reaches it, at a time spread evenly from `fills_at` to `queued`, and has
+    already written `fills_at` tokens if it was among the `started` share admitted at once.
+    The wait is linear in u on each side of `started`, so the expectation is exact per piece.
+    """
+    others = queued + drain
+    slope = (queued - fills_at) / np.maximum(1.0 - kept, 1e-12)  # admission time per unit of place
+    edge = np.clip(started, kept, 1.0)
+    # On [kept, edge) the place had written fills_at tokens already; on [edge, 1] it starts fresh.
+    early = _mean_max_linear(others, longest - slope * kept, slope, kept, edge)
+    late = _mean_max_linear(others, longest + fills_at - slope * kept, slope, edge, np.ones_like(edge))
+    return kept * np.maximum(others, longest) + early + late
+
+
+def _mean_max_linear(floor: np.ndarray, c0: np.ndarray, c1: np.ndarray, u0: np.ndarray, u1: np.ndarray) -> np.ndarray:
+    """The integral over u in [u0, u1] of max(floor, c0 + c1 u), for c1 >= 0."""
+    cross = np.clip((floor - c0) / np.maximum(c1, 1e-300), u0, u1)
+    cross = np.where(c1 > 0, cross, np.where(c0 >= floor, u0, u1))
+    return floor * (cross - u0) + c0 * (u1 - cross) + c1 * (u1**2 - cross**2) / 2
 
 
 def priced_decode(
@@ -142,6 +166,31 @@ def priced_decode(
     """Seconds of decode: each slice's iterations at the cost of its (running, tokens)."""
     iterations, running, tokens = profile
     return (iterations * iteration_cost(running, tokens)).sum(axis=-1)
+
+
+def quantile_batch(lengths: ResponseLengths, n: int, order: int) -> list[int]:
+    """n equal-mass quantiles of the length distribution (whole tokens), shuffled by the seed
+    `order`: one arrival order of a batch whose lengths are the distribution's own."""
+    z = [_NORMAL.inv_cdf((i + 0.5) / n) for i in range(n)]
+    points = [min(lengths.max, max(1, round(lengths.median * math.exp(lengths.sigma * x)))) for x in z]
+    np.random.default_rng(order).shuffle(points)
+    return points
+
+
+def reference_runs(
+    lengths: ResponseLengths,
+    prompt: int,
+    n: int,
+    capacity: int,
+    iteration_cost: Callable[[int, int], float],
+    orders: int,
+) -> list[BatchingRun]:
+    """The reference engine on `orders` arrival orders of one batch (what the closed form's
+    expectation over the longest response's place in the order is compared with)."""
+    return [
+        simulate_continuous_batching(quantile_batch(lengths, n, k), prompt, capacity, iteration_cost)
+        for k in range(orders)
+    ]
 
 
 @dataclass(frozen=True)

@@ -46,9 +46,26 @@ LOWER = {**{name: 1.0 for name in EFFICIENCIES}, **{name: 0.0 for name in SCALAR
 #: Scale of a parameter for finite differences and for the pull towards the prior.
 TYPICAL = {**{name: 1.0 for name in EFFICIENCIES}, "link_latency_scale": 1.0}
 TYPICAL_SECONDS = 1e-4
-#: Weight of the pull towards the starting calibration, relative to one residual row.
-RIDGE = 1e-4
-GAUSS_NEWTON_ITERATIONS = 6
+#: Pull towards the starting calibration on every parameter, relative to the parameter's whole
+#: sensitivity: only for numerical stability. A stronger pull on all of them (1e-4 once) acts
+#: on the small independent part of nearly collinear effects and biased attention and
+#: decode_memory by 10-20%; the identifiability check decides what the prior may settle.
+STABILITY_PULL = 1e-10
+GAUSS_NEWTON_ITERATIONS = 12
+#: Largest gap (fraction of a step) between the model and its linearisation taken as none.
+LINEAR_TOLERANCE = 1e-9
+#: Relative decrease of the squared residual below which a fit stops.
+COST_TOLERANCE = 1e-3
+#: A parameter whose standard error (relative to max(|value|, TYPICAL)) exceeds this is not
+#: identified by the runs: two standard errors are then more than 5%.
+IDENTIFIED_REL_ERROR = 0.025
+#: Width of the prior an unidentified parameter is pulled towards, relative to max(|start|,
+#: TYPICAL): wide, so that a wrong prior barely moves the identified parameters it correlates with.
+PRIOR_SD = 1.0
+#: Least residual per row (fraction of the step's time) the standard errors assume: a fit
+#: to synthetic or very regular runs leaves almost none, and a zero residual would call every
+#: parameter known. No real run repeats its stage times closer than 0.1% of its step.
+NOISE_FLOOR = 0.001
 STEP_KEY = "step"
 REQUIRED_METRICS = ("step", "step_seconds", "stage_seconds", "prompt_len", "response_len_max")
 
@@ -273,37 +290,130 @@ def _exercised(gradients: list[dict[str, np.ndarray]]) -> np.ndarray:
     return total > 0
 
 
+@dataclass(frozen=True)
+class GaussNewtonFit:
+    """A converged fit and its last linearisation."""
+
+    theta: np.ndarray
+    exercised: np.ndarray
+    """Parameters some prediction depends on (the others keep their starting value)."""
+    design: np.ndarray
+    """d(residual)/d(parameter) per row at `theta` (rows scaled by their step time)."""
+    residual: np.ndarray
+
+    @property
+    def sigma(self) -> float:
+        """Residual noise per row (at least NOISE_FLOOR)."""
+        rows = len(self.residual)
+        dof = max(rows - int(self.exercised.sum()), 1)
+        return max(float(np.linalg.norm(self.residual)) / math.sqrt(dof), NOISE_FLOOR)
+
+
+def _scale(theta: np.ndarray) -> np.ndarray:
+    typical = np.array([TYPICAL.get(name, TYPICAL_SECONDS) for name in FITTED])
+    return np.maximum(np.abs(theta), typical)
+
+
 def gauss_newton(
     plans: Sequence[Plan],
     rows: Sequence[Row],
     start: Calibration,
     progress: Callable[[int, int], None] | None = None,
-) -> tuple[Calibration, np.ndarray]:
-    """Fit the parameters to `rows`; returns the calibration and which parameters were exercised."""
+    prior_weight: np.ndarray | None = None,
+    at: GaussNewtonFit | None = None,
+) -> GaussNewtonFit:
+    """Fit the parameters to `rows`, from the linearisation `at` (else at `start`);
+    `prior_weight` (residual units per unit of a parameter) pulls parameters towards their
+    value in `start`, the others only get STABILITY_PULL."""
     theta0 = parameters(start)
-    theta = theta0.copy()
-    lower = np.array([LOWER[name] for name in FITTED])
-    exercised = np.zeros(len(FITTED), dtype=bool)
+    pull = np.zeros(len(FITTED)) if prior_weight is None else prior_weight
+
+    def cost(theta: np.ndarray, residual: np.ndarray) -> float:
+        return float(residual @ residual + np.sum((pull * (theta - theta0)) ** 2))
+
+    current = at if at is not None else _linearised(plans, rows, start, theta0, None)
     for iteration in range(GAUSS_NEWTON_ITERATIONS):
-        calibration = _unchecked(start, theta)
-        points = [linearise(plan, calibration) for plan in plans]
-        exercised = _exercised([grads for _, grads in points])
-        design = np.array([points[r.group][1][r.key] / r.scale for r in rows])
-        target = np.array([(r.seconds - points[r.group][0][r.key]) / r.scale for r in rows]) + design @ theta
-        # A light pull towards the prior keeps weakly determined parameters near it; each
-        # parameter's pull is scaled by how much the predictions depend on it.
-        weight = math.sqrt(RIDGE) * np.maximum(np.linalg.norm(design, axis=0), 1e-12)
-        design = np.vstack([design, np.diag(weight)])
-        target = np.concatenate([target, weight * theta0])
-        updated = bounded_lstsq(design, target, np.where(exercised, lower, theta0), exercised)
-        updated[~exercised] = theta0[~exercised]
-        converged = np.allclose(updated, theta, rtol=1e-4, atol=1e-12)
-        theta = updated
         if progress is not None:
             progress(iteration + 1, GAUSS_NEWTON_ITERATIONS)
-        if converged:
-            break
-    return with_parameters(start, theta), exercised
+        theta = target = _step(current, theta0, pull)
+        base = _predictions(plans, start, theta)
+        # A step that crosses a kink of the piecewise-linear model (decode turning memory-
+        # bound) may overshoot: go back halfway until it improves, rather than cycle.
+        while cost(theta, _residual(rows, base)) > cost(current.theta, current.residual):
+            if np.allclose(theta, current.theta, rtol=1e-6, atol=1e-12):
+                return current
+            theta = (theta + current.theta) / 2
+            base = _predictions(plans, start, theta)
+        residual = _residual(rows, base)
+        linear = current.residual - current.design @ (theta - current.theta)
+        if theta is target and np.allclose(residual, linear, rtol=0, atol=LINEAR_TOLERANCE):
+            # Same linear piece as `current`: its solution is the solution.
+            return GaussNewtonFit(theta, current.exercised, current.design, residual)
+        if cost(theta, residual) > (1 - COST_TOLERANCE) * cost(current.theta, current.residual):
+            return current  # creeping along a kink: what is left is below the noise
+        current = _linearised(plans, rows, start, theta, base)
+    return current
+
+
+def _predictions(plans: Sequence[Plan], start: Calibration, theta: np.ndarray) -> list[dict[str, float]]:
+    calibration = _unchecked(start, theta)
+    return [predict(plan, calibration) for plan in plans]
+
+
+def _residual(rows: Sequence[Row], base: list[dict[str, float]]) -> np.ndarray:
+    return np.array([(r.seconds - base[r.group][r.key]) / r.scale for r in rows])
+
+
+def _linearised(
+    plans: Sequence[Plan],
+    rows: Sequence[Row],
+    start: Calibration,
+    theta: np.ndarray,
+    base: list[dict[str, float]] | None,
+) -> GaussNewtonFit:
+    """The rows' residuals and their gradients at `theta` (`base`: its predictions, if known)."""
+    calibration = _unchecked(start, theta)
+    known = base if base is not None else [None] * len(plans)
+    points = [linearise(plan, calibration, b) for plan, b in zip(plans, known, strict=True)]
+    design = np.array([points[r.group][1][r.key] / r.scale for r in rows])
+    residual = _residual(rows, [values for values, _ in points])
+    return GaussNewtonFit(theta, _exercised([grads for _, grads in points]), design, residual)
+
+
+def _step(at: GaussNewtonFit, theta0: np.ndarray, prior_weight: np.ndarray) -> np.ndarray:
+    """The bounded least-squares solution of the linearisation `at`, with the pull rows."""
+    lower = np.array([LOWER[name] for name in FITTED])
+    # The pull rows: a parameter's prior as extra residual rows (weight x (theta - start)).
+    stability = math.sqrt(STABILITY_PULL) * np.maximum(np.linalg.norm(at.design, axis=0), 1e-12)
+    weight = np.maximum(stability, prior_weight)
+    design = np.vstack([at.design, np.diag(weight)])
+    target = np.concatenate([at.residual + at.design @ at.theta, weight * theta0])
+    updated = bounded_lstsq(design, target, np.where(at.exercised, lower, theta0), at.exercised)
+    updated[~at.exercised] = theta0[~at.exercised]
+    return updated
+
+
+def relative_standard_errors(fit: GaussNewtonFit) -> np.ndarray:
+    """Each exercised parameter's standard error from the rows alone, relative to
+    max(|value|, TYPICAL); NaN for parameters nothing depends on.
+
+    The standard error is the residual noise over the part of the parameter's effect that no
+    combination of the other free parameters reproduces (its column's distance from their
+    span): collinear effects, however large, leave that part small. Parameters held at a
+    bound by the fit do not count among the others (the bound, not the data, fixes them).
+    """
+    lower = np.array([LOWER[name] for name in FITTED])
+    inside = fit.exercised & (fit.theta > lower + 1e-9 * _scale(lower))
+    scaled = fit.design * _scale(fit.theta)  # d(residual) / d(relative change)
+    out = np.full(len(FITTED), math.nan)
+    for k in np.flatnonzero(fit.exercised):
+        others = scaled[:, inside & (np.arange(len(FITTED)) != k)]
+        column = scaled[:, k]
+        if others.shape[1]:
+            column = column - others @ np.linalg.lstsq(others, column, rcond=None)[0]
+        independent = float(np.linalg.norm(column))
+        out[k] = fit.sigma / independent if independent > 0 else math.inf
+    return out
 
 
 # ---- fitting runs, and held-out error ----
@@ -344,21 +454,68 @@ def observations(runs: Sequence[RunRecord], cluster: Cluster | None) -> Observat
     return out
 
 
-def fit_runs(
+@dataclass(frozen=True)
+class FitResult:
+    """A fitted calibration and what the runs did and did not determine."""
+
+    calibration: Calibration
+    fitted: list[str]
+    """Fields some prediction depends on: the fit estimated them from the runs."""
+    relative_error: dict[str, float]
+    """Standard error of each fitted field's parameter (inverse efficiency, or overhead)
+    relative to its value, from the runs alone."""
+
+    @property
+    def identified(self) -> list[str]:
+        """Fitted fields the runs determine (relative standard error at most IDENTIFIED_REL_ERROR)."""
+        return [name for name in self.fitted if self.relative_error[name] <= IDENTIFIED_REL_ERROR]
+
+    @property
+    def not_identified(self) -> list[str]:
+        """Fitted fields the runs cannot separate from the others: their value leans on the
+        starting calibration (pulled towards it with a prior of width PRIOR_SD)."""
+        return [name for name in self.fitted if name not in self.identified]
+
+
+def fit_calibration(
     runs: Sequence[RunRecord],
     start: Calibration,
     cluster: Cluster | None = None,
     progress: Callable[[int, int], None] | None = None,
-) -> tuple[Calibration, list[str]]:
-    """The calibration that best explains `runs`, and the names of the fitted fields.
+) -> FitResult:
+    """The calibration that best explains `runs`: a fit free of the prior tells which
+    parameters the runs identify, then a refit pulls only the others towards `start`.
 
     Pools of a phase are priced as the runtime runs them, at the same time: a fit cannot
     learn that from runs (few plans split their pools) and must not trade it for a better
     in-sample error.
     """
     data = observations(runs, cluster)
-    calibration, exercised = gauss_newton(data.plans, data.rows, start, progress)
-    return calibration, [name for name, used in zip(FITTED, exercised, strict=True) if used]
+    fit = gauss_newton(data.plans, data.rows, start, progress)
+    errors = relative_standard_errors(fit)
+    unknown = fit.exercised & ~(errors <= IDENTIFIED_REL_ERROR)
+    if unknown.any():
+        # A Gaussian prior of width PRIOR_SD on the unidentified parameters, in residual units.
+        prior = np.where(unknown, fit.sigma / (PRIOR_SD * _scale(parameters(start))), 0.0)
+        fit = gauss_newton(data.plans, data.rows, start, progress, prior, at=fit)
+    fitted = [name for name, used in zip(FITTED, fit.exercised, strict=True) if used]
+    calibration = with_parameters(start, fit.theta)
+    # Fields nothing depends on stay exactly as given (decode_gemm None included).
+    kept = {name: getattr(start, name) for name in FITTED if name not in fitted}
+    calibration = calibration.model_copy(update=kept)
+    relative = {name: float(e) for name, e in zip(FITTED, errors, strict=True) if name in fitted}
+    return FitResult(calibration, fitted, relative)
+
+
+def fit_runs(
+    runs: Sequence[RunRecord],
+    start: Calibration,
+    cluster: Cluster | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[Calibration, list[str]]:
+    """`fit_calibration`'s calibration and the names of the fields it fitted."""
+    result = fit_calibration(runs, start, cluster, progress)
+    return result.calibration, result.fitted
 
 
 @dataclass(frozen=True)

@@ -345,11 +345,21 @@ def _worth_listing(
     for padded, values in ((t, time), (r, resident), (s, transient)):
         padded[grouped, slot] = np.where(fits[order], values[order], np.inf)
     total[grouped, slot] = (resident + transient)[order]
+    # Layouts by falling choice count: rival j exists only in the first `active[j]` of them
+    # (a padded rival is inf, beating only cells that do not fit and are dropped anyway).
+    counts = np.bincount(grouped, minlength=shape[0])
+    by_count = np.argsort(-counts, kind="stable")
+    active = np.searchsorted(-counts[by_count], -np.arange(shape[1]), side="left")
+    t, r, s = t[by_count], r[by_count], s[by_count]
     beaten = np.zeros(shape, dtype=bool)
     later = np.arange(shape[1])
     for j in range(shape[1]):  # rival j of every row of every layout (a loop: few choices per layout)
-        tj, rj, sj = t[:, j : j + 1], r[:, j : j + 1], s[:, j : j + 1]
-        beaten |= (tj <= t) & (rj <= r) & (sj <= s) & ((tj < t) | (rj < r) | (sj < s) | (later > j))
+        k = active[j]
+        tj, rj, sj = t[:k, j : j + 1], r[:k, j : j + 1], s[:k, j : j + 1]
+        tk, rk, sk = t[:k], r[:k], s[:k]
+        beaten[:k] |= (tj <= tk) & (rj <= rk) & (sj <= sk) & ((tj < tk) | (rj < rk) | (sj < sk) | (later > j))
+    back = np.argsort(by_count)  # to the layouts' own order
+    beaten, r = beaten[back], r[back]
     keep = np.zeros(layout.size, dtype=bool)
     keep[order] = fits[order] & ~beaten[grouped, slot]
     lone = np.nonzero(np.isinf(r).all(axis=1) & (shape[1] > 0))[0]  # no choice fits: the smallest footprint

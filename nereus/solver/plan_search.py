@@ -378,16 +378,30 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
     chosen: list[Option] = []
     leaves = 0
     by_growth = [_fastest_by_growth(opts, min_res[j]) for j, opts in enumerate(problem.options)]
+    run_start, tail_joint = _joint_tail(problem, by_growth, min_time)
+    # Per depth and pool: the most resident growth an unassigned model-stage needs for its fastest option.
+    tail_fastest_growth = [[0.0] * num_pools for _ in range(n + 1)]
+    for j in range(n - 1, -1, -1):
+        growth, fastest = by_growth[j]
+        row = tail_fastest_growth[j] = list(tail_fastest_growth[j + 1])
+        row[problem.pool_of[j]] = max(row[problem.pool_of[j]], growth[fastest.index(fastest[-1])])
 
     def memory_bound(i: int) -> float:
         """Step-time bound where each unassigned model-stage takes its fastest option that
         fits the memory its pool has left (each alone: a relaxation)."""
         slack = [problem.budget - resident[q] - max(transient[q], tail_trans[i][q]) for q in range(num_pools)]
+        if all(slack[q] >= need for q, need in enumerate(tail_fastest_growth[i])):
+            return sum(max(row) for row in sums)  # every unassigned model-stage can take its fastest option
         rows = [list(row) for row in sums]
-        for j in range(i, n):
+        joint = max(i, run_start)  # the trailing model-stages of one (phase, pool): priced together
+        for j in range(i, joint):
             growth, fastest = by_growth[j]
             k = bisect.bisect_right(growth, slack[problem.pool_of[j]]) - 1
             rows[problem.phase_of[j]][problem.pool_of[j]] += (fastest[k] if k >= 0 else math.inf) - min_time[j]
+        if joint < n:
+            growth, extra = tail_joint[joint - run_start]
+            k = bisect.bisect_right(growth, slack[problem.pool_of[joint]]) - 1
+            rows[problem.phase_of[joint]][problem.pool_of[joint]] += extra[k] if k >= 0 else math.inf
         return sum(max(row) for row in rows)
 
     def visit(i: int, sync: float) -> None:
@@ -425,6 +439,36 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
 
     visit(0, 0.0)
     return leaves
+
+
+def _joint_tail(
+    problem: _Problem, by_growth: list[tuple[list[float], list[float]]], min_time: list[float]
+) -> tuple[int, list[tuple[list[float], list[float]]]]:
+    """The trailing model-stages that share one (phase, pool) add their times to one sum and
+    their residents to one pool, so they are bounded together: for each suffix of that run,
+    the least time over the sum of their fastest-by-growth options, by their total growth.
+
+    Returns the run's first depth and, per suffix start, (growth ascending, least extra time
+    over their fastest options). The extra times are shaved by a relative 1e-12 so float
+    summation order can never make the bound exceed a leaf it covers.
+    """
+    n = len(problem.names)
+    cell = problem.phase_of[n - 1], problem.pool_of[n - 1]
+    start = n - 1
+    while start > 0 and (problem.phase_of[start - 1], problem.pool_of[start - 1]) == cell:
+        start -= 1
+    stairs: list[tuple[list[float], list[float]]] = []
+    growth_now, time_now = np.zeros(1), np.zeros(1)
+    for j in range(n - 1, start - 1, -1):
+        growth, fastest = (np.asarray(a) for a in by_growth[j])
+        growth_now = (growth[:, None] + growth_now[None, :]).ravel()
+        time_now = (fastest[:, None] - min_time[j] + time_now[None, :]).ravel()
+        order = np.argsort(growth_now, kind="stable")
+        growth_now, time_now = growth_now[order], np.minimum.accumulate(time_now[order])
+        keep = np.concatenate([[True], time_now[1:] < time_now[:-1]])  # the staircase's corners
+        growth_now, time_now = growth_now[keep], time_now[keep]
+        stairs.append((growth_now.tolist(), (time_now * (1 - 1e-12)).tolist()))
+    return start, stairs[::-1]
 
 
 def _fastest_by_growth(options: list[Option], min_res: float) -> tuple[list[float], list[float]]:

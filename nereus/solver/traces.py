@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Literal
 
 from nereus.spec.trace import Trace, TraceEvent
 from nereus.spec.workload import ResponseLengths
@@ -26,7 +27,26 @@ class GrowthConfig:
     every_steps: int = 10
     """Steps between length updates (one event each)."""
     shape: ResponseLengths = field(default_factory=lambda: DEFAULT_SHAPE)
-    """Distribution whose median and p99 scale with the cap (as with `nereus plan --seq-len`)."""
+    """Distribution that scales with the tokens (as with `nereus plan --seq-len`)."""
+    grows: Literal["max", "median"] = "max"
+    """Which statistic start/end_tokens set: the cap (median and p99 scale with it), or the
+    median, the typical response a run's length curve reports (p99 and cap scale with it)."""
+    max_tokens: int | None = None
+    """With grows="median": the run's configured response cap, the lengths' ceiling (None: none)."""
+
+    def label(self) -> str:
+        """What the tokens of a trace's description are, where not the cap."""
+        return "" if self.grows == "max" else f" (median; cap {self.max_tokens or 'none'})"
+
+    def lengths(self, tokens: int) -> ResponseLengths:
+        """The response-length distribution when the growing statistic is at `tokens`."""
+        if self.grows == "max":
+            return scaled_lengths(self.shape, tokens)
+        scale = tokens / self.shape.median
+        cap = round(self.shape.max * scale)
+        cap = min(cap, self.max_tokens) if self.max_tokens is not None else cap
+        median = min(tokens, cap)
+        return ResponseLengths(median=median, p99=min(cap, max(median, round(self.shape.p99 * scale))), max=cap)
 
 
 @dataclass(frozen=True)
@@ -61,9 +81,9 @@ def _growth_events(num_steps: int, config: GrowthConfig, rng: random.Random) -> 
     for step in range(config.every_steps, num_steps, config.every_steps):
         noise = rng.gauss(0.0, config.jitter) if step < last else 0.0
         tokens = max(1, round(config.start_tokens * math.exp(ratio * step / max(1, last) + noise)))
-        events[step] = TraceEvent(step=step, response_len=scaled_lengths(config.shape, tokens))
+        events[step] = TraceEvent(step=step, response_len=config.lengths(tokens))
     if last > 0:
-        events[last] = TraceEvent(step=last, response_len=scaled_lengths(config.shape, config.end_tokens))
+        events[last] = TraceEvent(step=last, response_len=config.lengths(config.end_tokens))
     return events
 
 
@@ -109,12 +129,12 @@ def sequence_growth_trace(num_steps: int, gpus: int, config: GrowthConfig, seed:
     return Trace(
         name="seq-growth",
         description=(
-            f"generated: sequence growth {config.start_tokens} -> {config.end_tokens} tokens over "
+            f"generated: sequence growth {config.start_tokens} -> {config.end_tokens} tokens{config.label()} over "
             f"{num_steps} steps on {gpus} GPUs, jitter {config.jitter}, seed {seed}"
         ),
         num_steps=num_steps,
         gpus=gpus,
-        response_len=scaled_lengths(config.shape, config.start_tokens),
+        response_len=config.lengths(config.start_tokens),
         events=_merge(_growth_events(num_steps, config, rng)),
     )
 
@@ -143,13 +163,13 @@ def combined_trace(num_steps: int, gpus: int, growth: GrowthConfig, spot: SpotCo
     return Trace(
         name="combined",
         description=(
-            f"generated: sequence growth {growth.start_tokens} -> {growth.end_tokens} tokens and "
+            f"generated: sequence growth {growth.start_tokens} -> {growth.end_tokens} tokens{growth.label()} and "
             f"{spot.num_changes} availability changes over {spot.hours:g} h ({num_steps} steps) on {gpus} GPUs, "
             f"seed {seed}"
         ),
         num_steps=num_steps,
         gpus=gpus,
-        response_len=scaled_lengths(growth.shape, growth.start_tokens),
+        response_len=growth.lengths(growth.start_tokens),
         events=_merge(lengths, pool),
     )
 
@@ -174,6 +194,6 @@ def growing_pool_trace(num_steps: int, start_gpus: int, end_gpus: int, growth: G
         ),
         num_steps=num_steps,
         gpus=start_gpus,
-        response_len=scaled_lengths(growth.shape, growth.start_tokens),
+        response_len=growth.lengths(growth.start_tokens),
         events=_merge(_growth_events(num_steps, growth, rng), pool),
     )

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from nereus.spec.base import Document, StrictModel
+from nereus.spec.data_config import DataConfig, FormatReward, PythonReward
 from nereus.spec.plan import Fusion
 
 #: The synthetic tasks a run can train on; `nereus.runtime.rl.tasks` implements each.
@@ -57,9 +58,15 @@ class RLConfig(StrictModel):
     log_samples: int = Field(default=0, ge=0)
     """Samples per step written to samples.jsonl in the run folder (0: none): text, token
     ids, the actor's log-probability of every response token (temperature 1) and reward."""
-    reward: Literal["rule", "model"] = "rule"
-    """`rule`: the task scores each response. `model`: a value-head transformer on the plan's
-    reward/inference stage scores it, fitted to rule scores of synthetic responses first."""
+    reward: Literal["rule", "model", "math", "exact"] | PythonReward = "rule"
+    """`rule`: the task's partial-credit score. `math`: 1 when the response's final number
+    (`#### 42`, `\\boxed{42}` or its last number) equals the answer's. `exact`: 1 when the
+    normalised texts are equal. `{python: module:function}`: a user function (prompt,
+    response, answer) -> float. `model`: a value-head transformer on the plan's
+    reward/inference stage scores it (from `reward_model:`, or fitted to rule scores of
+    synthetic responses first)."""
+    format_reward: FormatReward | None = None
+    """A bonus added to the reward of responses in the expected form (None: no bonus)."""
     reward_model_steps: int = Field(default=150, ge=1)
     """Reward model: AdamW steps of its fit before RL starts."""
     reward_model_batch: int = Field(default=32, ge=1)
@@ -149,6 +156,9 @@ class RunConfig(Document):
     fusion: Fusion | None = None
     """Stage fusions for this run; None keeps the plan's `fusion:` block, a block given here
     replaces it whole."""
+    data: DataConfig | None = None
+    """Prompts and answers from a dataset file in place of `rl.task`'s generator (the model
+    folder's tokenizer encodes them)."""
 
     @field_validator("plan_switches")
     @classmethod

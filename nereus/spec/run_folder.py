@@ -126,6 +126,9 @@ class StepMetrics:
     """The same prediction per model-stage (and `weight_sync`)."""
     plan_index: int = FIRST_PLAN
     """Which plan is in force: 0 for the run's first, +1 at every transition or restart."""
+    eval_reward: float | None = None
+    """Mean reward of the actor's greedy responses to the `data.eval` prompts after this
+    step (None: no evaluation at this step)."""
 
 
 @dataclass(frozen=True)

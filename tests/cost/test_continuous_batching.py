@@ -3,30 +3,29 @@
 from __future__ import annotations
 
 import math
-from statistics import NormalDist
 
 import numpy as np
 import pytest
 from hypothesis import given, seed, settings
 from hypothesis import strategies as st
 
-from nereus.cost.continuous_batching import decode_profile, priced_decode, simulate_continuous_batching
+from nereus.cost.continuous_batching import (
+    decode_profile,
+    priced_decode,
+    quantile_batch,
+    reference_runs,
+    simulate_continuous_batching,
+)
 from nereus.spec.workload import ResponseLengths
 
 pytestmark = pytest.mark.logic
 
-#: The tolerance the closed form holds against the reference engine on this domain. The target
-#: is 10%; a case with one preemption measured 19.4% (re-prefill after preemption is not priced
-#: yet), so the bound stated and checked here is what holds today.
-TOLERANCE = 0.20
-
-
-def batch(lengths: ResponseLengths, n: int, seed: int) -> list[int]:
-    """n equal-mass quantiles of the distribution in a random order (the arrival order)."""
-    z = [NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)]
-    points = [min(lengths.max, max(1, round(lengths.median * math.exp(lengths.sigma * x)))) for x in z]
-    np.random.default_rng(seed).shuffle(points)
-    return points
+#: The closed form against the reference engine's mean over arrival orders, on this domain.
+TOLERANCE = 0.10
+#: Arrival orders the reference runs per case: the closed form prices the expectation over
+#: where the longest response falls in the order, and one order alone can sit 16% either side
+#: of that mean (the CI case below runs 227-307 s over 40 orders).
+ORDERS = 4
 
 
 @st.composite
@@ -45,23 +44,37 @@ def cases(draw: st.DrawFn) -> tuple[ResponseLengths, int, int, int, tuple[float,
     return lengths, prompt, n, capacity, costs
 
 
-@pytest.mark.slow
-# Seeded: CI runs the same 25 cases on every machine (derandomize=True seeds from the test's
-# digest, which changed with the checkout path). Random exploration finds cases up to 20% off
-# when many sequences are preempted; the closed form does not price preemption yet.
-@seed(20261202)
-@settings(max_examples=25, deadline=None, database=None)
-@given(cases(), st.integers(0, 3))
-def test_closed_form_within_tolerance_of_reference(case, seed) -> None:
-    lengths, prompt, n, capacity, (weights, kv, dense, attention) = case
-    points = batch(lengths, n, seed)
-
+def iteration_cost(weights: float, kv: float, dense: float, attention: float):
     def cost(running, tokens):  # memory- or compute-bound, whichever is slower, plus a fixed cost
         return np.maximum(dense * running + attention * tokens, weights + kv * tokens) + 0.1
 
-    reference = simulate_continuous_batching(points, prompt, capacity, lambda r, t: float(cost(r, t)))
-    fast = float(priced_decode(decode_profile(lengths, prompt, n, capacity, float(max(points))), cost))
-    assert abs(fast / reference.time_s - 1) <= TOLERANCE, (fast, reference)
+    return cost
+
+
+def relative_error(lengths: ResponseLengths, prompt: int, n: int, capacity: int, costs) -> float:
+    cost = iteration_cost(*costs)
+    runs = reference_runs(lengths, prompt, n, capacity, lambda r, t: float(cost(r, t)), ORDERS)
+    longest = float(max(quantile_batch(lengths, n, 0)))
+    fast = float(priced_decode(decode_profile(lengths, prompt, n, capacity, longest), cost))
+    return fast / float(np.mean([run.time_s for run in runs])) - 1
+
+
+@pytest.mark.slow
+# Seeded: CI runs the same 25 cases on every machine (derandomize=True seeds from the test's
+# digest, which changed with the checkout path).
+@seed(20261202)
+@settings(max_examples=25, deadline=None, database=None)
+@given(cases())
+def test_closed_form_within_tolerance_of_reference(case) -> None:
+    assert abs(relative_error(*case)) <= TOLERANCE, case
+
+
+def test_many_preemptions_case_found_by_ci() -> None:
+    # 68 preemptions on arrival order 0: the closed form once priced it 20% over that order
+    # (it had the longest response wait half the saturated phase wherever it arrived).
+    lengths = ResponseLengths(median=64, p99=159, max=237)
+    costs = (1.0, 6.103515625e-05, 0.015625, 6.103515625e-05)
+    assert abs(relative_error(lengths, 8, 71, 1470, costs)) <= TOLERANCE
 
 
 def test_unbounded_budget_runs_the_longest_response() -> None:

@@ -33,6 +33,15 @@ def test_sequence_growth_reaches_paper_lengths_and_is_seeded() -> None:
     assert not semantic_problems(trace)
 
 
+def test_growth_of_the_median_keeps_the_cap_of_the_run() -> None:
+    growth = GrowthConfig(grows="median", max_tokens=16384)
+    states = list(trace_conditions(sequence_growth_trace(1000, 16, growth, seed=3)))
+    first, last = states[0].response_len, states[-1].response_len
+    assert (first.median, first.p99, first.max) == (500, 2500, 8192)  # the ppo preset's own shape
+    assert (last.median, last.p99, last.max) == (8000, 16384, 16384)
+    assert all(s.response_len.max <= 16384 for s in states)
+
+
 def test_spot_trace_has_more_than_ten_changes_within_bounds() -> None:
     for seed in range(5):
         trace = spot_trace(1000, 16, 2000, SpotConfig(), seed)

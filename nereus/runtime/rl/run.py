@@ -36,7 +36,15 @@ from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoi
 from nereus.runtime.dist import device, spawn
 from nereus.runtime.hf.load import load_engine
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
+from nereus.runtime.rl.evaluation import eval_due, evaluate
 from nereus.runtime.rl.reward_model import fit_reward_model
+from nereus.runtime.rl.run_data import (
+    DATA_STATE_NAME,
+    REWARD_ERRORS_NAME,
+    append_reward_errors,
+    data_state,
+    step_inputs,
+)
 from nereus.runtime.rl.run_state import RunStateData, read_run_state
 from nereus.runtime.rl.samples import append_samples
 from nereus.runtime.rl.setup import Move, RunSetup, Switch, prepare_folder, seal_manifest, state_bytes_by_rank
@@ -118,6 +126,7 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     switches = {switch.step: switch for switch in setup.switches}
     state = run_state(setup, plan) if rank == 0 else None
     lengths = step_lengths(setup)
+    inputs = step_inputs(config.rl, setup.data)
     with timeline.recording(timeline.Timeline(setup.out, rank)) as spans:
         for step in range(setup.start_step, config.num_steps):
             spans.step = step
@@ -132,9 +141,13 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
             rl = config.rl if lengths is None else config.rl.model_copy(update={"max_new_tokens": lengths[step]})
             samples: list[dict[str, Any]] | None = [] if rank == 0 and rl.log_samples else None
             idle = None if state is None else state.calibrate_idle
-            metrics = rl_step(plan, rl, stages, syncs, step, idle=idle, samples=samples)
+            metrics = rl_step(plan, rl, stages, syncs, step, idle=idle, samples=samples, inputs=inputs)
+            if eval_due(inputs, step, config.num_steps):
+                metrics = dataclasses.replace(metrics, eval_reward=evaluate(stages, inputs, rl))
             if samples:
                 append_samples(setup.out / SAMPLES_NAME, samples)
+            if rank == 0:
+                append_reward_errors(setup.out / REWARD_ERRORS_NAME, step, inputs.scorer)
             if move is not None:
                 metrics = dataclasses.replace(metrics, stage_seconds={**metrics.stage_seconds, **moved_s})
             if state is not None:
@@ -371,6 +384,9 @@ def save_run_checkpoint(
         save_checkpoint_distributed(folder / stage.plan.role, meta, rank, tensors, num_optimizer_steps)
     if rank == 0:
         save_document(plan, folder / PLAN_NAME)
+        position = None if setup.data is None else data_state(setup.data, step, plan.workload.prompts_per_step)
+        if position is not None:  # where the next step starts in the dataset, checked on resume
+            write_text_atomic(folder / DATA_STATE_NAME, position)
         if state is not None:
             write_text_atomic(folder / CONTROLLER_STATE_NAME, state.data().model_dump_json())
         _seal(folder, checkpoint_folder(setup.out, step), step)

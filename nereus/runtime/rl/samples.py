@@ -14,15 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from nereus.runtime.rl.scoring import Scored
-from nereus.runtime.rl.tasks import CharTokenizer
+from nereus.runtime.rl.tokenizer import Tokenizer
 
 
 def sample_records(
-    step: int, prompts: list[list[int]], responses: list[list[int]], scored: Scored, count: int
+    step: int, prompts: list[list[int]], responses: list[list[int]], scored: Scored, count: int, tokenizer: Tokenizer
 ) -> list[dict[str, Any]]:
     """The first `count` samples of a step. The log-probs are token-aligned over the rollout
     batch: prompts left-padded to the widest, responses after it."""
-    tokenizer = CharTokenizer()
     width = max(len(prompt) for prompt in prompts)
     records = []
     for row in range(min(count, len(prompts))):

@@ -10,10 +10,10 @@ import torch
 
 from nereus.runtime.engine import Engine
 from nereus.runtime.model import Batch
+from nereus.runtime.rl.datasets import Prompt
 from nereus.runtime.rl.objectives import align_to_tokens, values_to_tokens
+from nereus.runtime.rl.rewards import Scorer
 from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of
-from nereus.runtime.rl.tasks import CharTokenizer, Problem
-from nereus.runtime.rl.tasks import score_response as rule_score
 from nereus.runtime.rl.timing import timed
 from nereus.spec.workload import INFERENCE_OUTPUTS, InferenceOutput
 
@@ -35,8 +35,8 @@ class Scored:
 
 def score(
     stages: dict[str, ModelStageRuntime],
-    tokenizer: CharTokenizer,
-    problems: list[Problem],
+    scorer: Scorer,
+    problems: list[Prompt],
     rollout: Rollout,
     seconds: dict[str, float],
 ) -> Scored:
@@ -45,7 +45,7 @@ def score(
     batch, mask = rollout.batch, rollout.batch.field("loss_mask")
     inferred = rollout.inferred if rollout.inferred is not None else run_inference(stages, batch, seconds)
     with timed(seconds, "reward/inference"):
-        rule_scores = score_all(tokenizer, problems, rollout.responses)
+        rule_scores = score_all(scorer, problems, rollout.responses)
         reward_values = inferred.get("reward/inference")
         scores = rule_scores if reward_values is None else scores_from_values(reward_values, batch)
     old_values = inferred["critic/inference"] * mask if "critic/inference" in inferred else None
@@ -103,19 +103,19 @@ def infer(stage: ModelStageRuntime, batch: Batch, output: InferenceOutput) -> to
 
 def reward_of(
     stages: dict[str, ModelStageRuntime],
-    tokenizer: CharTokenizer,
-    problems: list[Problem],
+    scorer: Scorer,
+    problems: list[Prompt],
     batch: Batch,
     responses: list[list[int]],
 ) -> torch.Tensor:
-    """[batch] rewards: the reward model's scores when the run has one, else the task's rule."""
+    """[batch] rewards: the reward model's scores when the run has one, else the scorer's."""
     reward_model = stages.get("reward/inference")
-    return score_all(tokenizer, problems, responses) if reward_model is None else model_scores(reward_model, batch)
+    return score_all(scorer, problems, responses) if reward_model is None else model_scores(reward_model, batch)
 
 
-def score_all(tokenizer: CharTokenizer, problems: list[Problem], responses: list[list[int]]) -> torch.Tensor:
-    """[batch] rule-based scores."""
-    return torch.tensor([rule_score(tokenizer, p, r) for p, r in zip(problems, responses, strict=True)])
+def score_all(scorer: Scorer, problems: list[Prompt], responses: list[list[int]]) -> torch.Tensor:
+    """[batch] verifiable rewards (rule, math, exact or the user's function)."""
+    return torch.tensor(scorer.score_all(problems, responses))
 
 
 def model_scores(stage: ModelStageRuntime, batch: Batch) -> torch.Tensor:

@@ -9,7 +9,6 @@ The run folder's layout and readers are `nereus.spec.run_folder`'s.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -22,6 +21,8 @@ from nereus.cost.calibration import Calibration
 from nereus.errors import ArgumentError, NereusError
 from nereus.runtime import timeline
 from nereus.runtime.hf.run_setup import HfSources, check_plan_models, hf_sources, plans_for_folder
+from nereus.runtime.rl.datasets import file_sha256
+from nereus.runtime.rl.run_data import REWARD_ERRORS_NAME, RunData, check_data_state, prepare_data
 from nereus.spec.cluster import Cluster
 from nereus.spec.io import keep_json_lines, load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
@@ -99,6 +100,8 @@ class RunSetup:
     """The cost model's starting calibration (None: the default one)."""
     damaged: tuple[Path, ...] = ()
     """Damaged checkpoints newer than `checkpoint`, moved aside before the run starts."""
+    data: RunData | None = None
+    """The run's tokenizer and encoded prompts (None: the character tokenizer and the task)."""
 
 
 def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
@@ -249,7 +252,9 @@ def new_run(
     if sources is not None:  # the run folder's copy names the folders wherever it is read
         where = {field: str(sources.folders[role]) for field, role in SOURCE_FIELDS.items() if getattr(config, field)}
         config = config.model_copy(update=where)
+    config = with_absolute_data(config, config_path.parent)
     plan, num_ranks, planned = first_plan(config, config_path, plan_path, num_ranks, sources)
+    data = prepare_data(config, plan, config_path.parent)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
     switches = resolve_switches(config, config_path.parent, plan, num_ranks)
@@ -258,7 +263,25 @@ def new_run(
     out = out if out is not None else Path("runs") / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ArgumentError(f"{out}: already exists; resume it with `resume` or pass another `out`", "resume", "out")
-    return RunSetup(config, plan, num_ranks, out, 0, None, planned, switches, trace, calibration)
+    return RunSetup(config, plan, num_ranks, out, 0, None, planned, switches, trace, calibration, data=data)
+
+
+def with_absolute_data(config: RunConfig, folder: Path) -> RunConfig:
+    """The config with its dataset files and reward module folder made absolute (relative to
+    `folder`), so the run folder's copy finds them wherever it is resumed from."""
+    from nereus.spec.data_config import PythonReward
+
+    rl = config.rl
+    if isinstance(rl.reward, PythonReward):
+        reward_folder = (folder / (rl.reward.folder or ".")).resolve()
+        rl = rl.model_copy(update={"reward": rl.reward.model_copy(update={"folder": str(reward_folder)})})
+    data = config.data
+    if data is not None:
+        files = {"train": str((folder / data.train).resolve())}
+        if data.eval is not None:
+            files["eval"] = str((folder / data.eval).resolve())
+        data = data.model_copy(update=files)
+    return config.model_copy(update={"rl": rl, "data": data})
 
 
 #: RunConfig fields naming a Hugging Face folder, and the role each gives weights to.
@@ -434,7 +457,12 @@ def resume_run(
     ahead = tuple(switch for switch in switches if switch.step >= start_step)
     trace = resolve_trace(config, out, plan, num_ranks)
     calibration = resolve_calibration(config, out)
-    return RunSetup(config, plan, num_ranks, out, start_step, checkpoint, planned, ahead, trace, calibration, damaged)
+    data = prepare_data(config, plan, out)
+    if checkpoint is not None:
+        check_data_state(checkpoint, data, start_step, plan.workload.prompts_per_step)
+    return RunSetup(
+        config, plan, num_ranks, out, start_step, checkpoint, planned, ahead, trace, calibration, damaged, data
+    )
 
 
 def _check_same_work(plan: Plan, stored: Plan, where: Path) -> None:
@@ -486,14 +514,6 @@ class DamagedCheckpoint(ArgumentError):
         )
         self.folder = folder
         self.problem = problem
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def seal_manifest(folder: Path, step: int) -> dict[str, Any]:
@@ -598,6 +618,7 @@ def prepare_folder(setup: RunSetup) -> None:
     write_text_atomic(out / METRICS_NAME, "".join(json.dumps(record) + "\n" for record in kept))
     drop_decisions_from(out, setup.start_step)
     keep_json_lines(out / SAMPLES_NAME, lambda record: record["step"] < setup.start_step)
+    keep_json_lines(out / REWARD_ERRORS_NAME, lambda record: record["step"] < setup.start_step)
     timeline.drop_steps_from(out, setup.start_step)
     root = out / CHECKPOINTS_NAME
     if root.is_dir():

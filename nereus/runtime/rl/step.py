@@ -24,12 +24,13 @@ from typing import Any
 from nereus.runtime.fused_pipeline import OpTiming
 from nereus.runtime.generate import SamplingConfig
 from nereus.runtime.rl.algorithms import masked_mean
+from nereus.runtime.rl.datasets import Prompt
 from nereus.runtime.rl.fused_rollout import RolloutEvent
 from nereus.runtime.rl.rollout import rollout
+from nereus.runtime.rl.run_data import StepInputs, step_inputs
 from nereus.runtime.rl.samples import sample_records
 from nereus.runtime.rl.scoring import Scored, score
 from nereus.runtime.rl.stages import ModelStageRuntime
-from nereus.runtime.rl.tasks import CharTokenizer, Problem, encode_prompt, get_task, sample_problems
 from nereus.runtime.rl.timing import record_fused, step_totals, timed
 from nereus.runtime.rl.update import WeightSync, advantages_of, run_training, sync_weights
 from nereus.spec.plan import Fusion, Plan
@@ -49,27 +50,29 @@ def rl_step(
     events: list[RolloutEvent] | None = None,
     idle: Callable[[], None] | None = None,
     samples: list[dict[str, Any]] | None = None,
+    inputs: StepInputs | None = None,
 ) -> StepMetrics:
     """One RL step on this rank (collective over the world). `fusion` replaces the plan's
     fusion block when given; under inter-stage fusion this rank's rollout events are appended
     to `events` when given, and `config.log_samples` sample records to `samples`. `idle`:
     work this rank runs while others generate, if it has no part in generation (rank 0's
-    deferred calibration)."""
+    deferred calibration). `inputs`: the run's tokenizer, prompts and reward (default: the
+    synthetic task's)."""
     start = time.perf_counter()
     seconds: dict[str, float] = {}
     in_force = plan.fusion if fusion is None else fusion
-    tokenizer = CharTokenizer()
-    problems, prompts, sampling = draw_prompts(plan.workload, config, tokenizer, step_seed(config.seed, step))
+    inputs = inputs if inputs is not None else step_inputs(config, None)
+    problems, prompts, sampling = draw_prompts(plan.workload, config, inputs, step)
     fused_events: list[RolloutEvent] = []
     # 1. generation (under inter-stage fusion, overlapped with the model inference of 2)
     generated = rollout(plan, stages, prompts, sampling, in_force, seconds, fused_events, idle)
     # 2. inference: old and reference log-probs, values, rewards
-    scored = score(stages, tokenizer, problems, generated, seconds)
+    scored = score(stages, inputs.scorer, problems, generated, seconds)
     if samples is not None:
-        samples += sample_records(step, prompts, generated.responses, scored, config.log_samples)
+        samples += sample_records(step, prompts, generated.responses, scored, config.log_samples, inputs.tokenizer)
     # 3. advantages
     with timed(seconds, "advantages"):
-        advantages, returns = advantages_of(plan.workload, config, stages, tokenizer, problems, generated, scored)
+        advantages, returns = advantages_of(plan.workload, config, stages, inputs.scorer, problems, generated, scored)
     # 4. training
     op_timings: list[OpTiming] = []
     losses = run_training(plan, config, stages, generated, scored, advantages, returns, seconds, in_force, op_timings)
@@ -84,12 +87,14 @@ def rl_step(
 
 
 def draw_prompts(
-    workload: Workload, config: RLConfig, tokenizer: CharTokenizer, seed: int
-) -> tuple[list[Problem], list[list[int]], SamplingConfig]:
-    """The step's problems, each repeated `samples_per_prompt` times in a row (GRPO's groups),
-    their encoded prompts, and how to sample their responses."""
-    drawn = sample_problems(get_task(config.task), workload.prompts_per_step, seed)
+    workload: Workload, config: RLConfig, inputs: StepInputs, step: int
+) -> tuple[list[Prompt], list[list[int]], SamplingConfig]:
+    """The step's prompts, each repeated `samples_per_prompt` times in a row (GRPO's groups),
+    their token ids, and how to sample their responses."""
+    seed = step_seed(config.seed, step)
+    drawn = inputs.draw(config.seed, step, workload.prompts_per_step, seed)
     problems = [problem for problem in drawn for _ in range(workload.samples_per_prompt)]
+    tokenizer = inputs.tokenizer
     sampling = SamplingConfig(
         config.max_new_tokens,
         config.temperature,
@@ -97,7 +102,7 @@ def draw_prompts(
         pad_token_id=tokenizer.pad_id,
         seed=seed,
     )
-    return problems, [encode_prompt(tokenizer, problem) for problem in problems], sampling
+    return problems, [list(problem.ids) for problem in problems], sampling
 
 
 def step_seed(seed: int, step: int) -> int:

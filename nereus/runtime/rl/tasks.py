@@ -38,6 +38,16 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return self.num_special + len(self.alphabet)
 
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return frozenset((self.eos_id,))
+
+    def prompt_ids(self, prompt: str | list[dict[str, str]]) -> list[int]:
+        """A begin-of-sequence token and the prompt's characters (no chat template)."""
+        if not isinstance(prompt, str):
+            raise ValueError("the character tokenizer has no chat template; give prompts as strings")
+        return [self.bos_id, *self.encode(prompt)]
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no special tokens); ValueError naming an unknown character."""
         ids = []
@@ -158,7 +168,7 @@ def sample_problems(task: Task, num_problems: int, seed: int) -> list[Problem]:
 
 def encode_prompt(tokenizer: CharTokenizer, problem: Problem) -> list[int]:
     """The prompt's token ids after a begin-of-sequence token."""
-    return [tokenizer.bos_id, *tokenizer.encode(problem.prompt)]
+    return tokenizer.prompt_ids(problem.prompt)
 
 
 def score_response(tokenizer: CharTokenizer, problem: Problem, response_ids: Sequence[int]) -> float:

@@ -29,10 +29,11 @@ from nereus.runtime.rl.algorithms import (
     remax_advantages,
     token_rewards,
 )
+from nereus.runtime.rl.datasets import Prompt
 from nereus.runtime.rl.objectives import ClippedValueObjective, PolicyObjective
+from nereus.runtime.rl.rewards import Scorer
 from nereus.runtime.rl.scoring import Scored, reward_of
 from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of, engine_state
-from nereus.runtime.rl.tasks import CharTokenizer, Problem
 from nereus.runtime.rl.timing import timed
 from nereus.runtime.sharded_state import state_meta
 from nereus.runtime.tensor_parallel import TensorParallel
@@ -51,8 +52,8 @@ def advantages_of(
     workload: Workload,
     config: RLConfig,
     stages: dict[str, ModelStageRuntime],
-    tokenizer: CharTokenizer,
-    problems: list[Problem],
+    scorer: Scorer,
+    problems: list[Prompt],
     rollout: Rollout,
     scored: Scored,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -61,7 +62,7 @@ def advantages_of(
     greedy_scores = None
     if rollout.greedy is not None:
         assert rollout.greedy_batch is not None
-        greedy_scores = reward_of(stages, tokenizer, problems, rollout.greedy_batch, rollout.greedy)
+        greedy_scores = reward_of(stages, scorer, problems, rollout.greedy_batch, rollout.greedy)
     return compute_advantages(workload.algorithm, config, scored, workload.samples_per_prompt, greedy_scores)
 
 
