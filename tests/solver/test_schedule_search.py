@@ -147,9 +147,7 @@ def test_the_lean_phase_finds_a_lean_schedule_as_fast_as_a_front_loaded_one() ->
     """The benchmark's 65B/33B times, 4 actor stages, critic 2 stages x 2 replicas, 8
     micro-batches: the fastest start holds over 2x the memory bound; the lean phase finds
     one as fast under 1.3x."""
-    actor = ModelTimes.uniform("actor", 4, 8, 13.42, 26.84, 16.38)
-    critic = ModelTimes.uniform("critic", 2, 8, 6.645, 13.29, 9.98)
-    inst = build_instance(fused_problem(actor, critic))
+    inst = _front_loaded_instance()
     bounds = lower_bounds(inst)
     _, starts = starting_schedules(inst, ("actor", "critic"))
     _, orders, ev = starts[0]
@@ -256,3 +254,28 @@ def test_search_reaches_the_bound_where_list_scheduling_does_not() -> None:
     assert result.greedy.makespan > result.bounds.latency * 1.05
     assert result.evaluation.makespan <= result.bounds.latency * (1 + 1e-9)
     assert result.evaluation.ok
+
+
+def _front_loaded_instance() -> Instance:
+    """The benchmark's 65B/33B times, 4 actor stages, critic 2 stages x 2 replicas, 8 micro-batches."""
+    actor = ModelTimes.uniform("actor", 4, 8, 13.42, 26.84, 16.38)
+    critic = ModelTimes.uniform("critic", 2, 8, 6.645, 13.29, 9.98)
+    return build_instance(fused_problem(actor, critic))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_lean_phase_never_leaves_more_memory_than_the_descent_alone(seed: int) -> None:
+    """Same iteration budget, same start and seed: with lean starts the annealing ends as fast
+    and never higher than the latency phase and peak descent on their own (seed 4: the
+    front-loaded instance, where the lean phase is what gets under 1.3x the memory bound)."""
+    inst = _random_instance(seed) if seed < 4 else _front_loaded_instance()
+    bounds = lower_bounds(inst)
+    _, starts = starting_schedules(inst, ("actor", "critic"))
+    lean = lean_starts(inst, ("actor", "critic"))
+    args = (inst, starts[0][1], seed, 1e6, bounds.latency, bounds.memory, 6000, starts[0][1])
+    alone, with_lean = anneal(*args), anneal(*args, lean)
+    assert with_lean.makespan <= alone.makespan * (1 + 1e-9)
+    assert with_lean.peak <= alone.peak
+    assert evaluate(inst, with_lean.orders).max_peak_memory == with_lean.peak
+    if seed == 4:
+        assert alone.peak > 1.3 * bounds.memory >= with_lean.peak

@@ -108,22 +108,24 @@ class _Memory:
     def __init__(self, inst: Instance, cap: float, mirrored: bool) -> None:
         self.inst, self.limit, self.sign = inst, cap * (1 + 1e-12), -1.0 if mirrored else 1.0
         self.events: list[list[tuple[float, float]]] = [[] for _ in range(inst.problem.num_nodes)]
+        self.held = [0.0] * inst.problem.num_nodes
+        """Per node, the activation held after its last event."""
 
     def earliest(self, op: int, ready: float) -> float:
         """Earliest start >= ready from which the node can hold `op`'s activation for good."""
         grow = self.sign * self.inst.memory_delta[op]
         if grow <= 0:
             return ready
-        held, high, since = 0.0, [], ready
-        events = self.events[self.inst.node[op]]
-        for _, delta in events:
-            held += delta
-            high.append(held)
+        node = self.inst.node[op]
+        events = self.events[node]
+        # Walk back from the last event (the node's holding after event i is `held`): the
+        # latest moment over the cap is usually near the end, so the walk stops early.
+        held = self.held[node]
         for i in range(len(events) - 1, -1, -1):
-            if high[i] + grow > self.limit:
-                since = max(ready, events[i + 1][0]) if i + 1 < len(events) else math.inf
-                break
-        return since
+            if held + grow > self.limit:
+                return max(ready, events[i + 1][0]) if i + 1 < len(events) else math.inf
+            held -= events[i][1]
+        return ready
 
     def frees(self, op: int) -> bool:
         return self.sign * self.inst.memory_delta[op] < 0
@@ -132,6 +134,7 @@ class _Memory:
         delta = self.sign * self.inst.memory_delta[op]
         if delta:
             bisect.insort(self.events[self.inst.node[op]], (start, delta) if delta > 0 else (end, delta))
+            self.held[self.inst.node[op]] += delta
 
 
 def forward_backward(

@@ -182,11 +182,24 @@ def lean_starts(inst: Instance, names: tuple[str, str]) -> list[LeanStart]:
         if user_cap is not None and cap > user_cap * (1 + RELATIVE_EPS):
             continue
         built = [list_schedule(inst, rule_key(inst, rule), window_limits(inst), cap) for rule in rules]
-        improved = [forward_backward(inst, orders, cap=cap) for orders in built if orders is not None]
+        runs = [orders for orders in built if orders is not None]
+        if inst.num_ops > LEAN_ALL_RULES_OPS:  # the passes are what costs: improve the fastest only
+            runs = sorted(runs, key=lambda orders: _makespan(inst, orders))[:1]
+        improved = [forward_backward(inst, orders, cap=cap) for orders in runs]
         if improved:
             orders, makespan = min(improved, key=lambda pair: pair[1])
             starts.append(LeanStart(cap, orders, makespan, max(peak_memory(inst, orders))))
     return starts
+
+
+#: Above this many ops, lean starts improve only the fastest list schedule per cap (the
+#: forward-backward passes take seconds there).
+LEAN_ALL_RULES_OPS = 1000
+
+
+def _makespan(inst: Instance, orders: Orders) -> float:
+    state = simulate(inst, orders)
+    return math.inf if state is None else state[0]
 
 
 def greedy_schedule(inst: Instance, names: tuple[str, str]) -> Start:
@@ -377,8 +390,11 @@ def anneal(
     Each phase owns its share of the time (and iteration) budget; a latency phase that meets
     the lower bound early hands the rest of its share to the memory phase. When `fallback`
     (the fastest start) is faster than what the latency phase reached, the memory phase
-    works on it instead: only the fastest schedules can win. The memory phase first looks
-    for an as fast schedule among the `lean` starts' neighbours (`_lean_phase`).
+    works on it instead: only the fastest schedules can win. Then, for LEAN_SHARE more of the
+    budget, the lean phase looks for an as fast, lower schedule among the `lean` starts'
+    neighbours (`_lean_phase`). It runs after the descent, on its own budget, and replaces
+    the descent's schedule only with a lower one: the two phases before it run exactly as
+    without lean starts, so the result never holds more than theirs.
     """
     rng = random.Random(seed)
     walk = _Walk.of(inst, start)
@@ -397,8 +413,13 @@ def anneal(
         if faster.makespan < best.makespan * (1 - RELATIVE_EPS):
             best = AnnealOutcome(seed, [list(o) for o in fallback], faster.makespan, max(faster.peaks), 0)
     memory = _Phase(began + time_limit_s, budget)
-    iterations = _lean_phase(inst, memory, best, rng, movable, iterations, target_memory, lean)
-    best.iterations = _memory_phase(inst, memory, best, rng, movable, iterations, target_memory)
+    iterations = _memory_phase(inst, memory, best, rng, movable, iterations, target_memory)
+    if max_iterations is not None:
+        budget = iterations + max_iterations * LEAN_SHARE
+    now = time.perf_counter()
+    best.iterations = _lean_phase(
+        inst, _Phase(now + time_limit_s * LEAN_SHARE, budget), best, rng, movable, iterations, target_memory, lean
+    )
     return best
 
 
@@ -415,10 +436,14 @@ def _lean_phase(
     """Look for a schedule as fast as `best` under a tight activation cap: per cap of
     LEAN_TRY_FACTORS (x the memory bound) below `best`'s peak, anneal the latency from the
     fastest lean start within it towards `best`'s makespan, never above the cap, for
-    LEAN_TRY_SHARE of the phase. The first that gets there replaces `best`. A fast schedule
-    found without a cap tends to run every forward early, and no short move leads from there
-    to one that interleaves the backwards; a lean start already does."""
+    LEAN_TRY_SHARE of the phase, or until it has gone LEAN_PATIENCE of the phase without
+    gaining. The first that gets there replaces `best`, and the peak descent works on it
+    for the rest of the phase. A fast schedule found without a cap tends to run every
+    forward early, and no short move leads from there to one that interleaves the
+    backwards; a lean start already does."""
     user_cap = inst.problem.activation_cap
+    now = time.perf_counter()
+    patience = _Patience((phase.deadline - now) * LEAN_PATIENCE, (phase.budget - iterations) * LEAN_PATIENCE)
     for factor in LEAN_TRY_FACTORS:
         cap = factor * target_memory
         fits = [start for start in lean if start.peak <= cap * (1 + RELATIVE_EPS)]
@@ -431,17 +456,22 @@ def _lean_phase(
         )
         attempt = AnnealOutcome(best.seed, [list(o) for o in start.orders], start.makespan, start.peak, 0)
         walk = _Walk.of(inst, start.orders)
-        iterations = _latency_phase(inst, sub, walk, attempt, rng, movable, iterations, best.makespan, cap)
+        iterations = _latency_phase(inst, sub, walk, attempt, rng, movable, iterations, best.makespan, cap, patience)
         if attempt.makespan <= best.makespan * (1 + RELATIVE_EPS) and attempt.peak < best.peak:
             best.orders, best.makespan, best.peak = attempt.orders, attempt.makespan, attempt.peak
-            break
+            return _memory_phase(inst, phase, best, rng, movable, iterations, target_memory)
     return iterations
 
 
 #: Caps (x the memory bound) under which the lean phase looks for a schedule as fast as the best.
 LEAN_TRY_FACTORS = (1.3, 1.7)
-#: Share of the memory phase's remaining time (and iterations) each lean try may take.
-LEAN_TRY_SHARE = 0.3
+#: The lean phase's budget, as a share of the two phases' before it (it comes on top).
+LEAN_SHARE = 0.15
+#: Share of the lean phase's remaining time (and iterations) each lean try may take ...
+LEAN_TRY_SHARE = 0.6
+#: ... and share of the lean phase after which a try stops when it has stopped gaining
+#: (a try that cannot reach the makespan leaves the time to the next).
+LEAN_PATIENCE = 0.15
 
 
 @dataclass(frozen=True)
@@ -452,24 +482,43 @@ class _Phase:
     """Iteration count at which the phase stops."""
 
 
+@dataclass(frozen=True)
+class _Patience:
+    """How long a phase may go without progress before it stops."""
+
+    seconds: float
+    iterations: float
+
+
 class _Clock:
     """A phase's cooling schedule: the temperature falls from `scale` by COOLING over the
     phase's time or iterations, whichever runs out first."""
 
-    def __init__(self, phase: _Phase, scale: float, iterations: int) -> None:
+    def __init__(self, phase: _Phase, scale: float, iterations: int, patience: _Patience | None = None) -> None:
         self.phase, self.scale, self.first = phase, scale, iterations
         self.began = time.perf_counter()
         self.length = max(phase.deadline - self.began, 1e-9)
         self.temperature = scale
+        # With `patience` (seconds, iterations), the phase also ends once it has gone that
+        # long without progress (`progressed`).
+        self.patience = patience
+        self.last = (self.began, iterations)
+
+    def progressed(self, iterations: int) -> None:
+        self.last = (time.perf_counter(), iterations)
 
     def tick(self, iterations: int) -> bool:
         """Update the temperature; False once the phase is over."""
         if iterations >= self.phase.budget:
             return False
+        if self.patience is not None and iterations - self.last[1] > self.patience.iterations:
+            return False
         if iterations % 32:
             return True
         now = time.perf_counter()
         if now >= self.phase.deadline:
+            return False
+        if self.patience is not None and now - self.last[0] > self.patience.seconds:
             return False
         done = (now - self.began) / self.length
         if self.phase.budget < math.inf:
@@ -502,10 +551,12 @@ def _latency_phase(
     iterations: int,
     target_latency: float,
     cap: float | None,
+    patience: _Patience | None = None,
 ) -> int:
     """Anneal the makespan plus the ops' lateness past `target_latency` with every node's
     activation within `cap`; `best` is updated in place (fastest, then least memory);
-    returns the iteration count."""
+    returns the iteration count. With `patience` (seconds, iterations), stop early once the
+    energy has gone that long without a new low."""
     _, tail = heads_and_tails(inst)
 
     deadline = _deadlines(tail, target_latency)
@@ -516,8 +567,9 @@ def _latency_phase(
     # Schedules within RELATIVE_EPS of `reference` count as equally fast; it moves only on a
     # real improvement, so a chain of "equal" schedules cannot creep slower.
     reference = best.makespan
-    clock = _Clock(phase, LATENCY_TEMPERATURE * walk.makespan, iterations)
+    clock = _Clock(phase, LATENCY_TEMPERATURE * walk.makespan, iterations, patience)
     current = energy(walk.makespan, walk.end)
+    lowest = current
     arcs: list[tuple[int, int]] | None = None
     while clock.tick(iterations):
         iterations += 1
@@ -543,6 +595,9 @@ def _latency_phase(
         if _accept(rng, clock.temperature, current, candidate, max(walk.peaks), max(new_peaks)):
             walk.makespan, walk.start, walk.end, walk.peaks = simulated[0], simulated[1], simulated[2], new_peaks
             current, arcs = candidate, None
+            if current < lowest * (1 - RELATIVE_EPS):
+                lowest = current
+                clock.progressed(iterations)
             peak = max(new_peaks)
             faster = walk.makespan < reference * (1 - RELATIVE_EPS)
             if faster or (walk.makespan <= reference * (1 + RELATIVE_EPS) and peak < best.peak):
@@ -680,8 +735,10 @@ def _run_seeds(
     Even seeds take them fastest first, odd seeds leanest first."""
     workers = max(1, min(config.seeds, os.cpu_count() or 1))
     rounds = math.ceil(config.seeds / workers)
-    per_seed = config.time_limit_s / rounds
-    args = (per_seed, bounds.latency, bounds.memory, config.max_iterations, starts[0][1], lean)
+    # Each seed's lean phase comes on top of its budget: scale the budget to keep the total.
+    per_seed = config.time_limit_s / rounds / (1 + LEAN_SHARE)
+    budget = None if config.max_iterations is None else max(1, round(config.max_iterations / (1 + LEAN_SHARE)))
+    args = (per_seed, bounds.latency, bounds.memory, budget, starts[0][1], lean)
     fastest = starts[0][2].makespan
     close = [(orders, ev) for _, orders, ev in starts if ev.makespan <= fastest * (1 + RESTART_SLACK)]
     leanest = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
