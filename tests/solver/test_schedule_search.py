@@ -3,12 +3,14 @@ search reaching the lower bound where list scheduling alone does not."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
 from nereus.solver.pipeline.baselines import gpipe, one_f_one_b
 from nereus.solver.pipeline.bounds import lower_bounds
+from nereus.solver.pipeline.document import to_document
 from nereus.solver.pipeline.evaluate import evaluate, peak_memory, simulate
 from nereus.solver.pipeline.greedy import GreedyRule, list_schedule, rule_key, window_limits
 from nereus.solver.pipeline.improve import forward_backward, serial_schedule
@@ -279,3 +281,18 @@ def test_the_lean_phase_never_leaves_more_memory_than_the_descent_alone(seed: in
     assert evaluate(inst, with_lean.orders).max_peak_memory == with_lean.peak
     if seed == 4:
         assert alone.peak > 1.3 * bounds.memory >= with_lean.peak
+
+
+def test_the_schedule_reports_its_leaner_slower_alternatives() -> None:
+    """The document's trade-off: every alternative holds less than the schedule, at a longer
+    makespan, within its cap; a leaner one is always slower than a less lean one."""
+    actor = ModelTimes.uniform("actor", 4, 16, 6.6, 13.3, 10.0)
+    critic = ModelTimes.uniform("critic", 4, 16, 2.6, 5.2, 5.1)
+    result = search_fused(actor, critic, SearchConfig(time_limit_s=60, seeds=1, max_iterations=300))
+    alternatives = to_document(result).summary.lean_alternatives
+    ev = result.evaluation
+    assert alternatives, "the front-loaded fastest schedule has leaner, slower alternatives"
+    for lean in alternatives:
+        assert lean.peak_memory < ev.max_peak_memory and lean.makespan > ev.makespan
+        assert lean.peak_memory <= lean.activation_cap * (1 + 1e-9)
+    assert all(a.makespan > b.makespan for a, b in itertools.pairwise(alternatives))
