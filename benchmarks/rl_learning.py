@@ -6,7 +6,12 @@ per step; GRPO: 8 prompts x 4 samples. Prints the reward curve (mean per 5 steps
 mean reward of the first and last 10 steps, the mean step time per model-stage, and writes
 benchmarks/results/rl_learning.json.
 
+`--main-job` runs the README's main job instead, `examples/run-learn.yaml` as it is (4 ranks,
+its supervised warm-start, 130 GRPO steps), and writes benchmarks/results/rl_main_job.json:
+the per-step rewards, the mean of the first and last 10 steps and the wall time.
+
     .venv/bin/python benchmarks/rl_learning.py [--steps 50] [--algorithms ppo grpo]
+    .venv/bin/python benchmarks/rl_learning.py --main-job
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from nereus.spec.run_config import RLConfig, RunConfig
 from nereus.spec.run_folder import StepMetrics
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "plan-tiny-ppo-4rank.yaml"
+MAIN_JOB = EXAMPLE.with_name("run-learn.yaml")
 RESULTS = Path(__file__).resolve().parent / "results" / "rl_learning.json"
+MAIN_JOB_RESULTS = RESULTS.with_name("rl_main_job.json")
 NUM_RANKS = 2
 
 
@@ -82,12 +89,49 @@ def run(algorithm: str, num_steps: int, config: RLConfig) -> dict[str, Any]:
     }
 
 
+def main_job() -> None:
+    """The README's main job: `nereus run examples/run-learn.yaml` as a user runs it (its
+    output is printed as it comes); the per-step rewards of its run folder on record."""
+    import subprocess
+    import sys
+
+    from nereus.spec.run_folder import read_metrics
+
+    recording = begin()
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="rl-main-job-") as folder:
+        out = Path(folder) / "run"
+        command = [sys.executable, "-m", "nereus", "run", str(MAIN_JOB), "--out", str(out)]
+        subprocess.run(command, check=True)
+        records = read_metrics(out)
+    wall = time.perf_counter() - start
+    rewards = [record["reward"] for record in records]
+    first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+    curve = [statistics.mean(rewards[i : i + 10]) for i in range(0, len(rewards), 10)]
+    print(f"main job: reward per 10 steps {' '.join(f'{r:.3f}' for r in curve)}")
+    print(f"mean reward: first 10 steps {first:.3f}, last 10 steps {last:.3f} ({last / first:.2f}x) in {wall:.1f} s")
+    record = {
+        "config": str(MAIN_JOB.relative_to(MAIN_JOB.parent.parent)),
+        "wall_s": wall,
+        "reward_first10": first,
+        "reward_last10": last,
+        "rewards": rewards,
+        "kl": [record["kl"] for record in records],
+        "step_seconds": [record["step_seconds"] for record in records],
+    }
+    write_result(MAIN_JOB_RESULTS, record, recording, {"reward": rewards, "wall_s": [wall]})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--algorithms", nargs="+", default=["ppo", "grpo"], choices=["ppo", "grpo", "remax"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--main-job", action="store_true", help="run examples/run-learn.yaml as the README does")
     args = parser.parse_args()
+    if args.main_job:
+        main_job()
+        return
     recording = begin()
     config = RLConfig(task="sort", seed=args.seed)
     results = [run(algorithm, args.steps, config) for algorithm in args.algorithms]

@@ -17,6 +17,18 @@ DATA = Path(__file__).parent / "data"
 PLAN_2RANK = DATA / "plan-tiny-ppo-2rank.yaml"
 
 
+#: metrics.jsonl fields that depend on wall time or on measured memory (predictions come from
+#: a calibration fitted to measured times; peaks from the process's resident set).
+TIMING_FIELDS = (
+    "stage_seconds",
+    "step_seconds",
+    "predicted_step_seconds",
+    "predicted_stage_seconds",
+    "memory_peak_bytes",
+    "memory_peak_bytes_by_stage",
+)
+
+
 def write_config(folder: Path, **fields: Any) -> Path:
     """A small 2-rank PPO config (short responses) next to a copy of the 2-rank plan."""
     shutil.copy(PLAN_2RANK, folder / "plan.yaml")

@@ -71,6 +71,7 @@ def print_report(result: RunReport) -> None:
     from rich.table import Table
 
     from nereus.render.run_report import REWARD_WINDOW
+    from nereus.units import format_bytes
 
     console = Console(soft_wrap=True)
     window = min(REWARD_WINDOW, result.num_steps)
@@ -118,6 +119,16 @@ def print_report(result: RunReport) -> None:
             console.print(f"not compared (no model runs them: reward: rule): {', '.join(result.not_compared)}")
     else:
         console.print("cost model: no predictions recorded in metrics.jsonl (runs before predictions were logged)")
+    if result.memory:
+        table = Table("model-stage", "measured peak", "predicted peak", "error", title="peak memory (fullest rank)")
+        for row in result.memory:
+            table.add_row(
+                row.name,
+                format_bytes(row.measured_bytes),
+                format_bytes(row.predicted_bytes),
+                f"{row.error_percent:+.1f}%",
+            )
+        console.print(table)
     if result.decisions:
         counts = ", ".join(f"{action} {count}" for action, count in sorted(result.decisions.items()))
         refused = f" ({result.num_refused} refused by the runtime)" if result.num_refused else ""

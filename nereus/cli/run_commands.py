@@ -195,32 +195,74 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Run RL post-training under a plan on local ranks (gloo on CPU, NCCL on GPUs)."""
-    from nereus.runtime.rl.setup import new_run, resume_run
+    from nereus.runtime.rl.setup import new_run, resume_run, torchrun_worker
 
     if resume is not None:
         if config_file is not None or out is not None or trace is not None or policy is not None:
             raise NereusError(
                 "--resume DIR continues the run in DIR as it was set up: drop CONFIG, --out, --trace, --policy"
             )
-        setup = resume_run(resume, plan_file, num_ranks, num_steps, from_previous)
-        for folder in setup.damaged:
-            typer.echo(f"set aside damaged checkpoint {folder.name} (in {resume}/damaged-checkpoints)", err=True)
     elif from_previous:
         raise NereusError("--resume-from-previous goes with --resume DIR")
     elif config_file is None:
         raise NereusError("give a RunConfig YAML (e.g. examples/run-ppo.yaml) or --resume DIR")
+    if torchrun_worker():
+        if num_ranks is not None:
+            raise NereusError("--nproc: under torchrun the job's ranks are the run's; drop --nproc")
+        run_joined(config_file, plan_file, num_steps, out, resume, trace, policy, from_previous, as_json)
+        return
+    if resume is not None:
+        setup = resume_run(resume, plan_file, num_ranks, num_steps, from_previous)
+        for folder in setup.damaged:
+            typer.echo(f"set aside damaged checkpoint {folder.name} (in {resume}/damaged-checkpoints)", err=True)
     else:
+        assert config_file is not None
         setup = new_run(config_file, plan_file, num_ranks, num_steps, out, trace, policy)
-    result = launch_with_progress(setup)
+    show(launch_with_progress(setup), as_json)
+
+
+def show(result: RunSummary, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(dataclasses.asdict(result), indent=1))
     else:
         print_summary(result)
 
 
-def launch_with_progress(setup: RunSetup) -> RunSummary:
+def run_joined(
+    config_file: Path | None,
+    plan_file: Path | None,
+    num_steps: int | None,
+    out: Path | None,
+    resume: Path | None,
+    trace: Path | None,
+    policy: str | None,
+    from_previous: bool,
+    as_json: bool,
+) -> None:
+    """`nereus run` as one worker of a torchrun job: rank 0 checks, plans, writes the run
+    folder and shows progress; every rank trains its part of the plan."""
+    from nereus.runtime.rl.run import join_job
+    from nereus.runtime.rl.setup import configured_timeout_s, joined_setup
+
+    job = join_job(configured_timeout_s(config_file, resume))
+    setup = job.agree(
+        lambda world: joined_setup(world, config_file, plan_file, num_steps, out, resume, trace, policy, from_previous)
+    )
+    if job.rank != 0:
+        job.run(setup)
+        return
+    for folder in setup.damaged:
+        typer.echo(f"set aside damaged checkpoint {folder.name} (in {setup.out}/damaged-checkpoints)", err=True)
+    show(launch_with_progress(setup, job.run), as_json)
+
+
+def launch_with_progress(
+    setup: RunSetup, launcher: Callable[[RunSetup, Callable[[StepMetrics], None]], list[StepMetrics]] | None = None
+) -> RunSummary:
+    """Run `setup` with `launcher` (default: spawn local ranks), showing each step as it lands."""
     from nereus.runtime.rl.run import launch
 
+    launcher = launch if launcher is None else launcher
     if setup.planned:
         typer.echo(f"planned a new layout for {setup.num_ranks} ranks (see {setup.out}/plan.yaml)", err=True)
     if setup.checkpoint is not None:
@@ -228,7 +270,7 @@ def launch_with_progress(setup: RunSetup) -> RunSummary:
     start = time.perf_counter()
     try:
         with step_progress(setup) as on_step:
-            records = launch(setup, on_step)
+            records = launcher(setup, on_step)
     except NereusError:
         write_timeline(setup.out)  # what the ranks did before the failure helps find it
         raise

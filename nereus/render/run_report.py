@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 import statistics
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +113,19 @@ class PredictionError:
 
 
 @dataclass(frozen=True)
+class StageMemory:
+    """Peak memory of one model-stage on its fullest rank: measured against predicted."""
+
+    name: str
+    measured_bytes: int
+    """Largest measured peak over its ranks and the reported steps."""
+    predicted_bytes: int
+    """Largest predicted peak over its ranks and the reported steps."""
+    error_percent: float
+    """(measured - predicted) / predicted, in percent."""
+
+
+@dataclass(frozen=True)
 class RunReport:
     """What `nereus report DIR` shows (and prints as JSON)."""
 
@@ -146,6 +159,8 @@ class RunReport:
     """Decisions whose target plan the runtime refused (the plan was kept)."""
     num_spans: int
     """Timeline spans over all ranks (0: the run wrote no timeline)."""
+    memory: list[StageMemory] = field(default_factory=list)
+    """Per model-stage peak memory, measured and predicted (runs that recorded both)."""
 
 
 def _mean_stage_times(steps: list[StepRecord], mean_step: float) -> list[StageTime]:
@@ -265,7 +280,19 @@ def summarise(data: RunFolder) -> RunReport:
         decisions=dict(Counter(d.action for d in data.decisions)),
         num_refused=sum(d.refused is not None for d in data.decisions),
         num_spans=len(data.spans),
+        memory=stage_memory(data.steps),
     )
+
+
+def stage_memory(steps: list[StepRecord]) -> list[StageMemory]:
+    """Measured and predicted peak per model-stage: the largest over ranks and steps."""
+    rows = []
+    for name in dict.fromkeys(n for r in steps for n in r.predicted_memory_peak_bytes_by_stage):
+        measured = max(max(r.memory_peak_bytes_by_stage.get(name, []), default=0) for r in steps)
+        predicted = max(max(r.predicted_memory_peak_bytes_by_stage.get(name, []), default=0) for r in steps)
+        if measured > 0 and predicted > 0:
+            rows.append(StageMemory(name, measured, predicted, 100.0 * (measured - predicted) / predicted))
+    return rows
 
 
 def summarise_run(folder: Path, first_step: int = 0) -> RunReport:

@@ -293,12 +293,37 @@ def _seal_or_discard(
     try:
         if failures:
             raise NereusError(f"{target}: saving failed on {failures[0]}")
-        index = _make_index(meta, step, [outcome for outcome in outcomes if isinstance(outcome, ShardRecord)])
+        shards = [outcome for outcome in outcomes if isinstance(outcome, ShardRecord)]
+        _check_visible(folder, shards)
+        index = _make_index(meta, step, shards)
         _finish(folder, target, index)
         return index
     except (NereusError, OSError) as error:
         shutil.rmtree(folder, ignore_errors=True)
         return str(error)
+
+
+#: How long rank 0 waits for another node's shard to appear complete in a shared folder
+#: (a network filesystem may show a file written elsewhere a moment late), in seconds.
+SHARD_VISIBLE_S = 10.0
+
+
+def _check_visible(folder: Path, shards: list[ShardRecord]) -> None:
+    """Commit only a checkpoint whose every part rank 0 sees whole: each rank reported its
+    shard written and fsynced, and rank 0 must find it at full size in the shared folder (a
+    rank on another node whose folder is not shared wrote somewhere else)."""
+    import time
+
+    deadline = time.monotonic() + SHARD_VISIBLE_S
+    for shard in shards:
+        path = folder / shard.file
+        while not (path.is_file() and path.stat().st_size == shard.nbytes):
+            if time.monotonic() > deadline:
+                raise NereusError(
+                    f"{path}: rank {shard.rank} wrote it, but the committing rank does not see it whole; "
+                    "put the checkpoint folder on storage every node shares"
+                )
+            time.sleep(0.1)
 
 
 # --- reading --------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ gradient between the first and last stage; then AdamW updates every shard.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,7 +32,7 @@ from nereus.runtime.model import (
     positions_from_mask,
     shard_params,
 )
-from nereus.runtime.optim import AdamW, AdamWConfig
+from nereus.runtime.optim import AdamW, AdamWConfig, Precision
 from nereus.runtime.pipeline import (
     ForwardStep,
     Op,
@@ -53,6 +53,7 @@ from nereus.runtime.shard_layout import (
     param_infos,
     state_key,
 )
+from nereus.runtime.sharded_state import dp_rows
 from nereus.runtime.tensor_parallel import TensorParallel, gather_last_dim
 from nereus.spec.model import Head, Model
 
@@ -64,10 +65,15 @@ class HeadOps(Protocol):
 
 
 class Objective(Protocol):
-    """A per-token training loss; the step loss is sum(weights * token_losses) / sum(weights)."""
+    """A per-token training loss; the step loss is sum(weights * token_losses) / normalizer."""
 
     def weights(self, batch: Batch) -> torch.Tensor:
         """[batch, seq] non-negative weight of every token's loss."""
+        ...
+
+    def normalizer(self, batch: Batch) -> float:
+        """What the weighted token losses of the whole `batch` (all replicas and micro-batches)
+        are divided by: sum(weights) for a mean over tokens."""
         ...
 
     def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
@@ -95,6 +101,9 @@ class NextTokenLoss:
         weights[:, 0] = 0.0  # the first token has no prediction
         return weights
 
+    def normalizer(self, batch: Batch) -> float:
+        return float(self.weights(batch).sum())
+
     def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
         losses = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=output.device)
         losses[:, 1:] = -next_token_log_probs(output, batch.tokens.to(output.device), head)
@@ -107,6 +116,9 @@ class ValueLoss:
 
     def weights(self, batch: Batch) -> torch.Tensor:
         return _loss_mask(batch)
+
+    def normalizer(self, batch: Batch) -> float:
+        return float(self.weights(batch).sum())
 
     def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
         return (output.float() - batch.field("value_targets").to(output.device).float()).pow(2)
@@ -124,6 +136,12 @@ class EngineConfig:
     """Names of the parameters initialised from the seed; None: all. The others are left
     for a loader to fill (weights read from a Hugging Face folder): a whole seeded tensor
     is never built for them."""
+    precision: Precision = field(default_factory=Precision)
+    """Parameter, activation and gradient dtype, master weights, gradient-reduction dtype."""
+    shard_across_dp: bool = False
+    """ZeRO-1: each replica keeps only its rows (`sharded_state.dp_rows`) of the fp32 masters
+    and AdamW moments; gradients are reduce-scattered, each replica steps its rows, and the
+    updated weights are all-gathered."""
 
 
 _GROUP_CACHE: dict[tuple[int, ...], Any] = {}
@@ -214,6 +232,38 @@ def admissible_layouts(model: Model, max_ranks: int) -> list[tuple[int, int, int
     ]
 
 
+#: Most gradient elements reduced in one collective: the flat staging buffer a reduction
+#: needs is at most this (4 bytes each in fp32), however large the model.
+GRAD_BUCKET_ELEMENTS = 1 << 22
+
+
+def buckets(tensors: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """Consecutive runs of the names of `tensors` of at most GRAD_BUCKET_ELEMENTS elements
+    each (a larger tensor alone)."""
+    runs: list[list[str]] = [[]]
+    size = 0
+    for name, tensor in tensors.items():
+        if runs[-1] and size + tensor.numel() > GRAD_BUCKET_ELEMENTS:
+            runs.append([])
+            size = 0
+        runs[-1].append(name)
+        size += tensor.numel()
+    return [run for run in runs if run]
+
+
+def reduce_scatter(flat: torch.Tensor, group: Any, parts: int, index: int) -> torch.Tensor:
+    """Part `index` of the sum over `group` of `flat` (`parts` equal parts). NCCL reduce-
+    scatters; gloo has no reduce-scatter, so on CPU the bucket is all-reduced and the part kept
+    (the same sums; the bucket is bounded by GRAD_BUCKET_ELEMENTS either way)."""
+    size = flat.numel() // parts
+    if flat.is_cuda:
+        out = torch.empty(size, dtype=flat.dtype, device=flat.device)
+        dist.reduce_scatter_tensor(out, flat, group=group)
+        return out
+    host_collectives.all_reduce(flat, group)
+    return flat[index * size : (index + 1) * size]
+
+
 def even_split(num_rows: int, parts: int) -> list[tuple[int, int]]:
     """(start, stop) of `parts` contiguous runs covering `num_rows`, sizes differing by at most one."""
     base, extra = divmod(num_rows, parts)
@@ -252,15 +302,22 @@ class Engine:
         self.pipeline_stage = DecoderPipelineStage(model, head, groups.tp, layout.pp, groups.pp_rank).to(self.device)
         self.params: dict[str, torch.nn.Parameter] = dict(self.pipeline_stage.named_parameters())
         self._check_contract()
+        self.dtype = config.precision.torch_dtype
+        self.zero1 = config.shard_across_dp and layout.dp > 1
         with torch.no_grad():
             for info in param_infos(model, head):
                 if info.name in self.params and (config.init_only is None or info.name in config.init_only):
                     box = local_box(info, model, layout.tp, groups.tp.rank)
                     self.params[info.name].copy_(box_slice(init_logical_param(info, config.init_seed), box))
+            # fp32 masters take the initial values before the parameters are rounded to 16 bits.
+            masters = {}
+            if config.precision.has_masters:
+                masters = {n: self._fp32_copy(self.mine(n, p)) for n, p in self.params.items()}
             for param in self.params.values():
-                param.data = arena.adopt(param.data)  # peers reshard straight out of it (CPU, with an arena)
-        self.optimizer = AdamW(self.params, config.optimizer)
-        self.executor = PipelineExecutor(groups.link, torch.float32, self.device)
+                # peers reshard straight out of the arena (CPU, with an arena)
+                param.data = arena.adopt(param.data.to(self.dtype))
+        self.optimizer = AdamW(self.params, config.optimizer, masters)
+        self.executor = PipelineExecutor(groups.link, self.dtype, self.device)
 
     @classmethod
     def create(cls, model: Model, head: Head, layout: RankLayout, config: EngineConfig | None = None) -> Engine | None:
@@ -286,16 +343,34 @@ class Engine:
 
     # ---- state (the sharding contract) ----
 
+    def rows(self, name: str, tensor: torch.Tensor, replica: int) -> torch.Tensor:
+        """`replica`'s ZeRO-1 rows of a tensor shaped like parameter `name` (all of it
+        without ZeRO-1, or when the tensor has fewer rows than dp)."""
+        span = dp_rows(tensor.shape[0], self.groups.layout.dp, replica) if self.zero1 else None
+        return tensor if span is None else tensor[span[0] : span[0] + span[1]]
+
+    def mine(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This replica's rows of `tensor` (`rows`)."""
+        return self.rows(name, tensor, self.groups.replica)
+
+    def _state_shape(self, family: str, name: str) -> tuple[int, ...]:
+        """The shape of `family/name` in this rank's state: the ZeRO-1 rows of a sharded family."""
+        param = self.params[name]
+        sharded = family in ("exp_avg", "exp_avg_sq") or (family == "param" and bool(self.optimizer.masters))
+        return tuple(self.mine(name, param).shape) if sharded else tuple(param.shape)
+
     @property
     def optimizer_step(self) -> int:
         """AdamW steps taken so far."""
         return self.optimizer.step_count
 
     def local_state(self) -> dict[str, torch.Tensor]:
-        """Every family present, keyed `family/name`; the tensors are the live ones (no copy)."""
+        """Every family present, keyed `family/name`; the tensors are the live ones (no copy).
+        `param` is the fp32 master where the engine keeps one (the 16-bit weight is its rounding)."""
         state: dict[str, torch.Tensor] = {}
+        masters = self.optimizer.masters
         for name, param in self.params.items():
-            state[state_key("param", name)] = param.detach()
+            state[state_key("param", name)] = masters[name] if name in masters else param.detach()
             if param.grad is not None:
                 state[state_key("grad", name)] = param.grad
             if name in self.optimizer.exp_avg:
@@ -311,10 +386,11 @@ class Engine:
             family, _, name = key.partition("/")
             if family not in by_family or name not in self.params:
                 raise ValueError(f"state key {key!r} is not a {'/'.join(STATE_FAMILIES)} tensor of this rank's shard")
-            if tuple(tensor.shape) != tuple(self.params[name].shape):
-                raise ValueError(
-                    f"state {key!r} has shape {tuple(tensor.shape)}, this shard holds {tuple(self.params[name].shape)}"
-                )
+            shape, whole = self._state_shape(family, name), tuple(self.params[name].shape)
+            if shape != whole and tuple(tensor.shape) == whole:
+                tensor = self.mine(name, tensor)  # a whole replica's state: keep this replica's rows
+            elif tuple(tensor.shape) != shape:
+                raise ValueError(f"state {key!r} has shape {tuple(tensor.shape)}, this shard holds {shape}")
             by_family[family][name] = tensor
         missing = sorted(set(self.params) - set(by_family["param"]))
         if missing:
@@ -326,25 +402,60 @@ class Engine:
             raise ValueError(f"optimizer step must be >= 0, got {step}")
         with torch.no_grad():
             for name, param in self.params.items():
-                param.copy_(by_family["param"][name])
+                self.set_param(name, by_family["param"][name])
                 grad = by_family["grad"].get(name)
                 param.grad = None if grad is None else grad.detach().to(param.device, param.dtype).clone()
         self.optimizer.exp_avg = {n: self._fp32_copy(t) for n, t in by_family["exp_avg"].items()}
         self.optimizer.exp_avg_sq = {n: self._fp32_copy(t) for n, t in by_family["exp_avg_sq"].items()}
         self.optimizer.step_count = step
+        if self.zero1 and self.optimizer.masters:
+            self._gather_params()  # each replica set only its rows from its master shard
 
     def _fp32_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         copy = arena.empty(tuple(tensor.shape), torch.float32, self.device)
         copy.copy_(tensor.detach())
         return copy
 
+    @torch.no_grad()
+    def set_param(self, name: str, value: torch.Tensor) -> None:
+        """Set one parameter of this shard from its whole box, or under ZeRO-1 with masters
+        from this replica's master rows (then collective: `load_local_state` all-gathers)."""
+        master = self.optimizer.masters.get(name)
+        param = self.params[name]
+        if master is None:
+            param.copy_(value)
+        elif value.shape == master.shape and master.shape != param.shape:
+            master.copy_(value)
+            self.mine(name, param).copy_(master)
+        else:
+            master.copy_(self.mine(name, value))
+            param.copy_(value)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The live working parameters (in the engine's dtype), keyed `param/name`: what a
+        weight sync sends (the masters stay with the trainer)."""
+        return {state_key("param", name): param.detach() for name, param in self.params.items()}
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank holds, by the cost model's terms: parameters,
+        gradients and optimizer (fp32 masters and AdamW moments)."""
+
+        def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+        optimizer = sum(nbytes(family.values()) for family in self.optimizer.state_tensors().values())
+        return {
+            "parameters": nbytes(self.params.values()),
+            "gradients": nbytes(p.grad for p in self.params.values()),
+            "optimizer": optimizer,
+        }
+
     def load_logical_params(self, logical: Mapping[str, torch.Tensor]) -> None:
         """Set this shard's parameters from whole (unsharded) tensors by name; keeps the optimizer state."""
         g = self.groups
         shard = shard_params(logical, self.model, self.head, g.layout.tp, g.layout.pp, g.pp_rank, g.tp.rank)
-        with torch.no_grad():
-            for name, param in self.params.items():
-                param.copy_(shard[name])
+        for name in self.params:
+            self.set_param(name, shard[name])
 
     # ---- training ----
 
@@ -386,7 +497,7 @@ class Engine:
         """The first half of `forward_backward`: check the schedule, set the held gradients
         aside and zero them, and return this stage's ops and forward step. Run the ops (this
         engine's executor, or a fused one sharing the ranks), then `finish_forward_backward`."""
-        normalizer = float(objective.weights(batch).sum())
+        normalizer = float(objective.normalizer(batch))
         if normalizer <= 0:
             raise ValueError("the batch has no token with a positive loss weight")
         rows = self.replica_rows(batch)
@@ -425,8 +536,56 @@ class Engine:
         return float(self.from_last_stage(loss))
 
     def update(self) -> None:
-        """One AdamW step on every shard (after forward_backward)."""
-        self.optimizer.step()
+        """One AdamW step on every shard (after forward_backward); under ZeRO-1 each replica
+        steps its rows and the updated weights are all-gathered."""
+        if not self.zero1:
+            self.optimizer.step()
+            return
+        grads = ((n, p.grad, p.data) for n, p in self.params.items() if p.grad is not None)
+        self.optimizer.step((n, self.mine(n, g), self.mine(n, data)) for n, g, data in grads)
+        self._gather_params()
+
+    def _gather_params(self) -> None:
+        """Every replica's updated rows of every sharded weight onto every replica (collective over dp)."""
+        self._all_gather_rows({n: p.data for n, p in self.params.items()})
+
+    @torch.no_grad()
+    def _all_gather_rows(self, whole: Mapping[str, torch.Tensor]) -> None:
+        """Fill the other replicas' rows of parameter-shaped tensors whose own rows are set
+        (collective over dp; one dtype per call, buckets of GRAD_BUCKET_ELEMENTS)."""
+        dp = self.groups.layout.dp
+        sharded = {n: t for n, t in whole.items() if self.mine(n, t).shape != t.shape}
+        for names in buckets(sharded):
+            size = max(sum(self.rows(n, sharded[n], d).numel() for n in names) for d in range(dp))
+            local = torch.zeros(size, dtype=sharded[names[0]].dtype, device=self.device)
+            mine = torch.cat([self.mine(n, sharded[n]).reshape(-1) for n in names])
+            local[: mine.numel()] = mine
+            parts = [torch.empty_like(local) for _ in range(dp)]
+            host_collectives.all_gather(parts, local, self.groups.dp_group)
+            for d, part in enumerate(parts):
+                offset = 0
+                for n in names:
+                    rows = self.rows(n, sharded[n], d)
+                    rows.copy_(part[offset : offset + rows.numel()].view_as(rows))
+                    offset += rows.numel()
+
+    def whole_state(self, families: Sequence[str]) -> dict[str, torch.Tensor]:
+        """`local_state()`'s `families` with every ZeRO-1 sharded tensor assembled whole (a
+        copy; collective over dp): the state of a self-contained replica, which a live
+        transition moves replica by replica. Without ZeRO-1, the live tensors."""
+        state = {k: t for k, t in self.local_state().items() if k.split("/")[0] in families}
+        if not self.zero1:
+            return state
+        for family in families:
+            whole: dict[str, torch.Tensor] = {}
+            for name, param in self.params.items():
+                key = state_key(family, name)
+                if key in state and state[key].shape != param.shape:
+                    whole[name] = torch.empty(param.shape, dtype=state[key].dtype, device=self.device)
+                    self.mine(name, whole[name]).copy_(state[key])
+            self._all_gather_rows(whole)
+            state.update({state_key(family, name): tensor for name, tensor in whole.items()})
+        return state
 
     def train_step(
         self,
@@ -460,14 +619,41 @@ class Engine:
         assert all(g is not None for g in grads), "every shard parameter takes part in the loss"
         if self.groups.embed_group is not None:
             host_collectives.all_reduce(self.params["embed.weight"].grad, self.groups.embed_group)  # type: ignore[arg-type]
-        if self.groups.dp_group is not None:
-            flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
-            host_collectives.all_reduce(flat, self.groups.dp_group)
-            offset = 0
-            for g in grads:
-                assert g is not None
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        if self.groups.dp_group is None:
+            return
+        held = {n: p.grad for n, p in self.params.items() if p.grad is not None}
+        whole = {n: g for n, g in held.items() if self.mine(n, g).shape == g.shape}
+        for names in buckets(whole):
+            self._all_reduce_bucket([whole[n] for n in names])
+        sharded = {n: g for n, g in held.items() if n not in whole}
+        for names in buckets(sharded):
+            self._reduce_scatter_bucket(names, sharded)
+
+    def _all_reduce_bucket(self, bucket: list[torch.Tensor]) -> None:
+        """Sum one bucket of gradients over dp in the precision's reduction dtype."""
+        flat = torch.cat([g.reshape(-1).to(self.config.precision.reduce_dtype) for g in bucket])
+        host_collectives.all_reduce(flat, self.groups.dp_group)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def _reduce_scatter_bucket(self, names: list[str], grads: Mapping[str, torch.Tensor]) -> None:
+        """ZeRO-1: sum one bucket over dp into this replica's rows only (the other rows keep
+        this replica's own, unreduced contribution: the optimizer reads just its rows)."""
+        dp, me = self.groups.layout.dp, self.groups.replica
+        dtype = self.config.precision.reduce_dtype
+        chunks = [torch.cat([self.rows(n, grads[n], d).reshape(-1).to(dtype) for n in names]) for d in range(dp)]
+        size = max(chunk.numel() for chunk in chunks)
+        flat = torch.zeros(dp * size, dtype=dtype, device=self.device)
+        for d, chunk in enumerate(chunks):
+            flat[d * size : d * size + chunk.numel()] = chunk
+        summed = reduce_scatter(flat, self.groups.dp_group, dp, me)
+        offset = 0
+        for n in names:
+            rows = self.mine(n, grads[n])
+            rows.copy_(summed[offset : offset + rows.numel()].view_as(rows))
+            offset += rows.numel()
 
     def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last stage's `tensor` on every stage of this replica (same shape everywhere)."""
@@ -497,8 +683,8 @@ class Engine:
         with torch.no_grad():
             outputs = self.executor.run(ops, step, self._hidden_shape(batch, bounds), train=False)
         result = torch.zeros(out_shape, device=self.device)
-        if self.pipeline_stage.is_last:
-            result = torch.cat([outputs[mb] for mb in range(num_microbatches)])
+        if self.pipeline_stage.is_last:  # fp32 results whatever the compute dtype
+            result = torch.cat([outputs[mb] for mb in range(num_microbatches)]).float()
         return self.from_last_stage(result)
 
     def logits(self, batch: Batch, num_microbatches: int = 1) -> torch.Tensor:

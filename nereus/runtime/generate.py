@@ -319,7 +319,7 @@ def replica_forward(
     if link.is_first:
         stage_input = new
     else:
-        stage_input = torch.empty((*new.shape, engine.model.hidden_dim), device=device)
+        stage_input = torch.empty((*new.shape, engine.model.hidden_dim), dtype=engine.dtype, device=device)
         dist.recv(stage_input, src=link.prev_rank, group=link.group)
     with torch.no_grad():
         output = stage(stage_input, key_mask, positions, caches, start)
@@ -340,7 +340,7 @@ class CachedForward:
         """Columns of the batch already in the cache."""
 
     def _new_caches(self, num_rows: int, capacity: int) -> dict[int, LayerCache]:
-        return self.engine.pipeline_stage.new_caches(num_rows, capacity, torch.float32, self.engine.device)
+        return self.engine.pipeline_stage.new_caches(num_rows, capacity, self.engine.dtype, self.engine.device)
 
     def reset(self, num_rows: int, capacity: int) -> None:
         self.caches, self.cached = self._new_caches(num_rows, capacity), 0

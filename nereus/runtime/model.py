@@ -12,6 +12,9 @@ tests hold the sharded engine to it.
 
 Positions come from an attention mask (True for real tokens), so left-padded prompts and
 padded batches get the RoPE positions and the attention of the unpadded sequences.
+Attention is torch's scaled-dot-product attention in its causal form: a padded batch is
+packed (each row's real tokens first, `Packing`) rather than masked, so no [b, 1, t, t]
+mask is ever built; only a cached decode step masks its few queries against its keys.
 """
 
 from __future__ import annotations
@@ -134,19 +137,78 @@ def check_positions(model: Model, num_positions: int) -> None:
 
 
 def attention_mask_4d(key_mask: torch.Tensor, num_queries: int) -> torch.Tensor:
-    """[batch, 1, queries, keys] bool: causal (queries are the last keys) and no padded keys."""
+    """[batch, 1, queries, keys] bool: causal (queries are the last keys) and no padded keys.
+
+    Only a cached decode step builds one: its few queries make it queries x keys, never the
+    keys x keys mask of a whole sequence (`Packing` handles those).
+    """
     num_keys = key_mask.shape[-1]
     query_slot = torch.arange(num_keys - num_queries, num_keys, device=key_mask.device)
     causal = torch.arange(num_keys, device=key_mask.device).unsqueeze(0) <= query_slot.unsqueeze(1)
     allowed = causal.unsqueeze(0) & key_mask.bool().unsqueeze(1)
     # A padded query row would see no key at all (NaN softmax); let it see itself.
-    allowed |= torch.eye(num_keys, dtype=torch.bool, device=key_mask.device)[-num_queries:].unsqueeze(0)
+    allowed[:, torch.arange(num_queries), query_slot] = True
     return allowed.unsqueeze(1)
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q [b, heads, t, d], k/v [b, kv_heads, s, d] -> [b, t, heads * d]."""
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+@dataclass(frozen=True)
+class Packing:
+    """Each row's real tokens moved to the front, in order, pads after them.
+
+    A whole sequence then needs no attention mask: under the causal mask a real token sees
+    exactly the real tokens before it (pads come after every real token), so torch's
+    scaled-dot-product attention runs in its causal form (`is_causal`, no t x t tensor) and
+    left padding costs two gathers per pipeline stage instead of a [b, 1, t, t] mask. RoPE
+    positions travel with the tokens, so every real token keeps its position.
+    """
+
+    order: torch.Tensor
+    """[b, t] source column of every packed column."""
+    restore: torch.Tensor
+    """[b, t] packed column of every source column (the inverse permutation)."""
+
+    @staticmethod
+    def of(mask: torch.Tensor) -> Packing | None:
+        """The packing of `mask` [b, t] (True: real token); None when every row already has its
+        real tokens first (no padding, or right padding only)."""
+        mask = mask.bool()
+        if not bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+            return None
+        order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
+        return Packing(order, order.argsort(dim=1))
+
+    def pack(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return _gather_columns(x, self.order, dim)
+
+    def unpack(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return _gather_columns(x, self.restore, dim)
+
+
+def _gather_columns(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
+    """x with its `dim` axis (the sequence) permuted per row by `index` [b, t]."""
+    shape = [index.shape[0]] + [1] * (x.dim() - 1)
+    shape[dim] = index.shape[1]
+    return x.gather(dim, index.view(shape).expand(*x.shape[:dim], index.shape[1], *x.shape[dim + 1 :]))
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one forward's attention treats padding: causal over packed rows (whole sequences),
+    or a queries x keys mask (a cached decode step, whose queries are the last keys)."""
+
+    decode_mask: torch.Tensor | None = None
+    """[b, 1, queries, keys] bool for a decode step; None: causal, queries are all the keys."""
+    packing: Packing | None = None
+    """The forward's packing of whole sequences (cache writes undo it); None: unpacked."""
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q [b, heads, t, d], k/v [b, kv_heads, s, d] -> [b, t, heads * d]; causal when `mask` is None."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     return out.transpose(1, 2).flatten(2)
 
 
@@ -190,7 +252,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
+        plan: AttentionPlan,
         cache: LayerCache | None,
         cache_start: int,
     ) -> torch.Tensor:
@@ -202,11 +264,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
-            cache.keys[:, :, cache_start : cache_start + seq] = k
-            cache.values[:, :, cache_start : cache_start + seq] = v
-            k = cache.keys[:, :, : cache_start + seq]
-            v = cache.values[:, :, : cache_start + seq]
-        return self.o_proj(grouped_attention(q, k, v, mask))
+            # The cache keeps source columns (decode steps index it by column).
+            packing = plan.packing
+            cache.keys[:, :, cache_start : cache_start + seq] = k if packing is None else packing.unpack(k, 2)
+            cache.values[:, :, cache_start : cache_start + seq] = v if packing is None else packing.unpack(v, 2)
+            if plan.decode_mask is not None:
+                k = cache.keys[:, :, : cache_start + seq]
+                v = cache.values[:, :, : cache_start + seq]
+        return self.o_proj(grouped_attention(q, k, v, plan.decode_mask))
 
 
 class MLP(nn.Module):
@@ -234,11 +299,11 @@ class Block(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor,
+        plan: AttentionPlan,
         cache: LayerCache | None = None,
         cache_start: int = 0,
     ) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), rope, mask, cache, cache_start)
+        x = x + self.attn(self.attn_norm(x), rope, plan, cache, cache_start)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -278,13 +343,35 @@ class DecoderPipelineStage(nn.Module):
         caches: Mapping[int, LayerCache] | None = None,
         cache_start: int = 0,
     ) -> torch.Tensor:
-        """`inputs`: token ids (first stage) or hidden states; `key_mask` [b, keys] covers the cache."""
+        """`inputs`: token ids (first stage) or hidden states; `key_mask` [b, keys] covers the cache.
+
+        A whole sequence (no cached columns) runs packed (`Packing`) under causal attention;
+        a decode step after `cache_start` cached columns masks its queries x keys only.
+        """
         check_positions(self.model, key_mask.shape[-1])
+        num_queries = inputs.shape[1]
+        if cache_start == 0 and key_mask.shape[-1] == num_queries:
+            plan = AttentionPlan(packing=Packing.of(key_mask))
+        else:
+            plan = AttentionPlan(decode_mask=attention_mask_4d(key_mask, num_queries))
+        packing = plan.packing
+        if packing is not None:
+            inputs, positions = packing.pack(inputs), packing.pack(positions)
+        output = self._layers_and_head(inputs, positions, plan, caches, cache_start)
+        return output if packing is None else packing.unpack(output)
+
+    def _layers_and_head(
+        self,
+        inputs: torch.Tensor,
+        positions: torch.Tensor,
+        plan: AttentionPlan,
+        caches: Mapping[int, LayerCache] | None,
+        cache_start: int,
+    ) -> torch.Tensor:
         x = self.embed(inputs) if self.is_first else inputs
         rope = rope_tables(positions, self.model, x.dtype)
-        mask = attention_mask_4d(key_mask, x.shape[1])
         for layer_id, block in zip(self.layer_ids, self.layers.values(), strict=True):
-            x = block(x, rope, mask, None if caches is None else caches[layer_id], cache_start)
+            x = block(x, rope, plan, None if caches is None else caches[layer_id], cache_start)
         if not self.is_last:
             return x
         x = self.final_norm(x)
@@ -332,9 +419,8 @@ class ReferenceModel(nn.Module):
         weight: torch.Tensor | None = self.weights.get(name.replace(".", "__"))
         return weight
 
-    def _attention(
-        self, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
-    ) -> torch.Tensor:
+    def _attention(self, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Causal attention of layer `i` over packed rows."""
         m, p = self.model, f"layers.{i}.attn."
         batch, seq, _ = x.shape
 
@@ -347,19 +433,26 @@ class ReferenceModel(nn.Module):
             q = rms_norm(q, self.param(p + "q_norm.weight"), m.rms_norm_eps)
             k = rms_norm(k, self.param(p + "k_norm.weight"), m.rms_norm_eps)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return F.linear(grouped_attention(q, k, v, mask), self.param(p + "o_proj.weight"))
+        return F.linear(grouped_attention(q, k, v, None), self.param(p + "o_proj.weight"))
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Full logits [b, t, vocab] or values [b, t]."""
-        m = self.model
-        check_positions(m, tokens.shape[1])
+        """Full logits [b, t, vocab] or values [b, t] (rows packed as the stages pack them)."""
+        check_positions(self.model, tokens.shape[1])
         mask = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        positions = positions_from_mask(mask)
+        packing = Packing.of(mask)
+        if packing is not None:
+            tokens, positions = packing.pack(tokens), packing.pack(positions)
+        output = self._packed_forward(tokens, positions)
+        return output if packing is None else packing.unpack(output)
+
+    def _packed_forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        m = self.model
         x = F.embedding(tokens, self.param("embed.weight"))
-        rope = rope_tables(positions_from_mask(mask), m, x.dtype)
-        mask4 = attention_mask_4d(mask, tokens.shape[1])
+        rope = rope_tables(positions, m, x.dtype)
         for i in range(m.num_layers):
             p = f"layers.{i}."
-            x = x + self._attention(i, rms_norm(x, self.param(p + "attn_norm.weight"), m.rms_norm_eps), rope, mask4)
+            x = x + self._attention(i, rms_norm(x, self.param(p + "attn_norm.weight"), m.rms_norm_eps), rope)
             h = rms_norm(x, self.param(p + "mlp_norm.weight"), m.rms_norm_eps)
             gate = F.linear(h, self.param(p + "mlp.gate_proj.weight"))
             up = F.linear(h, self.param(p + "mlp.up_proj.weight"))

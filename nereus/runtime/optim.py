@@ -3,16 +3,25 @@
 Keying the state by name, not by position, is what lets a resharder or a checkpoint move
 `exp_avg/<name>` and `exp_avg_sq/<name>` alongside `param/<name>`. The update is
 torch.optim.AdamW's (decoupled weight decay, bias-corrected moments), computed in fp32.
+
+Mixed precision (`Precision`): bf16 parameters with fp32 master weights. The optimizer
+steps the fp32 master and the bf16 weight is refreshed from it (rounded to nearest); the
+master is what checkpoints and transitions carry, so the bf16 weight is always a function
+of it and a resume is bitwise.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from nereus.runtime import arena
+from nereus.runtime.sharded_state import RUNTIME_DTYPES, keeps_masters
+from nereus.spec.workload import Stage, Workload
 
 
 @dataclass(frozen=True)
@@ -41,38 +50,117 @@ class AdamWConfig:
             )
 
 
-class AdamW:
-    """AdamW over named parameters; `exp_avg` and `exp_avg_sq` are fp32 tensors per name."""
+ReduceDType = Literal["fp32", "bf16"]
 
-    def __init__(self, params: dict[str, torch.nn.Parameter], config: AdamWConfig):
+#: Elements of one tensor AdamW updates at a time (its fp32 temporaries: 16 MiB each).
+UPDATE_SLICE_ELEMENTS = 1 << 22
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtypes one engine holds and computes in."""
+
+    dtype: str = "float32"
+    """torch name of the parameters, activations, gradients and KV cache: float32 or bfloat16."""
+    master_weights: bool = False
+    """Keep an fp32 master copy of each parameter that AdamW steps (bfloat16 only)."""
+    grad_reduce: ReduceDType = "fp32"
+    """Dtype gradients are summed in across dp: fp32 (each bucket upcast for the sum, then
+    rounded back to the gradient dtype) or bf16 (summed as held: half the bytes)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in RUNTIME_DTYPES.values():
+            raise ValueError(f"precision dtype {self.dtype!r} is not one of {', '.join(RUNTIME_DTYPES.values())}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
+
+    @property
+    def has_masters(self) -> bool:
+        """Whether the engine keeps fp32 masters (a 16-bit dtype with master weights)."""
+        return self.master_weights and self.dtype != "float32"
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return torch.float32 if self.grad_reduce == "fp32" else self.torch_dtype
+
+
+def stage_precision(workload: Workload, stage: Stage, grad_reduce: ReduceDType = "fp32") -> Precision:
+    """The precision a model-stage's engine runs in: the workload's dtype, with fp32 masters
+    where `keeps_masters` says."""
+    if workload.dtype not in RUNTIME_DTYPES:
+        raise ValueError(f"workload dtype {workload.dtype} is not run (no loss scaling); use bf16 or fp32")
+    return Precision(RUNTIME_DTYPES[workload.dtype], keeps_masters(workload, stage), grad_reduce)
+
+
+class AdamW:
+    """AdamW over named parameters; `exp_avg` and `exp_avg_sq` are fp32 tensors per name, and
+    `masters` the fp32 master weights of 16-bit parameters (empty: the parameters are
+    stepped themselves, through an fp32 copy when they are 16-bit)."""
+
+    def __init__(
+        self, params: dict[str, torch.nn.Parameter], config: AdamWConfig, masters: dict[str, torch.Tensor] | None = None
+    ):
         self.params = params
         self.config = config
         self.step_count = 0
         self.exp_avg: dict[str, torch.Tensor] = {}
         self.exp_avg_sq: dict[str, torch.Tensor] = {}
+        self.masters: dict[str, torch.Tensor] = masters if masters is not None else {}
 
     @torch.no_grad()
-    def step(self) -> None:
-        """One update of every parameter that has a gradient."""
-        c = self.config
+    def step(self, pieces: Iterable[tuple[str, torch.Tensor, torch.Tensor]] | None = None) -> None:
+        """One update of every parameter that has a gradient, or of `pieces`: (name, its
+        gradient, the tensor the result goes to), each the same shape as the name's moments
+        and master (a ZeRO-1 shard passes its rows of the parameter)."""
         self.step_count += 1
+        if pieces is None:
+            pieces = ((name, p.grad, p) for name, p in self.params.items() if p.grad is not None)
+        for name, grad, target in pieces:
+            self._update(name, grad, target)
+
+    def _update(self, name: str, grad: torch.Tensor, target: torch.Tensor) -> None:
+        if name not in self.exp_avg:
+            self.exp_avg[name] = _zeros(target)
+            self.exp_avg_sq[name] = _zeros(target)
+        master = self.masters.get(name)
+        tensors = [grad, target, self.exp_avg[name], self.exp_avg_sq[name], *([master] if master is not None else [])]
+        flats = [t.view(-1) for t in tensors]
+        # Slice by slice: the update's fp32 temporaries stay UPDATE_SLICE_ELEMENTS long
+        # however large the tensor (the same elementwise arithmetic, so the same bits).
+        for start in range(0, flats[0].numel(), UPDATE_SLICE_ELEMENTS):
+            g, t, m1, m2, *rest = (f[start : start + UPDATE_SLICE_ELEMENTS] for f in flats)
+            self._update_slice(g, t, m1, m2, rest[0] if rest else None)
+
+    def _update_slice(
+        self,
+        grad: torch.Tensor,
+        target: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        master: torch.Tensor | None,
+    ) -> None:
+        c = self.config
         bias1 = 1 - c.beta1**self.step_count
         bias2_sqrt = math.sqrt(1 - c.beta2**self.step_count)
-        for name, param in self.params.items():
-            if param.grad is None:
-                continue
-            grad = param.grad.float()
-            if name not in self.exp_avg:
-                self.exp_avg[name] = _zeros(param)
-                self.exp_avg_sq[name] = _zeros(param)
-            exp_avg, exp_avg_sq = self.exp_avg[name], self.exp_avg_sq[name]
-            exp_avg.lerp_(grad, 1 - c.beta1)
-            exp_avg_sq.mul_(c.beta2).addcmul_(grad, grad, value=1 - c.beta2)
-            master = param.float()
-            master.mul_(1 - c.lr * c.weight_decay)
-            denom = (exp_avg_sq.sqrt() / bias2_sqrt).add_(c.eps)
-            master.addcdiv_(exp_avg, denom, value=-c.lr / bias1)
-            param.copy_(master)
+        grad = grad.float()
+        exp_avg.lerp_(grad, 1 - c.beta1)
+        exp_avg_sq.mul_(c.beta2).addcmul_(grad, grad, value=1 - c.beta2)
+        # An fp32 parameter is its own master (float() returns it); a 16-bit one without a
+        # master is stepped through a temporary fp32 copy.
+        if master is None:
+            master = target.float()
+        master.mul_(1 - c.lr * c.weight_decay)
+        denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(c.eps)
+        master.addcdiv_(exp_avg, denom, value=-c.lr / bias1)
+        if master is not target:
+            target.copy_(master)
+
+    def state_tensors(self) -> Mapping[str, dict[str, torch.Tensor]]:
+        """The optimizer's tensors by family: master weights (if any) and the two moments."""
+        return {"master": self.masters, "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
 
     def zero_grad(self) -> None:
         for param in self.params.values():

@@ -25,6 +25,8 @@ from nereus.runtime.shard_layout import (
     state_key,
 )
 from nereus.spec.model import Head, Model
+from nereus.spec.plan import StagePlan
+from nereus.spec.workload import Stage, Workload
 
 if TYPE_CHECKING:
     import torch
@@ -35,6 +37,63 @@ DEFAULT_DTYPE = "float32"
 #: Bytes per element of the dtypes state tensors may have, by torch name (the spec
 #: layer's DTYPE_BYTES is keyed by workload names such as bf16).
 TORCH_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+
+#: Torch names of the dtypes the runtime computes in, by workload dtype (fp16 would need
+#: loss scaling, which the runtime does not do: a plan with it is refused before a run).
+RUNTIME_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16"}
+
+
+def keeps_masters(workload: Workload, stage: Stage) -> bool:
+    """Whether a model-stage's engine keeps fp32 master weights: a training stage of a 16-bit
+    workload whose optimizer asks for them (the other stages are never stepped by the run)."""
+    return stage == "training" and workload.dtype != "fp32" and workload.optimizer.master_weights
+
+
+def state_dtypes(workload: Workload, stage: Stage) -> dict[str, str]:
+    """The dtype of every state family of a model-stage's engine: `param` is the fp32 master
+    where there is one, gradients are in the compute dtype, AdamW moments always fp32."""
+    compute = RUNTIME_DTYPES.get(workload.dtype, DEFAULT_DTYPE)
+    param = DEFAULT_DTYPE if keeps_masters(workload, stage) else compute
+    return {"param": param, "grad": compute, "exp_avg": DEFAULT_DTYPE, "exp_avg_sq": DEFAULT_DTYPE}
+
+
+def dp_sharded_families(workload: Workload, stage: Stage, zero1: bool) -> frozenset[str]:
+    """The families ZeRO-1 shards across a model-stage's dp replicas: the AdamW moments and
+    the fp32 masters (the `param` family where there are masters; the working weights stay
+    whole on every replica). Empty unless `zero1` and the stage trains."""
+    if not zero1 or stage != "training":
+        return frozenset()
+    return frozenset({"exp_avg", "exp_avg_sq"} | ({"param"} if keeps_masters(workload, stage) else set()))
+
+
+def shards_across_dp(workload: Workload, entry: StagePlan) -> bool:
+    """Whether a plan entry runs ZeRO-1: its own `zero1`, else the workload's optimizer says."""
+    zero1 = workload.optimizer.shard_across_dp if entry.zero1 is None else entry.zero1
+    return entry.stage == "training" and zero1
+
+
+def stage_dp_sharded(workload: Workload, entry: StagePlan) -> frozenset[str]:
+    """The families a plan entry's engine shards across its replicas (`dp_sharded_families`)."""
+    return dp_sharded_families(workload, entry.stage, shards_across_dp(workload, entry))
+
+
+def dp_rows(rows: int, dp: int, replica: int) -> tuple[int, int] | None:
+    """(offset, count) of the first-dimension rows of a `rows`-row box that `replica` holds
+    of a ZeRO-1 sharded family (an even split); None when the box has fewer rows than dp:
+    such a tensor (a one-element bias) stays whole on every replica."""
+    if rows < dp:
+        return None
+    base, extra = divmod(rows, dp)
+    return replica * base + min(replica, extra), base + (replica < extra)
+
+
+def dp_box(box: Box, dp: int, replica: int) -> Box:
+    """`replica`'s ZeRO-1 part of a tp/pp box: its rows of the first dimension."""
+    rows = dp_rows(box[0][1], dp, replica) if box else None
+    if rows is None:
+        return box
+    return ((box[0][0] + rows[0], rows[1]), *box[1:])
 
 
 @dataclass(frozen=True)
@@ -86,12 +145,16 @@ def state_meta(
     layout: RankLayout,
     families: Iterable[str] = STATE_FAMILIES,
     dtypes: dict[str, str] | None = None,
+    dp_sharded: Iterable[str] = (),
 ) -> StateMeta:
     """The shard metadata of `model` with `head` laid out as `layout`.
 
     `dtypes` maps a family to its dtype name; families it leaves out are DEFAULT_DTYPE.
-    Raises ValueError when the layout cannot shard the model or a family is unknown.
+    Families in `dp_sharded` are split across the replicas (ZeRO-1, `dp_box`); the others
+    are whole on every replica. Raises ValueError when the layout cannot shard the model or
+    a family is unknown.
     """
+    sharded = frozenset(dp_sharded)
     families = tuple(families)
     unknown = [family for family in (*families, *(dtypes or {})) if family not in STATE_FAMILIES]
     if unknown:
@@ -108,8 +171,12 @@ def state_meta(
     positions = position_boxes(model, head, layout.tp, layout.pp)
     boxes: dict[int, dict[str, Box]] = {}
     for index, rank in enumerate(layout.ranks):
-        by_name = positions[index % (layout.tp * layout.pp)]
-        boxes[rank] = {state_key(family, name): box for name, box in by_name.items() for family in families}
+        replica, position = divmod(index, layout.tp * layout.pp)
+        boxes[rank] = {
+            state_key(family, name): dp_box(box, layout.dp, replica) if family in sharded else box
+            for name, box in positions[position].items()
+            for family in families
+        }
     return StateMeta(model, head, layout, families, tensors, boxes)
 
 

@@ -1,9 +1,12 @@
 """Shared-memory segments for moving CPU tensors between ranks on one host.
 
 Two ranks can share memory when they run on the same host and see the same /dev/shm:
-`host_token` names that shared-memory domain (boot id, host name, and the device and
-inode of /dev/shm), so two ranks compare tokens instead of guessing from rank numbers.
-A rank that cannot share (no /dev/shm, not Linux) gets a token no other rank has.
+`host_token` names that shared-memory domain (boot id, host name, the device and inode of
+/dev/shm, and the node name NODE_ENV when set), so two ranks compare tokens instead of
+guessing from rank numbers. A rank that cannot share (no /dev/shm, not Linux) gets a token
+no other rank has. Every same-host path (these segments, the host collectives, the state
+arena) decides by this token, so two launchers on one machine given two node names run
+as two nodes: their ranks meet only through the process group's backend.
 
 A sender stages pieces in a segment it creates (a file in /dev/shm mapped MAP_SHARED),
 the receiver maps the same file and copies the pieces out: one memory copy on each side,
@@ -31,6 +34,10 @@ if TYPE_CHECKING:
 #: Where segments live: a tmpfs every process on the host can map.
 SHM_ROOT = Path("/dev/shm")
 
+#: Names this process's node (e.g. torchrun's node rank, or any label): ranks whose node
+#: names differ never share memory, even on one host. Unset: the host is the node.
+NODE_ENV = "NEREUS_NODE_ID"
+
 #: Length of a host token, of a process nonce and of a segment name on the wire, in bytes.
 TOKEN_BYTES = 32
 NONCE_BYTES = 16
@@ -49,7 +56,8 @@ def _fingerprint() -> bytes:
             raise OSError(f"{SHM_ROOT} is not writable")
     except OSError:
         return secrets.token_bytes(TOKEN_BYTES)  # matches no other rank: always the network path
-    domain = f"{boot_id}\0{socket.gethostname()}\0{stat.st_dev}\0{stat.st_ino}"
+    node = os.environ.get(NODE_ENV, "")
+    domain = f"{boot_id}\0{socket.gethostname()}\0{stat.st_dev}\0{stat.st_ino}\0{node}"
     return hashlib.sha256(domain.encode()).digest()
 
 

@@ -25,7 +25,7 @@ from nereus.cost.plan_cost import head_of
 from nereus.runtime import timeline
 from nereus.runtime.reshard import execute, plan_reshard
 from nereus.runtime.shard_layout import RankLayout
-from nereus.runtime.sharded_state import StateMeta, state_meta
+from nereus.runtime.sharded_state import StateMeta, state_dtypes, state_meta
 from nereus.solver.transition.primitives import Emu, Primitive
 from nereus.solver.transition.schedule import plan_emus
 from nereus.spec.plan import Plan
@@ -74,7 +74,9 @@ class _Executor:
     def meta(self, model_stage: str, layout: RankLayout) -> StateMeta:
         entry = self.plan.stage_plan(model_stage)
         model = self.plan.model(self.plan.workload.model_name(entry.role))
-        return state_meta(model, head_of(entry.role), layout, self.families[model_stage])
+        # Replicas move one by one, whole (ZeRO-1 state is assembled first: `Engine.whole_state`).
+        dtypes = state_dtypes(self.plan.workload, entry.stage)
+        return state_meta(model, head_of(entry.role), layout, self.families[model_stage], dtypes)
 
     def load(self, model_stage: str, state: ReplicaState) -> None:
         """This rank's plan-A state of `model_stage` becomes the state of its replica."""

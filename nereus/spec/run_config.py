@@ -19,6 +19,12 @@ from nereus.spec.plan import Fusion
 #: The synthetic tasks a run can train on; `nereus.runtime.rl.tasks` implements each.
 TASK_NAMES: tuple[str, ...] = ("sort", "add")
 
+#: How token losses become a mini-batch's loss (verl's `loss_agg_mode` names):
+#: `token-mean` averages over every response token of the mini-batch, `seq-mean-token-sum`
+#: sums each sequence's tokens and averages over sequences, `seq-mean-token-mean` averages
+#: each sequence's tokens first (every sequence weighs the same).
+LossAggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+
 
 class RLConfig(StrictModel):
     """Hyperparameters of the RL loop (the plan's workload gives batch shapes and algorithm)."""
@@ -73,6 +79,39 @@ class RLConfig(StrictModel):
     """Reward model: synthetic responses per fitting step."""
     reward_model_lr: float = Field(default=3e-3, gt=0)
     """Reward model: AdamW learning rate of its fit."""
+    rank_memory_bytes: int | None = Field(default=None, gt=0)
+    """Bytes one rank may use; None: the plan cluster's per-GPU memory. A plan whose predicted
+    peak on some rank exceeds it is refused before ranks are spawned, and the controller never
+    moves to one (on CPU, set it to what each rank process may take)."""
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Dtype a bf16 workload's gradients are summed in across dp replicas: fp32 (upcast per
+    bucket for the sum, then rounded back to the bf16 gradient) or bf16 (half the bytes on
+    the wire, rounding at every partial sum). fp32 workloads reduce in fp32 either way."""
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    """Largest global gradient norm (over every shard of a model, all tp/pp/dp ranks) of an
+    update: a larger gradient is scaled down to it (torch's `clip_grad_norm_`); None: no
+    clipping. Every trained model; the norm before clipping goes to metrics.jsonl."""
+    lr_warmup_steps: int = Field(default=0, ge=0)
+    """RL steps over which every trained model's learning rate rises linearly to its peak
+    (`actor_lr`, `critic_lr`): step s < lr_warmup_steps trains at peak x (s + 1) / lr_warmup_steps."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After the warm-up: `constant` keeps the peak; `cosine` decays it along half a cosine to
+    peak x `min_lr_ratio` at the run's last step (`lr_decay_steps`)."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """`cosine`: the final learning rate as a share of the peak."""
+    lr_decay_steps: int | None = Field(default=None, gt=0)
+    """`cosine`: the step count the decay ends at; None: the run's `num_steps`."""
+    loss_agg_mode: LossAggregation = "token-mean"
+    """How the policy and value losses aggregate token losses over a mini-batch (verl's
+    names): `token-mean`, `seq-mean-token-sum` or `seq-mean-token-mean`."""
+    sft_steps: int = Field(default=0, ge=0)
+    """Supervised warm-start: AdamW steps of the actor on task demonstrations (prompt and right
+    answer) before the first RL step; the reference starts from the warmed-up actor, and RL
+    from a fresh optimizer (0: start RL from the initial weights)."""
+    sft_lr: float = Field(default=3e-3, gt=0)
+    """Learning rate of the supervised warm-start."""
+    sft_batch: int = Field(default=16, ge=1)
+    """Demonstrations per supervised warm-start step."""
 
     def runs_engine(self, role: str) -> bool:
         """Whether a model-stage of `role` runs an engine: all do, except a rule-scored reward."""
@@ -84,6 +123,15 @@ class RLConfig(StrictModel):
         if task not in TASK_NAMES:
             raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASK_NAMES)}")
         return task
+
+
+class LogConfig(StrictModel):
+    """Where a run's per-step metrics go besides metrics.jsonl."""
+
+    tensorboard: bool = False
+    """Also write every step's scalars (reward, losses, KL, grad norms, learning rates, seconds)
+    as TensorBoard events under the run folder's `tensorboard/` (needs the `tensorboard`
+    package: the `tensorboard` extra)."""
 
 
 class PlanSwitch(StrictModel):
@@ -156,6 +204,8 @@ class RunConfig(Document):
     fusion: Fusion | None = None
     """Stage fusions for this run; None keeps the plan's `fusion:` block, a block given here
     replaces it whole."""
+    log: LogConfig = Field(default_factory=LogConfig)
+    """Extra per-step logging (TensorBoard)."""
     data: DataConfig | None = None
     """Prompts and answers from a dataset file in place of `rl.task`'s generator (the model
     folder's tokenizer encodes them)."""

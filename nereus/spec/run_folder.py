@@ -16,6 +16,7 @@ A run folder holds:
                      state.json: the step and the sha256 of every file beside it
     damaged-checkpoints/  newer checkpoints a resume from an older one set aside
     failure.log      the full error of a run that failed (written only then)
+    world.json       a torchrun job's ranks: node, local rank, pid, shared-memory domain
 
 Every reader refuses a malformed line with one error naming the file and the line.
 """
@@ -43,6 +44,7 @@ DECISIONS_NAME = "decisions.jsonl"
 TIMELINE_NAME = "timeline"
 CHECKPOINTS_NAME = "checkpoints"
 FAILURE_NAME = "failure.log"
+WORLD_NAME = "world.json"
 #: The file inside a finished run checkpoint that records the step it was taken after.
 CHECKPOINT_STATE_NAME = "state.json"
 #: Rank 0's run state (predictor, online calibration, controller) inside a run checkpoint: JSON.
@@ -126,9 +128,24 @@ class StepMetrics:
     """The same prediction per model-stage (and `weight_sync`)."""
     plan_index: int = FIRST_PLAN
     """Which plan is in force: 0 for the run's first, +1 at every transition or restart."""
+    grad_norm: dict[str, float] = field(default_factory=dict)
+    """Per trained model-stage: the global gradient norm (all shards of the model) before
+    clipping, averaged over the step's updates (mini-batches x epochs)."""
+    lr: dict[str, float] = field(default_factory=dict)
+    """Per trained model-stage: the learning rate the step trained at (`rl.lr_schedule`)."""
     eval_reward: float | None = None
     """Mean reward of the actor's greedy responses to the `data.eval` prompts after this
     step (None: no evaluation at this step)."""
+    memory_peak_bytes: list[int] = field(default_factory=list)
+    """Each rank's measured peak memory during the step, by rank (CUDA: max_memory_allocated;
+    CPU: peak resident set above the idle rank's, docs/memory.md; 0: not tracked)."""
+    predicted_memory_peak_bytes: list[int] = field(default_factory=list)
+    """The cost model's peak for each rank under the plan in force: the largest of its
+    model-stages' (`memory_peak_bytes_by_stage` predicted)."""
+    memory_peak_bytes_by_stage: dict[str, list[int]] = field(default_factory=dict)
+    """Each model-stage's measured peak on every rank while it ran (0 on ranks it skips)."""
+    predicted_memory_peak_bytes_by_stage: dict[str, list[int]] = field(default_factory=dict)
+    """The cost model's peak of each model-stage on every rank it runs on (0 elsewhere)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +164,10 @@ class StepRecord:
     predicted_stage_seconds: dict[str, float] = field(default_factory=dict)
     plan_index: int = FIRST_PLAN
     """Which plan is in force: 0 for the first, +1 at every transition or restart."""
+    memory_peak_bytes_by_stage: dict[str, list[int]] = field(default_factory=dict)
+    """Measured peak bytes of each model-stage, by rank (empty in runs that did not record it)."""
+    predicted_memory_peak_bytes_by_stage: dict[str, list[int]] = field(default_factory=dict)
+    """The cost model's peak bytes of each model-stage, by rank."""
 
 
 @dataclass(frozen=True)
@@ -261,7 +282,17 @@ def step_record(where: str, data: dict[str, Any]) -> StepRecord:
             data.get("predicted_stage_seconds") or {}, where, "predicted_stage_seconds"
         ),
         plan_index=integer(data.get("plan_index", FIRST_PLAN), where, "plan_index"),
+        memory_peak_bytes_by_stage=bytes_by_rank(data, where, "memory_peak_bytes_by_stage"),
+        predicted_memory_peak_bytes_by_stage=bytes_by_rank(data, where, "predicted_memory_peak_bytes_by_stage"),
     )
+
+
+def bytes_by_rank(data: dict[str, Any], where: str, key: str) -> dict[str, list[int]]:
+    """`data[key]` as a name -> bytes-per-rank mapping (empty when absent), or one error."""
+    value = data.get(key) or {}
+    if not isinstance(value, dict) or not all(isinstance(v, list) for v in value.values()):
+        raise NereusError(f"{where}: {key}: expected an object of per-rank byte lists, got {value!r}")
+    return {str(name): [integer(b, where, f"{key}.{name}") for b in per_rank] for name, per_rank in value.items()}
 
 
 def _span(where: str, data: dict[str, Any]) -> Span:

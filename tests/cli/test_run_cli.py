@@ -5,6 +5,7 @@ multi-process gloo)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -18,22 +19,21 @@ import yaml
 from repo_paths import DATA, EXAMPLES
 
 from nereus.runtime.checkpoint import verify_checkpoint
+from nereus.runtime.memory import predicted_rank_peaks
 from nereus.runtime.rl.run_state import read_run_state
-from nereus.runtime.rl.setup import memory_problems, state_bytes_by_rank
+from nereus.runtime.rl.setup import memory_problems, plan_problems, state_bytes_by_rank
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke, one_error_line
-from tests.run_helpers import alive, rank_pids, start_run, wait_for, write_config
+from tests.run_helpers import TIMING_FIELDS, alive, rank_pids, start_run, wait_for, write_config
 
 pytestmark = pytest.mark.cli
 
 DATA = DATA
 PLAN_2RANK = DATA / "plan-tiny-ppo-2rank.yaml"
 EXAMPLES = EXAMPLES
-#: Fields that depend on wall time (predictions come from a calibration fitted to measured times).
-TIMING_FIELDS = ("stage_seconds", "step_seconds", "predicted_step_seconds", "predicted_stage_seconds")
 
 
 def training_records(out: Path) -> list[dict[str, Any]]:
@@ -64,6 +64,7 @@ def assert_checkpoints_whole(out: Path) -> None:
         ({"calibration": "nope.yaml"}, [], "calibration: "),
         ({"fusion": {"intra_stage": True}}, [], "fusion.intra_stage: "),
         ({"fusion": {"inter_stage": True}}, [], "fusion.inter_stage: needs actor/generation dp >= 2"),
+        ({"rl": {"sft_steps": 2, "sft_batch": 1}}, [], "rl.sft_batch: 1 demonstrations over actor/training's dp=1"),
     ],
 )
 def test_bad_config_or_plan_is_refused_before_spawning(
@@ -104,6 +105,38 @@ def test_a_plan_over_the_per_gpu_memory_is_refused(tmp_path: Path) -> None:
     assert problems and problems[0].startswith("rank 0 would hold") and "per GPU of cluster" in problems[0]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_rank_capacity_refuses_what_is_predicted_not_to_fit_and_admits_what_is(tmp_path: Path) -> None:
+    """`rl.rank_memory_bytes` one byte under the plan's predicted peak is refused before any
+    rank exists; at the predicted peak the run starts, and every step records each rank's
+    measured and predicted peak, overall and per model-stage."""
+    plan: Plan = load_document(PLAN_2RANK)  # type: ignore[assignment]
+    rule = ["reward/inference"]  # a rule reward runs no model
+    peak = max(predicted_rank_peaks(plan, 2, skip=rule))
+    tight = write_config(
+        tmp_path, num_steps=1, rl={"task": "sort", "seed": 3, "max_new_tokens": 4, "rank_memory_bytes": peak - 1}
+    )
+    line = one_error_line(invoke("run", tight, "--out", tmp_path / "refused"))
+    assert "at its peak" in line and "rl.rank_memory_bytes" in line and not (tmp_path / "refused").exists()
+    # The controller vets every target plan with the same check (plan_problems).
+    vetted = plan_problems(plan, 2, RLConfig(rank_memory_bytes=peak - 1))
+    assert any("at its peak" in problem for problem in vetted)
+    assert not any("at its peak" in p for p in plan_problems(plan, 2, RLConfig(rank_memory_bytes=peak)))
+    fits = write_config(
+        tmp_path, num_steps=1, rl={"task": "sort", "seed": 3, "max_new_tokens": 4, "rank_memory_bytes": peak}
+    )
+    assert invoke("run", fits, "--out", tmp_path / "runs").exit_code == 0
+    (record,) = read_metrics(tmp_path / "runs")
+    assert record["predicted_memory_peak_bytes"] == predicted_rank_peaks(plan, 2, skip=rule)
+    assert len(record["memory_peak_bytes"]) == 2 and min(record["memory_peak_bytes"]) > 0
+    by_stage = record["memory_peak_bytes_by_stage"]
+    assert set(by_stage) == {e.model_stage for e in plan.stages if e.role != "reward"}
+    assert set(record["predicted_memory_peak_bytes_by_stage"]) == set(by_stage)
+    report = invoke("report", tmp_path / "runs")
+    assert report.exit_code == 0 and "peak memory" in report.output and "actor/training" in report.output
+
+
 def test_existing_out_folder_is_refused(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     (tmp_path / "out").mkdir()
@@ -116,11 +149,21 @@ def test_existing_out_folder_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_run_writes_metrics_and_checkpoints_and_resumes_bitwise(tmp_path: Path) -> None:
-    config = write_config(tmp_path)
+    """With the training basics on: a supervised warm-start, lr warm-up then cosine decay,
+    gradient clipping, per-sequence loss aggregation and TensorBoard events."""
+    rl = {"task": "sort", "seed": 3, "max_new_tokens": 6, "sft_steps": 2, "sft_batch": 4, "lr_warmup_steps": 1}
+    rl.update(lr_schedule="cosine", min_lr_ratio=0.5, grad_clip=0.5, loss_agg_mode="seq-mean-token-sum")
+    config = write_config(tmp_path, rl=rl, log={"tensorboard": True})
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert invoke("run", config, "--out", whole, "--json").exit_code == 0
     records = read_metrics(whole)
     assert [r["step"] for r in records] == [0, 1, 2, 3]
+    actor_lrs = [r["lr"]["actor/training"] for r in records]
+    cosine_end = 0.5e-2 * (1 + 0.5 * (1 + math.cos(2 * math.pi / 3)))  # warm-up 1, decay over steps 1..4
+    assert actor_lrs[:2] == [1e-2, 1e-2] and actor_lrs[-1] == pytest.approx(cosine_end)
+    assert all(set(r["grad_norm"]) == {"actor/training", "critic/training"} for r in records)
+    assert all(norm > 0 for r in records for norm in r["grad_norm"].values())
+    assert list((whole / "tensorboard").glob("events.out.tfevents.*"))
     first = records[0]
     assert set(first["stage_seconds"]) >= {"actor/generation", "critic/training", "weight_sync"}
     assert len(first["state_bytes_per_rank"]) == 2 and min(first["state_bytes_per_rank"]) > 0
@@ -130,6 +173,7 @@ def test_run_writes_metrics_and_checkpoints_and_resumes_bitwise(tmp_path: Path) 
     assert [predicted[rank] for rank in (0, 1)] == first["state_bytes_per_rank"]
     assert [p.name for p in finished_checkpoints(whole)] == ["step-000002", "step-000004"]
     assert_checkpoints_whole(whole)
+    verify_checkpoint(finished_checkpoints(whole)[-1] / "reference")  # the warmed-up actor
 
     assert invoke("run", config, "--out", split, "--steps", "2").exit_code == 0
     result = invoke("run", "--resume", split, "--steps", "4", "--json")
@@ -175,7 +219,7 @@ def restored_actor_params(rank: int, world_size: int, setup: Any) -> dict[str, A
     from nereus.runtime.rl.update import sync_plans, sync_weights
 
     stages = build_stages(setup.plan, setup.config.rl)
-    restore(stages, setup.checkpoint, rank)
+    restore(stages, setup.checkpoint, rank, setup.config.rl)
     sync_weights(sync_plans(stages))
     generation = stages["actor/generation"].engine
     training = stages["actor/training"].engine

@@ -30,6 +30,7 @@ from nereus.runtime.fused_schedule import fused_schedule, intra_stage_problems, 
 from nereus.runtime.model import Batch
 from nereus.runtime.optim import AdamWConfig
 from nereus.runtime.pipeline import Op, Sends
+from nereus.runtime.rl.optimization import update_rules
 from nereus.runtime.rl.stages import build_stages
 from nereus.runtime.rl.step import rl_step
 from nereus.runtime.rl.update import fused_training, sync_plans
@@ -294,7 +295,8 @@ def fused_and_plain_step(rank: int, world: int) -> dict[str, float]:
     plan, timings, seconds = two_rank_plan(True), [], {}
     batch = make_batch("value", 5)
     jobs = [(fused_stages[name], batch, objective) for name, objective in TRAINING_OBJECTIVES.items()]
-    fused_training(plan, jobs[0], jobs[1], seconds, timings)
+    rules = update_rules(config, 0, list(fused_stages))
+    fused_training(plan, jobs[0], jobs[1], seconds, timings, rules, {})
     node_ops = check_fused_schedule(fused_schedule(plan))[fused_stages["actor/training"].engine.groups.pp_rank]  # type: ignore[union-attr]
     ran = [(t.update, t.model, t.stage, Op(t.kind, t.microbatch)) for t in timings]  # type: ignore[arg-type]
     errors["timings_match"] = float(ran != [(update, *item) for update in range(2) for item in node_ops])

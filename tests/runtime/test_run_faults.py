@@ -22,12 +22,10 @@ import pytest
 
 from nereus.runtime.rl.setup import checkpoint_problem, finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke, one_error_line
-from tests.run_helpers import alive, rank_pids, start_run, wait_for, write_config
+from tests.run_helpers import TIMING_FIELDS, alive, rank_pids, start_run, wait_for, write_config
 
 pytestmark = pytest.mark.multiprocess
 
-#: Fields that depend on wall time.
-TIMING_FIELDS = ("stage_seconds", "step_seconds", "predicted_step_seconds", "predicted_stage_seconds")
 #: How long a killed or stopped run may take to exit (the ranks go down within seconds; the
 #: margin absorbs a loaded 2-core CI machine).
 EXIT_BOUND_S = 30.0

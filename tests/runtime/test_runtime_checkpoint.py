@@ -210,3 +210,19 @@ def test_a_distributed_save_loads_into_another_layout(tmp_path: Path) -> None:
     assert index.step == 5 and (index.tp, index.dp) == (2, 2)
     assert {shard.rank for shard in index.shards} == {0, 1, 2, 3}  # replicas share the writing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_rank_0_commits_only_shards_it_sees_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard another node reports written but the committing rank cannot see at full size
+    (no shared storage, or a late network filesystem) stops the commit, naming the rank."""
+    from nereus.runtime import checkpoint
+
+    monkeypatch.setattr(checkpoint, "SHARD_VISIBLE_S", 0.2)
+    record = checkpoint.ShardRecord(file="shard-00003.safetensors", rank=3, nbytes=8, crc32=0, entries=[])
+    with pytest.raises(NereusError, match="rank 3 wrote it, but the committing rank does not see it whole"):
+        checkpoint._check_visible(tmp_path, [record])
+    (tmp_path / record.file).write_bytes(b"1234")  # half there
+    with pytest.raises(NereusError, match="shard-00003"):
+        checkpoint._check_visible(tmp_path, [record])
+    (tmp_path / record.file).write_bytes(b"12345678")
+    checkpoint._check_visible(tmp_path, [record])

@@ -210,3 +210,28 @@ def test_local_state_round_trip_and_refusals() -> None:
 def test_engine_refuses_a_layout_the_model_does_not_admit() -> None:
     with pytest.raises(ValueError, match="tp=3 does not divide the 4 attention heads"):
         Engine.create(TINY, "lm", RankLayout(3, 1, 1, (0, 1, 2)))
+
+
+def test_whole_sequences_attend_causally_without_a_sequence_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training and inference forwards of left- and right-padded rows call scaled-dot-product
+    attention in its causal form (no mask tensor); the real tokens' outputs are those of
+    the unpadded rows and the pads' are finite."""
+    calls: list[tuple[object, bool]] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(*args: object, **kwargs: object) -> torch.Tensor:
+        mask = kwargs.get("attn_mask")
+        calls.append((None if mask is None else tuple(mask.shape), bool(kwargs.get("is_causal"))))  # type: ignore[attr-defined]
+        return sdpa(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    stage = single_stage(TINY, "lm")
+    tokens = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(4))
+    padded = torch.zeros(2, 9, dtype=torch.long)
+    padded[0, 3:8], padded[1, 1:6] = tokens[0], tokens[1]  # left and right pads
+    mask = padded != 0
+    out = stage(padded, mask, positions_from_mask(mask))
+    assert calls and all(shape is None and causal for shape, causal in calls)
+    plain = stage(tokens, torch.ones_like(tokens, dtype=torch.bool), positions_from_mask(tokens >= 0))
+    assert torch.allclose(out[0, 3:8], plain[0], atol=1e-5) and torch.allclose(out[1, 1:6], plain[1], atol=1e-5)
+    assert torch.isfinite(out).all()

@@ -43,7 +43,7 @@ def load_engine(engine: Engine, folder: Path) -> list[str]:
                 kept.append(info.name)
                 continue
             box = local_box(info, model, layout.tp, g.tp.rank)
-            engine.params[info.name].copy_(read_box(entries[info.name], hf_name(info.name), box))
+            engine.set_param(info.name, read_box(entries[info.name], hf_name(info.name), box))
     return kept
 
 

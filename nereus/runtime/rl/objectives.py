@@ -18,6 +18,7 @@ from nereus.runtime.engine import HeadOps, next_token_log_probs
 from nereus.runtime.model import Batch
 from nereus.runtime.rl.algorithms import clipped_policy_loss, clipped_value_loss, kl_divergence
 from nereus.runtime.tensor_parallel import TensorParallel, reduce_from_group
+from nereus.spec.run_config import LossAggregation
 
 
 def align_to_tokens(next_token_values: torch.Tensor) -> torch.Tensor:
@@ -47,6 +48,24 @@ def _loss_mask(batch: Batch) -> torch.Tensor:
     return batch.field("loss_mask").to(torch.float32)
 
 
+def aggregation_weights(batch: Batch, mode: LossAggregation) -> torch.Tensor:
+    """[b, t] weight of each response token's loss under `mode`: 1, or 1 / the length of its
+    response under `seq-mean-token-mean` (each sequence's mean counts once)."""
+    mask = _loss_mask(batch)
+    if mode == "seq-mean-token-mean":
+        return mask / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return mask
+
+
+def aggregation_normalizer(batch: Batch, mode: LossAggregation) -> float:
+    """What the weighted token losses of a whole mini-batch are divided by under `mode`: its
+    response tokens (`token-mean`) or its sequences with a response token (the `seq-mean-*`)."""
+    mask = _loss_mask(batch)
+    if mode == "token-mean":
+        return float(mask.sum())
+    return float((mask.sum(dim=1) > 0).sum())
+
+
 @dataclass(frozen=True)
 class PolicyObjective:
     """PPO's clipped surrogate (also GRPO's and ReMax's): needs fields `loss_mask`,
@@ -60,9 +79,14 @@ class PolicyObjective:
     """Weight of the entropy bonus (subtracted from the loss); 0 disables it."""
     tp: TensorParallel
     """The engine's tensor group (the entropy needs the whole vocabulary)."""
+    loss_agg: LossAggregation
+    """How token losses aggregate over a mini-batch (`aggregation_weights`)."""
 
     def weights(self, batch: Batch) -> torch.Tensor:
-        return _loss_mask(batch)
+        return aggregation_weights(batch, self.loss_agg)
+
+    def normalizer(self, batch: Batch) -> float:
+        return aggregation_normalizer(batch, self.loss_agg)
 
     def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
         device = output.device
@@ -87,9 +111,14 @@ class ClippedValueObjective:
 
     clip_eps: float
     """How far a value may move from its old estimate before the clipped loss takes over."""
+    loss_agg: LossAggregation
+    """How token losses aggregate over a mini-batch (`aggregation_weights`)."""
 
     def weights(self, batch: Batch) -> torch.Tensor:
-        return _loss_mask(batch)
+        return aggregation_weights(batch, self.loss_agg)
+
+    def normalizer(self, batch: Batch) -> float:
+        return aggregation_normalizer(batch, self.loss_agg)
 
     def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
         device = output.device

@@ -31,12 +31,22 @@ import torch.distributed as dist
 
 from nereus.cost.calibration import Calibration
 from nereus.errors import ArgumentError, NereusError
-from nereus.runtime import arena, host_collectives, shm, timeline
+from nereus.runtime import arena, host_collectives, memory, shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
-from nereus.runtime.dist import device, spawn
+from nereus.runtime.dist import (
+    Heartbeat,
+    Peer,
+    describe_unresponsive,
+    device,
+    exit_without_teardown,
+    init_from_env,
+    kill_unresponsive_sibling,
+    spawn,
+)
 from nereus.runtime.hf.load import load_engine
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
 from nereus.runtime.rl.evaluation import eval_due, evaluate
+from nereus.runtime.rl.optimization import with_decay_horizon
 from nereus.runtime.rl.reward_model import fit_reward_model
 from nereus.runtime.rl.run_data import (
     DATA_STATE_NAME,
@@ -47,15 +57,27 @@ from nereus.runtime.rl.run_data import (
 )
 from nereus.runtime.rl.run_state import RunStateData, read_run_state
 from nereus.runtime.rl.samples import append_samples
-from nereus.runtime.rl.setup import Move, RunSetup, Switch, prepare_folder, seal_manifest, state_bytes_by_rank
+from nereus.runtime.rl.setup import (
+    Move,
+    RunSetup,
+    Switch,
+    log_pool_restart,
+    plan_num_ranks,
+    prepare_folder,
+    seal_manifest,
+    state_bytes_by_rank,
+    torchrun_restart,
+)
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, engine_state
 from nereus.runtime.rl.step import rl_step
 from nereus.runtime.rl.tasks import get_task
+from nereus.runtime.rl.tensorboard import TensorBoardLog
 from nereus.runtime.rl.timing import slowest_rank
 from nereus.runtime.rl.update import sync_plans, sync_weights
-from nereus.runtime.sharded_state import gather, state_meta
+from nereus.runtime.rl.warm_start import warm_start
+from nereus.runtime.sharded_state import gather
 from nereus.runtime.transition_executor import ReplicaState, execute_transition
-from nereus.spec.io import save_document, write_text_atomic
+from nereus.spec.io import load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import (
@@ -66,6 +88,7 @@ from nereus.spec.run_folder import (
     METRICS_NAME,
     PLAN_NAME,
     SAMPLES_NAME,
+    WORLD_NAME,
     MetricsTail,
     StepMetrics,
     checkpoint_folder,
@@ -78,6 +101,12 @@ from nereus.spec.trace import trace_conditions
 #: fitted reward model. The others are rebuilt from these (generation and inference by weight
 #: sync) or from the init seed (the reference, which never trains).
 SAVED_STAGES = ("actor/training", "critic/training", "reward/inference")
+
+
+def saved_stages(config: RLConfig) -> tuple[str, ...]:
+    """`SAVED_STAGES`, and the reference after a supervised warm-start (its weights are the
+    warmed-up actor's, which neither the seed nor a folder gives back)."""
+    return (*SAVED_STAGES, "reference/inference") if config.sft_steps else SAVED_STAGES
 
 
 def state_families(model_stage: str, updated: bool = True) -> tuple[str, ...]:
@@ -114,6 +143,7 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     """The whole run on this rank; returns the number of steps the run has finished."""
     config, plan = setup.config, setup.plan
     torch.manual_seed(config.rl.seed)
+    memory.start(device().type)  # the idle baseline, before any state exists
     reserve_arena(plan, config.rl, rank)
     stages = build_stages(plan, config.rl)
     syncs = sync_plans(stages)
@@ -121,13 +151,17 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     if "reward/inference" in stages and setup.checkpoint is None and "reward" not in (plan.weights or {}):
         fit_reward_model(stages["reward/inference"], get_task(config.rl.task), config.rl)
     if setup.checkpoint is not None:
-        restore(stages, setup.checkpoint, rank)
+        restore(stages, setup.checkpoint, rank, config.rl)
         sync_weights(syncs)  # generation and inference engines get the restored weights
     switches = {switch.step: switch for switch in setup.switches}
     state = run_state(setup, plan) if rank == 0 else None
     lengths = step_lengths(setup)
+    rl_config = with_decay_horizon(config.rl, config.num_steps)
     inputs = step_inputs(config.rl, setup.data)
     with timeline.recording(timeline.Timeline(setup.out, rank)) as spans:
+        if setup.checkpoint is None and config.rl.sft_steps:
+            spans.step = 0
+            warm_start(stages, config.rl, get_task(config.rl.task), syncs)
         for step in range(setup.start_step, config.num_steps):
             spans.step = step
             start = time.perf_counter()
@@ -138,7 +172,7 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
                     late["num_primitives"] = len(move.primitives)
                 syncs, plan = sync_plans(stages), move.plan
                 moved_s = slowest_rank({move.action: time.perf_counter() - start}, [move.action])
-            rl = config.rl if lengths is None else config.rl.model_copy(update={"max_new_tokens": lengths[step]})
+            rl = rl_config if lengths is None else rl_config.model_copy(update={"max_new_tokens": lengths[step]})
             samples: list[dict[str, Any]] | None = [] if rank == 0 and rl.log_samples else None
             idle = None if state is None else state.calibrate_idle
             metrics = rl_step(plan, rl, stages, syncs, step, idle=idle, samples=samples, inputs=inputs)
@@ -270,7 +304,7 @@ def apply_move(
         save_run_checkpoint(setup, plan, stages, step, rank, state)
     new_stages = build_stages(move.plan, setup.config.rl)
     load_folders(new_stages, move.plan)
-    restore(new_stages, folder, rank)
+    restore(new_stages, folder, rank, setup.config.rl)
     sync_weights(sync_plans(new_stages))
     return new_stages
 
@@ -295,7 +329,7 @@ def switch_plan(
     states: dict[str, ReplicaState] = {}
     for name, stage in stages.items():
         if stage.engine is not None:
-            states[name] = (engine_state(stage.engine, families[name]), stage.engine.optimizer_step)
+            states[name] = (stage.engine.whole_state(families[name]), stage.engine.optimizer_step)
     moved = execute_transition(switch.primitives, plan, switch.plan, rank, states, families)
     shm.release_segments()  # a one-off move: do not keep its shared-memory staging mapped
     for name, stage in new_stages.items():
@@ -333,7 +367,7 @@ def logical_digests(stages: dict[str, ModelStageRuntime], families: dict[str, tu
     for name, stage in stages.items():
         if name not in families:
             continue
-        meta = state_meta(stage.model, stage.head, stage.layout, families[name])
+        meta = stage.meta(families[name])
         logical = gather(meta, {rank: parts[rank][name][0] for rank in meta.boxes})
         digest = hashlib.sha256(repr(sorted({parts[rank][name][1] for rank in meta.boxes})).encode())
         for key in sorted(logical):
@@ -368,7 +402,7 @@ def save_run_checkpoint(
         shared[0] = tempfile.mkdtemp(prefix=f".step-{step:06d}.tmp-", dir=root)
     dist.broadcast_object_list(shared, src=0)
     folder = Path(shared[0])
-    for name in SAVED_STAGES:
+    for name in saved_stages(setup.config.rl):
         if name not in stages:
             continue
         stage, families = stages[name], state_families(name, step > 0)
@@ -376,7 +410,9 @@ def save_run_checkpoint(
         num_optimizer_steps = optimizer_steps(plan, step)
         if stage.plan.role == "reward":  # fitted before the run, or read from a folder as it is
             num_optimizer_steps = 0 if "reward" in (plan.weights or {}) else setup.config.rl.reward_model_steps
-        meta = state_meta(stage.model, stage.head, stage.layout, families)
+        if stage.plan.role == "reference":  # the warm-start's weights; RL starts a fresh optimizer
+            num_optimizer_steps = 0
+        meta = stage.meta(families)
         tensors = {}
         if stage.engine is not None:
             assert stage.engine.optimizer_step == num_optimizer_steps, (name, stage.engine.optimizer_step, step)
@@ -407,9 +443,9 @@ def _seal(folder: Path, target: Path, step: int) -> None:
     fsync_path(target.parent)
 
 
-def restore(stages: dict[str, ModelStageRuntime], checkpoint: Path, rank: int) -> None:
+def restore(stages: dict[str, ModelStageRuntime], checkpoint: Path, rank: int, config: RLConfig) -> None:
     """Load every saved model's state from `checkpoint` into this rank's shard of it."""
-    for name in SAVED_STAGES:
+    for name in saved_stages(config):
         stage = stages.get(name)
         if stage is None or stage.engine is None:
             continue
@@ -433,8 +469,9 @@ def launch(setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None
     `on_step` gets each step's metrics as soon as it is on disk. A failing rank stops every
     rank within seconds; RunFailed then names it and the checkpoint to resume from.
     """
+    board = TensorBoardLog(setup.out) if setup.config.log.tensorboard else None
     prepare_folder(setup)
-    tail = MetricsTail(setup.out, on_step)
+    tail = MetricsTail(setup.out, on_step if board is None else _both(board, on_step))
     timeout = timedelta(seconds=setup.config.collective_timeout_s)
     try:
         spawn(run_rank, setup.num_ranks, setup, on_wait=tail.poll, timeout=timeout)
@@ -444,7 +481,21 @@ def launch(setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None
         # Ctrl-C reaches the ranks too: a rank may report it before the launcher does.
         kind = RunInterrupted if "KeyboardInterrupt" in str(error).splitlines()[0] else RunFailed
         raise _failed(setup, str(error), kind) from None
+    finally:
+        if board is not None:
+            board.close()
     return tail.records
+
+
+def _both(
+    first: Callable[[StepMetrics], None], then: Callable[[StepMetrics], None] | None
+) -> Callable[[StepMetrics], None]:
+    def call(metrics: StepMetrics) -> None:
+        first(metrics)
+        if then is not None:
+            then(metrics)
+
+    return call
 
 
 def _failed(setup: RunSetup, error: str, kind: type[RunFailed]) -> RunFailed:
@@ -460,3 +511,149 @@ def _failed(setup: RunSetup, error: str, kind: type[RunFailed]) -> RunFailed:
     named = ("resume",) if checkpoint is not None else ()
     what = "interrupted" if kind is RunInterrupted else "failed"
     return kind(f"run {what}: {error.splitlines()[0]} (full error in {failure_log}); {resume}", *named)
+
+
+# ---- a worker of a torchrun job ----
+
+
+@dataclass
+class JoinedJob:
+    """This process as one rank of a job torchrun started: the job's world is the run's world
+    (global rank = the plan's GPU id; torchrun numbers ranks node by node). Global rank 0
+    does what `launch` does for spawned ranks (check, plan, run folder, metrics, checkpoint
+    commits, controller) besides running its own rank."""
+
+    peers: list[Peer]
+    heartbeat: Heartbeat
+    timeout_s: float
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.peers)
+
+    def agree(self, make_setup: Callable[[int], RunSetup]) -> RunSetup:
+        """Rank 0 checks and prepares the run for the job's world size; every rank gets the same
+        setup, or raises the same error. Refused when a node cannot see the run folder."""
+        payload: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                setup = make_setup(self.world_size)
+                checkpoint = None if setup.checkpoint is None else setup.checkpoint.resolve()
+                setup = dataclasses.replace(setup, out=setup.out.resolve(), checkpoint=checkpoint)
+                stored = setup.out / PLAN_NAME
+                document = load_document(stored) if stored.is_file() else None
+                previous = plan_num_ranks(document) if isinstance(document, Plan) else None
+                prepare_folder(setup)
+                world = [dataclasses.asdict(peer) for peer in self.peers]
+                write_text_atomic(setup.out / WORLD_NAME, json.dumps(world, indent=1))
+                if torchrun_restart() > 0:
+                    log_pool_restart(setup, self.world_size, previous)
+                marker = setup.out / f".job-{os.getpid()}-{time.time_ns()}"
+                marker.write_text("seen by every rank?\n")
+                payload[0] = (setup, marker.name)
+            except NereusError as error:
+                payload[0] = portable_error(error)
+            self.heartbeat.announce("setup")
+        else:
+            self.heartbeat.wait_for("setup", 0, "the run's setup")
+        dist.broadcast_object_list(payload, src=0)
+        if isinstance(payload[0], NereusError):
+            raise payload[0]
+        setup, marker_name = payload[0]
+        seen: list[Any] = [None] * self.world_size
+        dist.all_gather_object(seen, (setup.out / marker_name).is_file())
+        if self.rank == 0:
+            (setup.out / marker_name).unlink()
+        blind = sorted({self.peers[rank].node for rank, ok in enumerate(seen) if not ok})
+        if blind:
+            raise NereusError(
+                f"{setup.out}: the run folder is not visible from node {', '.join(blind)}; put it on storage "
+                "every node mounts at the same path (a shared filesystem)"
+            )
+        return setup
+
+    def run(self, setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
+        """Run this rank to `num_steps`; rank 0 hands each step on disk to `on_step`. A failure
+        anywhere raises RunFailed on every surviving rank, naming the rank (and node) at fault."""
+        import threading
+
+        tail = MetricsTail(setup.out, on_step) if self.rank == 0 else None
+        done = threading.Event()
+
+        def follow() -> None:
+            while tail is not None and not done.wait(0.2):
+                tail.poll()
+
+        follower = threading.Thread(target=follow, name="nereus-metrics", daemon=True)
+        follower.start()
+        try:
+            run_rank(self.rank, self.world_size, setup)
+            dist.barrier()  # no rank tears its communicator down while a peer may still send on it
+        except Exception as error:
+            failure = self.failed(setup, error)
+            exit_without_teardown(getattr(failure, "exit_code", 1))
+            raise failure from None
+        finally:
+            done.set()
+            follower.join()
+        if tail is not None:
+            tail.poll()
+        self.heartbeat.close()
+        dist.destroy_process_group()
+        return [] if tail is None else tail.records
+
+    def failed(self, setup: RunSetup, error: BaseException) -> RunFailed:
+        """The error every rank reports: the ranks that stopped responding, when some did (they
+        are the cause, the others only waited for them), else this rank's own error."""
+        global _reporting
+        _reporting = True  # the launcher's SIGTERM must not cut the report short (it waits 30 s)
+        silent = self.heartbeat.unresponsive()
+        for peer in silent:
+            kill_unresponsive_sibling(peer)
+        mine = self.peers[self.rank].describe()
+        if silent:
+            cause = "; ".join(describe_unresponsive(peer) for peer in silent)
+            cause += f"; the others waited {self.timeout_s:g} s"
+        else:
+            cause = f"{mine}: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+        cause = self.heartbeat.verdict(cause)
+        if self.rank == 0:
+            return _failed(setup, f"{cause}\n\n{mine}: {type(error).__name__}: {error}", RunFailed)
+        return RunFailed(f"run failed: {cause} (seen from {mine})")
+
+
+class LauncherStopped(NereusError):
+    """torchrun's agent stopped this rank (SIGTERM): the job is ending (another node failed,
+    or the user stopped it) or restarting (a node left or joined an elastic pool)."""
+
+
+#: Set once this rank reports a failure: a SIGTERM then waits for the report to be written.
+_reporting = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Turn the agent's SIGTERM into an error the rank reports like any other (naming the ranks
+    that went silent, when some did) instead of dying mid-step with nothing said."""
+    if not _reporting:
+        raise LauncherStopped("stopped by its torchrun agent (SIGTERM)")
+
+
+def join_job(timeout_s: float) -> JoinedJob:
+    """Join the torchrun job this process is a worker of (collective over the whole job)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    peers = init_from_env(timedelta(seconds=timeout_s))
+    return JoinedJob(peers, Heartbeat(timeout_s, watch=dist.get_rank() == 0), timeout_s)
+
+
+def portable_error(error: NereusError) -> NereusError:
+    """`error` as a plain NereusError (ArgumentError keeps the arguments it names), so it
+    survives being sent to the other ranks whatever its subclass's constructor takes."""
+    if isinstance(error, ArgumentError):
+        return ArgumentError(str(error), *error.arguments)
+    return NereusError(str(error))

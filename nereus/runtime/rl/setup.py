@@ -110,6 +110,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     from nereus.runtime.rl.inter_stage import inter_stage_problems
     from nereus.runtime.rl.tasks import CharTokenizer
     from nereus.runtime.shard_layout import layout_problem
+    from nereus.runtime.sharded_state import RUNTIME_DTYPES
 
     problems = []
     workload = plan.workload
@@ -132,9 +133,12 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
         if rows // entry.dp < entry.micro_batches:
             problems.append(f"{name}: {rows} rows over dp={entry.dp} cannot fill micro_batches={entry.micro_batches}")
     problems += unexecutable_choices(plan)
+    problems += sft_problems(plan, config)
     problems += memory_problems(plan, config)
     problems += intra_stage_problems(plan)
     problems += [f"fusion.inter_stage: {problem}" for problem in inter_stage_problems(plan, plan.fusion, config)]
+    if workload.dtype not in RUNTIME_DTYPES:
+        problems.append(f"workload dtype {workload.dtype} is not run (no loss scaling); use bf16 or fp32")
     if workload.algorithm == "grpo" and workload.samples_per_prompt < 2:
         problems.append("grpo needs samples_per_prompt >= 2 (groups of one have no baseline)")
     has_critic = any(entry.role == "critic" for entry in plan.stages)
@@ -145,6 +149,33 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     return problems
 
 
+def check_logging(config: RunConfig, where: Path) -> None:
+    """Refuse a config asking for TensorBoard events where the package is missing, or for a
+    warm-start on the synthetic task's demonstrations in a run that reads a dataset."""
+    import importlib.util
+
+    if config.log.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise NereusError(
+            f"{where}: log.tensorboard: the tensorboard package is not installed; "
+            "`pip install 'nereus[tensorboard]'` or set it to false"
+        )
+    if config.data is not None and config.rl.sft_steps:
+        raise NereusError(
+            f"{where}: rl.sft_steps: the warm-start demonstrates rl.task's problems, not a data: file; set it to 0"
+        )
+
+
+def sft_problems(plan: Plan, config: RLConfig) -> list[str]:
+    """Why the supervised warm-start cannot run on the plan's actor/training layout."""
+    entry = plan.stage_plan("actor/training")
+    if config.sft_steps and config.sft_batch // entry.dp < entry.micro_batches:
+        return [
+            f"rl.sft_batch: {config.sft_batch} demonstrations over actor/training's dp={entry.dp} cannot fill "
+            f"micro_batches={entry.micro_batches}; raise sft_batch to at least {entry.dp * entry.micro_batches}"
+        ]
+    return []
+
+
 def unexecutable_choices(plan: Plan) -> list[str]:
     """Memory-saving choices of the plan the runtime does not execute yet, each with its pin."""
     found = []
@@ -152,7 +183,6 @@ def unexecutable_choices(plan: Plan) -> list[str]:
         unsupported = [
             (entry.recompute != "none", "recompute", "--recompute none"),
             (entry.token_budget is not None, "token_budget", "--token-budget off"),
-            (bool(entry.zero1), "zero1", "--zero1 off"),
             (entry.offload, "offload", "--offload off"),
             (entry.kv_budget_bytes is not None, "kv_budget_bytes", "--kv-budget off"),
         ]
@@ -166,35 +196,50 @@ def unexecutable_choices(plan: Plan) -> list[str]:
 
 
 def state_bytes_by_rank(plan: Plan, config: RLConfig) -> dict[int, int]:
-    """Bytes of engine state (fp32 parameters; in training also gradients and both AdamW
-    moments) every rank holds under `plan`, summed over its model-stages."""
+    """Bytes of engine state every rank holds under `plan`, summed over its model-stages:
+    parameters in the workload's dtype, and in training the gradients (same dtype), the fp32
+    masters of 16-bit weights and both fp32 AdamW moments (their ZeRO-1 rows when sharded)."""
     from nereus.cost.plan_cost import head_of
     from nereus.runtime.shard_layout import layout_problem, stage_layout
-    from nereus.runtime.sharded_state import state_meta
+    from nereus.runtime.sharded_state import keeps_masters, stage_dp_sharded, state_dtypes, state_meta
 
     held: dict[int, int] = {}
+    workload = plan.workload
     for entry in plan.stages:
-        model = plan.model(plan.workload.model_name(entry.role))
+        model = plan.model(workload.model_name(entry.role))
         if not config.runs_engine(entry.role) or layout_problem(model, entry.tp, entry.pp):
             continue  # no engine (rule reward), or a layout reported on its own
         families = ("param", "grad", "exp_avg", "exp_avg_sq") if entry.stage == "training" else ("param",)
-        meta = state_meta(model, head_of(entry.role), stage_layout(entry), families)
-        for rank in meta.boxes:
-            held[rank] = held.get(rank, 0) + meta.rank_bytes(rank)
+        dtypes, layout = state_dtypes(workload, entry.stage), stage_layout(entry)
+        metas = [state_meta(model, head_of(entry.role), layout, families, dtypes, stage_dp_sharded(workload, entry))]
+        if keeps_masters(workload, entry.stage):  # the 16-bit working weights beside the masters
+            metas.append(state_meta(model, head_of(entry.role), layout, ("param",), {"param": dtypes["grad"]}))
+        for meta in metas:
+            for rank in meta.boxes:
+                held[rank] = held.get(rank, 0) + meta.rank_bytes(rank)
     return held
 
 
 def memory_problems(plan: Plan, config: RLConfig) -> list[str]:
-    """Ranks whose engine state would exceed the cluster's per-GPU memory: such a plan is
-    refused, never attempted (the runtime holds every model-stage's state at once)."""
+    """Ranks whose predicted peak (the cost model's, `nereus.runtime.memory.predicted_peaks`:
+    the running model-stage's memory plus every model state resident on the rank) exceeds a
+    rank's memory (`config.rank_memory_bytes`, else the cluster's per-GPU memory): such a plan
+    is refused, never attempted."""
+    from nereus.runtime.memory import predicted_peaks
     from nereus.units import format_bytes
 
-    capacity = plan.cluster.gpu.memory_bytes
+    capacity = plan.cluster.gpu.memory_bytes if config.rank_memory_bytes is None else config.rank_memory_bytes
+    where = f"per GPU of cluster {plan.cluster.name}" if config.rank_memory_bytes is None else "of rl.rank_memory_bytes"
+    worst: dict[int, tuple[int, str]] = {}
+    skip = [entry.model_stage for entry in plan.stages if not config.runs_engine(entry.role)]
+    for model_stage, by_rank in predicted_peaks(plan, skip=skip).items():
+        for rank, peak in by_rank.items():
+            worst[rank] = max(worst.get(rank, (0, "")), (peak, model_stage))
     return [
-        f"rank {rank} would hold {format_bytes(nbytes)} of model state, more than the "
-        f"{format_bytes(capacity)} per GPU of cluster {plan.cluster.name}; pick a plan that spreads it"
-        for rank, nbytes in sorted(state_bytes_by_rank(plan, config).items())
-        if nbytes > capacity
+        f"rank {rank} would hold {format_bytes(peak)} at its peak (while {model_stage} runs), more than the "
+        f"{format_bytes(capacity)} {where}; pick a plan that spreads it"
+        for rank, (peak, model_stage) in sorted(worst.items())
+        if peak > capacity
     ]
 
 
@@ -240,6 +285,7 @@ def new_run(
 ) -> RunSetup:
     """Check a new run of `config_path` (raises NereusError on any problem); writes nothing."""
     config: RunConfig = _load(config_path, RunConfig)
+    check_logging(config, config_path)
     if trace_path is not None:
         config = config.model_copy(update={"trace": str(trace_path.resolve())})
     if policy is not None:
@@ -422,6 +468,7 @@ def resume_run(
     if not (out / CONFIG_NAME).is_file():
         raise NereusError(f"{out}: not a run folder ({CONFIG_NAME} missing); give the output folder of a `nereus run`")
     config: RunConfig = _load(out / CONFIG_NAME, RunConfig)
+    check_logging(config, out / CONFIG_NAME)
     stored = with_fusion(_load(out / PLAN_NAME, Plan), config)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
@@ -638,3 +685,92 @@ def set_aside(folders: tuple[Path, ...], into: Path) -> None:
         while target.exists():
             target, suffix = into / f"{folder.name}.{suffix}", suffix + 1
         os.rename(folder, target)
+
+
+# ---- a run that joins a torchrun job ----
+
+
+def torchrun_worker() -> bool:
+    """Whether this process is a worker of torchrun (or of another env:// launcher)."""
+    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def torchrun_restart() -> int:
+    """How many times torchrun's agent has restarted this job's workers (0: first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def joined_setup(
+    world_size: int,
+    config_path: Path | None,
+    plan_path: Path | None,
+    num_steps: int | None,
+    out: Path | None,
+    resume: Path | None,
+    trace_path: Path | None = None,
+    policy: str | None = None,
+    from_previous: bool = False,
+) -> RunSetup:
+    """The run a job of `world_size` ranks runs: a new run on exactly that many ranks, or a
+    resume (replanned when the world differs from the run's). After torchrun restarted the
+    workers (a node left or joined: an elastic pool), a new run in `out` resumes from its last
+    checkpoint on the world it now has."""
+    restarted = torchrun_restart() > 0 and out is not None and (out / CONFIG_NAME).is_file()
+    if resume is None and out is None and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        raise ArgumentError("a job torchrun may restart must name its run folder: pass `out`", "out")
+    if resume is not None or restarted:
+        folder = resume if resume is not None else out
+        assert folder is not None
+        setup = resume_run(folder, plan_path, None if plan_path else world_size, num_steps, from_previous)
+        where = str(plan_path or folder / PLAN_NAME)
+    else:
+        assert config_path is not None, "checked by the caller"
+        ranks = world_size if plans_itself(config_path, plan_path) else None
+        setup = new_run(config_path, plan_path, ranks, num_steps, out, trace_path, policy)
+        where = str(plan_path or (config_path.parent / setup.config.plan if setup.config.plan else config_path))
+    check_world(setup.plan, world_size, where)
+    return setup
+
+
+def log_pool_restart(setup: RunSetup, world_size: int, previous: int | None) -> None:
+    """Record in decisions.jsonl that the pool changed under the run (torchrun restarted its
+    workers) and what the run did: go on from its checkpoint, replanned for `world_size`."""
+    event = {"step": setup.start_step, "event": "pool", "restart": torchrun_restart(), "gpus": world_size}
+    action = "replan" if setup.planned else "restart"
+    record = {
+        "observation": {**event, "previous_gpus": previous},
+        "decision": {"step": setup.start_step, "action": action, "transition_cost_s": None},
+        "runtime": None,
+        "checkpoint": None if setup.checkpoint is None else setup.checkpoint.name,
+    }
+    with (setup.out / DECISIONS_NAME).open("a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def configured_timeout_s(config_path: Path | None, resume: Path | None) -> float:
+    """The collective timeout a joined rank starts its process group with, read before the
+    group exists (every rank reads the config itself); the default when the config cannot
+    be read: rank 0 then reports what is wrong with it."""
+    path = resume / CONFIG_NAME if resume is not None else config_path
+    try:
+        config = _load(Path(str(path)), RunConfig)
+    except (NereusError, OSError):
+        return float(RunConfig.model_fields["collective_timeout_s"].default)
+    return float(config.collective_timeout_s)
+
+
+def plans_itself(config_path: Path, plan_path: Path | None) -> bool:
+    """Whether a new run of `config_path` plans its layout for its ranks (no plan given)."""
+    config: RunConfig = _load(config_path, RunConfig)
+    return plan_path is None and config.plan is None
+
+
+def check_world(plan: Plan, world_size: int, where: str) -> None:
+    """Refuse a run whose plan (read from `where`) does not use exactly the ranks of the job it joined."""
+    needed = plan_num_ranks(plan)
+    if needed != world_size:
+        raise NereusError(
+            f"{where}: the plan places model-stages on {needed} GPUs "
+            f"(ranks 0..{needed - 1}) but the job has {world_size} ranks; launch {needed} ranks in all, or give a "
+            f"plan for {world_size}"
+        )

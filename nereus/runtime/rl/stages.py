@@ -22,8 +22,15 @@ from nereus.runtime import host_collectives
 from nereus.runtime.engine import Engine, EngineConfig
 from nereus.runtime.hf.names import OPTIONAL
 from nereus.runtime.model import Batch
-from nereus.runtime.optim import AdamWConfig
+from nereus.runtime.optim import AdamWConfig, stage_precision
 from nereus.runtime.shard_layout import RankLayout, stage_layout
+from nereus.runtime.sharded_state import (
+    StateMeta,
+    shards_across_dp,
+    stage_dp_sharded,
+    state_dtypes,
+    state_meta,
+)
 from nereus.spec.model import Head, Model
 from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.run_config import RLConfig
@@ -39,6 +46,19 @@ class ModelStageRuntime:
     head: Head
     layout: RankLayout
     engine: Engine | None
+    dtypes: dict[str, str]
+    """The dtype of each state family its engine holds (`sharded_state.state_dtypes`)."""
+    dp_sharded: frozenset[str]
+    """The families its engine shards across dp (ZeRO-1; `sharded_state.stage_dp_sharded`)."""
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype its engine computes in (gradients are held in it)."""
+        return self.dtypes["grad"]
+
+    def meta(self, families: tuple[str, ...]) -> StateMeta:
+        """The shard metadata of this model-stage's state `families`."""
+        return state_meta(self.model, self.head, self.layout, families, self.dtypes, self.dp_sharded)
 
 
 def build_stages(plan: Plan, config: RLConfig) -> dict[str, ModelStageRuntime]:
@@ -54,12 +74,17 @@ def build_stages(plan: Plan, config: RLConfig) -> dict[str, ModelStageRuntime]:
         seed = config.seed + 1 if role == "reward" else config.seed
         # Weights a Hugging Face folder provides are read into the engine, not seeded first.
         init_only = OPTIONAL if plan.weights is not None and role in plan.weights else None
-        engine_config = EngineConfig(AdamWConfig(lr=lr, eps=config.adam_eps), init_seed=seed, init_only=init_only)
+        precision = stage_precision(plan.workload, entry.stage, config.grad_reduce_dtype)
+        optimizer = AdamWConfig(lr=lr, eps=config.adam_eps)
+        zero1 = shards_across_dp(plan.workload, entry)
+        engine_config = EngineConfig(optimizer, seed, init_only, precision, shard_across_dp=zero1)
         model = plan.model(plan.workload.model_name(role))
         head = head_of(role)
         layout = stage_layout(entry)
         engine = Engine.create(model, head, layout, engine_config)
-        stages[entry.model_stage] = ModelStageRuntime(entry, model, head, layout, engine)
+        dtypes = state_dtypes(plan.workload, entry.stage)
+        sharded = stage_dp_sharded(plan.workload, entry)
+        stages[entry.model_stage] = ModelStageRuntime(entry, model, head, layout, engine, dtypes, sharded)
     return stages
 
 
@@ -69,13 +94,8 @@ def engine_state(engine: Engine, families: tuple[str, ...]) -> dict[str, torch.T
 
 
 def local_state_bytes(stages: dict[str, ModelStageRuntime]) -> int:
-    """Bytes of engine state this rank holds."""
-    return sum(
-        tensor.numel() * tensor.element_size()
-        for stage in stages.values()
-        if stage.engine is not None
-        for tensor in stage.engine.local_state().values()
-    )
+    """Bytes of engine state this rank holds (16-bit weights and their fp32 masters alike)."""
+    return sum(sum(stage.engine.state_bytes().values()) for stage in stages.values() if stage.engine is not None)
 
 
 # ---- the rows of a step, and moving them between ranks ----

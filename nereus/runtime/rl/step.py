@@ -21,11 +21,14 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+from nereus.runtime import memory
 from nereus.runtime.fused_pipeline import OpTiming
 from nereus.runtime.generate import SamplingConfig
+from nereus.runtime.memory import predicted_peaks
 from nereus.runtime.rl.algorithms import masked_mean
 from nereus.runtime.rl.datasets import Prompt
 from nereus.runtime.rl.fused_rollout import RolloutEvent
+from nereus.runtime.rl.optimization import UpdateRule, update_rules
 from nereus.runtime.rl.rollout import rollout
 from nereus.runtime.rl.run_data import StepInputs, step_inputs
 from nereus.runtime.rl.samples import sample_records
@@ -59,6 +62,9 @@ def rl_step(
     deferred calibration). `inputs`: the run's tokenizer, prompts and reward (default: the
     synthetic task's)."""
     start = time.perf_counter()
+    peaks = memory.tracker()
+    if peaks is not None:
+        peaks.start_step()
     seconds: dict[str, float] = {}
     in_force = plan.fusion if fusion is None else fusion
     inputs = inputs if inputs is not None else step_inputs(config, None)
@@ -75,7 +81,11 @@ def rl_step(
         advantages, returns = advantages_of(plan.workload, config, stages, inputs.scorer, problems, generated, scored)
     # 4. training
     op_timings: list[OpTiming] = []
-    losses = run_training(plan, config, stages, generated, scored, advantages, returns, seconds, in_force, op_timings)
+    rules = update_rules(config, step, list(stages))
+    grad_norms: dict[str, float] = {}
+    losses = run_training(
+        plan, config, stages, generated, scored, advantages, returns, seconds, in_force, op_timings, rules, grad_norms
+    )
     record_fused(fused_events, op_timings)
     # 5. weight sync
     with timed(seconds, "weight_sync"):
@@ -83,7 +93,7 @@ def rl_step(
     if events is not None:
         events.extend(fused_events)
     seconds["step"] = time.perf_counter() - start
-    return step_metrics(plan, stages, step, prompts, scored, losses, seconds)
+    return step_metrics(plan, stages, step, prompts, scored, losses, seconds, (rules, grad_norms))
 
 
 def draw_prompts(
@@ -118,11 +128,18 @@ def step_metrics(
     scored: Scored,
     losses: tuple[float, float | None],
     seconds: dict[str, float],
+    updates: tuple[dict[str, UpdateRule], dict[str, float]],
 ) -> StepMetrics:
-    """The step's record, the same on every rank: its times are the slowest rank's (collective)."""
+    """The step's record, the same on every rank: its times are the slowest rank's (collective).
+    `updates`: each trained model-stage's update rule and mean gradient norm."""
+    rules, grad_norms = updates
     lengths = scored.mask.sum(dim=1)
     names = [entry.model_stage for entry in plan.stages] + ["advantages", "exchange", "weight_sync"]
-    stage_seconds, held = step_totals(seconds, [*names, "step"], stages)
+    totals = step_totals(seconds, [*names, "step"], stages)
+    stage_seconds = totals.seconds
+    predicted = predicted_peaks(plan, skip=[e.model_stage for e in plan.stages if e.model_stage not in stages])
+    num_ranks = len(totals.memory_peak)
+    predicted_by_stage = {name: [by_rank.get(r, 0) for r in range(num_ranks)] for name, by_rank in predicted.items()}
     return StepMetrics(
         step=step,
         reward=float(scored.scores.mean()),
@@ -136,5 +153,11 @@ def step_metrics(
         critic_loss=losses[1],
         step_seconds=stage_seconds.pop("step"),
         stage_seconds=stage_seconds,
-        state_bytes_per_rank=held,
+        state_bytes_per_rank=totals.state_bytes,
+        memory_peak_bytes=totals.memory_peak,
+        predicted_memory_peak_bytes=[max(column) for column in zip(*predicted_by_stage.values(), strict=True)],
+        memory_peak_bytes_by_stage={n: v for n, v in totals.memory_peak_by_stage.items() if n in stages},
+        predicted_memory_peak_bytes_by_stage=predicted_by_stage,
+        grad_norm=dict(grad_norms),
+        lr={name: rule.lr for name, rule in rules.items()},
     )

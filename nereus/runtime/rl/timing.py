@@ -6,13 +6,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from nereus.runtime import dist as launch
-from nereus.runtime import host_collectives, timeline
+from nereus.runtime import host_collectives, memory, timeline
 from nereus.runtime.fused_pipeline import OpTiming
 from nereus.runtime.rl.stages import ModelStageRuntime, local_state_bytes
 
@@ -24,7 +25,12 @@ if TYPE_CHECKING:
 def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
     """Add the block's wall time to `seconds[name]` and record it on the run's timeline."""
     start, wall_start = time.perf_counter(), time.time()
+    peaks = memory.tracker()
+    if peaks is not None:
+        peaks.enter(name)
     yield
+    if peaks is not None:
+        peaks.exit(name)
     seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
     timeline.record("stage" if "/" in name else "phase", name, wall_start, time.time())
 
@@ -40,17 +46,42 @@ def gather_numbers(values: list[float]) -> torch.Tensor:
 
 def slowest_rank(seconds: dict[str, float], names: list[str]) -> dict[str, float]:
     """Every name's time on the slowest rank (ranks that skip a phase report 0)."""
-    return step_totals(seconds, names, {})[0]
+    table = gather_numbers([seconds.get(name, 0.0) for name in names])
+    return dict(zip(names, table.max(dim=0).values.tolist(), strict=True))
 
 
-def step_totals(
-    seconds: dict[str, float], names: list[str], stages: dict[str, ModelStageRuntime]
-) -> tuple[dict[str, float], list[int]]:
-    """`slowest_rank` of `seconds` and the bytes of engine state each rank holds (of `stages`),
-    from one all-gather: each collective costs a few ms on gloo."""
-    table = gather_numbers([*(seconds.get(name, 0.0) for name in names), float(local_state_bytes(stages))])
-    slowest = table[:, :-1].max(dim=0).values.tolist()
-    return dict(zip(names, slowest, strict=True)), [int(held) for held in table[:, -1].tolist()]
+@dataclass(frozen=True)
+class StepTotals:
+    """What a step's ranks measured, gathered from all of them."""
+
+    seconds: dict[str, float]
+    """Every name's time on the slowest rank."""
+    state_bytes: list[int]
+    """Bytes of engine state each rank holds."""
+    memory_peak: list[int]
+    """Each rank's peak memory during the step (`nereus.runtime.memory`; 0 untracked)."""
+    memory_peak_by_stage: dict[str, list[int]]
+    """Each model-stage's peak on every rank while it ran (0 on ranks it skips)."""
+
+
+def step_totals(seconds: dict[str, float], names: list[str], stages: dict[str, ModelStageRuntime]) -> StepTotals:
+    """`slowest_rank` of `seconds`, the bytes of engine state each rank holds (of `stages`)
+    and the peak memory of the step and of each model-stage, from one all-gather: each
+    collective costs a few ms on gloo."""
+    peaks = memory.tracker()
+    step_peak = peaks.end_step() if peaks is not None else 0
+    stage_peaks = [float(peaks.segment_peaks.get(n, 0)) if peaks is not None else 0.0 for n in names]
+    times = [seconds.get(name, 0.0) for name in names]
+    table = gather_numbers([*times, *stage_peaks, float(local_state_bytes(stages)), float(step_peak)])
+    count = len(names)
+    slowest = table[:, :count].max(dim=0).values.tolist()
+    by_stage = {n: [int(v) for v in table[:, count + i].tolist()] for i, n in enumerate(names) if "/" in n}
+    return StepTotals(
+        dict(zip(names, slowest, strict=True)),
+        [int(held) for held in table[:, -2].tolist()],
+        [int(peak) for peak in table[:, -1].tolist()],
+        by_stage,
+    )
 
 
 def record_fused(events: list[RolloutEvent], op_timings: list[OpTiming]) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.engine import even_split
-from nereus.runtime.fused_pipeline import FusedPart, OpTiming, fused_train_step
+from nereus.runtime.fused_pipeline import FusedPart, OpTiming
 from nereus.runtime.fused_schedule import fused_schedule
 from nereus.runtime.model import Batch
 from nereus.runtime.reshard import ReshardPlan, execute, plan_reshard
@@ -31,15 +31,19 @@ from nereus.runtime.rl.algorithms import (
 )
 from nereus.runtime.rl.datasets import Prompt
 from nereus.runtime.rl.objectives import ClippedValueObjective, PolicyObjective
+from nereus.runtime.rl.optimization import UpdateRule, apply_update, fused_update
 from nereus.runtime.rl.rewards import Scorer
 from nereus.runtime.rl.scoring import Scored, reward_of
-from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of, engine_state
+from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of
 from nereus.runtime.rl.timing import timed
-from nereus.runtime.sharded_state import state_meta
+from nereus.runtime.sharded_state import StateMeta, state_meta
 from nereus.runtime.tensor_parallel import TensorParallel
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.workload import WEIGHT_SYNCS, Workload
+
+#: The model-stages a step trains.
+ACTOR, CRITIC = "actor/training", "critic/training"
 
 #: A weight sync: the source model-stage, the target and the resharding plan between them.
 WeightSync = tuple[ModelStageRuntime, ModelStageRuntime, ReshardPlan]
@@ -96,20 +100,25 @@ def run_training(
     seconds: dict[str, float],
     fusion: Fusion,
     op_timings: list[OpTiming],
+    rules: dict[str, UpdateRule],
+    grad_norms: dict[str, float],
 ) -> tuple[float, float | None]:
-    """Actor and critic updates on the rollout's batch, then one exchange of their losses (so a
-    critic on its own pool trains while the actor does); the mean actor and critic losses.
+    """Actor and critic updates on the rollout's batch, each under its model-stage's rule in
+    `rules`, then one exchange of their losses and gradient norms (so a critic on its own pool
+    trains while the actor does); the mean actor and critic losses. The mean gradient norm
+    (before clipping) of each trained model-stage goes into `grad_norms`.
 
     Under `fusion.intra_stage` both train together in the fused pipeline, mini-batch by
     mini-batch (`fused_training`), and each fused op's timing on this rank is appended to
     `op_timings`.
     """
     workload, batch = plan.workload, rollout.batch
+    norms: dict[str, list[float]] = {}
     fields = {"old_log_probs": scored.old_log_probs, "ref_log_probs": scored.ref_log_probs, "advantages": advantages}
     actor = stages["actor/training"]
     kl_loss_coef = 0.0 if workload.algorithm == "ppo" else config.kl_loss_coef
     tp = actor.engine.groups.tp if actor.engine is not None else TensorParallel.single()
-    objective = PolicyObjective(config.clip_eps, kl_loss_coef, config.entropy_coef, tp)
+    objective = PolicyObjective(config.clip_eps, kl_loss_coef, config.entropy_coef, tp, config.loss_agg_mode)
     actor_batch = Batch(batch.tokens, batch.attention_mask, {**batch.fields, **fields})
     critic = stages.get("critic/training")
     critic_losses = None
@@ -117,40 +126,60 @@ def run_training(
         assert scored.old_values is not None and returns is not None, "a critic is trained under ppo only"
         critic_fields = {**batch.fields, "old_values": scored.old_values, "returns": returns}
         critic_batch = Batch(batch.tokens, batch.attention_mask, critic_fields)
-        value_objective = ClippedValueObjective(config.value_clip_eps)
+        value_objective = ClippedValueObjective(config.value_clip_eps, config.loss_agg_mode)
     if fusion.intra_stage:
         assert critic is not None, "intra-stage fusion needs a critic (refused with the plan otherwise)"
         actor_job = (actor, actor_batch, objective)
         critic_job = (critic, critic_batch, value_objective)
-        actor_losses, critic_losses = fused_training(plan, actor_job, critic_job, seconds, op_timings)
+        actor_losses, critic_losses = fused_training(plan, actor_job, critic_job, seconds, op_timings, rules, norms)
     else:
         with timed(seconds, "actor/training"):
-            actor_losses = local_train(actor, actor_batch, objective, workload.mini_batches, workload.ppo_epochs)
+            actor_losses = local_train(
+                actor, actor_batch, objective, workload.mini_batches, workload.ppo_epochs, rules[ACTOR], norms
+            )
         if critic is not None:
             with timed(seconds, "critic/training"):
                 critic_losses = local_train(
-                    critic, critic_batch, value_objective, workload.mini_batches, workload.ppo_epochs
-                )
+                    critic, critic_batch, value_objective, workload.mini_batches, workload.ppo_epochs,
+                    rules[CRITIC], norms,
+                )  # fmt: skip
     with timed(seconds, "exchange"):
-        trained, losses = {"actor": actor}, {"actor": mean_loss(actor_losses)}
+        trained = {ACTOR: actor}
+        losses = {ACTOR: (mean_loss(actor_losses), mean_loss(norms.get(ACTOR, [])))}
         if critic is not None and critic_losses is not None:
-            trained["critic"], losses["critic"] = critic, mean_loss(critic_losses)
-        # Every replica reports the global batch's loss; take the first.
-        means = by_replica_of(trained, losses)
-    return means["actor"][0], means["critic"][0] if "critic" in means else None
+            trained[CRITIC], losses[CRITIC] = critic, (mean_loss(critic_losses), mean_loss(norms.get(CRITIC, [])))
+        # Every replica reports the global batch's loss and the global norm; take the first.
+        means = {name: values[0] for name, values in by_replica_of(trained, losses).items()}
+    grad_norms.update({name: norm for name, (_, norm) in means.items()})
+    return means[ACTOR][0], means[CRITIC][0] if CRITIC in means else None
 
 
 def local_train(
-    stage: ModelStageRuntime, batch: Batch, objective: Any, num_mini_batches: int, num_epochs: int
+    stage: ModelStageRuntime,
+    batch: Batch,
+    objective: Any,
+    num_mini_batches: int,
+    num_epochs: int,
+    rule: UpdateRule | None = None,
+    norms: dict[str, list[float]] | None = None,
 ) -> list[float]:
     """Epochs of mini-batch updates on the whole batch on this rank; each update's loss (none
-    off the stage's ranks)."""
+    off the stage's ranks). With a `rule`, every update clips and sets its learning rate by
+    it, and appends its gradient norm to `norms[model-stage]`."""
     engine = stage.engine
     losses = []
     if engine is not None:
         for _ in range(num_epochs):
             for start, stop in even_split(batch.num_rows, num_mini_batches):
-                losses.append(engine.train_step(batch.rows(start, stop), objective, stage.plan.micro_batches))
+                rows = batch.rows(start, stop)
+                if rule is None:
+                    losses.append(engine.train_step(rows, objective, stage.plan.micro_batches))
+                    continue
+                engine.zero_grad()
+                losses.append(engine.forward_backward(rows, objective, stage.plan.micro_batches))
+                norm = apply_update(engine, rule)
+                if norms is not None:
+                    norms.setdefault(stage.plan.model_stage, []).append(norm)
     return losses
 
 
@@ -176,11 +205,14 @@ def fused_training(
     critic_job: TrainingJob,
     seconds: dict[str, float],
     op_timings: list[OpTiming] | None,
+    rules: dict[str, UpdateRule],
+    norms: dict[str, list[float]],
 ) -> tuple[list[float], list[float]]:
     """Epochs of mini-batch updates of actor and critic together, each mini-batch one run of
-    the plan's fused schedule (`fused_schedule`, cached per plan); each update's losses (none
-    off the training ranks). Both model-stages ran for the whole phase, so `seconds` gets its
-    wall time under actor/training and critic/training alike."""
+    the plan's fused schedule (`fused_schedule`, cached per plan) under `rules`; each update's
+    losses (none off the training ranks), and its gradient norms into `norms`. Both
+    model-stages ran for the whole phase, so `seconds` gets its wall time under
+    actor/training and critic/training alike."""
     workload = plan.workload
     (actor, actor_batch, actor_objective), (critic, critic_batch, critic_objective) = actor_job, critic_job
     actor_losses: list[float] = []
@@ -196,9 +228,14 @@ def fused_training(
                     FusedPart("actor", actor.engine, actor_batch.rows(start, stop), actor_objective),
                     FusedPart("critic", critic.engine, critic_batch.rows(start, stop), critic_objective),
                 ]
-                (actor_loss, critic_loss), timings = fused_train_step(parts, schedule)
+                part_rules = {"actor": rules[ACTOR], "critic": rules[CRITIC]}
+                (actor_loss, critic_loss), timings, (actor_norm, critic_norm) = fused_update(
+                    parts, schedule, part_rules
+                )
                 actor_losses.append(actor_loss)
                 critic_losses.append(critic_loss)
+                norms.setdefault(ACTOR, []).append(actor_norm)
+                norms.setdefault(CRITIC, []).append(critic_norm)
                 if op_timings is not None:
                     op_timings.extend(dataclasses.replace(timing, update=update) for timing in timings)
     return actor_losses, critic_losses
@@ -209,16 +246,26 @@ def fused_training(
 
 def sync_plans(stages: dict[str, ModelStageRuntime]) -> list[WeightSync]:
     """The resharding plan of every weight sync the plan's stages call for (parameters only)."""
-    plans = []
-    for source_name, target_name in WEIGHT_SYNCS:
-        if source_name in stages and target_name in stages:
-            source, target = stages[source_name], stages[target_name]
-            plan = plan_reshard(
-                state_meta(source.model, source.head, source.layout, ("param",)),
-                state_meta(target.model, target.head, target.layout, ("param",)),
-            )
-            plans.append((source, target, plan))
-    return plans
+    return [
+        weight_sync(stages[source_name], stages[target_name])
+        for source_name, target_name in WEIGHT_SYNCS
+        if source_name in stages and target_name in stages
+    ]
+
+
+def weight_sync(source: ModelStageRuntime, target: ModelStageRuntime) -> WeightSync:
+    """The sync of `source`'s parameters into `target`'s engines, with its resharding plan."""
+    plan = plan_reshard(
+        state_meta(source.model, source.head, source.layout, ("param",)),
+        state_meta(target.model, target.head, target.layout, ("param",)),
+    )
+    return source, target, plan
+
+
+def weights_meta(stage: ModelStageRuntime) -> StateMeta:
+    """The shard metadata of a model-stage's working weights (the compute dtype, never the
+    masters: a sync sends what the trainer computes with)."""
+    return state_meta(stage.model, stage.head, stage.layout, ("param",), {"param": stage.compute_dtype})
 
 
 def sync_weights(syncs: list[WeightSync]) -> None:
@@ -232,9 +279,9 @@ def sync_weights(syncs: list[WeightSync]) -> None:
     for source, target, plan in syncs:
         tensors, step = {}, None
         if source.engine is not None:
-            tensors = engine_state(source.engine, ("param",))
+            tensors = source.engine.weights()
             step = source.engine.optimizer_step
-        live = engine_state(target.engine, ("param",)) if target.engine is not None else None
+        live = target.engine.weights() if target.engine is not None else None
         result = execute(plan, rank, tensors, step, out=live)
         if target.engine is not None:
             assert result.step is not None

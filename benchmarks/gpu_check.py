@@ -1,0 +1,280 @@
+"""GPU check: one command that exercises nereus on one GPU and records what it measured.
+
+Nothing is downloaded: transformers makes a Hugging Face folder of random weights of a
+Qwen2-shaped model (`--device cuda`: Qwen2.5-0.5B's shapes, ~0.5B parameters; `--device cpu`:
+a tiny one, for CI). Then, on a world of one rank (NCCL on CUDA, gloo on the CPU):
+
+1. `nereus profile --device DEVICE --quick --nproc 1` (the profile is kept in the result);
+2. generation: tokens/s of nereus's `generate` (bf16, KV cache, greedy) beside transformers'
+   `generate` on the same device, batch and lengths;
+3. training: median step time of bf16 AdamW steps with fp32 masters, and the model FLOPs
+   utilisation 6 * params * tokens / time / peak (peak: the H200 preset's bf16 FLOP/s;
+   none on the CPU);
+4. a bf16 GRPO `nereus run` of a few steps planned for the folder: step times, and every
+   model-stage's `memory_peak_bytes_by_stage` against `predicted_memory_peak_bytes_by_stage`.
+
+Budget: at most 8 minutes on one H200 (each phase has its own timeout). Writes
+benchmarks/results/gpu_check-DEVICE.json.
+
+    .venv/bin/python benchmarks/gpu_check.py --device cuda      # on a GPU machine
+    .venv/bin/python benchmarks/gpu_check.py --device cpu       # tiny, a minute or two on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import yaml
+from _record import begin, write_result
+
+RESULTS = Path(__file__).resolve().parent / "results"
+#: Qwen2.5-0.5B's shapes (random weights).
+QWEN2_05B = {
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 24,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+}
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 64,
+    "max_position_embeddings": 256,
+}
+#: Per device: generation (batch, prompt, new tokens), training (batch, sequence, steps), GRPO steps.
+SIZES = {
+    "cuda": {"gen": (32, 64, 128), "train": (8, 1024, 4), "rl_steps": 3, "new_tokens": 32},
+    "cpu": {"gen": (2, 8, 4), "train": (2, 16, 2), "rl_steps": 1, "new_tokens": 4},
+}
+PHASE_TIMEOUT_S = 240
+
+
+def make_folder(folder: Path, device: str) -> int:
+    """A random Qwen2-shaped causal LM saved by transformers; returns its parameter count."""
+    import torch
+    import transformers
+
+    shapes = QWEN2_05B if device == "cuda" else TINY
+    config = transformers.Qwen2Config(
+        **shapes,
+        tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def profile(device: str, out: Path) -> dict[str, Any]:
+    """`nereus profile --quick` as a separate process; its seconds and the profile file."""
+    start = time.perf_counter()
+    command = [sys.executable, "-m", "nereus", "profile", "--device", device, "--quick", "--nproc", "1", "-o", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=PHASE_TIMEOUT_S, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"nereus profile failed:\n{done.stderr[-2000:]}")
+    return {"seconds": time.perf_counter() - start, "profile": yaml.safe_load(out.read_text())}
+
+
+def engine_worker(rank: int, world: int, folder: Path, device: str) -> dict[str, Any]:
+    """Generation and training measurements on this rank's device (one-rank world)."""
+    import torch
+
+    from nereus.runtime.engine import Engine, EngineConfig, NextTokenLoss
+    from nereus.runtime.generate import SamplingConfig, generate
+    from nereus.runtime.hf.load import load_engine
+    from nereus.runtime.model import Batch
+    from nereus.runtime.optim import AdamWConfig, Precision
+    from nereus.runtime.shard_layout import RankLayout
+    from nereus.spec.hf_config import model_from_hf_config
+
+    model = model_from_hf_config(folder)
+    layout = RankLayout(1, 1, 1, (0,))
+    sizes = SIZES[device]
+    rows, prompt, new = sizes["gen"]
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(1, model.vocab_size, (rows, prompt), generator=generator)
+    serving = Engine.create(model, "lm", layout, EngineConfig(init_only=frozenset(), precision=Precision("bfloat16")))
+    assert serving is not None
+    load_engine(serving, folder)
+    sampling = SamplingConfig(max_new_tokens=new)
+    generate(serving, prompts[:, :4].tolist(), SamplingConfig(max_new_tokens=2))  # warm-up
+    ours = timed(partial(generate, serving, prompts.tolist(), sampling), serving.device)
+    theirs = transformers_generate(folder, prompts, new, serving.device)
+    del serving
+    config = EngineConfig(AdamWConfig(lr=1e-5), init_only=frozenset(), precision=Precision("bfloat16", True))
+    trainer = Engine.create(model, "lm", layout, config)
+    assert trainer is not None
+    load_engine(trainer, folder)
+    batch_rows, seq, steps = sizes["train"]
+    batch = Batch(torch.randint(1, model.vocab_size, (batch_rows, seq), generator=generator))
+    if trainer.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    step = partial(trainer.train_step, batch, NextTokenLoss())
+    times = [timed(step, trainer.device) for _ in range(steps)]
+    peak = int(torch.cuda.max_memory_allocated()) if trainer.device.type == "cuda" else None
+    params = model.num_params("lm")
+    return {
+        "params": params,
+        "generation": {
+            "batch": rows,
+            "prompt": prompt,
+            "new_tokens": new,
+            "nereus_tokens_per_s": rows * new / ours,
+            "transformers_tokens_per_s": rows * new / theirs,
+        },
+        "training": {
+            "batch": batch_rows,
+            "seq": seq,
+            "step_seconds": times,
+            "median_step_s": statistics.median(times[1:] or times),
+            "tokens": batch_rows * seq,
+            "train_peak_allocated_bytes": peak,
+        },
+    }
+
+
+def timed(work: Any, device: Any) -> float:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    work()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def transformers_generate(folder: Path, prompts: Any, new: int, device: Any) -> float:
+    """Seconds of transformers' greedy `generate` of `new` tokens for `prompts` in bf16."""
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
+    inputs = prompts.to(device)
+    with torch.no_grad():
+        model.generate(inputs[:, :4], max_new_tokens=2, do_sample=False)  # warm-up
+        seconds = timed(
+            partial(model.generate, inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False), device
+        )
+    del model
+    return seconds
+
+
+def grpo_run(root: Path, folder: Path, device: str) -> dict[str, Any]:
+    """A bf16 GRPO run of a few steps, planned for the folder on one rank; its metrics."""
+    from nereus.runtime.rl.run import launch
+    from nereus.runtime.rl.setup import new_run
+    from nereus.spec.run_folder import read_metrics
+
+    sizes = SIZES[device]
+    workload = {
+        "kind": "Workload",
+        "version": 1,
+        "name": "gpu-check-grpo",
+        "algorithm": "grpo",
+        "actor": "x",
+        "reference": "x",
+        "reward": "x",
+        "prompts_per_step": 4,
+        "samples_per_prompt": 2,
+        "prompt_len": 16,
+        "response_len": {"median": sizes["new_tokens"], "p99": sizes["new_tokens"], "max": sizes["new_tokens"]},
+        "micro_batch_size": 2,
+        "dtype": "bf16",
+        "optimizer": {"name": "adamw", "master_weights": True, "shard_across_dp": False},
+    }
+    (root / "workload.yaml").write_text(yaml.safe_dump(workload))
+    config = {
+        "kind": "RunConfig",
+        "version": 1,
+        "model": str(folder),
+        "workload": "workload.yaml",
+        "cluster": "h200" if device == "cuda" else "h100-sxm",
+        "num_steps": sizes["rl_steps"],
+        "checkpoint_every": 1000,
+        "rl": {
+            "task": "sort",
+            "seed": 0,
+            "max_new_tokens": sizes["new_tokens"],
+            "stop_at_eos": False,
+            "actor_lr": 1e-5,
+        },
+    }
+    (root / "run.yaml").write_text(yaml.safe_dump(config))
+    start = time.perf_counter()
+    launch(new_run(root / "run.yaml", num_ranks=1, out=root / "run"))
+    records = read_metrics(root / "run")
+    memory = []
+    for name, predicted in records[-1]["predicted_memory_peak_bytes_by_stage"].items():
+        measured = max(r["memory_peak_bytes_by_stage"].get(name, [0])[0] for r in records)
+        memory.append(
+            {
+                "model_stage": name,
+                "predicted_bytes": predicted[0],
+                "measured_bytes": measured,
+                "error": (measured - predicted[0]) / predicted[0] if predicted[0] else None,
+            }
+        )
+    return {
+        "seconds": time.perf_counter() - start,
+        "step_seconds": [r["step_seconds"] for r in records],
+        "memory": memory,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="Where to run (cpu: a tiny model).")
+    parser.add_argument(
+        "--output", type=Path, default=None, help="JSON file to write (default: results/gpu_check-DEVICE.json)."
+    )
+    args = parser.parse_args()
+    started = begin()
+    import torch
+
+    from nereus.runtime.dist import spawn
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU; use --device cpu here")
+    result: dict[str, Any] = {"device": args.device}
+    with tempfile.TemporaryDirectory(prefix="nereus-gpu-check-") as tmp:
+        root = Path(tmp)
+        folder = root / "qwen2"
+        result["folder_params"] = make_folder(folder, args.device)
+        result["profile"] = profile(args.device, root / "profile.yaml")
+        (measured,) = spawn(engine_worker, 1, folder, args.device)
+        result.update(measured)
+        result["grpo_run"] = grpo_run(root, folder, args.device)
+    training = result["training"]
+    peak = 989e12 if args.device == "cuda" else None  # the h200 preset's bf16 FLOP/s
+    flops = 6 * result["params"] * training["tokens"] / training["median_step_s"]
+    training["model_flops_per_s"] = flops
+    training["mfu"] = flops / peak if peak else None
+    print(json.dumps({k: v for k, v in result.items() if k != "profile"}, indent=1))
+    output = args.output or RESULTS / f"gpu_check-{args.device}.json"
+    write_result(output, result, started, repetitions={"train_step_s": training["step_seconds"]})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""Benchmark: the runtime's measured peak memory against the cost model's, per rank and model-stage.
+
+GRPO plans on two CPU ranks shaped like the example plans (actor generation, inference and
+training, the reference; a rule reward) with the actor scaled to a ~100M-parameter decoder
+(so model bytes dominate the peak): bf16 and fp32, colocated (every model-stage on both
+ranks, training dp=2) and split (generation and inference on rank 0, training on rank 1),
+colocated with and without `optimizer.shard_across_dp`. Each case is one `nereus run` step
+(the library's `new_run` + `launch`); metrics.jsonl then holds, per rank and model-stage,
+`memory_peak_bytes_by_stage` (CPU: peak resident set above the idle rank, less the state
+arena's free room; docs/memory.md) and the cost model's `predicted_memory_peak_bytes_by_stage`.
+Target: every row within 10%. Writes benchmarks/results/memory_parity.json.
+
+    .venv/bin/python benchmarks/memory_parity.py [--cases colocated-fp32,...] [--output FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+from _record import begin, write_result
+
+RESULTS = Path(__file__).resolve().parent / "results" / "memory_parity.json"
+TARGET = 0.10
+#: A ~100M-parameter decoder (tied 32000-token embedding + 12 blocks of hidden 768).
+MODEL = {
+    "kind": "Model",
+    "version": 1,
+    "name": "decoder-100m",
+    "num_layers": 12,
+    "hidden_dim": 768,
+    "num_heads": 12,
+    "num_kv_heads": 4,
+    "head_dim": 64,
+    "ffn_dim": 2048,
+    "vocab_size": 32000,
+    "tied_embeddings": True,
+    "qkv_bias": False,
+    "qk_norm": False,
+}
+CASES = ("colocated-fp32", "colocated-bf16", "colocated-fp32-zero1", "colocated-bf16-zero1", "split-fp32", "split-bf16")
+MAX_NEW_TOKENS = 4
+#: Steps per case; the last is compared: from the second step on, the AdamW moments and the
+#: previous update's gradients exist, as the cost model's resident terms assume.
+NUM_STEPS = 2
+
+
+def stage(model_stage: str, ranks: list[int], micro_batches: int = 1) -> dict[str, Any]:
+    """A tp=1, pp=1 entry replicated over `ranks` (generation is one replica per rank too)."""
+    return {
+        "model_stage": model_stage,
+        "pool": "all",
+        "tp": 1,
+        "pp": 1,
+        "dp": len(ranks),
+        "emus": [[rank] for rank in ranks],
+        "micro_batches": micro_batches,
+    }
+
+
+def plan_document(case: str) -> dict[str, Any]:
+    placement, dtype, *rest = case.split("-")
+    both, first, second = [0, 1], [0], [1]
+    serving = both if placement == "colocated" else first
+    training = both if placement == "colocated" else second
+    return {
+        "kind": "Plan",
+        "version": 1,
+        "cluster": {
+            "kind": "Cluster",
+            "version": 1,
+            "name": "cpu-1x2",
+            "num_nodes": 1,
+            "gpus_per_node": 2,
+            "gpu": {"name": "cpu-rank", "memory_bytes": 16 << 30, "bf16_flops": 5.0e10, "hbm_bytes_per_s": 1.0e10},
+            "intra_node": {"bytes_per_s": 2.0e9, "latency_s": 2.0e-5},
+            "inter_node": {"bytes_per_s": 1.0e9, "latency_s": 5.0e-5},
+        },
+        "models": [MODEL],
+        "workload": {
+            "kind": "Workload",
+            "version": 1,
+            "name": "grpo-100m",
+            "algorithm": "grpo",
+            "actor": MODEL["name"],
+            "reference": MODEL["name"],
+            "reward": MODEL["name"],
+            "prompts_per_step": 2,
+            "samples_per_prompt": 2,
+            "prompt_len": 16,
+            "response_len": {"median": MAX_NEW_TOKENS, "p99": MAX_NEW_TOKENS, "max": MAX_NEW_TOKENS},
+            "mini_batches": 1,
+            "micro_batch_size": 1,
+            "dtype": dtype,
+            "optimizer": {"name": "adamw", "master_weights": True, "shard_across_dp": rest == ["zero1"]},
+        },
+        "pools": [{"name": "all", "gpus": [0, 1]}],
+        "stages": [
+            stage("actor/generation", serving),
+            stage("actor/inference", serving),
+            stage("reference/inference", serving),
+            stage("reward/inference", serving),
+            stage("actor/training", training),
+        ],
+    }
+
+
+def run_case(case: str, root: Path) -> list[dict[str, Any]]:
+    """One RL step of `case`; a row per (model-stage, rank) with measured and predicted peaks."""
+    from nereus.runtime.rl.run import launch
+    from nereus.runtime.rl.setup import new_run
+    from nereus.spec.run_folder import read_metrics
+
+    folder = root / case
+    folder.mkdir()
+    (folder / "plan.yaml").write_text(yaml.safe_dump(plan_document(case)))
+    config = {
+        "kind": "RunConfig",
+        "version": 1,
+        "plan": "plan.yaml",
+        "num_steps": NUM_STEPS,
+        "checkpoint_every": 1000,
+        "rl": {"task": "sort", "seed": 0, "max_new_tokens": MAX_NEW_TOKENS, "stop_at_eos": False},
+    }
+    (folder / "run.yaml").write_text(yaml.safe_dump(config))
+    launch(new_run(folder / "run.yaml", out=folder / "out"))
+    record = read_metrics(folder / "out")[-1]
+    rows = []
+    for name, predicted in record["predicted_memory_peak_bytes_by_stage"].items():
+        measured = record["memory_peak_bytes_by_stage"][name]
+        for rank, (p, m) in enumerate(zip(predicted, measured, strict=True)):
+            if p > 0:
+                error = (m - p) / p
+                rows.append(
+                    {
+                        "case": case,
+                        "model_stage": name,
+                        "rank": rank,
+                        "predicted_bytes": p,
+                        "measured_bytes": m,
+                        "error": error,
+                        "within_target": abs(error) <= TARGET,
+                    }
+                )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"Comma-separated cases from {', '.join(CASES)}.")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="JSON file to write.")
+    args = parser.parse_args()
+    started = begin()
+    cases = [case for case in args.cases.split(",") if case]
+    unknown = [case for case in cases if case not in CASES]
+    if unknown:
+        parser.error(f"unknown cases {unknown}; choose from {', '.join(CASES)}")
+    # A fixed mmap threshold: every tensor's memory then leaves the resident set when it is
+    # freed (glibc's dynamic threshold would keep freed construction buffers in the heap,
+    # which the CPU measurement, a resident-set peak, would count). The ranks inherit it.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="nereus-memory-parity-") as root:
+        for case in cases:
+            rows += run_case(case, Path(root))
+            record(args.output, rows, started)  # kept case by case: a long run leaves its rows
+    print(f"{'case':24} {'model-stage':22} rank {'predicted MB':>12} {'measured MB':>12} {'error':>7}")
+    for row in rows:
+        print(
+            f"{row['case']:24} {row['model_stage']:22} {row['rank']:4} {row['predicted_bytes'] / 1e6:12.1f} "
+            f"{row['measured_bytes'] / 1e6:12.1f} {100 * row['error']:+6.1f}%"
+        )
+    print(f"{sum(row['within_target'] for row in rows)}/{len(rows)} rows within {TARGET:.0%}")
+
+
+def record(path: Path, rows: list[dict[str, Any]], started: Any) -> None:
+    held = sum(row["within_target"] for row in rows)
+    payload = {
+        "model": MODEL,
+        "target": TARGET,
+        "steps": NUM_STEPS,
+        "rows": rows,
+        "rows_within_target": held,
+        "num_rows": len(rows),
+    }
+    write_result(path, payload, started, repetitions={"error": [row["error"] for row in rows]})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""Benchmark: GRPO by TRL's GRPOTrainer and by `nereus run`, side by side on this machine.
+
+Both train the same tiny Llama that transformers makes here (random weights, seed 0) on the
+same `sort` prompts in the same order (the ones nereus draws for each step), with the same
+group size, response cap, learning rate, KL coefficient, gradient clipping, loss
+aggregation and rule reward (`tasks.answer_score`). The model folder carries a `tokenizers`
+tokenizer over nereus's characters with the same ids (pad 0, bos 1, eos 2, the alphabet
+from 3), so both sides see the same tokens. TRL runs in one process on every core; nereus on
+1 rank and on 2 ranks (one thread each). TRL runs once more with one thread: on a loaded
+machine a multi-threaded torch op waits for its other thread to be scheduled, which the
+one-thread run shows apart from the trainer's own cost. The runs alternate (TRL, TRL one
+thread, nereus 1 rank, nereus 2 ranks, and again per round), so the machine's load falls on
+all of them.
+
+Seconds per step: the wall time from one finished step to the next (TRL: its `on_step_end`
+callbacks; nereus: metrics.jsonl records as the launcher reads them), median over the steps
+after the warm-up. Reward: the mean over the last 5 steps of the mean reward per step.
+
+TRL is not a dependency of nereus: install it for this benchmark only (benchmarks/README.md):
+
+    pip install -c <(echo torch==2.13.0) trl==1.16.0
+    python benchmarks/trl_compare.py [--steps 20] [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _record import begin, write_result
+
+from nereus.runtime.rl.step import step_seed
+from nereus.runtime.rl.tasks import ALPHABET, UNKNOWN_CHAR, CharTokenizer, answer_score, get_task, sample_problems
+
+RESULTS = Path(__file__).resolve().parent / "results" / "trl_compare.json"
+#: The shared recipe (nereus's GRPO defaults where TRL has the same knob).
+PROMPTS, GROUP, MAX_NEW_TOKENS, LR, KL, CLIP, SEED = 8, 4, 12, 1e-3, 0.02, 1.0, 0
+WARMUP_STEPS, REWARD_STEPS = 3, 5
+RUNNERS = ("trl", "trl-1thread", "nereus-1", "nereus-2")
+
+
+def make_model(folder: Path) -> Path:
+    """A tiny random Llama (transformers' own init, seed 0) and its character tokenizer."""
+    import torch
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    chars = CharTokenizer()
+    vocab = {"<pad>": chars.pad_id, "<s>": chars.bos_id, "</s>": chars.eos_id}
+    vocab.update({char: chars.num_special + index for index, char in enumerate(ALPHABET + UNKNOWN_CHAR)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token=UNKNOWN_CHAR))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", chars.bos_id)])
+    tokenizer.decoder = decoders.Fuse()
+    wrapped = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>", padding_side="left"
+    )
+    config = transformers.LlamaConfig(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=172, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        bos_token_id=chars.bos_id, eos_token_id=chars.eos_id, pad_token_id=chars.pad_id,
+    )  # fmt: skip
+    torch.manual_seed(SEED)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(folder)
+    wrapped.save_pretrained(folder)
+    return folder
+
+
+def prompts_by_step(num_steps: int) -> list[dict[str, str]]:
+    """The prompts nereus draws for steps 0.. (seed SEED), in its order, with their answers."""
+    task = get_task("sort")
+    return [
+        {"prompt": problem.prompt, "answer": problem.answer}
+        for step in range(num_steps)
+        for problem in sample_problems(task, PROMPTS, step_seed(SEED, step))
+    ]
+
+
+def sort_reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
+    """nereus's rule reward of the sort task, as a TRL reward function."""
+    return [answer_score(completion, right) for completion, right in zip(completions, answer, strict=True)]
+
+
+def run_trl(folder: Path, num_steps: int, work: Path, threads: int) -> dict[str, Any]:
+    """TRL's GRPOTrainer in one process with `threads` torch threads; per-step wall times and rewards."""
+    import torch
+    import transformers
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(threads)
+    ends: list[float] = []
+
+    class StepClock(transformers.TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            ends.append(time.perf_counter())
+
+    config = GRPOConfig(
+        output_dir=str(work / "trl"), max_steps=num_steps, per_device_train_batch_size=PROMPTS * GROUP,
+        gradient_accumulation_steps=1, num_generations=GROUP, max_completion_length=MAX_NEW_TOKENS,
+        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01, adam_epsilon=1e-8,
+        max_grad_norm=CLIP, beta=KL, epsilon=0.2, num_iterations=1, loss_type="dapo", scale_rewards="group",
+        temperature=1.0, top_p=1.0, top_k=0, shuffle_dataset=False, seed=SEED, use_cpu=True, bf16=False,
+        logging_steps=1, report_to=[], save_strategy="no", disable_dropout=True, dataloader_num_workers=0,
+        disable_tqdm=True,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=sort_reward, args=config, processing_class=tokenizer,
+        train_dataset=Dataset.from_list(prompts_by_step(num_steps)), callbacks=[StepClock()],
+    )  # fmt: skip
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # the table says it all
+    start = time.perf_counter()
+    trainer.train()
+    rewards = [float(log["reward"]) for log in trainer.state.log_history if "reward" in log]
+    runner = "trl" if threads > 1 else "trl-1thread"
+    return {"runner": runner, "step_ends": [end - start for end in ends], "rewards": rewards}
+
+
+def run_nereus(folder: Path, num_steps: int, num_ranks: int, work: Path) -> dict[str, Any]:
+    """`nereus run` of the same recipe on `num_ranks` ranks (planned for them from the folder)."""
+    from nereus.runtime.rl.run import launch
+    from nereus.runtime.rl.setup import new_run
+
+    workload = {
+        "kind": "Workload", "version": 1, "name": "trl-compare", "algorithm": "grpo", "actor": "tiny",
+        "reference": "tiny", "prompts_per_step": PROMPTS, "samples_per_prompt": GROUP, "prompt_len": 16,
+        "response_len": {"median": 8, "p99": MAX_NEW_TOKENS, "max": MAX_NEW_TOKENS}, "ppo_epochs": 1,
+        "mini_batches": 1, "micro_batch_size": PROMPTS * GROUP, "dtype": "fp32",
+    }  # fmt: skip
+    rl = {"task": "sort", "seed": SEED, "actor_lr": LR, "kl_loss_coef": KL, "grad_clip": CLIP}
+    rl.update(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, loss_agg_mode="token-mean")
+    config = {"kind": "RunConfig", "version": 1, "model": str(folder), "workload": "workload.yaml", "rl": rl}
+    config.update(num_steps=num_steps, checkpoint_every=num_steps, online_calibration=False)
+    run_folder = work / f"nereus-{num_ranks}"
+    (run_folder.parent / "workload.yaml").write_text(json.dumps(workload))
+    (run_folder.parent / f"run-{num_ranks}.yaml").write_text(json.dumps(config))
+    ends: list[float] = []
+    start = time.perf_counter()
+    setup = new_run(run_folder.parent / f"run-{num_ranks}.yaml", num_ranks=num_ranks, out=run_folder)
+    records = launch(setup, on_step=lambda _: ends.append(time.perf_counter() - start))
+    return {"runner": f"nereus-{num_ranks}", "step_ends": ends, "rewards": [r.reward for r in records]}
+
+
+def summary(run: dict[str, Any]) -> dict[str, Any]:
+    """Median seconds per step after the warm-up, and the reward of the last steps."""
+    ends = run["step_ends"]
+    gaps = [later - earlier for earlier, later in itertools.pairwise(ends)][WARMUP_STEPS - 1 :]
+    return {
+        "runner": run["runner"],
+        "median_step_s": statistics.median(gaps),
+        "step_s": gaps,
+        "reward_first": statistics.mean(run["rewards"][:REWARD_STEPS]),
+        "reward_last": statistics.mean(run["rewards"][-REWARD_STEPS:]),
+        "rewards": run["rewards"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20, help="GRPO steps per run")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of TRL, nereus 1 rank, nereus 2 ranks")
+    args = parser.parse_args()
+    recording = begin()
+    cores = len(os.sched_getaffinity(0))
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="trl-compare-") as folder:
+        work = Path(folder)
+        model = make_model(work / "model")
+        for round_ in range(args.rounds):
+            for runner in RUNNERS:
+                place = work / f"round-{round_}"
+                place.mkdir(exist_ok=True)
+                if runner.startswith("trl"):
+                    run = run_trl(model, args.steps, place, 1 if runner == "trl-1thread" else cores)
+                else:
+                    run = run_nereus(model, args.steps, int(runner[-1]), place)
+                runs.append({**summary(run), "round": round_})
+                print(f"round {round_} {runner}: {runs[-1]['median_step_s']:.3f} s/step", flush=True)
+    by_runner = {name: [run for run in runs if run["runner"] == name] for name in RUNNERS}
+    medians = {name: statistics.median(s for run in group for s in run["step_s"]) for name, group in by_runner.items()}
+    print(f"{'runner':<12}{'s/step':>9}{'vs TRL':>8}{'reward first 5':>16}{'reward last 5':>15}")
+    for name, group in by_runner.items():
+        first = statistics.mean(run["reward_first"] for run in group)
+        last = statistics.mean(run["reward_last"] for run in group)
+        print(f"{name:<12}{medians[name]:>9.3f}{medians['trl'] / medians[name]:>7.2f}x{first:>16.3f}{last:>15.3f}")
+    slower = max(medians["nereus-1"], medians["nereus-2"])
+    print(
+        f"nereus is {medians['trl'] / slower:.2f}x faster per step than TRL on {cores} cores "
+        f"({medians['trl-1thread'] / slower:.2f}x than TRL on one thread; the slower of nereus's 1- and 2-rank "
+        f"runs; medians over {args.rounds} round(s) x {args.steps} steps after {WARMUP_STEPS} warm-up steps; "
+        f"load average {os.getloadavg()[0]:.1f})"
+    )
+    recipe = {"prompts": PROMPTS, "group": GROUP, "max_new_tokens": MAX_NEW_TOKENS, "lr": LR, "kl": KL, "clip": CLIP}
+    payload = {"recipe": recipe, "steps": args.steps, "rounds": args.rounds, "median_step_s": medians, "runs": runs}
+    step_s = {name: [run["step_s"] for run in group] for name, group in by_runner.items()}
+    write_result(RESULTS, payload, recording, {"step_s": step_s})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""The global gradient norm of a model trained in any TP x PP x DP layout, and clipping by it.
+
+After `Engine.forward_backward` every replica holds the same reduced gradients, so the norm of
+the whole model is that of one replica: the sum, over its tensor and pipeline ranks, of the
+squared norms of the gradient pieces each holds. A piece held by several ranks of the replica
+counts once: a parameter every tensor rank holds whole (norms, the value head), a KV head
+copied onto several tensor ranks, and a tied embedding held by the first and the last stage.
+The sum runs in float64, so layouts agree with a single rank to rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nereus.runtime import host_collectives
+from nereus.runtime.engine import Engine
+from nereus.runtime.shard_layout import local_box, param_infos
+
+#: Added to the norm before dividing by it (torch.nn.utils.clip_grad_norm_'s guard).
+CLIP_EPS = 1e-6
+
+
+def counted_params(engine: Engine) -> list[str]:
+    """The parameters of this rank whose gradient piece it counts in the replica's norm: of the
+    ranks holding the same piece, only the lowest tensor rank on the first stage holding it."""
+    groups, model = engine.groups, engine.model
+    tp = groups.layout.tp
+    names = []
+    for info in param_infos(model, engine.head):
+        if info.name not in engine.params:
+            continue
+        box = local_box(info, model, tp, groups.tp.rank)
+        first_holder = min(rank for rank in range(tp) if local_box(info, model, tp, rank) == box)
+        tied_copy = info.place == "first_and_last" and groups.pp_rank > 0
+        if first_holder == groups.tp.rank and not tied_copy:
+            names.append(info.name)
+    return names
+
+
+def global_grad_norm(engine: Engine) -> float:
+    """The L2 norm of the whole model's gradient, the same on every rank of the layout
+    (collective over each replica's tensor and pipeline groups)."""
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)
+    groups = engine.groups
+    for name in counted_params(engine):
+        grad = engine.params[name].grad
+        if grad is None:
+            continue
+        # Under ZeRO-1 a replica's gradient is reduced in its own rows only: each replica
+        # counts those, and a tensor kept whole (fewer rows than dp) on the first replica.
+        piece = engine.mine(name, grad)
+        if engine.zero1 and piece.shape == grad.shape and groups.replica != 0:
+            continue
+        total += piece.detach().double().pow(2).sum()
+    if engine.zero1:
+        host_collectives.all_reduce(total, groups.dp_group)
+    # Tensor ranks first (each stage's total on each of its ranks), then across the stages.
+    if groups.tp.group is not None:
+        host_collectives.all_reduce(total, groups.tp.group)
+    if groups.link.group is not None:
+        host_collectives.all_reduce(total, groups.link.group)
+    return math.sqrt(float(total))
+
+
+def clip_grad_norm(engine: Engine, max_norm: float | None) -> float:
+    """Scale the gradients down so that their global norm is at most `max_norm` (None: leave
+    them); returns the norm before clipping (collective, see `global_grad_norm`)."""
+    norm = global_grad_norm(engine)
+    if max_norm is not None and norm > max_norm:
+        scale = max_norm / (norm + CLIP_EPS)
+        with torch.no_grad():
+            for param in engine.params.values():
+                if param.grad is not None:
+                    param.grad.mul_(scale)
+    return norm

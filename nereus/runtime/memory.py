@@ -1,0 +1,166 @@
+"""Peak memory of a rank: measured per step and per model-stage, and what the cost model predicts.
+
+Measured (`PeakTracker`): on CUDA, `torch.cuda.max_memory_allocated` (the caching
+allocator's high-water mark of live tensors), its peak reset at every mark. On CPU, the
+process's peak resident set (`VmHWM` in /proc/self/status) less its shared pages
+(`RssShmem`: the state arena, resident whole from its reservation on, and the peers'
+arenas it maps to reshard) and less the idle rank's private resident set, plus the bytes
+of tensors in its own arena; the peak is reset at every mark by writing 5 to
+/proc/self/clear_refs (Linux 4.0+). CPU numbers are an upper bound of the live tensors:
+they include heap the allocator keeps after a free.
+
+Predicted (`predicted_peaks`): per rank and model-stage, the cost model's memory terms of
+the running model-stage plus the model states of every other model-stage resident on the
+rank (`nereus.cost.plan_cost.evaluate_plan`'s accounting on the rank itself, not on the
+busiest GPU), without the allocator workspace the cost model reserves on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nereus.cost.calibration import Calibration
+    from nereus.spec.plan import Plan
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_bytes(field_name: str) -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(field_name + ":"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"{_STATUS} has no {field_name} line")
+
+
+def cpu_peak_supported() -> bool:
+    """Whether this process can read and reset its peak resident set (Linux)."""
+    try:
+        _status_bytes("VmHWM")
+        _CLEAR_REFS.write_text("5")
+    except (OSError, RuntimeError):
+        return False
+    return True
+
+
+@dataclass
+class PeakTracker:
+    """High-water marks of this rank's memory since `start_step`, overall and per open segment."""
+
+    cuda: bool
+    baseline: int = 0
+    """CPU: private resident bytes of the idle rank, subtracted from every reading."""
+    step_peak: int = 0
+    segment_peaks: dict[str, int] = field(default_factory=dict)
+    open: list[str] = field(default_factory=list)
+
+    @classmethod
+    def for_device(cls, device_type: str) -> PeakTracker:
+        """A tracker of this process on `device_type`; on CPU its idle baseline is read now."""
+        tracker = cls(cuda=device_type == "cuda")
+        if not tracker.cuda and cpu_peak_supported():
+            tracker.baseline = _status_bytes("VmRSS") - _status_bytes("RssShmem")
+        return tracker
+
+    def _read_and_reset(self) -> int:
+        if self.cuda:
+            import torch
+
+            peak = int(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+            return peak
+        from nereus.runtime import arena
+
+        try:
+            peak, shared = _status_bytes("VmHWM"), _status_bytes("RssShmem")
+            _CLEAR_REFS.write_text("5")  # the peak restarts from the current resident set
+        except (OSError, RuntimeError):
+            return 0
+        # Shared pages (this rank's state arena, resident whole from its reservation on, and
+        # the peers' arenas it mapped to reshard) are not this rank's: count the arena's used
+        # bytes instead, beside the private pages' peak.
+        held = arena.current()
+        in_arena = held.reserved_bytes - held.free_bytes if held is not None else 0
+        return max(0, peak - shared - self.baseline) + in_arena
+
+    def _fold(self) -> None:
+        peak = self._read_and_reset()
+        self.step_peak = max(self.step_peak, peak)
+        for name in self.open:
+            self.segment_peaks[name] = max(self.segment_peaks.get(name, 0), peak)
+
+    def start_step(self) -> None:
+        self._read_and_reset()
+        self.step_peak, self.segment_peaks, self.open = 0, {}, []
+
+    def enter(self, name: str) -> None:
+        self._fold()
+        self.open.append(name)
+
+    def exit(self, name: str) -> None:
+        self._fold()
+        self.open.remove(name)
+
+    def end_step(self) -> int:
+        self._fold()
+        return self.step_peak
+
+
+_TRACKER: list[PeakTracker | None] = [None]
+
+
+def start(device_type: str) -> PeakTracker:
+    """Begin tracking this rank (call once, before its engines exist: the CPU baseline)."""
+    made = PeakTracker.for_device(device_type)
+    _TRACKER[0] = made
+    return made
+
+
+def tracker() -> PeakTracker | None:
+    """This rank's tracker, None when `start` was not called (tests driving steps directly)."""
+    return _TRACKER[0]
+
+
+def predicted_peaks(
+    plan: Plan, calibration: Calibration | None = None, skip: Collection[str] = ()
+) -> dict[str, dict[int, int]]:
+    """For every model-stage, the predicted peak bytes of each of its ranks while it runs:
+    its own memory terms plus the model states of the rank's other model-stages. Model-stages
+    in `skip` run no engine (a rule reward): they are neither priced nor resident."""
+    from nereus.cost.calibration import DEFAULT_CALIBRATION
+    from nereus.cost.plan_cost import evaluate_plan, split_resident
+
+    evaluation = evaluate_plan(plan, calibration or DEFAULT_CALIBRATION)
+    own: dict[str, dict[str, float]] = {}
+    resident_on: dict[int, float] = {}
+    entries = [entry for entry in plan.stages if entry.model_stage not in skip]
+    for entry in entries:
+        breakdown = evaluation.predictions.model_stages[entry.model_stage].memory_breakdown_bytes
+        own[entry.model_stage] = {k: float(v) for k, v in breakdown.items() if k not in ("co_resident", "workspace")}
+        resident = float(split_resident(own[entry.model_stage], entry.offload)[0])
+        for gpu in entry.gpus:
+            resident_on[gpu] = resident_on.get(gpu, 0.0) + resident
+    peaks: dict[str, dict[int, int]] = {}
+    for entry in entries:
+        terms = own[entry.model_stage]
+        resident = float(split_resident(terms, entry.offload)[0])
+        peaks[entry.model_stage] = {
+            gpu: int(sum(terms.values()) + resident_on[gpu] - resident) for gpu in sorted(set(entry.gpus))
+        }
+    return peaks
+
+
+def predicted_rank_peaks(
+    plan: Plan, num_ranks: int, calibration: Calibration | None = None, skip: Collection[str] = ()
+) -> list[int]:
+    """Per rank, the largest predicted peak of the model-stages it runs (0 for an idle rank)."""
+    peaks = [0] * num_ranks
+    for by_rank in predicted_peaks(plan, calibration, skip).values():
+        for rank, peak in by_rank.items():
+            if rank < num_ranks:
+                peaks[rank] = max(peaks[rank], peak)
+    return peaks

@@ -1,0 +1,31 @@
+"""`benchmarks/gpu_check.py --device cpu` runs end to end on a tiny model (so the GPU check
+cannot rot between GPU runs) and records every phase it promises."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from repo_paths import BENCHMARKS
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
+    output = tmp_path / "gpu_check.json"
+    command = [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--device", "cpu", "--output", str(output)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(output.read_text())
+    assert result["device"] == "cpu" and result["profile"]["profile"]
+    generation = result["generation"]
+    assert generation["nereus_tokens_per_s"] > 0 and generation["transformers_tokens_per_s"] > 0
+    assert result["training"]["median_step_s"] > 0 and result["training"]["mfu"] is None
+    memory = result["grpo_run"]["memory"]
+    assert {row["model_stage"] for row in memory} >= {"actor/generation", "actor/training"}
+    assert all(row["predicted_bytes"] > 0 and row["measured_bytes"] > 0 for row in memory)
