@@ -41,8 +41,9 @@ import torch
 import torch.distributed as dist
 from _record import begin, write_result
 
+from nereus.runtime.batching import BatchingDecoder
 from nereus.runtime.dist import spawn
-from nereus.runtime.generate import CachedForward, Decoder, SamplingConfig
+from nereus.runtime.kv_cache import KVBudget
 from nereus.runtime.rl.fused_rollout import fused_rollout
 from nereus.runtime.rl.inter_stage import MigrationSettings, migration_settings
 from nereus.runtime.rl.rollout import generate_responses
@@ -50,6 +51,7 @@ from nereus.runtime.rl.scoring import run_inference
 from nereus.runtime.rl.stages import build_stages, rollout_batch
 from nereus.runtime.rl.tasks import CharTokenizer, encode_prompt, get_task, sample_problems
 from nereus.runtime.rl.timing import timed
+from nereus.runtime.sampling import SamplingConfig
 from nereus.solver.migration import GenerationProfile, run_batch, sample_lengths
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan
@@ -90,10 +92,10 @@ def decode_steps(stages: dict[str, Any], prompts: list[list[int]], sampling: Sam
     engine = stages["actor/generation"].engine
     rows = []
     for batch in (1, 2, 4, 8, 16, 32):
-        decoder = Decoder(CachedForward(engine), sampling)
+        decoder = BatchingDecoder(engine, sampling, KVBudget())
         decoder.start(prompts[:batch], range(batch), [48] * batch)
         while decoder.num_active:
-            context = int(decoder.mask.sum())
+            context = sum(decoder.context_lengths())
             started = time.perf_counter()
             decoder.step()
             rows.append([batch, context, time.perf_counter() - started])

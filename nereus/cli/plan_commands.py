@@ -70,11 +70,19 @@ def plan(
         str,
         typer.Option(help="Generation into a bounded KV budget with continuous batching: on, off, or search."),
     ] = "search",
+    full_shard: Annotated[
+        str,
+        typer.Option(
+            help="Training and inference parameters, gradients and AdamW state sharded across dp "
+            "(ZeRO-3 / FSDP full shard): on, off, or search."
+        ),
+    ] = "search",
     for_runtime: Annotated[
         bool,
         typer.Option(
             "--for-runtime",
-            help="Only what `nereus run` executes: no recompute, token budgets, ZeRO-1, offload or KV budget.",
+            help="Only what `nereus run` executes: no recompute, token budgets, ZeRO-1, full sharding, offload or "
+            "KV budget.",
         ),
     ] = False,
 ) -> None:
@@ -104,7 +112,7 @@ def plan(
     if num_gpus > the_cluster.num_gpus:
         raise NereusError(f"--gpus {num_gpus} exceeds the {the_cluster.num_gpus} GPUs of cluster {the_cluster.name}")
     the_calibration = load_kind(str(calibration), Calibration) if calibration else Calibration()
-    choices = _memory_choices(recompute, token_budget, zero1, offload, kv_budget, for_runtime)
+    choices = _memory_choices(recompute, token_budget, zero1, offload, kv_budget, full_shard, for_runtime)
     request = PlanRequest(
         the_cluster,
         models_for(the_workload, the_model),
@@ -131,18 +139,20 @@ def _switch(flag: str, value: str, on: object, off: object) -> tuple[object, ...
 
 
 def _memory_choices(
-    recompute: str, token_budget: str, zero1: str, offload: str, kv_budget: str, for_runtime: bool
+    recompute: str, token_budget: str, zero1: str, offload: str, kv_budget: str, full_shard: str, for_runtime: bool
 ) -> MemoryChoices:
     """The search space the flags leave (each flag pins one choice; --for-runtime pins all off)."""
     from nereus.solver.layouts import RUNTIME_CHOICES, MemoryChoices
 
     pinned = {"recompute": recompute, "token-budget": token_budget, "zero1": zero1, "offload": offload}
-    pinned["kv-budget"] = kv_budget
+    pinned |= {"kv-budget": kv_budget, "full-shard": full_shard}
     if for_runtime:
         others = [f"--{name} {value}" for name, value in pinned.items() if value not in ("search", "off", "none")]
         if others:
             raise NereusError(f"--for-runtime excludes {others[0]}: the runtime does not execute it yet")
         return RUNTIME_CHOICES
+    if full_shard == "on" and zero1 == "off":
+        raise NereusError("--full-shard on shards the optimizer state too, which --zero1 off excludes; drop one")
     recompute_values = {"none": ("none",), "full": ("full",), "search": ("none", "full")}
     if recompute not in recompute_values:
         raise NereusError(f"--recompute {recompute}: use none, full or search")
@@ -152,6 +162,7 @@ def _memory_choices(
         zero1=_switch("--zero1", zero1, True, False),  # type: ignore[arg-type]
         offload=_switch("--offload", offload, True, False),  # type: ignore[arg-type]
         kv_budget=_switch("--kv-budget", kv_budget, True, False),  # type: ignore[arg-type]
+        full_shard=_switch("--full-shard", full_shard, True, False),  # type: ignore[arg-type]
     )
 
 
@@ -235,7 +246,9 @@ def stage_choice_text(entry: StagePlan) -> str:
         parts.append(f"recompute {entry.recompute}")
     if entry.token_budget is not None:
         parts.append(f"tokens<={entry.token_budget}")
-    if entry.zero1:
+    if entry.full_shard:
+        parts.append("full shard")
+    elif entry.zero1:
         parts.append("zero1")
     if entry.offload:
         parts.append("offload")

@@ -40,13 +40,26 @@ def choice_line(entry: StagePlan, cost: StageCostModel) -> str:
             else f"KV cache for the whole batch ({full / GIB:.2f} GiB per GPU)"
         )
         return f"{kv}; offload {'on' if entry.offload else 'off'}"
+    sharding = _full_shard_text(entry, cost)
     if entry.stage == "inference":
-        return f"offload {'on' if entry.offload else 'off'}"
-    zero1 = entry.zero1 if entry.zero1 is not None else cost.workload.optimizer.shard_across_dp
+        return f"{sharding}; offload {'on' if entry.offload else 'off'}"
+    zero1 = entry.full_shard or (entry.zero1 if entry.zero1 is not None else cost.workload.optimizer.shard_across_dp)
     batching = f"packed to {entry.token_budget} tokens" if entry.token_budget else "equal rows at the maximum length"
     return (
         f"recompute {entry.recompute}; micro-batches {batching}; ZeRO-1 {'on' if zero1 else 'off'}; "
-        f"offload {'on' if entry.offload else 'off'}"
+        f"{sharding}; offload {'on' if entry.offload else 'off'}"
+    )
+
+
+def _full_shard_text(entry: StagePlan, cost: StageCostModel) -> str:
+    """Full sharding and what it gathers while running."""
+    if not entry.full_shard:
+        return "full sharding off"
+    unit = float(cost.gathered_unit_params(entry.tp)) * cost.dtype_bytes
+    what = "parameters and gradients" if entry.stage == "training" else "parameters"
+    return (
+        f"full sharding on ({what} over dp={entry.dp}; gathers {unit / GIB:.2f} GiB units, "
+        f"all-gathered every micro-batch)"
     )
 
 

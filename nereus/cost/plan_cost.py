@@ -78,6 +78,7 @@ def stage_choices(entry: StagePlan) -> dict[str, Any]:
         "recompute": int(entry.recompute == "full"),
         "zero1": entry.zero1,
         "kv_budget": math.inf if entry.kv_budget_bytes is None else float(entry.kv_budget_bytes),
+        "full_shard": int(entry.full_shard),
     }
 
 
@@ -91,12 +92,12 @@ def split_resident(memory: dict[str, Any], offload: Any) -> tuple[Any, Any]:
 def resident_share(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
     """Share of a model-stage's full model state (parameters, gradients, unsharded optimizer)
     that stays on its GPUs between stages, as `evaluate_plan` counts it: 0 when offloaded,
-    less than 1 under ZeRO-1, 1 otherwise."""
+    less than 1 under ZeRO-1 or full sharding, 1 otherwise."""
     if entry.offload:
         return 0.0
     model = stage_cost_model(plan, entry.role, entry.stage, calibration)
     params = model.params_per_gpu(entry.tp, entry.pp)
-    kept = model.model_state_terms(params, entry.dp, stage_choices(entry)["zero1"])
+    kept = model.model_state_terms(params, entry.dp, entry.zero1, int(entry.full_shard))
     full = model.model_state_terms(params, 1, False)
     return float(sum(kept.values()) / sum(full.values()))
 

@@ -25,6 +25,13 @@ The formulas, per GPU of the busiest pipeline stage:
   bound until the batch passes the ridge point; the step count follows the longest
   response of the batch, and the active batch shrinks as responses finish, or under a
   binding budget, the batch runs at the budget's concurrency until the queue drains.
+* full sharding (`full_shard` 1, ZeRO-3 / FSDP FULL_SHARD): parameters, and in training
+  gradients and AdamW state, divided by dp; a running model-stage also holds the gathered
+  unit (the largest of a layer and the embedding, on its tp rank) twice (the one computing
+  and the one prefetched) and in training one unit's unsharded gradients. Every micro-batch
+  all-gathers the parameters in its forward, again in its backward, and reduce-scatters the
+  gradients: 3 ring halves of an all-reduce of the parameters per micro-batch in training
+  (1 in inference) instead of one all-reduce per mini-batch, not overlapped with compute.
 * offload (sleep): a model-stage's resident states move to host memory between its runs,
   over the host link (the cluster's `host_link`), once in and once out per step.
 * pipelines run 1F1B: (micro-batches + pp - 1) slots; the pp - 1 extra slots are bubbles.
@@ -54,6 +61,11 @@ KORTHIKANTI_BYTES_PER_SBH = 34
 RECOMPUTE_BYTES_PER_SBH = 2
 #: Share of a token budget that first-fit packing of variable-length rows fills.
 PACKING_FILL = 0.9
+
+
+def _uses(flag: Array) -> bool:
+    """Whether a choice is in play: on for one layout, or an array of layouts (some may use it)."""
+    return bool(np.ndim(flag)) or bool(flag)
 
 
 @dataclass(frozen=True)
@@ -164,20 +176,36 @@ class StageCostModel:
             return np.ceil(per_replica / micro_batches)
         return np.ceil(self.samples_per_replica(dp) / micro_batches)
 
-    def model_state_terms(self, params: Array, dp: Array, zero1: Array | None = None) -> dict[str, Array]:
+    def model_state_terms(
+        self, params: Array, dp: Array, zero1: Array | None = None, full_shard: Array = 0
+    ) -> dict[str, Array]:
         """Resident bytes per GPU holding `params` parameters: parameters, and in training
-        gradients and optimizer state (sharded across dp under ZeRO-1; None: as the
-        workload's optimizer says)."""
-        terms: dict[str, Array] = {"parameters": params * self.dtype_bytes}
+        gradients and optimizer state (the optimizer sharded across dp under ZeRO-1, None: as
+        the workload's optimizer says; all of them under full sharding)."""
+        shard = np.where(full_shard, dp, 1)
+        terms: dict[str, Array] = {"parameters": params * self.dtype_bytes / shard}
         if self.stage == "training":
             optimizer = self.workload.optimizer
             adam = ADAM_BYTES_MIXED if self.dtype_bytes == 2 and optimizer.master_weights else ADAM_BYTES_FP32
-            terms["gradients"] = params * self.dtype_bytes
-            terms["optimizer"] = params * adam / np.where(self._zero1(zero1), dp, 1)
+            terms["gradients"] = params * self.dtype_bytes / shard
+            terms["optimizer"] = params * adam / np.where(self._zero1(zero1, full_shard), dp, 1)
         return terms
 
-    def _zero1(self, zero1: Array | None) -> Array:
-        return self.workload.optimizer.shard_across_dp if zero1 is None else zero1
+    def _zero1(self, zero1: Array | None, full_shard: Array = 0) -> Array:
+        """Whether the optimizer state is sharded across dp (full sharding implies it)."""
+        return np.logical_or(self.workload.optimizer.shard_across_dp if zero1 is None else zero1, full_shard)
+
+    def gathered_unit_params(self, tp: Array) -> Array:
+        """Parameters full sharding gathers at once on one tp rank: a layer, or the embedding
+        (or output head) when that is larger."""
+        m = self.model
+        return np.maximum(self.layer_params_per_rank(tp), m.vocab_size * m.hidden_dim / tp)
+
+    def gathered_bytes(self, tp: Array, full_shard: Array) -> Array:
+        """Transient bytes of full sharding: two gathered units of parameters (computing and
+        prefetched), plus in training one unit of unsharded gradients before its reduce-scatter."""
+        copies = 3.0 if self.stage == "training" else 2.0
+        return np.where(full_shard, copies * self.gathered_unit_params(tp) * self.dtype_bytes, 0.0)
 
     def full_kv_bytes(self, tp: Array, pp: Array, dp: Array) -> Array:
         """KV bytes per GPU for every sample of a replica at the maximum length at once."""
@@ -209,10 +237,13 @@ class StageCostModel:
         token_budget: Array = 0,
         zero1: Array | None = None,
         kv_budget: Array = math.inf,
+        full_shard: Array = 0,
     ) -> dict[str, Array]:
         """Peak bytes per GPU by term. Model states are resident; the rest is transient."""
         w, m = self.workload, self.model
-        terms = self.model_state_terms(self.params_per_gpu(tp, pp), dp, zero1)
+        terms = self.model_state_terms(self.params_per_gpu(tp, pp), dp, zero1, full_shard)
+        if _uses(full_shard):  # a term only where full sharding is in play (plans without it keep their terms)
+            terms["gathered"] = self.gathered_bytes(tp, full_shard)
         max_len = w.prompt_len + w.response_len.max
         if self.stage == "training":
             tokens = self.micro_batch_tokens(dp, micro_batches, token_budget)
@@ -249,11 +280,12 @@ class StageCostModel:
         recompute: Array = 0,
         zero1: Array | None = None,
         kv_budget: Array = math.inf,
+        full_shard: Array = 0,
     ) -> dict[str, Array]:
         """Seconds per RL step by term, for the slowest replica."""
         if self.stage == "generation":
             return self._generation_terms(tp, pp, dp, pp_inter, kv_budget)
-        return self._pipeline_terms(tp, pp, dp, micro_batches, pp_inter, dp_inter, recompute, zero1)
+        return self._pipeline_terms(tp, pp, dp, micro_batches, pp_inter, dp_inter, recompute, zero1, full_shard)
 
     def _pipeline_terms(
         self,
@@ -265,6 +297,7 @@ class StageCostModel:
         dp_inter: Array,
         recompute: Array = 0,
         zero1: Array | None = None,
+        full_shard: Array = 0,
     ) -> dict[str, Array]:
         """Inference forwards or 1F1B training: (m + pp - 1) slots per mini-batch."""
         w, m = self.workload, self.model
@@ -296,16 +329,24 @@ class StageCostModel:
             "overhead": rounds * m_count * slot_overhead + c.stage_overhead_s,
             "bubble": rounds * (pp - 1) * slot,
         }
+        # A ring all-gather or reduce-scatter moves half an all-reduce's bytes in half its hops.
+        replica_bytes = self.params_per_gpu(tp, pp) * self.dtype_bytes
         if self.stage == "training":
-            grad_bytes = self.params_per_gpu(tp, pp) * self.dtype_bytes
-            # ZeRO-1 reduce-scatters gradients and all-gathers parameters: a ring all-reduce's bytes.
-            terms["dp_sync"] = rounds * self.allreduce_time(grad_bytes, dp, dp_inter)
-            terms["optimizer"] = rounds * self._optimizer_time(tp, pp, dp, zero1)
+            # ZeRO-1 reduce-scatters gradients and all-gathers parameters: a ring all-reduce's bytes,
+            # once per mini-batch; full sharding gathers twice and reduce-scatters once per micro-batch.
+            halves = np.where(full_shard, 1.5 * m_count, 1.0)
+            terms["dp_sync"] = rounds * halves * self.allreduce_time(replica_bytes, dp, dp_inter)
+            terms["optimizer"] = rounds * self._optimizer_time(tp, pp, dp, zero1, full_shard)
+        elif _uses(full_shard):  # inference all-gathers the parameters once per micro-batch
+            gather = 0.5 * m_count * self.allreduce_time(replica_bytes, dp, dp_inter)
+            terms["dp_sync"] = np.where(full_shard, gather, 0.0)
         return terms
 
-    def _optimizer_time(self, tp: Array, pp: Array, dp: Array, zero1: Array | None = None) -> Array:
+    def _optimizer_time(
+        self, tp: Array, pp: Array, dp: Array, zero1: Array | None = None, full_shard: Array = 0
+    ) -> Array:
         """AdamW is memory bound: read and write params, grads, master and moments."""
-        shard = np.where(self._zero1(zero1), dp, 1)
+        shard = np.where(self._zero1(zero1, full_shard), dp, 1)
         bytes_per_param = 2 * (2 * self.dtype_bytes + ADAM_BYTES_MIXED)
         moved = self.params_per_gpu(tp, pp) / shard * bytes_per_param
         return moved / (self.cluster.gpu.hbm_bytes_per_s * self.calibration.decode_memory)

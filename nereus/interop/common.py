@@ -80,6 +80,15 @@ def describe(entry: StagePlan) -> str:
     return f"{entry.model_stage} tp={entry.tp} pp={entry.pp} dp={entry.dp} on GPUs {gpu_ranges(entry.gpus)}"
 
 
+def sharding_difference(planned: StagePlan, exported: StagePlan, how: str) -> Difference | None:
+    """The Difference when the trainer shards a model-stage's parameters otherwise than planned
+    (full sharding, `StagePlan.full_shard`), or None."""
+    if planned.full_shard == exported.full_shard:
+        return None
+    state = {True: "fully sharded over dp", False: "whole parameters on every replica"}
+    return Difference(f"{planned.model_stage} {state[planned.full_shard]}", f"{state[exported.full_shard]} ({how})")
+
+
 def samples_per_pass(plan: Plan, entry: StagePlan) -> int:
     """Samples one pass of the model-stage covers: a mini-batch in training, the step otherwise."""
     w = plan.workload

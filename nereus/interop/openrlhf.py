@@ -22,6 +22,7 @@ from nereus.interop.common import (
     fusion_differences,
     laid_out,
     per_gpu_micro_batch,
+    sharding_difference,
     stage_difference,
 )
 from nereus.spec.plan import Plan, Pool, StagePlan
@@ -48,12 +49,16 @@ def export_openrlhf(plan: Plan) -> Export:
             f"algorithm {w.algorithm!r}: OpenRLHF {CHECKED_VERSIONS['openrlhf']} has no {w.algorithm} estimator "
             f"(it offers {', '.join(sorted(set(ADVANTAGE_ESTIMATORS.values())))}); plan ppo or grpo, or export to verl"
         )
-    ds_tp = plan.stage_plan("actor/training").tp
-    exported: dict[str, StagePlan] = {entry.model_stage: _exported(plan, entry, ds_tp) for entry in plan.stages}
+    ds_tp, stage = plan.stage_plan("actor/training").tp, zero_stage(plan)
+    exported: dict[str, StagePlan] = {entry.model_stage: _exported(plan, entry, ds_tp, stage) for entry in plan.stages}
     differences = [
         d
         for entry in plan.stages
         if (d := stage_difference(plan, entry, exported[entry.model_stage], _reason(entry, ds_tp))) is not None
+    ]
+    how = f"--ds.zero_stage {stage}: one ZeRO stage for every DeepSpeed model"
+    differences += [
+        d for entry in plan.stages if (d := sharding_difference(entry, exported[entry.model_stage], how)) is not None
     ]
     differences += fusion_differences(plan, "OpenRLHF")
     if w.dtype == "fp32":
@@ -79,14 +84,25 @@ def _reason(entry: StagePlan, ds_tp: int) -> str:
     return f"DeepSpeed in OpenRLHF: no pipeline parallelism, one tensor parallel size ({ds_tp}) for every model"
 
 
-def _exported(plan: Plan, entry: StagePlan, ds_tp: int) -> StagePlan:
+def zero_stage(plan: Plan) -> int:
+    """DeepSpeed's ZeRO stage for the plan: 3 when some training model-stage is fully sharded,
+    1 when one shards its optimizer state (or the workload's optimizer says so), else 0."""
+    training = [entry for entry in plan.stages if entry.stage == "training"]
+    if any(entry.full_shard for entry in training):
+        return 3
+    return 1 if plan.workload.optimizer.shard_across_dp or any(entry.zero1 for entry in training) else 0
+
+
+def _exported(plan: Plan, entry: StagePlan, ds_tp: int, stage: int) -> StagePlan:
     if entry.stage == "generation":
         # A vLLM engine of tp x pp GPUs becomes one of tp GPUs: as many engines on the same GPUs.
         return laid_out(plan, entry, sorted(entry.gpus), entry.tp, 1, 1, entry.pool)
     owner = plan.stage_plan(TIED.get(entry.model_stage, entry.model_stage))
     micro_from = owner if entry.model_stage == "critic/inference" else entry
     micro = per_gpu_micro_batch(plan, micro_from)
-    return laid_out(plan, entry, sorted(owner.gpus), ds_tp, 1, micro, owner.pool)
+    out = laid_out(plan, entry, sorted(owner.gpus), ds_tp, 1, micro, owner.pool)
+    # ZeRO-3 shards every DeepSpeed model, the inferring ones too; the stage applies to all.
+    return out.model_copy(update={"full_shard": stage == 3})
 
 
 def _pools(stages: list[StagePlan]) -> list[Pool]:
@@ -131,7 +147,7 @@ def _settings(plan: Plan, stages: dict[str, StagePlan], ds_tp: int, memory_fract
         "--vllm.tensor_parallel_size": gen.tp,
         "--vllm.gpu_memory_utilization": memory_fraction,
         "--ds.tensor_parallel_size": ds_tp,
-        "--ds.zero_stage": 1 if w.optimizer.shard_across_dp else 0,
+        "--ds.zero_stage": zero_stage(plan),
         "--ds.param_dtype": plan.workload.dtype,
         "--rollout.batch_size": w.prompts_per_step,
         "--rollout.n_samples_per_prompt": w.samples_per_prompt,

@@ -21,6 +21,7 @@ from nereus.interop.common import (
     fusion_differences,
     laid_out,
     per_gpu_micro_batch,
+    sharding_difference,
     stage_difference,
 )
 from nereus.spec.plan import Plan, Pool, StagePlan
@@ -50,6 +51,10 @@ def export_verl(plan: Plan) -> Export:
         d
         for entry in plan.stages
         if (d := stage_difference(plan, entry, exported[entry.model_stage], _reason(entry, len(gpus)))) is not None
+    ]
+    how = "verl's Megatron trainer shards the optimizer state only (use_distributed_optimizer); its FSDP one all"
+    differences += [
+        d for entry in plan.stages if (d := sharding_difference(entry, exported[entry.model_stage], how)) is not None
     ]
     differences += _batch_differences(plan) + fusion_differences(plan, "verl")
     stages = [exported[entry.model_stage] for entry in plan.stages]
@@ -119,7 +124,9 @@ def _settings(plan: Plan, stages: dict[str, StagePlan], memory_fraction: float) 
             out[f"{section}.pipeline_model_parallel_size"] = stages[name].pp
             out[f"{section}.dtype"] = MEGATRON_DTYPES[w.dtype]
             if name != "reference/inference":
-                out[f"{section}.use_distributed_optimizer"] = w.optimizer.shard_across_dp
+                planned = plan.stage_plan(name)
+                sharded = w.optimizer.shard_across_dp or bool(planned.zero1) or planned.full_shard
+                out[f"{section}.use_distributed_optimizer"] = sharded
     if "reference/inference" in stages:
         ref = stages["reference/inference"]
         out["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] = per_gpu_micro_batch(plan, ref)

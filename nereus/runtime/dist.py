@@ -245,6 +245,11 @@ class Heartbeat:
             return []
         return [_peers[rank] for rank in others if after[rank] == before[rank]]
 
+    def silences(self) -> dict[int, float]:
+        """Seconds since each watched rank's counter last moved (empty: this rank does not watch)."""
+        now = time.monotonic()
+        return {rank: now - moved for rank, (_, moved) in self.last_moved.items()}
+
     def announce(self, key: str) -> None:
         """Tell every rank waiting in `wait_for` that `key` happened."""
         self.store.set(key, "1")
@@ -466,7 +471,7 @@ def spawn(
         failures.insert(0, f"rank {failure.error_index}: {_exit_description(failure)}")
     first = failure.error_index if failure is not None else None
     silent = [rank for rank, outcome in outcomes.items() if outcome is None and rank != first]
-    if silent and raised and all(_timed_out(message) for _, _, message in raised):
+    if silent and raised and all(timed_out(message) for _, _, message in raised):
         # The others gave up waiting on these: they are the cause, not the ranks that timed out.
         waited = f"{timeout.total_seconds():g} s"
         failures[:0] = [f"rank {rank}: {_silence(rank in stopped)}; the others waited {waited}" for rank in silent]
@@ -509,7 +514,7 @@ def _stopped(pid: int) -> bool:
     return fields[0] in ("T", "t")
 
 
-def _timed_out(message: str) -> bool:
+def timed_out(message: str) -> bool:
     """Whether a rank's error is a collective that waited too long."""
     text = message.lower()
     return "timed out" in text or "timeout" in text or "did not arrive within" in text

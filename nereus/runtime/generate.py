@@ -1,141 +1,38 @@
-"""Batched autoregressive generation with a KV cache under tensor and pipeline parallelism.
+"""Generation on a replica's engine: the continuous-batching engine, the static one it
+replaced, and the single-process reference.
 
-Prompts are left-padded so every sequence's next token sits in the last column. Each
-step runs the new tokens through the stages (hidden states go forward by send/recv),
-the last stage gathers the vocabulary columns over its tensor ranks and picks the next
-token (greedy, or temperature + top-p sampling from a seeded generator, so every tensor
-rank draws the same token), and broadcasts it to the other stages. A sequence stops at
-EOS; generation stops when all have, or after `max_new_tokens`.
+`generate` runs the continuous-batching engine over a paged KV cache (`batching`) by
+default. The static engine (`Decoder` over `CachedForward`) decodes one batch in lock-step:
+prompts left-padded so every sequence's next token sits in the last column, a cache
+preallocated to the prompt width plus the whole budget, rows dropped (index copies) as they
+finish and never refilled. Both run the new tokens through the stages (hidden states go
+forward by send/recv), gather the vocabulary columns on the last stage and choose every
+row's next token there at once (`sampling`: greedy, or temperature, top-k and top-p from
+each sample's own counter-based stream, so every tensor rank, layout and engine draws the
+same token), then broadcast the tokens to the other stages. A sequence stops at a stop
+token or its budget.
 
-`reference_generate` does the same with the single-process reference model, recomputing
-the whole prefix each step (no cache): the tests hold the cached, sharded path to it.
+`reference_generate` runs the static decoder on the single-process reference model,
+recomputing the whole prefix each step (no cache): the tests hold both engines to it.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
-import torch.distributed as dist
 
+from nereus.runtime.batching import BatchingDecoder
+from nereus.runtime.decoding import Generation, HandOff, assemble, left_pad, replica_forward
 from nereus.runtime.engine import Engine
-from nereus.runtime.model import LayerCache, ReferenceModel, positions_from_mask
+from nereus.runtime.kv_cache import KVBudget
+from nereus.runtime.model import LayerCache, ReferenceModel
+from nereus.runtime.sampling import SamplingConfig, sample_streams, stops, stream_keys
 from nereus.runtime.tensor_parallel import gather_last_dim
 
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """How the next token is chosen and when generation stops."""
-
-    max_new_tokens: int
-    """Most tokens generated per sequence."""
-    temperature: float = 0.0
-    """0 picks the most likely token (greedy); above 0 samples from softmax(logits / temperature)."""
-    top_p: float = 1.0
-    """Nucleus sampling: draw only from the most likely tokens whose probabilities sum to top_p."""
-    eos_token_id: int | None = None
-    """A sequence stops after producing this token; None generates max_new_tokens always."""
-    pad_token_id: int = 0
-    """Fills prompts on the left and responses after they stop."""
-    seed: int = 0
-    """Seed of the per-sample generators: sample i draws from one seeded by (seed, i)."""
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-
-@dataclass(frozen=True)
-class Generation:
-    """Prompts (left-padded) followed by the generated tokens."""
-
-    tokens: torch.Tensor
-    """[b, prompt_width + generated] token ids; pad_token_id where attention_mask is False."""
-    attention_mask: torch.Tensor
-    """[b, prompt_width + generated] bool: real prompt and response tokens."""
-    prompt_width: int
-    """Columns taken by the left-padded prompts."""
-
-    def responses(self) -> list[list[int]]:
-        """Each sequence's generated tokens (through EOS when it stopped there)."""
-        out = []
-        for row, mask in zip(
-            self.tokens[:, self.prompt_width :], self.attention_mask[:, self.prompt_width :], strict=True
-        ):
-            out.append([int(t) for t in row[mask]])
-        return out
-
-
-def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("generation needs at least one prompt and every prompt at least one token")
-    width = max(len(p) for p in prompts)
-    tokens = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        tokens[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-        mask[row, width - len(prompt) :] = True
-    return tokens, mask
-
-
-def sampling_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """[b, vocab] probabilities of sampling at `config`'s temperature (> 0) and top-p; rows independent."""
-    probs = torch.softmax(logits.float() / config.temperature, dim=-1)
-    if config.top_p < 1:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= config.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return probs
-
-
-def sample_next(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
-    """[b] next tokens from [b, vocab] logits."""
-    if config.temperature == 0:
-        return logits.float().argmax(dim=-1)
-    return torch.multinomial(sampling_probs(logits, config), 1, generator=generator).squeeze(-1)
-
-
-def sample_seed(seed: int, sample_id: int) -> int:
-    """The seed of sample `sample_id`'s generator under sampling seed `seed`."""
-    digest = hashlib.sha256(f"{seed}:{sample_id}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def sample_rows(logits: torch.Tensor, config: SamplingConfig, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """[b] next tokens from [b, vocab] logits, row i drawing from `generators[i]` only."""
-    if config.temperature == 0:
-        return logits.float().argmax(dim=-1)
-    # One softmax for the batch (rows are independent), then each row's draw from its own generator.
-    probs = sampling_probs(logits, config)
-    return torch.cat([torch.multinomial(probs[row], 1, generator=generators[row]) for row in range(len(generators))])
-
-
-@dataclass(frozen=True)
-class HandOff:
-    """Rows leaving one replica's decoder for another's, as of between two decode steps."""
-
-    sample_ids: list[int]
-    sequences: list[list[int]]
-    """Each row's prompt and tokens generated so far (no padding)."""
-    prompt_lens: list[int]
-    budgets: list[int]
-    """Each row's most new tokens."""
-    generated: list[int]
-    """Tokens each row has generated."""
-    generator_states: list[torch.Tensor]
-    """Each row's sampling generator state (`torch.Generator.get_state`)."""
-    kv: list[torch.Tensor] | None
-    """Each row's cache on this rank, [layers, 2 (keys, values), local kv heads, tokens - 1,
-    head_dim] (every token but the last, which the next step feeds); None: the receiver
-    recomputes it from `sequences`."""
+#: The generation engines: `continuous` batching over a paged KV cache, or one `static` batch.
+Strategy = Literal["continuous", "static"]
 
 
 class Forward(Protocol):
@@ -177,13 +74,18 @@ class Decoder:
         self.prompt_lens: list[int] = []
         self.budgets = torch.zeros(0, dtype=torch.long)
         self.generated = torch.zeros(0, dtype=torch.long)
-        self.generators: list[torch.Generator] = []
+        self.keys = torch.zeros(0, dtype=torch.long)
+        """Each row's sampling stream key."""
         self.responses: dict[int, list[int]] = {}
         """Finished samples' generated tokens (through EOS when they stopped there)."""
 
     @property
     def num_active(self) -> int:
         return len(self.sample_ids)
+
+    def context_lengths(self) -> list[int]:
+        """Tokens (prompt and generated) of every active row, in `sample_ids` order."""
+        return [int(n) for n in self.mask.sum(dim=1)]
 
     def start(self, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int], budgets: Sequence[int]) -> None:
         """Begin decoding `prompts` as samples `sample_ids`, each stopping after its budget."""
@@ -196,7 +98,7 @@ class Decoder:
         self.prompt_lens = [len(prompt) for prompt in prompts]
         self.budgets = torch.tensor([min(b, self.config.max_new_tokens) for b in budgets], dtype=torch.long)
         self.generated = torch.zeros(len(prompts), dtype=torch.long)
-        self.generators = [torch.Generator().manual_seed(sample_seed(self.config.seed, i)) for i in sample_ids]
+        self.keys = stream_keys(self.config.seed, sample_ids)
         self.forward.reset(len(prompts), self.tokens.shape[1] + int(self.budgets.max()))
 
     def step(self) -> list[int]:
@@ -205,15 +107,13 @@ class Decoder:
         chosen = (
             torch.zeros(self.num_active, dtype=torch.long)
             if logits is None
-            else sample_rows(logits.cpu(), self.config, self.generators)
+            else sample_streams(logits, self.config, self.keys, self.generated)
         )
-        chosen = self.forward.share(chosen)
+        chosen = self.forward.share(chosen).cpu()
         self.tokens = torch.cat([self.tokens, chosen.unsqueeze(1)], dim=1)
         self.mask = torch.cat([self.mask, torch.ones((self.num_active, 1), dtype=torch.bool)], dim=1)
         self.generated += 1
-        done = self.generated >= self.budgets
-        if self.config.eos_token_id is not None:
-            done |= chosen == self.config.eos_token_id
+        done = (self.generated >= self.budgets) | stops(chosen, self.config)
         finished = [int(row) for row in done.nonzero().flatten()]
         for row in finished:
             self.responses[self.sample_ids[row]] = self.tokens[row, -int(self.generated[row]) :].tolist()
@@ -227,7 +127,7 @@ class Decoder:
         rows = keep.nonzero().flatten()
         self.sample_ids = [self.sample_ids[int(row)] for row in rows]
         self.prompt_lens = [self.prompt_lens[int(row)] for row in rows]
-        self.generators = [self.generators[int(row)] for row in rows]
+        self.keys = self.keys[rows]
         self.tokens, self.mask = self.tokens[rows], self.mask[rows]
         self.budgets, self.generated = self.budgets[rows], self.generated[rows]
         lead = int((~self.mask).all(dim=0).long().cumprod(dim=0).sum()) if len(rows) else self.tokens.shape[1]
@@ -252,7 +152,6 @@ class Decoder:
             prompt_lens=[self.prompt_lens[row] for row in rows],
             budgets=[int(self.budgets[row]) for row in rows],
             generated=[int(self.generated[row]) for row in rows],
-            generator_states=[self.generators[row].get_state() for row in rows],
             kv=kv,
         )
         keep = torch.ones(self.num_active, dtype=torch.bool)
@@ -279,54 +178,13 @@ class Decoder:
         self.prompt_lens += hand_off.prompt_lens
         self.budgets = torch.cat([self.budgets, torch.tensor(hand_off.budgets, dtype=torch.long)])
         self.generated = torch.cat([self.generated, torch.tensor(hand_off.generated, dtype=torch.long)])
-        for state in hand_off.generator_states:
-            generator = torch.Generator()
-            generator.set_state(state)
-            self.generators.append(generator)
+        self.keys = torch.cat([self.keys, stream_keys(self.config.seed, hand_off.sample_ids)])
         left = int((self.budgets - self.generated).max())
         self.forward.merge(shift, kv, width, width + left)
 
     def generation(self, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int]) -> Generation:
         """The finished samples `sample_ids` (with these prompts) as one left-padded batch."""
         return assemble(prompts, [self.responses[sid] for sid in sample_ids], self.config.pad_token_id)
-
-
-def assemble(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_token_id: int) -> Generation:
-    """Left-padded prompts followed by right-padded responses."""
-    tokens, mask = left_pad(prompts, pad_token_id)
-    width = max(len(response) for response in responses)
-    generated = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    generated_mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for row, response in enumerate(responses):
-        generated[row, : len(response)] = torch.tensor(list(response), dtype=torch.long)
-        generated_mask[row, : len(response)] = True
-    return Generation(torch.cat([tokens, generated], dim=1), torch.cat([mask, generated_mask], dim=1), tokens.shape[1])
-
-
-def replica_forward(
-    engine: Engine,
-    new: torch.Tensor,
-    key_mask: torch.Tensor,
-    caches: dict[int, LayerCache],
-    start: int,
-) -> torch.Tensor | None:
-    """Feed `new` tokens (the columns from `start` on) through the replica's stages, their keys
-    and values going into `caches`; the last stage's output (None on the other stages)."""
-    stage, link = engine.pipeline_stage, engine.groups.link
-    device = engine.device
-    new, key_mask = new.to(device), key_mask.to(device)
-    positions = positions_from_mask(key_mask)[:, start:]
-    if link.is_first:
-        stage_input = new
-    else:
-        stage_input = torch.empty((*new.shape, engine.model.hidden_dim), dtype=engine.dtype, device=device)
-        dist.recv(stage_input, src=link.prev_rank, group=link.group)
-    with torch.no_grad():
-        output = stage(stage_input, key_mask, positions, caches, start)
-    if not link.is_last:
-        dist.send(output.contiguous(), dst=link.next_rank, group=link.group)
-        return None
-    return output
 
 
 class CachedForward:
@@ -436,15 +294,20 @@ class RecomputeForward:
         pass
 
 
+class _Decoding(Protocol):
+    def start(self, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int], budgets: Sequence[int]) -> None: ...
+    def run(self) -> None: ...
+    def generation(self, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int]) -> Generation: ...
+
+
 def _generate(
-    forward: Forward,
+    decoder: _Decoding,
     prompts: Sequence[Sequence[int]],
     config: SamplingConfig,
     sample_ids: Sequence[int] | None,
     budgets: Sequence[int] | None,
 ) -> Generation:
     ids = list(range(len(prompts))) if sample_ids is None else list(sample_ids)
-    decoder = Decoder(forward, config)
     decoder.start(prompts, ids, [config.max_new_tokens] * len(prompts) if budgets is None else budgets)
     decoder.run()
     return decoder.generation(prompts, ids)
@@ -456,11 +319,19 @@ def generate(
     config: SamplingConfig,
     sample_ids: Sequence[int] | None = None,
     budgets: Sequence[int] | None = None,
+    kv_budget: KVBudget | None = None,
+    strategy: Strategy = "continuous",
 ) -> Generation:
     """Generate from `prompts` on this engine's replica (collective over its ranks). Prompt i
-    is sample `sample_ids[i]` (default i: it seeds its generator) and stops after at most
-    `budgets[i]` tokens (default and cap: `config.max_new_tokens`)."""
-    return _generate(CachedForward(engine), prompts, config, sample_ids, budgets)
+    is sample `sample_ids[i]` (default i: it keys its sampling stream) and stops after at most
+    `budgets[i]` tokens (default and cap: `config.max_new_tokens`). The continuous engine's
+    KV pool follows `kv_budget` (default: room for every sequence, within the rank's memory);
+    the static engine has no budget."""
+    if strategy == "static":
+        decoder: _Decoding = Decoder(CachedForward(engine), config)
+    else:
+        decoder = BatchingDecoder(engine, config, kv_budget or KVBudget())
+    return _generate(decoder, prompts, config, sample_ids, budgets)
 
 
 def reference_generate(
@@ -471,4 +342,4 @@ def reference_generate(
     budgets: Sequence[int] | None = None,
 ) -> Generation:
     """`generate` by the single-process reference model, recomputing the prefix every step."""
-    return _generate(RecomputeForward(model), prompts, config, sample_ids, budgets)
+    return _generate(Decoder(RecomputeForward(model), config), prompts, config, sample_ids, budgets)

@@ -23,6 +23,7 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -212,12 +213,27 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return out.transpose(1, 2).flatten(2)
 
 
+class KVStore(Protocol):
+    """Where one layer's attention keeps the keys and values of generation's earlier tokens."""
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens' [b, kv heads, t, d] keys and values (at column `start`), and
+        return the keys and values attention reads, [b, kv heads, keys, d]."""
+        ...
+
+
 @dataclass
 class LayerCache:
     """One layer's keys and values for generation: [batch, local kv heads, capacity, head_dim]."""
 
     keys: torch.Tensor
     values: torch.Tensor
+
+    def extend(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        seq = keys.shape[2]
+        self.keys[:, :, start : start + seq] = keys
+        self.values[:, :, start : start + seq] = values
+        return self.keys[:, :, : start + seq], self.values[:, :, : start + seq]
 
 
 class RMSNorm(nn.Module):
@@ -253,7 +269,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         plan: AttentionPlan,
-        cache: LayerCache | None,
+        cache: KVStore | None,
         cache_start: int,
     ) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -264,13 +280,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
-            # The cache keeps source columns (decode steps index it by column).
+            # The cache keeps source columns (decode steps index it by column); a whole
+            # sequence attends over its own packed keys, a decode step over the cache's.
             packing = plan.packing
-            cache.keys[:, :, cache_start : cache_start + seq] = k if packing is None else packing.unpack(k, 2)
-            cache.values[:, :, cache_start : cache_start + seq] = v if packing is None else packing.unpack(v, 2)
+            new_keys, new_values = (k, v) if packing is None else (packing.unpack(k, 2), packing.unpack(v, 2))
+            context = cache.extend(new_keys, new_values, cache_start)
             if plan.decode_mask is not None:
-                k = cache.keys[:, :, : cache_start + seq]
-                v = cache.values[:, :, : cache_start + seq]
+                k, v = context
         return self.o_proj(grouped_attention(q, k, v, plan.decode_mask))
 
 
@@ -300,7 +316,7 @@ class Block(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         plan: AttentionPlan,
-        cache: LayerCache | None = None,
+        cache: KVStore | None = None,
         cache_start: int = 0,
     ) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope, plan, cache, cache_start)
@@ -340,7 +356,7 @@ class DecoderPipelineStage(nn.Module):
         inputs: torch.Tensor,
         key_mask: torch.Tensor,
         positions: torch.Tensor,
-        caches: Mapping[int, LayerCache] | None = None,
+        caches: Mapping[int, KVStore] | None = None,
         cache_start: int = 0,
     ) -> torch.Tensor:
         """`inputs`: token ids (first stage) or hidden states; `key_mask` [b, keys] covers the cache.
@@ -365,7 +381,7 @@ class DecoderPipelineStage(nn.Module):
         inputs: torch.Tensor,
         positions: torch.Tensor,
         plan: AttentionPlan,
-        caches: Mapping[int, LayerCache] | None,
+        caches: Mapping[int, KVStore] | None,
         cache_start: int,
     ) -> torch.Tensor:
         x = self.embed(inputs) if self.is_first else inputs

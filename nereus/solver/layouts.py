@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -17,8 +16,8 @@ from nereus.spec.check import kv_heads_rule, pp_rule
 #: sequence, the least that runs, and the unbounded budget).
 KV_BUDGET_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7)
 
-#: (kv_budget_bytes or 0, recompute, token_budget or 0, zero1, offload) of one option.
-Choice = tuple[int, int, int, int, int]
+#: (kv_budget_bytes or 0, recompute, token_budget or 0, zero1, offload, full_shard) of one option.
+Choice = tuple[int, int, int, int, int, int]
 Option = tuple[float, float, float, int, int, int, int, Choice]  # time, resident, transient, tp, pp, dp, m, choice
 
 
@@ -36,11 +35,15 @@ class MemoryChoices:
     """Idle model-stages' states sleep in host memory (True) or stay on the GPUs (False)."""
     kv_budget: tuple[bool, ...] = (False, True)
     """Generation batches continuously into a bounded KV budget (True) or holds every sample (False)."""
+    full_shard: tuple[bool, ...] = (False, True)
+    """Training and inference shard parameters (and gradients, optimizer state) across dp (True;
+    searched where dp > 1 and pp = 1; it shards the optimizer whatever `zero1` says) or hold them
+    whole (False)."""
 
 
 #: What `nereus run` executes today: every state resident, every activation kept, fixed rows,
-#: the whole batch's KV cache.
-RUNTIME_CHOICES = MemoryChoices(("none",), (False,), (False,), (False,), (False,))
+#: the whole batch's KV cache, whole parameters on every replica.
+RUNTIME_CHOICES = MemoryChoices(("none",), (False,), (False,), (False,), (False,), (False,))
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ class ListedOptions:
     memory: dict[str, np.ndarray]
     """Bytes per memory term."""
     choices: tuple[np.ndarray, ...]
-    """(kv_budget_bytes, recompute, token_budget, zero1, offload), integers (0: off)."""
+    """(kv_budget_bytes, recompute, token_budget, zero1, offload, full_shard), integers (0: off)."""
 
 
 @dataclass
@@ -177,41 +180,57 @@ class _Timed:
     layout: list[np.ndarray]  # index of the distinct layout, tp, pp, dp, micro-batches
     kv: np.ndarray  # KV budget in bytes (inf: none)
     recompute: np.ndarray
+    full_shard: np.ndarray  # parameters sharded across dp (the optimizer with them)
     time: np.ndarray  # seconds (inf where no choice of the row fits alone)
     optimizer_time: np.ndarray  # the share of `time` ZeRO-1 divides by dp
-    memory: dict[str, np.ndarray]  # without ZeRO-1 (unless pinned) and token budgets
+    memory: dict[str, np.ndarray]  # without ZeRO-1 (unless pinned or fully sharded) and token budgets
     token_budget: np.ndarray  # the packed budget's tokens (training), 0 elsewhere
     token_ratio: np.ndarray  # those tokens over the rows' tokens: activations and logits scale by it
 
 
 def _timed_grid(
     cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices
-) -> tuple[list[np.ndarray], np.ndarray, np.ndarray]:
-    """Distinct (index, tp, pp, dp, m) rows once per recompute choice (training) or KV budget (generation)."""
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct (index, tp, pp, dp, m) rows once per recompute choice (training) and full
+    sharding choice (training, inference), or per KV budget (generation)."""
     columns = list(distinct)
+    if cost.stage == "generation":
+        if True in allowed.kv_budget:
+            columns, kv = _kv_levels(cost, columns, allowed)
+        else:
+            kv = np.full(columns[0].shape, np.inf)
+        return columns, kv, np.zeros(columns[0].shape), np.zeros(columns[0].shape)
+    recompute: np.ndarray = np.zeros(len(columns[0]))
     if cost.stage == "training":
-        columns = _expand(columns, [float(r == "full") for r in allowed.recompute])
-        return columns[:5], np.full(columns[0].shape, np.inf), columns[5]
-    if cost.stage == "generation" and True in allowed.kv_budget:
-        columns, kv = _kv_levels(cost, columns, allowed)
-    else:
-        kv = np.full(columns[0].shape, np.inf)
-    return columns, kv, np.zeros(columns[0].shape)
+        *columns, recompute = _expand(columns, [float(r == "full") for r in allowed.recompute])
+    n = len(columns[0])
+    if False not in allowed.full_shard:  # pinned on
+        return columns, np.full(n, np.inf), recompute, np.ones(n)
+    if True in allowed.full_shard:
+        # Searched, full sharding is tried where it shards something (dp > 1) and as FSDP and ZeRO-3
+        # run it, without pipeline stages (Megatron pipelines shard the optimizer only: ZeRO-1).
+        twin = np.nonzero((columns[3] > 1) & (columns[2] == 1))[0]
+        columns = [np.concatenate([c, c[twin]]) for c in columns]
+        recompute = np.concatenate([recompute, recompute[twin]])
+    full_shard = np.zeros(len(columns[0]))
+    full_shard[n:] = 1.0
+    return columns, np.full(len(columns[0]), np.inf), recompute, full_shard
 
 
 def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices) -> _Timed:
     """Memory of every timed row, and its time where some choice of it fits alone."""
-    layout, kv, recompute = _timed_grid(cost, distinct, allowed)
+    layout, kv, recompute, full_shard = _timed_grid(cost, distinct, allowed)
     tp, pp, dp, m = (c.astype(float) for c in layout[1:])
     pinned = cost.stage == "training" and cost.workload.optimizer.shard_across_dp
-    zero1 = np.full(tp.shape, pinned)
-    memory = cost.memory_terms(tp, pp, dp, m, recompute=recompute, zero1=zero1, kv_budget=kv)
+    zero1 = np.full(tp.shape, pinned) | (full_shard > 0)
+    shard: Any = full_shard if cost.stage != "generation" else 0
+    memory = cost.memory_terms(tp, pp, dp, m, recompute=recompute, zero1=zero1, kv_budget=kv, full_shard=shard)
     memory = {k: np.broadcast_to(v, tp.shape).astype(float) for k, v in memory.items()}
     token_budget, token_ratio = np.zeros(tp.shape), np.ones(tp.shape)
     if cost.stage == "training":
         token_budget = cost.packed_token_budget(dp, m)
         token_ratio = token_budget / cost.micro_batch_tokens(dp, m)
-    least = _least_memory(memory, dp, token_ratio, allowed, pinned)
+    least = _least_memory(memory, dp, token_ratio, allowed, zero1)
     fits = least <= usable_memory(cost.cluster, cost.calibration)
     time, optimizer_time = np.full(tp.shape, np.inf), np.zeros(tp.shape)
     emu, per_node = tp[fits] * pp[fits], cost.cluster.gpus_per_node
@@ -219,22 +238,30 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
     pp_inter = (emu > per_node) | ((per_node % emu != 0) & (emu * dp[fits] > per_node))
     dp_inter = emu * dp[fits] > per_node
     args = (tp[fits], pp[fits], dp[fits], m[fits], pp_inter, dp_inter)
-    times = cost.time_terms(*args, recompute=recompute[fits], zero1=zero1[fits], kv_budget=kv[fits])
+    shard_fits = full_shard[fits] if cost.stage != "generation" else 0
+    times = cost.time_terms(
+        *args, recompute=recompute[fits], zero1=zero1[fits], kv_budget=kv[fits], full_shard=shard_fits
+    )
     time[fits] = sum((np.broadcast_to(v, emu.shape) for v in times.values()), np.zeros(emu.shape))
     if cost.stage == "training":
         optimizer_time[fits] = times["optimizer"]
-    return _Timed(layout, kv, recompute, time, optimizer_time, memory, token_budget, token_ratio)
+    return _Timed(layout, kv, recompute, full_shard, time, optimizer_time, memory, token_budget, token_ratio)
 
 
 def _least_memory(
-    memory: dict[str, np.ndarray], dp: np.ndarray, token_ratio: np.ndarray, allowed: MemoryChoices, pinned: bool
+    memory: dict[str, np.ndarray],
+    dp: np.ndarray,
+    token_ratio: np.ndarray,
+    allowed: MemoryChoices,
+    sharded: np.ndarray,
 ) -> np.ndarray:
-    """The smallest footprint any expansion of a row can have (offload moves bytes, not removes them)."""
+    """The smallest footprint any expansion of a row can have (offload moves bytes, not removes
+    them); `sharded`: rows whose optimizer state is already divided by dp."""
     scale = np.minimum(token_ratio, 1.0) if True in allowed.token_budget else 1.0
     total = np.zeros(dp.shape)
     for name, value in memory.items():
-        if name == "optimizer" and not pinned and True in allowed.zero1:
-            value = value / dp
+        if name == "optimizer" and True in allowed.zero1:
+            value = np.where(sharded, value, value / dp)
         total = total + (value * scale if name in TOKEN_TERMS else value)
     return total
 
@@ -259,8 +286,8 @@ def _expand_choices(
     token = _decided(allowed.token_budget, g.token_ratio < 1) if training else np.zeros(n, dtype=bool)
     pinned = training and cost.workload.optimizer.shard_across_dp
     zero1 = np.zeros(n, dtype=bool)
-    if training and not pinned:
-        zero1 = _decided(allowed.zero1, g.layout[3] > 1) & (g.layout[3] > 1)
+    if training and not pinned:  # a fully sharded row's optimizer is sharded already
+        zero1 = _decided(allowed.zero1, g.layout[3] > 1) & (g.layout[3] > 1) & (g.full_shard == 0)
     dp = g.layout[3].astype(float)
     scale = np.where(token, g.token_ratio, 1.0)
     terms = {k: v * scale if k in TOKEN_TERMS else v for k, v in g.memory.items()}
@@ -272,16 +299,14 @@ def _expand_choices(
     rows = np.arange(n)
     kv = np.where(np.isinf(g.kv), 0.0, g.kv)
     token_budget = np.where(token, g.token_budget, 0.0)
-    zero1_flag = np.full(n, 1.0) if pinned else zero1.astype(float)
+    zero1_flag = np.full(n, 1.0) if pinned else np.where(training & (g.full_shard > 0), 1.0, zero1.astype(float))
     offloads = [float(o) for o in allowed.offload]
+    per_row = (kv, g.recompute, token_budget, zero1_flag)
     return (
         np.tile(rows, len(offloads)),
         np.concatenate([time + (cost.offload_time(states) if o else 0.0) for o in offloads]),
         {k: np.tile(v, len(offloads)) for k, v in terms.items()},
-        tuple(
-            np.tile(c, len(offloads)) if i < 4 else np.repeat(offloads, n)
-            for i, c in enumerate((kv, g.recompute, token_budget, zero1_flag, np.zeros(n)))
-        ),
+        (*(np.tile(c, len(offloads)) for c in per_row), np.repeat(offloads, n), np.tile(g.full_shard, len(offloads))),
     )
 
 
@@ -323,10 +348,16 @@ def price_layouts(
     base_row, pick = _rows_per_base(of_layout, inverse.reshape(-1), first.size)
     bounds = np.searchsorted(size[base_row], [*pool_sizes, np.iinfo(np.int64).max])
     fitting = np.where(listed.columns[1] + listed.columns[2] <= budget, listed.columns[0], np.inf)[pick]
-    tables = {}
-    for s, lo, hi in zip(pool_sizes, bounds[:-1], bounds[1:], strict=True):
-        tables[s] = OptionTable(listed, pick[lo:hi], float(fitting[lo:hi].min(initial=math.inf)))
-    return tables
+    # Each pool size's fastest fitting option in one pass: its rows are the slice [lo, hi), and
+    # the slices tile the array, so a segment ends where the next non-empty one starts.
+    fastest = np.full(len(pool_sizes), np.inf)
+    filled = bounds[1:] > bounds[:-1]
+    if filled.any():
+        fastest[filled] = np.minimum.reduceat(fitting, bounds[:-1][filled])
+    return {
+        s: OptionTable(listed, pick[lo:hi], float(f))
+        for s, lo, hi, f in zip(pool_sizes, bounds[:-1], bounds[1:], fastest.tolist(), strict=True)
+    }
 
 
 def _worth_listing(

@@ -575,18 +575,18 @@ def rejections(
     return out
 
 
-def describe_choice(choice: tuple[int, int, int, int, int]) -> str:
+def describe_choice(choice: tuple[int, int, int, int, int, int]) -> str:
     """` recompute=full token_budget=... ` for the choices an option makes (empty: none)."""
-    kv, recompute, token_budget, zero1, offload = choice
+    kv, recompute, token_budget, zero1, offload, full_shard = choice
     parts = [f"kv_budget={kv / GIB:.1f}GiB" if kv else "", "recompute=full" if recompute else ""]
-    parts += [f"token_budget={token_budget}" if token_budget else "", "zero1" if zero1 else ""]
-    parts += ["offload" if offload else ""]
+    parts += [f"token_budget={token_budget}" if token_budget else ""]
+    parts += ["full_shard" if full_shard else "zero1" if zero1 else "", "offload" if offload else ""]
     return "".join(f" {p}" for p in parts if p)
 
 
 def iter_assignments(
     candidate: Candidate,
-) -> Iterator[tuple[str, str, int, int, int, int, int, tuple[int, int, int, int, int]]]:
+) -> Iterator[tuple[str, str, int, int, int, int, int, tuple[int, int, int, int, int, int]]]:
     """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches, choice) per model-stage."""
     pool_of = {name: (pool, start) for pool, start, _, stages in candidate.placement.pools for name in stages}
     for name, option in candidate.choices:

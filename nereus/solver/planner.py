@@ -35,7 +35,7 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
     entries = {}
     for name, pool, start, tp, pp, dp, micro_batches, choice in iter_assignments(candidate):
         emu_size = tp * pp
-        kv, recompute, token_budget, zero1, offload = choice
+        kv, recompute, token_budget, zero1, offload, full_shard = choice
         training = name.endswith("/training")
         emus = [list(range(start + k * emu_size, start + (k + 1) * emu_size)) for k in range(dp)]
         entries[name] = StagePlan(
@@ -50,6 +50,7 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
             token_budget=token_budget or None,
             zero1=bool(zero1) if training else None,
             offload=bool(offload),
+            full_shard=bool(full_shard),
             kv_budget_bytes=kv or None,
         )
     order = [model_stage_name(r, s) for r, s in model_stages(request.workload)]

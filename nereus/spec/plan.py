@@ -46,6 +46,11 @@ class StagePlan(StrictModel):
     None: micro-batches of equal row counts, sized for rows of the maximum length."""
     zero1: bool | None = None
     """Training only: AdamW state sharded across dp (ZeRO-1); None: as the workload's optimizer says."""
+    full_shard: bool = False
+    """Training and inference only: parameters (and in training gradients and AdamW state) sharded
+    across dp, each layer all-gathered before its forward and again before its backward and its
+    gradients reduce-scattered (ZeRO-3, FSDP's FULL_SHARD), the optimizer state whatever `zero1`
+    says; False: every replica holds them whole."""
     offload: bool = False
     """Between its runs, this model-stage's resident states sleep in host memory (moved out
     and back over the cluster's host link every step)."""
@@ -64,6 +69,8 @@ class StagePlan(StrictModel):
                 raise ValueError(f"recompute applies to training model-stages only; drop it from {self.model_stage}")
         if stage != "generation" and self.kv_budget_bytes is not None:
             raise ValueError(f"kv_budget_bytes applies to generation only; drop it from {self.model_stage}")
+        if self.full_shard and stage == "generation":
+            raise ValueError(f"full_shard applies to training and inference only; drop it from {self.model_stage}")
         return self
 
     @property

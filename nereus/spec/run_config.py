@@ -41,6 +41,10 @@ class RLConfig(StrictModel):
     """AdamW epsilon of both models."""
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature of generation (above 0: RL needs exploration)."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling: draw only from the most likely tokens whose probabilities sum to top_p (1: all)."""
+    top_k: int = Field(default=0, ge=0)
+    """Draw only from the top_k most likely tokens (0: no top-k filter)."""
     max_new_tokens: int = Field(default=12, ge=1)
     """Most tokens per response (responses stop earlier at EOS unless `stop_at_eos` is off)."""
     stop_at_eos: bool = True

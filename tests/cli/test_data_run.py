@@ -19,13 +19,11 @@ from repo_paths import DATA, EXAMPLES
 
 from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke
-from tests.run_helpers import alive, rank_pids, start_run, wait_for
+from tests.run_helpers import TIMING_FIELDS, alive, rank_pids, start_run, wait_for
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytestmark = pytest.mark.cli
-
-TIMING_FIELDS = ("stage_seconds", "step_seconds", "predicted_step_seconds", "predicted_stage_seconds")
 
 
 def make_folder(out: Path) -> Path:

@@ -172,3 +172,22 @@ def test_remax_on_openrlhf_is_one_line(tmp_path: Path) -> None:
     assert line.startswith(f"error: {path}: algorithm 'remax': OpenRLHF 0.11.2 has no remax estimator")
     assert not out.exists()
     assert invoke("export", "verl", path).exit_code == 0  # verl has a remax estimator
+
+
+def test_full_sharding_exports_as_zero_3_and_as_a_difference_to_verl_megatron() -> None:
+    """A fully sharded actor/training: OpenRLHF's one ZeRO stage becomes 3 and shards every
+    DeepSpeed model (the others listed as changed); verl's Megatron trainer lists it as lost."""
+    plan = split_plan()
+    stages = [s.model_copy(update={"full_shard": s.model_stage == "actor/training"}) for s in plan.stages]
+    plan = plan.model_copy(update={"stages": stages})
+    openrlhf = export_openrlhf(plan)
+    assert openrlhf.settings["--ds.zero_stage"] == 3
+    sharded = {s.model_stage for s in openrlhf.exported_plan.stages if s.full_shard}
+    assert sharded == {s.model_stage for s in plan.stages if s.stage != "generation"}
+    changed = {d.planned for d in openrlhf.differences if "fully sharded" in d.exported}
+    assert changed == {f"{name} whole parameters on every replica" for name in sharded - {"actor/training"}}
+    verl = export_verl(plan)
+    lost = [d for d in verl.differences if d.planned == "actor/training fully sharded over dp"]
+    assert len(lost) == 1 and "Megatron" in lost[0].exported
+    assert verl.settings["actor_rollout_ref.actor.megatron.use_distributed_optimizer"] is True
+    assert not any(s.full_shard for s in verl.exported_plan.stages)

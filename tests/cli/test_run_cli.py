@@ -559,7 +559,11 @@ def test_the_closing_summary_keeps_long_paths_on_one_line(capsys: pytest.Capture
 
 @pytest.mark.parametrize(
     ("choice", "pin"),
-    [({"offload": True}, "--offload off"), ({"recompute": "full"}, "--recompute none")],
+    [
+        ({"offload": True}, "--offload off"),
+        ({"recompute": "full"}, "--recompute none"),
+        ({"full_shard": True}, "--full-shard off"),
+    ],
 )
 def test_a_plan_with_a_choice_the_runtime_lacks_is_refused(tmp_path: Path, choice: dict, pin: str) -> None:
     config = write_config(tmp_path)
@@ -572,4 +576,30 @@ def test_a_plan_with_a_choice_the_runtime_lacks_is_refused(tmp_path: Path, choic
     assert result.exit_code == 1 and "Traceback" not in result.output
     line = one_error_line(result)
     assert "actor/training" in line and "not executed by the runtime" in line and pin in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_kv_budget_below_one_sequence_is_refused_with_the_bytes_needed(tmp_path: Path) -> None:
+    """16 + 50 tokens take 33,792 bytes (512 per token at tp=2), which the cost model's check
+    passes; the engine's blocks of 16 tokens round them up to 80 tokens, 40,960 bytes."""
+    config = write_config(tmp_path)
+    plan = yaml.safe_load((tmp_path / "plan.yaml").read_text())
+    plan["workload"]["response_len"]["max"] = 50
+    generation = next(s for s in plan["stages"] if s["model_stage"] == "actor/generation")
+    generation["kv_budget_bytes"] = 36_000
+    plan.pop("predictions", None)
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan))
+    line = one_error_line(invoke("run", config, "--out", tmp_path / "out"))
+    assert "actor/generation: kv_budget_bytes 36000 cannot hold one sequence of the plan's maximum length" in line
+    assert "(16 + 50 tokens): it needs 40960 bytes per GPU; raise kv_budget_bytes to at least 40960" in line
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"), [({"top_p": 1.5}, "top_p"), ({"top_p": 0}, "top_p"), ({"top_k": -1}, "top_k")]
+)
+def test_sampling_settings_out_of_range_are_one_line(tmp_path: Path, sampling: dict, field: str) -> None:
+    config = write_config(tmp_path, rl={"task": "sort", "seed": 3, "max_new_tokens": 6, **sampling})
+    line = one_error_line(invoke("run", config, "--out", tmp_path / "out"))
+    assert field in line
     assert not (tmp_path / "out").exists()

@@ -567,3 +567,46 @@ def test_usable_limit_is_capacity_less_headroom() -> None:
         gpu = plan.cluster.gpu.model_copy(update={"memory_bytes": capacity})
         squeezed = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"gpu": gpu})})
         assert evaluate_plan(squeezed).feasible is feasible
+
+
+# ---- full sharding (ZeRO-3 / FSDP full shard) --------------------------------------------------
+@pytest.mark.parametrize(("tp", "pp", "dp"), [(1, 1, 2), (2, 2, 4), (1, 4, 8)])
+def test_full_sharding_divides_every_state_by_dp_and_gathers_units(tp: int, pp: int, dp: int) -> None:
+    model = cost("training", workload())
+    whole = model.memory_terms(tp, pp, dp, 2)
+    sharded = model.memory_terms(tp, pp, dp, 2, full_shard=1)
+    for name in ("parameters", "gradients", "optimizer"):
+        assert float(sharded[name]) == pytest.approx(float(whole[name]) / dp, rel=1e-12)
+    # the largest gathered unit: TINY's vocabulary embedding (96 x 64) beats a block's parameters
+    unit = max(block_params_on_rank(TINY, tp), TINY.vocab_size * TINY.hidden_dim / tp)
+    assert float(sharded["gathered"]) == pytest.approx(3 * 2 * unit, rel=1e-12)  # 2 parameter copies + 1 gradient
+    assert "gathered" not in whole
+    assert float(sharded["activations"]) == float(whole["activations"])
+    inference = cost("inference", workload()).memory_terms(tp, pp, dp, 2, full_shard=1)
+    assert float(inference["gathered"]) == pytest.approx(2 * 2 * unit, rel=1e-12)
+
+
+@pytest.mark.parametrize(("dp", "micro_batches"), [(2, 1), (4, 3), (8, 5)])
+def test_full_sharding_gathers_per_micro_batch(dp: int, micro_batches: int) -> None:
+    """Training: 2 all-gathers + 1 reduce-scatter of the replica's parameters per micro-batch
+    (1.5 all-reduces) instead of one all-reduce per mini-batch; inference: 1 all-gather each."""
+    w = workload()
+    training = cost("training", w)
+    whole = training.time_terms(1, 1, dp, micro_batches, False, False)
+    sharded = training.time_terms(1, 1, dp, micro_batches, False, False, full_shard=1)
+    assert float(sharded["dp_sync"]) == pytest.approx(1.5 * micro_batches * float(whole["dp_sync"]), rel=1e-12)
+    assert float(sharded["compute"]) == float(whole["compute"])
+    assert float(sharded["optimizer"]) == pytest.approx(float(whole["optimizer"]) / dp, rel=1e-12)
+    inference = cost("inference", w)
+    one = training.allreduce_time(busiest_gpu_params(TINY, 1, 1) * 2, dp, False)
+    gathered = inference.time_terms(1, 1, dp, micro_batches, False, False, full_shard=1)
+    assert float(gathered["dp_sync"]) == pytest.approx(0.5 * micro_batches * float(one), rel=1e-12)
+    assert "dp_sync" not in inference.time_terms(1, 1, dp, micro_batches, False, False)
+
+
+def test_full_sharding_applies_to_training_and_inference_only() -> None:
+    with pytest.raises(ValueError, match="full_shard applies to training and inference only"):
+        StagePlan(model_stage="actor/generation", pool="p", tp=1, pp=1, dp=1, emus=[[0]], full_shard=True)
+    # the optimizer state is sharded with the rest, whatever zero1 says
+    sharded = cost("training", workload()).model_state_terms(1000.0, 4, False, 1)
+    assert float(sharded["optimizer"]) == pytest.approx(12 * 1000.0 / 4, rel=1e-12)

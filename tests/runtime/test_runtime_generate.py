@@ -11,10 +11,13 @@ import pytest
 import torch
 from test_runtime_parallel import merge_rank_errors
 
+from nereus.runtime.batching import BatchingDecoder
 from nereus.runtime.dist import spawn
 from nereus.runtime.engine import Engine, admissible_layouts
-from nereus.runtime.generate import SamplingConfig, generate, left_pad, reference_generate, sample_next
+from nereus.runtime.generate import SamplingConfig, generate, left_pad, reference_generate
+from nereus.runtime.kv_cache import KVBudget
 from nereus.runtime.model import Batch, ReferenceModel, init_logical_params
+from nereus.runtime.sampling import sample_next
 from nereus.runtime.shard_layout import RankLayout
 from nereus.spec.model import Head
 from nereus.spec.presets import MODELS
@@ -170,3 +173,53 @@ def test_left_pad_refuses_empty_prompts() -> None:
         left_pad([[1], []], 0)
     tokens, mask = left_pad([[1, 2], [3]], 0)
     assert tokens.tolist() == [[1, 2], [0, 3]] and mask.tolist() == [[True, True], [False, True]]
+
+
+#: A long-tailed mix for the KV-budget tests (the longest: 5 + 30 tokens, 9 blocks of 4).
+MIX_PROMPTS = PROMPTS * 3
+MIX_BUDGETS = [6, 20, 3, 12, 30, 1, 9, 25, 4]
+#: KV bytes per token of the tiny model on one rank: 2 x 2 kv heads x 16 x 4 layers x fp32.
+TOKEN_BYTES = 1024
+
+
+def budget_worker(rank: int, world: int) -> dict[str, object]:
+    engine = Engine.create(TINY, "lm", RankLayout(1, 1, 1, (0,)))
+    assert engine is not None
+    engine.load_logical_params(logical_params("lm"))
+    out: dict[str, object] = {}
+    sampled = SamplingConfig(max_new_tokens=30, temperature=1.0, top_p=0.9, top_k=40, seed=7)
+    for kind, config in (("greedy", SamplingConfig(max_new_tokens=30)), ("sampled", sampled)):
+        runs = []
+        for budget in (KVBudget(), KVBudget(budget_bytes=12 * 4 * TOKEN_BYTES, block_tokens=4)):
+            decoder = BatchingDecoder(engine, config, budget)
+            decoder.start(MIX_PROMPTS, range(len(MIX_PROMPTS)), MIX_BUDGETS)
+            decoder.run()
+            assert decoder.scheduler is not None
+            runs.append((decoder.responses, decoder.scheduler.preemptions, decoder.peak_blocks))
+        out[kind] = runs
+        static = generate(engine, MIX_PROMPTS, config, budgets=MIX_BUDGETS, strategy="static")
+        out[f"{kind}-static"] = static.responses()
+    try:
+        BatchingDecoder(engine, GREEDY, KVBudget(budget_bytes=TOKEN_BYTES * 8)).start([PROMPTS[0]], [0], [6])
+    except ValueError as error:
+        out["refused"] = str(error)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_preemption_under_a_tight_budget_gives_the_unconstrained_tokens() -> None:
+    out = spawn(budget_worker, 1)[0]
+    for kind in ("greedy", "sampled"):
+        (free, free_preemptions, _), (tight, preemptions, peak) = out[kind]
+        assert free_preemptions == 0 and preemptions > 0, (kind, preemptions)
+        assert peak <= 12
+        assert [tight[i] for i in range(len(MIX_PROMPTS))] == [free[i] for i in range(len(MIX_PROMPTS))], kind
+        assert [len(free[i]) for i in range(len(MIX_PROMPTS))] == MIX_BUDGETS
+        assert out[f"{kind}-static"] == [free[i] for i in range(len(MIX_PROMPTS))], kind
+    # 5 + 6 tokens need one block of 16: 16 x 1024 bytes.
+    assert "cannot hold one sequence of 11 tokens: it needs 16384 bytes" in str(out["refused"])
+
+
+def test_sampling_config_refuses_negative_top_k() -> None:
+    with pytest.raises(ValueError, match="top_k must be >= 0"):
+        SamplingConfig(max_new_tokens=1, top_k=-1)

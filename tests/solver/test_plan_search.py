@@ -483,7 +483,9 @@ def test_training_without_a_full_layout_leaves_gpus_free(gpus: int) -> None:
 
 def test_make_plan_without_a_full_training_layout_builds_checked_plans() -> None:
     """make_plan used to fail here with numpy's 'zero-size array' text; now every plan is valid."""
-    result = make_plan(one_layer_request(16), top_k=5)
+    # full sharding off: its variants (slower by their all-gathers) would crowd the runners-up
+    request = dataclasses.replace(one_layer_request(16), choices=MemoryChoices(full_shard=(False,)))
+    result = make_plan(request, top_k=5)
     plans = [result.best, *result.alternatives]
     # colocated and split-generation-8 at tp = pp = 1; the other alternatives only add offload
     assert [p.pools[0].name for p in plans[:2]] == ["shared", "rest"] and len(plans) == 5

@@ -35,13 +35,16 @@ import torch.distributed as dist
 
 from nereus.runtime import dist as launch
 from nereus.runtime import host_collectives
+from nereus.runtime.batching import BatchingDecoder
+from nereus.runtime.decoding import HandOff
 from nereus.runtime.engine import even_split
-from nereus.runtime.generate import CachedForward, Decoder, HandOff, SamplingConfig
+from nereus.runtime.kv_cache import KVBudget
 from nereus.runtime.model import Batch
 from nereus.runtime.rl.inter_stage import MigrationSettings, migration_mechanism
 from nereus.runtime.rl.scoring import replica_infer
 from nereus.runtime.rl.stages import ModelStageRuntime, leads, rollout_batch
 from nereus.runtime.rl.timing import timed
+from nereus.runtime.sampling import SamplingConfig
 from nereus.spec.workload import INFERENCE_OUTPUTS, INFERENCE_STAGES, InferenceOutput, ModelStageName
 
 #: What a `RolloutEvent` records.
@@ -107,7 +110,7 @@ class _Recorder:
         self.events.append(RolloutEvent(kind, self.rank, time.perf_counter(), model_stage, tuple(samples)))
 
 
-def _active_counts(generation: ModelStageRuntime, decoder: Decoder | None) -> list[int]:
+def _active_counts(generation: ModelStageRuntime, decoder: BatchingDecoder | None) -> list[int]:
     """Samples still generating on every generation replica (collective over the world)."""
     counts = torch.zeros(generation.layout.dp, dtype=torch.float64, device=launch.device())
     if decoder is not None and leads(generation):
@@ -162,7 +165,7 @@ def _receive(src: int) -> HandOff:
 
 
 def _migrate(
-    generation: ModelStageRuntime, decoder: Decoder | None, moves: dict[tuple[int, int], list[int]], cache: bool
+    generation: ModelStageRuntime, decoder: BatchingDecoder | None, moves: dict[tuple[int, int], list[int]], cache: bool
 ) -> None:
     """Each move's rows go from every (stage, tensor rank) of the source replica to the same
     position of the destination. Sources only send and destinations only receive, in one
@@ -228,7 +231,7 @@ def _place(
 
 def _plan_migration(
     generation: ModelStageRuntime,
-    decoder: Decoder | None,
+    decoder: BatchingDecoder | None,
     counts: list[int],
     capacity: int,
     settings: MigrationSettings,
@@ -241,7 +244,7 @@ def _plan_migration(
         return None
     mine = None
     if decoder is not None and leads(generation):
-        lengths = decoder.mask.sum(dim=1).tolist()
+        lengths = decoder.context_lengths()
         assert generation.engine is not None
         replica = generation.engine.groups.replica
         mine = (replica, decoder.sample_ids, dict(zip(decoder.sample_ids, lengths, strict=True)), decoder.responses)
@@ -348,10 +351,12 @@ def fused_rollout(
     seconds: dict[str, float],
     budgets: list[int] | None = None,
     mechanism: str | None = None,
+    kv_budget: KVBudget | None = None,
 ) -> FusedRollout:
     """Generate every prompt's response and run the inference model-stages on it, fused.
     Prompt i is sample i; `budgets[i]` caps its length (default `sampling.max_new_tokens`);
-    `mechanism` forces `kv-transfer` or `recompute` (None: the cost model picks)."""
+    `mechanism` forces `kv-transfer` or `recompute` (None: the cost model picks); each
+    replica's KV pool follows `kv_budget` (default: room for its share at the longest)."""
     if mechanism not in (None, "kv-transfer", "recompute"):
         raise ValueError(f"mechanism must be kv-transfer, recompute or None (the cost model picks), got {mechanism!r}")
     recorder = _Recorder()
@@ -359,11 +364,14 @@ def fused_rollout(
     layout = generation.layout
     caps = budgets if budgets is not None else [sampling.max_new_tokens] * len(prompts)
     shares = even_split(len(prompts), layout.dp)
+    capacity = max(b - a for a, b in shares)
     start = time.perf_counter()
     recorder.note("generation_start")
     decoder = None
     if generation.engine is not None:
-        decoder = Decoder(CachedForward(generation.engine), sampling)
+        # Sized for a destination's load: as many samples as a share, at the batch's longest.
+        longest = max(len(p) for p in prompts) + max(caps)
+        decoder = BatchingDecoder(generation.engine, sampling, kv_budget or KVBudget(), (capacity, longest))
         first, stop = shares[generation.engine.groups.replica]
         if stop > first:
             decoder.start(prompts[first:stop], range(first, stop), caps[first:stop])
@@ -375,7 +383,7 @@ def fused_rollout(
             counts = _active_counts(generation, decoder)
             if sum(counts) <= allowed:
                 break
-    planned = _plan_migration(generation, decoder, counts, max(b - a for a, b in shares), settings, mechanism)
+    planned = _plan_migration(generation, decoder, counts, capacity, settings, mechanism)
     migration, finished = (planned[0], planned[2]) if planned is not None else (None, {})
     busy = set(layout.ranks)
     if planned is not None:
@@ -421,7 +429,7 @@ def fused_rollout(
     return FusedRollout(ordered, inferred, recorder.events, migration)
 
 
-def _decode_step(decoder: Decoder | None, recorder: _Recorder) -> None:
+def _decode_step(decoder: BatchingDecoder | None, recorder: _Recorder) -> None:
     if decoder is not None and decoder.num_active:
         finished = decoder.step()
         if finished:

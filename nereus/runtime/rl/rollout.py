@@ -8,11 +8,13 @@ import dataclasses
 from collections.abc import Callable
 
 from nereus.runtime.engine import even_split
-from nereus.runtime.generate import SamplingConfig, generate
+from nereus.runtime.generate import generate
+from nereus.runtime.kv_cache import KVBudget
 from nereus.runtime.rl.fused_rollout import RolloutEvent, fused_rollout
 from nereus.runtime.rl.inter_stage import migration_settings
-from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, rollout_batch
+from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, local_state_bytes, rollout_batch
 from nereus.runtime.rl.timing import timed
+from nereus.runtime.sampling import SamplingConfig
 from nereus.spec.plan import Fusion, Plan
 
 
@@ -31,17 +33,19 @@ def rollout(
     A rank with no part in generation first runs `idle`."""
     inferred = None
     generation = stages["actor/generation"]
+    budget = kv_budget(plan, stages)
     if fusion.inter_stage:
-        fused = fused_rollout(stages, prompts, sampling, migration_settings(plan, fusion), seconds)
+        fused = fused_rollout(stages, prompts, sampling, migration_settings(plan, fusion), seconds, kv_budget=budget)
         responses, inferred = fused.responses, fused.inferred
         events.extend(fused.events)
     else:
         with timed(seconds, "actor/generation"):
-            responses = generate_responses(generation, prompts, sampling, idle=idle)
+            responses = generate_responses(generation, prompts, sampling, idle=idle, kv_budget=budget)
     greedy = greedy_batch = None
     if plan.workload.algorithm == "remax":
         with timed(seconds, "actor/generation"):
-            greedy = generate_responses(generation, prompts, dataclasses.replace(sampling, temperature=0.0))
+            greedy_sampling = dataclasses.replace(sampling, temperature=0.0)
+            greedy = generate_responses(generation, prompts, greedy_sampling, kv_budget=budget)
         greedy_batch = rollout_batch(prompts, greedy, sampling.pad_token_id)
     batch = rollout_batch(prompts, responses, sampling.pad_token_id)
     return Rollout(responses, batch, inferred, greedy, greedy_batch)
@@ -53,10 +57,12 @@ def generate_responses(
     sampling: SamplingConfig,
     budgets: list[int] | None = None,
     idle: Callable[[], None] | None = None,
+    kv_budget: KVBudget | None = None,
 ) -> list[list[int]]:
     """Every prompt's response, each replica sampling its contiguous share; prompt i is sample
     i (its tokens come from its own generator, whichever replica decodes it) and stops after
-    `budgets[i]` tokens when given. A rank with no part in generation first runs `idle`."""
+    `budgets[i]` tokens when given. A rank with no part in generation first runs `idle`;
+    `kv_budget` bounds each replica's KV pool (default: room for its share at the longest)."""
     engine = stage.engine
     mine = None
     if engine is None and idle is not None:
@@ -65,7 +71,15 @@ def generate_responses(
         start, stop = even_split(len(prompts), stage.layout.dp)[engine.groups.replica]
         if stop > start:
             share = None if budgets is None else budgets[start:stop]
-            mine = generate(engine, prompts[start:stop], sampling, range(start, stop), share).responses()
+            mine = generate(engine, prompts[start:stop], sampling, range(start, stop), share, kv_budget).responses()
         else:
             mine = []
     return [response for share in by_replica(stage, mine) for response in share]
+
+
+def kv_budget(plan: Plan, stages: dict[str, ModelStageRuntime]) -> KVBudget:
+    """The generation replicas' KV pool on this rank: the plan's `kv_budget_bytes` (None: room
+    for every sample), within the rank's memory (CUDA: the device's free memory; CPU: the
+    cluster's per-GPU memory less the engine states resident on this rank)."""
+    entry = stages["actor/generation"].plan
+    return KVBudget(entry.kv_budget_bytes, plan.cluster.gpu.memory_bytes, local_state_bytes(stages))

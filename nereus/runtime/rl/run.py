@@ -34,6 +34,8 @@ from nereus.errors import ArgumentError, NereusError
 from nereus.runtime import arena, host_collectives, memory, shm, timeline
 from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.dist import (
+    GUARD_GRACE_S,
+    HEARTBEAT_S,
     Heartbeat,
     Peer,
     describe_unresponsive,
@@ -42,6 +44,7 @@ from nereus.runtime.dist import (
     init_from_env,
     kill_unresponsive_sibling,
     spawn,
+    timed_out,
 )
 from nereus.runtime.hf.load import load_engine
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
@@ -67,6 +70,7 @@ from nereus.runtime.rl.setup import (
     seal_manifest,
     state_bytes_by_rank,
     torchrun_restart,
+    torchrun_restarts_left,
 )
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, engine_state
 from nereus.runtime.rl.step import rl_step
@@ -498,17 +502,19 @@ def _both(
     return call
 
 
-def _failed(setup: RunSetup, error: str, kind: type[RunFailed]) -> RunFailed:
-    """Write the failure log; the error naming the cause, the log and the checkpoint to resume from."""
+def _failed(setup: RunSetup, error: str, kind: type[RunFailed], restarting: bool = False) -> RunFailed:
+    """Write the failure log; the error naming the cause, the log and the checkpoint to resume
+    from (or, when torchrun's agent is `restarting` the workers, the one they resume from)."""
     failure_log = setup.out / FAILURE_NAME
     failure_log.write_text(error + "\n")
     checkpoint = latest_checkpoint(setup.out)
-    resume = (
-        f"resume from {checkpoint.name} with `resume` {setup.out}"
-        if checkpoint is not None
-        else "no checkpoint was taken yet"
-    )
-    named = ("resume",) if checkpoint is not None else ()
+    if restarting:
+        resume = restart_note(checkpoint)
+    elif checkpoint is not None:
+        resume = f"resume from {checkpoint.name} with `resume` {setup.out}"
+    else:
+        resume = "no checkpoint was taken yet"
+    named = ("resume",) if checkpoint is not None and not restarting else ()
     what = "interrupted" if kind is RunInterrupted else "failed"
     return kind(f"run {what}: {error.splitlines()[0]} (full error in {failure_log}); {resume}", *named)
 
@@ -611,19 +617,48 @@ class JoinedJob:
         are the cause, the others only waited for them), else this rank's own error."""
         global _reporting
         _reporting = True  # the launcher's SIGTERM must not cut the report short (it waits 30 s)
+        quiet = self.heartbeat.silences()  # read now: `unresponsive` waits a few beats first
         silent = self.heartbeat.unresponsive()
         for peer in silent:
             kill_unresponsive_sibling(peer)
         mine = self.peers[self.rank].describe()
         if silent:
             cause = "; ".join(describe_unresponsive(peer) for peer in silent)
-            cause += f"; the others waited {self.timeout_s:g} s"
+            cause += f"; {self.what_the_wait_came_to(error, [quiet.get(peer.rank) for peer in silent])}"
         else:
             cause = f"{mine}: {type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
         cause = self.heartbeat.verdict(cause)
+        restarting = torchrun_restarts_left() > 0
         if self.rank == 0:
-            return _failed(setup, f"{cause}\n\n{mine}: {type(error).__name__}: {error}", RunFailed)
-        return RunFailed(f"run failed: {cause} (seen from {mine})")
+            return _failed(setup, f"{cause}\n\n{mine}: {type(error).__name__}: {error}", RunFailed, restarting)
+        then = f"; {restart_note(latest_checkpoint(setup.out))}" if restarting else ""
+        return RunFailed(f"run failed: {cause} (seen from {mine}){then}")
+
+    def what_the_wait_came_to(self, error: BaseException, quiet: list[float | None]) -> str:
+        """Why this rank stopped waiting for the silent ranks: its collective timed out, or they
+        were gone first. `quiet`: how long each had been silent when this rank failed (None:
+        unknown, this rank did not watch). A rank's guard kills it after the timeout plus
+        GUARD_GRACE_S without a heartbeat, which can come first when the others reached the
+        collective late."""
+        if timed_out(str(error)):
+            return f"the others waited {self.timeout_s:g} s"
+        guard_s, before = self.timeout_s + GUARD_GRACE_S, f"before the others' {self.timeout_s:g} s timeout"
+        known = [seconds for seconds in quiet if seconds is not None]
+        if known and min(known) >= guard_s - 2 * HEARTBEAT_S:
+            return f"killed by its guard after {guard_s:g} s without a heartbeat, {before}"
+        if known:
+            return f"gone {max(known):.1f} s after its last heartbeat, {before}"
+        return f"gone {before}"
+
+
+def restart_note(checkpoint: Path | None) -> str:
+    """What comes next when torchrun's agent restarts the failed workers (restarts remain)."""
+    where = checkpoint.name if checkpoint is not None else "the start (no checkpoint was taken yet)"
+    restart, left = torchrun_restart(), torchrun_restarts_left()
+    return (
+        f"torchrun's agent restarts the workers (restart {restart + 1} of {restart + left}); "
+        f"they resume from {where} on their own"
+    )
 
 
 class LauncherStopped(NereusError):

@@ -135,6 +135,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     problems += unexecutable_choices(plan)
     problems += sft_problems(plan, config)
     problems += memory_problems(plan, config)
+    problems += kv_budget_problems(plan)
     problems += intra_stage_problems(plan)
     problems += [f"fusion.inter_stage: {problem}" for problem in inter_stage_problems(plan, plan.fusion, config)]
     if workload.dtype not in RUNTIME_DTYPES:
@@ -183,8 +184,8 @@ def unexecutable_choices(plan: Plan) -> list[str]:
         unsupported = [
             (entry.recompute != "none", "recompute", "--recompute none"),
             (entry.token_budget is not None, "token_budget", "--token-budget off"),
+            (entry.full_shard, "full_shard", "--full-shard off"),
             (entry.offload, "offload", "--offload off"),
-            (entry.kv_budget_bytes is not None, "kv_budget_bytes", "--kv-budget off"),
         ]
         found += [
             f"{entry.model_stage}: {name} is not executed by the runtime yet; replan with `nereus plan {pin}` "
@@ -241,6 +242,28 @@ def memory_problems(plan: Plan, config: RLConfig) -> list[str]:
         for rank, (peak, model_stage) in sorted(worst.items())
         if peak > capacity
     ]
+
+
+def kv_budget_problems(plan: Plan) -> list[str]:
+    """Generation KV budgets too small for one sequence of the plan's maximum length: the
+    engine could never admit it (its KV cache is fp32, the engine's compute dtype)."""
+    from nereus.runtime.kv_cache import BLOCK_TOKENS, one_sequence_bytes
+
+    w = plan.workload
+    tokens = w.prompt_len + w.response_len.max
+    found = []
+    for entry in plan.stages:
+        if entry.kv_budget_bytes is None:
+            continue
+        model = plan.model(w.model_name(entry.role))
+        needed = one_sequence_bytes(model, entry.tp, entry.pp, tokens, 4, BLOCK_TOKENS)
+        if entry.kv_budget_bytes < needed:
+            found.append(
+                f"{entry.model_stage}: kv_budget_bytes {entry.kv_budget_bytes} cannot hold one sequence of the "
+                f"plan's maximum length ({w.prompt_len} + {w.response_len.max} tokens): it needs {needed} bytes "
+                f"per GPU; raise kv_budget_bytes to at least {needed}"
+            )
+    return found
 
 
 def with_fusion(plan: Plan, config: RunConfig) -> Plan:
@@ -479,17 +502,26 @@ def resume_run(
             "plan_path",
             "num_ranks",
         )
+    checkpoint, damaged = resumable_checkpoint(out, from_previous)
+    # A run without plan changes of its own ran the checkpoint's plan on exactly its ranks, and
+    # that plan may not be the folder's: an elastic restart that replanned may have failed
+    # before its first checkpoint. (With switches or a controller the world is the folder plan's.)
+    in_force, in_force_at = stored, out / PLAN_NAME
+    fixed = not config.plan_switches and config.trace is None
+    if checkpoint is not None and fixed and (checkpoint / PLAN_NAME).is_file():
+        in_force_at = checkpoint / PLAN_NAME
+        in_force = with_fusion(_load(in_force_at, Plan), config)
     if plan_path is not None:
         plan = with_fusion(_load(plan_path, Plan), config)
         _check_same_work(plan, stored, plan_path)
-    elif num_ranks is not None and num_ranks != plan_num_ranks(stored):
+    elif num_ranks is not None and num_ranks != plan_num_ranks(in_force):
         plan, planned = replan(stored, num_ranks), True
     else:
-        plan = stored
+        plan = in_force
     num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
-    _check_plan(plan, str(plan_path or out / PLAN_NAME), num_ranks, config.rl)
+    where = plan_path or (in_force_at if plan is in_force else out / PLAN_NAME)
+    _check_plan(plan, str(where), num_ranks, config.rl)
     read_metrics(out)  # a damaged metrics file is refused here, before anything is written
-    checkpoint, damaged = resumable_checkpoint(out, from_previous)
     start_step = 0 if checkpoint is None else checkpoint_step(checkpoint)
     if start_step >= config.num_steps:
         raise ArgumentError(
@@ -698,6 +730,11 @@ def torchrun_worker() -> bool:
 def torchrun_restart() -> int:
     """How many times torchrun's agent has restarted this job's workers (0: first attempt)."""
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def torchrun_restarts_left() -> int:
+    """How many more times torchrun's agent restarts this job's workers when they fail."""
+    return max(0, int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) - torchrun_restart())
 
 
 def joined_setup(

@@ -23,7 +23,6 @@ from typing import Any
 
 from nereus.runtime import memory
 from nereus.runtime.fused_pipeline import OpTiming
-from nereus.runtime.generate import SamplingConfig
 from nereus.runtime.memory import predicted_peaks
 from nereus.runtime.rl.algorithms import masked_mean
 from nereus.runtime.rl.datasets import Prompt
@@ -36,6 +35,7 @@ from nereus.runtime.rl.scoring import Scored, score
 from nereus.runtime.rl.stages import ModelStageRuntime
 from nereus.runtime.rl.timing import record_fused, step_totals, timed
 from nereus.runtime.rl.update import WeightSync, advantages_of, run_training, sync_weights
+from nereus.runtime.sampling import SamplingConfig
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import StepMetrics
@@ -108,9 +108,11 @@ def draw_prompts(
     sampling = SamplingConfig(
         config.max_new_tokens,
         config.temperature,
+        top_p=config.top_p,
         eos_token_id=tokenizer.eos_id if config.stop_at_eos else None,
         pad_token_id=tokenizer.pad_id,
         seed=seed,
+        top_k=config.top_k,
     )
     return problems, [list(problem.ids) for problem in problems], sampling
 

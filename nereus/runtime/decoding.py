@@ -1,0 +1,102 @@
+"""What both generation engines share: left-padded prompts, the finished batch, rows handed
+from one replica's decoder to another's, and one forward through a replica's stages."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from nereus.runtime.engine import Engine
+from nereus.runtime.model import KVStore, positions_from_mask
+
+
+@dataclass(frozen=True)
+class Generation:
+    """Prompts (left-padded) followed by the generated tokens."""
+
+    tokens: torch.Tensor
+    """[b, prompt_width + generated] token ids; pad_token_id where attention_mask is False."""
+    attention_mask: torch.Tensor
+    """[b, prompt_width + generated] bool: real prompt and response tokens."""
+    prompt_width: int
+    """Columns taken by the left-padded prompts."""
+
+    def responses(self) -> list[list[int]]:
+        """Each sequence's generated tokens (through EOS when it stopped there)."""
+        out = []
+        for row, mask in zip(
+            self.tokens[:, self.prompt_width :], self.attention_mask[:, self.prompt_width :], strict=True
+        ):
+            out.append([int(t) for t in row[mask]])
+        return out
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generation needs at least one prompt and every prompt at least one token")
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        tokens[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[row, width - len(prompt) :] = True
+    return tokens, mask
+
+
+@dataclass(frozen=True)
+class HandOff:
+    """Rows leaving one replica's decoder for another's, as of between two decode steps."""
+
+    sample_ids: list[int]
+    sequences: list[list[int]]
+    """Each row's prompt and tokens generated so far (no padding)."""
+    prompt_lens: list[int]
+    budgets: list[int]
+    """Each row's most new tokens."""
+    generated: list[int]
+    """Tokens each row has generated (its sampling stream's next draw: see `sampling`)."""
+    kv: list[torch.Tensor] | None
+    """Each row's cache on this rank, [layers, 2 (keys, values), local kv heads, tokens - 1,
+    head_dim] (every token but the last, which the next step feeds); None: the receiver
+    recomputes it from `sequences`."""
+
+
+def assemble(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_token_id: int) -> Generation:
+    """Left-padded prompts followed by right-padded responses."""
+    tokens, mask = left_pad(prompts, pad_token_id)
+    width = max(len(response) for response in responses)
+    generated = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    generated_mask = torch.zeros((len(prompts), width), dtype=torch.bool)
+    for row, response in enumerate(responses):
+        generated[row, : len(response)] = torch.tensor(list(response), dtype=torch.long)
+        generated_mask[row, : len(response)] = True
+    return Generation(torch.cat([tokens, generated], dim=1), torch.cat([mask, generated_mask], dim=1), tokens.shape[1])
+
+
+def replica_forward(
+    engine: Engine,
+    new: torch.Tensor,
+    key_mask: torch.Tensor,
+    caches: Mapping[int, KVStore],
+    start: int,
+) -> torch.Tensor | None:
+    """Feed `new` tokens (the columns from `start` on) through the replica's stages, their keys
+    and values going into `caches`; the last stage's output (None on the other stages)."""
+    stage, link = engine.pipeline_stage, engine.groups.link
+    device = engine.device
+    new, key_mask = new.to(device), key_mask.to(device)
+    positions = positions_from_mask(key_mask)[:, start:]
+    if link.is_first:
+        stage_input = new
+    else:
+        stage_input = torch.empty((*new.shape, engine.model.hidden_dim), dtype=engine.dtype, device=device)
+        dist.recv(stage_input, src=link.prev_rank, group=link.group)
+    with torch.no_grad():
+        output = stage(stage_input, key_mask, positions, caches, start)
+    if not link.is_last:
+        dist.send(output.contiguous(), dst=link.next_rank, group=link.group)
+        return None
+    return output
