@@ -229,6 +229,13 @@ def _print_fuse(document: Schedule, greedy_rule: str, written: list[Path]) -> No
         f"{ratio:.2f}x{floor})",
         markup=False,
     )
+    for lean in s.lean_alternatives:  # the trade-off: what holding less costs in makespan
+        cost = 100 * (lean.makespan / s.makespan - 1) if s.makespan else 0.0
+        console.print(
+            f"leaner: peak {lean.peak_memory:.4g}{mem} ({lean.peak_memory / (s.memory_bound or 1.0):.2f}x) "
+            f"at makespan {lean.makespan:.6g}{t} (+{cost:.2f}%), --act-cap {lean.activation_cap:.4g}",
+            markup=False,
+        )
     console.print(f"bubble ratio: {100 * s.bubble_ratio:.1f}%", markup=False)
     console.print(
         f"speedup: {s.speedup_vs_serial:.3f}x vs serial 1F1B ({s.serial_1f1b_makespan:.6g}{t}), "

@@ -95,6 +95,17 @@ class ExactMemorySummary(StrictModel):
     """Seconds the solver ran."""
 
 
+class LeanAlternative(StrictModel):
+    """A schedule the search built under an activation cap: less memory for a longer makespan."""
+
+    activation_cap: float = Field(ge=0)
+    """The per-node activation cap it was built under; a search under this cap starts from it."""
+    makespan: float = Field(ge=0)
+    """Its makespan (longer than the schedule's)."""
+    peak_memory: float = Field(ge=0)
+    """Its largest per-node peak activation (lower than the schedule's)."""
+
+
 class ScheduleSummary(StrictModel):
     """Headline numbers of the schedule, against bounds and baselines."""
 
@@ -129,6 +140,9 @@ class ScheduleSummary(StrictModel):
     """The exact model's result when `--exact` was given."""
     exact_memory: ExactMemorySummary | None = None
     """The exact model's least peak at this schedule's makespan when `--exact` was given."""
+    lean_alternatives: list[LeanAlternative] = Field(default_factory=list)
+    """The trade-off the search found: leaner schedules than this one, each slower, least
+    memory first; none is both leaner and faster than another."""
 
 
 class Schedule(Document):

@@ -134,6 +134,26 @@ def test_act_cap_trades_makespan_for_memory() -> None:
     capped = json.loads(invoke("schedule", "fuse", *args, "--act-cap", str(cap)).stdout)["summary"]
     assert capped["peak_memory"] <= cap + 1e-9
     assert free["makespan"] < capped["makespan"] < capped["serial_1f1b_makespan"]
+    for lean in free["lean_alternatives"]:  # the trade-off reported: leaner, slower
+        assert lean["peak_memory"] < free["peak_memory"] and lean["makespan"] > free["makespan"]
+
+
+def test_fuse_prints_the_leaner_alternatives(capsys: pytest.CaptureFixture[str]) -> None:
+    """A front-loaded schedule (iteration budget: deterministic) prints one line per leaner
+    alternative: its peak, makespan cost and the cap that finds it."""
+    from nereus.cli.schedule_commands import _print_fuse
+    from nereus.solver.pipeline.document import to_document
+    from nereus.solver.pipeline.model import ModelTimes
+    from nereus.solver.pipeline.search import SearchConfig, search_fused
+
+    actor = ModelTimes.uniform("actor", 4, 16, 6.6, 13.3, 10.0)
+    critic = ModelTimes.uniform("critic", 4, 16, 2.6, 5.2, 5.1)
+    document = to_document(search_fused(actor, critic, SearchConfig(time_limit_s=60, seeds=1, max_iterations=300)))
+    _print_fuse(document, "rule", [])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("leaner: ")]
+    assert len(lines) == len(document.summary.lean_alternatives) > 0
+    for line, lean in zip(lines, document.summary.lean_alternatives, strict=True):
+        assert f"peak {lean.peak_memory:.4g}" in line and f"--act-cap {lean.activation_cap:.4g}" in line
 
 
 @pytest.mark.parametrize(

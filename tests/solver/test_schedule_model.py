@@ -67,6 +67,23 @@ def test_chimera_beats_1f1b_when_micro_batches_equal_stages() -> None:
     assert ev.ok and ev.makespan < (4 + 4 - 1) * 3
 
 
+@pytest.mark.parametrize(("stages", "replicas", "per_replica"), [(2, 2, 1), (1, 4, 1), (2, 2, 2), (1, 4, 3)])
+def test_chimera_runs_replicas_with_a_single_micro_batch(stages: int, replicas: int, per_replica: int) -> None:
+    """Each replica splits its own micro-batches between the two directions, so a model run
+    as several replicas with one micro-batch each (which used to leave the upward half
+    without enough micro-batches and raise) gets a schedule with every micro-batch in it."""
+    model = ModelTimes.uniform("critic", stages, replicas * per_replica, 1.0, 2.0)
+    problem = chimera_problem(model, stages * replicas)
+    assert sorted(mb for p in problem.pipelines for mb in p.microbatches) == list(range(replicas * per_replica))
+    inst = build_instance(problem)
+    ev = evaluate(inst, chimera(inst))
+    assert ev.ok
+    if per_replica == 1:  # one micro-batch down each replica's stages, all replicas side by side
+        assert ev.makespan == pytest.approx(3 * stages)
+    baselines = pair_baselines(ModelTimes.uniform("actor", stages * replicas, replicas * per_replica, 1.0, 2.0), model)
+    assert baselines["serial-chimera"].makespan > 0
+
+
 def test_serial_baseline_adds_both_models() -> None:
     actor, critic = ModelTimes.uniform("actor", 4, 8, 1, 2, 2.0), ModelTimes.uniform("critic", 2, 8, 1, 1, 1.0)
     serial = pair_baselines(actor, critic)["serial-1f1b"]

@@ -3,24 +3,29 @@ search reaching the lower bound where list scheduling alone does not."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
 from nereus.solver.pipeline.baselines import gpipe, one_f_one_b
 from nereus.solver.pipeline.bounds import lower_bounds
+from nereus.solver.pipeline.document import to_document
 from nereus.solver.pipeline.evaluate import evaluate, peak_memory, simulate
+from nereus.solver.pipeline.greedy import GreedyRule, list_schedule, rule_key, window_limits
 from nereus.solver.pipeline.improve import forward_backward, serial_schedule
 from nereus.solver.pipeline.model import Instance, ModelTimes, build_instance, fused_problem, single_problem
 from nereus.solver.pipeline.search import (
     AnnealOutcome,
     SearchConfig,
+    _lean_phase,
     _memory_phase,
     _peak_move,
     _Phase,
     anneal,
     critical_node_arcs,
     greedy_schedule,
+    lean_starts,
     memory_profile,
     search_fused,
     starting_schedules,
@@ -69,6 +74,91 @@ def test_forward_backward_turns_gpipe_into_a_shorter_schedule() -> None:
     improved, makespan = forward_backward(inst, start)
     assert makespan < before
     assert evaluate(inst, improved).ok
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_capped_forward_backward_keeps_to_the_cap_and_never_worsens(seed: int) -> None:
+    """From a list schedule within a cap, passes that keep to the cap stay within it, run,
+    and are no slower; serial schedules under a cap do too (or say they cannot)."""
+    inst = _random_instance(seed)
+    cap = max(peak_memory(inst, one_f_one_b_fused(inst))) * random.Random(seed).uniform(1.0, 1.5)
+    orders = list_schedule(inst, rule_key(inst, GreedyRule("r", ("actor", "critic"), True)), window_limits(inst), cap)
+    if orders is None:
+        return
+    ev = evaluate(inst, orders)
+    improved, makespan = forward_backward(inst, orders, cap=cap)
+    again = evaluate(inst, improved)
+    assert again.ok and again.makespan == pytest.approx(makespan)
+    assert makespan <= ev.makespan * (1 + 1e-9)
+    assert again.max_peak_memory <= cap * (1 + 1e-9)
+    state = simulate(inst, orders)
+    assert state is not None
+    by_start = sorted(range(inst.num_ops), key=lambda o: state[1][o])
+    for mirrored in (False, True):
+        priority = by_start[::-1] if mirrored else by_start
+        serial = serial_schedule(inst, priority, mirrored=mirrored, cap=cap)
+        if serial is not None:
+            assert evaluate(inst, serial).ok
+            assert max(peak_memory(inst, serial)) <= cap * (1 + 1e-9)
+
+
+def test_a_capped_serial_schedule_delays_forwards_until_backwards_free_memory() -> None:
+    """GPipe order (every forward first) as the priority under a cap of two activations:
+    forwards wait for backwards, and the result holds two at most."""
+    inst = build_instance(single_problem(ModelTimes.uniform("a", 2, 6, 1.0, 2.0), 2))
+    state = simulate(inst, gpipe(inst))
+    assert state is not None
+    orders = serial_schedule(inst, sorted(range(inst.num_ops), key=lambda o: state[1][o]), cap=2.0)
+    assert orders is not None and evaluate(inst, orders).ok
+    assert max(peak_memory(inst, orders)) == 2.0 < max(peak_memory(inst, gpipe(inst)))
+
+
+def one_f_one_b_fused(inst: Instance) -> list[list[int]]:
+    """A lean reference schedule of a fused instance: 1F1B windows, list-scheduled."""
+    orders = list_schedule(inst, rule_key(inst, GreedyRule("r", ("actor", "critic"), True)), window_limits(inst))
+    assert orders is not None
+    return orders
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lean_starts_hold_at_most_their_cap(seed: int) -> None:
+    inst = _random_instance(seed)
+    for start in lean_starts(inst, ("actor", "critic")):
+        ev = evaluate(inst, start.orders)
+        assert ev.ok and ev.makespan == pytest.approx(start.makespan)
+        assert ev.max_peak_memory == start.peak <= start.cap * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lean_phase_never_raises_the_makespan_and_reports_its_replay(seed: int) -> None:
+    inst = _random_instance(seed)
+    bounds = lower_bounds(inst)
+    _, starts = starting_schedules(inst, ("actor", "critic"))
+    _, orders, ev = starts[0]
+    best = AnnealOutcome(seed, [list(o) for o in orders], ev.makespan, ev.max_peak_memory, 0)
+    movable = [n for n, o in enumerate(orders) if len(o) > 1]
+    lean = lean_starts(inst, ("actor", "critic"))
+    _lean_phase(inst, _Phase(float("inf"), 3000), best, random.Random(seed), movable, 0, bounds.memory, lean)
+    replay = evaluate(inst, best.orders)
+    assert replay.ok and best.makespan <= ev.makespan * (1 + 1e-9)
+    assert replay.makespan == pytest.approx(best.makespan, rel=1e-12)
+    assert replay.max_peak_memory == best.peak <= ev.max_peak_memory
+
+
+def test_the_lean_phase_finds_a_lean_schedule_as_fast_as_a_front_loaded_one() -> None:
+    """The benchmark's 65B/33B times, 4 actor stages, critic 2 stages x 2 replicas, 8
+    micro-batches: the fastest start holds over 2x the memory bound; the lean phase finds
+    one as fast under 1.3x."""
+    inst = _front_loaded_instance()
+    bounds = lower_bounds(inst)
+    _, starts = starting_schedules(inst, ("actor", "critic"))
+    _, orders, ev = starts[0]
+    best = AnnealOutcome(0, [list(o) for o in orders], ev.makespan, ev.max_peak_memory, 0)
+    lean = lean_starts(inst, ("actor", "critic"))
+    _lean_phase(inst, _Phase(float("inf"), 4000), best, random.Random(0), list(range(4)), 0, bounds.memory, lean)
+    assert best.makespan <= ev.makespan * (1 + 1e-9)
+    assert ev.max_peak_memory > 2 * bounds.memory
+    assert best.peak <= 1.3 * bounds.memory
 
 
 def test_mirrored_serial_schedule_packs_against_the_end() -> None:
@@ -166,3 +256,43 @@ def test_search_reaches_the_bound_where_list_scheduling_does_not() -> None:
     assert result.greedy.makespan > result.bounds.latency * 1.05
     assert result.evaluation.makespan <= result.bounds.latency * (1 + 1e-9)
     assert result.evaluation.ok
+
+
+def _front_loaded_instance() -> Instance:
+    """The benchmark's 65B/33B times, 4 actor stages, critic 2 stages x 2 replicas, 8 micro-batches."""
+    actor = ModelTimes.uniform("actor", 4, 8, 13.42, 26.84, 16.38)
+    critic = ModelTimes.uniform("critic", 2, 8, 6.645, 13.29, 9.98)
+    return build_instance(fused_problem(actor, critic))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_lean_phase_never_leaves_more_memory_than_the_descent_alone(seed: int) -> None:
+    """Same iteration budget, same start and seed: with lean starts the annealing ends as fast
+    and never higher than the latency phase and peak descent on their own (seed 4: the
+    front-loaded instance, where the lean phase is what gets under 1.3x the memory bound)."""
+    inst = _random_instance(seed) if seed < 4 else _front_loaded_instance()
+    bounds = lower_bounds(inst)
+    _, starts = starting_schedules(inst, ("actor", "critic"))
+    lean = lean_starts(inst, ("actor", "critic"))
+    args = (inst, starts[0][1], seed, 1e6, bounds.latency, bounds.memory, 6000, starts[0][1])
+    alone, with_lean = anneal(*args), anneal(*args, lean)
+    assert with_lean.makespan <= alone.makespan * (1 + 1e-9)
+    assert with_lean.peak <= alone.peak
+    assert evaluate(inst, with_lean.orders).max_peak_memory == with_lean.peak
+    if seed == 4:
+        assert alone.peak > 1.3 * bounds.memory >= with_lean.peak
+
+
+def test_the_schedule_reports_its_leaner_slower_alternatives() -> None:
+    """The document's trade-off: every alternative holds less than the schedule, at a longer
+    makespan, within its cap; a leaner one is always slower than a less lean one."""
+    actor = ModelTimes.uniform("actor", 4, 16, 6.6, 13.3, 10.0)
+    critic = ModelTimes.uniform("critic", 4, 16, 2.6, 5.2, 5.1)
+    result = search_fused(actor, critic, SearchConfig(time_limit_s=60, seeds=1, max_iterations=300))
+    alternatives = to_document(result).summary.lean_alternatives
+    ev = result.evaluation
+    assert alternatives, "the front-loaded fastest schedule has leaner, slower alternatives"
+    for lean in alternatives:
+        assert lean.peak_memory < ev.max_peak_memory and lean.makespan > ev.makespan
+        assert lean.peak_memory <= lean.activation_cap * (1 + 1e-9)
+    assert all(a.makespan > b.makespan for a, b in itertools.pairwise(alternatives))

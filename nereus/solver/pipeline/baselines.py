@@ -137,18 +137,17 @@ def zero_bubble_h1(inst: Instance) -> list[list[int]]:
 
 
 def chimera_problem(model: ModelTimes, num_nodes: int, p2p_latency: float = 0.0) -> Problem:
-    """Chimera-style bidirectional pipelines: the model twice, down and up, each half the micro-batches."""
-    down_count = (model.num_microbatches + 1) // 2
-    halves = [replace(model, num_microbatches=down_count)]
-    if model.num_microbatches > 1:
-        halves.append(replace(model, num_microbatches=model.num_microbatches - down_count))
+    """Chimera-style bidirectional pipelines: each replica's micro-batches in two halves, the
+    first down its nodes, the second up the mirrored nodes. Splitting per replica (not the
+    model's micro-batches per direction) keeps every replica busy when it has a single
+    micro-batch: that one runs down only."""
     pipelines: list[Pipeline] = []
-    offset = 0
-    for direction, half in enumerate(halves):
-        for pipeline in replicas(half, num_nodes, reverse=bool(direction)):
-            shifted = tuple(mb + offset for mb in pipeline.microbatches)
-            pipelines.append(Pipeline(model, len(pipelines), pipeline.stage_nodes, shifted))
-        offset += half.num_microbatches
+    for direction in (0, 1):
+        for replica in replicas(model, num_nodes, reverse=bool(direction)):
+            down = (len(replica.microbatches) + 1) // 2
+            half = replica.microbatches[:down] if direction == 0 else replica.microbatches[down:]
+            if half:
+                pipelines.append(Pipeline(model, len(pipelines), replica.stage_nodes, half))
     return Problem(num_nodes, tuple(pipelines), p2p_latency)
 
 

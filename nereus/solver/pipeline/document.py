@@ -16,11 +16,12 @@ from nereus.errors import NereusError
 from nereus.solver.pipeline.evaluate import describe, evaluate, timing_violations
 from nereus.solver.pipeline.exact import ExactMemory, ExactResult
 from nereus.solver.pipeline.model import Instance, ModelTimes, OpKey, Pipeline, Problem, build_instance
-from nereus.solver.pipeline.search import FusedResult
+from nereus.solver.pipeline.search import RELATIVE_EPS, FusedResult
 from nereus.spec.check import Problem as CheckProblem
 from nereus.spec.schedule import (
     ExactMemorySummary,
     ExactSummary,
+    LeanAlternative,
     Schedule,
     ScheduleModel,
     ScheduleNode,
@@ -80,6 +81,18 @@ def exact_memory_summary(result: ExactMemory) -> ExactMemorySummary:
     )
 
 
+def lean_alternatives(result: FusedResult) -> list[LeanAlternative]:
+    """The lean starts that hold less than the fused schedule, least memory first, each kept
+    only when it is faster than every leaner one (the others cost memory for nothing)."""
+    peak = result.evaluation.max_peak_memory
+    kept: list[LeanAlternative] = []
+    for start in sorted(result.lean, key=lambda s: (s.peak, s.makespan)):
+        if start.peak >= peak * (1 - RELATIVE_EPS) or (kept and start.makespan >= kept[-1].makespan):
+            continue
+        kept.append(LeanAlternative(activation_cap=start.cap, makespan=start.makespan, peak_memory=start.peak))
+    return kept
+
+
 def to_document(
     result: FusedResult,
     exact: ExactResult | None = None,
@@ -107,6 +120,7 @@ def to_document(
         seeds=result.seeds,
         exact=exact_summary(exact) if exact else None,
         exact_memory=exact_memory_summary(exact_memory) if exact_memory else None,
+        lean_alternatives=lean_alternatives(result),
     )
     return Schedule(
         time_unit=time_unit,

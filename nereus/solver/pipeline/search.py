@@ -26,7 +26,7 @@ import math
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
@@ -91,6 +91,16 @@ class AnnealOutcome:
     iterations: int
 
 
+@dataclass(frozen=True)
+class LeanStart:
+    """A schedule built to hold at most `cap` on every node, made as fast as it allows."""
+
+    cap: float
+    orders: Orders
+    makespan: float
+    peak: float
+
+
 @dataclass
 class FusedResult:
     """The fused schedule with everything needed to judge it."""
@@ -110,6 +120,8 @@ class FusedResult:
     """Lower bound on the peak of every schedule as fast as this one (`memory_bound_at`)."""
     per_seed: list[tuple[int, float, float]] = field(default_factory=list)
     """(seed, makespan, peak memory) of every annealing run."""
+    lean: list[LeanStart] = field(default_factory=list)
+    """The lean starts (`lean_starts`): what holding less costs in makespan."""
 
 
 #: Activation caps the greedy tries, as multiples of the memory bound (memory at no latency cost).
@@ -151,6 +163,45 @@ def list_schedules(inst: Instance, names: tuple[str, str]) -> list[Start]:
     return sorted(starts, key=lambda s: (s[2].makespan, s[2].max_peak_memory))
 
 
+#: Activation caps of the lean starts, as multiples of the memory bound.
+LEAN_CAP_FACTORS = (1.1, 1.3, 1.6)
+
+
+def lean_starts(inst: Instance, names: tuple[str, str]) -> list[LeanStart]:
+    """Per cap of LEAN_CAP_FACTORS (within the user's cap), tightest first: the fastest of a
+    few list schedules with 1F1B windows under the cap, each improved by forward-backward
+    passes that keep to the cap."""
+    user_cap = inst.problem.activation_cap
+    memory = memory_bound(inst.problem)
+    _, tails = heads_and_tails(inst)
+    rules = (GreedyRule("lean", names[::-1], True), GreedyRule("lean", names, True),
+             GreedyRule("lean", names, True, tuple(tails)))  # fmt: skip
+    starts = []
+    caps = [memory * factor for factor in LEAN_CAP_FACTORS] + ([] if user_cap is None else [user_cap])
+    for cap in sorted(caps):
+        if user_cap is not None and cap > user_cap * (1 + RELATIVE_EPS):
+            continue
+        built = [list_schedule(inst, rule_key(inst, rule), window_limits(inst), cap) for rule in rules]
+        runs = [orders for orders in built if orders is not None]
+        if inst.num_ops > LEAN_ALL_RULES_OPS:  # the passes are what costs: improve the fastest only
+            runs = sorted(runs, key=lambda orders: _makespan(inst, orders))[:1]
+        improved = [forward_backward(inst, orders, cap=cap) for orders in runs]
+        if improved:
+            orders, makespan = min(improved, key=lambda pair: pair[1])
+            starts.append(LeanStart(cap, orders, makespan, max(peak_memory(inst, orders))))
+    return starts
+
+
+#: Above this many ops, lean starts improve only the fastest list schedule per cap (the
+#: forward-backward passes take seconds there).
+LEAN_ALL_RULES_OPS = 1000
+
+
+def _makespan(inst: Instance, orders: Orders) -> float:
+    state = simulate(inst, orders)
+    return math.inf if state is None else state[0]
+
+
 def greedy_schedule(inst: Instance, names: tuple[str, str]) -> Start:
     """The best list schedule (latency, then memory) within the activation cap."""
     return list_schedules(inst, names)[0]
@@ -164,7 +215,7 @@ RESTART_SLACK = 0.01
 
 def starting_schedules(inst: Instance, names: tuple[str, str]) -> tuple[Start, list[Start]]:
     """The best list schedule, and the annealing starts: the best distinct list schedules
-    (latency, then memory) after forward-backward improvement (kept only within the
+    (latency, then memory) after forward-backward improvement (whose passes keep to the
     activation cap), fastest first. Lean list schedules (1F1B windows, tight caps) often
     come out of the improvement almost as fast as the fastest at a fraction of its memory."""
     schedules = list_schedules(inst, names)
@@ -177,10 +228,9 @@ def starting_schedules(inst: Instance, names: tuple[str, str]) -> tuple[Start, l
         if (ev.makespan, ev.max_peak_memory) in seen:
             continue  # the same makespan and peak usually mean the same schedule: improve distinct ones
         seen.add((ev.makespan, ev.max_peak_memory))
-        improved, makespan = forward_backward(inst, orders)
+        improved, makespan = forward_backward(inst, orders, cap=cap)
         better = evaluate(inst, improved)
-        fits = cap is None or better.max_peak_memory <= cap * (1 + RELATIVE_EPS)
-        if fits and makespan < ev.makespan * (1 - RELATIVE_EPS):
+        if makespan < ev.makespan * (1 - RELATIVE_EPS):
             starts.append((name + ", forward-backward", improved, better))
         else:
             starts.append((name, orders, ev))
@@ -333,13 +383,18 @@ def anneal(
     target_memory: float,
     max_iterations: int | None = None,
     fallback: Orders | None = None,
+    lean: Sequence[LeanStart] = (),
 ) -> AnnealOutcome:
     """Two-phase simulated annealing from `start`: latency, then memory at the makespan found.
 
     Each phase owns its share of the time (and iteration) budget; a latency phase that meets
     the lower bound early hands the rest of its share to the memory phase. When `fallback`
     (the fastest start) is faster than what the latency phase reached, the memory phase
-    works on it instead: only the fastest schedules can win.
+    works on it instead: only the fastest schedules can win. Then, for LEAN_SHARE more of the
+    budget, the lean phase looks for an as fast, lower schedule among the `lean` starts'
+    neighbours (`_lean_phase`). It runs after the descent, on its own budget, and replaces
+    the descent's schedule only with a lower one: the two phases before it run exactly as
+    without lean starts, so the result never holds more than theirs.
     """
     rng = random.Random(seed)
     walk = _Walk.of(inst, start)
@@ -351,14 +406,72 @@ def anneal(
     budget = max_iterations if max_iterations is not None else math.inf
     latency_share = 1 - MEMORY_PHASE_SHARE
     latency = _Phase(began + time_limit_s * latency_share, budget * latency_share)
-    iterations = _latency_phase(inst, latency, walk, best, rng, movable, 0, target_latency)
+    cap = inst.problem.activation_cap
+    iterations = _latency_phase(inst, latency, walk, best, rng, movable, 0, target_latency, cap)
     if fallback is not None:
         faster = _Walk.of(inst, fallback)
         if faster.makespan < best.makespan * (1 - RELATIVE_EPS):
             best = AnnealOutcome(seed, [list(o) for o in fallback], faster.makespan, max(faster.peaks), 0)
     memory = _Phase(began + time_limit_s, budget)
-    best.iterations = _memory_phase(inst, memory, best, rng, movable, iterations, target_memory)
+    iterations = _memory_phase(inst, memory, best, rng, movable, iterations, target_memory)
+    if max_iterations is not None:
+        budget = iterations + max_iterations * LEAN_SHARE
+    now = time.perf_counter()
+    best.iterations = _lean_phase(
+        inst, _Phase(now + time_limit_s * LEAN_SHARE, budget), best, rng, movable, iterations, target_memory, lean
+    )
     return best
+
+
+def _lean_phase(
+    inst: Instance,
+    phase: _Phase,
+    best: AnnealOutcome,
+    rng: random.Random,
+    movable: list[int],
+    iterations: int,
+    target_memory: float,
+    lean: Sequence[LeanStart],
+) -> int:
+    """Look for a schedule as fast as `best` under a tight activation cap: per cap of
+    LEAN_TRY_FACTORS (x the memory bound) below `best`'s peak, anneal the latency from the
+    fastest lean start within it towards `best`'s makespan, never above the cap, for
+    LEAN_TRY_SHARE of the phase, or until it has gone LEAN_PATIENCE of the phase without
+    gaining. The first that gets there replaces `best`, and the peak descent works on it
+    for the rest of the phase. A fast schedule found without a cap tends to run every
+    forward early, and no short move leads from there to one that interleaves the
+    backwards; a lean start already does."""
+    user_cap = inst.problem.activation_cap
+    now = time.perf_counter()
+    patience = _Patience((phase.deadline - now) * LEAN_PATIENCE, (phase.budget - iterations) * LEAN_PATIENCE)
+    for factor in LEAN_TRY_FACTORS:
+        cap = factor * target_memory
+        fits = [start for start in lean if start.peak <= cap * (1 + RELATIVE_EPS)]
+        if cap >= best.peak or not fits or (user_cap is not None and cap > user_cap):
+            continue
+        start = min(fits, key=lambda s: s.makespan)
+        now = time.perf_counter()
+        sub = _Phase(
+            now + (phase.deadline - now) * LEAN_TRY_SHARE, iterations + (phase.budget - iterations) * LEAN_TRY_SHARE
+        )
+        attempt = AnnealOutcome(best.seed, [list(o) for o in start.orders], start.makespan, start.peak, 0)
+        walk = _Walk.of(inst, start.orders)
+        iterations = _latency_phase(inst, sub, walk, attempt, rng, movable, iterations, best.makespan, cap, patience)
+        if attempt.makespan <= best.makespan * (1 + RELATIVE_EPS) and attempt.peak < best.peak:
+            best.orders, best.makespan, best.peak = attempt.orders, attempt.makespan, attempt.peak
+            return _memory_phase(inst, phase, best, rng, movable, iterations, target_memory)
+    return iterations
+
+
+#: Caps (x the memory bound) under which the lean phase looks for a schedule as fast as the best.
+LEAN_TRY_FACTORS = (1.3, 1.7)
+#: The lean phase's budget, as a share of the two phases' before it (it comes on top).
+LEAN_SHARE = 0.15
+#: Share of the lean phase's remaining time (and iterations) each lean try may take ...
+LEAN_TRY_SHARE = 0.6
+#: ... and share of the lean phase after which a try stops when it has stopped gaining
+#: (a try that cannot reach the makespan leaves the time to the next).
+LEAN_PATIENCE = 0.15
 
 
 @dataclass(frozen=True)
@@ -369,24 +482,43 @@ class _Phase:
     """Iteration count at which the phase stops."""
 
 
+@dataclass(frozen=True)
+class _Patience:
+    """How long a phase may go without progress before it stops."""
+
+    seconds: float
+    iterations: float
+
+
 class _Clock:
     """A phase's cooling schedule: the temperature falls from `scale` by COOLING over the
     phase's time or iterations, whichever runs out first."""
 
-    def __init__(self, phase: _Phase, scale: float, iterations: int) -> None:
+    def __init__(self, phase: _Phase, scale: float, iterations: int, patience: _Patience | None = None) -> None:
         self.phase, self.scale, self.first = phase, scale, iterations
         self.began = time.perf_counter()
         self.length = max(phase.deadline - self.began, 1e-9)
         self.temperature = scale
+        # With `patience` (seconds, iterations), the phase also ends once it has gone that
+        # long without progress (`progressed`).
+        self.patience = patience
+        self.last = (self.began, iterations)
+
+    def progressed(self, iterations: int) -> None:
+        self.last = (time.perf_counter(), iterations)
 
     def tick(self, iterations: int) -> bool:
         """Update the temperature; False once the phase is over."""
         if iterations >= self.phase.budget:
             return False
+        if self.patience is not None and iterations - self.last[1] > self.patience.iterations:
+            return False
         if iterations % 32:
             return True
         now = time.perf_counter()
         if now >= self.phase.deadline:
+            return False
+        if self.patience is not None and now - self.last[0] > self.patience.seconds:
             return False
         done = (now - self.began) / self.length
         if self.phase.budget < math.inf:
@@ -418,10 +550,13 @@ def _latency_phase(
     movable: list[int],
     iterations: int,
     target_latency: float,
+    cap: float | None,
+    patience: _Patience | None = None,
 ) -> int:
-    """Anneal the makespan plus the ops' lateness past the lower bound; `best` is updated in
-    place (fastest, then least memory); returns the iteration count."""
-    cap = inst.problem.activation_cap
+    """Anneal the makespan plus the ops' lateness past `target_latency` with every node's
+    activation within `cap`; `best` is updated in place (fastest, then least memory);
+    returns the iteration count. With `patience` (seconds, iterations), stop early once the
+    energy has gone that long without a new low."""
     _, tail = heads_and_tails(inst)
 
     deadline = _deadlines(tail, target_latency)
@@ -432,8 +567,9 @@ def _latency_phase(
     # Schedules within RELATIVE_EPS of `reference` count as equally fast; it moves only on a
     # real improvement, so a chain of "equal" schedules cannot creep slower.
     reference = best.makespan
-    clock = _Clock(phase, LATENCY_TEMPERATURE * walk.makespan, iterations)
+    clock = _Clock(phase, LATENCY_TEMPERATURE * walk.makespan, iterations, patience)
     current = energy(walk.makespan, walk.end)
+    lowest = current
     arcs: list[tuple[int, int]] | None = None
     while clock.tick(iterations):
         iterations += 1
@@ -459,6 +595,9 @@ def _latency_phase(
         if _accept(rng, clock.temperature, current, candidate, max(walk.peaks), max(new_peaks)):
             walk.makespan, walk.start, walk.end, walk.peaks = simulated[0], simulated[1], simulated[2], new_peaks
             current, arcs = candidate, None
+            if current < lowest * (1 - RELATIVE_EPS):
+                lowest = current
+                clock.progressed(iterations)
             peak = max(new_peaks)
             faster = walk.makespan < reference * (1 - RELATIVE_EPS)
             if faster or (walk.makespan <= reference * (1 + RELATIVE_EPS) and peak < best.peak):
@@ -502,7 +641,7 @@ def _memory_phase(
     time_unit = sum(inst.duration) / max(inst.num_ops, 1)
     memory_unit = sum(grows) / len(grows)
     walk = _Walk.of(inst, origin or best.orders)
-    level = best.peak - step
+    level = min(best.peak, max(walk.peaks)) - step
     excess = [memory_profile(delta, order, level)[1] for order in walk.orders]
 
     deadline = _deadlines(tail, makespan * (1 + RELATIVE_EPS))
@@ -584,19 +723,26 @@ def _accept(
 
 
 def _run_seeds(
-    inst: Instance, starts: list[Start], config: SearchConfig, bounds: LowerBounds, progress: Progress | None
+    inst: Instance,
+    starts: list[Start],
+    lean: list[LeanStart],
+    config: SearchConfig,
+    bounds: LowerBounds,
+    progress: Progress | None,
 ) -> list[AnnealOutcome]:
     """Seeds cycle over the starts within RESTART_SLACK of the fastest: restarts from several
     constructions that are about as fast (they differ in memory and in where they get stuck).
     Even seeds take them fastest first, odd seeds leanest first."""
     workers = max(1, min(config.seeds, os.cpu_count() or 1))
     rounds = math.ceil(config.seeds / workers)
-    per_seed = config.time_limit_s / rounds
-    args = (per_seed, bounds.latency, bounds.memory, config.max_iterations, starts[0][1])
+    # Each seed's lean phase comes on top of its budget: scale the budget to keep the total.
+    per_seed = config.time_limit_s / rounds / (1 + LEAN_SHARE)
+    budget = None if config.max_iterations is None else max(1, round(config.max_iterations / (1 + LEAN_SHARE)))
+    args = (per_seed, bounds.latency, bounds.memory, budget, starts[0][1], lean)
     fastest = starts[0][2].makespan
     close = [(orders, ev) for _, orders, ev in starts if ev.makespan <= fastest * (1 + RESTART_SLACK)]
-    lean = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
-    jobs = [((close if seed % 2 == 0 else lean)[(seed // 2) % len(close)][0], seed) for seed in range(config.seeds)]
+    leanest = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
+    jobs = [((close if seed % 2 == 0 else leanest)[(seed // 2) % len(close)][0], seed) for seed in range(config.seeds)]
     if workers == 1:
         outcomes = []
         for done, (start, seed) in enumerate(jobs, 1):
@@ -632,12 +778,16 @@ def search_fused(
     inst = build_instance(problem)
     bounds = lower_bounds(inst)
     (rule, _, greedy_eval), starts = starting_schedules(inst, (actor.name, critic.name))
-    outcomes = _run_seeds(inst, starts, config, bounds, progress)
+    lean = lean_starts(inst, (actor.name, critic.name))
+    if activation_cap is not None:  # under a cap the lean starts are often the fastest ones
+        starts += [(f"lean, cap {start.cap:g}", start.orders, evaluate(inst, start.orders)) for start in lean]
+        starts.sort(key=lambda s: (s[2].makespan, s[2].max_peak_memory))
+    outcomes = _run_seeds(inst, starts, lean, config, bounds, progress)
     # The annealing keeps a start unless it improves it; makespans within RELATIVE_EPS tie
     # (float sums in another order), and ties go to the least memory.
-    candidates = [(o.makespan, o.peak, o.orders) for o in outcomes] + [
-        (ev.makespan, ev.max_peak_memory, orders) for _, orders, ev in starts
-    ]
+    candidates = [(o.makespan, o.peak, o.orders) for o in outcomes]
+    candidates += [(ev.makespan, ev.max_peak_memory, orders) for _, orders, ev in starts]
+    candidates += [(start.makespan, start.peak, start.orders) for start in lean]
     fastest = min(makespan for makespan, _, _ in candidates)
     _, _, orders = min((c for c in candidates if c[0] <= fastest * (1 + RELATIVE_EPS)), key=lambda c: c[1])
     final = evaluate(inst, orders)
@@ -656,4 +806,5 @@ def search_fused(
         iterations=sum(o.iterations for o in outcomes),
         memory_lower_bound=memory_bound_at(inst, final.makespan),
         per_seed=[(o.seed, o.makespan, o.peak) for o in outcomes],
+        lean=lean,
     )
