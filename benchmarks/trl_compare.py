@@ -13,8 +13,9 @@ thread, nereus 1 rank, nereus 2 ranks, and again per round), so the machine's lo
 all of them.
 
 Seconds per step: the wall time from one finished step to the next (TRL: its `on_step_end`
-callbacks; nereus: metrics.jsonl records as the launcher reads them), median over the steps
-after the warm-up. Reward: the mean over the last 5 steps of the mean reward per step.
+callbacks; nereus: the start of the next step on rank 0's timeline, so a step's metrics,
+timeline and checkpoint writes count), median over the steps after the warm-up. Reward:
+the mean over the last 5 steps of the mean reward per step.
 
 TRL is not a dependency of nereus: install it for this benchmark only (benchmarks/README.md):
 
@@ -144,11 +145,21 @@ def run_nereus(folder: Path, num_steps: int, num_ranks: int, work: Path) -> dict
     run_folder = work / f"nereus-{num_ranks}"
     (run_folder.parent / "workload.yaml").write_text(json.dumps(workload))
     (run_folder.parent / f"run-{num_ranks}.yaml").write_text(json.dumps(config))
-    ends: list[float] = []
-    start = time.perf_counter()
     setup = new_run(run_folder.parent / f"run-{num_ranks}.yaml", num_ranks=num_ranks, out=run_folder)
-    records = launch(setup, on_step=lambda _: ends.append(time.perf_counter() - start))
-    return {"runner": f"nereus-{num_ranks}", "step_ends": ends, "rewards": [r.reward for r in records]}
+    records = launch(setup)
+    return {"runner": f"nereus-{num_ranks}", "step_ends": step_ends(run_folder), "rewards": [r.reward for r in records]}
+
+
+def step_ends(run_folder: Path) -> list[float]:
+    """When each step of the run finished, from rank 0's timeline: a step ends where the next
+    one's first span starts (its metrics, samples and timeline written), the last one at its
+    last span's end. (The launcher reads metrics.jsonl ten times a second: too coarse here.)"""
+    spans = [json.loads(line) for line in (run_folder / "timeline" / "rank-0.jsonl").read_text().splitlines()]
+    starts: dict[int, float] = {}
+    for span in spans:
+        starts[span["step"]] = min(span["start"], starts.get(span["step"], span["start"]))
+    last = max(starts)
+    return [starts[step] for step in sorted(starts) if step > 0] + [max(s["end"] for s in spans if s["step"] == last)]
 
 
 def summary(run: dict[str, Any]) -> dict[str, Any]:

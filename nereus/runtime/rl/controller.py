@@ -76,8 +76,11 @@ class Predictor:
 
     def predict(self, plan: Plan, prompt_len: int, response_len_max: int) -> dict[str, float]:
         """Seconds per model-stage that runs an engine and for the whole `step`, at the sizes the step ran."""
-        predicted = predict(measured_plan(plan, prompt_len, response_len_max), self.calibration)
-        self.last = (plan, prompt_len, response_len_max, self.calibration, predicted)
+        sizes = (plan, prompt_len, response_len_max, self.calibration)
+        predicted = self._priced_at(sizes)
+        if predicted is None:  # the cost model runs once per plan, sizes and calibration
+            predicted = predict(measured_plan(plan, prompt_len, response_len_max), self.calibration)
+        self.last = (*sizes, predicted)
         return {name: seconds for name, seconds in predicted.items() if self._priced(name)}
 
     def update(self, plan: Plan, metrics: Any) -> None:
@@ -86,15 +89,20 @@ class Predictor:
             return
         stages = {name: seconds for name, seconds in metrics.stage_seconds.items() if self._priced(name)}
         sizes = (plan, metrics.prompt_len, metrics.response_len_max, self.calibration)
-        reuse = self.last is not None and all(a is b or a == b for a, b in zip(self.last[:4], sizes, strict=True))
         self.calibration = self.calibrator.update(
             plan,
             metrics.step_seconds,
             stages,
             metrics.prompt_len,
             metrics.response_len_max,
-            predicted=self.last[4] if reuse and self.last is not None else None,
+            predicted=self._priced_at(sizes),
         )
+
+    def _priced_at(self, sizes: tuple[Plan, int, int, Calibration]) -> dict[str, float] | None:
+        """The last prediction if it priced these (plan, sizes, calibration), else None."""
+        if self.last is None or not all(a is b or a == b for a, b in zip(self.last[:4], sizes, strict=True)):
+            return None
+        return self.last[4]
 
     def defer(self, plan: Plan, metrics: Any) -> None:
         """Queue a finished step's `update` for the next `flush`: rank 0 runs it while it

@@ -139,7 +139,7 @@ def step_metrics(
     names = [entry.model_stage for entry in plan.stages] + ["advantages", "exchange", "weight_sync"]
     totals = step_totals(seconds, [*names, "step"], stages)
     stage_seconds = totals.seconds
-    predicted = predicted_peaks(plan, skip=[e.model_stage for e in plan.stages if e.model_stage not in stages])
+    predicted = plan_peaks(plan, tuple(e.model_stage for e in plan.stages if e.model_stage not in stages))
     num_ranks = len(totals.memory_peak)
     predicted_by_stage = {name: [by_rank.get(r, 0) for r in range(num_ranks)] for name, by_rank in predicted.items()}
     return StepMetrics(
@@ -163,3 +163,15 @@ def step_metrics(
         grad_norm=dict(grad_norms),
         lr={name: rule.lr for name, rule in rules.items()},
     )
+
+
+#: The last plan `plan_peaks` priced, the model-stages it skipped and its peaks.
+_LAST_PEAKS: list[tuple[Plan, tuple[str, ...], dict[str, dict[int, int]]]] = []
+
+
+def plan_peaks(plan: Plan, skip: tuple[str, ...]) -> dict[str, dict[int, int]]:
+    """`predicted_peaks` of the plan the steps run, priced once per plan (and per set of
+    model-stages without an engine) rather than once per step."""
+    if not _LAST_PEAKS or _LAST_PEAKS[0][0] is not plan or _LAST_PEAKS[0][1] != skip:
+        _LAST_PEAKS[:] = [(plan, skip, predicted_peaks(plan, skip=skip))]
+    return _LAST_PEAKS[0][2]
