@@ -39,6 +39,7 @@ from nereus.runtime.rl.run_state import (
     PredictorState,
 )
 from nereus.runtime.rl.setup import Move, plan_problems
+from nereus.runtime.rl.update import old_log_probs_from_training
 from nereus.solver.layouts import RUNTIME_CHOICES
 from nereus.solver.policy import (
     Observation,
@@ -81,13 +82,13 @@ class Predictor:
         if predicted is None:  # the cost model runs once per plan, sizes and calibration
             predicted = predict(measured_plan(plan, prompt_len, response_len_max), self.calibration)
         self.last = (*sizes, predicted)
-        return {name: seconds for name, seconds in predicted.items() if self._priced(name)}
+        return {name: seconds for name, seconds in predicted.items() if self._priced(plan, name)}
 
     def update(self, plan: Plan, metrics: Any) -> None:
         """Fold a finished step's StepMetrics into the calibration (online calibration on)."""
         if self.calibrator is None or metrics.step_seconds <= 0:
             return
-        stages = {name: seconds for name, seconds in metrics.stage_seconds.items() if self._priced(name)}
+        stages = {name: seconds for name, seconds in metrics.stage_seconds.items() if self._priced(plan, name)}
         sizes = (plan, metrics.prompt_len, metrics.response_len_max, self.calibration)
         self.calibration = self.calibrator.update(
             plan,
@@ -149,8 +150,11 @@ class Predictor:
             predictor.pending = (state.pending.plan, metrics_from_data(state.pending.metrics))
         return predictor
 
-    def _priced(self, name: str) -> bool:
-        # A rule-scored reward runs no model: the cost model's reward/inference has nothing to match.
+    def _priced(self, plan: Plan, name: str) -> bool:
+        # A rule-scored reward runs no model: the cost model's reward/inference has nothing to
+        # match; nor has actor/inference where training gives the old log-probs.
+        if name == "actor/inference" and old_log_probs_from_training(plan, plan.fusion):
+            return False
         return "/" not in name or self.config.runs_engine(name.split("/")[0])
 
 
