@@ -45,6 +45,12 @@ RESULTS = Path(__file__).resolve().parent / "results" / "trl_compare.json"
 PROMPTS, GROUP, MAX_NEW_TOKENS, LR, KL, CLIP, SEED = 8, 4, 12, 1e-3, 0.02, 1.0, 0
 WARMUP_STEPS, REWARD_STEPS = 3, 5
 RUNNERS = ("trl", "trl-1thread", "nereus-1", "nereus-2")
+#: What else each side runs with (the same work per step on both).
+SETTINGS = (
+    f"settings: {PROMPTS} prompts x {GROUP} samples, <= {MAX_NEW_TOKENS} new tokens, lr {LR}, KL {KL} (k3, in the "
+    f"loss), clip {CLIP}, token-mean loss, fp32, one update per batch; TRL: gradient checkpointing off (nereus "
+    "recomputes nothing), no saving, no vLLM; nereus: online calibration off, one checkpoint at the end"
+)
 
 
 def make_model(folder: Path) -> Path:
@@ -108,7 +114,8 @@ def run_trl(folder: Path, num_steps: int, work: Path, threads: int) -> dict[str,
         output_dir=str(work / "trl"), max_steps=num_steps, per_device_train_batch_size=PROMPTS * GROUP,
         gradient_accumulation_steps=1, num_generations=GROUP, max_completion_length=MAX_NEW_TOKENS,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01, adam_epsilon=1e-8,
-        max_grad_norm=CLIP, beta=KL, epsilon=0.2, num_iterations=1, loss_type="dapo", scale_rewards="group",
+        gradient_checkpointing=False, max_grad_norm=CLIP, beta=KL, epsilon=0.2, num_iterations=1, loss_type="dapo",
+        scale_rewards="group",
         temperature=1.0, top_p=1.0, top_k=0, shuffle_dataset=False, seed=SEED, use_cpu=True, bf16=False,
         logging_steps=1, report_to=[], save_strategy="no", disable_dropout=True, dataloader_num_workers=0,
         disable_tqdm=True,
@@ -176,6 +183,25 @@ def summary(run: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def print_table(by_runner: dict[str, list[dict[str, Any]]], medians: dict[str, float], cores: int, runs: str) -> None:
+    """The side-by-side table, the settings and the closing ratio."""
+    print(f"{'runner':<12}{'s/step':>9}{'vs TRL':>8}{'reward first 5':>16}{'reward last 5':>15}{'load':>7}")
+    for name, group in by_runner.items():
+        first = statistics.mean(run["reward_first"] for run in group)
+        last = statistics.mean(run["reward_last"] for run in group)
+        load = statistics.mean(statistics.mean(run["load"]) for run in group)
+        speedup = medians["trl"] / medians[name]
+        print(f"{name:<12}{medians[name]:>9.3f}{speedup:>7.2f}x{first:>16.3f}{last:>15.3f}{load:>7.1f}")
+    print(SETTINGS)
+    slower = max(medians["nereus-1"], medians["nereus-2"])
+    print(
+        f"nereus is {medians['trl'] / slower:.2f}x faster per step than TRL on {cores} cores "
+        f"({medians['trl-1thread'] / slower:.2f}x than TRL on one thread; the slower of nereus's 1- and 2-rank "
+        f"runs; medians over {runs} after {WARMUP_STEPS} warm-up steps; load: the 1-minute load average "
+        f"at each run's start and end, averaged)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20, help="GRPO steps per run")
@@ -191,26 +217,16 @@ def main() -> None:
             for runner in RUNNERS:
                 place = work / f"round-{round_}"
                 place.mkdir(exist_ok=True)
+                load_before = os.getloadavg()[0]
                 if runner.startswith("trl"):
                     run = run_trl(model, args.steps, place, 1 if runner == "trl-1thread" else cores)
                 else:
                     run = run_nereus(model, args.steps, int(runner[-1]), place)
-                runs.append({**summary(run), "round": round_})
+                runs.append({**summary(run), "round": round_, "load": [load_before, os.getloadavg()[0]]})
                 print(f"round {round_} {runner}: {runs[-1]['median_step_s']:.3f} s/step", flush=True)
     by_runner = {name: [run for run in runs if run["runner"] == name] for name in RUNNERS}
     medians = {name: statistics.median(s for run in group for s in run["step_s"]) for name, group in by_runner.items()}
-    print(f"{'runner':<12}{'s/step':>9}{'vs TRL':>8}{'reward first 5':>16}{'reward last 5':>15}")
-    for name, group in by_runner.items():
-        first = statistics.mean(run["reward_first"] for run in group)
-        last = statistics.mean(run["reward_last"] for run in group)
-        print(f"{name:<12}{medians[name]:>9.3f}{medians['trl'] / medians[name]:>7.2f}x{first:>16.3f}{last:>15.3f}")
-    slower = max(medians["nereus-1"], medians["nereus-2"])
-    print(
-        f"nereus is {medians['trl'] / slower:.2f}x faster per step than TRL on {cores} cores "
-        f"({medians['trl-1thread'] / slower:.2f}x than TRL on one thread; the slower of nereus's 1- and 2-rank "
-        f"runs; medians over {args.rounds} round(s) x {args.steps} steps after {WARMUP_STEPS} warm-up steps; "
-        f"load average {os.getloadavg()[0]:.1f})"
-    )
+    print_table(by_runner, medians, cores, f"{args.rounds} round(s) x {args.steps} steps")
     recipe = {"prompts": PROMPTS, "group": GROUP, "max_new_tokens": MAX_NEW_TOKENS, "lr": LR, "kl": KL, "clip": CLIP}
     payload = {"recipe": recipe, "steps": args.steps, "rounds": args.rounds, "median_step_s": medians, "runs": runs}
     step_s = {name: [run["step_s"] for run in group] for name, group in by_runner.items()}
