@@ -105,10 +105,12 @@ def run_trl(folder: Path, num_steps: int, work: Path, threads: int) -> dict[str,
 
     torch.set_num_threads(threads)
     ends: list[float] = []
+    cpu: list[float] = []
 
     class StepClock(transformers.TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             ends.append(time.perf_counter())
+            cpu.append(time.process_time())  # every thread of the process
 
     config = GRPOConfig(
         output_dir=str(work / "trl"), max_steps=num_steps, per_device_train_batch_size=PROMPTS * GROUP,
@@ -131,7 +133,7 @@ def run_trl(folder: Path, num_steps: int, work: Path, threads: int) -> dict[str,
     trainer.train()
     rewards = [float(log["reward"]) for log in trainer.state.log_history if "reward" in log]
     runner = "trl" if threads > 1 else "trl-1thread"
-    return {"runner": runner, "step_ends": [end - start for end in ends], "rewards": rewards}
+    return {"runner": runner, "step_ends": [end - start for end in ends], "step_cpu": cpu, "rewards": rewards}
 
 
 def run_nereus(folder: Path, num_steps: int, num_ranks: int, work: Path) -> dict[str, Any]:
@@ -153,8 +155,27 @@ def run_nereus(folder: Path, num_steps: int, num_ranks: int, work: Path) -> dict
     (run_folder.parent / "workload.yaml").write_text(json.dumps(workload))
     (run_folder.parent / f"run-{num_ranks}.yaml").write_text(json.dumps(config))
     setup = new_run(run_folder.parent / f"run-{num_ranks}.yaml", num_ranks=num_ranks, out=run_folder)
-    records = launch(setup)
-    return {"runner": f"nereus-{num_ranks}", "step_ends": step_ends(run_folder), "rewards": [r.reward for r in records]}
+    cpu: list[float] = []
+    records = launch(setup, on_step=lambda _: cpu.append(ranks_cpu_seconds()))
+    ends, rewards = step_ends(run_folder), [r.reward for r in records]
+    return {"runner": f"nereus-{num_ranks}", "step_ends": ends, "step_cpu": cpu, "rewards": rewards}
+
+
+def ranks_cpu_seconds() -> float:
+    """CPU seconds the spawned ranks (this process's multiprocessing children) used so far."""
+    children = []
+    for task in Path("/proc/self/task").iterdir():
+        children += [int(pid) for pid in (task / "children").read_text().split()]
+    total = 0.0
+    for pid in children:
+        try:
+            cmdline, stat = Path(f"/proc/{pid}/cmdline").read_bytes(), Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        if b"spawn_main" in cmdline:  # a rank, not the resource tracker
+            utime, stime = stat.rsplit(")", 1)[1].split()[11:13]
+            total += (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def step_ends(run_folder: Path) -> list[float]:
@@ -170,13 +191,16 @@ def step_ends(run_folder: Path) -> list[float]:
 
 
 def summary(run: dict[str, Any]) -> dict[str, Any]:
-    """Median seconds per step after the warm-up, and the reward of the last steps."""
-    ends = run["step_ends"]
+    """Median seconds per step after the warm-up, the CPU seconds per step after it (all
+    threads, all ranks: what a loaded machine's share of the cores does not change much),
+    and the reward of the last steps."""
+    ends, cpu = run["step_ends"], run["step_cpu"]
     gaps = [later - earlier for earlier, later in itertools.pairwise(ends)][WARMUP_STEPS - 1 :]
     return {
         "runner": run["runner"],
         "median_step_s": statistics.median(gaps),
         "step_s": gaps,
+        "cpu_step_s": (cpu[-1] - cpu[WARMUP_STEPS - 1]) / (len(cpu) - WARMUP_STEPS),
         "reward_first": statistics.mean(run["rewards"][:REWARD_STEPS]),
         "reward_last": statistics.mean(run["rewards"][-REWARD_STEPS:]),
         "rewards": run["rewards"],
@@ -185,20 +209,24 @@ def summary(run: dict[str, Any]) -> dict[str, Any]:
 
 def print_table(by_runner: dict[str, list[dict[str, Any]]], medians: dict[str, float], cores: int, runs: str) -> None:
     """The side-by-side table, the settings and the closing ratio."""
-    print(f"{'runner':<12}{'s/step':>9}{'vs TRL':>8}{'reward first 5':>16}{'reward last 5':>15}{'load':>7}")
+    head = f"{'runner':<12}{'s/step':>9}{'vs TRL':>8}{'CPU s/step':>12}{'reward first 5':>16}{'reward last 5':>15}"
+    print(f"{head}{'load':>7}")
+    cpu = {name: statistics.median(run["cpu_step_s"] for run in group) for name, group in by_runner.items()}
     for name, group in by_runner.items():
         first = statistics.mean(run["reward_first"] for run in group)
         last = statistics.mean(run["reward_last"] for run in group)
         load = statistics.mean(statistics.mean(run["load"]) for run in group)
         speedup = medians["trl"] / medians[name]
-        print(f"{name:<12}{medians[name]:>9.3f}{speedup:>7.2f}x{first:>16.3f}{last:>15.3f}{load:>7.1f}")
+        row = f"{name:<12}{medians[name]:>9.3f}{speedup:>7.2f}x{cpu[name]:>12.3f}{first:>16.3f}{last:>15.3f}"
+        print(f"{row}{load:>7.1f}")
     print(SETTINGS)
     slower = max(medians["nereus-1"], medians["nereus-2"])
     print(
         f"nereus is {medians['trl'] / slower:.2f}x faster per step than TRL on {cores} cores "
         f"({medians['trl-1thread'] / slower:.2f}x than TRL on one thread; the slower of nereus's 1- and 2-rank "
         f"runs; medians over {runs} after {WARMUP_STEPS} warm-up steps; load: the 1-minute load average "
-        f"at each run's start and end, averaged)"
+        f"at each run's start and end, averaged); CPU seconds per step, nereus 1 rank against TRL on one "
+        f"thread: {cpu['trl-1thread'] / cpu['nereus-1']:.2f}x fewer"
     )
 
 
@@ -228,7 +256,9 @@ def main() -> None:
     medians = {name: statistics.median(s for run in group for s in run["step_s"]) for name, group in by_runner.items()}
     print_table(by_runner, medians, cores, f"{args.rounds} round(s) x {args.steps} steps")
     recipe = {"prompts": PROMPTS, "group": GROUP, "max_new_tokens": MAX_NEW_TOKENS, "lr": LR, "kl": KL, "clip": CLIP}
-    payload = {"recipe": recipe, "steps": args.steps, "rounds": args.rounds, "median_step_s": medians, "runs": runs}
+    cpu = {name: statistics.median(run["cpu_step_s"] for run in group) for name, group in by_runner.items()}
+    payload = {"recipe": recipe, "steps": args.steps, "rounds": args.rounds, "median_step_s": medians}
+    payload.update(median_cpu_step_s=cpu, settings=SETTINGS, runs=runs)
     step_s = {name: [run["step_s"] for run in group] for name, group in by_runner.items()}
     write_result(RESULTS, payload, recording, {"step_s": step_s})
 
