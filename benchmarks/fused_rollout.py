@@ -45,8 +45,9 @@ from _record import begin, write_result
 
 from nereus.runtime.batching import BatchingDecoder
 from nereus.runtime.dist import spawn
+from nereus.runtime.engine import even_split
 from nereus.runtime.kv_cache import KVBudget
-from nereus.runtime.rl.fused_rollout import RolloutEvent, fused_rollout
+from nereus.runtime.rl.fused_rollout import EARLY_CHUNK, RolloutEvent, fused_rollout, infer_samples
 from nereus.runtime.rl.inter_stage import MigrationSettings, migration_settings
 from nereus.runtime.rl.rollout import generate_responses
 from nereus.runtime.rl.scoring import run_inference
@@ -58,7 +59,7 @@ from nereus.solver.migration import GenerationProfile, run_batch
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
-from nereus.spec.workload import ResponseLengths
+from nereus.spec.workload import INFERENCE_OUTPUTS, INFERENCE_STAGES, ResponseLengths
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = ROOT / "examples" / "plan-tiny-ppo-2rank-fused.yaml"
@@ -106,6 +107,20 @@ def decode_steps(stages: dict[str, Any], prompts: list[list[int]], sampling: Sam
     return rows
 
 
+def bucketed_inference(stages: dict[str, Any], prompts: list[list[int]], responses: list[list[int]]) -> None:
+    """Unfused inference without the padding: each replica's half of the batch, sorted by
+    length, in chunks of the fused path's size (so a chunk is as narrow as its longest)."""
+    by_id = dict(enumerate(responses))
+    for name in INFERENCE_STAGES:
+        stage = stages.get(name)
+        if stage is None or stage.engine is None:
+            continue
+        start, stop = even_split(len(prompts), stage.layout.dp)[stage.engine.groups.replica]
+        mine = sorted(range(start, stop), key=lambda s: len(prompts[s]) + len(responses[s]))
+        for first in range(0, len(mine), EARLY_CHUNK):
+            infer_samples(stage, INFERENCE_OUTPUTS[name], mine[first : first + EARLY_CHUNK], prompts, by_id)
+
+
 def timed_rollout(fn: Any) -> tuple[float, Any]:
     """The slowest rank's wall time of `fn()` from a common start, and its result."""
     dist.barrier()
@@ -123,7 +138,7 @@ def rollout_times(rank: int, world: int, plan: Plan, args: argparse.Namespace) -
     sampling = SamplingConfig(plan.workload.response_len.max, 1.0, eos_token_id=None, seed=args.seed)
     profile = migration_settings(plan, plan.fusion).profile
     phases: dict[str, list[float]] = {"generation": [], "inference": []}
-    times: dict[str, list[float]] = {"without": [], **{f"{t:g}": [] for t in args.thresholds}}
+    times: dict[str, list[float]] = {"without": [], "bucketed": [], **{f"{t:g}": [] for t in args.thresholds}}
     same, error, migrations, events = True, 0.0, {}, {}
 
     def unfused() -> tuple[list[list[int]], dict[str, torch.Tensor]]:
@@ -138,8 +153,10 @@ def rollout_times(rank: int, world: int, plan: Plan, args: argparse.Namespace) -
 
     for rep in range(args.warmup + args.reps):
         elapsed, (responses, inferred) = timed_rollout(unfused)
+        inference_only, _ = timed_rollout(lambda r=responses: bucketed_inference(stages, prompts, r))
         if rep >= args.warmup:
             times["without"].append(elapsed)
+            times["bucketed"].append(phases["generation"][-1] + inference_only)
         mask = rollout_batch(prompts, responses, tokenizer.pad_id).field("loss_mask")
         for threshold in args.thresholds:
             settings = MigrationSettings(threshold, profile)
@@ -188,6 +205,11 @@ def timeline(per_rank: list[list[RolloutEvent]]) -> list[dict[str, float]]:
             }
         )
     return rows
+
+
+def paired(times: dict[str, list[float]], baseline: str, fused: str) -> float:
+    """Median over repetitions of the baseline's time over the fused path's in the same repetition."""
+    return statistics.median(b / f for b, f in zip(times[baseline], times[fused], strict=True))
 
 
 def fit_decode(steps: list[list[float]]) -> tuple[float, float, float]:
@@ -256,13 +278,18 @@ def main() -> None:
         f"({p99_len / median_len:.1f}x), max {flat.max()} (machine load {load_before:.1f} before)"
     )
     fastest = min(measured["times"]["without"])
+    bucketed = statistics.median(measured["times"]["bucketed"])
     print(
         f"without fusion: median {without:.3f} s, fastest {fastest:.3f} s (generation {measured['generation_s']:.3f} s"
         f" + inference {measured['inference_s']:.3f} s); simulated {baseline.total_s:.3f} s"
     )
     print(
+        f"without fusion, inference length-sorted in chunks of {EARLY_CHUNK} (no padding to the longest): "
+        f"median {bucketed:.3f} s"
+    )
+    print(
         f"{'threshold':>9} {'median s':>9} {'speed-up':>9} {'fastest s':>10} {'speed-up':>9} {'simulated s':>12} "
-        f"{'predicted':>10} {'moved':>6} {'sim dest':>9}"
+        f"{'predicted':>10} {'moved':>6} {'sim dest':>9} {'vs chunked':>10}"
     )
     rows = []
     for threshold in args.thresholds:
@@ -279,6 +306,8 @@ def main() -> None:
                 "all_measured_s": measured["times"][key],
                 "speedup": without / fused,
                 "speedup_fastest": fastest / min(measured["times"][key]),
+                "speedup_over_chunked_unfused": paired(measured["times"], "bucketed", key),
+                "paired_speedup": paired(measured["times"], "without", key),
                 "simulated_s": outcome.total_s,
                 "predicted_speedup": baseline.total_s / outcome.total_s,
                 "migration": migration,
@@ -290,7 +319,8 @@ def main() -> None:
         print(
             f"{threshold:>9.2f} {fused:>9.3f} {without / fused:>8.2f}x {min(measured['times'][key]):>10.3f} "
             f"{fastest / min(measured['times'][key]):>8.2f}x {outcome.total_s:>12.3f} "
-            f"{baseline.total_s / outcome.total_s:>9.2f}x {moved:>6} {outcome.destinations:>9}"
+            f"{baseline.total_s / outcome.total_s:>9.2f}x {moved:>6} {outcome.destinations:>9} "
+            f"{rows[-1]['speedup_over_chunked_unfused']:>9.2f}x"
         )
     print("last fused repetition per rank (s from start): generation end, migration, inference busy (overlapped)")
     for row in rows:
@@ -327,6 +357,8 @@ def main() -> None:
             "generation_s": measured["generation_s"],
             "inference_s": measured["inference_s"],
             "simulated_s": baseline.total_s,
+            "inference_chunked_measured_s": bucketed,
+            "all_inference_chunked_measured_s": measured["times"]["bucketed"],
         },
         "with_fusion": rows,
         "calibrated_profile": {k: v for k, v in dataclasses.asdict(profile).items() if k != "lengths"},
