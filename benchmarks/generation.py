@@ -4,8 +4,9 @@ replaced, and transformers' `generate`, on the same model, prompts and lengths.
 The model is a random Llama made and saved by `transformers` (4 layers, hidden 256, 8 heads
 over 4 KV heads, vocabulary 1024, fp32), loaded by nereus from the saved folder. The batch:
 `--samples` prompts of 8-24 random tokens; EOS off, every sample stopping at its own length
-budget, either all equal (`uniform`) or drawn from a long-tailed log-normal (`long-tail`:
-median, p99 and cap below). Greedy and sampled (temperature 1, top-p 0.9).
+budget, either all equal (`uniform`) or RLHFuse's long tail (`long-tail`: most samples short,
+log-normal around --median and at most a quarter of the cap, --long-fraction of them near the
+cap, uniform over its last 15%, at seeded random positions). Greedy and sampled (temperature 1, top-p 0.9).
 
 nereus runs on 1 rank (tp=1) and on 2 ranks (tp=2), one thread per rank
 (torch.set_num_threads(1)). transformers runs in the same rank processes, also one thread
@@ -45,6 +46,7 @@ import torch
 import torch.distributed as dist
 from _record import begin, write_result
 
+from nereus.runtime.batching import BatchingDecoder
 from nereus.runtime.dist import spawn
 from nereus.runtime.engine import Engine, even_split
 from nereus.runtime.generate import SamplingConfig, generate
@@ -92,10 +94,10 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], dict[str, tuple
     cache at tp=1; None: unbounded), seeded."""
     rng = np.random.default_rng(args.seed)
     prompts = [[int(t) for t in rng.integers(1, 1024, int(n))] for n in rng.integers(8, 25, args.samples)]
-    sigma = np.log(args.p99 / args.median) / 2.326
-    drawn = np.round(args.median * np.exp(sigma * rng.standard_normal(args.samples)))
-    tail = np.clip(drawn, 1, args.max)
-    tail_budgets = [int(n) for n in tail]
+    num_long = round(args.long_fraction * args.samples)
+    short = np.clip(np.rint(args.median * np.exp(0.4 * rng.standard_normal(args.samples - num_long))), 1, args.max // 4)
+    long = rng.integers(math.ceil(0.85 * args.max), args.max + 1, num_long)
+    tail_budgets = [int(n) for n in rng.permutation(np.concatenate([short, long]))]
     return prompts, {
         "uniform": ([args.uniform] * args.samples, None),
         "long-tail": (tail_budgets, None),
@@ -230,7 +232,26 @@ def nereus_worker(rank: int, world: int, folder: Path, prompts: list[list[int]],
                 "transformers_responses": responses["transformers"],
                 "kv_budget_bytes": kv,
             }
+    out["step_ms"] = decode_step_ms(engine, prompts, args.seed)
     return out
+
+
+def decode_step_ms(engine: Engine, prompts: list[list[int]], seed: int) -> dict[int, float]:
+    """Median milliseconds of one greedy decode step (prefill excluded) by running rows: what
+    a long tail's last steps cost against a full batch's."""
+    steps: dict[int, float] = {}
+    for rows in (1, 4, len(prompts)):
+        decoder = BatchingDecoder(engine, SamplingConfig(32, seed=seed), KVBudget())
+        decoder.start(prompts[:rows], range(rows), [32] * rows)
+        decoder.step()  # admits and prefills
+        times = []
+        while decoder.num_active:
+            dist.barrier()
+            started = time.perf_counter()
+            decoder.step()
+            times.append(slowest(time.perf_counter() - started))
+        steps[rows] = 1e3 * statistics.median(times)
+    return steps
 
 
 def paired(times: dict[str, list[float]], slower: str) -> float:
@@ -242,22 +263,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=32, help="prompts in the batch")
     parser.add_argument("--uniform", type=int, default=48, help="response length of the uniform mix")
-    parser.add_argument("--median", type=int, default=16, help="long-tail mix: median response length")
-    parser.add_argument("--p99", type=int, default=160, help="long-tail mix: 99th percentile")
+    parser.add_argument("--median", type=int, default=16, help="long-tail mix: median length of the short samples")
+    parser.add_argument("--long-fraction", type=float, default=0.1, help="long-tail mix: share of samples near the cap")
     parser.add_argument("--max", type=int, default=192, help="long-tail mix: cap")
+    parser.add_argument("--mixes", type=str, default="uniform,long-tail,long-tail-kv", help="length mixes timed")
+    parser.add_argument("--ranks", type=str, default="1,2", help="rank counts timed (tp = ranks)")
     parser.add_argument("--kv-fraction", type=float, default=0.25, help="long-tail-kv: KV cache share of the batch")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions of each engine")
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, prompts, lengths and sampling")
     args = parser.parse_args()
     recording = begin()
-    prompts, mixes = workload(args)
-    tail = mixes["long-tail"][0]
-    rows, repetitions = [], {}
+    prompts, every_mix = workload(args)
+    mixes = {name: every_mix[name] for name in args.mixes.split(",")}
+    tail = every_mix["long-tail"][0]
+    rows, repetitions, steps = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_model(Path(tmp) / "llama", args.seed)
-        for ranks in (1, 2):
+        for ranks in [int(n) for n in args.ranks.split(",")]:
             measured = spawn(nereus_worker, ranks, folder, prompts, mixes, args)[0]
+            step_ms = measured.pop("step_ms")
+            steps[f"tp{ranks}"] = step_ms
+            print(f"tp={ranks} nereus decode step: " + ", ".join(f"{r} rows {ms:.1f} ms" for r, ms in step_ms.items()))
             for case, result in measured.items():
                 mix, mode = case.split("/")
                 budgets, _ = mixes[mix]
@@ -301,8 +328,11 @@ def main() -> None:
         "benchmark": "generation",
         "model": "random Llama: 4 layers, hidden 256, 8 heads / 4 KV heads, vocab 1024, fp32",
         "samples": args.samples,
-        "lengths": {"uniform": args.uniform, "long_tail": {"median": args.median, "p99": args.p99, "max": args.max}},
-        "drawn_long_tail": {"median": float(np.median(tail)), "max": max(tail)},
+        "lengths": {
+            "uniform": args.uniform,
+            "long_tail": {"short_median": args.median, "long_fraction": args.long_fraction, "max": args.max},
+        },
+        "drawn_long_tail": {"median": float(np.median(tail)), "max": max(tail), "budgets": tail},
         "kv_fraction": args.kv_fraction,
         "kv_note": (
             "long-tail-kv: each rank's KV cache may hold kv_fraction of the whole batch's tokens at tp=1 "
@@ -316,6 +346,7 @@ def main() -> None:
         "ratios": "median over repetitions of the paired ratio (same repetition, order rotated)",
         "tokens_per_s_counts": "tokens the workload asked for (sum of budgets) / median wall time",
         "rows": rows,
+        "nereus_decode_step_ms_by_running_rows": steps,
     }
     write_result(RESULTS, payload, recording, repetitions)
     print(f"wrote {RESULTS.relative_to(ROOT)}")
