@@ -26,8 +26,8 @@ time per step, transitions and controller included); `oracle_lower_than_fixed` i
 the blocks the runtime's pool gets against the blocks its replica's batch needs at its longest.
 Writes benchmarks/results/adaptive_memory.json.
 
-    .venv/bin/python benchmarks/adaptive_memory.py [--steps 24] [--lengths 8 32 64 128 192 256]
-        [--capacity-mib 12.8] [--samples-per-prompt 4] [--repeats 2] [--steps-per-length 2] [--top-k 1] [--output FILE]
+    .venv/bin/python benchmarks/adaptive_memory.py [--steps 18] [--lengths 8 32 64 128 192 256]
+        [--capacity-mib 12.8] [--samples-per-prompt 4] [--repeats 2] [--steps-per-length 1] [--top-k 1] [--output FILE]
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def oracle(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=24, help="RL steps of the growth trace (fixed and nereus)")
+    parser.add_argument("--steps", type=int, default=18, help="RL steps of the growth trace (fixed and nereus)")
     parser.add_argument(
         "--lengths", type=int, nargs="+", default=list(GROWTH), help="response length of each equal segment"
     )
@@ -144,7 +144,7 @@ def main() -> None:
         "--samples-per-prompt", type=int, default=SAMPLES_PER_PROMPT, help="samples per prompt (8 prompts a step)"
     )
     parser.add_argument("--repeats", type=int, default=2, help="repetitions (fixed, nereus, oracle alternating)")
-    parser.add_argument("--steps-per-length", type=int, default=2, help="oracle: steps per candidate and length")
+    parser.add_argument("--steps-per-length", type=int, default=1, help="oracle: steps per candidate and length")
     parser.add_argument("--top-k", type=int, default=1, help="oracle: planner plans per length and calibration")
     parser.add_argument("--calibration", type=Path, help="starting Calibration YAML (`nereus fit`); default: built-in")
     parser.add_argument("--output", type=Path, default=RESULTS, help="where to write the results JSON")
