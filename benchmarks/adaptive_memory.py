@@ -23,7 +23,8 @@ shared machine hit all:
 `nereus_lower_than_fixed` is the median over repetitions of 1 - nereus / fixed (mean wall
 time per step, transitions and controller included); `oracle_lower_than_fixed` is the bound's
 1 - oracle / initial over the same trace. The table of KV pools shows, per plan and length,
-the blocks the runtime's pool gets against the blocks its replica's batch needs at its longest.
+the blocks the runtime's pool gets against the blocks its replica's batch needs at its longest,
+for every candidate as planned and for the plan the fixed policy runs at each length.
 Writes benchmarks/results/adaptive_memory.json.
 
     .venv/bin/python benchmarks/adaptive_memory.py [--steps 18] [--lengths 8 32 64 128 192 256]
@@ -43,11 +44,21 @@ from typing import Any
 import torch
 from _record import begin, write_result
 from adaptive_bound import bound, candidates, describe, growth_weights, measure, print_table, staircase
-from adaptive_run import BASE_PLAN, NUM_RANKS, growth_trace, initial_plan, print_repeat, run_policy, summarise_repeats
+from adaptive_run import (
+    BASE_PLAN,
+    NUM_RANKS,
+    growth_trace,
+    lengths,
+    print_repeat,
+    run_policy,
+    summarise_repeats,
+)
 
 from nereus.cost.calibration import Calibration
 from nereus.runtime.kv_cache import KVBudget, blocks_for, pool_blocks, replica_kv_bytes_per_token
 from nereus.runtime.rl.setup import state_bytes_by_rank
+from nereus.solver.layouts import RUNTIME_CHOICES
+from nereus.solver.policy.replan import Replanner
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
@@ -76,11 +87,6 @@ def memory_bound_base(capacity_bytes: int, samples_per_prompt: int) -> Plan:
     first = ResponseLengths(median=GROWTH[0], p99=GROWTH[0], max=GROWTH[0])
     workload = base.workload.model_copy(update={"samples_per_prompt": samples_per_prompt, "response_len": first})
     return base.model_copy(update={"cluster": cluster, "workload": workload})
-
-
-def initial_plan_for(base: Plan) -> Plan:
-    """The planner's best plan for `base` at the growth's first length."""
-    return initial_plan(Calibration(), base.cluster, GROWTH[0], base)
 
 
 def kv_pool(plan: Plan, tokens: int) -> tuple[int, int]:
@@ -117,6 +123,19 @@ def print_pools(plans: dict[str, Plan], growth: list[int]) -> dict[str, dict[int
     return table
 
 
+def refit_pools(initial: Plan, growth: list[int]) -> dict[int, list[int]]:
+    """Per length, the KV pool of the plan the fixed policy runs there against its batch's need:
+    a predicted memory violation makes every policy move, and the fixed one keeps its layouts
+    (`Replanner.refit`: more micro-batches, generation in smaller waves)."""
+    replanner = Replanner(initial, calibration=Calibration(), choices=RUNTIME_CHOICES)
+    table = {}
+    for tokens in growth:
+        refit = replanner.refit(initial, NUM_RANKS, lengths(tokens), 1.0)
+        table[tokens] = [-1, -1] if refit is None else list(kv_pool(refit, tokens))
+    print("fixed policy: " + ", ".join(f"{t} tokens {a}/{b}" for t, (a, b) in table.items()))
+    return table
+
+
 def distinct(plans: dict[str, Plan]) -> dict[str, Plan]:
     """The first plan of every distinct layout (tp/pp/dp, GPUs and micro-batches per model-stage)."""
     seen: dict[str, str] = {}
@@ -148,6 +167,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=1, help="oracle: planner plans per length and calibration")
     parser.add_argument("--calibration", type=Path, help="starting Calibration YAML (`nereus fit`); default: built-in")
     parser.add_argument("--output", type=Path, default=RESULTS, help="where to write the results JSON")
+    parser.add_argument("--pools-only", action="store_true", help="print the KV pool tables, run and write nothing")
     args = parser.parse_args()
     recording = begin()
     start = load_document(args.calibration) if args.calibration else Calibration()
@@ -156,6 +176,9 @@ def main() -> None:
     plans = distinct(candidates([start], args.top_k, args.lengths, base.cluster, base))
     initial = plans["initial"]
     pools = print_pools(plans, args.lengths)
+    fixed_pools = refit_pools(initial, args.lengths)
+    if args.pools_only:
+        return
     trace = growth_trace(args.steps, tuple(args.lengths))
     policies = ["fixed", "nereus"]
     repeats: list[list[dict[str, Any]]] = []
@@ -200,6 +223,7 @@ def main() -> None:
         "oracle_lower_than_fixed": limit["bound"],
         "share_of_oracle_gain": share,
         "kv_pool_blocks_vs_needed": pools,
+        "fixed_policy_kv_pool_blocks_vs_needed": fixed_pools,
         "plans": {name: describe(plan) for name, plan in plans.items()},
         "oracle": {**limit, "median_step_seconds": times, "steps_per_length": args.steps_per_length},
         "summary": summary,
