@@ -25,8 +25,6 @@ BLOCK_TOKENS = 16
 MEMORY_UTILISATION = 0.9
 #: Bytes per KV element: the engine's cache is fp32, its compute dtype.
 KV_ELEMENT_BYTES = 4
-#: Terms of a model-stage's memory breakdown that are not its own (`evaluate_plan` adds them).
-SHARED_TERMS = ("co_resident", "workspace")
 
 
 def engine_bytes_per_token(model: Model, tp: int, pp: int) -> int:
@@ -50,24 +48,21 @@ def batch_tokens(plan: Plan, entry: StagePlan) -> int:
 def engine_budget(plan: Plan, engineless: Collection[str] = ()) -> int | None:
     """The KV budget (bytes per GPU at the cost model's bytes per token) that prices the engine's
     pool for actor/generation when it cannot hold the replica's batch; None when it can (or the
-    plan generates nothing). The states resident on a GPU are the cost model's (`evaluate_plan`),
+    plan generates nothing). The states resident on a GPU are the cost model's (`resident_states`),
     of every model-stage there but those in `engineless` (a rule-scored reward runs no engine);
     the smallest pool over the generation's GPUs binds (the step waits for its slowest replica)."""
-    from nereus.cost.plan_cost import evaluate_plan, split_resident, stage_cost_model
+    from nereus.cost.plan_cost import stage_cost_model
 
     entry = next((e for e in plan.stages if e.model_stage == "actor/generation"), None)
     if entry is None:
         return None
     calibration = DEFAULT_CALIBRATION  # states and bytes per token do not depend on it
-    stages = evaluate_plan(plan, calibration).predictions.model_stages
     resident: dict[int, float] = {}
     for other in plan.stages:
-        if other.model_stage in engineless:
-            continue
-        own = {k: v for k, v in stages[other.model_stage].memory_breakdown_bytes.items() if k not in SHARED_TERMS}
-        states = float(split_resident(own, other.offload)[0])
-        for gpu in other.gpus:
-            resident[gpu] = resident.get(gpu, 0.0) + states
+        if other.model_stage not in engineless:
+            states = resident_states(plan, other)
+            for gpu in other.gpus:
+                resident[gpu] = resident.get(gpu, 0.0) + states
     model = plan.model(plan.workload.model_name(entry.role))
     per_token = engine_bytes_per_token(model, entry.tp, entry.pp)
     left = plan.cluster.gpu.memory_bytes - max(resident.get(gpu, 0.0) for gpu in entry.gpus)
@@ -76,3 +71,14 @@ def engine_budget(plan: Plan, engineless: Collection[str] = ()) -> int | None:
         return None
     cost_bytes = stage_cost_model(plan, entry.role, entry.stage, calibration).kv_bytes_per_token(entry.tp, entry.pp)
     return max(1, math.floor(tokens * float(cost_bytes)))
+
+
+def resident_states(plan: Plan, entry: StagePlan) -> float:
+    """Bytes per GPU of a model-stage's states that stay resident (as `evaluate_plan` counts them)."""
+    from nereus.cost.plan_cost import split_resident, stage_choices, stage_cost_model
+
+    model = stage_cost_model(plan, entry.role, entry.stage, DEFAULT_CALIBRATION)
+    memory = model.memory_terms(
+        entry.tp, entry.pp, entry.dp, entry.micro_batches, token_budget=entry.token_budget or 0, **stage_choices(entry)
+    )
+    return float(split_resident(memory, entry.offload)[0])
