@@ -365,39 +365,38 @@ def _worth_listing(
 ) -> np.ndarray:
     """The choices of one layout worth listing: those that fit alone and that no other choice
     of the same layout beats or equals in time, resident and transient bytes at once (so the
-    search loses nothing: tp, pp and dp, hence the weight sync, are the same); for a layout
-    where no choice fits, its smallest footprint only (the rejection report's row)."""
+    search loses nothing: tp, pp and dp, hence the weight sync, are the same; of equal ones
+    the first is kept); for a layout where no choice fits, its smallest footprint only (the
+    rejection report's row)."""
     fits = resident + transient <= budget
-    order = np.argsort(layout, kind="stable")
-    grouped = layout[order]
-    slot = np.arange(grouped.size) - np.searchsorted(grouped, grouped, side="left")
-    shape = (int(layout.max(initial=-1)) + 1, int(slot.max(initial=-1)) + 1)
-    t, r, s, total = (np.full(shape, np.inf) for _ in range(4))
-    for padded, values in ((t, time), (r, resident), (s, transient)):
-        padded[grouped, slot] = np.where(fits[order], values[order], np.inf)
-    total[grouped, slot] = (resident + transient)[order]
-    # Layouts by falling choice count: rival j exists only in the first `active[j]` of them
-    # (a padded rival is inf, beating only cells that do not fit and are dropped anyway).
-    counts = np.bincount(grouped, minlength=shape[0])
-    by_count = np.argsort(-counts, kind="stable")
-    active = np.searchsorted(-counts[by_count], -np.arange(shape[1]), side="left")
-    t, r, s = t[by_count], r[by_count], s[by_count]
-    beaten = np.zeros(shape, dtype=bool)
-    later = np.arange(shape[1])
-    for j in range(shape[1]):  # rival j of every row of every layout (a loop: few choices per layout)
-        k = active[j]
-        tj, rj, sj = t[:k, j : j + 1], r[:k, j : j + 1], s[:k, j : j + 1]
-        tk, rk, sk = t[:k], r[:k], s[:k]
-        beaten[:k] |= (tj <= tk) & (rj <= rk) & (sj <= sk) & ((tj < tk) | (rj < rk) | (sj < sk) | (later > j))
-    back = np.argsort(by_count)  # to the layouts' own order
-    beaten, r = beaten[back], r[back]
     keep = np.zeros(layout.size, dtype=bool)
-    keep[order] = fits[order] & ~beaten[grouped, slot]
-    lone = np.nonzero(np.isinf(r).all(axis=1) & (shape[1] > 0))[0]  # no choice fits: the smallest footprint
-    source = np.zeros(shape, dtype=np.int64)
-    source[grouped, slot] = order
-    keep[source[lone, total[lone].argmin(axis=1)]] = True
+    rows = np.nonzero(fits)[0]
+    # Grouped by layout, in row order (the sort is stable): each pair of a layout's rows is
+    # compared once, at its distance, and of two equal rows the later one is beaten.
+    order = rows[np.argsort(layout[rows], kind="stable")]
+    group, t, r, s = layout[order], time[order], resident[order], transient[order]
+    beaten = np.zeros(order.size, dtype=bool)
+    for d in range(1, _longest_run(group)):  # a few choices per layout: a loop over distances
+        same = group[d:] == group[:-d]
+        t0, t1, r0, r1, s0, s1 = t[:-d], t[d:], r[:-d], r[d:], s[:-d], s[d:]
+        beaten[d:] |= same & (t0 <= t1) & (r0 <= r1) & (s0 <= s1)
+        beaten[:-d] |= same & (t1 <= t0) & (r1 <= r0) & (s1 <= s0) & ((t1 < t0) | (r1 < r0) | (s1 < s0))
+    keep[order[~beaten]] = True
+    lone = np.nonzero(~np.isin(layout, layout[rows]))[0]  # layouts where no choice fits
+    total = resident[lone] + transient[lone]
+    smallest = lone[np.lexsort((lone, total, layout[lone]))]
+    first = np.ones(smallest.size, dtype=bool)
+    first[1:] = layout[smallest[1:]] != layout[smallest[:-1]]
+    keep[smallest[first]] = True
     return keep
+
+
+def _longest_run(sorted_values: np.ndarray) -> int:
+    """The length of the longest run of equal values in a sorted array (0 when empty)."""
+    if not sorted_values.size:
+        return 0
+    edges = np.flatnonzero(np.diff(sorted_values)) + 1
+    return int(np.diff(np.concatenate([[0], edges, [sorted_values.size]])).max())
 
 
 def _rows_per_base(of_layout: np.ndarray, base_layout: np.ndarray, layouts: int) -> tuple[np.ndarray, np.ndarray]:
