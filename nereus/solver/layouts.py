@@ -48,7 +48,8 @@ RUNTIME_CHOICES = MemoryChoices(("none",), (False,), (False,), (False,), (False,
 
 @dataclass(frozen=True)
 class ListedOptions:
-    """Every listed choice of every distinct layout of one model-stage (shared by its pool sizes)."""
+    """Every choice of every distinct layout of one model-stage (shared by its pool sizes),
+    and the rows of them worth listing."""
 
     columns: tuple[np.ndarray, ...]
     """(time_s, resident_bytes, transient_bytes, tp, pp, dp, micro_batches)."""
@@ -56,6 +57,19 @@ class ListedOptions:
     """Bytes per memory term."""
     choices: tuple[np.ndarray, ...]
     """(kv_budget_bytes, recompute, token_budget, zero1, offload, full_shard), integers (0: off)."""
+    by_layout: np.ndarray
+    """The listed rows grouped by distinct layout (in row order within one)."""
+    starts: np.ndarray
+    """Where each distinct layout's rows start in `by_layout`."""
+    counts: np.ndarray
+    """How many listed rows each distinct layout has."""
+
+    def rows_of(self, layouts: np.ndarray) -> np.ndarray:
+        """The listed rows of `layouts` (distinct-layout indices): each layout's rows in turn."""
+        per = self.counts[layouts]
+        layout_of = np.repeat(np.arange(layouts.size), per)
+        within = np.arange(layout_of.size) - np.repeat(np.cumsum(per) - per, per)
+        return self.by_layout[self.starts[layouts][layout_of] + within]
 
 
 @dataclass
@@ -68,9 +82,15 @@ class OptionTable:
     """
 
     listed: ListedOptions
-    rows: np.ndarray
+    layouts: np.ndarray
+    """The distinct layouts (indices) of this pool size; the rows follow on first use, as the
+    search reads the tables of few pool sizes."""
     fastest: float
     """The fastest option that fits alone in the GPUs' usable memory, or inf."""
+
+    @cached_property
+    def rows(self) -> np.ndarray:
+        return self.listed.rows_of(self.layouts)
 
     @cached_property
     def columns(self) -> tuple[np.ndarray, ...]:
@@ -339,23 +359,32 @@ def price_layouts(
     of_layout = timed.layout[0][rows].astype(np.int64)
     budget = usable_memory(cost.cluster, cost.calibration)
     keep = _worth_listing(of_layout, total, resident, transient, budget)
-    rows, of_layout = rows[keep], of_layout[keep]
+    listed_rows = np.nonzero(keep)[0]
+    by_layout = listed_rows[np.argsort(of_layout[listed_rows], kind="stable")]
+    counts = np.bincount(of_layout[listed_rows], minlength=first.size)
+    starts = np.cumsum(counts) - counts
     listed = ListedOptions(
-        (total[keep], resident[keep], transient[keep], *(c[rows].astype(np.int64) for c in timed.layout[1:])),
-        {k: v[keep] for k, v in memory.items()},
-        tuple(c[keep] for c in picks),
+        (total, resident, transient, *(c[rows].astype(np.int64) for c in timed.layout[1:])),
+        memory,
+        picks,
+        by_layout,
+        starts,
+        counts,
     )
-    base_row, pick = _rows_per_base(of_layout, inverse.reshape(-1), first.size)
-    bounds = np.searchsorted(size[base_row], [*pool_sizes, np.iinfo(np.int64).max])
-    fitting = np.where(listed.columns[1] + listed.columns[2] <= budget, listed.columns[0], np.inf)[pick]
-    # Each pool size's fastest fitting option in one pass: its rows are the slice [lo, hi), and
-    # the slices tile the array, so a segment ends where the next non-empty one starts.
+    # Each pool size's fastest fitting option: the least of its layouts' fastest, its layouts
+    # being the slice [lo, hi) of the size-sorted rows.
+    fitting = np.where(resident + transient <= budget, total, np.inf)[by_layout]
+    layout_fastest = np.full(first.size, np.inf)
+    if by_layout.size:
+        layout_fastest[counts > 0] = np.minimum.reduceat(fitting, starts[counts > 0])
+    of_base = inverse.reshape(-1)
+    bounds = np.searchsorted(size, [*pool_sizes, np.iinfo(np.int64).max])
     fastest = np.full(len(pool_sizes), np.inf)
     filled = bounds[1:] > bounds[:-1]
     if filled.any():
-        fastest[filled] = np.minimum.reduceat(fitting, bounds[:-1][filled])
+        fastest[filled] = np.minimum.reduceat(layout_fastest[of_base], bounds[:-1][filled])
     return {
-        s: OptionTable(listed, pick[lo:hi], float(f))
+        s: OptionTable(listed, of_base[lo:hi], float(f))
         for s, lo, hi, f in zip(pool_sizes, bounds[:-1], bounds[1:], fastest.tolist(), strict=True)
     }
 
@@ -397,14 +426,3 @@ def _longest_run(sorted_values: np.ndarray) -> int:
         return 0
     edges = np.flatnonzero(np.diff(sorted_values)) + 1
     return int(np.diff(np.concatenate([[0], edges, [sorted_values.size]])).max())
-
-
-def _rows_per_base(of_layout: np.ndarray, base_layout: np.ndarray, layouts: int) -> tuple[np.ndarray, np.ndarray]:
-    """(base row, expanded row) pairs: for each base row in turn, every expanded row of its layout."""
-    by_layout = np.argsort(of_layout, kind="stable")
-    counts = np.bincount(of_layout, minlength=layouts)
-    starts = np.cumsum(counts) - counts
-    per_base = counts[base_layout]
-    base_row = np.repeat(np.arange(base_layout.size), per_base)
-    within = np.arange(base_row.size) - np.repeat(np.cumsum(per_base) - per_base, per_base)
-    return base_row, by_layout[starts[base_layout][base_row] + within]
