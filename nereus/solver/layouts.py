@@ -54,7 +54,9 @@ class ListedOptions:
     columns: tuple[np.ndarray, ...]
     """(time_s, resident_bytes, transient_bytes, tp, pp, dp, micro_batches)."""
     memory: dict[str, np.ndarray]
-    """Bytes per memory term."""
+    """Bytes per memory term, of the timed rows (see `memory_row`)."""
+    memory_row: np.ndarray
+    """The row of `memory` behind each option."""
     choices: tuple[np.ndarray, ...]
     """(kv_budget_bytes, recompute, token_budget, zero1, offload, full_shard), integers (0: off)."""
     by_layout: np.ndarray
@@ -98,7 +100,8 @@ class OptionTable:
 
     @cached_property
     def memory(self) -> dict[str, np.ndarray]:
-        return {k: v[self.rows] for k, v in self.listed.memory.items()}
+        rows = self.listed.memory_row[self.rows]
+        return {k: v[rows] for k, v in self.listed.memory.items()}
 
     @cached_property
     def choices(self) -> tuple[np.ndarray, ...]:
@@ -293,7 +296,8 @@ TOKEN_TERMS = ("activations", "logits")
 def _expand_choices(
     cost: StageCostModel, g: _Timed, allowed: MemoryChoices
 ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], tuple[np.ndarray, ...]]:
-    """(timed row, time, memory terms, choice columns) of every allowed choice worth pricing.
+    """(timed row, time, choice columns) of every allowed choice worth pricing, and the memory
+    terms of every timed row (offload moves bytes, so they hold for each of its choices).
 
     Two choices are decided per row before pricing, as one option always dominates the
     other: a token budget holding fewer tokens than the fixed rows has the same time and
@@ -325,7 +329,7 @@ def _expand_choices(
     return (
         np.tile(rows, len(offloads)),
         np.concatenate([time + (cost.offload_time(states) if o else 0.0) for o in offloads]),
-        {k: np.tile(v, len(offloads)) for k, v in terms.items()},
+        terms,
         (*(np.tile(c, len(offloads)) for c in per_row), np.repeat(offloads, n), np.tile(g.full_shard, len(offloads))),
     )
 
@@ -355,7 +359,9 @@ def price_layouts(
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     timed = _price_timed(cost, [np.arange(first.size), *(c[first] for c in layout)], allowed)
     rows, total, memory, picks = _expand_choices(cost, timed, allowed)
-    resident, transient = (np.broadcast_to(x, total.shape) for x in split_resident(memory, picks[4] > 0))
+    # Resident and transient bytes of each row, kept or put to sleep (the offload column's blocks).
+    split = [(np.broadcast_to(x, timed.time.shape) for x in split_resident(memory, o)) for o in allowed.offload]
+    resident, transient = (np.concatenate(c) for c in zip(*split, strict=True))
     of_layout = timed.layout[0][rows].astype(np.int64)
     budget = usable_memory(cost.cluster, cost.calibration)
     keep = _worth_listing(of_layout, total, resident, transient, budget)
@@ -366,27 +372,36 @@ def price_layouts(
     listed = ListedOptions(
         (total, resident, transient, *(c[rows].astype(np.int64) for c in timed.layout[1:])),
         memory,
+        rows,
         picks,
         by_layout,
         starts,
         counts,
     )
-    # Each pool size's fastest fitting option: the least of its layouts' fastest, its layouts
-    # being the slice [lo, hi) of the size-sorted rows.
-    fitting = np.where(resident + transient <= budget, total, np.inf)[by_layout]
-    layout_fastest = np.full(first.size, np.inf)
-    if by_layout.size:
-        layout_fastest[counts > 0] = np.minimum.reduceat(fitting, starts[counts > 0])
     of_base = inverse.reshape(-1)
     bounds = np.searchsorted(size, [*pool_sizes, np.iinfo(np.int64).max])
-    fastest = np.full(len(pool_sizes), np.inf)
-    filled = bounds[1:] > bounds[:-1]
-    if filled.any():
-        fastest[filled] = np.minimum.reduceat(layout_fastest[of_base], bounds[:-1][filled])
+    fitting = np.where(resident + transient <= budget, total, np.inf)
+    fastest = _fastest_per_size(listed, fitting, of_base, bounds)
     return {
         s: OptionTable(listed, of_base[lo:hi], float(f))
         for s, lo, hi, f in zip(pool_sizes, bounds[:-1], bounds[1:], fastest.tolist(), strict=True)
     }
+
+
+def _fastest_per_size(
+    listed: ListedOptions, fitting: np.ndarray, of_base: np.ndarray, bounds: np.ndarray
+) -> np.ndarray:
+    """Each pool size's fastest fitting option: the least of its layouts' fastest, its layouts
+    (`of_base`, sorted by pool size) being the slice between two of `bounds`."""
+    layout_fastest = np.full(listed.counts.size, np.inf)
+    if listed.by_layout.size:
+        some = listed.counts > 0
+        layout_fastest[some] = np.minimum.reduceat(fitting[listed.by_layout], listed.starts[some])
+    fastest = np.full(bounds.size - 1, np.inf)
+    filled = bounds[1:] > bounds[:-1]
+    if filled.any():
+        fastest[filled] = np.minimum.reduceat(layout_fastest[of_base], bounds[:-1][filled])
+    return fastest
 
 
 def _worth_listing(
