@@ -49,16 +49,21 @@ RUNTIME_CHOICES = MemoryChoices(("none",), (False,), (False,), (False,), (False,
 @dataclass(frozen=True)
 class ListedOptions:
     """Every choice of every distinct layout of one model-stage (shared by its pool sizes),
-    and the rows of them worth listing."""
+    and the rows of them worth listing. A row is a timed row (see `_Timed`) kept or put to
+    sleep: what the two share stays per timed row."""
 
     columns: tuple[np.ndarray, ...]
-    """(time_s, resident_bytes, transient_bytes, tp, pp, dp, micro_batches)."""
+    """(time_s, resident_bytes, transient_bytes) per row."""
+    timed_row: np.ndarray
+    """The timed row behind each row."""
+    offloads: np.ndarray
+    """Each block of `timed_row`'s length: its offload flag (1: the states sleep)."""
+    layout: tuple[np.ndarray, ...]
+    """(tp, pp, dp, micro_batches) per timed row."""
     memory: dict[str, np.ndarray]
-    """Bytes per memory term, of the timed rows (see `memory_row`)."""
-    memory_row: np.ndarray
-    """The row of `memory` behind each option."""
+    """Bytes per memory term, per timed row."""
     choices: tuple[np.ndarray, ...]
-    """(kv_budget_bytes, recompute, token_budget, zero1, offload, full_shard), integers (0: off)."""
+    """(kv_budget_bytes, recompute, token_budget, zero1, full_shard) per timed row (0: off)."""
     by_layout: np.ndarray
     """The listed rows grouped by distinct layout (in row order within one)."""
     starts: np.ndarray
@@ -95,17 +100,26 @@ class OptionTable:
         return self.listed.rows_of(self.layouts)
 
     @cached_property
+    def timed(self) -> np.ndarray:
+        return self.listed.timed_row[self.rows]
+
+    @cached_property
     def columns(self) -> tuple[np.ndarray, ...]:
-        return tuple(c[self.rows] for c in self.listed.columns)
+        """(time_s, resident_bytes, transient_bytes, tp, pp, dp, micro_batches)."""
+        own = tuple(c[self.rows] for c in self.listed.columns)
+        return own + tuple(c[self.timed] for c in self.listed.layout)
 
     @cached_property
     def memory(self) -> dict[str, np.ndarray]:
-        rows = self.listed.memory_row[self.rows]
-        return {k: v[rows] for k, v in self.listed.memory.items()}
+        """Bytes per memory term."""
+        return {k: v[self.timed] for k, v in self.listed.memory.items()}
 
     @cached_property
     def choices(self) -> tuple[np.ndarray, ...]:
-        return tuple(c[self.rows] for c in self.listed.choices)
+        """(kv_budget_bytes, recompute, token_budget, zero1, offload, full_shard), integers (0: off)."""
+        *kept, full_shard = (c[self.timed] for c in self.listed.choices)
+        offload = self.listed.offloads[self.rows // self.listed.choices[0].size]
+        return (*kept, offload, full_shard)
 
     @cached_property
     def options(self) -> list[Option]:
@@ -296,8 +310,9 @@ TOKEN_TERMS = ("activations", "logits")
 def _expand_choices(
     cost: StageCostModel, g: _Timed, allowed: MemoryChoices
 ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], tuple[np.ndarray, ...]]:
-    """(timed row, time, choice columns) of every allowed choice worth pricing, and the memory
-    terms of every timed row (offload moves bytes, so they hold for each of its choices).
+    """(timed row, time) of every allowed choice worth pricing: each timed row once per offload
+    choice, in blocks; and the memory terms and other choices (`ListedOptions.choices`) per timed
+    row (offload moves bytes, so the terms hold for both).
 
     Two choices are decided per row before pricing, as one option always dominates the
     other: a token budget holding fewer tokens than the fixed rows has the same time and
@@ -320,17 +335,15 @@ def _expand_choices(
         terms["optimizer"] = np.where(zero1, terms["optimizer"] / dp, terms["optimizer"])
         time = time - np.where(zero1, g.optimizer_time * (1 - 1 / dp), 0.0)
     states = sum((v for k, v in terms.items() if k in RESIDENT_TERMS), np.zeros(n))
-    rows = np.arange(n)
     kv = np.where(np.isinf(g.kv), 0.0, g.kv)
     token_budget = np.where(token, g.token_budget, 0.0)
     zero1_flag = np.full(n, 1.0) if pinned else np.where(training & (g.full_shard > 0), 1.0, zero1.astype(float))
     offloads = [float(o) for o in allowed.offload]
-    per_row = (kv, g.recompute, token_budget, zero1_flag)
     return (
-        np.tile(rows, len(offloads)),
+        np.tile(np.arange(n), len(offloads)),
         np.concatenate([time + (cost.offload_time(states) if o else 0.0) for o in offloads]),
         terms,
-        (*(np.tile(c, len(offloads)) for c in per_row), np.repeat(offloads, n), np.tile(g.full_shard, len(offloads))),
+        (kv, g.recompute, token_budget, zero1_flag, g.full_shard),
     )
 
 
@@ -370,9 +383,11 @@ def price_layouts(
     counts = np.bincount(of_layout[listed_rows], minlength=first.size)
     starts = np.cumsum(counts) - counts
     listed = ListedOptions(
-        (total, resident, transient, *(c[rows].astype(np.int64) for c in timed.layout[1:])),
-        memory,
+        (total, resident, transient),
         rows,
+        np.array([float(o) for o in allowed.offload]),
+        tuple(c.astype(np.int64) for c in timed.layout[1:]),
+        memory,
         picks,
         by_layout,
         starts,
