@@ -108,12 +108,25 @@ def decode_profile(
     alive = alive_fraction(lengths, t)
     running = np.maximum(1.0, n[:, None] * alive)
     profile = (np.full(running.shape, longest / DECODE_SLICES), running, running * (prompt + t))
-    peak = np.maximum((n[:, None] * alive * (prompt + t)).max(axis=-1), n * (prompt + 1))
-    bound = capacity < peak
+    bound = capacity < _peak(n[:, None] * alive, prompt, t, n)
     if bound.any():  # the bound rows only: each row's profile is its own
         for out, rows in zip(profile, _bound_profile(lengths, prompt, n[bound], capacity[bound], longest), strict=True):
             out[bound] = rows
     return tuple(x.reshape(shape) for x in profile)  # type: ignore[return-value]
+
+
+def binds(lengths: ResponseLengths, prompt: float, n: Array, capacity: Array, longest: float) -> np.ndarray:
+    """Whether a budget of `capacity` KV tokens holds less than the peak demand of `n` sequences
+    admitted at once (a budget that does not bind decodes as the unbounded cache does)."""
+    t = (np.arange(DECODE_SLICES) + 0.5) / DECODE_SLICES * longest
+    n = np.asarray(n, dtype=float)
+    return np.asarray(capacity, dtype=float) < _peak(n[..., None] * alive_fraction(lengths, t), prompt, t, n)
+
+
+def _peak(running: np.ndarray, prompt: float, t: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """The most KV tokens in use with nothing queued: the running sequences' contexts at the
+    fullest slice, or every prompt and its first token."""
+    return np.maximum((running * (prompt + t)).max(axis=-1), n * (prompt + 1))
 
 
 def _bound_profile(

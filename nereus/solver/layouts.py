@@ -191,19 +191,30 @@ def _kv_levels(
     cost: StageCostModel, columns: list[np.ndarray], allowed: MemoryChoices
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """Generation rows per KV budget: unbounded (if allowed), the fractions of usable memory
-    below the whole batch's need, and one maximum-length sequence."""
+    below the whole batch's need, and one maximum-length sequence.
+
+    A budget that does not bind decodes as the unbounded cache does, at the same time with less
+    memory: of those, only the smallest (the first of equal ones) is priced, and the unbounded
+    row only where every budget binds (the others would be dominated and not listed)."""
     usable = usable_memory(cost.cluster, cost.calibration)
     tp, pp, dp = (c.astype(float) for c in columns[1:4])
     full = cost.full_kv_bytes(tp, pp, dp)
     one = np.ceil((cost.workload.prompt_len + cost.workload.response_len.max) * cost.kv_bytes_per_token(tp, pp))
-    rows, levels = [], []
     candidates = [np.floor(usable * f) * np.ones_like(full) for f in KV_BUDGET_FRACTIONS] + [one]
-    for level in candidates:
-        pick = (level >= one) & (level < full)
-        rows.append(pick)
-        levels.append(np.where(pick, level, 0.0))
+    picks = [(level >= one) & (level < full) for level in candidates]
+    loose = np.stack(
+        [
+            np.where(pick & ~cost.kv_budget_binds(tp, pp, dp, level), level, np.inf)
+            for pick, level in zip(picks, candidates, strict=True)
+        ]
+    )
+    smallest, some_loose = loose.argmin(axis=0), np.isfinite(loose).any(axis=0)
+    rows, levels = [], []
+    for i, (pick, level) in enumerate(zip(picks, candidates, strict=True)):
+        rows.append(pick & (np.isinf(loose[i]) | (smallest == i)))
+        levels.append(np.where(rows[-1], level, 0.0))
     if False in allowed.kv_budget:
-        rows.append(np.ones(full.shape, dtype=bool))
+        rows.append(~some_loose)
         levels.append(np.full(full.shape, np.inf))
     out = [np.concatenate([c[r] for r in rows]) for c in columns]
     return out, np.concatenate([lv[r] for lv, r in zip(levels, rows, strict=True)])
