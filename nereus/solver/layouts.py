@@ -365,15 +365,22 @@ def _decided(allowed: tuple[bool, ...], better: np.ndarray) -> np.ndarray:
     return better
 
 
-def price_layouts(
-    cost: StageCostModel, pool_sizes: list[int], allowed: MemoryChoices | None = None
-) -> dict[int, OptionTable]:
-    """Price every candidate layout and choice on every pool size, vectorised.
+@dataclass(frozen=True)
+class LayoutGrid:
+    """The candidate layouts of one model and stage on some pool sizes (`candidate_grid`),
+    sorted by pool size, and the distinct ones among them."""
 
-    Time and memory depend on (tp, pp, dp, micro-batches) and the choices, not on the pool
-    size: each distinct layout is priced once, and every pool size's table lists its rows.
-    """
-    allowed = allowed or MemoryChoices()
+    size: np.ndarray
+    """The pool size of each candidate, ascending."""
+    distinct: list[np.ndarray]
+    """(index, tp, pp, dp, micro_batches) of each distinct layout."""
+    of_candidate: np.ndarray
+    """The distinct layout of each candidate."""
+
+
+def layout_grid(cost: StageCostModel, pool_sizes: list[int]) -> LayoutGrid:
+    """The grid depends on the model's shape and the stage, not on its head: model-stages that
+    differ only in their head share it."""
     base = candidate_grid(cost, pool_sizes)
     order = np.argsort(base[0], kind="stable")
     size, *layout = (c[order].astype(np.int64) for c in base)
@@ -381,7 +388,21 @@ def price_layouts(
     for column in layout:  # one integer per (tp, pp, dp, m)
         key = key * (int(column.max(initial=0)) + 1) + column
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    timed = _price_timed(cost, [np.arange(first.size), *(c[first] for c in layout)], allowed)
+    return LayoutGrid(size, [np.arange(first.size), *(c[first] for c in layout)], inverse.reshape(-1))
+
+
+def price_layouts(
+    cost: StageCostModel, pool_sizes: list[int], allowed: MemoryChoices | None = None, grid: LayoutGrid | None = None
+) -> dict[int, OptionTable]:
+    """Price every candidate layout and choice on every pool size, vectorised.
+
+    Time and memory depend on (tp, pp, dp, micro-batches) and the choices, not on the pool
+    size: each distinct layout is priced once, and every pool size's table lists its rows.
+    `grid`: `layout_grid(cost, pool_sizes)`, if already made.
+    """
+    allowed = allowed or MemoryChoices()
+    grid = grid or layout_grid(cost, pool_sizes)
+    timed = _price_timed(cost, grid.distinct, allowed)
     rows, total, memory, picks = _expand_choices(cost, timed, allowed)
     # Resident and transient bytes of each row, kept or put to sleep (the offload column's blocks).
     split = [(np.broadcast_to(x, timed.time.shape) for x in split_resident(memory, o)) for o in allowed.offload]
@@ -391,7 +412,7 @@ def price_layouts(
     keep = _worth_listing(of_layout, total, resident, transient, budget)
     listed_rows = np.nonzero(keep)[0]
     by_layout = listed_rows[np.argsort(of_layout[listed_rows], kind="stable")]
-    counts = np.bincount(of_layout[listed_rows], minlength=first.size)
+    counts = np.bincount(of_layout[listed_rows], minlength=grid.distinct[0].size)
     starts = np.cumsum(counts) - counts
     listed = ListedOptions(
         (total, resident, transient),
@@ -404,8 +425,8 @@ def price_layouts(
         starts,
         counts,
     )
-    of_base = inverse.reshape(-1)
-    bounds = np.searchsorted(size, [*pool_sizes, np.iinfo(np.int64).max])
+    of_base = grid.of_candidate
+    bounds = np.searchsorted(grid.size, [*pool_sizes, np.iinfo(np.int64).max])
     fitting = np.where(resident + transient <= budget, total, np.inf)
     fastest = _fastest_per_size(listed, fitting, of_base, bounds)
     return {
