@@ -104,8 +104,7 @@ def decode_profile(
     shape = (*n.shape, DECODE_SLICES)
     n, capacity = n.reshape(-1), capacity.reshape(-1)
     # Unbounded: everything admitted at once, running = n * alive(t).
-    t = (np.arange(DECODE_SLICES) + 0.5) / DECODE_SLICES * longest
-    alive = alive_fraction(lengths, t)
+    t, alive = _slices(lengths, longest)
     running = np.maximum(1.0, n[:, None] * alive)
     profile = (np.full(running.shape, longest / DECODE_SLICES), running, running * (prompt + t))
     bound = capacity < _peak(n[:, None] * alive, prompt, t, n)
@@ -118,9 +117,22 @@ def decode_profile(
 def binds(lengths: ResponseLengths, prompt: float, n: Array, capacity: Array, longest: float) -> np.ndarray:
     """Whether a budget of `capacity` KV tokens holds less than the peak demand of `n` sequences
     admitted at once (a budget that does not bind decodes as the unbounded cache does)."""
-    t = (np.arange(DECODE_SLICES) + 0.5) / DECODE_SLICES * longest
+    t, alive = _slices(lengths, longest)
     n = np.asarray(n, dtype=float)
-    return np.asarray(capacity, dtype=float) < _peak(n[..., None] * alive_fraction(lengths, t), prompt, t, n)
+    return np.asarray(capacity, dtype=float) < _peak(n[..., None] * alive, prompt, t, n)
+
+
+def _slices(lengths: ResponseLengths, longest: float) -> tuple[np.ndarray, np.ndarray]:
+    """The decode slices' midpoints over `longest` iterations and the share still generating."""
+    return _slices_of(lengths.median, lengths.p99, lengths.max, longest)
+
+
+@functools.lru_cache(maxsize=256)
+def _slices_of(median: int, p99: int, maximum: int, longest: float) -> tuple[np.ndarray, np.ndarray]:
+    t = (np.arange(DECODE_SLICES) + 0.5) / DECODE_SLICES * longest
+    alive = alive_fraction(ResponseLengths(median=median, p99=p99, max=maximum), t)
+    t.flags.writeable = alive.flags.writeable = False  # shared by every caller
+    return t, alive
 
 
 def _peak(running: np.ndarray, prompt: float, t: np.ndarray, n: np.ndarray) -> np.ndarray:

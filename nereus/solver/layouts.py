@@ -202,12 +202,8 @@ def _kv_levels(
     one = np.ceil((cost.workload.prompt_len + cost.workload.response_len.max) * cost.kv_bytes_per_token(tp, pp))
     candidates = [np.floor(usable * f) * np.ones_like(full) for f in KV_BUDGET_FRACTIONS] + [one]
     picks = [(level >= one) & (level < full) for level in candidates]
-    loose = np.stack(
-        [
-            np.where(pick & ~cost.kv_budget_binds(tp, pp, dp, level), level, np.inf)
-            for pick, level in zip(picks, candidates, strict=True)
-        ]
-    )
+    stacked = np.stack(candidates)
+    loose = np.where(np.stack(picks) & ~cost.kv_budget_binds(tp, pp, dp, stacked), stacked, np.inf)
     smallest, some_loose = loose.argmin(axis=0), np.isfinite(loose).any(axis=0)
     rows, levels = [], []
     for i, (pick, level) in enumerate(zip(picks, candidates, strict=True)):
