@@ -463,11 +463,13 @@ def _worth_listing(
     order = rows[np.argsort(layout[rows], kind="stable")]
     group, t, r, s = layout[order], time[order], resident[order], transient[order]
     beaten = np.zeros(order.size, dtype=bool)
-    for d in range(1, _longest_run(group)):  # a few choices per layout: a loop over distances
+    longest = int(np.bincount(group).max(initial=0))  # the most choices a layout has
+    for d in range(1, longest):  # a few choices per layout: a loop over distances
         same = group[d:] == group[:-d]
         t0, t1, r0, r1, s0, s1 = t[:-d], t[d:], r[:-d], r[d:], s[:-d], s[d:]
-        beaten[d:] |= same & (t0 <= t1) & (r0 <= r1) & (s0 <= s1)
-        beaten[:-d] |= same & (t1 <= t0) & (r1 <= r0) & (s1 <= s0) & ((t1 < t0) | (r1 < r0) | (s1 < s0))
+        first_no_worse = same & (t0 <= t1) & (r0 <= r1) & (s0 <= s1)
+        beaten[d:] |= first_no_worse
+        beaten[:-d] |= same & (t1 <= t0) & (r1 <= r0) & (s1 <= s0) & ~first_no_worse  # strictly better somewhere
     keep[order[~beaten]] = True
     lone = np.nonzero(~np.isin(layout, layout[rows]))[0]  # layouts where no choice fits
     total = resident[lone] + transient[lone]
@@ -476,11 +478,3 @@ def _worth_listing(
     first[1:] = layout[smallest[1:]] != layout[smallest[:-1]]
     keep[smallest[first]] = True
     return keep
-
-
-def _longest_run(sorted_values: np.ndarray) -> int:
-    """The length of the longest run of equal values in a sorted array (0 when empty)."""
-    if not sorted_values.size:
-        return 0
-    edges = np.flatnonzero(np.diff(sorted_values)) + 1
-    return int(np.diff(np.concatenate([[0], edges, [sorted_values.size]])).max())
