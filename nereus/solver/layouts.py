@@ -276,20 +276,59 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
         token_ratio = token_budget / cost.micro_batch_tokens(dp, m)
     least = _least_memory(memory, dp, token_ratio, allowed, zero1)
     fits = least <= usable_memory(cost.cluster, cost.calibration)
-    time, optimizer_time = np.full(tp.shape, np.inf), np.zeros(tp.shape)
-    emu, per_node = tp[fits] * pp[fits], cost.cluster.gpus_per_node
-    # An EMU straddles nodes when it is larger than a node, or packs unevenly into one.
-    pp_inter = (emu > per_node) | ((per_node % emu != 0) & (emu * dp[fits] > per_node))
-    dp_inter = emu * dp[fits] > per_node
-    args = (tp[fits], pp[fits], dp[fits], m[fits], pp_inter, dp_inter)
-    shard_fits = full_shard[fits] if cost.stage != "generation" else 0
-    times = cost.time_terms(
-        *args, recompute=recompute[fits], zero1=zero1[fits], kv_budget=kv[fits], full_shard=shard_fits
-    )
-    time[fits] = sum((np.broadcast_to(v, emu.shape) for v in times.values()), np.zeros(emu.shape))
-    if cost.stage == "training":
-        optimizer_time[fits] = times["optimizer"]
+    if cost.stage == "generation":
+        times = _generation_times(cost, tp, pp, dp, kv, fits)
+    else:
+        times = _pipeline_times(cost, distinct, allowed, fits)
+    time = np.where(fits, sum(times.values(), np.zeros(tp.shape)), np.inf)
+    optimizer_time = np.where(fits, times["optimizer"], 0.0) if cost.stage == "training" else np.zeros(tp.shape)
     return _Timed(layout, kv, recompute, full_shard, time, optimizer_time, memory, token_budget, token_ratio)
+
+
+def _inter(cost: StageCostModel, tp: np.ndarray, pp: np.ndarray, dp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Whether a layout's pipeline and its dp group cross nodes: an EMU straddles nodes when it
+    is larger than a node, or packs unevenly into one."""
+    emu, per_node = tp * pp, cost.cluster.gpus_per_node
+    return (emu > per_node) | ((per_node % emu != 0) & (emu * dp > per_node)), emu * dp > per_node
+
+
+def _generation_times(
+    cost: StageCostModel, tp: np.ndarray, pp: np.ndarray, dp: np.ndarray, kv: np.ndarray, fits: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Time terms of the timed generation rows that fit (zero elsewhere)."""
+    pp_inter, dp_inter = _inter(cost, tp[fits], pp[fits], dp[fits])
+    args = (tp[fits], pp[fits], dp[fits], np.ones(pp_inter.shape), pp_inter, dp_inter)
+    out = {}
+    for name, value in cost.time_terms(*args, kv_budget=kv[fits]).items():
+        out[name] = np.zeros(tp.shape)
+        out[name][fits] = value
+    return out
+
+
+def _pipeline_times(
+    cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices, fits: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Time terms of every timed row of a training or inference model-stage, in `_timed_grid`'s
+    order: each distinct layout once per recompute choice, then the fully sharded twins. The
+    recompute choices broadcast over a trailing axis, so what does not depend on them is priced
+    once per layout; the rows that do not fit are priced too (their time is dropped)."""
+    tp, pp, dp, m = (c.astype(float)[:, None] for c in distinct[1:])
+    recompute = np.array([float(r == "full") for r in allowed.recompute]) if cost.stage == "training" else np.zeros(1)
+    pinned = cost.stage == "training" and cost.workload.optimizer.shard_across_dp
+    blocks = [(np.ones(tp.shape, dtype=bool), float(False not in allowed.full_shard))]
+    if len(set(allowed.full_shard)) == 2:  # the twins of `_timed_grid`
+        blocks.append((((dp > 1) & (pp == 1)), 1.0))
+    parts: dict[str, list[np.ndarray]] = {}
+    for rows, shard in blocks:
+        rows = rows[:, 0]
+        pp_inter, dp_inter = _inter(cost, tp[rows], pp[rows], dp[rows])
+        sharded = np.full(pp_inter.shape, shard)
+        zero1 = np.full(pp_inter.shape, pinned) | (sharded > 0)
+        args = (tp[rows], pp[rows], dp[rows], m[rows], pp_inter, dp_inter)
+        terms = cost.time_terms(*args, recompute=recompute[None, :], zero1=zero1, full_shard=sharded)
+        for name, value in terms.items():
+            parts.setdefault(name, []).append(np.broadcast_to(value, (pp_inter.shape[0], recompute.size)).ravel())
+    return {name: np.concatenate(values) for name, values in parts.items()}
 
 
 def _least_memory(
