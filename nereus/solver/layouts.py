@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -268,10 +267,8 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
     tp, pp, dp, m = (c.astype(float) for c in layout[1:])
     pinned = cost.stage == "training" and cost.workload.optimizer.shard_across_dp
     zero1 = np.full(tp.shape, pinned) | (full_shard > 0)
-    if cost.stage == "generation":
-        memory = cost.memory_terms(tp, pp, dp, m, kv_budget=kv)
-    else:
-        memory = _per_block(cost, distinct, allowed, _block_memory)
+    shard: Any = full_shard if cost.stage != "generation" else 0
+    memory = cost.memory_terms(tp, pp, dp, m, recompute=recompute, zero1=zero1, kv_budget=kv, full_shard=shard)
     memory = {k: np.broadcast_to(v, tp.shape).astype(float) for k, v in memory.items()}
     token_budget, token_ratio = np.zeros(tp.shape), np.ones(tp.shape)
     if cost.stage == "training":
@@ -282,7 +279,7 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
     if cost.stage == "generation":
         times = _generation_times(cost, tp, pp, dp, kv, fits)
     else:
-        times = _per_block(cost, distinct, allowed, _block_times)  # rows that do not fit too: dropped
+        times = _pipeline_times(cost, distinct, allowed, fits)
     time = np.where(fits, sum(times.values(), np.zeros(tp.shape)), np.inf)
     optimizer_time = np.where(fits, times["optimizer"], 0.0) if cost.stage == "training" else np.zeros(tp.shape)
     return _Timed(layout, kv, recompute, full_shard, time, optimizer_time, memory, token_budget, token_ratio)
@@ -308,41 +305,30 @@ def _generation_times(
     return out
 
 
-def _per_block(
-    cost: StageCostModel,
-    distinct: list[np.ndarray],
-    allowed: MemoryChoices,
-    price: Callable[..., dict[str, Any]],
+def _pipeline_times(
+    cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices, fits: np.ndarray
 ) -> dict[str, np.ndarray]:
-    """`price` of every timed row of a training or inference model-stage, in `_timed_grid`'s
+    """Time terms of every timed row of a training or inference model-stage, in `_timed_grid`'s
     order: each distinct layout once per recompute choice, then the fully sharded twins. The
     recompute choices broadcast over a trailing axis, so what does not depend on them is priced
-    once per layout."""
+    once per layout; the rows that do not fit are priced too (their time is dropped)."""
     tp, pp, dp, m = (c.astype(float)[:, None] for c in distinct[1:])
     recompute = np.array([float(r == "full") for r in allowed.recompute]) if cost.stage == "training" else np.zeros(1)
     pinned = cost.stage == "training" and cost.workload.optimizer.shard_across_dp
-    blocks = [(np.ones(tp.shape[0], dtype=bool), float(False not in allowed.full_shard))]
+    blocks = [(np.ones(tp.shape, dtype=bool), float(False not in allowed.full_shard))]
     if len(set(allowed.full_shard)) == 2:  # the twins of `_timed_grid`
-        blocks.append((((dp > 1) & (pp == 1))[:, 0], 1.0))
+        blocks.append((((dp > 1) & (pp == 1)), 1.0))
     parts: dict[str, list[np.ndarray]] = {}
     for rows, shard in blocks:
-        sharded = np.full((int(rows.sum()), 1), shard)
-        zero1 = np.full(sharded.shape, pinned) | (sharded > 0)
-        terms = price(cost, tp[rows], pp[rows], dp[rows], m[rows], recompute[None, :], zero1, sharded)
+        rows = rows[:, 0]
+        pp_inter, dp_inter = _inter(cost, tp[rows], pp[rows], dp[rows])
+        sharded = np.full(pp_inter.shape, shard)
+        zero1 = np.full(pp_inter.shape, pinned) | (sharded > 0)
+        args = (tp[rows], pp[rows], dp[rows], m[rows], pp_inter, dp_inter)
+        terms = cost.time_terms(*args, recompute=recompute[None, :], zero1=zero1, full_shard=sharded)
         for name, value in terms.items():
-            parts.setdefault(name, []).append(np.broadcast_to(value, (sharded.shape[0], recompute.size)).ravel())
+            parts.setdefault(name, []).append(np.broadcast_to(value, (pp_inter.shape[0], recompute.size)).ravel())
     return {name: np.concatenate(values) for name, values in parts.items()}
-
-
-def _block_times(cost: StageCostModel, tp: Any, pp: Any, dp: Any, m: Any, *choices: Any) -> dict[str, Any]:
-    recompute, zero1, sharded = choices
-    pp_inter, dp_inter = _inter(cost, tp, pp, dp)
-    return cost.time_terms(tp, pp, dp, m, pp_inter, dp_inter, recompute=recompute, zero1=zero1, full_shard=sharded)
-
-
-def _block_memory(cost: StageCostModel, tp: Any, pp: Any, dp: Any, m: Any, *choices: Any) -> dict[str, Any]:
-    recompute, zero1, sharded = choices
-    return cost.memory_terms(tp, pp, dp, m, recompute=recompute, zero1=zero1, full_shard=sharded)
 
 
 def _least_memory(
