@@ -276,10 +276,10 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
         token_ratio = token_budget / cost.micro_batch_tokens(dp, m)
     least = _least_memory(memory, dp, token_ratio, allowed, zero1)
     fits = least <= usable_memory(cost.cluster, cost.calibration)
-    if cost.stage == "generation":
-        times = _generation_times(cost, tp, pp, dp, kv, fits)
+    if cost.stage == "training":
+        times = _pipeline_times(cost, distinct, allowed)
     else:
-        times = _pipeline_times(cost, distinct, allowed, fits)
+        times = _fitting_times(cost, (tp, pp, dp, m), fits, kv_budget=kv, full_shard=full_shard, zero1=zero1)
     time = np.where(fits, sum(times.values(), np.zeros(tp.shape)), np.inf)
     optimizer_time = np.where(fits, times["optimizer"], 0.0) if cost.stage == "training" else np.zeros(tp.shape)
     return _Timed(layout, kv, recompute, full_shard, time, optimizer_time, memory, token_budget, token_ratio)
@@ -292,29 +292,30 @@ def _inter(cost: StageCostModel, tp: np.ndarray, pp: np.ndarray, dp: np.ndarray)
     return (emu > per_node) | ((per_node % emu != 0) & (emu * dp > per_node)), emu * dp > per_node
 
 
-def _generation_times(
-    cost: StageCostModel, tp: np.ndarray, pp: np.ndarray, dp: np.ndarray, kv: np.ndarray, fits: np.ndarray
+def _fitting_times(
+    cost: StageCostModel, layout: tuple[np.ndarray, ...], fits: np.ndarray, **choices: np.ndarray
 ) -> dict[str, np.ndarray]:
-    """Time terms of the timed generation rows that fit (zero elsewhere)."""
-    pp_inter, dp_inter = _inter(cost, tp[fits], pp[fits], dp[fits])
-    args = (tp[fits], pp[fits], dp[fits], np.ones(pp_inter.shape), pp_inter, dp_inter)
+    """Time terms of the timed rows that fit (zero elsewhere), priced row by row."""
+    tp, pp, dp, m = (c[fits] for c in layout)
+    pp_inter, dp_inter = _inter(cost, tp, pp, dp)
+    if cost.stage == "generation":
+        del choices["full_shard"]  # generation holds whole parameters
+    picked = {k: v[fits] for k, v in choices.items()}
     out = {}
-    for name, value in cost.time_terms(*args, kv_budget=kv[fits]).items():
-        out[name] = np.zeros(tp.shape)
+    for name, value in cost.time_terms(tp, pp, dp, m, pp_inter, dp_inter, **picked).items():
+        out[name] = np.zeros(fits.shape)
         out[name][fits] = value
     return out
 
 
-def _pipeline_times(
-    cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices, fits: np.ndarray
-) -> dict[str, np.ndarray]:
-    """Time terms of every timed row of a training or inference model-stage, in `_timed_grid`'s
-    order: each distinct layout once per recompute choice, then the fully sharded twins. The
+def _pipeline_times(cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices) -> dict[str, np.ndarray]:
+    """Time terms of every timed row of a training model-stage, in `_timed_grid`'s order: each
+    distinct layout once per recompute choice, then the fully sharded twins. The
     recompute choices broadcast over a trailing axis, so what does not depend on them is priced
     once per layout; the rows that do not fit are priced too (their time is dropped)."""
     tp, pp, dp, m = (c.astype(float)[:, None] for c in distinct[1:])
-    recompute = np.array([float(r == "full") for r in allowed.recompute]) if cost.stage == "training" else np.zeros(1)
-    pinned = cost.stage == "training" and cost.workload.optimizer.shard_across_dp
+    recompute = np.array([float(r == "full") for r in allowed.recompute])
+    pinned = cost.workload.optimizer.shard_across_dp
     blocks = [(np.ones(tp.shape, dtype=bool), float(False not in allowed.full_shard))]
     if len(set(allowed.full_shard)) == 2:  # the twins of `_timed_grid`
         blocks.append((((dp > 1) & (pp == 1)), 1.0))
