@@ -343,6 +343,26 @@ def test_plan_switches_move_state_live_and_resume_under_the_plan_in_force(tmp_pa
 
 
 @pytest.mark.multiprocess
+@pytest.mark.slow
+def test_after_a_live_transition_the_run_is_a_resume_into_the_target_plan_bitwise(tmp_path: Path) -> None:
+    """A transition verifies the logical state it moves; this checks the rest (optimizer step,
+    learning rate, clipping, data and sampling positions): from the switch on, the run repeats
+    bitwise the plain run resumed from its checkpoint before the switch into the target plan."""
+    plan = yaml.safe_load(PLAN_2RANK.read_text())
+    colocated = {**plan, "stages": [{**e, "tp": 1, "pp": 1, "dp": 2, "emus": [[0], [1]]} for e in plan["stages"]]}
+    (tmp_path / "colocated.yaml").write_text(yaml.safe_dump(colocated))
+    switches = [{"step": 1, "plan": "colocated.yaml"}]
+    switched, plain = tmp_path / "switched", tmp_path / "plain"
+    assert invoke("run", write_config(tmp_path, num_steps=2, plan_switches=switches), "--out", switched).exit_code == 0
+    assert invoke("run", write_config(tmp_path, num_steps=1, checkpoint_every=1), "--out", plain).exit_code == 0
+    result = invoke("run", "--resume", plain, "--plan", tmp_path / "colocated.yaml", "--steps", "2")
+    assert result.exit_code == 0, result.output
+    moved, resumed = training_records(switched), training_records(plain)
+    assert [r.pop("plan_index") for r in moved] == [0, 1]
+    assert [{k: v for k, v in r.items() if k != "plan_index"} for r in resumed] == moved
+
+
+@pytest.mark.multiprocess
 def test_controller_moves_off_a_leaving_rank_and_logs_every_decision(tmp_path: Path) -> None:
     """Rank 1 leaves at step 2 with one step of notice: the urgent path moves every model-stage
     onto rank 0 before it goes; every decision is logged with its observation."""
@@ -441,7 +461,10 @@ def pool_trace_run(folder: Path) -> tuple[Path, Path]:
     }
     (folder / "trace.yaml").write_text(yaml.safe_dump(trace))
     fields = {"kind": "RunConfig", "version": 1, "plan": "plan.yaml", "num_steps": 8, "checkpoint_every": 4}
-    fields |= {"rl": {"task": "sort", "seed": 3, "max_new_tokens": 6}}
+    # Small learning rates: the moved run trains in other layouts (other rounding), and at 1e-2
+    # Adam's near-eps first updates amplify that until a sampled token flips (a chaotic fork,
+    # not lost state). At 1e-4 the runs still train, clip and agree to ~1e-5 (measured).
+    fields |= {"rl": {"task": "sort", "seed": 3, "max_new_tokens": 6, "actor_lr": 1e-4, "critic_lr": 1e-4}}
     (folder / "plain.yaml").write_text(yaml.safe_dump(fields))
     traced = {**fields, "trace": "trace.yaml", "policy": "dynarl", "verify_transitions": True}
     (folder / "traced.yaml").write_text(yaml.safe_dump(traced))
@@ -450,12 +473,6 @@ def pool_trace_run(folder: Path) -> tuple[Path, Path]:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="known regression: with gradient clipping at its default (1.0) the run through live "
-    "transitions drifts from the plain run (step 2 KL 0.0961 vs 0.0900; with clipping off they agree "
-    "to 1e-4 until step 7); every transition still verifies bitwise. Under investigation.",
-)
 def test_a_run_through_tp_pp_dp_pool_shrink_and_growth_keeps_its_state_bitwise(tmp_path: Path) -> None:
     """Every live transition is checked by the runtime itself (logical state gathered before
     and after, equal bitwise); the rewards equal those of the run without transitions."""

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.fit import STEP_KEY, measured_plan, predict
+from nereus.cost.fit import STEP_KEY, engineless_stages, measured_plan, predict
 from nereus.cost.online import OnlineCalibrator
 from nereus.errors import NereusError
 from nereus.runtime.rl.run_state import (
@@ -76,7 +76,8 @@ class Predictor:
 
     def predict(self, plan: Plan, prompt_len: int, response_len_max: int) -> dict[str, float]:
         """Seconds per model-stage that runs an engine and for the whole `step`, at the sizes the step ran."""
-        predicted = predict(measured_plan(plan, prompt_len, response_len_max), self.calibration)
+        sized = measured_plan(plan, prompt_len, response_len_max, engineless=engineless_stages(plan, self.config))
+        predicted = predict(sized, self.calibration)
         self.last = (plan, prompt_len, response_len_max, self.calibration, predicted)
         return {name: seconds for name, seconds in predicted.items() if self._priced(name)}
 
@@ -94,6 +95,7 @@ class Predictor:
             metrics.prompt_len,
             metrics.response_len_max,
             predicted=self.last[4] if reuse and self.last is not None else None,
+            engineless=engineless_stages(plan, self.config),
         )
 
     def defer(self, plan: Plan, metrics: Any) -> None:
