@@ -633,10 +633,10 @@ def closest_shortfall(request: PlanRequest) -> PoolShortfall | None:
     budget = usable_memory(request.cluster, request.calibration)
     misses = []
     for placement in layouts:
-        pools = [
-            _pool_shortfall(placement.name, pool, {n: tables[n, size] for n in stages}, budget)
-            for pool, _, size, stages in placement.pools
-        ]
+        pool_tables = [(pool, {n: tables[n, size] for n in stages}) for pool, _, size, stages in placement.pools]
+        if any(not table.options for _, by_stage in pool_tables for table in by_stage.values()):
+            continue  # a model-stage with no candidate layout at all: no memory shortfall to explain
+        pools = [_pool_shortfall(placement.name, pool, by_stage, budget) for pool, by_stage in pool_tables]
         worst = max(pools, key=lambda p: p.needed_bytes)
         if worst.needed_bytes > budget:
             misses.append(worst)
