@@ -31,6 +31,7 @@ from adaptive_run import GROWTH, NUM_RANKS, growth_trace, initial_plan, planned,
 
 from nereus.cost.calibration import Calibration
 from nereus.solver.policy.replan import plan_key
+from nereus.spec.cluster import Cluster
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.trace import Trace
@@ -40,14 +41,20 @@ RESULTS = ROOT / "benchmarks" / "results" / "adaptive_bound.json"
 FITTED = ROOT / "benchmarks" / "results" / "cost_fit_calibration.yaml"
 
 
-def candidates(calibrations: list[Calibration], top_k: int, growth: list[int]) -> dict[str, Plan]:
+def candidates(
+    calibrations: list[Calibration],
+    top_k: int,
+    growth: list[int],
+    cluster: Cluster | None = None,
+    base: Plan | None = None,
+) -> dict[str, Plan]:
     """`adaptive_run`'s initial plan first, then the planner's top-k for every length of
-    `growth`, under every calibration, deduplicated."""
-    found = {"initial": initial_plan(Calibration(), tokens=growth[0])}
+    `growth`, under every calibration, deduplicated (on `cluster` and for `base`: see `planned`)."""
+    found = {"initial": initial_plan(calibrations[0], cluster, growth[0], base)}
     seen = {plan_key(found["initial"])}
     for calibration in calibrations:
         for tokens in growth:
-            for plan in planned(calibration, tokens=tokens, top_k=top_k):
+            for plan in planned(calibration, cluster, tokens, top_k, base):
                 if plan_key(plan) not in seen:
                     seen.add(plan_key(plan))
                     found[f"c{len(found)}"] = plan

@@ -38,6 +38,7 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.profile import Profile, cluster_from_profile
 from nereus.runtime.rl.run import launch
 from nereus.runtime.rl.setup import RunSetup, plan_problems
+from nereus.solver.layouts import RUNTIME_CHOICES
 from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.solver.policy.replan import layout_summary
@@ -80,22 +81,32 @@ def growth_trace(num_steps: int, growth: tuple[int, ...] = GROWTH) -> Trace:
 
 
 def planned(
-    calibration: Calibration, cluster: Cluster | None = None, tokens: int = GROWTH[0], top_k: int = 1
+    calibration: Calibration,
+    cluster: Cluster | None = None,
+    tokens: int = GROWTH[0],
+    top_k: int = 1,
+    base: Plan | None = None,
 ) -> list[Plan]:
     """The planner's `top_k` best plans, best first, for responses of `tokens` on 2 ranks (of
-    `cluster`, default the base plan's)."""
-    base = load_document(BASE_PLAN)
-    assert isinstance(base, Plan)
+    `cluster`, default the base plan's), with only the memory-saving choices `nereus run` executes;
+    `base`: the plan whose models and workload are planned (default BASE_PLAN)."""
+    if base is None:
+        base = load_document(BASE_PLAN)
+        assert isinstance(base, Plan)
     workload = base.workload.model_copy(update={"response_len": lengths(tokens)})
-    request = PlanRequest(cluster or base.cluster, tuple(base.models), workload, NUM_RANKS, calibration)
+    request = PlanRequest(
+        cluster or base.cluster, tuple(base.models), workload, NUM_RANKS, calibration, choices=RUNTIME_CHOICES
+    )
     result = make_plan(request, top_k=top_k)
     # The runs keep the base workload's batch shapes; the trace drives the lengths.
     return [plan.model_copy(update={"workload": base.workload}) for plan in [result.best, *result.alternatives]]
 
 
-def initial_plan(calibration: Calibration, cluster: Cluster | None = None, tokens: int = GROWTH[0]) -> Plan:
+def initial_plan(
+    calibration: Calibration, cluster: Cluster | None = None, tokens: int = GROWTH[0], base: Plan | None = None
+) -> Plan:
     """The planner's best plan for responses of `tokens` (see `planned`)."""
-    return planned(calibration, cluster, tokens)[0]
+    return planned(calibration, cluster, tokens, base=base)[0]
 
 
 def run_policy(

@@ -3,9 +3,10 @@
 Two gloo ranks, one thread each, run examples/plan-tiny-ppo-2rank-fused.yaml (tiny actor,
 reference, critic and reward model; every model-stage one EMU per rank). The batch's response
 lengths are IMPOSED by this benchmark: the tiny random model does not write long-tailed
-responses by itself, so EOS is off and each sample stops at its own length budget, drawn
-(seeded) from the workload's `response_len` log-normal (median, p99, max below), the same
-draw `nereus schedule migrate` simulates. Sampling is per sample, so both paths produce the
+responses by itself, so EOS is off and each sample stops at its own length budget. The
+budgets are RLHFuse's long tail: most samples short (log-normal around --median, at most a
+quarter of the cap), --long-fraction of them near the cap (uniform over its last 15%), placed
+at seeded random positions of the batch. Sampling is per sample, so both paths produce the
 very same samples; the benchmark checks that, and the log-probs and values, every repetition.
 
 Without fusion: each rank generates its half of the batch, then every inference model-stage
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import platform
 import statistics
@@ -43,8 +45,9 @@ from _record import begin, write_result
 
 from nereus.runtime.batching import BatchingDecoder
 from nereus.runtime.dist import spawn
+from nereus.runtime.engine import even_split
 from nereus.runtime.kv_cache import KVBudget
-from nereus.runtime.rl.fused_rollout import fused_rollout
+from nereus.runtime.rl.fused_rollout import EARLY_CHUNK, RolloutEvent, fused_rollout, infer_samples
 from nereus.runtime.rl.inter_stage import MigrationSettings, migration_settings
 from nereus.runtime.rl.rollout import generate_responses
 from nereus.runtime.rl.scoring import run_inference
@@ -52,11 +55,11 @@ from nereus.runtime.rl.stages import build_stages, rollout_batch
 from nereus.runtime.rl.tasks import CharTokenizer, encode_prompt, get_task, sample_problems
 from nereus.runtime.rl.timing import timed
 from nereus.runtime.sampling import SamplingConfig
-from nereus.solver.migration import GenerationProfile, run_batch, sample_lengths
+from nereus.solver.migration import GenerationProfile, run_batch
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
-from nereus.spec.workload import ResponseLengths
+from nereus.spec.workload import INFERENCE_OUTPUTS, INFERENCE_STAGES, ResponseLengths
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = ROOT / "examples" / "plan-tiny-ppo-2rank-fused.yaml"
@@ -66,19 +69,21 @@ RESULTS = ROOT / "benchmarks" / "results" / "fused_rollout.json"
 def bench_plan(args: argparse.Namespace) -> Plan:
     plan = load_document(PLAN)
     assert isinstance(plan, Plan)
-    lengths = ResponseLengths(median=args.median, p99=args.p99, max=args.max)
+    drawn = imposed_lengths(args).ravel()
+    p99 = min(args.max, max(args.median, round(float(np.percentile(drawn, 99)))))
+    lengths = ResponseLengths(median=args.median, p99=p99, max=args.max)
     workload = plan.workload.model_copy(update={"prompts_per_step": args.samples, "response_len": lengths})
     return plan.model_copy(update={"workload": workload})
 
 
-def imposed_lengths(plan: Plan, seed: int) -> np.ndarray:
-    """[2, samples / 2] length budgets: rank 0's half, then rank 1's (log-normal, seeded)."""
-    shape = dataclasses.replace(
-        migration_settings(plan, Fusion(inter_stage=True)).profile,
-        num_instances=2,
-        samples_per_instance=plan.workload.samples_per_step // 2,
-    )
-    return sample_lengths(shape, np.random.default_rng(seed))
+def imposed_lengths(args: argparse.Namespace) -> np.ndarray:
+    """[2, samples / 2] length budgets, rank 0's half then rank 1's: a seeded long tail."""
+    rng = np.random.default_rng(args.seed)
+    num_long = round(args.long_fraction * args.samples)
+    short = np.clip(np.rint(args.median * np.exp(0.4 * rng.standard_normal(args.samples - num_long))), 1, args.max // 4)
+    long = rng.integers(math.ceil(0.85 * args.max), args.max + 1, num_long)
+    lengths = rng.permutation(np.concatenate([short, long]).astype(np.int64))
+    return lengths.reshape(2, args.samples // 2)
 
 
 def slowest(seconds: float) -> float:
@@ -102,6 +107,20 @@ def decode_steps(stages: dict[str, Any], prompts: list[list[int]], sampling: Sam
     return rows
 
 
+def bucketed_inference(stages: dict[str, Any], prompts: list[list[int]], responses: list[list[int]]) -> None:
+    """Unfused inference without the padding: each replica's half of the batch, sorted by
+    length, in chunks of the fused path's size (so a chunk is as narrow as its longest)."""
+    by_id = dict(enumerate(responses))
+    for name in INFERENCE_STAGES:
+        stage = stages.get(name)
+        if stage is None or stage.engine is None:
+            continue
+        start, stop = even_split(len(prompts), stage.layout.dp)[stage.engine.groups.replica]
+        mine = sorted(range(start, stop), key=lambda s: len(prompts[s]) + len(responses[s]))
+        for first in range(0, len(mine), EARLY_CHUNK):
+            infer_samples(stage, INFERENCE_OUTPUTS[name], mine[first : first + EARLY_CHUNK], prompts, by_id)
+
+
 def timed_rollout(fn: Any) -> tuple[float, Any]:
     """The slowest rank's wall time of `fn()` from a common start, and its result."""
     dist.barrier()
@@ -115,12 +134,12 @@ def rollout_times(rank: int, world: int, plan: Plan, args: argparse.Namespace) -
     tokenizer = CharTokenizer()
     problems = sample_problems(get_task("sort"), plan.workload.samples_per_step, args.seed)
     prompts = [encode_prompt(tokenizer, problem) for problem in problems]
-    budgets = [int(n) for n in imposed_lengths(plan, args.seed).ravel()]
+    budgets = [int(n) for n in imposed_lengths(args).ravel()]
     sampling = SamplingConfig(plan.workload.response_len.max, 1.0, eos_token_id=None, seed=args.seed)
     profile = migration_settings(plan, plan.fusion).profile
     phases: dict[str, list[float]] = {"generation": [], "inference": []}
-    times: dict[str, list[float]] = {"without": [], **{f"{t:g}": [] for t in args.thresholds}}
-    same, error, migrations = True, 0.0, {}
+    times: dict[str, list[float]] = {"without": [], "bucketed": [], **{f"{t:g}": [] for t in args.thresholds}}
+    same, error, migrations, events = True, 0.0, {}, {}
 
     def unfused() -> tuple[list[list[int]], dict[str, torch.Tensor]]:
         seconds: dict[str, float] = {}
@@ -134,8 +153,10 @@ def rollout_times(rank: int, world: int, plan: Plan, args: argparse.Namespace) -
 
     for rep in range(args.warmup + args.reps):
         elapsed, (responses, inferred) = timed_rollout(unfused)
+        inference_only, _ = timed_rollout(lambda r=responses: bucketed_inference(stages, prompts, r))
         if rep >= args.warmup:
             times["without"].append(elapsed)
+            times["bucketed"].append(phases["generation"][-1] + inference_only)
         mask = rollout_batch(prompts, responses, tokenizer.pad_id).field("loss_mask")
         for threshold in args.thresholds:
             settings = MigrationSettings(threshold, profile)
@@ -145,6 +166,7 @@ def rollout_times(rank: int, world: int, plan: Plan, args: argparse.Namespace) -
             same &= fused.responses == responses
             error = max([error] + [float(((inferred[n] - fused.inferred[n]) * mask).abs().max()) for n in inferred])
             migrations[f"{threshold:g}"] = dataclasses.asdict(fused.migration) if fused.migration else None
+            events[f"{threshold:g}"] = fused.events  # the last repetition's
     dist.barrier()
     steps = decode_steps(stages, prompts, sampling)  # on both ranks at once: the same contention
     return {
@@ -154,10 +176,40 @@ def rollout_times(rank: int, world: int, plan: Plan, args: argparse.Namespace) -
         "same_samples": same,
         "max_error": error,
         "migrations": migrations,
+        "events": events,
         "decode_steps": steps,
         "tokens": sum(len(p) + len(r) for p, r in zip(prompts, responses, strict=True)),
+        "padded_tokens": mask.numel(),  # the unfused inference's batch: every row at the longest width
         "prompt_len": sum(len(p) for p in prompts) / len(prompts),
     }
+
+
+def timeline(per_rank: list[list[RolloutEvent]]) -> list[dict[str, float]]:
+    """Per rank, seconds from the rollout's start (one monotonic clock for local ranks): when
+    its generation ended, how long its migration took, its inference busy time and how much of
+    that ran before the last rank's generation ended (the overlap fusion buys), and its end."""
+    start = min(e.time_s for events in per_rank for e in events if e.kind == "generation_start")
+    tail_end = max(e.time_s for events in per_rank for e in events if e.kind == "generation_end")
+    rows = []
+    for events in per_rank:
+        at = {e.kind: e.time_s for e in events}
+        spans = list(zip([e.time_s for e in events if e.kind == "inference_start"],
+                         [e.time_s for e in events if e.kind == "inference_end"], strict=True))  # fmt: skip
+        rows.append(
+            {
+                "generation_end_s": at["generation_end"] - start,
+                "migration_s": at.get("migration_end", 0.0) - at.get("migration_start", 0.0),
+                "inference_busy_s": sum(b - a for a, b in spans),
+                "inference_overlapped_s": sum(max(0.0, min(b, tail_end) - a) for a, b in spans),
+                "end_s": max(e.time_s for e in events) - start,
+            }
+        )
+    return rows
+
+
+def paired(times: dict[str, list[float]], baseline: str, fused: str) -> float:
+    """Median over repetitions of the baseline's time over the fused path's in the same repetition."""
+    return statistics.median(b / f for b, f in zip(times[baseline], times[fused], strict=True))
 
 
 def fit_decode(steps: list[list[float]]) -> tuple[float, float, float]:
@@ -200,8 +252,8 @@ def calibrated_profile(plan: Plan, measured: dict[str, Any], lengths: np.ndarray
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=64, help="samples in the batch (half per rank)")
-    parser.add_argument("--median", type=int, default=12, help="imposed response length: median")
-    parser.add_argument("--p99", type=int, default=120, help="imposed response length: 99th percentile")
+    parser.add_argument("--median", type=int, default=12, help="imposed length of the short samples: median")
+    parser.add_argument("--long-fraction", type=float, default=0.1, help="share of samples near the cap")
     parser.add_argument("--max", type=int, default=160, help="imposed response length: cap")
     parser.add_argument("--thresholds", type=str, default="0.1,0.2,0.3", help="migration thresholds timed")
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions of each path")
@@ -211,9 +263,10 @@ def main() -> None:
     recording = begin()
     args.thresholds = [float(t) for t in args.thresholds.split(",")]
     plan = bench_plan(args)
-    lengths = imposed_lengths(plan, args.seed)
+    lengths = imposed_lengths(args)
     load_before = os.getloadavg()[0]
-    measured = spawn(rollout_times, 2, plan, args)[0]
+    per_rank = spawn(rollout_times, 2, plan, args)
+    measured = per_rank[0]
     profile = calibrated_profile(plan, measured, lengths)
     baseline = run_batch(profile, lengths, None)
     flat = lengths.ravel()
@@ -225,13 +278,18 @@ def main() -> None:
         f"({p99_len / median_len:.1f}x), max {flat.max()} (machine load {load_before:.1f} before)"
     )
     fastest = min(measured["times"]["without"])
+    bucketed = statistics.median(measured["times"]["bucketed"])
     print(
         f"without fusion: median {without:.3f} s, fastest {fastest:.3f} s (generation {measured['generation_s']:.3f} s"
         f" + inference {measured['inference_s']:.3f} s); simulated {baseline.total_s:.3f} s"
     )
     print(
+        f"without fusion, inference length-sorted in chunks of {EARLY_CHUNK} (no padding to the longest): "
+        f"median {bucketed:.3f} s"
+    )
+    print(
         f"{'threshold':>9} {'median s':>9} {'speed-up':>9} {'fastest s':>10} {'speed-up':>9} {'simulated s':>12} "
-        f"{'predicted':>10} {'moved':>6} {'sim dest':>9}"
+        f"{'predicted':>10} {'moved':>6} {'sim dest':>9} {'vs chunked':>10}"
     )
     rows = []
     for threshold in args.thresholds:
@@ -240,6 +298,7 @@ def main() -> None:
         outcome = run_batch(profile, lengths, threshold)
         migration = measured["migrations"][key]
         moved = len(migration["moved"]) if migration else 0
+        ranks = timeline([r["events"][key] for r in per_rank])
         rows.append(
             {
                 "threshold": threshold,
@@ -247,25 +306,41 @@ def main() -> None:
                 "all_measured_s": measured["times"][key],
                 "speedup": without / fused,
                 "speedup_fastest": fastest / min(measured["times"][key]),
+                "speedup_over_chunked_unfused": paired(measured["times"], "bucketed", key),
+                "paired_speedup": paired(measured["times"], "without", key),
                 "simulated_s": outcome.total_s,
                 "predicted_speedup": baseline.total_s / outcome.total_s,
                 "migration": migration,
                 "simulated_destinations": outcome.destinations,
                 "simulated_mechanism": outcome.mechanism,
+                "timeline_last_rep": ranks,
             }
         )
         print(
             f"{threshold:>9.2f} {fused:>9.3f} {without / fused:>8.2f}x {min(measured['times'][key]):>10.3f} "
             f"{fastest / min(measured['times'][key]):>8.2f}x {outcome.total_s:>12.3f} "
-            f"{baseline.total_s / outcome.total_s:>9.2f}x {moved:>6} {outcome.destinations:>9}"
+            f"{baseline.total_s / outcome.total_s:>9.2f}x {moved:>6} {outcome.destinations:>9} "
+            f"{rows[-1]['speedup_over_chunked_unfused']:>9.2f}x"
         )
+    print("last fused repetition per rank (s from start): generation end, migration, inference busy (overlapped)")
+    for row in rows:
+        cells = [
+            f"rank {r}: {t['generation_end_s']:.3f}, {t['migration_s']:.3f}, "
+            f"{t['inference_busy_s']:.3f} ({t['inference_overlapped_s']:.3f}), end {t['end_s']:.3f}"
+            for r, t in enumerate(row["timeline_last_rep"])
+        ]
+        print(f"  {row['threshold']:.2f}: " + "; ".join(cells))
+    print(
+        f"unfused inference runs {measured['padded_tokens']} padded tokens for {measured['tokens']} real ones "
+        f"({measured['padded_tokens'] / measured['tokens']:.1f}x); the simulator prices real tokens only"
+    )
     print(f"same samples: {measured['same_samples']}; max |log-prob/value difference|: {measured['max_error']:.2e}")
     result = {
         "benchmark": "fused_rollout",
         "plan": str(PLAN.relative_to(ROOT)),
         "samples": args.samples,
         "lengths_imposed_by_benchmark": True,
-        "response_len": {"median": args.median, "p99": args.p99, "max": args.max},
+        "response_len": {"short_median": args.median, "long_fraction": args.long_fraction, "max": args.max},
         "drawn_lengths": {
             "median": median_len,
             "p99": p99_len,
@@ -282,9 +357,12 @@ def main() -> None:
             "generation_s": measured["generation_s"],
             "inference_s": measured["inference_s"],
             "simulated_s": baseline.total_s,
+            "inference_chunked_measured_s": bucketed,
+            "all_inference_chunked_measured_s": measured["times"]["bucketed"],
         },
         "with_fusion": rows,
         "calibrated_profile": {k: v for k, v in dataclasses.asdict(profile).items() if k != "lengths"},
+        "unfused_inference_tokens": {"real": measured["tokens"], "padded": measured["padded_tokens"]},
         "same_samples": measured["same_samples"],
         "max_abs_difference": measured["max_error"],
         "python": platform.python_version(),

@@ -4,17 +4,23 @@ replaced, and transformers' `generate`, on the same model, prompts and lengths.
 The model is a random Llama made and saved by `transformers` (4 layers, hidden 256, 8 heads
 over 4 KV heads, vocabulary 1024, fp32), loaded by nereus from the saved folder. The batch:
 `--samples` prompts of 8-24 random tokens; EOS off, every sample stopping at its own length
-budget, either all equal (`uniform`) or drawn from a long-tailed log-normal (`long-tail`:
-median, p99 and cap below). Greedy and sampled (temperature 1, top-p 0.9).
+budget, either all equal (`uniform`) or RLHFuse's long tail (`long-tail`: most samples short,
+log-normal around --median and at most a quarter of the cap, --long-fraction of them near the
+cap, uniform over its last 15%, at seeded random positions). Greedy and sampled (temperature 1, top-p 0.9).
 
-nereus runs on 1 rank (tp=1) and on 2 ranks (tp=2), one thread per rank; transformers runs
-in one process with as many threads as nereus has ranks. `generate` cannot stop rows at
-different lengths, so it decodes every row to the longest budget (`min_new_tokens` =
-`max_new_tokens`): that is what a static batch does to a long tail. tokens/s counts the
-tokens the workload asked for (the sum of the budgets) over wall time for every engine,
-median over `--reps` repetitions; nereus's two engines alternate repetitions, transformers
-runs after them. nereus's engines must give identical samples (checked), and nereus's greedy
-tokens are compared with transformers' on the uniform mix.
+nereus runs on 1 rank (tp=1) and on 2 ranks (tp=2), one thread per rank
+(torch.set_num_threads(1)). transformers runs in the same rank processes, also one thread
+each: on 1 rank it generates the whole batch, on 2 ranks each rank generates its half (data
+parallel, the fastest way two one-thread processes run it; one process with two threads
+spends the second core less well). `generate` cannot stop rows at different lengths, so it
+decodes every row to its batch's longest budget (`min_new_tokens` = `max_new_tokens`): that
+is what a static batch does to a long tail. tokens/s counts the tokens the workload asked for
+(the sum of the budgets) over the slowest rank's wall time for every engine. Each repetition
+runs nereus, the static engine and transformers back to back, in an order rotated every
+repetition, so the three see the same machine load; the ratios quoted are medians of the
+per-repetition (paired) ratios, tokens/s the median over repetitions. nereus's engines must
+give identical samples (checked), and nereus's greedy tokens are compared with
+transformers' on the uniform mix.
 
 `long-tail-kv` is the long tail where memory binds: each rank's KV cache may hold only
 `--kv-fraction` of the batch's tokens (at tp=1; tp=2 ranks hold half the heads, so twice the
@@ -40,8 +46,9 @@ import torch
 import torch.distributed as dist
 from _record import begin, write_result
 
+from nereus.runtime.batching import BatchingDecoder
 from nereus.runtime.dist import spawn
-from nereus.runtime.engine import Engine
+from nereus.runtime.engine import Engine, even_split
 from nereus.runtime.generate import SamplingConfig, generate
 from nereus.runtime.hf.load import load_engine
 from nereus.runtime.kv_cache import KVBudget, replica_kv_bytes_per_token
@@ -50,7 +57,7 @@ from nereus.spec.hf_config import model_from_hf_config
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "generation.json"
-ENGINES = ("continuous", "static")
+ENGINES = ("continuous", "static", "transformers")
 MODES = ("greedy", "sampled")
 
 
@@ -87,10 +94,10 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], dict[str, tuple
     cache at tp=1; None: unbounded), seeded."""
     rng = np.random.default_rng(args.seed)
     prompts = [[int(t) for t in rng.integers(1, 1024, int(n))] for n in rng.integers(8, 25, args.samples)]
-    sigma = np.log(args.p99 / args.median) / 2.326
-    drawn = np.round(args.median * np.exp(sigma * rng.standard_normal(args.samples)))
-    tail = np.clip(drawn, 1, args.max)
-    tail_budgets = [int(n) for n in tail]
+    num_long = round(args.long_fraction * args.samples)
+    short = np.clip(np.rint(args.median * np.exp(0.4 * rng.standard_normal(args.samples - num_long))), 1, args.max // 4)
+    long = rng.integers(math.ceil(0.85 * args.max), args.max + 1, num_long)
+    tail_budgets = [int(n) for n in rng.permutation(np.concatenate([short, long]))]
     return prompts, {
         "uniform": ([args.uniform] * args.samples, None),
         "long-tail": (tail_budgets, None),
@@ -152,101 +159,142 @@ def timed_engine(engine: Engine, name: str, prompts: list, config: SamplingConfi
     return slowest(time.perf_counter() - started), responses
 
 
+def transformers_generate(model: Any, prompts: list, budgets: list, mode: str, kv_tokens: float, seed: int) -> list:
+    """transformers' generate on these rows (left-padded; in the static engine's waves when
+    the KV cache is bounded): each row's generated tokens."""
+    options: dict[str, Any] = {"do_sample": False} if mode == "greedy" else {"do_sample": True, "top_p": 0.9}
+    torch.manual_seed(seed)
+    generated = []
+    for a, b in static_waves(prompts, budgets, kv_tokens):
+        wave, longest = prompts[a:b], max(budgets[a:b])
+        width = max(len(p) for p in wave)
+        tokens = torch.tensor([[0] * (width - len(p)) + p for p in wave])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in wave])
+        with torch.no_grad():
+            out = model.generate(
+                input_ids=tokens,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                pad_token_id=0,
+                temperature=1.0,
+                **options,
+            )
+        generated += out[:, width:].tolist()
+    return generated
+
+
+def timed_transformers(model: Any, prompts: list, budgets: list, mode: str, kv_tokens: float, seed: int):
+    """(slowest rank's seconds, every row's tokens): each rank generates its contiguous share,
+    its KV cache holding `kv_tokens` tokens."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    a, b = even_split(len(prompts), world)[rank]
+    dist.barrier()
+    started = time.perf_counter()
+    mine = transformers_generate(model, prompts[a:b], budgets[a:b], mode, kv_tokens, seed + rank)
+    elapsed = slowest(time.perf_counter() - started)
+    shares: list[Any] = [None] * world
+    dist.all_gather_object(shares, mine)
+    return elapsed, [row for share in shares for row in share]
+
+
 def nereus_worker(rank: int, world: int, folder: Path, prompts: list[list[int]], mixes: dict, args: Any) -> dict:
+    import transformers
+
     torch.set_num_threads(1)
     model = model_from_hf_config(folder)
     engine = Engine.create(model, "lm", RankLayout(world, 1, 1, tuple(range(world))))
     assert engine is not None and load_engine(engine, folder) == []
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     out: dict[str, Any] = {}
     for mix, (budgets, fraction) in mixes.items():
         kv = kv_budget_bytes(model, prompts, budgets, fraction)
+        kv_tokens = math.inf if kv is None else kv / token_bytes(model, 1)  # transformers keeps tp=1 caches
         for mode in MODES:
             config = sampling(mode, max(budgets), args.seed)
             times: dict[str, list[float]] = {name: [] for name in ENGINES}
             responses: dict[str, Any] = {}
             for rep in range(args.warmup + args.reps):
-                for name in ENGINES:
-                    elapsed, responses[name] = timed_engine(engine, name, prompts, config, budgets, kv)
+                shift = rep % len(ENGINES)
+                for name in ENGINES[shift:] + ENGINES[:shift]:
+                    if name == "transformers":
+                        elapsed, responses[name] = timed_transformers(
+                            hf, prompts, budgets, mode, kv_tokens, args.seed + rep
+                        )
+                    else:
+                        elapsed, responses[name] = timed_engine(engine, name, prompts, config, budgets, kv)
                     if rep >= args.warmup:
                         times[name].append(elapsed)
             out[f"{mix}/{mode}"] = {
                 "times": times,
                 "same_samples": responses["continuous"] == responses["static"],
                 "responses": responses["continuous"],
+                "transformers_responses": responses["transformers"],
                 "kv_budget_bytes": kv,
             }
+    out["step_ms"] = decode_step_ms(engine, prompts, args.seed)
     return out
 
 
-def transformers_times(
-    folder: Path, prompts: list[list[int]], budgets: list[int], mode: str, args: Any, threads: int, kv_tokens: float
-) -> tuple[list[float], list[list[int]]]:
-    """Wall times of transformers' generate on the batch (left-padded; in the static engine's
-    waves when the KV cache is bounded), and its tokens."""
-    import transformers
+def decode_step_ms(engine: Engine, prompts: list[list[int]], seed: int) -> dict[int, float]:
+    """Median milliseconds of one greedy decode step (prefill excluded) by running rows: what
+    a long tail's last steps cost against a full batch's."""
+    steps: dict[int, float] = {}
+    for rows in (1, 4, len(prompts)):
+        decoder = BatchingDecoder(engine, SamplingConfig(32, seed=seed), KVBudget())
+        decoder.start(prompts[:rows], range(rows), [32] * rows)
+        decoder.step()  # admits and prefills
+        times = []
+        while decoder.num_active:
+            dist.barrier()
+            started = time.perf_counter()
+            decoder.step()
+            times.append(slowest(time.perf_counter() - started))
+        steps[rows] = 1e3 * statistics.median(times)
+    return steps
 
-    torch.set_num_threads(threads)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    options: dict[str, Any] = {"do_sample": False} if mode == "greedy" else {"do_sample": True, "top_p": 0.9}
-    times, generated = [], []
-    for rep in range(args.warmup + args.reps):
-        torch.manual_seed(args.seed + rep)
-        started = time.perf_counter()
-        generated = []
-        for a, b in static_waves(prompts, budgets, kv_tokens):
-            wave, longest = prompts[a:b], max(budgets[a:b])
-            width = max(len(p) for p in wave)
-            tokens = torch.tensor([[0] * (width - len(p)) + p for p in wave])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in wave])
-            with torch.no_grad():
-                out = model.generate(
-                    input_ids=tokens,
-                    attention_mask=mask,
-                    max_new_tokens=longest,
-                    min_new_tokens=longest,
-                    pad_token_id=0,
-                    temperature=1.0,
-                    **options,
-                )
-            generated += out[:, width:].tolist()
-        if rep >= args.warmup:
-            times.append(time.perf_counter() - started)
-    return times, generated
+
+def paired(times: dict[str, list[float]], slower: str) -> float:
+    """Median over repetitions of `slower`'s time over nereus's in the same repetition."""
+    return statistics.median(t / n for t, n in zip(times[slower], times["continuous"], strict=True))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=32, help="prompts in the batch")
     parser.add_argument("--uniform", type=int, default=48, help="response length of the uniform mix")
-    parser.add_argument("--median", type=int, default=16, help="long-tail mix: median response length")
-    parser.add_argument("--p99", type=int, default=160, help="long-tail mix: 99th percentile")
+    parser.add_argument("--median", type=int, default=16, help="long-tail mix: median length of the short samples")
+    parser.add_argument("--long-fraction", type=float, default=0.1, help="long-tail mix: share of samples near the cap")
     parser.add_argument("--max", type=int, default=192, help="long-tail mix: cap")
+    parser.add_argument("--mixes", type=str, default="uniform,long-tail,long-tail-kv", help="length mixes timed")
+    parser.add_argument("--ranks", type=str, default="1,2", help="rank counts timed (tp = ranks)")
     parser.add_argument("--kv-fraction", type=float, default=0.25, help="long-tail-kv: KV cache share of the batch")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions of each engine")
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions")
     parser.add_argument("--seed", type=int, default=0, help="seed of the model, prompts, lengths and sampling")
     args = parser.parse_args()
     recording = begin()
-    prompts, mixes = workload(args)
-    tail = mixes["long-tail"][0]
-    rows, repetitions = [], {}
+    prompts, every_mix = workload(args)
+    mixes = {name: every_mix[name] for name in args.mixes.split(",")}
+    tail = every_mix["long-tail"][0]
+    rows, repetitions, steps = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = make_model(Path(tmp) / "llama", args.seed)
-        model = model_from_hf_config(folder)
-        for ranks in (1, 2):
+        for ranks in [int(n) for n in args.ranks.split(",")]:
             measured = spawn(nereus_worker, ranks, folder, prompts, mixes, args)[0]
+            step_ms = measured.pop("step_ms")
+            steps[f"tp{ranks}"] = step_ms
+            print(f"tp={ranks} nereus decode step: " + ", ".join(f"{r} rows {ms:.1f} ms" for r, ms in step_ms.items()))
             for case, result in measured.items():
                 mix, mode = case.split("/")
-                budgets, fraction = mixes[mix]
-                kv = kv_budget_bytes(model, prompts, budgets, fraction)
-                kv_tokens = math.inf if kv is None else kv / token_bytes(model, 1)
-                hf_times, hf_tokens = transformers_times(folder, prompts, budgets, mode, args, ranks, kv_tokens)
+                budgets, _ = mixes[mix]
                 wanted = sum(budgets)
-                times = {**result["times"], "transformers": hf_times}
+                times = result["times"]
                 rate = {name: wanted / statistics.median(t) for name, t in times.items()}
+                over_hf, over_static = paired(times, "transformers"), paired(times, "static")
                 agree = None
                 if mode == "greedy" and mix == "uniform":
-                    pairs = zip(result["responses"], hf_tokens, strict=True)
+                    pairs = zip(result["responses"], result["transformers_responses"], strict=True)
                     agree = sum(ours == theirs for ours, theirs in pairs) / len(prompts)
                 key = f"tp{ranks}/{mix}/{mode}"
                 repetitions[key] = times
@@ -262,8 +310,8 @@ def main() -> None:
                             "static": rate["static"],
                             "transformers": rate["transformers"],
                         },
-                        "nereus_over_transformers": rate["continuous"] / rate["transformers"],
-                        "nereus_over_static": rate["continuous"] / rate["static"],
+                        "nereus_over_transformers": over_hf,
+                        "nereus_over_static": over_static,
                         "same_samples_nereus_static": result["same_samples"],
                         "kv_budget_bytes_per_rank": result["kv_budget_bytes"],
                         "greedy_same_as_transformers": agree,
@@ -272,16 +320,19 @@ def main() -> None:
                 print(
                     f"tp={ranks} {mix:>9} {mode:>7}: nereus {rate['continuous']:8.0f} tok/s, static "
                     f"{rate['static']:8.0f}, transformers {rate['transformers']:8.0f} -> "
-                    f"{rate['continuous'] / rate['transformers']:.2f}x transformers, "
-                    f"{rate['continuous'] / rate['static']:.2f}x static; same samples {result['same_samples']}"
+                    f"{over_hf:.2f}x transformers, {over_static:.2f}x static (paired medians); "
+                    f"same samples {result['same_samples']}"
                     + ("" if agree is None else f"; greedy = transformers for {agree:.0%} of rows")
                 )
     payload = {
         "benchmark": "generation",
         "model": "random Llama: 4 layers, hidden 256, 8 heads / 4 KV heads, vocab 1024, fp32",
         "samples": args.samples,
-        "lengths": {"uniform": args.uniform, "long_tail": {"median": args.median, "p99": args.p99, "max": args.max}},
-        "drawn_long_tail": {"median": float(np.median(tail)), "max": max(tail)},
+        "lengths": {
+            "uniform": args.uniform,
+            "long_tail": {"short_median": args.median, "long_fraction": args.long_fraction, "max": args.max},
+        },
+        "drawn_long_tail": {"median": float(np.median(tail)), "max": max(tail), "budgets": tail},
         "kv_fraction": args.kv_fraction,
         "kv_note": (
             "long-tail-kv: each rank's KV cache may hold kv_fraction of the whole batch's tokens at tp=1 "
@@ -291,9 +342,11 @@ def main() -> None:
         ),
         "reps": args.reps,
         "threads_per_rank": 1,
-        "transformers_threads": "as many as nereus has ranks",
+        "transformers": "in the same rank processes, one thread each; on 2 ranks each generates half the batch",
+        "ratios": "median over repetitions of the paired ratio (same repetition, order rotated)",
         "tokens_per_s_counts": "tokens the workload asked for (sum of budgets) / median wall time",
         "rows": rows,
+        "nereus_decode_step_ms_by_running_rows": steps,
     }
     write_result(RESULTS, payload, recording, repetitions)
     print(f"wrote {RESULTS.relative_to(ROOT)}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,10 +22,12 @@ from typing import Any
 import numpy as np
 
 from nereus.cost.calibration import Calibration
+from nereus.cost.kv_pool import engine_budget
 from nereus.cost.plan_cost import evaluate_plan
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan
-from nereus.spec.run_folder import METRICS_NAME, PLAN_NAME, json_lines
+from nereus.spec.run_config import RLConfig, RunConfig
+from nereus.spec.run_folder import CONFIG_NAME, METRICS_NAME, PLAN_NAME, json_lines
 from nereus.spec.workload import STAGES, ResponseLengths
 
 #: The first steps of every run pay for allocation and lazy initialisation; the fit drops them.
@@ -91,6 +93,9 @@ class RunRecord:
     source: str
     plan: Plan
     steps: tuple[StepSample, ...]
+    engineless: tuple[str, ...] | None = None
+    """A `nereus run`'s model-stages that ran no engine (a rule-scored reward: it held no
+    memory); None: another trainer's run (its generation engine is not nereus's)."""
 
     @property
     def plan_key(self) -> str:
@@ -138,24 +143,68 @@ def read_run(run_dir: Path, warmup_steps: int = WARMUP_STEPS) -> RunRecord:
         raise ValueError(
             f"{metrics}: {len(samples)} steps, none after the {warmup_steps} warm-up steps; run more steps"
         )
-    return RunRecord(str(run_dir), plan, kept)
+    return RunRecord(str(run_dir), plan, kept, _engineless(run_dir, plan))
 
 
-def measured_plan(plan: Plan, prompt_len: int, response_len_max: int, cluster: Cluster | None = None) -> Plan:
+def _engineless(run_dir: Path, plan: Plan) -> tuple[str, ...]:
+    """The run's engine-less model-stages, from its config (a folder without one: none)."""
+    from nereus.spec.io import load_document
+
+    if not (run_dir / CONFIG_NAME).is_file():
+        return ()
+    config = load_document(run_dir / CONFIG_NAME)
+    if not isinstance(config, RunConfig):
+        raise ValueError(f"{run_dir / CONFIG_NAME}: kind: expected RunConfig, got {type(config).__name__}")
+    return engineless_stages(plan, config.rl)
+
+
+def measured_plan(
+    plan: Plan,
+    prompt_len: int,
+    response_len_max: int,
+    cluster: Cluster | None = None,
+    engineless: Collection[str] | None = None,
+) -> Plan:
     """The plan priced at the sizes a step ran: padded prompts and every row as long as the
-    longest response (the runtime pads rows to it and decodes until it ends)."""
+    longest response (the runtime pads rows to it and decodes until it ends). For a step of
+    nereus's runtime (`engineless` given: the model-stages that ran no engine, so held no
+    memory), generation is priced in the KV pool its engine had (`with_engine_budget`); for
+    another trainer's (None), as planned. `cluster` (a profile's) replaces the plan's for the
+    pricing; the pool stays the one the run's plan gave the engine."""
     longest = max(1, response_len_max)
     lengths = ResponseLengths(median=longest, p99=longest, max=longest)
     workload = plan.workload.model_copy(update={"prompt_len": max(1, prompt_len), "response_len": lengths})
-    update: dict[str, Any] = {"workload": workload, "predictions": None}
-    if cluster is not None:
-        if cluster.num_gpus < plan.cluster.num_gpus:
-            raise ValueError(
-                f"the profile has {cluster.num_gpus} GPUs but the run's plan uses {plan.cluster.num_gpus}; "
-                "profile with more ranks"
-            )
-        update["cluster"] = cluster
-    return plan.model_copy(update=update)
+    sized = plan.model_copy(update={"workload": workload, "predictions": None})
+    if engineless is not None:
+        sized = with_engine_budget(sized, engineless)
+    if cluster is None:
+        return sized
+    if cluster.num_gpus < plan.cluster.num_gpus:
+        raise ValueError(
+            f"the profile has {cluster.num_gpus} GPUs but the run's plan uses {plan.cluster.num_gpus}; "
+            "profile with more ranks"
+        )
+    return sized.model_copy(update={"cluster": cluster})
+
+
+def with_engine_budget(plan: Plan, engineless: Collection[str] = ()) -> Plan:
+    """The plan with actor/generation's KV budget set to the pool the engine runs it in, when
+    that pool cannot hold the batch (`nereus.cost.kv_pool.engine_budget`): its generation is
+    then priced in the waves the engine runs (first-come admission, newest-first preemption)
+    rather than unbounded."""
+    budget = engine_budget(plan, engineless)
+    if budget is None:
+        return plan
+    stages = [
+        entry.model_copy(update={"kv_budget_bytes": budget}) if entry.model_stage == "actor/generation" else entry
+        for entry in plan.stages
+    ]
+    return plan.model_copy(update={"stages": stages})
+
+
+def engineless_stages(plan: Plan, config: RLConfig) -> tuple[str, ...]:
+    """Model-stages of `plan` that run no engine under `config` (a rule-scored reward)."""
+    return tuple(entry.model_stage for entry in plan.stages if not config.runs_engine(entry.role))
 
 
 # ---- the linearised model ----
@@ -436,7 +485,7 @@ class Observations:
         known |= {f"phase/{stage}" for stage in STAGES}
         for (prompt_len, response_len_max), samples in by_size.items():
             group = len(self.plans)
-            self.plans.append(measured_plan(run.plan, prompt_len, response_len_max, cluster))
+            self.plans.append(measured_plan(run.plan, prompt_len, response_len_max, cluster, run.engineless))
             step = statistics.median(s.step_seconds for s in samples)
             times = {STEP_KEY: [s.step_seconds for s in samples]}
             for sample in samples:
@@ -583,7 +632,7 @@ def run_errors(runs: Sequence[RunRecord], calibration: Calibration, cluster: Clu
         for sample in run.steps:
             sizes = (sample.prompt_len, sample.response_len_max)
             if sizes not in cache:
-                cache[sizes] = predict(measured_plan(run.plan, *sizes, cluster), calibration)
+                cache[sizes] = predict(measured_plan(run.plan, *sizes, cluster, run.engineless), calibration)
             for key, seconds in [*sample.stage_seconds.items(), (STEP_KEY, sample.step_seconds)]:
                 if key in cache[sizes]:
                     measured.setdefault(key, []).append(seconds)

@@ -17,7 +17,7 @@ affine form: one cost model evaluation per step instead of one per parameter plu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -166,17 +166,19 @@ class OnlineCalibrator:
         prompt_len: int,
         response_len_max: int,
         predicted: Mapping[str, float] | None = None,
+        engineless: Collection[str] | None = None,
     ) -> Calibration:
         """Fold one step's measurements in; returns the updated calibration.
 
         `stage_seconds` maps model-stage names (and `weight_sync`) to seconds, as a step's
         metrics report them; names the plan does not price are ignored. `predicted`: the cost
         model's full prediction of this step at the current calibration, if the caller has
-        it (saves an evaluation).
+        it (saves an evaluation). `engineless`: for a step of nereus's runtime, the model-stages
+        that ran no engine (see `measured_plan`); None: another trainer's step.
         """
         if step_seconds <= 0:
             raise ValueError(f"step_seconds must be positive, got {step_seconds}")
-        sized = measured_plan(plan, prompt_len, response_len_max, self.cluster)
+        sized = measured_plan(plan, prompt_len, response_len_max, self.cluster, engineless)
         theta_now = parameters(self.calibration)
         base, gradients = self._linearised(sized, theta_now, predicted)
         rows = [(key, seconds) for key, seconds in stage_seconds.items() if key in base and key != STEP_KEY]

@@ -22,14 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
+from nereus.cost.kv_pool import BLOCK_TOKENS, MEMORY_UTILISATION
 from nereus.runtime.model import DecoderPipelineStage
 from nereus.runtime.shard_layout import stage_layers
 from nereus.spec.model import Model
-
-#: Tokens per KV block (vLLM's default block size).
-BLOCK_TOKENS = 16
-#: Share of a rank's free memory the pool may take (vLLM's gpu_memory_utilization default).
-MEMORY_UTILISATION = 0.9
 
 
 @dataclass(frozen=True)

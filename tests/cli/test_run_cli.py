@@ -461,7 +461,10 @@ def pool_trace_run(folder: Path) -> tuple[Path, Path]:
     }
     (folder / "trace.yaml").write_text(yaml.safe_dump(trace))
     fields = {"kind": "RunConfig", "version": 1, "plan": "plan.yaml", "num_steps": 8, "checkpoint_every": 4}
-    fields |= {"rl": {"task": "sort", "seed": 3, "max_new_tokens": 6}}
+    # Small learning rates: the moved run trains in other layouts (other rounding), and at 1e-2
+    # Adam's near-eps first updates amplify that until a sampled token flips (a chaotic fork,
+    # not lost state). At 1e-4 the runs still train, clip and agree to ~1e-5 (measured).
+    fields |= {"rl": {"task": "sort", "seed": 3, "max_new_tokens": 6, "actor_lr": 1e-4, "critic_lr": 1e-4}}
     (folder / "plain.yaml").write_text(yaml.safe_dump(fields))
     traced = {**fields, "trace": "trace.yaml", "policy": "dynarl", "verify_transitions": True}
     (folder / "traced.yaml").write_text(yaml.safe_dump(traced))
@@ -470,14 +473,6 @@ def pool_trace_run(folder: Path) -> tuple[Path, Path]:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="not a library regression: the moved run runs other layouts than the plain one (dp=4, "
-    "pp=4 at steps 0-3), whose rounding differs; Adam's first updates and inverse-CDF sampling "
-    "amplify it until a sampled token flips (with clipping at step 2: KL 0.0961 vs 0.0900; without "
-    "it at step 7). The moved run equals a fresh run in its own plan, and a resume into its next "
-    "plan, bitwise; one rank with its learning rates 3e-4 relative off takes the same fork.",
-)
 def test_a_run_through_tp_pp_dp_pool_shrink_and_growth_keeps_its_state_bitwise(tmp_path: Path) -> None:
     """Every live transition is checked by the runtime itself (logical state gathered before
     and after, equal bitwise); the rewards equal those of the run without transitions."""

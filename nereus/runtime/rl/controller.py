@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.fit import STEP_KEY, measured_plan, predict
+from nereus.cost.fit import STEP_KEY, engineless_stages, measured_plan, predict
 from nereus.cost.online import OnlineCalibrator
 from nereus.errors import NereusError
 from nereus.runtime.rl.run_state import (
@@ -80,7 +80,8 @@ class Predictor:
         sizes = (plan, prompt_len, response_len_max, self.calibration)
         predicted = self._priced_at(sizes)
         if predicted is None:  # the cost model runs once per plan, sizes and calibration
-            predicted = predict(measured_plan(plan, prompt_len, response_len_max), self.calibration)
+            sized = measured_plan(plan, prompt_len, response_len_max, engineless=engineless_stages(plan, self.config))
+            predicted = predict(sized, self.calibration)
         self.last = (*sizes, predicted)
         return {name: seconds for name, seconds in predicted.items() if self._priced(plan, name)}
 
@@ -97,6 +98,7 @@ class Predictor:
             metrics.prompt_len,
             metrics.response_len_max,
             predicted=self._priced_at(sizes),
+            engineless=engineless_stages(plan, self.config),
         )
 
     def _priced_at(self, sizes: tuple[Plan, int, int, Calibration]) -> dict[str, float] | None:

@@ -183,7 +183,7 @@ def _migrate(
                     decoder.receive(_receive(src))
 
 
-def _infer_samples(
+def infer_samples(
     stage: ModelStageRuntime,
     output: InferenceOutput,
     samples: list[int],
@@ -455,7 +455,7 @@ def _infer(
         return
     recorder.note("inference_start", name, mine)
     with timed(seconds, name):
-        result = _infer_samples(stage, INFERENCE_OUTPUTS[name], mine, prompts, responses)
+        result = infer_samples(stage, INFERENCE_OUTPUTS[name], mine, prompts, responses)
     recorder.note("inference_end", name, mine)
     if result is not None and leads(stage):
         parts.append((name, *result))
