@@ -103,7 +103,8 @@ def rl_step(
     if events is not None:
         events.extend(fused_events)
     seconds["step"] = time.perf_counter() - start
-    return step_metrics(plan, stages, step, prompts, scored, losses, seconds, (rules, grad_norms))
+    ran = [n for n in stages if not (old_from_training and n == "actor/inference")]
+    return step_metrics(plan, stages, ran, step, prompts, scored, losses, seconds, (rules, grad_norms))
 
 
 def draw_prompts(
@@ -135,6 +136,7 @@ def step_seed(seed: int, step: int) -> int:
 def step_metrics(
     plan: Plan,
     stages: dict[str, ModelStageRuntime],
+    ran: list[str],
     step: int,
     prompts: list[list[int]],
     scored: Scored,
@@ -143,6 +145,8 @@ def step_metrics(
     updates: tuple[dict[str, UpdateRule], dict[str, float]],
 ) -> StepMetrics:
     """The step's record, the same on every rank: its times are the slowest rank's (collective).
+    `ran`: the model-stages that ran this step (actor/inference does not when training gives the
+    old log-probs): only they report measured and predicted peaks by model-stage.
     `updates`: each trained model-stage's update rule and mean gradient norm."""
     rules, grad_norms = updates
     assert scored.old_log_probs is not None, "training gave them"
@@ -169,8 +173,8 @@ def step_metrics(
         state_bytes_per_rank=totals.state_bytes,
         memory_peak_bytes=totals.memory_peak,
         predicted_memory_peak_bytes=[max(column) for column in zip(*predicted_by_stage.values(), strict=True)],
-        memory_peak_bytes_by_stage={n: v for n, v in totals.memory_peak_by_stage.items() if n in stages},
-        predicted_memory_peak_bytes_by_stage=predicted_by_stage,
+        memory_peak_bytes_by_stage={n: v for n, v in totals.memory_peak_by_stage.items() if n in ran},
+        predicted_memory_peak_bytes_by_stage={n: v for n, v in predicted_by_stage.items() if n in ran},
         grad_norm=dict(grad_norms),
         lr={name: rule.lr for name, rule in rules.items()},
     )
