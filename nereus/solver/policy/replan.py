@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from nereus.cost.calibration import Calibration
+from nereus.cost.kv_pool import with_engine_budget
 from nereus.cost.plan_cost import PlanEvaluation, evaluate_plan, one_sequence_bytes
 from nereus.errors import NereusError
 from nereus.solver.layouts import MemoryChoices
@@ -97,6 +98,11 @@ class Replanner:
     calibration: Calibration = field(default_factory=Calibration)
     choices: MemoryChoices = field(default_factory=MemoryChoices)
     """The memory-saving choices replanned plans may use (RUNTIME_CHOICES inside `nereus run`)."""
+    engineless: tuple[str, ...] | None = None
+    """For plans nereus's runtime runs: its model-stages that run no engine (a rule-scored
+    reward). Generation is then priced in the KV pool the runtime's engine gets (in waves when
+    that pool cannot hold the replica's batch; `nereus.cost.kv_pool.engine_budget`). None:
+    priced as planned (unbounded unless the plan sets a KV budget), as for the simulator."""
     num_searches: int = 0
     _plans: dict[tuple[object, ...], list[Plan]] = field(default_factory=dict, repr=False)
     _times: dict[tuple[object, ...], float | None] = field(default_factory=dict, repr=False)
@@ -165,7 +171,10 @@ class Replanner:
 
     def step_time_under(self, plan: Plan, lengths: ResponseLengths, calibration: Calibration) -> float | None:
         """`step_time` under another calibration (not cached)."""
-        evaluation = evaluate_plan(plan.model_copy(update={"workload": self.workload_for(lengths)}), calibration)
+        sized = plan.model_copy(update={"workload": self.workload_for(lengths)})
+        if self.engineless is not None:
+            sized = with_engine_budget(sized, self.engineless)
+        evaluation = evaluate_plan(sized, calibration)
         return evaluation.predictions.step_time_s if evaluation.feasible else None
 
     def transition(self, plan_a: Plan, plan_b: Plan) -> TransitionVerdict:
