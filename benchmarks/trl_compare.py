@@ -13,8 +13,9 @@ thread, nereus 1 rank, nereus 2 ranks, and again per round), so the machine's lo
 all of them.
 
 Seconds per step: the wall time from one finished step to the next (TRL: its `on_step_end`
-callbacks; nereus: metrics.jsonl records as the launcher reads them), median over the steps
-after the warm-up. Reward: the mean over the last 5 steps of the mean reward per step.
+callbacks; nereus: the start of the next step on rank 0's timeline, so a step's metrics,
+timeline and checkpoint writes count), median over the steps after the warm-up. Reward:
+the mean over the last 5 steps of the mean reward per step.
 
 TRL is not a dependency of nereus: install it for this benchmark only (benchmarks/README.md):
 
@@ -44,6 +45,12 @@ RESULTS = Path(__file__).resolve().parent / "results" / "trl_compare.json"
 PROMPTS, GROUP, MAX_NEW_TOKENS, LR, KL, CLIP, SEED = 8, 4, 12, 1e-3, 0.02, 1.0, 0
 WARMUP_STEPS, REWARD_STEPS = 3, 5
 RUNNERS = ("trl", "trl-1thread", "nereus-1", "nereus-2")
+#: What else each side runs with (the same work per step on both).
+SETTINGS = (
+    f"settings: {PROMPTS} prompts x {GROUP} samples, <= {MAX_NEW_TOKENS} new tokens, lr {LR}, KL {KL} (k3, in the "
+    f"loss), clip {CLIP}, token-mean loss, fp32, one update per batch; TRL: gradient checkpointing off (nereus "
+    "recomputes nothing), no saving, no vLLM; nereus: online calibration off, one checkpoint at the end"
+)
 
 
 def make_model(folder: Path) -> Path:
@@ -98,16 +105,19 @@ def run_trl(folder: Path, num_steps: int, work: Path, threads: int) -> dict[str,
 
     torch.set_num_threads(threads)
     ends: list[float] = []
+    cpu: list[float] = []
 
     class StepClock(transformers.TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             ends.append(time.perf_counter())
+            cpu.append(time.process_time())  # every thread of the process
 
     config = GRPOConfig(
         output_dir=str(work / "trl"), max_steps=num_steps, per_device_train_batch_size=PROMPTS * GROUP,
         gradient_accumulation_steps=1, num_generations=GROUP, max_completion_length=MAX_NEW_TOKENS,
         learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.01, adam_epsilon=1e-8,
-        max_grad_norm=CLIP, beta=KL, epsilon=0.2, num_iterations=1, loss_type="dapo", scale_rewards="group",
+        gradient_checkpointing=False, max_grad_norm=CLIP, beta=KL, epsilon=0.2, num_iterations=1, loss_type="dapo",
+        scale_rewards="group",
         temperature=1.0, top_p=1.0, top_k=0, shuffle_dataset=False, seed=SEED, use_cpu=True, bf16=False,
         logging_steps=1, report_to=[], save_strategy="no", disable_dropout=True, dataloader_num_workers=0,
         disable_tqdm=True,
@@ -123,7 +133,7 @@ def run_trl(folder: Path, num_steps: int, work: Path, threads: int) -> dict[str,
     trainer.train()
     rewards = [float(log["reward"]) for log in trainer.state.log_history if "reward" in log]
     runner = "trl" if threads > 1 else "trl-1thread"
-    return {"runner": runner, "step_ends": [end - start for end in ends], "rewards": rewards}
+    return {"runner": runner, "step_ends": [end - start for end in ends], "step_cpu": cpu, "rewards": rewards}
 
 
 def run_nereus(folder: Path, num_steps: int, num_ranks: int, work: Path) -> dict[str, Any]:
@@ -144,25 +154,80 @@ def run_nereus(folder: Path, num_steps: int, num_ranks: int, work: Path) -> dict
     run_folder = work / f"nereus-{num_ranks}"
     (run_folder.parent / "workload.yaml").write_text(json.dumps(workload))
     (run_folder.parent / f"run-{num_ranks}.yaml").write_text(json.dumps(config))
-    ends: list[float] = []
-    start = time.perf_counter()
     setup = new_run(run_folder.parent / f"run-{num_ranks}.yaml", num_ranks=num_ranks, out=run_folder)
-    records = launch(setup, on_step=lambda _: ends.append(time.perf_counter() - start))
-    return {"runner": f"nereus-{num_ranks}", "step_ends": ends, "rewards": [r.reward for r in records]}
+    cpu: list[float] = []
+    records = launch(setup, on_step=lambda _: cpu.append(ranks_cpu_seconds()))
+    ends, rewards = step_ends(run_folder), [r.reward for r in records]
+    return {"runner": f"nereus-{num_ranks}", "step_ends": ends, "step_cpu": cpu, "rewards": rewards}
+
+
+def ranks_cpu_seconds() -> float:
+    """CPU seconds the spawned ranks (this process's multiprocessing children) used so far."""
+    children = []
+    for task in Path("/proc/self/task").iterdir():
+        children += [int(pid) for pid in (task / "children").read_text().split()]
+    total = 0.0
+    for pid in children:
+        try:
+            cmdline, stat = Path(f"/proc/{pid}/cmdline").read_bytes(), Path(f"/proc/{pid}/stat").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        if b"spawn_main" in cmdline:  # a rank, not the resource tracker
+            utime, stime = stat.rsplit(")", 1)[1].split()[11:13]
+            total += (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def step_ends(run_folder: Path) -> list[float]:
+    """When each step of the run finished, from rank 0's timeline: a step ends where the next
+    one's first span starts (its metrics, samples and timeline written), the last one at its
+    last span's end. (The launcher reads metrics.jsonl ten times a second: too coarse here.)"""
+    spans = [json.loads(line) for line in (run_folder / "timeline" / "rank-0.jsonl").read_text().splitlines()]
+    starts: dict[int, float] = {}
+    for span in spans:
+        starts[span["step"]] = min(span["start"], starts.get(span["step"], span["start"]))
+    last = max(starts)
+    return [starts[step] for step in sorted(starts) if step > 0] + [max(s["end"] for s in spans if s["step"] == last)]
 
 
 def summary(run: dict[str, Any]) -> dict[str, Any]:
-    """Median seconds per step after the warm-up, and the reward of the last steps."""
-    ends = run["step_ends"]
+    """Median seconds per step after the warm-up, the CPU seconds per step after it (all
+    threads, all ranks: what a loaded machine's share of the cores does not change much),
+    and the reward of the last steps."""
+    ends, cpu = run["step_ends"], run["step_cpu"]
     gaps = [later - earlier for earlier, later in itertools.pairwise(ends)][WARMUP_STEPS - 1 :]
     return {
         "runner": run["runner"],
         "median_step_s": statistics.median(gaps),
         "step_s": gaps,
+        "cpu_step_s": (cpu[-1] - cpu[WARMUP_STEPS - 1]) / (len(cpu) - WARMUP_STEPS),
         "reward_first": statistics.mean(run["rewards"][:REWARD_STEPS]),
         "reward_last": statistics.mean(run["rewards"][-REWARD_STEPS:]),
         "rewards": run["rewards"],
     }
+
+
+def print_table(by_runner: dict[str, list[dict[str, Any]]], medians: dict[str, float], cores: int, runs: str) -> None:
+    """The side-by-side table, the settings and the closing ratio."""
+    head = f"{'runner':<12}{'s/step':>9}{'vs TRL':>8}{'CPU s/step':>12}{'reward first 5':>16}{'reward last 5':>15}"
+    print(f"{head}{'load':>7}")
+    cpu = {name: statistics.median(run["cpu_step_s"] for run in group) for name, group in by_runner.items()}
+    for name, group in by_runner.items():
+        first = statistics.mean(run["reward_first"] for run in group)
+        last = statistics.mean(run["reward_last"] for run in group)
+        load = statistics.mean(statistics.mean(run["load"]) for run in group)
+        speedup = medians["trl"] / medians[name]
+        row = f"{name:<12}{medians[name]:>9.3f}{speedup:>7.2f}x{cpu[name]:>12.3f}{first:>16.3f}{last:>15.3f}"
+        print(f"{row}{load:>7.1f}")
+    print(SETTINGS)
+    slower = max(medians["nereus-1"], medians["nereus-2"])
+    print(
+        f"nereus is {medians['trl'] / slower:.2f}x faster per step than TRL on {cores} cores "
+        f"({medians['trl-1thread'] / slower:.2f}x than TRL on one thread; the slower of nereus's 1- and 2-rank "
+        f"runs; medians over {runs} after {WARMUP_STEPS} warm-up steps; load: the 1-minute load average "
+        f"at each run's start and end, averaged); CPU seconds per step, nereus 1 rank against TRL on one "
+        f"thread: {cpu['trl-1thread'] / cpu['nereus-1']:.2f}x fewer"
+    )
 
 
 def main() -> None:
@@ -180,28 +245,20 @@ def main() -> None:
             for runner in RUNNERS:
                 place = work / f"round-{round_}"
                 place.mkdir(exist_ok=True)
+                load_before = os.getloadavg()[0]
                 if runner.startswith("trl"):
                     run = run_trl(model, args.steps, place, 1 if runner == "trl-1thread" else cores)
                 else:
                     run = run_nereus(model, args.steps, int(runner[-1]), place)
-                runs.append({**summary(run), "round": round_})
+                runs.append({**summary(run), "round": round_, "load": [load_before, os.getloadavg()[0]]})
                 print(f"round {round_} {runner}: {runs[-1]['median_step_s']:.3f} s/step", flush=True)
     by_runner = {name: [run for run in runs if run["runner"] == name] for name in RUNNERS}
     medians = {name: statistics.median(s for run in group for s in run["step_s"]) for name, group in by_runner.items()}
-    print(f"{'runner':<12}{'s/step':>9}{'vs TRL':>8}{'reward first 5':>16}{'reward last 5':>15}")
-    for name, group in by_runner.items():
-        first = statistics.mean(run["reward_first"] for run in group)
-        last = statistics.mean(run["reward_last"] for run in group)
-        print(f"{name:<12}{medians[name]:>9.3f}{medians['trl'] / medians[name]:>7.2f}x{first:>16.3f}{last:>15.3f}")
-    slower = max(medians["nereus-1"], medians["nereus-2"])
-    print(
-        f"nereus is {medians['trl'] / slower:.2f}x faster per step than TRL on {cores} cores "
-        f"({medians['trl-1thread'] / slower:.2f}x than TRL on one thread; the slower of nereus's 1- and 2-rank "
-        f"runs; medians over {args.rounds} round(s) x {args.steps} steps after {WARMUP_STEPS} warm-up steps; "
-        f"load average {os.getloadavg()[0]:.1f})"
-    )
+    print_table(by_runner, medians, cores, f"{args.rounds} round(s) x {args.steps} steps")
     recipe = {"prompts": PROMPTS, "group": GROUP, "max_new_tokens": MAX_NEW_TOKENS, "lr": LR, "kl": KL, "clip": CLIP}
-    payload = {"recipe": recipe, "steps": args.steps, "rounds": args.rounds, "median_step_s": medians, "runs": runs}
+    cpu = {name: statistics.median(run["cpu_step_s"] for run in group) for name, group in by_runner.items()}
+    payload = {"recipe": recipe, "steps": args.steps, "rounds": args.rounds, "median_step_s": medians}
+    payload.update(median_cpu_step_s=cpu, settings=SETTINGS, runs=runs)
     step_s = {name: [run["step_s"] for run in group] for name, group in by_runner.items()}
     write_result(RESULTS, payload, recording, {"step_s": step_s})
 

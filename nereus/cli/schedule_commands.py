@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -91,8 +92,21 @@ def fuse(
         float, typer.Option("--p2p-latency", min=0.0, help="Latency added to each cross-node edge.")
     ] = 0.0,
     time_limit: Annotated[
-        float, typer.Option("--time-limit", min=0.01, help="Seconds of annealing (all seeds together).")
+        float,
+        typer.Option(
+            "--time-limit", min=0.01, help="Search seconds: annealing (all seeds together), then CP-SAT peak windows."
+        ),
     ] = 10.0,
+    window_share: Annotated[
+        float | None,
+        typer.Option(
+            "--window-share",
+            min=0.0,
+            max=0.99,
+            help="Share of --time-limit for the CP-SAT windows that lower the peak at the makespan found "
+            "(0: annealing only; default: the search's own share; needs OR-Tools).",
+        ),
+    ] = None,
     seeds: Annotated[int, typer.Option("--seeds", min=1, help="Annealing seeds, run in parallel processes.")] = 2,
     exact: Annotated[
         bool,
@@ -132,6 +146,8 @@ def fuse(
     _check_output(gantt, (".png", ".svg"), "--gantt")
     _check_output(perfetto, (".json",), "--perfetto")
     config = SearchConfig(time_limit_s=time_limit, seeds=seeds)
+    if window_share is not None:
+        config = replace(config, window_share=window_share)
     if plan is not None:
         if any(v is not None for v in (stages, microbatches, fwd, bwd, act)):
             raise NereusError("--plan takes the times from the plan; drop --stages/--microbatches/--fwd/--bwd/--act")

@@ -25,6 +25,7 @@ them), and its expected finish is taken over that place.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -74,13 +75,21 @@ class _Shape:
 
 
 def _shape(lengths: ResponseLengths, prompt: float) -> _Shape:
-    points = length_points(lengths)
+    return _shape_of(lengths.median, lengths.p99, lengths.max, prompt)
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_of(median: int, p99: int, maximum: int, prompt: float) -> _Shape:
+    """The closed form's constants of one workload (the planner asks for them on every search)."""
+    points = length_points(ResponseLengths(median=median, p99=p99, max=maximum))
     mean = float(points.mean())
     kv = float((points * (prompt + (points + 1) / 2)).mean())
-    r = np.linspace(0.0, float(lengths.max), RESIDUAL_POINTS)
+    r = np.linspace(0.0, float(maximum), RESIDUAL_POINTS)
     survival = (points[None, :] > r[:, None]).mean(axis=1)
     cdf = np.concatenate([[0.0], np.cumsum((survival[1:] + survival[:-1]) / 2 * np.diff(r))]) / mean
-    return _Shape(mean, kv, r, np.minimum(cdf, 1.0))
+    cdf = np.minimum(cdf, 1.0)
+    r.flags.writeable = cdf.flags.writeable = False  # shared by every caller
+    return _Shape(mean, kv, r, cdf)
 
 
 def decode_profile(
@@ -92,44 +101,73 @@ def decode_profile(
     `longest` is the longest response the replica waits for.
     """
     n, capacity = (np.asarray(x, dtype=float) for x in np.broadcast_arrays(n, capacity))
-    half = DECODE_SLICES // 2
+    shape = (*n.shape, DECODE_SLICES)
+    n, capacity = n.reshape(-1), capacity.reshape(-1)
     # Unbounded: everything admitted at once, running = n * alive(t).
+    t, alive = _slices(lengths, longest)
+    running = np.maximum(1.0, n[:, None] * alive)
+    profile = (np.full(running.shape, longest / DECODE_SLICES), running, running * (prompt + t))
+    bound = capacity < _peak(n[:, None] * alive, prompt, t, n)
+    if bound.any():  # the bound rows only: each row's profile is its own
+        for out, rows in zip(profile, _bound_profile(lengths, prompt, n[bound], capacity[bound], longest), strict=True):
+            out[bound] = rows
+    return tuple(x.reshape(shape) for x in profile)  # type: ignore[return-value]
+
+
+def binds(lengths: ResponseLengths, prompt: float, n: Array, capacity: Array, longest: float) -> np.ndarray:
+    """Whether a budget of `capacity` KV tokens holds less than the peak demand of `n` sequences
+    admitted at once (a budget that does not bind decodes as the unbounded cache does)."""
+    t, alive = _slices(lengths, longest)
+    n = np.asarray(n, dtype=float)
+    return np.asarray(capacity, dtype=float) < _peak(n[..., None] * alive, prompt, t, n)
+
+
+def _slices(lengths: ResponseLengths, longest: float) -> tuple[np.ndarray, np.ndarray]:
+    """The decode slices' midpoints over `longest` iterations and the share still generating."""
+    return _slices_of(lengths.median, lengths.p99, lengths.max, longest)
+
+
+@functools.lru_cache(maxsize=256)
+def _slices_of(median: int, p99: int, maximum: int, longest: float) -> tuple[np.ndarray, np.ndarray]:
     t = (np.arange(DECODE_SLICES) + 0.5) / DECODE_SLICES * longest
-    alive = alive_fraction(lengths, t)
-    free_running = np.maximum(1.0, n[..., None] * alive)
-    free = (
-        np.broadcast_to(longest / DECODE_SLICES, free_running.shape),
-        free_running,
-        free_running * (prompt + t),
-    )
-    peak = np.maximum((n[..., None] * alive * (prompt + t)).max(axis=-1), n * (prompt + 1))
-    bound = capacity < peak
-    if not bound.any():
-        return free
+    alive = alive_fraction(ResponseLengths(median=median, p99=p99, max=maximum), t)
+    t.flags.writeable = alive.flags.writeable = False  # shared by every caller
+    return t, alive
+
+
+def _peak(running: np.ndarray, prompt: float, t: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """The most KV tokens in use with nothing queued: the running sequences' contexts at the
+    fullest slice, or every prompt and its first token."""
+    return np.maximum((running * (prompt + t)).max(axis=-1), n * (prompt + 1))
+
+
+def _bound_profile(
+    lengths: ResponseLengths, prompt: float, n: np.ndarray, capacity: np.ndarray, longest: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`decode_profile` of replicas whose budget binds: saturated, then draining."""
+    half = DECODE_SLICES // 2
     shape = _shape(lengths, prompt)
     context = shape.kv_iterations_per_sequence / shape.mean_length
-    fill = np.maximum(prompt + 1.0, np.where(bound, capacity, 1.0) - prompt / 2)  # admission slack
+    fill = np.maximum(prompt + 1.0, capacity - prompt / 2)  # admission slack
     in_flight = np.minimum(n, np.maximum(1.0, fill / context))
     r, cdf = shape.residual_grid, shape.residual_cdf
     drain_longest = np.interp(in_flight / (in_flight + 1), cdf, r)
     drain_kv = in_flight * float(np.trapezoid(1.0 - cdf, r)) * context
     queued = np.maximum(0.0, (n * shape.kv_iterations_per_sequence - drain_kv) / fill)
     # Admitted at once: as many as fit at their prompt; the cache fills when they have grown to share it.
-    started = np.minimum(n, np.maximum(1.0, np.floor(np.where(bound, capacity, 1.0) / (prompt + 1.0))))
+    started = np.minimum(n, np.maximum(1.0, np.floor(capacity / (prompt + 1.0))))
     fills_at = np.clip(fill / started - prompt, 0.0, queued)
     total = _expected_finish(queued, drain_longest, longest, in_flight / n, started / n, fills_at)
     drain = np.maximum(total - queued, 0.0)
     td = (np.arange(half) + 0.5) / half * drain[..., None]
     drain_running = np.maximum(1.0, in_flight[..., None] * (1.0 - np.interp(td, r, cdf)))
-    bound_profile = (
+    return (
         np.concatenate(
             [np.repeat(queued[..., None] / half, half, -1), np.repeat(drain[..., None] / half, half, -1)], -1
         ),
         np.concatenate([np.repeat(in_flight[..., None], half, -1), drain_running], -1),
         np.concatenate([np.repeat(fill[..., None], half, -1), drain_running * context], -1),
     )
-    pick = bound[..., None]
-    return tuple(np.where(pick, b, f) for b, f in zip(bound_profile, free, strict=True))  # type: ignore[return-value]
 
 
 def _expected_finish(

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.continuous_batching import decode_profile
+from nereus.cost.continuous_batching import binds, decode_profile
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Head, Model
 from nereus.spec.workload import DTYPE_BYTES, Stage, Workload
@@ -365,6 +365,14 @@ class StageCostModel:
         bytes_per_param = 2 * (2 * self.dtype_bytes + ADAM_BYTES_MIXED)
         moved = self.params_per_gpu(tp, pp) / shard * bytes_per_param
         return moved / (self.cluster.gpu.hbm_bytes_per_s * self.calibration.decode_memory)
+
+    def kv_budget_binds(self, tp: Array, pp: Array, dp: Array, kv_budget: Array) -> Array:
+        """Whether a KV budget in bytes per GPU holds less than a replica's peak demand (one that
+        does not bind prices as the unbounded cache)."""
+        w = self.workload
+        capacity = np.asarray(kv_budget, dtype=float) / self.kv_bytes_per_token(tp, pp)
+        longest = w.response_len.expected_longest(w.samples_per_step)
+        return binds(w.response_len, float(w.prompt_len), self.samples_per_replica(dp), capacity, longest)
 
     def _generation_terms(
         self, tp: Array, pp: Array, dp: Array, pp_inter: Array, kv_budget: Array = math.inf

@@ -30,17 +30,24 @@ _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
-def _status_bytes(field_name: str) -> int:
+def _status_fields(*field_names: str) -> list[int]:
+    """`field_names` of /proc/self/status in bytes, from one read of the file (a step takes
+    a reading at every model-stage's start and end)."""
+    found: dict[str, int] = {}
     for line in _STATUS.read_text().splitlines():
-        if line.startswith(field_name + ":"):
-            return int(line.split()[1]) * 1024  # kB
-    raise RuntimeError(f"{_STATUS} has no {field_name} line")
+        name, _, value = line.partition(":")
+        if name in field_names:
+            found[name] = int(value.split()[0]) * 1024  # kB
+    missing = [name for name in field_names if name not in found]
+    if missing:
+        raise RuntimeError(f"{_STATUS} has no {missing[0]} line")
+    return [found[name] for name in field_names]
 
 
 def cpu_peak_supported() -> bool:
     """Whether this process can read and reset its peak resident set (Linux)."""
     try:
-        _status_bytes("VmHWM")
+        _status_fields("VmHWM")
         _CLEAR_REFS.write_text("5")
     except (OSError, RuntimeError):
         return False
@@ -63,7 +70,8 @@ class PeakTracker:
         """A tracker of this process on `device_type`; on CPU its idle baseline is read now."""
         tracker = cls(cuda=device_type == "cuda")
         if not tracker.cuda and cpu_peak_supported():
-            tracker.baseline = _status_bytes("VmRSS") - _status_bytes("RssShmem")
+            resident, shared = _status_fields("VmRSS", "RssShmem")
+            tracker.baseline = resident - shared
         return tracker
 
     def _read_and_reset(self) -> int:
@@ -76,7 +84,7 @@ class PeakTracker:
         from nereus.runtime import arena
 
         try:
-            peak, shared = _status_bytes("VmHWM"), _status_bytes("RssShmem")
+            peak, shared = _status_fields("VmHWM", "RssShmem")
             _CLEAR_REFS.write_text("5")  # the peak restarts from the current resident set
         except (OSError, RuntimeError):
             return 0

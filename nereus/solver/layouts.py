@@ -48,14 +48,35 @@ RUNTIME_CHOICES = MemoryChoices(("none",), (False,), (False,), (False,), (False,
 
 @dataclass(frozen=True)
 class ListedOptions:
-    """Every listed choice of every distinct layout of one model-stage (shared by its pool sizes)."""
+    """Every choice of every distinct layout of one model-stage (shared by its pool sizes),
+    and the rows of them worth listing. A row is a timed row (see `_Timed`) kept or put to
+    sleep: what the two share stays per timed row."""
 
     columns: tuple[np.ndarray, ...]
-    """(time_s, resident_bytes, transient_bytes, tp, pp, dp, micro_batches)."""
+    """(time_s, resident_bytes, transient_bytes) per row."""
+    timed_row: np.ndarray
+    """The timed row behind each row."""
+    offloads: np.ndarray
+    """Each block of `timed_row`'s length: its offload flag (1: the states sleep)."""
+    layout: tuple[np.ndarray, ...]
+    """(tp, pp, dp, micro_batches) per timed row."""
     memory: dict[str, np.ndarray]
-    """Bytes per memory term."""
+    """Bytes per memory term, per timed row."""
     choices: tuple[np.ndarray, ...]
-    """(kv_budget_bytes, recompute, token_budget, zero1, offload, full_shard), integers (0: off)."""
+    """(kv_budget_bytes, recompute, token_budget, zero1, full_shard) per timed row (0: off)."""
+    by_layout: np.ndarray
+    """The listed rows grouped by distinct layout (in row order within one)."""
+    starts: np.ndarray
+    """Where each distinct layout's rows start in `by_layout`."""
+    counts: np.ndarray
+    """How many listed rows each distinct layout has."""
+
+    def rows_of(self, layouts: np.ndarray) -> np.ndarray:
+        """The listed rows of `layouts` (distinct-layout indices): each layout's rows in turn."""
+        per = self.counts[layouts]
+        layout_of = np.repeat(np.arange(layouts.size), per)
+        within = np.arange(layout_of.size) - np.repeat(np.cumsum(per) - per, per)
+        return self.by_layout[self.starts[layouts][layout_of] + within]
 
 
 @dataclass
@@ -68,21 +89,37 @@ class OptionTable:
     """
 
     listed: ListedOptions
-    rows: np.ndarray
+    layouts: np.ndarray
+    """The distinct layouts (indices) of this pool size; the rows follow on first use, as the
+    search reads the tables of few pool sizes."""
     fastest: float
     """The fastest option that fits alone in the GPUs' usable memory, or inf."""
 
     @cached_property
+    def rows(self) -> np.ndarray:
+        return self.listed.rows_of(self.layouts)
+
+    @cached_property
+    def timed(self) -> np.ndarray:
+        return self.listed.timed_row[self.rows]
+
+    @cached_property
     def columns(self) -> tuple[np.ndarray, ...]:
-        return tuple(c[self.rows] for c in self.listed.columns)
+        """(time_s, resident_bytes, transient_bytes, tp, pp, dp, micro_batches)."""
+        own = tuple(c[self.rows] for c in self.listed.columns)
+        return own + tuple(c[self.timed] for c in self.listed.layout)
 
     @cached_property
     def memory(self) -> dict[str, np.ndarray]:
-        return {k: v[self.rows] for k, v in self.listed.memory.items()}
+        """Bytes per memory term."""
+        return {k: v[self.timed] for k, v in self.listed.memory.items()}
 
     @cached_property
     def choices(self) -> tuple[np.ndarray, ...]:
-        return tuple(c[self.rows] for c in self.listed.choices)
+        """(kv_budget_bytes, recompute, token_budget, zero1, offload, full_shard), integers (0: off)."""
+        *kept, full_shard = (c[self.timed] for c in self.listed.choices)
+        offload = self.listed.offloads[self.rows // self.listed.choices[0].size]
+        return (*kept, offload, full_shard)
 
     @cached_property
     def options(self) -> list[Option]:
@@ -154,19 +191,26 @@ def _kv_levels(
     cost: StageCostModel, columns: list[np.ndarray], allowed: MemoryChoices
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """Generation rows per KV budget: unbounded (if allowed), the fractions of usable memory
-    below the whole batch's need, and one maximum-length sequence."""
+    below the whole batch's need, and one maximum-length sequence.
+
+    A budget that does not bind decodes as the unbounded cache does, at the same time with less
+    memory: of those, only the smallest (the first of equal ones) is priced, and the unbounded
+    row only where every budget binds (the others would be dominated and not listed)."""
     usable = usable_memory(cost.cluster, cost.calibration)
     tp, pp, dp = (c.astype(float) for c in columns[1:4])
     full = cost.full_kv_bytes(tp, pp, dp)
     one = np.ceil((cost.workload.prompt_len + cost.workload.response_len.max) * cost.kv_bytes_per_token(tp, pp))
-    rows, levels = [], []
     candidates = [np.floor(usable * f) * np.ones_like(full) for f in KV_BUDGET_FRACTIONS] + [one]
-    for level in candidates:
-        pick = (level >= one) & (level < full)
-        rows.append(pick)
-        levels.append(np.where(pick, level, 0.0))
+    picks = [(level >= one) & (level < full) for level in candidates]
+    stacked = np.stack(candidates)
+    loose = np.where(np.stack(picks) & ~cost.kv_budget_binds(tp, pp, dp, stacked), stacked, np.inf)
+    smallest, some_loose = loose.argmin(axis=0), np.isfinite(loose).any(axis=0)
+    rows, levels = [], []
+    for i, (pick, level) in enumerate(zip(picks, candidates, strict=True)):
+        rows.append(pick & (np.isinf(loose[i]) | (smallest == i)))
+        levels.append(np.where(rows[-1], level, 0.0))
     if False in allowed.kv_budget:
-        rows.append(np.ones(full.shape, dtype=bool))
+        rows.append(~some_loose)
         levels.append(np.full(full.shape, np.inf))
     out = [np.concatenate([c[r] for r in rows]) for c in columns]
     return out, np.concatenate([lv[r] for lv, r in zip(levels, rows, strict=True)])
@@ -232,20 +276,60 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
         token_ratio = token_budget / cost.micro_batch_tokens(dp, m)
     least = _least_memory(memory, dp, token_ratio, allowed, zero1)
     fits = least <= usable_memory(cost.cluster, cost.calibration)
-    time, optimizer_time = np.full(tp.shape, np.inf), np.zeros(tp.shape)
-    emu, per_node = tp[fits] * pp[fits], cost.cluster.gpus_per_node
-    # An EMU straddles nodes when it is larger than a node, or packs unevenly into one.
-    pp_inter = (emu > per_node) | ((per_node % emu != 0) & (emu * dp[fits] > per_node))
-    dp_inter = emu * dp[fits] > per_node
-    args = (tp[fits], pp[fits], dp[fits], m[fits], pp_inter, dp_inter)
-    shard_fits = full_shard[fits] if cost.stage != "generation" else 0
-    times = cost.time_terms(
-        *args, recompute=recompute[fits], zero1=zero1[fits], kv_budget=kv[fits], full_shard=shard_fits
-    )
-    time[fits] = sum((np.broadcast_to(v, emu.shape) for v in times.values()), np.zeros(emu.shape))
     if cost.stage == "training":
-        optimizer_time[fits] = times["optimizer"]
+        times = _pipeline_times(cost, distinct, allowed)
+    else:
+        times = _fitting_times(cost, (tp, pp, dp, m), fits, kv_budget=kv, full_shard=full_shard, zero1=zero1)
+    time = np.where(fits, sum(times.values(), np.zeros(tp.shape)), np.inf)
+    optimizer_time = np.where(fits, times["optimizer"], 0.0) if cost.stage == "training" else np.zeros(tp.shape)
     return _Timed(layout, kv, recompute, full_shard, time, optimizer_time, memory, token_budget, token_ratio)
+
+
+def _inter(cost: StageCostModel, tp: np.ndarray, pp: np.ndarray, dp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Whether a layout's pipeline and its dp group cross nodes: an EMU straddles nodes when it
+    is larger than a node, or packs unevenly into one."""
+    emu, per_node = tp * pp, cost.cluster.gpus_per_node
+    return (emu > per_node) | ((per_node % emu != 0) & (emu * dp > per_node)), emu * dp > per_node
+
+
+def _fitting_times(
+    cost: StageCostModel, layout: tuple[np.ndarray, ...], fits: np.ndarray, **choices: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Time terms of the timed rows that fit (zero elsewhere), priced row by row."""
+    tp, pp, dp, m = (c[fits] for c in layout)
+    pp_inter, dp_inter = _inter(cost, tp, pp, dp)
+    if cost.stage == "generation":
+        del choices["full_shard"]  # generation holds whole parameters
+    picked = {k: v[fits] for k, v in choices.items()}
+    out = {}
+    for name, value in cost.time_terms(tp, pp, dp, m, pp_inter, dp_inter, **picked).items():
+        out[name] = np.zeros(fits.shape)
+        out[name][fits] = value
+    return out
+
+
+def _pipeline_times(cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices) -> dict[str, np.ndarray]:
+    """Time terms of every timed row of a training model-stage, in `_timed_grid`'s order: each
+    distinct layout once per recompute choice, then the fully sharded twins. The
+    recompute choices broadcast over a trailing axis, so what does not depend on them is priced
+    once per layout; the rows that do not fit are priced too (their time is dropped)."""
+    tp, pp, dp, m = (c.astype(float)[:, None] for c in distinct[1:])
+    recompute = np.array([float(r == "full") for r in allowed.recompute])
+    pinned = cost.workload.optimizer.shard_across_dp
+    blocks = [(np.ones(tp.shape, dtype=bool), float(False not in allowed.full_shard))]
+    if len(set(allowed.full_shard)) == 2:  # the twins of `_timed_grid`
+        blocks.append((((dp > 1) & (pp == 1)), 1.0))
+    parts: dict[str, list[np.ndarray]] = {}
+    for rows, shard in blocks:
+        rows = rows[:, 0]
+        pp_inter, dp_inter = _inter(cost, tp[rows], pp[rows], dp[rows])
+        sharded = np.full(pp_inter.shape, shard)
+        zero1 = np.full(pp_inter.shape, pinned) | (sharded > 0)
+        args = (tp[rows], pp[rows], dp[rows], m[rows], pp_inter, dp_inter)
+        terms = cost.time_terms(*args, recompute=recompute[None, :], zero1=zero1, full_shard=sharded)
+        for name, value in terms.items():
+            parts.setdefault(name, []).append(np.broadcast_to(value, (pp_inter.shape[0], recompute.size)).ravel())
+    return {name: np.concatenate(values) for name, values in parts.items()}
 
 
 def _least_memory(
@@ -273,7 +357,9 @@ TOKEN_TERMS = ("activations", "logits")
 def _expand_choices(
     cost: StageCostModel, g: _Timed, allowed: MemoryChoices
 ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], tuple[np.ndarray, ...]]:
-    """(timed row, time, memory terms, choice columns) of every allowed choice worth pricing.
+    """(timed row, time) of every allowed choice worth pricing: each timed row once per offload
+    choice, in blocks; and the memory terms and other choices (`ListedOptions.choices`) per timed
+    row (offload moves bytes, so the terms hold for both).
 
     Two choices are decided per row before pricing, as one option always dominates the
     other: a token budget holding fewer tokens than the fixed rows has the same time and
@@ -296,17 +382,15 @@ def _expand_choices(
         terms["optimizer"] = np.where(zero1, terms["optimizer"] / dp, terms["optimizer"])
         time = time - np.where(zero1, g.optimizer_time * (1 - 1 / dp), 0.0)
     states = sum((v for k, v in terms.items() if k in RESIDENT_TERMS), np.zeros(n))
-    rows = np.arange(n)
     kv = np.where(np.isinf(g.kv), 0.0, g.kv)
     token_budget = np.where(token, g.token_budget, 0.0)
     zero1_flag = np.full(n, 1.0) if pinned else np.where(training & (g.full_shard > 0), 1.0, zero1.astype(float))
     offloads = [float(o) for o in allowed.offload]
-    per_row = (kv, g.recompute, token_budget, zero1_flag)
     return (
-        np.tile(rows, len(offloads)),
+        np.tile(np.arange(n), len(offloads)),
         np.concatenate([time + (cost.offload_time(states) if o else 0.0) for o in offloads]),
-        {k: np.tile(v, len(offloads)) for k, v in terms.items()},
-        (*(np.tile(c, len(offloads)) for c in per_row), np.repeat(offloads, n), np.tile(g.full_shard, len(offloads))),
+        terms,
+        (kv, g.recompute, token_budget, zero1_flag, g.full_shard),
     )
 
 
@@ -317,15 +401,22 @@ def _decided(allowed: tuple[bool, ...], better: np.ndarray) -> np.ndarray:
     return better
 
 
-def price_layouts(
-    cost: StageCostModel, pool_sizes: list[int], allowed: MemoryChoices | None = None
-) -> dict[int, OptionTable]:
-    """Price every candidate layout and choice on every pool size, vectorised.
+@dataclass(frozen=True)
+class LayoutGrid:
+    """The candidate layouts of one model and stage on some pool sizes (`candidate_grid`),
+    sorted by pool size, and the distinct ones among them."""
 
-    Time and memory depend on (tp, pp, dp, micro-batches) and the choices, not on the pool
-    size: each distinct layout is priced once, and every pool size's table lists its rows.
-    """
-    allowed = allowed or MemoryChoices()
+    size: np.ndarray
+    """The pool size of each candidate, ascending."""
+    distinct: list[np.ndarray]
+    """(index, tp, pp, dp, micro_batches) of each distinct layout."""
+    of_candidate: np.ndarray
+    """The distinct layout of each candidate."""
+
+
+def layout_grid(cost: StageCostModel, pool_sizes: list[int]) -> LayoutGrid:
+    """The grid depends on the model's shape and the stage, not on its head: model-stages that
+    differ only in their head share it."""
     base = candidate_grid(cost, pool_sizes)
     order = np.argsort(base[0], kind="stable")
     size, *layout = (c[order].astype(np.int64) for c in base)
@@ -333,31 +424,67 @@ def price_layouts(
     for column in layout:  # one integer per (tp, pp, dp, m)
         key = key * (int(column.max(initial=0)) + 1) + column
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    timed = _price_timed(cost, [np.arange(first.size), *(c[first] for c in layout)], allowed)
+    return LayoutGrid(size, [np.arange(first.size), *(c[first] for c in layout)], inverse.reshape(-1))
+
+
+def price_layouts(
+    cost: StageCostModel, pool_sizes: list[int], allowed: MemoryChoices | None = None, grid: LayoutGrid | None = None
+) -> dict[int, OptionTable]:
+    """Price every candidate layout and choice on every pool size, vectorised.
+
+    Time and memory depend on (tp, pp, dp, micro-batches) and the choices, not on the pool
+    size: each distinct layout is priced once, and every pool size's table lists its rows.
+    `grid`: `layout_grid(cost, pool_sizes)`, if already made.
+    """
+    allowed = allowed or MemoryChoices()
+    grid = grid or layout_grid(cost, pool_sizes)
+    timed = _price_timed(cost, grid.distinct, allowed)
     rows, total, memory, picks = _expand_choices(cost, timed, allowed)
-    resident, transient = (np.broadcast_to(x, total.shape) for x in split_resident(memory, picks[4] > 0))
+    # Resident and transient bytes of each row, kept or put to sleep (the offload column's blocks).
+    split = [(np.broadcast_to(x, timed.time.shape) for x in split_resident(memory, o)) for o in allowed.offload]
+    resident, transient = (np.concatenate(c) for c in zip(*split, strict=True))
     of_layout = timed.layout[0][rows].astype(np.int64)
     budget = usable_memory(cost.cluster, cost.calibration)
     keep = _worth_listing(of_layout, total, resident, transient, budget)
-    rows, of_layout = rows[keep], of_layout[keep]
+    listed_rows = np.nonzero(keep)[0]
+    by_layout = listed_rows[np.argsort(of_layout[listed_rows], kind="stable")]
+    counts = np.bincount(of_layout[listed_rows], minlength=grid.distinct[0].size)
+    starts = np.cumsum(counts) - counts
     listed = ListedOptions(
-        (total[keep], resident[keep], transient[keep], *(c[rows].astype(np.int64) for c in timed.layout[1:])),
-        {k: v[keep] for k, v in memory.items()},
-        tuple(c[keep] for c in picks),
+        (total, resident, transient),
+        rows,
+        np.array([float(o) for o in allowed.offload]),
+        tuple(c.astype(np.int64) for c in timed.layout[1:]),
+        memory,
+        picks,
+        by_layout,
+        starts,
+        counts,
     )
-    base_row, pick = _rows_per_base(of_layout, inverse.reshape(-1), first.size)
-    bounds = np.searchsorted(size[base_row], [*pool_sizes, np.iinfo(np.int64).max])
-    fitting = np.where(listed.columns[1] + listed.columns[2] <= budget, listed.columns[0], np.inf)[pick]
-    # Each pool size's fastest fitting option in one pass: its rows are the slice [lo, hi), and
-    # the slices tile the array, so a segment ends where the next non-empty one starts.
-    fastest = np.full(len(pool_sizes), np.inf)
-    filled = bounds[1:] > bounds[:-1]
-    if filled.any():
-        fastest[filled] = np.minimum.reduceat(fitting, bounds[:-1][filled])
+    of_base = grid.of_candidate
+    bounds = np.searchsorted(grid.size, [*pool_sizes, np.iinfo(np.int64).max])
+    fitting = np.where(resident + transient <= budget, total, np.inf)
+    fastest = _fastest_per_size(listed, fitting, of_base, bounds)
     return {
-        s: OptionTable(listed, pick[lo:hi], float(f))
+        s: OptionTable(listed, of_base[lo:hi], float(f))
         for s, lo, hi, f in zip(pool_sizes, bounds[:-1], bounds[1:], fastest.tolist(), strict=True)
     }
+
+
+def _fastest_per_size(
+    listed: ListedOptions, fitting: np.ndarray, of_base: np.ndarray, bounds: np.ndarray
+) -> np.ndarray:
+    """Each pool size's fastest fitting option: the least of its layouts' fastest, its layouts
+    (`of_base`, sorted by pool size) being the slice between two of `bounds`."""
+    layout_fastest = np.full(listed.counts.size, np.inf)
+    if listed.by_layout.size:
+        some = listed.counts > 0
+        layout_fastest[some] = np.minimum.reduceat(fitting[listed.by_layout], listed.starts[some])
+    fastest = np.full(bounds.size - 1, np.inf)
+    filled = bounds[1:] > bounds[:-1]
+    if filled.any():
+        fastest[filled] = np.minimum.reduceat(layout_fastest[of_base], bounds[:-1][filled])
+    return fastest
 
 
 def _worth_listing(
@@ -365,47 +492,29 @@ def _worth_listing(
 ) -> np.ndarray:
     """The choices of one layout worth listing: those that fit alone and that no other choice
     of the same layout beats or equals in time, resident and transient bytes at once (so the
-    search loses nothing: tp, pp and dp, hence the weight sync, are the same); for a layout
-    where no choice fits, its smallest footprint only (the rejection report's row)."""
+    search loses nothing: tp, pp and dp, hence the weight sync, are the same; of equal ones
+    the first is kept); for a layout where no choice fits, its smallest footprint only (the
+    rejection report's row)."""
     fits = resident + transient <= budget
-    order = np.argsort(layout, kind="stable")
-    grouped = layout[order]
-    slot = np.arange(grouped.size) - np.searchsorted(grouped, grouped, side="left")
-    shape = (int(layout.max(initial=-1)) + 1, int(slot.max(initial=-1)) + 1)
-    t, r, s, total = (np.full(shape, np.inf) for _ in range(4))
-    for padded, values in ((t, time), (r, resident), (s, transient)):
-        padded[grouped, slot] = np.where(fits[order], values[order], np.inf)
-    total[grouped, slot] = (resident + transient)[order]
-    # Layouts by falling choice count: rival j exists only in the first `active[j]` of them
-    # (a padded rival is inf, beating only cells that do not fit and are dropped anyway).
-    counts = np.bincount(grouped, minlength=shape[0])
-    by_count = np.argsort(-counts, kind="stable")
-    active = np.searchsorted(-counts[by_count], -np.arange(shape[1]), side="left")
-    t, r, s = t[by_count], r[by_count], s[by_count]
-    beaten = np.zeros(shape, dtype=bool)
-    later = np.arange(shape[1])
-    for j in range(shape[1]):  # rival j of every row of every layout (a loop: few choices per layout)
-        k = active[j]
-        tj, rj, sj = t[:k, j : j + 1], r[:k, j : j + 1], s[:k, j : j + 1]
-        tk, rk, sk = t[:k], r[:k], s[:k]
-        beaten[:k] |= (tj <= tk) & (rj <= rk) & (sj <= sk) & ((tj < tk) | (rj < rk) | (sj < sk) | (later > j))
-    back = np.argsort(by_count)  # to the layouts' own order
-    beaten, r = beaten[back], r[back]
     keep = np.zeros(layout.size, dtype=bool)
-    keep[order] = fits[order] & ~beaten[grouped, slot]
-    lone = np.nonzero(np.isinf(r).all(axis=1) & (shape[1] > 0))[0]  # no choice fits: the smallest footprint
-    source = np.zeros(shape, dtype=np.int64)
-    source[grouped, slot] = order
-    keep[source[lone, total[lone].argmin(axis=1)]] = True
+    rows = np.nonzero(fits)[0]
+    # Grouped by layout, in row order (the sort is stable): each pair of a layout's rows is
+    # compared once, at its distance, and of two equal rows the later one is beaten.
+    order = rows[np.argsort(layout[rows], kind="stable")]
+    group, t, r, s = layout[order], time[order], resident[order], transient[order]
+    beaten = np.zeros(order.size, dtype=bool)
+    longest = int(np.bincount(group).max(initial=0))  # the most choices a layout has
+    for d in range(1, longest):  # a few choices per layout: a loop over distances
+        same = group[d:] == group[:-d]
+        t0, t1, r0, r1, s0, s1 = t[:-d], t[d:], r[:-d], r[d:], s[:-d], s[d:]
+        first_no_worse = same & (t0 <= t1) & (r0 <= r1) & (s0 <= s1)
+        beaten[d:] |= first_no_worse
+        beaten[:-d] |= same & (t1 <= t0) & (r1 <= r0) & (s1 <= s0) & ~first_no_worse  # strictly better somewhere
+    keep[order[~beaten]] = True
+    lone = np.nonzero(~np.isin(layout, layout[rows]))[0]  # layouts where no choice fits
+    total = resident[lone] + transient[lone]
+    smallest = lone[np.lexsort((lone, total, layout[lone]))]
+    first = np.ones(smallest.size, dtype=bool)
+    first[1:] = layout[smallest[1:]] != layout[smallest[:-1]]
+    keep[smallest[first]] = True
     return keep
-
-
-def _rows_per_base(of_layout: np.ndarray, base_layout: np.ndarray, layouts: int) -> tuple[np.ndarray, np.ndarray]:
-    """(base row, expanded row) pairs: for each base row in turn, every expanded row of its layout."""
-    by_layout = np.argsort(of_layout, kind="stable")
-    counts = np.bincount(of_layout, minlength=layouts)
-    starts = np.cumsum(counts) - counts
-    per_base = counts[base_layout]
-    base_row = np.repeat(np.arange(base_layout.size), per_base)
-    within = np.arange(base_row.size) - np.repeat(np.cumsum(per_base) - per_base, per_base)
-    return base_row, by_layout[starts[base_layout][base_row] + within]

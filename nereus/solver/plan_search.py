@@ -24,7 +24,7 @@ import numpy as np
 from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import GIB, RESIDENT_TERMS, head_of, usable_memory, weight_sync_time
 from nereus.cost.stage import StageCostModel
-from nereus.solver.layouts import MemoryChoices, Option, OptionTable, price_layouts
+from nereus.solver.layouts import LayoutGrid, MemoryChoices, Option, OptionTable, layout_grid, price_layouts
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
 from nereus.spec.workload import ACTOR_SYNC_TARGETS, STAGES, Workload, model_stage_name, model_stages
@@ -156,9 +156,11 @@ def price_all(request: PlanRequest, layouts: list[Placement]) -> dict[tuple[str,
     for name, cost in models.items():
         groups.setdefault((cost.model.name, cost.head, cost.stage), []).append(name)
     tables: dict[tuple[str, int], OptionTable] = {}
+    grids: dict[tuple[str, str, tuple[int, ...]], LayoutGrid] = {}
     for names in groups.values():
-        needed = sorted(set().union(*(sizes[name] for name in names)))
-        for size, table in price_layouts(models[names[0]], needed, request.choices).items():
+        cost, needed = models[names[0]], sorted(set().union(*(sizes[name] for name in names)))
+        grid = grids.setdefault((cost.model.name, cost.stage, tuple(needed)), layout_grid(cost, needed))
+        for size, table in price_layouts(cost, needed, request.choices, grid).items():
             for name in names:
                 tables[name, size] = table
     return tables
@@ -631,10 +633,10 @@ def closest_shortfall(request: PlanRequest) -> PoolShortfall | None:
     budget = usable_memory(request.cluster, request.calibration)
     misses = []
     for placement in layouts:
-        pools = [
-            _pool_shortfall(placement.name, pool, {n: tables[n, size] for n in stages}, budget)
-            for pool, _, size, stages in placement.pools
-        ]
+        pool_tables = [(pool, {n: tables[n, size] for n in stages}) for pool, _, size, stages in placement.pools]
+        if any(not table.options for _, by_stage in pool_tables for table in by_stage.values()):
+            continue  # a model-stage with no candidate layout at all: no memory shortfall to explain
+        pools = [_pool_shortfall(placement.name, pool, by_stage, budget) for pool, by_stage in pool_tables]
         worst = max(pools, key=lambda p: p.needed_bytes)
         if worst.needed_bytes > budget:
             misses.append(worst)

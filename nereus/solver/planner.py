@@ -7,7 +7,16 @@ from dataclasses import dataclass, field
 
 from nereus.cost.plan_cost import evaluate_plan
 from nereus.errors import NereusError
-from nereus.solver.plan_search import Candidate, PlanRequest, Rejection, closest_shortfall, iter_assignments, search
+from nereus.solver.plan_search import (
+    Candidate,
+    PlanRequest,
+    Rejection,
+    closest_shortfall,
+    iter_assignments,
+    placements,
+    price_all,
+    search,
+)
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, Pool, StagePlan
 from nereus.spec.workload import model_stage_name, model_stages
@@ -83,6 +92,13 @@ def make_plan(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int
 def _infeasible_message(request: PlanRequest, rejected: list[Rejection]) -> str:
     short = closest_shortfall(request)
     least = min(rejected, key=lambda r: r.needed_bytes, default=None)
+    unlisted = _stages_without_layouts(request)
+    if unlisted:
+        return (
+            f"no plan for {request.workload.name} on {request.num_gpus} {request.cluster.gpu.name} GPUs: "
+            f"{', '.join(unlisted)} has no candidate layout under the allowed memory-saving choices "
+            "(a pinned choice may not apply to it); allow more choices"
+        )
     if short is not None:
         reason = f"; closest: {short.describe()}"
     else:
@@ -122,3 +138,11 @@ def smallest_feasible_gpus(request: PlanRequest) -> int | None:
 def resize_cluster(cluster: Cluster, num_gpus: int) -> Cluster:
     """The cluster with enough whole nodes for `num_gpus`."""
     return cluster.model_copy(update={"num_nodes": -(-num_gpus // cluster.gpus_per_node)})
+
+
+def _stages_without_layouts(request: PlanRequest) -> list[str]:
+    """Model-stages with no candidate layout on any pool size (every option ruled out by the
+    allowed memory-saving choices, not by memory)."""
+    tables = price_all(request, placements(request))
+    names = sorted({name for name, _ in tables})
+    return [n for n in names if all(not table.options for (name, _), table in tables.items() if name == n)]

@@ -193,12 +193,14 @@ def test_migrate_json() -> None:
 
 
 def test_schedule_commands_import_no_torch_or_matplotlib() -> None:
+    """Without --exact and without the CP-SAT peak windows, the fused search needs none of them."""
     code = textwrap.dedent(
         f"""
         import sys
         from typer.testing import CliRunner
         from nereus.cli.app import app
-        r = CliRunner().invoke(app, ["schedule", "fuse", *{EXPLICIT!r}, *{QUICK!r}, "--json"])
+        args = ["schedule", "fuse", *{EXPLICIT!r}, *{QUICK!r}, "--json", "--window-share", "0"]
+        r = CliRunner().invoke(app, args)
         assert r.exit_code == 0, r.output
         print(sorted(m for m in ("torch", "matplotlib", "ortools") if m in sys.modules))
         """

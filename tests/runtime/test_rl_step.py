@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import nereus.runtime.rl.step as step_module
 from nereus.errors import NereusError
 from nereus.runtime.dist import spawn
 from nereus.runtime.rl import run
@@ -19,11 +20,11 @@ from nereus.runtime.rl.objectives import vocab_parallel_entropy
 from nereus.runtime.rl.setup import RunSetup, plan_problems, prepare_folder
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, rollout_batch
 from nereus.runtime.rl.step import rl_step
-from nereus.runtime.rl.update import sync_plans
+from nereus.runtime.rl.update import old_log_probs_from_training, sync_plans
 from nereus.runtime.sharded_state import gather, state_meta
 from nereus.runtime.tensor_parallel import TensorParallel
 from nereus.spec.io import load_document
-from nereus.spec.plan import Plan
+from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig, RunConfig
 from nereus.spec.run_folder import StepMetrics
 
@@ -165,6 +166,51 @@ def test_critic_free_algorithms_run(algorithm: str, split: bool) -> None:
     assert all(m.critic_loss is None for m in result["metrics"])
     assert result["synced"] == {"actor/generation": True, "actor/inference": True}
     assert result["actor_moved"] and result["reference_kept"]
+
+
+def run_with_old_log_probs_from(
+    rank: int, world: int, plan: Plan, config: RLConfig, from_training: bool
+) -> tuple[list[tuple[Any, ...]], list[dict[str, float]], dict[str, torch.Tensor]]:
+    """Two steps with the old log-probs from the training forward or from the actor/inference
+    pass: every step's numbers, gradient norms and the trained weights."""
+    if not from_training:
+        step_module.old_log_probs_from_training = lambda plan, fusion: False  # type: ignore[assignment]
+    stages = build_stages(plan, config)
+    syncs = sync_plans(stages)
+    metrics = [rl_step(plan, config, stages, syncs, step) for step in range(2)]
+    return [numbers(m) for m in metrics], [m.grad_norm for m in metrics], logical_params(stages["actor/training"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_old_log_probs_from_training_equal_the_inference_pass_bitwise() -> None:
+    """GRPO with one update per batch skips the actor/inference pass: the training forward's
+    log-probs serve as the old ones, and every number of the run stays the same bits."""
+    plan = one_update_plan()
+    assert plan_problems(plan, 2, CONFIG) == [] and old_log_probs_from_training(plan, plan.fusion)
+    skipped = spawn(run_with_old_log_probs_from, 2, plan, CONFIG, True)[0]
+    inferred = spawn(run_with_old_log_probs_from, 2, plan, CONFIG, False)[0]
+    assert skipped[0] == inferred[0] and skipped[1] == inferred[1]
+    assert skipped[0][1][1] != 0.0  # the kl of step 1 (from the old log-probs) is measured
+    assert all(torch.equal(skipped[2][key], value) for key, value in inferred[2].items())
+
+
+def one_update_plan() -> Plan:
+    """The split GRPO plan with one update per batch (one mini-batch of one epoch)."""
+    plan = two_rank_plan("grpo", split=True)
+    plan.workload.mini_batches = 1
+    return plan
+
+
+def test_old_log_probs_come_from_training_only_for_one_on_policy_update() -> None:
+    plan = one_update_plan()
+    assert old_log_probs_from_training(plan, plan.fusion)
+    assert not old_log_probs_from_training(plan, Fusion(inter_stage=True))
+    for field, value in (("ppo_epochs", 2), ("mini_batches", 2)):
+        other = plan.model_copy(deep=True)
+        setattr(other.workload, field, value)
+        assert not old_log_probs_from_training(other, other.fusion)
+    assert not old_log_probs_from_training(two_rank_plan("ppo"), plan.fusion)
 
 
 @pytest.mark.multiprocess

@@ -689,3 +689,14 @@ def test_70b_on_16_gpus_says_why_term_by_term() -> None:
     assert {term for term, _ in short.transient} >= {"activations", "logits"}
     assert short.describe() in message
     assert short.needed_bytes == pytest.approx(sum(b for _, b in short.states) + sum(b for _, b in short.transient))
+
+
+def test_a_pin_that_leaves_a_model_stage_no_layout_is_said_so() -> None:
+    """Random case 11 (2 GPUs) with KV budgets pinned on: generation has no candidate layout at
+    all. The shortfall report skips such placements (it used to fail on an empty table) and the
+    error names the model-stage and the cause, not a memory miss."""
+    request = random_request(11)
+    request = dataclasses.replace(request, choices=dataclasses.replace(request.choices, kv_budget=(True,)))
+    assert closest_shortfall(request) is None
+    with pytest.raises(NereusError, match="actor/generation has no candidate layout under the allowed memory-saving"):
+        make_plan(request)

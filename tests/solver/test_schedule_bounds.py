@@ -10,7 +10,9 @@ import pytest
 from nereus.solver.pipeline.bounds import (
     jackson_preemptive,
     lower_bounds,
+    memory_bound,
     memory_bound_at,
+    memory_rank_tables,
     one_machine_bound,
     rank_tables,
 )
@@ -184,3 +186,38 @@ def test_memory_bound_at_holds_for_every_list_schedule(seed: int) -> None:
         assert memory_bound_at(inst, ev.makespan) <= ev.max_peak_memory + 1e-9
     slow = memory_bound_at(inst, 10 * lower_bounds(inst).latency)
     assert slow == pytest.approx(max(d for d in inst.memory_delta if d > 0))  # one micro-batch at a time
+
+
+def test_memory_rank_tables_count_the_node_work_of_every_stage() -> None:
+    """1F1B alone, 3 stages: the k-th backward of the last stage follows k + 1 forwards and k
+    backwards on its node (the plain rank chain sees only one of each)."""
+    problem = single_problem(ModelTimes.uniform("a", 3, 4, 1.0, 2.0), 3)
+    plain, raised = rank_tables(problem), memory_rank_tables(problem)
+    assert plain.release[(0, 2, "B")] == [3.0, 5.0, 7.0, 9.0]
+    assert raised.release[(0, 2, "B")] == [3.0, 6.0, 9.0, 12.0]
+    # Stage 0's first forward leaves on the last stage all 4 forwards and backwards (12) after
+    # the stage-1 forward that reaches it (1), then the backward chain of stages 1 and 0 (4):
+    # with its own forward that is 1F1B's optimal 18, where the plain rank chain sees less.
+    assert plain.tail[(0, 0, "F")][0] < 17.0
+    assert raised.tail[(0, 0, "F")][0] == pytest.approx(1 + 12 + 4)
+
+
+#: Seeds of `_random_problem` whose CP-SAT memory optimum proves in well under a second.
+EXACT_MEMORY_SEEDS = [3, 4, 5, 6, 11, 12, 13, 17, 19, 20, 25, 27]
+
+
+@pytest.mark.parametrize("seed", EXACT_MEMORY_SEEDS)
+def test_memory_bound_at_is_never_above_the_exact_memory_optimum(seed: int) -> None:
+    """CP-SAT's least peak at its optimal makespan (times and activations scaled exactly)
+    is never below `memory_bound_at` at that makespan."""
+    pytest.importorskip("ortools")
+    from nereus.solver.pipeline.exact import solve_exact
+
+    inst = build_instance(_with_activations(_random_problem(seed), random.Random(seed)))
+    exact = solve_exact(inst, time_limit_s=60, workers=2)
+    assert exact.status == "optimal" and exact.memory_optimal and exact.makespan is not None
+    assert exact.peak_memory is not None
+    bound = memory_bound_at(inst, exact.makespan)
+    assert bound <= exact.peak_memory + 1e-9
+    if seed in (13, 27):  # the fastest schedules there must hold more than serial 1F1B does
+        assert bound > memory_bound(inst.problem)

@@ -39,6 +39,7 @@ from nereus.runtime.rl.run_state import (
     PredictorState,
 )
 from nereus.runtime.rl.setup import Move, plan_problems
+from nereus.runtime.rl.update import old_log_probs_from_training
 from nereus.solver.layouts import RUNTIME_CHOICES
 from nereus.solver.policy import (
     Observation,
@@ -76,27 +77,35 @@ class Predictor:
 
     def predict(self, plan: Plan, prompt_len: int, response_len_max: int) -> dict[str, float]:
         """Seconds per model-stage that runs an engine and for the whole `step`, at the sizes the step ran."""
-        sized = measured_plan(plan, prompt_len, response_len_max, engineless=engineless_stages(plan, self.config))
-        predicted = predict(sized, self.calibration)
-        self.last = (plan, prompt_len, response_len_max, self.calibration, predicted)
-        return {name: seconds for name, seconds in predicted.items() if self._priced(name)}
+        sizes = (plan, prompt_len, response_len_max, self.calibration)
+        predicted = self._priced_at(sizes)
+        if predicted is None:  # the cost model runs once per plan, sizes and calibration
+            sized = measured_plan(plan, prompt_len, response_len_max, engineless=engineless_stages(plan, self.config))
+            predicted = predict(sized, self.calibration)
+        self.last = (*sizes, predicted)
+        return {name: seconds for name, seconds in predicted.items() if self._priced(plan, name)}
 
     def update(self, plan: Plan, metrics: Any) -> None:
         """Fold a finished step's StepMetrics into the calibration (online calibration on)."""
         if self.calibrator is None or metrics.step_seconds <= 0:
             return
-        stages = {name: seconds for name, seconds in metrics.stage_seconds.items() if self._priced(name)}
+        stages = {name: seconds for name, seconds in metrics.stage_seconds.items() if self._priced(plan, name)}
         sizes = (plan, metrics.prompt_len, metrics.response_len_max, self.calibration)
-        reuse = self.last is not None and all(a is b or a == b for a, b in zip(self.last[:4], sizes, strict=True))
         self.calibration = self.calibrator.update(
             plan,
             metrics.step_seconds,
             stages,
             metrics.prompt_len,
             metrics.response_len_max,
-            predicted=self.last[4] if reuse and self.last is not None else None,
+            predicted=self._priced_at(sizes),
             engineless=engineless_stages(plan, self.config),
         )
+
+    def _priced_at(self, sizes: tuple[Plan, int, int, Calibration]) -> dict[str, float] | None:
+        """The last prediction if it priced these (plan, sizes, calibration), else None."""
+        if self.last is None or not all(a is b or a == b for a, b in zip(self.last[:4], sizes, strict=True)):
+            return None
+        return self.last[4]
 
     def defer(self, plan: Plan, metrics: Any) -> None:
         """Queue a finished step's `update` for the next `flush`: rank 0 runs it while it
@@ -143,8 +152,11 @@ class Predictor:
             predictor.pending = (state.pending.plan, metrics_from_data(state.pending.metrics))
         return predictor
 
-    def _priced(self, name: str) -> bool:
-        # A rule-scored reward runs no model: the cost model's reward/inference has nothing to match.
+    def _priced(self, plan: Plan, name: str) -> bool:
+        # A rule-scored reward runs no model: the cost model's reward/inference has nothing to
+        # match; nor has actor/inference where training gives the old log-probs.
+        if name == "actor/inference" and old_log_probs_from_training(plan, plan.fusion):
+            return False
         return "/" not in name or self.config.runs_engine(name.split("/")[0])
 
 

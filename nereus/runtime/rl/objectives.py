@@ -69,7 +69,8 @@ def aggregation_normalizer(batch: Batch, mode: LossAggregation) -> float:
 @dataclass(frozen=True)
 class PolicyObjective:
     """PPO's clipped surrogate (also GRPO's and ReMax's): needs fields `loss_mask`,
-    `old_log_probs`, `advantages`, and `ref_log_probs` when `kl_loss_coef` > 0."""
+    `old_log_probs` (`row_index` instead under `current_as_old`), `advantages`, and
+    `ref_log_probs` when `kl_loss_coef` > 0."""
 
     clip_eps: float
     """Trust region of the probability ratio: clip to [1 - eps, 1 + eps]."""
@@ -81,6 +82,10 @@ class PolicyObjective:
     """The engine's tensor group (the entropy needs the whole vocabulary)."""
     loss_agg: LossAggregation
     """How token losses aggregate over a mini-batch (`aggregation_weights`)."""
+    current_as_old: torch.Tensor | None = None
+    """[rows, t] CPU tensor, when the batch is one update on the weights that sampled it: the
+    old log-probs are then the current ones (detached), written here at each row of the
+    batch's field `row_index`; None: from the batch's field `old_log_probs`."""
 
     def weights(self, batch: Batch) -> torch.Tensor:
         return aggregation_weights(batch, self.loss_agg)
@@ -91,12 +96,12 @@ class PolicyObjective:
     def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
         device = output.device
         log_probs = align_to_tokens(next_token_log_probs(output, batch.tokens.to(device), head))
-        losses = clipped_policy_loss(
-            log_probs,
-            batch.field("old_log_probs").to(device),
-            batch.field("advantages").to(device),
-            self.clip_eps,
-        )
+        if self.current_as_old is None:
+            old_log_probs = batch.field("old_log_probs").to(device)
+        else:  # masked and in fp32, as the actor/inference pass gives them
+            old_log_probs = log_probs.detach().float() * batch.field("loss_mask").to(device)
+            self.current_as_old[batch.field("row_index")] = old_log_probs.cpu()
+        losses = clipped_policy_loss(log_probs, old_log_probs, batch.field("advantages").to(device), self.clip_eps)
         if self.kl_loss_coef > 0:
             ref = batch.field("ref_log_probs").to(device)
             losses = losses + self.kl_loss_coef * kl_divergence(log_probs, ref, "k3")

@@ -2,10 +2,10 @@
 
 Each rank builds the plan's engines, restores the checkpoint a resume starts from (into the
 current plan's layouts, whatever layouts saved it), then runs the steps. After each step rank
-0 appends the step's record to metrics.jsonl (flushed and fsynced); every `checkpoint_every`
-steps all ranks save the trained models into one checkpoint folder, atomically. Per-step
-seeds depend only on (seed, step), so a run resumed from a checkpoint repeats, bitwise, the
-steps an uninterrupted run takes after it (same plan and ranks).
+0 appends the step's record to metrics.jsonl (flushed; made durable by the next checkpoint);
+every `checkpoint_every` steps all ranks save the trained models into one checkpoint folder,
+atomically. Per-step seeds depend only on (seed, step), so a run resumed from a checkpoint
+repeats, bitwise, the steps an uninterrupted run takes after it (same plan and ranks).
 
 The launcher spawns the ranks and reports each finished step to a callback by reading
 metrics.jsonl as it grows: what the user sees is what is on disk.
@@ -382,11 +382,12 @@ def logical_digests(stages: dict[str, ModelStageRuntime], families: dict[str, tu
 
 
 def append_metrics(path: Path, metrics: StepMetrics) -> None:
-    """One JSON line, on disk before the step's checkpoint can be."""
+    """One JSON line, flushed (the launcher and a killed run see it); a checkpoint makes the
+    lines before it durable (`save_run_checkpoint`), and a resume redoes the steps after it,
+    so a per-step fsync would buy nothing."""
     with path.open("a") as handle:
         handle.write(json.dumps(dataclasses.asdict(metrics)) + "\n")
         handle.flush()
-        os.fsync(handle.fileno())
 
 
 def optimizer_steps(plan: Plan, num_rl_steps: int) -> int:
@@ -429,6 +430,8 @@ def save_run_checkpoint(
             write_text_atomic(folder / DATA_STATE_NAME, position)
         if state is not None:
             write_text_atomic(folder / CONTROLLER_STATE_NAME, state.data().model_dump_json())
+        if (setup.out / METRICS_NAME).exists():  # the steps' records are on disk before their checkpoint
+            fsync_path(setup.out / METRICS_NAME)
         _seal(folder, checkpoint_folder(setup.out, step), step)
         for old in finished_checkpoints(setup.out)[: -setup.config.keep_checkpoints]:
             # Out of the checkpoints' names first: an interrupted delete leaves no half checkpoint.

@@ -23,6 +23,7 @@ def sample_records(
     """The first `count` samples of a step. The log-probs are token-aligned over the rollout
     batch: prompts left-padded to the widest, responses after it."""
     width = max(len(prompt) for prompt in prompts)
+    assert scored.old_log_probs is not None, "sampled after training gave them"
     records = []
     for row in range(min(count, len(prompts))):
         response = responses[row]

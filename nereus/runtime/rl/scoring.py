@@ -27,7 +27,9 @@ class Scored:
     scores: torch.Tensor
     """The rewards: the reward model's scores under `reward: model`, else `rule_scores`."""
     rule_scores: torch.Tensor
-    old_log_probs: torch.Tensor
+    old_log_probs: torch.Tensor | None
+    """The actor's log-probs of the rollout; None until training computed them, where the
+    training forward gives the same numbers (`update.old_log_probs_from_training`)."""
     ref_log_probs: torch.Tensor
     old_values: torch.Tensor | None
     """Critic values (PPO only)."""
@@ -39,11 +41,16 @@ def score(
     problems: list[Prompt],
     rollout: Rollout,
     seconds: dict[str, float],
+    skip_old_log_probs: bool = False,
 ) -> Scored:
     """Every inference model-stage's rows of the rollout (unless the fused rollout computed
-    them already) and the rewards (collective)."""
+    them already) and the rewards (collective). `skip_old_log_probs`: leave the actor's
+    log-probs to the training forward (no actor/inference pass)."""
     batch, mask = rollout.batch, rollout.batch.field("loss_mask")
-    inferred = rollout.inferred if rollout.inferred is not None else run_inference(stages, batch, seconds)
+    inferred = rollout.inferred
+    if inferred is None:
+        skip = ("actor/inference",) if skip_old_log_probs else ()
+        inferred = run_inference({name: stage for name, stage in stages.items() if name not in skip}, batch, seconds)
     with timed(seconds, "reward/inference"):
         rule_scores = score_all(scorer, problems, rollout.responses)
         reward_values = inferred.get("reward/inference")
@@ -53,7 +60,7 @@ def score(
         mask,
         scores,
         rule_scores,
-        old_log_probs=inferred["actor/inference"] * mask,
+        old_log_probs=inferred["actor/inference"] * mask if "actor/inference" in inferred else None,
         ref_log_probs=inferred["reference/inference"] * mask,
         old_values=old_values,
     )

@@ -149,8 +149,10 @@ def by_replica_of(stages: Mapping[str, ModelStageRuntime], values: Mapping[str, 
         if leads(stage):
             assert stage.engine is not None
             mine[name] = (stage.engine.groups.replica, values[name])
-    gathered: list[Any] = [None] * dist.get_world_size()
-    host_collectives.all_gather_object(gathered, mine)
+    gathered: list[Any] = [mine]
+    if dist.get_world_size() > 1:  # alone, the gather (a pickle round trip) would only cost time
+        gathered = [None] * dist.get_world_size()
+        host_collectives.all_gather_object(gathered, mine)
     out = {}
     for name, stage in stages.items():
         parts = sorted((rank_parts[name] for rank_parts in gathered if name in rank_parts), key=lambda p: p[0])

@@ -16,6 +16,7 @@ time went, in `timing`. `nereus run` (`run.run_rank`) builds the stages and runs
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from collections.abc import Callable
@@ -34,7 +35,13 @@ from nereus.runtime.rl.samples import sample_records
 from nereus.runtime.rl.scoring import Scored, score
 from nereus.runtime.rl.stages import ModelStageRuntime
 from nereus.runtime.rl.timing import record_fused, step_totals, timed
-from nereus.runtime.rl.update import WeightSync, advantages_of, run_training, sync_weights
+from nereus.runtime.rl.update import (
+    WeightSync,
+    advantages_of,
+    old_log_probs_from_training,
+    run_training,
+    sync_weights,
+)
 from nereus.runtime.sampling import SamplingConfig
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
@@ -73,9 +80,8 @@ def rl_step(
     # 1. generation (under inter-stage fusion, overlapped with the model inference of 2)
     generated = rollout(plan, stages, prompts, sampling, in_force, seconds, fused_events, idle)
     # 2. inference: old and reference log-probs, values, rewards
-    scored = score(stages, inputs.scorer, problems, generated, seconds)
-    if samples is not None:
-        samples += sample_records(step, prompts, generated.responses, scored, config.log_samples, inputs.tokenizer)
+    old_from_training = old_log_probs_from_training(plan, in_force)
+    scored = score(stages, inputs.scorer, problems, generated, seconds, skip_old_log_probs=old_from_training)
     # 3. advantages
     with timed(seconds, "advantages"):
         advantages, returns = advantages_of(plan.workload, config, stages, inputs.scorer, problems, generated, scored)
@@ -83,9 +89,13 @@ def rl_step(
     op_timings: list[OpTiming] = []
     rules = update_rules(config, step, list(stages))
     grad_norms: dict[str, float] = {}
-    losses = run_training(
+    losses, old_log_probs = run_training(
         plan, config, stages, generated, scored, advantages, returns, seconds, in_force, op_timings, rules, grad_norms
     )
+    if old_log_probs is not None:
+        scored = dataclasses.replace(scored, old_log_probs=old_log_probs)
+    if samples is not None:
+        samples += sample_records(step, prompts, generated.responses, scored, config.log_samples, inputs.tokenizer)
     record_fused(fused_events, op_timings)
     # 5. weight sync
     with timed(seconds, "weight_sync"):
@@ -135,11 +145,12 @@ def step_metrics(
     """The step's record, the same on every rank: its times are the slowest rank's (collective).
     `updates`: each trained model-stage's update rule and mean gradient norm."""
     rules, grad_norms = updates
+    assert scored.old_log_probs is not None, "training gave them"
     lengths = scored.mask.sum(dim=1)
     names = [entry.model_stage for entry in plan.stages] + ["advantages", "exchange", "weight_sync"]
     totals = step_totals(seconds, [*names, "step"], stages)
     stage_seconds = totals.seconds
-    predicted = predicted_peaks(plan, skip=[e.model_stage for e in plan.stages if e.model_stage not in stages])
+    predicted = plan_peaks(plan, tuple(e.model_stage for e in plan.stages if e.model_stage not in stages))
     num_ranks = len(totals.memory_peak)
     predicted_by_stage = {name: [by_rank.get(r, 0) for r in range(num_ranks)] for name, by_rank in predicted.items()}
     return StepMetrics(
@@ -163,3 +174,15 @@ def step_metrics(
         grad_norm=dict(grad_norms),
         lr={name: rule.lr for name, rule in rules.items()},
     )
+
+
+#: The last plan `plan_peaks` priced, the model-stages it skipped and its peaks.
+_LAST_PEAKS: list[tuple[Plan, tuple[str, ...], dict[str, dict[int, int]]]] = []
+
+
+def plan_peaks(plan: Plan, skip: tuple[str, ...]) -> dict[str, dict[int, int]]:
+    """`predicted_peaks` of the plan the steps run, priced once per plan (and per set of
+    model-stages without an engine) rather than once per step."""
+    if not _LAST_PEAKS or _LAST_PEAKS[0][0] is not plan or _LAST_PEAKS[0][1] != skip:
+        _LAST_PEAKS[:] = [(plan, skip, predicted_peaks(plan, skip=skip))]
+    return _LAST_PEAKS[0][2]

@@ -38,6 +38,8 @@ def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
 def gather_numbers(values: list[float]) -> torch.Tensor:
     """[world, len(values)] float64 on the CPU: every rank's `values` (collective)."""
     # On the rank's device: NCCL gathers only GPU tensors.
+    if dist.get_world_size() == 1:
+        return torch.tensor([values], dtype=torch.float64)
     mine = torch.tensor(values, dtype=torch.float64, device=launch.device())
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     host_collectives.all_gather(rows, mine)

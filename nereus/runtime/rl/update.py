@@ -76,7 +76,7 @@ def compute_advantages(
     """Per-token advantages, and the critic's returns under PPO (None otherwise)."""
     mask = scored.mask
     if algorithm == "ppo":
-        assert scored.old_values is not None
+        assert scored.old_values is not None and scored.old_log_probs is not None
         rewards = token_rewards(scored.scores, mask, scored.old_log_probs, scored.ref_log_probs, config.kl_coef)
         advantages, returns = gae(rewards, scored.old_values, mask, config.gamma, config.lam)
         return masked_whiten(advantages, mask), returns
@@ -102,11 +102,13 @@ def run_training(
     op_timings: list[OpTiming],
     rules: dict[str, UpdateRule],
     grad_norms: dict[str, float],
-) -> tuple[float, float | None]:
+) -> tuple[tuple[float, float | None], torch.Tensor | None]:
     """Actor and critic updates on the rollout's batch, each under its model-stage's rule in
     `rules`, then one exchange of their losses and gradient norms (so a critic on its own pool
-    trains while the actor does); the mean actor and critic losses. The mean gradient norm
-    (before clipping) of each trained model-stage goes into `grad_norms`.
+    trains while the actor does); the mean actor and critic losses, and the old log-probs
+    when `scored` has none (`old_log_probs_from_training`: the training forward's, on every
+    rank). The mean gradient norm (before clipping) of each trained model-stage goes into
+    `grad_norms`.
 
     Under `fusion.intra_stage` both train together in the fused pipeline, mini-batch by
     mini-batch (`fused_training`), and each fused op's timing on this rank is appended to
@@ -114,11 +116,20 @@ def run_training(
     """
     workload, batch = plan.workload, rollout.batch
     norms: dict[str, list[float]] = {}
-    fields = {"old_log_probs": scored.old_log_probs, "ref_log_probs": scored.ref_log_probs, "advantages": advantages}
+    fields = {"ref_log_probs": scored.ref_log_probs, "advantages": advantages}
+    current_as_old = None
+    if scored.old_log_probs is None:
+        assert workload.ppo_epochs == workload.mini_batches == 1, "old log-probs from the one update only"
+        current_as_old = torch.zeros_like(scored.ref_log_probs)
+        fields["row_index"] = torch.arange(batch.num_rows)
+    else:
+        fields["old_log_probs"] = scored.old_log_probs
     actor = stages["actor/training"]
     kl_loss_coef = 0.0 if workload.algorithm == "ppo" else config.kl_loss_coef
     tp = actor.engine.groups.tp if actor.engine is not None else TensorParallel.single()
-    objective = PolicyObjective(config.clip_eps, kl_loss_coef, config.entropy_coef, tp, config.loss_agg_mode)
+    objective = PolicyObjective(
+        config.clip_eps, kl_loss_coef, config.entropy_coef, tp, config.loss_agg_mode, current_as_old
+    )
     actor_batch = Batch(batch.tokens, batch.attention_mask, {**batch.fields, **fields})
     critic = stages.get("critic/training")
     critic_losses = None
@@ -145,13 +156,41 @@ def run_training(
                 )  # fmt: skip
     with timed(seconds, "exchange"):
         trained = {ACTOR: actor}
-        losses = {ACTOR: (mean_loss(actor_losses), mean_loss(norms.get(ACTOR, [])))}
+        actor_means = (mean_loss(actor_losses), mean_loss(norms.get(ACTOR, [])), replica_share(actor, current_as_old))
+        losses = {ACTOR: actor_means}
         if critic is not None and critic_losses is not None:
-            trained[CRITIC], losses[CRITIC] = critic, (mean_loss(critic_losses), mean_loss(norms.get(CRITIC, [])))
+            critic_means = (mean_loss(critic_losses), mean_loss(norms.get(CRITIC, [])), None)
+            trained[CRITIC], losses[CRITIC] = critic, critic_means
+        gathered = by_replica_of(trained, losses)
         # Every replica reports the global batch's loss and the global norm; take the first.
-        means = {name: values[0] for name, values in by_replica_of(trained, losses).items()}
+        means = {name: values[0][:2] for name, values in gathered.items()}
     grad_norms.update({name: norm for name, (_, norm) in means.items()})
-    return means[ACTOR][0], means[CRITIC][0] if CRITIC in means else None
+    old_log_probs = None if current_as_old is None else torch.cat([share for *_, share in gathered[ACTOR]])
+    return (means[ACTOR][0], means[CRITIC][0] if CRITIC in means else None), old_log_probs
+
+
+def replica_share(stage: ModelStageRuntime, rows: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's replica's contiguous share of `rows` (its engine's `replica_rows`), or None."""
+    if rows is None or stage.engine is None:
+        return None
+    start, stop = even_split(rows.shape[0], stage.layout.dp)[stage.engine.groups.replica]
+    return rows[start:stop]
+
+
+def old_log_probs_from_training(plan: Plan, fusion: Fusion) -> bool:
+    """Whether the training forward can give the old log-probs instead of an actor/inference
+    pass: a critic-free algorithm (its old log-probs feed the ratio alone) whose batch is one
+    update (one epoch of one mini-batch) on the weights that sampled it, so the old log-probs
+    are the current ones, as verl and TRL use them; unfused (the fused rollout computes them
+    as samples finish) and without pipeline stages in training (every rank of a replica then
+    holds its rows' log-probs)."""
+    workload = plan.workload
+    return (
+        workload.algorithm != "ppo"
+        and workload.ppo_epochs == workload.mini_batches == 1
+        and not fusion.inter_stage
+        and plan.stage_plan(ACTOR).pp == 1
+    )
 
 
 def local_train(

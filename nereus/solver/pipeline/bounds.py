@@ -15,7 +15,9 @@ Memory: the serial 1F1B peak, max over models of the first stage's in-flight act
 (min(S, m) micro-batches). RLHFuse reports it as the fused schedule's memory lower bound; it
 is a reference (a slow schedule holding one micro-batch at a time goes below it), and
 the search's memory phase stops once it is reached. `memory_bound_at` is a true lower
-bound on the peak of every schedule no slower than a given makespan (see there).
+bound on the peak of every schedule no slower than a given makespan (see there); on the
+schedule benchmark it stays below the serial 1F1B reference wherever a node runs more than
+one 1F1B fill of micro-batches, so that reference remains the figure the peak is judged by.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import bisect
 import heapq
 from dataclasses import dataclass
 
-from nereus.solver.pipeline.model import Instance, Pipeline, Problem
+from nereus.solver.pipeline.model import Instance, ModelTimes, Pipeline, Problem
 
 
 @dataclass(frozen=True)
@@ -249,8 +251,90 @@ class _NodeGroup:
     w_release: list[float]
 
 
-def _node_groups(problem: Problem, makespan: float) -> list[list[_NodeGroup]]:
+def _stage_chains(problem: Problem, pipeline: Pipeline) -> tuple[list[float], list[float]]:
+    """Per stage s: the shortest forward chain from the end of F(s) to the start of
+    F(S-1)'s successor B(S-1) (f[s+1..S-1] plus latencies), and the shortest backward chain
+    after the end of B(s) (b[s-1..0] plus latencies)."""
+    model, nodes = pipeline.model, pipeline.stage_nodes
+    last = model.num_stages - 1
+
+    def lat(a: int, c: int) -> float:
+        return problem.p2p_latency if nodes[a] != nodes[c] else 0.0
+
+    up = [0.0] * (last + 1)
+    for s in range(last - 1, -1, -1):
+        up[s] = up[s + 1] + lat(s, s + 1) + model.forward[s + 1]
+    down = [0.0] * (last + 1)
+    for s in range(1, last + 1):
+        down[s] = down[s - 1] + model.backward[s - 1] + lat(s, s - 1)
+    return up, down
+
+
+#: A pipeline's model, micro-batch count and its stage chains (`_stage_chains`).
+_Chains = tuple[ModelTimes, int, list[float], list[float]]
+
+
+def _b_release(chains: _Chains, head: float, s: int, s2: int, k: int) -> float:
+    """Earliest start of stage s's k-th backward from the work on stage s2 >= s before it,
+    where no op of the pipeline starts before `head`."""
+    model, _, _, down = chains
+    if s2 == s:
+        return head + (k + 1) * model.forward[s] + k * model.backward[s]
+    work = (k + 1) * (model.forward[s2] + model.backward[s2])
+    return head + work + down[s2] - down[s] - model.backward[s]
+
+
+def _f_tail(chains: _Chains, s: int, s2: int, k: int) -> float:
+    """Least time after stage s's k-th forward ends that the work of ranks k.. on s2 needs."""
+    model, m, up, down = chains
+    f, b, last = model.forward, model.backward, model.num_stages - 1
+    if s2 == s:
+        reach, work = 0.0, (m - k - 1) * f[s] + (m - k) * b[s]
+    elif s2 > s:  # the forward chain up to s2
+        reach, work = up[s] - up[s2] - f[s2], (m - k) * (f[s2] + b[s2])
+    else:  # only backwards: up through the last stage and back down to s2
+        reach, work = up[s] + b[last] + down[last] - down[s2] - b[s2], (m - k) * b[s2]
+    weight_grads = (m - k) * model.weight_grad[s2] if model.weight_grad else 0.0
+    # The last of those ops is a backward (then the chain down follows) or a weight gradient.
+    return reach + work + max(down[s2], weight_grads)
+
+
+def memory_rank_tables(problem: Problem) -> RankTables:
+    """`rank_tables` with the backward releases and forward tails raised by each stage's
+    node work (the one-machine argument per stage, which the rank chains leave out).
+
+    Backward release, rank k of stage s: the k+1 micro-batches of B(s)'s ranks 0..k have each
+    run F(s') and B(s') on the node of every later stage s' before; that node starts no op of
+    the pipeline before its first forward's release, so the last of those 2(k+1) ops ends at
+    least that release plus their work, and its micro-batch's B(s) starts at least the
+    backward chain from s' to s after it. On stage s itself k+1 forwards and k backwards come
+    first.
+
+    Forward tail, rank k of stage s: the m-k micro-batches of ranks k..m-1 still run, after
+    the k-th forward ends, every op of theirs on every stage s' (the forward of s itself only
+    for ranks above k): on stage s' they start no earlier than the chain from s to s' after
+    it, take their work on that node, and the last of them is followed by the backward chain
+    down to stage 0 (or nothing, when it may be a weight gradient).
+    """
     tables = rank_tables(problem)
+    release, tail = dict(tables.release), dict(tables.tail)
+    for p, pipeline in enumerate(problem.pipelines):
+        m, stages = len(pipeline.microbatches), pipeline.model.num_stages
+        chains = (pipeline.model, m, *_stage_chains(problem, pipeline))
+        heads = [release[(p, s2, "F")][0] for s2 in range(stages)]
+        for s in range(stages):
+            release[(p, s, "B")] = [
+                max([release[(p, s, "B")][k]] + [_b_release(chains, heads[s2], s, s2, k) for s2 in range(s, stages)])
+                for k in range(m)
+            ]
+            tail[(p, s, "F")] = [
+                max([tail[(p, s, "F")][k]] + [_f_tail(chains, s, s2, k) for s2 in range(stages)]) for k in range(m)
+            ]
+    return RankTables(release, tail)
+
+
+def _node_groups(problem: Problem, makespan: float) -> list[list[_NodeGroup]]:
+    tables = memory_rank_tables(problem)
     groups: list[list[_NodeGroup]] = [[] for _ in range(problem.num_nodes)]
     for p, pipeline in enumerate(problem.pipelines):
         model = pipeline.model
@@ -304,7 +388,10 @@ def memory_bound_at(inst: Instance, makespan: float) -> float:
     At any time t, a node's ops that have not started must still fit in (t, makespan], so
     the ops started by t carry at least its work less (makespan - t). Rank releases bound how
     many forwards, backwards and weight gradients of each stage can have started by t; rank
-    tails give each forward a latest start. The activation the node holds at t is at least
+    tails give each forward a latest start (both with each stage's node work counted,
+    `memory_rank_tables`: a backward waits for the forwards and backwards that must run
+    before it on every later stage's node, and a forward is followed by the work of the
+    micro-batches after it on every stage's node). The activation the node holds at t is at least
     the least a fractional knapsack of those counts allows (`_held_at`); the bound is its
     largest value over nodes and over the times where a count changes (both sides of each).
     It is not below the largest single activation: every forward holds its own.

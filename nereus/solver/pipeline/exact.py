@@ -78,9 +78,7 @@ def _scaled_model(inst: Instance) -> _Scaled:
         from ortools.sat.python import cp_model
     except ImportError:
         raise MissingDependency("the exact pipeline model", "OR-Tools", "exact") from None
-    unit = max(inst.duration) / TIME_STEPS
-    duration = [max(1, round(d / unit)) for d in inst.duration]
-    latency = [[_ceil(lat / unit) for _, lat in preds] for preds in inst.preds]
+    unit, duration, latency = _units(inst)
     horizon = sum(duration) + sum(lat + 1 for lats in latency for lat in lats)
     model = cp_model.CpModel()
     start = [model.new_int_var(0, horizon, f"s{op}") for op in range(inst.num_ops)]
@@ -212,20 +210,38 @@ def solve_memory_at(
     )
 
 
+def _units(inst: Instance) -> tuple[float, list[int], list[list[int]]]:
+    """The model's time unit, and the durations and edge latencies in whole units."""
+    unit = max(inst.duration) / TIME_STEPS
+    duration = [max(1, round(d / unit)) for d in inst.duration]
+    latency = [[ceil_units(lat / unit) for _, lat in preds] for preds in inst.preds]
+    return unit, duration, latency
+
+
+def whole_units(inst: Instance) -> tuple[float, Instance]:
+    """The model's time unit and `inst` with its whole-unit durations and latencies."""
+    unit, duration, latency = _units(inst)
+    return unit, _with_times(inst, duration, latency)
+
+
 def _in_units(inst: Instance, scaled: _Scaled) -> Instance:
     """`inst` with the model's whole-unit durations and latencies (for re-timing an order)."""
+    return _with_times(inst, scaled.duration, scaled.latency)
+
+
+def _with_times(inst: Instance, duration: list[int], latency: list[list[int]]) -> Instance:
     preds = [
         [(pred, float(lat)) for (pred, _), lat in zip(edges, lats, strict=True)]
-        for edges, lats in zip(inst.preds, scaled.latency, strict=True)
+        for edges, lats in zip(inst.preds, latency, strict=True)
     ]
     succs: list[list[tuple[int, float]]] = [[] for _ in range(inst.num_ops)]
     for op, edges in enumerate(preds):
         for pred, lat in edges:
             succs[pred].append((op, lat))
-    return replace(inst, duration=[float(d) for d in scaled.duration], preds=preds, succs=succs)
+    return replace(inst, duration=[float(d) for d in duration], preds=preds, succs=succs)
 
 
-def _ceil(value: float) -> int:
+def ceil_units(value: float) -> int:
     whole = int(value)
     return whole + (whole < value)
 
@@ -257,7 +273,7 @@ def _memory(model: Any, inst: Instance, start: list[Any], duration: list[int], h
         interval = model.new_interval_var(start[op], length, end, f"a{op}")
         intervals, demands = by_node.setdefault(inst.node[op], ([], []))
         intervals.append(interval)
-        demands.append(max(1, _ceil(inst.memory_delta[op] / scale - 1e-9)))
+        demands.append(max(1, ceil_units(inst.memory_delta[op] / scale - 1e-9)))
     for intervals, demands in by_node.values():
         model.add_cumulative(intervals, demands, peak)
     return peak, scale

@@ -16,7 +16,9 @@ slower are kept, and each lowers the level. It stops at the memory lower bound a
 makespan (or the serial 1F1B reference). Other neighbours swap two nearby ops on one node
 or move one op a few places; neighbours that deadlock or break the activation cap are
 rejected. Independent seeds run in parallel processes and the best
-schedule wins.
+schedule wins. Last, CP-SAT re-solves windows around the peak at that makespan
+(`window.lower_peak`) for `SearchConfig.window_share` of the time limit, taken from the
+memory phase.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nereus.errors import ArgumentError, NereusError
 from nereus.solver.pipeline.baselines import BaselineResult, pair_baselines
@@ -70,8 +72,14 @@ class SearchConfig:
     """Independent annealing runs; they run in parallel processes, one per CPU at most."""
     max_iterations: int | None = None
     """Also stop each seed after this many neighbours (a run that does not depend on CPU speed)."""
+    window_share: float = 0.3
+    """Share of `time_limit_s` that goes to CP-SAT peak windows after the annealing
+    (`window.lower_peak`, with OR-Tools installed; else the annealing keeps it). Not used
+    with `max_iterations`: the windows' solves depend on time."""
 
     def __post_init__(self) -> None:
+        if not 0 <= self.window_share < 1:
+            raise ArgumentError(f"`window_share` must lie in [0, 1), got {self.window_share}", "window_share")
         if not self.time_limit_s > 0:
             raise ArgumentError(f"`time_limit_s` must be > 0 seconds, got {self.time_limit_s}", "time_limit_s")
         if self.seeds < 1:
@@ -122,6 +130,8 @@ class FusedResult:
     """(seed, makespan, peak memory) of every annealing run."""
     lean: list[LeanStart] = field(default_factory=list)
     """The lean starts (`lean_starts`): what holding less costs in makespan."""
+    windows: tuple[int, int, float] = (0, 0, 0.0)
+    """Peak windows solved, kept, and the peak before them (`window.lower_peak`)."""
 
 
 #: Activation caps the greedy tries, as multiples of the memory bound (memory at no latency cost).
@@ -384,10 +394,12 @@ def anneal(
     max_iterations: int | None = None,
     fallback: Orders | None = None,
     lean: Sequence[LeanStart] = (),
+    latency_share: float = 1 - MEMORY_PHASE_SHARE,
 ) -> AnnealOutcome:
     """Two-phase simulated annealing from `start`: latency, then memory at the makespan found.
 
-    Each phase owns its share of the time (and iteration) budget; a latency phase that meets
+    Each phase owns its share of the time (and iteration) budget (`latency_share` for the
+    latency phase, the rest for the memory phase); a latency phase that meets
     the lower bound early hands the rest of its share to the memory phase. When `fallback`
     (the fastest start) is faster than what the latency phase reached, the memory phase
     works on it instead: only the fastest schedules can win. Then, for LEAN_SHARE more of the
@@ -404,7 +416,6 @@ def anneal(
         return best
     began = time.perf_counter()
     budget = max_iterations if max_iterations is not None else math.inf
-    latency_share = 1 - MEMORY_PHASE_SHARE
     latency = _Phase(began + time_limit_s * latency_share, budget * latency_share)
     cap = inst.problem.activation_cap
     iterations = _latency_phase(inst, latency, walk, best, rng, movable, 0, target_latency, cap)
@@ -729,6 +740,7 @@ def _run_seeds(
     config: SearchConfig,
     bounds: LowerBounds,
     progress: Progress | None,
+    window_s: float = 0.0,
 ) -> list[AnnealOutcome]:
     """Seeds cycle over the starts within RESTART_SLACK of the fastest: restarts from several
     constructions that are about as fast (they differ in memory and in where they get stuck).
@@ -738,7 +750,10 @@ def _run_seeds(
     # Each seed's lean phase comes on top of its budget: scale the budget to keep the total.
     per_seed = config.time_limit_s / rounds / (1 + LEAN_SHARE)
     budget = None if config.max_iterations is None else max(1, round(config.max_iterations / (1 + LEAN_SHARE)))
-    args = (per_seed, bounds.latency, bounds.memory, budget, starts[0][1], lean)
+    # The peak windows take their time from the memory phase: the latency phase keeps its share.
+    whole = config.time_limit_s + window_s
+    latency_share = min(1.0, whole * (1 - MEMORY_PHASE_SHARE) / config.time_limit_s)
+    args = (per_seed, bounds.latency, bounds.memory, budget, starts[0][1], lean, latency_share)
     fastest = starts[0][2].makespan
     close = [(orders, ev) for _, orders, ev in starts if ev.makespan <= fastest * (1 + RESTART_SLACK)]
     leanest = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
@@ -758,6 +773,22 @@ def _run_seeds(
             if progress:
                 progress(done, config.seeds)
     return sorted(outcomes, key=lambda o: o.seed)
+
+
+def _window_seconds(config: SearchConfig) -> float:
+    """The peak windows' seconds: their share of the time limit in a time-limited run with
+    OR-Tools installed, else 0."""
+    if config.max_iterations is not None or config.window_share == 0:
+        return 0.0
+    import importlib.util
+
+    if importlib.util.find_spec("ortools") is None:
+        return 0.0
+    return config.time_limit_s * config.window_share
+
+
+def peak_memory_max(inst: Instance, orders: Orders) -> float:
+    return max(peak_memory(inst, orders), default=0.0)
 
 
 def search_fused(
@@ -782,7 +813,9 @@ def search_fused(
     if activation_cap is not None:  # under a cap the lean starts are often the fastest ones
         starts += [(f"lean, cap {start.cap:g}", start.orders, evaluate(inst, start.orders)) for start in lean]
         starts.sort(key=lambda s: (s[2].makespan, s[2].max_peak_memory))
-    outcomes = _run_seeds(inst, starts, lean, config, bounds, progress)
+    window_s = _window_seconds(config)
+    annealing = replace(config, time_limit_s=config.time_limit_s - window_s)
+    outcomes = _run_seeds(inst, starts, lean, annealing, bounds, progress, window_s)
     # The annealing keeps a start unless it improves it; makespans within RELATIVE_EPS tie
     # (float sums in another order), and ties go to the least memory.
     candidates = [(o.makespan, o.peak, o.orders) for o in outcomes]
@@ -790,6 +823,13 @@ def search_fused(
     candidates += [(start.makespan, start.peak, start.orders) for start in lean]
     fastest = min(makespan for makespan, _, _ in candidates)
     _, _, orders = min((c for c in candidates if c[0] <= fastest * (1 + RELATIVE_EPS)), key=lambda c: c[1])
+    windows = (0, 0, peak_memory_max(inst, orders))
+    if window_s > 0:
+        from nereus.solver.pipeline.window import lower_peak
+
+        floor = max(bounds.memory, memory_bound_at(inst, fastest))
+        lowered = lower_peak(inst, orders, window_s, target=floor, workers=min(2, os.cpu_count() or 1))
+        orders, windows = lowered.orders, (lowered.windows, lowered.kept, windows[2])
     final = evaluate(inst, orders)
     assert final.ok, (final.violations, final.deadlocked)
     return FusedResult(
@@ -807,4 +847,5 @@ def search_fused(
         memory_lower_bound=memory_bound_at(inst, final.makespan),
         per_seed=[(o.seed, o.makespan, o.peak) for o in outcomes],
         lean=lean,
+        windows=windows,
     )
