@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.kv_pool import with_engine_budget
+from nereus.cost.kv_pool import engine_budget
 from nereus.cost.plan_cost import evaluate_plan
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan
@@ -185,6 +185,21 @@ def measured_plan(
             "profile with more ranks"
         )
     return sized.model_copy(update={"cluster": cluster})
+
+
+def with_engine_budget(plan: Plan, engineless: Collection[str] = ()) -> Plan:
+    """The plan with actor/generation's KV budget set to the pool the engine runs it in, when
+    that pool cannot hold the batch (`nereus.cost.kv_pool.engine_budget`): its generation is
+    then priced in the waves the engine runs (first-come admission, newest-first preemption)
+    rather than unbounded."""
+    budget = engine_budget(plan, engineless)
+    if budget is None:
+        return plan
+    stages = [
+        entry.model_copy(update={"kv_budget_bytes": budget}) if entry.model_stage == "actor/generation" else entry
+        for entry in plan.stages
+    ]
+    return plan.model_copy(update={"stages": stages})
 
 
 def engineless_stages(plan: Plan, config: RLConfig) -> tuple[str, ...]:

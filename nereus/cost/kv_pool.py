@@ -82,18 +82,3 @@ def resident_states(plan: Plan, entry: StagePlan) -> float:
         entry.tp, entry.pp, entry.dp, entry.micro_batches, token_budget=entry.token_budget or 0, **stage_choices(entry)
     )
     return float(split_resident(memory, entry.offload)[0])
-
-
-def with_engine_budget(plan: Plan, engineless: Collection[str] = ()) -> Plan:
-    """The plan with actor/generation's KV budget set to the pool the engine runs it in, when
-    that pool cannot hold the batch (`engine_budget`): its generation is
-    then priced in the waves the engine runs (first-come admission, newest-first preemption)
-    rather than unbounded."""
-    budget = engine_budget(plan, engineless)
-    if budget is None:
-        return plan
-    stages = [
-        entry.model_copy(update={"kv_budget_bytes": budget}) if entry.model_stage == "actor/generation" else entry
-        for entry in plan.stages
-    ]
-    return plan.model_copy(update={"stages": stages})

@@ -159,7 +159,7 @@ def test_fit_recovers_the_engine_constants_from_a_preempted_run(
     # expose; one plan's runs leave its split between those terms to the prior.
     assert iteration_seconds(result.calibration, plan) == pytest.approx(iteration_seconds(TRUE, plan), rel=0.1)
     # Priced unbounded instead, the fit cannot explain the waves' extra iterations.
-    monkeypatch.setattr("nereus.cost.kv_pool.engine_budget", lambda *_: None)
+    monkeypatch.setattr("nereus.cost.fit.engine_budget", lambda *_: None)
     unbounded = fit_calibration([run], Calibration())
     assert max(abs(e) for e in generation_errors(unbounded.calibration, plan, WAVES)) > 0.05
 

@@ -186,9 +186,7 @@ class Controller:
         num_ranks: int,
         calibration: Calibration,
     ) -> None:
-        # Plans are judged in the KV pools the runtime's engine will give them, as steps are predicted.
-        engineless = engineless_stages(plan, config)
-        self.replanner = Replanner(plan, calibration=calibration, choices=RUNTIME_CHOICES, engineless=engineless)
+        self.replanner = Replanner(plan, calibration=calibration, choices=RUNTIME_CHOICES)
         self.policy = make_policy(policy, plan, self.replanner)
         self.conditions: list[Conditions] = list(trace_conditions(trace))
         self.plan = plan

@@ -11,8 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.kv_pool import with_engine_budget
-from nereus.cost.plan_cost import PlanEvaluation, evaluate_plan, one_sequence_bytes, one_sequence_shortfall
+from nereus.cost.plan_cost import PlanEvaluation, evaluate_plan, one_sequence_bytes
 from nereus.errors import NereusError
 from nereus.solver.layouts import MemoryChoices
 from nereus.solver.plan_search import PlanRequest
@@ -27,8 +26,6 @@ from nereus.spec.workload import ResponseLengths, Workload
 
 PlanKey = tuple[object, ...]
 SHORT_STAGE = {"generation": "gen", "inference": "inf", "training": "train"}
-#: The model-stage nereus's generation engine runs (its KV pool is sized by the runtime).
-GENERATION = "actor/generation"
 
 
 def plan_key(plan: Plan) -> PlanKey:
@@ -100,11 +97,6 @@ class Replanner:
     calibration: Calibration = field(default_factory=Calibration)
     choices: MemoryChoices = field(default_factory=MemoryChoices)
     """The memory-saving choices replanned plans may use (RUNTIME_CHOICES inside `nereus run`)."""
-    engineless: tuple[str, ...] | None = None
-    """For plans nereus's runtime runs: its model-stages that run no engine (a rule-scored
-    reward). Generation is then priced in the KV pool the runtime's engine gets (in waves when
-    that pool cannot hold the replica's batch; `nereus.cost.kv_pool.engine_budget`). None:
-    priced as planned (unbounded unless the plan sets a KV budget), as for the simulator."""
     num_searches: int = 0
     _plans: dict[tuple[object, ...], list[Plan]] = field(default_factory=dict, repr=False)
     _times: dict[tuple[object, ...], float | None] = field(default_factory=dict, repr=False)
@@ -173,14 +165,8 @@ class Replanner:
 
     def step_time_under(self, plan: Plan, lengths: ResponseLengths, calibration: Calibration) -> float | None:
         """`step_time` under another calibration (not cached)."""
-        sized = plan.model_copy(update={"workload": self.workload_for(lengths)})
-        if self.engineless is not None:
-            sized = with_engine_budget(sized, self.engineless)
-        evaluation = evaluate_plan(sized, calibration)
-        problems = evaluation.memory_problems
-        if self.engineless is not None:
-            problems = _engine_run_problems(sized, evaluation, calibration)
-        return None if problems else evaluation.predictions.step_time_s
+        evaluation = evaluate_plan(plan.model_copy(update={"workload": self.workload_for(lengths)}), calibration)
+        return evaluation.predictions.step_time_s if evaluation.feasible else None
 
     def transition(self, plan_a: Plan, plan_b: Plan) -> TransitionVerdict:
         """Build, schedule and independently check the DAG from A to B (cached)."""
@@ -263,16 +249,6 @@ class Replanner:
         if any(p.severity == "error" for p in plan_problems(candidate)):
             return None
         return candidate
-
-
-def _engine_run_problems(plan: Plan, evaluation: PlanEvaluation, calibration: Calibration) -> list[str]:
-    """The memory problems of `plan` (generation in its engine's pool) on nereus's runtime. The
-    engine sizes its pool to the memory the rank has left, so generation cannot overflow it:
-    it runs in waves, or not at all when the pool holds no maximum-length sequence."""
-    generation = next((e for e in plan.stages if e.model_stage == GENERATION), None)
-    if generation is not None and one_sequence_shortfall(plan, generation, calibration) > 0:
-        return [f"{GENERATION}: the engine's KV pool holds no maximum-length sequence"]
-    return [m for m in evaluation.memory_problems if m.split(" ", 1)[0] != GENERATION]
 
 
 def _samples(workload: Workload, entry: StagePlan) -> int:
