@@ -467,7 +467,8 @@ def pool_trace_run(folder: Path) -> tuple[Path, Path]:
     fields |= {"rl": {"task": "sort", "seed": 3, "max_new_tokens": 6, "actor_lr": 1e-4, "critic_lr": 1e-4}}
     (folder / "plain.yaml").write_text(yaml.safe_dump(fields))
     # No online calibration: the controller decides from the cost model alone, not measured times.
-    traced = {**fields, "trace": "trace.yaml", "policy": "dynarl", "verify_transitions": True, "online_calibration": False}
+    traced = {**fields, "trace": "trace.yaml", "policy": "dynarl", "verify_transitions": True}
+    traced["online_calibration"] = False
     (folder / "traced.yaml").write_text(yaml.safe_dump(traced))
     return folder / "traced.yaml", folder / "plain.yaml"
 
