@@ -625,11 +625,16 @@ class PoolShortfall:
         )
 
 
-def closest_shortfall(request: PlanRequest) -> PoolShortfall | None:
+def closest_shortfall(
+    request: PlanRequest, priced: tuple[list[Placement], dict[tuple[str, int], OptionTable]] | None = None
+) -> PoolShortfall | None:
     """The placement that misses memory by the least and the terms of its fullest pool, per
-    GPU (see `_pool_shortfall` for the options it takes)."""
-    layouts = placements(request)
-    tables = price_all(request, layouts)
+    GPU (see `_pool_shortfall` for the options it takes). `priced`: the request's placements
+    and `price_all` tables, when the caller has them."""
+    if priced is None:
+        layouts = placements(request)
+        priced = (layouts, price_all(request, layouts))
+    layouts, tables = priced
     budget = usable_memory(request.cluster, request.calibration)
     misses = []
     for placement in layouts:

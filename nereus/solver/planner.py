@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from nereus.cost.plan_cost import evaluate_plan
 from nereus.errors import NereusError
+from nereus.solver.layouts import OptionTable
 from nereus.solver.plan_search import (
     Candidate,
     PlanRequest,
@@ -90,15 +91,17 @@ def make_plan(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int
 
 
 def _infeasible_message(request: PlanRequest, rejected: list[Rejection]) -> str:
-    short = closest_shortfall(request)
-    least = min(rejected, key=lambda r: r.needed_bytes, default=None)
-    unlisted = _stages_without_layouts(request)
+    layouts = placements(request)
+    tables = price_all(request, layouts)
+    unlisted = _stages_without_layouts(tables)
     if unlisted:
         return (
             f"no plan for {request.workload.name} on {request.num_gpus} {request.cluster.gpu.name} GPUs: "
             f"{', '.join(unlisted)} has no candidate layout under the allowed memory-saving choices "
             "(a pinned choice may not apply to it); allow more choices"
         )
+    short = closest_shortfall(request, (layouts, tables))
+    least = min(rejected, key=lambda r: r.needed_bytes, default=None)
     if short is not None:
         reason = f"; closest: {short.describe()}"
     else:
@@ -140,9 +143,8 @@ def resize_cluster(cluster: Cluster, num_gpus: int) -> Cluster:
     return cluster.model_copy(update={"num_nodes": -(-num_gpus // cluster.gpus_per_node)})
 
 
-def _stages_without_layouts(request: PlanRequest) -> list[str]:
+def _stages_without_layouts(tables: dict[tuple[str, int], OptionTable]) -> list[str]:
     """Model-stages with no candidate layout on any pool size (every option ruled out by the
     allowed memory-saving choices, not by memory)."""
-    tables = price_all(request, placements(request))
-    names = sorted({name for name, _ in tables})
-    return [n for n in names if all(not table.options for (name, _), table in tables.items() if name == n)]
+    listed = {name for (name, _), table in tables.items() if table.options}
+    return sorted({name for name, _ in tables} - listed)

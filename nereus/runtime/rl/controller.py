@@ -39,7 +39,7 @@ from nereus.runtime.rl.run_state import (
     PredictorState,
 )
 from nereus.runtime.rl.setup import Move, plan_problems
-from nereus.runtime.rl.update import old_log_probs_from_training
+from nereus.runtime.rl.update import idle_model_stages
 from nereus.solver.layouts import RUNTIME_CHOICES
 from nereus.solver.policy import (
     Observation,
@@ -155,7 +155,7 @@ class Predictor:
     def _priced(self, plan: Plan, name: str) -> bool:
         # A rule-scored reward runs no model: the cost model's reward/inference has nothing to
         # match; nor has actor/inference where training gives the old log-probs.
-        if name == "actor/inference" and old_log_probs_from_training(plan, plan.fusion):
+        if name in idle_model_stages(plan, plan.fusion):
             return False
         return "/" not in name or self.config.runs_engine(name.split("/")[0])
 

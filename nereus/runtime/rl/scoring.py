@@ -4,6 +4,7 @@ task's rule or the reward model's score."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -41,15 +42,14 @@ def score(
     problems: list[Prompt],
     rollout: Rollout,
     seconds: dict[str, float],
-    skip_old_log_probs: bool = False,
+    skip: Collection[str] = (),
 ) -> Scored:
     """Every inference model-stage's rows of the rollout (unless the fused rollout computed
-    them already) and the rewards (collective). `skip_old_log_probs`: leave the actor's
-    log-probs to the training forward (no actor/inference pass)."""
+    them already) and the rewards (collective). `skip`: inference model-stages not run (the
+    training forward gives actor/inference's log-probs: `update.idle_model_stages`)."""
     batch, mask = rollout.batch, rollout.batch.field("loss_mask")
     inferred = rollout.inferred
     if inferred is None:
-        skip = ("actor/inference",) if skip_old_log_probs else ()
         inferred = run_inference({name: stage for name, stage in stages.items() if name not in skip}, batch, seconds)
     with timed(seconds, "reward/inference"):
         rule_scores = score_all(scorer, problems, rollout.responses)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.cost.calibration import Calibration
+from nereus.cost.fit import engineless_stages
 from nereus.errors import ArgumentError, NereusError
 from nereus.runtime import timeline
 from nereus.runtime.hf.run_setup import HfSources, check_plan_models, hf_sources, plans_for_folder
@@ -232,8 +233,7 @@ def memory_problems(plan: Plan, config: RLConfig) -> list[str]:
     capacity = plan.cluster.gpu.memory_bytes if config.rank_memory_bytes is None else config.rank_memory_bytes
     where = f"per GPU of cluster {plan.cluster.name}" if config.rank_memory_bytes is None else "of rl.rank_memory_bytes"
     worst: dict[int, tuple[int, str]] = {}
-    skip = [entry.model_stage for entry in plan.stages if not config.runs_engine(entry.role)]
-    for model_stage, by_rank in predicted_peaks(plan, skip=skip).items():
+    for model_stage, by_rank in predicted_peaks(plan, skip=engineless_stages(plan, config)).items():
         for rank, peak in by_rank.items():
             worst[rank] = max(worst.get(rank, (0, "")), (peak, model_stage))
     return [

@@ -38,7 +38,7 @@ from nereus.runtime.rl.timing import record_fused, step_totals, timed
 from nereus.runtime.rl.update import (
     WeightSync,
     advantages_of,
-    old_log_probs_from_training,
+    idle_model_stages,
     run_training,
     sync_weights,
 )
@@ -80,8 +80,8 @@ def rl_step(
     # 1. generation (under inter-stage fusion, overlapped with the model inference of 2)
     generated = rollout(plan, stages, prompts, sampling, in_force, seconds, fused_events, idle)
     # 2. inference: old and reference log-probs, values, rewards
-    old_from_training = old_log_probs_from_training(plan, in_force)
-    scored = score(stages, inputs.scorer, problems, generated, seconds, skip_old_log_probs=old_from_training)
+    not_run = idle_model_stages(plan, in_force)
+    scored = score(stages, inputs.scorer, problems, generated, seconds, skip=not_run)
     # 3. advantages
     with timed(seconds, "advantages"):
         advantages, returns = advantages_of(plan.workload, config, stages, inputs.scorer, problems, generated, scored)
@@ -103,7 +103,7 @@ def rl_step(
     if events is not None:
         events.extend(fused_events)
     seconds["step"] = time.perf_counter() - start
-    ran = [n for n in stages if not (old_from_training and n == "actor/inference")]
+    ran = [n for n in stages if n not in not_run]
     return step_metrics(plan, stages, ran, step, prompts, scored, losses, seconds, (rules, grad_norms))
 
 

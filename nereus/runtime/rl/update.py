@@ -177,6 +177,12 @@ def replica_share(stage: ModelStageRuntime, rows: torch.Tensor | None) -> torch.
     return rows[start:stop]
 
 
+def idle_model_stages(plan: Plan, fusion: Fusion) -> tuple[str, ...]:
+    """Model-stages with an engine that a step does not run: actor/inference where the
+    training forward gives the old log-probs (`old_log_probs_from_training`)."""
+    return ("actor/inference",) if old_log_probs_from_training(plan, fusion) else ()
+
+
 def old_log_probs_from_training(plan: Plan, fusion: Fusion) -> bool:
     """Whether the training forward can give the old log-probs instead of an actor/inference
     pass: a critic-free algorithm (its old log-probs feed the ratio alone) whose batch is one
