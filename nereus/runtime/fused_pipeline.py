@@ -19,7 +19,7 @@ The executor also measures what it holds: after every op, the micro-batches each
 lane keeps for a backward (forwarded, not yet backwarded: the schedule's in-flight
 activations) and the bytes of the tensors autograd saves for those backwards (`SavedBytes`,
 parameters excluded). `activation_peak` folds them into the rank's peak, which the
-schedule's evaluator predicts (`schedule_live_peaks` replays the node orders).
+schedule's evaluator predicts (`schedule_peaks`).
 """
 
 from __future__ import annotations
@@ -319,18 +319,19 @@ def fused_train_step(parts: Sequence[FusedPart], schedule: Schedule) -> tuple[li
     return losses, timings
 
 
-def schedule_live_peaks(schedule: Schedule) -> list[dict[str, int]]:
-    """Per node of `schedule`, the most micro-batches of each model it holds at once
-    (forwarded on the node, not yet backwarded), replaying the node's op order."""
-    peaks = []
-    for ops in schedule_node_ops(schedule):
-        held: dict[str, int] = {record.name: 0 for record in schedule.models}
-        peak = dict(held)
-        for model, _, op in ops:
-            held[model] += 1 if op.kind == "F" else -1 if op.kind == "B" else 0
-            peak[model] = max(peak[model], held[model])
-        peaks.append(peak)
-    return peaks
+def schedule_peaks(schedule: Schedule) -> list[float]:
+    """Per node of `schedule`, the peak activation its order holds (in the schedule's memory
+    unit), as the solver's evaluator replays the node orders: what `activation_peak`
+    measures on the node's rank."""
+    from nereus.solver.pipeline.document import orders_of, problem_of
+    from nereus.solver.pipeline.evaluate import peak_memory
+    from nereus.solver.pipeline.model import build_instance
+
+    inst = build_instance(problem_of(schedule))
+    orders, _, _, unknown = orders_of(inst, schedule)
+    if unknown:
+        raise ValueError(f"the schedule does not match its own models: {unknown[0]}")
+    return peak_memory(inst, orders)
 
 
 @dataclass(frozen=True)
@@ -372,6 +373,6 @@ __all__ = [
     "fused_forward_backward",
     "fused_train_step",
     "message_orders",
-    "schedule_live_peaks",
     "schedule_node_ops",
+    "schedule_peaks",
 ]
