@@ -10,6 +10,11 @@ schedule of a plan is the plan-capped search, deterministic under its work budge
 
 from __future__ import annotations
 
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,6 +41,8 @@ from nereus.solver.pipeline.document import to_document
 from nereus.solver.pipeline.from_plan import PlanPipelines, plan_pipelines
 from nereus.solver.pipeline.model import ModelTimes
 from nereus.solver.pipeline.search import SearchConfig, search_fused
+from nereus.spec.io import load_document
+from nereus.spec.plan import Plan
 from nereus.spec.schedule import Schedule
 from tests.runtime.test_fused_pipeline import engines, make_batch, two_rank_plan
 
@@ -122,6 +129,28 @@ def test_the_run_time_schedule_is_the_plan_capped_search_and_is_deterministic() 
     direct = to_document(search_fused(pipelines.actor, pipelines.critic, config, activation_cap=cap))
     assert [node.ops for node in direct.nodes] == [node.ops for node in schedule.nodes]
     assert schedule.summary.peak_memory == pytest.approx(max(schedule_peaks(schedule)))
+
+
+ROOT = Path(__file__).resolve().parents[2]
+INTRA_PLAN = "examples/plan-tiny-ppo-2rank-intra.yaml"
+SCHEDULE_DIGEST = f"""
+import hashlib
+from nereus.runtime.fused_schedule import fused_schedule
+from nereus.spec.io import load_document
+ops = [node.ops for node in fused_schedule(load_document({INTRA_PLAN!r})).nodes]
+print(hashlib.sha256(repr(ops).encode()).hexdigest())
+"""
+
+
+def test_every_process_searches_the_same_schedule() -> None:
+    """Each rank searches in its own process, whose string hashing differs from this one's."""
+    plan = load_document(ROOT / INTRA_PLAN)
+    assert isinstance(plan, Plan) and plan.fusion.intra_stage
+    ops = [node.ops for node in fused_schedule(plan).nodes]
+    env = {**os.environ, "PYTHONHASHSEED": "1"}
+    done = subprocess.run([sys.executable, "-c", SCHEDULE_DIGEST], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == hashlib.sha256(repr(ops).encode()).hexdigest()
 
 
 def test_the_work_budget_grows_with_the_pipeline_within_its_bounds() -> None:
