@@ -12,7 +12,9 @@ ranks 1, 0: the fused layout). Each repetition trains one mini-batch of --rows s
                   orders into computing and waiting for input.
 
 The models are the tiny preset scaled up (--hidden 256: MLP 688, 8 heads, 4 layers, vocab
-64) so that compute dominates the gloo messages. The actor trains with the LM loss, the critic
+64) so that compute dominates the gloo messages; --critic-hidden narrows the critic (its
+faster, smaller micro-batches give the search room to trade memory: `--critic-hidden 192
+--microbatches 16`). The actor trains with the LM loss, the critic
 with the value loss (the engine's objectives; PPO's clipped objectives cost the same passes).
 The modes rotate round by round (same load on all); after --warmup untimed rounds, the
 median of --reps timed ones is reported, each from a barrier to a barrier.
@@ -24,7 +26,21 @@ gradient and loss collectives and the barriers, which neither order overlaps.
 Predicted speed-ups come from the solver's evaluator: the schedule's own (cost-model times:
 serial 1F1B makespan / fused makespan), and the same two orders re-timed with the forward
 and backward times the fused run measured on this machine (median compute time per op kind,
-stage and model). Prints a table and writes benchmarks/results/fused_training.json.
+stage and model).
+
+Peaks: after the timed rounds each rank runs one more step of each of four schedules of the
+same pipelines and reports what its executor held at its fullest (`activation_peak`: the
+micro-batches forwarded and not yet backwarded, weighted by the schedule's activation per
+micro-batch, and the bytes autograd kept saved for them), beside the peak the solver's
+evaluator predicts for its node (`schedule_peaks`):
+
+    fused         the run-time schedule (`fused_schedule(plan)`, the search's work budget);
+    previous      the run-time search as it was before, a flat 3000-neighbour budget;
+    serial order  the serial 1F1B order above;
+    capped        the search under an activation cap of the memory reference (serial 1F1B's
+                  first-stage peak): leaner, slower.
+
+Prints a table and writes benchmarks/results/fused_training.json.
 
     .venv/bin/python benchmarks/fused_training.py
 """
@@ -45,15 +61,24 @@ from _record import begin, write_result
 
 from nereus.runtime.dist import spawn
 from nereus.runtime.engine import Engine, EngineConfig, NextTokenLoss, ValueLoss
-from nereus.runtime.fused_pipeline import FusedPart, OpTiming, fused_train_step
-from nereus.runtime.fused_schedule import fused_schedule, intra_stage_problems
+from nereus.runtime.fused_pipeline import (
+    ActivationPeak,
+    FusedPart,
+    OpTiming,
+    activation_peak,
+    fused_train_step,
+    schedule_peaks,
+)
+from nereus.runtime.fused_schedule import SEARCH_TIME_LIMIT_S, fused_schedule, intra_stage_problems
 from nereus.runtime.model import Batch
 from nereus.runtime.pipeline import one_f_one_b
 from nereus.runtime.shard_layout import RankLayout
 from nereus.solver.pipeline.baselines import pair_baselines
-from nereus.solver.pipeline.document import orders_of, problem_of
+from nereus.solver.pipeline.document import orders_of, problem_of, to_document
 from nereus.solver.pipeline.evaluate import evaluate
+from nereus.solver.pipeline.from_plan import plan_pipelines
 from nereus.solver.pipeline.model import ModelTimes, build_instance
+from nereus.solver.pipeline.search import SearchConfig, search_fused
 from nereus.spec.io import load_document
 from nereus.spec.model import Model
 from nereus.spec.plan import Plan
@@ -80,15 +105,20 @@ def scaled_tiny(hidden: int) -> Model:
     )
 
 
-def fused_plan(model: Model, microbatches: int) -> Plan:
+def fused_plan(model: Model, microbatches: int, critic: Model | None = None) -> Plan:
     """A 2-rank PPO plan of the scaled model with intra-stage fusion: actor training pp=2 on
-    [0, 1], critic training pp=2 on [1, 0]; every other model-stage dp=2."""
+    [0, 1], critic training pp=2 on [1, 0]; every other model-stage dp=2. The critic (and
+    the reward model) is `critic` where given, else the same model."""
+    critic = critic or model
     example = load_document(EXAMPLE)
     assert isinstance(example, Plan)
     document = example.model_dump(mode="json")
-    document["models"] = [model.model_dump(mode="json")]
-    for role in ("actor", "critic", "reference", "reward"):
+    models = {m.name: m.model_dump(mode="json") for m in (model, critic)}
+    document["models"] = list(models.values())
+    for role in ("actor", "reference"):
         document["workload"][role] = model.name
+    for role in ("critic", "reward"):
+        document["workload"][role] = critic.name
     document["workload"]["mini_batches"] = 1
     document["cluster"]["gpus_per_node"] = 2
     document["pools"] = [{"name": "all", "gpus": [0, 1]}]
@@ -113,11 +143,34 @@ def make_batch(model: Model, rows: int, seq: int, head: str) -> Batch:
     return Batch(tokens, None, fields)
 
 
-def timed_rounds(rank: int, world: int, args: argparse.Namespace, schedule: Schedule) -> dict[str, Any]:
+#: The run-time search's budget before it grew with the problem (the "previous" schedule).
+PREVIOUS_ITERATIONS = 3000
+
+
+def peak_schedules(plan: Plan, schedule: Schedule) -> dict[str, Schedule]:
+    """The schedules whose held activations the ranks measure (see the module's docstring)."""
+    pipelines = plan_pipelines(plan)
+    config = SearchConfig(time_limit_s=SEARCH_TIME_LIMIT_S, seeds=1, max_iterations=PREVIOUS_ITERATIONS)
+
+    def searched(cap: float) -> Schedule:
+        result = search_fused(pipelines.actor, pipelines.critic, config, activation_cap=cap)
+        return to_document(result, time_unit="s", memory_unit="GiB")
+
+    return {
+        "fused": schedule,
+        "previous": searched(pipelines.activation_cap),
+        "serial order": serial_order(schedule),
+        "capped": searched(schedule.summary.memory_bound),
+    }
+
+
+def timed_rounds(
+    rank: int, world: int, args: argparse.Namespace, schedule: Schedule, peaks: dict[str, Schedule]
+) -> dict[str, Any]:
     torch.set_num_threads(1)
-    model = scaled_tiny(args.hidden)
+    model, critic_model = scaled_tiny(args.hidden), scaled_tiny(args.critic_hidden or args.hidden)
     actor = Engine.create(model, "lm", RankLayout(1, 2, 1, (0, 1)), EngineConfig(init_seed=1))
-    critic = Engine.create(model, "value", RankLayout(1, 2, 1, (1, 0)), EngineConfig(init_seed=2))
+    critic = Engine.create(critic_model, "value", RankLayout(1, 2, 1, (1, 0)), EngineConfig(init_seed=2))
     assert actor is not None and critic is not None
     actor_batch, critic_batch = (
         make_batch(model, args.rows, args.seq, "lm"),
@@ -146,7 +199,11 @@ def timed_rounds(rank: int, world: int, args: argparse.Namespace, schedule: Sche
             dist.barrier()
             if round_index >= args.warmup:
                 seconds[mode].append(time.perf_counter() - started)
-    return {"seconds": seconds, "timings": timings}
+    held = {}
+    for name, order in peaks.items():
+        _, step_timings = fused_train_step(parts, order)
+        held[name] = activation_peak(step_timings, order, actor.groups.pp_rank)  # actor stage s is node s
+    return {"seconds": seconds, "timings": timings, "node": actor.groups.pp_rank, "held": held}
 
 
 def serial_order(schedule: Schedule) -> Schedule:
@@ -209,22 +266,63 @@ def retimed_speedup(schedule: Schedule, times: dict[str, ModelTimes]) -> tuple[f
     return serial, fused, serial / fused
 
 
+def held_table(peaks: dict[str, Schedule], outcomes: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per schedule: its makespan and, per node, the predicted peak against what the node's
+    rank held (printed as a table; the result file's `held_activations`)."""
+    print(
+        "held activations per rank: predicted = the schedule evaluator's peak of the node, held = the executor's "
+        "lanes after each op (cost-model MiB, and micro-batches), saved = bytes autograd kept for them"
+    )
+    print(
+        f"{'schedule':<14} {'makespan ms':>12} {'node':>5} {'predicted MiB':>14} {'held MiB':>9} {'held mbs':>9} "
+        f"{'saved MiB':>10}"
+    )
+    table: dict[str, Any] = {}
+    for name, order in peaks.items():
+        predicted = schedule_peaks(order)
+        inst = build_instance(problem_of(order))
+        makespan = evaluate(inst, orders_of(inst, order)[0]).makespan  # the serial order keeps the fused times
+        rows = []
+        for outcome in sorted(outcomes, key=lambda o: o["node"]):
+            node, peak = outcome["node"], outcome["held"][name]
+            assert isinstance(peak, ActivationPeak)
+            rows.append(
+                {
+                    "node": node,
+                    "predicted_gib": predicted[node],
+                    "held_gib": peak.activation,
+                    "held_microbatches": peak.microbatches,
+                    "saved_bytes": peak.saved_bytes,
+                }
+            )
+            print(
+                f"{name:<14} {makespan * 1e3:>12.3f} {node:>5} {predicted[node] * 2**10:>14.2f} "
+                f"{peak.activation * 2**10:>9.2f} {peak.microbatches:>9} {peak.saved_bytes / 2**20:>10.2f}"
+            )
+        table[name] = {"makespan_s": makespan, "peak_gib": max(predicted), "nodes": rows}
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", type=Path, default=RESULTS, help="where to write the JSON result")
     parser.add_argument("--hidden", type=int, default=256, help="model width (multiple of 64)")
+    parser.add_argument(
+        "--critic-hidden", type=int, default=None, help="the critic's width (multiple of 64; default --hidden)"
+    )
     parser.add_argument("--rows", type=int, default=16, help="sequences in the mini-batch (both models)")
     parser.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per model")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds")
     parser.add_argument("--reps", type=int, default=10, help="timed rounds (each runs every mode)")
     args = parser.parse_args()
-    model = scaled_tiny(args.hidden)
-    plan = fused_plan(model, args.microbatches)
+    model, critic_model = scaled_tiny(args.hidden), scaled_tiny(args.critic_hidden or args.hidden)
+    plan = fused_plan(model, args.microbatches, critic_model)
     schedule = fused_schedule(plan)
     recording = begin()
     load_before = os.getloadavg()[0]
-    outcomes = spawn(timed_rounds, 2, args, schedule)
+    peaks = peak_schedules(plan, schedule)
+    outcomes = spawn(timed_rounds, 2, args, schedule, peaks)
     # A round's wall time is the slower rank's (both leave the closing barrier together).
     runs = {
         mode: [max(pair) for pair in zip(*(o["seconds"][mode] for o in outcomes), strict=True)]
@@ -244,9 +342,9 @@ def main() -> None:
     }
     summary = schedule.summary
     print(
-        f"{model.name} actor + critic, pp=2 on 2 gloo ranks (1 thread each), mini-batch {args.rows} x {args.seq} "
-        f"tokens, {args.microbatches} micro-batches per model, median of {args.reps} (machine load "
-        f"{load_before:.1f} before the run)"
+        f"{model.name} actor + {critic_model.name} critic, pp=2 on 2 gloo ranks (1 thread each), "
+        f"mini-batch {args.rows} x {args.seq} tokens, {args.microbatches} micro-batches per model, "
+        f"median of {args.reps} (machine load {load_before:.1f} before the run)"
     )
     print(f"{'':<40} {'serial 1F1B':>12} {'fused':>10} {'speed-up':>9}")
     print(f"{'measured wall time (ms)':<40} {serial_s * 1e3:>12.1f} {fused_s * 1e3:>10.1f} {serial_s / fused_s:>8.2f}x")
@@ -270,9 +368,11 @@ def main() -> None:
         f"{'per rank, ops only: compute + wait (ms)':<40} {serial_ops * 1e3:>12.1f} {fused_ops * 1e3:>10.1f} "
         f"{serial_ops / fused_ops:>8.2f}x"
     )
+    held = held_table(peaks, outcomes)
     result = {
         "benchmark": "fused_training",
         "model": model.model_dump(mode="json"),
+        "critic_model": critic_model.model_dump(mode="json"),
         "rows": args.rows,
         "seq": args.seq,
         "microbatches_per_model": args.microbatches,
@@ -294,6 +394,7 @@ def main() -> None:
             name: {"forward": list(t.forward), "backward": list(t.backward)} for name, t in times.items()
         },
         "schedule_nodes": [[f"{op.model}:{op.kind}{op.microbatch}" for op in node.ops] for node in schedule.nodes],
+        "held_activations": held,
         "python": platform.python_version(),
         "torch": torch.__version__,
     }

@@ -14,13 +14,19 @@ the backend pairs them by order rather than by tag (NCCL).
 The gradients are exactly those of separate actor and critic training: each model's
 micro-batches, loss normalisation and gradient reduction are its engine's own
 (`Engine.begin_forward_backward` / `finish_forward_backward`); only the op order differs.
+
+The executor also measures what it holds: after every op, the micro-batches each model's
+lane keeps for a backward (forwarded, not yet backwarded: the schedule's in-flight
+activations) and the bytes of the tensors autograd saves for those backwards (`SavedBytes`,
+parameters excluded). `activation_peak` folds them into the rank's peak, which the
+schedule's evaluator predicts (`schedule_peaks`).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +84,12 @@ class OpTiming:
     update: int = 0
     """Which optimizer update of the training phase the op belongs to (epoch-major, then
     mini-batch; set by the RL step, 0 for a lone `fused_train_step`)."""
+    live: tuple[tuple[str, int], ...] = ()
+    """After the op: per model (the schedule's name), the micro-batches its lane on this rank
+    holds for a backward (forwarded, not yet backwarded), read from the lane itself."""
+    saved_bytes: int = 0
+    """After the op: bytes of the tensors autograd keeps for this rank's pending backwards
+    (both models, each storage once, parameters excluded; `SavedBytes`)."""
 
 
 def schedule_node_ops(schedule: Schedule) -> list[list[StageOp]]:
@@ -180,23 +192,80 @@ def node_of(schedule: Schedule, part: FusedPart) -> int:
     return record.replica_nodes[0][groups.pp_rank]
 
 
+class SavedBytes:
+    """The bytes of the tensors autograd saves for backward while `hooks()` is active, live
+    now: each storage counted once while some saved tensor still refers to it, and released
+    when autograd drops the last one (after the backward that uses it). Storages of
+    `parameters` (weights saved by matmuls) are left out: they are not activations."""
+
+    def __init__(self, parameters: Iterable[torch.Tensor] = ()):
+        self.excluded = {param.untyped_storage().data_ptr() for param in parameters}
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.bytes = 0
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context under which forwards' saved tensors are counted."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.excluded or storage.nbytes() == 0:
+            return tensor
+        if key not in self.refs:
+            self.refs[key], self.sizes[key] = 0, storage.nbytes()
+            self.bytes += storage.nbytes()
+        self.refs[key] += 1
+        return _Saved(tensor, self, key)
+
+    def release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.bytes -= self.sizes.pop(key)
+
+
+class _Saved:
+    """A tensor autograd saved, as packed by `SavedBytes` (its release is counted when autograd drops it)."""
+
+    __slots__ = ("key", "owner", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, owner: SavedBytes, key: int):
+        self.tensor, self.owner, self.key = tensor, owner, key
+
+    def __del__(self) -> None:
+        self.owner.release(self.key)
+
+
+def _unpack(packed: Any) -> torch.Tensor:
+    return packed.tensor if isinstance(packed, _Saved) else packed
+
+
 class FusedExecutor:
     """Runs one rank's interleaved ops of several pipelines (one `PipelineLane` per model)."""
 
-    def __init__(self, lanes: dict[str, PipelineLane], sends: Sends):
+    def __init__(self, lanes: dict[str, PipelineLane], sends: Sends, saved: SavedBytes | None = None):
         self.lanes = lanes
         self.sends = sends
+        self.saved = saved or SavedBytes()
 
     def run(self, ops: Sequence[StageOp]) -> list[OpTiming]:
-        """Run `ops` in order, then wait for every send; each op's timing."""
+        """Run `ops` in order, then wait for every send; each op's timing and what the rank
+        holds after it."""
         rank = dist.get_rank()
         timings = []
-        for model, stage, op in ops:
-            lane = self.lanes[model]
-            assert lane.link.pp_rank == stage, (model, stage, lane.link.pp_rank)
-            start = time.perf_counter()
-            ready = lane.run_op(op, self.sends)
-            timings.append(OpTiming(rank, model, op.kind, op.microbatch, stage, start, ready, time.perf_counter()))
+        with self.saved.hooks():
+            for model, stage, op in ops:
+                lane = self.lanes[model]
+                assert lane.link.pp_rank == stage, (model, stage, lane.link.pp_rank)
+                start = time.perf_counter()
+                ready = lane.run_op(op, self.sends)
+                end = time.perf_counter()
+                live = tuple((name, len(other.saved)) for name, other in self.lanes.items())
+                timings.append(
+                    OpTiming(rank, model, op.kind, op.microbatch, stage, start, ready, end, 0, live, self.saved.bytes)
+                )
         self.sends.wait()
         return timings
 
@@ -231,7 +300,8 @@ def fused_forward_backward(parts: Sequence[FusedPart], schedule: Schedule) -> tu
         )  # fmt: skip
         jobs.append(job)
     _, received = message_orders(schedule, node_ops)
-    timings = FusedExecutor(lanes, OrderedSends(node, received)).run(node_ops[node])
+    saved = SavedBytes(param for part in parts for param in part.engine.params.values())
+    timings = FusedExecutor(lanes, OrderedSends(node, received), saved).run(node_ops[node])
     losses = [
         part.engine.finish_forward_backward(job, lanes[part.name].outputs)
         for part, job in zip(parts, jobs, strict=True)
@@ -249,14 +319,60 @@ def fused_train_step(parts: Sequence[FusedPart], schedule: Schedule) -> tuple[li
     return losses, timings
 
 
+def schedule_peaks(schedule: Schedule) -> list[float]:
+    """Per node of `schedule`, the peak activation its order holds (in the schedule's memory
+    unit), as the solver's evaluator replays the node orders: what `activation_peak`
+    measures on the node's rank."""
+    from nereus.solver.pipeline.document import orders_of, problem_of
+    from nereus.solver.pipeline.evaluate import peak_memory
+    from nereus.solver.pipeline.model import build_instance
+
+    inst = build_instance(problem_of(schedule))
+    orders, _, _, unknown = orders_of(inst, schedule)
+    if unknown:
+        raise ValueError(f"the schedule does not match its own models: {unknown[0]}")
+    return peak_memory(inst, orders)
+
+
+@dataclass(frozen=True)
+class ActivationPeak:
+    """What one rank held at its fullest during a run of a fused schedule (from its `OpTiming`s)."""
+
+    microbatches: int
+    """The most micro-batches (both models) held for a backward after any op."""
+    activation: float
+    """The most activation held, in the schedule's memory unit: each held micro-batch
+    weighted by its model's activation on this rank's stage (what the schedule's peak counts)."""
+    saved_bytes: int
+    """The most bytes autograd kept saved for pending backwards."""
+
+
+def activation_peak(timings: Sequence[OpTiming], schedule: Schedule, node: int) -> ActivationPeak:
+    """The peak of one rank's `timings` (node `node` of `schedule`), weighted as the schedule counts memory."""
+    weight = {
+        record.name: record.activation[record.replica_nodes[0].index(node)]
+        for record in schedule.models
+        if node in record.replica_nodes[0]
+    }
+    counts = [sum(count for _, count in t.live) for t in timings]
+    held = [sum(weight[name] * count for name, count in t.live) for t in timings]
+    return ActivationPeak(
+        max(counts, default=0), max(held, default=0.0), max((t.saved_bytes for t in timings), default=0)
+    )
+
+
 __all__ = [
+    "ActivationPeak",
     "FusedExecutor",
     "FusedPart",
     "OpTiming",
     "OrderedSends",
+    "SavedBytes",
+    "activation_peak",
     "check_fused_schedule",
     "fused_forward_backward",
     "fused_train_step",
     "message_orders",
     "schedule_node_ops",
+    "schedule_peaks",
 ]

@@ -6,8 +6,14 @@ so the critic's EMU lists the actor's GPUs stage by stage in reverse. The op ord
 runs is the fused schedule `nereus schedule fuse --plan` searches, built here in-process
 from the plan (same library, same cost-model times and activation cap) and cached per plan.
 
-The search runs with a fixed iteration budget and one seed, never a wall-clock limit, so
-every rank that builds the schedule of a plan gets the very same op order.
+The search is the one `nereus schedule fuse --plan` runs (`search_fused`: list schedules,
+latency annealing, then the memory phase and the lean phase that lower the peak at the
+makespan found), under the same activation cap: the GiB per GPU left after both training
+models' resident states (`plan_pipelines`). It runs one seed under a work budget that grows
+with the problem's size (`search_iterations`), never a wall-clock limit, so every rank that
+builds the schedule of a plan gets the very same op order, and a resumed run the same one
+as before. The CP-SAT peak windows of a time-limited search are left out: their solves stop
+on the clock.
 """
 
 from __future__ import annotations
@@ -18,11 +24,17 @@ from nereus.errors import NereusError
 from nereus.spec.plan import Plan, StagePlan
 
 if TYPE_CHECKING:
+    from nereus.solver.pipeline.from_plan import PlanPipelines
     from nereus.spec.schedule import Schedule
 
-#: Annealing neighbours of the run-time schedule search (one seed): a deterministic budget
-#: that takes well under a second for pipelines of a few stages and micro-batches.
-SEARCH_ITERATIONS = 3000
+#: Annealing neighbours per op of the fused problem in the run-time search (one seed): a
+#: deterministic budget. The memory phase needs it: on 4 stages x 8 micro-batches per model
+#: (128 ops) a flat 3000 neighbours leave the peak at 8 activations, 400 per op (about 2 s
+#: on one core) reach the 6 of a 10 s `schedule fuse`, at the same makespan.
+SEARCH_ITERATIONS_PER_OP = 400
+#: The budget's floor (the small pipelines of tests still anneal) and ceiling (the search of
+#: a large pipeline stays within seconds on every rank that builds it).
+SEARCH_ITERATIONS = (3000, 100_000)
 #: Only a guard: the iteration budget ends the search long before (a wall-clock end would
 #: make ranks disagree on the schedule).
 SEARCH_TIME_LIMIT_S = 3600.0
@@ -94,6 +106,15 @@ def _search(plan: Plan) -> Schedule:
     pipelines = plan_pipelines(plan)
     if pipelines.activation_cap <= 0:
         raise NereusError("the actor and critic training states leave no GPU memory for activations")
-    config = SearchConfig(time_limit_s=SEARCH_TIME_LIMIT_S, seeds=1, max_iterations=SEARCH_ITERATIONS)
+    config = SearchConfig(time_limit_s=SEARCH_TIME_LIMIT_S, seeds=1, max_iterations=search_iterations(pipelines))
     result = search_fused(pipelines.actor, pipelines.critic, config, activation_cap=pipelines.activation_cap)
     return to_document(result, time_unit="s", memory_unit="GiB")
+
+
+def search_iterations(pipelines: PlanPipelines) -> int:
+    """The run-time search's budget of annealing neighbours: SEARCH_ITERATIONS_PER_OP per
+    op (a forward and a backward per stage and micro-batch of each model), within
+    SEARCH_ITERATIONS."""
+    ops = sum(2 * len(times.forward) * times.num_microbatches for times in (pipelines.actor, pipelines.critic))
+    low, high = SEARCH_ITERATIONS
+    return min(high, max(low, SEARCH_ITERATIONS_PER_OP * ops))
