@@ -156,4 +156,4 @@ def test_search_memory_phase_keeps_the_makespan_and_reports_the_replay() -> None
     state = simulate(result.instance, result.orders)
     assert state is not None and state[0] == pytest.approx(result.evaluation.makespan, rel=1e-12)
     assert all(s.makespan >= result.evaluation.makespan * (1 - 1e-9) for s in result.lean)
-    assert result.memory_lower_bound <= replay.max_peak_memory
+    assert result.memory_lower_bound <= replay.max_peak_memory * (1 + 1e-9)  # sums in another order
