@@ -2,18 +2,20 @@
 
 "Ready" means every dependency has ended (plus latency), the node's activation memory
 stays within the cap, and the op's pipeline stage has fewer in-flight micro-batches than
-its window (1F1B keeps at most S - s micro-batches in flight on stage s). Ties between
-ready ops go to the lowest priority key. The result is a per-node order that the
+its window (1F1B keeps at most S - s micro-batches in flight on stage s). With
+`sequences`, each (pipeline, stage) also runs its ops in a fixed order (`stage_sequences`:
+1F1B with a chosen warm-up), and the scheduler only decides how a node interleaves its
+stages' sequences. Ties between ready ops go to the lowest priority key. The result is a per-node order that the
 evaluator reproduces exactly (the list schedule never delays an op it could start).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from nereus.solver.pipeline.model import Instance
+from nereus.solver.pipeline.model import Instance, OpKey, OpKind, Pipeline
 
 PriorityKey = Callable[[int], tuple[float, ...]]
 
@@ -53,11 +55,50 @@ def rule_key(inst: Instance, rule: GreedyRule) -> PriorityKey:
     return key
 
 
+def stage_sequences(inst: Instance, extra: Mapping[str, int]) -> list[list[int]]:
+    """Per (pipeline, stage): its forwards and backwards in 1F1B order with a warm-up of
+    min(m, S - s + extra[model]) forwards (then one backward, one forward, ...), and its
+    weight gradients (split backwards) in micro-batch order as a sequence of their own.
+
+    The warm-ups do not grow with the stage, so the sequences of one pipeline never wait on
+    each other in a cycle: list scheduling under them cannot deadlock. Stage s then holds at
+    most its warm-up in flight, so `extra` is the memory a model may spend beyond 1F1B.
+    """
+    sequences = []
+    for pipeline in inst.problem.pipelines:
+        model, m = pipeline.model, len(pipeline.microbatches)
+        for stage in range(model.num_stages):
+            warmup = max(1, min(m, model.num_stages - stage + extra.get(model.name, 0)))
+            forwards, backwards = _stage_ops(inst, pipeline, stage, "F"), _stage_ops(inst, pipeline, stage, "B")
+            sequence = forwards[:warmup]
+            for i, backward in enumerate(backwards):
+                sequence += [backward, *forwards[i + warmup : i + warmup + 1]]
+            sequences.append(sequence)
+            if model.weight_grad:
+                sequences.append(_stage_ops(inst, pipeline, stage, "W"))
+    return sequences
+
+
+def _stage_ops(inst: Instance, pipeline: Pipeline, stage: int, kind: OpKind) -> list[int]:
+    """The ops of one kind of a pipeline's stage, in micro-batch order."""
+    model, replica = pipeline.model.name, pipeline.replica
+    return [inst.index[OpKey(model, replica, mb, stage, kind)] for mb in pipeline.microbatches]
+
+
 def list_schedule(
-    inst: Instance, key: PriorityKey, limits: Sequence[int] | None = None, cap: float | None = None
+    inst: Instance,
+    key: PriorityKey,
+    limits: Sequence[int] | None = None,
+    cap: float | None = None,
+    sequences: Sequence[Sequence[int]] | None = None,
 ) -> list[list[int]] | None:
-    """Per-node orders from list scheduling, or None when the cap or windows block every node."""
+    """Per-node orders from list scheduling, or None when the cap or windows block every node.
+
+    With `sequences` (every op in exactly one), an op is ready only once the ops before it
+    in its sequence have started.
+    """
     n_nodes = inst.problem.num_nodes
+    gate = None if sequences is None else _Sequences(inst.num_ops, sequences)
     remaining = [len(p) for p in inst.preds]
     ready_at = [0.0] * inst.num_ops
     pending: list[list[int]] = [[] for _ in range(n_nodes)]
@@ -75,9 +116,11 @@ def list_schedule(
         for node in range(n_nodes):
             if free_at[node] > now:
                 continue
-            op = _pick(inst, pending[node], keys, ready_at, now, limits, in_flight, held[node], cap)
+            op = _pick(inst, pending[node], keys, ready_at, now, limits, in_flight, held[node], cap, gate)
             if op < 0:
                 continue
+            if gate is not None:
+                gate.started(op)
             pending[node].remove(op)
             orders[node].append(op)
             scheduled += 1
@@ -107,10 +150,11 @@ def _pick(
     in_flight: dict[tuple[int, int], int],
     held: float,
     cap: float | None,
+    gate: _Sequences | None = None,
 ) -> int:
     best, best_key = -1, None
     for op in candidates:
-        if ready_at[op] > now:
+        if ready_at[op] > now or (gate is not None and not gate.is_next(op)):
             continue
         grow = inst.memory_delta[op]
         if grow > 0:
@@ -147,3 +191,20 @@ def _finish(
             pending[inst.node[succ]].append(succ)
             if lat > 0:
                 heapq.heappush(events, (ready_at[succ], -1))
+
+
+class _Sequences:
+    """Which op of each sequence may start next."""
+
+    def __init__(self, num_ops: int, sequences: Sequence[Sequence[int]]) -> None:
+        self.sequence_of, self.position = [0] * num_ops, [0] * num_ops
+        for q, sequence in enumerate(sequences):
+            for i, op in enumerate(sequence):
+                self.sequence_of[op], self.position[op] = q, i
+        self.head = [0] * len(sequences)
+
+    def is_next(self, op: int) -> bool:
+        return self.head[self.sequence_of[op]] == self.position[op]
+
+    def started(self, op: int) -> None:
+        self.head[self.sequence_of[op]] += 1

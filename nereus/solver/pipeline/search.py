@@ -42,7 +42,7 @@ from nereus.solver.pipeline.bounds import (
     memory_bound_at,
 )
 from nereus.solver.pipeline.evaluate import Evaluation, evaluate, peak_memory, resimulate, simulate
-from nereus.solver.pipeline.greedy import GreedyRule, list_schedule, rule_key, window_limits
+from nereus.solver.pipeline.greedy import GreedyRule, list_schedule, rule_key, stage_sequences, window_limits
 from nereus.solver.pipeline.improve import forward_backward
 from nereus.solver.pipeline.model import Instance, ModelTimes, Problem, build_instance, fused_problem
 
@@ -132,6 +132,9 @@ class FusedResult:
     """The lean starts (`lean_starts`): what holding less costs in makespan."""
     windows: tuple[int, int, float] = (0, 0, 0.0)
     """Peak windows solved, kept, and the peak before them (`window.lower_peak`)."""
+    endgame: tuple[int, float] | None = None
+    """When a lean start brought to the makespan won (`_lean_endgame`): its try and the
+    peak of the annealing's schedule it replaced."""
 
 
 #: Activation caps the greedy tries, as multiples of the memory bound (memory at no latency cost).
@@ -205,6 +208,63 @@ def lean_starts(inst: Instance, names: tuple[str, str]) -> list[LeanStart]:
 #: Above this many ops, lean starts improve only the fastest list schedule per cap (the
 #: forward-backward passes take seconds there).
 LEAN_ALL_RULES_OPS = 1000
+
+
+#: Share of the time limit that builds the sequenced starts (with `max_iterations`, none:
+#: their count would depend on time). They belong to the memory phase's share.
+SEQUENCE_SHARE = 0.25
+#: The annealing keeps at least this share of the time limit.
+MIN_ANNEAL_SHARE = 0.1
+#: Extra warm-up forwards per model over 1F1B's S - s that the sequenced starts try.
+SEQUENCE_EXTRAS = (0, 1, 2, 3, 4, 6, 8)
+
+
+def sequence_grid(names: tuple[str, str]) -> list[dict[str, int]]:
+    """The (actor, critic) extra warm-ups of the sequenced starts, least extra memory first."""
+    pairs = sorted(itertools.product(SEQUENCE_EXTRAS, repeat=2), key=lambda p: (p[0] + p[1], max(p)))
+    return [{names[0]: a, names[1]: c} for a, c in pairs]
+
+
+def sequenced_starts(
+    inst: Instance, names: tuple[str, str], seconds: float, part: int = 0, parts: int = 1
+) -> list[LeanStart]:
+    """Interleaved 1F1B of every pipeline: each (pipeline, stage) runs 1F1B with a few extra
+    warm-up forwards (`greedy.stage_sequences`, `sequence_grid`), list scheduling interleaves
+    the stages of a node (the second model first, or the first), and
+    forward-backward passes capped at the schedule's own peak shorten it. Lean by
+    construction (a stage holds at most its warm-up), often within a fraction of a percent
+    of the fastest schedule. Extras grow until `seconds` are spent or a start reaches the
+    latency lower bound (more warm-up only costs memory then); LeanStart.cap is the peak.
+    With `parts`, only every parts-th grid point from `part` (for parallel workers)."""
+    began = time.perf_counter()
+    user_cap = inst.problem.activation_cap
+    bound = lower_bounds(inst).latency
+    keys = [rule_key(inst, GreedyRule("seq", order, False)) for order in (names[::-1], names)]
+    starts: list[LeanStart] = []
+    for extra in sequence_grid(names)[part::parts]:
+        sequences = stage_sequences(inst, extra)
+        for key in keys:
+            if time.perf_counter() - began > seconds and starts:
+                return starts
+            orders = list_schedule(inst, key, cap=user_cap, sequences=sequences)
+            if orders is None:
+                continue
+            peak = max(peak_memory(inst, orders))
+            orders, makespan = forward_backward(inst, orders, cap=peak)
+            starts.append(LeanStart(peak, orders, makespan, max(peak_memory(inst, orders))))
+            if makespan <= bound * (1 + RELATIVE_EPS):
+                return starts
+    return starts
+
+
+def parallel_sequenced_starts(inst: Instance, names: tuple[str, str], seconds: float) -> list[LeanStart]:
+    """`sequenced_starts` with the grid split over one process per CPU (two at most)."""
+    workers = max(1, min(2, os.cpu_count() or 1))
+    if workers == 1 or seconds <= 0:
+        return sequenced_starts(inst, names, seconds)
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(sequenced_starts, inst, names, seconds, part, workers) for part in range(workers)]
+        return [start for future in futures for start in future.result()]
 
 
 def _makespan(inst: Instance, orders: Orders) -> float:
@@ -787,6 +847,43 @@ def _window_seconds(config: SearchConfig) -> float:
     return config.time_limit_s * config.window_share
 
 
+#: Share of the peak windows' time that first tries to bring lean starts to the best makespan.
+ENDGAME_SHARE = 0.8
+#: Lean starts at most this much slower (relative) than the best makespan are tried ...
+ENDGAME_SLACK = 0.005
+#: ... this many of them at most.
+ENDGAME_TRIES = 2
+#: Relative makespan gaps within one step count as alike when the starts are ordered.
+ENDGAME_STEP = 0.001
+
+
+def _lean_endgame(
+    inst: Instance, orders: Orders, makespan: float, lean: Sequence[LeanStart], seconds: float
+) -> tuple[Orders, tuple[int, float] | None]:
+    """The best schedule, or a lean start brought to its makespan by re-sequencing its last
+    ops with CP-SAT (`window.meet_makespan`) when that holds less: the leanest few starts
+    within ENDGAME_SLACK of `makespan` and under the schedule's peak are tried in turn, each
+    with what is left of `seconds` shared over the tries left. Also returns (tries, the peak
+    before) when a start won."""
+    from nereus.solver.pipeline.window import meet_makespan
+
+    began = time.perf_counter()
+    peak = peak_memory_max(inst, orders)
+    near = [s for s in lean if s.peak < peak * (1 - RELATIVE_EPS) and s.makespan <= makespan * (1 + ENDGAME_SLACK)]
+    # Nearest the makespan first (in steps of ENDGAME_STEP), then least memory: CP-SAT closes
+    # a small gap far more often than a large one.
+    tries = sorted(near, key=lambda s: (round((s.makespan / makespan - 1) / ENDGAME_STEP), s.peak))[:ENDGAME_TRIES]
+    for n, start in enumerate(tries):
+        left = seconds - (time.perf_counter() - began)
+        if left <= 0.1:
+            break
+        workers = min(2, os.cpu_count() or 1)
+        found = meet_makespan(inst, start.orders, makespan, left / (len(tries) - n), workers=workers)
+        if found is not None and peak_memory_max(inst, found) < peak * (1 - RELATIVE_EPS):
+            return found, (n + 1, peak)
+    return orders, None
+
+
 def peak_memory_max(inst: Instance, orders: Orders) -> float:
     return max(peak_memory(inst, orders), default=0.0)
 
@@ -810,11 +907,19 @@ def search_fused(
     bounds = lower_bounds(inst)
     (rule, _, greedy_eval), starts = starting_schedules(inst, (actor.name, critic.name))
     lean = lean_starts(inst, (actor.name, critic.name))
-    if activation_cap is not None:  # under a cap the lean starts are often the fastest ones
-        starts += [(f"lean, cap {start.cap:g}", start.orders, evaluate(inst, start.orders)) for start in lean]
-        starts.sort(key=lambda s: (s[2].makespan, s[2].max_peak_memory))
+    sequence_s = 0.0 if config.max_iterations is not None else config.time_limit_s * SEQUENCE_SHARE
+    began = time.perf_counter()
+    sequenced = parallel_sequenced_starts(inst, (actor.name, critic.name), sequence_s)
+    sequence_s = time.perf_counter() - began
+    lean += sequenced
+    # Under a cap the lean starts are often the fastest ones; sequenced starts sometimes are.
+    extra = lean if activation_cap is not None else sequenced
+    starts += [(f"lean, cap {start.cap:g}", start.orders, evaluate(inst, start.orders)) for start in extra]
+    starts.sort(key=lambda s: (s[2].makespan, s[2].max_peak_memory))
     window_s = _window_seconds(config)
-    annealing = replace(config, time_limit_s=config.time_limit_s - window_s)
+    # The sequenced starts belong to the memory phase's share: the annealing has what is left.
+    anneal_s = max(config.time_limit_s * MIN_ANNEAL_SHARE, config.time_limit_s - window_s - sequence_s)
+    annealing = replace(config, time_limit_s=anneal_s)
     outcomes = _run_seeds(inst, starts, lean, annealing, bounds, progress, window_s)
     # The annealing keeps a start unless it improves it; makespans within RELATIVE_EPS tie
     # (float sums in another order), and ties go to the least memory.
@@ -824,11 +929,15 @@ def search_fused(
     fastest = min(makespan for makespan, _, _ in candidates)
     _, _, orders = min((c for c in candidates if c[0] <= fastest * (1 + RELATIVE_EPS)), key=lambda c: c[1])
     windows = (0, 0, peak_memory_max(inst, orders))
+    endgame: tuple[int, float] | None = None
     if window_s > 0:
         from nereus.solver.pipeline.window import lower_peak
 
         floor = max(bounds.memory, memory_bound_at(inst, fastest))
-        lowered = lower_peak(inst, orders, window_s, target=floor, workers=min(2, os.cpu_count() or 1))
+        began = time.perf_counter()
+        orders, endgame = _lean_endgame(inst, orders, fastest, lean, window_s * ENDGAME_SHARE)
+        left = window_s - (time.perf_counter() - began)
+        lowered = lower_peak(inst, orders, left, target=floor, workers=min(2, os.cpu_count() or 1))
         orders, windows = lowered.orders, (lowered.windows, lowered.kept, windows[2])
     final = evaluate(inst, orders)
     assert final.ok, (final.violations, final.deadlocked)
@@ -848,4 +957,5 @@ def search_fused(
         per_seed=[(o.seed, o.makespan, o.peak) for o in outcomes],
         lean=lean,
         windows=windows,
+        endgame=endgame,
     )
