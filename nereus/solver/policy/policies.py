@@ -126,8 +126,10 @@ class AdaptationPolicy(ABC):
         return self._runnable(plans, observation)
 
     def _runnable(self, plans: list[Plan | None], observation: Observation) -> list[Plan]:
+        """The memory-feasible plans of `plans`: those the runtime runs first, fastest first."""
         timed = [(t, k, p) for k, p in enumerate(plans) if p is not None and (t := self._step_time(p, observation))]
-        return [p for _, _, p in sorted(timed, key=lambda x: (x[0], x[1]))]
+        ordered = sorted(timed, key=lambda x: (not self.replanner.runs(x[2]), x[0], x[1]))
+        return [p for _, _, p in ordered]
 
     def _urgent(self, observation: Observation, triggers: tuple[str, ...], urgency: str) -> Decision:
         candidates = self._urgent_candidates(observation)
@@ -141,7 +143,8 @@ class AdaptationPolicy(ABC):
         options = [option for target in candidates for option in self._urgent_options(observation, target, horizon)]
         # Profitability is waived (the plan must change), but among the ways to change, pick the
         # one with the least expected time over the horizon: steps plus the move itself.
-        action, target, cost, _ = min(options, key=lambda option: option[3])
+        # A move the runtime runs beats one it would refuse (taken only when nothing else fits).
+        action, target, cost, _ = min(options, key=lambda option: (not self.replanner.runs(option[1]), option[3]))
         how = "moving by a checked transition DAG" if action == "transition" else (
             "checkpoint and restart (no DAG passes, or it is slower)" if self.plan is not None
             else "resuming from the checkpoint"
@@ -197,6 +200,8 @@ class AdaptationPolicy(ABC):
         assert self.plan is not None
         if target is None or plan_key(target) == plan_key(self.plan):
             return self._keep(observation, "the running plan is still the best", triggers)
+        if not self.replanner.runs(target):  # the running plan is valid: no move the runtime refuses
+            return self._keep(observation, "no replanned plan the runtime runs", triggers)
         current_time, target_time = self._step_time(self.plan, observation), self._step_time(target, observation)
         assert current_time is not None and target_time is not None
         verdict: TransitionVerdict = self.replanner.transition(self.plan, target)
