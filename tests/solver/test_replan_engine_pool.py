@@ -142,3 +142,18 @@ def test_the_oracle_chooses_only_plans_the_capacity_lets_run(plans: dict[str, Pl
     result = oracle_bound(times, allowed, {8: 3, 256: 3})
     assert result["best_per_length"] == {8: "fixed", 256: "c1"}
     assert result["bound"] == pytest.approx(1 - (1.0 + 8.0) / (1.0 + 10.0))
+
+
+def test_a_violation_only_within_the_growth_margin_keeps_a_plan_no_move_beats(plans: dict[str, Plan]) -> None:
+    """The running plan fits the measured 256 tokens, not 256 plus the margin: moving to a plan
+    sized for a length the run has not reached is weighed against keeping it, and ties keep."""
+    replanner = rule(plans["initial"], Calibration())
+    running = replanner.refit(plans["initial"], 2, lengths(128), 1.0)
+    assert running is not None
+    assert replanner.step_time(running, lengths(256), 1.0) is not None
+    assert replanner.step_time(running, replanner.rounded_lengths(lengths(256)), 1.0) is None
+    policy = NereusPolicy(running, replanner)
+    observation = Observation(step=16, gpus=2, response_len=lengths(256), steps_remaining=2)
+    decision = policy._replan(observation, ("seq_len +33%",), payback=True)
+    assert decision.action == "keep" and "no move is predicted faster over the horizon" in decision.reason
+    assert policy.plan is running
