@@ -148,6 +148,16 @@ def summarise(policy: str, out: Path) -> dict[str, Any]:
     ]
     decisions = [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()]
     plans = [d["decision"]["target_layout"] for d in decisions if d["decision"]["action"] in ("transition", "restart")]
+    # Every move the policy decided (forced or voluntary), with its reason and what it was priced at.
+    decided = [
+        {
+            "step": d["decision"]["step"],
+            **{k: d["decision"][k] for k in ("action", "path", "reason", "transition_cost_s", "savings_per_step_s")},
+            "runtime": d.get("runtime"),
+        }
+        for d in decisions
+        if d["decision"]["action"] != "keep"
+    ]
     moved_s = sum(m["seconds"] for m in moves)
     return {
         "policy": policy,
@@ -158,6 +168,7 @@ def summarise(policy: str, out: Path) -> dict[str, Any]:
         "transitions": moves,
         "transition_share": moved_s / wall,
         "targets": plans,
+        "decisions": decided,
         "response_len_max": [r["response_len_max"] for r in records],
         "step_seconds": [r["step_seconds"] for r in records],
         "predicted_step_seconds": [r["predicted_step_seconds"] for r in records],

@@ -186,13 +186,19 @@ class Controller:
         num_ranks: int,
         calibration: Calibration,
     ) -> None:
-        self.replanner = Replanner(plan, calibration=calibration, choices=RUNTIME_CHOICES)
-        self.policy = make_policy(policy, plan, self.replanner)
-        self.conditions: list[Conditions] = list(trace_conditions(trace))
         self.plan = plan
         self.config = config
         self.num_steps = num_steps
         self.num_ranks = num_ranks
+        # Plans are priced with generation in the KV pool the runtime's engine gives them, as
+        # each step is predicted and the online calibration fits (one rule, `with_engine_budget`),
+        # and only plans the runtime runs are proposed.
+        engineless = engineless_stages(plan, config)
+        self.replanner = Replanner(
+            plan, calibration=calibration, choices=RUNTIME_CHOICES, engineless=engineless, refuses=self.refusal
+        )
+        self.policy = make_policy(policy, plan, self.replanner)
+        self.conditions: list[Conditions] = list(trace_conditions(trace))
         self.log_path = out / DECISIONS_NAME
         self.lengths = plan.workload.response_len
         self.efficiency = 1.0
@@ -200,6 +206,15 @@ class Controller:
         self.ratios: deque[float] = deque(maxlen=EFFICIENCY_WINDOW)
         self.recalibrated = False
         """The replanner took a new calibration since the last decision."""
+
+    def refusal(self, plan: Plan) -> list[str]:
+        """Why the runtime would refuse to move to `plan` (`decide` checks its target the same way)."""
+        return plan_problems(self.runnable(plan), self.num_ranks, self.config)
+
+    def runnable(self, plan: Plan) -> Plan:
+        """`plan` as the run would execute it: the policy sizes plans for measured lengths, the run
+        keeps its workload's batch shapes and its fusion block."""
+        return plan.model_copy(update={"workload": self.plan.workload, "fusion": self.plan.fusion})
 
     def state(self) -> ControllerState:
         """The controller as data (`restore` puts it back)."""
@@ -281,9 +296,9 @@ class Controller:
             raise NereusError(f"step {step}: {decision.reason}; no plan fits the GPUs left, the run stops")
         if decision.action in ("transition", "restart"):
             assert self.policy.plan is not None
-            # The policy sizes plans for measured lengths; the run keeps its workload's batch
-            # shapes and its fusion block (a target fusion cannot run is refused below).
-            target = self.policy.plan.model_copy(update={"workload": self.plan.workload, "fusion": self.plan.fusion})
+            # The replanner proposes only plans this check passes; it stays for what it cannot
+            # see (a restored policy's plan).
+            target = self.runnable(self.policy.plan)
             problems = plan_problems(target, self.num_ranks, self.config)
             if problems:  # a layout the engine cannot run: keep the current plan, say why
                 refusal = f"runtime refused the target plan: {problems[0]}"

@@ -126,10 +126,16 @@ class AdaptationPolicy(ABC):
         return self._runnable(plans, observation)
 
     def _runnable(self, plans: list[Plan | None], observation: Observation) -> list[Plan]:
+        """The memory-feasible plans of `plans`: those the runtime runs first, fastest first."""
         timed = [(t, k, p) for k, p in enumerate(plans) if p is not None and (t := self._step_time(p, observation))]
-        return [p for _, _, p in sorted(timed, key=lambda x: (x[0], x[1]))]
+        ordered = sorted(timed, key=lambda x: (not self.replanner.runs(x[2]), x[0], x[1]))
+        return [p for _, _, p in ordered]
 
-    def _urgent(self, observation: Observation, triggers: tuple[str, ...], urgency: str) -> Decision:
+    def _urgent(
+        self, observation: Observation, triggers: tuple[str, ...], urgency: str, *, may_keep: bool = False
+    ) -> Decision:
+        """Move off the running plan (`may_keep`: it still runs the measured lengths, and keeping
+        it is one more option, taken when it has the least expected time over the horizon)."""
         candidates = self._urgent_candidates(observation)
         if not candidates:
             return self._decision(
@@ -139,9 +145,17 @@ class AdaptationPolicy(ABC):
         current_time = self._step_time(self.plan, observation) if self.plan is not None else None
         horizon = self.monitor.horizon(observation)
         options = [option for target in candidates for option in self._urgent_options(observation, target, horizon)]
+        if may_keep and self.plan is not None and current_time is not None:
+            options.insert(0, ("keep", self.plan, 0.0, current_time * max(horizon, 1.0)))  # first: ties keep
         # Profitability is waived (the plan must change), but among the ways to change, pick the
         # one with the least expected time over the horizon: steps plus the move itself.
-        action, target, cost, _ = min(options, key=lambda option: option[3])
+        # A move the runtime runs beats one it would refuse (taken only when nothing else fits).
+        action, target, cost, _ = min(options, key=lambda option: (not self.replanner.runs(option[1]), option[3]))
+        if action == "keep":
+            reason = f"{urgency}, but it runs the measured lengths and no move is predicted faster over the horizon"
+            return self._keep(
+                observation, reason, triggers, current_step_time_s=current_time, payback_horizon_steps=horizon
+            )
         how = "moving by a checked transition DAG" if action == "transition" else (
             "checkpoint and restart (no DAG passes, or it is slower)" if self.plan is not None
             else "resuming from the checkpoint"
@@ -183,10 +197,10 @@ class AdaptationPolicy(ABC):
         assert self.plan is not None
         planned = self.replanner.rounded_lengths(observation.response_len)
         if self.replanner.step_time(self.plan, planned, observation.efficiency) is None:
-            margin = self.config.growth_margin
-            return self._urgent(
-                observation, triggers, f"predicted memory violation within the {margin:.0%} growth margin"
-            )
+            # A violation the lengths have not reached: moving is weighed against keeping the plan
+            # (a plan sized for a length the run never reaches must not cost steps until then).
+            reason = f"predicted memory violation within the {self.config.growth_margin:.0%} growth margin"
+            return self._urgent(observation, triggers, reason, may_keep=True)
         target = self.replanner.best_plan(observation.gpus, observation.response_len, observation.efficiency)
         return self._switch_if_faster(observation, triggers, target, payback=payback)
 
@@ -197,6 +211,8 @@ class AdaptationPolicy(ABC):
         assert self.plan is not None
         if target is None or plan_key(target) == plan_key(self.plan):
             return self._keep(observation, "the running plan is still the best", triggers)
+        if not self.replanner.runs(target):  # the running plan is valid: no move the runtime refuses
+            return self._keep(observation, "no replanned plan the runtime runs", triggers)
         current_time, target_time = self._step_time(self.plan, observation), self._step_time(target, observation)
         assert current_time is not None and target_time is not None
         verdict: TransitionVerdict = self.replanner.transition(self.plan, target)

@@ -8,9 +8,11 @@ grid, efficiency rounded down), evaluations by (plan, exact conditions), transit
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nereus.cost.calibration import Calibration
+from nereus.cost.fit import with_engine_budget
 from nereus.cost.plan_cost import PlanEvaluation, evaluate_plan, one_sequence_bytes
 from nereus.errors import NereusError
 from nereus.solver.layouts import MemoryChoices
@@ -26,6 +28,8 @@ from nereus.spec.workload import ResponseLengths, Workload
 
 PlanKey = tuple[object, ...]
 SHORT_STAGE = {"generation": "gen", "inference": "inf", "training": "train"}
+#: Share of a GPU's memory a refit's KV budget stays below the usable limit (rounding slack).
+SMALLER_WAVES_MARGIN = 0.001
 
 
 def plan_key(plan: Plan) -> PlanKey:
@@ -97,6 +101,17 @@ class Replanner:
     calibration: Calibration = field(default_factory=Calibration)
     choices: MemoryChoices = field(default_factory=MemoryChoices)
     """The memory-saving choices replanned plans may use (RUNTIME_CHOICES inside `nereus run`)."""
+    engineless: tuple[str, ...] | None = None
+    """For plans nereus's runtime runs: its model-stages that run no engine (a rule-scored
+    reward). Every plan is then priced and checked with actor/generation in the KV pool the
+    engine will give it (`nereus.cost.fit.with_engine_budget`: in waves when that pool cannot
+    hold the replica's batch), as `nereus fit`, the online calibration and the per-step
+    prediction price it. None: as planned (unbounded unless the plan sets a KV budget)."""
+    refuses: Callable[[Plan], list[str]] | None = None
+    """Why the runtime cannot run a plan (`nereus run`'s own check of a target plan). The policies
+    move to plans it refuses only when no other plan fits (the runtime then keeps its plan), so
+    the next best plan is taken rather than a refused move. None: no such check."""
+    _runs: dict[PlanKey, bool] = field(default_factory=dict, repr=False)
     num_searches: int = 0
     _plans: dict[tuple[object, ...], list[Plan]] = field(default_factory=dict, repr=False)
     _times: dict[tuple[object, ...], float | None] = field(default_factory=dict, repr=False)
@@ -120,12 +135,13 @@ class Replanner:
         scaled = {name: min(1.0, getattr(c, name) * efficiency) for name in ("gemm", "attention", "decode_memory")}
         return c.model_copy(update=scaled)
 
-    def rounded_lengths(self, lengths: ResponseLengths) -> ResponseLengths:
-        """The lengths plans are sized for: measured plus the growth margin, rounded up to the grid."""
-        ratio, margin = self.config.length_grid_ratio, 1.0 + self.config.growth_margin
+    def rounded_lengths(self, lengths: ResponseLengths, margin: bool = True) -> ResponseLengths:
+        """The lengths plans are sized for: measured plus the growth margin (`margin`), rounded up to the grid."""
+        ratio = self.config.length_grid_ratio
+        grow = 1.0 + self.config.growth_margin if margin else 1.0
 
         def up(tokens: int) -> int:
-            grown = tokens * margin
+            grown = tokens * grow
             return max(tokens, math.ceil(ratio ** math.ceil(math.log(grown) / math.log(ratio) - 1e-9)))
 
         return ResponseLengths(median=up(lengths.median), p99=up(lengths.p99), max=up(lengths.max))
@@ -151,10 +167,22 @@ class Replanner:
             self.num_searches += 1
             try:
                 result = make_plan(request, top_k=self.config.num_alternatives)
-                self._plans[key] = [result.best, *result.alternatives]
+                # Plans the runtime runs first (fastest first among each): a move it would refuse
+                # is proposed only when nothing else fits.
+                plans = [result.best, *result.alternatives]
+                self._plans[key] = sorted(plans, key=lambda p: not self.runs(p))
             except NereusError:
                 self._plans[key] = []
         return self._plans[key]
+
+    def runs(self, plan: Plan) -> bool:
+        """Whether the runtime would run `plan` (always, without a `refuses` check; cached)."""
+        if self.refuses is None:
+            return True
+        key = plan_key(plan)
+        if key not in self._runs:
+            self._runs[key] = not self.refuses(plan)
+        return self._runs[key]
 
     def step_time(self, plan: Plan, lengths: ResponseLengths, efficiency: float) -> float | None:
         """Predicted step time of `plan` under these conditions; None when it overflows memory."""
@@ -165,8 +193,16 @@ class Replanner:
 
     def step_time_under(self, plan: Plan, lengths: ResponseLengths, calibration: Calibration) -> float | None:
         """`step_time` under another calibration (not cached)."""
-        evaluation = evaluate_plan(plan.model_copy(update={"workload": self.workload_for(lengths)}), calibration)
+        evaluation = self.evaluate(plan.model_copy(update={"workload": self.workload_for(lengths)}), calibration)
         return evaluation.predictions.step_time_s if evaluation.feasible else None
+
+    def evaluate(self, plan: Plan, calibration: Calibration) -> PlanEvaluation:
+        """The cost model's evaluation of `plan` (sized), generation in the engine's pool when
+        the plan is nereus's runtime's (`engineless` set). The memory rule stays the cost
+        model's: states, the KV the engine will hold and activations within the usable memory."""
+        if self.engineless is not None:
+            plan = with_engine_budget(plan, self.engineless)
+        return evaluate_plan(plan, calibration)
 
     def transition(self, plan_a: Plan, plan_b: Plan) -> TransitionVerdict:
         """Build, schedule and independently check the DAG from A to B (cached)."""
@@ -196,26 +232,31 @@ class Replanner:
         """Keep every tp/pp: scale dp to `gpus`, then split overflowing model-stages into more micro-batches.
 
         What a runtime does without changing layouts: DP scaling and smaller micro-batches.
-        Sized for the rounded-up lengths, like `best_plan`. None when memory still overflows.
+        Sized for the rounded-up lengths, like `best_plan`, or, when the layout cannot hold
+        those, for the measured lengths (on the grid): the margin is a guess at the growth, and
+        a layout that runs the lengths the steps have is kept. None when memory still overflows.
         """
-        rounded, eff = self.rounded_lengths(lengths), self.rounded_efficiency(efficiency)
-        key = (plan_key(plan), gpus, rounded.median, rounded.p99, rounded.max, eff)
-        if key not in self._refits:
-            self._refits[key] = self._refit(plan, gpus, self.workload_for(rounded), self.calibration_for(eff))
-        return self._refits[key]
+        eff = self.rounded_efficiency(efficiency)
+        for rounded in (self.rounded_lengths(lengths), self.rounded_lengths(lengths, margin=False)):
+            key = (plan_key(plan), gpus, rounded.median, rounded.p99, rounded.max, eff)
+            if key not in self._refits:
+                self._refits[key] = self._refit(plan, gpus, self.workload_for(rounded), self.calibration_for(eff))
+            if self._refits[key] is not None:
+                return self._refits[key]
+        return None
 
     def _refit(self, plan: Plan, gpus: int, workload: Workload, calibration: Calibration) -> Plan | None:
         candidate = self.dp_scaled(plan, gpus)
         while candidate is not None:
             sized = candidate.model_copy(update={"workload": workload})
-            evaluation = evaluate_plan(sized, calibration)
+            evaluation = self.evaluate(sized, calibration)
             if evaluation.feasible:
                 return candidate
             over = {m.split(" ", 1)[0] for m in evaluation.memory_problems}
             stages = [
                 _smaller_waves(sized, s, evaluation, calibration)
                 if s.stage == "generation"
-                else _more_micro_batches(s, workload)
+                else _more_micro_batches(s, workload, "full" in self.choices.recompute)
                 for s in candidate.stages
                 if s.model_stage in over
             ]
@@ -265,19 +306,23 @@ def _smaller_waves(
     prediction = evaluation.predictions.model_stages[entry.model_stage]
     limit = plan.cluster.gpu.memory_bytes * (1 - calibration.memory_headroom)
     kv = prediction.memory_breakdown_bytes.get("kv_cache", 0)
-    budget = math.floor(kv - (prediction.peak_memory_bytes - limit)) - 2**20  # a MiB below: integer byte counts
+    # Just below the limit (integer byte counts), by at most a MiB: a fixed MiB would take a
+    # large share of a small GPU's pool (8% of a 12.8 MiB emulated rank).
+    margin = min(2**20, math.ceil(plan.cluster.gpu.memory_bytes * SMALLER_WAVES_MARGIN))
+    budget = math.floor(kv - (prediction.peak_memory_bytes - limit)) - margin
     if budget < one_sequence_bytes(plan, entry, calibration):
         return None
     return entry.model_copy(update={"kv_budget_bytes": budget})
 
 
-def _more_micro_batches(entry: StagePlan, workload: Workload) -> StagePlan:
+def _more_micro_batches(entry: StagePlan, workload: Workload, recompute: bool) -> StagePlan:
     """Twice the micro-batches (half the activations), up to one sample each; then, in
-    training, activation recomputation (the layout stays); generation has one."""
+    training and where the choices allow it (`recompute`), activation recomputation (the
+    layout stays); generation has one. Unchanged when nothing is left to split."""
     if entry.stage == "generation":
         return entry
     share = _ceil_div(_samples(workload, entry), entry.dp)
-    if entry.micro_batches >= share and entry.stage == "training" and entry.recompute == "none":
+    if entry.micro_batches >= share and entry.stage == "training" and entry.recompute == "none" and recompute:
         return entry.model_copy(update={"recompute": "full"})
     return entry.model_copy(update={"micro_batches": min(share, entry.micro_batches * 2)})
 
