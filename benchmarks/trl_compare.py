@@ -6,7 +6,13 @@ group size, response cap, learning rate, KL coefficient, gradient clipping, loss
 aggregation and rule reward (`tasks.answer_score`). The model folder carries a `tokenizers`
 tokenizer over nereus's characters with the same ids (pad 0, bos 1, eos 2, the alphabet
 from 3), so both sides see the same tokens. TRL runs in one process on every core; nereus on
-1 rank and on 2 ranks (one thread each). TRL runs once more with one thread: on a loaded
+1 rank and on 2 ranks (one thread each), each run planned by `nereus run` itself for this
+machine as `nereus profile --quick` measures it (the profile's cluster is the RunConfig's
+`cluster:`): on the default H100 preset the planner lays 2 ranks out as two pools, the
+actor on one GPU and the reference on the other, since a GPU's per-launch overheads do not
+shrink with data parallelism; on a CPU the work is per row, and the measured machine's plan
+splits every model-stage's batch over both ranks (dp=2 on a shared pool). The table names
+each run's layout. TRL runs once more with one thread: on a loaded
 machine a multi-threaded torch op waits for its other thread to be scheduled, which the
 one-thread run shows apart from the trainer's own cost. The runs alternate (TRL, TRL one
 thread, nereus 1 rank, nereus 2 ranks, and again per round), so the machine's load falls on
@@ -49,7 +55,8 @@ RUNNERS = ("trl", "trl-1thread", "nereus-1", "nereus-2")
 SETTINGS = (
     f"settings: {PROMPTS} prompts x {GROUP} samples, <= {MAX_NEW_TOKENS} new tokens, lr {LR}, KL {KL} (k3, in the "
     f"loss), clip {CLIP}, token-mean loss, fp32, one update per batch; TRL: gradient checkpointing off (nereus "
-    "recomputes nothing), no saving, no vLLM; nereus: online calibration off, one checkpoint at the end"
+    "recomputes nothing), no saving, no vLLM; nereus: planned for this machine (`nereus profile --quick`), "
+    "online calibration off, one checkpoint at the end"
 )
 
 
@@ -136,8 +143,31 @@ def run_trl(folder: Path, num_steps: int, work: Path, threads: int) -> dict[str,
     return {"runner": runner, "step_ends": [end - start for end in ends], "step_cpu": cpu, "rewards": rewards}
 
 
-def run_nereus(folder: Path, num_steps: int, num_ranks: int, work: Path) -> dict[str, Any]:
-    """`nereus run` of the same recipe on `num_ranks` ranks (planned for them from the folder)."""
+def measured_cluster(folder: Path, work: Path, num_ranks: int) -> Path:
+    """This machine as `nereus profile --quick --nproc num_ranks` measures it (the model's
+    layer shapes), written as the Cluster YAML a self-planned run is laid out for."""
+    from nereus.cost.profile import cluster_from_profile
+    from nereus.runtime.hf.run_setup import hf_weights
+    from nereus.runtime.profiling import ProfileConfig, run_profile
+    from nereus.spec.io import save_document
+
+    measured = run_profile(ProfileConfig((hf_weights(folder).model,), num_ranks=num_ranks, quick=True))
+    where = work / "cluster.yaml"
+    save_document(cluster_from_profile(measured, "the benchmark's profile"), where)
+    return where
+
+
+def layout(plan: Any) -> str:
+    """A plan's placement in one line: each model-stage's dp x tp x pp and its GPUs."""
+    return ", ".join(
+        f"{entry.model_stage} dp{entry.dp} tp{entry.tp} pp{entry.pp} on {sorted({g for e in entry.emus for g in e})}"
+        for entry in plan.stages
+    )
+
+
+def run_nereus(folder: Path, num_steps: int, num_ranks: int, work: Path, cluster: Path) -> dict[str, Any]:
+    """`nereus run` of the same recipe on `num_ranks` ranks, planned for them from the folder
+    on `cluster` (the measured machine)."""
     from nereus.runtime.rl.run import launch
     from nereus.runtime.rl.setup import new_run
 
@@ -150,6 +180,7 @@ def run_nereus(folder: Path, num_steps: int, num_ranks: int, work: Path) -> dict
     rl = {"task": "sort", "seed": SEED, "actor_lr": LR, "kl_loss_coef": KL, "grad_clip": CLIP}
     rl.update(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, loss_agg_mode="token-mean")
     config = {"kind": "RunConfig", "version": 1, "model": str(folder), "workload": "workload.yaml", "rl": rl}
+    config["cluster"] = str(cluster)
     config.update(num_steps=num_steps, checkpoint_every=num_steps, online_calibration=False)
     run_folder = work / f"nereus-{num_ranks}"
     (run_folder.parent / "workload.yaml").write_text(json.dumps(workload))
@@ -158,7 +189,8 @@ def run_nereus(folder: Path, num_steps: int, num_ranks: int, work: Path) -> dict
     cpu: list[float] = []
     records = launch(setup, on_step=lambda _: cpu.append(ranks_cpu_seconds()))
     ends, rewards = step_ends(run_folder), [r.reward for r in records]
-    return {"runner": f"nereus-{num_ranks}", "step_ends": ends, "step_cpu": cpu, "rewards": rewards}
+    run = {"runner": f"nereus-{num_ranks}", "step_ends": ends, "step_cpu": cpu, "rewards": rewards}
+    return {**run, "layout": layout(setup.plan)}
 
 
 def ranks_cpu_seconds() -> float:
@@ -204,6 +236,7 @@ def summary(run: dict[str, Any]) -> dict[str, Any]:
         "reward_first": statistics.mean(run["rewards"][:REWARD_STEPS]),
         "reward_last": statistics.mean(run["rewards"][-REWARD_STEPS:]),
         "rewards": run["rewards"],
+        **({"layout": run["layout"]} if "layout" in run else {}),
     }
 
 
@@ -220,6 +253,8 @@ def print_table(by_runner: dict[str, list[dict[str, Any]]], medians: dict[str, f
         row = f"{name:<12}{medians[name]:>9.3f}{speedup:>7.2f}x{cpu[name]:>12.3f}{first:>16.3f}{last:>15.3f}"
         print(f"{row}{load:>7.1f}")
     print(SETTINGS)
+    for name, plans in layouts(by_runner).items():
+        print(f"{name} layout{'s' if len(plans) > 1 else ''}: {'; '.join(plans)}")
     slower = max(medians["nereus-1"], medians["nereus-2"])
     print(
         f"nereus is {medians['trl'] / slower:.2f}x faster per step than TRL on {cores} cores "
@@ -228,6 +263,12 @@ def print_table(by_runner: dict[str, list[dict[str, Any]]], medians: dict[str, f
         f"at each run's start and end, averaged); CPU seconds per step, nereus 1 rank against TRL on one "
         f"thread: {cpu['trl-1thread'] / cpu['nereus-1']:.2f}x fewer"
     )
+
+
+def layouts(by_runner: dict[str, list[dict[str, Any]]]) -> dict[str, list[str]]:
+    """The distinct layouts each nereus runner ran under (one, unless a round planned otherwise)."""
+    found = {name: [run["layout"] for run in group if "layout" in run] for name, group in by_runner.items()}
+    return {name: list(dict.fromkeys(plans)) for name, plans in found.items() if plans}
 
 
 def main() -> None:
@@ -241,6 +282,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="trl-compare-") as folder:
         work = Path(folder)
         model = make_model(work / "model")
+        cluster = measured_cluster(model, work, max(int(r[-1]) for r in RUNNERS if r.startswith("nereus")))
         for round_ in range(args.rounds):
             for runner in RUNNERS:
                 place = work / f"round-{round_}"
@@ -249,7 +291,7 @@ def main() -> None:
                 if runner.startswith("trl"):
                     run = run_trl(model, args.steps, place, 1 if runner == "trl-1thread" else cores)
                 else:
-                    run = run_nereus(model, args.steps, int(runner[-1]), place)
+                    run = run_nereus(model, args.steps, int(runner[-1]), place, cluster)
                 runs.append({**summary(run), "round": round_, "load": [load_before, os.getloadavg()[0]]})
                 print(f"round {round_} {runner}: {runs[-1]['median_step_s']:.3f} s/step", flush=True)
     by_runner = {name: [run for run in runs if run["runner"] == name] for name in RUNNERS}
@@ -258,7 +300,7 @@ def main() -> None:
     recipe = {"prompts": PROMPTS, "group": GROUP, "max_new_tokens": MAX_NEW_TOKENS, "lr": LR, "kl": KL, "clip": CLIP}
     cpu = {name: statistics.median(run["cpu_step_s"] for run in group) for name, group in by_runner.items()}
     payload = {"recipe": recipe, "steps": args.steps, "rounds": args.rounds, "median_step_s": medians}
-    payload.update(median_cpu_step_s=cpu, settings=SETTINGS, runs=runs)
+    payload.update(median_cpu_step_s=cpu, settings=SETTINGS, layouts=layouts(by_runner), runs=runs)
     step_s = {name: [run["step_s"] for run in group] for name, group in by_runner.items()}
     write_result(RESULTS, payload, recording, {"step_s": step_s})
 

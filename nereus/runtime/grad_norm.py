@@ -11,6 +11,7 @@ The sum runs in float64, so layouts agree with a single rank to rounding.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -24,9 +25,20 @@ CLIP_EPS = 1e-6
 NORM_SLICE_ELEMENTS = 1 << 22
 
 
+#: `counted_params` of each live engine (its layout and parameters never change).
+_COUNTED: weakref.WeakKeyDictionary[Engine, list[str]] = weakref.WeakKeyDictionary()
+
+
 def counted_params(engine: Engine) -> list[str]:
     """The parameters of this rank whose gradient piece it counts in the replica's norm: of the
     ranks holding the same piece, only the lowest tensor rank on the first stage holding it."""
+    names = _COUNTED.get(engine)
+    if names is None:
+        names = _COUNTED[engine] = _counted_params(engine)
+    return names
+
+
+def _counted_params(engine: Engine) -> list[str]:
     groups, model = engine.groups, engine.model
     tp = groups.layout.tp
     names = []
@@ -44,8 +56,8 @@ def counted_params(engine: Engine) -> list[str]:
 def global_grad_norm(engine: Engine) -> float:
     """The L2 norm of the whole model's gradient, the same on every rank of the layout
     (collective over each replica's tensor and pipeline groups)."""
-    total = torch.zeros((), dtype=torch.float64, device=engine.device)
     groups = engine.groups
+    parts: list[torch.Tensor] = []
     for name in counted_params(engine):
         grad = engine.params[name].grad
         if grad is None:
@@ -57,8 +69,10 @@ def global_grad_norm(engine: Engine) -> float:
             continue
         # Slice by slice: the float64 copies stay bounded however large the tensor (an
         # embedding's whole-tensor copies would outgrow the model's own gradients).
-        for part in piece.detach().reshape(-1).split(NORM_SLICE_ELEMENTS):
-            total += part.double().pow(2).sum()
+        parts += piece.detach().reshape(-1).split(NORM_SLICE_ELEMENTS)
+    total = torch.zeros((), dtype=torch.float64, device=engine.device)
+    if parts:  # every slice's norm in float64 by one foreach call, then their squares summed
+        total += torch.stack(torch._foreach_norm(parts, 2, dtype=torch.float64)).square().sum()
     if engine.zero1:
         host_collectives.all_reduce(total, groups.dp_group)
     # Tensor ranks first (each stage's total on each of its ranks), then across the stages.
@@ -76,7 +90,6 @@ def clip_grad_norm(engine: Engine, max_norm: float | None) -> float:
     if max_norm is not None and norm > max_norm:
         scale = max_norm / (norm + CLIP_EPS)
         with torch.no_grad():
-            for param in engine.params.values():
-                if param.grad is not None:
-                    param.grad.mul_(scale)
+            grads = [param.grad for param in engine.params.values() if param.grad is not None]
+            torch._foreach_mul_(grads, scale)
     return norm

@@ -13,7 +13,7 @@ of it and a resume is bitwise.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -118,45 +118,54 @@ class AdamW:
         self.step_count += 1
         if pieces is None:
             pieces = ((name, p.grad, p) for name, p in self.params.items() if p.grad is not None)
+        for bucket in _buckets(self._slices(pieces), UPDATE_SLICE_ELEMENTS):
+            self._update_bucket(*(list(column) for column in zip(*bucket, strict=True)))
+
+    def _slices(self, pieces: Iterable[tuple[str, torch.Tensor, torch.Tensor]]) -> Iterator[_Slice]:
+        """Each piece's (gradient, target, exp_avg, exp_avg_sq, master or None) as flat
+        slices of at most UPDATE_SLICE_ELEMENTS (its moments made on its first update)."""
         for name, grad, target in pieces:
-            self._update(name, grad, target)
+            if name not in self.exp_avg:
+                self.exp_avg[name] = _zeros(target)
+                self.exp_avg_sq[name] = _zeros(target)
+            master = self.masters.get(name)
+            tensors = [grad, target, self.exp_avg[name], self.exp_avg_sq[name]]
+            flats = [t.view(-1) for t in tensors]
+            flat_master = master.view(-1) if master is not None else None
+            for start in range(0, flats[0].numel(), UPDATE_SLICE_ELEMENTS):
+                g, t, m1, m2 = (f[start : start + UPDATE_SLICE_ELEMENTS] for f in flats)
+                yield g, t, m1, m2, None if flat_master is None else flat_master[start : start + UPDATE_SLICE_ELEMENTS]
 
-    def _update(self, name: str, grad: torch.Tensor, target: torch.Tensor) -> None:
-        if name not in self.exp_avg:
-            self.exp_avg[name] = _zeros(target)
-            self.exp_avg_sq[name] = _zeros(target)
-        master = self.masters.get(name)
-        tensors = [grad, target, self.exp_avg[name], self.exp_avg_sq[name], *([master] if master is not None else [])]
-        flats = [t.view(-1) for t in tensors]
-        # Slice by slice: the update's fp32 temporaries stay UPDATE_SLICE_ELEMENTS long
-        # however large the tensor (the same elementwise arithmetic, so the same bits).
-        for start in range(0, flats[0].numel(), UPDATE_SLICE_ELEMENTS):
-            g, t, m1, m2, *rest = (f[start : start + UPDATE_SLICE_ELEMENTS] for f in flats)
-            self._update_slice(g, t, m1, m2, rest[0] if rest else None)
-
-    def _update_slice(
+    def _update_bucket(
         self,
-        grad: torch.Tensor,
-        target: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        master: torch.Tensor | None,
+        grads: list[torch.Tensor],
+        targets: list[torch.Tensor],
+        exp_avgs: list[torch.Tensor],
+        exp_avg_sqs: list[torch.Tensor],
+        masters: list[torch.Tensor | None],
     ) -> None:
+        """AdamW on a bucket of slices, each op once over the bucket (torch's foreach ops: the
+        same elementwise arithmetic as one tensor at a time, so the same bits)."""
         c = self.config
         bias1 = 1 - c.beta1**self.step_count
         bias2_sqrt = math.sqrt(1 - c.beta2**self.step_count)
-        grad = grad.float()
-        exp_avg.lerp_(grad, 1 - c.beta1)
-        exp_avg_sq.mul_(c.beta2).addcmul_(grad, grad, value=1 - c.beta2)
+        grads = [grad.float() for grad in grads]
+        torch._foreach_lerp_(exp_avgs, grads, 1 - c.beta1)
+        torch._foreach_mul_(exp_avg_sqs, c.beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - c.beta2)
         # An fp32 parameter is its own master (float() returns it); a 16-bit one without a
         # master is stepped through a temporary fp32 copy.
-        if master is None:
-            master = target.float()
-        master.mul_(1 - c.lr * c.weight_decay)
-        denom = exp_avg_sq.sqrt().div_(bias2_sqrt).add_(c.eps)
-        master.addcdiv_(exp_avg, denom, value=-c.lr / bias1)
-        if master is not target:
-            target.copy_(master)
+        stepped = [
+            target.float() if master is None else master for target, master in zip(targets, masters, strict=True)
+        ]
+        torch._foreach_mul_(stepped, 1 - c.lr * c.weight_decay)
+        denoms = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denoms, bias2_sqrt)
+        torch._foreach_add_(denoms, c.eps)
+        torch._foreach_addcdiv_(stepped, exp_avgs, denoms, value=-c.lr / bias1)
+        for target, master in zip(targets, stepped, strict=True):
+            if master is not target:
+                target.copy_(master)
 
     def state_tensors(self) -> Mapping[str, dict[str, torch.Tensor]]:
         """The optimizer's tensors by family: master weights (if any) and the two moments."""
@@ -165,6 +174,26 @@ class AdamW:
     def zero_grad(self) -> None:
         for param in self.params.values():
             param.grad = None
+
+
+#: One slice of an update: gradient, target, exp_avg, exp_avg_sq and master (None: none).
+_Slice = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _buckets(slices: Iterable[_Slice], max_elements: int) -> Iterator[list[_Slice]]:
+    """Consecutive slices in buckets of at most `max_elements` elements (a larger slice alone),
+    so the fp32 temporaries of one bucket's update stay that long."""
+    bucket: list[_Slice] = []
+    size = 0
+    for piece in slices:
+        numel = piece[0].numel()
+        if bucket and size + numel > max_elements:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(piece)
+        size += numel
+    if bucket:
+        yield bucket
 
 
 def _zeros(param: torch.Tensor) -> torch.Tensor:

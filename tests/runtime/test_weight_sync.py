@@ -45,14 +45,22 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _recording_results(results: list[ReshardResult]) -> None:
-    """Make the weight sync's resharder append what it returns to `results` (this rank only)."""
+    """Make the weight sync's resharder, and its copy between model-stages of one layout
+    (`copy_kept`), append what they return to `results` (this rank only)."""
 
-    def run(*args: Any, **kwargs: Any) -> ReshardResult:
-        result = reshard.execute(*args, **kwargs)
-        results.append(result)
-        return result
+    def recording(move: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> ReshardResult:
+            result = move(*args, **kwargs)
+            results.append(result)
+            return result
 
-    rl_update.execute = run  # type: ignore[assignment]
+        return run
+
+    rl_update.execute = recording(reshard.execute)  # type: ignore[assignment]
+    rl_update.copy_kept = recording(_COPY_KEPT)  # type: ignore[assignment]
+
+
+_COPY_KEPT = rl_update.copy_kept
 
 
 def _check_plan(rank: int, plan: Plan) -> dict[str, Any]:

@@ -104,15 +104,18 @@ def local_state_bytes(stages: dict[str, ModelStageRuntime]) -> int:
 def rollout_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Batch:
     """Prompts left-padded and responses right-padded into one batch; `loss_mask` marks responses."""
     prompt_width = max(len(p) for p in prompts)
-    width = prompt_width + max(len(r) for r in responses)
-    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(prompts), width), dtype=torch.bool)
-    loss_mask = torch.zeros((len(prompts), width), dtype=torch.float32)
-    for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
-        start = prompt_width - len(prompt)
-        tokens[row, start : prompt_width + len(response)] = torch.tensor(prompt + response)
-        attention[row, start : prompt_width + len(response)] = True
-        loss_mask[row, prompt_width : prompt_width + len(response)] = 1.0
+    response_width = max(len(r) for r in responses)
+    # Padded as lists and made tensors at once: one tensor per row costs more than the rows.
+    rows = [
+        [pad_id] * (prompt_width - len(prompt)) + prompt + response + [pad_id] * (response_width - len(response))
+        for prompt, response in zip(prompts, responses, strict=True)
+    ]
+    tokens = torch.tensor(rows, dtype=torch.long).view(len(prompts), prompt_width + response_width)
+    columns = torch.arange(prompt_width + response_width)
+    starts = torch.tensor([prompt_width - len(prompt) for prompt in prompts]).unsqueeze(1)
+    ends = torch.tensor([prompt_width + len(response) for response in responses]).unsqueeze(1)
+    attention = (columns >= starts) & (columns < ends)
+    loss_mask = ((columns >= prompt_width) & (columns < ends)).to(torch.float32)
     return Batch(tokens, attention, {"loss_mask": loss_mask})
 
 

@@ -23,16 +23,21 @@ if TYPE_CHECKING:
 
 @contextmanager
 def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
-    """Add the block's wall time to `seconds[name]` and record it on the run's timeline."""
+    """Add the block's wall time to `seconds[name]` and record it on the run's timeline; a
+    model-stage's block (`role/stage`) is also a memory segment (`memory.PeakTracker`)."""
     start, wall_start = time.perf_counter(), time.time()
-    peaks = memory.tracker()
+    is_stage = "/" in name
+    # Only model-stages' peaks are reported; a phase's peak still reaches the step's peak
+    # at the next reading (the high-water mark holds it), so a phase takes no reading: each
+    # costs a /proc read and write on CPU.
+    peaks = memory.tracker() if is_stage else None
     if peaks is not None:
         peaks.enter(name)
     yield
     if peaks is not None:
         peaks.exit(name)
     seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
-    timeline.record("stage" if "/" in name else "phase", name, wall_start, time.time())
+    timeline.record("stage" if is_stage else "phase", name, wall_start, time.time())
 
 
 def gather_numbers(values: list[float]) -> torch.Tensor:

@@ -20,7 +20,7 @@ from nereus.runtime.engine import even_split
 from nereus.runtime.fused_pipeline import FusedPart, OpTiming
 from nereus.runtime.fused_schedule import fused_schedule
 from nereus.runtime.model import Batch
-from nereus.runtime.reshard import ReshardPlan, execute, plan_reshard
+from nereus.runtime.reshard import ReshardPlan, ReshardResult, execute, plan_reshard
 from nereus.runtime.rl.algorithms import (
     broadcast_to_tokens,
     gae,
@@ -323,7 +323,36 @@ def sync_weights(syncs: list[WeightSync]) -> None:
             tensors = source.engine.weights()
             step = source.engine.optimizer_step
         live = target.engine.weights() if target.engine is not None else None
-        result = execute(plan, rank, tensors, step, out=live)
+        move = copy_kept if same_shards(source, target) else execute
+        result = move(plan, rank, tensors, step, out=live)
         if target.engine is not None:
             assert result.step is not None
             target.engine.load_local_state(result.tensors, result.step)
+
+
+def copy_kept(
+    plan: ReshardPlan,
+    rank: int,
+    tensors: dict[str, torch.Tensor],
+    step: int | None,
+    out: dict[str, torch.Tensor] | None = None,
+) -> ReshardResult:
+    """`execute` of a plan between `same_shards` model-stages, where every rank keeps each of
+    its pieces whole: into `out` by one foreach copy when given (else `tensors` as they
+    are), with no walk of the plan's transfers and no message (a sync runs every step)."""
+    if out is None:
+        return ReshardResult(dict(tensors), step, 0, 0)
+    assert out.keys() == tensors.keys(), (rank, plan.target.layout)
+    torch._foreach_copy_(list(out.values()), [tensors[key] for key in out])
+    return ReshardResult(dict(out), step, 0, 0)
+
+
+def same_shards(source: ModelStageRuntime, target: ModelStageRuntime) -> bool:
+    """Whether two model-stages hold the same weight pieces in the same dtype on the same ranks
+    (one layout of one model), so a sync between them moves nothing between ranks."""
+    return (
+        source.layout == target.layout
+        and source.model == target.model
+        and source.head == target.head
+        and source.compute_dtype == target.compute_dtype
+    )
