@@ -140,9 +140,7 @@ class BatchingDecoder:
         rows = decoding + admitted
         logits = [part for part in parts if part is not None]
         if logits:
-            keys = torch.tensor([r.key for r in rows], dtype=torch.long)
-            counters = torch.tensor([r.generated for r in rows], dtype=torch.long)
-            chosen = sample_streams(torch.cat(logits), self.config, keys, counters)
+            chosen = self._choose(torch.cat(logits) if len(logits) > 1 else logits[0], rows)
         else:
             chosen = torch.zeros(len(rows), dtype=torch.long, device=self.engine.device)
         chosen = self.engine.from_last_stage(chosen.to(self.engine.device)).cpu()
@@ -159,6 +157,14 @@ class BatchingDecoder:
         self.scheduler.grow()
         self.peak_blocks = max(self.peak_blocks, self.scheduler.blocks_in_use)
         return finished
+
+    def _choose(self, logits: torch.Tensor, rows: list[Request]) -> torch.Tensor:
+        """Every row's next token from its logits (greedy needs no stream keys or counters)."""
+        if self.config.temperature == 0:
+            return logits.float().argmax(dim=-1)
+        keys = torch.tensor([r.key for r in rows], dtype=torch.long)
+        counters = torch.tensor([r.generated for r in rows], dtype=torch.long)
+        return sample_streams(logits, self.config, keys, counters)
 
     def _logits(self, output: torch.Tensor | None) -> torch.Tensor | None:
         return None if output is None else gather_last_dim(output[:, -1], self.engine.groups.tp)
