@@ -79,8 +79,19 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
+_INV_FREQ: dict[tuple[int, float, str], torch.Tensor] = {}
+
+
 def rope_inv_freq(model: Model) -> torch.Tensor:
-    """The [head_dim / 2] RoPE frequencies (float64): theta^(-2i/d), then the model's scaling."""
+    """The [head_dim / 2] RoPE frequencies (float64): theta^(-2i/d), then the model's scaling
+    (computed once per model shape: every forward needs them)."""
+    key = (model.head_dim, model.rope_theta, repr(model.rope_scaling))
+    if key not in _INV_FREQ:
+        _INV_FREQ[key] = _rope_inv_freq(model)
+    return _INV_FREQ[key]
+
+
+def _rope_inv_freq(model: Model) -> torch.Tensor:
     head_dim = model.head_dim
     inv_freq = 1.0 / (model.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     scaling = model.rope_scaling
