@@ -1,8 +1,11 @@
 """Benchmark: generation tokens/s of nereus's continuous-batching engine, the static engine it
 replaced, and transformers' `generate`, on the same model, prompts and lengths.
 
-The model is a random Llama made and saved by `transformers` (4 layers, hidden 256, 8 heads
-over 4 KV heads, vocabulary 1024, fp32), loaded by nereus from the saved folder. The batch:
+The model is a random Llama made and saved by `transformers` (`--model default`: 4 layers,
+hidden 256, 8 heads over 4 KV heads, vocabulary 1024, fp32; `--model tiny`: the size
+benchmarks/trl_compare.py trains, 4 layers, hidden 64, 4 heads over 2 KV heads, vocabulary 40,
+tied embeddings, where per-op overhead, not arithmetic, sets the speed), loaded by nereus from
+the saved folder. The batch:
 `--samples` prompts of 8-24 random tokens; EOS off, every sample stopping at its own length
 budget, either all equal (`uniform`) or RLHFuse's long tail (`long-tail`: most samples short,
 log-normal around --median and at most a quarter of the cap, --long-fraction of them near the
@@ -28,7 +31,15 @@ tokens), an emulation of GPU memory pressure on a CPU. The static engine and tra
 run the batch in waves of rows preallocated to their prompt width plus longest budget; nereus
 admits and preempts by what the sequences actually hold.
 
+The compute floor beside the engines: the time, on one thread, of the model's matrix
+multiplications alone (every linear layer and the LM head, this rank's tensor-parallel shard of
+each weight) for the same token counts the continuous engine feeds them: one prefill of every
+prompt, then one decode step per generated token over the rows still running (the unbounded
+schedule, so a floor for the KV-bound mix too). It counts no attention, norms, sampling or
+Python, so no engine can reach it; how far each is from it is the overhead left.
+
     .venv/bin/python benchmarks/generation.py
+    .venv/bin/python benchmarks/generation.py --model tiny
 """
 
 from __future__ import annotations
@@ -56,27 +67,46 @@ from nereus.runtime.shard_layout import RankLayout
 from nereus.spec.hf_config import model_from_hf_config
 
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results" / "generation.json"
+RESULTS = {"default": ROOT / "benchmarks" / "results" / "generation.json"}
+RESULTS["tiny"] = ROOT / "benchmarks" / "results" / "generation_tiny.json"
+#: The models timed, as transformers LlamaConfig fields.
+MODEL_SIZES: dict[str, dict[str, Any]] = {
+    "default": {
+        "hidden_size": 256,
+        "intermediate_size": 688,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 1024,
+        "tie_word_embeddings": False,
+    },
+    "tiny": {  # benchmarks/trl_compare.py's model
+        "hidden_size": 64,
+        "intermediate_size": 172,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 40,
+        "tie_word_embeddings": True,
+    },
+}
+MODEL_NOTES = {
+    "default": "random Llama: 4 layers, hidden 256, 8 heads / 4 KV heads, vocab 1024, fp32",
+    "tiny": "random Llama of trl_compare's size: 4 layers, hidden 64, 4 heads / 2 KV heads, vocab 40, tied, fp32",
+}
 ENGINES = ("continuous", "static", "transformers")
 MODES = ("greedy", "sampled")
 
 
-def make_model(folder: Path, seed: int) -> Path:
-    """A random fp32 Llama saved by transformers, with O(0.1) weights so tokens vary."""
+def make_model(folder: Path, seed: int, size: str) -> Path:
+    """A random fp32 Llama of `MODEL_SIZES[size]` saved by transformers, with O(0.1) weights so tokens vary."""
     import transformers
 
     config = transformers.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=688,
         num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        vocab_size=1024,
         max_position_embeddings=1024,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=0,
-        tie_word_embeddings=False,
+        **MODEL_SIZES[size],
     )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
@@ -93,7 +123,8 @@ def workload(args: argparse.Namespace) -> tuple[list[list[int]], dict[str, tuple
     """The prompts, and each mix's length budgets and KV budget (a share of the whole batch's
     cache at tp=1; None: unbounded), seeded."""
     rng = np.random.default_rng(args.seed)
-    prompts = [[int(t) for t in rng.integers(1, 1024, int(n))] for n in rng.integers(8, 25, args.samples)]
+    vocab = MODEL_SIZES[args.model]["vocab_size"]
+    prompts = [[int(t) for t in rng.integers(1, vocab, int(n))] for n in rng.integers(8, 25, args.samples)]
     num_long = round(args.long_fraction * args.samples)
     short = np.clip(np.rint(args.median * np.exp(0.4 * rng.standard_normal(args.samples - num_long))), 1, args.max // 4)
     long = rng.integers(math.ceil(0.85 * args.max), args.max + 1, num_long)
@@ -198,6 +229,39 @@ def timed_transformers(model: Any, prompts: list, budgets: list, mode: str, kv_t
     return elapsed, [row for share in shares for row in share]
 
 
+def floor_steps(prompts: list[list[int]], budgets: list[int]) -> list[tuple[int, int]]:
+    """(tokens through the layers, rows through the LM head) of each forward of the continuous
+    engine when every sequence runs at once: the prefill of every prompt, then one decode step
+    per generated token (a sample of budget n takes n - 1 of them) over the rows still running."""
+    steps = [(sum(len(p) for p in prompts), len(prompts))]
+    for step in range(1, max(budgets)):
+        rows = sum(budget > step for budget in budgets)
+        steps.append((rows, rows))
+    return steps
+
+
+def matmul_floor_s(engine: Engine, steps: list[tuple[int, int]], reps: int = 3) -> float:
+    """Seconds (slowest rank, median of `reps`) of this rank's linear layers alone, on one
+    thread, over `steps` (`floor_steps`): every layer's weight shard for the tokens, the LM head
+    for each row's last token only (the least an engine must compute)."""
+    head_name = "lm_head.weight" if "lm_head.weight" in engine.params else "embed.weight"
+    layers = [p.detach() for n, p in engine.params.items() if p.dim() == 2 and n not in ("embed.weight", head_name)]
+    head = engine.params[head_name].detach()
+    widths = {w.shape[1] for w in layers} | {head.shape[1]}
+    inputs = {m: {width: torch.randn(m, width) for width in widths} for m in {n for step in steps for n in step}}
+    times = []
+    for _ in range(reps + 1):  # the first warms up
+        dist.barrier()
+        started = time.perf_counter()
+        with torch.no_grad():
+            for tokens, rows in steps:
+                for weight in layers:
+                    torch.nn.functional.linear(inputs[tokens][weight.shape[1]], weight)
+                torch.nn.functional.linear(inputs[rows][head.shape[1]], head)
+        times.append(slowest(time.perf_counter() - started))
+    return statistics.median(times[1:])
+
+
 def nereus_worker(rank: int, world: int, folder: Path, prompts: list[list[int]], mixes: dict, args: Any) -> dict:
     import transformers
 
@@ -232,6 +296,7 @@ def nereus_worker(rank: int, world: int, folder: Path, prompts: list[list[int]],
                 "transformers_responses": responses["transformers"],
                 "kv_budget_bytes": kv,
             }
+        out[f"{mix}/floor_s"] = matmul_floor_s(engine, floor_steps(prompts, budgets))
     out["step_ms"] = decode_step_ms(engine, prompts, args.seed)
     return out
 
@@ -261,6 +326,7 @@ def paired(times: dict[str, list[float]], slower: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=sorted(MODEL_SIZES), default="default", help="model size (see above)")
     parser.add_argument("--samples", type=int, default=32, help="prompts in the batch")
     parser.add_argument("--uniform", type=int, default=48, help="response length of the uniform mix")
     parser.add_argument("--median", type=int, default=16, help="long-tail mix: median length of the short samples")
@@ -279,18 +345,21 @@ def main() -> None:
     tail = every_mix["long-tail"][0]
     rows, repetitions, steps = [], {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        folder = make_model(Path(tmp) / "llama", args.seed)
+        folder = make_model(Path(tmp) / "llama", args.seed, args.model)
         for ranks in [int(n) for n in args.ranks.split(",")]:
             measured = spawn(nereus_worker, ranks, folder, prompts, mixes, args)[0]
             step_ms = measured.pop("step_ms")
             steps[f"tp{ranks}"] = step_ms
             print(f"tp={ranks} nereus decode step: " + ", ".join(f"{r} rows {ms:.1f} ms" for r, ms in step_ms.items()))
+            floors = {case.split("/")[0]: measured.pop(case) for case in list(measured) if case.endswith("/floor_s")}
             for case, result in measured.items():
                 mix, mode = case.split("/")
                 budgets, _ = mixes[mix]
                 wanted = sum(budgets)
                 times = result["times"]
                 rate = {name: wanted / statistics.median(t) for name, t in times.items()}
+                floor = floors[mix]
+                over_floor = {name: statistics.median(t) / floor for name, t in times.items()}
                 over_hf, over_static = paired(times, "transformers"), paired(times, "static")
                 agree = None
                 if mode == "greedy" and mix == "uniform":
@@ -310,6 +379,12 @@ def main() -> None:
                             "static": rate["static"],
                             "transformers": rate["transformers"],
                         },
+                        "matmul_floor_tokens_per_s": wanted / floor,
+                        "time_over_matmul_floor": {
+                            "nereus": over_floor["continuous"],
+                            "static": over_floor["static"],
+                            "transformers": over_floor["transformers"],
+                        },
                         "nereus_over_transformers": over_hf,
                         "nereus_over_static": over_static,
                         "same_samples_nereus_static": result["same_samples"],
@@ -319,14 +394,20 @@ def main() -> None:
                 )
                 print(
                     f"tp={ranks} {mix:>9} {mode:>7}: nereus {rate['continuous']:8.0f} tok/s, static "
-                    f"{rate['static']:8.0f}, transformers {rate['transformers']:8.0f} -> "
+                    f"{rate['static']:8.0f}, transformers {rate['transformers']:8.0f}, matmul floor "
+                    f"{wanted / floor:8.0f} (nereus {over_floor['continuous']:.1f}x its time) -> "
                     f"{over_hf:.2f}x transformers, {over_static:.2f}x static (paired medians); "
                     f"same samples {result['same_samples']}"
                     + ("" if agree is None else f"; greedy = transformers for {agree:.0%} of rows")
                 )
     payload = {
         "benchmark": "generation",
-        "model": "random Llama: 4 layers, hidden 256, 8 heads / 4 KV heads, vocab 1024, fp32",
+        "model": MODEL_NOTES[args.model],
+        "matmul_floor": (
+            "one thread per rank, the model's linear layers alone (this rank's tp shard; the LM head for each "
+            "row's last token only) for the continuous engine's token counts when every sequence runs at once; "
+            "time_over_matmul_floor: each engine's median time over it"
+        ),
         "samples": args.samples,
         "lengths": {
             "uniform": args.uniform,
@@ -348,8 +429,9 @@ def main() -> None:
         "rows": rows,
         "nereus_decode_step_ms_by_running_rows": steps,
     }
-    write_result(RESULTS, payload, recording, repetitions)
-    print(f"wrote {RESULTS.relative_to(ROOT)}")
+    results = RESULTS[args.model]
+    write_result(results, payload, recording, repetitions)
+    print(f"wrote {results.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

@@ -32,10 +32,14 @@ from nereus.runtime.kv_cache import (
     one_sequence_bytes,
     pool_blocks,
 )
-from nereus.runtime.sampling import SamplingConfig, sample_seed, sample_streams, stops
+from nereus.runtime.sampling import SamplingConfig, sample_at, sample_seed, stops, stream_uniforms
 from nereus.runtime.scheduler import Request, Scheduler
 from nereus.runtime.tensor_parallel import gather_last_dim
 from nereus.units import format_bytes
+
+#: Draws of a sample's stream computed together when it runs out (hashing them costs ~20 tensor
+#: ops, whatever the count: per step it was a tenth of a 32-row decode step of a tiny model).
+DRAW_WINDOW = 32
 
 
 class BatchingDecoder:
@@ -140,9 +144,7 @@ class BatchingDecoder:
         rows = decoding + admitted
         logits = [part for part in parts if part is not None]
         if logits:
-            keys = torch.tensor([r.key for r in rows], dtype=torch.long)
-            counters = torch.tensor([r.generated for r in rows], dtype=torch.long)
-            chosen = sample_streams(torch.cat(logits), self.config, keys, counters)
+            chosen = self._choose(torch.cat(logits) if len(logits) > 1 else logits[0], rows)
         else:
             chosen = torch.zeros(len(rows), dtype=torch.long, device=self.engine.device)
         chosen = self.engine.from_last_stage(chosen.to(self.engine.device)).cpu()
@@ -159,6 +161,24 @@ class BatchingDecoder:
         self.scheduler.grow()
         self.peak_blocks = max(self.peak_blocks, self.scheduler.blocks_in_use)
         return finished
+
+    def _choose(self, logits: torch.Tensor, rows: list[Request]) -> torch.Tensor:
+        """Every row's next token from its logits (greedy needs no stream keys or counters)."""
+        if self.config.temperature == 0:
+            return logits.float().argmax(dim=-1)
+        return sample_at(logits, self.config, self._uniforms(rows).to(logits.device))
+
+    @staticmethod
+    def _uniforms(rows: list[Request]) -> torch.Tensor:
+        """[b] float64: each row's draw for its next token (draw `generated` of its stream),
+        refilling the windows of every row that ran out together."""
+        stale = [r for r in rows if not r.draws_from <= r.generated < r.draws_from + len(r.draws)]
+        if stale:
+            keys = torch.tensor([[r.key] for r in stale], dtype=torch.long).expand(-1, DRAW_WINDOW)
+            counters = torch.tensor([[r.generated] for r in stale], dtype=torch.long) + torch.arange(DRAW_WINDOW)
+            for request, window in zip(stale, stream_uniforms(keys, counters).tolist(), strict=True):
+                request.draws, request.draws_from = window, request.generated
+        return torch.tensor([r.draws[r.generated - r.draws_from] for r in rows], dtype=torch.float64)
 
     def _logits(self, output: torch.Tensor | None) -> torch.Tensor | None:
         return None if output is None else gather_last_dim(output[:, -1], self.engine.groups.tp)

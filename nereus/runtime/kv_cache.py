@@ -165,15 +165,15 @@ class PagedLayerView:
     read: torch.Tensor | None
 
     def extend(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new [b, kv heads, t, d] keys and values, return the context's [b, kv heads, window, d]."""
-        b, heads, t, d = keys.shape
+        """Store the new [b, t, kv heads, d] keys and values, return the context's [b, window, kv heads, d]."""
+        b, t, heads, d = keys.shape
         flat = self.write.reshape(-1)
-        self.keys.index_copy_(0, flat, keys.transpose(1, 2).reshape(b * t, heads, d))
-        self.values.index_copy_(0, flat, values.transpose(1, 2).reshape(b * t, heads, d))
+        self.keys.index_copy_(0, flat, keys.reshape(b * t, heads, d))
+        self.values.index_copy_(0, flat, values.reshape(b * t, heads, d))
         if self.read is None:
             return keys, values
         window = self.read.shape[1]
         gathered = self.read.reshape(-1)
-        k = self.keys.index_select(0, gathered).view(b, window, heads, d).transpose(1, 2)
-        v = self.values.index_select(0, gathered).view(b, window, heads, d).transpose(1, 2)
+        k = self.keys.index_select(0, gathered).view(b, window, heads, d)
+        v = self.values.index_select(0, gathered).view(b, window, heads, d)
         return k, v

@@ -17,6 +17,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -90,6 +91,31 @@ def stream_uniforms(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
     return bits.to(torch.float64) * 2.0**-53
 
 
+#: Vocabularies at least this wide sort on the CPU by `_sort_by_keys` (a 32 x 1024 stable sort:
+#: torch 1.5 ms, the keys 0.43 ms, on one thread); narrower ones by torch (40 wide: 13 us against 35).
+KEY_SORT_MIN_VOCAB = 256
+
+
+def sort_descending(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x.sort(dim=-1, descending=True, stable=True)` of [b, vocab] float32: most likely first,
+    ties in vocabulary order; the same values and indices by the faster way for the width."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[-1] < KEY_SORT_MIN_VOCAB:
+        return x.sort(dim=-1, descending=True, stable=True)
+    return _sort_by_keys(x)
+
+
+def _sort_by_keys(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stable descending sort as an unstable sort of distinct int64 keys (numpy's vectorised
+    quicksort, several times torch's stable sort): the high 32 bits order the values (their
+    float bits made monotonic, then negated), the low ones are the vocabulary index, so equal
+    values come out in index order as a stable sort leaves them."""
+    bits = (x + 0.0).view(torch.int32)  # + 0.0: -0.0 becomes +0.0, equal to it as floats are
+    monotonic = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # int order = float order
+    keys = (~monotonic).long() * (1 << 32) + torch.arange(x.shape[-1])
+    order = torch.from_numpy(np.sort(keys.numpy(), axis=-1)) & _MASK32
+    return x.gather(-1, order), order
+
+
 def sample_at(logits: torch.Tensor, config: SamplingConfig, uniforms: torch.Tensor) -> torch.Tensor:
     """[b] next tokens from [b, vocab] logits: greedy, or the inverse CDF at each row's uniform
     (float64, [b], on the logits' device) of its distribution at `config`'s temperature,
@@ -97,7 +123,7 @@ def sample_at(logits: torch.Tensor, config: SamplingConfig, uniforms: torch.Tens
     if config.temperature == 0:
         return logits.float().argmax(dim=-1)
     # One sort serves both filters and the CDF: most likely first, ties in vocabulary order.
-    ordered, order = (logits.float() / config.temperature).sort(dim=-1, descending=True, stable=True)
+    ordered, order = sort_descending(logits.float() / config.temperature)
     if 0 < config.top_k < ordered.shape[-1]:
         ordered[:, config.top_k :] = float("-inf")
     probs = torch.softmax(ordered, dim=-1)

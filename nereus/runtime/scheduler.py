@@ -42,6 +42,10 @@ class Request:
     """Its block table (empty while waiting)."""
     cached: int = 0
     """Tokens whose keys and values are in its blocks."""
+    draws: list[float] = field(default_factory=list)
+    """A window of its sampling stream's uniforms (draws `draws_from`, `draws_from` + 1, ...),
+    computed ahead for many steps at once (the engine's `sampling.stream_uniforms`)."""
+    draws_from: int = 0
 
     @property
     def generated(self) -> int:
