@@ -25,7 +25,7 @@ the mean over the last 5 steps of the mean reward per step.
 
 TRL is not a dependency of nereus: install it for this benchmark only (benchmarks/README.md):
 
-    pip install -c <(echo torch==2.13.0) trl==1.16.0
+    pip install -c <(printf 'torch==2.13.0\ntransformers==5.23.0\n') trl==1.16.0
     python benchmarks/trl_compare.py [--steps 20] [--rounds 1]
 """
 
