@@ -157,3 +157,61 @@ def test_search_memory_phase_keeps_the_makespan_and_reports_the_replay() -> None
     assert state is not None and state[0] == pytest.approx(result.evaluation.makespan, rel=1e-12)
     assert all(s.makespan >= result.evaluation.makespan * (1 - 1e-9) for s in result.lean)
     assert result.memory_lower_bound <= replay.max_peak_memory * (1 + 1e-9)  # sums in another order
+
+
+def test_the_lean_endgame_tries_the_next_start_when_one_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starts that CP-SAT cannot bring to the makespan pass on their time: the endgame goes on
+    to the next near start (nearest, then leanest), and a later one can win."""
+    pytest.importorskip("ortools")
+    from nereus.solver.pipeline import window
+
+    inst = _front_loaded_instance()
+    _, starts = starting_schedules(inst, NAMES)
+    _, fast, ev = starts[0]
+    near = [s for s in sequenced_starts(inst, NAMES, seconds=2.0) if s.makespan <= ev.makespan * 1.005]
+    # Three copies of the nearest lean start (copied orders, so each try is told apart).
+    lean = [
+        LeanStart(s.cap, [list(o) for o in s.orders], s.makespan, s.peak + k / 10) for s in near[:1] for k in range(3)
+    ]
+    real = window.meet_makespan
+    calls: list[tuple[int, float]] = []
+
+    def failing_first(
+        inst: Instance, orders: list[list[int]], target: float, time_limit_s: float, workers: int = 2
+    ) -> list[list[int]] | None:
+        calls.append((id(orders), time_limit_s))
+        return None if len(calls) < 3 else real(inst, orders, target, time_limit_s, workers)
+
+    monkeypatch.setattr(window, "meet_makespan", failing_first)
+    assert len(lean) == 3 and all(s.peak < ev.max_peak_memory for s in lean)
+    orders, won = _lean_endgame(inst, fast, ev.makespan, lean, seconds=20.0)
+    assert len({orders_id for orders_id, _ in calls}) == len(calls)  # every try a new start
+    replay = evaluate(inst, orders)
+    assert replay.ok and replay.makespan <= ev.makespan * (1 + 1e-9)
+    assert won is not None and won[0] == len(calls) == 3
+    assert replay.max_peak_memory < ev.max_peak_memory
+
+
+def test_the_lean_endgame_stops_at_a_try_that_runs_out_of_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A try that spends its time (CP-SAT found nothing in it) ends the endgame; each try has
+    at most half of what is left, so a proof-fast first failure leaves the next its time."""
+    import time
+
+    from nereus.solver.pipeline import window
+
+    inst = _front_loaded_instance()
+    _, starts = starting_schedules(inst, NAMES)
+    _, fast, ev = starts[0]
+    lean = [LeanStart(0.0, [list(o) for o in fast], ev.makespan * 1.001, ev.max_peak_memory / 2) for _ in range(4)]
+    limits: list[float] = []
+
+    def spends_it(
+        inst: Instance, orders: list[list[int]], target: float, time_limit_s: float, workers: int = 2
+    ) -> None:
+        limits.append(time_limit_s)
+        time.sleep(time_limit_s if len(limits) == 2 else 0.0)  # the second try runs out of time
+
+    monkeypatch.setattr(window, "meet_makespan", spends_it)
+    orders, won = _lean_endgame(inst, fast, ev.makespan, lean, seconds=0.8)
+    assert orders is fast and won is None
+    assert len(limits) == 2 and limits[0] == pytest.approx(0.4, abs=0.02) and limits[1] <= 0.4

@@ -851,8 +851,15 @@ def _window_seconds(config: SearchConfig) -> float:
 ENDGAME_SHARE = 0.8
 #: Lean starts at most this much slower (relative) than the best makespan are tried ...
 ENDGAME_SLACK = 0.005
-#: ... this many of them at most.
-ENDGAME_TRIES = 2
+#: ... this many of them at most, in turn. Each try has half of what is left (the last one
+#: all of it); a try that CP-SAT proves unable to end by the makespan passes the rest of its
+#: time on, one that runs out of time ends the endgame (the windows are past what CP-SAT
+#: solves in the time; the peak windows get what is left). Schedule benchmark, six of its
+#: highest-peak cases: most near starts are proved unable in milliseconds (they fall behind
+#: long before their last ops), and with two tries four cases left 90% of the time unused.
+ENDGAME_TRIES = 8
+#: A try that took this share of its time ran out of it (CP-SAT's proofs take milliseconds).
+ENDGAME_TIMED_OUT = 0.9
 #: Relative makespan gaps within one step count as alike when the starts are ordered.
 ENDGAME_STEP = 0.001
 
@@ -861,10 +868,10 @@ def _lean_endgame(
     inst: Instance, orders: Orders, makespan: float, lean: Sequence[LeanStart], seconds: float
 ) -> tuple[Orders, tuple[int, float] | None]:
     """The best schedule, or a lean start brought to its makespan by re-sequencing its last
-    ops with CP-SAT (`window.meet_makespan`) when that holds less: the leanest few starts
-    within ENDGAME_SLACK of `makespan` and under the schedule's peak are tried in turn, each
-    with what is left of `seconds` shared over the tries left. Also returns (tries, the peak
-    before) when a start won."""
+    ops with CP-SAT (`window.meet_makespan`) when that holds less: up to ENDGAME_TRIES
+    starts within ENDGAME_SLACK of `makespan` and under the schedule's peak are tried in
+    turn, each with half of what is left of `seconds` (the last one all of it), until one
+    wins or one runs out of its time. Also returns (tries, the peak before) when a start won."""
     from nereus.solver.pipeline.window import meet_makespan
 
     began = time.perf_counter()
@@ -878,9 +885,13 @@ def _lean_endgame(
         if left <= 0.1:
             break
         workers = min(2, os.cpu_count() or 1)
-        found = meet_makespan(inst, start.orders, makespan, left / (len(tries) - n), workers=workers)
+        share = left / min(2, len(tries) - n)
+        tried = time.perf_counter()
+        found = meet_makespan(inst, start.orders, makespan, share, workers=workers)
         if found is not None and peak_memory_max(inst, found) < peak * (1 - RELATIVE_EPS):
             return found, (n + 1, peak)
+        if time.perf_counter() - tried >= share * ENDGAME_TIMED_OUT:
+            break  # CP-SAT ran out of time, not of schedules: the next start fares no better
     return orders, None
 
 
