@@ -169,9 +169,12 @@ def test_the_lean_endgame_tries_the_next_start_when_one_fails(monkeypatch: pytes
     _, starts = starting_schedules(inst, NAMES)
     _, fast, ev = starts[0]
     near = [s for s in sequenced_starts(inst, NAMES, seconds=2.0) if s.makespan <= ev.makespan * 1.005]
-    # Three copies of the nearest lean start (copied orders, so each try is told apart).
+    # Three copies of the nearest lean start (copied orders, so each try is told apart),
+    # said to be 0.1% slower so that the endgame tries them.
     lean = [
-        LeanStart(s.cap, [list(o) for o in s.orders], s.makespan, s.peak + k / 10) for s in near[:1] for k in range(3)
+        LeanStart(s.cap, [list(o) for o in s.orders], ev.makespan * 1.001, s.peak + k / 10)
+        for s in near[:1]
+        for k in range(3)
     ]
     real = window.meet_makespan
     calls: list[tuple[int, float]] = []
@@ -185,33 +188,36 @@ def test_the_lean_endgame_tries_the_next_start_when_one_fails(monkeypatch: pytes
     monkeypatch.setattr(window, "meet_makespan", failing_first)
     assert len(lean) == 3 and all(s.peak < ev.max_peak_memory for s in lean)
     orders, won = _lean_endgame(inst, fast, ev.makespan, lean, seconds=20.0)
-    assert len({orders_id for orders_id, _ in calls}) == len(calls)  # every try a new start
+    assert [orders_id for orders_id, _ in calls[:3]] == [id(s.orders) for s in lean]  # each try a new start
     replay = evaluate(inst, orders)
     assert replay.ok and replay.makespan <= ev.makespan * (1 + 1e-9)
-    assert won is not None and won[0] == len(calls) == 3
+    assert won is not None and won[0] == 3
     assert replay.max_peak_memory < ev.max_peak_memory
 
 
-def test_the_lean_endgame_stops_at_a_try_that_runs_out_of_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A try that spends its time (CP-SAT found nothing in it) ends the endgame; each try has
-    at most half of what is left, so a proof-fast first failure leaves the next its time."""
-    import time
-
+def test_the_endgame_ladder_lowers_its_goal_to_the_makespan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lean start 1% slower is brought down in steps: each goal below the last one's
+    result, never under the makespan, the last one the makespan itself."""
     from nereus.solver.pipeline import window
+    from nereus.solver.pipeline.search import ENDGAME_LADDER, _ladder
 
     inst = _front_loaded_instance()
     _, starts = starting_schedules(inst, NAMES)
     _, fast, ev = starts[0]
-    lean = [LeanStart(0.0, [list(o) for o in fast], ev.makespan * 1.001, ev.max_peak_memory / 2) for _ in range(4)]
-    limits: list[float] = []
+    goals: list[float] = []
 
-    def spends_it(
-        inst: Instance, orders: list[list[int]], target: float, time_limit_s: float, workers: int = 2
-    ) -> None:
-        limits.append(time_limit_s)
-        time.sleep(time_limit_s if len(limits) == 2 else 0.0)  # the second try runs out of time
+    def as_fast(inst: Instance, orders: list[list[int]], target: float, time_limit_s: float, workers: int = 2) -> None:
+        goals.append(target)  # nothing found: the ladder ends at its first step
 
-    monkeypatch.setattr(window, "meet_makespan", spends_it)
-    orders, won = _lean_endgame(inst, fast, ev.makespan, lean, seconds=0.8)
-    assert orders is fast and won is None
-    assert len(limits) == 2 and limits[0] == pytest.approx(0.4, abs=0.02) and limits[1] <= 0.4
+    monkeypatch.setattr(window, "meet_makespan", as_fast)
+    start = LeanStart(0.0, fast, ev.makespan * 1.01, ev.max_peak_memory)
+    assert _ladder(inst, start, ev.makespan, 1.0, workers=1) is None
+    assert goals == [pytest.approx(ev.makespan * (1 + 0.01 * ENDGAME_LADDER[0]))]
+    # The fast schedule itself, as a step's result, ends the ladder at once.
+    monkeypatch.setattr(
+        window, "meet_makespan", lambda i, o, target, time_limit_s, workers=2: goals.append(target) or fast
+    )
+    goals.clear()
+    assert _ladder(inst, start, ev.makespan, 1.0, workers=1) is fast
+    assert len(goals) == 1 and ev.makespan < goals[0] < start.makespan
+    assert ENDGAME_LADDER[-1] == 0.0 and list(ENDGAME_LADDER) == sorted(ENDGAME_LADDER, reverse=True)
