@@ -157,3 +157,67 @@ def test_search_memory_phase_keeps_the_makespan_and_reports_the_replay() -> None
     assert state is not None and state[0] == pytest.approx(result.evaluation.makespan, rel=1e-12)
     assert all(s.makespan >= result.evaluation.makespan * (1 - 1e-9) for s in result.lean)
     assert result.memory_lower_bound <= replay.max_peak_memory * (1 + 1e-9)  # sums in another order
+
+
+def test_the_lean_endgame_tries_the_next_start_when_one_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starts that CP-SAT cannot bring to the makespan pass on their time: the endgame goes on
+    to the next near start (nearest, then leanest), and a later one can win."""
+    pytest.importorskip("ortools")
+    from nereus.solver.pipeline import window
+
+    inst = _front_loaded_instance()
+    _, starts = starting_schedules(inst, NAMES)
+    _, fast, ev = starts[0]
+    near = [s for s in sequenced_starts(inst, NAMES, seconds=2.0) if s.makespan <= ev.makespan * 1.005]
+    # Three copies of the nearest lean start (copied orders, so each try is told apart),
+    # said to be 0.1% slower so that the endgame tries them.
+    lean = [
+        LeanStart(s.cap, [list(o) for o in s.orders], ev.makespan * 1.001, s.peak + k / 10)
+        for s in near[:1]
+        for k in range(3)
+    ]
+    real = window.meet_makespan
+    calls: list[tuple[int, float]] = []
+
+    def failing_first(
+        inst: Instance, orders: list[list[int]], target: float, time_limit_s: float, workers: int = 2
+    ) -> list[list[int]] | None:
+        calls.append((id(orders), time_limit_s))
+        return None if len(calls) < 3 else real(inst, orders, target, time_limit_s, workers)
+
+    monkeypatch.setattr(window, "meet_makespan", failing_first)
+    assert len(lean) == 3 and all(s.peak < ev.max_peak_memory for s in lean)
+    orders, won = _lean_endgame(inst, fast, ev.makespan, lean, seconds=20.0)
+    assert [orders_id for orders_id, _ in calls[:3]] == [id(s.orders) for s in lean]  # each try a new start
+    replay = evaluate(inst, orders)
+    assert replay.ok and replay.makespan <= ev.makespan * (1 + 1e-9)
+    assert won is not None and won[0] == 3
+    assert replay.max_peak_memory < ev.max_peak_memory
+
+
+def test_the_endgame_ladder_lowers_its_goal_to_the_makespan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lean start 1% slower is brought down in steps: each goal below the last one's
+    result, never under the makespan, the last one the makespan itself."""
+    from nereus.solver.pipeline import window
+    from nereus.solver.pipeline.search import ENDGAME_LADDER, _ladder
+
+    inst = _front_loaded_instance()
+    _, starts = starting_schedules(inst, NAMES)
+    _, fast, ev = starts[0]
+    goals: list[float] = []
+
+    def as_fast(inst: Instance, orders: list[list[int]], target: float, time_limit_s: float, workers: int = 2) -> None:
+        goals.append(target)  # nothing found: the ladder ends at its first step
+
+    monkeypatch.setattr(window, "meet_makespan", as_fast)
+    start = LeanStart(0.0, fast, ev.makespan * 1.01, ev.max_peak_memory)
+    assert _ladder(inst, start, ev.makespan, 1.0, workers=1) is None
+    assert goals == [pytest.approx(ev.makespan * (1 + 0.01 * ENDGAME_LADDER[0]))]
+    # The fast schedule itself, as a step's result, ends the ladder at once.
+    monkeypatch.setattr(
+        window, "meet_makespan", lambda i, o, target, time_limit_s, workers=2: goals.append(target) or fast
+    )
+    goals.clear()
+    assert _ladder(inst, start, ev.makespan, 1.0, workers=1) is fast
+    assert len(goals) == 1 and ev.makespan < goals[0] < start.makespan
+    assert ENDGAME_LADDER[-1] == 0.0 and list(ENDGAME_LADDER) == sorted(ENDGAME_LADDER, reverse=True)
