@@ -249,9 +249,9 @@ def sequenced_starts(
             orders = list_schedule(inst, key, cap=user_cap, sequences=sequences)
             if orders is None:
                 continue
-            peak = max(peak_memory(inst, orders))
+            peak = peak_memory_max(inst, orders)
             orders, makespan = forward_backward(inst, orders, cap=peak)
-            starts.append(LeanStart(peak, orders, makespan, max(peak_memory(inst, orders))))
+            starts.append(LeanStart(peak, orders, makespan, peak_memory_max(inst, orders)))
             if makespan <= bound * (1 + RELATIVE_EPS):
                 return starts
     return starts
@@ -259,7 +259,7 @@ def sequenced_starts(
 
 def parallel_sequenced_starts(inst: Instance, names: tuple[str, str], seconds: float) -> list[LeanStart]:
     """`sequenced_starts` with the grid split over one process per CPU (two at most)."""
-    workers = max(1, min(2, os.cpu_count() or 1))
+    workers = parallel_workers(2)
     if workers == 1 or seconds <= 0:
         return sequenced_starts(inst, names, seconds)
     with ProcessPoolExecutor(max_workers=workers) as pool:
@@ -805,7 +805,7 @@ def _run_seeds(
     """Seeds cycle over the starts within RESTART_SLACK of the fastest: restarts from several
     constructions that are about as fast (they differ in memory and in where they get stuck).
     Even seeds take them fastest first, odd seeds leanest first."""
-    workers = max(1, min(config.seeds, os.cpu_count() or 1))
+    workers = parallel_workers(config.seeds)
     rounds = math.ceil(config.seeds / workers)
     # Each seed's lean phase comes on top of its budget: scale the budget to keep the total.
     per_seed = config.time_limit_s / rounds / (1 + LEAN_SHARE)
@@ -881,7 +881,7 @@ def _lean_endgame(
         left = seconds - (time.perf_counter() - began)
         if left <= 0.1:
             break
-        workers = min(2, os.cpu_count() or 1)
+        workers = parallel_workers(2)
         share = left / min(2, len(tries) - n)
         found = _ladder(inst, start, makespan, share, workers)
         if found is not None and peak_memory_max(inst, found) < peak * (1 - RELATIVE_EPS):
@@ -919,6 +919,11 @@ def _ladder(inst: Instance, start: LeanStart, makespan: float, seconds: float, w
             return None
         orders, current = found, _makespan(inst, found)
     return orders if current <= makespan * (1 + RELATIVE_EPS) else None
+
+
+def parallel_workers(most: int) -> int:
+    """Processes (or CP-SAT workers) for `most` parallel tasks: one per CPU, at least one."""
+    return max(1, min(most, os.cpu_count() or 1))
 
 
 def peak_memory_max(inst: Instance, orders: Orders) -> float:
@@ -974,7 +979,7 @@ def search_fused(
         began = time.perf_counter()
         orders, endgame = _lean_endgame(inst, orders, fastest, lean, window_s * ENDGAME_SHARE)
         left = window_s - (time.perf_counter() - began)
-        lowered = lower_peak(inst, orders, left, target=floor, workers=min(2, os.cpu_count() or 1))
+        lowered = lower_peak(inst, orders, left, target=floor, workers=parallel_workers(2))
         orders, windows = lowered.orders, (lowered.windows, lowered.kept, windows[2])
     final = evaluate(inst, orders)
     assert final.ok, (final.violations, final.deadlocked)
