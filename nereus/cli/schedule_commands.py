@@ -94,7 +94,9 @@ def fuse(
     time_limit: Annotated[
         float,
         typer.Option(
-            "--time-limit", min=0.01, help="Search seconds: annealing (all seeds together), then CP-SAT peak windows."
+            "--time-limit",
+            min=0.01,
+            help="Search seconds in all: bounds and starts, annealing (all seeds together), then CP-SAT peak windows.",
         ),
     ] = 10.0,
     window_share: Annotated[

@@ -221,3 +221,29 @@ def test_memory_bound_at_is_never_above_the_exact_memory_optimum(seed: int) -> N
     assert bound <= exact.peak_memory + 1e-9
     if seed in (13, 27):  # the fastest schedules there must hold more than serial 1F1B does
         assert bound > memory_bound(inst.problem)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_node_tails_put_every_schedule_end_at_its_makespan(seed: int) -> None:
+    """An op's end plus what must follow it on its node (`follow_tails`) is never past the
+    makespan, and the op that ends last reaches it: the annealing's lateness is zero exactly
+    when a schedule meets its target. Each op's value is at least its own chain tail."""
+    from nereus.solver.pipeline.bounds import follow_tails, heads_and_tails
+    from nereus.solver.pipeline.evaluate import simulate
+    from nereus.solver.pipeline.greedy import GreedyRule, list_schedule, rule_key, window_limits
+
+    rng = random.Random(2000 + seed)
+    sa = rng.choice([2, 4])
+    sc = sa // rng.choice([1, 2])
+    actor = _random_model(rng, "actor", sa, rng.randint(sa // sc, 2 * sa), rng.random() < 0.3)
+    critic = _random_model(rng, "critic", sc, rng.randint(sa // sc, 2 * sa), False)
+    inst = build_instance(fused_problem(actor, critic, p2p_latency=rng.choice([0.0, 0.5])))
+    tail = heads_and_tails(inst)[1]
+    for windows in (True, False):
+        orders = list_schedule(inst, rule_key(inst, GreedyRule("any", ("actor", "critic"), windows)),
+                               window_limits(inst) if windows else None)  # fmt: skip
+        assert orders is not None
+        makespan, _, end = simulate(inst, orders)
+        follow = follow_tails(inst, orders, tail)
+        assert all(f >= t for f, t in zip(follow, tail, strict=True))
+        assert max(e + f for e, f in zip(end, follow, strict=True)) == pytest.approx(makespan, rel=1e-12)

@@ -239,12 +239,14 @@ def test_anneal_outcome_is_its_own_replay(seed: int) -> None:
 @pytest.mark.slow
 def test_the_memory_phase_lowers_the_peak_of_a_fast_schedule() -> None:
     """33B/13B-like times, 4 actor and 4 critic stages, 16 micro-batches: the fastest list
-    schedule front-loads forwards; the memory phase keeps its makespan at less memory."""
+    schedule front-loads forwards; the annealing ends no slower (here 458.8 against the
+    greedy's 461.4) and the memory phase holds a fifth less at that makespan (160 against
+    206; with the chain tails alone the walk stopped at the greedy's makespan, under 0.7x)."""
     actor = ModelTimes.uniform("actor", 4, 16, 6.6, 13.3, 10.0)
     critic = ModelTimes.uniform("critic", 4, 16, 2.6, 5.2, 5.1)
     result = search_fused(actor, critic, SearchConfig(time_limit_s=60, seeds=1, max_iterations=40000))
     assert result.evaluation.makespan <= result.greedy.makespan * (1 + 1e-9)
-    assert result.evaluation.max_peak_memory < 0.7 * result.greedy.max_peak_memory
+    assert result.evaluation.max_peak_memory < 0.8 * result.greedy.max_peak_memory
     assert result.memory_lower_bound <= result.evaluation.max_peak_memory
 
 

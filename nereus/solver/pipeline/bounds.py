@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 from dataclasses import dataclass
 
 from nereus.solver.pipeline.model import Instance, ModelTimes, Pipeline, Problem
@@ -71,6 +72,30 @@ def heads_and_tails(inst: Instance) -> tuple[list[float], list[float]]:
         for succ, lat in inst.succs[op]:
             tail[op] = max(tail[op], lat + inst.duration[succ] + tail[succ])
     return head, tail
+
+
+def node_tails(inst: Instance, order: list[int], tail: list[float], out: list[float]) -> None:
+    """Write into `out`, for each op of one node's `order`, what must still run after it ends:
+    its own tail (the longest dependent chain), or the node's ops after it plus the tail of
+    one of them, whichever is longer.
+
+    With only the chain tails, a node that must stay busy to the end (the one that sets the
+    lower bound) sees a gap early in its order only at its last op; with the node's later
+    work counted, every op after the gap is late by it, so the walk is led to close it.
+    Zero lateness still means exactly "ends by the target": each op after it on the node
+    ends at least that work later and is followed by its own tail."""
+    after = -math.inf
+    for op in reversed(order):
+        out[op] = max(tail[op], after)
+        after = inst.duration[op] + out[op]
+
+
+def follow_tails(inst: Instance, orders: list[list[int]], tail: list[float]) -> list[float]:
+    """`node_tails` of every node's order."""
+    follow = [0.0] * inst.num_ops
+    for order in orders:
+        node_tails(inst, order, tail, follow)
+    return follow
 
 
 #: A group of interchangeable ops: (pipeline index, stage, kind).

@@ -36,10 +36,12 @@ from nereus.errors import ArgumentError, NereusError
 from nereus.solver.pipeline.baselines import BaselineResult, pair_baselines
 from nereus.solver.pipeline.bounds import (
     LowerBounds,
+    follow_tails,
     heads_and_tails,
     lower_bounds,
     memory_bound,
     memory_bound_at,
+    node_tails,
 )
 from nereus.solver.pipeline.evaluate import Evaluation, evaluate, peak_memory, resimulate, simulate
 from nereus.solver.pipeline.greedy import GreedyRule, list_schedule, rule_key, stage_sequences, window_limits
@@ -67,7 +69,8 @@ class SearchConfig:
     """How long and how widely the fused search looks."""
 
     time_limit_s: float = 10.0
-    """Wall-clock seconds for the annealing (the greedy start and bounds come on top)."""
+    """Wall-clock seconds for the whole search: bounds and starts, then the annealing gets
+    what they and the CP-SAT windows leave (at least MIN_ANNEAL_SHARE of it)."""
     seeds: int = 2
     """Independent annealing runs; they run in parallel processes, one per CPU at most."""
     max_iterations: int | None = None
@@ -97,6 +100,9 @@ class AnnealOutcome:
     makespan: float
     peak: float
     iterations: int
+    lean: list[LeanStart] = field(default_factory=list)
+    """The lean phase's tries that got faster without reaching `makespan`: each the fastest
+    schedule it found under its cap (the endgame may bring one the rest of the way)."""
 
 
 @dataclass(frozen=True)
@@ -432,16 +438,12 @@ class _Walk:
         return cls([list(o) for o in orders], state[1], state[2], state[0], peak_memory(inst, orders))
 
 
-def _lateness(end: list[float], deadline: list[float]) -> float:
-    """How far ops end past their deadline (the latest end that still lets the schedule meet
-    a target makespan: the target less the op's tail): zero exactly when the makespan is at
+def _lateness(end: list[float], follow: list[float], target: float) -> float:
+    """How far ops end past the latest end that still lets the schedule meet `target` (the
+    target less what must follow them, `node_tails`): zero exactly when the makespan is at
     most the target; it shrinks with every op that stops being late, so it guides the walk
     across makespan plateaus."""
-    return sum([e - d for e, d in zip(end, deadline, strict=True) if e > d])
-
-
-def _deadlines(tail: list[float], target: float) -> list[float]:
-    return [target - t for t in tail]
+    return sum([e + f - target for e, f in zip(end, follow, strict=True) if e + f > target])
 
 
 def anneal(
@@ -455,8 +457,13 @@ def anneal(
     fallback: Orders | None = None,
     lean: Sequence[LeanStart] = (),
     latency_share: float = 1 - MEMORY_PHASE_SHARE,
+    seed_cap: float | None = None,
 ) -> AnnealOutcome:
     """Two-phase simulated annealing from `start`: latency, then memory at the makespan found.
+
+    With `seed_cap`, no node ever holds more than it (nor the problem's own cap), `fallback`
+    is not taken and the latency phase has the whole budget: the seed looks for the fastest
+    lean schedule.
 
     Each phase owns its share of the time (and iteration) budget (`latency_share` for the
     latency phase, the rest for the memory phase); a latency phase that meets
@@ -476,10 +483,14 @@ def anneal(
         return best
     began = time.perf_counter()
     budget = max_iterations if max_iterations is not None else math.inf
+    # A capped seed's lower peak counts only at the best makespan: it spends the whole budget
+    # getting there (the memory phase has what is left if it does).
+    latency_share = 1.0 if seed_cap is not None else latency_share
     latency = _Phase(began + time_limit_s * latency_share, budget * latency_share)
-    cap = inst.problem.activation_cap
+    user_cap = inst.problem.activation_cap
+    cap = user_cap if seed_cap is None else min(seed_cap, user_cap or math.inf)
     iterations = _latency_phase(inst, latency, walk, best, rng, movable, 0, target_latency, cap)
-    if fallback is not None:
+    if fallback is not None and seed_cap is None:
         faster = _Walk.of(inst, fallback)
         if faster.makespan < best.makespan * (1 - RELATIVE_EPS):
             best = AnnealOutcome(seed, [list(o) for o in fallback], faster.makespan, max(faster.peaks), 0)
@@ -515,7 +526,9 @@ def _lean_phase(
     user_cap = inst.problem.activation_cap
     now = time.perf_counter()
     patience = _Patience((phase.deadline - now) * LEAN_PATIENCE, (phase.budget - iterations) * LEAN_PATIENCE)
-    for factor in LEAN_TRY_FACTORS:
+    # Seeds alternate which cap they try first: the looser one reaches the makespan more
+    # often, the tighter one holds less when it does.
+    for factor in LEAN_TRY_FACTORS if best.seed % 2 == 0 else LEAN_TRY_FACTORS[::-1]:
         cap = factor * target_memory
         fits = [start for start in lean if start.peak <= cap * (1 + RELATIVE_EPS)]
         if cap >= best.peak or not fits or (user_cap is not None and cap > user_cap):
@@ -531,13 +544,19 @@ def _lean_phase(
         if attempt.makespan <= best.makespan * (1 + RELATIVE_EPS) and attempt.peak < best.peak:
             best.orders, best.makespan, best.peak = attempt.orders, attempt.makespan, attempt.peak
             return _memory_phase(inst, phase, best, rng, movable, iterations, target_memory)
+        if attempt.makespan < start.makespan * (1 - RELATIVE_EPS) and attempt.peak < best.peak:
+            best.lean.append(LeanStart(cap, attempt.orders, attempt.makespan, attempt.peak))
     return iterations
 
 
+#: Odd seeds anneal under this cap (x the memory bound) when the fastest start holds more.
+CAPPED_SEED_FACTOR = 1.7
 #: Caps (x the memory bound) under which the lean phase looks for a schedule as fast as the best.
-LEAN_TRY_FACTORS = (1.3, 1.7)
+LEAN_TRY_FACTORS = (1.7, 1.3)
 #: The lean phase's budget, as a share of the two phases' before it (it comes on top).
-LEAN_SHARE = 0.15
+#: Schedule benchmark: from a lean start 0.03-0.1% slower, a try needs 2-10 s to reach the
+#: makespan where it gets there at all.
+LEAN_SHARE = 0.4
 #: Share of the lean phase's remaining time (and iterations) each lean try may take ...
 LEAN_TRY_SHARE = 0.6
 #: ... and share of the lean phase after which a try stops when it has stopped gaining
@@ -629,17 +648,16 @@ def _latency_phase(
     returns the iteration count. With `patience` (seconds, iterations), stop early once the
     energy has gone that long without a new low."""
     _, tail = heads_and_tails(inst)
+    follow = follow_tails(inst, walk.orders, tail)
 
-    deadline = _deadlines(tail, target_latency)
-
-    def energy(makespan: float, end: list[float]) -> float:
-        return makespan + LATENESS_WEIGHT * _lateness(end, deadline) / inst.problem.num_nodes
+    def energy(makespan: float, end: list[float], follow: list[float]) -> float:
+        return makespan + LATENESS_WEIGHT * _lateness(end, follow, target_latency) / inst.problem.num_nodes
 
     # Schedules within RELATIVE_EPS of `reference` count as equally fast; it moves only on a
     # real improvement, so a chain of "equal" schedules cannot creep slower.
     reference = best.makespan
     clock = _Clock(phase, LATENCY_TEMPERATURE * walk.makespan, iterations, patience)
-    current = energy(walk.makespan, walk.end)
+    current = energy(walk.makespan, walk.end, follow)
     lowest = current
     arcs: list[tuple[int, int]] | None = None
     while clock.tick(iterations):
@@ -662,10 +680,12 @@ def _latency_phase(
             continue
         new_peaks = list(walk.peaks)
         new_peaks[node] = new_peak_node
-        candidate = energy(simulated[0], simulated[2])
+        new_follow = list(follow)
+        node_tails(inst, new_order, tail, new_follow)
+        candidate = energy(simulated[0], simulated[2], new_follow)
         if _accept(rng, clock.temperature, current, candidate, max(walk.peaks), max(new_peaks)):
             walk.makespan, walk.start, walk.end, walk.peaks = simulated[0], simulated[1], simulated[2], new_peaks
-            current, arcs = candidate, None
+            current, arcs, follow = candidate, None, new_follow
             if current < lowest * (1 - RELATIVE_EPS):
                 lowest = current
                 clock.progressed(iterations)
@@ -715,14 +735,15 @@ def _memory_phase(
     level = min(best.peak, max(walk.peaks)) - step
     excess = [memory_profile(delta, order, level)[1] for order in walk.orders]
 
-    deadline = _deadlines(tail, makespan * (1 + RELATIVE_EPS))
+    target = makespan * (1 + RELATIVE_EPS)
+    follow = follow_tails(inst, walk.orders, tail)
 
-    def energy(end: list[float], node_excess: list[float]) -> float:
-        late = _lateness(end, deadline) / time_unit
+    def energy(end: list[float], follow: list[float], node_excess: list[float]) -> float:
+        late = _lateness(end, follow, target) / time_unit
         return MEMORY_LATENESS_WEIGHT * late + sum(node_excess) / memory_unit
 
     clock = _Clock(phase, MEMORY_TEMPERATURE, iterations)
-    current = energy(walk.end, excess)
+    current = energy(walk.end, follow, excess)
     late = walk.makespan > makespan * (1 + RELATIVE_EPS)
     arcs: list[tuple[int, int]] | None = None
     while clock.tick(iterations):
@@ -750,20 +771,22 @@ def _memory_phase(
             continue
         new_excess = list(excess)
         new_excess[node] = excess_node
-        candidate = energy(simulated[2], new_excess)
+        new_follow = list(follow)
+        node_tails(inst, new_order, tail, new_follow)
+        candidate = energy(simulated[2], new_follow, new_excess)
         if not _accept(rng, clock.temperature, current, candidate, 0.0, 0.0):
             walk.orders[node] = old_order
             continue
         walk.makespan, walk.start, walk.end = simulated
         walk.peaks[node] = peak_node
-        excess, current, arcs = new_excess, candidate, None
+        excess, current, arcs, follow = new_excess, candidate, None, new_follow
         late = walk.makespan > makespan * (1 + RELATIVE_EPS)
         peak = max(walk.peaks)
         if not late and peak < best.peak * (1 - RELATIVE_EPS):
             best.orders, best.peak, best.makespan = [list(o) for o in walk.orders], peak, walk.makespan
             level = peak - step
             excess = [memory_profile(delta, order, level)[1] for order in walk.orders]
-            current = energy(walk.end, excess)
+            current = energy(walk.end, follow, excess)
     return iterations
 
 
@@ -802,9 +825,11 @@ def _run_seeds(
     progress: Progress | None,
     window_s: float = 0.0,
 ) -> list[AnnealOutcome]:
-    """Seeds cycle over the starts within RESTART_SLACK of the fastest: restarts from several
-    constructions that are about as fast (they differ in memory and in where they get stuck).
-    Even seeds take them fastest first, odd seeds leanest first."""
+    """Even seeds cycle over the starts within RESTART_SLACK of the fastest: restarts from
+    several constructions that are about as fast (they differ in memory and in where they get
+    stuck). Odd seeds anneal under a cap (CAPPED_SEED_FACTOR) where the fastest start
+    holds more, from the starts within it, fastest first; else they take the starts within
+    RESTART_SLACK leanest first."""
     workers = parallel_workers(config.seeds)
     rounds = math.ceil(config.seeds / workers)
     # Each seed's lean phase comes on top of its budget: scale the budget to keep the total.
@@ -816,17 +841,28 @@ def _run_seeds(
     args = (per_seed, bounds.latency, bounds.memory, budget, starts[0][1], lean, latency_share)
     fastest = starts[0][2].makespan
     close = [(orders, ev) for _, orders, ev in starts if ev.makespan <= fastest * (1 + RESTART_SLACK)]
+    # Odd seeds anneal under CAPPED_SEED_FACTOR x the memory bound, from the fastest start
+    # within it: fast schedules found without a cap run every forward early, and the moves
+    # from there rarely interleave the backwards again; a lean start already does.
+    seed_cap = CAPPED_SEED_FACTOR * bounds.memory
+    lean_fits = [orders for _, orders, ev in starts if ev.max_peak_memory <= seed_cap * (1 + RELATIVE_EPS)]
+    capped = bool(lean_fits) and starts[0][2].max_peak_memory > seed_cap
     leanest = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
-    jobs = [((close if seed % 2 == 0 else leanest)[(seed // 2) % len(close)][0], seed) for seed in range(config.seeds)]
+    jobs = []
+    for seed in range(config.seeds):
+        if seed % 2 and capped:
+            jobs.append((lean_fits[(seed // 2) % len(lean_fits)], seed, seed_cap))
+        else:
+            jobs.append(((close if seed % 2 == 0 else leanest)[(seed // 2) % len(close)][0], seed, None))
     if workers == 1:
         outcomes = []
-        for done, (start, seed) in enumerate(jobs, 1):
-            outcomes.append(anneal(inst, start, seed, *args))
+        for done, (start, seed, cap) in enumerate(jobs, 1):
+            outcomes.append(anneal(inst, start, seed, *args, cap))
             if progress:
                 progress(done, config.seeds)
         return outcomes
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(anneal, inst, start, seed, *args) for start, seed in jobs]
+        futures = [pool.submit(anneal, inst, start, seed, *args, cap) for start, seed, cap in jobs]
         outcomes = []
         for done, future in enumerate(as_completed(futures), 1):
             outcomes.append(future.result())
@@ -950,17 +986,17 @@ def search_fused(
     (rule, _, greedy_eval), starts = starting_schedules(inst, (actor.name, critic.name))
     lean = lean_starts(inst, (actor.name, critic.name))
     sequence_s = 0.0 if config.max_iterations is not None else config.time_limit_s * SEQUENCE_SHARE
-    began = time.perf_counter()
     sequenced = parallel_sequenced_starts(inst, (actor.name, critic.name), sequence_s)
-    sequence_s = time.perf_counter() - began
     lean += sequenced
     # Under a cap the lean starts are often the fastest ones; sequenced starts sometimes are.
     extra = lean if activation_cap is not None else sequenced
     starts += [(f"lean, cap {start.cap:g}", start.orders, evaluate(inst, start.orders)) for start in extra]
     starts.sort(key=lambda s: (s[2].makespan, s[2].max_peak_memory))
     window_s = _window_seconds(config)
-    # The sequenced starts belong to the memory phase's share: the annealing has what is left.
-    anneal_s = max(config.time_limit_s * MIN_ANNEAL_SHARE, config.time_limit_s - window_s - sequence_s)
+    # The time limit covers the whole search: the annealing has what the bounds, the starts
+    # (the sequenced ones belong to the memory phase's share) and the windows leave.
+    spent = time.perf_counter() - started
+    anneal_s = max(config.time_limit_s * MIN_ANNEAL_SHARE, config.time_limit_s - window_s - spent)
     annealing = replace(config, time_limit_s=anneal_s)
     outcomes = _run_seeds(inst, starts, lean, annealing, bounds, progress, window_s)
     # The annealing keeps a start unless it improves it; makespans within RELATIVE_EPS tie
@@ -969,6 +1005,9 @@ def search_fused(
     candidates += [(ev.makespan, ev.max_peak_memory, orders) for _, orders, ev in starts]
     candidates += [(start.makespan, start.peak, start.orders) for start in lean]
     fastest = min(makespan for makespan, _, _ in candidates)
+    # Every seed's result and its lean tries may be near starts for the endgame.
+    lean += [start for o in outcomes for start in o.lean]
+    lean += [LeanStart(o.peak, o.orders, o.makespan, o.peak) for o in outcomes if o.makespan > fastest]
     _, _, orders = min((c for c in candidates if c[0] <= fastest * (1 + RELATIVE_EPS)), key=lambda c: c[1])
     windows = (0, 0, peak_memory_max(inst, orders))
     endgame: tuple[int, float] | None = None
