@@ -832,11 +832,12 @@ def _run_seeds(
     bounds: LowerBounds,
     progress: Progress | None,
     window_s: float = 0.0,
+    at_bound: bool = False,
 ) -> list[AnnealOutcome]:
     """Even seeds cycle over the starts within RESTART_SLACK of the fastest: restarts from
     several constructions that are about as fast (they differ in memory and in where they get
     stuck). Where the fastest start holds more than CAPPED_SEED_FACTOR x the memory bound,
-    odd seeds (every seed, when a start already meets the lower bound) anneal under that
+    odd seeds (every seed, `at_bound`: a start already meets the lower bound) anneal under that
     cap from the starts within it, fastest first; else odd seeds take the starts within
     RESTART_SLACK leanest first."""
     workers = parallel_workers(config.seeds)
@@ -856,13 +857,13 @@ def _run_seeds(
     seed_cap = CAPPED_SEED_FACTOR * bounds.memory
     lean_fits = [orders for _, orders, ev in starts if ev.max_peak_memory <= seed_cap * (1 + RELATIVE_EPS)]
     capped = bool(lean_fits) and starts[0][2].max_peak_memory > seed_cap
-    # When a start already meets the lower bound no seed needs to look for a faster one.
-    at_bound = fastest <= bounds.latency * (1 + RELATIVE_EPS)
     leanest = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
     jobs = []
     for seed in range(config.seeds):
-        if capped and (seed % 2 or at_bound):
-            jobs.append((lean_fits[(seed // 2 if not at_bound else seed) % len(lean_fits)], seed, seed_cap))
+        if capped and at_bound:  # no seed needs to look for a faster schedule
+            jobs.append((lean_fits[seed % len(lean_fits)], seed, seed_cap))
+        elif capped and seed % 2:
+            jobs.append((lean_fits[(seed // 2) % len(lean_fits)], seed, seed_cap))
         else:
             jobs.append(((close if seed % 2 == 0 else leanest)[(seed // 2) % len(close)][0], seed, None))
     if workers == 1:
@@ -1006,16 +1007,18 @@ def search_fused(
     starts += [(f"lean, cap {start.cap:g}", start.orders, evaluate(inst, start.orders)) for start in extra]
     starts.sort(key=lambda s: (s[2].makespan, s[2].max_peak_memory))
     window_s = _window_seconds(config)
-    if starts[0][2].makespan <= bounds.latency * (1 + RELATIVE_EPS):
-        # A start meets the lower bound, so the seeds anneal under a cap for a lean schedule
-        # as fast: that search needs the time more than the peak windows do.
+    at_bound = starts[0][2].makespan <= bounds.latency * (1 + RELATIVE_EPS)
+    if at_bound:
+        # No seed looks for a faster schedule: the time goes to the annealing, whose seeds
+        # look for a lean one as fast (under a cap where the fastest start holds much),
+        # rather than to the peak windows.
         window_s *= AT_BOUND_WINDOW_FACTOR
     # The time limit covers the whole search: the annealing has what the bounds, the starts
     # (the sequenced ones belong to the memory phase's share) and the windows leave.
     spent = time.perf_counter() - started
     anneal_s = max(config.time_limit_s * MIN_ANNEAL_SHARE, config.time_limit_s - window_s - spent)
     annealing = replace(config, time_limit_s=anneal_s)
-    outcomes = _run_seeds(inst, starts, lean, annealing, bounds, progress, window_s)
+    outcomes = _run_seeds(inst, starts, lean, annealing, bounds, progress, window_s, at_bound)
     # The annealing keeps a start unless it improves it; makespans within RELATIVE_EPS tie
     # (float sums in another order), and ties go to the least memory.
     candidates = [(o.makespan, o.peak, o.orders) for o in outcomes]
