@@ -210,17 +210,18 @@ def solve_memory_at(
     )
 
 
-def _units(inst: Instance) -> tuple[float, list[int], list[list[int]]]:
-    """The model's time unit, and the durations and edge latencies in whole units."""
-    unit = max(inst.duration) / TIME_STEPS
+def _units(inst: Instance, steps: int = TIME_STEPS) -> tuple[float, list[int], list[list[int]]]:
+    """The model's time unit (the longest op is `steps` of them), and the durations and
+    edge latencies in whole units."""
+    unit = max(inst.duration) / steps
     duration = [max(1, round(d / unit)) for d in inst.duration]
     latency = [[ceil_units(lat / unit) for _, lat in preds] for preds in inst.preds]
     return unit, duration, latency
 
 
-def whole_units(inst: Instance) -> tuple[float, Instance]:
+def whole_units(inst: Instance, steps: int = TIME_STEPS) -> tuple[float, Instance]:
     """The model's time unit and `inst` with its whole-unit durations and latencies."""
-    unit, duration, latency = _units(inst)
+    unit, duration, latency = _units(inst, steps)
     return unit, _with_times(inst, duration, latency)
 
 

@@ -855,7 +855,7 @@ def _run_seeds(
     # within it: fast schedules found without a cap run every forward early, and the moves
     # from there rarely interleave the backwards again; a lean start already does.
     seed_cap = CAPPED_SEED_FACTOR * bounds.memory
-    lean_fits = [orders for _, orders, ev in starts if ev.max_peak_memory <= seed_cap * (1 + RELATIVE_EPS)]
+    lean_fits = _lean_fits(starts, bounds)
     capped = bool(lean_fits) and starts[0][2].max_peak_memory > seed_cap
     leanest = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
     jobs = []
@@ -883,6 +883,12 @@ def _run_seeds(
     return sorted(outcomes, key=lambda o: o.seed)
 
 
+def _lean_fits(starts: list[Start], bounds: LowerBounds) -> list[Orders]:
+    """The starts that hold at most CAPPED_SEED_FACTOR x the memory bound, fastest first."""
+    seed_cap = CAPPED_SEED_FACTOR * bounds.memory
+    return [orders for _, orders, ev in starts if ev.max_peak_memory <= seed_cap * (1 + RELATIVE_EPS)]
+
+
 def _window_seconds(config: SearchConfig) -> float:
     """The peak windows' seconds: their share of the time limit in a time-limited run with
     OR-Tools installed, else 0."""
@@ -895,7 +901,10 @@ def _window_seconds(config: SearchConfig) -> float:
     return config.time_limit_s * config.window_share
 
 
-#: The peak windows' share shrinks by this factor when a start already meets the lower bound.
+#: The peak windows' share shrinks by this factor when a start already meets the lower bound
+#: and holds at most CAPPED_SEED_FACTOR x the memory bound (the seeds' peak descent has the
+#: time then). Where the fastest start holds more, the endgame, which brings the capped
+#: seeds' near misses and the sequenced starts to the bound, keeps its whole share.
 AT_BOUND_WINDOW_FACTOR = 0.5
 #: Share of the peak windows' time that first tries to bring lean starts to the best makespan.
 ENDGAME_SHARE = 0.8
@@ -903,12 +912,10 @@ ENDGAME_SHARE = 0.8
 ENDGAME_SLACK = 0.005
 #: ... this many of them at most, in turn. Each try has half of what is left (the last one
 #: all of it); a try that CP-SAT proves unable to end by the makespan passes the rest of its
-#: time on. Schedule benchmark, six of its highest-peak cases: most near starts are proved
-#: unable in milliseconds (they fall behind long before their last ops), and with two
-#: tries four cases left 90% of the time unused.
-ENDGAME_TRIES = 8
-#: Share of a try's time left that a step of its ladder gets (the last step all of it).
-ENDGAME_STEP_SHARE = 0.7
+#: time on. Schedule benchmark, 65B/33B 16/8/64: of 16 near starts (0.03-0.08% slower) three
+#: reach the bound, each in under 1.1 s, and the first of them is the fifth in the endgame's
+#: order; most of the others are proved unable in under a second.
+ENDGAME_TRIES = 32
 #: Relative makespan gaps within one step count as alike when the starts are ordered.
 ENDGAME_STEP = 0.001
 
@@ -916,59 +923,34 @@ ENDGAME_STEP = 0.001
 def _lean_endgame(
     inst: Instance, orders: Orders, makespan: float, lean: Sequence[LeanStart], seconds: float
 ) -> tuple[Orders, tuple[int, float] | None]:
-    """The best schedule, or a lean start brought to its makespan by re-sequencing its last
-    ops with CP-SAT (`window.meet_makespan`) when that holds less: up to ENDGAME_TRIES
-    starts within ENDGAME_SLACK of `makespan` and under the schedule's peak are tried in
-    turn, each with half of what is left of `seconds` (the last one all of it), until one
-    wins. Also returns (tries, the peak before) when a start won."""
+    """The best schedule, or the leanest of the lean starts brought to its makespan by
+    re-sequencing their last ops with CP-SAT (`window.meet_makespan`): up to ENDGAME_TRIES
+    starts within ENDGAME_SLACK of `makespan` are tried in turn, each with half of what is
+    left of `seconds` (the last one all of it), each only while it holds less than the best
+    so far. Also returns (the winning try, the peak before) when a start won."""
+    from nereus.solver.pipeline.window import meet_makespan
+
     began = time.perf_counter()
-    peak = peak_memory_max(inst, orders)
-    near = [s for s in lean if s.peak < peak * (1 - RELATIVE_EPS) and s.makespan <= makespan * (1 + ENDGAME_SLACK)]
+    before = best_peak = peak_memory_max(inst, orders)
+    near = [s for s in lean if s.peak < before * (1 - RELATIVE_EPS) and s.makespan <= makespan * (1 + ENDGAME_SLACK)]
     # Nearest the makespan first (in steps of ENDGAME_STEP), then least memory: CP-SAT closes
     # a small gap far more often than a large one.
     tries = sorted(near, key=lambda s: (round((s.makespan / makespan - 1) / ENDGAME_STEP), s.peak))[:ENDGAME_TRIES]
+    won: tuple[int, float] | None = None
     for n, start in enumerate(tries):
         left = seconds - (time.perf_counter() - began)
         if left <= 0.1:
             break
-        workers = parallel_workers(2)
-        share = left / min(2, len(tries) - n)
-        found = _ladder(inst, start, makespan, share, workers)
-        if found is not None and peak_memory_max(inst, found) < peak * (1 - RELATIVE_EPS):
-            return found, (n + 1, peak)
-    return orders, None
-
-
-#: The endgame's goals on the way from a lean start's makespan to the best one, as shares of
-#: the gap left. Schedule benchmark, 33B/13B 16/8/64: CP-SAT finds nothing in 4.5 s for the
-#: 1.46x start's 400-op window at the best makespan, but at 75% of its gap it finds, in
-#: 5 s, a schedule that ends by the best makespan itself (the looser horizon is easier to
-#: meet, and least activation tends to pack the last ops tight).
-ENDGAME_LADDER = (0.75, 0.5, 0.25, 0.0)
-
-
-def _ladder(inst: Instance, start: LeanStart, makespan: float, seconds: float, workers: int) -> Orders | None:
-    """`start` brought to `makespan` by `window.meet_makespan` in steps (ENDGAME_LADDER), each
-    from the last one's result with ENDGAME_STEP_SHARE of what is left of `seconds` (the last
-    one all of it); None when a step gets nothing. Every step's result ends by its goal, so
-    the makespans only fall."""
-    from nereus.solver.pipeline.window import meet_makespan
-
-    began = time.perf_counter()
-    orders, current = start.orders, start.makespan
-    for n, share in enumerate(ENDGAME_LADDER):
-        if current <= makespan * (1 + RELATIVE_EPS):
-            return orders
-        goal = makespan + (start.makespan - makespan) * share
-        if goal >= current:
+        if start.peak >= best_peak * (1 - RELATIVE_EPS):
             continue
-        left = seconds - (time.perf_counter() - began)
-        step_s = left if n == len(ENDGAME_LADDER) - 1 else left * ENDGAME_STEP_SHARE
-        found = meet_makespan(inst, orders, goal, step_s, workers=workers)
+        share = left / min(2, len(tries) - n)
+        found = meet_makespan(inst, start.orders, makespan, share, workers=parallel_workers(2))
         if found is None:
-            return None
-        orders, current = found, _makespan(inst, found)
-    return orders if current <= makespan * (1 + RELATIVE_EPS) else None
+            continue
+        peak = peak_memory_max(inst, found)
+        if peak < best_peak * (1 - RELATIVE_EPS):
+            orders, best_peak, won = found, peak, (n + 1, before)
+    return orders, won
 
 
 def parallel_workers(most: int) -> int:
@@ -1008,10 +990,9 @@ def search_fused(
     starts.sort(key=lambda s: (s[2].makespan, s[2].max_peak_memory))
     window_s = _window_seconds(config)
     at_bound = starts[0][2].makespan <= bounds.latency * (1 + RELATIVE_EPS)
-    if at_bound:
-        # No seed looks for a faster schedule: the time goes to the annealing, whose seeds
-        # look for a lean one as fast (under a cap where the fastest start holds much),
-        # rather than to the peak windows.
+    fat = starts[0][2].max_peak_memory > CAPPED_SEED_FACTOR * bounds.memory and bool(_lean_fits(starts, bounds))
+    if at_bound and not fat:
+        # No seed looks for a faster schedule: the time goes to the seeds' peak descent.
         window_s *= AT_BOUND_WINDOW_FACTOR
     # The time limit covers the whole search: the annealing has what the bounds, the starts
     # (the sequenced ones belong to the memory phase's share) and the windows leave.
