@@ -114,6 +114,23 @@ def test_the_endgame_ends_by_its_target_or_returns_nothing(seed: int) -> None:
     assert meet_makespan(inst, slowest, lower_bounds(inst).latency * 0.9, time_limit_s=1.0) is None
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_shortening_never_slows_a_schedule_and_keeps_one_that_meets_the_target(seed: int) -> None:
+    """`window.shorten` towards the lower bound from every start: what comes back runs, is
+    never slower, and a schedule already at the target comes back as it is."""
+    pytest.importorskip("ortools")
+    from nereus.solver.pipeline.window import shorten
+
+    inst = _random_instance(seed)
+    bound = lower_bounds(inst).latency
+    _, starts = starting_schedules(inst, NAMES)
+    for _, orders, ev in starts[:4]:
+        found = shorten(inst, orders, bound, time_limit_s=1.0)
+        replay = evaluate(inst, found)
+        assert replay.ok and replay.makespan <= ev.makespan * (1 + 1e-9)
+        assert shorten(inst, orders, ev.makespan, time_limit_s=1.0) is orders
+
+
 def test_the_endgame_brings_a_lean_start_to_the_fastest_makespan() -> None:
     """The front-loaded instance: the fastest start holds over 2x the memory bound; the
     leanest sequenced start within 0.5% of its makespan, re-sequenced at the end by CP-SAT,

@@ -269,19 +269,31 @@ ENDGAME_SOLVE_S = 1.0
 def meet_makespan(
     inst: Instance, orders: Orders, target: float, time_limit_s: float, workers: int = 2
 ) -> Orders | None:
-    """`orders` with the ops that start last (on every node a suffix of its order)
-    re-sequenced by CP-SAT to end by `target`; None when no window of ENDGAME_OPS gets
-    there in `time_limit_s`.
+    """`orders` with the ops that start last re-sequenced to end by `target` (`shorten`), or
+    None when no window of ENDGAME_OPS gets there in `time_limit_s`.
 
     A lean schedule a fraction of a percent slower than the fastest one usually differs
     from a lean and as fast one only in its last micro-batches: its prefix, where the peak
-    is, stays as it is. CP-SAT minimises the window's makespan from the schedule itself
-    (a feasible hint, so its local search starts from a solution and walks down), down to
-    the target, where it stops. Schedule benchmark, 33B/13B 16/8/64, six lean starts
-    0.0035-0.17% slower: three reach the bound with a 400-op window in 0.4-0.9 s; asked
-    instead for the least activation with every op ending by the target, CP-SAT found any
-    solution in 2-4 s when it found one at all. The result is re-timed with the real
-    durations and returned only when it ends by `target`."""
+    is, stays as it is. Schedule benchmark, 33B/13B 16/8/64, six lean starts 0.0035-0.17%
+    slower: three reach the bound with a 400-op window in 0.4-0.9 s; asked instead for the
+    least activation with every op ending by the target, CP-SAT found any solution in
+    2-4 s when it found one at all."""
+    found = shorten(inst, orders, target, time_limit_s, workers)
+    state = simulate(inst, found)
+    assert state is not None
+    return found if state[0] <= target * (1 + RELATIVE_EPS) else None
+
+
+def shorten(inst: Instance, orders: Orders, target: float, time_limit_s: float, workers: int = 2) -> Orders:
+    """The shortest schedule found from `orders` by re-sequencing the ops that start last (on
+    every node a suffix of its order, ENDGAME_OPS of them, each window from the last one's
+    result) with CP-SAT, until one ends by `target` or `time_limit_s` is spent; `orders`
+    itself when nothing ends earlier.
+
+    CP-SAT minimises the window's makespan from the schedule's own times (a feasible hint,
+    so its local search starts from a solution and walks down) down to `target`, where the
+    solve is optimal and stops. Every result is re-timed with the real durations and kept
+    only when it ends earlier."""
     from ortools.sat.python import cp_model
 
     began = time.perf_counter()
@@ -290,23 +302,18 @@ def meet_makespan(
     current = simulate(inst, orders)
     assert current is not None, "the schedule to shorten runs"
     makespan = current[0]
-    if makespan <= target * (1 + RELATIVE_EPS):
-        return orders
-    for size in ENDGAME_OPS:
+    for size in sorted({min(size, inst.num_ops) for size in ENDGAME_OPS}):
         left = time_limit_s - (time.perf_counter() - began)
-        if size > inst.num_ops or left <= 0.1:
+        if makespan <= target * (1 + RELATIVE_EPS) or left <= 0.1:
             break
         timed = simulate(units, orders)
         assert timed is not None
         spans = _last_ops(orders, timed[1], size)
         found = _shorten_window(cp_model, units, orders, timed, spans, goal, min(ENDGAME_SOLVE_S, left), workers)
         state = None if found is None else simulate(inst, found)
-        if found is None or state is None or state[0] >= makespan:
-            continue
-        if state[0] <= target * (1 + RELATIVE_EPS):
-            return found
-        orders, makespan = found, state[0]  # the next, larger window starts from it
-    return None
+        if found is not None and state is not None and state[0] < makespan:
+            orders, makespan = found, state[0]  # the next, larger window starts from it
+    return orders
 
 
 def _last_ops(orders: Orders, start: list[float], size: int) -> list[range]:
