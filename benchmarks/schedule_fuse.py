@@ -11,9 +11,10 @@ Each case builds list schedules, improves the best few by forward-backward passe
 anneals --seeds seeds in parallel processes for what is left of --time-limit seconds (all
 seeds together; latency first, then peak memory at no latency cost; odd seeds, or every
 seed when a start meets the lower bound, under 1.7x the memory bound where the fastest start
-holds more), then gives --window-share of the time to CP-SAT endgames and peak windows at that
-makespan; the starts and lower bounds count within --time-limit, the baselines come on top,
-and all are included in the reported search time.
+holds more), then gives --window-share of the time to CP-SAT: shortening the fastest schedule
+towards the lower bound, the endgame and peak windows at that makespan; the starts and lower
+bounds count within --time-limit, the baselines come on top, and all are included in the
+reported search time.
 The lower bound is the largest of critical path, node work, average work, arrival + work +
 tail and the one-machine bound with rank releases and tails (see nereus/solver/pipeline/bounds.py);
 "reached" means makespan <= bound (1e-9 relative). Memory: peak activation per node against
@@ -22,10 +23,12 @@ bound at the schedule's makespan) and against the provable lower bound on the pe
 schedule as fast ("lb@mk", `bounds.memory_bound_at`, with each stage's node work counted).
 "windows" is the peak the annealing left: the sequenced starts (interleaved 1F1B with a
 few extra warm-up forwards per model, `search.sequenced_starts`, SEQUENCE_SHARE of the time
-limit) are lean and often a fraction of a percent slower; CP-SAT re-sequences the last ops
-of the nearest of them to end by the best makespan (`window.meet_makespan`), and the winner
-goes to the CP-SAT peak windows (`window.lower_peak`); both within --window-share of the time
-limit.
+limit) are lean and often a fraction of a percent slower. Within --window-share of the time
+limit, CP-SAT first shortens the fastest schedule towards the lower bound where it is above
+it (`window.shorten`: the ops that start last re-sequenced, their makespan minimised from
+the schedule's own times), then re-sequences the last ops of the nearest lean starts to end
+by that makespan (`window.meet_makespan`, the leanest winner kept), and the result goes to
+the CP-SAT peak windows (`window.lower_peak`).
 
 Targets: the latency lower bound reached in most cases, >= 1.15x faster than serial 1F1B,
 peak / memory bound at most 1.3 on average and 1.7 at worst, <= 60 s of search per case on
@@ -216,7 +219,10 @@ def main() -> None:
         "--window-share",
         type=float,
         default=SearchConfig.window_share,
-        help=f"share of the time limit for CP-SAT peak windows (default {SearchConfig.window_share:g})",
+        help=(
+            "share of the time limit for CP-SAT: shortening, endgame, peak windows "
+            f"(default {SearchConfig.window_share:g})"
+        ),
     )
     parser.add_argument("--stages", type=int, nargs="+", default=[4, 8, 16], help="actor stage counts")
     parser.add_argument("--exact-ops", type=int, default=300, help="run CP-SAT on cases with at most this many ops")

@@ -76,8 +76,10 @@ class SearchConfig:
     max_iterations: int | None = None
     """Also stop each seed after this many neighbours (a run that does not depend on CPU speed)."""
     window_share: float = 0.3
-    """Share of `time_limit_s` that goes to CP-SAT peak windows after the annealing
-    (`window.lower_peak`, with OR-Tools installed; else the annealing keeps it). Not used
+    """Share of `time_limit_s` that goes to CP-SAT after the annealing: shortening the fastest
+    schedule (`window.shorten`), bringing lean starts to its makespan (`window.meet_makespan`)
+    and peak windows (`window.lower_peak`), with OR-Tools installed; else the annealing keeps
+    it. Not used
     with `max_iterations`: the windows' solves depend on time."""
 
     def __post_init__(self) -> None:
