@@ -835,13 +835,14 @@ def _run_seeds(
     progress: Progress | None,
     window_s: float = 0.0,
     at_bound: bool = False,
+    capped: bool = False,
 ) -> list[AnnealOutcome]:
     """Even seeds cycle over the starts within RESTART_SLACK of the fastest: restarts from
     several constructions that are about as fast (they differ in memory and in where they get
-    stuck). Where the fastest start holds more than CAPPED_SEED_FACTOR x the memory bound,
-    odd seeds (every seed, `at_bound`: a start already meets the lower bound) anneal under that
-    cap from the starts within it, fastest first; else odd seeds take the starts within
-    RESTART_SLACK leanest first."""
+    stuck). Where the fastest start holds more than CAPPED_SEED_FACTOR x the memory bound
+    (`capped`, `_fastest_is_fat`), odd seeds (every seed, `at_bound`: a start already meets
+    the lower bound) anneal under that cap from the starts within it, fastest first; else odd
+    seeds take the starts within RESTART_SLACK leanest first."""
     workers = parallel_workers(config.seeds)
     rounds = math.ceil(config.seeds / workers)
     # Each seed's lean phase comes on top of its budget: scale the budget to keep the total.
@@ -858,7 +859,6 @@ def _run_seeds(
     # from there rarely interleave the backwards again; a lean start already does.
     seed_cap = CAPPED_SEED_FACTOR * bounds.memory
     lean_fits = _lean_fits(starts, bounds)
-    capped = bool(lean_fits) and starts[0][2].max_peak_memory > seed_cap
     leanest = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
     jobs = []
     for seed in range(config.seeds):
@@ -889,6 +889,13 @@ def _lean_fits(starts: list[Start], bounds: LowerBounds) -> list[Orders]:
     """The starts that hold at most CAPPED_SEED_FACTOR x the memory bound, fastest first."""
     seed_cap = CAPPED_SEED_FACTOR * bounds.memory
     return [orders for _, orders, ev in starts if ev.max_peak_memory <= seed_cap * (1 + RELATIVE_EPS)]
+
+
+def _fastest_is_fat(starts: list[Start], bounds: LowerBounds) -> bool:
+    """The fastest start holds more than CAPPED_SEED_FACTOR x the memory bound and another
+    start holds less: the seeds that anneal under that cap have somewhere to start."""
+    seed_cap = CAPPED_SEED_FACTOR * bounds.memory
+    return starts[0][2].max_peak_memory > seed_cap and bool(_lean_fits(starts, bounds))
 
 
 def _window_seconds(config: SearchConfig) -> float:
@@ -998,7 +1005,7 @@ def search_fused(
     starts.sort(key=lambda s: (s[2].makespan, s[2].max_peak_memory))
     window_s = _window_seconds(config)
     at_bound = starts[0][2].makespan <= bounds.latency * (1 + RELATIVE_EPS)
-    fat = starts[0][2].max_peak_memory > CAPPED_SEED_FACTOR * bounds.memory and bool(_lean_fits(starts, bounds))
+    fat = _fastest_is_fat(starts, bounds)
     if at_bound and not fat:
         # No seed looks for a faster schedule: the time goes to the seeds' peak descent.
         window_s *= AT_BOUND_WINDOW_FACTOR
@@ -1007,7 +1014,7 @@ def search_fused(
     spent = time.perf_counter() - started
     anneal_s = max(config.time_limit_s * MIN_ANNEAL_SHARE, config.time_limit_s - window_s - spent)
     annealing = replace(config, time_limit_s=anneal_s)
-    outcomes = _run_seeds(inst, starts, lean, annealing, bounds, progress, window_s, at_bound)
+    outcomes = _run_seeds(inst, starts, lean, annealing, bounds, progress, window_s, at_bound, fat)
     # The annealing keeps a start unless it improves it; makespans within RELATIVE_EPS tie
     # (float sums in another order), and ties go to the least memory.
     candidates = [(o.makespan, o.peak, o.orders) for o in outcomes]

@@ -310,8 +310,10 @@ def shorten(inst: Instance, orders: Orders, target: float, time_limit_s: float, 
         assert timed is not None
         spans = _last_ops(orders, timed[1], size)
         found = _shorten_window(cp_model, units, orders, timed, spans, goal, min(ENDGAME_SOLVE_S, left), workers)
-        state = None if found is None else simulate(inst, found)
-        if found is not None and state is not None and state[0] < makespan:
+        if found is None:
+            continue
+        state = simulate(inst, found)
+        if state is not None and state[0] < makespan:
             orders, makespan = found, state[0]  # the next, larger window starts from it
     return orders
 
