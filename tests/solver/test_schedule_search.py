@@ -16,6 +16,7 @@ from nereus.solver.pipeline.greedy import GreedyRule, list_schedule, rule_key, w
 from nereus.solver.pipeline.improve import forward_backward, serial_schedule
 from nereus.solver.pipeline.model import Instance, ModelTimes, build_instance, fused_problem, single_problem
 from nereus.solver.pipeline.search import (
+    CAPPED_SEED_FACTOR,
     AnnealOutcome,
     SearchConfig,
     _lean_phase,
@@ -298,3 +299,39 @@ def test_the_schedule_reports_its_leaner_slower_alternatives() -> None:
         assert lean.peak_memory < ev.max_peak_memory and lean.makespan > ev.makespan
         assert lean.peak_memory <= lean.activation_cap * (1 + 1e-9)
     assert all(a.makespan > b.makespan for a, b in itertools.pairwise(alternatives))
+
+
+def _seed_caps(monkeypatch: pytest.MonkeyPatch, actor: ModelTimes, critic: ModelTimes) -> tuple[list, float]:
+    """The activation cap each of two seeds anneals under (in one process), and the memory bound."""
+    import nereus.solver.pipeline.search as search
+
+    caps: list = []
+    real = search.anneal
+
+    def recorded(*args: object) -> AnnealOutcome:
+        caps.append(args[-1])
+        return real(*args)
+
+    monkeypatch.setattr(search, "anneal", recorded)
+    monkeypatch.setattr(search, "parallel_workers", lambda most: 1)
+    result = search_fused(actor, critic, SearchConfig(time_limit_s=60, seeds=2, max_iterations=400))
+    return caps, result.bounds.memory
+
+
+def test_every_seed_is_capped_where_the_fastest_start_is_lean(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Actor 2 stages, critic 8, 4 micro-batches: the fastest start holds 1.49x the memory
+    bound and is above the lower bound. An uncapped walk from there drifts to schedules that
+    run every forward early, so both seeds keep under CAPPED_SEED_FACTOR x the bound."""
+    actor = ModelTimes.uniform("actor", 2, 4, 13.4, 26.8, 10.0)
+    critic = ModelTimes.uniform("critic", 8, 4, 2.6, 5.2, 5.1)
+    caps, memory = _seed_caps(monkeypatch, actor, critic)
+    assert caps == [pytest.approx(CAPPED_SEED_FACTOR * memory)] * 2
+
+
+def test_an_uncapped_seed_looks_for_speed_where_the_fastest_start_is_fat(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Actor and critic 2 stages, 4 micro-batches: the fastest start holds 2x the memory bound
+    and is above the lower bound; the even seed searches without the cap, the odd one under it."""
+    actor = ModelTimes.uniform("actor", 2, 4, 6.6, 13.2, 10.0)
+    critic = ModelTimes.uniform("critic", 2, 4, 2.6, 5.2, 5.1)
+    caps, memory = _seed_caps(monkeypatch, actor, critic)
+    assert caps == [None, pytest.approx(CAPPED_SEED_FACTOR * memory)]
