@@ -9,9 +9,9 @@ which certifies the heuristic optimal when they agree, and CP-SAT then looks for
 peak activation among schedules as fast as the heuristic's (proved when "optimal").
 Each case builds list schedules, improves the best few by forward-backward passes, then
 anneals --seeds seeds in parallel processes for what is left of --time-limit seconds (all
-seeds together; latency first, then peak memory at no latency cost; odd seeds, or every
-seed when a start meets the lower bound, under 1.7x the memory bound where the fastest start
-holds more), then gives --window-share of the time to CP-SAT: shortening the fastest schedule
+seeds together; latency first, then peak memory at no latency cost; under 1.7x the memory
+bound from the starts within it, except the even seeds where the fastest start holds more
+and is above the lower bound), then gives --window-share of the time to CP-SAT: shortening the fastest schedule
 towards the lower bound, the endgame and peak windows at that makespan; the starts and lower
 bounds count within --time-limit, the baselines come on top, and all are included in the
 reported search time.
