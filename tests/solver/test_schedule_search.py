@@ -335,3 +335,13 @@ def test_an_uncapped_seed_looks_for_speed_where_the_fastest_start_is_fat(monkeyp
     critic = ModelTimes.uniform("critic", 2, 4, 2.6, 5.2, 5.1)
     caps, memory = _seed_caps(monkeypatch, actor, critic)
     assert caps == [None, pytest.approx(CAPPED_SEED_FACTOR * memory)]
+
+
+def test_no_seed_is_capped_where_a_lean_start_meets_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Actor and critic 2 stages, 4 micro-batches, equal times: the fastest start meets the
+    lower bound at 1.26x the memory bound; no walk looks for speed, the seeds only lower the
+    peak, the odd one from the leanest start within RESTART_SLACK."""
+    actor = ModelTimes.uniform("actor", 2, 4, 6.6, 13.2, 10.0)
+    critic = ModelTimes.uniform("critic", 2, 4, 6.6, 13.2, 5.1)
+    caps, _ = _seed_caps(monkeypatch, actor, critic)
+    assert caps == [None, None]

@@ -839,13 +839,14 @@ def _run_seeds(
     at_bound: bool = False,
     fat: bool = False,
 ) -> list[AnnealOutcome]:
-    """Seeds anneal under CAPPED_SEED_FACTOR x the memory bound from the starts within it,
-    fastest first (`_lean_fits`), except where the fastest start holds more (`fat`,
-    `_fastest_is_fat`) and is above the lower bound: then even seeds look for a faster
-    schedule without the cap, cycling over the starts within RESTART_SLACK of the fastest
-    (restarts from constructions about as fast that differ in memory and in where they get
-    stuck), and only odd seeds are capped. With no start within the cap, no seed is, and
-    odd seeds take the starts within RESTART_SLACK leanest first."""
+    """Which seeds anneal under CAPPED_SEED_FACTOR x the memory bound, from the starts
+    within it, fastest first (`_lean_fits`): every seed where the fastest start is within
+    it and above the lower bound (the walk for a faster schedule would drift fat), and
+    where it holds more (`fat`, `_fastest_is_fat`) and meets the bound (only a lean
+    schedule as fast is left to find); odd seeds where it holds more and is above the
+    bound. The others cycle over the starts within RESTART_SLACK of the fastest without the
+    cap (restarts from constructions about as fast that differ in memory and in where they
+    get stuck), even seeds fastest first, odd seeds leanest first."""
     workers = parallel_workers(config.seeds)
     rounds = math.ceil(config.seeds / workers)
     # Each seed's lean phase comes on top of its budget: scale the budget to keep the total.
@@ -863,11 +864,13 @@ def _run_seeds(
     seed_cap = CAPPED_SEED_FACTOR * bounds.memory
     lean_fits = _lean_fits(starts, bounds)
     leanest = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
+    # Lean and above the bound, or fat at the bound: every seed is capped.
+    every = bool(lean_fits) and at_bound == fat
     jobs = []
     for seed in range(config.seeds):
-        if lean_fits and (at_bound or not fat):
+        if every:
             jobs.append((lean_fits[seed % len(lean_fits)], seed, seed_cap))
-        elif lean_fits and seed % 2:
+        elif fat and seed % 2:
             jobs.append((lean_fits[(seed // 2) % len(lean_fits)], seed, seed_cap))
         else:
             jobs.append(((close if seed % 2 == 0 else leanest)[(seed // 2) % len(close)][0], seed, None))
@@ -924,7 +927,8 @@ AT_BOUND_WINDOW_FACTOR = 0.5
 #: 8/8/32 from 0.0065% above, each with a 240-op window in at most 1.2 s.
 SHORTEN_SHARE = 0.2
 #: Share of what is left of the peak windows' time that then tries to bring lean starts to
-#: the best makespan.
+#: the best makespan (all of it while the best schedule holds more than CAPPED_SEED_FACTOR
+#: x the memory bound and no start has won).
 ENDGAME_SHARE = 0.8
 #: Lean starts at most this much slower (relative) than the best makespan are tried ...
 ENDGAME_SLACK = 0.005
@@ -939,13 +943,19 @@ ENDGAME_STEP = 0.001
 
 
 def _lean_endgame(
-    inst: Instance, orders: Orders, makespan: float, lean: Sequence[LeanStart], seconds: float
+    inst: Instance,
+    orders: Orders,
+    makespan: float,
+    lean: Sequence[LeanStart],
+    seconds: float,
+    seconds_after_win: float | None = None,
 ) -> tuple[Orders, tuple[int, float] | None]:
     """The best schedule, or the leanest of the lean starts brought to its makespan by
     re-sequencing their last ops with CP-SAT (`window.meet_makespan`): up to ENDGAME_TRIES
     starts within ENDGAME_SLACK of `makespan` are tried in turn, each with half of what is
-    left of `seconds` (the last one all of it), each only while it holds less than the best
-    so far. Also returns (the winning try, the peak before) when a start won."""
+    left of `seconds` (the last one all of it; once a start has won, of `seconds_after_win`
+    where given), each only while it holds less than the best so far. Also returns (the
+    winning try, the peak before) when a start won."""
     from nereus.solver.pipeline.window import meet_makespan
 
     began = time.perf_counter()
@@ -956,7 +966,8 @@ def _lean_endgame(
     tries = sorted(near, key=lambda s: (round((s.makespan / makespan - 1) / ENDGAME_STEP), s.peak))[:ENDGAME_TRIES]
     won: tuple[int, float] | None = None
     for n, start in enumerate(tries):
-        left = seconds - (time.perf_counter() - began)
+        limit = seconds if won is None or seconds_after_win is None else seconds_after_win
+        left = limit - (time.perf_counter() - began)
         if left <= 0.1:
             break
         if start.peak >= best_peak * (1 - RELATIVE_EPS):
@@ -1039,7 +1050,11 @@ def search_fused(
             fastest = _makespan(inst, orders)
         floor = max(bounds.memory, memory_bound_at(inst, fastest))
         left = window_s - (time.perf_counter() - began)
-        orders, endgame = _lean_endgame(inst, orders, fastest, lean, left * ENDGAME_SHARE)
+        # The peak windows rarely lower a fat schedule (65B/33B 16/8/64: 268 to 263 in 3 s),
+        # so on one the endgame keeps their share too until a start wins.
+        fat_now = peak_memory_max(inst, orders) > CAPPED_SEED_FACTOR * bounds.memory
+        share = 1.0 if fat_now else ENDGAME_SHARE
+        orders, endgame = _lean_endgame(inst, orders, fastest, lean, left * share, left * ENDGAME_SHARE)
         left = window_s - (time.perf_counter() - began)
         lowered = lower_peak(inst, orders, left, target=floor, workers=parallel_workers(2))
         orders, windows = lowered.orders, (lowered.windows, lowered.kept, windows[2])
