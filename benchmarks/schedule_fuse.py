@@ -10,8 +10,8 @@ peak activation among schedules as fast as the heuristic's (proved when "optimal
 Each case builds list schedules, improves the best few by forward-backward passes, then
 anneals --seeds seeds in parallel processes for what is left of --time-limit seconds (all
 seeds together; latency first, then peak memory at no latency cost; under 1.7x the memory
-bound from the starts within it, except the even seeds where the fastest start holds more
-and is above the lower bound), then gives --window-share of the time to CP-SAT: shortening the fastest schedule
+bound, every seed where the fastest start is within it and above the lower bound or holds
+more and meets it, odd seeds where it holds more and is above it), then gives --window-share of the time to CP-SAT: shortening the fastest schedule
 towards the lower bound, the endgame and peak windows at that makespan; the starts and lower
 bounds count within --time-limit, the baselines come on top, and all are included in the
 reported search time.
