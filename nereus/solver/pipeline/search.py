@@ -464,10 +464,10 @@ def anneal(
     """Two-phase simulated annealing from `start`: latency, then memory at the makespan found.
 
     With `seed_cap`, the latency phase never lets a node hold more than it (nor the
-    problem's own cap) and has CAPPED_LATENCY_SHARE of the budget: the seed looks for a lean
-    schedule as fast as `fallback`; when it gets there the memory phase lowers it further,
-    else its schedule is kept as a near miss (`AnnealOutcome.lean`) and the memory phase
-    works on `fallback`.
+    problem's own cap): from a lean start the seed looks for a schedule as fast as
+    `fallback` (with CAPPED_LATENCY_SHARE as `latency_share`, `_run_seeds`); when it gets
+    there the memory phase lowers it further, else its schedule is kept as a near miss
+    (`AnnealOutcome.lean`) and the memory phase works on `fallback`.
 
     Each phase owns its share of the time (and iteration) budget (`latency_share` for the
     latency phase, the rest for the memory phase); a latency phase that meets
@@ -487,9 +487,6 @@ def anneal(
         return best
     began = time.perf_counter()
     budget = max_iterations if max_iterations is not None else math.inf
-    # A capped seed's lower peak counts only at the best makespan: it spends most of the
-    # budget getting there (the memory phase has what is left).
-    latency_share = CAPPED_LATENCY_SHARE if seed_cap is not None else latency_share
     latency = _Phase(began + time_limit_s * latency_share, budget * latency_share)
     user_cap = inst.problem.activation_cap
     cap = user_cap if seed_cap is None else min(seed_cap, user_cap or math.inf)
@@ -839,14 +836,16 @@ def _run_seeds(
     at_bound: bool = False,
     fat: bool = False,
 ) -> list[AnnealOutcome]:
-    """Which seeds anneal under CAPPED_SEED_FACTOR x the memory bound, from the starts
-    within it, fastest first (`_lean_fits`): every seed where the fastest start is within
-    it and above the lower bound (the walk for a faster schedule would drift fat), and
-    where it holds more (`fat`, `_fastest_is_fat`) and meets the bound (only a lean
-    schedule as fast is left to find); odd seeds where it holds more and is above the
-    bound. The others cycle over the starts within RESTART_SLACK of the fastest without the
-    cap (restarts from constructions about as fast that differ in memory and in where they
-    get stuck), even seeds fastest first, odd seeds leanest first."""
+    """Which seeds anneal under CAPPED_SEED_FACTOR x the memory bound. Where the fastest
+    start holds more (`fat`, `_fastest_is_fat`), capped seeds catch up from the starts
+    within the cap, fastest first (`_lean_fits`), with CAPPED_LATENCY_SHARE of their budget
+    for the latency phase: every seed at the lower bound (only a lean schedule as fast is
+    left to find), odd seeds above it (even seeds look for the faster schedule without the
+    cap). The others cycle over the starts within RESTART_SLACK of the fastest, even seeds
+    fastest first, odd seeds leanest first (restarts from constructions about as fast that
+    differ in memory and in where they get stuck): under the cap, from the starts within
+    it, where the fastest start is within it and above the bound (an uncapped walk for a
+    faster schedule drifts to one that runs every forward early), else without it."""
     workers = parallel_workers(config.seeds)
     rounds = math.ceil(config.seeds / workers)
     # Each seed's lean phase comes on top of its budget: scale the budget to keep the total.
@@ -855,34 +854,36 @@ def _run_seeds(
     # The peak windows take their time from the memory phase: the latency phase keeps its share.
     whole = config.time_limit_s + window_s
     latency_share = min(1.0, whole * (1 - MEMORY_PHASE_SHARE) / config.time_limit_s)
-    args = (per_seed, bounds.latency, bounds.memory, budget, starts[0][1], lean, latency_share)
+    args = (per_seed, bounds.latency, bounds.memory, budget, starts[0][1], lean)
     fastest = starts[0][2].makespan
-    close = [(orders, ev) for _, orders, ev in starts if ev.makespan <= fastest * (1 + RESTART_SLACK)]
-    # Fast schedules found without a cap run every forward early, and the moves from there
-    # rarely interleave the backwards again; a lean start already does, and the cap keeps
-    # the walk from drifting there (a fat start still competes as it is).
     seed_cap = CAPPED_SEED_FACTOR * bounds.memory
     lean_fits = _lean_fits(starts, bounds)
+    walk_cap = seed_cap if lean_fits and not fat and not at_bound else None
+    close = [
+        (orders, ev)
+        for _, orders, ev in starts
+        if ev.makespan <= fastest * (1 + RESTART_SLACK)
+        and (walk_cap is None or ev.max_peak_memory <= walk_cap * (1 + RELATIVE_EPS))
+    ]
     leanest = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
-    # Lean and above the bound, or fat at the bound: every seed is capped.
-    every = bool(lean_fits) and at_bound == fat
     jobs = []
     for seed in range(config.seeds):
-        if every:
-            jobs.append((lean_fits[seed % len(lean_fits)], seed, seed_cap))
-        elif fat and seed % 2:
-            jobs.append((lean_fits[(seed // 2) % len(lean_fits)], seed, seed_cap))
+        if fat and (at_bound or seed % 2):
+            start = lean_fits[(seed if at_bound else seed // 2) % len(lean_fits)]
+            # Its lower peak counts only at the best makespan: most of the budget goes there.
+            jobs.append((start, seed, CAPPED_LATENCY_SHARE, seed_cap))
         else:
-            jobs.append(((close if seed % 2 == 0 else leanest)[(seed // 2) % len(close)][0], seed, None))
+            start = (close if seed % 2 == 0 else leanest)[(seed // 2) % len(close)][0]
+            jobs.append((start, seed, latency_share, walk_cap))
     if workers == 1:
         outcomes = []
-        for done, (start, seed, cap) in enumerate(jobs, 1):
-            outcomes.append(anneal(inst, start, seed, *args, cap))
+        for done, (start, seed, share, cap) in enumerate(jobs, 1):
+            outcomes.append(anneal(inst, start, seed, *args, share, cap))
             if progress:
                 progress(done, config.seeds)
         return outcomes
     with ProcessPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(anneal, inst, start, seed, *args, cap) for start, seed, cap in jobs]
+        futures = [pool.submit(anneal, inst, start, seed, *args, share, cap) for start, seed, share, cap in jobs]
         outcomes = []
         for done, future in enumerate(as_completed(futures), 1):
             outcomes.append(future.result())
@@ -926,9 +927,16 @@ AT_BOUND_WINDOW_FACTOR = 0.5
 #: recorded schedules: 33B/13B 8/8/16 from 0.076% above the bound to the bound and 65B/33B
 #: 8/8/32 from 0.0065% above, each with a 240-op window in at most 1.2 s.
 SHORTEN_SHARE = 0.2
+#: Share of the peak windows' time kept, where the schedule is still above the lower bound,
+#: for shortening it once more after the peak windows: they re-sequence it, and the result
+#: is a new start for the suffix windows. Schedule benchmark, 33B/13B 8/8/16: the first
+#: shortening left a seed's schedule 0.076% above the bound; from the peak windows' result
+#: the suffix windows reached it in 0.5-1.2 s (4 of 4 tries).
+SHORTEN_AGAIN_SHARE = 0.1
 #: Share of what is left of the peak windows' time that then tries to bring lean starts to
-#: the best makespan (all of it while the best schedule holds more than CAPPED_SEED_FACTOR
-#: x the memory bound and no start has won).
+#: the best makespan. The peak windows keep the rest even on a schedule above 1.7x the
+#: reference: given all of it where no start won, the endgame cost 33B/13B 8/8/32 1.63x ->
+#: 1.82x and 4/4/16 1.25x -> 1.40x (the windows lower such schedules by 10-20%).
 ENDGAME_SHARE = 0.8
 #: Lean starts at most this much slower (relative) than the best makespan are tried ...
 ENDGAME_SLACK = 0.005
@@ -943,19 +951,13 @@ ENDGAME_STEP = 0.001
 
 
 def _lean_endgame(
-    inst: Instance,
-    orders: Orders,
-    makespan: float,
-    lean: Sequence[LeanStart],
-    seconds: float,
-    seconds_after_win: float | None = None,
+    inst: Instance, orders: Orders, makespan: float, lean: Sequence[LeanStart], seconds: float
 ) -> tuple[Orders, tuple[int, float] | None]:
     """The best schedule, or the leanest of the lean starts brought to its makespan by
     re-sequencing their last ops with CP-SAT (`window.meet_makespan`): up to ENDGAME_TRIES
     starts within ENDGAME_SLACK of `makespan` are tried in turn, each with half of what is
-    left of `seconds` (the last one all of it; once a start has won, of `seconds_after_win`
-    where given), each only while it holds less than the best so far. Also returns (the
-    winning try, the peak before) when a start won."""
+    left of `seconds` (the last one all of it), each only while it holds less than the best
+    so far. Also returns (the winning try, the peak before) when a start won."""
     from nereus.solver.pipeline.window import meet_makespan
 
     began = time.perf_counter()
@@ -966,8 +968,7 @@ def _lean_endgame(
     tries = sorted(near, key=lambda s: (round((s.makespan / makespan - 1) / ENDGAME_STEP), s.peak))[:ENDGAME_TRIES]
     won: tuple[int, float] | None = None
     for n, start in enumerate(tries):
-        limit = seconds if won is None or seconds_after_win is None else seconds_after_win
-        left = limit - (time.perf_counter() - began)
+        left = seconds - (time.perf_counter() - began)
         if left <= 0.1:
             break
         if start.peak >= best_peak * (1 - RELATIVE_EPS):
@@ -1050,14 +1051,14 @@ def search_fused(
             fastest = _makespan(inst, orders)
         floor = max(bounds.memory, memory_bound_at(inst, fastest))
         left = window_s - (time.perf_counter() - began)
-        # The peak windows rarely lower a fat schedule (65B/33B 16/8/64: 268 to 263 in 3 s),
-        # so on one the endgame keeps their share too until a start wins.
-        fat_now = peak_memory_max(inst, orders) > CAPPED_SEED_FACTOR * bounds.memory
-        share = 1.0 if fat_now else ENDGAME_SHARE
-        orders, endgame = _lean_endgame(inst, orders, fastest, lean, left * share, left * ENDGAME_SHARE)
-        left = window_s - (time.perf_counter() - began)
+        orders, endgame = _lean_endgame(inst, orders, fastest, lean, left * ENDGAME_SHARE)
+        above = fastest > bounds.latency * (1 + RELATIVE_EPS)
+        again = window_s * SHORTEN_AGAIN_SHARE if above else 0.0
+        left = window_s - (time.perf_counter() - began) - again
         lowered = lower_peak(inst, orders, left, target=floor, workers=parallel_workers(2))
         orders, windows = lowered.orders, (lowered.windows, lowered.kept, windows[2])
+        if above:
+            orders = shorten(inst, orders, bounds.latency, again, parallel_workers(2))
     final = evaluate(inst, orders)
     assert final.ok, (final.violations, final.deadlocked)
     return FusedResult(
