@@ -554,7 +554,7 @@ def _lean_phase(
 
 #: Seeds anneal under this cap (x the memory bound) from the starts within it (`_run_seeds`).
 #: Schedule benchmark, 65B/33B 16/16/64 (its fastest start is within it): seeds without the
-#: cap reached 0.12% above the bound at 2.8x the reference; with it, 0.09% above at 1.5x.
+#: cap reached 0.12% above the bound at 2.8x the reference; with it, 0.12% above at 1.4x.
 CAPPED_SEED_FACTOR = 1.7
 #: A capped seed's latency phase has this share of its budget. Schedule benchmark: from a
 #: sequenced start 0.1% slower, 25 s capped annealing gets within 0.003-0.006% of the
