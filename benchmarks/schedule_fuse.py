@@ -10,13 +10,12 @@ peak activation among schedules as fast as the heuristic's (proved when "optimal
 Each case builds list schedules, improves the best few by forward-backward passes, then
 anneals --seeds seeds in parallel processes for what is left of --time-limit seconds (all
 seeds together; latency first, then peak memory at no latency cost; under 1.7x the memory
-bound, every seed where the fastest start is within it and above the lower bound or holds
-more and meets it, odd seeds where it holds more and is above it), then gives --window-share
-of the time to CP-SAT: shortening the fastest schedule towards the lower bound, the endgame
-and peak windows at that makespan, and a second shortening where it is still above the
-bound; the starts and lower
-bounds count within --time-limit, the baselines come on top, and all are included in the
-reported search time.
+bound wherever a start fits under it, except where the fastest start does and already meets
+the lower bound), then gives --window-share of the time to CP-SAT: shortening the fastest
+schedule towards the lower bound, the endgame and peak windows at that makespan, and a
+second shortening where it is still above the bound; the starts and lower bounds count
+within --time-limit, the baselines come on top, and all are included in the reported search
+time.
 The lower bound is the largest of critical path, node work, average work, arrival + work +
 tail and the one-machine bound with rank releases and tails (see nereus/solver/pipeline/bounds.py);
 "reached" means makespan <= bound (1e-9 relative). Memory: peak activation per node against

@@ -836,16 +836,16 @@ def _run_seeds(
     at_bound: bool = False,
     fat: bool = False,
 ) -> list[AnnealOutcome]:
-    """Which seeds anneal under CAPPED_SEED_FACTOR x the memory bound. Where the fastest
-    start holds more (`fat`, `_fastest_is_fat`), capped seeds catch up from the starts
-    within the cap, fastest first (`_lean_fits`), with CAPPED_LATENCY_SHARE of their budget
-    for the latency phase: every seed at the lower bound (only a lean schedule as fast is
-    left to find), odd seeds above it (even seeds look for the faster schedule without the
-    cap). The others cycle over the starts within RESTART_SLACK of the fastest, even seeds
-    fastest first, odd seeds leanest first (restarts from constructions about as fast that
-    differ in memory and in where they get stuck): under the cap, from the starts within
-    it, where the fastest start is within it and above the bound (an uncapped walk for a
-    faster schedule drifts to one that runs every forward early), else without it."""
+    """Where some start holds at most CAPPED_SEED_FACTOR x the memory bound, the seeds
+    anneal under that cap, unless the fastest start is within it and meets the lower bound
+    (no walk then looks for a faster schedule, so none drifts to one that runs every
+    forward early). Where the fastest start holds more (`fat`, `_fastest_is_fat`), seed k
+    catches up from the k-th fastest start within the cap (`_lean_fits`), with
+    CAPPED_LATENCY_SHARE of its budget for the latency phase; the fat start still competes
+    as it is. Otherwise seeds cycle over the starts within RESTART_SLACK of the fastest
+    (and within the cap, where capped), even seeds fastest first, odd seeds leanest first:
+    restarts from constructions about as fast that differ in memory and in where they get
+    stuck."""
     workers = parallel_workers(config.seeds)
     rounds = math.ceil(config.seeds / workers)
     # Each seed's lean phase comes on top of its budget: scale the budget to keep the total.
@@ -858,6 +858,8 @@ def _run_seeds(
     fastest = starts[0][2].makespan
     seed_cap = CAPPED_SEED_FACTOR * bounds.memory
     lean_fits = _lean_fits(starts, bounds)
+    # An uncapped walk for a faster schedule drifts to one that runs every forward early,
+    # and the moves from there rarely interleave the backwards again.
     walk_cap = seed_cap if lean_fits and not fat and not at_bound else None
     close = [
         (orders, ev)
@@ -868,8 +870,8 @@ def _run_seeds(
     leanest = sorted(close, key=lambda c: (c[1].max_peak_memory, c[1].makespan))
     jobs = []
     for seed in range(config.seeds):
-        if fat and (at_bound or seed % 2):
-            start = lean_fits[(seed if at_bound else seed // 2) % len(lean_fits)]
+        if fat:
+            start = lean_fits[seed % len(lean_fits)]
             # Its lower peak counts only at the best makespan: most of the budget goes there.
             jobs.append((start, seed, CAPPED_LATENCY_SHARE, seed_cap))
         else:
