@@ -937,7 +937,7 @@ SHORTEN_SHARE = 0.2
 SHORTEN_AGAIN_SHARE = 0.1
 #: Share of what is left of the peak windows' time that then tries to bring lean starts to
 #: the best makespan (the peak windows keep the rest, also on a schedule above 1.7x the
-#: reference, which they often lower by 10-20%).
+#: reference).
 ENDGAME_SHARE = 0.8
 #: Lean starts at most this much slower (relative) than the best makespan are tried ...
 ENDGAME_SLACK = 0.005
