@@ -7,7 +7,7 @@ keeps to it by the same rule: a plan is run only where the cost model's memory m
 states resident on the rank, the KV cache the engine will hold, the activations) fits the
 capacity, and generation is priced and run in the KV pool the runtime gives it (the memory
 left after the states on the rank, times the pool's utilisation fraction;
-`nereus.runtime.kv_cache`, `nereus.cost.fit.with_engine_budget`). As the trace's responses grow
+`nereus.runtime.generation.kv_cache`, `nereus.cost.fit.with_engine_budget`). As the trace's responses grow
 (default 8 -> 256 tokens, 8 prompts x 8 samples a step) the fixed initial layout keeps its
 layout within that rule: its micro-batches shrink (down to one row, no activation recompute,
 which the runtime does not execute) and its generation runs in waves (a KV budget of what its
@@ -63,7 +63,7 @@ from adaptive_run import (
 
 from nereus.cost.calibration import Calibration
 from nereus.cost.fit import engineless_stages
-from nereus.runtime.kv_cache import KVBudget, blocks_for, pool_blocks, replica_kv_bytes_per_token
+from nereus.runtime.generation.kv_cache import KVBudget, blocks_for, pool_blocks, replica_kv_bytes_per_token
 from nereus.runtime.rl.setup import state_bytes_by_rank
 from nereus.solver.layouts import RUNTIME_CHOICES
 from nereus.solver.policy.replan import Replanner

@@ -1,6 +1,6 @@
 """Benchmark: all-reduce and all-gather latency on 2 ranks of one host, shared memory against gloo.
 
-`nereus.runtime.host_collectives` (what the engine's tensor parallelism, gradient all-reduce
+`nereus.runtime.comm.host_collectives` (what the engine's tensor parallelism, gradient all-reduce
 and the profiler use) against `torch.distributed` on the same gloo world, for messages of
 4 B to 4 MiB: each rank's mean seconds per call over a fixed wall budget, the slower rank
 reported, one thread per rank. Prints a table and writes benchmarks/results/collectives.json.
@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from _record import begin, write_result
 
-from nereus.runtime import host_collectives
-from nereus.runtime.dist import spawn
+from nereus.runtime.comm import host_collectives
+from nereus.runtime.comm.dist import spawn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "collectives.json"
 SIZES = (4, 1024, 32 * 1024, 256 * 1024, 4 * 1024 * 1024)

@@ -24,10 +24,10 @@ from pathlib import Path
 import torch
 from _record import begin, write_result
 
-from nereus.runtime.dist import spawn
-from nereus.runtime.engine import Engine, NextTokenLoss, admissible_layouts
-from nereus.runtime.model import Batch
-from nereus.runtime.shard_layout import RankLayout
+from nereus.runtime.comm.dist import spawn
+from nereus.runtime.model.engine import Engine, NextTokenLoss, admissible_layouts
+from nereus.runtime.model.transformer import Batch
+from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.presets import MODELS
 
 RESULTS = Path(__file__).resolve().parent / "results" / "engine_throughput.json"

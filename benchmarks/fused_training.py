@@ -59,9 +59,9 @@ import torch
 import torch.distributed as dist
 from _record import begin, write_result
 
-from nereus.runtime.dist import spawn
-from nereus.runtime.engine import Engine, EngineConfig, NextTokenLoss, ValueLoss
-from nereus.runtime.fused_pipeline import (
+from nereus.runtime.comm.dist import spawn
+from nereus.runtime.model.engine import Engine, EngineConfig, NextTokenLoss, ValueLoss
+from nereus.runtime.model.fused_pipeline import (
     ActivationPeak,
     FusedPart,
     OpTiming,
@@ -69,10 +69,10 @@ from nereus.runtime.fused_pipeline import (
     fused_train_step,
     schedule_peaks,
 )
-from nereus.runtime.fused_schedule import SEARCH_TIME_LIMIT_S, fused_schedule, intra_stage_problems
-from nereus.runtime.model import Batch
-from nereus.runtime.pipeline import one_f_one_b
-from nereus.runtime.shard_layout import RankLayout
+from nereus.runtime.model.fused_schedule import SEARCH_TIME_LIMIT_S, fused_schedule, intra_stage_problems
+from nereus.runtime.model.pipeline import one_f_one_b
+from nereus.runtime.model.transformer import Batch
+from nereus.runtime.state.shard_layout import RankLayout
 from nereus.solver.pipeline.baselines import pair_baselines
 from nereus.solver.pipeline.document import orders_of, problem_of, to_document
 from nereus.solver.pipeline.evaluate import evaluate

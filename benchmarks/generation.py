@@ -57,13 +57,13 @@ import torch
 import torch.distributed as dist
 from _record import begin, write_result
 
-from nereus.runtime.batching import BatchingDecoder
-from nereus.runtime.dist import spawn
-from nereus.runtime.engine import Engine, even_split
-from nereus.runtime.generate import SamplingConfig, generate
+from nereus.runtime.comm.dist import spawn
+from nereus.runtime.generation.continuous import BatchingDecoder
+from nereus.runtime.generation.generate import SamplingConfig, generate
+from nereus.runtime.generation.kv_cache import KVBudget, replica_kv_bytes_per_token
 from nereus.runtime.hf.load import load_engine
-from nereus.runtime.kv_cache import KVBudget, replica_kv_bytes_per_token
-from nereus.runtime.shard_layout import RankLayout
+from nereus.runtime.model.engine import Engine, even_split
+from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.hf_config import model_from_hf_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -99,12 +99,12 @@ def engine_worker(rank: int, world: int, folder: Path, device: str) -> dict[str,
     """Generation and training measurements on this rank's device (one-rank world)."""
     import torch
 
-    from nereus.runtime.engine import Engine, EngineConfig, NextTokenLoss
-    from nereus.runtime.generate import SamplingConfig, generate
+    from nereus.runtime.generation.generate import SamplingConfig, generate
     from nereus.runtime.hf.load import load_engine
-    from nereus.runtime.model import Batch
-    from nereus.runtime.optim import AdamWConfig, Precision
-    from nereus.runtime.shard_layout import RankLayout
+    from nereus.runtime.model.adamw import AdamWConfig, Precision
+    from nereus.runtime.model.engine import Engine, EngineConfig, NextTokenLoss
+    from nereus.runtime.model.transformer import Batch
+    from nereus.runtime.state.shard_layout import RankLayout
     from nereus.spec.hf_config import model_from_hf_config
 
     model = model_from_hf_config(folder)
@@ -253,7 +253,7 @@ def main() -> None:
     started = begin()
     import torch
 
-    from nereus.runtime.dist import spawn
+    from nereus.runtime.comm.dist import spawn
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU; use --device cpu here")

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from _record import begin, write_result
 
-from nereus.runtime.dist import spawn
-from nereus.runtime.engine import Engine, EngineConfig
+from nereus.runtime.comm.dist import spawn
 from nereus.runtime.hf.files import checkpoint_tensors
 from nereus.runtime.hf.load import load_engine, read_box
 from nereus.runtime.hf.names import hf_name
-from nereus.runtime.shard_layout import RankLayout, local_box, param_infos
+from nereus.runtime.model.engine import Engine, EngineConfig
+from nereus.runtime.state.shard_layout import RankLayout, local_box, param_infos
 from nereus.spec.hf_config import model_from_hf_config
 
 RESULTS = Path(__file__).resolve().parent / "results" / "hf_load_memory.json"

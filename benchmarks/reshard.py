@@ -4,8 +4,8 @@ The model is a Llama-style decoder of 100.1M parameters (12 layers, hidden 768, 
 4 KV heads, SwiGLU 2048, vocabulary 32000, tied embeddings); its state is param, exp_avg
 and exp_avg_sq in fp32 (1.2 GB). For each pair of layouts on the same 2 ranks (gloo, one
 thread per rank) it times:
-  in-memory     nereus.runtime.reshard.execute, transport "auto" (the two ranks share a
-                host), with each rank's state in its state arena (nereus.runtime.arena:
+  in-memory     nereus.runtime.state.reshard.execute, transport "auto" (the two ranks share a
+                host), with each rank's state in its state arena (nereus.runtime.comm.arena:
                 shared memory reserved and mapped by both ranks before timing, as a GPU
                 job registers its buffers), so every moved piece is copied once, straight
                 out of the sender's tensor; the result is allocated in the arena;
@@ -18,7 +18,7 @@ thread per rank) it times:
   buffers       in-memory and DCP again, filling the previous run's target tensors instead
                 of fresh ones (the steady state of a repeated reshard such as a weight sync);
   gloo          execute with transport "process_group": every piece a gloo TCP message;
-  nereus ckpt   the round trip through nereus.runtime.checkpoint.
+  nereus ckpt   the round trip through nereus.runtime.state.checkpoint.
 Every result is checked bitwise against the expected target shards. Both checkpoint
 round trips write to a temporary folder on the local disk with fsync; their reads come
 from the page cache. Reports medians of --runs, the in-memory speed-ups over DCP, bytes
@@ -48,12 +48,12 @@ import torch
 import torch.distributed as dist
 from _record import begin, write_result
 
-from nereus.runtime import arena
-from nereus.runtime.checkpoint import load_checkpoint, save_checkpoint_distributed
-from nereus.runtime.dist import HUGE_PAGES_ENV, spawn
-from nereus.runtime.reshard import ReshardPlan, Transport, execute, plan_reshard
-from nereus.runtime.shard_layout import RankLayout, box_shape
-from nereus.runtime.sharded_state import StateMeta, random_rank_state, state_meta
+from nereus.runtime.comm import arena
+from nereus.runtime.comm.dist import HUGE_PAGES_ENV, spawn
+from nereus.runtime.state.checkpoint import load_checkpoint, save_checkpoint_distributed
+from nereus.runtime.state.reshard import ReshardPlan, Transport, execute, plan_reshard
+from nereus.runtime.state.shard_layout import RankLayout, box_shape
+from nereus.runtime.state.sharded_state import StateMeta, random_rank_state, state_meta
 from nereus.spec.model import Model
 
 RESULTS = Path(__file__).resolve().parent / "results" / "reshard.json"

@@ -148,7 +148,7 @@ def measured_cluster(folder: Path, work: Path, num_ranks: int) -> Path:
     layer shapes), written as the Cluster YAML a self-planned run is laid out for."""
     from nereus.cost.profile import cluster_from_profile
     from nereus.runtime.hf.run_setup import hf_weights
-    from nereus.runtime.profiling import ProfileConfig, run_profile
+    from nereus.runtime.observe.profiling import ProfileConfig, run_profile
     from nereus.spec.io import save_document
 
     measured = run_profile(ProfileConfig((hf_weights(folder).model,), num_ranks=num_ranks, quick=True))

@@ -57,7 +57,7 @@ def profile(
     Models default to the tiny presets. `nereus plan --profile FILE` plans for the measured
     machine instead of a preset cluster.
     """
-    from nereus.runtime.profiling import ProfileConfig, run_profile
+    from nereus.runtime.observe.profiling import ProfileConfig, run_profile
     from nereus.spec.io import save_document, to_data
 
     _check_output(output)

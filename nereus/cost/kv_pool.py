@@ -1,6 +1,6 @@
 """The generation engine's KV pool in the cost model's terms (no torch).
 
-`nereus.runtime.kv_cache` sizes a replica's pool per rank: the plan's `kv_budget_bytes`
+`nereus.runtime.generation.kv_cache` sizes a replica's pool per rank: the plan's `kv_budget_bytes`
 capped by the memory left after the states resident on the rank times MEMORY_UTILISATION,
 in whole blocks of BLOCK_TOKENS tokens of the engine's KV dtype, never more blocks than the
 replica's sequences need at their longest. A plan that leaves `kv_budget_bytes` unset is

@@ -1,6 +1,6 @@
 """Profile: what `nereus profile` measured on one machine, and the Cluster it stands for.
 
-The measurements themselves run in `nereus.runtime.profiling` (torch); this module is the
+The measurements themselves run in `nereus.runtime.observe.profiling` (torch); this module is the
 document, its semantic checks and the conversion to a Cluster, and imports no torch.
 """
 

@@ -392,7 +392,7 @@ def stop_before_work(patch: pytest.MonkeyPatch) -> None:
         raise Accepted
 
     patch.setattr("nereus.runtime.rl.run.launch", accepted)
-    patch.setattr("nereus.runtime.profiling.run_profile", accepted)
+    patch.setattr("nereus.runtime.observe.profiling.run_profile", accepted)
 
 
 _profile = careless(

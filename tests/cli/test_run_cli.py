@@ -18,10 +18,10 @@ import pytest
 import yaml
 from repo_paths import DATA, EXAMPLES
 
-from nereus.runtime.checkpoint import verify_checkpoint
-from nereus.runtime.memory import predicted_rank_peaks
+from nereus.runtime.observe.memory import predicted_rank_peaks
 from nereus.runtime.rl.run_state import read_run_state
 from nereus.runtime.rl.setup import memory_problems, plan_problems, state_bytes_by_rank
+from nereus.runtime.state.checkpoint import verify_checkpoint
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
@@ -186,8 +186,8 @@ def test_run_writes_metrics_and_checkpoints_and_resumes_bitwise(tmp_path: Path) 
 @pytest.mark.multiprocess
 def test_resume_onto_other_ranks_continues_from_the_same_state(tmp_path: Path) -> None:
     """4 ranks -> checkpoint -> 2 ranks (replanned) and 1 rank: the weights loaded equal the saved ones."""
-    from nereus.runtime.checkpoint import load_checkpoint
-    from nereus.runtime.shard_layout import RankLayout
+    from nereus.runtime.state.checkpoint import load_checkpoint
+    from nereus.runtime.state.shard_layout import RankLayout
 
     config = write_config(tmp_path, checkpoint_every=2, num_steps=2)
     four = yaml.safe_load((EXAMPLES / "plan-tiny-ppo-4rank.yaml").read_text())
@@ -203,7 +203,7 @@ def test_resume_onto_other_ranks_continues_from_the_same_state(tmp_path: Path) -
     assert {gpu for stage in plan["stages"] for emu in stage["emus"] for gpu in emu} == {0, 1}
     assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
     # Resuming restores exactly the saved logical state: check it through the library on 1 rank.
-    from nereus.runtime.dist import spawn
+    from nereus.runtime.comm.dist import spawn
     from nereus.runtime.rl.setup import resume_run
 
     setup = resume_run(out, num_ranks=1, num_steps=4)

@@ -14,8 +14,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nereus.runtime import arena
-from nereus.runtime.arena import ALIGN, StateArena
+from nereus.runtime.comm import arena
+from nereus.runtime.comm.arena import ALIGN, StateArena
 
 pytestmark = pytest.mark.one_rank
 
@@ -106,7 +106,7 @@ def test_reserve_once_per_process_and_reject_a_bad_size() -> None:
 #: Run in another process: view the tensor at the location transposed, print it, overwrite it.
 PEER_SCRIPT = """
 import sys, torch
-from nereus.runtime import arena
+from nereus.runtime.comm import arena
 location = arena.Location(*map(int, sys.argv[1:]))
 view = arena.peer_tensor(location, (2, 3), (1, 2), torch.float32)
 print(view.tolist())

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 
-from nereus.runtime.dist import spawn
-from nereus.runtime.engine import NextTokenLoss, ValueLoss
-from nereus.runtime.fused_pipeline import (
+from nereus.runtime.comm.dist import spawn
+from nereus.runtime.model.engine import NextTokenLoss, ValueLoss
+from nereus.runtime.model.fused_pipeline import (
     ActivationPeak,
     FusedPart,
     SavedBytes,
@@ -30,7 +30,7 @@ from nereus.runtime.fused_pipeline import (
     fused_train_step,
     schedule_peaks,
 )
-from nereus.runtime.fused_schedule import (
+from nereus.runtime.model.fused_schedule import (
     _SCHEDULES,
     SEARCH_ITERATIONS,
     SEARCH_ITERATIONS_PER_OP,
@@ -135,7 +135,7 @@ ROOT = Path(__file__).resolve().parents[2]
 INTRA_PLAN = "examples/plan-tiny-ppo-2rank-intra.yaml"
 SCHEDULE_DIGEST = f"""
 import hashlib
-from nereus.runtime.fused_schedule import fused_schedule
+from nereus.runtime.model.fused_schedule import fused_schedule
 from nereus.spec.io import load_document
 ops = [node.ops for node in fused_schedule(load_document({INTRA_PLAN!r})).nodes]
 print(hashlib.sha256(repr(ops).encode()).hexdigest())

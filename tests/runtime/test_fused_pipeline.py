@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from nereus.runtime.dist import spawn
-from nereus.runtime.engine import Engine, EngineConfig, NextTokenLoss, ValueLoss
-from nereus.runtime.fused_pipeline import (
+from nereus.runtime.comm.dist import spawn
+from nereus.runtime.model.adamw import AdamWConfig
+from nereus.runtime.model.engine import Engine, EngineConfig, NextTokenLoss, ValueLoss
+from nereus.runtime.model.fused_pipeline import (
     FusedPart,
     OpTiming,
     OrderedSends,
@@ -26,15 +27,14 @@ from nereus.runtime.fused_pipeline import (
     fused_train_step,
     message_orders,
 )
-from nereus.runtime.fused_schedule import fused_schedule, intra_stage_problems, reversed_stages
-from nereus.runtime.model import Batch
-from nereus.runtime.optim import AdamWConfig
-from nereus.runtime.pipeline import Op, Sends
+from nereus.runtime.model.fused_schedule import fused_schedule, intra_stage_problems, reversed_stages
+from nereus.runtime.model.pipeline import Op, Sends
+from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.optimization import update_rules
 from nereus.runtime.rl.stages import build_stages
 from nereus.runtime.rl.step import rl_step
 from nereus.runtime.rl.update import fused_training, sync_plans
-from nereus.runtime.shard_layout import RankLayout
+from nereus.runtime.state.shard_layout import RankLayout
 from nereus.solver.pipeline.document import to_document
 from nereus.solver.pipeline.model import ModelTimes
 from nereus.solver.pipeline.search import SearchConfig, search_fused

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from nereus.errors import NereusError
-from nereus.runtime.dist import spawn
-from nereus.runtime.engine import Engine
-from nereus.runtime.generate import CachedForward, Decoder, SamplingConfig, reference_generate
-from nereus.runtime.model import ReferenceModel, init_logical_params
+from nereus.runtime.comm.dist import spawn
+from nereus.runtime.generation.generate import CachedForward, Decoder, SamplingConfig, reference_generate
+from nereus.runtime.generation.sampling import sample_seed
+from nereus.runtime.model.engine import Engine
+from nereus.runtime.model.transformer import ReferenceModel, init_logical_params
 from nereus.runtime.rl.fused_rollout import EARLY_CHUNK, EVENT_KINDS, fused_rollout, plan_moves
 from nereus.runtime.rl.inter_stage import (
     check_inter_stage,
@@ -26,8 +27,7 @@ from nereus.runtime.rl.scoring import run_inference
 from nereus.runtime.rl.stages import build_stages, rollout_batch
 from nereus.runtime.rl.step import rl_step
 from nereus.runtime.rl.update import sync_plans
-from nereus.runtime.sampling import sample_seed
-from nereus.runtime.shard_layout import RankLayout
+from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.presets import MODELS

@@ -8,8 +8,8 @@ from hypothesis import given, seed, settings
 from hypothesis import strategies as st
 
 from nereus.cost.continuous_batching import simulate_continuous_batching
-from nereus.runtime.kv_cache import BlockAllocator, KVBudget, blocks_for, pool_blocks
-from nereus.runtime.scheduler import Request, Scheduler
+from nereus.runtime.generation.block_scheduler import Request, Scheduler
+from nereus.runtime.generation.kv_cache import BlockAllocator, KVBudget, blocks_for, pool_blocks
 
 pytestmark = pytest.mark.logic
 

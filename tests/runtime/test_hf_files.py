@@ -14,8 +14,8 @@ from nereus.errors import NereusError
 from nereus.runtime.hf.files import check_weights
 from nereus.runtime.hf.load import as_hf_state, read_logical
 from nereus.runtime.hf.names import NAME_TABLE, hf_name, runtime_name
-from nereus.runtime.model import init_logical_params
-from nereus.runtime.shard_layout import param_infos
+from nereus.runtime.model.transformer import init_logical_params
+from nereus.runtime.state.shard_layout import param_infos
 from nereus.spec.presets import MODELS
 
 MODEL = MODELS["tiny"].model_copy(update={"num_layers": 2, "tied_embeddings": False, "qkv_bias": True})

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nereus.runtime import host_collectives, shm
-from nereus.runtime.dist import spawn
+from nereus.runtime.comm import host_collectives, shm
+from nereus.runtime.comm.dist import spawn
 
 pytestmark = pytest.mark.one_rank
 

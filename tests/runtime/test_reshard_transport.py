@@ -16,11 +16,11 @@ import os
 import pytest
 import torch
 
-from nereus.runtime import arena, shm
-from nereus.runtime.dist import STREAMING_COPY_TUNABLE, TUNABLES_ENV, spawn
-from nereus.runtime.reshard import Hop, ReshardPlan, broadcast_rounds, execute, plan_reshard
-from nereus.runtime.shard_layout import STATE_FAMILIES, RankLayout
-from nereus.runtime.sharded_state import StateMeta, cut, random_logical_state, state_meta
+from nereus.runtime.comm import arena, shm
+from nereus.runtime.comm.dist import STREAMING_COPY_TUNABLE, TUNABLES_ENV, spawn
+from nereus.runtime.state.reshard import Hop, ReshardPlan, broadcast_rounds, execute, plan_reshard
+from nereus.runtime.state.shard_layout import STATE_FAMILIES, RankLayout
+from nereus.runtime.state.sharded_state import StateMeta, cut, random_logical_state, state_meta
 from nereus.spec.presets import MODELS
 
 pytestmark = pytest.mark.one_rank

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from nereus.runtime import memory, optim
-from nereus.runtime.optim import AdamW, AdamWConfig
+from nereus.runtime.model import adamw as optim
+from nereus.runtime.model.adamw import AdamW, AdamWConfig
+from nereus.runtime.observe import memory
 from nereus.runtime.rl.stages import rollout_batch
 from nereus.runtime.rl.timing import timed
 

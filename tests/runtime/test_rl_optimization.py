@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from nereus.runtime.model import Batch
+from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.objectives import aggregation_normalizer, aggregation_weights
 from nereus.runtime.rl.optimization import learning_rate, update_rules, with_decay_horizon
 from nereus.runtime.rl.tasks import CharTokenizer, get_task

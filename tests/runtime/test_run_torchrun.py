@@ -21,9 +21,9 @@ import pytest
 import yaml
 from repo_paths import EXAMPLES
 
-from nereus.runtime.checkpoint import load_checkpoint
 from nereus.runtime.rl.setup import checkpoint_problem, joined_setup
-from nereus.runtime.shard_layout import RankLayout
+from nereus.runtime.state.checkpoint import load_checkpoint
+from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke
 from tests.run_helpers import alive, wait_for, write_config
@@ -79,14 +79,14 @@ def start_agents(
 
 
 def guards_of(workers: list[int]) -> list[int]:
-    """The guard processes (`nereus.runtime.guard`) still watching any of `workers`."""
+    """The guard processes (`nereus.runtime.comm.guard`) still watching any of `workers`."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"nereus.runtime.guard" in argv and argv[argv.index(b"nereus.runtime.guard") + 1] in {
+        if b"nereus.runtime.comm.guard" in argv and argv[argv.index(b"nereus.runtime.comm.guard") + 1] in {
             str(pid).encode() for pid in workers
         }:
             found.append(int(entry.name))

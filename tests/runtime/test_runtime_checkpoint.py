@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from nereus.errors import NereusError
-from nereus.runtime.checkpoint import (
+from nereus.runtime.comm.dist import spawn
+from nereus.runtime.state.checkpoint import (
     INDEX_NAME,
     load_checkpoint,
     read_index,
@@ -18,9 +19,8 @@ from nereus.runtime.checkpoint import (
     save_checkpoint_distributed,
     verify_checkpoint,
 )
-from nereus.runtime.dist import spawn
-from nereus.runtime.shard_layout import STATE_FAMILIES, RankLayout, box_numel
-from nereus.runtime.sharded_state import StateMeta, cut, gather, random_logical_state, state_meta
+from nereus.runtime.state.shard_layout import STATE_FAMILIES, RankLayout, box_numel
+from nereus.runtime.state.sharded_state import StateMeta, cut, gather, random_logical_state, state_meta
 from nereus.spec.presets import MODELS
 
 pytestmark = pytest.mark.one_rank
@@ -155,7 +155,7 @@ FORGERIES = {
 
 @pytest.mark.parametrize("problem", sorted(FORGERIES))
 def test_a_forged_index_with_a_valid_checksum_is_still_checked(tmp_path: Path, problem: str) -> None:
-    from nereus.runtime.checkpoint import CheckpointIndex, _sealed
+    from nereus.runtime.state.checkpoint import CheckpointIndex, _sealed
 
     path, _ = saved(tmp_path, meta("tiny", 2, 1, 1, families=("param",)))
     index = read_index(path)
@@ -215,7 +215,7 @@ def test_a_distributed_save_loads_into_another_layout(tmp_path: Path) -> None:
 def test_rank_0_commits_only_shards_it_sees_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A shard another node reports written but the committing rank cannot see at full size
     (no shared storage, or a late network filesystem) stops the commit, naming the rank."""
-    from nereus.runtime import checkpoint
+    from nereus.runtime.state import checkpoint
 
     monkeypatch.setattr(checkpoint, "SHARD_VISIBLE_S", 0.2)
     record = checkpoint.ShardRecord(file="shard-00003.safetensors", rank=3, nbytes=8, crc32=0, entries=[])

@@ -6,9 +6,11 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from nereus.runtime.dist import spawn
-from nereus.runtime.engine import Engine, NextTokenLoss, ValueLoss
-from nereus.runtime.model import (
+from nereus.runtime.comm.dist import spawn
+from nereus.runtime.model.adamw import AdamW, AdamWConfig
+from nereus.runtime.model.engine import Engine, NextTokenLoss, ValueLoss
+from nereus.runtime.model.tensor_parallel import TensorParallel, vocab_parallel_cross_entropy
+from nereus.runtime.model.transformer import (
     Batch,
     DecoderPipelineStage,
     ReferenceModel,
@@ -17,9 +19,7 @@ from nereus.runtime.model import (
     positions_from_mask,
     shard_params,
 )
-from nereus.runtime.optim import AdamW, AdamWConfig
-from nereus.runtime.shard_layout import RankLayout, param_infos, position_boxes, state_key
-from nereus.runtime.tensor_parallel import TensorParallel, vocab_parallel_cross_entropy
+from nereus.runtime.state.shard_layout import RankLayout, param_infos, position_boxes, state_key
 from nereus.spec.model import Head, Model
 from nereus.spec.presets import MODELS
 

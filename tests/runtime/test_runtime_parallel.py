@@ -14,11 +14,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nereus.runtime.dist import spawn
-from nereus.runtime.engine import Engine, EngineConfig, NextTokenLoss, Objective, ValueLoss, admissible_layouts
-from nereus.runtime.model import Batch, ReferenceModel, init_logical_params, shard_params
-from nereus.runtime.optim import AdamWConfig
-from nereus.runtime.pipeline import (
+from nereus.runtime.comm.dist import spawn
+from nereus.runtime.model.adamw import AdamWConfig
+from nereus.runtime.model.engine import Engine, EngineConfig, NextTokenLoss, Objective, ValueLoss, admissible_layouts
+from nereus.runtime.model.pipeline import (
     Op,
     check_op_lists,
     forward_only,
@@ -27,7 +26,8 @@ from nereus.runtime.pipeline import (
     parse_op,
     parse_op_lists,
 )
-from nereus.runtime.shard_layout import RankLayout, state_key
+from nereus.runtime.model.transformer import Batch, ReferenceModel, init_logical_params, shard_params
+from nereus.runtime.state.shard_layout import RankLayout, state_key
 from nereus.spec.model import Head, Model
 from nereus.spec.presets import MODELS
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.dist import spawn
-from nereus.runtime.engine import Engine, EngineConfig, NextTokenLoss
-from nereus.runtime.grad_norm import global_grad_norm
-from nereus.runtime.model import Batch
-from nereus.runtime.optim import AdamWConfig, stage_precision
-from nereus.runtime.reshard import execute, plan_reshard
-from nereus.runtime.shard_layout import RankLayout
-from nereus.runtime.sharded_state import dp_sharded_families, gather, state_dtypes, state_meta
+from nereus.runtime.comm.dist import spawn
+from nereus.runtime.model.adamw import AdamWConfig, stage_precision
+from nereus.runtime.model.engine import Engine, EngineConfig, NextTokenLoss
+from nereus.runtime.model.grad_norm import global_grad_norm
+from nereus.runtime.model.transformer import Batch
+from nereus.runtime.state.reshard import execute, plan_reshard
+from nereus.runtime.state.shard_layout import RankLayout
+from nereus.runtime.state.sharded_state import dp_sharded_families, gather, state_dtypes, state_meta
 from nereus.spec.presets import MODELS, workload_preset
 
 pytestmark = pytest.mark.multiprocess
@@ -115,7 +115,7 @@ def test_zero1_steps_match_unsharded_and_reshard_bitwise(workload: Any) -> None:
 def small_bucket_worker(rank: int, world: int, workload: Any) -> bool:
     """The same steps with buckets far smaller than a tensor (every gradient and every
     all-gathered weight staged in row blocks) as with the default buckets: bitwise."""
-    from nereus.runtime import engine as engine_module
+    from nereus.runtime.model import engine as engine_module
 
     torch.set_num_threads(1)
     dp2 = RankLayout(1, 1, 2, (0, 1))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nereus.runtime.sampling import KEY_SORT_MIN_VOCAB, _sort_by_keys, sort_descending
+from nereus.runtime.generation.sampling import KEY_SORT_MIN_VOCAB, _sort_by_keys, sort_descending
 
 pytestmark = pytest.mark.logic
 

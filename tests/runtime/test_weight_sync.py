@@ -16,13 +16,13 @@ import pytest
 import torch
 from test_rl_step import CONFIG, two_rank_plan
 
-from nereus.runtime import reshard
-from nereus.runtime.dist import spawn
-from nereus.runtime.reshard import ReshardResult, execute
+from nereus.runtime.comm.dist import spawn
 from nereus.runtime.rl import update as rl_update
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, engine_state
 from nereus.runtime.rl.update import sync_plans, sync_weights
-from nereus.runtime.sharded_state import random_logical_state, state_meta
+from nereus.runtime.state import reshard
+from nereus.runtime.state.reshard import ReshardResult, execute
+from nereus.runtime.state.sharded_state import random_logical_state, state_meta
 from nereus.spec.plan import Plan
 
 pytestmark = pytest.mark.one_rank

@@ -69,7 +69,7 @@ def test_the_replanner_prices_generation_in_the_pool_the_runtime_sizes(plans: di
     initial = plans["initial"]
     engineless = engineless_stages(initial, RLConfig(task="sort"))
     at_256 = sized(initial, 256)
-    runtime_blocks, needed = kv_pool(initial, 256)  # nereus.runtime.kv_cache's pool on the busiest rank
+    runtime_blocks, needed = kv_pool(initial, 256)  # nereus.runtime.generation.kv_cache's pool on the busiest rank
     assert runtime_blocks < needed  # the colocated layout runs its batch in waves
     budget = engine_budget(at_256, engineless)
     assert budget is not None

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from nereus.errors import NereusError
-from nereus.runtime.checkpoint import load_checkpoint, read_index
 from nereus.runtime.hf.files import INDEX_FILE, SINGLE_FILE, checkpoint_tensors
 from nereus.runtime.hf.names import hf_name
-from nereus.runtime.shard_layout import RankLayout
+from nereus.runtime.state.checkpoint import load_checkpoint, read_index
+from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.hf_config import CONFIG_NAME
 
 #: Shard size above which the weights are split over several files (transformers' default).

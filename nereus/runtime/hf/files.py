@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nereus.errors import NereusError
 from nereus.runtime.hf.names import OPTIONAL, hf_name
-from nereus.runtime.shard_layout import param_infos
+from nereus.runtime.state.shard_layout import param_infos
 from nereus.spec.model import Head, Model
 
 SINGLE_FILE = "model.safetensors"

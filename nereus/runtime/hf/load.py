@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from nereus.runtime.engine import Engine
 from nereus.runtime.hf.files import TensorEntry, check_weights
 from nereus.runtime.hf.names import hf_name
-from nereus.runtime.shard_layout import Box, local_box, param_infos
+from nereus.runtime.model.engine import Engine
+from nereus.runtime.state.shard_layout import Box, local_box, param_infos
 from nereus.spec.model import Head, Model
 
 

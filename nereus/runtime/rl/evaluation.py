@@ -3,7 +3,7 @@ scored by the run's reward (collective: every rank takes part in generation)."""
 
 from __future__ import annotations
 
-from nereus.runtime.generate import SamplingConfig
+from nereus.runtime.generation.generate import SamplingConfig
 from nereus.runtime.rl.rollout import generate_responses
 from nereus.runtime.rl.run_data import StepInputs
 from nereus.runtime.rl.stages import ModelStageRuntime

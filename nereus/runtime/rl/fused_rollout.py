@@ -33,18 +33,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nereus.runtime import dist as launch
-from nereus.runtime import host_collectives
-from nereus.runtime.batching import BatchingDecoder
-from nereus.runtime.decoding import HandOff
-from nereus.runtime.engine import even_split
-from nereus.runtime.kv_cache import KVBudget
-from nereus.runtime.model import Batch
+from nereus.runtime.comm import dist as launch
+from nereus.runtime.comm import host_collectives
+from nereus.runtime.generation.continuous import BatchingDecoder
+from nereus.runtime.generation.decoding import HandOff
+from nereus.runtime.generation.kv_cache import KVBudget
+from nereus.runtime.generation.sampling import SamplingConfig
+from nereus.runtime.model.engine import even_split
+from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.inter_stage import MigrationSettings, migration_mechanism
 from nereus.runtime.rl.scoring import replica_infer
 from nereus.runtime.rl.stages import ModelStageRuntime, leads, rollout_batch
 from nereus.runtime.rl.timing import timed
-from nereus.runtime.sampling import SamplingConfig
 from nereus.spec.workload import INFERENCE_OUTPUTS, INFERENCE_STAGES, InferenceOutput, ModelStageName
 
 #: What a `RolloutEvent` records.

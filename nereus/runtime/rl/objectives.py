@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from nereus.runtime import host_collectives
-from nereus.runtime.engine import HeadOps, next_token_log_probs
-from nereus.runtime.model import Batch
+from nereus.runtime.comm import host_collectives
+from nereus.runtime.model.engine import HeadOps, next_token_log_probs
+from nereus.runtime.model.tensor_parallel import TensorParallel, reduce_from_group
+from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.algorithms import clipped_policy_loss, clipped_value_loss, kl_divergence
-from nereus.runtime.tensor_parallel import TensorParallel, reduce_from_group
 from nereus.spec.run_config import LossAggregation
 
 

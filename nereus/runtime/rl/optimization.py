@@ -12,9 +12,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nereus.runtime.engine import Engine
-from nereus.runtime.fused_pipeline import FusedPart, OpTiming, fused_forward_backward
-from nereus.runtime.grad_norm import clip_grad_norm
+from nereus.runtime.model.engine import Engine
+from nereus.runtime.model.fused_pipeline import FusedPart, OpTiming, fused_forward_backward
+from nereus.runtime.model.grad_norm import clip_grad_norm
 from nereus.spec.run_config import RLConfig
 from nereus.spec.schedule import Schedule
 

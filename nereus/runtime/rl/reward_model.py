@@ -13,8 +13,8 @@ import random
 
 import torch
 
-from nereus.runtime.engine import ValueLoss
-from nereus.runtime.model import Batch
+from nereus.runtime.model.engine import ValueLoss
+from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.scoring import last_token_mask
 from nereus.runtime.rl.stages import ModelStageRuntime, rollout_batch
 from nereus.runtime.rl.tasks import CharTokenizer, Problem, Task, encode_prompt, sample_problems

@@ -31,9 +31,8 @@ import torch.distributed as dist
 
 from nereus.cost.calibration import Calibration
 from nereus.errors import ArgumentError, NereusError
-from nereus.runtime import arena, host_collectives, memory, shm, timeline
-from nereus.runtime.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
-from nereus.runtime.dist import (
+from nereus.runtime.comm import arena, host_collectives, shm
+from nereus.runtime.comm.dist import (
     GUARD_GRACE_S,
     HEARTBEAT_S,
     Heartbeat,
@@ -47,6 +46,7 @@ from nereus.runtime.dist import (
     timed_out,
 )
 from nereus.runtime.hf.load import load_engine
+from nereus.runtime.observe import memory, timeline
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
 from nereus.runtime.rl.evaluation import eval_due, evaluate
 from nereus.runtime.rl.optimization import with_decay_horizon
@@ -79,8 +79,9 @@ from nereus.runtime.rl.tensorboard import TensorBoardLog
 from nereus.runtime.rl.timing import slowest_rank
 from nereus.runtime.rl.update import sync_plans, sync_weights
 from nereus.runtime.rl.warm_start import warm_start
-from nereus.runtime.sharded_state import gather
-from nereus.runtime.transition_executor import ReplicaState, execute_transition
+from nereus.runtime.state.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
+from nereus.runtime.state.sharded_state import gather
+from nereus.runtime.state.transition_executor import ReplicaState, execute_transition
 from nereus.spec.io import load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig

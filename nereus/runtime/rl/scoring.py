@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nereus.runtime.engine import Engine
-from nereus.runtime.model import Batch
+from nereus.runtime.model.engine import Engine
+from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.datasets import Prompt
 from nereus.runtime.rl.objectives import align_to_tokens, values_to_tokens
 from nereus.runtime.rl.rewards import Scorer

@@ -20,8 +20,8 @@ from typing import Any
 from nereus.cost.calibration import Calibration
 from nereus.cost.fit import engineless_stages
 from nereus.errors import ArgumentError, NereusError
-from nereus.runtime import timeline
 from nereus.runtime.hf.run_setup import HfSources, check_plan_models, hf_sources, plans_for_folder
+from nereus.runtime.observe import timeline
 from nereus.runtime.rl.datasets import file_sha256
 from nereus.runtime.rl.run_data import REWARD_ERRORS_NAME, RunData, check_data_state, prepare_data
 from nereus.spec.cluster import Cluster
@@ -107,11 +107,11 @@ class RunSetup:
 
 def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     """Why `plan` cannot run on `world_size` ranks with `config` (empty when it can)."""
-    from nereus.runtime.fused_schedule import intra_stage_problems
+    from nereus.runtime.model.fused_schedule import intra_stage_problems
     from nereus.runtime.rl.inter_stage import inter_stage_problems
     from nereus.runtime.rl.tasks import CharTokenizer
-    from nereus.runtime.shard_layout import layout_problem
-    from nereus.runtime.sharded_state import RUNTIME_DTYPES
+    from nereus.runtime.state.shard_layout import layout_problem
+    from nereus.runtime.state.sharded_state import RUNTIME_DTYPES
 
     problems = []
     workload = plan.workload
@@ -202,8 +202,8 @@ def state_bytes_by_rank(plan: Plan, config: RLConfig) -> dict[int, int]:
     parameters in the workload's dtype, and in training the gradients (same dtype), the fp32
     masters of 16-bit weights and both fp32 AdamW moments (their ZeRO-1 rows when sharded)."""
     from nereus.cost.plan_cost import head_of
-    from nereus.runtime.shard_layout import layout_problem, stage_layout
-    from nereus.runtime.sharded_state import keeps_masters, stage_dp_sharded, state_dtypes, state_meta
+    from nereus.runtime.state.shard_layout import layout_problem, stage_layout
+    from nereus.runtime.state.sharded_state import keeps_masters, stage_dp_sharded, state_dtypes, state_meta
 
     held: dict[int, int] = {}
     workload = plan.workload
@@ -223,11 +223,11 @@ def state_bytes_by_rank(plan: Plan, config: RLConfig) -> dict[int, int]:
 
 
 def memory_problems(plan: Plan, config: RLConfig) -> list[str]:
-    """Ranks whose predicted peak (the cost model's, `nereus.runtime.memory.predicted_peaks`:
+    """Ranks whose predicted peak (the cost model's, `nereus.runtime.observe.memory.predicted_peaks`:
     the running model-stage's memory plus every model state resident on the rank) exceeds a
     rank's memory (`config.rank_memory_bytes`, else the cluster's per-GPU memory): such a plan
     is refused, never attempted."""
-    from nereus.runtime.memory import predicted_peaks
+    from nereus.runtime.observe.memory import predicted_peaks
     from nereus.units import format_bytes
 
     capacity = plan.cluster.gpu.memory_bytes if config.rank_memory_bytes is None else config.rank_memory_bytes
@@ -247,7 +247,7 @@ def memory_problems(plan: Plan, config: RLConfig) -> list[str]:
 def kv_budget_problems(plan: Plan) -> list[str]:
     """Generation KV budgets too small for one sequence of the plan's maximum length: the
     engine could never admit it (its KV cache is fp32, the engine's compute dtype)."""
-    from nereus.runtime.kv_cache import BLOCK_TOKENS, one_sequence_bytes
+    from nereus.runtime.generation.kv_cache import BLOCK_TOKENS, one_sequence_bytes
 
     w = plan.workload
     tokens = w.prompt_len + w.response_len.max
@@ -608,8 +608,8 @@ def checkpoint_problem(folder: Path) -> str | None:
     """Why the run checkpoint `folder` cannot be resumed from (None: it can): a pickle in it,
     a missing or unreadable state file, a missing file, a checksum that differs, a model
     checkpoint whose index or shards fail their checks, or a run state that fails its schema."""
-    from nereus.runtime.checkpoint import check_files
     from nereus.runtime.rl.run_state import read_run_state
+    from nereus.runtime.state.checkpoint import check_files
 
     legacy = folder / LEGACY_STATE_NAME
     if legacy.exists():

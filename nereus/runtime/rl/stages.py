@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 
 from nereus.cost.plan_cost import head_of
-from nereus.runtime import host_collectives
-from nereus.runtime.engine import Engine, EngineConfig
+from nereus.runtime.comm import host_collectives
 from nereus.runtime.hf.names import OPTIONAL
-from nereus.runtime.model import Batch
-from nereus.runtime.optim import AdamWConfig, stage_precision
-from nereus.runtime.shard_layout import RankLayout, stage_layout
-from nereus.runtime.sharded_state import (
+from nereus.runtime.model.adamw import AdamWConfig, stage_precision
+from nereus.runtime.model.engine import Engine, EngineConfig
+from nereus.runtime.model.transformer import Batch
+from nereus.runtime.state.shard_layout import RankLayout, stage_layout
+from nereus.runtime.state.sharded_state import (
     StateMeta,
     shards_across_dp,
     stage_dp_sharded,

@@ -22,9 +22,10 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-from nereus.runtime import memory
-from nereus.runtime.fused_pipeline import OpTiming
-from nereus.runtime.memory import predicted_peaks
+from nereus.runtime.generation.sampling import SamplingConfig
+from nereus.runtime.model.fused_pipeline import OpTiming
+from nereus.runtime.observe import memory
+from nereus.runtime.observe.memory import predicted_peaks
 from nereus.runtime.rl.algorithms import masked_mean
 from nereus.runtime.rl.datasets import Prompt
 from nereus.runtime.rl.fused_rollout import RolloutEvent
@@ -42,7 +43,6 @@ from nereus.runtime.rl.update import (
     run_training,
     sync_weights,
 )
-from nereus.runtime.sampling import SamplingConfig
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import StepMetrics

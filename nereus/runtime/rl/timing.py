@@ -1,5 +1,5 @@
 """Where a step's time went: timed phases, their slowest-rank totals, and the fused moments
-put on the run's timeline (`nereus.runtime.timeline`)."""
+put on the run's timeline (`nereus.runtime.observe.timeline`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from nereus.runtime import dist as launch
-from nereus.runtime import host_collectives, memory, timeline
-from nereus.runtime.fused_pipeline import OpTiming
+from nereus.runtime.comm import dist as launch
+from nereus.runtime.comm import host_collectives
+from nereus.runtime.model.fused_pipeline import OpTiming
+from nereus.runtime.observe import memory, timeline
 from nereus.runtime.rl.stages import ModelStageRuntime, local_state_bytes
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class StepTotals:
     state_bytes: list[int]
     """Bytes of engine state each rank holds."""
     memory_peak: list[int]
-    """Each rank's peak memory during the step (`nereus.runtime.memory`; 0 untracked)."""
+    """Each rank's peak memory during the step (`nereus.runtime.observe.memory`; 0 untracked)."""
     memory_peak_by_stage: dict[str, list[int]]
     """Each model-stage's peak on every rank while it ran (0 on ranks it skips)."""
 

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.engine import even_split
-from nereus.runtime.fused_pipeline import FusedPart, OpTiming
-from nereus.runtime.fused_schedule import fused_schedule
-from nereus.runtime.model import Batch
-from nereus.runtime.reshard import ReshardPlan, ReshardResult, execute, plan_reshard
+from nereus.runtime.model.engine import even_split
+from nereus.runtime.model.fused_pipeline import FusedPart, OpTiming
+from nereus.runtime.model.fused_schedule import fused_schedule
+from nereus.runtime.model.tensor_parallel import TensorParallel
+from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.algorithms import (
     broadcast_to_tokens,
     gae,
@@ -36,8 +36,8 @@ from nereus.runtime.rl.rewards import Scorer
 from nereus.runtime.rl.scoring import Scored, reward_of
 from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of
 from nereus.runtime.rl.timing import timed
-from nereus.runtime.sharded_state import StateMeta, state_meta
-from nereus.runtime.tensor_parallel import TensorParallel
+from nereus.runtime.state.reshard import ReshardPlan, ReshardResult, execute, plan_reshard
+from nereus.runtime.state.sharded_state import StateMeta, state_meta
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.workload import WEIGHT_SYNCS, Workload

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import zlib
 
-from nereus.runtime import timeline
-from nereus.runtime.engine import NextTokenLoss
-from nereus.runtime.model import Batch
+from nereus.runtime.model.engine import NextTokenLoss
+from nereus.runtime.model.transformer import Batch
+from nereus.runtime.observe import timeline
 from nereus.runtime.rl.optimization import UpdateRule, apply_update
 from nereus.runtime.rl.stages import ModelStageRuntime, engine_state, rollout_batch
 from nereus.runtime.rl.tasks import CharTokenizer, Task, encode_prompt, sample_problems

@@ -9,7 +9,7 @@ it. It holds, per model-stage, the state of each replica (EMU) it is a GPU of:
     extend   a replica's boxes copied to a new replica's GPUs (reshard; the source stays);
     destroy  a replica's state dropped.
 
-Each move is `nereus.runtime.reshard` between the primitive's source and target replica
+Each move is `nereus.runtime.state.reshard` between the primitive's source and target replica
 layouts, so every byte is copied, never recomputed, and the logical state after the
 transition equals the state before it bitwise. At the end every model-stage's replicas are
 those of plan B, and each rank's state is returned in plan B's layout.
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from nereus.cost.plan_cost import head_of
-from nereus.runtime import timeline
-from nereus.runtime.reshard import execute, plan_reshard
-from nereus.runtime.shard_layout import RankLayout
-from nereus.runtime.sharded_state import StateMeta, state_dtypes, state_meta
+from nereus.runtime.observe import timeline
+from nereus.runtime.state.reshard import execute, plan_reshard
+from nereus.runtime.state.shard_layout import RankLayout
+from nereus.runtime.state.sharded_state import StateMeta, state_dtypes, state_meta
 from nereus.solver.transition.primitives import Emu, Primitive
 from nereus.solver.transition.schedule import plan_emus
 from nereus.spec.plan import Plan

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from nereus.runtime import host_collectives
+from nereus.runtime.comm import host_collectives
 
 
 @dataclass(frozen=True)

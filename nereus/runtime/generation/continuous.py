@@ -21,10 +21,10 @@ from collections.abc import Sequence
 
 import torch
 
-from nereus.runtime import host_collectives
-from nereus.runtime.decoding import Generation, HandOff, assemble, left_pad, replica_forward
-from nereus.runtime.engine import Engine
-from nereus.runtime.kv_cache import (
+from nereus.runtime.comm import host_collectives
+from nereus.runtime.generation.block_scheduler import Request, Scheduler
+from nereus.runtime.generation.decoding import Generation, HandOff, assemble, left_pad, replica_forward
+from nereus.runtime.generation.kv_cache import (
     KVBudget,
     PagedKVCache,
     blocks_for,
@@ -32,9 +32,9 @@ from nereus.runtime.kv_cache import (
     one_sequence_bytes,
     pool_blocks,
 )
-from nereus.runtime.sampling import SamplingConfig, sample_at, sample_seed, stops, stream_uniforms
-from nereus.runtime.scheduler import Request, Scheduler
-from nereus.runtime.tensor_parallel import gather_last_dim
+from nereus.runtime.generation.sampling import SamplingConfig, sample_at, sample_seed, stops, stream_uniforms
+from nereus.runtime.model.engine import Engine
+from nereus.runtime.model.tensor_parallel import gather_last_dim
 from nereus.units import format_bytes
 
 #: Draws of a sample's stream computed together when it runs out (hashing them costs ~20 tensor

@@ -81,7 +81,7 @@ class PeakTracker:
             peak = int(torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
             return peak
-        from nereus.runtime import arena
+        from nereus.runtime.comm import arena
 
         try:
             peak, shared = _status_fields("VmHWM", "RssShmem")

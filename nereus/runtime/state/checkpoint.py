@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import ValidationError
 
 from nereus.errors import NereusError
-from nereus.runtime.shard_layout import Box, RankLayout, box_numel, box_shape, intersect, layout_problem
-from nereus.runtime.sharded_state import (
+from nereus.runtime.state.shard_layout import Box, RankLayout, box_numel, box_shape, intersect, layout_problem
+from nereus.runtime.state.sharded_state import (
     TORCH_DTYPE_BYTES,
     StateMeta,
     box_slices,

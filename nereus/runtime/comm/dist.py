@@ -45,7 +45,7 @@ import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from nereus.errors import NereusError
-from nereus.runtime import shm
+from nereus.runtime.comm import shm
 from nereus.spec.io import write_bytes_atomic
 
 #: How long a collective may wait before the job is declared hung.
@@ -169,7 +169,7 @@ GUARD_GRACE_S = 5.0
 class Heartbeat:
     """A joined rank's sign of life: a thread bumps this rank's counter in the launcher's
     key-value store (torchrun's agent store, which outlives a stuck worker) and writes a byte
-    to this rank's guard (`nereus.runtime.guard`) every HEARTBEAT_S. A stopped process
+    to this rank's guard (`nereus.runtime.comm.guard`) every HEARTBEAT_S. A stopped process
     (SIGSTOP) or a dead one stops beating: when a collective times out, the survivors read
     the counters to name the rank they waited for (`unresponsive`), and the stopped rank's
     guard kills it `GUARD_GRACE_S` after the timeout so that its agent ends the job.
@@ -309,14 +309,22 @@ def exit_without_teardown(code: int) -> None:
 
 
 def start_guard(silence_s: float) -> tuple[Any, int]:
-    """Start this rank's guard (`nereus.runtime.guard`); returns it and the pipe end to beat on."""
+    """Start this rank's guard (`nereus.runtime.comm.guard`); returns it and the pipe end to beat on."""
     import subprocess
     import sys
 
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     label = f"rank {dist.get_rank()} (node {node_name()}, pid {os.getpid()})"
-    command = [sys.executable, "-m", "nereus.runtime.guard", str(os.getpid()), str(read_end), str(silence_s), label]
+    command = [
+        sys.executable,
+        "-m",
+        "nereus.runtime.comm.guard",
+        str(os.getpid()),
+        str(read_end),
+        str(silence_s),
+        label,
+    ]
     # its own session: a signal to the rank's process group (Ctrl-Z, SIGSTOP) does not stop the guard
     guard = subprocess.Popen(command, pass_fds=(read_end,), start_new_session=True, stdin=subprocess.DEVNULL)
     os.close(read_end)

@@ -7,7 +7,7 @@ sender's tensor: one copy, the bound for CPU memory. `reserve` gives a process s
 arena (anonymous memfd chunks, mapped with their pages populated, so tensors carved
 from it take no page faults); `connect` maps every same-host peer's chunks once, the
 way a GPU job registers buffers before its first transfer. While an arena is reserved,
-`nereus.runtime.reshard.execute` allocates its results in it and senders offer their
+`nereus.runtime.state.reshard.execute` allocates its results in it and senders offer their
 arena pieces by location instead of staging them.
 
 A tensor from `StateArena.empty` keeps its block until the last tensor sharing its
@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nereus.runtime import shm
+from nereus.runtime.comm import shm
 
 if TYPE_CHECKING:
     import torch

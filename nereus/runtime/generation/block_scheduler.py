@@ -14,7 +14,7 @@ The rules are those of the cost model's reference engine
 
 With blocks of one token and one prompt length, this is the reference engine step for step
 (tests/runtime/test_generation_scheduler.py holds it to that). The scheduler knows tokens and
-blocks only; the engine (`nereus.runtime.batching`) runs the forwards.
+blocks only; the engine (`nereus.runtime.generation.continuous`) runs the forwards.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from nereus.runtime.kv_cache import BlockAllocator, blocks_for
+from nereus.runtime.generation.kv_cache import BlockAllocator, blocks_for
 
 
 @dataclass

@@ -15,9 +15,9 @@ import weakref
 
 import torch
 
-from nereus.runtime import host_collectives
-from nereus.runtime.engine import Engine
-from nereus.runtime.shard_layout import local_box, param_infos
+from nereus.runtime.comm import host_collectives
+from nereus.runtime.model.engine import Engine
+from nereus.runtime.state.shard_layout import local_box, param_infos
 
 #: Added to the norm before dividing by it (torch.nn.utils.clip_grad_norm_'s guard).
 CLIP_EPS = 1e-6

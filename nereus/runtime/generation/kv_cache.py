@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from nereus.cost.kv_pool import BLOCK_TOKENS, MEMORY_UTILISATION
-from nereus.runtime.model import DecoderPipelineStage
-from nereus.runtime.shard_layout import stage_layers
+from nereus.runtime.model.transformer import DecoderPipelineStage
+from nereus.runtime.state.shard_layout import stage_layers
 from nereus.spec.model import Model
 
 

@@ -19,8 +19,8 @@ from typing import Literal
 
 import torch
 
-from nereus.runtime import arena
-from nereus.runtime.sharded_state import RUNTIME_DTYPES, keeps_masters
+from nereus.runtime.comm import arena
+from nereus.runtime.state.sharded_state import RUNTIME_DTYPES, keeps_masters
 from nereus.spec.workload import Stage, Workload
 
 

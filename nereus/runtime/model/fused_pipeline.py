@@ -33,9 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.engine import Engine, Objective
-from nereus.runtime.model import Batch
-from nereus.runtime.pipeline import (
+from nereus.runtime.model.engine import Engine, Objective
+from nereus.runtime.model.pipeline import (
     Op,
     PipelineLane,
     Sends,
@@ -45,6 +44,7 @@ from nereus.runtime.pipeline import (
     op_lists_from_schedule,
     parse_op,
 )
+from nereus.runtime.model.transformer import Batch
 
 if TYPE_CHECKING:
     from nereus.spec.schedule import Schedule

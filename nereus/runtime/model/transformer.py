@@ -29,8 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from nereus.runtime.shard_layout import ParamInfo, box_shape, holds, local_box, param_infos, stage_layers
-from nereus.runtime.tensor_parallel import (
+from nereus.runtime.model.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallel,
@@ -38,6 +37,7 @@ from nereus.runtime.tensor_parallel import (
     copy_to_group,
     vocab_parallel_cross_entropy,
 )
+from nereus.runtime.state.shard_layout import ParamInfo, box_shape, holds, local_box, param_infos, stage_layers
 from nereus.spec.model import Activation, Head, Model
 
 #: Standard deviation of the normal initialisation of weight matrices.

@@ -12,8 +12,8 @@ piece's source ("p2p") or as a binomial-tree broadcast ("broadcast"): a piece th
 source sends to several ranks is relayed by the ranks that already received it, so the
 source sends it about log2(receivers + 1) times instead of once per receiver.
 Two ranks on one host holding CPU state exchange their pieces through shared memory
-(`nereus.runtime.shm`: one copy into a pooled segment, one copy out, no sockets); a
-piece that lies in the sender's state arena (`nereus.runtime.arena`) is not staged: the
+(`nereus.runtime.comm.shm`: one copy into a pooled segment, one copy out, no sockets); a
+piece that lies in the sender's state arena (`nereus.runtime.comm.arena`) is not staged: the
 receiver copies it straight out of the sender's tensor. While this process has an
 arena, `execute` allocates its results in it, so the next reshard reads them directly too.
 Other pairs (other hosts, GPUs under NCCL) send one process-group message per piece
@@ -31,9 +31,9 @@ from collections.abc import Callable
 from dataclasses import astuple, dataclass, field, fields
 from typing import TYPE_CHECKING, Literal
 
-from nereus.runtime import arena, shm
-from nereus.runtime.shard_layout import Box, box_numel, box_shape, intersect
-from nereus.runtime.sharded_state import StateMeta, box_slices, check_rank_state, torch_dtype
+from nereus.runtime.comm import arena, shm
+from nereus.runtime.state.shard_layout import Box, box_numel, box_shape, intersect
+from nereus.runtime.state.sharded_state import StateMeta, box_slices, check_rank_state, torch_dtype
 
 if TYPE_CHECKING:
     import torch

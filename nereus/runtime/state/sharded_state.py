@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from nereus.runtime.shard_layout import (
+from nereus.runtime.state.shard_layout import (
     STATE_FAMILIES,
     Box,
     RankLayout,

@@ -23,13 +23,13 @@ from typing import Literal, Protocol
 
 import torch
 
-from nereus.runtime.batching import BatchingDecoder
-from nereus.runtime.decoding import Generation, HandOff, assemble, left_pad, replica_forward
-from nereus.runtime.engine import Engine
-from nereus.runtime.kv_cache import KVBudget
-from nereus.runtime.model import LayerCache, ReferenceModel
-from nereus.runtime.sampling import SamplingConfig, sample_streams, stops, stream_keys
-from nereus.runtime.tensor_parallel import gather_last_dim
+from nereus.runtime.generation.continuous import BatchingDecoder
+from nereus.runtime.generation.decoding import Generation, HandOff, assemble, left_pad, replica_forward
+from nereus.runtime.generation.kv_cache import KVBudget
+from nereus.runtime.generation.sampling import SamplingConfig, sample_streams, stops, stream_keys
+from nereus.runtime.model.engine import Engine
+from nereus.runtime.model.tensor_parallel import gather_last_dim
+from nereus.runtime.model.transformer import LayerCache, ReferenceModel
 
 #: The generation engines: `continuous` batching over a paged KV cache, or one `static` batch.
 Strategy = Literal["continuous", "static"]

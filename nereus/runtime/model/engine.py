@@ -22,18 +22,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from nereus.runtime import arena, host_collectives
-from nereus.runtime import dist as launch
-from nereus.runtime.model import (
-    Batch,
-    DecoderPipelineStage,
-    box_slice,
-    init_logical_param,
-    positions_from_mask,
-    shard_params,
-)
-from nereus.runtime.optim import AdamW, AdamWConfig, Precision
-from nereus.runtime.pipeline import (
+from nereus.runtime.comm import arena, host_collectives
+from nereus.runtime.comm import dist as launch
+from nereus.runtime.model.adamw import AdamW, AdamWConfig, Precision
+from nereus.runtime.model.pipeline import (
     ForwardStep,
     Op,
     PipelineExecutor,
@@ -43,7 +35,16 @@ from nereus.runtime.pipeline import (
     one_f_one_b,
     parse_op_lists,
 )
-from nereus.runtime.shard_layout import (
+from nereus.runtime.model.tensor_parallel import TensorParallel, gather_last_dim
+from nereus.runtime.model.transformer import (
+    Batch,
+    DecoderPipelineStage,
+    box_slice,
+    init_logical_param,
+    positions_from_mask,
+    shard_params,
+)
+from nereus.runtime.state.shard_layout import (
     STATE_FAMILIES,
     RankLayout,
     box_shape,
@@ -53,8 +54,7 @@ from nereus.runtime.shard_layout import (
     param_infos,
     state_key,
 )
-from nereus.runtime.sharded_state import dp_rows
-from nereus.runtime.tensor_parallel import TensorParallel, gather_last_dim
+from nereus.runtime.state.sharded_state import dp_rows
 from nereus.spec.model import Head, Model
 
 

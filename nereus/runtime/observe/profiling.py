@@ -180,7 +180,7 @@ def _agreed_repeats(seconds: float, budget_s: float) -> int:
     import torch
     import torch.distributed as dist
 
-    from nereus.runtime import dist as launch
+    from nereus.runtime.comm import dist as launch
 
     wanted = torch.tensor([max(1.0, min(200.0, budget_s / max(seconds, 1e-7)))], device=launch.device())
     dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
@@ -191,7 +191,7 @@ def _slowest(seconds: float) -> float:
     import torch
     import torch.distributed as dist
 
-    from nereus.runtime import dist as launch
+    from nereus.runtime.comm import dist as launch
 
     value = torch.tensor([seconds], dtype=torch.float64, device=launch.device())
     dist.all_reduce(value, op=dist.ReduceOp.MAX)
@@ -202,7 +202,7 @@ def _collective_call(op: str, rank: int, world: int, tensor: Any) -> Callable[[]
     import torch
     import torch.distributed as dist
 
-    from nereus.runtime import host_collectives
+    from nereus.runtime.comm import host_collectives
 
     # The engine's own calls: on one host they go through shared memory, not the process group.
     if op == "all_reduce":
@@ -254,7 +254,7 @@ def collective_worker(
     import torch
     import torch.distributed as dist
 
-    from nereus.runtime import dist as launch
+    from nereus.runtime.comm import dist as launch
 
     timings: dict[str, list[tuple[int, float]]] = {}
     for op in COLLECTIVE_OPS:
@@ -292,7 +292,7 @@ def _cpu_only(device: str) -> Any:
 
 
 def measure_collectives(config: ProfileConfig) -> tuple[list[CollectiveMeasurement], float]:
-    from nereus.runtime.dist import spawn
+    from nereus.runtime.comm.dist import spawn
 
     sizes = config.collective_bytes
     with _cpu_only(config.device):

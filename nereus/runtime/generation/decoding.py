@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.engine import Engine
-from nereus.runtime.model import KVStore, positions_from_mask
+from nereus.runtime.model.engine import Engine
+from nereus.runtime.model.transformer import KVStore, positions_from_mask
 
 
 @dataclass(frozen=True)
