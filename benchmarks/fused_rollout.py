@@ -59,7 +59,8 @@ from nereus.solver.migration import GenerationProfile, run_batch
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
-from nereus.spec.workload import INFERENCE_OUTPUTS, INFERENCE_STAGES, ResponseLengths
+from nereus.spec.stages import INFERENCE_OUTPUTS, INFERENCE_STAGES
+from nereus.spec.workload import ResponseLengths
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = ROOT / "examples" / "plan-tiny-ppo-2rank-fused.yaml"

@@ -8,7 +8,7 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import GIB, evaluate_plan, stage_cost_model
 from nereus.cost.stage import StageCostModel
 from nereus.spec.plan import Plan, StagePlan
-from nereus.spec.workload import STAGES
+from nereus.spec.stages import STAGES
 
 
 def _derived(plan: Plan, model_stage: str, calibration: Calibration) -> dict[str, float]:

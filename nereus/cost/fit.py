@@ -28,7 +28,8 @@ from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig, RunConfig
 from nereus.spec.run_folder import CONFIG_NAME, METRICS_NAME, PLAN_NAME, json_lines
-from nereus.spec.workload import STAGES, ResponseLengths
+from nereus.spec.stages import STAGES
+from nereus.spec.workload import ResponseLengths
 
 #: The first steps of every run pay for allocation and lazy initialisation; the fit drops them.
 WARMUP_STEPS = 2

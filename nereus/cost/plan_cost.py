@@ -15,7 +15,8 @@ from nereus.spec.check import Problem
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Head
 from nereus.spec.plan import Plan, Predictions, StagePlan, StagePrediction
-from nereus.spec.workload import ACTOR_SYNC_TARGETS, DTYPE_BYTES, STAGES, Role, Stage, Workload
+from nereus.spec.stages import ACTOR_SYNC_TARGETS, STAGES, Role, Stage
+from nereus.spec.workload import DTYPE_BYTES, Workload
 from nereus.units import format_bytes
 
 GIB = 2**30

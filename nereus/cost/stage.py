@@ -50,7 +50,8 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.continuous_batching import binds, decode_profile
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Head, Model
-from nereus.spec.workload import DTYPE_BYTES, Stage, Workload
+from nereus.spec.stages import Stage
+from nereus.spec.workload import DTYPE_BYTES, Workload
 
 Array = Any  # a float, an int or a numpy array: the functions broadcast
 

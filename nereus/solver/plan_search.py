@@ -27,7 +27,8 @@ from nereus.cost.stage import StageCostModel
 from nereus.solver.layouts import LayoutGrid, MemoryChoices, Option, OptionTable, layout_grid, price_layouts
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
-from nereus.spec.workload import ACTOR_SYNC_TARGETS, STAGES, Workload, model_stage_name, model_stages
+from nereus.spec.stages import ACTOR_SYNC_TARGETS, STAGES, model_stage
+from nereus.spec.workload import Workload, model_stages
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ def placements(request: PlanRequest) -> list[Placement]:
     last takes the rest.
     """
     n, per_node = request.num_gpus, request.cluster.gpus_per_node
-    names = [model_stage_name(r, s) for r, s in model_stages(request.workload)]
+    names = [model_stage(r, s) for r, s in model_stages(request.workload)]
     out = [Placement("colocated", (("shared", 0, n, tuple(names)),))]
     actor = tuple(x for x in names if x.startswith("actor/"))
     others = tuple(x for x in names if not x.startswith("actor/"))
@@ -135,7 +136,7 @@ def placements(request: PlanRequest) -> list[Placement]:
 def _cost_models(request: PlanRequest) -> dict[str, StageCostModel]:
     w = request.workload
     return {
-        model_stage_name(role, stage): StageCostModel(
+        model_stage(role, stage): StageCostModel(
             request.model(w.model_name(role)), head_of(role), stage, w, request.cluster, request.calibration
         )
         for role, stage in model_stages(w)

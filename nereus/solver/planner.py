@@ -20,7 +20,8 @@ from nereus.solver.plan_search import (
 )
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, Pool, StagePlan
-from nereus.spec.workload import model_stage_name, model_stages
+from nereus.spec.stages import model_stage
+from nereus.spec.workload import model_stages
 
 #: The largest GPU count probed when looking for the smallest one that fits.
 MAX_PROBE_GPUS = 65536
@@ -63,7 +64,7 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
             full_shard=bool(full_shard),
             kv_budget_bytes=kv or None,
         )
-    order = [model_stage_name(r, s) for r, s in model_stages(request.workload)]
+    order = [model_stage(r, s) for r, s in model_stages(request.workload)]
     names = {request.workload.model_name(role) for role in request.workload.roles()}
     plan = Plan(
         cluster=request.cluster,

@@ -6,7 +6,8 @@ from nereus.spec.cluster import Cluster, GpuKind, Link
 from nereus.spec.io import KINDS, load_document, save_document, to_data, to_json, to_yaml
 from nereus.spec.model import Model
 from nereus.spec.plan import Plan, Pool, Predictions, StagePlan, StagePrediction
-from nereus.spec.workload import ResponseLengths, Workload, model_stage_name, model_stages
+from nereus.spec.stages import model_stage
+from nereus.spec.workload import ResponseLengths, Workload, model_stages
 
 __all__ = [
     "FORMAT_VERSION",
@@ -27,7 +28,7 @@ __all__ = [
     "Workload",
     "check_file",
     "load_document",
-    "model_stage_name",
+    "model_stage",
     "model_stages",
     "save_document",
     "semantic_problems",

@@ -13,7 +13,8 @@ from nereus.spec.io import ParseError, document_from_data, field_marks, locate, 
 from nereus.spec.model import Model
 from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.registry import kind_of, semantic_problems
-from nereus.spec.workload import Workload, model_stage_name, model_stages
+from nereus.spec.stages import model_stage
+from nereus.spec.workload import Workload, model_stages
 
 Severity = Literal["error", "warning"]
 
@@ -162,7 +163,7 @@ def _tp_group_problems(cluster: Cluster, entry: StagePlan, emu: list[int], at: s
 
 
 def _stage_set_problems(plan: Plan) -> Iterator[Problem]:
-    expected = [model_stage_name(role, stage) for role, stage in model_stages(plan.workload)]
+    expected = [model_stage(role, stage) for role, stage in model_stages(plan.workload)]
     seen: set[str] = set()
     for i, entry in enumerate(plan.stages):
         if entry.model_stage in seen:

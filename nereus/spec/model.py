@@ -9,11 +9,7 @@ from typing import Annotated, Literal
 from pydantic import Field
 
 from nereus.spec.base import Document, StrictModel
-
-#: An LM head predicts the vocabulary (actor, reference); a value head predicts one
-#: scalar per token (critic, reward model).
-Head = Literal["lm", "value"]
-
+from nereus.spec.stages import Head
 
 #: The MLP's gate activation (Hugging Face `hidden_act`): SiLU for SwiGLU, or a GELU.
 Activation = Literal["silu", "gelu", "gelu_pytorch_tanh"]

@@ -9,7 +9,8 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, model_validator
 from nereus.spec.base import Document, StrictModel
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
-from nereus.spec.workload import ModelStageName, Role, Stage, Workload
+from nereus.spec.stages import ModelStageName, Role, Stage
+from nereus.spec.workload import Workload
 
 
 class Pool(StrictModel):

@@ -15,7 +15,7 @@ from pydantic import Field, NonNegativeInt
 from nereus.spec.base import Document, StrictModel
 from nereus.spec.check import Problem, plan_problems
 from nereus.spec.plan import Plan
-from nereus.spec.workload import ModelStageName
+from nereus.spec.stages import ModelStageName
 
 PrimitiveKindName = Literal["split", "destroy", "extend", "merge"]
 

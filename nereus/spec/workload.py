@@ -9,15 +9,11 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from nereus.spec.base import Document, StrictModel
+from nereus.spec.stages import MODEL_STAGES, ROLES, Role, Stage, role_of, split
 
 Algorithm = Literal["ppo", "grpo", "remax"]
-Role = Literal["actor", "critic", "reference", "reward"]
-Stage = Literal["generation", "inference", "training"]
-"""What a model does in a step; a role and a stage make a model-stage (`model_stage_name`)."""
 DType = Literal["bf16", "fp16", "fp32"]
 
-ROLES: tuple[Role, ...] = ("actor", "critic", "reference", "reward")
-STAGES: tuple[Stage, ...] = ("generation", "inference", "training")
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 _P99_Z = NormalDist().inv_cdf(0.99)
@@ -134,54 +130,4 @@ class Workload(Document):
 def model_stages(workload: Workload) -> tuple[tuple[Role, Stage], ...]:
     """Every (role, stage) the workload runs each step, in workflow order."""
     roles = workload.roles()
-    stages: list[tuple[Role, Stage]] = [("actor", "generation"), ("actor", "inference")]
-    stages += [(role, "inference") for role in ("reference", "reward", "critic") if role in roles]
-    stages += [(role, "training") for role in ("actor", "critic") if role in roles]
-    return tuple(stages)
-
-
-def model_stage_name(role: str, stage: str) -> str:
-    """The canonical `role/stage` name, e.g. `actor/generation`."""
-    return f"{role}/{stage}"
-
-
-# ---- the model-stage vocabulary: every layer names model-stages and weight syncs from here ----
-
-ModelStageName = Literal[
-    "actor/generation",
-    "actor/inference",
-    "reference/inference",
-    "reward/inference",
-    "critic/inference",
-    "actor/training",
-    "critic/training",
-]
-"""A model-stage: `role/stage`, in the order a step runs them (see `model_stages`)."""
-
-InferenceOutput = Literal["log_probs", "values", "position_values"]
-"""What an inference model-stage computes for every token of a rollout: the token-aligned log
-probability of each response token, the critic's value of emitting it, or the value head's
-output at every position (a reward model's score is its value at the last response token)."""
-
-#: Every inference model-stage and what it computes, in the order every rank runs them.
-INFERENCE_OUTPUTS: dict[ModelStageName, InferenceOutput] = {
-    "actor/inference": "log_probs",
-    "reference/inference": "log_probs",
-    "critic/inference": "values",
-    "reward/inference": "position_values",
-}
-
-#: The inference model-stages, in the order every rank runs them.
-INFERENCE_STAGES: tuple[ModelStageName, ...] = tuple(INFERENCE_OUTPUTS)
-
-#: The weight syncs after training: (source model-stage, target model-stage).
-WEIGHT_SYNCS: tuple[tuple[ModelStageName, ModelStageName], ...] = (
-    ("actor/training", "actor/generation"),
-    ("actor/training", "actor/inference"),
-    ("critic/training", "critic/inference"),
-)
-
-#: The model-stages that receive the trained actor's weights.
-ACTOR_SYNC_TARGETS: tuple[ModelStageName, ...] = tuple(
-    target for source, target in WEIGHT_SYNCS if source == "actor/training"
-)
+    return tuple(split(name) for name in MODEL_STAGES if role_of(name) in roles)

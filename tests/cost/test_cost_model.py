@@ -26,7 +26,8 @@ from nereus.spec.io import load_document
 from nereus.spec.model import Model
 from nereus.spec.plan import Plan, Pool, StagePlan
 from nereus.spec.presets import MODELS, cluster_preset
-from nereus.spec.workload import Optimizer, ResponseLengths, Workload, model_stage_name, model_stages
+from nereus.spec.stages import model_stage
+from nereus.spec.workload import Optimizer, ResponseLengths, Workload, model_stages
 
 pytestmark = pytest.mark.logic
 
@@ -451,7 +452,7 @@ def hand_plan(
     """A plan with contiguous EMUs: layouts maps model-stage -> (pool, tp, pp, micro_batches)."""
     stages = []
     for role, stage in model_stages(w):
-        name = model_stage_name(role, stage)
+        name = model_stage(role, stage)
         pool, tp, pp, micro_batches = layouts[name]
         gpus = pools[pool]
         dp = len(gpus) // (tp * pp)

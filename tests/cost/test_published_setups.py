@@ -18,7 +18,8 @@ from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.spec.plan import Plan, Pool, StagePlan
 from nereus.spec.presets import MODELS, cluster_preset
-from nereus.spec.workload import ResponseLengths, Workload, model_stage_name, model_stages
+from nereus.spec.stages import model_stage
+from nereus.spec.workload import ResponseLengths, Workload, model_stages
 
 pytestmark = pytest.mark.logic
 
@@ -160,7 +161,7 @@ def own_layout(row: Setup) -> Plan:
     cluster = cluster_preset("h100", row.gpus)
     stages = []
     for role, stage in model_stages(workload):
-        name = model_stage_name(role, stage)
+        name = model_stage(role, stage)
         tp = row.rollout_tp if stage == "generation" else 1
         dp = row.gpus // tp
         share = math.ceil(workload.samples_per_step / (workload.mini_batches if stage == "training" else 1) / dp)

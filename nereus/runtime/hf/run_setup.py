@@ -12,7 +12,8 @@ from nereus.runtime.hf.files import check_weights
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Head, Model
 from nereus.spec.plan import Plan
-from nereus.spec.workload import Role, Workload
+from nereus.spec.stages import Role
+from nereus.spec.workload import Workload
 
 #: Plans the planner proposes for a run that plans itself; the first the runtime can run is used.
 PLANS_TRIED = 8

@@ -21,7 +21,8 @@ import torch
 
 from nereus.runtime.comm import arena
 from nereus.runtime.state.sharded_state import RUNTIME_DTYPES, keeps_masters
-from nereus.spec.workload import Stage, Workload
+from nereus.spec.stages import Stage
+from nereus.spec.workload import Workload
 
 
 @dataclass(frozen=True)

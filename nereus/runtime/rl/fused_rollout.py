@@ -45,7 +45,7 @@ from nereus.runtime.rl.inter_stage import MigrationSettings, migration_mechanism
 from nereus.runtime.rl.scoring import replica_infer
 from nereus.runtime.rl.stages import ModelStageRuntime, leads, rollout_batch
 from nereus.runtime.rl.timing import timed
-from nereus.spec.workload import INFERENCE_OUTPUTS, INFERENCE_STAGES, InferenceOutput, ModelStageName
+from nereus.spec.stages import INFERENCE_OUTPUTS, INFERENCE_STAGES, InferenceOutput, ModelStageName
 
 #: What a `RolloutEvent` records.
 EVENT_KINDS = (

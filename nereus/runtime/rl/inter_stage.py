@@ -16,7 +16,7 @@ from nereus.errors import NereusError
 from nereus.solver.migration import GenerationProfile, generation_profile, sweep_thresholds
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
-from nereus.spec.workload import INFERENCE_STAGES
+from nereus.spec.stages import INFERENCE_STAGES
 
 
 def effective_fusion(plan: Plan, run_fusion: Fusion | None) -> Fusion:

@@ -16,7 +16,7 @@ from nereus.runtime.rl.objectives import align_to_tokens, values_to_tokens
 from nereus.runtime.rl.rewards import Scorer
 from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of
 from nereus.runtime.rl.timing import timed
-from nereus.spec.workload import INFERENCE_OUTPUTS, InferenceOutput
+from nereus.spec.stages import INFERENCE_OUTPUTS, InferenceOutput
 
 
 @dataclass(frozen=True)

@@ -46,8 +46,8 @@ from nereus.spec.run_folder import (
     read_metrics,
     switch_plan_name,
 )
+from nereus.spec.stages import Role
 from nereus.spec.trace import Trace
-from nereus.spec.workload import Role
 
 #: The `format` and `version` of a run checkpoint's state file.
 CHECKPOINT_FORMAT = "nereus-run-checkpoint"

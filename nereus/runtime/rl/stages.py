@@ -34,7 +34,7 @@ from nereus.runtime.state.sharded_state import (
 from nereus.spec.model import Head, Model
 from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.run_config import RLConfig
-from nereus.spec.workload import Role
+from nereus.spec.stages import Role
 
 
 @dataclass

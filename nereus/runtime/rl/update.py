@@ -40,7 +40,8 @@ from nereus.runtime.state.reshard import ReshardPlan, ReshardResult, execute, pl
 from nereus.runtime.state.sharded_state import StateMeta, state_meta
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
-from nereus.spec.workload import WEIGHT_SYNCS, Workload
+from nereus.spec.stages import WEIGHT_SYNCS
+from nereus.spec.workload import Workload
 
 #: The model-stages a step trains.
 ACTOR, CRITIC = "actor/training", "critic/training"

@@ -26,7 +26,8 @@ from nereus.runtime.state.shard_layout import (
 )
 from nereus.spec.model import Head, Model
 from nereus.spec.plan import StagePlan
-from nereus.spec.workload import Stage, Workload
+from nereus.spec.stages import Stage
+from nereus.spec.workload import Workload
 
 if TYPE_CHECKING:
     import torch

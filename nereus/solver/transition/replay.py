@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from nereus.solver.transition.primitives import Primitive
-from nereus.spec.workload import STAGES
+from nereus.spec.stages import STAGES
 from nereus.units import format_bytes
 
 EPS = 1e-9
