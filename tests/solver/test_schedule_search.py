@@ -370,3 +370,10 @@ def test_the_seed_cap_follows_the_policy() -> None:
     assert result.seed_caps == [pytest.approx(100.0 * result.bounds.memory)] * 2
     again = _seed_outcome(actor, critic, loose)
     assert again.orders == result.orders and again.per_seed == result.per_seed
+
+
+def test_a_policy_with_a_share_outside_zero_to_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="peak_share is a share"):
+        SearchPolicy(peak_share=1.5)
+    with pytest.raises(ValueError, match="cooling"):
+        SearchPolicy(cooling=0.0)

@@ -122,7 +122,12 @@ class SearchPolicy:
             if not 0 <= value <= 1:
                 raise ValueError(f"SearchPolicy.{name} is a share and must lie in [0, 1], got {value}")
         if self.move_span < 1 or self.nearest_ops < 1 or self.endgame_tries < 0 or self.improved_starts < 1:
-            raise ValueError("SearchPolicy: move_span, nearest_ops and improved_starts must be at least 1")
+            raise ValueError(
+                "SearchPolicy: move_span, nearest_ops and improved_starts must be at least 1, endgame_tries at least 0"
+            )
+        for name in ("lean_share", "restart_slack", "endgame_slack", "endgame_step", "memory_step"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SearchPolicy.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 < self.cooling <= 1:
             raise ValueError(f"SearchPolicy.cooling must lie in (0, 1], got {self.cooling}")
         if not self.lean_try_factors or not self.sequence_extras:
