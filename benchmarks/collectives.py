@@ -3,12 +3,12 @@
 For every operation of `nereus.runtime.comm.collectives` that has a shared-memory path
 (`host_collectives`: all-reduce, all-gather, broadcast, and the object all-gather and
 broadcast), that path against `torch.distributed` on the same gloo world, for messages of
-4 B to 256 KiB (tensors of that many bytes; objects pickling to about that many): each rank's
-mean seconds per call over a fixed wall budget, the slower rank reported, one thread per
-rank. `collectives.HOST_PATH_OPS` keeps the host path for the operations it wins. Prints a
+4 B to 256 KiB (tensors of that many bytes; objects pickling to about that many): per point,
+REPETITIONS timed loops of many calls, each loop's mean per call taken on the slower rank,
+their median reported (one loop can catch a descheduled rank), one thread per rank. `collectives.HOST_PATH_OPS` keeps the host path for the operations it wins. Prints a
 table and writes benchmarks/results/collectives.json.
 
-    .venv/bin/python benchmarks/collectives.py [--budget-s 0.3]
+    .venv/bin/python benchmarks/collectives.py [--budget-s 0.2]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +32,7 @@ from nereus.runtime.comm.dist import spawn
 RESULTS = Path(__file__).resolve().parent / "results" / "collectives.json"
 SIZES = (4, 1024, 32 * 1024, 256 * 1024)
 NUM_RANKS = 2
+REPETITIONS = 3
 OPERATIONS = ("all_reduce", "all_gather", "broadcast", "all_gather_object", "broadcast_object_list")
 
 
@@ -71,23 +73,28 @@ def seconds_per_call(call: Callable[[], None], budget_s: float) -> float:
     return (time.perf_counter() - started) / repeats
 
 
-def _worker(rank: int, world: int, budget_s: float) -> dict[str, dict[int, float]]:
-    timings: dict[str, dict[int, float]] = {}
+def _worker(rank: int, world: int, budget_s: float) -> dict[str, dict[int, list[float]]]:
+    timings: dict[str, dict[int, list[float]]] = {}
     for size in SIZES:
         for name, call in calls(size).items():
-            timings.setdefault(name, {})[size] = seconds_per_call(call, budget_s)
+            timings.setdefault(name, {})[size] = [seconds_per_call(call, budget_s) for _ in range(REPETITIONS)]
     return timings
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-s", type=float, default=0.3, help="wall seconds per (operation, size) point")
+    parser.add_argument("--budget-s", type=float, default=0.2, help="wall seconds per timed loop")
     parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON results go")
     args = parser.parse_args()
     recording = begin()
     load_before = os.getloadavg()[0]
     per_rank = spawn(_worker, NUM_RANKS, args.budget_s)
-    slowest = {name: {size: max(r[name][size] for r in per_rank) for size in SIZES} for name in per_rank[0]}
+    # Per repetition the slower rank's mean, then the median over repetitions.
+    by_repetition = {
+        name: {size: [max(r[name][size][k] for r in per_rank) for k in range(REPETITIONS)] for size in SIZES}
+        for name in per_rank[0]
+    }
+    slowest = {name: {size: statistics.median(row[size]) for size in SIZES} for name, row in by_repetition.items()}
     print(f"{NUM_RANKS} ranks x 1 thread on one host; load average before {load_before:.2f}")
     print(f"{'operation':>22} {'bytes':>7} {'host':>12} {'gloo':>12}  speed-up")
     faster: dict[str, bool] = {}
@@ -107,7 +114,7 @@ def main() -> None:
         "seconds_per_call": {name: {str(size): value for size, value in row.items()} for name, row in slowest.items()},
         "host_path_faster_at_every_size": faster,
     }
-    # Each point is one timed loop of many calls (its mean per call); per rank, slowest first.
+    # Each number is one timed loop's mean per call; by rank, then by repetition.
     per_rank_s = {name: {str(s): [r[name][s] for r in per_rank] for s in SIZES} for name in per_rank[0]}
     write_result(args.output, record, recording, {"seconds_per_call_by_rank": per_rank_s})
 
