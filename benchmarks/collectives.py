@@ -5,8 +5,9 @@ For every operation of `nereus.runtime.comm.collectives` that has a shared-memor
 broadcast), that path against `torch.distributed` on the same gloo world, for messages of
 4 B to 256 KiB (tensors of that many bytes; objects pickling to about that many): per point,
 REPETITIONS timed loops of many calls, each loop's mean per call taken on the slower rank,
-their median reported (one loop can catch a descheduled rank), one thread per rank. `collectives.HOST_PATH_OPS` keeps the host path for the operations it wins. Prints a
-table and writes benchmarks/results/collectives.json.
+their median reported (one loop can catch a descheduled rank), one thread per rank.
+`collectives.HOST_PATH_OPS` keeps the host path for the operations it wins. Prints a table and
+writes benchmarks/results/collectives.json.
 
     .venv/bin/python benchmarks/collectives.py [--budget-s 0.2]
 """

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.comm import arena, host_collectives
+from nereus.runtime.comm import arena, collectives
 from nereus.runtime.comm import dist as launch
 from nereus.runtime.model.adamw import AdamW, AdamWConfig, Precision
 from nereus.runtime.model.pipeline import (
@@ -144,24 +144,6 @@ class EngineConfig:
     updated weights are all-gathered."""
 
 
-_GROUP_CACHE: dict[tuple[int, ...], Any] = {}
-_GROUP_WORLD: list[Any] = [None]
-
-
-def _group(ranks: Sequence[int]) -> Any:
-    """The process group of `ranks` (None for one rank); every world rank must call this
-    for the same rank sets in the same order. Groups are reused across layouts."""
-    if len(ranks) == 1:
-        return None
-    if _GROUP_WORLD[0] is not dist.group.WORLD:
-        _GROUP_CACHE.clear()
-        _GROUP_WORLD[0] = dist.group.WORLD
-    key = tuple(sorted(ranks))
-    if key not in _GROUP_CACHE:
-        _GROUP_CACHE[key] = dist.new_group(list(key))
-    return _GROUP_CACHE[key]
-
-
 @dataclass(frozen=True)
 class ParallelGroups:
     """This rank's coordinates in a RankLayout and its process groups."""
@@ -186,7 +168,7 @@ def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups
     mine: dict[str, Any] = {}
 
     def make(kind: str, ranks: list[int]) -> None:
-        group = _group(ranks)
+        group = collectives.subgroup(ranks)
         if rank in ranks:
             mine[kind] = group
 
@@ -265,19 +247,6 @@ def buckets(pieces: Iterable[Piece]) -> list[list[Piece]]:
         runs[-1].append(piece)
         size += numel
     return [run for run in runs if run]
-
-
-def reduce_scatter(flat: torch.Tensor, group: Any, parts: int, index: int) -> torch.Tensor:
-    """Part `index` of the sum over `group` of `flat` (`parts` equal parts). NCCL reduce-
-    scatters; gloo has no reduce-scatter, so on CPU the bucket is all-reduced and the part kept
-    (the same sums; the bucket is bounded by GRAD_BUCKET_ELEMENTS either way)."""
-    size = flat.numel() // parts
-    if flat.is_cuda:
-        out = torch.empty(size, dtype=flat.dtype, device=flat.device)
-        dist.reduce_scatter_tensor(out, flat, group=group)
-        return out
-    host_collectives.all_reduce(flat, group)
-    return flat[index * size : (index + 1) * size]
 
 
 def even_split(num_rows: int, parts: int) -> list[tuple[int, int]]:
@@ -548,7 +517,7 @@ class Engine:
         if self.pipeline_stage.is_last:
             loss = torch.stack(list(outputs.values())).sum()
             if self.groups.dp_group is not None:
-                host_collectives.all_reduce(loss, self.groups.dp_group)
+                collectives.all_reduce(loss, self.groups.dp_group)
         return float(self.from_last_stage(loss))
 
     def update(self) -> None:
@@ -576,7 +545,7 @@ class Engine:
             mine = torch.cat([piece[me].reshape(-1) for piece in bucket])
             local[: mine.numel()] = mine
             parts = [torch.empty_like(local) for _ in range(dp)]
-            host_collectives.all_gather(parts, local, self.groups.dp_group)
+            collectives.all_gather(parts, local, self.groups.dp_group)
             for d, part in enumerate(parts):
                 offset = 0
                 for piece in bucket:
@@ -643,7 +612,7 @@ class Engine:
         grads = [p.grad for p in self.params.values()]
         assert all(g is not None for g in grads), "every shard parameter takes part in the loss"
         if self.groups.embed_group is not None:
-            host_collectives.all_reduce(self.params["embed.weight"].grad, self.groups.embed_group)  # type: ignore[arg-type]
+            collectives.all_reduce(self.params["embed.weight"].grad, self.groups.embed_group)  # type: ignore[arg-type]
         if self.groups.dp_group is None:
             return
         held = {n: p.grad for n, p in self.params.items() if p.grad is not None}
@@ -655,7 +624,7 @@ class Engine:
     def _all_reduce_bucket(self, bucket: list[torch.Tensor]) -> None:
         """Sum one bucket of gradients over dp in the precision's reduction dtype."""
         flat = torch.cat([g.reshape(-1).to(self.config.precision.reduce_dtype) for g in bucket])
-        host_collectives.all_reduce(flat, self.groups.dp_group)
+        collectives.all_reduce(flat, self.groups.dp_group)
         offset = 0
         for g in bucket:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -673,7 +642,7 @@ class Engine:
             for piece in bucket:
                 flat[offset : offset + piece[d].numel()] = piece[d].reshape(-1)
                 offset += piece[d].numel()
-        summed = reduce_scatter(flat, self.groups.dp_group, dp, me)
+        summed = collectives.reduce_scatter(flat, self.groups.dp_group, dp, me)
         offset = 0
         for piece in bucket:
             piece[me].copy_(summed[offset : offset + piece[me].numel()].view_as(piece[me]))
@@ -686,7 +655,7 @@ class Engine:
             return tensor
         tensor = tensor.contiguous()
         last = self.groups.layout.rank_at(self.groups.replica, link.num_stages - 1, self.groups.tp.rank)
-        host_collectives.broadcast(tensor, last, link.group)
+        collectives.broadcast(tensor, last, link.group)
         return tensor
 
     # ---- inference ----

@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from nereus.runtime.comm import host_collectives
+from nereus.runtime.comm import collectives
 from nereus.runtime.model.engine import Engine
 from nereus.runtime.state.shard_layout import local_box, param_infos
 
@@ -74,12 +74,12 @@ def global_grad_norm(engine: Engine) -> float:
     if parts:  # every slice's norm in float64 by one foreach call, then their squares summed
         total += torch.stack(torch._foreach_norm(parts, 2, dtype=torch.float64)).square().sum()
     if engine.zero1:
-        host_collectives.all_reduce(total, groups.dp_group)
+        collectives.all_reduce(total, groups.dp_group)
     # Tensor ranks first (each stage's total on each of its ranks), then across the stages.
     if groups.tp.group is not None:
-        host_collectives.all_reduce(total, groups.tp.group)
+        collectives.all_reduce(total, groups.tp.group)
     if groups.link.group is not None:
-        host_collectives.all_reduce(total, groups.link.group)
+        collectives.all_reduce(total, groups.link.group)
     return math.sqrt(float(total))
 
 

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from nereus.runtime.comm import collectives
 from nereus.runtime.comm import dist as launch
-from nereus.runtime.comm import host_collectives
 from nereus.runtime.generation.continuous import BatchingDecoder
 from nereus.runtime.generation.decoding import HandOff
 from nereus.runtime.generation.kv_cache import KVBudget
@@ -116,13 +116,13 @@ def _active_counts(generation: ModelStageRuntime, decoder: BatchingDecoder | Non
     if decoder is not None and leads(generation):
         assert generation.engine is not None
         counts[generation.engine.groups.replica] = decoder.num_active
-    host_collectives.all_reduce(counts)
+    collectives.all_reduce(counts)
     return [int(count) for count in counts.tolist()]
 
 
 def _gather(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
-    host_collectives.all_gather_object(gathered, value)
+    collectives.all_gather_object(gathered, value)
     return gathered
 
 
@@ -307,7 +307,7 @@ def _replica_agrees(stage: ModelStageRuntime, flag: bool) -> bool:
     value = torch.tensor([float(flag)], device=launch.device())
     for group in (engine.groups.tp.group, engine.groups.link.group):
         if group is not None:
-            host_collectives.all_reduce(value, group, op="max")
+            collectives.all_reduce(value, group, op="max")
     return bool(value.item() > 0)
 
 
