@@ -25,7 +25,9 @@ import torch
 from _record import begin, write_result
 
 from nereus.runtime.comm.dist import spawn
-from nereus.runtime.model.engine import Engine, NextTokenLoss, admissible_layouts
+from nereus.runtime.model.engine import Engine
+from nereus.runtime.model.losses import NextTokenLoss
+from nereus.runtime.model.parallel_groups import admissible_layouts
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.presets import MODELS

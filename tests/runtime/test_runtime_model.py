@@ -8,7 +8,8 @@ from torch.nn import functional as F
 
 from nereus.runtime.comm.dist import spawn
 from nereus.runtime.model.adamw import AdamW, AdamWConfig
-from nereus.runtime.model.engine import Engine, NextTokenLoss, ValueLoss
+from nereus.runtime.model.engine import Engine
+from nereus.runtime.model.losses import NextTokenLoss, ValueLoss
 from nereus.runtime.model.tensor_parallel import TensorParallel, vocab_parallel_cross_entropy
 from nereus.runtime.model.transformer import (
     Batch,

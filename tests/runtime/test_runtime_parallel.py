@@ -16,7 +16,9 @@ import torch
 
 from nereus.runtime.comm.dist import spawn
 from nereus.runtime.model.adamw import AdamWConfig
-from nereus.runtime.model.engine import Engine, EngineConfig, NextTokenLoss, Objective, ValueLoss, admissible_layouts
+from nereus.runtime.model.engine import Engine, EngineConfig
+from nereus.runtime.model.losses import NextTokenLoss, Objective, ValueLoss
+from nereus.runtime.model.parallel_groups import admissible_layouts
 from nereus.runtime.model.pipeline import (
     Op,
     check_op_lists,

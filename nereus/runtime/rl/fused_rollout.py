@@ -39,12 +39,12 @@ from nereus.runtime.generation.continuous import BatchingDecoder
 from nereus.runtime.generation.decoding import HandOff
 from nereus.runtime.generation.kv_cache import KVBudget
 from nereus.runtime.generation.sampling import SamplingConfig
-from nereus.runtime.model.engine import even_split
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.inter_stage import MigrationSettings, migration_mechanism
 from nereus.runtime.rl.scoring import replica_infer
 from nereus.runtime.rl.stages import ModelStageRuntime, leads, rollout_batch
 from nereus.runtime.rl.timing import timed
+from nereus.runtime.state.sharded_state import even_split
 from nereus.spec.stages import INFERENCE_OUTPUTS, INFERENCE_STAGES, InferenceOutput, ModelStageName
 
 #: What a `RolloutEvent` records.

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from nereus.runtime.comm import collectives
-from nereus.runtime.model.engine import HeadOps, next_token_log_probs
+from nereus.runtime.model.losses import HeadOps, next_token_log_probs
 from nereus.runtime.model.tensor_parallel import TensorParallel, reduce_from_group
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.algorithms import clipped_policy_loss, clipped_value_loss, kl_divergence
