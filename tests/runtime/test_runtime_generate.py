@@ -17,8 +17,9 @@ from nereus.runtime.generation.generate import SamplingConfig, generate, left_pa
 from nereus.runtime.generation.kv_cache import KVBudget
 from nereus.runtime.generation.sampling import sample_next
 from nereus.runtime.model.engine import Engine
+from nereus.runtime.model.initialization import init_logical_params
 from nereus.runtime.model.parallel_groups import admissible_layouts
-from nereus.runtime.model.transformer import Batch, ReferenceModel, init_logical_params
+from nereus.runtime.model.transformer import Batch, ReferenceModel
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.model import Head
 from nereus.spec.presets import MODELS

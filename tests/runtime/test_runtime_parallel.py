@@ -17,6 +17,7 @@ import torch
 from nereus.runtime.comm.dist import spawn
 from nereus.runtime.model.adamw import AdamWConfig
 from nereus.runtime.model.engine import Engine, EngineConfig
+from nereus.runtime.model.initialization import init_logical_params, shard_params
 from nereus.runtime.model.losses import NextTokenLoss, Objective, ValueLoss
 from nereus.runtime.model.parallel_groups import admissible_layouts
 from nereus.runtime.model.pipeline import (
@@ -28,7 +29,7 @@ from nereus.runtime.model.pipeline import (
     parse_op,
     parse_op_lists,
 )
-from nereus.runtime.model.transformer import Batch, ReferenceModel, init_logical_params, shard_params
+from nereus.runtime.model.transformer import Batch, ReferenceModel
 from nereus.runtime.state.shard_layout import RankLayout, state_key
 from nereus.spec.model import Head, Model
 from nereus.spec.presets import MODELS

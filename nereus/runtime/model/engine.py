@@ -33,6 +33,7 @@ from nereus.runtime.model.data_parallel import (
     reduce_scatter_bucket,
     row_pieces,
 )
+from nereus.runtime.model.initialization import box_slice, init_logical_param, shard_params
 from nereus.runtime.model.losses import Objective, next_token_log_probs
 from nereus.runtime.model.parallel_groups import ParallelGroups, build_groups
 from nereus.runtime.model.pipeline import (
@@ -45,14 +46,7 @@ from nereus.runtime.model.pipeline import (
     parse_op_lists,
 )
 from nereus.runtime.model.tensor_parallel import gather_last_dim
-from nereus.runtime.model.transformer import (
-    Batch,
-    DecoderPipelineStage,
-    box_slice,
-    init_logical_param,
-    positions_from_mask,
-    shard_params,
-)
+from nereus.runtime.model.transformer import Batch, DecoderPipelineStage, positions_from_mask
 from nereus.runtime.state.shard_layout import (
     STATE_FAMILIES,
     RankLayout,
