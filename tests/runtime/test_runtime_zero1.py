@@ -16,7 +16,8 @@ from nereus.runtime.model.engine import Engine, EngineConfig
 from nereus.runtime.model.grad_norm import global_grad_norm
 from nereus.runtime.model.losses import NextTokenLoss
 from nereus.runtime.model.transformer import Batch
-from nereus.runtime.state.reshard import execute, plan_reshard
+from nereus.runtime.state.reshard import execute
+from nereus.runtime.state.reshard_plan import plan_reshard
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.runtime.state.sharded_state import dp_sharded_families, gather, state_dtypes, state_meta
 from nereus.spec.presets import MODELS, workload_preset

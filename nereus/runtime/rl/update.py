@@ -35,7 +35,8 @@ from nereus.runtime.rl.rewards import Scorer
 from nereus.runtime.rl.scoring import Scored, reward_of
 from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of
 from nereus.runtime.rl.timing import timed
-from nereus.runtime.state.reshard import ReshardPlan, ReshardResult, execute, plan_reshard
+from nereus.runtime.state.reshard import ReshardResult, execute
+from nereus.runtime.state.reshard_plan import ReshardPlan, plan_reshard
 from nereus.runtime.state.sharded_state import StateMeta, even_split, state_meta
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
