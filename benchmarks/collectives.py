@@ -28,7 +28,7 @@ import torch.distributed as dist
 from _record import begin, write_result
 
 from nereus.runtime.comm import host_collectives
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "collectives.json"
 SIZES = (4, 1024, 32 * 1024, 256 * 1024)

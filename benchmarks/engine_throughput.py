@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from _record import begin, write_result
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.engine import Engine
 from nereus.runtime.model.losses import NextTokenLoss
 from nereus.runtime.model.parallel_groups import admissible_layouts

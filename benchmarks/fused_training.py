@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from _record import begin, write_result
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.engine import Engine, EngineConfig
 from nereus.runtime.model.fused_pipeline import (
     ActivationPeak,

@@ -254,7 +254,7 @@ def main() -> None:
     started = begin()
     import torch
 
-    from nereus.runtime.comm.dist import spawn
+    from nereus.runtime.comm.spawn import spawn
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU; use --device cpu here")

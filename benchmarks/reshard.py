@@ -49,7 +49,7 @@ import torch.distributed as dist
 from _record import begin, write_result
 
 from nereus.runtime.comm import arena
-from nereus.runtime.comm.dist import HUGE_PAGES_ENV, spawn
+from nereus.runtime.comm.spawn import HUGE_PAGES_ENV, spawn
 from nereus.runtime.state.checkpoint import load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.state.piece_exchange import Transport
 from nereus.runtime.state.reshard import execute

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.fused_pipeline import (
     ActivationPeak,
     FusedPart,

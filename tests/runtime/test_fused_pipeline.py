@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.adamw import AdamWConfig
 from nereus.runtime.model.engine import Engine, EngineConfig
 from nereus.runtime.model.fused_pipeline import (

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nereus.errors import NereusError
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.generation.generate import CachedForward, Decoder, SamplingConfig, reference_generate
 from nereus.runtime.generation.sampling import sample_seed
 from nereus.runtime.model.engine import Engine

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.engine import Engine
 from nereus.runtime.model.grad_norm import clip_grad_norm, global_grad_norm
 from nereus.runtime.model.initialization import init_logical_params

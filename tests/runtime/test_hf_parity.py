@@ -19,7 +19,7 @@ pytestmark = pytest.mark.one_rank
 
 from hf_helpers import save_random_model  # noqa: E402
 
-from nereus.runtime.comm.dist import spawn  # noqa: E402
+from nereus.runtime.comm.spawn import spawn  # noqa: E402
 from nereus.runtime.generation.generate import SamplingConfig, generate  # noqa: E402
 from nereus.runtime.hf.load import load_engine, read_logical  # noqa: E402
 from nereus.runtime.model.engine import Engine  # noqa: E402

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nereus.runtime.comm import arena, shm
-from nereus.runtime.comm.dist import STREAMING_COPY_TUNABLE, TUNABLES_ENV, spawn
+from nereus.runtime.comm.spawn import STREAMING_COPY_TUNABLE, TUNABLES_ENV, spawn
 from nereus.runtime.state.reshard import execute
 from nereus.runtime.state.reshard_plan import Hop, ReshardPlan, broadcast_rounds, plan_reshard
 from nereus.runtime.state.shard_layout import STATE_FAMILIES, RankLayout

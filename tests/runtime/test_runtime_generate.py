@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_runtime_parallel import merge_rank_errors
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.generation.continuous import BatchingDecoder
 from nereus.runtime.generation.generate import SamplingConfig, generate, left_pad, reference_generate
 from nereus.runtime.generation.kv_cache import KVBudget

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.adamw import AdamW, AdamWConfig
 from nereus.runtime.model.engine import Engine
 from nereus.runtime.model.initialization import init_logical_param, init_logical_params, shard_params

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.adamw import AdamWConfig
 from nereus.runtime.model.engine import Engine, EngineConfig
 from nereus.runtime.model.initialization import init_logical_params, shard_params

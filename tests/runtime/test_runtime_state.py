@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.state.reshard import execute
 from nereus.runtime.state.reshard_plan import ReshardPlan, lower_bound, plan_reshard
 from nereus.runtime.state.shard_layout import STATE_FAMILIES, RankLayout, box_numel, intersect, layout_problem

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.adamw import AdamWConfig, stage_precision
 from nereus.runtime.model.engine import Engine, EngineConfig
 from nereus.runtime.model.grad_norm import global_grad_norm

@@ -337,7 +337,7 @@ def _channel(group: Any) -> _Channel | None:
 def _open_channel(group: Any) -> _Channel | None:
     import torch.distributed as dist
 
-    from nereus.runtime.comm.dist import collective_timeout
+    from nereus.runtime.comm.world import collective_timeout
 
     num_ranks, index = dist.get_world_size(group), dist.get_rank(group)
     if num_ranks == 1:

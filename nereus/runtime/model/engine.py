@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.comm import arena, collectives
-from nereus.runtime.comm import dist as launch
+from nereus.runtime.comm.world import device as rank_device
 from nereus.runtime.model.adamw import AdamW, AdamWConfig, Precision
 from nereus.runtime.model.data_parallel import (
     Piece,
@@ -103,7 +103,7 @@ class Engine:
         self.head = head
         self.groups = groups
         self.config = config
-        self.device = launch.device()
+        self.device = rank_device()
         layout = groups.layout
         self.pipeline_stage = DecoderPipelineStage(model, head, groups.tp, layout.pp, groups.pp_rank).to(self.device)
         self.params: dict[str, torch.nn.Parameter] = dict(self.pipeline_stage.named_parameters())

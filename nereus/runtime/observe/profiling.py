@@ -180,9 +180,9 @@ def _agreed_repeats(seconds: float, budget_s: float) -> int:
     import torch
 
     from nereus.runtime.comm import collectives
-    from nereus.runtime.comm import dist as launch
+    from nereus.runtime.comm.world import device as rank_device
 
-    wanted = torch.tensor([max(1.0, min(200.0, budget_s / max(seconds, 1e-7)))], device=launch.device())
+    wanted = torch.tensor([max(1.0, min(200.0, budget_s / max(seconds, 1e-7)))], device=rank_device())
     collectives.all_reduce(wanted, op="max")
     return int(wanted.item())
 
@@ -191,9 +191,9 @@ def _slowest(seconds: float) -> float:
     import torch
 
     from nereus.runtime.comm import collectives
-    from nereus.runtime.comm import dist as launch
+    from nereus.runtime.comm.world import device as rank_device
 
-    value = torch.tensor([seconds], dtype=torch.float64, device=launch.device())
+    value = torch.tensor([seconds], dtype=torch.float64, device=rank_device())
     collectives.all_reduce(value, op="max")
     return float(value.item())
 
@@ -255,18 +255,18 @@ def collective_worker(
     import torch.distributed as dist
 
     from nereus.runtime.comm import collectives
-    from nereus.runtime.comm import dist as launch
+    from nereus.runtime.comm.world import device as rank_device
 
     timings: dict[str, list[tuple[int, float]]] = {}
     for op in COLLECTIVE_OPS:
         timings[op] = []
         for size in sizes:
-            tensor = torch.ones(max(1, size // 4), dtype=torch.float32, device=launch.device())
+            tensor = torch.ones(max(1, size // 4), dtype=torch.float32, device=rank_device())
             seconds = _time_collective(_collective_call(op, rank, world, tensor), budget_s, device)
             # A ping-pong crosses the link twice.
             timings[op].append((size, seconds / 2 if op == "p2p" else seconds))
     setups = []
-    probe = torch.ones(1, device=launch.device())
+    probe = torch.ones(1, device=rank_device())
     for _ in range(3):
         collectives.barrier()
         start = time.perf_counter()
@@ -293,7 +293,7 @@ def _cpu_only(device: str) -> Any:
 
 
 def measure_collectives(config: ProfileConfig) -> tuple[list[CollectiveMeasurement], float]:
-    from nereus.runtime.comm.dist import spawn
+    from nereus.runtime.comm.spawn import spawn
 
     sizes = config.collective_bytes
     with _cpu_only(config.device):

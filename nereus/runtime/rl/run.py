@@ -32,19 +32,16 @@ import torch.distributed as dist
 from nereus.cost.calibration import Calibration
 from nereus.errors import ArgumentError, NereusError
 from nereus.runtime.comm import arena, collectives, shm
-from nereus.runtime.comm.dist import (
+from nereus.runtime.comm.heartbeat import (
     GUARD_GRACE_S,
     HEARTBEAT_S,
     Heartbeat,
-    Peer,
     describe_unresponsive,
-    device,
     exit_without_teardown,
-    init_from_env,
     kill_unresponsive_sibling,
-    spawn,
-    timed_out,
 )
+from nereus.runtime.comm.spawn import spawn, timed_out
+from nereus.runtime.comm.world import Peer, device, init_from_env
 from nereus.runtime.hf.load import load_engine
 from nereus.runtime.observe import memory, timeline
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
@@ -687,7 +684,7 @@ def join_job(timeout_s: float) -> JoinedJob:
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     peers = init_from_env(timedelta(seconds=timeout_s))
-    return JoinedJob(peers, Heartbeat(timeout_s, watch=dist.get_rank() == 0), timeout_s)
+    return JoinedJob(peers, Heartbeat(peers, timeout_s, watch=dist.get_rank() == 0), timeout_s)
 
 
 def portable_error(error: NereusError) -> NereusError:

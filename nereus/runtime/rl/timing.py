@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.comm import collectives
-from nereus.runtime.comm import dist as launch
+from nereus.runtime.comm.world import device as rank_device
 from nereus.runtime.model.fused_pipeline import OpTiming
 from nereus.runtime.observe import timeline
 from nereus.runtime.observe.memory import PeakTracker
@@ -62,7 +62,7 @@ def gather_numbers(values: list[float]) -> torch.Tensor:
     # On the rank's device: NCCL gathers only GPU tensors.
     if dist.get_world_size() == 1:
         return torch.tensor([values], dtype=torch.float64)
-    mine = torch.tensor(values, dtype=torch.float64, device=launch.device())
+    mine = torch.tensor(values, dtype=torch.float64, device=rank_device())
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     collectives.all_gather(rows, mine)
     return torch.stack(rows).cpu()
