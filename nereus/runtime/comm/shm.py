@@ -61,6 +61,7 @@ def _fingerprint() -> bytes:
     return hashlib.sha256(domain.encode()).digest()
 
 
+#: Computed once: the process's shared-memory domain does not change while it runs.
 _HOST_TOKEN = _fingerprint()
 #: Tells this process from an earlier one at the same rank (a pooled segment is per peer process).
 PROCESS_NONCE = secrets.token_bytes(NONCE_BYTES)
@@ -89,6 +90,9 @@ class Segment:
         return int(self.data.numel())
 
 
+# Process-wide on purpose: segments are files in /dev/shm that outlive whoever created them
+# unless this process unlinks them (the exit hook reads `_unopened`), and a pooled segment is
+# reused by every later reshard of the process with that peer, whichever engine calls.
 #: Names this process created and no receiver has unlinked yet (removed at exit).
 _unopened: set[str] = set()
 #: Segments this rank stages into, by receiving peer, with that peer's process nonce.

@@ -33,6 +33,7 @@ from nereus.runtime.model.data_parallel import (
     reduce_scatter_bucket,
     row_pieces,
 )
+from nereus.runtime.model.grad_norm import counted_params
 from nereus.runtime.model.initialization import box_slice, init_logical_param, shard_params
 from nereus.runtime.model.losses import Objective, next_token_log_probs
 from nereus.runtime.model.parallel_groups import ParallelGroups, build_groups
@@ -108,6 +109,8 @@ class Engine:
         self.pipeline_stage = DecoderPipelineStage(model, head, groups.tp, layout.pp, groups.pp_rank).to(self.device)
         self.params: dict[str, torch.nn.Parameter] = dict(self.pipeline_stage.named_parameters())
         self._check_contract()
+        self.counted_params = counted_params(model, head, groups, self.params)
+        """The parameters whose gradient this rank counts in the global norm (`grad_norm`)."""
         self.dtype = config.precision.torch_dtype
         self.zero1 = config.shard_across_dp and layout.dp > 1
         with torch.no_grad():

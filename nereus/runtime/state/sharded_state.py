@@ -42,7 +42,7 @@ TORCH_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 #: Torch names of the dtypes the runtime computes in, by workload dtype (fp16 would need
 #: loss scaling, which the runtime does not do: a plan with it is refused before a run).
-RUNTIME_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16"}
+RUNTIME_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16"}  # a constant table: never written
 
 
 def keeps_masters(workload: Workload, stage: Stage) -> bool:
