@@ -205,7 +205,7 @@ def copy_bulk(dst: torch.Tensor, src: torch.Tensor) -> None:
 
     Why: torch's copy kernel always stores through the cache, so a copy of cold memory reads
     every destination line before overwriting it; glibc's memmove streams stores past the
-    cache above its non-temporal threshold (`dist.spawn` lowers it for its ranks), which
+    cache above its non-temporal threshold (`spawn.spawn` lowers it for its ranks), which
     moved 1.6x the bytes per second with two ranks copying at once on the machine measured.
     """
     nbytes = src.numel() * src.element_size()
