@@ -32,7 +32,7 @@ Op = Literal["sum", "max"]
 #: Operations the shared-memory backend carries on a same-host group. Measured with
 #: `benchmarks/collectives.py` (benchmarks/results/collectives.json, 2 ranks, 4 B to 256 KiB):
 #: an operation is listed when the host path was faster than gloo at every measured size. All
-#: five were, by 3-60x (e.g. a 1 KiB all-reduce 15 us against 0.9 ms, a 256 KiB object
+#: five were, by 3-62x (e.g. a 1 KiB all-reduce 15 us against 0.9 ms, a 256 KiB object
 #: all-gather 0.2 ms against 1.9 ms); an operation measured slower would be left out here.
 HOST_PATH_OPS: frozenset[str] = frozenset(
     {"all_reduce", "all_gather", "broadcast", "all_gather_object", "broadcast_object_list"}
