@@ -42,7 +42,7 @@ TORCH_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 #: Torch names of the dtypes the runtime computes in, by workload dtype (fp16 would need
 #: loss scaling, which the runtime does not do: a plan with it is refused before a run).
-RUNTIME_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16"}
+RUNTIME_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16"}  # a constant table: never written
 
 
 def keeps_masters(workload: Workload, stage: Stage) -> bool:
@@ -77,6 +77,17 @@ def shards_across_dp(workload: Workload, entry: StagePlan) -> bool:
 def stage_dp_sharded(workload: Workload, entry: StagePlan) -> frozenset[str]:
     """The families a plan entry's engine shards across its replicas (`dp_sharded_families`)."""
     return dp_sharded_families(workload, entry.stage, shards_across_dp(workload, entry))
+
+
+def even_split(num_rows: int, parts: int) -> list[tuple[int, int]]:
+    """(start, stop) of `parts` contiguous runs covering `num_rows`, sizes differing by at most one."""
+    base, extra = divmod(num_rows, parts)
+    bounds, start = [], 0
+    for part in range(parts):
+        stop = start + base + (part < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
 
 
 def dp_rows(rows: int, dp: int, replica: int) -> tuple[int, int] | None:
