@@ -8,12 +8,18 @@ priced unbounded by the planner, which is right while the batch fits that pool; 
 not (a plan kept past the lengths it was made for, as the fixed policy keeps it), the engine
 runs in waves. `engine_budget` is the budget the continuous-batching term must price then:
 the pool's tokens, as bytes at the cost model's bytes per token.
+
+`kv_bytes_per_token` is the one formula for a token's KV bytes on a rank: the engine's cache,
+its pool and the cost model (at the workload's dtype) all take it from here.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from typing import Any, overload
+
+import numpy as np
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION
 from nereus.spec.model import Model
@@ -27,9 +33,17 @@ MEMORY_UTILISATION = 0.9
 KV_ELEMENT_BYTES = 4
 
 
-def engine_bytes_per_token(model: Model, tp: int, pp: int) -> int:
-    """KV bytes one token takes on a rank of a tp x pp replica (its layers, its KV heads)."""
-    return 2 * max(1, model.num_kv_heads // tp) * model.head_dim * (model.num_layers // pp) * KV_ELEMENT_BYTES
+@overload
+def kv_bytes_per_token(model: Model, tp: int, pp: int, element_bytes: int) -> int: ...
+@overload
+def kv_bytes_per_token(model: Model, tp: np.ndarray, pp: np.ndarray, element_bytes: int) -> np.ndarray: ...
+def kv_bytes_per_token(model: Model, tp: Any, pp: Any, element_bytes: int) -> Any:
+    """KV bytes one token takes on a rank of a tp x pp replica: keys and values of its pipeline
+    stage's layers (pp divides them) for its whole KV heads (tp divides them; beyond their
+    count every rank holds one replicated head), `element_bytes` each (the engine's cache:
+    KV_ELEMENT_BYTES; the cost model prices the workload's dtype). Elementwise on arrays."""
+    heads = max(1, model.num_kv_heads // tp) if np.ndim(tp) == 0 else np.maximum(model.num_kv_heads // tp, 1)
+    return 2 * heads * model.head_dim * (model.num_layers // pp) * element_bytes
 
 
 def pool_tokens(budget_bytes: int | None, memory_left_bytes: float, bytes_per_token: int) -> int:
@@ -64,7 +78,7 @@ def engine_budget(plan: Plan, engineless: Collection[str] = ()) -> int | None:
             for gpu in other.gpus:
                 resident[gpu] = resident.get(gpu, 0.0) + states
     model = plan.model(plan.workload.model_name(entry.role))
-    per_token = engine_bytes_per_token(model, entry.tp, entry.pp)
+    per_token = kv_bytes_per_token(model, entry.tp, entry.pp, KV_ELEMENT_BYTES)
     left = plan.cluster.gpu.memory_bytes - max(resident.get(gpu, 0.0) for gpu in entry.gpus)
     tokens = pool_tokens(entry.kv_budget_bytes, left, per_token)
     if tokens >= batch_tokens(plan, entry):

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from nereus.cost import kv_pool
 from nereus.cost.calibration import Calibration
 from nereus.cost.continuous_batching import binds, decode_profile
 from nereus.spec.cluster import Cluster
@@ -117,10 +118,8 @@ class StageCostModel:
         return np.maximum(first, last)
 
     def kv_bytes_per_token(self, tp: Array, pp: Array) -> Array:
-        """KV-cache bytes per token on one GPU (its layers, its KV heads)."""
-        m = self.model
-        kv_heads_rank = np.maximum(m.num_kv_heads / tp, 1.0)
-        return 2 * kv_heads_rank * m.head_dim * (m.num_layers / pp) * self.dtype_bytes
+        """KV-cache bytes per token on one GPU (its layers, its KV heads) in the workload's dtype."""
+        return kv_pool.kv_bytes_per_token(self.model, tp, pp, self.dtype_bytes)
 
     def dense_flops_per_token(self, pp: Array = 1) -> Array:
         """Forward GEMM FLOPs per token (2 per multiply-add) on the busiest pipeline stage.
