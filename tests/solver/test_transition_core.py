@@ -300,17 +300,16 @@ def test_offloaded_and_sharded_states_are_not_counted_as_resident() -> None:
     sleep in host memory (none on its GPUs, nothing to move), ZeRO-1 keeps 1/dp of AdamW state."""
     from nereus.cli.inputs import models_for
     from nereus.cost.calibration import DEFAULT_CALIBRATION
-    from nereus.cost.plan_cost import resident_share
+    from nereus.cost.plan_cost import replica_state_bytes, resident_share
     from nereus.solver.plan_search import PlanRequest
     from nereus.solver.planner import make_plan
-    from nereus.solver.transition.schedule import state_bytes
     from nereus.spec.presets import cluster_preset, workload_preset
 
     workload = workload_preset("ppo")
     planned = make_plan(PlanRequest(cluster_preset("h100", 16), models_for(workload, None), workload, 16)).best
     plan = _with_choices(planned, "critic/training", zero1=False, offload=False)
     training = plan.stage_plan("critic/training")
-    full = state_bytes(plan, "critic/training", DEFAULT_CALIBRATION) / (training.tp * training.pp)
+    full = replica_state_bytes(plan, "critic/training", DEFAULT_CALIBRATION) / (training.tp * training.pp)
     base = build_transition(plan, plan).initial_bytes
     offloaded = _with_choices(plan, "critic/training", offload=True)
     gpu = training.gpus[0]
