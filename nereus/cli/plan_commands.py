@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from nereus.cli.outputs import check_output
 from nereus.cli.progress import progress_bar
 from nereus.errors import NereusError
 
@@ -97,8 +98,7 @@ def plan(
     from nereus.spec.presets import models_for
     from nereus.spec.workload import with_max_response
 
-    if output and not output.parent.is_dir():
-        raise NereusError(f"{output}: folder {output.parent} does not exist; create it first")
+    check_output(output)
     the_model = resolve_model(model) if model else None
     the_workload = resolve_workload(workload, the_model)
     if seq_len is not None:
