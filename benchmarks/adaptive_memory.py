@@ -63,7 +63,8 @@ from adaptive_run import (
 
 from nereus.cost.calibration import Calibration
 from nereus.cost.fit import engineless_stages
-from nereus.cost.kv_pool import KV_ELEMENT_BYTES, kv_bytes_per_token
+from nereus.cost.kv_pool import KV_ELEMENT_BYTES
+from nereus.cost.stage import kv_bytes_per_token
 from nereus.runtime.generation.kv_cache import KVBudget, blocks_for, pool_blocks
 from nereus.runtime.rl.setup import state_bytes_by_rank
 from nereus.solver.layouts import RUNTIME_CHOICES

@@ -57,7 +57,8 @@ import torch
 import torch.distributed as dist
 from _record import begin, write_result
 
-from nereus.cost.kv_pool import KV_ELEMENT_BYTES, kv_bytes_per_token
+from nereus.cost.kv_pool import KV_ELEMENT_BYTES
+from nereus.cost.stage import kv_bytes_per_token
 from nereus.runtime.comm.dist import spawn
 from nereus.runtime.generation.continuous import BatchingDecoder
 from nereus.runtime.generation.generate import SamplingConfig, generate

@@ -9,20 +9,17 @@ not (a plan kept past the lengths it was made for, as the fixed policy keeps it)
 runs in waves. `engine_budget` is the budget the continuous-batching term must price then:
 the pool's tokens, as bytes at the cost model's bytes per token.
 
-`kv_bytes_per_token` is the one formula for a token's KV bytes on a rank: the engine's cache,
-its pool and the cost model (at the workload's dtype) all take it from here.
+A token's KV bytes on a rank come from `nereus.cost.stage.kv_bytes_per_token`, the one formula
+the engine's cache, this pool (at KV_ELEMENT_BYTES) and the cost model (at the workload's dtype) share.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from typing import Any, overload
-
-import numpy as np
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION
-from nereus.spec.model import Model
+from nereus.cost.stage import kv_bytes_per_token
 from nereus.spec.plan import Plan, StagePlan
 
 #: Tokens per KV block (vLLM's default block size).
@@ -31,19 +28,6 @@ BLOCK_TOKENS = 16
 MEMORY_UTILISATION = 0.9
 #: Bytes per KV element: the engine's cache is fp32, its compute dtype.
 KV_ELEMENT_BYTES = 4
-
-
-@overload
-def kv_bytes_per_token(model: Model, tp: int, pp: int, element_bytes: int) -> int: ...
-@overload
-def kv_bytes_per_token(model: Model, tp: np.ndarray, pp: np.ndarray, element_bytes: int) -> np.ndarray: ...
-def kv_bytes_per_token(model: Model, tp: Any, pp: Any, element_bytes: int) -> Any:
-    """KV bytes one token takes on a rank of a tp x pp replica: keys and values of its pipeline
-    stage's layers (pp divides them) for its whole KV heads (tp divides them; beyond their
-    count every rank holds one replicated head), `element_bytes` each (the engine's cache:
-    KV_ELEMENT_BYTES; the cost model prices the workload's dtype). Elementwise on arrays."""
-    heads = max(1, model.num_kv_heads // tp) if np.ndim(tp) == 0 else np.maximum(model.num_kv_heads // tp, 1)
-    return 2 * heads * model.head_dim * (model.num_layers // pp) * element_bytes
 
 
 def pool_tokens(budget_bytes: int | None, memory_left_bytes: float, bytes_per_token: int) -> int:

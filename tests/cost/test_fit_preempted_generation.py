@@ -15,7 +15,8 @@ from repo_paths import DATA
 from nereus.cost.calibration import Calibration
 from nereus.cost.continuous_batching import simulate_continuous_batching
 from nereus.cost.fit import STEP_KEY, fit_calibration, measured_plan, predict, read_run
-from nereus.cost.kv_pool import BLOCK_TOKENS, engine_budget, kv_bytes_per_token
+from nereus.cost.kv_pool import BLOCK_TOKENS, engine_budget
+from nereus.cost.stage import kv_bytes_per_token
 from nereus.runtime.generation.kv_cache import KVBudget, blocks_for, pool_blocks
 from nereus.runtime.rl.setup import state_bytes_by_rank
 from nereus.spec.io import load_document, save_document

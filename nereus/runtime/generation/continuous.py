@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from nereus.cost.kv_pool import kv_bytes_per_token
+from nereus.cost.stage import kv_bytes_per_token
 from nereus.runtime.comm import host_collectives
 from nereus.runtime.generation.block_scheduler import Request, Scheduler
 from nereus.runtime.generation.decoding import Generation, HandOff, assemble, left_pad, replica_forward

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nereus.cost.kv_pool import BLOCK_TOKENS, MEMORY_UTILISATION, kv_bytes_per_token
+from nereus.cost.kv_pool import BLOCK_TOKENS, MEMORY_UTILISATION
+from nereus.cost.stage import kv_bytes_per_token
 from nereus.runtime.model.transformer import DecoderPipelineStage
 from nereus.spec.model import Model
 
