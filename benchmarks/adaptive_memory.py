@@ -63,7 +63,9 @@ from adaptive_run import (
 
 from nereus.cost.calibration import Calibration
 from nereus.cost.fit import engineless_stages
-from nereus.runtime.generation.kv_cache import KVBudget, blocks_for, pool_blocks, replica_kv_bytes_per_token
+from nereus.cost.kv_pool import KV_ELEMENT_BYTES
+from nereus.cost.stage import kv_bytes_per_token
+from nereus.runtime.generation.kv_cache import KVBudget, blocks_for, pool_blocks
 from nereus.runtime.rl.setup import state_bytes_by_rank
 from nereus.solver.layouts import RUNTIME_CHOICES
 from nereus.solver.policy.replan import Replanner
@@ -81,7 +83,6 @@ GROWTH = (8, 32, 64, 128, 192, 256)
 CAPACITY_MIB = 16.0
 #: 8 prompts x 8 samples: 32 sequences per generation replica under dp=2.
 SAMPLES_PER_PROMPT = 8
-KV_ELEMENT_BYTES = 4  # the engine's KV cache is fp32, its compute dtype
 
 
 def memory_bound_base(capacity_bytes: int, samples_per_prompt: int) -> Plan:
@@ -106,7 +107,7 @@ def kv_pool(plan: Plan, tokens: int) -> tuple[int, int]:
     model = plan.model(workload.actor)
     held = state_bytes_by_rank(plan, RLConfig(task="sort"))
     block = KVBudget().block_tokens
-    block_bytes = block * replica_kv_bytes_per_token(model, entry.tp, entry.pp, KV_ELEMENT_BYTES)
+    block_bytes = block * kv_bytes_per_token(model, entry.tp, entry.pp, KV_ELEMENT_BYTES)
     share = -(-workload.prompts_per_step * workload.samples_per_prompt // entry.dp)
     demand = share * blocks_for(workload.prompt_len + tokens, block)
     pools = [

@@ -57,10 +57,12 @@ import torch
 import torch.distributed as dist
 from _record import begin, write_result
 
+from nereus.cost.kv_pool import KV_ELEMENT_BYTES
+from nereus.cost.stage import kv_bytes_per_token
 from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.generation.continuous import BatchingDecoder
 from nereus.runtime.generation.generate import SamplingConfig, generate
-from nereus.runtime.generation.kv_cache import KVBudget, replica_kv_bytes_per_token
+from nereus.runtime.generation.kv_cache import KVBudget
 from nereus.runtime.hf.load import load_engine
 from nereus.runtime.model.engine import Engine
 from nereus.runtime.state.shard_layout import RankLayout
@@ -173,7 +175,7 @@ def kv_budget_bytes(model: Any, prompts: list[list[int]], budgets: list[int], fr
 
 
 def token_bytes(model: Any, tp: int) -> int:
-    return replica_kv_bytes_per_token(model, tp, 1, 4)
+    return kv_bytes_per_token(model, tp, 1, KV_ELEMENT_BYTES)
 
 
 def timed_engine(engine: Engine, name: str, prompts: list, config: SamplingConfig, budgets: list, kv: int | None):

@@ -30,9 +30,8 @@ from pathlib import Path
 
 from _record import Started, begin, write_result
 
-from nereus.cli.inputs import models_for
 from nereus.solver.plan_search import PlanRequest, compile_problem, placements, price_all, reference_search, search
-from nereus.spec.presets import cluster_preset, workload_preset
+from nereus.spec.presets import cluster_preset, models_for, workload_preset
 
 MODELS = ("llama-3.1-8b", "llama-3.3-70b")
 GPU_COUNTS = (32, 64, 128, 256, 512, 1024)
@@ -42,9 +41,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "plan_search.json"
 #: A worker: reads "model gpus" lines, answers each with the seconds of one search() (after a warm-up).
 WORKER = """
 import sys, time
-from nereus.cli.inputs import models_for
 from nereus.solver.plan_search import PlanRequest, search
-from nereus.spec.presets import cluster_preset, workload_preset
+from nereus.spec.presets import cluster_preset, models_for, workload_preset
 import nereus
 print(nereus.__file__, flush=True)
 requests = {}

@@ -32,6 +32,7 @@ from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig, RunConfig
 from nereus.spec.run_folder import StepMetrics
+from nereus.spec.run_summary import reward_means, summarize
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "plan-tiny-ppo-4rank.yaml"
 MAIN_JOB = EXAMPLE.with_name("run-learn.yaml")
@@ -73,19 +74,18 @@ def run(algorithm: str, num_steps: int, config: RLConfig) -> dict[str, Any]:
             RunConfig(rl=config, num_steps=num_steps), plan, NUM_RANKS, Path(folder) / "run", 0, None, False
         )
         metrics: list[StepMetrics] = launch(setup)
-    wall = time.perf_counter() - start
-    rewards = [m.reward for m in metrics]
-    stage_names = sorted(metrics[0].stage_seconds)
+        wall = time.perf_counter() - start
+        summary = summarize(setup.out, metrics, wall, num_ranks=NUM_RANKS, first_step=0, num_steps=num_steps)
     return {
         "algorithm": algorithm,
         "steps": num_steps,
         "wall_s": wall,
-        "reward_first10": statistics.mean(rewards[:10]),
-        "reward_last10": statistics.mean(rewards[-10:]),
-        "rewards": rewards,
+        "reward_first10": summary.reward_first10,
+        "reward_last10": summary.reward_last10,
+        "rewards": [m.reward for m in metrics],
         "kl": [m.kl for m in metrics],
         "response_len_mean": [m.response_len_mean for m in metrics],
-        "mean_stage_seconds": {name: statistics.mean(m.stage_seconds[name] for m in metrics) for name in stage_names},
+        "mean_stage_seconds": summary.mean_stage_s,
     }
 
 
@@ -106,7 +106,8 @@ def main_job() -> None:
         records = read_metrics(out)
     wall = time.perf_counter() - start
     rewards = [record["reward"] for record in records]
-    first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+    first, last = reward_means(rewards)
+    assert first is not None and last is not None, "the main job ran no step"
     curve = [statistics.mean(rewards[i : i + 10]) for i in range(0, len(rewards), 10)]
     print(f"main job: reward per 10 steps {' '.join(f'{r:.3f}' for r in curve)}")
     print(f"mean reward: first 10 steps {first:.3f}, last 10 steps {last:.3f} ({last / first:.2f}x) in {wall:.1f} s")

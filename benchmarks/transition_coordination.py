@@ -38,7 +38,8 @@ from pathlib import Path
 from _record import begin, write_result
 
 from nereus.cost.calibration import Calibration
-from nereus.solver.transition import Primitive, build_transition, local_dag, plan_emus, state_bytes
+from nereus.cost.plan_cost import replica_state_bytes
+from nereus.solver.transition import Primitive, build_transition, local_dag, plan_emus
 from nereus.solver.transition.check import check_result, check_transition
 from nereus.solver.transition.schedule import Replay, held_bytes, list_schedule, primitive_duration
 from nereus.spec.check import kv_heads_rule
@@ -116,7 +117,7 @@ def with_capacity(plan: Plan, capacity: float) -> Plan:
 
 
 def sizes_of(plan: Plan) -> dict[str, float]:
-    return {e.model_stage: state_bytes(plan, e.model_stage, CALIBRATION) for e in plan.stages}
+    return {e.model_stage: replica_state_bytes(plan, e.model_stage, CALIBRATION) for e in plan.stages}
 
 
 def witness_peak(rng: random.Random, plan_a: Plan, plan_b: Plan) -> float:

@@ -31,13 +31,13 @@ from pathlib import Path
 
 from _record import begin, write_result
 
-from nereus.cli.inputs import models_for, with_max_response
 from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.solver.transition import build_transition
 from nereus.solver.transition.check import check_result
 from nereus.spec.plan import Plan
-from nereus.spec.presets import cluster_preset, workload_preset
+from nereus.spec.presets import cluster_preset, models_for, workload_preset
+from nereus.spec.workload import with_max_response
 
 GPU_COUNTS = (32, 64, 128, 256, 512, 1024)
 RESULTS = Path(__file__).resolve().parent / "results" / "transition_time.json"

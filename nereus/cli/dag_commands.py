@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from nereus.cli.outputs import check_output
 from nereus.errors import NereusError, SpecError
 
 if TYPE_CHECKING:
@@ -35,11 +36,6 @@ class ShowFormat(str, Enum):
     svg = "svg"
     json = "json"
     perfetto = "perfetto"
-
-
-def _check_folder(path: Path | None) -> None:
-    if path is not None and not path.parent.is_dir():
-        raise NereusError(f"{path}: folder {path.parent} does not exist; create it first")
 
 
 def _load_plan(path: Path) -> Plan:
@@ -109,7 +105,7 @@ def build(
     from nereus.solver.transition.schedule import build_transition
     from nereus.spec.io import save_document, to_json
 
-    _check_folder(output)
+    check_output(output)
     the_a, the_b = _load_plan(plan_a), _load_plan(plan_b)
     the_a, the_b = _comparable(the_a, the_b, plan_a, plan_b)
     the_calibration = load_kind(str(calibration), Calibration) if calibration else Calibration()
@@ -258,8 +254,8 @@ def show(
     """
     from nereus.spec.io import to_json, write_bytes_atomic, write_text_atomic
 
-    _check_folder(output)
-    _check_folder(gantt)
+    check_output(output)
+    check_output(gantt)
     document = _load_transition(transition_file)
     if fmt is ShowFormat.tree:
         from nereus.render.tree import tree_text

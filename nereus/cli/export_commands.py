@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
+from nereus.cli.outputs import check_output
 from nereus.errors import NereusError
 
 if TYPE_CHECKING:
@@ -56,8 +57,7 @@ def _emit(export: Export, text: str, output: Path | None, as_json: bool) -> None
     for line in export.warning_lines():
         typer.echo(f"warning: {line}" if not line.startswith(" ") else line, err=True)
     if output is not None:
-        if not output.parent.is_dir():
-            raise NereusError(f"{output}: folder {output.parent} does not exist; create it first")
+        check_output(output)
         write_text_atomic(output, text)
         typer.echo(f"wrote {output}", err=True)
 

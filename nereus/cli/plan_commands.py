@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from nereus.cli.outputs import check_output
 from nereus.cli.progress import progress_bar
 from nereus.errors import NereusError
 
@@ -89,23 +90,20 @@ def plan(
     """Choose every model-stage's tp/pp/dp, GPUs and micro-batches for the fastest feasible step."""
     if ctx.invoked_subcommand is not None:
         return
-    from nereus.cli.inputs import (
-        load_kind,
-        models_for,
-        resolve_model,
-        resolve_workload,
-        with_max_response,
-    )
+    from nereus.cli.inputs import load_kind, resolve_model, resolve_workload
     from nereus.cost.calibration import Calibration
     from nereus.solver.plan_search import PlanRequest
     from nereus.solver.planner import make_plan
     from nereus.spec.io import save_document
+    from nereus.spec.presets import models_for
+    from nereus.spec.workload import with_max_response
 
-    if output and not output.parent.is_dir():
-        raise NereusError(f"{output}: folder {output.parent} does not exist; create it first")
+    check_output(output)
     the_model = resolve_model(model) if model else None
     the_workload = resolve_workload(workload, the_model)
     if seq_len is not None:
+        if seq_len < 1:
+            raise NereusError(f"--seq-len must be a positive number of tokens, got {seq_len}")
         the_workload = with_max_response(the_workload, seq_len)
     the_cluster = _plan_cluster(cluster, profile, gpus)
     num_gpus = gpus or the_cluster.num_gpus

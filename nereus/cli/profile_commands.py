@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
+from nereus.cli.outputs import check_output
 from nereus.cli.progress import progress_bar
 from nereus.errors import NereusError
 
@@ -21,11 +22,6 @@ if TYPE_CHECKING:
 
 #: Models profiled when neither --model nor --plan names any: small enough for a CPU.
 DEFAULT_PROFILE_MODELS = ("tiny", "tiny-wide")
-
-
-def _check_output(output: Path) -> None:
-    if not output.parent.is_dir():
-        raise NereusError(f"{output}: folder {output.parent} does not exist; create it first")
 
 
 def _profile_models(models: list[str] | None, plan: Path | None) -> tuple[Model, ...]:
@@ -60,7 +56,7 @@ def profile(
     from nereus.runtime.observe.profiling import ProfileConfig, run_profile
     from nereus.spec.io import save_document, to_data
 
-    _check_output(output)
+    check_output(output)
     config = ProfileConfig(_profile_models(model, plan), num_ranks=nproc, device=device, quick=quick)
     started = time.perf_counter()
     with progress_bar("profiling") as progress:
@@ -156,7 +152,7 @@ def fit(
     from nereus.cost.profile import Profile, cluster_from_profile
     from nereus.spec.io import save_document, to_data
 
-    _check_output(output)
+    check_output(output)
     the_start = load_kind(str(start), Calibration) if start else Calibration()
     assert isinstance(the_start, Calibration)
     cluster = None

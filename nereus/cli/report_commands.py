@@ -9,19 +9,10 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from nereus.errors import NereusError
+from nereus.cli.outputs import check_output
 
 if TYPE_CHECKING:
     from nereus.render.run_report import RunReport
-
-
-def _check_output(option: str, path: Path | None, suffix: str) -> None:
-    if path is None:
-        return
-    if path.suffix.lower() != suffix:
-        raise NereusError(f"{option} {path}: expected a {suffix} file name")
-    if not path.parent.is_dir():
-        raise NereusError(f"{option} {path}: folder {path.parent} does not exist; create it first")
 
 
 def report(
@@ -45,8 +36,8 @@ def report(
     from nereus.spec.io import write_bytes_atomic
     from nereus.spec.run_folder import read_run_folder
 
-    _check_output("--png", png, ".png")
-    _check_output("--perfetto", perfetto, ".json")
+    check_output(png, "--png", (".png",))
+    check_output(perfetto, "--perfetto", (".json",))
     data = since(read_run_folder(folder), first_step)
     result = summarise(data)
     if perfetto is not None:

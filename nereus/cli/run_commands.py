@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -19,6 +17,7 @@ from nereus.errors import NereusError
 if TYPE_CHECKING:
     from nereus.runtime.rl.setup import RunSetup
     from nereus.spec.run_folder import StepMetrics
+    from nereus.spec.run_summary import RunSummary
 
 #: Model-stages shown in the progress line, with their short names.
 SHOWN_STAGES = {
@@ -72,54 +71,6 @@ def step_progress(setup: RunSetup) -> Iterator[Callable[[StepMetrics], None]]:
                 typer.echo(f"step {metrics.step + 1}/{setup.config.num_steps}  {describe_step(metrics)}", err=True)
 
         yield on_step
-
-
-@dataclass(frozen=True)
-class RunSummary:
-    """What this invocation did (timings) and where the whole run stands (rewards of every
-    step so far, from metrics.jsonl): the closing table, or `--json`."""
-
-    out: str
-    num_ranks: int
-    first_step: int
-    """Steps done before this invocation (0 for a new run)."""
-    num_steps: int
-    steps_run: int
-    wall_s: float
-    reward_first10: float | None
-    """Mean reward of the run's first 10 steps."""
-    reward_last10: float | None
-    reward_margin: float | None
-    """Last-10 mean minus first-10 mean."""
-    mean_step_s: float | None
-    mean_stage_s: dict[str, float]
-    checkpoint: str | None
-    timeline: str | None = None
-    """The run's Perfetto trace (DIR/timeline.json), rewritten at the end of every invocation."""
-
-
-def summarize(setup: RunSetup, records: list[StepMetrics], wall_s: float) -> RunSummary:
-    from nereus.spec.run_folder import latest_checkpoint, read_metrics
-
-    rewards = [record["reward"] for record in read_metrics(setup.out)]
-    first = statistics.mean(rewards[:10]) if rewards else None
-    last = statistics.mean(rewards[-10:]) if rewards else None
-    names = sorted({name for m in records for name in m.stage_seconds})
-    checkpoint = latest_checkpoint(setup.out)
-    return RunSummary(
-        out=str(setup.out),
-        num_ranks=setup.num_ranks,
-        first_step=setup.start_step,
-        num_steps=setup.config.num_steps,
-        steps_run=len(records),
-        wall_s=round(wall_s, 2),
-        reward_first10=first,
-        reward_last10=last,
-        reward_margin=None if first is None or last is None else last - first,
-        mean_step_s=statistics.mean(m.step_seconds for m in records) if records else None,
-        mean_stage_s={name: statistics.mean(m.stage_seconds.get(name, 0.0) for m in records) for name in names},
-        checkpoint=None if checkpoint is None else str(checkpoint),
-    )
 
 
 def print_summary(result: RunSummary) -> None:
@@ -261,6 +212,7 @@ def launch_with_progress(
 ) -> RunSummary:
     """Run `setup` with `launcher` (default: spawn local ranks), showing each step as it lands."""
     from nereus.runtime.rl.run import launch
+    from nereus.spec.run_summary import summarize
 
     launcher = launch if launcher is None else launcher
     if setup.planned:
@@ -274,7 +226,15 @@ def launch_with_progress(
     except NereusError:
         write_timeline(setup.out)  # what the ranks did before the failure helps find it
         raise
-    summary = summarize(setup, records, time.perf_counter() - start)
+    wall_s = time.perf_counter() - start
+    summary = summarize(
+        setup.out,
+        records,
+        wall_s,
+        num_ranks=setup.num_ranks,
+        first_step=setup.start_step,
+        num_steps=setup.config.num_steps,
+    )
     return dataclasses.replace(summary, timeline=write_timeline(setup.out))
 
 

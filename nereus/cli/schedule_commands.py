@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from nereus.cli.outputs import check_output
 from nereus.errors import NereusError
 
 if TYPE_CHECKING:
@@ -57,15 +58,6 @@ def _explicit_models(
             raise NereusError(f"{name}: stages and micro-batches must be >= 1, times > 0 and --act >= 0")
         out.append(ModelTimes.uniform(name, s, m, f, b, activation[i]))
     return out[0], out[1]
-
-
-def _check_output(path: Path | None, suffixes: tuple[str, ...], option: str) -> None:
-    if path is None:
-        return
-    if not path.parent.is_dir():
-        raise NereusError(f"{option} {path}: folder {path.parent} does not exist; create it first")
-    if path.suffix.lower() not in suffixes:
-        raise NereusError(f"{option} {path}: use a {' or '.join(suffixes)} file name")
 
 
 @schedule_app.command("fuse")
@@ -144,9 +136,9 @@ def fuse(
     from nereus.solver.pipeline.search import SearchConfig, search_fused
     from nereus.spec.io import save_document, to_json, write_bytes_atomic, write_text_atomic
 
-    _check_output(output, (".yaml", ".yml", ".json"), "-o")
-    _check_output(gantt, (".png", ".svg"), "--gantt")
-    _check_output(perfetto, (".json",), "--perfetto")
+    check_output(output, "-o", (".yaml", ".yml", ".json"))
+    check_output(gantt, "--gantt", (".png", ".svg"))
+    check_output(perfetto, "--perfetto", (".json",))
     config = SearchConfig(time_limit_s=time_limit, seeds=seeds)
     if window_share is not None:
         config = replace(config, window_share=window_share)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from nereus.cli.outputs import check_output
 from nereus.cli.progress import progress_bar
 from nereus.errors import NereusError
 
@@ -16,11 +17,6 @@ if TYPE_CHECKING:
     from nereus.solver.simulate import SimulationResult
 
 COMPARED = ("nereus", "fixed", "dynarl", "periodic:3")
-
-
-def _check_output(option: str, path: Path | None) -> None:
-    if path is not None and not path.parent.is_dir():
-        raise NereusError(f"{option} {path}: folder {path.parent} does not exist; create it first")
 
 
 def simulate(
@@ -43,10 +39,10 @@ def simulate(
     from nereus.spec.plan import Plan
     from nereus.spec.trace import Trace
 
-    _check_output("--plot", plot)
+    check_output(plot, "--plot")
     if plot is not None and plot.suffix.lower() not in (".png", ".svg", ".pdf"):
         raise NereusError(f"--plot {plot}: unknown image type {plot.suffix!r}; use .png, .svg or .pdf")
-    _check_output("--log", log_file)
+    check_output(log_file, "--log")
     trace = load_kind(str(trace_file), Trace)
     plan = load_kind(str(plan_file), Plan)
     names = COMPARED if compare else (policy,)

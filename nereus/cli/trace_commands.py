@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from nereus.cli.outputs import check_output
 from nereus.errors import NereusError
 
 if TYPE_CHECKING:
@@ -71,8 +72,7 @@ def generate(
     from nereus.solver.traces import GrowthConfig, SpotConfig
     from nereus.spec.io import save_document
 
-    if not out.parent.is_dir():
-        raise NereusError(f"--out {out}: folder {out.parent} does not exist; create it first")
+    check_output(out, "--out")
     growth = GrowthConfig(start_tokens=start_tokens, end_tokens=end_tokens)
     spot = SpotConfig(hours=hours, num_changes=changes, block_gpus=block_gpus, min_gpus=min_gpus)
     trace = build_trace(kind, steps, gpus, seed, growth, spot, end_gpus, tokens)

@@ -8,6 +8,9 @@ priced unbounded by the planner, which is right while the batch fits that pool; 
 not (a plan kept past the lengths it was made for, as the fixed policy keeps it), the engine
 runs in waves. `engine_budget` is the budget the continuous-batching term must price then:
 the pool's tokens, as bytes at the cost model's bytes per token.
+
+A token's KV bytes on a rank come from `nereus.cost.stage.kv_bytes_per_token`, the one formula
+the engine's cache, this pool (at KV_ELEMENT_BYTES) and the cost model (at the workload's dtype) share.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import math
 from collections.abc import Collection
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION
-from nereus.spec.model import Model
+from nereus.cost.stage import kv_bytes_per_token
 from nereus.spec.plan import Plan, StagePlan
 
 #: Tokens per KV block (vLLM's default block size).
@@ -25,11 +28,6 @@ BLOCK_TOKENS = 16
 MEMORY_UTILISATION = 0.9
 #: Bytes per KV element: the engine's cache is fp32, its compute dtype.
 KV_ELEMENT_BYTES = 4
-
-
-def engine_bytes_per_token(model: Model, tp: int, pp: int) -> int:
-    """KV bytes one token takes on a rank of a tp x pp replica (its layers, its KV heads)."""
-    return 2 * max(1, model.num_kv_heads // tp) * model.head_dim * (model.num_layers // pp) * KV_ELEMENT_BYTES
 
 
 def pool_tokens(budget_bytes: int | None, memory_left_bytes: float, bytes_per_token: int) -> int:
@@ -64,7 +62,7 @@ def engine_budget(plan: Plan, engineless: Collection[str] = ()) -> int | None:
             for gpu in other.gpus:
                 resident[gpu] = resident.get(gpu, 0.0) + states
     model = plan.model(plan.workload.model_name(entry.role))
-    per_token = engine_bytes_per_token(model, entry.tp, entry.pp)
+    per_token = kv_bytes_per_token(model, entry.tp, entry.pp, KV_ELEMENT_BYTES)
     left = plan.cluster.gpu.memory_bytes - max(resident.get(gpu, 0.0) for gpu in entry.gpus)
     tokens = pool_tokens(entry.kv_budget_bytes, left, per_token)
     if tokens >= batch_tokens(plan, entry):

@@ -15,7 +15,7 @@ from nereus.spec.check import Problem
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Head
 from nereus.spec.plan import Plan, Predictions, StagePlan, StagePrediction
-from nereus.spec.stages import ACTOR_SYNC_TARGETS, STAGES, Role, Stage
+from nereus.spec.stages import ACTOR_SYNC_TARGETS, STAGES, ModelStageName, Role, Stage, split
 from nereus.spec.workload import DTYPE_BYTES, Workload
 from nereus.units import format_bytes
 
@@ -99,8 +99,19 @@ def resident_share(plan: Plan, entry: StagePlan, calibration: Calibration) -> fl
     model = stage_cost_model(plan, entry.role, entry.stage, calibration)
     params = model.params_per_gpu(entry.tp, entry.pp)
     kept = model.model_state_terms(params, entry.dp, entry.zero1, int(entry.full_shard))
-    full = model.model_state_terms(params, 1, False)
-    return float(sum(kept.values()) / sum(full.values()))
+    return float(sum(kept.values())) / replica_state_bytes(plan, entry.model_stage, calibration, entry.tp, entry.pp)
+
+
+def replica_state_bytes(
+    plan: Plan, model_stage: ModelStageName, calibration: Calibration, tp: int = 1, pp: int = 1
+) -> float:
+    """Bytes of one replica's model state on a GPU of its tp x pp layout, nothing sharded
+    across replicas: parameters in the workload's dtype, and in training gradients (same dtype)
+    and AdamW state (fp32 moments, and fp32 masters of 16-bit weights where the optimizer keeps
+    them). tp = pp = 1: the whole replica's state, what a transition moves."""
+    role, stage = split(model_stage)
+    model = stage_cost_model(plan, role, stage, calibration)
+    return float(sum(model.model_state_terms(model.params_per_gpu(tp, pp), 1, False).values()))
 
 
 def one_sequence_bytes(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -68,6 +68,19 @@ PACKING_FILL = 0.9
 def _uses(flag: Array) -> bool:
     """Whether a choice is in play: on for one layout, or an array of layouts (some may use it)."""
     return bool(np.ndim(flag)) or bool(flag)
+
+
+@overload
+def kv_bytes_per_token(model: Model, tp: int, pp: int, element_bytes: int) -> int: ...
+@overload
+def kv_bytes_per_token(model: Model, tp: np.ndarray, pp: np.ndarray, element_bytes: int) -> np.ndarray: ...
+def kv_bytes_per_token(model: Model, tp: Any, pp: Any, element_bytes: int) -> Any:
+    """KV bytes one token takes on a rank of a tp x pp replica: keys and values of its pipeline
+    stage's layers (pp divides them) for its whole KV heads (tp divides them; beyond their
+    count every rank holds one replicated head), `element_bytes` each (the engine's cache:
+    `kv_pool.KV_ELEMENT_BYTES`; the cost model prices the workload's dtype). Elementwise on arrays."""
+    heads = max(1, model.num_kv_heads // tp) if np.ndim(tp) == 0 else np.maximum(model.num_kv_heads // tp, 1)
+    return 2 * heads * model.head_dim * (model.num_layers // pp) * element_bytes
 
 
 @dataclass(frozen=True)
@@ -117,10 +130,8 @@ class StageCostModel:
         return np.maximum(first, last)
 
     def kv_bytes_per_token(self, tp: Array, pp: Array) -> Array:
-        """KV-cache bytes per token on one GPU (its layers, its KV heads)."""
-        m = self.model
-        kv_heads_rank = np.maximum(m.num_kv_heads / tp, 1.0)
-        return 2 * kv_heads_rank * m.head_dim * (m.num_layers / pp) * self.dtype_bytes
+        """KV-cache bytes per token on one GPU (its layers, its KV heads) in the workload's dtype."""
+        return kv_bytes_per_token(self.model, tp, pp, self.dtype_bytes)
 
     def dense_flops_per_token(self, pp: Array = 1) -> Array:
         """Forward GEMM FLOPs per token (2 per multiply-add) on the busiest pipeline stage.

@@ -184,6 +184,16 @@ def workload_preset(name: str, actor: str = "llama-3.1-8b") -> Workload:
     return workloads[name]
 
 
+def models_for(workload: Workload, given: Model | None) -> tuple[Model, ...]:
+    """Every model the workload names: `given` where its name is one of them, the others by
+    preset name (a NereusError names one that is no preset)."""
+    names = {name for name in workload.role_models().values() if name is not None}
+    if given is not None and given.name in names:
+        names.discard(given.name)
+        return (given, *(model_preset(n) for n in sorted(names)))
+    return tuple(model_preset(n) for n in sorted(names))
+
+
 _CLUSTER_NAME = re.compile(r"^(?P<gpu>[a-z0-9-]+?)(?:-(?P<nodes>\d+)x(?P<per_node>\d+))?$")
 
 

@@ -131,3 +131,18 @@ def model_stages(workload: Workload) -> tuple[tuple[Role, Stage], ...]:
     """Every (role, stage) the workload runs each step, in workflow order."""
     roles = workload.roles()
     return tuple(split(name) for name in MODEL_STAGES if role_of(name) in roles)
+
+
+def with_max_response(workload: Workload, max_tokens: int) -> Workload:
+    """The workload with its generation cap (maximum response length) at `max_tokens`.
+
+    The median and p99 scale by the same factor, so the distribution keeps its shape:
+    this is the "sequence length" that grows over an RL run. A ValueError for a cap below one token.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"a maximum response length must be a positive number of tokens, got {max_tokens}")
+    old = workload.response_len
+    scale = max_tokens / old.max
+    median = max(1, round(old.median * scale))
+    lengths = ResponseLengths(median=median, p99=min(max_tokens, max(median, round(old.p99 * scale))), max=max_tokens)
+    return workload.model_copy(update={"response_len": lengths})

@@ -570,7 +570,8 @@ def test_a_run_config_fusion_block_reaches_the_run_and_its_timeline(tmp_path: Pa
 
 
 def test_the_closing_summary_keeps_long_paths_on_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    from nereus.cli.run_commands import RunSummary, print_summary
+    from nereus.cli.run_commands import print_summary
+    from nereus.spec.run_summary import RunSummary
 
     out = "runs/" + "a-long-run-folder-name-" * 4
     summary = RunSummary(

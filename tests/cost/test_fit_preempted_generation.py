@@ -16,7 +16,8 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.continuous_batching import simulate_continuous_batching
 from nereus.cost.fit import STEP_KEY, fit_calibration, measured_plan, predict, read_run
 from nereus.cost.kv_pool import BLOCK_TOKENS, engine_budget
-from nereus.runtime.generation.kv_cache import KVBudget, blocks_for, pool_blocks, replica_kv_bytes_per_token
+from nereus.cost.stage import kv_bytes_per_token
+from nereus.runtime.generation.kv_cache import KVBudget, blocks_for, pool_blocks
 from nereus.runtime.rl.setup import state_bytes_by_rank
 from nereus.spec.io import load_document, save_document
 from nereus.spec.plan import Plan
@@ -66,7 +67,7 @@ def tight_plan() -> Plan:
 def runtime_pool_need(plan: Plan, tokens: int) -> int:
     """KB per rank of the generation replica's blocks at `tokens` tokens a sequence."""
     entry = plan.stage_plan("actor/generation")
-    per_token = replica_kv_bytes_per_token(plan.model(plan.workload.actor), entry.tp, entry.pp, 4)
+    per_token = kv_bytes_per_token(plan.model(plan.workload.actor), entry.tp, entry.pp, 4)
     share = plan.workload.samples_per_step // entry.dp
     return share * blocks_for(tokens, BLOCK_TOKENS) * BLOCK_TOKENS * per_token // 1024
 
@@ -77,7 +78,7 @@ def as_run(plan: Plan, response: int) -> tuple[Plan, int]:
     sized = measured_plan(plan, PROMPT, response)
     sized = sized.model_copy(update={"stages": [e.model_copy(update={"kv_budget_bytes": None}) for e in sized.stages]})
     entry = sized.stage_plan("actor/generation")
-    per_token = replica_kv_bytes_per_token(plan.model(plan.workload.actor), entry.tp, entry.pp, 4)
+    per_token = kv_bytes_per_token(plan.model(plan.workload.actor), entry.tp, entry.pp, 4)
     demand = plan.workload.samples_per_step // entry.dp * blocks_for(PROMPT + response, BLOCK_TOKENS)
     held = state_bytes_by_rank(sized, RL)
     budgets = [KVBudget(None, plan.cluster.gpu.memory_bytes, held[gpu]) for gpu in entry.gpus]

@@ -10,14 +10,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from nereus.cli.inputs import models_for
 from nereus.cost.calibration import DEFAULT_CALIBRATION
 from nereus.cost.plan_cost import evaluate_plan, one_sequence_bytes, stage_cost_model
 from nereus.solver.layouts import RUNTIME_CHOICES, MemoryChoices
 from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.spec.plan import Plan, Pool, StagePlan
-from nereus.spec.presets import MODELS, cluster_preset
+from nereus.spec.presets import MODELS, cluster_preset, models_for
 from nereus.spec.stages import model_stage
 from nereus.spec.workload import ResponseLengths, Workload, model_stages
 

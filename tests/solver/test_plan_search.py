@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from repo_paths import DATA
 
-from nereus.cli.inputs import models_for, with_max_response
 from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import evaluate_plan, plan_cost_problems, usable_memory
 from nereus.errors import NereusError
@@ -35,8 +34,8 @@ from nereus.spec.cluster import Cluster, GpuKind, Link
 from nereus.spec.io import load_document, save_document
 from nereus.spec.model import Model
 from nereus.spec.plan import Plan, Pool, StagePlan
-from nereus.spec.presets import MODELS, cluster_preset, workload_preset
-from nereus.spec.workload import Optimizer, ResponseLengths, Workload
+from nereus.spec.presets import MODELS, cluster_preset, models_for, workload_preset
+from nereus.spec.workload import Optimizer, ResponseLengths, Workload, with_max_response
 
 pytestmark = pytest.mark.logic
 
@@ -310,7 +309,7 @@ def test_with_max_response_sets_the_cap_and_keeps_the_shape() -> None:
         assert lengths.p99 == round(2500 * cap / 8192)  # 500 -> 153, 8000 -> 2441
     assert with_max_response(base, 1).response_len.median == 1
     for bad in (0, -5):
-        with pytest.raises(NereusError, match="--seq-len must be a positive number of tokens"):
+        with pytest.raises(ValueError, match="must be a positive number of tokens"):
             with_max_response(base, bad)
 
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from random_plans import BASE, CUSTOM, Layouts, random_setting, random_stages, relayout_stages, with_capacity
 
 from nereus.cost.calibration import Calibration
+from nereus.cost.plan_cost import replica_state_bytes
 from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.solver.transition import Emu, Primitive, build_transition, local_dag, plan_emus
@@ -23,7 +24,6 @@ from nereus.solver.transition.schedule import (
     held_bytes,
     list_schedule,
     lower_bound_bytes,
-    state_bytes,
 )
 from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.presets import MODELS
@@ -196,7 +196,9 @@ def test_catches_the_only_replica_destroyed_first() -> None:
 
 
 def max_held(plan: Plan) -> float:
-    sizes: dict[str, float] = {e.model_stage: state_bytes(plan, e.model_stage, Calibration()) for e in plan.stages}
+    sizes: dict[str, float] = {
+        e.model_stage: replica_state_bytes(plan, e.model_stage, Calibration()) for e in plan.stages
+    }
     return max(held_bytes(plan, sizes).values())
 
 
@@ -265,7 +267,7 @@ def _lower_bound_by_boxes(plan_a: Plan, plan_b: Plan) -> float:
                 a_top, a_bottom, a_left, a_right = held[gpu]
                 rows = max(Fraction(0), min(bottom, a_bottom) - max(top, a_top))
                 missing -= rows * max(Fraction(0), min(right, a_right) - max(left, a_left))
-        total += state_bytes(plan_b, entry_b.model_stage, Calibration()) * float(missing)
+        total += replica_state_bytes(plan_b, entry_b.model_stage, Calibration()) * float(missing)
     return total
 
 
@@ -276,7 +278,9 @@ def test_lower_bound_is_the_box_area_each_gpu_lacks(rng: random.Random) -> None:
     changed: list[str] = [
         b.model_stage for b in plan_b.stages if _placement(b) != _placement(plan_a.stage_plan(b.model_stage))
     ]
-    sizes: dict[str, float] = {e.model_stage: state_bytes(plan_b, e.model_stage, Calibration()) for e in plan_b.stages}
+    sizes: dict[str, float] = {
+        e.model_stage: replica_state_bytes(plan_b, e.model_stage, Calibration()) for e in plan_b.stages
+    }
     expected = _lower_bound_by_boxes(plan_a, plan_b)
     assert math.isclose(lower_bound_bytes(plan_a, plan_b, changed, sizes), expected, rel_tol=1e-9, abs_tol=1e-6)
 
@@ -350,7 +354,9 @@ def test_colocated_twins_share_arrays_without_changing_bytes_or_bounds(rng: rand
     plan_a, plan_b = (
         relayout_stages(p, {twin: (e.tp, e.pp, e.emus)}) for p, e in zip((plan_a, plan_b), placed, strict=True)
     )
-    sizes: dict[str, float] = {e.model_stage: state_bytes(plan_b, e.model_stage, Calibration()) for e in plan_b.stages}
+    sizes: dict[str, float] = {
+        e.model_stage: replica_state_bytes(plan_b, e.model_stage, Calibration()) for e in plan_b.stages
+    }
     expected: dict[int, float] = {}
     for entry in plan_a.stages:
         for gpus in entry.emus:

@@ -195,11 +195,11 @@ def test_planner_pool_shrink_at_64_gpus_schedules_safely() -> None:
     """Llama-3.1-8B PPO planned for 64 H100s, then for 48 of them (the time benchmark's
     64-GPU pool-shrink). Actor training there goes tp4 pp2 -> tp2 pp4 on the same GPUs and
     its split replicas trade GPUs; this pair used to be reported infeasible."""
-    from nereus.cli.inputs import models_for, with_max_response
     from nereus.solver.plan_search import PlanRequest
     from nereus.solver.planner import make_plan
     from nereus.solver.transition.check import check_result
-    from nereus.spec.presets import cluster_preset, workload_preset
+    from nereus.spec.presets import cluster_preset, models_for, workload_preset
+    from nereus.spec.workload import with_max_response
 
     workload = with_max_response(workload_preset("ppo"), 8000)
     models = models_for(workload, None)
@@ -298,19 +298,17 @@ def _with_choices(plan: Plan, model_stage: str, **choices: object) -> Plan:
 def test_offloaded_and_sharded_states_are_not_counted_as_resident() -> None:
     """The builder counts what the cost model keeps resident: an offloaded model-stage's states
     sleep in host memory (none on its GPUs, nothing to move), ZeRO-1 keeps 1/dp of AdamW state."""
-    from nereus.cli.inputs import models_for
     from nereus.cost.calibration import DEFAULT_CALIBRATION
-    from nereus.cost.plan_cost import resident_share
+    from nereus.cost.plan_cost import replica_state_bytes, resident_share
     from nereus.solver.plan_search import PlanRequest
     from nereus.solver.planner import make_plan
-    from nereus.solver.transition.schedule import state_bytes
-    from nereus.spec.presets import cluster_preset, workload_preset
+    from nereus.spec.presets import cluster_preset, models_for, workload_preset
 
     workload = workload_preset("ppo")
     planned = make_plan(PlanRequest(cluster_preset("h100", 16), models_for(workload, None), workload, 16)).best
     plan = _with_choices(planned, "critic/training", zero1=False, offload=False)
     training = plan.stage_plan("critic/training")
-    full = state_bytes(plan, "critic/training", DEFAULT_CALIBRATION) / (training.tp * training.pp)
+    full = replica_state_bytes(plan, "critic/training", DEFAULT_CALIBRATION) / (training.tp * training.pp)
     base = build_transition(plan, plan).initial_bytes
     offloaded = _with_choices(plan, "critic/training", offload=True)
     gpu = training.gpus[0]

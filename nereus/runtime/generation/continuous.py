@@ -21,17 +21,11 @@ from collections.abc import Sequence
 
 import torch
 
+from nereus.cost.stage import kv_bytes_per_token
 from nereus.runtime.comm import collectives
 from nereus.runtime.generation.block_scheduler import Request, Scheduler
 from nereus.runtime.generation.decoding import Generation, HandOff, assemble, left_pad, replica_forward
-from nereus.runtime.generation.kv_cache import (
-    KVBudget,
-    PagedKVCache,
-    blocks_for,
-    kv_bytes_per_token,
-    one_sequence_bytes,
-    pool_blocks,
-)
+from nereus.runtime.generation.kv_cache import KVBudget, PagedKVCache, blocks_for, one_sequence_bytes, pool_blocks
 from nereus.runtime.generation.sampling import SamplingConfig, sample_at, sample_seed, stops, stream_uniforms
 from nereus.runtime.model.engine import Engine
 from nereus.runtime.model.tensor_parallel import gather_last_dim
@@ -119,7 +113,7 @@ class BatchingDecoder:
             return self.scheduler
         stage, groups = self.engine.pipeline_stage, self.engine.groups
         element = next(stage.parameters()).element_size()
-        block_bytes = self._block * kv_bytes_per_token(stage.model, groups.tp.size, len(stage.layer_ids), element)
+        block_bytes = self._block * kv_bytes_per_token(stage.model, groups.tp.size, groups.link.num_stages, element)
         if self.room_for is not None:
             demand = self.room_for[0] * blocks_for(self.room_for[1], self._block)
         else:

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 
 from nereus.cost.kv_pool import BLOCK_TOKENS, MEMORY_UTILISATION
+from nereus.cost.stage import kv_bytes_per_token
 from nereus.runtime.model.transformer import DecoderPipelineStage
-from nereus.runtime.state.shard_layout import stage_layers
 from nereus.spec.model import Model
 
 
@@ -58,20 +58,9 @@ def blocks_for(tokens: int, block_tokens: int) -> int:
     return -(-tokens // block_tokens)
 
 
-def kv_bytes_per_token(model: Model, tp: int, num_layers: int, element_bytes: int) -> int:
-    """KV bytes one token takes on one rank holding `num_layers` layers and its tp share of heads."""
-    return 2 * max(1, model.num_kv_heads // tp) * model.head_dim * num_layers * element_bytes
-
-
-def replica_kv_bytes_per_token(model: Model, tp: int, pp: int, element_bytes: int) -> int:
-    """The largest per-rank bytes per token over a replica's pipeline stages (the stage with
-    the most layers binds: every rank of a replica holds the same sequences)."""
-    return max(kv_bytes_per_token(model, tp, len(stage_layers(model, pp, s)), element_bytes) for s in range(pp))
-
-
 def one_sequence_bytes(model: Model, tp: int, pp: int, tokens: int, element_bytes: int, block_tokens: int) -> int:
     """Bytes per rank of the blocks one sequence of `tokens` tokens takes."""
-    return blocks_for(tokens, block_tokens) * block_tokens * replica_kv_bytes_per_token(model, tp, pp, element_bytes)
+    return blocks_for(tokens, block_tokens) * block_tokens * kv_bytes_per_token(model, tp, pp, element_bytes)
 
 
 def memory_left(budget: KVBudget, device: torch.device) -> float:

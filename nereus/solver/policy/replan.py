@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 from nereus.cost.calibration import Calibration
 from nereus.cost.fit import with_engine_budget
-from nereus.cost.plan_cost import PlanEvaluation, evaluate_plan, one_sequence_bytes
+from nereus.cost.plan_cost import PlanEvaluation, evaluate_plan, one_sequence_bytes, replica_state_bytes
 from nereus.errors import NereusError
 from nereus.solver.layouts import MemoryChoices
 from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.solver.policy.types import PolicyConfig
-from nereus.solver.transition import build_transition, state_bytes
+from nereus.solver.transition import build_transition
 from nereus.solver.transition.check import check_result
 from nereus.solver.transition.schedule import held_bytes
 from nereus.spec.check import plan_problems
@@ -223,7 +223,7 @@ class Replanner:
     def restart_cost(self, plan: Plan) -> float:
         """Checkpoint-and-restart into `plan`: relaunch plus writing and reading the busiest GPU's state."""
         sizes: dict[str, float] = {
-            s.model_stage: state_bytes(plan, s.model_stage, self.calibration) for s in plan.stages
+            s.model_stage: replica_state_bytes(plan, s.model_stage, self.calibration) for s in plan.stages
         }
         busiest = max(held_bytes(plan, sizes).values(), default=0.0)
         return self.config.restart_overhead_s + 2 * busiest / self.config.checkpoint_bytes_per_s

@@ -2,7 +2,7 @@
 
 from nereus.solver.transition.local import intermediate_layout, local_dag, match_replicas, sub_replicas
 from nereus.solver.transition.primitives import Emu, Primitive, box_fraction
-from nereus.solver.transition.schedule import TransitionResult, build_transition, plan_emus, state_bytes
+from nereus.solver.transition.schedule import TransitionResult, build_transition, plan_emus
 
 __all__ = [
     "Emu",
@@ -14,6 +14,5 @@ __all__ = [
     "local_dag",
     "match_replicas",
     "plan_emus",
-    "state_bytes",
     "sub_replicas",
 ]

@@ -23,8 +23,7 @@ from typing import Literal
 import numpy as np
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
-from nereus.cost.plan_cost import head_of, resident_share, usable_memory
-from nereus.cost.stage import StageCostModel
+from nereus.cost.plan_cost import head_of, replica_state_bytes, resident_share, usable_memory
 from nereus.solver.transition.local import STAR_ROUNDS, Replicas, replica_dag, stamp
 from nereus.solver.transition.order_search import GREEDY_TRIES, SEARCH_BUDGET, OrderSearch
 from nereus.solver.transition.pair import plan_pair
@@ -103,16 +102,8 @@ def _same_emus(one: StagePlan, other: StagePlan) -> bool:
     return one.tp == other.tp and one.pp == other.pp and one.emus == other.emus
 
 
-def state_bytes(plan: Plan, model_stage: str, calibration: Calibration) -> float:
-    """Bytes of one complete replica's state: parameters (training: + gradients, optimizer)."""
-    role, stage = model_stage.split("/")
-    model = plan.model(plan.workload.model_name(role))  # type: ignore[arg-type]
-    cost = StageCostModel(model, head_of(role), stage, plan.workload, plan.cluster, calibration)  # type: ignore[arg-type]
-    return float(sum(cost.model_state_terms(cost.params_per_gpu(1, 1), 1).values()))
-
-
 def _state_sizes(plan: Plan, model_stages: Iterable[str], calibration: Calibration) -> dict[str, float]:
-    """`state_bytes` of each model-stage, priced once per model, head and kind of state
+    """`replica_state_bytes` of each model-stage, priced once per model, head and kind of state
     (generation and inference hold the same parameters; only training adds more)."""
     sizes: dict[str, float] = {}
     priced: dict[tuple[str, str, bool], float] = {}
@@ -120,7 +111,7 @@ def _state_sizes(plan: Plan, model_stages: Iterable[str], calibration: Calibrati
         role, stage = name.split("/")
         key = (plan.workload.model_name(role), head_of(role), stage == "training")  # type: ignore[arg-type]
         if key not in priced:
-            priced[key] = state_bytes(plan, name, calibration)
+            priced[key] = replica_state_bytes(plan, name, calibration)  # type: ignore[arg-type]
         sizes[name] = priced[key]
     return sizes
 
