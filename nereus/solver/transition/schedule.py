@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
-from nereus.cost.plan_cost import head_of, resident_share, usable_memory
+from nereus.cost.plan_cost import resident_share, usable_memory
 from nereus.cost.stage import StageCostModel
 from nereus.errors import NereusError
 from nereus.solver.transition.local import STAR_ROUNDS, Replicas, replica_dag, stamp
@@ -40,6 +40,7 @@ from nereus.solver.transition.replay import (
 from nereus.solver.transition.serial import improve_order, pilot_order, schedule_in_order, serial_schedule
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.stages import head_of
 from nereus.units import format_bytes
 
 
