@@ -21,7 +21,6 @@ Role = Literal["actor", "critic", "reference", "reward"]
 """A model's part in an RL step."""
 Stage = Literal["generation", "inference", "training"]
 """What a model does in a step: sample responses, score them, or learn from them."""
-V = TypeVar("V")
 Head = Literal["lm", "value"]
 """A model's output head: next-token logits, or one scalar per position."""
 
@@ -111,6 +110,9 @@ def is_model_stage(name: str) -> TypeGuard[ModelStageName]:
 def is_phase(name: str) -> TypeGuard[Phase]:
     """Whether `name` is one of the phases."""
     return name in PHASES
+
+
+V = TypeVar("V")
 
 
 def model_stage_entries(values: Mapping[str, V]) -> dict[ModelStageName, V]:
