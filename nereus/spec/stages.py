@@ -98,7 +98,7 @@ PHASE_LABELS: dict[Phase, str] = {
     "restart": "restart",
 }
 
-_STAGE_ORDER: dict[Stage, int] = {stage: number for number, stage in enumerate(STAGES)}
+_STAGE_ORDER: dict[str, int] = {stage: number for number, stage in enumerate(STAGES)}
 _PARTS: dict[str, tuple[Role, Stage]] = {name: tuple(name.split("/")) for name in MODEL_STAGES}  # type: ignore[misc]
 
 
@@ -145,9 +145,10 @@ def stage_of(name: str) -> Stage:
 
 
 def stage_order(name: str) -> int:
-    """Where model-stage `name`'s stage comes in a step: its stage's index in `STAGES`
-    (generation 0, inference 1, training 2)."""
-    return _STAGE_ORDER[stage_of(name)]
+    """Where `name`'s stage comes in a step: its stage's index in `STAGES` (generation 0,
+    inference 1, training 2). `name` is a model-stage or any `role/stage` name: the transition
+    solver moves replicas of whatever model it is given (its tests name them `x/training`)."""
+    return _STAGE_ORDER[name.rpartition("/")[2]]
 
 
 def model_stage(role: str, stage: str) -> ModelStageName:
