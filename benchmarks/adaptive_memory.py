@@ -72,6 +72,7 @@ from nereus.solver.policy.replan import Replanner
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
+from nereus.spec.stages import ACTOR_GENERATION
 from nereus.spec.workload import ResponseLengths
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +103,7 @@ def memory_bound_base(capacity_bytes: int, samples_per_prompt: int) -> Plan:
 def kv_pool(plan: Plan, tokens: int) -> tuple[int, int]:
     """(blocks the runtime's KV pool gets, blocks its replica's batch needs at its longest) on the
     busiest rank of the plan's generation, for responses of `tokens` (what `nereus run` sizes)."""
-    entry = next(s for s in plan.stages if s.model_stage == "actor/generation")
+    entry = next(s for s in plan.stages if s.model_stage == ACTOR_GENERATION)
     workload = plan.workload
     model = plan.model(workload.actor)
     held = state_bytes_by_rank(plan, RLConfig(task="sort"))

@@ -29,6 +29,16 @@ from typing import Any
 
 from _record import Started, begin, write_result
 
+from nereus.spec.stages import (
+    ACTOR_GENERATION,
+    ACTOR_INFERENCE,
+    ACTOR_TRAINING,
+    CRITIC_INFERENCE,
+    CRITIC_TRAINING,
+    REFERENCE_INFERENCE,
+    is_trained,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "cost_fit.json"
 NEREUS = [str(Path(sys.executable).parent / "nereus")]
@@ -40,12 +50,12 @@ TP2: Layout = (2, 1, 1, [[0, 1]], 1)
 PP2: Layout = (1, 2, 1, [[0, 1]], 2)
 DP2: Layout = (1, 1, 2, [[0], [1]], 1)
 STAGES = (
-    "actor/generation",
-    "actor/inference",
-    "reference/inference",
-    "critic/inference",
-    "actor/training",
-    "critic/training",
+    ACTOR_GENERATION,
+    ACTOR_INFERENCE,
+    REFERENCE_INFERENCE,
+    CRITIC_INFERENCE,
+    ACTOR_TRAINING,
+    CRITIC_TRAINING,
 )
 
 
@@ -54,7 +64,7 @@ def _with_micro(layout: Layout, micro_batches: int) -> Layout:
 
 
 def _uniform(layout: Layout, training_micro: int = 1) -> dict[str, Layout]:
-    return {name: _with_micro(layout, training_micro) if name.endswith("training") else layout for name in STAGES}
+    return {name: _with_micro(layout, training_micro) if is_trained(name) else layout for name in STAGES}
 
 
 def sweep_layouts() -> dict[str, dict[str, Any]]:
@@ -62,41 +72,41 @@ def sweep_layouts() -> dict[str, dict[str, Any]]:
     on0: Layout = (1, 1, 1, [[0]], 1)
     on1: Layout = (1, 1, 1, [[1]], 1)
     mixed = {
-        "actor/generation": TP2,
-        "actor/inference": DP2,
-        "reference/inference": PP2,
-        "critic/inference": TP2,
-        "actor/training": PP2,
-        "critic/training": DP2,
+        ACTOR_GENERATION: TP2,
+        ACTOR_INFERENCE: DP2,
+        REFERENCE_INFERENCE: PP2,
+        CRITIC_INFERENCE: TP2,
+        ACTOR_TRAINING: PP2,
+        CRITIC_TRAINING: DP2,
     }
     return {
         "all-tp2": {"layouts": _uniform(TP2)},
         "all-dp2": {"layouts": _uniform(DP2)},
         "all-pp2": {"layouts": _uniform(PP2, 2)},
-        "gen-dp2-rest-tp2": {"layouts": {**_uniform(TP2), "actor/generation": DP2}},
-        "gen-dp2-train-pp2": {"layouts": {**_uniform(DP2), "actor/training": PP2, "critic/training": PP2}},
+        "gen-dp2-rest-tp2": {"layouts": {**_uniform(TP2), ACTOR_GENERATION: DP2}},
+        "gen-dp2-train-pp2": {"layouts": {**_uniform(DP2), ACTOR_TRAINING: PP2, CRITIC_TRAINING: PP2}},
         "mixed": {"layouts": mixed},
         "dp2-micro4": {"layouts": {name: _with_micro(DP2, 4) for name in STAGES}},
         "tp2-train-micro4": {"layouts": _uniform(TP2, 4)},
         "split-gen0-train1": {
             "layouts": {
-                "actor/generation": on0,
-                "actor/inference": on0,
-                "reference/inference": on0,
-                "critic/inference": on1,
-                "actor/training": on1,
-                "critic/training": on1,
+                ACTOR_GENERATION: on0,
+                ACTOR_INFERENCE: on0,
+                REFERENCE_INFERENCE: on0,
+                CRITIC_INFERENCE: on1,
+                ACTOR_TRAINING: on1,
+                CRITIC_TRAINING: on1,
             },
             "pools": {"gen": [0], "train": [1]},
         },
         "split-actor0-critic1": {
             "layouts": {
-                "actor/generation": on0,
-                "actor/inference": on0,
-                "reference/inference": on1,
-                "critic/inference": on1,
-                "actor/training": on0,
-                "critic/training": on1,
+                ACTOR_GENERATION: on0,
+                ACTOR_INFERENCE: on0,
+                REFERENCE_INFERENCE: on1,
+                CRITIC_INFERENCE: on1,
+                ACTOR_TRAINING: on0,
+                CRITIC_TRAINING: on1,
             },
             "pools": {"gen": [0], "train": [1]},
         },

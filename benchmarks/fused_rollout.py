@@ -59,7 +59,7 @@ from nereus.solver.migration import GenerationProfile, run_batch
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
-from nereus.spec.stages import INFERENCE_OUTPUTS, INFERENCE_STAGES
+from nereus.spec.stages import ACTOR_GENERATION, INFERENCE_OUTPUTS, INFERENCE_STAGES
 from nereus.spec.workload import ResponseLengths
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,7 +95,7 @@ def slowest(seconds: float) -> float:
 
 def decode_steps(stages: dict[str, Any], prompts: list[list[int]], sampling: SamplingConfig) -> list[list[float]]:
     """(active samples, context tokens, seconds) of decode steps at several batch sizes (this rank)."""
-    engine = stages["actor/generation"].engine
+    engine = stages[ACTOR_GENERATION].engine
     rows = []
     for batch in (1, 2, 4, 8, 16, 32):
         decoder = BatchingDecoder(engine, sampling, KVBudget())
@@ -145,7 +145,7 @@ def rollout_times(rank: int, world: int, plan: Plan, args: argparse.Namespace) -
     def unfused() -> tuple[list[list[int]], dict[str, torch.Tensor]]:
         seconds: dict[str, float] = {}
         with timed(seconds, "generation"):
-            responses = generate_responses(stages["actor/generation"], prompts, sampling, budgets)
+            responses = generate_responses(stages[ACTOR_GENERATION], prompts, sampling, budgets)
         with timed(seconds, "inference"):
             inferred = run_inference(stages, rollout_batch(prompts, responses, tokenizer.pad_id), {})
         for name, value in seconds.items():

@@ -85,6 +85,7 @@ from nereus.spec.model import Model
 from nereus.spec.plan import Plan
 from nereus.spec.presets import MODELS
 from nereus.spec.schedule import Schedule
+from nereus.spec.stages import ACTOR_TRAINING, CRITIC_TRAINING
 
 RESULTS = Path(__file__).resolve().parent / "results" / "fused_training.json"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "plan-tiny-ppo-4rank.yaml"
@@ -124,8 +125,8 @@ def fused_plan(model: Model, microbatches: int, critic: Model | None = None) -> 
     document["cluster"]["gpus_per_node"] = 2
     document["pools"] = [{"name": "all", "gpus": [0, 1]}]
     layouts = {entry["model_stage"]: (1, 1, 2, [[0], [1]], 1) for entry in document["stages"]}
-    layouts["actor/training"] = (1, 2, 1, [[0, 1]], microbatches)
-    layouts["critic/training"] = (1, 2, 1, [[1, 0]], microbatches)
+    layouts[ACTOR_TRAINING] = (1, 2, 1, [[0, 1]], microbatches)
+    layouts[CRITIC_TRAINING] = (1, 2, 1, [[1, 0]], microbatches)
     document["stages"] = [
         {"model_stage": name, "pool": "all", "tp": tp, "pp": pp, "dp": dp, "emus": emus, "micro_batches": mb}
         for name, (tp, pp, dp, emus, mb) in layouts.items()

@@ -24,6 +24,8 @@ from typing import Any
 import yaml
 from _record import begin, write_result
 
+from nereus.spec.stages import ACTOR_GENERATION, ACTOR_INFERENCE, ACTOR_TRAINING, REFERENCE_INFERENCE, REWARD_INFERENCE
+
 RESULTS = Path(__file__).resolve().parent / "results" / "memory_parity.json"
 TARGET = 0.10
 #: A ~100M-parameter decoder (tied 32000-token embedding + 12 blocks of hidden 768).
@@ -100,11 +102,11 @@ def plan_document(case: str) -> dict[str, Any]:
         },
         "pools": [{"name": "all", "gpus": [0, 1]}],
         "stages": [
-            stage("actor/generation", serving),
-            stage("actor/inference", serving),
-            stage("reference/inference", serving),
-            stage("reward/inference", serving),
-            stage("actor/training", training),
+            stage(ACTOR_GENERATION, serving),
+            stage(ACTOR_INFERENCE, serving),
+            stage(REFERENCE_INFERENCE, serving),
+            stage(REWARD_INFERENCE, serving),
+            stage(ACTOR_TRAINING, training),
         ],
     }
 

@@ -34,6 +34,7 @@ from nereus.runtime.rl.setup import RunSetup, plan_problems
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig, RunConfig
+from nereus.spec.stages import ACTOR_TRAINING, CRITIC_INFERENCE, CRITIC_TRAINING
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "plan-tiny-ppo-4rank.yaml"
@@ -46,13 +47,13 @@ LAYOUTS: dict[str, dict[str, tuple[int, int, int, list[list[int]], int]]] = {
     "tp2": {"*": (2, 1, 1, [[0, 1]], 1)},
     "tp2-gen-pp2": {
         "*": (2, 1, 1, [[0, 1]], 1),
-        "actor/training": (1, 2, 1, [[0, 1]], 2),
-        "critic/training": (1, 2, 1, [[0, 1]], 2),
+        ACTOR_TRAINING: (1, 2, 1, [[0, 1]], 2),
+        CRITIC_TRAINING: (1, 2, 1, [[0, 1]], 2),
     },
     "split-1+1": {
         "*": (1, 1, 1, [[0]], 1),
-        "critic/inference": (1, 1, 1, [[1]], 1),
-        "critic/training": (1, 1, 1, [[1]], 1),
+        CRITIC_INFERENCE: (1, 1, 1, [[1]], 1),
+        CRITIC_TRAINING: (1, 1, 1, [[1]], 1),
     },
 }
 

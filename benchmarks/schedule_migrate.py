@@ -30,6 +30,7 @@ from nereus.solver.migration import generation_profile, sweep_thresholds
 from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.spec.presets import cluster_preset, model_preset, workload_preset
+from nereus.spec.stages import ACTOR_GENERATION
 from nereus.spec.workload import ResponseLengths
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +61,7 @@ def main() -> None:
         plan = make_plan(PlanRequest(cluster, (model,), workload, num_gpus)).best
         profile = generation_profile(plan)
         result = sweep_thresholds(profile, num_batches=args.batches, seed=0)
-        entry = plan.stage_plan("actor/generation")
+        entry = plan.stage_plan(ACTOR_GENERATION)
         row = {
             "gpus": num_gpus,
             "max_length": max_len,

@@ -19,28 +19,16 @@ if TYPE_CHECKING:
     from nereus.spec.run_folder import StepMetrics
     from nereus.spec.run_summary import RunSummary
 
-#: Model-stages shown in the progress line, with their short names.
-SHOWN_STAGES = {
-    "actor/generation": "gen",
-    "actor/inference": "act-inf",
-    "reference/inference": "ref",
-    "reward/inference": "rew",
-    "critic/inference": "crit-inf",
-    "actor/training": "act-train",
-    "critic/training": "crit-train",
-    "exchange": "xchg",
-    "weight_sync": "sync",
-    "transition": "transition",
-}
-
 
 def describe_step(metrics: StepMetrics) -> str:
-    """One line: reward, KL, response length and where the step's time went."""
-    times = " ".join(
-        f"{short} {metrics.stage_seconds[name]:.2f}"
-        for name, short in SHOWN_STAGES.items()
-        if name in metrics.stage_seconds
-    )
+    """One line: reward, KL, response length and where the step's time went (every model-stage
+    in step order, then the exchanges, the weight sync and a transition before the step)."""
+    from nereus.spec.stages import MODEL_STAGES, label
+
+    stages, phases = metrics.model_stage_seconds, metrics.phase_seconds
+    shown: list[tuple[str, float]] = [(name, stages[name]) for name in MODEL_STAGES if name in stages]
+    shown += [(name, phases[name]) for name in ("exchange", "weight_sync", "transition") if name in phases]
+    times = " ".join(f"{label(name)} {seconds:.2f}" for name, seconds in shown)
     score = "" if metrics.score == metrics.reward else f" (rule {metrics.score:.3f})"
     return (
         f"reward {metrics.reward:.3f}{score}  kl {metrics.kl:+.4f}  len {metrics.response_len_mean:.1f}/"

@@ -28,7 +28,7 @@ from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig, RunConfig
 from nereus.spec.run_folder import CONFIG_NAME, METRICS_NAME, PLAN_NAME, json_lines
-from nereus.spec.stages import STAGES
+from nereus.spec.stages import ACTOR_GENERATION, STAGES
 from nereus.spec.workload import ResponseLengths
 
 #: The first steps of every run pay for allocation and lazy initialisation; the fit drops them.
@@ -197,7 +197,7 @@ def with_engine_budget(plan: Plan, engineless: Collection[str] = ()) -> Plan:
     if budget is None:
         return plan
     stages = [
-        entry.model_copy(update={"kv_budget_bytes": budget}) if entry.model_stage == "actor/generation" else entry
+        entry.model_copy(update={"kv_budget_bytes": budget}) if entry.model_stage == ACTOR_GENERATION else entry
         for entry in plan.stages
     ]
     return plan.model_copy(update={"stages": stages})

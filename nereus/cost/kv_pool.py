@@ -21,6 +21,7 @@ from collections.abc import Collection
 from nereus.cost.calibration import DEFAULT_CALIBRATION
 from nereus.cost.stage import kv_bytes_per_token
 from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.stages import ACTOR_GENERATION
 
 #: Tokens per KV block (vLLM's default block size).
 BLOCK_TOKENS = 16
@@ -51,7 +52,7 @@ def engine_budget(plan: Plan, engineless: Collection[str] = ()) -> int | None:
     the smallest pool over the generation's GPUs binds (the step waits for its slowest replica)."""
     from nereus.cost.plan_cost import stage_cost_model
 
-    entry = next((e for e in plan.stages if e.model_stage == "actor/generation"), None)
+    entry = next((e for e in plan.stages if e.model_stage == ACTOR_GENERATION), None)
     if entry is None:
         return None
     calibration = DEFAULT_CALIBRATION  # states and bytes per token do not depend on it

@@ -13,19 +13,13 @@ from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from nereus.cost.stage import StageCostModel
 from nereus.spec.check import Problem
 from nereus.spec.cluster import Cluster
-from nereus.spec.model import Head
 from nereus.spec.plan import Plan, Predictions, StagePlan, StagePrediction
-from nereus.spec.stages import ACTOR_SYNC_TARGETS, STAGES, ModelStageName, Role, Stage, split
+from nereus.spec.stages import ACTOR_SYNC_TARGETS, ACTOR_TRAINING, STAGES, ModelStageName, Role, Stage, head_of, split
 from nereus.spec.workload import DTYPE_BYTES, Workload
 from nereus.units import format_bytes
 
 GIB = 2**30
 RESIDENT_TERMS = ("parameters", "gradients", "optimizer")
-
-
-def head_of(role: Role) -> Head:
-    """Critic and reward models end in a scalar value head; the others in an LM head."""
-    return "value" if role in ("critic", "reward") else "lm"
 
 
 def stage_cost_model(plan_like: Plan, role: Role, stage: Stage, calibration: Calibration) -> StageCostModel:
@@ -145,7 +139,7 @@ def _stage_terms(plan: Plan, entry: StagePlan, calibration: Calibration) -> tupl
 
 
 def _weight_sync(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
-    train = plan.stage_plan("actor/training")
+    train = plan.stage_plan(ACTOR_TRAINING)
     same = (entry.tp, entry.pp, entry.emus) == (train.tp, train.pp, train.emus)
     train_nodes = {plan.cluster.node_of(g) for g in train.gpus}
     inter = any(plan.cluster.node_of(g) not in train_nodes for g in entry.gpus)

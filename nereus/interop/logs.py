@@ -17,16 +17,25 @@ from typing import Any
 
 from nereus.cost.fit import STEP_KEY, WARMUP_STEPS, RunRecord, StepSample
 from nereus.spec.plan import Plan
+from nereus.spec.stages import (
+    ACTOR_GENERATION,
+    ACTOR_INFERENCE,
+    ACTOR_TRAINING,
+    CRITIC_INFERENCE,
+    CRITIC_TRAINING,
+    REFERENCE_INFERENCE,
+    REWARD_INFERENCE,
+)
 
 #: verl metric -> the nereus model-stage (or `weight_sync`) it times.
 VERL_TIMERS = {
-    "timing_s/gen": "actor/generation",
-    "timing_s/old_log_prob": "actor/inference",
-    "timing_s/ref": "reference/inference",
-    "timing_s/reward": "reward/inference",
-    "timing_s/values": "critic/inference",
-    "timing_s/update_actor": "actor/training",
-    "timing_s/update_critic": "critic/training",
+    "timing_s/gen": ACTOR_GENERATION,
+    "timing_s/old_log_prob": ACTOR_INFERENCE,
+    "timing_s/ref": REFERENCE_INFERENCE,
+    "timing_s/reward": REWARD_INFERENCE,
+    "timing_s/values": CRITIC_INFERENCE,
+    "timing_s/update_actor": ACTOR_TRAINING,
+    "timing_s/update_critic": CRITIC_TRAINING,
     "timing_s/update_weights": "weight_sync",
 }
 VERL_STEP = "timing_s/step"

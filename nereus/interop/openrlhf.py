@@ -26,19 +26,28 @@ from nereus.interop.common import (
     stage_difference,
 )
 from nereus.spec.plan import Plan, Pool, StagePlan
+from nereus.spec.stages import (
+    ACTOR_GENERATION,
+    ACTOR_INFERENCE,
+    ACTOR_TRAINING,
+    CRITIC_INFERENCE,
+    CRITIC_TRAINING,
+    REFERENCE_INFERENCE,
+    REWARD_INFERENCE,
+)
 
 #: OpenRLHF's `--algo.advantage.estimator` per nereus algorithm; ReMax's greedy-rollout
 #: baseline has no OpenRLHF estimator.
 ADVANTAGE_ESTIMATORS = {"ppo": "gae", "grpo": "group_norm"}
 #: The model-stage whose GPUs each OpenRLHF model group gets.
 GROUPS = {
-    "actor": "actor/training",
-    "ref": "reference/inference",
-    "reward": "reward/inference",
-    "critic": "critic/training",
+    "actor": ACTOR_TRAINING,
+    "ref": REFERENCE_INFERENCE,
+    "reward": REWARD_INFERENCE,
+    "critic": CRITIC_TRAINING,
 }
 #: Model-stages OpenRLHF runs on another model-stage's workers.
-TIED = {"actor/inference": "actor/training", "critic/inference": "critic/training"}
+TIED = {ACTOR_INFERENCE: ACTOR_TRAINING, CRITIC_INFERENCE: CRITIC_TRAINING}
 
 
 def export_openrlhf(plan: Plan) -> Export:
@@ -49,7 +58,7 @@ def export_openrlhf(plan: Plan) -> Export:
             f"algorithm {w.algorithm!r}: OpenRLHF {CHECKED_VERSIONS['openrlhf']} has no {w.algorithm} estimator "
             f"(it offers {', '.join(sorted(set(ADVANTAGE_ESTIMATORS.values())))}); plan ppo or grpo, or export to verl"
         )
-    ds_tp, stage = plan.stage_plan("actor/training").tp, zero_stage(plan)
+    ds_tp, stage = plan.stage_plan(ACTOR_TRAINING).tp, zero_stage(plan)
     exported: dict[str, StagePlan] = {entry.model_stage: _exported(plan, entry, ds_tp, stage) for entry in plan.stages}
     differences = [
         d
@@ -68,16 +77,16 @@ def export_openrlhf(plan: Plan) -> Export:
     pools = _pools(stages)
     stages = [s.model_copy(update={"pool": _pool_of(pools, s)}) for s in stages]
     draft = plan.model_copy(update={"stages": stages, "pools": pools, "predictions": None})
-    settings = _settings(plan, exported, ds_tp, free_memory_fraction(draft, "actor/generation"))
+    settings = _settings(plan, exported, ds_tp, free_memory_fraction(draft, ACTOR_GENERATION))
     return finish(
         "OpenRLHF", CHECKED_VERSIONS["openrlhf"], planned, settings, differences, stages, pools, exported_plan=plan
     )
 
 
 def _reason(entry: StagePlan, ds_tp: int) -> str:
-    if entry.model_stage == "actor/inference":
+    if entry.model_stage == ACTOR_INFERENCE:
         return "OpenRLHF computes old log-probs on the actor's training group"
-    if entry.model_stage == "critic/inference":
+    if entry.model_stage == CRITIC_INFERENCE:
         return "OpenRLHF computes values on the critic's training group, with its micro-batch"
     if entry.stage == "generation":
         return "vLLM engines of OpenRLHF take a tensor parallel size only"
@@ -98,7 +107,7 @@ def _exported(plan: Plan, entry: StagePlan, ds_tp: int, stage: int) -> StagePlan
         # A vLLM engine of tp x pp GPUs becomes one of tp GPUs: as many engines on the same GPUs.
         return laid_out(plan, entry, sorted(entry.gpus), entry.tp, 1, 1, entry.pool)
     owner = plan.stage_plan(TIED.get(entry.model_stage, entry.model_stage))
-    micro_from = owner if entry.model_stage == "critic/inference" else entry
+    micro_from = owner if entry.model_stage == CRITIC_INFERENCE else entry
     micro = per_gpu_micro_batch(plan, micro_from)
     out = laid_out(plan, entry, sorted(owner.gpus), ds_tp, 1, micro, owner.pool)
     # ZeRO-3 shards every DeepSpeed model, the inferring ones too; the stage applies to all.
@@ -137,7 +146,7 @@ def _nodes(plan: Plan, entry: StagePlan) -> tuple[int, int]:
 
 def _settings(plan: Plan, stages: dict[str, StagePlan], ds_tp: int, memory_fraction: float) -> dict[str, Value]:
     w = plan.workload
-    gen = stages["actor/generation"]
+    gen = stages[ACTOR_GENERATION]
     out: dict[str, Value] = {}
     for group, name in GROUPS.items():
         if name in stages:
@@ -151,11 +160,11 @@ def _settings(plan: Plan, stages: dict[str, StagePlan], ds_tp: int, memory_fract
         "--ds.param_dtype": plan.workload.dtype,
         "--rollout.batch_size": w.prompts_per_step,
         "--rollout.n_samples_per_prompt": w.samples_per_prompt,
-        "--rollout.micro_batch_size": per_gpu_micro_batch(plan, stages["actor/inference"]),
+        "--rollout.micro_batch_size": per_gpu_micro_batch(plan, stages[ACTOR_INFERENCE]),
         "--rollout.max_new_tokens": w.response_len.max,
         "--data.max_len": w.prompt_len + w.response_len.max,
         "--train.batch_size": w.samples_per_step // w.mini_batches,
-        "--train.micro_batch_size": per_gpu_micro_batch(plan, stages["actor/training"]),
+        "--train.micro_batch_size": per_gpu_micro_batch(plan, stages[ACTOR_TRAINING]),
         "--train.max_epochs": w.ppo_epochs,
         "--algo.advantage.estimator": ADVANTAGE_ESTIMATORS[w.algorithm],
     }
@@ -171,12 +180,12 @@ def _colocation(stages: dict[str, StagePlan]) -> dict[str, Value]:
     def same(a: str, b: str) -> bool:
         return a in stages and b in stages and sorted(stages[a].gpus) == sorted(stages[b].gpus)
 
-    if all(sorted(s.gpus) == sorted(stages["actor/generation"].gpus) for s in stages.values()):
+    if all(sorted(s.gpus) == sorted(stages[ACTOR_GENERATION].gpus) for s in stages.values()):
         return {"--train.colocate_all": True, "--vllm.enable_sleep": True, "--ds.enable_sleep": True}
     out: dict[str, Value] = {}
-    if same("actor/training", "reference/inference"):
+    if same(ACTOR_TRAINING, REFERENCE_INFERENCE):
         out["--train.colocate_actor_ref"] = True
-    if same("critic/training", "reward/inference"):
+    if same(CRITIC_TRAINING, REWARD_INFERENCE):
         out["--train.colocate_critic_reward"] = True
     return out
 

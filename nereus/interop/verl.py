@@ -25,21 +25,30 @@ from nereus.interop.common import (
     stage_difference,
 )
 from nereus.spec.plan import Plan, Pool, StagePlan
+from nereus.spec.stages import (
+    ACTOR_GENERATION,
+    ACTOR_INFERENCE,
+    ACTOR_TRAINING,
+    CRITIC_INFERENCE,
+    CRITIC_TRAINING,
+    REFERENCE_INFERENCE,
+    REWARD_INFERENCE,
+)
 
 #: verl's `algorithm.adv_estimator` per nereus algorithm.
 ADVANTAGE_ESTIMATORS = {"ppo": "gae", "grpo": "grpo", "remax": "remax"}
 MEGATRON_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 #: The config section that sets each trained or inferring model's Megatron layout.
 MEGATRON_SECTIONS = {
-    "actor/training": "actor_rollout_ref.actor.megatron",
-    "reference/inference": "actor_rollout_ref.ref.megatron",
-    "critic/training": "critic.megatron",
+    ACTOR_TRAINING: "actor_rollout_ref.actor.megatron",
+    REFERENCE_INFERENCE: "actor_rollout_ref.ref.megatron",
+    CRITIC_TRAINING: "critic.megatron",
 }
 SHARED_POOL = "global_pool"
 POOL_REASON = "verl's default resource pool hosts every model on all {n} GPUs"
 TIED_REASONS = {
-    "actor/inference": "verl computes old log-probs on the actor's training workers",
-    "critic/inference": "verl computes values on the critic's training workers, with their micro-batch",
+    ACTOR_INFERENCE: "verl computes old log-probs on the actor's training workers",
+    CRITIC_INFERENCE: "verl computes values on the critic's training workers, with their micro-batch",
 }
 
 
@@ -60,7 +69,7 @@ def export_verl(plan: Plan) -> Export:
     stages = [exported[entry.model_stage] for entry in plan.stages]
     pools = [Pool(name=SHARED_POOL, gpus=gpus)]
     draft = plan.model_copy(update={"stages": stages, "pools": pools, "predictions": None})
-    settings = _settings(plan, exported, free_memory_fraction(draft, "actor/generation"))
+    settings = _settings(plan, exported, free_memory_fraction(draft, ACTOR_GENERATION))
     return finish("verl", CHECKED_VERSIONS["verl"], plan, settings, differences, stages, pools)
 
 
@@ -71,8 +80,8 @@ def _reason(entry: StagePlan, num_gpus: int) -> str:
 def _exported_stages(plan: Plan, gpus: list[int]) -> dict[str, StagePlan]:
     # The actor's old log-probs keep their own micro-batch (`log_prob_micro_batch_size_per_gpu`);
     # the critic's values have none of their own.
-    layout_of = {"actor/inference": "actor/training", "critic/inference": "critic/training"}
-    micro_of = {"critic/inference": "critic/training"}
+    layout_of = {ACTOR_INFERENCE: ACTOR_TRAINING, CRITIC_INFERENCE: CRITIC_TRAINING}
+    micro_of = {CRITIC_INFERENCE: CRITIC_TRAINING}
     out: dict[str, StagePlan] = {}
     for entry in plan.stages:
         layout = plan.stage_plan(layout_of.get(entry.model_stage, entry.model_stage))
@@ -96,7 +105,7 @@ def _batch_differences(plan: Plan) -> list[Difference]:
 
 def _settings(plan: Plan, stages: dict[str, StagePlan], memory_fraction: float) -> dict[str, Value]:
     w = plan.workload
-    gen = stages["actor/generation"]
+    gen = stages[ACTOR_GENERATION]
     out: dict[str, Value] = {
         "trainer.nnodes": plan.cluster.num_nodes,
         "trainer.n_gpus_per_node": plan.cluster.gpus_per_node,
@@ -108,14 +117,14 @@ def _settings(plan: Plan, stages: dict[str, StagePlan], memory_fraction: float) 
         "actor_rollout_ref.actor.use_kl_loss": w.reference is not None and w.algorithm != "ppo",
         "actor_rollout_ref.actor.ppo_epochs": w.ppo_epochs,
         "actor_rollout_ref.actor.ppo_mini_batch_size": max(1, w.prompts_per_step // w.mini_batches),
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": per_gpu_micro_batch(plan, stages["actor/training"]),
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": per_gpu_micro_batch(plan, stages[ACTOR_TRAINING]),
         "actor_rollout_ref.rollout.name": "vllm",
         "actor_rollout_ref.rollout.n": w.samples_per_prompt,
         "actor_rollout_ref.rollout.tensor_model_parallel_size": gen.tp,
         "actor_rollout_ref.rollout.pipeline_model_parallel_size": gen.pp,
         "actor_rollout_ref.rollout.gpu_memory_utilization": memory_fraction,
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": per_gpu_micro_batch(
-            plan, stages["actor/inference"]
+            plan, stages[ACTOR_INFERENCE]
         ),
     }
     for name, section in MEGATRON_SECTIONS.items():
@@ -123,22 +132,22 @@ def _settings(plan: Plan, stages: dict[str, StagePlan], memory_fraction: float) 
             out[f"{section}.tensor_model_parallel_size"] = stages[name].tp
             out[f"{section}.pipeline_model_parallel_size"] = stages[name].pp
             out[f"{section}.dtype"] = MEGATRON_DTYPES[w.dtype]
-            if name != "reference/inference":
+            if name != REFERENCE_INFERENCE:
                 planned = plan.stage_plan(name)
                 sharded = w.optimizer.shard_across_dp or bool(planned.zero1) or planned.full_shard
                 out[f"{section}.use_distributed_optimizer"] = sharded
-    if "reference/inference" in stages:
-        ref = stages["reference/inference"]
+    if REFERENCE_INFERENCE in stages:
+        ref = stages[REFERENCE_INFERENCE]
         out["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] = per_gpu_micro_batch(plan, ref)
-    out["critic.enable"] = "critic/training" in stages
-    if "critic/training" in stages:
+    out["critic.enable"] = CRITIC_TRAINING in stages
+    if CRITIC_TRAINING in stages:
         out["critic.ppo_mini_batch_size"] = out["actor_rollout_ref.actor.ppo_mini_batch_size"]
-        out["critic.ppo_micro_batch_size_per_gpu"] = per_gpu_micro_batch(plan, stages["critic/training"])
-    out["reward.reward_model.enable"] = "reward/inference" in stages
-    if "reward/inference" in stages:
+        out["critic.ppo_micro_batch_size_per_gpu"] = per_gpu_micro_batch(plan, stages[CRITIC_TRAINING])
+    out["reward.reward_model.enable"] = REWARD_INFERENCE in stages
+    if REWARD_INFERENCE in stages:
         out["reward.reward_model.rollout.name"] = "vllm"
-        out["reward.reward_model.rollout.tensor_model_parallel_size"] = stages["reward/inference"].tp
-        out["reward.reward_model.rollout.pipeline_model_parallel_size"] = stages["reward/inference"].pp
+        out["reward.reward_model.rollout.tensor_model_parallel_size"] = stages[REWARD_INFERENCE].tp
+        out["reward.reward_model.rollout.pipeline_model_parallel_size"] = stages[REWARD_INFERENCE].pp
     return out
 
 

@@ -30,9 +30,8 @@ from nereus.spec.run_folder import (
     read_run_folder,
     switch_plan_name,
 )
+from nereus.spec.stages import PLAN_CHANGES, is_model_stage, role_of
 
-#: stage_seconds entries that are plan changes before the step, not part of it.
-MOVE_ACTIONS = ("transition", "restart")
 #: Steps averaged for the first and last reward.
 REWARD_WINDOW = 10
 
@@ -164,7 +163,7 @@ class RunReport:
 
 
 def _mean_stage_times(steps: list[StepRecord], mean_step: float) -> list[StageTime]:
-    names = list(dict.fromkeys(name for r in steps for name in r.stage_seconds if name not in MOVE_ACTIONS))
+    names = list(dict.fromkeys(name for r in steps for name in r.stage_seconds if name not in PLAN_CHANGES))
     stages = []
     for name in names:
         mean = statistics.mean(r.stage_seconds.get(name, 0.0) for r in steps)
@@ -192,7 +191,7 @@ def move_predictions(data: RunFolder) -> dict[int, float]:
         if isinstance(value, int | float) and not isinstance(value, bool):
             predicted[step] = float(value)
     for decision in data.decisions:
-        if decision.action in MOVE_ACTIONS and decision.refused is None and decision.transition_cost_s is not None:
+        if decision.action in PLAN_CHANGES and decision.refused is None and decision.transition_cost_s is not None:
             predicted[decision.step] = decision.transition_cost_s
     return predicted
 
@@ -202,8 +201,9 @@ def _transitions(data: RunFolder) -> list[TransitionTime]:
     predicted = move_predictions(data)
     moves = []
     for record in data.steps:
-        for action in MOVE_ACTIONS:
-            if action not in record.stage_seconds:
+        phases = record.phase_seconds
+        for action in PLAN_CHANGES:
+            if action not in phases:
                 continue
             span = spans.get(record.step)
             count = span.args.get("num_primitives") if span is not None else None
@@ -211,7 +211,7 @@ def _transitions(data: RunFolder) -> list[TransitionTime]:
                 TransitionTime(
                     step=record.step,
                     action=action,
-                    measured_s=record.stage_seconds[action],
+                    measured_s=phases[action],
                     predicted_s=predicted.get(record.step),
                     num_primitives=count if isinstance(count, int) else None,
                 )
@@ -260,7 +260,9 @@ def summarise(data: RunFolder) -> RunReport:
     run_s = sum(step_times) + transition_s
     rewards = [r.reward for r in data.steps]
     predicted = dict.fromkeys(name for r in data.steps for name in r.predicted_stage_seconds)
-    not_compared = [name for name in predicted if not data.config.rl.runs_engine(name.partition("/")[0])]
+    not_compared: list[str] = [
+        name for name in predicted if is_model_stage(name) and not data.config.rl.runs_engine(role_of(name))
+    ]
     return RunReport(
         folder=str(data.folder),
         first_step=data.steps[0].step,
@@ -310,14 +312,14 @@ def report_png(data: RunFolder, dpi: int = 100) -> bytes:
     times, reward = figure.subplots(2, 1, sharex=True, height_ratios=(3, 1))
     steps = [r.step for r in data.steps]
     bottom = [0.0] * len(steps)
-    names = list(dict.fromkeys(name for r in data.steps for name in r.stage_seconds if name not in MOVE_ACTIONS))
+    names = list(dict.fromkeys(name for r in data.steps for name in r.stage_seconds if name not in PLAN_CHANGES))
     colors = _palette(len(names))
     for name, color in zip(names, colors, strict=True):
         heights = [r.stage_seconds.get(name, 0.0) for r in data.steps]
         times.bar(steps, heights, bottom=bottom, width=0.85, color=color, label=name, linewidth=0)
         bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     moves = _transitions(data)
-    for action, hatch in zip(MOVE_ACTIONS, ("//", "xx"), strict=True):
+    for action, hatch in zip(PLAN_CHANGES, ("//", "xx"), strict=True):
         heights = [r.stage_seconds.get(action, 0.0) for r in data.steps]
         if any(heights):
             times.bar(steps, heights, bottom=bottom, width=0.85, color="white", edgecolor="crimson",

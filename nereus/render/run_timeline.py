@@ -38,6 +38,7 @@ from nereus.errors import NereusError
 from nereus.render.run_report import move_predictions, move_spans, plan_pools
 from nereus.spec.io import write_text_atomic
 from nereus.spec.run_folder import TIMELINE_NAME, RunFolder, Span, StepRecord, read_run_folder
+from nereus.spec.stages import STAGES, is_model_stage, stage_order
 
 TRACE_NAME = "timeline.json"
 US = 1e6
@@ -53,8 +54,6 @@ TRACK_TITLES = {
 }
 #: Categories whose spans contain spans of their own kind (a transition: building engines).
 NESTED_CATS = ("transition",)
-#: Model-stages run phase by phase in this order (the cost model's step breakdown).
-PHASES = ("generation", "inference", "training")
 #: The pool of a model-stage whose plan is unknown (all of them: one after another).
 UNKNOWN_POOL = "(plan unknown)"
 PREDICTED_PID = 0
@@ -132,10 +131,9 @@ def measured_intervals(spans: list[Span]) -> dict[int, list[Interval]]:
 def stage_layout(predicted: dict[str, float], pools: dict[str, str], start: float) -> list[tuple[str, str, float]]:
     """(model-stage, pool, start) of each predicted model-stage: phases in sequence, pools of a
     phase side by side, a pool's model-stages in sequence."""
-    order = {phase: number for number, phase in enumerate(PHASES)}
     phases: dict[int, list[str]] = defaultdict(list)
     for name in predicted:
-        phases[order.get(name.partition("/")[2], len(PHASES))].append(name)
+        phases[stage_order(name) if is_model_stage(name) else len(STAGES)].append(name)
     placed = []
     phase_start = start
     for number in sorted(phases):

@@ -35,6 +35,7 @@ from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from nereus.cost.plan_cost import evaluate_plan, stage_cost_model, usable_memory
 from nereus.errors import ArgumentError, NereusError
 from nereus.spec.plan import Plan
+from nereus.spec.stages import ACTOR_GENERATION, stage_of
 from nereus.spec.workload import DTYPE_BYTES, ResponseLengths
 
 Progress = Callable[[int, int], None]
@@ -326,7 +327,7 @@ def sweep_thresholds(
 
 def generation_profile(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) -> GenerationProfile:
     """Decode costs from the plan's actor/generation layout; inference cost from its inference stages."""
-    entry = plan.stage_plan("actor/generation")
+    entry = plan.stage_plan(ACTOR_GENERATION)
     workload, cluster = plan.workload, plan.cluster
     cost = stage_cost_model(plan, "actor", "generation", calibration)
     dtype = DTYPE_BYTES[workload.dtype]
@@ -341,7 +342,7 @@ def generation_profile(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATIO
     bandwidth, latency = calibration.link(cluster, True)
     samples = math.ceil(workload.samples_per_step / entry.dp)
     predictions = evaluate_plan(plan, calibration).predictions
-    inference_s = sum(p.time_s for name, p in predictions.model_stages.items() if name.endswith("/inference"))
+    inference_s = sum(p.time_s for name, p in predictions.model_stages.items() if stage_of(name) == "inference")
     tokens = workload.samples_per_step * (workload.prompt_len + workload.response_len.mean())
     return GenerationProfile(
         num_instances=entry.dp,

@@ -22,12 +22,22 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.plan_cost import GIB, RESIDENT_TERMS, head_of, usable_memory, weight_sync_time
+from nereus.cost.plan_cost import GIB, RESIDENT_TERMS, usable_memory, weight_sync_time
 from nereus.cost.stage import StageCostModel
 from nereus.solver.layouts import LayoutGrid, MemoryChoices, Option, OptionTable, layout_grid, price_layouts
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
-from nereus.spec.stages import ACTOR_SYNC_TARGETS, STAGES, model_stage
+from nereus.spec.stages import (
+    ACTOR_GENERATION,
+    ACTOR_SYNC_TARGETS,
+    ACTOR_TRAINING,
+    CRITIC_TRAINING,
+    STAGES,
+    head_of,
+    model_stage,
+    role_of,
+    stage_order,
+)
 from nereus.spec.workload import Workload, model_stages
 
 
@@ -121,14 +131,14 @@ def placements(request: PlanRequest) -> list[Placement]:
     n, per_node = request.num_gpus, request.cluster.gpus_per_node
     names = [model_stage(r, s) for r, s in model_stages(request.workload)]
     out = [Placement("colocated", (("shared", 0, n, tuple(names)),))]
-    actor = tuple(x for x in names if x.startswith("actor/"))
-    others = tuple(x for x in names if not x.startswith("actor/"))
-    rest = tuple(x for x in names if x != "actor/generation")
+    actor = tuple(x for x in names if role_of(x) == "actor")
+    others = tuple(x for x in names if role_of(x) != "actor")
+    rest = tuple(x for x in names if x != ACTOR_GENERATION)
     for first in split_sizes(n, per_node):
         a = n - first
         if others:
             out.append(Placement(f"split-actor-{a}", (("others", 0, first, others), ("actor", first, a, actor))))
-        generation = ("generation", first, a, ("actor/generation",))
+        generation = ("generation", first, a, (ACTOR_GENERATION,))
         out.append(Placement(f"split-generation-{a}", (("rest", 0, first, rest), generation)))
     return out
 
@@ -204,7 +214,7 @@ class _Problem:
     def sync_time(self, chosen: Sequence[Option]) -> float:
         """Weight-sync time; `chosen` must cover actor/training and the sync targets."""
         index = {name: i for i, name in enumerate(self.names)}
-        train = index["actor/training"]
+        train = index[ACTOR_TRAINING]
         return max(
             (
                 self.sync(chosen[train], chosen[index[d]], self.pool_start[train], self.pool_start[index[d]])
@@ -251,7 +261,7 @@ def _sync_function(request: PlanRequest) -> Callable[[Option, Option, int, int],
 def _order(names: list[str]) -> list[str]:
     """Search order: training first (large, memory-hungry: it prunes most), then the
     weight-sync targets (so the sync cost is known early), then the rest."""
-    first = [n for n in ("actor/training", "critic/training", *ACTOR_SYNC_TARGETS) if n in names]
+    first = [n for n in (ACTOR_TRAINING, CRITIC_TRAINING, *ACTOR_SYNC_TARGETS) if n in names]
     return first + [n for n in names if n not in first]
 
 
@@ -276,13 +286,13 @@ def compile_problem(
             options.append(sorted(tables[key].options))
             continue
         if key not in cache:
-            cache[key] = _pareto(tables[key].options, budget, by_layout=name.startswith("actor/"))
+            cache[key] = _pareto(tables[key].options, budget, by_layout=role_of(name) == "actor")
         options.append(cache[key])
     return _Problem(
         placement,
         names,
         [pool_index[n][0] for n in names],
-        [STAGES.index(n.split("/")[1]) for n in names],
+        [stage_order(n) for n in names],
         options,
         budget,
         [start_of[n] for n in names],
@@ -342,7 +352,7 @@ def _placement_bound(placement: Placement, fastest: dict[tuple[str, int], float]
     phases = [[0.0] * len(placement.pools) for _ in STAGES]
     for p, (_, _, size, stages) in enumerate(placement.pools):
         for name in stages:
-            phases[STAGES.index(name.split("/")[1])][p] += fastest[name, size]
+            phases[stage_order(name)][p] += fastest[name, size]
     return sum(max(row) for row in phases)
 
 
@@ -377,7 +387,7 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
         resident[problem.pool_of[i]] += min_res[i]
     phase_max = [problem.phase_time(row) for row in sums]  # with serial pools: the phase's sum
     transient = [0.0] * num_pools
-    last_sync = max(i for i, name in enumerate(problem.names) if name == "actor/training" or name in ACTOR_SYNC_TARGETS)
+    last_sync = max(i for i, name in enumerate(problem.names) if name == ACTOR_TRAINING or name in ACTOR_SYNC_TARGETS)
     chosen: list[Option] = []
     leaves = 0
     by_growth = [_fastest_by_growth(opts, min_res[j]) for j, opts in enumerate(problem.options)]

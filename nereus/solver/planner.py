@@ -20,7 +20,7 @@ from nereus.solver.plan_search import (
 )
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, Pool, StagePlan
-from nereus.spec.stages import model_stage
+from nereus.spec.stages import is_trained, model_stage
 from nereus.spec.workload import model_stages
 
 #: The largest GPU count probed when looking for the smallest one that fits.
@@ -47,7 +47,7 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
     for name, pool, start, tp, pp, dp, micro_batches, choice in iter_assignments(candidate):
         emu_size = tp * pp
         kv, recompute, token_budget, zero1, offload, full_shard = choice
-        training = name.endswith("/training")
+        training = is_trained(name)
         emus = [list(range(start + k * emu_size, start + (k + 1) * emu_size)) for k in range(dp)]
         entries[name] = StagePlan(
             model_stage=name,  # type: ignore[arg-type]

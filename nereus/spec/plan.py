@@ -9,7 +9,7 @@ from pydantic import Field, NonNegativeFloat, NonNegativeInt, model_validator
 from nereus.spec.base import Document, StrictModel
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
-from nereus.spec.stages import ModelStageName, Role, Stage
+from nereus.spec.stages import ModelStageName, Role, Stage, role_of, stage_of
 from nereus.spec.workload import Workload
 
 
@@ -61,7 +61,7 @@ class StagePlan(StrictModel):
 
     @model_validator(mode="after")
     def _choices_fit_the_stage(self) -> StagePlan:
-        stage = self.model_stage.split("/")[1]
+        stage = stage_of(self.model_stage)
         if stage != "training":
             for name in ("token_budget", "zero1"):
                 if getattr(self, name) is not None:
@@ -76,11 +76,11 @@ class StagePlan(StrictModel):
 
     @property
     def role(self) -> Role:
-        return self.model_stage.split("/")[0]  # type: ignore[return-value]
+        return role_of(self.model_stage)
 
     @property
     def stage(self) -> Stage:
-        return self.model_stage.split("/")[1]  # type: ignore[return-value]
+        return stage_of(self.model_stage)
 
     @property
     def gpus(self) -> list[int]:

@@ -33,6 +33,7 @@ from typing import Any
 from nereus.errors import NereusError
 from nereus.spec.io import read_utf8
 from nereus.spec.run_config import RunConfig
+from nereus.spec.stages import ModelStageName, Phase, model_stage_entries, phase_entries
 
 CONFIG_NAME = "config.yaml"
 PLAN_NAME = "plan.yaml"
@@ -95,8 +96,26 @@ def timeline_files(out: Path) -> list[Path]:
 FIRST_PLAN = 0
 
 
+class StepTimes:
+    """A step record's times, one mapping on disk (`stage_seconds`), read apart by kind: the
+    model-stages' and the phases' (`nereus.spec.stages`)."""
+
+    stage_seconds: dict[str, float]
+
+    @property
+    def model_stage_seconds(self) -> dict[ModelStageName, float]:
+        """Wall time per model-stage that ran (slowest rank)."""
+        return model_stage_entries(self.stage_seconds)
+
+    @property
+    def phase_seconds(self) -> dict[Phase, float]:
+        """Wall time per phase: the step's (`advantages`, `exchange`, `weight_sync`) and a plan
+        change before it (`transition` or `restart`)."""
+        return phase_entries(self.stage_seconds)
+
+
 @dataclass(frozen=True)
-class StepMetrics:
+class StepMetrics(StepTimes):
     """What one RL step measured (identical on every rank): one line of metrics.jsonl."""
 
     step: int
@@ -117,8 +136,9 @@ class StepMetrics:
     step_seconds: float
     """Wall time of the whole step (slowest rank)."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
-    """Wall time per model-stage (slowest rank), plus `advantages` and `weight_sync`; also
-    `transition` or `restart` when the plan changed before the step."""
+    """Wall time per model-stage (slowest rank), plus the phases `advantages`, `exchange` and
+    `weight_sync`; also `transition` or `restart` when the plan changed before the step (read
+    apart: `model_stage_seconds`, `phase_seconds`)."""
     state_bytes_per_rank: list[int] = field(default_factory=list)
     """Bytes of parameters, gradients and optimizer moments every rank's engines hold, by rank."""
     predicted_step_seconds: float | None = None
@@ -149,7 +169,7 @@ class StepMetrics:
 
 
 @dataclass(frozen=True)
-class StepRecord:
+class StepRecord(StepTimes):
     """The fields of a metrics.jsonl line that readers after the run (report, timeline) need;
     they accept files written by older releases or by hand, which lack the other fields."""
 

@@ -13,8 +13,9 @@ two apart (`Phase` below).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, TypeGuard, TypeVar, get_args
 
 Role = Literal["actor", "critic", "reference", "reward"]
 """A model's part in an RL step."""
@@ -34,16 +35,19 @@ ModelStageName = Literal[
 ]
 """A model-stage: `role/stage`, in the order a step runs them (see `workload.model_stages`)."""
 
-Phase = Literal["exchange", "weight_sync", "transition"]
-"""A part of a step that is not one model-stage's work: rows moving between model-stages
-(`exchange`), trained weights reaching their targets (`weight_sync`), a live layout change
-(`transition`)."""
+Phase = Literal["advantages", "exchange", "weight_sync", "transition", "restart"]
+"""A part of a step that is not one model-stage's work: computing advantages and returns
+(`advantages`), rows moving between model-stages (`exchange`), trained weights reaching their
+targets (`weight_sync`); and the plan changes before a step: a live layout change
+(`transition`) or a restart under the new plan (`restart`)."""
 
 ROLES: tuple[Role, ...] = get_args(Role)
 STAGES: tuple[Stage, ...] = get_args(Stage)
 MODEL_STAGES: tuple[ModelStageName, ...] = get_args(ModelStageName)
 """Every model-stage, in the order a step runs them."""
 PHASES: tuple[Phase, ...] = get_args(Phase)
+#: The phases that are plan changes before a step, not part of it.
+PLAN_CHANGES: tuple[Phase, ...] = ("transition", "restart")
 
 ACTOR_GENERATION: ModelStageName = "actor/generation"
 ACTOR_INFERENCE: ModelStageName = "actor/inference"
@@ -86,14 +90,40 @@ ROLE_INFO: dict[Role, RoleInfo] = {
 
 #: Short labels of the stages and of the phases.
 STAGE_LABELS: dict[Stage, str] = {"generation": "gen", "inference": "inf", "training": "train"}
-PHASE_LABELS: dict[Phase, str] = {"exchange": "xchg", "weight_sync": "sync", "transition": "transition"}
+PHASE_LABELS: dict[Phase, str] = {
+    "advantages": "adv",
+    "exchange": "xchg",
+    "weight_sync": "sync",
+    "transition": "transition",
+    "restart": "restart",
+}
 
+_STAGE_ORDER: dict[str, int] = {stage: number for number, stage in enumerate(STAGES)}
 _PARTS: dict[str, tuple[Role, Stage]] = {name: tuple(name.split("/")) for name in MODEL_STAGES}  # type: ignore[misc]
 
 
-def is_model_stage(name: str) -> bool:
+def is_model_stage(name: str) -> TypeGuard[ModelStageName]:
     """Whether `name` is one of the seven model-stages (not a phase or anything else)."""
     return name in _PARTS
+
+
+def is_phase(name: str) -> TypeGuard[Phase]:
+    """Whether `name` is one of the phases."""
+    return name in PHASES
+
+
+V = TypeVar("V")
+
+
+def model_stage_entries(values: Mapping[str, V]) -> dict[ModelStageName, V]:
+    """The entries of `values` keyed by a model-stage (a step record's times mix model-stages
+    and phases under one mapping), in `values`' order."""
+    return {name: value for name, value in values.items() if is_model_stage(name)}
+
+
+def phase_entries(values: Mapping[str, V]) -> dict[Phase, V]:
+    """The entries of `values` keyed by a phase, in `values`' order."""
+    return {name: value for name, value in values.items() if is_phase(name)}
 
 
 def split(name: str) -> tuple[Role, Stage]:
@@ -114,6 +144,13 @@ def stage_of(name: str) -> Stage:
     return split(name)[1]
 
 
+def stage_order(name: str) -> int:
+    """Where `name`'s stage comes in a step: its stage's index in `STAGES` (generation 0,
+    inference 1, training 2). `name` is a model-stage or any `role/stage` name: the transition
+    solver moves replicas of whatever model it is given (its tests name them `x/training`)."""
+    return _STAGE_ORDER[name.rpartition("/")[2]]
+
+
 def model_stage(role: str, stage: str) -> ModelStageName:
     """The model-stage of `role` in `stage`; a ValueError for a pair that is none."""
     for name, parts in _PARTS.items():
@@ -130,6 +167,10 @@ def head_of(role: str) -> Head:
 def is_trained(name: str) -> bool:
     """Whether model-stage `name` trains (its stage is `training`)."""
     return stage_of(name) == "training"
+
+
+#: The model-stages that train, in step order.
+TRAINED_STAGES: tuple[ModelStageName, ...] = tuple(name for name in MODEL_STAGES if is_trained(name))
 
 
 def training_stage(role: str) -> ModelStageName:

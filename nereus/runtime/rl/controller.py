@@ -52,6 +52,7 @@ from nereus.solver.policy import (
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import DECISIONS_NAME
+from nereus.spec.stages import is_model_stage, role_of
 from nereus.spec.trace import Conditions, Trace, trace_conditions
 from nereus.spec.workload import ResponseLengths
 
@@ -157,7 +158,7 @@ class Predictor:
         # match; nor has actor/inference where training gives the old log-probs.
         if name in idle_model_stages(plan, plan.fusion):
             return False
-        return "/" not in name or self.config.runs_engine(name.split("/")[0])
+        return not is_model_stage(name) or self.config.runs_engine(role_of(name))
 
 
 def prediction_fields(predicted: dict[str, float]) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from nereus.runtime.rl.rollout import generate_responses
 from nereus.runtime.rl.run_data import StepInputs
 from nereus.runtime.rl.stages import ModelStageRuntime
 from nereus.spec.run_config import RLConfig
+from nereus.spec.stages import ACTOR_GENERATION
 
 
 def eval_due(inputs: StepInputs, step: int, num_steps: int) -> bool:
@@ -22,6 +23,6 @@ def evaluate(stages: dict[str, ModelStageRuntime], inputs: StepInputs, config: R
     tokenizer = inputs.tokenizer
     eos = tokenizer.eos_id if config.stop_at_eos else None
     sampling = SamplingConfig(config.max_new_tokens, 0.0, eos_token_id=eos, pad_token_id=tokenizer.pad_id)
-    responses = generate_responses(stages["actor/generation"], [list(p.ids) for p in prompts], sampling)
+    responses = generate_responses(stages[ACTOR_GENERATION], [list(p.ids) for p in prompts], sampling)
     scores = inputs.scorer.score_all(prompts, responses)
     return sum(scores) / len(scores)

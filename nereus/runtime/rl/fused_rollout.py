@@ -45,7 +45,7 @@ from nereus.runtime.rl.scoring import replica_infer
 from nereus.runtime.rl.stages import ModelStageRuntime, leads, rollout_batch
 from nereus.runtime.rl.timing import timed
 from nereus.runtime.state.sharded_state import even_split
-from nereus.spec.stages import INFERENCE_OUTPUTS, INFERENCE_STAGES, InferenceOutput, ModelStageName
+from nereus.spec.stages import ACTOR_GENERATION, INFERENCE_OUTPUTS, INFERENCE_STAGES, InferenceOutput, ModelStageName
 
 #: What a `RolloutEvent` records.
 EVENT_KINDS = (
@@ -360,7 +360,7 @@ def fused_rollout(
     if mechanism not in (None, "kv-transfer", "recompute"):
         raise ValueError(f"mechanism must be kv-transfer, recompute or None (the cost model picks), got {mechanism!r}")
     recorder = _Recorder()
-    generation = stages["actor/generation"]
+    generation = stages[ACTOR_GENERATION]
     layout = generation.layout
     caps = budgets if budgets is not None else [sampling.max_new_tokens] * len(prompts)
     shares = even_split(len(prompts), layout.dp)
@@ -400,7 +400,7 @@ def fused_rollout(
         if planned is not None:
             signal.announce(rank)
     recorder.note("generation_end")
-    seconds["actor/generation"] = seconds.get("actor/generation", 0.0) + time.perf_counter() - start
+    seconds[ACTOR_GENERATION] = seconds.get(ACTOR_GENERATION, 0.0) + time.perf_counter() - start
     parts: list[tuple[str, list[int], torch.Tensor, int]] = []
     early = _early_inference(stages, busy, finished, prompts, signal, recorder, parts, seconds)
     with timed(seconds, "exchange"):

@@ -16,7 +16,7 @@ from nereus.errors import NereusError
 from nereus.solver.migration import GenerationProfile, generation_profile, sweep_thresholds
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
-from nereus.spec.stages import INFERENCE_STAGES
+from nereus.spec.stages import ACTOR_GENERATION, INFERENCE_STAGES, role_of
 
 
 def effective_fusion(plan: Plan, run_fusion: Fusion | None) -> Fusion:
@@ -36,9 +36,9 @@ def inter_stage_problems(plan: Plan, fusion: Fusion, config: RLConfig) -> list[s
     if not fusion.inter_stage:
         return []
     names = {entry.model_stage for entry in plan.stages}
-    if "actor/generation" not in names:
+    if ACTOR_GENERATION not in names:
         return ["the plan has no actor/generation stage"]
-    generation = plan.stage_plan("actor/generation")
+    generation = plan.stage_plan(ACTOR_GENERATION)
     if generation.dp < 2:
         return [
             f"needs actor/generation dp >= 2 to migrate the long tail to fewer replicas (the plan has dp="
@@ -49,11 +49,11 @@ def inter_stage_problems(plan: Plan, fusion: Fusion, config: RLConfig) -> list[s
         name
         for name in INFERENCE_STAGES
         if name in names
-        and config.runs_engine(name.split("/")[0])
+        and config.runs_engine(role_of(name))
         # Some replica avoids each generation replica: whichever replica keeps the tail, one can start early.
         and all(
             any(not ranks & busy for ranks in _ranks_by_replica(plan, name))
-            for busy in _ranks_by_replica(plan, "actor/generation")
+            for busy in _ranks_by_replica(plan, ACTOR_GENERATION)
         )
     ]
     if not early:

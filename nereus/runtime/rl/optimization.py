@@ -17,9 +17,7 @@ from nereus.runtime.model.fused_pipeline import FusedPart, OpTiming, fused_forwa
 from nereus.runtime.model.grad_norm import clip_grad_norm
 from nereus.spec.run_config import RLConfig
 from nereus.spec.schedule import Schedule
-
-#: The model-stages an RL step trains, and the RLConfig field of each one's peak learning rate.
-PEAK_LR_FIELDS = {"actor/training": "actor_lr", "critic/training": "critic_lr"}
+from nereus.spec.stages import ROLE_INFO, TRAINED_STAGES, role_of
 
 
 def learning_rate(config: RLConfig, peak: float, step: int) -> float:
@@ -58,8 +56,10 @@ class UpdateRule:
 def update_rules(config: RLConfig, step: int, model_stages: Sequence[str]) -> dict[str, UpdateRule]:
     """The update rule of every trained model-stage among `model_stages` at RL step `step`."""
     return {
-        name: UpdateRule(learning_rate(config, getattr(config, field), step), config.grad_clip)
-        for name, field in PEAK_LR_FIELDS.items()
+        name: UpdateRule(
+            learning_rate(config, getattr(config, ROLE_INFO[role_of(name)].lr_field), step), config.grad_clip
+        )
+        for name in TRAINED_STAGES
         if name in model_stages
     }
 

@@ -16,6 +16,7 @@ from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, loc
 from nereus.runtime.rl.timing import timed
 from nereus.runtime.state.sharded_state import even_split
 from nereus.spec.plan import Fusion, Plan
+from nereus.spec.stages import ACTOR_GENERATION
 
 
 def rollout(
@@ -32,18 +33,18 @@ def rollout(
     events on this rank are appended to `events`. ReMax also generates greedily (its baseline).
     A rank with no part in generation first runs `idle`."""
     inferred = None
-    generation = stages["actor/generation"]
+    generation = stages[ACTOR_GENERATION]
     budget = kv_budget(plan, stages)
     if fusion.inter_stage:
         fused = fused_rollout(stages, prompts, sampling, migration_settings(plan, fusion), seconds, kv_budget=budget)
         responses, inferred = fused.responses, fused.inferred
         events.extend(fused.events)
     else:
-        with timed(seconds, "actor/generation"):
+        with timed(seconds, ACTOR_GENERATION):
             responses = generate_responses(generation, prompts, sampling, idle=idle, kv_budget=budget)
     greedy = greedy_batch = None
     if plan.workload.algorithm == "remax":
-        with timed(seconds, "actor/generation"):
+        with timed(seconds, ACTOR_GENERATION):
             greedy_sampling = dataclasses.replace(sampling, temperature=0.0)
             greedy = generate_responses(generation, prompts, greedy_sampling, kv_budget=budget)
         greedy_batch = rollout_batch(prompts, greedy, sampling.pad_token_id)
@@ -81,5 +82,5 @@ def kv_budget(plan: Plan, stages: dict[str, ModelStageRuntime]) -> KVBudget:
     """The generation replicas' KV pool on this rank: the plan's `kv_budget_bytes` (None: room
     for every sample), within the rank's memory (CUDA: the device's free memory; CPU: the
     cluster's per-GPU memory less the engine states resident on this rank)."""
-    entry = stages["actor/generation"].plan
+    entry = stages[ACTOR_GENERATION].plan
     return KVBudget(entry.kv_budget_bytes, plan.cluster.gpu.memory_bytes, local_state_bytes(stages))

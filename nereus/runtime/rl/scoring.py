@@ -16,7 +16,14 @@ from nereus.runtime.rl.objectives import align_to_tokens, values_to_tokens
 from nereus.runtime.rl.rewards import Scorer
 from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of
 from nereus.runtime.rl.timing import timed
-from nereus.spec.stages import INFERENCE_OUTPUTS, InferenceOutput
+from nereus.spec.stages import (
+    ACTOR_INFERENCE,
+    CRITIC_INFERENCE,
+    INFERENCE_OUTPUTS,
+    REFERENCE_INFERENCE,
+    REWARD_INFERENCE,
+    InferenceOutput,
+)
 
 
 @dataclass(frozen=True)
@@ -51,17 +58,17 @@ def score(
     inferred = rollout.inferred
     if inferred is None:
         inferred = run_inference({name: stage for name, stage in stages.items() if name not in skip}, batch, seconds)
-    with timed(seconds, "reward/inference"):
+    with timed(seconds, REWARD_INFERENCE):
         rule_scores = score_all(scorer, problems, rollout.responses)
-        reward_values = inferred.get("reward/inference")
+        reward_values = inferred.get(REWARD_INFERENCE)
         scores = rule_scores if reward_values is None else scores_from_values(reward_values, batch)
-    old_values = inferred["critic/inference"] * mask if "critic/inference" in inferred else None
+    old_values = inferred[CRITIC_INFERENCE] * mask if CRITIC_INFERENCE in inferred else None
     return Scored(
         mask,
         scores,
         rule_scores,
-        old_log_probs=inferred["actor/inference"] * mask if "actor/inference" in inferred else None,
-        ref_log_probs=inferred["reference/inference"] * mask,
+        old_log_probs=inferred[ACTOR_INFERENCE] * mask if ACTOR_INFERENCE in inferred else None,
+        ref_log_probs=inferred[REFERENCE_INFERENCE] * mask,
         old_values=old_values,
     )
 
@@ -116,7 +123,7 @@ def reward_of(
     responses: list[list[int]],
 ) -> torch.Tensor:
     """[batch] rewards: the reward model's scores when the run has one, else the scorer's."""
-    reward_model = stages.get("reward/inference")
+    reward_model = stages.get(REWARD_INFERENCE)
     return score_all(scorer, problems, responses) if reward_model is None else model_scores(reward_model, batch)
 
 

@@ -201,9 +201,9 @@ def state_bytes_by_rank(plan: Plan, config: RLConfig) -> dict[int, int]:
     """Bytes of engine state every rank holds under `plan`, summed over its model-stages:
     parameters in the workload's dtype, and in training the gradients (same dtype), the fp32
     masters of 16-bit weights and both fp32 AdamW moments (their ZeRO-1 rows when sharded)."""
-    from nereus.cost.plan_cost import head_of
     from nereus.runtime.state.shard_layout import layout_problem, stage_layout
     from nereus.runtime.state.sharded_state import keeps_masters, stage_dp_sharded, state_dtypes, state_meta
+    from nereus.spec.stages import head_of
 
     held: dict[int, int] = {}
     workload = plan.workload

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nereus.cost.plan_cost import head_of
 from nereus.runtime.comm import collectives
 from nereus.runtime.hf.names import OPTIONAL
 from nereus.runtime.model.adamw import AdamWConfig, stage_precision
@@ -34,7 +33,7 @@ from nereus.runtime.state.sharded_state import (
 from nereus.spec.model import Head, Model
 from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.run_config import RLConfig
-from nereus.spec.stages import Role
+from nereus.spec.stages import ROLE_INFO, Role, head_of
 
 
 @dataclass
@@ -69,9 +68,9 @@ def build_stages(plan: Plan, config: RLConfig) -> dict[str, ModelStageRuntime]:
         role: Role = entry.role
         if not config.runs_engine(role):
             continue
-        lr = {"critic": config.critic_lr, "reward": config.reward_model_lr}.get(role, config.actor_lr)
-        # The reward model starts from its own weights, not the critic's.
-        seed = config.seed + 1 if role == "reward" else config.seed
+        info = ROLE_INFO[role]
+        lr = getattr(config, info.lr_field)
+        seed = config.seed + info.seed_offset
         # Weights a Hugging Face folder provides are read into the engine, not seeded first.
         init_only = OPTIONAL if plan.weights is not None and role in plan.weights else None
         precision = stage_precision(plan.workload, entry.stage, config.grad_reduce_dtype)

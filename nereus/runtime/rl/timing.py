@@ -18,6 +18,7 @@ from nereus.runtime.model.fused_pipeline import OpTiming
 from nereus.runtime.observe import timeline
 from nereus.runtime.observe.memory import PeakTracker
 from nereus.runtime.rl.stages import ModelStageRuntime, local_state_bytes
+from nereus.spec.stages import ModelStageName, Phase, is_model_stage
 
 if TYPE_CHECKING:
     from nereus.runtime.rl.fused_rollout import RolloutEvent
@@ -38,12 +39,12 @@ def tracker_of(seconds: dict[str, float]) -> PeakTracker | None:
 
 
 @contextmanager
-def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
+def timed(seconds: dict[str, float], name: ModelStageName | Phase) -> Iterator[None]:
     """Add the block's wall time to `seconds[name]` and record it on the run's timeline; a
-    model-stage's block (`role/stage`) is also a memory segment of the tracker `seconds`
+    model-stage's block (not a phase's) is also a memory segment of the tracker `seconds`
     carries (`StepSeconds`)."""
     start, wall_start = time.perf_counter(), time.time()
-    is_stage = "/" in name
+    is_stage = is_model_stage(name)
     # Only model-stages' peaks are reported; a phase's peak still reaches the step's peak
     # at the next reading (the high-water mark holds it), so a phase takes no reading: each
     # costs a /proc read and write on CPU.
@@ -99,7 +100,9 @@ def step_totals(seconds: dict[str, float], names: list[str], stages: dict[str, M
     table = gather_numbers([*times, *stage_peaks, float(local_state_bytes(stages)), float(step_peak)])
     count = len(names)
     slowest = table[:, :count].max(dim=0).values.tolist()
-    by_stage = {n: [int(v) for v in table[:, count + i].tolist()] for i, n in enumerate(names) if "/" in n}
+    by_stage: dict[str, list[int]] = {
+        n: [int(v) for v in table[:, count + i].tolist()] for i, n in enumerate(names) if is_model_stage(n)
+    }
     return StepTotals(
         dict(zip(names, slowest, strict=True)),
         [int(held) for held in table[:, -2].tolist()],

@@ -40,11 +40,8 @@ from nereus.runtime.state.reshard_plan import ReshardPlan, plan_reshard
 from nereus.runtime.state.sharded_state import StateMeta, even_split, state_meta
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
-from nereus.spec.stages import WEIGHT_SYNCS
+from nereus.spec.stages import ACTOR_INFERENCE, ACTOR_TRAINING, CRITIC_TRAINING, WEIGHT_SYNCS
 from nereus.spec.workload import Workload
-
-#: The model-stages a step trains.
-ACTOR, CRITIC = "actor/training", "critic/training"
 
 #: A weight sync: the source model-stage, the target and the resharding plan between them.
 WeightSync = tuple[ModelStageRuntime, ModelStageRuntime, ReshardPlan]
@@ -125,14 +122,14 @@ def run_training(
         fields["row_index"] = torch.arange(batch.num_rows)
     else:
         fields["old_log_probs"] = scored.old_log_probs
-    actor = stages["actor/training"]
+    actor = stages[ACTOR_TRAINING]
     kl_loss_coef = 0.0 if workload.algorithm == "ppo" else config.kl_loss_coef
     tp = actor.engine.groups.tp if actor.engine is not None else TensorParallel.single()
     objective = PolicyObjective(
         config.clip_eps, kl_loss_coef, config.entropy_coef, tp, config.loss_agg_mode, current_as_old
     )
     actor_batch = Batch(batch.tokens, batch.attention_mask, {**batch.fields, **fields})
-    critic = stages.get("critic/training")
+    critic = stages.get(CRITIC_TRAINING)
     critic_losses = None
     if critic is not None:
         assert scored.old_values is not None and returns is not None, "a critic is trained under ppo only"
@@ -145,29 +142,33 @@ def run_training(
         critic_job = (critic, critic_batch, value_objective)
         actor_losses, critic_losses = fused_training(plan, actor_job, critic_job, seconds, op_timings, rules, norms)
     else:
-        with timed(seconds, "actor/training"):
+        with timed(seconds, ACTOR_TRAINING):
             actor_losses = local_train(
-                actor, actor_batch, objective, workload.mini_batches, workload.ppo_epochs, rules[ACTOR], norms
+                actor, actor_batch, objective, workload.mini_batches, workload.ppo_epochs, rules[ACTOR_TRAINING], norms
             )
         if critic is not None:
-            with timed(seconds, "critic/training"):
+            with timed(seconds, CRITIC_TRAINING):
                 critic_losses = local_train(
                     critic, critic_batch, value_objective, workload.mini_batches, workload.ppo_epochs,
-                    rules[CRITIC], norms,
+                    rules[CRITIC_TRAINING], norms,
                 )  # fmt: skip
     with timed(seconds, "exchange"):
-        trained = {ACTOR: actor}
-        actor_means = (mean_loss(actor_losses), mean_loss(norms.get(ACTOR, [])), replica_share(actor, current_as_old))
-        losses = {ACTOR: actor_means}
+        trained: dict[str, ModelStageRuntime] = {ACTOR_TRAINING: actor}
+        actor_means = (
+            mean_loss(actor_losses),
+            mean_loss(norms.get(ACTOR_TRAINING, [])),
+            replica_share(actor, current_as_old),
+        )
+        losses: dict[str, tuple[float, float, torch.Tensor | None]] = {ACTOR_TRAINING: actor_means}
         if critic is not None and critic_losses is not None:
-            critic_means = (mean_loss(critic_losses), mean_loss(norms.get(CRITIC, [])), None)
-            trained[CRITIC], losses[CRITIC] = critic, critic_means
+            critic_means = (mean_loss(critic_losses), mean_loss(norms.get(CRITIC_TRAINING, [])), None)
+            trained[CRITIC_TRAINING], losses[CRITIC_TRAINING] = critic, critic_means
         gathered = by_replica_of(trained, losses)
         # Every replica reports the global batch's loss and the global norm; take the first.
         means = {name: values[0][:2] for name, values in gathered.items()}
     grad_norms.update({name: norm for name, (_, norm) in means.items()})
-    old_log_probs = None if current_as_old is None else torch.cat([share for *_, share in gathered[ACTOR]])
-    return (means[ACTOR][0], means[CRITIC][0] if CRITIC in means else None), old_log_probs
+    old_log_probs = None if current_as_old is None else torch.cat([share for *_, share in gathered[ACTOR_TRAINING]])
+    return (means[ACTOR_TRAINING][0], means[CRITIC_TRAINING][0] if CRITIC_TRAINING in means else None), old_log_probs
 
 
 def replica_share(stage: ModelStageRuntime, rows: torch.Tensor | None) -> torch.Tensor | None:
@@ -181,7 +182,7 @@ def replica_share(stage: ModelStageRuntime, rows: torch.Tensor | None) -> torch.
 def idle_model_stages(plan: Plan, fusion: Fusion) -> tuple[str, ...]:
     """Model-stages with an engine that a step does not run: actor/inference where the
     training forward gives the old log-probs (`old_log_probs_from_training`)."""
-    return ("actor/inference",) if old_log_probs_from_training(plan, fusion) else ()
+    return (ACTOR_INFERENCE,) if old_log_probs_from_training(plan, fusion) else ()
 
 
 def old_log_probs_from_training(plan: Plan, fusion: Fusion) -> bool:
@@ -196,7 +197,7 @@ def old_log_probs_from_training(plan: Plan, fusion: Fusion) -> bool:
         workload.algorithm != "ppo"
         and workload.ppo_epochs == workload.mini_batches == 1
         and not fusion.inter_stage
-        and plan.stage_plan(ACTOR).pp == 1
+        and plan.stage_plan(ACTOR_TRAINING).pp == 1
     )
 
 
@@ -265,7 +266,7 @@ def fused_training(
     critic_losses: list[float] = []
     # Searched once per plan (cached), outside the timed phase.
     schedule = fused_schedule(plan) if actor.engine is not None else None
-    with timed(seconds, "actor/training"), timed(seconds, "critic/training"):
+    with timed(seconds, ACTOR_TRAINING), timed(seconds, CRITIC_TRAINING):
         if schedule is not None:
             assert actor.engine is not None and critic.engine is not None, "fusion trains both on the same ranks"
             mini_batches = even_split(actor_batch.num_rows, workload.mini_batches)
@@ -274,14 +275,14 @@ def fused_training(
                     FusedPart("actor", actor.engine, actor_batch.rows(start, stop), actor_objective),
                     FusedPart("critic", critic.engine, critic_batch.rows(start, stop), critic_objective),
                 ]
-                part_rules = {"actor": rules[ACTOR], "critic": rules[CRITIC]}
+                part_rules = {"actor": rules[ACTOR_TRAINING], "critic": rules[CRITIC_TRAINING]}
                 (actor_loss, critic_loss), timings, (actor_norm, critic_norm) = fused_update(
                     parts, schedule, part_rules
                 )
                 actor_losses.append(actor_loss)
                 critic_losses.append(critic_loss)
-                norms.setdefault(ACTOR, []).append(actor_norm)
-                norms.setdefault(CRITIC, []).append(critic_norm)
+                norms.setdefault(ACTOR_TRAINING, []).append(actor_norm)
+                norms.setdefault(CRITIC_TRAINING, []).append(critic_norm)
                 if op_timings is not None:
                     op_timings.extend(dataclasses.replace(timing, update=update) for timing in timings)
     return actor_losses, critic_losses

@@ -20,6 +20,7 @@ from nereus.runtime.rl.stages import ModelStageRuntime, engine_state, rollout_ba
 from nereus.runtime.rl.tasks import CharTokenizer, Task, encode_prompt, sample_problems
 from nereus.runtime.rl.update import WeightSync, sync_weights, weight_sync
 from nereus.spec.run_config import RLConfig
+from nereus.spec.stages import ACTOR_TRAINING, REFERENCE_INFERENCE
 
 
 def demonstrations(task: Task, tokenizer: CharTokenizer, num_rows: int, seed: int) -> Batch:
@@ -38,7 +39,7 @@ def demonstration_seed(seed: int, step: int) -> int:
 def warm_start(stages: dict[str, ModelStageRuntime], config: RLConfig, task: Task, syncs: list[WeightSync]) -> None:
     """`config.sft_steps` supervised steps of the actor, then its weights into the reference
     and the engines of `syncs` (collective over the world)."""
-    actor = stages["actor/training"]
+    actor = stages[ACTOR_TRAINING]
     engine, tokenizer = actor.engine, CharTokenizer()
     rule = UpdateRule(config.sft_lr, config.grad_clip)
     losses = []
@@ -52,5 +53,5 @@ def warm_start(stages: dict[str, ModelStageRuntime], config: RLConfig, task: Tas
             # RL starts with fresh AdamW moments and step count, as from an SFT checkpoint.
             engine.load_local_state(engine_state(engine, ("param",)), 0)
         late.update(first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None)
-        extra = [weight_sync(actor, stages[name]) for name in ("reference/inference",) if name in stages]
+        extra = [weight_sync(actor, stages[name]) for name in (REFERENCE_INFERENCE,) if name in stages]
         sync_weights(syncs + extra)

@@ -21,7 +21,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nereus.cost.plan_cost import head_of
 from nereus.runtime.observe import timeline
 from nereus.runtime.state.reshard import execute
 from nereus.runtime.state.reshard_plan import plan_reshard
@@ -30,6 +29,7 @@ from nereus.runtime.state.sharded_state import StateMeta, state_dtypes, state_me
 from nereus.solver.transition.primitives import Emu, Primitive
 from nereus.solver.transition.schedule import plan_emus
 from nereus.spec.plan import Plan
+from nereus.spec.stages import head_of
 
 if TYPE_CHECKING:
     import torch

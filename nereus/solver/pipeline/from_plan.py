@@ -30,6 +30,7 @@ from nereus.cost.plan_cost import RESIDENT_TERMS, stage_cost_model, usable_memor
 from nereus.errors import NereusError
 from nereus.solver.pipeline.model import ModelTimes
 from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.stages import ACTOR_TRAINING, CRITIC_TRAINING
 
 GIB = 2**30
 
@@ -87,7 +88,7 @@ def _grouped(
 def plan_pipelines(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) -> PlanPipelines:
     """Actor and critic pipelines of one actor replica's share of a mini-batch."""
     try:
-        actor, critic = plan.stage_plan("actor/training"), plan.stage_plan("critic/training")
+        actor, critic = plan.stage_plan(ACTOR_TRAINING), plan.stage_plan(CRITIC_TRAINING)
     except KeyError as exc:
         raise NereusError(
             f"the plan has no {exc.args[0]} entry; schedule fuse needs a PPO plan with a critic"

@@ -24,10 +24,10 @@ from nereus.solver.transition.check import check_result
 from nereus.solver.transition.schedule import held_bytes
 from nereus.spec.check import plan_problems
 from nereus.spec.plan import Plan, Pool, StagePlan
+from nereus.spec.stages import label
 from nereus.spec.workload import ResponseLengths, Workload
 
 PlanKey = tuple[object, ...]
-SHORT_STAGE = {"generation": "gen", "inference": "inf", "training": "train"}
 #: Share of a GPU's memory a refit's KV budget stays below the usable limit (rounding slack).
 SMALLER_WAVES_MARGIN = 0.001
 
@@ -54,7 +54,7 @@ def plan_key(plan: Plan) -> PlanKey:
 def layout_summary(plan: Plan) -> str:
     """One short line: GPUs used and each model-stage's tp/pp/dp."""
     gpus = sum(len(p.gpus) for p in plan.pools)
-    parts = [f"{s.role[:3]}-{SHORT_STAGE[s.stage]} {s.tp}/{s.pp}/{s.dp}" for s in plan.stages]
+    parts = [f"{label(s.model_stage)} {s.tp}/{s.pp}/{s.dp}" for s in plan.stages]
     return f"{gpus} GPUs: " + ", ".join(parts)
 
 

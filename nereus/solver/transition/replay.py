@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from nereus.solver.transition.primitives import Primitive
-from nereus.spec.stages import STAGES
+from nereus.spec.stages import stage_order
 from nereus.units import format_bytes
 
 EPS = 1e-9
@@ -122,14 +122,9 @@ class Replay:
             held[gpu] -= nbytes
 
 
-_STAGE_INDEX: dict[str, int] = {}  # model-stage name -> index of its stage in STAGES
-
-
 def stage_index(primitive: Primitive) -> int:
-    index = _STAGE_INDEX.get(primitive.model_stage)
-    if index is None:
-        index = _STAGE_INDEX[primitive.model_stage] = STAGES.index(primitive.model_stage.split("/")[1])
-    return index
+    """Where the primitive's model-stage comes in a step (generation, inference, training)."""
+    return stage_order(primitive.model_stage)
 
 
 def release_first(primitive: Primitive) -> tuple[float, ...]:

@@ -23,7 +23,7 @@ from typing import Literal
 import numpy as np
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
-from nereus.cost.plan_cost import head_of, replica_state_bytes, resident_share, usable_memory
+from nereus.cost.plan_cost import replica_state_bytes, resident_share, usable_memory
 from nereus.solver.transition.local import STAR_ROUNDS, Replicas, replica_dag, stamp
 from nereus.solver.transition.order_search import GREEDY_TRIES, SEARCH_BUDGET, OrderSearch
 from nereus.solver.transition.pair import plan_pair
@@ -39,6 +39,7 @@ from nereus.solver.transition.replay import (
 from nereus.solver.transition.serial import improve_order, pilot_order, schedule_in_order, serial_schedule
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.stages import head_of
 from nereus.units import format_bytes
 
 
