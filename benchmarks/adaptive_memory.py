@@ -64,7 +64,7 @@ from adaptive_run import (
 from nereus.cost.calibration import Calibration
 from nereus.cost.fit import engineless_stages
 from nereus.runtime.generation.kv_cache import KVBudget, blocks_for, pool_blocks, replica_kv_bytes_per_token
-from nereus.runtime.rl.setup import state_bytes_by_rank
+from nereus.solver.admission import state_bytes_by_rank
 from nereus.solver.layouts import RUNTIME_CHOICES
 from nereus.solver.policy.replan import Replanner
 from nereus.spec.io import load_document

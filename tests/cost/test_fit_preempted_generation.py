@@ -17,7 +17,7 @@ from nereus.cost.continuous_batching import simulate_continuous_batching
 from nereus.cost.fit import STEP_KEY, fit_calibration, measured_plan, predict, read_run
 from nereus.cost.kv_pool import BLOCK_TOKENS, engine_budget
 from nereus.runtime.generation.kv_cache import KVBudget, blocks_for, pool_blocks, replica_kv_bytes_per_token
-from nereus.runtime.rl.setup import state_bytes_by_rank
+from nereus.solver.admission import state_bytes_by_rank
 from nereus.spec.io import load_document, save_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig, RunConfig

@@ -16,10 +16,11 @@ from repo_paths import EXAMPLES
 
 from nereus.cost.plan_cost import head_of
 from nereus.runtime.comm.dist import spawn
-from nereus.runtime.state.shard_layout import RankLayout, layout_problem
+from nereus.runtime.state.shard_layout import RankLayout
 from nereus.runtime.state.sharded_state import gather, random_rank_state, state_meta
 from nereus.runtime.state.transition_executor import execute_transition
 from nereus.solver.transition.schedule import build_transition
+from nereus.spec.check import layout_problem
 from nereus.spec.plan import Plan
 
 pytestmark = pytest.mark.one_rank
