@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-from nereus.spec.plan import StagePlan
+if TYPE_CHECKING:
+    from nereus.spec.plan import StagePlan
 
 MemoryChoice = Literal["recompute", "token_budget", "zero1", "offload", "kv_budget", "full_shard"]
 
