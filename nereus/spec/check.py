@@ -12,7 +12,7 @@ from nereus.spec.cluster import Cluster
 from nereus.spec.io import ParseError, document_from_data, field_marks, locate, parse_data, read_text
 from nereus.spec.model import Model
 from nereus.spec.plan import Plan, StagePlan
-from nereus.spec.registry import kind_of, semantic_problems
+from nereus.spec.registry import file_problems, kind_of, semantic_problems
 from nereus.spec.stages import model_stage
 from nereus.spec.workload import Workload, model_stages
 
@@ -323,10 +323,10 @@ def check_file(path: str | Path) -> CheckResult:
         ]
         return CheckResult(source, None, findings)
     marks = field_marks(text)
-    findings = [
-        _finding(source, p.format(source), p.severity, p.path, locate(p.path, marks))
-        for p in semantic_problems(document)
-    ]
+    problems = semantic_problems(document)
+    if not any(p.severity == "error" for p in problems):
+        problems += file_problems(document, Path(path))
+    findings = [_finding(source, p.format(source), p.severity, p.path, locate(p.path, marks)) for p in problems]
     return CheckResult(source, kind_of(document), findings)
 
 
