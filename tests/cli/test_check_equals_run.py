@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,3 +162,14 @@ def test_check_refuses_exactly_what_run_refuses(case: Case, tmp_path: Path, monk
     assert checked.exit_code in (0, 1) and "Traceback" not in checked.output, checked.output
     assert run == case.accepted, f"nereus run: {why or 'accepted'}"
     assert (checked.exit_code == 0) == run, f"nereus run: {why or 'accepted'}\nnereus check: {checked.output}"
+
+
+def test_checking_a_run_config_and_its_plan_imports_no_torch() -> None:
+    code = (
+        "import sys\n"
+        "from nereus.spec.check import check_file\n"
+        f"result = check_file({str(ROOT / 'examples' / 'run-ppo.yaml')!r})\n"
+        "print(result.ok, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["True", "False"]
