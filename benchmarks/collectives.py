@@ -1,11 +1,15 @@
-"""Benchmark: all-reduce and all-gather latency on 2 ranks of one host, shared memory against gloo.
+"""Benchmark: the collectives' two transports on 2 ranks of one host, shared memory against gloo.
 
-`nereus.runtime.comm.host_collectives` (what the engine's tensor parallelism, gradient all-reduce
-and the profiler use) against `torch.distributed` on the same gloo world, for messages of
-4 B to 4 MiB: each rank's mean seconds per call over a fixed wall budget, the slower rank
-reported, one thread per rank. Prints a table and writes benchmarks/results/collectives.json.
+For every operation of `nereus.runtime.comm.collectives` that has a shared-memory path
+(`host_collectives`: all-reduce, all-gather, broadcast, and the object all-gather and
+broadcast), that path against `torch.distributed` on the same gloo world, for messages of
+4 B to 256 KiB (tensors of that many bytes; objects pickling to about that many): per point,
+REPETITIONS timed loops of many calls, each loop's mean per call taken on the slower rank,
+their median reported (one loop can catch a descheduled rank), one thread per rank.
+`collectives.HOST_PATH_OPS` keeps the host path for the operations it wins. Prints a table and
+writes benchmarks/results/collectives.json.
 
-    .venv/bin/python benchmarks/collectives.py [--budget-s 0.5]
+    .venv/bin/python benchmarks/collectives.py [--budget-s 0.2]
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,20 +28,33 @@ import torch.distributed as dist
 from _record import begin, write_result
 
 from nereus.runtime.comm import host_collectives
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 
 RESULTS = Path(__file__).resolve().parent / "results" / "collectives.json"
-SIZES = (4, 1024, 32 * 1024, 256 * 1024, 4 * 1024 * 1024)
+SIZES = (4, 1024, 32 * 1024, 256 * 1024)
 NUM_RANKS = 2
+REPETITIONS = 3
+OPERATIONS = ("all_reduce", "all_gather", "broadcast", "all_gather_object", "broadcast_object_list")
 
 
-def calls(tensor: torch.Tensor) -> dict[str, Callable[[], None]]:
+def calls(size: int) -> dict[str, Callable[[], None]]:
+    """Per operation, its host-path call and its gloo call ("<op> host", "<op> gloo")."""
+    tensor = torch.ones(max(1, size // 4))
     parts = [torch.empty_like(tensor) for _ in range(NUM_RANKS)]
+    payload = b"x" * size
+    gathered: list[Any] = [None] * NUM_RANKS
+    shared: list[Any] = [payload]
     return {
         "all_reduce host": lambda: host_collectives.all_reduce(tensor),
         "all_reduce gloo": lambda: dist.all_reduce(tensor),
         "all_gather host": lambda: host_collectives.all_gather(parts, tensor),
         "all_gather gloo": lambda: dist.all_gather(parts, tensor),
+        "broadcast host": lambda: host_collectives.broadcast(tensor, 0),
+        "broadcast gloo": lambda: dist.broadcast(tensor, 0),
+        "all_gather_object host": lambda: host_collectives.all_gather_object(gathered, payload),
+        "all_gather_object gloo": lambda: dist.all_gather_object(gathered, payload),
+        "broadcast_object_list host": lambda: host_collectives.broadcast_object_list(shared, 0),
+        "broadcast_object_list gloo": lambda: dist.broadcast_object_list(shared, 0),
     }
 
 
@@ -56,31 +74,37 @@ def seconds_per_call(call: Callable[[], None], budget_s: float) -> float:
     return (time.perf_counter() - started) / repeats
 
 
-def _worker(rank: int, world: int, budget_s: float) -> dict[str, dict[int, float]]:
-    timings: dict[str, dict[int, float]] = {}
+def _worker(rank: int, world: int, budget_s: float) -> dict[str, dict[int, list[float]]]:
+    timings: dict[str, dict[int, list[float]]] = {}
     for size in SIZES:
-        tensor = torch.ones(max(1, size // 4))
-        for name, call in calls(tensor).items():
-            timings.setdefault(name, {})[size] = seconds_per_call(call, budget_s)
+        for name, call in calls(size).items():
+            timings.setdefault(name, {})[size] = [seconds_per_call(call, budget_s) for _ in range(REPETITIONS)]
     return timings
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget-s", type=float, default=0.5, help="wall seconds per (operation, size) point")
+    parser.add_argument("--budget-s", type=float, default=0.2, help="wall seconds per timed loop")
     parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON results go")
     args = parser.parse_args()
     recording = begin()
     load_before = os.getloadavg()[0]
     per_rank = spawn(_worker, NUM_RANKS, args.budget_s)
-    slowest = {name: {size: max(r[name][size] for r in per_rank) for size in SIZES} for name in per_rank[0]}
+    # Per repetition the slower rank's mean, then the median over repetitions.
+    by_repetition = {
+        name: {size: [max(r[name][size][k] for r in per_rank) for k in range(REPETITIONS)] for size in SIZES}
+        for name in per_rank[0]
+    }
+    slowest = {name: {size: statistics.median(row[size]) for size in SIZES} for name, row in by_repetition.items()}
     print(f"{NUM_RANKS} ranks x 1 thread on one host; load average before {load_before:.2f}")
-    print(f"{'bytes':>9} " + " ".join(f"{name:>16}" for name in slowest) + "  speed-up (reduce, gather)")
-    for size in SIZES:
-        cells = " ".join(f"{slowest[name][size] * 1e6:>13.1f} us" for name in slowest)
-        reduce_gain = slowest["all_reduce gloo"][size] / slowest["all_reduce host"][size]
-        gather_gain = slowest["all_gather gloo"][size] / slowest["all_gather host"][size]
-        print(f"{size:>9} {cells}  {reduce_gain:>6.1f}x {gather_gain:>6.1f}x")
+    print(f"{'operation':>22} {'bytes':>7} {'host':>12} {'gloo':>12}  speed-up")
+    faster: dict[str, bool] = {}
+    for op in OPERATIONS:
+        for size in SIZES:
+            host, gloo = slowest[f"{op} host"][size], slowest[f"{op} gloo"][size]
+            print(f"{op:>22} {size:>7} {host * 1e6:>9.1f} us {gloo * 1e6:>9.1f} us  {gloo / host:>6.1f}x")
+        faster[op] = all(slowest[f"{op} host"][s] < slowest[f"{op} gloo"][s] for s in SIZES)
+    print("host path faster at every size:", ", ".join(op for op in OPERATIONS if faster[op]) or "none")
     record: dict[str, Any] = {
         "benchmark": "collectives",
         "num_ranks": NUM_RANKS,
@@ -89,8 +113,9 @@ def main() -> None:
         "machine": platform.platform(),
         "torch": torch.__version__,
         "seconds_per_call": {name: {str(size): value for size, value in row.items()} for name, row in slowest.items()},
+        "host_path_faster_at_every_size": faster,
     }
-    # Each point is one timed loop of many calls (its mean per call); per rank, slowest first.
+    # Each number is one timed loop's mean per call; by rank, then by repetition.
     per_rank_s = {name: {str(s): [r[name][s] for r in per_rank] for s in SIZES} for name in per_rank[0]}
     write_result(args.output, record, recording, {"seconds_per_call_by_rank": per_rank_s})
 

@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 from _record import begin, write_result
 
-from nereus.runtime.comm.dist import spawn
-from nereus.runtime.model.engine import Engine, NextTokenLoss, admissible_layouts
+from nereus.runtime.comm.spawn import spawn
+from nereus.runtime.model.engine import Engine
+from nereus.runtime.model.losses import NextTokenLoss
+from nereus.runtime.model.parallel_groups import admissible_layouts
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.presets import MODELS

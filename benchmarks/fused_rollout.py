@@ -43,11 +43,10 @@ import torch
 import torch.distributed as dist
 from _record import begin, write_result
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.generation.continuous import BatchingDecoder
 from nereus.runtime.generation.kv_cache import KVBudget
 from nereus.runtime.generation.sampling import SamplingConfig
-from nereus.runtime.model.engine import even_split
 from nereus.runtime.rl.fused_rollout import EARLY_CHUNK, RolloutEvent, fused_rollout, infer_samples
 from nereus.runtime.rl.inter_stage import MigrationSettings, migration_settings
 from nereus.runtime.rl.rollout import generate_responses
@@ -55,6 +54,7 @@ from nereus.runtime.rl.scoring import run_inference
 from nereus.runtime.rl.stages import build_stages, rollout_batch
 from nereus.runtime.rl.tasks import CharTokenizer, encode_prompt, get_task, sample_problems
 from nereus.runtime.rl.timing import timed
+from nereus.runtime.state.sharded_state import even_split
 from nereus.solver.migration import GenerationProfile, run_batch
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan

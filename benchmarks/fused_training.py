@@ -59,8 +59,8 @@ import torch
 import torch.distributed as dist
 from _record import begin, write_result
 
-from nereus.runtime.comm.dist import spawn
-from nereus.runtime.model.engine import Engine, EngineConfig, NextTokenLoss, ValueLoss
+from nereus.runtime.comm.spawn import spawn
+from nereus.runtime.model.engine import Engine, EngineConfig
 from nereus.runtime.model.fused_pipeline import (
     ActivationPeak,
     FusedPart,
@@ -70,6 +70,7 @@ from nereus.runtime.model.fused_pipeline import (
     schedule_peaks,
 )
 from nereus.runtime.model.fused_schedule import SEARCH_TIME_LIMIT_S, fused_schedule, intra_stage_problems
+from nereus.runtime.model.losses import NextTokenLoss, ValueLoss
 from nereus.runtime.model.pipeline import one_f_one_b
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.state.shard_layout import RankLayout

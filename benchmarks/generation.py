@@ -57,13 +57,14 @@ import torch
 import torch.distributed as dist
 from _record import begin, write_result
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.generation.continuous import BatchingDecoder
 from nereus.runtime.generation.generate import SamplingConfig, generate
 from nereus.runtime.generation.kv_cache import KVBudget, replica_kv_bytes_per_token
 from nereus.runtime.hf.load import load_engine
-from nereus.runtime.model.engine import Engine, even_split
+from nereus.runtime.model.engine import Engine
 from nereus.runtime.state.shard_layout import RankLayout
+from nereus.runtime.state.sharded_state import even_split
 from nereus.spec.hf_config import model_from_hf_config
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -102,7 +102,8 @@ def engine_worker(rank: int, world: int, folder: Path, device: str) -> dict[str,
     from nereus.runtime.generation.generate import SamplingConfig, generate
     from nereus.runtime.hf.load import load_engine
     from nereus.runtime.model.adamw import AdamWConfig, Precision
-    from nereus.runtime.model.engine import Engine, EngineConfig, NextTokenLoss
+    from nereus.runtime.model.engine import Engine, EngineConfig
+    from nereus.runtime.model.losses import NextTokenLoss
     from nereus.runtime.model.transformer import Batch
     from nereus.runtime.state.shard_layout import RankLayout
     from nereus.spec.hf_config import model_from_hf_config
@@ -253,7 +254,7 @@ def main() -> None:
     started = begin()
     import torch
 
-    from nereus.runtime.comm.dist import spawn
+    from nereus.runtime.comm.spawn import spawn
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU; use --device cpu here")

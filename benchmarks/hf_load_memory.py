@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from _record import begin, write_result
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.hf.files import checkpoint_tensors
 from nereus.runtime.hf.load import load_engine, read_box
 from nereus.runtime.hf.names import hf_name

@@ -49,9 +49,11 @@ import torch.distributed as dist
 from _record import begin, write_result
 
 from nereus.runtime.comm import arena
-from nereus.runtime.comm.dist import HUGE_PAGES_ENV, spawn
+from nereus.runtime.comm.spawn import HUGE_PAGES_ENV, spawn
 from nereus.runtime.state.checkpoint import load_checkpoint, save_checkpoint_distributed
-from nereus.runtime.state.reshard import ReshardPlan, Transport, execute, plan_reshard
+from nereus.runtime.state.piece_exchange import Transport
+from nereus.runtime.state.reshard import execute
+from nereus.runtime.state.reshard_plan import ReshardPlan, plan_reshard
 from nereus.runtime.state.shard_layout import RankLayout, box_shape
 from nereus.runtime.state.sharded_state import StateMeta, random_rank_state, state_meta
 from nereus.spec.model import Model

@@ -23,7 +23,7 @@ the serial 1F1B first-stage peak ("1F1B", the issue's memory bound: a reference,
 bound at the schedule's makespan) and against the provable lower bound on the peak of every
 schedule as fast ("lb@mk", `bounds.memory_bound_at`, with each stage's node work counted).
 "windows" is the peak the annealing left: the sequenced starts (interleaved 1F1B with a
-few extra warm-up forwards per model, `search.sequenced_starts`, SEQUENCE_SHARE of the time
+few extra warm-up forwards per model, `starts.sequenced_starts`, `SearchPolicy.sequence_share` of the time
 limit) are lean and often a fraction of a percent slower. Within --window-share of the time
 limit, CP-SAT first shortens the fastest schedule towards the lower bound where it is above
 it (`window.shorten`: the ops that start last re-sequenced, their makespan minimised from
@@ -155,7 +155,7 @@ def run_case(
         "attainable_speedup_vs_serial_1f1b": serial.makespan / bounds.latency,
         "bubble_ratio": ev.bubble_ratio,
         "at_cap": capped_case(actor, critic, result, cap_s),
-        # What holding less costs: each lean start's cap, makespan and peak (`search.lean_starts`).
+        # What holding less costs: each lean start's cap, makespan and peak (`starts.lean_starts`).
         "lean": [{"cap": s.cap, "makespan": s.makespan, "peak_memory": s.peak} for s in result.lean],
         "lean_within_1pct_memory_over_bound": _lean_within(result, 1.01) / bounds.memory,
         "search_s": wall,

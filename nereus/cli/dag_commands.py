@@ -50,37 +50,14 @@ def _load_plan(path: Path) -> Plan:
 
 
 def _comparable(plan_a: Plan, plan_b: Plan, path_a: Path, path_b: Path) -> tuple[Plan, Plan]:
-    """The two plans on one cluster, or a refusal naming both files: clusters that differ in
-    more than node count, or other model-stages. Plans whose clusters differ only in node count
-    (a pool that grows or shrinks) both move onto the larger one, said in one line on stderr."""
-    from nereus.spec.cluster import cluster_mismatch, larger_pool
+    """The two plans on the cluster their transition runs on (`transition.pair.plan_pair`),
+    refusals naming both files; a sub-pool is said in one line on stderr."""
+    from nereus.solver.transition.pair import plan_pair
 
-    a, b = plan_a.cluster, plan_b.cluster
-    if a != b:
-        larger = larger_pool(a, b)
-        if larger is None:
-            fields = ", ".join(cluster_mismatch(a, b))
-            what = f"{a.name} vs {b.name}" if a.name != b.name else f"both named {a.name} but described differently"
-            what += f": {fields} differ" if fields else ""
-            raise NereusError(
-                f"{path_a} and {path_b} are plans for different clusters ({what}); "
-                "a transition runs on one cluster, or on two that differ only in node count"
-            )
-        smaller = b if larger is a else a
-        typer.echo(
-            f"sub-pool: {smaller.name} ({smaller.num_gpus} GPUs) is the first {smaller.num_nodes} of the "
-            f"{larger.num_nodes} nodes of {larger.name}; the transition runs on {larger.name}",
-            err=True,
-        )
-        plan_a, plan_b = (plan.model_copy(update={"cluster": larger}) for plan in (plan_a, plan_b))
-    stages_a, stages_b = {e.model_stage for e in plan_a.stages}, {e.model_stage for e in plan_b.stages}
-    if stages_a != stages_b:
-        only = [f"{name} only in {path_a if name in stages_a else path_b}" for name in sorted(stages_a ^ stages_b)]
-        raise NereusError(
-            f"{path_a} and {path_b} run different model-stages ({'; '.join(only)}); "
-            "plan both for the same workload (a transition keeps the workload)"
-        )
-    return plan_a, plan_b
+    pair = plan_pair(plan_a, plan_b, (str(path_a), str(path_b)))
+    if pair.sub_pool is not None:
+        typer.echo(pair.sub_pool.describe(), err=True)
+    return pair.source, pair.target
 
 
 def _solve_exact(solver: ExactSolver, result: TransitionResult, time_limit_s: float, workers: int) -> Any:

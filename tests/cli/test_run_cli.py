@@ -203,7 +203,7 @@ def test_resume_onto_other_ranks_continues_from_the_same_state(tmp_path: Path) -
     assert {gpu for stage in plan["stages"] for emu in stage["emus"] for gpu in emu} == {0, 1}
     assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
     # Resuming restores exactly the saved logical state: check it through the library on 1 rank.
-    from nereus.runtime.comm.dist import spawn
+    from nereus.runtime.comm.spawn import spawn
     from nereus.runtime.rl.setup import resume_run
 
     setup = resume_run(out, num_ranks=1, num_steps=4)

@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from nereus.runtime.comm.dist import spawn
-from nereus.runtime.model.engine import NextTokenLoss, ValueLoss
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.fused_pipeline import (
     ActivationPeak,
     FusedPart,
@@ -37,6 +36,7 @@ from nereus.runtime.model.fused_schedule import (
     fused_schedule,
     search_iterations,
 )
+from nereus.runtime.model.losses import NextTokenLoss, ValueLoss
 from nereus.solver.pipeline.document import to_document
 from nereus.solver.pipeline.from_plan import PlanPipelines, plan_pipelines
 from nereus.solver.pipeline.model import ModelTimes

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.adamw import AdamWConfig
-from nereus.runtime.model.engine import Engine, EngineConfig, NextTokenLoss, ValueLoss
+from nereus.runtime.model.engine import Engine, EngineConfig
 from nereus.runtime.model.fused_pipeline import (
     FusedPart,
     OpTiming,
@@ -28,6 +28,7 @@ from nereus.runtime.model.fused_pipeline import (
     message_orders,
 )
 from nereus.runtime.model.fused_schedule import fused_schedule, intra_stage_problems, reversed_stages
+from nereus.runtime.model.losses import NextTokenLoss, ValueLoss
 from nereus.runtime.model.pipeline import Op, Sends
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.optimization import update_rules

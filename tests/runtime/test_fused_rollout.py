@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from nereus.errors import NereusError
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.generation.generate import CachedForward, Decoder, SamplingConfig, reference_generate
 from nereus.runtime.generation.sampling import sample_seed
 from nereus.runtime.model.engine import Engine
-from nereus.runtime.model.transformer import ReferenceModel, init_logical_params
+from nereus.runtime.model.initialization import init_logical_params
+from nereus.runtime.model.transformer import ReferenceModel
 from nereus.runtime.rl.fused_rollout import EARLY_CHUNK, EVENT_KINDS, fused_rollout, plan_moves
 from nereus.runtime.rl.inter_stage import (
     check_inter_stage,

@@ -12,10 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nereus.runtime.comm.dist import spawn
-from nereus.runtime.model.engine import Engine, NextTokenLoss, ValueLoss
+from nereus.runtime.comm.spawn import spawn
+from nereus.runtime.model.engine import Engine
 from nereus.runtime.model.grad_norm import clip_grad_norm, global_grad_norm
-from nereus.runtime.model.transformer import Batch, init_logical_params
+from nereus.runtime.model.initialization import init_logical_params
+from nereus.runtime.model.losses import NextTokenLoss, ValueLoss
+from nereus.runtime.model.transformer import Batch
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.runtime.state.sharded_state import gather, state_meta
 from nereus.spec.presets import MODELS

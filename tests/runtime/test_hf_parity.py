@@ -19,10 +19,11 @@ pytestmark = pytest.mark.one_rank
 
 from hf_helpers import save_random_model  # noqa: E402
 
-from nereus.runtime.comm.dist import spawn  # noqa: E402
+from nereus.runtime.comm.spawn import spawn  # noqa: E402
 from nereus.runtime.generation.generate import SamplingConfig, generate  # noqa: E402
 from nereus.runtime.hf.load import load_engine, read_logical  # noqa: E402
-from nereus.runtime.model.engine import Engine, admissible_layouts  # noqa: E402
+from nereus.runtime.model.engine import Engine  # noqa: E402
+from nereus.runtime.model.parallel_groups import admissible_layouts  # noqa: E402
 from nereus.runtime.model.transformer import Batch, ReferenceModel  # noqa: E402
 from nereus.runtime.state.shard_layout import RankLayout  # noqa: E402
 from nereus.spec.hf_config import model_from_hf_config  # noqa: E402

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.comm import host_collectives, shm
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 
 pytestmark = pytest.mark.one_rank
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nereus.runtime.comm.dist import HUGE_PAGES_ENV, spawn
+from nereus.runtime.comm.spawn import HUGE_PAGES_ENV, spawn
 
 pytestmark = [
     pytest.mark.one_rank,

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from nereus.runtime.comm import arena, shm
-from nereus.runtime.comm.dist import STREAMING_COPY_TUNABLE, TUNABLES_ENV, spawn
-from nereus.runtime.state.reshard import Hop, ReshardPlan, broadcast_rounds, execute, plan_reshard
+from nereus.runtime.comm.spawn import STREAMING_COPY_TUNABLE, TUNABLES_ENV, spawn
+from nereus.runtime.state.reshard import execute
+from nereus.runtime.state.reshard_plan import Hop, ReshardPlan, broadcast_rounds, plan_reshard
 from nereus.runtime.state.shard_layout import STATE_FAMILIES, RankLayout
 from nereus.runtime.state.sharded_state import StateMeta, cut, random_logical_state, state_meta
 from nereus.spec.presets import MODELS

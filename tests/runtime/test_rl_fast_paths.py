@@ -18,9 +18,8 @@ import torch
 
 from nereus.runtime.model import adamw as optim
 from nereus.runtime.model.adamw import AdamW, AdamWConfig
-from nereus.runtime.observe import memory
 from nereus.runtime.rl.stages import rollout_batch
-from nereus.runtime.rl.timing import timed
+from nereus.runtime.rl.timing import StepSeconds, timed
 
 pytestmark = pytest.mark.logic
 
@@ -124,10 +123,9 @@ class CountingTracker:
         self.readings.append(f"exit {name}")
 
 
-def test_only_model_stage_spans_take_memory_readings(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_only_model_stage_spans_take_memory_readings() -> None:
     tracker: Any = CountingTracker()
-    monkeypatch.setattr(memory, "_TRACKER", [tracker])
-    seconds: dict[str, float] = {}
+    seconds = StepSeconds(tracker)
     with timed(seconds, "actor/training"), timed(seconds, "exchange"):
         pass
     with timed(seconds, "advantages"):

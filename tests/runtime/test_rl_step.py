@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import nereus.runtime.rl.step as step_module
 from nereus.errors import NereusError
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.tensor_parallel import TensorParallel
 from nereus.runtime.rl import run
 from nereus.runtime.rl.algorithms import entropy_from_logits

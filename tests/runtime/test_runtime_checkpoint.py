@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from nereus.errors import NereusError
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.state.checkpoint import (
     INDEX_NAME,
     load_checkpoint,

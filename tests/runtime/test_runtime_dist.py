@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.comm.dist import BLAS_THREADS_ENV, spawn
+from nereus.runtime.comm.spawn import BLAS_THREADS_ENV, spawn
 
 pytestmark = pytest.mark.one_rank
 

@@ -11,13 +11,15 @@ import pytest
 import torch
 from test_runtime_parallel import merge_rank_errors
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.generation.continuous import BatchingDecoder
 from nereus.runtime.generation.generate import SamplingConfig, generate, left_pad, reference_generate
 from nereus.runtime.generation.kv_cache import KVBudget
 from nereus.runtime.generation.sampling import sample_next
-from nereus.runtime.model.engine import Engine, admissible_layouts
-from nereus.runtime.model.transformer import Batch, ReferenceModel, init_logical_params
+from nereus.runtime.model.engine import Engine
+from nereus.runtime.model.initialization import init_logical_params
+from nereus.runtime.model.parallel_groups import admissible_layouts
+from nereus.runtime.model.transformer import Batch, ReferenceModel
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.model import Head
 from nereus.spec.presets import MODELS

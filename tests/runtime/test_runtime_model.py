@@ -6,19 +6,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.adamw import AdamW, AdamWConfig
-from nereus.runtime.model.engine import Engine, NextTokenLoss, ValueLoss
+from nereus.runtime.model.engine import Engine
+from nereus.runtime.model.initialization import init_logical_param, init_logical_params, shard_params
+from nereus.runtime.model.losses import NextTokenLoss, ValueLoss
 from nereus.runtime.model.tensor_parallel import TensorParallel, vocab_parallel_cross_entropy
-from nereus.runtime.model.transformer import (
-    Batch,
-    DecoderPipelineStage,
-    ReferenceModel,
-    init_logical_param,
-    init_logical_params,
-    positions_from_mask,
-    shard_params,
-)
+from nereus.runtime.model.transformer import Batch, DecoderPipelineStage, ReferenceModel, positions_from_mask
 from nereus.runtime.state.shard_layout import RankLayout, param_infos, position_boxes, state_key
 from nereus.spec.model import Head, Model
 from nereus.spec.presets import MODELS

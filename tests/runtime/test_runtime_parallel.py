@@ -14,9 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.adamw import AdamWConfig
-from nereus.runtime.model.engine import Engine, EngineConfig, NextTokenLoss, Objective, ValueLoss, admissible_layouts
+from nereus.runtime.model.engine import Engine, EngineConfig
+from nereus.runtime.model.initialization import init_logical_params, shard_params
+from nereus.runtime.model.losses import NextTokenLoss, Objective, ValueLoss
+from nereus.runtime.model.parallel_groups import admissible_layouts
 from nereus.runtime.model.pipeline import (
     Op,
     check_op_lists,
@@ -26,7 +29,7 @@ from nereus.runtime.model.pipeline import (
     parse_op,
     parse_op_lists,
 )
-from nereus.runtime.model.transformer import Batch, ReferenceModel, init_logical_params, shard_params
+from nereus.runtime.model.transformer import Batch, ReferenceModel
 from nereus.runtime.state.shard_layout import RankLayout, state_key
 from nereus.spec.model import Head, Model
 from nereus.spec.presets import MODELS

@@ -11,9 +11,10 @@ import torch
 
 from nereus.cost.calibration import Calibration
 from nereus.cost.stage import StageCostModel
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.adamw import Precision, stage_precision
-from nereus.runtime.model.engine import Engine, EngineConfig, NextTokenLoss
+from nereus.runtime.model.engine import Engine, EngineConfig
+from nereus.runtime.model.losses import NextTokenLoss
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.presets import MODELS, cluster_preset, workload_preset

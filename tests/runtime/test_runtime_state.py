@@ -12,8 +12,9 @@ import random
 import pytest
 import torch
 
-from nereus.runtime.comm.dist import spawn
-from nereus.runtime.state.reshard import ReshardPlan, execute, lower_bound, plan_reshard
+from nereus.runtime.comm.spawn import spawn
+from nereus.runtime.state.reshard import execute
+from nereus.runtime.state.reshard_plan import ReshardPlan, lower_bound, plan_reshard
 from nereus.runtime.state.shard_layout import STATE_FAMILIES, RankLayout, box_numel, intersect
 from nereus.runtime.state.sharded_state import StateMeta, cut, gather, random_logical_state, state_meta
 from nereus.spec.check import layout_problem

@@ -10,12 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.adamw import AdamWConfig, stage_precision
-from nereus.runtime.model.engine import Engine, EngineConfig, NextTokenLoss
+from nereus.runtime.model.engine import Engine, EngineConfig
 from nereus.runtime.model.grad_norm import global_grad_norm
+from nereus.runtime.model.losses import NextTokenLoss
 from nereus.runtime.model.transformer import Batch
-from nereus.runtime.state.reshard import execute, plan_reshard
+from nereus.runtime.state.reshard import execute
+from nereus.runtime.state.reshard_plan import plan_reshard
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.runtime.state.sharded_state import dp_sharded_families, gather, state_dtypes, state_meta
 from nereus.spec.presets import MODELS, workload_preset
@@ -115,20 +117,20 @@ def test_zero1_steps_match_unsharded_and_reshard_bitwise(workload: Any) -> None:
 def small_bucket_worker(rank: int, world: int, workload: Any) -> bool:
     """The same steps with buckets far smaller than a tensor (every gradient and every
     all-gathered weight staged in row blocks) as with the default buckets: bitwise."""
-    from nereus.runtime.model import engine as engine_module
+    from nereus.runtime.model import data_parallel
 
     torch.set_num_threads(1)
     dp2 = RankLayout(1, 1, 2, (0, 1))
     same = True
     for zero1 in (False, True):
         engines = []
-        for bucket_elements in (engine_module.GRAD_BUCKET_ELEMENTS, 97):
-            engine_module.GRAD_BUCKET_ELEMENTS = bucket_elements
+        for bucket_elements in (data_parallel.GRAD_BUCKET_ELEMENTS, 97):
+            data_parallel.GRAD_BUCKET_ELEMENTS = bucket_elements
             made = engine(workload, dp2, zero1)
             for _ in range(2):
                 made.train_step(batch(), NextTokenLoss())
             engines.append(contract(made))
-        engine_module.GRAD_BUCKET_ELEMENTS = 1 << 22
+        data_parallel.GRAD_BUCKET_ELEMENTS = 1 << 22
         same &= all(torch.equal(engines[0][k], v) for k, v in engines[1].items())
     return same
 

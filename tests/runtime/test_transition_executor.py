@@ -15,7 +15,7 @@ from random_plans import random_setting, random_stages, relayout_stages
 from repo_paths import EXAMPLES
 
 from nereus.cost.plan_cost import head_of
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.runtime.state.sharded_state import gather, random_rank_state, state_meta
 from nereus.runtime.state.transition_executor import execute_transition

@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_rl_step import CONFIG, two_rank_plan
 
-from nereus.runtime.comm.dist import spawn
+from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.rl import update as rl_update
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, engine_state
 from nereus.runtime.rl.update import sync_plans, sync_weights

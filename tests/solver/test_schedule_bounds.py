@@ -174,7 +174,7 @@ def test_the_heuristic_matches_the_least_peak_on_most_instances() -> None:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_memory_bound_at_holds_for_every_list_schedule(seed: int) -> None:
-    from nereus.solver.pipeline.search import list_schedules
+    from nereus.solver.pipeline.starts import list_schedules
 
     rng = random.Random(seed)
     sa = rng.choice([2, 4])

@@ -11,15 +11,8 @@ from nereus.solver.pipeline.bounds import lower_bounds
 from nereus.solver.pipeline.evaluate import evaluate, peak_memory, simulate
 from nereus.solver.pipeline.greedy import GreedyRule, list_schedule, rule_key, stage_sequences
 from nereus.solver.pipeline.model import Instance, ModelTimes, build_instance, fused_problem
-from nereus.solver.pipeline.search import (
-    LeanStart,
-    SearchConfig,
-    _lean_endgame,
-    search_fused,
-    sequence_grid,
-    sequenced_starts,
-    starting_schedules,
-)
+from nereus.solver.pipeline.search import SearchConfig, _lean_endgame, search_fused
+from nereus.solver.pipeline.starts import LeanStart, by_speed, sequence_grid, sequenced_starts, starting_schedules
 from tests.solver.test_schedule_search import _front_loaded_instance, _random_instance
 
 pytestmark = pytest.mark.logic
@@ -105,8 +98,8 @@ def test_the_endgame_ends_by_its_target_or_returns_nothing(seed: int) -> None:
 
     inst = _random_instance(seed)
     _, starts = starting_schedules(inst, NAMES)
-    fastest, slowest = starts[0][2].makespan, starts[-1][1]
-    for target in (fastest, fastest * 0.97, starts[-1][2].makespan * 1.01):
+    fastest, slowest = starts[0].evaluation.makespan, starts[-1].orders
+    for target in (fastest, fastest * 0.97, starts[-1].evaluation.makespan * 1.01):
         found = meet_makespan(inst, slowest, target, time_limit_s=1.0)
         if found is not None:
             replay = evaluate(inst, found)
@@ -153,7 +146,7 @@ def test_the_lean_endgame_never_raises_the_makespan_or_the_peak(seed: int) -> No
     inst = _random_instance(seed)
     _, starts = starting_schedules(inst, NAMES)
     _, fast, ev = starts[0]
-    slower = [LeanStart(s[2].max_peak_memory, s[1], s[2].makespan, s[2].max_peak_memory) for s in starts[1:]]
+    slower = [LeanStart(s.evaluation.max_peak_memory, s.orders, *by_speed(s)) for s in starts[1:]]
     lean = slower + sequenced_starts(inst, NAMES, seconds=0.3)
     orders, won = _lean_endgame(inst, fast, ev.makespan, lean, seconds=1.5)
     replay = evaluate(inst, orders)

@@ -156,7 +156,9 @@ def test_incremental_resimulation_matches_a_full_one() -> None:
     import random
 
     from nereus.solver.pipeline.evaluate import resimulate, simulate
-    from nereus.solver.pipeline.search import _neighbour, greedy_schedule
+    from nereus.solver.pipeline.moves import neighbour
+    from nereus.solver.pipeline.policy import DEFAULT_POLICY
+    from nereus.solver.pipeline.starts import greedy_schedule
 
     actor = ModelTimes.uniform("actor", 8, 8, 3.0, 6.0, 1.0)
     critic = ModelTimes.uniform("critic", 4, 8, 2.0, 5.0, 1.0)
@@ -167,7 +169,7 @@ def test_incremental_resimulation_matches_a_full_one() -> None:
     rng = random.Random(7)
     checked = deadlocked = 0
     for _ in range(400):
-        node, new_order, first = _neighbour(rng, orders, list(range(inst.problem.num_nodes)))
+        node, new_order, first = neighbour(rng, orders, list(range(inst.problem.num_nodes)), DEFAULT_POLICY.move_span)
         old_order = orders[node]
         orders[node] = new_order
         full = simulate(inst, orders)

@@ -9,7 +9,8 @@ import pytest
 
 from nereus.solver.pipeline.evaluate import evaluate
 from nereus.solver.pipeline.model import Instance, ModelTimes, build_instance, fused_problem
-from nereus.solver.pipeline.search import SearchConfig, search_fused, starting_schedules
+from nereus.solver.pipeline.search import SearchConfig, search_fused
+from nereus.solver.pipeline.starts import starting_schedules
 
 pytestmark = pytest.mark.logic
 
@@ -31,7 +32,7 @@ def _instance(seed: int, stages: int, microbatches: int) -> Instance:
 
 def _fastest_start(inst: Instance) -> list[list[int]]:
     _, starts = starting_schedules(inst, ("actor", "critic"))
-    return starts[0][1]
+    return starts[0].orders
 
 
 @pytest.mark.parametrize("seed", range(3))

@@ -331,3 +331,32 @@ def test_offloaded_and_sharded_states_are_not_counted_as_resident() -> None:
         nbytes == 0 for p in result.primitives if p.model_stage == "critic/training" for *_, nbytes in p.transfers
     )
     assert result.bytes_moved == 0
+
+
+def test_plans_whose_clusters_differ_only_in_node_count_build_on_the_larger_one() -> None:
+    """A pool that grows: both plans move onto the larger cluster (its first nodes are the
+    smaller one), either way round; a cluster of another node shape is refused with the
+    reason, and so are plans that run other model-stages."""
+    from nereus.solver.transition.pair import plan_pair
+
+    small = load_document("examples/plan-tiny-ppo-4rank.yaml")
+    assert isinstance(small, Plan)
+    cluster = small.cluster
+    grown = cluster.model_copy(update={"num_nodes": 2 * cluster.num_nodes, "name": "grown"})
+    large = relayout(small.model_copy(update={"cluster": grown}), "actor/training", 4, 1, [[0, 1, 2, 3]])
+    for a, b in ((small, large), (large, small)):
+        pair = plan_pair(a, b)
+        assert pair.source.cluster == pair.target.cluster == grown
+        assert pair.sub_pool is not None and pair.sub_pool.smaller == cluster
+        assert pair.sub_pool.describe().startswith(f"sub-pool: {cluster.name} ({cluster.num_gpus} GPUs) is the first")
+        result = build_transition(a, b)
+        assert result.primitives and result.feasible
+        assert [p.kind for p in result.primitives] == [
+            p.kind for p in build_transition(pair.source, pair.target).primitives
+        ]
+    assert plan_pair(small, small).sub_pool is None
+    other = cluster.model_copy(update={"gpus_per_node": 2 * cluster.gpus_per_node, "name": "other"})
+    with pytest.raises(NereusError, match=r"plans for different clusters \(.* vs other: gpus_per_node differ\)"):
+        build_transition(small, small.model_copy(update={"cluster": other}))
+    with pytest.raises(NereusError, match="run different model-stages"):
+        build_transition(small, small.model_copy(update={"stages": small.stages[1:]}))

@@ -1,1 +1,12 @@
-"""Communication: devices, backends and process launch, collectives, and the shared-memory fast path on one host."""
+"""Communication: the rank's world, launching ranks, keeping them alive, and moving bytes between them.
+
+- `world`: this rank's device and backend (gloo or NCCL), its node, joining a torchrun job,
+  the collective timeout.
+- `spawn`: starting N local ranks (tests, benchmarks, `nereus run` without torchrun).
+- `heartbeat` and `guard`: liveness of a joined job's ranks; naming and ending a silent one.
+- `collectives`: the one collectives interface every caller uses (all-reduce, all-gather,
+  broadcast, reduce-scatter, object collectives, barrier, subgroups); it picks the transport.
+- `host_collectives`: the shared-memory backend of `collectives` for the ranks of one host.
+- `shm`: shared-memory segments and the host token that decides who shares memory.
+- `arena`: a rank's state arena, CPU tensors its same-host peers read directly when resharding.
+"""

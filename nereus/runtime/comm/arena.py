@@ -187,6 +187,10 @@ class StateArena:
             chunk.give_back(offset, nbytes)
 
 
+# Process-wide on purpose: an arena is this process's shared memory, which peers map by its
+# pid and descriptors, so a process has at most one (`reserve` refuses a second); what a peer
+# mapped of it, and which peers did, are facts about the process too.
+#: This process's arena (`reserve`, `release`).
 _current: StateArena | None = None
 #: Peers' chunks this process has mapped, by (pid, fd, chunk id), as uint8 tensors.
 _peer_chunks: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -213,6 +217,12 @@ def reserve(nbytes: int) -> StateArena:
 def current() -> StateArena | None:
     """This process's arena, or None when it has none (resharding then stages its pieces)."""
     return _current
+
+
+def used_bytes() -> int:
+    """Bytes of this process's arena that live tensors hold (0 without an arena): the state it
+    keeps in shared memory, which memory readings count in place of the shared pages."""
+    return 0 if _current is None else _current.reserved_bytes - _current.free_bytes
 
 
 @contextmanager
@@ -284,10 +294,12 @@ def connect(group: Any = None) -> set[int]:
     Chunks a peer adds later are mapped on first use."""
     import torch.distributed as dist
 
+    from nereus.runtime.comm import collectives
+
     me = dist.get_rank()
     mine = (me, shm.host_token(), _current.locations() if _current is not None else [])
     everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    collectives.all_gather_object(everyone, mine, group)
     sources = set()
     for rank, token, locations in everyone:
         if rank == me or token != shm.host_token() or not locations:
@@ -299,7 +311,7 @@ def connect(group: Any = None) -> set[int]:
             continue
         sources.add(rank)
     read_by: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(read_by, (me, sources), group=group)
+    collectives.all_gather_object(read_by, (me, sources), group)
     _readers.clear()
     _readers.update(rank for rank, theirs in read_by if me in theirs)
     return sources

@@ -77,6 +77,7 @@ def _supported() -> bool:
     return sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
 
 
+#: libc, loaded once for the futex syscalls (None where unsupported); never changes.
 _LIBC = _libc() if _supported() else None
 
 
@@ -163,6 +164,8 @@ def _header_bytes(num_ranks: int) -> int:
 
 
 #: Per process group (held, so its id is not reused): its channel, or None for the process group's own all-reduce.
+#: Process-wide on purpose, like the process groups themselves: a channel is opened collectively
+#: once per group (every rank maps one segment) and its call counter must stay in step on every rank.
 _CHANNELS: dict[int, tuple[Any, _Channel | None]] = {}
 
 
@@ -337,7 +340,7 @@ def _channel(group: Any) -> _Channel | None:
 def _open_channel(group: Any) -> _Channel | None:
     import torch.distributed as dist
 
-    from nereus.runtime.comm.dist import collective_timeout
+    from nereus.runtime.comm.world import collective_timeout
 
     num_ranks, index = dist.get_world_size(group), dist.get_rank(group)
     if num_ranks == 1:

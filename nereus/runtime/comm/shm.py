@@ -61,6 +61,7 @@ def _fingerprint() -> bytes:
     return hashlib.sha256(domain.encode()).digest()
 
 
+#: Computed once: the process's shared-memory domain does not change while it runs.
 _HOST_TOKEN = _fingerprint()
 #: Tells this process from an earlier one at the same rank (a pooled segment is per peer process).
 PROCESS_NONCE = secrets.token_bytes(NONCE_BYTES)
@@ -89,6 +90,9 @@ class Segment:
         return int(self.data.numel())
 
 
+# Process-wide on purpose: segments are files in /dev/shm that outlive whoever created them
+# unless this process unlinks them (the exit hook reads `_unopened`), and a pooled segment is
+# reused by every later reshard of the process with that peer, whichever engine calls.
 #: Names this process created and no receiver has unlinked yet (removed at exit).
 _unopened: set[str] = set()
 #: Segments this rank stages into, by receiving peer, with that peer's process nonce.
@@ -201,7 +205,7 @@ def copy_bulk(dst: torch.Tensor, src: torch.Tensor) -> None:
 
     Why: torch's copy kernel always stores through the cache, so a copy of cold memory reads
     every destination line before overwriting it; glibc's memmove streams stores past the
-    cache above its non-temporal threshold (`dist.spawn` lowers it for its ranks), which
+    cache above its non-temporal threshold (`spawn.spawn` lowers it for its ranks), which
     moved 1.6x the bytes per second with two ranks copying at once on the machine measured.
     """
     nbytes = src.numel() * src.element_size()

@@ -1,1 +1,9 @@
-"""Generation: the continuous-batching engine, its paged KV cache and block scheduler, sampling."""
+"""Generation.
+
+- `generate`: generation on a replica's engine (continuous, static, and the reference).
+- `continuous`: the continuous-batching engine of one replica over a paged KV cache.
+- `block_scheduler`: which sequences run at each decode step, over a block pool.
+- `kv_cache`: the paged KV cache (fixed-size blocks in one pool per rank and model-stage).
+- `decoding`: what both engines share (left-padded prompts, finished batches, hand-offs).
+- `sampling`: choosing next tokens for a batch on the logits' device.
+"""

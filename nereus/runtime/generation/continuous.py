@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from nereus.runtime.comm import host_collectives
+from nereus.runtime.comm import collectives
 from nereus.runtime.generation.block_scheduler import Request, Scheduler
 from nereus.runtime.generation.decoding import Generation, HandOff, assemble, left_pad, replica_forward
 from nereus.runtime.generation.kv_cache import (
@@ -129,7 +129,7 @@ class BatchingDecoder:
         agreed = torch.tensor([-float(mine)], dtype=torch.float64, device=self.engine.device)
         for group in (groups.tp.group, groups.link.group):
             if group is not None:
-                host_collectives.all_reduce(agreed, group, op="max")
+                collectives.all_reduce(agreed, group, op="max")
         num_blocks = int(-agreed.item())
         self.cache = PagedKVCache(stage, num_blocks, self._block, self.engine.device)
         self.scheduler = Scheduler(num_blocks, self._block)

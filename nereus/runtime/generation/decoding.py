@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nereus.runtime.model.attention import KVStore
 from nereus.runtime.model.engine import Engine
-from nereus.runtime.model.transformer import KVStore, positions_from_mask
+from nereus.runtime.model.transformer import positions_from_mask
 
 
 @dataclass(frozen=True)

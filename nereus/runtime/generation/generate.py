@@ -27,9 +27,10 @@ from nereus.runtime.generation.continuous import BatchingDecoder
 from nereus.runtime.generation.decoding import Generation, HandOff, assemble, left_pad, replica_forward
 from nereus.runtime.generation.kv_cache import KVBudget
 from nereus.runtime.generation.sampling import SamplingConfig, sample_streams, stops, stream_keys
+from nereus.runtime.model.attention import LayerCache
 from nereus.runtime.model.engine import Engine
 from nereus.runtime.model.tensor_parallel import gather_last_dim
-from nereus.runtime.model.transformer import LayerCache, ReferenceModel
+from nereus.runtime.model.transformer import ReferenceModel
 
 #: The generation engines: `continuous` batching over a paged KV cache, or one `static` batch.
 Strategy = Literal["continuous", "static"]

@@ -29,8 +29,9 @@ from nereus.spec.hf_config import CONFIG_NAME
 MAX_SHARD_BYTES = 5 * 10**9
 #: Input files never copied: weights (the export writes its own) and pickled formats.
 _NOT_COPIED = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+#: torch dtypes by safetensors dtype name (a constant table, never written).
 _TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
-#: Roles an export can write: what `nereus run` trains and starts from the folder.
+#: Roles an export can write: what `nereus run` trains and starts from the folder (a constant table).
 EXPORTED = {"actor": "lm", "critic": "value"}
 
 

@@ -43,11 +43,12 @@ def _regex(pattern: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(\d+)") + "$")
 
 
-_TO_HF = [(_regex(ours), theirs) for ours, theirs in NAME_TABLE]
-_FROM_HF = [(_regex(theirs), ours) for ours, theirs in NAME_TABLE]
+#: NAME_TABLE compiled once, each way (immutable).
+_TO_HF = tuple((_regex(ours), theirs) for ours, theirs in NAME_TABLE)
+_FROM_HF = tuple((_regex(theirs), ours) for ours, theirs in NAME_TABLE)
 
 
-def _translate(name: str, table: list[tuple[re.Pattern[str], str]]) -> str | None:
+def _translate(name: str, table: tuple[tuple[re.Pattern[str], str], ...]) -> str | None:
     for pattern, target in table:
         match = pattern.match(name)
         if match:

@@ -1,1 +1,15 @@
-"""The model and its training: the Llama-style decoder, tensor and pipeline parallelism, AdamW, the training engine."""
+"""The model and its training.
+
+- `transformer`: the Llama-style decoder (a pipeline stage's shard, and the one-process reference).
+- `attention`: attention kernels, packing of padded rows, decode masks, per-layer KV stores.
+- `initialization`: seeded whole initial weights and a rank's shards of them.
+- `tensor_parallel`: Megatron-style tensor parallelism (collectives as autograd functions, layers).
+- `pipeline`: pipeline stages' op lists, their deadlock check and the send/recv executor.
+- `parallel_groups`: a rank's place in a RankLayout and its process groups.
+- `data_parallel`: gradient sync over replicas in bounded buckets (ZeRO-1 included).
+- `losses`: the objective protocol, next-token cross-entropy, the value loss.
+- `adamw`: AdamW with fp32 moments per parameter name.
+- `engine`: the training engine of one model on one layout (state, training, inference).
+- `grad_norm`: the global gradient norm in any layout, and clipping by it.
+- `fused_schedule`, `fused_pipeline`: intra-stage fusion's schedule (no torch) and executor.
+"""

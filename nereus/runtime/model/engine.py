@@ -17,33 +17,37 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.comm import arena, host_collectives
-from nereus.runtime.comm import dist as launch
+from nereus.runtime.comm import arena, collectives
+from nereus.runtime.comm.world import device as rank_device
 from nereus.runtime.model.adamw import AdamW, AdamWConfig, Precision
+from nereus.runtime.model.data_parallel import (
+    Piece,
+    all_gather_rows,
+    all_reduce_bucket,
+    buckets,
+    reduce_scatter_bucket,
+    row_pieces,
+)
+from nereus.runtime.model.grad_norm import counted_params
+from nereus.runtime.model.initialization import box_slice, init_logical_param, shard_params
+from nereus.runtime.model.losses import Objective, next_token_log_probs
+from nereus.runtime.model.parallel_groups import ParallelGroups, build_groups
 from nereus.runtime.model.pipeline import (
     ForwardStep,
     Op,
     PipelineExecutor,
-    PipelineLink,
     check_op_lists,
     forward_only,
     one_f_one_b,
     parse_op_lists,
 )
-from nereus.runtime.model.tensor_parallel import TensorParallel, gather_last_dim
-from nereus.runtime.model.transformer import (
-    Batch,
-    DecoderPipelineStage,
-    box_slice,
-    init_logical_param,
-    positions_from_mask,
-    shard_params,
-)
+from nereus.runtime.model.tensor_parallel import gather_last_dim
+from nereus.runtime.model.transformer import Batch, DecoderPipelineStage, positions_from_mask
 from nereus.runtime.state.shard_layout import (
     STATE_FAMILIES,
     RankLayout,
@@ -53,75 +57,9 @@ from nereus.runtime.state.shard_layout import (
     param_infos,
     state_key,
 )
-from nereus.runtime.state.sharded_state import dp_rows
+from nereus.runtime.state.sharded_state import dp_rows, even_split
 from nereus.spec.check import layout_problem
 from nereus.spec.model import Head, Model
-
-
-class HeadOps(Protocol):
-    """What an objective may ask of the model's last stage."""
-
-    def token_log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
-
-
-class Objective(Protocol):
-    """A per-token training loss; the step loss is sum(weights * token_losses) / normalizer."""
-
-    def weights(self, batch: Batch) -> torch.Tensor:
-        """[batch, seq] non-negative weight of every token's loss."""
-        ...
-
-    def normalizer(self, batch: Batch) -> float:
-        """What the weighted token losses of the whole `batch` (all replicas and micro-batches)
-        are divided by: sum(weights) for a mean over tokens."""
-        ...
-
-    def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
-        """[batch, seq] loss of every token from the last stage's output (local logit columns or values)."""
-        ...
-
-
-def _loss_mask(batch: Batch) -> torch.Tensor:
-    mask = batch.fields["loss_mask"] if "loss_mask" in batch.fields else batch.mask()
-    return mask.to(torch.float32)
-
-
-def next_token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, head: HeadOps) -> torch.Tensor:
-    """[b, t - 1]: log p(tokens[:, i + 1]) under the logits at position i."""
-    return head.token_log_probs(logits[:, :-1], tokens[:, 1:])
-
-
-@dataclass(frozen=True)
-class NextTokenLoss:
-    """Language-model cross-entropy on the tokens the `loss_mask` field marks (default: every
-    real token after the first)."""
-
-    def weights(self, batch: Batch) -> torch.Tensor:
-        weights = _loss_mask(batch).clone()
-        weights[:, 0] = 0.0  # the first token has no prediction
-        return weights
-
-    def normalizer(self, batch: Batch) -> float:
-        return float(self.weights(batch).sum())
-
-    def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
-        losses = torch.zeros(batch.tokens.shape, dtype=torch.float32, device=output.device)
-        losses[:, 1:] = -next_token_log_probs(output, batch.tokens.to(output.device), head)
-        return losses
-
-
-@dataclass(frozen=True)
-class ValueLoss:
-    """Squared error of the value head against the `value_targets` field, on `loss_mask` tokens."""
-
-    def weights(self, batch: Batch) -> torch.Tensor:
-        return _loss_mask(batch)
-
-    def normalizer(self, batch: Batch) -> float:
-        return float(self.weights(batch).sum())
-
-    def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
-        return (output.float() - batch.field("value_targets").to(output.device).float()).pow(2)
 
 
 @dataclass(frozen=True)
@@ -142,153 +80,6 @@ class EngineConfig:
     """ZeRO-1: each replica keeps only its rows (`sharded_state.dp_rows`) of the fp32 masters
     and AdamW moments; gradients are reduce-scattered, each replica steps its rows, and the
     updated weights are all-gathered."""
-
-
-_GROUP_CACHE: dict[tuple[int, ...], Any] = {}
-_GROUP_WORLD: list[Any] = [None]
-
-
-def _group(ranks: Sequence[int]) -> Any:
-    """The process group of `ranks` (None for one rank); every world rank must call this
-    for the same rank sets in the same order. Groups are reused across layouts."""
-    if len(ranks) == 1:
-        return None
-    if _GROUP_WORLD[0] is not dist.group.WORLD:
-        _GROUP_CACHE.clear()
-        _GROUP_WORLD[0] = dist.group.WORLD
-    key = tuple(sorted(ranks))
-    if key not in _GROUP_CACHE:
-        _GROUP_CACHE[key] = dist.new_group(list(key))
-    return _GROUP_CACHE[key]
-
-
-@dataclass(frozen=True)
-class ParallelGroups:
-    """This rank's coordinates in a RankLayout and its process groups."""
-
-    layout: RankLayout
-    replica: int
-    pp_rank: int
-    """This rank's pipeline stage in its replica."""
-    tp: TensorParallel
-    link: PipelineLink
-    dp_group: Any
-    """The ranks holding the same shards in the other replicas (None when dp is 1)."""
-    embed_group: Any
-    """First and last stage of this replica and tensor rank, tied embeddings with pp > 1 only."""
-
-
-def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups | None:
-    """Create the layout's groups (collective: every world rank calls it, in the same order)."""
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
-    rank = dist.get_rank()
-    coords = layout.coords(rank)
-    mine: dict[str, Any] = {}
-
-    def make(kind: str, ranks: list[int]) -> None:
-        group = _group(ranks)
-        if rank in ranks:
-            mine[kind] = group
-
-    for d in range(dp):
-        for s in range(pp):
-            tp_ranks = [layout.rank_at(d, s, r) for r in range(tp)]
-            make("tp", tp_ranks)
-            if tp > model.num_kv_heads:
-                copies = tp // model.num_kv_heads
-                for kv_head in range(model.num_kv_heads):
-                    make("kv", tp_ranks[kv_head * copies : (kv_head + 1) * copies])
-    for d in range(dp):
-        for r in range(tp):
-            stage_ranks = [layout.rank_at(d, s, r) for s in range(pp)]
-            make("pp", stage_ranks)
-            if head == "lm" and model.tied_embeddings and pp > 1:
-                make("embed", [stage_ranks[0], stage_ranks[-1]])
-    for s in range(pp):
-        for r in range(tp):
-            make("dp", [layout.rank_at(d, s, r) for d in range(dp)])
-    if coords is None:
-        return None
-    replica, stage, tp_rank = coords
-    link = PipelineLink(
-        stage,
-        pp,
-        layout.rank_at(replica, stage - 1, tp_rank) if stage > 0 else None,
-        layout.rank_at(replica, stage + 1, tp_rank) if stage < pp - 1 else None,
-        mine.get("pp"),
-    )
-    tensor = TensorParallel(tp, tp_rank, mine.get("tp"), mine.get("kv"))
-    return ParallelGroups(layout, replica, stage, tensor, link, mine.get("dp"), mine.get("embed"))
-
-
-def admissible_layouts(model: Model, max_ranks: int) -> list[tuple[int, int, int]]:
-    """Every (tp, pp, dp) with tp * pp * dp <= max_ranks that the runtime can shard `model` as."""
-    return [
-        (tp, pp, dp)
-        for tp in range(1, max_ranks + 1)
-        for pp in range(1, max_ranks // tp + 1)
-        if layout_problem(model, tp, pp) is None
-        for dp in range(1, max_ranks // (tp * pp) + 1)
-    ]
-
-
-#: Most gradient elements reduced in one collective: the flat staging buffer a reduction
-#: needs is at most this (4 bytes each in fp32), however large the model.
-GRAD_BUCKET_ELEMENTS = 1 << 22
-
-
-#: One tensor's piece in a bucket: its rows on each replica (one view: a tensor kept whole).
-Piece = list[torch.Tensor]
-
-
-def row_pieces(views: Piece) -> list[Piece]:
-    """`views` (one tensor's rows on each replica) cut into blocks of rows of at most
-    GRAD_BUCKET_ELEMENTS elements per replica, block j of every replica together: so a
-    tensor larger than a bucket (a large vocabulary's embedding) is staged block by block."""
-    if views[0].dim() == 0:
-        return [views]
-    largest = max(view.numel() for view in views)
-    parts = max(1, min(min(view.shape[0] for view in views), -(-largest // GRAD_BUCKET_ELEMENTS)))
-    bounds = [even_split(view.shape[0], parts) for view in views]
-    return [[view[a:b] for view, (a, b) in zip(views, block, strict=True)] for block in zip(*bounds, strict=True)]
-
-
-def buckets(pieces: Iterable[Piece]) -> list[list[Piece]]:
-    """Consecutive runs of `pieces` of at most GRAD_BUCKET_ELEMENTS elements per replica each."""
-    runs: list[list[Piece]] = [[]]
-    size = 0
-    for piece in pieces:
-        numel = max(view.numel() for view in piece)
-        if runs[-1] and size + numel > GRAD_BUCKET_ELEMENTS:
-            runs.append([])
-            size = 0
-        runs[-1].append(piece)
-        size += numel
-    return [run for run in runs if run]
-
-
-def reduce_scatter(flat: torch.Tensor, group: Any, parts: int, index: int) -> torch.Tensor:
-    """Part `index` of the sum over `group` of `flat` (`parts` equal parts). NCCL reduce-
-    scatters; gloo has no reduce-scatter, so on CPU the bucket is all-reduced and the part kept
-    (the same sums; the bucket is bounded by GRAD_BUCKET_ELEMENTS either way)."""
-    size = flat.numel() // parts
-    if flat.is_cuda:
-        out = torch.empty(size, dtype=flat.dtype, device=flat.device)
-        dist.reduce_scatter_tensor(out, flat, group=group)
-        return out
-    host_collectives.all_reduce(flat, group)
-    return flat[index * size : (index + 1) * size]
-
-
-def even_split(num_rows: int, parts: int) -> list[tuple[int, int]]:
-    """(start, stop) of `parts` contiguous runs covering `num_rows`, sizes differing by at most one."""
-    base, extra = divmod(num_rows, parts)
-    bounds, start = [], 0
-    for part in range(parts):
-        stop = start + base + (part < extra)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
 
 
 @dataclass(frozen=True)
@@ -313,11 +104,13 @@ class Engine:
         self.head = head
         self.groups = groups
         self.config = config
-        self.device = launch.device()
+        self.device = rank_device()
         layout = groups.layout
         self.pipeline_stage = DecoderPipelineStage(model, head, groups.tp, layout.pp, groups.pp_rank).to(self.device)
         self.params: dict[str, torch.nn.Parameter] = dict(self.pipeline_stage.named_parameters())
         self._check_contract()
+        self.counted_params = counted_params(model, head, groups, self.params)
+        """The parameters whose gradient this rank counts in the global norm (`grad_norm`)."""
         self.dtype = config.precision.torch_dtype
         self.zero1 = config.shard_across_dp and layout.dp > 1
         with torch.no_grad():
@@ -548,7 +341,7 @@ class Engine:
         if self.pipeline_stage.is_last:
             loss = torch.stack(list(outputs.values())).sum()
             if self.groups.dp_group is not None:
-                host_collectives.all_reduce(loss, self.groups.dp_group)
+                collectives.all_reduce(loss, self.groups.dp_group)
         return float(self.from_last_stage(loss))
 
     def update(self) -> None:
@@ -569,19 +362,8 @@ class Engine:
     def _all_gather_rows(self, whole: Mapping[str, torch.Tensor]) -> None:
         """Fill the other replicas' rows of parameter-shaped tensors whose own rows are set
         (collective over dp; one dtype per call, buckets of GRAD_BUCKET_ELEMENTS)."""
-        dp, me = self.groups.layout.dp, self.groups.replica
         for bucket in buckets(self._replica_pieces(whole, sharded=True)):
-            size = max(sum(piece[d].numel() for piece in bucket) for d in range(dp))
-            local = torch.zeros(size, dtype=bucket[0][0].dtype, device=self.device)
-            mine = torch.cat([piece[me].reshape(-1) for piece in bucket])
-            local[: mine.numel()] = mine
-            parts = [torch.empty_like(local) for _ in range(dp)]
-            host_collectives.all_gather(parts, local, self.groups.dp_group)
-            for d, part in enumerate(parts):
-                offset = 0
-                for piece in bucket:
-                    piece[d].copy_(part[offset : offset + piece[d].numel()].view_as(piece[d]))
-                    offset += piece[d].numel()
+            all_gather_rows(bucket, self.groups.dp_group, self.groups.replica, self.device)
 
     def _replica_pieces(self, tensors: Mapping[str, torch.Tensor], sharded: bool) -> list[Piece]:
         """The row blocks (`row_pieces`) of the ZeRO-1 sharded tensors of `tensors` (`sharded`,
@@ -643,41 +425,15 @@ class Engine:
         grads = [p.grad for p in self.params.values()]
         assert all(g is not None for g in grads), "every shard parameter takes part in the loss"
         if self.groups.embed_group is not None:
-            host_collectives.all_reduce(self.params["embed.weight"].grad, self.groups.embed_group)  # type: ignore[arg-type]
+            collectives.all_reduce(self.params["embed.weight"].grad, self.groups.embed_group)  # type: ignore[arg-type]
         if self.groups.dp_group is None:
             return
         held = {n: p.grad for n, p in self.params.items() if p.grad is not None}
-        for bucket in buckets(self._replica_pieces(held, sharded=False)):
-            self._all_reduce_bucket([piece[0] for piece in bucket])
-        for bucket in buckets(self._replica_pieces(held, sharded=True)):
-            self._reduce_scatter_bucket(bucket)
-
-    def _all_reduce_bucket(self, bucket: list[torch.Tensor]) -> None:
-        """Sum one bucket of gradients over dp in the precision's reduction dtype."""
-        flat = torch.cat([g.reshape(-1).to(self.config.precision.reduce_dtype) for g in bucket])
-        host_collectives.all_reduce(flat, self.groups.dp_group)
-        offset = 0
-        for g in bucket:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
-
-    def _reduce_scatter_bucket(self, bucket: list[Piece]) -> None:
-        """ZeRO-1: sum one bucket over dp into this replica's rows only (the other rows keep
-        this replica's own, unreduced contribution: the optimizer reads just its rows)."""
-        dp, me = self.groups.layout.dp, self.groups.replica
         dtype = self.config.precision.reduce_dtype
-        size = max(sum(piece[d].numel() for piece in bucket) for d in range(dp))
-        flat = torch.zeros(dp * size, dtype=dtype, device=self.device)
-        for d in range(dp):
-            offset = d * size
-            for piece in bucket:
-                flat[offset : offset + piece[d].numel()] = piece[d].reshape(-1)
-                offset += piece[d].numel()
-        summed = reduce_scatter(flat, self.groups.dp_group, dp, me)
-        offset = 0
-        for piece in bucket:
-            piece[me].copy_(summed[offset : offset + piece[me].numel()].view_as(piece[me]))
-            offset += piece[me].numel()
+        for bucket in buckets(self._replica_pieces(held, sharded=False)):
+            all_reduce_bucket([piece[0] for piece in bucket], self.groups.dp_group, dtype)
+        for bucket in buckets(self._replica_pieces(held, sharded=True)):
+            reduce_scatter_bucket(bucket, self.groups.dp_group, self.groups.replica, dtype, self.device)
 
     def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last stage's `tensor` on every stage of this replica (same shape everywhere)."""
@@ -686,7 +442,7 @@ class Engine:
             return tensor
         tensor = tensor.contiguous()
         last = self.groups.layout.rank_at(self.groups.replica, link.num_stages - 1, self.groups.tp.rank)
-        host_collectives.broadcast(tensor, last, link.group)
+        collectives.broadcast(tensor, last, link.group)
         return tensor
 
     # ---- inference ----

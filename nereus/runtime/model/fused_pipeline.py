@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.model.engine import Engine, Objective
+from nereus.runtime.model.engine import Engine
+from nereus.runtime.model.losses import Objective
 from nereus.runtime.model.pipeline import (
     Op,
     PipelineLane,

@@ -11,13 +11,18 @@ The sum runs in float64, so layouts agree with a single rank to rounding.
 from __future__ import annotations
 
 import math
-import weakref
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 import torch
 
-from nereus.runtime.comm import host_collectives
-from nereus.runtime.model.engine import Engine
+from nereus.runtime.comm import collectives
 from nereus.runtime.state.shard_layout import local_box, param_infos
+from nereus.spec.model import Head, Model
+
+if TYPE_CHECKING:
+    from nereus.runtime.model.engine import Engine
+    from nereus.runtime.model.parallel_groups import ParallelGroups
 
 #: Added to the norm before dividing by it (torch.nn.utils.clip_grad_norm_'s guard).
 CLIP_EPS = 1e-6
@@ -25,25 +30,14 @@ CLIP_EPS = 1e-6
 NORM_SLICE_ELEMENTS = 1 << 22
 
 
-#: `counted_params` of each live engine (its layout and parameters never change).
-_COUNTED: weakref.WeakKeyDictionary[Engine, list[str]] = weakref.WeakKeyDictionary()
-
-
-def counted_params(engine: Engine) -> list[str]:
-    """The parameters of this rank whose gradient piece it counts in the replica's norm: of the
-    ranks holding the same piece, only the lowest tensor rank on the first stage holding it."""
-    names = _COUNTED.get(engine)
-    if names is None:
-        names = _COUNTED[engine] = _counted_params(engine)
-    return names
-
-
-def _counted_params(engine: Engine) -> list[str]:
-    groups, model = engine.groups, engine.model
+def counted_params(model: Model, head: Head, groups: ParallelGroups, held: Collection[str]) -> list[str]:
+    """The parameters of this rank (of `held`) whose gradient piece it counts in the replica's
+    norm: of the ranks holding the same piece, only the lowest tensor rank on the first stage
+    holding it. An engine works them out once (`Engine.counted_params`): its layout never changes."""
     tp = groups.layout.tp
     names = []
-    for info in param_infos(model, engine.head):
-        if info.name not in engine.params:
+    for info in param_infos(model, head):
+        if info.name not in held:
             continue
         box = local_box(info, model, tp, groups.tp.rank)
         first_holder = min(rank for rank in range(tp) if local_box(info, model, tp, rank) == box)
@@ -58,7 +52,7 @@ def global_grad_norm(engine: Engine) -> float:
     (collective over each replica's tensor and pipeline groups)."""
     groups = engine.groups
     parts: list[torch.Tensor] = []
-    for name in counted_params(engine):
+    for name in engine.counted_params:
         grad = engine.params[name].grad
         if grad is None:
             continue
@@ -74,12 +68,12 @@ def global_grad_norm(engine: Engine) -> float:
     if parts:  # every slice's norm in float64 by one foreach call, then their squares summed
         total += torch.stack(torch._foreach_norm(parts, 2, dtype=torch.float64)).square().sum()
     if engine.zero1:
-        host_collectives.all_reduce(total, groups.dp_group)
+        collectives.all_reduce(total, groups.dp_group)
     # Tensor ranks first (each stage's total on each of its ranks), then across the stages.
     if groups.tp.group is not None:
-        host_collectives.all_reduce(total, groups.tp.group)
+        collectives.all_reduce(total, groups.tp.group)
     if groups.link.group is not None:
-        host_collectives.all_reduce(total, groups.link.group)
+        collectives.all_reduce(total, groups.link.group)
     return math.sqrt(float(total))
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from nereus.runtime.comm import host_collectives
+from nereus.runtime.comm import collectives
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def _all_reduce(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return tensor
     tensor = tensor.clone()
-    host_collectives.all_reduce(tensor, group)
+    collectives.all_reduce(tensor, group)
     return tensor
 
 
@@ -92,7 +92,7 @@ def gather_last_dim(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     if tp.size == 1:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(tp.size)]
-    host_collectives.all_gather(parts, tensor, tp.group)
+    collectives.all_gather(parts, tensor, tp.group)
     return torch.cat(parts, dim=-1)
 
 
@@ -160,7 +160,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         logits = logits.float()
         row_max = logits.max(dim=-1).values
         if group is not None:
-            host_collectives.all_reduce(row_max, group, op="max")
+            collectives.all_reduce(row_max, group, op="max")
         shifted = logits - row_max.unsqueeze(-1)
         local = targets - vocab_start
         outside = (local < 0) | (local >= logits.shape[-1])
@@ -169,8 +169,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         if group is not None:
-            host_collectives.all_reduce(target_logit, group)
-            host_collectives.all_reduce(sum_exp, group)
+            collectives.all_reduce(target_logit, group)
+            collectives.all_reduce(sum_exp, group)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local, outside)
         return sum_exp.log() - target_logit
 

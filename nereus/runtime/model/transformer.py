@@ -19,16 +19,25 @@ mask is ever built; only a cached decode step masks its few queries against its 
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from nereus.runtime.model.attention import (
+    MATMUL_ATTENTION_MAX_TOKENS,
+    AttentionPlan,
+    KVStore,
+    LayerCache,
+    Packing,
+    attention_mask_4d,
+    causal_bias,
+    grouped_attention,
+    masked_attention,
+)
 from nereus.runtime.model.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -37,11 +46,8 @@ from nereus.runtime.model.tensor_parallel import (
     copy_to_group,
     vocab_parallel_cross_entropy,
 )
-from nereus.runtime.state.shard_layout import ParamInfo, box_shape, holds, local_box, param_infos, stage_layers
+from nereus.runtime.state.shard_layout import param_infos, stage_layers
 from nereus.spec.model import Activation, Head, Model
-
-#: Standard deviation of the normal initialisation of weight matrices.
-INIT_STD = 0.02
 
 
 @dataclass(frozen=True)
@@ -79,19 +85,9 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
-_INV_FREQ: dict[tuple[int, float, str], torch.Tensor] = {}
-
-
 def rope_inv_freq(model: Model) -> torch.Tensor:
     """The [head_dim / 2] RoPE frequencies (float64): theta^(-2i/d), then the model's scaling
-    (computed once per model shape: every forward needs them)."""
-    key = (model.head_dim, model.rope_theta, repr(model.rope_scaling))
-    if key not in _INV_FREQ:
-        _INV_FREQ[key] = _rope_inv_freq(model)
-    return _INV_FREQ[key]
-
-
-def _rope_inv_freq(model: Model) -> torch.Tensor:
+    (a module computes them once, at construction: every forward needs them)."""
     head_dim = model.head_dim
     inv_freq = 1.0 / (model.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     scaling = model.rope_scaling
@@ -108,12 +104,14 @@ def _rope_inv_freq(model: Model) -> torch.Tensor:
     return (1 - blend) * inv_freq / scaling.factor + blend * inv_freq
 
 
-def rope_tables(positions: torch.Tensor, model: Model, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin [batch, seq, 1, head_dim] for rotate-half RoPE on [batch, seq, heads,
     head_dim] tensors (the layout a projection's output has, so q and k need no transpose before
     it): the sin table's first half negated, so `apply_rope` rotates with one roll instead of a
-    negate and a cat."""
-    inv_freq = rope_inv_freq(model).to(positions.device)
+    negate and a cat. `inv_freq`: the model's `rope_inv_freq`."""
+    inv_freq = inv_freq.to(positions.device)
     angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq
     sin = angles.sin()
     signed_sin = torch.cat([-sin, sin], dim=-1).unsqueeze(2)
@@ -148,135 +146,6 @@ def check_positions(model: Model, num_positions: int) -> None:
             f"a sequence of {num_positions} tokens is longer than model {model.name}'s max_positions "
             f"{model.max_positions}; shorten the prompts or responses"
         )
-
-
-def attention_mask_4d(key_mask: torch.Tensor, num_queries: int) -> torch.Tensor:
-    """[batch, 1, queries, keys] bool: causal (queries are the last keys) and no padded keys.
-
-    Only a cached decode step builds one: its few queries make it queries x keys, never the
-    keys x keys mask of a whole sequence (`Packing` handles those).
-    """
-    num_keys = key_mask.shape[-1]
-    query_slot = torch.arange(num_keys - num_queries, num_keys, device=key_mask.device)
-    causal = torch.arange(num_keys, device=key_mask.device).unsqueeze(0) <= query_slot.unsqueeze(1)
-    allowed = causal.unsqueeze(0) & key_mask.bool().unsqueeze(1)
-    # A padded query row would see no key at all (NaN softmax); let it see itself.
-    allowed[:, torch.arange(num_queries), query_slot] = True
-    return allowed.unsqueeze(1)
-
-
-@dataclass(frozen=True)
-class Packing:
-    """Each row's real tokens moved to the front, in order, pads after them.
-
-    A whole sequence then needs no attention mask: under the causal mask a real token sees
-    exactly the real tokens before it (pads come after every real token), so torch's
-    scaled-dot-product attention runs in its causal form (`is_causal`, no t x t tensor) and
-    left padding costs two gathers per pipeline stage instead of a [b, 1, t, t] mask. RoPE
-    positions travel with the tokens, so every real token keeps its position.
-    """
-
-    order: torch.Tensor
-    """[b, t] source column of every packed column."""
-    restore: torch.Tensor
-    """[b, t] packed column of every source column (the inverse permutation)."""
-
-    @staticmethod
-    def of(mask: torch.Tensor) -> Packing | None:
-        """The packing of `mask` [b, t] (True: real token); None when every row already has its
-        real tokens first (no padding, or right padding only)."""
-        mask = mask.bool()
-        if not bool((mask[:, 1:] & ~mask[:, :-1]).any()):
-            return None
-        order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
-        return Packing(order, order.argsort(dim=1))
-
-    def pack(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        return _gather_columns(x, self.order, dim)
-
-    def unpack(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        return _gather_columns(x, self.restore, dim)
-
-
-def _gather_columns(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
-    """x with its `dim` axis (the sequence) permuted per row by `index` [b, t]."""
-    shape = [index.shape[0]] + [1] * (x.dim() - 1)
-    shape[dim] = index.shape[1]
-    return x.gather(dim, index.view(shape).expand(*x.shape[:dim], index.shape[1], *x.shape[dim + 1 :]))
-
-
-#: Longest whole sequence whose inference runs `masked_attention` under a causal bias: up to
-#: about this length its two matmuls beat torch's fused kernel on CPU (1 thread, heads of 16-32
-#: dims: 28 tokens 0.76x its time, 64 tokens 2.5x), beyond it the t x t scores cost more.
-MATMUL_ATTENTION_MAX_TOKENS = 32
-
-
-def causal_bias(num_tokens: int, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[group * tokens, tokens] additive causal mask of whole sequences in `masked_attention`'s row order."""
-    return torch.full((num_tokens, num_tokens), float("-inf"), dtype=dtype, device=device).triu_(1).repeat(group, 1)
-
-
-@dataclass(frozen=True)
-class AttentionPlan:
-    """How one forward's attention treats padding: causal over packed rows (whole sequences),
-    or a queries x keys mask (a cached decode step, whose queries are the last keys)."""
-
-    decode_mask: torch.Tensor | None = None
-    """[b, 1, queries, keys] bool (`attention_mask_4d`) of a decode step, which attends over the
-    cache's context; None: causal, queries are all the keys."""
-    bias: torch.Tensor | None = None
-    """`causal_bias` of short whole sequences without autograd (`masked_attention`); None: torch's kernel."""
-    packing: Packing | None = None
-    """The forward's packing of whole sequences (cache writes undo it); None: unpacked."""
-
-
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """q [b, t, heads, d], k/v [b, keys, kv_heads, d] -> [b, t, heads * d] by torch's kernel;
-    causal when `mask` is None."""
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    gqa = q.shape[1] != k.shape[1]
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-    return out.transpose(1, 2).flatten(2)
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Attention of q [b, t, heads, d] over k/v [b, keys, kv_heads, d] under an additive
-    `bias` -> [b, t, heads * d]: two batched matmuls with the query heads of a KV head stacked
-    as rows (query head h reads KV head h // group, as `enable_gqa` does). Short sequences run
-    it faster than torch's fused kernel (see MATMUL_ATTENTION_MAX_TOKENS)."""
-    batch, seq, heads, dim = q.shape
-    kv_heads = k.shape[2]
-    group = heads // kv_heads
-    rows = q.view(batch, seq, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * seq, dim)
-    scores = torch.matmul(rows * (1.0 / math.sqrt(dim)), k.permute(0, 2, 3, 1))
-    out = torch.matmul(torch.softmax(scores + bias, dim=-1), v.transpose(1, 2))
-    return out.view(batch, kv_heads, group, seq, dim).permute(0, 3, 1, 2, 4).reshape(batch, seq, heads * dim)
-
-
-class KVStore(Protocol):
-    """Where one layer's attention keeps the keys and values of generation's earlier tokens."""
-
-    def extend(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new tokens' [b, t, kv heads, d] keys and values (at column `start`), and
-        return the keys and values attention reads, [b, keys, kv heads, d]."""
-        ...
-
-
-@dataclass
-class LayerCache:
-    """One layer's keys and values for generation: [batch, local kv heads, capacity, head_dim]."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-
-    def extend(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        seq = keys.shape[1]
-        self.keys[:, :, start : start + seq] = keys.transpose(1, 2)
-        self.values[:, :, start : start + seq] = values.transpose(1, 2)
-        return self.keys[:, :, : start + seq].transpose(1, 2), self.values[:, :, : start + seq].transpose(1, 2)
 
 
 class RMSNorm(nn.Module):
@@ -384,6 +253,7 @@ class DecoderPipelineStage(nn.Module):
         super().__init__()
         self.model = model
         self.head = head
+        self.inv_freq = rope_inv_freq(model)
         self.tp = tp
         self.is_first = stage == 0
         self.is_last = stage == pp - 1
@@ -439,7 +309,7 @@ class DecoderPipelineStage(nn.Module):
         cache_start: int,
     ) -> torch.Tensor:
         x = self.embed.forward(inputs) if self.is_first else inputs
-        rope = rope_tables(positions, self.model, x.dtype)
+        rope = rope_tables(positions, self.inv_freq, x.dtype)
         for layer_id, block in zip(self.layer_ids, self.layers.values(), strict=True):
             x = block.forward(x, rope, plan, None if caches is None else caches[layer_id], cache_start)
         if not self.is_last:
@@ -474,6 +344,7 @@ class ReferenceModel(nn.Module):
         super().__init__()
         self.model = model
         self.head = head
+        self.inv_freq = rope_inv_freq(model)
         self.weights = nn.ParameterDict()
         for info in param_infos(model, head):
             self.weights[info.name.replace(".", "__")] = nn.Parameter(torch.empty(info.global_shape))
@@ -519,7 +390,7 @@ class ReferenceModel(nn.Module):
     def _packed_forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         m = self.model
         x = F.embedding(tokens, self.param("embed.weight"))
-        rope = rope_tables(positions, m, x.dtype)
+        rope = rope_tables(positions, self.inv_freq, x.dtype)
         for i in range(m.num_layers):
             p = f"layers.{i}."
             x = x + self._attention(i, rms_norm(x, self.param(p + "attn_norm.weight"), m.rms_norm_eps), rope)
@@ -536,50 +407,3 @@ class ReferenceModel(nn.Module):
     def token_log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         flat = -F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="none")
         return flat.view(targets.shape)
-
-
-def _name_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def init_logical_param(info: ParamInfo, seed: int, randomize_all: bool = False) -> torch.Tensor:
-    """The whole (unsharded) initial value of one parameter, a function of (seed, name) only.
-
-    Weight matrices are N(0, INIT_STD); norms start at one and biases at zero, unless
-    `randomize_all` (tests: every parameter then carries a distinct random value).
-    """
-    generator = torch.Generator().manual_seed(_name_seed(seed, info.name))
-    values = torch.randn(info.global_shape, generator=generator, dtype=torch.float32)
-    is_norm = info.name.endswith("norm.weight")
-    is_bias = info.name.endswith(".bias")
-    if randomize_all:
-        return 1.0 + 0.1 * values if is_norm else 0.1 * values if is_bias else INIT_STD * values
-    if is_norm:
-        return torch.ones(info.global_shape)
-    if is_bias:
-        return torch.zeros(info.global_shape)
-    return INIT_STD * values
-
-
-def init_logical_params(model: Model, head: Head, seed: int, randomize_all: bool = False) -> dict[str, torch.Tensor]:
-    return {info.name: init_logical_param(info, seed, randomize_all) for info in param_infos(model, head)}
-
-
-def box_slice(tensor: torch.Tensor, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    """The part of a whole tensor inside `box`."""
-    return tensor[tuple(slice(start, start + length) for start, length in box)]
-
-
-def shard_params(
-    logical: Mapping[str, torch.Tensor], model: Model, head: Head, tp: int, pp: int, stage: int, tp_rank: int
-) -> dict[str, torch.Tensor]:
-    """This rank's slices of whole parameters: exactly the names and boxes of the contract."""
-    out = {}
-    for info in param_infos(model, head):
-        if holds(info, model, pp, stage):
-            box = local_box(info, model, tp, tp_rank)
-            piece = box_slice(logical[info.name], box)
-            assert tuple(piece.shape) == box_shape(box), (info.name, piece.shape, box)
-            out[info.name] = piece.clone()
-    return out

@@ -1,1 +1,6 @@
-"""Observability: measured peak memory, the span timeline, and the hardware profiler behind `nereus profile`."""
+"""Observability.
+
+- `memory`: a rank's measured peak memory (per step and model-stage) and the predicted peaks.
+- `timeline`: the run's span log, one file per rank.
+- `profiling`: the hardware profiler behind `nereus profile`.
+"""

@@ -6,7 +6,9 @@ process's peak resident set (`VmHWM` in /proc/self/status) less its shared pages
 (`RssShmem`: the state arena, resident whole from its reservation on, and the peers'
 arenas it maps to reshard) and less the idle rank's private resident set, plus the bytes
 of tensors in its own arena; the peak is reset at every mark by writing 5 to
-/proc/self/clear_refs (Linux 4.0+). CPU numbers are an upper bound of the live tensors:
+/proc/self/clear_refs (Linux 4.0+). The rank loop makes the tracker and hands it to each step
+(`rl_step(peaks=...)`), with a function that gives the bytes its state occupies in shared
+memory (the arena's used bytes). CPU numbers are an upper bound of the live tensors:
 they include heap the allocator keeps after a free.
 
 Predicted (`nereus.solver.admission.predicted_peaks`, which admission holds against a
@@ -18,7 +20,7 @@ busiest GPU), without the allocator workspace the cost model reserves on a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,6 +62,9 @@ class PeakTracker:
     """High-water marks of this rank's memory since `start_step`, overall and per open segment."""
 
     cuda: bool
+    shared_state_bytes: Callable[[], int] = lambda: 0
+    """CPU: bytes of this rank's state held in shared memory (its arena's used bytes), counted
+    in place of the shared pages, which the reading leaves out."""
     baseline: int = 0
     """CPU: private resident bytes of the idle rank, subtracted from every reading."""
     step_peak: int = 0
@@ -67,9 +72,10 @@ class PeakTracker:
     open: list[str] = field(default_factory=list)
 
     @classmethod
-    def for_device(cls, device_type: str) -> PeakTracker:
-        """A tracker of this process on `device_type`; on CPU its idle baseline is read now."""
-        tracker = cls(cuda=device_type == "cuda")
+    def for_device(cls, device_type: str, shared_state_bytes: Callable[[], int] = lambda: 0) -> PeakTracker:
+        """A tracker of this process on `device_type` (create it once per rank, before its engines
+        exist): on CPU its idle baseline is read now."""
+        tracker = cls(cuda=device_type == "cuda", shared_state_bytes=shared_state_bytes)
         if not tracker.cuda and cpu_peak_supported():
             resident, shared = _status_fields("VmRSS", "RssShmem")
             tracker.baseline = resident - shared
@@ -82,8 +88,6 @@ class PeakTracker:
             peak = int(torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
             return peak
-        from nereus.runtime.comm import arena
-
         try:
             peak, shared = _status_fields("VmHWM", "RssShmem")
             _CLEAR_REFS.write_text("5")  # the peak restarts from the current resident set
@@ -92,9 +96,7 @@ class PeakTracker:
         # Shared pages (this rank's state arena, resident whole from its reservation on, and
         # the peers' arenas it mapped to reshard) are not this rank's: count the arena's used
         # bytes instead, beside the private pages' peak.
-        held = arena.current()
-        in_arena = held.reserved_bytes - held.free_bytes if held is not None else 0
-        return max(0, peak - shared - self.baseline) + in_arena
+        return max(0, peak - shared - self.baseline) + self.shared_state_bytes()
 
     def _fold(self) -> None:
         peak = self._read_and_reset()
@@ -117,21 +119,6 @@ class PeakTracker:
     def end_step(self) -> int:
         self._fold()
         return self.step_peak
-
-
-_TRACKER: list[PeakTracker | None] = [None]
-
-
-def start(device_type: str) -> PeakTracker:
-    """Begin tracking this rank (call once, before its engines exist: the CPU baseline)."""
-    made = PeakTracker.for_device(device_type)
-    _TRACKER[0] = made
-    return made
-
-
-def tracker() -> PeakTracker | None:
-    """This rank's tracker, None when `start` was not called (tests driving steps directly)."""
-    return _TRACKER[0]
 
 
 def predicted_rank_peaks(

@@ -178,23 +178,23 @@ def measure_copy_bandwidth(config: ProfileConfig) -> float:
 def _agreed_repeats(seconds: float, budget_s: float) -> int:
     """Repeats every rank agrees on (the largest estimate), so the loops stay matched."""
     import torch
-    import torch.distributed as dist
 
-    from nereus.runtime.comm import dist as launch
+    from nereus.runtime.comm import collectives
+    from nereus.runtime.comm.world import device as rank_device
 
-    wanted = torch.tensor([max(1.0, min(200.0, budget_s / max(seconds, 1e-7)))], device=launch.device())
-    dist.all_reduce(wanted, op=dist.ReduceOp.MAX)
+    wanted = torch.tensor([max(1.0, min(200.0, budget_s / max(seconds, 1e-7)))], device=rank_device())
+    collectives.all_reduce(wanted, op="max")
     return int(wanted.item())
 
 
 def _slowest(seconds: float) -> float:
     import torch
-    import torch.distributed as dist
 
-    from nereus.runtime.comm import dist as launch
+    from nereus.runtime.comm import collectives
+    from nereus.runtime.comm.world import device as rank_device
 
-    value = torch.tensor([seconds], dtype=torch.float64, device=launch.device())
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    value = torch.tensor([seconds], dtype=torch.float64, device=rank_device())
+    collectives.all_reduce(value, op="max")
     return float(value.item())
 
 
@@ -202,16 +202,16 @@ def _collective_call(op: str, rank: int, world: int, tensor: Any) -> Callable[[]
     import torch
     import torch.distributed as dist
 
-    from nereus.runtime.comm import host_collectives
+    from nereus.runtime.comm import collectives
 
     # The engine's own calls: on one host they go through shared memory, not the process group.
     if op == "all_reduce":
-        return lambda: host_collectives.all_reduce(tensor)
+        return lambda: collectives.all_reduce(tensor)
     if op == "all_gather":
         shards = [torch.empty_like(tensor) for _ in range(world)]
-        return lambda: host_collectives.all_gather(shards, tensor)
+        return lambda: collectives.all_gather(shards, tensor)
     if op == "broadcast":
-        return lambda: host_collectives.broadcast(tensor, 0)
+        return lambda: collectives.broadcast(tensor, 0)
     assert op == "p2p", op
 
     def ping_pong() -> None:  # rank 0 -> 1 -> 0; the others wait at the next barrier
@@ -227,7 +227,7 @@ def _collective_call(op: str, rank: int, world: int, tensor: Any) -> Callable[[]
 
 def _time_collective(call: Callable[[], None], budget_s: float, device: str) -> float:
     """Median over 3 trials of the slowest rank's mean time per call."""
-    import torch.distributed as dist
+    from nereus.runtime.comm import collectives
 
     sync = _synchronizer(device)
     call()
@@ -238,7 +238,7 @@ def _time_collective(call: Callable[[], None], budget_s: float, device: str) -> 
     repeats = _agreed_repeats(time.perf_counter() - start, budget_s / 3)
     trials = []
     for _ in range(3):
-        dist.barrier()
+        collectives.barrier()
         start = time.perf_counter()
         for _ in range(repeats):
             call()
@@ -254,22 +254,23 @@ def collective_worker(
     import torch
     import torch.distributed as dist
 
-    from nereus.runtime.comm import dist as launch
+    from nereus.runtime.comm import collectives
+    from nereus.runtime.comm.world import device as rank_device
 
     timings: dict[str, list[tuple[int, float]]] = {}
     for op in COLLECTIVE_OPS:
         timings[op] = []
         for size in sizes:
-            tensor = torch.ones(max(1, size // 4), dtype=torch.float32, device=launch.device())
+            tensor = torch.ones(max(1, size // 4), dtype=torch.float32, device=rank_device())
             seconds = _time_collective(_collective_call(op, rank, world, tensor), budget_s, device)
             # A ping-pong crosses the link twice.
             timings[op].append((size, seconds / 2 if op == "p2p" else seconds))
     setups = []
-    probe = torch.ones(1, device=launch.device())
+    probe = torch.ones(1, device=rank_device())
     for _ in range(3):
-        dist.barrier()
+        collectives.barrier()
         start = time.perf_counter()
-        group = dist.new_group(list(range(world)))
+        group = dist.new_group(list(range(world)))  # a fresh communicator each time: its set-up is measured
         dist.all_reduce(probe, group=group)
         _synchronizer(device)()
         setups.append(_slowest(time.perf_counter() - start))
@@ -292,7 +293,7 @@ def _cpu_only(device: str) -> Any:
 
 
 def measure_collectives(config: ProfileConfig) -> tuple[list[CollectiveMeasurement], float]:
-    from nereus.runtime.comm.dist import spawn
+    from nereus.runtime.comm.spawn import spawn
 
     sizes = config.collective_bytes
     with _cpu_only(config.device):

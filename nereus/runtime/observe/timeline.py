@@ -56,6 +56,9 @@ class Timeline:
         self.spans.clear()
 
 
+#: The timeline `record` writes to inside a `recording` block. Process-wide on purpose, like a
+#: logging handler: a rank is one process with one span log, which code deep in a step
+#: appends to (see the module's docstring); only `recording` sets it, and restores it after.
 _current: Timeline | None = None
 
 

@@ -33,18 +33,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.comm import dist as launch
-from nereus.runtime.comm import host_collectives
+from nereus.runtime.comm import collectives
+from nereus.runtime.comm.world import device as rank_device
 from nereus.runtime.generation.continuous import BatchingDecoder
 from nereus.runtime.generation.decoding import HandOff
 from nereus.runtime.generation.kv_cache import KVBudget
 from nereus.runtime.generation.sampling import SamplingConfig
-from nereus.runtime.model.engine import even_split
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.inter_stage import MigrationSettings, migration_mechanism
 from nereus.runtime.rl.scoring import replica_infer
 from nereus.runtime.rl.stages import ModelStageRuntime, leads, rollout_batch
 from nereus.runtime.rl.timing import timed
+from nereus.runtime.state.sharded_state import even_split
 from nereus.spec.stages import INFERENCE_OUTPUTS, INFERENCE_STAGES, InferenceOutput, ModelStageName
 
 #: What a `RolloutEvent` records.
@@ -112,17 +112,17 @@ class _Recorder:
 
 def _active_counts(generation: ModelStageRuntime, decoder: BatchingDecoder | None) -> list[int]:
     """Samples still generating on every generation replica (collective over the world)."""
-    counts = torch.zeros(generation.layout.dp, dtype=torch.float64, device=launch.device())
+    counts = torch.zeros(generation.layout.dp, dtype=torch.float64, device=rank_device())
     if decoder is not None and leads(generation):
         assert generation.engine is not None
         counts[generation.engine.groups.replica] = decoder.num_active
-    host_collectives.all_reduce(counts)
+    collectives.all_reduce(counts)
     return [int(count) for count in counts.tolist()]
 
 
 def _gather(value: Any) -> list[Any]:
     gathered: list[Any] = [None] * dist.get_world_size()
-    host_collectives.all_gather_object(gathered, value)
+    collectives.all_gather_object(gathered, value)
     return gathered
 
 
@@ -149,7 +149,7 @@ def _send(hand_off: HandOff, dst: int) -> None:
     shapes = None if hand_off.kv is None else [tuple(kv.shape) for kv in hand_off.kv]
     dist.send_object_list([replace(hand_off, kv=None), shapes], dst=dst)
     if hand_off.kv is not None:
-        dist.send(torch.cat([kv.reshape(-1) for kv in hand_off.kv]).to(launch.device()), dst=dst)
+        dist.send(torch.cat([kv.reshape(-1) for kv in hand_off.kv]).to(rank_device()), dst=dst)
 
 
 def _receive(src: int) -> HandOff:
@@ -158,7 +158,7 @@ def _receive(src: int) -> HandOff:
     hand_off, shapes = header
     if shapes is None:
         return hand_off
-    flat = torch.empty(sum(math.prod(shape) for shape in shapes), device=launch.device())
+    flat = torch.empty(sum(math.prod(shape) for shape in shapes), device=rank_device())
     dist.recv(flat, src=src)
     pieces = flat.cpu().split([math.prod(shape) for shape in shapes])
     return replace(hand_off, kv=[piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)])
@@ -304,10 +304,10 @@ def _replica_agrees(stage: ModelStageRuntime, flag: bool) -> bool:
     pipeline group), so that they stop together."""
     engine = stage.engine
     assert engine is not None
-    value = torch.tensor([float(flag)], device=launch.device())
+    value = torch.tensor([float(flag)], device=rank_device())
     for group in (engine.groups.tp.group, engine.groups.link.group):
         if group is not None:
-            host_collectives.all_reduce(value, group, op="max")
+            collectives.all_reduce(value, group, op="max")
     return bool(value.item() > 0)
 
 

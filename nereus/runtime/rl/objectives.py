@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nereus.runtime.comm import host_collectives
-from nereus.runtime.model.engine import HeadOps, next_token_log_probs
+from nereus.runtime.comm import collectives
+from nereus.runtime.model.losses import HeadOps, next_token_log_probs
 from nereus.runtime.model.tensor_parallel import TensorParallel, reduce_from_group
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.algorithms import clipped_policy_loss, clipped_value_loss, kl_divergence
@@ -37,7 +37,7 @@ def vocab_parallel_entropy(local_logits: torch.Tensor, tp: TensorParallel) -> to
     logits = local_logits.float()
     peak = logits.detach().max(dim=-1, keepdim=True).values
     if tp.group is not None:
-        host_collectives.all_reduce(peak, tp.group, op="max")
+        collectives.all_reduce(peak, tp.group, op="max")
     exp = torch.exp(logits - peak)
     total = reduce_from_group(exp.sum(dim=-1), tp.group)
     weighted = reduce_from_group((exp * logits).sum(dim=-1), tp.group)

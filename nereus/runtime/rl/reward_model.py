@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from nereus.runtime.model.engine import ValueLoss
+from nereus.runtime.model.losses import ValueLoss
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.scoring import last_token_mask
 from nereus.runtime.rl.stages import ModelStageRuntime, rollout_batch

@@ -111,6 +111,7 @@ def rule_reward(prompt: PromptValue, response: str, answer: str) -> float:
     return answer_score(response, answer)
 
 
+#: The built-in reward functions by name (a constant table, never written).
 BUILT_IN: dict[str, RewardFunction] = {"math": math_reward, "exact": exact_reward, "rule": rule_reward}
 
 

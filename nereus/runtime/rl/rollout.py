@@ -10,11 +10,11 @@ from collections.abc import Callable
 from nereus.runtime.generation.generate import generate
 from nereus.runtime.generation.kv_cache import KVBudget
 from nereus.runtime.generation.sampling import SamplingConfig
-from nereus.runtime.model.engine import even_split
 from nereus.runtime.rl.fused_rollout import RolloutEvent, fused_rollout
 from nereus.runtime.rl.inter_stage import migration_settings
 from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, local_state_bytes, rollout_batch
 from nereus.runtime.rl.timing import timed
+from nereus.runtime.state.sharded_state import even_split
 from nereus.spec.plan import Fusion, Plan
 
 

@@ -31,20 +31,17 @@ import torch.distributed as dist
 
 from nereus.cost.calibration import Calibration
 from nereus.errors import ArgumentError, NereusError
-from nereus.runtime.comm import arena, host_collectives, shm
-from nereus.runtime.comm.dist import (
+from nereus.runtime.comm import arena, collectives, shm
+from nereus.runtime.comm.heartbeat import (
     GUARD_GRACE_S,
     HEARTBEAT_S,
     Heartbeat,
-    Peer,
     describe_unresponsive,
-    device,
     exit_without_teardown,
-    init_from_env,
     kill_unresponsive_sibling,
-    spawn,
-    timed_out,
 )
+from nereus.runtime.comm.spawn import spawn, timed_out
+from nereus.runtime.comm.world import Peer, device, init_from_env
 from nereus.runtime.hf.load import load_engine
 from nereus.runtime.observe import memory, timeline
 from nereus.runtime.rl.controller import Controller, Predictor, prediction_fields
@@ -147,7 +144,7 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     """The whole run on this rank; returns the number of steps the run has finished."""
     config, plan = setup.config, setup.plan
     torch.manual_seed(config.rl.seed)
-    memory.start(device().type)  # the idle baseline, before any state exists
+    peaks = memory.PeakTracker.for_device(device().type, arena.used_bytes)  # the idle baseline, before any state
     reserve_arena(plan, config.rl, rank)
     stages = build_stages(plan, config.rl)
     syncs = sync_plans(stages)
@@ -179,7 +176,7 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
             rl = rl_config if lengths is None else rl_config.model_copy(update={"max_new_tokens": lengths[step]})
             samples: list[dict[str, Any]] | None = [] if rank == 0 and rl.log_samples else None
             idle = None if state is None else state.calibrate_idle
-            metrics = rl_step(plan, rl, stages, syncs, step, idle=idle, samples=samples, inputs=inputs)
+            metrics = rl_step(plan, rl, stages, syncs, step, idle=idle, samples=samples, inputs=inputs, peaks=peaks)
             if eval_due(inputs, step, config.num_steps):
                 metrics = dataclasses.replace(metrics, eval_reward=evaluate(stages, inputs, rl))
             if samples:
@@ -277,7 +274,7 @@ def next_move(setup: RunSetup, state: RunState | None, switches: dict[int, Switc
         assert state.controller is not None
         with timeline.span("controller", "decide"):
             decided[0] = state.controller.decide(step)
-    host_collectives.broadcast_object_list(decided, 0)
+    collectives.broadcast_object_list(decided, 0)
     move: Move | None = decided[0]
     return move
 
@@ -364,7 +361,7 @@ def logical_digests(stages: dict[str, ModelStageRuntime], families: dict[str, tu
         if stage.engine is not None and name in families
     }
     parts: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-    dist.gather_object(mine, parts if dist.get_rank() == 0 else None, dst=0)
+    collectives.gather_object(mine, parts if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
         return {}
     digests = {}
@@ -405,7 +402,7 @@ def save_run_checkpoint(
     if rank == 0:
         root.mkdir(exist_ok=True)
         shared[0] = tempfile.mkdtemp(prefix=f".step-{step:06d}.tmp-", dir=root)
-    dist.broadcast_object_list(shared, src=0)
+    collectives.broadcast_object_list(shared, 0)
     folder = Path(shared[0])
     for name in saved_stages(setup.config.rl):
         if name not in stages:
@@ -438,7 +435,7 @@ def save_run_checkpoint(
             hidden = old.with_name(f".deleting-{old.name}")
             os.rename(old, hidden)
             shutil.rmtree(hidden)
-    dist.barrier()
+    collectives.barrier()
 
 
 def _seal(folder: Path, target: Path, step: int) -> None:
@@ -569,12 +566,12 @@ class JoinedJob:
             self.heartbeat.announce("setup")
         else:
             self.heartbeat.wait_for("setup", 0, "the run's setup")
-        dist.broadcast_object_list(payload, src=0)
+        collectives.broadcast_object_list(payload, 0)
         if isinstance(payload[0], NereusError):
             raise payload[0]
         setup, marker_name = payload[0]
         seen: list[Any] = [None] * self.world_size
-        dist.all_gather_object(seen, (setup.out / marker_name).is_file())
+        collectives.all_gather_object(seen, (setup.out / marker_name).is_file())
         if self.rank == 0:
             (setup.out / marker_name).unlink()
         blind = sorted({self.peers[rank].node for rank, ok in enumerate(seen) if not ok})
@@ -601,7 +598,7 @@ class JoinedJob:
         follower.start()
         try:
             run_rank(self.rank, self.world_size, setup)
-            dist.barrier()  # no rank tears its communicator down while a peer may still send on it
+            collectives.barrier()  # no rank tears its communicator down while a peer may still send on it
         except Exception as error:
             failure = self.failed(setup, error)
             exit_without_teardown(getattr(failure, "exit_code", 1))
@@ -686,7 +683,7 @@ def join_job(timeout_s: float) -> JoinedJob:
 
     signal.signal(signal.SIGTERM, _on_sigterm)
     peers = init_from_env(timedelta(seconds=timeout_s))
-    return JoinedJob(peers, Heartbeat(timeout_s, watch=dist.get_rank() == 0), timeout_s)
+    return JoinedJob(peers, Heartbeat(peers, timeout_s, watch=dist.get_rank() == 0), timeout_s)
 
 
 def portable_error(error: NereusError) -> NereusError:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.cost.plan_cost import head_of
-from nereus.runtime.comm import host_collectives
+from nereus.runtime.comm import collectives
 from nereus.runtime.hf.names import OPTIONAL
 from nereus.runtime.model.adamw import AdamWConfig, stage_precision
 from nereus.runtime.model.engine import Engine, EngineConfig
@@ -155,7 +155,7 @@ def by_replica_of(stages: Mapping[str, ModelStageRuntime], values: Mapping[str, 
     gathered: list[Any] = [mine]
     if dist.get_world_size() > 1:  # alone, the gather (a pickle round trip) would only cost time
         gathered = [None] * dist.get_world_size()
-        host_collectives.all_gather_object(gathered, mine)
+        collectives.all_gather_object(gathered, mine)
     out = {}
     for name, stage in stages.items():
         parts = sorted((rank_parts[name] for rank_parts in gathered if name in rank_parts), key=lambda p: p[0])

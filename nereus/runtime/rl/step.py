@@ -24,7 +24,7 @@ from typing import Any
 
 from nereus.runtime.generation.sampling import SamplingConfig
 from nereus.runtime.model.fused_pipeline import OpTiming
-from nereus.runtime.observe import memory
+from nereus.runtime.observe.memory import PeakTracker
 from nereus.runtime.rl.algorithms import masked_mean
 from nereus.runtime.rl.datasets import Prompt
 from nereus.runtime.rl.fused_rollout import RolloutEvent
@@ -34,7 +34,7 @@ from nereus.runtime.rl.run_data import StepInputs, step_inputs
 from nereus.runtime.rl.samples import sample_records
 from nereus.runtime.rl.scoring import Scored, score
 from nereus.runtime.rl.stages import ModelStageRuntime
-from nereus.runtime.rl.timing import record_fused, step_totals, timed
+from nereus.runtime.rl.timing import StepSeconds, record_fused, step_totals, timed
 from nereus.runtime.rl.update import (
     WeightSync,
     advantages_of,
@@ -61,18 +61,18 @@ def rl_step(
     idle: Callable[[], None] | None = None,
     samples: list[dict[str, Any]] | None = None,
     inputs: StepInputs | None = None,
+    peaks: PeakTracker | None = None,
 ) -> StepMetrics:
     """One RL step on this rank (collective over the world). `fusion` replaces the plan's
     fusion block when given; under inter-stage fusion this rank's rollout events are appended
     to `events` when given, and `config.log_samples` sample records to `samples`. `idle`:
     work this rank runs while others generate, if it has no part in generation (rank 0's
     deferred calibration). `inputs`: the run's tokenizer, prompts and reward (default: the
-    synthetic task's)."""
+    synthetic task's). `peaks`: the rank's memory tracker (None: untracked)."""
     start = time.perf_counter()
-    peaks = memory.tracker()
     if peaks is not None:
         peaks.start_step()
-    seconds: dict[str, float] = {}
+    seconds = StepSeconds(peaks)
     in_force = plan.fusion if fusion is None else fusion
     inputs = inputs if inputs is not None else step_inputs(config, None)
     problems, prompts, sampling = draw_prompts(plan.workload, config, inputs, step)

@@ -12,26 +12,42 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.comm import dist as launch
-from nereus.runtime.comm import host_collectives
+from nereus.runtime.comm import collectives
+from nereus.runtime.comm.world import device as rank_device
 from nereus.runtime.model.fused_pipeline import OpTiming
-from nereus.runtime.observe import memory, timeline
+from nereus.runtime.observe import timeline
+from nereus.runtime.observe.memory import PeakTracker
 from nereus.runtime.rl.stages import ModelStageRuntime, local_state_bytes
 
 if TYPE_CHECKING:
     from nereus.runtime.rl.fused_rollout import RolloutEvent
 
 
+class StepSeconds(dict[str, float]):
+    """A step's seconds by model-stage and phase, and the rank's memory tracker that its
+    model-stages' blocks read (None: memory untracked, e.g. tests driving steps directly)."""
+
+    def __init__(self, peaks: PeakTracker | None = None) -> None:
+        super().__init__()
+        self.peaks = peaks
+
+
+def tracker_of(seconds: dict[str, float]) -> PeakTracker | None:
+    """The memory tracker `seconds` carries (a plain dict carries none)."""
+    return seconds.peaks if isinstance(seconds, StepSeconds) else None
+
+
 @contextmanager
 def timed(seconds: dict[str, float], name: str) -> Iterator[None]:
     """Add the block's wall time to `seconds[name]` and record it on the run's timeline; a
-    model-stage's block (`role/stage`) is also a memory segment (`memory.PeakTracker`)."""
+    model-stage's block (`role/stage`) is also a memory segment of the tracker `seconds`
+    carries (`StepSeconds`)."""
     start, wall_start = time.perf_counter(), time.time()
     is_stage = "/" in name
     # Only model-stages' peaks are reported; a phase's peak still reaches the step's peak
     # at the next reading (the high-water mark holds it), so a phase takes no reading: each
     # costs a /proc read and write on CPU.
-    peaks = memory.tracker() if is_stage else None
+    peaks = tracker_of(seconds) if is_stage else None
     if peaks is not None:
         peaks.enter(name)
     yield
@@ -46,9 +62,9 @@ def gather_numbers(values: list[float]) -> torch.Tensor:
     # On the rank's device: NCCL gathers only GPU tensors.
     if dist.get_world_size() == 1:
         return torch.tensor([values], dtype=torch.float64)
-    mine = torch.tensor(values, dtype=torch.float64, device=launch.device())
+    mine = torch.tensor(values, dtype=torch.float64, device=rank_device())
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    host_collectives.all_gather(rows, mine)
+    collectives.all_gather(rows, mine)
     return torch.stack(rows).cpu()
 
 
@@ -76,7 +92,7 @@ def step_totals(seconds: dict[str, float], names: list[str], stages: dict[str, M
     """`slowest_rank` of `seconds`, the bytes of engine state each rank holds (of `stages`)
     and the peak memory of the step and of each model-stage, from one all-gather: each
     collective costs a few ms on gloo."""
-    peaks = memory.tracker()
+    peaks = tracker_of(seconds)
     step_peak = peaks.end_step() if peaks is not None else 0
     stage_peaks = [float(peaks.segment_peaks.get(n, 0)) if peaks is not None else 0.0 for n in names]
     times = [seconds.get(name, 0.0) for name in names]

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.model.engine import even_split
 from nereus.runtime.model.fused_pipeline import FusedPart, OpTiming
 from nereus.runtime.model.fused_schedule import fused_schedule
 from nereus.runtime.model.tensor_parallel import TensorParallel
@@ -36,8 +35,9 @@ from nereus.runtime.rl.rewards import Scorer
 from nereus.runtime.rl.scoring import Scored, reward_of
 from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of
 from nereus.runtime.rl.timing import timed
-from nereus.runtime.state.reshard import ReshardPlan, ReshardResult, execute, plan_reshard
-from nereus.runtime.state.sharded_state import StateMeta, state_meta
+from nereus.runtime.state.reshard import ReshardResult, execute
+from nereus.runtime.state.reshard_plan import ReshardPlan, plan_reshard
+from nereus.runtime.state.sharded_state import StateMeta, even_split, state_meta
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.stages import WEIGHT_SYNCS

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import zlib
 
-from nereus.runtime.model.engine import NextTokenLoss
+from nereus.runtime.model.losses import NextTokenLoss
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.observe import timeline
 from nereus.runtime.rl.optimization import UpdateRule, apply_update

@@ -256,6 +256,8 @@ def save_checkpoint_distributed(
     """
     import torch.distributed as dist
 
+    from nereus.runtime.comm import collectives
+
     target = Path(path)
     started: list[Any] = [None]
     if dist.get_rank() == 0:
@@ -263,7 +265,7 @@ def save_checkpoint_distributed(
             started[0] = str(_start(target))
         except NereusError as error:
             started[0] = error
-    dist.broadcast_object_list(started, src=0)
+    collectives.broadcast_object_list(started, 0)
     if isinstance(started[0], NereusError):
         raise started[0]
     folder = Path(started[0])
@@ -275,11 +277,11 @@ def save_checkpoint_distributed(
     except Exception as error:  # safetensors reports a failed write (a full disk) in its own error type
         outcome = f"rank {rank}: writing {folder / f'shard-{rank:05d}.safetensors'} failed: {one_line(str(error))}"
     outcomes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(outcomes, outcome)
+    collectives.all_gather_object(outcomes, outcome)
     result: list[Any] = [None]
     if dist.get_rank() == 0:
         result[0] = _seal_or_discard(folder, target, meta, step, outcomes)
-    dist.broadcast_object_list(result, src=0)
+    collectives.broadcast_object_list(result, 0)
     if isinstance(result[0], str):
         raise NereusError(result[0])
     assert isinstance(result[0], CheckpointIndex)

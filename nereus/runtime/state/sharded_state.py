@@ -75,6 +75,17 @@ def stage_dp_sharded(workload: Workload, entry: StagePlan) -> frozenset[str]:
     return dp_sharded_families(workload, entry.stage, shards_across_dp(workload, entry))
 
 
+def even_split(num_rows: int, parts: int) -> list[tuple[int, int]]:
+    """(start, stop) of `parts` contiguous runs covering `num_rows`, sizes differing by at most one."""
+    base, extra = divmod(num_rows, parts)
+    bounds, start = [], 0
+    for part in range(parts):
+        stop = start + base + (part < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
 def dp_rows(rows: int, dp: int, replica: int) -> tuple[int, int] | None:
     """(offset, count) of the first-dimension rows of a `rows`-row box that `replica` holds
     of a ZeRO-1 sharded family (an even split); None when the box has fewer rows than dp:

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 
 from nereus.cost.plan_cost import head_of
 from nereus.runtime.observe import timeline
-from nereus.runtime.state.reshard import execute, plan_reshard
+from nereus.runtime.state.reshard import execute
+from nereus.runtime.state.reshard_plan import plan_reshard
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.runtime.state.sharded_state import StateMeta, state_dtypes, state_meta
 from nereus.solver.transition.primitives import Emu, Primitive

@@ -16,7 +16,8 @@ from nereus.errors import NereusError
 from nereus.solver.pipeline.evaluate import describe, evaluate, timing_violations
 from nereus.solver.pipeline.exact import ExactMemory, ExactResult
 from nereus.solver.pipeline.model import Instance, ModelTimes, OpKey, Pipeline, Problem, build_instance
-from nereus.solver.pipeline.search import RELATIVE_EPS, FusedResult
+from nereus.solver.pipeline.policy import RELATIVE_EPS
+from nereus.solver.pipeline.search import FusedResult
 from nereus.spec.check import Problem as CheckProblem
 from nereus.spec.schedule import (
     ExactMemorySummary,

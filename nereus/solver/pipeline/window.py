@@ -20,6 +20,7 @@ from typing import Any
 from nereus.solver.pipeline.evaluate import peak_memory, simulate
 from nereus.solver.pipeline.exact import MEMORY_STEPS, ceil_units, whole_units
 from nereus.solver.pipeline.model import Instance
+from nereus.solver.pipeline.policy import RELATIVE_EPS
 
 Orders = list[list[int]]
 
@@ -28,7 +29,6 @@ Orders = list[list[int]]
 WINDOW_OPS = (40, 120)
 #: CP-SAT seconds per window.
 WINDOW_SOLVE_S = 0.5
-RELATIVE_EPS = 1e-9
 
 
 @dataclass

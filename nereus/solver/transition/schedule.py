@@ -25,9 +25,9 @@ import numpy as np
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from nereus.cost.plan_cost import head_of, resident_share, usable_memory
 from nereus.cost.stage import StageCostModel
-from nereus.errors import NereusError
 from nereus.solver.transition.local import STAR_ROUNDS, Replicas, replica_dag, stamp
 from nereus.solver.transition.order_search import GREEDY_TRIES, SEARCH_BUDGET, OrderSearch
+from nereus.solver.transition.pair import plan_pair
 from nereus.solver.transition.primitives import Emu, Layout, Primitive
 from nereus.solver.transition.replay import (
     EPS,
@@ -721,18 +721,18 @@ def _cyclic_gc_paused() -> Iterator[None]:
 
 
 def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None = None) -> TransitionResult:
-    """The scheduled global transition DAG from plan A to plan B."""
+    """The scheduled global transition DAG from plan A to plan B. Plans on clusters that
+    differ only in node count run on the larger one (`pair.plan_pair`, which refuses any
+    other pair of clusters, and plans that run other model-stages)."""
+    pair = plan_pair(plan_a, plan_b)
+    plan_a, plan_b = pair.source, pair.target
     with _cyclic_gc_paused():
         return _build_transition(plan_a, plan_b, calibration)
 
 
 def _build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None) -> TransitionResult:
     calibration = DEFAULT_CALIBRATION if calibration is None else calibration  # building one costs ~0.1 ms
-    if plan_a.cluster != plan_b.cluster:
-        raise NereusError("the two plans are for different clusters; a transition needs one cluster")
     entries_a: dict[str, StagePlan] = {entry.model_stage: entry for entry in plan_a.stages}
-    if sorted(entries_a) != sorted(entry.model_stage for entry in plan_b.stages):
-        raise NereusError("the two plans run different model-stages; a transition keeps the workload")
     changed_b = [e for e in plan_b.stages if (e.tp, e.pp, e.emus) != _layout_of(entries_a[e.model_stage])]
     changed: list[str] = [entry.model_stage for entry in changed_b]
     sizes = _resident_sizes(plan_a, plan_b, _state_sizes(plan_b, entries_a, calibration), calibration)

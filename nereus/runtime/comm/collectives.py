@@ -1,0 +1,138 @@
+"""The runtime's one collectives interface: every collective over a process group goes through here.
+
+`all_reduce`, `all_gather`, `broadcast`, `reduce_scatter`, the object collectives
+(`all_gather_object`, `broadcast_object_list`, `gather_object`), `barrier`, and `subgroup`,
+the process group of a set of ranks. Every call takes `group` (None: the world) and
+behaves like the `torch.distributed` call of the same name.
+
+Which transport carries a call is decided here, not by callers. On a group whose ranks share
+one host, CPU tensors and pickled objects can go through the shared-memory backend
+(`host_collectives`) instead of the process group; it is used for the operations in
+HOST_PATH_OPS, the ones where `benchmarks/collectives.py` measured it faster than gloo
+(benchmarks/results/collectives.json: 2 ranks on one host). Everything else, CUDA tensors,
+and groups that span hosts go through `torch.distributed`. Point-to-point sends and
+receives (pipeline links, resharding) have one transport and call `torch.distributed`
+directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch.distributed as dist
+
+from nereus.runtime.comm import host_collectives
+
+if TYPE_CHECKING:
+    import torch
+
+Op = Literal["sum", "max"]
+
+#: Operations the shared-memory backend carries on a same-host group. Measured with
+#: `benchmarks/collectives.py` (benchmarks/results/collectives.json, 2 ranks, 4 B to 256 KiB):
+#: an operation is listed when the host path was faster than gloo at every measured size. All
+#: five were, by 3-62x (e.g. a 1 KiB all-reduce 15 us against 0.9 ms, a 256 KiB object
+#: all-gather 0.2 ms against 1.9 ms); an operation measured slower would be left out here.
+HOST_PATH_OPS: frozenset[str] = frozenset(
+    {"all_reduce", "all_gather", "broadcast", "all_gather_object", "broadcast_object_list"}
+)
+
+
+def _dist_op(op: Op) -> Any:
+    return dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+
+
+def all_reduce(tensor: torch.Tensor, group: Any = None, op: Op = "sum") -> None:
+    """Reduce `tensor` in place over `group`: every rank gets the sum (or max), bitwise equal."""
+    if "all_reduce" in HOST_PATH_OPS:
+        host_collectives.all_reduce(tensor, group, op)
+    else:
+        dist.all_reduce(tensor, op=_dist_op(op), group=group)
+
+
+def all_gather(parts: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
+    """`parts[r]` receives group rank r's `tensor` (every rank's of one shape and dtype)."""
+    if "all_gather" in HOST_PATH_OPS:
+        host_collectives.all_gather(parts, tensor, group)
+    else:
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> None:
+    """Every rank's `tensor` becomes global rank `src`'s."""
+    if "broadcast" in HOST_PATH_OPS:
+        host_collectives.broadcast(tensor, src, group)
+    else:
+        dist.broadcast(tensor, src=src, group=group)
+
+
+def reduce_scatter(flat: torch.Tensor, group: Any, parts: int, index: int) -> torch.Tensor:
+    """Part `index` of the sum over `group` of `flat` (`parts` equal parts). NCCL reduce-
+    scatters; gloo has no reduce-scatter, so on CPU `flat` is all-reduced in place and the
+    part kept (the same sums)."""
+    import torch
+
+    size = flat.numel() // parts
+    if flat.is_cuda:
+        out = torch.empty(size, dtype=flat.dtype, device=flat.device)
+        dist.reduce_scatter_tensor(out, flat, group=group)
+        return out
+    all_reduce(flat, group)
+    return flat[index * size : (index + 1) * size]
+
+
+def all_gather_object(gathered: list[Any], obj: Any, group: Any = None) -> None:
+    """`gathered[r]` becomes group rank r's `obj` (pickled: objects of this run's own ranks)."""
+    if "all_gather_object" in HOST_PATH_OPS:
+        host_collectives.all_gather_object(gathered, obj, group)
+    else:
+        dist.all_gather_object(gathered, obj, group=group)
+
+
+def broadcast_object_list(objects: list[Any], src: int, group: Any = None) -> None:
+    """`objects` becomes global rank `src`'s list, on every rank."""
+    if "broadcast_object_list" in HOST_PATH_OPS:
+        host_collectives.broadcast_object_list(objects, src, group)
+    else:
+        dist.broadcast_object_list(objects, src=src, group=group)
+
+
+def gather_object(obj: Any, gathered: list[Any] | None, dst: int = 0, group: Any = None) -> None:
+    """Global rank `dst`'s `gathered[r]` becomes group rank r's `obj` (the others pass None)."""
+    dist.gather_object(obj, gathered, dst=dst, group=group)
+
+
+def barrier(group: Any = None) -> None:
+    """Return once every rank of `group` has called it."""
+    dist.barrier(group=group)
+
+
+class _Subgroups:
+    """The process groups made by `subgroup`, by their ranks, for the current world."""
+
+    def __init__(self) -> None:
+        self.world: Any = None
+        self.by_ranks: dict[tuple[int, ...], Any] = {}
+
+    def get(self, ranks: Sequence[int]) -> Any:
+        if self.world is not dist.group.WORLD:  # a new world (a spawned test's next run)
+            self.world, self.by_ranks = dist.group.WORLD, {}
+        key = tuple(sorted(ranks))
+        if key not in self.by_ranks:
+            self.by_ranks[key] = dist.new_group(list(key))
+        return self.by_ranks[key]
+
+
+#: Process-wide on purpose: a process group is a communicator of the world, created collectively
+#: (every rank, same order) and never freed by torch, so each rank set gets one group per world,
+#: reused by every layout and engine that needs it, rather than one per caller.
+_SUBGROUPS = _Subgroups()
+
+
+def subgroup(ranks: Sequence[int]) -> Any:
+    """The process group of `ranks` (None for a single rank), made on first use. A collective
+    on first use: every world rank must ask for the same rank sets in the same order."""
+    if len(ranks) == 1:
+        return None
+    return _SUBGROUPS.get(ranks)

@@ -1,0 +1,86 @@
+"""A rank's place in a RankLayout and its process groups: tensor-, pipeline- and data-parallel
+groups (and the tied-embedding pair), built collectively by every world rank."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from nereus.runtime.comm import collectives
+from nereus.runtime.model.pipeline import PipelineLink
+from nereus.runtime.model.tensor_parallel import TensorParallel
+from nereus.runtime.state.shard_layout import RankLayout
+from nereus.spec.check import layout_problem
+from nereus.spec.model import Head, Model
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """This rank's coordinates in a RankLayout and its process groups."""
+
+    layout: RankLayout
+    replica: int
+    pp_rank: int
+    """This rank's pipeline stage in its replica."""
+    tp: TensorParallel
+    link: PipelineLink
+    dp_group: Any
+    """The ranks holding the same shards in the other replicas (None when dp is 1)."""
+    embed_group: Any
+    """First and last stage of this replica and tensor rank, tied embeddings with pp > 1 only."""
+
+
+def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups | None:
+    """Create the layout's groups (collective: every world rank calls it, in the same order)."""
+    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    rank = dist.get_rank()
+    coords = layout.coords(rank)
+    mine: dict[str, Any] = {}
+
+    def make(kind: str, ranks: list[int]) -> None:
+        group = collectives.subgroup(ranks)
+        if rank in ranks:
+            mine[kind] = group
+
+    for d in range(dp):
+        for s in range(pp):
+            tp_ranks = [layout.rank_at(d, s, r) for r in range(tp)]
+            make("tp", tp_ranks)
+            if tp > model.num_kv_heads:
+                copies = tp // model.num_kv_heads
+                for kv_head in range(model.num_kv_heads):
+                    make("kv", tp_ranks[kv_head * copies : (kv_head + 1) * copies])
+    for d in range(dp):
+        for r in range(tp):
+            stage_ranks = [layout.rank_at(d, s, r) for s in range(pp)]
+            make("pp", stage_ranks)
+            if head == "lm" and model.tied_embeddings and pp > 1:
+                make("embed", [stage_ranks[0], stage_ranks[-1]])
+    for s in range(pp):
+        for r in range(tp):
+            make("dp", [layout.rank_at(d, s, r) for d in range(dp)])
+    if coords is None:
+        return None
+    replica, stage, tp_rank = coords
+    link = PipelineLink(
+        stage,
+        pp,
+        layout.rank_at(replica, stage - 1, tp_rank) if stage > 0 else None,
+        layout.rank_at(replica, stage + 1, tp_rank) if stage < pp - 1 else None,
+        mine.get("pp"),
+    )
+    tensor = TensorParallel(tp, tp_rank, mine.get("tp"), mine.get("kv"))
+    return ParallelGroups(layout, replica, stage, tensor, link, mine.get("dp"), mine.get("embed"))
+
+
+def admissible_layouts(model: Model, max_ranks: int) -> list[tuple[int, int, int]]:
+    """Every (tp, pp, dp) with tp * pp * dp <= max_ranks that the runtime can shard `model` as."""
+    return [
+        (tp, pp, dp)
+        for tp in range(1, max_ranks + 1)
+        for pp in range(1, max_ranks // tp + 1)
+        if layout_problem(model, tp, pp) is None
+        for dp in range(1, max_ranks // (tp * pp) + 1)
+    ]
