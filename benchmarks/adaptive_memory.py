@@ -66,7 +66,7 @@ from nereus.cost.fit import engineless_stages
 from nereus.cost.kv_pool import KV_ELEMENT_BYTES
 from nereus.cost.stage import kv_bytes_per_token
 from nereus.runtime.generation.kv_cache import KVBudget, blocks_for, pool_blocks
-from nereus.runtime.rl.setup import state_bytes_by_rank
+from nereus.solver.admission import state_bytes_by_rank
 from nereus.solver.layouts import RUNTIME_CHOICES
 from nereus.solver.policy.replan import Replanner
 from nereus.spec.io import load_document

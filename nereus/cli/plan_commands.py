@@ -11,6 +11,7 @@ import typer
 from nereus.cli.outputs import check_output
 from nereus.cli.progress import progress_bar
 from nereus.errors import NereusError
+from nereus.spec.capabilities import unexecuted_labels
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -82,8 +83,7 @@ def plan(
         bool,
         typer.Option(
             "--for-runtime",
-            help="Only what `nereus run` executes: no recompute, token budgets, ZeRO-1, full sharding, offload or "
-            "KV budget.",
+            help=f"Only what `nereus run` executes: no {unexecuted_labels()}.",
         ),
     ] = False,
 ) -> None:
@@ -139,16 +139,24 @@ def _switch(flag: str, value: str, on: object, off: object) -> tuple[object, ...
 def _memory_choices(
     recompute: str, token_budget: str, zero1: str, offload: str, kv_budget: str, full_shard: str, for_runtime: bool
 ) -> MemoryChoices:
-    """The search space the flags leave (each flag pins one choice; --for-runtime pins all off)."""
-    from nereus.solver.layouts import RUNTIME_CHOICES, MemoryChoices
+    """The search space the flags leave (each flag pins one choice; --for-runtime pins off every
+    choice the runtime does not execute, `nereus.spec.capabilities`)."""
+    from nereus.solver.layouts import MemoryChoices
+    from nereus.spec.capabilities import MEMORY_CHOICES
 
-    pinned = {"recompute": recompute, "token-budget": token_budget, "zero1": zero1, "offload": offload}
-    pinned |= {"kv-budget": kv_budget, "full-shard": full_shard}
     if for_runtime:
-        others = [f"--{name} {value}" for name, value in pinned.items() if value not in ("search", "off", "none")]
-        if others:
-            raise NereusError(f"--for-runtime excludes {others[0]}: the runtime does not execute it yet")
-        return RUNTIME_CHOICES
+        flags = {"recompute": recompute, "token_budget": token_budget, "zero1": zero1, "offload": offload}
+        flags |= {"kv_budget": kv_budget, "full_shard": full_shard}
+        for name, value in flags.items():
+            support = MEMORY_CHOICES[name]  # type: ignore[index]
+            if not support.executed and value not in ("search", "off", "none"):
+                raise NereusError(
+                    f"--for-runtime excludes {support.flag} {value}: the runtime does not execute {support.label} yet"
+                )
+        recompute, token_budget, zero1, offload, kv_budget, full_shard = (
+            value if MEMORY_CHOICES[name].executed else MEMORY_CHOICES[name].off  # type: ignore[index]
+            for name, value in flags.items()
+        )
     if full_shard == "on" and zero1 == "off":
         raise NereusError("--full-shard on shards the optimizer state too, which --zero1 off excludes; drop one")
     recompute_values = {"none": ("none",), "full": ("full",), "search": ("none", "full")}

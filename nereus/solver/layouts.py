@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -10,6 +11,7 @@ import numpy as np
 
 from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, usable_memory
 from nereus.cost.stage import StageCostModel
+from nereus.spec.capabilities import MEMORY_CHOICES, executed
 from nereus.spec.check import kv_heads_rule, pp_rule
 
 #: Bounded KV budgets tried, as fractions of a GPU's usable memory (plus one maximum-length
@@ -41,9 +43,17 @@ class MemoryChoices:
     whole (False)."""
 
 
-#: What `nereus run` executes today: every state resident, every activation kept, fixed rows,
-#: the whole batch's KV cache, whole parameters on every replica.
-RUNTIME_CHOICES = MemoryChoices(("none",), (False,), (False,), (False,), (False,), (False,))
+def runtime_choices() -> MemoryChoices:
+    """The search space of what `nereus run` executes (`nereus.spec.capabilities`): each
+    choice the runtime executes searched as by default, each other one pinned off."""
+    searched = MemoryChoices()
+    pinned = {name: getattr(searched, name)[:1] for name in MEMORY_CHOICES if not executed(name)}
+    return dataclasses.replace(searched, **pinned)
+
+
+#: What `nereus run` executes: ZeRO-1 and KV budgets searched; every state resident, every
+#: activation kept, fixed rows and whole parameters on every replica.
+RUNTIME_CHOICES = runtime_choices()
 
 
 @dataclass(frozen=True)

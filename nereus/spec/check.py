@@ -12,7 +12,7 @@ from nereus.spec.cluster import Cluster
 from nereus.spec.io import ParseError, document_from_data, field_marks, locate, parse_data, read_text
 from nereus.spec.model import Model
 from nereus.spec.plan import Plan, StagePlan
-from nereus.spec.registry import kind_of, semantic_problems
+from nereus.spec.registry import file_problems, kind_of, semantic_problems
 from nereus.spec.stages import model_stage
 from nereus.spec.workload import Workload, model_stages
 
@@ -58,6 +58,21 @@ def pp_rule(model: Model, pp: int) -> str | None:
     return None
 
 
+def layout_problem(model: Model, tp: int, pp: int) -> str | None:
+    """Why the runtime cannot shard `model` as (tp, pp), or None if it can: the attention and
+    layer rules, and tp must divide the vocabulary and the MLP width too."""
+    if tp < 1 or pp < 1:
+        return f"tp={tp} and pp={pp} must be at least 1"
+    for reason in (kv_heads_rule(model, tp), pp_rule(model, pp)):
+        if reason:
+            return reason
+    if model.vocab_size % tp:
+        return f"tp={tp} does not divide the vocabulary of {model.vocab_size} ({model.name})"
+    if model.ffn_dim % tp:
+        return f"tp={tp} does not divide the MLP width {model.ffn_dim} ({model.name})"
+    return None
+
+
 def model_problems(model: Model, prefix: str = "") -> Iterator[Problem]:
     if model.num_heads % model.num_kv_heads:
         yield Problem(
@@ -76,16 +91,39 @@ def cluster_problems(cluster: Cluster, prefix: str = "") -> Iterator[Problem]:
         )
 
 
-def workload_problems(workload: Workload, prefix: str = "") -> Iterator[Problem]:
-    if workload.algorithm == "ppo" and workload.critic is None:
-        yield Problem(f"{prefix}critic", "ppo needs a critic model; name one")
-    if workload.algorithm != "ppo" and workload.critic is not None:
-        yield Problem(f"{prefix}critic", f"{workload.algorithm} uses no critic; remove this key")
+def group_rule(workload: Workload) -> str | None:
+    """Why `workload`'s groups cannot give its algorithm a baseline, or None (one rule for
+    `nereus check` and `nereus run`)."""
     if workload.algorithm == "grpo" and workload.samples_per_prompt < 2:
-        yield Problem(
-            f"{prefix}samples_per_prompt",
-            "grpo compares responses within a group; set samples_per_prompt to 2 or more",
+        return (
+            "grpo compares responses within a group (a group of one has no baseline), so grpo needs "
+            "samples_per_prompt >= 2"
         )
+    return None
+
+
+CriticPart = Literal["key", "stages"]
+
+
+def critic_rule(algorithm: str, has_critic: bool, part: CriticPart) -> str | None:
+    """Why having a critic (or not) does not suit `algorithm`, or None: only ppo trains one.
+    `part` is what the document says it with: a workload's `critic` key or a plan's critic
+    model-stages (one rule for `nereus check` and `nereus run`)."""
+    if algorithm == "ppo" and not has_critic:
+        needed = "a critic model; name one" if part == "key" else "critic/inference and critic/training stages"
+        return f"ppo needs {needed}"
+    if algorithm != "ppo" and has_critic:
+        return f"{algorithm} uses no critic; remove {'this key' if part == 'key' else 'the critic stages'}"
+    return None
+
+
+def workload_problems(workload: Workload, prefix: str = "") -> Iterator[Problem]:
+    critic = critic_rule(workload.algorithm, workload.critic is not None, "key")
+    if critic:
+        yield Problem(f"{prefix}critic", critic)
+    group = group_rule(workload)
+    if group:
+        yield Problem(f"{prefix}samples_per_prompt", group)
     if workload.samples_per_step % workload.mini_batches:
         yield Problem(
             f"{prefix}mini_batches",
@@ -285,10 +323,10 @@ def check_file(path: str | Path) -> CheckResult:
         ]
         return CheckResult(source, None, findings)
     marks = field_marks(text)
-    findings = [
-        _finding(source, p.format(source), p.severity, p.path, locate(p.path, marks))
-        for p in semantic_problems(document)
-    ]
+    problems = semantic_problems(document)
+    if not any(p.severity == "error" for p in problems):
+        problems += file_problems(document, Path(path))
+    findings = [_finding(source, p.format(source), p.severity, p.path, locate(p.path, marks)) for p in problems]
     return CheckResult(source, kind_of(document), findings)
 
 

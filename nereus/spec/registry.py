@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from nereus.spec.base import Document
     from nereus.spec.check import Problem
 
@@ -28,6 +30,11 @@ class KindEntry:
     layered_checks: tuple[str, ...] = ()
     """Checks of a higher layer (the cost model's memory, the solver's replay). They assume a
     consistent document, so they run only when `checks` found no error."""
+    file_checks: tuple[str, ...] = ()
+    """Checks that also read the files the document names (paths relative to its own), each
+    called with the document and its path. `nereus check` runs them when the other checks
+    found no error; loading a document does not (the command that loads it decides which
+    of those files it reads: `nereus run --plan` replaces a run config's plan)."""
 
 
 _SPEC_CHECK = "nereus.spec.check"
@@ -47,7 +54,9 @@ REGISTRY: dict[str, KindEntry] = {
     ),
     "Calibration": KindEntry("nereus.cost.calibration:Calibration"),
     "Profile": KindEntry("nereus.cost.profile:Profile", ("nereus.cost.profile:profile_problems",)),
-    "RunConfig": KindEntry("nereus.spec.run_config:RunConfig"),
+    "RunConfig": KindEntry(
+        "nereus.spec.run_config:RunConfig", file_checks=("nereus.solver.admission:run_config_problems",)
+    ),
     "Schedule": KindEntry(
         "nereus.solver.pipeline.document:Schedule", ("nereus.solver.pipeline.document:schedule_problems",)
     ),
@@ -83,3 +92,11 @@ def semantic_problems(document: Document) -> list[Problem]:
     if not any(p.severity == "error" for p in problems):
         problems += [problem for check in entry.layered_checks for problem in _resolve(check)(document)]
     return problems
+
+
+def file_problems(document: Document, path: Path) -> list[Problem]:
+    """The problems `file_checks` find in a document read from `path` and the files it names."""
+    entry = REGISTRY.get(kind_of(document))
+    if entry is None:
+        return []
+    return [problem for check in entry.file_checks for problem in _resolve(check)(document, path)]

@@ -20,8 +20,8 @@ from repo_paths import DATA, EXAMPLES
 
 from nereus.runtime.observe.memory import predicted_rank_peaks
 from nereus.runtime.rl.run_state import read_run_state
-from nereus.runtime.rl.setup import memory_problems, plan_problems, state_bytes_by_rank
 from nereus.runtime.state.checkpoint import verify_checkpoint
+from nereus.solver.admission import memory_problems, plan_problems, state_bytes_by_rank
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig

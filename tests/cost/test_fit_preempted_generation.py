@@ -18,7 +18,7 @@ from nereus.cost.fit import STEP_KEY, fit_calibration, measured_plan, predict, r
 from nereus.cost.kv_pool import BLOCK_TOKENS, engine_budget
 from nereus.cost.stage import kv_bytes_per_token
 from nereus.runtime.generation.kv_cache import KVBudget, blocks_for, pool_blocks
-from nereus.runtime.rl.setup import state_bytes_by_rank
+from nereus.solver.admission import state_bytes_by_rank
 from nereus.spec.io import load_document, save_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig, RunConfig

@@ -13,7 +13,7 @@ from repo_paths import EXAMPLES
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION
 from nereus.cost.plan_cost import replica_state_bytes
-from nereus.runtime.rl.setup import state_bytes_by_rank
+from nereus.solver.admission import state_bytes_by_rank
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig

@@ -1,4 +1,6 @@
-"""The package's import graph has no cycle, and the renderers do not reach into the runtime.
+"""The package's import graph has no cycle and every import follows the layer table
+(`ALLOWED`: cli, render -> runtime -> solver -> cost -> spec, the runtime's rooms in their own
+order); the registry's dotted paths count as imports of `nereus.spec.registry`.
 
 The graph is read from the source with `ast`, not by importing: every `import` and
 `from ... import` of a nereus module counts, at module level or inside a function (a
@@ -120,3 +122,112 @@ def test_render_imports_nothing_from_the_runtime() -> None:
         if target == "nereus.runtime" or target.startswith("nereus.runtime.")
     )
     assert reaches == []
+
+
+# ---- the layers ----
+
+#: The runtime's rooms: each a unit of its own in the layer table.
+RUNTIME_ROOMS = ("comm", "observe", "state", "model", "generation", "hf", "rl", "run")
+#: What every layer may import besides the units the table names: the error types and units.
+LEAVES = {"errors", "units"}
+BELOW_RUNTIME = {"solver", "cost", "spec"} | LEAVES
+
+#: Which unit may import which (a unit: a top-level package or module of nereus, or a room of
+#: the runtime). Imports point one way, down: cli, render -> runtime -> solver -> cost -> spec;
+#: within the runtime: run (a run's life) -> rl -> hf, generation -> model -> state -> observe -> comm.
+ALLOWED: dict[str, set[str]] = {
+    "nereus": set(),
+    "__main__": {"cli"},
+    "errors": set(),
+    "units": set(),
+    "spec": LEAVES,
+    "cost": {"spec"} | LEAVES,
+    "solver": {"cost", "spec"} | LEAVES,
+    "interop": {"cost", "spec"} | LEAVES,
+    "render": BELOW_RUNTIME,
+    "runtime.comm": BELOW_RUNTIME,
+    "runtime.observe": {"runtime.comm"} | BELOW_RUNTIME,
+    "runtime.state": {"runtime.comm", "runtime.observe"} | BELOW_RUNTIME,
+    "runtime.model": {"runtime.state", "runtime.comm", "runtime.observe"} | BELOW_RUNTIME,
+    "runtime.generation": {"runtime.model", "runtime.state", "runtime.comm", "runtime.observe"} | BELOW_RUNTIME,
+    "runtime.hf": {"runtime.model", "runtime.state", "runtime.comm", "runtime.observe"} | BELOW_RUNTIME,
+    "runtime.rl": {f"runtime.{room}" for room in RUNTIME_ROOMS if room not in ("rl", "run")} | BELOW_RUNTIME,
+    "runtime.run": {f"runtime.{room}" for room in RUNTIME_ROOMS if room != "run"} | BELOW_RUNTIME,
+    "runtime": set(),
+    "cli": {"nereus", "render", "interop", "runtime"} | {f"runtime.{room}" for room in RUNTIME_ROOMS} | BELOW_RUNTIME,
+}
+
+#: Edges against the direction, each module to module with its reason. Admission reads three
+#: facts the runtime owns from torch-free runtime modules, inside the functions that need them.
+EXCEPTIONS: dict[tuple[str, str], str] = {
+    ("nereus.solver.admission", "nereus.runtime.rl.tasks"): "the character tokenizer's vocabulary",
+    ("nereus.solver.admission", "nereus.runtime.model.fused_schedule"): "whether a fused schedule exists",
+    ("nereus.solver.admission", "nereus.runtime.rl.inter_stage"): "whether the fused rollout can migrate",
+    ("nereus.solver.admission", "nereus.runtime.state.shard_layout"): "the shard contract (state bytes by rank)",
+    ("nereus.solver.admission", "nereus.runtime.state.sharded_state"): "the shard contract (state bytes by rank)",
+}
+
+#: The registry names classes and checks of higher layers by dotted path (imported on first use).
+REGISTRY_MODULE = "nereus.spec.registry"
+REGISTRY_TARGETS = {"cost", "solver"}
+
+
+def unit(module: str) -> str:
+    """The layer-table unit of a nereus module: `nereus.runtime.rl.step` -> `runtime.rl`."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "nereus"
+    if parts[0] == "runtime" and len(parts) > 1 and parts[1] in RUNTIME_ROOMS:
+        return f"runtime.{parts[1]}"
+    return parts[0]
+
+
+def registry_edges() -> set[str]:
+    """The modules the registry's dotted paths name (`module:attribute`)."""
+    from dataclasses import astuple
+
+    from nereus.spec.registry import REGISTRY
+
+    paths: list[str] = []
+    for entry in REGISTRY.values():
+        for value in astuple(entry):
+            paths += [value] if isinstance(value, str) else list(value)
+    return {path.partition(":")[0] for path in paths}
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for module, targets in graph.items():
+        here = unit(module)
+        assert here in ALLOWED, f"{module}: unit {here} is not in the layer table; add it"
+        for target in targets:
+            there = unit(target)
+            allowed = there == here or there in ALLOWED[here] or (module, target) in EXCEPTIONS
+            if module == REGISTRY_MODULE and there in REGISTRY_TARGETS:
+                allowed = True
+            if not allowed:
+                found.append(f"{module} ({here}) imports {target} ({there})")
+    return sorted(found)
+
+
+def test_the_layer_check_catches_an_edge_against_the_direction() -> None:
+    assert unit("nereus.runtime.rl.step") == "runtime.rl" and unit("nereus.spec.io") == "spec"
+    assert unit("nereus") == "nereus" and unit("nereus.runtime") == "runtime"
+    graph = {"nereus.cost.stage": {"nereus.solver.layouts"}, "nereus.solver.layouts": {"nereus.cost.stage"}}
+    assert layer_violations(graph) == ["nereus.cost.stage (cost) imports nereus.solver.layouts (solver)"]
+    assert layer_violations({"nereus.runtime.model.engine": {"nereus.runtime.rl.step"}}) != []
+    assert layer_violations({REGISTRY_MODULE: {"nereus.solver.admission"}}) == []
+    assert layer_violations({REGISTRY_MODULE: {"nereus.runtime.rl.setup"}}) != []
+    assert "nereus.solver.admission" in registry_edges() and "nereus.spec.check" in registry_edges()
+
+
+def test_every_import_follows_the_layer_table() -> None:
+    graph = import_graph()
+    graph[REGISTRY_MODULE] = graph[REGISTRY_MODULE] | registry_edges()
+    assert all(target in graph for target in registry_edges()), "a dotted path of the registry names no module"
+    assert layer_violations(graph) == []
+
+
+def test_every_exception_is_still_an_edge() -> None:
+    graph = import_graph()
+    assert [edge for edge in EXCEPTIONS if edge[1] not in graph.get(edge[0], set())] == []

@@ -18,11 +18,12 @@ from nereus.runtime.model.tensor_parallel import TensorParallel
 from nereus.runtime.rl import run
 from nereus.runtime.rl.algorithms import entropy_from_logits
 from nereus.runtime.rl.objectives import vocab_parallel_entropy
-from nereus.runtime.rl.setup import RunSetup, plan_problems, prepare_folder
+from nereus.runtime.rl.setup import RunSetup, prepare_folder
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, rollout_batch
 from nereus.runtime.rl.step import rl_step
 from nereus.runtime.rl.update import old_log_probs_from_training, sync_plans
 from nereus.runtime.state.sharded_state import gather, state_meta
+from nereus.solver.admission import plan_problems
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig, RunConfig

@@ -15,8 +15,9 @@ import torch
 from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.state.reshard import execute
 from nereus.runtime.state.reshard_plan import ReshardPlan, lower_bound, plan_reshard
-from nereus.runtime.state.shard_layout import STATE_FAMILIES, RankLayout, box_numel, intersect, layout_problem
+from nereus.runtime.state.shard_layout import STATE_FAMILIES, RankLayout, box_numel, intersect
 from nereus.runtime.state.sharded_state import StateMeta, cut, gather, random_logical_state, state_meta
+from nereus.spec.check import layout_problem
 from nereus.spec.presets import MODELS
 
 pytestmark = pytest.mark.one_rank

@@ -15,10 +15,11 @@ from random_plans import random_setting, random_stages, relayout_stages
 from repo_paths import EXAMPLES
 
 from nereus.runtime.comm.spawn import spawn
-from nereus.runtime.state.shard_layout import RankLayout, layout_problem
+from nereus.runtime.state.shard_layout import RankLayout
 from nereus.runtime.state.sharded_state import gather, random_rank_state, state_meta
 from nereus.runtime.state.transition_executor import execute_transition
 from nereus.solver.transition.schedule import build_transition
+from nereus.spec.check import layout_problem
 from nereus.spec.plan import Plan
 from nereus.spec.stages import head_of
 

@@ -20,7 +20,8 @@ from typing import Literal
 import torch
 
 from nereus.runtime.comm import arena
-from nereus.runtime.state.sharded_state import RUNTIME_DTYPES, keeps_masters
+from nereus.runtime.state.sharded_state import keeps_masters
+from nereus.spec.capabilities import RUNTIME_DTYPES
 from nereus.spec.stages import Stage
 from nereus.spec.workload import Workload
 

@@ -53,12 +53,12 @@ from nereus.runtime.state.shard_layout import (
     RankLayout,
     box_shape,
     holds,
-    layout_problem,
     local_box,
     param_infos,
     state_key,
 )
 from nereus.runtime.state.sharded_state import dp_rows, even_split
+from nereus.spec.check import layout_problem
 from nereus.spec.model import Head, Model
 
 

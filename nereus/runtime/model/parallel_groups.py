@@ -11,7 +11,8 @@ import torch.distributed as dist
 from nereus.runtime.comm import collectives
 from nereus.runtime.model.pipeline import PipelineLink
 from nereus.runtime.model.tensor_parallel import TensorParallel
-from nereus.runtime.state.shard_layout import RankLayout, layout_problem
+from nereus.runtime.state.shard_layout import RankLayout
+from nereus.spec.check import layout_problem
 from nereus.spec.model import Head, Model
 
 

@@ -11,7 +11,8 @@ of tensors in its own arena; the peak is reset at every mark by writing 5 to
 memory (the arena's used bytes). CPU numbers are an upper bound of the live tensors:
 they include heap the allocator keeps after a free.
 
-Predicted (`predicted_peaks`): per rank and model-stage, the cost model's memory terms of
+Predicted (`nereus.solver.admission.predicted_peaks`, which admission holds against a
+rank's memory): per rank and model-stage, the cost model's memory terms of
 the running model-stage plus the model states of every other model-stage resident on the
 rank (`nereus.cost.plan_cost.evaluate_plan`'s accounting on the rank itself, not on the
 busiest GPU), without the allocator workspace the cost model reserves on a GPU.
@@ -120,39 +121,12 @@ class PeakTracker:
         return self.step_peak
 
 
-def predicted_peaks(
-    plan: Plan, calibration: Calibration | None = None, skip: Collection[str] = ()
-) -> dict[str, dict[int, int]]:
-    """For every model-stage, the predicted peak bytes of each of its ranks while it runs:
-    its own memory terms plus the model states of the rank's other model-stages. Model-stages
-    in `skip` run no engine (a rule reward): they are neither priced nor resident."""
-    from nereus.cost.calibration import DEFAULT_CALIBRATION
-    from nereus.cost.plan_cost import evaluate_plan, split_resident
-
-    evaluation = evaluate_plan(plan, calibration or DEFAULT_CALIBRATION)
-    own: dict[str, dict[str, float]] = {}
-    resident_on: dict[int, float] = {}
-    entries = [entry for entry in plan.stages if entry.model_stage not in skip]
-    for entry in entries:
-        breakdown = evaluation.predictions.model_stages[entry.model_stage].memory_breakdown_bytes
-        own[entry.model_stage] = {k: float(v) for k, v in breakdown.items() if k not in ("co_resident", "workspace")}
-        resident = float(split_resident(own[entry.model_stage], entry.offload)[0])
-        for gpu in entry.gpus:
-            resident_on[gpu] = resident_on.get(gpu, 0.0) + resident
-    peaks: dict[str, dict[int, int]] = {}
-    for entry in entries:
-        terms = own[entry.model_stage]
-        resident = float(split_resident(terms, entry.offload)[0])
-        peaks[entry.model_stage] = {
-            gpu: int(sum(terms.values()) + resident_on[gpu] - resident) for gpu in sorted(set(entry.gpus))
-        }
-    return peaks
-
-
 def predicted_rank_peaks(
     plan: Plan, num_ranks: int, calibration: Calibration | None = None, skip: Collection[str] = ()
 ) -> list[int]:
     """Per rank, the largest predicted peak of the model-stages it runs (0 for an idle rank)."""
+    from nereus.solver.admission import predicted_peaks
+
     peaks = [0] * num_ranks
     for by_rank in predicted_peaks(plan, calibration, skip).values():
         for rank, peak in by_rank.items():

@@ -38,8 +38,9 @@ from nereus.runtime.rl.run_state import (
     PredictionState,
     PredictorState,
 )
-from nereus.runtime.rl.setup import Move, plan_problems
+from nereus.runtime.rl.setup import Move
 from nereus.runtime.rl.update import idle_model_stages
+from nereus.solver.admission import plan_problems
 from nereus.solver.layouts import RUNTIME_CHOICES
 from nereus.solver.policy import (
     Observation,

@@ -62,10 +62,8 @@ from nereus.runtime.rl.setup import (
     RunSetup,
     Switch,
     log_pool_restart,
-    plan_num_ranks,
     prepare_folder,
     seal_manifest,
-    state_bytes_by_rank,
     torchrun_restart,
     torchrun_restarts_left,
 )
@@ -79,6 +77,7 @@ from nereus.runtime.rl.warm_start import warm_start
 from nereus.runtime.state.checkpoint import fsync_path, load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.state.sharded_state import gather
 from nereus.runtime.state.transition_executor import ReplicaState, execute_transition
+from nereus.solver.admission import plan_num_ranks, state_bytes_by_rank
 from nereus.spec.io import load_document, save_document, write_text_atomic
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig

@@ -24,7 +24,7 @@ from typing import Any
 
 from nereus.runtime.generation.sampling import SamplingConfig
 from nereus.runtime.model.fused_pipeline import OpTiming
-from nereus.runtime.observe.memory import PeakTracker, predicted_peaks
+from nereus.runtime.observe.memory import PeakTracker
 from nereus.runtime.rl.algorithms import masked_mean
 from nereus.runtime.rl.datasets import Prompt
 from nereus.runtime.rl.fused_rollout import RolloutEvent
@@ -42,6 +42,7 @@ from nereus.runtime.rl.update import (
     run_training,
     sync_weights,
 )
+from nereus.solver.admission import predicted_peaks
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import StepMetrics

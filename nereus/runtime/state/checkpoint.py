@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import ValidationError
 
 from nereus.errors import NereusError
-from nereus.runtime.state.shard_layout import Box, RankLayout, box_numel, box_shape, intersect, layout_problem
+from nereus.runtime.state.shard_layout import Box, RankLayout, box_numel, box_shape, intersect
 from nereus.runtime.state.sharded_state import (
     TORCH_DTYPE_BYTES,
     StateMeta,
@@ -42,6 +42,7 @@ from nereus.runtime.state.sharded_state import (
     torch_dtype,
 )
 from nereus.spec.base import StrictModel
+from nereus.spec.check import layout_problem
 from nereus.spec.io import one_line, read_utf8
 from nereus.spec.model import Head, Model
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from nereus.spec.check import kv_heads_rule, pp_rule
+from nereus.spec.check import layout_problem
 from nereus.spec.model import Head, Model
 from nereus.spec.plan import StagePlan
 
@@ -56,20 +56,6 @@ class ParamInfo:
     """The transformer block it belongs to (place == "layer")."""
     kv: bool = False
     """A k/v projection: replicated in whole heads once tp exceeds the KV heads."""
-
-
-def layout_problem(model: Model, tp: int, pp: int) -> str | None:
-    """Why the runtime cannot shard `model` as (tp, pp), or None if it can."""
-    if tp < 1 or pp < 1:
-        return f"tp={tp} and pp={pp} must be at least 1"
-    for reason in (kv_heads_rule(model, tp), pp_rule(model, pp)):
-        if reason:
-            return reason
-    if model.vocab_size % tp:
-        return f"tp={tp} does not divide the vocabulary of {model.vocab_size} ({model.name})"
-    if model.ffn_dim % tp:
-        return f"tp={tp} does not divide the MLP width {model.ffn_dim} ({model.name})"
-    return None
 
 
 def _layer_params(model: Model, layer: int) -> list[ParamInfo]:

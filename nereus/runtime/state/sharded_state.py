@@ -24,6 +24,7 @@ from nereus.runtime.state.shard_layout import (
     position_boxes,
     state_key,
 )
+from nereus.spec.capabilities import RUNTIME_DTYPES
 from nereus.spec.model import Head, Model
 from nereus.spec.plan import StagePlan
 from nereus.spec.stages import Stage
@@ -38,11 +39,6 @@ DEFAULT_DTYPE = "float32"
 #: Bytes per element of the dtypes state tensors may have, by torch name (the spec
 #: layer's DTYPE_BYTES is keyed by workload names such as bf16).
 TORCH_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
-
-
-#: Torch names of the dtypes the runtime computes in, by workload dtype (fp16 would need
-#: loss scaling, which the runtime does not do: a plan with it is refused before a run).
-RUNTIME_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16"}  # a constant table: never written
 
 
 def keeps_masters(workload: Workload, stage: Stage) -> bool:
