@@ -39,7 +39,7 @@ from _record import begin, write_result
 
 from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import replica_state_bytes
-from nereus.solver.transition import Primitive, build_transition, local_dag, plan_emus
+from nereus.solver.transition import Primitive, Schedule, build_transition, local_dag, plan_emus, priced
 from nereus.solver.transition.check import check_result, check_transition
 from nereus.solver.transition.schedule import Replay, held_bytes, list_schedule, primitive_duration
 from nereus.spec.check import kv_heads_rule
@@ -149,19 +149,24 @@ def random_pair(rng: random.Random, base: Plan, factors: tuple[float, float], mo
     return with_capacity(plan_a, factor * reference), with_capacity(plan_b, factor * reference), factor
 
 
-def independent_local_dags(plan_a: Plan, plan_b: Plan, initial: dict[int, float]) -> list[Primitive]:
+def independent_local_dags(plan_a: Plan, plan_b: Plan, initial: dict[int, float]) -> tuple[list[Primitive], Schedule]:
     """Each changed model-stage's local DAG, scheduled alone with unlimited memory, all from t=0."""
     emus_a, emus_b, sizes = plan_emus(plan_a), plan_emus(plan_b), sizes_of(plan_b)
     out: list[Primitive] = []
+    times = Schedule()
     for name in emus_b:
         if set(emus_a[name]) == set(emus_b[name]):
             continue
         dag = local_dag(name, sizes[name], emus_a[name], emus_b[name], next_id=len(out))
-        for primitive in dag:
-            primitive.duration_s = primitive_duration(primitive, plan_b.cluster, CALIBRATION)
-        assert list_schedule(dag, Replay(dict(initial), math.inf)) == []
+        dag = priced(dag, [primitive_duration(primitive, plan_b.cluster, CALIBRATION) for primitive in dag])
+        replay = Replay(dict(initial), math.inf)
+        assert list_schedule(dag, replay) == []
+        alone = replay.schedule()
+        times.start.update(alone.start)
+        times.end.update(alone.end)
+        times.ownership.update(alone.ownership)
         out += dag
-    return out
+    return out, times
 
 
 def category(violation: str) -> str:
@@ -203,9 +208,11 @@ class Outcome:
 def run_pair(seed: int, base: Plan, factors: tuple[float, float], mode: str) -> Outcome:
     plan_a, plan_b, factor = random_pair(random.Random(seed), base, factors, mode)
     result = build_transition(plan_a, plan_b, CALIBRATION)
-    baseline = independent_local_dags(plan_a, plan_b, result.initial_bytes)
+    baseline, baseline_times = independent_local_dags(plan_a, plan_b, result.initial_bytes)
     emus_a, emus_b = plan_emus(plan_a), plan_emus(plan_b)
-    base_violations = check_transition(baseline, emus_a, emus_b, result.initial_bytes, result.capacity_bytes)
+    base_violations = check_transition(
+        baseline, baseline_times, emus_a, emus_b, result.initial_bytes, result.capacity_bytes
+    )
     global_violations = check_result(result, plan_a, plan_b) if result.feasible else []
     verdict = None
     if not result.feasible:
@@ -220,7 +227,7 @@ def run_pair(seed: int, base: Plan, factors: tuple[float, float], mode: str) -> 
         global_blocking_cycle=result.blocking_cycle,
         global_makespan_s=result.makespan_s,
         baseline_violations=dict(Counter(category(v) for v in base_violations)),
-        baseline_makespan_s=max((p.end_s for p in baseline), default=0.0),
+        baseline_makespan_s=max((baseline_times.end_s(p) for p in baseline), default=0.0),
         global_rule=result.priority_rule,
         blocked_verdict=verdict,
     )

@@ -153,7 +153,14 @@ def measure(seed: int, base: Plan, calibration: Calibration, time_limit: float, 
     family, plan_a, plan_b, fraction = instance(seed, base, calibration)
     heuristic, heuristic_runs = timed_heuristic(plan_a, plan_b, calibration, runs)
     heuristic_s = statistics.median(heuristic_runs)
-    exact = solve_cpsat(heuristic.primitives, heuristic.initial_bytes, heuristic.capacity_bytes, time_limit, workers=1)
+    exact = solve_cpsat(
+        heuristic.primitives,
+        heuristic.initial_bytes,
+        heuristic.capacity_bytes,
+        time_limit,
+        workers=1,
+        schedule=heuristic.schedule,
+    )
     h = heuristic.makespan_s if heuristic.feasible else None
     gap = bound_gap = None
     if h is not None and exact.status == "optimal" and exact.makespan_s:
@@ -191,14 +198,17 @@ def show(seed: int, base: Plan, calibration: Calibration, time_limit: float) -> 
         if (a.tp, a.pp, a.emus) != (b.tp, b.pp, b.emus):
             print(f"  {a.model_stage}: tp{a.tp} pp{a.pp} {a.emus} -> tp{b.tp} pp{b.pp} {b.emus}")
     result = build_transition(plan_a, plan_b, calibration)
-    exact = solve_cpsat(result.primitives, result.initial_bytes, result.capacity_bytes, time_limit)
+    exact = solve_cpsat(
+        result.primitives, result.initial_bytes, result.capacity_bytes, time_limit, schedule=result.schedule
+    )
     print(f"heuristic {result.makespan_s * 1e3:.3f} ms {result.blocking_cycle or ''}")
     print(f"cp-sat {exact.status} {fmt(exact.makespan_s, 1e3, 3)} ms, capacity {result.capacity_bytes:.0f} B")
-    for p in sorted(result.primitives, key=lambda p: (p.start_s, p.id)):
+    times = result.schedule
+    for p in sorted(result.primitives, key=lambda p: (times.start_s(p), p.id)):
         cp = exact.starts.get(p.id)
         print(
             f"  {p.id:3} {p.kind:8} {p.model_stage:20} gpus {p.gpus!s:16} deps {p.deps!s:12} "
-            f"{p.duration_s * 1e3:7.3f} ms  heuristic @ {p.start_s * 1e3:8.3f}  cp-sat @ {fmt(cp, 1e3, 3):>8}"
+            f"{p.duration_s * 1e3:7.3f} ms  heuristic @ {times.start_s(p) * 1e3:8.3f}  cp-sat @ {fmt(cp, 1e3, 3):>8}"
         )
 
 

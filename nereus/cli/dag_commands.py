@@ -69,7 +69,14 @@ def _solve_exact(solver: ExactSolver, result: TransitionResult, time_limit_s: fl
         raise NereusError(f"--exact {solver.value}: this nereus has no solve_{solver.value}")
     kwargs = {"workers": workers} if "workers" in inspect.signature(solve).parameters else {}
     try:
-        return solve(result.primitives, result.initial_bytes, result.capacity_bytes, time_limit_s, **kwargs)
+        return solve(
+            result.primitives,
+            result.initial_bytes,
+            result.capacity_bytes,
+            time_limit_s,
+            schedule=result.schedule,
+            **kwargs,
+        )
     except ImportError as exc:
         raise NereusError(f"--exact {solver.value} needs {exc.name}; pip install 'nereus[exact]'") from None
 

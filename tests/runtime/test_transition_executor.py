@@ -64,8 +64,8 @@ def walk(rank: int, world_size: int, plans: list[Plan], transitions: list[Any]) 
     states = {name: (random_rank_state(meta, rank, seed=11), 5) for name, meta in metas(plans[0]).items()}
     states = {name: state for name, state in states.items() if state[0]}
     snapshots = [states]
-    for (plan_a, plan_b), primitives in zip(itertools.pairwise(plans), transitions, strict=True):
-        done = execute_transition(primitives, plan_a, plan_b, rank, states, families(plan_a))
+    for (plan_a, plan_b), (primitives, schedule) in zip(itertools.pairwise(plans), transitions, strict=True):
+        done = execute_transition(primitives, schedule, plan_a, plan_b, rank, states, families(plan_a))
         states = done.states
         snapshot = {name: (dict(tensors), step) for name, (tensors, step) in states.items()}
         snapshots.append({**snapshot, "moved": (done.bytes_sent, done.num_primitives)})
@@ -95,7 +95,7 @@ def test_state_survives_every_transition_bitwise() -> None:
     # Built once here: every rank must walk the very same primitives in the same order.
     transitions = [build_transition(a, b) for a, b in itertools.pairwise(plans)]
     assert all(t.feasible for t in transitions), [t.blocking_cycle for t in transitions]
-    assert_state_kept(plans, spawn(walk, 4, plans, [t.primitives for t in transitions]))
+    assert_state_kept(plans, spawn(walk, 4, plans, [(t.primitives, t.schedule) for t in transitions]))
 
 
 def runnable(plan: Plan) -> bool:
@@ -124,7 +124,7 @@ def random_sequence(seed: int, num_gpus: int, length: int) -> tuple[list[Plan], 
             transition = build_transition(plans[-1], plan)
             if not transition.feasible:
                 continue
-            transitions.append(transition.primitives)
+            transitions.append((transition.primitives, transition.schedule))
         plans.append(plan)
     return plans, transitions
 
@@ -150,4 +150,4 @@ def test_batched_extend_runs_bitwise(monkeypatch: pytest.MonkeyPatch) -> None:
     assert transition.feasible
     extends = [p for p in transition.primitives if p.kind == "extend"]
     assert extends and all(len(p.adds) == 2 and len(p.copies_from) == 2 for p in extends)
-    assert_state_kept(plans, spawn(walk, 4, plans, [transition.primitives]))
+    assert_state_kept(plans, spawn(walk, 4, plans, [(transition.primitives, transition.schedule)]))

@@ -16,7 +16,7 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import replica_state_bytes
 from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
-from nereus.solver.transition import Emu, Primitive, build_transition, local_dag, plan_emus
+from nereus.solver.transition import Emu, Primitive, Schedule, build_transition, local_dag, plan_emus, priced
 from nereus.solver.transition.check import check_result, check_transition
 from nereus.solver.transition.schedule import (
     Replay,
@@ -71,7 +71,7 @@ def test_identical_plans_pass_and_a_missing_transition_does_not() -> None:
     assert check_result(build_transition(BASE, BASE), BASE, BASE) == []
     plan_b, result = _hand("merge tp2x2 -> tp4")
     emus_a, emus_b = plan_emus(BASE), plan_emus(plan_b)
-    violations = check_transition([], emus_a, emus_b, result.initial_bytes, result.capacity_bytes)
+    violations = check_transition([], Schedule(), emus_a, emus_b, result.initial_bytes, result.capacity_bytes)
     assert violations == [
         "actor/training ends with replicas ['tp1pp2[0, 1]', 'tp1pp2[2, 3]'] that B lacks and without B's "
         "['tp4pp1[0, 1, 2, 3]']"
@@ -81,45 +81,47 @@ def test_identical_plans_pass_and_a_missing_transition_does_not() -> None:
 # --- injected faults -------------------------------------------------------------------------------
 
 
-def _faulty(name: str) -> tuple[Plan, list[Primitive], TransitionResult]:
+def _faulty(name: str) -> tuple[Plan, list[Primitive], Schedule, TransitionResult]:
+    """A hand case's primitives and a copy of its schedule to inject faults into."""
     plan_b, result = _hand(name)
-    copies = [
-        dataclasses.replace(p, deps=list(p.deps), ownership_deps=list(p.ownership_deps)) for p in result.primitives
-    ]
-    return plan_b, copies, result
+    times = result.schedule
+    copy = Schedule(dict(times.start), dict(times.end), {pid: list(deps) for pid, deps in times.ownership.items()})
+    return plan_b, list(result.primitives), copy, result
 
 
-def _check(primitives: list[Primitive], plan_b: Plan, result: TransitionResult, capacity: float = 0.0) -> list[str]:
+def _check(
+    primitives: list[Primitive], times: Schedule, plan_b: Plan, result: TransitionResult, capacity: float = 0.0
+) -> list[str]:
     emus_a, emus_b = plan_emus(BASE), plan_emus(plan_b)
-    return check_transition(primitives, emus_a, emus_b, result.initial_bytes, capacity or result.capacity_bytes)
+    return check_transition(primitives, times, emus_a, emus_b, result.initial_bytes, capacity or result.capacity_bytes)
 
 
 def test_catches_two_primitives_on_one_gpu_at_once() -> None:
-    plan_b, prims, result = _faulty("every stage")
+    plan_b, prims, times, result = _faulty("every stage")
     first, later = next(
         (p, q)
         for p in prims
         for q in prims
-        if q.start_s >= p.end_s and set(p.gpus) & set(q.gpus) and p.duration_s > 0 and q.duration_s > 0
+        if times.start_s(q) >= times.end_s(p) and set(p.gpus) & set(q.gpus) and p.duration_s > 0 and q.duration_s > 0
     )
-    later.start_s, later.end_s = first.start_s, first.start_s + later.duration_s
-    assert any(v.startswith("GPU ") and "runs primitive" in v for v in _check(prims, plan_b, result))
+    times.start[later.id], times.end[later.id] = times.start_s(first), times.start_s(first) + later.duration_s
+    assert any(v.startswith("GPU ") and "runs primitive" in v for v in _check(prims, times, plan_b, result))
 
 
 def test_catches_a_dependent_started_before_its_dependency_ends() -> None:
-    plan_b, prims, result = _faulty("merge tp2x2 -> tp4")
+    plan_b, prims, times, result = _faulty("merge tp2x2 -> tp4")
     merge = next(p for p in prims if p.kind == "merge")
-    merge.start_s -= 0.05
-    violations = _check(prims, plan_b, result)
+    times.start[merge.id] -= 0.05
+    violations = _check(prims, times, plan_b, result)
     assert any(f"primitive {merge.id} (merge, actor/training) starts" in v for v in violations)
 
 
 def test_catches_an_ownership_dependency_broken() -> None:
-    plan_b, prims, result = _faulty("every stage")
-    child = min(prims, key=lambda p: p.start_s)
-    parent = max(prims, key=lambda p: p.end_s)
-    child.ownership_deps.append(parent.id)
-    assert any(f"ownership dependency {parent.id} ends" in v for v in _check(prims, plan_b, result))
+    plan_b, prims, times, result = _faulty("every stage")
+    child = min(prims, key=times.start_s)
+    parent = max(prims, key=times.end_s)
+    times.ownership.setdefault(child.id, []).append(parent.id)
+    assert any(f"ownership dependency {parent.id} ends" in v for v in _check(prims, times, plan_b, result))
 
 
 def _move_critic() -> tuple[list[Primitive], dict[str, list[Emu]], dict[str, list[Emu]], dict[int, float]]:
@@ -128,20 +130,20 @@ def _move_critic() -> tuple[list[Primitive], dict[str, list[Emu]], dict[str, lis
     b = {"critic/inference": [Emu("critic/inference", 2, 1, (2, 3))]}
     prims = local_dag("critic/inference", 100.0, a["critic/inference"], b["critic/inference"])
     assert [p.kind for p in prims] == ["extend", "destroy"]
-    for p in prims:
-        p.duration_s = 1.0
-    return prims, a, b, {0: 50.0, 1: 50.0}
+    return priced(prims, [1.0] * len(prims)), a, b, {0: 50.0, 1: 50.0}
 
 
 def test_catches_a_dropped_dependency_through_the_replicas() -> None:
     """Without its edge to the copy, the old replica is destroyed first (releases go first)."""
     prims, a, b, initial = _move_critic()
-    assert list_schedule(prims, Replay(dict(initial), 1000.0)) == []
-    assert check_transition(prims, a, b, initial, 1000.0) == []
+    replay = Replay(dict(initial), 1000.0)
+    assert list_schedule(prims, replay) == []
+    assert check_transition(prims, replay.schedule(), a, b, initial, 1000.0) == []
     prims, a, b, initial = _move_critic()
-    prims[1].deps.clear()
-    assert list_schedule(prims, Replay(dict(initial), 1000.0)) == []
-    violations = check_transition(prims, a, b, initial, 1000.0)
+    prims[1] = prims[1]._replace(deps=[])
+    replay = Replay(dict(initial), 1000.0)
+    assert list_schedule(prims, replay) == []
+    violations = check_transition(prims, replay.schedule(), a, b, initial, 1000.0)
     assert violations == [
         "critic/inference has no complete replica from 0s (after primitive 1)",
         "primitive 0 (extend, critic/inference) copies from replica tp2pp1[0, 1], which is not a complete copy "
@@ -152,43 +154,49 @@ def test_catches_a_dropped_dependency_through_the_replicas() -> None:
 def test_ends_within_the_schedulers_tolerance_count_as_before_a_start() -> None:
     """The scheduler finishes everything ending within 1e-9 s of `now` before starting more."""
     prims, a, b, initial = _move_critic()
-    assert list_schedule(prims, Replay(dict(initial), 1000.0)) == []
-    prims[0].end_s += 5e-10  # the copy ends a hair after the destroy that waits for it starts
-    assert check_transition(prims, a, b, initial, 1000.0) == []
+    replay = Replay(dict(initial), 1000.0)
+    assert list_schedule(prims, replay) == []
+    times = replay.schedule()
+    times.end[prims[0].id] += 5e-10  # the copy ends a hair after the destroy that waits for it starts
+    assert check_transition(prims, times, a, b, initial, 1000.0) == []
 
 
 def test_catches_a_replica_dropped_twice_and_memory_freed_twice() -> None:
     prims, a, b, initial = _move_critic()
-    assert list_schedule(prims, Replay(dict(initial), 1000.0)) == []
-    prims.append(dataclasses.replace(prims[1], id=2, deps=[1]))
-    violations = check_transition(prims, a, b, initial, 1000.0)
+    replay = Replay(dict(initial), 1000.0)
+    assert list_schedule(prims, replay) == []
+    times = replay.schedule()
+    prims.append(prims[1]._replace(id=2, deps=[1]))
+    times.start[2], times.end[2] = times.start[1], times.end[1]  # the copy keeps the original's times
+    violations = check_transition(prims, times, a, b, initial, 1000.0)
     assert "primitive 2 drops critic/inference replica tp2pp1[0, 1], which it does not hold" in violations
     assert any(v.startswith("GPU 0 frees more than it holds when primitive 2 ends") for v in violations)
 
 
 def test_catches_a_shrunk_capacity() -> None:
-    plan_b, prims, result = _faulty("every stage")
+    plan_b, prims, times, result = _faulty("every stage")
     tight = max(result.initial_bytes.values()) + 1.0  # every GPU starts with the same bytes here
     assert len(set(result.initial_bytes.values())) == 1
-    violations = _check(prims, plan_b, result, capacity=tight)
+    violations = _check(prims, times, plan_b, result, capacity=tight)
     assert violations and all("> capacity" in v for v in violations)
 
 
 def test_catches_a_missing_final_merge() -> None:
-    plan_b, prims, result = _faulty("merge tp2x2 -> tp4")
+    plan_b, prims, times, result = _faulty("merge tp2x2 -> tp4")
     prims = [p for p in prims if p.kind != "merge"]
-    violations = _check(prims, plan_b, result)
+    violations = _check(prims, times, plan_b, result)
     assert len(violations) == 1 and violations[0].startswith("actor/training ends with replicas")
 
 
 def test_catches_the_only_replica_destroyed_first() -> None:
-    plan_b, prims, result = _faulty("move to new GPUs")
+    plan_b, prims, times, result = _faulty("move to new GPUs")
     extend = next(p for p in prims if p.kind == "extend" and p.model_stage == "actor/generation")
     destroy = next(p for p in prims if p.kind == "destroy" and extend.id in p.deps)
-    destroy.start_s = destroy.end_s = extend.start_s
-    violations = _check(prims, plan_b, result)
-    assert f"actor/generation has no complete replica from {extend.start_s:.6g}s (after primitive {destroy.id})" in (
-        violations
+    times.start[destroy.id] = times.end[destroy.id] = times.start_s(extend)
+    violations = _check(prims, times, plan_b, result)
+    assert (
+        f"actor/generation has no complete replica from {times.start_s(extend):.6g}s (after primitive {destroy.id})"
+        in (violations)
     )
 
 
@@ -336,10 +344,11 @@ def test_hold_and_wait_pair_has_a_safe_order() -> None:
     if result.feasible:
         assert check_result(result, plan_a, plan_b) == []
     order = ["critic/training", "actor/training", "actor/inference"]
-    now = 0.0
+    now, start, end = 0.0, {}, {}
     for p in sorted(result.primitives, key=lambda p: (order.index(p.model_stage), p.id)):
-        p.start_s, p.end_s, p.ownership_deps = now, now + p.duration_s, []
-        now = p.end_s
+        start[p.id], end[p.id] = now, now + p.duration_s
+        now = end[p.id]
+    result = dataclasses.replace(result, schedule=Schedule(start, end))
     assert check_result(result, plan_a, plan_b) == []
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -9,7 +10,16 @@ from plan_helpers import relayout
 from repo_paths import DATA
 
 from nereus.errors import NereusError
-from nereus.solver.transition import Emu, Primitive, build_transition, intermediate_layout, local_dag, sub_replicas
+from nereus.solver.transition import (
+    Emu,
+    Primitive,
+    Schedule,
+    build_transition,
+    intermediate_layout,
+    local_dag,
+    priced,
+    sub_replicas,
+)
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 
@@ -91,10 +101,11 @@ def test_global_transition_is_scheduled_and_moves_at_least_the_lower_bound(
     assert result.feasible
     assert result.primitives and result.makespan_s > 0
     assert result.bytes_moved >= result.lower_bound_bytes - 1e-6
+    times = result.schedule
     for primitive in result.primitives:
-        assert primitive.end_s >= primitive.start_s
+        assert times.end_s(primitive) >= times.start_s(primitive)
         for dep in primitive.deps:
-            assert result.primitives[dep].end_s <= primitive.start_s + 1e-12
+            assert times.end_s(result.primitives[dep]) <= times.start_s(primitive) + 1e-12
 
 
 def test_sequential_fallback_when_every_priority_order_blocks() -> None:
@@ -117,13 +128,12 @@ def test_sequential_fallback_when_every_priority_order_blocks() -> None:
     assert check_result(result, plan_a, plan_b) == []
     serial_makespan = result.makespan_s
     sequential = _one_model_stage_at_a_time(result.primitives, result.initial_bytes, result.capacity_bytes)
-    assert sequential is not None and sequential[2].startswith("one-model-stage-at-a-time")
+    assert sequential is not None and sequential.rule.startswith("one-model-stage-at-a-time")
+    result = dataclasses.replace(result, schedule=sequential.schedule)
     assert check_result(result, plan_a, plan_b) == []
-    assert any(p.ownership_deps for p in result.primitives)
-    assert serial_makespan <= max(p.end_s for p in result.primitives)
+    assert any(result.schedule.ownership_deps(p) for p in result.primitives)
+    assert serial_makespan <= max(result.schedule.end_s(p) for p in result.primitives)
     for rule in priority_rules(result.primitives).values():
-        for p in result.primitives:
-            p.scheduled, p.ownership_deps = False, []
         assert list_schedule(result.primitives, Replay(dict(result.initial_bytes), result.capacity_bytes), rule)
 
 
@@ -177,17 +187,18 @@ def test_replicas_trading_gpus_are_copied_afresh_when_memory_binds() -> None:
     b = [Emu("x/training", 2, 4, tuple(range(8)))]
     initial, capacity = dict.fromkeys(range(8), 1.0), 3.0  # A's boxes; an I box is 2
 
-    def schedule(unswap: bool) -> tuple[list[Primitive], list[str]]:
+    def schedule(unswap: bool) -> tuple[list[Primitive], Schedule, list[str]]:
         dag = local_dag("x/training", 8.0, a, b, unswap=unswap)
-        for p in dag:
-            p.duration_s = 1.0 if p.transfers else 0.0
-        return dag, list_schedule(dag, Replay(dict(initial), capacity))
+        dag = priced(dag, [1.0 if p.transfers else 0.0 for p in dag])
+        replay = Replay(dict(initial), capacity)
+        cycle = list_schedule(dag, replay)
+        return dag, replay.schedule(), cycle
 
-    swapped, cycle = schedule(unswap=False)
+    swapped, _, cycle = schedule(unswap=False)
     assert cycle and all("needs 2 B more" in line for line in cycle)
-    fresh, cycle = schedule(unswap=True)
+    fresh, times, cycle = schedule(unswap=True)
     assert cycle == []
-    assert check_transition(fresh, {"x/training": a}, {"x/training": b}, initial, capacity) == []
+    assert check_transition(fresh, times, {"x/training": a}, {"x/training": b}, initial, capacity) == []
     assert sum(len(p.transfers) for p in fresh) > sum(len(p.transfers) for p in swapped)
 
 
@@ -231,11 +242,14 @@ def test_alike_copies_of_a_large_round_share_one_extend(node_size: int | None, b
         assert [s.gpus[0] + 16 for s in extend.copies_from] == [t.gpus[0] for t in extend.adds]
         assert len(set(extend.reads) | set(extend.writes)) == 2 * len(extend.adds) == len(extend.gpus)
         assert extend.transfers == tuple(zip(extend.reads, extend.writes, [8.0] * len(extend.adds), strict=True))
-    for p in dag:
-        p.duration_s = 1.0
-    assert list_schedule(dag, Replay(dict.fromkeys(range(16), 8.0), 16.0)) == []
-    assert max(p.end_s for p in dag) == 1.0  # side by side, batched or not
-    assert check_transition(dag, {"x/inference": a}, {"x/inference": b}, dict.fromkeys(range(16), 8.0), 16.0) == []
+    dag = priced(dag, [1.0] * len(dag))
+    replay = Replay(dict.fromkeys(range(16), 8.0), 16.0)
+    assert list_schedule(dag, replay) == []
+    times = replay.schedule()
+    assert max(times.end_s(p) for p in dag) == 1.0  # side by side, batched or not
+    assert (
+        check_transition(dag, times, {"x/inference": a}, {"x/inference": b}, dict.fromkeys(range(16), 8.0), 16.0) == []
+    )
 
 
 def test_small_rounds_are_never_batched() -> None:

@@ -95,7 +95,9 @@ def _tolerance(result: ExactResult, primitives: list[Primitive]) -> float:
 def test_cpsat_proves_optimal_and_the_heuristic_is_never_better(case: str) -> None:
     result = _transition(CASES[case])
     assert result.feasible and result.primitives
-    exact = solve_cpsat(result.primitives, result.initial_bytes, result.capacity_bytes, time_limit_s=10.0)
+    exact = solve_cpsat(
+        result.primitives, result.initial_bytes, result.capacity_bytes, time_limit_s=10.0, schedule=result.schedule
+    )
     assert exact.status == "optimal", exact.detail
     assert exact.makespan_s is not None and exact.bound_s is not None
     tol = _tolerance(exact, result.primitives)
@@ -112,7 +114,7 @@ def test_a_single_chain_is_scheduled_optimally_by_both() -> None:
     result = build_transition(plan_a, plan_b)
     assert [p.kind for p in result.primitives] == ["split", "merge"]
     assert result.primitives[1].deps == [result.primitives[0].id]
-    exact = solve_cpsat(result.primitives, result.initial_bytes, result.capacity_bytes)
+    exact = solve_cpsat(result.primitives, result.initial_bytes, result.capacity_bytes, schedule=result.schedule)
     chain = sum(p.duration_s for p in result.primitives)
     assert exact.status == "optimal" and exact.makespan_s is not None
     assert math.isclose(exact.makespan_s, chain, rel_tol=1e-12)
@@ -123,8 +125,10 @@ def test_a_single_chain_is_scheduled_optimally_by_both() -> None:
 def test_scip_schedule_is_feasible_and_no_better_than_the_cpsat_optimum(case: str) -> None:
     pytest.importorskip("pyscipopt")
     result = _transition(CASES[case])
-    exact = solve_cpsat(result.primitives, result.initial_bytes, result.capacity_bytes)
-    scip = solve_scip(result.primitives, result.initial_bytes, result.capacity_bytes, time_limit_s=10.0)
+    exact = solve_cpsat(result.primitives, result.initial_bytes, result.capacity_bytes, schedule=result.schedule)
+    scip = solve_scip(
+        result.primitives, result.initial_bytes, result.capacity_bytes, time_limit_s=10.0, schedule=result.schedule
+    )
     assert scip.status == "feasible" and "optimal" in scip.detail, scip.detail  # optimal on its grid, here
     assert scip.makespan_s is not None and exact.makespan_s is not None
     assert scip.makespan_s >= exact.makespan_s - _tolerance(exact, result.primitives)
@@ -137,8 +141,7 @@ def test_scip_schedule_is_feasible_and_no_better_than_the_cpsat_optimum(case: st
 def test_scip_without_a_heuristic_schedule_still_finds_one() -> None:
     pytest.importorskip("pyscipopt")
     result = _transition(CASES["swap-ranks"])
-    for p in result.primitives:  # forget the list schedule: SCIP must size its own horizon
-        p.start_s = p.end_s = 0.0
+    # No schedule given (the list schedule forgotten): SCIP must size its own horizon.
     scip = solve_scip(result.primitives, result.initial_bytes, result.capacity_bytes, horizon_steps=60)
     assert scip.status == "feasible" and scip.makespan_s is not None
     assert not _violations(result.primitives, scip.starts, result.initial_bytes, result.capacity_bytes)
@@ -148,8 +151,8 @@ def test_tight_memory_makes_the_optimum_longer() -> None:
     ample = _transition(CASES["memory-bound"])
     tight = _transition(CASES["memory-bound"], capacity=TIGHT)
     assert tight.capacity_bytes < ample.capacity_bytes / 100
-    free = solve_cpsat(ample.primitives, ample.initial_bytes, ample.capacity_bytes)
-    bound = solve_cpsat(tight.primitives, tight.initial_bytes, tight.capacity_bytes)
+    free = solve_cpsat(ample.primitives, ample.initial_bytes, ample.capacity_bytes, schedule=ample.schedule)
+    bound = solve_cpsat(tight.primitives, tight.initial_bytes, tight.capacity_bytes, schedule=tight.schedule)
     assert free.status == bound.status == "optimal"
     assert free.makespan_s is not None and bound.makespan_s is not None
     assert bound.makespan_s > free.makespan_s + 0.05  # at least half a communicator set-up later
@@ -157,7 +160,9 @@ def test_tight_memory_makes_the_optimum_longer() -> None:
     assert _violations(tight.primitives, free.starts, tight.initial_bytes, tight.capacity_bytes)
     if tight.feasible:  # the heuristic respects the same memory, so it cannot beat the optimum
         assert tight.makespan_s >= bound.makespan_s - _tolerance(bound, tight.primitives)
-    too_tight = solve_cpsat(tight.primitives, tight.initial_bytes, max(tight.initial_bytes.values()) + 1.0)
+    too_tight = solve_cpsat(
+        tight.primitives, tight.initial_bytes, max(tight.initial_bytes.values()) + 1.0, schedule=tight.schedule
+    )
     assert too_tight.status == "infeasible" and too_tight.makespan_s is None
 
 
@@ -181,8 +186,8 @@ def _prim(
         free=free or {},
         transfers=(),
         deps=deps or [],
+        duration_s=duration,
     )
-    primitive.duration_s = duration
     return primitive
 
 

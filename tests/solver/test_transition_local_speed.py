@@ -3,7 +3,6 @@ a few (`ARRAY_MIN_REPLICAS`): both must build the very same primitives."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -20,9 +19,7 @@ _LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (4, 2), (2, 4), (8, 1), (1, 
 
 def _fields(primitives: list[Primitive]) -> list[tuple[object, ...]]:
     """Every field a builder sets, dict order included, and the seeded GPU set."""
-    return [
-        (*(getattr(p, f.name) for f in dataclasses.fields(p)), list(p.alloc), list(p.free), p.gpus) for p in primitives
-    ]
+    return [(*p, list(p.alloc), list(p.free), p.gpus) for p in primitives]
 
 
 def _side(rng: random.Random, layout: tuple[int, int], num_replicas: int, pool: list[int]) -> local.Replicas:

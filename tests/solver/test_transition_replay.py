@@ -24,8 +24,8 @@ def _primitive(pid: int, stage: str, gpus: tuple[int, ...], duration: float, **f
         free=fields.pop("free", {}),  # type: ignore[arg-type]
         transfers=(),
         deps=fields.pop("deps", []),  # type: ignore[arg-type]
+        duration_s=duration,
     )
-    p.duration_s = duration
     return p
 
 
@@ -34,8 +34,9 @@ def test_a_copy_waiting_for_memory_starts_when_another_model_stage_frees_it_and_
     copy = _primitive(1, "actor/training", (0, 1), 1.0, alloc={0: 50.0, 1: 50.0})
     replay = Replay({0: 80.0}, 100.0)
     assert list_schedule([copy, release], replay) == []
-    assert (release.start_s, copy.start_s, copy.end_s) == (0.0, 2.0, 3.0)
-    assert copy.ownership_deps == [0]
+    times = replay.schedule()
+    assert (times.start_s(release), times.start_s(copy), times.end_s(copy)) == (0.0, 2.0, 3.0)
+    assert times.ownership_deps(copy) == [0]
     assert replay.usage(0) == 70.0 and replay.usage(1) == 50.0
     assert replay.peak == {0: 70.0, 1: 50.0}  # GPUs that allocated; the most they held after it
 
@@ -43,8 +44,10 @@ def test_a_copy_waiting_for_memory_starts_when_another_model_stage_frees_it_and_
 def test_a_release_by_the_same_model_stage_is_no_ownership_dependency() -> None:
     release = _primitive(0, "actor/training", (0,), 2.0, kind="destroy", free={0: 60.0})
     copy = _primitive(1, "actor/training", (0,), 1.0, alloc={0: 50.0})
-    assert list_schedule([copy, release], Replay({0: 80.0}, 100.0)) == []
-    assert copy.start_s == 2.0 and copy.ownership_deps == []
+    replay = Replay({0: 80.0}, 100.0)
+    assert list_schedule([copy, release], replay) == []
+    times = replay.schedule()
+    assert times.start_s(copy) == 2.0 and times.ownership_deps(copy) == []
 
 
 def test_wide_primitives_wait_on_the_busy_gpus_and_start_when_they_finish() -> None:
@@ -53,7 +56,8 @@ def test_wide_primitives_wait_on_the_busy_gpus_and_start_when_they_finish() -> N
     second = _primitive(1, "critic/training", wide[::2], 1.0, alloc=dict.fromkeys(wide[::2], 1.0))
     replay = Replay({}, 10.0)
     assert list_schedule([first, second], replay) == []
-    assert (first.start_s, second.start_s) == (0.0, 1.0)
+    times = replay.schedule()
+    assert (times.start_s(first), times.start_s(second)) == (0.0, 1.0)
     assert replay.usage(0) == 2.0 and replay.usage(1) == 1.0
 
 
@@ -63,7 +67,7 @@ def test_a_replay_carries_its_state_into_a_later_wider_schedule() -> None:
     assert list_schedule([first], replay) == []
     later = _primitive(1, "actor/training", (0, 7), 1.0, alloc={0: 50.0, 7: 50.0})
     assert list_schedule([later], replay, explain=False) == ["blocked"]  # GPU 0 would hold 110 > 100
-    assert not later.scheduled and replay.usage(0) == 60.0
+    assert not replay.schedule().scheduled(later) and replay.usage(0) == 60.0
     assert replay.usage(7) == 0.0 and replay.usage(9) == 0.0  # a GPU past the arrays holds what it started with
 
 

@@ -4,6 +4,7 @@ independent replay checker and, where small enough, against CP-SAT."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
 
@@ -13,8 +14,8 @@ from repo_paths import BENCHMARKS, DATA
 from nereus.solver.transition import build_transition
 from nereus.solver.transition.check import check_result
 from nereus.solver.transition.order_search import OrderSearch
-from nereus.solver.transition.primitives import Primitive
-from nereus.solver.transition.schedule import _reset, makespan_lower_bound, priority_rules
+from nereus.solver.transition.primitives import Primitive, Schedule
+from nereus.solver.transition.schedule import makespan_lower_bound, priority_rules
 from nereus.solver.transition.serial import improve_order, pilot_order, schedule_in_order, serial_schedule
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
@@ -57,16 +58,17 @@ def test_serial_generator_fills_a_gap_before_an_earlier_placement() -> None:
         _prim(2, (0,), 1.0, []),  # a short job on GPU 0, ready at t=0
     ]
     rank = {0: 0, 1: 1, 2: 2}
-    assert serial_schedule(prims, {}, 1.0, lambda p: (rank[p.id],)) is not None
-    assert prims[1].start_s == pytest.approx(1.0) and prims[2].start_s == pytest.approx(0.0)
-    assert max(p.end_s for p in prims) == pytest.approx(6.0)
+    placed = serial_schedule(prims, {}, 1.0, lambda p: (rank[p.id],))
+    assert placed is not None
+    times = placed[0]
+    assert times.start_s(prims[1]) == pytest.approx(1.0) and times.start_s(prims[2]) == pytest.approx(0.0)
+    assert max(times.end_s(p) for p in prims) == pytest.approx(6.0)
 
 
 def test_serial_generator_respects_memory_at_every_later_moment() -> None:
     """An allocation placed early must not overflow memory that later allocations use."""
     prims = [_prim(0, (0,), 1.0, [], alloc=6.0), _prim(1, (1,), 1.0, [], alloc=6.0)]
-    prims[1].reads = prims[1].writes = (1,)
-    prims[1].alloc = {0: 6.0}  # both allocate on GPU 0: only one fits
+    prims[1] = prims[1]._replace(reads=(1,), writes=(1,), alloc={0: 6.0})  # both allocate on GPU 0: only one fits
     assert serial_schedule(prims, {}, 10.0, lambda p: (p.id,)) is None
 
 
@@ -82,9 +84,7 @@ def test_order_search_finds_an_order_every_priority_rule_misses() -> None:
     assert check_result(result, plan_a, plan_b) == []
     prims, initial, capacity = result.primitives, result.initial_bytes, result.capacity_bytes
     for rule in priority_rules(prims).values():
-        _reset(prims)
         assert list_schedule(prims, Replay(dict(initial), capacity), rule, explain=False)
-        _reset(prims)
         assert serial_schedule(prims, initial, capacity, rule) is None
     assert _one_model_stage_at_a_time(prims, initial, capacity) is None
 
@@ -94,9 +94,9 @@ def test_an_order_that_fits_one_at_a_time_always_packs() -> None:
     result = build_transition(plan_a, plan_b)
     found = OrderSearch(result.primitives, result.initial_bytes, result.capacity_bytes).run(100, 3000)
     assert isinstance(found, list) and sorted(found) == sorted(p.id for p in result.primitives)
-    _reset(result.primitives)
-    assert schedule_in_order(result.primitives, result.initial_bytes, result.capacity_bytes, found) is not None
-    assert check_result(result, plan_a, plan_b) == []
+    placed = schedule_in_order(result.primitives, result.initial_bytes, result.capacity_bytes, found)
+    assert placed is not None
+    assert check_result(dataclasses.replace(result, schedule=placed[0]), plan_a, plan_b) == []
 
 
 def test_a_pair_with_no_safe_order_is_reported_as_proved_infeasible() -> None:
@@ -111,15 +111,24 @@ def test_local_search_never_lengthens_and_stays_valid() -> None:
     plan_a, plan_b = _pair("order-search")
     result = build_transition(plan_a, plan_b)
     prims, initial, capacity = result.primitives, result.initial_bytes, result.capacity_bytes
-    order = [p.id for p in sorted(prims, key=lambda p: (p.start_s, 0 if p.releases else 1, p.end_s, p.id))]
+    times = result.schedule
+    order = [
+        p.id for p in sorted(prims, key=lambda p: (times.start_s(p), 0 if p.releases else 1, times.end_s(p), p.id))
+    ]
 
-    def evaluate(candidate: list[int]) -> float | None:
-        return None if schedule_in_order(prims, initial, capacity, candidate) is None else max(p.end_s for p in prims)
+    def evaluate(candidate: list[int]) -> Schedule | None:
+        placed = schedule_in_order(prims, initial, capacity, candidate)
+        return None if placed is None else placed[0]
+
+    def span(candidate: list[int]) -> float | None:
+        schedule = evaluate(candidate)
+        return None if schedule is None else max(schedule.end_s(p) for p in prims)
 
     found = improve_order(prims, evaluate, order, result.makespan_s, 30, 0, makespan_lower_bound(prims))
     if found is not None:
         assert found[1] < result.makespan_s
-        assert evaluate(found[0]) == pytest.approx(found[1])
+        assert span(found[0]) == pytest.approx(found[1])
+        result = dataclasses.replace(result, schedule=evaluate(found[0]))
         assert check_result(result, plan_a, plan_b) == []
 
 
@@ -129,26 +138,26 @@ def test_the_pilot_order_is_at_least_as_good_as_its_priority_alone_and_replays_e
     result = build_transition(plan_a, plan_b)
     prims, initial, capacity = result.primitives, result.initial_bytes, result.capacity_bytes
     rule = priority_rules(prims)["release-then-critical-path"]
-    _reset(prims)
     alone = serial_schedule(prims, initial, capacity, rule)
-    alone_span = max(p.end_s for p in prims) if alone is not None else None
+    alone_span = max(alone[0].end_s(p) for p in prims) if alone is not None else None
     found = pilot_order(prims, initial, capacity, rule)
     if alone_span is not None:  # its first step's pilot run under the rule's own pick is that schedule
         assert found is not None and found[0] <= alone_span + 1e-12
     if found is not None:
         assert sorted(found[1]) == sorted(p.id for p in prims)
-        assert schedule_in_order(prims, initial, capacity, found[1]) is not None
-        assert max(p.end_s for p in prims) == pytest.approx(found[0], abs=1e-12)
-        assert check_result(result, plan_a, plan_b) == []
+        placed = schedule_in_order(prims, initial, capacity, found[1])
+        assert placed is not None
+        assert max(placed[0].end_s(p) for p in prims) == pytest.approx(found[0], abs=1e-12)
+        assert check_result(dataclasses.replace(result, schedule=placed[0]), plan_a, plan_b) == []
 
 
 def test_every_rule_under_the_serial_generator_is_valid_or_reports_deadlock() -> None:
     plan_a, plan_b = _pair("sequential-fallback")
     result = build_transition(plan_a, plan_b)
     for rule in priority_rules(result.primitives).values():
-        _reset(result.primitives)
-        if serial_schedule(result.primitives, result.initial_bytes, result.capacity_bytes, rule) is not None:
-            assert check_result(result, plan_a, plan_b) == []
+        placed = serial_schedule(result.primitives, result.initial_bytes, result.capacity_bytes, rule)
+        if placed is not None:
+            assert check_result(dataclasses.replace(result, schedule=placed[0]), plan_a, plan_b) == []
 
 
 @pytest.mark.slow
@@ -183,7 +192,9 @@ def test_former_outliers_are_within_five_percent_of_the_cpsat_optimum(name: str)
     plan_a, plan_b = _pair(name)
     result = build_transition(plan_a, plan_b)
     assert result.feasible and check_result(result, plan_a, plan_b) == []
-    exact = solve_cpsat(result.primitives, result.initial_bytes, result.capacity_bytes, time_limit_s=20.0)
+    exact = solve_cpsat(
+        result.primitives, result.initial_bytes, result.capacity_bytes, time_limit_s=20.0, schedule=result.schedule
+    )
     assert exact.status in ("optimal", "feasible") and exact.makespan_s is not None and exact.bound_s is not None
     if exact.status == "optimal":  # the heuristic never beats a proven optimum
         assert exact.makespan_s <= result.makespan_s * (1 + 1e-9)

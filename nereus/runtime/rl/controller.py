@@ -311,16 +311,17 @@ class Controller:
         return move
 
     def _move(self, action: str, target: Plan) -> Move:
+        from nereus.solver.transition.primitives import Schedule
         from nereus.solver.transition.schedule import build_transition
 
         primitives: list[Any] = []
-        predicted = 0.0
+        schedule, predicted = Schedule(), 0.0
         if action == "transition":
             result = build_transition(self.plan, target, self.replanner.calibration)
             assert result.feasible, "the policy admits only transitions whose DAG passes"
-            primitives, predicted = result.primitives, result.makespan_s
+            primitives, schedule, predicted = result.primitives, result.schedule, result.makespan_s
         self.plan = target
-        return Move(action, target, primitives, predicted)
+        return Move(action, target, primitives, schedule, predicted)
 
     def _log(self, refusal: str | None) -> None:
         record = record_to_data(self.policy.log[-1])

@@ -331,7 +331,7 @@ def switch_plan(
     for name, stage in stages.items():
         if stage.engine is not None:
             states[name] = (stage.engine.whole_state(families[name]), stage.engine.optimizer_step)
-    moved = execute_transition(switch.primitives, plan, switch.plan, rank, states, families)
+    moved = execute_transition(switch.primitives, switch.schedule, plan, switch.plan, rank, states, families)
     shm.release_segments()  # a one-off move: do not keep its shared-memory staging mapped
     for name, stage in new_stages.items():
         if stage.engine is not None:

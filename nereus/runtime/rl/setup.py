@@ -65,6 +65,8 @@ class Move:
     primitives: list[Any]
     """The scheduled transition DAG (empty for a restart), built once by one process: every
     rank must walk the very same primitives."""
+    schedule: Any
+    """The DAG's schedule (`Schedule`; empty for a restart): the order the ranks walk."""
     predicted_s: float
     """The DAG's predicted makespan."""
 
@@ -287,7 +289,11 @@ def resolve_switches(config: RunConfig, folder: Path, first: Plan, num_ranks: in
         if not transition.feasible:
             cycle = " -> ".join(transition.blocking_cycle)
             raise NereusError(f"{field}: no safe transition order from the previous plan (blocking cycle {cycle})")
-        switches.append(Switch(switch.step, Move("transition", plan, transition.primitives, transition.makespan_s)))
+        switches.append(
+            Switch(
+                switch.step, Move("transition", plan, transition.primitives, transition.schedule, transition.makespan_s)
+            )
+        )
         previous = plan
     return tuple(switches)
 

@@ -26,7 +26,7 @@ from nereus.runtime.state.reshard import execute
 from nereus.runtime.state.reshard_plan import plan_reshard
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.runtime.state.sharded_state import StateMeta, state_dtypes, state_meta
-from nereus.solver.transition.primitives import Emu, Primitive
+from nereus.solver.transition.primitives import Emu, Primitive, Schedule
 from nereus.solver.transition.schedule import plan_emus
 from nereus.spec.plan import Plan
 from nereus.spec.stages import head_of
@@ -100,7 +100,7 @@ class _Executor:
             if self.rank in emu.gpus:
                 self.held[emu] = (result.tensors, result.step)
 
-    def run(self, primitive: Primitive) -> None:
+    def run(self, primitive: Primitive, schedule: Schedule) -> None:
         # A reshard is collective over the GPUs of its source and target replicas.
         involved = (*primitive.retires, *primitive.removes, *primitive.adds, *primitive.copies_from)
         if not any(self.rank in emu.gpus for emu in involved):
@@ -113,8 +113,8 @@ class _Executor:
             id=str(primitive.id),
             kind=primitive.kind,
             model_stage=primitive.model_stage,
-            predicted_start_s=primitive.start_s,
-            predicted_end_s=primitive.end_s,
+            predicted_start_s=schedule.start_s(primitive),
+            predicted_end_s=schedule.end_s(primitive),
         ) as late:
             self._apply(primitive)
             late.update(
@@ -143,14 +143,15 @@ class _Executor:
         return states
 
 
-def run_order(primitives: list[Primitive]) -> list[Primitive]:
+def run_order(primitives: list[Primitive], schedule: Schedule) -> list[Primitive]:
     """The order every rank walks: by predicted start, then id (the schedule respects all edges)."""
-    assert all(p.scheduled for p in primitives), "execute only a fully scheduled transition"
-    return sorted(primitives, key=lambda p: (p.start_s, p.id))
+    assert schedule.complete(primitives), "execute only a fully scheduled transition"
+    return sorted(primitives, key=lambda p: (schedule.start_s(p), p.id))
 
 
 def execute_transition(
     primitives: list[Primitive],
+    schedule: Schedule,
     plan_a: Plan,
     plan_b: Plan,
     rank: int,
@@ -167,7 +168,7 @@ def execute_transition(
     executor = _Executor(plan_a, rank, families)
     for model_stage, state in states.items():
         executor.load(model_stage, state)
-    for primitive in run_order(primitives):
+    for primitive in run_order(primitives, schedule):
         if primitive.model_stage in families:
-            executor.run(primitive)
+            executor.run(primitive, schedule)
     return ExecutedTransition(executor.result(plan_b), executor.sent, executor.received, executor.count)

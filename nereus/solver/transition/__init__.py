@@ -1,12 +1,13 @@
-"""Transition DAGs between two plans: EMUs, local DAGs, the scheduled global DAG."""
+"""Transition DAGs between two plans: EMUs, local DAGs, the global DAG and its schedule."""
 
 from nereus.solver.transition.local import intermediate_layout, local_dag, match_replicas, sub_replicas
-from nereus.solver.transition.primitives import Emu, Primitive, box_fraction
+from nereus.solver.transition.primitives import Emu, Primitive, Schedule, box_fraction, priced
 from nereus.solver.transition.schedule import TransitionResult, build_transition, plan_emus
 
 __all__ = [
     "Emu",
     "Primitive",
+    "Schedule",
     "TransitionResult",
     "box_fraction",
     "build_transition",
@@ -14,5 +15,6 @@ __all__ = [
     "local_dag",
     "match_replicas",
     "plan_emus",
+    "priced",
     "sub_replicas",
 ]

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from nereus.errors import NereusError
-from nereus.solver.transition.primitives import Emu, Primitive
+from nereus.solver.transition.primitives import Emu, Primitive, Schedule
 from nereus.solver.transition.schedule import TransitionResult, build_transition, link_bytes
 from nereus.spec.check import Problem
 from nereus.spec.cluster import Cluster
@@ -53,7 +53,7 @@ def _emus(emus: Sequence[Emu]) -> list[EmuRecord]:
     return [EmuRecord(tp=emu.tp, pp=emu.pp, gpus=list(emu.gpus)) for emu in emus]
 
 
-def _record(primitive: Primitive, cluster: Cluster) -> PrimitiveRecord:
+def _record(primitive: Primitive, schedule: Schedule, cluster: Cluster) -> PrimitiveRecord:
     links = link_bytes([primitive], cluster)
     return PrimitiveRecord(
         id=primitive.id,
@@ -69,10 +69,10 @@ def _record(primitive: Primitive, cluster: Cluster) -> PrimitiveRecord:
         bytes_intra_node=links["intra_node"],
         bytes_inter_node=links["inter_node"],
         new_groups=primitive.new_groups,
-        start_s=primitive.start_s,
-        end_s=primitive.end_s,
+        start_s=schedule.start_s(primitive),
+        end_s=schedule.end_s(primitive),
         depends_on=list(primitive.deps),
-        ownership_deps=list(primitive.ownership_deps),
+        ownership_deps=list(schedule.ownership_deps(primitive)),
         removes=_emus(primitive.removes),
         retires=_emus(primitive.retires),
         adds=_emus(primitive.adds),
@@ -120,7 +120,7 @@ def to_document(
     return Transition(
         source=plan_a,
         target=plan_b,
-        primitives=[_record(p, cluster) for p in result.primitives],
+        primitives=[_record(p, result.schedule, cluster) for p in result.primitives],
         summary=summary,
         exact=[exact_record(e) for e in exact] if exact else None,
     )
@@ -150,9 +150,15 @@ def _primitive(record: PrimitiveRecord) -> Primitive:
         deps=list(record.depends_on),
         new_groups=record.new_groups,
         duration_s=record.end_s - record.start_s,
-        start_s=record.start_s,
-        end_s=record.end_s,
-        ownership_deps=list(record.ownership_deps),
+    )
+
+
+def _schedule(records: list[PrimitiveRecord]) -> Schedule:
+    """The stored times and ownership dependencies (every primitive of a file has both times)."""
+    return Schedule(
+        start={r.id: r.start_s for r in records},
+        end={r.id: r.end_s for r in records},
+        ownership={r.id: list(r.ownership_deps) for r in records if r.ownership_deps},
     )
 
 
@@ -165,6 +171,7 @@ def from_document(transition: Transition) -> TransitionResult:
     summary = transition.summary
     return TransitionResult(
         primitives=[_primitive(record) for record in transition.primitives],
+        schedule=_schedule(transition.primitives),
         makespan_s=summary.makespan_s,
         bytes_moved=summary.bytes_moved,
         bytes_by_link={"intra_node": summary.bytes_by_link.intra_node, "inter_node": summary.bytes_by_link.inter_node},

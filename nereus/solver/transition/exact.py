@@ -4,7 +4,7 @@ Both solvers take the problem `build_transition` hands its list scheduler and ch
 start times that minimise the makespan subject to
 
 (a) precedence: a primitive starts once every primitive in its `deps` has ended
-    (`ownership_deps` are an output of the heuristic and are ignored);
+    (a schedule's GPU-ownership dependencies are the heuristic's output and are ignored);
 (b) GPUs: a GPU runs at most one primitive at a time, and a primitive occupies every
     GPU in `primitive.gpus` for its whole duration (a zero-duration primitive may sit
     at the boundary of another one on its GPU, never strictly inside it);
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from nereus.errors import MissingDependency, NereusError
-from nereus.solver.transition.primitives import Primitive
+from nereus.solver.transition.primitives import Primitive, Schedule
 
 ExactStatus = Literal["optimal", "feasible", "infeasible", "unknown"]
 
@@ -104,7 +104,11 @@ def memory_unit(capacity_bytes: float) -> int:
 
 
 def _instance(
-    primitives: list[Primitive], initial_bytes: dict[int, float], capacity_bytes: float, unit_bytes: int | None
+    primitives: list[Primitive],
+    initial_bytes: dict[int, float],
+    capacity_bytes: float,
+    unit_bytes: int | None,
+    schedule: Schedule | None,
 ) -> _Instance:
     """Integer data of the problem; allocations and initial bytes round up, frees and capacity down."""
     if unit_bytes is None:
@@ -121,11 +125,14 @@ def _instance(
             raise NereusError(f"primitive {p.id} depends on primitives {missing} that are not in the transition")
         if p.duration_s < 0 or not math.isfinite(p.duration_s):
             raise NereusError(f"primitive {p.id} has duration {p.duration_s} s; durations must be finite and >= 0")
-    scheduled = bool(primitives) and all(  # a complete list schedule (none left unrun by a deadlock)
-        getattr(p, "scheduled", True) and abs(p.end_s - p.start_s - p.duration_s) <= 1e-9 * max(1.0, p.duration_s)
-        for p in primitives
-    )
-    scheduled = scheduled and max(p.end_s for p in primitives) > 0
+    scheduled = schedule is not None and bool(primitives)
+    if schedule is not None:  # a complete schedule (none left unrun by a deadlock) of these durations
+        scheduled = scheduled and all(
+            schedule.scheduled(p)
+            and abs(schedule.end_s(p) - schedule.start_s(p) - p.duration_s) <= 1e-9 * max(1.0, p.duration_s)
+            for p in primitives
+        )
+        scheduled = scheduled and max(schedule.end_s(p) for p in primitives) > 0
     return _Instance(
         ids=ids,
         duration_s={p.id: p.duration_s for p in primitives},
@@ -136,7 +143,7 @@ def _instance(
         initial={g: math.ceil(b / unit_bytes) for g, b in initial_bytes.items()},
         capacity=math.floor(capacity_bytes / unit_bytes),
         unit_bytes=unit_bytes,
-        heuristic_starts={p.id: p.start_s for p in primitives} if scheduled else None,
+        heuristic_starts={p.id: schedule.start_s(p) for p in primitives} if scheduled and schedule else None,
     )
 
 
@@ -233,6 +240,7 @@ def solve_cpsat(
     *,
     hint: bool = True,
     unit_bytes: int | None = None,
+    schedule: Schedule | None = None,
 ) -> ExactResult:
     """Minimum-makespan schedule with OR-Tools CP-SAT.
 
@@ -247,15 +255,15 @@ def solve_cpsat(
     Each GPU gets an AddNoOverlap of the intervals occupying it and, when some primitive
     allocates on it, an AddReservoirConstraint of its memory level in memory units
     (`memory_unit`; initial and allocations round up, frees and capacity down). With
-    `hint`, primitives already scheduled by `build_transition` seed the search with the
-    heuristic's start times. `workers` is CP-SAT's number of search workers.
+    `hint`, a complete `schedule` of the primitives (`build_transition`'s) seeds the
+    search with the heuristic's start times. `workers` is CP-SAT's number of search workers.
     """
     started = time.perf_counter()
     try:
         from ortools.sat.python import cp_model
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise MissingDependency("the CP-SAT transition solver", "OR-Tools", "exact") from exc
-    inst = _instance(primitives, initial_bytes, capacity_bytes, unit_bytes)
+    inst = _instance(primitives, initial_bytes, capacity_bytes, unit_bytes, schedule)
     trivial = _trivial("cpsat", inst, time_limit_s, started)
     if trivial is not None:
         return trivial
@@ -374,11 +382,12 @@ def solve_scip(
     horizon_steps: int | None = None,
     *,
     unit_bytes: int | None = None,
+    schedule: Schedule | None = None,
 ) -> ExactResult:
     """Minimum-makespan schedule with SCIP on a time-indexed MILP (an approximation).
 
-    Time is cut into steps: the reference makespan (the heuristic's, when the primitives
-    carry a complete schedule from `build_transition`, else the larger of the critical
+    Time is cut into steps: the reference makespan (the heuristic's, when `schedule` is
+    a complete schedule from `build_transition`, else the larger of the critical
     path and the busiest GPU's total work) spans `horizon_steps` steps (default 100).
     Durations round UP to whole steps, so the model is the continuous problem restricted
     to a grid with padded durations; its optimum may exceed the continuous one by up to
@@ -405,7 +414,7 @@ def solve_scip(
         import pyscipopt
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise MissingDependency("the SCIP transition solver", "PySCIPOpt", "exact") from exc
-    inst = _instance(primitives, initial_bytes, capacity_bytes, unit_bytes)
+    inst = _instance(primitives, initial_bytes, capacity_bytes, unit_bytes, schedule)
     trivial = _trivial("scip", inst, time_limit_s, started)
     if trivial is not None:
         return trivial

@@ -19,7 +19,6 @@ builders make primitives without **kwargs, and the per-GPU work over many replic
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import operator
 from collections.abc import Iterable, Iterator
@@ -83,7 +82,7 @@ _NEW_TUPLE = tuple.__new__  # _NEW_TUPLE(Emu, 4-tuple): an Emu without the Pytho
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
-#: Primitive's leading fields in constructor order: the builders pass them by position.
+#: Primitive's fields in order: the builders make primitives with `tuple.__new__`.
 _FIELDS = (
     "id",
     "kind",
@@ -101,10 +100,10 @@ _FIELDS = (
     "copies_from",
     "deps",
     "new_groups",
+    "duration_s",
+    "gpus",
 )
-assert tuple(field.name for field in dataclasses.fields(Primitive))[: len(_FIELDS)] == _FIELDS, (
-    "Primitive's fields moved: update _FIELDS and _Builder.add"
-)
+assert Primitive._fields == _FIELDS, "Primitive's fields moved: update _FIELDS and _Builder.add"
 
 
 @dataclass
@@ -139,26 +138,31 @@ class _Builder:
     ) -> Primitive:
         """A primitive on the `occupied` GPUs (its reads, writes, allocations and frees).
         Fields are passed on by name: through **kwargs they cost more than the rest of it."""
-        primitive = Primitive(  # by position (see `_FIELDS`): by name costs a third more
-            self.next_id,
-            kind,
-            self.model_stage,
-            source_layout,
-            target_layout,
-            reads,
-            writes,
-            alloc,
-            free,
-            transfers,
-            removes,
-            retires,
-            adds,
-            copies_from,
-            [] if deps is None else deps,
-            new_groups,
+        # By position, without Primitive's Python-level constructor (see `_FIELDS`): the
+        # builder knows the GPU set, and the generic union costs more. Unpriced: duration 0.
+        primitive = _NEW_TUPLE(
+            Primitive,
+            (
+                self.next_id,
+                kind,
+                self.model_stage,
+                source_layout,
+                target_layout,
+                reads,
+                writes,
+                alloc,
+                free,
+                transfers,
+                removes,
+                retires,
+                adds,
+                copies_from,
+                [] if deps is None else deps,
+                new_groups,
+                0.0,
+                tuple(sorted(occupied)),
+            ),
         )
-        # Seed the cached `gpus`: the builder knows the set; the generic union costs more.
-        primitive.__dict__["gpus"] = tuple(sorted(occupied))
         self.next_id += 1
         self.primitives.append(primitive)
         return primitive

@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from nereus.solver.transition.primitives import Primitive
+from nereus.solver.transition.primitives import Primitive, Schedule
 from nereus.spec.stages import stage_order
 from nereus.units import format_bytes
 
@@ -29,7 +29,8 @@ PriorityKey = Callable[[Primitive], tuple[float, ...]]
 
 class Replay:
     """Mutable state of the list scheduler: bytes held, busy-until time and peak bytes per
-    GPU id (lists sized by `bind`), and the releases so far.
+    GPU id (lists sized by `bind`), the releases so far, and each started primitive's
+    times and ownership dependencies (`schedule` returns them as a value).
 
     `usage` is what each GPU holds at the start (read, never changed: replays may share
     it); `peak` (when given) is a finished schedule's peak bytes per GPU, for a replay
@@ -43,6 +44,12 @@ class Replay:
         """Primitive id -> when it first waited for memory."""
         self.releases: list[Primitive] = []
         """Primitives that freed memory, in the order they finished (for ownership dependencies)."""
+        self.start_s: dict[int, float] = {}
+        """Primitive id -> when it started."""
+        self.end_s: dict[int, float] = {}
+        """Primitive id -> when it ends."""
+        self.ownership: dict[int, list[int]] = {}
+        """Primitive id -> its GPU-ownership dependencies (absent: none)."""
         self.held: list[float] = []
         self.busy_until: list[float] = []
         self.peak_held: list[float] = []  # -inf where nothing was ever allocated
@@ -66,6 +73,10 @@ class Replay:
         self.busy_until += [0.0] * more
         self.peak_held += [-math.inf] * more
 
+    def schedule(self) -> Schedule:
+        """The times and ownership dependencies so far, as a value (later starts do not change it)."""
+        return Schedule(dict(self.start_s), dict(self.end_s), dict(self.ownership))
+
     def usage(self, gpu: int) -> float:
         """Bytes `gpu` holds now."""
         return self.held[gpu] if gpu < len(self.held) else self.initial.get(gpu, 0.0)
@@ -77,8 +88,8 @@ class Replay:
 
     def start(self, primitive: Primitive, now: float) -> None:
         end = now + primitive.duration_s
-        primitive.start_s, primitive.end_s = now, end
-        primitive.scheduled = True
+        self.start_s[primitive.id] = now
+        self.end_s[primitive.id] = end
         busy, held, peak = self.busy_until, self.held, self.peak_held
         if primitive.duration_s > EPS:  # an instantaneous one leaves its (idle) GPUs idle
             for gpu in primitive.gpus:
@@ -105,13 +116,16 @@ class Replay:
                 unresolved -= found
                 if not unresolved:
                     break
-        deps = primitive.ownership_deps
+        deps = self.ownership.get(primitive.id, [])
+        ends = self.end_s
         for gpu in primitive.alloc:
             last = last_release.get(gpu)
             if last is None or last.model_stage == primitive.model_stage:
                 continue
-            if last.end_s >= waited and last.id not in deps:
+            if ends[last.id] >= waited and last.id not in deps:
                 deps.append(last.id)
+        if deps:
+            self.ownership[primitive.id] = deps
 
     def finish(self, primitive: Primitive) -> None:
         if not primitive.free:
@@ -139,8 +153,9 @@ def list_schedule(
     explain: bool = True,
     barriers: dict[int, list[int]] | None = None,
 ) -> list[str]:
-    """Give every primitive a start and end; return the blocking cycle if stuck
-    (without `explain`, just a marker: naming the cycle costs more than scheduling).
+    """Give every primitive a start and end in `replay` (`replay.schedule()`); return the
+    blocking cycle if stuck (without `explain`, just a marker: naming the cycle costs more
+    than scheduling).
 
     A ready primitive that cannot start waits on the GPUs that stop it (busy, or short of
     memory) and is looked at again only when something finishes there. `barriers` adds
@@ -150,7 +165,7 @@ def list_schedule(
     barriers = barriers or {}
     by_id = {p.id: p for p in primitives}
     for pid, parents in barriers.items():
-        by_id[pid].ownership_deps = sorted(set(by_id[pid].ownership_deps) | set(parents))
+        replay.ownership[pid] = sorted(set(replay.ownership.get(pid, ())) | set(parents))
     replay.bind(max((p.gpus[-1] for p in primitives if p.gpus), default=-1) + 1)
     key = {p.id: priority(p) for p in primitives}
     waiting = {p.id: len(p.deps) + len(barriers.get(p.id, ())) for p in primitives}
@@ -211,7 +226,7 @@ class _Waits:
         replay, woken = self.replay, set()
         for pid in order:
             primitive = self.by_id[pid]
-            if primitive.scheduled:
+            if pid in replay.start_s:
                 continue
             busy, lacking = self._stoppers(primitive, now + EPS)
             if busy or lacking:
@@ -223,7 +238,7 @@ class _Waits:
                 continue
             self.blocked.discard(pid)
             replay.start(primitive, now)
-            heapq.heappush(self.running, (primitive.end_s, pid))
+            heapq.heappush(self.running, (replay.end_s[pid], pid))
             if primitive.duration_s <= EPS:  # instantaneous: its frees count for what starts next
                 replay.finish(primitive)
                 woken |= self.wake(primitive.free)
@@ -251,7 +266,7 @@ def blocking_cycle(blocked: list[Primitive], primitives: list[Primitive], replay
     """Model-stages that wait for memory other model-stages hold, as a cycle if any."""
     import networkx as nx
 
-    unfinished = [p for p in primitives if not p.scheduled]
+    unfinished = [p for p in primitives if p.id not in replay.start_s]
     graph = nx.DiGraph()
     reasons = []
     for primitive in blocked:

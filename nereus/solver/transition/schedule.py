@@ -18,7 +18,7 @@ import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from nereus.cost.plan_cost import replica_state_bytes, resident_share, usable_me
 from nereus.solver.transition.local import STAR_ROUNDS, Replicas, replica_dag, stamp
 from nereus.solver.transition.order_search import GREEDY_TRIES, SEARCH_BUDGET, OrderSearch
 from nereus.solver.transition.pair import plan_pair
-from nereus.solver.transition.primitives import Emu, Layout, Primitive
+from nereus.solver.transition.primitives import Emu, Layout, Primitive, Schedule, priced
 from nereus.solver.transition.replay import (
     EPS,
     PriorityKey,
@@ -45,9 +45,13 @@ from nereus.units import format_bytes
 
 @dataclass
 class TransitionResult:
-    """A scheduled transition DAG and what it costs."""
+    """A transition DAG, its schedule and what it costs."""
 
     primitives: list[Primitive]
+    """The global DAG (priced: each primitive's `duration_s` is set)."""
+    schedule: Schedule
+    """When each primitive runs and its GPU-ownership dependencies (with a blocking cycle:
+    the partial schedule of the design's order, some primitives left unrun)."""
     makespan_s: float
     bytes_moved: float
     bytes_by_link: dict[str, float]
@@ -305,11 +309,6 @@ def priority_rules(primitives: list[Primitive], tail: dict[int, float] | None = 
     }
 
 
-def _reset(primitives: list[Primitive]) -> None:
-    for p in primitives:
-        p.scheduled, p.start_s, p.end_s, p.ownership_deps = False, 0.0, 0.0, []
-
-
 #: Extra seeded runs with perturbed critical-path priorities (biased random sampling);
 #: fewer on large DAGs, where each run costs more.
 RANDOM_RESTARTS = 12
@@ -364,97 +363,117 @@ PILOT_RULES = ("release-first", "release-then-critical-path", "release-then-late
 
 
 @dataclass
-class _Snapshot:
-    """One schedule's times, kept while other priority orders are tried."""
+class _Candidate:
+    """One safe schedule, kept while other priority orders are tried."""
 
     rule: str
-    makespan_s: float
-    times: dict[int, tuple[float, float, list[int]]]
+    schedule: Schedule
     peak: dict[int, float]
     order: list[int]
     """A priority order (primitive ids) that reproduces the schedule: by start, releases first."""
 
-    @classmethod
-    def take(cls, rule: str, primitives: list[Primitive], peak: dict[int, float]) -> _Snapshot:
-        times = {p.id: (p.start_s, p.end_s, list(p.ownership_deps)) for p in primitives}
-        order = [p.id for p in sorted(primitives, key=lambda p: (p.start_s, 0 if p.releases else 1, p.end_s, p.id))]
-        return cls(rule, max((p.end_s for p in primitives), default=0.0), times, dict(peak), order)
+    @property
+    def makespan_s(self) -> float:
+        return self.schedule.makespan_s
 
-    def restore(self, primitives: list[Primitive], initial: dict[int, float], capacity: float) -> Replay:
-        for p in primitives:
-            p.start_s, p.end_s, p.ownership_deps = self.times[p.id]
-            p.scheduled = True
-        return Replay(initial, capacity, peak=dict(self.peak))
+    @classmethod
+    def of(cls, rule: str, primitives: list[Primitive], schedule: Schedule, peak: dict[int, float]) -> _Candidate:
+        start, end = schedule.start, schedule.end
+        order = [p.id for p in sorted(primitives, key=lambda p: (start[p.id], 0 if p.releases else 1, end[p.id], p.id))]
+        return cls(rule, schedule, dict(peak), order)
+
+    def outcome(self, initial: dict[int, float], capacity: float) -> Scheduled:
+        return Scheduled(self.schedule, Replay(initial, capacity, peak=dict(self.peak)), [], self.rule)
+
+
+class Scheduled(NamedTuple):
+    """What `schedule_best` found: the schedule, the replay that holds its peak bytes per
+    GPU (and the capacity), the blocking cycle (empty when safe) and the rule that gave it."""
+
+    schedule: Schedule
+    replay: Replay
+    cycle: list[str]
+    rule: str
+
+
+def _replayed(
+    primitives: list[Primitive],
+    initial: dict[int, float],
+    capacity: float,
+    priority: PriorityKey = release_first,
+    explain: bool = False,
+    barriers: dict[int, list[int]] | None = None,
+) -> Scheduled:
+    """`list_schedule` on a fresh replay, as a `Scheduled` (rule left empty)."""
+    replay = Replay(initial, capacity)
+    cycle = list_schedule(primitives, replay, priority, explain=explain, barriers=barriers)
+    return Scheduled(replay.schedule(), replay, cycle, "")
 
 
 def schedule_best(
     primitives: list[Primitive], initial: dict[int, float], capacity: float, effort: Effort = "full"
-) -> tuple[Replay, list[str], str]:
+) -> Scheduled:
     """Run the list scheduler under each priority rule (and, on small DAGs, the serial
     generator too); keep the shortest safe schedule, stopping at the lower bound.
 
     The design's rule goes first and, when its schedule meets the lower bound (the common
-    case), nothing else is built: no other rule, no snapshot. `effort` says how far to go
-    when schedules deadlock: the design's rule alone, every priority rule, or (full) the
+    case), nothing else is built: no other rule, no candidate kept. `effort` says how far to
+    go when schedules deadlock: the design's rule alone, every priority rule, or (full) the
     serial generator, whole model-stages in sequence and the exhaustive order search too.
+    Each try builds its own schedule; the primitives are never changed.
     """
     restarts = RANDOM_RESTARTS if len(primitives) <= LARGE_DAG else RANDOM_RESTARTS_LARGE
     tail = _tail_lengths(primitives)
     chain = max(tail.values(), default=0.0) * (1 + 1e-9)  # the bound's cheap half
-    _reset(primitives)
-    replay = Replay(initial, capacity)
-    best: _Snapshot | None = None
+    tried = _replayed(primitives, initial, capacity)
+    best: _Candidate | None = None
     lower = chain
-    if not list_schedule(primitives, replay, release_first, explain=False):
-        makespan = max((p.end_s for p in primitives), default=0.0)
+    if not tried.cycle:
+        makespan = tried.schedule.makespan_s
         if makespan > chain:  # only then are the per-GPU sums worth computing
             lower = makespan_lower_bound(primitives, tail) * (1 + 1e-9)
         if makespan <= lower:
-            return replay, [], "release-first"
-        best = _Snapshot.take("release-first", primitives, replay.peak)
+            return tried._replace(rule="release-first")
+        best = _Candidate.of("release-first", primitives, tried.schedule, tried.replay.peak)
     elif effort == "design-rule":
-        return replay, ["the design's priority order deadlocks"], "release-first"
+        return tried._replace(cycle=["the design's priority order deadlocks"], rule="release-first")
     else:
         lower = makespan_lower_bound(primitives, tail) * (1 + 1e-9)
     rules = priority_rules(primitives, tail)
     for name, rule in itertools.chain(list(rules.items())[1:], _perturbed_rules(primitives, restarts, tail)):
         rules[name] = rule
-        _reset(primitives)
-        replay = Replay(initial, capacity)
-        if list_schedule(primitives, replay, rule, explain=False):
+        tried = _replayed(primitives, initial, capacity, rule)
+        if tried.cycle:
             continue
-        if best is None or max(p.end_s for p in primitives) < best.makespan_s - EPS:
-            best = _Snapshot.take(name, primitives, replay.peak)
+        if best is None or tried.schedule.makespan_s < best.makespan_s - EPS:
+            best = _Candidate.of(name, primitives, tried.schedule, tried.replay.peak)
             if best.makespan_s <= lower:
-                return best.restore(primitives, initial, capacity), [], name
+                return best.outcome(initial, capacity)
     if best is None and effort != "full":
-        return replay, ["every priority order deadlocks"], "release-first"
+        return tried._replace(cycle=["every priority order deadlocks"], rule="release-first")
     if len(primitives) <= SERIAL_LIMIT:
         best = _serial_best(primitives, initial, capacity, rules, best, lower)
     if best is not None:
-        return best.restore(primitives, initial, capacity), [], best.rule
+        return best.outcome(initial, capacity)
     sequential = _one_model_stage_at_a_time(primitives, initial, capacity)
     if sequential is not None:  # a safe but serial schedule: improve it like any other
-        replay, _, sequence = sequential
-        best = _polished(primitives, initial, capacity, _Snapshot.take(sequence, primitives, replay.peak), lower)
-        return best.restore(primitives, initial, capacity), [], best.rule
+        candidate = _Candidate.of(sequential.rule, primitives, sequential.schedule, sequential.replay.peak)
+        return _polished(primitives, initial, capacity, candidate, lower).outcome(initial, capacity)
     found: list[int] | str = "too large"
     if len(primitives) <= SERIAL_LIMIT:
         found = OrderSearch(primitives, initial, capacity).run(GREEDY_TRIES, SEARCH_BUDGET)
     if not isinstance(found, str):  # an order fits one at a time: pack it, then improve it
-        peak = schedule_in_order(primitives, initial, capacity, found)
-        assert peak is not None  # placing an order that fits one at a time never deadlocks
-        best = _polished(primitives, initial, capacity, _Snapshot.take("order search", primitives, peak), lower)
-        return best.restore(primitives, initial, capacity), [], best.rule
-    _reset(primitives)
-    replay = Replay(initial, capacity)
-    cycle = list_schedule(primitives, replay, release_first)
+        packed = schedule_in_order(primitives, initial, capacity, found)
+        assert packed is not None  # placing an order that fits one at a time never deadlocks
+        candidate = _Candidate.of("order search", primitives, *packed)
+        return _polished(primitives, initial, capacity, candidate, lower).outcome(initial, capacity)
+    tried = _replayed(primitives, initial, capacity, explain=True)
     verdict = {
         "infeasible": "no order of these primitives fits in memory (exhaustive search)",
         "undecided": f"no order found that fits in memory (search stopped after {SEARCH_BUDGET} states)",
         "too large": f"no order found that fits in memory (no exhaustive search above {SERIAL_LIMIT} primitives)",
     }[found]
-    return replay, [*cycle, verdict], "release-first"
+    return tried._replace(cycle=[*tried.cycle, verdict], rule="release-first")
 
 
 def _serial_best(
@@ -462,36 +481,35 @@ def _serial_best(
     initial: dict[int, float],
     capacity: float,
     rules: dict[str, PriorityKey],
-    best: _Snapshot | None,
+    best: _Candidate | None,
     lower: float,
-) -> _Snapshot | None:
+) -> _Candidate | None:
     """The serial generator under every rule, and in the best schedule's start order."""
     if best is not None:
         rank = {pid: k for k, pid in enumerate(best.order)}
         rules = {"left-shifted": lambda p: (rank[p.id],), **rules}
     for name, rule in rules.items():
-        _reset(primitives)
-        peak = serial_schedule(primitives, initial, capacity, rule)
-        if peak is None:
+        placed = serial_schedule(primitives, initial, capacity, rule)
+        if placed is None:
             continue
-        makespan = max((p.end_s for p in primitives), default=0.0)
+        makespan = placed[0].makespan_s
         if best is None or makespan < best.makespan_s - EPS:
-            best = _Snapshot.take(f"serial: {name}", primitives, peak)
+            best = _Candidate.of(f"serial: {name}", primitives, *placed)
             if makespan <= lower:
                 return best
     return best if best is None else _polished(primitives, initial, capacity, best, lower)
 
 
 def _polished(
-    primitives: list[Primitive], initial: dict[int, float], capacity: float, best: _Snapshot, lower: float
-) -> _Snapshot:
+    primitives: list[Primitive], initial: dict[int, float], capacity: float, best: _Candidate, lower: float
+) -> _Candidate:
     """`best` after the local search over orders and then, if still far from the bound, the pilot method."""
     return _with_pilot(primitives, initial, capacity, _improve(primitives, initial, capacity, best, lower), lower)
 
 
 def _with_pilot(
-    primitives: list[Primitive], initial: dict[int, float], capacity: float, best: _Snapshot, lower: float
-) -> _Snapshot:
+    primitives: list[Primitive], initial: dict[int, float], capacity: float, best: _Candidate, lower: float
+) -> _Candidate:
     """`best`, or a shorter schedule from pilot runs under each of `PILOT_RULES` (then
     improved by the local search), on DAGs up to `PILOT_LIMIT` primitives still more than
     `IMPROVE_ABOVE_BOUND` above the bound."""
@@ -505,14 +523,15 @@ def _with_pilot(
             pilot = (*found, name)
     if pilot is None:
         return best
-    peak = schedule_in_order(primitives, initial, capacity, pilot[1])
-    assert peak is not None  # the order a pilot run placed, placed again
-    return _improve(primitives, initial, capacity, _Snapshot.take(f"pilot: {pilot[2]}", primitives, peak), lower)
+    placed = schedule_in_order(primitives, initial, capacity, pilot[1])
+    assert placed is not None  # the order a pilot run placed, placed again
+    candidate = _Candidate.of(f"pilot: {pilot[2]}", primitives, *placed)
+    return _improve(primitives, initial, capacity, candidate, lower)
 
 
 def _improve(
-    primitives: list[Primitive], initial: dict[int, float], capacity: float, best: _Snapshot, lower: float
-) -> _Snapshot:
+    primitives: list[Primitive], initial: dict[int, float], capacity: float, best: _Candidate, lower: float
+) -> _Candidate:
     """Local search over orders from the best schedule's start order, when it is far from the bound.
 
     Each order is scheduled by both generators (the list scheduler and the serial one)
@@ -522,48 +541,43 @@ def _improve(
     if len(primitives) > IMPROVE_LIMIT or best.makespan_s <= lower * (1 + IMPROVE_ABOVE_BOUND):
         return best
 
-    def evaluate(order: list[int]) -> float | None:
-        return _schedule_both(primitives, initial, capacity, order)[0]
+    def evaluate(order: list[int]) -> Schedule | None:
+        both = _schedule_both(primitives, initial, capacity, order)
+        return None if both is None else both[0]
 
     order = best.order
     for seed in range(IMPROVE_RESTARTS):
         found = improve_order(primitives, evaluate, order, best.makespan_s, IMPROVE_STEPS, seed, lower)
         if found is not None:
             order = found[0]
-            span, peak = _schedule_both(primitives, initial, capacity, order)
-            assert span is not None and peak is not None  # the same order scheduled before
-            best = _Snapshot.take(f"local search {seed}", primitives, peak)
+            both = _schedule_both(primitives, initial, capacity, order)
+            assert both is not None  # the same order scheduled before
+            best = _Candidate.of(f"local search {seed}", primitives, *both)
     return best
 
 
 def _schedule_both(
     primitives: list[Primitive], initial: dict[int, float], capacity: float, order: list[int]
-) -> tuple[float | None, dict[int, float] | None]:
-    """Schedule `order` with the list scheduler and the serial generator; leave the shorter
-    safe schedule on the primitives and return its makespan and peak bytes per GPU."""
+) -> tuple[Schedule, dict[int, float]] | None:
+    """Schedule `order` with the list scheduler and the serial generator; the shorter safe
+    schedule and its peak bytes per GPU (None when both deadlock)."""
     rank = {pid: k for k, pid in enumerate(order)}
 
     def key(p: Primitive) -> tuple[float, ...]:
         return (rank[p.id],)
 
-    _reset(primitives)
-    replay = Replay(initial, capacity)
-    listed = None if list_schedule(primitives, replay, key, explain=False) else max(p.end_s for p in primitives)
-    peak = schedule_in_order(primitives, initial, capacity, order)
-    serial = max(p.end_s for p in primitives) if peak is not None else None
-    if serial is not None and (listed is None or serial <= listed + EPS):
-        return serial, peak
-    if listed is None:
-        return None, None
-    _reset(primitives)
-    replay = Replay(initial, capacity)
-    list_schedule(primitives, replay, key, explain=False)
-    return listed, replay.peak
+    listed = _replayed(primitives, initial, capacity, key)
+    serial = schedule_in_order(primitives, initial, capacity, order)
+    if serial is not None and (listed.cycle or serial[0].makespan_s <= listed.schedule.makespan_s + EPS):
+        return serial
+    if listed.cycle:
+        return None
+    return listed.schedule, listed.replay.peak
 
 
 def _one_model_stage_at_a_time(
     primitives: list[Primitive], initial: dict[int, float], capacity: float
-) -> tuple[Replay, list[str], str] | None:
+) -> Scheduled | None:
     """Fallback: whole model-stages one after another, joined by barrier edges.
 
     The memory a set of finished model-stages leaves does not depend on their order, so
@@ -590,11 +604,10 @@ def _one_model_stage_at_a_time(
         for p in by_stage[after]
         if not p.deps
     }
-    _reset(primitives)
-    replay = Replay(initial, capacity)
-    if list_schedule(primitives, replay, explain=False, barriers=barriers):
+    tried = _replayed(primitives, initial, capacity, barriers=barriers)
+    if tried.cycle:
         return None
-    return replay, [], "one-model-stage-at-a-time: " + " > ".join(order)
+    return tried._replace(rule="one-model-stage-at-a-time: " + " > ".join(order))
 
 
 def _stage_order(
@@ -614,7 +627,6 @@ def _stage_order(
         for gpu, change in delta[name].items():
             usage[gpu] = usage.get(gpu, 0.0) + change
     for name in sorted(set(by_stage) - done, key=lambda n: (sum(delta[n].values()), n)):  # shrinking first
-        _reset(by_stage[name])
         if list_schedule(by_stage[name], Replay(usage, capacity), explain=False):
             continue
         rest = _stage_order(by_stage, delta, initial, capacity, done | {name}, dead_ends)
@@ -670,7 +682,7 @@ DAG_SHAPES: tuple[tuple[int | None, bool, bool], ...] = (
 
 def _schedule_shapes(
     shapes: Iterable[list[Primitive]], initial: dict[int, float], capacity: float
-) -> tuple[Replay, list[str], str, list[Primitive]]:
+) -> tuple[Scheduled, list[Primitive]]:
     """The first DAG shape that schedules, trying every shape at one effort before any gets
     the next; when none does, the first shape's full failure report."""
     tried: list[list[Primitive]] = []
@@ -678,19 +690,19 @@ def _schedule_shapes(
         if any(_shape(primitives) == _shape(other) for other in tried):
             continue
         tried.append(primitives)
-        replay, cycle, rule = schedule_best(primitives, initial, capacity, "design-rule")
-        if not cycle:
-            return replay, cycle, rule, primitives
-    failure: tuple[Replay, list[str], str] | None = None
+        found = schedule_best(primitives, initial, capacity, "design-rule")
+        if not found.cycle:
+            return found, primitives
+    failure: Scheduled | None = None
     for effort in ("list", "full"):
         for primitives in tried:
-            replay, cycle, rule = schedule_best(primitives, initial, capacity, effort)
-            if not cycle:
-                return replay, cycle, rule, primitives
+            found = schedule_best(primitives, initial, capacity, effort)
+            if not found.cycle:
+                return found, primitives
             if effort == "full" and failure is None:
-                failure = replay, cycle, rule
+                failure = found
     assert failure is not None
-    return (*failure, tried[0])
+    return failure, tried[0]
 
 
 @contextlib.contextmanager
@@ -751,9 +763,9 @@ def _build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | Non
                 local = replica_dag(name, sizes[name], *sides[name], len(primitives), star_rounds, unswap, batch_nodes)
                 built[name] = local
             primitives += local
-        durations, moved_by_shape[id(primitives)] = _price(primitives, plan_b.cluster, calibration)
-        for primitive, duration in zip(primitives, durations, strict=True):
-            primitive.duration_s = duration
+        durations, moved = _price(primitives, plan_b.cluster, calibration)
+        primitives = priced(primitives, durations)
+        moved_by_shape[id(primitives)] = moved
         return primitives
 
     def shapes() -> Iterator[list[Primitive]]:
@@ -773,13 +785,14 @@ def _build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | Non
             if star_rounds is not None and not unswap and not _copies_a_new_replica(primitives):
                 treeless.add(batch)  # checked only when a next shape is wanted
 
-    replay, cycle, rule, primitives = _schedule_shapes(shapes(), initial, capacity)
+    (schedule, replay, cycle, rule), primitives = _schedule_shapes(shapes(), initial, capacity)
     held_b = held_a - gpus_a.held(sizes, changed) + gpus_b.held(sizes)
     cycle = _over_capacity(held_a, held_b, capacity) + cycle
     moved = moved_by_shape[id(primitives)]
     return TransitionResult(
         primitives=primitives,
-        makespan_s=max((p.end_s for p in primitives), default=0.0),
+        schedule=schedule,
+        makespan_s=schedule.makespan_s,
         bytes_moved=sum(moved.values()),
         bytes_by_link=moved,
         lower_bound_bytes=_lower_bound(gpus_a, gpus_b, changed, sizes),

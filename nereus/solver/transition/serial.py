@@ -18,7 +18,7 @@ import heapq
 import random
 from collections.abc import Callable
 
-from nereus.solver.transition.primitives import Primitive
+from nereus.solver.transition.primitives import Primitive, Schedule
 
 EPS = 1e-9
 
@@ -97,17 +97,16 @@ def serial_schedule(
     initial: dict[int, float],
     capacity: float,
     priority: Callable[[Primitive], tuple[float, ...]],
-) -> dict[int, float] | None:
-    """Place every primitive (ready ones in `priority` order); return peak bytes per GPU, or
-    None when some primitive never fits. Sets start, end and scheduled on success."""
+) -> tuple[Schedule, dict[int, float]] | None:
+    """Place every primitive (ready ones in `priority` order); return the schedule and peak
+    bytes per GPU, or None when some primitive never fits."""
     profile = _Profile(initial, capacity)
     starts: dict[int, float] = {}
     if _complete(_Dag(primitives), profile, starts, priority) is None:
         return None
-    for p in primitives:
-        p.start_s, p.end_s, p.scheduled = starts[p.id], starts[p.id] + p.duration_s, True
-    _ownership_edges(primitives, initial, capacity)
-    return profile.peak()
+    start = {p.id: starts[p.id] for p in primitives}
+    end = {p.id: starts[p.id] + p.duration_s for p in primitives}
+    return Schedule(start, end, _ownership_edges(primitives, start, end, initial, capacity)), profile.peak()
 
 
 class _Dag:
@@ -208,32 +207,41 @@ def _first_fit(profile: _Profile, primitive: Primitive, earliest: float) -> floa
     return None
 
 
-def _ownership_edges(primitives: list[Primitive], initial: dict[int, float], capacity: float) -> None:
-    """Record, for each allocation that only fits thanks to another model-stage's earlier
-    release on that GPU, the latest such release as a GPU-ownership dependency."""
+def _ownership_edges(
+    primitives: list[Primitive],
+    start: dict[int, float],
+    end: dict[int, float],
+    initial: dict[int, float],
+    capacity: float,
+) -> dict[int, list[int]]:
+    """For each allocation that only fits thanks to another model-stage's earlier release on
+    that GPU, the latest such release, as GPU-ownership dependencies by primitive id."""
     frees: dict[int, list[tuple[float, float, Primitive]]] = {}
     allocs: dict[int, list[tuple[float, float]]] = {}
     for p in primitives:
-        p.ownership_deps = []
         for gpu, nbytes in p.free.items():
-            frees.setdefault(gpu, []).append((p.end_s, nbytes, p))
+            frees.setdefault(gpu, []).append((end[p.id], nbytes, p))
         for gpu, nbytes in p.alloc.items():
-            allocs.setdefault(gpu, []).append((p.start_s, nbytes))
+            allocs.setdefault(gpu, []).append((start[p.id], nbytes))
+    ownership: dict[int, list[int]] = {}
     for p in primitives:
+        at = start[p.id]
         for gpu in p.alloc:
-            freed_before = [(t, b, q) for t, b, q in frees.get(gpu, []) if t <= p.start_s + EPS and q is not p]
-            held = initial.get(gpu, 0.0) + sum(b for t, b in allocs[gpu] if t <= p.start_s + EPS)
+            freed_before = [(t, b, q) for t, b, q in frees.get(gpu, []) if t <= at + EPS and q is not p]
+            held = initial.get(gpu, 0.0) + sum(b for t, b in allocs[gpu] if t <= at + EPS)
             held -= sum(b for _, b, _ in freed_before)
             foreign = [(t, b, q) for t, b, q in freed_before if q.model_stage != p.model_stage]
             if foreign and held + max(b for _, b, _ in foreign) > capacity + EPS:
                 latest = max(foreign, key=lambda item: item[0])[2]
-                if latest.id not in p.ownership_deps:
-                    p.ownership_deps.append(latest.id)
+                deps = ownership.setdefault(p.id, [])
+                if latest.id not in deps:
+                    deps.append(latest.id)
+    return ownership
 
 
 def improve_order(
     primitives: list[Primitive],
-    evaluate: Callable[[list[int]], float | None],
+    evaluate: Callable[[list[int]], Schedule | None],
     order: list[int],
     makespan_s: float,
     iterations: int,
@@ -242,8 +250,8 @@ def improve_order(
 ) -> tuple[list[int], float] | None:
     """Local search over priority orders; the best order and makespan if it beats `makespan_s`.
 
-    `evaluate(order)` schedules the primitives in that priority order (leaving the times on
-    them) and returns the makespan, or None on a deadlock. A move takes a primitive that
+    `evaluate(order)` schedules the primitives in that priority order and returns the
+    schedule, or None on a deadlock. A move takes a primitive that
     started later than its data allowed and puts it just before one of the primitives that
     held its GPUs then (or, one time in four, moves a random primitive earlier). Moves
     that do not lengthen the schedule are kept, so the search crosses plateaus.
@@ -252,20 +260,21 @@ def improve_order(
     rng = random.Random(seed)
     by_id = {p.id: p for p in primitives}
     current, best = list(order), None
-    current_s = evaluate(current)
-    if current_s is None:
+    schedule = evaluate(current)
+    if schedule is None:
         return None
+    current_s = schedule.makespan_s
     if current_s < makespan_s - EPS:
         best = (list(current), current_s)
     for _ in range(iterations):
-        candidate = _neighbour(current, by_id, rng)
-        span = evaluate(candidate)
-        if span is None or span > current_s + EPS:
-            evaluate(current)  # the neighbourhood reads the current schedule's times
-            continue
+        candidate = _neighbour(current, schedule, by_id, rng)
+        tried = evaluate(candidate)
+        if tried is None or tried.makespan_s > current_s + EPS:
+            continue  # the neighbourhood reads the current schedule's times
+        span = tried.makespan_s
         if span < current_s - EPS and (best is None or span < best[1] - EPS):
             best = (list(candidate), span)
-        current, current_s = candidate, span
+        current, current_s, schedule = candidate, span, tried
         if span <= target_s:
             break
     return best
@@ -273,32 +282,32 @@ def improve_order(
 
 def schedule_in_order(
     primitives: list[Primitive], initial: dict[int, float], capacity: float, order: list[int]
-) -> dict[int, float] | None:
+) -> tuple[Schedule, dict[int, float]] | None:
     """`serial_schedule` with the priority given as a list of primitive ids."""
     rank = {pid: k for k, pid in enumerate(order)}
-    _clear(primitives)
     return serial_schedule(primitives, initial, capacity, lambda p: (rank[p.id],))
 
 
-def _neighbour(order: list[int], by_id: dict[int, Primitive], rng: random.Random) -> list[int]:
-    """`order` with one primitive moved earlier (the schedule of `order` is on the primitives)."""
+def _neighbour(order: list[int], schedule: Schedule, by_id: dict[int, Primitive], rng: random.Random) -> list[int]:
+    """`order` with one primitive moved earlier (`schedule`: the schedule of `order`)."""
     position = {pid: k for k, pid in enumerate(order)}
-    delayed = [p for p in by_id.values() if p.start_s > max((by_id[d].end_s for d in p.deps), default=0.0) + EPS]
+    start, end = schedule.start, schedule.end
+    delayed = [p for p in by_id.values() if start[p.id] > max((end[d] for d in p.deps), default=0.0) + EPS]
     moves = []
     if delayed and rng.random() < 0.75:
         p = rng.choice(delayed)
-        gpus = set(p.gpus)
+        gpus, p_start = set(p.gpus), start[p.id]
         moves = [
             position[q.id]
             for q in by_id.values()
             if q is not p
-            and q.start_s < p.start_s - EPS
-            and q.end_s >= p.start_s - EPS
+            and start[q.id] < p_start - EPS
+            and end[q.id] >= p_start - EPS
             and gpus & set(q.gpus)
             and position[q.id] < position[p.id]
         ]
         if not moves:  # waited for memory: anything that started before it may be the holder
-            moves = [k for k in range(position[p.id]) if by_id[order[k]].start_s <= p.start_s]
+            moves = [k for k in range(position[p.id]) if start[order[k]] <= p_start]
     if moves:
         i, j = position[p.id], rng.choice(moves)
     else:
@@ -307,8 +316,3 @@ def _neighbour(order: list[int], by_id: dict[int, Primitive], rng: random.Random
     out = list(order)
     out.insert(j, out.pop(i))
     return out
-
-
-def _clear(primitives: list[Primitive]) -> None:
-    for p in primitives:
-        p.scheduled, p.start_s, p.end_s, p.ownership_deps = False, 0.0, 0.0, []
