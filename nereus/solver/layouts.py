@@ -11,7 +11,7 @@ import numpy as np
 
 from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, usable_memory
 from nereus.cost.stage import StageCostModel
-from nereus.spec.capabilities import MEMORY_CHOICES, executed
+from nereus.spec.capabilities import MEMORY_CHOICES, searched
 from nereus.spec.check import kv_heads_rule, pp_rule
 
 #: Bounded KV budgets tried, as fractions of a GPU's usable memory (plus one maximum-length
@@ -44,15 +44,16 @@ class MemoryChoices:
 
 
 def runtime_choices() -> MemoryChoices:
-    """The search space of what `nereus run` executes (`nereus.spec.capabilities`): each
-    choice the runtime executes searched as by default, each other one pinned off."""
-    searched = MemoryChoices()
-    pinned = {name: getattr(searched, name)[:1] for name in MEMORY_CHOICES if not executed(name)}
-    return dataclasses.replace(searched, **pinned)
+    """The runtime's own search space (`nereus.spec.capabilities`): each choice its planner
+    searches as by default, each other one pinned off."""
+    every = MemoryChoices()
+    pinned = {name: getattr(every, name)[:1] for name in MEMORY_CHOICES if not searched(name)}
+    return dataclasses.replace(every, **pinned)
 
 
-#: What `nereus run` executes: ZeRO-1 and KV budgets searched; every state resident, every
-#: activation kept, fixed rows and whole parameters on every replica.
+#: What `nereus run` plans for itself: every state resident, every activation kept, fixed rows,
+#: the engine's own KV pool and whole parameters on every replica (it also executes ZeRO-1 and
+#: KV budgets a given plan asks for: `nereus.spec.capabilities`).
 RUNTIME_CHOICES = runtime_choices()
 
 
