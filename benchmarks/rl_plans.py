@@ -29,8 +29,9 @@ from typing import Any
 from _record import begin, write_result
 
 from nereus.cost.plan_cost import evaluate_plan
-from nereus.runtime.rl.run import launch
-from nereus.runtime.rl.setup import RunSetup, plan_problems
+from nereus.runtime.rl.setup import plan_problems
+from nereus.runtime.run.launch import launch
+from nereus.runtime.run.run_setup import RunSetup
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig, RunConfig

@@ -17,7 +17,8 @@ import yaml
 from hf_helpers import tiny_math_model
 from repo_paths import DATA, EXAMPLES
 
-from nereus.spec.run_folder import finished_checkpoints, read_metrics
+from nereus.runtime.run.checkpoints import finished_checkpoints
+from nereus.spec.run_folder import read_metrics
 from tests.cli_helpers import invoke
 from tests.run_helpers import TIMING_FIELDS, alive, rank_pids, start_run, wait_for
 

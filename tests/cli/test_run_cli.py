@@ -19,13 +19,14 @@ import yaml
 from repo_paths import DATA, EXAMPLES
 
 from nereus.runtime.observe.memory import predicted_rank_peaks
-from nereus.runtime.rl.run_state import read_run_state
 from nereus.runtime.rl.setup import memory_problems, plan_problems, state_bytes_by_rank
+from nereus.runtime.run.checkpoints import finished_checkpoints
+from nereus.runtime.run.run_state import read_run_state
 from nereus.runtime.state.checkpoint import verify_checkpoint
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
-from nereus.spec.run_folder import finished_checkpoints, read_metrics
+from nereus.spec.run_folder import read_metrics
 from tests.cli_helpers import invoke, one_error_line
 from tests.run_helpers import TIMING_FIELDS, alive, rank_pids, start_run, wait_for, write_config
 
@@ -204,7 +205,7 @@ def test_resume_onto_other_ranks_continues_from_the_same_state(tmp_path: Path) -
     assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
     # Resuming restores exactly the saved logical state: check it through the library on 1 rank.
     from nereus.runtime.comm.dist import spawn
-    from nereus.runtime.rl.setup import resume_run
+    from nereus.runtime.run.resolve import resume_run
 
     setup = resume_run(out, num_ranks=1, num_steps=4)
     setup = type(setup)(**{**setup.__dict__, "checkpoint": out / "checkpoints" / "step-000002", "start_step": 2})
@@ -214,9 +215,9 @@ def test_resume_onto_other_ranks_continues_from_the_same_state(tmp_path: Path) -
 
 
 def restored_actor_params(rank: int, world_size: int, setup: Any) -> dict[str, Any]:
-    from nereus.runtime.rl.run import restore
     from nereus.runtime.rl.stages import build_stages
     from nereus.runtime.rl.update import sync_plans, sync_weights
+    from nereus.runtime.run.checkpoints import restore
 
     stages = build_stages(setup.plan, setup.config.rl)
     restore(stages, setup.checkpoint, rank, setup.config.rl)

@@ -21,10 +21,11 @@ import pytest
 import yaml
 from repo_paths import EXAMPLES
 
-from nereus.runtime.rl.setup import checkpoint_problem, joined_setup
+from nereus.runtime.run.checkpoints import checkpoint_problem, finished_checkpoints
+from nereus.runtime.run.torchrun import joined_setup
 from nereus.runtime.state.checkpoint import load_checkpoint
 from nereus.runtime.state.shard_layout import RankLayout
-from nereus.spec.run_folder import finished_checkpoints, read_metrics
+from nereus.spec.run_folder import read_metrics
 from tests.cli_helpers import invoke
 from tests.run_helpers import alive, wait_for, write_config
 

@@ -21,7 +21,8 @@ import torch
 from nereus.errors import NereusError
 from nereus.runtime.hf.files import INDEX_FILE, SINGLE_FILE, checkpoint_tensors
 from nereus.runtime.hf.names import hf_name
-from nereus.runtime.state.checkpoint import load_checkpoint, read_index
+from nereus.runtime.state.checkpoint import load_checkpoint
+from nereus.runtime.state.checkpoint_index import read_index
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.hf_config import CONFIG_NAME
 
@@ -52,9 +53,10 @@ class Export:
 def run_checkpoint_and_source(run_dir: Path, step: int | None, role: str) -> tuple[Path, Path]:
     """The checkpoint folder of `run_dir` to export (step `step`, default the latest) and the
     Hugging Face folder `role` started from."""
+    from nereus.runtime.run.checkpoints import checkpoint_folder, finished_checkpoints, latest_checkpoint
     from nereus.spec.io import load_document
     from nereus.spec.plan import Plan
-    from nereus.spec.run_folder import PLAN_NAME, checkpoint_folder, finished_checkpoints, latest_checkpoint
+    from nereus.spec.run_folder import PLAN_NAME
 
     checkpoint = latest_checkpoint(run_dir) if step is None else checkpoint_folder(run_dir, step)
     if checkpoint is None or not checkpoint.is_dir():
