@@ -79,21 +79,25 @@ def intra_stage_problems(plan: Plan) -> list[str]:
             "fix critic/training emus or set intra_stage: false"
         ]
     try:
-        fused_schedule(plan)
+        # Whether a schedule exists is settled by the search's list schedules under the cap,
+        # before any annealing: one neighbour tells (the run searches in full once, at set-up).
+        fused_schedule(plan, max_iterations=1)
     except NereusError as error:
         return [f"{field}: no fused schedule for this plan: {error}"]
     return []
 
 
-def fused_schedule(plan: Plan) -> Schedule:
+def fused_schedule(plan: Plan, max_iterations: int | None = None) -> Schedule:
     """The fused actor-critic `Schedule` of `plan`'s training stages, searched (seconds for a
     large pipeline: build it once and pass it on); NereusError when the plan has none (e.g.
-    no memory left for activations)."""
+    no memory left for activations). `max_iterations`: the annealing budget (default
+    `search_iterations`)."""
     from nereus.solver.pipeline.document import to_document
     from nereus.solver.pipeline.search import SearchConfig, search_fused
 
     pipelines, cap = fused_pipelines(plan)
-    config = SearchConfig(time_limit_s=SEARCH_TIME_LIMIT_S, seeds=1, max_iterations=search_iterations(pipelines))
+    budget = search_iterations(pipelines) if max_iterations is None else max_iterations
+    config = SearchConfig(time_limit_s=SEARCH_TIME_LIMIT_S, seeds=1, max_iterations=budget)
     result = search_fused(pipelines.actor, pipelines.critic, config, activation_cap=cap)
     return to_document(result, time_unit="s", memory_unit="GiB")
 
