@@ -36,8 +36,8 @@ from _record import begin, write_result
 
 from nereus.cost.calibration import Calibration
 from nereus.cost.profile import Profile, cluster_from_profile
-from nereus.runtime.rl.run import launch
-from nereus.runtime.rl.setup import RunSetup
+from nereus.runtime.run.launch import launch
+from nereus.runtime.run.run_setup import RunSetup
 from nereus.solver.admission import plan_problems
 from nereus.solver.layouts import RUNTIME_CHOICES
 from nereus.solver.plan_search import PlanRequest

@@ -184,8 +184,8 @@ def transformers_generate(folder: Path, prompts: Any, new: int, device: Any) -> 
 
 def grpo_run(root: Path, folder: Path, device: str) -> dict[str, Any]:
     """A bf16 GRPO run of a few steps, planned for the folder on one rank; its metrics."""
-    from nereus.runtime.rl.run import launch
-    from nereus.runtime.rl.setup import new_run
+    from nereus.runtime.run.launch import launch
+    from nereus.runtime.run.resolve import new_run
     from nereus.spec.run_folder import read_metrics
 
     sizes = SIZES[device]

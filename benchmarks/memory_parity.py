@@ -113,8 +113,8 @@ def plan_document(case: str) -> dict[str, Any]:
 
 def run_case(case: str, root: Path) -> list[dict[str, Any]]:
     """One RL step of `case`; a row per (model-stage, rank) with measured and predicted peaks."""
-    from nereus.runtime.rl.run import launch
-    from nereus.runtime.rl.setup import new_run
+    from nereus.runtime.run.launch import launch
+    from nereus.runtime.run.resolve import new_run
     from nereus.spec.run_folder import read_metrics
 
     folder = root / case

@@ -26,14 +26,14 @@ from typing import Any
 
 from _record import begin, write_result
 
-from nereus.runtime.rl.run import launch
-from nereus.runtime.rl.setup import RunSetup
+from nereus.runtime.run.launch import launch
+from nereus.runtime.run.run_setup import RunSetup
+from nereus.runtime.run.summary import reward_means, summarize
 from nereus.solver.admission import plan_problems
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig, RunConfig
 from nereus.spec.run_folder import StepMetrics
-from nereus.spec.run_summary import reward_means, summarize
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "plan-tiny-ppo-4rank.yaml"
 MAIN_JOB = EXAMPLE.with_name("run-learn.yaml")

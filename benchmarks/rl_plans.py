@@ -29,8 +29,8 @@ from typing import Any
 from _record import begin, write_result
 
 from nereus.cost.plan_cost import evaluate_plan
-from nereus.runtime.rl.run import launch
-from nereus.runtime.rl.setup import RunSetup
+from nereus.runtime.run.launch import launch
+from nereus.runtime.run.run_setup import RunSetup
 from nereus.solver.admission import plan_problems
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan

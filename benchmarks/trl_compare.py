@@ -168,8 +168,8 @@ def layout(plan: Any) -> str:
 def run_nereus(folder: Path, num_steps: int, num_ranks: int, work: Path, cluster: Path) -> dict[str, Any]:
     """`nereus run` of the same recipe on `num_ranks` ranks, planned for them from the folder
     on `cluster` (the measured machine)."""
-    from nereus.runtime.rl.run import launch
-    from nereus.runtime.rl.setup import new_run
+    from nereus.runtime.run.launch import launch
+    from nereus.runtime.run.resolve import new_run
 
     workload = {
         "kind": "Workload", "version": 1, "name": "trl-compare", "algorithm": "grpo", "actor": "tiny",

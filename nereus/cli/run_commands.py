@@ -15,9 +15,9 @@ import typer
 from nereus.errors import NereusError
 
 if TYPE_CHECKING:
-    from nereus.runtime.rl.setup import RunSetup
+    from nereus.runtime.run.run_setup import RunSetup
+    from nereus.runtime.run.summary import RunSummary
     from nereus.spec.run_folder import StepMetrics
-    from nereus.spec.run_summary import RunSummary
 
 
 def describe_step(metrics: StepMetrics) -> str:
@@ -134,7 +134,8 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Run RL post-training under a plan on local ranks (gloo on CPU, NCCL on GPUs)."""
-    from nereus.runtime.rl.setup import new_run, resume_run, torchrun_worker
+    from nereus.runtime.run.resolve import new_run, resume_run
+    from nereus.runtime.run.torchrun import torchrun_worker
 
     if resume is not None:
         if config_file is not None or out is not None or trace is not None or policy is not None:
@@ -180,8 +181,8 @@ def run_joined(
 ) -> None:
     """`nereus run` as one worker of a torchrun job: rank 0 checks, plans, writes the run
     folder and shows progress; every rank trains its part of the plan."""
-    from nereus.runtime.rl.run import join_job
-    from nereus.runtime.rl.setup import configured_timeout_s, joined_setup
+    from nereus.runtime.run.joined_job import join_job
+    from nereus.runtime.run.torchrun import configured_timeout_s, joined_setup
 
     job = join_job(configured_timeout_s(config_file, resume))
     setup = job.agree(
@@ -199,8 +200,8 @@ def launch_with_progress(
     setup: RunSetup, launcher: Callable[[RunSetup, Callable[[StepMetrics], None]], list[StepMetrics]] | None = None
 ) -> RunSummary:
     """Run `setup` with `launcher` (default: spawn local ranks), showing each step as it lands."""
-    from nereus.runtime.rl.run import launch
-    from nereus.spec.run_summary import summarize
+    from nereus.runtime.run.launch import launch
+    from nereus.runtime.run.summary import summarize
 
     launcher = launch if launcher is None else launcher
     if setup.planned:

@@ -13,8 +13,10 @@ from nereus.cli.outputs import check_output
 from nereus.errors import NereusError
 
 if TYPE_CHECKING:
+    from nereus.cost.calibration import Calibration
     from nereus.solver.migration import SweepResult
     from nereus.solver.pipeline.model import ModelTimes
+    from nereus.spec.plan import Plan
     from nereus.spec.schedule import ExactMemorySummary, Schedule
 
 schedule_app = typer.Typer(help="Fused pipeline schedules and long-tail migration.", no_args_is_help=True)
@@ -145,12 +147,11 @@ def fuse(
     if plan is not None:
         if any(v is not None for v in (stages, microbatches, fwd, bwd, act)):
             raise NereusError("--plan takes the times from the plan; drop --stages/--microbatches/--fwd/--bwd/--act")
-        actor, critic, plan_cap = _plan_models(plan, calibration)
+        from nereus.runtime.model.fused_schedule import fused_pipelines
+
+        pipelines, act_cap = fused_pipelines(*_plan_and_calibration(plan, calibration), act_cap, str(plan))
+        actor, critic = pipelines.actor, pipelines.critic
         units = ("s", "GiB")
-        if act_cap is None:
-            if plan_cap <= 0:
-                raise NereusError(f"{plan}: the actor and critic training states leave no GPU memory for activations")
-            act_cap = plan_cap
     else:
         if calibration is not None:
             raise NereusError("--calibration only applies with --plan")
@@ -182,16 +183,14 @@ def fuse(
         _print_fuse(document, result.greedy_rule, [p for p in (output, gantt, perfetto) if p])
 
 
-def _plan_models(path: Path, calibration: Path | None) -> tuple[ModelTimes, ModelTimes, float]:
+def _plan_and_calibration(path: Path, calibration: Path | None) -> tuple[Plan, Calibration]:
     from nereus.cli.inputs import load_kind
     from nereus.cost.calibration import Calibration
-    from nereus.solver.pipeline.from_plan import plan_pipelines
     from nereus.spec.plan import Plan
 
     the_plan = load_kind(str(path), Plan)
     the_calibration = load_kind(str(calibration), Calibration) if calibration else Calibration()
-    pipelines = plan_pipelines(the_plan, the_calibration)  # type: ignore[arg-type]
-    return pipelines.actor, pipelines.critic, pipelines.activation_cap
+    return the_plan, the_calibration  # type: ignore[return-value]
 
 
 class _progress:

@@ -13,7 +13,8 @@ A run folder holds:
     decisions.jsonl  the controller's decisions with their inputs (runs with a trace only)
     checkpoints/     step-000010/ ... : every trained model's state after that many steps,
                      the plan in force then, rank 0's run state (controller.json) and
-                     state.json: the step and the sha256 of every file beside it
+                     state.json: the step and the sha256 of every file beside it (their
+                     names, saving, checks and restore: `nereus.runtime.run.checkpoints`)
     damaged-checkpoints/  newer checkpoints a resume from an older one set aside
     failure.log      the full error of a run that failed (written only then)
     world.json       a torchrun job's ranks: node, local rank, pid, shared-memory domain
@@ -46,12 +47,6 @@ TIMELINE_NAME = "timeline"
 CHECKPOINTS_NAME = "checkpoints"
 FAILURE_NAME = "failure.log"
 WORLD_NAME = "world.json"
-#: The file inside a finished run checkpoint that records the step it was taken after.
-CHECKPOINT_STATE_NAME = "state.json"
-#: Rank 0's run state (predictor, online calibration, controller) inside a run checkpoint: JSON.
-CONTROLLER_STATE_NAME = "controller.json"
-#: Where nereus before checkpoints were data pickled the run state: such a checkpoint is refused.
-LEGACY_STATE_NAME = "controller.pkl"
 #: Where a resume from an older checkpoint moves the damaged newer ones (kept for inspection).
 DAMAGED_NAME = "damaged-checkpoints"
 
@@ -59,25 +54,6 @@ DAMAGED_NAME = "damaged-checkpoints"
 def switch_plan_name(step: int) -> str:
     """The run folder's copy of the plan a switch moves to."""
     return f"plan-from-step-{step:06d}.yaml"
-
-
-def checkpoint_folder(out: Path, step: int) -> Path:
-    """Where the checkpoint taken after `step` steps lives."""
-    return out / CHECKPOINTS_NAME / f"step-{step:06d}"
-
-
-def finished_checkpoints(out: Path) -> list[Path]:
-    """Finished checkpoint folders, oldest first (temporary folders of an interrupted save are skipped)."""
-    root = out / CHECKPOINTS_NAME
-    if not root.is_dir():
-        return []
-    return sorted(path for path in root.iterdir() if path.name.startswith("step-") and path.is_dir())
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    """The newest finished checkpoint, or None before the first."""
-    folders = finished_checkpoints(out)
-    return folders[-1] if folders else None
 
 
 def timeline_file(out: Path, rank: int) -> Path:
@@ -419,3 +395,30 @@ class MetricsTail:
         self.offset += len(complete)
         for line in complete.decode().splitlines():
             yield StepMetrics(**json.loads(line))
+
+
+#: The file inside a finished run checkpoint that records the step it was taken after.
+CHECKPOINT_STATE_NAME = "state.json"
+#: Rank 0's run state (predictor, online calibration, controller) inside a run checkpoint: JSON.
+CONTROLLER_STATE_NAME = "controller.json"
+#: Where nereus before checkpoints were data pickled the run state: such a checkpoint is refused.
+LEGACY_STATE_NAME = "controller.pkl"
+
+
+def checkpoint_folder(out: Path, step: int) -> Path:
+    """Where the checkpoint taken after `step` steps lives."""
+    return out / CHECKPOINTS_NAME / f"step-{step:06d}"
+
+
+def finished_checkpoints(out: Path) -> list[Path]:
+    """Finished checkpoint folders, oldest first (temporary folders of an interrupted save are skipped)."""
+    root = out / CHECKPOINTS_NAME
+    if not root.is_dir():
+        return []
+    return sorted(path for path in root.iterdir() if path.name.startswith("step-") and path.is_dir())
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest finished checkpoint, or None before the first."""
+    folders = finished_checkpoints(out)
+    return folders[-1] if folders else None

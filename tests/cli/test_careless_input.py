@@ -391,7 +391,7 @@ def stop_before_work(patch: pytest.MonkeyPatch) -> None:
     def accepted(*args: Any, **kwargs: Any) -> Any:
         raise Accepted
 
-    patch.setattr("nereus.runtime.rl.run.launch", accepted)
+    patch.setattr("nereus.runtime.run.launch.launch", accepted)
     patch.setattr("nereus.runtime.observe.profiling.run_profile", accepted)
 
 

@@ -150,7 +150,7 @@ def test_check_refuses_exactly_what_run_refuses(case: Case, tmp_path: Path, monk
     def accepted(*args: Any, **kwargs: Any) -> Any:
         raise Accepted
 
-    monkeypatch.setattr("nereus.runtime.rl.run.launch", accepted)
+    monkeypatch.setattr("nereus.runtime.run.launch.launch", accepted)
     if case.without_tensorboard:
         find_spec = importlib.util.find_spec
         monkeypatch.setattr(

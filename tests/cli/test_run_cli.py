@@ -19,7 +19,7 @@ import yaml
 from repo_paths import DATA, EXAMPLES
 
 from nereus.runtime.observe.memory import predicted_rank_peaks
-from nereus.runtime.rl.run_state import read_run_state
+from nereus.runtime.run.run_state import read_run_state
 from nereus.runtime.state.checkpoint import verify_checkpoint
 from nereus.solver.admission import memory_problems, plan_problems, state_bytes_by_rank
 from nereus.spec.io import load_document
@@ -204,7 +204,7 @@ def test_resume_onto_other_ranks_continues_from_the_same_state(tmp_path: Path) -
     assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
     # Resuming restores exactly the saved logical state: check it through the library on 1 rank.
     from nereus.runtime.comm.spawn import spawn
-    from nereus.runtime.rl.setup import resume_run
+    from nereus.runtime.run.resolve import resume_run
 
     setup = resume_run(out, num_ranks=1, num_steps=4)
     setup = type(setup)(**{**setup.__dict__, "checkpoint": out / "checkpoints" / "step-000002", "start_step": 2})
@@ -214,9 +214,9 @@ def test_resume_onto_other_ranks_continues_from_the_same_state(tmp_path: Path) -
 
 
 def restored_actor_params(rank: int, world_size: int, setup: Any) -> dict[str, Any]:
-    from nereus.runtime.rl.run import restore
     from nereus.runtime.rl.stages import build_stages
     from nereus.runtime.rl.update import sync_plans, sync_weights
+    from nereus.runtime.run.checkpoints import restore
 
     stages = build_stages(setup.plan, setup.config.rl)
     restore(stages, setup.checkpoint, rank, setup.config.rl)
@@ -571,7 +571,7 @@ def test_a_run_config_fusion_block_reaches_the_run_and_its_timeline(tmp_path: Pa
 
 def test_the_closing_summary_keeps_long_paths_on_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     from nereus.cli.run_commands import print_summary
-    from nereus.spec.run_summary import RunSummary
+    from nereus.runtime.run.summary import RunSummary
 
     out = "runs/" + "a-long-run-folder-name-" * 4
     summary = RunSummary(

@@ -30,13 +30,13 @@ from nereus.runtime.model.fused_pipeline import (
     schedule_peaks,
 )
 from nereus.runtime.model.fused_schedule import (
-    _SCHEDULES,
     SEARCH_ITERATIONS,
     SEARCH_ITERATIONS_PER_OP,
     fused_schedule,
     search_iterations,
 )
 from nereus.runtime.model.losses import NextTokenLoss, ValueLoss
+from nereus.runtime.run.plans import plan_schedule
 from nereus.solver.pipeline.document import to_document
 from nereus.solver.pipeline.from_plan import PlanPipelines, plan_pipelines
 from nereus.solver.pipeline.model import ModelTimes
@@ -118,8 +118,7 @@ def test_the_run_time_schedule_is_the_plan_capped_search_and_is_deterministic() 
     pipelines = plan_pipelines(plan)
     schedule = fused_schedule(plan)
     assert schedule.activation_cap == pytest.approx(pipelines.activation_cap) and pipelines.activation_cap > 0
-    # A second search (cache emptied) returns the very same op order.
-    _SCHEDULES.clear()
+    # A second search returns the very same op order.
     again = fused_schedule(plan)
     assert again is not schedule
     assert [node.ops for node in again.nodes] == [node.ops for node in schedule.nodes]
@@ -151,6 +150,17 @@ def test_every_process_searches_the_same_schedule() -> None:
     done = subprocess.run([sys.executable, "-c", SCHEDULE_DIGEST], cwd=ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == hashlib.sha256(repr(ops).encode()).hexdigest()
+
+
+def test_a_run_is_set_up_with_its_fused_schedule_searched_once(tmp_path: Path) -> None:
+    """The launcher searches the schedule and hands it to the ranks in the setup."""
+    from nereus.runtime.run.resolve import new_run
+
+    setup = new_run(ROOT / "examples/run-ppo.yaml", ROOT / INTRA_PLAN, out=tmp_path / "run")
+    assert setup.fused_schedule is not None
+    assert [node.ops for node in setup.fused_schedule.nodes] == [node.ops for node in fused_schedule(setup.plan).nodes]
+    unfused = setup.plan.model_copy(update={"fusion": setup.plan.fusion.model_copy(update={"intra_stage": False})})
+    assert plan_schedule(unfused) is None
 
 
 def test_the_work_budget_grows_with_the_pipeline_within_its_bounds() -> None:

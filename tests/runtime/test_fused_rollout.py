@@ -231,9 +231,8 @@ def step_worker(rank: int, world: int) -> list[Any]:
     for fusion in (Fusion(), Fusion(inter_stage=True, migration_threshold=0.3)):
         torch.manual_seed(config.seed)
         stages = build_stages(plan, config)
-        events: list[Any] = []
-        metrics = rl_step(plan, config, stages, sync_plans(stages), 0, fusion=fusion, events=events)
-        runs.append((metrics, len(events)))
+        result = rl_step(plan, config, stages, sync_plans(stages), 0, fusion=fusion)
+        runs.append((result.metrics, len(result.events)))
     return runs
 
 

@@ -15,13 +15,14 @@ import nereus.runtime.rl.step as step_module
 from nereus.errors import NereusError
 from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.tensor_parallel import TensorParallel
-from nereus.runtime.rl import run
 from nereus.runtime.rl.algorithms import entropy_from_logits
 from nereus.runtime.rl.objectives import vocab_parallel_entropy
-from nereus.runtime.rl.setup import RunSetup, prepare_folder
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, rollout_batch
-from nereus.runtime.rl.step import rl_step
+from nereus.runtime.rl.step import StepResult, rl_step
 from nereus.runtime.rl.update import old_log_probs_from_training, sync_plans
+from nereus.runtime.run import rank_loop
+from nereus.runtime.run.folder import prepare_folder
+from nereus.runtime.run.run_setup import RunSetup
 from nereus.runtime.state.sharded_state import gather, state_meta
 from nereus.solver.admission import plan_problems
 from nereus.spec.io import load_document
@@ -104,7 +105,7 @@ def run_and_check_sync(rank: int, world: int, plan: Plan, config: RLConfig, num_
     stages = build_stages(plan, config)
     syncs = sync_plans(stages)
     initial = logical_params(stages["actor/training"])
-    metrics = [rl_step(plan, config, stages, syncs, step) for step in range(num_steps)]
+    metrics = [rl_step(plan, config, stages, syncs, step).metrics for step in range(num_steps)]
     trained = logical_params(stages["actor/training"])
     synced = {
         name: all(torch.equal(trained[key], value[key]) for key in trained)
@@ -178,7 +179,7 @@ def run_with_old_log_probs_from(
         step_module.old_log_probs_from_training = lambda plan, fusion: False  # type: ignore[assignment]
     stages = build_stages(plan, config)
     syncs = sync_plans(stages)
-    metrics = [rl_step(plan, config, stages, syncs, step) for step in range(2)]
+    metrics = [rl_step(plan, config, stages, syncs, step).metrics for step in range(2)]
     return [numbers(m) for m in metrics], [m.grad_norm for m in metrics], logical_params(stages["actor/training"])
 
 
@@ -273,15 +274,16 @@ def test_vocab_parallel_entropy_matches_full_vocabulary() -> None:
 
 
 def run_rank_recording_steps(rank: int, world: int, setup: RunSetup) -> list[StepMetrics]:
-    """`nereus run`'s loop on this rank (`run.run_rank`), returning what each step measured here."""
+    """`nereus run`'s loop on this rank (`rank_loop.run_rank`), returning what each step measured here."""
     measured: list[StepMetrics] = []
 
-    def recording(*args: Any, **kwargs: Any) -> StepMetrics:
-        measured.append(rl_step(*args, **kwargs))
-        return measured[-1]
+    def recording(*args: Any, **kwargs: Any) -> StepResult:
+        result = rl_step(*args, **kwargs)
+        measured.append(result.metrics)
+        return result
 
-    run.rl_step = recording
-    run.run_rank(rank, world, setup)
+    rank_loop.rl_step = recording  # type: ignore[assignment]
+    rank_loop.run_rank(rank, world, setup)
     return measured
 
 

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from nereus.runtime.rl.setup import checkpoint_problem, finished_checkpoints, read_metrics
+from nereus.runtime.run.checkpoints import checkpoint_problem
+from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke, one_error_line
 from tests.run_helpers import TIMING_FIELDS, alive, rank_pids, start_run, wait_for, write_config
 

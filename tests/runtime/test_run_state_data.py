@@ -9,8 +9,8 @@ import pytest
 
 from nereus.cost.calibration import Calibration
 from nereus.errors import NereusError
-from nereus.runtime.rl.controller import Controller, Predictor
-from nereus.runtime.rl.run_state import RunStateData, read_run_state
+from nereus.runtime.run.controller import Controller, Predictor
+from nereus.runtime.run.run_state import RunStateData, read_run_state
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig

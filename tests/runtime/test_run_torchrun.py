@@ -21,7 +21,8 @@ import pytest
 import yaml
 from repo_paths import EXAMPLES
 
-from nereus.runtime.rl.setup import checkpoint_problem, joined_setup
+from nereus.runtime.run.checkpoints import checkpoint_problem
+from nereus.runtime.run.torchrun import joined_setup
 from nereus.runtime.state.checkpoint import load_checkpoint
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.run_folder import finished_checkpoints, read_metrics

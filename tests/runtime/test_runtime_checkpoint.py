@@ -12,13 +12,12 @@ import torch
 from nereus.errors import NereusError
 from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.state.checkpoint import (
-    INDEX_NAME,
     load_checkpoint,
-    read_index,
     save_checkpoint,
     save_checkpoint_distributed,
     verify_checkpoint,
 )
+from nereus.runtime.state.checkpoint_index import INDEX_NAME, read_index
 from nereus.runtime.state.shard_layout import STATE_FAMILIES, RankLayout, box_numel
 from nereus.runtime.state.sharded_state import StateMeta, cut, gather, random_logical_state, state_meta
 from nereus.spec.presets import MODELS
@@ -155,12 +154,12 @@ FORGERIES = {
 
 @pytest.mark.parametrize("problem", sorted(FORGERIES))
 def test_a_forged_index_with_a_valid_checksum_is_still_checked(tmp_path: Path, problem: str) -> None:
-    from nereus.runtime.state.checkpoint import CheckpointIndex, _sealed
+    from nereus.runtime.state.checkpoint_index import CheckpointIndex, sealed_index
 
     path, _ = saved(tmp_path, meta("tiny", 2, 1, 1, families=("param",)))
     index = read_index(path)
     FORGERIES[problem](index.shards[0].entries)
-    forged = _sealed(CheckpointIndex.model_validate(index.model_dump()))
+    forged = sealed_index(CheckpointIndex.model_validate(index.model_dump()))
     (path / INDEX_NAME).write_text(forged.model_dump_json())
     with pytest.raises(NereusError, match=problem):
         read_index(path)

@@ -21,7 +21,8 @@ import torch
 from nereus.errors import NereusError
 from nereus.runtime.hf.files import INDEX_FILE, SINGLE_FILE, checkpoint_tensors
 from nereus.runtime.hf.names import hf_name
-from nereus.runtime.state.checkpoint import load_checkpoint, read_index
+from nereus.runtime.state.checkpoint import load_checkpoint
+from nereus.runtime.state.checkpoint_index import read_index
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.hf_config import CONFIG_NAME
 

@@ -4,7 +4,9 @@ Under `fusion.intra_stage` the actor and critic train in one bidirectional pipel
 same ranks (RLHFuse's intra-stage fusion): actor stage s and critic stage N-1-s share a rank,
 so the critic's EMU lists the actor's GPUs stage by stage in reverse. The op order each rank
 runs is the fused schedule `nereus schedule fuse --plan` searches, built here in-process
-from the plan (same library, same cost-model times and activation cap) and cached per plan.
+from the plan (same library, same cost-model times and activation cap: `fused_pipelines`, which
+the command uses too). A run searches it once, when it is set up (`RunSetup.fused_schedule`, and
+each plan change's `Move.fused_schedule`), and hands it to the ranks.
 
 The search is the one `nereus schedule fuse --plan` runs (`search_fused`: list schedules,
 latency annealing, then the memory phase and the lean phase that lower the peak at the
@@ -22,8 +24,10 @@ from typing import TYPE_CHECKING
 
 from nereus.errors import NereusError
 from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.stages import ACTOR_TRAINING, CRITIC_TRAINING
 
 if TYPE_CHECKING:
+    from nereus.cost.calibration import Calibration
     from nereus.solver.pipeline.from_plan import PlanPipelines
     from nereus.spec.schedule import Schedule
 
@@ -57,7 +61,7 @@ def intra_stage_problems(plan: Plan) -> list[str]:
         return []
     field = "fusion.intra_stage"
     try:
-        actor, critic = plan.stage_plan("actor/training"), plan.stage_plan("critic/training")
+        actor, critic = plan.stage_plan(ACTOR_TRAINING), plan.stage_plan(CRITIC_TRAINING)
     except KeyError as missing:
         return [f"{field}: the plan has no {missing.args[0]} stage; intra-stage fusion trains actor and critic "
                 "together (PPO); set intra_stage: false"]  # fmt: skip
@@ -75,40 +79,45 @@ def intra_stage_problems(plan: Plan) -> list[str]:
             "fix critic/training emus or set intra_stage: false"
         ]
     try:
-        fused_schedule(plan)
+        # Whether a schedule exists is settled by the search's list schedules under the cap,
+        # before any annealing: one neighbour tells (the run searches in full once, at set-up).
+        fused_schedule(plan, max_iterations=1)
     except NereusError as error:
         return [f"{field}: no fused schedule for this plan: {error}"]
     return []
 
 
-def fused_schedule(plan: Plan) -> Schedule:
-    """The fused actor-critic `Schedule` of `plan`'s training stages (cached per plan);
-    NereusError when the plan has none (e.g. no memory left for activations)."""
-    # The key: everything of the plan the schedule depends on.
-    key = plan.model_dump_json(include={"cluster", "models", "workload", "stages"})
-    if key not in _SCHEDULES:
-        if len(_SCHEDULES) >= MAX_CACHED_SCHEDULES:
-            _SCHEDULES.pop(next(iter(_SCHEDULES)))
-        _SCHEDULES[key] = _search(plan)
-    return _SCHEDULES[key]
-
-
-#: Plans whose schedules stay cached (a run switches between a few plans at most).
-MAX_CACHED_SCHEDULES = 8
-_SCHEDULES: dict[str, Schedule] = {}
-
-
-def _search(plan: Plan) -> Schedule:
+def fused_schedule(plan: Plan, max_iterations: int | None = None) -> Schedule:
+    """The fused actor-critic `Schedule` of `plan`'s training stages, searched (seconds for a
+    large pipeline: build it once and pass it on); NereusError when the plan has none (e.g.
+    no memory left for activations). `max_iterations`: the annealing budget (default
+    `search_iterations`)."""
     from nereus.solver.pipeline.document import to_document
-    from nereus.solver.pipeline.from_plan import plan_pipelines
     from nereus.solver.pipeline.search import SearchConfig, search_fused
 
-    pipelines = plan_pipelines(plan)
-    if pipelines.activation_cap <= 0:
-        raise NereusError("the actor and critic training states leave no GPU memory for activations")
-    config = SearchConfig(time_limit_s=SEARCH_TIME_LIMIT_S, seeds=1, max_iterations=search_iterations(pipelines))
-    result = search_fused(pipelines.actor, pipelines.critic, config, activation_cap=pipelines.activation_cap)
+    pipelines, cap = fused_pipelines(plan)
+    budget = search_iterations(pipelines) if max_iterations is None else max_iterations
+    config = SearchConfig(time_limit_s=SEARCH_TIME_LIMIT_S, seeds=1, max_iterations=budget)
+    result = search_fused(pipelines.actor, pipelines.critic, config, activation_cap=cap)
     return to_document(result, time_unit="s", memory_unit="GiB")
+
+
+def fused_pipelines(
+    plan: Plan, calibration: Calibration | None = None, activation_cap: float | None = None, where: str | None = None
+) -> tuple[PlanPipelines, float]:
+    """`plan`'s fused actor-critic problem: both training models' pipelines (`plan_pipelines`
+    under `calibration`, default the cost model's) and the activation cap (GiB per GPU) the
+    search runs under: `activation_cap` when given, else what the plan's training states
+    leave, a NereusError (prefixed by `where`) when they leave nothing."""
+    from nereus.solver.pipeline.from_plan import plan_pipelines
+
+    pipelines = plan_pipelines(plan) if calibration is None else plan_pipelines(plan, calibration)
+    if activation_cap is not None:
+        return pipelines, activation_cap
+    if pipelines.activation_cap <= 0:
+        prefix = "" if where is None else f"{where}: "
+        raise NereusError(f"{prefix}the actor and critic training states leave no GPU memory for activations")
+    return pipelines, pipelines.activation_cap
 
 
 def search_iterations(pipelines: PlanPipelines) -> int:

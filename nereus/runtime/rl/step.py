@@ -11,7 +11,8 @@ A step reads top to bottom, one module per phase:
 5. weight sync (`update`): the trained weights into the generation and inference engines.
 
 The model-stages on this rank and the rows they exchange are in `stages`; where the step's
-time went, in `timing`. `nereus run` (`run.run_rank`) builds the stages and runs the steps.
+time went, in `timing`. `nereus run` (`nereus.runtime.run.rank_loop.run_rank`) builds the
+stages and runs the steps.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import dataclasses
 import time
 import zlib
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from nereus.runtime.generation.sampling import SamplingConfig
 from nereus.runtime.model.fused_pipeline import OpTiming
@@ -48,6 +50,21 @@ from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import StepMetrics
 from nereus.spec.workload import Workload
 
+if TYPE_CHECKING:
+    from nereus.spec.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one RL step gives back on this rank."""
+
+    metrics: StepMetrics
+    """The step's record, the same on every rank."""
+    samples: list[dict[str, Any]]
+    """The `config.log_samples` sample records of the step (empty when it logs none)."""
+    events: list[RolloutEvent]
+    """This rank's rollout events under inter-stage fusion (empty without it)."""
+
 
 def rl_step(
     plan: Plan,
@@ -57,18 +74,19 @@ def rl_step(
     step: int,
     *,
     fusion: Fusion | None = None,
-    events: list[RolloutEvent] | None = None,
     idle: Callable[[], None] | None = None,
-    samples: list[dict[str, Any]] | None = None,
     inputs: StepInputs | None = None,
+    schedule: Schedule | None = None,
+    predicted: dict[str, dict[int, int]] | None = None,
     peaks: PeakTracker | None = None,
-) -> StepMetrics:
+) -> StepResult:
     """One RL step on this rank (collective over the world). `fusion` replaces the plan's
-    fusion block when given; under inter-stage fusion this rank's rollout events are appended
-    to `events` when given, and `config.log_samples` sample records to `samples`. `idle`:
-    work this rank runs while others generate, if it has no part in generation (rank 0's
-    deferred calibration). `inputs`: the run's tokenizer, prompts and reward (default: the
-    synthetic task's). `peaks`: the rank's memory tracker (None: untracked)."""
+    fusion block when given. `idle`: work this rank runs while others generate, if it has no
+    part in generation (rank 0's deferred calibration). `inputs`: the run's tokenizer, prompts
+    and reward (default: the synthetic task's). `schedule`: the plan's fused schedule under
+    intra-stage fusion, searched once when the run was set up (`RunSetup.fused_schedule`; None: it
+    is searched here). `predicted`: the plan's predicted peaks (`plan_peaks`, priced once per plan
+    by the caller; None: priced here). `peaks`: the rank's memory tracker (None: untracked)."""
     start = time.perf_counter()
     if peaks is not None:
         peaks.start_step()
@@ -90,21 +108,34 @@ def rl_step(
     rules = update_rules(config, step, list(stages))
     grad_norms: dict[str, float] = {}
     losses, old_log_probs = run_training(
-        plan, config, stages, generated, scored, advantages, returns, seconds, in_force, op_timings, rules, grad_norms
+        plan,
+        config,
+        stages,
+        generated,
+        scored,
+        advantages,
+        returns,
+        seconds,
+        in_force,
+        op_timings,
+        rules,
+        grad_norms,
+        schedule,
     )
     if old_log_probs is not None:
         scored = dataclasses.replace(scored, old_log_probs=old_log_probs)
-    if samples is not None:
-        samples += sample_records(step, prompts, generated.responses, scored, config.log_samples, inputs.tokenizer)
+    samples = []
+    if config.log_samples:
+        samples = sample_records(step, prompts, generated.responses, scored, config.log_samples, inputs.tokenizer)
     record_fused(fused_events, op_timings)
     # 5. weight sync
     with timed(seconds, "weight_sync"):
         sync_weights(syncs)
-    if events is not None:
-        events.extend(fused_events)
     seconds["step"] = time.perf_counter() - start
     ran = [n for n in stages if n not in not_run]
-    return step_metrics(plan, stages, ran, step, prompts, scored, losses, seconds, (rules, grad_norms))
+    predicted = plan_peaks(plan, stages) if predicted is None else predicted
+    metrics = step_metrics(plan, stages, ran, step, prompts, scored, losses, seconds, (rules, grad_norms), predicted)
+    return StepResult(metrics, samples, fused_events)
 
 
 def draw_prompts(
@@ -143,18 +174,19 @@ def step_metrics(
     losses: tuple[float, float | None],
     seconds: dict[str, float],
     updates: tuple[dict[str, UpdateRule], dict[str, float]],
+    predicted: dict[str, dict[int, int]],
 ) -> StepMetrics:
     """The step's record, the same on every rank: its times are the slowest rank's (collective).
     `ran`: the model-stages that ran this step (actor/inference does not when training gives the
     old log-probs): only they report measured and predicted peaks by model-stage.
-    `updates`: each trained model-stage's update rule and mean gradient norm."""
+    `updates`: each trained model-stage's update rule and mean gradient norm. `predicted`:
+    the plan's predicted peaks (`plan_peaks`)."""
     rules, grad_norms = updates
     assert scored.old_log_probs is not None, "training gave them"
     lengths = scored.mask.sum(dim=1)
     names = [entry.model_stage for entry in plan.stages] + ["advantages", "exchange", "weight_sync"]
     totals = step_totals(seconds, [*names, "step"], stages)
     stage_seconds = totals.seconds
-    predicted = plan_peaks(plan, tuple(e.model_stage for e in plan.stages if e.model_stage not in stages))
     num_ranks = len(totals.memory_peak)
     predicted_by_stage = {name: [by_rank.get(r, 0) for r in range(num_ranks)] for name, by_rank in predicted.items()}
     return StepMetrics(
@@ -180,13 +212,7 @@ def step_metrics(
     )
 
 
-#: The last plan `plan_peaks` priced, the model-stages it skipped and its peaks.
-_LAST_PEAKS: list[tuple[Plan, tuple[str, ...], dict[str, dict[int, int]]]] = []
-
-
-def plan_peaks(plan: Plan, skip: tuple[str, ...]) -> dict[str, dict[int, int]]:
-    """`predicted_peaks` of the plan the steps run, priced once per plan (and per set of
-    model-stages without an engine) rather than once per step."""
-    if not _LAST_PEAKS or _LAST_PEAKS[0][0] is not plan or _LAST_PEAKS[0][1] != skip:
-        _LAST_PEAKS[:] = [(plan, skip, predicted_peaks(plan, skip=skip))]
-    return _LAST_PEAKS[0][2]
+def plan_peaks(plan: Plan, stages: dict[str, ModelStageRuntime]) -> dict[str, dict[int, int]]:
+    """`predicted_peaks` of the plan the steps run, skipping its model-stages without an
+    engine here; the run loop prices it once per plan and hands it to every step."""
+    return predicted_peaks(plan, skip=tuple(e.model_stage for e in plan.stages if e.model_stage not in stages))

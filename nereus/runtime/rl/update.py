@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,9 @@ from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.stages import ACTOR_INFERENCE, ACTOR_TRAINING, CRITIC_TRAINING, WEIGHT_SYNCS
 from nereus.spec.workload import Workload
+
+if TYPE_CHECKING:
+    from nereus.spec.schedule import Schedule
 
 #: A weight sync: the source model-stage, the target and the resharding plan between them.
 WeightSync = tuple[ModelStageRuntime, ModelStageRuntime, ReshardPlan]
@@ -100,6 +103,7 @@ def run_training(
     op_timings: list[OpTiming],
     rules: dict[str, UpdateRule],
     grad_norms: dict[str, float],
+    schedule: Schedule | None = None,
 ) -> tuple[tuple[float, float | None], torch.Tensor | None]:
     """Actor and critic updates on the rollout's batch, each under its model-stage's rule in
     `rules`, then one exchange of their losses and gradient norms (so a critic on its own pool
@@ -109,8 +113,8 @@ def run_training(
     `grad_norms`.
 
     Under `fusion.intra_stage` both train together in the fused pipeline, mini-batch by
-    mini-batch (`fused_training`), and each fused op's timing on this rank is appended to
-    `op_timings`.
+    mini-batch (`fused_training`, under `schedule`), and each fused op's timing on this rank is
+    appended to `op_timings`.
     """
     workload, batch = plan.workload, rollout.batch
     norms: dict[str, list[float]] = {}
@@ -140,7 +144,9 @@ def run_training(
         assert critic is not None, "intra-stage fusion needs a critic (refused with the plan otherwise)"
         actor_job = (actor, actor_batch, objective)
         critic_job = (critic, critic_batch, value_objective)
-        actor_losses, critic_losses = fused_training(plan, actor_job, critic_job, seconds, op_timings, rules, norms)
+        actor_losses, critic_losses = fused_training(
+            plan, actor_job, critic_job, seconds, op_timings, rules, norms, schedule
+        )
     else:
         with timed(seconds, ACTOR_TRAINING):
             actor_losses = local_train(
@@ -254,9 +260,11 @@ def fused_training(
     op_timings: list[OpTiming] | None,
     rules: dict[str, UpdateRule],
     norms: dict[str, list[float]],
+    schedule: Schedule | None = None,
 ) -> tuple[list[float], list[float]]:
     """Epochs of mini-batch updates of actor and critic together, each mini-batch one run of
-    the plan's fused schedule (`fused_schedule`, cached per plan) under `rules`; each update's
+    the plan's fused `schedule` (searched once when the run was set up; None: `fused_schedule`
+    searches it here) under `rules`; each update's
     losses (none off the training ranks), and its gradient norms into `norms`. Both
     model-stages ran for the whole phase, so `seconds` gets its wall time under
     actor/training and critic/training alike."""
@@ -264,8 +272,11 @@ def fused_training(
     (actor, actor_batch, actor_objective), (critic, critic_batch, critic_objective) = actor_job, critic_job
     actor_losses: list[float] = []
     critic_losses: list[float] = []
-    # Searched once per plan (cached), outside the timed phase.
-    schedule = fused_schedule(plan) if actor.engine is not None else None
+    # Searched outside the timed phase when not given.
+    if actor.engine is None:
+        schedule = None
+    elif schedule is None:
+        schedule = fused_schedule(plan)
     with timed(seconds, ACTOR_TRAINING), timed(seconds, CRITIC_TRAINING):
         if schedule is not None:
             assert actor.engine is not None and critic.engine is not None, "fusion trains both on the same ranks"

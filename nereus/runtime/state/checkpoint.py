@@ -4,7 +4,8 @@ Layout of a checkpoint folder:
     index.json                 model, head, saved layout, optimizer step, every tensor's global
                                shape and dtype, and per shard its file, byte size, CRC-32 and the
                                (key, box, CRC-32) of every tensor it holds; the index carries a
-                               CRC-32 of itself, so an edited index is refused
+                               CRC-32 of itself, so an edited index is refused (its schema and
+                               reader: `checkpoint_index`)
     shard-00003.safetensors    rank 3's boxes, keyed by `family/name`
 
 Replicas hold identical boxes, so each distinct box is written once, by its least-loaded
@@ -18,99 +19,45 @@ NereusError naming the file and the problem.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
-
-from pydantic import ValidationError
+from typing import TYPE_CHECKING, Any
 
 from nereus.errors import NereusError
+from nereus.runtime.state.checkpoint_index import (
+    INDEX_NAME,
+    CheckpointIndex,
+    ShardEntry,
+    ShardRecord,
+    TensorRecord,
+    index_text,
+    read_index,
+    saved_meta,
+    sealed_index,
+)
 from nereus.runtime.state.shard_layout import Box, RankLayout, box_numel, box_shape, intersect
 from nereus.runtime.state.sharded_state import (
-    TORCH_DTYPE_BYTES,
     StateMeta,
     box_slices,
     check_rank_state,
     state_meta,
     torch_dtype,
 )
-from nereus.spec.base import StrictModel
 from nereus.spec.check import layout_problem
-from nereus.spec.io import one_line, read_utf8
+from nereus.spec.io import one_line
 from nereus.spec.model import Head, Model
 
 if TYPE_CHECKING:
     import torch
 
-INDEX_NAME = "index.json"
-FORMAT_NAME: Literal["nereus-checkpoint"] = "nereus-checkpoint"
 #: Bytes read at a time when checksumming a whole shard file.
 _CHUNK_BYTES = 1 << 24
-
-
-class ShardEntry(StrictModel):
-    """One stored tensor of a shard: a box of one key."""
-
-    key: str
-    """`family/name`, also the tensor's name inside the safetensors file."""
-    box: list[tuple[int, int]]
-    """(offset, length) along every dim of the global tensor."""
-    crc32: int
-    """CRC-32 of the tensor's raw bytes (row-major)."""
-
-
-class ShardRecord(StrictModel):
-    """One safetensors file of the checkpoint."""
-
-    file: str
-    """File name inside the checkpoint folder."""
-    rank: int
-    """The rank that wrote it (its position in the saved layout)."""
-    nbytes: int
-    """Size of the whole file."""
-    crc32: int
-    """CRC-32 of the whole file."""
-    entries: list[ShardEntry]
-
-
-class TensorRecord(StrictModel):
-    """One logical tensor of the saved state."""
-
-    key: str
-    global_shape: list[int]
-    dtype: str
-    """torch dtype name, e.g. `float32`."""
-
-
-class CheckpointIndex(StrictModel):
-    """The JSON index of a checkpoint folder."""
-
-    format: Literal["nereus-checkpoint"] = FORMAT_NAME
-    version: Literal[1] = 1
-    model: Model
-    head: Head
-    tp: int
-    pp: int
-    dp: int
-    ranks: list[int]
-    """Global ranks of the saved layout (replica-major, stage-major, tensor rank innermost)."""
-    step: int
-    """Optimizer steps taken when the checkpoint was saved."""
-    families: list[str]
-    tensors: list[TensorRecord]
-    shards: list[ShardRecord]
-    index_crc32: int = 0
-    """CRC-32 of the index written with this field at 0: any edit changes it."""
-
-    def layout(self) -> RankLayout:
-        return RankLayout(self.tp, self.pp, self.dp, tuple(self.ranks))
 
 
 @dataclass(frozen=True)
@@ -181,15 +128,6 @@ def _write_shard(folder: Path, meta: StateMeta, rank: int, tensors: dict[str, to
     return ShardRecord(file=path.name, rank=rank, nbytes=path.stat().st_size, crc32=_file_crc(path), entries=entries)
 
 
-def _index_text(index: CheckpointIndex) -> str:
-    return index.model_dump_json(indent=1)
-
-
-def _sealed(index: CheckpointIndex) -> CheckpointIndex:
-    unsealed = index.model_copy(update={"index_crc32": 0})
-    return index.model_copy(update={"index_crc32": zlib.crc32(_index_text(unsealed).encode())})
-
-
 def _make_index(meta: StateMeta, step: int, shards: Iterable[ShardRecord]) -> CheckpointIndex:
     layout = meta.layout
     tensors = [TensorRecord(key=t.key, global_shape=list(t.global_shape), dtype=t.dtype) for t in meta.tensors.values()]
@@ -205,7 +143,7 @@ def _make_index(meta: StateMeta, step: int, shards: Iterable[ShardRecord]) -> Ch
         tensors=tensors,
         shards=sorted(shards, key=lambda shard: shard.rank),
     )
-    return _sealed(index)
+    return sealed_index(index)
 
 
 def _start(target: Path) -> Path:
@@ -219,7 +157,7 @@ def _start(target: Path) -> Path:
 def _finish(folder: Path, target: Path, index: CheckpointIndex) -> None:
     """Write the index, fsync it and the folder, and rename the folder into place."""
     index_path = folder / INDEX_NAME
-    index_path.write_text(_index_text(index))
+    index_path.write_text(index_text(index))
     fsync_path(index_path)
     fsync_path(folder)
     os.rename(folder, target)
@@ -332,77 +270,6 @@ def _check_visible(folder: Path, shards: list[ShardRecord]) -> None:
 # --- reading --------------------------------------------------------------------------------
 
 
-def read_index(path: str | Path) -> CheckpointIndex:
-    """The checked index of the checkpoint folder at `path`."""
-    index_path = Path(path) / INDEX_NAME
-    if not index_path.is_file():
-        raise NereusError(f"{index_path}: missing; {path} is not a finished nereus checkpoint")
-    text = read_utf8(index_path)
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise NereusError(
-            f"{index_path}: not valid JSON ({error.msg} at line {error.lineno}); the index is corrupted"
-        ) from None
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
-        raise NereusError(f"{index_path}: not a nereus checkpoint index (format must be {FORMAT_NAME!r})")
-    try:
-        index = CheckpointIndex.model_validate_json(text)
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"])
-        raise NereusError(f"{index_path}: {where}: {first['msg']}; the index is corrupted or was edited") from None
-    if _sealed(index).index_crc32 != index.index_crc32:
-        raise NereusError(f"{index_path}: checksum mismatch; the index was edited or corrupted")
-    problem = _index_problem(index)
-    if problem:
-        raise NereusError(f"{index_path}: {problem}")
-    return index
-
-
-def _index_problem(index: CheckpointIndex) -> str | None:
-    """Why a checksum-valid index still cannot be right, or None."""
-    problem = layout_problem(index.model, index.tp, index.pp)
-    if problem or len(index.ranks) != index.tp * index.pp * index.dp or len(set(index.ranks)) != len(index.ranks):
-        return f"saved layout tp={index.tp} pp={index.pp} dp={index.dp} on ranks {index.ranks} is invalid"
-    try:
-        expected = _saved_meta(index)
-    except ValueError as error:
-        return str(error)
-    records = {record.key: record for record in index.tensors}
-    for key, tensor in expected.tensors.items():
-        record = records.get(key)
-        if record is None or tuple(record.global_shape) != tensor.global_shape or record.dtype not in TORCH_DTYPE_BYTES:
-            return f"tensor {key} is missing or does not match model {index.model.name}"
-    stored: dict[str, set[Box]] = defaultdict(set)
-    for shard in index.shards:
-        for entry in shard.entries:
-            box = tuple(entry.box)
-            if entry.key not in records or box not in set(expected.holders(entry.key).values()):
-                return f"{shard.file}: {entry.key} box {entry.box} is not a box of the saved layout"
-            if box in stored[entry.key]:
-                return f"{shard.file}: {entry.key} box {entry.box} is stored twice"
-            stored[entry.key].add(box)
-    for key, tensor in expected.tensors.items():
-        # Distinct boxes of one layout are disjoint: they cover the tensor iff their sizes add up.
-        if sum(box_numel(box) for box in stored[key]) != box_numel(tuple((0, n) for n in tensor.global_shape)):
-            return f"the shards do not hold all of {key}"
-    return None
-
-
-def _saved_meta(index: CheckpointIndex) -> StateMeta:
-    dtypes = {record.key: record.dtype for record in index.tensors}
-    families = tuple(index.families)
-    meta = state_meta(index.model, index.head, index.layout(), families)
-    tensors = {key: replace(tensor, dtype=dtypes.get(key, tensor.dtype)) for key, tensor in meta.tensors.items()}
-    return StateMeta(meta.model, meta.head, meta.layout, families, tensors, meta.boxes)
-
-
-def checkpoint_meta(path: str | Path) -> StateMeta:
-    """The shard metadata of the layout a checkpoint was saved from."""
-    return _saved_meta(read_index(path))
-
-
 class _ShardReader:
     """Opens shard files on first use, checks their size and header, and CRC-checks each tensor read."""
 
@@ -485,7 +352,7 @@ def load_checkpoint(
     problem = layout_problem(index.model, layout.tp, layout.pp)
     if problem:
         raise NereusError(f"cannot load {folder} into tp={layout.tp} pp={layout.pp}: {problem}")
-    saved = _saved_meta(index)
+    saved = saved_meta(index)
     meta = state_meta(index.model, index.head, layout, wanted)
     meta = StateMeta(meta.model, meta.head, layout, wanted, {k: saved.tensors[k] for k in meta.tensors}, meta.boxes)
     reader = _ShardReader(folder, index)

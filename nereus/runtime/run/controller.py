@@ -32,14 +32,15 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.fit import STEP_KEY, engineless_stages, measured_plan, predict
 from nereus.cost.online import OnlineCalibrator
 from nereus.errors import NereusError
-from nereus.runtime.rl.run_state import (
+from nereus.runtime.rl.update import idle_model_stages
+from nereus.runtime.run.plans import plan_schedule
+from nereus.runtime.run.run_setup import Move
+from nereus.runtime.run.run_state import (
     ControllerState,
     PendingState,
     PredictionState,
     PredictorState,
 )
-from nereus.runtime.rl.setup import Move
-from nereus.runtime.rl.update import idle_model_stages
 from nereus.solver.admission import plan_problems
 from nereus.solver.layouts import RUNTIME_CHOICES
 from nereus.solver.policy import (
@@ -321,7 +322,7 @@ class Controller:
             assert result.feasible, "the policy admits only transitions whose DAG passes"
             primitives, schedule, predicted = result.primitives, result.schedule, result.makespan_s
         self.plan = target
-        return Move(action, target, primitives, schedule, predicted)
+        return Move(action, target, primitives, schedule, predicted, plan_schedule(target))
 
     def _log(self, refusal: str | None) -> None:
         record = record_to_data(self.policy.log[-1])

@@ -1,7 +1,7 @@
 """Rank 0's run state as data: the schema of a run checkpoint's controller.json and its reader.
 
 The Predictor and the Controller (`rl/controller.py`) save themselves as these models and are
-rebuilt from them; the checkpoint checks (`rl/setup.py`) validate the file without building
+rebuilt from them; the checkpoint checks (`run/checkpoints.py`) validate the file without building
 either, so this module sits below both.
 """
 
