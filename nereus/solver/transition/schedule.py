@@ -39,7 +39,7 @@ from nereus.solver.transition.replay import (
 from nereus.solver.transition.serial import improve_order, pilot_order, schedule_in_order, serial_schedule
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, StagePlan
-from nereus.spec.stages import head_of
+from nereus.spec.stages import head_of, split
 from nereus.units import format_bytes
 
 
@@ -113,8 +113,8 @@ def _state_sizes(plan: Plan, model_stages: Iterable[str], calibration: Calibrati
     sizes: dict[str, float] = {}
     priced: dict[tuple[str, str, bool], float] = {}
     for name in model_stages:
-        role, stage = name.split("/")
-        key = (plan.workload.model_name(role), head_of(role), stage == "training")  # type: ignore[arg-type]
+        role, stage = split(name)
+        key = (plan.workload.model_name(role), head_of(role), stage == "training")
         if key not in priced:
             priced[key] = replica_state_bytes(plan, name, calibration)  # type: ignore[arg-type]
         sizes[name] = priced[key]
