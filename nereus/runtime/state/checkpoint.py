@@ -8,9 +8,10 @@ Layout of a checkpoint folder:
     shard-00003.safetensors    rank 3's boxes, keyed by `family/name`
 
 Replicas hold identical boxes, so each distinct box is written once, by its least-loaded
-holder. Saving is atomic: shards and index go into a temporary folder beside the target,
-every file and the folder are fsynced, then the folder is renamed into place; a target that
-exists is refused. Loading into any RankLayout reads, for each box the rank needs, only the
+holder; the families a ZeRO-1 engine splits across its replicas (the index's `dp_sharded`)
+are stored as each replica's rows. Saving is atomic: shards and index go into a temporary
+folder beside the target, every file and the folder are fsynced, then the folder is renamed
+into place; a target that exists is refused. Loading into any RankLayout reads, for each box the rank needs, only the
 stored tensors that overlap it, checks each one's CRC-32, and copies the overlap.
 Anything missing, truncated, corrupted or inconsistent is refused with a one-line
 NereusError naming the file and the problem.
@@ -29,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from nereus.errors import NereusError
 from nereus.runtime.state.shard_layout import Box, RankLayout, box_numel, box_shape, intersect
@@ -104,6 +105,8 @@ class CheckpointIndex(StrictModel):
     step: int
     """Optimizer steps taken when the checkpoint was saved."""
     families: list[str]
+    dp_sharded: list[str] = Field(default_factory=list)
+    """The families whose boxes are split across the saved replicas (ZeRO-1 rows); written only when any is."""
     tensors: list[TensorRecord]
     shards: list[ShardRecord]
     index_crc32: int = 0
@@ -182,7 +185,8 @@ def _write_shard(folder: Path, meta: StateMeta, rank: int, tensors: dict[str, to
 
 
 def _index_text(index: CheckpointIndex) -> str:
-    return index.model_dump_json(indent=1)
+    # Without ZeRO-1 rows the index is written as before the field existed (same bytes, same CRC).
+    return index.model_dump_json(indent=1, exclude=None if index.dp_sharded else {"dp_sharded"})
 
 
 def _sealed(index: CheckpointIndex) -> CheckpointIndex:
@@ -202,6 +206,7 @@ def _make_index(meta: StateMeta, step: int, shards: Iterable[ShardRecord]) -> Ch
         ranks=list(layout.ranks),
         step=step,
         families=list(meta.families),
+        dp_sharded=sorted(meta.dp_sharded),
         tensors=tensors,
         shards=sorted(shards, key=lambda shard: shard.rank),
     )
@@ -365,6 +370,8 @@ def _index_problem(index: CheckpointIndex) -> str | None:
     problem = layout_problem(index.model, index.tp, index.pp)
     if problem or len(index.ranks) != index.tp * index.pp * index.dp or len(set(index.ranks)) != len(index.ranks):
         return f"saved layout tp={index.tp} pp={index.pp} dp={index.dp} on ranks {index.ranks} is invalid"
+    if not set(index.dp_sharded) <= set(index.families):
+        return f"dp-sharded families {index.dp_sharded} are not among the saved families {index.families}"
     try:
         expected = _saved_meta(index)
     except ValueError as error:
@@ -393,9 +400,9 @@ def _index_problem(index: CheckpointIndex) -> str | None:
 def _saved_meta(index: CheckpointIndex) -> StateMeta:
     dtypes = {record.key: record.dtype for record in index.tensors}
     families = tuple(index.families)
-    meta = state_meta(index.model, index.head, index.layout(), families)
+    meta = state_meta(index.model, index.head, index.layout(), families, dp_sharded=index.dp_sharded)
     tensors = {key: replace(tensor, dtype=dtypes.get(key, tensor.dtype)) for key, tensor in meta.tensors.items()}
-    return StateMeta(meta.model, meta.head, meta.layout, families, tensors, meta.boxes)
+    return StateMeta(meta.model, meta.head, meta.layout, families, tensors, meta.boxes, meta.dp_sharded)
 
 
 def checkpoint_meta(path: str | Path) -> StateMeta:
