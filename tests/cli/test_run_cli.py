@@ -21,6 +21,7 @@ from repo_paths import DATA, EXAMPLES
 from nereus.runtime.observe.memory import predicted_rank_peaks
 from nereus.runtime.run.run_state import read_run_state
 from nereus.runtime.state.checkpoint import verify_checkpoint
+from nereus.runtime.state.sharded_state import box_slices
 from nereus.solver.admission import memory_problems, plan_problems, state_bytes_by_rank
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
@@ -228,6 +229,85 @@ def restored_actor_params(rank: int, world_size: int, setup: Any) -> dict[str, A
         if key.startswith("param/"):
             assert (generation.local_state()[key] == tensor).all(), key
     return {k: v.clone() for k, v in training.local_state().items()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_zero1_checkpoint_resumes_exactly_onto_any_layout_and_exports(tmp_path: Path) -> None:
+    """critic/training runs ZeRO-1 over dp=2: its AdamW moments are saved as each replica's rows
+    and the index says so. The checkpoint resumes on the same layout (the run continues exactly
+    as an uninterrupted one), restores bitwise onto the same ranks and onto 1 rank without ZeRO-1,
+    and the export reads its weights whole."""
+    from nereus.runtime.rl.setup import resume_run
+
+    from nereus.runtime.comm.spawn import spawn
+    from nereus.runtime.hf.export import whole_params
+    from nereus.runtime.state.checkpoint import load_checkpoint
+    from nereus.runtime.state.shard_layout import RankLayout
+    from nereus.spec.stages import CRITIC_TRAINING
+
+    def zero1_run(folder: Path, num_steps: int) -> Path:
+        folder.mkdir()
+        config = write_config(folder, checkpoint_every=1, num_steps=num_steps)
+        plan = yaml.safe_load((folder / "plan.yaml").read_text())
+        next(s for s in plan["stages"] if s["model_stage"] == CRITIC_TRAINING)["zero1"] = True
+        (folder / "plan.yaml").write_text(yaml.safe_dump(plan))
+        result = invoke("run", config, "--out", folder / "out")
+        assert result.exit_code == 0, result.output
+        return folder / "out"
+
+    def whole(checkpoint: Path) -> dict[str, Any]:
+        return load_checkpoint(checkpoint, RankLayout(1, 1, 1, (0,)), 0).tensors
+
+    split, uninterrupted = zero1_run(tmp_path / "split", 1), zero1_run(tmp_path / "whole", 2)
+    first = split / "checkpoints" / "step-000001"
+    index = verify_checkpoint(first / "critic")
+    assert index.dp == 2 and index.dp_sharded == ["exp_avg", "exp_avg_sq"]
+    saved = whole(first / "critic")
+    assert {key.partition("/")[0] for key in saved} >= {"param", "exp_avg", "exp_avg_sq"}
+    exported = whole_params(first / "critic")
+    assert exported.keys() == {key.partition("/")[2] for key in saved if key.startswith("param/")}
+    for name, tensor in exported.items():
+        assert torch_equal(tensor, saved[f"param/{name}"]), name
+
+    # (a) `run --resume` on the same layout: the checkpoint is accepted, the run goes on exactly.
+    result = invoke("run", "--resume", split, "--steps", "2", "--json")
+    assert result.exit_code == 0, result.output
+    assert training_records(split) == training_records(uninterrupted)
+    for role in ("actor", "critic"):
+        ours, theirs = (whole(out / "checkpoints" / "step-000002" / role) for out in (split, uninterrupted))
+        assert ours.keys() == theirs.keys() and all(torch_equal(ours[k], theirs[k]) for k in ours), role
+
+    # (b) the step-1 state restored onto the ZeRO-1 ranks and onto 1 rank: each rank's shard, bitwise.
+    for ranks in (2, 1):
+        setup = resume_run(split, num_ranks=ranks, num_steps=3)
+        setup = type(setup)(**{**setup.__dict__, "checkpoint": first, "start_step": 1})
+        for rank, (sharded, local, boxes) in enumerate(spawn(restored_critic_state, ranks, setup)):
+            assert sharded == (["exp_avg", "exp_avg_sq"] if ranks == 2 else []), sharded
+            for key, tensor in local.items():
+                if key in saved:
+                    assert torch_equal(tensor, saved[key][box_slices(boxes[key])]), (ranks, rank, key)
+
+
+def torch_equal(a: Any, b: Any) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool((a == b).all())
+
+
+def restored_critic_state(rank: int, world_size: int, setup: Any) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+    """critic/training after `restore`: its dp-sharded families, local state, and each key's box."""
+    from nereus.runtime.rl.run import restore
+
+    from nereus.runtime.rl.stages import build_stages
+    from nereus.spec.stages import CRITIC_TRAINING
+
+    stages = build_stages(setup.plan, setup.config.rl)
+    restore(stages, setup.checkpoint, rank, setup.config.rl)
+    stage = stages[CRITIC_TRAINING]
+    assert stage.engine is not None
+    local = {k: v.clone() for k, v in stage.engine.local_state().items()}
+    families = tuple(sorted({key.partition("/")[0] for key in local}))
+    boxes = stage.meta(families).rank_boxes(rank)
+    return sorted(stage.dp_sharded), local, dict(boxes)
 
 
 # ---- killed runs (subprocesses) ----

@@ -71,6 +71,30 @@ def test_saved_at_one_layout_loads_bitwise_at_another(tmp_path: Path, model: str
     assert load_checkpoint(path, target_layout, target_layout.ranks[0]).step == 17
 
 
+@pytest.mark.parametrize("loaded_shape", [(2, 2, 2), (1, 1, 1), (4, 1, 2)])
+def test_zero1_rows_are_indexed_verified_and_load_bitwise_into_any_layout(tmp_path: Path, loaded_shape) -> None:
+    """Moments split across dp=2 replicas (ZeRO-1) are stored as each replica's rows; the index
+    names the split families, so the rows verify and load bitwise into any layout."""
+    sharded = ("exp_avg", "exp_avg_sq")
+    source = state_meta(MODELS["tiny"], "lm", RankLayout(2, 2, 2, tuple(range(8))), STATE_FAMILIES, dp_sharded=sharded)
+    path, logical = saved(tmp_path, source)
+    assert verify_checkpoint(path).dp_sharded == list(sharded)
+    index = read_index(path)
+    stored = sum(box_numel(tuple(entry.box)) for shard in index.shards for entry in shard.entries)
+    assert stored == sum(tensor.numel() for tensor in logical.values())
+    size = loaded_shape[0] * loaded_shape[1] * loaded_shape[2]
+    target, states = load_all(path, RankLayout(*loaded_shape, tuple(range(3, 3 + size))))
+    back = gather(target, states)
+    assert back.keys() == logical.keys()
+    assert all(torch.equal(back[key], logical[key]) for key in logical)
+
+
+def test_an_index_without_zero1_rows_is_written_as_before(tmp_path: Path) -> None:
+    path, _ = saved(tmp_path, meta("tiny", 1, 1, 2))
+    assert "dp_sharded" not in (path / INDEX_NAME).read_text()
+    assert read_index(path).dp_sharded == []
+
+
 def test_a_subset_of_families_loads_and_only_the_needed_tensors_are_read(tmp_path: Path) -> None:
     source = meta("tiny", 1, 4, 1)
     path, logical = saved(tmp_path, source)

@@ -9,9 +9,10 @@ Layout of a checkpoint folder:
     shard-00003.safetensors    rank 3's boxes, keyed by `family/name`
 
 Replicas hold identical boxes, so each distinct box is written once, by its least-loaded
-holder. Saving is atomic: shards and index go into a temporary folder beside the target,
-every file and the folder are fsynced, then the folder is renamed into place; a target that
-exists is refused. Loading into any RankLayout reads, for each box the rank needs, only the
+holder; the families a ZeRO-1 engine splits across its replicas (the index's `dp_sharded`)
+are stored as each replica's rows. Saving is atomic: shards and index go into a temporary
+folder beside the target, every file and the folder are fsynced, then the folder is renamed
+into place; a target that exists is refused. Loading into any RankLayout reads, for each box the rank needs, only the
 stored tensors that overlap it, checks each one's CRC-32, and copies the overlap.
 Anything missing, truncated, corrupted or inconsistent is refused with a one-line
 NereusError naming the file and the problem.
@@ -140,6 +141,7 @@ def _make_index(meta: StateMeta, step: int, shards: Iterable[ShardRecord]) -> Ch
         ranks=list(layout.ranks),
         step=step,
         families=list(meta.families),
+        dp_sharded=sorted(meta.dp_sharded),
         tensors=tensors,
         shards=sorted(shards, key=lambda shard: shard.rank),
     )

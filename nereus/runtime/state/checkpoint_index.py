@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from nereus.errors import NereusError
 from nereus.runtime.state.shard_layout import Box, RankLayout, box_numel, layout_problem
@@ -78,6 +78,8 @@ class CheckpointIndex(StrictModel):
     step: int
     """Optimizer steps taken when the checkpoint was saved."""
     families: list[str]
+    dp_sharded: list[str] = Field(default_factory=list)
+    """The families whose boxes are split across the saved replicas (ZeRO-1 rows); written only when any is."""
     tensors: list[TensorRecord]
     shards: list[ShardRecord]
     index_crc32: int = 0
@@ -88,7 +90,8 @@ class CheckpointIndex(StrictModel):
 
 
 def index_text(index: CheckpointIndex) -> str:
-    return index.model_dump_json(indent=1)
+    # Without ZeRO-1 rows the index is written as before the field existed (same bytes, same CRC).
+    return index.model_dump_json(indent=1, exclude=None if index.dp_sharded else {"dp_sharded"})
 
 
 def sealed_index(index: CheckpointIndex) -> CheckpointIndex:
@@ -129,6 +132,8 @@ def _index_problem(index: CheckpointIndex) -> str | None:
     problem = layout_problem(index.model, index.tp, index.pp)
     if problem or len(index.ranks) != index.tp * index.pp * index.dp or len(set(index.ranks)) != len(index.ranks):
         return f"saved layout tp={index.tp} pp={index.pp} dp={index.dp} on ranks {index.ranks} is invalid"
+    if not set(index.dp_sharded) <= set(index.families):
+        return f"dp-sharded families {index.dp_sharded} are not among the saved families {index.families}"
     try:
         expected = saved_meta(index)
     except ValueError as error:
@@ -157,9 +162,9 @@ def _index_problem(index: CheckpointIndex) -> str | None:
 def saved_meta(index: CheckpointIndex) -> StateMeta:
     dtypes = {record.key: record.dtype for record in index.tensors}
     families = tuple(index.families)
-    meta = state_meta(index.model, index.head, index.layout(), families)
+    meta = state_meta(index.model, index.head, index.layout(), families, dp_sharded=index.dp_sharded)
     tensors = {key: replace(tensor, dtype=dtypes.get(key, tensor.dtype)) for key, tensor in meta.tensors.items()}
-    return StateMeta(meta.model, meta.head, meta.layout, families, tensors, meta.boxes)
+    return StateMeta(meta.model, meta.head, meta.layout, families, tensors, meta.boxes, meta.dp_sharded)
 
 
 def checkpoint_meta(path: str | Path) -> StateMeta:

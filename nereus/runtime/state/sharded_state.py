@@ -133,6 +133,8 @@ class StateMeta:
     """Every logical tensor, by key, in forward order, families interleaved per parameter."""
     boxes: dict[int, dict[str, Box]] = field(repr=False)
     """For every rank of the layout, the box of each key it holds."""
+    dp_sharded: frozenset[str] = frozenset()
+    """The families split across the replicas (ZeRO-1 rows, `dp_box`); the others are whole on each."""
 
     def rank_boxes(self, rank: int) -> dict[str, Box]:
         """The boxes `rank` holds; empty for a rank outside the layout."""
@@ -185,7 +187,7 @@ def state_meta(
             for name, box in positions[position].items()
             for family in families
         }
-    return StateMeta(model, head, layout, families, tensors, boxes)
+    return StateMeta(model, head, layout, families, tensors, boxes, sharded & frozenset(families))
 
 
 def box_slices(box: Box, within: Box | None = None) -> tuple[slice, ...]:
