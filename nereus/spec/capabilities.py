@@ -66,8 +66,8 @@ MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
         "--zero1",
         "off",
         lambda e: bool(e.zero1),
-        "a run checkpoint holding ZeRO-1 rows is not verified as resumable onto every layout, so a run "
-        "only shards its optimizer where its plan or the workload's optimizer asks",
+        "the controller's replanning is measured without it (benchmarks/adaptive_memory.py and the live "
+        "transition tests); a run shards its optimizer wherever its plan or the workload's optimizer asks",
     ),
     "offload": ChoiceSupport(False, False, "offload", "--offload", "off", lambda e: e.offload),
     "kv_budget": ChoiceSupport(
