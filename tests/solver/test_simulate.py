@@ -78,6 +78,7 @@ def test_trace_must_fit_the_plan(plan: Plan) -> None:
         simulate(too_small, make_policy("nereus", plan))
 
 
+@pytest.mark.slow  # about 25 s on one core (four policies over the whole trace): kept out of the fast loop, run by CI
 def test_cli_compare_json_plot_and_log(files: tuple[Path, Path], tmp_path: Path) -> None:
     plan_file, trace_file = files
     png, log = tmp_path / "sim.png", tmp_path / "log.json"
