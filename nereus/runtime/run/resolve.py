@@ -45,11 +45,11 @@ def new_run(
 ) -> RunSetup:
     """Check a new run of `config_path` (raises NereusError on any problem); writes nothing."""
     config: RunConfig = load_as(config_path, RunConfig)
-    check_config(config, config_path)
     if trace_path is not None:
         config = config.model_copy(update={"trace": str(trace_path.resolve())})
     if policy is not None:
         config = config.model_copy(update={"policy": policy})
+    check_config(config, config_path)  # the admission's rules, on the config as overridden
     if config.lengths_from_trace and config.trace is None:
         raise ArgumentError(
             f"{config_path}: lengths_from_trace: needs a trace; set trace: there or pass `trace_path`", "trace_path"
@@ -98,15 +98,11 @@ SOURCE_FIELDS: dict[str, Role] = {"model": "actor", "critic_model": "critic", "r
 
 
 def resolve_sources(config: RunConfig, config_path: Path) -> HfSources | None:
-    """The config's Hugging Face folders (relative to it), checked; None without `model:`."""
+    """The config's Hugging Face folders (relative to it), checked; None without `model:`
+    (which folders a config may name is the admission's rule, `check_config`, run before)."""
     folder = config_path.parent
     if config.model is None:
-        extra = next((field for field in ("critic_model", "reward_model") if getattr(config, field)), None)
-        if extra:
-            raise NereusError(f"{config_path}: {extra}: needs model: (the actor's folder, which every role plays)")
         return None
-    if config.reward_model is not None and config.rl.reward != "model":
-        raise NereusError(f"{config_path}: reward_model: needs rl.reward: model (the rule needs no model)")
     critic = None if config.critic_model is None else folder / config.critic_model
     reward = None if config.reward_model is None else folder / config.reward_model
     return hf_sources(folder / config.model, critic, reward)
@@ -175,8 +171,6 @@ def resolve_trace(config: RunConfig, folder: Path, plan: Plan, num_ranks: int) -
 
     if config.trace is None:
         return None
-    if config.plan_switches:
-        raise NereusError("plan_switches and trace: give one; the controller decides plan changes itself")
     try:
         make_policy(config.policy, plan)
     except ValueError as error:
