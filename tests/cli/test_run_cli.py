@@ -238,10 +238,9 @@ def test_a_zero1_checkpoint_resumes_exactly_onto_any_layout_and_exports(tmp_path
     and the index says so. The checkpoint resumes on the same layout (the run continues exactly
     as an uninterrupted one), restores bitwise onto the same ranks and onto 1 rank without ZeRO-1,
     and the export reads its weights whole."""
-    from nereus.runtime.rl.setup import resume_run
-
     from nereus.runtime.comm.spawn import spawn
     from nereus.runtime.hf.export import whole_params
+    from nereus.runtime.run.resolve import resume_run
     from nereus.runtime.state.checkpoint import load_checkpoint
     from nereus.runtime.state.shard_layout import RankLayout
     from nereus.spec.stages import CRITIC_TRAINING
@@ -295,9 +294,8 @@ def torch_equal(a: Any, b: Any) -> bool:
 
 def restored_critic_state(rank: int, world_size: int, setup: Any) -> tuple[list[str], dict[str, Any], dict[str, Any]]:
     """critic/training after `restore`: its dp-sharded families, local state, and each key's box."""
-    from nereus.runtime.rl.run import restore
-
     from nereus.runtime.rl.stages import build_stages
+    from nereus.runtime.run.checkpoints import restore
     from nereus.spec.stages import CRITIC_TRAINING
 
     stages = build_stages(setup.plan, setup.config.rl)
