@@ -169,13 +169,10 @@ def is_trained(name: str) -> bool:
     return stage_of(name) == "training"
 
 
-#: The model-stages that train, in step order.
-TRAINED_STAGES: tuple[ModelStageName, ...] = tuple(name for name in MODEL_STAGES if is_trained(name))
-
-
-def training_stage(role: str) -> ModelStageName:
-    """The model-stage that trains `role`."""
-    return model_stage(role, "training")
+#: The model-stages that train, in step order (one per trained role).
+TRAINED_STAGES: tuple[ModelStageName, ...] = tuple(
+    model_stage(role, "training") for role, info in ROLE_INFO.items() if info.trained
+)
 
 
 def label(name: str) -> str:
@@ -218,8 +215,12 @@ ACTOR_SYNC_TARGETS: tuple[ModelStageName, ...] = tuple(
 )
 
 #: The model-stages whose engines a run checkpoint saves: one per checkpointed role, the one
-#: whose weights are current at the end of a step.
-SAVED_STAGES: tuple[ModelStageName, ...] = (ACTOR_TRAINING, CRITIC_TRAINING, REWARD_INFERENCE)
+#: whose weights are current at the end of a step (its training stage if it trains).
+SAVED_STAGES: tuple[ModelStageName, ...] = tuple(
+    model_stage(role, "training" if info.trained else "inference")
+    for role, info in ROLE_INFO.items()
+    if info.checkpointed
+)
 
 
 def checkpointed_stages(warm_started: bool) -> tuple[ModelStageName, ...]:

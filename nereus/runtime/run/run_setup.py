@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from nereus.cost.calibration import Calibration
 from nereus.runtime.rl.run_data import RunData
@@ -16,6 +16,8 @@ from nereus.spec.run_config import RunConfig
 from nereus.spec.trace import Trace
 
 if TYPE_CHECKING:
+    from nereus.solver.transition.primitives import Primitive
+    from nereus.solver.transition.primitives import Schedule as TransitionSchedule
     from nereus.spec.schedule import Schedule
 
 
@@ -27,11 +29,11 @@ class Move:
     """`transition` (live, through the DAG) or `restart` (through a checkpoint)."""
     plan: Plan
     """The plan in force from then on."""
-    primitives: list[Any]
+    primitives: list[Primitive]
     """The scheduled transition DAG (empty for a restart), built once by one process: every
     rank must walk the very same primitives."""
-    transition_schedule: Any
-    """The DAG's schedule (a transition `Schedule`; empty for a restart): the order the ranks
+    transition_schedule: TransitionSchedule
+    """The DAG's schedule (empty for a restart): the order the ranks
     walk the primitives in."""
     predicted_s: float
     """The DAG's predicted makespan."""

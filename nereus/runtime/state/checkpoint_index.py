@@ -165,8 +165,3 @@ def saved_meta(index: CheckpointIndex) -> StateMeta:
     meta = state_meta(index.model, index.head, index.layout(), families, dp_sharded=index.dp_sharded)
     tensors = {key: replace(tensor, dtype=dtypes.get(key, tensor.dtype)) for key, tensor in meta.tensors.items()}
     return StateMeta(meta.model, meta.head, meta.layout, families, tensors, meta.boxes, meta.dp_sharded)
-
-
-def checkpoint_meta(path: str | Path) -> StateMeta:
-    """The shard metadata of the layout a checkpoint was saved from."""
-    return saved_meta(read_index(path))
