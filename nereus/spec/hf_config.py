@@ -4,7 +4,9 @@ Every field that changes what the network computes is read, or the config is ref
 one line naming the field: an option nereus does not implement (a sliding window, YaRN
 RoPE, an o_proj bias, ...) is never dropped silently. Both RoPE formats in use are read:
 `rope_theta` + `rope_scaling` (checkpoints published so far) and the `rope_parameters`
-block transformers 5 writes.
+block transformers 5 writes; a file holding both is read with transformers 5.23's
+precedence (`rope_from_hf`). The shapes are held to transformers' rules, and to the few more
+a network transformers could not run or would silently change needs (docs/hf-models.md).
 
 A key a config leaves out takes the value transformers' config class gives it (its
 defaults, per model type, are in `HF_DEFAULTS`).
