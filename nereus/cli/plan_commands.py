@@ -92,6 +92,7 @@ def plan(
         return
     from nereus.cli.inputs import load_kind, resolve_model, resolve_workload
     from nereus.cost.calibration import Calibration
+    from nereus.solver.admission import model_fit_problems
     from nereus.solver.plan_search import PlanRequest
     from nereus.solver.planner import make_plan
     from nereus.spec.io import save_document
@@ -111,9 +112,13 @@ def plan(
         raise NereusError(f"--gpus {num_gpus} exceeds the {the_cluster.num_gpus} GPUs of cluster {the_cluster.name}")
     the_calibration = load_kind(str(calibration), Calibration) if calibration else Calibration()
     choices = _memory_choices(recompute, token_budget, zero1, offload, kv_budget, full_shard, for_runtime)
+    models = models_for(the_workload, the_model)
+    unfit = model_fit_problems(models, the_workload)
+    if unfit:
+        raise NereusError(unfit[0])
     request = PlanRequest(
         the_cluster,
-        models_for(the_workload, the_model),
+        models,
         the_workload,
         num_gpus,
         the_calibration,  # type: ignore[arg-type]

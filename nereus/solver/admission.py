@@ -14,7 +14,7 @@ rules) are shared, not restated. No torch: a refusal takes a fraction of a secon
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,10 +23,12 @@ from nereus.cost.kv_pool import BLOCK_TOKENS, KV_ELEMENT_BYTES
 from nereus.cost.stage import kv_bytes_per_token
 from nereus.errors import ArgumentError, NereusError, SpecError
 from nereus.spec.capabilities import MEMORY_CHOICES, RUNTIME_DTYPES, unexecuted_choices
-from nereus.spec.check import Problem, critic_rule, group_rule, layout_problem
+from nereus.spec.check import Problem, critic_rule, group_rule, layout_problem, model_problems, position_problems
+from nereus.spec.model import Model
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig, RunConfig
 from nereus.spec.stages import ACTOR_TRAINING
+from nereus.spec.workload import Workload
 
 if TYPE_CHECKING:
     from nereus.cost.calibration import Calibration
@@ -117,6 +119,21 @@ def run_config_problems(config: RunConfig, source: Path) -> list[Problem]:
     return problems
 
 
+# ---- models and workload ----
+
+
+def model_fit_problems(models: Iterable[Model], workload: Workload) -> list[str]:
+    """What no plan of `workload` over `models` can run: a model that is no network
+    (`nereus.spec.check.model_problems`: KV heads not dividing the heads, an odd head width,
+    empty llama3 bands) and a sequence longer than a model takes (`position_rule`: prompt_len
+    + response_len.max over its max_positions, or the limit its RoPE scaling extends it to).
+    `nereus plan` refuses these before it searches, `nereus run` on every plan it would run
+    (and `nereus check` a plan file, through the spec's own plan rules)."""
+    models = list(models)
+    found = [f"model {m.name}: {p.path}: {p.message}" for m in models for p in model_problems(m)]
+    return found + [f"workload.{p.path}: {p.message}" for p in position_problems(models, workload)]
+
+
 # ---- a plan on a number of ranks ----
 
 
@@ -160,6 +177,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     used = sorted({gpu for entry in plan.stages for gpu in entry.gpus})
     if used and used[-1] >= world_size:
         problems.append(f"the plan uses GPU {used[-1]} but the world has {world_size} ranks (0..{world_size - 1})")
+    problems += model_fit_problems(plan.models, workload)
     tokenizer = CharTokenizer()
     for entry in plan.stages:
         name = entry.model_stage

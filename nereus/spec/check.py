@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -10,7 +10,7 @@ from typing import Literal
 from nereus.errors import SpecError
 from nereus.spec.cluster import Cluster
 from nereus.spec.io import ParseError, document_from_data, field_marks, locate, parse_data, read_text
-from nereus.spec.model import Model
+from nereus.spec.model import LinearRopeScaling, Llama3RopeScaling, Model
 from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.registry import file_problems, kind_of, semantic_problems
 from nereus.spec.stages import model_stage
@@ -73,13 +73,78 @@ def layout_problem(model: Model, tp: int, pp: int) -> str | None:
     return None
 
 
-def model_problems(model: Model, prefix: str = "") -> Iterator[Problem]:
-    if model.num_heads % model.num_kv_heads:
-        yield Problem(
-            f"{prefix}num_kv_heads",
-            f"{model.num_kv_heads} KV heads do not divide {model.num_heads} query heads; "
-            "grouped-query attention needs a divisor",
+def gqa_rule(num_heads: int, num_kv_heads: int) -> str | None:
+    """Why `num_kv_heads` KV heads cannot serve `num_heads` query heads, or None: grouped-query
+    attention gives every KV head the same number of query heads (transformers repeats each
+    KV head num_heads // num_kv_heads times, so another count fails in its attention)."""
+    if num_heads % num_kv_heads:
+        return f"{num_kv_heads} KV heads do not divide {num_heads} query heads; grouped-query attention needs a divisor"
+    return None
+
+
+def head_dim_rule(head_dim: int) -> str | None:
+    """Why RoPE cannot rotate heads `head_dim` wide, or None: it turns pairs of dimensions
+    (transformers refuses an odd head_dim too)."""
+    if head_dim % 2:
+        return f"{head_dim} is odd; RoPE rotates pairs of dimensions, so a head needs an even width"
+    return None
+
+
+def llama3_rule(scaling: Llama3RopeScaling) -> str | None:
+    """Why a llama3 RoPE scaling's frequency bands are empty or reversed, or None (its blend
+    divides by high_freq_factor - low_freq_factor)."""
+    if scaling.high_freq_factor <= scaling.low_freq_factor:
+        return (
+            f"{scaling.high_freq_factor} is not above low_freq_factor {scaling.low_freq_factor}; the llama3 "
+            "scaling blends the wavelengths between the two"
         )
+    return None
+
+
+def model_problems(model: Model, prefix: str = "") -> Iterator[Problem]:
+    """What makes a Model no network: grouped-query heads, an odd head width, llama3 bands."""
+    rules = (
+        ("num_kv_heads", gqa_rule(model.num_heads, model.num_kv_heads)),
+        ("head_dim", head_dim_rule(model.head_dim)),
+        (
+            "rope_scaling.high_freq_factor",
+            llama3_rule(model.rope_scaling) if isinstance(model.rope_scaling, Llama3RopeScaling) else None,
+        ),
+    )
+    for path, rule in rules:
+        if rule:
+            yield Problem(f"{prefix}{path}", rule)
+
+
+def position_rule(model: Model, workload: Workload) -> str | None:
+    """Why `workload`'s longest sequence (prompt plus the longest response) does not fit the
+    positions `model` takes (`Model.position_limit`), or None: one rule for `nereus plan`,
+    `nereus check` and `nereus run`."""
+    longest = workload.prompt_len + workload.response_len.max
+    limit = model.position_limit()
+    if longest <= limit:
+        return None
+    if limit == model.max_positions:
+        takes = f"max_positions {limit} (max_position_embeddings)"
+    else:
+        factor = model.rope_scaling.factor if isinstance(model.rope_scaling, LinearRopeScaling) else 1
+        takes = f"{limit} positions (max_positions {model.max_positions} x rope_scaling.factor {factor:g})"
+    room = limit - workload.prompt_len
+    fix = f"lower response_len.max (--seq-len) to at most {room}" if room > 0 else "shorten prompt_len"
+    return (
+        f"workload {workload.name!r}: prompt_len {workload.prompt_len} + response_len.max "
+        f"{workload.response_len.max} = {longest} tokens exceed model {model.name}'s {takes}; {fix}"
+    )
+
+
+def position_problems(models: Iterable[Model], workload: Workload, prefix: str = "") -> Iterator[Problem]:
+    """`position_rule` for every model a role of `workload` plays (each model once)."""
+    names = {name for name in workload.role_models().values() if name is not None}
+    for model in models:
+        rule = position_rule(model, workload) if model.name in names else None
+        if rule:
+            names.discard(model.name)
+            yield Problem(f"{prefix}response_len.max", rule)
 
 
 def cluster_problems(cluster: Cluster, prefix: str = "") -> Iterator[Problem]:
@@ -250,6 +315,7 @@ def plan_problems(plan: Plan) -> Iterator[Problem]:
     ]
     for role, name in missing:
         yield Problem(f"workload.{role}", f"model {name!r} is not among the plan's models; add it")
+    yield from position_problems(plan.models, plan.workload, "workload.")
     yield from _pool_problems(plan)
     yield from _stage_set_problems(plan)
     if missing:

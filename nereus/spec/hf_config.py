@@ -4,7 +4,9 @@ Every field that changes what the network computes is read, or the config is ref
 one line naming the field: an option nereus does not implement (a sliding window, YaRN
 RoPE, an o_proj bias, ...) is never dropped silently. Both RoPE formats in use are read:
 `rope_theta` + `rope_scaling` (checkpoints published so far) and the `rope_parameters`
-block transformers 5 writes.
+block transformers 5 writes; a file holding both is read with transformers 5.23's
+precedence (`rope_from_hf`). The shapes are held to transformers' rules, and to the few more
+a network transformers could not run or would silently change needs (docs/hf-models.md).
 
 A key a config leaves out takes the value transformers' config class gives it (its
 defaults, per model type, are in `HF_DEFAULTS`).
@@ -19,6 +21,7 @@ from typing import Any, get_args
 from pydantic import ValidationError
 
 from nereus.errors import NereusError
+from nereus.spec.check import gqa_rule, head_dim_rule, llama3_rule, model_problems
 from nereus.spec.model import Activation, LinearRopeScaling, Llama3RopeScaling, Model, RopeScaling
 
 HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -34,6 +37,7 @@ _COMMON_DEFAULTS: dict[str, Any] = {
     "sliding_window": None,
     "use_sliding_window": False,
     "head_dim": None,
+    "num_key_value_heads": None,
 }
 #: What transformers' config class of each model type assumes for a key the file lacks.
 HF_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -102,6 +106,13 @@ def _positive_int(config: dict[str, Any], key: str) -> int:
     return value
 
 
+def _optional_positive_int(config: dict[str, Any], key: str) -> int | None:
+    """The config's positive integer `key`, or transformers' default for it (None when it has none)."""
+    if _value(config, key) is None:
+        return None
+    return _positive_int({key: _value(config, key)}, key)
+
+
 def model_from_hf_dict(config: dict[str, Any], name: str) -> Model:
     """The Model of a parsed config.json (raises _Refused or ValidationError on a bad field)."""
     model_type = config.get("model_type")
@@ -110,16 +121,28 @@ def model_from_hf_dict(config: dict[str, Any], name: str) -> Model:
             f"model_type: {model_type!r} is not a decoder nereus implements; supported: {', '.join(HF_MODEL_TYPES)}"
         )
     sizes = {key: _positive_int(config, key) for key in _REQUIRED}
+    layer_types = config.get("layer_types")
+    if layer_types is not None and not isinstance(layer_types, list):
+        raise _Refused(f"layer_types: expected a list, got {layer_types!r}")
+    if layer_types is not None and len(layer_types) != sizes["num_hidden_layers"]:
+        raise _Refused(
+            f"layer_types: {len(layer_types)} entries for num_hidden_layers {sizes['num_hidden_layers']}; "
+            "give one per layer (transformers refuses it too)"
+        )
     _refuse_unimplemented(config)
     heads = sizes["num_attention_heads"]
+    kv_heads = _optional_positive_int(config, "num_key_value_heads") or heads
+    gqa = gqa_rule(heads, kv_heads)
+    if gqa:
+        raise _Refused(f"num_key_value_heads: {gqa}")
     theta, scaling = rope_from_hf(config)
-    return Model(
+    model = Model(
         name=name,
         num_layers=sizes["num_hidden_layers"],
         hidden_dim=sizes["hidden_size"],
         num_heads=heads,
-        num_kv_heads=config.get("num_key_value_heads") or heads,
-        head_dim=_value(config, "head_dim") or sizes["hidden_size"] // heads,
+        num_kv_heads=kv_heads,
+        head_dim=_head_dim(config, sizes["hidden_size"], heads),
         ffn_dim=sizes["intermediate_size"],
         vocab_size=sizes["vocab_size"],
         tied_embeddings=_value(config, "tie_word_embeddings"),
@@ -129,8 +152,31 @@ def model_from_hf_dict(config: dict[str, Any], name: str) -> Model:
         rope_scaling=scaling,
         rms_norm_eps=float(_value(config, "rms_norm_eps")),
         activation=_activation(config),
-        max_positions=_value(config, "max_position_embeddings"),
+        max_positions=_positive_int({**HF_DEFAULTS[model_type], **config}, "max_position_embeddings"),
     )
+    problem = next(model_problems(model), None)
+    assert problem is None, f"a config.json rule missed: {problem}"
+    return model
+
+
+def _head_dim(config: dict[str, Any], hidden: int, heads: int) -> int:
+    """The config's head_dim, or hidden_size / num_attention_heads, refused as transformers'
+    config classes refuse it: LlamaConfig wants hidden_size a multiple of the heads even beside
+    an explicit head_dim. Qwen2's and Mistral's would floor the quotient (4000 / 24 -> 166);
+    nereus asks for head_dim instead, which gives both the same network."""
+    head_dim = _optional_positive_int(config, "head_dim")
+    if hidden % heads and (head_dim is None or config["model_type"] == "llama"):
+        fix = (
+            "transformers' LlamaConfig refuses it"
+            if config["model_type"] == "llama"
+            else f"set head_dim (transformers would floor it to {hidden // heads})"
+        )
+        raise _Refused(f"hidden_size: {hidden} is not a multiple of num_attention_heads {heads}; {fix}")
+    head_dim = head_dim or hidden // heads
+    odd = head_dim_rule(head_dim)
+    if odd:
+        raise _Refused(f"head_dim: {odd}")
+    return head_dim
 
 
 def _activation(config: dict[str, Any]) -> Activation:
@@ -161,23 +207,27 @@ def _refuse_unimplemented(config: dict[str, Any]) -> None:
 
 
 def rope_from_hf(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
-    """(theta, scaling) from `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling`."""
-    if isinstance(config.get("rope_parameters"), dict):
-        block, field, theta_field = config["rope_parameters"], "rope_parameters", "rope_parameters.rope_theta"
-        theta = block.get("rope_theta", _value(config, "rope_theta"))
+    """(theta, scaling) as transformers 5.23 reads them from either format or both: a non-empty
+    top-level `rope_scaling` replaces the `rope_parameters` block whole; the theta is that
+    block's `rope_theta`, else the top-level `rope_theta`, else the model type's default. A
+    block nested by layer type (`{"full_attention": {...}}`) is read for full attention."""
+    if config.get("rope_scaling"):
+        block, field = config["rope_scaling"], "rope_scaling"
     else:
-        block, field, theta_field = config.get("rope_scaling"), "rope_scaling", "rope_theta"
-        theta = _value(config, "rope_theta")
+        block, field = config.get("rope_parameters"), "rope_parameters"
+    if isinstance(block, dict) and "full_attention" in (config.get("layer_types") or ()) and "full_attention" in block:
+        block, field = block["full_attention"], f"{field}.full_attention"
+    if block is not None and not isinstance(block, dict):
+        raise _Refused(f"{field}: expected an object, got {block!r}")
+    block = block or {}
+    theta_field = f"{field}.rope_theta" if "rope_theta" in block else "rope_theta"
+    theta = block.get("rope_theta", _value(config, "rope_theta"))
     if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
         raise _Refused(f"{theta_field}: {theta!r} is not a positive number")
-    return float(theta), _scaling(block, field)
+    return float(theta), _scaling(block, field, config)
 
 
-def _scaling(block: Any, field: str) -> RopeScaling | None:
-    if block is None:
-        return None
-    if not isinstance(block, dict):
-        raise _Refused(f"{field}: expected an object, got {block!r}")
+def _scaling(block: dict[str, Any], field: str, config: dict[str, Any]) -> RopeScaling | None:
     kind = block.get("rope_type", block.get("type", "default"))
     if kind == "default":
         return None
@@ -185,13 +235,22 @@ def _scaling(block: Any, field: str) -> RopeScaling | None:
         if kind == "linear":
             return LinearRopeScaling(type="linear", factor=float(block["factor"]))
         if kind == "llama3":
-            return Llama3RopeScaling(
+            # transformers puts a top-level original_max_position_embeddings first, then the
+            # block's, then max_position_embeddings
+            original = config.get("original_max_position_embeddings") or block.get(
+                "original_max_position_embeddings", _value(config, "max_position_embeddings")
+            )
+            scaling = Llama3RopeScaling(
                 type="llama3",
                 factor=float(block["factor"]),
                 low_freq_factor=float(block["low_freq_factor"]),
                 high_freq_factor=float(block["high_freq_factor"]),
-                original_max_positions=block["original_max_position_embeddings"],
+                original_max_positions=original,
             )
+            bands = llama3_rule(scaling)
+            if bands:
+                raise _Refused(f"{field}.high_freq_factor: {bands}")
+            return scaling
     except KeyError as missing:
         raise _Refused(f"{field}.{missing.args[0]}: missing for rope_type {kind!r}") from None
     except (TypeError, ValueError) as exc:

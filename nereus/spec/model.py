@@ -82,7 +82,19 @@ class Model(Document):
     activation: Activation = "silu"
     """The MLP's gate activation (`hidden_act`)."""
     max_positions: int = Field(default=2048, gt=0)
-    """Longest sequence (prompt plus response) the model takes (`max_position_embeddings`)."""
+    """Positions the model was trained for (`max_position_embeddings`); `position_limit` is the
+    longest sequence (prompt plus response) it takes."""
+
+    def position_limit(self) -> int:
+        """The longest sequence (prompt plus response) the model takes: `max_positions`, times
+        the factor of a linear RoPE scaling, which stretches the positions the model was trained
+        for (a config with `max_position_embeddings` 4096 and linear factor 4 takes 16384).
+        Llama 3's scaling extends nothing further: its `max_position_embeddings` already is the
+        extended context (131072 for 8192 pre-trained positions), the original length only
+        placing its frequency bands. vLLM derives the same `max_model_len`."""
+        if isinstance(self.rope_scaling, LinearRopeScaling):
+            return int(self.max_positions * self.rope_scaling.factor)
+        return self.max_positions
 
     def layer_params(self) -> int:
         """Parameters of one transformer block."""

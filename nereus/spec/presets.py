@@ -102,9 +102,11 @@ _LLAMA3_ROPE: dict[str, Any] = {
     ),
     "max_positions": 131072,
 }
+#: Qwen3-14B and Qwen3-32B config.json: theta 1e6, eps 1e-6, 40960 positions, q/k norms.
 _QWEN3: dict[str, Any] = {"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_positions": 40960, "qk_norm": True}
-#: Qwen2-7B(-Instruct) config.json: QKV bias, theta 1e6, 32k positions.
+#: Qwen2-7B-Instruct's config.json: QKV bias, theta 1e6, 32768 positions (max_position_embeddings).
 _QWEN2: dict[str, Any] = {"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_positions": 32768, "qkv_bias": True}
+#: LLaMA 1's converted configs (huggyllama/llama-13b, ...): eps 1e-6, 2048 positions.
 _LLAMA1: dict[str, Any] = {"rms_norm_eps": 1e-6, "max_positions": 2048}
 
 
@@ -116,7 +118,7 @@ MODELS: dict[str, Model] = {
         _llama("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, **_QWEN2),
         _llama("qwen3-14b", 40, 5120, 40, 8, 17408, 151936, head_dim=128, **_QWEN3),
         _llama("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, head_dim=128, **_QWEN3),
-        _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, max_positions=4096),
+        _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, max_positions=4096),  # Llama-2-7b-hf: eps 1e-5
         _llama("llama-13b", 40, 5120, 40, 40, 13824, 32000, **_LLAMA1),
         _llama("llama-33b", 60, 6656, 52, 52, 17920, 32000, **_LLAMA1),
         _llama("llama-65b", 80, 8192, 64, 64, 22016, 32000, **_LLAMA1),

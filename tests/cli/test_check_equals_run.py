@@ -73,6 +73,13 @@ def drop_critic(plan: dict[str, Any]) -> None:
     plan["stages"] = [s for s in plan["stages"] if not s["model_stage"].startswith("critic/")]
 
 
+def stretched_positions(plan: dict[str, Any]) -> None:
+    """Responses past the tiny model's 2048 positions, which a linear RoPE factor of 2 stretches to 4096."""
+    plan["workload"]["response_len"] = {"median": 8, "p99": 40, "max": 2100}
+    for model in plan["models"]:
+        model["rope_scaling"] = {"type": "linear", "factor": 2.0}
+
+
 def critic_stages_only(plan: dict[str, Any]) -> None:
     """A GRPO workload under the PPO plan's stages (critic ones included)."""
     plan["workload"].update(algorithm="grpo", samples_per_prompt=2)
@@ -114,6 +121,8 @@ CASES = [
     Case("too-many-micro-batches", False, plan=set_stage("actor/inference", micro_batches=64)),
     Case("inter-stage-fusion-on-one-generation-replica", False, {"fusion": {"inter_stage": True}}),
     Case("intra-stage-fusion-without-mirrored-critic", False, {"fusion": {"intra_stage": True}}),
+    Case("sequence-beyond-max-positions", False, plan=set_workload(response_len={"median": 8, "p99": 40, "max": 2100})),
+    Case("linear-rope-scaling-extends-the-positions", True, plan=stretched_positions),
 ]
 
 

@@ -141,10 +141,10 @@ def activate(x: torch.Tensor, activation: Activation) -> torch.Tensor:
 
 def check_positions(model: Model, num_positions: int) -> None:
     """Refuse a sequence longer than the model takes (its RoPE was never trained past it)."""
-    if num_positions > model.max_positions:
+    if num_positions > model.position_limit():
         raise ValueError(
-            f"a sequence of {num_positions} tokens is longer than model {model.name}'s max_positions "
-            f"{model.max_positions}; shorten the prompts or responses"
+            f"a sequence of {num_positions} tokens is longer than the {model.position_limit()} positions model "
+            f"{model.name} takes (max_positions {model.max_positions}); shorten the prompts or responses"
         )
 
 
