@@ -192,7 +192,8 @@ def _print_summary(
         peak = max(s.peak_extra_bytes, key=lambda e: e.bytes)
         where = f"on GPU {peak.gpu}" if peak.bytes > 0 else "(no GPU ever holds more than under plan A)"
         console.print(
-            f"peak extra memory: {format_bytes(peak.bytes)} {where}; usable {format_bytes(s.capacity_bytes)} per GPU"
+            f"peak extra memory: {format_bytes(peak.bytes)} {where}; room for model state "
+            f"{format_bytes(s.capacity_bytes)} per GPU (the usable capacity less the workspace)"
         )
     if s.feasible:
         console.print("feasible: yes (every allocation fits in the scheduled order)")

@@ -129,7 +129,7 @@ def plan(
     if output:
         save_document(result.best, output)
     if as_json:
-        _print_json(result)
+        _print_json(result, the_calibration)  # type: ignore[arg-type]
     else:
         _print_table(result, output, the_calibration)  # type: ignore[arg-type]
 
@@ -194,14 +194,18 @@ def _plan_cluster(cluster: str | None, profile: Path | None, gpus: int | None) -
         raise NereusError(str(exc)) from None
 
 
-def _print_json(result: PlanResult) -> None:
+def _print_json(result: PlanResult, calibration: Calibration) -> None:
+    from nereus.cost.plan_cost import usable_capacity, workspace_bytes
     from nereus.spec.io import to_data
 
+    cluster = result.best.cluster
     payload = {
         "plan": to_data(result.best),
         "search_time_s": result.search_time_s,
         "num_placements": result.num_placements,
         "alternatives": [to_data(p) for p in result.alternatives],
+        "usable_bytes_per_gpu": usable_capacity(cluster, calibration),
+        "workspace_bytes_per_gpu": workspace_bytes(cluster, calibration),
         "rejections": [r.describe() for r in result.rejections],
     }
     typer.echo(json.dumps(payload, indent=2))
@@ -210,10 +214,11 @@ def _print_json(result: PlanResult) -> None:
 def _stage_table(plan: Plan, title: str, calibration: Calibration) -> Table:
     from rich.table import Table
 
+    from nereus.cost.plan_cost import usable_capacity
     from nereus.render import gpu_ranges
 
     assert plan.predictions is not None
-    usable = plan.cluster.gpu.memory_bytes * (1 - calibration.memory_headroom)
+    usable = usable_capacity(plan.cluster, calibration)
     table = Table(title=title, title_justify="left")
     columns = (
         "model-stage",
@@ -285,6 +290,7 @@ def _print_table(result: PlanResult, output: Path | None, calibration: Calibrati
         + f"{plan.predictions.step_time_s:.2f} s = "
         + " + ".join(f"{name} {value:.2f}" for name, value in steps.items())
     )
+    console.print(_memory_base(plan, calibration))
     for rank, alternative in enumerate(result.alternatives, 2):
         assert alternative.predictions is not None
         pools = "+".join(p.name for p in alternative.pools)
@@ -297,6 +303,18 @@ def _print_table(result: PlanResult, output: Path | None, calibration: Calibrati
         console.print(f"  rejected: {rejection.describe()}")
     if output:
         console.print(f"wrote {output}")
+
+
+def _memory_base(plan: Plan, calibration: Calibration) -> str:
+    """What the memory column compares: each peak, the workspace included, with the usable capacity."""
+    from nereus.cost.plan_cost import usable_capacity, workspace_bytes
+
+    capacity, cluster = plan.cluster.gpu.memory_bytes, plan.cluster
+    return (
+        f"memory/GPU: peak, the {workspace_bytes(cluster, calibration) / GIB:.1f} GiB workspace included, of "
+        f"{usable_capacity(cluster, calibration) / GIB:.1f} GiB usable ({capacity / GIB:.1f} GiB less "
+        f"{calibration.memory_headroom:.0%} headroom)"
+    )
 
 
 @plan_app.command("explain")

@@ -27,10 +27,24 @@ def stage_cost_model(plan_like: Plan, role: Role, stage: Stage, calibration: Cal
     return StageCostModel(model, head_of(role), stage, plan_like.workload, plan_like.cluster, calibration)
 
 
-def usable_memory(cluster: Cluster, calibration: Calibration) -> float:
-    """Bytes per GPU the model-stages may use: capacity less headroom and workspace."""
-    capacity = cluster.gpu.memory_bytes
-    return capacity * (1 - calibration.memory_headroom) - capacity * calibration.workspace_fraction
+def usable_capacity(cluster: Cluster, calibration: Calibration) -> float:
+    """Bytes per GPU a plan may fill: device memory less the calibration's headroom. The one
+    memory base: every table, message and check compares a GPU's need with it, and the
+    workspace is one of the terms of that need (`workspace_bytes`)."""
+    return cluster.gpu.memory_bytes * (1 - calibration.memory_headroom)
+
+
+def workspace_bytes(cluster: Cluster, calibration: Calibration) -> float:
+    """The workspace every GPU keeps (runtime, communicators, allocator slack): a memory term of
+    every model-stage's peak, shown as `workspace`."""
+    return cluster.gpu.memory_bytes * calibration.workspace_fraction
+
+
+def stage_room(cluster: Cluster, calibration: Calibration) -> float:
+    """Bytes per GPU the model-stages' own terms (states, activations, logits, KV cache) may
+    fill: the usable capacity less the workspace. The search compares their terms with it;
+    what it reports adds the workspace back and compares with `usable_capacity`."""
+    return usable_capacity(cluster, calibration) - workspace_bytes(cluster, calibration)
 
 
 def weight_sync_time(
@@ -171,8 +185,8 @@ def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) ->
         transient_of[entry.model_stage] = transient
         for gpu in entry.gpus:
             resident_on[gpu] = resident_on.get(gpu, 0.0) + resident
-    workspace = plan.cluster.gpu.memory_bytes * calibration.workspace_fraction
-    limit = plan.cluster.gpu.memory_bytes * (1 - calibration.memory_headroom)
+    workspace = workspace_bytes(plan.cluster, calibration)
+    limit = usable_capacity(plan.cluster, calibration)
     stage_predictions: dict[str, StagePrediction] = {}
     problems: list[str] = []
     for entry in plan.stages:

@@ -9,13 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, usable_memory
+from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, stage_room
 from nereus.cost.stage import StageCostModel
 from nereus.spec.capabilities import MEMORY_CHOICES, searched
 from nereus.spec.check import kv_heads_rule, pp_rule
 
-#: Bounded KV budgets tried, as fractions of a GPU's usable memory (plus one maximum-length
-#: sequence, the least that runs, and the unbounded budget).
+#: Bounded KV budgets tried, as fractions of the room a GPU leaves the model-stages (its usable
+#: capacity less the workspace, `stage_room`), plus one maximum-length sequence, the least that
+#: runs, and the unbounded budget.
 KV_BUDGET_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7)
 
 #: (kv_budget_bytes or 0, recompute, token_budget or 0, zero1, offload, full_shard) of one option.
@@ -201,17 +202,17 @@ def _expand(columns: list[np.ndarray], values: list[float]) -> list[np.ndarray]:
 def _kv_levels(
     cost: StageCostModel, columns: list[np.ndarray], allowed: MemoryChoices
 ) -> tuple[list[np.ndarray], np.ndarray]:
-    """Generation rows per KV budget: unbounded (if allowed), the fractions of usable memory
-    below the whole batch's need, and one maximum-length sequence.
+    """Generation rows per KV budget: unbounded (if allowed), the fractions of the model-stages'
+    room below the whole batch's need, and one maximum-length sequence.
 
     A budget that does not bind decodes as the unbounded cache does, at the same time with less
     memory: of those, only the smallest (the first of equal ones) is priced, and the unbounded
     row only where every budget binds (the others would be dominated and not listed)."""
-    usable = usable_memory(cost.cluster, cost.calibration)
+    room = stage_room(cost.cluster, cost.calibration)
     tp, pp, dp = (c.astype(float) for c in columns[1:4])
     full = cost.full_kv_bytes(tp, pp, dp)
     one = np.ceil((cost.workload.prompt_len + cost.workload.response_len.max) * cost.kv_bytes_per_token(tp, pp))
-    candidates = [np.floor(usable * f) * np.ones_like(full) for f in KV_BUDGET_FRACTIONS] + [one]
+    candidates = [np.floor(room * f) * np.ones_like(full) for f in KV_BUDGET_FRACTIONS] + [one]
     picks = [(level >= one) & (level < full) for level in candidates]
     stacked = np.stack(candidates)
     loose = np.where(np.stack(picks) & ~cost.kv_budget_binds(tp, pp, dp, stacked), stacked, np.inf)
@@ -286,7 +287,7 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
         token_budget = cost.packed_token_budget(dp, m)
         token_ratio = token_budget / cost.micro_batch_tokens(dp, m)
     least = _least_memory(memory, dp, token_ratio, allowed, zero1)
-    fits = least <= usable_memory(cost.cluster, cost.calibration)
+    fits = least <= stage_room(cost.cluster, cost.calibration)
     if cost.stage == "training":
         times = _pipeline_times(cost, distinct, allowed)
     else:
@@ -455,7 +456,7 @@ def price_layouts(
     split = [(np.broadcast_to(x, timed.time.shape) for x in split_resident(memory, o)) for o in allowed.offload]
     resident, transient = (np.concatenate(c) for c in zip(*split, strict=True))
     of_layout = timed.layout[0][rows].astype(np.int64)
-    budget = usable_memory(cost.cluster, cost.calibration)
+    budget = stage_room(cost.cluster, cost.calibration)
     keep = _worth_listing(of_layout, total, resident, transient, budget)
     listed_rows = np.nonzero(keep)[0]
     by_layout = listed_rows[np.argsort(of_layout[listed_rows], kind="stable")]

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
-from nereus.cost.plan_cost import evaluate_plan, stage_cost_model, usable_memory
+from nereus.cost.plan_cost import evaluate_plan, stage_cost_model, stage_room
 from nereus.errors import ArgumentError, NereusError
 from nereus.spec.plan import Plan
 from nereus.spec.stages import ACTOR_GENERATION, stage_of
@@ -333,7 +333,7 @@ def generation_profile(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATIO
     dtype = DTYPE_BYTES[workload.dtype]
     hbm = cluster.gpu.hbm_bytes_per_s * calibration.decode_memory
     gpus = entry.tp * entry.pp
-    free_bytes = usable_memory(cluster, calibration) - float(cost.params_per_gpu(entry.tp, entry.pp)) * dtype
+    free_bytes = stage_room(cluster, calibration) - float(cost.params_per_gpu(entry.tp, entry.pp)) * dtype
     kv_per_gpu = float(cost.kv_bytes_per_token(entry.tp, entry.pp))
     if free_bytes <= 0:
         raise NereusError("actor/generation: the weights leave no GPU memory for the KV cache; use a larger tp or pp")

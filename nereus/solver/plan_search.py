@@ -11,6 +11,7 @@ enumerates in full.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import heapq
 import itertools
@@ -22,7 +23,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.plan_cost import GIB, RESIDENT_TERMS, usable_memory, weight_sync_time
+from nereus.cost.plan_cost import (
+    GIB,
+    RESIDENT_TERMS,
+    stage_room,
+    usable_capacity,
+    weight_sync_time,
+    workspace_bytes,
+)
 from nereus.cost.stage import StageCostModel
 from nereus.solver.layouts import LayoutGrid, MemoryChoices, Option, OptionTable, layout_grid, price_layouts
 from nereus.spec.cluster import Cluster
@@ -76,7 +84,8 @@ class Candidate:
 
 @dataclass(frozen=True)
 class Rejection:
-    """A layout that cannot fit even alone on its GPUs, and the term that overflows."""
+    """A layout that cannot fit even alone on its GPUs: what it needs per GPU, its workspace
+    included, against the usable capacity (`usable_capacity`), and the term that overflows."""
 
     model_stage: str
     tp: int
@@ -85,15 +94,18 @@ class Rejection:
     micro_batches: int
     choice: str
     needed_bytes: float
+    """Its memory terms per GPU, the workspace included."""
     usable_bytes: float
     largest_term: str
     largest_bytes: float
+    workspace_bytes: float
 
     def describe(self) -> str:
         layout = f"tp={self.tp} pp={self.pp} dp={self.dp} micro_batches={self.micro_batches}{self.choice}"
+        largest = f"{self.largest_term} {self.largest_bytes / GIB:.1f} GiB"
         return (
-            f"{self.model_stage} {layout}: needs {self.needed_bytes / GIB:.1f} GiB > "
-            f"{self.usable_bytes / GIB:.1f} GiB usable ({self.largest_term} {self.largest_bytes / GIB:.1f} GiB)"
+            f"{self.model_stage} {layout}: needs {self.needed_bytes / GIB:.1f} GiB > {self.usable_bytes / GIB:.1f} GiB "
+            f"usable (largest term: {largest}; workspace {self.workspace_bytes / GIB:.1f} GiB)"
         )
 
 
@@ -160,6 +172,11 @@ def price_all(request: PlanRequest, layouts: list[Placement]) -> dict[tuple[str,
         for _, _, size, stages in placement.pools:
             for name in stages:
                 sizes.setdefault(name, set()).add(size)
+    return price_pool_sizes(request, sizes)
+
+
+def price_pool_sizes(request: PlanRequest, sizes: dict[str, set[int]]) -> dict[tuple[str, int], OptionTable]:
+    """Option tables for every model-stage on each of its pool sizes (`sizes`: by model-stage)."""
     # Model-stages with the same model, head and stage (reference and actor inference,
     # often) price identically: group them and price each group once.
     groups: dict[tuple[str, str, str], list[str]] = {}
@@ -274,7 +291,7 @@ def compile_problem(
     cache: dict[tuple[str, int], list[Option]] | None = None,
 ) -> _Problem:
     """Per-stage option lists; with `prune`, drop lone-infeasible and dominated options."""
-    budget = usable_memory(request.cluster, request.calibration)
+    budget = stage_room(request.cluster, request.calibration)
     pool_index = {name: (p, size) for p, (_, _, size, stages) in enumerate(placement.pools) for name in stages}
     start_of = {name: start for _, start, _, stages in placement.pools for name in stages}
     names = _order(list(pool_index))
@@ -539,6 +556,99 @@ def search(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int], 
     )
 
 
+class _FirstFit(_TopK):
+    """A `_TopK` that closes the search at its first full assignment: whether anything fits,
+    not which fits best."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+
+    def offer(self, candidate: Candidate) -> None:
+        super().offer(candidate)
+        self.bound = -math.inf
+
+
+def resized(request: PlanRequest, num_gpus: int) -> PlanRequest:
+    """The request on `num_gpus` GPUs of a cluster of the same nodes, as many as they need."""
+    cluster = request.cluster.model_copy(update={"num_nodes": -(-num_gpus // request.cluster.gpus_per_node)})
+    return dataclasses.replace(request, cluster=cluster, num_gpus=num_gpus)
+
+
+def fits(request: PlanRequest) -> bool:
+    """Whether some plan of the request fits memory (`search`, stopped at its first plan)."""
+    return CountProbe(request, price_all(request, placements(request))).fits(request.num_gpus)
+
+
+class CountProbe:
+    """Whether some plan of a request fits memory on n GPUs (on as many of the request's nodes
+    as n needs), for the counts whose pool sizes `tables` prices: what `search` would find,
+    without its optimum.
+
+    Each (model-stage, pool size)'s options are compiled once for every count. A placement is
+    searched only where each pool passes a memory bound (each model-stage's least resident bytes
+    over its options that fit alone, plus the largest of their least transient bytes), and the
+    search stops at its first full assignment.
+    """
+
+    def __init__(self, request: PlanRequest, tables: dict[tuple[str, int], OptionTable]) -> None:
+        self.request = request
+        self.tables = tables
+        self.budget = stage_room(request.cluster, request.calibration)
+        self.names = [model_stage(r, s) for r, s in model_stages(request.workload)]
+        self.least: dict[tuple[str, int], tuple[float, float] | None] = {}
+        self.compiled: dict[tuple[str, int], list[Option]] = {}
+
+    @classmethod
+    def up_to(cls, request: PlanRequest, largest: int) -> CountProbe:
+        """A probe for every count up to `largest`: each model-stage priced once on every pool
+        size up to it (a layout's time and memory do not depend on the cluster's node count)."""
+        big = resized(request, largest)
+        names = [model_stage(r, s) for r, s in model_stages(request.workload)]
+        return cls(big, price_pool_sizes(big, {name: set(range(1, largest + 1)) for name in names}))
+
+    def lower_bound(self, largest: int) -> int:
+        """The fewest GPUs on which every model-stage fits alone (on some pool size up to
+        `largest`): no smaller count holds a plan. `largest + 1` if one fits on none."""
+        sizes = range(1, largest + 1)
+        return max(
+            min((n for n in sizes if math.isfinite(self.tables[name, n].fastest)), default=largest + 1)
+            for name in self.names
+        )
+
+    def _least(self, name: str, size: int) -> tuple[float, float] | None:
+        """(least resident, least transient) bytes over the options that fit alone; None: none does."""
+        key = (name, size)
+        if key not in self.least:
+            resident, transient = self.tables[key].columns[1:3]
+            alone = resident + transient <= self.budget
+            self.least[key] = (float(resident[alone].min()), float(transient[alone].min())) if alone.any() else None
+        return self.least[key]
+
+    def _may_fit(self, placement: Placement) -> bool:
+        pools = placement.pools
+        if any(math.isinf(self.tables[name, size].fastest) for _, _, size, stages in pools for name in stages):
+            return False  # a model-stage that fits in no layout alone (known without listing options)
+        for _, _, size, stages in pools:
+            least = [self._least(name, size) for name in stages]
+            bounds = [x for x in least if x is not None]
+            if len(bounds) < len(least) or sum(r for r, _ in bounds) + max(t for _, t in bounds) > self.budget:
+                return False
+        return True
+
+    def fits(self, num_gpus: int) -> bool:
+        """Whether some plan fits on `num_gpus` GPUs (whose pool sizes the tables price)."""
+        request = resized(self.request, num_gpus)
+        for placement in placements(request):
+            if self._may_fit(placement):
+                found = _FirstFit()
+                branch_and_bound(
+                    compile_problem(request, placement, self.tables, prune=True, cache=self.compiled), found
+                )
+                if found.heap:
+                    return True
+        return False
+
+
 def reference_search(request: PlanRequest, top_k: int = 1) -> SearchOutcome:
     """Exhaustive enumeration of every assignment of every placement (small cases only)."""
     _check_request(request)
@@ -560,7 +670,11 @@ def rejections(
     request: PlanRequest, tables: dict[tuple[str, int], OptionTable], placement: Placement
 ) -> list[Rejection]:
     """Layouts of `placement` that overflow memory even alone, with the largest term."""
-    budget = usable_memory(request.cluster, request.calibration)
+    budget = stage_room(request.cluster, request.calibration)
+    usable, workspace = (
+        usable_capacity(request.cluster, request.calibration),
+        workspace_bytes(request.cluster, request.calibration),
+    )
     out = []
     for _, _, size, stages in placement.pools:
         for name in stages:
@@ -579,10 +693,11 @@ def rejections(
                         dp,
                         micro_batches,
                         describe_choice(table.options[i][7]),
-                        float(needed[i]),
-                        budget,
+                        float(needed[i]) + workspace,
+                        usable,
                         terms[largest],
                         float(stacked[largest, i]),
+                        workspace,
                     )
                 )
     return out
@@ -609,30 +724,46 @@ def iter_assignments(
 
 @dataclass(frozen=True)
 class PoolShortfall:
-    """Why a pool's model-stages cannot share its GPUs, even each at its smallest footprint:
-    their resident states together plus the largest transient need, per GPU."""
+    """Why a pool's model-stages cannot have its GPUs, per GPU, against the usable capacity.
+
+    Either one model-stage fits in no layout even alone (`alone`): of those, the one that
+    exceeds the usable capacity by the most, at its smallest footprint; or each fits alone but
+    not together: every model-stage's least resident states plus the largest running need."""
 
     placement: str
     pool: str
     states: tuple[tuple[str, float], ...]
-    """(model-stage with its layout and choices, resident bytes per GPU)."""
-    transient_stage: str
+    """Resident bytes per GPU: by term (alone), or by model-stage with its layout (together)."""
+    running: str
+    """The model-stage (with its layout and choices) whose running need counts; `X alone [...]`
+    when it fits in no layout alone."""
     transient: tuple[tuple[str, float], ...]
-    """(term, bytes per GPU) of the model-stage whose running needs the most."""
+    """(term, bytes per GPU) of what `running` needs while it runs, the workspace last."""
     usable_bytes: float
+    alone: bool
 
     @property
     def needed_bytes(self) -> float:
         return sum(b for _, b in self.states) + sum(b for _, b in self.transient)
 
+    @property
+    def largest(self) -> tuple[str, float]:
+        """The largest term of the need (a model-stage's states count as one term together)."""
+        named = [(name if self.alone else f"{name} states", b) for name, b in self.states]
+        return max([*named, *self.transient], key=lambda term: term[1])
+
     def describe(self) -> str:
         states = sum(b for _, b in self.states)
         parts = ", ".join(f"{name} {b / GIB:.1f}" for name, b in self.states if b > 0)
         transient = " + ".join(f"{term} {b / GIB:.1f} GiB" for term, b in self.transient if b > 0)
+        term, size = self.largest
+        need = f"{self.running} needs " if self.alone else ""
+        running = "it" if self.alone else self.running
+        over = self.needed_bytes - self.usable_bytes
         return (
-            f"{self.placement} placement, pool {self.pool}: "
-            f"{self.needed_bytes / GIB:.1f} GiB > {self.usable_bytes / GIB:.1f} GiB usable per GPU = "
-            f"states {states / GIB:.1f} GiB ({parts}) + while {self.transient_stage} runs {transient}"
+            f"{self.placement} placement, pool {self.pool}: {need}{self.needed_bytes / GIB:.1f} GiB > "
+            f"{self.usable_bytes / GIB:.1f} GiB usable per GPU ({over / GIB:.1f} GiB over; largest term: {term} "
+            f"{size / GIB:.1f} GiB) = states {states / GIB:.1f} GiB ({parts}) + while {running} runs {transient}"
         )
 
 
@@ -646,43 +777,50 @@ def closest_shortfall(
         layouts = placements(request)
         priced = (layouts, price_all(request, layouts))
     layouts, tables = priced
-    budget = usable_memory(request.cluster, request.calibration)
+    usable = usable_capacity(request.cluster, request.calibration)
+    workspace = workspace_bytes(request.cluster, request.calibration)
     misses = []
     for placement in layouts:
         pool_tables = [(pool, {n: tables[n, size] for n in stages}) for pool, _, size, stages in placement.pools]
         if any(not table.options for _, by_stage in pool_tables for table in by_stage.values()):
             continue  # a model-stage with no candidate layout at all: no memory shortfall to explain
-        pools = [_pool_shortfall(placement.name, pool, by_stage, budget) for pool, by_stage in pool_tables]
+        pools = [_pool_shortfall(placement.name, pool, by_stage, usable, workspace) for pool, by_stage in pool_tables]
         worst = max(pools, key=lambda p: p.needed_bytes)
-        if worst.needed_bytes > budget:
+        if worst.needed_bytes > usable:
             misses.append(worst)
     return min(misses, key=lambda p: p.needed_bytes, default=None)
 
 
-def _pool_shortfall(placement: str, pool: str, tables: dict[str, OptionTable], budget: float) -> PoolShortfall:
-    """A model-stage that fits in no layout alone, at its smallest footprint; else every
-    model-stage at its least resident option (offloaded where allowed) on the shared GPUs."""
+def _pool_shortfall(
+    placement: str, pool: str, tables: dict[str, OptionTable], usable: float, workspace: float
+) -> PoolShortfall:
+    """The model-stage that exceeds the usable capacity by the most even alone, at its smallest
+    footprint, if any does; else every model-stage at its least resident option (offloaded
+    where allowed) on the shared GPUs, and the largest running need."""
     alone = {name: min(t.options, key=lambda o: o[1] + o[2]) for name, t in tables.items()}
-    for name, option in alone.items():
-        if option[1] + option[2] > budget:
-            terms = tables[name].terms(tables[name].options.index(option))
-            states = tuple((k, v) for k, v in terms.items() if k in RESIDENT_TERMS)
-            label = f"{name} alone [{_layout_text(option)}]"
-            return PoolShortfall(placement, pool, states, label, _transient(terms, False), budget)
+    worst = max(alone, key=lambda name: alone[name][1] + alone[name][2])
+    option = alone[worst]
+    if option[1] + option[2] + workspace > usable:
+        terms = tables[worst].terms(tables[worst].options.index(option))
+        states = tuple((k, v) for k, v in terms.items() if k in RESIDENT_TERMS)
+        label = f"{worst} alone [{_layout_text(option)}]"
+        return PoolShortfall(placement, pool, states, label, _transient(terms, False, workspace), usable, True)
     picked = {name: min(t.options, key=lambda o: (o[1], o[2])) for name, t in tables.items()}
     states = tuple((f"{name} [{_layout_text(o)}]", o[1]) for name, o in picked.items())
     running = max(picked, key=lambda name: picked[name][2])
     terms = tables[running].terms(tables[running].options.index(picked[running]))
     label = f"{running} [{_layout_text(picked[running])}]"
-    return PoolShortfall(placement, pool, states, label, _transient(terms, bool(picked[running][7][4])), budget)
+    transient = _transient(terms, bool(picked[running][7][4]), workspace)
+    return PoolShortfall(placement, pool, states, label, transient, usable, False)
 
 
-def _transient(terms: dict[str, float], offloaded: bool) -> tuple[tuple[str, float], ...]:
-    """A running model-stage's transient terms (with its states when they sleep between runs)."""
+def _transient(terms: dict[str, float], offloaded: bool, workspace: float) -> tuple[tuple[str, float], ...]:
+    """A running model-stage's transient terms (with its states when they sleep between runs),
+    and the workspace."""
     out = [(k, v) for k, v in terms.items() if k not in RESIDENT_TERMS]
     if offloaded:
         out.append(("its states", sum(v for k, v in terms.items() if k in RESIDENT_TERMS)))
-    return tuple(out)
+    return (*out, ("workspace", workspace))
 
 
 def _layout_text(option: Option) -> str:

@@ -10,15 +10,17 @@ from nereus.errors import NereusError
 from nereus.solver.layouts import OptionTable
 from nereus.solver.plan_search import (
     Candidate,
+    CountProbe,
     PlanRequest,
     Rejection,
     closest_shortfall,
+    fits,
     iter_assignments,
     placements,
     price_all,
+    resized,
     search,
 )
-from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, Pool, StagePlan
 from nereus.spec.stages import is_trained, model_stage
 from nereus.spec.workload import model_stages
@@ -108,40 +110,51 @@ def _infeasible_message(request: PlanRequest, rejected: list[Rejection]) -> str:
     else:
         reason = f"; e.g. {least.describe()}" if least else " (model-stages do not fit together)"
     smallest = smallest_feasible_gpus(request)
-    fix = f"the smallest GPU count that fits is {smallest}" if smallest else f"nothing up to {MAX_PROBE_GPUS} GPUs fits"
+    fix = smallest.describe() if smallest else f"nothing up to {MAX_PROBE_GPUS} GPUs fits"
     return (
         f"no memory-feasible plan for {request.workload.name} on {request.num_gpus} "
         f"{request.cluster.gpu.name} GPUs{reason}; {fix}"
     )
 
 
-def _fits(request: PlanRequest, num_gpus: int) -> bool:
-    per_node = request.cluster.gpus_per_node
-    cluster = request.cluster.model_copy(update={"num_nodes": -(-num_gpus // per_node)})
-    probe = PlanRequest(cluster, request.models, request.workload, num_gpus, request.calibration, request.choices)
-    return bool(search(probe).candidates)
+@dataclass(frozen=True)
+class SmallestFit:
+    """The fewest GPUs with a feasible plan, and the fewest whole nodes' GPUs."""
+
+    gpus: int
+    """The smallest GPU count the search finds a plan for (any count)."""
+    whole_node_gpus: int
+    """The smallest multiple of the node size the search finds a plan for."""
+    gpus_per_node: int
+
+    def describe(self) -> str:
+        said = f"the smallest GPU count that fits is {self.gpus}"
+        if self.whole_node_gpus == self.gpus:
+            return said
+        nodes = self.whole_node_gpus // self.gpus_per_node
+        whole = f"{nodes} node{'s' if nodes > 1 else ''} of {self.gpus_per_node}"
+        return f"{said}; the smallest whole-node count is {self.whole_node_gpus} ({whole})"
 
 
-def smallest_feasible_gpus(request: PlanRequest) -> int | None:
-    """The fewest whole nodes' GPUs with a feasible plan (probing beyond the cluster)."""
+def smallest_feasible_gpus(request: PlanRequest) -> SmallestFit | None:
+    """The fewest GPUs, and the fewest whole nodes' GPUs, with a feasible plan (probing beyond the
+    cluster, on nodes of its kind); None if nothing up to MAX_PROBE_GPUS fits.
+
+    Doubling whole-node counts from the request's finds one that fits, `high`. Fitting need not
+    be monotone in the GPU count (layouts fill their pool by whole EMUs; splits are node-granular
+    beyond one node), so every count below `high` is then probed in order, from the fewest GPUs
+    each model-stage fits on alone, with one pricing for all of them (`CountProbe`).
+    """
     per_node = request.cluster.gpus_per_node
     high = max(per_node, -(-request.num_gpus // per_node) * per_node)
-    while not _fits(request, high):
+    while not fits(resized(request, high)):
         if high >= MAX_PROBE_GPUS:
             return None
         high *= 2
-    low = per_node if high == per_node else high // 2
-    if low == high:
-        return high
-    while high - low > per_node:  # binary search over whole nodes
-        mid = (low + high) // 2 // per_node * per_node
-        low, high = (low, mid) if _fits(request, mid) else (mid, high)
-    return high
-
-
-def resize_cluster(cluster: Cluster, num_gpus: int) -> Cluster:
-    """The cluster with enough whole nodes for `num_gpus`."""
-    return cluster.model_copy(update={"num_nodes": -(-num_gpus // cluster.gpus_per_node)})
+    probe = CountProbe.up_to(request, high)
+    smallest = next((n for n in range(probe.lower_bound(high), high) if probe.fits(n)), high)
+    whole = range(-(-smallest // per_node) * per_node, high, per_node)
+    return SmallestFit(smallest, next((n for n in whole if probe.fits(n)), high), per_node)
 
 
 def _stages_without_layouts(tables: dict[tuple[str, int], OptionTable]) -> list[str]:

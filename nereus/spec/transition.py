@@ -142,7 +142,8 @@ class TransitionSummary(StrictModel):
     peak_extra_bytes: list[GpuBytes] = Field(default_factory=list)
     """Highest memory per GPU above its initial state during the transition."""
     capacity_bytes: float = Field(ge=0)
-    """Usable bytes per GPU (device memory less headroom and workspace)."""
+    """Bytes per GPU model state may fill: the usable capacity (device memory less headroom)
+    less the workspace."""
     feasible: bool
     """True when every primitive fits in memory in the scheduled order."""
     blocking_cycle: list[str] = Field(default_factory=list)

@@ -133,7 +133,64 @@ def assert_one_line_error(result, *fragments: str) -> None:  # type: ignore[no-u
 
 def test_plan_70b_on_8_gpus_is_one_line_error() -> None:
     result = invoke("plan", "--gpus", "8", "--model", "llama-3.3-70b")
-    assert_one_line_error(result, "no memory-feasible plan", "smallest GPU count that fits is 24")
+    said = "the smallest GPU count that fits is 20; the smallest whole-node count is 24 (3 nodes of 8)"
+    assert_one_line_error(result, "no memory-feasible plan", said)
+
+
+def llama_70b_config(folder: Path) -> Path:
+    """Llama-3.1-70B's config.json as transformers writes it (its published shape)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    config.save_pretrained(folder)
+    return folder / "config.json"
+
+
+def test_plan_70b_ppo_on_2_gpus_names_the_bottleneck(tmp_path: Path) -> None:
+    """Issue 47, as a user meets it: Llama-3.1-70B's config.json, PPO on 2 H100s. The refusal
+    blamed `actor/inference alone` (the first model-stage that fit nowhere alone) and said 24
+    GPUs; it names actor/training, whose AdamW state alone is over 390 GiB per GPU, and says
+    that 20 GPUs fit, 24 in whole nodes, all against the one usable capacity."""
+    config = llama_70b_config(tmp_path)
+    result = invoke("plan", "--gpus", "2", "--cluster", "h100", "--model", str(config), "--workload", "ppo")
+    assert_one_line_error(
+        result,
+        "closest: colocated placement, pool shared: actor/training alone [tp=2 pp=1 dp=1",
+        "> 72.0 GiB usable per GPU",
+        "largest term: optimizer 394.",
+        "+ workspace 2.4 GiB",
+        "the smallest GPU count that fits is 20; the smallest whole-node count is 24 (3 nodes of 8)",
+    )
+    assert "actor/inference" not in result.stderr and "69.6" not in result.stderr
+
+
+def test_plan_speaks_of_one_memory_base() -> None:
+    """Issue 47: Qwen3-14B PPO on 16 GPUs showed the chosen actor/training at `72.0 / 72.0` and a
+    rejected layout at `needs 71.2 GiB > 69.6 GiB usable`. The table, its rejections and the
+    JSON all count the workspace and compare with the same 72.0 GiB."""
+    result = invoke("plan", "--gpus", "16", "--model", "qwen3-14b", "--workload", "ppo")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.stdout.split())  # rich wraps long lines
+    assert "72.0 / 72.0" in text and "69.6" not in text
+    assert "memory/GPU: peak, the 2.4 GiB workspace included, of 72.0 GiB usable (80.0 GiB less 10% headroom)" in text
+    assert "needs 73.6 GiB > 72.0 GiB usable (largest term: logits 33.4 GiB; workspace 2.4 GiB)" in text
+    payload = json.loads(invoke("plan", "--gpus", "16", "--model", "qwen3-14b", "--workload", "ppo", "--json").stdout)
+    assert payload["usable_bytes_per_gpu"] == 0.9 * 80 * 2**30
+    assert payload["workspace_bytes_per_gpu"] == pytest.approx(0.03 * 80 * 2**30)
+    assert all("> 72.0 GiB usable" in line for line in payload["rejections"])
+    for prediction in payload["plan"]["predictions"]["model_stages"].values():
+        assert prediction["memory_breakdown_bytes"]["workspace"] == int(payload["workspace_bytes_per_gpu"])
+        assert prediction["peak_memory_bytes"] <= payload["usable_bytes_per_gpu"]
 
 
 def test_plan_more_gpus_than_the_cluster() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,14 @@ import pytest
 from repo_paths import DATA
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.plan_cost import evaluate_plan, plan_cost_problems, usable_memory
+from nereus.cost.plan_cost import (
+    GIB,
+    evaluate_plan,
+    plan_cost_problems,
+    stage_room,
+    usable_capacity,
+    workspace_bytes,
+)
 from nereus.errors import NereusError
 from nereus.solver.layouts import RUNTIME_CHOICES, MemoryChoices
 from nereus.solver.plan_search import (
@@ -22,13 +30,15 @@ from nereus.solver.plan_search import (
     SearchOutcome,
     closest_shortfall,
     compile_problem,
+    fits,
     placements,
     price_all,
     reference_search,
+    resized,
     search,
     split_sizes,
 )
-from nereus.solver.planner import build_plan, make_plan
+from nereus.solver.planner import build_plan, make_plan, smallest_feasible_gpus
 from nereus.spec.check import kv_heads_rule, pp_rule, semantic_problems
 from nereus.spec.cluster import Cluster, GpuKind, Link
 from nereus.spec.io import load_document, save_document
@@ -131,7 +141,7 @@ def exhaustive_size(request: PlanRequest) -> int:
 
 
 def has_lone_infeasible_layout(request: PlanRequest) -> bool:
-    budget = usable_memory(request.cluster, request.calibration)
+    budget = stage_room(request.cluster, request.calibration)
     tables = price_all(request, placements(request))
     return any(o[1] + o[2] > budget for table in tables.values() for o in table.options)
 
@@ -404,13 +414,86 @@ def ppo_request(actor: str, gpus: int, cluster: Cluster | None = None) -> PlanRe
 
 
 def test_70b_on_8_gpus_says_what_fits() -> None:
-    with pytest.raises(NereusError, match="smallest GPU count that fits is 24") as info:
+    said = "the smallest GPU count that fits is 20; the smallest whole-node count is 24 (3 nodes of 8)"
+    with pytest.raises(NereusError, match=re.escape(said)) as info:
         make_plan(ppo_request("llama-3.3-70b", 8))
     assert "\n" not in str(info.value)
     assert "no memory-feasible plan for ppo on 8 H100-SXM-80GB GPUs" in str(info.value)
-    # the claim holds: 24 GPUs (3 nodes) fit, 16 do not (80 under the old worst-case memory model)
-    assert search(ppo_request("llama-3.3-70b", 24)).candidates
-    assert not search(ppo_request("llama-3.3-70b", 16)).candidates
+    # the claims hold: 20 GPUs fit, 24 (3 nodes) fit, 16 (2 nodes) do not (80 under the old
+    # worst-case memory model)
+    request = ppo_request("llama-3.3-70b", 8)
+    assert search(resized(request, 20)).candidates and search(resized(request, 24)).candidates
+    assert not search(resized(request, 16)).candidates
+
+
+def fitting_counts(request: PlanRequest, upto: int) -> list[int]:
+    """The GPU counts up to `upto` on which `search` finds a plan, each searched in full."""
+    return [n for n in range(1, upto + 1) if search(resized(request, n)).candidates]
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "actor", "gpus", "smallest", "whole"),
+    [("grpo", "llama-3.1-8b", 1, 2, 8), ("grpo", "llama-3.3-70b", 16, 20, 24), ("ppo", "llama-3.3-70b", 2, 20, 24)],
+)
+def test_the_smallest_gpu_count_is_the_true_smallest(
+    algorithm: str, actor: str, gpus: int, smallest: int, whole: int
+) -> None:
+    """Issue 47: only whole nodes were tried, so Llama-3.1-8B GRPO on 1 GPU said 8 though 2
+    fit, and 70B on 16 said 24 though 20 fit. The refusal now gives the smallest count of all
+    and, when it differs, the smallest whole-node count, each checked by a full search of every
+    count up to it."""
+    workload = workload_preset(algorithm, actor=actor)
+    request = PlanRequest(cluster_preset("h100", gpus), models_for(workload, None), workload, gpus)
+    found = smallest_feasible_gpus(request)
+    assert found is not None and (found.gpus, found.whole_node_gpus) == (smallest, whole)
+    counts = fitting_counts(request, whole)
+    assert counts[0] == smallest and min(n for n in counts if n % 8 == 0) == whole
+    with pytest.raises(NereusError) as info:
+        make_plan(request)
+    said = f"the smallest GPU count that fits is {smallest}; the smallest whole-node count is {whole}"
+    assert str(info.value).endswith(f"{said} ({whole // 8} node{'s' if whole > 8 else ''} of 8)")
+
+
+def test_the_smallest_counts_match_a_search_of_every_count() -> None:
+    """Random requests on nodes of 4 GPUs, refused on 1 GPU and fitting on 64: both counts
+    `smallest_feasible_gpus` gives are the first that a full search of every count finds. Some
+    of them fit on fewer GPUs than on a whole number of nodes above them (6 fit, 8 do not, 12
+    do): a search over whole nodes, or a bisection, would miss the smallest."""
+    checked, gaps = 0, 0
+    for seed in range(100):
+        request = random_request(seed)
+        cluster = request.cluster.model_copy(update={"gpus_per_node": 4, "num_nodes": 16})
+        request = dataclasses.replace(request, cluster=cluster, num_gpus=1)
+        if search(request).candidates or not search(resized(request, 64)).candidates:
+            continue
+        found = smallest_feasible_gpus(request)
+        assert found is not None, seed
+        counts = fitting_counts(request, found.whole_node_gpus)
+        assert (found.gpus, found.whole_node_gpus) == (counts[0], min(n for n in counts if n % 4 == 0)), seed
+        checked += 1
+        gaps += any(n not in counts for n in range(found.gpus, found.whole_node_gpus))
+    assert checked >= 20 and gaps >= 1
+
+
+def test_a_whole_node_answer_is_said_once() -> None:
+    """When the smallest count is a whole number of nodes, there is nothing more to say."""
+    workload = workload_preset("ppo", actor="llama-65b")
+    request = PlanRequest(cluster_preset("h100", 8), models_for(workload, None), workload, 8)
+    request = dataclasses.replace(request, choices=MemoryChoices(offload=(False,)))
+    found = smallest_feasible_gpus(request)
+    assert found is not None and found.gpus == found.whole_node_gpus == fitting_counts(request, found.gpus)[0]
+    assert found.describe() == f"the smallest GPU count that fits is {found.gpus}"
+
+
+def test_fits_agrees_with_the_search() -> None:
+    """`fits` (the search stopped at its first plan, behind a memory bound per pool) says yes
+    exactly where `search` finds a plan."""
+    verdicts = []
+    for seed in range(150):
+        request = random_request(seed)
+        verdicts.append(fits(request))
+        assert verdicts[-1] == bool(search(request).candidates), seed
+    assert 10 < sum(verdicts) < len(verdicts) - 10  # both answers are tested
 
 
 @pytest.mark.parametrize("gpus", [17, 0])
@@ -688,6 +771,83 @@ def test_70b_on_16_gpus_says_why_term_by_term() -> None:
     assert {term for term, _ in short.transient} >= {"activations", "logits"}
     assert short.describe() in message
     assert short.needed_bytes == pytest.approx(sum(b for _, b in short.states) + sum(b for _, b in short.transient))
+    # against the usable capacity, the workspace its own term
+    request = ppo_request("llama-3.3-70b", 16)
+    assert short.usable_bytes == usable_capacity(request.cluster, request.calibration)
+    assert short.transient[-1] == ("workspace", workspace_bytes(request.cluster, request.calibration))
+
+
+def lone_needs(request: PlanRequest, placement: str, pool: str) -> dict[str, float]:
+    """Per model-stage of a pool: its smallest footprint alone, per GPU, with the workspace."""
+    workspace = workspace_bytes(request.cluster, request.calibration)
+    layouts = placements(request)
+    tables = price_all(request, layouts)
+    (size, stages), *_ = [(n, s) for p in layouts if p.name == placement for name, _, n, s in p.pools if name == pool]
+    return {name: min(o[1] + o[2] for o in tables[name, size].options) + workspace for name in stages}
+
+
+def test_70b_ppo_on_2_gpus_blames_the_largest_excess() -> None:
+    """Issue 47: 70B PPO on 2 GPUs said `closest: ... 72.5 GiB > 69.6 GiB ... while
+    actor/inference alone` (the first model-stage that fit in no layout alone) though
+    actor/training alone needs over 500 GiB per GPU. The shortfall names the model-stage with
+    the largest excess over the usable capacity, and its largest term."""
+    request = ppo_request("llama-3.3-70b", 2)
+    with pytest.raises(NereusError) as info:
+        make_plan(request)
+    message = str(info.value)
+    short = closest_shortfall(request)
+    assert short is not None and short.alone and short.describe() in message
+    assert short.running.startswith("actor/training alone [") and "actor/inference" not in message
+    assert short.largest[0] == "optimizer" and f"largest term: optimizer {short.largest[1] / GIB:.1f} GiB" in message
+    assert short.needed_bytes > 500 * GIB
+    needs = lone_needs(request, short.placement, short.pool)
+    assert short.needed_bytes == pytest.approx(max(needs.values()))
+    assert max(needs, key=lambda name: needs[name]) == "actor/training"
+
+
+def test_the_shortfall_names_the_worst_model_stage_of_its_pool() -> None:
+    """Over random impossible requests: where one model-stage fits in no layout alone, the
+    shortfall's model-stage is the one of its pool that needs the most alone."""
+    checked = 0
+    for seed in range(150):
+        request = random_request(seed)
+        short = closest_shortfall(request)
+        if short is None or not short.alone:
+            continue
+        needs = lone_needs(request, short.placement, short.pool)
+        assert short.needed_bytes == pytest.approx(max(needs.values())), seed
+        assert short.running.startswith(f"{max(needs, key=lambda name: needs[name])} alone ["), seed
+        checked += 1
+    assert checked >= 10
+
+
+def test_one_memory_base_in_the_plan_and_its_rejections() -> None:
+    """Issue 47: in the Qwen3-14B PPO plan on 16 GPUs the chosen actor/training showed
+    `72.0 / 72.0` (its peak with the workspace, of the capacity less headroom) while a rejected
+    layout read `needs 71.2 GiB > 69.6 GiB usable` (without the workspace, of the capacity less
+    headroom and workspace). Both now count the workspace and compare with the usable capacity."""
+    workload = workload_preset("ppo", actor="qwen3-14b")
+    request = PlanRequest(cluster_preset("h100", 16), models_for(workload, None), workload, 16)
+    result = make_plan(request)
+    usable, workspace = (
+        usable_capacity(request.cluster, request.calibration),
+        workspace_bytes(request.cluster, request.calibration),
+    )
+    assert usable == 0.9 * 80 * GIB and workspace == pytest.approx(0.03 * 80 * GIB)
+    assert result.best.predictions is not None
+    for prediction in result.best.predictions.model_stages.values():
+        assert prediction.memory_breakdown_bytes["workspace"] == int(workspace)
+        assert prediction.peak_memory_bytes <= usable
+    assert result.rejections
+    for rejection in result.rejections:
+        assert (rejection.usable_bytes, rejection.workspace_bytes) == (usable, workspace)
+        assert rejection.needed_bytes > usable
+        assert f"> {usable / GIB:.1f} GiB usable" in rejection.describe()
+    # the layout that read `needs 71.2 GiB > 69.6 GiB usable`
+    said = [r.describe() for r in result.rejections]
+    assert any(text.startswith("actor/training tp=1 pp=8 dp=2 micro_batches=2 ") for text in said)
+    assert any("needs 73.6 GiB > 72.0 GiB usable" in text for text in said)
+    assert not any("69.6" in text for text in said)
 
 
 def test_a_pin_that_leaves_a_model_stage_no_layout_is_said_so() -> None:

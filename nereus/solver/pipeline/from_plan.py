@@ -15,8 +15,8 @@ group's times and memory are the sums over its stages (a micro-batch holds the g
 its whole pass: conservative); its activation stays the per-GPU value of one stage, as
 each GPU of the group holds only its own stage's activations.
 
-`activation_cap` is what a GPU has left for activations: usable memory (capacity less
-headroom and workspace) less the resident model states (parameters, gradients, optimizer)
+`activation_cap` is what a GPU has left for activations: the model-stages' room (the usable
+capacity less the workspace, `stage_room`) less the resident model states (parameters, gradients, optimizer)
 of both training model-stages, which share the GPUs in a fused schedule.
 """
 
@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
-from nereus.cost.plan_cost import RESIDENT_TERMS, stage_cost_model, usable_memory
+from nereus.cost.plan_cost import RESIDENT_TERMS, stage_cost_model, stage_room
 from nereus.errors import NereusError
 from nereus.solver.pipeline.model import ModelTimes
 from nereus.spec.plan import Plan, StagePlan
@@ -109,7 +109,7 @@ def plan_pipelines(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) -
         actor_group=actor_group,
         critic_group=critic_group,
         gpus_per_node=large,
-        activation_cap=usable_memory(plan.cluster, calibration) / GIB
+        activation_cap=stage_room(plan.cluster, calibration) / GIB
         - _resident_gib(plan, actor, calibration)
         - _resident_gib(plan, critic, calibration),
     )

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 
 from nereus.cost.calibration import Calibration
 from nereus.cost.fit import with_engine_budget
-from nereus.cost.plan_cost import PlanEvaluation, evaluate_plan, one_sequence_bytes, replica_state_bytes
+from nereus.cost.plan_cost import (
+    PlanEvaluation,
+    evaluate_plan,
+    one_sequence_bytes,
+    replica_state_bytes,
+    usable_capacity,
+)
 from nereus.errors import NereusError
 from nereus.solver.layouts import MemoryChoices
 from nereus.solver.plan_search import PlanRequest
@@ -304,7 +310,7 @@ def _smaller_waves(
     slower, priced by the cost model's continuous batching); None when not even one
     maximum-length sequence fits there."""
     prediction = evaluation.predictions.model_stages[entry.model_stage]
-    limit = plan.cluster.gpu.memory_bytes * (1 - calibration.memory_headroom)
+    limit = usable_capacity(plan.cluster, calibration)
     kv = prediction.memory_breakdown_bytes.get("kv_cache", 0)
     # Just below the limit (integer byte counts), by at most a MiB: a fixed MiB would take a
     # large share of a small GPU's pool (8% of a 12.8 MiB emulated rank).

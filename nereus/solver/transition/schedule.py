@@ -23,7 +23,7 @@ from typing import Literal, NamedTuple
 import numpy as np
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
-from nereus.cost.plan_cost import replica_state_bytes, resident_share, usable_memory
+from nereus.cost.plan_cost import replica_state_bytes, resident_share, stage_room
 from nereus.solver.transition.local import STAR_ROUNDS, Replicas, replica_dag, stamp
 from nereus.solver.transition.order_search import GREEDY_TRIES, SEARCH_BUDGET, OrderSearch
 from nereus.solver.transition.pair import plan_pair
@@ -650,7 +650,8 @@ def _over_capacity(before: np.ndarray, after: np.ndarray, capacity: float) -> li
     problems = []
     for label, held in (("plan A", before), ("plan B", after)):
         problems += [
-            f"{label} holds {format_bytes(held[gpu])} of model state on GPU {gpu} (usable: {format_bytes(capacity)})"
+            f"{label} holds {format_bytes(held[gpu])} of model state on GPU {gpu} "
+            f"(room for model state: {format_bytes(capacity)}, the usable capacity less the workspace)"
             for gpu in np.flatnonzero(held > capacity * (1 + 1e-9))[:3].tolist()
         ]
     return problems
@@ -744,7 +745,7 @@ def _build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | Non
     held_a = gpus_a.held(sizes)
     on_gpus = np.flatnonzero(held_a)
     initial = dict(zip(on_gpus.tolist(), held_a[on_gpus].tolist(), strict=True))
-    capacity = usable_memory(plan_b.cluster, calibration)
+    capacity = stage_room(plan_b.cluster, calibration)
     twin_of = _twins(changed, gpus_a, gpus_b)
     sides: dict[str, tuple[Replicas, Replicas]] = {
         e.model_stage: (_side(entries_a[e.model_stage]), _side(e)) for e in changed_b if e.model_stage not in twin_of
