@@ -4,9 +4,10 @@ One gloo world of 2 CPU ranks (one thread each), dp=2 (tp=1, pp=1), bf16 with fp
 (the run's training precision) unless --dtype says otherwise. For each model (the `tiny`
 preset and a ~100M-parameter decoder, memory_parity.py's), both engines are built on the
 same seed and their `train_step` (zero_grad, forward and backward, gradient reduction, AdamW)
-timed alternately, step by step, so load on the shared machine falls on both alike. Reports
+timed alternately, step by step, so load on the shared machine falls on all alike. Reports
 each engine's median step, the ratio new / old (target: at most 1.1) and each engine's state
-bytes per rank. Writes benchmarks/results/full_shard_step.json.
+bytes per rank; a third engine, FSDP2 with reshard_after_forward=False, is timed beside them.
+Writes benchmarks/results/full_shard_step.json.
 
     .venv/bin/python benchmarks/full_shard_step.py [--models tiny,decoder-100m] [--iters 7]
 """
@@ -34,7 +35,11 @@ from nereus.spec.presets import MODELS
 
 RESULTS = Path(__file__).resolve().parent / "results" / "full_shard_step.json"
 TARGET = 1.1
-ENGINES = ("replicated", "full_shard")
+#: The replicated engine (hand-written bucketed all-reduce), full sharding (FSDP2,
+#: reshard_after_forward=True) and FSDP2 keeping each Block gathered from its forward to its
+#: backward (reshard_after_forward=False, ZeRO-2-like in flight): the measurement behind
+#: keeping the replicated engine for `full_shard: false`.
+ENGINES = ("replicated", "full_shard", "fsdp_keep_gathered")
 
 
 def models() -> dict[str, Model]:
@@ -50,9 +55,12 @@ def time_steps(rank: int, world: int, args: argparse.Namespace) -> list[dict[str
         model = models()[name]
         engines = {}
         for engine_name in ENGINES:
-            config = EngineConfig(AdamWConfig(), precision=precision, full_shard=engine_name == "full_shard")
+            config = EngineConfig(AdamWConfig(), precision=precision, full_shard=engine_name != "replicated")
             made = Engine.create(model, "lm", layout, config)
             assert made is not None
+            if engine_name == "fsdp_keep_gathered":
+                for unit in (*made.pipeline_stage.layers.values(), made.pipeline_stage):
+                    unit.set_reshard_after_forward(False)  # type: ignore[operator]
             engines[engine_name] = made
         generator = torch.Generator().manual_seed(0)
         batch = Batch(torch.randint(0, model.vocab_size, (args.rows, args.seq), generator=generator))
@@ -72,6 +80,7 @@ def time_steps(rank: int, world: int, args: argparse.Namespace) -> list[dict[str
                 "rank": rank,
                 "median_step_s": medians,
                 "ratio": medians["full_shard"] / medians["replicated"],
+                "keep_gathered_ratio": medians["fsdp_keep_gathered"] / medians["replicated"],
                 "state_bytes": {engine_name: e.state_bytes() for engine_name, e in engines.items()},
                 "times_s": times,
             }
@@ -91,10 +100,14 @@ def main() -> None:
     args = parser.parse_args()
     started = begin()
     rows = [row for per_rank in spawn(time_steps, 2, args) for row in per_rank]
-    print(f"{'model':14} rank {'replicated s':>13} {'full_shard s':>13} {'ratio':>6}")
+    header = f"{'model':14} rank {'replicated s':>13} {'full_shard s':>13} {'ratio':>6}"
+    print(f"{header} {'keep-gathered s':>16} {'ratio':>6}")
     for row in rows:
         m = row["median_step_s"]
-        print(f"{row['model']:14} {row['rank']:4} {m['replicated']:13.4f} {m['full_shard']:13.4f} {row['ratio']:6.2f}")
+        print(
+            f"{row['model']:14} {row['rank']:4} {m['replicated']:13.4f} {m['full_shard']:13.4f} {row['ratio']:6.2f} "
+            f"{m['fsdp_keep_gathered']:16.4f} {row['keep_gathered_ratio']:6.2f}"
+        )
     payload = {
         "target_ratio": TARGET,
         "ranks": 2,
