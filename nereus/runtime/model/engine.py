@@ -303,7 +303,7 @@ class Engine:
         all-gathered whole (a copy; collective over dp)."""
         if self.full_shard:
             placed: dict[str, Any] = {name: param.detach() for name, param in self.params.items()}
-            return {state_key("param", name): param.full_tensor().to(self.dtype) for name, param in placed.items()}
+            return {state_key("param", name): param.full_tensor() for name, param in placed.items()}
         return {state_key("param", name): param.detach() for name, param in self.params.items()}
 
     def state_bytes(self) -> dict[str, int]:
@@ -408,7 +408,7 @@ class Engine:
     def update(self) -> None:
         """One AdamW step on every shard (after forward_backward); under ZeRO-1 each replica
         steps its rows and the updated weights are all-gathered; under full sharding each
-        steps its rows of the (master) parameters, which FSDP2 gathers at the next forward."""
+        steps its rows (the masters', rounded into FSDP2's), which FSDP2 gathers at the next forward."""
         if self.full_shard:
             self.optimizer.step((n, local(p.grad), local(p)) for n, p in self.params.items() if p.grad is not None)
         elif not self.zero1:
