@@ -9,7 +9,7 @@ each engine's median step, the ratio new / old (target: at most 1.1) and each en
 bytes per rank; a third engine, FSDP2 with reshard_after_forward=False, is timed beside them.
 Writes benchmarks/results/full_shard_step.json.
 
-    .venv/bin/python benchmarks/full_shard_step.py [--models tiny,decoder-100m] [--iters 7]
+    .venv/bin/python benchmarks/full_shard_step.py [--models tiny,decoder-100m] [--engines ...] [--iters 7]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def time_steps(rank: int, world: int, args: argparse.Namespace) -> list[dict[str
     for name in args.models.split(","):
         model = models()[name]
         engines = {}
-        for engine_name in ENGINES:
+        for engine_name in args.engines.split(","):
             config = EngineConfig(AdamWConfig(), precision=precision, full_shard=engine_name != "replicated")
             made = Engine.create(model, "lm", layout, config)
             assert made is not None
@@ -64,7 +64,7 @@ def time_steps(rank: int, world: int, args: argparse.Namespace) -> list[dict[str
             engines[engine_name] = made
         generator = torch.Generator().manual_seed(0)
         batch = Batch(torch.randint(0, model.vocab_size, (args.rows, args.seq), generator=generator))
-        times: dict[str, list[float]] = {engine_name: [] for engine_name in ENGINES}
+        times: dict[str, list[float]] = {engine_name: [] for engine_name in engines}
         for step in range(args.warmup + args.iters):
             for engine_name, engine in engines.items():  # alternated, step by step
                 torch.distributed.barrier()
@@ -79,8 +79,7 @@ def time_steps(rank: int, world: int, args: argparse.Namespace) -> list[dict[str
                 "model": name,
                 "rank": rank,
                 "median_step_s": medians,
-                "ratio": medians["full_shard"] / medians["replicated"],
-                "keep_gathered_ratio": medians["fsdp_keep_gathered"] / medians["replicated"],
+                "ratios": {e: medians[e] / medians["replicated"] for e in medians if e != "replicated"},
                 "state_bytes": {engine_name: e.state_bytes() for engine_name, e in engines.items()},
                 "times_s": times,
             }
@@ -96,29 +95,32 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64, help="Tokens per sequence.")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=7)
+    parser.add_argument(
+        "--engines", default=",".join(ENGINES), help=f"Comma-separated, replicated first: {', '.join(ENGINES)}."
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
+    unknown = sorted(set(args.engines.split(",")) - set(ENGINES)) + sorted(set(args.models.split(",")) - set(models()))
+    if unknown or "replicated" not in args.engines.split(","):
+        parser.error(f"unknown engines or models {unknown}, or no replicated engine to compare with")
     started = begin()
     rows = [row for per_rank in spawn(time_steps, 2, args) for row in per_rank]
-    header = f"{'model':14} rank {'replicated s':>13} {'full_shard s':>13} {'ratio':>6}"
-    print(f"{header} {'keep-gathered s':>16} {'ratio':>6}")
     for row in rows:
-        m = row["median_step_s"]
-        print(
-            f"{row['model']:14} {row['rank']:4} {m['replicated']:13.4f} {m['full_shard']:13.4f} {row['ratio']:6.2f} "
-            f"{m['fsdp_keep_gathered']:16.4f} {row['keep_gathered_ratio']:6.2f}"
-        )
+        steps = ", ".join(f"{e} {s:.4f} s" for e, s in row["median_step_s"].items())
+        ratios = ", ".join(f"{e} {r:.2f}x" for e, r in row["ratios"].items())
+        print(f"{row['model']:14} rank {row['rank']}: {steps}; against replicated: {ratios}")
     payload = {
         "target_ratio": TARGET,
         "ranks": 2,
         "threads_per_rank": 1,
         "layout": {"tp": 1, "pp": 1, "dp": 2},
+        "engines": args.engines.split(","),
         "dtype": args.dtype,
         "rows_per_batch": args.rows,
         "seq": args.seq,
         "rows": [{k: v for k, v in row.items() if k != "times_s"} for row in rows],
     }
-    repetitions = {f"{row['model']}/rank{row['rank']}/{e}_s": row["times_s"][e] for row in rows for e in ENGINES}
+    repetitions = {f"{row['model']}/rank{row['rank']}/{e}_s": t for row in rows for e, t in row["times_s"].items()}
     write_result(args.output, payload, started, repetitions=repetitions)
 
 
