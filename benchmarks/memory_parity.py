@@ -4,7 +4,8 @@ GRPO plans on two CPU ranks shaped like the example plans (actor generation, inf
 training, the reference; a rule reward) with the actor scaled to a ~100M-parameter decoder
 (so model bytes dominate the peak): bf16 and fp32, colocated (every model-stage on both
 ranks, training dp=2) and split (generation and inference on rank 0, training on rank 1),
-colocated with and without `optimizer.shard_across_dp`. Each case is one `nereus run` step
+colocated with and without `optimizer.shard_across_dp`, and colocated with the actor's
+training and inference fully sharded (`full_shard`, FSDP2). Each case is one `nereus run` step
 (the library's `new_run` + `launch`); metrics.jsonl then holds, per rank and model-stage,
 `memory_peak_bytes_by_stage` (CPU: peak resident set above the idle rank, less the state
 arena's free room; docs/memory.md) and the cost model's `predicted_memory_peak_bytes_by_stage`.
@@ -44,7 +45,15 @@ MODEL = {
     "qkv_bias": False,
     "qk_norm": False,
 }
-CASES = ("colocated-fp32", "colocated-bf16", "colocated-fp32-zero1", "colocated-bf16-zero1", "split-fp32", "split-bf16")
+CASES = (
+    "colocated-fp32",
+    "colocated-bf16",
+    "colocated-fp32-zero1",
+    "colocated-bf16-zero1",
+    "split-fp32",
+    "split-bf16",
+    *(FULL_SHARD_CASES := ("colocated-fp32-fullshard", "colocated-bf16-fullshard")),
+)
 MAX_NEW_TOKENS = 4
 #: Steps per case; the last is compared: from the second step on, the AdamW moments and the
 #: previous update's gradients exist, as the cost model's resident terms assume.
@@ -111,6 +120,16 @@ def plan_document(case: str) -> dict[str, Any]:
     }
 
 
+def full_shard_plan(case: str) -> dict[str, Any]:
+    """A colocated case with the actor's training and inference fully sharded over its two
+    replicas (FSDP2; on CPU ranks, so the device bytes are the host's)."""
+    document = plan_document(case.removesuffix("-fullshard"))
+    for entry in document["stages"]:
+        if entry["model_stage"] in (ACTOR_TRAINING, ACTOR_INFERENCE):
+            entry["full_shard"] = True
+    return document
+
+
 def run_case(case: str, root: Path) -> list[dict[str, Any]]:
     """One RL step of `case`; a row per (model-stage, rank) with measured and predicted peaks."""
     from nereus.runtime.run.launch import launch
@@ -119,7 +138,8 @@ def run_case(case: str, root: Path) -> list[dict[str, Any]]:
 
     folder = root / case
     folder.mkdir()
-    (folder / "plan.yaml").write_text(yaml.safe_dump(plan_document(case)))
+    document = full_shard_plan(case) if case in FULL_SHARD_CASES else plan_document(case)
+    (folder / "plan.yaml").write_text(yaml.safe_dump(document))
     config = {
         "kind": "RunConfig",
         "version": 1,

@@ -81,7 +81,16 @@ MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
         "model-stages leave, and the runtime's replanner prices generation in that pool "
         "(`nereus.cost.fit.engineless_stages`)",
     ),
-    "full_shard": ChoiceSupport(False, False, "full sharding", "--full-shard", "off", lambda e: e.full_shard),
+    "full_shard": ChoiceSupport(
+        True,
+        False,
+        "full sharding",
+        "--full-shard",
+        "off",
+        lambda e: e.full_shard,
+        "executed on FSDP2 (`nereus.runtime.model.engine`); the runtime's own planner, the controller's "
+        "replanning and its memory parity rows are measured without it so far",
+    ),
 }
 
 #: Workload dtypes the runtime computes in, with the torch dtype of each (16-bit weights keep

@@ -55,6 +55,11 @@ class StagePlan(StrictModel):
     offload: bool = False
     """Between its runs, this model-stage's resident states sleep in host memory (moved out
     and back over the cluster's host link every step)."""
+    train_offload: Literal["none", "optimizer", "params"] = "none"
+    """Training only: `optimizer` keeps AdamW state and fp32 master weights (and the gradients as they
+    arrive) in host memory and runs the optimizer step on the host (DeepSpeed's ZeRO-Offload); `params`
+    also keeps the parameter shards there, copied in per layer for forward and backward (FSDP2's
+    CPUOffloadPolicy); `none`: everything on the GPU."""
     kv_budget_bytes: int | None = Field(default=None, gt=0)
     """Generation only: KV-cache bytes per GPU the engine batches continuously into; None:
     room for every sample of a replica at the maximum length at once."""

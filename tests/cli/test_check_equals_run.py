@@ -113,7 +113,7 @@ CASES = [
     Case("rank-memory-too-small", False, {"rl": {"task": "sort", "rank_memory_bytes": 1000}}),
     Case("offload", False, plan=set_stage("actor/training", offload=True)),
     Case("recompute", False, plan=set_stage("critic/training", recompute="full")),
-    Case("full-shard", False, plan=set_stage("actor/training", full_shard=True)),
+    Case("full-shard", True, plan=set_stage("actor/training", full_shard=True)),
     Case("zero1", True, plan=set_stage("actor/training", zero1=True)),
     Case("kv-budget", True, plan=set_stage("actor/generation", kv_budget_bytes=1 << 30)),
     Case("kv-budget-below-one-sequence", False, plan=set_stage("actor/generation", kv_budget_bytes=1000)),

@@ -233,11 +233,18 @@ def restored_actor_params(rank: int, world_size: int, setup: Any) -> dict[str, A
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_zero1_checkpoint_resumes_exactly_onto_any_layout_and_exports(tmp_path: Path) -> None:
-    """critic/training runs ZeRO-1 over dp=2: its AdamW moments are saved as each replica's rows
-    and the index says so. The checkpoint resumes on the same layout (the run continues exactly
-    as an uninterrupted one), restores bitwise onto the same ranks and onto 1 rank without ZeRO-1,
-    and the export reads its weights whole."""
+@pytest.mark.parametrize(
+    ("choice", "split_families"),
+    [("zero1", ["exp_avg", "exp_avg_sq"]), ("full_shard", ["exp_avg", "exp_avg_sq", "grad", "param"])],
+)
+def test_a_dp_sharded_checkpoint_resumes_exactly_onto_any_layout_and_exports(
+    tmp_path: Path, choice: str, split_families: list[str]
+) -> None:
+    """critic/training runs ZeRO-1 (its AdamW moments split) or full sharding on FSDP2 (every
+    family split) over dp=2: the split families are saved as each replica's rows and the index
+    says so. The checkpoint resumes on the same layout (the run continues exactly as an
+    uninterrupted one), restores bitwise onto the same ranks and onto 1 rank without the
+    choice, and the export reads its weights whole."""
     from nereus.runtime.comm.spawn import spawn
     from nereus.runtime.hf.export import whole_params
     from nereus.runtime.run.resolve import resume_run
@@ -245,11 +252,11 @@ def test_a_zero1_checkpoint_resumes_exactly_onto_any_layout_and_exports(tmp_path
     from nereus.runtime.state.shard_layout import RankLayout
     from nereus.spec.stages import CRITIC_TRAINING
 
-    def zero1_run(folder: Path, num_steps: int) -> Path:
+    def sharded_run(folder: Path, num_steps: int) -> Path:
         folder.mkdir()
         config = write_config(folder, checkpoint_every=1, num_steps=num_steps)
         plan = yaml.safe_load((folder / "plan.yaml").read_text())
-        next(s for s in plan["stages"] if s["model_stage"] == CRITIC_TRAINING)["zero1"] = True
+        next(s for s in plan["stages"] if s["model_stage"] == CRITIC_TRAINING)[choice] = True
         (folder / "plan.yaml").write_text(yaml.safe_dump(plan))
         result = invoke("run", config, "--out", folder / "out")
         assert result.exit_code == 0, result.output
@@ -258,10 +265,11 @@ def test_a_zero1_checkpoint_resumes_exactly_onto_any_layout_and_exports(tmp_path
     def whole(checkpoint: Path) -> dict[str, Any]:
         return load_checkpoint(checkpoint, RankLayout(1, 1, 1, (0,)), 0).tensors
 
-    split, uninterrupted = zero1_run(tmp_path / "split", 1), zero1_run(tmp_path / "whole", 2)
+    split, uninterrupted = sharded_run(tmp_path / "split", 1), sharded_run(tmp_path / "whole", 2)
     first = split / "checkpoints" / "step-000001"
     index = verify_checkpoint(first / "critic")
-    assert index.dp == 2 and index.dp_sharded == ["exp_avg", "exp_avg_sq"]
+    saved_split = [family for family in split_families if family != "grad"]  # gradients are not saved
+    assert index.dp == 2 and index.dp_sharded == saved_split
     saved = whole(first / "critic")
     assert {key.partition("/")[0] for key in saved} >= {"param", "exp_avg", "exp_avg_sq"}
     exported = whole_params(first / "critic")
@@ -277,12 +285,12 @@ def test_a_zero1_checkpoint_resumes_exactly_onto_any_layout_and_exports(tmp_path
         ours, theirs = (whole(out / "checkpoints" / "step-000002" / role) for out in (split, uninterrupted))
         assert ours.keys() == theirs.keys() and all(torch_equal(ours[k], theirs[k]) for k in ours), role
 
-    # (b) the step-1 state restored onto the ZeRO-1 ranks and onto 1 rank: each rank's shard, bitwise.
+    # (b) the step-1 state restored onto the sharded ranks and onto 1 rank: each rank's shard, bitwise.
     for ranks in (2, 1):
         setup = resume_run(split, num_ranks=ranks, num_steps=3)
         setup = type(setup)(**{**setup.__dict__, "checkpoint": first, "start_step": 1})
         for rank, (sharded, local, boxes) in enumerate(spawn(restored_critic_state, ranks, setup)):
-            assert sharded == (["exp_avg", "exp_avg_sq"] if ranks == 2 else []), sharded
+            assert sharded == (split_families if ranks == 2 else []), sharded
             for key, tensor in local.items():
                 if key in saved:
                     assert torch_equal(tensor, saved[key][box_slices(boxes[key])]), (ranks, rank, key)
@@ -666,7 +674,6 @@ def test_the_closing_summary_keeps_long_paths_on_one_line(capsys: pytest.Capture
     [
         ({"offload": True}, "--offload off"),
         ({"recompute": "full"}, "--recompute none"),
-        ({"full_shard": True}, "--full-shard off"),
     ],
 )
 def test_a_plan_with_a_choice_the_runtime_lacks_is_refused(tmp_path: Path, choice: dict, pin: str) -> None:

@@ -3,7 +3,8 @@ scaling), Qwen2 (qkv bias, tied embeddings), Qwen3 (q/k norm, wide heads) and Mi
 sliding window; a GELU gate) models, each with GQA, are made and saved by `transformers`
 itself, loaded by nereus into every layout with tp * pp <= 4 the model admits, and compared
 with `AutoModelForCausalLM`: logits within 1e-5 (fp32) and greedy generations
-token-identical. Perturbing RoPE theta, RMSNorm eps or the qkv bias breaks the agreement
+token-identical; so are the layouts with tp * pp <= 2 on dp=2 fully sharded (FSDP2).
+Perturbing RoPE theta, RMSNorm eps or the qkv bias breaks the agreement
 (so the comparison can fail)."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from hf_helpers import save_random_model  # noqa: E402
 from nereus.runtime.comm.spawn import spawn  # noqa: E402
 from nereus.runtime.generation.generate import SamplingConfig, generate  # noqa: E402
 from nereus.runtime.hf.load import load_engine, read_logical  # noqa: E402
-from nereus.runtime.model.engine import Engine  # noqa: E402
+from nereus.runtime.model.engine import Engine, EngineConfig  # noqa: E402
 from nereus.runtime.model.parallel_groups import admissible_layouts  # noqa: E402
 from nereus.runtime.model.transformer import Batch, ReferenceModel  # noqa: E402
 from nereus.runtime.state.shard_layout import RankLayout  # noqa: E402
@@ -101,17 +102,19 @@ def world_worker(rank: int, world: int, cases: dict[str, tuple[Path, dict[str, t
     results: dict[str, Any] = {}
     for name, (folder, expected) in cases.items():
         model = model_from_hf_config(folder)
-        for tp, pp, _ in admissible_layouts(model, WORLD):
-            if _ > 1:
+        for tp, pp, dp in admissible_layouts(model, WORLD):
+            full_shard = dp == 2 and tp * pp <= 2
+            if dp > 1 and not full_shard:
                 continue
-            engine = Engine.create(model, "lm", RankLayout(tp, pp, 1, tuple(range(tp * pp))))
+            layout = RankLayout(tp, pp, dp, tuple(range(tp * pp * dp)))
+            engine = Engine.create(model, "lm", layout, EngineConfig(full_shard=full_shard))
             if engine is None:
                 continue
             assert load_engine(engine, folder) == []
             logits = engine.logits(Batch(tokens, mask), num_microbatches=2 if pp > 1 else 1)
             prompts = tokens[:, 4:].tolist()
             sampled = generate(engine, prompts, SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=0.0))
-            results[f"{name} tp={tp} pp={pp}"] = {
+            results[f"{name} tp={tp} pp={pp}{' dp=2 full_shard' if full_shard else ''}"] = {
                 "logits": _masked_error(logits, expected["logits"], mask),
                 "generated": sampled.responses() == expected["generated"].tolist(),
             }
@@ -139,6 +142,7 @@ def test_every_layout_computes_what_transformers_computes(cases: dict[str, Any])
             results.setdefault(key, []).append(value)
     expected_layouts = {(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (1, 4)}
     layouts = {f"{n} tp={tp} pp={pp}" for n in CONFIGS for tp, pp in expected_layouts}
+    layouts |= {f"{n} tp={tp} pp={pp} dp=2 full_shard" for n in CONFIGS for tp, pp in ((1, 1), (2, 1), (1, 2))}
     assert set(results) == layouts | {f"{n} critic" for n in CONFIGS}
     for key in set(results) - layouts:
         assert all(results.pop(key)), key

@@ -6,6 +6,11 @@ exactly the parameters `shard_layout.holds` assigns to stage s, each the box
 `local_box(..., r)` of the whole tensor, so `local_state()` / `load_local_state()` speak
 the sharding contract the resharder and the checkpointer use.
 
+Under full sharding (`EngineConfig.full_shard`, dp > 1) torch's FSDP2 holds the parameters:
+`fully_shard` per Block and on the stage over the dp mesh, every family (working weights,
+gradients, fp32 masters, moments) split along its first dimension as the DTensors' `Shard(0)`
+places it, which is `sharded_state.dp_rows`.
+
 A training step: the global batch is split as evenly as possible over the replicas and each replica's
 rows into micro-batches; the pipeline executor runs them (1F1B or a given schedule); the
 loss is normalised by the global batch's loss weight so that summing gradients over
@@ -80,6 +85,10 @@ class EngineConfig:
     """ZeRO-1: each replica keeps only its rows (`sharded_state.dp_rows`) of the fp32 masters
     and AdamW moments; gradients are reduce-scattered, each replica steps its rows, and the
     updated weights are all-gathered."""
+    full_shard: bool = False
+    """Full sharding (ZeRO-3) on FSDP2: parameters, gradients and optimizer state each held in
+    this replica's rows, the parameters all-gathered per Block for its forward and backward
+    and freed after (`reshard_after_forward`). Supersedes `shard_across_dp`."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +121,8 @@ class Engine:
         self.counted_params = counted_params(model, head, groups, self.params)
         """The parameters whose gradient this rank counts in the global norm (`grad_norm`)."""
         self.dtype = config.precision.torch_dtype
-        self.zero1 = config.shard_across_dp and layout.dp > 1
+        self.full_shard = config.full_shard and layout.dp > 1
+        self.zero1 = config.shard_across_dp and layout.dp > 1 and not self.full_shard
         with torch.no_grad():
             for info in param_infos(model, head):
                 if info.name in self.params and (config.init_only is None or info.name in config.init_only):
@@ -121,10 +131,13 @@ class Engine:
             # fp32 masters take the initial values before the parameters are rounded to 16 bits.
             masters = {}
             if config.precision.has_masters:
-                masters = {n: self._fp32_copy(self.mine(n, p)) for n, p in self.params.items()}
-            for param in self.params.values():
-                # peers reshard straight out of the arena (CPU, with an arena)
-                param.data = arena.adopt(param.data.to(self.dtype))
+                masters = {n: self._fp32_copy(self.mine(p)) for n, p in self.params.items()}
+            if self.full_shard:
+                self._shard_fully()
+            else:
+                for param in self.params.values():
+                    # peers reshard straight out of the arena (CPU, with an arena)
+                    param.data = arena.adopt(param.data.to(self.dtype))
         self.optimizer = AdamW(self.params, config.optimizer, masters)
         self.executor = PipelineExecutor(groups.link, self.dtype, self.device)
 
@@ -134,11 +147,42 @@ class Engine:
         problem = layout_problem(model, layout.tp, layout.pp)
         if problem:
             raise ValueError(f"layout tp={layout.tp} pp={layout.pp}: {problem}")
+        config = config or EngineConfig()
+        if config.full_shard and layout.dp > 1:
+            _check_replica_order(layout)
         world = dist.get_world_size()
         if not all(0 <= rank < world for rank in layout.ranks):
             raise ValueError(f"layout ranks {layout.ranks} are not all ranks of this {world}-rank world")
         groups = build_groups(model, head, layout)
-        return None if groups is None else cls(model, head, groups, config or EngineConfig())
+        return None if groups is None else cls(model, head, groups, config)
+
+    def _shard_fully(self) -> None:
+        """Hand the stage to FSDP2 over this rank's dp mesh: each Block its own unit (gathered
+        for its forward and backward, resharded after), the stage's other parameters the root's.
+        FSDP2 holds the working weights (the engine's dtype; the fp32 masters of this replica's
+        rows stay with AdamW, as under ZeRO-1); gradients are summed over the replicas (the
+        loss is normalised globally) in the precision's reduction dtype and held in the
+        engine's, by a plain SUM: gloo has no PREMUL_SUM, so no divide factor is passed."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+        g = self.groups
+        for param in self.params.values():
+            param.data = param.data.to(self.dtype)
+        mixed = MixedPrecisionPolicy(reduce_dtype=self.config.precision.reduce_dtype)
+        mesh = DeviceMesh.from_group(g.dp_group, self.device.type)
+        units = [*self.pipeline_stage.layers.values(), self.pipeline_stage]
+        for unit in units:
+            fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=mixed)
+        for block in self.pipeline_stage.layers.values():
+            register_fsdp_forward_method(block, "forward")  # the stage calls `block.forward`, not the module
+        for unit in units:
+            unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+            unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+        self.params = dict(self.pipeline_stage.named_parameters())
+        for name, param in self.params.items():
+            # The rows FSDP2 gave this rank, read off the DTensor's placement, are the contract's.
+            assert placed_rows(param) == dp_rows(param.shape[0], g.layout.dp, g.replica), name
 
     def _check_contract(self) -> None:
         layout, g = self.groups.layout, self.groups
@@ -152,21 +196,25 @@ class Engine:
 
     # ---- state (the sharding contract) ----
 
-    def rows(self, name: str, tensor: torch.Tensor, replica: int) -> torch.Tensor:
-        """`replica`'s ZeRO-1 rows of a tensor shaped like parameter `name` (all of it
-        without ZeRO-1, or when the tensor has fewer rows than dp)."""
-        span = dp_rows(tensor.shape[0], self.groups.layout.dp, replica) if self.zero1 else None
-        return tensor if span is None else tensor[span[0] : span[0] + span[1]]
+    def rows(self, tensor: torch.Tensor, replica: int) -> torch.Tensor:
+        """`replica`'s rows (`dp_rows`) of a tensor shaped like a parameter of this shard
+        (all of it when the engine splits nothing across dp)."""
+        if not (self.zero1 or self.full_shard):
+            return tensor
+        offset, count = dp_rows(tensor.shape[0], self.groups.layout.dp, replica)
+        return tensor[offset : offset + count]
 
-    def mine(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def mine(self, tensor: torch.Tensor) -> torch.Tensor:
         """This replica's rows of `tensor` (`rows`)."""
-        return self.rows(name, tensor, self.groups.replica)
+        return self.rows(tensor, self.groups.replica)
 
     def _state_shape(self, family: str, name: str) -> tuple[int, ...]:
-        """The shape of `family/name` in this rank's state: the ZeRO-1 rows of a sharded family."""
+        """The shape of `family/name` in this rank's state: this replica's rows of a split family."""
         param = self.params[name]
+        if self.full_shard:
+            return tuple(local(param).shape)
         sharded = family in ("exp_avg", "exp_avg_sq") or (family == "param" and bool(self.optimizer.masters))
-        return tuple(self.mine(name, param).shape) if sharded else tuple(param.shape)
+        return tuple(self.mine(param).shape) if sharded else tuple(param.shape)
 
     @property
     def optimizer_step(self) -> int:
@@ -179,9 +227,9 @@ class Engine:
         state: dict[str, torch.Tensor] = {}
         masters = self.optimizer.masters
         for name, param in self.params.items():
-            state[state_key("param", name)] = masters[name] if name in masters else param.detach()
+            state[state_key("param", name)] = masters[name] if name in masters else local(param.detach())
             if param.grad is not None:
-                state[state_key("grad", name)] = param.grad
+                state[state_key("grad", name)] = local(param.grad)
             if name in self.optimizer.exp_avg:
                 state[state_key("exp_avg", name)] = self.optimizer.exp_avg[name]
                 state[state_key("exp_avg_sq", name)] = self.optimizer.exp_avg_sq[name]
@@ -197,7 +245,7 @@ class Engine:
                 raise ValueError(f"state key {key!r} is not a {'/'.join(STATE_FAMILIES)} tensor of this rank's shard")
             shape, whole = self._state_shape(family, name), tuple(self.params[name].shape)
             if shape != whole and tuple(tensor.shape) == whole:
-                tensor = self.mine(name, tensor)  # a whole replica's state: keep this replica's rows
+                tensor = self.mine(tensor)  # a whole replica's state: keep this replica's rows
             elif tuple(tensor.shape) != shape:
                 raise ValueError(f"state {key!r} has shape {tuple(tensor.shape)}, this shard holds {shape}")
             by_family[family][name] = tensor
@@ -213,7 +261,10 @@ class Engine:
             for name, param in self.params.items():
                 self.set_param(name, by_family["param"][name])
                 grad = by_family["grad"].get(name)
-                param.grad = None if grad is None else grad.detach().to(param.device, param.dtype).clone()
+                param.grad = None
+                if grad is not None:
+                    param.grad = torch.zeros_like(param)  # a DTensor placed as the parameter, under full sharding
+                    local(param.grad).copy_(grad)
         self.optimizer.exp_avg = {n: self._fp32_copy(t) for n, t in by_family["exp_avg"].items()}
         self.optimizer.exp_avg_sq = {n: self._fp32_copy(t) for n, t in by_family["exp_avg_sq"].items()}
         self.optimizer.step_count = step
@@ -231,18 +282,28 @@ class Engine:
         from this replica's master rows (then collective: `load_local_state` all-gathers)."""
         master = self.optimizer.masters.get(name)
         param = self.params[name]
-        if master is None:
+        if self.full_shard:
+            held = local(param)
+            rows = value if value.shape == held.shape else self.mine(value)
+            if master is not None:
+                master.copy_(rows)
+            held.copy_(rows)
+        elif master is None:
             param.copy_(value)
         elif value.shape == master.shape and master.shape != param.shape:
             master.copy_(value)
-            self.mine(name, param).copy_(master)
+            self.mine(param).copy_(master)
         else:
-            master.copy_(self.mine(name, value))
+            master.copy_(self.mine(value))
             param.copy_(value)
 
     def weights(self) -> dict[str, torch.Tensor]:
         """The live working parameters (in the engine's dtype), keyed `param/name`: what a
-        weight sync sends (the masters stay with the trainer)."""
+        weight sync sends (the masters stay with the trainer). Under full sharding each is
+        all-gathered whole (a copy; collective over dp)."""
+        if self.full_shard:
+            placed: dict[str, Any] = {name: param.detach() for name, param in self.params.items()}
+            return {state_key("param", name): param.full_tensor() for name, param in placed.items()}
         return {state_key("param", name): param.detach() for name, param in self.params.items()}
 
     def state_bytes(self) -> dict[str, int]:
@@ -254,8 +315,8 @@ class Engine:
 
         optimizer = sum(nbytes(family.values()) for family in self.optimizer.state_tensors().values())
         return {
-            "parameters": nbytes(self.params.values()),
-            "gradients": nbytes(p.grad for p in self.params.values()),
+            "parameters": nbytes(local(p) for p in self.params.values()),
+            "gradients": nbytes(local(p.grad) for p in self.params.values() if p.grad is not None),
             "optimizer": optimizer,
         }
 
@@ -336,7 +397,7 @@ class Engine:
         self._sync_grads()
         for name, grad in job.earlier_grads.items():
             if grad is not None:
-                self.params[name].grad.add_(grad)  # type: ignore[union-attr]
+                local(self.params[name].grad).add_(local(grad))  # type: ignore[arg-type]
         loss = torch.zeros((), device=self.device)
         if self.pipeline_stage.is_last:
             loss = torch.stack(list(outputs.values())).sum()
@@ -346,13 +407,16 @@ class Engine:
 
     def update(self) -> None:
         """One AdamW step on every shard (after forward_backward); under ZeRO-1 each replica
-        steps its rows and the updated weights are all-gathered."""
-        if not self.zero1:
+        steps its rows and the updated weights are all-gathered; under full sharding each
+        steps its rows (the masters', rounded into FSDP2's), which FSDP2 gathers at the next forward."""
+        if self.full_shard:
+            self.optimizer.step((n, local(p.grad), local(p)) for n, p in self.params.items() if p.grad is not None)
+        elif not self.zero1:
             self.optimizer.step()
-            return
-        grads = ((n, p.grad, p.data) for n, p in self.params.items() if p.grad is not None)
-        self.optimizer.step((n, self.mine(n, g), self.mine(n, data)) for n, g, data in grads)
-        self._gather_params()
+        else:
+            grads = ((n, p.grad, p.data) for n, p in self.params.items() if p.grad is not None)
+            self.optimizer.step((n, self.mine(g), self.mine(data)) for n, g, data in grads)
+            self._gather_params()
 
     def _gather_params(self) -> None:
         """Every replica's updated rows of every sharded weight onto every replica (collective over dp)."""
@@ -362,25 +426,21 @@ class Engine:
     def _all_gather_rows(self, whole: Mapping[str, torch.Tensor]) -> None:
         """Fill the other replicas' rows of parameter-shaped tensors whose own rows are set
         (collective over dp; one dtype per call, buckets of GRAD_BUCKET_ELEMENTS)."""
-        for bucket in buckets(self._replica_pieces(whole, sharded=True)):
+        for bucket in buckets(self._replica_pieces(whole)):
             all_gather_rows(bucket, self.groups.dp_group, self.groups.replica, self.device)
 
-    def _replica_pieces(self, tensors: Mapping[str, torch.Tensor], sharded: bool) -> list[Piece]:
-        """The row blocks (`row_pieces`) of the ZeRO-1 sharded tensors of `tensors` (`sharded`,
-        each replica's rows) or of the tensors kept whole (one view each)."""
+    def _replica_pieces(self, tensors: Mapping[str, torch.Tensor]) -> list[Piece]:
+        """The row blocks (`row_pieces`) of `tensors`, each replica's rows of each tensor."""
         dp = self.groups.layout.dp
-        pieces = []
-        for name, tensor in tensors.items():
-            if (self.mine(name, tensor).shape != tensor.shape) == sharded:
-                views = [self.rows(name, tensor, d) for d in range(dp)] if sharded else [tensor]
-                pieces += row_pieces(views)
-        return pieces
+        return [piece for tensor in tensors.values() for piece in row_pieces([self.rows(tensor, d) for d in range(dp)])]
 
     def whole_state(self, families: Sequence[str]) -> dict[str, torch.Tensor]:
-        """`local_state()`'s `families` with every ZeRO-1 sharded tensor assembled whole (a
+        """`local_state()`'s `families` with every tensor split across dp assembled whole (a
         copy; collective over dp): the state of a self-contained replica, which a live
-        transition moves replica by replica. Without ZeRO-1, the live tensors."""
+        transition moves replica by replica. Without a split, the live tensors."""
         state = {k: t for k, t in self.local_state().items() if k.split("/")[0] in families}
+        if self.full_shard:  # each row block put back by its DTensor placement
+            return {key: self._placed(key.partition("/")[2], t).full_tensor() for key, t in state.items()}
         if not self.zero1:
             return state
         for family in families:
@@ -389,10 +449,37 @@ class Engine:
                 key = state_key(family, name)
                 if key in state and state[key].shape != param.shape:
                     whole[name] = torch.empty(param.shape, dtype=state[key].dtype, device=self.device)
-                    self.mine(name, whole[name]).copy_(state[key])
+                    self.mine(whole[name]).copy_(state[key])
             self._all_gather_rows(whole)
             state.update({state_key(family, name): tensor for name, tensor in whole.items()})
         return state
+
+    def _placed(self, name: str, rows: torch.Tensor) -> Any:
+        """This replica's `rows` of a tensor shaped like parameter `name`, as a DTensor placed
+        as the parameter is (full sharding)."""
+        from torch.distributed.tensor import DTensor
+
+        param: Any = self.params[name]
+        return DTensor.from_local(
+            rows, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+        )
+
+    def counted_grad(self, name: str) -> torch.Tensor | None:
+        """The piece of parameter `name`'s gradient this replica counts in the global norm:
+        its rows where the gradient is reduced only in them (ZeRO-1, full sharding), else all."""
+        grad = self.params[name].grad
+        if grad is None:
+            return None
+        return local(grad) if self.full_shard else self.mine(grad)
+
+    @property
+    def dp_split_grads(self) -> bool:
+        """Whether each replica holds the reduced gradient in its rows only (a norm sums over dp)."""
+        return self.zero1 or self.full_shard
+
+    def grads(self) -> list[torch.Tensor]:
+        """Every gradient this rank holds (its rows under full sharding), live."""
+        return [local(p.grad) for p in self.params.values() if p.grad is not None]
 
     def train_step(
         self,
@@ -422,17 +509,22 @@ class Engine:
         return self.pipeline_stage(inputs, mask, positions_from_mask(mask))
 
     def _sync_grads(self) -> None:
+        """Sum the gradients over tied copies and replicas (FSDP2 reduce-scattered them already
+        under full sharding; a tied embedding's rows are summed between its two stages)."""
         grads = [p.grad for p in self.params.values()]
         assert all(g is not None for g in grads), "every shard parameter takes part in the loss"
         if self.groups.embed_group is not None:
-            collectives.all_reduce(self.params["embed.weight"].grad, self.groups.embed_group)  # type: ignore[arg-type]
-        if self.groups.dp_group is None:
+            collectives.all_reduce(local(grads_of(self.params["embed.weight"])), self.groups.embed_group)
+        if self.groups.dp_group is None or self.full_shard:
             return
         held = {n: p.grad for n, p in self.params.items() if p.grad is not None}
         dtype = self.config.precision.reduce_dtype
-        for bucket in buckets(self._replica_pieces(held, sharded=False)):
-            all_reduce_bucket([piece[0] for piece in bucket], self.groups.dp_group, dtype)
-        for bucket in buckets(self._replica_pieces(held, sharded=True)):
+        if not self.zero1:
+            whole = [piece for grad in held.values() for piece in row_pieces([grad])]
+            for bucket in buckets(whole):
+                all_reduce_bucket([piece[0] for piece in bucket], self.groups.dp_group, dtype)
+            return
+        for bucket in buckets(self._replica_pieces(held)):
             reduce_scatter_bucket(bucket, self.groups.dp_group, self.groups.replica, dtype, self.device)
 
     def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -493,3 +585,39 @@ class Engine:
     def require_head(self, head: Head) -> None:
         if self.head != head:
             raise ValueError(f"this engine has a {self.head} head; the call needs a {head} head")
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter's or gradient's tensor on this rank: a DTensor's local rows (a view of what
+    FSDP2 holds), a plain tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def grads_of(param: torch.nn.Parameter) -> torch.Tensor:
+    """A parameter's gradient, which the caller knows is there."""
+    assert param.grad is not None
+    return param.grad
+
+
+def placed_rows(param: Any) -> tuple[int, int]:
+    """(offset, count) of the first-dimension rows of a DTensor this rank holds, as its
+    placements put them (`compute_local_shape_and_global_offset`, what DCP reads them by)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return (offset[0] if shape[0] else min(offset[0], param.shape[0])), shape[0]
+
+
+def _check_replica_order(layout: RankLayout) -> None:
+    """Full sharding places replica d's rows on the d-th rank of its dp group, whose ranks a
+    process group orders ascending: so the layout must list each position's replicas so."""
+    for stage in range(layout.pp):
+        for tp_rank in range(layout.tp):
+            ranks = [layout.rank_at(d, stage, tp_rank) for d in range(layout.dp)]
+            if ranks != sorted(ranks):
+                raise ValueError(
+                    f"full_shard: the replicas of stage {stage}, tensor rank {tp_rank} are on ranks {ranks}; "
+                    "list each model-stage's EMUs in ascending GPU order"
+                )

@@ -53,13 +53,10 @@ def global_grad_norm(engine: Engine) -> float:
     groups = engine.groups
     parts: list[torch.Tensor] = []
     for name in engine.counted_params:
-        grad = engine.params[name].grad
-        if grad is None:
-            continue
-        # Under ZeRO-1 a replica's gradient is reduced in its own rows only: each replica
-        # counts those, and a tensor kept whole (fewer rows than dp) on the first replica.
-        piece = engine.mine(name, grad)
-        if engine.zero1 and piece.shape == grad.shape and groups.replica != 0:
+        # Under ZeRO-1 and full sharding a replica's gradient is reduced in its own rows only:
+        # each replica counts those (`Engine.counted_grad`).
+        piece = engine.counted_grad(name)
+        if piece is None:
             continue
         # Slice by slice: the float64 copies stay bounded however large the tensor (an
         # embedding's whole-tensor copies would outgrow the model's own gradients).
@@ -67,7 +64,7 @@ def global_grad_norm(engine: Engine) -> float:
     total = torch.zeros((), dtype=torch.float64, device=engine.device)
     if parts:  # every slice's norm in float64 by one foreach call, then their squares summed
         total += torch.stack(torch._foreach_norm(parts, 2, dtype=torch.float64)).square().sum()
-    if engine.zero1:
+    if engine.dp_split_grads:
         collectives.all_reduce(total, groups.dp_group)
     # Tensor ranks first (each stage's total on each of its ranks), then across the stages.
     if groups.tp.group is not None:
@@ -84,6 +81,5 @@ def clip_grad_norm(engine: Engine, max_norm: float | None) -> float:
     if max_norm is not None and norm > max_norm:
         scale = max_norm / (norm + CLIP_EPS)
         with torch.no_grad():
-            grads = [param.grad for param in engine.params.values() if param.grad is not None]
-            torch._foreach_mul_(grads, scale)
+            torch._foreach_mul_(engine.grads(), scale)
     return norm

@@ -48,7 +48,7 @@ class ModelStageRuntime:
     dtypes: dict[str, str]
     """The dtype of each state family its engine holds (`sharded_state.state_dtypes`)."""
     dp_sharded: frozenset[str]
-    """The families its engine shards across dp (ZeRO-1; `sharded_state.stage_dp_sharded`)."""
+    """The families its engine shards across dp (ZeRO-1, full sharding; `sharded_state.stage_dp_sharded`)."""
 
     @property
     def compute_dtype(self) -> str:
@@ -76,7 +76,7 @@ def build_stages(plan: Plan, config: RLConfig) -> dict[str, ModelStageRuntime]:
         precision = stage_precision(plan.workload, entry.stage, config.grad_reduce_dtype)
         optimizer = AdamWConfig(lr=lr, eps=config.adam_eps)
         zero1 = shards_across_dp(plan.workload, entry)
-        engine_config = EngineConfig(optimizer, seed, init_only, precision, shard_across_dp=zero1)
+        engine_config = EngineConfig(optimizer, seed, init_only, precision, zero1, entry.full_shard)
         model = plan.model(plan.workload.model_name(role))
         head = head_of(role)
         layout = stage_layout(entry)

@@ -55,10 +55,13 @@ def state_dtypes(workload: Workload, stage: Stage) -> dict[str, str]:
     return {"param": param, "grad": compute, "exp_avg": DEFAULT_DTYPE, "exp_avg_sq": DEFAULT_DTYPE}
 
 
-def dp_sharded_families(workload: Workload, stage: Stage, zero1: bool) -> frozenset[str]:
-    """The families ZeRO-1 shards across a model-stage's dp replicas: the AdamW moments and
-    the fp32 masters (the `param` family where there are masters; the working weights stay
-    whole on every replica). Empty unless `zero1` and the stage trains."""
+def dp_sharded_families(workload: Workload, stage: Stage, zero1: bool, full_shard: bool = False) -> frozenset[str]:
+    """The families a model-stage's engine splits across its dp replicas. Full sharding
+    (FSDP2) splits every family; ZeRO-1 the AdamW moments and the fp32 masters (the `param`
+    family where there are masters; the working weights stay whole on every replica) of a
+    training stage. Empty otherwise."""
+    if full_shard:
+        return frozenset(STATE_FAMILIES)
     if not zero1 or stage != "training":
         return frozenset()
     return frozenset({"exp_avg", "exp_avg_sq"} | ({"param"} if keeps_masters(workload, stage) else set()))
@@ -72,7 +75,7 @@ def shards_across_dp(workload: Workload, entry: StagePlan) -> bool:
 
 def stage_dp_sharded(workload: Workload, entry: StagePlan) -> frozenset[str]:
     """The families a plan entry's engine shards across its replicas (`dp_sharded_families`)."""
-    return dp_sharded_families(workload, entry.stage, shards_across_dp(workload, entry))
+    return dp_sharded_families(workload, entry.stage, shards_across_dp(workload, entry), entry.full_shard)
 
 
 def even_split(num_rows: int, parts: int) -> list[tuple[int, int]]:
@@ -86,22 +89,22 @@ def even_split(num_rows: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def dp_rows(rows: int, dp: int, replica: int) -> tuple[int, int] | None:
+def dp_rows(rows: int, dp: int, replica: int) -> tuple[int, int]:
     """(offset, count) of the first-dimension rows of a `rows`-row box that `replica` holds
-    of a ZeRO-1 sharded family (an even split); None when the box has fewer rows than dp:
-    such a tensor (a one-element bias) stays whole on every replica."""
-    if rows < dp:
-        return None
-    base, extra = divmod(rows, dp)
-    return replica * base + min(replica, extra), base + (replica < extra)
+    of a family split across dp (ZeRO-1 or full sharding): `torch.chunk`'s split, which is
+    FSDP2's `Shard(0)` placement, ceil(rows / dp) rows each and the last replicas fewer (a
+    box with fewer rows than dp leaves the last ones none: count 0)."""
+    chunk = -(-rows // dp)
+    offset = min(rows, replica * chunk)
+    return offset, min(chunk, rows - offset)
 
 
 def dp_box(box: Box, dp: int, replica: int) -> Box:
-    """`replica`'s ZeRO-1 part of a tp/pp box: its rows of the first dimension."""
-    rows = dp_rows(box[0][1], dp, replica) if box else None
-    if rows is None:
+    """`replica`'s part of a tp/pp box in a family split across dp: its rows of the first dimension."""
+    if not box:
         return box
-    return ((box[0][0] + rows[0], rows[1]), *box[1:])
+    offset, count = dp_rows(box[0][1], dp, replica)
+    return ((box[0][0] + offset, count), *box[1:])
 
 
 @dataclass(frozen=True)
@@ -134,7 +137,7 @@ class StateMeta:
     boxes: dict[int, dict[str, Box]] = field(repr=False)
     """For every rank of the layout, the box of each key it holds."""
     dp_sharded: frozenset[str] = frozenset()
-    """The families split across the replicas (ZeRO-1 rows, `dp_box`); the others are whole on each."""
+    """The families split across the replicas (their rows, `dp_box`); the others are whole on each."""
 
     def rank_boxes(self, rank: int) -> dict[str, Box]:
         """The boxes `rank` holds; empty for a rank outside the layout."""
@@ -160,7 +163,7 @@ def state_meta(
     """The shard metadata of `model` with `head` laid out as `layout`.
 
     `dtypes` maps a family to its dtype name; families it leaves out are DEFAULT_DTYPE.
-    Families in `dp_sharded` are split across the replicas (ZeRO-1, `dp_box`); the others
+    Families in `dp_sharded` are split across the replicas (ZeRO-1 or full sharding, `dp_box`); the others
     are whole on every replica. Raises ValueError when the layout cannot shard the model or
     a family is unknown.
     """
