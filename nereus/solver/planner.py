@@ -19,7 +19,7 @@ from nereus.solver.plan_search import (
     search,
 )
 from nereus.spec.cluster import Cluster
-from nereus.spec.plan import Plan, Pool, StagePlan
+from nereus.spec.plan import RECOMPUTE_LEVELS, Plan, Pool, StagePlan
 from nereus.spec.stages import is_trained, model_stage
 from nereus.spec.workload import model_stages
 
@@ -57,7 +57,7 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
             dp=dp,
             emus=emus,
             micro_batches=micro_batches,
-            recompute="full" if recompute else "none",
+            recompute=RECOMPUTE_LEVELS[recompute],
             token_budget=token_budget or None,
             zero1=bool(zero1) if training else None,
             offload=bool(offload),
