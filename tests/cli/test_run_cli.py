@@ -665,7 +665,6 @@ def test_the_closing_summary_keeps_long_paths_on_one_line(capsys: pytest.Capture
     ("choice", "pin"),
     [
         ({"offload": True}, "--offload off"),
-        ({"recompute": "full"}, "--recompute none"),
         ({"full_shard": True}, "--full-shard off"),
     ],
 )
