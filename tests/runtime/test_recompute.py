@@ -152,3 +152,36 @@ def test_token_budget_packs_rows_within_the_budget() -> None:
 def test_a_row_longer_than_the_budget_is_refused() -> None:
     with pytest.raises(ValueError, match="longer than the plan's token_budget of 8; raise token_budget to at least 12"):
         split_micro_batches(training_batch(), 1, 8)
+
+
+def fused_with_recompute(rank: int, world: int, schedule: Any) -> dict[str, bool]:
+    """One fused actor-critic step with each recompute level against the same step without it."""
+    from test_fused_pipeline import OPTIMIZER, TINY, make_batch
+
+    from nereus.runtime.model.fused_pipeline import FusedPart, fused_train_step
+    from nereus.runtime.model.losses import ValueLoss
+
+    torch.set_num_threads(1)
+    actor_layout, critic_layout = RankLayout(1, 2, 1, (0, 1)), RankLayout(1, 2, 1, (1, 0))
+    grads_by_level = {}
+    for level in ("none", "full", "selective"):
+        actor = Engine.create(TINY, "lm", actor_layout, EngineConfig(OPTIMIZER, init_seed=1, recompute=level))
+        critic = Engine.create(TINY, "value", critic_layout, EngineConfig(OPTIMIZER, init_seed=2, recompute=level))
+        assert actor is not None and critic is not None
+        parts = [
+            FusedPart("actor", actor, make_batch("lm", 10), NextTokenLoss()),
+            FusedPart("critic", critic, make_batch("value", 20), ValueLoss()),
+        ]
+        fused_train_step(parts, schedule)
+        grads_by_level[level] = {**actor.local_state(), **{f"critic-{k}": v for k, v in critic.local_state().items()}}
+    base = grads_by_level["none"]
+    return {level: all(torch.equal(base[k], state[k]) for k in base) for level, state in grads_by_level.items()}
+
+
+@pytest.mark.multiprocess
+def test_the_fused_pipeline_recomputes_bitwise() -> None:
+    from test_fused_pipeline import ACTOR_MICROBATCHES, CRITIC_MICROBATCHES, schedule_for
+
+    schedule = schedule_for(ACTOR_MICROBATCHES, CRITIC_MICROBATCHES)
+    for outcome in spawn(fused_with_recompute, 2, schedule):
+        assert outcome == {"none": True, "full": True, "selective": True}
