@@ -4,8 +4,9 @@ GRPO plans on two CPU ranks shaped like the example plans (actor generation, inf
 training, the reference; a rule reward) with the actor scaled to a ~100M-parameter decoder
 (so model bytes dominate the peak): bf16 and fp32, colocated (every model-stage on both
 ranks, training dp=2) and split (generation and inference on rank 0, training on rank 1),
-colocated with and without `optimizer.shard_across_dp`; and split fp32 with training's
-activations a large share of its peak (`-long`: 8 rows of 16 + 112 tokens in one micro-batch),
+colocated with and without `optimizer.shard_across_dp`; and split with training's
+activations a large share of its peak (`-long`: a ~26M-parameter decoder, `LONG_MODEL`, and 8
+rows of 16 + 112 tokens in one micro-batch; the ~100M one would take 4 GB a rank there),
 without recompute, with `recompute: full` and `selective`, and packed to a 512-token budget
 (`-tokens`: two micro-batches). Each case is one `nereus run` step
 (the library's `new_run` + `launch`); metrics.jsonl then holds, per rank and model-stage,
@@ -46,6 +47,18 @@ MODEL = {
     "tied_embeddings": True,
     "qkv_bias": False,
     "qk_norm": False,
+}
+#: The `-long` cases' decoder: small states (8 layers of hidden 512, an 8000-token embedding),
+#: so activations are a large share of training's peak on a rank of modest memory.
+LONG_MODEL = {
+    **MODEL,
+    "name": "decoder-26m",
+    "num_layers": 8,
+    "hidden_dim": 512,
+    "num_heads": 8,
+    "num_kv_heads": 2,
+    "ffn_dim": 1408,
+    "vocab_size": 8000,
 }
 CASES = (
     "colocated-fp32",
@@ -99,6 +112,7 @@ def training_choices(flags: list[str]) -> dict[str, Any]:
 def plan_document(case: str) -> dict[str, Any]:
     placement, dtype, *rest = case.split("-")
     long = "long" in rest
+    model = LONG_MODEL if long else MODEL
     both, first, second = [0, 1], [0], [1]
     serving = both if placement == "colocated" else first
     training = both if placement == "colocated" else second
@@ -115,15 +129,15 @@ def plan_document(case: str) -> dict[str, Any]:
             "intra_node": {"bytes_per_s": 2.0e9, "latency_s": 2.0e-5},
             "inter_node": {"bytes_per_s": 1.0e9, "latency_s": 5.0e-5},
         },
-        "models": [MODEL],
+        "models": [model],
         "workload": {
             "kind": "Workload",
             "version": 1,
             "name": "grpo-100m",
             "algorithm": "grpo",
-            "actor": MODEL["name"],
-            "reference": MODEL["name"],
-            "reward": MODEL["name"],
+            "actor": model["name"],
+            "reference": model["name"],
+            "reward": model["name"],
             "prompts_per_step": 4 if long else 2,
             "samples_per_prompt": 2,
             "prompt_len": 16,
@@ -216,6 +230,7 @@ def record(path: Path, rows: list[dict[str, Any]], started: Any) -> None:
     held = sum(row["within_target"] for row in rows)
     payload = {
         "model": MODEL,
+        "long_model": LONG_MODEL,
         "target": TARGET,
         "steps": NUM_STEPS,
         "rows": rows,
