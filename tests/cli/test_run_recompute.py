@@ -2,9 +2,10 @@
 (2 CPU ranks, the 2-rank PPO plan: actor/training pp=2, critic/training dp=2).
 
 Recompute reruns the same operations on the same inputs, so a run with it is the run without
-it, bitwise: from the start, after a live transition into and out of it, and after a resume
-under a plan that drops it. A token budget sums the same token gradients in other
-micro-batches, so its first step differs by rounding only.
+it, bitwise (its metrics and every checkpoint's logical state): from the start, after a live
+transition into and out of it, and after a resume under a plan that drops it. A token budget
+sums the same token gradients in other micro-batches, so its first step differs by rounding
+only.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
-from nereus.spec.run_folder import read_metrics
+from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke
 from tests.run_helpers import TIMING_FIELDS, write_config
 
@@ -32,6 +34,22 @@ PLAN_FIELDS = ("plan_index", "predicted_memory_peak_bytes", "predicted_memory_pe
 
 def training_records(out: Path) -> list[dict[str, Any]]:
     return [{k: v for k, v in r.items() if k not in {*TIMING_FIELDS, *PLAN_FIELDS}} for r in read_metrics(out)]
+
+
+def assert_same_checkpoints(out: Path, other: Path) -> None:
+    """Every checkpoint of `out` holds bitwise the logical state of `other`'s of the same step."""
+    from nereus.runtime.state.checkpoint import load_checkpoint
+    from nereus.runtime.state.shard_layout import RankLayout
+
+    folders = finished_checkpoints(out)
+    assert folders and [f.name for f in folders] == [f.name for f in finished_checkpoints(other)]
+    whole = RankLayout(1, 1, 1, (0,))
+    for folder in folders:
+        for role in ("actor", "critic"):
+            mine = load_checkpoint(folder / role, whole, 0).tensors
+            theirs = load_checkpoint(other / "checkpoints" / folder.name / role, whole, 0).tensors
+            assert mine.keys() == theirs.keys()
+            assert all(torch.equal(mine[key], theirs[key]) for key in mine), (folder.name, role)
 
 
 def write_plan(folder: Path, name: str, **training: dict[str, Any]) -> str:
@@ -61,6 +79,7 @@ def test_recompute_runs_bitwise_the_run_without_it_and_transitions_into_and_out_
         "critic/training": "selective",
     }
     assert training_records(recomputed / "out") == training_records(plain / "out")
+    assert_same_checkpoints(recomputed / "out", plain / "out")
 
     # Live: into recompute at step 1, out of it at step 2.
     switches = [{"step": 1, "plan": "into.yaml"}, {"step": 2, "plan": "out-of.yaml"}]
@@ -72,6 +91,7 @@ def test_recompute_runs_bitwise_the_run_without_it_and_transitions_into_and_out_
     records = read_metrics(switched / "out")
     assert [r["plan_index"] for r in records] == [0, 1, 2]
     assert training_records(switched / "out") == training_records(plain / "out")
+    assert_same_checkpoints(switched / "out", plain / "out")
 
     # Resume the recomputing run's checkpoint under the plan without recompute: the same steps.
     result = invoke("run", "--resume", recomputed / "out", "--plan", switched / "out-of.yaml", "--steps", "4")
