@@ -14,10 +14,10 @@ The formulas, per GPU of the busiest pipeline stage:
 * activation recomputation (`recompute` 1, full): a layer keeps only its 2 * s * b * h input
   (Korthikanti et al.'s full recomputation) plus one layer's working set, and the
   backward pass reruns the forward: 4 passes of compute instead of 3. Selective
-  (`recompute` 2): the attention core reruns in the backward (its inputs q, k, v are
-  kept), so a layer keeps 32 * s * b * h / tp: the core's 2 * s * b * h / tp output is
-  dropped (with flash attention no s^2 scores are kept either way), and the attention
-  FLOPs take 4 passes, the dense ones 3.
+  (`recompute` 2): the attention core and the MLP's gate activation rerun in the backward
+  from kept inputs, so a layer drops the activation's output, 2 * s * b * ffn / tp (with
+  fused attention the core keeps no s^2 scores either way, and its output is the output
+  projection's kept input), and the attention FLOPs take 4 passes, the dense ones 3.
 * token-budget micro-batches (`token_budget` > 0 tokens): a micro-batch is packed to at
   most that many tokens, so activations are sized by the budget rather than by rows of
   the maximum length (verl's `ppo_max_token_len_per_gpu`).
@@ -65,9 +65,9 @@ ADAM_BYTES_FP32 = 8
 KORTHIKANTI_BYTES_PER_SBH = 34
 #: Bytes per s * b * h a layer keeps under full recomputation: its input only.
 RECOMPUTE_BYTES_PER_SBH = 2
-#: Bytes per s * b * h / tp a layer keeps under selective recomputation: all but the
-#: attention core's output (16-bit), which its backward recomputes from the kept q, k, v.
-SELECTIVE_BYTES_PER_SBH = KORTHIKANTI_BYTES_PER_SBH - 2
+#: Bytes per s * b * ffn / tp a layer drops under selective recomputation: its gate
+#: activation's 16-bit output, which the backward recomputes from the kept gate projection.
+SELECTIVE_SAVED_BYTES_PER_SBF = 2
 #: `recompute` codes of the cost arrays (`nereus.spec.plan.RECOMPUTE_LEVELS` indexes them).
 RECOMPUTE_FULL, RECOMPUTE_SELECTIVE = 1, 2
 #: Share of a token budget that first-fit packing of variable-length rows fills.
@@ -272,9 +272,10 @@ class StageCostModel:
             in_flight = np.minimum(pp, micro_batches)
             sbh = tokens * m.hidden_dim * self.dtype_bytes / 2
             full = KORTHIKANTI_BYTES_PER_SBH * sbh / tp
+            gate_output = SELECTIVE_SAVED_BYTES_PER_SBF * sbh * m.ffn_dim / m.hidden_dim / tp
             kept = np.select(
                 [np.equal(recompute, RECOMPUTE_FULL), np.equal(recompute, RECOMPUTE_SELECTIVE)],
-                [RECOMPUTE_BYTES_PER_SBH * sbh, SELECTIVE_BYTES_PER_SBH * sbh / tp],
+                [RECOMPUTE_BYTES_PER_SBH * sbh, full - gate_output],
                 full,
             )
             # One layer's working set while its backward reruns it (full); the core's is negligible.

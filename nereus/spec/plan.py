@@ -46,10 +46,11 @@ class StagePlan(StrictModel):
     """Micro-batches per replica: per mini-batch in training, per step in inference; 1 in generation."""
     recompute: Recompute = "none"
     """Training only, per layer: `full` keeps each layer's input and reruns its whole forward in
-    the backward (gradient checkpointing); `selective` keeps the activations of every linear
-    layer and norm and reruns only the attention core (the scores, their softmax and the
-    weighted sum of the values; its inputs q, k, v are kept, its output is not: Megatron's
-    selective recompute); `none` keeps every activation."""
+    the backward (gradient checkpointing); `selective` keeps every linear layer's input and
+    output and every norm's activations, and reruns only the attention core (the scores, their
+    softmax and the weighted sum of the values, from the kept q, k, v: Megatron's selective
+    recompute) and the MLP's gate activation (from the kept gate projection), so the
+    activation's output is not kept; `none` keeps every activation."""
     token_budget: int | None = Field(default=None, gt=0)
     """Training only: tokens per micro-batch when micro-batches are packed to a token budget;
     None: micro-batches of equal row counts, sized for rows of the maximum length."""

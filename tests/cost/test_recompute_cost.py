@@ -10,7 +10,7 @@ import pytest
 from test_cost_model import CLUSTER, TINY, cost, workload
 
 from nereus.cost.plan_cost import stage_choices
-from nereus.cost.stage import KORTHIKANTI_BYTES_PER_SBH, RECOMPUTE_BYTES_PER_SBH, SELECTIVE_BYTES_PER_SBH
+from nereus.cost.stage import KORTHIKANTI_BYTES_PER_SBH, RECOMPUTE_BYTES_PER_SBH, SELECTIVE_SAVED_BYTES_PER_SBF
 from nereus.solver.layouts import MemoryChoices
 from nereus.solver.planner import PlanRequest, make_plan
 from nereus.spec.plan import RECOMPUTE_LEVELS, StagePlan
@@ -33,8 +33,9 @@ def test_each_level_keeps_what_the_runtime_keeps() -> None:
     assert activations(0) == pytest.approx(one_layer * layers * in_flight)
     # full: each layer's (whole, tp-replicated) input, and one layer rerun in the backward
     assert activations(1) == pytest.approx(RECOMPUTE_BYTES_PER_SBH * sbh * layers * in_flight + one_layer)
-    # selective: all but the attention core's output, nothing rerun beyond the core
-    assert activations(2) == pytest.approx(SELECTIVE_BYTES_PER_SBH * sbh / tp * layers * in_flight)
+    # selective: all but the gate activation's output (ffn wide), nothing rerun beyond it and the core
+    dropped = SELECTIVE_SAVED_BYTES_PER_SBF * sbh * TINY.ffn_dim / TINY.hidden_dim / tp
+    assert activations(2) == pytest.approx((one_layer - dropped) * layers * in_flight)
     assert activations(1) < activations(2) < activations(0)
 
 

@@ -18,9 +18,10 @@ mask is ever built; only a cached decode step masks its few queries against its 
 
 Activation recompute (`Recompute`) runs under autograd only, by torch's non-reentrant
 checkpoint: `full` keeps each layer's input and reruns the whole layer in its backward,
-`selective` keeps every linear layer's activations and reruns only the attention core
-(scores, softmax, weighted sum of the values). The rerun computes the same operations on the
-same inputs, so the gradients are bitwise those without recompute.
+`selective` keeps every linear layer's input and output and reruns only the attention core
+(scores, softmax, weighted sum of the values) and the MLP's gate activation. The rerun
+computes the same operations on the same inputs, so the gradients are bitwise those without
+recompute.
 """
 
 from __future__ import annotations
@@ -248,18 +249,29 @@ class Attention(nn.Module):
         return self.o_proj.forward(core)
 
 
+def _gated(gate: torch.Tensor, up: torch.Tensor, activation: Activation) -> torch.Tensor:
+    """The MLP's gated activation, activation(gate) * up."""
+    return activate(gate, activation) * up
+
+
 class MLP(nn.Module):
-    def __init__(self, model: Model, tp: TensorParallel):
+    def __init__(self, model: Model, tp: TensorParallel, recompute_gate: bool = False):
         super().__init__()
         local_ffn = model.ffn_dim // tp.size
         self.gate_proj = ColumnParallelLinear(model.hidden_dim, local_ffn, False, tp)
         self.up_proj = ColumnParallelLinear(model.hidden_dim, local_ffn, False, tp)
         self.down_proj = RowParallelLinear(local_ffn, model.hidden_dim, tp)
         self.activation = model.activation
+        self.recompute_gate = recompute_gate
+        """Selective recompute: activation(gate) is not kept; the backward reruns it from `gate`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = activate(self.gate_proj.forward(x), self.activation)
-        return self.down_proj.forward(gate * self.up_proj.forward(x))
+        gate, up = self.gate_proj.forward(x), self.up_proj.forward(x)
+        if self.recompute_gate and torch.is_grad_enabled():
+            gated: torch.Tensor = checkpoint(_gated, gate, up, self.activation, use_reentrant=False)
+        else:
+            gated = _gated(gate, up, self.activation)
+        return self.down_proj.forward(gated)
 
 
 class Block(nn.Module):
@@ -268,7 +280,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
         self.attn = Attention(model, tp, recompute_core=recompute == "selective")
         self.mlp_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
-        self.mlp = MLP(model, tp)
+        self.mlp = MLP(model, tp, recompute_gate=recompute == "selective")
         self.recompute_all = recompute == "full"
         """Full recompute: the layer keeps only its input and reruns its forward in the backward."""
 
