@@ -66,8 +66,11 @@ KORTHIKANTI_BYTES_PER_SBH = 34
 #: Bytes per s * b * h a layer keeps under full recomputation: its input only.
 RECOMPUTE_BYTES_PER_SBH = 2
 #: Bytes per s * b * ffn / tp a layer drops under selective recomputation: its gate
-#: activation's 16-bit output, which the backward recomputes from the kept gate projection.
+#: activation's 16-bit output, which the backward recomputes from the kept gate projection;
+#: at most the 8 * s * b * h / tp Korthikanti et al. count for the activation's output (their
+#: 34 assumes an ffn of 4h and does not grow with it).
 SELECTIVE_SAVED_BYTES_PER_SBF = 2
+SELECTIVE_SAVED_MAX_BYTES_PER_SBH = 8
 #: `recompute` codes of the cost arrays (`nereus.spec.plan.RECOMPUTE_LEVELS` indexes them).
 RECOMPUTE_FULL, RECOMPUTE_SELECTIVE = 1, 2
 #: Share of a token budget that first-fit packing of variable-length rows fills.
@@ -272,7 +275,8 @@ class StageCostModel:
             in_flight = np.minimum(pp, micro_batches)
             sbh = tokens * m.hidden_dim * self.dtype_bytes / 2
             full = KORTHIKANTI_BYTES_PER_SBH * sbh / tp
-            gate_output = SELECTIVE_SAVED_BYTES_PER_SBF * sbh * m.ffn_dim / m.hidden_dim / tp
+            per_sbh = min(SELECTIVE_SAVED_BYTES_PER_SBF * m.ffn_dim / m.hidden_dim, SELECTIVE_SAVED_MAX_BYTES_PER_SBH)
+            gate_output = per_sbh * sbh / tp
             kept = np.select(
                 [np.equal(recompute, RECOMPUTE_FULL), np.equal(recompute, RECOMPUTE_SELECTIVE)],
                 [RECOMPUTE_BYTES_PER_SBH * sbh, full - gate_output],
