@@ -4,8 +4,12 @@ GRPO plans on two CPU ranks shaped like the example plans (actor generation, inf
 training, the reference; a rule reward) with the actor scaled to a ~100M-parameter decoder
 (so model bytes dominate the peak): bf16 and fp32, colocated (every model-stage on both
 ranks, training dp=2) and split (generation and inference on rank 0, training on rank 1),
-colocated with and without `optimizer.shard_across_dp`, and colocated with the actor's
-training and inference fully sharded (`full_shard`, FSDP2). Each case is one `nereus run` step
+colocated with and without `optimizer.shard_across_dp`, colocated with the actor's
+training and inference fully sharded (`full_shard`, FSDP2); and split with training's
+activations a large share of its peak (`-long`: a ~26M-parameter decoder, `LONG_MODEL`, and 8
+rows of 16 + 112 tokens in one micro-batch; the ~100M one would take 4 GB a rank there),
+without recompute, with `recompute: full` and `selective`, and packed to a 512-token budget
+(`-tokens`: two micro-batches). Each case is one `nereus run` step
 (the library's `new_run` + `launch`); metrics.jsonl then holds, per rank and model-stage,
 `memory_peak_bytes_by_stage` (CPU: peak resident set above the idle rank, less the state
 arena's free room; docs/memory.md) and the cost model's `predicted_memory_peak_bytes_by_stage`.
@@ -45,6 +49,18 @@ MODEL = {
     "qkv_bias": False,
     "qk_norm": False,
 }
+#: The `-long` cases' decoder: small states (8 layers of hidden 512, an 8000-token embedding),
+#: so activations are a large share of training's peak on a rank of modest memory.
+LONG_MODEL = {
+    **MODEL,
+    "name": "decoder-26m",
+    "num_layers": 8,
+    "hidden_dim": 512,
+    "num_heads": 8,
+    "num_kv_heads": 2,
+    "ffn_dim": 1408,
+    "vocab_size": 8000,
+}
 CASES = (
     "colocated-fp32",
     "colocated-bf16",
@@ -53,16 +69,26 @@ CASES = (
     "split-fp32",
     "split-bf16",
     *(FULL_SHARD_CASES := ("colocated-fp32-fullshard", "colocated-bf16-fullshard")),
+    "split-fp32-long",
+    "split-fp32-long-full",
+    "split-fp32-long-selective",
+    "split-fp32-long-tokens",
+    "split-bf16-long-full",
 )
 MAX_NEW_TOKENS = 4
+#: Response tokens of the `-long` cases (the prompts take up to 16).
+LONG_NEW_TOKENS = 112
+#: The `-tokens` case's budget: half of the 8 rows at the maximum length.
+LONG_TOKEN_BUDGET = 4 * (16 + LONG_NEW_TOKENS)
 #: Steps per case; the last is compared: from the second step on, the AdamW moments and the
 #: previous update's gradients exist, as the cost model's resident terms assume.
 NUM_STEPS = 2
 
 
-def stage(model_stage: str, ranks: list[int], micro_batches: int = 1) -> dict[str, Any]:
+def stage(model_stage: str, ranks: list[int], micro_batches: int = 1, **choices: Any) -> dict[str, Any]:
     """A tp=1, pp=1 entry replicated over `ranks` (generation is one replica per rank too)."""
     return {
+        **choices,
         "model_stage": model_stage,
         "pool": "all",
         "tp": 1,
@@ -73,8 +99,22 @@ def stage(model_stage: str, ranks: list[int], micro_batches: int = 1) -> dict[st
     }
 
 
+def new_tokens(case: str) -> int:
+    return LONG_NEW_TOKENS if "-long" in case else MAX_NEW_TOKENS
+
+
+def training_choices(flags: list[str]) -> dict[str, Any]:
+    """actor/training's micro-batches, recompute and token budget under a case's flags."""
+    if "tokens" in flags:
+        return {"micro_batches": 2, "token_budget": LONG_TOKEN_BUDGET}
+    recompute = next((flag for flag in flags if flag in ("full", "selective")), "none")
+    return {"recompute": recompute} if recompute != "none" else {}
+
+
 def plan_document(case: str) -> dict[str, Any]:
     placement, dtype, *rest = case.split("-")
+    long = "long" in rest
+    model = LONG_MODEL if long else MODEL
     both, first, second = [0, 1], [0], [1]
     serving = both if placement == "colocated" else first
     training = both if placement == "colocated" else second
@@ -91,23 +131,23 @@ def plan_document(case: str) -> dict[str, Any]:
             "intra_node": {"bytes_per_s": 2.0e9, "latency_s": 2.0e-5},
             "inter_node": {"bytes_per_s": 1.0e9, "latency_s": 5.0e-5},
         },
-        "models": [MODEL],
+        "models": [model],
         "workload": {
             "kind": "Workload",
             "version": 1,
             "name": "grpo-100m",
             "algorithm": "grpo",
-            "actor": MODEL["name"],
-            "reference": MODEL["name"],
-            "reward": MODEL["name"],
-            "prompts_per_step": 2,
+            "actor": model["name"],
+            "reference": model["name"],
+            "reward": model["name"],
+            "prompts_per_step": 4 if long else 2,
             "samples_per_prompt": 2,
             "prompt_len": 16,
-            "response_len": {"median": MAX_NEW_TOKENS, "p99": MAX_NEW_TOKENS, "max": MAX_NEW_TOKENS},
+            "response_len": {"median": new_tokens(case), "p99": new_tokens(case), "max": new_tokens(case)},
             "mini_batches": 1,
             "micro_batch_size": 1,
             "dtype": dtype,
-            "optimizer": {"name": "adamw", "master_weights": True, "shard_across_dp": rest == ["zero1"]},
+            "optimizer": {"name": "adamw", "master_weights": True, "shard_across_dp": "zero1" in rest},
         },
         "pools": [{"name": "all", "gpus": [0, 1]}],
         "stages": [
@@ -115,7 +155,7 @@ def plan_document(case: str) -> dict[str, Any]:
             stage(ACTOR_INFERENCE, serving),
             stage(REFERENCE_INFERENCE, serving),
             stage(REWARD_INFERENCE, serving),
-            stage(ACTOR_TRAINING, training),
+            stage(ACTOR_TRAINING, training, **training_choices(rest)),
         ],
     }
 
@@ -146,7 +186,7 @@ def run_case(case: str, root: Path) -> list[dict[str, Any]]:
         "plan": "plan.yaml",
         "num_steps": NUM_STEPS,
         "checkpoint_every": 1000,
-        "rl": {"task": "sort", "seed": 0, "max_new_tokens": MAX_NEW_TOKENS, "stop_at_eos": False},
+        "rl": {"task": "sort", "seed": 0, "max_new_tokens": new_tokens(case), "stop_at_eos": False},
     }
     (folder / "run.yaml").write_text(yaml.safe_dump(config))
     launch(new_run(folder / "run.yaml", out=folder / "out"))
@@ -203,6 +243,7 @@ def record(path: Path, rows: list[dict[str, Any]], started: Any) -> None:
     held = sum(row["within_target"] for row in rows)
     payload = {
         "model": MODEL,
+        "long_model": LONG_MODEL,
         "target": TARGET,
         "steps": NUM_STEPS,
         "rows": rows,

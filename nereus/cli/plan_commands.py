@@ -12,6 +12,7 @@ from nereus.cli.outputs import check_output
 from nereus.cli.progress import progress_bar
 from nereus.errors import NereusError
 from nereus.spec.capabilities import unexecuted_labels
+from nereus.spec.plan import RECOMPUTE_LEVELS
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -59,7 +60,7 @@ def plan(
         bool, typer.Option("--json", help="Print the plan, predictions and search time as JSON.")
     ] = False,
     recompute: Annotated[
-        str, typer.Option(help="Activation recomputation of training: none, full, or search (both).")
+        str, typer.Option(help="Activation recomputation of training: none, full, selective, or search (all three).")
     ] = "search",
     token_budget: Annotated[
         str, typer.Option(help="Training micro-batches packed to a token budget: on, off, or search.")
@@ -164,9 +165,9 @@ def _memory_choices(
         )
     if full_shard == "on" and zero1 == "off":
         raise NereusError("--full-shard on shards the optimizer state too, which --zero1 off excludes; drop one")
-    recompute_values = {"none": ("none",), "full": ("full",), "search": ("none", "full")}
+    recompute_values = {level: (level,) for level in RECOMPUTE_LEVELS} | {"search": RECOMPUTE_LEVELS}
     if recompute not in recompute_values:
-        raise NereusError(f"--recompute {recompute}: use none, full or search")
+        raise NereusError(f"--recompute {recompute}: use none, full, selective or search")
     return MemoryChoices(
         recompute=recompute_values[recompute],
         token_budget=_switch("--token-budget", token_budget, True, False),  # type: ignore[arg-type]

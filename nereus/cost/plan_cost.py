@@ -13,7 +13,7 @@ from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from nereus.cost.stage import StageCostModel
 from nereus.spec.check import Problem
 from nereus.spec.cluster import Cluster
-from nereus.spec.plan import Plan, Predictions, StagePlan, StagePrediction
+from nereus.spec.plan import RECOMPUTE_LEVELS, Plan, Predictions, StagePlan, StagePrediction
 from nereus.spec.stages import ACTOR_SYNC_TARGETS, ACTOR_TRAINING, STAGES, ModelStageName, Role, Stage, head_of, split
 from nereus.spec.workload import DTYPE_BYTES, Workload
 from nereus.units import format_bytes
@@ -84,7 +84,7 @@ def _spans_nodes(cluster: Cluster, gpus: list[int]) -> bool:
 def stage_choices(entry: StagePlan) -> dict[str, Any]:
     """The entry's memory-saving choices as the cost model's keyword arguments."""
     return {
-        "recompute": int(entry.recompute == "full"),
+        "recompute": RECOMPUTE_LEVELS.index(entry.recompute),
         "zero1": entry.zero1,
         "kv_budget": math.inf if entry.kv_budget_bytes is None else float(entry.kv_budget_bytes),
         "full_shard": int(entry.full_shard),

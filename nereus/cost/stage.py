@@ -11,9 +11,13 @@ The formulas, per GPU of the busiest pipeline stage:
   34 * s * b * h / tp bytes per layer for 16-bit activations; the first 1F1B stage
   holds min(pp, micro-batches) micro-batches; fp32 logits 4 * s * b * V / tp; a tied
   embedding's backward holds two extra gradient-sized copies (`tied_gradient_bytes`).
-* activation recomputation (`recompute` 1): a layer keeps only its 2 * s * b * h input
+* activation recomputation (`recompute` 1, full): a layer keeps only its 2 * s * b * h input
   (Korthikanti et al.'s full recomputation) plus one layer's working set, and the
-  backward pass reruns the forward: 4 passes of compute instead of 3.
+  backward pass reruns the forward: 4 passes of compute instead of 3. Selective
+  (`recompute` 2): the attention core and the MLP's gate activation rerun in the backward
+  from kept inputs, so a layer drops the activation's output, 2 * s * b * ffn / tp (with
+  fused attention the core keeps no s^2 scores either way, and its output is the output
+  projection's kept input), and the attention FLOPs take 4 passes, the dense ones 3.
 * token-budget micro-batches (`token_budget` > 0 tokens): a micro-batch is packed to at
   most that many tokens, so activations are sized by the budget rather than by rows of
   the maximum length (verl's `ppo_max_token_len_per_gpu`).
@@ -61,6 +65,14 @@ ADAM_BYTES_FP32 = 8
 KORTHIKANTI_BYTES_PER_SBH = 34
 #: Bytes per s * b * h a layer keeps under full recomputation: its input only.
 RECOMPUTE_BYTES_PER_SBH = 2
+#: Bytes per s * b * ffn / tp a layer drops under selective recomputation: its gate
+#: activation's 16-bit output, which the backward recomputes from the kept gate projection;
+#: at most the 8 * s * b * h / tp Korthikanti et al. count for the activation's output (their
+#: 34 assumes an ffn of 4h and does not grow with it).
+SELECTIVE_SAVED_BYTES_PER_SBF = 2
+SELECTIVE_SAVED_MAX_BYTES_PER_SBH = 8
+#: `recompute` codes of the cost arrays (`nereus.spec.plan.RECOMPUTE_LEVELS` indexes them).
+RECOMPUTE_FULL, RECOMPUTE_SELECTIVE = 1, 2
 #: Share of a token budget that first-fit packing of variable-length rows fills.
 PACKING_FILL = 0.9
 
@@ -261,9 +273,18 @@ class StageCostModel:
         if self.stage == "training":
             tokens = self.micro_batch_tokens(dp, micro_batches, token_budget)
             in_flight = np.minimum(pp, micro_batches)
-            full = KORTHIKANTI_BYTES_PER_SBH * tokens * m.hidden_dim / tp * self.dtype_bytes / 2
-            kept = np.where(recompute, RECOMPUTE_BYTES_PER_SBH * tokens * m.hidden_dim * self.dtype_bytes / 2, full)
-            terms["activations"] = kept * (m.num_layers / pp) * in_flight + np.where(recompute, full, 0.0)
+            sbh = tokens * m.hidden_dim * self.dtype_bytes / 2
+            full = KORTHIKANTI_BYTES_PER_SBH * sbh / tp
+            per_sbh = min(SELECTIVE_SAVED_BYTES_PER_SBF * m.ffn_dim / m.hidden_dim, SELECTIVE_SAVED_MAX_BYTES_PER_SBH)
+            gate_output = per_sbh * sbh / tp
+            kept = np.select(
+                [np.equal(recompute, RECOMPUTE_FULL), np.equal(recompute, RECOMPUTE_SELECTIVE)],
+                [RECOMPUTE_BYTES_PER_SBH * sbh, full - gate_output],
+                full,
+            )
+            # One layer's working set while its backward reruns it (full); the core's is negligible.
+            rerun = np.where(np.equal(recompute, RECOMPUTE_FULL), full, 0.0)
+            terms["activations"] = kept * (m.num_layers / pp) * in_flight + rerun
             rows = tokens / max_len
         elif self.stage == "inference":
             rows = self.micro_batch_size(dp, micro_batches)
@@ -332,15 +353,20 @@ class StageCostModel:
         b = self.micro_batch_size(dp, micro_batches)
         passes: Array
         launches: Array
+        attention_passes: Array
         if self.stage == "training":
-            # backward = 2x forward; recomputation reruns the forward inside the backward
-            passes, rounds = np.where(recompute, 4.0, 3.0), w.mini_batches * w.ppo_epochs
-            launches = np.where(recompute, 3.0, 2.0)  # forward, (recompute), backward
+            # backward = 2x forward; full recomputation reruns the forward inside the backward,
+            # selective only the attention core
+            full_rerun = np.equal(recompute, RECOMPUTE_FULL)
+            passes, rounds = np.where(full_rerun, 4.0, 3.0), w.mini_batches * w.ppo_epochs
+            attention_passes = np.where(np.greater(recompute, 0), 4.0, 3.0)
+            launches = np.where(full_rerun, 3.0, 2.0)  # forward, (recompute), backward
         else:
             passes, rounds, launches = 1.0, 1, 1.0
+            attention_passes = 1.0
         m_count = micro_batches
         dense = self.dense_flops_per_token(pp) * b * seq * passes
-        attention = self.attention_flops(b * seq, seq / 2) / pp * passes  # causal: half the keys
+        attention = self.attention_flops(b * seq, seq / 2) / pp * attention_passes  # causal: half the keys
         slot_compute = self.compute_time(dense, attention, tp)
         activation_bytes = b * seq * m.hidden_dim * self.dtype_bytes
         layers = m.num_layers / pp

@@ -196,6 +196,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     problems += sft_problems(plan, config)
     problems += memory_problems(plan, config)
     problems += kv_budget_problems(plan)
+    problems += token_budget_problems(plan)
     problems += intra_stage_problems(plan)
     problems += [f"fusion.inter_stage: {problem}" for problem in inter_stage_problems(plan, plan.fusion, config)]
     if workload.dtype not in RUNTIME_DTYPES:
@@ -249,6 +250,28 @@ def kv_budget_problems(plan: Plan) -> list[str]:
                 f"{entry.model_stage}: kv_budget_bytes {entry.kv_budget_bytes} cannot hold one sequence of the "
                 f"plan's maximum length ({w.prompt_len} + {w.response_len.max} tokens): it needs {needed} bytes "
                 f"per GPU; raise kv_budget_bytes to at least {needed}"
+            )
+    return found
+
+
+def token_budget_problems(plan: Plan) -> list[str]:
+    """Token budgets the engine cannot pack to: below one row of the plan's maximum length, or
+    under intra-stage fusion, whose schedule fixes the micro-batch count a budget would vary."""
+    w = plan.workload
+    tokens = w.prompt_len + w.response_len.max
+    found = []
+    for entry in plan.stages:
+        if entry.token_budget is None:
+            continue
+        if entry.token_budget < tokens:
+            found.append(
+                f"{entry.model_stage}: token_budget {entry.token_budget} cannot hold one row of the plan's maximum "
+                f"length ({w.prompt_len} + {w.response_len.max} tokens); raise token_budget to at least {tokens}"
+            )
+        if plan.fusion.intra_stage:
+            found.append(
+                f"fusion.intra_stage: the fused schedule fixes {entry.model_stage}'s micro-batch count, which its "
+                "token_budget would make depend on the rows' lengths; drop token_budget or the fusion"
             )
     return found
 

@@ -13,6 +13,7 @@ from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, stage_room
 from nereus.cost.stage import StageCostModel
 from nereus.spec.capabilities import MEMORY_CHOICES, searched
 from nereus.spec.check import kv_heads_rule, pp_rule
+from nereus.spec.plan import RECOMPUTE_LEVELS, Recompute
 
 #: Bounded KV budgets tried, as fractions of the room a GPU leaves the model-stages (its usable
 #: capacity less the workspace, `stage_room`), plus one maximum-length sequence, the least that
@@ -28,8 +29,8 @@ Option = tuple[float, float, float, int, int, int, int, Choice]  # time, residen
 class MemoryChoices:
     """Which memory-saving choices the planner may use (one value pins the choice)."""
 
-    recompute: tuple[str, ...] = ("none", "full")
-    """Activation recomputation of training model-stages: `none`, `full`."""
+    recompute: tuple[Recompute, ...] = RECOMPUTE_LEVELS
+    """Activation recomputation of training model-stages: `none`, `full`, `selective`."""
     token_budget: tuple[bool, ...] = (False, True)
     """Training micro-batches of equal rows (False) or packed to a token budget (True)."""
     zero1: tuple[bool, ...] = (False, True)
@@ -258,7 +259,7 @@ def _timed_grid(
         return columns, kv, np.zeros(columns[0].shape), np.zeros(columns[0].shape)
     recompute: np.ndarray = np.zeros(len(columns[0]))
     if cost.stage == "training":
-        *columns, recompute = _expand(columns, [float(r == "full") for r in allowed.recompute])
+        *columns, recompute = _expand(columns, [float(RECOMPUTE_LEVELS.index(r)) for r in allowed.recompute])
     n = len(columns[0])
     if False not in allowed.full_shard:  # pinned on
         return columns, np.full(n, np.inf), recompute, np.ones(n)
@@ -326,7 +327,7 @@ def _pipeline_times(cost: StageCostModel, distinct: list[np.ndarray], allowed: M
     recompute choices broadcast over a trailing axis, so what does not depend on them is priced
     once per layout; the rows that do not fit are priced too (their time is dropped)."""
     tp, pp, dp, m = (c.astype(float)[:, None] for c in distinct[1:])
-    recompute = np.array([float(r == "full") for r in allowed.recompute])
+    recompute = np.array([float(RECOMPUTE_LEVELS.index(r)) for r in allowed.recompute])
     pinned = cost.workload.optimizer.shard_across_dp
     blocks = [(np.ones(tp.shape, dtype=bool), float(False not in allowed.full_shard))]
     if len(set(allowed.full_shard)) == 2:  # the twins of `_timed_grid`

@@ -35,6 +35,7 @@ from nereus.cost.stage import StageCostModel
 from nereus.solver.layouts import LayoutGrid, MemoryChoices, Option, OptionTable, layout_grid, price_layouts
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
+from nereus.spec.plan import RECOMPUTE_LEVELS
 from nereus.spec.stages import (
     ACTOR_GENERATION,
     ACTOR_SYNC_TARGETS,
@@ -706,7 +707,8 @@ def rejections(
 def describe_choice(choice: tuple[int, int, int, int, int, int]) -> str:
     """` recompute=full token_budget=... ` for the choices an option makes (empty: none)."""
     kv, recompute, token_budget, zero1, offload, full_shard = choice
-    parts = [f"kv_budget={kv / GIB:.1f}GiB" if kv else "", "recompute=full" if recompute else ""]
+    parts = [f"kv_budget={kv / GIB:.1f}GiB" if kv else ""]
+    parts += [f"recompute={RECOMPUTE_LEVELS[recompute]}" if recompute else ""]
     parts += [f"token_budget={token_budget}" if token_budget else ""]
     parts += ["full_shard" if full_shard else "zero1" if zero1 else "", "offload" if offload else ""]
     return "".join(f" {p}" for p in parts if p)

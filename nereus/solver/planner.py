@@ -21,7 +21,7 @@ from nereus.solver.plan_search import (
     resized,
     search,
 )
-from nereus.spec.plan import Plan, Pool, StagePlan
+from nereus.spec.plan import RECOMPUTE_LEVELS, Plan, Pool, StagePlan
 from nereus.spec.stages import is_trained, model_stage
 from nereus.spec.workload import model_stages
 
@@ -59,7 +59,7 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
             dp=dp,
             emus=emus,
             micro_batches=micro_batches,
-            recompute="full" if recompute else "none",
+            recompute=RECOMPUTE_LEVELS[recompute],
             token_budget=token_budget or None,
             zero1=bool(zero1) if training else None,
             offload=bool(offload),

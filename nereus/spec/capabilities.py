@@ -55,9 +55,25 @@ class ChoiceSupport:
 
 #: Every memory-saving choice a plan entry can make, in the planner's order (`MemoryChoices`).
 MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
-    "recompute": ChoiceSupport(False, False, "recompute", "--recompute", "none", lambda e: e.recompute != "none"),
+    "recompute": ChoiceSupport(
+        True,
+        False,
+        "recompute",
+        "--recompute",
+        "none",
+        lambda e: e.recompute != "none",
+        "the runtime's own plans and the controller's replans are measured without it "
+        "(benchmarks/adaptive_memory.py and the live transition tests); a run recomputes wherever its plan asks",
+    ),
     "token_budget": ChoiceSupport(
-        False, False, "token budgets", "--token-budget", "off", lambda e: e.token_budget is not None
+        True,
+        False,
+        "token budgets",
+        "--token-budget",
+        "off",
+        lambda e: e.token_budget is not None,
+        "a token budget's micro-batch count depends on the rows' lengths, while the fused actor-critic "
+        "schedule the runtime's plans may ask for fixes it; a run packs to a budget wherever its plan asks",
     ),
     "zero1": ChoiceSupport(
         True,

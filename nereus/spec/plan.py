@@ -12,6 +12,11 @@ from nereus.spec.model import Model
 from nereus.spec.stages import ModelStageName, Role, Stage, role_of, stage_of
 from nereus.spec.workload import Workload
 
+#: What a training model-stage recomputes in its backward; a level's index is its code in the
+#: cost model's arrays (`nereus.cost.stage`: 0 none, 1 full, 2 selective).
+Recompute = Literal["none", "full", "selective"]
+RECOMPUTE_LEVELS: tuple[Recompute, ...] = ("none", "full", "selective")
+
 
 class Pool(StrictModel):
     """A set of GPUs whose model-stages share memory and run one after another."""
@@ -39,9 +44,13 @@ class StagePlan(StrictModel):
     """Each EMU's ordered GPU ids: GPU of (pp stage s, tp rank r) is entry s * tp + r."""
     micro_batches: int = Field(default=1, gt=0)
     """Micro-batches per replica: per mini-batch in training, per step in inference; 1 in generation."""
-    recompute: Literal["none", "full"] = "none"
-    """Training only: `full` keeps each layer's input and reruns its forward in the backward
-    (gradient checkpointing), `none` keeps every activation."""
+    recompute: Recompute = "none"
+    """Training only, per layer: `full` keeps each layer's input and reruns its whole forward in
+    the backward (gradient checkpointing); `selective` keeps every linear layer's input and
+    output and every norm's activations, and reruns only the attention core (the scores, their
+    softmax and the weighted sum of the values, from the kept q, k, v: Megatron's selective
+    recompute) and the MLP's gate activation (from the kept gate projection), so the
+    activation's output is not kept; `none` keeps every activation."""
     token_budget: int | None = Field(default=None, gt=0)
     """Training only: tokens per micro-batch when micro-batches are packed to a token budget;
     None: micro-batches of equal row counts, sized for rows of the maximum length."""

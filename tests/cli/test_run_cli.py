@@ -673,7 +673,6 @@ def test_the_closing_summary_keeps_long_paths_on_one_line(capsys: pytest.Capture
     ("choice", "pin"),
     [
         ({"offload": True}, "--offload off"),
-        ({"recompute": "full"}, "--recompute none"),
     ],
 )
 def test_a_plan_with_a_choice_the_runtime_lacks_is_refused(tmp_path: Path, choice: dict, pin: str) -> None:

@@ -213,14 +213,16 @@ def test_search_matches_exhaustive_reference(chunk: int) -> None:
     for _seed, request in cases(chunk):
         if has_lone_infeasible_layout(request):
             stats["infeasible_layouts"] += 1
-    # Per chunk (today 18-26, 4-10, 17-20, 13-22, 3-4; a layout overflows alone when none of its memory
+    # Per chunk (today 18-26, 4-10, 12-20, 13-22, 3-4; a layout overflows alone when none of its memory
     # choices fits); over the 4 chunks: 200 compared, >= 60 with layouts that overflow alone, >= 12 of
-    # them still feasible, >= 60 split optima, >= 32 with no plan, >= 4 feasible ones whose training
-    # cannot fill its pool.
+    # them still feasible, >= 48 split optima, >= 32 with no plan, >= 4 feasible ones whose training
+    # cannot fill its pool. (Split optima were 15+ per chunk before selective recompute joined the
+    # search: it fits more plans colocated, at the price of rerunning only the attention core and the
+    # gate activation; chunks 0 and 1 now have 12 and 14.)
     assert stats["compared"] == CASES_PER_CHUNK
     assert stats["infeasible_layouts"] >= 15, stats
     assert stats["feasible_with_infeasible_layouts"] >= 3, stats
-    assert stats["optimum_split"] >= 15, stats
+    assert stats["optimum_split"] >= 12, stats
     assert stats["no_feasible_plan"] >= 8, stats
     assert stats["training_leaves_gpus_free"] >= 1, stats
 
@@ -565,8 +567,10 @@ def test_training_without_a_full_layout_leaves_gpus_free(gpus: int) -> None:
 
 def test_make_plan_without_a_full_training_layout_builds_checked_plans() -> None:
     """make_plan used to fail here with numpy's 'zero-size array' text; now every plan is valid."""
-    # full sharding off: its variants (slower by their all-gathers) would crowd the runners-up
-    request = dataclasses.replace(one_layer_request(16), choices=MemoryChoices(full_shard=(False,)))
+    # full sharding off: its variants (slower by their all-gathers) would crowd the runners-up, as
+    # would selective recompute's (the colocated plan again, its attention core and gate activation rerun)
+    choices = MemoryChoices(full_shard=(False,), recompute=("none", "full"))
+    request = dataclasses.replace(one_layer_request(16), choices=choices)
     result = make_plan(request, top_k=5)
     plans = [result.best, *result.alternatives]
     # colocated and split-generation-8 at tp = pp = 1; the other alternatives only add offload

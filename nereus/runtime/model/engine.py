@@ -12,7 +12,8 @@ gradients, fp32 masters, moments) split along its first dimension as the DTensor
 places it, which is `sharded_state.dp_rows`.
 
 A training step: the global batch is split as evenly as possible over the replicas and each replica's
-rows into micro-batches; the pipeline executor runs them (1F1B or a given schedule); the
+rows into micro-batches (equal runs, or packed to a token budget: `micro_batches`); the pipeline
+executor runs them (1F1B or a given schedule); the
 loss is normalised by the global batch's loss weight so that summing gradients over
 micro-batches and replicas gives the single-process gradient; tied embeddings sum their
 gradient between the first and last stage; then AdamW updates every shard.
@@ -41,6 +42,7 @@ from nereus.runtime.model.data_parallel import (
 from nereus.runtime.model.grad_norm import counted_params
 from nereus.runtime.model.initialization import box_slice, init_logical_param, shard_params
 from nereus.runtime.model.losses import Objective, next_token_log_probs
+from nereus.runtime.model.micro_batches import split_micro_batches
 from nereus.runtime.model.parallel_groups import ParallelGroups, build_groups
 from nereus.runtime.model.pipeline import (
     ForwardStep,
@@ -52,7 +54,7 @@ from nereus.runtime.model.pipeline import (
     parse_op_lists,
 )
 from nereus.runtime.model.tensor_parallel import gather_last_dim
-from nereus.runtime.model.transformer import Batch, DecoderPipelineStage, positions_from_mask
+from nereus.runtime.model.transformer import Batch, DecoderPipelineStage, Recompute, positions_from_mask
 from nereus.runtime.state.shard_layout import (
     STATE_FAMILIES,
     RankLayout,
@@ -89,6 +91,11 @@ class EngineConfig:
     """Full sharding (ZeRO-3) on FSDP2: parameters, gradients and optimizer state each held in
     this replica's rows, the parameters all-gathered per Block for its forward and backward
     and freed after (`reshard_after_forward`). Supersedes `shard_across_dp`."""
+    recompute: Recompute = "none"
+    """What a training forward recomputes in its backward (`StagePlan.recompute`)."""
+    token_budget: int | None = None
+    """Training micro-batches packed to at most this many tokens (`StagePlan.token_budget`);
+    None: equal row counts."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +122,9 @@ class Engine:
         self.config = config
         self.device = rank_device()
         layout = groups.layout
-        self.pipeline_stage = DecoderPipelineStage(model, head, groups.tp, layout.pp, groups.pp_rank).to(self.device)
+        self.pipeline_stage = DecoderPipelineStage(
+            model, head, groups.tp, layout.pp, groups.pp_rank, config.recompute
+        ).to(self.device)
         self.params: dict[str, torch.nn.Parameter] = dict(self.pipeline_stage.named_parameters())
         self._check_contract()
         self.counted_params = counted_params(model, head, groups, self.params)
@@ -352,6 +361,7 @@ class Engine:
         micro-batches, replicas and tied copies); return that loss on every rank.
 
         `schedule`: per pipeline stage, the ordered ops ({kind: F|B, microbatch}); 1F1B if None.
+        Under a token budget `num_microbatches` is the least count (a schedule's, exactly).
         """
         job = self.begin_forward_backward(batch, objective, num_microbatches, schedule)
         outputs = self.executor.run(job.ops, job.forward_step, job.input_shape, train=True)
@@ -370,16 +380,20 @@ class Engine:
         normalizer = float(objective.normalizer(batch))
         if normalizer <= 0:
             raise ValueError("the batch has no token with a positive loss weight")
-        rows = self.replica_rows(batch)
-        bounds = self._microbatches(rows, num_microbatches)
+        parts = split_micro_batches(self.replica_rows(batch), num_microbatches, self.config.token_budget)
+        if schedule is not None and len(parts) != num_microbatches:
+            raise ValueError(
+                f"token_budget {self.config.token_budget} packs this replica's rows into {len(parts)} "
+                f"micro-batches, the schedule runs {num_microbatches}; raise token_budget or micro_batches"
+            )
         pp = self.groups.layout.pp
-        op_lists = one_f_one_b(pp, num_microbatches) if schedule is None else parse_op_lists(schedule)
+        op_lists = one_f_one_b(pp, len(parts)) if schedule is None else parse_op_lists(schedule)
         if len(op_lists) != pp:
             raise ValueError(f"schedule has {len(op_lists)} stage op lists, the layout has pp={pp}")
-        check_op_lists(op_lists, num_microbatches, backward=True)
+        check_op_lists(op_lists, len(parts), backward=True)
 
         def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
-            part = rows.rows(*bounds[mb])
+            part = parts[mb]
             output = self._stage_forward(part, stage_input)
             if not self.pipeline_stage.is_last:
                 return output
@@ -389,7 +403,7 @@ class Engine:
         # Reduce only this call's gradient: gradients already held were reduced by earlier calls.
         earlier = {name: param.grad for name, param in self.params.items()}
         self.zero_grad()
-        return TrainingJob(op_lists[self.groups.pp_rank], step, self._hidden_shape(batch, bounds), earlier)
+        return TrainingJob(op_lists[self.groups.pp_rank], step, self._hidden_shape(parts), earlier)
 
     def finish_forward_backward(self, job: TrainingJob, outputs: Mapping[int, torch.Tensor]) -> float:
         """The second half of `forward_backward` once `job`'s ops ran (collective over the
@@ -494,14 +508,8 @@ class Engine:
         self.update()
         return loss
 
-    def _microbatches(self, rows: Batch, num_microbatches: int) -> list[tuple[int, int]]:
-        if not 1 <= num_microbatches <= rows.num_rows:
-            raise ValueError(f"{rows.num_rows} rows per replica cannot make {num_microbatches} non-empty micro-batches")
-        return even_split(rows.num_rows, num_microbatches)
-
-    def _hidden_shape(self, batch: Batch, bounds: list[tuple[int, int]]) -> Callable[[int], tuple[int, ...]]:
-        seq = int(batch.tokens.shape[1])
-        return lambda mb: (bounds[mb][1] - bounds[mb][0], seq, self.model.hidden_dim)
+    def _hidden_shape(self, parts: Sequence[Batch]) -> Callable[[int], tuple[int, ...]]:
+        return lambda mb: (*parts[mb].tokens.shape, self.model.hidden_dim)
 
     def _stage_forward(self, part: Batch, stage_input: torch.Tensor | None) -> torch.Tensor:
         mask = part.mask().to(self.device)
@@ -544,16 +552,16 @@ class Engine:
     ) -> torch.Tensor:
         """Run this replica's forward over `batch`; `reduce(output, part)` turns each last-stage
         output into the rows of the result, which every rank of the replica receives."""
-        bounds = self._microbatches(batch, num_microbatches)
+        parts = split_micro_batches(batch, num_microbatches)
         ops = forward_only(self.groups.layout.pp, num_microbatches)[self.groups.pp_rank]
 
         def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
-            part = batch.rows(*bounds[mb])
+            part = parts[mb]
             output = self._stage_forward(part, stage_input)
             return reduce(output, part) if self.pipeline_stage.is_last else output
 
         with torch.no_grad():
-            outputs = self.executor.run(ops, step, self._hidden_shape(batch, bounds), train=False)
+            outputs = self.executor.run(ops, step, self._hidden_shape(parts), train=False)
         result = torch.zeros(out_shape, device=self.device)
         if self.pipeline_stage.is_last:  # fp32 results whatever the compute dtype
             result = torch.cat([outputs[mb] for mb in range(num_microbatches)]).float()

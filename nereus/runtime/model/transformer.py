@@ -15,6 +15,13 @@ padded batches get the RoPE positions and the attention of the unpadded sequence
 Attention is torch's scaled-dot-product attention in its causal form: a padded batch is
 packed (each row's real tokens first, `Packing`) rather than masked, so no [b, 1, t, t]
 mask is ever built; only a cached decode step masks its few queries against its keys.
+
+Activation recompute (`Recompute`) runs under autograd only, by torch's non-reentrant
+checkpoint: `full` keeps each layer's input and reruns the whole layer in its backward,
+`selective` keeps every linear layer's input and output and reruns only the attention core
+(scores, softmax, weighted sum of the values) and the MLP's gate activation. The rerun
+computes the same operations on the same inputs, so the gradients are bitwise those without
+recompute.
 """
 
 from __future__ import annotations
@@ -22,10 +29,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from nereus.runtime.model.attention import (
     MATMUL_ATTENTION_MAX_TOKENS,
@@ -59,7 +68,10 @@ class Batch:
     attention_mask: torch.Tensor | None = None
     """[batch, seq] bool, True for real tokens; None means no padding."""
     fields: Mapping[str, torch.Tensor] = field(default_factory=dict)
-    """Extra [batch, ...] tensors by name (e.g. `loss_mask`, `value_targets`)."""
+    """Extra [batch, ...] tensors by name (e.g. `loss_mask`, `value_targets`); those shaped
+    [batch, seq, ...] are per-token (column i belongs to token i)."""
+    first_column: int = 0
+    """The column of the batch this one was cut from (`columns`) that its column 0 is."""
 
     @property
     def num_rows(self) -> int:
@@ -72,7 +84,22 @@ class Batch:
 
     def rows(self, start: int, stop: int) -> Batch:
         mask = None if self.attention_mask is None else self.attention_mask[start:stop]
-        return Batch(self.tokens[start:stop], mask, {k: v[start:stop] for k, v in self.fields.items()})
+        fields = {k: v[start:stop] for k, v in self.fields.items()}
+        return Batch(self.tokens[start:stop], mask, fields, self.first_column)
+
+    def take(self, index: torch.Tensor) -> Batch:
+        """The rows at `index` (a 1-D long tensor), in its order."""
+        mask = None if self.attention_mask is None else self.attention_mask[index]
+        fields = {k: v[index] for k, v in self.fields.items()}
+        return Batch(self.tokens[index], mask, fields, self.first_column)
+
+    def columns(self, start: int, stop: int) -> Batch:
+        """Columns [start, stop) of the tokens, the mask and every per-token field (the others
+        as they are); meant for cutting off columns that hold no row's real token."""
+        seq = int(self.tokens.shape[1])
+        mask = None if self.attention_mask is None else self.attention_mask[:, start:stop]
+        fields = {k: v[:, start:stop] if v.dim() >= 2 and v.shape[1] == seq else v for k, v in self.fields.items()}
+        return Batch(self.tokens[:, start:stop], mask, fields, self.first_column + start)
 
     def field(self, name: str) -> torch.Tensor:
         if name not in self.fields:
@@ -160,9 +187,22 @@ class RMSNorm(nn.Module):
         return rms_norm(x, copy_to_group(self.weight, self.grad_group), self.eps)
 
 
+#: What a training forward recomputes in its backward (`StagePlan.recompute`).
+Recompute = Literal["none", "full", "selective"]
+
+
+def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """Scores, softmax and the weighted sum of the values: [b, t, heads * d]."""
+    if plan.bias is not None:
+        return masked_attention(q, k, v, plan.bias)
+    return grouped_attention(q, k, v, plan.decode_mask)
+
+
 class Attention(nn.Module):
-    def __init__(self, model: Model, tp: TensorParallel):
+    def __init__(self, model: Model, tp: TensorParallel, recompute_core: bool = False):
         super().__init__()
+        self.recompute_core = recompute_core
+        """Selective recompute: the attention core keeps nothing and reruns in the backward."""
         self.head_dim = model.head_dim
         self.local_heads = model.num_heads // tp.size
         self.local_kv_heads = max(1, model.num_kv_heads // tp.size)
@@ -202,34 +242,62 @@ class Attention(nn.Module):
             context = cache.extend(new_keys, new_values, cache_start)
             if plan.decode_mask is not None:
                 k, v = context
-        if plan.bias is not None:
-            return self.o_proj.forward(masked_attention(q, k, v, plan.bias))
-        return self.o_proj.forward(grouped_attention(q, k, v, plan.decode_mask))
+        if self.recompute_core and torch.is_grad_enabled():
+            core = checkpoint(_attention_core, q, k, v, plan, use_reentrant=False)
+        else:
+            core = _attention_core(q, k, v, plan)
+        return self.o_proj.forward(core)
+
+
+def _gated(gate: torch.Tensor, up: torch.Tensor, activation: Activation) -> torch.Tensor:
+    """The MLP's gated activation, activation(gate) * up."""
+    return activate(gate, activation) * up
 
 
 class MLP(nn.Module):
-    def __init__(self, model: Model, tp: TensorParallel):
+    def __init__(self, model: Model, tp: TensorParallel, recompute_gate: bool = False):
         super().__init__()
         local_ffn = model.ffn_dim // tp.size
         self.gate_proj = ColumnParallelLinear(model.hidden_dim, local_ffn, False, tp)
         self.up_proj = ColumnParallelLinear(model.hidden_dim, local_ffn, False, tp)
         self.down_proj = RowParallelLinear(local_ffn, model.hidden_dim, tp)
         self.activation = model.activation
+        self.recompute_gate = recompute_gate
+        """Selective recompute: activation(gate) is not kept; the backward reruns it from `gate`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = activate(self.gate_proj.forward(x), self.activation)
-        return self.down_proj.forward(gate * self.up_proj.forward(x))
+        gate, up = self.gate_proj.forward(x), self.up_proj.forward(x)
+        if self.recompute_gate and torch.is_grad_enabled():
+            gated: torch.Tensor = checkpoint(_gated, gate, up, self.activation, use_reentrant=False)
+        else:
+            gated = _gated(gate, up, self.activation)
+        return self.down_proj.forward(gated)
 
 
 class Block(nn.Module):
-    def __init__(self, model: Model, tp: TensorParallel):
+    def __init__(self, model: Model, tp: TensorParallel, recompute: Recompute = "none"):
         super().__init__()
         self.attn_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
-        self.attn = Attention(model, tp)
+        self.attn = Attention(model, tp, recompute_core=recompute == "selective")
         self.mlp_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
-        self.mlp = MLP(model, tp)
+        self.mlp = MLP(model, tp, recompute_gate=recompute == "selective")
+        self.recompute_all = recompute == "full"
+        """Full recompute: the layer keeps only its input and reruns its forward in the backward."""
 
     def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        plan: AttentionPlan,
+        cache: KVStore | None = None,
+        cache_start: int = 0,
+    ) -> torch.Tensor:
+        if self.recompute_all and cache is None and torch.is_grad_enabled():
+            out: torch.Tensor = checkpoint(self._forward, x, rope, plan, None, 0, use_reentrant=False)
+            return out
+        return self._forward(x, rope, plan, cache, cache_start)
+
+    def _forward(
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
@@ -249,7 +317,9 @@ class DecoderPipelineStage(nn.Module):
     values [b, t]; the others return hidden states [b, t, hidden].
     """
 
-    def __init__(self, model: Model, head: Head, tp: TensorParallel, pp: int, stage: int):
+    def __init__(
+        self, model: Model, head: Head, tp: TensorParallel, pp: int, stage: int, recompute: Recompute = "none"
+    ):
         super().__init__()
         self.model = model
         self.head = head
@@ -261,7 +331,7 @@ class DecoderPipelineStage(nn.Module):
         tied = head == "lm" and model.tied_embeddings
         if self.is_first or (self.is_last and tied):
             self.embed = VocabParallelEmbedding(model.vocab_size, model.hidden_dim, tp)
-        self.layers = nn.ModuleDict({str(i): Block(model, tp) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(model, tp, recompute) for i in self.layer_ids})
         if self.is_last:
             self.final_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
             if head == "value":

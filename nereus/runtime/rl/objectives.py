@@ -100,7 +100,8 @@ class PolicyObjective:
             old_log_probs = batch.field("old_log_probs").to(device)
         else:  # masked and in fp32, as the actor/inference pass gives them
             old_log_probs = log_probs.detach().float() * batch.field("loss_mask").to(device)
-            self.current_as_old[batch.field("row_index")] = old_log_probs.cpu()
+            columns = slice(batch.first_column, batch.first_column + old_log_probs.shape[1])
+            self.current_as_old[batch.field("row_index"), columns] = old_log_probs.cpu()
         losses = clipped_policy_loss(log_probs, old_log_probs, batch.field("advantages").to(device), self.clip_eps)
         if self.kl_loss_coef > 0:
             ref = batch.field("ref_log_probs").to(device)

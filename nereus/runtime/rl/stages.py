@@ -76,7 +76,16 @@ def build_stages(plan: Plan, config: RLConfig) -> dict[str, ModelStageRuntime]:
         precision = stage_precision(plan.workload, entry.stage, config.grad_reduce_dtype)
         optimizer = AdamWConfig(lr=lr, eps=config.adam_eps)
         zero1 = shards_across_dp(plan.workload, entry)
-        engine_config = EngineConfig(optimizer, seed, init_only, precision, zero1, entry.full_shard)
+        engine_config = EngineConfig(
+            optimizer,
+            seed,
+            init_only,
+            precision,
+            zero1,
+            entry.full_shard,
+            recompute=entry.recompute,
+            token_budget=entry.token_budget,
+        )
         model = plan.model(plan.workload.model_name(role))
         head = head_of(role)
         layout = stage_layout(entry)
