@@ -24,7 +24,7 @@ from typing import Any
 from nereus.cost.vllm_engine import VllmEngineMeasurement
 
 #: The tiny model's shapes: small enough to start in seconds on a CPU.
-TINY_QWEN2 = {
+TINY_QWEN2: dict[str, Any] = {
     "vocab_size": 256,
     "hidden_size": 128,
     "intermediate_size": 344,
@@ -54,7 +54,8 @@ def make_tiny_model(folder: Path, dtype: str) -> int:
 
     config = transformers.Qwen2Config(**TINY_QWEN2)
     torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+    model: Any = transformers.Qwen2ForCausalLM(config)
+    model = model.to(torch.bfloat16 if dtype == "bf16" else torch.float32)
     model.save_pretrained(folder)
     return sum(p.numel() for p in model.parameters())
 
