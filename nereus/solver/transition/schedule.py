@@ -749,6 +749,8 @@ def engine_rebuilds(primitives: list[Primitive], plan: Plan, calibration: Calibr
     load under vLLM, nothing under nereus's own engine); several replicas start their engines in
     parallel. Only `plan`'s own replicas count: the intermediate ones a split makes on the way
     run no engine."""
+    if engine == "nereus":
+        return [0.0] * len(primitives)  # no engine to start (and large transitions skip the loop)
     final = set(plan_emus(plan, [ACTOR_GENERATION]).get(ACTOR_GENERATION, []))
     out = []
     for primitive in primitives:
