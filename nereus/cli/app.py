@@ -26,6 +26,7 @@ ARGUMENT_FLAGS = {
     "seeds": "--seeds",
     "time_limit_s": "--time-limit",
     "trace_path": "--trace",
+    "vllm": "--vllm",
 }
 
 

@@ -47,17 +47,24 @@ def profile(
     ] = None,
     plan: Annotated[Path | None, typer.Option(help="Time the layer shapes of this plan's models.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON.")] = False,
+    vllm: Annotated[
+        bool,
+        typer.Option(
+            "--vllm", help="Also start a tiny vLLM engine in-process and time its start-up, weight load, sleep/wake."
+        ),
+    ] = False,
 ) -> None:
     """Measure GEMMs, attention, memory bandwidth, collectives and communicator set-up here.
 
     Models default to the tiny presets. `nereus plan --profile FILE` plans for the measured
-    machine instead of a preset cluster.
+    machine instead of a preset cluster; `nereus fit --profile FILE` starts from its communicator
+    set-up and, with --vllm, its vLLM engine times.
     """
     from nereus.runtime.observe.profiling import ProfileConfig, run_profile
     from nereus.spec.io import save_document, to_data
 
     check_output(output)
-    config = ProfileConfig(_profile_models(model, plan), num_ranks=nproc, device=device, quick=quick)
+    config = ProfileConfig(_profile_models(model, plan), num_ranks=nproc, device=device, quick=quick, vllm=vllm)
     started = time.perf_counter()
     with progress_bar("profiling") as progress:
         try:
@@ -109,6 +116,16 @@ def _print_profile(measured: Profile, wall_s: float, output: Path) -> None:
         console.print(table)
     if measured.communicator_setup_s is not None:
         console.print(f"new communicator: {measured.communicator_setup_s * 1e3:.1f} ms")
+    engine = measured.vllm
+    if engine is not None:
+        sleep = "no sleep mode"
+        if engine.sleep_s is not None and engine.wake_s is not None:
+            sleep = f"sleep {engine.sleep_s:.2f} s, wake {engine.wake_s:.2f} s"
+        console.print(
+            f"vLLM {engine.vllm_version} engine: start {engine.engine_start_s:.1f} s, weight load "
+            f"{engine.weight_load_s * 1e3:.1f} ms ({engine.weight_load_bytes_per_s / 1e9:.2f} GB/s), {sleep}, "
+            f"{engine.tokens_per_s:.0f} tokens/s ({engine.model_params / 1e6:.2f}M-parameter model)"
+        )
     console.print(f"wrote {output} in {wall_s:.1f} s")
 
 
@@ -150,6 +167,7 @@ def fit(
     from nereus.cost.calibration import Calibration
     from nereus.cost.fit import fit_calibration, held_out_errors, run_errors
     from nereus.cost.profile import Profile, cluster_from_profile
+    from nereus.cost.vllm_engine import with_measured_engine
     from nereus.spec.io import save_document, to_data
 
     check_output(output)
@@ -163,6 +181,7 @@ def fit(
             cluster = cluster_from_profile(the_profile, str(profile_file))
             if the_profile.communicator_setup_s is not None:
                 the_start = the_start.model_copy(update={"communicator_setup_s": the_profile.communicator_setup_s})
+            the_start = with_measured_engine(the_start, the_profile.vllm)
         runs = _read_runs(source, run_dirs, plans or [])
         with progress_bar("fitting") as progress:
             result = fit_calibration(runs, the_start, cluster, progress)

@@ -51,6 +51,24 @@ class Calibration(Document):
     """Fixed seconds per generated token beyond the layers (sampling, stop checks, sharing tokens)."""
     step_overhead_s: float = Field(default=0.0, ge=0)
     """Fixed seconds per RL step outside the model-stages (advantages, prompt sampling, metrics)."""
+    vllm_engine_start_s: float = Field(default=20.0, ge=0)
+    """Seconds to start one vLLM engine before its weights arrive (worker and process-group set-up,
+    the memory-profiling pass, KV-cache allocation; CUDA-graph capture on GPUs): what a live
+    transition pays per new actor/generation replica under `generation: {engine: vllm}`. The default
+    is typical of an eager-mode engine on one GPU node; `nereus profile` measures it, `nereus fit`
+    fits it from the `vllm_engine_start` times a run records."""
+    vllm_weight_load_bytes_per_s: float = Field(default=5e9, gt=0)
+    """Bytes per second per GPU at which a vLLM engine takes the actor's weights through its
+    weight-loading API (bucketed copies into its parameters, and their repacking): a new engine's
+    weight load is its shard's bytes over this rate."""
+    vllm_sleep_s: float = Field(default=0.5, ge=0)
+    """Seconds for one vLLM engine to sleep (free its KV cache, offload or drop its weights) so a
+    colocated training stage gets the memory back."""
+    vllm_wake_s: float = Field(default=0.5, ge=0)
+    """Seconds for one vLLM engine to wake (re-allocate its KV cache and weights)."""
+    vllm_iteration_overhead_s: float = Field(default=2e-3, ge=0)
+    """Fixed seconds per vLLM scheduler iteration beyond the layers (scheduling, sampling, output
+    processing; kernel launches are in CUDA graphs on GPUs)."""
     concurrent_pools: bool = True
     """Pools of one phase run at the same time (nereus's runtime does: each rank runs only its own
     model-stages); false prices a runtime that runs model-stages one after another."""

@@ -92,6 +92,13 @@ def _shape_of(median: int, p99: int, maximum: int, prompt: float) -> _Shape:
     return _Shape(mean, kv, r, cdf)
 
 
+def mean_context(lengths: ResponseLengths, prompt: float) -> float:
+    """The time-averaged context of a sequence, p + E[L (L + 1) / 2] / E[L]: the KV tokens one
+    running sequence holds on average over its iterations."""
+    shape = _shape(lengths, prompt)
+    return shape.kv_iterations_per_sequence / shape.mean_length
+
+
 def decode_profile(
     lengths: ResponseLengths, prompt: float, n: Array, capacity: Array, longest: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -147,7 +154,7 @@ def _bound_profile(
     """`decode_profile` of replicas whose budget binds: saturated, then draining."""
     half = DECODE_SLICES // 2
     shape = _shape(lengths, prompt)
-    context = shape.kv_iterations_per_sequence / shape.mean_length
+    context = mean_context(lengths, prompt)
     fill = np.maximum(prompt + 1.0, capacity - prompt / 2)  # admission slack
     in_flight = np.minimum(n, np.maximum(1.0, fill / context))
     r, cdf = shape.residual_grid, shape.residual_cdf
@@ -241,18 +248,24 @@ class BatchingRun:
 
 
 def simulate_continuous_batching(
-    lengths: Sequence[int], prompt: int, capacity: int, iteration_cost: Callable[[int, int], float]
+    lengths: Sequence[int],
+    prompt: int,
+    capacity: int,
+    iteration_cost: Callable[[int, int], float],
+    max_running: int | None = None,
 ) -> BatchingRun:
     """Run the engine iteration by iteration: FCFS admission while the current context
-    (plus the token it writes next) fits, recompute preemption of the newest on overflow."""
+    (plus the token it writes next) fits and fewer than `max_running` sequences run (None: no
+    cap; vLLM's `max_num_seqs`), recompute preemption of the newest on overflow."""
     if capacity < prompt + max(lengths):
         raise ValueError(f"a KV budget of {capacity} tokens cannot hold one {prompt + max(lengths)}-token sequence")
-    queue = list(range(len(lengths)))[::-1]  # the head is the end of the list
+    n = len(lengths)
+    queue = list(range(n))[::-1]  # the head is the end of the list
     generated = [0] * len(lengths)
     running: list[int] = []
     used, time_s, iterations, preemptions = 0, 0.0, 0, 0
     while queue or running:
-        while queue and used + prompt + generated[queue[-1]] + 1 <= capacity:
+        while queue and used + prompt + generated[queue[-1]] + 1 <= capacity and len(running) < (max_running or n):
             seq = queue.pop()
             running.append(seq)
             used += prompt + generated[seq] + 1

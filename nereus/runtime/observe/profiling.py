@@ -46,6 +46,8 @@ class ProfileConfig:
     """Fewer, shorter measurements (well under a minute on a 2-core CPU)."""
     threads_per_rank: int = 1
     """CPU threads each rank uses (torch.set_num_threads)."""
+    vllm: bool = False
+    """Also start a tiny vLLM engine and time its phases (`nereus.runtime.observe.vllm_profiling`)."""
 
     @property
     def tokens(self) -> int:
@@ -355,12 +357,15 @@ def run_profile(config: ProfileConfig, progress: Progress | None = None) -> Prof
     """Measure this machine; `progress(done, total)` is called after each measurement."""
     import torch
 
-    problem = device_problem(config)
+    from nereus.runtime.observe.vllm_profiling import measure_vllm_engine, vllm_problem
+
+    problem = device_problem(config) or (vllm_problem() if config.vllm else None)
     if problem:
-        raise ArgumentError(problem, *(name for name in ("device", "num_ranks") if f"`{name}`" in problem))
+        raise ArgumentError(problem, *(name for name in ("device", "num_ranks", "vllm") if f"`{name}`" in problem))
     dtype_name = "bf16" if config.device == "cuda" else "fp32"
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
     total = len(gemm_shapes(config.models, config.tokens)) + len(attention_shapes(config.models, config.quick)) + 2
+    total += int(config.vllm)
     done = [0]
 
     def step() -> None:
@@ -382,6 +387,10 @@ def run_profile(config: ProfileConfig, progress: Progress | None = None) -> Prof
     if config.num_ranks > 1:
         collectives, setup_s = measure_collectives(config)
     step()
+    engine = None
+    if config.vllm:
+        engine = measure_vllm_engine(config.device, config.quick)
+        step()
     name, memory = _device_facts(config)
     return Profile(
         device=config.device,
@@ -397,4 +406,5 @@ def run_profile(config: ProfileConfig, progress: Progress | None = None) -> Prof
         collectives=collectives,
         communicator_setup_s=setup_s,
         models=list(dict.fromkeys(m.name for m in config.models)),
+        vllm=engine,
     )

@@ -318,7 +318,7 @@ class Controller:
         primitives: list[Any] = []
         schedule, predicted = Schedule(), 0.0
         if action == "transition":
-            result = build_transition(self.plan, target, self.replanner.calibration)
+            result = build_transition(self.plan, target, self.replanner.calibration, self.replanner.engine)
             assert result.feasible, "the policy admits only transitions whose DAG passes"
             primitives, schedule, predicted = result.primitives, result.schedule, result.makespan_s
         self.plan = target

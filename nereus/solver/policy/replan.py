@@ -20,6 +20,7 @@ from nereus.cost.plan_cost import (
     replica_state_bytes,
     usable_capacity,
 )
+from nereus.cost.vllm_engine import Engine
 from nereus.errors import NereusError
 from nereus.solver.layouts import MemoryChoices
 from nereus.solver.plan_search import PlanRequest
@@ -113,6 +114,10 @@ class Replanner:
     engine will give it (`nereus.cost.fit.with_engine_budget`: in waves when that pool cannot
     hold the replica's batch), as `nereus fit`, the online calibration and the per-step
     prediction price it. None: as planned (unbounded unless the plan sets a KV budget)."""
+    engine: Engine = "nereus"
+    """The generation engine of actor/generation: under vLLM a transition that builds new
+    actor/generation replicas also pays their engines' start-up and weight load
+    (`build_transition`'s `engine`), so the payback admission weighs it."""
     refuses: Callable[[Plan], list[str]] | None = None
     """Why the runtime cannot run a plan (`nereus run`'s own check of a target plan). The policies
     move to plans it refuses only when no other plan fits (the runtime then keeps its plan), so
@@ -215,7 +220,7 @@ class Replanner:
         key = (plan_key(plan_a), plan_key(plan_b))
         if key not in self._transitions:
             target = plan_b.model_copy(update={"workload": plan_a.workload})
-            result = build_transition(plan_a, target, self.calibration)
+            result = build_transition(plan_a, target, self.calibration, self.engine)
             problems: tuple[str, ...]
             if not result.feasible:
                 problems = ("no order of the primitives fits memory: " + "; ".join(result.blocking_cycle[:2]),)

@@ -24,6 +24,7 @@ import numpy as np
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from nereus.cost.plan_cost import replica_state_bytes, resident_share, stage_room
+from nereus.cost.vllm_engine import Engine, engine_rebuild_seconds
 from nereus.solver.transition.local import STAR_ROUNDS, Replicas, replica_dag, stamp
 from nereus.solver.transition.order_search import GREEDY_TRIES, SEARCH_BUDGET, OrderSearch
 from nereus.solver.transition.pair import plan_pair
@@ -39,7 +40,7 @@ from nereus.solver.transition.replay import (
 from nereus.solver.transition.serial import improve_order, pilot_order, schedule_in_order, serial_schedule
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, StagePlan
-from nereus.spec.stages import head_of, split
+from nereus.spec.stages import ACTOR_GENERATION, head_of, split
 from nereus.units import format_bytes
 
 
@@ -62,6 +63,10 @@ class TransitionResult:
     blocking_cycle: list[str] = field(default_factory=list)
     priority_rule: str = ""
     """The list-scheduling order that gave this schedule (see `priority_rules`)."""
+    engine_ready_s: float = 0.0
+    """When the last new actor/generation engine is ready (vLLM: start-up and weight load after
+    the primitive that completes its replica, engines on their own GPUs in parallel, beside the
+    rest of the schedule); 0 when none starts. `makespan_s` covers it."""
 
     @property
     def feasible(self) -> bool:
@@ -725,17 +730,39 @@ def _cyclic_gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None = None) -> TransitionResult:
+def build_transition(
+    plan_a: Plan, plan_b: Plan, calibration: Calibration | None = None, engine: Engine = "nereus"
+) -> TransitionResult:
     """The scheduled global transition DAG from plan A to plan B. Plans on clusters that
     differ only in node count run on the larger one (`pair.plan_pair`, which refuses any
-    other pair of clusters, and plans that run other model-stages)."""
+    other pair of clusters, and plans that run other model-stages). `engine`: the generation
+    engine of actor/generation; under vLLM every new replica also starts an engine and loads
+    its weights (`engine_rebuilds`)."""
     pair = plan_pair(plan_a, plan_b)
     plan_a, plan_b = pair.source, pair.target
     with _cyclic_gc_paused():
-        return _build_transition(plan_a, plan_b, calibration)
+        return _build_transition(plan_a, plan_b, calibration, engine)
 
 
-def _build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | None) -> TransitionResult:
+def engine_rebuilds(primitives: list[Primitive], plan: Plan, calibration: Calibration, engine: Engine) -> list[float]:
+    """Seconds after each primitive ends until the actor/generation replicas it completes are ready
+    to generate (`nereus.cost.vllm_engine.engine_rebuild_seconds`: engine start-up plus weight
+    load under vLLM, nothing under nereus's own engine); several replicas start their engines in
+    parallel. Only `plan`'s own replicas count: the intermediate ones a split makes on the way
+    run no engine."""
+    if engine == "nereus":
+        return [0.0] * len(primitives)  # no engine to start (and large transitions skip the loop)
+    final = set(plan_emus(plan, [ACTOR_GENERATION]).get(ACTOR_GENERATION, []))
+    out = []
+    for primitive in primitives:
+        layouts = {emu.layout for emu in primitive.adds if emu in final}
+        out.append(max((engine_rebuild_seconds(plan, calibration, tp, pp, engine) for tp, pp in layouts), default=0.0))
+    return out
+
+
+def _build_transition(
+    plan_a: Plan, plan_b: Plan, calibration: Calibration | None, engine: Engine = "nereus"
+) -> TransitionResult:
     calibration = DEFAULT_CALIBRATION if calibration is None else calibration  # building one costs ~0.1 ms
     entries_a: dict[str, StagePlan] = {entry.model_stage: entry for entry in plan_a.stages}
     changed_b = [e for e in plan_b.stages if (e.tp, e.pp, e.emus) != _layout_of(entries_a[e.model_stage])]
@@ -790,10 +817,16 @@ def _build_transition(plan_a: Plan, plan_b: Plan, calibration: Calibration | Non
     held_b = held_a - gpus_a.held(sizes, changed) + gpus_b.held(sizes)
     cycle = _over_capacity(held_a, held_b, capacity) + cycle
     moved = moved_by_shape[id(primitives)]
+    rebuilds = engine_rebuilds(primitives, plan_b, calibration, engine)
+    ready = max(
+        (schedule.end_s(p) + r for p, r in zip(primitives, rebuilds, strict=True) if r > 0 and schedule.scheduled(p)),
+        default=0.0,
+    )
     return TransitionResult(
         primitives=primitives,
         schedule=schedule,
-        makespan_s=schedule.makespan_s,
+        makespan_s=max(schedule.makespan_s, ready),
+        engine_ready_s=ready,
         bytes_moved=sum(moved.values()),
         bytes_by_link=moved,
         lower_bound_bytes=_lower_bound(gpus_a, gpus_b, changed, sizes),
