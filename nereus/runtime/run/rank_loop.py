@@ -32,6 +32,7 @@ from nereus.runtime.observe import memory, timeline
 from nereus.runtime.rl.evaluation import eval_due, evaluate
 from nereus.runtime.rl.optimization import with_decay_horizon
 from nereus.runtime.rl.reward_model import fit_reward_model
+from nereus.runtime.rl.rollout import start_rollout_engine
 from nereus.runtime.rl.run_data import REWARD_ERRORS_NAME, append_reward_errors, step_inputs
 from nereus.runtime.rl.samples import append_samples
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, engine_state
@@ -90,9 +91,11 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     load_folders(stages, plan)
     if REWARD_INFERENCE in stages and setup.checkpoint is None and "reward" not in (plan.weights or {}):
         fit_reward_model(stages[REWARD_INFERENCE], get_task(config.rl.task), config.rl)
+    rollout_engine = start_rollout_engine(config, plan, stages)  # None: nereus's own engine generates
     if setup.checkpoint is not None:
         restore(stages, setup.checkpoint, rank, config.rl)
-        sync_weights(syncs)  # generation and inference engines get the restored weights
+    if setup.checkpoint is not None or rollout_engine is not None:
+        sync_weights(syncs)  # generation and inference engines get the restored (or the folder's) weights
     switches = {switch.step: switch for switch in setup.switches}
     state = run_state(setup, plan) if rank == 0 else None
     lengths = step_lengths(setup)
@@ -149,6 +152,8 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
                 with timeline.span("checkpoint", f"step-{done:06d}"):
                     save_run_checkpoint(setup, plan, stages, done, rank, state)
             spans.flush()
+    if rollout_engine is not None:
+        rollout_engine.close()
     return config.num_steps
 
 

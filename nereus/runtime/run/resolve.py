@@ -15,6 +15,7 @@ from typing import Any
 
 from nereus.cost.calibration import Calibration
 from nereus.errors import ArgumentError, NereusError
+from nereus.runtime.generation.engine_choice import check_generation
 from nereus.runtime.hf.run_setup import HfSources, check_plan_models, hf_sources, plans_for_folder
 from nereus.runtime.rl.run_data import check_data_state, prepare_data
 from nereus.runtime.run.checkpoints import checkpoint_step, resumable_checkpoint
@@ -60,6 +61,7 @@ def new_run(
         config = config.model_copy(update=where)
     config = with_absolute_data(config, config_path.parent)
     plan, num_ranks, planned = first_plan(config, config_path, plan_path, num_ranks, sources)
+    check_generation(config, plan, str(config_path))
     data = prepare_data(config, plan, config_path.parent)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
@@ -258,6 +260,7 @@ def resume_run(
     num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
     where = plan_path or (in_force_at if plan is in_force else out / PLAN_NAME)
     check_plan(plan, str(where), num_ranks, config.rl)
+    check_generation(config, plan, str(out / CONFIG_NAME))
     read_metrics(out)  # a damaged metrics file is refused here, before anything is written
     start_step = 0 if checkpoint is None else checkpoint_step(checkpoint)
     if start_step >= config.num_steps:
