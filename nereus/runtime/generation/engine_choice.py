@@ -114,6 +114,11 @@ def generation_engine(config: RunConfig, plan: Plan, on_cuda: bool) -> Literal["
 def check_generation(config: RunConfig, plan: Plan, where: str) -> None:
     """Refuse, before any rank starts, a run that asks for vLLM where vLLM cannot run it (the
     ranks run on CUDA when this process sees a GPU, as `comm.world.device` decides)."""
+    if config.rl.rollout_correction != "none" and config.generation.engine != "vllm":
+        raise NereusError(
+            f"{where}: rl.rollout_correction: {config.rl.rollout_correction} needs the engine's log-probs: set "
+            "generation.engine: vllm (nereus's own engine samples with the trainer's) or rollout_correction: none"
+        )
     if config.generation.engine != "vllm":
         return
     on_cuda = False
