@@ -69,8 +69,11 @@ def vllm_problem(config: RunConfig, plan: Plan, on_cuda: bool) -> str | None:
             f"actor/generation runs on {entry.emus}; vLLM's external launcher groups the whole world in rank "
             f"order, so its replicas must be {expected} (every rank, tp-sized blocks in order)"
         )
-    if config.plan_switches or config.trace is not None:
-        return "live plan changes do not rebuild vLLM engines yet: drop plan_switches and trace, or use nereus"
+    if config.trace is not None:
+        return (
+            "the controller's plan changes (trace) may pick layouts vLLM cannot run: drop trace (plan_switches "
+            "work), or use nereus"
+        )
     fusion = config.fusion if config.fusion is not None else plan.fusion
     if fusion.inter_stage:
         return "the fused rollout (fusion.inter_stage) does not run on vLLM yet: turn it off or use nereus"

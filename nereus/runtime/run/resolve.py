@@ -66,6 +66,8 @@ def new_run(
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
     switches = resolve_switches(config, config_path.parent, plan, num_ranks)
+    for switch in switches:  # every plan of the run must run on the engine it asks for
+        check_generation(config, switch.move.plan, f"{config_path}: plan_switches (step {switch.step})")
     trace = resolve_trace(config, config_path.parent, plan, num_ranks)
     calibration = resolve_calibration(config, config_path.parent)
     out = out if out is not None else Path("runs") / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -274,6 +276,8 @@ def resume_run(
     if checkpoint is not None and plan_path is None and not planned and (checkpoint / PLAN_NAME).is_file():
         plan = with_fusion(load_as(checkpoint / PLAN_NAME, Plan), config)
     ahead = tuple(switch for switch in switches if switch.step >= start_step)
+    for switch in ahead:
+        check_generation(config, switch.move.plan, f"{out / CONFIG_NAME}: plan_switches (step {switch.step})")
     trace = resolve_trace(config, out, plan, num_ranks)
     calibration = resolve_calibration(config, out)
     data = prepare_data(config, plan, out)
