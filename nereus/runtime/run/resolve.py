@@ -203,6 +203,8 @@ def resolve_switches(config: RunConfig, folder: Path, first: Plan, num_ranks: in
             raise NereusError(f"{field}.plan: {where} does not exist; give the path of a Plan YAML")
         plan = with_fusion(load_as(where, Plan), config)
         check_same_work(plan, first, where)
+        if plan.weights is None:  # the same models: from the same Hugging Face folders
+            plan = plan.model_copy(update={"weights": first.weights})
         problems = plan_problems(plan, num_ranks, config.rl)
         if problems:
             raise NereusError(f"{where}: {problems[0]}")
