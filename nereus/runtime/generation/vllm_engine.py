@@ -154,7 +154,7 @@ class VLLMEngine:
             whole_shape = tensor_meta.global_shape
             split = tuple(shard.shape) != tuple(whole_shape)
             if split:
-                whole = torch.zeros(whole_shape, dtype=shard.dtype)
+                whole = torch.zeros(whole_shape, dtype=shard.dtype, device=shard.device)
                 whole[box_slices(boxes[key])] = shard
             else:
                 whole = shard

@@ -15,7 +15,7 @@ from typing import Any
 
 from nereus.cost.calibration import Calibration
 from nereus.errors import ArgumentError, NereusError
-from nereus.runtime.generation.engine_choice import check_generation
+from nereus.runtime.generation.engine_choice import check_generation, vllm_layout_problem
 from nereus.runtime.hf.run_setup import HfSources, check_plan_models, hf_sources, plans_for_folder
 from nereus.runtime.rl.run_data import check_data_state, prepare_data
 from nereus.runtime.run.checkpoints import checkpoint_step, resumable_checkpoint
@@ -152,6 +152,9 @@ def self_plan(config: RunConfig, folder: Path, sources: HfSources, num_ranks: in
     cluster = document(config.cluster, Cluster, cluster_preset)
     plans = [with_fusion(plan, config) for plan in plans_for_folder(sources, workload, cluster, num_ranks)]
     problems = [plan_problems(plan, num_ranks, config.rl) for plan in plans]
+    if config.generation.engine == "vllm":  # a plan whose generation layout vLLM runs
+        layouts = [vllm_layout_problem(plan) for plan in plans]
+        problems = [[*found, layout] if layout else found for found, layout in zip(problems, layouts, strict=True)]
     for plan, found in zip(plans, problems, strict=True):
         if not found:
             return plan
