@@ -69,7 +69,6 @@ class VLLMEngine:
     """The replica (vLLM engine) this rank belongs to."""
     tp_group: Any
     """The torch process group of the engine's tp ranks (None at tp=1)."""
-    dtype: torch.dtype
 
     @property
     def model_runner(self) -> Any:
@@ -237,4 +236,4 @@ def start_engine(
     theirs = list(parallel_state.get_tp_group().ranks)
     mine = list(range(rank - rank % tp, rank - rank % tp + tp))
     assert theirs == mine, f"vLLM's tensor group {theirs} is not the plan's {mine}"
-    return VLLMEngine(llm, rank // tp, tp_group, getattr(torch, dtype))
+    return VLLMEngine(llm, rank // tp, tp_group)
