@@ -116,6 +116,14 @@ class RLConfig(StrictModel):
     """Learning rate of the supervised warm-start."""
     sft_batch: int = Field(default=16, ge=1)
     """Demonstrations per supervised warm-start step."""
+    rollout_correction: Literal["none", "tis"] = "none"
+    """Correction for the gap between the generation engine's and the trainer's log-probs
+    (a vLLM engine computes them with other kernels): `tis`, truncated importance sampling
+    (verl's TIS), weighs every response token's policy loss by min(exp(old - rollout), tis_cap),
+    old the trainer's log-prob and rollout the engine's (docs/rl_step.md); `none`: no weight.
+    Needs an engine that returns log-probs (`generation.engine: vllm`)."""
+    tis_cap: float = Field(default=2.0, gt=0)
+    """`tis`: the largest importance weight a token gets (verl's `tis_imp_ratio_cap`)."""
 
     def runs_engine(self, role: str) -> bool:
         """Whether a model-stage of `role` runs an engine: all do, except a rule-scored reward."""
@@ -136,6 +144,21 @@ class LogConfig(StrictModel):
     """Also write every step's scalars (reward, losses, KL, grad norms, learning rates, seconds)
     as TensorBoard events under the run folder's `tensorboard/` (needs the `tensorboard`
     package: the `tensorboard` extra)."""
+
+
+#: The generation engines a run can sample with (`GenerationConfig.engine`).
+GenerationEngine = Literal["nereus", "vllm", "auto"]
+
+
+class GenerationConfig(StrictModel):
+    """Which engine samples the responses of actor/generation (docs/generation.md)."""
+
+    engine: GenerationEngine = "auto"
+    """`nereus`: nereus's own engine (paged KV cache, continuous batching; the reference).
+    `vllm`: one vLLM engine per actor/generation replica over its tp ranks, inside the rank
+    processes (needs the `vllm` package and the actor from a Hugging Face folder, `model:`).
+    `auto`: vLLM when it is installed, the actor comes from a folder and the ranks are on
+    CUDA; nereus's own engine otherwise (always on CPU)."""
 
 
 class PlanSwitch(StrictModel):
@@ -213,6 +236,8 @@ class RunConfig(Document):
     data: DataConfig | None = None
     """Prompts and answers from a dataset file in place of `rl.task`'s generator (the model
     folder's tokenizer encodes them)."""
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    """The engine that generates the responses."""
 
     @field_validator("plan_switches")
     @classmethod

@@ -6,4 +6,6 @@
 - `kv_cache`: the paged KV cache (fixed-size blocks in one pool per rank and model-stage).
 - `decoding`: what both engines share (left-padded prompts, finished batches, hand-offs).
 - `sampling`: choosing next tokens for a batch on the logits' device.
+- `engine_choice`: `generation.engine` (nereus, vllm, auto) and why vLLM cannot run a plan (torch-free).
+- `vllm_engine`: a vLLM engine per actor/generation replica, inside the rank processes.
 """

@@ -66,6 +66,13 @@ def aggregation_normalizer(batch: Batch, mode: LossAggregation) -> float:
     return float((mask.sum(dim=1) > 0).sum())
 
 
+def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (verl's TIS): per token min(pi_old / pi_rollout, cap), the
+    trainer's probability of the sampled token over the generation engine's; a constant of the
+    loss (no gradient). Tokens outside the responses, zero in both, get weight 1."""
+    return torch.exp(old_log_probs.detach().float() - rollout_log_probs.float()).clamp(max=cap)
+
+
 @dataclass(frozen=True)
 class PolicyObjective:
     """PPO's clipped surrogate (also GRPO's and ReMax's): needs fields `loss_mask`,
@@ -86,6 +93,10 @@ class PolicyObjective:
     """[rows, t] CPU tensor, when the batch is one update on the weights that sampled it: the
     old log-probs are then the current ones (detached), written here at each row of the
     batch's field `row_index`; None: from the batch's field `old_log_probs`."""
+    tis_cap: float | None = None
+    """`rl.rollout_correction: tis`: weigh each token's clipped policy loss by
+    min(exp(old - rollout), tis_cap), the rollout log-probs from the batch's field
+    `rollout_log_probs` (the generation engine's); None: no correction."""
 
     def weights(self, batch: Batch) -> torch.Tensor:
         return aggregation_weights(batch, self.loss_agg)
@@ -103,6 +114,8 @@ class PolicyObjective:
             columns = slice(batch.first_column, batch.first_column + old_log_probs.shape[1])
             self.current_as_old[batch.field("row_index"), columns] = old_log_probs.cpu()
         losses = clipped_policy_loss(log_probs, old_log_probs, batch.field("advantages").to(device), self.clip_eps)
+        if self.tis_cap is not None:
+            losses = losses * tis_weights(old_log_probs, batch.field("rollout_log_probs").to(device), self.tis_cap)
         if self.kl_loss_coef > 0:
             ref = batch.field("ref_log_probs").to(device)
             losses = losses + self.kl_loss_coef * kl_divergence(log_probs, ref, "k3")

@@ -1,21 +1,30 @@
 """Phase 1 of a step, generation: each actor/generation replica samples responses for its
 share of the prompts, or, under inter-stage fusion, the fused rollout (`fused_rollout`)
-generates them and runs the inference model-stages on the samples as they finish."""
+generates them and runs the inference model-stages on the samples as they finish. A replica
+is nereus's own engine, or a vLLM engine (`generation.engine: vllm`), which also gives the
+log-probability it sampled every response token with (`Rollout.rollout_log_probs`)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
+import torch
+
+from nereus.runtime.comm.world import device
+from nereus.runtime.generation.engine_choice import generation_engine, max_model_len, one_sequence_kv_bytes
 from nereus.runtime.generation.generate import generate
-from nereus.runtime.generation.kv_cache import KVBudget
+from nereus.runtime.generation.kv_cache import KVBudget, memory_left
 from nereus.runtime.generation.sampling import SamplingConfig
+from nereus.runtime.generation.vllm_engine import VLLMEngine, start_engine
 from nereus.runtime.rl.fused_rollout import RolloutEvent, fused_rollout
 from nereus.runtime.rl.inter_stage import migration_settings
 from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, local_state_bytes, rollout_batch
 from nereus.runtime.rl.timing import timed
 from nereus.runtime.state.sharded_state import even_split
 from nereus.spec.plan import Fusion, Plan
+from nereus.spec.run_config import RunConfig
 from nereus.spec.stages import ACTOR_GENERATION
 
 
@@ -32,7 +41,7 @@ def rollout(
     """Every prompt's response (collective), fused or not as `fusion` says; the fused rollout's
     events on this rank are appended to `events`. ReMax also generates greedily (its baseline).
     A rank with no part in generation first runs `idle`."""
-    inferred = None
+    inferred = engine_log_probs = None
     generation = stages[ACTOR_GENERATION]
     budget = kv_budget(plan, stages)
     if fusion.inter_stage:
@@ -41,7 +50,7 @@ def rollout(
         events.extend(fused.events)
     else:
         with timed(seconds, ACTOR_GENERATION):
-            responses = generate_responses(generation, prompts, sampling, idle=idle, kv_budget=budget)
+            responses, engine_log_probs = sample_responses(generation, prompts, sampling, idle=idle, kv_budget=budget)
     greedy = greedy_batch = None
     if plan.workload.algorithm == "remax":
         with timed(seconds, ACTOR_GENERATION):
@@ -49,7 +58,10 @@ def rollout(
             greedy = generate_responses(generation, prompts, greedy_sampling, kv_budget=budget)
         greedy_batch = rollout_batch(prompts, greedy, sampling.pad_token_id)
     batch = rollout_batch(prompts, responses, sampling.pad_token_id)
-    return Rollout(responses, batch, inferred, greedy, greedy_batch)
+    rollout_log_probs = None
+    if engine_log_probs is not None:
+        rollout_log_probs = token_aligned(prompts, engine_log_probs, batch.tokens.shape)
+    return Rollout(responses, batch, inferred, greedy, greedy_batch, rollout_log_probs)
 
 
 def generate_responses(
@@ -64,18 +76,82 @@ def generate_responses(
     i (its tokens come from its own generator, whichever replica decodes it) and stops after
     `budgets[i]` tokens when given. A rank with no part in generation first runs `idle`;
     `kv_budget` bounds each replica's KV pool (default: room for its share at the longest)."""
+    return sample_responses(stage, prompts, sampling, budgets, idle, kv_budget)[0]
+
+
+def sample_responses(
+    stage: ModelStageRuntime,
+    prompts: list[list[int]],
+    sampling: SamplingConfig,
+    budgets: list[int] | None = None,
+    idle: Callable[[], None] | None = None,
+    kv_budget: KVBudget | None = None,
+) -> tuple[list[list[int]], list[list[float]] | None]:
+    """`generate_responses`, with the engine's log-probability of every response token when
+    a vLLM engine sampled them (None from nereus's own engine: the trainer's are the reference)."""
     engine = stage.engine
-    mine = None
+    mine: tuple[list[list[int]], list[list[float]] | None] | None = None
     if engine is None and idle is not None:
         idle()
     if engine is not None:
         start, stop = even_split(len(prompts), stage.layout.dp)[engine.groups.replica]
-        if stop > start:
-            share = None if budgets is None else budgets[start:stop]
-            mine = generate(engine, prompts[start:stop], sampling, range(start, stop), share, kv_budget).responses()
+        share = None if budgets is None else budgets[start:stop]
+        if stage.rollout_engine is not None:
+            assert stage.rollout_engine.replica == engine.groups.replica, "checked when the engine started"
+            generated = stage.rollout_engine.generate(prompts[start:stop], sampling, range(start, stop), share)
+            mine = (generated.responses, generated.log_probs)
+        elif stop > start:
+            mine = (
+                generate(engine, prompts[start:stop], sampling, range(start, stop), share, kv_budget).responses(),
+                None,
+            )
         else:
-            mine = []
-    return [response for share in by_replica(stage, mine) for response in share]
+            mine = ([], None)
+    shares = by_replica(stage, mine)
+    responses = [response for part, _ in shares for response in part]
+    if any(log_probs is None for _, log_probs in shares):
+        return responses, None
+    return responses, [row for _, log_probs in shares for row in log_probs]
+
+
+def token_aligned(prompts: list[list[int]], rows: list[list[float]], shape: torch.Size) -> torch.Tensor:
+    """Per-response-token values as a [b, t] tensor over the rollout batch (`rollout_batch`'s
+    columns: prompts left-padded to the widest, responses after it), zero elsewhere."""
+    width = max(len(prompt) for prompt in prompts)
+    aligned = torch.zeros(shape, dtype=torch.float32)
+    for row, values in enumerate(rows):
+        aligned[row, width : width + len(values)] = torch.tensor(values, dtype=torch.float32)
+    return aligned
+
+
+def start_rollout_engine(config: RunConfig, plan: Plan, stages: dict[str, ModelStageRuntime]) -> VLLMEngine | None:
+    """Under `generation.engine: vllm` (or `auto` resolving to it), start this rank's vLLM
+    engine of actor/generation and attach it to the stage (collective over the world: every
+    rank is in one engine, `engine_choice.vllm_problem`); None under nereus's own engine.
+    Its KV pool: the plan's `kv_budget_bytes`, else room for the replica's share of the
+    step's samples at the model's longest, within the rank's memory (`kv_cache.memory_left`)."""
+    if generation_engine(config, plan, device().type == "cuda") != "vllm":
+        return None
+    stage = stages[ACTOR_GENERATION]
+    assert stage.engine is not None and plan.weights is not None, "checked before the ranks started"
+    entry, workload = stage.plan, plan.workload
+    kv_bytes = entry.kv_budget_bytes
+    if kv_bytes is None:
+        samples = -(-workload.prompts_per_step * workload.samples_per_prompt // entry.dp)
+        room = memory_left(kv_budget(plan, stages), device())
+        kv_bytes = int(max(one_sequence_kv_bytes(plan), min(samples * one_sequence_kv_bytes(plan), room)))
+    engine = start_engine(
+        Path(plan.weights["actor"]),
+        entry.tp,
+        stage.compute_dtype,
+        kv_bytes,
+        max_model_len(plan),
+        config.rl.seed,
+        stage.engine.groups.tp.group,
+    )
+    assert engine.replica == stage.engine.groups.replica, (engine.replica, stage.engine.groups.replica)
+    stage.rollout_engine = engine
+    return engine
 
 
 def kv_budget(plan: Plan, stages: dict[str, ModelStageRuntime]) -> KVBudget:

@@ -4,7 +4,8 @@ Each record: `step`, `sample` (its index in the step), `prompt` and `response` (
 run's tokenizer), `prompt_ids`, `response_ids`, `logprobs` (log-probability of each response
 token under the actor/inference model-stage, from the model's unscaled logits: temperature
 1, whatever temperature sampled it), `reward` (what the advantages used) and `score` (the
-task's rule score).
+task's rule score). Under a vLLM generation engine also `rollout_logprobs`: each response
+token's log-probability as the engine computed it when it sampled the token (raw, temperature 1).
 """
 
 from __future__ import annotations
@@ -13,12 +14,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from nereus.runtime.rl.scoring import Scored
 from nereus.runtime.rl.tokenizer import Tokenizer
 
 
 def sample_records(
-    step: int, prompts: list[list[int]], responses: list[list[int]], scored: Scored, count: int, tokenizer: Tokenizer
+    step: int,
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    scored: Scored,
+    count: int,
+    tokenizer: Tokenizer,
+    rollout_log_probs: torch.Tensor | None = None,
 ) -> list[dict[str, Any]]:
     """The first `count` samples of a step. The log-probs are token-aligned over the rollout
     batch: prompts left-padded to the widest, responses after it."""
@@ -40,6 +49,8 @@ def sample_records(
                 "score": float(scored.rule_scores[row]),
             }
         )
+        if rollout_log_probs is not None:
+            records[-1]["rollout_logprobs"] = rollout_log_probs[row, width : width + len(response)].tolist()
     return records
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.comm import collectives
+from nereus.runtime.generation.vllm_engine import VLLMEngine
 from nereus.runtime.hf.names import OPTIONAL
 from nereus.runtime.model.adamw import AdamWConfig, stage_precision
 from nereus.runtime.model.engine import Engine, EngineConfig
@@ -49,6 +50,9 @@ class ModelStageRuntime:
     """The dtype of each state family its engine holds (`sharded_state.state_dtypes`)."""
     dp_sharded: frozenset[str]
     """The families its engine shards across dp (ZeRO-1, full sharding; `sharded_state.stage_dp_sharded`)."""
+    rollout_engine: VLLMEngine | None = None
+    """actor/generation under `generation.engine: vllm`: this rank's vLLM engine, which samples
+    the responses; `engine` then holds the weights the sync fills and pushes into it."""
 
     @property
     def compute_dtype(self) -> str:
@@ -140,6 +144,9 @@ class Rollout:
     """ReMax's greedy responses, its baseline (None under the other algorithms)."""
     greedy_batch: Batch | None = None
     """`rollout_batch` of the prompts and the greedy responses."""
+    rollout_log_probs: torch.Tensor | None = None
+    """[b, t] the generation engine's log-probability of every response token, aligned as the
+    trainer's old log-probs (vLLM's raw log-probs; None from nereus's own engine)."""
 
 
 def leads(stage: ModelStageRuntime) -> bool:

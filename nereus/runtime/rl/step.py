@@ -24,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from nereus.runtime.generation.sampling import SamplingConfig
 from nereus.runtime.model.fused_pipeline import OpTiming
 from nereus.runtime.observe.memory import PeakTracker
@@ -126,7 +128,15 @@ def rl_step(
         scored = dataclasses.replace(scored, old_log_probs=old_log_probs)
     samples = []
     if config.log_samples:
-        samples = sample_records(step, prompts, generated.responses, scored, config.log_samples, inputs.tokenizer)
+        samples = sample_records(
+            step,
+            prompts,
+            generated.responses,
+            scored,
+            config.log_samples,
+            inputs.tokenizer,
+            generated.rollout_log_probs,
+        )
     record_fused(fused_events, op_timings)
     # 5. weight sync
     with timed(seconds, "weight_sync"):
@@ -135,6 +145,9 @@ def rl_step(
     ran = [n for n in stages if n not in not_run]
     predicted = plan_peaks(plan, stages) if predicted is None else predicted
     metrics = step_metrics(plan, stages, ran, step, prompts, scored, losses, seconds, (rules, grad_norms), predicted)
+    if generated.rollout_log_probs is not None:
+        mean, largest = log_prob_mismatch(scored, generated.rollout_log_probs)
+        metrics = dataclasses.replace(metrics, rollout_log_prob_diff_mean=mean, rollout_log_prob_diff_max=largest)
     return StepResult(metrics, samples, fused_events)
 
 
@@ -210,6 +223,18 @@ def step_metrics(
         grad_norm=dict(grad_norms),
         lr={name: rule.lr for name, rule in rules.items()},
     )
+
+
+def log_prob_mismatch(scored: Scored, rollout_log_probs: torch.Tensor) -> tuple[float, float]:
+    """How far the generation engine's log-probs of the sampled tokens are from the trainer's
+    old log-probs (NeMo-RL's `token_mult_prob_error`, as absolute log-prob differences): the
+    mean and the largest over every response token of the step."""
+    assert scored.old_log_probs is not None, "training gave them"
+    mask = scored.mask > 0
+    diff = (scored.old_log_probs.float() - rollout_log_probs)[mask].abs()
+    if diff.numel() == 0:
+        return 0.0, 0.0
+    return float(diff.mean()), float(diff.max())
 
 
 def plan_peaks(plan: Plan, stages: dict[str, ModelStageRuntime]) -> dict[str, dict[int, int]]:

