@@ -23,7 +23,16 @@ import pytest
 from nereus.runtime.run.checkpoints import checkpoint_problem
 from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke, one_error_line
-from tests.run_helpers import TIMING_FIELDS, alive, rank_pids, start_run, wait_for, write_config
+from tests.run_helpers import (
+    TIMING_FIELDS,
+    alive,
+    rank_pids,
+    release,
+    start_run,
+    wait_for,
+    wait_until_held,
+    write_config,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -168,12 +177,14 @@ def test_a_full_disk_during_a_checkpoint_stops_the_run_and_keeps_the_previous_on
 
 
 def test_ctrl_c_during_a_step_exits_130_and_resumes_cleanly(finished: Path, tmp_path: Path) -> None:
-    """SIGINT to the run's process group (what Ctrl-C does) once a step has finished.
+    """SIGINT to the run's process group (what Ctrl-C does) while every rank is in step 3
+    (held there by the run's hook, after the step-2 checkpoint: no race with the steps).
     Bound: the run exits within EXIT_BOUND_S of the signal."""
     config = write_config(tmp_path)
-    out = tmp_path / "out"
-    process = start_run(config, "--out", out)
-    wait_for(lambda: (out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 1, 90)
+    out, hold = tmp_path / "out", tmp_path / "hold"
+    process = start_run(config, "--out", out, hold=(2, hold))
+    wait_until_held(hold, 2)
+    assert [r["step"] for r in read_metrics(out)] == [0, 1]
     ranks = rank_pids(process.pid)
     os.killpg(process.pid, signal.SIGINT)
     start = time.monotonic()
@@ -182,24 +193,28 @@ def test_ctrl_c_during_a_step_exits_130_and_resumes_cleanly(finished: Path, tmp_
     assert process.returncode == 130, stderr.decode()
     line = stderr.decode().strip().splitlines()[-1]
     assert line.startswith("error: run interrupted: ") and "failure.log" in line, line
+    assert "resume from step-000002" in line, line
     assert (out / "failure.log").is_file()
     wait_for(lambda: not any(alive(pid) for pid in ranks), 10)
-    assert all(checkpoint_problem(p) is None for p in finished_checkpoints(out))
+    assert [p.name for p in finished_checkpoints(out)] == ["step-000002"]
+    assert checkpoint_problem(out / "checkpoints" / "step-000002") is None
     resumed = invoke("run", "--resume", out)
-    if "already ran 4 of 4 steps" not in resumed.output:  # the signal came after the last checkpoint
-        assert resumed.exit_code == 0, resumed.output
+    assert resumed.exit_code == 0, resumed.output
     assert training(out) == training(finished)
 
 
 def test_a_stopped_rank_is_named_within_the_collective_timeout(tmp_path: Path) -> None:
-    """SIGSTOP on rank 1 mid-run with collective_timeout_s = 3: the run stops within
-    3 s + EXIT_BOUND_S, names rank 1, leaves no rank behind and keeps its checkpoints valid."""
-    config = write_config(tmp_path, num_steps=40, checkpoint_every=1, collective_timeout_s=3.0)
-    out = tmp_path / "out"
-    process = start_run(config, "--out", out)
-    wait_for(lambda: (out / "metrics.jsonl").is_file() and len(read_metrics(out)) >= 2, 90)
+    """SIGSTOP on rank 1 while both ranks wait before step 2 (the run's hook), then the hold is
+    released: rank 0 goes into the step's collectives alone. With collective_timeout_s = 3 the
+    run stops within 3 s + EXIT_BOUND_S, names rank 1, leaves no rank behind and keeps its
+    checkpoints valid."""
+    config = write_config(tmp_path, num_steps=4, checkpoint_every=1, collective_timeout_s=3.0)
+    out, hold = tmp_path / "out", tmp_path / "hold"
+    process = start_run(config, "--out", out, hold=(2, hold))
+    wait_until_held(hold, 2)
     ranks = rank_pids(process.pid)
     os.kill(ranks[1], signal.SIGSTOP)
+    release(hold)
     start = time.monotonic()
     _, stderr = process.communicate(timeout=3.0 + EXIT_BOUND_S)
     assert time.monotonic() - start < 3.0 + EXIT_BOUND_S
@@ -207,6 +222,8 @@ def test_a_stopped_rank_is_named_within_the_collective_timeout(tmp_path: Path) -
     line = stderr.decode().strip().splitlines()[-1]
     assert line.startswith("error: run failed: rank 1: stopped by a signal (SIGSTOP)"), line
     assert "waited 3 s" in line, line
+    assert "resume from step-000002" in line, line
     wait_for(lambda: not any(alive(pid) for pid in ranks), 10)
     checkpoints = finished_checkpoints(out)
-    assert checkpoints and all(checkpoint_problem(p) is None for p in checkpoints)
+    assert [p.name for p in checkpoints] == ["step-000001", "step-000002"]
+    assert all(checkpoint_problem(p) is None for p in checkpoints)
