@@ -61,7 +61,7 @@ def start_run(*args: str | Path, hold: tuple[int, Path] | None = None) -> subpro
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
 
 
-def wait_until_held(folder: Path, num_ranks: int, timeout: float = 300) -> None:
+def wait_until_held(folder: Path, num_ranks: int, timeout: float = 600) -> None:
     """Until every rank of a `start_run(hold=...)` run waits at its step."""
     wait_for(lambda: len(list(folder.glob("rank-*.holding"))) == num_ranks, timeout)
 
