@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -58,7 +59,22 @@ def start_run(*args: str | Path, hold: tuple[int, Path] | None = None) -> subpro
         folder.mkdir(parents=True, exist_ok=True)
         env |= {HOLD_STEP_ENV: str(step), HOLD_FOLDER_ENV: str(folder)}
     command = [sys.executable, "-m", "nereus", "run", *map(str, args)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
+    )
+
+
+def _default_sigint() -> None:
+    """The run starts with Ctrl-C's default disposition, as in a terminal, whatever the test
+    runner inherited: a shell starts a background job (`pytest ... &`, nohup, some CI
+    runners) with SIGINT ignored, the ignore passes through exec, and Python then installs
+    no KeyboardInterrupt handler, so the Ctrl-C test's signal would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def wait_until_held(folder: Path, num_ranks: int, timeout: float = 600) -> None:
