@@ -36,10 +36,9 @@ from tests.run_helpers import (
 
 pytestmark = pytest.mark.multiprocess
 
-#: How long a killed or stopped run may take to exit. The ranks go down within seconds on an
-#: idle machine (3 s measured for Ctrl-C); the bound catches a run that does not stop at all,
-#: not a slow one, so it leaves room for a 2-core machine with both cores busy elsewhere
-#: (over 30 s was seen there, with two CPU burners and a load average above 20).
+#: How long a killed or stopped run may take to exit. The ranks go down within seconds (Ctrl-C:
+#: 3 s on a machine at load 20, 10 s with two CPU burners besides); the bound catches a run
+#: that does not stop at all, not a slow one, so it leaves a wide margin.
 EXIT_BOUND_S = 120.0
 #: The stopped-rank test's collective timeout: long enough that no collective of a healthy
 #: run on a loaded machine waits so long (rendezvous included), short enough to wait for.
