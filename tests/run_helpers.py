@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from nereus.runtime.run.hold import HOLD_FOLDER_ENV, HOLD_STEP_ENV
 
 DATA = Path(__file__).parent / "data"
 PLAN_2RANK = DATA / "plan-tiny-ppo-2rank.yaml"
@@ -46,13 +49,42 @@ def write_config(folder: Path, **fields: Any) -> Path:
     return path
 
 
-def start_run(*args: str | Path) -> subprocess.Popen[bytes]:
-    """`nereus run ARGS` as a process in its own session (a signal to its group reaches the ranks),
-    at lower CPU priority: on a busy 2-core machine the test's polling must still see a step end
-    before the short run is over (`nice` execs the run, so the pid is the run's)."""
+def start_run(*args: str | Path, hold: tuple[int, Path] | None = None) -> subprocess.Popen[bytes]:
+    """`nereus run ARGS` as a process in its own session (a signal to its group reaches the ranks).
+    `hold=(step, folder)`: every rank waits before `step` until `release(folder)` (the run's
+    HOLD_STEP_ENV hook), so a test acts on a run at a known step, whatever the machine's load."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    command = ["nice", "-n", "10", sys.executable, "-m", "nereus", "run", *map(str, args)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    if hold is not None:
+        step, folder = hold
+        folder.mkdir(parents=True, exist_ok=True)
+        env |= {HOLD_STEP_ENV: str(step), HOLD_FOLDER_ENV: str(folder)}
+    command = [sys.executable, "-m", "nereus", "run", *map(str, args)]
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
+    )
+
+
+def _default_sigint() -> None:
+    """The run starts with Ctrl-C's default disposition, as in a terminal, whatever the test
+    runner inherited: a shell starts a background job (`pytest ... &`, nohup, some CI
+    runners) with SIGINT ignored, the ignore passes through exec, and Python then installs
+    no KeyboardInterrupt handler, so the Ctrl-C test's signal would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def wait_until_held(folder: Path, num_ranks: int, timeout: float = 600) -> None:
+    """Until every rank of a `start_run(hold=...)` run waits at its step."""
+    wait_for(lambda: len(list(folder.glob("rank-*.holding"))) == num_ranks, timeout)
+
+
+def release(folder: Path) -> None:
+    """Let the held ranks go on."""
+    (folder / "release").write_text("")
 
 
 def rank_pids(parent: int) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from typing import Annotated, Any
 
@@ -30,6 +31,28 @@ ARGUMENT_FLAGS = {
 }
 
 
+#: OSErrors that are the machine's state, not a bug in nereus, and what to do about each:
+#: one `error:` line naming the file, exit 1 (the writers never leave a half-written file).
+MACHINE_ERRORS = {
+    errno.ENOSPC: "free some space or write elsewhere",
+    errno.EDQUOT: "free some space or write elsewhere",
+    errno.EROFS: "write elsewhere",
+    errno.EACCES: "write elsewhere or change its permissions",
+    errno.EPERM: "write elsewhere or change its permissions",
+    errno.EISDIR: "give a file name",
+    errno.ENOTDIR: "a part of the path is a file, not a folder",
+    errno.ENAMETOOLONG: "give a shorter name",
+}
+
+
+def machine_error(exc: OSError) -> str | None:
+    """The one line for an OSError in MACHINE_ERRORS, or None (a bug: shown as one)."""
+    if exc.errno not in MACHINE_ERRORS:
+        return None
+    where = exc.filename if exc.filename is not None else "a file"
+    return f"{where}: {exc.strerror}; {MACHINE_ERRORS[exc.errno]}"
+
+
 class _Options:
     """Global flags, set by the callback before any command runs."""
 
@@ -56,6 +79,10 @@ class NereusGroup(TyperGroup):
             # Usage errors and exits are typer's (or click's) own: let them through.
             if _Options.debug or type(exc).__module__.split(".")[0] in ("typer", "click"):
                 raise
+            line = machine_error(exc) if isinstance(exc, OSError) else None
+            if line is not None:  # a full disk, a read-only folder: the machine, not nereus
+                typer.echo(f"error: {line}", err=True)
+                raise typer.Exit(1) from None
             # A bug in nereus, not a user error: still no traceback without --debug.
             typer.echo(f"internal error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", err=True)
             raise typer.Exit(3) from None

@@ -112,7 +112,7 @@ def build(
     from nereus.solver.transition.schedule import build_transition
     from nereus.spec.io import save_document, to_json
 
-    check_output(output)
+    check_output(output, "-o")
     the_a, the_b = _load_plan(plan_a), _load_plan(plan_b)
     the_a, the_b = _comparable(the_a, the_b, plan_a, plan_b)
     the_calibration = load_kind(str(calibration), Calibration) if calibration else Calibration()
@@ -262,8 +262,8 @@ def show(
     """
     from nereus.spec.io import to_json, write_bytes_atomic, write_text_atomic
 
-    check_output(output)
-    check_output(gantt)
+    check_output(output, "-o")
+    check_output(gantt, "--gantt")
     document = _load_transition(transition_file)
     if fmt is ShowFormat.tree:
         from nereus.render.tree import tree_text

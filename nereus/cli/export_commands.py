@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
-from nereus.cli.outputs import check_output
+from nereus.cli.outputs import check_output, check_output_folder
 from nereus.errors import NereusError
 
 if TYPE_CHECKING:
@@ -21,7 +21,7 @@ export_app = typer.Typer(
     no_args_is_help=True,
 )
 
-PlanArgument = Annotated[Path, typer.Argument(help="The Plan file (from `nereus plan -o`).", dir_okay=False)]
+PlanArgument = Annotated[Path, typer.Argument(help="The Plan file (from `nereus plan -o`).")]
 OutputOption = Annotated[
     Path | None, typer.Option("-o", "--output", help="Write the configuration to this file instead of stdout.")
 ]
@@ -54,11 +54,11 @@ def _emit(export: Export, text: str, output: Path | None, as_json: bool) -> None
         typer.echo(json.dumps(payload, indent=2))
     elif output is None:
         typer.echo(text, nl=False)
+    if output is not None:  # first: a write that fails is the one line a failed command prints
+        write_text_atomic(output, text)
     for line in export.warning_lines():
         typer.echo(f"warning: {line}" if not line.startswith(" ") else line, err=True)
     if output is not None:
-        check_output(output)
-        write_text_atomic(output, text)
         typer.echo(f"wrote {output}", err=True)
 
 
@@ -75,6 +75,7 @@ def export_verl(
     """The plan as verl (Megatron PPO trainer) settings; what verl cannot express is listed on stderr."""
     from nereus.interop import verl
 
+    check_output(output, "-o")
     try:
         export = verl.export_verl(_load_plan(plan))  # type: ignore[arg-type]
     except ValueError as exc:
@@ -88,6 +89,7 @@ def export_openrlhf(plan: PlanArgument, output: OutputOption = None, as_json: Js
     """The plan as OpenRLHF PPO trainer flags; what OpenRLHF cannot express is listed on stderr."""
     from nereus.interop import openrlhf
 
+    check_output(output, "-o")
     try:
         export = openrlhf.export_openrlhf(_load_plan(plan))  # type: ignore[arg-type]
     except ValueError as exc:
@@ -97,7 +99,7 @@ def export_openrlhf(plan: PlanArgument, output: OutputOption = None, as_json: Js
 
 @export_app.command("hf")
 def export_hf_command(
-    run_dir: Annotated[Path, typer.Argument(help="A run folder (the --out of `nereus run`).", file_okay=False)],
+    run_dir: Annotated[Path, typer.Argument(help="A run folder (the --out of `nereus run`).")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Hugging Face folder to write (new or empty).")],
     step: Annotated[
         int | None, typer.Option("--step", min=0, help="Checkpoint step to export (default: the latest).")
@@ -108,6 +110,7 @@ def export_hf_command(
     """A run checkpoint's actor (or critic) as a Hugging Face folder (the run must have started from one)."""
     from nereus.runtime.hf.export import export_hf, run_checkpoint_and_source
 
+    check_output_folder(output, "-o", new=True)
     checkpoint, source = run_checkpoint_and_source(run_dir, step, role)
     result = export_hf(checkpoint, source, output, role)
     if as_json:

@@ -100,7 +100,7 @@ def plan(
     from nereus.spec.presets import models_for
     from nereus.spec.workload import with_max_response
 
-    check_output(output)
+    check_output(output, "-o")
     the_model = resolve_model(model) if model else None
     the_workload = resolve_workload(workload, the_model)
     if seq_len is not None:

@@ -63,7 +63,7 @@ def profile(
     from nereus.runtime.observe.profiling import ProfileConfig, run_profile
     from nereus.spec.io import save_document, to_data
 
-    check_output(output)
+    check_output(output, "-o")
     config = ProfileConfig(_profile_models(model, plan), num_ranks=nproc, device=device, quick=quick, vllm=vllm)
     started = time.perf_counter()
     with progress_bar("profiling") as progress:
@@ -170,7 +170,7 @@ def fit(
     from nereus.cost.vllm_engine import with_measured_engine
     from nereus.spec.io import save_document, to_data
 
-    check_output(output)
+    check_output(output, "-o")
     the_start = load_kind(str(start), Calibration) if start else Calibration()
     assert isinstance(the_start, Calibration)
     cluster = None

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from nereus.cli.outputs import check_output_folder
 from nereus.errors import NereusError
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def print_summary(result: RunSummary) -> None:
 def run(
     config_file: Annotated[
         Path | None,
-        typer.Argument(help="RunConfig YAML (e.g. examples/run-ppo.yaml); omit with --resume.", dir_okay=False),
+        typer.Argument(help="RunConfig YAML (e.g. examples/run-ppo.yaml); omit with --resume."),
     ] = None,
     plan_file: Annotated[
         Path | None, typer.Option("--plan", help="Plan YAML; overrides the config's plan (on --resume: reshards).")
@@ -111,13 +112,11 @@ def run(
     ] = None,
     resume: Annotated[
         Path | None,
-        typer.Option("--resume", help="Continue the run in this folder from its last checkpoint.", file_okay=False),
+        typer.Option("--resume", help="Continue the run in this folder from its last checkpoint."),
     ] = None,
     trace: Annotated[
         Path | None,
-        typer.Option(
-            "--trace", help="Trace YAML of GPU-pool events: the online controller may change the plan.", dir_okay=False
-        ),
+        typer.Option("--trace", help="Trace YAML of GPU-pool events: the online controller may change the plan."),
     ] = None,
     policy: Annotated[
         str | None,
@@ -146,6 +145,7 @@ def run(
         raise NereusError("--resume-from-previous goes with --resume DIR")
     elif config_file is None:
         raise NereusError("give a RunConfig YAML (e.g. examples/run-ppo.yaml) or --resume DIR")
+    check_output_folder(out, "--out")
     if torchrun_worker():
         if num_ranks is not None:
             raise NereusError("--nproc: under torchrun the job's ranks are the run's; drop --nproc")

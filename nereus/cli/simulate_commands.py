@@ -20,8 +20,8 @@ COMPARED = ("nereus", "fixed", "dynarl", "periodic:3")
 
 
 def simulate(
-    trace_file: Annotated[Path, typer.Argument(help="A Trace file (see `nereus trace generate`).", dir_okay=False)],
-    plan_file: Annotated[Path, typer.Option("--plan", help="The plan the job starts with.", dir_okay=False)],
+    trace_file: Annotated[Path, typer.Argument(help="A Trace file (see `nereus trace generate`).")],
+    plan_file: Annotated[Path, typer.Option("--plan", help="The plan the job starts with.")],
     policy: Annotated[str, typer.Option("--policy", help="nereus, fixed, dynarl or periodic:K.")] = "nereus",
     compare: Annotated[
         bool, typer.Option("--compare", help="Run nereus, fixed, dynarl, periodic:3; one table.")

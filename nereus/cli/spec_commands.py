@@ -21,7 +21,9 @@ CheckFormat = Literal["human", "json", "github"]
 def check(
     files: Annotated[
         list[Path],
-        typer.Argument(help="nereus files (YAML or JSON) to validate.", exists=True, dir_okay=False),
+        typer.Argument(
+            help="nereus files (YAML or JSON) to validate.",
+        ),
     ],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object with every result.")] = False,
     output_format: Annotated[

@@ -82,7 +82,7 @@ def generate(
 
 @trace_app.command("show")
 def show(
-    file: Annotated[Path, typer.Argument(help="A Trace file.", dir_okay=False)],
+    file: Annotated[Path, typer.Argument(help="A Trace file.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print a JSON summary instead of text.")] = False,
 ) -> None:
     """Summarise a trace: steps, pool changes, response lengths."""

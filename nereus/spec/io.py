@@ -338,13 +338,19 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write `data` to `path` through a temporary file in the same folder (never half-written)."""
     if path.parent and not path.parent.exists():
         raise SpecError([f"{path}: folder {path.parent} does not exist; create it first"])
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:  # a folder this user may not write, a read-only or full disk
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except OSError as exc:  # e.g. the disk filled: nothing is left behind, the error names `path`
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

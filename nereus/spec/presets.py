@@ -134,7 +134,20 @@ def _workload(name: str, algorithm: str, models: dict[str, str | None], **fields
 
 
 def _paper_workloads(actor: str) -> dict[str, Workload]:
-    """PPO/GRPO/ReMax with settings like the papers': 512 samples, 1k prompts, long tail."""
+    """PPO/GRPO/ReMax with settings like the papers': 512 samples, 1k prompts, long tail.
+
+    Who scores, as the published set-ups do:
+    - ppo: a reward model as large as the actor (RLHF as in InstructGPT, Ouyang et al. 2022,
+      and OpenRLHF's PPO examples, which score with a trained reward model).
+    - grpo: a rule (reward: null), as the GRPO runs people publish do: verl's GRPO examples
+      (examples/grpo_trainer/run_qwen2-7b.sh, GSM8K scored by a function, experiment
+      "..._function_rm") and TRL's GRPOTrainer quick start (`reward_funcs` a Python function).
+    - remax: a rule, as verl's ReMax examples (examples/remax_trainer/run_qwen2.5-7b_seq_balance.sh,
+      GSM8K, "qwen2.5_7b_function_rm"). The ReMax paper (Li et al. 2023, arXiv:2310.10505)
+      scored with a trained reward model instead.
+    A reward model stays one field away: `reward: MODEL` in a Workload YAML (or
+    `workload.model_copy(update={"reward": name})`) prices and runs it as reward/inference.
+    """
     lengths = ResponseLengths(median=500, p99=2500, max=8192)
     shared: dict[str, Any] = dict(
         prompt_len=1024,
@@ -152,18 +165,26 @@ def _paper_workloads(actor: str) -> dict[str, Workload]:
         "grpo": _workload(
             "grpo",
             "grpo",
-            dict(actor=actor, reference=actor, reward=actor),
+            dict(actor=actor, reference=actor, reward=None),  # a rule scores (verl's and TRL's GRPO examples)
             prompts_per_step=64,
             samples_per_prompt=8,
             **shared,
         ),
         "remax": _workload(
-            "remax", "remax", dict(actor=actor, reference=actor, reward=actor), prompts_per_step=512, **shared
+            "remax",
+            "remax",
+            dict(actor=actor, reference=actor, reward=None),  # a rule scores (verl's ReMax examples)
+            prompts_per_step=512,
+            **shared,
         ),
     }
 
 
 WORKLOAD_NAMES = ("ppo", "grpo", "remax", "tiny-ppo")
+
+
+class UnknownPreset(NereusError):
+    """A name that is no preset of its kind (the CLI then says whether it is a file either)."""
 
 
 def workload_preset(name: str, actor: str = "llama-3.1-8b") -> Workload:
@@ -182,7 +203,7 @@ def workload_preset(name: str, actor: str = "llama-3.1-8b") -> Workload:
         )
     workloads = _paper_workloads(actor)
     if name not in workloads:
-        raise NereusError(f"unknown workload preset {name!r}; use one of {', '.join(WORKLOAD_NAMES)} or a YAML file")
+        raise UnknownPreset(f"unknown workload preset {name!r}; use one of {', '.join(WORKLOAD_NAMES)} or a YAML file")
     return workloads[name]
 
 
@@ -205,7 +226,7 @@ def cluster_preset(name: str, num_gpus: int | None = None) -> Cluster:
     gpu_name = GPU_ALIASES.get(match["gpu"], match["gpu"]) if match else name
     if not match or gpu_name not in GPU_KINDS:
         known = ", ".join([*GPU_KINDS, *GPU_ALIASES])
-        raise NereusError(
+        raise UnknownPreset(
             f"unknown cluster preset {name!r}; use one of {known} (optionally -NODESxGPUS) or a YAML file"
         )
     gpu, intra, inter, per_node = GPU_KINDS[gpu_name]
@@ -237,6 +258,6 @@ def model_preset(name: str) -> Model:
     path = Path(name)
     if path.is_dir() or (path.name == "config.json" and path.is_file()):
         return model_from_hf_config(path)
-    raise NereusError(
+    raise UnknownPreset(
         f"unknown model preset {name!r}; use one of {', '.join(MODELS)}, a Model YAML or a Hugging Face config.json"
     )

@@ -86,7 +86,8 @@ class Workload(Document):
     reference: str | None = None
     """Model name of the frozen reference policy for the KL term; null for no KL."""
     reward: str | None = None
-    """Model name of the reward model; null for a rule-based reward."""
+    """Model name of the reward model (priced and run as reward/inference); null for a rule-based
+    reward (the default of the grpo and remax presets, as published GRPO runs score)."""
     prompts_per_step: int = Field(gt=0)
     """Prompts drawn per RL step."""
     samples_per_prompt: int = Field(default=1, gt=0)

@@ -19,7 +19,7 @@ from repo_paths import DATA, EXAMPLES
 
 from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke
-from tests.run_helpers import TIMING_FIELDS, alive, rank_pids, start_run, wait_for
+from tests.run_helpers import TIMING_FIELDS, alive, rank_pids, start_run, wait_for, wait_until_held
 
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
@@ -74,13 +74,15 @@ def test_a_math_dataset_run_on_a_folder_tokenizer_resumes_bitwise_after_sigkill(
     saved = json.loads((whole / "checkpoints" / "step-000002" / "data.json").read_text())
     assert (saved["epoch"], saved["index"], saved["size"]) == (0, 8, 32)
 
-    process = start_run(config, "--nproc", "2", "--out", killed)
-    wait_for(lambda: len(finished_checkpoints(killed)) >= 1 if killed.exists() else False, 240)
+    hold = tmp_path / "hold"  # every rank waits before step 3, after the step-2 checkpoint
+    process = start_run(config, "--nproc", "2", "--out", killed, hold=(2, hold))
+    wait_until_held(hold, 2)
     ranks = rank_pids(process.pid)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     wait_for(lambda: not any(alive(pid) for pid in ranks), 30)
-    assert [r["step"] for r in read_metrics(killed)][-1] < 3, "the kill came after the end"
+    assert [r["step"] for r in read_metrics(killed)] == [0, 1]
+    assert [p.name for p in finished_checkpoints(killed)] == ["step-000002"]
     result = invoke("run", "--resume", killed, "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["first_step"] == 2

@@ -28,7 +28,16 @@ from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import finished_checkpoints, read_metrics
 from tests.cli_helpers import invoke, one_error_line
-from tests.run_helpers import TIMING_FIELDS, alive, rank_pids, start_run, wait_for, write_config
+from tests.run_helpers import (
+    TIMING_FIELDS,
+    alive,
+    rank_pids,
+    release,
+    start_run,
+    wait_for,
+    wait_until_held,
+    write_config,
+)
 
 pytestmark = pytest.mark.cli
 
@@ -358,16 +367,17 @@ def kill_then_resume(config: Path, out: Path, delay_s: float) -> Any:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_a_dead_rank_takes_the_run_down_and_keeps_the_checkpoint(tmp_path: Path) -> None:
-    config = write_config(tmp_path, num_steps=40, checkpoint_every=1)
-    out = tmp_path / "out"
-    process = start_run(config, "--out", out)
-    wait_for(lambda: len(read_metrics(out)) >= 2 if (out / "metrics.jsonl").exists() else False, 90)
+    config = write_config(tmp_path, num_steps=4, checkpoint_every=1)
+    out, hold = tmp_path / "out", tmp_path / "hold"
+    process = start_run(config, "--out", out, hold=(2, hold))  # both ranks wait before step 2
+    wait_until_held(hold, 2)
     ranks = rank_pids(process.pid)
     os.kill(ranks[1], signal.SIGKILL)
-    _, stderr = process.communicate(timeout=60)
+    release(hold)
+    _, stderr = process.communicate(timeout=300)  # a hang guard: seconds on an idle machine
     assert process.returncode == 1
     error = stderr.decode().strip().splitlines()[-1]
-    assert error.startswith("error: run failed: rank ") and "resume from step-" in error, error
+    assert error.startswith("error: run failed: rank ") and "resume from step-000002" in error, error
     assert not any(alive(pid) for pid in ranks)
     assert (out / "failure.log").is_file()
     assert_checkpoints_whole(out)

@@ -44,6 +44,7 @@ from nereus.runtime.rl.update import WeightSync, sync_plans, sync_weights
 from nereus.runtime.rl.warm_start import warm_start
 from nereus.runtime.run.checkpoints import restore, save_run_checkpoint, state_families
 from nereus.runtime.run.controller import Controller, Predictor, prediction_fields
+from nereus.runtime.run.hold import hold_before
 from nereus.runtime.run.plans import plan_schedule
 from nereus.runtime.run.run_setup import Move, RunSetup, Switch
 from nereus.runtime.run.run_state import RunStateData, read_run_state
@@ -109,6 +110,7 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
             spans.step = 0
             warm_start(stages, config.rl, get_task(config.rl.task), syncs)
         for step in range(setup.start_step, config.num_steps):
+            hold_before(step, rank)
             spans.step = step
             start = time.perf_counter()
             move = next_move(setup, state, switches, step)
