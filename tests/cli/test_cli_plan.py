@@ -183,7 +183,7 @@ def test_plan_speaks_of_one_memory_base() -> None:
     result = invoke("plan", "--gpus", "16", "--model", "qwen3-14b", "--workload", "ppo")
     assert result.exit_code == 0, result.output
     text = " ".join(result.stdout.split())  # rich wraps long lines
-    assert "72.0 / 72.0" in text and "69.6" not in text
+    assert "/ 72.0 │" in result.stdout and "/ 69.6" not in text and "69.6" not in text
     assert "memory/GPU: peak, the 2.4 GiB workspace included, of 72.0 GiB usable (80.0 GiB less 10% headroom)" in text
     assert "needs 73.6 GiB > 72.0 GiB usable (largest term: logits 33.4 GiB; workspace 2.4 GiB)" in text
     payload = json.loads(invoke("plan", "--gpus", "16", "--model", "qwen3-14b", "--workload", "ppo", "--json").stdout)
