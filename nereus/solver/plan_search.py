@@ -23,8 +23,8 @@ import numpy as np
 
 from nereus.cost.calibration import Calibration
 from nereus.cost.plan_cost import GIB, RESIDENT_TERMS, usable_memory, weight_sync_time
-from nereus.cost.stage import StageCostModel
-from nereus.solver.layouts import LayoutGrid, MemoryChoices, Option, OptionTable, layout_grid, price_layouts
+from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel
+from nereus.solver.layouts import Choice, LayoutGrid, MemoryChoices, Option, OptionTable, layout_grid, price_layouts
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
 from nereus.spec.stages import (
@@ -193,6 +193,9 @@ class _Problem:
     """Pools of a phase overlap (the phase takes its slowest pool) or run one after another."""
     step_overhead_s: float = 0.0
     """Fixed seconds every step adds (the calibration's)."""
+    host_budget: float = math.inf
+    """Host-memory bytes per GPU a pool's model-stages may keep there together (the node's host
+    memory over its GPUs: a sufficient condition for every node's host memory to fit)."""
 
     def phase_time(self, per_pool: list[float]) -> float:
         return max(per_pool) if self.concurrent_pools else sum(per_pool)
@@ -200,14 +203,17 @@ class _Problem:
     def objective(self, chosen: Sequence[Option]) -> float | None:
         """Step time of a full assignment, or None if some pool overflows memory."""
         num_pools = len(self.placement.pools)
-        resident, transient = [0.0] * num_pools, [0.0] * num_pools
+        resident, transient, host = [0.0] * num_pools, [0.0] * num_pools, [0.0] * num_pools
         sums = [[0.0] * num_pools for _ in STAGES]
         for i, option in enumerate(chosen):
             p = self.pool_of[i]
             resident[p] += option[1]
             transient[p] = max(transient[p], option[2])
+            host[p] += option[8]
             sums[self.phase_of[i]][p] += option[0]
         if any(r + t > self.budget for r, t in zip(resident, transient, strict=True)):
+            return None
+        if any(h > self.host_budget for h in host):
             return None
         return sum(self.phase_time(row) for row in sums) + self.sync_time(chosen) + self.step_overhead_s
 
@@ -271,23 +277,32 @@ def compile_problem(
     tables: dict[tuple[str, int], OptionTable],
     *,
     prune: bool,
-    cache: dict[tuple[str, int], list[Option]] | None = None,
+    cache: dict[tuple[str, int, bool], list[Option]] | None = None,
 ) -> _Problem:
-    """Per-stage option lists; with `prune`, drop lone-infeasible and dominated options."""
+    """Per-stage option lists; with `prune`, drop lone-infeasible and dominated options (in host
+    memory too where the pools' host memory may not hold every model-stage's largest option)."""
     budget = usable_memory(request.cluster, request.calibration)
+    host_budget = host_budget_per_gpu(request.cluster)
     pool_index = {name: (p, size) for p, (_, _, size, stages) in enumerate(placement.pools) for name in stages}
     start_of = {name: start for _, start, _, stages in placement.pools for name in stages}
     names = _order(list(pool_index))
     cache = {} if cache is None else cache
+    most_host = [0.0] * len(placement.pools)
+    for name in names:
+        host = tables[name, pool_index[name][1]].host
+        most_host[pool_index[name][0]] += float(host.max(initial=0.0))
+    by_host = any(h > host_budget for h in most_host)  # host memory may bind
     options = []
     for name in names:
         key = (name, pool_index[name][1])
         if not prune:
             options.append(sorted(tables[key].options))
             continue
-        if key not in cache:
-            cache[key] = _pareto(tables[key].options, budget, by_layout=role_of(name) == "actor")
-        options.append(cache[key])
+        pruned = (*key, by_host)
+        if pruned not in cache:
+            actor = role_of(name) == "actor"
+            cache[pruned] = _pareto(tables[key].options, budget, by_layout=actor, by_host=by_host)
+        options.append(cache[pruned])
     return _Problem(
         placement,
         names,
@@ -299,21 +314,29 @@ def compile_problem(
         _sync_function(request),
         request.calibration.concurrent_pools,
         request.calibration.step_overhead_s,
+        host_budget,
     )
 
 
-def _pareto(options: list[Option], budget: float, *, by_layout: bool) -> list[Option]:
+def host_budget_per_gpu(cluster: Cluster) -> float:
+    """Host-memory bytes per GPU: one node's host memory shared evenly by its GPUs."""
+    return cluster.host_memory_bytes / cluster.gpus_per_node
+
+
+def _pareto(options: list[Option], budget: float, *, by_layout: bool, by_host: bool = False) -> list[Option]:
     """Options sorted by time, without any that a faster-or-equal one dominates in memory.
 
     Actor options are compared only within one (tp, pp): their layout decides the
-    weight-sync cost, so a slower layout may still win. The kept options' memory frontier
+    weight-sync cost, so a slower layout may still win. With `by_host` (host memory may bind),
+    options are compared only with others keeping the same host bytes. The kept options' memory frontier
     per key is a staircase (resident ascending, transient descending), so a dominance test
     is one bisection.
     """
     kept: list[Option] = []
-    stairs: dict[tuple[int, ...], tuple[list[float], list[float]]] = {}
+    stairs: dict[tuple[float, ...], tuple[list[float], list[float]]] = {}
     for option in sorted(o for o in options if o[1] + o[2] <= budget):
-        resident, transient = stairs.setdefault(option[3:5] if by_layout else (), ([], []))
+        key = (*(option[3:5] if by_layout else ()), *((option[8],) if by_host else ()))
+        resident, transient = stairs.setdefault(key, ([], []))
         below = bisect.bisect_right(resident, option[1])
         if below and transient[below - 1] <= option[2]:
             continue  # the least transient among no-larger residents is no larger
@@ -387,6 +410,7 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
         resident[problem.pool_of[i]] += min_res[i]
     phase_max = [problem.phase_time(row) for row in sums]  # with serial pools: the phase's sum
     transient = [0.0] * num_pools
+    host = [0.0] * num_pools  # host bytes per GPU of the assigned model-stages
     last_sync = max(i for i, name in enumerate(problem.names) if name == ACTOR_TRAINING or name in ACTOR_SYNC_TARGETS)
     chosen: list[Option] = []
     leaves = 0
@@ -439,16 +463,17 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
                 break  # options are sorted by time: the rest are no better
             res = resident[p] + option[1] - min_res[i]
             trans = max(transient[p], option[2])
-            if res + max(trans, tail_trans[i + 1][p]) > problem.budget:
+            if res + max(trans, tail_trans[i + 1][p]) > problem.budget or host[p] + option[8] > problem.host_budget:
                 continue
-            saved = resident[p], transient[p], phase_max[phase]
+            saved = resident[p], transient[p], phase_max[phase], host[p]
             sums[phase][p] += extra
             resident[p], transient[p], phase_max[phase] = res, trans, problem.phase_time(sums[phase])
+            host[p] += option[8]
             chosen.append(option)
             visit(i + 1, problem.sync_time(chosen) if i == last_sync else sync)
             chosen.pop()
             sums[phase][p] -= extra
-            resident[p], transient[p], phase_max[phase] = saved
+            resident[p], transient[p], phase_max[phase], host[p] = saved
 
     visit(0, 0.0)
     return leaves
@@ -524,7 +549,7 @@ def search(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int], 
     fastest = {key: table.fastest for key, table in tables.items()}
     ordered = sorted((_placement_bound(p, fastest), i, p) for i, p in enumerate(layouts))
     best, leaves = _TopK(top_k), 0
-    cache: dict[tuple[str, int], list[Option]] = {}
+    cache: dict[tuple[str, int, bool], list[Option]] = {}
     for done, (bound, _, placement) in enumerate(ordered, 1):
         if bound < best.bound:
             # Dominance pruning keeps the optimum but may drop runners-up: only for top-1.
@@ -588,23 +613,22 @@ def rejections(
     return out
 
 
-def describe_choice(choice: tuple[int, int, int, int, int, int]) -> str:
+def describe_choice(choice: Choice) -> str:
     """` recompute=full token_budget=... ` for the choices an option makes (empty: none)."""
-    kv, recompute, token_budget, zero1, offload, full_shard = choice
+    kv, recompute, token_budget, zero1, offload, full_shard, train_offload = choice
     parts = [f"kv_budget={kv / GIB:.1f}GiB" if kv else "", "recompute=full" if recompute else ""]
     parts += [f"token_budget={token_budget}" if token_budget else ""]
-    parts += ["full_shard" if full_shard else "zero1" if zero1 else "", "offload" if offload else ""]
+    parts += ["full_shard" if full_shard else "zero1" if zero1 else ""]
+    parts += [f"train_offload={TRAIN_OFFLOADS[train_offload]}" if train_offload else "", "offload" if offload else ""]
     return "".join(f" {p}" for p in parts if p)
 
 
-def iter_assignments(
-    candidate: Candidate,
-) -> Iterator[tuple[str, str, int, int, int, int, int, tuple[int, int, int, int, int, int]]]:
+def iter_assignments(candidate: Candidate) -> Iterator[tuple[str, str, int, int, int, int, int, Choice]]:
     """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches, choice) per model-stage."""
     pool_of = {name: (pool, start) for pool, start, _, stages in candidate.placement.pools for name in stages}
     for name, option in candidate.choices:
         pool, start = pool_of[name]
-        yield name, pool, start, *option[3:]
+        yield name, pool, start, *option[3:8]
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nereus.cost.plan_cost import evaluate_plan
+from nereus.cost.stage import TRAIN_OFFLOADS
 from nereus.errors import NereusError
 from nereus.solver.layouts import OptionTable
 from nereus.solver.plan_search import (
@@ -46,7 +47,7 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
     entries = {}
     for name, pool, start, tp, pp, dp, micro_batches, choice in iter_assignments(candidate):
         emu_size = tp * pp
-        kv, recompute, token_budget, zero1, offload, full_shard = choice
+        kv, recompute, token_budget, zero1, offload, full_shard, train_offload = choice
         training = is_trained(name)
         emus = [list(range(start + k * emu_size, start + (k + 1) * emu_size)) for k in range(dp)]
         entries[name] = StagePlan(
@@ -62,6 +63,7 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
             zero1=bool(zero1) if training else None,
             offload=bool(offload),
             full_shard=bool(full_shard),
+            train_offload=TRAIN_OFFLOADS[train_offload],  # type: ignore[arg-type]
             kv_budget_bytes=kv or None,
         )
     order = [model_stage(r, s) for r, s in model_stages(request.workload)]
