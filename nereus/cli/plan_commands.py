@@ -118,6 +118,11 @@ def plan(
     if num_gpus > the_cluster.num_gpus:
         raise NereusError(f"--gpus {num_gpus} exceeds the {the_cluster.num_gpus} GPUs of cluster {the_cluster.name}")
     the_calibration = load_kind(str(calibration), Calibration) if calibration else Calibration()
+    if profile is not None:  # the host optimizer's throughput as measured there
+        from nereus.cost.profile import Profile, calibration_from_profile
+
+        measured = load_kind(str(profile), Profile)
+        the_calibration = calibration_from_profile(measured, the_calibration)  # type: ignore[arg-type]
     flags = {"recompute": recompute, "token_budget": token_budget, "zero1": zero1, "offload": offload}
     flags |= {"kv_budget": kv_budget, "full_shard": full_shard, "train_offload": train_offload}
     choices = _memory_choices(flags, for_runtime)
@@ -241,7 +246,7 @@ def _stage_table(plan: Plan, title: str, calibration: Calibration) -> Table:
         "memory choices",
         "time (s)",
         "memory/GPU (GiB)",
-        "host/GPU (GiB)",
+        "host (GiB)",
     )
     for column in columns:
         table.add_column(
@@ -266,7 +271,8 @@ def _stage_table(plan: Plan, title: str, calibration: Calibration) -> Table:
 
 
 def stage_choice_text(entry: StagePlan) -> str:
-    """The memory-saving choices of one model-stage, e.g. `recompute, tokens<=9216, zero1`."""
+    """The memory-saving choices of one model-stage, e.g. `recompute, tokens<=9216, zero1`
+    (`host-opt`, `host-params`: training-time offload of the optimizer, and of the parameters)."""
     parts = []
     if entry.kv_budget_bytes is not None:
         parts.append(f"kv {entry.kv_budget_bytes / GIB:.1f} GiB")
@@ -276,10 +282,10 @@ def stage_choice_text(entry: StagePlan) -> str:
         parts.append(f"tokens<={entry.token_budget}")
     if entry.full_shard:
         parts.append("full shard")
-    elif entry.zero1:
+    elif entry.zero1 and entry.train_offload == "none":  # training-time offload shards the optimizer
         parts.append("zero1")
     if entry.train_offload != "none":
-        parts.append(f"host {entry.train_offload}")
+        parts.append({"optimizer": "host-opt", "params": "host-params"}[entry.train_offload])
     if entry.offload:
         parts.append("offload")
     return ", ".join(parts)

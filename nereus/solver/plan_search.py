@@ -196,6 +196,9 @@ class _Problem:
     host_budget: float = math.inf
     """Host-memory bytes per GPU a pool's model-stages may keep there together (the node's host
     memory over its GPUs: a sufficient condition for every node's host memory to fit)."""
+    host_binds: bool = False
+    """Whether some pool's model-stages at their largest host options overflow `host_budget`
+    (else the search need not bound by host memory)."""
 
     def phase_time(self, per_pool: list[float]) -> float:
         return max(per_pool) if self.concurrent_pools else sum(per_pool)
@@ -287,11 +290,7 @@ def compile_problem(
     start_of = {name: start for _, start, _, stages in placement.pools for name in stages}
     names = _order(list(pool_index))
     cache = {} if cache is None else cache
-    most_host = [0.0] * len(placement.pools)
-    for name in names:
-        host = tables[name, pool_index[name][1]].host
-        most_host[pool_index[name][0]] += float(host.max(initial=0.0))
-    by_host = any(h > host_budget for h in most_host)  # host memory may bind
+    by_host = host_may_bind(request, placement, tables)
     options = []
     for name in names:
         key = (name, pool_index[name][1])
@@ -315,6 +314,17 @@ def compile_problem(
         request.calibration.concurrent_pools,
         request.calibration.step_overhead_s,
         host_budget,
+        by_host,
+    )
+
+
+def host_may_bind(request: PlanRequest, placement: Placement, tables: dict[tuple[str, int], OptionTable]) -> bool:
+    """Whether some pool's model-stages at their largest host options overflow its host memory
+    per GPU (else the search need not look at host memory)."""
+    budget = host_budget_per_gpu(request.cluster)
+    return any(
+        sum(float(tables[name, size].host.max(initial=0.0)) for name in stages) > budget
+        for _, _, size, stages in placement.pools
     )
 
 
@@ -395,7 +405,8 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
 
     The bound is the step time with unassigned model-stages at their fastest option
     (plus the weight sync once its three actor model-stages are chosen); the memory
-    test charges unassigned model-stages their smallest footprint.
+    test charges unassigned model-stages their smallest footprint, on the GPUs and in host
+    memory.
     """
     n, num_pools = len(problem.names), len(problem.placement.pools)
     if _root_bound(problem) >= best.bound:
@@ -411,6 +422,21 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
     phase_max = [problem.phase_time(row) for row in sums]  # with serial pools: the phase's sum
     transient = [0.0] * num_pools
     host = [0.0] * num_pools  # host bytes per GPU of the assigned model-stages
+    tail_host = _tail_host(problem)
+    host_tails = _host_tails(problem, min_time) if problem.host_binds else []
+
+    def host_bound(i: int) -> float:
+        """Step-time bound from host memory: the step is at least one pool's model-stages' times
+        added up, and the unassigned ones of a pool together take the least extra time whose host
+        bytes fit what the pool has left (`_host_tails`)."""
+        bound = 0.0
+        for p in range(num_pools):
+            hosts, extra = host_tails[i][p]
+            k = bisect.bisect_right(hosts, problem.host_budget - host[p]) - 1
+            own = sum(row[p] for row in sums)
+            bound = max(bound, own + (extra[k] if k >= 0 else math.inf))
+        return bound
+
     last_sync = max(i for i, name in enumerate(problem.names) if name == ACTOR_TRAINING or name in ACTOR_SYNC_TARGETS)
     chosen: list[Option] = []
     leaves = 0
@@ -455,6 +481,8 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
             return
         if i and memory_bound(i) + sync >= best.bound:
             return
+        if problem.host_binds and host_bound(i) + sync >= best.bound:
+            return
         p, phase = problem.pool_of[i], problem.phase_of[i]
         base = sum(phase_max) + sync - phase_max[phase]
         for option in problem.options[i]:
@@ -463,7 +491,9 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
                 break  # options are sorted by time: the rest are no better
             res = resident[p] + option[1] - min_res[i]
             trans = max(transient[p], option[2])
-            if res + max(trans, tail_trans[i + 1][p]) > problem.budget or host[p] + option[8] > problem.host_budget:
+            if res + max(trans, tail_trans[i + 1][p]) > problem.budget:
+                continue
+            if host[p] + option[8] + tail_host[i + 1][p] > problem.host_budget:
                 continue
             saved = resident[p], transient[p], phase_max[phase], host[p]
             sums[phase][p] += extra
@@ -520,6 +550,39 @@ def _fastest_by_growth(options: list[Option], min_res: float) -> tuple[list[floa
     return growth, fastest
 
 
+def _host_tails(problem: _Problem, min_time: list[float]) -> list[list[tuple[list[float], list[float]]]]:
+    """Per depth and pool: the unassigned model-stages of the pool together, as a staircase of
+    (host bytes per GPU ascending, the least extra time over their fastest options with at most
+    that many host bytes). The extra times are shaved by a relative 1e-12 so float summation
+    order can never make the bound exceed a leaf it covers."""
+    n, num_pools = len(problem.names), len(problem.placement.pools)
+    current = [(np.zeros(1), np.zeros(1)) for _ in range(num_pools)]
+    tails: list[list[tuple[list[float], list[float]]]] = [[([0.0], [0.0])] * num_pools for _ in range(n + 1)]
+    for j in range(n - 1, -1, -1):
+        p = problem.pool_of[j]
+        hosts = np.array([o[8] for o in problem.options[j]])
+        times = np.array([o[0] for o in problem.options[j]]) - min_time[j]
+        hosts_now, times_now = current[p]
+        combined = (hosts[:, None] + hosts_now[None, :]).ravel()
+        extra = (times[:, None] + times_now[None, :]).ravel()
+        order = np.argsort(combined, kind="stable")
+        combined, extra = combined[order], np.minimum.accumulate(extra[order])
+        keep = np.concatenate([[True], extra[1:] < extra[:-1]])  # the staircase's corners
+        current[p] = (combined[keep], extra[keep])
+        tails[j] = [(h.tolist(), (t * (1 - 1e-12)).tolist()) for h, t in current]
+    return tails
+
+
+def _tail_host(problem: _Problem) -> list[list[float]]:
+    """Per depth and pool: the least host bytes per GPU the unassigned model-stages add."""
+    n, num_pools = len(problem.names), len(problem.placement.pools)
+    tail = [[0.0] * num_pools for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        tail[i] = list(tail[i + 1])
+        tail[i][problem.pool_of[i]] += min(o[8] for o in problem.options[i])
+    return tail
+
+
 def _tail_transients(problem: _Problem) -> list[list[float]]:
     """Per depth and pool: the largest smallest-transient among unassigned model-stages."""
     n, num_pools = len(problem.names), len(problem.placement.pools)
@@ -548,20 +611,45 @@ def search(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int], 
     tables = price_all(request, layouts)
     fastest = {key: table.fastest for key, table in tables.items()}
     ordered = sorted((_placement_bound(p, fastest), i, p) for i, p in enumerate(layouts))
-    best, leaves = _TopK(top_k), 0
     cache: dict[tuple[str, int, bool], list[Option]] = {}
-    for done, (bound, _, placement) in enumerate(ordered, 1):
-        if bound < best.bound:
-            # Dominance pruning keeps the optimum but may drop runners-up: only for top-1.
-            problem = compile_problem(request, placement, tables, prune=top_k == 1, cache=cache)
-            leaves += branch_and_bound(problem, best)
-        if progress:
-            progress(done, len(ordered))
+    leaves = 0
+    for cap in _caps(request, ordered, tables):
+        best = _TopK(top_k)
+        best.bound = cap  # only steps faster than the cap are looked for in this pass
+        for done, (bound, _, placement) in enumerate(ordered, 1):
+            if bound < best.bound:
+                # Dominance pruning keeps the optimum but may drop runners-up: only for top-1.
+                problem = compile_problem(request, placement, tables, prune=top_k == 1, cache=cache)
+                leaves += branch_and_bound(problem, best)
+            if progress:
+                progress(done, len(ordered))
+        if len(best.heap) == top_k:
+            break
     found = best.sorted()
     shown = found[0].placement if found else layouts[0]
     return SearchOutcome(
         found, len(layouts), leaves, time.perf_counter() - started, report=lambda: rejections(request, tables, shown)
     )
+
+
+#: Growth of the step-time cap between passes of a search whose host memory may bind.
+CAP_GROWTH = 1.1
+#: Capped passes before the last, uncapped one (the cap then exceeds 45x the first).
+MAX_CAPPED_PASSES = 40
+
+
+def _caps(
+    request: PlanRequest, ordered: list[tuple[float, int, Placement]], tables: dict[tuple[str, int], OptionTable]
+) -> list[float]:
+    """The step-time caps of the search's passes. Host memory binds the model-stages of a pool
+    together, so a depth-first search without an incumbent can wander long before its first
+    leaf that fits: where host memory may bind, passes look only for steps under a cap growing
+    from the best placement's lower bound, and stop at the first that finds the best candidates
+    (each pass is exact below its cap); otherwise one uncapped pass."""
+    first = ordered[0][0] if ordered else math.inf
+    if not math.isfinite(first) or not any(host_may_bind(request, p, tables) for _, _, p in ordered):
+        return [math.inf]
+    return [first * CAP_GROWTH**k for k in range(1, MAX_CAPPED_PASSES + 1)] + [math.inf]
 
 
 def reference_search(request: PlanRequest, top_k: int = 1) -> SearchOutcome:

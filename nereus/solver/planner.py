@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nereus.cost.plan_cost import evaluate_plan
+from nereus.cost.plan_cost import evaluate_plan, host_problems
 from nereus.cost.stage import TRAIN_OFFLOADS
 from nereus.errors import NereusError
 from nereus.solver.layouts import OptionTable
@@ -14,6 +15,7 @@ from nereus.solver.plan_search import (
     PlanRequest,
     Rejection,
     closest_shortfall,
+    host_budget_per_gpu,
     iter_assignments,
     placements,
     price_all,
@@ -23,6 +25,7 @@ from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, Pool, StagePlan
 from nereus.spec.stages import is_trained, model_stage
 from nereus.spec.workload import model_stages
+from nereus.units import format_bytes
 
 #: The largest GPU count probed when looking for the smallest one that fits.
 MAX_PROBE_GPUS = 65536
@@ -105,7 +108,10 @@ def _infeasible_message(request: PlanRequest, rejected: list[Rejection]) -> str:
         )
     short = closest_shortfall(request, (layouts, tables))
     least = min(rejected, key=lambda r: r.needed_bytes, default=None)
-    if short is not None:
+    host = _host_shortfall(request)
+    if host is not None:
+        reason = f"; every plan that fits the GPUs overflows host memory: the fastest needs {host}"
+    elif short is not None:
         reason = f"; closest: {short.describe()}"
     else:
         reason = f"; e.g. {least.describe()}" if least else " (model-stages do not fit together)"
@@ -115,6 +121,27 @@ def _infeasible_message(request: PlanRequest, rejected: list[Rejection]) -> str:
         f"no memory-feasible plan for {request.workload.name} on {request.num_gpus} "
         f"{request.cluster.gpu.name} GPUs{reason}; {fix}"
     )
+
+
+def _host_shortfall(request: PlanRequest) -> str | None:
+    """What the fastest plan that fits the GPUs keeps in host memory beyond the nodes' (None:
+    no plan fits the GPUs even with unbounded host memory)."""
+    unbounded = dataclasses.replace(request, cluster=request.cluster.model_copy(update={"host_memory_bytes": 2**62}))
+    found = search(unbounded).candidates
+    if not found:
+        return None
+    plan = build_plan(unbounded, found[0])
+    assert plan.predictions is not None
+    host = {name: sum(p.host_memory_bytes.values()) for name, p in plan.predictions.model_stages.items()}
+    problems = host_problems(plan.model_copy(update={"cluster": request.cluster}), host)
+    per_gpu = host_budget_per_gpu(request.cluster)
+    pools = {e.pool: 0.0 for e in plan.stages}
+    for entry in plan.stages:
+        pools[entry.pool] += host[entry.model_stage]
+    fullest = max(pools, key=lambda name: pools[name])
+    # The search bounds a pool's host bytes per GPU by the node's share (a sufficient condition).
+    per_pool = f"{format_bytes(pools[fullest])} per GPU in pool {fullest} > {format_bytes(per_gpu)} (the node's share)"
+    return problems[0] if problems else per_pool
 
 
 def _fits(request: PlanRequest, num_gpus: int) -> bool:

@@ -133,7 +133,36 @@ def assert_one_line_error(result, *fragments: str) -> None:  # type: ignore[no-u
 
 def test_plan_70b_on_8_gpus_is_one_line_error() -> None:
     result = invoke("plan", "--gpus", "8", "--model", "llama-3.3-70b")
+    assert_one_line_error(result, "no memory-feasible plan", "smallest GPU count that fits is 16")
+    result = invoke("plan", "--gpus", "8", "--model", "llama-3.3-70b", "--train-offload", "none")
     assert_one_line_error(result, "no memory-feasible plan", "smallest GPU count that fits is 24")
+
+
+def test_plan_70b_on_16_gpus_offloads_training_and_shows_host_memory(tmp_path: Path) -> None:
+    """Issue 44's acceptance: a plan, with training-time offload, and its host bytes as a column."""
+    out = tmp_path / "p.yaml"
+    flags = ["--gpus", "16", "--cluster", "h100", "--model", "llama-3.3-70b", "--workload", "ppo", "-o", out]
+    result = invoke("plan", *flags)
+    assert result.exit_code == 0, result.output
+    assert "host (GiB)" in result.stdout and "host-opt" in result.stdout
+    plan = load_document(out)
+    assert isinstance(plan, Plan)
+    assert {e.train_offload for e in plan.stages if e.stage == "training"} == {"optimizer"}
+    explained = invoke("plan", "explain", out)
+    assert "host memory per GPU" in explained.stdout and "training-time offload optimizer" in explained.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--train-offload", "sometimes"], "--train-offload sometimes: use none, optimizer, params or search"),
+        (["--train-offload", "params", "--full-shard", "off"], "which --full-shard off excludes"),
+        (["--train-offload", "optimizer", "--zero1", "off"], "which --zero1 off excludes"),
+        (["--train-offload", "optimizer", "--for-runtime"], "--for-runtime excludes --train-offload optimizer"),
+    ],
+)
+def test_train_offload_pins_that_contradict_are_one_line_errors(flags: list[str], message: str) -> None:
+    assert_one_line_error(invoke("plan", "--gpus", "8", *flags), message)
 
 
 def test_plan_more_gpus_than_the_cluster() -> None:

@@ -5,6 +5,7 @@ oracle choosing only among plans that rule lets run."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -14,7 +15,7 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.fit import engineless_stages, with_engine_budget
 from nereus.cost.kv_pool import BLOCK_TOKENS, engine_budget
 from nereus.cost.plan_cost import evaluate_plan, stage_cost_model
-from nereus.solver.layouts import RUNTIME_CHOICES
+from nereus.solver.layouts import RUNTIME_CHOICES, MemoryChoices
 from nereus.solver.policy import NereusPolicy, Observation, Replanner, plan_key
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
@@ -37,6 +38,19 @@ CAPACITY = 16 * 2**20
 #: 8 prompts x 8 samples: 32 sequences per generation replica under dp=2.
 SAMPLES_PER_PROMPT = 8
 GROWTH = [8, 256]
+
+
+#: The runtime's own choices with KV budgets and ZeRO-1 pinned off: generation in the KV pool the
+#: engine sizes from what the other model-stages leave, every optimizer state whole. These tests are
+#: about that pool and the refits around it (the runtime's planner now also searches KV budgets and
+#: ZeRO-1, which would absorb the growth they are built on).
+ENGINE_POOL = dataclasses.replace(RUNTIME_CHOICES, kv_budget=(False,), zero1=(False,))
+
+
+def engine_pool_rule(initial: Plan) -> Replanner:
+    """The benchmark's controller replanner (`adaptive_memory.rule`) under `ENGINE_POOL`."""
+    engineless = engineless_stages(initial, RLConfig(task="sort"))
+    return Replanner(initial, calibration=Calibration(), choices=ENGINE_POOL, engineless=engineless)
 
 
 def lengths(tokens: int) -> ResponseLengths:
@@ -77,7 +91,7 @@ def test_the_replanner_prices_generation_in_the_pool_the_runtime_sizes(plans: di
     per_token = stage_cost_model(at_256, generation.role, generation.stage, Calibration()).kv_bytes_per_token(1, 1)
     # One rule: the cost model's pool holds exactly the runtime's tokens.
     assert budget / float(per_token) == runtime_blocks * BLOCK_TOKENS
-    replanner = Replanner(initial, choices=RUNTIME_CHOICES, engineless=engineless)
+    replanner = Replanner(initial, choices=ENGINE_POOL, engineless=engineless)
     whole = one_row_micro_batches(sized(plans["c1"], 256))
     evaluation = evaluate_plan(with_engine_budget(whole, engineless), Calibration())
     assert evaluation.feasible
@@ -102,8 +116,9 @@ def test_refits_keep_to_the_choices_the_runtime_executes(plans: dict[str, Plan])
     """No activation recompute the runtime cannot run: the layout is kept only while one-row
     micro-batches fit; sized for the growth margin first, else for the lengths measured."""
     initial = plans["initial"]
-    free = Replanner(initial)  # every memory-saving choice
-    runtime = Replanner(initial, choices=RUNTIME_CHOICES)
+    # every memory-saving choice but training-time offload (which would take the place of recompute)
+    free = Replanner(initial, choices=MemoryChoices(train_offload=("none",)))
+    runtime = Replanner(initial, choices=ENGINE_POOL)
     with_recompute = free.refit(initial, 2, lengths(256), 1.0)
     assert with_recompute is not None and any(s.recompute != "none" for s in with_recompute.stages)
     refit = runtime.refit(initial, 2, lengths(256), 1.0)
@@ -147,7 +162,7 @@ def test_the_oracle_chooses_only_plans_the_capacity_lets_run(plans: dict[str, Pl
 def test_a_violation_only_within_the_growth_margin_keeps_a_plan_no_move_beats(plans: dict[str, Plan]) -> None:
     """The running plan fits the measured 256 tokens, not 256 plus the margin: moving to a plan
     sized for a length the run has not reached is weighed against keeping it, and ties keep."""
-    replanner = rule(plans["initial"], Calibration())
+    replanner = engine_pool_rule(plans["initial"])
     running = replanner.refit(plans["initial"], 2, lengths(128), 1.0)
     assert running is not None
     assert replanner.step_time(running, lengths(256), 1.0) is not None
