@@ -706,7 +706,7 @@ def describe_choice(choice: Choice) -> str:
     kv, recompute, token_budget, zero1, offload, full_shard, train_offload = choice
     parts = [f"kv_budget={kv / GIB:.1f}GiB" if kv else "", "recompute=full" if recompute else ""]
     parts += [f"token_budget={token_budget}" if token_budget else ""]
-    parts += ["full_shard" if full_shard else "zero1" if zero1 else ""]
+    parts += ["full_shard" if full_shard else "zero1" if zero1 and not train_offload else ""]  # implied by it
     parts += [f"train_offload={TRAIN_OFFLOADS[train_offload]}" if train_offload else "", "offload" if offload else ""]
     return "".join(f" {p}" for p in parts if p)
 
