@@ -132,7 +132,7 @@ def _host_shortfall(request: PlanRequest) -> str | None:
         return None
     plan = build_plan(unbounded, found[0])
     assert plan.predictions is not None
-    host = {name: sum(p.host_memory_bytes.values()) for name, p in plan.predictions.model_stages.items()}
+    host = {name: float(sum(p.host_memory_bytes.values())) for name, p in plan.predictions.model_stages.items()}
     problems = host_problems(plan.model_copy(update={"cluster": request.cluster}), host)
     per_gpu = host_budget_per_gpu(request.cluster)
     pools = {e.pool: 0.0 for e in plan.stages}
