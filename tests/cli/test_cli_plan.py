@@ -141,14 +141,14 @@ def test_plan_70b_on_8_gpus_is_one_line_error() -> None:
 def test_plan_70b_on_16_gpus_offloads_training_and_shows_host_memory(tmp_path: Path) -> None:
     """Issue 44's acceptance: a plan, with training-time offload, and its host bytes as a column."""
     out = tmp_path / "p.yaml"
-    flags = ["--gpus", "16", "--cluster", "h100", "--model", "llama-3.3-70b", "--workload", "ppo", "-o", out]
+    flags = ["--gpus", "16", "--cluster", "h100", "--model", "llama-3.3-70b", "--workload", "ppo", "-o", str(out)]
     result = invoke("plan", *flags)
     assert result.exit_code == 0, result.output
     assert "host (GiB)" in result.stdout and "host-opt" in result.stdout
     plan = load_document(out)
     assert isinstance(plan, Plan)
     assert {e.train_offload for e in plan.stages if e.stage == "training"} == {"optimizer"}
-    explained = invoke("plan", "explain", out)
+    explained = invoke("plan", "explain", str(out))
     assert "host memory per GPU" in explained.stdout and "training-time offload optimizer" in explained.stdout
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Iterator
 
 import pytest
 from repo_paths import BENCHMARKS
@@ -24,6 +25,8 @@ from nereus.spec.workload import ResponseLengths
 pytestmark = pytest.mark.logic
 
 sys.path.insert(0, str(BENCHMARKS))
+import adaptive_memory  # noqa: E402  (a benchmark, not a package)
+import adaptive_run  # noqa: E402
 from adaptive_memory import (  # noqa: E402  (a benchmark's helpers, not a package)
     candidates,
     distinct,
@@ -47,10 +50,14 @@ GROWTH = [8, 256]
 ENGINE_POOL = dataclasses.replace(RUNTIME_CHOICES, kv_budget=(False,), zero1=(False,))
 
 
-def engine_pool_rule(initial: Plan) -> Replanner:
-    """The benchmark's controller replanner (`adaptive_memory.rule`) under `ENGINE_POOL`."""
-    engineless = engineless_stages(initial, RLConfig(task="sort"))
-    return Replanner(initial, calibration=Calibration(), choices=ENGINE_POOL, engineless=engineless)
+@pytest.fixture(scope="module", autouse=True)
+def engine_pool_choices() -> Iterator[None]:
+    """The memory benchmark's plans and controller replanner under `ENGINE_POOL`, as they were
+    measured (its modules read `RUNTIME_CHOICES` when they plan)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(adaptive_memory, "RUNTIME_CHOICES", ENGINE_POOL)
+        patch.setattr(adaptive_run, "RUNTIME_CHOICES", ENGINE_POOL)
+        yield
 
 
 def lengths(tokens: int) -> ResponseLengths:
@@ -162,7 +169,7 @@ def test_the_oracle_chooses_only_plans_the_capacity_lets_run(plans: dict[str, Pl
 def test_a_violation_only_within_the_growth_margin_keeps_a_plan_no_move_beats(plans: dict[str, Plan]) -> None:
     """The running plan fits the measured 256 tokens, not 256 plus the margin: moving to a plan
     sized for a length the run has not reached is weighed against keeping it, and ties keep."""
-    replanner = engine_pool_rule(plans["initial"])
+    replanner = rule(plans["initial"], Calibration())
     running = replanner.refit(plans["initial"], 2, lengths(128), 1.0)
     assert running is not None
     assert replanner.step_time(running, lengths(256), 1.0) is not None
