@@ -80,6 +80,14 @@ def plan(
             "(ZeRO-3 / FSDP full shard): on, off, or search."
         ),
     ] = "search",
+    train_offload: Annotated[
+        str,
+        typer.Option(
+            help="Training keeps AdamW state and gradients (optimizer), and the parameters too (params: needs "
+            "full sharding), in host memory with the optimizer step on the host: none, optimizer, params, "
+            "or search (all three)."
+        ),
+    ] = "search",
     for_runtime: Annotated[
         bool,
         typer.Option(
@@ -112,7 +120,14 @@ def plan(
     if num_gpus > the_cluster.num_gpus:
         raise NereusError(f"--gpus {num_gpus} exceeds the {the_cluster.num_gpus} GPUs of cluster {the_cluster.name}")
     the_calibration = load_kind(str(calibration), Calibration) if calibration else Calibration()
-    choices = _memory_choices(recompute, token_budget, zero1, offload, kv_budget, full_shard, for_runtime)
+    if profile is not None:  # the host optimizer's throughput as measured there
+        from nereus.cost.profile import Profile, calibration_from_profile
+
+        measured = load_kind(str(profile), Profile)
+        the_calibration = calibration_from_profile(measured, the_calibration)  # type: ignore[arg-type]
+    flags = {"recompute": recompute, "token_budget": token_budget, "zero1": zero1, "offload": offload}
+    flags |= {"kv_budget": kv_budget, "full_shard": full_shard, "train_offload": train_offload}
+    choices = _memory_choices(flags, for_runtime)
     models = models_for(the_workload, the_model)
     unfit = model_fit_problems(models, the_workload)
     if unfit:
@@ -142,32 +157,41 @@ def _switch(flag: str, value: str, on: object, off: object) -> tuple[object, ...
     return values[value]
 
 
-def _memory_choices(
-    recompute: str, token_budget: str, zero1: str, offload: str, kv_budget: str, full_shard: str, for_runtime: bool
-) -> MemoryChoices:
-    """The search space the flags leave (each flag pins one choice; --for-runtime pins off every
-    choice the runtime does not execute, `nereus.spec.capabilities`)."""
+def _memory_choices(flags: dict[str, str], for_runtime: bool) -> MemoryChoices:
+    """The search space the flags leave, by choice name (each flag pins one choice; --for-runtime
+    pins off every choice the runtime does not execute, `nereus.spec.capabilities`)."""
+    from nereus.cost.stage import TRAIN_OFFLOADS
     from nereus.solver.layouts import MemoryChoices
     from nereus.spec.capabilities import MEMORY_CHOICES
 
     if for_runtime:
-        flags = {"recompute": recompute, "token_budget": token_budget, "zero1": zero1, "offload": offload}
-        flags |= {"kv_budget": kv_budget, "full_shard": full_shard}
         for name, value in flags.items():
             support = MEMORY_CHOICES[name]  # type: ignore[index]
             if not support.executed and value not in ("search", "off", "none"):
                 raise NereusError(
                     f"--for-runtime excludes {support.flag} {value}: the runtime does not execute {support.label} yet"
                 )
-        recompute, token_budget, zero1, offload, kv_budget, full_shard = (
-            value if MEMORY_CHOICES[name].executed else MEMORY_CHOICES[name].off  # type: ignore[index]
+        flags = {
+            name: value if MEMORY_CHOICES[name].executed else MEMORY_CHOICES[name].off  # type: ignore[index]
             for name, value in flags.items()
-        )
+        }
+    recompute, token_budget, zero1, offload = (flags[k] for k in ("recompute", "token_budget", "zero1", "offload"))
+    kv_budget, full_shard, train_offload = (flags[k] for k in ("kv_budget", "full_shard", "train_offload"))
     if full_shard == "on" and zero1 == "off":
         raise NereusError("--full-shard on shards the optimizer state too, which --zero1 off excludes; drop one")
+    if train_offload in ("optimizer", "params") and zero1 == "off":
+        raise NereusError(
+            f"--train-offload {train_offload} shards the optimizer state across dp, which --zero1 off excludes; "
+            "drop one"
+        )
+    if train_offload == "params" and full_shard == "off":
+        raise NereusError("--train-offload params offloads parameter shards, which --full-shard off excludes; drop one")
     recompute_values = {level: (level,) for level in RECOMPUTE_LEVELS} | {"search": RECOMPUTE_LEVELS}
     if recompute not in recompute_values:
         raise NereusError(f"--recompute {recompute}: use none, full, selective or search")
+    offload_values = {name: (name,) for name in TRAIN_OFFLOADS} | {"search": TRAIN_OFFLOADS}
+    if train_offload not in offload_values:
+        raise NereusError(f"--train-offload {train_offload}: use none, optimizer, params or search")
     return MemoryChoices(
         recompute=recompute_values[recompute],
         token_budget=_switch("--token-budget", token_budget, True, False),  # type: ignore[arg-type]
@@ -175,6 +199,7 @@ def _memory_choices(
         offload=_switch("--offload", offload, True, False),  # type: ignore[arg-type]
         kv_budget=_switch("--kv-budget", kv_budget, True, False),  # type: ignore[arg-type]
         full_shard=_switch("--full-shard", full_shard, True, False),  # type: ignore[arg-type]
+        train_offload=offload_values[train_offload],
     )
 
 
@@ -232,6 +257,7 @@ def _stage_table(plan: Plan, title: str, calibration: Calibration) -> Table:
         "memory choices",
         "time (s)",
         "memory/GPU (GiB)",
+        "host (GiB)",
     )
     for column in columns:
         table.add_column(
@@ -250,12 +276,14 @@ def _stage_table(plan: Plan, title: str, calibration: Calibration) -> Table:
             stage_choice_text(entry) or "-",
             f"{pred.time_s:.2f}",
             f"{pred.peak_memory_bytes / GIB:.1f} / {usable / GIB:.1f}",
+            f"{sum(pred.host_memory_bytes.values()) / GIB:.1f}" if pred.host_memory_bytes else "-",
         )
     return table
 
 
 def stage_choice_text(entry: StagePlan) -> str:
-    """The memory-saving choices of one model-stage, e.g. `recompute, tokens<=9216, zero1`."""
+    """The memory-saving choices of one model-stage, e.g. `recompute, tokens<=9216, zero1`
+    (`host-opt`, `host-params`: training-time offload of the optimizer, and of the parameters)."""
     parts = []
     if entry.kv_budget_bytes is not None:
         parts.append(f"kv {entry.kv_budget_bytes / GIB:.1f} GiB")
@@ -265,8 +293,10 @@ def stage_choice_text(entry: StagePlan) -> str:
         parts.append(f"tokens<={entry.token_budget}")
     if entry.full_shard:
         parts.append("full shard")
-    elif entry.zero1:
+    elif entry.zero1 and entry.train_offload == "none":  # training-time offload shards the optimizer
         parts.append("zero1")
+    if entry.train_offload != "none":
+        parts.append({"optimizer": "host-opt", "params": "host-params"}[entry.train_offload])
     if entry.offload:
         parts.append("offload")
     return ", ".join(parts)

@@ -99,6 +99,8 @@ def _print_profile(measured: Profile, wall_s: float, output: Path) -> None:
             f"attention {a.flops_per_s / 1e9:8.1f} GFLOP/s (b={a.batch} h={a.heads} s={a.seq_len} d={a.head_dim})"
         )
     console.print(f"memory    {measured.memory_bytes_per_s / 1e9:8.1f} GB/s copy")
+    if measured.host_adam_params_per_s is not None:
+        console.print(f"host adam {measured.host_adam_params_per_s / 1e9:8.2f} G params/s (AdamW step, every thread)")
     if measured.collectives:
         table = Table(title="collectives", title_justify="left")
         for column in ("op", "ranks", "latency (us)", "bandwidth (GB/s)", "largest (MiB)", "its time (ms)"):

@@ -69,6 +69,12 @@ class Calibration(Document):
     vllm_iteration_overhead_s: float = Field(default=2e-3, ge=0)
     """Fixed seconds per vLLM scheduler iteration beyond the layers (scheduling, sampling, output
     processing; kernel launches are in CUDA graphs on GPUs)."""
+    host_adam_params_per_s: float = Field(default=2e9, gt=0)
+    """Parameters one node's host CPUs update per second with torch's AdamW (fp32 state, all
+    cores; the node's GPUs that offload their optimizer share it): prices training-time offload's
+    host optimizer step. `nereus profile` measures it on the machine it runs on
+    (`Profile.host_adam_params_per_s`). Default 2e9: a dual-socket DGX host, AdamW being memory
+    bound at about 28 bytes read and written per parameter, reaching some 56 GB/s of its DDR5."""
     concurrent_pools: bool = True
     """Pools of one phase run at the same time (nereus's runtime does: each rank runs only its own
     model-stages); false prices a runtime that runs model-stages one after another."""

@@ -45,10 +45,21 @@ def choice_line(entry: StagePlan, cost: StageCostModel) -> str:
         return f"{sharding}; offload {'on' if entry.offload else 'off'}"
     zero1 = entry.full_shard or (entry.zero1 if entry.zero1 is not None else cost.workload.optimizer.shard_across_dp)
     batching = f"packed to {entry.token_budget} tokens" if entry.token_budget else "equal rows at the maximum length"
+    zero1 = zero1 or entry.train_offload != "none"
     return (
         f"recompute {entry.recompute}; micro-batches {batching}; ZeRO-1 {'on' if zero1 else 'off'}; "
-        f"{sharding}; offload {'on' if entry.offload else 'off'}"
+        f"{sharding}; {_train_offload_text(entry)}; offload {'on' if entry.offload else 'off'}"
     )
+
+
+def _train_offload_text(entry: StagePlan) -> str:
+    """Training-time offload and what it keeps in host memory."""
+    kept = {
+        "none": "off",
+        "optimizer": "optimizer (AdamW state and gradients in host memory, the step on the host)",
+        "params": "params (parameters, gradients and AdamW state in host memory, the step on the host)",
+    }
+    return f"training-time offload {kept[entry.train_offload]}"
 
 
 def _full_shard_text(entry: StagePlan, cost: StageCostModel) -> str:
@@ -81,6 +92,7 @@ def explain_plan(plan: Plan, calibration: Calibration) -> dict[str, Any]:
             "derived": derived,
             "time_s": pred.time_breakdown_s,
             "memory_bytes": pred.memory_breakdown_bytes,
+            "host_memory_bytes": pred.host_memory_bytes,
         }
         lines.append(
             f"\n{entry.model_stage}: tp={entry.tp} pp={entry.pp} dp={entry.dp} "
@@ -98,6 +110,11 @@ def explain_plan(plan: Plan, calibration: Calibration) -> dict[str, Any]:
             f"  peak memory {pred.peak_memory_bytes / GIB:.2f} GiB = "
             + " + ".join(f"{k} {v / GIB:.2f}" for k, v in pred.memory_breakdown_bytes.items())
         )
+        if pred.host_memory_bytes:
+            lines.append(
+                f"  host memory per GPU {sum(pred.host_memory_bytes.values()) / GIB:.2f} GiB = "
+                + " + ".join(f"{k} {v / GIB:.2f}" for k, v in pred.host_memory_bytes.items())
+            )
     lines.append("\nstep (phases in sequence; within a phase pools overlap, a pool runs its model-stages serially):")
     for phase in STAGES:
         pools: dict[str, float] = {}

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
-from nereus.cost.stage import StageCostModel
+from nereus.cost.stage import OFFLOAD_LEVELS, TRAIN_OFFLOADS, StageCostModel
 from nereus.spec.check import Problem
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import RECOMPUTE_LEVELS, Plan, Predictions, StagePlan, StagePrediction
@@ -88,6 +88,7 @@ def stage_choices(entry: StagePlan) -> dict[str, Any]:
         "zero1": entry.zero1,
         "kv_budget": math.inf if entry.kv_budget_bytes is None else float(entry.kv_budget_bytes),
         "full_shard": int(entry.full_shard),
+        "train_offload": TRAIN_OFFLOADS.index(entry.train_offload),
     }
 
 
@@ -101,12 +102,16 @@ def split_resident(memory: dict[str, Any], offload: Any) -> tuple[Any, Any]:
 def resident_share(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
     """Share of a model-stage's full model state (parameters, gradients, unsharded optimizer)
     that stays on its GPUs between stages, as `evaluate_plan` counts it: 0 when offloaded,
-    less than 1 under ZeRO-1 or full sharding, 1 otherwise."""
+    less than 1 under ZeRO-1, full sharding or training-time offload, 1 otherwise."""
     if entry.offload:
         return 0.0
     model = stage_cost_model(plan, entry.role, entry.stage, calibration)
     params = model.params_per_gpu(entry.tp, entry.pp)
     kept = model.model_state_terms(params, entry.dp, entry.zero1, int(entry.full_shard))
+    level = TRAIN_OFFLOADS.index(entry.train_offload)
+    if level:  # training-time offload keeps these in host memory, sharded across dp
+        kept = model.model_state_terms(params, entry.dp, True, int(entry.full_shard))
+        kept = {k: v for k, v in kept.items() if level < OFFLOAD_LEVELS[k]}
     return float(sum(kept.values())) / replica_state_bytes(plan, entry.model_stage, calibration, entry.tp, entry.pp)
 
 
@@ -137,7 +142,33 @@ def one_sequence_shortfall(plan: Plan, entry: StagePlan, calibration: Calibratio
     return max(0.0, one_sequence_bytes(plan, entry, calibration) - entry.kv_budget_bytes)
 
 
-def _stage_terms(plan: Plan, entry: StagePlan, calibration: Calibration) -> tuple[dict[str, float], dict[str, float]]:
+def host_bytes(memory: dict[str, Any], host: dict[str, Any], offload: Any) -> dict[str, Any]:
+    """Host-memory bytes per GPU by term: training-time offload's (`StageCostModel.host_terms`)
+    and, where the model-stage is offloaded, its device states asleep between runs (`asleep`)."""
+    asleep = np.where(offload, sum(v for k, v in memory.items() if k in RESIDENT_TERMS), 0.0)
+    return {**host, "asleep": asleep} if np.ndim(offload) or offload else dict(host)
+
+
+def host_problems(plan: Plan, host_per_gpu: dict[str, float]) -> list[str]:
+    """Nodes whose host memory the model-stages' offloaded states overflow: each model-stage
+    keeps `host_per_gpu[model_stage]` bytes for each of its GPUs on the node."""
+    used: dict[int, float] = {}
+    for entry in plan.stages:
+        for gpu in entry.gpus:
+            node = plan.cluster.node_of(gpu)
+            used[node] = used.get(node, 0.0) + host_per_gpu[entry.model_stage]
+    limit = plan.cluster.host_memory_bytes
+    return [
+        f"host memory of node {node}: {format_bytes(size)} > {format_bytes(limit)} (the cluster's host_memory_bytes)"
+        for node, size in sorted(used.items())
+        if size > limit
+    ]
+
+
+def _stage_terms(
+    plan: Plan, entry: StagePlan, calibration: Calibration
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(time, device memory, host memory) terms of one model-stage."""
     model = stage_cost_model(plan, entry.role, entry.stage, calibration)
     pp_inter = any(_spans_nodes(plan.cluster, emu) for emu in entry.emus)
     dp_inter = _spans_nodes(plan.cluster, entry.gpus)
@@ -149,7 +180,10 @@ def _stage_terms(plan: Plan, entry: StagePlan, calibration: Calibration) -> tupl
     if entry.offload:
         states = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
         times["offload"] = model.offload_time(states)
-    return {k: float(v) for k, v in times.items()}, {k: float(v) for k, v in memory.items()}
+    level = choices["train_offload"]
+    host = host_bytes(memory, model.host_terms(entry.tp, entry.pp, entry.dp, level), entry.offload)
+    floats = ({k: float(v) for k, v in terms.items()} for terms in (times, memory, host))
+    return next(floats), next(floats), next(floats)
 
 
 def _weight_sync(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
@@ -180,7 +214,7 @@ def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) ->
     resident_on: dict[int, float] = {}
     transient_of: dict[str, float] = {}
     for entry in plan.stages:
-        _, memory = terms[entry.model_stage]
+        _, memory, _ = terms[entry.model_stage]
         resident, transient = (float(x) for x in split_resident(memory, entry.offload))
         transient_of[entry.model_stage] = transient
         for gpu in entry.gpus:
@@ -190,7 +224,7 @@ def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) ->
     stage_predictions: dict[str, StagePrediction] = {}
     problems: list[str] = []
     for entry in plan.stages:
-        times, memory = terms[entry.model_stage]
+        times, memory, host = terms[entry.model_stage]
         own_resident = float(split_resident(memory, entry.offload)[0])
         busiest = max(entry.gpus, key=lambda g: resident_on[g])
         breakdown = dict(memory, co_resident=resident_on[busiest] - own_resident, workspace=workspace)
@@ -202,6 +236,7 @@ def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) ->
             peak_memory_bytes=int(peak),
             time_breakdown_s=times,
             memory_breakdown_bytes={k: int(v) for k, v in breakdown.items()},
+            host_memory_bytes={k: int(v) for k, v in host.items() if v > 0},
         )
         short = one_sequence_shortfall(plan, entry, calibration)
         if short > 0:
@@ -216,6 +251,7 @@ def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) ->
                 f"{entry.model_stage} (tp={entry.tp}, pp={entry.pp}) needs {format_bytes(peak)} on GPU {busiest} "
                 f"> {format_bytes(limit)} usable; largest term: {term} {format_bytes(size)}"
             )
+    problems += host_problems(plan, {name: sum(t[2].values()) for name, t in terms.items()})
     step = _step_breakdown(plan, stage_predictions, calibration)
     predictions = Predictions(step_time_s=sum(step.values()), model_stages=stage_predictions, step_breakdown_s=step)
     return PlanEvaluation(predictions, problems)
@@ -252,6 +288,10 @@ def plan_cost_problems(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATIO
         for message in evaluation.memory_problems:
             if message.startswith(f"{entry.model_stage} "):
                 yield Problem(f"stages[{i}]", f"memory: {message}; raise tp or pp, or give it more GPUs")
+    for message in evaluation.memory_problems:
+        if message.startswith("host memory"):
+            fix = "offload less (train_offload, offload) or spread the model-stages over more nodes"
+            yield Problem("cluster.host_memory_bytes", f"{message}; {fix}")
     if plan.predictions is None:
         return
     stored, fresh = plan.predictions.model_dump(), evaluation.predictions.model_dump()

@@ -12,6 +12,7 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
+from nereus.cost.calibration import Calibration
 from nereus.cost.vllm_engine import VllmEngineMeasurement
 from nereus.spec.base import Document, StrictModel
 from nereus.spec.check import Problem
@@ -102,6 +103,9 @@ class Profile(Document):
     """Causal attention forwards of the profiled models' head shapes."""
     memory_bytes_per_s: float = Field(gt=0)
     """Device-memory bandwidth of a large copy (bytes read + written per second)."""
+    host_adam_params_per_s: float | None = Field(default=None, gt=0)
+    """Parameters per second torch's AdamW step updates on the host CPUs with every thread (fp32;
+    None: profiled before it was measured): `Calibration.host_adam_params_per_s`."""
     collectives: list[CollectiveMeasurement] = Field(default_factory=list)
     """Collectives across the ranks (empty with one rank)."""
     communicator_setup_s: float | None = Field(default=None, ge=0)
@@ -173,6 +177,13 @@ def cluster_from_profile(profile: Profile, source: str, num_gpus: int | None = N
         intra_node=link,
         inter_node=link,
     )
+
+
+def calibration_from_profile(profile: Profile, calibration: Calibration) -> Calibration:
+    """`calibration` with what the profile measured of it: the host AdamW throughput."""
+    if profile.host_adam_params_per_s is None:
+        return calibration
+    return calibration.model_copy(update={"host_adam_params_per_s": profile.host_adam_params_per_s})
 
 
 def profile_problems(profile: Profile) -> Iterator[Problem]:

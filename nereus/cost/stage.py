@@ -39,6 +39,15 @@ The formulas, per GPU of the busiest pipeline stage:
   (1 in inference) instead of one all-reduce per mini-batch, not overlapped with compute.
 * offload (sleep): a model-stage's resident states move to host memory between its runs,
   over the host link (the cluster's `host_link`), once in and once out per step.
+* training-time offload (`train_offload` 1: optimizer, 2: params; DeepSpeed's ZeRO-Offload,
+  FSDP2's CPUOffloadPolicy): the AdamW state and the gradients, sharded across dp (both
+  systems shard them: ZeRO-Offload is built on ZeRO-2), live in host memory and the optimizer
+  step runs on the host, at the calibration's `host_adam_params_per_s` shared by the node's
+  GPUs; 2 also keeps the (fully sharded) parameters there. The GPU holds one unit of gradients
+  on their way out (within full sharding's gathered units when fully sharded). Per optimizer
+  step the host link carries each micro-batch's gradient shard out and the updated parameter
+  shard in (1), or per micro-batch the forward and backward gathers' shards in and the
+  gradient shard out (2), not overlapped with compute.
 * pipelines run 1F1B: (micro-batches + pp - 1) slots; the pp - 1 extra slots are bubbles.
 """
 
@@ -58,6 +67,12 @@ from nereus.spec.stages import Stage
 from nereus.spec.workload import DTYPE_BYTES, Workload
 
 Array = Any  # a float, an int or a numpy array: the functions broadcast
+
+#: The model-state terms training-time offload keeps in host memory, by the least `train_offload`
+#: level (1: optimizer, 2: params) that moves each.
+OFFLOAD_LEVELS = {"parameters": 2, "gradients": 1, "optimizer": 1}
+#: `StagePlan.train_offload` by the cost model's level.
+TRAIN_OFFLOADS = ("none", "optimizer", "params")
 
 #: Bytes per parameter of AdamW state: fp32 master copy + two fp32 moments.
 ADAM_BYTES_MIXED = 12
@@ -263,10 +278,22 @@ class StageCostModel:
         zero1: Array | None = None,
         kv_budget: Array = math.inf,
         full_shard: Array = 0,
+        train_offload: Array = 0,
     ) -> dict[str, Array]:
-        """Peak bytes per GPU by term. Model states are resident; the rest is transient."""
+        """Peak bytes per GPU by term. Model states are resident; the rest is transient. Bytes
+        training-time offload keeps in host memory are not among them (`host_terms`)."""
         w, m = self.workload, self.model
+        offloaded = self.stage == "training" and _uses(train_offload)
+        if offloaded:  # training-time offload shards the optimizer state across dp
+            zero1 = np.logical_or(self._zero1(zero1), np.asarray(train_offload) > 0)
         terms = self.model_state_terms(self.params_per_gpu(tp, pp), dp, zero1, full_shard)
+        if offloaded:  # the offloaded states leave the GPU (`host_terms`): their device terms are 0
+            for name, level in OFFLOAD_LEVELS.items():
+                terms[name] = np.where(np.asarray(train_offload) >= level, 0.0, terms[name])
+            unit = self.gathered_unit_params(tp) * self.dtype_bytes
+            terms["offload_buffer"] = np.where(
+                (np.asarray(train_offload) > 0) & ~np.asarray(full_shard, bool), unit, 0.0
+            )
         if _uses(full_shard):  # a term only where full sharding is in play (plans without it keep their terms)
             terms["gathered"] = self.gathered_bytes(tp, full_shard)
         max_len = w.prompt_len + w.response_len.max
@@ -310,6 +337,32 @@ class StageCostModel:
         embedding = m.vocab_size * m.hidden_dim / tp * self.dtype_bytes
         return np.where(pp == 1, 2.0 * embedding, 0.0)
 
+    def host_terms(self, tp: Array, pp: Array, dp: Array, train_offload: Array) -> dict[str, Array]:
+        """Host-memory bytes per GPU of training-time offload, by term: the gradients and AdamW
+        state (`train_offload` >= 1) and the parameters (2) of this GPU's shard across dp."""
+        if self.stage != "training" or not _uses(train_offload):
+            return {}
+        shard = self.model_state_terms(self.params_per_gpu(tp, pp), dp, True, 1)
+        level = np.asarray(train_offload)
+        return {name: np.where(level >= OFFLOAD_LEVELS[name], shard[name], 0.0) for name in OFFLOAD_LEVELS}
+
+    def host_optimizer_time(self, tp: Array, pp: Array, dp: Array) -> Array:
+        """Seconds of one AdamW step on the host over this GPU's shard, when every GPU of its
+        node steps at once on the node's CPUs."""
+        shard = self.params_per_gpu(tp, pp) / dp
+        return shard * self.cluster.gpus_per_node / self.calibration.host_adam_params_per_s
+
+    def host_transfer_time(self, tp: Array, pp: Array, dp: Array, micro_batches: Array, train_offload: Array) -> Array:
+        """Seconds per optimizer step on the host link: each micro-batch's gradient shard out and
+        the updated parameter shard in (1), or per micro-batch the two gathers' parameter shards
+        in and the gradient shard out (2); one copy per layer each time."""
+        link = self.cluster.host_link
+        shard_bytes = self.params_per_gpu(tp, pp) / dp * self.dtype_bytes
+        level = np.asarray(train_offload)
+        copies = np.where(level >= 2, 3.0 * micro_batches, micro_batches + 1.0)
+        moved = copies * (shard_bytes / link.bytes_per_s + self.model.num_layers / pp * link.latency_s)
+        return np.where(level > 0, moved, 0.0)
+
     def offload_time(self, resident_bytes: Array) -> Array:
         """Seconds to move resident states to the host after a run and back before the next."""
         link = self.cluster.host_link
@@ -329,11 +382,14 @@ class StageCostModel:
         zero1: Array | None = None,
         kv_budget: Array = math.inf,
         full_shard: Array = 0,
+        train_offload: Array = 0,
     ) -> dict[str, Array]:
         """Seconds per RL step by term, for the slowest replica."""
         if self.stage == "generation":
             return self._generation_terms(tp, pp, dp, pp_inter, kv_budget)
-        return self._pipeline_terms(tp, pp, dp, micro_batches, pp_inter, dp_inter, recompute, zero1, full_shard)
+        return self._pipeline_terms(
+            tp, pp, dp, micro_batches, pp_inter, dp_inter, recompute, zero1, full_shard, train_offload
+        )
 
     def _pipeline_terms(
         self,
@@ -346,6 +402,7 @@ class StageCostModel:
         recompute: Array = 0,
         zero1: Array | None = None,
         full_shard: Array = 0,
+        train_offload: Array = 0,
     ) -> dict[str, Array]:
         """Inference forwards or 1F1B training: (m + pp - 1) slots per mini-batch."""
         w, m = self.workload, self.model
@@ -390,6 +447,11 @@ class StageCostModel:
             halves = np.where(full_shard, 1.5 * m_count, 1.0)
             terms["dp_sync"] = rounds * halves * self.allreduce_time(replica_bytes, dp, dp_inter)
             terms["optimizer"] = rounds * self._optimizer_time(tp, pp, dp, zero1, full_shard)
+            if _uses(train_offload):  # the step runs on the host, its shard moved over the host link
+                level = np.asarray(train_offload)
+                host_step = self.host_optimizer_time(tp, pp, dp)
+                terms["optimizer"] = np.where(level > 0, rounds * host_step, terms["optimizer"])
+                terms["host_transfer"] = rounds * self.host_transfer_time(tp, pp, dp, m_count, level)
         elif _uses(full_shard):  # inference all-gathers the parameters once per micro-batch
             gather = 0.5 * m_count * self.allreduce_time(replica_bytes, dp, dp_inter)
             terms["dp_sync"] = np.where(full_shard, gather, 0.0)

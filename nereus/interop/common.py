@@ -89,6 +89,21 @@ def sharding_difference(planned: StagePlan, exported: StagePlan, how: str) -> Di
     return Difference(f"{planned.model_stage} {state[planned.full_shard]}", f"{state[exported.full_shard]} ({how})")
 
 
+def offload_difference(planned: StagePlan, exported: StagePlan, how: str) -> Difference | None:
+    """The Difference when the trainer keeps a model-stage's training states elsewhere than
+    planned (training-time offload, `StagePlan.train_offload`), or None."""
+    if planned.train_offload == exported.train_offload:
+        return None
+    where = {
+        "none": "training states on the GPU",
+        "optimizer": "AdamW state and gradients in host memory, stepped there",
+        "params": "parameters, gradients and AdamW state in host memory, stepped there",
+    }
+    return Difference(
+        f"{planned.model_stage} {where[planned.train_offload]}", f"{where[exported.train_offload]} ({how})"
+    )
+
+
 def samples_per_pass(plan: Plan, entry: StagePlan) -> int:
     """Samples one pass of the model-stage covers: a mini-batch in training, the step otherwise."""
     w = plan.workload

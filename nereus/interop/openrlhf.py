@@ -21,6 +21,7 @@ from nereus.interop.common import (
     free_memory_fraction,
     fusion_differences,
     laid_out,
+    offload_difference,
     per_gpu_micro_batch,
     sharding_difference,
     stage_difference,
@@ -69,6 +70,12 @@ def export_openrlhf(plan: Plan) -> Export:
     differences += [
         d for entry in plan.stages if (d := sharding_difference(entry, exported[entry.model_stage], how)) is not None
     ]
+    offload_how = "--ds.adam_offload: DeepSpeed's ZeRO-Offload of the Adam state for every trained model"
+    differences += [
+        d
+        for entry in plan.stages
+        if (d := offload_difference(entry, exported[entry.model_stage], offload_how)) is not None
+    ]
     differences += fusion_differences(plan, "OpenRLHF")
     if w.dtype == "fp32":
         differences.append(Difference("dtype fp32", "--ds.param_dtype bf16 (OpenRLHF trains in bf16 or fp16)"))
@@ -99,7 +106,14 @@ def zero_stage(plan: Plan) -> int:
     training = [entry for entry in plan.stages if entry.stage == "training"]
     if any(entry.full_shard for entry in training):
         return 3
-    return 1 if plan.workload.optimizer.shard_across_dp or any(entry.zero1 for entry in training) else 0
+    sharded = any(entry.zero1 or entry.train_offload != "none" for entry in training)
+    return 1 if plan.workload.optimizer.shard_across_dp or sharded else 0
+
+
+def adam_offload(plan: Plan) -> bool:
+    """OpenRLHF's `--ds.adam_offload` (one flag for every trained model): some training
+    model-stage keeps its optimizer in host memory."""
+    return any(entry.train_offload != "none" for entry in plan.stages if entry.stage == "training")
 
 
 def _exported(plan: Plan, entry: StagePlan, ds_tp: int, stage: int) -> StagePlan:
@@ -110,8 +124,10 @@ def _exported(plan: Plan, entry: StagePlan, ds_tp: int, stage: int) -> StagePlan
     micro_from = owner if entry.model_stage == CRITIC_INFERENCE else entry
     micro = per_gpu_micro_batch(plan, micro_from)
     out = laid_out(plan, entry, sorted(owner.gpus), ds_tp, 1, micro, owner.pool)
-    # ZeRO-3 shards every DeepSpeed model, the inferring ones too; the stage applies to all.
-    return out.model_copy(update={"full_shard": stage == 3})
+    # ZeRO-3 shards every DeepSpeed model, the inferring ones too; the stage applies to all. Adam
+    # offload (no parameter offload: OpenRLHF has no flag for it) applies to every trained one.
+    offloaded = "optimizer" if entry.stage == "training" and adam_offload(plan) else "none"
+    return out.model_copy(update={"full_shard": stage == 3, "train_offload": offloaded})
 
 
 def _pools(stages: list[StagePlan]) -> list[Pool]:
@@ -158,6 +174,7 @@ def _settings(plan: Plan, stages: dict[str, StagePlan], ds_tp: int, memory_fract
         "--ds.tensor_parallel_size": ds_tp,
         "--ds.zero_stage": zero_stage(plan),
         "--ds.param_dtype": plan.workload.dtype,
+        **({"--ds.adam_offload": True} if adam_offload(plan) else {}),
         "--rollout.batch_size": w.prompts_per_step,
         "--rollout.n_samples_per_prompt": w.samples_per_prompt,
         "--rollout.micro_batch_size": per_gpu_micro_batch(plan, stages[ACTOR_INFERENCE]),

@@ -20,6 +20,7 @@ from nereus.interop.common import (
     free_memory_fraction,
     fusion_differences,
     laid_out,
+    offload_difference,
     per_gpu_micro_batch,
     sharding_difference,
     stage_difference,
@@ -45,6 +46,11 @@ MEGATRON_SECTIONS = {
     CRITIC_TRAINING: "critic.megatron",
 }
 SHARED_POOL = "global_pool"
+#: What verl's `megatron.optimizer_offload` and `param_offload` do with a planned training-time offload.
+OFFLOAD_HOW = (
+    "verl's megatron optimizer_offload/param_offload keep them in host memory between phases and copy "
+    "them back to the GPU for the update: they sleep, as `offload` does"
+)
 POOL_REASON = "verl's default resource pool hosts every model on all {n} GPUs"
 TIED_REASONS = {
     ACTOR_INFERENCE: "verl computes old log-probs on the actor's training workers",
@@ -64,6 +70,11 @@ def export_verl(plan: Plan) -> Export:
     how = "verl's Megatron trainer shards the optimizer state only (use_distributed_optimizer); its FSDP one all"
     differences += [
         d for entry in plan.stages if (d := sharding_difference(entry, exported[entry.model_stage], how)) is not None
+    ]
+    differences += [
+        d
+        for entry in plan.stages
+        if (d := offload_difference(entry, exported[entry.model_stage], OFFLOAD_HOW)) is not None
     ]
     differences += _batch_differences(plan) + fusion_differences(plan, "verl")
     stages = [exported[entry.model_stage] for entry in plan.stages]
@@ -87,6 +98,8 @@ def _exported_stages(plan: Plan, gpus: list[int]) -> dict[str, StagePlan]:
         layout = plan.stage_plan(layout_of.get(entry.model_stage, entry.model_stage))
         micro = per_gpu_micro_batch(plan, plan.stage_plan(micro_of.get(entry.model_stage, entry.model_stage)))
         out[entry.model_stage] = laid_out(plan, entry, gpus, layout.tp, layout.pp, micro, SHARED_POOL)
+        if entry.train_offload != "none":  # verl's offload puts the states to sleep between phases
+            out[entry.model_stage] = out[entry.model_stage].model_copy(update={"offload": True})
     return out
 
 
@@ -135,7 +148,10 @@ def _settings(plan: Plan, stages: dict[str, StagePlan], memory_fraction: float) 
             if name != REFERENCE_INFERENCE:
                 planned = plan.stage_plan(name)
                 sharded = w.optimizer.shard_across_dp or bool(planned.zero1) or planned.full_shard
-                out[f"{section}.use_distributed_optimizer"] = sharded
+                out[f"{section}.use_distributed_optimizer"] = sharded or planned.train_offload != "none"
+                if planned.train_offload != "none":
+                    out[f"{section}.optimizer_offload"] = True
+                    out[f"{section}.param_offload"] = planned.train_offload == "params"
     if REFERENCE_INFERENCE in stages:
         ref = stages[REFERENCE_INFERENCE]
         out["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] = per_gpu_micro_batch(plan, ref)

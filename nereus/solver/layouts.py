@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, stage_room
-from nereus.cost.stage import StageCostModel
-from nereus.spec.capabilities import MEMORY_CHOICES, searched
+from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel
+from nereus.spec.capabilities import MEMORY_CHOICES, executed
 from nereus.spec.check import kv_heads_rule, pp_rule
 from nereus.spec.plan import RECOMPUTE_LEVELS, Recompute
 
@@ -20,9 +20,11 @@ from nereus.spec.plan import RECOMPUTE_LEVELS, Recompute
 #: runs, and the unbounded budget.
 KV_BUDGET_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7)
 
-#: (kv_budget_bytes or 0, recompute, token_budget or 0, zero1, offload, full_shard) of one option.
-Choice = tuple[int, int, int, int, int, int]
-Option = tuple[float, float, float, int, int, int, int, Choice]  # time, resident, transient, tp, pp, dp, m, choice
+#: (kv_budget_bytes or 0, recompute, token_budget or 0, zero1, offload, full_shard, train_offload level:
+#: `TRAIN_OFFLOADS`' index) of one option.
+Choice = tuple[int, int, int, int, int, int, int]
+#: time, resident, transient, tp, pp, dp, m, choice, host bytes per GPU
+Option = tuple[float, float, float, int, int, int, int, Choice, float]
 
 
 @dataclass(frozen=True)
@@ -43,19 +45,22 @@ class MemoryChoices:
     """Training and inference shard parameters (and gradients, optimizer state) across dp (True;
     searched where dp > 1 and pp = 1; it shards the optimizer whatever `zero1` says) or hold them
     whole (False)."""
+    train_offload: tuple[str, ...] = TRAIN_OFFLOADS
+    """Training-time offload (`StagePlan.train_offload`): `none`, `optimizer` (AdamW state and
+    gradients in host memory, the step on the host; it shards them whatever `zero1` says) or
+    `params` (the parameters too; searched only with full sharding)."""
 
 
 def runtime_choices() -> MemoryChoices:
-    """The runtime's own search space (`nereus.spec.capabilities`): each choice its planner
-    searches as by default, each other one pinned off."""
+    """The runtime's own search space (`nereus.spec.capabilities`): every choice it executes
+    searched as by default, each other one pinned off."""
     every = MemoryChoices()
-    pinned = {name: getattr(every, name)[:1] for name in MEMORY_CHOICES if not searched(name)}
+    pinned = {name: getattr(every, name)[:1] for name in MEMORY_CHOICES if not executed(name)}
     return dataclasses.replace(every, **pinned)
 
 
-#: What `nereus run` plans for itself: every state resident, every activation kept, fixed rows,
-#: the engine's own KV pool and whole parameters on every replica (it also executes ZeRO-1 and
-#: KV budgets a given plan asks for: `nereus.spec.capabilities`).
+#: What `nereus run` plans for itself, when a run plans itself, replans on a resume and in its
+#: controller: every choice it executes (`nereus.spec.capabilities`), each other one pinned off.
 RUNTIME_CHOICES = runtime_choices()
 
 
@@ -67,6 +72,8 @@ class ListedOptions:
 
     columns: tuple[np.ndarray, ...]
     """(time_s, resident_bytes, transient_bytes) per row."""
+    host: np.ndarray
+    """Host-memory bytes per GPU per row (training-time offload's, and the states asleep)."""
     timed_row: np.ndarray
     """The timed row behind each row."""
     offloads: np.ndarray
@@ -76,7 +83,7 @@ class ListedOptions:
     memory: dict[str, np.ndarray]
     """Bytes per memory term, per timed row."""
     choices: tuple[np.ndarray, ...]
-    """(kv_budget_bytes, recompute, token_budget, zero1, full_shard) per timed row (0: off)."""
+    """(kv_budget_bytes, recompute, token_budget, zero1, full_shard, train_offload) per timed row (0: off)."""
     by_layout: np.ndarray
     """The listed rows grouped by distinct layout (in row order within one)."""
     starts: np.ndarray
@@ -97,8 +104,8 @@ class OptionTable:
     """Every candidate layout of one model-stage on one pool size: rows of a `ListedOptions`.
 
     `options` turns them, on first use, into the plain tuples (time_s, resident_bytes,
-    transient_bytes, tp, pp, dp, micro_batches, choice) the search loops over; `memory`
-    keeps the per-term bytes behind each option for reports.
+    transient_bytes, tp, pp, dp, micro_batches, choice, host_bytes) the search loops over;
+    `memory` keeps the per-term bytes behind each option for reports.
     """
 
     listed: ListedOptions
@@ -128,17 +135,23 @@ class OptionTable:
         return {k: v[self.timed] for k, v in self.listed.memory.items()}
 
     @cached_property
+    def host(self) -> np.ndarray:
+        """Host-memory bytes per GPU."""
+        return self.listed.host[self.rows]
+
+    @cached_property
     def choices(self) -> tuple[np.ndarray, ...]:
-        """(kv_budget_bytes, recompute, token_budget, zero1, offload, full_shard), integers (0: off)."""
-        *kept, full_shard = (c[self.timed] for c in self.listed.choices)
+        """(kv_budget_bytes, recompute, token_budget, zero1, offload, full_shard, train_offload),
+        integers (0: off)."""
+        kv, recompute, token_budget, zero1, full_shard, train_offload = (c[self.timed] for c in self.listed.choices)
         offload = self.listed.offloads[self.rows // self.listed.choices[0].size]
-        return (*kept, offload, full_shard)
+        return (kv, recompute, token_budget, zero1, offload, full_shard, train_offload)
 
     @cached_property
     def options(self) -> list[Option]:
         time, resident, transient, *layout = (c.tolist() for c in self.columns)
         picks = list(zip(*(c.astype(np.int64).tolist() for c in self.choices), strict=True))
-        return list(zip(time, resident, transient, *layout, picks, strict=True))
+        return list(zip(time, resident, transient, *layout, picks, self.host.tolist(), strict=True))
 
     def terms(self, i: int) -> dict[str, float]:
         """Bytes per memory term of option `i`."""
@@ -238,6 +251,8 @@ class _Timed:
     kv: np.ndarray  # KV budget in bytes (inf: none)
     recompute: np.ndarray
     full_shard: np.ndarray  # parameters sharded across dp (the optimizer with them)
+    train_offload: np.ndarray  # training-time offload level (`TRAIN_OFFLOADS`' index)
+    host: np.ndarray  # host-memory bytes per GPU of training-time offload
     time: np.ndarray  # seconds (inf where no choice of the row fits alone)
     optimizer_time: np.ndarray  # the share of `time` ZeRO-1 divides by dp
     memory: dict[str, np.ndarray]  # without ZeRO-1 (unless pinned or fully sharded) and token budgets
@@ -245,43 +260,64 @@ class _Timed:
     token_ratio: np.ndarray  # those tokens over the rows' tokens: activations and logits scale by it
 
 
+def _blocks(cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices) -> list[_Block]:
+    """The blocks of timed rows of a training or inference model-stage, in order: (which distinct
+    layouts, full sharding, training-time offload level). Full sharding is searched where it
+    shards something (dp > 1) and as FSDP and ZeRO-3 run it, without pipeline stages (Megatron
+    pipelines shard the optimizer only: ZeRO-1); offloading the parameters needs it."""
+    every = np.ones(distinct[0].shape, dtype=bool)
+    if False not in allowed.full_shard:  # pinned on
+        shards = [(every, 1.0)]
+    else:
+        shards = [(every, 0.0)]
+        if True in allowed.full_shard:
+            shards.append(((distinct[3] > 1) & (distinct[2] == 1), 1.0))
+    levels = [TRAIN_OFFLOADS.index(t) for t in allowed.train_offload] if cost.stage == "training" else [0]
+    return [(rows, shard, float(level)) for rows, shard in shards for level in levels if level < 2 or shard]
+
+
+#: Rows of the distinct layouts, full sharding (0, 1) and training-time offload level of one block.
+_Block = tuple[np.ndarray, float, float]
+
+
 def _timed_grid(
     cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices
-) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]:
-    """Distinct (index, tp, pp, dp, m) rows once per recompute choice (training) and full
-    sharding choice (training, inference), or per KV budget (generation)."""
-    columns = list(distinct)
+) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(columns, kv budget, recompute, full shard, train offload) of the timed rows: distinct
+    (index, tp, pp, dp, m) rows once per block (`_blocks`) and, in a training block, per recompute
+    choice; or per KV budget (generation)."""
     if cost.stage == "generation":
+        columns = list(distinct)
         if True in allowed.kv_budget:
             columns, kv = _kv_levels(cost, columns, allowed)
         else:
             kv = np.full(columns[0].shape, np.inf)
-        return columns, kv, np.zeros(columns[0].shape), np.zeros(columns[0].shape)
-    recompute: np.ndarray = np.zeros(len(columns[0]))
-    if cost.stage == "training":
-        *columns, recompute = _expand(columns, [float(RECOMPUTE_LEVELS.index(r)) for r in allowed.recompute])
-    n = len(columns[0])
-    if False not in allowed.full_shard:  # pinned on
-        return columns, np.full(n, np.inf), recompute, np.ones(n)
-    if True in allowed.full_shard:
-        # Searched, full sharding is tried where it shards something (dp > 1) and as FSDP and ZeRO-3
-        # run it, without pipeline stages (Megatron pipelines shard the optimizer only: ZeRO-1).
-        twin = np.nonzero((columns[3] > 1) & (columns[2] == 1))[0]
-        columns = [np.concatenate([c, c[twin]]) for c in columns]
-        recompute = np.concatenate([recompute, recompute[twin]])
-    full_shard = np.zeros(len(columns[0]))
-    full_shard[n:] = 1.0
-    return columns, np.full(len(columns[0]), np.inf), recompute, full_shard
+        zeros = np.zeros(columns[0].shape)
+        return columns, kv, zeros, zeros, zeros
+    parts: list[list[np.ndarray]] = []
+    for rows, shard, level in _blocks(cost, distinct, allowed):
+        block = [c[rows] for c in distinct]
+        recompute = np.zeros(len(block[0]))
+        if cost.stage == "training":
+            *block, recompute = _expand(block, [float(RECOMPUTE_LEVELS.index(r)) for r in allowed.recompute])
+        n = len(block[0])
+        parts.append([*block, recompute, np.full(n, shard), np.full(n, level)])
+    if not parts:  # every block ruled out by the pinned choices
+        parts.append([c[:0] for c in distinct] + [np.zeros(0)] * 3)
+    *columns, recompute, full_shard, train_offload = (np.concatenate(c) for c in zip(*parts, strict=True))
+    return columns, np.full(len(columns[0]), np.inf), recompute, full_shard, train_offload
 
 
 def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices) -> _Timed:
     """Memory of every timed row, and its time where some choice of it fits alone."""
-    layout, kv, recompute, full_shard = _timed_grid(cost, distinct, allowed)
+    layout, kv, recompute, full_shard, train_offload = _timed_grid(cost, distinct, allowed)
     tp, pp, dp, m = (c.astype(float) for c in layout[1:])
     pinned = cost.stage == "training" and cost.workload.optimizer.shard_across_dp
-    zero1 = np.full(tp.shape, pinned) | (full_shard > 0)
+    zero1 = np.full(tp.shape, pinned) | (full_shard > 0) | (train_offload > 0)
     shard: Any = full_shard if cost.stage != "generation" else 0
-    memory = cost.memory_terms(tp, pp, dp, m, recompute=recompute, zero1=zero1, kv_budget=kv, full_shard=shard)
+    memory = cost.memory_terms(
+        tp, pp, dp, m, recompute=recompute, zero1=zero1, kv_budget=kv, full_shard=shard, train_offload=train_offload
+    )
     memory = {k: np.broadcast_to(v, tp.shape).astype(float) for k, v in memory.items()}
     token_budget, token_ratio = np.zeros(tp.shape), np.ones(tp.shape)
     if cost.stage == "training":
@@ -295,7 +331,10 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
         times = _fitting_times(cost, (tp, pp, dp, m), fits, kv_budget=kv, full_shard=full_shard, zero1=zero1)
     time = np.where(fits, sum(times.values(), np.zeros(tp.shape)), np.inf)
     optimizer_time = np.where(fits, times["optimizer"], 0.0) if cost.stage == "training" else np.zeros(tp.shape)
-    return _Timed(layout, kv, recompute, full_shard, time, optimizer_time, memory, token_budget, token_ratio)
+    host = sum(cost.host_terms(tp, pp, dp, train_offload).values(), np.zeros(tp.shape))
+    return _Timed(
+        layout, kv, recompute, full_shard, train_offload, host, time, optimizer_time, memory, token_budget, token_ratio
+    )
 
 
 def _inter(cost: StageCostModel, tp: np.ndarray, pp: np.ndarray, dp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -323,26 +362,31 @@ def _fitting_times(
 
 def _pipeline_times(cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices) -> dict[str, np.ndarray]:
     """Time terms of every timed row of a training model-stage, in `_timed_grid`'s order: each
-    distinct layout once per recompute choice, then the fully sharded twins. The
-    recompute choices broadcast over a trailing axis, so what does not depend on them is priced
-    once per layout; the rows that do not fit are priced too (their time is dropped)."""
+    block's distinct layouts once per recompute choice. The recompute choices broadcast over a
+    trailing axis, so what does not depend on them is priced once per layout; the rows that do
+    not fit are priced too (their time is dropped)."""
     tp, pp, dp, m = (c.astype(float)[:, None] for c in distinct[1:])
     recompute = np.array([float(RECOMPUTE_LEVELS.index(r)) for r in allowed.recompute])
     pinned = cost.workload.optimizer.shard_across_dp
-    blocks = [(np.ones(tp.shape, dtype=bool), float(False not in allowed.full_shard))]
-    if len(set(allowed.full_shard)) == 2:  # the twins of `_timed_grid`
-        blocks.append((((dp > 1) & (pp == 1)), 1.0))
-    parts: dict[str, list[np.ndarray]] = {}
-    for rows, shard in blocks:
-        rows = rows[:, 0]
+    blocks: list[dict[str, np.ndarray]] = []
+    for rows, shard, level in _blocks(cost, distinct, allowed):
         pp_inter, dp_inter = _inter(cost, tp[rows], pp[rows], dp[rows])
-        sharded = np.full(pp_inter.shape, shard)
-        zero1 = np.full(pp_inter.shape, pinned) | (sharded > 0)
+        sharded, offloaded = np.full(pp_inter.shape, shard), np.full(pp_inter.shape, level)
+        zero1 = np.full(pp_inter.shape, pinned) | (sharded > 0) | (offloaded > 0)
         args = (tp[rows], pp[rows], dp[rows], m[rows], pp_inter, dp_inter)
-        terms = cost.time_terms(*args, recompute=recompute[None, :], zero1=zero1, full_shard=sharded)
-        for name, value in terms.items():
-            parts.setdefault(name, []).append(np.broadcast_to(value, (pp_inter.shape[0], recompute.size)).ravel())
-    return {name: np.concatenate(values) for name, values in parts.items()}
+        terms = cost.time_terms(
+            *args, recompute=recompute[None, :], zero1=zero1, full_shard=sharded, train_offload=offloaded
+        )
+        shape = (pp_inter.shape[0], recompute.size)
+        blocks.append({name: np.broadcast_to(value, shape).ravel() for name, value in terms.items()})
+    names = list(dict.fromkeys(name for terms in blocks for name in terms))
+    sizes = [next(iter(terms.values())).size for terms in blocks]
+    return {
+        name: np.concatenate([terms.get(name, np.zeros(size)) for terms, size in zip(blocks, sizes, strict=True)])
+        if blocks
+        else np.zeros(0)
+        for name in names or ["optimizer"]
+    }
 
 
 def _least_memory(
@@ -369,9 +413,9 @@ TOKEN_TERMS = ("activations", "logits")
 
 def _expand_choices(
     cost: StageCostModel, g: _Timed, allowed: MemoryChoices
-) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], tuple[np.ndarray, ...]]:
-    """(timed row, time) of every allowed choice worth pricing: each timed row once per offload
-    choice, in blocks; and the memory terms and other choices (`ListedOptions.choices`) per timed
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, np.ndarray], tuple[np.ndarray, ...]]:
+    """(timed row, time, host bytes) of every allowed choice worth pricing: each timed row once
+    per offload choice, in blocks; and the memory terms and other choices (`ListedOptions.choices`) per timed
     row (offload moves bytes, so the terms hold for both).
 
     Two choices are decided per row before pricing, as one option always dominates the
@@ -385,8 +429,9 @@ def _expand_choices(
     token = _decided(allowed.token_budget, g.token_ratio < 1) if training else np.zeros(n, dtype=bool)
     pinned = training and cost.workload.optimizer.shard_across_dp
     zero1 = np.zeros(n, dtype=bool)
-    if training and not pinned:  # a fully sharded row's optimizer is sharded already
+    if training and not pinned:  # a fully sharded or offloading row's optimizer is sharded already
         zero1 = _decided(allowed.zero1, g.layout[3] > 1) & (g.layout[3] > 1) & (g.full_shard == 0)
+        zero1 &= g.train_offload == 0
     dp = g.layout[3].astype(float)
     scale = np.where(token, g.token_ratio, 1.0)
     terms = {k: v * scale if k in TOKEN_TERMS else v for k, v in g.memory.items()}
@@ -397,13 +442,15 @@ def _expand_choices(
     states = sum((v for k, v in terms.items() if k in RESIDENT_TERMS), np.zeros(n))
     kv = np.where(np.isinf(g.kv), 0.0, g.kv)
     token_budget = np.where(token, g.token_budget, 0.0)
-    zero1_flag = np.full(n, 1.0) if pinned else np.where(training & (g.full_shard > 0), 1.0, zero1.astype(float))
+    sharded = (g.full_shard > 0) | (g.train_offload > 0)
+    zero1_flag = np.full(n, 1.0) if pinned else np.where(training & sharded, 1.0, zero1.astype(float))
     offloads = [float(o) for o in allowed.offload]
     return (
         np.tile(np.arange(n), len(offloads)),
         np.concatenate([time + (cost.offload_time(states) if o else 0.0) for o in offloads]),
+        np.concatenate([g.host + (states if o else 0.0) for o in offloads]),
         terms,
-        (kv, g.recompute, token_budget, zero1_flag, g.full_shard),
+        (kv, g.recompute, token_budget, zero1_flag, g.full_shard, g.train_offload),
     )
 
 
@@ -452,19 +499,20 @@ def price_layouts(
     allowed = allowed or MemoryChoices()
     grid = grid or layout_grid(cost, pool_sizes)
     timed = _price_timed(cost, grid.distinct, allowed)
-    rows, total, memory, picks = _expand_choices(cost, timed, allowed)
+    rows, total, host, memory, picks = _expand_choices(cost, timed, allowed)
     # Resident and transient bytes of each row, kept or put to sleep (the offload column's blocks).
     split = [(np.broadcast_to(x, timed.time.shape) for x in split_resident(memory, o)) for o in allowed.offload]
     resident, transient = (np.concatenate(c) for c in zip(*split, strict=True))
     of_layout = timed.layout[0][rows].astype(np.int64)
     budget = stage_room(cost.cluster, cost.calibration)
-    keep = _worth_listing(of_layout, total, resident, transient, budget)
+    keep = _worth_listing(of_layout, total, resident, transient, host, budget)
     listed_rows = np.nonzero(keep)[0]
     by_layout = listed_rows[np.argsort(of_layout[listed_rows], kind="stable")]
     counts = np.bincount(of_layout[listed_rows], minlength=grid.distinct[0].size)
     starts = np.cumsum(counts) - counts
     listed = ListedOptions(
         (total, resident, transient),
+        host,
         rows,
         np.array([float(o) for o in allowed.offload]),
         tuple(c.astype(np.int64) for c in timed.layout[1:]),
@@ -501,10 +549,10 @@ def _fastest_per_size(
 
 
 def _worth_listing(
-    layout: np.ndarray, time: np.ndarray, resident: np.ndarray, transient: np.ndarray, budget: float
+    layout: np.ndarray, time: np.ndarray, resident: np.ndarray, transient: np.ndarray, host: np.ndarray, budget: float
 ) -> np.ndarray:
     """The choices of one layout worth listing: those that fit alone and that no other choice
-    of the same layout beats or equals in time, resident and transient bytes at once (so the
+    of the same layout beats or equals in time, resident, transient and host bytes at once (so the
     search loses nothing: tp, pp and dp, hence the weight sync, are the same; of equal ones
     the first is kept); for a layout where no choice fits, its smallest footprint only (the
     rejection report's row)."""
@@ -514,15 +562,16 @@ def _worth_listing(
     # Grouped by layout, in row order (the sort is stable): each pair of a layout's rows is
     # compared once, at its distance, and of two equal rows the later one is beaten.
     order = rows[np.argsort(layout[rows], kind="stable")]
-    group, t, r, s = layout[order], time[order], resident[order], transient[order]
+    group, t, r, s, h = layout[order], time[order], resident[order], transient[order], host[order]
     beaten = np.zeros(order.size, dtype=bool)
     longest = int(np.bincount(group).max(initial=0))  # the most choices a layout has
     for d in range(1, longest):  # a few choices per layout: a loop over distances
         same = group[d:] == group[:-d]
-        t0, t1, r0, r1, s0, s1 = t[:-d], t[d:], r[:-d], r[d:], s[:-d], s[d:]
-        first_no_worse = same & (t0 <= t1) & (r0 <= r1) & (s0 <= s1)
+        t0, t1, r0, r1, s0, s1, h0, h1 = t[:-d], t[d:], r[:-d], r[d:], s[:-d], s[d:], h[:-d], h[d:]
+        first_no_worse = same & (t0 <= t1) & (r0 <= r1) & (s0 <= s1) & (h0 <= h1)
         beaten[d:] |= first_no_worse
-        beaten[:-d] |= same & (t1 <= t0) & (r1 <= r0) & (s1 <= s0) & ~first_no_worse  # strictly better somewhere
+        second_no_worse = same & (t1 <= t0) & (r1 <= r0) & (s1 <= s0) & (h1 <= h0)
+        beaten[:-d] |= second_no_worse & ~first_no_worse  # strictly better somewhere
     keep[order[~beaten]] = True
     lone = np.nonzero(~np.isin(layout, layout[rows]))[0]  # layouts where no choice fits
     total = resident[lone] + transient[lone]

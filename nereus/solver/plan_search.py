@@ -31,8 +31,8 @@ from nereus.cost.plan_cost import (
     weight_sync_time,
     workspace_bytes,
 )
-from nereus.cost.stage import StageCostModel
-from nereus.solver.layouts import LayoutGrid, MemoryChoices, Option, OptionTable, layout_grid, price_layouts
+from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel
+from nereus.solver.layouts import Choice, LayoutGrid, MemoryChoices, Option, OptionTable, layout_grid, price_layouts
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
 from nereus.spec.plan import RECOMPUTE_LEVELS
@@ -211,6 +211,12 @@ class _Problem:
     """Pools of a phase overlap (the phase takes its slowest pool) or run one after another."""
     step_overhead_s: float = 0.0
     """Fixed seconds every step adds (the calibration's)."""
+    host_budget: float = math.inf
+    """Host-memory bytes per GPU a pool's model-stages may keep there together (the node's host
+    memory over its GPUs: a sufficient condition for every node's host memory to fit)."""
+    host_binds: bool = False
+    """Whether some pool's model-stages at their largest host options overflow `host_budget`
+    (else the search need not bound by host memory)."""
 
     def phase_time(self, per_pool: list[float]) -> float:
         return max(per_pool) if self.concurrent_pools else sum(per_pool)
@@ -218,14 +224,17 @@ class _Problem:
     def objective(self, chosen: Sequence[Option]) -> float | None:
         """Step time of a full assignment, or None if some pool overflows memory."""
         num_pools = len(self.placement.pools)
-        resident, transient = [0.0] * num_pools, [0.0] * num_pools
+        resident, transient, host = [0.0] * num_pools, [0.0] * num_pools, [0.0] * num_pools
         sums = [[0.0] * num_pools for _ in STAGES]
         for i, option in enumerate(chosen):
             p = self.pool_of[i]
             resident[p] += option[1]
             transient[p] = max(transient[p], option[2])
+            host[p] += option[8]
             sums[self.phase_of[i]][p] += option[0]
         if any(r + t > self.budget for r, t in zip(resident, transient, strict=True)):
+            return None
+        if any(h > self.host_budget for h in host):
             return None
         return sum(self.phase_time(row) for row in sums) + self.sync_time(chosen) + self.step_overhead_s
 
@@ -289,23 +298,28 @@ def compile_problem(
     tables: dict[tuple[str, int], OptionTable],
     *,
     prune: bool,
-    cache: dict[tuple[str, int], list[Option]] | None = None,
+    cache: dict[tuple[str, int, bool], list[Option]] | None = None,
 ) -> _Problem:
-    """Per-stage option lists; with `prune`, drop lone-infeasible and dominated options."""
+    """Per-stage option lists; with `prune`, drop lone-infeasible and dominated options (in host
+    memory too where the pools' host memory may not hold every model-stage's largest option)."""
     budget = stage_room(request.cluster, request.calibration)
+    host_budget = host_budget_per_gpu(request.cluster)
     pool_index = {name: (p, size) for p, (_, _, size, stages) in enumerate(placement.pools) for name in stages}
     start_of = {name: start for _, start, _, stages in placement.pools for name in stages}
     names = _order(list(pool_index))
     cache = {} if cache is None else cache
+    by_host = host_may_bind(request, placement, tables)
     options = []
     for name in names:
         key = (name, pool_index[name][1])
         if not prune:
             options.append(sorted(tables[key].options))
             continue
-        if key not in cache:
-            cache[key] = _pareto(tables[key].options, budget, by_layout=role_of(name) == "actor")
-        options.append(cache[key])
+        pruned = (*key, by_host)
+        if pruned not in cache:
+            actor = role_of(name) == "actor"
+            cache[pruned] = _pareto(tables[key].options, budget, by_layout=actor, by_host=by_host)
+        options.append(cache[pruned])
     return _Problem(
         placement,
         names,
@@ -317,21 +331,40 @@ def compile_problem(
         _sync_function(request),
         request.calibration.concurrent_pools,
         request.calibration.step_overhead_s,
+        host_budget,
+        by_host,
     )
 
 
-def _pareto(options: list[Option], budget: float, *, by_layout: bool) -> list[Option]:
+def host_may_bind(request: PlanRequest, placement: Placement, tables: dict[tuple[str, int], OptionTable]) -> bool:
+    """Whether some pool's model-stages at their largest host options overflow its host memory
+    per GPU (else the search need not look at host memory)."""
+    budget = host_budget_per_gpu(request.cluster)
+    return any(
+        sum(float(tables[name, size].host.max(initial=0.0)) for name in stages) > budget
+        for _, _, size, stages in placement.pools
+    )
+
+
+def host_budget_per_gpu(cluster: Cluster) -> float:
+    """Host-memory bytes per GPU: one node's host memory shared evenly by its GPUs."""
+    return cluster.host_memory_bytes / cluster.gpus_per_node
+
+
+def _pareto(options: list[Option], budget: float, *, by_layout: bool, by_host: bool = False) -> list[Option]:
     """Options sorted by time, without any that a faster-or-equal one dominates in memory.
 
     Actor options are compared only within one (tp, pp): their layout decides the
-    weight-sync cost, so a slower layout may still win. The kept options' memory frontier
+    weight-sync cost, so a slower layout may still win. With `by_host` (host memory may bind),
+    options are compared only with others keeping the same host bytes. The kept options' memory frontier
     per key is a staircase (resident ascending, transient descending), so a dominance test
     is one bisection.
     """
     kept: list[Option] = []
-    stairs: dict[tuple[int, ...], tuple[list[float], list[float]]] = {}
+    stairs: dict[tuple[float, ...], tuple[list[float], list[float]]] = {}
     for option in sorted(o for o in options if o[1] + o[2] <= budget):
-        resident, transient = stairs.setdefault(option[3:5] if by_layout else (), ([], []))
+        key = (*(option[3:5] if by_layout else ()), *((option[8],) if by_host else ()))
+        resident, transient = stairs.setdefault(key, ([], []))
         below = bisect.bisect_right(resident, option[1])
         if below and transient[below - 1] <= option[2]:
             continue  # the least transient among no-larger residents is no larger
@@ -351,6 +384,12 @@ class _TopK:
         self.heap: list[tuple[float, int, Candidate]] = []  # max-heap on step time
         self.counter = itertools.count()
         self.bound = math.inf  # the k-th best step time once k are known
+        self.capped = False  # whether a search pruned by `bound` before k candidates were known
+
+    def cut(self) -> None:
+        """Note a branch pruned by `bound`; before k candidates, that bound is a pass's cap."""
+        if len(self.heap) < self.k:
+            self.capped = True
 
     def offer(self, candidate: Candidate) -> None:
         item = (-candidate.step_time_s, -next(self.counter), candidate)
@@ -390,10 +429,12 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
 
     The bound is the step time with unassigned model-stages at their fastest option
     (plus the weight sync once its three actor model-stages are chosen); the memory
-    test charges unassigned model-stages their smallest footprint.
+    test charges unassigned model-stages their smallest footprint, on the GPUs and in host
+    memory.
     """
     n, num_pools = len(problem.names), len(problem.placement.pools)
     if _root_bound(problem) >= best.bound:
+        best.cut()
         return 0
     min_time = [opts[0][0] for opts in problem.options]
     min_res = [min(o[1] for o in opts) for opts in problem.options]
@@ -405,6 +446,38 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
         resident[problem.pool_of[i]] += min_res[i]
     phase_max = [problem.phase_time(row) for row in sums]  # with serial pools: the phase's sum
     transient = [0.0] * num_pools
+    host = [0.0] * num_pools  # host bytes per GPU of the assigned model-stages
+    tail_host = _tail_host(problem)
+    host_tails = _host_tails(problem, min_time) if problem.host_binds else []
+    mixes = _tail_mixes(problem) if problem.host_binds else []
+    mix_budgets = [problem.budget + w * problem.host_budget for w in HOST_WEIGHTS]
+    tail_min_res = [[0.0] * num_pools for _ in range(n + 1)]
+    for j in range(n - 1, -1, -1):
+        tail_min_res[j] = list(tail_min_res[j + 1])
+        tail_min_res[j][problem.pool_of[j]] += min_res[j]
+
+    def mixes_fit(i: int, p: int, res: float, host_p: float) -> bool:
+        """Whether pool p's GPU and host budgets can both hold its model-stages, with those up
+        to depth i assigned (`res` its resident bytes then, counting the unassigned at their
+        least), by every weighted sum of the two (`_tail_mixes`)."""
+        assigned = res - tail_min_res[i][p]
+        return all(
+            assigned + w * host_p + tail[i][p] <= budget
+            for w, tail, budget in zip(HOST_WEIGHTS, mixes, mix_budgets, strict=True)
+        )
+
+    def host_bound(i: int) -> float:
+        """Step-time bound from host memory: the step is at least one pool's model-stages' times
+        added up, and the unassigned ones of a pool together take the least extra time whose host
+        bytes fit what the pool has left (`_host_tails`)."""
+        bound = 0.0
+        for p in range(num_pools):
+            hosts, extra = host_tails[i][p]
+            k = bisect.bisect_right(hosts, problem.host_budget - host[p]) - 1
+            own = sum(row[p] for row in sums)
+            bound = max(bound, own + (extra[k] if k >= 0 else math.inf))
+        return bound
+
     last_sync = max(i for i, name in enumerate(problem.names) if name == ACTOR_TRAINING or name in ACTOR_SYNC_TARGETS)
     chosen: list[Option] = []
     leaves = 0
@@ -448,25 +521,35 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
             )
             return
         if i and memory_bound(i) + sync >= best.bound:
+            best.cut()
+            return
+        if problem.host_binds and host_bound(i) + sync >= best.bound:
+            best.cut()
             return
         p, phase = problem.pool_of[i], problem.phase_of[i]
         base = sum(phase_max) + sync - phase_max[phase]
         for option in problem.options[i]:
             extra = option[0] - min_time[i]
             if base + max(phase_max[phase], sums[phase][p] + extra) >= best.bound:
+                best.cut()
                 break  # options are sorted by time: the rest are no better
             res = resident[p] + option[1] - min_res[i]
             trans = max(transient[p], option[2])
             if res + max(trans, tail_trans[i + 1][p]) > problem.budget:
                 continue
-            saved = resident[p], transient[p], phase_max[phase]
+            if host[p] + option[8] + tail_host[i + 1][p] > problem.host_budget:
+                continue
+            if mixes and not mixes_fit(i + 1, p, res, host[p] + option[8]):
+                continue
+            saved = resident[p], transient[p], phase_max[phase], host[p]
             sums[phase][p] += extra
             resident[p], transient[p], phase_max[phase] = res, trans, problem.phase_time(sums[phase])
+            host[p] += option[8]
             chosen.append(option)
             visit(i + 1, problem.sync_time(chosen) if i == last_sync else sync)
             chosen.pop()
             sums[phase][p] -= extra
-            resident[p], transient[p], phase_max[phase] = saved
+            resident[p], transient[p], phase_max[phase], host[p] = saved
 
     visit(0, 0.0)
     return leaves
@@ -513,6 +596,61 @@ def _fastest_by_growth(options: list[Option], min_res: float) -> tuple[list[floa
     return growth, fastest
 
 
+def _host_tails(problem: _Problem, min_time: list[float]) -> list[list[tuple[list[float], list[float]]]]:
+    """Per depth and pool: the unassigned model-stages of the pool together, as a staircase of
+    (host bytes per GPU ascending, the least extra time over their fastest options with at most
+    that many host bytes). The extra times are shaved by a relative 1e-12 so float summation
+    order can never make the bound exceed a leaf it covers."""
+    n, num_pools = len(problem.names), len(problem.placement.pools)
+    current = [(np.zeros(1), np.zeros(1)) for _ in range(num_pools)]
+    tails: list[list[tuple[list[float], list[float]]]] = [[([0.0], [0.0])] * num_pools for _ in range(n + 1)]
+    for j in range(n - 1, -1, -1):
+        p = problem.pool_of[j]
+        hosts = np.array([o[8] for o in problem.options[j]])
+        times = np.array([o[0] for o in problem.options[j]]) - min_time[j]
+        hosts_now, times_now = current[p]
+        combined = (hosts[:, None] + hosts_now[None, :]).ravel()
+        extra = (times[:, None] + times_now[None, :]).ravel()
+        order = np.argsort(combined, kind="stable")
+        combined, extra = combined[order], np.minimum.accumulate(extra[order])
+        keep = np.concatenate([[True], extra[1:] < extra[:-1]])  # the staircase's corners
+        current[p] = (combined[keep], extra[keep])
+        tails[j] = [(h.tolist(), (t * (1 - 1e-12)).tolist()) for h, t in current]
+    return tails
+
+
+def _tail_host(problem: _Problem) -> list[list[float]]:
+    """Per depth and pool: the least host bytes per GPU the unassigned model-stages add."""
+    n, num_pools = len(problem.names), len(problem.placement.pools)
+    tail = [[0.0] * num_pools for _ in range(n + 1)]
+    for i in range(n - 1, -1, -1):
+        tail[i] = list(tail[i + 1])
+        tail[i][problem.pool_of[i]] += min(o[8] for o in problem.options[i])
+    return tail
+
+
+#: Weights of host bytes against GPU bytes in `_tail_mixes`' combined memory tests.
+HOST_WEIGHTS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+def _tail_mixes(problem: _Problem) -> list[list[list[float]]]:
+    """Per host weight w (`HOST_WEIGHTS`), depth and pool: the least `resident + w * host` bytes
+    per GPU the unassigned model-stages add. A pool's model-stages must fit its GPUs and its host
+    memory at once, so their resident plus w times their host bytes stays within the GPU budget
+    plus w times the host budget, for every w >= 0: this couples the two budgets, which a search
+    that bounds each alone cannot (each model-stage can save GPU memory only by taking host
+    memory, so apart both bounds are loose)."""
+    n, num_pools = len(problem.names), len(problem.placement.pools)
+    mixes = []
+    for w in HOST_WEIGHTS:
+        tail = [[0.0] * num_pools for _ in range(n + 1)]
+        for i in range(n - 1, -1, -1):
+            tail[i] = list(tail[i + 1])
+            tail[i][problem.pool_of[i]] += min(o[1] + w * o[8] for o in problem.options[i])
+        mixes.append(tail)
+    return mixes
+
+
 def _tail_transients(problem: _Problem) -> list[list[float]]:
     """Per depth and pool: the largest smallest-transient among unassigned model-stages."""
     n, num_pools = len(problem.names), len(problem.placement.pools)
@@ -541,15 +679,22 @@ def search(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int], 
     tables = price_all(request, layouts)
     fastest = {key: table.fastest for key, table in tables.items()}
     ordered = sorted((_placement_bound(p, fastest), i, p) for i, p in enumerate(layouts))
-    best, leaves = _TopK(top_k), 0
-    cache: dict[tuple[str, int], list[Option]] = {}
-    for done, (bound, _, placement) in enumerate(ordered, 1):
-        if bound < best.bound:
-            # Dominance pruning keeps the optimum but may drop runners-up: only for top-1.
-            problem = compile_problem(request, placement, tables, prune=top_k == 1, cache=cache)
-            leaves += branch_and_bound(problem, best)
-        if progress:
-            progress(done, len(ordered))
+    cache: dict[tuple[str, int, bool], list[Option]] = {}
+    leaves = 0
+    for cap in _caps(request, ordered, tables):
+        best = _TopK(top_k)
+        best.bound = cap  # only steps faster than the cap are looked for in this pass
+        for done, (bound, _, placement) in enumerate(ordered, 1):
+            if bound < best.bound:
+                # Dominance pruning keeps the optimum but may drop runners-up: only for top-1.
+                problem = compile_problem(request, placement, tables, prune=top_k == 1, cache=cache)
+                leaves += branch_and_bound(problem, best)
+            else:
+                best.cut()
+            if progress:
+                progress(done, len(ordered))
+        if len(best.heap) == top_k or not best.capped:
+            break  # found, or nothing was cut for the cap: a larger one finds no more
     found = best.sorted()
     shown = found[0].placement if found else layouts[0]
     return SearchOutcome(
@@ -597,7 +742,7 @@ class CountProbe:
         self.budget = stage_room(request.cluster, request.calibration)
         self.names = [model_stage(r, s) for r, s in model_stages(request.workload)]
         self.least: dict[tuple[str, int], tuple[float, float] | None] = {}
-        self.compiled: dict[tuple[str, int], list[Option]] = {}
+        self.compiled: dict[tuple[str, int, bool], list[Option]] = {}
 
     @classmethod
     def up_to(cls, request: PlanRequest, largest: int) -> CountProbe:
@@ -641,13 +786,41 @@ class CountProbe:
         request = resized(self.request, num_gpus)
         for placement in placements(request):
             if self._may_fit(placement):
+                problem = compile_problem(request, placement, self.tables, prune=True, cache=self.compiled)
+                if problem.host_binds:
+                    # Host memory couples a pool's model-stages: dive first into the options
+                    # using the least of both budgets (a first fit needs no time order).
+                    gpu, host = problem.budget, problem.host_budget
+
+                    def share(option: Option, gpu: float = gpu, host: float = host) -> float:
+                        return (option[1] + option[2]) / gpu + option[8] / host
+
+                    problem.options = [sorted(opts, key=share) for opts in problem.options]
                 found = _FirstFit()
-                branch_and_bound(
-                    compile_problem(request, placement, self.tables, prune=True, cache=self.compiled), found
-                )
+                branch_and_bound(problem, found)
                 if found.heap:
                     return True
         return False
+
+
+#: Growth of the step-time cap between passes of a search whose host memory may bind.
+CAP_GROWTH = 1.1
+#: Capped passes before the last, uncapped one (the cap then exceeds 45x the first).
+MAX_CAPPED_PASSES = 40
+
+
+def _caps(
+    request: PlanRequest, ordered: list[tuple[float, int, Placement]], tables: dict[tuple[str, int], OptionTable]
+) -> list[float]:
+    """The step-time caps of the search's passes. Host memory binds the model-stages of a pool
+    together, so a depth-first search without an incumbent can wander long before its first
+    leaf that fits: where host memory may bind, passes look only for steps under a cap growing
+    from the best placement's lower bound, and stop at the first that finds the best candidates
+    (each pass is exact below its cap); otherwise one uncapped pass."""
+    first = ordered[0][0] if ordered else math.inf
+    if not math.isfinite(first) or not any(host_may_bind(request, p, tables) for _, _, p in ordered):
+        return [math.inf]
+    return [first * CAP_GROWTH**k for k in range(1, MAX_CAPPED_PASSES + 1)] + [math.inf]
 
 
 def reference_search(request: PlanRequest, top_k: int = 1) -> SearchOutcome:
@@ -704,24 +877,23 @@ def rejections(
     return out
 
 
-def describe_choice(choice: tuple[int, int, int, int, int, int]) -> str:
+def describe_choice(choice: Choice) -> str:
     """` recompute=full token_budget=... ` for the choices an option makes (empty: none)."""
-    kv, recompute, token_budget, zero1, offload, full_shard = choice
+    kv, recompute, token_budget, zero1, offload, full_shard, train_offload = choice
     parts = [f"kv_budget={kv / GIB:.1f}GiB" if kv else ""]
     parts += [f"recompute={RECOMPUTE_LEVELS[recompute]}" if recompute else ""]
     parts += [f"token_budget={token_budget}" if token_budget else ""]
-    parts += ["full_shard" if full_shard else "zero1" if zero1 else "", "offload" if offload else ""]
+    parts += ["full_shard" if full_shard else "zero1" if zero1 and not train_offload else ""]  # implied by it
+    parts += [f"train_offload={TRAIN_OFFLOADS[train_offload]}" if train_offload else "", "offload" if offload else ""]
     return "".join(f" {p}" for p in parts if p)
 
 
-def iter_assignments(
-    candidate: Candidate,
-) -> Iterator[tuple[str, str, int, int, int, int, int, tuple[int, int, int, int, int, int]]]:
+def iter_assignments(candidate: Candidate) -> Iterator[tuple[str, str, int, int, int, int, int, Choice]]:
     """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches, choice) per model-stage."""
     pool_of = {name: (pool, start) for pool, start, _, stages in candidate.placement.pools for name in stages}
     for name, option in candidate.choices:
         pool, start = pool_of[name]
-        yield name, pool, start, *option[3:]
+        yield name, pool, start, *option[3:8]
 
 
 @dataclass(frozen=True)

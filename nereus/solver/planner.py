@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from nereus.cost.plan_cost import evaluate_plan
+from nereus.cost.plan_cost import evaluate_plan, host_problems
+from nereus.cost.stage import TRAIN_OFFLOADS
 from nereus.errors import NereusError
 from nereus.solver.layouts import OptionTable
 from nereus.solver.plan_search import (
@@ -15,6 +17,7 @@ from nereus.solver.plan_search import (
     Rejection,
     closest_shortfall,
     fits,
+    host_budget_per_gpu,
     iter_assignments,
     placements,
     price_all,
@@ -24,6 +27,7 @@ from nereus.solver.plan_search import (
 from nereus.spec.plan import RECOMPUTE_LEVELS, Plan, Pool, StagePlan
 from nereus.spec.stages import is_trained, model_stage
 from nereus.spec.workload import model_stages
+from nereus.units import format_bytes
 
 #: The largest GPU count probed when looking for the smallest one that fits.
 MAX_PROBE_GPUS = 65536
@@ -48,7 +52,7 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
     entries = {}
     for name, pool, start, tp, pp, dp, micro_batches, choice in iter_assignments(candidate):
         emu_size = tp * pp
-        kv, recompute, token_budget, zero1, offload, full_shard = choice
+        kv, recompute, token_budget, zero1, offload, full_shard, train_offload = choice
         training = is_trained(name)
         emus = [list(range(start + k * emu_size, start + (k + 1) * emu_size)) for k in range(dp)]
         entries[name] = StagePlan(
@@ -64,6 +68,7 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
             zero1=bool(zero1) if training else None,
             offload=bool(offload),
             full_shard=bool(full_shard),
+            train_offload=TRAIN_OFFLOADS[train_offload],  # type: ignore[arg-type]
             kv_budget_bytes=kv or None,
         )
     order = [model_stage(r, s) for r, s in model_stages(request.workload)]
@@ -105,7 +110,10 @@ def _infeasible_message(request: PlanRequest, rejected: list[Rejection]) -> str:
         )
     short = closest_shortfall(request, (layouts, tables))
     least = min(rejected, key=lambda r: r.needed_bytes, default=None)
-    if short is not None:
+    host = _host_shortfall(request)
+    if host is not None:
+        reason = f"; every plan that fits the GPUs overflows host memory: the fastest needs {host}"
+    elif short is not None:
         reason = f"; closest: {short.describe()}"
     else:
         reason = f"; e.g. {least.describe()}" if least else " (model-stages do not fit together)"
@@ -134,6 +142,27 @@ class SmallestFit:
         nodes = self.whole_node_gpus // self.gpus_per_node
         whole = f"{nodes} node{'s' if nodes > 1 else ''} of {self.gpus_per_node}"
         return f"{said}; the smallest whole-node count is {self.whole_node_gpus} ({whole})"
+
+
+def _host_shortfall(request: PlanRequest) -> str | None:
+    """What the fastest plan that fits the GPUs keeps in host memory beyond the nodes' (None:
+    no plan fits the GPUs even with unbounded host memory)."""
+    unbounded = dataclasses.replace(request, cluster=request.cluster.model_copy(update={"host_memory_bytes": 2**62}))
+    found = search(unbounded).candidates
+    if not found:
+        return None
+    plan = build_plan(unbounded, found[0])
+    assert plan.predictions is not None
+    host = {name: float(sum(p.host_memory_bytes.values())) for name, p in plan.predictions.model_stages.items()}
+    problems = host_problems(plan.model_copy(update={"cluster": request.cluster}), host)
+    per_gpu = host_budget_per_gpu(request.cluster)
+    pools = {e.pool: 0.0 for e in plan.stages}
+    for entry in plan.stages:
+        pools[entry.pool] += host[entry.model_stage]
+    fullest = max(pools, key=lambda name: pools[name])
+    # The search bounds a pool's host bytes per GPU by the node's share (a sufficient condition).
+    per_pool = f"{format_bytes(pools[fullest])} per GPU in pool {fullest} > {format_bytes(per_gpu)} (the node's share)"
+    return problems[0] if problems else per_pool
 
 
 def smallest_feasible_gpus(request: PlanRequest) -> SmallestFit | None:

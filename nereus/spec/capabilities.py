@@ -2,10 +2,11 @@
 workload dtypes.
 
 Everything that says what the runtime can run is derived from this table: the planner's
-search space for the runtime (`nereus.solver.layouts.RUNTIME_CHOICES`, used when a run plans
-itself, replans on a resume and in its controller), `nereus plan --for-runtime` (its help
-and its refusals) and the runtime's own refusal of a plan (`nereus.solver.admission`). So
-the three cannot disagree; a feature the runtime gains is one `executed` flag flipped here.
+search space for the runtime (`nereus.solver.layouts.RUNTIME_CHOICES`: every executed choice,
+searched when a run plans itself, replans on a resume and in its controller), `nereus plan
+--for-runtime` (its help and its refusals) and the runtime's own refusal of a plan
+(`nereus.solver.admission`). So they cannot disagree; a feature the runtime gains is one
+`executed` flag flipped here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from nereus.spec.plan import StagePlan
 
-MemoryChoice = Literal["recompute", "token_budget", "zero1", "offload", "kv_budget", "full_shard"]
+MemoryChoice = Literal["recompute", "token_budget", "zero1", "offload", "kv_budget", "full_shard", "train_offload"]
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,10 @@ class ChoiceSupport:
     """One memory-saving choice of a plan entry and whether the runtime executes it."""
 
     executed: bool
-    """Whether `nereus run` executes a plan entry that makes this choice (`nereus plan
-    --for-runtime` searches it; the runtime refuses a plan making a choice it does not execute)."""
-    searched: bool
-    """Whether the runtime's own planner searches it: when a run plans itself, replans on a
-    resume, and in its controller's replans (`nereus.solver.layouts.RUNTIME_CHOICES`). Only an
-    executed choice can be searched; `why_not_searched` says why an executed one is not."""
+    """Whether `nereus run` executes a plan entry that makes this choice: its own planner, its
+    resume replanner and its controller search it (`nereus.solver.layouts.RUNTIME_CHOICES`), and
+    so does `nereus plan --for-runtime`; the runtime refuses a plan making a choice it does not
+    execute."""
     label: str
     """The choice in prose (`ZeRO-1`), for help texts."""
     flag: str
@@ -40,12 +39,6 @@ class ChoiceSupport:
     used: Callable[[StagePlan], bool]
     """Whether a plan entry makes the choice (an entry leaving `zero1` to the workload's
     optimizer counts as not choosing it: the runtime follows the optimizer either way)."""
-    why_not_searched: str = ""
-    """Why an executed choice is left out of the runtime's own planner (empty otherwise)."""
-
-    def __post_init__(self) -> None:
-        assert self.executed or not self.searched, f"{self.label}: only an executed choice can be searched"
-        assert self.executed == self.searched or self.why_not_searched, f"{self.label}: say why it is not searched"
 
     @property
     def pin(self) -> str:
@@ -55,57 +48,14 @@ class ChoiceSupport:
 
 #: Every memory-saving choice a plan entry can make, in the planner's order (`MemoryChoices`).
 MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
-    "recompute": ChoiceSupport(
-        True,
-        False,
-        "recompute",
-        "--recompute",
-        "none",
-        lambda e: e.recompute != "none",
-        "the runtime's own plans and the controller's replans are measured without it "
-        "(benchmarks/adaptive_memory.py and the live transition tests); a run recomputes wherever its plan asks",
-    ),
-    "token_budget": ChoiceSupport(
-        True,
-        False,
-        "token budgets",
-        "--token-budget",
-        "off",
-        lambda e: e.token_budget is not None,
-        "a token budget's micro-batch count depends on the rows' lengths, while the fused actor-critic "
-        "schedule the runtime's plans may ask for fixes it; a run packs to a budget wherever its plan asks",
-    ),
-    "zero1": ChoiceSupport(
-        True,
-        False,
-        "ZeRO-1",
-        "--zero1",
-        "off",
-        lambda e: bool(e.zero1),
-        "the controller's replanning is measured without it (benchmarks/adaptive_memory.py and the live "
-        "transition tests); a run shards its optimizer wherever its plan or the workload's optimizer asks",
-    ),
-    "offload": ChoiceSupport(False, False, "offload", "--offload", "off", lambda e: e.offload),
-    "kv_budget": ChoiceSupport(
-        True,
-        False,
-        "KV budgets",
-        "--kv-budget",
-        "off",
-        lambda e: e.kv_budget_bytes is not None,
-        "without a budget the generation engine sizes its KV pool from the memory the other "
-        "model-stages leave, and the runtime's replanner prices generation in that pool "
-        "(`nereus.cost.fit.engineless_stages`)",
-    ),
-    "full_shard": ChoiceSupport(
-        True,
-        False,
-        "full sharding",
-        "--full-shard",
-        "off",
-        lambda e: e.full_shard,
-        "executed on FSDP2 (`nereus.runtime.model.engine`); the runtime's own planner, the controller's "
-        "replanning and its memory parity rows are measured without it so far",
+    "recompute": ChoiceSupport(True, "recompute", "--recompute", "none", lambda e: e.recompute != "none"),
+    "token_budget": ChoiceSupport(True, "token budgets", "--token-budget", "off", lambda e: e.token_budget is not None),
+    "zero1": ChoiceSupport(True, "ZeRO-1", "--zero1", "off", lambda e: bool(e.zero1)),
+    "offload": ChoiceSupport(False, "offload", "--offload", "off", lambda e: e.offload),
+    "kv_budget": ChoiceSupport(True, "KV budgets", "--kv-budget", "off", lambda e: e.kv_budget_bytes is not None),
+    "full_shard": ChoiceSupport(True, "full sharding", "--full-shard", "off", lambda e: e.full_shard),
+    "train_offload": ChoiceSupport(
+        False, "training-time offload", "--train-offload", "none", lambda e: e.train_offload != "none"
     ),
 }
 
@@ -117,11 +67,6 @@ RUNTIME_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16"}
 def executed(choice: MemoryChoice) -> bool:
     """Whether the runtime executes `choice`."""
     return MEMORY_CHOICES[choice].executed
-
-
-def searched(choice: MemoryChoice) -> bool:
-    """Whether the runtime's own planner searches `choice`."""
-    return MEMORY_CHOICES[choice].searched
 
 
 def unexecuted_choices(entry: StagePlan) -> list[MemoryChoice]:

@@ -46,6 +46,9 @@ class Link(StrictModel):
 #: uplinks to the host, so one GPU offloading while its neighbour does gets about half.
 PCIE5_X16_SHARE = Link(bytes_per_s=32e9, latency_s=10e-6)
 
+#: A DGX H100's system memory: 2 TB of DDR5 per node (NVIDIA DGX H100 datasheet), taken as 2 TiB.
+DGX_HOST_MEMORY_BYTES = 2 * 2**40
+
 
 class Cluster(Document):
     """Homogeneous nodes of identical GPUs; GPU ids are node * gpus_per_node + local."""
@@ -65,7 +68,12 @@ class Cluster(Document):
     """Per-GPU network link between nodes (InfiniBand, RoCE, Slingshot)."""
     host_link: Link = PCIE5_X16_SHARE
     """Per-GPU share of the host-device link (PCIe) when every GPU of a node moves states to or
-    from host memory at once: prices offloading idle model-stages. Default: half of PCIe Gen5 x16."""
+    from host memory at once: prices offloading idle model-stages and training-time offload.
+    Default: half of PCIe Gen5 x16."""
+    host_memory_bytes: int = Field(default=DGX_HOST_MEMORY_BYTES, gt=0)
+    """Host (CPU) memory of one node in bytes, shared by its GPUs' offloaded states: a plan whose
+    model-stages keep more in one node's host memory (training-time offload, and idle states
+    asleep) is refused. Default: a DGX H100's 2 TB (NVIDIA's datasheet), as 2 TiB."""
 
     @model_validator(mode="after")
     def _not_too_large(self) -> Cluster:

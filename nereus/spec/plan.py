@@ -55,20 +55,21 @@ class StagePlan(StrictModel):
     """Training only: tokens per micro-batch when micro-batches are packed to a token budget;
     None: micro-batches of equal row counts, sized for rows of the maximum length."""
     zero1: bool | None = None
-    """Training only: AdamW state sharded across dp (ZeRO-1); None: as the workload's optimizer says."""
+    """Training only: AdamW state sharded across dp (ZeRO-1); None: as the workload's optimizer says
+    (full sharding and training-time offload shard it whatever this says)."""
     full_shard: bool = False
     """Training and inference only: parameters (and in training gradients and AdamW state) sharded
     across dp, each layer all-gathered before its forward and again before its backward and its
     gradients reduce-scattered (ZeRO-3, FSDP's FULL_SHARD), the optimizer state whatever `zero1`
     says; False: every replica holds them whole."""
-    offload: bool = False
-    """Between its runs, this model-stage's resident states sleep in host memory (moved out
-    and back over the cluster's host link every step)."""
     train_offload: Literal["none", "optimizer", "params"] = "none"
     """Training only: `optimizer` keeps AdamW state and fp32 master weights (and the gradients as they
     arrive) in host memory and runs the optimizer step on the host (DeepSpeed's ZeRO-Offload); `params`
     also keeps the parameter shards there, copied in per layer for forward and backward (FSDP2's
     CPUOffloadPolicy); `none`: everything on the GPU."""
+    offload: bool = False
+    """Between its runs, this model-stage's resident states sleep in host memory (moved out
+    and back over the cluster's host link every step)."""
     kv_budget_bytes: int | None = Field(default=None, gt=0)
     """Generation only: KV-cache bytes per GPU the engine batches continuously into; None:
     room for every sample of a replica at the maximum length at once."""
@@ -80,8 +81,14 @@ class StagePlan(StrictModel):
             for name in ("token_budget", "zero1"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"{name} applies to training model-stages only; drop it from {self.model_stage}")
-            if self.recompute != "none":
-                raise ValueError(f"recompute applies to training model-stages only; drop it from {self.model_stage}")
+            for name in ("recompute", "train_offload"):
+                if getattr(self, name) != "none":
+                    raise ValueError(f"{name} applies to training model-stages only; drop it from {self.model_stage}")
+        if self.train_offload == "params" and not self.full_shard:
+            raise ValueError(
+                f"train_offload params keeps parameter shards in host memory, so it needs full_shard: true "
+                f"(as FSDP2's CPU offload does); set it or use train_offload optimizer in {self.model_stage}"
+            )
         if stage != "generation" and self.kv_budget_bytes is not None:
             raise ValueError(f"kv_budget_bytes applies to generation only; drop it from {self.model_stage}")
         if self.full_shard and stage == "generation":
@@ -113,6 +120,10 @@ class StagePrediction(StrictModel):
     """Seconds per latency term (compute, bubbles, collectives, ...)."""
     memory_breakdown_bytes: dict[str, NonNegativeInt] = Field(default_factory=dict)
     """Bytes per memory term (parameters, optimizer, activations, KV cache, ...)."""
+    host_memory_bytes: dict[str, NonNegativeInt] = Field(default_factory=dict)
+    """Host-memory bytes per GPU by term: what training-time offload keeps there (parameters,
+    gradients, optimizer) and, for an offloaded model-stage, its states asleep between runs
+    (`asleep`); empty: nothing in host memory."""
 
 
 class Predictions(StrictModel):

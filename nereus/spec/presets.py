@@ -63,6 +63,15 @@ HOST_LINKS: dict[str, Link] = {
     "mi250x": Link(bytes_per_s=18e9, latency_s=10e-6),
 }
 
+#: Host memory per node: DGX A100 (80 GB), DGX H100 and DGX H200 ship 2 TB of system memory
+#: (NVIDIA's datasheets), taken as 2 TiB; a Frontier node has 512 GiB of DDR4 for its 8 GCDs.
+HOST_MEMORY: dict[str, int] = {
+    "a100-80gb": 2 * 2**40,
+    "h100-sxm": 2 * 2**40,
+    "h200": 2 * 2**40,
+    "mi250x": 512 * GIB,
+}
+
 GPU_ALIASES = {"a100": "a100-80gb", "h100": "h100-sxm", "h200-sxm": "h200", "mi250": "mi250x"}
 
 
@@ -248,6 +257,7 @@ def cluster_preset(name: str, num_gpus: int | None = None) -> Cluster:
         intra_node=intra,
         inter_node=inter,
         host_link=HOST_LINKS[gpu_name],
+        host_memory_bytes=HOST_MEMORY[gpu_name],
     )
 
 

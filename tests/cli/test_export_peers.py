@@ -191,3 +191,46 @@ def test_full_sharding_exports_as_zero_3_and_as_a_difference_to_verl_megatron() 
     assert len(lost) == 1 and "Megatron" in lost[0].exported
     assert verl.settings["actor_rollout_ref.actor.megatron.use_distributed_optimizer"] is True
     assert not any(s.full_shard for s in verl.exported_plan.stages)
+
+
+def offloading_plan() -> Plan:
+    """The split 4-rank PPO example with actor/training's optimizer in host memory and
+    critic/training's parameters there too (fully sharded: `params` needs it)."""
+    plan = split_plan()
+    offload = {"actor/training": {"train_offload": "optimizer"}}
+    offload["critic/training"] = {"train_offload": "params", "full_shard": True}
+    stages = [s.model_copy(update=offload.get(s.model_stage, {})) for s in plan.stages]
+    return plan.model_copy(update={"stages": stages})
+
+
+def test_training_time_offload_exports_to_adam_offload_and_verl_offload(peer_root: Path, tmp_path: Path) -> None:
+    """OpenRLHF: `--ds.adam_offload` (DeepSpeed's ZeRO-Offload: the Adam step on the host) for
+    every trained model, with no parameter offload (the critic's is listed as lost); verl's
+    Megatron trainer: `optimizer_offload` and `param_offload` per trained model, which put the
+    states to sleep between phases (listed: verl steps on the GPU). Every flag and key exists in
+    the pinned releases."""
+    plan = offloading_plan()
+    openrlhf = export_openrlhf(plan)
+    assert openrlhf.settings["--ds.adam_offload"] is True and openrlhf.settings["--ds.zero_stage"] == 3
+    offloaded = {s.model_stage: s.train_offload for s in openrlhf.exported_plan.stages if s.stage == "training"}
+    assert offloaded == {"actor/training": "optimizer", "critic/training": "optimizer"}
+    lost = [d for d in openrlhf.differences if d.planned.startswith("critic/training parameters, gradients")]
+    assert len(lost) == 1 and "--ds.adam_offload" in lost[0].exported
+    verl = export_verl(plan)
+    section = "actor_rollout_ref.actor.megatron"
+    assert verl.settings[f"{section}.optimizer_offload"] is True
+    assert verl.settings[f"{section}.param_offload"] is False
+    assert verl.settings["critic.megatron.optimizer_offload"] is True
+    assert verl.settings["critic.megatron.param_offload"] is True
+    assert all(s.offload and s.train_offload == "none" for s in verl.exported_plan.stages if s.stage == "training")
+    slept = {d.planned.split()[0] for d in verl.differences if "they sleep" in d.exported}
+    assert slept == {"actor/training", "critic/training"}
+    path = tmp_path / "plan.yaml"
+    save_document(plan, path)
+    flags = openrlhf_flags(unpacked_wheel("openrlhf", peer_root))
+    for flag, value in json.loads(invoke("export", "openrlhf", path, "--json").stdout)["settings"].items():
+        assert flag in flags and (value is not True or flags[flag].get("action") == "'store_true'"), flag
+    root = unpacked_wheel("verl", peer_root)
+    config = verl_config(root)
+    for key, value in json.loads(invoke("export", "verl", path, "--json").stdout)["settings"].items():
+        assert isinstance(value, verl_type(root, config, key)), (key, value)

@@ -611,3 +611,74 @@ def test_full_sharding_applies_to_training_and_inference_only() -> None:
     # the optimizer state is sharded with the rest, whatever zero1 says
     sharded = cost("training", workload()).model_state_terms(1000.0, 4, False, 1)
     assert float(sharded["optimizer"]) == pytest.approx(12 * 1000.0 / 4, rel=1e-12)
+
+
+# ---- training-time offload and host memory ----------------------------------------------------------
+def offloaded(plan: Plan, level: str, **update: object) -> Plan:
+    """`plan` with actor/training's training-time offload at `level` (and `update` on it)."""
+    stages = [
+        StagePlan.model_validate({**s.model_dump(), "train_offload": level, **update})
+        if s.model_stage == "actor/training"
+        else s
+        for s in plan.stages
+    ]
+    return plan.model_copy(update={"stages": stages, "predictions": None})
+
+
+def test_training_time_offload_moves_states_to_the_host_and_prices_the_host_step() -> None:
+    """`optimizer`: AdamW state and gradients leave the GPU (one unit of gradients stays on its
+    way out) for host memory, sharded over dp; the step runs at the host's AdamW throughput and
+    the shards cross the host link. `params` (fully sharded) moves the parameters too."""
+    plan = load_document(EXAMPLES / "plan-tiny-ppo-4rank.yaml")
+    assert isinstance(plan, Plan)
+    base = evaluate_plan(plan.model_copy(update={"predictions": None})).predictions.model_stages["actor/training"]
+    entry = plan.stage_plan("actor/training")
+    moved = evaluate_plan(offloaded(plan, "optimizer")).predictions.model_stages["actor/training"]
+    assert moved.memory_breakdown_bytes["optimizer"] == moved.memory_breakdown_bytes["gradients"] == 0
+    assert moved.memory_breakdown_bytes["offload_buffer"] > 0
+    assert moved.memory_breakdown_bytes["parameters"] == base.memory_breakdown_bytes["parameters"]
+    host = moved.host_memory_bytes
+    assert set(host) == {"gradients", "optimizer"}  # parameters stay: 0 is not listed
+    assert host["optimizer"] == pytest.approx(base.memory_breakdown_bytes["optimizer"] / entry.dp, rel=1e-6, abs=2)
+    assert moved.time_breakdown_s["host_transfer"] > 0
+    model = StageCostModel(
+        plan.model(plan.workload.actor), "lm", "training", plan.workload, plan.cluster, DEFAULT_CALIBRATION
+    )
+    rounds = plan.workload.mini_batches * plan.workload.ppo_epochs
+    assert moved.time_breakdown_s["optimizer"] == pytest.approx(
+        rounds * float(model.host_optimizer_time(entry.tp, entry.pp, entry.dp))
+    )
+    with pytest.raises(ValueError, match="needs full_shard"):
+        offloaded(plan, "params")
+    if entry.dp > 1:
+        params = evaluate_plan(offloaded(plan, "params", full_shard=True)).predictions.model_stages["actor/training"]
+        assert params.memory_breakdown_bytes["parameters"] == 0 and params.host_memory_bytes["parameters"] > 0
+
+
+def test_a_plan_overflowing_a_nodes_host_memory_is_refused_naming_the_node() -> None:
+    plan = offloaded(load_document(EXAMPLES / "plan-tiny-ppo-4rank.yaml"), "optimizer")  # type: ignore[arg-type]
+    fits = evaluate_plan(plan)
+    assert fits.feasible
+    used = sum(
+        sum(fits.predictions.model_stages[e.model_stage].host_memory_bytes.values()) * len(e.gpus) for e in plan.stages
+    )
+    small = plan.model_copy(update={"cluster": plan.cluster.model_copy(update={"host_memory_bytes": int(used) - 1})})
+    problems = evaluate_plan(small).memory_problems
+    assert len(problems) == 1 and problems[0].startswith("host memory of node 0: "), problems
+    assert "(the cluster's host_memory_bytes)" in problems[0]
+    from nereus.cost.plan_cost import plan_cost_problems
+
+    located = [p for p in plan_cost_problems(small) if p.severity == "error"]
+    assert [p.path for p in located] == ["cluster.host_memory_bytes"]
+
+
+@pytest.mark.parametrize("model_stage_name", ["actor/generation", "actor/inference"])
+def test_train_offload_applies_to_training_only(model_stage_name: str) -> None:
+    plan = load_document(EXAMPLES / "plan-tiny-ppo-4rank.yaml")
+    assert isinstance(plan, Plan)
+    with pytest.raises(ValueError, match="train_offload applies to training model-stages only"):
+        StagePlan.model_validate({**plan.stage_plan(model_stage_name).model_dump(), "train_offload": "optimizer"})
+
+
+def test_the_h100_preset_states_a_dgx_hosts_memory() -> None:
+    assert cluster_preset("h100").host_memory_bytes == 2 * 2**40

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import invoke, one_error_line
 
-from nereus.cost.profile import Profile, cluster_from_profile, fit_latency_bandwidth
+from nereus.cost.calibration import Calibration
+from nereus.cost.profile import Profile, calibration_from_profile, cluster_from_profile, fit_latency_bandwidth
 from nereus.spec.io import load_document, save_document
 
 pytestmark = pytest.mark.logic
@@ -47,6 +48,10 @@ def test_quick_profile_measures_everything_and_check_accepts_it(profile_file: Pa
         assert [s.bytes for s in measured.sizes] == sorted(s.bytes for s in measured.sizes)
     assert profile.communicator_setup_s is not None and profile.communicator_setup_s > 0
     assert profile.peak_flops > 1e8 and profile.memory_bytes_per_s > 1e8
+    # torch's AdamW on this CPU: some 1e7..1e9 parameters per second
+    assert profile.host_adam_params_per_s is not None and profile.host_adam_params_per_s > 1e6
+    calibration = calibration_from_profile(profile, Calibration())
+    assert calibration.host_adam_params_per_s == profile.host_adam_params_per_s
     assert invoke("check", profile_file).exit_code == 0
 
 

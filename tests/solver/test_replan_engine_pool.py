@@ -5,7 +5,9 @@ oracle choosing only among plans that rule lets run."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+from collections.abc import Iterator
 
 import pytest
 from repo_paths import BENCHMARKS
@@ -14,7 +16,7 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.fit import engineless_stages, with_engine_budget
 from nereus.cost.kv_pool import BLOCK_TOKENS, engine_budget
 from nereus.cost.plan_cost import evaluate_plan, stage_cost_model
-from nereus.solver.layouts import RUNTIME_CHOICES
+from nereus.solver.layouts import RUNTIME_CHOICES, MemoryChoices
 from nereus.solver.policy import NereusPolicy, Observation, Replanner, plan_key
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
@@ -23,6 +25,8 @@ from nereus.spec.workload import ResponseLengths
 pytestmark = pytest.mark.logic
 
 sys.path.insert(0, str(BENCHMARKS))
+import adaptive_memory  # noqa: E402  (a benchmark, not a package)
+import adaptive_run  # noqa: E402
 from adaptive_memory import (  # noqa: E402  (a benchmark's helpers, not a package)
     candidates,
     distinct,
@@ -37,6 +41,23 @@ CAPACITY = 16 * 2**20
 #: 8 prompts x 8 samples: 32 sequences per generation replica under dp=2.
 SAMPLES_PER_PROMPT = 8
 GROWTH = [8, 256]
+
+
+#: The runtime's own choices with KV budgets and ZeRO-1 pinned off: generation in the KV pool the
+#: engine sizes from what the other model-stages leave, every optimizer state whole. These tests are
+#: about that pool and the refits around it (the runtime's planner now also searches KV budgets and
+#: ZeRO-1, which would absorb the growth they are built on).
+ENGINE_POOL = dataclasses.replace(RUNTIME_CHOICES, kv_budget=(False,), zero1=(False,))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_pool_choices() -> Iterator[None]:
+    """The memory benchmark's plans and controller replanner under `ENGINE_POOL`, as they were
+    measured (its modules read `RUNTIME_CHOICES` when they plan)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(adaptive_memory, "RUNTIME_CHOICES", ENGINE_POOL)
+        patch.setattr(adaptive_run, "RUNTIME_CHOICES", ENGINE_POOL)
+        yield
 
 
 def lengths(tokens: int) -> ResponseLengths:
@@ -77,7 +98,7 @@ def test_the_replanner_prices_generation_in_the_pool_the_runtime_sizes(plans: di
     per_token = stage_cost_model(at_256, generation.role, generation.stage, Calibration()).kv_bytes_per_token(1, 1)
     # One rule: the cost model's pool holds exactly the runtime's tokens.
     assert budget / float(per_token) == runtime_blocks * BLOCK_TOKENS
-    replanner = Replanner(initial, choices=RUNTIME_CHOICES, engineless=engineless)
+    replanner = Replanner(initial, choices=ENGINE_POOL, engineless=engineless)
     whole = one_row_micro_batches(sized(plans["c1"], 256))
     evaluation = evaluate_plan(with_engine_budget(whole, engineless), Calibration())
     assert evaluation.feasible
@@ -102,8 +123,9 @@ def test_refits_keep_to_the_choices_the_runtime_executes(plans: dict[str, Plan])
     """No activation recompute the runtime cannot run: the layout is kept only while one-row
     micro-batches fit; sized for the growth margin first, else for the lengths measured."""
     initial = plans["initial"]
-    free = Replanner(initial)  # every memory-saving choice
-    runtime = Replanner(initial, choices=RUNTIME_CHOICES)
+    # every memory-saving choice but training-time offload (which would take the place of recompute)
+    free = Replanner(initial, choices=MemoryChoices(train_offload=("none",)))
+    runtime = Replanner(initial, choices=ENGINE_POOL)
     with_recompute = free.refit(initial, 2, lengths(256), 1.0)
     assert with_recompute is not None and any(s.recompute != "none" for s in with_recompute.stages)
     refit = runtime.refit(initial, 2, lengths(256), 1.0)

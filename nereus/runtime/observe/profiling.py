@@ -74,6 +74,12 @@ class ProfileConfig:
         """Size of the memory-bandwidth copy."""
         return 2**25 if self.quick else 2**28
 
+    @property
+    def adam_params(self) -> int:
+        """fp32 parameters of the host AdamW step (1 MiB or 16 MiB of them, and thrice that of
+        gradients and moments)."""
+        return 2**18 if self.quick else 2**22
+
 
 def gemm_shapes(models: tuple[Model, ...], tokens: int) -> list[tuple[int, int, int]]:
     """(m, n, k) of every dense layer of the models: QKV, output, MLP in and out, LM head."""
@@ -172,6 +178,19 @@ def measure_copy_bandwidth(config: ProfileConfig) -> float:
     target = torch.empty_like(source)
     seconds = median_seconds(lambda: target.copy_(source), config.seconds_per_point, _synchronizer(config.device))
     return 2.0 * config.copy_bytes / seconds
+
+
+def measure_host_adam(config: ProfileConfig) -> float:
+    """Parameters per second torch's AdamW updates on this machine's CPUs with every thread
+    (fp32 parameters, gradients and moments): the host optimizer step of training-time offload
+    (`Calibration.host_adam_params_per_s`)."""
+    import torch
+
+    param = torch.nn.Parameter(torch.zeros(config.adam_params))
+    param.grad = torch.full_like(param, 1e-3)
+    optimizer = torch.optim.AdamW([param], lr=1e-4)
+    seconds = median_seconds(optimizer.step, config.seconds_per_point, lambda: None)
+    return config.adam_params / seconds
 
 
 # ---- collectives, on spawned ranks ----
@@ -364,7 +383,7 @@ def run_profile(config: ProfileConfig, progress: Progress | None = None) -> Prof
         raise ArgumentError(problem, *(name for name in ("device", "num_ranks", "vllm") if f"`{name}`" in problem))
     dtype_name = "bf16" if config.device == "cuda" else "fp32"
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    total = len(gemm_shapes(config.models, config.tokens)) + len(attention_shapes(config.models, config.quick)) + 2
+    total = len(gemm_shapes(config.models, config.tokens)) + len(attention_shapes(config.models, config.quick)) + 3
     total += int(config.vllm)
     done = [0]
 
@@ -382,6 +401,8 @@ def run_profile(config: ProfileConfig, progress: Progress | None = None) -> Prof
         step()
     finally:
         torch.set_num_threads(threads)
+    host_adam = measure_host_adam(config)  # the host's every thread, as an offloaded optimizer steps
+    step()
     collectives: list[CollectiveMeasurement] = []
     setup_s = None
     if config.num_ranks > 1:
@@ -403,6 +424,7 @@ def run_profile(config: ProfileConfig, progress: Progress | None = None) -> Prof
         gemm=gemm,
         attention=attention,
         memory_bytes_per_s=bandwidth,
+        host_adam_params_per_s=host_adam,
         collectives=collectives,
         communicator_setup_s=setup_s,
         models=list(dict.fromkeys(m.name for m in config.models)),
