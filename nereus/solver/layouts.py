@@ -11,7 +11,7 @@ import numpy as np
 
 from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, stage_room
 from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel
-from nereus.spec.capabilities import MEMORY_CHOICES, executed
+from nereus.spec.capabilities import MEMORY_CHOICES, self_planned
 from nereus.spec.check import kv_heads_rule, pp_rule
 from nereus.spec.plan import RECOMPUTE_LEVELS, Recompute
 
@@ -52,15 +52,16 @@ class MemoryChoices:
 
 
 def runtime_choices() -> MemoryChoices:
-    """The runtime's own search space (`nereus.spec.capabilities`): every choice it executes
-    searched as by default, each other one pinned off."""
+    """The runtime's own search space (`nereus.spec.capabilities`): every choice it executes and
+    does not leave out of its own plans searched as by default, each other one pinned off."""
     every = MemoryChoices()
-    pinned = {name: getattr(every, name)[:1] for name in MEMORY_CHOICES if not executed(name)}
+    pinned = {name: getattr(every, name)[:1] for name in MEMORY_CHOICES if not self_planned(name)}
     return dataclasses.replace(every, **pinned)
 
 
 #: What `nereus run` plans for itself, when a run plans itself, replans on a resume and in its
-#: controller: every choice it executes (`nereus.spec.capabilities`), each other one pinned off.
+#: controller: every choice it executes and plans for itself (`nereus.spec.capabilities`), each
+#: other one pinned off.
 RUNTIME_CHOICES = runtime_choices()
 
 

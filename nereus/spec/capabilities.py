@@ -2,8 +2,9 @@
 workload dtypes.
 
 Everything that says what the runtime can run is derived from this table: the planner's
-search space for the runtime (`nereus.solver.layouts.RUNTIME_CHOICES`: every executed choice,
-searched when a run plans itself, replans on a resume and in its controller), `nereus plan
+search space for the runtime (`nereus.solver.layouts.RUNTIME_CHOICES`: every executed choice
+not left out by `why_not_self_planned`, searched when a run plans itself, replans on a resume
+and in its controller), `nereus plan
 --for-runtime` (its help and its refusals) and the runtime's own refusal of a plan
 (`nereus.solver.admission`). So they cannot disagree; a feature the runtime gains is one
 `executed` flag flipped here.
@@ -39,6 +40,9 @@ class ChoiceSupport:
     used: Callable[[StagePlan], bool]
     """Whether a plan entry makes the choice (an entry leaving `zero1` to the workload's
     optimizer counts as not choosing it: the runtime follows the optimizer either way)."""
+    why_not_self_planned: str = ""
+    """Why the runtime's own planner (a run planning itself, its resume replanner, its controller)
+    leaves out an executed choice, which a given plan may still make; empty: it searches it."""
 
     @property
     def pin(self) -> str:
@@ -48,12 +52,36 @@ class ChoiceSupport:
 
 #: Every memory-saving choice a plan entry can make, in the planner's order (`MemoryChoices`).
 MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
-    "recompute": ChoiceSupport(True, "recompute", "--recompute", "none", lambda e: e.recompute != "none"),
-    "token_budget": ChoiceSupport(True, "token budgets", "--token-budget", "off", lambda e: e.token_budget is not None),
+    "recompute": ChoiceSupport(
+        True,
+        "recompute",
+        "--recompute",
+        "none",
+        lambda e: e.recompute != "none",
+        "the controller's replans and their live transitions are measured without it so far "
+        "(benchmarks/adaptive_memory.py, the pool-shrink run test); a run recomputes wherever its plan asks",
+    ),
+    "token_budget": ChoiceSupport(
+        True,
+        "token budgets",
+        "--token-budget",
+        "off",
+        lambda e: e.token_budget is not None,
+        "a budget's micro-batch count depends on the rows' lengths, while the fused actor-critic schedule "
+        "the runtime's own plans may ask for fixes it; a run packs to a budget wherever its plan asks",
+    ),
     "zero1": ChoiceSupport(True, "ZeRO-1", "--zero1", "off", lambda e: bool(e.zero1)),
     "offload": ChoiceSupport(False, "offload", "--offload", "off", lambda e: e.offload),
     "kv_budget": ChoiceSupport(True, "KV budgets", "--kv-budget", "off", lambda e: e.kv_budget_bytes is not None),
-    "full_shard": ChoiceSupport(True, "full sharding", "--full-shard", "off", lambda e: e.full_shard),
+    "full_shard": ChoiceSupport(
+        True,
+        "full sharding",
+        "--full-shard",
+        "off",
+        lambda e: e.full_shard,
+        "executed on FSDP2, whose parameters live outside the state arenas the controller's live "
+        "transitions read from; its replans are measured without it so far",
+    ),
     "train_offload": ChoiceSupport(
         False, "training-time offload", "--train-offload", "none", lambda e: e.train_offload != "none"
     ),
@@ -67,6 +95,12 @@ RUNTIME_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16"}
 def executed(choice: MemoryChoice) -> bool:
     """Whether the runtime executes `choice`."""
     return MEMORY_CHOICES[choice].executed
+
+
+def self_planned(choice: MemoryChoice) -> bool:
+    """Whether the runtime's own planner searches `choice` (executed, and not left out)."""
+    support = MEMORY_CHOICES[choice]
+    return support.executed and not support.why_not_self_planned
 
 
 def unexecuted_choices(entry: StagePlan) -> list[MemoryChoice]:
