@@ -70,9 +70,26 @@ MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
         "a budget's micro-batch count depends on the rows' lengths, while the fused actor-critic schedule "
         "the runtime's own plans may ask for fixes it; a run packs to a budget wherever its plan asks",
     ),
-    "zero1": ChoiceSupport(True, "ZeRO-1", "--zero1", "off", lambda e: bool(e.zero1)),
+    "zero1": ChoiceSupport(
+        True,
+        "ZeRO-1",
+        "--zero1",
+        "off",
+        lambda e: bool(e.zero1),
+        "the controller's replanning is measured without it (benchmarks/adaptive_memory.py and the live "
+        "transition tests); a run shards its optimizer wherever its plan or the workload's optimizer asks",
+    ),
     "offload": ChoiceSupport(False, "offload", "--offload", "off", lambda e: e.offload),
-    "kv_budget": ChoiceSupport(True, "KV budgets", "--kv-budget", "off", lambda e: e.kv_budget_bytes is not None),
+    "kv_budget": ChoiceSupport(
+        True,
+        "KV budgets",
+        "--kv-budget",
+        "off",
+        lambda e: e.kv_budget_bytes is not None,
+        "without a budget the generation engine sizes its KV pool from the memory the other "
+        "model-stages leave, and the runtime's replanner prices generation in that pool "
+        "(`nereus.cost.fit.engineless_stages`)",
+    ),
     "full_shard": ChoiceSupport(
         True,
         "full sharding",
