@@ -137,7 +137,7 @@ class StageCostModel:
             attention = attention + q_dim / tp + 2 * kv_dim_rank
         if m.qk_norm:
             attention = attention + 2 * m.head_dim
-        mlp = 3 * m.hidden_dim * m.ffn_dim / tp
+        mlp = m.mlp_params() / tp  # every expert is held (tp splits each expert's width)
         return attention + mlp + 2 * m.hidden_dim
 
     def params_per_gpu(self, tp: Array, pp: Array) -> Array:
@@ -161,14 +161,15 @@ class StageCostModel:
         return kv_bytes_per_token(self.model, tp, pp, self.dtype_bytes)
 
     def dense_flops_per_token(self, pp: Array = 1) -> Array:
-        """Forward GEMM FLOPs per token (2 per multiply-add) on the busiest pipeline stage.
+        """Forward GEMM FLOPs per token (2 per multiply-add) on the busiest pipeline stage: of
+        the parameters a token computes with (a mixture of experts' routed experts only).
 
         The last stage carries the output head besides its layers; with a large
         vocabulary it is the slowest stage and sets the pipeline's pace.
         """
         m = self.model
         head = m.vocab_size * m.hidden_dim if self.head == "lm" else m.hidden_dim
-        return 2.0 * ((m.num_layers / pp) * (m.layer_params() - 2 * m.hidden_dim) + head)
+        return 2.0 * ((m.num_layers / pp) * (m.layer_params(active=True) - 2 * m.hidden_dim) + head)
 
     def attention_flops(self, query_tokens: Array, context: Array) -> Array:
         """Forward FLOPs of QK^T and AV for `query_tokens` attending to `context` keys."""

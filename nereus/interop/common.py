@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
-from nereus.cost.plan_cost import evaluate_plan
+from nereus.cost.plan_cost import evaluate_plan, usable_capacity
 from nereus.spec.plan import Fusion, Plan, Pool, StagePlan
 
 #: A setting's value as the trainers take it (a store-true flag is True).
@@ -171,7 +171,7 @@ def free_memory_fraction(plan: Plan, model_stage: str, calibration: Calibration 
     taken = prediction.memory_breakdown_bytes.get("co_resident", 0) + prediction.memory_breakdown_bytes.get(
         "workspace", 0
     )
-    free = (memory * (1 - calibration.memory_headroom) - taken) / memory
+    free = (usable_capacity(plan.cluster, calibration) - taken) / memory
     return min(0.95, max(0.05, math.floor(free * 100) / 100))
 
 

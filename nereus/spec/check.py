@@ -68,8 +68,10 @@ def layout_problem(model: Model, tp: int, pp: int) -> str | None:
             return reason
     if model.vocab_size % tp:
         return f"tp={tp} does not divide the vocabulary of {model.vocab_size} ({model.name})"
-    if model.ffn_dim % tp:
+    if model.sparse_layers() < model.num_layers and model.ffn_dim % tp:
         return f"tp={tp} does not divide the MLP width {model.ffn_dim} ({model.name})"
+    if model.moe is not None and model.moe.expert_ffn_dim % tp:
+        return f"tp={tp} does not divide the expert MLP width {model.moe.expert_ffn_dim} ({model.name})"
     return None
 
 
@@ -87,6 +89,27 @@ def head_dim_rule(head_dim: int) -> str | None:
     (transformers refuses an odd head_dim too)."""
     if head_dim % 2:
         return f"{head_dim} is odd; RoPE rotates pairs of dimensions, so a head needs an even width"
+    return None
+
+
+def experts_rule(model: Model) -> tuple[str, str] | None:
+    """(field, why) a mixture of experts routes no token the way transformers would, or None:
+    more experts per token than experts (transformers' top-k fails), a dense layer index past
+    the last layer (it would silently select nothing), or no sparse layer at all."""
+    moe = model.moe
+    if moe is None:
+        return None
+    if moe.experts_per_token > moe.num_experts:
+        return (
+            "moe.experts_per_token",
+            f"{moe.experts_per_token} experts per token exceed the {moe.num_experts} experts; choose at most "
+            f"{moe.num_experts}",
+        )
+    outside = [layer for layer in moe.dense_layers if not 0 <= layer < model.num_layers]
+    if outside:
+        return ("moe.dense_layers", f"layer {outside[0]} is outside 0..{model.num_layers - 1}")
+    if model.sparse_layers() == 0:
+        return ("moe.sparse_step", f"no layer is sparse (sparse_step {moe.sparse_step}, {model.num_layers} layers)")
     return None
 
 
@@ -114,6 +137,9 @@ def model_problems(model: Model, prefix: str = "") -> Iterator[Problem]:
     for path, rule in rules:
         if rule:
             yield Problem(f"{prefix}{path}", rule)
+    experts = experts_rule(model)
+    if experts:
+        yield Problem(f"{prefix}{experts[0]}", experts[1])
 
 
 def position_rule(model: Model, workload: Workload) -> str | None:

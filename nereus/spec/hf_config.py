@@ -1,4 +1,4 @@
-"""A Model document from a Hugging Face `config.json` (Llama, Qwen2, Qwen3, Mistral).
+"""A Model document from a Hugging Face `config.json` (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral).
 
 Every field that changes what the network computes is read, or the config is refused with
 one line naming the field: an option nereus does not implement (a sliding window, YaRN
@@ -21,10 +21,12 @@ from typing import Any, get_args
 from pydantic import ValidationError
 
 from nereus.errors import NereusError
-from nereus.spec.check import gqa_rule, head_dim_rule, llama3_rule, model_problems
-from nereus.spec.model import Activation, LinearRopeScaling, Llama3RopeScaling, Model, RopeScaling
+from nereus.spec.check import experts_rule, gqa_rule, head_dim_rule, llama3_rule, model_problems
+from nereus.spec.model import Activation, LinearRopeScaling, Llama3RopeScaling, Model, MoE, RopeScaling
 
-HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+HF_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral")
+#: Model types whose attention normalises queries and keys per head.
+_QK_NORM_TYPES = ("qwen3", "qwen3_moe")
 CONFIG_NAME = "config.json"
 
 _COMMON_DEFAULTS: dict[str, Any] = {
@@ -45,6 +47,24 @@ HF_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {**_COMMON_DEFAULTS, "max_position_embeddings": 32768},
     "qwen3": {**_COMMON_DEFAULTS, "max_position_embeddings": 32768, "head_dim": 128},
     "mistral": {**_COMMON_DEFAULTS, "max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen3_moe": {
+        **_COMMON_DEFAULTS,
+        "max_position_embeddings": 32768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": None,
+    },
+}
+#: The config.json key of each MoE field of the Model document.
+_HF_MOE_FIELDS = {
+    "moe.num_experts": "num_experts",
+    "moe.experts_per_token": "num_experts_per_tok",
+    "moe.expert_ffn_dim": "moe_intermediate_size",
+    "moe.sparse_step": "decoder_sparse_step",
+    "moe.dense_layers": "mlp_only_layers",
 }
 _REQUIRED = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size", "vocab_size")
 
@@ -147,16 +167,49 @@ def model_from_hf_dict(config: dict[str, Any], name: str) -> Model:
         vocab_size=sizes["vocab_size"],
         tied_embeddings=_value(config, "tie_word_embeddings"),
         qkv_bias=model_type == "qwen2",
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in _QK_NORM_TYPES,
         rope_theta=theta,
         rope_scaling=scaling,
         rms_norm_eps=float(_value(config, "rms_norm_eps")),
         activation=_activation(config),
         max_positions=_positive_int({**HF_DEFAULTS[model_type], **config}, "max_position_embeddings"),
+        moe=_moe(config) if model_type == "qwen3_moe" else None,
     )
+    experts = experts_rule(model)
+    if experts:
+        raise _Refused(f"{_HF_MOE_FIELDS[experts[0]]}: {experts[1]}")
     problem = next(model_problems(model), None)
     assert problem is None, f"a config.json rule missed: {problem}"
     return model
+
+
+def _moe(config: dict[str, Any]) -> MoE:
+    """The experts of a Qwen3-MoE config. transformers 5 writes `num_local_experts` where
+    published checkpoints say `num_experts` (its config maps one onto the other): either is
+    read, and a file giving both with different counts is refused."""
+    given = {key: config[key] for key in ("num_experts", "num_local_experts") if key in config}
+    if len(set(map(repr, given.values()))) > 1:
+        raise _Refused(
+            f"num_local_experts: {given['num_local_experts']!r} disagrees with num_experts {given['num_experts']!r}; "
+            "keep one of them"
+        )
+    key = next(iter(given), "num_experts")
+    experts = _positive_int({key: given.get(key, _value(config, "num_experts"))}, key)
+    dense = _value(config, "mlp_only_layers") or []
+    if not isinstance(dense, list) or any(isinstance(layer, bool) or not isinstance(layer, int) for layer in dense):
+        raise _Refused(f"mlp_only_layers: expected a list of layer indices, got {dense!r}")
+    norm = _value(config, "norm_topk_prob")
+    if not isinstance(norm, bool):
+        raise _Refused(f"norm_topk_prob: expected true or false, got {norm!r}")
+    moe = MoE(
+        num_experts=experts,
+        experts_per_token=_positive_int({**HF_DEFAULTS["qwen3_moe"], **config}, "num_experts_per_tok"),
+        expert_ffn_dim=_positive_int({**HF_DEFAULTS["qwen3_moe"], **config}, "moe_intermediate_size"),
+        norm_topk_prob=norm,
+        sparse_step=_positive_int({**HF_DEFAULTS["qwen3_moe"], **config}, "decoder_sparse_step"),
+        dense_layers=list(dense),
+    )
+    return moe
 
 
 def _head_dim(config: dict[str, Any], hidden: int, heads: int) -> int:

@@ -44,8 +44,38 @@ class Llama3RopeScaling(StrictModel):
 RopeScaling = Annotated[LinearRopeScaling | Llama3RopeScaling, Field(discriminator="type")]
 
 
+class MoE(StrictModel):
+    """Mixture-of-experts MLPs, as Qwen3-MoE builds them: in a sparse layer a linear router
+    scores every expert per token, the token goes to its `experts_per_token` best (softmax,
+    then top-k, renormalised when `norm_topk_prob`), and each expert is a SwiGLU MLP
+    `expert_ffn_dim` wide. Layers listed in `dense_layers`, or off the `sparse_step` rhythm,
+    keep the dense MLP of width `ffn_dim`."""
+
+    num_experts: int = Field(gt=0)
+    """Experts per sparse layer (`num_experts`; transformers 5 writes `num_local_experts`)."""
+    experts_per_token: int = Field(gt=0)
+    """Experts each token is routed to (`num_experts_per_tok`)."""
+    expert_ffn_dim: int = Field(gt=0)
+    """SwiGLU inner width of one expert (`moe_intermediate_size`)."""
+    norm_topk_prob: bool = False
+    """Whether the chosen experts' router probabilities are renormalised to sum to 1."""
+    sparse_step: int = Field(default=1, gt=0)
+    """Every `sparse_step`-th layer is sparse (`decoder_sparse_step`; 1: all of them)."""
+    dense_layers: list[int] = Field(default_factory=list)
+    """Layer indices that keep the dense MLP whatever the step (`mlp_only_layers`)."""
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) has the expert MLP (transformers' rule)."""
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+    def expert_params(self, hidden_dim: int) -> int:
+        """Parameters of one expert's SwiGLU MLP."""
+        return 3 * hidden_dim * self.expert_ffn_dim
+
+
 class Model(Document):
-    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU MLP, grouped-query attention.
+    """A Llama-style decoder: RMSNorm, RoPE, SwiGLU MLP (or a mixture of SwiGLU experts),
+    grouped-query attention.
 
     The parameter count is derived from these fields, never stored.
     """
@@ -84,6 +114,8 @@ class Model(Document):
     max_positions: int = Field(default=2048, gt=0)
     """Positions the model was trained for (`max_position_embeddings`); `position_limit` is the
     longest sequence (prompt plus response) it takes."""
+    moe: MoE | None = None
+    """Mixture-of-experts MLPs (Qwen3-MoE); None for a dense model."""
 
     def position_limit(self) -> int:
         """The longest sequence (prompt plus response) the model takes: `max_positions`, times
@@ -96,8 +128,13 @@ class Model(Document):
             return int(self.max_positions * self.rope_scaling.factor)
         return self.max_positions
 
-    def layer_params(self) -> int:
-        """Parameters of one transformer block."""
+    def sparse_layers(self) -> int:
+        """Blocks whose MLP is a mixture of experts (0 for a dense model)."""
+        moe = self.moe
+        return 0 if moe is None else sum(moe.is_sparse(layer) for layer in range(self.num_layers))
+
+    def attention_params(self) -> int:
+        """Parameters of one block's attention (projections, biases, query/key norms)."""
         q_dim = self.num_heads * self.head_dim
         kv_dim = self.num_kv_heads * self.head_dim
         attention = self.hidden_dim * (q_dim + 2 * kv_dim) + q_dim * self.hidden_dim
@@ -105,9 +142,24 @@ class Model(Document):
             attention += q_dim + 2 * kv_dim
         if self.qk_norm:
             attention += 2 * self.head_dim
-        mlp = 3 * self.hidden_dim * self.ffn_dim
-        norms = 2 * self.hidden_dim
-        return attention + mlp + norms
+        return attention
+
+    def mlp_params(self, active: bool = False) -> float:
+        """MLP parameters per block, averaged over the blocks: all of them held (`active`
+        False), or those one token computes with (its routed experts and the router)."""
+        dense = 3 * self.hidden_dim * self.ffn_dim
+        moe = self.moe
+        if moe is None:
+            return float(dense)
+        experts = moe.experts_per_token if active else moe.num_experts
+        sparse_mlp = experts * moe.expert_params(self.hidden_dim) + self.hidden_dim * moe.num_experts
+        sparse = self.sparse_layers()
+        return (sparse * sparse_mlp + (self.num_layers - sparse) * dense) / self.num_layers
+
+    def layer_params(self, active: bool = False) -> float:
+        """Parameters of one transformer block (averaged over the blocks of a mixture of
+        experts, whose sparse and dense blocks differ); `active`: those one token computes with."""
+        return self.attention_params() + self.mlp_params(active) + 2 * self.hidden_dim
 
     def embedding_params(self) -> int:
         """Parameters of the input embedding."""
@@ -122,4 +174,9 @@ class Model(Document):
 
     def num_params(self, head: Head = "lm") -> int:
         """Total parameters with the given output head."""
-        return self.embedding_params() + self.num_layers * self.layer_params() + self.head_params(head)
+        return self.embedding_params() + round(self.num_layers * self.layer_params()) + self.head_params(head)
+
+    def active_params(self, head: Head = "lm") -> int:
+        """Parameters one token computes with (all of them for a dense model)."""
+        blocks = round(self.num_layers * self.layer_params(active=True))
+        return self.embedding_params() + blocks + self.head_params(head)

@@ -20,7 +20,7 @@ from typing import Any
 from nereus.errors import NereusError
 from nereus.spec.cluster import Cluster, GpuKind, Link, size_problem
 from nereus.spec.hf_config import model_from_hf_config
-from nereus.spec.model import Llama3RopeScaling, Model
+from nereus.spec.model import Llama3RopeScaling, Model, MoE
 from nereus.spec.workload import Optimizer, ResponseLengths, Workload
 
 GIB = 2**30
@@ -111,8 +111,10 @@ _LLAMA3_ROPE: dict[str, Any] = {
     ),
     "max_positions": 131072,
 }
-#: Qwen3-14B and Qwen3-32B config.json: theta 1e6, eps 1e-6, 40960 positions, q/k norms.
+#: Qwen3-8B, -14B, -32B and -30B-A3B config.json: theta 1e6, eps 1e-6, 40960 positions, q/k norms.
 _QWEN3: dict[str, Any] = {"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_positions": 40960, "qk_norm": True}
+#: Qwen3-30B-A3B's experts (its config.json: norm_topk_prob true, every layer sparse).
+_QWEN3_30B_A3B = MoE(num_experts=128, experts_per_token=8, expert_ffn_dim=768, norm_topk_prob=True)
 #: Qwen2-7B-Instruct's config.json: QKV bias, theta 1e6, 32768 positions (max_position_embeddings).
 _QWEN2: dict[str, Any] = {"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_positions": 32768, "qkv_bias": True}
 #: LLaMA 1's converted configs (huggyllama/llama-13b, ...): eps 1e-6, 2048 positions.
@@ -125,8 +127,11 @@ MODELS: dict[str, Model] = {
         _llama("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256, **_LLAMA3_ROPE),
         _llama("llama-3.3-70b", 80, 8192, 64, 8, 28672, 128256, **_LLAMA3_ROPE),
         _llama("qwen2-7b", 28, 3584, 28, 4, 18944, 152064, **_QWEN2),
+        _llama("qwen3-8b", 36, 4096, 32, 8, 12288, 151936, head_dim=128, **_QWEN3),
         _llama("qwen3-14b", 40, 5120, 40, 8, 17408, 151936, head_dim=128, **_QWEN3),
         _llama("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, head_dim=128, **_QWEN3),
+        # Qwen3-30B-A3B's config.json: 48 layers of 128 experts, 8 per token, 768 wide each.
+        _llama("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, head_dim=128, moe=_QWEN3_30B_A3B, **_QWEN3),
         _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, max_positions=4096),  # Llama-2-7b-hf: eps 1e-5
         _llama("llama-13b", 40, 5120, 40, 40, 13824, 32000, **_LLAMA1),
         _llama("llama-33b", 60, 6656, 52, 52, 17920, 32000, **_LLAMA1),

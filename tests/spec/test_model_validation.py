@@ -381,8 +381,10 @@ def test_the_presets_positions_are_their_published_configs() -> None:
     published = {
         "llama-3.1-8b": 131072,
         "llama-3.3-70b": 131072,
+        "qwen3-8b": 40960,
         "qwen3-14b": 40960,
         "qwen3-32b": 40960,
+        "qwen3-30b-a3b": 40960,
         "llama-2-7b": 4096,
         "llama-13b": 2048,
         "llama-33b": 2048,

@@ -92,7 +92,9 @@ def test_exact_parameter_counts(name: str, params: int) -> None:
     assert MODELS[name].num_params() == params
 
 
-@pytest.mark.parametrize(("name", "low", "high"), [("qwen3-14b", 14.7e9, 14.9e9), ("qwen3-32b", 32.7e9, 32.9e9)])
+@pytest.mark.parametrize(
+    ("name", "low", "high"), [("qwen3-8b", 8.1e9, 8.3e9), ("qwen3-14b", 14.7e9, 14.9e9), ("qwen3-32b", 32.7e9, 32.9e9)]
+)
 def test_qwen3_parameter_counts(name: str, low: float, high: float) -> None:
     assert low <= MODELS[name].num_params() <= high
 
