@@ -187,7 +187,7 @@ def _moe(config: dict[str, Any]) -> MoE:
     """The experts of a Qwen3-MoE config. transformers 5 writes `num_local_experts` where
     published checkpoints say `num_experts` (its config maps one onto the other): either is
     read, and a file giving both with different counts is refused."""
-    given = {key: config[key] for key in ("num_experts", "num_local_experts") if key in config}
+    given: dict[str, Any] = {key: config[key] for key in ("num_experts", "num_local_experts") if key in config}
     if len(set(map(repr, given.values()))) > 1:
         raise _Refused(
             f"num_local_experts: {given['num_local_experts']!r} disagrees with num_experts {given['num_experts']!r}; "
