@@ -272,6 +272,8 @@ class VLLMDecoder:
 
     def start(self, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int], budgets: Sequence[int]) -> None:
         """Queue `prompts` as samples `sample_ids`, each stopping after its budget."""
+        if len(sample_ids) != len(prompts) or len(budgets) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts need as many sample ids and budgets")
         for prompt, sample_id, budget in zip(prompts, sample_ids, budgets, strict=True):
             self._add(int(sample_id), _Running(list(prompt), int(budget), [], []))
 

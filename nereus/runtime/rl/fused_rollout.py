@@ -19,6 +19,12 @@ every destination rank has marked its tail done in the process group's store. Th
 inferred are split over every replica of each stage, and one exchange gives every rank the
 whole batch, laid out exactly as the unfused step's rollout batch. Each rank also returns
 its events.
+
+Under vLLM (`generation.engine: vllm`) each replica's decoder is its vLLM engine stepped
+request by request (`vllm_engine.VLLMDecoder`): a migrated sample is aborted on its source
+engine and continued on the destination from its prompt plus the tokens it has (re-prefill,
+so the mechanism is always `recompute`), and every response token's engine log-prob comes
+back with the responses (`FusedRollout.log_probs`).
 """
 
 from __future__ import annotations
