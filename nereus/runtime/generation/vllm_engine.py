@@ -34,14 +34,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
 from nereus.runtime.comm import collectives
+from nereus.runtime.generation.decoding import HandOff
 from nereus.runtime.generation.sampling import SamplingConfig, sample_seed
 from nereus.runtime.state.sharded_state import StateMeta, box_slices
 
@@ -84,22 +85,14 @@ class VLLMEngine:
         """Responses to `prompts` (sample `sample_ids[i]` seeded by its own key), with the
         raw log-probability of every response token. Every tp rank of the engine calls it
         with the same arguments."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
         params = [
-            SamplingParams(
-                n=1,
-                max_tokens=sampling.max_new_tokens if budgets is None else budgets[i],
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-                seed=sample_seed(sampling.seed, sample_id),
-                ignore_eos=True,  # the model's own EOS is not the run's: stop where the run's tokenizer says
-                stop_token_ids=list(sampling.stop_tokens),
-                logprobs=0,
-                detokenize=False,
+            sampling_params(
+                sampling,
+                sample_seed(sampling.seed, sample_id),
+                sampling.max_new_tokens if budgets is None else budgets[i],
             )
             for i, sample_id in enumerate(sample_ids)
         ]
@@ -108,13 +101,9 @@ class VLLMEngine:
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         responses, log_probs = [], []
         for output in outputs:
-            completion = output.outputs[0]
-            tokens = list(completion.token_ids)
-            assert completion.logprobs is not None and len(completion.logprobs) == len(tokens), "logprobs=0 asked"
+            tokens, values = completion(output)
             responses.append(tokens)
-            log_probs.append(
-                [float(step[token].logprob) for step, token in zip(completion.logprobs, tokens, strict=True)]
-            )
+            log_probs.append(values)
         return Generated(responses, log_probs)
 
     def push_weights(
@@ -197,6 +186,163 @@ class VLLMEngine:
             parallel_state._WORLD = None
 
 
+def sampling_params(sampling: SamplingConfig, seed: int, max_tokens: int, delta: bool = False) -> Any:
+    """vLLM's SamplingParams of one request: the run's settings, its own `seed`, at most
+    `max_tokens` new tokens, the raw log-probability of each sampled token; `delta`: each
+    engine step returns only the tokens it added (step-level decoding, `VLLMDecoder`)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1,
+        max_tokens=max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
+        seed=seed,
+        ignore_eos=True,  # the model's own EOS is not the run's: stop where the run's tokenizer says
+        stop_token_ids=list(sampling.stop_tokens),
+        logprobs=0,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def completion(output: Any) -> tuple[list[int], list[float]]:
+    """The tokens of a vLLM RequestOutput and the raw log-probability of each."""
+    result = output.outputs[0]
+    tokens = list(result.token_ids)
+    assert result.logprobs is not None and len(result.logprobs) == len(tokens), "logprobs=0 asked"
+    return tokens, [float(step[token].logprob) for step, token in zip(result.logprobs, tokens, strict=True)]
+
+
+def continuation_seed(seed: int, sample_id: int, generated: int) -> int:
+    """The sampling seed of sample `sample_id` when a vLLM engine starts it with `generated`
+    of its tokens already drawn elsewhere (0: a fresh sample, `sample_seed`). vLLM seeds a
+    request's generator once, so a continued sample draws from a stream keyed by where it
+    was continued: the same migration gives the same tokens, run after run."""
+    key = sample_seed(seed, sample_id)
+    return key if generated == 0 else sample_seed(key, generated)
+
+
+@dataclass
+class _Running:
+    """A request of `VLLMDecoder`: its prompt, what it generated (here and where it started)."""
+
+    prompt: list[int]
+    budget: int
+    tokens: list[int]
+    log_probs: list[float]
+
+
+class VLLMDecoder:
+    """Step-level decoding on one vLLM engine, for the fused rollout (the `BatchingDecoder`
+    methods it calls; collective over the engine's tp ranks: each calls the same methods
+    with the same arguments).
+
+    vLLM's offline `generate` runs a batch to completion; here requests go in through the
+    engine's `add_request`, advance one scheduler iteration per `step` (each running request
+    gains a token), and leave through `abort_request` when the rollout migrates them: `take`
+    hands off each one's prompt, tokens and log-probs, and the destination's `receive`
+    continues it from prompt plus tokens (vLLM re-prefills them; no KV cache moves). Every
+    response token keeps the log-probability the engine that sampled it computed."""
+
+    def __init__(self, engine: VLLMEngine, config: SamplingConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.running: dict[int, _Running] = {}
+        self.responses: dict[int, list[int]] = {}
+        self.log_probs: dict[int, list[float]] = {}
+
+    @property
+    def _core(self) -> Any:
+        return self.engine.llm.llm_engine
+
+    @property
+    def num_active(self) -> int:
+        return len(self.running)
+
+    @property
+    def sample_ids(self) -> list[int]:
+        return list(self.running)
+
+    def context_lengths(self) -> list[int]:
+        """Tokens (prompt and generated) of every unfinished request, in `sample_ids` order."""
+        return [len(r.prompt) + len(r.tokens) for r in self.running.values()]
+
+    def start(self, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int], budgets: Sequence[int]) -> None:
+        """Queue `prompts` as samples `sample_ids`, each stopping after its budget."""
+        if len(sample_ids) != len(prompts) or len(budgets) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts need as many sample ids and budgets")
+        for prompt, sample_id, budget in zip(prompts, sample_ids, budgets, strict=True):
+            self._add(int(sample_id), _Running(list(prompt), int(budget), [], []))
+
+    def _add(self, sample_id: int, request: _Running) -> None:
+        from vllm.inputs import TokensPrompt
+
+        left = request.budget - len(request.tokens)
+        assert left > 0 and sample_id not in self.running, (sample_id, left)
+        seed = continuation_seed(self.config.seed, sample_id, len(request.tokens))
+        prompt = TokensPrompt(prompt_token_ids=request.prompt + request.tokens)
+        self._core.add_request(str(sample_id), prompt, sampling_params(self.config, seed, left, delta=True))
+        self.running[sample_id] = request
+
+    def step(self) -> list[int]:
+        """One engine iteration (every running request gains a token, a waiting one is
+        prefilled); the samples that finished with it."""
+        finished = []
+        for output in self._core.step():
+            sample_id = int(output.request_id)
+            request = self.running[sample_id]
+            tokens, values = completion(output)
+            request.tokens += tokens
+            request.log_probs += values
+            if output.finished:
+                del self.running[sample_id]
+                self.responses[sample_id] = request.tokens
+                self.log_probs[sample_id] = request.log_probs
+                finished.append(sample_id)
+        return sorted(finished)
+
+    def take(self, sample_ids: Sequence[int], with_cache: bool) -> VLLMHandOff:
+        """Abort these requests (between steps) and hand them off to another engine; vLLM's
+        cache does not travel (`with_cache` must be False: the destination re-prefills)."""
+        assert not with_cache, "a vLLM engine's KV cache does not move: migrate by recompute"
+        ids = [int(sample_id) for sample_id in sample_ids]
+        self._core.abort_request([str(sample_id) for sample_id in ids])
+        taken = [self.running.pop(sample_id) for sample_id in ids]
+        return VLLMHandOff(
+            sample_ids=ids,
+            sequences=[r.prompt + r.tokens for r in taken],
+            prompt_lens=[len(r.prompt) for r in taken],
+            budgets=[r.budget for r in taken],
+            generated=[len(r.tokens) for r in taken],
+            kv=None,
+            log_probs=[r.log_probs for r in taken],
+        )
+
+    def receive(self, hand_off: HandOff) -> None:
+        """Continue the requests another engine handed off, each from its prompt and tokens."""
+        assert isinstance(hand_off, VLLMHandOff), "a vLLM engine continues what a vLLM engine took"
+        rows = zip(
+            hand_off.sample_ids,
+            hand_off.sequences,
+            hand_off.prompt_lens,
+            hand_off.budgets,
+            hand_off.log_probs,
+            strict=True,
+        )
+        for sample_id, sequence, prompt_len, budget, log_probs in rows:
+            self._add(sample_id, _Running(sequence[:prompt_len], budget, sequence[prompt_len:], list(log_probs)))
+
+
+@dataclass(frozen=True)
+class VLLMHandOff(HandOff):
+    """A `HandOff` between vLLM engines, with the log-probs of the tokens generated so far."""
+
+    log_probs: list[list[float]] = field(default_factory=list)
+
+
 def start_engine(
     folder: Path,
     tp: int,
@@ -221,7 +367,7 @@ def start_engine(
         model=str(folder),
         tensor_parallel_size=tp,
         distributed_executor_backend="external_launcher",
-        dtype=dtype,
+        dtype=cast(Any, dtype),  # a torch dtype name (`compute_dtype`), which vLLM takes
         seed=seed + rank // tp,
         skip_tokenizer_init=True,
         kv_cache_memory_bytes=kv_cache_bytes,

@@ -19,6 +19,12 @@ every destination rank has marked its tail done in the process group's store. Th
 inferred are split over every replica of each stage, and one exchange gives every rank the
 whole batch, laid out exactly as the unfused step's rollout batch. Each rank also returns
 its events.
+
+Under vLLM (`generation.engine: vllm`) each replica's decoder is its vLLM engine stepped
+request by request (`vllm_engine.VLLMDecoder`): a migrated sample is aborted on its source
+engine and continued on the destination from its prompt plus the tokens it has (re-prefill,
+so the mechanism is always `recompute`), and every response token's engine log-prob comes
+back with the responses (`FusedRollout.log_probs`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from nereus.runtime.generation.continuous import BatchingDecoder
 from nereus.runtime.generation.decoding import HandOff
 from nereus.runtime.generation.kv_cache import KVBudget
 from nereus.runtime.generation.sampling import SamplingConfig
+from nereus.runtime.generation.vllm_engine import VLLMDecoder
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.inter_stage import MigrationSettings, migration_mechanism
 from nereus.runtime.rl.scoring import replica_infer
@@ -46,6 +53,9 @@ from nereus.runtime.rl.stages import ModelStageRuntime, leads, rollout_batch
 from nereus.runtime.rl.timing import timed
 from nereus.runtime.state.sharded_state import even_split
 from nereus.spec.stages import ACTOR_GENERATION, INFERENCE_OUTPUTS, INFERENCE_STAGES, InferenceOutput, ModelStageName
+
+Decoder = BatchingDecoder | VLLMDecoder
+"""One replica's decoder: nereus's continuous batching, or a vLLM engine stepped request by request."""
 
 #: What a `RolloutEvent` records.
 EVENT_KINDS = (
@@ -99,6 +109,9 @@ class FusedRollout:
     """This rank's events, in time order."""
     migration: Migration | None
     """None when the batch finished, or left no replica free, before the threshold."""
+    log_probs: list[list[float]] | None = None
+    """Under vLLM engines: the raw log-probability of every response token, from the engine
+    that sampled it (a migrated sample's from both); None under nereus's own engine."""
 
 
 class _Recorder:
@@ -110,7 +123,7 @@ class _Recorder:
         self.events.append(RolloutEvent(kind, self.rank, time.perf_counter(), model_stage, tuple(samples)))
 
 
-def _active_counts(generation: ModelStageRuntime, decoder: BatchingDecoder | None) -> list[int]:
+def _active_counts(generation: ModelStageRuntime, decoder: Decoder | None) -> list[int]:
     """Samples still generating on every generation replica (collective over the world)."""
     counts = torch.zeros(generation.layout.dp, dtype=torch.float64, device=rank_device())
     if decoder is not None and leads(generation):
@@ -165,7 +178,7 @@ def _receive(src: int) -> HandOff:
 
 
 def _migrate(
-    generation: ModelStageRuntime, decoder: BatchingDecoder | None, moves: dict[tuple[int, int], list[int]], cache: bool
+    generation: ModelStageRuntime, decoder: Decoder | None, moves: dict[tuple[int, int], list[int]], cache: bool
 ) -> None:
     """Each move's rows go from every (stage, tensor rank) of the source replica to the same
     position of the destination. Sources only send and destinations only receive, in one
@@ -231,7 +244,7 @@ def _place(
 
 def _plan_migration(
     generation: ModelStageRuntime,
-    decoder: BatchingDecoder | None,
+    decoder: Decoder | None,
     counts: list[int],
     capacity: int,
     settings: MigrationSettings,
@@ -367,8 +380,14 @@ def fused_rollout(
     capacity = max(b - a for a, b in shares)
     start = time.perf_counter()
     recorder.note("generation_start")
-    decoder = None
-    if generation.engine is not None:
+    decoder: Decoder | None = None
+    if generation.rollout_engine is not None:  # vLLM: requests step by step; a migration re-prefills
+        decoder = VLLMDecoder(generation.rollout_engine, sampling)
+        first, stop = shares[generation.rollout_engine.replica]
+        if stop > first:
+            decoder.start(prompts[first:stop], range(first, stop), caps[first:stop])
+        mechanism = "recompute"
+    elif generation.engine is not None:
         # Sized for a destination's load: as many samples as a share, at the batch's longest.
         longest = max(len(p) for p in prompts) + max(caps)
         decoder = BatchingDecoder(generation.engine, sampling, kv_budget or KVBudget(), (capacity, longest))
@@ -405,13 +424,18 @@ def fused_rollout(
     early = _early_inference(stages, busy, finished, prompts, signal, recorder, parts, seconds)
     with timed(seconds, "exchange"):
         responses: dict[int, list[int]] = {}
+        log_probs: dict[int, list[float]] = {}
         inferred_early: dict[str, set[int]] = {name: set() for name in INFERENCE_STAGES}
         mine = decoder.responses if decoder is not None and leads(generation) else None
-        for part, done in _gather((mine, early)):
+        mine_log_probs = decoder.log_probs if isinstance(decoder, VLLMDecoder) and leads(generation) else None
+        generated = 0
+        for part, part_log_probs, done in _gather((mine, mine_log_probs, early)):
+            generated += len(part or {})
             responses.update(part or {})
+            log_probs.update(part_log_probs or {})
             for name, samples in done.items():
                 inferred_early[name].update(samples)
-    assert sorted(responses) == list(range(len(prompts))), "every sample was generated once"
+    assert generated == len(prompts) and sorted(responses) == list(range(len(prompts))), "every sample once"
     for name in INFERENCE_STAGES:
         if name in stages:
             rest = [s for s in range(len(prompts)) if s not in inferred_early[name]]
@@ -426,10 +450,14 @@ def fused_rollout(
         for name in INFERENCE_STAGES
         if name in stages
     }
-    return FusedRollout(ordered, inferred, recorder.events, migration)
+    engine_log_probs = None
+    if generation.rollout_engine is not None or log_probs:  # a vLLM engine sampled them
+        assert sorted(log_probs) == list(range(len(prompts))), "every sample's log-probs once"
+        engine_log_probs = [log_probs[s] for s in range(len(prompts))]
+    return FusedRollout(ordered, inferred, recorder.events, migration, engine_log_probs)
 
 
-def _decode_step(decoder: BatchingDecoder | None, recorder: _Recorder) -> None:
+def _decode_step(decoder: Decoder | None, recorder: _Recorder) -> None:
     if decoder is not None and decoder.num_active:
         finished = decoder.step()
         if finished:

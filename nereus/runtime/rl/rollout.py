@@ -46,7 +46,7 @@ def rollout(
     budget = kv_budget(plan, stages)
     if fusion.inter_stage:
         fused = fused_rollout(stages, prompts, sampling, migration_settings(plan, fusion), seconds, kv_budget=budget)
-        responses, inferred = fused.responses, fused.inferred
+        responses, inferred, engine_log_probs = fused.responses, fused.inferred, fused.log_probs
         events.extend(fused.events)
     else:
         with timed(seconds, ACTOR_GENERATION):

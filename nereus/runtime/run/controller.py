@@ -31,7 +31,9 @@ from typing import Any
 from nereus.cost.calibration import Calibration
 from nereus.cost.fit import STEP_KEY, engineless_stages, measured_plan, predict
 from nereus.cost.online import OnlineCalibrator
+from nereus.cost.vllm_engine import Engine
 from nereus.errors import NereusError
+from nereus.runtime.generation.engine_choice import vllm_plan_problem
 from nereus.runtime.rl.update import idle_model_stages
 from nereus.runtime.run.plans import plan_schedule
 from nereus.runtime.run.run_setup import Move
@@ -188,8 +190,12 @@ class Controller:
         num_steps: int,
         num_ranks: int,
         calibration: Calibration,
+        engine: Engine = "nereus",
     ) -> None:
         self.plan = plan
+        self.engine = engine
+        """The run's generation engine: under vLLM, moves are priced with the engines they
+        rebuild and only plans whose generation layout vLLM runs are proposed."""
         self.config = config
         self.num_steps = num_steps
         self.num_ranks = num_ranks
@@ -198,7 +204,12 @@ class Controller:
         # and only plans the runtime runs are proposed.
         engineless = engineless_stages(plan, config)
         self.replanner = Replanner(
-            plan, calibration=calibration, choices=RUNTIME_CHOICES, engineless=engineless, refuses=self.refusal
+            plan,
+            calibration=calibration,
+            choices=RUNTIME_CHOICES,
+            engineless=engineless,
+            engine=engine,
+            refuses=self.refusal,
         )
         self.policy = make_policy(policy, plan, self.replanner)
         self.conditions: list[Conditions] = list(trace_conditions(trace))
@@ -209,15 +220,23 @@ class Controller:
         self.ratios: deque[float] = deque(maxlen=EFFICIENCY_WINDOW)
         self.recalibrated = False
         """The replanner took a new calibration since the last decision."""
+        self.unlogged: dict[str, Any] | None = None
+        """The record of the move `decide` returned, logged by `moved` once the ranks made it."""
 
     def refusal(self, plan: Plan) -> list[str]:
-        """Why the runtime would refuse to move to `plan` (`decide` checks its target the same way)."""
-        return plan_problems(self.runnable(plan), self.num_ranks, self.config)
+        """Why the runtime would refuse to move to `plan` (`decide` checks its target the same way):
+        the admission checks, and under vLLM a generation layout its engines cannot run."""
+        target = self.runnable(plan)
+        problems = plan_problems(target, self.num_ranks, self.config)
+        vllm = vllm_plan_problem(target) if self.engine == "vllm" else None
+        return [*problems, f"generation.engine: vllm: {vllm}"] if vllm is not None else problems
 
     def runnable(self, plan: Plan) -> Plan:
         """`plan` as the run would execute it: the policy sizes plans for measured lengths, the run
-        keeps its workload's batch shapes and its fusion block."""
-        return plan.model_copy(update={"workload": self.plan.workload, "fusion": self.plan.fusion})
+        keeps its workload's batch shapes, its fusion block and its models' folders (`weights`:
+        replanned plans carry none, and a restart or new vLLM engines load from them)."""
+        keep = {"workload": self.plan.workload, "fusion": self.plan.fusion, "weights": self.plan.weights}
+        return plan.model_copy(update=keep)
 
     def state(self) -> ControllerState:
         """The controller as data (`restore` puts it back)."""
@@ -302,14 +321,28 @@ class Controller:
             # The replanner proposes only plans this check passes; it stays for what it cannot
             # see (a restored policy's plan).
             target = self.runnable(self.policy.plan)
-            problems = plan_problems(target, self.num_ranks, self.config)
+            problems = self.refusal(target)
             if problems:  # a layout the engine cannot run: keep the current plan, say why
                 refusal = f"runtime refused the target plan: {problems[0]}"
                 self.policy.plan = self.plan
             else:
                 move = self._move(decision.action, target)
-        self._log(refusal)
+        if move is None:
+            self._log(refusal)
+        else:  # logged with its measured cost once the ranks made it (`moved`)
+            self.unlogged = self._record(refusal)
         return move
+
+    def moved(self, measured_s: float) -> None:
+        """Log the move `decide` returned with what it cost the slowest rank (`measured_cost_s`,
+        beside the policy's predicted `decision.transition_cost_s`): the state moved and, under
+        vLLM, the new layout's engines started and loaded."""
+        if self.unlogged is None:  # a configured plan switch: no decision of the controller's
+            return
+        record, self.unlogged = self.unlogged, None
+        record["engine"] = self.engine
+        record["measured_cost_s"] = measured_s
+        self._write(record)
 
     def _move(self, action: str, target: Plan) -> Move:
         from nereus.solver.transition.primitives import Schedule
@@ -325,8 +358,14 @@ class Controller:
         return Move(action, target, primitives, schedule, predicted, plan_schedule(target))
 
     def _log(self, refusal: str | None) -> None:
+        self._write(self._record(refusal))
+
+    def _record(self, refusal: str | None) -> dict[str, Any]:
         record = record_to_data(self.policy.log[-1])
         if refusal is not None:
             record["runtime"] = refusal
+        return record
+
+    def _write(self, record: dict[str, Any]) -> None:
         with self.log_path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")

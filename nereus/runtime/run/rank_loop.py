@@ -27,6 +27,7 @@ from nereus.cost.calibration import Calibration
 from nereus.errors import NereusError
 from nereus.runtime.comm import arena, collectives, shm
 from nereus.runtime.comm.world import device
+from nereus.runtime.generation.engine_choice import generation_engine
 from nereus.runtime.generation.vllm_engine import VLLMEngine
 from nereus.runtime.hf.load import load_engine
 from nereus.runtime.observe import memory, timeline
@@ -118,12 +119,14 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
                 with timeline.span("transition", move.action, predicted_s=move.predicted_s) as late:
                     stages = apply_move(setup, stages, plan, move, step, rank, state)
                     late["num_primitives"] = len(move.primitives)
-                syncs, plan, schedule = sync_plans(stages), move.plan, in_force_schedule(move.plan, move.fused_schedule)
+                before, syncs = plan, sync_plans(stages)
+                plan, schedule = move.plan, in_force_schedule(move.plan, move.fused_schedule)
                 if rollout_engine is not None:  # the new layout's vLLM engines, loaded with the moved weights
-                    with timeline.span("transition", "restart vLLM engines"):
-                        rollout_engine = restart_rollout_engine(rollout_engine, config, plan, stages, syncs)
+                    rollout_engine = carry_rollout_engine(rollout_engine, config, before, plan, stages, syncs)
                 peaks = plan_peaks(plan, stages)
                 moved_s = slowest_rank({move.action: time.perf_counter() - start}, [move.action])
+                if state is not None and state.controller is not None:
+                    state.controller.moved(moved_s[move.action])
             rl = rl_config if lengths is None else rl_config.model_copy(update={"max_new_tokens": lengths[step]})
             idle = None if state is None else state.calibrate_idle
             result = rl_step(
@@ -163,6 +166,30 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     return config.num_steps
 
 
+def carry_rollout_engine(
+    engine: VLLMEngine,
+    config: RunConfig,
+    before: Plan,
+    plan: Plan,
+    stages: dict[str, ModelStageRuntime],
+    syncs: list[WeightSync],
+) -> VLLMEngine | None:
+    """This rank's vLLM engine after a plan change from `before` to `plan` (the same on every
+    rank): kept, attached to the new stages, when actor/generation's layout is unchanged (the
+    move kept its weights, and the transition DAG prices no engine for it); otherwise every
+    engine restarts in the new layout (vLLM's external launcher groups the whole world) and
+    loads the moved weights."""
+    old, new = before.stage_plan(ACTOR_GENERATION), plan.stage_plan(ACTOR_GENERATION)
+    if (old.tp, old.pp, old.emus) == (new.tp, new.pp, new.emus):
+        stage = stages[ACTOR_GENERATION]
+        assert stage.engine is not None
+        engine.tp_group = stage.engine.groups.tp.group  # the new stages' group over the same ranks
+        stage.rollout_engine = engine
+        return engine
+    with timeline.span("transition", "restart vLLM engines"):
+        return restart_rollout_engine(engine, config, plan, stages, syncs)
+
+
 def restart_rollout_engine(
     engine: VLLMEngine, config: RunConfig, plan: Plan, stages: dict[str, ModelStageRuntime], syncs: list[WeightSync]
 ) -> VLLMEngine | None:
@@ -200,8 +227,17 @@ def run_state(setup: RunSetup, plan: Plan) -> RunState:
     controller = None
     if setup.trace is not None:
         config = setup.config
+        engine = generation_engine(config, plan, device().type == "cuda")
         controller = Controller(
-            plan, setup.trace, config.policy, setup.out, config.rl, config.num_steps, setup.num_ranks, calibration
+            plan,
+            setup.trace,
+            config.policy,
+            setup.out,
+            config.rl,
+            config.num_steps,
+            setup.num_ranks,
+            calibration,
+            engine,
         )
     saved = setup.checkpoint / CONTROLLER_STATE_NAME if setup.checkpoint is not None else None
     if saved is None or not saved.is_file():
