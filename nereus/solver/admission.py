@@ -215,7 +215,7 @@ def unexecutable_choices(plan: Plan) -> list[str]:
     each with the `nereus plan` option that leaves it out."""
     return [
         f"{entry.model_stage}: {name} is not executed by the runtime yet; replan with "
-        f"`nereus plan {MEMORY_CHOICES[name].pin}` (or --for-runtime)"
+        f"`nereus plan {MEMORY_CHOICES[name].pin}`"
         for entry in plan.stages
         for name in unexecuted_choices(entry)
     ]
