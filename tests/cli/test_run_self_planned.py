@@ -25,7 +25,7 @@ from nereus.solver.layouts import RUNTIME_CHOICES, MemoryChoices, runtime_choice
 from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.solver.policy import Observation, Replanner, make_policy
-from nereus.spec.capabilities import MEMORY_CHOICES, executed
+from nereus.spec.capabilities import MEMORY_CHOICES, MemoryChoice, executed
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan, StagePlan
 from nereus.spec.run_config import RLConfig
@@ -62,7 +62,7 @@ def runtime_plan(base: Plan, choices: MemoryChoices = RUNTIME_CHOICES) -> Plan:
     return make_plan(request).best
 
 
-def uses(entry: StagePlan) -> list[str]:
+def uses(entry: StagePlan) -> list[MemoryChoice]:
     return [name for name, support in MEMORY_CHOICES.items() if support.used(entry)]
 
 
