@@ -9,10 +9,11 @@ capacity, and generation is priced and run in the KV pool the runtime gives it (
 left after the states on the rank, times the pool's utilisation fraction;
 `nereus.runtime.generation.kv_cache`, `nereus.cost.fit.with_engine_budget`). As the trace's responses grow
 (default 8 -> 256 tokens, 8 prompts x 8 samples a step) the fixed initial layout keeps its
-layout within that rule: its micro-batches shrink (down to one row, no activation recompute,
-which the runtime does not execute) and its generation runs in waves (a KV budget of what its
-ranks have left: newest-first preemption, recomputed on re-admission), while layouts that
-leave more memory for the KV cache keep the batch whole.
+layout within that rule: its micro-batches shrink, its training recomputes activations, and its
+generation runs in waves (a KV budget of what its ranks have left: newest-first preemption,
+recomputed on re-admission), while layouts that leave more memory for the KV cache keep the
+batch whole. Every policy plans with the memory-saving choices the runtime executes
+(`RUNTIME_CHOICES`: recompute, token budgets, ZeRO-1, KV budgets, full sharding, ...).
 
 Three things are measured, every run alternating with the others so slow spells of this
 shared machine hit all:

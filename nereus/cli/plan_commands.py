@@ -11,7 +11,6 @@ import typer
 from nereus.cli.outputs import check_output
 from nereus.cli.progress import progress_bar
 from nereus.errors import NereusError
-from nereus.spec.capabilities import unexecuted_labels
 from nereus.spec.plan import RECOMPUTE_LEVELS
 
 if TYPE_CHECKING:
@@ -88,13 +87,6 @@ def plan(
             "or search (all three)."
         ),
     ] = "search",
-    for_runtime: Annotated[
-        bool,
-        typer.Option(
-            "--for-runtime",
-            help=f"Only what `nereus run` executes: no {unexecuted_labels()}.",
-        ),
-    ] = False,
 ) -> None:
     """Choose every model-stage's tp/pp/dp, GPUs and micro-batches for the fastest feasible step."""
     if ctx.invoked_subcommand is not None:
@@ -127,7 +119,7 @@ def plan(
         the_calibration = calibration_from_profile(measured, the_calibration)  # type: ignore[arg-type]
     flags = {"recompute": recompute, "token_budget": token_budget, "zero1": zero1, "offload": offload}
     flags |= {"kv_budget": kv_budget, "full_shard": full_shard, "train_offload": train_offload}
-    choices = _memory_choices(flags, for_runtime)
+    choices = _memory_choices(flags)
     models = models_for(the_workload, the_model)
     unfit = model_fit_problems(models, the_workload)
     if unfit:
@@ -157,24 +149,11 @@ def _switch(flag: str, value: str, on: object, off: object) -> tuple[object, ...
     return values[value]
 
 
-def _memory_choices(flags: dict[str, str], for_runtime: bool) -> MemoryChoices:
-    """The search space the flags leave, by choice name (each flag pins one choice; --for-runtime
-    pins off every choice the runtime does not execute, `nereus.spec.capabilities`)."""
+def _memory_choices(flags: dict[str, str]) -> MemoryChoices:
+    """The search space the flags leave, by choice name (each flag pins one choice)."""
     from nereus.cost.stage import TRAIN_OFFLOADS
     from nereus.solver.layouts import MemoryChoices
-    from nereus.spec.capabilities import MEMORY_CHOICES
 
-    if for_runtime:
-        for name, value in flags.items():
-            support = MEMORY_CHOICES[name]  # type: ignore[index]
-            if not support.executed and value not in ("search", "off", "none"):
-                raise NereusError(
-                    f"--for-runtime excludes {support.flag} {value}: the runtime does not execute {support.label} yet"
-                )
-        flags = {
-            name: value if MEMORY_CHOICES[name].executed else MEMORY_CHOICES[name].off  # type: ignore[index]
-            for name, value in flags.items()
-        }
     recompute, token_budget, zero1, offload = (flags[k] for k in ("recompute", "token_budget", "zero1", "offload"))
     kv_budget, full_shard, train_offload = (flags[k] for k in ("kv_budget", "full_shard", "train_offload"))
     if full_shard == "on" and zero1 == "off":

@@ -201,6 +201,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     problems += memory_problems(plan, config)
     problems += kv_budget_problems(plan)
     problems += token_budget_problems(plan)
+    problems += full_shard_problems(plan)
     problems += intra_stage_problems(plan)
     problems += [f"fusion.inter_stage: {problem}" for problem in inter_stage_problems(plan, plan.fusion, config)]
     if workload.dtype not in RUNTIME_DTYPES:
@@ -219,7 +220,7 @@ def unexecutable_choices(plan: Plan) -> list[str]:
     each with the `nereus plan` option that leaves it out."""
     return [
         f"{entry.model_stage}: {name} is not executed by the runtime yet; replan with "
-        f"`nereus plan {MEMORY_CHOICES[name].pin}` (or --for-runtime)"
+        f"`nereus plan {MEMORY_CHOICES[name].pin}`"
         for entry in plan.stages
         for name in unexecuted_choices(entry)
     ]
@@ -277,6 +278,26 @@ def token_budget_problems(plan: Plan) -> list[str]:
                 f"fusion.intra_stage: the fused schedule fixes {entry.model_stage}'s micro-batch count, which its "
                 "token_budget would make depend on the rows' lengths; drop token_budget or the fusion"
             )
+    return found
+
+
+def full_shard_problems(plan: Plan) -> list[str]:
+    """Fully sharded model-stages whose replicas are not in ascending GPU order at some position
+    of their EMUs: FSDP2 places replica d's rows on the d-th rank of its dp group, whose ranks a
+    process group orders ascending (the engine refuses such a layout; a plan or a replan is
+    refused before it)."""
+    found = []
+    for entry in plan.stages:
+        if not entry.full_shard or entry.dp < 2:
+            continue
+        for position in range(entry.tp * entry.pp):
+            gpus = [emu[position] for emu in entry.emus]
+            if gpus != sorted(gpus):
+                found.append(
+                    f"{entry.model_stage}: full_shard places replica d's rows on the d-th of GPUs {sorted(gpus)}, "
+                    f"but its EMUs list them as {gpus}; list the EMUs in ascending GPU order"
+                )
+                break
     return found
 
 

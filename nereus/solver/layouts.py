@@ -11,9 +11,9 @@ import numpy as np
 
 from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, stage_room
 from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel
-from nereus.spec.capabilities import MEMORY_CHOICES, self_planned
+from nereus.spec.capabilities import MEMORY_CHOICES
 from nereus.spec.check import kv_heads_rule, pp_rule
-from nereus.spec.plan import RECOMPUTE_LEVELS, Recompute
+from nereus.spec.plan import RECOMPUTE_LEVELS, Fusion, Recompute
 
 #: Bounded KV budgets tried, as fractions of the room a GPU leaves the model-stages (its usable
 #: capacity less the workspace, `stage_room`), plus one maximum-length sequence, the least that
@@ -51,17 +51,20 @@ class MemoryChoices:
     `params` (the parameters too; searched only with full sharding)."""
 
 
-def runtime_choices() -> MemoryChoices:
-    """The runtime's own search space (`nereus.spec.capabilities`): every choice it executes and
-    does not leave out of its own plans searched as by default, each other one pinned off."""
+def runtime_choices(fusion: Fusion | None = None) -> MemoryChoices:
+    """What `nereus run` plans for itself (a run planning itself, its resume replanner, its
+    controller): every choice it executes (`nereus.spec.capabilities`) searched as by default,
+    each other one pinned off. Under `fusion`'s intra-stage fusion, whose schedule fixes the
+    training micro-batch counts, token budgets are pinned off too (the runtime refuses that
+    combination: `nereus.solver.admission.token_budget_problems`)."""
     every = MemoryChoices()
-    pinned = {name: getattr(every, name)[:1] for name in MEMORY_CHOICES if not self_planned(name)}
+    pinned = {name: getattr(every, name)[:1] for name, support in MEMORY_CHOICES.items() if not support.executed}
+    if fusion is not None and fusion.intra_stage:
+        pinned["token_budget"] = (False,)
     return dataclasses.replace(every, **pinned)
 
 
-#: What `nereus run` plans for itself, when a run plans itself, replans on a resume and in its
-#: controller: every choice it executes and plans for itself (`nereus.spec.capabilities`), each
-#: other one pinned off.
+#: What `nereus run` plans for itself without intra-stage fusion (`runtime_choices`).
 RUNTIME_CHOICES = runtime_choices()
 
 

@@ -2,12 +2,10 @@
 workload dtypes.
 
 Everything that says what the runtime can run is derived from this table: the planner's
-search space for the runtime (`nereus.solver.layouts.RUNTIME_CHOICES`: every executed choice
-not left out by `why_not_self_planned`, searched when a run plans itself, replans on a resume
-and in its controller), `nereus plan
---for-runtime` (its help and its refusals) and the runtime's own refusal of a plan
-(`nereus.solver.admission`). So they cannot disagree; a feature the runtime gains is one
-`executed` flag flipped here.
+search space for the runtime (`nereus.solver.layouts.runtime_choices`: every executed choice,
+searched when a run plans itself, replans on a resume and in its controller) and the runtime's
+own refusal of a plan (`nereus.solver.admission`). So they cannot disagree; a feature the
+runtime gains is one `executed` flag flipped here.
 """
 
 from __future__ import annotations
@@ -28,9 +26,8 @@ class ChoiceSupport:
 
     executed: bool
     """Whether `nereus run` executes a plan entry that makes this choice: its own planner, its
-    resume replanner and its controller search it (`nereus.solver.layouts.RUNTIME_CHOICES`), and
-    so does `nereus plan --for-runtime`; the runtime refuses a plan making a choice it does not
-    execute."""
+    resume replanner and its controller search it (`nereus.solver.layouts.runtime_choices`); the
+    runtime refuses a plan making a choice it does not execute."""
     label: str
     """The choice in prose (`ZeRO-1`), for help texts."""
     flag: str
@@ -40,9 +37,6 @@ class ChoiceSupport:
     used: Callable[[StagePlan], bool]
     """Whether a plan entry makes the choice (an entry leaving `zero1` to the workload's
     optimizer counts as not choosing it: the runtime follows the optimizer either way)."""
-    why_not_self_planned: str = ""
-    """Why the runtime's own planner (a run planning itself, its resume replanner, its controller)
-    leaves out an executed choice, which a given plan may still make; empty: it searches it."""
 
     @property
     def pin(self) -> str:
@@ -58,8 +52,6 @@ MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
         "--recompute",
         "none",
         lambda e: e.recompute != "none",
-        "the controller's replans and their live transitions are measured without it so far "
-        "(benchmarks/adaptive_memory.py, the pool-shrink run test); a run recomputes wherever its plan asks",
     ),
     "token_budget": ChoiceSupport(
         True,
@@ -67,8 +59,6 @@ MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
         "--token-budget",
         "off",
         lambda e: e.token_budget is not None,
-        "a budget's micro-batch count depends on the rows' lengths, while the fused actor-critic schedule "
-        "the runtime's own plans may ask for fixes it; a run packs to a budget wherever its plan asks",
     ),
     "zero1": ChoiceSupport(
         True,
@@ -76,8 +66,6 @@ MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
         "--zero1",
         "off",
         lambda e: bool(e.zero1),
-        "the controller's replanning is measured without it (benchmarks/adaptive_memory.py and the live "
-        "transition tests); a run shards its optimizer wherever its plan or the workload's optimizer asks",
     ),
     "offload": ChoiceSupport(False, "offload", "--offload", "off", lambda e: e.offload),
     "kv_budget": ChoiceSupport(
@@ -86,9 +74,6 @@ MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
         "--kv-budget",
         "off",
         lambda e: e.kv_budget_bytes is not None,
-        "without a budget the generation engine sizes its KV pool from the memory the other "
-        "model-stages leave, and the runtime's replanner prices generation in that pool "
-        "(`nereus.cost.fit.engineless_stages`)",
     ),
     "full_shard": ChoiceSupport(
         True,
@@ -96,8 +81,6 @@ MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
         "--full-shard",
         "off",
         lambda e: e.full_shard,
-        "executed on FSDP2, whose parameters live outside the state arenas the controller's live "
-        "transitions read from; its replans are measured without it so far",
     ),
     "train_offload": ChoiceSupport(
         False, "training-time offload", "--train-offload", "none", lambda e: e.train_offload != "none"
@@ -114,18 +97,6 @@ def executed(choice: MemoryChoice) -> bool:
     return MEMORY_CHOICES[choice].executed
 
 
-def self_planned(choice: MemoryChoice) -> bool:
-    """Whether the runtime's own planner searches `choice` (executed, and not left out)."""
-    support = MEMORY_CHOICES[choice]
-    return support.executed and not support.why_not_self_planned
-
-
 def unexecuted_choices(entry: StagePlan) -> list[MemoryChoice]:
     """The choices `entry` makes that the runtime does not execute, in the table's order."""
     return [name for name, support in MEMORY_CHOICES.items() if not support.executed and support.used(entry)]
-
-
-def unexecuted_labels() -> str:
-    """The choices the runtime does not execute, in prose: `recompute, token budgets, ... or offload`."""
-    labels = [support.label for support in MEMORY_CHOICES.values() if not support.executed]
-    return ", ".join(labels[:-1]) + f" or {labels[-1]}" if len(labels) > 1 else "".join(labels)

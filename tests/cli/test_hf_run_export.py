@@ -76,7 +76,7 @@ def check_samples(run: Path, source: Path) -> int:
 def forced_plan(root: Path, source: Path, tp: int, pp: int) -> Path:
     """A 2-rank plan for the folder's model with every model-stage at (tp, pp) on both ranks."""
     path = root / f"plan-tp{tp}-pp{pp}.yaml"
-    result = invoke("plan", "--model", source, "--workload", "tiny-ppo", "--gpus", "2", "--for-runtime", "-o", path)
+    result = invoke("plan", "--model", source, "--workload", "tiny-ppo", "--gpus", "2", "-o", path)
     assert result.exit_code == 0, result.output
     plan = load_document(path)
     assert isinstance(plan, Plan)

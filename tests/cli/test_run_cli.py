@@ -543,8 +543,10 @@ def test_with_generation_off_rank_0_each_online_update_runs_in_the_next_steps_ge
 
 
 def pool_trace_run(folder: Path) -> tuple[Path, Path]:
-    """4 ranks of 10 MiB each (tp or pp needed on 2): the pool shrinks to 2, grows back to 4 and
-    shrinks to 3; the run and the same run without the trace (its first plan throughout)."""
+    """4 ranks of 10 MiB each: the pool shrinks to 2, grows back to 4 and shrinks to 3; the run
+    and the same run without the trace (its first plan throughout). (The controller searches
+    every memory choice the runtime executes: on 2 ranks it now fits dp=2 with recompute, ZeRO-1
+    or token budgets where tp or pp was needed before.)"""
     plan = yaml.safe_load((EXAMPLES / "plan-tiny-ppo-4rank.yaml").read_text())
     plan["cluster"]["gpu"]["memory_bytes"] = 10 * 2**20
     plan.pop("predictions", None)
@@ -582,8 +584,10 @@ def test_a_run_through_tp_pp_dp_pool_shrink_and_growth_keeps_its_state_bitwise(t
     # At least the announced shrink and the growth back go by checked DAGs; the controller's other,
     # voluntary moves depend on measured step times (efficiency), so their number is not asserted.
     assert len(checks) >= 2 and all(check["equal"] for check in checks)
-    # The ranks keep their state in arenas: moved pieces are read straight out of the sender's.
-    primitives = [s["args"] for s in spans if s["cat"] == "primitive"]
+    # The ranks keep their state in arenas: moved pieces are read straight out of the sender's
+    # (by whichever ranks receive: rank 0 may only send).
+    every_rank = [json.loads(line) for path in (out / "timeline").glob("rank-*.jsonl") for line in path.open()]
+    primitives = [s["args"] for s in every_rank if s["cat"] == "primitive"]
     assert sum(p["bytes_received_direct"] for p in primitives) > 0
     assert all(0 <= p["bytes_received_direct"] <= p["bytes_received"] for p in primitives)
     decisions = [json.loads(line) for line in (out / "decisions.jsonl").read_text().splitlines()]
@@ -592,8 +596,7 @@ def test_a_run_through_tp_pp_dp_pool_shrink_and_growth_keeps_its_state_bitwise(t
     assert {2, 4} <= {int(layout.split(" ")[0]) for layout in layouts}, "a shrink to 2 and a growth back to 4"
     entries = [entry for layout in layouts for entry in layout.split(": ", 1)[1].split(", ")]
     tp_pp_dp = {tuple(int(n) for n in entry.split(" ")[1].split("/")) for entry in entries}
-    # 10 MiB ranks: on 2 GPUs some model-stage needs tp or pp > 1; on 4 some runs dp > 1.
-    assert any(tp > 1 or pp > 1 for tp, pp, _ in tp_pp_dp), layouts
+    # The layouts change with the pool (dp follows it; tp and pp moves are covered by the plan-switch tests).
     assert len({dp for _, _, dp in tp_pp_dp}) >= 2, layouts
     assert invoke("run", plain, "--out", plain_out).exit_code == 0
     moved, kept = read_metrics(out), read_metrics(plain_out)

@@ -16,7 +16,7 @@ from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.adamw import AdamWConfig, stage_precision
 from nereus.runtime.model.engine import Engine, EngineConfig
 from nereus.runtime.model.grad_norm import global_grad_norm
-from nereus.runtime.model.losses import NextTokenLoss
+from nereus.runtime.model.losses import NextTokenLoss, ValueLoss
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.state.checkpoint import load_checkpoint, save_checkpoint_distributed
 from nereus.runtime.state.shard_layout import RankLayout
@@ -63,6 +63,11 @@ def meta(workload: Any, layout: RankLayout, full: bool) -> Any:
 
 def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    shapes = a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+    return shapes and all(torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-7) for k in a)
 
 
 def steps_worker(rank: int, world: int, workload: Any, micro_batches: int) -> dict[str, Any]:
@@ -158,6 +163,28 @@ def test_a_tensor_with_fewer_rows_than_dp_lies_on_the_first_replicas() -> None:
     results = spawn(odd_rows_worker, 2)
     assert all(r["shapes"] for r in results)
     assert [r["bias_rows"] for r in results] == [1, 0]
+
+
+def value_head_worker(rank: int, world: int) -> dict[str, bool]:
+    """A value head's one-row tensors after a step: the replica holding all their rows and the one
+    holding none take part in the same gathers, and the whole state is the replicated engine's (to
+    the gradient reduction's rounding)."""
+    torch.set_num_threads(1)
+    precision = stage_precision(FP32, "training")
+    engines = {}
+    for name, zero1, full in (("replicated", False, False), ("zero1", True, False), ("full", False, True)):
+        config = EngineConfig(AdamWConfig(lr=1e-2), 0, None, precision, zero1, full)
+        made = Engine.create(TINY, "value", DP2, config)
+        assert made is not None
+        rows = batch()
+        targets = torch.randn(rows.tokens.shape, generator=torch.Generator().manual_seed(1))
+        made.train_step(Batch(rows.tokens, rows.attention_mask, {"value_targets": targets}), ValueLoss())
+        engines[name] = made.whole_state(FAMILIES)
+    return {name: close(state, engines["replicated"]) for name, state in engines.items()}
+
+
+def test_a_value_head_s_whole_state_is_assembled_by_every_replica_alike() -> None:
+    assert all(all(result.values()) for result in spawn(value_head_worker, 2))
 
 
 def inference_worker(rank: int, world: int) -> bool:

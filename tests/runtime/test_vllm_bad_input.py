@@ -43,7 +43,7 @@ def forced_plan(root: Path, **generation: Any) -> str:
     """A 2-rank plan of the folder's model, actor/generation's entry updated by `generation`."""
     path = root / "plan.yaml"
     model = root / "qwen-tiny"
-    result = invoke("plan", "--model", model, "--workload", "tiny-ppo", "--gpus", "2", "--for-runtime", "-o", path)
+    result = invoke("plan", "--model", model, "--workload", "tiny-ppo", "--gpus", "2", "-o", path)
     assert result.exit_code == 0, result.output
     plan = load_document(path)
     assert isinstance(plan, Plan)

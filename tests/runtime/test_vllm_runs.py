@@ -62,7 +62,7 @@ def forced_plan(root: Path, source: Path, tp: int) -> str:
     """A 2-rank plan of the GRPO workload with every model-stage at tp on both ranks."""
     path = root / f"plan-tp{tp}.yaml"
     workload = root / "grpo.yaml"
-    result = invoke("plan", "--model", source, "--workload", workload, "--gpus", "2", "--for-runtime", "-o", path)
+    result = invoke("plan", "--model", source, "--workload", workload, "--gpus", "2", "-o", path)
     assert result.exit_code == 0, result.output
     plan = load_document(path)
     assert isinstance(plan, Plan)

@@ -1,11 +1,11 @@
 """The controller's replanner under an emulated per-rank capacity: generation priced in the KV
 pool nereus's engine gives it (the runtime's own pool rule), refits that keep to the memory-saving
-choices the runtime executes, plans the runtime refuses proposed last, and the memory benchmark's
-oracle choosing only among plans that rule lets run."""
+choices they are given (the runtime's own: every choice it executes, recompute included), plans the
+runtime refuses proposed last, and the memory benchmark's oracle choosing only among plans that
+rule lets run."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from collections.abc import Iterator
 
@@ -43,17 +43,25 @@ SAMPLES_PER_PROMPT = 8
 GROWTH = [8, 256]
 
 
-#: The runtime's own choices with KV budgets and ZeRO-1 pinned off: generation in the KV pool the
-#: engine sizes from what the other model-stages leave, every optimizer state whole. These tests are
-#: about that pool and the refits around it (the runtime's planner now also searches KV budgets and
-#: ZeRO-1, which would absorb the growth they are built on).
-ENGINE_POOL = dataclasses.replace(RUNTIME_CHOICES, kv_budget=(False,), zero1=(False,))
+#: No memory-saving choice: generation in the KV pool the engine sizes from what the other
+#: model-stages leave, every state whole, no recompute. These tests are about that pool and the
+#: refits around it (the runtime's own choices, `RUNTIME_CHOICES`, search KV budgets, ZeRO-1, full
+#: sharding and recompute, which would absorb the growth they are built on).
+ENGINE_POOL = MemoryChoices(
+    recompute=("none",),
+    token_budget=(False,),
+    zero1=(False,),
+    offload=(False,),
+    kv_budget=(False,),
+    full_shard=(False,),
+    train_offload=("none",),
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def engine_pool_choices() -> Iterator[None]:
-    """The memory benchmark's plans and controller replanner under `ENGINE_POOL`, as they were
-    measured (its modules read `RUNTIME_CHOICES` when they plan)."""
+    """The memory benchmark's plans and controller replanner under `ENGINE_POOL` (its modules
+    read `RUNTIME_CHOICES` when they plan)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(adaptive_memory, "RUNTIME_CHOICES", ENGINE_POOL)
         patch.setattr(adaptive_run, "RUNTIME_CHOICES", ENGINE_POOL)
@@ -119,22 +127,23 @@ def test_the_replanner_prices_generation_in_the_pool_the_runtime_sizes(plans: di
     assert waves is not None and waves > evaluate_plan(unbounded, Calibration()).predictions.step_time_s
 
 
-def test_refits_keep_to_the_choices_the_runtime_executes(plans: dict[str, Plan]) -> None:
-    """No activation recompute the runtime cannot run: the layout is kept only while one-row
-    micro-batches fit; sized for the growth margin first, else for the lengths measured."""
+def test_refits_keep_to_their_choices_and_the_runtime_s_own_recompute(plans: dict[str, Plan]) -> None:
+    """A refit keeps the layout and searches only the choices it is given: without recompute
+    only while one-row micro-batches fit, sized for the growth margin first, else for the
+    lengths measured; with the runtime's own choices (every choice it executes) it recomputes."""
     initial = plans["initial"]
-    # every memory-saving choice but training-time offload (which would take the place of recompute)
-    free = Replanner(initial, choices=MemoryChoices(train_offload=("none",)))
-    runtime = Replanner(initial, choices=ENGINE_POOL)
-    with_recompute = free.refit(initial, 2, lengths(256), 1.0)
+    own = Replanner(initial, choices=RUNTIME_CHOICES)
+    pinned = Replanner(initial, choices=ENGINE_POOL)
+    with_recompute = own.refit(initial, 2, lengths(256), 1.0)
     assert with_recompute is not None and any(s.recompute != "none" for s in with_recompute.stages)
-    refit = runtime.refit(initial, 2, lengths(256), 1.0)
+    assert [(s.tp, s.pp, s.dp) for s in with_recompute.stages] == [(s.tp, s.pp, s.dp) for s in initial.stages]
+    refit = pinned.refit(initial, 2, lengths(256), 1.0)
     assert refit is not None and all(s.recompute == "none" for s in refit.stages)
     # 256 tokens plus the 20% margin overflow one-row training micro-batches; 256 do not.
-    margin = runtime.rounded_lengths(lengths(256))
-    assert runtime._refit(initial, 2, runtime.workload_for(margin), Calibration()) is None
-    assert runtime.step_time(refit, lengths(256), 1.0) is not None
-    assert runtime.refit(initial, 2, lengths(2048), 1.0) is None  # then only a new layout helps
+    margin = pinned.rounded_lengths(lengths(256))
+    assert pinned._refit(initial, 2, pinned.workload_for(margin), Calibration()) is None
+    assert pinned.step_time(refit, lengths(256), 1.0) is not None
+    assert pinned.refit(initial, 2, lengths(2048), 1.0) is None  # then only a new layout helps
 
 
 def test_plans_the_runtime_refuses_come_last_and_are_never_an_opportunistic_move(plans: dict[str, Plan]) -> None:

@@ -11,7 +11,7 @@ from nereus.errors import NereusError
 from nereus.runtime.hf.files import check_weights
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Head, Model
-from nereus.spec.plan import Plan
+from nereus.spec.plan import Fusion, Plan
 from nereus.spec.stages import Role
 from nereus.spec.workload import Workload
 
@@ -103,17 +103,20 @@ def check_plan_models(plan: Plan, sources: HfSources, where: str) -> None:
             )
 
 
-def plans_for_folder(sources: HfSources, workload: Workload, cluster: Cluster, num_ranks: int) -> list[Plan]:
+def plans_for_folder(
+    sources: HfSources, workload: Workload, cluster: Cluster, num_ranks: int, fusion: Fusion | None = None
+) -> list[Plan]:
     """The planner's best plans (best first) running the folder's model in every role of
-    `workload` on `num_ranks` local ranks (one node of `cluster`'s GPU kind); each records
+    `workload` on `num_ranks` local ranks (one node of `cluster`'s GPU kind), searching every
+    memory choice the runtime executes under `fusion` (the run's fusion block); each records
     the folder as its weight source."""
-    from nereus.solver.layouts import RUNTIME_CHOICES
+    from nereus.solver.layouts import runtime_choices
     from nereus.solver.plan_search import PlanRequest
     from nereus.solver.planner import make_plan
 
     local = cluster.model_copy(update={"num_nodes": 1, "gpus_per_node": num_ranks})
     request = PlanRequest(
-        local, (sources.model,), every_role_is(workload, sources.model.name), num_ranks, choices=RUNTIME_CHOICES
+        local, (sources.model,), every_role_is(workload, sources.model.name), num_ranks, choices=runtime_choices(fusion)
     )
     result = make_plan(request, top_k=PLANS_TRIED)
     return [sources.for_plan(plan) for plan in (result.best, *result.alternatives)]

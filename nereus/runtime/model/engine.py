@@ -222,8 +222,15 @@ class Engine:
         param = self.params[name]
         if self.full_shard:
             return tuple(local(param).shape)
-        sharded = family in ("exp_avg", "exp_avg_sq") or (family == "param" and bool(self.optimizer.masters))
-        return tuple(self.mine(param).shape) if sharded else tuple(param.shape)
+        return tuple(self.mine(param).shape) if self.split_family(family) else tuple(param.shape)
+
+    def split_family(self, family: str) -> bool:
+        """Whether each replica holds only its rows of `family` (`sharded_state.dp_sharded_families`)."""
+        if self.full_shard:
+            return True
+        return self.zero1 and (
+            family in ("exp_avg", "exp_avg_sq") or (family == "param" and bool(self.optimizer.masters))
+        )
 
     @property
     def optimizer_step(self) -> int:
@@ -450,33 +457,25 @@ class Engine:
 
     def whole_state(self, families: Sequence[str]) -> dict[str, torch.Tensor]:
         """`local_state()`'s `families` with every tensor split across dp assembled whole (a
-        copy; collective over dp): the state of a self-contained replica, which a live
-        transition moves replica by replica. Without a split, the live tensors."""
+        copy, in the state arena, so a live transition's peers read it directly; collective over
+        dp): the state of a self-contained replica, which a live transition moves replica by
+        replica. Each replica's rows are `dp_rows`, as ZeRO-1 splits them and as FSDP2's
+        placements put them (checked when it shards). Without a split, the live tensors."""
         state = {k: t for k, t in self.local_state().items() if k.split("/")[0] in families}
-        if self.full_shard:  # each row block put back by its DTensor placement
-            return {key: self._placed(key.partition("/")[2], t).full_tensor() for key, t in state.items()}
-        if not self.zero1:
+        if not self.dp_split_grads:
             return state
         for family in families:
             whole: dict[str, torch.Tensor] = {}
             for name, param in self.params.items():
                 key = state_key(family, name)
-                if key in state and state[key].shape != param.shape:
-                    whole[name] = torch.empty(param.shape, dtype=state[key].dtype, device=self.device)
+                # by family, not by shape: a replica may hold all rows of a small tensor, and
+                # every replica must take part in the same gathers
+                if key in state and self.split_family(family):
+                    whole[name] = arena.empty(tuple(param.shape), state[key].dtype, self.device)
                     self.mine(whole[name]).copy_(state[key])
             self._all_gather_rows(whole)
             state.update({state_key(family, name): tensor for name, tensor in whole.items()})
         return state
-
-    def _placed(self, name: str, rows: torch.Tensor) -> Any:
-        """This replica's `rows` of a tensor shaped like parameter `name`, as a DTensor placed
-        as the parameter is (full sharding)."""
-        from torch.distributed.tensor import DTensor
-
-        param: Any = self.params[name]
-        return DTensor.from_local(
-            rows, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
-        )
 
     def counted_grad(self, name: str) -> torch.Tensor | None:
         """The piece of parameter `name`'s gradient this replica counts in the global norm:

@@ -44,7 +44,7 @@ from nereus.runtime.run.run_state import (
     PredictorState,
 )
 from nereus.solver.admission import plan_problems
-from nereus.solver.layouts import RUNTIME_CHOICES
+from nereus.solver.layouts import runtime_choices
 from nereus.solver.policy import (
     Observation,
     Replanner,
@@ -201,12 +201,12 @@ class Controller:
         self.num_ranks = num_ranks
         # Plans are priced with generation in the KV pool the runtime's engine gives them, as
         # each step is predicted and the online calibration fits (one rule, `with_engine_budget`),
-        # and only plans the runtime runs are proposed.
+        # and only plans the runtime runs are proposed, searching every memory choice it executes.
         engineless = engineless_stages(plan, config)
         self.replanner = Replanner(
             plan,
             calibration=calibration,
-            choices=RUNTIME_CHOICES,
+            choices=runtime_choices(plan.fusion),
             engineless=engineless,
             engine=engine,
             refuses=self.refusal,

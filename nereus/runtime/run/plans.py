@@ -49,11 +49,14 @@ def check_same_work(plan: Plan, stored: Plan, where: Path) -> None:
 
 
 def replan(stored: Plan, num_ranks: int) -> Plan:
-    """The planner's best plan for the stored plan's models and workload on `num_ranks` ranks."""
-    from nereus.solver.layouts import RUNTIME_CHOICES
+    """The planner's best plan for the stored plan's models and workload on `num_ranks` ranks,
+    searching every memory choice the runtime executes under the stored plan's fusion."""
+    from nereus.solver.layouts import runtime_choices
     from nereus.solver.plan_search import PlanRequest
     from nereus.solver.planner import make_plan
 
     cluster = stored.cluster.model_copy(update={"num_nodes": 1, "gpus_per_node": num_ranks})
-    request = PlanRequest(cluster, tuple(stored.models), stored.workload, num_ranks, choices=RUNTIME_CHOICES)
+    request = PlanRequest(
+        cluster, tuple(stored.models), stored.workload, num_ranks, choices=runtime_choices(stored.fusion)
+    )
     return make_plan(request).best.model_copy(update={"fusion": stored.fusion, "weights": stored.weights})

@@ -150,7 +150,9 @@ def self_plan(config: RunConfig, folder: Path, sources: HfSources, num_ranks: in
 
     workload = document(config.workload, Workload, lambda name: workload_preset(name, sources.model.name))
     cluster = document(config.cluster, Cluster, cluster_preset)
-    plans = [with_fusion(plan, config) for plan in plans_for_folder(sources, workload, cluster, num_ranks)]
+    plans = [
+        with_fusion(plan, config) for plan in plans_for_folder(sources, workload, cluster, num_ranks, config.fusion)
+    ]
     problems = [plan_problems(plan, num_ranks, config.rl) for plan in plans]
     if config.generation.engine == "vllm":  # a plan whose generation layout vLLM runs
         layouts = [vllm_layout_problem(plan) for plan in plans]

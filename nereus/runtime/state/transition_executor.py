@@ -75,7 +75,8 @@ class _Executor:
     def meta(self, model_stage: str, layout: RankLayout) -> StateMeta:
         entry = self.plan.stage_plan(model_stage)
         model = self.plan.model(self.plan.workload.model_name(entry.role))
-        # Replicas move one by one, whole (ZeRO-1 state is assembled first: `Engine.whole_state`).
+        # Replicas move one by one, whole (ZeRO-1 and fully sharded state is assembled first,
+        # in the state arena: `Engine.whole_state`); the target engines keep their rows.
         dtypes = state_dtypes(self.plan.workload, entry.stage)
         return state_meta(model, head_of(entry.role), layout, self.families[model_stage], dtypes)
 

@@ -51,7 +51,7 @@ def plan_key(plan: Plan) -> PlanKey:
             s.pp,
             s.micro_batches,
             tuple(tuple(e) for e in s.emus),
-            (s.kv_budget_bytes, s.recompute, s.token_budget, s.zero1, s.offload, s.full_shard),
+            (s.kv_budget_bytes, s.recompute, s.token_budget, s.zero1, s.offload, s.full_shard, s.train_offload),
         )
         for s in plan.stages
     )
