@@ -426,6 +426,12 @@ def test_plan_switches_move_state_live_and_resume_under_the_plan_in_force(tmp_pa
     records = read_metrics(switched)
     assert ["transition" in r["stage_seconds"] for r in records] == [False, False, True, True]
     assert (switched / "plan-from-step-000003.yaml").is_file()
+    decisions = [json.loads(line) for line in (switched / "decisions.jsonl").read_text().splitlines()]
+    assert [(d["observation"]["event"], d["decision"]["step"], d["engine"]) for d in decisions] == [
+        ("plan_switch", 2, "nereus"),
+        ("plan_switch", 3, "nereus"),
+    ]
+    assert all(d["decision"]["transition_cost_s"] > 0 and d["measured_cost_s"] > 0 for d in decisions)
     # Before the first switch the run is the plain run, bitwise; after, training goes on.
     plain_config = write_config(tmp_path, num_steps=4, checkpoint_every=3)
     assert invoke("run", plain_config, "--out", plain).exit_code == 0

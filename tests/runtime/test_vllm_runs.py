@@ -143,6 +143,10 @@ def test_a_tp2_engine_and_live_transitions_to_two_tp1_engines_and_back(tmp_path:
     verified = [span["args"]["equal"] for span in spans if span.get("name") == "verify state"]
     assert verified == [True, True]
     assert sum(span.get("name") == "restart vLLM engines" for span in spans) == 2
+    # each switch's predicted cost (the DAG with the engines it restarts) beside its measured one
+    decisions = [json.loads(line) for line in (tmp_path / "run" / "decisions.jsonl").read_text().splitlines()]
+    assert [(d["decision"]["step"], d["engine"]) for d in decisions] == [(1, "vllm"), (2, "vllm")]
+    assert all(d["decision"]["transition_cost_s"] > 1.0 and d["measured_cost_s"] > 0 for d in decisions)
 
 
 def test_two_tp1_engines_survive_sigkill_and_resume(tmp_path: Path) -> None:

@@ -124,6 +124,25 @@ def generation_engine(config: RunConfig, plan: Plan, on_cuda: bool) -> Literal["
     return choice
 
 
+def ranks_on_cuda() -> bool:
+    """Whether the ranks will run on CUDA, as `comm.world.device` decides: asked of torch only
+    where vLLM is installed (it needs torch, so importing it then costs nothing more); without
+    vLLM the answer changes no engine choice."""
+    if not vllm_installed():
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def switch_engine(config: RunConfig, plan: Plan) -> Literal["nereus", "vllm"]:
+    """The engine a configured plan switch into `plan` generates with (its transition prices
+    the engines it restarts)."""
+    if config.generation.engine == "nereus":
+        return "nereus"
+    return generation_engine(config, plan, ranks_on_cuda())
+
+
 def check_generation(config: RunConfig, plan: Plan, where: str) -> None:
     """Refuse, before any rank starts, a run that asks for vLLM where vLLM cannot run it (the
     ranks run on CUDA when this process sees a GPU, as `comm.world.device` decides)."""
@@ -134,11 +153,7 @@ def check_generation(config: RunConfig, plan: Plan, where: str) -> None:
         )
     if config.generation.engine != "vllm":
         return
-    on_cuda = False
-    if vllm_installed():  # vLLM needs torch: importing it here costs nothing more
-        import torch
-
-        on_cuda = torch.cuda.is_available()
+    on_cuda = ranks_on_cuda()
     problem = vllm_problem(config, plan, on_cuda)
     if problem is not None:
         raise NereusError(f"{where}: generation.engine: vllm: {problem}")

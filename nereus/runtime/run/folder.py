@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nereus.runtime.observe import timeline
 from nereus.runtime.rl.run_data import REWARD_ERRORS_NAME
-from nereus.runtime.run.run_setup import RunSetup
+from nereus.runtime.run.run_setup import Move, RunSetup
 from nereus.runtime.run.torchrun import torchrun_restart
 from nereus.spec.io import keep_json_lines, save_document, write_text_atomic
 from nereus.spec.run_folder import (
@@ -87,6 +87,21 @@ def set_aside(folders: tuple[Path, ...], into: Path) -> None:
         while target.exists():
             target, suffix = into / f"{folder.name}.{suffix}", suffix + 1
         os.rename(folder, target)
+
+
+def log_plan_switch(out: Path, step: int, move: Move, engine: str, measured_s: float) -> None:
+    """Record in decisions.jsonl a configured plan switch the ranks made before `step`: the
+    transition DAG's predicted makespan (with the engine restarts it prices) beside what it cost
+    the slowest rank, as the controller records its own moves."""
+    record = {
+        "observation": {"step": step, "event": "plan_switch"},
+        "decision": {"step": step, "action": move.action, "transition_cost_s": move.predicted_s},
+        "runtime": None,
+        "engine": engine,
+        "measured_cost_s": measured_s,
+    }
+    with (out / DECISIONS_NAME).open("a") as handle:
+        handle.write(json.dumps(record) + "\n")
 
 
 def log_pool_restart(setup: RunSetup, world_size: int, previous: int | None) -> None:

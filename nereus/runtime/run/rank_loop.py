@@ -45,6 +45,7 @@ from nereus.runtime.rl.update import WeightSync, sync_plans, sync_weights
 from nereus.runtime.rl.warm_start import warm_start
 from nereus.runtime.run.checkpoints import restore, save_run_checkpoint, state_families
 from nereus.runtime.run.controller import Controller, Predictor, prediction_fields
+from nereus.runtime.run.folder import log_plan_switch
 from nereus.runtime.run.hold import hold_before
 from nereus.runtime.run.plans import plan_schedule
 from nereus.runtime.run.run_setup import Move, RunSetup, Switch
@@ -125,7 +126,9 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
                     rollout_engine = carry_rollout_engine(rollout_engine, config, before, plan, stages, syncs)
                 peaks = plan_peaks(plan, stages)
                 moved_s = slowest_rank({move.action: time.perf_counter() - start}, [move.action])
-                if state is not None and state.controller is not None:
+                if rank == 0 and step in switches:  # a configured switch: no controller decided it
+                    log_plan_switch(setup.out, step, move, "vllm" if rollout_engine else "nereus", moved_s[move.action])
+                elif state is not None and state.controller is not None:
                     state.controller.moved(moved_s[move.action])
             rl = rl_config if lengths is None else rl_config.model_copy(update={"max_new_tokens": lengths[step]})
             idle = None if state is None else state.calibrate_idle

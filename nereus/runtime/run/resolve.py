@@ -15,7 +15,7 @@ from typing import Any
 
 from nereus.cost.calibration import Calibration
 from nereus.errors import ArgumentError, NereusError
-from nereus.runtime.generation.engine_choice import check_generation, vllm_layout_problem
+from nereus.runtime.generation.engine_choice import check_generation, switch_engine, vllm_layout_problem
 from nereus.runtime.hf.run_setup import HfSources, check_plan_models, hf_sources, plans_for_folder
 from nereus.runtime.rl.run_data import check_data_state, prepare_data
 from nereus.runtime.run.checkpoints import checkpoint_step, resumable_checkpoint
@@ -213,7 +213,7 @@ def resolve_switches(config: RunConfig, folder: Path, first: Plan, num_ranks: in
         problems = plan_problems(plan, num_ranks, config.rl)
         if problems:
             raise NereusError(f"{where}: {problems[0]}")
-        transition = build_transition(previous, plan)
+        transition = build_transition(previous, plan, engine=switch_engine(config, plan))
         if not transition.feasible:
             cycle = " -> ".join(transition.blocking_cycle)
             raise NereusError(f"{field}: no safe transition order from the previous plan (blocking cycle {cycle})")
