@@ -431,7 +431,9 @@ def test_plan_switches_move_state_live_and_resume_under_the_plan_in_force(tmp_pa
         ("plan_switch", 2, "nereus"),
         ("plan_switch", 3, "nereus"),
     ]
-    assert all(d["decision"]["transition_cost_s"] > 0 and d["measured_cost_s"] > 0 for d in decisions)
+    # into dp=2 copies state (priced); out to one replica per rank only destroys (a 0 s makespan)
+    assert [d["decision"]["transition_cost_s"] > 0 for d in decisions] == [True, False]
+    assert all(d["measured_cost_s"] > 0 for d in decisions)
     # Before the first switch the run is the plain run, bitwise; after, training goes on.
     plain_config = write_config(tmp_path, num_steps=4, checkpoint_every=3)
     assert invoke("run", plain_config, "--out", plain).exit_code == 0
