@@ -92,7 +92,7 @@ def plan(
         bool,
         typer.Option(
             "--for-runtime",
-            help=f"Only what `nereus run` executes: no {unexecuted_labels()}.",
+            help=f"Only what `nereus run` executes: {_unexecuted_help()}.",
         ),
     ] = False,
 ) -> None:
@@ -155,6 +155,12 @@ def _switch(flag: str, value: str, on: object, off: object) -> tuple[object, ...
     if value not in values:
         raise NereusError(f"{flag} {value}: use on, off or search")
     return values[value]
+
+
+def _unexecuted_help() -> str:
+    """What `--for-runtime` leaves out, for its help."""
+    labels = unexecuted_labels()
+    return f"no {labels}" if labels else "every memory choice (the runtime executes them all)"
 
 
 def _memory_choices(flags: dict[str, str], for_runtime: bool) -> MemoryChoices:

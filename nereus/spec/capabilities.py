@@ -79,7 +79,15 @@ MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
         "the controller's replanning is measured without it (benchmarks/adaptive_memory.py and the live "
         "transition tests); a run shards its optimizer wherever its plan or the workload's optimizer asks",
     ),
-    "offload": ChoiceSupport(False, "offload", "--offload", "off", lambda e: e.offload),
+    "offload": ChoiceSupport(
+        True,
+        "offload",
+        "--offload",
+        "off",
+        lambda e: e.offload,
+        "the controller's replans and their live transitions are measured without it so far; a run "
+        "puts a model-stage to sleep in host memory between its runs wherever its plan asks",
+    ),
     "kv_budget": ChoiceSupport(
         True,
         "KV budgets",
@@ -100,7 +108,13 @@ MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
         "transitions read from; its replans are measured without it so far",
     ),
     "train_offload": ChoiceSupport(
-        False, "training-time offload", "--train-offload", "none", lambda e: e.train_offload != "none"
+        True,
+        "training-time offload",
+        "--train-offload",
+        "none",
+        lambda e: e.train_offload != "none",
+        "the controller's replans and their live transitions are measured without it so far; a run "
+        "steps its optimizer in host memory wherever its plan asks",
     ),
 }
 
