@@ -221,7 +221,6 @@ def test_plan_70b_on_16_gpus_offloads_training_and_shows_host_memory(tmp_path: P
         (["--train-offload", "sometimes"], "--train-offload sometimes: use none, optimizer, params or search"),
         (["--train-offload", "params", "--full-shard", "off"], "which --full-shard off excludes"),
         (["--train-offload", "optimizer", "--zero1", "off"], "which --zero1 off excludes"),
-        (["--train-offload", "optimizer", "--for-runtime"], "--for-runtime excludes --train-offload optimizer"),
     ],
 )
 def test_train_offload_pins_that_contradict_are_one_line_errors(flags: list[str], message: str) -> None:
