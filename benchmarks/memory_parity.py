@@ -74,7 +74,14 @@ CASES = (
     "split-fp32-long-selective",
     "split-fp32-long-tokens",
     "split-bf16-long-full",
-    *(OFFLOAD_CASES := ("colocated-bf16-offload", "colocated-fp32-offload", "colocated-bf16-offload-params")),
+    *(
+        OFFLOAD_CASES := (
+            "colocated-bf16-small",
+            "colocated-bf16-offload",
+            "colocated-fp32-offload",
+            "colocated-bf16-offload-params",
+        )
+    ),
 )
 MAX_NEW_TOKENS = 4
 #: Response tokens of the `-long` cases (the prompts take up to 16).
@@ -177,8 +184,17 @@ def full_shard_plan(case: str) -> dict[str, Any]:
 def offload_plan(case: str) -> dict[str, Any]:
     """A colocated case with the actor's training offloading its optimizer to the host
     (`train_offload: optimizer`; `-params`: its parameters too, fully sharded on FSDP2's CPU
-    offload) and every other model-stage asleep in host memory between its runs (`offload`)."""
-    document = plan_document(case.removesuffix("-params").removesuffix("-offload"))
+    offload) and every other model-stage asleep in host memory between its runs (`offload`).
+    The `-long` cases' ~26M-parameter decoder with the short responses: the host copies add to
+    the ranks' RAM (on CPU ranks host and device memory are the same), which the ~100M one
+    would take past a shared 2-core, 23 GB machine's. `-small`: the same model without offload,
+    the rows' baseline (the model's bytes are few, so the rank's fixed overhead shows)."""
+    document = plan_document(case.removesuffix("-params").removesuffix("-offload").removesuffix("-small"))
+    document["models"] = [LONG_MODEL]
+    for role in ("actor", "reference", "reward"):
+        document["workload"][role] = LONG_MODEL["name"]
+    if case.endswith("-small"):
+        return document
     for entry in document["stages"]:
         if entry["model_stage"] == ACTOR_TRAINING:
             params = case.endswith("-params")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -468,24 +469,22 @@ class Engine:
         slots: list[Slot] = []
         for name, param in self.params.items():
             if not self.full_shard:
-                slots.append(Slot(("param", name), lambda p=param: p.data, _setter(param, "data")))
+                slots.append(Slot(("param", name), partial(getattr, param, "data"), partial(setattr, param, "data")))
             if name in self.host_grads or self.train_offload == "params":
                 continue
             if self.full_shard:
-                slots.append(
-                    Slot(
-                        ("grad", name),
-                        lambda p=param: None if p.grad is None else local(p.grad),
-                        lambda t, p=param, n=name: setattr(p, "grad", None if t is None else self._placed(n, t)),
-                    )
-                )
+                slots.append(Slot(("grad", name), partial(_local_grad, param), partial(self._put_grad, name)))
             else:
-                slots.append(Slot(("grad", name), lambda p=param: p.grad, _setter(param, "grad")))
+                slots.append(Slot(("grad", name), partial(getattr, param, "grad"), partial(setattr, param, "grad")))
         if self.train_offload == "none":
             for family, tensors in self.optimizer.state_tensors().items():
                 for name in tensors:
-                    slots.append(Slot((family, name), lambda d=tensors, n=name: d[n], _item_setter(tensors, name)))
+                    slots.append(Slot((family, name), partial(tensors.get, name), partial(tensors.__setitem__, name)))
         return slots
+
+    def _put_grad(self, name: str, rows: torch.Tensor | None) -> None:
+        """Full sharding: parameter `name`'s gradient from this replica's `rows` (None: none)."""
+        self.params[name].grad = None if rows is None else self._placed(name, rows)
 
     def load_logical_params(self, logical: Mapping[str, torch.Tensor]) -> None:
         """Set this shard's parameters from whole (unsharded) tensors by name; keeps the optimizer state."""
@@ -833,23 +832,9 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _setter(param: torch.nn.Parameter, attribute: str) -> Callable[[torch.Tensor | None], None]:
-    """Point `param.data` or `param.grad` at another tensor (a sleeping engine's host buffer)."""
-
-    def put(tensor: torch.Tensor | None) -> None:
-        setattr(param, attribute, tensor)
-
-    return put
-
-
-def _item_setter(tensors: dict[str, torch.Tensor], name: str) -> Callable[[torch.Tensor | None], None]:
-    """Point an optimizer dict's entry at another tensor (never None: its entries always exist)."""
-
-    def put(tensor: torch.Tensor | None) -> None:
-        assert tensor is not None
-        tensors[name] = tensor
-
-    return put
+def _local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """A parameter's gradient on this rank (a DTensor's local rows), or None."""
+    return None if param.grad is None else local(param.grad)
 
 
 def grads_of(param: torch.nn.Parameter) -> torch.Tensor:
