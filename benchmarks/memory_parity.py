@@ -74,6 +74,14 @@ CASES = (
     "split-fp32-long-selective",
     "split-fp32-long-tokens",
     "split-bf16-long-full",
+    *(
+        OFFLOAD_CASES := (
+            "colocated-bf16-small",
+            "colocated-bf16-offload",
+            "colocated-fp32-offload",
+            "colocated-bf16-offload-params",
+        )
+    ),
 )
 MAX_NEW_TOKENS = 4
 #: Response tokens of the `-long` cases (the prompts take up to 16).
@@ -170,6 +178,43 @@ def full_shard_plan(case: str) -> dict[str, Any]:
     return document
 
 
+# ---- offload (issue 44 items 3-4): device and host bytes ----
+
+
+def offload_plan(case: str) -> dict[str, Any]:
+    """A colocated case with the actor's training offloading its optimizer to the host
+    (`train_offload: optimizer`; `-params`: its parameters too, fully sharded on FSDP2's CPU
+    offload) and every other model-stage asleep in host memory between its runs (`offload`).
+    The `-long` cases' ~26M-parameter decoder with the short responses: the host copies add to
+    the ranks' RAM (on CPU ranks host and device memory are the same), which the ~100M one
+    would take past a shared 2-core, 23 GB machine's. `-small`: the same model without offload,
+    the rows' baseline (the model's bytes are few, so the rank's fixed overhead shows)."""
+    document = plan_document(case.removesuffix("-params").removesuffix("-offload").removesuffix("-small"))
+    document["models"] = [LONG_MODEL]
+    for role in ("actor", "reference", "reward"):
+        document["workload"][role] = LONG_MODEL["name"]
+    if case.endswith("-small"):
+        return document
+    for entry in document["stages"]:
+        if entry["model_stage"] == ACTOR_TRAINING:
+            params = case.endswith("-params")
+            entry.update(train_offload="params" if params else "optimizer", full_shard=params)
+        else:
+            entry["offload"] = True
+    return document
+
+
+def host_rows(case: str, record: dict[str, Any]) -> list[dict[str, Any]]:
+    """A row per rank of its host bytes (the highest of the step) against the cost model's."""
+    rows = []
+    for rank, (p, m) in enumerate(zip(record["predicted_host_memory_bytes"], record["host_memory_bytes"], strict=True)):
+        if p > 0:
+            error = (m - p) / p
+            row = {"case": case, "model_stage": "host", "rank": rank, "predicted_bytes": p, "measured_bytes": m}
+            rows.append({**row, "error": error, "within_target": abs(error) <= TARGET})
+    return rows
+
+
 def run_case(case: str, root: Path) -> list[dict[str, Any]]:
     """One RL step of `case`; a row per (model-stage, rank) with measured and predicted peaks."""
     from nereus.runtime.run.launch import launch
@@ -179,6 +224,8 @@ def run_case(case: str, root: Path) -> list[dict[str, Any]]:
     folder = root / case
     folder.mkdir()
     document = full_shard_plan(case) if case in FULL_SHARD_CASES else plan_document(case)
+    if case in OFFLOAD_CASES:
+        document = offload_plan(case)
     (folder / "plan.yaml").write_text(yaml.safe_dump(document))
     config = {
         "kind": "RunConfig",
@@ -208,7 +255,7 @@ def run_case(case: str, root: Path) -> list[dict[str, Any]]:
                         "within_target": abs(error) <= TARGET,
                     }
                 )
-    return rows
+    return rows + (host_rows(case, record) if case in OFFLOAD_CASES else [])
 
 
 def main() -> None:

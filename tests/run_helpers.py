@@ -29,6 +29,7 @@ TIMING_FIELDS = (
     "predicted_stage_seconds",
     "memory_peak_bytes",
     "memory_peak_bytes_by_stage",
+    "host_memory_bytes",
 )
 
 

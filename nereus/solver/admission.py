@@ -197,6 +197,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
         if rows // entry.dp < entry.micro_batches:
             problems.append(f"{name}: {rows} rows over dp={entry.dp} cannot fill micro_batches={entry.micro_batches}")
     problems += unexecutable_choices(plan)
+    problems += offload_problems(plan)
     problems += sft_problems(plan, config)
     problems += memory_problems(plan, config)
     problems += kv_budget_problems(plan)
@@ -223,6 +224,18 @@ def unexecutable_choices(plan: Plan) -> list[str]:
         f"`nereus plan {MEMORY_CHOICES[name].pin}`"
         for entry in plan.stages
         for name in unexecuted_choices(entry)
+    ]
+
+
+def offload_problems(plan: Plan) -> list[str]:
+    """Training-time offload the runtime cannot run on an entry's layout: the parameters' shards
+    live in host memory by FSDP2's CPU offload, which shards over dp > 1 replicas."""
+    return [
+        f"{entry.model_stage}: train_offload params keeps the parameters' shards in host memory (FSDP2's CPU "
+        f"offload), which needs full_shard over dp > 1 replicas; this entry has dp={entry.dp}: use train_offload "
+        "optimizer"
+        for entry in plan.stages
+        if entry.stage == "training" and entry.train_offload == "params" and entry.dp < 2
     ]
 
 

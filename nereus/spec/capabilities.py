@@ -67,7 +67,13 @@ MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
         "off",
         lambda e: bool(e.zero1),
     ),
-    "offload": ChoiceSupport(False, "offload", "--offload", "off", lambda e: e.offload),
+    "offload": ChoiceSupport(
+        True,
+        "offload",
+        "--offload",
+        "off",
+        lambda e: e.offload,
+    ),
     "kv_budget": ChoiceSupport(
         True,
         "KV budgets",
@@ -83,7 +89,11 @@ MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
         lambda e: e.full_shard,
     ),
     "train_offload": ChoiceSupport(
-        False, "training-time offload", "--train-offload", "none", lambda e: e.train_offload != "none"
+        True,
+        "training-time offload",
+        "--train-offload",
+        "none",
+        lambda e: e.train_offload != "none",
     ),
 }
 

@@ -142,6 +142,11 @@ class StepMetrics(StepTimes):
     """Each model-stage's measured peak on every rank while it ran (0 on ranks it skips)."""
     predicted_memory_peak_bytes_by_stage: dict[str, list[int]] = field(default_factory=dict)
     """The cost model's peak of each model-stage on every rank it runs on (0 elsewhere)."""
+    host_memory_bytes: list[int] = field(default_factory=list)
+    """Each rank's highest bytes of model state in host memory during the step (offload and
+    training-time offload; docs/memory.md)."""
+    predicted_host_memory_bytes: list[int] = field(default_factory=list)
+    """The cost model's host bytes of each rank (its model-stages' `host_memory_bytes`)."""
     rollout_log_prob_diff_mean: float | None = None
     """Mean |old log-prob - generation engine's log-prob| over the step's response tokens
     (a vLLM engine; None under nereus's own engine, whose samples the trainer scores alike)."""

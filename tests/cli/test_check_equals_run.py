@@ -111,7 +111,11 @@ CASES = [
     Case("no-plan-and-no-model", False, {"plan": None}),
     Case("plan-names-a-trace", False, {"plan": str(TRACE)}),
     Case("rank-memory-too-small", False, {"rl": {"task": "sort", "rank_memory_bytes": 1000}}),
-    Case("offload", False, plan=set_stage("actor/training", offload=True)),
+    Case("offload", True, plan=set_stage("actor/training", offload=True)),
+    Case("train-offload", True, plan=set_stage("actor/training", train_offload="optimizer")),
+    Case(
+        "train-offload-params-at-dp-1", False, plan=set_stage("actor/training", train_offload="params", full_shard=True)
+    ),
     Case("recompute", True, plan=set_stage("critic/training", recompute="full")),
     Case("recompute-selective", True, plan=set_stage("actor/training", recompute="selective")),
     Case("token-budget", True, plan=set_stage("actor/training", token_budget=4096)),

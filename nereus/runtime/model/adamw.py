@@ -8,6 +8,11 @@ Mixed precision (`Precision`): bf16 parameters with fp32 master weights. The opt
 steps the fp32 master and the bf16 weight is refreshed from it (rounded to nearest); the
 master is what checkpoints and transitions carry, so the bf16 weight is always a function
 of it and a resume is bitwise.
+
+Training-time offload (`AdamW(host=True)`): the moments are made in host memory
+(`host_empty`) and every piece is stepped there, beside its host gradient and master; a
+target elsewhere (the device's parameter rows) is stepped through an fp32 host copy and
+written back, the same arithmetic as stepping it in place.
 """
 
 from __future__ import annotations
@@ -103,10 +108,16 @@ class AdamW:
     stepped themselves, through an fp32 copy when they are 16-bit)."""
 
     def __init__(
-        self, params: dict[str, torch.nn.Parameter], config: AdamWConfig, masters: dict[str, torch.Tensor] | None = None
+        self,
+        params: dict[str, torch.nn.Parameter],
+        config: AdamWConfig,
+        masters: dict[str, torch.Tensor] | None = None,
+        host: bool = False,
     ):
         self.params = params
         self.config = config
+        self.host = host
+        """Whether the moments live in host memory and the step runs there (training-time offload)."""
         self.step_count = 0
         self.exp_avg: dict[str, torch.Tensor] = {}
         self.exp_avg_sq: dict[str, torch.Tensor] = {}
@@ -128,8 +139,8 @@ class AdamW:
         slices of at most UPDATE_SLICE_ELEMENTS (its moments made on its first update)."""
         for name, grad, target in pieces:
             if name not in self.exp_avg:
-                self.exp_avg[name] = _zeros(target)
-                self.exp_avg_sq[name] = _zeros(target)
+                self.exp_avg[name] = self._zeros(target)
+                self.exp_avg_sq[name] = self._zeros(target)
             master = self.masters.get(name)
             tensors = [grad, target, self.exp_avg[name], self.exp_avg_sq[name]]
             flats = [t.view(-1) for t in tensors]
@@ -151,14 +162,16 @@ class AdamW:
         c = self.config
         bias1 = 1 - c.beta1**self.step_count
         bias2_sqrt = math.sqrt(1 - c.beta2**self.step_count)
-        grads = [grad.float() for grad in grads]
+        where = exp_avgs[0].device  # the host under training-time offload: each piece is stepped there
+        grads = [grad.to(where, torch.float32) for grad in grads]
         torch._foreach_lerp_(exp_avgs, grads, 1 - c.beta1)
         torch._foreach_mul_(exp_avg_sqs, c.beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - c.beta2)
-        # An fp32 parameter is its own master (float() returns it); a 16-bit one without a
-        # master is stepped through a temporary fp32 copy.
+        # An fp32 parameter is its own master (`to` returns it); a 16-bit one without a master,
+        # or one on another device than the moments, is stepped through a temporary fp32 copy.
         stepped = [
-            target.float() if master is None else master for target, master in zip(targets, masters, strict=True)
+            target.to(where, torch.float32) if master is None else master
+            for target, master in zip(targets, masters, strict=True)
         ]
         torch._foreach_mul_(stepped, 1 - c.lr * c.weight_decay)
         denoms = torch._foreach_sqrt(exp_avg_sqs)
@@ -168,6 +181,13 @@ class AdamW:
         for target, master in zip(targets, stepped, strict=True):
             if master is not target:
                 target.copy_(master)
+
+    def _zeros(self, target: torch.Tensor) -> torch.Tensor:
+        """An fp32 moment shaped as `target`: in host memory under offload, else beside the
+        target (in the process's state arena when it has one: CPU)."""
+        if self.host:
+            return host_empty(tuple(target.shape), torch.float32).zero_()
+        return arena.empty(tuple(target.shape), torch.float32, target.device).zero_()
 
     def state_tensors(self) -> Mapping[str, dict[str, torch.Tensor]]:
         """The optimizer's tensors by family: master weights (if any) and the two moments."""
@@ -198,6 +218,8 @@ def _buckets(slices: Iterable[_Slice], max_elements: int) -> Iterator[list[_Slic
         yield bucket
 
 
-def _zeros(param: torch.Tensor) -> torch.Tensor:
-    """An fp32 moment for `param`, in the process's state arena when it has one (CPU)."""
-    return arena.empty(tuple(param.shape), torch.float32, param.device).zero_()
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor in host memory for offloaded state: pinned where a GPU copies
+    to and from it (so the copies run at the link's speed), never in the state arena (the
+    memory tracker counts host bytes apart from the device's: `Engine.host_bytes`)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())

@@ -11,6 +11,14 @@ Under full sharding (`EngineConfig.full_shard`, dp > 1) torch's FSDP2 holds the 
 gradients, fp32 masters, moments) split along its first dimension as the DTensors' `Shard(0)`
 places it, which is `sharded_state.dp_rows`.
 
+Offload (`nereus.runtime.model.offload`): an engine with `EngineConfig.offload` sleeps between
+its runs, its state in host memory. Training-time offload (`EngineConfig.train_offload`)
+keeps this replica's rows of the fp32 masters, AdamW moments and gradients in host memory and
+steps AdamW there (DeepSpeed's ZeRO-Offload, on ZeRO-2's sharding): each parameter's gradient
+is reduce-scattered over the replicas as its backward produces it and its rows added into the
+host's, so the device holds one parameter's gradient at a time; `params` also keeps the
+parameters' shards there, by FSDP2's `CPUOffloadPolicy` (full sharding only).
+
 A training step: the global batch is split as evenly as possible over the replicas and each replica's
 rows into micro-batches (equal runs, or packed to a token budget: `micro_batches`); the pipeline
 executor runs them (1F1B or a given schedule); the
@@ -23,14 +31,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 from nereus.runtime.comm import arena, collectives
 from nereus.runtime.comm.world import device as rank_device
-from nereus.runtime.model.adamw import AdamW, AdamWConfig, Precision
+from nereus.runtime.model.adamw import AdamW, AdamWConfig, Precision, host_empty
 from nereus.runtime.model.data_parallel import (
     Piece,
     all_gather_rows,
@@ -43,6 +52,7 @@ from nereus.runtime.model.grad_norm import counted_params
 from nereus.runtime.model.initialization import box_slice, init_logical_param, shard_params
 from nereus.runtime.model.losses import Objective, next_token_log_probs
 from nereus.runtime.model.micro_batches import split_micro_batches
+from nereus.runtime.model.offload import Parking, Slot
 from nereus.runtime.model.parallel_groups import ParallelGroups, build_groups
 from nereus.runtime.model.pipeline import (
     ForwardStep,
@@ -96,6 +106,18 @@ class EngineConfig:
     token_budget: int | None = None
     """Training micro-batches packed to at most this many tokens (`StagePlan.token_budget`);
     None: equal row counts."""
+    offload: bool = False
+    """Sleep between runs (`StagePlan.offload`): `Engine.sleep` moves every state tensor into
+    host memory, `Engine.wake` (or any computation) brings it back."""
+    train_offload: TrainOffload = "none"
+    """Training-time offload (`StagePlan.train_offload`): `optimizer` keeps this replica's rows of
+    the gradients, fp32 masters and AdamW moments in host memory and steps there (ZeRO-1's
+    sharding across dp is implied); `params` also the parameters' shards (FSDP2's CPU offload:
+    needs `full_shard` over dp > 1)."""
+
+
+#: Training-time offload levels (`StagePlan.train_offload`).
+TrainOffload = Literal["none", "optimizer", "params"]
 
 
 @dataclass(frozen=True)
@@ -131,7 +153,11 @@ class Engine:
         """The parameters whose gradient this rank counts in the global norm (`grad_norm`)."""
         self.dtype = config.precision.torch_dtype
         self.full_shard = config.full_shard and layout.dp > 1
-        self.zero1 = config.shard_across_dp and layout.dp > 1 and not self.full_shard
+        self.train_offload = config.train_offload
+        offloaded = self.train_offload != "none"
+        self.zero1 = (config.shard_across_dp or offloaded) and layout.dp > 1 and not self.full_shard
+        self.parking = Parking()
+        """The host buffers of this engine's state while it sleeps (`EngineConfig.offload`)."""
         with torch.no_grad():
             for info in param_infos(model, head):
                 if info.name in self.params and (config.init_only is None or info.name in config.init_only):
@@ -147,7 +173,18 @@ class Engine:
                 for param in self.params.values():
                     # peers reshard straight out of the arena (CPU, with an arena)
                     param.data = arena.adopt(param.data.to(self.dtype))
-        self.optimizer = AdamW(self.params, config.optimizer, masters)
+        self.optimizer = AdamW(self.params, config.optimizer, masters, host=offloaded)
+        self.host_grads: dict[str, torch.Tensor] = {}
+        """Under `train_offload: optimizer`, this replica's rows of each gradient in host memory
+        (summed over micro-batches and replicas); FSDP2 holds them itself under `params`."""
+        self._grads_held = False
+        """Whether `host_grads` hold a gradient (False after `zero_grad`)."""
+        if self.train_offload == "optimizer":
+            for name, param in self.params.items():
+                rows = local(param) if self.full_shard else self.mine(param)
+                self.host_grads[name] = host_empty(tuple(rows.shape), self.dtype).zero_()
+                if not self.full_shard:  # FSDP2 reduce-scatters into its own shards: moved after the backward
+                    param.register_post_accumulate_grad_hook(self._grad_to_host_hook(name))
         self.executor = PipelineExecutor(groups.link, self.dtype, self.device)
 
     @classmethod
@@ -157,6 +194,11 @@ class Engine:
         if problem:
             raise ValueError(f"layout tp={layout.tp} pp={layout.pp}: {problem}")
         config = config or EngineConfig()
+        if config.train_offload == "params" and not (config.full_shard and layout.dp > 1):
+            raise ValueError(
+                f"train_offload params keeps the parameters' shards in host memory (FSDP2's CPU offload): it needs "
+                f"full_shard over dp > 1 replicas, this layout has dp={layout.dp}; use train_offload optimizer"
+            )
         if config.full_shard and layout.dp > 1:
             _check_replica_order(layout)
         world = dist.get_world_size()
@@ -173,7 +215,13 @@ class Engine:
         loss is normalised globally) in the precision's reduction dtype and held in the
         engine's, by a plain SUM: gloo has no PREMUL_SUM, so no divide factor is passed."""
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+            register_fsdp_forward_method,
+        )
 
         g = self.groups
         for param in self.params.values():
@@ -181,8 +229,10 @@ class Engine:
         mixed = MixedPrecisionPolicy(reduce_dtype=self.config.precision.reduce_dtype)
         mesh = DeviceMesh.from_group(g.dp_group, self.device.type)
         units = [*self.pipeline_stage.layers.values(), self.pipeline_stage]
+        # train_offload params: the shards, their gradients and the step in host memory
+        offload = CPUOffloadPolicy(torch.cuda.is_available()) if self.train_offload == "params" else OffloadPolicy()
         for unit in units:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=mixed)
+            fully_shard(unit, mesh=mesh, reshard_after_forward=True, mp_policy=mixed, offload_policy=offload)
         for block in self.pipeline_stage.layers.values():
             register_fsdp_forward_method(block, "forward")  # the stage calls `block.forward`, not the module
         for unit in units:
@@ -225,12 +275,14 @@ class Engine:
         return tuple(self.mine(param).shape) if self.split_family(family) else tuple(param.shape)
 
     def split_family(self, family: str) -> bool:
-        """Whether each replica holds only its rows of `family` (`sharded_state.dp_sharded_families`)."""
+        """Whether each replica holds only its rows of `family` (`sharded_state.dp_sharded_families`;
+        training-time offload's gradients live in host memory as this replica's rows)."""
         if self.full_shard:
             return True
-        return self.zero1 and (
-            family in ("exp_avg", "exp_avg_sq") or (family == "param" and bool(self.optimizer.masters))
-        )
+        if family == "grad":
+            return bool(self.host_grads)
+        moments = family in ("exp_avg", "exp_avg_sq")
+        return self.zero1 and (moments or (family == "param" and bool(self.optimizer.masters)))
 
     @property
     def optimizer_step(self) -> int:
@@ -240,12 +292,14 @@ class Engine:
     def local_state(self) -> dict[str, torch.Tensor]:
         """Every family present, keyed `family/name`; the tensors are the live ones (no copy).
         `param` is the fp32 master where the engine keeps one (the 16-bit weight is its rounding)."""
+        self._awake_for_state()
         state: dict[str, torch.Tensor] = {}
         masters = self.optimizer.masters
         for name, param in self.params.items():
             state[state_key("param", name)] = masters[name] if name in masters else local(param.detach())
-            if param.grad is not None:
-                state[state_key("grad", name)] = local(param.grad)
+            grad = self._held_grad(name)
+            if grad is not None:
+                state[state_key("grad", name)] = grad
             if name in self.optimizer.exp_avg:
                 state[state_key("exp_avg", name)] = self.optimizer.exp_avg[name]
                 state[state_key("exp_avg_sq", name)] = self.optimizer.exp_avg_sq[name]
@@ -273,12 +327,18 @@ class Engine:
                 raise ValueError(f"state has {family} for some parameters but not all")
         if step < 0:
             raise ValueError(f"optimizer step must be >= 0, got {step}")
+        self.wake()  # the loaded state replaces what sleeps: it arrives awake
+        self._grads_held = bool(self.host_grads) and bool(by_family["grad"])
         with torch.no_grad():
             for name, param in self.params.items():
                 self.set_param(name, by_family["param"][name])
                 grad = by_family["grad"].get(name)
                 param.grad = None
-                if grad is not None:
+                if name in self.host_grads:
+                    self.host_grads[name].zero_()
+                    if grad is not None:
+                        self.host_grads[name].copy_(grad)
+                elif grad is not None:
                     param.grad = torch.zeros_like(param)  # a DTensor placed as the parameter, under full sharding
                     local(param.grad).copy_(grad)
         self.optimizer.exp_avg = {n: self._fp32_copy(t) for n, t in by_family["exp_avg"].items()}
@@ -288,7 +348,11 @@ class Engine:
             self._gather_params()  # each replica set only its rows from its master shard
 
     def _fp32_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        copy = arena.empty(tuple(tensor.shape), torch.float32, self.device)
+        """An fp32 copy for the optimizer: in host memory under training-time offload."""
+        if self.train_offload != "none":
+            copy = host_empty(tuple(tensor.shape), torch.float32)
+        else:
+            copy = arena.empty(tuple(tensor.shape), torch.float32, self.device)
         copy.copy_(tensor.detach())
         return copy
 
@@ -296,6 +360,7 @@ class Engine:
     def set_param(self, name: str, value: torch.Tensor) -> None:
         """Set one parameter of this shard from its whole box, or under ZeRO-1 with masters
         from this replica's master rows (then collective: `load_local_state` all-gathers)."""
+        self._awake_for_state()
         master = self.optimizer.masters.get(name)
         param = self.params[name]
         if self.full_shard:
@@ -318,6 +383,7 @@ class Engine:
         weight sync sends (the masters stay with the trainer). Under full sharding each is
         all-gathered whole (a copy; collective over dp)."""
         if self.full_shard:
+            self._awake_for_state()
             placed: dict[str, Any] = {name: param.detach() for name, param in self.params.items()}
             return {state_key("param", name): param.full_tensor() for name, param in placed.items()}
         return {state_key("param", name): param.detach() for name, param in self.params.items()}
@@ -326,15 +392,104 @@ class Engine:
         """Bytes of model state this rank holds, by the cost model's terms: parameters,
         gradients and optimizer (fp32 masters and AdamW moments)."""
 
-        def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        on_host = {t.data_ptr() for t in self._host_state_tensors() if t.numel()}
 
+        def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if t is not None and t.data_ptr() not in on_host)
+
+        if self.parking.asleep:  # the engine's state tensors are the host buffers (or freed shards)
+            return {"parameters": 0, "gradients": 0, "optimizer": 0}
         optimizer = sum(nbytes(family.values()) for family in self.optimizer.state_tensors().values())
         return {
             "parameters": nbytes(local(p) for p in self.params.values()),
             "gradients": nbytes(local(p.grad) for p in self.params.values() if p.grad is not None),
             "optimizer": optimizer,
         }
+
+    def host_bytes(self) -> dict[str, int]:
+        """Bytes of model state this rank keeps in host memory, by the cost model's terms
+        (`StageCostModel.host_terms`, and `asleep` for an offloaded model-stage's host buffers,
+        which are kept while it is awake too): what the memory tracker counts apart from the
+        device's (`nereus.runtime.observe.memory`)."""
+
+        def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
+
+        out: dict[str, int] = {}
+        if self.train_offload != "none":  # kept in host memory whether asleep or not
+            optimizer = self.optimizer.state_tensors().values()
+            out["optimizer"] = sum(nbytes(family.values()) for family in optimizer)
+            if self.host_grads:
+                out["gradients"] = nbytes(self.host_grads.values())
+            if self.train_offload == "params":
+                out["parameters"] = nbytes(local(p) for p in self.params.values())
+                out["gradients"] = nbytes(local(p.grad) for p in self.params.values() if p.grad is not None)
+        if self.parking.buffers:
+            out["asleep"] = self.parking.nbytes
+        return out
+
+    def _host_state_tensors(self) -> list[torch.Tensor]:
+        """The state tensors in host memory (training-time offload's), told apart by address."""
+        if self.train_offload == "none":
+            return []
+        tensors = [t for family in self.optimizer.state_tensors().values() for t in family.values()]
+        tensors += self.host_grads.values()
+        if self.train_offload == "params":
+            tensors += [local(p) for p in self.params.values()]
+            tensors += [local(p.grad) for p in self.params.values() if p.grad is not None]
+        return tensors
+
+    # ---- offload: asleep in host memory between runs ----
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the state is in host memory (`sleep`)."""
+        return self.parking.asleep
+
+    def sleep(self) -> None:
+        """Move every device-resident state tensor into host memory (`nereus.runtime.model.offload`);
+        nothing when the engine is not offloaded or already asleep. Local: no collective."""
+        if not self.config.offload or self.parking.asleep:
+            return
+        storages = {}
+        if self.full_shard and self.train_offload != "params":  # FSDP2's shards: their storage is freed
+            storages = {("param", name): local(param.detach()) for name, param in self.params.items()}
+        self.parking.sleep(self._device_slots(), storages)
+
+    def wake(self) -> None:
+        """Bring the state back from host memory (nothing when awake). Local: no collective."""
+        if self.parking.asleep:
+            self.parking.wake(self._device_slots(), self.device)
+
+    def _awake_for_state(self) -> None:
+        """Under full sharding FSDP2's freed shards are read only awake: wake first (the
+        replicated engine's state is readable asleep, in its host buffers)."""
+        if self.full_shard:
+            self.wake()
+
+    def _device_slots(self) -> list[Slot]:
+        """The device-resident state tensors `sleep` moves: working weights (FSDP2's shards go by
+        storage instead), gradients and the optimizer's masters and moments (already on the host
+        under training-time offload)."""
+        slots: list[Slot] = []
+        for name, param in self.params.items():
+            if not self.full_shard:
+                slots.append(Slot(("param", name), partial(getattr, param, "data"), partial(setattr, param, "data")))
+            if name in self.host_grads or self.train_offload == "params":
+                continue
+            if self.full_shard:
+                slots.append(Slot(("grad", name), partial(_local_grad, param), partial(self._put_grad, name)))
+            else:
+                slots.append(Slot(("grad", name), partial(getattr, param, "grad"), partial(setattr, param, "grad")))
+        if self.train_offload == "none":
+            for family, tensors in self.optimizer.state_tensors().items():
+                for name in tensors:
+                    slots.append(Slot((family, name), partial(tensors.get, name), partial(tensors.__setitem__, name)))
+        return slots
+
+    def _put_grad(self, name: str, rows: torch.Tensor | None) -> None:
+        """Full sharding: parameter `name`'s gradient from this replica's `rows` (None: none)."""
+        self.params[name].grad = None if rows is None else self._placed(name, rows)
 
     def load_logical_params(self, logical: Mapping[str, torch.Tensor]) -> None:
         """Set this shard's parameters from whole (unsharded) tensors by name; keeps the optimizer state."""
@@ -347,6 +502,34 @@ class Engine:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
+        self._grads_held = False  # the host rows are zeroed when the next backward starts
+
+    def _held_grad(self, name: str) -> torch.Tensor | None:
+        """The gradient of parameter `name` this rank holds: its host rows under training-time
+        offload of the optimizer, else the parameter's (a DTensor's local rows); None: none."""
+        if name in self.host_grads:
+            return self.host_grads[name] if self._grads_held else None
+        grad = self.params[name].grad
+        return None if grad is None else local(grad)
+
+    def _grad_to_host_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        """A post-accumulate hook (`train_offload: optimizer`, replicated parameters): as the
+        backward finishes parameter `name`'s gradient, sum it over the replicas into this
+        replica's rows (a reduce-scatter, in the precision's reduction dtype), add those rows
+        into the host's and free the device gradient."""
+
+        @torch.no_grad()
+        def hook(param: torch.Tensor) -> None:
+            grad = param.grad
+            assert grad is not None
+            param.grad = None
+            if self.groups.dp_group is not None:
+                dtype = self.config.precision.reduce_dtype
+                for bucket in buckets(self._replica_pieces({name: grad})):
+                    reduce_scatter_bucket(bucket, self.groups.dp_group, self.groups.replica, dtype, self.device)
+            self.host_grads[name].add_(self.mine(grad).to(self.host_grads[name].device))
+
+        return hook
 
     def replica_rows(self, batch: Batch) -> Batch:
         """This replica's share of a global batch: a contiguous run of rows, shares differing by
@@ -408,7 +591,12 @@ class Engine:
             return (objective.token_losses(output, part, self.pipeline_stage) * weights).sum() / normalizer
 
         # Reduce only this call's gradient: gradients already held were reduced by earlier calls.
-        earlier = {name: param.grad for name, param in self.params.items()}
+        self.wake()
+        earlier: dict[str, torch.Tensor | None] = {name: param.grad for name, param in self.params.items()}
+        if self.host_grads:  # the host rows: set aside (a copy) where held, then zeroed for this call
+            earlier = {n: g.clone() if self._grads_held else None for n, g in self.host_grads.items()}
+            for grad in self.host_grads.values():
+                grad.zero_()
         self.zero_grad()
         return TrainingJob(op_lists[self.groups.pp_rank], step, self._hidden_shape(parts), earlier)
 
@@ -416,9 +604,13 @@ class Engine:
         """The second half of `forward_backward` once `job`'s ops ran (collective over the
         layout): reduce the gradients, add back the ones set aside, return the loss."""
         self._sync_grads()
+        if self.host_grads:
+            self._grads_held = True
         for name, grad in job.earlier_grads.items():
             if grad is not None:
-                local(self.params[name].grad).add_(local(grad))  # type: ignore[arg-type]
+                held = self._held_grad(name)
+                assert held is not None
+                held.add_(local(grad))
         loss = torch.zeros((), device=self.device)
         if self.pipeline_stage.is_last:
             loss = torch.stack(list(outputs.values())).sum()
@@ -429,8 +621,17 @@ class Engine:
     def update(self) -> None:
         """One AdamW step on every shard (after forward_backward); under ZeRO-1 each replica
         steps its rows and the updated weights are all-gathered; under full sharding each
-        steps its rows (the masters', rounded into FSDP2's), which FSDP2 gathers at the next forward."""
-        if self.full_shard:
+        steps its rows (the masters', rounded into FSDP2's), which FSDP2 gathers at the next forward.
+        Under training-time offload the step runs in host memory on the host gradients' rows."""
+        self.wake()
+        if self.host_grads:
+            if not self._grads_held:
+                return
+            targets = {n: local(p.data) if self.full_shard else self.mine(p.data) for n, p in self.params.items()}
+            self.optimizer.step((n, self.host_grads[n], targets[n]) for n in self.params)
+            if self.zero1:
+                self._gather_params()
+        elif self.full_shard:
             self.optimizer.step((n, local(p.grad), local(p)) for n, p in self.params.items() if p.grad is not None)
         elif not self.zero1:
             self.optimizer.step()
@@ -480,6 +681,8 @@ class Engine:
     def counted_grad(self, name: str) -> torch.Tensor | None:
         """The piece of parameter `name`'s gradient this replica counts in the global norm:
         its rows where the gradient is reduced only in them (ZeRO-1, full sharding), else all."""
+        if name in self.host_grads:
+            return self._held_grad(name)  # this replica's rows, in host memory
         grad = self.params[name].grad
         if grad is None:
             return None
@@ -491,8 +694,9 @@ class Engine:
         return self.zero1 or self.full_shard
 
     def grads(self) -> list[torch.Tensor]:
-        """Every gradient this rank holds (its rows under full sharding), live."""
-        return [local(p.grad) for p in self.params.values() if p.grad is not None]
+        """Every gradient this rank holds (its rows under full sharding or training-time offload), live."""
+        held = (self._held_grad(name) for name in self.params)
+        return [grad for grad in held if grad is not None]
 
     def train_step(
         self,
@@ -518,6 +722,9 @@ class Engine:
     def _sync_grads(self) -> None:
         """Sum the gradients over tied copies and replicas (FSDP2 reduce-scattered them already
         under full sharding; a tied embedding's rows are summed between its two stages)."""
+        if self.host_grads:
+            self._sync_host_grads()
+            return
         grads = [p.grad for p in self.params.values()]
         assert all(g is not None for g in grads), "every shard parameter takes part in the loss"
         if self.groups.embed_group is not None:
@@ -533,6 +740,25 @@ class Engine:
             return
         for bucket in buckets(self._replica_pieces(held)):
             reduce_scatter_bucket(bucket, self.groups.dp_group, self.groups.replica, dtype, self.device)
+
+    @torch.no_grad()
+    def _sync_host_grads(self) -> None:
+        """`train_offload: optimizer`: FSDP2's reduced shards added into the host rows and freed
+        (the replicated engine's hooks did that as the backward went); a tied embedding's rows
+        summed between its two stages (through the device: the collective backend's memory)."""
+        if self.full_shard:
+            embed = self.params.get("embed.weight")
+            if self.groups.embed_group is not None and embed is not None:
+                collectives.all_reduce(local(grads_of(embed)), self.groups.embed_group)
+            for name, param in self.params.items():
+                self.host_grads[name].add_(local(grads_of(param)).to(self.host_grads[name].device))
+                param.grad = None
+            return
+        if self.groups.embed_group is not None:
+            held = self.host_grads["embed.weight"]
+            summed = held.to(self.device, copy=True)
+            collectives.all_reduce(summed, self.groups.embed_group)
+            held.copy_(summed)
 
     def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last stage's `tensor` on every stage of this replica (same shape everywhere)."""
@@ -551,6 +777,7 @@ class Engine:
     ) -> torch.Tensor:
         """Run this replica's forward over `batch`; `reduce(output, part)` turns each last-stage
         output into the rows of the result, which every rank of the replica receives."""
+        self.wake()
         parts = split_micro_batches(batch, num_microbatches)
         ops = forward_only(self.groups.layout.pp, num_microbatches)[self.groups.pp_rank]
 
@@ -600,6 +827,11 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
+    """A parameter's gradient on this rank (a DTensor's local rows), or None."""
+    return None if param.grad is None else local(param.grad)
 
 
 def grads_of(param: torch.nn.Parameter) -> torch.Tensor:

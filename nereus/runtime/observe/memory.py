@@ -11,6 +11,15 @@ of tensors in its own arena; the peak is reset at every mark by writing 5 to
 memory (the arena's used bytes). CPU numbers are an upper bound of the live tensors:
 they include heap the allocator keeps after a free.
 
+Host memory (offload): the state a rank keeps in host memory (training-time offload's
+gradients, masters and moments, FSDP2's offloaded shards, and offloaded model-stages' sleeping
+states: `Engine.host_bytes`) is counted apart, by its tensors' bytes (`PeakTracker.host_bytes`),
+its highest reading of the step in `host_peak`. On CPU ranks host and device memory are the
+same RAM: those bytes are taken out of the resident-set reading, so the device reading is what
+a GPU would hold. Predicted (`predicted_rank_host_bytes`): per rank, the cost model's host
+bytes per GPU of every model-stage on it (`Prediction.host_memory_bytes`), which it holds
+for the whole step.
+
 Predicted (`nereus.solver.admission.predicted_peaks`, which admission holds against a
 rank's memory): per rank and model-stage, the cost model's memory terms of
 the running model-stage plus the model states of every other model-stage resident on the
@@ -67,6 +76,11 @@ class PeakTracker:
     in place of the shared pages, which the reading leaves out."""
     baseline: int = 0
     """CPU: private resident bytes of the idle rank, subtracted from every reading."""
+    host_bytes: Callable[[], int] = lambda: 0
+    """Bytes of this rank's state in host memory now (its engines' `host_bytes`; the step
+    sets it to the engines it runs)."""
+    host_peak: int = 0
+    """The highest `host_bytes` reading since `start_step`."""
     step_peak: int = 0
     segment_peaks: dict[str, int] = field(default_factory=dict)
     open: list[str] = field(default_factory=list)
@@ -82,6 +96,8 @@ class PeakTracker:
         return tracker
 
     def _read_and_reset(self) -> int:
+        host = self.host_bytes()
+        self.host_peak = max(self.host_peak, host)
         if self.cuda:
             import torch
 
@@ -95,8 +111,9 @@ class PeakTracker:
             return 0
         # Shared pages (this rank's state arena, resident whole from its reservation on, and
         # the peers' arenas it mapped to reshard) are not this rank's: count the arena's used
-        # bytes instead, beside the private pages' peak.
-        return max(0, peak - shared - self.baseline) + self.shared_state_bytes()
+        # bytes instead, beside the private pages' peak. Host-memory state is in the private
+        # pages too (the same RAM): it is counted apart (`host_peak`).
+        return max(0, peak - shared - self.baseline - host) + self.shared_state_bytes()
 
     def _fold(self) -> None:
         peak = self._read_and_reset()
@@ -107,6 +124,7 @@ class PeakTracker:
     def start_step(self) -> None:
         self._read_and_reset()
         self.step_peak, self.segment_peaks, self.open = 0, {}, []
+        self.host_peak = self.host_bytes()
 
     def enter(self, name: str) -> None:
         self._fold()
@@ -133,3 +151,24 @@ def predicted_rank_peaks(
             if rank < num_ranks:
                 peaks[rank] = max(peaks[rank], peak)
     return peaks
+
+
+def predicted_rank_host_bytes(
+    plan: Plan, num_ranks: int, calibration: Calibration | None = None, skip: Collection[str] = ()
+) -> list[int]:
+    """Per rank, the host bytes the cost model puts there: for every model-stage on it (not in
+    `skip`), its host bytes per GPU (training-time offload's terms and, offloaded, its states
+    asleep), once per GPU of the model-stage on the rank."""
+    from nereus.cost.calibration import DEFAULT_CALIBRATION
+    from nereus.cost.plan_cost import evaluate_plan
+
+    evaluation = evaluate_plan(plan, calibration or DEFAULT_CALIBRATION)
+    host = [0] * num_ranks
+    for entry in plan.stages:
+        if entry.model_stage in skip:
+            continue
+        per_gpu = sum(evaluation.predictions.model_stages[entry.model_stage].host_memory_bytes.values())
+        for rank in set(entry.gpus):
+            if rank < num_ranks:
+                host[rank] += int(per_gpu)
+    return host

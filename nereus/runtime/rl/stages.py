@@ -89,6 +89,8 @@ def build_stages(plan: Plan, config: RLConfig) -> dict[str, ModelStageRuntime]:
             entry.full_shard,
             recompute=entry.recompute,
             token_budget=entry.token_budget,
+            offload=entry.offload,
+            train_offload=entry.train_offload if entry.stage == "training" else "none",
         )
         model = plan.model(plan.workload.model_name(role))
         head = head_of(role)
@@ -108,6 +110,18 @@ def engine_state(engine: Engine, families: tuple[str, ...]) -> dict[str, torch.T
 def local_state_bytes(stages: dict[str, ModelStageRuntime]) -> int:
     """Bytes of engine state this rank holds (16-bit weights and their fp32 masters alike)."""
     return sum(sum(stage.engine.state_bytes().values()) for stage in stages.values() if stage.engine is not None)
+
+
+def local_host_bytes(stages: dict[str, ModelStageRuntime]) -> int:
+    """Bytes of engine state this rank keeps in host memory (offload, training-time offload)."""
+    return sum(sum(stage.engine.host_bytes().values()) for stage in stages.values() if stage.engine is not None)
+
+
+def sleep_offloaded(stages: dict[str, ModelStageRuntime]) -> None:
+    """Put every offloaded model-stage's engine on this rank to sleep (its state in host memory)."""
+    for stage in stages.values():
+        if stage.engine is not None:
+            stage.engine.sleep()
 
 
 # ---- the rows of a step, and moving them between ranks ----

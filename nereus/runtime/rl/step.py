@@ -28,7 +28,7 @@ import torch
 
 from nereus.runtime.generation.sampling import SamplingConfig
 from nereus.runtime.model.fused_pipeline import OpTiming
-from nereus.runtime.observe.memory import PeakTracker
+from nereus.runtime.observe.memory import PeakTracker, predicted_rank_host_bytes
 from nereus.runtime.rl.algorithms import masked_mean
 from nereus.runtime.rl.datasets import Prompt
 from nereus.runtime.rl.fused_rollout import RolloutEvent
@@ -37,7 +37,7 @@ from nereus.runtime.rl.rollout import rollout
 from nereus.runtime.rl.run_data import StepInputs, step_inputs
 from nereus.runtime.rl.samples import sample_records
 from nereus.runtime.rl.scoring import Scored, score
-from nereus.runtime.rl.stages import ModelStageRuntime
+from nereus.runtime.rl.stages import ModelStageRuntime, local_host_bytes, sleep_offloaded
 from nereus.runtime.rl.timing import StepSeconds, record_fused, step_totals, timed
 from nereus.runtime.rl.update import (
     WeightSync,
@@ -90,9 +90,11 @@ def rl_step(
     is searched here). `predicted`: the plan's predicted peaks (`plan_peaks`, priced once per plan
     by the caller; None: priced here). `peaks`: the rank's memory tracker (None: untracked)."""
     start = time.perf_counter()
+    sleep_offloaded(stages)  # offloaded model-stages start the step asleep (a checkpoint may have woken one)
     if peaks is not None:
+        peaks.host_bytes = lambda: local_host_bytes(stages)
         peaks.start_step()
-    seconds = StepSeconds(peaks)
+    seconds = StepSeconds(peaks, stages)
     in_force = plan.fusion if fusion is None else fusion
     inputs = inputs if inputs is not None else step_inputs(config, None)
     problems, prompts, sampling = draw_prompts(plan.workload, config, inputs, step)
@@ -220,6 +222,8 @@ def step_metrics(
         predicted_memory_peak_bytes=[max(column) for column in zip(*predicted_by_stage.values(), strict=True)],
         memory_peak_bytes_by_stage={n: v for n, v in totals.memory_peak_by_stage.items() if n in ran},
         predicted_memory_peak_bytes_by_stage={n: v for n, v in predicted_by_stage.items() if n in ran},
+        host_memory_bytes=totals.host_peak,
+        predicted_host_memory_bytes=predicted_host(plan, stages, num_ranks),
         grad_norm=dict(grad_norms),
         lr={name: rule.lr for name, rule in rules.items()},
     )
@@ -235,6 +239,14 @@ def log_prob_mismatch(scored: Scored, rollout_log_probs: torch.Tensor) -> tuple[
     if diff.numel() == 0:
         return 0.0, 0.0
     return float(diff.mean()), float(diff.max())
+
+
+def predicted_host(plan: Plan, stages: dict[str, ModelStageRuntime], num_ranks: int) -> list[int]:
+    """`predicted_rank_host_bytes` of the plan the steps run (zeros, unpriced, where nothing offloads)."""
+    if not any(entry.offload or entry.train_offload != "none" for entry in plan.stages):
+        return [0] * num_ranks
+    skip = tuple(e.model_stage for e in plan.stages if e.model_stage not in stages)
+    return predicted_rank_host_bytes(plan, num_ranks, skip=skip)
 
 
 def plan_peaks(plan: Plan, stages: dict[str, ModelStageRuntime]) -> dict[str, dict[int, int]]:

@@ -25,12 +25,14 @@ if TYPE_CHECKING:
 
 
 class StepSeconds(dict[str, float]):
-    """A step's seconds by model-stage and phase, and the rank's memory tracker that its
-    model-stages' blocks read (None: memory untracked, e.g. tests driving steps directly)."""
+    """A step's seconds by model-stage and phase, the rank's memory tracker that its
+    model-stages' blocks read (None: memory untracked, e.g. tests driving steps directly), and
+    the model-stages whose offloaded engines a block wakes and puts back to sleep."""
 
-    def __init__(self, peaks: PeakTracker | None = None) -> None:
+    def __init__(self, peaks: PeakTracker | None = None, stages: dict[str, ModelStageRuntime] | None = None) -> None:
         super().__init__()
         self.peaks = peaks
+        self.stages = stages or {}
 
 
 def tracker_of(seconds: dict[str, float]) -> PeakTracker | None:
@@ -49,11 +51,17 @@ def timed(seconds: dict[str, float], name: ModelStageName | Phase) -> Iterator[N
     # at the next reading (the high-water mark holds it), so a phase takes no reading: each
     # costs a /proc read and write on CPU.
     peaks = tracker_of(seconds) if is_stage else None
+    stage = seconds.stages.get(name) if is_stage and isinstance(seconds, StepSeconds) else None
+    engine = stage.engine if stage is not None else None
     if peaks is not None:
         peaks.enter(name)
+    if engine is not None:  # an offloaded model-stage runs awake and sleeps after (its peak read awake)
+        engine.wake()
     yield
     if peaks is not None:
         peaks.exit(name)
+    if engine is not None:
+        engine.sleep()
     seconds[name] = seconds.get(name, 0.0) + time.perf_counter() - start
     timeline.record("stage" if is_stage else "phase", name, wall_start, time.time())
 
@@ -87,6 +95,8 @@ class StepTotals:
     """Each rank's peak memory during the step (`nereus.runtime.observe.memory`; 0 untracked)."""
     memory_peak_by_stage: dict[str, list[int]]
     """Each model-stage's peak on every rank while it ran (0 on ranks it skips)."""
+    host_peak: list[int]
+    """Each rank's highest host-memory state bytes during the step (offload; 0 untracked)."""
 
 
 def step_totals(seconds: dict[str, float], names: list[str], stages: dict[str, ModelStageRuntime]) -> StepTotals:
@@ -97,7 +107,8 @@ def step_totals(seconds: dict[str, float], names: list[str], stages: dict[str, M
     step_peak = peaks.end_step() if peaks is not None else 0
     stage_peaks = [float(peaks.segment_peaks.get(n, 0)) if peaks is not None else 0.0 for n in names]
     times = [seconds.get(name, 0.0) for name in names]
-    table = gather_numbers([*times, *stage_peaks, float(local_state_bytes(stages)), float(step_peak)])
+    host_peak = float(peaks.host_peak) if peaks is not None else 0.0
+    table = gather_numbers([*times, *stage_peaks, float(local_state_bytes(stages)), host_peak, float(step_peak)])
     count = len(names)
     slowest = table[:, :count].max(dim=0).values.tolist()
     by_stage: dict[str, list[int]] = {
@@ -105,9 +116,10 @@ def step_totals(seconds: dict[str, float], names: list[str], stages: dict[str, M
     }
     return StepTotals(
         dict(zip(names, slowest, strict=True)),
-        [int(held) for held in table[:, -2].tolist()],
+        [int(held) for held in table[:, -3].tolist()],
         [int(peak) for peak in table[:, -1].tolist()],
         by_stage,
+        [int(host) for host in table[:, -2].tolist()],
     )
 
 

@@ -55,27 +55,33 @@ def state_dtypes(workload: Workload, stage: Stage) -> dict[str, str]:
     return {"param": param, "grad": compute, "exp_avg": DEFAULT_DTYPE, "exp_avg_sq": DEFAULT_DTYPE}
 
 
-def dp_sharded_families(workload: Workload, stage: Stage, zero1: bool, full_shard: bool = False) -> frozenset[str]:
+def dp_sharded_families(
+    workload: Workload, stage: Stage, zero1: bool, full_shard: bool = False, train_offload: bool = False
+) -> frozenset[str]:
     """The families a model-stage's engine splits across its dp replicas. Full sharding
     (FSDP2) splits every family; ZeRO-1 the AdamW moments and the fp32 masters (the `param`
     family where there are masters; the working weights stay whole on every replica) of a
-    training stage. Empty otherwise."""
+    training stage, and training-time offload (ZeRO-1 implied) its gradients too: the host
+    holds this replica's reduced rows only. Empty otherwise."""
     if full_shard:
         return frozenset(STATE_FAMILIES)
-    if not zero1 or stage != "training":
+    if not (zero1 or train_offload) or stage != "training":
         return frozenset()
-    return frozenset({"exp_avg", "exp_avg_sq"} | ({"param"} if keeps_masters(workload, stage) else set()))
+    offloaded = {"grad"} if train_offload else set()
+    return frozenset({"exp_avg", "exp_avg_sq"} | ({"param"} if keeps_masters(workload, stage) else set()) | offloaded)
 
 
 def shards_across_dp(workload: Workload, entry: StagePlan) -> bool:
-    """Whether a plan entry runs ZeRO-1: its own `zero1`, else the workload's optimizer says."""
+    """Whether a plan entry runs ZeRO-1: its own `zero1`, else the workload's optimizer says;
+    training-time offload always does (its host state is this replica's rows)."""
     zero1 = workload.optimizer.shard_across_dp if entry.zero1 is None else entry.zero1
-    return entry.stage == "training" and zero1
+    return entry.stage == "training" and (bool(zero1) or entry.train_offload != "none")
 
 
 def stage_dp_sharded(workload: Workload, entry: StagePlan) -> frozenset[str]:
     """The families a plan entry's engine shards across its replicas (`dp_sharded_families`)."""
-    return dp_sharded_families(workload, entry.stage, shards_across_dp(workload, entry), entry.full_shard)
+    offloaded = entry.stage == "training" and entry.train_offload != "none"
+    return dp_sharded_families(workload, entry.stage, shards_across_dp(workload, entry), entry.full_shard, offloaded)
 
 
 def even_split(num_rows: int, parts: int) -> list[tuple[int, int]]:
