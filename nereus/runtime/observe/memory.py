@@ -4,8 +4,9 @@ Measured (`PeakTracker`): on CUDA, `torch.cuda.max_memory_allocated` (the cachin
 allocator's high-water mark of live tensors), its peak reset at every mark. On CPU, the
 process's peak resident set (`VmHWM` in /proc/self/status) less its shared pages
 (`RssShmem`: the state arena, resident whole from its reservation on, and the peers'
-arenas it maps to reshard) and less the idle rank's private resident set, plus the bytes
-of tensors in its own arena; the peak is reset at every mark by writing 5 to
+arenas it maps to reshard), less its file pages (`RssFile`: the libraries' code) and less
+the idle rank's private anonymous pages (`RssAnon`, read once the modules a step imports
+are loaded), plus the bytes of tensors in its own arena; the peak is reset at every mark by writing 5 to
 /proc/self/clear_refs (Linux 4.0+). The rank loop makes the tracker and hands it to each step
 (`rl_step(peaks=...)`), with a function that gives the bytes its state occupies in shared
 memory (the arena's used bytes). CPU numbers are an upper bound of the live tensors:
@@ -66,7 +67,7 @@ class PeakTracker:
     """CPU: bytes of this rank's state held in shared memory (its arena's used bytes), counted
     in place of the shared pages, which the reading leaves out."""
     baseline: int = 0
-    """CPU: private resident bytes of the idle rank, subtracted from every reading."""
+    """CPU: private anonymous resident bytes (`RssAnon`) of the idle rank, subtracted from every reading."""
     step_peak: int = 0
     segment_peaks: dict[str, int] = field(default_factory=dict)
     open: list[str] = field(default_factory=list)
@@ -77,8 +78,7 @@ class PeakTracker:
         exist): on CPU its idle baseline is read now."""
         tracker = cls(cuda=device_type == "cuda", shared_state_bytes=shared_state_bytes)
         if not tracker.cuda and cpu_peak_supported():
-            resident, shared = _status_fields("VmRSS", "RssShmem")
-            tracker.baseline = resident - shared
+            (tracker.baseline,) = _status_fields("RssAnon")
         return tracker
 
     def _read_and_reset(self) -> int:
@@ -89,14 +89,16 @@ class PeakTracker:
             torch.cuda.reset_peak_memory_stats()
             return peak
         try:
-            peak, shared = _status_fields("VmHWM", "RssShmem")
+            peak, shared, files = _status_fields("VmHWM", "RssShmem", "RssFile")
             _CLEAR_REFS.write_text("5")  # the peak restarts from the current resident set
         except (OSError, RuntimeError):
             return 0
-        # Shared pages (this rank's state arena, resident whole from its reservation on, and
-        # the peers' arenas it mapped to reshard) are not this rank's: count the arena's used
-        # bytes instead, beside the private pages' peak.
-        return max(0, peak - shared - self.baseline) + self.shared_state_bytes()
+        # The peak of the private anonymous pages, where tensors live: shared pages (this rank's
+        # state arena, resident whole from its reservation on, and the peers' arenas it mapped
+        # to reshard) are not this rank's, so the arena's used bytes count instead; file pages
+        # are the libraries' code, paged in as kernels first run (no tensor, and no CUDA
+        # allocator counts them). Neither falls during a step, so their current size is taken.
+        return max(0, peak - shared - files - self.baseline) + self.shared_state_bytes()
 
     def _fold(self) -> None:
         peak = self._read_and_reset()
