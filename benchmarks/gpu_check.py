@@ -11,7 +11,13 @@ a tiny one, for CI). Then, on a world of one rank (NCCL on CUDA, gloo on the CPU
    utilisation 6 * params * tokens / time / peak (peak: the H200 preset's bf16 FLOP/s;
    none on the CPU);
 4. a bf16 GRPO `nereus run` of a few steps planned for the folder: step times, and every
-   model-stage's `memory_peak_bytes_by_stage` against `predicted_memory_peak_bytes_by_stage`.
+   model-stage's `memory_peak_bytes_by_stage` against `predicted_memory_peak_bytes_by_stage`;
+5. memory rows (`memory_rows`), one `nereus run` each of the memory benchmark's activation-heavy
+   GRPO plan with one memory choice: recompute none, full and selective (1 GPU), FSDP2 full
+   sharding and DTensor tensor parallelism at tp=2 (2 GPUs: on fewer the row says so and is
+   skipped), and training-time offload (when this build executes it): measured peak per
+   model-stage and rank (`torch.cuda.max_memory_allocated` on CUDA, the runtime tracker's
+   resident-set reading on CPU ranks) against the cost model's, and offload's host bytes.
 
 Budget: at most 8 minutes on one H200 (each phase has its own timeout). Writes
 benchmarks/results/gpu_check-DEVICE.json.
