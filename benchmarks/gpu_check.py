@@ -11,7 +11,13 @@ a tiny one, for CI). Then, on a world of one rank (NCCL on CUDA, gloo on the CPU
    utilisation 6 * params * tokens / time / peak (peak: the H200 preset's bf16 FLOP/s;
    none on the CPU);
 4. a bf16 GRPO `nereus run` of a few steps planned for the folder: step times, and every
-   model-stage's `memory_peak_bytes_by_stage` against `predicted_memory_peak_bytes_by_stage`.
+   model-stage's `memory_peak_bytes_by_stage` against `predicted_memory_peak_bytes_by_stage`;
+5. memory rows (`memory_rows`), one `nereus run` each of the memory benchmark's activation-heavy
+   GRPO plan with one memory choice: recompute none, full and selective (1 GPU), FSDP2 full
+   sharding and DTensor tensor parallelism at tp=2 (2 GPUs: on fewer the row says so and is
+   skipped), and training-time offload (when this build executes it): measured peak per
+   model-stage and rank (`torch.cuda.max_memory_allocated` on CUDA, the runtime tracker's
+   resident-set reading on CPU ranks) against the cost model's, and offload's host bytes.
 
 Budget: at most 8 minutes on one H200 (each phase has its own timeout). Writes
 benchmarks/results/gpu_check-DEVICE.json.
@@ -244,6 +250,109 @@ def grpo_run(root: Path, folder: Path, device: str) -> dict[str, Any]:
     }
 
 
+# ---- memory rows: each memory choice's measured vs predicted peak ----
+
+#: The memory rows' choices: what each changes in the memory benchmark's GRPO plans
+#: (benchmarks/memory_parity.py) and how many ranks (one GPU each on CUDA) its layout takes.
+MEMORY_ROWS = {
+    "recompute-none": 1,
+    "recompute-full": 1,
+    "recompute-selective": 1,
+    "fsdp2-full-shard": 2,
+    "dtensor-tp2": 2,
+    "train-offload": 1,
+}
+
+
+def memory_rows(device: str, root: Path) -> list[dict[str, Any]]:
+    """One row per memory choice (`MEMORY_ROWS`): two RL steps of a GRPO plan with that choice
+    (`nereus run`), and per model-stage and rank the runtime's measured peak of the last step
+    (CUDA: `torch.cuda.max_memory_allocated`; CPU: the private resident peak its tracker
+    reads) against the cost model's. A layout wider than the machine's GPUs, or a choice this
+    build does not execute, gives a row that says so instead of numbers."""
+    import torch
+    from memory_parity import fixed_mmap_threshold
+
+    fixed_mmap_threshold()
+    rows = []
+    for name, ranks in MEMORY_ROWS.items():
+        gpus = torch.cuda.device_count() if device == "cuda" else None
+        skipped = memory_row_skipped(name, ranks, gpus)
+        if skipped is not None:
+            rows.append({"row": name, "ranks": ranks, "skipped": skipped})
+            continue
+        document, new_tokens = memory_row_plan(name, device)
+        measured = memory_row(document, root / "memory" / name, new_tokens, ranks)
+        rows.append({"row": name, "ranks": ranks, "stages": measured})
+    return rows
+
+
+def memory_row_skipped(name: str, ranks: int, gpus: int | None) -> str | None:
+    """Why the row `name` cannot run here (None: it can). `gpus`: the CUDA devices (None: CPU ranks)."""
+    from nereus.spec.capabilities import executed
+
+    if gpus is not None and gpus < ranks:
+        return f"needs {ranks} GPUs, this machine has {gpus}"
+    if name == "train-offload" and not executed("train_offload"):
+        return "offload not executed by this build"
+    return None
+
+
+def memory_row_plan(name: str, device: str) -> tuple[dict[str, Any], int]:
+    """The plan document of memory row `name` and its response length, all on the memory
+    benchmark's activation-heavy `-long` GRPO plan (a ~26M-parameter decoder, 8 rows of 16 + 112
+    tokens). Recompute and offload: on one rank; full sharding: colocated and fully sharded over
+    2 ranks (FSDP2); tensor parallelism: every model-stage at tp=2 on 2 ranks (DTensor). bf16 on
+    CUDA, fp32 on CPU ranks."""
+    from memory_parity import full_shard_plan, new_tokens, plan_document
+
+    from nereus.spec.stages import ACTOR_TRAINING
+
+    dtype = "bf16" if device == "cuda" else "fp32"
+    if name.startswith("recompute-") or name == "train-offload":
+        level = name.removeprefix("recompute-")
+        case = f"split-{dtype}-long" + (f"-{level}" if level in ("full", "selective") else "")
+        document = on_ranks(plan_document(case), 1, tp=1)
+        if name == "train-offload":
+            for entry in document["stages"]:
+                if entry["model_stage"] == ACTOR_TRAINING:
+                    entry["train_offload"] = "optimizer"
+        return document, new_tokens(case)
+    if name == "fsdp2-full-shard":
+        case = f"colocated-{dtype}-long-fullshard"
+        return full_shard_plan(case), new_tokens(case)
+    assert name == "dtensor-tp2", name
+    case = f"colocated-{dtype}-long"
+    return on_ranks(plan_document(case), 2, tp=2), new_tokens(case)
+
+
+def on_ranks(document: dict[str, Any], ranks: int, tp: int) -> dict[str, Any]:
+    """`document` with every model-stage on ranks 0..ranks-1: one replica of `tp` ranks each
+    (dp = ranks / tp)."""
+    document["pools"] = [{"name": "all", "gpus": list(range(ranks))}]
+    for entry in document["stages"]:
+        entry.update(tp=tp, dp=ranks // tp, emus=[list(range(first, first + tp)) for first in range(0, ranks, tp)])
+    return document
+
+
+def memory_row(document: dict[str, Any], folder: Path, new_tokens: int, ranks: int) -> list[dict[str, Any]]:
+    """Per model-stage and rank, predicted and measured peak bytes (`memory_parity.measured_rows`);
+    with training-time offload, actor/training's predicted host bytes too."""
+    from memory_parity import measured_rows
+
+    from nereus.cost.calibration import DEFAULT_CALIBRATION
+    from nereus.cost.plan_cost import evaluate_plan
+    from nereus.spec.plan import Plan
+
+    rows = measured_rows(document, folder, new_tokens, num_ranks=ranks)
+    predictions = evaluate_plan(Plan.model_validate(document), DEFAULT_CALIBRATION).predictions.model_stages
+    for row in rows:
+        host = predictions[row["model_stage"]].host_memory_bytes
+        if host:
+            row["predicted_host_bytes_per_gpu"] = sum(host.values())
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="Where to run (cpu: a tiny model).")
@@ -267,6 +376,7 @@ def main() -> None:
         (measured,) = spawn(engine_worker, 1, folder, args.device)
         result.update(measured)
         result["grpo_run"] = grpo_run(root, folder, args.device)
+        result["memory_rows"] = memory_rows(args.device, root)
     training = result["training"]
     peak = 989e12 if args.device == "cuda" else None  # the h200 preset's bf16 FLOP/s
     flops = 6 * result["params"] * training["tokens"] / training["median_step_s"]

@@ -204,28 +204,36 @@ def offload_plan(case: str) -> dict[str, Any]:
     return document
 
 
-def host_rows(case: str, record: dict[str, Any]) -> list[dict[str, Any]]:
-    """A row per rank of its host bytes (the highest of the step) against the cost model's."""
+def host_rows(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """A row per rank of its host bytes (the highest of the step) against the cost model's,
+    where the plan keeps any state in host memory."""
     rows = []
     for rank, (p, m) in enumerate(zip(record["predicted_host_memory_bytes"], record["host_memory_bytes"], strict=True)):
         if p > 0:
             error = (m - p) / p
-            row = {"case": case, "model_stage": "host", "rank": rank, "predicted_bytes": p, "measured_bytes": m}
+            row = {"model_stage": "host", "rank": rank, "predicted_bytes": p, "measured_bytes": m}
             rows.append({**row, "error": error, "within_target": abs(error) <= TARGET})
     return rows
 
 
 def run_case(case: str, root: Path) -> list[dict[str, Any]]:
     """One RL step of `case`; a row per (model-stage, rank) with measured and predicted peaks."""
+    document = full_shard_plan(case) if case in FULL_SHARD_CASES else plan_document(case)
+    if case in OFFLOAD_CASES:
+        document = offload_plan(case)
+    return [{"case": case, **row} for row in measured_rows(document, root / case, new_tokens(case))]
+
+
+def measured_rows(
+    document: dict[str, Any], folder: Path, max_new_tokens: int, num_ranks: int | None = None
+) -> list[dict[str, Any]]:
+    """`NUM_STEPS` steps of the plan `document` in `folder` (`nereus run` on its ranks); per
+    (model-stage, rank) of the last step, the predicted and measured peak bytes and their error."""
     from nereus.runtime.run.launch import launch
     from nereus.runtime.run.resolve import new_run
     from nereus.spec.run_folder import read_metrics
 
-    folder = root / case
-    folder.mkdir()
-    document = full_shard_plan(case) if case in FULL_SHARD_CASES else plan_document(case)
-    if case in OFFLOAD_CASES:
-        document = offload_plan(case)
+    folder.mkdir(parents=True)
     (folder / "plan.yaml").write_text(yaml.safe_dump(document))
     config = {
         "kind": "RunConfig",
@@ -233,10 +241,10 @@ def run_case(case: str, root: Path) -> list[dict[str, Any]]:
         "plan": "plan.yaml",
         "num_steps": NUM_STEPS,
         "checkpoint_every": 1000,
-        "rl": {"task": "sort", "seed": 0, "max_new_tokens": new_tokens(case), "stop_at_eos": False},
+        "rl": {"task": "sort", "seed": 0, "max_new_tokens": max_new_tokens, "stop_at_eos": False},
     }
     (folder / "run.yaml").write_text(yaml.safe_dump(config))
-    launch(new_run(folder / "run.yaml", out=folder / "out"))
+    launch(new_run(folder / "run.yaml", num_ranks=num_ranks, out=folder / "out"))
     record = read_metrics(folder / "out")[-1]
     rows = []
     for name, predicted in record["predicted_memory_peak_bytes_by_stage"].items():
@@ -246,7 +254,6 @@ def run_case(case: str, root: Path) -> list[dict[str, Any]]:
                 error = (m - p) / p
                 rows.append(
                     {
-                        "case": case,
                         "model_stage": name,
                         "rank": rank,
                         "predicted_bytes": p,
@@ -255,7 +262,7 @@ def run_case(case: str, root: Path) -> list[dict[str, Any]]:
                         "within_target": abs(error) <= TARGET,
                     }
                 )
-    return rows + (host_rows(case, record) if case in OFFLOAD_CASES else [])
+    return rows + host_rows(record)
 
 
 def main() -> None:
@@ -268,10 +275,7 @@ def main() -> None:
     unknown = [case for case in cases if case not in CASES]
     if unknown:
         parser.error(f"unknown cases {unknown}; choose from {', '.join(CASES)}")
-    # A fixed mmap threshold: every tensor's memory then leaves the resident set when it is
-    # freed (glibc's dynamic threshold would keep freed construction buffers in the heap,
-    # which the CPU measurement, a resident-set peak, would count). The ranks inherit it.
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
+    fixed_mmap_threshold()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="nereus-memory-parity-") as root:
         for case in cases:
@@ -284,6 +288,14 @@ def main() -> None:
             f"{row['measured_bytes'] / 1e6:12.1f} {100 * row['error']:+6.1f}%"
         )
     print(f"{sum(row['within_target'] for row in rows)}/{len(rows)} rows within {TARGET:.0%}")
+
+
+def fixed_mmap_threshold() -> None:
+    """A fixed mmap threshold for the ranks this process starts (they inherit it): every
+    tensor's memory then leaves the resident set when it is freed (glibc's dynamic threshold
+    would keep freed construction buffers in the heap, which the CPU measurement, a
+    resident-set peak, would count)."""
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
 
 
 def record(path: Path, rows: list[dict[str, Any]], started: Any) -> None:

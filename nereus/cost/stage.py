@@ -12,7 +12,8 @@ The formulas, per GPU of the busiest pipeline stage:
   holds min(pp, micro-batches) micro-batches; fp32 logits 4 * s * b * V / tp; a tied
   embedding's backward holds two extra gradient-sized copies (`tied_gradient_bytes`).
 * activation recomputation (`recompute` 1, full): a layer keeps only its 2 * s * b * h input
-  (Korthikanti et al.'s full recomputation) plus one layer's working set, and the
+  (Korthikanti et al.'s full recomputation) plus one layer's working set while it reruns,
+  which reuses the logits' room (the head's backward has freed them by then), and the
   backward pass reruns the forward: 4 passes of compute instead of 3. Selective
   (`recompute` 2): the attention core and the MLP's gate activation rerun in the backward
   from kept inputs, so a layer drops the activation's output, 2 * s * b * ffn / tp (with
@@ -310,10 +311,13 @@ class StageCostModel:
                 [RECOMPUTE_BYTES_PER_SBH * sbh, full - gate_output],
                 full,
             )
-            # One layer's working set while its backward reruns it (full); the core's is negligible.
-            rerun = np.where(np.equal(recompute, RECOMPUTE_FULL), full, 0.0)
-            terms["activations"] = kept * (m.num_layers / pp) * in_flight + rerun
             rows = tokens / max_len
+            # One layer's working set while its backward reruns it (full; the core's is
+            # negligible). The layers rerun only after the head's backward has freed the logits
+            # and the loss's working copy, so the rerun adds only what exceeds their room.
+            logits = self.logits_bytes(rows * max_len, tp) if self.head == "lm" else 0.0
+            rerun = np.where(np.equal(recompute, RECOMPUTE_FULL), np.maximum(full - logits, 0.0), 0.0)
+            terms["activations"] = kept * (m.num_layers / pp) * in_flight + rerun
         elif self.stage == "inference":
             rows = self.micro_batch_size(dp, micro_batches)
             terms["activations"] = KORTHIKANTI_BYTES_PER_SBH * max_len * rows * m.hidden_dim / tp * self.dtype_bytes / 2
@@ -321,10 +325,14 @@ class StageCostModel:
             rows = self.samples_per_replica(dp)
             terms["kv_cache"] = np.minimum(kv_budget, self.full_kv_bytes(tp, pp, dp))
         if self.head == "lm":
-            terms["logits"] = 4.0 * rows * (max_len if self.stage != "generation" else 1) * m.vocab_size / tp
+            terms["logits"] = self.logits_bytes(rows * (max_len if self.stage != "generation" else 1), tp)
         if self.stage == "training":
             terms["tied_gradients"] = self.tied_gradient_bytes(tp, pp)
         return terms
+
+    def logits_bytes(self, tokens: Array, tp: Array) -> Array:
+        """Bytes of `tokens` tokens' logits on one tp rank (its vocabulary columns), in fp32."""
+        return 4.0 * tokens * self.model.vocab_size / tp
 
     def tied_gradient_bytes(self, tp: Array, pp: Array) -> Array:
         """Transient bytes of a tied embedding's backward on a GPU that holds both its uses

@@ -227,14 +227,15 @@ def test_search_matches_exhaustive_reference(chunk: int) -> None:
     for _seed, request in cases(chunk):
         if has_lone_infeasible_layout(request):
             stats["infeasible_layouts"] += 1
-    # Per chunk (today 22-32, 3-7, 11-18, 17-29, 2-4, 1-3; a layout overflows alone when none of its
+    # Per chunk (today 22-32, 2-7, 11-18, 17-29, 2-4, 1-3; a layout overflows alone when none of its
     # memory choices fits); over the 4 chunks: 200 compared, >= 60 with layouts that overflow alone,
     # >= 12 of them still feasible, >= 32 split optima, >= 32 with no plan, >= 4 feasible ones whose
     # training cannot fill its pool, >= 4 whose optimum the node's host memory changes.
     # (Selective recompute, searched too, fits more plans colocated.)
     assert stats["compared"] == CASES_PER_CHUNK
     assert stats["infeasible_layouts"] >= 15, stats
-    assert stats["feasible_with_infeasible_layouts"] >= 3, stats
+    # (2 in chunk 1 since full recompute's rerun reuses the logits' room: one layout fewer overflows)
+    assert stats["feasible_with_infeasible_layouts"] >= 2, stats
     assert stats["optimum_split"] >= 8, stats
     assert stats["no_feasible_plan"] >= 8, stats
     assert stats["training_leaves_gpus_free"] >= 1, stats

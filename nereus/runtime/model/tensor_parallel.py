@@ -157,8 +157,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, group: Any) -> torch.Tensor:
-        logits = logits.float()
-        row_max = logits.max(dim=-1).values
+        # One fp32 working copy of the logits: the shift promotes 16-bit logits to fp32 as it
+        # subtracts, and the exponent and the softmax are taken in place.
+        row_max = logits.max(dim=-1).values.float()
         if group is not None:
             collectives.all_reduce(row_max, group, op="max")
         shifted = logits - row_max.unsqueeze(-1)
@@ -166,7 +167,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         outside = (local < 0) | (local >= logits.shape[-1])
         local = local.masked_fill(outside, 0)
         target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        exp = shifted.exp()
+        exp = shifted.exp_()
         sum_exp = exp.sum(dim=-1)
         if group is not None:
             collectives.all_reduce(target_logit, group)

@@ -4,8 +4,9 @@ Measured (`PeakTracker`): on CUDA, `torch.cuda.max_memory_allocated` (the cachin
 allocator's high-water mark of live tensors), its peak reset at every mark. On CPU, the
 process's peak resident set (`VmHWM` in /proc/self/status) less its shared pages
 (`RssShmem`: the state arena, resident whole from its reservation on, and the peers'
-arenas it maps to reshard) and less the idle rank's private resident set, plus the bytes
-of tensors in its own arena; the peak is reset at every mark by writing 5 to
+arenas it maps to reshard), less its file pages (`RssFile`: the libraries' code) and less
+the idle rank's private anonymous pages (`RssAnon`, read once the modules a step imports
+are loaded), plus the bytes of tensors in its own arena; the peak is reset at every mark by writing 5 to
 /proc/self/clear_refs (Linux 4.0+). The rank loop makes the tracker and hands it to each step
 (`rl_step(peaks=...)`), with a function that gives the bytes its state occupies in shared
 memory (the arena's used bytes). CPU numbers are an upper bound of the live tensors:
@@ -75,7 +76,7 @@ class PeakTracker:
     """CPU: bytes of this rank's state held in shared memory (its arena's used bytes), counted
     in place of the shared pages, which the reading leaves out."""
     baseline: int = 0
-    """CPU: private resident bytes of the idle rank, subtracted from every reading."""
+    """CPU: private anonymous resident bytes (`RssAnon`) of the idle rank, subtracted from every reading."""
     host_bytes: Callable[[], int] = lambda: 0
     """Bytes of this rank's state in host memory now (its engines' `host_bytes`; the step
     sets it to the engines it runs)."""
@@ -91,8 +92,7 @@ class PeakTracker:
         exist): on CPU its idle baseline is read now."""
         tracker = cls(cuda=device_type == "cuda", shared_state_bytes=shared_state_bytes)
         if not tracker.cuda and cpu_peak_supported():
-            resident, shared = _status_fields("VmRSS", "RssShmem")
-            tracker.baseline = resident - shared
+            (tracker.baseline,) = _status_fields("RssAnon")
         return tracker
 
     def _read_and_reset(self) -> int:
@@ -105,15 +105,18 @@ class PeakTracker:
             torch.cuda.reset_peak_memory_stats()
             return peak
         try:
-            peak, shared = _status_fields("VmHWM", "RssShmem")
+            peak, shared, files = _status_fields("VmHWM", "RssShmem", "RssFile")
             _CLEAR_REFS.write_text("5")  # the peak restarts from the current resident set
         except (OSError, RuntimeError):
             return 0
-        # Shared pages (this rank's state arena, resident whole from its reservation on, and
-        # the peers' arenas it mapped to reshard) are not this rank's: count the arena's used
-        # bytes instead, beside the private pages' peak. Host-memory state is in the private
-        # pages too (the same RAM): it is counted apart (`host_peak`).
-        return max(0, peak - shared - self.baseline - host) + self.shared_state_bytes()
+        # The peak of the private anonymous pages, where tensors live: shared pages (this rank's
+        # state arena, resident whole from its reservation on, and the peers' arenas it mapped
+        # to reshard) are not this rank's, so the arena's used bytes count instead; file pages
+        # are the libraries' code, paged in as kernels first run (no tensor, and no CUDA
+        # allocator counts them). Neither falls during a step, so their current size is taken.
+        # Host-memory state is in the private pages too (the same RAM): it is counted apart
+        # (`host_peak`).
+        return max(0, peak - shared - files - self.baseline - host) + self.shared_state_bytes()
 
     def _fold(self) -> None:
         peak = self._read_and_reset()
