@@ -199,7 +199,7 @@ def run_nereus(
 
 
 def first_step_start(run_folder: Path) -> float:
-    """When rank 0 started its first step (CLOCK_MONOTONIC, as `time.perf_counter`)."""
+    """When rank 0 started its first step (`time.time()`, the timeline's clock)."""
     spans = [json.loads(line) for line in (run_folder / "timeline" / "rank-0.jsonl").read_text().splitlines()]
     return min(span["start"] for span in spans)
 

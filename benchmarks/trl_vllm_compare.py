@@ -137,7 +137,7 @@ def child(args: argparse.Namespace) -> None:
     """One runner in this process; its result as JSON into --result."""
     work = Path(args.work)
     if args.runner == "nereus-vllm":
-        launched = time.perf_counter()
+        launched = time.time()  # the clock of the run's timeline
         run = run_nereus(work / "model", args.steps, 1, work, None, generation="vllm")
         run["setup_s"] = run["first_step_start"] - launched
     else:
