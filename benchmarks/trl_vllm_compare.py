@@ -154,7 +154,7 @@ def run_child(runner: str, steps: int, work: Path) -> dict[str, Any]:
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         errors = [line for line in lines if "Error:" in line or "Exception:" in line]
         return {"runner": runner, "ran": False, "error": (errors or lines or ["(no output)"])[-1]}
-    return {"runner": runner, "ran": True, **json.loads(result.read_text())}
+    return {**json.loads(result.read_text()), "runner": runner, "ran": True}
 
 
 def summary(run: dict[str, Any]) -> dict[str, Any]:
@@ -180,7 +180,7 @@ def summary(run: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10, help="GRPO steps per run")
-    parser.add_argument("--rounds", type=int, default=1, help="rounds of every runner")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of every runner (trl-shipped: the first only)")
     parser.add_argument("--runner", choices=RUNNERS, help=argparse.SUPPRESS)  # a child process's runner
     parser.add_argument("--work", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -204,29 +204,38 @@ def main() -> None:
                 run = runs[-1]
                 said = f"{run['median_step_s']:.3f} s/step" if run["ran"] else f"stopped: {run['error']}"
                 print(f"round {round_} {runner}: {said}", flush=True)
+                record(runs, args, recording, final=False)  # what has run so far, should a later run not end
+    record(runs, args, recording, final=True)
+
+
+def record(runs: list[dict[str, Any]], args: argparse.Namespace, recording: Any, final: bool) -> None:
+    """The result file of the runs so far (rounds_done says how many); `final`: print the table."""
     ran = [name for name in RUNNERS if any(run["runner"] == name and run["ran"] for run in runs)]
     medians = {
         name: statistics.median(s for run in runs if run["runner"] == name for s in run["step_s"]) for name in ran
     }
     setup = {name: statistics.median(run["setup_s"] for run in runs if run["runner"] == name) for name in ran}
-    print(f"{'runner':<13}{'s/step':>9}{'set-up s':>10}{'reward first 5':>16}{'reward last 5':>15}")
-    for name in ran:
-        group = [run for run in runs if run["runner"] == name]
-        first = statistics.mean(run["reward_first"] for run in group)
-        last = statistics.mean(run["reward_last"] for run in group)
-        print(f"{name:<13}{medians[name]:>9.3f}{setup[name]:>10.1f}{first:>16.3f}{last:>15.3f}")
-    for run in runs:
-        if not run["ran"]:
-            print(f"{run['runner']} did not run: {run['error']}")
-    print(SETTINGS)
-    if {"trl-reload", "nereus-vllm"} <= set(medians):
-        print(
-            f"nereus on vLLM is {medians['trl-reload'] / medians['nereus-vllm']:.2f}x TRL's speed per step "
-            f"(TRL with nereus's weight sync; medians over {args.rounds} round(s) x {args.steps} steps after "
-            f"{WARMUP_STEPS} warm-up steps)"
-        )
-    payload = {"steps": args.steps, "rounds": args.rounds, "median_step_s": medians, "setup_s": setup}
-    payload.update(settings=SETTINGS, shapes=SHAPES, runs=runs)
+    if final:
+        print(f"{'runner':<13}{'s/step':>9}{'set-up s':>10}{'reward first 5':>16}{'reward last 5':>15}{'load':>7}")
+        for name in ran:
+            group = [run for run in runs if run["runner"] == name]
+            first = statistics.mean(run["reward_first"] for run in group)
+            last = statistics.mean(run["reward_last"] for run in group)
+            load = statistics.mean(run["load"] for run in group)
+            print(f"{name:<13}{medians[name]:>9.3f}{setup[name]:>10.1f}{first:>16.3f}{last:>15.3f}{load:>7.1f}")
+        for run in runs:
+            if not run["ran"]:
+                print(f"{run['runner']} did not run: {run['error']}")
+        print(SETTINGS)
+        if {"trl-reload", "nereus-vllm"} <= set(medians):
+            print(
+                f"nereus on vLLM is {medians['trl-reload'] / medians['nereus-vllm']:.2f}x TRL's speed per step "
+                f"(TRL with nereus's weight sync; medians over {args.rounds} round(s) x {args.steps} steps after "
+                f"{WARMUP_STEPS} warm-up steps; load: the 1-minute load average at each run's start)"
+            )
+    rounds_done = max((run["round"] for run in runs), default=-1) + 1
+    payload = {"steps": args.steps, "rounds": args.rounds, "rounds_done": rounds_done, "median_step_s": medians}
+    payload.update(setup_s=setup, settings=SETTINGS, shapes=SHAPES, runs=runs)
     step_s = {name: [run["step_s"] for run in runs if run["runner"] == name] for name in ran}
     write_result(RESULTS, payload, recording, {"step_s": step_s})
 
