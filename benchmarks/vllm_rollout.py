@@ -86,7 +86,7 @@ def make_model(folder: Path, size: str) -> int:
     import transformers
 
     config = transformers.Qwen2Config(
-        max_position_embeddings=1024,
+        max_position_embeddings=256,  # vLLM's max_model_len: the runtime sizes its KV pool by it
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=None,
@@ -386,9 +386,11 @@ def grpo_run(root: Path, folder: Path, engine: str, tp: int, args: argparse.Name
     }
 
 
-def grpo_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
+def main_grpo(args: argparse.Namespace) -> None:
     """The GRPO step with each engine at each tp, engines alternated per round; medians over
-    the steps after the first (warm-up) of every round."""
+    the steps after the first (warm-up) of every round. The result file is rewritten after
+    every run, so a run that fails (or a machine that kills it) leaves the finished ones."""
+    started = begin()
     runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="nereus-vllm-grpo-") as tmp:
         root = Path(tmp)
@@ -398,8 +400,8 @@ def grpo_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str,
                 order = ENGINES if round_ % 2 == 0 else ENGINES[::-1]
                 for engine in order:
                     run = grpo_run(root / f"round-{round_}", root / "qwen2", engine, tp, args)
+                    assert len(run["step_s"]) > 1, "--grpo-steps must be at least 2 (the first step is a warm-up)"
                     runs.setdefault(f"tp{tp}/{engine}", []).append(run)
-                    later = run["step_s"][1:]
                     steps = ", ".join(f"{seconds:.1f}" for seconds in run["step_s"])
                     syncs = ", ".join(f"{stage['weight_sync']:.2f}" for stage in run["stage_s"])
                     print(
@@ -407,7 +409,13 @@ def grpo_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str,
                         f"(weight sync {syncs} s)",
                         flush=True,
                     )
-                    assert later, "--grpo-steps must be at least 2 (the first step is a warm-up)"
+                    record_grpo(runs, args, started, params, final=False)
+    record_grpo(runs, args, started, params, final=True)
+
+
+def grpo_rows(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One row per tp and engine run so far: medians after step 0, and against the own engine
+    at the same tp where that ran."""
     rows = []
     for key, group in runs.items():
         tp, engine = int(key.split("/")[0][2:]), key.split("/")[1]
@@ -417,38 +425,44 @@ def grpo_rows(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str,
         generation = statistics.median(m[ACTOR_GENERATION] for m in stages)
         row = {"tp": tp, "engine": engine, "samples": args.grpo_samples, "new_tokens": args.grpo_tokens}
         row.update(median_step_s=statistics.median(steps), median_generation_s=generation, median_weight_sync_s=sync)
-        row.update(
-            weight_sync_share=sync / statistics.median(steps), setup_s=statistics.median(r["setup_s"] for r in group)
-        )
+        row.update(weight_sync_share=sync / statistics.median(steps))
+        row["setup_s"] = statistics.median(run["setup_s"] for run in group)
         rows.append(row)
     for row in rows:
-        own = next(r for r in rows if r["tp"] == row["tp"] and r["engine"] == "nereus")
-        row["step_vs_nereus"] = own["median_step_s"] / row["median_step_s"]
-        row["generation_vs_nereus"] = own["median_generation_s"] / row["median_generation_s"]
-        row["setup_over_nereus_s"] = row["setup_s"] - own["setup_s"]
-    return rows, runs, params
+        own = next((r for r in rows if r["tp"] == row["tp"] and r["engine"] == "nereus"), None)
+        if own is not None:
+            row["step_vs_nereus"] = own["median_step_s"] / row["median_step_s"]
+            row["generation_vs_nereus"] = own["median_generation_s"] / row["median_generation_s"]
+            row["setup_over_nereus_s"] = row["setup_s"] - own["setup_s"]
+    return rows
 
 
-def main_grpo(args: argparse.Namespace) -> None:
-    started = begin()
-    rows, runs, params = grpo_rows(args)
-    print(f"GRPO step, {args.grpo_samples} samples x {args.grpo_tokens} tokens, 2 ranks (medians after step 0):")
-    for row in rows:
-        print(
-            f"tp={row['tp']} {row['engine']:6s}: step {row['median_step_s']:6.2f} s (x{row['step_vs_nereus']:.2f}), "
-            f"generation {row['median_generation_s']:6.2f} s (x{row['generation_vs_nereus']:.2f}), weight sync "
-            f"{row['median_weight_sync_s']:.3f} s ({100 * row['weight_sync_share']:.1f}% of the step), set-up "
-            f"{row['setup_s']:.1f} s (+{row['setup_over_nereus_s']:.1f} s over nereus's)"
-        )
+def record_grpo(
+    runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, started: Any, params: int, final: bool
+) -> None:
+    """Write the GRPO result file of the runs so far; `final`: print the table."""
+    rows = grpo_rows(runs, args)
+    if final:
+        print(f"GRPO step, {args.grpo_samples} samples x {args.grpo_tokens} tokens, 2 ranks (medians after step 0):")
+        for row in rows:
+            print(
+                f"tp={row['tp']} {row['engine']:6s}: step {row['median_step_s']:6.2f} s "
+                f"(x{row.get('step_vs_nereus', float('nan')):.2f}), generation {row['median_generation_s']:6.2f} s "
+                f"(x{row.get('generation_vs_nereus', float('nan')):.2f}), weight sync "
+                f"{row['median_weight_sync_s']:.3f} s ({100 * row['weight_sync_share']:.1f}% of the step), set-up "
+                f"{row['setup_s']:.1f} s (+{row.get('setup_over_nereus_s', float('nan')):.1f} s over nereus's)"
+            )
     payload = {
         "benchmark": "vllm_rollout_grpo",
         "model": {"architecture": "Qwen2ForCausalLM", "size": args.size, "params": params, "dtype": "fp32"},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "complete": final,
         "rows": rows,
     }
     repetitions = {key: [run["step_s"] for run in group] for key, group in runs.items()}
     write_result(args.out or GRPO_RESULTS, payload, started, {"step_s": repetitions, "runs": runs})
-    print(f"wrote {args.out or GRPO_RESULTS}")
+    if final:
+        print(f"wrote {args.out or GRPO_RESULTS}")
 
 
 def main() -> None:
