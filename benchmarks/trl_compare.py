@@ -60,8 +60,9 @@ SETTINGS = (
 )
 
 
-def make_model(folder: Path) -> Path:
-    """A tiny random Llama (transformers' own init, seed 0) and its character tokenizer."""
+def make_model(folder: Path, shapes: dict[str, int] | None = None) -> Path:
+    """A tiny random Llama (transformers' own init, seed 0) and its character tokenizer;
+    `shapes` overrides the default layer shapes (hidden 64, 4 heads over 2 KV heads)."""
     import torch
     import transformers
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
@@ -76,10 +77,10 @@ def make_model(folder: Path) -> Path:
     wrapped = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>", padding_side="left"
     )
+    layers = {"hidden_size": 64, "intermediate_size": 172, "num_attention_heads": 4, "num_key_value_heads": 2}
     config = transformers.LlamaConfig(
-        vocab_size=len(vocab), hidden_size=64, intermediate_size=172, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-        bos_token_id=chars.bos_id, eos_token_id=chars.eos_id, pad_token_id=chars.pad_id,
+        vocab_size=len(vocab), num_hidden_layers=4, max_position_embeddings=64, tie_word_embeddings=True,
+        bos_token_id=chars.bos_id, eos_token_id=chars.eos_id, pad_token_id=chars.pad_id, **{**layers, **(shapes or {})},
     )  # fmt: skip
     torch.manual_seed(SEED)
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
@@ -165,9 +166,11 @@ def layout(plan: Any) -> str:
     )
 
 
-def run_nereus(folder: Path, num_steps: int, num_ranks: int, work: Path, cluster: Path) -> dict[str, Any]:
+def run_nereus(
+    folder: Path, num_steps: int, num_ranks: int, work: Path, cluster: Path | None, generation: str = "nereus"
+) -> dict[str, Any]:
     """`nereus run` of the same recipe on `num_ranks` ranks, planned for them from the folder
-    on `cluster` (the measured machine)."""
+    on `cluster` (the measured machine; None: the default preset), `generation` the engine."""
     from nereus.runtime.run.launch import launch
     from nereus.runtime.run.resolve import new_run
 
@@ -180,8 +183,10 @@ def run_nereus(folder: Path, num_steps: int, num_ranks: int, work: Path, cluster
     rl = {"task": "sort", "seed": SEED, "actor_lr": LR, "kl_loss_coef": KL, "grad_clip": CLIP}
     rl.update(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, loss_agg_mode="token-mean")
     config = {"kind": "RunConfig", "version": 1, "model": str(folder), "workload": "workload.yaml", "rl": rl}
-    config["cluster"] = str(cluster)
+    if cluster is not None:
+        config["cluster"] = str(cluster)
     config.update(num_steps=num_steps, checkpoint_every=num_steps, online_calibration=False)
+    config["generation"] = {"engine": generation}
     run_folder = work / f"nereus-{num_ranks}"
     (run_folder.parent / "workload.yaml").write_text(json.dumps(workload))
     (run_folder.parent / f"run-{num_ranks}.yaml").write_text(json.dumps(config))
@@ -190,7 +195,13 @@ def run_nereus(folder: Path, num_steps: int, num_ranks: int, work: Path, cluster
     records = launch(setup, on_step=lambda _: cpu.append(ranks_cpu_seconds()))
     ends, rewards = step_ends(run_folder), [r.reward for r in records]
     run = {"runner": f"nereus-{num_ranks}", "step_ends": ends, "step_cpu": cpu, "rewards": rewards}
-    return {**run, "layout": layout(setup.plan)}
+    return {**run, "layout": layout(setup.plan), "first_step_start": first_step_start(run_folder)}
+
+
+def first_step_start(run_folder: Path) -> float:
+    """When rank 0 started its first step (`time.time()`, the timeline's clock)."""
+    spans = [json.loads(line) for line in (run_folder / "timeline" / "rank-0.jsonl").read_text().splitlines()]
+    return min(span["start"] for span in spans)
 
 
 def ranks_cpu_seconds() -> float:

@@ -678,6 +678,16 @@ class Engine:
             state.update({state_key(family, name): tensor for name, tensor in whole.items()})
         return state
 
+    def _placed(self, name: str, rows: torch.Tensor) -> Any:
+        """This replica's `rows` of a tensor shaped like parameter `name`, as a DTensor placed
+        as the parameter is (full sharding)."""
+        from torch.distributed.tensor import DTensor
+
+        param: Any = self.params[name]
+        return DTensor.from_local(
+            rows, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+        )
+
     def counted_grad(self, name: str) -> torch.Tensor | None:
         """The piece of parameter `name`'s gradient this replica counts in the global norm:
         its rows where the gradient is reduced only in them (ZeRO-1, full sharding), else all."""
