@@ -343,6 +343,28 @@ class VLLMHandOff(HandOff):
     log_probs: list[list[float]] = field(default_factory=list)
 
 
+def run_token() -> int:
+    """A random number every rank of the world agrees on (rank 0's, broadcast)."""
+    token = torch.tensor([int.from_bytes(os.urandom(6), "little") if dist.get_rank() == 0 else 0])
+    dist.broadcast(token, src=0)
+    return int(token.item())
+
+
+def own_shm_names(token: int) -> None:
+    """Give this process's vLLM CPU communicators shared-memory names of their own. Under the
+    external launcher vLLM 0.32's CPU worker names them from `env://` alone (`VLLM_DIST_IDENT`
+    becomes "//"), so every tp > 1 engine on a machine asks for the same /dev/shm segments: a
+    second run's engine fails with errno 17 (EEXIST), and so does every later one while a
+    killed run's segments remain. Prefixing a token all ranks agree on (`run_token`) keeps the
+    name equal across one engine's ranks, as vLLM checks, and apart from any other engine's."""
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    shm = cpu_communicator._CPUSHMDistributed
+    vllms = getattr(shm, "_vllm_make_group_name", shm.make_group_name)
+    shm._vllm_make_group_name = vllms  # type: ignore[attr-defined]
+    shm.make_group_name = staticmethod(lambda communicator: f"nereus{token:x}{vllms(communicator)}")  # type: ignore[method-assign]
+
+
 def start_engine(
     folder: Path,
     tp: int,
@@ -363,6 +385,8 @@ def start_engine(
     os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world_size))
     on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        own_shm_names(run_token())
     llm = LLM(
         model=str(folder),
         tensor_parallel_size=tp,
