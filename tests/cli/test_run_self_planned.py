@@ -1,6 +1,6 @@
 """`nereus run` plans for itself with every memory choice it executes: a run without a plan,
-its resume replanner and its controller search recompute, token budgets, ZeRO-1, KV budgets
-and full sharding (and whatever else `nereus.spec.capabilities` marks executed); the
+its resume replanner and its controller search recompute, token budgets, ZeRO-1, KV budgets,
+full sharding and both offloads (whatever `nereus.spec.capabilities` marks executed); the
 controller moves into such a plan by a live transition that keeps the logical state bitwise;
 live moves into and out of full sharding keep it too; and the choices `nereus plan` makes for
 Llama-3.1-8B PPO on 8 H100s run on a tiny model on 2 CPU ranks.
@@ -66,7 +66,16 @@ def uses(entry: StagePlan) -> list[MemoryChoice]:
     return [name for name, support in MEMORY_CHOICES.items() if support.used(entry)]
 
 
-NO_RECOMPUTE = dataclasses.replace(RUNTIME_CHOICES, recompute=("none",))
+#: The runtime's choices with neither recompute nor offload: at `CAPACITY` and 256-token
+#: responses nothing fits then.
+NO_SAVING = dataclasses.replace(RUNTIME_CHOICES, recompute=("none",), offload=(False,), train_offload=("none",))
+#: The runtime's choices without offload: only recompute makes the batch fit.
+NO_OFFLOAD = dataclasses.replace(RUNTIME_CHOICES, offload=(False,), train_offload=("none",))
+
+
+def saves(entry: StagePlan) -> bool:
+    """Whether a plan entry recomputes or offloads (what lets the long responses fit)."""
+    return entry.recompute != "none" or entry.offload or entry.train_offload != "none"
 
 
 @pytest.mark.logic
@@ -83,38 +92,40 @@ def test_the_runtime_s_own_search_space_is_every_executed_choice() -> None:
 
 @pytest.mark.logic
 def test_a_run_without_a_plan_and_a_resume_onto_other_ranks_plan_with_memory_choices() -> None:
-    """Where only recompute lets the batch fit, the plans a run makes for itself (from a folder,
-    no plan given) and a resume's replan onto 2 ranks recompute; without it none fits."""
+    """Where only recompute or offload lets the batch fit, the plans a run makes for itself (from
+    a folder, no plan given) and a resume's replan onto 2 ranks use one of them; without both
+    none fits, and with offload pinned off they recompute."""
     tight = memory_bound()
     long = tight.workload.model_copy(update={"response_len": lengths(LONG)})
     stored = tight.model_copy(update={"workload": long})
     with pytest.raises(NereusError, match="no memory-feasible plan"):
-        runtime_plan(stored, NO_RECOMPUTE)
+        runtime_plan(stored, NO_SAVING)
+    assert any(entry.recompute != "none" for entry in runtime_plan(stored, NO_OFFLOAD).stages)
     resumed = replan(stored, 2)
-    assert any(entry.recompute != "none" for entry in resumed.stages)
+    assert any(saves(entry) for entry in resumed.stages)
     folder = HfSources(stored.models[0], {"actor": Path("/nowhere")})
     planned = plans_for_folder(folder, long, stored.cluster, 2)
-    assert planned and all(any(e.recompute != "none" for e in plan.stages) for plan in planned)
+    assert planned and all(any(saves(e) for e in plan.stages) for plan in planned)
     # Under intra-stage fusion (the run config's block) no plan packs to a token budget.
     fused = plans_for_folder(folder, long, stored.cluster, 2, Fusion(intra_stage=True))
     assert all(entry.token_budget is None for plan in fused for entry in plan.stages)
 
 
 @pytest.mark.logic
-def test_the_controller_s_replanner_moves_into_recompute_where_only_it_fits() -> None:
+def test_the_controller_s_replanner_moves_into_recompute_or_offload_where_only_they_fit() -> None:
     """The controller's policy, with the runtime's own choices: the responses grow from 8 to 256
-    tokens and the layout it runs overflows; the move it makes recomputes. Pinned to no recompute,
-    no plan fits and the run would stop."""
+    tokens and the layout it runs overflows; the move it makes recomputes or offloads. Pinned to
+    neither, no plan fits and the run would stop."""
     initial = runtime_plan(memory_bound())
     engineless = engineless_stages(initial, RLConfig(task="sort"))
     actions = {}
-    for name, choices in (("own", runtime_choices(initial.fusion)), ("pinned", NO_RECOMPUTE)):
+    for name, choices in (("own", runtime_choices(initial.fusion)), ("pinned", NO_SAVING)):
         policy = make_policy("nereus", initial, Replanner(initial, choices=choices, engineless=engineless))
         decision = policy.decide(Observation(step=3, gpus=2, response_len=lengths(LONG), steps_remaining=1))
         actions[name] = (decision.action, policy.plan)
     action, target = actions["own"]
     assert action in ("transition", "restart") and target is not None
-    assert any(entry.recompute != "none" for entry in target.stages)
+    assert any(saves(entry) for entry in target.stages)
     assert actions["pinned"][0] == "suspend"
 
 
@@ -153,7 +164,7 @@ def controller_run(folder: Path) -> Path:
 @pytest.mark.cli
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_the_controller_moves_live_into_a_recomputing_plan_with_the_state_bitwise(tmp_path: Path) -> None:
+def test_the_controller_moves_live_into_a_memory_saving_plan_with_the_state_bitwise(tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = invoke("run", controller_run(tmp_path), "--out", out)
     assert result.exit_code == 0, result.output
@@ -166,7 +177,7 @@ def test_the_controller_moves_live_into_a_recomputing_plan_with_the_state_bitwis
     assert len(checks) == len(moves) and all(check["equal"] for check in checks)
     final = load_document(finished_checkpoints(out)[-1] / "plan.yaml")
     assert isinstance(final, Plan)
-    assert any(entry.recompute != "none" for entry in final.stages), final.stages
+    assert any(saves(entry) for entry in final.stages), final.stages
     assert len(read_metrics(out)) == 4
 
 
