@@ -362,7 +362,10 @@ def own_shm_names(token: int) -> None:
     shm = cpu_communicator._CPUSHMDistributed
     vllms = getattr(shm, "_vllm_make_group_name", shm.make_group_name)
     shm._vllm_make_group_name = vllms  # type: ignore[attr-defined]
-    shm.make_group_name = staticmethod(lambda communicator: f"nereus{token:x}{vllms(communicator)}")  # type: ignore[method-assign]
+    # A shared-memory object's name holds no "/" past its first character: vLLM's own starts "//".
+    shm.make_group_name = staticmethod(  # type: ignore[method-assign]
+        lambda communicator: f"/nereus{token:x}{vllms(communicator).lstrip('/')}"
+    )
 
 
 def start_engine(
