@@ -354,21 +354,12 @@ def on_ranks(document: dict[str, Any], ranks: int, tp: int) -> dict[str, Any]:
 
 
 def memory_row(document: dict[str, Any], folder: Path, new_tokens: int, ranks: int) -> list[dict[str, Any]]:
-    """Per model-stage and rank, predicted and measured peak bytes (`memory_parity.measured_rows`);
-    with training-time offload, actor/training's predicted host bytes too."""
+    """Per model-stage and rank, predicted and measured peak bytes (`memory_parity.measured_rows`),
+    and where the plan keeps state in host memory (training-time offload) a `host` row per rank
+    of its measured against predicted host bytes."""
     from memory_parity import measured_rows
 
-    from nereus.cost.calibration import DEFAULT_CALIBRATION
-    from nereus.cost.plan_cost import evaluate_plan
-    from nereus.spec.plan import Plan
-
-    rows = measured_rows(document, folder, new_tokens, num_ranks=ranks)
-    predictions = evaluate_plan(Plan.model_validate(document), DEFAULT_CALIBRATION).predictions.model_stages
-    for row in rows:
-        host = predictions[row["model_stage"]].host_memory_bytes
-        if host:
-            row["predicted_host_bytes_per_gpu"] = sum(host.values())
-    return rows
+    return measured_rows(document, folder, new_tokens, num_ranks=ranks)
 
 
 def vllm_folder(root: Path, device: str, size: str) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -139,6 +140,9 @@ def fuse(
     from nereus.spec.io import save_document, to_json, write_bytes_atomic, write_text_atomic
 
     check_output(output, "-o", (".yaml", ".yml", ".json"))
+    for flag, value in (("--act-cap", act_cap), ("--p2p-latency", p2p_latency), ("--time-limit", time_limit)):
+        if value is not None and not math.isfinite(value):
+            raise NereusError(f"{flag} {value}: not a finite number; give a finite one or leave the option out")
     check_output(gantt, "--gantt", (".png", ".svg"))
     check_output(perfetto, "--perfetto", (".json",))
     config = SearchConfig(time_limit_s=time_limit, seeds=seeds)
