@@ -91,25 +91,10 @@ VLLM_SHAPES = {
 
 
 def make_vllm_folder(folder: Path, max_positions: int) -> Path:
-    """A random fp32 Qwen2 (tied embeddings) saved by transformers, O(0.1) weights so samples vary."""
-    import transformers
+    """A random fp32 Qwen2 of the tiny plan's shapes (`vllm_rollout.random_qwen2`)."""
+    from vllm_rollout import random_qwen2
 
-    config = transformers.Qwen2Config(
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=True,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=0,
-        **VLLM_SHAPES,
-    )
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.1 * noise)
-    model.save_pretrained(folder)
+    random_qwen2(folder, max_positions, VLLM_SHAPES)
     return folder
 
 

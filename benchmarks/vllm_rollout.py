@@ -82,16 +82,23 @@ MIXES = ("uniform", "long-tail")
 
 
 def make_model(folder: Path, size: str) -> int:
-    """A random fp32 Qwen2 saved by transformers, O(0.1) weights so the tokens vary; its parameters."""
+    """A random fp32 Qwen2 of `size` saved by transformers (`random_qwen2`); its parameters."""
+    # vLLM's max_model_len is 256: the runtime sizes its KV pool by it
+    return random_qwen2(folder, 256, SIZES[size])
+
+
+def random_qwen2(folder: Path, max_positions: int, shapes: dict[str, Any]) -> int:
+    """A random fp32 Qwen2 (tied embeddings) of `shapes` saved by transformers, O(0.1) weights so
+    the tokens vary; its parameters."""
     import transformers
 
     config = transformers.Qwen2Config(
-        max_position_embeddings=256,  # vLLM's max_model_len: the runtime sizes its KV pool by it
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=0,
-        **SIZES[size],
+        **shapes,
     )
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config).to(torch.float32)
