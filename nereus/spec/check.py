@@ -265,11 +265,10 @@ def _stage_problems(plan: Plan, i: int, entry: StagePlan) -> Iterator[Problem]:
         yield Problem(f"{at}.dp", f"dp={entry.dp} but {len(entry.emus)} EMUs are listed; make them equal")
     seen: dict[int, int] = {}
     for k, emu in enumerate(entry.emus):
-        if len(emu) != entry.tp * entry.pp:
-            yield Problem(
-                f"{at}.emus[{k}]",
-                f"an EMU with tp={entry.tp}, pp={entry.pp} needs {entry.tp * entry.pp} GPUs, got {len(emu)}",
-            )
+        if len(emu) != entry.replica_size:
+            cp = f", cp={entry.cp}" if entry.cp > 1 else ""
+            degrees = f"tp={entry.tp}{cp}, pp={entry.pp}"
+            yield Problem(f"{at}.emus[{k}]", f"an EMU with {degrees} needs {entry.replica_size} GPUs, got {len(emu)}")
             continue
         for j, gpu in enumerate(emu):
             where = f"{at}.emus[{k}][{j}]"

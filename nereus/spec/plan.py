@@ -38,10 +38,14 @@ class StagePlan(StrictModel):
     """Tensor-parallel degree of one replica (GPUs inside one node)."""
     pp: int = Field(gt=0)
     """Pipeline-parallel degree of one replica (divides the layers)."""
+    cp: int = Field(default=1, gt=0)
+    """Context-parallel degree of one replica (training and inference only): each sequence is cut
+    along its tokens into cp parts, one per cp rank, which hold the same weights; 1: no cut."""
     dp: int = Field(gt=0)
     """Number of replicas (EMUs); equals the length of `emus`."""
     emus: list[list[NonNegativeInt]] = Field(min_length=1)
-    """Each EMU's ordered GPU ids: GPU of (pp stage s, tp rank r) is entry s * tp + r."""
+    """Each EMU's ordered GPU ids: GPU of (pp stage s, cp rank c, tp rank r) is entry
+    (s * cp + c) * tp + r (with cp = 1: s * tp + r)."""
     micro_batches: int = Field(default=1, gt=0)
     """Micro-batches per replica: per mini-batch in training, per step in inference; 1 in generation."""
     recompute: Recompute = "none"
@@ -91,6 +95,8 @@ class StagePlan(StrictModel):
             )
         if stage != "generation" and self.kv_budget_bytes is not None:
             raise ValueError(f"kv_budget_bytes applies to generation only; drop it from {self.model_stage}")
+        if self.cp > 1 and stage == "generation":
+            raise ValueError(f"cp applies to training and inference only; set cp: 1 in {self.model_stage}")
         if self.full_shard and stage == "generation":
             raise ValueError(f"full_shard applies to training and inference only; drop it from {self.model_stage}")
         return self
@@ -102,6 +108,11 @@ class StagePlan(StrictModel):
     @property
     def stage(self) -> Stage:
         return stage_of(self.model_stage)
+
+    @property
+    def replica_size(self) -> int:
+        """GPUs of one replica (EMU): tp x cp x pp."""
+        return self.tp * self.cp * self.pp
 
     @property
     def gpus(self) -> list[int]:
