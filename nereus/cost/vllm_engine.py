@@ -175,8 +175,9 @@ def engine_memory(plan: Plan, calibration: Calibration, sleep_level: SleepLevel 
     weights = weight_bytes_per_gpu(plan, calibration, entry.tp, entry.pp)
     if sleep_level == 1:
         return EngineMemory(0.0, weights)
-    kv_pool = entry.kv_budget_bytes  # vLLM allocates the whole pool it is given when it starts
-    if kv_pool is None:  # the runtime gives it room for every sample at the longest
+    if entry.kv_budget_bytes is not None:  # vLLM allocates the whole pool it is given when it starts
+        kv_pool = float(entry.kv_budget_bytes)
+    else:  # the runtime gives it room for every sample at the longest
         kv_pool = _stage_terms(plan, entry, calibration)[1].get("kv_cache", 0.0)
     return EngineMemory(weights + kv_pool, 0.0)
 

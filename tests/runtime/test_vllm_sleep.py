@@ -160,7 +160,8 @@ def test_asleep_the_engine_leaves_training_the_kv_caches_memory() -> None:
     big = plan.model_copy(update={"stages": stages, "predictions": None})
     beside_awake, beside_asleep = peaks_beside_engine(big, calibration, None), peaks_beside_engine(big, calibration, 2)
     assert ACTOR_TRAINING in beside_asleep and ACTOR_GENERATION not in beside_asleep
-    assert beside_asleep[ACTOR_TRAINING] == evaluate_plan(big, calibration).predictions.model_stages[
-        ACTOR_TRAINING
-    ].peak_memory_bytes
+    assert (
+        beside_asleep[ACTOR_TRAINING]
+        == evaluate_plan(big, calibration).predictions.model_stages[ACTOR_TRAINING].peak_memory_bytes
+    )
     assert beside_awake[ACTOR_TRAINING] > limit >= beside_asleep[ACTOR_TRAINING]
