@@ -23,8 +23,13 @@ a tiny one, for CI). Then, on a world of one rank (NCCL on CUDA, gloo on the CPU
    graphs captured), sampled generation tokens/s of vLLM and of nereus's own engine on the same
    folder and batch (`--vllm-size full`: the ~0.5B folder, 256 samples x 512 new tokens, bf16;
    target on a GPU: vLLM at least 5x the own engine), a weight sync (every weight streamed from
-   device memory through the worker's `reload_weights`, as the runtime's sync does at tp=1), and
-   `sleep(level=1)` / `wake_up()` (GPUs only: vLLM's CPU backend has no sleep mode).
+   device memory through the worker's `reload_weights`, as the runtime's sync does at tp=1),
+   `sleep(level=1)` / `wake_up()`, and the runtime's own sleep cycle of a colocated engine
+   (`EngineSleep` at level 2: sleep, wake the weights, the sync's load, wake the KV cache) with
+   the GPU memory each sleep gave back against the engine's KV pool plus weights, and whether
+   greedy tokens after the cycles equal those before (GPUs only: vLLM's CPU backend has no sleep
+   mode). The engine starts with dummy weights and loads the folder's by `reload_weights` before
+   it generates, as the runtime starts its engines.
    `--vllm-size small` (the default on the CPU) runs the same code on a tiny Qwen2 (head size
    32, the smallest vLLM's CPU kernels take) with 8 samples x 16 tokens, fp32.
 
@@ -420,6 +425,7 @@ def vllm_worker(rank: int, world: int, folder: Path, device: str, size: str, por
     from vllm.inputs import TokensPrompt
 
     per_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * (2 if device == "cuda" else 4)
+    kv_bytes = int(1.25 * samples * (prompt_len + new + 16) * per_token)
     started = time.perf_counter()
     llm = LLM(
         str(folder),
@@ -428,13 +434,18 @@ def vllm_worker(rank: int, world: int, folder: Path, device: str, size: str, por
         enforce_eager=device == "cpu",  # CUDA graphs on GPUs, as the runtime starts its engines
         dtype=dtype,
         skip_tokenizer_init=True,
-        kv_cache_memory_bytes=int(1.25 * samples * (prompt_len + new + 16) * per_token),
+        kv_cache_memory_bytes=kv_bytes,
         max_model_len=prompt_len + new + 16,
         seed=0,
         enable_prefix_caching=False,
         enable_sleep_mode=device == "cuda",
+        load_format="dummy",  # as the runtime starts its engines: the sync loads the weights
     )
     start_s = time.perf_counter() - started
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    weights = load_file(str(folder / "model.safetensors"), device="cuda:0" if device == "cuda" else "cpu")
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    first_load_s = timed(partial(runner.reload_weights, weights_iterator=iter(weights.items())), torch.device(device))
     requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     params = [
         SamplingParams(max_tokens=new, min_tokens=new, ignore_eos=True, temperature=1.0, seed=i, detokenize=False)
@@ -442,9 +453,6 @@ def vllm_worker(rank: int, world: int, folder: Path, device: str, size: str, por
     ]
     llm.generate(requests[:4], params[:4], use_tqdm=False)  # warm-up
     vllm_s = timed(partial(llm.generate, requests, params, use_tqdm=False), torch.device(device))
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-    weights = load_file(str(folder / "model.safetensors"), device="cuda:0" if device == "cuda" else "cpu")
-    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     syncs = [
         timed(partial(runner.reload_weights, weights_iterator=iter(weights.items())), torch.device(device))
         for _ in range(3)
@@ -456,6 +464,7 @@ def vllm_worker(rank: int, world: int, folder: Path, device: str, size: str, por
             sleeps.append(timed(partial(llm.sleep, level=1), torch.device(device)))
             wakes.append(timed(llm.wake_up, torch.device(device)))
         llm.generate(requests[:4], params[:4], use_tqdm=False)  # awake again: it still generates
+    cycles = sleep_cycles(llm, runner, weights, requests[:4], kv_bytes + weight_bytes) if device == "cuda" else {}
     del runner
     close_engine(llm)
     tokens = samples * new
@@ -472,12 +481,56 @@ def vllm_worker(rank: int, world: int, folder: Path, device: str, size: str, por
         "vllm_over_nereus": own_s / vllm_s,
         "target_vllm_over_nereus": VLLM_TARGET_SPEEDUP if device == "cuda" and size == "full" else None,
         "weight_bytes": weight_bytes,
+        "first_weight_load_s": first_load_s,
         "weight_sync_s": syncs,
         "median_weight_sync_s": statistics.median(syncs),
         "sleep_level1_s": sleeps,
         "wake_s": wakes,
         "median_sleep_s": statistics.median(sleeps) if sleeps else None,
         "median_wake_s": statistics.median(wakes) if wakes else None,
+        **cycles,
+    }
+
+
+def sleep_cycles(
+    llm: Any, runner: Any, weights: dict[str, Any], requests: list[Any], engine_bytes: int
+) -> dict[str, Any]:
+    """Three of the runtime's sleep cycles of a colocated engine (`EngineSleep` at level 2: sleep
+    after generation, wake the weights, the weight sync's load, wake the KV cache), each timed
+    as the runtime records it; the GPU memory each sleep gave back beside the engine's KV pool
+    plus weights (`engine_bytes`); greedy tokens after the cycles against those before."""
+    import torch
+    from vllm import SamplingParams
+
+    from nereus.cost.vllm_engine import SLEEP_KEY, SYNCED_SLEEP_LEVEL, WAKE_KEY
+    from nereus.runtime.generation.vllm_engine import WEIGHTS, EngineSleep, engine_phase_seconds
+
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, detokenize=False)
+    before = [list(o.outputs[0].token_ids) for o in llm.generate(requests, greedy, use_tqdm=False)]
+    sleeper = EngineSleep(llm, SYNCED_SLEEP_LEVEL)
+    sleeps, wakes, freed = [], [], []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        sleeper.sleep()
+        freed.append(int(torch.cuda.mem_get_info()[0] - free_before))
+        sleeper.wake((WEIGHTS,))
+        runner.reload_weights(weights_iterator=iter(weights.items()))
+        sleeper.loaded()
+        sleeper.wake()
+        phases = engine_phase_seconds(sleeper.seconds)
+        sleeper.seconds.clear()
+        sleeps.append(phases[SLEEP_KEY])
+        wakes.append(phases[WAKE_KEY])
+    after = [list(o.outputs[0].token_ids) for o in llm.generate(requests, greedy, use_tqdm=False)]
+    return {
+        "sleep_level2_s": sleeps,
+        "wake_weights_and_kv_s": wakes,
+        "median_sleep_level2_s": statistics.median(sleeps),
+        "median_wake_weights_and_kv_s": statistics.median(wakes),
+        "sleep_freed_bytes": freed,
+        "engine_kv_and_weight_bytes": engine_bytes,
+        "greedy_tokens_equal_after_sleep": before == after,
     }
 
 

@@ -62,10 +62,11 @@ class Calibration(Document):
     weight-loading API (bucketed copies into its parameters, and their repacking): a new engine's
     weight load is its shard's bytes over this rate."""
     vllm_sleep_s: float = Field(default=0.5, ge=0)
-    """Seconds for one vLLM engine to sleep (free its KV cache, offload or drop its weights) so a
+    """Seconds for one vLLM engine to sleep (level 2: free its KV cache and drop its weights) so a
     colocated training stage gets the memory back."""
     vllm_wake_s: float = Field(default=0.5, ge=0)
-    """Seconds for one vLLM engine to wake (re-allocate its KV cache and weights)."""
+    """Seconds for one vLLM engine to wake (re-map its weights' memory for the weight sync, then
+    its KV cache's), the sync's load not included."""
     vllm_iteration_overhead_s: float = Field(default=2e-3, ge=0)
     """Fixed seconds per vLLM scheduler iteration beyond the layers (scheduling, sampling, output
     processing; kernel launches are in CUDA graphs on GPUs)."""

@@ -8,7 +8,9 @@ then cost what nereus's own engine does not:
   per-GPU weight bytes over `Calibration.vllm_weight_load_bytes_per_s`
   (`engine_rebuild_seconds`; the transition DAG adds it to the primitive that completes the
   replica, `nereus.solver.transition.schedule`);
-* a colocated pool's sleep and wake per step (`Calibration.vllm_sleep_s`, `vllm_wake_s`);
+* a colocated pool's sleep and wake per step (`Calibration.vllm_sleep_s`, `vllm_wake_s`), and
+  what the engine keeps on its GPUs and in host memory while the other model-stages run
+  (`engine_memory`, `peaks_beside_engine`): asleep, nothing of its KV cache stays on the GPU;
 * generation under vLLM's scheduler (`generation_terms`): the continuous batching of
   `nereus.cost.continuous_batching` with the running sequences capped at `max_num_seqs`, and
   chunked prefill, at most `max_num_batched_tokens` prompt tokens per forward pass, each pass
@@ -24,21 +26,39 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field
 
 from nereus.cost.calibration import Calibration
 from nereus.cost.continuous_batching import decode_profile, mean_context
-from nereus.cost.plan_cost import _spans_nodes, _stage_terms, replica_state_bytes, stage_choices, stage_cost_model
+from nereus.cost.plan_cost import (
+    _spans_nodes,
+    _stage_terms,
+    evaluate_plan,
+    replica_state_bytes,
+    stage_choices,
+    stage_cost_model,
+)
 from nereus.spec.base import StrictModel
 from nereus.spec.plan import Plan
-from nereus.spec.stages import ACTOR_GENERATION
+from nereus.spec.stages import ACTOR_GENERATION, ModelStageName
 
 Engine = Literal["nereus", "vllm"]
 """The generation engine a run's actor/generation replicas use (RunConfig `generation.engine`,
 once `auto` is resolved)."""
 ENGINES: tuple[Engine, ...] = ("nereus", "vllm")
+
+SleepLevel = Literal[1, 2]
+"""vLLM's sleep levels: 1 frees the KV cache and moves the weights to host memory, 2 frees both."""
+SLEEP_LEVELS: tuple[SleepLevel, ...] = get_args(SleepLevel)
+#: The level a colocated engine sleeps at (`engine_sleep_level`). The weights are synced from
+#: actor/training at the end of every step, after the engine went to sleep and before it generates
+#: again: whatever level 1 would keep on the host is overwritten before it is used. Level 1 would
+#: copy the weights GPU -> host at every sleep and host -> GPU at every wake (and hold them in host
+#: memory between); level 2 drops them, the sync re-maps their memory (`wake_up(tags=["weights"])`)
+#: and fills it, so one copy per step (the sync's) is all the weights cost.
+SYNCED_SLEEP_LEVEL: SleepLevel = 2
 
 #: Step-record keys (`stage_seconds` of metrics.jsonl) of the vLLM engine's phases, slowest rank.
 ENGINE_START_KEY = "vllm_engine_start"
@@ -61,15 +81,17 @@ class VllmEngineMeasurement(StrictModel):
     model_params: int = Field(gt=0)
     """Parameters of the tiny model the engine ran."""
     engine_start_s: float = Field(ge=0)
-    """Median seconds from `LLM(...)` to a ready engine, less its weight load."""
+    """Seconds from `LLM(...)` to a ready engine with dummy weights (as the runtime starts one:
+    its weights arrive by the sync that follows)."""
     weight_bytes: int = Field(gt=0)
     """Bytes of the weights loaded into the engine (one rank's shard)."""
     weight_load_s: float = Field(gt=0)
     """Median seconds to load those weights into the running engine (its weight-loading API)."""
     sleep_s: float | None = Field(default=None, ge=0)
-    """Median seconds of `sleep(level=1)`; None where vLLM has no sleep mode (CPUs)."""
+    """Median seconds of `sleep(level=2)`; None where vLLM has no sleep mode (CPUs)."""
     wake_s: float | None = Field(default=None, ge=0)
-    """Median seconds of `wake_up()`; None where vLLM has no sleep mode (CPUs)."""
+    """Median seconds of `wake_up` of the weights and of the KV cache, the sync's load between
+    them not counted; None where vLLM has no sleep mode (CPUs)."""
     tokens_per_s: float = Field(gt=0)
     """Generated tokens per second of a small batch (a sanity figure, not fitted)."""
     vllm_version: str = Field(min_length=1)
@@ -111,6 +133,69 @@ def engine_rebuild_seconds(plan: Plan, calibration: Calibration, tp: int, pp: in
         return 0.0
     load = weight_bytes_per_gpu(plan, calibration, tp, pp) / calibration.vllm_weight_load_bytes_per_s
     return calibration.vllm_engine_start_s + load
+
+
+def colocated_generation(plan: Plan) -> bool:
+    """Whether actor/generation shares a GPU with a training model-stage (a colocated pool): its
+    engine's memory is then wanted back while training runs."""
+    generation = set(plan.stage_plan(ACTOR_GENERATION).gpus)
+    return any(entry.stage == "training" and generation & set(entry.gpus) for entry in plan.stages)
+
+
+def engine_sleep_level(plan: Plan, sleep_mode: bool) -> SleepLevel | None:
+    """The level at which `plan`'s vLLM generation engines sleep after each generation, None where
+    they stay awake: an engine sleeps only where vLLM has a sleep mode (`sleep_mode`: CUDA GPUs;
+    vLLM's CPU backend has none, so there the pool stays allocated) and a training model-stage
+    shares its GPUs; then at `SYNCED_SLEEP_LEVEL`, as every step syncs the weights."""
+    if not sleep_mode or not colocated_generation(plan):
+        return None
+    return SYNCED_SLEEP_LEVEL
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """Bytes per GPU of one actor/generation vLLM engine while the other model-stages run."""
+
+    device: float
+    """On the GPU: its weights and KV pool awake, nothing asleep."""
+    host: float
+    """In host memory: its weights asleep at level 1, nothing otherwise."""
+
+
+def engine_memory(plan: Plan, calibration: Calibration, sleep_level: SleepLevel | None) -> EngineMemory:
+    """What a vLLM engine of `plan`'s actor/generation keeps per GPU between its generations, by
+    the level it sleeps at (None: awake, its weights and its whole KV pool; 1: its weights in host
+    memory; 2: nothing). The KV pool is the plan's `kv_budget_bytes` (vLLM allocates all of it),
+    else the cost model's KV term (every sample at the longest), the weights one GPU's shard. These
+    are beside nereus's own actor/generation weights, which the weight sync fills and which the
+    cost model already counts resident."""
+    entry = plan.stage_plan(ACTOR_GENERATION)
+    if sleep_level == 2:
+        return EngineMemory(0.0, 0.0)
+    weights = weight_bytes_per_gpu(plan, calibration, entry.tp, entry.pp)
+    if sleep_level == 1:
+        return EngineMemory(0.0, weights)
+    if entry.kv_budget_bytes is not None:  # vLLM allocates the whole pool it is given when it starts
+        kv_pool = float(entry.kv_budget_bytes)
+    else:  # the runtime gives it room for every sample at the longest
+        kv_pool = _stage_terms(plan, entry, calibration)[1].get("kv_cache", 0.0)
+    return EngineMemory(weights + kv_pool, 0.0)
+
+
+def peaks_beside_engine(
+    plan: Plan, calibration: Calibration, sleep_level: SleepLevel | None
+) -> dict[ModelStageName, float]:
+    """Predicted peak bytes of every other model-stage on actor/generation's GPUs with the vLLM
+    engine beside it (`engine_memory`'s device bytes on top of `evaluate_plan`'s peak, which
+    counts the generation KV cache as gone once generation ends: true of an engine asleep)."""
+    gpus = set(plan.stage_plan(ACTOR_GENERATION).gpus)
+    extra = engine_memory(plan, calibration, sleep_level).device
+    stages = evaluate_plan(plan, calibration).predictions.model_stages
+    return {
+        entry.model_stage: stages[entry.model_stage].peak_memory_bytes + extra
+        for entry in plan.stages
+        if entry.model_stage != ACTOR_GENERATION and gpus & set(entry.gpus)
+    }
 
 
 def sleep_wake_seconds(calibration: Calibration, engine: Engine, colocated: bool) -> float:

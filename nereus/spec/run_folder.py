@@ -114,7 +114,10 @@ class StepMetrics(StepTimes):
     stage_seconds: dict[str, float] = field(default_factory=dict)
     """Wall time per model-stage (slowest rank), plus the phases `advantages`, `exchange` and
     `weight_sync`; also `transition` or `restart` when the plan changed before the step (read
-    apart: `model_stage_seconds`, `phase_seconds`)."""
+    apart: `model_stage_seconds`, `phase_seconds`). Under vLLM generation engines also the
+    engine's phases that happened (`nereus.cost.vllm_engine.ENGINE_PHASES`: `vllm_engine_start`
+    at the first step and after a transition that rebuilt the engines, `vllm_weight_load` one
+    load's seconds, `vllm_sleep` and `vllm_wake` in a colocated pool on GPUs)."""
     state_bytes_per_rank: list[int] = field(default_factory=list)
     """Bytes of parameters, gradients and optimizer moments every rank's engines hold, by rank."""
     predicted_step_seconds: float | None = None

@@ -12,10 +12,11 @@ import pytest
 
 from nereus.cost.calibration import Calibration
 from nereus.runtime.run.controller import Controller
+from nereus.runtime.run.resolve import resolve_switches
 from nereus.solver.transition.schedule import build_transition
-from nereus.spec.io import load_document
+from nereus.spec.io import load_document, save_document
 from nereus.spec.plan import Plan
-from nereus.spec.run_config import RLConfig
+from nereus.spec.run_config import RLConfig, RunConfig
 from nereus.spec.stages import ACTOR_GENERATION
 from nereus.spec.trace import Trace
 
@@ -88,3 +89,16 @@ def test_a_move_is_logged_with_its_measured_cost_once_made(tmp_path: Path) -> No
     assert any("measured_cost_s" in r for r in records)
     controller.moved(2.0)  # a configured plan switch: nothing of the controller's to log
     assert len(log.read_text().splitlines()) == 6
+
+
+def test_plan_switches_are_priced_with_the_runs_calibration(tmp_path: Path) -> None:
+    """A `calibration:` fitted from earlier vLLM runs prices the engines a configured switch rebuilds."""
+    plan, _ = fixtures()
+    save_document(with_generation(plan, 1, [[0], [1]]), tmp_path / "two-engines.yaml")
+    config = RunConfig.model_validate(
+        {"num_steps": 3, "generation": {"engine": "vllm"}, "plan_switches": [{"step": 1, "plan": "two-engines.yaml"}]}
+    )
+    (default,) = resolve_switches(config, tmp_path, plan, 2)
+    fitted = Calibration(vllm_engine_start_s=Calibration().vllm_engine_start_s + 300.0)
+    (calibrated,) = resolve_switches(config, tmp_path, plan, 2, fitted)
+    assert calibrated.move.predicted_s - default.move.predicted_s == pytest.approx(300.0, rel=0.01)

@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import signal
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,9 @@ import pytest
 import torch
 import yaml
 
+from nereus.cost.calibration import Calibration
+from nereus.cost.fit import fit_calibration, read_run
+from nereus.cost.vllm_engine import ENGINE_START_KEY, SLEEP_KEY, WAKE_KEY, WEIGHT_LOAD_KEY
 from nereus.spec.io import load_document, save_document
 from nereus.spec.plan import Plan
 from nereus.spec.presets import workload_preset
@@ -147,6 +151,14 @@ def test_a_tp2_engine_and_live_transitions_to_two_tp1_engines_and_back(tmp_path:
     decisions = [json.loads(line) for line in (tmp_path / "run" / "decisions.jsonl").read_text().splitlines()]
     assert [(d["decision"]["step"], d["engine"]) for d in decisions] == [(1, "vllm"), (2, "vllm")]
     assert all(d["decision"]["transition_cost_s"] > 1.0 and d["measured_cost_s"] > 0 for d in decisions)
+    # The engines' phases for `nereus fit`: a start-up at step 0 and after each transition (it
+    # rebuilt them), one load per step record, no sleep (vLLM's CPU backend has no sleep mode).
+    seconds = [m["stage_seconds"] for m in metrics]
+    assert all(s[ENGINE_START_KEY] > 0 and s[WEIGHT_LOAD_KEY] > 0 for s in seconds), seconds
+    assert not any(SLEEP_KEY in s or WAKE_KEY in s for s in seconds)
+    fitted = fit_calibration([read_run(tmp_path / "run", warmup_steps=1)], Calibration()).calibration
+    assert fitted.vllm_engine_start_s == pytest.approx(statistics.median(s[ENGINE_START_KEY] for s in seconds))
+    assert fitted.vllm_weight_load_bytes_per_s != Calibration().vllm_weight_load_bytes_per_s
 
 
 def test_two_tp1_engines_survive_sigkill_and_resume(tmp_path: Path) -> None:

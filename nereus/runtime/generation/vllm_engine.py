@@ -26,6 +26,19 @@ loading), streamed in buckets, nothing written to disk. vLLM's loaders take chec
 engine's tp ranks one bucket at a time (an all-reduce of the zero-filled shards); no rank
 ever holds the whole model beyond one bucket, and at tp=1 nothing is communicated.
 
+Where a training model-stage shares the engine's GPUs (a colocated pool) and vLLM has a sleep
+mode (CUDA), the engine is built with `enable_sleep_mode=True` and sleeps after each rollout at
+level 2 (`nereus.cost.vllm_engine.engine_sleep_level`, which says why level 2): its KV cache and
+weights leave the GPU while inference and training run; the weight sync wakes the weights' memory
+and fills it, and the next generation wakes the KV cache (`EngineSleep`). vLLM's CPU backend has
+no sleep mode: there the engine stays allocated. The engine's start-up, weight loads, sleeps and
+wakes are timed into the step records (`drain_phases`), which `nereus fit` fits.
+
+The engine starts with vLLM's dummy weights (`load_format="dummy"`): the actor's weights arrive
+through the weight sync that follows every start (the run's first, a resume's, a live
+transition's), so the folder is never read twice and the start-up is what the cost model calls
+it, the engine before its weights.
+
 vllm is imported inside functions only: `nereus --help` and runs on nereus's own engine never
 import it.
 """
@@ -33,7 +46,8 @@ import it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -41,6 +55,13 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from nereus.cost.vllm_engine import (
+    ENGINE_START_KEY,
+    SLEEP_KEY,
+    WAKE_KEY,
+    WEIGHT_LOAD_KEY,
+    SleepLevel,
+)
 from nereus.runtime.comm import collectives
 from nereus.runtime.generation.decoding import HandOff
 from nereus.runtime.generation.sampling import SamplingConfig, sample_seed
@@ -60,6 +81,70 @@ class Generated:
     log_probs: list[list[float]]
 
 
+#: vLLM's tags of the memory a sleeping engine gives back (`LLM.wake_up(tags=...)`).
+WEIGHTS, KV_CACHE = "weights", "kv_cache"
+ALL_MEMORY = (WEIGHTS, KV_CACHE)
+
+
+@dataclass
+class EngineSleep:
+    """When one rank's vLLM engine sleeps and wakes, and the calls that makes on `llm` (vLLM's
+    `LLM`: `sleep(level=...)`, `wake_up(tags=...)`, nothing else). `level` None: the engine never
+    sleeps (no colocated training stage, or no sleep mode: vLLM on CPUs), every call a no-op.
+
+    A step goes: generation, `sleep()` (KV cache and weights leave the GPU); the weight sync,
+    `wake((WEIGHTS,))` then `loaded()` (the weights' memory back and refilled; the KV cache still
+    asleep while the sync's buffers are in use); the next generation, `wake()` (the KV cache back).
+    After a level-2 sleep the weights' contents are gone until a sync loads them: generating
+    before that is a bug, caught here."""
+
+    llm: Any
+    level: SleepLevel | None = None
+    asleep: set[str] = field(default_factory=set)
+    """The tags whose memory is asleep."""
+    weights_lost: bool = False
+    """A level-2 sleep dropped the weights and no load has refilled them yet."""
+    seconds: dict[str, list[float]] = field(default_factory=dict)
+    """Seconds of every sleep and wake, by `nereus.cost.vllm_engine` phase key, not yet drained."""
+
+    def sleep(self) -> None:
+        """After generation: free the KV cache and the weights (level 1 keeps them in host memory)."""
+        if self.level is None or self.asleep:
+            return
+        began = time.perf_counter()
+        self.llm.sleep(level=self.level)
+        self.seconds.setdefault(SLEEP_KEY, []).append(time.perf_counter() - began)
+        self.asleep = set(ALL_MEMORY)
+        self.weights_lost = self.level == 2
+
+    def wake(self, tags: Sequence[str] = ALL_MEMORY) -> None:
+        """Give back the memory of `tags` that is asleep (all: before generating)."""
+        wanted = [tag for tag in ALL_MEMORY if tag in tags and tag in self.asleep]
+        if KV_CACHE in tags:
+            assert not self.weights_lost, "a level-2 sleep dropped the weights: a weight sync loads them first"
+        if not wanted:
+            return
+        began = time.perf_counter()
+        self.llm.wake_up(tags=wanted)
+        self.seconds.setdefault(WAKE_KEY, []).append(time.perf_counter() - began)
+        self.asleep -= set(wanted)
+
+    def loaded(self) -> None:
+        """A weight load refilled every weight."""
+        assert WEIGHTS not in self.asleep, "weights load into an engine whose weights are awake"
+        self.weights_lost = False
+
+
+def engine_phase_seconds(seconds: dict[str, list[float]]) -> dict[str, float]:
+    """A step record's engine phases from the times recorded since the last one: the start-up,
+    sleeps and wakes summed (seconds the step spent in them), a weight load's mean (one load's
+    seconds: a start's load and the step's sync may both fall in one record)."""
+    out = {key: sum(values) for key, values in seconds.items() if values}
+    if seconds.get(WEIGHT_LOAD_KEY):
+        out[WEIGHT_LOAD_KEY] /= len(seconds[WEIGHT_LOAD_KEY])
+    return out
+
+
 @dataclass
 class VLLMEngine:
     """One rank's part of a vLLM engine (an actor/generation replica over its tp ranks)."""
@@ -70,10 +155,30 @@ class VLLMEngine:
     """The replica (vLLM engine) this rank belongs to."""
     tp_group: Any
     """The torch process group of the engine's tp ranks (None at tp=1)."""
+    sleep_level: SleepLevel | None = None
+    """The level it sleeps at after each rollout (None: it stays awake; `EngineSleep`)."""
+    start_s: float = 0.0
+    """Seconds `LLM(...)` took to start it (recorded once, by the first `drain_phases`)."""
+    sleeper: EngineSleep = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sleeper = EngineSleep(self.llm, self.sleep_level)
+        if self.start_s > 0:
+            self.sleeper.seconds[ENGINE_START_KEY] = [self.start_s]
 
     @property
     def model_runner(self) -> Any:
         return self.llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+    def sleep(self) -> None:
+        """After a rollout: give the engine's memory to the model-stages that run next."""
+        self.sleeper.sleep()
+
+    def drain_phases(self) -> dict[str, float]:
+        """The engine's phase seconds since the last call (`engine_phase_seconds`), for the step record."""
+        out = engine_phase_seconds(self.sleeper.seconds)
+        self.sleeper.seconds.clear()
+        return out
 
     def generate(
         self,
@@ -87,6 +192,7 @@ class VLLMEngine:
         with the same arguments."""
         from vllm.inputs import TokensPrompt
 
+        self.sleeper.wake()
         requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
         params = [
             sampling_params(
@@ -112,9 +218,19 @@ class VLLMEngine:
         """Load the generation engine's live weights (`param/name` keys, this rank's shards
         as `meta` lays them out) into vLLM, bucket by bucket (collective over the engine's
         tp ranks); `names` gives the checkpoint (Hugging Face) name of a runtime parameter."""
-        boxes = meta.rank_boxes(rank)
-        self.model_runner.reload_weights(weights_iterator=self._whole_tensors(weights, meta, boxes, names))
+        self.load_weights(self._whole_tensors(weights, meta, meta.rank_boxes(rank), names))
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load (checkpoint name, whole tensor) pairs into the engine's parameters, waking the
+        weights' memory first if the engine sleeps; timed as a weight load."""
+        self.sleeper.wake((WEIGHTS,))
+        began = time.perf_counter()
+        self.model_runner.reload_weights(weights_iterator=iter(tensors))
         self._refresh_tied_head()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.sleeper.seconds.setdefault(WEIGHT_LOAD_KEY, []).append(time.perf_counter() - began)
+        self.sleeper.loaded()
 
     def _refresh_tied_head(self) -> None:
         """Re-derive a tied output head's kernel weights from the reloaded embedding.
@@ -248,6 +364,7 @@ class VLLMDecoder:
     response token keeps the log-probability the engine that sampled it computed."""
 
     def __init__(self, engine: VLLMEngine, config: SamplingConfig) -> None:
+        engine.sleeper.wake()
         self.engine = engine
         self.config = config
         self.running: dict[int, _Running] = {}
@@ -376,9 +493,12 @@ def start_engine(
     max_model_len: int,
     seed: int,
     tp_group: Any,
+    sleep_level: SleepLevel | None = None,
 ) -> VLLMEngine:
-    """This rank's part of its replica's vLLM engine over `folder` (collective over the whole
-    world: vLLM builds its groups on it). `kv_cache_bytes`: the KV pool per rank."""
+    """This rank's part of its replica's vLLM engine over `folder`'s model (collective over the
+    whole world: vLLM builds its groups on it), with dummy weights until the weight sync loads
+    the actor's. `kv_cache_bytes`: the KV pool per rank; `sleep_level`: the level it sleeps at
+    after each rollout (None: it never sleeps; otherwise it is built with vLLM's sleep mode)."""
     from vllm import LLM
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -390,6 +510,7 @@ def start_engine(
     on_cpu = not torch.cuda.is_available()
     if on_cpu:
         own_shm_names(run_token())
+    began = time.perf_counter()
     llm = LLM(
         model=str(folder),
         tensor_parallel_size=tp,
@@ -403,10 +524,20 @@ def start_engine(
         enable_prefix_caching=False,
         logprobs_mode=LOGPROBS_MODE,
         generation_config="vllm",
+        load_format="dummy",  # the weight sync after every start loads the actor's weights
+        enable_sleep_mode=sleep_level is not None,
     )
+    start_s = time.perf_counter() - began
     from vllm.distributed import parallel_state
 
     theirs = list(parallel_state.get_tp_group().ranks)
     mine = list(range(rank - rank % tp, rank - rank % tp + tp))
     assert theirs == mine, f"vLLM's tensor group {theirs} is not the plan's {mine}"
-    return VLLMEngine(llm, rank // tp, tp_group)
+    return VLLMEngine(llm, rank // tp, tp_group, sleep_level, start_s)
+
+
+def sleep_mode_available() -> bool:
+    """Whether vLLM can put an engine to sleep here (its CUDA and ROCm backends; not its CPU one)."""
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_sleep_mode_available())

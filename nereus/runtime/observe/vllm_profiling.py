@@ -3,11 +3,13 @@
 The engine runs inside one spawned rank (a one-rank gloo or NCCL world) with vLLM's
 `external_launcher` executor, as the runtime runs its generation engines: no engine process is
 spawned. The model is a tiny Qwen2 folder made here by transformers (random weights, the
-profile's dtype). Timed: the engine's start-up (`LLM(...)` to ready, less one weight load, as
-the engine loads its weights from the folder while it starts), reloading its weights from
-memory through the model runner's `reload_weights` (what a weight sync and a rebuilt engine
-do), one small batch's generation, and on GPUs `sleep(level=1)` and `wake_up()`. vLLM on CPUs
-has no sleep mode: those stay None.
+profile's dtype). Timed as the runtime runs the engine (`nereus.runtime.generation.vllm_engine`):
+its start-up (`LLM(...)` to ready with dummy weights, as the runtime starts it: the weights arrive
+by the sync that follows), loading its weights from memory through the model runner's
+`reload_weights` (what a weight sync and a rebuilt engine do), one small batch's generation, and
+on GPUs a colocated engine's sleep cycle: `sleep(level=2)`, then `wake_up(tags=["weights"])`, a
+weight load, `wake_up(tags=["kv_cache"])` (the two wakes are the wake time). vLLM on CPUs has no
+sleep mode: those stay None.
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ def engine_worker(rank: int, world: int, folder: str, device: str, repeats: int,
         seed=0,
         enable_prefix_caching=False,
         enable_sleep_mode=device == "cuda",
+        load_format="dummy",
     )
     start_s = time.perf_counter() - started
     runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -127,14 +130,18 @@ def engine_worker(rank: int, world: int, folder: str, device: str, repeats: int,
     generate_s = time.perf_counter() - began
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     sleeps, wakes = [], []
-    if device == "cuda":
+    if device == "cuda":  # the runtime's cycle (level 2: the weight sync refills the weights)
         for _ in range(repeats):
             began = time.perf_counter()
-            llm.sleep(level=1)
+            llm.sleep(level=2)
             sleeps.append(time.perf_counter() - began)
             began = time.perf_counter()
-            llm.wake_up()
-            wakes.append(time.perf_counter() - began)
+            llm.wake_up(tags=["weights"])
+            woken = time.perf_counter() - began
+            runner.reload_weights(weights_iterator=iter(weights.items()))
+            began = time.perf_counter()
+            llm.wake_up(tags=["kv_cache"])
+            wakes.append(woken + time.perf_counter() - began)
     del runner
     close_engine(llm)
     return {
@@ -170,7 +177,7 @@ def measure_vllm_engine(device: str, quick: bool) -> VllmEngineMeasurement:
                     os.environ[key] = value
     return VllmEngineMeasurement(
         model_params=params,
-        engine_start_s=max(0.0, result["start_s"] - result["load_s"]),
+        engine_start_s=result["start_s"],
         weight_bytes=result["weight_bytes"],
         weight_load_s=result["load_s"],
         sleep_s=result["sleep_s"],

@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 
+from nereus.cost.vllm_engine import engine_sleep_level
 from nereus.runtime.comm.world import device
 from nereus.runtime.generation.engine_choice import generation_engine, max_model_len, one_sequence_kv_bytes
 from nereus.runtime.generation.generate import generate
 from nereus.runtime.generation.kv_cache import KVBudget, memory_left
 from nereus.runtime.generation.sampling import SamplingConfig
-from nereus.runtime.generation.vllm_engine import VLLMEngine, start_engine
+from nereus.runtime.generation.vllm_engine import VLLMEngine, sleep_mode_available, start_engine
 from nereus.runtime.rl.fused_rollout import RolloutEvent, fused_rollout
 from nereus.runtime.rl.inter_stage import migration_settings
 from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, local_state_bytes, rollout_batch
@@ -57,6 +58,8 @@ def rollout(
             greedy_sampling = dataclasses.replace(sampling, temperature=0.0)
             greedy = generate_responses(generation, prompts, greedy_sampling, kv_budget=budget)
         greedy_batch = rollout_batch(prompts, greedy, sampling.pad_token_id)
+    if generation.rollout_engine is not None:  # a colocated pool's vLLM engine frees its GPU memory
+        generation.rollout_engine.sleep()
     batch = rollout_batch(prompts, responses, sampling.pad_token_id)
     rollout_log_probs = None
     if engine_log_probs is not None:
@@ -129,8 +132,11 @@ def start_rollout_engine(config: RunConfig, plan: Plan, stages: dict[str, ModelS
     engine of actor/generation and attach it to the stage (collective over the world: every
     rank is in one engine, `engine_choice.vllm_problem`); None under nereus's own engine.
     Its KV pool: the plan's `kv_budget_bytes`, else room for the replica's share of the
-    step's samples at the model's longest, within the rank's memory (`kv_cache.memory_left`)."""
-    if generation_engine(config, plan, device().type == "cuda") != "vllm":
+    step's samples at the model's longest, within the rank's memory (`kv_cache.memory_left`).
+    It sleeps after each rollout where a training model-stage shares its GPUs and vLLM has a
+    sleep mode (`engine_sleep_level`; not on CPUs, where its pool stays allocated)."""
+    on_cuda = device().type == "cuda"
+    if generation_engine(config, plan, on_cuda) != "vllm":
         return None
     stage = stages[ACTOR_GENERATION]
     assert stage.engine is not None and plan.weights is not None, "checked before the ranks started"
@@ -148,6 +154,7 @@ def start_rollout_engine(config: RunConfig, plan: Plan, stages: dict[str, ModelS
         max_model_len(plan),
         config.rl.seed,
         stage.engine.groups.tp.group,
+        engine_sleep_level(plan, on_cuda and sleep_mode_available()),
     )
     assert engine.replica == stage.engine.groups.replica, (engine.replica, stage.engine.groups.replica)
     stage.rollout_engine = engine

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nereus.cost.vllm_engine import ENGINE_PHASES
 from nereus.runtime.generation.sampling import SamplingConfig
 from nereus.runtime.model.fused_pipeline import OpTiming
 from nereus.runtime.observe.memory import PeakTracker, predicted_rank_host_bytes
@@ -50,6 +51,7 @@ from nereus.solver.admission import predicted_peaks
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import StepMetrics
+from nereus.spec.stages import ACTOR_GENERATION
 from nereus.spec.workload import Workload
 
 if TYPE_CHECKING:
@@ -143,6 +145,9 @@ def rl_step(
     # 5. weight sync
     with timed(seconds, "weight_sync"):
         sync_weights(syncs)
+    engine = stages[ACTOR_GENERATION].rollout_engine if ACTOR_GENERATION in stages else None
+    if engine is not None:  # its start-up (at the first step, or after a transition), loads, sleeps, wakes
+        seconds.update(engine.drain_phases())
     seconds["step"] = time.perf_counter() - start
     ran = [n for n in stages if n not in not_run]
     predicted = plan_peaks(plan, stages) if predicted is None else predicted
@@ -200,8 +205,11 @@ def step_metrics(
     assert scored.old_log_probs is not None, "training gave them"
     lengths = scored.mask.sum(dim=1)
     names = [entry.model_stage for entry in plan.stages] + ["advantages", "exchange", "weight_sync"]
-    totals = step_totals(seconds, [*names, "step"], stages)
-    stage_seconds = totals.seconds
+    vllm = ACTOR_GENERATION in stages and stages[ACTOR_GENERATION].rollout_engine is not None
+    phases = list(ENGINE_PHASES) if vllm else []  # every rank is in a vLLM engine, or none is
+    totals = step_totals(seconds, [*names, *phases, "step"], stages)
+    # A vLLM engine phase that did not happen at this step is left out of the record.
+    stage_seconds = {name: value for name, value in totals.seconds.items() if name not in phases or value > 0}
     num_ranks = len(totals.memory_peak)
     predicted_by_stage = {name: [by_rank.get(r, 0) for r in range(num_ranks)] for name, by_rank in predicted.items()}
     return StepMetrics(

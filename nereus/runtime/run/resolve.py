@@ -65,11 +65,11 @@ def new_run(
     data = prepare_data(config, plan, config_path.parent)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
-    switches = resolve_switches(config, config_path.parent, plan, num_ranks)
+    calibration = resolve_calibration(config, config_path.parent)
+    switches = resolve_switches(config, config_path.parent, plan, num_ranks, calibration)
     for switch in switches:  # every plan of the run must run on the engine it asks for
         check_generation(config, switch.move.plan, f"{config_path}: plan_switches (step {switch.step})")
     trace = resolve_trace(config, config_path.parent, plan, num_ranks)
-    calibration = resolve_calibration(config, config_path.parent)
     out = out if out is not None else Path("runs") / f"{config_path.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ArgumentError(f"{out}: already exists; resume it with `resume` or pass another `out`", "resume", "out")
@@ -194,8 +194,12 @@ def resolve_trace(config: RunConfig, folder: Path, plan: Plan, num_ranks: int) -
     return trace
 
 
-def resolve_switches(config: RunConfig, folder: Path, first: Plan, num_ranks: int) -> tuple[Switch, ...]:
-    """Load and check every plan switch and build its transition DAG from the plan before it."""
+def resolve_switches(
+    config: RunConfig, folder: Path, first: Plan, num_ranks: int, calibration: Calibration | None = None
+) -> tuple[Switch, ...]:
+    """Load and check every plan switch and build its transition DAG from the plan before it,
+    priced with the run's `calibration` (its fitted vLLM engine start-up and weight load, where
+    the run generates with vLLM; None: the default calibration)."""
     from nereus.solver.transition.schedule import build_transition
 
     switches, previous = [], first
@@ -213,7 +217,7 @@ def resolve_switches(config: RunConfig, folder: Path, first: Plan, num_ranks: in
         problems = plan_problems(plan, num_ranks, config.rl)
         if problems:
             raise NereusError(f"{where}: {problems[0]}")
-        transition = build_transition(previous, plan, engine=switch_engine(config, plan))
+        transition = build_transition(previous, plan, calibration, engine=switch_engine(config, plan))
         if not transition.feasible:
             cycle = " -> ".join(transition.blocking_cycle)
             raise NereusError(f"{field}: no safe transition order from the previous plan (blocking cycle {cycle})")
@@ -278,7 +282,8 @@ def resume_run(
             "to go on",
             "num_steps",
         )
-    switches = resolve_switches(config, out, plan, num_ranks)
+    calibration = resolve_calibration(config, out)
+    switches = resolve_switches(config, out, plan, num_ranks, calibration)
     # A checkpoint loads into any layout: resume under the plan in force when it was taken.
     if checkpoint is not None and plan_path is None and not planned and (checkpoint / PLAN_NAME).is_file():
         plan = with_fusion(load_as(checkpoint / PLAN_NAME, Plan), config)
@@ -286,7 +291,6 @@ def resume_run(
     for switch in ahead:
         check_generation(config, switch.move.plan, f"{out / CONFIG_NAME}: plan_switches (step {switch.step})")
     trace = resolve_trace(config, out, plan, num_ranks)
-    calibration = resolve_calibration(config, out)
     data = prepare_data(config, plan, out)
     if checkpoint is not None:
         check_data_state(checkpoint, data, start_step, plan.workload.prompts_per_step)
