@@ -10,9 +10,10 @@ activations a large share of its peak (`-long`: a ~26M-parameter decoder, `LONG_
 rows of 16 + 112 tokens in one micro-batch; the ~100M one would take 4 GB a rank there),
 without recompute, with `recompute: full` and `selective`, and packed to a 512-token budget
 (`-tokens`: two micro-batches), and with training one replica cut over both ranks by context
-parallelism (`-cp2`: cp=2, each rank holding half of every sequence's activations; its rows
-against `split-fp32-long`'s training row give the measured cp=2 / cp=1 ratio, written as
-`cp_ratios`). Each case is one `nereus run` step
+parallelism (`-cp2`: cp=2, each rank holding half of every sequence's activations; its rank 1,
+which holds training alone as `split-fp32-long`'s rank 1 does, against that rank's training
+row gives the measured cp=2 / cp=1 ratio, written as `cp_ratios`; rank 0 also holds the
+serving model-stages). Each case is one `nereus run` step
 (the library's `new_run` + `launch`); metrics.jsonl then holds, per rank and model-stage,
 `memory_peak_bytes_by_stage` (CPU: peak resident set above the idle rank, less the state
 arena's free room; docs/memory.md) and the cost model's `predicted_memory_peak_bytes_by_stage`.
@@ -183,17 +184,16 @@ def cp_plan(case: str) -> dict[str, Any]:
 
 
 def cp_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each cp=2 case's training peak per rank over its cp=1 case's (`split-fp32-long`'s rank 1)."""
+    """Each cp=2 case's training peak on rank 1 (training alone there in both cases) over its
+    cp=1 case's, measured and predicted."""
     training = {(row["case"], row["rank"]): row for row in rows if row["model_stage"] == ACTOR_TRAINING}
     ratios = []
     for case in CP_CASES:
-        whole = training.get((case.removesuffix("-cp2"), 1))
-        for rank in (0, 1):
-            cut = training.get((case, rank))
-            if whole is not None and cut is not None:
-                measured = cut["measured_bytes"] / whole["measured_bytes"]
-                predicted = cut["predicted_bytes"] / whole["predicted_bytes"]
-                ratios.append({"case": case, "rank": rank, "measured_ratio": measured, "predicted_ratio": predicted})
+        whole, cut = training.get((case.removesuffix("-cp2"), 1)), training.get((case, 1))
+        if whole is not None and cut is not None:
+            measured = cut["measured_bytes"] / whole["measured_bytes"]
+            predicted = cut["predicted_bytes"] / whole["predicted_bytes"]
+            ratios.append({"case": case, "rank": 1, "measured_ratio": measured, "predicted_ratio": predicted})
     return ratios
 
 
