@@ -81,15 +81,15 @@ class ContextParallel:
         return SequenceSplit(self, tuple(stop - start for start, stop in spans), spans[self.rank], Packing.of(mask))
 
 
-def check_heads(num_heads: int, num_kv_heads: int, tp: int, cp: int) -> None:
-    """Ulysses splits the query heads of a tensor rank over the cp ranks: refuse what does not divide."""
+def check_heads(num_heads: int, tp: int, cp: int) -> None:
+    """Ulysses splits the query heads of a tensor rank over the cp ranks: refuse what does not
+    divide (KV heads that do not split are repeated per query head, `SequenceSplit.attention`)."""
     local = num_heads // tp
     if local % cp:
         raise ValueError(
             f"cp={cp} must divide the {local} attention heads of a tensor rank ({num_heads} heads over tp={tp}); "
             "choose a cp that divides them"
         )
-    assert max(1, num_kv_heads // tp) <= local
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,7 @@ class SequenceSplit:
     """One forward's cut of a batch over the cp ranks (`ContextParallel.split`)."""
 
     cp: ContextParallel
+    """The cp ranks the batch is cut over."""
     lengths: tuple[int, ...]
     """Columns of every cp rank, in rank order."""
     span: tuple[int, int]

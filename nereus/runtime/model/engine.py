@@ -199,7 +199,7 @@ class Engine:
                 raise ValueError(
                     f"layout cp={layout.cp} pp={layout.pp}: context parallelism runs with pp 1; set cp or pp to 1"
                 )
-            context_parallel.check_heads(model.num_heads, model.num_kv_heads, layout.tp, layout.cp)
+            context_parallel.check_heads(model.num_heads, layout.tp, layout.cp)
         config = config or EngineConfig()
         if config.train_offload == "params" and not (config.full_shard and layout.dp > 1):
             raise ValueError(
