@@ -9,7 +9,11 @@ training and inference fully sharded (`full_shard`, FSDP2); and split with train
 activations a large share of its peak (`-long`: a ~26M-parameter decoder, `LONG_MODEL`, and 8
 rows of 16 + 112 tokens in one micro-batch; the ~100M one would take 4 GB a rank there),
 without recompute, with `recompute: full` and `selective`, and packed to a 512-token budget
-(`-tokens`: two micro-batches). Each case is one `nereus run` step
+(`-tokens`: two micro-batches), and with training one replica cut over both ranks by context
+parallelism (`-cp2`: cp=2, each rank holding half of every sequence's activations; its rank 1,
+which holds training alone as `split-fp32-long`'s rank 1 does, against that rank's training
+row gives the measured cp=2 / cp=1 ratio, written as `cp_ratios`; rank 0 also holds the
+serving model-stages). Each case is one `nereus run` step
 (the library's `new_run` + `launch`); metrics.jsonl then holds, per rank and model-stage,
 `memory_peak_bytes_by_stage` (CPU: peak resident set above the idle rank, less the state
 arena's free room; docs/memory.md) and the cost model's `predicted_memory_peak_bytes_by_stage`.
@@ -82,6 +86,7 @@ CASES = (
             "colocated-bf16-offload-params",
         )
     ),
+    *(CP_CASES := ("split-fp32-long-cp2",)),
 )
 MAX_NEW_TOKENS = 4
 #: Response tokens of the `-long` cases (the prompts take up to 16).
@@ -168,6 +173,30 @@ def plan_document(case: str) -> dict[str, Any]:
     }
 
 
+def cp_plan(case: str) -> dict[str, Any]:
+    """A split `-long` case with actor/training one replica of cp=2 over both ranks (Ulysses
+    context parallelism: each rank runs half of every sequence's columns)."""
+    document = plan_document(case.removesuffix("-cp2"))
+    for entry in document["stages"]:
+        if entry["model_stage"] == ACTOR_TRAINING:
+            entry.update(cp=2, dp=1, emus=[[0, 1]])
+    return document
+
+
+def cp_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each cp=2 case's training peak on rank 1 (training alone there in both cases) over its
+    cp=1 case's, measured and predicted."""
+    training = {(row["case"], row["rank"]): row for row in rows if row["model_stage"] == ACTOR_TRAINING}
+    ratios = []
+    for case in CP_CASES:
+        whole, cut = training.get((case.removesuffix("-cp2"), 1)), training.get((case, 1))
+        if whole is not None and cut is not None:
+            measured = cut["measured_bytes"] / whole["measured_bytes"]
+            predicted = cut["predicted_bytes"] / whole["predicted_bytes"]
+            ratios.append({"case": case, "rank": 1, "measured_ratio": measured, "predicted_ratio": predicted})
+    return ratios
+
+
 def full_shard_plan(case: str) -> dict[str, Any]:
     """A colocated case with the actor's training and inference fully sharded over its two
     replicas (FSDP2; on CPU ranks, so the device bytes are the host's)."""
@@ -221,6 +250,8 @@ def run_case(case: str, root: Path) -> list[dict[str, Any]]:
     document = full_shard_plan(case) if case in FULL_SHARD_CASES else plan_document(case)
     if case in OFFLOAD_CASES:
         document = offload_plan(case)
+    if case in CP_CASES:
+        document = cp_plan(case)
     return [{"case": case, **row} for row in measured_rows(document, root / case, new_tokens(case))]
 
 
@@ -288,6 +319,11 @@ def main() -> None:
             f"{row['measured_bytes'] / 1e6:12.1f} {100 * row['error']:+6.1f}%"
         )
     print(f"{sum(row['within_target'] for row in rows)}/{len(rows)} rows within {TARGET:.0%}")
+    for ratio in cp_ratios(rows):
+        print(
+            f"{ratio['case']} rank {ratio['rank']}: training peak cp=2 / cp=1 measured {ratio['measured_ratio']:.3f}, "
+            f"predicted {ratio['predicted_ratio']:.3f}"
+        )
 
 
 def fixed_mmap_threshold() -> None:
@@ -308,6 +344,7 @@ def record(path: Path, rows: list[dict[str, Any]], started: Any) -> None:
         "rows": rows,
         "rows_within_target": held,
         "num_rows": len(rows),
+        "cp_ratios": cp_ratios(rows),
     }
     write_result(path, payload, started, repetitions={"error": [row["error"] for row in rows]})
 

@@ -1,6 +1,6 @@
 """The runtime's one collectives interface: every collective over a process group goes through here.
 
-`all_reduce`, `all_gather`, `broadcast`, `reduce_scatter`, the object collectives
+`all_reduce`, `all_gather`, `broadcast`, `reduce_scatter`, `all_to_all`, the object collectives
 (`all_gather_object`, `broadcast_object_list`, `gather_object`), `barrier`, and `subgroup`,
 the process group of a set of ranks. Every call takes `group` (None: the world) and
 behaves like the `torch.distributed` call of the same name.
@@ -80,6 +80,14 @@ def reduce_scatter(flat: torch.Tensor, group: Any, parts: int, index: int) -> to
         return out
     all_reduce(flat, group)
     return flat[index * size : (index + 1) * size]
+
+
+def all_to_all(
+    output: torch.Tensor, tensor: torch.Tensor, output_sizes: list[int], input_sizes: list[int], group: Any
+) -> None:
+    """Split `tensor` along dim 0 into `input_sizes` runs, send run r to group rank r; `output`
+    receives group rank r's run for this rank in its r-th run of `output_sizes` (gloo and NCCL)."""
+    dist.all_to_all_single(output, tensor.contiguous(), output_sizes, input_sizes, group=group)
 
 
 def all_gather_object(gathered: list[Any], obj: Any, group: Any = None) -> None:

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch.nn import functional as F
+
+if TYPE_CHECKING:
+    from nereus.runtime.model.context_parallel import SequenceSplit
 
 
 def attention_mask_4d(key_mask: torch.Tensor, num_queries: int) -> torch.Tensor:
@@ -91,6 +94,9 @@ class AttentionPlan:
     """`causal_bias` of short whole sequences without autograd (`masked_attention`); None: torch's kernel."""
     packing: Packing | None = None
     """The forward's packing of whole sequences (cache writes undo it); None: unpacked."""
+    split: SequenceSplit | None = None
+    """Context parallelism: the forward runs this rank's columns of whole sequences and the
+    core attends over every column (`SequenceSplit.attention`, which packs); None: no cut."""
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

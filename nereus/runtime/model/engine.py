@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from nereus.runtime.comm import arena, collectives
 from nereus.runtime.comm.world import device as rank_device
+from nereus.runtime.model import context_parallel
 from nereus.runtime.model.adamw import AdamW, AdamWConfig, Precision, host_empty
 from nereus.runtime.model.data_parallel import (
     Piece,
@@ -193,6 +194,12 @@ class Engine:
         problem = layout_problem(model, layout.tp, layout.pp)
         if problem:
             raise ValueError(f"layout tp={layout.tp} pp={layout.pp}: {problem}")
+        if layout.cp > 1:
+            if layout.pp > 1:
+                raise ValueError(
+                    f"layout cp={layout.cp} pp={layout.pp}: context parallelism runs with pp 1; set cp or pp to 1"
+                )
+            context_parallel.check_heads(model.num_heads, layout.tp, layout.cp)
         config = config or EngineConfig()
         if config.train_offload == "params" and not (config.full_shard and layout.dp > 1):
             raise ValueError(
@@ -588,6 +595,9 @@ class Engine:
             if not self.pipeline_stage.is_last:
                 return output
             weights = objective.weights(part).to(self.device)
+            if self.groups.cp.size > 1:  # this rank's columns' share of the loss
+                cp, stage = self.groups.cp, self.pipeline_stage
+                return context_parallel.chunk_loss(cp, objective, output, part, weights, normalizer, stage)
             return (objective.token_losses(output, part, self.pipeline_stage) * weights).sum() / normalizer
 
         # Reduce only this call's gradient: gradients already held were reduced by earlier calls.
@@ -606,6 +616,9 @@ class Engine:
         self._sync_grads()
         if self.host_grads:
             self._grads_held = True
+        cp = self.groups.cp
+        if cp.size > 1:  # each cp rank's gradient holds its columns' share (summed over dp already)
+            context_parallel.reduce_gradients(cp, self.grads(), self.config.precision.reduce_dtype, self.device)
         for name, grad in job.earlier_grads.items():
             if grad is not None:
                 held = self._held_grad(name)
@@ -616,6 +629,8 @@ class Engine:
             loss = torch.stack(list(outputs.values())).sum()
             if self.groups.dp_group is not None:
                 collectives.all_reduce(loss, self.groups.dp_group)
+            if cp.group is not None:
+                collectives.all_reduce(loss, cp.group)
         return float(self.from_last_stage(loss))
 
     def update(self) -> None:
@@ -725,6 +740,8 @@ class Engine:
         return lambda mb: (*parts[mb].tokens.shape, self.model.hidden_dim)
 
     def _stage_forward(self, part: Batch, stage_input: torch.Tensor | None) -> torch.Tensor:
+        if self.groups.cp.size > 1:  # this rank's columns (pp is 1)
+            return context_parallel.stage_forward(self.pipeline_stage, self.groups.cp, part, self.device)
         mask = part.mask().to(self.device)
         inputs = part.tokens.to(self.device) if stage_input is None else stage_input
         return self.pipeline_stage(inputs, mask, positions_from_mask(mask))
@@ -808,7 +825,7 @@ class Engine:
         self.require_head("lm")
         shape = (*batch.tokens.shape, self.model.vocab_size)
         return self._forward_outputs(
-            batch, num_microbatches, lambda out, _: gather_last_dim(out, self.groups.tp), shape
+            batch, num_microbatches, lambda out, part: self._whole(gather_last_dim(out, self.groups.tp), part), shape
         )
 
     def log_probs(self, batch: Batch, num_microbatches: int = 1) -> torch.Tensor:
@@ -817,14 +834,24 @@ class Engine:
         rows, seq = batch.tokens.shape
 
         def reduce(out: torch.Tensor, part: Batch) -> torch.Tensor:
-            return next_token_log_probs(out, part.tokens.to(self.device), self.pipeline_stage)
+            tokens, cp = part.tokens.to(self.device), self.groups.cp
+            if cp.size > 1:
+                return context_parallel.next_token_log_probs(cp, out, tokens, self.pipeline_stage)
+            return next_token_log_probs(out, tokens, self.pipeline_stage)
 
         return self._forward_outputs(batch, num_microbatches, reduce, (rows, seq - 1))
 
     def values(self, batch: Batch, num_microbatches: int = 1) -> torch.Tensor:
         """[b, t] value-head outputs (critic and reward inference)."""
         self.require_head("value")
-        return self._forward_outputs(batch, num_microbatches, lambda out, _: out.float(), tuple(batch.tokens.shape))
+        shape = tuple(batch.tokens.shape)
+        return self._forward_outputs(batch, num_microbatches, lambda out, part: self._whole(out.float(), part), shape)
+
+    def _whole(self, output: torch.Tensor, part: Batch) -> torch.Tensor:
+        """A per-column result of `part` on every column: under context parallelism this
+        rank's columns gathered with the other cp ranks'; else `output` itself."""
+        cp = self.groups.cp
+        return output if cp.size == 1 else context_parallel.whole_columns(cp, output, int(part.tokens.shape[1]))
 
     def require_head(self, head: Head) -> None:
         if self.head != head:
@@ -864,9 +891,10 @@ def _check_replica_order(layout: RankLayout) -> None:
     process group orders ascending: so the layout must list each position's replicas so."""
     for stage in range(layout.pp):
         for tp_rank in range(layout.tp):
-            ranks = [layout.rank_at(d, stage, tp_rank) for d in range(layout.dp)]
-            if ranks != sorted(ranks):
-                raise ValueError(
-                    f"full_shard: the replicas of stage {stage}, tensor rank {tp_rank} are on ranks {ranks}; "
-                    "list each model-stage's EMUs in ascending GPU order"
-                )
+            for cp_rank in range(layout.cp):
+                ranks = [layout.rank_at(d, stage, tp_rank, cp_rank) for d in range(layout.dp)]
+                if ranks != sorted(ranks):
+                    raise ValueError(
+                        f"full_shard: the replicas of stage {stage}, tensor rank {tp_rank} are on ranks {ranks}; "
+                        "list each model-stage's EMUs in ascending GPU order"
+                    )

@@ -1,14 +1,15 @@
-"""A rank's place in a RankLayout and its process groups: tensor-, pipeline- and data-parallel
-groups (and the tied-embedding pair), built collectively by every world rank."""
+"""A rank's place in a RankLayout and its process groups: tensor-, context-, pipeline- and
+data-parallel groups (and the tied-embedding pair), built collectively by every world rank."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
 from nereus.runtime.comm import collectives
+from nereus.runtime.model.context_parallel import ContextParallel
 from nereus.runtime.model.pipeline import PipelineLink
 from nereus.runtime.model.tensor_parallel import TensorParallel
 from nereus.runtime.state.shard_layout import RankLayout
@@ -27,14 +28,16 @@ class ParallelGroups:
     tp: TensorParallel
     link: PipelineLink
     dp_group: Any
-    """The ranks holding the same shards in the other replicas (None when dp is 1)."""
+    """The ranks holding the same shards in the other replicas, at this rank's cp rank (None when dp is 1)."""
     embed_group: Any
     """First and last stage of this replica and tensor rank, tied embeddings with pp > 1 only."""
+    cp: ContextParallel = field(default_factory=ContextParallel.single)
+    """This rank's place among the cp ranks splitting its replica's sequences (same shards)."""
 
 
 def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups | None:
     """Create the layout's groups (collective: every world rank calls it, in the same order)."""
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
+    tp, pp, dp, cp = layout.tp, layout.pp, layout.dp, layout.cp
     rank = dist.get_rank()
     coords = layout.coords(rank)
     mine: dict[str, Any] = {}
@@ -46,33 +49,43 @@ def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups
 
     for d in range(dp):
         for s in range(pp):
-            tp_ranks = [layout.rank_at(d, s, r) for r in range(tp)]
-            make("tp", tp_ranks)
-            if tp > model.num_kv_heads:
-                copies = tp // model.num_kv_heads
-                for kv_head in range(model.num_kv_heads):
-                    make("kv", tp_ranks[kv_head * copies : (kv_head + 1) * copies])
+            for c in range(cp):
+                tp_ranks = [layout.rank_at(d, s, r, c) for r in range(tp)]
+                make("tp", tp_ranks)
+                if tp > model.num_kv_heads:
+                    copies = tp // model.num_kv_heads
+                    for kv_head in range(model.num_kv_heads):
+                        make("kv", tp_ranks[kv_head * copies : (kv_head + 1) * copies])
     for d in range(dp):
-        for r in range(tp):
-            stage_ranks = [layout.rank_at(d, s, r) for s in range(pp)]
-            make("pp", stage_ranks)
-            if head == "lm" and model.tied_embeddings and pp > 1:
-                make("embed", [stage_ranks[0], stage_ranks[-1]])
+        for c in range(cp):
+            for r in range(tp):
+                stage_ranks = [layout.rank_at(d, s, r, c) for s in range(pp)]
+                make("pp", stage_ranks)
+                if head == "lm" and model.tied_embeddings and pp > 1:
+                    make("embed", [stage_ranks[0], stage_ranks[-1]])
     for s in range(pp):
-        for r in range(tp):
-            make("dp", [layout.rank_at(d, s, r) for d in range(dp)])
+        for c in range(cp):
+            for r in range(tp):
+                make("dp", [layout.rank_at(d, s, r, c) for d in range(dp)])
+    if cp > 1:
+        for d in range(dp):
+            for s in range(pp):
+                for r in range(tp):
+                    make("cp", [layout.rank_at(d, s, r, c) for c in range(cp)])
     if coords is None:
         return None
     replica, stage, tp_rank = coords
+    cp_rank = layout.cp_rank(rank)
     link = PipelineLink(
         stage,
         pp,
-        layout.rank_at(replica, stage - 1, tp_rank) if stage > 0 else None,
-        layout.rank_at(replica, stage + 1, tp_rank) if stage < pp - 1 else None,
+        layout.rank_at(replica, stage - 1, tp_rank, cp_rank) if stage > 0 else None,
+        layout.rank_at(replica, stage + 1, tp_rank, cp_rank) if stage < pp - 1 else None,
         mine.get("pp"),
     )
     tensor = TensorParallel(tp, tp_rank, mine.get("tp"), mine.get("kv"))
-    return ParallelGroups(layout, replica, stage, tensor, link, mine.get("dp"), mine.get("embed"))
+    context = ContextParallel(cp, cp_rank, mine.get("cp"))
+    return ParallelGroups(layout, replica, stage, tensor, link, mine.get("dp"), mine.get("embed"), context)
 
 
 def admissible_layouts(model: Model, max_ranks: int) -> list[tuple[int, int, int]]:

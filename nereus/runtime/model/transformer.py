@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
@@ -57,6 +57,9 @@ from nereus.runtime.model.tensor_parallel import (
 )
 from nereus.runtime.state.shard_layout import param_infos, stage_layers
 from nereus.spec.model import Activation, Head, Model
+
+if TYPE_CHECKING:
+    from nereus.runtime.model.context_parallel import SequenceSplit
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,8 @@ Recompute = Literal["none", "full", "selective"]
 
 def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """Scores, softmax and the weighted sum of the values: [b, t, heads * d]."""
+    if plan.split is not None:
+        return plan.split.attention(q, k, v)
     if plan.bias is not None:
         return masked_attention(q, k, v, plan.bias)
     return grouped_attention(q, k, v, plan.decode_mask)
@@ -347,13 +352,18 @@ class DecoderPipelineStage(nn.Module):
         positions: torch.Tensor,
         caches: Mapping[int, KVStore] | None = None,
         cache_start: int = 0,
+        split: SequenceSplit | None = None,
     ) -> torch.Tensor:
         """`inputs`: token ids (first stage) or hidden states; `key_mask` [b, keys] covers the cache.
 
         A whole sequence (no cached columns) runs packed (`Packing`) under causal attention;
         a decode step after `cache_start` cached columns masks its queries x keys only.
+        Under context parallelism (`split`) `inputs` and `positions` are this rank's columns
+        of whole sequences and `key_mask` the whole rows' (`context_parallel`).
         """
         check_positions(self.model, key_mask.shape[-1])
+        if split is not None:
+            return self._layers_and_head(inputs, positions, AttentionPlan(split=split), None, 0)
         num_queries = inputs.shape[1]
         if cache_start == 0 and key_mask.shape[-1] == num_queries:
             bias = None

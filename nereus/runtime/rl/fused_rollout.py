@@ -223,7 +223,7 @@ def _share(samples: list[int], replicas: list[int], replica: int) -> list[int]:
 
 def _clear_replicas(stage: ModelStageRuntime, busy_ranks: set[int]) -> list[int]:
     layout = stage.layout
-    size = layout.tp * layout.pp
+    size = layout.replica_size
     return [d for d in range(layout.dp) if not set(layout.ranks[d * size : (d + 1) * size]) & busy_ranks]
 
 
@@ -274,7 +274,7 @@ def _plan_migration(
     moved = tuple(sorted(s for samples in moves.values() for s in samples))
     layout = generation.layout
     chosen = mechanism or migration_mechanism(
-        settings.profile, sum(context[s] for s in moved), len(moves) * layout.tp * layout.pp
+        settings.profile, sum(context[s] for s in moved), len(moves) * layout.replica_size
     )
     migration = Migration(remaining, tuple(destinations), moved, chosen if moved else "none")
     return migration, moves, finished
@@ -409,7 +409,7 @@ def fused_rollout(
         recorder.note("migration_start", samples=planned[0].moved)
         _migrate(generation, decoder, planned[1], planned[0].mechanism == "kv-transfer")
         recorder.note("migration_end", samples=planned[0].moved)
-        size = layout.tp * layout.pp
+        size = layout.replica_size
         busy = {r for d in planned[0].destinations for r in layout.ranks[d * size : (d + 1) * size]}
     rank = dist.get_rank()
     signal = _TailSignal(busy, next(_ROLLOUT_IDS))

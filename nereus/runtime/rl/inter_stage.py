@@ -26,7 +26,7 @@ def effective_fusion(plan: Plan, run_fusion: Fusion | None) -> Fusion:
 
 def _ranks_by_replica(plan: Plan, model_stage: str) -> list[set[int]]:
     entry = plan.stage_plan(model_stage)
-    size = entry.tp * entry.pp
+    size = entry.replica_size
     gpus = list(entry.gpus)
     return [set(gpus[d * size : (d + 1) * size]) for d in range(entry.dp)]
 

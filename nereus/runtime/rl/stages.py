@@ -166,7 +166,8 @@ class Rollout:
 def leads(stage: ModelStageRuntime) -> bool:
     """Whether this rank speaks for its replica of `stage` in exchanges (its first rank)."""
     engine = stage.engine
-    return engine is not None and engine.groups.pp_rank == 0 and engine.groups.tp.rank == 0
+    groups = None if engine is None else engine.groups
+    return groups is not None and groups.pp_rank == 0 and groups.tp.rank == 0 and groups.cp.rank == 0
 
 
 def by_replica(stage: ModelStageRuntime, value: Any) -> list[Any]:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from nereus.runtime.comm import collectives
 from nereus.runtime.hf.names import hf_name
 from nereus.runtime.model.fused_pipeline import FusedPart, OpTiming
 from nereus.runtime.model.fused_schedule import fused_schedule
@@ -165,6 +166,9 @@ def run_training(
                     rules[CRITIC_TRAINING], norms,
                 )  # fmt: skip
     with timed(seconds, "exchange"):
+        cp = None if actor.engine is None else actor.engine.groups.cp
+        if current_as_old is not None and cp is not None and cp.group is not None:
+            collectives.all_reduce(current_as_old, cp.group)  # each cp rank wrote its own columns' log-probs
         trained: dict[str, ModelStageRuntime] = {ACTOR_TRAINING: actor}
         actor_means = (
             mean_loss(actor_losses),

@@ -138,6 +138,7 @@ def _make_index(meta: StateMeta, step: int, shards: Iterable[ShardRecord]) -> Ch
         tp=layout.tp,
         pp=layout.pp,
         dp=layout.dp,
+        cp=layout.cp,
         ranks=list(layout.ranks),
         step=step,
         families=list(meta.families),

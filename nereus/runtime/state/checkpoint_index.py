@@ -73,8 +73,10 @@ class CheckpointIndex(StrictModel):
     tp: int
     pp: int
     dp: int
+    cp: int = Field(default=1, gt=0)
+    """Context-parallel degree of the saved layout; written only when above 1."""
     ranks: list[int]
-    """Global ranks of the saved layout (replica-major, stage-major, tensor rank innermost)."""
+    """Global ranks of the saved layout (replica-major, stage-major, cp rank, tensor rank innermost)."""
     step: int
     """Optimizer steps taken when the checkpoint was saved."""
     families: list[str]
@@ -86,12 +88,14 @@ class CheckpointIndex(StrictModel):
     """CRC-32 of the index written with this field at 0: any edit changes it."""
 
     def layout(self) -> RankLayout:
-        return RankLayout(self.tp, self.pp, self.dp, tuple(self.ranks))
+        return RankLayout(self.tp, self.pp, self.dp, tuple(self.ranks), self.cp)
 
 
 def index_text(index: CheckpointIndex) -> str:
-    # Without ZeRO-1 rows the index is written as before the field existed (same bytes, same CRC).
-    return index.model_dump_json(indent=1, exclude=None if index.dp_sharded else {"dp_sharded"})
+    # Without ZeRO-1 rows or context parallelism the index is written as before those fields
+    # existed (same bytes, same CRC).
+    exclude = ({"dp_sharded"} if not index.dp_sharded else set()) | ({"cp"} if index.cp == 1 else set())
+    return index.model_dump_json(indent=1, exclude=exclude or None)
 
 
 def sealed_index(index: CheckpointIndex) -> CheckpointIndex:
@@ -130,8 +134,10 @@ def read_index(path: str | Path) -> CheckpointIndex:
 def _index_problem(index: CheckpointIndex) -> str | None:
     """Why a checksum-valid index still cannot be right, or None."""
     problem = layout_problem(index.model, index.tp, index.pp)
-    if problem or len(index.ranks) != index.tp * index.pp * index.dp or len(set(index.ranks)) != len(index.ranks):
-        return f"saved layout tp={index.tp} pp={index.pp} dp={index.dp} on ranks {index.ranks} is invalid"
+    size = index.tp * index.cp * index.pp * index.dp
+    if problem or len(index.ranks) != size or len(set(index.ranks)) != len(index.ranks):
+        cp = f" cp={index.cp}" if index.cp != 1 else ""
+        return f"saved layout tp={index.tp}{cp} pp={index.pp} dp={index.dp} on ranks {index.ranks} is invalid"
     if not set(index.dp_sharded) <= set(index.families):
         return f"dp-sharded families {index.dp_sharded} are not among the saved families {index.families}"
     try:

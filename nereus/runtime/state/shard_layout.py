@@ -2,7 +2,9 @@
 
 Pure Python (no torch): the engine builds its modules from these shapes, the resharder
 and the checkpointer move state by intersecting these boxes. Ranks inside an EMU are
-stage-major, as in the planner: position `s * tp + r` is pipeline stage `s`, tensor rank `r`.
+stage-major, as in the planner: position `s * tp + r` is pipeline stage `s`, tensor rank `r`
+(with context parallelism, the cp ranks of a stage hold the same position's boxes: the EMU
+entry `(s * cp + c) * tp + r` is stage `s`, cp rank `c`, tensor rank `r`).
 
 Parameter names (L layers, i in 0..L-1; * marks a tensor-parallel split dim):
     embed.weight                      [vocab*, hidden]          stage 0 (and the last stage when tied)
@@ -168,37 +170,59 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 @dataclass(frozen=True)
 class RankLayout:
-    """Where one model's replicas live: (tp, pp) per replica, dp replicas, on these ranks.
+    """Where one model's replicas live: (tp, cp, pp) per replica, dp replicas, on these ranks.
 
-    `ranks` lists tp * pp * dp global ranks, replica-major, then stage-major, tensor rank
-    innermost: replica d, stage s, tensor rank r is `ranks[(d * pp + s) * tp + r]`.
-    Every replica holds the same logical state.
+    `ranks` lists tp * cp * pp * dp global ranks, replica-major, then stage-major, then cp
+    rank, tensor rank innermost: replica d, stage s, cp rank c, tensor rank r is
+    `ranks[((d * pp + s) * cp + c) * tp + r]` (cp = 1: `ranks[(d * pp + s) * tp + r]`).
+    Every replica holds the same logical state; the cp ranks of a (replica, stage, tensor
+    rank) hold the same shard of it.
     """
 
     tp: int
     pp: int
     dp: int
     ranks: tuple[int, ...]
+    cp: int = 1
+    """Context-parallel degree: ranks of a replica splitting each sequence (`StagePlan.cp`)."""
 
     def __post_init__(self) -> None:
-        if len(self.ranks) != self.tp * self.pp * self.dp:
+        cp = f" cp={self.cp}" if self.cp != 1 else ""
+        if self.cp < 1:
+            raise ValueError(f"layout cp={self.cp}: the context-parallel degree must be at least 1")
+        if len(self.ranks) != self.replica_size * self.dp:
             raise ValueError(
-                f"layout tp={self.tp} pp={self.pp} dp={self.dp} needs {self.tp * self.pp * self.dp} ranks, "
+                f"layout tp={self.tp}{cp} pp={self.pp} dp={self.dp} needs {self.replica_size * self.dp} ranks, "
                 f"got {len(self.ranks)}"
             )
         if len(set(self.ranks)) != len(self.ranks):
             raise ValueError(f"layout ranks {self.ranks} repeat a rank")
 
+    @property
+    def replica_size(self) -> int:
+        """Ranks of one replica: tp x cp x pp."""
+        return self.tp * self.cp * self.pp
+
+    def place(self, index: int) -> tuple[int, int, int, int]:
+        """(replica, stage, cp rank, tensor rank) of entry `index` of `ranks`."""
+        replica_stage_cp, tp_rank = divmod(index, self.tp)
+        replica_stage, cp_rank = divmod(replica_stage_cp, self.cp)
+        replica, stage = divmod(replica_stage, self.pp)
+        return replica, stage, cp_rank, tp_rank
+
     def coords(self, rank: int) -> tuple[int, int, int] | None:
         """(replica, stage, tensor rank) of a global rank, or None if it is not in the layout."""
         if rank not in self.ranks:
             return None
-        replica_stage, tp_rank = divmod(self.ranks.index(rank), self.tp)
-        replica, stage = divmod(replica_stage, self.pp)
+        replica, stage, _, tp_rank = self.place(self.ranks.index(rank))
         return replica, stage, tp_rank
 
-    def rank_at(self, replica: int, stage: int, tp_rank: int) -> int:
-        return self.ranks[(replica * self.pp + stage) * self.tp + tp_rank]
+    def cp_rank(self, rank: int) -> int:
+        """The cp rank of a global rank of the layout (0 without context parallelism)."""
+        return self.place(self.ranks.index(rank))[2]
+
+    def rank_at(self, replica: int, stage: int, tp_rank: int, cp_rank: int = 0) -> int:
+        return self.ranks[((replica * self.pp + stage) * self.cp + cp_rank) * self.tp + tp_rank]
 
 
 #: Families of per-parameter state; every family of a parameter shares the parameter's box.
@@ -228,4 +252,4 @@ def position_boxes(model: Model, head: Head, tp: int, pp: int) -> list[dict[str,
 
 def stage_layout(entry: StagePlan) -> RankLayout:
     """The runtime layout of a plan entry: GPU ids are world ranks, EMU by EMU."""
-    return RankLayout(entry.tp, entry.pp, entry.dp, tuple(entry.gpus))
+    return RankLayout(entry.tp, entry.pp, entry.dp, tuple(entry.gpus), entry.cp)

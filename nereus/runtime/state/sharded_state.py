@@ -190,7 +190,8 @@ def state_meta(
     positions = position_boxes(model, head, layout.tp, layout.pp)
     boxes: dict[int, dict[str, Box]] = {}
     for index, rank in enumerate(layout.ranks):
-        replica, position = divmod(index, layout.tp * layout.pp)
+        replica, stage, _, tp_rank = layout.place(index)  # cp ranks hold their position's boxes
+        position = stage * layout.tp + tp_rank
         boxes[rank] = {
             state_key(family, name): dp_box(box, layout.dp, replica) if family in sharded else box
             for name, box in positions[position].items()

@@ -51,11 +51,13 @@ class ExecutedTransition:
 
 
 def emu_layout(emus: Iterable[Emu]) -> RankLayout:
-    """Replicas of one layout as one RankLayout (replica-major, in the given order)."""
+    """Replicas of one layout as one RankLayout (replica-major, in the given order); an EMU's
+    context-parallel degree is its GPUs over tp x pp (its cp ranks hold the same boxes)."""
     emus = list(emus)
     tp, pp = emus[0].layout
-    assert all(emu.layout == (tp, pp) for emu in emus), emus
-    return RankLayout(tp, pp, len(emus), tuple(gpu for emu in emus for gpu in emu.gpus))
+    cp = len(emus[0].gpus) // (tp * pp)
+    assert all(emu.layout == (tp, pp) and len(emu.gpus) == tp * cp * pp for emu in emus), emus
+    return RankLayout(tp, pp, len(emus), tuple(gpu for emu in emus for gpu in emu.gpus), cp)
 
 
 def plan_emu_list(plan: Plan, model_stage: str) -> list[Emu]:

@@ -1,0 +1,289 @@
+"""Context parallelism, Ulysses-style: each sequence cut along its tokens over the cp ranks of
+a replica, which hold the same weights.
+
+A replica of tp x cp ranks (pp = 1) gives cp rank c the contiguous columns `spans(seq)[c]`
+of every row (runs differing by at most one column; `sharded_state.even_split`). Everything
+but attention works token by token, so it runs on those columns alone: the embedding, the
+norms, the projections, the MLP and the head. Attention needs every key: around its core
+(scores, softmax, weighted values) an all-to-all turns q, k and v from [b, columns of this
+rank, heads, d] into [b, every column, heads / cp, d] (`_SequenceToHeads`), the core runs
+on whole sequences with this rank's share of the heads, and the reverse all-to-all
+(`_HeadsToSequence`) brings the output back to this rank's columns with every head. Each is
+the other's backward, so the autograd graph is exact. When the KV heads (after tp) do not
+split over cp, each query head's KV head is repeated first (GQA run as multi-head attention
+inside the core: same numbers, more bytes moved).
+
+Whole-sequence facts come from the whole mask, which every cp rank has (the batch is the
+replica's): RoPE positions count the real tokens before each column (`positions_from_mask`
+over the whole row, then this rank's columns), and padding is handled as the unsplit model
+does, by `Packing` (real tokens first, causal attention), applied inside the core to the
+whole-sequence q, k and v and undone on its output. The causal mask is therefore global.
+
+Scoring: a token's loss at column i reads the head's output at columns i - 1 and i (the
+next-token log-prob of token i comes from position i - 1; the critic's value of token i too).
+Each cp rank scores its own columns: the previous rank's last output column is passed along
+(`_PreviousColumn`, an all-gather of one column whose backward returns its gradient), so
+the objective sees columns [start - 1, stop) with the borrowed column's own loss weighted 0.
+Per-row quantities (a sequence-mean loss's weights, the normaliser) come from the whole row.
+Inference gathers each rank's columns of the result (logits, values or next-token log-probs,
+whose targets every rank has) in column order on every rank.
+
+Gradients: every cp rank's weight gradient holds its columns' share; `reduce_gradients` sums
+them over the cp group after the data-parallel reduction (which runs per cp rank over the
+replicas, so the sum over cp x dp is the single-process gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nereus.runtime.comm import collectives
+from nereus.runtime.model.attention import Packing, grouped_attention
+from nereus.runtime.model.data_parallel import GRAD_BUCKET_ELEMENTS
+from nereus.runtime.model.transformer import Batch, positions_from_mask
+from nereus.runtime.state.sharded_state import even_split
+
+if TYPE_CHECKING:
+    from nereus.runtime.model.losses import HeadOps, Objective
+    from nereus.runtime.model.transformer import DecoderPipelineStage
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """This rank's place among the cp ranks of its (replica, stage, tensor rank)."""
+
+    size: int
+    """cp ranks splitting each sequence."""
+    rank: int
+    """This rank's index among them: it holds the rank-th run of columns."""
+    group: Any = None
+    """The torch process group of the cp ranks (None when size is 1)."""
+
+    @classmethod
+    def single(cls) -> ContextParallel:
+        return cls(size=1, rank=0)
+
+    def spans(self, seq: int) -> list[tuple[int, int]]:
+        """(start, stop) of every cp rank's columns of a `seq`-column batch."""
+        if seq < self.size:
+            raise ValueError(
+                f"a batch of {seq} columns cannot be cut over cp={self.size} ranks; use cp <= {seq} or longer sequences"
+            )
+        return even_split(seq, self.size)
+
+    def split(self, mask: torch.Tensor) -> SequenceSplit:
+        """The cut of a batch whose whole mask is `mask` [b, seq] (True: real token)."""
+        spans = self.spans(int(mask.shape[1]))
+        return SequenceSplit(self, tuple(stop - start for start, stop in spans), spans[self.rank], Packing.of(mask))
+
+
+def check_heads(num_heads: int, tp: int, cp: int) -> None:
+    """Ulysses splits the query heads of a tensor rank over the cp ranks: refuse what does not
+    divide (KV heads that do not split are repeated per query head, `SequenceSplit.attention`)."""
+    local = num_heads // tp
+    if local % cp:
+        raise ValueError(
+            f"cp={cp} must divide the {local} attention heads of a tensor rank ({num_heads} heads over tp={tp}); "
+            "choose a cp that divides them"
+        )
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """One forward's cut of a batch over the cp ranks (`ContextParallel.split`)."""
+
+    cp: ContextParallel
+    """The cp ranks the batch is cut over."""
+    lengths: tuple[int, ...]
+    """Columns of every cp rank, in rank order."""
+    span: tuple[int, int]
+    """(start, stop): this rank's columns."""
+    packing: Packing | None
+    """The whole rows' packing (`Packing.of` the whole mask); None: none needed."""
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's columns: q [b, cols, heads, d], k/v [b, cols,
+        kv heads, d] (RoPE applied) -> [b, cols, heads * d], over every column of the rows."""
+        heads, kv_heads = q.shape[2], k.shape[2]
+        if kv_heads % self.cp.size:  # whole KV heads cannot be dealt out: one per query head
+            k, v = (t.repeat_interleave(heads // kv_heads, dim=2) for t in (k, v))
+        q, k, v = (_SequenceToHeads.apply(t, self) for t in (q, k, v))
+        if self.packing is not None:
+            q, k, v = self.packing.pack(q), self.packing.pack(k), self.packing.pack(v)
+        out = grouped_attention(q, k, v, None)
+        if self.packing is not None:
+            out = self.packing.unpack(out)
+        out = out.view(*out.shape[:2], heads // self.cp.size, -1)
+        result: torch.Tensor = _HeadsToSequence.apply(out, self)
+        return result.flatten(2)
+
+
+def _sequence_to_heads(x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+    """[b, this rank's columns, H, d] -> [b, every column, H / cp, d] (this rank's heads)."""
+    cp = split.cp
+    batch, cols, heads, dim = x.shape
+    share = heads // cp.size
+    send = x.reshape(batch, cols, cp.size, share, dim).permute(2, 0, 1, 3, 4).contiguous()
+    sizes = [batch * length * share * dim for length in split.lengths]
+    received = torch.empty(sum(sizes), dtype=x.dtype, device=x.device)
+    collectives.all_to_all(received, send.view(-1), sizes, [send[0].numel()] * cp.size, cp.group)
+    parts = received.split(sizes)
+    pieces = [part.view(batch, length, share, dim) for part, length in zip(parts, split.lengths, strict=True)]
+    return torch.cat(pieces, dim=1)
+
+
+def _heads_to_sequence(y: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+    """[b, every column, H / cp, d] -> [b, this rank's columns, H, d] (the inverse)."""
+    cp = split.cp
+    batch, _, share, dim = y.shape
+    cols = split.lengths[cp.rank]
+    send = torch.cat([piece.reshape(-1) for piece in y.split(list(split.lengths), dim=1)])
+    sizes = [batch * length * share * dim for length in split.lengths]
+    received = torch.empty(cp.size * batch * cols * share * dim, dtype=y.dtype, device=y.device)
+    collectives.all_to_all(received, send, [batch * cols * share * dim] * cp.size, sizes, cp.group)
+    return received.view(cp.size, batch, cols, share, dim).permute(1, 2, 0, 3, 4).reshape(batch, cols, -1, dim)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    """`_sequence_to_heads` forward, `_heads_to_sequence` backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+        ctx.split = split
+        return _sequence_to_heads(x, split)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _heads_to_sequence(grad.contiguous(), ctx.split), None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    """`_heads_to_sequence` forward, `_sequence_to_heads` backward."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+        ctx.split = split
+        return _heads_to_sequence(y, split)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _sequence_to_heads(grad.contiguous(), ctx.split), None
+
+
+class _PreviousColumn(torch.autograd.Function):
+    """x [b, cols, ...] -> the previous cp rank's last column of x prepended (rank 0: x as it is);
+    the backward hands the borrowed column's gradient back to its owner. Every cp rank's
+    output enters its loss, so every rank runs the backward's all-gather."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+        ctx.cp = cp
+        parts = _gathered(x[:, -1:], cp)
+        if cp.rank == 0:
+            return x.view_as(x)
+        return torch.cat([parts[cp.rank - 1], x], dim=1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        cp: ContextParallel = ctx.cp
+        borrowed, own = (grad[:, :1], grad[:, 1:]) if cp.rank > 0 else (torch.zeros_like(grad[:, :1]), grad)
+        parts = _gathered(borrowed, cp)
+        own = own.contiguous().clone()
+        if cp.rank + 1 < cp.size:
+            own[:, -1:] += parts[cp.rank + 1]
+        return own, None
+
+
+def _gathered(x: torch.Tensor, cp: ContextParallel) -> list[torch.Tensor]:
+    """Every cp rank's `x` (one shape on all), in rank order."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(cp.size)]
+    collectives.all_gather(parts, x, cp.group)
+    return parts
+
+
+def stage_forward(stage: DecoderPipelineStage, cp: ContextParallel, part: Batch, device: torch.device) -> torch.Tensor:
+    """The (single) stage's output on this rank's columns of `part`: [b, cols, vocab / tp] or [b, cols]."""
+    mask = part.mask().to(device)
+    split = cp.split(mask)
+    start, stop = split.span
+    positions = positions_from_mask(mask)[:, start:stop]
+    output: torch.Tensor = stage(part.tokens[:, start:stop].to(device), mask, positions, split=split)
+    return output
+
+
+def chunk_loss(
+    cp: ContextParallel,
+    objective: Objective,
+    output: torch.Tensor,
+    part: Batch,
+    weights: torch.Tensor,
+    normalizer: float,
+    head: HeadOps,
+) -> torch.Tensor:
+    """This rank's share of the normalised loss of `part` from its columns' `output`; `weights`
+    [b, seq] are the objective's weights of the whole `part` (a row's weights may depend on
+    the whole row). Summed over the cp ranks it is the unsplit loss."""
+    start, stop = cp.spans(int(part.tokens.shape[1]))[cp.rank]
+    first = start - 1 if cp.rank > 0 else 0
+    extended = _PreviousColumn.apply(output, cp)
+    scored = weights[:, first:stop].clone()
+    if cp.rank > 0:
+        scored[:, 0] = 0.0  # the borrowed column is its owner's to score
+    losses = objective.token_losses(extended, part.columns(first, stop), head)
+    return (losses * scored).sum() / normalizer
+
+
+def gather_columns(cp: ContextParallel, chunk: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """Every cp rank's [b, lengths[rank], ...] columns in rank order: [b, sum(lengths), ...] on every rank."""
+    widest = max(lengths)
+    padded = chunk.new_zeros((chunk.shape[0], widest, *chunk.shape[2:]))
+    padded[:, : chunk.shape[1]] = chunk
+    parts = _gathered(padded, cp)
+    return torch.cat([part[:, :length] for part, length in zip(parts, lengths, strict=True)], dim=1)
+
+
+def whole_columns(cp: ContextParallel, chunk: torch.Tensor, seq: int) -> torch.Tensor:
+    """A per-column result of this rank's columns of a `seq`-column batch, gathered whole."""
+    return gather_columns(cp, chunk, [stop - start for start, stop in cp.spans(seq)])
+
+
+def next_token_log_probs(
+    cp: ContextParallel, logits: torch.Tensor, tokens: torch.Tensor, head: HeadOps
+) -> torch.Tensor:
+    """[b, seq - 1] log p(tokens[:, i + 1]) from this rank's columns' logits: each rank scores
+    the positions it holds that have a next token (every rank has the tokens), gathered whole."""
+    seq = int(tokens.shape[1])
+    spans = cp.spans(seq)
+    lengths = [max(0, min(stop, seq - 1) - start) for start, stop in spans]
+    start = spans[cp.rank][0]
+    count = lengths[cp.rank]
+    mine = head.token_log_probs(logits[:, :count], tokens[:, start + 1 : start + 1 + count])
+    return gather_columns(cp, mine.float(), lengths)
+
+
+@torch.no_grad()
+def reduce_gradients(
+    cp: ContextParallel, grads: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device
+) -> None:
+    """Sum gradients over the cp ranks in place (collective over the cp group, `dtype` on
+    `device`, buckets of at most GRAD_BUCKET_ELEMENTS): host-memory rows go through the device."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for grad in [*grads, None]:
+        if grad is not None and (not bucket or size + grad.numel() <= GRAD_BUCKET_ELEMENTS):
+            bucket.append(grad)
+            size += grad.numel()
+            continue
+        if bucket:
+            flat = torch.cat([g.reshape(-1).to(device=device, dtype=dtype) for g in bucket])
+            collectives.all_reduce(flat, cp.group)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        bucket, size = ([grad], grad.numel()) if grad is not None else ([], 0)
