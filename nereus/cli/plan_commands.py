@@ -331,11 +331,11 @@ def step_lines(plan: Plan) -> list[str]:
         return [total + " + ".join(f"{name} {value:.2f}" for name, value in steps.items())]
     generation = plan.stage_plan(ACTOR_GENERATION)
     training = sorted({g for e in plan.stages if e.model_stage != ACTOR_GENERATION for g in e.gpus})
+    training_pools = ", ".join(sorted({e.pool for e in plan.stages if e.model_stage != ACTOR_GENERATION}))
     pools = (
-        f"async pools: generation {generation.pool} on GPUs {gpu_ranges(generation.gpus)} ({len(generation.gpus)}), "
-        f"training {', '.join(sorted({e.pool for e in plan.stages if e.model_stage != ACTOR_GENERATION}))} "
-        f"on GPUs {gpu_ranges(training)} ({len(training)}); generation runs up to {steady.max_staleness} "
-        f"batch{'es' if steady.max_staleness > 1 else ''} ahead"
+        f"async pools: generation on GPUs {gpu_ranges(generation.gpus)} ({len(generation.gpus)}, pool "
+        f"{generation.pool}), training on GPUs {gpu_ranges(training)} ({len(training)}, pool {training_pools}); "
+        f"generation runs up to {steady.max_staleness} batch{'es' if steady.max_staleness > 1 else ''} ahead"
     )
     side = " + ".join(f"{name} {steps[name]:.2f}" for name in TRAINING_POOL_PHASES)
     overhead = f" + step_overhead {steps['step_overhead']:.2f}" if "step_overhead" in steps else ""

@@ -108,17 +108,19 @@ class Workload(Document):
     """Parameter and activation dtype."""
     optimizer: Optimizer = Optimizer()
     """Optimizer and its state layout."""
-    execution: Execution = "sync"
+    execution: Execution = Field(default="sync", exclude_if=lambda value: value == "sync")
     """How generation and training share time. `sync`: every step generates its batch, then
     runs inference and training, then syncs the weights (each phase waits for the one before).
     `async`: actor/generation runs on a pool of its own, disjoint from every other model-stage's
     (split placement), and generates the batch of step t + k while step t trains, k being
-    `max_staleness`; the step in the steady state is the slower of the two pools (docs/async.md)."""
+    `max_staleness`; the step in the steady state is the slower of the two pools (docs/async.md).
+    Written to files only when async (and `partial_rollout` only when true), so a synchronous
+    workload's file reads the same as before these fields."""
     max_staleness: int | None = Field(default=None, ge=0)
     """`async`: the most policy versions a trained sample may lag the trained weights by (k);
     generation runs at most k batches ahead. 0 is synchronous (the pools take turns); 1 is
     one-step-off (verl's one_step_off_policy). Unset: 1 under `async`, 0 under `sync`."""
-    partial_rollout: bool = False
+    partial_rollout: bool = Field(default=False, exclude_if=lambda value: not value)
     """`async`: a generation interrupted by a weight sync continues under the new weights
     (verl's and OpenRLHF's partial rollout) instead of finishing under the old ones; needs an
     engine that can pause. Only with `execution: async`."""

@@ -4,6 +4,7 @@ table and in --json; and the async inputs it refuses in one line."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,11 @@ def test_plan_prints_the_pools_the_steady_state_and_its_bound(tmp_path: Path) ->
     result = invoke(*ARGS, "--workload", workload)
     assert result.exit_code == 0, result.output
     out = result.output
-    assert "async pools: generation generation on GPUs" in out
+    pools = r"async pools: generation on GPUs (\d+)-63 \((\d+), pool generation\), training on GPUs 0-(\d+) \((\d+), pool rest\)"
+    found = re.search(pools, out)
+    assert found is not None, out
+    first, generation, last, training = (int(x) for x in found.groups())
+    assert first == last + 1 and generation + training == 64
     assert "generation runs up to 1 batch ahead" in out
     assert "= max(generation " in out and "inference " in out and "weight_sync " in out
     assert "steady state bound by the " in out
