@@ -36,7 +36,10 @@ def test_plan_prints_the_pools_the_steady_state_and_its_bound(tmp_path: Path) ->
     result = invoke(*ARGS, "--workload", workload)
     assert result.exit_code == 0, result.output
     out = result.output
-    pools = r"async pools: generation on GPUs (\d+)-63 \((\d+), pool generation\), training on GPUs 0-(\d+) \((\d+), pool rest\)"
+    pools = (
+        r"async pools: generation on GPUs (\d+)-63 \((\d+), pool generation\), "
+        r"training on GPUs 0-(\d+) \((\d+), pool rest\)"
+    )
     found = re.search(pools, out)
     assert found is not None, out
     first, generation, last, training = (int(x) for x in found.groups())
