@@ -166,3 +166,19 @@ def test_an_async_plan_with_generation_sharing_gpus_is_refused() -> None:
     problems = [p for p in plan_cost_problems(plan) if p.path == "workload.execution"]
     assert len(problems) == 1 and "pool of its own" in problems[0].message
     assert evaluate_plan(plan).predictions.steady_state is None  # priced as what it can run: in turns
+
+
+def test_nereus_run_refuses_an_async_plan_in_one_line() -> None:
+    """Until the runtime executes async plans, a run of one is refused rather than run synchronously."""
+    from nereus.solver.admission import plan_problems
+    from nereus.spec.io import load_document
+    from nereus.spec.run_config import RLConfig
+    from repo_paths import ROOT
+
+    plan = load_document(ROOT / "examples" / "plan-tiny-ppo-4rank.yaml")
+    assert isinstance(plan, Plan)
+    assert not [p for p in plan_problems(plan, 4, RLConfig()) if "execution" in p]
+    refused = [p for p in plan_problems(_with_workload(plan, execution="async"), 4, RLConfig()) if "execution" in p]
+    assert refused == [
+        "workload.execution: async is not run yet (nereus plan, simulate and export take it); run with execution: sync"
+    ]
