@@ -170,10 +170,11 @@ def test_an_async_plan_with_generation_sharing_gpus_is_refused() -> None:
 
 def test_nereus_run_refuses_an_async_plan_in_one_line() -> None:
     """Until the runtime executes async plans, a run of one is refused rather than run synchronously."""
+    from repo_paths import ROOT
+
     from nereus.solver.admission import plan_problems
     from nereus.spec.io import load_document
     from nereus.spec.run_config import RLConfig
-    from repo_paths import ROOT
 
     plan = load_document(ROOT / "examples" / "plan-tiny-ppo-4rank.yaml")
     assert isinstance(plan, Plan)
