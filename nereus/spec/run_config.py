@@ -136,7 +136,9 @@ class RLConfig(StrictModel):
     `decoupled`: AReaL's decoupled PPO objective, -w min(r A, clip(r, 1 - eps, 1 + eps) A) with
     w = exp(logp_old - logp_mu) untruncated: the clip trusts the region around pi_old, the weight
     corrects the sampling distribution mu. With max_staleness 0, mu = pi_old, w = 1 and all three
-    are the synchronous loss. Executed by the async runtime (issue 49, the objective under
+    are the synchronous loss. `tis` here and `rollout_correction: tis` weigh by the same ratio
+    (the rollout's log-probs are the behaviour policy's, from whichever engine generated them), so
+    one of them suffices. Executed by the async runtime (issue 49, the objective under
     staleness); a synchronous run trains on-policy and ignores it."""
 
     def runs_engine(self, role: str) -> bool:
