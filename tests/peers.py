@@ -52,6 +52,30 @@ def _find(root: Path, relative: str) -> Path:
     return matches[0]
 
 
+#: verl's async trainers' configs, each over `ppo_megatron_trainer` (hydra `defaults`).
+VERL_ASYNC_CONFIGS = {
+    "one_step_off": "verl/experimental/one_step_off_policy/config/one_step_off_ppo_megatron_trainer.yaml",
+    "fully_async": "verl/experimental/fully_async_policy/config/fully_async_ppo_megatron_trainer.yaml",
+}
+
+
+def verl_async_config(root: Path, trainer: str) -> dict[str, Any]:
+    """The config of one of verl's async trainers: its own YAML merged over the Megatron PPO
+    trainer's generated config, as hydra composes them (the `hydra` and `defaults` keys dropped)."""
+    own: dict[str, Any] = yaml.safe_load(_find(root, VERL_ASYNC_CONFIGS[trainer]).read_text(encoding="utf-8"))
+    own.pop("hydra", None)
+    own.pop("defaults", None)
+    return _merged(verl_config(root), own)
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = _merged(out[key], value) if both else value
+    return out
+
+
 def verl_config(root: Path) -> dict[str, Any]:
     data: dict[str, Any] = yaml.safe_load(_find(root, VERL_CONFIG).read_text(encoding="utf-8"))
     return data

@@ -204,6 +204,8 @@ def _print_json(result: PlanResult, calibration: Calibration) -> None:
     from nereus.spec.io import to_data
 
     cluster = result.best.cluster
+    assert result.best.predictions is not None
+    steady = result.best.predictions.steady_state
     payload = {
         "plan": to_data(result.best),
         "search_time_s": result.search_time_s,
@@ -212,6 +214,7 @@ def _print_json(result: PlanResult, calibration: Calibration) -> None:
         "usable_bytes_per_gpu": usable_capacity(cluster, calibration),
         "workspace_bytes_per_gpu": workspace_bytes(cluster, calibration),
         "rejections": [r.describe() for r in result.rejections],
+        "steady_state": None if steady is None else steady.model_dump(),
     }
     typer.echo(json.dumps(payload, indent=2))
 
@@ -294,16 +297,15 @@ def _print_table(result: PlanResult, output: Path | None, calibration: Calibrati
             calibration,
         )
     )
-    steps = plan.predictions.step_breakdown_s
-    console.print(
-        "step "
-        + f"{plan.predictions.step_time_s:.2f} s = "
-        + " + ".join(f"{name} {value:.2f}" for name, value in steps.items())
-    )
+    for line in step_lines(plan):
+        console.print(line, highlight=False)
     console.print(_memory_base(plan, calibration))
     for rank, alternative in enumerate(result.alternatives, 2):
         assert alternative.predictions is not None
         pools = "+".join(p.name for p in alternative.pools)
+        if alternative.predictions.steady_state is not None:  # async: the split and the bounding pool
+            sizes = " + ".join(f"{p.name} {len(p.gpus)}" for p in alternative.pools)
+            pools = f"{sizes}; {alternative.predictions.steady_state.bound}-bound"
         console.print(f"#{rank}: {alternative.predictions.step_time_s:.2f} s ({pools})")
     console.print(
         f"searched {result.num_placements} placements in {result.search_time_s * 1000:.1f} ms; "
@@ -313,6 +315,35 @@ def _print_table(result: PlanResult, output: Path | None, calibration: Calibrati
         console.print(f"  rejected: {rejection.describe()}")
     if output:
         console.print(f"wrote {output}")
+
+
+def step_lines(plan: Plan) -> list[str]:
+    """The step's composition: its phases in sequence, or under async overlap the two pools and
+    the one that bounds the step."""
+    from nereus.cost.plan_cost import TRAINING_POOL_PHASES
+    from nereus.render import gpu_ranges
+    from nereus.spec.stages import ACTOR_GENERATION
+
+    assert plan.predictions is not None
+    steps, steady = plan.predictions.step_breakdown_s, plan.predictions.steady_state
+    total = f"step {plan.predictions.step_time_s:.2f} s = "
+    if steady is None:
+        return [total + " + ".join(f"{name} {value:.2f}" for name, value in steps.items())]
+    generation = plan.stage_plan(ACTOR_GENERATION)
+    training = sorted({g for e in plan.stages if e.model_stage != ACTOR_GENERATION for g in e.gpus})
+    training_pools = ", ".join(sorted({e.pool for e in plan.stages if e.model_stage != ACTOR_GENERATION}))
+    pools = (
+        f"async pools: generation on GPUs {gpu_ranges(generation.gpus)} ({len(generation.gpus)}, pool "
+        f"{generation.pool}), training on GPUs {gpu_ranges(training)} ({len(training)}, pool {training_pools}); "
+        f"generation runs up to {steady.max_staleness} batch{'es' if steady.max_staleness > 1 else ''} ahead"
+    )
+    side = " + ".join(f"{name} {steps[name]:.2f}" for name in TRAINING_POOL_PHASES)
+    overhead = f" + step_overhead {steps['step_overhead']:.2f}" if "step_overhead" in steps else ""
+    composed = f"max(generation {steady.generation_s:.2f}, {side} = {steady.training_s:.2f}){overhead}"
+    other = "training" if steady.bound == "generation" else "generation"
+    idle = abs(steady.generation_s - steady.training_s) / max(steady.generation_s, steady.training_s, 1e-12)
+    bound = f"steady state bound by the {steady.bound} pool (the {other} pool idles {idle:.0%} of each step)"
+    return [pools, total + composed, bound]
 
 
 def _memory_base(plan: Plan, calibration: Calibration) -> str:

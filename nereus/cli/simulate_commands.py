@@ -99,14 +99,17 @@ def _print_results(results: list[SimulationResult], trace_file: Path, plot: Path
     console = Console()
     if not console.is_terminal:
         console = Console(width=max(console.width, 120), soft_wrap=True)  # pipes and files: whole table and lines
-    table = Table(title=f"{trace_file} (simulator: cost-model step times)")
+    overlapped = any(r.num_pipeline_fills for r in results)  # async: the plans overlap generation and training
+    mode = "; async: steady state, pipeline refills after each change" if overlapped else ""
+    table = Table(title=f"{trace_file} (simulator: cost-model step times{mode})")
     for column in ("policy", "mean step s", "total h", "transitions", "restarts", "stalled", "transition share",
-                   "decide ms/step"):  # fmt: skip
+                   "decide ms/step", *(("pipeline fills",) if overlapped else ())):  # fmt: skip
         table.add_column(column, justify="left" if column == "policy" else "right")
     for r in results:
         table.add_row(
             r.policy, f"{r.mean_step_latency_s:.2f}", f"{r.total_time_s / 3600:.2f}", str(r.num_transitions),
             str(r.num_restarts), str(r.num_stalled), f"{r.transition_share:.3%}", f"{r.mean_decision_time_s * 1e3:.2f}",
+            *((str(r.num_pipeline_fills),) if overlapped else ()),
         )  # fmt: skip
     console.print(table)
     if len(results) == 1:

@@ -127,6 +127,13 @@ def explain_plan(plan: Plan, calibration: Calibration) -> dict[str, Any]:
             + f" = {predictions.step_breakdown_s[phase]:.4g} s"
         )
     lines.append(f"  weight_sync: {predictions.step_breakdown_s['weight_sync']:.4g} s")
+    steady = predictions.steady_state
+    if steady is not None:  # async: the pools overlap, the phases do not add up
+        lines.append(
+            f"  async steady state (generation up to {steady.max_staleness} batch(es) ahead): "
+            f"max(generation pool {steady.generation_s:.4g}, training pool inference + training + weight_sync "
+            f"{steady.training_s:.4g}); bound by the {steady.bound} pool"
+        )
     lines.append(f"  step time: {predictions.step_time_s:.4g} s")
     for problem in evaluation.memory_problems:
         lines.append(f"infeasible: {problem}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -13,8 +13,18 @@ from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from nereus.cost.stage import OFFLOAD_LEVELS, TRAIN_OFFLOADS, StageCostModel
 from nereus.spec.check import Problem
 from nereus.spec.cluster import Cluster
-from nereus.spec.plan import RECOMPUTE_LEVELS, Plan, Predictions, StagePlan, StagePrediction
-from nereus.spec.stages import ACTOR_SYNC_TARGETS, ACTOR_TRAINING, STAGES, ModelStageName, Role, Stage, head_of, split
+from nereus.spec.plan import RECOMPUTE_LEVELS, Plan, Predictions, StagePlan, StagePrediction, SteadyState
+from nereus.spec.stages import (
+    ACTOR_GENERATION,
+    ACTOR_SYNC_TARGETS,
+    ACTOR_TRAINING,
+    STAGES,
+    ModelStageName,
+    Role,
+    Stage,
+    head_of,
+    split,
+)
 from nereus.spec.workload import DTYPE_BYTES, Workload
 from nereus.units import format_bytes
 
@@ -253,8 +263,43 @@ def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) ->
             )
     problems += host_problems(plan, {name: sum(t[2].values()) for name, t in terms.items()})
     step = _step_breakdown(plan, stage_predictions, calibration)
-    predictions = Predictions(step_time_s=sum(step.values()), model_stages=stage_predictions, step_breakdown_s=step)
+    steady = steady_state(plan, step)
+    step_time = sum(step.values()) if steady is None else steady_step_time(steady, step)
+    predictions = Predictions(
+        step_time_s=step_time, model_stages=stage_predictions, step_breakdown_s=step, steady_state=steady
+    )
     return PlanEvaluation(predictions, problems)
+
+
+def generation_alone(plan: Plan) -> bool:
+    """Whether actor/generation's GPUs run no other model-stage: async execution overlaps the
+    two pools only then."""
+    generation = set(plan.stage_plan(ACTOR_GENERATION).gpus)
+    return not any(generation & set(e.gpus) for e in plan.stages if e.model_stage != ACTOR_GENERATION)
+
+
+def steady_state(plan: Plan, phases: dict[str, float]) -> SteadyState | None:
+    """An async step's steady state from its phases (`_step_breakdown`): the generation pool's
+    time against the training pool's (inference, training, then the weight sync), generation
+    running up to `max_staleness` batches ahead so neither waits for the other beyond the slower
+    one. None where the step is synchronous: sync execution, max_staleness 0 (the pools take
+    turns: the phases add up), or generation sharing GPUs with another model-stage (a plan
+    `plan_cost_problems` refuses under async)."""
+    if not plan.workload.overlaps or not generation_alone(plan):
+        return None
+    generation = phases["generation"]
+    training = sum(phases[name] for name in TRAINING_POOL_PHASES)
+    bound: Literal["generation", "training"] = "generation" if generation >= training else "training"
+    return SteadyState(generation_s=generation, training_s=training, bound=bound, max_staleness=plan.workload.staleness)
+
+
+#: The phases an async step runs on its training pool, one after another.
+TRAINING_POOL_PHASES = ("inference", "training", "weight_sync")
+
+
+def steady_step_time(steady: SteadyState, phases: dict[str, float]) -> float:
+    """The step time of a steady state: its slower pool, plus the per-step overhead if any."""
+    return max(steady.generation_s, steady.training_s) + phases.get("step_overhead", 0.0)
 
 
 def _step_breakdown(plan: Plan, stages: dict[str, StagePrediction], calibration: Calibration) -> dict[str, float]:
@@ -288,6 +333,13 @@ def plan_cost_problems(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATIO
         for message in evaluation.memory_problems:
             if message.startswith(f"{entry.model_stage} "):
                 yield Problem(f"stages[{i}]", f"memory: {message}; raise tp or pp, or give it more GPUs")
+    if plan.workload.execution == "async" and not generation_alone(plan):
+        yield Problem(
+            "workload.execution",
+            "async overlaps generation with training on disjoint GPUs, but actor/generation shares its GPUs "
+            "with another model-stage; give actor/generation a pool of its own (`nereus plan` does) or set "
+            "execution: sync",
+        )
     for message in evaluation.memory_problems:
         if message.startswith("host memory"):
             fix = "offload less (train_offload, offload) or spread the model-stages over more nodes"

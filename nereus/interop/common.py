@@ -206,3 +206,16 @@ def fusion_differences(plan: Plan, trainer: str) -> list[Difference]:
 def unfused(plan: Plan) -> Plan:
     """`plan` without stage fusion (as a trainer without it runs it)."""
     return plan.model_copy(update={"fusion": Fusion()})
+
+
+def node_shape(plan: Plan, count: int, what: str, how: str) -> tuple[int, int]:
+    """(nodes, GPUs per node) of a group of `count` GPUs as the trainers size one: part of one
+    node, or whole nodes (else a ValueError naming `what` and the trainer's rule, `how`)."""
+    per_node = plan.cluster.gpus_per_node
+    if count <= per_node:
+        return 1, count
+    if count % per_node:
+        raise ValueError(
+            f"{what}: {count} GPUs are no whole number of {per_node}-GPU nodes, and {how}; plan it on whole nodes"
+        )
+    return count // per_node, per_node

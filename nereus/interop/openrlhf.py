@@ -6,6 +6,12 @@ parallel size for every DeepSpeed model, no pipeline parallelism) and generates 
 engines of one tensor parallel size. The actor's old log-probs come from the actor's
 training group, the critic's values from the critic's. Models share GPUs only through its
 colocation flags. Whatever else a plan decides becomes a Difference.
+
+An async plan (`execution: async`) adds OpenRLHF's asynchronous training: `--train.async_enable`,
+`--train.async_queue_size` max_staleness (the generator takes a queue slot before it generates a
+batch and the trainer frees it when it takes the batch, so generation runs at most that many
+batches ahead of training), and `--train.partial_rollout_enable` for partial rollout (vLLM
+pauses for the weight broadcast and resumes under the new weights).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from nereus.interop.common import (
     free_memory_fraction,
     fusion_differences,
     laid_out,
+    node_shape,
     offload_difference,
     per_gpu_micro_batch,
     sharding_difference,
@@ -76,7 +83,7 @@ def export_openrlhf(plan: Plan) -> Export:
         for entry in plan.stages
         if (d := offload_difference(entry, exported[entry.model_stage], offload_how)) is not None
     ]
-    differences += fusion_differences(plan, "OpenRLHF")
+    differences += fusion_differences(plan, "OpenRLHF") + async_differences(plan)
     if w.dtype == "fp32":
         differences.append(Difference("dtype fp32", "--ds.param_dtype bf16 (OpenRLHF trains in bf16 or fp16)"))
         plan = plan.model_copy(update={"workload": w.model_copy(update={"dtype": "bf16"})})
@@ -149,15 +156,8 @@ def _pool_of(pools: list[Pool], entry: StagePlan) -> str:
 
 def _nodes(plan: Plan, entry: StagePlan) -> tuple[int, int]:
     """OpenRLHF's (num_nodes, num_gpus_per_node) for a group on `entry`'s GPUs."""
-    count, per_node = len(entry.gpus), plan.cluster.gpus_per_node
-    if count <= per_node:
-        return 1, count
-    if count % per_node:
-        raise ValueError(
-            f"{entry.model_stage}: {count} GPUs are no whole number of {per_node}-GPU nodes, and OpenRLHF "
-            "places a group of more than one node in whole nodes; plan it on whole nodes"
-        )
-    return count // per_node, per_node
+    how = "OpenRLHF places a group of more than one node in whole nodes"
+    return node_shape(plan, len(entry.gpus), entry.model_stage, how)
 
 
 def _settings(plan: Plan, stages: dict[str, StagePlan], ds_tp: int, memory_fraction: float) -> dict[str, Value]:
@@ -190,7 +190,31 @@ def _settings(plan: Plan, stages: dict[str, StagePlan], ds_tp: int, memory_fract
     elif w.algorithm != "ppo":
         out["--algo.kl.use_loss"] = True
     out |= _colocation(stages)
+    return out | async_flags(plan)
+
+
+def async_flags(plan: Plan) -> dict[str, Value]:
+    """OpenRLHF's asynchronous-training flags of an async plan (empty for a synchronous one)."""
+    w = plan.workload
+    if w.execution != "async":
+        return {}
+    out: dict[str, Value] = {"--train.async_enable": True, "--train.async_queue_size": max(1, w.staleness)}
+    if w.partial_rollout:
+        out["--train.partial_rollout_enable"] = True
     return out
+
+
+def async_differences(plan: Plan) -> list[Difference]:
+    """What OpenRLHF's asynchronous training runs otherwise than an async plan says."""
+    w = plan.workload
+    if w.execution == "async" and w.staleness == 0:
+        return [
+            Difference(
+                "max_staleness 0: generation and training take turns on their pools",
+                "--train.async_queue_size 1 (OpenRLHF's smallest queue): generation runs one batch ahead",
+            )
+        ]
+    return []
 
 
 def _colocation(stages: dict[str, StagePlan]) -> dict[str, Value]:

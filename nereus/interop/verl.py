@@ -5,12 +5,23 @@ after another; the actor's old log-probs come from the actor's training workers,
 critic's values from the critic's training workers, and the rollout engine (vLLM) and the
 reward model (served by its own engine) take a tensor and a pipeline size. Whatever else a
 plan decides becomes a Difference.
+
+An async plan (`execution: async`) exports to verl's experimental async trainers, whose
+configs extend `ppo_megatron_trainer` with a rollout pool of its own (`rollout.nnodes`,
+`rollout.n_gpus_per_node`) beside the trainer's (`trainer.nnodes`, `trainer.n_gpus_per_node`):
+max_staleness 1 without partial rollout is the one-step-off policy
+(`python -m verl.experimental.one_step_off_policy.main_ppo --config-name
+one_step_off_ppo_megatron_trainer`); anything else the fully async policy
+(`python -m verl.experimental.fully_async_policy.fully_async_main --config-name
+fully_async_ppo_megatron_trainer`), with `async_training.staleness_threshold`,
+`async_training.partial_rollout` and a weight sync every step.
 """
 
 from __future__ import annotations
 
 import yaml
 
+from nereus.cost.plan_cost import generation_alone
 from nereus.interop import CHECKED_VERSIONS
 from nereus.interop.common import (
     Difference,
@@ -20,6 +31,7 @@ from nereus.interop.common import (
     free_memory_fraction,
     fusion_differences,
     laid_out,
+    node_shape,
     offload_difference,
     per_gpu_micro_batch,
     sharding_difference,
@@ -61,11 +73,12 @@ TIED_REASONS = {
 def export_verl(plan: Plan) -> Export:
     """`plan` as verl settings (dotted config keys), the plan verl will run and what differs."""
     gpus = list(range(plan.cluster.num_gpus))
-    exported = _exported_stages(plan, gpus)
+    pools = async_pools(plan) or [Pool(name=SHARED_POOL, gpus=gpus)]
+    exported = _exported_stages(plan, pools)
     differences = [
         d
         for entry in plan.stages
-        if (d := stage_difference(plan, entry, exported[entry.model_stage], _reason(entry, len(gpus)))) is not None
+        if (d := stage_difference(plan, entry, exported[entry.model_stage], _reason(entry, pools))) is not None
     ]
     how = "verl's Megatron trainer shards the optimizer state only (use_distributed_optimizer); its FSDP one all"
     differences += [
@@ -76,19 +89,28 @@ def export_verl(plan: Plan) -> Export:
         for entry in plan.stages
         if (d := offload_difference(entry, exported[entry.model_stage], OFFLOAD_HOW)) is not None
     ]
-    differences += _batch_differences(plan) + fusion_differences(plan, "verl")
+    differences += _batch_differences(plan) + fusion_differences(plan, "verl") + async_differences(plan)
     stages = [exported[entry.model_stage] for entry in plan.stages]
-    pools = [Pool(name=SHARED_POOL, gpus=gpus)]
     draft = plan.model_copy(update={"stages": stages, "pools": pools, "predictions": None})
-    settings = _settings(plan, exported, free_memory_fraction(draft, ACTOR_GENERATION))
+    settings = _settings(plan, exported, free_memory_fraction(draft, ACTOR_GENERATION)) | async_settings(plan, pools)
     return finish("verl", CHECKED_VERSIONS["verl"], plan, settings, differences, stages, pools)
 
 
-def _reason(entry: StagePlan, num_gpus: int) -> str:
-    return TIED_REASONS.get(entry.model_stage, POOL_REASON.format(n=num_gpus))
+def _reason(entry: StagePlan, pools: list[Pool]) -> str:
+    if len(pools) > 1:  # async: verl's rollout pool and trainer pool
+        pool = _pool_for(entry, pools)
+        return TIED_REASONS.get(entry.model_stage, ASYNC_POOL_REASON.format(pool=pool.name, n=len(pool.gpus)))
+    return TIED_REASONS.get(entry.model_stage, POOL_REASON.format(n=len(pools[0].gpus)))
 
 
-def _exported_stages(plan: Plan, gpus: list[int]) -> dict[str, StagePlan]:
+def _pool_for(entry: StagePlan, pools: list[Pool]) -> Pool:
+    """The verl pool that hosts a model-stage: the rollout pool generation's, the trainer pool the rest's."""
+    if len(pools) == 1:
+        return pools[0]
+    return pools[0] if entry.model_stage == ACTOR_GENERATION else pools[1]
+
+
+def _exported_stages(plan: Plan, pools: list[Pool]) -> dict[str, StagePlan]:
     # The actor's old log-probs keep their own micro-batch (`log_prob_micro_batch_size_per_gpu`);
     # the critic's values have none of their own.
     layout_of = {ACTOR_INFERENCE: ACTOR_TRAINING, CRITIC_INFERENCE: CRITIC_TRAINING}
@@ -97,7 +119,8 @@ def _exported_stages(plan: Plan, gpus: list[int]) -> dict[str, StagePlan]:
     for entry in plan.stages:
         layout = plan.stage_plan(layout_of.get(entry.model_stage, entry.model_stage))
         micro = per_gpu_micro_batch(plan, plan.stage_plan(micro_of.get(entry.model_stage, entry.model_stage)))
-        out[entry.model_stage] = laid_out(plan, entry, gpus, layout.tp, layout.pp, micro, SHARED_POOL)
+        pool = _pool_for(entry, pools)
+        out[entry.model_stage] = laid_out(plan, entry, pool.gpus, layout.tp, layout.pp, micro, pool.name)
         if entry.train_offload != "none":  # verl's offload puts the states to sleep between phases
             out[entry.model_stage] = out[entry.model_stage].model_copy(update={"offload": True})
     return out
@@ -165,6 +188,78 @@ def _settings(plan: Plan, stages: dict[str, StagePlan], memory_fraction: float) 
         out["reward.reward_model.rollout.tensor_model_parallel_size"] = stages[REWARD_INFERENCE].tp
         out["reward.reward_model.rollout.pipeline_model_parallel_size"] = stages[REWARD_INFERENCE].pp
     return out
+
+
+#: verl's async trainers' pools: the rollout's, then the trainer's (every other model).
+ROLLOUT_POOL, TRAINER_POOL = "rollout_pool", "trainer_pool"
+ASYNC_POOL_REASON = "verl's async trainers host every model but the rollout on the {pool} of {n} GPUs"
+
+
+def async_pools(plan: Plan) -> list[Pool] | None:
+    """An async plan's pools as verl's async trainers have them (rollout, trainer); None for a
+    synchronous plan (verl's one resource pool)."""
+    if plan.workload.execution != "async":
+        return None
+    generation = sorted(plan.stage_plan(ACTOR_GENERATION).gpus)
+    rest = sorted({g for e in plan.stages if e.model_stage != ACTOR_GENERATION for g in e.gpus})
+    if not generation_alone(plan):
+        raise ValueError(
+            "execution: async but actor/generation shares GPUs with other model-stages; verl's async "
+            "trainers need a rollout pool apart from the trainer's: plan it with `nereus plan`"
+        )
+    return [Pool(name=ROLLOUT_POOL, gpus=generation), Pool(name=TRAINER_POOL, gpus=rest)]
+
+
+def one_step_off(plan: Plan) -> bool:
+    """Whether verl's one-step-off policy runs the async plan (k = 1 without partial rollout);
+    else its fully async policy."""
+    return plan.workload.staleness == 1 and not plan.workload.partial_rollout
+
+
+def _nodes(plan: Plan, pool: Pool) -> tuple[int, int]:
+    """verl's (nnodes, n_gpus_per_node) for a pool: part of one node, or whole nodes."""
+    return node_shape(plan, len(pool.gpus), f"the {pool.name}", "verl sizes a pool as nnodes x n_gpus_per_node")
+
+
+def async_settings(plan: Plan, pools: list[Pool]) -> dict[str, Value]:
+    """verl's async settings of an async plan (empty for a synchronous one): the two pools, and
+    for the fully async policy its staleness bound, partial rollout and a weight sync per step."""
+    if len(pools) == 1:
+        return {}
+    rollout, trainer = pools
+    out: dict[str, Value] = {}
+    out["trainer.nnodes"], out["trainer.n_gpus_per_node"] = _nodes(plan, trainer)
+    out["rollout.nnodes"], out["rollout.n_gpus_per_node"] = _nodes(plan, rollout)
+    out["actor_rollout_ref.rollout.calculate_log_probs"] = True  # the behaviour policy's log-probs
+    if one_step_off(plan):
+        return out
+    w = plan.workload
+    # The fully async trainer takes its batch as require_batches mini-batches of ppo_mini_batch_size
+    # prompts, streamed one prompt at a time (data.train_batch_size 0, gen_batch_size 1).
+    out |= {
+        "data.train_batch_size": 0,
+        "data.gen_batch_size": 1,
+        "async_training.staleness_threshold": float(w.staleness - 1),
+        "async_training.trigger_parameter_sync_step": 1,
+        "async_training.require_batches": w.mini_batches,
+        "async_training.partial_rollout": w.partial_rollout,
+    }
+    return out
+
+
+def async_differences(plan: Plan) -> list[Difference]:
+    """What verl's async trainers run otherwise than an async plan says."""
+    w = plan.workload
+    if w.execution != "async" or one_step_off(plan):
+        return []
+    return [
+        Difference(
+            f"max_staleness {w.staleness}: no trained sample more than {w.staleness} policy versions old",
+            f"async_training.staleness_threshold={float(w.staleness - 1)} with trigger_parameter_sync_step=1: "
+            "verl's fully async rollouter bounds the samples it generates ahead, (1 + threshold) batches per "
+            "weight sync, not each sample's version lag",
+        )
+    ]
 
 
 def as_overrides(export: Export) -> str:

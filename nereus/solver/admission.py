@@ -207,6 +207,11 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     problems += [f"fusion.inter_stage: {problem}" for problem in inter_stage_problems(plan, plan.fusion, config)]
     if workload.dtype not in RUNTIME_DTYPES:
         problems.append(f"workload dtype {workload.dtype} is not run (no loss scaling); use bf16 or fp32")
+    if workload.execution == "async":  # planned, priced, simulated and exported (docs/async.md)
+        problems.append(
+            "workload.execution: async is not run yet (nereus plan, simulate and export take it); "
+            "run with execution: sync"
+        )
     group = group_rule(workload)
     if group:
         problems.append(group)

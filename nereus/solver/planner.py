@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from nereus.cost.plan_cost import evaluate_plan, host_problems
 from nereus.cost.stage import TRAIN_OFFLOADS
 from nereus.errors import NereusError
+from nereus.solver.async_search import async_placements, async_search, no_split_message
 from nereus.solver.layouts import OptionTable
 from nereus.solver.plan_search import (
     Candidate,
@@ -88,14 +89,30 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
 
 def make_plan(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int], None] | None = None) -> PlanResult:
     """Search and return Plan documents, or raise NereusError saying what would fit."""
+    asynchronous = request.workload.execution == "async"
+    if asynchronous and (unsplit := no_split_message(request)) is not None:
+        raise NereusError(unsplit)
     try:
-        outcome = search(request, top_k=top_k, progress=progress)
+        outcome = (async_search if asynchronous else search)(request, top_k=top_k, progress=progress)
     except ValueError as exc:
         raise NereusError(str(exc)) from None
+    if not outcome.candidates and asynchronous:
+        raise NereusError(_async_infeasible_message(request))
     if not outcome.candidates:
         raise NereusError(_infeasible_message(request, outcome.rejections()))
     plans = [build_plan(request, c) for c in outcome.candidates]
     return PlanResult(plans[0], plans[1:], outcome.rejections(), outcome.search_time_s, outcome.num_placements)
+
+
+def _async_infeasible_message(request: PlanRequest) -> str:
+    layouts = async_placements(request)
+    short = closest_shortfall(request, (layouts, price_all(request, layouts)))
+    reason = f"; closest: {short.describe()}" if short is not None else ""
+    return (
+        f"no memory-feasible async plan for {request.workload.name} on {request.num_gpus} "
+        f"{request.cluster.gpu.name} GPUs: no split into a generation pool and a training pool fits{reason}; "
+        "plan for more GPUs or set execution: sync"
+    )
 
 
 def _infeasible_message(request: PlanRequest, rejected: list[Rejection]) -> str:

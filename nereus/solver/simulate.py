@@ -6,6 +6,14 @@ then takes the cost model's predicted time of the plan in force under the step's
 conditions, times optional seeded log-normal noise. A suspended job runs no step (the
 step is counted as stalled) until a plan fits again. These are simulator results: the
 cost model stands in for measured step times.
+
+Async execution (a workload with `execution: async` and max_staleness >= 1): every step ends
+with a weight sync, so every step boundary is a weight-sync boundary and the policy decides
+only there. A transition or restart moves state once both pools are idle at that boundary
+(generation drained), so the pipeline starts again empty: the first step under a plan (at the
+start, after a transition, a restart or a stall) runs generation and then training, the
+synchronous composition of its layouts (`Replanner.fill_time`); the steps after it take the
+steady state, the slower pool.
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ class StepRecord:
     gpus_available: int
     gpus_used: int
     mean_response_tokens: float
+    pipeline_fill: bool = False
+    """Async: the pipeline started empty this step (generation had not run ahead): the step
+    took the synchronous composition of the plan's layouts, not the steady state."""
 
 
 @dataclass
@@ -80,6 +91,11 @@ class SimulationResult:
         return sum(1 for r in self.steps if r.latency_s is None)
 
     @property
+    def num_pipeline_fills(self) -> int:
+        """Async: steps that started with an empty pipeline (`StepRecord.pipeline_fill`)."""
+        return sum(1 for r in self.steps if r.pipeline_fill)
+
+    @property
     def mean_step_latency_s(self) -> float:
         """Average time per executed step, adaptation included (run time / steps run)."""
         ran = len(self.steps) - self.num_stalled
@@ -108,6 +124,7 @@ class SimulationResult:
             "num_transitions": self.num_transitions,
             "num_restarts": self.num_restarts,
             "num_stalled": self.num_stalled,
+            "num_pipeline_fills": self.num_pipeline_fills,
             "transition_share": self.transition_share,
             "mean_decision_time_s": self.mean_decision_time_s,
         }
@@ -157,6 +174,7 @@ def simulate(
     rng = random.Random(seed)
     steps: list[StepRecord] = []
     decisions: list[Decision] = []
+    primed = False  # async: whether generation has run ahead into this step under the plan in force
     for conditions in trace_conditions(trace):
         observation = observation_of(conditions, trace.num_steps)
         started = time.perf_counter()
@@ -165,16 +183,20 @@ def simulate(
         if decision.action != "keep" or decision.path != "none":
             decisions.append(decision)
         latency = None
+        replaced = decision.action in ("transition", "restart")
+        fill = False
         if policy.plan is not None:
-            predicted = policy.replanner.step_time(policy.plan, conditions.response_len, conditions.efficiency)
+            fill = policy.plan.workload.overlaps and (replaced or not primed)
+            timing = policy.replanner.fill_time if fill else policy.replanner.step_time
+            predicted = timing(policy.plan, conditions.response_len, conditions.efficiency)
             assert predicted is not None and max_gpu(policy.plan) < conditions.gpus, "policy kept an invalid plan"
             latency = predicted * (math.exp(rng.gauss(0.0, noise)) if noise else 1.0)
-        replaced = decision.action in ("transition", "restart")
+        primed = policy.plan is not None
         adaptation = (decision.transition_cost_s or 0.0) if replaced else 0.0
         steps.append(
             StepRecord(
                 conditions.step, latency, adaptation, spent, conditions.gpus, decision.num_gpus_used,
-                conditions.response_len.mean(),
+                conditions.response_len.mean(), fill,
             )
         )  # fmt: skip
         if progress is not None:

@@ -14,7 +14,7 @@ from nereus.spec.model import LinearRopeScaling, Llama3RopeScaling, Model
 from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.registry import file_problems, kind_of, semantic_problems
 from nereus.spec.stages import model_stage
-from nereus.spec.workload import Workload, model_stages
+from nereus.spec.workload import Workload, async_problems, model_stages
 
 Severity = Literal["error", "warning"]
 
@@ -215,6 +215,8 @@ def workload_problems(workload: Workload, prefix: str = "") -> Iterator[Problem]
     group = group_rule(workload)
     if group:
         yield Problem(f"{prefix}samples_per_prompt", group)
+    for where, message in async_problems(workload):
+        yield Problem(f"{prefix}{where}", message)
     if workload.samples_per_step % workload.mini_batches:
         yield Problem(
             f"{prefix}mini_batches",

@@ -137,6 +137,21 @@ class StagePrediction(StrictModel):
     (`asleep`); empty: nothing in host memory."""
 
 
+class SteadyState(StrictModel):
+    """An async step's steady state: the generation pool and the training pool overlap, each
+    busy for its own time per step; the slower bounds the step."""
+
+    generation_s: NonNegativeFloat
+    """Seconds the generation pool is busy per step (actor/generation)."""
+    training_s: NonNegativeFloat
+    """Seconds the training pool is busy per step: every inference and training model-stage,
+    then the weight sync to the generation pool."""
+    bound: Literal["generation", "training"]
+    """The pool whose time is the step's (the other waits for it)."""
+    max_staleness: int = Field(ge=1)
+    """How many batches generation may run ahead of training (the workload's k)."""
+
+
 class Predictions(StrictModel):
     """The cost model's predictions for a plan, as computed when it was written."""
 
@@ -145,7 +160,11 @@ class Predictions(StrictModel):
     model_stages: dict[str, StagePrediction] = Field(default_factory=dict)
     """Per model-stage predictions keyed by `role/stage`."""
     step_breakdown_s: dict[str, NonNegativeFloat] = Field(default_factory=dict)
-    """Seconds of the step's critical path per phase."""
+    """Seconds per phase. Synchronous: the step's critical path, phase after phase (they add up
+    to the step). Async with overlap: each phase's time on its pool; `steady_state` composes them."""
+    steady_state: SteadyState | None = None
+    """Async execution with max_staleness >= 1: the two pools' times and which bounds the step;
+    None for a synchronous step (async with max_staleness 0 is one)."""
 
 
 class Fusion(StrictModel):

@@ -194,7 +194,7 @@ def _paper_workloads(actor: str) -> dict[str, Workload]:
     }
 
 
-WORKLOAD_NAMES = ("ppo", "grpo", "remax", "tiny-ppo")
+WORKLOAD_NAMES = ("ppo", "grpo", "remax", "tiny-ppo", "grpo-async")
 
 
 class UnknownPreset(NereusError):
@@ -216,6 +216,10 @@ def workload_preset(name: str, actor: str = "llama-3.1-8b") -> Workload:
             dtype="fp32",
         )
     workloads = _paper_workloads(actor)
+    # grpo with generation on its own pool, one batch ahead of training (verl's one-step-off policy).
+    workloads["grpo-async"] = workloads["grpo"].model_copy(
+        update={"name": "grpo-async", "execution": "async", "max_staleness": 1}
+    )
     if name not in workloads:
         raise UnknownPreset(f"unknown workload preset {name!r}; use one of {', '.join(WORKLOAD_NAMES)} or a YAML file")
     return workloads[name]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from statistics import NormalDist
 from typing import Literal
 
@@ -12,6 +13,7 @@ from nereus.spec.base import Document, StrictModel
 from nereus.spec.stages import MODEL_STAGES, ROLES, Role, Stage, role_of, split
 
 Algorithm = Literal["ppo", "grpo", "remax"]
+Execution = Literal["sync", "async"]
 DType = Literal["bf16", "fp16", "fp32"]
 
 DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -106,6 +108,34 @@ class Workload(Document):
     """Parameter and activation dtype."""
     optimizer: Optimizer = Optimizer()
     """Optimizer and its state layout."""
+    execution: Execution = Field(default="sync", exclude_if=lambda value: value == "sync")
+    """How generation and training share time. `sync`: every step generates its batch, then
+    runs inference and training, then syncs the weights (each phase waits for the one before).
+    `async`: actor/generation runs on a pool of its own, disjoint from every other model-stage's
+    (split placement), and generates the batch of step t + k while step t trains, k being
+    `max_staleness`; the step in the steady state is the slower of the two pools (docs/async.md).
+    Written to files only when async (and `partial_rollout` only when true), so a synchronous
+    workload's file reads the same as before these fields."""
+    max_staleness: int | None = Field(default=None, ge=0)
+    """`async`: the most policy versions a trained sample may lag the trained weights by (k);
+    generation runs at most k batches ahead. 0 is synchronous (the pools take turns); 1 is
+    one-step-off (verl's one_step_off_policy). Unset: 1 under `async`, 0 under `sync`."""
+    partial_rollout: bool = Field(default=False, exclude_if=lambda value: not value)
+    """`async`: a generation interrupted by a weight sync continues under the new weights
+    (verl's and OpenRLHF's partial rollout) instead of finishing under the old ones; needs an
+    engine that can pause. Only with `execution: async`."""
+
+    @property
+    def staleness(self) -> int:
+        """The staleness bound k in force: `max_staleness`, or 1 under async and 0 under sync."""
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return 1 if self.execution == "async" else 0
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether generation overlaps training (async with k >= 1): the step is a steady state."""
+        return self.execution == "async" and self.staleness >= 1
 
     @property
     def samples_per_step(self) -> int:
@@ -147,3 +177,25 @@ def with_max_response(workload: Workload, max_tokens: int) -> Workload:
     median = max(1, round(old.median * scale))
     lengths = ResponseLengths(median=median, p99=min(max_tokens, max(median, round(old.p99 * scale))), max=max_tokens)
     return workload.model_copy(update={"response_len": lengths})
+
+
+def async_problems(workload: Workload) -> Iterator[tuple[str, str]]:
+    """(field, message) for each async setting given without `execution: async`."""
+    if workload.execution == "async":
+        return
+    if workload.partial_rollout:
+        yield (
+            "partial_rollout",
+            (
+                "a partial rollout continues a generation across weight syncs, which only execution: async has; "
+                "set execution: async or drop partial_rollout"
+            ),
+        )
+    if workload.max_staleness:
+        yield (
+            "max_staleness",
+            (
+                f"{workload.max_staleness} versions of staleness need execution: async (sync trains every batch "
+                "on the weights that generated it); set execution: async or drop max_staleness"
+            ),
+        )

@@ -202,6 +202,16 @@ class Replanner:
             self._times[key] = self.step_time_under(plan, lengths, self.calibration_for(efficiency))
         return self._times[key]
 
+    def fill_time(self, plan: Plan, lengths: ResponseLengths, efficiency: float) -> float | None:
+        """An async plan's first step after its pipeline starts empty (at the start, after a
+        transition, restart or stall): generation has not run ahead, so the pools take turns:
+        the synchronous composition of the same layouts. None when it overflows memory."""
+        workload = self.workload_for(lengths).model_copy(
+            update={"execution": "sync", "max_staleness": None, "partial_rollout": False}
+        )
+        evaluation = self.evaluate(plan.model_copy(update={"workload": workload}), self.calibration_for(efficiency))
+        return evaluation.predictions.step_time_s if evaluation.feasible else None
+
     def step_time_under(self, plan: Plan, lengths: ResponseLengths, calibration: Calibration) -> float | None:
         """`step_time` under another calibration (not cached)."""
         evaluation = self.evaluate(plan.model_copy(update={"workload": self.workload_for(lengths)}), calibration)
