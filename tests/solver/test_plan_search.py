@@ -513,7 +513,7 @@ def test_the_smallest_counts_match_a_search_of_every_count() -> None:
 
     Each count is asked of `fits` on its own request (test_fits_agrees_with_the_search holds it
     to the search): where host memory binds, a full search of a count that holds no plan runs
-    every capped pass and takes minutes (seed 74: 16 to 19 GPUs), `fits` a second."""
+    every capped pass (seed 74's counts 16 to 19: a minute and a half together; `fits`: seconds)."""
     checked, gaps = 0, 0
     for seed in range(100):
         request = random_request(seed)
