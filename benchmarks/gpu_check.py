@@ -17,7 +17,8 @@ a tiny one, for CI). Then, on a world of one rank (NCCL on CUDA, gloo on the CPU
    sharding and DTensor tensor parallelism at tp=2 (2 GPUs: on fewer the row says so and is
    skipped), and training-time offload (when this build executes it): measured peak per
    model-stage and rank (`torch.cuda.max_memory_allocated` on CUDA, the runtime tracker's
-   resident-set reading on CPU ranks) against the cost model's, and offload's host bytes.
+   resident-set reading on CPU ranks) against the cost model's, and offload's host bytes
+   (`--device cpu`: 8 response tokens instead of 112, since only the code is checked there).
 6. vLLM (`--vllm on|only`, when vllm is installed), in a rank of its own as the runtime runs it
    (external launcher, no engine process): the engine's start-up (`LLM(...)` to ready, CUDA
    graphs captured), sampled generation tokens/s of vLLM and of nereus's own engine on the same
@@ -78,10 +79,12 @@ TINY = {
     "vocab_size": 64,
     "max_position_embeddings": 256,
 }
-#: Per device: generation (batch, prompt, new tokens), training (batch, sequence, steps), GRPO steps.
+#: Per device: generation (batch, prompt, new tokens), training (batch, sequence, steps), GRPO steps,
+#: and the memory rows' response tokens (None: the memory benchmark's; the CPU check only runs
+#: their code, so it cuts the activation-heavy 112 tokens to a few).
 SIZES = {
-    "cuda": {"gen": (32, 64, 128), "train": (8, 1024, 4), "rl_steps": 3, "new_tokens": 32},
-    "cpu": {"gen": (2, 8, 4), "train": (2, 16, 2), "rl_steps": 1, "new_tokens": 4},
+    "cuda": {"gen": (32, 64, 128), "train": (8, 1024, 4), "rl_steps": 3, "new_tokens": 32, "memory_new_tokens": None},
+    "cpu": {"gen": (2, 8, 4), "train": (2, 16, 2), "rl_steps": 1, "new_tokens": 4, "memory_new_tokens": 8},
 }
 PHASE_TIMEOUT_S = 240
 #: The vLLM section per --vllm-size: samples, prompt tokens, new tokens (every sample that long).
@@ -305,6 +308,9 @@ def memory_rows(device: str, root: Path) -> list[dict[str, Any]]:
             rows.append({"row": name, "ranks": ranks, "skipped": skipped})
             continue
         document, new_tokens = memory_row_plan(name, device)
+        if SIZES[device]["memory_new_tokens"] is not None:
+            new_tokens = SIZES[device]["memory_new_tokens"]
+            document["workload"]["response_len"] = dict.fromkeys(("median", "p99", "max"), new_tokens)
         measured = memory_row(document, root / "memory" / name, new_tokens, ranks)
         rows.append({"row": name, "ranks": ranks, "stages": measured})
     return rows
