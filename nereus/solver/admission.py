@@ -303,7 +303,7 @@ def full_shard_problems(plan: Plan) -> list[str]:
     for entry in plan.stages:
         if not entry.full_shard or entry.dp < 2:
             continue
-        for position in range(entry.tp * entry.pp):
+        for position in range(entry.replica_size):
             gpus = [emu[position] for emu in entry.emus]
             if gpus != sorted(gpus):
                 found.append(
