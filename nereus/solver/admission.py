@@ -23,7 +23,15 @@ from nereus.cost.kv_pool import BLOCK_TOKENS, KV_ELEMENT_BYTES
 from nereus.cost.stage import kv_bytes_per_token
 from nereus.errors import ArgumentError, NereusError, SpecError
 from nereus.spec.capabilities import CONTEXT_PARALLEL_EXECUTED, MEMORY_CHOICES, RUNTIME_DTYPES, unexecuted_choices
-from nereus.spec.check import Problem, critic_rule, group_rule, layout_problem, model_problems, position_problems
+from nereus.spec.check import (
+    Problem,
+    cp_layout_problem,
+    critic_rule,
+    group_rule,
+    layout_problem,
+    model_problems,
+    position_problems,
+)
 from nereus.spec.model import Model
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig, RunConfig
@@ -182,7 +190,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     for entry in plan.stages:
         name = entry.model_stage
         model = plan.model(workload.model_name(entry.role))
-        problem = layout_problem(model, entry.tp, entry.pp)
+        problem = layout_problem(model, entry.tp, entry.pp) or cp_layout_problem(model, entry.tp, entry.pp, entry.cp)
         if problem:
             problems.append(f"{name}: {problem}")
         if model.moe is not None:

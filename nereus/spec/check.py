@@ -300,16 +300,19 @@ def _stage_problems(plan: Plan, i: int, entry: StagePlan) -> Iterator[Problem]:
         yield from _tp_group_problems(plan.cluster, entry, emu, f"{at}.emus[{k}]")
 
 
+def cp_layout_problem(model: Model, tp: int, pp: int, cp: int) -> str | None:
+    """Why nereus does not run context parallelism `cp` in a (tp, pp) replica of `model`, or None:
+    heads Ulysses cannot split (`cp_rule`), or cp beside pipeline stages (cp on generation is
+    refused when a plan entry is read)."""
+    if cp > 1 and pp > 1:
+        return f"cp={cp} with pp={pp} is not supported; set cp: 1 or pp: 1"
+    return cp_rule(model, tp, cp)
+
+
 def _cp_problems(model: Model, entry: StagePlan, at: str) -> Iterator[Problem]:
-    """Context parallelism the planner and runtime do not run: heads Ulysses cannot split, or
-    cp beside pipeline stages (cp on generation is refused when the entry is read)."""
-    if entry.cp == 1:
-        return
-    rule = cp_rule(model, entry.tp, entry.cp)
-    if rule:
-        yield Problem(f"{at}.cp", rule)
-    if entry.pp > 1:
-        yield Problem(f"{at}.cp", f"cp={entry.cp} with pp={entry.pp} is not supported; set cp: 1 or pp: 1")
+    problem = cp_layout_problem(model, entry.tp, entry.pp, entry.cp)
+    if problem:
+        yield Problem(f"{at}.cp", problem)
 
 
 def _tp_group_problems(cluster: Cluster, entry: StagePlan, emu: list[int], at: str) -> Iterator[Problem]:
