@@ -87,8 +87,15 @@ def plan(
             "or search (all three)."
         ),
     ] = "search",
+    context_parallel: Annotated[
+        str,
+        typer.Option(
+            help="Training and inference sequences cut over cp > 1 ranks (Ulysses context parallelism, "
+            "without pipeline stages): on, off (cp = 1), or search."
+        ),
+    ] = "search",
 ) -> None:
-    """Choose every model-stage's tp/pp/dp, GPUs and micro-batches for the fastest feasible step."""
+    """Choose every model-stage's tp/cp/pp/dp, GPUs and micro-batches for the fastest feasible step."""
     if ctx.invoked_subcommand is not None:
         return
     from nereus.cli.inputs import load_kind, resolve_model, resolve_workload
@@ -119,6 +126,7 @@ def plan(
         the_calibration = calibration_from_profile(measured, the_calibration)  # type: ignore[arg-type]
     flags = {"recompute": recompute, "token_budget": token_budget, "zero1": zero1, "offload": offload}
     flags |= {"kv_budget": kv_budget, "full_shard": full_shard, "train_offload": train_offload}
+    flags |= {"context_parallel": context_parallel}
     choices = _memory_choices(flags)
     models = models_for(the_workload, the_model)
     unfit = model_fit_problems(models, the_workload)
@@ -179,6 +187,7 @@ def _memory_choices(flags: dict[str, str]) -> MemoryChoices:
         kv_budget=_switch("--kv-budget", kv_budget, True, False),  # type: ignore[arg-type]
         full_shard=_switch("--full-shard", full_shard, True, False),  # type: ignore[arg-type]
         train_offload=offload_values[train_offload],
+        context_parallel=_switch("--context-parallel", flags["context_parallel"], True, False),  # type: ignore[arg-type]
     )
 
 
@@ -232,6 +241,7 @@ def _stage_table(plan: Plan, title: str, calibration: Calibration) -> Table:
         "model-stage",
         "pool",
         "tp",
+        "cp",
         "pp",
         "dp",
         "micro",
@@ -251,6 +261,7 @@ def _stage_table(plan: Plan, title: str, calibration: Calibration) -> Table:
             entry.model_stage,
             entry.pool,
             str(entry.tp),
+            str(entry.cp),
             str(entry.pp),
             str(entry.dp),
             str(entry.micro_batches),

@@ -94,8 +94,9 @@ def explain_plan(plan: Plan, calibration: Calibration) -> dict[str, Any]:
             "memory_bytes": pred.memory_breakdown_bytes,
             "host_memory_bytes": pred.host_memory_bytes,
         }
+        cp = f" cp={entry.cp}" if entry.cp > 1 else ""
         lines.append(
-            f"\n{entry.model_stage}: tp={entry.tp} pp={entry.pp} dp={entry.dp} "
+            f"\n{entry.model_stage}: tp={entry.tp}{cp} pp={entry.pp} dp={entry.dp} "
             f"micro_batches={entry.micro_batches} pool={entry.pool}"
         )
         lines.append("  memory choices: " + choice_line(entry, cost_of(plan, entry, calibration)))

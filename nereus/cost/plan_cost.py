@@ -91,6 +91,15 @@ def _spans_nodes(cluster: Cluster, gpus: list[int]) -> bool:
     return len({cluster.node_of(gpu) for gpu in gpus}) > 1
 
 
+def cp_spans_nodes(cluster: Cluster, entry: StagePlan) -> bool:
+    """Whether some tp x cp group (one pipeline stage of an EMU: its cp ranks' tp groups, whose
+    all-to-alls cross it) spans nodes; False without context parallelism."""
+    block = entry.tp * entry.cp
+    return entry.cp > 1 and any(
+        _spans_nodes(cluster, emu[s * block : (s + 1) * block]) for emu in entry.emus for s in range(entry.pp)
+    )
+
+
 def stage_choices(entry: StagePlan) -> dict[str, Any]:
     """The entry's memory-saving choices as the cost model's keyword arguments."""
     return {
@@ -183,9 +192,12 @@ def _stage_terms(
     pp_inter = any(_spans_nodes(plan.cluster, emu) for emu in entry.emus)
     dp_inter = _spans_nodes(plan.cluster, entry.gpus)
     choices = stage_choices(entry)
-    times = model.time_terms(entry.tp, entry.pp, entry.dp, entry.micro_batches, pp_inter, dp_inter, **choices)
+    cp_inter = cp_spans_nodes(plan.cluster, entry)
+    times = model.time_terms(
+        entry.tp, entry.pp, entry.dp, entry.micro_batches, pp_inter, dp_inter, **choices, cp=entry.cp, cp_inter=cp_inter
+    )
     memory = model.memory_terms(
-        entry.tp, entry.pp, entry.dp, entry.micro_batches, token_budget=entry.token_budget or 0, **choices
+        entry.tp, entry.pp, entry.dp, entry.micro_batches, token_budget=entry.token_budget or 0, **choices, cp=entry.cp
     )
     if entry.offload:
         states = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
@@ -198,7 +210,7 @@ def _stage_terms(
 
 def _weight_sync(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
     train = plan.stage_plan(ACTOR_TRAINING)
-    same = (entry.tp, entry.pp, entry.emus) == (train.tp, train.pp, train.emus)
+    same = (entry.tp, entry.cp, entry.pp, entry.emus) == (train.tp, train.cp, train.pp, train.emus)
     train_nodes = {plan.cluster.node_of(g) for g in train.gpus}
     inter = any(plan.cluster.node_of(g) not in train_nodes for g in entry.gpus)
     actor = plan.model(plan.workload.actor)
@@ -212,6 +224,12 @@ def _weight_sync(plan: Plan, entry: StagePlan, calibration: Calibration) -> floa
         pp=entry.pp,
         inter=inter,
     )
+
+
+def _degrees(entry: StagePlan) -> str:
+    """`tp=2, pp=1` (with `, cp=4` where context parallelism is in play)."""
+    cp = f", cp={entry.cp}" if entry.cp > 1 else ""
+    return f"tp={entry.tp}{cp}, pp={entry.pp}"
 
 
 def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) -> PlanEvaluation:
@@ -258,7 +276,7 @@ def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) ->
         if peak > limit:
             term, size = max(memory.items(), key=lambda kv: kv[1])
             problems.append(
-                f"{entry.model_stage} (tp={entry.tp}, pp={entry.pp}) needs {format_bytes(peak)} on GPU {busiest} "
+                f"{entry.model_stage} ({_degrees(entry)}) needs {format_bytes(peak)} on GPU {busiest} "
                 f"> {format_bytes(limit)} usable; largest term: {term} {format_bytes(size)}"
             )
     problems += host_problems(plan, {name: sum(t[2].values()) for name, t in terms.items()})

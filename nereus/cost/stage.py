@@ -50,6 +50,14 @@ The formulas, per GPU of the busiest pipeline stage:
   shard in (1), or per micro-batch the forward and backward gathers' shards in and the
   gradient shard out (2), not overlapped with compute.
 * pipelines run 1F1B: (micro-batches + pp - 1) slots; the pp - 1 extra slots are bubbles.
+* context parallelism (`cp`, training and inference; Ulysses, docs/context-parallel.md): each of a
+  replica's cp ranks holds 1/cp of every sequence's tokens, so activations and logits (and the
+  compute, the tp all-reduces and the pipeline sends) are divided by cp, while parameters,
+  gradients and optimizer state are not (the cp ranks hold the same weights). Around each
+  layer's attention core 4 all-to-alls (q, k, v out; the output back) move a rank's
+  tokens x heads-per-tp-rank, (cp - 1) / cp of them leaving the rank, per forward pass (the
+  backward is two passes' worth), over the intra- or inter-node link by where the tp x cp
+  group sits; the cp ranks join the dp replicas' gradient all-reduce (dp x cp ranks).
 """
 
 from __future__ import annotations
@@ -206,6 +214,20 @@ class StageCostModel:
         steps = 2.0 * (ranks - 1)
         return np.where(ranks > 1, steps * latency + steps / ranks * nbytes / bandwidth, 0.0)
 
+    def all_to_all_time(self, nbytes: Array, ranks: Array, inter: Array) -> Array:
+        """All-to-all of `nbytes` per rank: (n - 1) / n of them leave it, one message per peer."""
+        bandwidth, latency = self.link(inter)
+        return np.where(ranks > 1, (ranks - 1) * latency + (ranks - 1) / ranks * nbytes / bandwidth, 0.0)
+
+    def ulysses_bytes(self, tokens: Array, tp: Array) -> Array:
+        """Bytes one rank puts through a layer's 4 Ulysses all-to-alls in one forward pass: for
+        its `tokens` tokens, the query and output heads of its tp rank and its KV heads (keys and
+        values; KV heads replicate beyond their count, as `kv_bytes_per_token` says)."""
+        m = self.model
+        kv_heads = np.maximum(m.num_kv_heads // np.asarray(tp), 1)
+        heads = 2.0 * m.num_heads / tp + 2.0 * kv_heads
+        return tokens * heads * m.head_dim * self.dtype_bytes
+
     def p2p_time(self, nbytes: Array, inter: Array) -> Array:
         bandwidth, latency = self.link(inter)
         return latency + nbytes / bandwidth
@@ -281,9 +303,11 @@ class StageCostModel:
         kv_budget: Array = math.inf,
         full_shard: Array = 0,
         train_offload: Array = 0,
+        cp: Array = 1,
     ) -> dict[str, Array]:
         """Peak bytes per GPU by term. Model states are resident; the rest is transient. Bytes
-        training-time offload keeps in host memory are not among them (`host_terms`)."""
+        training-time offload keeps in host memory are not among them (`host_terms`). `cp`: each
+        rank holds 1/cp of the tokens (training and inference)."""
         w, m = self.workload, self.model
         offloaded = self.stage == "training" and _uses(train_offload)
         if offloaded:  # training-time offload shards the optimizer state across dp
@@ -300,7 +324,7 @@ class StageCostModel:
             terms["gathered"] = self.gathered_bytes(tp, full_shard)
         max_len = w.prompt_len + w.response_len.max
         if self.stage == "training":
-            tokens = self.micro_batch_tokens(dp, micro_batches, token_budget)
+            tokens = self.micro_batch_tokens(dp, micro_batches, token_budget) / cp
             in_flight = np.minimum(pp, micro_batches)
             sbh = tokens * m.hidden_dim * self.dtype_bytes / 2
             full = KORTHIKANTI_BYTES_PER_SBH * sbh / tp
@@ -319,7 +343,7 @@ class StageCostModel:
             rerun = np.where(np.equal(recompute, RECOMPUTE_FULL), np.maximum(full - logits, 0.0), 0.0)
             terms["activations"] = kept * (m.num_layers / pp) * in_flight + rerun
         elif self.stage == "inference":
-            rows = self.micro_batch_size(dp, micro_batches)
+            rows = self.micro_batch_size(dp, micro_batches) / cp  # a cp rank's share of the rows' tokens
             terms["activations"] = KORTHIKANTI_BYTES_PER_SBH * max_len * rows * m.hidden_dim / tp * self.dtype_bytes / 2
         else:
             rows = self.samples_per_replica(dp)
@@ -392,12 +416,15 @@ class StageCostModel:
         kv_budget: Array = math.inf,
         full_shard: Array = 0,
         train_offload: Array = 0,
+        cp: Array = 1,
+        cp_inter: Array = False,
     ) -> dict[str, Array]:
-        """Seconds per RL step by term, for the slowest replica."""
+        """Seconds per RL step by term, for the slowest replica. `cp`, `cp_inter`: the context-
+        parallel degree and whether a tp x cp group crosses nodes (training and inference)."""
         if self.stage == "generation":
             return self._generation_terms(tp, pp, dp, pp_inter, kv_budget)
         return self._pipeline_terms(
-            tp, pp, dp, micro_batches, pp_inter, dp_inter, recompute, zero1, full_shard, train_offload
+            tp, pp, dp, micro_batches, pp_inter, dp_inter, recompute, zero1, full_shard, train_offload, cp, cp_inter
         )
 
     def _pipeline_terms(
@@ -412,6 +439,8 @@ class StageCostModel:
         zero1: Array | None = None,
         full_shard: Array = 0,
         train_offload: Array = 0,
+        cp: Array = 1,
+        cp_inter: Array = False,
     ) -> dict[str, Array]:
         """Inference forwards or 1F1B training: (m + pp - 1) slots per mini-batch."""
         w, m = self.workload, self.model
@@ -433,14 +462,16 @@ class StageCostModel:
         m_count = micro_batches
         dense = self.dense_flops_per_token(pp) * b * seq * passes
         attention = self.attention_flops(b * seq, seq / 2) / pp * attention_passes  # causal: half the keys
-        slot_compute = self.compute_time(dense, attention, tp)
-        activation_bytes = b * seq * m.hidden_dim * self.dtype_bytes
+        slot_compute = self.compute_time(dense, attention, tp * cp)  # each cp rank computes 1/cp of it
+        activation_bytes = b * seq * m.hidden_dim * self.dtype_bytes / cp
         layers = m.num_layers / pp
         slot_tp = 2 * passes * layers * self.allreduce_time(activation_bytes, tp, False)
         slot_pp = np.where(pp > 1, np.minimum(launches, 2.0) * self.p2p_time(activation_bytes, pp_inter), 0.0)
+        # Ulysses: 4 all-to-alls per layer and forward pass (q, k, v in; the output back).
+        slot_cp = passes * layers * self.all_to_all_time(self.ulysses_bytes(b * seq / cp, tp), cp, cp_inter)
         c = self.calibration
         slot_overhead = launches * layers * c.launch_overhead_s + np.minimum(launches, 2.0) * c.micro_batch_overhead_s
-        slot = slot_compute + slot_tp + slot_pp + slot_overhead
+        slot = slot_compute + slot_tp + slot_pp + slot_cp + slot_overhead
         terms = {
             "compute": rounds * m_count * slot_compute,
             "tp_comm": rounds * m_count * slot_tp,
@@ -448,13 +479,17 @@ class StageCostModel:
             "overhead": rounds * m_count * slot_overhead + c.stage_overhead_s,
             "bubble": rounds * (pp - 1) * slot,
         }
+        if _uses(np.greater(cp, 1)):  # a term only where context parallelism is in play
+            terms["cp_comm"] = rounds * m_count * slot_cp
         # A ring all-gather or reduce-scatter moves half an all-reduce's bytes in half its hops.
         replica_bytes = self.params_per_gpu(tp, pp) * self.dtype_bytes
         if self.stage == "training":
             # ZeRO-1 reduce-scatters gradients and all-gathers parameters: a ring all-reduce's bytes,
             # once per mini-batch; full sharding gathers twice and reduce-scatters once per micro-batch.
+            # The cp ranks of a replica hold the same weights: they join the gradients' reduction.
             halves = np.where(full_shard, 1.5 * m_count, 1.0)
-            terms["dp_sync"] = rounds * halves * self.allreduce_time(replica_bytes, dp, dp_inter)
+            sync_inter = np.logical_or(dp_inter, np.logical_and(np.greater(cp, 1), cp_inter))
+            terms["dp_sync"] = rounds * halves * self.allreduce_time(replica_bytes, dp * cp, sync_inter)
             terms["optimizer"] = rounds * self._optimizer_time(tp, pp, dp, zero1, full_shard)
             if _uses(train_offload):  # the step runs on the host, its shard moved over the host link
                 level = np.asarray(train_offload)

@@ -21,7 +21,8 @@ class StageBranch:
 
 
 def _layout(entry: StagePlan) -> str:
-    return f"tp={entry.tp} pp={entry.pp} dp={entry.dp}"
+    cp = f" cp={entry.cp}" if entry.cp > 1 else ""
+    return f"tp={entry.tp}{cp} pp={entry.pp} dp={entry.dp}"
 
 
 def primitive_line(primitive: PrimitiveRecord) -> str:

@@ -22,8 +22,16 @@ from nereus.cost.fit import engineless_stages
 from nereus.cost.kv_pool import BLOCK_TOKENS, KV_ELEMENT_BYTES
 from nereus.cost.stage import kv_bytes_per_token
 from nereus.errors import ArgumentError, NereusError, SpecError
-from nereus.spec.capabilities import MEMORY_CHOICES, RUNTIME_DTYPES, unexecuted_choices
-from nereus.spec.check import Problem, critic_rule, group_rule, layout_problem, model_problems, position_problems
+from nereus.spec.capabilities import CONTEXT_PARALLEL_EXECUTED, MEMORY_CHOICES, RUNTIME_DTYPES, unexecuted_choices
+from nereus.spec.check import (
+    Problem,
+    cp_layout_problem,
+    critic_rule,
+    group_rule,
+    layout_problem,
+    model_problems,
+    position_problems,
+)
 from nereus.spec.model import Model
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig, RunConfig
@@ -182,7 +190,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     for entry in plan.stages:
         name = entry.model_stage
         model = plan.model(workload.model_name(entry.role))
-        problem = layout_problem(model, entry.tp, entry.pp)
+        problem = layout_problem(model, entry.tp, entry.pp) or cp_layout_problem(model, entry.tp, entry.pp, entry.cp)
         if problem:
             problems.append(f"{name}: {problem}")
         if model.moe is not None:
@@ -223,13 +231,22 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
 
 def unexecutable_choices(plan: Plan) -> list[str]:
     """Memory-saving choices of the plan the runtime does not execute (`nereus.spec.capabilities`),
-    each with the `nereus plan` option that leaves it out."""
-    return [
+    each with the `nereus plan` option that leaves it out; and cp > 1 where the runtime does not
+    execute context parallelism."""
+    found = [
         f"{entry.model_stage}: {name} is not executed by the runtime yet; replan with "
         f"`nereus plan {MEMORY_CHOICES[name].pin}`"
         for entry in plan.stages
         for name in unexecuted_choices(entry)
     ]
+    if not CONTEXT_PARALLEL_EXECUTED:
+        found += [
+            f"{entry.model_stage}: cp={entry.cp} (context parallelism) is not executed by the runtime yet; "
+            "replan with `nereus plan --context-parallel off`"
+            for entry in plan.stages
+            if entry.cp > 1
+        ]
+    return found
 
 
 def offload_problems(plan: Plan) -> list[str]:
@@ -308,7 +325,7 @@ def full_shard_problems(plan: Plan) -> list[str]:
     for entry in plan.stages:
         if not entry.full_shard or entry.dp < 2:
             continue
-        for position in range(entry.tp * entry.pp):
+        for position in range(entry.replica_size):
             gpus = [emu[position] for emu in entry.emus]
             if gpus != sorted(gpus):
                 found.append(

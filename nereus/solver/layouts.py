@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
 from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, stage_room
 from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel
-from nereus.spec.capabilities import MEMORY_CHOICES
-from nereus.spec.check import kv_heads_rule, pp_rule
+from nereus.spec.capabilities import CONTEXT_PARALLEL_EXECUTED, MEMORY_CHOICES
+from nereus.spec.check import cp_rule, kv_heads_rule, pp_rule
 from nereus.spec.plan import RECOMPUTE_LEVELS, Fusion, Recompute
 
 #: Bounded KV budgets tried, as fractions of the room a GPU leaves the model-stages (its usable
@@ -23,8 +23,11 @@ KV_BUDGET_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7)
 #: (kv_budget_bytes or 0, recompute, token_budget or 0, zero1, offload, full_shard, train_offload level:
 #: `TRAIN_OFFLOADS`' index) of one option.
 Choice = tuple[int, int, int, int, int, int, int]
-#: time, resident, transient, tp, pp, dp, m, choice, host bytes per GPU
-Option = tuple[float, float, float, int, int, int, int, Choice, float]
+#: time, resident, transient, tp, pp, dp, m, choice, host bytes per GPU, cp (last, so that the
+#: fields before it keep their places)
+Option = tuple[float, float, float, int, int, int, int, Choice, float, int]
+#: Where an `Option` keeps its context-parallel degree.
+CP: Final = 9
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,10 @@ class MemoryChoices:
     """Training-time offload (`StagePlan.train_offload`): `none`, `optimizer` (AdamW state and
     gradients in host memory, the step on the host; it shards them whatever `zero1` says) or
     `params` (the parameters too; searched only with full sharding)."""
+    context_parallel: tuple[bool, ...] = (False, True)
+    """Training and inference replicas may cut sequences over cp > 1 ranks (True; Ulysses, without
+    pipeline stages: `candidate_grid`) or keep cp = 1 (False). A layout dimension, not a memory
+    choice, but pinned the same way."""
 
 
 def runtime_choices(fusion: Fusion | None = None) -> MemoryChoices:
@@ -56,9 +63,14 @@ def runtime_choices(fusion: Fusion | None = None) -> MemoryChoices:
     controller): every choice it executes (`nereus.spec.capabilities`) searched as by default,
     each other one pinned off. Under `fusion`'s intra-stage fusion, whose schedule fixes the
     training micro-batch counts, token budgets are pinned off too (the runtime refuses that
-    combination: `nereus.solver.admission.token_budget_problems`)."""
+    combination: `nereus.solver.admission.token_budget_problems`). Context parallelism is searched
+    where the runtime executes it (`nereus.spec.capabilities.CONTEXT_PARALLEL_EXECUTED`)."""
     every = MemoryChoices()
-    pinned = {name: getattr(every, name)[:1] for name, support in MEMORY_CHOICES.items() if not support.executed}
+    pinned: dict[str, Any] = {
+        name: getattr(every, name)[:1] for name, support in MEMORY_CHOICES.items() if not support.executed
+    }
+    if not CONTEXT_PARALLEL_EXECUTED:
+        pinned["context_parallel"] = (False,)
     if fusion is not None and fusion.intra_stage:
         pinned["token_budget"] = (False,)
     return dataclasses.replace(every, **pinned)
@@ -83,7 +95,7 @@ class ListedOptions:
     offloads: np.ndarray
     """Each block of `timed_row`'s length: its offload flag (1: the states sleep)."""
     layout: tuple[np.ndarray, ...]
-    """(tp, pp, dp, micro_batches) per timed row."""
+    """(tp, pp, dp, micro_batches, cp) per timed row."""
     memory: dict[str, np.ndarray]
     """Bytes per memory term, per timed row."""
     choices: tuple[np.ndarray, ...]
@@ -108,7 +120,7 @@ class OptionTable:
     """Every candidate layout of one model-stage on one pool size: rows of a `ListedOptions`.
 
     `options` turns them, on first use, into the plain tuples (time_s, resident_bytes,
-    transient_bytes, tp, pp, dp, micro_batches, choice, host_bytes) the search loops over;
+    transient_bytes, tp, pp, dp, micro_batches, choice, host_bytes, cp) the search loops over;
     `memory` keeps the per-term bytes behind each option for reports.
     """
 
@@ -131,7 +143,12 @@ class OptionTable:
     def columns(self) -> tuple[np.ndarray, ...]:
         """(time_s, resident_bytes, transient_bytes, tp, pp, dp, micro_batches)."""
         own = tuple(c[self.rows] for c in self.listed.columns)
-        return own + tuple(c[self.timed] for c in self.listed.layout)
+        return own + tuple(c[self.timed] for c in self.listed.layout[:4])
+
+    @cached_property
+    def cp(self) -> np.ndarray:
+        """The context-parallel degree."""
+        return self.listed.layout[4][self.timed]
 
     @cached_property
     def memory(self) -> dict[str, np.ndarray]:
@@ -155,15 +172,17 @@ class OptionTable:
     def options(self) -> list[Option]:
         time, resident, transient, *layout = (c.tolist() for c in self.columns)
         picks = list(zip(*(c.astype(np.int64).tolist() for c in self.choices), strict=True))
-        return list(zip(time, resident, transient, *layout, picks, self.host.tolist(), strict=True))
+        return list(zip(time, resident, transient, *layout, picks, self.host.tolist(), self.cp.tolist(), strict=True))
 
     def terms(self, i: int) -> dict[str, float]:
         """Bytes per memory term of option `i`."""
         return {k: float(v[i]) for k, v in self.memory.items()}
 
 
-def _valid_tp_pp(cost: StageCostModel) -> list[tuple[int, int]]:
-    """(tp, pp) pairs the model allows: power-of-two tp in a node, pp dividing the layers."""
+def _valid_degrees(cost: StageCostModel, allowed: MemoryChoices) -> list[tuple[int, int, int]]:
+    """(tp, pp, cp) the model allows: power-of-two tp in a node, pp dividing the layers, and in
+    training and inference (where allowed) a power-of-two cp > 1 that Ulysses can split the
+    heads by (`cp_rule`), without pipeline stages."""
     model = cost.model
     tps = [
         1 << i
@@ -171,41 +190,50 @@ def _valid_tp_pp(cost: StageCostModel) -> list[tuple[int, int]]:
         if 1 << i <= cost.cluster.gpus_per_node and kv_heads_rule(model, 1 << i) is None
     ]
     pps = [pp for pp in range(1, model.num_layers + 1) if pp_rule(model, pp) is None]
-    return [(tp, pp) for tp in tps for pp in pps]
+    out = [(tp, pp, 1) for tp in tps for pp in pps]
+    if cost.stage != "generation" and True in allowed.context_parallel:
+        cps = [1 << i for i in range(1, model.num_kv_heads.bit_length())]
+        out += [(tp, 1, cp) for tp in tps for cp in cps if cp_rule(model, tp, cp) is None]
+    if False not in allowed.context_parallel and cost.stage != "generation":  # pinned on
+        out = [d for d in out if d[2] > 1]
+    return out
 
 
 def _ceil_div(a: Any, b: Any) -> Any:
     return -(-a // b)
 
 
-def candidate_grid(cost: StageCostModel, pool_sizes: list[int]) -> tuple[np.ndarray, ...]:
-    """(size, tp, pp, dp, micro_batches) columns of every candidate on every pool size.
+def candidate_grid(
+    cost: StageCostModel, pool_sizes: list[int], allowed: MemoryChoices | None = None
+) -> tuple[np.ndarray, ...]:
+    """(size, tp, pp, dp, micro_batches, cp) columns of every candidate on every pool size.
 
-    tp is a power of two inside a node, pp divides the layers, dp fills the pool
-    (up to one replica per sample);
+    tp is a power of two inside a node, pp divides the layers, cp (training and inference) is
+    a power of two the heads allow (`_valid_degrees`), dp fills the pool with replicas of
+    tp x cp x pp GPUs (up to one replica per sample);
     training tries micro-batch sizes 1, 2, 4, ... and the whole share of a replica.
     """
-    pairs = np.array(_valid_tp_pp(cost), dtype=np.int64).reshape(-1, 2)
-    size, tp, pp = np.broadcast_arrays(
-        np.array(pool_sizes, dtype=np.int64)[:, None], pairs[None, :, 0], pairs[None, :, 1]
+    degrees = np.array(_valid_degrees(cost, allowed or MemoryChoices()), dtype=np.int64).reshape(-1, 3)
+    size, tp, pp, cp = np.broadcast_arrays(
+        np.array(pool_sizes, dtype=np.int64)[:, None], *(degrees[None, :, k] for k in range(3))
     )
     w = cost.workload
     samples = w.samples_per_step // w.mini_batches if cost.stage == "training" else w.samples_per_step
-    keep = tp * pp <= size
-    size, tp, pp = size[keep], tp[keep], pp[keep]
-    dp = np.minimum(size // (tp * pp), samples)  # a replica without samples would idle: leave its GPUs free
+    keep = tp * cp * pp <= size
+    size, tp, pp, cp = size[keep], tp[keep], pp[keep], cp[keep]
+    dp = np.minimum(size // (tp * cp * pp), samples)  # a replica without samples would idle: leave its GPUs free
     if cost.stage != "training":
         if cost.stage == "generation":
-            return size, tp, pp, dp, np.ones_like(dp)
+            return size, tp, pp, dp, np.ones_like(dp), cp
         per_replica = _ceil_div(w.samples_per_step, dp)
-        return size, tp, pp, dp, _ceil_div(per_replica, w.micro_batch_size)
+        return size, tp, pp, dp, _ceil_div(per_replica, w.micro_batch_size), cp
     share = _ceil_div(w.samples_per_step // w.mini_batches, dp)
-    columns: list[list[np.ndarray]] = [[], [], [], [], []]
+    columns: list[list[np.ndarray]] = [[], [], [], [], [], []]
     largest = int(share.max()) if share.size else 0
     for b in [*(1 << i for i in range(largest.bit_length())), 0]:
         pick = share > b if b else np.ones_like(share, dtype=bool)  # b = 0 stands for "the whole share"
         m = _ceil_div(share[pick], b) if b else np.ones(int(pick.sum()), dtype=np.int64)
-        for out, col in zip(columns, (size[pick], tp[pick], pp[pick], dp[pick], m), strict=True):
+        for out, col in zip(columns, (size[pick], tp[pick], pp[pick], dp[pick], m, cp[pick]), strict=True):
             out.append(col)
     return tuple(np.concatenate(col) for col in columns)
 
@@ -227,7 +255,7 @@ def _kv_levels(
     memory: of those, only the smallest (the first of equal ones) is priced, and the unbounded
     row only where every budget binds (the others would be dominated and not listed)."""
     room = stage_room(cost.cluster, cost.calibration)
-    tp, pp, dp = (c.astype(float) for c in columns[1:4])
+    tp, pp, dp = (c.astype(float) for c in columns[1:4])  # generation: cp = 1
     full = cost.full_kv_bytes(tp, pp, dp)
     one = np.ceil((cost.workload.prompt_len + cost.workload.response_len.max) * cost.kv_bytes_per_token(tp, pp))
     candidates = [np.floor(room * f) * np.ones_like(full) for f in KV_BUDGET_FRACTIONS] + [one]
@@ -251,7 +279,7 @@ class _Timed:
     """Distinct layouts times the choices that change the time's formulas (recompute, KV
     budget), each priced once; the other choices follow by arithmetic (`_expand_choices`)."""
 
-    layout: list[np.ndarray]  # index of the distinct layout, tp, pp, dp, micro-batches
+    layout: list[np.ndarray]  # index of the distinct layout, tp, pp, dp, micro-batches, cp
     kv: np.ndarray  # KV budget in bytes (inf: none)
     recompute: np.ndarray
     full_shard: np.ndarray  # parameters sharded across dp (the optimizer with them)
@@ -288,7 +316,7 @@ def _timed_grid(
     cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices
 ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(columns, kv budget, recompute, full shard, train offload) of the timed rows: distinct
-    (index, tp, pp, dp, m) rows once per block (`_blocks`) and, in a training block, per recompute
+    (index, tp, pp, dp, m, cp) rows once per block (`_blocks`) and, in a training block, per recompute
     choice; or per KV budget (generation)."""
     if cost.stage == "generation":
         columns = list(distinct)
@@ -315,24 +343,33 @@ def _timed_grid(
 def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices) -> _Timed:
     """Memory of every timed row, and its time where some choice of it fits alone."""
     layout, kv, recompute, full_shard, train_offload = _timed_grid(cost, distinct, allowed)
-    tp, pp, dp, m = (c.astype(float) for c in layout[1:])
+    tp, pp, dp, m, cp = (c.astype(float) for c in layout[1:])
     pinned = cost.stage == "training" and cost.workload.optimizer.shard_across_dp
     zero1 = np.full(tp.shape, pinned) | (full_shard > 0) | (train_offload > 0)
     shard: Any = full_shard if cost.stage != "generation" else 0
     memory = cost.memory_terms(
-        tp, pp, dp, m, recompute=recompute, zero1=zero1, kv_budget=kv, full_shard=shard, train_offload=train_offload
+        tp,
+        pp,
+        dp,
+        m,
+        recompute=recompute,
+        zero1=zero1,
+        kv_budget=kv,
+        full_shard=shard,
+        train_offload=train_offload,
+        cp=cp,
     )
     memory = {k: np.broadcast_to(v, tp.shape).astype(float) for k, v in memory.items()}
     token_budget, token_ratio = np.zeros(tp.shape), np.ones(tp.shape)
     if cost.stage == "training":
         token_budget = cost.packed_token_budget(dp, m)
-        token_ratio = token_budget / cost.micro_batch_tokens(dp, m)
+        token_ratio = token_budget / cost.micro_batch_tokens(dp, m)  # cp divides both alike
     least = _least_memory(memory, dp, token_ratio, allowed, zero1)
     fits = least <= stage_room(cost.cluster, cost.calibration)
     if cost.stage == "training":
         times = _pipeline_times(cost, distinct, allowed)
     else:
-        times = _fitting_times(cost, (tp, pp, dp, m), fits, kv_budget=kv, full_shard=full_shard, zero1=zero1)
+        times = _fitting_times(cost, (tp, pp, dp, m, cp), fits, kv_budget=kv, full_shard=full_shard, zero1=zero1)
     time = np.where(fits, sum(times.values(), np.zeros(tp.shape)), np.inf)
     optimizer_time = np.where(fits, times["optimizer"], 0.0) if cost.stage == "training" else np.zeros(tp.shape)
     host = sum(cost.host_terms(tp, pp, dp, train_offload).values(), np.zeros(tp.shape))
@@ -341,22 +378,32 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
     )
 
 
-def _inter(cost: StageCostModel, tp: np.ndarray, pp: np.ndarray, dp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Whether a layout's pipeline and its dp group cross nodes: an EMU straddles nodes when it
-    is larger than a node, or packs unevenly into one."""
-    emu, per_node = tp * pp, cost.cluster.gpus_per_node
-    return (emu > per_node) | ((per_node % emu != 0) & (emu * dp > per_node)), emu * dp > per_node
+def _inter(
+    cost: StageCostModel, tp: np.ndarray, pp: np.ndarray, dp: np.ndarray, cp: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Whether a layout's pipeline, its dp group and its tp x cp groups cross nodes: a block of
+    contiguous GPUs (an EMU; one pipeline stage's tp x cp ranks) straddles nodes when it is larger
+    than a node, or packs unevenly into one."""
+    per_node = cost.cluster.gpus_per_node
+
+    def straddles(block: np.ndarray, count: np.ndarray) -> np.ndarray:
+        return (block > per_node) | ((per_node % block != 0) & (block * count > per_node))
+
+    emu = tp * cp * pp
+    return straddles(emu, dp), emu * dp > per_node, (cp > 1) & straddles(tp * cp, pp * dp)
 
 
 def _fitting_times(
     cost: StageCostModel, layout: tuple[np.ndarray, ...], fits: np.ndarray, **choices: np.ndarray
 ) -> dict[str, np.ndarray]:
     """Time terms of the timed rows that fit (zero elsewhere), priced row by row."""
-    tp, pp, dp, m = (c[fits] for c in layout)
-    pp_inter, dp_inter = _inter(cost, tp, pp, dp)
+    tp, pp, dp, m, cp = (c[fits] for c in layout)
+    pp_inter, dp_inter, cp_inter = _inter(cost, tp, pp, dp, cp)
     if cost.stage == "generation":
-        del choices["full_shard"]  # generation holds whole parameters
-    picked = {k: v[fits] for k, v in choices.items()}
+        del choices["full_shard"]  # generation holds whole parameters (and cp = 1)
+    picked: dict[str, np.ndarray] = {k: v[fits] for k, v in choices.items()}
+    if cost.stage != "generation":
+        picked.update(cp=cp, cp_inter=cp_inter)
     out = {}
     for name, value in cost.time_terms(tp, pp, dp, m, pp_inter, dp_inter, **picked).items():
         out[name] = np.zeros(fits.shape)
@@ -369,17 +416,23 @@ def _pipeline_times(cost: StageCostModel, distinct: list[np.ndarray], allowed: M
     block's distinct layouts once per recompute choice. The recompute choices broadcast over a
     trailing axis, so what does not depend on them is priced once per layout; the rows that do
     not fit are priced too (their time is dropped)."""
-    tp, pp, dp, m = (c.astype(float)[:, None] for c in distinct[1:])
+    tp, pp, dp, m, cp = (c.astype(float)[:, None] for c in distinct[1:])
     recompute = np.array([float(RECOMPUTE_LEVELS.index(r)) for r in allowed.recompute])
     pinned = cost.workload.optimizer.shard_across_dp
     blocks: list[dict[str, np.ndarray]] = []
     for rows, shard, level in _blocks(cost, distinct, allowed):
-        pp_inter, dp_inter = _inter(cost, tp[rows], pp[rows], dp[rows])
+        pp_inter, dp_inter, cp_inter = _inter(cost, tp[rows], pp[rows], dp[rows], cp[rows])
         sharded, offloaded = np.full(pp_inter.shape, shard), np.full(pp_inter.shape, level)
         zero1 = np.full(pp_inter.shape, pinned) | (sharded > 0) | (offloaded > 0)
         args = (tp[rows], pp[rows], dp[rows], m[rows], pp_inter, dp_inter)
         terms = cost.time_terms(
-            *args, recompute=recompute[None, :], zero1=zero1, full_shard=sharded, train_offload=offloaded
+            *args,
+            recompute=recompute[None, :],
+            zero1=zero1,
+            full_shard=sharded,
+            train_offload=offloaded,
+            cp=cp[rows],
+            cp_inter=cp_inter,
         )
         shape = (pp_inter.shape[0], recompute.size)
         blocks.append({name: np.broadcast_to(value, shape).ravel() for name, value in terms.items()})
@@ -478,14 +531,14 @@ class LayoutGrid:
     """The distinct layout of each candidate."""
 
 
-def layout_grid(cost: StageCostModel, pool_sizes: list[int]) -> LayoutGrid:
+def layout_grid(cost: StageCostModel, pool_sizes: list[int], allowed: MemoryChoices | None = None) -> LayoutGrid:
     """The grid depends on the model's shape and the stage, not on its head: model-stages that
-    differ only in their head share it."""
-    base = candidate_grid(cost, pool_sizes)
+    differ only in their head share it (`allowed`: whether cp is searched)."""
+    base = candidate_grid(cost, pool_sizes, allowed)
     order = np.argsort(base[0], kind="stable")
     size, *layout = (c[order].astype(np.int64) for c in base)
     key = np.zeros(size.shape, dtype=np.int64)
-    for column in layout:  # one integer per (tp, pp, dp, m)
+    for column in layout:  # one integer per (tp, pp, dp, m, cp)
         key = key * (int(column.max(initial=0)) + 1) + column
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     return LayoutGrid(size, [np.arange(first.size), *(c[first] for c in layout)], inverse.reshape(-1))
@@ -496,12 +549,12 @@ def price_layouts(
 ) -> dict[int, OptionTable]:
     """Price every candidate layout and choice on every pool size, vectorised.
 
-    Time and memory depend on (tp, pp, dp, micro-batches) and the choices, not on the pool
+    Time and memory depend on (tp, pp, dp, micro-batches, cp) and the choices, not on the pool
     size: each distinct layout is priced once, and every pool size's table lists its rows.
-    `grid`: `layout_grid(cost, pool_sizes)`, if already made.
+    `grid`: `layout_grid(cost, pool_sizes, allowed)`, if already made.
     """
     allowed = allowed or MemoryChoices()
-    grid = grid or layout_grid(cost, pool_sizes)
+    grid = grid or layout_grid(cost, pool_sizes, allowed)
     timed = _price_timed(cost, grid.distinct, allowed)
     rows, total, host, memory, picks = _expand_choices(cost, timed, allowed)
     # Resident and transient bytes of each row, kept or put to sleep (the offload column's blocks).

@@ -1,7 +1,8 @@
 """Global plan search: the fastest memory-feasible layout of every model-stage.
 
 The space: per model-stage a power-of-two tp inside a node, a pp dividing the layers,
-dp from the pool's GPUs and (training) a micro-batch count; and a placement of the
+(training and inference) a context-parallel cp, dp from the pool's GPUs and (training) a
+micro-batch count; and a placement of the
 model-stages on GPU pools: fully colocated, or split in two pools at node granularity (GPU
 granularity inside one node; actor vs. the other models, or generation vs. the rest). The
 search is exact branch and bound over the same option tables that `reference_search`
@@ -32,7 +33,16 @@ from nereus.cost.plan_cost import (
     workspace_bytes,
 )
 from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel
-from nereus.solver.layouts import Choice, LayoutGrid, MemoryChoices, Option, OptionTable, layout_grid, price_layouts
+from nereus.solver.layouts import (
+    CP,
+    Choice,
+    LayoutGrid,
+    MemoryChoices,
+    Option,
+    OptionTable,
+    layout_grid,
+    price_layouts,
+)
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
 from nereus.spec.plan import RECOMPUTE_LEVELS
@@ -100,9 +110,11 @@ class Rejection:
     largest_term: str
     largest_bytes: float
     workspace_bytes: float
+    cp: int = 1
 
     def describe(self) -> str:
-        layout = f"tp={self.tp} pp={self.pp} dp={self.dp} micro_batches={self.micro_batches}{self.choice}"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        layout = f"tp={self.tp}{cp} pp={self.pp} dp={self.dp} micro_batches={self.micro_batches}{self.choice}"
         largest = f"{self.largest_term} {self.largest_bytes / GIB:.1f} GiB"
         return (
             f"{self.model_stage} {layout}: needs {self.needed_bytes / GIB:.1f} GiB > {self.usable_bytes / GIB:.1f} GiB "
@@ -188,7 +200,8 @@ def price_pool_sizes(request: PlanRequest, sizes: dict[str, set[int]]) -> dict[t
     grids: dict[tuple[str, str, tuple[int, ...]], LayoutGrid] = {}
     for names in groups.values():
         cost, needed = models[names[0]], sorted(set().union(*(sizes[name] for name in names)))
-        grid = grids.setdefault((cost.model.name, cost.stage, tuple(needed)), layout_grid(cost, needed))
+        key = (cost.model.name, cost.stage, tuple(needed))
+        grid = grids.setdefault(key, layout_grid(cost, needed, request.choices))
         for size, table in price_layouts(cost, needed, request.choices, grid).items():
             for name in names:
                 tables[name, size] = table
@@ -257,15 +270,15 @@ def _sync_function(request: PlanRequest) -> Callable[[Option, Option, int, int],
     per_node = request.cluster.gpus_per_node
 
     def nodes(layout: tuple[int, ...], start: int) -> tuple[int, int]:
-        """First and last node of the contiguous GPUs a (tp, pp, dp) layout takes from its pool's first GPU."""
-        size = layout[0] * layout[1] * layout[2]
+        """First and last node of the contiguous GPUs a (tp, pp, dp, cp) layout takes from its pool's first GPU."""
+        size = layout[0] * layout[1] * layout[2] * layout[3]
         return start // per_node, (start + size - 1) // per_node
 
     @functools.cache
     def priced(train: tuple[int, ...], dest: tuple[int, ...], train_start: int, dest_start: int) -> float:
-        """The sync time by (tp, pp, dp) of both sides: options differing only in memory
+        """The sync time by (tp, pp, dp, cp) of both sides: options differing only in memory
         choices share it, so the search asks for the same few values many times."""
-        same_layout = train_start == dest_start and train == dest  # equal tp, pp, dp: identical EMUs
+        same_layout = train_start == dest_start and train == dest  # equal tp, pp, dp, cp: identical EMUs
         train_first, train_last = nodes(train, train_start)
         dest_first, dest_last = nodes(dest, dest_start)
         return weight_sync_time(
@@ -280,7 +293,7 @@ def _sync_function(request: PlanRequest) -> Callable[[Option, Option, int, int],
         )
 
     def sync(train: Option, dest: Option, train_start: int, dest_start: int) -> float:
-        return priced(train[3:6], dest[3:6], train_start, dest_start)
+        return priced((*train[3:6], train[CP]), (*dest[3:6], dest[CP]), train_start, dest_start)
 
     return sync
 
@@ -354,7 +367,7 @@ def host_budget_per_gpu(cluster: Cluster) -> float:
 def _pareto(options: list[Option], budget: float, *, by_layout: bool, by_host: bool = False) -> list[Option]:
     """Options sorted by time, without any that a faster-or-equal one dominates in memory.
 
-    Actor options are compared only within one (tp, pp): their layout decides the
+    Actor options are compared only within one (tp, pp, cp): their layout decides the
     weight-sync cost, so a slower layout may still win. With `by_host` (host memory may bind),
     options are compared only with others keeping the same host bytes. The kept options' memory frontier
     per key is a staircase (resident ascending, transient descending), so a dominance test
@@ -363,7 +376,7 @@ def _pareto(options: list[Option], budget: float, *, by_layout: bool, by_host: b
     kept: list[Option] = []
     stairs: dict[tuple[float, ...], tuple[list[float], list[float]]] = {}
     for option in sorted(o for o in options if o[1] + o[2] <= budget):
-        key = (*(option[3:5] if by_layout else ()), *((option[8],) if by_host else ()))
+        key = (*((option[3], option[4], option[CP]) if by_layout else ()), *((option[8],) if by_host else ()))
         resident, transient = stairs.setdefault(key, ([], []))
         below = bisect.bisect_right(resident, option[1])
         if below and transient[below - 1] <= option[2]:
@@ -859,6 +872,7 @@ def rejections(
             for i in np.nonzero(needed > budget)[0].tolist():
                 largest = int(stacked[:, i].argmax())
                 tp, pp, dp, micro_batches = (int(c[i]) for c in table.columns[3:])
+                cp = int(table.cp[i])
                 out.append(
                     Rejection(
                         name,
@@ -872,6 +886,7 @@ def rejections(
                         terms[largest],
                         float(stacked[largest, i]),
                         workspace,
+                        cp,
                     )
                 )
     return out
@@ -888,12 +903,12 @@ def describe_choice(choice: Choice) -> str:
     return "".join(f" {p}" for p in parts if p)
 
 
-def iter_assignments(candidate: Candidate) -> Iterator[tuple[str, str, int, int, int, int, int, Choice]]:
-    """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches, choice) per model-stage."""
+def iter_assignments(candidate: Candidate) -> Iterator[tuple[str, str, int, int, int, int, int, Choice, int]]:
+    """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches, choice, cp) per model-stage."""
     pool_of = {name: (pool, start) for pool, start, _, stages in candidate.placement.pools for name in stages}
     for name, option in candidate.choices:
         pool, start = pool_of[name]
-        yield name, pool, start, *option[3:8]
+        yield name, pool, start, *option[3:8], option[CP]
 
 
 @dataclass(frozen=True)
@@ -998,4 +1013,5 @@ def _transient(terms: dict[str, float], offloaded: bool, workspace: float) -> tu
 
 
 def _layout_text(option: Option) -> str:
-    return f"tp={option[3]} pp={option[4]} dp={option[5]}{describe_choice(option[7])}"
+    cp = f" cp={option[CP]}" if option[CP] > 1 else ""
+    return f"tp={option[3]}{cp} pp={option[4]} dp={option[5]}{describe_choice(option[7])}"

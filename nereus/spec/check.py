@@ -51,6 +51,25 @@ def kv_heads_rule(model: Model, tp: int) -> str | None:
     return None
 
 
+def cp_rule(model: Model, tp: int, cp: int) -> str | None:
+    """Why Ulysses context parallelism of degree `cp` cannot split `model`'s attention after
+    `tp`, or None if it can (docs/context-parallel.md).
+
+    Around the attention core an all-to-all trades each cp rank's chunk of the sequence with all
+    of its tp rank's heads for the whole sequence with 1/cp of them: every cp rank must get
+    whole KV heads with their query groups, so tp * cp must divide the KV heads (no KV head
+    is replicated across cp ranks).
+    """
+    if cp == 1:
+        return None
+    if model.num_kv_heads % (tp * cp):
+        return (
+            f"cp={cp} with tp={tp} does not divide the {model.num_kv_heads} KV heads of {model.name} "
+            "(Ulysses gives each of the tp x cp ranks whole KV heads: tp * cp must divide them)"
+        )
+    return None
+
+
 def pp_rule(model: Model, pp: int) -> str | None:
     """Why `pp` cannot split `model`'s layers into equal stages, or None."""
     if model.num_layers % pp:
@@ -261,6 +280,7 @@ def _stage_problems(plan: Plan, i: int, entry: StagePlan) -> Iterator[Problem]:
     for rule, key in ((kv_heads_rule(model, entry.tp), "tp"), (pp_rule(model, entry.pp), "pp")):
         if rule:
             yield Problem(f"{at}.{key}", rule)
+    yield from _cp_problems(model, entry, at)
     if entry.tp > plan.cluster.gpus_per_node:
         yield Problem(f"{at}.tp", f"tp={entry.tp} exceeds the {plan.cluster.gpus_per_node} GPUs of a node")
     if entry.dp != len(entry.emus):
@@ -282,14 +302,29 @@ def _stage_problems(plan: Plan, i: int, entry: StagePlan) -> Iterator[Problem]:
         yield from _tp_group_problems(plan.cluster, entry, emu, f"{at}.emus[{k}]")
 
 
+def cp_layout_problem(model: Model, tp: int, pp: int, cp: int) -> str | None:
+    """Why nereus does not run context parallelism `cp` in a (tp, pp) replica of `model`, or None:
+    heads Ulysses cannot split (`cp_rule`), or cp beside pipeline stages (cp on generation is
+    refused when a plan entry is read)."""
+    if cp > 1 and pp > 1:
+        return f"cp={cp} with pp={pp} is not supported; set cp: 1 or pp: 1"
+    return cp_rule(model, tp, cp)
+
+
+def _cp_problems(model: Model, entry: StagePlan, at: str) -> Iterator[Problem]:
+    problem = cp_layout_problem(model, entry.tp, entry.pp, entry.cp)
+    if problem:
+        yield Problem(f"{at}.cp", problem)
+
+
 def _tp_group_problems(cluster: Cluster, entry: StagePlan, emu: list[int], at: str) -> Iterator[Problem]:
     for stage in range(entry.pp):
-        group = emu[stage * entry.tp : (stage + 1) * entry.tp]
-        if len({cluster.node_of(gpu) for gpu in group}) > 1:
-            yield Problem(
-                at,
-                f"tp group {group} of pipeline stage {stage} spans nodes; keep each tp group in one node",
-            )
+        for rank in range(entry.cp):
+            first = (stage * entry.cp + rank) * entry.tp
+            group = emu[first : first + entry.tp]
+            if len({cluster.node_of(gpu) for gpu in group}) > 1:
+                of = f"pipeline stage {stage}" + (f", cp rank {rank}" if entry.cp > 1 else "")
+                yield Problem(at, f"tp group {group} of {of} spans nodes; keep each tp group in one node")
 
 
 def _stage_set_problems(plan: Plan) -> Iterator[Problem]:

@@ -24,7 +24,7 @@ from nereus.cost.plan_cost import (
     workspace_bytes,
 )
 from nereus.errors import NereusError
-from nereus.solver.layouts import MemoryChoices
+from nereus.solver.layouts import CP, MemoryChoices
 from nereus.solver.plan_search import (
     Candidate,
     PlanRequest,
@@ -107,9 +107,11 @@ def random_workload(rng: random.Random, actor: Model, other: Model) -> Workload:
     )
 
 
-def random_request(seed: int) -> PlanRequest:
+def random_request(seed: int, cp: bool = False) -> PlanRequest:
     """Up to 64 GPUs; GPU memory 10x..1000x the actor's parameter count in bytes, so
-    some layouts (or every plan) overflow while others fit."""
+    some layouts (or every plan) overflow while others fit. Context parallelism is searched
+    with `cp` only (the seeded case mix and its statistics below predate it; cp has its own
+    reference check: test_search_with_cp_matches_reference)."""
     rng = random.Random(seed)
     actor = random_model(rng, "actor")
     other = random_model(rng, "other") if rng.random() < 0.5 else actor
@@ -136,7 +138,8 @@ def random_request(seed: int) -> PlanRequest:
         inter_node=Link(bytes_per_s=50e9, latency_s=1e-5),
         **({"host_memory_bytes": host} if rng.random() < 0.5 else {}),
     )
-    return PlanRequest(cluster, models, workload, num_gpus)
+    choices = MemoryChoices() if cp else MemoryChoices(context_parallel=(False,))
+    return PlanRequest(cluster, models, workload, num_gpus, choices=choices)
 
 
 def host_binds(request: PlanRequest, outcome: SearchOutcome) -> bool:
@@ -186,12 +189,13 @@ def training_leaves_gpus_free(request: PlanRequest) -> bool:
     return False
 
 
-def cases(chunk: int, count: int = CASES_PER_CHUNK) -> list[tuple[int, PlanRequest]]:
-    """The first `count` seeded cases of `chunk` whose exhaustive product is small enough."""
+def cases(chunk: int, count: int = CASES_PER_CHUNK, cp: bool = False) -> list[tuple[int, PlanRequest]]:
+    """The first `count` seeded cases of `chunk` whose exhaustive product is small enough
+    (`cp`: with context parallelism searched, `random_request`)."""
     out: list[tuple[int, PlanRequest]] = []
     seed = chunk * 1_000_000 + SEED_OFFSET
     while len(out) < count:
-        request = random_request(seed)
+        request = random_request(seed, cp)
         if exhaustive_size(request) <= MAX_PRODUCT:
             out.append((seed, request))
         seed += 1
@@ -272,6 +276,47 @@ def test_top_k_matches_reference(chunk: int) -> None:
     # covers one for certain.
 
 
+def cp_cases(chunk: int, count: int) -> list[tuple[int, PlanRequest]]:
+    """The first `count` seeded cases of `chunk` with context parallelism searched, an exhaustive
+    product small enough and some option with cp > 1 among their option tables (most random
+    models have too few KV heads, or pools too small, for one)."""
+    out: list[tuple[int, PlanRequest]] = []
+    seed = chunk * 1_000_000
+    while len(out) < count:
+        request = random_request(seed, cp=True)
+        if exhaustive_size(request) <= MAX_PRODUCT:
+            tables = price_all(request, placements(request))
+            if any(o[CP] > 1 for table in tables.values() for o in table.options):
+                out.append((seed, request))
+        seed += 1
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", range(2))
+def test_search_with_cp_matches_reference(chunk: int) -> None:
+    """With cp searched (training and inference, Ulysses), the exact search finds the exhaustive
+    enumeration's best step and its top 3, over cases whose option tables list cp > 1 options;
+    every candidate builds into a plan that passes the checks with its stated time, and some
+    optima do use cp."""
+    stats: Counter[str] = Counter()
+    for seed, request in cp_cases(chunk, 30):
+        for k in (1, 3):
+            fast, slow = search(request, top_k=k), reference_search(request, top_k=k)
+            got, want = step_times(fast), step_times(slow)
+            assert len(got) == len(want), seed
+            assert all(g == pytest.approx(w, rel=REL) for g, w in zip(got, want, strict=True)), (seed, k)
+            for candidate in fast.candidates:
+                plan = build_plan(request, candidate)  # asserts feasibility and the same step time
+                assert [p for p in semantic_problems(plan) if p.severity == "error"] == [], seed
+        if slow.candidates and any(o[CP] > 1 for _, o in slow.candidates[0].choices):
+            stats["optimum_uses_cp"] += 1
+        if any(o[CP] > 1 for c in slow.candidates for _, o in c.choices):
+            stats["top3_uses_cp"] += 1
+    # Today 3 (chunk 0) and 8 (chunk 1) of 30 optima use cp (5 and 8 of the top 3s).
+    assert stats["optimum_uses_cp"] >= 2, stats
+
+
 def dominated_runner_up_case() -> PlanRequest:
     """ReMax with 2 samples per step on 16 GPUs (4 per node), found by scanning random_request
     seeds (this is seed 52966). The best plan splits actor and others 8 + 8, every model-stage
@@ -310,8 +355,10 @@ def dominated_runner_up_case() -> PlanRequest:
         intra_node=Link(bytes_per_s=450e9, latency_s=3e-6),
         inter_node=Link(bytes_per_s=50e9, latency_s=1e-5),
     )
-    # Found in the space without memory-saving choices: pinned to it so the runners-up stay these.
-    return PlanRequest(cluster, (actor,), workload, 16, choices=NOTHING_SAVED)
+    # Found in the space without memory-saving choices and without cp: pinned to it so the runners-up
+    # stay these (cp layouts of the 1-layer actor would add runners-up of their own).
+    choices = dataclasses.replace(NOTHING_SAVED, context_parallel=(False,))
+    return PlanRequest(cluster, (actor,), workload, 16, choices=choices)
 
 
 @pytest.mark.parametrize("top_k", [2, 3, 5])

@@ -362,7 +362,7 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def _scaled_stage(entry: StagePlan, start: int, size: int, samples: int) -> StagePlan | None:
-    emu_size = entry.tp * entry.pp
+    emu_size = entry.replica_size
     dp = min(size // emu_size, samples)
     if dp == 0:
         return None

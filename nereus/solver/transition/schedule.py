@@ -73,12 +73,33 @@ class TransitionResult:
         return not self.blocking_cycle
 
 
+def state_replicas(entry: StagePlan) -> list[list[int]]:
+    """The model-stage's copies of its state as a transition moves them: its EMUs, each a
+    (tp, pp) grid of boxes, GPU `s * tp + r` holding box (s, r). Context parallelism's cp ranks
+    hold the same weights (only the tokens differ), so an EMU with cp > 1 is cp copies, like dp
+    replicas: cp rank c's copy is its GPUs (s * cp + c) * tp + r (`StagePlan.emus`)."""
+    if entry.cp == 1:
+        return entry.emus
+    tp, cp = entry.tp, entry.cp
+    positions = [[(s * cp + c) * tp + r for s in range(entry.pp) for r in range(tp)] for c in range(cp)]
+    return [[emu[i] for i in rank] for emu in entry.emus for rank in positions]
+
+
 def plan_emus(plan: Plan, model_stages: list[str] | None = None) -> dict[str, list[Emu]]:
-    """The EMUs of every model-stage in a plan (or of the ones named)."""
+    """The EMUs of every model-stage in a plan (or of the ones named): its state's copies
+    (`state_replicas`)."""
     make = functools.partial(tuple.__new__, Emu)  # Emu's own constructor, without a Python-level call per EMU
     return {
         entry.model_stage: list(
-            map(make, zip(repeat(entry.model_stage), repeat(entry.tp), repeat(entry.pp), map(tuple, entry.emus)))
+            map(
+                make,
+                zip(
+                    repeat(entry.model_stage),
+                    repeat(entry.tp),
+                    repeat(entry.pp),
+                    map(tuple, state_replicas(entry)),
+                ),
+            )
         )
         for entry in plan.stages
         if model_stages is None or entry.model_stage in model_stages
@@ -86,12 +107,12 @@ def plan_emus(plan: Plan, model_stages: list[str] | None = None) -> dict[str, li
 
 
 def _layout_of(entry: StagePlan) -> tuple[int, int, list[list[int]]]:
-    return entry.tp, entry.pp, entry.emus
+    return entry.tp, entry.pp, state_replicas(entry)
 
 
 def _side(entry: StagePlan) -> Replicas:
     """A model-stage's layout and EMU GPU tuples (no Emu objects: most replicas never need one)."""
-    return (entry.tp, entry.pp), list(map(tuple, entry.emus))
+    return (entry.tp, entry.pp), list(map(tuple, state_replicas(entry)))
 
 
 def _twins(changed: list[str], gpus_a: _PlanGpus, gpus_b: _PlanGpus) -> dict[str, str]:
@@ -109,7 +130,7 @@ def _twins(changed: list[str], gpus_a: _PlanGpus, gpus_b: _PlanGpus) -> dict[str
 
 
 def _same_emus(one: StagePlan, other: StagePlan) -> bool:
-    return one.tp == other.tp and one.pp == other.pp and one.emus == other.emus
+    return one.tp == other.tp and one.pp == other.pp and one.cp == other.cp and one.emus == other.emus
 
 
 def _state_sizes(plan: Plan, model_stages: Iterable[str], calibration: Calibration) -> dict[str, float]:
@@ -164,7 +185,7 @@ class _PlanGpus:
                 own.append(entry)
             else:
                 self.same_as[entry.model_stage] = original.model_stage
-        counts = [entry.tp * entry.pp * len(entry.emus) for entry in own]
+        counts = [entry.replica_size * len(entry.emus) for entry in own]  # every GPU of the state's copies
         every = itertools.chain.from_iterable(itertools.chain.from_iterable(entry.emus for entry in own))
         flat = np.fromiter(every, np.int64, count=sum(counts))
         bounds = itertools.pairwise(itertools.accumulate(counts, initial=0))
@@ -765,7 +786,7 @@ def _build_transition(
 ) -> TransitionResult:
     calibration = DEFAULT_CALIBRATION if calibration is None else calibration  # building one costs ~0.1 ms
     entries_a: dict[str, StagePlan] = {entry.model_stage: entry for entry in plan_a.stages}
-    changed_b = [e for e in plan_b.stages if (e.tp, e.pp, e.emus) != _layout_of(entries_a[e.model_stage])]
+    changed_b = [e for e in plan_b.stages if _layout_of(e) != _layout_of(entries_a[e.model_stage])]
     changed: list[str] = [entry.model_stage for entry in changed_b]
     sizes = _resident_sizes(plan_a, plan_b, _state_sizes(plan_b, entries_a, calibration), calibration)
     gpus_a, gpus_b = _PlanGpus(plan_a), _PlanGpus(plan_b, changed)  # B's unchanged model-stages are A's

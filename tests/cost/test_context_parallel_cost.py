@@ -1,0 +1,127 @@
+"""Context parallelism (Ulysses) in the cost model, against hand counts: activations and logits
+divided by cp, model states not; compute divided by cp; 4 all-to-alls of q, k, v and the output
+per layer and forward pass, over the link where the tp x cp group sits; the gradient all-reduce
+over dp x cp ranks."""
+
+from __future__ import annotations
+
+import pytest
+
+from nereus.cost.calibration import DEFAULT_CALIBRATION
+from nereus.cost.plan_cost import evaluate_plan
+from nereus.cost.stage import StageCostModel
+from nereus.spec.plan import Plan, Pool, StagePlan
+from nereus.spec.presets import MODELS, cluster_preset
+from nereus.spec.stages import model_stage
+from nereus.spec.workload import Optimizer, ResponseLengths, Workload, model_stages
+
+pytestmark = pytest.mark.logic
+
+QWEN3 = MODELS["qwen3-8b"]  # 36 layers, h 4096, 32 query heads and 8 KV heads of 128, vocab 151936
+CLUSTER = cluster_preset("h100", 16)
+
+
+def long_workload() -> Workload:
+    return Workload(
+        name="long",
+        algorithm="grpo",
+        actor=QWEN3.name,
+        prompts_per_step=8,
+        samples_per_prompt=4,
+        prompt_len=1024,
+        response_len=ResponseLengths(median=8192, p99=24576, max=32768),
+        mini_batches=2,
+        micro_batch_size=1,
+        dtype="bf16",
+        optimizer=Optimizer(),
+    )
+
+
+def cost(stage: str) -> StageCostModel:
+    return StageCostModel(QWEN3, "lm", stage, long_workload(), CLUSTER, DEFAULT_CALIBRATION)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("stage", ["training", "inference"])
+@pytest.mark.parametrize(("tp", "cp"), [(1, 2), (2, 4), (1, 8)])
+def test_cp_divides_activations_and_logits_not_states(stage: str, tp: int, cp: int) -> None:
+    c = cost(stage)
+    one = {k: float(v) for k, v in c.memory_terms(tp, 1, 2, 4).items()}
+    cut = {k: float(v) for k, v in c.memory_terms(tp, 1, 2, 4, cp=cp).items()}
+    assert cut["activations"] == pytest.approx(one["activations"] / cp, rel=1e-12)
+    assert cut["logits"] == pytest.approx(one["logits"] / cp, rel=1e-12)
+    for term in ("parameters", "gradients", "optimizer", "tied_gradients"):
+        if term in one:
+            assert cut[term] == one[term], term
+    # Hand count of the training activations at cp: 34 s b h / (tp cp) bytes per layer (bf16),
+    # micro-batches of 16 / 2 replicas / 4 = 2 rows (training: 32 / 2 mini-batches / 2 / 4) at 33792 tokens.
+    if stage == "training":
+        rows = 32 // 2 // 2 // 4
+        per_layer = 34 * 33792 * rows * 4096 / (tp * cp)
+        assert cut["activations"] == pytest.approx(per_layer * 36, rel=1e-12)
+
+
+def test_ulysses_all_to_alls_by_hand() -> None:
+    """tp=2, cp=4, training, one micro-batch per replica: 36 layers x 3 passes x 4 all-to-alls."""
+    c = cost("training")
+    tp, cp, dp, m = 2, 4, 2, 4
+    rows = 32 // 2 // dp // m
+    seq = 1024 + long_workload().response_len.mean()
+    tokens = rows * seq / cp
+    # q and the output: 32 / tp heads each way; k and v: 8 / tp heads; 128 wide, 2 bytes.
+    nbytes = tokens * (2 * 32 / tp + 2 * 8 / tp) * 128 * 2
+    bandwidth, latency = DEFAULT_CALIBRATION.link(CLUSTER, False)
+    one = (cp - 1) * latency + (cp - 1) / cp * nbytes / bandwidth
+    rounds = 2 * 1  # mini-batches x epochs
+    expected = rounds * m * 3 * 36 * one
+    terms = c.time_terms(tp, 1, dp, m, False, False, cp=cp, cp_inter=False)
+    assert float(terms["cp_comm"]) == pytest.approx(expected, rel=1e-12)
+    inter = c.time_terms(tp, 1, dp, m, False, False, cp=cp, cp_inter=True)
+    assert float(inter["cp_comm"]) > 2 * float(terms["cp_comm"])  # the inter-node link is slower
+    assert "cp_comm" not in c.time_terms(tp, 1, dp, m, False, False)  # no term without cp
+
+
+def test_cp_divides_compute_and_joins_the_gradient_all_reduce() -> None:
+    c = cost("training")
+    one = c.time_terms(2, 1, 2, 4, False, False)
+    cut = c.time_terms(2, 1, 2, 4, False, False, cp=2)
+    assert float(cut["compute"]) == pytest.approx(float(one["compute"]) / 2, rel=1e-12)
+    assert float(cut["tp_comm"]) < float(one["tp_comm"])
+    bandwidth, latency = DEFAULT_CALIBRATION.link(CLUSTER, False)
+    nbytes = float(c.params_per_gpu(2, 1)) * 2
+    ranks = 2 * 2  # dp x cp hold the same weights
+    expected = 2 * (2 * (ranks - 1) * latency + 2 * (ranks - 1) / ranks * nbytes / bandwidth)
+    assert float(cut["dp_sync"]) == pytest.approx(expected, rel=1e-12)
+    # Full recomputation reruns the forward: 4 passes of all-to-alls instead of 3.
+    full = c.time_terms(2, 1, 2, 4, False, False, cp=2, recompute=1)
+    assert float(full["cp_comm"]) == pytest.approx(float(cut["cp_comm"]) * 4 / 3, rel=1e-12)
+
+
+def _plan(tp: int, cp: int, first: int) -> Plan:
+    """actor/training on tp x cp GPUs from `first` (dp=1); the other model-stages on GPU 0..7."""
+    w = long_workload()
+    entries = []
+    for role, stage in model_stages(w):
+        name = model_stage(role, stage)
+        if stage == "training":
+            emus = [list(range(first, first + tp * cp))]
+            entry = StagePlan(model_stage=name, pool="all", tp=tp, pp=1, cp=cp, dp=1, emus=emus, micro_batches=8)
+            entries.append(entry)
+        else:
+            entries.append(StagePlan(model_stage=name, pool="all", tp=8, pp=1, dp=1, emus=[list(range(8))]))
+    return Plan(
+        cluster=CLUSTER,
+        models=[QWEN3],
+        workload=w,
+        pools=[Pool(name="all", gpus=list(range(16)))],
+        stages=entries,
+    )
+
+
+def test_evaluate_plan_prices_the_cp_group_by_where_it_sits() -> None:
+    """A tp=2 x cp=4 group inside node 0 all-to-alls over NVLink; shifted to GPUs 4-11 it
+    straddles the two nodes and the same layout pays the inter-node link."""
+    inside = evaluate_plan(_plan(2, 4, 0)).predictions.model_stages["actor/training"]
+    across = evaluate_plan(_plan(2, 4, 4)).predictions.model_stages["actor/training"]
+    assert inside.time_breakdown_s["cp_comm"] > 0
+    assert across.time_breakdown_s["cp_comm"] > 2 * inside.time_breakdown_s["cp_comm"]
+    assert across.memory_breakdown_bytes["activations"] == inside.memory_breakdown_bytes["activations"]

@@ -1,0 +1,112 @@
+"""Bad context parallelism in a plan: one line naming the field, `nereus check` exits 1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from cli_helpers import invoke
+
+from nereus.spec.check import cp_rule, semantic_problems
+from nereus.spec.io import document_from_data
+from nereus.spec.presets import MODELS
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAN = ROOT / "examples" / "plan-tiny-ppo-4rank.yaml"
+TRAINING = 5  # actor/training in the example (tp=1, pp=2, dp=2 on GPUs 0-3)
+
+
+def _plan_data(**training: Any) -> dict[str, Any]:
+    data = yaml.safe_load(PLAN.read_text())
+    data.pop("predictions", None)
+    data["stages"][TRAINING].update(training)
+    return data
+
+
+def _errors(data: dict[str, Any]) -> list[str]:
+    plan = document_from_data(data, "plan.yaml")
+    return [f"{p.path}: {p.message}" for p in semantic_problems(plan) if p.severity == "error"]
+
+
+@pytest.mark.logic
+def test_cp_rule_needs_whole_kv_heads_per_rank() -> None:
+    qwen3 = MODELS["qwen3-8b"]  # 32 query heads, 8 KV heads
+    assert cp_rule(qwen3, 1, 8) is None
+    assert cp_rule(qwen3, 2, 4) is None
+    assert cp_rule(qwen3, 1, 1) is None
+    assert "tp * cp must divide" in (cp_rule(qwen3, 2, 8) or "")
+    assert "cp=16 with tp=1" in (cp_rule(qwen3, 1, 16) or "")
+
+
+@pytest.mark.logic
+def test_a_cp_plan_passes_the_checks() -> None:
+    """tp=1 x cp=2, dp=2 on the tiny model's 2 KV heads: GPU (c, r) of an EMU is entry c * tp + r."""
+    assert _errors(_plan_data(tp=1, pp=1, cp=2, dp=2, emus=[[0, 1], [2, 3]])) == []
+
+
+@pytest.mark.logic
+def test_cp_not_dividing_the_kv_heads_is_named() -> None:
+    errors = _errors(_plan_data(tp=2, pp=1, cp=2, dp=1, emus=[[0, 1, 2, 3]], micro_batches=1))
+    assert errors == [
+        f"stages[{TRAINING}].cp: cp=2 with tp=2 does not divide the 2 KV heads of tiny (Ulysses gives each of "
+        "the tp x cp ranks whole KV heads: tp * cp must divide them)"
+    ]
+
+
+@pytest.mark.logic
+def test_cp_with_pipeline_stages_is_named() -> None:
+    errors = _errors(_plan_data(tp=1, pp=2, cp=2, dp=1, emus=[[0, 1, 2, 3]], micro_batches=1))
+    assert errors == [f"stages[{TRAINING}].cp: cp=2 with pp=2 is not supported; set cp: 1 or pp: 1"]
+
+
+@pytest.mark.logic
+def test_an_emu_of_the_wrong_size_names_cp() -> None:
+    errors = _errors(_plan_data(tp=1, pp=1, cp=2, dp=2, emus=[[0], [1]]))
+    assert f"stages[{TRAINING}].emus[0]: an EMU with tp=1, cp=2, pp=1 needs 2 GPUs, got 1" in errors
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize(
+    ("stage", "fields", "expected"),
+    [
+        (TRAINING, {"tp": 1, "pp": 2, "cp": 2, "dp": 1, "emus": [[0, 1, 2, 3]]}, "stages[5].cp: cp=2 with pp=2"),
+        (TRAINING, {"tp": 2, "pp": 1, "cp": 2, "dp": 1, "emus": [[0, 1, 2, 3]]}, "stages[5].cp: cp=2 with tp=2"),
+        (0, {"cp": 2, "dp": 1, "emus": [[0, 1, 2, 3]]}, "cp applies to training and inference only"),
+    ],
+)
+def test_nereus_check_refuses_bad_cp_in_one_line(
+    tmp_path: Path, stage: int, fields: dict[str, Any], expected: str
+) -> None:
+    data = yaml.safe_load(PLAN.read_text())
+    data.pop("predictions", None)
+    data["stages"][stage].update(fields, micro_batches=1)
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    result = invoke("check", path)
+    assert result.exit_code == 1
+    assert expected in result.stdout
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.logic
+def test_the_runtime_plans_and_admits_cp_only_where_it_executes_it() -> None:
+    """`nereus run` searches cp for itself, and admits a cp plan, exactly when the runtime executes
+    context parallelism (`CONTEXT_PARALLEL_EXECUTED`); otherwise it refuses in one line naming
+    the option that pins cp off."""
+    from nereus.solver.admission import unexecutable_choices
+    from nereus.solver.layouts import RUNTIME_CHOICES
+    from nereus.spec.capabilities import CONTEXT_PARALLEL_EXECUTED
+
+    plan = document_from_data(_plan_data(tp=1, pp=1, cp=2, dp=2, emus=[[0, 1], [2, 3]]), "plan.yaml")
+    refused = unexecutable_choices(plan)  # type: ignore[arg-type]
+    if CONTEXT_PARALLEL_EXECUTED:
+        assert True in RUNTIME_CHOICES.context_parallel
+        assert refused == []
+    else:
+        assert RUNTIME_CHOICES.context_parallel == (False,)
+        assert refused == [
+            "actor/training: cp=2 (context parallelism) is not executed by the runtime yet; "
+            "replan with `nereus plan --context-parallel off`"
+        ]
