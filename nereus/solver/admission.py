@@ -22,7 +22,7 @@ from nereus.cost.fit import engineless_stages
 from nereus.cost.kv_pool import BLOCK_TOKENS, KV_ELEMENT_BYTES
 from nereus.cost.stage import kv_bytes_per_token
 from nereus.errors import ArgumentError, NereusError, SpecError
-from nereus.spec.capabilities import CONTEXT_PARALLEL_EXECUTED, MEMORY_CHOICES, RUNTIME_DTYPES, unexecuted_choices
+from nereus.spec.capabilities import MEMORY_CHOICES, RUNTIME_DTYPES, unexecuted_choices
 from nereus.spec.check import (
     Problem,
     cp_layout_problem,
@@ -239,13 +239,6 @@ def unexecutable_choices(plan: Plan) -> list[str]:
         for entry in plan.stages
         for name in unexecuted_choices(entry)
     ]
-    if not CONTEXT_PARALLEL_EXECUTED:
-        found += [
-            f"{entry.model_stage}: cp={entry.cp} (context parallelism) is not executed by the runtime yet; "
-            "replan with `nereus plan --context-parallel off`"
-            for entry in plan.stages
-            if entry.cp > 1
-        ]
     return found
 
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, stage_room
 from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel
-from nereus.spec.capabilities import CONTEXT_PARALLEL_EXECUTED, MEMORY_CHOICES
+from nereus.spec.capabilities import MEMORY_CHOICES
 from nereus.spec.check import cp_rule, kv_heads_rule, pp_rule
 from nereus.spec.plan import RECOMPUTE_LEVELS, Fusion, Recompute
 
@@ -63,14 +63,12 @@ def runtime_choices(fusion: Fusion | None = None) -> MemoryChoices:
     controller): every choice it executes (`nereus.spec.capabilities`) searched as by default,
     each other one pinned off. Under `fusion`'s intra-stage fusion, whose schedule fixes the
     training micro-batch counts, token budgets are pinned off too (the runtime refuses that
-    combination: `nereus.solver.admission.token_budget_problems`). Context parallelism is searched
-    where the runtime executes it (`nereus.spec.capabilities.CONTEXT_PARALLEL_EXECUTED`)."""
+    combination: `nereus.solver.admission.token_budget_problems`). Context parallelism (Ulysses,
+    docs/context-parallel.md) is searched as by default: the runtime executes it."""
     every = MemoryChoices()
     pinned: dict[str, Any] = {
         name: getattr(every, name)[:1] for name, support in MEMORY_CHOICES.items() if not support.executed
     }
-    if not CONTEXT_PARALLEL_EXECUTED:
-        pinned["context_parallel"] = (False,)
     if fusion is not None and fusion.intra_stage:
         pinned["token_budget"] = (False,)
     return dataclasses.replace(every, **pinned)

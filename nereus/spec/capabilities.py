@@ -97,11 +97,6 @@ MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
     ),
 }
 
-#: Whether `nereus run` executes context parallelism (`StagePlan.cp` > 1: Ulysses, docs/context-parallel.md),
-#: a layout dimension rather than a memory choice: its own planner searches cp only then
-#: (`nereus.solver.layouts.runtime_choices`), and it refuses a plan with cp > 1 otherwise
-#: (`nereus.solver.admission.unexecutable_choices`). Flipped when the runtime's cp lands.
-CONTEXT_PARALLEL_EXECUTED = False
 
 #: Workload dtypes the runtime computes in, with the torch dtype of each (16-bit weights keep
 #: fp32 masters; fp16 is not run: it needs loss scaling).

@@ -91,22 +91,11 @@ def test_nereus_check_refuses_bad_cp_in_one_line(
 
 
 @pytest.mark.logic
-def test_the_runtime_plans_and_admits_cp_only_where_it_executes_it() -> None:
-    """`nereus run` searches cp for itself, and admits a cp plan, exactly when the runtime executes
-    context parallelism (`CONTEXT_PARALLEL_EXECUTED`); otherwise it refuses in one line naming
-    the option that pins cp off."""
+def test_the_runtime_plans_and_admits_cp() -> None:
+    """`nereus run` executes context parallelism: it searches cp for itself and admits a cp plan."""
     from nereus.solver.admission import unexecutable_choices
     from nereus.solver.layouts import RUNTIME_CHOICES
-    from nereus.spec.capabilities import CONTEXT_PARALLEL_EXECUTED
 
     plan = document_from_data(_plan_data(tp=1, pp=1, cp=2, dp=2, emus=[[0, 1], [2, 3]]), "plan.yaml")
-    refused = unexecutable_choices(plan)  # type: ignore[arg-type]
-    if CONTEXT_PARALLEL_EXECUTED:
-        assert True in RUNTIME_CHOICES.context_parallel
-        assert refused == []
-    else:
-        assert RUNTIME_CHOICES.context_parallel == (False,)
-        assert refused == [
-            "actor/training: cp=2 (context parallelism) is not executed by the runtime yet; "
-            "replan with `nereus plan --context-parallel off`"
-        ]
+    assert True in RUNTIME_CHOICES.context_parallel
+    assert unexecutable_choices(plan) == []  # type: ignore[arg-type]
