@@ -10,7 +10,8 @@ import torch
 
 from nereus.runtime.model.tensor_parallel import TensorParallel
 from nereus.runtime.model.transformer import Batch
-from nereus.runtime.rl.objectives import PolicyObjective, tis_weights
+from nereus.runtime.rl.algorithms import behaviour_weights
+from nereus.runtime.rl.objectives import PolicyObjective
 
 pytestmark = pytest.mark.one_rank
 
@@ -23,10 +24,12 @@ class Head:
 def test_weights_are_the_ratio_capped() -> None:
     old = torch.tensor([[0.0, -1.0, -2.0, -0.5]])
     rollout = torch.tensor([[0.0, -1.0, -2.0 - math.log(1.5), -0.5 - math.log(3.0)]])
-    weights = tis_weights(old, rollout, cap=2.0)
+    weights = behaviour_weights(old, rollout, "tis", cap=2.0)
     assert torch.allclose(weights, torch.tensor([[1.0, 1.0, 1.5, 2.0]]))
     # Below one is kept: a token the engine found likelier than the trainer weighs less.
-    assert float(tis_weights(torch.tensor([-1.0]), torch.tensor([-0.5]), 2.0)) == pytest.approx(math.exp(-0.5))
+    assert float(behaviour_weights(torch.tensor([-1.0]), torch.tensor([-0.5]), "tis", 2.0)) == pytest.approx(
+        math.exp(-0.5)
+    )
 
 
 def test_the_objective_weighs_only_the_policy_term() -> None:
@@ -39,11 +42,15 @@ def test_the_objective_weighs_only_the_policy_term() -> None:
     shift = 0.3 * mask  # the engine's log-probs, 0.3 below the trainer's on every response token
     batch = Batch(tokens, torch.ones(2, 5, dtype=torch.bool), {**fields, "rollout_log_probs": old - shift})
     plain = PolicyObjective(0.2, 0.0, 0.0, TensorParallel.single(), "token-mean")
-    corrected = PolicyObjective(0.2, 0.0, 0.0, TensorParallel.single(), "token-mean", tis_cap=2.0)
+    corrected = PolicyObjective(
+        0.2, 0.0, 0.0, TensorParallel.single(), "token-mean", correction="tis", correction_cap=2.0
+    )
     expected = plain.token_losses(logits, batch, Head()) * torch.exp(shift)
     assert torch.allclose(corrected.token_losses(logits, batch, Head()), expected)
     # With the KL loss on, the KL term is added unweighted.
-    with_kl = PolicyObjective(0.2, 0.5, 0.0, TensorParallel.single(), "token-mean", tis_cap=2.0)
+    with_kl = PolicyObjective(
+        0.2, 0.5, 0.0, TensorParallel.single(), "token-mean", correction="tis", correction_cap=2.0
+    )
     kl_only = PolicyObjective(0.2, 0.5, 0.0, TensorParallel.single(), "token-mean").token_losses(logits, batch, Head())
     difference = with_kl.token_losses(logits, batch, Head()) - kl_only
     assert torch.allclose(difference, plain.token_losses(logits, batch, Head()) * (torch.exp(shift) - 1), atol=1e-6)

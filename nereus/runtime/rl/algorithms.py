@@ -103,6 +103,33 @@ def clipped_policy_loss(
     return -torch.minimum(unclipped, clipped)
 
 
+#: How the policy loss weighs a token for the policy that sampled it (the behaviour policy mu):
+#: `rl.rollout_correction` and `rl.off_policy_correction` (nereus/spec/run_config.py) name these.
+BehaviourCorrection = Literal["none", "tis", "decoupled"]
+
+
+def behaviour_weights(
+    proximal_log_probs: torch.Tensor, behaviour_log_probs: torch.Tensor, correction: BehaviourCorrection, cap: float
+) -> torch.Tensor:
+    """Per-token importance weight w of pi_prox / mu (the trainer's log-probs at training time over
+    the behaviour policy's that sampled the token), a constant of the loss (no gradient):
+
+    - `tis`, truncated importance sampling (verl's TIS): w = min(pi_prox / mu, cap);
+    - `decoupled`, AReaL's decoupled PPO: w = pi_prox / mu where it is at most `cap`, and 0 on a
+      token above it (the token is dropped, as AReaL's `behav_imp_weight_cap` does);
+    - `none`: w = 1.
+
+    Where mu = pi_prox (and cap >= 1) every weight is exactly 1. Tokens outside the responses,
+    zero in both, get weight 1."""
+    ratio = torch.exp(proximal_log_probs.detach().float() - behaviour_log_probs.float())
+    if correction == "tis":
+        return ratio.clamp(max=cap)
+    if correction == "decoupled":
+        return torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
+    assert correction == "none", correction
+    return torch.ones_like(ratio)
+
+
 def clipped_fraction(
     log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, clip_eps: float
 ) -> torch.Tensor:

@@ -17,7 +17,13 @@ from nereus.runtime.comm import collectives
 from nereus.runtime.model.losses import HeadOps, next_token_log_probs
 from nereus.runtime.model.tensor_parallel import TensorParallel, reduce_from_group
 from nereus.runtime.model.transformer import Batch
-from nereus.runtime.rl.algorithms import clipped_policy_loss, clipped_value_loss, kl_divergence
+from nereus.runtime.rl.algorithms import (
+    BehaviourCorrection,
+    behaviour_weights,
+    clipped_policy_loss,
+    clipped_value_loss,
+    kl_divergence,
+)
 from nereus.spec.run_config import LossAggregation
 
 
@@ -66,13 +72,6 @@ def aggregation_normalizer(batch: Batch, mode: LossAggregation) -> float:
     return float((mask.sum(dim=1) > 0).sum())
 
 
-def tis_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, cap: float) -> torch.Tensor:
-    """Truncated importance sampling (verl's TIS): per token min(pi_old / pi_rollout, cap), the
-    trainer's probability of the sampled token over the generation engine's; a constant of the
-    loss (no gradient). Tokens outside the responses, zero in both, get weight 1."""
-    return torch.exp(old_log_probs.detach().float() - rollout_log_probs.float()).clamp(max=cap)
-
-
 @dataclass(frozen=True)
 class PolicyObjective:
     """PPO's clipped surrogate (also GRPO's and ReMax's): needs fields `loss_mask`,
@@ -93,10 +92,13 @@ class PolicyObjective:
     """[rows, t] CPU tensor, when the batch is one update on the weights that sampled it: the
     old log-probs are then the current ones (detached), written here at each row of the
     batch's field `row_index`; None: from the batch's field `old_log_probs`."""
-    tis_cap: float | None = None
-    """`rl.rollout_correction: tis`: weigh each token's clipped policy loss by
-    min(exp(old - rollout), tis_cap), the rollout log-probs from the batch's field
-    `rollout_log_probs` (the generation engine's); None: no correction."""
+    correction: BehaviourCorrection = "none"
+    """How each token's clipped policy loss is weighed for the policy that sampled it
+    (`behaviour_weights` of the old log-probs over the batch's field `rollout_log_probs`, the
+    generation engine's): `rl.rollout_correction` or `rl.off_policy_correction` (`correction_of`
+    in update.py); `none`: no weight."""
+    correction_cap: float = 2.0
+    """The weight's cap under `tis` and `decoupled` (`rl.tis_cap`)."""
 
     def weights(self, batch: Batch) -> torch.Tensor:
         return aggregation_weights(batch, self.loss_agg)
@@ -114,8 +116,9 @@ class PolicyObjective:
             columns = slice(batch.first_column, batch.first_column + old_log_probs.shape[1])
             self.current_as_old[batch.field("row_index"), columns] = old_log_probs.cpu()
         losses = clipped_policy_loss(log_probs, old_log_probs, batch.field("advantages").to(device), self.clip_eps)
-        if self.tis_cap is not None:
-            losses = losses * tis_weights(old_log_probs, batch.field("rollout_log_probs").to(device), self.tis_cap)
+        if self.correction != "none":
+            behaviour = batch.field("rollout_log_probs").to(device)
+            losses = losses * behaviour_weights(old_log_probs, behaviour, self.correction, self.correction_cap)
         if self.kl_loss_coef > 0:
             ref = batch.field("ref_log_probs").to(device)
             losses = losses + self.kl_loss_coef * kl_divergence(log_probs, ref, "k3")

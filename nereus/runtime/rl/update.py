@@ -23,6 +23,7 @@ from nereus.runtime.model.fused_schedule import fused_schedule
 from nereus.runtime.model.tensor_parallel import TensorParallel
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.algorithms import (
+    BehaviourCorrection,
     broadcast_to_tokens,
     gae,
     group_advantages,
@@ -128,17 +129,17 @@ def run_training(
         fields["row_index"] = torch.arange(batch.num_rows)
     else:
         fields["old_log_probs"] = scored.old_log_probs
-    tis_cap = None
-    if config.rollout_correction == "tis":
-        assert rollout.rollout_log_probs is not None, "tis is refused without an engine that gives log-probs"
+    correction = correction_of(config, workload)
+    if correction != "none":
+        assert rollout.rollout_log_probs is not None, "a correction is refused without the behaviour log-probs"
         fields["rollout_log_probs"] = rollout.rollout_log_probs
-        tis_cap = config.tis_cap
     actor = stages[ACTOR_TRAINING]
     kl_loss_coef = 0.0 if workload.algorithm == "ppo" else config.kl_loss_coef
     tp = actor.engine.groups.tp if actor.engine is not None else TensorParallel.single()
     objective = PolicyObjective(
-        config.clip_eps, kl_loss_coef, config.entropy_coef, tp, config.loss_agg_mode, current_as_old, tis_cap
-    )
+        config.clip_eps, kl_loss_coef, config.entropy_coef, tp, config.loss_agg_mode, current_as_old, correction,
+        config.tis_cap,
+    )  # fmt: skip
     actor_batch = Batch(batch.tokens, batch.attention_mask, {**batch.fields, **fields})
     critic = stages.get(CRITIC_TRAINING)
     critic_losses = None
@@ -185,6 +186,17 @@ def run_training(
     grad_norms.update({name: norm for name, (_, norm) in means.items()})
     old_log_probs = None if current_as_old is None else torch.cat([share for *_, share in gathered[ACTOR_TRAINING]])
     return (means[ACTOR_TRAINING][0], means[CRITIC_TRAINING][0] if CRITIC_TRAINING in means else None), old_log_probs
+
+
+def correction_of(config: RLConfig, workload: Workload) -> BehaviourCorrection:
+    """How the policy loss weighs each token for the policy that sampled it: both corrections
+    weigh by the trainer's log-prob over the rollout's (the behaviour policy's, whichever engine
+    generated it), so one suffices. `rl.off_policy_correction` where generation overlaps training
+    (`Workload.overlaps`: async with max_staleness >= 1) and it is set; `rl.rollout_correction`
+    otherwise (a synchronous run trains on-policy, up to the engine's kernels)."""
+    if workload.overlaps and config.off_policy_correction != "none":
+        return config.off_policy_correction
+    return config.rollout_correction
 
 
 def replica_share(stage: ModelStageRuntime, rows: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,0 +1,248 @@
+"""The bounded staleness queue between an async run's generation loop and its training loop
+(issue 49; docs/async.md, "The runtime side").
+
+Versions: the trainer's policy version v is the number of updates applied, so training step t
+trains at version t and its weight sync hands version t + 1 to the generation pool. A sample
+records the version of the weights that generated it (the oldest one, were a partial rollout
+continued under newer weights). Training takes whole batches of `batch_size` samples, first in
+first out, one batch per version, so a sample put behind n queued samples is trained at version
+v + n // batch_size, whatever happens in between: the queue knows each sample's training version
+when it is put. It accepts a sample only when that version is at most `max_staleness` k after the
+sample's, so no trained batch holds a sample older than k versions (asserted again at `take`);
+a refused sample stays refused (its generator must regenerate it under newer weights), which is
+why a generator asks for `room` under its version before it generates. Generation therefore runs
+at most k batches ahead of training, and k = 0 makes the two take turns.
+
+Samples are numbered in the run's stream (the i-th sample of the run: its prompt and its draw);
+the queue accepts them in that order only and hands them out in that order, so none is lost or
+repeated, and a checkpoint of the queue (`save`, `load`: JSON plus one safetensors file, nothing
+unpickled) tells a resumed generator where to continue (`next_index`).
+
+The queue is shared by a generation thread and a training thread: every method holds its lock,
+and `wait_for_batch` and `wait_for_version` block on its condition.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nereus.errors import NereusError
+from nereus.spec.io import one_line
+
+#: The queue's files inside a checkpoint folder.
+STATE_FILE = "queue.json"
+TENSORS_FILE = "queue.safetensors"
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class VersionedSample:
+    """One generated sample and the policy version that generated it."""
+
+    index: int
+    """Its place in the run's sample stream (0, 1, 2, ...)."""
+    version: int
+    """The policy version of the weights that generated it (the oldest, under partial rollout)."""
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Its per-sample tensors (tokens, the behaviour log-probs, ...), saved with the queue."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Its JSON-able facts (the prompt's id, the reward, ...), saved with the queue."""
+
+
+class StalenessQueue:
+    """Samples waiting for training; at most `max_staleness` versions between a sample's version
+    and the version that trains it (the module docstring has the rules)."""
+
+    def __init__(self, max_staleness: int, batch_size: int, version: int = 0, next_index: int = 0) -> None:
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.max_staleness = max_staleness
+        self.batch_size = batch_size
+        self._version = version
+        self._next_index = next_index
+        self._samples: deque[VersionedSample] = deque()
+        self._changed = threading.Condition()
+
+    @property
+    def version(self) -> int:
+        """The version the next `take` trains at (the updates applied so far)."""
+        return self._version
+
+    @property
+    def next_index(self) -> int:
+        """The stream index the next accepted sample must have (where a resumed generator continues)."""
+        return self._next_index
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def training_version(self, position: int) -> int:
+        """The version that trains a sample put at queue position `position` (0: the head)."""
+        return self._version + position // self.batch_size
+
+    def room(self, version: int) -> int:
+        """How many samples generated at `version` the queue would accept now, in a row."""
+        with self._changed:
+            return self._room(version)
+
+    def _room(self, version: int) -> int:
+        assert version <= self._version, f"generation at version {version} is ahead of training ({self._version})"
+        # Positions p with training_version(p) <= version + k: p < (version + k + 1 - v) * batch_size.
+        limit = (version + self.max_staleness + 1 - self._version) * self.batch_size
+        return max(0, limit - len(self._samples))
+
+    def put(self, sample: VersionedSample) -> bool:
+        """Queue `sample`, the stream's next; False (and nothing queued) where it would be
+        trained more than `max_staleness` versions after its own: regenerate it under newer weights."""
+        with self._changed:
+            assert sample.index == self._next_index, f"sample {sample.index} put where {self._next_index} is next"
+            if self._room(sample.version) == 0:
+                return False
+            self._samples.append(sample)
+            self._next_index += 1
+            self._changed.notify_all()
+            return True
+
+    def ready(self) -> bool:
+        """Whether a whole batch is queued."""
+        with self._changed:
+            return len(self._samples) >= self.batch_size
+
+    def take(self, version: int) -> list[VersionedSample]:
+        """The batch that training at `version` (the queue's `version`) trains on; the queue then
+        expects `version + 1`. A batch must be queued (`ready`, `wait_for_batch`)."""
+        with self._changed:
+            assert version == self._version, f"training at version {version} takes where {self._version} is next"
+            assert len(self._samples) >= self.batch_size, "take before a whole batch is queued"
+            batch = [self._samples.popleft() for _ in range(self.batch_size)]
+            for sample in batch:  # the hard invariant
+                assert version - self.max_staleness <= sample.version <= version, (
+                    sample.index,
+                    sample.version,
+                    version,
+                )
+            self._version += 1
+            self._changed.notify_all()
+            return batch
+
+    def wait_for_batch(self, timeout: float | None = None) -> bool:
+        """Block until a whole batch is queued; False if `timeout` seconds pass first."""
+        with self._changed:
+            return self._changed.wait_for(lambda: len(self._samples) >= self.batch_size, timeout)
+
+    def wait_for_version(self, version: int, timeout: float | None = None) -> bool:
+        """Block until training has reached `version` (a generator with no `room` under its weights
+        waits for the next ones: taking a batch frees no room for a version already there, as the
+        training version of every queue position moves with it); False if `timeout` seconds pass first."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self._version >= version, timeout)
+
+    def staleness(self, batch: list[VersionedSample], version: int) -> dict[int, int]:
+        """Histogram of a batch trained at `version`: staleness (versions behind) -> sample count."""
+        counts: dict[int, int] = {}
+        for sample in batch:
+            counts[version - sample.version] = counts.get(version - sample.version, 0) + 1
+        return dict(sorted(counts.items()))
+
+    # ---- checkpoints ----
+
+    def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """The queue as a JSON-able dict and its samples' tensors (keyed `index/name`)."""
+        with self._changed:
+            samples = [
+                {"index": s.index, "version": s.version, "tensors": sorted(s.tensors), "info": s.info}
+                for s in self._samples
+            ]
+            tensors = {
+                f"{s.index}/{name}": t.detach().cpu().contiguous()
+                for s in self._samples
+                for name, t in s.tensors.items()
+            }
+            data = {
+                "format": FORMAT,
+                "max_staleness": self.max_staleness,
+                "batch_size": self.batch_size,
+                "version": self._version,
+                "next_index": self._next_index,
+                "samples": samples,
+            }
+            return data, tensors
+
+    @classmethod
+    def from_state(cls, data: dict[str, Any], tensors: dict[str, torch.Tensor]) -> StalenessQueue:
+        """The queue `state` returned; ValueError naming the first field that does not fit."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"format: expected {FORMAT}")
+        for name in ("max_staleness", "batch_size", "version", "next_index"):
+            if not isinstance(data.get(name), int) or isinstance(data.get(name), bool):
+                raise ValueError(f"{name}: expected an integer, got {data.get(name)!r}")
+        queue = cls(data["max_staleness"], data["batch_size"], data["version"])
+        entries = data.get("samples")
+        if not isinstance(entries, list):
+            raise ValueError("samples: expected a list")
+        first = data["next_index"] - len(entries)
+        queue._next_index = first
+        for position, entry in enumerate(entries):
+            where = f"samples[{position}]"
+            if not isinstance(entry, dict) or not isinstance(entry.get("index"), int):
+                raise ValueError(f"{where}: expected an object with an integer index")
+            if not isinstance(entry.get("version"), int) or not isinstance(entry.get("tensors"), list):
+                raise ValueError(f"{where}: expected an integer version and a list of tensor names")
+            if not isinstance(entry.get("info", {}), dict):
+                raise ValueError(f"{where}.info: expected an object")
+            if entry["index"] != first + position:
+                raise ValueError(
+                    f"{where}.index: expected {first + position} (the stream's order), got {entry['index']}"
+                )
+            if not entry["version"] <= data["version"]:
+                raise ValueError(f"{where}.version: {entry['version']} is ahead of training's {data['version']}")
+            missing = [name for name in entry["tensors"] if f"{entry['index']}/{name}" not in tensors]
+            if missing:
+                raise ValueError(f"{where}: tensor {missing[0]!r} missing from the tensors file")
+            sample_tensors = {name: tensors[f"{entry['index']}/{name}"] for name in entry["tensors"]}
+            sample = VersionedSample(entry["index"], entry["version"], sample_tensors, entry.get("info", {}))
+            if not queue.put(sample):
+                raise ValueError(f"{where}: version {entry['version']} is more than max_staleness behind its training")
+        return queue
+
+    def save(self, folder: Path) -> None:
+        """Write the queue into `folder` (`STATE_FILE`, `TENSORS_FILE`), each file replaced atomically."""
+        from safetensors.torch import save_file
+
+        data, tensors = self.state()
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, write in (
+            (TENSORS_FILE, lambda path: save_file(tensors, str(path))),
+            (STATE_FILE, lambda path: path.write_text(json.dumps(data, indent=1) + "\n")),
+        ):
+            temporary = folder / f".{name}.tmp"
+            write(temporary)
+            os.replace(temporary, folder / name)
+
+    @classmethod
+    def load(cls, folder: Path) -> StalenessQueue:
+        """The queue `save` wrote into `folder`; NereusError (one line naming the file) otherwise."""
+        from safetensors.torch import load_file
+
+        state_path, tensors_path = folder / STATE_FILE, folder / TENSORS_FILE
+        try:
+            data = json.loads(state_path.read_text())
+            tensors = load_file(str(tensors_path))
+        except FileNotFoundError as error:
+            raise NereusError(f"{error.filename}: missing; the checkpoint has no async queue") from None
+        except Exception as error:  # JSON and safetensors report bad files in their own error types
+            raise NereusError(f"{folder}: unreadable async queue ({one_line(str(error))})") from None
+        try:
+            return cls.from_state(data, tensors)
+        except ValueError as error:
+            raise NereusError(f"{state_path}: {error}") from None
