@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
 
+from nereus.runtime.comm.world import collective_timeout
+
 if TYPE_CHECKING:
     import torch
 
@@ -92,7 +94,8 @@ class _Subgroups:
             self.world, self.by_ranks = dist.group.WORLD, {}
         key = tuple(sorted(ranks))
         if key not in self.by_ranks:
-            self.by_ranks[key] = dist.new_group(list(key))
+            # torch gives a new group its backend's default timeout (30 min for gloo), not the world's
+            self.by_ranks[key] = dist.new_group(list(key), timeout=collective_timeout())
         return self.by_ranks[key]
 
 
