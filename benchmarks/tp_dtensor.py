@@ -2,23 +2,16 @@
 tensor parallelism against torch's DTensor tensor parallelism on the same model and weights.
 
 The measurement behind issue 44's decision on DTensor TP. One gloo world of 2 CPU ranks (one
-thread each), tp=2, float32. Three implementations are timed alternately, step by step, so load
-on the shared machine falls on all alike:
+thread each), tp=2, float32. Two implementations are timed alternately, step by step, so load
+on the shared machine falls on both alike:
 
-* `nereus_host`: the runtime's `DecoderPipelineStage` as `nereus run` builds it (Megatron-style
-  column/row-parallel layers, vocabulary-split embedding, LM head and cross-entropy), its
-  collectives on the shared-memory host path (`collectives.HOST_PATH_OPS`);
-* `nereus_gloo`: the same module with every collective on gloo (HOST_PATH_OPS emptied), so
-  `nereus_gloo - nereus_host` is what the transport costs;
+* `nereus`: the runtime's `DecoderPipelineStage` as `nereus run` builds it (each rank holds its
+  boxes of the weights as plain tensors; column/row-parallel linears, vocabulary-split
+  embedding, LM head and cross-entropy);
 * `dtensor`: the same decoder of plain `nn.Linear`/`nn.Embedding` modules, parallelised by a
   flat plan through `parallelize_module` (ColwiseParallel for q/k/v/gate/up and the LM head with
   vocabulary-split logits, RowwiseParallel for o/down and the embedding) and its loss under
-  `loss_parallel` (no full logits); `dtensor - nereus_gloo` is DTensor's dispatch (both on gloo);
-* `dtensor_host`: the same DTensor decoder on a mesh whose process group is `HostGroup`, a
-  Python `ProcessGroup` whose all-reduces and all-gathers are the runtime's shared-memory host
-  path: DTensor's functional collectives then skip gloo, so `dtensor_host - dtensor` is what
-  the transport costs DTensor (a prototype of keeping the host path under DTensor; it uses
-  torch's private group registry, so it lives here, not in the runtime).
+  `loss_parallel` (no full logits): DTensor parameters, every op dispatched through DTensor.
 
 Both start from the same seeded weights (`init_logical_param`), and the benchmark checks that
 their losses agree before it times them. The models are untied (the `tiny` preset and the
@@ -44,7 +37,6 @@ from memory_parity import MODEL
 from torch import nn
 from torch.nn import functional as F
 
-from nereus.runtime.comm import collectives, host_collectives
 from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.model.initialization import box_slice, init_logical_param
 from nereus.runtime.model.parallel_groups import build_groups
@@ -63,7 +55,7 @@ from nereus.spec.model import Model
 from nereus.spec.presets import MODELS
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tp_dtensor.json"
-IMPLEMENTATIONS = ("nereus_host", "nereus_gloo", "dtensor", "dtensor_host")
+IMPLEMENTATIONS = ("nereus", "dtensor")
 TP = 2
 
 
@@ -154,69 +146,6 @@ class Decoder(nn.Module):
         return out
 
 
-class _Done(dist._Work):  # type: ignore[misc,name-defined]
-    """A finished collective (the host path returns once every rank has its result)."""
-
-    def __init__(self, result: list[torch.Tensor]):
-        super().__init__()
-        self.result = result
-
-    def wait(self, timeout: Any = None) -> bool:
-        return True
-
-    def get_future(self) -> Any:
-        future: Any = torch.futures.Future()
-        future.set_result(self.result)
-        return future
-
-
-class HostGroup(dist.ProcessGroup):
-    """The ranks of `inner` (a gloo group on one host) as a process group whose all-reduces and
-    all-gathers run on `host_collectives`, registered under `name` so that DTensor's
-    functional collectives find it."""
-
-    def __init__(self, inner: Any, name: str):
-        super().__init__(inner.rank(), inner.size())
-        self.inner = inner
-        self.name = name
-        world = dist.distributed_c10d._world
-        world.pg_names[self] = name
-        world.pg_group_ranks[self] = {r: i for i, r in enumerate(dist.get_process_group_ranks(inner))}
-        world.pg_map[self] = ("nereus_host", None)
-        dist.distributed_c10d._register_process_group(name, self)
-
-    @property
-    def group_name(self) -> str:
-        return self.name
-
-    @property
-    def group_desc(self) -> str:
-        return self.name
-
-    def getBackendName(self) -> str:
-        return "nereus_host"
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Done:
-        op = "max" if opts.reduceOp == dist.ReduceOp.MAX else "sum"
-        for tensor in tensors:
-            host_collectives.all_reduce(tensor, self.inner, op)
-        return _Done(tensors)
-
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any) -> _Done:
-        return self.allreduce(tensors, opts)
-
-    def _allgather_base(self, output: torch.Tensor, tensor: torch.Tensor, opts: Any) -> _Done:
-        host_collectives.all_gather(list(output.chunk(self.size())), tensor, self.inner)
-        return _Done([output])
-
-    def allgather_into_tensor_coalesced(
-        self, outputs: list[torch.Tensor], tensors: list[torch.Tensor], opts: Any
-    ) -> _Done:
-        for output, tensor in zip(outputs, tensors, strict=True):
-            self._allgather_base(output, tensor, opts)
-        return _Done(outputs)
-
-
 def parallelize(decoder: Decoder, mesh: Any) -> Decoder:
     """torchtitan's way: one flat plan of module name -> parallel style over a 1-D tp mesh."""
     from torch.distributed.tensor import Replicate, Shard
@@ -255,65 +184,53 @@ def dtensor_step(decoder: Decoder, tokens: torch.Tensor) -> float:
     return float(loss.detach().full_tensor())
 
 
-def time_model(rank: int, name: str, meshes: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def time_model(rank: int, name: str, mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
     model = models()[name]
     groups = build_groups(model, "lm", RankLayout(TP, 1, 1, tuple(range(TP))))
     assert groups is not None
     stage = DecoderPipelineStage(model, "lm", groups.tp, 1, 0)
-    decoders = {impl: Decoder(model, TP) for impl in meshes}
+    decoder = Decoder(model, TP)
     with torch.no_grad():
         for info in param_infos(model):
             whole = init_logical_param(info, seed=0, randomize_all=True)
             stage.get_parameter(info.name).copy_(box_slice(whole, local_box(info, model, TP, rank)))
-            for decoder in decoders.values():
-                decoder.get_parameter(info.name).copy_(whole)
-    for impl, decoder in decoders.items():
-        parallelize(decoder, meshes[impl])
+            decoder.get_parameter(info.name).copy_(whole)
+    parallelize(decoder, mesh)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.vocab_size, (args.rows, args.seq), generator=generator)
-    host_ops = collectives.HOST_PATH_OPS
-    losses = {"nereus_host": nereus_step(stage, tokens)}
-    losses.update({impl: dtensor_step(decoder, tokens) for impl, decoder in decoders.items()})
-    assert max(losses.values()) - min(losses.values()) < 1e-4, losses
+    losses = {"nereus": nereus_step(stage, tokens), "dtensor": dtensor_step(decoder, tokens)}
+    assert abs(losses["nereus"] - losses["dtensor"]) < 1e-4, losses
     times: dict[str, list[float]] = {impl: [] for impl in IMPLEMENTATIONS}
     for step in range(args.warmup + args.iters):
         for impl in IMPLEMENTATIONS:  # alternated, step by step
-            collectives.HOST_PATH_OPS = host_ops if impl == "nereus_host" else frozenset()
             stage.zero_grad(set_to_none=True)
-            for decoder in decoders.values():
-                decoder.zero_grad(set_to_none=True)
+            decoder.zero_grad(set_to_none=True)
             dist.barrier()
             started = time.perf_counter()
-            if impl in decoders:
-                dtensor_step(decoders[impl], tokens)
+            if impl == "dtensor":
+                dtensor_step(decoder, tokens)
             else:
                 nereus_step(stage, tokens)
             elapsed = time.perf_counter() - started
             if step >= args.warmup:
                 times[impl].append(elapsed)
-    collectives.HOST_PATH_OPS = host_ops
     medians = {impl: statistics.median(t) for impl, t in times.items()}
     return {
         "model": name,
         "rank": rank,
         "loss": losses,
         "median_step_s": medians,
-        "ratios": {impl: medians[impl] / medians["nereus_host"] for impl in IMPLEMENTATIONS[1:]},
-        "transport_s": medians["nereus_gloo"] - medians["nereus_host"],
-        "dtensor_dispatch_s": medians["dtensor"] - medians["nereus_gloo"],
-        "dtensor_transport_s": medians["dtensor"] - medians["dtensor_host"],
+        "dtensor_over_nereus": medians["dtensor"] / medians["nereus"],
         "times_s": times,
     }
 
 
 def time_steps(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
-    gloo = init_device_mesh("cpu", (TP,))
-    host = DeviceMesh.from_group(HostGroup(gloo.get_group(), "nereus_host_tp"), "cpu")
-    meshes = {"dtensor": gloo, "dtensor_host": host}
-    return [time_model(rank, name, meshes, args) for name in args.models.split(",")]
+    mesh = init_device_mesh("cpu", (TP,))
+    return [time_model(rank, name, mesh, args) for name in args.models.split(",")]
 
 
 def main() -> None:
@@ -332,8 +249,7 @@ def main() -> None:
     rows = [row for per_rank in spawn(time_steps, TP, args) for row in per_rank]
     for row in rows:
         steps = ", ".join(f"{impl} {s:.4f} s" for impl, s in row["median_step_s"].items())
-        ratios = ", ".join(f"{impl} {r:.2f}x" for impl, r in row["ratios"].items())
-        print(f"{row['model']:14} rank {row['rank']}: {steps}; against nereus_host: {ratios}")
+        print(f"{row['model']:14} rank {row['rank']}: {steps}; dtensor / nereus {row['dtensor_over_nereus']:.2f}x")
     payload = {
         "ranks": TP,
         "threads_per_rank": 1,

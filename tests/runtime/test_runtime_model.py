@@ -102,7 +102,7 @@ def test_vocab_parallel_cross_entropy_single_rank_is_cross_entropy() -> None:
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 5, 64, generator=generator, requires_grad=True)
     targets = torch.randint(0, 64, (4, 5), generator=generator)
-    ours = vocab_parallel_cross_entropy(logits, targets, 0, TensorParallel.single())
+    ours = vocab_parallel_cross_entropy(logits, targets, TensorParallel.single())
     (ours * torch.arange(20.0).view(4, 5)).sum().backward()
     grad = logits.grad.clone()  # type: ignore[union-attr]
     logits.grad = None

@@ -5,8 +5,7 @@
 - `spawn`: starting N local ranks (tests, benchmarks, `nereus run` without torchrun).
 - `heartbeat` and `guard`: liveness of a joined job's ranks; naming and ending a silent one.
 - `collectives`: the one collectives interface every caller uses (all-reduce, all-gather,
-  broadcast, reduce-scatter, object collectives, barrier, subgroups); it picks the transport.
-- `host_collectives`: the shared-memory backend of `collectives` for the ranks of one host.
+  broadcast, reduce-scatter, object collectives, barrier, subgroups), on the process group.
 - `shm`: shared-memory segments and the host token that decides who shares memory.
 - `arena`: a rank's state arena, CPU tensors its same-host peers read directly when resharding.
 """

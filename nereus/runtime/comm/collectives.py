@@ -3,16 +3,14 @@
 `all_reduce`, `all_gather`, `broadcast`, `reduce_scatter`, `all_to_all`, the object collectives
 (`all_gather_object`, `broadcast_object_list`, `gather_object`), `barrier`, and `subgroup`,
 the process group of a set of ranks. Every call takes `group` (None: the world) and
-behaves like the `torch.distributed` call of the same name.
+behaves like the `torch.distributed` call of the same name, on the group's own backend
+(gloo on CPU, NCCL on GPUs). Point-to-point sends and receives (pipeline links, resharding)
+call `torch.distributed` directly.
 
-Which transport carries a call is decided here, not by callers. On a group whose ranks share
-one host, CPU tensors and pickled objects can go through the shared-memory backend
-(`host_collectives`) instead of the process group; it is used for the operations in
-HOST_PATH_OPS, the ones where `benchmarks/collectives.py` measured it faster than gloo
-(benchmarks/results/collectives.json: 2 ranks on one host). Everything else, CUDA tensors,
-and groups that span hosts go through `torch.distributed`. Point-to-point sends and
-receives (pipeline links, resharding) have one transport and call `torch.distributed`
-directly.
+A shared-memory path for the ranks of one host used to carry the CPU all-reduces, all-gathers,
+broadcasts and object collectives; the training engine's step measured faster on gloo (tp=2 and
+dp=2, tiny and ~100M models: benchmarks/README.md "Collectives on gloo"), so every collective
+goes through the process group.
 """
 
 from __future__ import annotations
@@ -22,21 +20,12 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
 
-from nereus.runtime.comm import host_collectives
+from nereus.runtime.comm.world import collective_timeout
 
 if TYPE_CHECKING:
     import torch
 
 Op = Literal["sum", "max"]
-
-#: Operations the shared-memory backend carries on a same-host group. Measured with
-#: `benchmarks/collectives.py` (benchmarks/results/collectives.json, 2 ranks, 4 B to 256 KiB):
-#: an operation is listed when the host path was faster than gloo at every measured size. All
-#: five were, by 3-62x (e.g. a 1 KiB all-reduce 15 us against 0.9 ms, a 256 KiB object
-#: all-gather 0.2 ms against 1.9 ms); an operation measured slower would be left out here.
-HOST_PATH_OPS: frozenset[str] = frozenset(
-    {"all_reduce", "all_gather", "broadcast", "all_gather_object", "broadcast_object_list"}
-)
 
 
 def _dist_op(op: Op) -> Any:
@@ -45,26 +34,17 @@ def _dist_op(op: Op) -> Any:
 
 def all_reduce(tensor: torch.Tensor, group: Any = None, op: Op = "sum") -> None:
     """Reduce `tensor` in place over `group`: every rank gets the sum (or max), bitwise equal."""
-    if "all_reduce" in HOST_PATH_OPS:
-        host_collectives.all_reduce(tensor, group, op)
-    else:
-        dist.all_reduce(tensor, op=_dist_op(op), group=group)
+    dist.all_reduce(tensor, op=_dist_op(op), group=group)
 
 
 def all_gather(parts: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
     """`parts[r]` receives group rank r's `tensor` (every rank's of one shape and dtype)."""
-    if "all_gather" in HOST_PATH_OPS:
-        host_collectives.all_gather(parts, tensor, group)
-    else:
-        dist.all_gather(parts, tensor.contiguous(), group=group)
+    dist.all_gather(parts, tensor.contiguous(), group=group)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> None:
     """Every rank's `tensor` becomes global rank `src`'s."""
-    if "broadcast" in HOST_PATH_OPS:
-        host_collectives.broadcast(tensor, src, group)
-    else:
-        dist.broadcast(tensor, src=src, group=group)
+    dist.broadcast(tensor, src=src, group=group)
 
 
 def reduce_scatter(flat: torch.Tensor, group: Any, parts: int, index: int) -> torch.Tensor:
@@ -92,18 +72,12 @@ def all_to_all(
 
 def all_gather_object(gathered: list[Any], obj: Any, group: Any = None) -> None:
     """`gathered[r]` becomes group rank r's `obj` (pickled: objects of this run's own ranks)."""
-    if "all_gather_object" in HOST_PATH_OPS:
-        host_collectives.all_gather_object(gathered, obj, group)
-    else:
-        dist.all_gather_object(gathered, obj, group=group)
+    dist.all_gather_object(gathered, obj, group=group)
 
 
 def broadcast_object_list(objects: list[Any], src: int, group: Any = None) -> None:
     """`objects` becomes global rank `src`'s list, on every rank."""
-    if "broadcast_object_list" in HOST_PATH_OPS:
-        host_collectives.broadcast_object_list(objects, src, group)
-    else:
-        dist.broadcast_object_list(objects, src=src, group=group)
+    dist.broadcast_object_list(objects, src=src, group=group)
 
 
 def gather_object(obj: Any, gathered: list[Any] | None, dst: int = 0, group: Any = None) -> None:
@@ -128,7 +102,8 @@ class _Subgroups:
             self.world, self.by_ranks = dist.group.WORLD, {}
         key = tuple(sorted(ranks))
         if key not in self.by_ranks:
-            self.by_ranks[key] = dist.new_group(list(key))
+            # torch gives a new group its backend's default timeout (30 min for gloo), not the world's
+            self.by_ranks[key] = dist.new_group(list(key), timeout=collective_timeout())
         return self.by_ranks[key]
 
 

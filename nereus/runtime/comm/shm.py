@@ -4,9 +4,9 @@ Two ranks can share memory when they run on the same host and see the same /dev/
 `host_token` names that shared-memory domain (boot id, host name, the device and inode of
 /dev/shm, and the node name NODE_ENV when set), so two ranks compare tokens instead of
 guessing from rank numbers. A rank that cannot share (no /dev/shm, not Linux) gets a token
-no other rank has. Every same-host path (these segments, the host collectives, the state
-arena) decides by this token, so two launchers on one machine given two node names run
-as two nodes: their ranks meet only through the process group's backend.
+no other rank has. Every same-host path (these segments, the state arena) decides by this
+token, so two launchers on one machine given two node names run as two nodes: their ranks
+meet only through the process group's backend.
 
 A sender stages pieces in a segment it creates (a file in /dev/shm mapped MAP_SHARED),
 the receiver maps the same file and copies the pieces out: one memory copy on each side,

@@ -22,7 +22,7 @@ from nereus.runtime.comm import shm
 DEFAULT_TIMEOUT = timedelta(seconds=120)
 #: The timeout this process's collectives run under. Process-wide on purpose: it is the default
 #: process group's own setting, fixed where the process joins its world (`init_from_env`, a
-#: `spawn`ed rank), and the same-host collectives, which have no group object to ask, wait as long.
+#: `spawn`ed rank), and the process groups of rank sets (`collectives.subgroup`) wait as long.
 _collective_timeout = DEFAULT_TIMEOUT
 
 

@@ -3,7 +3,8 @@
 - `transformer`: the Llama-style decoder (a pipeline stage's shard, and the one-process reference).
 - `attention`: attention kernels, packing of padded rows, decode masks, per-layer KV stores.
 - `initialization`: seeded whole initial weights and a rank's shards of them.
-- `tensor_parallel`: Megatron-style tensor parallelism (collectives as autograd functions, layers).
+- `tensor_parallel`: tensor parallelism on DTensor placements (column/row-parallel linears, vocabulary-split
+  embedding and `loss_parallel` cross-entropy) over weights held as their boxes.
 - `pipeline`: pipeline stages' op lists, their deadlock check and the send/recv executor.
 - `parallel_groups`: a rank's place in a RankLayout and its process groups.
 - `data_parallel`: gradient sync over replicas in bounded buckets (ZeRO-1 included).

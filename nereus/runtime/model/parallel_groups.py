@@ -9,6 +9,7 @@ from typing import Any
 import torch.distributed as dist
 
 from nereus.runtime.comm import collectives
+from nereus.runtime.comm.world import device as rank_device
 from nereus.runtime.model.context_parallel import ContextParallel
 from nereus.runtime.model.pipeline import PipelineLink
 from nereus.runtime.model.tensor_parallel import TensorParallel
@@ -83,9 +84,18 @@ def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups
         layout.rank_at(replica, stage + 1, tp_rank, cp_rank) if stage < pp - 1 else None,
         mine.get("pp"),
     )
-    tensor = TensorParallel(tp, tp_rank, mine.get("tp"), mine.get("kv"))
+    tensor = TensorParallel(tp, tp_rank, mine.get("tp"), _mesh(mine.get("tp")), _mesh(mine.get("kv")))
     context = ContextParallel(cp, cp_rank, mine.get("cp"))
     return ParallelGroups(layout, replica, stage, tensor, link, mine.get("dp"), mine.get("embed"), context)
+
+
+def _mesh(group: Any) -> Any:
+    """The 1-D DeviceMesh over a process group's ranks (None for no group); local, no collective."""
+    if group is None:
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, rank_device().type)
 
 
 def admissible_layouts(model: Model, max_ranks: int) -> list[tuple[int, int, int]]:

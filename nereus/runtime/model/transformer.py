@@ -52,7 +52,7 @@ from nereus.runtime.model.tensor_parallel import (
     RowParallelLinear,
     TensorParallel,
     VocabParallelEmbedding,
-    copy_to_group,
+    replicated,
     vocab_parallel_cross_entropy,
 )
 from nereus.runtime.state.shard_layout import param_infos, stage_layers
@@ -179,15 +179,15 @@ def check_positions(model: Model, num_positions: int) -> None:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, grad_group: object = None):
+    def __init__(self, dim: int, eps: float, grad_mesh: object = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
-        self.grad_group = grad_group
+        self.grad_mesh = grad_mesh
         """Tensor ranks whose partial gradients must be summed (per-head norms see only local heads)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, copy_to_group(self.weight, self.grad_group), self.eps)
+        return rms_norm(x, replicated(self.weight, self.grad_mesh), self.eps)
 
 
 #: What a training forward recomputes in its backward (`StagePlan.recompute`).
@@ -213,11 +213,11 @@ class Attention(nn.Module):
         self.local_kv_heads = max(1, model.num_kv_heads // tp.size)
         kv_out = self.local_kv_heads * model.head_dim
         self.q_proj = ColumnParallelLinear(model.hidden_dim, self.local_heads * model.head_dim, model.qkv_bias, tp)
-        self.k_proj = ColumnParallelLinear(model.hidden_dim, kv_out, model.qkv_bias, tp, tp.kv_group)
-        self.v_proj = ColumnParallelLinear(model.hidden_dim, kv_out, model.qkv_bias, tp, tp.kv_group)
+        self.k_proj = ColumnParallelLinear(model.hidden_dim, kv_out, model.qkv_bias, tp, tp.kv_mesh)
+        self.v_proj = ColumnParallelLinear(model.hidden_dim, kv_out, model.qkv_bias, tp, tp.kv_mesh)
         if model.qk_norm:
-            self.q_norm = RMSNorm(model.head_dim, model.rms_norm_eps, tp.group)
-            self.k_norm = RMSNorm(model.head_dim, model.rms_norm_eps, tp.group)
+            self.q_norm = RMSNorm(model.head_dim, model.rms_norm_eps, tp.mesh)
+            self.k_norm = RMSNorm(model.head_dim, model.rms_norm_eps, tp.mesh)
         self.qk_norm = model.qk_norm
         self.o_proj = RowParallelLinear(self.local_heads * model.head_dim, model.hidden_dim, tp)
 
@@ -343,7 +343,6 @@ class DecoderPipelineStage(nn.Module):
                 self.value_head = nn.Linear(model.hidden_dim, 1)
             elif not tied:
                 self.lm_head = ColumnParallelLinear(model.hidden_dim, model.vocab_size // tp.size, False, tp)
-        self.vocab_start = tp.rank * (model.vocab_size // tp.size)
 
     def forward(
         self,
@@ -400,11 +399,11 @@ class DecoderPipelineStage(nn.Module):
             return values
         if hasattr(self, "lm_head"):
             return self.lm_head.forward(x)
-        return F.linear(copy_to_group(x, self.tp.group), self.embed.weight)
+        return F.linear(replicated(x, self.tp.mesh), self.embed.weight)
 
     def token_log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """log p(target) per token from this rank's logit columns."""
-        return -vocab_parallel_cross_entropy(logits, targets, self.vocab_start, self.tp)
+        return -vocab_parallel_cross_entropy(logits, targets, self.tp)
 
     def new_caches(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> dict[int, LayerCache]:
         local_kv = max(1, self.model.num_kv_heads // self.tp.size)

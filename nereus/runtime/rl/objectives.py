@@ -15,7 +15,7 @@ import torch
 
 from nereus.runtime.comm import collectives
 from nereus.runtime.model.losses import HeadOps, next_token_log_probs
-from nereus.runtime.model.tensor_parallel import TensorParallel, reduce_from_group
+from nereus.runtime.model.tensor_parallel import TensorParallel, summed
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.algorithms import (
     BehaviourCorrection,
@@ -45,8 +45,8 @@ def vocab_parallel_entropy(local_logits: torch.Tensor, tp: TensorParallel) -> to
     if tp.group is not None:
         collectives.all_reduce(peak, tp.group, op="max")
     exp = torch.exp(logits - peak)
-    total = reduce_from_group(exp.sum(dim=-1), tp.group)
-    weighted = reduce_from_group((exp * logits).sum(dim=-1), tp.group)
+    total = summed(exp.sum(dim=-1), tp.mesh)
+    weighted = summed((exp * logits).sum(dim=-1), tp.mesh)
     return torch.log(total) + peak.squeeze(-1) - weighted / total
 
 
