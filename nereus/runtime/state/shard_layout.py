@@ -177,6 +177,16 @@ class RankLayout:
     `ranks[((d * pp + s) * cp + c) * tp + r]` (cp = 1: `ranks[(d * pp + s) * tp + r]`).
     Every replica holds the same logical state; the cp ranks of a (replica, stage, tensor
     rank) hold the same shard of it.
+
+    torch's process groups order their ranks ascending, and DTensor's meshes, FSDP2's shards and
+    every gather put group rank i's part at coordinate i, so a rank's tensor, cp and replica
+    coordinates must be its places among its groups' ranks. The layout puts them so, whatever
+    order it is given (an EMU's GPU list, a transition's result): each (replica, stage)'s tp x cp
+    ranks ascending, the replicas by their first rank; the stages keep their ranks (a pipeline
+    may run in either direction, as the fused actor-critic schedule's critic does). Which rank
+    holds which box moves with it, consistently: checkpoints, resharding and transitions read the
+    boxes from the layout. Replicas whose stages interleave (replica 0's first stage on lower
+    ranks than replica 1's, its second on higher) have no such order and are refused.
     """
 
     tp: int
@@ -197,6 +207,25 @@ class RankLayout:
             )
         if len(set(self.ranks)) != len(self.ranks):
             raise ValueError(f"layout ranks {self.ranks} repeat a rank")
+        object.__setattr__(self, "ranks", self._in_group_order())
+
+    def _in_group_order(self) -> tuple[int, ...]:
+        block = self.tp * self.cp
+        replicas = sorted(
+            [sorted(self.ranks[(d * self.pp + s) * block : (d * self.pp + s + 1) * block]) for s in range(self.pp)]
+            for d in range(self.dp)
+        )
+        for s in range(self.pp):
+            for i in range(block):
+                column = [replica[s][i] for replica in replicas]
+                if column != sorted(column):
+                    raise ValueError(
+                        f"layout ranks {self.ranks} (tp={self.tp} cp={self.cp} pp={self.pp} dp={self.dp}): the "
+                        f"replicas' stages interleave (stage {s}'s ranks {column} fall in another order than "
+                        "stage 0's), so no data-parallel group can follow the replicas' order; order each stage's "
+                        "ranks as stage 0's"
+                    )
+        return tuple(rank for replica in replicas for stage in replica for rank in stage)
 
     @property
     def replica_size(self) -> int:
