@@ -14,9 +14,6 @@ import torch.distributed as dist
 import nereus.runtime.rl.step as step_module
 from nereus.errors import NereusError
 from nereus.runtime.comm.spawn import spawn
-from nereus.runtime.model.tensor_parallel import TensorParallel
-from nereus.runtime.rl.algorithms import entropy_from_logits
-from nereus.runtime.rl.objectives import vocab_parallel_entropy
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, rollout_batch
 from nereus.runtime.rl.step import StepResult, rl_step
 from nereus.runtime.rl.update import old_log_probs_from_training, sync_plans
@@ -250,27 +247,6 @@ def test_rollout_batch_pads_and_marks_responses() -> None:
     assert batch.tokens.tolist() == [[0, 1, 5, 8, 2], [1, 6, 7, 9, 0]]
     assert batch.mask().tolist() == [[False, True, True, True, True], [True, True, True, True, False]]
     assert batch.field("loss_mask").tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 0]]
-
-
-def entropy_worker(rank: int, world: int) -> tuple[float, float]:
-    logits = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(0))
-    whole = logits.clone().requires_grad_(True)
-    local = logits[..., rank * 4 : (rank + 1) * 4].clone().requires_grad_(True)
-    group = dist.new_group([0, 1])
-    entropy = vocab_parallel_entropy(local, TensorParallel(2, rank, group))
-    expected = entropy_from_logits(whole)
-    (entropy * torch.arange(5.0)).sum().backward()
-    (expected * torch.arange(5.0)).sum().backward()
-    assert whole.grad is not None and local.grad is not None
-    value_error = float((entropy - expected).abs().max())
-    grad_error = float((local.grad - whole.grad[..., rank * 4 : (rank + 1) * 4]).abs().max())
-    return value_error, grad_error
-
-
-@pytest.mark.multiprocess
-def test_vocab_parallel_entropy_matches_full_vocabulary() -> None:
-    for value_error, grad_error in spawn(entropy_worker, 2):
-        assert value_error < 1e-5 and grad_error < 1e-6
 
 
 def run_rank_recording_steps(rank: int, world: int, setup: RunSetup) -> list[StepMetrics]:

@@ -72,12 +72,18 @@ def test_stage_matches_independent_reference(model: Model, head: Head) -> None:
     ref, stage = reference(model, head), single_stage(model, head)
     batch = padded_batch(model)
     objective = ValueLoss() if head == "value" else NextTokenLoss()
+    mask, weights = batch.mask(), objective.weights(batch)
+
+    def loss_of(output: torch.Tensor, module: ReferenceModel | DecoderPipelineStage) -> torch.Tensor:
+        return (objective.token_losses(output, batch, module) * weights).sum() / weights.sum()
+
+    ref_output = ref(batch.tokens, mask)
+    # The engine's way: the objective runs inside the stage's forward, on its final hidden states.
+    stage_loss = stage(batch.tokens, mask, positions_from_mask(mask), reduce=lambda out: loss_of(out, stage))
+    with torch.no_grad():
+        stage_output = stage(batch.tokens, mask, positions_from_mask(mask))
     losses = []
-    for module in (ref, stage):
-        mask = batch.mask()
-        output = module(batch.tokens, mask) if module is ref else module(batch.tokens, mask, positions_from_mask(mask))
-        weights = objective.weights(batch)
-        loss = (objective.token_losses(output, batch, module) * weights).sum() / weights.sum()
+    for output, loss in ((ref_output, loss_of(ref_output, ref)), (stage_output, stage_loss)):
         loss.backward()
         losses.append((output.detach(), float(loss.detach())))
     assert torch.allclose(losses[0][0], losses[1][0], atol=1e-6)

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from nereus.runtime.hf.names import hf_name
 from nereus.runtime.model.fused_pipeline import FusedPart, OpTiming
 from nereus.runtime.model.fused_schedule import fused_schedule
-from nereus.runtime.model.tensor_parallel import TensorParallel
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.algorithms import (
     broadcast_to_tokens,
@@ -134,9 +133,8 @@ def run_training(
         tis_cap = config.tis_cap
     actor = stages[ACTOR_TRAINING]
     kl_loss_coef = 0.0 if workload.algorithm == "ppo" else config.kl_loss_coef
-    tp = actor.engine.groups.tp if actor.engine is not None else TensorParallel.single()
     objective = PolicyObjective(
-        config.clip_eps, kl_loss_coef, config.entropy_coef, tp, config.loss_agg_mode, current_as_old, tis_cap
+        config.clip_eps, kl_loss_coef, config.entropy_coef, config.loss_agg_mode, current_as_old, tis_cap
     )
     actor_batch = Batch(batch.tokens, batch.attention_mask, {**batch.fields, **fields})
     critic = stages.get(CRITIC_TRAINING)
