@@ -3,8 +3,10 @@
 verl runs every model on one resource pool of all the job's GPUs (its default), one model
 after another; the actor's old log-probs come from the actor's training workers, the
 critic's values from the critic's training workers, and the rollout engine (vLLM) and the
-reward model (served by its own engine) take a tensor and a pipeline size. Whatever else a
-plan decides becomes a Difference.
+reward model (served by its own engine) take a tensor and a pipeline size. Context
+parallelism (a plan's `cp`) is Megatron's `context_parallel_size` of the actor, the reference
+and the critic, so the actor's and the critic's inference run with their training's. Whatever
+else a plan decides becomes a Difference.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ TIED_REASONS = {
     ACTOR_INFERENCE: "verl computes old log-probs on the actor's training workers",
     CRITIC_INFERENCE: "verl computes values on the critic's training workers, with their micro-batch",
 }
+#: Why a model-stage served by a vLLM engine loses its context parallelism.
+SERVED_REASON = "verl serves the reward model with vLLM, which takes a tensor and a pipeline size only"
 
 
 def export_verl(plan: Plan) -> Export:
@@ -85,6 +89,8 @@ def export_verl(plan: Plan) -> Export:
 
 
 def _reason(entry: StagePlan, num_gpus: int) -> str:
+    if entry.model_stage == REWARD_INFERENCE and entry.cp > 1:
+        return SERVED_REASON
     return TIED_REASONS.get(entry.model_stage, POOL_REASON.format(n=num_gpus))
 
 
@@ -97,7 +103,10 @@ def _exported_stages(plan: Plan, gpus: list[int]) -> dict[str, StagePlan]:
     for entry in plan.stages:
         layout = plan.stage_plan(layout_of.get(entry.model_stage, entry.model_stage))
         micro = per_gpu_micro_batch(plan, plan.stage_plan(micro_of.get(entry.model_stage, entry.model_stage)))
-        out[entry.model_stage] = laid_out(plan, entry, gpus, layout.tp, layout.pp, micro, SHARED_POOL)
+        # Megatron's context parallelism where verl runs the model-stage on Megatron workers;
+        # the vLLM engines (generation, the reward model) have none.
+        cp = layout.cp if layout.model_stage in MEGATRON_SECTIONS else 1
+        out[entry.model_stage] = laid_out(plan, entry, gpus, layout.tp, layout.pp, micro, SHARED_POOL, cp)
         if entry.train_offload != "none":  # verl's offload puts the states to sleep between phases
             out[entry.model_stage] = out[entry.model_stage].model_copy(update={"offload": True})
     return out
@@ -144,6 +153,7 @@ def _settings(plan: Plan, stages: dict[str, StagePlan], memory_fraction: float) 
         if name in stages:
             out[f"{section}.tensor_model_parallel_size"] = stages[name].tp
             out[f"{section}.pipeline_model_parallel_size"] = stages[name].pp
+            out[f"{section}.context_parallel_size"] = stages[name].cp
             out[f"{section}.dtype"] = MEGATRON_DTYPES[w.dtype]
             if name != REFERENCE_INFERENCE:
                 planned = plan.stage_plan(name)
