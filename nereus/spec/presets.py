@@ -194,7 +194,28 @@ def _paper_workloads(actor: str) -> dict[str, Workload]:
     }
 
 
-WORKLOAD_NAMES = ("ppo", "grpo", "remax", "tiny-ppo")
+def _long_response_workload(actor: str) -> Workload:
+    """`grpo-long`: GRPO on reasoning tasks with long responses, as the published long-response
+    RL set-ups run: 1k-token prompts and responses of median 8k, p99 24k, at most 32k tokens,
+    scored by a rule (the answer checked by a function), 8 samples per prompt.
+
+    The set-ups it follows (tests/spec/test_long_response_setups.py holds them as Workload
+    documents): verl's DAPO recipes (recipe/dapo/run_dapo_qwen2.5_32b.sh: Qwen2.5-32B on 16
+    nodes of 8 GPUs, 2k prompts, responses up to 20k, Ulysses sequence parallel 8, scored by
+    verl's `dapo` rule; recipe/dapo/test_dapo_7b_math.sh: Qwen2.5-Math-7B on 8 x 8 GPUs,
+    responses up to 8k, sequence parallel 4) and NeMo-RL's DAPO recipe
+    (examples/configs/recipes/llm/dapo-qwen2.5-7b.yaml: 16 x 8 GPUs, 16k-token sequences,
+    context parallel 4 on its DTensor path, 2 on its Megatron one). Their caps (8k-20k) are below
+    this preset's 32k, which reasoning models are run to (Qwen3's model card generates with
+    max_new_tokens=32768); the median (8k) and the p99 (24k) span those runs' caps. Micro-batches
+    hold one sequence: at 32k tokens one is what a GPU's activations take.
+    """
+    grpo = _paper_workloads(actor)["grpo"]  # the same step, prompts and scoring; longer responses
+    lengths = ResponseLengths(median=8192, p99=24576, max=32768)
+    return grpo.model_copy(update={"name": "grpo-long", "response_len": lengths, "micro_batch_size": 1})
+
+
+WORKLOAD_NAMES = ("ppo", "grpo", "grpo-long", "remax", "tiny-ppo")
 
 
 class UnknownPreset(NereusError):
@@ -215,7 +236,7 @@ def workload_preset(name: str, actor: str = "llama-3.1-8b") -> Workload:
             micro_batch_size=2,
             dtype="fp32",
         )
-    workloads = _paper_workloads(actor)
+    workloads = {**_paper_workloads(actor), "grpo-long": _long_response_workload(actor)}
     if name not in workloads:
         raise UnknownPreset(f"unknown workload preset {name!r}; use one of {', '.join(WORKLOAD_NAMES)} or a YAML file")
     return workloads[name]

@@ -234,7 +234,8 @@ def test_plan_more_gpus_than_the_cluster() -> None:
 
 def test_plan_unknown_workload() -> None:
     expected = (
-        "--workload nope: no such file or folder, and not a workload preset (presets: ppo, grpo, remax, tiny-ppo)"
+        "--workload nope: no such file or folder, and not a workload preset "
+        "(presets: ppo, grpo, grpo-long, remax, tiny-ppo)"
     )
     assert_one_line_error(invoke("plan", "--workload", "nope"), expected)
 
