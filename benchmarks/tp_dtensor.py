@@ -165,10 +165,13 @@ def parallelize(decoder: Decoder, mesh: Any) -> Decoder:
 
 
 def nereus_step(stage: DecoderPipelineStage, tokens: torch.Tensor) -> float:
-    """Forward, mean next-token loss from vocabulary-split logits, backward; the loss."""
+    """Forward, mean next-token loss from the chunked head (vocabulary split over tp), backward; the loss."""
     mask = torch.ones_like(tokens, dtype=torch.bool)
-    logits = stage(tokens, mask, positions_from_mask(mask))
-    loss = -stage.token_log_probs(logits[:, :-1], tokens[:, 1:]).mean()
+
+    def mean_loss(hidden: torch.Tensor) -> torch.Tensor:
+        return -stage.token_log_probs(hidden[:, :-1], tokens[:, 1:]).mean()
+
+    loss = stage(tokens, mask, positions_from_mask(mask), reduce=mean_loss)
     loss.backward()
     return float(loss.detach())
 

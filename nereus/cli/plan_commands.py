@@ -45,7 +45,9 @@ def plan(
     model: Annotated[
         str | None, typer.Option(help="Model preset, Model YAML or HF config.json; plays every role.")
     ] = None,
-    workload: Annotated[str, typer.Option(help="Workload preset (ppo, grpo, remax) or Workload YAML.")] = "ppo",
+    workload: Annotated[
+        str, typer.Option(help="Workload preset (ppo, grpo, grpo-long, remax) or Workload YAML.")
+    ] = "ppo",
     seq_len: Annotated[
         int | None,
         typer.Option(help="Maximum response length in tokens (sizes the KV cache); median and p99 scale alike."),

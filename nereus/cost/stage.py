@@ -9,8 +9,14 @@ The formulas, per GPU of the busiest pipeline stage:
   parameter; 8 without master weights), divided by dp when sharded across dp.
 * activations (Korthikanti et al., sequence parallel with flash attention):
   34 * s * b * h / tp bytes per layer for 16-bit activations; the first 1F1B stage
-  holds min(pp, micro-batches) micro-batches; fp32 logits 4 * s * b * V / tp; a tied
-  embedding's backward holds two extra gradient-sized copies (`tied_gradient_bytes`).
+  holds min(pp, micro-batches) micro-batches; a tied embedding's backward holds two extra
+  gradient-sized copies (`tied_gradient_bytes`).
+* logits (`logits_bytes`): training and inference take the LM head's log-probs a chunk of
+  `LOGIT_CHUNK_TOKENS` tokens at a time (nereus.runtime.model.chunked_head), so one fp32
+  chunk of logits exists, 4 * min(s * b, chunk) * V / tp, whatever the sequence length (as
+  before the chunking, a 16-bit model's 16-bit logits beside it are not priced, nor the
+  entropy bonus's second chunk); generation samples from the whole fp32 logits of each row's
+  last position, 4 * b * V / tp.
 * activation recomputation (`recompute` 1, full): a layer keeps only its 2 * s * b * h input
   (Korthikanti et al.'s full recomputation) plus one layer's working set while it reruns,
   which reuses the logits' room (the head's backward has freed them by then), and the
@@ -97,6 +103,14 @@ SELECTIVE_SAVED_BYTES_PER_SBF = 2
 SELECTIVE_SAVED_MAX_BYTES_PER_SBH = 8
 #: `recompute` codes of the cost arrays (`nereus.spec.plan.RECOMPUTE_LEVELS` indexes them).
 RECOMPUTE_FULL, RECOMPUTE_SELECTIVE = 1, 2
+#: Tokens per chunk of the LM head's log-probs and entropy in training and inference: the
+#: runtime makes one chunk's logits at a time (`nereus.runtime.model.chunked_head`; its
+#: `EngineConfig.logit_chunk_tokens` defaults to this), so the `logits` term prices one fp32
+#: chunk: what the log-probs hold, forward and backward (measured on CPU, 1.0 chunk in fp32:
+#: tests/runtime/test_chunked_head.py). A 16-bit model's logits before their promotion add half
+#: a chunk and an entropy bonus (`rl.entropy_coef` > 0) a second chunk, which the term leaves
+#: out, as the whole-logits term before it left out the 16-bit logits.
+LOGIT_CHUNK_TOKENS = 1024
 #: Share of a token budget that first-fit packing of variable-length rows fills.
 PACKING_FILL = 0.9
 
@@ -355,8 +369,12 @@ class StageCostModel:
         return terms
 
     def logits_bytes(self, tokens: Array, tp: Array) -> Array:
-        """Bytes of `tokens` tokens' logits on one tp rank (its vocabulary columns), in fp32."""
-        return 4.0 * tokens * self.model.vocab_size / tp
+        """Bytes of the LM head's fp32 logits on one tp rank (its vocabulary columns) in a pass
+        over `tokens` tokens: in training and inference one chunk of at most
+        `LOGIT_CHUNK_TOKENS` tokens (the runtime's chunked head); in generation all `tokens`
+        (each row's last position, which sampling reads whole)."""
+        held = tokens if self.stage == "generation" else np.minimum(tokens, LOGIT_CHUNK_TOKENS)
+        return 4.0 * held * self.model.vocab_size / tp
 
     def tied_gradient_bytes(self, tp: Array, pp: Array) -> Array:
         """Transient bytes of a tied embedding's backward on a GPU that holds both its uses

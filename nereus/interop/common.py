@@ -76,8 +76,9 @@ def gpu_ranges(gpus: list[int]) -> str:
 
 
 def describe(entry: StagePlan) -> str:
-    """`actor/training tp=2 pp=1 dp=2 on GPUs 0-3`."""
-    return f"{entry.model_stage} tp={entry.tp} pp={entry.pp} dp={entry.dp} on GPUs {gpu_ranges(entry.gpus)}"
+    """`actor/training tp=2 pp=1 dp=2 on GPUs 0-3` (`tp=2 cp=2 pp=1` under context parallelism)."""
+    cp = f" cp={entry.cp}" if entry.cp > 1 else ""
+    return f"{entry.model_stage} tp={entry.tp}{cp} pp={entry.pp} dp={entry.dp} on GPUs {gpu_ranges(entry.gpus)}"
 
 
 def sharding_difference(planned: StagePlan, exported: StagePlan, how: str) -> Difference | None:
@@ -116,13 +117,16 @@ def per_gpu_micro_batch(plan: Plan, entry: StagePlan) -> int:
     return max(1, math.ceil(per_replica / entry.micro_batches))
 
 
-def laid_out(plan: Plan, entry: StagePlan, gpus: list[int], tp: int, pp: int, micro_batch: int, pool: str) -> StagePlan:
-    """`entry` re-laid over `gpus` (ordered) as consecutive EMUs of tp x pp GPUs, with as many
-    micro-batches as a per-GPU micro-batch of `micro_batch` sequences makes."""
-    size = tp * pp
+def laid_out(
+    plan: Plan, entry: StagePlan, gpus: list[int], tp: int, pp: int, micro_batch: int, pool: str, cp: int = 1
+) -> StagePlan:
+    """`entry` re-laid over `gpus` (ordered) as consecutive EMUs of tp x cp x pp GPUs, with as
+    many micro-batches as a per-GPU micro-batch of `micro_batch` sequences makes."""
+    size = tp * cp * pp
     if len(gpus) % size:
+        shape = f"tp={tp} x cp={cp} x pp={pp}" if cp > 1 else f"tp={tp} x pp={pp}"
         raise ValueError(
-            f"{entry.model_stage}: tp={tp} x pp={pp} does not divide the {len(gpus)} GPUs the trainer gives it; "
+            f"{entry.model_stage}: {shape} does not divide the {len(gpus)} GPUs the trainer gives it; "
             "plan it with a layout that does"
         )
     dp = len(gpus) // size
@@ -130,7 +134,7 @@ def laid_out(plan: Plan, entry: StagePlan, gpus: list[int], tp: int, pp: int, mi
     per_replica = math.ceil(samples_per_pass(plan, entry) / dp)
     micro_batches = 1 if entry.stage == "generation" else max(1, math.ceil(per_replica / micro_batch))
     return StagePlan(
-        model_stage=entry.model_stage, pool=pool, tp=tp, pp=pp, dp=dp, emus=emus, micro_batches=micro_batches
+        model_stage=entry.model_stage, pool=pool, tp=tp, pp=pp, cp=cp, dp=dp, emus=emus, micro_batches=micro_batches
     )
 
 
@@ -177,9 +181,11 @@ def free_memory_fraction(plan: Plan, model_stage: str, calibration: Calibration 
 
 def stage_difference(plan: Plan, planned: StagePlan, exported: StagePlan, reason: str) -> Difference | None:
     """The Difference between a model-stage as planned and as exported, or None if the trainer
-    runs it as planned (same layout, same GPUs, same per-GPU micro-batch)."""
-    same = (planned.tp, planned.pp, planned.dp, sorted(planned.gpus)) == (
+    runs it as planned (same layout, context parallelism included, same GPUs, same per-GPU
+    micro-batch)."""
+    same = (planned.tp, planned.cp, planned.pp, planned.dp, sorted(planned.gpus)) == (
         exported.tp,
+        exported.cp,
         exported.pp,
         exported.dp,
         sorted(exported.gpus),

@@ -2,8 +2,9 @@
 
 OpenRLHF gives each model (actor, reference, reward, critic) its own group of whole nodes
 (or a part of one node), trains and infers with DeepSpeed ZeRO data parallelism (one tensor
-parallel size for every DeepSpeed model, no pipeline parallelism) and generates with vLLM
-engines of one tensor parallel size. The actor's old log-probs come from the actor's
+parallel size and one ring-attention size, `--ds.ring_attn_size`, its context parallelism, for
+every DeepSpeed model; no pipeline parallelism) and generates with vLLM engines of one tensor
+parallel size. The actor's old log-probs come from the actor's
 training group, the critic's values from the critic's. Models share GPUs only through its
 colocation flags. Whatever else a plan decides becomes a Difference.
 
@@ -66,12 +67,15 @@ def export_openrlhf(plan: Plan) -> Export:
             f"algorithm {w.algorithm!r}: OpenRLHF {CHECKED_VERSIONS['openrlhf']} has no {w.algorithm} estimator "
             f"(it offers {', '.join(sorted(set(ADVANTAGE_ESTIMATORS.values())))}); plan ppo or grpo, or export to verl"
         )
-    ds_tp, stage = plan.stage_plan(ACTOR_TRAINING).tp, zero_stage(plan)
-    exported: dict[str, StagePlan] = {entry.model_stage: _exported(plan, entry, ds_tp, stage) for entry in plan.stages}
+    actor = plan.stage_plan(ACTOR_TRAINING)
+    ds_tp, ds_cp, stage = actor.tp, actor.cp, zero_stage(plan)
+    exported: dict[str, StagePlan] = {
+        entry.model_stage: _exported(plan, entry, ds_tp, ds_cp, stage) for entry in plan.stages
+    }
     differences = [
         d
         for entry in plan.stages
-        if (d := stage_difference(plan, entry, exported[entry.model_stage], _reason(entry, ds_tp))) is not None
+        if (d := stage_difference(plan, entry, exported[entry.model_stage], _reason(entry, ds_tp, ds_cp))) is not None
     ]
     how = f"--ds.zero_stage {stage}: one ZeRO stage for every DeepSpeed model"
     differences += [
@@ -91,20 +95,23 @@ def export_openrlhf(plan: Plan) -> Export:
     pools = _pools(stages)
     stages = [s.model_copy(update={"pool": _pool_of(pools, s)}) for s in stages]
     draft = plan.model_copy(update={"stages": stages, "pools": pools, "predictions": None})
-    settings = _settings(plan, exported, ds_tp, free_memory_fraction(draft, ACTOR_GENERATION))
+    settings = _settings(plan, exported, ds_tp, ds_cp, free_memory_fraction(draft, ACTOR_GENERATION))
     return finish(
         "OpenRLHF", CHECKED_VERSIONS["openrlhf"], planned, settings, differences, stages, pools, exported_plan=plan
     )
 
 
-def _reason(entry: StagePlan, ds_tp: int) -> str:
+def _reason(entry: StagePlan, ds_tp: int, ds_cp: int) -> str:
     if entry.model_stage == ACTOR_INFERENCE:
         return "OpenRLHF computes old log-probs on the actor's training group"
     if entry.model_stage == CRITIC_INFERENCE:
         return "OpenRLHF computes values on the critic's training group, with its micro-batch"
     if entry.stage == "generation":
         return "vLLM engines of OpenRLHF take a tensor parallel size only"
-    return f"DeepSpeed in OpenRLHF: no pipeline parallelism, one tensor parallel size ({ds_tp}) for every model"
+    return (
+        f"DeepSpeed in OpenRLHF: no pipeline parallelism, one tensor parallel size ({ds_tp}) and one ring "
+        f"attention size ({ds_cp}) for every model"
+    )
 
 
 def zero_stage(plan: Plan) -> int:
@@ -123,14 +130,14 @@ def adam_offload(plan: Plan) -> bool:
     return any(entry.train_offload != "none" for entry in plan.stages if entry.stage == "training")
 
 
-def _exported(plan: Plan, entry: StagePlan, ds_tp: int, stage: int) -> StagePlan:
+def _exported(plan: Plan, entry: StagePlan, ds_tp: int, ds_cp: int, stage: int) -> StagePlan:
     if entry.stage == "generation":
         # A vLLM engine of tp x pp GPUs becomes one of tp GPUs: as many engines on the same GPUs.
         return laid_out(plan, entry, sorted(entry.gpus), entry.tp, 1, 1, entry.pool)
     owner = plan.stage_plan(TIED.get(entry.model_stage, entry.model_stage))
     micro_from = owner if entry.model_stage == CRITIC_INFERENCE else entry
     micro = per_gpu_micro_batch(plan, micro_from)
-    out = laid_out(plan, entry, sorted(owner.gpus), ds_tp, 1, micro, owner.pool)
+    out = laid_out(plan, entry, sorted(owner.gpus), ds_tp, 1, micro, owner.pool, ds_cp)
     # ZeRO-3 shards every DeepSpeed model, the inferring ones too; the stage applies to all. Adam
     # offload (no parameter offload: OpenRLHF has no flag for it) applies to every trained one.
     offloaded = "optimizer" if entry.stage == "training" and adam_offload(plan) else "none"
@@ -160,7 +167,9 @@ def _nodes(plan: Plan, entry: StagePlan) -> tuple[int, int]:
     return node_shape(plan, len(entry.gpus), entry.model_stage, how)
 
 
-def _settings(plan: Plan, stages: dict[str, StagePlan], ds_tp: int, memory_fraction: float) -> dict[str, Value]:
+def _settings(
+    plan: Plan, stages: dict[str, StagePlan], ds_tp: int, ds_cp: int, memory_fraction: float
+) -> dict[str, Value]:
     w = plan.workload
     gen = stages[ACTOR_GENERATION]
     out: dict[str, Value] = {}
@@ -172,6 +181,9 @@ def _settings(plan: Plan, stages: dict[str, StagePlan], ds_tp: int, memory_fract
         "--vllm.tensor_parallel_size": gen.tp,
         "--vllm.gpu_memory_utilization": memory_fraction,
         "--ds.tensor_parallel_size": ds_tp,
+        "--ds.ring_attn_size": ds_cp,
+        # ring attention runs on packed samples (OpenRLHF turns packing on for it anyway)
+        **({"--ds.packing_samples": True} if ds_cp > 1 else {}),
         "--ds.zero_stage": zero_stage(plan),
         "--ds.param_dtype": plan.workload.dtype,
         **({"--ds.adam_offload": True} if adam_offload(plan) else {}),

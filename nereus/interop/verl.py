@@ -3,8 +3,10 @@
 verl runs every model on one resource pool of all the job's GPUs (its default), one model
 after another; the actor's old log-probs come from the actor's training workers, the
 critic's values from the critic's training workers, and the rollout engine (vLLM) and the
-reward model (served by its own engine) take a tensor and a pipeline size. Whatever else a
-plan decides becomes a Difference.
+reward model (served by its own engine) take a tensor and a pipeline size. Context
+parallelism (a plan's `cp`) is Megatron's `context_parallel_size` of the actor, the reference
+and the critic, so the actor's and the critic's inference run with their training's. Whatever
+else a plan decides becomes a Difference.
 
 An async plan (`execution: async`) exports to verl's experimental async trainers, whose
 configs extend `ppo_megatron_trainer` with a rollout pool of its own (`rollout.nnodes`,
@@ -68,6 +70,8 @@ TIED_REASONS = {
     ACTOR_INFERENCE: "verl computes old log-probs on the actor's training workers",
     CRITIC_INFERENCE: "verl computes values on the critic's training workers, with their micro-batch",
 }
+#: Why a model-stage served by a vLLM engine loses its context parallelism.
+SERVED_REASON = "verl serves the reward model with vLLM, which takes a tensor and a pipeline size only"
 
 
 def export_verl(plan: Plan) -> Export:
@@ -97,6 +101,8 @@ def export_verl(plan: Plan) -> Export:
 
 
 def _reason(entry: StagePlan, pools: list[Pool]) -> str:
+    if entry.model_stage == REWARD_INFERENCE and entry.cp > 1:
+        return SERVED_REASON
     if len(pools) > 1:  # async: verl's rollout pool and trainer pool
         pool = _pool_for(entry, pools)
         return TIED_REASONS.get(entry.model_stage, ASYNC_POOL_REASON.format(pool=pool.name, n=len(pool.gpus)))
@@ -120,7 +126,10 @@ def _exported_stages(plan: Plan, pools: list[Pool]) -> dict[str, StagePlan]:
         layout = plan.stage_plan(layout_of.get(entry.model_stage, entry.model_stage))
         micro = per_gpu_micro_batch(plan, plan.stage_plan(micro_of.get(entry.model_stage, entry.model_stage)))
         pool = _pool_for(entry, pools)
-        out[entry.model_stage] = laid_out(plan, entry, pool.gpus, layout.tp, layout.pp, micro, pool.name)
+        # Megatron's context parallelism where verl runs the model-stage on Megatron workers;
+        # the vLLM engines (generation, the reward model) have none.
+        cp = layout.cp if layout.model_stage in MEGATRON_SECTIONS else 1
+        out[entry.model_stage] = laid_out(plan, entry, pool.gpus, layout.tp, layout.pp, micro, pool.name, cp)
         if entry.train_offload != "none":  # verl's offload puts the states to sleep between phases
             out[entry.model_stage] = out[entry.model_stage].model_copy(update={"offload": True})
     return out
@@ -167,6 +176,7 @@ def _settings(plan: Plan, stages: dict[str, StagePlan], memory_fraction: float) 
         if name in stages:
             out[f"{section}.tensor_model_parallel_size"] = stages[name].tp
             out[f"{section}.pipeline_model_parallel_size"] = stages[name].pp
+            out[f"{section}.context_parallel_size"] = stages[name].cp
             out[f"{section}.dtype"] = MEGATRON_DTYPES[w.dtype]
             if name != REFERENCE_INFERENCE:
                 planned = plan.stage_plan(name)

@@ -287,7 +287,8 @@ class _Timed:
     optimizer_time: np.ndarray  # the share of `time` ZeRO-1 divides by dp
     memory: dict[str, np.ndarray]  # without ZeRO-1 (unless pinned or fully sharded) and token budgets
     token_budget: np.ndarray  # the packed budget's tokens (training), 0 elsewhere
-    token_ratio: np.ndarray  # those tokens over the rows' tokens: activations and logits scale by it
+    token_ratio: np.ndarray  # those tokens over the rows' tokens (below 1: the budget holds fewer)
+    budget_memory: dict[str, np.ndarray]  # `TOKEN_TERMS` under the packed budget (training; else `memory`'s)
 
 
 def _blocks(cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices) -> list[_Block]:
@@ -358,11 +359,26 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
         cp=cp,
     )
     memory = {k: np.broadcast_to(v, tp.shape).astype(float) for k, v in memory.items()}
-    token_budget, token_ratio = np.zeros(tp.shape), np.ones(tp.shape)
+    token_budget, token_ratio, budget_memory = np.zeros(tp.shape), np.ones(tp.shape), memory
     if cost.stage == "training":
         token_budget = cost.packed_token_budget(dp, m)
         token_ratio = token_budget / cost.micro_batch_tokens(dp, m)  # cp divides both alike
-    least = _least_memory(memory, dp, token_ratio, allowed, zero1)
+        # Priced at the budget, not scaled by the ratio: the logits term is one chunk of the
+        # chunked head whatever the tokens past it, and full recompute's rerun reuses its room.
+        at_budget = cost.memory_terms(
+            tp,
+            pp,
+            dp,
+            m,
+            recompute=recompute,
+            zero1=zero1,
+            token_budget=token_budget,
+            full_shard=shard,
+            train_offload=train_offload,
+            cp=cp,
+        )
+        budget_memory = {k: np.broadcast_to(at_budget[k], tp.shape).astype(float) for k in TOKEN_TERMS if k in memory}
+    least = _least_memory(memory, budget_memory, dp, allowed, zero1)
     fits = least <= stage_room(cost.cluster, cost.calibration)
     if cost.stage == "training":
         times = _pipeline_times(cost, distinct, allowed)
@@ -372,7 +388,18 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
     optimizer_time = np.where(fits, times["optimizer"], 0.0) if cost.stage == "training" else np.zeros(tp.shape)
     host = sum(cost.host_terms(tp, pp, dp, train_offload).values(), np.zeros(tp.shape))
     return _Timed(
-        layout, kv, recompute, full_shard, train_offload, host, time, optimizer_time, memory, token_budget, token_ratio
+        layout,
+        kv,
+        recompute,
+        full_shard,
+        train_offload,
+        host,
+        time,
+        optimizer_time,
+        memory,
+        token_budget,
+        token_ratio,
+        budget_memory,
     )
 
 
@@ -446,19 +473,21 @@ def _pipeline_times(cost: StageCostModel, distinct: list[np.ndarray], allowed: M
 
 def _least_memory(
     memory: dict[str, np.ndarray],
+    budget_memory: dict[str, np.ndarray],
     dp: np.ndarray,
-    token_ratio: np.ndarray,
     allowed: MemoryChoices,
     sharded: np.ndarray,
 ) -> np.ndarray:
     """The smallest footprint any expansion of a row can have (offload moves bytes, not removes
-    them); `sharded`: rows whose optimizer state is already divided by dp."""
-    scale = np.minimum(token_ratio, 1.0) if True in allowed.token_budget else 1.0
+    them); `budget_memory`: the token terms under the packed budget; `sharded`: rows whose
+    optimizer state is already divided by dp."""
     total = np.zeros(dp.shape)
     for name, value in memory.items():
         if name == "optimizer" and True in allowed.zero1:
             value = np.where(sharded, value, value / dp)
-        total = total + (value * scale if name in TOKEN_TERMS else value)
+        if name in budget_memory and True in allowed.token_budget:
+            value = np.minimum(value, budget_memory[name])
+        total = total + value
     return total
 
 
@@ -488,8 +517,7 @@ def _expand_choices(
         zero1 = _decided(allowed.zero1, g.layout[3] > 1) & (g.layout[3] > 1) & (g.full_shard == 0)
         zero1 &= g.train_offload == 0
     dp = g.layout[3].astype(float)
-    scale = np.where(token, g.token_ratio, 1.0)
-    terms = {k: v * scale if k in TOKEN_TERMS else v for k, v in g.memory.items()}
+    terms = {k: np.where(token, g.budget_memory[k], v) if k in g.budget_memory else v for k, v in g.memory.items()}
     time = g.time
     if training and not pinned:
         terms["optimizer"] = np.where(zero1, terms["optimizer"] / dp, terms["optimizer"])

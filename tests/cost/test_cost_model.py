@@ -249,8 +249,9 @@ def test_training_activations_korthikanti(tp: int, pp: int, dp: int, micro_batch
     expected = per_layer * (4 / pp) * in_flight
     terms = c.memory_terms(tp, pp, dp, micro_batches)
     assert float(terms["activations"]) == pytest.approx(expected, rel=1e-12)
-    # fp32 logits of one micro-batch, vocabulary split over tp
-    assert float(terms["logits"]) == pytest.approx(4 * b * s * 96 / tp, rel=1e-12)
+    # fp32 logits of one chunk of the chunked head (1024 tokens; the micro-batch's when it has
+    # fewer), vocabulary split over tp
+    assert float(terms["logits"]) == pytest.approx(4 * min(b * s, 1024) * 96 / tp, rel=1e-12)
 
 
 @pytest.mark.parametrize(("tp", "dp", "micro_batches"), [(1, 1, 1), (2, 3, 4), (8, 5, 7)])
@@ -259,7 +260,17 @@ def test_inference_activations_are_one_layer(tp: int, dp: int, micro_batches: in
     terms = cost("inference", workload()).memory_terms(tp, 2, dp, micro_batches)
     b = ceil_div(ceil_div(128, dp), micro_batches)
     assert float(terms["activations"]) == pytest.approx(34 * 256 * b * 64 / tp, rel=1e-12)
-    assert float(terms["logits"]) == pytest.approx(4 * b * 256 * 96 / tp, rel=1e-12)
+    assert float(terms["logits"]) == pytest.approx(4 * min(b * 256, 1024) * 96 / tp, rel=1e-12)
+
+
+@pytest.mark.parametrize("stage", ["training", "inference"])
+def test_logits_term_prices_one_chunk_whatever_the_length(stage: str) -> None:
+    """The runtime takes log-probs a chunk of tokens at a time (`chunked_head`): the logits term
+    stops growing at one chunk, where activations keep growing with the sequence."""
+    short = cost(stage, workload(prompt_len=100, max_len=156)).memory_terms(1, 1, 1, 1)
+    long = cost(stage, workload(prompt_len=1024, max_len=31744)).memory_terms(1, 1, 1, 1)
+    assert float(long["logits"]) == float(short["logits"]) == 4 * 1024 * 96
+    assert float(long["activations"]) > 100 * float(short["activations"])
 
 
 def test_fp32_activations_are_twice_bf16() -> None:

@@ -14,9 +14,6 @@ import torch.distributed as dist
 import nereus.runtime.rl.step as step_module
 from nereus.errors import NereusError
 from nereus.runtime.comm.spawn import spawn
-from nereus.runtime.model.tensor_parallel import TensorParallel, vocab_parallel_cross_entropy
-from nereus.runtime.rl.algorithms import entropy_from_logits
-from nereus.runtime.rl.objectives import vocab_parallel_entropy
 from nereus.runtime.rl.stages import ModelStageRuntime, build_stages, rollout_batch
 from nereus.runtime.rl.step import StepResult, rl_step
 from nereus.runtime.rl.update import old_log_probs_from_training, sync_plans
@@ -250,63 +247,6 @@ def test_rollout_batch_pads_and_marks_responses() -> None:
     assert batch.tokens.tolist() == [[0, 1, 5, 8, 2], [1, 6, 7, 9, 0]]
     assert batch.mask().tolist() == [[False, True, True, True, True], [True, True, True, True, False]]
     assert batch.field("loss_mask").tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 1, 0]]
-
-
-def two_rank_tp(rank: int) -> TensorParallel:
-    from torch.distributed.device_mesh import DeviceMesh
-
-    group = dist.new_group([0, 1])
-    return TensorParallel(2, rank, group, DeviceMesh.from_group(group, "cpu"))
-
-
-def entropy_worker(rank: int, world: int) -> tuple[float, float]:
-    logits = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(0))
-    whole = logits.clone().requires_grad_(True)
-    local = logits[..., rank * 4 : (rank + 1) * 4].clone().requires_grad_(True)
-    entropy = vocab_parallel_entropy(local, two_rank_tp(rank))
-    expected = entropy_from_logits(whole)
-    (entropy * torch.arange(5.0)).sum().backward()
-    (expected * torch.arange(5.0)).sum().backward()
-    assert whole.grad is not None and local.grad is not None
-    value_error = float((entropy - expected).abs().max())
-    grad_error = float((local.grad - whole.grad[..., rank * 4 : (rank + 1) * 4]).abs().max())
-    return value_error, grad_error
-
-
-@pytest.mark.multiprocess
-def test_vocab_parallel_entropy_matches_full_vocabulary() -> None:
-    for value_error, grad_error in spawn(entropy_worker, 2):
-        assert value_error < 1e-5 and grad_error < 1e-6
-
-
-def cross_entropy_worker(rank: int, world: int) -> dict[str, tuple[float, float]]:
-    """The vocabulary-split cross-entropy against the whole vocabulary's, fp32 and bf16 logits,
-    with autograd (the backward outside the call, as the pipeline executor runs it) and without."""
-    tp = two_rank_tp(rank)
-    generator = torch.Generator().manual_seed(0)
-    logits, targets = torch.randn(3, 5, 8, generator=generator), torch.randint(0, 8, (3, 5), generator=generator)
-    errors = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        whole = logits.to(dtype, copy=True).requires_grad_(True)
-        local = logits[..., rank * 4 : (rank + 1) * 4].to(dtype, copy=True).requires_grad_(True)
-        ours = vocab_parallel_cross_entropy(local, targets, tp)
-        expected = torch.nn.functional.cross_entropy(whole.float().flatten(0, 1), targets.flatten(), reduction="none")
-        (ours * torch.arange(15.0).view(3, 5)).sum().backward()
-        (expected * torch.arange(15.0)).sum().backward()
-        assert whole.grad is not None and local.grad is not None and local.grad.dtype == dtype
-        grad_error = float((local.grad - whole.grad[..., rank * 4 : (rank + 1) * 4]).abs().max())
-        errors[str(dtype)] = (float((ours.flatten() - expected).abs().max()), grad_error)
-        with torch.no_grad():
-            unrecorded = vocab_parallel_cross_entropy(local, targets, tp)
-        assert torch.equal(unrecorded, ours.detach())
-    return errors
-
-
-@pytest.mark.multiprocess
-def test_vocab_parallel_cross_entropy_matches_full_vocabulary() -> None:
-    for errors in spawn(cross_entropy_worker, 2):
-        assert errors["torch.float32"][0] < 1e-5 and errors["torch.float32"][1] < 1e-6
-        assert errors["torch.bfloat16"][0] < 1e-5 and errors["torch.bfloat16"][1] < 1e-2
 
 
 def run_rank_recording_steps(rank: int, world: int, setup: RunSetup) -> list[StepMetrics]:

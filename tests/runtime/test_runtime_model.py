@@ -11,7 +11,7 @@ from nereus.runtime.model.adamw import AdamW, AdamWConfig
 from nereus.runtime.model.engine import Engine
 from nereus.runtime.model.initialization import init_logical_param, init_logical_params, shard_params
 from nereus.runtime.model.losses import NextTokenLoss, ValueLoss
-from nereus.runtime.model.tensor_parallel import TensorParallel, vocab_parallel_cross_entropy
+from nereus.runtime.model.tensor_parallel import TensorParallel
 from nereus.runtime.model.transformer import Batch, DecoderPipelineStage, ReferenceModel, positions_from_mask
 from nereus.runtime.state.shard_layout import RankLayout, param_infos, position_boxes, state_key
 from nereus.spec.model import Head, Model
@@ -72,12 +72,18 @@ def test_stage_matches_independent_reference(model: Model, head: Head) -> None:
     ref, stage = reference(model, head), single_stage(model, head)
     batch = padded_batch(model)
     objective = ValueLoss() if head == "value" else NextTokenLoss()
+    mask, weights = batch.mask(), objective.weights(batch)
+
+    def loss_of(output: torch.Tensor, module: ReferenceModel | DecoderPipelineStage) -> torch.Tensor:
+        return (objective.token_losses(output, batch, module) * weights).sum() / weights.sum()
+
+    ref_output = ref(batch.tokens, mask)
+    # The engine's way: the objective runs inside the stage's forward, on its final hidden states.
+    stage_loss = stage(batch.tokens, mask, positions_from_mask(mask), reduce=lambda out: loss_of(out, stage))
+    with torch.no_grad():
+        stage_output = stage(batch.tokens, mask, positions_from_mask(mask))
     losses = []
-    for module in (ref, stage):
-        mask = batch.mask()
-        output = module(batch.tokens, mask) if module is ref else module(batch.tokens, mask, positions_from_mask(mask))
-        weights = objective.weights(batch)
-        loss = (objective.token_losses(output, batch, module) * weights).sum() / weights.sum()
+    for output, loss in ((ref_output, loss_of(ref_output, ref)), (stage_output, stage_loss)):
         loss.backward()
         losses.append((output.detach(), float(loss.detach())))
     assert torch.allclose(losses[0][0], losses[1][0], atol=1e-6)
@@ -96,20 +102,6 @@ def test_left_padding_does_not_change_real_tokens() -> None:
         plain, with_pad = ref(tokens), ref(padded, mask)
     assert torch.allclose(plain, with_pad[:, 3:], atol=1e-5)
     assert positions_from_mask(mask).tolist() == [[0, 0, 0, 0, 1, 2, 3, 4, 5]]
-
-
-def test_vocab_parallel_cross_entropy_single_rank_is_cross_entropy() -> None:
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(4, 5, 64, generator=generator, requires_grad=True)
-    targets = torch.randint(0, 64, (4, 5), generator=generator)
-    ours = vocab_parallel_cross_entropy(logits, targets, TensorParallel.single())
-    (ours * torch.arange(20.0).view(4, 5)).sum().backward()
-    grad = logits.grad.clone()  # type: ignore[union-attr]
-    logits.grad = None
-    theirs = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view(4, 5)
-    (theirs * torch.arange(20.0).view(4, 5)).sum().backward()
-    assert torch.allclose(ours, theirs, atol=1e-6)
-    assert torch.allclose(grad, logits.grad, atol=1e-6)  # type: ignore[arg-type]
 
 
 def test_adamw_matches_torch() -> None:

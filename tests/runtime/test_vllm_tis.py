@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from nereus.runtime.model.tensor_parallel import TensorParallel
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.algorithms import behaviour_weights
 from nereus.runtime.rl.objectives import PolicyObjective
@@ -19,6 +18,9 @@ pytestmark = pytest.mark.one_rank
 class Head:
     def token_log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("these objectives have no entropy term")
 
 
 def test_weights_are_the_ratio_capped() -> None:
@@ -41,16 +43,12 @@ def test_the_objective_weighs_only_the_policy_term() -> None:
     fields = {"loss_mask": mask, "old_log_probs": old, "advantages": torch.randn(2, 5), "ref_log_probs": old - 0.1}
     shift = 0.3 * mask  # the engine's log-probs, 0.3 below the trainer's on every response token
     batch = Batch(tokens, torch.ones(2, 5, dtype=torch.bool), {**fields, "rollout_log_probs": old - shift})
-    plain = PolicyObjective(0.2, 0.0, 0.0, TensorParallel.single(), "token-mean")
-    corrected = PolicyObjective(
-        0.2, 0.0, 0.0, TensorParallel.single(), "token-mean", correction="tis", correction_cap=2.0
-    )
+    plain = PolicyObjective(0.2, 0.0, 0.0, "token-mean")
+    corrected = PolicyObjective(0.2, 0.0, 0.0, "token-mean", correction="tis", correction_cap=2.0)
     expected = plain.token_losses(logits, batch, Head()) * torch.exp(shift)
     assert torch.allclose(corrected.token_losses(logits, batch, Head()), expected)
     # With the KL loss on, the KL term is added unweighted.
-    with_kl = PolicyObjective(
-        0.2, 0.5, 0.0, TensorParallel.single(), "token-mean", correction="tis", correction_cap=2.0
-    )
-    kl_only = PolicyObjective(0.2, 0.5, 0.0, TensorParallel.single(), "token-mean").token_losses(logits, batch, Head())
+    with_kl = PolicyObjective(0.2, 0.5, 0.0, "token-mean", correction="tis", correction_cap=2.0)
+    kl_only = PolicyObjective(0.2, 0.5, 0.0, "token-mean").token_losses(logits, batch, Head())
     difference = with_kl.token_losses(logits, batch, Head()) - kl_only
     assert torch.allclose(difference, plain.token_losses(logits, batch, Head()) * (torch.exp(shift) - 1), atol=1e-6)

@@ -978,9 +978,9 @@ def test_one_memory_base_in_the_plan_and_its_rejections() -> None:
         assert f"> {usable / GIB:.1f} GiB usable" in rejection.describe()
     # the layout that read `needs 71.2 GiB > 69.6 GiB usable`
     said = [r.describe() for r in result.rejections]
-    # (with two micro-batches it fits now that full recompute's rerun shares the logits' room;
-    # with one it still overflows)
-    assert any(text.startswith("actor/training tp=1 pp=8 dp=2 micro_batches=1 ") for text in said)
+    # (that layout, tp=1 pp=8 dp=2 with one micro-batch, fits since the logits term prices one
+    # chunk of the chunked head; pp=10 with one micro-batch of the whole budget still overflows)
+    assert any(text.startswith("actor/training tp=1 pp=10 dp=1 micro_batches=1 ") for text in said)
     assert all("GiB > 72.0 GiB usable" in text for text in said)
     assert not any("69.6" in text for text in said)
 

@@ -4,7 +4,8 @@
 - `attention`: attention kernels, packing of padded rows, decode masks, per-layer KV stores.
 - `initialization`: seeded whole initial weights and a rank's shards of them.
 - `tensor_parallel`: tensor parallelism on DTensor placements (column/row-parallel linears, vocabulary-split
-  embedding and `loss_parallel` cross-entropy) over weights held as their boxes.
+  embedding) over weights held as their boxes.
+- `chunked_head`: the LM head's log-probs and entropy in chunks of tokens, never the whole logits.
 - `pipeline`: pipeline stages' op lists, their deadlock check and the send/recv executor.
 - `parallel_groups`: a rank's place in a RankLayout and its process groups.
 - `data_parallel`: gradient sync over replicas in bounded buckets (ZeRO-1 included).

@@ -35,7 +35,7 @@ replicas, so the sum over cp x dp is the single-process gradient).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -206,13 +206,20 @@ def _gathered(x: torch.Tensor, cp: ContextParallel) -> list[torch.Tensor]:
     return parts
 
 
-def stage_forward(stage: DecoderPipelineStage, cp: ContextParallel, part: Batch, device: torch.device) -> torch.Tensor:
-    """The (single) stage's output on this rank's columns of `part`: [b, cols, vocab / tp] or [b, cols]."""
+def stage_forward(
+    stage: DecoderPipelineStage,
+    cp: ContextParallel,
+    part: Batch,
+    device: torch.device,
+    reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The (single) stage's output on this rank's columns of `part`: [b, cols, vocab / tp] or [b, cols];
+    given a `reduce`, that of it (an LM head's final hidden states [b, cols, hidden]) inside the forward."""
     mask = part.mask().to(device)
     split = cp.split(mask)
     start, stop = split.span
     positions = positions_from_mask(mask)[:, start:stop]
-    output: torch.Tensor = stage(part.tokens[:, start:stop].to(device), mask, positions, split=split)
+    output: torch.Tensor = stage(part.tokens[:, start:stop].to(device), mask, positions, split=split, reduce=reduce)
     return output
 
 
@@ -253,16 +260,16 @@ def whole_columns(cp: ContextParallel, chunk: torch.Tensor, seq: int) -> torch.T
 
 
 def next_token_log_probs(
-    cp: ContextParallel, logits: torch.Tensor, tokens: torch.Tensor, head: HeadOps
+    cp: ContextParallel, hidden: torch.Tensor, tokens: torch.Tensor, head: HeadOps
 ) -> torch.Tensor:
-    """[b, seq - 1] log p(tokens[:, i + 1]) from this rank's columns' logits: each rank scores
+    """[b, seq - 1] log p(tokens[:, i + 1]) from this rank's columns' final hidden states: each rank scores
     the positions it holds that have a next token (every rank has the tokens), gathered whole."""
     seq = int(tokens.shape[1])
     spans = cp.spans(seq)
     lengths = [max(0, min(stop, seq - 1) - start) for start, stop in spans]
     start = spans[cp.rank][0]
     count = lengths[cp.rank]
-    mine = head.token_log_probs(logits[:, :count], tokens[:, start + 1 : start + 1 + count])
+    mine = head.token_log_probs(hidden[:, :count], tokens[:, start + 1 : start + 1 + count])
     return gather_columns(cp, mine.float(), lengths)
 
 

@@ -37,6 +37,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from nereus.cost.stage import LOGIT_CHUNK_TOKENS
 from nereus.runtime.comm import arena, collectives
 from nereus.runtime.comm.world import device as rank_device
 from nereus.runtime.model import context_parallel
@@ -115,6 +116,13 @@ class EngineConfig:
     the gradients, fp32 masters and AdamW moments in host memory and steps there (ZeRO-1's
     sharding across dp is implied); `params` also the parameters' shards (FSDP2's CPU offload:
     needs `full_shard` over dp > 1)."""
+    logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS
+    """Tokens per chunk of the LM head's log-probs and entropy in training and log-prob
+    inference (`chunked_head`): at most one chunk's logits exist at a time."""
+
+    def __post_init__(self) -> None:
+        if self.logit_chunk_tokens < 1:
+            raise ValueError(f"logit_chunk_tokens must be a positive token count, not {self.logit_chunk_tokens}")
 
 
 #: Training-time offload levels (`StagePlan.train_offload`).
@@ -146,7 +154,7 @@ class Engine:
         self.device = rank_device()
         layout = groups.layout
         self.pipeline_stage = DecoderPipelineStage(
-            model, head, groups.tp, layout.pp, groups.pp_rank, config.recompute
+            model, head, groups.tp, layout.pp, groups.pp_rank, config.recompute, config.logit_chunk_tokens
         ).to(self.device)
         self.params: dict[str, torch.nn.Parameter] = dict(self.pipeline_stage.named_parameters())
         self._check_contract()
@@ -591,14 +599,15 @@ class Engine:
 
         def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
             part = parts[mb]
-            output = self._stage_forward(part, stage_input)
-            if not self.pipeline_stage.is_last:
-                return output
-            weights = objective.weights(part).to(self.device)
-            if self.groups.cp.size > 1:  # this rank's columns' share of the loss
-                cp, stage = self.groups.cp, self.pipeline_stage
-                return context_parallel.chunk_loss(cp, objective, output, part, weights, normalizer, stage)
-            return (objective.token_losses(output, part, self.pipeline_stage) * weights).sum() / normalizer
+
+            def loss(output: torch.Tensor) -> torch.Tensor:
+                weights = objective.weights(part).to(self.device)
+                if self.groups.cp.size > 1:  # this rank's columns' share of the loss
+                    cp, stage = self.groups.cp, self.pipeline_stage
+                    return context_parallel.chunk_loss(cp, objective, output, part, weights, normalizer, stage)
+                return (objective.token_losses(output, part, self.pipeline_stage) * weights).sum() / normalizer
+
+            return self._stage_forward(part, stage_input, loss)
 
         # Reduce only this call's gradient: gradients already held were reduced by earlier calls.
         self.wake()
@@ -739,12 +748,19 @@ class Engine:
     def _hidden_shape(self, parts: Sequence[Batch]) -> Callable[[int], tuple[int, ...]]:
         return lambda mb: (*parts[mb].tokens.shape, self.model.hidden_dim)
 
-    def _stage_forward(self, part: Batch, stage_input: torch.Tensor | None) -> torch.Tensor:
+    def _stage_forward(
+        self,
+        part: Batch,
+        stage_input: torch.Tensor | None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """This stage's output for `part`; on the last stage `reduce` of it, run inside the
+        forward (an LM head's final hidden states: `DecoderPipelineStage.forward`)."""
         if self.groups.cp.size > 1:  # this rank's columns (pp is 1)
-            return context_parallel.stage_forward(self.pipeline_stage, self.groups.cp, part, self.device)
+            return context_parallel.stage_forward(self.pipeline_stage, self.groups.cp, part, self.device, reduce)
         mask = part.mask().to(self.device)
         inputs = part.tokens.to(self.device) if stage_input is None else stage_input
-        return self.pipeline_stage(inputs, mask, positions_from_mask(mask))
+        return self.pipeline_stage(inputs, mask, positions_from_mask(mask), reduce=reduce)
 
     def _sync_grads(self) -> None:
         """Sum the gradients over tied copies and replicas (FSDP2 reduce-scattered them already
@@ -800,16 +816,24 @@ class Engine:
     # ---- inference ----
 
     def _forward_outputs(
-        self, batch: Batch, num_microbatches: int, reduce: Any, out_shape: tuple[int, ...]
+        self,
+        batch: Batch,
+        num_microbatches: int,
+        reduce: Callable[[torch.Tensor, Batch], torch.Tensor],
+        out_shape: tuple[int, ...],
+        from_hidden: bool = False,
     ) -> torch.Tensor:
         """Run this replica's forward over `batch`; `reduce(output, part)` turns each last-stage
-        output into the rows of the result, which every rank of the replica receives."""
+        output (the head's, or with `from_hidden` an LM head's final hidden states) into the rows
+        of the result, which every rank of the replica receives."""
         self.wake()
         parts = split_micro_batches(batch, num_microbatches)
         ops = forward_only(self.groups.layout.pp, num_microbatches)[self.groups.pp_rank]
 
         def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
             part = parts[mb]
+            if from_hidden:
+                return self._stage_forward(part, stage_input, lambda hidden: reduce(hidden, part))
             output = self._stage_forward(part, stage_input)
             return reduce(output, part) if self.pipeline_stage.is_last else output
 
@@ -833,13 +857,13 @@ class Engine:
         self.require_head("lm")
         rows, seq = batch.tokens.shape
 
-        def reduce(out: torch.Tensor, part: Batch) -> torch.Tensor:
+        def reduce(hidden: torch.Tensor, part: Batch) -> torch.Tensor:
             tokens, cp = part.tokens.to(self.device), self.groups.cp
             if cp.size > 1:
-                return context_parallel.next_token_log_probs(cp, out, tokens, self.pipeline_stage)
-            return next_token_log_probs(out, tokens, self.pipeline_stage)
+                return context_parallel.next_token_log_probs(cp, hidden, tokens, self.pipeline_stage)
+            return next_token_log_probs(hidden, tokens, self.pipeline_stage)
 
-        return self._forward_outputs(batch, num_microbatches, reduce, (rows, seq - 1))
+        return self._forward_outputs(batch, num_microbatches, reduce, (rows, seq - 1), from_hidden=True)
 
     def values(self, batch: Batch, num_microbatches: int = 1) -> torch.Tensor:
         """[b, t] value-head outputs (critic and reward inference)."""

@@ -13,9 +13,17 @@ from nereus.runtime.model.transformer import Batch
 
 
 class HeadOps(Protocol):
-    """What an objective may ask of the model's last stage."""
+    """What an objective may ask of the model's last stage, about its `output`: the engine's
+    stage reads its final hidden states and computes in chunks of tokens (`chunked_head`); the
+    one-process `ReferenceModel` reads its whole logits."""
 
-    def token_log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor: ...
+    def token_log_probs(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """[...] fp32 log p(target) at every position of `output` [..., features]."""
+        ...
+
+    def token_entropy(self, output: torch.Tensor) -> torch.Tensor:
+        """[...] fp32 entropy of the next-token distribution at every position."""
+        ...
 
 
 class Objective(Protocol):
@@ -31,7 +39,8 @@ class Objective(Protocol):
         ...
 
     def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
-        """[batch, seq] loss of every token from the last stage's output (local logit columns or values)."""
+        """[batch, seq] loss of every token from the last stage's output: what `head` reads
+        (an LM head's final hidden states in the engine) or the values of a value head."""
         ...
 
 
@@ -40,9 +49,9 @@ def _loss_mask(batch: Batch) -> torch.Tensor:
     return mask.to(torch.float32)
 
 
-def next_token_log_probs(logits: torch.Tensor, tokens: torch.Tensor, head: HeadOps) -> torch.Tensor:
-    """[b, t - 1]: log p(tokens[:, i + 1]) under the logits at position i."""
-    return head.token_log_probs(logits[:, :-1], tokens[:, 1:])
+def next_token_log_probs(output: torch.Tensor, tokens: torch.Tensor, head: HeadOps) -> torch.Tensor:
+    """[b, t - 1]: log p(tokens[:, i + 1]) from the output at position i."""
+    return head.token_log_probs(output[:, :-1], tokens[:, 1:])
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ through DTensor: activations between blocks are replicated; a column-parallel li
 enters as a `Replicate()` DTensor whose gradient comes back `Partial()` (summed over the tensor
 ranks) and its output is this rank's `Shard(-1)` columns; a row-parallel linear's output leaves
 `Partial()` and is redistributed to `Replicate()`; the vocabulary-split embedding is
-`F.embedding` on a `Shard(0)` DTensor (DTensor's masked partial sum), and the cross-entropy of
-vocabulary-split logits runs under `loss_parallel`, so full logits are never materialised.
+`F.embedding` on a `Shard(0)` DTensor (DTensor's masked partial sum). The LM head's log-probs
+and entropy come from `chunked_head`, a chunk of tokens at a time over this rank's vocabulary
+rows (DTensor's `loss_parallel` would need a whole micro-batch's logits at once).
 
 Every function takes a `TensorParallel`; with one tensor rank it is plain single-device math.
 """
@@ -23,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn import functional as F
 
 
@@ -113,47 +113,3 @@ class VocabParallelEmbedding(nn.Module):
         rows = DTensor.from_local(self.weight, mesh, [Shard(0)], run_check=False)
         embedded: torch.Tensor = F.embedding(DTensor.from_local(tokens, mesh, [Replicate()], run_check=False), rows)
         return embedded.full_tensor()  # type: ignore[attr-defined]
-
-
-def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor, mesh: Any) -> torch.Tensor:
-    """Per-row cross-entropy of [rows, local vocab] logits (`Shard(1)` over `mesh`) under
-    `loss_parallel`: its max, sum of exponents and target logit are reduced over the ranks."""
-    sharded = DTensor.from_local(logits, mesh, [Shard(1)], run_check=False)
-    with loss_parallel():
-        loss: Any = F.cross_entropy(sharded, targets, reduction="none")
-    local: torch.Tensor = loss.to_local()
-    return local
-
-
-class _LossParallel(torch.autograd.Function):
-    """`_cross_entropy` whose backward also runs under `loss_parallel` (as it must), wherever
-    the caller's backward runs (the pipeline executor's)."""
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, mesh: Any) -> torch.Tensor:
-        with torch.enable_grad():
-            ctx.logits = logits.detach().requires_grad_()
-            ctx.loss = _cross_entropy(ctx.logits.float(), targets, mesh)
-        # The backward needs what the loss saved (its fp32 log-softmax), not the logits: drop
-        # this alias of their storage, so that they are freed with the caller's.
-        ctx.logits.data = torch.empty((), dtype=logits.dtype, device=logits.device).expand(logits.shape)
-        return ctx.loss.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        with loss_parallel():
-            (grad_logits,) = torch.autograd.grad(ctx.loss, ctx.logits, grad)
-        del ctx.logits, ctx.loss
-        return grad_logits, None, None
-
-
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Per-token -log p(target) (fp32) from this rank's logit columns [..., local vocab]."""
-    flat, flat_targets = logits.flatten(0, -2), targets.flatten()
-    if tp.mesh is None:
-        loss = F.cross_entropy(flat.float(), flat_targets, reduction="none")
-    elif torch.is_grad_enabled() and logits.requires_grad:
-        loss = _LossParallel.apply(flat, flat_targets, tp.mesh)
-    else:
-        loss = _cross_entropy(flat.float(), flat_targets, tp.mesh)
-    return loss.view(targets.shape)

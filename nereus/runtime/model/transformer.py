@@ -27,7 +27,7 @@ recompute.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -36,6 +36,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
+from nereus.cost.stage import LOGIT_CHUNK_TOKENS
+from nereus.runtime.model import chunked_head
 from nereus.runtime.model.attention import (
     MATMUL_ATTENTION_MAX_TOKENS,
     AttentionPlan,
@@ -53,7 +55,6 @@ from nereus.runtime.model.tensor_parallel import (
     TensorParallel,
     VocabParallelEmbedding,
     replicated,
-    vocab_parallel_cross_entropy,
 )
 from nereus.runtime.state.shard_layout import param_infos, stage_layers
 from nereus.spec.model import Activation, Head, Model
@@ -319,15 +320,27 @@ class DecoderPipelineStage(nn.Module):
 
     Stage 0 embeds token ids; later stages take the previous stage's hidden states. The
     last stage returns its head's output: this rank's logit columns [b, t, vocab / tp] or
-    values [b, t]; the others return hidden states [b, t, hidden].
+    values [b, t]; the others return hidden states [b, t, hidden]. Given a `reduce`, the last
+    stage of an LM head instead hands its final hidden states to it, inside the forward, and
+    `token_log_probs` / `token_entropy` compute from them in chunks of tokens (`chunked_head`):
+    the engine's training and log-prob passes never make the whole logits.
     """
 
     def __init__(
-        self, model: Model, head: Head, tp: TensorParallel, pp: int, stage: int, recompute: Recompute = "none"
+        self,
+        model: Model,
+        head: Head,
+        tp: TensorParallel,
+        pp: int,
+        stage: int,
+        recompute: Recompute = "none",
+        logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS,
     ):
         super().__init__()
         self.model = model
         self.head = head
+        self.logit_chunk_tokens = logit_chunk_tokens
+        """Tokens per chunk of the LM head's log-probs and entropy (`chunked_head`)."""
         self.inv_freq = rope_inv_freq(model)
         self.tp = tp
         self.is_first = stage == 0
@@ -352,6 +365,7 @@ class DecoderPipelineStage(nn.Module):
         caches: Mapping[int, KVStore] | None = None,
         cache_start: int = 0,
         split: SequenceSplit | None = None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """`inputs`: token ids (first stage) or hidden states; `key_mask` [b, keys] covers the cache.
 
@@ -359,10 +373,15 @@ class DecoderPipelineStage(nn.Module):
         a decode step after `cache_start` cached columns masks its queries x keys only.
         Under context parallelism (`split`) `inputs` and `positions` are this rank's columns
         of whole sequences and `key_mask` the whole rows' (`context_parallel`).
+        `reduce` (last stage): what the forward returns instead of the head's output, computed
+        from it inside the forward (so full sharding holds the gathered head weight while it
+        runs); an LM head then passes its final hidden states [b, t, hidden], not logits.
         """
         check_positions(self.model, key_mask.shape[-1])
+        hidden_only = reduce is not None and self.head == "lm"
         if split is not None:
-            return self._layers_and_head(inputs, positions, AttentionPlan(split=split), None, 0)
+            output = self._layers_and_head(inputs, positions, AttentionPlan(split=split), None, 0, hidden_only)
+            return output if reduce is None or not self.is_last else reduce(output)
         num_queries = inputs.shape[1]
         if cache_start == 0 and key_mask.shape[-1] == num_queries:
             bias = None
@@ -376,8 +395,9 @@ class DecoderPipelineStage(nn.Module):
         packing = plan.packing
         if packing is not None:
             inputs, positions = packing.pack(inputs), packing.pack(positions)
-        output = self._layers_and_head(inputs, positions, plan, caches, cache_start)
-        return output if packing is None else packing.unpack(output)
+        output = self._layers_and_head(inputs, positions, plan, caches, cache_start, hidden_only)
+        output = output if packing is None else packing.unpack(output)
+        return output if reduce is None or not self.is_last else reduce(output)
 
     def _layers_and_head(
         self,
@@ -386,6 +406,7 @@ class DecoderPipelineStage(nn.Module):
         plan: AttentionPlan,
         caches: Mapping[int, KVStore] | None,
         cache_start: int,
+        hidden_only: bool = False,
     ) -> torch.Tensor:
         x = self.embed.forward(inputs) if self.is_first else inputs
         rope = rope_tables(positions, self.inv_freq, x.dtype)
@@ -394,6 +415,8 @@ class DecoderPipelineStage(nn.Module):
         if not self.is_last:
             return x
         x = self.final_norm.forward(x)
+        if hidden_only:
+            return x
         if self.head == "value":
             values: torch.Tensor = self.value_head(x).squeeze(-1)
             return values
@@ -401,9 +424,18 @@ class DecoderPipelineStage(nn.Module):
             return self.lm_head.forward(x)
         return F.linear(replicated(x, self.tp.mesh), self.embed.weight)
 
-    def token_log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """log p(target) per token from this rank's logit columns."""
-        return -vocab_parallel_cross_entropy(logits, targets, self.tp)
+    def head_shard(self) -> chunked_head.HeadShard:
+        """This rank's rows of the LM head weight (the tied embedding's without an LM head)."""
+        weight = self.lm_head.weight if hasattr(self, "lm_head") else self.embed.weight
+        return chunked_head.HeadShard(weight, self.tp.rank * (self.model.vocab_size // self.tp.size), self.tp.group)
+
+    def token_log_probs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """fp32 log p(target) per token from the final hidden states (a `reduce`'s input)."""
+        return chunked_head.token_log_probs(hidden, targets, self.head_shard(), self.logit_chunk_tokens)
+
+    def token_entropy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 entropy of the next-token distribution per token from the final hidden states."""
+        return chunked_head.token_entropy(hidden, self.head_shard(), self.logit_chunk_tokens)
 
     def new_caches(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> dict[int, LayerCache]:
         local_kv = max(1, self.model.num_kv_heads // self.tp.size)
@@ -484,5 +516,11 @@ class ReferenceModel(nn.Module):
         return F.linear(x, self.param("embed.weight") if lm is None else lm)
 
     def token_log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """log p(target) per token from the whole logits (this model's forward output)."""
         flat = -F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="none")
         return flat.view(targets.shape)
+
+    def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Entropy per token from the whole logits: -sum p log p."""
+        log_probs = torch.log_softmax(logits.float(), dim=-1)
+        return -(log_probs.exp() * log_probs).sum(dim=-1)

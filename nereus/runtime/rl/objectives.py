@@ -13,9 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nereus.runtime.comm import collectives
 from nereus.runtime.model.losses import HeadOps, next_token_log_probs
-from nereus.runtime.model.tensor_parallel import TensorParallel, summed
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.algorithms import (
     BehaviourCorrection,
@@ -36,18 +34,6 @@ def values_to_tokens(position_values: torch.Tensor) -> torch.Tensor:
     """[b, t] value-head outputs per position -> [b, t] value of emitting token i, which the
     critic estimates from the state before it (position i - 1); column 0 is zero."""
     return align_to_tokens(position_values[:, :-1])
-
-
-def vocab_parallel_entropy(local_logits: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    """Entropy of the softmax over the full vocabulary from this tensor rank's logit columns."""
-    logits = local_logits.float()
-    peak = logits.detach().max(dim=-1, keepdim=True).values
-    if tp.group is not None:
-        collectives.all_reduce(peak, tp.group, op="max")
-    exp = torch.exp(logits - peak)
-    total = summed(exp.sum(dim=-1), tp.mesh)
-    weighted = summed((exp * logits).sum(dim=-1), tp.mesh)
-    return torch.log(total) + peak.squeeze(-1) - weighted / total
 
 
 def _loss_mask(batch: Batch) -> torch.Tensor:
@@ -84,8 +70,6 @@ class PolicyObjective:
     """Weight of the k3 KL(policy || reference) loss term (GRPO style); 0 disables it."""
     entropy_coef: float
     """Weight of the entropy bonus (subtracted from the loss); 0 disables it."""
-    tp: TensorParallel
-    """The engine's tensor group (the entropy needs the whole vocabulary)."""
     loss_agg: LossAggregation
     """How token losses aggregate over a mini-batch (`aggregation_weights`)."""
     current_as_old: torch.Tensor | None = None
@@ -123,7 +107,7 @@ class PolicyObjective:
             ref = batch.field("ref_log_probs").to(device)
             losses = losses + self.kl_loss_coef * kl_divergence(log_probs, ref, "k3")
         if self.entropy_coef > 0:
-            losses = losses - self.entropy_coef * align_to_tokens(vocab_parallel_entropy(output[:, :-1], self.tp))
+            losses = losses - self.entropy_coef * align_to_tokens(head.token_entropy(output[:, :-1]))
         return losses
 
 

@@ -20,7 +20,6 @@ from nereus.runtime.comm import collectives
 from nereus.runtime.hf.names import hf_name
 from nereus.runtime.model.fused_pipeline import FusedPart, OpTiming
 from nereus.runtime.model.fused_schedule import fused_schedule
-from nereus.runtime.model.tensor_parallel import TensorParallel
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.algorithms import (
     BehaviourCorrection,
@@ -135,9 +134,8 @@ def run_training(
         fields["rollout_log_probs"] = rollout.rollout_log_probs
     actor = stages[ACTOR_TRAINING]
     kl_loss_coef = 0.0 if workload.algorithm == "ppo" else config.kl_loss_coef
-    tp = actor.engine.groups.tp if actor.engine is not None else TensorParallel.single()
     objective = PolicyObjective(
-        config.clip_eps, kl_loss_coef, config.entropy_coef, tp, config.loss_agg_mode, current_as_old, correction,
+        config.clip_eps, kl_loss_coef, config.entropy_coef, config.loss_agg_mode, current_as_old, correction,
         config.tis_cap,
     )  # fmt: skip
     actor_batch = Batch(batch.tokens, batch.attention_mask, {**batch.fields, **fields})
