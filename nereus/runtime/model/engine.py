@@ -165,6 +165,12 @@ class Engine:
         self.train_offload = config.train_offload
         offloaded = self.train_offload != "none"
         self.zero1 = (config.shard_across_dp or offloaded) and layout.dp > 1 and not self.full_shard
+        if (self.zero1 or self.full_shard) and not layout.replicas_in_group_order:
+            raise ValueError(
+                f"layout ranks {layout.ranks}: the replicas interleave, so the data-parallel groups cannot "
+                "split rows in replica order (ZeRO-1, full sharding, training-time offload); list each "
+                "replica's ranks above the previous replica's at every position"
+            )
         self.parking = Parking()
         """The host buffers of this engine's state while it sleeps (`EngineConfig.offload`)."""
         with torch.no_grad():

@@ -185,8 +185,10 @@ class RankLayout:
     ranks ascending, the replicas by their first rank; the stages keep their ranks (a pipeline
     may run in either direction, as the fused actor-critic schedule's critic does). Which rank
     holds which box moves with it, consistently: checkpoints, resharding and transitions read the
-    boxes from the layout. Replicas whose stages interleave (replica 0's first stage on lower
-    ranks than replica 1's, its second on higher) have no such order and are refused.
+    boxes from the layout. Replicas whose ranks interleave (replica 0 below replica 1 at one
+    position, above it at another) have no replica order every data-parallel group follows
+    (`replicas_in_group_order`): the state code does not need one, an engine that splits rows
+    across its replicas does (`Engine.create` refuses such a layout for it).
     """
 
     tp: int
@@ -215,22 +217,20 @@ class RankLayout:
             [sorted(self.ranks[(d * self.pp + s) * block : (d * self.pp + s + 1) * block]) for s in range(self.pp)]
             for d in range(self.dp)
         )
-        for s in range(self.pp):
-            for i in range(block):
-                column = [replica[s][i] for replica in replicas]
-                if column != sorted(column):
-                    raise ValueError(
-                        f"layout ranks {self.ranks} (tp={self.tp} cp={self.cp} pp={self.pp} dp={self.dp}): the "
-                        f"replicas' stages interleave (stage {s}'s ranks {column} fall in another order than "
-                        "stage 0's), so no data-parallel group can follow the replicas' order; order each stage's "
-                        "ranks as stage 0's"
-                    )
         return tuple(rank for replica in replicas for stage in replica for rank in stage)
 
     @property
     def replica_size(self) -> int:
         """Ranks of one replica: tp x cp x pp."""
         return self.tp * self.cp * self.pp
+
+    @property
+    def replicas_in_group_order(self) -> bool:
+        """Whether every data-parallel group's ranks ascend with the replicas (so its group rank
+        is the replica index, as splitting rows across replicas needs)."""
+        size = self.replica_size
+        columns = zip(*(self.ranks[d * size : (d + 1) * size] for d in range(self.dp)), strict=True)
+        return all(list(column) == sorted(column) for column in columns)
 
     def place(self, index: int) -> tuple[int, int, int, int]:
         """(replica, stage, cp rank, tensor rank) of entry `index` of `ranks`."""
