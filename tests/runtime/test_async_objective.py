@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-from nereus.runtime.model.tensor_parallel import TensorParallel
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.algorithms import BehaviourCorrection, behaviour_weights, clipped_policy_loss
 from nereus.runtime.rl.objectives import PolicyObjective
@@ -23,8 +22,14 @@ CORRECTIONS: tuple[BehaviourCorrection, ...] = ("tis", "decoupled")
 
 
 class Head:
+    """The LM head's ops on whole logits (the engine's chunked head computes the same per token)."""
+
     def token_log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+    def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        log_probs = logits.float().log_softmax(-1)
+        return -(log_probs.exp() * log_probs).sum(-1)
 
 
 def case(seed: int) -> tuple[torch.Tensor, Batch]:
@@ -58,9 +63,8 @@ def test_on_policy_equals_the_uncorrected_loss_bitwise(
     on_policy = Batch(
         batch.tokens, batch.attention_mask, {**batch.fields, "rollout_log_probs": batch.field("old_log_probs")}
     )
-    tp = TensorParallel.single()
-    plain = PolicyObjective(0.2, kl_loss_coef, entropy_coef, tp, "token-mean")
-    corrected = PolicyObjective(0.2, kl_loss_coef, entropy_coef, tp, "token-mean", correction=correction)
+    plain = PolicyObjective(0.2, kl_loss_coef, entropy_coef, "token-mean")
+    corrected = PolicyObjective(0.2, kl_loss_coef, entropy_coef, "token-mean", correction=correction)
     expected_losses, expected_grad = losses_and_grad(plain, logits, on_policy)
     losses, grad = losses_and_grad(corrected, logits, on_policy)
     assert torch.equal(losses, expected_losses)
@@ -105,12 +109,9 @@ def test_the_objective_weighs_only_the_policy_term(correction: BehaviourCorrecti
     stale = Batch(
         batch.tokens, batch.attention_mask, {**batch.fields, "rollout_log_probs": batch.field("old_log_probs") - shift}
     )
-    tp = TensorParallel.single()
-    plain = PolicyObjective(0.2, 0.3, 0.0, tp, "token-mean").token_losses(logits, stale, Head())
-    corrected = PolicyObjective(0.2, 0.3, 0.0, tp, "token-mean", correction=correction).token_losses(
-        logits, stale, Head()
-    )
-    policy_only = PolicyObjective(0.2, 0.0, 0.0, tp, "token-mean").token_losses(logits, stale, Head())
+    plain = PolicyObjective(0.2, 0.3, 0.0, "token-mean").token_losses(logits, stale, Head())
+    corrected = PolicyObjective(0.2, 0.3, 0.0, "token-mean", correction=correction).token_losses(logits, stale, Head())
+    policy_only = PolicyObjective(0.2, 0.0, 0.0, "token-mean").token_losses(logits, stale, Head())
     ratio = torch.exp(shift)
     weight = ratio.clamp(max=2.0) if correction == "tis" else torch.where(ratio <= 2.0, ratio, 0.0)
     assert torch.allclose(corrected - plain, policy_only * (weight - 1), atol=1e-6)

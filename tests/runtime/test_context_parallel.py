@@ -87,7 +87,7 @@ def make_batch(vocab: int) -> Batch:
 def objective_for(engine: Engine) -> Objective:
     if engine.head == "value":
         return ClippedValueObjective(0.2, "seq-mean-token-mean")
-    return PolicyObjective(0.2, 0.1, 0.01, engine.groups.tp, "seq-mean-token-mean")
+    return PolicyObjective(0.2, 0.1, 0.01, "seq-mean-token-mean")
 
 
 def run(model: Model, head: Head, layout: RankLayout, load: Any, config: EngineConfig) -> dict[str, Any] | None:
