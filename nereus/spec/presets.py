@@ -199,7 +199,7 @@ def _long_response_workload(actor: str) -> Workload:
     RL set-ups run: 1k-token prompts and responses of median 8k, p99 24k, at most 32k tokens,
     scored by a rule (the answer checked by a function), 8 samples per prompt.
 
-    The set-ups it follows (tests/spec/test_long_response_setups.py holds them as Workload
+    The set-ups it follows (nereus/spec/long_response_setups.py holds them as Workload
     documents): verl's DAPO recipes (recipe/dapo/run_dapo_qwen2.5_32b.sh: Qwen2.5-32B on 16
     nodes of 8 GPUs, 2k prompts, responses up to 20k, Ulysses sequence parallel 8, scored by
     verl's `dapo` rule; recipe/dapo/test_dapo_7b_math.sh: Qwen2.5-Math-7B on 8 x 8 GPUs,
