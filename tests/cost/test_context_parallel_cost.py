@@ -9,7 +9,7 @@ import pytest
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION
 from nereus.cost.plan_cost import evaluate_plan
-from nereus.cost.stage import StageCostModel
+from nereus.cost.stage import LOGIT_CHUNK_TOKENS, StageCostModel
 from nereus.spec.plan import Plan, Pool, StagePlan
 from nereus.spec.presets import MODELS, cluster_preset
 from nereus.spec.stages import model_stage
@@ -43,12 +43,14 @@ def cost(stage: str) -> StageCostModel:
 
 @pytest.mark.parametrize("stage", ["training", "inference"])
 @pytest.mark.parametrize(("tp", "cp"), [(1, 2), (2, 4), (1, 8)])
-def test_cp_divides_activations_and_logits_not_states(stage: str, tp: int, cp: int) -> None:
+def test_cp_divides_activations_not_states_nor_the_logits_chunk(stage: str, tp: int, cp: int) -> None:
     c = cost(stage)
     one = {k: float(v) for k, v in c.memory_terms(tp, 1, 2, 4).items()}
     cut = {k: float(v) for k, v in c.memory_terms(tp, 1, 2, 4, cp=cp).items()}
     assert cut["activations"] == pytest.approx(one["activations"] / cp, rel=1e-12)
-    assert cut["logits"] == pytest.approx(one["logits"] / cp, rel=1e-12)
+    # The chunked head holds one chunk of logits (`LOGIT_CHUNK_TOKENS`) once a rank's tokens fill it.
+    chunk = 4 * LOGIT_CHUNK_TOKENS * c.model.vocab_size / tp
+    assert one["logits"] == pytest.approx(chunk, rel=1e-12) and cut["logits"] == pytest.approx(chunk, rel=1e-12)
     for term in ("parameters", "gradients", "optimizer", "tied_gradients"):
         if term in one:
             assert cut[term] == one[term], term

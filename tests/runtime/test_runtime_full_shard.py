@@ -203,6 +203,10 @@ def test_fully_sharded_inference_is_bitwise_the_replicated() -> None:
     assert all(spawn(inference_worker, 2))
 
 
-def test_full_sharding_needs_replicas_in_ascending_rank_order() -> None:
-    with pytest.raises(ValueError, match="ascending GPU order"):
-        Engine.create(TINY, "lm", RankLayout(1, 1, 2, (1, 0)), EngineConfig(full_shard=True))
+def test_full_sharding_refuses_interleaved_replicas() -> None:
+    """Replicas listed downwards are put in group order by the layout; interleaved ones (replica
+    0 below replica 1 at one tensor rank, above it at the other) have no such order."""
+    assert RankLayout(1, 1, 2, (1, 0)).replicas_in_group_order
+    for config in (EngineConfig(full_shard=True), EngineConfig(shard_across_dp=True)):
+        with pytest.raises(ValueError, match="the replicas interleave"):
+            Engine.create(TINY, "lm", RankLayout(2, 1, 2, (0, 3, 1, 2)), config)

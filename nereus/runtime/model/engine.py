@@ -165,12 +165,6 @@ class Engine:
         self.train_offload = config.train_offload
         offloaded = self.train_offload != "none"
         self.zero1 = (config.shard_across_dp or offloaded) and layout.dp > 1 and not self.full_shard
-        if (self.zero1 or self.full_shard) and not layout.replicas_in_group_order:
-            raise ValueError(
-                f"layout ranks {layout.ranks}: the replicas interleave, so the data-parallel groups cannot "
-                "split rows in replica order (ZeRO-1, full sharding, training-time offload); list each "
-                "replica's ranks above the previous replica's at every position"
-            )
         self.parking = Parking()
         """The host buffers of this engine's state while it sleeps (`EngineConfig.offload`)."""
         with torch.no_grad():
@@ -220,8 +214,13 @@ class Engine:
                 f"train_offload params keeps the parameters' shards in host memory (FSDP2's CPU offload): it needs "
                 f"full_shard over dp > 1 replicas, this layout has dp={layout.dp}; use train_offload optimizer"
             )
-        if config.full_shard and layout.dp > 1:
-            _check_replica_order(layout)
+        splits_rows = config.full_shard or config.shard_across_dp or config.train_offload != "none"
+        if splits_rows and layout.dp > 1 and not layout.replicas_in_group_order:
+            raise ValueError(
+                f"layout ranks {layout.ranks}: the replicas interleave, so the data-parallel groups cannot "
+                "split rows in replica order (ZeRO-1, full sharding, training-time offload); list each "
+                "replica's ranks above the previous replica's at every position"
+            )
         world = dist.get_world_size()
         if not all(0 <= rank < world for rank in layout.ranks):
             raise ValueError(f"layout ranks {layout.ranks} are not all ranks of this {world}-rank world")
@@ -914,17 +913,3 @@ def placed_rows(param: Any) -> tuple[int, int]:
 
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
     return (offset[0] if shape[0] else min(offset[0], param.shape[0])), shape[0]
-
-
-def _check_replica_order(layout: RankLayout) -> None:
-    """Full sharding places replica d's rows on the d-th rank of its dp group, whose ranks a
-    process group orders ascending: so the layout must list each position's replicas so."""
-    for stage in range(layout.pp):
-        for tp_rank in range(layout.tp):
-            for cp_rank in range(layout.cp):
-                ranks = [layout.rank_at(d, stage, tp_rank, cp_rank) for d in range(layout.dp)]
-                if ranks != sorted(ranks):
-                    raise ValueError(
-                        f"full_shard: the replicas of stage {stage}, tensor rank {tp_rank} are on ranks {ranks}; "
-                        "list each model-stage's EMUs in ascending GPU order"
-                    )
