@@ -149,3 +149,16 @@ def openrlhf_flags(root: Path) -> dict[str, dict[str, str]]:
             for name in names:
                 flags[name] = keywords
     return flags
+
+
+def assert_openrlhf_parses(settings: dict[str, Any], flags: dict[str, dict[str, str]], where: str = "") -> None:
+    """Every flag of an OpenRLHF export is one its parser declares, a switch where the value is
+    True and of the declared type otherwise (`flags`: `openrlhf_flags`)."""
+    types = {"int": int, "float": float, "str": str}
+    for flag, value in settings.items():
+        assert flag in flags, (where, flag)
+        if value is True:
+            assert flags[flag].get("action") == "'store_true'", (flag, flags[flag])
+        else:
+            declared = types[flags[flag].get("type", "str")]
+            assert isinstance(value, declared) and not isinstance(value, bool), (flag, value, declared)

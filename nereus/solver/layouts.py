@@ -346,18 +346,10 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
     pinned = cost.stage == "training" and cost.workload.optimizer.shard_across_dp
     zero1 = np.full(tp.shape, pinned) | (full_shard > 0) | (train_offload > 0)
     shard: Any = full_shard if cost.stage != "generation" else 0
-    memory = cost.memory_terms(
-        tp,
-        pp,
-        dp,
-        m,
-        recompute=recompute,
-        zero1=zero1,
-        kv_budget=kv,
-        full_shard=shard,
-        train_offload=train_offload,
-        cp=cp,
+    choices: dict[str, Any] = dict(
+        recompute=recompute, zero1=zero1, full_shard=shard, train_offload=train_offload, cp=cp
     )
+    memory = cost.memory_terms(tp, pp, dp, m, kv_budget=kv, **choices)
     memory = {k: np.broadcast_to(v, tp.shape).astype(float) for k, v in memory.items()}
     token_budget, token_ratio, budget_memory = np.zeros(tp.shape), np.ones(tp.shape), memory
     if cost.stage == "training":
@@ -365,18 +357,7 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
         token_ratio = token_budget / cost.micro_batch_tokens(dp, m)  # cp divides both alike
         # Priced at the budget, not scaled by the ratio: the logits term is one chunk of the
         # chunked head whatever the tokens past it, and full recompute's rerun reuses its room.
-        at_budget = cost.memory_terms(
-            tp,
-            pp,
-            dp,
-            m,
-            recompute=recompute,
-            zero1=zero1,
-            token_budget=token_budget,
-            full_shard=shard,
-            train_offload=train_offload,
-            cp=cp,
-        )
+        at_budget = cost.memory_terms(tp, pp, dp, m, token_budget=token_budget, **choices)
         budget_memory = {k: np.broadcast_to(at_budget[k], tp.shape).astype(float) for k in TOKEN_TERMS if k in memory}
     least = _least_memory(memory, budget_memory, dp, allowed, zero1)
     fits = least <= stage_room(cost.cluster, cost.calibration)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from cli_helpers import invoke, one_error_line
-from peers import openrlhf_flags, unpacked_wheel, verl_async_config, verl_type
+from peers import assert_openrlhf_parses, openrlhf_flags, unpacked_wheel, verl_async_config, verl_type
 
 from nereus.interop.openrlhf import export_openrlhf
 from nereus.interop.verl import export_verl, one_step_off
@@ -110,13 +110,7 @@ def test_async_openrlhf_flags_exist_in_its_parser(
     assert settings["--train.async_queue_size"] == staleness
     assert ("--train.partial_rollout_enable" in settings) is partial
     assert "--vllm.enable_sleep" not in settings  # OpenRLHF refuses sleeping engines under async
-    for flag, value in settings.items():
-        assert flag in flags, flag
-        if value is True:
-            assert flags[flag].get("action") == "'store_true'", (flag, flags[flag])
-        else:
-            declared = {"int": int, "float": float, "str": str}[flags[flag].get("type", "str")]
-            assert isinstance(value, declared) and not isinstance(value, bool), (flag, value, declared)
+    assert_openrlhf_parses(settings, flags)
 
 
 def test_async_with_staleness_zero_lists_openrlhfs_smallest_queue(async_plan: Plan) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import invoke
-from peers import openrlhf_flags, unpacked_wheel, verl_config, verl_type
+from peers import assert_openrlhf_parses, openrlhf_flags, unpacked_wheel, verl_config, verl_type
 
 from nereus.interop.openrlhf import export_openrlhf
 from nereus.interop.verl import export_verl
@@ -107,10 +107,4 @@ def test_cp_keys_and_flags_exist_in_the_pinned_releases(peer_root: Path, tmp_pat
     flags = openrlhf_flags(unpacked_wheel("openrlhf", peer_root))
     settings = json.loads(invoke("export", "openrlhf", path, "--json").stdout)["settings"]
     assert settings["--ds.ring_attn_size"] == 2
-    for flag, value in settings.items():
-        assert flag in flags, flag
-        if value is True:
-            assert flags[flag].get("action") == "'store_true'", (flag, flags[flag])
-        else:
-            declared = {"int": int, "float": float, "str": str}[flags[flag].get("type", "str")]
-            assert isinstance(value, declared) and not isinstance(value, bool), (flag, value)
+    assert_openrlhf_parses(settings, flags)

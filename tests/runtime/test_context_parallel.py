@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 from run_helpers import PLAN_2RANK  # noqa: E402
 from test_hf_parity import CONFIGS, make_folder  # noqa: E402
+from test_transition_executor import assert_state_kept, walk  # noqa: E402
 
 from nereus.runtime.comm.spawn import spawn  # noqa: E402
 from nereus.runtime.hf.load import load_engine  # noqa: E402
@@ -36,20 +37,15 @@ from nereus.runtime.model.losses import Objective  # noqa: E402
 from nereus.runtime.model.transformer import Batch  # noqa: E402
 from nereus.runtime.rl.objectives import ClippedValueObjective, PolicyObjective  # noqa: E402
 from nereus.runtime.state.checkpoint import load_checkpoint, save_checkpoint_distributed  # noqa: E402
-from nereus.runtime.state.shard_layout import RankLayout, local_box, param_infos, stage_layout  # noqa: E402
+from nereus.runtime.state.shard_layout import RankLayout, local_box, param_infos  # noqa: E402
 from nereus.runtime.state.sharded_state import (  # noqa: E402
-    StateMeta,
-    gather,
-    random_rank_state,
     state_meta,
 )
-from nereus.runtime.state.transition_executor import execute_transition  # noqa: E402
 from nereus.solver.transition.schedule import build_transition  # noqa: E402
 from nereus.spec.hf_config import model_from_hf_config  # noqa: E402
 from nereus.spec.model import Head, Model  # noqa: E402
 from nereus.spec.plan import Plan  # noqa: E402
 from nereus.spec.presets import MODELS  # noqa: E402
-from nereus.spec.stages import head_of  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -187,28 +183,6 @@ def relaid_plan(tp: int, cp: int, emus: list[list[int]]) -> Plan:
     return Plan.model_validate(document)
 
 
-def transition_metas(plan: Plan) -> dict[str, StateMeta]:
-    metas = {}
-    for entry in plan.stages:
-        families = ("param", "exp_avg", "exp_avg_sq") if entry.stage == "training" else ("param",)
-        model = plan.model(plan.workload.model_name(entry.role))
-        metas[entry.model_stage] = state_meta(model, head_of(entry.role), stage_layout(entry), families)
-    return metas
-
-
-def walk(rank: int, plans: list[Plan], transitions: list[Any]) -> list[dict[str, Any]]:
-    """Random plan-0 state through every transition: this rank's state after each."""
-    metas = transition_metas(plans[0])
-    states = {name: (random_rank_state(meta, rank, seed=11), 5) for name, meta in metas.items()}
-    states = {name: state for name, state in states.items() if state[0]}
-    snapshots = [states]
-    for (plan_a, plan_b), (primitives, schedule) in zip(itertools.pairwise(plans), transitions, strict=True):
-        families = {name: meta.families for name, meta in transition_metas(plan_a).items()}
-        states = execute_transition(primitives, schedule, plan_a, plan_b, rank, states, families).states
-        snapshots.append({name: (dict(tensors), step) for name, (tensors, step) in states.items()})
-    return snapshots
-
-
 def world_worker(
     rank: int, world: int, folders: dict[str, Path], tmp: Path, plans: list[Plan], transitions: list[Any]
 ) -> dict[str, Any]:
@@ -232,7 +206,7 @@ def world_worker(
     for key, value in compare(rank, tiny, "value", lambda engine: None, EngineConfig(init_seed=2)).items():
         results[f"tiny critic {key}"] = value
     results["resume"] = resume(rank, tmp)
-    results["walk"] = walk(rank, plans, transitions)
+    results["walk"] = walk(rank, world, plans, transitions)
     return results
 
 
@@ -279,18 +253,7 @@ def test_cp_refuses_pp_and_heads_it_cannot_split() -> None:
 
 def test_live_transitions_across_cp_keep_state_bitwise(results: list[dict[str, Any]]) -> None:
     plans = [relaid_plan(*layout) for layout in RELAYOUTS]
-    before = None
-    for index, plan in enumerate(plans):
-        now = {}
-        for name, meta in transition_metas(plan).items():
-            held = {rank: results[rank]["walk"][index][name][0] for rank in meta.boxes}
-            assert all(results[rank]["walk"][index][name][1] == 5 for rank in meta.boxes), "optimizer steps kept"
-            now[name] = gather(meta, held)
-            if before is not None:
-                assert now[name].keys() == before[name].keys()
-                for key, tensor in now[name].items():
-                    assert tensor.equal(before[name][key]), (index, name, key)
-        before = now
+    assert_state_kept(plans, [result["walk"] for result in results])
     cut = [e for e in plans[0].stages if e.cp == 2]
     assert len(cut) == 6 and all(len(e.emus[0]) == 2 for e in cut)
 

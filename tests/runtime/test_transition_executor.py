@@ -15,7 +15,7 @@ from random_plans import random_setting, random_stages, relayout_stages
 from repo_paths import EXAMPLES
 
 from nereus.runtime.comm.spawn import spawn
-from nereus.runtime.state.shard_layout import RankLayout
+from nereus.runtime.state.shard_layout import stage_layout
 from nereus.runtime.state.sharded_state import gather, random_rank_state, state_meta
 from nereus.runtime.state.transition_executor import execute_transition
 from nereus.solver.transition.schedule import build_transition
@@ -54,8 +54,9 @@ def metas(plan: Plan) -> dict[str, Any]:
     found = {}
     for entry in plan.stages:
         model = plan.model(plan.workload.model_name(entry.role))
-        layout = RankLayout(entry.tp, entry.pp, entry.dp, tuple(entry.gpus))
-        found[entry.model_stage] = state_meta(model, head_of(entry.role), layout, families(plan)[entry.model_stage])
+        found[entry.model_stage] = state_meta(
+            model, head_of(entry.role), stage_layout(entry), families(plan)[entry.model_stage]
+        )
     return found
 
 

@@ -16,11 +16,12 @@ from nereus.cost.calibration import Calibration
 from nereus.cost.fit import engineless_stages, with_engine_budget
 from nereus.cost.kv_pool import BLOCK_TOKENS, engine_budget
 from nereus.cost.plan_cost import evaluate_plan, stage_cost_model
-from nereus.solver.layouts import RUNTIME_CHOICES, MemoryChoices
+from nereus.solver.layouts import RUNTIME_CHOICES
 from nereus.solver.policy import NereusPolicy, Observation, Replanner, plan_key
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.workload import ResponseLengths
+from tests.solver.test_plan_search import NOTHING_SAVED
 
 pytestmark = pytest.mark.logic
 
@@ -47,15 +48,7 @@ GROWTH = [8, 256]
 #: model-stages leave, every state whole, no recompute. These tests are about that pool and the
 #: refits around it (the runtime's own choices, `RUNTIME_CHOICES`, search KV budgets, ZeRO-1, full
 #: sharding and recompute, which would absorb the growth they are built on).
-ENGINE_POOL = MemoryChoices(
-    recompute=("none",),
-    token_budget=(False,),
-    zero1=(False,),
-    offload=(False,),
-    kv_budget=(False,),
-    full_shard=(False,),
-    train_offload=("none",),
-)
+ENGINE_POOL = NOTHING_SAVED
 
 
 @pytest.fixture(scope="module", autouse=True)
