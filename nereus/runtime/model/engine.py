@@ -98,13 +98,14 @@ class EngineConfig:
     precision: Precision = field(default_factory=Precision)
     """Parameter, activation and gradient dtype, master weights, gradient-reduction dtype."""
     shard_across_dp: bool = False
-    """ZeRO-1: each replica keeps only its rows (`sharded_state.dp_rows`) of the fp32 masters
-    and AdamW moments; gradients are reduce-scattered, each replica steps its rows, and the
-    updated weights are all-gathered."""
+    """ZeRO-1: each of the dp x cp ranks of a (stage, tensor rank) position keeps only its rows
+    (`sharded_state.dp_rows`) of the fp32 masters and AdamW moments; gradients are
+    reduce-scattered over them, each steps its rows, and the updated weights are all-gathered."""
     full_shard: bool = False
     """Full sharding (ZeRO-3) on FSDP2: parameters, gradients and optimizer state each held in
-    this replica's rows, the parameters all-gathered per Block for its forward and backward
-    and freed after (`reshard_after_forward`). Supersedes `shard_across_dp`."""
+    this rank's rows (of its position's dp x cp ranks), the parameters all-gathered per Block
+    for its forward and backward and freed after (`reshard_after_forward`). Supersedes
+    `shard_across_dp`."""
     recompute: Recompute = "none"
     """What a training forward recomputes in its backward (`StagePlan.recompute`)."""
     token_budget: int | None = None
@@ -116,8 +117,8 @@ class EngineConfig:
     train_offload: TrainOffload = "none"
     """Training-time offload (`StagePlan.train_offload`): `optimizer` keeps this replica's rows of
     the gradients, fp32 masters and AdamW moments in host memory and steps there (ZeRO-1's
-    sharding across dp is implied); `params` also the parameters' shards (FSDP2's CPU offload:
-    needs `full_shard` over dp > 1)."""
+    sharding across dp x cp is implied); `params` also the parameters' shards (FSDP2's CPU
+    offload: needs `full_shard` over dp x cp > 1)."""
     logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS
     """Tokens per chunk of the LM head's log-probs and entropy in training and log-prob
     inference (`chunked_head`): at most one chunk's logits exist at a time."""
