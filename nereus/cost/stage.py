@@ -29,7 +29,7 @@ The formulas, per GPU of the busiest pipeline stage:
 * token-budget micro-batches (`token_budget` > 0 tokens): a micro-batch is packed to at
   most that many tokens, so activations are sized by the budget rather than by rows of
   the maximum length (verl's `ppo_max_token_len_per_gpu`).
-* ZeRO-1 (`zero1` 1): AdamW state sharded across dp; the gradient all-reduce becomes a
+* ZeRO-1 (`zero1` 1): AdamW state sharded across dp x cp; the gradient all-reduce becomes a
   reduce-scatter plus an all-gather of the updated parameters (the same ring bytes).
 * KV cache: 2 * kv_heads_per_rank * head_dim * bytes per token and layer, for every
   sample of a replica at prompt + maximum response length, or a budget of bytes
@@ -39,7 +39,7 @@ The formulas, per GPU of the busiest pipeline stage:
   response of the batch, and the active batch shrinks as responses finish, or under a
   binding budget, the batch runs at the budget's concurrency until the queue drains.
 * full sharding (`full_shard` 1, ZeRO-3 / FSDP FULL_SHARD): parameters, and in training
-  gradients and AdamW state, divided by dp; a running model-stage also holds the gathered
+  gradients and AdamW state, divided by dp x cp; a running model-stage also holds the gathered
   unit (the largest of a layer and the embedding, on its tp rank) twice (the one computing
   and the one prefetched) and in training one unit's unsharded gradients. Every micro-batch
   all-gathers the parameters in its forward, again in its backward, and reduce-scatters the
@@ -48,7 +48,7 @@ The formulas, per GPU of the busiest pipeline stage:
 * offload (sleep): a model-stage's resident states move to host memory between its runs,
   over the host link (the cluster's `host_link`), once in and once out per step.
 * training-time offload (`train_offload` 1: optimizer, 2: params; DeepSpeed's ZeRO-Offload,
-  FSDP2's CPUOffloadPolicy): the AdamW state and the gradients, sharded across dp (both
+  FSDP2's CPUOffloadPolicy): the AdamW state and the gradients, sharded across dp x cp (both
   systems shard them: ZeRO-Offload is built on ZeRO-2), live in host memory and the optimizer
   step runs on the host, at the calibration's `host_adam_params_per_s` shared by the node's
   GPUs; 2 also keeps the (fully sharded) parameters there. The GPU holds one unit of gradients
