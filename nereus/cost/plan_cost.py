@@ -126,10 +126,11 @@ def resident_share(plan: Plan, entry: StagePlan, calibration: Calibration) -> fl
         return 0.0
     model = stage_cost_model(plan, entry.role, entry.stage, calibration)
     params = model.params_per_gpu(entry.tp, entry.pp)
-    kept = model.model_state_terms(params, entry.dp, entry.zero1, int(entry.full_shard))
+    shards = entry.dp * entry.cp  # the cp ranks share the state out with the replicas
+    kept = model.model_state_terms(params, shards, entry.zero1, int(entry.full_shard))
     level = TRAIN_OFFLOADS.index(entry.train_offload)
-    if level:  # training-time offload keeps these in host memory, sharded across dp
-        kept = model.model_state_terms(params, entry.dp, True, int(entry.full_shard))
+    if level:  # training-time offload keeps these in host memory, sharded across dp x cp
+        kept = model.model_state_terms(params, shards, True, int(entry.full_shard))
         kept = {k: v for k, v in kept.items() if level < OFFLOAD_LEVELS[k]}
     return float(sum(kept.values())) / replica_state_bytes(plan, entry.model_stage, calibration, entry.tp, entry.pp)
 
@@ -203,7 +204,7 @@ def _stage_terms(
         states = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
         times["offload"] = model.offload_time(states)
     level = choices["train_offload"]
-    host = host_bytes(memory, model.host_terms(entry.tp, entry.pp, entry.dp, level), entry.offload)
+    host = host_bytes(memory, model.host_terms(entry.tp, entry.pp, entry.dp, level, entry.cp), entry.offload)
     floats = ({k: float(v) for k, v in terms.items()} for terms in (times, memory, host))
     return next(floats), next(floats), next(floats)
 

@@ -6,7 +6,8 @@ The formulas, per GPU of the busiest pipeline stage:
 
 * model states (ZeRO, Rajbhandari et al.): parameters and gradients in the
   training dtype; AdamW keeps fp32 master weights and two fp32 moments (12 bytes per
-  parameter; 8 without master weights), divided by dp when sharded across dp.
+  parameter; 8 without master weights), divided by dp x cp when sharded (across the ranks
+  holding the same weights: the replicas and their cp ranks).
 * activations (Korthikanti et al., sequence parallel with flash attention):
   34 * s * b * h / tp bytes per layer for 16-bit activations; the first 1F1B stage
   holds min(pp, micro-batches) micro-batches; a tied embedding's backward holds two extra
@@ -28,7 +29,7 @@ The formulas, per GPU of the busiest pipeline stage:
 * token-budget micro-batches (`token_budget` > 0 tokens): a micro-batch is packed to at
   most that many tokens, so activations are sized by the budget rather than by rows of
   the maximum length (verl's `ppo_max_token_len_per_gpu`).
-* ZeRO-1 (`zero1` 1): AdamW state sharded across dp; the gradient all-reduce becomes a
+* ZeRO-1 (`zero1` 1): AdamW state sharded across dp x cp; the gradient all-reduce becomes a
   reduce-scatter plus an all-gather of the updated parameters (the same ring bytes).
 * KV cache: 2 * kv_heads_per_rank * head_dim * bytes per token and layer, for every
   sample of a replica at prompt + maximum response length, or a budget of bytes
@@ -38,7 +39,7 @@ The formulas, per GPU of the busiest pipeline stage:
   response of the batch, and the active batch shrinks as responses finish, or under a
   binding budget, the batch runs at the budget's concurrency until the queue drains.
 * full sharding (`full_shard` 1, ZeRO-3 / FSDP FULL_SHARD): parameters, and in training
-  gradients and AdamW state, divided by dp; a running model-stage also holds the gathered
+  gradients and AdamW state, divided by dp x cp; a running model-stage also holds the gathered
   unit (the largest of a layer and the embedding, on its tp rank) twice (the one computing
   and the one prefetched) and in training one unit's unsharded gradients. Every micro-batch
   all-gathers the parameters in its forward, again in its backward, and reduce-scatters the
@@ -47,7 +48,7 @@ The formulas, per GPU of the busiest pipeline stage:
 * offload (sleep): a model-stage's resident states move to host memory between its runs,
   over the host link (the cluster's `host_link`), once in and once out per step.
 * training-time offload (`train_offload` 1: optimizer, 2: params; DeepSpeed's ZeRO-Offload,
-  FSDP2's CPUOffloadPolicy): the AdamW state and the gradients, sharded across dp (both
+  FSDP2's CPUOffloadPolicy): the AdamW state and the gradients, sharded across dp x cp (both
   systems shard them: ZeRO-Offload is built on ZeRO-2), live in host memory and the optimizer
   step runs on the host, at the calibration's `host_adam_params_per_s` shared by the node's
   GPUs; 2 also keeps the (fully sharded) parameters there. The GPU holds one unit of gradients
@@ -58,12 +59,16 @@ The formulas, per GPU of the busiest pipeline stage:
 * pipelines run 1F1B: (micro-batches + pp - 1) slots; the pp - 1 extra slots are bubbles.
 * context parallelism (`cp`, training and inference; Ulysses, docs/context-parallel.md): each of a
   replica's cp ranks holds 1/cp of every sequence's tokens, so activations and logits (and the
-  compute, the tp all-reduces and the pipeline sends) are divided by cp, while parameters,
-  gradients and optimizer state are not (the cp ranks hold the same weights). Around each
+  compute, the tp all-reduces and the pipeline sends) are divided by cp. The cp ranks hold the
+  same weights, so they join the dp replicas wherever state is shared out: the gradient
+  all-reduce, and the shards of ZeRO-1, full sharding and training-time offload, run over the
+  dp x cp ranks of a (stage, tp rank) position (torchtitan's dp_shard x cp mesh); unsharded
+  parameters, gradients and optimizer state are held whole by every cp rank. Around each
   layer's attention core 4 all-to-alls (q, k, v out; the output back) move a rank's
   tokens x heads-per-tp-rank, (cp - 1) / cp of them leaving the rank, per forward pass (the
   backward is two passes' worth), over the intra- or inter-node link by where the tp x cp
-  group sits; the cp ranks join the dp replicas' gradient all-reduce (dp x cp ranks).
+  group sits; KV heads that cp does not split (cp beyond the KV heads after tp) are repeated
+  per query head before the all-to-all and move as such (`ulysses_bytes`).
 """
 
 from __future__ import annotations
@@ -233,12 +238,16 @@ class StageCostModel:
         bandwidth, latency = self.link(inter)
         return np.where(ranks > 1, (ranks - 1) * latency + (ranks - 1) / ranks * nbytes / bandwidth, 0.0)
 
-    def ulysses_bytes(self, tokens: Array, tp: Array) -> Array:
+    def ulysses_bytes(self, tokens: Array, tp: Array, cp: Array = 1) -> Array:
         """Bytes one rank puts through a layer's 4 Ulysses all-to-alls in one forward pass: for
         its `tokens` tokens, the query and output heads of its tp rank and its KV heads (keys and
-        values; KV heads replicate beyond their count, as `kv_bytes_per_token` says)."""
+        values; KV heads replicate beyond their count over tp, as `kv_bytes_per_token` says).
+        Where cp does not split the tp rank's KV heads, the runtime repeats them per query head
+        before the all-to-all (`SequenceSplit.attention`): keys and values then move as many
+        heads as the queries."""
         m = self.model
         kv_heads = np.maximum(m.num_kv_heads // np.asarray(tp), 1)
+        kv_heads = np.where(kv_heads % np.asarray(cp) == 0, kv_heads, m.num_heads / np.asarray(tp))
         heads = 2.0 * m.num_heads / tp + 2.0 * kv_heads
         return tokens * heads * m.head_dim * self.dtype_bytes
 
@@ -255,18 +264,19 @@ class StageCostModel:
         return np.ceil(self.samples_per_replica(dp) / micro_batches)
 
     def model_state_terms(
-        self, params: Array, dp: Array, zero1: Array | None = None, full_shard: Array = 0
+        self, params: Array, shards: Array, zero1: Array | None = None, full_shard: Array = 0
     ) -> dict[str, Array]:
         """Resident bytes per GPU holding `params` parameters: parameters, and in training
-        gradients and optimizer state (the optimizer sharded across dp under ZeRO-1, None: as
-        the workload's optimizer says; all of them under full sharding)."""
-        shard = np.where(full_shard, dp, 1)
+        gradients and optimizer state (the optimizer sharded across the `shards` ranks holding
+        the same weights, dp x cp, under ZeRO-1, None: as the workload's optimizer says; all of
+        them under full sharding)."""
+        shard = np.where(full_shard, shards, 1)
         terms: dict[str, Array] = {"parameters": params * self.dtype_bytes / shard}
         if self.stage == "training":
             optimizer = self.workload.optimizer
             adam = ADAM_BYTES_MIXED if self.dtype_bytes == 2 and optimizer.master_weights else ADAM_BYTES_FP32
             terms["gradients"] = params * self.dtype_bytes / shard
-            terms["optimizer"] = params * adam / np.where(self._zero1(zero1, full_shard), dp, 1)
+            terms["optimizer"] = params * adam / np.where(self._zero1(zero1, full_shard), shards, 1)
         return terms
 
     def _zero1(self, zero1: Array | None, full_shard: Array = 0) -> Array:
@@ -326,7 +336,8 @@ class StageCostModel:
         offloaded = self.stage == "training" and _uses(train_offload)
         if offloaded:  # training-time offload shards the optimizer state across dp
             zero1 = np.logical_or(self._zero1(zero1), np.asarray(train_offload) > 0)
-        terms = self.model_state_terms(self.params_per_gpu(tp, pp), dp, zero1, full_shard)
+        # ZeRO-1, full sharding and training-time offload shard over the dp x cp ranks of a position.
+        terms = self.model_state_terms(self.params_per_gpu(tp, pp), dp * cp, zero1, full_shard)
         if offloaded:  # the offloaded states leave the GPU (`host_terms`): their device terms are 0
             for name, level in OFFLOAD_LEVELS.items():
                 terms[name] = np.where(np.asarray(train_offload) >= level, 0.0, terms[name])
@@ -388,27 +399,29 @@ class StageCostModel:
         embedding = m.vocab_size * m.hidden_dim / tp * self.dtype_bytes
         return np.where(pp == 1, 2.0 * embedding, 0.0)
 
-    def host_terms(self, tp: Array, pp: Array, dp: Array, train_offload: Array) -> dict[str, Array]:
+    def host_terms(self, tp: Array, pp: Array, dp: Array, train_offload: Array, cp: Array = 1) -> dict[str, Array]:
         """Host-memory bytes per GPU of training-time offload, by term: the gradients and AdamW
-        state (`train_offload` >= 1) and the parameters (2) of this GPU's shard across dp."""
+        state (`train_offload` >= 1) and the parameters (2) of this GPU's shard across dp x cp."""
         if self.stage != "training" or not _uses(train_offload):
             return {}
-        shard = self.model_state_terms(self.params_per_gpu(tp, pp), dp, True, 1)
+        shard = self.model_state_terms(self.params_per_gpu(tp, pp), dp * cp, True, 1)
         level = np.asarray(train_offload)
         return {name: np.where(level >= OFFLOAD_LEVELS[name], shard[name], 0.0) for name in OFFLOAD_LEVELS}
 
-    def host_optimizer_time(self, tp: Array, pp: Array, dp: Array) -> Array:
-        """Seconds of one AdamW step on the host over this GPU's shard, when every GPU of its
-        node steps at once on the node's CPUs."""
-        shard = self.params_per_gpu(tp, pp) / dp
+    def host_optimizer_time(self, tp: Array, pp: Array, shards: Array) -> Array:
+        """Seconds of one AdamW step on the host over this GPU's shard (of `shards`: dp x cp),
+        when every GPU of its node steps at once on the node's CPUs."""
+        shard = self.params_per_gpu(tp, pp) / shards
         return shard * self.cluster.gpus_per_node / self.calibration.host_adam_params_per_s
 
-    def host_transfer_time(self, tp: Array, pp: Array, dp: Array, micro_batches: Array, train_offload: Array) -> Array:
+    def host_transfer_time(
+        self, tp: Array, pp: Array, shards: Array, micro_batches: Array, train_offload: Array
+    ) -> Array:
         """Seconds per optimizer step on the host link: each micro-batch's gradient shard out and
         the updated parameter shard in (1), or per micro-batch the two gathers' parameter shards
         in and the gradient shard out (2); one copy per layer each time."""
         link = self.cluster.host_link
-        shard_bytes = self.params_per_gpu(tp, pp) / dp * self.dtype_bytes
+        shard_bytes = self.params_per_gpu(tp, pp) / shards * self.dtype_bytes
         level = np.asarray(train_offload)
         copies = np.where(level >= 2, 3.0 * micro_batches, micro_batches + 1.0)
         moved = copies * (shard_bytes / link.bytes_per_s + self.model.num_layers / pp * link.latency_s)
@@ -486,7 +499,7 @@ class StageCostModel:
         slot_tp = 2 * passes * layers * self.allreduce_time(activation_bytes, tp, False)
         slot_pp = np.where(pp > 1, np.minimum(launches, 2.0) * self.p2p_time(activation_bytes, pp_inter), 0.0)
         # Ulysses: 4 all-to-alls per layer and forward pass (q, k, v in; the output back).
-        slot_cp = passes * layers * self.all_to_all_time(self.ulysses_bytes(b * seq / cp, tp), cp, cp_inter)
+        slot_cp = passes * layers * self.all_to_all_time(self.ulysses_bytes(b * seq / cp, tp, cp), cp, cp_inter)
         c = self.calibration
         slot_overhead = launches * layers * c.launch_overhead_s + np.minimum(launches, 2.0) * c.micro_batch_overhead_s
         slot = slot_compute + slot_tp + slot_pp + slot_cp + slot_overhead
@@ -508,22 +521,25 @@ class StageCostModel:
             halves = np.where(full_shard, 1.5 * m_count, 1.0)
             sync_inter = np.logical_or(dp_inter, np.logical_and(np.greater(cp, 1), cp_inter))
             terms["dp_sync"] = rounds * halves * self.allreduce_time(replica_bytes, dp * cp, sync_inter)
-            terms["optimizer"] = rounds * self._optimizer_time(tp, pp, dp, zero1, full_shard)
+            # Each rank steps its shard of dp x cp (ZeRO-1, full sharding, offload).
+            terms["optimizer"] = rounds * self._optimizer_time(tp, pp, dp * cp, zero1, full_shard)
             if _uses(train_offload):  # the step runs on the host, its shard moved over the host link
                 level = np.asarray(train_offload)
-                host_step = self.host_optimizer_time(tp, pp, dp)
+                host_step = self.host_optimizer_time(tp, pp, dp * cp)
                 terms["optimizer"] = np.where(level > 0, rounds * host_step, terms["optimizer"])
-                terms["host_transfer"] = rounds * self.host_transfer_time(tp, pp, dp, m_count, level)
-        elif _uses(full_shard):  # inference all-gathers the parameters once per micro-batch
-            gather = 0.5 * m_count * self.allreduce_time(replica_bytes, dp, dp_inter)
+                terms["host_transfer"] = rounds * self.host_transfer_time(tp, pp, dp * cp, m_count, level)
+        elif _uses(full_shard):  # inference all-gathers the parameters once per micro-batch, over dp x cp
+            sync_inter = np.logical_or(dp_inter, np.logical_and(np.greater(cp, 1), cp_inter))
+            gather = 0.5 * m_count * self.allreduce_time(replica_bytes, dp * cp, sync_inter)
             terms["dp_sync"] = np.where(full_shard, gather, 0.0)
         return terms
 
     def _optimizer_time(
-        self, tp: Array, pp: Array, dp: Array, zero1: Array | None = None, full_shard: Array = 0
+        self, tp: Array, pp: Array, shards: Array, zero1: Array | None = None, full_shard: Array = 0
     ) -> Array:
-        """AdamW is memory bound: read and write params, grads, master and moments."""
-        shard = np.where(self._zero1(zero1, full_shard), dp, 1)
+        """AdamW is memory bound: read and write params, grads, master and moments (of this
+        rank's shard of `shards`, dp x cp, where sharded)."""
+        shard = np.where(self._zero1(zero1, full_shard), shards, 1)
         bytes_per_param = 2 * (2 * self.dtype_bytes + ADAM_BYTES_MIXED)
         moved = self.params_per_gpu(tp, pp) / shard * bytes_per_param
         return moved / (self.cluster.gpu.hbm_bytes_per_s * self.calibration.decode_memory)

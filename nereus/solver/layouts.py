@@ -39,15 +39,15 @@ class MemoryChoices:
     token_budget: tuple[bool, ...] = (False, True)
     """Training micro-batches of equal rows (False) or packed to a token budget (True)."""
     zero1: tuple[bool, ...] = (False, True)
-    """AdamW state sharded across dp (True) or replicated (False)."""
+    """AdamW state sharded across dp x cp (True) or replicated (False)."""
     offload: tuple[bool, ...] = (False, True)
     """Idle model-stages' states sleep in host memory (True) or stay on the GPUs (False)."""
     kv_budget: tuple[bool, ...] = (False, True)
     """Generation batches continuously into a bounded KV budget (True) or holds every sample (False)."""
     full_shard: tuple[bool, ...] = (False, True)
-    """Training and inference shard parameters (and gradients, optimizer state) across dp (True;
-    searched where dp > 1 and pp = 1; it shards the optimizer whatever `zero1` says) or hold them
-    whole (False)."""
+    """Training and inference shard parameters (and gradients, optimizer state) across dp x cp
+    (True; searched where dp x cp > 1 and pp = 1; it shards the optimizer whatever `zero1` says)
+    or hold them whole (False)."""
     train_offload: tuple[str, ...] = TRAIN_OFFLOADS
     """Training-time offload (`StagePlan.train_offload`): `none`, `optimizer` (AdamW state and
     gradients in host memory, the step on the host; it shards them whatever `zero1` says) or
@@ -190,7 +190,7 @@ def _valid_degrees(cost: StageCostModel, allowed: MemoryChoices) -> list[tuple[i
     pps = [pp for pp in range(1, model.num_layers + 1) if pp_rule(model, pp) is None]
     out = [(tp, pp, 1) for tp in tps for pp in pps]
     if cost.stage != "generation" and True in allowed.context_parallel:
-        cps = [1 << i for i in range(1, model.num_kv_heads.bit_length())]
+        cps = [1 << i for i in range(1, model.num_heads.bit_length())]  # `cp_rule` keeps those that divide
         out += [(tp, 1, cp) for tp in tps for cp in cps if cp_rule(model, tp, cp) is None]
     if False not in allowed.context_parallel and cost.stage != "generation":  # pinned on
         out = [d for d in out if d[2] > 1]
@@ -280,11 +280,11 @@ class _Timed:
     layout: list[np.ndarray]  # index of the distinct layout, tp, pp, dp, micro-batches, cp
     kv: np.ndarray  # KV budget in bytes (inf: none)
     recompute: np.ndarray
-    full_shard: np.ndarray  # parameters sharded across dp (the optimizer with them)
+    full_shard: np.ndarray  # parameters sharded across dp x cp (the optimizer with them)
     train_offload: np.ndarray  # training-time offload level (`TRAIN_OFFLOADS`' index)
     host: np.ndarray  # host-memory bytes per GPU of training-time offload
     time: np.ndarray  # seconds (inf where no choice of the row fits alone)
-    optimizer_time: np.ndarray  # the share of `time` ZeRO-1 divides by dp
+    optimizer_time: np.ndarray  # the share of `time` ZeRO-1 divides by dp x cp
     memory: dict[str, np.ndarray]  # without ZeRO-1 (unless pinned or fully sharded) and token budgets
     token_budget: np.ndarray  # the packed budget's tokens (training), 0 elsewhere
     token_ratio: np.ndarray  # those tokens over the rows' tokens (below 1: the budget holds fewer)
@@ -294,15 +294,16 @@ class _Timed:
 def _blocks(cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices) -> list[_Block]:
     """The blocks of timed rows of a training or inference model-stage, in order: (which distinct
     layouts, full sharding, training-time offload level). Full sharding is searched where it
-    shards something (dp > 1) and as FSDP and ZeRO-3 run it, without pipeline stages (Megatron
-    pipelines shard the optimizer only: ZeRO-1); offloading the parameters needs it."""
+    shards something (dp x cp > 1: the cp ranks shard with the replicas) and as FSDP and ZeRO-3
+    run it, without pipeline stages (Megatron pipelines shard the optimizer only: ZeRO-1);
+    offloading the parameters needs it."""
     every = np.ones(distinct[0].shape, dtype=bool)
     if False not in allowed.full_shard:  # pinned on
         shards = [(every, 1.0)]
     else:
         shards = [(every, 0.0)]
         if True in allowed.full_shard:
-            shards.append(((distinct[3] > 1) & (distinct[2] == 1), 1.0))
+            shards.append(((distinct[3] * distinct[5] > 1) & (distinct[2] == 1), 1.0))
     levels = [TRAIN_OFFLOADS.index(t) for t in allowed.train_offload] if cost.stage == "training" else [0]
     return [(rows, shard, float(level)) for rows, shard in shards for level in levels if level < 2 or shard]
 
@@ -359,7 +360,7 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
         # chunked head whatever the tokens past it, and full recompute's rerun reuses its room.
         at_budget = cost.memory_terms(tp, pp, dp, m, token_budget=token_budget, **choices)
         budget_memory = {k: np.broadcast_to(at_budget[k], tp.shape).astype(float) for k in TOKEN_TERMS if k in memory}
-    least = _least_memory(memory, budget_memory, dp, allowed, zero1)
+    least = _least_memory(memory, budget_memory, dp * cp, allowed, zero1)
     fits = least <= stage_room(cost.cluster, cost.calibration)
     if cost.stage == "training":
         times = _pipeline_times(cost, distinct, allowed)
@@ -367,7 +368,7 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
         times = _fitting_times(cost, (tp, pp, dp, m, cp), fits, kv_budget=kv, full_shard=full_shard, zero1=zero1)
     time = np.where(fits, sum(times.values(), np.zeros(tp.shape)), np.inf)
     optimizer_time = np.where(fits, times["optimizer"], 0.0) if cost.stage == "training" else np.zeros(tp.shape)
-    host = sum(cost.host_terms(tp, pp, dp, train_offload).values(), np.zeros(tp.shape))
+    host = sum(cost.host_terms(tp, pp, dp, train_offload, cp).values(), np.zeros(tp.shape))
     return _Timed(
         layout,
         kv,
@@ -455,17 +456,17 @@ def _pipeline_times(cost: StageCostModel, distinct: list[np.ndarray], allowed: M
 def _least_memory(
     memory: dict[str, np.ndarray],
     budget_memory: dict[str, np.ndarray],
-    dp: np.ndarray,
+    shards: np.ndarray,
     allowed: MemoryChoices,
     sharded: np.ndarray,
 ) -> np.ndarray:
     """The smallest footprint any expansion of a row can have (offload moves bytes, not removes
-    them); `budget_memory`: the token terms under the packed budget; `sharded`: rows whose
-    optimizer state is already divided by dp."""
-    total = np.zeros(dp.shape)
+    them); `budget_memory`: the token terms under the packed budget; `shards`: dp x cp, what
+    ZeRO-1 divides the optimizer state by; `sharded`: rows whose optimizer state is already divided."""
+    total = np.zeros(shards.shape)
     for name, value in memory.items():
         if name == "optimizer" and True in allowed.zero1:
-            value = np.where(sharded, value, value / dp)
+            value = np.where(sharded, value, value / shards)
         if name in budget_memory and True in allowed.token_budget:
             value = np.minimum(value, budget_memory[name])
         total = total + value
@@ -485,8 +486,8 @@ def _expand_choices(
 
     Two choices are decided per row before pricing, as one option always dominates the
     other: a token budget holding fewer tokens than the fixed rows has the same time and
-    less memory (more tokens: more memory), and ZeRO-1 over dp > 1 has less optimizer
-    memory and a faster update at the same communication (over one replica it is no change).
+    less memory (more tokens: more memory), and ZeRO-1 over dp x cp > 1 has less optimizer
+    memory and a faster update at the same communication (over one rank it is no change).
     A pinned choice is kept as pinned.
     """
     training = cost.stage == "training"
@@ -494,15 +495,15 @@ def _expand_choices(
     token = _decided(allowed.token_budget, g.token_ratio < 1) if training else np.zeros(n, dtype=bool)
     pinned = training and cost.workload.optimizer.shard_across_dp
     zero1 = np.zeros(n, dtype=bool)
+    shards = (g.layout[3] * g.layout[5]).astype(float)  # dp x cp: the ranks holding the same weights
     if training and not pinned:  # a fully sharded or offloading row's optimizer is sharded already
-        zero1 = _decided(allowed.zero1, g.layout[3] > 1) & (g.layout[3] > 1) & (g.full_shard == 0)
+        zero1 = _decided(allowed.zero1, shards > 1) & (shards > 1) & (g.full_shard == 0)
         zero1 &= g.train_offload == 0
-    dp = g.layout[3].astype(float)
     terms = {k: np.where(token, g.budget_memory[k], v) if k in g.budget_memory else v for k, v in g.memory.items()}
     time = g.time
     if training and not pinned:
-        terms["optimizer"] = np.where(zero1, terms["optimizer"] / dp, terms["optimizer"])
-        time = time - np.where(zero1, g.optimizer_time * (1 - 1 / dp), 0.0)
+        terms["optimizer"] = np.where(zero1, terms["optimizer"] / shards, terms["optimizer"])
+        time = time - np.where(zero1, g.optimizer_time * (1 - 1 / shards), 0.0)
     states = sum((v for k, v in terms.items() if k in RESIDENT_TERMS), np.zeros(n))
     kv = np.where(np.isinf(g.kv), 0.0, g.kv)
     token_budget = np.where(token, g.token_budget, 0.0)

@@ -56,16 +56,19 @@ def cp_rule(model: Model, tp: int, cp: int) -> str | None:
     `tp`, or None if it can (docs/context-parallel.md).
 
     Around the attention core an all-to-all trades each cp rank's chunk of the sequence with all
-    of its tp rank's heads for the whole sequence with 1/cp of them: every cp rank must get
-    whole KV heads with their query groups, so tp * cp must divide the KV heads (no KV head
-    is replicated across cp ranks).
+    of its tp rank's heads for the whole sequence with 1/cp of them: cp must divide the query
+    heads of a tensor rank. Where it does not divide that rank's KV heads too, each rank
+    repeats the KV head of each of its query heads (GQA run as multi-head attention inside the
+    core, the runtime's `SequenceSplit.attention`; the cost model moves the repeated keys and
+    values through the all-to-alls, `StageCostModel.ulysses_bytes`).
     """
     if cp == 1:
         return None
-    if model.num_kv_heads % (tp * cp):
+    local = model.num_heads // tp
+    if local % cp:
         return (
-            f"cp={cp} with tp={tp} does not divide the {model.num_kv_heads} KV heads of {model.name} "
-            "(Ulysses gives each of the tp x cp ranks whole KV heads: tp * cp must divide them)"
+            f"cp={cp} with tp={tp} does not divide the {local} query heads of a tensor rank of {model.name} "
+            f"({model.num_heads} heads over tp={tp}; Ulysses gives each cp rank whole query heads)"
         )
     return None
 

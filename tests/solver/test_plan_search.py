@@ -894,7 +894,9 @@ def test_70b_on_16_gpus_says_why_term_by_term() -> None:
     with pytest.raises(NereusError) as info:
         make_plan(ppo_request("llama-3.3-70b", 16, choices=NO_TRAIN_OFFLOAD))
     message = str(info.value)
-    assert "actor/training alone [tp=8 pp=2 dp=1 recompute=full]" in message, message
+    # The closest: one replica of tp=4 x cp=4 fully sharded over its 4 cp ranks (the cp ranks
+    # share the state out as the replicas do), 0.5 GiB over.
+    assert "actor/training alone [tp=4 cp=4 pp=1 dp=1 recompute=full full_shard]" in message, message
     short = closest_shortfall(ppo_request("llama-3.3-70b", 16, choices=NO_TRAIN_OFFLOAD))
     assert short is not None and short.needed_bytes > short.usable_bytes
     assert [name for name, _ in short.states] == ["parameters", "gradients", "optimizer"]

@@ -1,5 +1,6 @@
 """A rank's place in a RankLayout and its process groups: tensor-, context-, pipeline- and
-data-parallel groups (and the tied-embedding pair), built collectively by every world rank."""
+data-parallel groups, the dp x cp sharding group (and the tied-embedding pair), built
+collectively by every world rank."""
 
 from __future__ import annotations
 
@@ -34,6 +35,17 @@ class ParallelGroups:
     """First and last stage of this replica and tensor rank, tied embeddings with pp > 1 only."""
     cp: ContextParallel = field(default_factory=ContextParallel.single)
     """This rank's place among the cp ranks splitting its replica's sequences (same shards)."""
+    shard_group: Any = None
+    """The dp x cp ranks holding this rank's (stage, tensor rank) weights, in `shard_index` order:
+    gradients are summed over them, and ZeRO-1 and full sharding split rows across them (the dp
+    group when cp is 1, the cp group when dp is 1; None when both are 1)."""
+    shard_index: int = 0
+    """This rank's place in `shard_group` (`RankLayout.shard_index`)."""
+
+    @property
+    def shards(self) -> int:
+        """Ranks of `shard_group`: dp x cp."""
+        return self.layout.shards
 
 
 def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups | None:
@@ -73,6 +85,10 @@ def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups
             for s in range(pp):
                 for r in range(tp):
                     make("cp", [layout.rank_at(d, s, r, c) for c in range(cp)])
+        if dp > 1:
+            for s in range(pp):
+                for r in range(tp):
+                    make("shard", [layout.rank_at(d, s, r, c) for d in range(dp) for c in range(cp)])
     if coords is None:
         return None
     replica, stage, tp_rank = coords
@@ -86,7 +102,11 @@ def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups
     )
     tensor = TensorParallel(tp, tp_rank, mine.get("tp"), _mesh(mine.get("tp")), _mesh(mine.get("kv")))
     context = ContextParallel(cp, cp_rank, mine.get("cp"))
-    return ParallelGroups(layout, replica, stage, tensor, link, mine.get("dp"), mine.get("embed"), context)
+    shard_group = mine.get("shard") if dp > 1 and cp > 1 else mine.get("dp") if cp == 1 else mine.get("cp")
+    return ParallelGroups(
+        layout, replica, stage, tensor, link, mine.get("dp"), mine.get("embed"), context, shard_group,
+        layout.shard_index(rank),
+    )  # fmt: skip
 
 
 def _mesh(group: Any) -> Any:
