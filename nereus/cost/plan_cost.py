@@ -100,6 +100,15 @@ def cp_spans_nodes(cluster: Cluster, entry: StagePlan) -> bool:
     )
 
 
+def ep_spans_nodes(cluster: Cluster, entry: StagePlan) -> bool:
+    """Whether some tp x ep group (one pipeline stage of an EMU: its ep ranks' tp groups, whose
+    dispatch and combine all-to-alls cross it) spans nodes; False without expert parallelism."""
+    block = entry.tp * entry.cp * entry.ep
+    return entry.ep > 1 and any(
+        _spans_nodes(cluster, emu[s * block : (s + 1) * block]) for emu in entry.emus for s in range(entry.pp)
+    )
+
+
 def stage_choices(entry: StagePlan) -> dict[str, Any]:
     """The entry's memory-saving choices as the cost model's keyword arguments."""
     return {
@@ -125,25 +134,28 @@ def resident_share(plan: Plan, entry: StagePlan, calibration: Calibration) -> fl
     if entry.offload:
         return 0.0
     model = stage_cost_model(plan, entry.role, entry.stage, calibration)
-    params = model.params_per_gpu(entry.tp, entry.pp)
+    params = model.params_per_gpu(entry.tp, entry.pp, entry.ep)
     kept = model.model_state_terms(params, entry.dp, entry.zero1, int(entry.full_shard))
     level = TRAIN_OFFLOADS.index(entry.train_offload)
     if level:  # training-time offload keeps these in host memory, sharded across dp
         kept = model.model_state_terms(params, entry.dp, True, int(entry.full_shard))
         kept = {k: v for k, v in kept.items() if level < OFFLOAD_LEVELS[k]}
-    return float(sum(kept.values())) / replica_state_bytes(plan, entry.model_stage, calibration, entry.tp, entry.pp)
+    return float(sum(kept.values())) / replica_state_bytes(
+        plan, entry.model_stage, calibration, entry.tp, entry.pp, entry.ep
+    )
 
 
 def replica_state_bytes(
-    plan: Plan, model_stage: ModelStageName, calibration: Calibration, tp: int = 1, pp: int = 1
+    plan: Plan, model_stage: ModelStageName, calibration: Calibration, tp: int = 1, pp: int = 1, ep: int = 1
 ) -> float:
     """Bytes of one replica's model state on a GPU of its tp x pp layout, nothing sharded
     across replicas: parameters in the workload's dtype, and in training gradients (same dtype)
     and AdamW state (fp32 moments, and fp32 masters of 16-bit weights where the optimizer keeps
-    them). tp = pp = 1: the whole replica's state, what a transition moves."""
+    them); `ep`: of its ep rank's block of the experts. tp = pp = ep = 1: the whole replica's state,
+    what a transition moves."""
     role, stage = split(model_stage)
     model = stage_cost_model(plan, role, stage, calibration)
-    return float(sum(model.model_state_terms(model.params_per_gpu(tp, pp), 1, False).values()))
+    return float(sum(model.model_state_terms(model.params_per_gpu(tp, pp, ep), 1, False).values()))
 
 
 def one_sequence_bytes(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
@@ -193,24 +205,34 @@ def _stage_terms(
     dp_inter = _spans_nodes(plan.cluster, entry.gpus)
     choices = stage_choices(entry)
     cp_inter = cp_spans_nodes(plan.cluster, entry)
+    parallel = dict(cp=entry.cp, ep=entry.ep)
     times = model.time_terms(
-        entry.tp, entry.pp, entry.dp, entry.micro_batches, pp_inter, dp_inter, **choices, cp=entry.cp, cp_inter=cp_inter
+        entry.tp,
+        entry.pp,
+        entry.dp,
+        entry.micro_batches,
+        pp_inter,
+        dp_inter,
+        **choices,
+        **parallel,
+        cp_inter=cp_inter,
+        ep_inter=ep_spans_nodes(plan.cluster, entry),
     )
     memory = model.memory_terms(
-        entry.tp, entry.pp, entry.dp, entry.micro_batches, token_budget=entry.token_budget or 0, **choices, cp=entry.cp
+        entry.tp, entry.pp, entry.dp, entry.micro_batches, token_budget=entry.token_budget or 0, **choices, **parallel
     )
     if entry.offload:
         states = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
         times["offload"] = model.offload_time(states)
     level = choices["train_offload"]
-    host = host_bytes(memory, model.host_terms(entry.tp, entry.pp, entry.dp, level), entry.offload)
+    host = host_bytes(memory, model.host_terms(entry.tp, entry.pp, entry.dp, level, entry.ep), entry.offload)
     floats = ({k: float(v) for k, v in terms.items()} for terms in (times, memory, host))
     return next(floats), next(floats), next(floats)
 
 
 def _weight_sync(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
     train = plan.stage_plan(ACTOR_TRAINING)
-    same = (entry.tp, entry.cp, entry.pp, entry.emus) == (train.tp, train.cp, train.pp, train.emus)
+    same = (entry.tp, entry.cp, entry.ep, entry.pp, entry.emus) == (train.tp, train.cp, train.ep, train.pp, train.emus)
     train_nodes = {plan.cluster.node_of(g) for g in train.gpus}
     inter = any(plan.cluster.node_of(g) not in train_nodes for g in entry.gpus)
     actor = plan.model(plan.workload.actor)
@@ -227,9 +249,10 @@ def _weight_sync(plan: Plan, entry: StagePlan, calibration: Calibration) -> floa
 
 
 def _degrees(entry: StagePlan) -> str:
-    """`tp=2, pp=1` (with `, cp=4` where context parallelism is in play)."""
+    """`tp=2, pp=1` (with `, cp=4` or `, ep=8` where context or expert parallelism is in play)."""
     cp = f", cp={entry.cp}" if entry.cp > 1 else ""
-    return f"tp={entry.tp}{cp}, pp={entry.pp}"
+    ep = f", ep={entry.ep}" if entry.ep > 1 else ""
+    return f"tp={entry.tp}{cp}{ep}, pp={entry.pp}"
 
 
 def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) -> PlanEvaluation:
