@@ -110,8 +110,10 @@ def ep_spans_nodes(cluster: Cluster, entry: StagePlan) -> bool:
 
 
 def stage_choices(entry: StagePlan) -> dict[str, Any]:
-    """The entry's memory-saving choices as the cost model's keyword arguments."""
+    """The entry's memory-saving choices, and its expert-parallel degree, as the cost model's
+    keyword arguments."""
     return {
+        "ep": entry.ep,
         "recompute": RECOMPUTE_LEVELS.index(entry.recompute),
         "zero1": entry.zero1,
         "kv_budget": math.inf if entry.kv_budget_bytes is None else float(entry.kv_budget_bytes),
@@ -205,7 +207,7 @@ def _stage_terms(
     dp_inter = _spans_nodes(plan.cluster, entry.gpus)
     choices = stage_choices(entry)
     cp_inter = cp_spans_nodes(plan.cluster, entry)
-    parallel = dict(cp=entry.cp, ep=entry.ep)
+    parallel = dict(cp=entry.cp)
     times = model.time_terms(
         entry.tp,
         entry.pp,
