@@ -10,7 +10,7 @@ from typing import Any, Literal
 import numpy as np
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
-from nereus.cost.stage import OFFLOAD_LEVELS, TRAIN_OFFLOADS, StageCostModel
+from nereus.cost.stage import OFFLOAD_LEVELS, TRAIN_OFFLOADS, StageCostModel, expert_params
 from nereus.spec.check import Problem
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import RECOMPUTE_LEVELS, Plan, Predictions, StagePlan, StagePrediction, SteadyState
@@ -67,12 +67,17 @@ def weight_sync_time(
     tp: int,
     pp: int,
     inter: bool,
+    ep: int = 1,
+    expert_params: int = 0,
 ) -> float:
-    """Moving updated actor weights into a generation/inference layout: 0 if identical."""
+    """Moving updated actor weights into a generation/inference layout: 0 if identical. Each
+    destination GPU receives its tp x pp share of the weights, of the `expert_params` expert
+    weights only its ep rank's block."""
     if same_layout:
         return 0.0
     bandwidth, latency = calibration.link(cluster, inter)
-    return latency + actor_params * DTYPE_BYTES[workload.dtype] / (tp * pp) / bandwidth
+    received = actor_params - expert_params + expert_params / ep
+    return latency + received * DTYPE_BYTES[workload.dtype] / (tp * pp) / bandwidth
 
 
 @dataclass
@@ -247,6 +252,8 @@ def _weight_sync(plan: Plan, entry: StagePlan, calibration: Calibration) -> floa
         tp=entry.tp,
         pp=entry.pp,
         inter=inter,
+        ep=entry.ep,
+        expert_params=expert_params(actor),
     )
 
 

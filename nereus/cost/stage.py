@@ -140,6 +140,12 @@ def _uses(flag: Array) -> bool:
     return bool(np.ndim(flag)) or bool(flag)
 
 
+def expert_params(model: Model) -> int:
+    """Parameters of every expert of `model` (routers excluded; 0 for a dense model)."""
+    moe = model.moe
+    return 0 if moe is None else model.sparse_layers() * moe.num_experts * moe.expert_params(model.hidden_dim)
+
+
 def _splits_experts(model: Model, ep: Array) -> bool:
     """Whether expert parallelism is in play: a model with experts, and ep > 1 for one layout or
     an array of layouts (a dense model's ep is 1 whatever the caller passes)."""
@@ -178,11 +184,7 @@ class StageCostModel:
     def expert_params_per_layer(self) -> float:
         """Expert parameters per block, averaged over the blocks (0 for a dense model): every
         expert of the sparse blocks, without their routers (which every ep rank holds)."""
-        m = self.model
-        moe = m.moe
-        if moe is None:
-            return 0.0
-        return m.sparse_layers() * moe.num_experts * moe.expert_params(m.hidden_dim) / m.num_layers
+        return expert_params(self.model) / self.model.num_layers
 
     def expert_params_per_gpu(self, tp: Array, pp: Array, ep: Array = 1) -> Array:
         """Expert parameters on one GPU: its pipeline stage's share of the experts, each split

@@ -32,7 +32,7 @@ from nereus.cost.plan_cost import (
     weight_sync_time,
     workspace_bytes,
 )
-from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel
+from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel, expert_params
 from nereus.solver.layouts import (
     CP,
     EP,
@@ -269,7 +269,8 @@ class _Problem:
 
 
 def _sync_function(request: PlanRequest) -> Callable[[Option, Option, int, int], float]:
-    actor_params = request.model(request.workload.actor).num_params("lm")
+    actor = request.model(request.workload.actor)
+    actor_params, actor_experts = actor.num_params("lm"), expert_params(actor)
     per_node = request.cluster.gpus_per_node
 
     def nodes(layout: tuple[int, ...], start: int) -> tuple[int, int]:
@@ -293,6 +294,8 @@ def _sync_function(request: PlanRequest) -> Callable[[Option, Option, int, int],
             tp=dest[0],
             pp=dest[1],
             inter=dest_first < train_first or dest_last > train_last,
+            ep=dest[4],
+            expert_params=actor_experts,
         )
 
     def sync(train: Option, dest: Option, train_start: int, dest_start: int) -> float:

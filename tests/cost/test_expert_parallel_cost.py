@@ -118,3 +118,20 @@ def test_an_ep_group_across_nodes_is_priced_on_the_inter_node_link() -> None:
     assert not ep_spans_nodes(plan.cluster, plan.stage_plan(ACTOR_GENERATION))
     prediction = evaluate_plan(plan).predictions.model_stages[ACTOR_TRAINING]
     assert prediction.time_breakdown_s["ep_comm"] > 0
+
+
+def test_weight_sync_moves_an_ep_ranks_block_of_the_experts() -> None:
+    """Each destination GPU receives its tp x pp share of the actor's weights, of the experts only
+    its ep rank's block; a dense actor's sync is as before."""
+    from nereus.cost.plan_cost import weight_sync_time
+    from nereus.cost.stage import expert_params
+
+    experts = expert_params(MODEL)
+    assert experts == MODEL.num_layers * 128 * 3 * MODEL.hidden_dim * 768
+    args = (CLUSTER, WORKLOAD, MODEL.num_params("lm"), Calibration())
+    whole = weight_sync_time(*args, same_layout=False, tp=2, pp=1, inter=False)
+    split = weight_sync_time(*args, same_layout=False, tp=2, pp=1, inter=False, ep=4, expert_params=experts)
+    bandwidth, latency = Calibration().link(CLUSTER, False)
+    saved = experts * (1 - 1 / 4) * 2 / 2 / bandwidth
+    assert split == pytest.approx(whole - saved, rel=1e-12)
+    assert expert_params(MODELS["qwen3-8b"]) == 0
