@@ -95,6 +95,7 @@ def explain_plan(plan: Plan, calibration: Calibration) -> dict[str, Any]:
             "host_memory_bytes": pred.host_memory_bytes,
         }
         cp = f" cp={entry.cp}" if entry.cp > 1 else ""
+        cp += f" ep={entry.ep}" if entry.ep > 1 else ""
         lines.append(
             f"\n{entry.model_stage}: tp={entry.tp}{cp} pp={entry.pp} dp={entry.dp} "
             f"micro_batches={entry.micro_batches} pool={entry.pool}"

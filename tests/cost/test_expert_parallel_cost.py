@@ -131,7 +131,7 @@ def test_weight_sync_moves_an_ep_ranks_block_of_the_experts() -> None:
     args = (CLUSTER, WORKLOAD, MODEL.num_params("lm"), Calibration())
     whole = weight_sync_time(*args, same_layout=False, tp=2, pp=1, inter=False)
     split = weight_sync_time(*args, same_layout=False, tp=2, pp=1, inter=False, ep=4, expert_params=experts)
-    bandwidth, latency = Calibration().link(CLUSTER, False)
+    bandwidth, _ = Calibration().link(CLUSTER, False)
     saved = experts * (1 - 1 / 4) * 2 / 2 / bandwidth
     assert split == pytest.approx(whole - saved, rel=1e-12)
     assert expert_params(MODELS["qwen3-8b"]) == 0
