@@ -135,3 +135,14 @@ def test_weight_sync_moves_an_ep_ranks_block_of_the_experts() -> None:
     saved = experts * (1 - 1 / 4) * 2 / 2 / bandwidth
     assert split == pytest.approx(whole - saved, rel=1e-12)
     assert expert_params(MODELS["qwen3-8b"]) == 0
+
+
+def test_plan_explain_names_ep_and_prices_an_ep_ranks_expert_block() -> None:
+    from nereus.cost.explain import explain_plan
+
+    setup = SETUPS["slime-grpo-qwen3-30b-a3b"]  # training tp 1 x ep 8 on 8 GPUs
+    plan = published_plan(setup, cluster_preset("h100", setup.gpus))
+    explained = explain_plan(plan, Calibration())
+    assert any(line.startswith("\nactor/training: tp=1 ep=8 pp=1 dp=1") for line in explained["lines"])
+    derived = explained["model_stages"][ACTOR_TRAINING]["derived"]
+    assert derived["params_per_gpu"] == pytest.approx(float(cost().params_per_gpu(1, 1, 8)))
