@@ -8,8 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
-from cli_helpers import invoke
-from test_context_parallel_check import PLAN, TRAINING, _errors
+from test_context_parallel_check import PLAN, TRAINING, _errors, assert_check_refuses
 
 from nereus.spec.check import ep_rule
 from nereus.spec.io import document_from_data, to_data
@@ -97,13 +96,7 @@ def test_plans_without_ep_read_as_ep_1_and_write_without_it() -> None:
 def test_nereus_check_refuses_bad_ep_in_one_line(
     tmp_path: Path, moe: dict[str, Any] | None, fields: dict[str, Any], expected: str
 ) -> None:
-    data = _plan_data(moe, **fields, emus=[[0, 1, 2, 3]], micro_batches=1)
-    path = tmp_path / "plan.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    result = invoke("check", path)
-    assert result.exit_code == 1
-    assert expected in result.stdout
-    assert "Traceback" not in result.output
+    assert_check_refuses(tmp_path, _plan_data(moe, **fields, emus=[[0, 1, 2, 3]], micro_batches=1), expected)
 
 
 @pytest.mark.logic
