@@ -6,8 +6,13 @@ after another; the actor's old log-probs come from the actor's training workers,
 critic's values from the critic's training workers, and the rollout engine (vLLM) and the
 reward model (served by its own engine) take a tensor and a pipeline size. Context
 parallelism (a plan's `cp`) is Megatron's `context_parallel_size` of the actor, the reference
-and the critic, so the actor's and the critic's inference run with their training's. Whatever
-else a plan decides becomes a Difference.
+and the critic, so the actor's and the critic's inference run with their training's. Expert
+parallelism (a mixture-of-experts plan's `ep`, docs/moe.md) is Megatron's
+`expert_model_parallel_size` of those three, with `expert_tensor_parallel_size` = tp (nereus splits
+each expert over the tp ranks), and the rollout's vLLM expert parallelism: an engine of tp x ep
+GPUs, attention data-parallel over ep (`data_parallel_size` ep, `expert_parallel_size` tp x ep;
+vLLM then splits the experts over all tp x ep ranks whole rather than tp-split, the same bytes
+per GPU). Whatever else a plan decides becomes a Difference.
 
 verl's FSDP backend runs the actor, the reference and the critic on FSDP workers with no tensor or
 pipeline parallelism: each model fully sharded over all its GPUs (the data-parallel replicas and
@@ -162,13 +167,16 @@ def _exported_stages(plan: Plan, pools: list[Pool], backend: Backend = "megatron
         micro = per_gpu_micro_batch(plan, plan.stage_plan(micro_of.get(entry.model_stage, entry.model_stage)))
         pool = _pool_for(entry, pools)
         # Megatron's context parallelism (or FSDP's Ulysses) where verl runs the model-stage on its
-        # training workers; the vLLM engines (generation, the reward model) have none.
+        # training workers; the vLLM engines (generation, the reward model) have none. Expert
+        # parallelism: Megatron's on its workers, vLLM's in the rollout (the reward model's engine
+        # takes none; verl's FSDP workers have none).
         cp = layout.cp if layout.model_stage in MEGATRON_SECTIONS else 1
-        if backend == "fsdp" and layout.model_stage in FSDP_SECTIONS:  # no tp or pp; all sharded
+        ep = 1 if entry.model_stage == REWARD_INFERENCE else layout.ep
+        if backend == "fsdp" and layout.model_stage in FSDP_SECTIONS:  # no tp, pp or ep; all sharded
             exported = laid_out(plan, entry, pool.gpus, 1, 1, micro, pool.name, cp)
             out[entry.model_stage] = exported.model_copy(update={"full_shard": True})
         else:
-            out[entry.model_stage] = laid_out(plan, entry, pool.gpus, layout.tp, layout.pp, micro, pool.name, cp)
+            out[entry.model_stage] = laid_out(plan, entry, pool.gpus, layout.tp, layout.pp, micro, pool.name, cp, ep)
         if entry.train_offload != "none":  # verl's offload puts the states to sleep between phases
             out[entry.model_stage] = out[entry.model_stage].model_copy(update={"offload": True})
     return out
@@ -213,6 +221,12 @@ def _settings(
             plan, stages[ACTOR_INFERENCE]
         ),
     }
+    experts = any(model.moe is not None for model in plan.models)
+    if experts and gen.ep > 1:
+        # vLLM's expert parallelism: an engine of tp x ep GPUs runs attention data-parallel over ep
+        # (verl asserts expert_parallel_size = tensor_model_parallel_size x data_parallel_size).
+        out["actor_rollout_ref.rollout.data_parallel_size"] = gen.ep
+        out["actor_rollout_ref.rollout.expert_parallel_size"] = gen.tp * gen.ep
     out |= _fsdp_settings(plan, stages) if backend == "fsdp" else _megatron_settings(plan, stages)
     if REFERENCE_INFERENCE in stages:
         ref = stages[REFERENCE_INFERENCE]
@@ -230,14 +244,18 @@ def _settings(
 
 
 def _megatron_settings(plan: Plan, stages: dict[str, StagePlan]) -> dict[str, Value]:
-    """Each Megatron worker's layout (tp, pp, cp), dtype, distributed optimizer and offload."""
+    """Each Megatron worker's layout (tp, pp, cp, ep), dtype, distributed optimizer and offload."""
     w = plan.workload
+    experts = any(model.moe is not None for model in plan.models)
     out: dict[str, Value] = {}
     for name, section in MEGATRON_SECTIONS.items():
         if name in stages:
             out[f"{section}.tensor_model_parallel_size"] = stages[name].tp
             out[f"{section}.pipeline_model_parallel_size"] = stages[name].pp
             out[f"{section}.context_parallel_size"] = stages[name].cp
+            if experts:  # Megatron's experts: split over ep, each tp-split (nereus's expert tp = tp)
+                out[f"{section}.expert_model_parallel_size"] = stages[name].ep
+                out[f"{section}.expert_tensor_parallel_size"] = stages[name].tp
             out[f"{section}.dtype"] = MEGATRON_DTYPES[w.dtype]
             if name != REFERENCE_INFERENCE:
                 planned = plan.stage_plan(name)

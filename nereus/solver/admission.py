@@ -23,7 +23,7 @@ from nereus.cost.fit import engineless_stages
 from nereus.cost.kv_pool import BLOCK_TOKENS, KV_ELEMENT_BYTES
 from nereus.cost.stage import kv_bytes_per_token
 from nereus.errors import ArgumentError, NereusError, SpecError
-from nereus.spec.capabilities import MEMORY_CHOICES, RUNTIME_DTYPES, unexecuted_choices
+from nereus.spec.capabilities import EXPERT_PARALLEL_EXECUTED, MEMORY_CHOICES, RUNTIME_DTYPES, unexecuted_choices
 from nereus.spec.check import (
     Problem,
     cp_layout_problem,
@@ -206,6 +206,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
         if rows // entry.dp < entry.micro_batches:
             problems.append(f"{name}: {rows} rows over dp={entry.dp} cannot fill micro_batches={entry.micro_batches}")
     problems += unexecutable_choices(plan)
+    problems += expert_parallel_problems(plan)
     problems += offload_problems(plan)
     problems += sft_problems(plan, config)
     problems += memory_problems(plan, config)
@@ -241,6 +242,20 @@ def unexecutable_choices(plan: Plan) -> list[str]:
         for name in unexecuted_choices(entry)
     ]
     return found
+
+
+def expert_parallel_problems(plan: Plan) -> list[str]:
+    """Entries with ep > 1 where the runtime does not execute expert parallelism
+    (`nereus.spec.capabilities.EXPERT_PARALLEL_EXECUTED`), each with the `nereus plan` option
+    that leaves it out."""
+    if EXPERT_PARALLEL_EXECUTED:
+        return []
+    return [
+        f"{entry.model_stage}: ep={entry.ep} (expert parallelism) is not executed by the runtime yet; replan with "
+        "`nereus plan --expert-parallel off`"
+        for entry in plan.stages
+        if entry.ep > 1
+    ]
 
 
 def offload_problems(plan: Plan) -> list[str]:

@@ -292,7 +292,8 @@ def _stage_problems(plan: Plan, i: int, entry: StagePlan) -> Iterator[Problem]:
     for k, emu in enumerate(entry.emus):
         if len(emu) != entry.replica_size:
             cp = f", cp={entry.cp}" if entry.cp > 1 else ""
-            degrees = f"tp={entry.tp}{cp}, pp={entry.pp}"
+            ep = f", ep={entry.ep}" if entry.ep > 1 else ""
+            degrees = f"tp={entry.tp}{cp}{ep}, pp={entry.pp}"
             yield Problem(f"{at}.emus[{k}]", f"an EMU with {degrees} needs {entry.replica_size} GPUs, got {len(emu)}")
             continue
         for j, gpu in enumerate(emu):
@@ -318,15 +319,38 @@ def _cp_problems(model: Model, entry: StagePlan, at: str) -> Iterator[Problem]:
     problem = cp_layout_problem(model, entry.tp, entry.pp, entry.cp)
     if problem:
         yield Problem(f"{at}.cp", problem)
+    problem = ep_rule(model, entry.ep, entry.cp)
+    if problem:
+        yield Problem(f"{at}.ep", problem)
+
+
+def ep_rule(model: Model, ep: int, cp: int = 1) -> str | None:
+    """Why expert parallelism of degree `ep` cannot split `model`'s experts, or None: a dense
+    model has no experts to split, each ep rank holds a contiguous block of E / ep experts (so
+    ep must divide them), and ep beside context parallelism is not supported yet."""
+    if ep == 1:
+        return None
+    if model.moe is None:
+        return f"ep={ep} but {model.name} is a dense model (no experts to split); set ep: 1"
+    if model.moe.num_experts % ep:
+        return (
+            f"ep={ep} does not divide the {model.moe.num_experts} experts of {model.name}; "
+            "pick a divisor (each ep rank holds an equal block of experts)"
+        )
+    if cp > 1:
+        return f"ep={ep} with cp={cp} is not supported; set ep: 1 or cp: 1"
+    return None
 
 
 def _tp_group_problems(cluster: Cluster, entry: StagePlan, emu: list[int], at: str) -> Iterator[Problem]:
+    ranks = entry.cp * entry.ep  # ep with cp > 1 is refused: at most one of them is above 1
     for stage in range(entry.pp):
-        for rank in range(entry.cp):
-            first = (stage * entry.cp + rank) * entry.tp
+        for rank in range(ranks):
+            first = (stage * ranks + rank) * entry.tp
             group = emu[first : first + entry.tp]
             if len({cluster.node_of(gpu) for gpu in group}) > 1:
-                of = f"pipeline stage {stage}" + (f", cp rank {rank}" if entry.cp > 1 else "")
+                name = "cp" if entry.cp > 1 else "ep"
+                of = f"pipeline stage {stage}" + (f", {name} rank {rank}" if ranks > 1 else "")
                 yield Problem(at, f"tp group {group} of {of} spans nodes; keep each tp group in one node")
 
 

@@ -37,12 +37,19 @@ def with_cp(cps: dict[str, int], example: str = "plan-tiny-ppo-4rank.yaml") -> P
     values in micro-batches of its training's size (both trainers compute them so)."""
     plan = load_document(EXAMPLES / example)
     assert isinstance(plan, Plan)
+    return on_four_gpus(plan, "cp", cps)
+
+
+def on_four_gpus(plan: Plan, degree: str, degrees: dict[str, int]) -> Plan:
+    """`plan` (a 4-rank example) with every model-stage on all 4 GPUs, tp=1 pp=1, and the replica
+    dimension `degree` (`cp`, `ep`) at `degrees[model_stage]` (1 where not named): dp = 4 /
+    degree replicas; the critic's values in micro-batches of its training's size."""
     stages: list[StagePlan] = []
     for entry in plan.stages:
-        cp = cps.get(entry.model_stage, 1)
-        emus = [list(range(k * cp, (k + 1) * cp)) for k in range(4 // cp)]
+        size = degrees.get(entry.model_stage, 1)
+        emus = [list(range(k * size, (k + 1) * size)) for k in range(4 // size)]
         micro_batches = plan.workload.mini_batches if entry.model_stage == "critic/inference" else 1
-        update = {"tp": 1, "pp": 1, "cp": cp, "dp": len(emus), "emus": emus, "micro_batches": micro_batches}
+        update = {"tp": 1, "pp": 1, degree: size, "dp": len(emus), "emus": emus, "micro_batches": micro_batches}
         stages.append(entry.model_copy(update=update))
     pools = [plan.pools[0].model_copy(update={"gpus": [0, 1, 2, 3]})]
     out = plan.model_copy(update={"stages": [s.model_copy(update={"pool": pools[0].name}) for s in stages]})

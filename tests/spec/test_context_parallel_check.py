@@ -93,6 +93,11 @@ def test_nereus_check_refuses_bad_cp_in_one_line(
     data = yaml.safe_load(PLAN.read_text())
     data.pop("predictions", None)
     data["stages"][stage].update(fields, micro_batches=1)
+    assert_check_refuses(tmp_path, data, expected)
+
+
+def assert_check_refuses(tmp_path: Path, data: dict[str, Any], expected: str) -> None:
+    """`nereus check` on the plan `data` exits 1 printing `expected`, without a traceback."""
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     result = invoke("check", path)
