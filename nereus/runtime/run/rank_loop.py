@@ -86,12 +86,8 @@ class RunState:
 
 
 def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
-    """The whole run on this rank; returns the number of steps the run has finished. An async
-    plan runs its own loop (`async_loop.run_async`: generation and training on their pools)."""
-    if setup.plan.workload.execution == "async":
-        from nereus.runtime.run.async_loop import run_async
-
-        return run_async(rank, world_size, setup)
+    """The whole run on this rank; returns the number of steps the run has finished (a
+    synchronous plan: `rank_entry.rank_main` runs an async plan's loop instead)."""
     config, plan = setup.config, setup.plan
     tracker, stages, syncs = prepare_rank(rank, setup)
     rollout_engine = start_rollout_engine(config, plan, stages)  # None: nereus's own engine generates
