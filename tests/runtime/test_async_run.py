@@ -175,3 +175,14 @@ def test_report_shows_each_steps_staleness_queue_and_busy_shares(one_step_off: P
     (damaged / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     line = one_error_line(invoke("report", damaged))
     assert "line 3" in line and "async_step" in line, line
+
+
+def test_torchrun_runs_the_same_async_loop(one_step_off: Path, tmp_path: Path) -> None:
+    """`torchrun --nnodes 1 --nproc-per-node 2 -m nereus run` of the same config trains what the
+    spawned run trained, bitwise (the ranks run one loop, `rank_entry.rank_main`)."""
+    from tests.runtime.test_run_torchrun import finish, start_agents
+
+    finish(start_agents(1, 2, one_step_off.parent / "run.yaml", "--out", tmp_path / "out"), 400)
+    assert differences(training(tmp_path / "out"), training(one_step_off)) == []
+    assert trained_samples(tmp_path / "out") == list(range(6 * BATCH))
+    assert final_actor(tmp_path / "out", 6) == final_actor(one_step_off, 6)
