@@ -94,24 +94,23 @@ def run_async(rank: int, world_size: int, setup: RunSetup) -> int:
         restore(stages, setup.checkpoint, rank, config.rl)
         sync_weights(syncs)  # the generation pool gets the restored weights: version start_step
     inputs = step_inputs(config.rl, setup.data)
-    if setup.checkpoint is None and config.rl.sft_steps:  # over the world, before the pools part
-        with timeline.recording(timeline.Timeline(setup.out, rank)) as spans:
+    pools = pools_of(plan, world_size)
+    handoff = setup.out / HANDOFF_NAME
+    with timeline.recording(timeline.Timeline(setup.out, rank)) as spans:
+        if setup.checkpoint is None and config.rl.sft_steps:  # over the world, before the pools part
             spans.step = 0
             warm_start(stages, config.rl, get_task(config.rl.task), syncs)
-    pools = pools_of(plan, world_size)
-    for ranks in (pools.generation, pools.training):  # made by every rank, in one order
-        collectives.subgroup(ranks)
-    for name, stage in stages.items():
-        stage.pool = pools.generation if name == ACTOR_GENERATION else pools.training
-    queue = start_queue(setup)
-    handoff = setup.out / HANDOFF_NAME
-    if rank == 0:  # batches a killed run generated past its checkpoint are generated again
-        for stale in handoff.glob("batch-*") if handoff.is_dir() else ():
-            stale.unlink()
-        handoff.mkdir(exist_ok=True)
-    collectives.barrier()
-    loop = AsyncLoop(setup, rank, pools, (stages, syncs), tracker, inputs, queue, handoff)
-    with timeline.recording(timeline.Timeline(setup.out, rank)) as spans:
+        for ranks in (pools.generation, pools.training):  # made by every rank, in one order
+            collectives.subgroup(ranks)
+        for name, stage in stages.items():
+            stage.pool = pools.generation if name == ACTOR_GENERATION else pools.training
+        queue = start_queue(setup)
+        if rank == 0:  # batches a killed run generated past its checkpoint are generated again
+            for stale in handoff.glob("batch-*") if handoff.is_dir() else ():
+                stale.unlink()
+            handoff.mkdir(exist_ok=True)
+        collectives.barrier()
+        loop = AsyncLoop(setup, rank, pools, (stages, syncs), tracker, inputs, queue, handoff)
         for step in range(setup.start_step, config.num_steps):
             hold_before(step, rank)
             spans.step = step
