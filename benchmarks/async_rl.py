@@ -10,6 +10,7 @@ folder; the runs of the modes alternate, repetition by repetition, so they see t
 
 Measured: the step time of each run (the median of its steps after the first `--warmup`,
 which pay one-off costs and, under async, fill the pipeline), its throughput (1 / that), and
+each pool's busy share of the step and the share the two overlapped (by timestamps), and
 the reward curve (no collapse: each mode's mean reward of the last 10 steps against its first
 10 and against the sync run's; a mode's runs repeat one curve, its schedule being fixed). On a
 2-core machine shared with other jobs, `--ranks 2` (1 generation + 1 training rank, one thread
@@ -111,12 +112,11 @@ def main() -> None:
             rewards[mode].append([m.reward for m in metrics])
             if k is not None:
                 records = [m.async_step for m in steady if m.async_step is not None]
-                busy[mode].append(
-                    {
-                        "generation_busy": statistics.median(r["generation_busy"] for r in records),
-                        "training_busy": statistics.median(r["training_busy"] for r in records),
-                    }
-                )
+                keys = ("generation_busy", "training_busy")
+                shares = {key: statistics.median(r[key] for r in records) for key in keys}
+                pairs = zip(records, steady, strict=True)
+                overlap = statistics.median(r["overlap_s"] / m.step_seconds for r, m in pairs)
+                busy[mode].append(shares | {"overlap_share": overlap})
             parts = {
                 name: statistics.median(m.stage_seconds.get(name, 0.0) for m in steady)
                 for name in ("actor/generation", "actor/training", "weight_sync")
@@ -126,7 +126,7 @@ def main() -> None:
     sync_step = statistics.median(step_s["sync"])
     sync_last = [statistics.mean(r[-10:]) for r in rewards["sync"]]
     rows = []
-    print(f"{'mode':<11}{'step s':>8}{'steps/s':>9}{'vs sync':>9}{'last-10 reward':>16}  gen/train busy")
+    print(f"{'mode':<11}{'step s':>8}{'steps/s':>9}{'vs sync':>9}{'last-10 reward':>16}  busy gen / train / overlap")
     for mode in MODES:
         median_step = statistics.median(step_s[mode])
         last = [statistics.mean(r[-10:]) for r in rewards[mode]]
@@ -143,14 +143,14 @@ def main() -> None:
             "reward_curves_identical_across_repetitions": all(r == rewards[mode][0] for r in rewards[mode]),
             "busy_median": None
             if not busy[mode]
-            else {key: statistics.median(b[key] for b in busy[mode]) for key in ("generation_busy", "training_busy")},
+            else {key: statistics.median(b[key] for b in busy[mode]) for key in busy[mode][0]},
             "mean_reward_per_step": [statistics.mean(column) for column in zip(*rewards[mode], strict=True)],
         }
         rows.append(row)
         shares = (
             "-"
             if row["busy_median"] is None
-            else "{generation_busy:.0%} / {training_busy:.0%}".format(**row["busy_median"])
+            else "{generation_busy:.0%} / {training_busy:.0%} / {overlap_share:.0%}".format(**row["busy_median"])
         )
         print(
             f"{mode:<11}{median_step:>8.3f}{1 / median_step:>9.2f}{sync_step / median_step:>8.2f}x"

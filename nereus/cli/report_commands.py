@@ -74,6 +74,8 @@ class AsyncStep:
     """Share of the step the training pool spent on inference and training (not waiting, not syncing)."""
     batch_wait_s: float
     """Seconds the training pool waited for the step's batch."""
+    overlap_s: float
+    """Seconds the step's generation and training ran at the same time (by their timestamps)."""
 
 
 def read_async_steps(folder: Path, first_step: int) -> list[AsyncStep]:
@@ -97,6 +99,7 @@ def read_async_steps(folder: Path, first_step: int) -> list[AsyncStep]:
                     generation_busy=float(data["generation_busy"]),
                     training_busy=float(data["training_busy"]),
                     batch_wait_s=float(data["batch_wait_s"]),
+                    overlap_s=float(data["overlap_s"]),
                 )
             )
         except (KeyError, TypeError, ValueError) as error:
@@ -119,6 +122,7 @@ def print_async_steps(rows: list[AsyncStep]) -> None:
         "generation busy",
         "training busy",
         "batch wait s",
+        "overlap s",
         title="async: per step",
     )
     for row in rows:
@@ -130,6 +134,7 @@ def print_async_steps(rows: list[AsyncStep]) -> None:
             f"{100 * row.generation_busy:.0f}%",
             f"{100 * row.training_busy:.0f}%",
             f"{row.batch_wait_s:.3f}",
+            f"{row.overlap_s:.3f}",
         )
     Console(soft_wrap=True).print(table)
 

@@ -64,6 +64,11 @@ from nereus.spec.stages import ACTOR_GENERATION
 HANDOFF_NAME = "async"
 #: The busy times each pool adds to the step's gathered seconds (then moved to `async_step`).
 GENERATION_BUSY, TRAINING_BUSY, BATCH_WAIT = "async_generation_busy", "async_training_busy", "async_batch_wait"
+#: When (time.time()) each pool's work of the step began and ended: the generation pool's
+#: generation (its leading rank's), the training pool's inference and training (rank 0's); the
+#: other ranks report 0 and the gather takes the largest.
+GENERATION_SPAN = ("async_generation_start", "async_generation_end")
+TRAINING_SPAN = ("async_training_start", "async_training_end")
 #: How often the training pool looks for a batch it waits for.
 POLL_S = 0.002
 
@@ -166,7 +171,14 @@ class AsyncLoop:
         self.batch_size = queue.batch_size
         self.next_batch = queue.next_index // queue.batch_size
         """The next batch the generation pool generates (a resume: the checkpoint's queue's end)."""
-        self.names = [*metric_names(self.plan, self.stages), GENERATION_BUSY, TRAINING_BUSY, BATCH_WAIT]
+        self.names = [
+            *metric_names(self.plan, self.stages),
+            GENERATION_BUSY,
+            TRAINING_BUSY,
+            BATCH_WAIT,
+            *GENERATION_SPAN,
+            *TRAINING_SPAN,
+        ]
         self.state = run_state(setup, self.plan) if rank == 0 else None
         self.schedule = in_force_schedule(self.plan, setup.fused_schedule)
         self.peaks = plan_peaks(self.plan, self.stages)
@@ -179,11 +191,14 @@ class AsyncLoop:
         start = time.perf_counter()
         seconds = begin_step(self.stages, self.tracker)
         last = min(step + self.queue.max_staleness, self.setup.config.num_steps - 1)
+        if self.next_batch <= last and leads:
+            seconds[GENERATION_SPAN[0]] = time.time()
         while self.next_batch <= last:
             batch = self.next_batch
             with timeline.span("async", f"generate batch {batch}", version=step):
                 samples = self.generate(batch, step, seconds)
-                if leads:
+                if leads:  # stamped before the hand-off: a trainer waiting for it starts after
+                    seconds[GENERATION_SPAN[1]] = time.time()
                     write_batch(self.handoff, batch, samples)
             self.next_batch += 1
         seconds[GENERATION_BUSY] = time.perf_counter() - start
@@ -229,6 +244,8 @@ class AsyncLoop:
         staleness = self.queue.staleness(taken, step)
         problems, prompts, _ = draw_prompts(self.plan.workload, self.config, self.inputs, step)
         generated = self.rollout_of(taken, prompts)
+        if rank == 0:  # the training pool's span is rank 0's (the others report 0)
+            seconds[TRAINING_SPAN[0]] = time.time()
         trained = train_phases(
             self.plan,
             self.config,
@@ -241,6 +258,8 @@ class AsyncLoop:
             self.inputs,
             self.schedule,
         )
+        if rank == 0:
+            seconds[TRAINING_SPAN[1]] = time.time() - seconds.get("weight_sync", 0.0)
         seconds["step"] = time.perf_counter() - start
         seconds[BATCH_WAIT] = waited
         seconds[TRAINING_BUSY] = seconds["step"] - waited - seconds.get("weight_sync", 0.0)
@@ -258,6 +277,7 @@ class AsyncLoop:
             "generation_busy_s": totals.seconds[GENERATION_BUSY],
             "training_busy_s": totals.seconds[TRAINING_BUSY],
             "batch_wait_s": totals.seconds[BATCH_WAIT],
+            "overlap_s": overlap(totals.seconds),
             "generation_busy": totals.seconds[GENERATION_BUSY] / step_s if step_s > 0 else 0.0,
             "training_busy": totals.seconds[TRAINING_BUSY] / step_s if step_s > 0 else 0.0,
         }
@@ -324,6 +344,16 @@ class AsyncLoop:
             if rank == 0:
                 extra = self.queue.save
         save_run_checkpoint(self.setup, self.plan, self.stages, done, rank, self.state, extra)
+
+
+def overlap(gathered: dict[str, float]) -> float:
+    """Seconds the step's generation and its training ran at the same time, from their
+    timestamps (0 when the step generated nothing: the last k steps)."""
+    if gathered[GENERATION_SPAN[0]] == 0:
+        return 0.0
+    start = max(gathered[GENERATION_SPAN[0]], gathered[TRAINING_SPAN[0]])
+    end = min(gathered[GENERATION_SPAN[1]], gathered[TRAINING_SPAN[1]])
+    return max(0.0, end - start)
 
 
 def index_runs(indices: list[int]) -> list[list[int]]:
