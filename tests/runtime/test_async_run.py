@@ -118,6 +118,8 @@ def test_k0_equals_the_synchronous_run_bitwise(tmp_path: Path) -> None:
     assert differences(training(turns), training(sync)) == []
     assert final_actor(turns, 3) == final_actor(sync, 3)
     assert [r["async_step"]["staleness"] for r in read_metrics(turns)] == [{"0": BATCH}] * 3
+    # The behaviour log-probs are the trainer's old log-probs where the weights are the same.
+    assert all(r["rollout_log_prob_diff_max"] < 1e-5 for r in read_metrics(turns))
     # k = 0 takes turns: by the timestamps, no step's training overlaps its generation.
     assert [r["async_step"]["overlap_s"] for r in read_metrics(turns)] == [0.0] * 3
 
