@@ -40,17 +40,103 @@ def report(
     check_output(perfetto, "--perfetto", (".json",))
     data = since(read_run_folder(folder), first_step)
     result = summarise(data)
+    async_steps = read_async_steps(folder, first_step)
     if perfetto is not None:
         write_run_trace(folder, perfetto)
     if png is not None:
         write_bytes_atomic(png, report_png(data))
     if as_json:
-        typer.echo(json.dumps(dataclasses.asdict(result), indent=1))
+        document = dataclasses.asdict(result)
+        if async_steps:
+            document["async_steps"] = [dataclasses.asdict(row) for row in async_steps]
+        typer.echo(json.dumps(document, indent=1))
     else:
         print_report(result)
+        if async_steps:
+            print_async_steps(async_steps)
     for option, path in (("figure", png), ("trace", perfetto)):
         if path is not None:
             typer.echo(f"wrote {option} {path}", err=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncStep:
+    """One step of an async run, as its metrics.jsonl record's `async_step` says."""
+
+    step: int
+    staleness: dict[int, int]
+    """Versions behind the trained weights -> samples of the step's batch."""
+    queue_depth: int
+    """Samples queued when the step took its batch (the batch included)."""
+    generation_busy: float
+    """Share of the step the generation pool spent generating."""
+    training_busy: float
+    """Share of the step the training pool spent on inference and training (not waiting, not syncing)."""
+    batch_wait_s: float
+    """Seconds the training pool waited for the step's batch."""
+    overlap_s: float
+    """Seconds the step's generation and training ran at the same time (by their timestamps)."""
+
+
+def read_async_steps(folder: Path, first_step: int) -> list[AsyncStep]:
+    """Every step's `async_step` record from `first_step` on (empty for a synchronous run);
+    a record that is not what the run writes is refused in one line naming the file's line."""
+    from nereus.errors import NereusError
+    from nereus.spec.run_folder import METRICS_NAME, json_lines
+
+    path = folder / METRICS_NAME
+    rows = []
+    for where, record in json_lines(path, complete_only=True) if path.is_file() else []:
+        data = record.get("async_step")
+        if data is None or record.get("step", -1) < first_step:
+            continue
+        try:
+            rows.append(
+                AsyncStep(
+                    step=int(record["step"]),
+                    staleness={int(lag): int(count) for lag, count in dict(data["staleness"]).items()},
+                    queue_depth=int(data["queue_depth"]),
+                    generation_busy=float(data["generation_busy"]),
+                    training_busy=float(data["training_busy"]),
+                    batch_wait_s=float(data["batch_wait_s"]),
+                    overlap_s=float(data["overlap_s"]),
+                )
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise NereusError(
+                f"{where}: async_step: not what an async run writes ({type(error).__name__}: {error}); "
+                "fix or delete the line"
+            ) from None
+    return rows
+
+
+def print_async_steps(rows: list[AsyncStep]) -> None:
+    """The async run's table: each step's staleness histogram, queue depth and busy shares."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        "step",
+        "staleness (versions: samples)",
+        "queue depth",
+        "generation busy",
+        "training busy",
+        "batch wait s",
+        "overlap s",
+        title="async: per step",
+    )
+    for row in rows:
+        histogram = "  ".join(f"{lag}: {count}" for lag, count in sorted(row.staleness.items()))
+        table.add_row(
+            str(row.step),
+            histogram,
+            str(row.queue_depth),
+            f"{100 * row.generation_busy:.0f}%",
+            f"{100 * row.training_busy:.0f}%",
+            f"{row.batch_wait_s:.3f}",
+            f"{row.overlap_s:.3f}",
+        )
+    Console(soft_wrap=True).print(table)
 
 
 def _seconds(value: float | None) -> str:

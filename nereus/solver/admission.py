@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from nereus.cost.fit import engineless_stages
 from nereus.cost.kv_pool import BLOCK_TOKENS, KV_ELEMENT_BYTES
+from nereus.cost.plan_cost import generation_alone
 from nereus.cost.stage import kv_bytes_per_token
 from nereus.errors import ArgumentError, NereusError, SpecError
 from nereus.spec.capabilities import EXPERT_PARALLEL_EXECUTED, MEMORY_CHOICES, RUNTIME_DTYPES, unexecuted_choices
@@ -36,7 +37,7 @@ from nereus.spec.check import (
 from nereus.spec.model import Model
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig, RunConfig
-from nereus.spec.stages import ACTOR_TRAINING
+from nereus.spec.stages import ACTOR_GENERATION, ACTOR_TRAINING
 from nereus.spec.workload import Workload
 
 if TYPE_CHECKING:
@@ -217,11 +218,8 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     problems += [f"fusion.inter_stage: {problem}" for problem in inter_stage_problems(plan, plan.fusion, config)]
     if workload.dtype not in RUNTIME_DTYPES:
         problems.append(f"workload dtype {workload.dtype} is not run (no loss scaling); use bf16 or fp32")
-    if workload.execution == "async":  # planned, priced, simulated and exported (docs/async.md)
-        problems.append(
-            "workload.execution: async is not run yet (nereus plan, simulate and export take it); "
-            "run with execution: sync"
-        )
+    if workload.execution == "async":
+        problems += async_run_problems(plan)
     group = group_rule(workload)
     if group:
         problems.append(group)
@@ -229,6 +227,25 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     if critic:
         problems.append(critic)
     return problems
+
+
+def async_run_problems(plan: Plan) -> list[str]:
+    """Why the runtime cannot run an async plan's pools (docs/async.md, "The run loop"): its
+    generation loop needs actor/generation's ranks to itself, and rank 0 (which records the
+    run) in the training pool."""
+    generation = plan.stage_plan(ACTOR_GENERATION).gpus
+    if not generation_alone(plan):
+        return [
+            "workload.execution: async runs actor/generation on ranks of its own, but it shares ranks with "
+            "another model-stage (one rank cannot be split into two pools); plan for at least 2 GPUs "
+            "(`nereus plan` splits them) or set execution: sync"
+        ]
+    if 0 in generation:
+        return [
+            "workload.execution: async: actor/generation is on rank 0, which the run loop keeps in the training "
+            "pool; put actor/generation on the last ranks (`nereus plan` does)"
+        ]
+    return []
 
 
 def unexecutable_choices(plan: Plan) -> list[str]:

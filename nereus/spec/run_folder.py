@@ -155,6 +155,10 @@ class StepMetrics(StepTimes):
     (a vLLM engine; None under nereus's own engine, whose samples the trainer scores alike)."""
     rollout_log_prob_diff_max: float | None = None
     """The largest of those differences (NeMo-RL's `token_mult_prob_error`, in log space)."""
+    async_step: dict[str, Any] | None = None
+    """Under async execution (docs/async.md, "The run loop"): the trained samples' stream
+    ranges, their staleness histogram, the queue depth at the take and each pool's busy time
+    (None in synchronous runs)."""
 
 
 @dataclass(frozen=True)

@@ -159,15 +159,7 @@ class StalenessQueue:
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The queue as a JSON-able dict and its samples' tensors (keyed `index/name`)."""
         with self._changed:
-            samples = [
-                {"index": s.index, "version": s.version, "tensors": sorted(s.tensors), "info": s.info}
-                for s in self._samples
-            ]
-            tensors = {
-                f"{s.index}/{name}": t.detach().cpu().contiguous()
-                for s in self._samples
-                for name, t in s.tensors.items()
-            }
+            samples, tensors = encode_samples(list(self._samples))
             data = {
                 "format": FORMAT,
                 "max_staleness": self.max_staleness,
@@ -217,17 +209,9 @@ class StalenessQueue:
 
     def save(self, folder: Path) -> None:
         """Write the queue into `folder` (`STATE_FILE`, `TENSORS_FILE`), each file replaced atomically."""
-        from safetensors.torch import save_file
-
         data, tensors = self.state()
         folder.mkdir(parents=True, exist_ok=True)
-        for name, write in (
-            (TENSORS_FILE, lambda path: save_file(tensors, str(path))),
-            (STATE_FILE, lambda path: path.write_text(json.dumps(data, indent=1) + "\n")),
-        ):
-            temporary = folder / f".{name}.tmp"
-            write(temporary)
-            os.replace(temporary, folder / name)
+        write_pair(folder, STATE_FILE, data, TENSORS_FILE, tensors)
 
     @classmethod
     def load(cls, folder: Path) -> StalenessQueue:
@@ -246,3 +230,69 @@ class StalenessQueue:
             return cls.from_state(data, tensors)
         except ValueError as error:
             raise NereusError(f"{state_path}: {error}") from None
+
+
+def encode_samples(samples: list[VersionedSample]) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:
+    """Samples as JSON-able entries and their tensors keyed `index/name` (the queue's file format)."""
+    entries = [{"index": s.index, "version": s.version, "tensors": sorted(s.tensors), "info": s.info} for s in samples]
+    tensors = {f"{s.index}/{name}": t.detach().cpu().contiguous() for s in samples for name, t in s.tensors.items()}
+    return entries, tensors
+
+
+def write_pair(folder: Path, json_name: str, data: Any, tensors_name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """`tensors` as a safetensors file, then `data` as JSON, each replaced atomically: the JSON
+    file's presence says both are whole."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, write in (
+        (tensors_name, lambda path: save_file(tensors, str(path))),
+        (json_name, lambda path: path.write_text(json.dumps(data, indent=1) + "\n")),
+    ):
+        temporary = folder / f".{name}.tmp"
+        write(temporary)
+        os.replace(temporary, folder / name)
+
+
+# ---- the rollout's hand-off from the generation pool to the training pool ----
+
+
+def batch_names(batch: int) -> tuple[str, str]:
+    """The JSON and safetensors file names of generated batch `batch` in the hand-off folder."""
+    return f"batch-{batch:06d}.json", f"batch-{batch:06d}.safetensors"
+
+
+def write_batch(folder: Path, batch: int, samples: list[VersionedSample]) -> None:
+    """Hand generated batch `batch` to the training pool: its two files in `folder`, the JSON
+    one last (`read_batch` sees the batch whole or not at all)."""
+    entries, tensors = encode_samples(samples)
+    json_name, tensors_name = batch_names(batch)
+    write_pair(folder, json_name, {"format": FORMAT, "batch": batch, "samples": entries}, tensors_name, tensors)
+
+
+def read_batch(folder: Path, batch: int) -> list[VersionedSample] | None:
+    """Batch `batch` as `write_batch` handed it over (None while its JSON file is not there).
+    The files are the run's own, written by its generation pool; nothing in them is unpickled."""
+    from safetensors.torch import load_file
+
+    json_name, tensors_name = batch_names(batch)
+    if not (folder / json_name).is_file():
+        return None
+    data = json.loads((folder / json_name).read_text())
+    tensors = load_file(str(folder / tensors_name))
+    assert data.get("format") == FORMAT and data.get("batch") == batch, (folder / json_name, data.get("batch"))
+    return [
+        VersionedSample(
+            entry["index"],
+            entry["version"],
+            {name: tensors[f"{entry['index']}/{name}"] for name in entry["tensors"]},
+            entry["info"],
+        )
+        for entry in data["samples"]
+    ]
+
+
+def remove_batch(folder: Path, batch: int) -> None:
+    """Delete batch `batch`'s hand-off files (trained, or left by a killed run)."""
+    for name in batch_names(batch):
+        (folder / name).unlink(missing_ok=True)

@@ -6,6 +6,7 @@ the same weights and the reference stays at them.
 
 Rows move between model-stages through the world (an object all-gather): every rank ends each
 phase with the whole batch, so any placement (colocated or split pools) works the same way.
+Under async execution each model-stage's exchanges stay inside its pool (`ModelStageRuntime.pool`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ class ModelStageRuntime:
     rollout_engine: VLLMEngine | None = None
     """actor/generation under `generation.engine: vllm`: this rank's vLLM engine, which samples
     the responses; `engine` then holds the weights the sync fills and pushes into it."""
+    pool: tuple[int, ...] | None = None
+    """The ranks its rows are exchanged over (`by_replica_of`): None, the world; under async
+    execution the ranks of its pool (generation's or training's), so neither pool waits on the
+    other's gathers (`nereus.runtime.run.async_loop`)."""
 
     @property
     def compute_dtype(self) -> str:
@@ -182,10 +187,14 @@ def by_replica_of(stages: Mapping[str, ModelStageRuntime], values: Mapping[str, 
         if leads(stage):
             assert stage.engine is not None
             mine[name] = (stage.engine.groups.replica, values[name])
+    pools = {stage.pool for stage in stages.values()}
+    assert len(pools) <= 1, f"one exchange spans one pool, got {pools}"
+    pool = pools.pop() if pools else None
+    size = dist.get_world_size() if pool is None else len(pool)
     gathered: list[Any] = [mine]
-    if dist.get_world_size() > 1:  # alone, the gather (a pickle round trip) would only cost time
-        gathered = [None] * dist.get_world_size()
-        collectives.all_gather_object(gathered, mine)
+    if size > 1:  # alone, the gather (a pickle round trip) would only cost time
+        gathered = [None] * size
+        collectives.all_gather_object(gathered, mine, None if pool is None else collectives.subgroup(pool))
     out = {}
     for name, stage in stages.items():
         parts = sorted((rank_parts[name] for rank_parts in gathered if name in rank_parts), key=lambda p: p[0])

@@ -38,8 +38,8 @@ from nereus.runtime.rl.rollout import rollout
 from nereus.runtime.rl.run_data import StepInputs, step_inputs
 from nereus.runtime.rl.samples import sample_records
 from nereus.runtime.rl.scoring import Scored, score
-from nereus.runtime.rl.stages import ModelStageRuntime, local_host_bytes, sleep_offloaded
-from nereus.runtime.rl.timing import StepSeconds, record_fused, step_totals, timed
+from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, local_host_bytes, sleep_offloaded
+from nereus.runtime.rl.timing import StepSeconds, StepTotals, record_fused, step_totals, timed
 from nereus.runtime.rl.update import (
     WeightSync,
     advantages_of,
@@ -92,17 +92,86 @@ def rl_step(
     is searched here). `predicted`: the plan's predicted peaks (`plan_peaks`, priced once per plan
     by the caller; None: priced here). `peaks`: the rank's memory tracker (None: untracked)."""
     start = time.perf_counter()
-    sleep_offloaded(stages)  # offloaded model-stages start the step asleep (a checkpoint may have woken one)
-    if peaks is not None:
-        peaks.host_bytes = lambda: local_host_bytes(stages)
-        peaks.start_step()
-    seconds = StepSeconds(peaks, stages)
+    seconds = begin_step(stages, peaks)
     in_force = plan.fusion if fusion is None else fusion
     inputs = inputs if inputs is not None else step_inputs(config, None)
     problems, prompts, sampling = draw_prompts(plan.workload, config, inputs, step)
     fused_events: list[RolloutEvent] = []
     # 1. generation (under inter-stage fusion, overlapped with the model inference of 2)
     generated = rollout(plan, stages, prompts, sampling, in_force, seconds, fused_events, idle)
+    trained = train_phases(
+        plan, config, stages, syncs, step, (problems, prompts, generated), seconds, in_force, inputs, schedule
+    )
+    record_fused(fused_events, trained.op_timings)
+    engine = stages[ACTOR_GENERATION].rollout_engine if ACTOR_GENERATION in stages else None
+    if engine is not None:  # its start-up (at the first step, or after a transition), loads, sleeps, wakes
+        seconds.update(engine.drain_phases())
+    seconds["step"] = time.perf_counter() - start
+    predicted = plan_peaks(plan, stages) if predicted is None else predicted
+    metrics = trained.metrics(plan, stages, step, seconds, predicted)
+    return StepResult(metrics, trained.samples, fused_events)
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What phases 2 to 5 of a step leave on a rank: what its record needs."""
+
+    prompts: list[list[int]]
+    scored: Scored
+    losses: tuple[float, float | None]
+    updates: tuple[dict[str, UpdateRule], dict[str, float]]
+    ran: list[str]
+    """The model-stages that ran (actor/inference does not when training gives the old log-probs)."""
+    rollout_log_probs: torch.Tensor | None
+    samples: list[dict[str, Any]]
+    op_timings: list[OpTiming]
+
+    def metrics(
+        self,
+        plan: Plan,
+        stages: dict[str, ModelStageRuntime],
+        step: int,
+        seconds: dict[str, float],
+        predicted: dict[str, dict[int, int]],
+        totals: StepTotals | None = None,
+    ) -> StepMetrics:
+        """The step's record (`step_metrics`; collective unless `totals` were gathered already)."""
+        metrics = step_metrics(
+            plan,
+            stages,
+            self.ran,
+            step,
+            self.prompts,
+            self.scored,
+            self.losses,
+            seconds,
+            self.updates,
+            predicted,
+            totals,
+        )
+        if self.rollout_log_probs is not None:
+            mean, largest = log_prob_mismatch(self.scored, self.rollout_log_probs)
+            metrics = dataclasses.replace(metrics, rollout_log_prob_diff_mean=mean, rollout_log_prob_diff_max=largest)
+        return metrics
+
+
+def train_phases(
+    plan: Plan,
+    config: RLConfig,
+    stages: dict[str, ModelStageRuntime],
+    syncs: list[WeightSync],
+    step: int,
+    rollout_of: tuple[list[Prompt], list[list[int]], Rollout],
+    seconds: dict[str, float],
+    in_force: Fusion,
+    inputs: StepInputs,
+    schedule: Schedule | None,
+) -> Trained:
+    """Phases 2 to 5 of step `step` on the rollout `rollout_of` (its problems, their prompt ids
+    and the generated rows): inference, advantages, training and the weight sync (collective over
+    the ranks the stages exchange over, and the world in the sync). The synchronous step and
+    the async run's training pool (`nereus.runtime.run.async_loop`) both run them."""
+    problems, prompts, generated = rollout_of
     # 2. inference: old and reference log-probs, values, rewards
     not_run = idle_model_stages(plan, in_force)
     scored = score(stages, inputs.scorer, problems, generated, seconds, skip=not_run)
@@ -141,21 +210,21 @@ def rl_step(
             inputs.tokenizer,
             generated.rollout_log_probs,
         )
-    record_fused(fused_events, op_timings)
     # 5. weight sync
     with timed(seconds, "weight_sync"):
         sync_weights(syncs)
-    engine = stages[ACTOR_GENERATION].rollout_engine if ACTOR_GENERATION in stages else None
-    if engine is not None:  # its start-up (at the first step, or after a transition), loads, sleeps, wakes
-        seconds.update(engine.drain_phases())
-    seconds["step"] = time.perf_counter() - start
     ran = [n for n in stages if n not in not_run]
-    predicted = plan_peaks(plan, stages) if predicted is None else predicted
-    metrics = step_metrics(plan, stages, ran, step, prompts, scored, losses, seconds, (rules, grad_norms), predicted)
-    if generated.rollout_log_probs is not None:
-        mean, largest = log_prob_mismatch(scored, generated.rollout_log_probs)
-        metrics = dataclasses.replace(metrics, rollout_log_prob_diff_mean=mean, rollout_log_prob_diff_max=largest)
-    return StepResult(metrics, samples, fused_events)
+    return Trained(prompts, scored, losses, (rules, grad_norms), ran, generated.rollout_log_probs, samples, op_timings)
+
+
+def begin_step(stages: dict[str, ModelStageRuntime], peaks: PeakTracker | None) -> StepSeconds:
+    """A step's start on this rank: offloaded model-stages asleep (a checkpoint may have woken
+    one), the memory tracker's step begun; the step's seconds, empty."""
+    sleep_offloaded(stages)
+    if peaks is not None:
+        peaks.host_bytes = lambda: local_host_bytes(stages)
+        peaks.start_step()
+    return StepSeconds(peaks, stages)
 
 
 def draw_prompts(
@@ -195,21 +264,25 @@ def step_metrics(
     seconds: dict[str, float],
     updates: tuple[dict[str, UpdateRule], dict[str, float]],
     predicted: dict[str, dict[int, int]],
+    totals: StepTotals | None = None,
 ) -> StepMetrics:
     """The step's record, the same on every rank: its times are the slowest rank's (collective).
     `ran`: the model-stages that ran this step (actor/inference does not when training gives the
     old log-probs): only they report measured and predicted peaks by model-stage.
     `updates`: each trained model-stage's update rule and mean gradient norm. `predicted`:
-    the plan's predicted peaks (`plan_peaks`)."""
+    the plan's predicted peaks (`plan_peaks`). `totals`: `step_totals` of `metric_names`
+    (and more), gathered already by the caller (names beyond `metric_names` are left out)."""
     rules, grad_norms = updates
     assert scored.old_log_probs is not None, "training gave them"
     lengths = scored.mask.sum(dim=1)
-    names = [entry.model_stage for entry in plan.stages] + ["advantages", "exchange", "weight_sync"]
-    vllm = ACTOR_GENERATION in stages and stages[ACTOR_GENERATION].rollout_engine is not None
-    phases = list(ENGINE_PHASES) if vllm else []  # every rank is in a vLLM engine, or none is
-    totals = step_totals(seconds, [*names, *phases, "step"], stages)
+    names = metric_names(plan, stages)
+    totals = step_totals(seconds, names, stages) if totals is None else totals
     # A vLLM engine phase that did not happen at this step is left out of the record.
-    stage_seconds = {name: value for name, value in totals.seconds.items() if name not in phases or value > 0}
+    stage_seconds = {
+        name: value
+        for name, value in totals.seconds.items()
+        if name in names and (name not in ENGINE_PHASES or value > 0)
+    }
     num_ranks = len(totals.memory_peak)
     predicted_by_stage = {name: [by_rank.get(r, 0) for r in range(num_ranks)] for name, by_rank in predicted.items()}
     return StepMetrics(
@@ -235,6 +308,14 @@ def step_metrics(
         grad_norm=dict(grad_norms),
         lr={name: rule.lr for name, rule in rules.items()},
     )
+
+
+def metric_names(plan: Plan, stages: dict[str, ModelStageRuntime]) -> list[str]:
+    """The times a step's record gathers from every rank: each model-stage's, the phases',
+    the vLLM engine's phases (every rank is in a vLLM engine, or none is) and the step's."""
+    names = [entry.model_stage for entry in plan.stages] + ["advantages", "exchange", "weight_sync"]
+    vllm = ACTOR_GENERATION in stages and stages[ACTOR_GENERATION].rollout_engine is not None
+    return [*names, *(ENGINE_PHASES if vllm else ()), "step"]
 
 
 def log_prob_mismatch(scored: Scored, rollout_log_probs: torch.Tensor) -> tuple[float, float]:

@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -64,10 +65,18 @@ def optimizer_steps(plan: Plan, num_rl_steps: int) -> int:
 
 
 def save_run_checkpoint(
-    setup: RunSetup, plan: Plan, stages: dict[str, ModelStageRuntime], step: int, rank: int, state: RunState | None
+    setup: RunSetup,
+    plan: Plan,
+    stages: dict[str, ModelStageRuntime],
+    step: int,
+    rank: int,
+    state: RunState | None,
+    extra: Callable[[Path], None] | None = None,
 ) -> None:
     """Save every trained model, the plan in force and rank 0's run state into
-    checkpoints/step-NNNNNN (collective, atomic); then drop the oldest beyond `keep_checkpoints`."""
+    checkpoints/step-NNNNNN (collective, atomic); then drop the oldest beyond `keep_checkpoints`.
+    `extra`: rank 0 writes more files into the folder before it is sealed (an async run's
+    queue), checksummed like the rest."""
     from nereus.runtime.comm import collectives
     from nereus.runtime.rl.run_data import DATA_STATE_NAME, data_state
     from nereus.runtime.rl.stages import engine_state
@@ -103,6 +112,8 @@ def save_run_checkpoint(
             write_text_atomic(folder / DATA_STATE_NAME, position)
         if state is not None:
             write_text_atomic(folder / CONTROLLER_STATE_NAME, state.data().model_dump_json())
+        if extra is not None:
+            extra(folder)
         if (setup.out / METRICS_NAME).exists():  # the steps' records are on disk before their checkpoint
             fsync_path(setup.out / METRICS_NAME)
         _seal(folder, checkpoint_folder(setup.out, step), step)

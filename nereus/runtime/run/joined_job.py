@@ -31,7 +31,7 @@ from nereus.runtime.comm.spawn import timed_out
 from nereus.runtime.comm.world import Peer, init_from_env
 from nereus.runtime.run.folder import log_pool_restart, prepare_folder
 from nereus.runtime.run.launch import RunFailed, run_failure
-from nereus.runtime.run.rank_loop import run_rank
+from nereus.runtime.run.rank_entry import rank_main
 from nereus.runtime.run.run_setup import RunSetup
 from nereus.runtime.run.torchrun import restart_note, torchrun_restart, torchrun_restarts_left
 from nereus.solver.admission import plan_num_ranks
@@ -117,7 +117,7 @@ class JoinedJob:
         follower = threading.Thread(target=follow, name="nereus-metrics", daemon=True)
         follower.start()
         try:
-            run_rank(self.rank, self.world_size, setup)
+            rank_main(self.rank, self.world_size, setup)
             collectives.barrier()  # no rank tears its communicator down while a peer may still send on it
         except Exception as error:
             failure = self.failed(setup, error)

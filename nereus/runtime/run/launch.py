@@ -13,7 +13,7 @@ from nereus.errors import ArgumentError
 from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.rl.tensorboard import TensorBoardLog
 from nereus.runtime.run.folder import prepare_folder
-from nereus.runtime.run.rank_loop import run_rank
+from nereus.runtime.run.rank_entry import rank_main
 from nereus.runtime.run.run_setup import RunSetup
 from nereus.runtime.run.torchrun import restart_note
 from nereus.spec.run_folder import FAILURE_NAME, MetricsTail, StepMetrics, latest_checkpoint
@@ -40,7 +40,7 @@ def launch(setup: RunSetup, on_step: Callable[[StepMetrics], None] | None = None
     tail = MetricsTail(setup.out, on_step if board is None else _both(board, on_step))
     timeout = timedelta(seconds=setup.config.collective_timeout_s)
     try:
-        spawn(run_rank, setup.num_ranks, setup, on_wait=tail.poll, timeout=timeout)
+        spawn(rank_main, setup.num_ranks, setup, on_wait=tail.poll, timeout=timeout)
     except KeyboardInterrupt:
         raise run_failure(setup, "interrupted (SIGINT)", RunInterrupted) from None
     except RuntimeError as error:

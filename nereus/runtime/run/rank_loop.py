@@ -86,23 +86,10 @@ class RunState:
 
 
 def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
-    """The whole run on this rank; returns the number of steps the run has finished."""
+    """The whole run on this rank; returns the number of steps the run has finished (a
+    synchronous plan: `rank_entry.rank_main` runs an async plan's loop instead)."""
     config, plan = setup.config, setup.plan
-    torch.manual_seed(config.rl.seed)
-    # What a step imports on first use belongs to the idle rank, not to a model-stage: DTensor
-    # and FSDP2's modules, and torch._dynamo, which activation checkpointing imports on its
-    # first call (each ~35-45 MB of a CPU rank's private memory in Python objects).
-    recompute = any(entry.recompute != "none" for entry in plan.stages)
-    for module in ("torch.distributed.fsdp", "torch.distributed.tensor", *(["torch._dynamo"] if recompute else [])):
-        importlib.import_module(module)
-
-    tracker = memory.PeakTracker.for_device(device().type, arena.used_bytes)  # the idle baseline, before any state
-    reserve_arena(plan, config.rl, rank)
-    stages = build_stages(plan, config.rl)
-    syncs = sync_plans(stages)
-    load_folders(stages, plan)
-    if REWARD_INFERENCE in stages and setup.checkpoint is None and "reward" not in (plan.weights or {}):
-        fit_reward_model(stages[REWARD_INFERENCE], get_task(config.rl.task), config.rl)
+    tracker, stages, syncs = prepare_rank(rank, setup)
     rollout_engine = start_rollout_engine(config, plan, stages)  # None: nereus's own engine generates
     if setup.checkpoint is not None:
         restore(stages, setup.checkpoint, rank, config.rl)
@@ -175,6 +162,31 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     if rollout_engine is not None:
         rollout_engine.close()
     return config.num_steps
+
+
+def prepare_rank(
+    rank: int, setup: RunSetup
+) -> tuple[memory.PeakTracker, dict[str, ModelStageRuntime], list[WeightSync]]:
+    """This rank before its first step (collective): the memory tracker (its idle baseline),
+    the arena, the plan's engines with their folders' weights, the fitted reward model and the
+    weight syncs."""
+    config, plan = setup.config, setup.plan
+    torch.manual_seed(config.rl.seed)
+    # What a step imports on first use belongs to the idle rank, not to a model-stage: DTensor
+    # and FSDP2's modules, and torch._dynamo, which activation checkpointing imports on its
+    # first call (each ~35-45 MB of a CPU rank's private memory in Python objects).
+    recompute = any(entry.recompute != "none" for entry in plan.stages)
+    for module in ("torch.distributed.fsdp", "torch.distributed.tensor", *(["torch._dynamo"] if recompute else [])):
+        importlib.import_module(module)
+
+    tracker = memory.PeakTracker.for_device(device().type, arena.used_bytes)  # the idle baseline, before any state
+    reserve_arena(plan, config.rl, rank)
+    stages = build_stages(plan, config.rl)
+    syncs = sync_plans(stages)
+    load_folders(stages, plan)
+    if REWARD_INFERENCE in stages and setup.checkpoint is None and "reward" not in (plan.weights or {}):
+        fit_reward_model(stages[REWARD_INFERENCE], get_task(config.rl.task), config.rl)
+    return tracker, stages, syncs
 
 
 def carry_rollout_engine(

@@ -35,6 +35,38 @@ from nereus.spec.stages import Role
 from nereus.spec.trace import Trace
 
 
+def check_async(config: RunConfig, plan: Plan, where: str) -> None:
+    """Refuse, in one line, an async run (`execution: async`) the async run loop does not run
+    (`async_loop`): a partial rollout (nereus's own engine cannot pause a generation at a weight
+    sync), vLLM generation, a controller or plan switches (plan changes under async are
+    simulated, not run), held-out evaluation, inter-stage fusion."""
+    workload = plan.workload
+    if workload.execution != "async":
+        return
+    if workload.partial_rollout:
+        raise NereusError(
+            f"{where}: workload.partial_rollout: nereus's own generation engine cannot pause a generation at a "
+            "weight sync and continue it under the new weights; set partial_rollout: false"
+        )
+    if switch_engine(config, plan) == "vllm":
+        raise NereusError(
+            f"{where}: generation.engine: vllm: an async run generates with nereus's own engine only (vLLM in the "
+            "async run loop is not written yet); set generation.engine: nereus or execution: sync"
+        )
+    refused = {
+        "trace": config.trace is not None,
+        "plan_switches": bool(config.plan_switches),
+        "data.eval": config.data is not None and config.data.eval is not None,
+        "fusion.inter_stage": plan.fusion.inter_stage,
+    }
+    for field, given in refused.items():
+        if given:
+            raise NereusError(
+                f"{where}: {field}: not run under execution: async yet (the async run loop keeps one plan, "
+                f"evaluates nothing and fuses no stages); drop {field} or set execution: sync"
+            )
+
+
 def new_run(
     config_path: Path,
     plan_path: Path | None = None,
@@ -62,6 +94,7 @@ def new_run(
     config = with_absolute_data(config, config_path.parent)
     plan, num_ranks, planned = first_plan(config, config_path, plan_path, num_ranks, sources)
     check_generation(config, plan, str(config_path))
+    check_async(config, plan, str(config_path))
     data = prepare_data(config, plan, config_path.parent)
     if num_steps is not None:
         config = config.model_copy(update={"num_steps": num_steps})
@@ -274,6 +307,7 @@ def resume_run(
     where = plan_path or (in_force_at if plan is in_force else out / PLAN_NAME)
     check_plan(plan, str(where), num_ranks, config.rl)
     check_generation(config, plan, str(out / CONFIG_NAME))
+    check_async(config, plan, str(out / CONFIG_NAME))
     read_metrics(out)  # a damaged metrics file is refused here, before anything is written
     start_step = 0 if checkpoint is None else checkpoint_step(checkpoint)
     if start_step >= config.num_steps:

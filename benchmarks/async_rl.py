@@ -1,0 +1,174 @@
+"""Benchmark: async RL against sync on the same work (issue 49): tiny GRPO on the sort task.
+
+The plan puts actor/generation alone on the last rank and every other model-stage on the
+others (tests/data/plan-tiny-grpo-async-2rank.yaml, from `nereus plan`; `--ranks 3` widens
+the training pool to dp=2 over ranks 0 and 1). The same plan runs synchronously (every step
+waits for its generation, then trains, then syncs: the pools take turns), and async with
+max_staleness k = 1 and k = 2 (generation of the batch for step t + k overlaps step t's
+training). Every run is `nereus run`'s rank loop (checkpoints, metrics.jsonl) in a throwaway
+folder; the runs of the modes alternate, repetition by repetition, so they see the same load.
+
+Measured: the step time of each run (the median of its steps after the first `--warmup`,
+which pay one-off costs and, under async, fill the pipeline), its throughput (1 / that), and
+each pool's busy share of the step and the share the two overlapped (by timestamps), and
+the reward curve (no collapse: each mode's mean reward of the last 10 steps against its first
+10 and against the sync run's; a mode's runs repeat one curve, its schedule being fixed). On a
+2-core machine shared with other jobs, `--ranks 2` (1 generation + 1 training rank, one thread
+each) is the honest split; `--ranks 3` puts 3 processes on 2 cores,
+which caps the overlap async can show. Writes benchmarks/results/async_rl.json (or
+async_rl_3rank.json).
+
+    .venv/bin/python benchmarks/async_rl.py [--ranks 2] [--steps 20] [--repetitions 5] [--prompts 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from _record import begin, write_result
+
+from nereus.runtime.run.launch import launch
+from nereus.runtime.run.run_setup import RunSetup
+from nereus.solver.admission import plan_problems
+from nereus.spec.plan import Plan
+from nereus.spec.run_config import RLConfig, RunConfig
+from nereus.spec.run_folder import StepMetrics
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAN = ROOT / "tests" / "data" / "plan-tiny-grpo-async-2rank.yaml"
+RESULTS = Path(__file__).resolve().parent / "results"
+#: The modes compared: None is synchronous, else the staleness bound k.
+MODES: dict[str, int | None] = {"sync": None, "async k=1": 1, "async k=2": 2}
+
+
+def plan_for(ranks: int, mode: int | None, prompts: int, samples: int) -> Plan:
+    """The benchmark's plan on `ranks` ranks: generation on the last one, the rest dp over the others."""
+    document: dict[str, Any] = yaml.safe_load(PLAN.read_text())
+    document.pop("predictions", None)
+    workload = document["workload"]
+    workload.update(prompts_per_step=prompts, samples_per_prompt=samples, micro_batch_size=4)
+    if mode is None:
+        workload.pop("execution"), workload.pop("max_staleness")
+    else:
+        workload["max_staleness"] = mode
+    train = list(range(ranks - 1))
+    document["cluster"]["gpus_per_node"] = ranks
+    document["pools"] = [{"name": "rest", "gpus": train}, {"name": "generation", "gpus": [ranks - 1]}]
+    for entry in document["stages"]:
+        if entry["model_stage"] == "actor/generation":
+            entry["emus"] = [[ranks - 1]]
+        else:
+            entry.update(dp=len(train), emus=[[rank] for rank in train], micro_batches=1)
+    return Plan.model_validate(document)
+
+
+def run(plan: Plan, ranks: int, steps: int, config: RLConfig) -> list[StepMetrics]:
+    problems = plan_problems(plan, ranks, config)
+    assert not problems, problems
+    with tempfile.TemporaryDirectory(prefix="async-rl-") as folder:
+        setup = RunSetup(
+            RunConfig(rl=config, num_steps=steps, checkpoint_every=steps),
+            plan,
+            ranks,
+            Path(folder) / "run",
+            0,
+            None,
+            False,
+        )
+        metrics: list[StepMetrics] = launch(setup)
+    return metrics
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2, choices=[2, 3])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the step time")
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    recording = begin()
+    config = RLConfig(task="sort", seed=args.seed, max_new_tokens=args.max_new_tokens)
+    step_s: dict[str, list[float]] = {mode: [] for mode in MODES}
+    rewards: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
+    busy: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    walls: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for repetition in range(args.repetitions):
+        for mode, k in MODES.items():
+            start = time.perf_counter()
+            metrics = run(plan_for(args.ranks, k, args.prompts, args.samples), args.ranks, args.steps, config)
+            walls[mode].append(time.perf_counter() - start)
+            steady = metrics[args.warmup :]
+            step_s[mode].append(statistics.median(m.step_seconds for m in steady))
+            rewards[mode].append([m.reward for m in metrics])
+            if k is not None:
+                records = [m.async_step for m in steady if m.async_step is not None]
+                keys = ("generation_busy", "training_busy")
+                shares = {key: statistics.median(r[key] for r in records) for key in keys}
+                pairs = zip(records, steady, strict=True)
+                overlap = statistics.median(r["overlap_s"] / m.step_seconds for r, m in pairs)
+                busy[mode].append(shares | {"overlap_share": overlap})
+            parts = {
+                name: statistics.median(m.stage_seconds.get(name, 0.0) for m in steady)
+                for name in ("actor/generation", "actor/training", "weight_sync")
+            }
+            where = ", ".join(f"{name} {value:.3f}" for name, value in parts.items())
+            print(f"repetition {repetition + 1}: {mode:<10} median step {step_s[mode][-1]:.3f} s ({where})", flush=True)
+    sync_step = statistics.median(step_s["sync"])
+    sync_last = [statistics.mean(r[-10:]) for r in rewards["sync"]]
+    rows = []
+    print(f"{'mode':<11}{'step s':>8}{'steps/s':>9}{'vs sync':>9}{'last-10 reward':>16}  busy gen / train / overlap")
+    for mode in MODES:
+        median_step = statistics.median(step_s[mode])
+        last = [statistics.mean(r[-10:]) for r in rewards[mode]]
+        row = {
+            "mode": mode,
+            "median_step_s": median_step,
+            "steps_per_s": 1 / median_step,
+            "speedup_vs_sync": sync_step / median_step,
+            "reward_last10_median": statistics.median(last),
+            "reward_first10_median": statistics.median(statistics.mean(r[:10]) for r in rewards[mode]),
+            # Every mode's schedule is fixed (not timing-driven), so its repetitions repeat one
+            # reward curve and the sync runs have no spread: compare with the sync curve instead.
+            "reward_last10_vs_sync": statistics.median(last) / statistics.median(sync_last),
+            "reward_curves_identical_across_repetitions": all(r == rewards[mode][0] for r in rewards[mode]),
+            "busy_median": None
+            if not busy[mode]
+            else {key: statistics.median(b[key] for b in busy[mode]) for key in busy[mode][0]},
+            "mean_reward_per_step": [statistics.mean(column) for column in zip(*rewards[mode], strict=True)],
+        }
+        rows.append(row)
+        shares = (
+            "-"
+            if row["busy_median"] is None
+            else "{generation_busy:.0%} / {training_busy:.0%} / {overlap_share:.0%}".format(**row["busy_median"])
+        )
+        print(
+            f"{mode:<11}{median_step:>8.3f}{1 / median_step:>9.2f}{sync_step / median_step:>8.2f}x"
+            f"{row['reward_last10_median']:>16.3f}  {shares}"
+        )
+    record = {
+        "ranks": args.ranks,
+        "split": f"{args.ranks - 1} training + 1 generation rank(s), one thread each",
+        "workload": f"GRPO sort, {args.prompts} prompts x {args.samples} samples, {args.max_new_tokens} new tokens",
+        "steps": args.steps,
+        "warmup_steps_left_out": args.warmup,
+        "config": config.model_dump(),
+        "modes": rows,
+    }
+    name = "async_rl.json" if args.ranks == 2 else f"async_rl_{args.ranks}rank.json"
+    repetitions = {"median_step_s": step_s, "wall_s": walls, "rewards": rewards}
+    write_result(RESULTS / name, record, recording, repetitions)
+
+
+if __name__ == "__main__":
+    main()

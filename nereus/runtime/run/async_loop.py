@@ -1,0 +1,367 @@
+"""The loop of an async run (`execution: async`) on every rank: generation and training on
+their own pools, overlapping, with bounded staleness (issue 49; docs/async.md, "The run loop").
+
+The plan puts actor/generation on ranks of its own (the generation pool); every other
+model-stage's ranks, and rank 0, form the training pool. Each pool's exchanges stay inside it
+(`ModelStageRuntime.pool`); the two meet once per step, in the weight sync and the gather of
+the step's record right after it (the world's collectives).
+
+With k = `Workload.staleness`, step t (tick t on both pools):
+
+- the generation pool holds version t (the weights after t updates) and generates every batch
+  up to t + k not generated yet (at the start batches 0..k, all at version 0; then one a step,
+  batch t + k) into the hand-off folder `async/` of the run folder (`async_queue.write_batch`);
+- the training pool puts the batches it finds there into its `StalenessQueue` (waiting for
+  batch t if it is not there yet), takes batch t, trains on it (phases 2 to 5 of
+  `step.train_phases`, the same code as a synchronous step) and syncs the weights: version t + 1.
+
+Batch b is thus generated at version max(0, b - k): no trained sample is more than k versions
+old (the queue asserts it), generation runs k batches ahead, and k = 0 takes turns, which is
+the synchronous run bitwise (same prompts, seeds, weights and order of the same operations).
+Every draw is a function of (seed, batch), and the schedule is fixed, so a run is the same
+whatever the timing; a checkpoint after step t holds the queue (batches t + 1..t + k, each
+sample with its version; `StalenessQueue.save`, checksummed in the manifest) and a resume's
+generator continues at its `next_index`: no sample is lost or repeated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nereus.errors import NereusError
+from nereus.runtime.comm import collectives
+from nereus.runtime.comm.world import collective_timeout
+from nereus.runtime.observe import timeline
+from nereus.runtime.observe.memory import PeakTracker
+from nereus.runtime.rl.async_queue import StalenessQueue, VersionedSample, read_batch, remove_batch, write_batch
+from nereus.runtime.rl.optimization import with_decay_horizon
+from nereus.runtime.rl.rollout import rollout, token_aligned
+from nereus.runtime.rl.run_data import REWARD_ERRORS_NAME, StepInputs, append_reward_errors, step_inputs
+from nereus.runtime.rl.samples import append_samples
+from nereus.runtime.rl.scoring import infer
+from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, rollout_batch
+from nereus.runtime.rl.step import begin_step, draw_prompts, metric_names, plan_peaks, train_phases
+from nereus.runtime.rl.tasks import get_task
+from nereus.runtime.rl.timing import step_totals, timed
+from nereus.runtime.rl.update import WeightSync, sync_weights
+from nereus.runtime.rl.warm_start import warm_start
+from nereus.runtime.run.checkpoints import restore, save_run_checkpoint
+from nereus.runtime.run.hold import hold_before
+from nereus.runtime.run.rank_loop import append_metrics, in_force_schedule, measured, prepare_rank, run_state
+from nereus.runtime.run.run_setup import RunSetup
+from nereus.spec.plan import Plan
+from nereus.spec.run_config import RLConfig
+from nereus.spec.run_folder import METRICS_NAME, SAMPLES_NAME
+from nereus.spec.stages import ACTOR_GENERATION
+
+#: The hand-off folder in the run folder: the generated batches not yet trained.
+HANDOFF_NAME = "async"
+#: The busy times each pool adds to the step's gathered seconds (then moved to `async_step`).
+GENERATION_BUSY, TRAINING_BUSY, BATCH_WAIT = "async_generation_busy", "async_training_busy", "async_batch_wait"
+#: When (time.time()) each pool's work of the step began and ended: the generation pool's
+#: generation (its leading rank's), the training pool's inference and training (rank 0's); the
+#: other ranks report 0 and the gather takes the largest.
+GENERATION_SPAN = ("async_generation_start", "async_generation_end")
+TRAINING_SPAN = ("async_training_start", "async_training_end")
+#: How often the training pool looks for a batch it waits for.
+POLL_S = 0.002
+
+
+@dataclass(frozen=True)
+class Pools:
+    """The ranks of an async run's two pools."""
+
+    generation: tuple[int, ...]
+    """actor/generation's ranks."""
+    training: tuple[int, ...]
+    """Every other rank (every other model-stage's, rank 0 among them)."""
+
+
+def pools_of(plan: Plan, world_size: int) -> Pools:
+    """The pools of an async `plan` on `world_size` ranks (disjoint: checked before the run)."""
+    generation = tuple(sorted(plan.stage_plan(ACTOR_GENERATION).gpus))
+    training = tuple(rank for rank in range(world_size) if rank not in generation)
+    assert training and training[0] == 0, ("generation takes the last ranks", generation)
+    return Pools(generation, training)
+
+
+def run_async(rank: int, world_size: int, setup: RunSetup) -> int:
+    """The whole async run on this rank (the module docstring); returns the steps finished."""
+    config, plan = setup.config, setup.plan
+    tracker, stages, syncs = prepare_rank(rank, setup)
+    if setup.checkpoint is not None:
+        restore(stages, setup.checkpoint, rank, config.rl)
+        sync_weights(syncs)  # the generation pool gets the restored weights: version start_step
+    inputs = step_inputs(config.rl, setup.data)
+    pools = pools_of(plan, world_size)
+    handoff = setup.out / HANDOFF_NAME
+    with timeline.recording(timeline.Timeline(setup.out, rank)) as spans:
+        if setup.checkpoint is None and config.rl.sft_steps:  # over the world, before the pools part
+            spans.step = 0
+            warm_start(stages, config.rl, get_task(config.rl.task), syncs)
+        for ranks in (pools.generation, pools.training):  # made by every rank, in one order
+            collectives.subgroup(ranks)
+        for name, stage in stages.items():
+            stage.pool = pools.generation if name == ACTOR_GENERATION else pools.training
+        queue = start_queue(setup)
+        if rank == 0:  # batches a killed run generated past its checkpoint are generated again
+            for stale in handoff.glob("batch-*") if handoff.is_dir() else ():
+                stale.unlink()
+            handoff.mkdir(exist_ok=True)
+        collectives.barrier()
+        loop = AsyncLoop(setup, rank, pools, (stages, syncs), tracker, inputs, queue, handoff)
+        for step in range(setup.start_step, config.num_steps):
+            hold_before(step, rank)
+            spans.step = step
+            if rank in pools.generation:
+                loop.generation_step(step, rank == pools.generation[0])
+            else:
+                loop.training_step(step, rank)
+            done = step + 1
+            if done % config.checkpoint_every == 0 or done == config.num_steps:
+                with timeline.span("checkpoint", f"step-{done:06d}"):
+                    loop.checkpoint(done, rank)
+            if rank == 0:  # every training rank took it before the step's world collectives
+                remove_batch(handoff, step)
+            spans.flush()
+    return config.num_steps
+
+
+def start_queue(setup: RunSetup) -> StalenessQueue:
+    """The queue a run starts with: its checkpoint's (a resume), else empty."""
+    workload = setup.plan.workload
+    if setup.checkpoint is None:
+        return StalenessQueue(workload.staleness, workload.samples_per_step)
+    queue = StalenessQueue.load(setup.checkpoint)
+    saved = (queue.max_staleness, queue.batch_size, queue.version)
+    if saved != (workload.staleness, workload.samples_per_step, setup.start_step):
+        raise NereusError(
+            f"{setup.checkpoint}: the async queue was saved with max_staleness {saved[0]}, {saved[1]} samples a "
+            f"step at version {saved[2]}; this run has {workload.staleness}, {workload.samples_per_step} at "
+            f"step {setup.start_step}: resume with the plan's workload unchanged"
+        )
+    return queue
+
+
+class AsyncLoop:
+    """What one rank carries through an async run's steps (the module docstring)."""
+
+    def __init__(
+        self,
+        setup: RunSetup,
+        rank: int,
+        pools: Pools,
+        engines: tuple[dict[str, ModelStageRuntime], list[WeightSync]],
+        tracker: PeakTracker,
+        inputs: StepInputs,
+        queue: StalenessQueue,
+        handoff: Path,
+    ) -> None:
+        self.setup, self.pools, self.tracker = setup, pools, tracker
+        self.stages, self.syncs = engines
+        self.plan = setup.plan
+        self.config: RLConfig = with_decay_horizon(setup.config.rl, setup.config.num_steps)
+        self.inputs, self.queue, self.handoff = inputs, queue, handoff
+        self.batch_size = queue.batch_size
+        self.next_batch = queue.next_index // queue.batch_size
+        """The next batch the generation pool generates (a resume: the checkpoint's queue's end)."""
+        self.names = [
+            *metric_names(self.plan, self.stages),
+            GENERATION_BUSY,
+            TRAINING_BUSY,
+            BATCH_WAIT,
+            *GENERATION_SPAN,
+            *TRAINING_SPAN,
+        ]
+        self.state = run_state(setup, self.plan) if rank == 0 else None
+        self.schedule = in_force_schedule(self.plan, setup.fused_schedule)
+        self.peaks = plan_peaks(self.plan, self.stages)
+
+    # ---- the generation pool ----
+
+    def generation_step(self, step: int, leads: bool) -> None:
+        """Step `step` on a generation rank: generate every batch up to step + k at version
+        `step` (the leading rank hands each over), then the weight sync and the step's record."""
+        start = time.perf_counter()
+        seconds = begin_step(self.stages, self.tracker)
+        last = min(step + self.queue.max_staleness, self.setup.config.num_steps - 1)
+        if self.next_batch <= last and leads:
+            seconds[GENERATION_SPAN[0]] = time.time()
+        while self.next_batch <= last:
+            batch = self.next_batch
+            with timeline.span("async", f"generate batch {batch}", version=step):
+                samples = self.generate(batch, step, seconds)
+                if leads:  # stamped before the hand-off: a trainer waiting for it starts after
+                    seconds[GENERATION_SPAN[1]] = time.time()
+                    write_batch(self.handoff, batch, samples)
+            self.next_batch += 1
+        seconds[GENERATION_BUSY] = time.perf_counter() - start
+        with timed(seconds, "weight_sync"):
+            sync_weights(self.syncs)
+        seconds["step"] = time.perf_counter() - start
+        step_totals(seconds, self.names, self.stages)  # the training pool's rank 0 records the step
+
+    def generate(self, batch: int, version: int, seconds: dict[str, float]) -> list[VersionedSample]:
+        """Batch `batch`'s samples (collective over the generation pool): the responses to the
+        batch's prompts (the draw of a synchronous step `batch`) and their behaviour log-probs,
+        the generating engine's log-prob of every response token (a teacher-forced pass of the
+        generation engine over the rollout: nereus's own engine does not keep them while it decodes)."""
+        _, prompts, sampling = draw_prompts(self.plan.workload, self.config, self.inputs, batch)
+        generated = rollout(self.plan, self.stages, prompts, sampling, self.plan.fusion, seconds, [])
+        with timed(seconds, ACTOR_GENERATION):
+            behaviour = infer(self.stages[ACTOR_GENERATION], generated.batch, "log_probs")
+        width = max(len(prompt) for prompt in prompts)
+        samples = []
+        for row, (prompt, response) in enumerate(zip(prompts, generated.responses, strict=True)):
+            tensors = {
+                "prompt": torch.tensor(prompt, dtype=torch.long),
+                "response": torch.tensor(response, dtype=torch.long),
+                "log_probs": behaviour[row, width : width + len(response)].float().clone(),
+            }
+            if generated.greedy is not None:
+                tensors["greedy"] = torch.tensor(generated.greedy[row], dtype=torch.long)
+            samples.append(VersionedSample(batch * self.batch_size + row, version, tensors, {"batch": batch}))
+        return samples
+
+    # ---- the training pool ----
+
+    def training_step(self, step: int, rank: int) -> None:
+        """Step `step` on a training rank: take batch `step` from the queue (waiting for it if
+        need be), train on it as a synchronous step would, sync, and (rank 0) record the step."""
+        start = time.perf_counter()
+        seconds = begin_step(self.stages, self.tracker)
+        with timeline.span("async", f"wait for batch {step}") as late:
+            waited = self.wait_for_batch(step)
+            late["queued_samples"] = len(self.queue)
+        depth = len(self.queue)
+        taken = self.queue.take(step)
+        staleness = self.queue.staleness(taken, step)
+        problems, prompts, _ = draw_prompts(self.plan.workload, self.config, self.inputs, step)
+        generated = self.rollout_of(taken, prompts)
+        if rank == 0:  # the training pool's span is rank 0's (the others report 0)
+            seconds[TRAINING_SPAN[0]] = time.time()
+        trained = train_phases(
+            self.plan,
+            self.config,
+            self.stages,
+            self.syncs,
+            step,
+            (problems, prompts, generated),
+            seconds,
+            self.plan.fusion,
+            self.inputs,
+            self.schedule,
+        )
+        if rank == 0:
+            seconds[TRAINING_SPAN[1]] = time.time() - seconds.get("weight_sync", 0.0)
+        seconds["step"] = time.perf_counter() - start
+        seconds[BATCH_WAIT] = waited
+        seconds[TRAINING_BUSY] = seconds["step"] - waited - seconds.get("weight_sync", 0.0)
+        totals = step_totals(seconds, self.names, self.stages)
+        if rank != 0:
+            return
+        metrics = trained.metrics(self.plan, self.stages, step, seconds, self.peaks, totals)
+        step_s = metrics.step_seconds
+        record: dict[str, Any] = {
+            "version": step,
+            "samples": index_runs([sample.index for sample in taken]),
+            "staleness": {str(lag): count for lag, count in staleness.items()},
+            "queue_depth": depth,
+            "max_staleness": self.queue.max_staleness,
+            "generation_busy_s": totals.seconds[GENERATION_BUSY],
+            "training_busy_s": totals.seconds[TRAINING_BUSY],
+            "batch_wait_s": totals.seconds[BATCH_WAIT],
+            "overlap_s": overlap(totals.seconds),
+            "generation_busy": totals.seconds[GENERATION_BUSY] / step_s if step_s > 0 else 0.0,
+            "training_busy": totals.seconds[TRAINING_BUSY] / step_s if step_s > 0 else 0.0,
+        }
+        metrics = dataclasses.replace(metrics, async_step=record)
+        out = self.setup.out
+        if trained.samples:
+            append_samples(out / SAMPLES_NAME, trained.samples)
+        append_reward_errors(out / REWARD_ERRORS_NAME, step, self.inputs.scorer)
+        assert self.state is not None
+        with timeline.span("controller", "predict + calibrate"):
+            self.state.predictor.flush()
+            metrics = measured(self.state, self.plan, metrics, False, learn=step > self.setup.start_step)
+        append_metrics(out / METRICS_NAME, metrics)
+
+    def ingest(self, last: int) -> None:
+        """Put every handed-over batch up to `last` not queued yet into the queue, in order."""
+        while self.queue.next_index // self.batch_size <= last:
+            batch = self.queue.next_index // self.batch_size
+            samples = read_batch(self.handoff, batch)
+            if samples is None:
+                return
+            for sample in samples:
+                if not self.queue.put(sample):
+                    raise AssertionError(f"sample {sample.index} (version {sample.version}) refused by the queue")
+
+    def wait_for_batch(self, step: int) -> float:
+        """Queue the batches handed over so far until batch `step` is queued; the seconds waited."""
+        start = time.perf_counter()
+        deadline = time.monotonic() + collective_timeout().total_seconds()
+        while True:
+            self.ingest(step + self.queue.max_staleness)
+            if self.queue.ready():
+                return time.perf_counter() - start
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"batch {step} did not arrive from the generation pool in {self.handoff}")
+            time.sleep(POLL_S)
+
+    def rollout_of(self, samples: list[VersionedSample], prompts: list[list[int]]) -> Rollout:
+        """The rollout the training pool trains on, from the queue's samples: as the
+        synchronous step's `rollout` gives it, with the behaviour log-probs."""
+        for sample, prompt in zip(samples, prompts, strict=True):  # the stream's order: the step's draw
+            assert sample.tensors["prompt"].tolist() == prompt, (sample.index, sample.info)
+        pad = self.inputs.tokenizer.pad_id
+        responses = [sample.tensors["response"].tolist() for sample in samples]
+        batch = rollout_batch(prompts, responses, pad)
+        greedy = greedy_batch = None
+        if "greedy" in samples[0].tensors:
+            greedy = [sample.tensors["greedy"].tolist() for sample in samples]
+            greedy_batch = rollout_batch(prompts, greedy, pad)
+        behaviour = token_aligned(prompts, [s.tensors["log_probs"].tolist() for s in samples], batch.tokens.shape)
+        return Rollout(responses, batch, None, greedy, greedy_batch, behaviour)
+
+    # ---- checkpoints ----
+
+    def checkpoint(self, done: int, rank: int) -> None:
+        """Checkpoint after `done` steps (collective): the models as a synchronous run saves them,
+        and the queue (rank 0): every batch generated and not trained, with its versions."""
+        extra = None
+        if rank in self.pools.training:
+            # Every batch up to done - 1 + k was handed over before the step's weight sync.
+            last = min(done - 1 + self.queue.max_staleness, self.setup.config.num_steps - 1)
+            self.ingest(last)
+            assert self.queue.next_index == (last + 1) * self.batch_size, (self.queue.next_index, last)
+            if rank == 0:
+                extra = self.queue.save
+        save_run_checkpoint(self.setup, self.plan, self.stages, done, rank, self.state, extra)
+
+
+def overlap(gathered: dict[str, float]) -> float:
+    """Seconds the step's generation and its training ran at the same time, from their
+    timestamps (0 when the step generated nothing: the last k steps)."""
+    if gathered[GENERATION_SPAN[0]] == 0:
+        return 0.0
+    start = max(gathered[GENERATION_SPAN[0]], gathered[TRAINING_SPAN[0]])
+    end = min(gathered[GENERATION_SPAN[1]], gathered[TRAINING_SPAN[1]])
+    return max(0.0, end - start)
+
+
+def index_runs(indices: list[int]) -> list[list[int]]:
+    """`indices` as [start, stop) runs of consecutive numbers, in order."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index:
+            runs[-1][1] += 1
+        else:
+            runs.append([index, index + 1])
+    return runs
