@@ -154,7 +154,7 @@ class Engine:
         self.device = rank_device()
         layout = groups.layout
         self.pipeline_stage = DecoderPipelineStage(
-            model, head, groups.tp, layout.pp, groups.pp_rank, config.recompute, config.logit_chunk_tokens
+            model, head, groups.tp, layout.pp, groups.pp_rank, config.recompute, config.logit_chunk_tokens, groups.ep
         ).to(self.device)
         self.params: dict[str, torch.nn.Parameter] = dict(self.pipeline_stage.named_parameters())
         self._check_contract()
@@ -170,7 +170,7 @@ class Engine:
         with torch.no_grad():
             for info in param_infos(model, head):
                 if info.name in self.params and (config.init_only is None or info.name in config.init_only):
-                    box = local_box(info, model, layout.tp, groups.tp.rank)
+                    box = local_box(info, model, layout.tp, groups.tp.rank, groups.ep.size, groups.ep.rank)
                     self.params[info.name].copy_(box_slice(init_logical_param(info, config.init_seed), box))
             # fp32 masters take the initial values before the parameters are rounded to 16 bits.
             masters = {}
@@ -266,7 +266,7 @@ class Engine:
     def _check_contract(self) -> None:
         layout, g = self.groups.layout, self.groups
         expected = {
-            info.name: box_shape(local_box(info, self.model, layout.tp, g.tp.rank))
+            info.name: box_shape(local_box(info, self.model, layout.tp, g.tp.rank, g.ep.size, g.ep.rank))
             for info in param_infos(self.model, self.head)
             if holds(info, self.model, layout.pp, g.pp_rank)
         }

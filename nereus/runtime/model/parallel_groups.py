@@ -11,6 +11,7 @@ import torch.distributed as dist
 from nereus.runtime.comm import collectives
 from nereus.runtime.comm.world import device as rank_device
 from nereus.runtime.model.context_parallel import ContextParallel
+from nereus.runtime.model.moe import ExpertParallel
 from nereus.runtime.model.pipeline import PipelineLink
 from nereus.runtime.model.tensor_parallel import TensorParallel
 from nereus.runtime.state.shard_layout import RankLayout
@@ -34,6 +35,9 @@ class ParallelGroups:
     """First and last stage of this replica and tensor rank, tied embeddings with pp > 1 only."""
     cp: ContextParallel = field(default_factory=ContextParallel.single)
     """This rank's place among the cp ranks splitting its replica's sequences (same shards)."""
+    ep: ExpertParallel = field(default_factory=ExpertParallel.single)
+    """This rank's place among the ep ranks of its (replica, stage, tensor rank) position, which
+    split the experts and the replica's sequences (`moe`)."""
 
 
 def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups | None:

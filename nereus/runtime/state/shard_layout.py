@@ -19,9 +19,17 @@ Parameter names (L layers, i in 0..L-1; * marks a tensor-parallel split dim):
     layers.i.mlp.gate_proj.weight     [ffn*, hidden]
     layers.i.mlp.up_proj.weight       [ffn*, hidden]
     layers.i.mlp.down_proj.weight     [hidden, ffn*]
+  sparse (mixture-of-experts) layers instead of the three mlp.*_proj (E experts, F = expert_ffn_dim):
+    layers.i.mlp.router.weight        [E, hidden]
+    layers.i.mlp.experts.gate_proj    [E^, F*, hidden]
+    layers.i.mlp.experts.up_proj      [E^, F*, hidden]
+    layers.i.mlp.experts.down_proj    [E^, hidden, F*]
     final_norm.weight                 [hidden]                  last stage
     lm_head.weight                    [vocab*, hidden]          last stage, untied LM head only
     value_head.weight, .bias          [1, hidden], [1]          last stage, value head only
+
+^ marks the expert dim, split over the ep ranks in contiguous blocks (ep rank e holds experts
+[e E/ep, (e+1) E/ep)); every other parameter is the same on the ep ranks of a position.
 
 When tp exceeds the KV heads, k/v are not split but replicated in whole heads: tensor
 rank r holds KV head r // (tp // kv_heads) (the planner's `kv_heads_rule`).
@@ -58,6 +66,8 @@ class ParamInfo:
     """The transformer block it belongs to (place == "layer")."""
     kv: bool = False
     """A k/v projection: replicated in whole heads once tp exceeds the KV heads."""
+    expert: bool = False
+    """An expert stack: dim 0 (the expert index) is split over the ep ranks."""
 
 
 def _layer_params(model: Model, layer: int) -> list[ParamInfo]:
@@ -69,6 +79,9 @@ def _layer_params(model: Model, layer: int) -> list[ParamInfo]:
     def info(name: str, shape: tuple[int, ...], tp_dim: int | None, kv: bool = False) -> ParamInfo:
         return ParamInfo(prefix + name, shape, tp_dim, "layer", layer, kv)
 
+    def expert(name: str, shape: tuple[int, ...], tp_dim: int) -> ParamInfo:
+        return ParamInfo(prefix + name, shape, tp_dim, "layer", layer, expert=True)
+
     params = [info("attn_norm.weight", (hidden,), None)]
     for proj, dim, kv in (("q", q_dim, False), ("k", kv_dim, True), ("v", kv_dim, True)):
         params.append(info(f"attn.{proj}_proj.weight", (dim, hidden), 0, kv))
@@ -79,9 +92,18 @@ def _layer_params(model: Model, layer: int) -> list[ParamInfo]:
             info("attn.q_norm.weight", (model.head_dim,), None),
             info("attn.k_norm.weight", (model.head_dim,), None),
         ]
+    params += [info("attn.o_proj.weight", (hidden, q_dim), 1), info("mlp_norm.weight", (hidden,), None)]
+    moe = model.moe
+    if moe is not None and moe.is_sparse(layer):
+        experts, ffn = moe.num_experts, moe.expert_ffn_dim
+        return [
+            *params,
+            info("mlp.router.weight", (experts, hidden), None),
+            expert("mlp.experts.gate_proj", (experts, ffn, hidden), 1),
+            expert("mlp.experts.up_proj", (experts, ffn, hidden), 1),
+            expert("mlp.experts.down_proj", (experts, hidden, ffn), 2),
+        ]
     params += [
-        info("attn.o_proj.weight", (hidden, q_dim), 1),
-        info("mlp_norm.weight", (hidden,), None),
         info("mlp.gate_proj.weight", (model.ffn_dim, hidden), 0),
         info("mlp.up_proj.weight", (model.ffn_dim, hidden), 0),
         info("mlp.down_proj.weight", (hidden, model.ffn_dim), 1),
@@ -137,11 +159,14 @@ def tp_slice(info: ParamInfo, model: Model, tp: int, tp_rank: int) -> tuple[int,
     return tp_rank * length, length
 
 
-def local_box(info: ParamInfo, model: Model, tp: int, tp_rank: int) -> Box:
-    """The box of `info` a tensor rank holds (on a stage that holds it)."""
+def local_box(info: ParamInfo, model: Model, tp: int, tp_rank: int, ep: int = 1, ep_rank: int = 0) -> Box:
+    """The box of `info` a (tensor rank, ep rank) holds (on a stage that holds it)."""
     box = [(0, size) for size in info.global_shape]
     if info.tp_dim is not None:
         box[info.tp_dim] = tp_slice(info, model, tp, tp_rank)
+    if info.expert and ep > 1:
+        per_rank = info.global_shape[0] // ep
+        box[0] = (ep_rank * per_rank, per_rank)
     return tuple(box)
 
 
