@@ -1,11 +1,12 @@
 """Exactly the network transformers computes for Qwen3-MoE: tiny random `Qwen3MoeForCausalLM`
 models (8 experts, 2 per token, one dense layer by `mlp_only_layers`, `norm_topk_prob` both
-ways) saved by transformers itself, loaded by nereus into every layout with tp * pp <= 4
-(ep = 1) and compared with transformers: logits within 1e-5 (fp32) and greedy generations
-token-identical. The checkpoint layouts (one tensor per expert, as transformers 5.19 saves;
-transformers' stacked in-memory layout) read the same, the export writes what transformers
-reads, routing replay and the auxiliary loss follow their definitions, and a perturbed
-router breaks the agreement (so the comparison can fail)."""
+ways) saved by transformers itself, loaded by nereus into every layout with tp * pp * ep <= 4
+(ep = 2 alone, with tp = 2 and with pp = 2; ep = 4) and compared with transformers: logits
+within 1e-5 (fp32) and greedy generations token-identical. The checkpoint layouts (one tensor
+per expert, as transformers 5.19 saves; transformers' stacked in-memory layout) read the
+same, the export writes what transformers reads, routing replay and the auxiliary loss
+follow their definitions, and a perturbed router breaks the agreement (so the comparison
+can fail)."""
 
 from __future__ import annotations
 
@@ -60,16 +61,19 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dic
     return {name: (folder, transformers_outputs(folder)) for name, folder in folders.items()}
 
 
+def layouts(model: Model) -> list[tuple[int, int, int]]:
+    """Every (tp, pp, ep) with tp * pp * ep <= 4 the model admits (ep dividing its 8 experts)."""
+    return [(tp, pp, ep) for ep in (1, 2, 4) for tp, pp, dp in admissible_layouts(model, WORLD // ep) if dp == 1]
+
+
 def world_worker(rank: int, world: int, cases: dict[str, tuple[Path, dict[str, torch.Tensor]]]) -> dict[str, Any]:
     torch.set_num_threads(1)
     tokens, mask = inputs()
     results: dict[str, Any] = {}
     for name, (folder, expected) in cases.items():
         model = model_from_hf_config(folder)
-        for tp, pp, dp in admissible_layouts(model, WORLD):
-            if dp > 1:
-                continue
-            engine = Engine.create(model, "lm", RankLayout(tp, pp, dp, tuple(range(tp * pp))))
+        for tp, pp, ep in layouts(model):
+            engine = Engine.create(model, "lm", RankLayout(tp, pp, 1, tuple(range(tp * pp * ep)), ep=ep))
             if engine is None:
                 continue
             assert load_engine(engine, folder) == []
@@ -77,7 +81,7 @@ def world_worker(rank: int, world: int, cases: dict[str, tuple[Path, dict[str, t
             sampled = generate(
                 engine, tokens[:, 4:].tolist(), SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=0.0)
             )
-            results[f"{name} tp={tp} pp={pp}"] = {
+            results[f"{name} tp={tp} pp={pp} ep={ep}"] = {
                 "logits": masked_error(logits, expected["logits"], mask),
                 "generated": sampled.responses() == expected["generated"].tolist(),
             }
@@ -92,8 +96,9 @@ def test_every_layout_computes_what_transformers_computes(cases: dict[str, Any])
     for rank_results in spawn(world_worker, WORLD, cases):
         for key, value in rank_results.items():
             results.setdefault(key, []).append(value)
-    layouts = {(1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (1, 4)}
-    assert set(results) == {f"{n} tp={tp} pp={pp}" for n in CASES for tp, pp in layouts}
+    expected = {(1, 1, 1), (2, 1, 1), (4, 1, 1), (1, 2, 1), (2, 2, 1), (1, 4, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2)}
+    expected.add((1, 1, 4))
+    assert set(results) == {f"{n} tp={tp} pp={pp} ep={ep}" for n in CASES for tp, pp, ep in expected}
     for key, per_rank in results.items():
         for errors in per_rank:
             assert errors["logits"] < TOL, (key, errors)

@@ -75,6 +75,8 @@ class CheckpointIndex(StrictModel):
     dp: int
     cp: int = Field(default=1, gt=0)
     """Context-parallel degree of the saved layout; written only when above 1."""
+    ep: int = Field(default=1, gt=0)
+    """Expert-parallel degree of the saved layout; written only when above 1."""
     ranks: list[int]
     """Global ranks of the saved layout (replica-major, stage-major, cp rank, tensor rank innermost)."""
     step: int
@@ -88,13 +90,14 @@ class CheckpointIndex(StrictModel):
     """CRC-32 of the index written with this field at 0: any edit changes it."""
 
     def layout(self) -> RankLayout:
-        return RankLayout(self.tp, self.pp, self.dp, tuple(self.ranks), self.cp)
+        return RankLayout(self.tp, self.pp, self.dp, tuple(self.ranks), self.cp, self.ep)
 
 
 def index_text(index: CheckpointIndex) -> str:
     # Without ZeRO-1 rows or context parallelism the index is written as before those fields
     # existed (same bytes, same CRC).
     exclude = ({"dp_sharded"} if not index.dp_sharded else set()) | ({"cp"} if index.cp == 1 else set())
+    exclude |= {"ep"} if index.ep == 1 else set()
     return index.model_dump_json(indent=1, exclude=exclude or None)
 
 

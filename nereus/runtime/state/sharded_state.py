@@ -187,11 +187,11 @@ def state_meta(
             key = state_key(family, info.name)
             dtype = (dtypes or {}).get(family, DEFAULT_DTYPE)
             tensors[key] = TensorMeta(key, family, info.name, info.global_shape, dtype)
-    positions = position_boxes(model, head, layout.tp, layout.pp)
+    positions = position_boxes(model, head, layout.tp, layout.pp, layout.ep)
     boxes: dict[int, dict[str, Box]] = {}
     for index, rank in enumerate(layout.ranks):
         replica, stage, _, tp_rank = layout.place(index)  # cp ranks hold their position's boxes
-        position = stage * layout.tp + tp_rank
+        position = (stage * layout.ep + layout.ep_place(index)) * layout.tp + tp_rank
         boxes[rank] = {
             state_key(family, name): dp_box(box, layout.dp, replica) if family in sharded else box
             for name, box in positions[position].items()

@@ -1,0 +1,140 @@
+"""Expert parallelism against the single-process reference model: a tiny mixture-of-experts
+decoder (4 experts, 2 per token, one dense layer) trained in layouts with ep = 2 (alone, with
+tp = 2, with pp = 2, with dp = 2) on a 4-rank gloo world. Each rank compares its shards (its
+block of experts, its copy of every other weight) with the reference's logits, loss, gradients
+and the parameters and AdamW moments after three optimizer steps (test_runtime_parallel's
+check), so the all-to-all dispatch and combine, their backward, the ep ranks' split of the
+sequences and the gradient sums (dp x ep for shared weights, dp for experts) are all held to
+the plain computation. Layouts the runtime does not execute with ep are refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_runtime_parallel import (
+    OPTIMIZER,
+    ROWS,
+    STEPS,
+    TOL,
+    _max_error,
+    make_batches,
+    merge_rank_errors,
+    reference_run,
+)
+
+from nereus.runtime.comm.spawn import spawn
+from nereus.runtime.model.engine import Engine, EngineConfig
+from nereus.runtime.model.grad_norm import global_grad_norm
+from nereus.runtime.model.initialization import shard_params
+from nereus.runtime.model.losses import NextTokenLoss
+from nereus.runtime.state.shard_layout import RankLayout
+from nereus.spec.model import Model, MoE
+from nereus.spec.presets import MODELS
+
+pytestmark = pytest.mark.one_rank
+
+WORLD = 4
+#: tiny with 4 experts of width 32, 2 per token, renormalised; layer 1 keeps the dense MLP.
+TINY_MOE: Model = MODELS["tiny"].model_copy(
+    update={
+        "name": "tiny-moe",
+        "tied_embeddings": False,
+        "moe": MoE(num_experts=4, experts_per_token=2, expert_ffn_dim=32, norm_topk_prob=True, dense_layers=[1]),
+    }
+)
+#: (tp, pp, dp, ep) with ep = 2, every one on 4 ranks or fewer; ep = 1 as the control.
+LAYOUTS = [(1, 1, 1, 1), (1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 2), (1, 1, 1, 4)]
+
+
+def check_layout(dims: tuple[int, int, int, int], ref: dict) -> dict[str, float] | None:
+    """Run one layout on ranks 0..n-1 (collective over the world); this rank's errors."""
+    tp, pp, dp, ep = dims
+    layout = RankLayout(tp, pp, dp, tuple(range(tp * pp * dp * ep)), ep=ep)
+    engine = Engine.create(TINY_MOE, "lm", layout, EngineConfig(optimizer=OPTIMIZER))
+    if engine is None:
+        return None
+    g = engine.groups
+
+    def shard_of(whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return shard_params(whole, TINY_MOE, "lm", tp, pp, g.pp_rank, g.tp.rank, ep, g.ep.rank)
+
+    engine.load_logical_params(ref["logical"])
+    batches = make_batches("lm", 7)
+    num_microbatches = 2 if pp > 1 else 1
+    first = batches[0].rows(0, ROWS // dp)  # inference runs this replica's batch as given
+    errors = {"output": float((engine.logits(first, num_microbatches) - ref["output"][: ROWS // dp]).abs().max())}
+    for step, batch in enumerate(batches):
+        engine.zero_grad()
+        loss = engine.forward_backward(batch, NextTokenLoss(), num_microbatches)
+        if step == 0:
+            errors["loss"] = abs(loss - ref["loss"])
+            errors["grad"] = _max_error(engine.local_state(), "grad", ref["grads"], shard_of)
+            errors["grad norm"] = abs(global_grad_norm(engine) - ref["grad_norm"])
+        engine.update()
+    state = engine.local_state()
+    for family in ("param", "exp_avg", "exp_avg_sq"):
+        key = "params" if family == "param" else family
+        errors[f"{family} after {STEPS} steps"] = _max_error(state, family, ref[key], shard_of)
+    return errors
+
+
+def world_worker(rank: int, world: int, ref: dict) -> dict[str, dict[str, float]]:
+    torch.set_num_threads(1)
+    results = {}
+    for dims in LAYOUTS:
+        errors = check_layout(dims, ref)
+        if errors is not None:
+            results["tp={} pp={} dp={} ep={}".format(*dims)] = errors
+    return results
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_expert_parallel_layouts_match_the_reference() -> None:
+    ref = reference_run(TINY_MOE, "lm", seed=7)
+    grads = ref["grads"]
+    assert isinstance(grads, dict)
+    ref["grad_norm"] = float(torch.cat([g.reshape(-1) for g in grads.values()]).double().norm())
+    merged = merge_rank_errors(spawn(world_worker, WORLD, ref))
+    assert set(merged) == {"tp={} pp={} dp={} ep={}".format(*dims) for dims in LAYOUTS}
+    for case, errors in merged.items():
+        for quantity, error in errors.items():
+            assert error < TOL, (case, quantity, error)
+
+
+def test_the_reference_uses_every_expert() -> None:
+    """The check above is not vacuous: every sparse layer sends tokens to every expert."""
+    from nereus.runtime.model.moe import Routes
+    from nereus.runtime.model.transformer import ReferenceModel
+
+    ref_run = reference_run(TINY_MOE, "lm", seed=7)
+    model = ReferenceModel(TINY_MOE)
+    with torch.no_grad():
+        for name, param in model.named_logical_parameters().items():
+            param.copy_(ref_run["logical"][name])  # type: ignore[index]
+        routes = Routes()
+        batch = make_batches("lm", 7)[0]
+        model(batch.tokens, batch.attention_mask, routes)
+    assert set(routes.chosen) == {0, 2, 3}
+    for chosen in routes.chosen.values():
+        assert set(chosen.unique().tolist()) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize(
+    ("dims", "config", "message"),
+    [
+        ((1, 1, 1, 3), EngineConfig(), "ep=3 does not divide the 4 experts"),
+        ((1, 1, 2, 2), EngineConfig(shard_across_dp=True), "without ZeRO-1"),
+        ((1, 1, 1, 2), EngineConfig(token_budget=64), "without token_budget"),
+    ],
+)
+def test_unexecuted_expert_layouts_are_refused_by_name(
+    dims: tuple[int, int, int, int], config: EngineConfig, message: str
+) -> None:
+    tp, pp, dp, ep = dims
+    layout = RankLayout(tp, pp, dp, tuple(range(tp * pp * dp * ep)), ep=ep)
+    with pytest.raises(ValueError, match=message):
+        Engine.create(TINY_MOE, "lm", layout, config)
+    dense = RankLayout(1, 1, 1, (0, 1), ep=2)
+    with pytest.raises(ValueError, match="tiny has none"):
+        Engine.create(MODELS["tiny"], "lm", dense)
