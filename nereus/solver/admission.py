@@ -193,10 +193,6 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
         problem = layout_problem(model, entry.tp, entry.pp) or cp_layout_problem(model, entry.tp, entry.pp, entry.cp)
         if problem:
             problems.append(f"{name}: {problem}")
-        if model.moe is not None:
-            problems.append(
-                f"{name}: model {model.name} is a mixture of experts; nereus run does not execute expert layers yet"
-            )
         if model.vocab_size < tokenizer.vocab_size:
             problems.append(
                 f"{name}: model {model.name} has {model.vocab_size} tokens, the tokenizer needs {tokenizer.vocab_size}"

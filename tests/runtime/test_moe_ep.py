@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from test_runtime_parallel import (
     OPTIMIZER,
     ROWS,
@@ -27,7 +28,11 @@ from nereus.runtime.model.engine import Engine, EngineConfig
 from nereus.runtime.model.grad_norm import global_grad_norm
 from nereus.runtime.model.initialization import shard_params
 from nereus.runtime.model.losses import NextTokenLoss
-from nereus.runtime.state.shard_layout import RankLayout
+from nereus.runtime.state.checkpoint import load_checkpoint, save_checkpoint
+from nereus.runtime.state.reshard import execute
+from nereus.runtime.state.reshard_plan import plan_reshard
+from nereus.runtime.state.shard_layout import STATE_FAMILIES, RankLayout
+from nereus.runtime.state.sharded_state import cut, gather, random_logical_state, state_meta
 from nereus.spec.model import Model, MoE
 from nereus.spec.presets import MODELS
 
@@ -78,6 +83,46 @@ def check_layout(dims: tuple[int, int, int, int], ref: dict) -> dict[str, float]
     return errors
 
 
+def check_transition(ref: dict) -> dict[str, float] | None:
+    """One step at ep = 2 (ranks 0, 1), the state moved live (`reshard`) to tp = 2, ep = 1 (ranks
+    2, 3), which takes the remaining steps: the reference's state after them, as if nothing moved."""
+    source = RankLayout(1, 1, 1, (0, 1), ep=2)
+    target = RankLayout(2, 1, 1, (2, 3))
+    engines = {
+        layout: Engine.create(TINY_MOE, "lm", layout, EngineConfig(optimizer=OPTIMIZER)) for layout in (source, target)
+    }
+    batches = make_batches("lm", 7)
+    rank = dist.get_rank()
+    state: dict[str, torch.Tensor] = {}
+    step = None
+    if engines[source] is not None:
+        engine = engines[source]
+        engine.load_logical_params(ref["logical"])
+        engine.train_step(batches[0], NextTokenLoss())
+        state, step = engine.local_state(), engine.optimizer_step
+    families = ("param", "exp_avg", "exp_avg_sq")
+    state = {key: tensor for key, tensor in state.items() if key.split("/")[0] in families}
+    plan = plan_reshard(state_meta(TINY_MOE, "lm", source, families), state_meta(TINY_MOE, "lm", target, families))
+    moved = execute(plan, rank, state, step)
+    engine = engines[target]
+    if engine is None:
+        return None
+    assert moved.step == 1
+    engine.load_local_state(moved.tensors, moved.step)
+    for batch in batches[1:]:
+        engine.train_step(batch, NextTokenLoss())
+    g = engine.groups
+
+    def shard_of(whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return shard_params(whole, TINY_MOE, "lm", 2, 1, g.pp_rank, g.tp.rank)
+
+    final = engine.local_state()
+    return {
+        f"{family} after a move": _max_error(final, family, ref["params" if family == "param" else family], shard_of)
+        for family in families
+    }
+
+
 def world_worker(rank: int, world: int, ref: dict) -> dict[str, dict[str, float]]:
     torch.set_num_threads(1)
     results = {}
@@ -85,6 +130,9 @@ def world_worker(rank: int, world: int, ref: dict) -> dict[str, dict[str, float]
         errors = check_layout(dims, ref)
         if errors is not None:
             results["tp={} pp={} dp={} ep={}".format(*dims)] = errors
+    moved = check_transition(ref)
+    if moved is not None:
+        results["ep=2 -> tp=2"] = moved
     return results
 
 
@@ -96,7 +144,7 @@ def test_expert_parallel_layouts_match_the_reference() -> None:
     assert isinstance(grads, dict)
     ref["grad_norm"] = float(torch.cat([g.reshape(-1) for g in grads.values()]).double().norm())
     merged = merge_rank_errors(spawn(world_worker, WORLD, ref))
-    assert set(merged) == {"tp={} pp={} dp={} ep={}".format(*dims) for dims in LAYOUTS}
+    assert set(merged) == {"tp={} pp={} dp={} ep={}".format(*dims) for dims in LAYOUTS} | {"ep=2 -> tp=2"}
     for case, errors in merged.items():
         for quantity, error in errors.items():
             assert error < TOL, (case, quantity, error)
@@ -138,3 +186,32 @@ def test_unexecuted_expert_layouts_are_refused_by_name(
     dense = RankLayout(1, 1, 1, (0, 1), ep=2)
     with pytest.raises(ValueError, match="tiny has none"):
         Engine.create(MODELS["tiny"], "lm", dense)
+
+
+@pytest.mark.parametrize(
+    ("saved_dims", "loaded_dims"),
+    [
+        ((1, 1, 1, 2), (1, 1, 1, 1)),
+        ((2, 1, 1, 2), (1, 1, 1, 4)),
+        ((1, 1, 1, 4), (2, 2, 1, 1)),
+        ((1, 2, 2, 2), (1, 1, 1, 2)),
+    ],
+)
+def test_a_checkpoint_saved_at_one_ep_loads_bitwise_at_another(tmp_path, saved_dims, loaded_dims) -> None:
+    """Resume with another ep: the saved experts' blocks and the ep ranks' shared copies load
+    into any layout bitwise (each distinct box stored once)."""
+
+    def layout(dims: tuple[int, int, int, int], first: int) -> RankLayout:
+        tp, pp, dp, ep = dims
+        return RankLayout(tp, pp, dp, tuple(range(first, first + tp * pp * dp * ep)), ep=ep)
+
+    source = state_meta(TINY_MOE, "lm", layout(saved_dims, 0), STATE_FAMILIES)
+    logical = random_logical_state(source, 3)
+    experts = source.rank_boxes(0)["param/layers.0.mlp.experts.gate_proj"]
+    assert experts[0] == (0, 4 // saved_dims[3])  # ep rank 0 holds the first block of experts
+    save_checkpoint(tmp_path / "ckpt", source, {rank: cut(source, logical, rank) for rank in source.layout.ranks}, 9)
+    target = layout(loaded_dims, 3)
+    loaded = {rank: load_checkpoint(tmp_path / "ckpt", target, rank) for rank in target.ranks}
+    back = gather(loaded[target.ranks[0]].meta, {rank: state.tensors for rank, state in loaded.items()})
+    assert back.keys() == logical.keys()
+    assert all(torch.equal(back[key], logical[key]) for key in logical)

@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import Field, ValidationError
 
 from nereus.errors import NereusError
-from nereus.runtime.state.shard_layout import Box, RankLayout, box_numel, layout_problem
+from nereus.runtime.state.shard_layout import Box, RankLayout, box_numel, ep_problem, layout_problem
 from nereus.runtime.state.sharded_state import TORCH_DTYPE_BYTES, StateMeta, state_meta
 from nereus.spec.base import StrictModel
 from nereus.spec.io import read_utf8
@@ -136,11 +136,12 @@ def read_index(path: str | Path) -> CheckpointIndex:
 
 def _index_problem(index: CheckpointIndex) -> str | None:
     """Why a checksum-valid index still cannot be right, or None."""
-    problem = layout_problem(index.model, index.tp, index.pp)
-    size = index.tp * index.cp * index.pp * index.dp
+    problem = layout_problem(index.model, index.tp, index.pp) or ep_problem(index.model, index.ep)
+    size = index.tp * index.cp * index.ep * index.pp * index.dp
     if problem or len(index.ranks) != size or len(set(index.ranks)) != len(index.ranks):
         cp = f" cp={index.cp}" if index.cp != 1 else ""
-        return f"saved layout tp={index.tp}{cp} pp={index.pp} dp={index.dp} on ranks {index.ranks} is invalid"
+        ep = f" ep={index.ep}" if index.ep != 1 else ""
+        return f"saved layout tp={index.tp}{cp}{ep} pp={index.pp} dp={index.dp} on ranks {index.ranks} is invalid"
     if not set(index.dp_sharded) <= set(index.families):
         return f"dp-sharded families {index.dp_sharded} are not among the saved families {index.families}"
     try:
