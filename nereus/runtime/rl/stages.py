@@ -167,7 +167,8 @@ def leads(stage: ModelStageRuntime) -> bool:
     """Whether this rank speaks for its replica of `stage` in exchanges (its first rank)."""
     engine = stage.engine
     groups = None if engine is None else engine.groups
-    return groups is not None and groups.pp_rank == 0 and groups.tp.rank == 0 and groups.cp.rank == 0
+    firsts = (groups.pp_rank, groups.tp.rank, groups.cp.rank, groups.ep.rank) if groups is not None else (1,)
+    return not any(firsts)
 
 
 def by_replica(stage: ModelStageRuntime, value: Any) -> list[Any]:
