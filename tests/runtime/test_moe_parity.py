@@ -219,7 +219,7 @@ def test_the_auxiliary_loss_is_transformers(cases: dict[str, Any]) -> None:
     with torch.no_grad():
         ref(tokens)
     ref(tokens, None, routes)
-    layers = [routes.router_logits[layer] for layer in sorted(routes.router_logits)]
+    layers = [routes.router_logits[layer].reshape(-1, 8) for layer in sorted(routes.router_logits)]
     ours = load_balancing_loss(layers, 8, 2)
     theirs = load_balancing_loss_func(tuple(layers), 8, 2)
     assert torch.allclose(ours, theirs, atol=1e-7, rtol=1e-6)

@@ -54,7 +54,7 @@ from nereus.runtime.model.grad_norm import counted_params
 from nereus.runtime.model.initialization import box_slice, init_logical_param, shard_params
 from nereus.runtime.model.losses import Objective, next_token_log_probs
 from nereus.runtime.model.micro_batches import split_micro_batches
-from nereus.runtime.model.moe import Dispatch
+from nereus.runtime.model.moe import ROUTES_FIELD, Dispatch, Routes, sparse_layers
 from nereus.runtime.model.offload import Parking, Slot
 from nereus.runtime.model.parallel_groups import ParallelGroups, build_groups
 from nereus.runtime.model.pipeline import (
@@ -806,15 +806,28 @@ class Engine:
         stage_input: torch.Tensor | None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
         dispatch: Dispatch = "all_to_all",
+        routes: Routes | None = None,
     ) -> torch.Tensor:
         """This stage's output for `part`; on the last stage `reduce` of it, run inside the
         forward (an LM head's final hidden states: `DecoderPipelineStage.forward`). `dispatch`:
-        how the MoE layers reach the other ep ranks' experts (`moe`)."""
+        how the MoE layers reach the other ep ranks' experts (`moe`). A part with the
+        `ROUTES_FIELD` replays its routing (`moe.Routes`); `routes` records this stage's."""
+        if routes is not None or ROUTES_FIELD in part.fields:
+            if self.groups.cp.size > 1:
+                raise ValueError("routing replay and recording run without context parallelism; set cp to 1")
+        if ROUTES_FIELD in part.fields:
+            routes = routes or Routes()
+            given = part.fields[ROUTES_FIELD].to(self.device)
+            moe_layers = sparse_layers(self.model)
+            for layer in self.pipeline_stage.layer_ids:
+                if layer in moe_layers:
+                    routes.replay[layer] = given[:, :, moe_layers.index(layer)]
         if self.groups.cp.size > 1:  # this rank's columns (pp is 1)
             return context_parallel.stage_forward(self.pipeline_stage, self.groups.cp, part, self.device, reduce)
         mask = part.mask().to(self.device)
         inputs = part.tokens.to(self.device) if stage_input is None else stage_input
-        return self.pipeline_stage(inputs, mask, positions_from_mask(mask), reduce=reduce, dispatch=dispatch)
+        positions = positions_from_mask(mask)
+        return self.pipeline_stage(inputs, mask, positions, reduce=reduce, dispatch=dispatch, routes=routes)
 
     def _sync_grads(self) -> None:
         """Sum the gradients over tied copies and replicas (FSDP2 reduce-scattered them already
@@ -937,6 +950,34 @@ class Engine:
         rank's columns gathered with the other cp ranks'; else `output` itself."""
         cp = self.groups.cp
         return output if cp.size == 1 else context_parallel.whole_columns(cp, output, int(part.tokens.shape[1]))
+
+    def routing(self, batch: Batch, num_microbatches: int = 1) -> torch.Tensor:
+        """[rows, seq, MoE layers, experts_per_token]: the experts each token of this replica's
+        `batch` goes to in every sparse layer (`moe.ROUTES_FIELD`'s layout; a batch carrying
+        that field replays it), on every rank of the replica (collective over it)."""
+        moe = self.model.moe
+        if moe is None:
+            raise ValueError(f"model {self.model.name} has no experts to route to")
+        self.wake()
+        parts = split_micro_batches(batch, num_microbatches)
+        ops = forward_only(self.groups.layout.pp, num_microbatches)[self.groups.pp_rank]
+        recorded: dict[int, dict[int, torch.Tensor]] = {}
+
+        def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
+            routes = Routes()
+            output = self._stage_forward(parts[mb], stage_input, dispatch="replicated", routes=routes)
+            recorded[mb] = {layer: chosen.cpu() for layer, chosen in routes.chosen.items()}
+            return output
+
+        with torch.no_grad():
+            self.executor.run(ops, step, self._hidden_shape(parts), train=False)
+        mine = {layer: torch.cat([recorded[mb][layer] for mb in range(len(parts))]) for layer in recorded[0]}
+        stages: list[Any] = [mine]
+        if self.groups.link.group is not None:
+            stages = [None] * self.groups.layout.pp
+            collectives.all_gather_object(stages, mine, self.groups.link.group)
+        by_layer = {layer: chosen for stage in stages for layer, chosen in stage.items()}
+        return torch.stack([by_layer[layer] for layer in sparse_layers(self.model)], dim=2)
 
     def require_head(self, head: Head) -> None:
         if self.head != head:

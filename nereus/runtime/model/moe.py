@@ -41,11 +41,31 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from nereus.runtime.model.attention import Packing
 from nereus.runtime.model.tensor_parallel import TensorParallel, replicated, summed
 from nereus.spec.model import Activation, Model
 
 #: How tokens reach the ep rank holding their expert (module docstring).
 Dispatch = Literal["all_to_all", "replicated"]
+
+#: The batch field of replayed routing: [rows, seq, MoE layers, experts_per_token] long, the
+#: experts each token went to in every sparse layer (in layer order, `sparse_layers`).
+ROUTES_FIELD = "routed_experts"
+
+
+def sparse_layers(model: Model) -> list[int]:
+    """The model's MoE layers, in order (the third dim of a `ROUTES_FIELD` tensor)."""
+    moe = model.moe
+    return [] if moe is None else [layer for layer in range(model.num_layers) if moe.is_sparse(layer)]
+
+
+def routing_mismatch(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    """The fraction of (real token, MoE layer) pairs routed to different sets of experts by two
+    `ROUTES_FIELD` tensors (`mask` [rows, seq]: True for the tokens that count)."""
+    same = (a.sort(dim=-1).values == b.sort(dim=-1).values).all(dim=-1)  # [rows, seq, layers]
+    counted = mask.bool().unsqueeze(-1).expand_as(same)
+    total = int(counted.sum())
+    return 0.0 if total == 0 else float((~same & counted).sum()) / total
 
 
 @dataclass(frozen=True)
@@ -70,16 +90,33 @@ class ExpertParallel:
 class Routes:
     """Routing of one forward pass, by MoE layer: the experts to use (replay) and those used.
 
-    Rows are the MoE layer's input tokens in the order the layer sees them, flattened
-    ([batch * seq] of what reaches the block, packed rows included)."""
+    A model's forward (`DecoderPipelineStage`, `ReferenceModel`) takes and fills them in the
+    batch's layout, [batch, seq, ...] by column of its input; a layer (`MoEMLP`) sees them in
+    its own token order, flattened (`in_layer_order`, `record_batch_layout`)."""
 
     replay: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Layer -> [tokens, experts_per_token] long: use these experts instead of the router's top-k."""
+    """Layer -> [..., experts_per_token] long: use these experts instead of the router's top-k."""
     chosen: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Layer -> [tokens, experts_per_token] long: the experts each token went to (filled by the forward)."""
+    """Layer -> [..., experts_per_token] long: the experts each token went to (filled by the forward)."""
     router_logits: dict[int, torch.Tensor] = field(default_factory=dict)
-    """Layer -> [tokens, experts] router logits (filled when `keep_logits`: the auxiliary loss)."""
+    """Layer -> [..., experts] router logits (filled when `keep_logits`: the auxiliary loss)."""
     keep_logits: bool = False
+
+    def in_layer_order(self, packing: Packing | None) -> Routes:
+        """These batch-layout routes as the layers see them: rows packed (`Packing`), flattened."""
+        replay = {}
+        for layer, experts in self.replay.items():
+            packed = experts if packing is None else packing.pack(experts)
+            replay[layer] = packed.reshape(-1, packed.shape[-1])
+        return Routes(replay=replay, keep_logits=self.keep_logits)
+
+    def record_batch_layout(self, inner: Routes, packing: Packing | None, shape: tuple[int, int]) -> None:
+        """Fill `chosen` (and `router_logits`) from a forward's layer-order `inner` routes,
+        back in the batch's [batch, seq] layout."""
+        for found, into in ((inner.chosen, self.chosen), (inner.router_logits, self.router_logits)):
+            for layer, flat in found.items():
+                rows = flat.view(*shape, flat.shape[-1])
+                into[layer] = rows if packing is None else packing.unpack(rows)
 
 
 def route(

@@ -394,18 +394,19 @@ class DecoderPipelineStage(nn.Module):
         `reduce` (last stage): what the forward returns instead of the head's output, computed
         from it inside the forward (so full sharding holds the gathered head weight while it
         runs); an LM head then passes its final hidden states [b, t, hidden], not logits.
-        `routes`: the MoE layers' replayed and chosen experts (`moe.Routes`); `dispatch`: how
-        tokens reach their experts' ep ranks (`moe`; default: `replicated` for a cached
-        generation pass, whose ep ranks step the same rows, `all_to_all` otherwise).
+        `routes`: the MoE layers' replayed and chosen experts (`moe.Routes`), [b, t, k] per
+        layer by column of `inputs` (not under context parallelism); `dispatch`: how tokens
+        reach their experts' ep ranks (`moe`; default: `replicated` for a cached generation
+        pass, whose ep ranks step the same rows, `all_to_all` otherwise).
         """
         check_positions(self.model, key_mask.shape[-1])
         if dispatch is None:
             dispatch = "replicated" if caches is not None else "all_to_all"
         hidden_only = reduce is not None and self.head == "lm"
         if split is not None:
-            output = self._layers_and_head(
-                inputs, positions, AttentionPlan(split=split), None, 0, hidden_only, routes, dispatch
-            )
+            if routes is not None:
+                raise ValueError("routing replay and recording run without context parallelism; set cp to 1")
+            output = self._layers_and_head(inputs, positions, AttentionPlan(split=split), None, 0, hidden_only)
             return output if reduce is None or not self.is_last else reduce(output)
         num_queries = inputs.shape[1]
         if cache_start == 0 and key_mask.shape[-1] == num_queries:
@@ -418,9 +419,14 @@ class DecoderPipelineStage(nn.Module):
         else:
             plan = AttentionPlan(decode_mask=attention_mask_4d(key_mask, num_queries))
         packing = plan.packing
+        layer_routes = None if routes is None else routes.in_layer_order(packing)
         if packing is not None:
             inputs, positions = packing.pack(inputs), packing.pack(positions)
-        output = self._layers_and_head(inputs, positions, plan, caches, cache_start, hidden_only, routes, dispatch)
+        output = self._layers_and_head(
+            inputs, positions, plan, caches, cache_start, hidden_only, layer_routes, dispatch
+        )
+        if routes is not None and layer_routes is not None:
+            routes.record_batch_layout(layer_routes, packing, (int(inputs.shape[0]), num_queries))
         output = output if packing is None else packing.unpack(output)
         return output if reduce is None or not self.is_last else reduce(output)
 
@@ -519,14 +525,17 @@ class ReferenceModel(nn.Module):
         self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None, routes: Routes | None = None
     ) -> torch.Tensor:
         """Full logits [b, t, vocab] or values [b, t] (rows packed as the stages pack them);
-        `routes`: the MoE layers' replayed and chosen experts (`moe.Routes`)."""
+        `routes`: the MoE layers' replayed and chosen experts (`moe.Routes`), [b, t, k] per layer."""
         check_positions(self.model, tokens.shape[1])
         mask = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         positions = positions_from_mask(mask)
         packing = Packing.of(mask)
+        layer_routes = None if routes is None else routes.in_layer_order(packing)
         if packing is not None:
             tokens, positions = packing.pack(tokens), packing.pack(positions)
-        output = self._packed_forward(tokens, positions, routes)
+        output = self._packed_forward(tokens, positions, layer_routes)
+        if routes is not None and layer_routes is not None:
+            routes.record_batch_layout(layer_routes, packing, (int(tokens.shape[0]), int(tokens.shape[1])))
         return output if packing is None else packing.unpack(output)
 
     def _moe(self, i: int, h: torch.Tensor, routes: Routes | None) -> torch.Tensor:
