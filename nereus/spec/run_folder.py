@@ -155,6 +155,10 @@ class StepMetrics(StepTimes):
     (a vLLM engine; None under nereus's own engine, whose samples the trainer scores alike)."""
     rollout_log_prob_diff_max: float | None = None
     """The largest of those differences (NeMo-RL's `token_mult_prob_error`, in log space)."""
+    routing_mismatch: float | None = None
+    """Mixture-of-experts actors: the share of (real token, MoE layer) pairs, prompts and
+    responses, the trainer's own router sends to other experts than the rollout did
+    (`moe.routing_mismatch`; None for a dense model or a rollout whose routing is not recorded)."""
 
 
 @dataclass(frozen=True)

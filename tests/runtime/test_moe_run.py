@@ -131,3 +131,44 @@ def test_a_run_at_ep_2_computes_what_the_run_at_ep_1_computes(tmp_path: Path) ->
     for one, two in zip(metrics_1, metrics_2, strict=True):
         assert one.keys() == two.keys()
         assert all(abs(one[k] - two[k]) < 1e-5 for k in one), (one, two)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_routing_replay_in_a_run_records_the_mismatch_and_replays_the_rollouts_routing(tmp_path: Path) -> None:
+    """The rollout's routing recorded and compared with the trainer's every step; with nothing
+    between them to differ (the same weights, fp32, one update per step) the mismatch is 0 and
+    the replayed run computes what the plain one does."""
+    from nereus.spec.presets import workload_preset
+
+    moe_folder(tmp_path)
+    # fp32 throughout (no rounding for the routers to differ by) and one update per step, on the
+    # weights that sampled it (a later mini-batch's router has moved: replay then matters)
+    workload = tmp_path / "workload.yaml"
+    save_document(workload_preset("tiny-ppo").model_copy(update={"dtype": "fp32", "mini_batches": 1}), workload)
+    records = {}
+    for replay in (False, True):
+        rl = {"task": "sort", "seed": 3, "max_new_tokens": 4, "log_samples": 6, "routing_replay": replay}
+        config = write_config(tmp_path, f"run-{replay}.yaml", rl=rl, workload=str(workload))
+        result = invoke("run", config, "--nproc", "2", "--out", tmp_path / f"run-{replay}")
+        assert result.exit_code == 0, result.output
+        metrics = read_metrics(tmp_path / f"run-{replay}")
+        assert [r["routing_mismatch"] for r in metrics] == [0.0, 0.0]
+        records[replay] = [{k: v for k, v in r.items() if k not in TIMING_FIELDS} for r in metrics]
+    # the same numbers up to rounding: pad tokens replay the generation engine's experts, so an
+    # expert's rows (and the order of its gradient sum) may differ
+    for plain, replayed in zip(records[False], records[True], strict=True):
+        assert plain.keys() == replayed.keys()
+        for key, value in plain.items():
+            assert _close(value, replayed[key]), (key, value, replayed[key])
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Equal, numbers within 1e-5 (relative where large), in nested dicts and lists alike."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-5 * max(1.0, abs(a))
+    return bool(a == b)

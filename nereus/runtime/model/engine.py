@@ -812,9 +812,8 @@ class Engine:
         forward (an LM head's final hidden states: `DecoderPipelineStage.forward`). `dispatch`:
         how the MoE layers reach the other ep ranks' experts (`moe`). A part with the
         `ROUTES_FIELD` replays its routing (`moe.Routes`); `routes` records this stage's."""
-        if routes is not None or ROUTES_FIELD in part.fields:
-            if self.groups.cp.size > 1:
-                raise ValueError("routing replay and recording run without context parallelism; set cp to 1")
+        if (routes is not None or ROUTES_FIELD in part.fields) and self.groups.cp.size > 1:
+            raise ValueError("routing replay and recording run without context parallelism; set cp to 1")
         if ROUTES_FIELD in part.fields:
             routes = routes or Routes()
             given = part.fields[ROUTES_FIELD].to(self.device)

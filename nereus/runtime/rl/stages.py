@@ -22,6 +22,7 @@ from nereus.runtime.generation.vllm_engine import VLLMEngine
 from nereus.runtime.hf.names import OPTIONAL
 from nereus.runtime.model.adamw import AdamWConfig, stage_precision
 from nereus.runtime.model.engine import Engine, EngineConfig
+from nereus.runtime.model.moe import ROUTES_FIELD
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.state.shard_layout import RankLayout, stage_layout
 from nereus.runtime.state.sharded_state import (
@@ -161,6 +162,18 @@ class Rollout:
     rollout_log_probs: torch.Tensor | None = None
     """[b, t] the generation engine's log-probability of every response token, aligned as the
     trainer's old log-probs (vLLM's raw log-probs; None from nereus's own engine)."""
+    routes: torch.Tensor | None = None
+    """[b, t, MoE layers, experts_per_token] the experts the generation engine routed each token
+    to (`moe.ROUTES_FIELD`; None for a dense model, vLLM or the fused rollout)."""
+
+
+def without_routes(batch: Batch) -> Batch:
+    """`batch` without the rollout's routing (`moe.ROUTES_FIELD`): what the models that do not
+    replay it (reference, critic, reward) see."""
+    if ROUTES_FIELD not in batch.fields:
+        return batch
+    fields = {name: tensor for name, tensor in batch.fields.items() if name != ROUTES_FIELD}
+    return Batch(batch.tokens, batch.attention_mask, fields, batch.first_column)
 
 
 def leads(stage: ModelStageRuntime) -> bool:
