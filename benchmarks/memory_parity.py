@@ -13,7 +13,8 @@ without recompute, with `recompute: full` and `selective`, and packed to a 512-t
 parallelism (`-cp2`: cp=2, each rank holding half of every sequence's activations; its rank 1,
 which holds training alone as `split-fp32-long`'s rank 1 does, against that rank's training
 row gives the measured cp=2 / cp=1 ratio, written as `cp_ratios`; rank 0 also holds the
-serving model-stages). Each case is one `nereus run` step
+serving model-stages; `-cp2-zero1`: the same with ZeRO-1, whose AdamW moments split over the two
+cp ranks of the one replica (dp x cp = 1 x 2), its ratio against `-cp2`'s). Each case is one `nereus run` step
 (the library's `new_run` + `launch`); metrics.jsonl then holds, per rank and model-stage,
 `memory_peak_bytes_by_stage` (CPU: peak resident set above the idle rank, less the state
 arena's free room; docs/memory.md) and the cost model's `predicted_memory_peak_bytes_by_stage`.
@@ -86,7 +87,7 @@ CASES = (
             "colocated-bf16-offload-params",
         )
     ),
-    *(CP_CASES := ("split-fp32-long-cp2",)),
+    *(CP_CASES := ("split-fp32-long-cp2", "split-fp32-long-cp2-zero1")),
 )
 MAX_NEW_TOKENS = 4
 #: Response tokens of the `-long` cases (the prompts take up to 16).
@@ -173,23 +174,28 @@ def plan_document(case: str) -> dict[str, Any]:
     }
 
 
+#: The case each cp case's training peak is compared with: cp=1, or cp=2 without ZeRO-1.
+CP_BASELINES = {"split-fp32-long-cp2": "split-fp32-long", "split-fp32-long-cp2-zero1": "split-fp32-long-cp2"}
+
+
 def cp_plan(case: str) -> dict[str, Any]:
     """A split `-long` case with actor/training one replica of cp=2 over both ranks (Ulysses
-    context parallelism: each rank runs half of every sequence's columns)."""
-    document = plan_document(case.removesuffix("-cp2"))
+    context parallelism: each rank runs half of every sequence's columns); `-zero1`: with the
+    AdamW moments split over those two cp ranks."""
+    document = plan_document(case.removesuffix("-zero1").removesuffix("-cp2"))
     for entry in document["stages"]:
         if entry["model_stage"] == ACTOR_TRAINING:
-            entry.update(cp=2, dp=1, emus=[[0, 1]])
+            entry.update(cp=2, dp=1, emus=[[0, 1]], zero1=case.endswith("-zero1"))
     return document
 
 
 def cp_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each cp=2 case's training peak on rank 1 (training alone there in both cases) over its
-    cp=1 case's, measured and predicted."""
+    """Each cp case's training peak on rank 1 (training alone there in every such case) over
+    its baseline's (`CP_BASELINES`), measured and predicted."""
     training = {(row["case"], row["rank"]): row for row in rows if row["model_stage"] == ACTOR_TRAINING}
     ratios = []
     for case in CP_CASES:
-        whole, cut = training.get((case.removesuffix("-cp2"), 1)), training.get((case, 1))
+        whole, cut = training.get((CP_BASELINES[case], 1)), training.get((case, 1))
         if whole is not None and cut is not None:
             measured = cut["measured_bytes"] / whole["measured_bytes"]
             predicted = cut["predicted_bytes"] / whole["predicted_bytes"]
@@ -321,7 +327,8 @@ def main() -> None:
     print(f"{sum(row['within_target'] for row in rows)}/{len(rows)} rows within {TARGET:.0%}")
     for ratio in cp_ratios(rows):
         print(
-            f"{ratio['case']} rank {ratio['rank']}: training peak cp=2 / cp=1 measured {ratio['measured_ratio']:.3f}, "
+            f"{ratio['case']} rank {ratio['rank']}: training peak / {CP_BASELINES[ratio['case']]}'s measured "
+            f"{ratio['measured_ratio']:.3f}, "
             f"predicted {ratio['predicted_ratio']:.3f}"
         )
 

@@ -22,6 +22,8 @@ import yaml
 from nereus.interop import CHECKED_VERSIONS
 
 VERL_CONFIG = "verl/trainer/config/_generated_ppo_megatron_trainer.yaml"
+#: verl's FSDP PPO trainer's generated config (`nereus export verl --backend fsdp`).
+VERL_FSDP_CONFIG = "verl/trainer/config/_generated_ppo_trainer.yaml"
 VERL_DATACLASSES = "verl/workers/config"
 OPENRLHF_PARSER = "openrlhf/cli/train_ppo_ray.py"
 _SELECT = re.compile(r"^\$\{oc\.select:[^,]+,(.*)\}$")
@@ -76,8 +78,9 @@ def _merged(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def verl_config(root: Path) -> dict[str, Any]:
-    data: dict[str, Any] = yaml.safe_load(_find(root, VERL_CONFIG).read_text(encoding="utf-8"))
+def verl_config(root: Path, relative: str = VERL_CONFIG) -> dict[str, Any]:
+    """verl's generated trainer config (the Megatron one; `VERL_FSDP_CONFIG` for the FSDP one)."""
+    data: dict[str, Any] = yaml.safe_load(_find(root, relative).read_text(encoding="utf-8"))
     return data
 
 

@@ -70,14 +70,22 @@ def export_verl(
         Literal["yaml", "overrides"],
         typer.Option("--format", help="yaml: a config file; overrides: Hydra key=value lines for the command line."),
     ] = "overrides",
+    backend: Annotated[
+        Literal["megatron", "fsdp"],
+        typer.Option(
+            "--backend",
+            help="megatron: ppo_megatron_trainer (tp, pp, context_parallel_size); fsdp: ppo_trainer "
+            "(ulysses_sequence_parallel_size, no tp or pp in training).",
+        ),
+    ] = "megatron",
     as_json: JsonOption = False,
 ) -> None:
-    """The plan as verl (Megatron PPO trainer) settings; what verl cannot express is listed on stderr."""
+    """The plan as verl PPO trainer settings (Megatron or FSDP); what verl cannot express is listed on stderr."""
     from nereus.interop import verl
 
     check_output(output, "-o")
     try:
-        export = verl.export_verl(_load_plan(plan))  # type: ignore[arg-type]
+        export = verl.export_verl(_load_plan(plan), backend)  # type: ignore[arg-type]
     except ValueError as exc:
         raise NereusError(f"{plan}: {exc}") from None
     text = verl.as_yaml(export) if output_format == "yaml" else verl.as_overrides(export)

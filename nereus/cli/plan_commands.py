@@ -96,8 +96,15 @@ def plan(
             "without pipeline stages): on, off (cp = 1), or search."
         ),
     ] = "search",
+    expert_parallel: Annotated[
+        str,
+        typer.Option(
+            help="A mixture of experts' experts split over ep > 1 ranks (expert parallelism, every "
+            "model-stage; dense models keep ep = 1): on, off (ep = 1), or search."
+        ),
+    ] = "search",
 ) -> None:
-    """Choose every model-stage's tp/cp/pp/dp, GPUs and micro-batches for the fastest feasible step."""
+    """Choose every model-stage's tp/cp/ep/pp/dp, GPUs and micro-batches for the fastest feasible step."""
     if ctx.invoked_subcommand is not None:
         return
     from nereus.cli.inputs import load_kind, resolve_model, resolve_workload
@@ -128,7 +135,7 @@ def plan(
         the_calibration = calibration_from_profile(measured, the_calibration)  # type: ignore[arg-type]
     flags = {"recompute": recompute, "token_budget": token_budget, "zero1": zero1, "offload": offload}
     flags |= {"kv_budget": kv_budget, "full_shard": full_shard, "train_offload": train_offload}
-    flags |= {"context_parallel": context_parallel}
+    flags |= {"context_parallel": context_parallel, "expert_parallel": expert_parallel}
     choices = _memory_choices(flags)
     models = models_for(the_workload, the_model)
     unfit = model_fit_problems(models, the_workload)
@@ -190,6 +197,7 @@ def _memory_choices(flags: dict[str, str]) -> MemoryChoices:
         full_shard=_switch("--full-shard", full_shard, True, False),  # type: ignore[arg-type]
         train_offload=offload_values[train_offload],
         context_parallel=_switch("--context-parallel", flags["context_parallel"], True, False),  # type: ignore[arg-type]
+        expert_parallel=_switch("--expert-parallel", flags["expert_parallel"], True, False),  # type: ignore[arg-type]
     )
 
 
@@ -239,11 +247,14 @@ def _stage_table(plan: Plan, title: str, calibration: Calibration) -> Table:
     assert plan.predictions is not None
     usable = usable_capacity(plan.cluster, calibration)
     table = Table(title=title, title_justify="left")
+    # ep beside cp wherever a model of the plan has experts (a dense plan's table is as before)
+    experts = any(model.moe is not None for model in plan.models)
     columns = (
         "model-stage",
         "pool",
         "tp",
         "cp",
+        *(("ep",) if experts else ()),
         "pp",
         "dp",
         "micro",
@@ -264,6 +275,7 @@ def _stage_table(plan: Plan, title: str, calibration: Calibration) -> Table:
             entry.pool,
             str(entry.tp),
             str(entry.cp),
+            *((str(entry.ep),) if experts else ()),
             str(entry.pp),
             str(entry.dp),
             str(entry.micro_batches),

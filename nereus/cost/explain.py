@@ -21,7 +21,7 @@ def _derived(plan: Plan, model_stage: str, calibration: Calibration) -> dict[str
         "mean_sequence_tokens": w.prompt_len + w.response_len.mean(),
         "max_sequence_tokens": float(w.prompt_len + w.response_len.max),
         "longest_response_tokens": w.response_len.expected_longest(w.samples_per_step),
-        "params_per_gpu": float(cost.params_per_gpu(entry.tp, entry.pp)),
+        "params_per_gpu": float(cost.params_per_gpu(entry.tp, entry.pp, entry.ep)),
     }
 
 
@@ -32,7 +32,7 @@ def cost_of(plan: Plan, entry: StagePlan, calibration: Calibration) -> StageCost
 def choice_line(entry: StagePlan, cost: StageCostModel) -> str:
     """Every memory-saving choice of the entry, including the ones left off."""
     if entry.stage == "generation":
-        full = float(cost.full_kv_bytes(entry.tp, entry.pp, entry.dp))
+        full = float(cost.full_kv_bytes(entry.tp, entry.pp, entry.dp, entry.ep))
         kv = (
             f"KV budget {entry.kv_budget_bytes / GIB:.2f} GiB per GPU of the {full / GIB:.2f} GiB the whole "
             f"batch needs (continuous batching)"
@@ -95,6 +95,7 @@ def explain_plan(plan: Plan, calibration: Calibration) -> dict[str, Any]:
             "host_memory_bytes": pred.host_memory_bytes,
         }
         cp = f" cp={entry.cp}" if entry.cp > 1 else ""
+        cp += f" ep={entry.ep}" if entry.ep > 1 else ""
         lines.append(
             f"\n{entry.model_stage}: tp={entry.tp}{cp} pp={entry.pp} dp={entry.dp} "
             f"micro_batches={entry.micro_batches} pool={entry.pool}"

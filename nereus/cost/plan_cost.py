@@ -10,7 +10,7 @@ from typing import Any, Literal
 import numpy as np
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
-from nereus.cost.stage import OFFLOAD_LEVELS, TRAIN_OFFLOADS, StageCostModel
+from nereus.cost.stage import OFFLOAD_LEVELS, TRAIN_OFFLOADS, StageCostModel, expert_params
 from nereus.spec.check import Problem
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import RECOMPUTE_LEVELS, Plan, Predictions, StagePlan, StagePrediction, SteadyState
@@ -67,12 +67,17 @@ def weight_sync_time(
     tp: int,
     pp: int,
     inter: bool,
+    ep: int = 1,
+    expert_params: int = 0,
 ) -> float:
-    """Moving updated actor weights into a generation/inference layout: 0 if identical."""
+    """Moving updated actor weights into a generation/inference layout: 0 if identical. Each
+    destination GPU receives its tp x pp share of the weights, of the `expert_params` expert
+    weights only its ep rank's block."""
     if same_layout:
         return 0.0
     bandwidth, latency = calibration.link(cluster, inter)
-    return latency + actor_params * DTYPE_BYTES[workload.dtype] / (tp * pp) / bandwidth
+    received = actor_params - expert_params + expert_params / ep
+    return latency + received * DTYPE_BYTES[workload.dtype] / (tp * pp) / bandwidth
 
 
 @dataclass
@@ -100,9 +105,20 @@ def cp_spans_nodes(cluster: Cluster, entry: StagePlan) -> bool:
     )
 
 
+def ep_spans_nodes(cluster: Cluster, entry: StagePlan) -> bool:
+    """Whether some tp x ep group (one pipeline stage of an EMU: its ep ranks' tp groups, whose
+    dispatch and combine all-to-alls cross it) spans nodes; False without expert parallelism."""
+    block = entry.tp * entry.cp * entry.ep
+    return entry.ep > 1 and any(
+        _spans_nodes(cluster, emu[s * block : (s + 1) * block]) for emu in entry.emus for s in range(entry.pp)
+    )
+
+
 def stage_choices(entry: StagePlan) -> dict[str, Any]:
-    """The entry's memory-saving choices as the cost model's keyword arguments."""
+    """The entry's memory-saving choices, and its expert-parallel degree, as the cost model's
+    keyword arguments."""
     return {
+        "ep": entry.ep,
         "recompute": RECOMPUTE_LEVELS.index(entry.recompute),
         "zero1": entry.zero1,
         "kv_budget": math.inf if entry.kv_budget_bytes is None else float(entry.kv_budget_bytes),
@@ -125,25 +141,29 @@ def resident_share(plan: Plan, entry: StagePlan, calibration: Calibration) -> fl
     if entry.offload:
         return 0.0
     model = stage_cost_model(plan, entry.role, entry.stage, calibration)
-    params = model.params_per_gpu(entry.tp, entry.pp)
-    kept = model.model_state_terms(params, entry.dp, entry.zero1, int(entry.full_shard))
+    params = model.params_per_gpu(entry.tp, entry.pp, entry.ep)
+    shards = entry.dp * entry.cp  # the cp ranks share the state out with the replicas
+    kept = model.model_state_terms(params, shards, entry.zero1, int(entry.full_shard))
     level = TRAIN_OFFLOADS.index(entry.train_offload)
-    if level:  # training-time offload keeps these in host memory, sharded across dp
-        kept = model.model_state_terms(params, entry.dp, True, int(entry.full_shard))
+    if level:  # training-time offload keeps these in host memory, sharded across dp x cp
+        kept = model.model_state_terms(params, shards, True, int(entry.full_shard))
         kept = {k: v for k, v in kept.items() if level < OFFLOAD_LEVELS[k]}
-    return float(sum(kept.values())) / replica_state_bytes(plan, entry.model_stage, calibration, entry.tp, entry.pp)
+    return float(sum(kept.values())) / replica_state_bytes(
+        plan, entry.model_stage, calibration, entry.tp, entry.pp, entry.ep
+    )
 
 
 def replica_state_bytes(
-    plan: Plan, model_stage: ModelStageName, calibration: Calibration, tp: int = 1, pp: int = 1
+    plan: Plan, model_stage: ModelStageName, calibration: Calibration, tp: int = 1, pp: int = 1, ep: int = 1
 ) -> float:
     """Bytes of one replica's model state on a GPU of its tp x pp layout, nothing sharded
     across replicas: parameters in the workload's dtype, and in training gradients (same dtype)
     and AdamW state (fp32 moments, and fp32 masters of 16-bit weights where the optimizer keeps
-    them). tp = pp = 1: the whole replica's state, what a transition moves."""
+    them); `ep`: of its ep rank's block of the experts. tp = pp = ep = 1: the whole replica's state,
+    what a transition moves."""
     role, stage = split(model_stage)
     model = stage_cost_model(plan, role, stage, calibration)
-    return float(sum(model.model_state_terms(model.params_per_gpu(tp, pp), 1, False).values()))
+    return float(sum(model.model_state_terms(model.params_per_gpu(tp, pp, ep), 1, False).values()))
 
 
 def one_sequence_bytes(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
@@ -193,24 +213,34 @@ def _stage_terms(
     dp_inter = _spans_nodes(plan.cluster, entry.gpus)
     choices = stage_choices(entry)
     cp_inter = cp_spans_nodes(plan.cluster, entry)
+    parallel = dict(cp=entry.cp)
     times = model.time_terms(
-        entry.tp, entry.pp, entry.dp, entry.micro_batches, pp_inter, dp_inter, **choices, cp=entry.cp, cp_inter=cp_inter
+        entry.tp,
+        entry.pp,
+        entry.dp,
+        entry.micro_batches,
+        pp_inter,
+        dp_inter,
+        **choices,
+        **parallel,
+        cp_inter=cp_inter,
+        ep_inter=ep_spans_nodes(plan.cluster, entry),
     )
     memory = model.memory_terms(
-        entry.tp, entry.pp, entry.dp, entry.micro_batches, token_budget=entry.token_budget or 0, **choices, cp=entry.cp
+        entry.tp, entry.pp, entry.dp, entry.micro_batches, token_budget=entry.token_budget or 0, **choices, **parallel
     )
     if entry.offload:
         states = sum(v for k, v in memory.items() if k in RESIDENT_TERMS)
         times["offload"] = model.offload_time(states)
     level = choices["train_offload"]
-    host = host_bytes(memory, model.host_terms(entry.tp, entry.pp, entry.dp, level), entry.offload)
+    host = host_bytes(memory, model.host_terms(entry.tp, entry.pp, entry.dp, level, entry.cp, entry.ep), entry.offload)
     floats = ({k: float(v) for k, v in terms.items()} for terms in (times, memory, host))
     return next(floats), next(floats), next(floats)
 
 
 def _weight_sync(plan: Plan, entry: StagePlan, calibration: Calibration) -> float:
     train = plan.stage_plan(ACTOR_TRAINING)
-    same = (entry.tp, entry.cp, entry.pp, entry.emus) == (train.tp, train.cp, train.pp, train.emus)
+    same = (entry.tp, entry.cp, entry.ep, entry.pp, entry.emus) == (train.tp, train.cp, train.ep, train.pp, train.emus)
     train_nodes = {plan.cluster.node_of(g) for g in train.gpus}
     inter = any(plan.cluster.node_of(g) not in train_nodes for g in entry.gpus)
     actor = plan.model(plan.workload.actor)
@@ -223,13 +253,16 @@ def _weight_sync(plan: Plan, entry: StagePlan, calibration: Calibration) -> floa
         tp=entry.tp,
         pp=entry.pp,
         inter=inter,
+        ep=entry.ep,
+        expert_params=expert_params(actor),
     )
 
 
 def _degrees(entry: StagePlan) -> str:
-    """`tp=2, pp=1` (with `, cp=4` where context parallelism is in play)."""
+    """`tp=2, pp=1` (with `, cp=4` or `, ep=8` where context or expert parallelism is in play)."""
     cp = f", cp={entry.cp}" if entry.cp > 1 else ""
-    return f"tp={entry.tp}{cp}, pp={entry.pp}"
+    ep = f", ep={entry.ep}" if entry.ep > 1 else ""
+    return f"tp={entry.tp}{cp}{ep}, pp={entry.pp}"
 
 
 def evaluate_plan(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATION) -> PlanEvaluation:

@@ -6,7 +6,8 @@ The formulas, per GPU of the busiest pipeline stage:
 
 * model states (ZeRO, Rajbhandari et al.): parameters and gradients in the
   training dtype; AdamW keeps fp32 master weights and two fp32 moments (12 bytes per
-  parameter; 8 without master weights), divided by dp when sharded across dp.
+  parameter; 8 without master weights), divided by dp x cp when sharded (across the ranks
+  holding the same weights: the replicas and their cp ranks).
 * activations (Korthikanti et al., sequence parallel with flash attention):
   34 * s * b * h / tp bytes per layer for 16-bit activations; the first 1F1B stage
   holds min(pp, micro-batches) micro-batches; a tied embedding's backward holds two extra
@@ -28,7 +29,7 @@ The formulas, per GPU of the busiest pipeline stage:
 * token-budget micro-batches (`token_budget` > 0 tokens): a micro-batch is packed to at
   most that many tokens, so activations are sized by the budget rather than by rows of
   the maximum length (verl's `ppo_max_token_len_per_gpu`).
-* ZeRO-1 (`zero1` 1): AdamW state sharded across dp; the gradient all-reduce becomes a
+* ZeRO-1 (`zero1` 1): AdamW state sharded across dp x cp; the gradient all-reduce becomes a
   reduce-scatter plus an all-gather of the updated parameters (the same ring bytes).
 * KV cache: 2 * kv_heads_per_rank * head_dim * bytes per token and layer, for every
   sample of a replica at prompt + maximum response length, or a budget of bytes
@@ -38,7 +39,7 @@ The formulas, per GPU of the busiest pipeline stage:
   response of the batch, and the active batch shrinks as responses finish, or under a
   binding budget, the batch runs at the budget's concurrency until the queue drains.
 * full sharding (`full_shard` 1, ZeRO-3 / FSDP FULL_SHARD): parameters, and in training
-  gradients and AdamW state, divided by dp; a running model-stage also holds the gathered
+  gradients and AdamW state, divided by dp x cp; a running model-stage also holds the gathered
   unit (the largest of a layer and the embedding, on its tp rank) twice (the one computing
   and the one prefetched) and in training one unit's unsharded gradients. Every micro-batch
   all-gathers the parameters in its forward, again in its backward, and reduce-scatters the
@@ -47,7 +48,7 @@ The formulas, per GPU of the busiest pipeline stage:
 * offload (sleep): a model-stage's resident states move to host memory between its runs,
   over the host link (the cluster's `host_link`), once in and once out per step.
 * training-time offload (`train_offload` 1: optimizer, 2: params; DeepSpeed's ZeRO-Offload,
-  FSDP2's CPUOffloadPolicy): the AdamW state and the gradients, sharded across dp (both
+  FSDP2's CPUOffloadPolicy): the AdamW state and the gradients, sharded across dp x cp (both
   systems shard them: ZeRO-Offload is built on ZeRO-2), live in host memory and the optimizer
   step runs on the host, at the calibration's `host_adam_params_per_s` shared by the node's
   GPUs; 2 also keeps the (fully sharded) parameters there. The GPU holds one unit of gradients
@@ -58,12 +59,29 @@ The formulas, per GPU of the busiest pipeline stage:
 * pipelines run 1F1B: (micro-batches + pp - 1) slots; the pp - 1 extra slots are bubbles.
 * context parallelism (`cp`, training and inference; Ulysses, docs/context-parallel.md): each of a
   replica's cp ranks holds 1/cp of every sequence's tokens, so activations and logits (and the
-  compute, the tp all-reduces and the pipeline sends) are divided by cp, while parameters,
-  gradients and optimizer state are not (the cp ranks hold the same weights). Around each
+  compute, the tp all-reduces and the pipeline sends) are divided by cp. The cp ranks hold the
+  same weights, so they join the dp replicas wherever state is shared out: the gradient
+  all-reduce, and the shards of ZeRO-1, full sharding and training-time offload, run over the
+  dp x cp ranks of a (stage, tp rank) position (torchtitan's dp_shard x cp mesh); unsharded
+  parameters, gradients and optimizer state are held whole by every cp rank. Around each
   layer's attention core 4 all-to-alls (q, k, v out; the output back) move a rank's
   tokens x heads-per-tp-rank, (cp - 1) / cp of them leaving the rank, per forward pass (the
   backward is two passes' worth), over the intra- or inter-node link by where the tp x cp
-  group sits; the cp ranks join the dp replicas' gradient all-reduce (dp x cp ranks).
+  group sits; KV heads that cp does not split (cp beyond the KV heads after tp) are repeated
+  per query head before the all-to-all and move as such (`ulysses_bytes`).
+* expert parallelism (`ep`, mixture-of-experts models; Megatron's semantics, docs/moe.md): a
+  replica's ep ranks hold the same non-expert weights and take 1/ep of its sequences each (its
+  attention is data-parallel over dp x ep), so activations, logits and KV cache are divided by ep;
+  the experts of every sparse layer are split over them, so the expert parameters (and their
+  gradients and optimizer state) are divided by ep (and by tp, each expert's width being
+  tp-split), the other parameters are not. FLOPs are those of the active parameters (a token's
+  routed experts), the expert ones times `EXPERT_LOAD_IMBALANCE` where ep > 1 (the busiest rank's
+  experts get more than the mean share of tokens). Per MoE layer and forward pass, two
+  all-to-alls among the ep ranks (dispatch and combine) each move a rank's tokens x
+  experts-per-token x hidden x dtype bytes, (ep - 1) / ep of them leaving the rank (the backward
+  is two passes' worth), over the intra- or inter-node link by where the tp x ep group sits
+  (`ep_comm`). Gradients of the non-expert weights are all-reduced over dp x ep ranks, those of
+  the experts over dp.
 """
 
 from __future__ import annotations
@@ -113,11 +131,30 @@ RECOMPUTE_FULL, RECOMPUTE_SELECTIVE = 1, 2
 LOGIT_CHUNK_TOKENS = 1024
 #: Share of a token budget that first-fit packing of variable-length rows fills.
 PACKING_FILL = 0.9
+#: Expert work on the busiest ep rank over the mean, where experts are split over ep > 1 ranks
+#: (a router never balances exactly, and every rank waits for the busiest in the all-to-all).
+#: 1.25 is the capacity factor Switch Transformers train with (Fedus, Zoph and Shazeer, "Switch
+#: Transformers", JMLR 2022, Sec. 2.2 and Table 1: capacity factor 1.25, each expert given room
+#: for 1.25x its even share of tokens), the bound a capacity-limited router keeps the busiest
+#: expert under; Megatron-Core's `moe_expert_capacity_factor` is set the same way.
+EXPERT_LOAD_IMBALANCE = 1.25
 
 
 def _uses(flag: Array) -> bool:
     """Whether a choice is in play: on for one layout, or an array of layouts (some may use it)."""
     return bool(np.ndim(flag)) or bool(flag)
+
+
+def expert_params(model: Model) -> int:
+    """Parameters of every expert of `model` (routers excluded; 0 for a dense model)."""
+    moe = model.moe
+    return 0 if moe is None else model.sparse_layers() * moe.num_experts * moe.expert_params(model.hidden_dim)
+
+
+def _splits_experts(model: Model, ep: Array) -> bool:
+    """Whether expert parallelism is in play: a model with experts, and ep > 1 for one layout or
+    an array of layouts (a dense model's ep is 1 whatever the caller passes)."""
+    return model.moe is not None and _uses(np.greater(ep, 1))
 
 
 @overload
@@ -149,8 +186,19 @@ class StageCostModel:
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.workload.dtype]
 
-    def layer_params_per_rank(self, tp: Array) -> Array:
-        """Parameters of one block on one tp rank (KV heads replicate beyond their count)."""
+    def expert_params_per_layer(self) -> float:
+        """Expert parameters per block, averaged over the blocks (0 for a dense model): every
+        expert of the sparse blocks, without their routers (which every ep rank holds)."""
+        return expert_params(self.model) / self.model.num_layers
+
+    def expert_params_per_gpu(self, tp: Array, pp: Array, ep: Array = 1) -> Array:
+        """Expert parameters on one GPU: its pipeline stage's share of the experts, each split
+        over tp (its width) and the experts over ep."""
+        return self.expert_params_per_layer() / (tp * ep) * (self.model.num_layers / pp)
+
+    def layer_params_per_rank(self, tp: Array, ep: Array = 1) -> Array:
+        """Parameters of one block on one tp rank (KV heads replicate beyond their count) and ep
+        rank (its block of the experts)."""
         m = self.model
         q_dim = m.num_heads * m.head_dim
         kv_heads_rank = np.maximum(m.num_kv_heads / tp, 1.0)
@@ -160,13 +208,16 @@ class StageCostModel:
             attention = attention + q_dim / tp + 2 * kv_dim_rank
         if m.qk_norm:
             attention = attention + 2 * m.head_dim
-        mlp = m.mlp_params() / tp  # every expert is held (tp splits each expert's width)
+        experts = self.expert_params_per_layer()
+        # tp splits each expert's width, ep splits the experts; the rest of the MLP (routers,
+        # dense blocks) is held by every ep rank.
+        mlp = m.mlp_params() / tp if not experts else (m.mlp_params() - experts) / tp + experts / (tp * ep)
         return attention + mlp + 2 * m.hidden_dim
 
-    def params_per_gpu(self, tp: Array, pp: Array) -> Array:
+    def params_per_gpu(self, tp: Array, pp: Array, ep: Array = 1) -> Array:
         """Parameters on the busiest GPU: its layers plus the embedding or the final norm and head."""
         m = self.model
-        layers = self.layer_params_per_rank(tp) * (m.num_layers / pp)
+        layers = self.layer_params_per_rank(tp, ep) * (m.num_layers / pp)
         embedding = m.vocab_size * m.hidden_dim / tp
         head: Array
         if self.head == "value":
@@ -183,16 +234,30 @@ class StageCostModel:
         """KV-cache bytes per token on one GPU (its layers, its KV heads) in the workload's dtype."""
         return kv_bytes_per_token(self.model, tp, pp, self.dtype_bytes)
 
-    def dense_flops_per_token(self, pp: Array = 1) -> Array:
+    def dense_flops_per_token(self, pp: Array = 1, ep: Array = 1) -> Array:
         """Forward GEMM FLOPs per token (2 per multiply-add) on the busiest pipeline stage: of
-        the parameters a token computes with (a mixture of experts' routed experts only).
+        the parameters a token computes with (a mixture of experts' routed experts only, their
+        share times `EXPERT_LOAD_IMBALANCE` where ep > 1 splits the experts over ranks).
 
         The last stage carries the output head besides its layers; with a large
         vocabulary it is the slowest stage and sets the pipeline's pace.
         """
         m = self.model
         head = m.vocab_size * m.hidden_dim if self.head == "lm" else m.hidden_dim
-        return 2.0 * ((m.num_layers / pp) * (m.layer_params(active=True) - 2 * m.hidden_dim) + head)
+        flops = 2.0 * ((m.num_layers / pp) * (m.layer_params(active=True) - 2 * m.hidden_dim) + head)
+        if m.moe is None or not _splits_experts(m, ep):
+            return flops
+        active_experts = self.expert_params_per_layer() * m.moe.experts_per_token / m.moe.num_experts
+        extra = 2.0 * (m.num_layers / pp) * active_experts * (EXPERT_LOAD_IMBALANCE - 1.0)
+        return flops + np.where(np.greater(ep, 1), extra, 0.0)
+
+    def dispatch_bytes(self, tokens: Array) -> Array:
+        """Bytes one ep rank puts through one MoE layer's dispatch (or its combine) all-to-all in
+        one forward pass: each of its `tokens` tokens to its experts_per_token experts, hidden
+        wide, in the workload's dtype."""
+        moe = self.model.moe
+        k = 0 if moe is None else moe.experts_per_token
+        return tokens * k * self.model.hidden_dim * self.dtype_bytes
 
     def attention_flops(self, query_tokens: Array, context: Array) -> Array:
         """Forward FLOPs of QK^T and AV for `query_tokens` attending to `context` keys."""
@@ -233,12 +298,16 @@ class StageCostModel:
         bandwidth, latency = self.link(inter)
         return np.where(ranks > 1, (ranks - 1) * latency + (ranks - 1) / ranks * nbytes / bandwidth, 0.0)
 
-    def ulysses_bytes(self, tokens: Array, tp: Array) -> Array:
+    def ulysses_bytes(self, tokens: Array, tp: Array, cp: Array = 1) -> Array:
         """Bytes one rank puts through a layer's 4 Ulysses all-to-alls in one forward pass: for
         its `tokens` tokens, the query and output heads of its tp rank and its KV heads (keys and
-        values; KV heads replicate beyond their count, as `kv_bytes_per_token` says)."""
+        values; KV heads replicate beyond their count over tp, as `kv_bytes_per_token` says).
+        Where cp does not split the tp rank's KV heads, the runtime repeats them per query head
+        before the all-to-all (`SequenceSplit.attention`): keys and values then move as many
+        heads as the queries."""
         m = self.model
         kv_heads = np.maximum(m.num_kv_heads // np.asarray(tp), 1)
+        kv_heads = np.where(kv_heads % np.asarray(cp) == 0, kv_heads, m.num_heads / np.asarray(tp))
         heads = 2.0 * m.num_heads / tp + 2.0 * kv_heads
         return tokens * heads * m.head_dim * self.dtype_bytes
 
@@ -255,40 +324,42 @@ class StageCostModel:
         return np.ceil(self.samples_per_replica(dp) / micro_batches)
 
     def model_state_terms(
-        self, params: Array, dp: Array, zero1: Array | None = None, full_shard: Array = 0
+        self, params: Array, shards: Array, zero1: Array | None = None, full_shard: Array = 0
     ) -> dict[str, Array]:
         """Resident bytes per GPU holding `params` parameters: parameters, and in training
-        gradients and optimizer state (the optimizer sharded across dp under ZeRO-1, None: as
-        the workload's optimizer says; all of them under full sharding)."""
-        shard = np.where(full_shard, dp, 1)
+        gradients and optimizer state (the optimizer sharded across the `shards` ranks holding
+        the same weights, dp x cp, under ZeRO-1, None: as the workload's optimizer says; all of
+        them under full sharding)."""
+        shard = np.where(full_shard, shards, 1)
         terms: dict[str, Array] = {"parameters": params * self.dtype_bytes / shard}
         if self.stage == "training":
             optimizer = self.workload.optimizer
             adam = ADAM_BYTES_MIXED if self.dtype_bytes == 2 and optimizer.master_weights else ADAM_BYTES_FP32
             terms["gradients"] = params * self.dtype_bytes / shard
-            terms["optimizer"] = params * adam / np.where(self._zero1(zero1, full_shard), dp, 1)
+            terms["optimizer"] = params * adam / np.where(self._zero1(zero1, full_shard), shards, 1)
         return terms
 
     def _zero1(self, zero1: Array | None, full_shard: Array = 0) -> Array:
         """Whether the optimizer state is sharded across dp (full sharding implies it)."""
         return np.logical_or(self.workload.optimizer.shard_across_dp if zero1 is None else zero1, full_shard)
 
-    def gathered_unit_params(self, tp: Array) -> Array:
-        """Parameters full sharding gathers at once on one tp rank: a layer, or the embedding
-        (or output head) when that is larger."""
+    def gathered_unit_params(self, tp: Array, ep: Array = 1) -> Array:
+        """Parameters full sharding gathers at once on one tp (and ep) rank: a layer, or the
+        embedding (or output head) when that is larger."""
         m = self.model
-        return np.maximum(self.layer_params_per_rank(tp), m.vocab_size * m.hidden_dim / tp)
+        return np.maximum(self.layer_params_per_rank(tp, ep), m.vocab_size * m.hidden_dim / tp)
 
-    def gathered_bytes(self, tp: Array, full_shard: Array) -> Array:
+    def gathered_bytes(self, tp: Array, full_shard: Array, ep: Array = 1) -> Array:
         """Transient bytes of full sharding: two gathered units of parameters (computing and
         prefetched), plus in training one unit of unsharded gradients before its reduce-scatter."""
         copies = 3.0 if self.stage == "training" else 2.0
-        return np.where(full_shard, copies * self.gathered_unit_params(tp) * self.dtype_bytes, 0.0)
+        return np.where(full_shard, copies * self.gathered_unit_params(tp, ep) * self.dtype_bytes, 0.0)
 
-    def full_kv_bytes(self, tp: Array, pp: Array, dp: Array) -> Array:
-        """KV bytes per GPU for every sample of a replica at the maximum length at once."""
+    def full_kv_bytes(self, tp: Array, pp: Array, dp: Array, ep: Array = 1) -> Array:
+        """KV bytes per GPU for every sample of a replica (of its ep rank's 1/ep share of them)
+        at the maximum length at once."""
         max_len = self.workload.prompt_len + self.workload.response_len.max
-        return self.samples_per_replica(dp) * max_len * self.kv_bytes_per_token(tp, pp)
+        return self.samples_per_replica(dp * ep) * max_len * self.kv_bytes_per_token(tp, pp)
 
     def micro_batch_tokens(self, dp: Array, micro_batches: Array, token_budget: Array = 0) -> Array:
         """Tokens one micro-batch's activations are sized for: rows at the maximum length,
@@ -318,27 +389,30 @@ class StageCostModel:
         full_shard: Array = 0,
         train_offload: Array = 0,
         cp: Array = 1,
+        ep: Array = 1,
     ) -> dict[str, Array]:
         """Peak bytes per GPU by term. Model states are resident; the rest is transient. Bytes
         training-time offload keeps in host memory are not among them (`host_terms`). `cp`: each
-        rank holds 1/cp of the tokens (training and inference)."""
+        rank holds 1/cp of the tokens (training and inference); `ep`: each rank holds 1/ep of the
+        experts and of the replica's sequences."""
         w, m = self.workload, self.model
         offloaded = self.stage == "training" and _uses(train_offload)
         if offloaded:  # training-time offload shards the optimizer state across dp
             zero1 = np.logical_or(self._zero1(zero1), np.asarray(train_offload) > 0)
-        terms = self.model_state_terms(self.params_per_gpu(tp, pp), dp, zero1, full_shard)
+        # ZeRO-1, full sharding and training-time offload shard over the dp x cp ranks of a position.
+        terms = self.model_state_terms(self.params_per_gpu(tp, pp, ep), dp * cp, zero1, full_shard)
         if offloaded:  # the offloaded states leave the GPU (`host_terms`): their device terms are 0
             for name, level in OFFLOAD_LEVELS.items():
                 terms[name] = np.where(np.asarray(train_offload) >= level, 0.0, terms[name])
-            unit = self.gathered_unit_params(tp) * self.dtype_bytes
+            unit = self.gathered_unit_params(tp, ep) * self.dtype_bytes
             terms["offload_buffer"] = np.where(
                 (np.asarray(train_offload) > 0) & ~np.asarray(full_shard, bool), unit, 0.0
             )
         if _uses(full_shard):  # a term only where full sharding is in play (plans without it keep their terms)
-            terms["gathered"] = self.gathered_bytes(tp, full_shard)
+            terms["gathered"] = self.gathered_bytes(tp, full_shard, ep)
         max_len = w.prompt_len + w.response_len.max
         if self.stage == "training":
-            tokens = self.micro_batch_tokens(dp, micro_batches, token_budget) / cp
+            tokens = self.micro_batch_tokens(dp, micro_batches, token_budget) / (cp * ep)
             in_flight = np.minimum(pp, micro_batches)
             sbh = tokens * m.hidden_dim * self.dtype_bytes / 2
             full = KORTHIKANTI_BYTES_PER_SBH * sbh / tp
@@ -357,11 +431,11 @@ class StageCostModel:
             rerun = np.where(np.equal(recompute, RECOMPUTE_FULL), np.maximum(full - logits, 0.0), 0.0)
             terms["activations"] = kept * (m.num_layers / pp) * in_flight + rerun
         elif self.stage == "inference":
-            rows = self.micro_batch_size(dp, micro_batches) / cp  # a cp rank's share of the rows' tokens
+            rows = self.micro_batch_size(dp, micro_batches) / (cp * ep)  # a cp (ep) rank's share of the tokens
             terms["activations"] = KORTHIKANTI_BYTES_PER_SBH * max_len * rows * m.hidden_dim / tp * self.dtype_bytes / 2
         else:
-            rows = self.samples_per_replica(dp)
-            terms["kv_cache"] = np.minimum(kv_budget, self.full_kv_bytes(tp, pp, dp))
+            rows = self.samples_per_replica(dp * ep)  # an ep rank's share of the replica's samples
+            terms["kv_cache"] = np.minimum(kv_budget, self.full_kv_bytes(tp, pp, dp, ep))
         if self.head == "lm":
             terms["logits"] = self.logits_bytes(rows * (max_len if self.stage != "generation" else 1), tp)
         if self.stage == "training":
@@ -388,27 +462,31 @@ class StageCostModel:
         embedding = m.vocab_size * m.hidden_dim / tp * self.dtype_bytes
         return np.where(pp == 1, 2.0 * embedding, 0.0)
 
-    def host_terms(self, tp: Array, pp: Array, dp: Array, train_offload: Array) -> dict[str, Array]:
+    def host_terms(
+        self, tp: Array, pp: Array, dp: Array, train_offload: Array, cp: Array = 1, ep: Array = 1
+    ) -> dict[str, Array]:
         """Host-memory bytes per GPU of training-time offload, by term: the gradients and AdamW
-        state (`train_offload` >= 1) and the parameters (2) of this GPU's shard across dp."""
+        state (`train_offload` >= 1) and the parameters (2) of this GPU's shard across dp x cp."""
         if self.stage != "training" or not _uses(train_offload):
             return {}
-        shard = self.model_state_terms(self.params_per_gpu(tp, pp), dp, True, 1)
+        shard = self.model_state_terms(self.params_per_gpu(tp, pp, ep), dp * cp, True, 1)
         level = np.asarray(train_offload)
         return {name: np.where(level >= OFFLOAD_LEVELS[name], shard[name], 0.0) for name in OFFLOAD_LEVELS}
 
-    def host_optimizer_time(self, tp: Array, pp: Array, dp: Array) -> Array:
-        """Seconds of one AdamW step on the host over this GPU's shard, when every GPU of its
-        node steps at once on the node's CPUs."""
-        shard = self.params_per_gpu(tp, pp) / dp
+    def host_optimizer_time(self, tp: Array, pp: Array, shards: Array, ep: Array = 1) -> Array:
+        """Seconds of one AdamW step on the host over this GPU's shard (of `shards`: dp x cp),
+        when every GPU of its node steps at once on the node's CPUs."""
+        shard = self.params_per_gpu(tp, pp, ep) / shards
         return shard * self.cluster.gpus_per_node / self.calibration.host_adam_params_per_s
 
-    def host_transfer_time(self, tp: Array, pp: Array, dp: Array, micro_batches: Array, train_offload: Array) -> Array:
+    def host_transfer_time(
+        self, tp: Array, pp: Array, shards: Array, micro_batches: Array, train_offload: Array, ep: Array = 1
+    ) -> Array:
         """Seconds per optimizer step on the host link: each micro-batch's gradient shard out and
         the updated parameter shard in (1), or per micro-batch the two gathers' parameter shards
         in and the gradient shard out (2); one copy per layer each time."""
         link = self.cluster.host_link
-        shard_bytes = self.params_per_gpu(tp, pp) / dp * self.dtype_bytes
+        shard_bytes = self.params_per_gpu(tp, pp, ep) / shards * self.dtype_bytes
         level = np.asarray(train_offload)
         copies = np.where(level >= 2, 3.0 * micro_batches, micro_batches + 1.0)
         moved = copies * (shard_bytes / link.bytes_per_s + self.model.num_layers / pp * link.latency_s)
@@ -436,13 +514,29 @@ class StageCostModel:
         train_offload: Array = 0,
         cp: Array = 1,
         cp_inter: Array = False,
+        ep: Array = 1,
+        ep_inter: Array = False,
     ) -> dict[str, Array]:
         """Seconds per RL step by term, for the slowest replica. `cp`, `cp_inter`: the context-
-        parallel degree and whether a tp x cp group crosses nodes (training and inference)."""
+        parallel degree and whether a tp x cp group crosses nodes (training and inference);
+        `ep`, `ep_inter`: the expert-parallel degree and whether a tp x ep group crosses nodes."""
         if self.stage == "generation":
-            return self._generation_terms(tp, pp, dp, pp_inter, kv_budget)
+            return self._generation_terms(tp, pp, dp, pp_inter, kv_budget, ep, ep_inter)
         return self._pipeline_terms(
-            tp, pp, dp, micro_batches, pp_inter, dp_inter, recompute, zero1, full_shard, train_offload, cp, cp_inter
+            tp,
+            pp,
+            dp,
+            micro_batches,
+            pp_inter,
+            dp_inter,
+            recompute,
+            zero1,
+            full_shard,
+            train_offload,
+            cp,
+            cp_inter,
+            ep,
+            ep_inter,
         )
 
     def _pipeline_terms(
@@ -459,6 +553,8 @@ class StageCostModel:
         train_offload: Array = 0,
         cp: Array = 1,
         cp_inter: Array = False,
+        ep: Array = 1,
+        ep_inter: Array = False,
     ) -> dict[str, Array]:
         """Inference forwards or 1F1B training: (m + pp - 1) slots per mini-batch."""
         w, m = self.workload, self.model
@@ -478,18 +574,24 @@ class StageCostModel:
             passes, rounds, launches = 1.0, 1, 1.0
             attention_passes = 1.0
         m_count = micro_batches
-        dense = self.dense_flops_per_token(pp) * b * seq * passes
+        dense = self.dense_flops_per_token(pp, ep) * b * seq * passes
         attention = self.attention_flops(b * seq, seq / 2) / pp * attention_passes  # causal: half the keys
-        slot_compute = self.compute_time(dense, attention, tp * cp)  # each cp rank computes 1/cp of it
-        activation_bytes = b * seq * m.hidden_dim * self.dtype_bytes / cp
+        slot_compute = self.compute_time(dense, attention, tp * cp * ep)  # each cp (ep) rank computes 1/cp (1/ep)
+        activation_bytes = b * seq * m.hidden_dim * self.dtype_bytes / (cp * ep)
         layers = m.num_layers / pp
         slot_tp = 2 * passes * layers * self.allreduce_time(activation_bytes, tp, False)
         slot_pp = np.where(pp > 1, np.minimum(launches, 2.0) * self.p2p_time(activation_bytes, pp_inter), 0.0)
         # Ulysses: 4 all-to-alls per layer and forward pass (q, k, v in; the output back).
-        slot_cp = passes * layers * self.all_to_all_time(self.ulysses_bytes(b * seq / cp, tp), cp, cp_inter)
+        slot_cp = passes * layers * self.all_to_all_time(self.ulysses_bytes(b * seq / cp, tp, cp), cp, cp_inter)
+        # Expert parallelism: dispatch and combine per MoE layer and forward pass.
+        splits = _splits_experts(m, ep)
+        slot_ep: Array = 0.0
+        if splits:
+            moe_layers = m.sparse_layers() / pp
+            slot_ep = 2 * passes * moe_layers * self.all_to_all_time(self.dispatch_bytes(b * seq / ep), ep, ep_inter)
         c = self.calibration
         slot_overhead = launches * layers * c.launch_overhead_s + np.minimum(launches, 2.0) * c.micro_batch_overhead_s
-        slot = slot_compute + slot_tp + slot_pp + slot_cp + slot_overhead
+        slot = slot_compute + slot_tp + slot_pp + slot_cp + slot_ep + slot_overhead
         terms = {
             "compute": rounds * m_count * slot_compute,
             "tp_comm": rounds * m_count * slot_tp,
@@ -499,55 +601,79 @@ class StageCostModel:
         }
         if _uses(np.greater(cp, 1)):  # a term only where context parallelism is in play
             terms["cp_comm"] = rounds * m_count * slot_cp
+        if splits:  # a term only where expert parallelism is in play
+            terms["ep_comm"] = rounds * m_count * slot_ep
         # A ring all-gather or reduce-scatter moves half an all-reduce's bytes in half its hops.
-        replica_bytes = self.params_per_gpu(tp, pp) * self.dtype_bytes
+        replica_bytes = self.params_per_gpu(tp, pp, ep) * self.dtype_bytes
         if self.stage == "training":
             # ZeRO-1 reduce-scatters gradients and all-gathers parameters: a ring all-reduce's bytes,
             # once per mini-batch; full sharding gathers twice and reduce-scatters once per micro-batch.
             # The cp ranks of a replica hold the same weights: they join the gradients' reduction.
             halves = np.where(full_shard, 1.5 * m_count, 1.0)
             sync_inter = np.logical_or(dp_inter, np.logical_and(np.greater(cp, 1), cp_inter))
-            terms["dp_sync"] = rounds * halves * self.allreduce_time(replica_bytes, dp * cp, sync_inter)
-            terms["optimizer"] = rounds * self._optimizer_time(tp, pp, dp, zero1, full_shard)
+            sync = self.allreduce_time(replica_bytes, dp * cp, sync_inter)
+            if splits:
+                # The ep ranks are data-parallel for the non-expert weights (dp x ep ranks); each
+                # expert's gradients are summed over the dp replicas only.
+                expert_bytes = self.expert_params_per_gpu(tp, pp, ep) * self.dtype_bytes
+                ep_sync_inter = np.logical_or(dp_inter, np.logical_and(np.greater(ep, 1), ep_inter))
+                split_sync = self.allreduce_time(
+                    replica_bytes - expert_bytes, dp * ep, ep_sync_inter
+                ) + self.allreduce_time(expert_bytes, dp, dp_inter)
+                sync = np.where(np.greater(ep, 1), split_sync, sync)
+            terms["dp_sync"] = rounds * halves * sync
+            # Each rank steps its shard of dp x cp (ZeRO-1, full sharding, offload).
+            terms["optimizer"] = rounds * self._optimizer_time(tp, pp, dp * cp, zero1, full_shard, ep)
             if _uses(train_offload):  # the step runs on the host, its shard moved over the host link
                 level = np.asarray(train_offload)
-                host_step = self.host_optimizer_time(tp, pp, dp)
+                host_step = self.host_optimizer_time(tp, pp, dp * cp, ep)
                 terms["optimizer"] = np.where(level > 0, rounds * host_step, terms["optimizer"])
-                terms["host_transfer"] = rounds * self.host_transfer_time(tp, pp, dp, m_count, level)
-        elif _uses(full_shard):  # inference all-gathers the parameters once per micro-batch
-            gather = 0.5 * m_count * self.allreduce_time(replica_bytes, dp, dp_inter)
+                terms["host_transfer"] = rounds * self.host_transfer_time(tp, pp, dp * cp, m_count, level, ep)
+        elif _uses(full_shard):  # inference all-gathers the parameters once per micro-batch, over dp x cp
+            sync_inter = np.logical_or(dp_inter, np.logical_and(np.greater(cp, 1), cp_inter))
+            gather = 0.5 * m_count * self.allreduce_time(replica_bytes, dp * cp, sync_inter)
             terms["dp_sync"] = np.where(full_shard, gather, 0.0)
         return terms
 
     def _optimizer_time(
-        self, tp: Array, pp: Array, dp: Array, zero1: Array | None = None, full_shard: Array = 0
+        self, tp: Array, pp: Array, shards: Array, zero1: Array | None = None, full_shard: Array = 0, ep: Array = 1
     ) -> Array:
-        """AdamW is memory bound: read and write params, grads, master and moments."""
-        shard = np.where(self._zero1(zero1, full_shard), dp, 1)
+        """AdamW is memory bound: read and write params, grads, master and moments (of this
+        rank's shard of `shards`, dp x cp, where sharded)."""
+        shard = np.where(self._zero1(zero1, full_shard), shards, 1)
         bytes_per_param = 2 * (2 * self.dtype_bytes + ADAM_BYTES_MIXED)
-        moved = self.params_per_gpu(tp, pp) / shard * bytes_per_param
+        moved = self.params_per_gpu(tp, pp, ep) / shard * bytes_per_param
         return moved / (self.cluster.gpu.hbm_bytes_per_s * self.calibration.decode_memory)
 
-    def kv_budget_binds(self, tp: Array, pp: Array, dp: Array, kv_budget: Array) -> Array:
-        """Whether a KV budget in bytes per GPU holds less than a replica's peak demand (one that
-        does not bind prices as the unbounded cache)."""
+    def kv_budget_binds(self, tp: Array, pp: Array, dp: Array, kv_budget: Array, ep: Array = 1) -> Array:
+        """Whether a KV budget in bytes per GPU holds less than a replica's peak demand (of an ep
+        rank's share of its samples; one that does not bind prices as the unbounded cache)."""
         w = self.workload
         capacity = np.asarray(kv_budget, dtype=float) / self.kv_bytes_per_token(tp, pp)
         longest = w.response_len.expected_longest(w.samples_per_step)
-        return binds(w.response_len, float(w.prompt_len), self.samples_per_replica(dp), capacity, longest)
+        return binds(w.response_len, float(w.prompt_len), self.samples_per_replica(dp * ep), capacity, longest)
 
     def _generation_terms(
-        self, tp: Array, pp: Array, dp: Array, pp_inter: Array, kv_budget: Array = math.inf
+        self,
+        tp: Array,
+        pp: Array,
+        dp: Array,
+        pp_inter: Array,
+        kv_budget: Array = math.inf,
+        ep: Array = 1,
+        ep_inter: Array = False,
     ) -> dict[str, Array]:
-        """Prefill, then decode iterations until the longest response of the step finishes."""
+        """Prefill, then decode iterations until the longest response of the step finishes. Under
+        expert parallelism each ep rank decodes its 1/ep of the replica's samples (attention
+        data-parallel), their tokens dispatched to the experts and combined per MoE layer."""
         w, m, c = self.workload, self.model, self.calibration
-        n = self.samples_per_replica(dp)
+        n = self.samples_per_replica(dp * ep)
         p = float(w.prompt_len)
         # The step waits for the slowest replica, the one holding the longest response.
         longest = w.response_len.expected_longest(w.samples_per_step)
         pipeline = (2 * pp - 1) / pp  # pp micro-batches in flight: pp + pp - 1 slots
         # pp micro-batches of n / pp samples each; a slot is one on the busiest stage.
-        prefill_flops = self.dense_flops_per_token(pp) * n * p / pp, self.attention_flops(n * p, p / 2) / pp / pp
+        prefill_flops = self.dense_flops_per_token(pp, ep) * n * p / pp, self.attention_flops(n * p, p / 2) / pp / pp
         prefill = self.compute_time(*prefill_flops, tp) * (2 * pp - 1)
         # Prefill all-reduces are large: (2 pp - 1) slots of 2 L / pp all-reduces per micro-batch.
         prefill_bytes = n * p * m.hidden_dim * self.dtype_bytes / pp
@@ -555,17 +681,17 @@ class StageCostModel:
         # Decode, sliced (a trailing axis): iterations, running sequences and their KV tokens.
         capacity = np.asarray(kv_budget, dtype=float) / self.kv_bytes_per_token(tp, pp)
         dt, running, tokens = decode_profile(w.response_len, p, n, capacity, longest)
-        tp_, pp_, inter_ = (np.asarray(x, dtype=float)[..., None] for x in (tp, pp, pp_inter))
-        flops = running / pp_ * self.dense_flops_per_token(pp_), self.attention_flops(1.0, tokens) / pp_ / pp_
+        tp_, pp_, inter_, ep_ = (np.asarray(x, dtype=float)[..., None] for x in (tp, pp, pp_inter, ep))
+        flops = running / pp_ * self.dense_flops_per_token(pp_, ep_), self.attention_flops(1.0, tokens) / pp_ / pp_
         compute = self.compute_time(*flops, tp_, decode=True)  # one of pp micro-batches on the busiest stage
-        weights = self.params_per_gpu(tp_, pp_) * self.dtype_bytes
+        weights = self.params_per_gpu(tp_, pp_, ep_) * self.dtype_bytes
         kv = tokens * self.kv_bytes_per_token(tp_, pp_) / pp_
         memory = (weights + kv) / (self.cluster.gpu.hbm_bytes_per_s * c.decode_memory)
         token_bytes = running * m.hidden_dim * self.dtype_bytes / pp_
         tp_comm = 2 * m.num_layers * self.allreduce_time(token_bytes, tp_, False) * pp_
         pp_comm = np.where(pp_ > 1, (2 * pp_ - 2) * self.p2p_time(token_bytes, inter_ > 0), 0.0)
         iterations = dt.sum(axis=-1)
-        return {
+        terms = {
             "prefill": prefill,
             "decode": ((2 * pp_ - 1) * np.maximum(compute, memory) * dt).sum(axis=-1),
             "tp_comm": prefill_tp + (tp_comm * dt).sum(axis=-1),
@@ -573,3 +699,12 @@ class StageCostModel:
             "overhead": (m.num_layers * c.launch_overhead_s * pipeline + c.decode_token_overhead_s) * iterations
             + c.stage_overhead_s,
         }
+        if _splits_experts(m, ep):  # dispatch and combine per MoE layer, as the tp all-reduces are paced
+            moe_layers = m.sparse_layers()
+            prefill_ep = (
+                (2 * pp - 1) * 2 * moe_layers / pp * self.all_to_all_time(self.dispatch_bytes(n * p / pp), ep, ep_inter)
+            )
+            ep_inter_ = np.asarray(ep_inter)[..., None]
+            decode_ep = 2 * moe_layers * self.all_to_all_time(self.dispatch_bytes(running / pp_), ep_, ep_inter_) * pp_
+            terms["ep_comm"] = prefill_ep + (decode_ep * dt).sum(axis=-1)
+        return terms

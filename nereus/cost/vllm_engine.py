@@ -35,6 +35,7 @@ from nereus.cost.continuous_batching import decode_profile, mean_context
 from nereus.cost.plan_cost import (
     _spans_nodes,
     _stage_terms,
+    ep_spans_nodes,
     evaluate_plan,
     replica_state_bytes,
     stage_choices,
@@ -255,14 +256,15 @@ def generation_terms(
     scheduler = scheduler or VllmScheduler()
     w = plan.workload
     per_token = float(model.kv_bytes_per_token(entry.tp, entry.pp))
-    n = float(model.samples_per_replica(entry.dp))
+    n = float(model.samples_per_replica(entry.dp * entry.ep))  # an ep rank's share of the replica's
     capacity = choices["kv_budget"] / per_token
     if n > scheduler.max_num_seqs:
         capacity = min(capacity, sequence_capped_tokens(plan, scheduler.max_num_seqs))
-    terms = {k: float(v) for k, v in model.time_terms(*args, **{**choices, "kv_budget": capacity * per_token}).items()}
+    budget = {"kv_budget": capacity * per_token, "ep_inter": ep_spans_nodes(plan.cluster, entry)}
+    terms = {k: float(v) for k, v in model.time_terms(*args, **{**choices, **budget}).items()}
     prompt = float(w.prompt_len)
     passes = math.ceil(n * prompt / scheduler.max_num_batched_tokens)
-    weights = float(model.params_per_gpu(entry.tp, entry.pp)) * model.dtype_bytes
+    weights = float(model.params_per_gpu(entry.tp, entry.pp, entry.ep)) * model.dtype_bytes
     read = weights / (plan.cluster.gpu.hbm_bytes_per_s * calibration.decode_memory)
     terms["prefill"] = max(terms["prefill"], passes * (2 * entry.pp - 1) * read)
     longest = w.response_len.expected_longest(w.samples_per_step)

@@ -78,6 +78,7 @@ def gpu_ranges(gpus: list[int]) -> str:
 def describe(entry: StagePlan) -> str:
     """`actor/training tp=2 pp=1 dp=2 on GPUs 0-3` (`tp=2 cp=2 pp=1` under context parallelism)."""
     cp = f" cp={entry.cp}" if entry.cp > 1 else ""
+    cp += f" ep={entry.ep}" if entry.ep > 1 else ""
     return f"{entry.model_stage} tp={entry.tp}{cp} pp={entry.pp} dp={entry.dp} on GPUs {gpu_ranges(entry.gpus)}"
 
 
@@ -118,13 +119,21 @@ def per_gpu_micro_batch(plan: Plan, entry: StagePlan) -> int:
 
 
 def laid_out(
-    plan: Plan, entry: StagePlan, gpus: list[int], tp: int, pp: int, micro_batch: int, pool: str, cp: int = 1
+    plan: Plan,
+    entry: StagePlan,
+    gpus: list[int],
+    tp: int,
+    pp: int,
+    micro_batch: int,
+    pool: str,
+    cp: int = 1,
+    ep: int = 1,
 ) -> StagePlan:
-    """`entry` re-laid over `gpus` (ordered) as consecutive EMUs of tp x cp x pp GPUs, with as
-    many micro-batches as a per-GPU micro-batch of `micro_batch` sequences makes."""
-    size = tp * cp * pp
+    """`entry` re-laid over `gpus` (ordered) as consecutive EMUs of tp x cp x ep x pp GPUs, with
+    as many micro-batches as a per-GPU micro-batch of `micro_batch` sequences makes."""
+    size = tp * cp * ep * pp
     if len(gpus) % size:
-        shape = f"tp={tp} x cp={cp} x pp={pp}" if cp > 1 else f"tp={tp} x pp={pp}"
+        shape = f"tp={tp}" + (f" x cp={cp}" if cp > 1 else "") + (f" x ep={ep}" if ep > 1 else "") + f" x pp={pp}"
         raise ValueError(
             f"{entry.model_stage}: {shape} does not divide the {len(gpus)} GPUs the trainer gives it; "
             "plan it with a layout that does"
@@ -134,7 +143,15 @@ def laid_out(
     per_replica = math.ceil(samples_per_pass(plan, entry) / dp)
     micro_batches = 1 if entry.stage == "generation" else max(1, math.ceil(per_replica / micro_batch))
     return StagePlan(
-        model_stage=entry.model_stage, pool=pool, tp=tp, pp=pp, cp=cp, dp=dp, emus=emus, micro_batches=micro_batches
+        model_stage=entry.model_stage,
+        pool=pool,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        ep=ep,
+        dp=dp,
+        emus=emus,
+        micro_batches=micro_batches,
     )
 
 
@@ -183,9 +200,10 @@ def stage_difference(plan: Plan, planned: StagePlan, exported: StagePlan, reason
     """The Difference between a model-stage as planned and as exported, or None if the trainer
     runs it as planned (same layout, context parallelism included, same GPUs, same per-GPU
     micro-batch)."""
-    same = (planned.tp, planned.cp, planned.pp, planned.dp, sorted(planned.gpus)) == (
+    same = (planned.tp, planned.cp, planned.ep, planned.pp, planned.dp, sorted(planned.gpus)) == (
         exported.tp,
         exported.cp,
+        exported.ep,
         exported.pp,
         exported.dp,
         sorted(exported.gpus),

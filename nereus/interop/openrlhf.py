@@ -102,6 +102,8 @@ def export_openrlhf(plan: Plan) -> Export:
 
 
 def _reason(entry: StagePlan, ds_tp: int, ds_cp: int) -> str:
+    if entry.ep > 1:
+        return "OpenRLHF cannot express expert parallelism (DeepSpeed and its vLLM engines hold every expert): ep=1"
     if entry.model_stage == ACTOR_INFERENCE:
         return "OpenRLHF computes old log-probs on the actor's training group"
     if entry.model_stage == CRITIC_INFERENCE:

@@ -1,12 +1,24 @@
-"""A plan as configuration of verl's Megatron PPO trainer (the `ppo_megatron_trainer` family).
+"""A plan as configuration of verl's PPO trainer: its Megatron backend (the `ppo_megatron_trainer`
+family, the default) or its FSDP backend (`ppo_trainer`, `backend="fsdp"`).
 
 verl runs every model on one resource pool of all the job's GPUs (its default), one model
 after another; the actor's old log-probs come from the actor's training workers, the
 critic's values from the critic's training workers, and the rollout engine (vLLM) and the
 reward model (served by its own engine) take a tensor and a pipeline size. Context
 parallelism (a plan's `cp`) is Megatron's `context_parallel_size` of the actor, the reference
-and the critic, so the actor's and the critic's inference run with their training's. Whatever
-else a plan decides becomes a Difference.
+and the critic, so the actor's and the critic's inference run with their training's. Expert
+parallelism (a mixture-of-experts plan's `ep`, docs/moe.md) is Megatron's
+`expert_model_parallel_size` of those three, with `expert_tensor_parallel_size` = tp (nereus splits
+each expert over the tp ranks), and the rollout's vLLM expert parallelism: an engine of tp x ep
+GPUs, attention data-parallel over ep (`data_parallel_size` ep, `expert_parallel_size` tp x ep;
+vLLM then splits the experts over all tp x ep ranks whole rather than tp-split, the same bytes
+per GPU). Whatever else a plan decides becomes a Difference.
+
+verl's FSDP backend runs the actor, the reference and the critic on FSDP workers with no tensor or
+pipeline parallelism: each model fully sharded over all its GPUs (the data-parallel replicas and
+their Ulysses ranks) and its sequences cut over `ulysses_sequence_parallel_size` ranks, which is
+the plan's cp (nereus runs Ulysses too, docs/context-parallel.md); a planned tp or pp becomes a
+Difference. Its config is `ppo_trainer`; the async trainers are exported on Megatron only.
 
 An async plan (`execution: async`) exports to verl's experimental async trainers, whose
 configs extend `ppo_megatron_trainer` with a rollout pool of its own (`rollout.nnodes`,
@@ -20,6 +32,8 @@ fully_async_ppo_megatron_trainer`), with `async_training.staleness_threshold`,
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import yaml
 
@@ -59,6 +73,20 @@ MEGATRON_SECTIONS = {
     REFERENCE_INFERENCE: "actor_rollout_ref.ref.megatron",
     CRITIC_TRAINING: "critic.megatron",
 }
+#: The config section of each model verl runs on FSDP workers (`backend="fsdp"`): its
+#: `ulysses_sequence_parallel_size` is the plan's cp, its `fsdp_config` (the critic's `fsdp`) the offload.
+FSDP_SECTIONS = {
+    ACTOR_TRAINING: ("actor_rollout_ref.actor", "actor_rollout_ref.actor.fsdp_config"),
+    REFERENCE_INFERENCE: ("actor_rollout_ref.ref", "actor_rollout_ref.ref.fsdp_config"),
+    CRITIC_TRAINING: ("critic", "critic.fsdp"),
+}
+#: verl's training backends: Megatron (tp x cp x pp, the distributed optimizer) or FSDP (Ulysses).
+Backend = Literal["megatron", "fsdp"]
+#: Why a model-stage on verl's FSDP workers loses its tensor and pipeline parallelism.
+FSDP_REASON = (
+    "verl's FSDP workers have no tensor or pipeline parallelism: Ulysses (cp) and data parallel over all {n} GPUs"
+)
+FSDP_SHARDING = "verl's FSDP workers shard parameters, gradients and optimizer state over all their GPUs"
 SHARED_POOL = "global_pool"
 #: What verl's `megatron.optimizer_offload` and `param_offload` do with a planned training-time offload.
 OFFLOAD_HOW = (
@@ -74,19 +102,25 @@ TIED_REASONS = {
 SERVED_REASON = "verl serves the reward model with vLLM, which takes a tensor and a pipeline size only"
 
 
-def export_verl(plan: Plan) -> Export:
-    """`plan` as verl settings (dotted config keys), the plan verl will run and what differs."""
+def export_verl(plan: Plan, backend: Backend = "megatron") -> Export:
+    """`plan` as verl settings (dotted config keys) for its Megatron or FSDP backend, the plan verl
+    will run and what differs."""
     gpus = list(range(plan.cluster.num_gpus))
+    if backend == "fsdp" and plan.workload.execution == "async":
+        raise ValueError("verl's async trainers are exported on its Megatron backend; export without --backend fsdp")
     pools = async_pools(plan) or [Pool(name=SHARED_POOL, gpus=gpus)]
-    exported = _exported_stages(plan, pools)
+    exported = _exported_stages(plan, pools, backend)
     differences = [
         d
         for entry in plan.stages
-        if (d := stage_difference(plan, entry, exported[entry.model_stage], _reason(entry, pools))) is not None
+        if (d := stage_difference(plan, entry, exported[entry.model_stage], _reason(entry, pools, backend))) is not None
     ]
     how = "verl's Megatron trainer shards the optimizer state only (use_distributed_optimizer); its FSDP one all"
     differences += [
-        d for entry in plan.stages if (d := sharding_difference(entry, exported[entry.model_stage], how)) is not None
+        d
+        for entry in plan.stages
+        if (d := sharding_difference(entry, exported[entry.model_stage], FSDP_SHARDING if backend == "fsdp" else how))
+        is not None
     ]
     differences += [
         d
@@ -96,13 +130,20 @@ def export_verl(plan: Plan) -> Export:
     differences += _batch_differences(plan) + fusion_differences(plan, "verl") + async_differences(plan)
     stages = [exported[entry.model_stage] for entry in plan.stages]
     draft = plan.model_copy(update={"stages": stages, "pools": pools, "predictions": None})
-    settings = _settings(plan, exported, free_memory_fraction(draft, ACTOR_GENERATION)) | async_settings(plan, pools)
+    settings = _settings(plan, exported, free_memory_fraction(draft, ACTOR_GENERATION), backend)
+    settings |= async_settings(plan, pools)
     return finish("verl", CHECKED_VERSIONS["verl"], plan, settings, differences, stages, pools)
 
 
-def _reason(entry: StagePlan, pools: list[Pool]) -> str:
+#: The model-stage whose workers compute each inference (verl's old log-probs and values).
+WORKERS_OF = {ACTOR_INFERENCE: ACTOR_TRAINING, CRITIC_INFERENCE: CRITIC_TRAINING}
+
+
+def _reason(entry: StagePlan, pools: list[Pool], backend: Backend = "megatron") -> str:
     if entry.model_stage == REWARD_INFERENCE and entry.cp > 1:
         return SERVED_REASON
+    if backend == "fsdp" and entry.model_stage in FSDP_SECTIONS and (entry.tp > 1 or entry.pp > 1):
+        return FSDP_REASON.format(n=len(_pool_for(entry, pools).gpus))
     if len(pools) > 1:  # async: verl's rollout pool and trainer pool
         pool = _pool_for(entry, pools)
         return TIED_REASONS.get(entry.model_stage, ASYNC_POOL_REASON.format(pool=pool.name, n=len(pool.gpus)))
@@ -116,20 +157,26 @@ def _pool_for(entry: StagePlan, pools: list[Pool]) -> Pool:
     return pools[0] if entry.model_stage == ACTOR_GENERATION else pools[1]
 
 
-def _exported_stages(plan: Plan, pools: list[Pool]) -> dict[str, StagePlan]:
+def _exported_stages(plan: Plan, pools: list[Pool], backend: Backend = "megatron") -> dict[str, StagePlan]:
     # The actor's old log-probs keep their own micro-batch (`log_prob_micro_batch_size_per_gpu`);
     # the critic's values have none of their own.
-    layout_of = {ACTOR_INFERENCE: ACTOR_TRAINING, CRITIC_INFERENCE: CRITIC_TRAINING}
     micro_of = {CRITIC_INFERENCE: CRITIC_TRAINING}
     out: dict[str, StagePlan] = {}
     for entry in plan.stages:
-        layout = plan.stage_plan(layout_of.get(entry.model_stage, entry.model_stage))
+        layout = plan.stage_plan(WORKERS_OF.get(entry.model_stage, entry.model_stage))
         micro = per_gpu_micro_batch(plan, plan.stage_plan(micro_of.get(entry.model_stage, entry.model_stage)))
         pool = _pool_for(entry, pools)
-        # Megatron's context parallelism where verl runs the model-stage on Megatron workers;
-        # the vLLM engines (generation, the reward model) have none.
+        # Megatron's context parallelism (or FSDP's Ulysses) where verl runs the model-stage on its
+        # training workers; the vLLM engines (generation, the reward model) have none. Expert
+        # parallelism: Megatron's on its workers, vLLM's in the rollout (the reward model's engine
+        # takes none; verl's FSDP workers have none).
         cp = layout.cp if layout.model_stage in MEGATRON_SECTIONS else 1
-        out[entry.model_stage] = laid_out(plan, entry, pool.gpus, layout.tp, layout.pp, micro, pool.name, cp)
+        ep = 1 if entry.model_stage == REWARD_INFERENCE else layout.ep
+        if backend == "fsdp" and layout.model_stage in FSDP_SECTIONS:  # no tp, pp or ep; all sharded
+            exported = laid_out(plan, entry, pool.gpus, 1, 1, micro, pool.name, cp)
+            out[entry.model_stage] = exported.model_copy(update={"full_shard": True})
+        else:
+            out[entry.model_stage] = laid_out(plan, entry, pool.gpus, layout.tp, layout.pp, micro, pool.name, cp, ep)
         if entry.train_offload != "none":  # verl's offload puts the states to sleep between phases
             out[entry.model_stage] = out[entry.model_stage].model_copy(update={"offload": True})
     return out
@@ -148,7 +195,9 @@ def _batch_differences(plan: Plan) -> list[Difference]:
     return []
 
 
-def _settings(plan: Plan, stages: dict[str, StagePlan], memory_fraction: float) -> dict[str, Value]:
+def _settings(
+    plan: Plan, stages: dict[str, StagePlan], memory_fraction: float, backend: Backend = "megatron"
+) -> dict[str, Value]:
     w = plan.workload
     gen = stages[ACTOR_GENERATION]
     out: dict[str, Value] = {
@@ -172,19 +221,13 @@ def _settings(plan: Plan, stages: dict[str, StagePlan], memory_fraction: float) 
             plan, stages[ACTOR_INFERENCE]
         ),
     }
-    for name, section in MEGATRON_SECTIONS.items():
-        if name in stages:
-            out[f"{section}.tensor_model_parallel_size"] = stages[name].tp
-            out[f"{section}.pipeline_model_parallel_size"] = stages[name].pp
-            out[f"{section}.context_parallel_size"] = stages[name].cp
-            out[f"{section}.dtype"] = MEGATRON_DTYPES[w.dtype]
-            if name != REFERENCE_INFERENCE:
-                planned = plan.stage_plan(name)
-                sharded = w.optimizer.shard_across_dp or bool(planned.zero1) or planned.full_shard
-                out[f"{section}.use_distributed_optimizer"] = sharded or planned.train_offload != "none"
-                if planned.train_offload != "none":
-                    out[f"{section}.optimizer_offload"] = True
-                    out[f"{section}.param_offload"] = planned.train_offload == "params"
+    experts = any(model.moe is not None for model in plan.models)
+    if experts and gen.ep > 1:
+        # vLLM's expert parallelism: an engine of tp x ep GPUs runs attention data-parallel over ep
+        # (verl asserts expert_parallel_size = tensor_model_parallel_size x data_parallel_size).
+        out["actor_rollout_ref.rollout.data_parallel_size"] = gen.ep
+        out["actor_rollout_ref.rollout.expert_parallel_size"] = gen.tp * gen.ep
+    out |= _fsdp_settings(plan, stages) if backend == "fsdp" else _megatron_settings(plan, stages)
     if REFERENCE_INFERENCE in stages:
         ref = stages[REFERENCE_INFERENCE]
         out["actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"] = per_gpu_micro_batch(plan, ref)
@@ -197,6 +240,43 @@ def _settings(plan: Plan, stages: dict[str, StagePlan], memory_fraction: float) 
         out["reward.reward_model.rollout.name"] = "vllm"
         out["reward.reward_model.rollout.tensor_model_parallel_size"] = stages[REWARD_INFERENCE].tp
         out["reward.reward_model.rollout.pipeline_model_parallel_size"] = stages[REWARD_INFERENCE].pp
+    return out
+
+
+def _megatron_settings(plan: Plan, stages: dict[str, StagePlan]) -> dict[str, Value]:
+    """Each Megatron worker's layout (tp, pp, cp, ep), dtype, distributed optimizer and offload."""
+    w = plan.workload
+    experts = any(model.moe is not None for model in plan.models)
+    out: dict[str, Value] = {}
+    for name, section in MEGATRON_SECTIONS.items():
+        if name in stages:
+            out[f"{section}.tensor_model_parallel_size"] = stages[name].tp
+            out[f"{section}.pipeline_model_parallel_size"] = stages[name].pp
+            out[f"{section}.context_parallel_size"] = stages[name].cp
+            if experts:  # Megatron's experts: split over ep, each tp-split (nereus's expert tp = tp)
+                out[f"{section}.expert_model_parallel_size"] = stages[name].ep
+                out[f"{section}.expert_tensor_parallel_size"] = stages[name].tp
+            out[f"{section}.dtype"] = MEGATRON_DTYPES[w.dtype]
+            if name != REFERENCE_INFERENCE:
+                planned = plan.stage_plan(name)
+                sharded = w.optimizer.shard_across_dp or bool(planned.zero1) or planned.full_shard
+                out[f"{section}.use_distributed_optimizer"] = sharded or planned.train_offload != "none"
+                if planned.train_offload != "none":
+                    out[f"{section}.optimizer_offload"] = True
+                    out[f"{section}.param_offload"] = planned.train_offload == "params"
+    return out
+
+
+def _fsdp_settings(plan: Plan, stages: dict[str, StagePlan]) -> dict[str, Value]:
+    """Each FSDP worker's Ulysses degree (the plan's cp) and training-time offload."""
+    out: dict[str, Value] = {}
+    for name, (section, fsdp) in FSDP_SECTIONS.items():
+        if name in stages:
+            out[f"{section}.ulysses_sequence_parallel_size"] = stages[name].cp
+            planned = plan.stage_plan(name)
+            if name != REFERENCE_INFERENCE and planned.train_offload != "none":
+                out[f"{fsdp}.optimizer_offload"] = True
+                out[f"{fsdp}.param_offload"] = planned.train_offload == "params"
     return out
 
 
@@ -284,7 +364,8 @@ def _hydra_value(value: Value) -> str:
 
 
 def as_yaml(export: Export) -> str:
-    """The settings as a nested verl config file (merge it over `ppo_megatron_trainer`)."""
+    """The settings as a nested verl config file (merge it over `ppo_megatron_trainer`, or
+    `ppo_trainer` for the FSDP backend)."""
     nested: dict[str, object] = {}
     for key, value in export.settings.items():
         *parents, leaf = key.split(".")

@@ -14,6 +14,7 @@ rules) are shared, not restated. No torch: a refusal takes a fraction of a secon
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +23,7 @@ from nereus.cost.fit import engineless_stages
 from nereus.cost.kv_pool import BLOCK_TOKENS, KV_ELEMENT_BYTES
 from nereus.cost.stage import kv_bytes_per_token
 from nereus.errors import ArgumentError, NereusError, SpecError
-from nereus.spec.capabilities import MEMORY_CHOICES, RUNTIME_DTYPES, unexecuted_choices
+from nereus.spec.capabilities import EXPERT_PARALLEL_EXECUTED, MEMORY_CHOICES, RUNTIME_DTYPES, unexecuted_choices
 from nereus.spec.check import (
     Problem,
     cp_layout_problem,
@@ -201,6 +202,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
         if rows // entry.dp < entry.micro_batches:
             problems.append(f"{name}: {rows} rows over dp={entry.dp} cannot fill micro_batches={entry.micro_batches}")
     problems += unexecutable_choices(plan)
+    problems += expert_parallel_problems(plan)
     problems += offload_problems(plan)
     problems += sft_problems(plan, config)
     problems += memory_problems(plan, config)
@@ -238,15 +240,29 @@ def unexecutable_choices(plan: Plan) -> list[str]:
     return found
 
 
+def expert_parallel_problems(plan: Plan) -> list[str]:
+    """Entries with ep > 1 where the runtime does not execute expert parallelism
+    (`nereus.spec.capabilities.EXPERT_PARALLEL_EXECUTED`), each with the `nereus plan` option
+    that leaves it out."""
+    if EXPERT_PARALLEL_EXECUTED:
+        return []
+    return [
+        f"{entry.model_stage}: ep={entry.ep} (expert parallelism) is not executed by the runtime yet; replan with "
+        "`nereus plan --expert-parallel off`"
+        for entry in plan.stages
+        if entry.ep > 1
+    ]
+
+
 def offload_problems(plan: Plan) -> list[str]:
     """Training-time offload the runtime cannot run on an entry's layout: the parameters' shards
-    live in host memory by FSDP2's CPU offload, which shards over dp > 1 replicas."""
+    live in host memory by FSDP2's CPU offload, which shards over dp x cp > 1 ranks."""
     return [
         f"{entry.model_stage}: train_offload params keeps the parameters' shards in host memory (FSDP2's CPU "
-        f"offload), which needs full_shard over dp > 1 replicas; this entry has dp={entry.dp}: use train_offload "
-        "optimizer"
+        f"offload), which needs full_shard over dp x cp > 1 ranks; this entry has dp={entry.dp} cp={entry.cp}: "
+        "use train_offload optimizer"
         for entry in plan.stages
-        if entry.stage == "training" and entry.train_offload == "params" and entry.dp < 2
+        if entry.stage == "training" and entry.train_offload == "params" and entry.dp * entry.cp < 2
     ]
 
 
@@ -306,16 +322,18 @@ def token_budget_problems(plan: Plan) -> list[str]:
 
 
 def full_shard_problems(plan: Plan) -> list[str]:
-    """Fully sharded model-stages whose replicas are not in ascending GPU order at some position
-    of their EMUs: FSDP2 places replica d's rows on the d-th rank of its dp group, whose ranks a
-    process group orders ascending (the engine refuses such a layout; a plan or a replan is
-    refused before it)."""
+    """Fully sharded model-stages whose replicas (and their cp ranks) are not in ascending GPU
+    order at some (stage, tp rank) position of their EMUs: FSDP2 places shard d * cp + c's rows
+    (replica d, cp rank c) on that rank of its dp x cp group, whose ranks a process group orders
+    ascending (the engine refuses such a layout; a plan or a replan is refused before it)."""
     found = []
     for entry in plan.stages:
-        if not entry.full_shard or entry.dp < 2:
+        if not entry.full_shard or entry.dp * entry.cp < 2:
             continue
-        for position in range(entry.replica_size):
-            gpus = [emu[position] for emu in entry.emus]
+        for stage, tp_rank in itertools.product(range(entry.pp), range(entry.tp)):
+            # EMU entry (s * cp + c) * tp + r is stage s, cp rank c, tensor rank r
+            at = [(stage * entry.cp + c) * entry.tp + tp_rank for c in range(entry.cp)]
+            gpus = [emu[i] for emu in entry.emus for i in at]
             if gpus != sorted(gpus):
                 found.append(
                     f"{entry.model_stage}: full_shard places replica d's rows on the d-th of GPUs {sorted(gpus)}, "

@@ -11,8 +11,8 @@ import numpy as np
 
 from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, stage_room
 from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel
-from nereus.spec.capabilities import MEMORY_CHOICES
-from nereus.spec.check import cp_rule, kv_heads_rule, pp_rule
+from nereus.spec.capabilities import EXPERT_PARALLEL_EXECUTED, MEMORY_CHOICES
+from nereus.spec.check import cp_rule, ep_rule, kv_heads_rule, pp_rule
 from nereus.spec.plan import RECOMPUTE_LEVELS, Fusion, Recompute
 
 #: Bounded KV budgets tried, as fractions of the room a GPU leaves the model-stages (its usable
@@ -23,11 +23,13 @@ KV_BUDGET_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7)
 #: (kv_budget_bytes or 0, recompute, token_budget or 0, zero1, offload, full_shard, train_offload level:
 #: `TRAIN_OFFLOADS`' index) of one option.
 Choice = tuple[int, int, int, int, int, int, int]
-#: time, resident, transient, tp, pp, dp, m, choice, host bytes per GPU, cp (last, so that the
-#: fields before it keep their places)
-Option = tuple[float, float, float, int, int, int, int, Choice, float, int]
+#: time, resident, transient, tp, pp, dp, m, choice, host bytes per GPU, cp, ep (last, so that
+#: the fields before them keep their places)
+Option = tuple[float, float, float, int, int, int, int, Choice, float, int, int]
 #: Where an `Option` keeps its context-parallel degree.
 CP: Final = 9
+#: Where an `Option` keeps its expert-parallel degree.
+EP: Final = 10
 
 
 @dataclass(frozen=True)
@@ -39,15 +41,15 @@ class MemoryChoices:
     token_budget: tuple[bool, ...] = (False, True)
     """Training micro-batches of equal rows (False) or packed to a token budget (True)."""
     zero1: tuple[bool, ...] = (False, True)
-    """AdamW state sharded across dp (True) or replicated (False)."""
+    """AdamW state sharded across dp x cp (True) or replicated (False)."""
     offload: tuple[bool, ...] = (False, True)
     """Idle model-stages' states sleep in host memory (True) or stay on the GPUs (False)."""
     kv_budget: tuple[bool, ...] = (False, True)
     """Generation batches continuously into a bounded KV budget (True) or holds every sample (False)."""
     full_shard: tuple[bool, ...] = (False, True)
-    """Training and inference shard parameters (and gradients, optimizer state) across dp (True;
-    searched where dp > 1 and pp = 1; it shards the optimizer whatever `zero1` says) or hold them
-    whole (False)."""
+    """Training and inference shard parameters (and gradients, optimizer state) across dp x cp
+    (True; searched where dp x cp > 1 and pp = 1; it shards the optimizer whatever `zero1` says)
+    or hold them whole (False)."""
     train_offload: tuple[str, ...] = TRAIN_OFFLOADS
     """Training-time offload (`StagePlan.train_offload`): `none`, `optimizer` (AdamW state and
     gradients in host memory, the step on the host; it shards them whatever `zero1` says) or
@@ -56,6 +58,10 @@ class MemoryChoices:
     """Training and inference replicas may cut sequences over cp > 1 ranks (True; Ulysses, without
     pipeline stages: `candidate_grid`) or keep cp = 1 (False). A layout dimension, not a memory
     choice, but pinned the same way."""
+    expert_parallel: tuple[bool, ...] = (False, True)
+    """Every model-stage of a mixture-of-experts model may split its experts over ep > 1 ranks
+    (True; ep dividing the experts, docs/moe.md) or keep ep = 1 (False); a dense model has ep = 1
+    whatever this says. A layout dimension, pinned like `context_parallel`."""
 
 
 def runtime_choices(fusion: Fusion | None = None) -> MemoryChoices:
@@ -64,11 +70,15 @@ def runtime_choices(fusion: Fusion | None = None) -> MemoryChoices:
     each other one pinned off. Under `fusion`'s intra-stage fusion, whose schedule fixes the
     training micro-batch counts, token budgets are pinned off too (the runtime refuses that
     combination: `nereus.solver.admission.token_budget_problems`). Context parallelism (Ulysses,
-    docs/context-parallel.md) is searched as by default: the runtime executes it."""
+    docs/context-parallel.md) is searched as by default: the runtime executes it. Expert
+    parallelism is searched where the runtime executes it (`EXPERT_PARALLEL_EXECUTED`), else
+    pinned to ep = 1."""
     every = MemoryChoices()
     pinned: dict[str, Any] = {
         name: getattr(every, name)[:1] for name, support in MEMORY_CHOICES.items() if not support.executed
     }
+    if not EXPERT_PARALLEL_EXECUTED:
+        pinned["expert_parallel"] = (False,)
     if fusion is not None and fusion.intra_stage:
         pinned["token_budget"] = (False,)
     return dataclasses.replace(every, **pinned)
@@ -93,7 +103,7 @@ class ListedOptions:
     offloads: np.ndarray
     """Each block of `timed_row`'s length: its offload flag (1: the states sleep)."""
     layout: tuple[np.ndarray, ...]
-    """(tp, pp, dp, micro_batches, cp) per timed row."""
+    """(tp, pp, dp, micro_batches, cp, ep) per timed row."""
     memory: dict[str, np.ndarray]
     """Bytes per memory term, per timed row."""
     choices: tuple[np.ndarray, ...]
@@ -118,7 +128,7 @@ class OptionTable:
     """Every candidate layout of one model-stage on one pool size: rows of a `ListedOptions`.
 
     `options` turns them, on first use, into the plain tuples (time_s, resident_bytes,
-    transient_bytes, tp, pp, dp, micro_batches, choice, host_bytes, cp) the search loops over;
+    transient_bytes, tp, pp, dp, micro_batches, choice, host_bytes, cp, ep) the search loops over;
     `memory` keeps the per-term bytes behind each option for reports.
     """
 
@@ -149,6 +159,11 @@ class OptionTable:
         return self.listed.layout[4][self.timed]
 
     @cached_property
+    def ep(self) -> np.ndarray:
+        """The expert-parallel degree."""
+        return self.listed.layout[5][self.timed]
+
+    @cached_property
     def memory(self) -> dict[str, np.ndarray]:
         """Bytes per memory term."""
         return {k: v[self.timed] for k, v in self.listed.memory.items()}
@@ -170,17 +185,19 @@ class OptionTable:
     def options(self) -> list[Option]:
         time, resident, transient, *layout = (c.tolist() for c in self.columns)
         picks = list(zip(*(c.astype(np.int64).tolist() for c in self.choices), strict=True))
-        return list(zip(time, resident, transient, *layout, picks, self.host.tolist(), self.cp.tolist(), strict=True))
+        host, cp, ep = self.host.tolist(), self.cp.tolist(), self.ep.tolist()
+        return list(zip(time, resident, transient, *layout, picks, host, cp, ep, strict=True))
 
     def terms(self, i: int) -> dict[str, float]:
         """Bytes per memory term of option `i`."""
         return {k: float(v[i]) for k, v in self.memory.items()}
 
 
-def _valid_degrees(cost: StageCostModel, allowed: MemoryChoices) -> list[tuple[int, int, int]]:
-    """(tp, pp, cp) the model allows: power-of-two tp in a node, pp dividing the layers, and in
+def _valid_degrees(cost: StageCostModel, allowed: MemoryChoices) -> list[tuple[int, int, int, int]]:
+    """(tp, pp, cp, ep) the model allows: power-of-two tp in a node, pp dividing the layers, in
     training and inference (where allowed) a power-of-two cp > 1 that Ulysses can split the
-    heads by (`cp_rule`), without pipeline stages."""
+    heads by (`cp_rule`), without pipeline stages, and for a mixture of experts (where allowed)
+    every ep > 1 dividing the experts (`ep_rule`), with cp = 1."""
     model = cost.model
     tps = [
         1 << i
@@ -188,12 +205,17 @@ def _valid_degrees(cost: StageCostModel, allowed: MemoryChoices) -> list[tuple[i
         if 1 << i <= cost.cluster.gpus_per_node and kv_heads_rule(model, 1 << i) is None
     ]
     pps = [pp for pp in range(1, model.num_layers + 1) if pp_rule(model, pp) is None]
-    out = [(tp, pp, 1) for tp in tps for pp in pps]
+    plain = [(tp, pp, 1, 1) for tp in tps for pp in pps]
+    out = list(plain)
     if cost.stage != "generation" and True in allowed.context_parallel:
-        cps = [1 << i for i in range(1, model.num_kv_heads.bit_length())]
-        out += [(tp, 1, cp) for tp in tps for cp in cps if cp_rule(model, tp, cp) is None]
+        cps = [1 << i for i in range(1, model.num_heads.bit_length())]  # `cp_rule` keeps those that divide
+        out += [(tp, 1, cp, 1) for tp in tps for cp in cps if cp_rule(model, tp, cp) is None]
     if False not in allowed.context_parallel and cost.stage != "generation":  # pinned on
         out = [d for d in out if d[2] > 1]
+    if model.moe is not None and True in allowed.expert_parallel:
+        eps = [ep for ep in range(2, model.moe.num_experts + 1) if ep_rule(model, ep) is None]
+        experts = [(tp, pp, 1, ep) for tp, pp, _, _ in plain for ep in eps]
+        out = experts if False not in allowed.expert_parallel else out + experts  # pinned on: ep > 1 only
     return out
 
 
@@ -204,34 +226,39 @@ def _ceil_div(a: Any, b: Any) -> Any:
 def candidate_grid(
     cost: StageCostModel, pool_sizes: list[int], allowed: MemoryChoices | None = None
 ) -> tuple[np.ndarray, ...]:
-    """(size, tp, pp, dp, micro_batches, cp) columns of every candidate on every pool size.
+    """(size, tp, pp, dp, micro_batches, cp, ep) columns of every candidate on every pool size.
 
     tp is a power of two inside a node, pp divides the layers, cp (training and inference) is
-    a power of two the heads allow (`_valid_degrees`), dp fills the pool with replicas of
-    tp x cp x pp GPUs (up to one replica per sample);
+    a power of two the heads allow, ep (mixture of experts) divides the experts
+    (`_valid_degrees`), dp fills the pool with replicas of tp x cp x ep x pp GPUs (up to one
+    replica per sample, an ep rank taking 1/ep of a replica's);
     training tries micro-batch sizes 1, 2, 4, ... and the whole share of a replica.
     """
-    degrees = np.array(_valid_degrees(cost, allowed or MemoryChoices()), dtype=np.int64).reshape(-1, 3)
-    size, tp, pp, cp = np.broadcast_arrays(
-        np.array(pool_sizes, dtype=np.int64)[:, None], *(degrees[None, :, k] for k in range(3))
+    degrees = np.array(_valid_degrees(cost, allowed or MemoryChoices()), dtype=np.int64).reshape(-1, 4)
+    size, tp, pp, cp, ep = np.broadcast_arrays(
+        np.array(pool_sizes, dtype=np.int64)[:, None], *(degrees[None, :, k] for k in range(4))
     )
     w = cost.workload
     samples = w.samples_per_step // w.mini_batches if cost.stage == "training" else w.samples_per_step
-    keep = tp * cp * pp <= size
-    size, tp, pp, cp = size[keep], tp[keep], pp[keep], cp[keep]
-    dp = np.minimum(size // (tp * cp * pp), samples)  # a replica without samples would idle: leave its GPUs free
+    # Every ep rank needs a sample of its replica's share: ep above the samples would idle ranks.
+    keep = (tp * cp * ep * pp <= size) & (ep <= samples)
+    size, tp, pp, cp, ep = size[keep], tp[keep], pp[keep], cp[keep], ep[keep]
+    # A replica (each of its ep ranks) without samples would idle: leave its GPUs free.
+    dp = np.minimum(size // (tp * cp * ep * pp), samples // ep)
     if cost.stage != "training":
         if cost.stage == "generation":
-            return size, tp, pp, dp, np.ones_like(dp), cp
+            return size, tp, pp, dp, np.ones_like(dp), cp, ep
         per_replica = _ceil_div(w.samples_per_step, dp)
-        return size, tp, pp, dp, _ceil_div(per_replica, w.micro_batch_size), cp
+        return size, tp, pp, dp, _ceil_div(per_replica, w.micro_batch_size * ep), cp, ep
     share = _ceil_div(w.samples_per_step // w.mini_batches, dp)
-    columns: list[list[np.ndarray]] = [[], [], [], [], [], []]
+    columns: list[list[np.ndarray]] = [[], [], [], [], [], [], []]
     largest = int(share.max()) if share.size else 0
     for b in [*(1 << i for i in range(largest.bit_length())), 0]:
-        pick = share > b if b else np.ones_like(share, dtype=bool)  # b = 0 stands for "the whole share"
+        # b: rows of a replica's micro-batch (an ep rank takes 1/ep of them); 0: the whole share
+        pick = (share > b) & (ep <= b) if b else np.ones_like(share, dtype=bool)
         m = _ceil_div(share[pick], b) if b else np.ones(int(pick.sum()), dtype=np.int64)
-        for out, col in zip(columns, (size[pick], tp[pick], pp[pick], dp[pick], m, cp[pick]), strict=True):
+        picked = (size[pick], tp[pick], pp[pick], dp[pick], m, cp[pick], ep[pick])
+        for out, col in zip(columns, picked, strict=True):
             out.append(col)
     return tuple(np.concatenate(col) for col in columns)
 
@@ -254,12 +281,13 @@ def _kv_levels(
     row only where every budget binds (the others would be dominated and not listed)."""
     room = stage_room(cost.cluster, cost.calibration)
     tp, pp, dp = (c.astype(float) for c in columns[1:4])  # generation: cp = 1
-    full = cost.full_kv_bytes(tp, pp, dp)
+    ep = columns[6].astype(float)
+    full = cost.full_kv_bytes(tp, pp, dp, ep)
     one = np.ceil((cost.workload.prompt_len + cost.workload.response_len.max) * cost.kv_bytes_per_token(tp, pp))
     candidates = [np.floor(room * f) * np.ones_like(full) for f in KV_BUDGET_FRACTIONS] + [one]
     picks = [(level >= one) & (level < full) for level in candidates]
     stacked = np.stack(candidates)
-    loose = np.where(np.stack(picks) & ~cost.kv_budget_binds(tp, pp, dp, stacked), stacked, np.inf)
+    loose = np.where(np.stack(picks) & ~cost.kv_budget_binds(tp, pp, dp, stacked, ep), stacked, np.inf)
     smallest, some_loose = loose.argmin(axis=0), np.isfinite(loose).any(axis=0)
     rows, levels = [], []
     for i, (pick, level) in enumerate(zip(picks, candidates, strict=True)):
@@ -277,14 +305,14 @@ class _Timed:
     """Distinct layouts times the choices that change the time's formulas (recompute, KV
     budget), each priced once; the other choices follow by arithmetic (`_expand_choices`)."""
 
-    layout: list[np.ndarray]  # index of the distinct layout, tp, pp, dp, micro-batches, cp
+    layout: list[np.ndarray]  # index of the distinct layout, tp, pp, dp, micro-batches, cp, ep
     kv: np.ndarray  # KV budget in bytes (inf: none)
     recompute: np.ndarray
-    full_shard: np.ndarray  # parameters sharded across dp (the optimizer with them)
+    full_shard: np.ndarray  # parameters sharded across dp x cp (the optimizer with them)
     train_offload: np.ndarray  # training-time offload level (`TRAIN_OFFLOADS`' index)
     host: np.ndarray  # host-memory bytes per GPU of training-time offload
     time: np.ndarray  # seconds (inf where no choice of the row fits alone)
-    optimizer_time: np.ndarray  # the share of `time` ZeRO-1 divides by dp
+    optimizer_time: np.ndarray  # the share of `time` ZeRO-1 divides by dp x cp
     memory: dict[str, np.ndarray]  # without ZeRO-1 (unless pinned or fully sharded) and token budgets
     token_budget: np.ndarray  # the packed budget's tokens (training), 0 elsewhere
     token_ratio: np.ndarray  # those tokens over the rows' tokens (below 1: the budget holds fewer)
@@ -294,15 +322,16 @@ class _Timed:
 def _blocks(cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices) -> list[_Block]:
     """The blocks of timed rows of a training or inference model-stage, in order: (which distinct
     layouts, full sharding, training-time offload level). Full sharding is searched where it
-    shards something (dp > 1) and as FSDP and ZeRO-3 run it, without pipeline stages (Megatron
-    pipelines shard the optimizer only: ZeRO-1); offloading the parameters needs it."""
+    shards something (dp x cp > 1: the cp ranks shard with the replicas) and as FSDP and ZeRO-3
+    run it, without pipeline stages (Megatron pipelines shard the optimizer only: ZeRO-1);
+    offloading the parameters needs it."""
     every = np.ones(distinct[0].shape, dtype=bool)
     if False not in allowed.full_shard:  # pinned on
         shards = [(every, 1.0)]
     else:
         shards = [(every, 0.0)]
         if True in allowed.full_shard:
-            shards.append(((distinct[3] > 1) & (distinct[2] == 1), 1.0))
+            shards.append(((distinct[3] * distinct[5] > 1) & (distinct[2] == 1), 1.0))
     levels = [TRAIN_OFFLOADS.index(t) for t in allowed.train_offload] if cost.stage == "training" else [0]
     return [(rows, shard, float(level)) for rows, shard in shards for level in levels if level < 2 or shard]
 
@@ -315,7 +344,7 @@ def _timed_grid(
     cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices
 ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(columns, kv budget, recompute, full shard, train offload) of the timed rows: distinct
-    (index, tp, pp, dp, m, cp) rows once per block (`_blocks`) and, in a training block, per recompute
+    (index, tp, pp, dp, m, cp, ep) rows once per block (`_blocks`) and, in a training block, per recompute
     choice; or per KV budget (generation)."""
     if cost.stage == "generation":
         columns = list(distinct)
@@ -342,32 +371,35 @@ def _timed_grid(
 def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices) -> _Timed:
     """Memory of every timed row, and its time where some choice of it fits alone."""
     layout, kv, recompute, full_shard, train_offload = _timed_grid(cost, distinct, allowed)
-    tp, pp, dp, m, cp = (c.astype(float) for c in layout[1:])
+    tp, pp, dp, m, cp, ep = (c.astype(float) for c in layout[1:])
     pinned = cost.stage == "training" and cost.workload.optimizer.shard_across_dp
     zero1 = np.full(tp.shape, pinned) | (full_shard > 0) | (train_offload > 0)
     shard: Any = full_shard if cost.stage != "generation" else 0
     choices: dict[str, Any] = dict(
         recompute=recompute, zero1=zero1, full_shard=shard, train_offload=train_offload, cp=cp
     )
+    if cost.model.moe is not None:  # a dense model's ep is 1: its pricing is unchanged
+        choices["ep"] = ep
     memory = cost.memory_terms(tp, pp, dp, m, kv_budget=kv, **choices)
     memory = {k: np.broadcast_to(v, tp.shape).astype(float) for k, v in memory.items()}
     token_budget, token_ratio, budget_memory = np.zeros(tp.shape), np.ones(tp.shape), memory
     if cost.stage == "training":
         token_budget = cost.packed_token_budget(dp, m)
-        token_ratio = token_budget / cost.micro_batch_tokens(dp, m)  # cp divides both alike
+        token_ratio = token_budget / cost.micro_batch_tokens(dp, m)  # cp and ep divide both alike
         # Priced at the budget, not scaled by the ratio: the logits term is one chunk of the
         # chunked head whatever the tokens past it, and full recompute's rerun reuses its room.
         at_budget = cost.memory_terms(tp, pp, dp, m, token_budget=token_budget, **choices)
         budget_memory = {k: np.broadcast_to(at_budget[k], tp.shape).astype(float) for k in TOKEN_TERMS if k in memory}
-    least = _least_memory(memory, budget_memory, dp, allowed, zero1)
+    least = _least_memory(memory, budget_memory, dp * cp, allowed, zero1)
     fits = least <= stage_room(cost.cluster, cost.calibration)
     if cost.stage == "training":
         times = _pipeline_times(cost, distinct, allowed)
     else:
-        times = _fitting_times(cost, (tp, pp, dp, m, cp), fits, kv_budget=kv, full_shard=full_shard, zero1=zero1)
+        layout_columns = (tp, pp, dp, m, cp, ep)
+        times = _fitting_times(cost, layout_columns, fits, kv_budget=kv, full_shard=full_shard, zero1=zero1)
     time = np.where(fits, sum(times.values(), np.zeros(tp.shape)), np.inf)
     optimizer_time = np.where(fits, times["optimizer"], 0.0) if cost.stage == "training" else np.zeros(tp.shape)
-    host = sum(cost.host_terms(tp, pp, dp, train_offload).values(), np.zeros(tp.shape))
+    host = sum(cost.host_terms(tp, pp, dp, train_offload, cp, choices.get("ep", 1)).values(), np.zeros(tp.shape))
     return _Timed(
         layout,
         kv,
@@ -385,29 +417,32 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
 
 
 def _inter(
-    cost: StageCostModel, tp: np.ndarray, pp: np.ndarray, dp: np.ndarray, cp: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Whether a layout's pipeline, its dp group and its tp x cp groups cross nodes: a block of
-    contiguous GPUs (an EMU; one pipeline stage's tp x cp ranks) straddles nodes when it is larger
-    than a node, or packs unevenly into one."""
+    cost: StageCostModel, tp: np.ndarray, pp: np.ndarray, dp: np.ndarray, cp: np.ndarray, ep: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Whether a layout's pipeline, its dp group, its tp x cp groups and its tp x ep groups cross
+    nodes: a block of contiguous GPUs (an EMU; one pipeline stage's tp x cp x ep ranks) straddles
+    nodes when it is larger than a node, or packs unevenly into one."""
     per_node = cost.cluster.gpus_per_node
 
     def straddles(block: np.ndarray, count: np.ndarray) -> np.ndarray:
         return (block > per_node) | ((per_node % block != 0) & (block * count > per_node))
 
-    emu = tp * cp * pp
-    return straddles(emu, dp), emu * dp > per_node, (cp > 1) & straddles(tp * cp, pp * dp)
+    emu = tp * cp * ep * pp
+    inner = straddles(tp * cp * ep, pp * dp)
+    return straddles(emu, dp), emu * dp > per_node, (cp > 1) & inner, (ep > 1) & inner
 
 
 def _fitting_times(
     cost: StageCostModel, layout: tuple[np.ndarray, ...], fits: np.ndarray, **choices: np.ndarray
 ) -> dict[str, np.ndarray]:
     """Time terms of the timed rows that fit (zero elsewhere), priced row by row."""
-    tp, pp, dp, m, cp = (c[fits] for c in layout)
-    pp_inter, dp_inter, cp_inter = _inter(cost, tp, pp, dp, cp)
+    tp, pp, dp, m, cp, ep = (c[fits] for c in layout)
+    pp_inter, dp_inter, cp_inter, ep_inter = _inter(cost, tp, pp, dp, cp, ep)
     if cost.stage == "generation":
         del choices["full_shard"]  # generation holds whole parameters (and cp = 1)
     picked: dict[str, np.ndarray] = {k: v[fits] for k, v in choices.items()}
+    if cost.model.moe is not None:
+        picked.update(ep=ep, ep_inter=ep_inter)
     if cost.stage != "generation":
         picked.update(cp=cp, cp_inter=cp_inter)
     out = {}
@@ -422,15 +457,16 @@ def _pipeline_times(cost: StageCostModel, distinct: list[np.ndarray], allowed: M
     block's distinct layouts once per recompute choice. The recompute choices broadcast over a
     trailing axis, so what does not depend on them is priced once per layout; the rows that do
     not fit are priced too (their time is dropped)."""
-    tp, pp, dp, m, cp = (c.astype(float)[:, None] for c in distinct[1:])
+    tp, pp, dp, m, cp, ep = (c.astype(float)[:, None] for c in distinct[1:])
     recompute = np.array([float(RECOMPUTE_LEVELS.index(r)) for r in allowed.recompute])
     pinned = cost.workload.optimizer.shard_across_dp
     blocks: list[dict[str, np.ndarray]] = []
     for rows, shard, level in _blocks(cost, distinct, allowed):
-        pp_inter, dp_inter, cp_inter = _inter(cost, tp[rows], pp[rows], dp[rows], cp[rows])
+        pp_inter, dp_inter, cp_inter, ep_inter = _inter(cost, tp[rows], pp[rows], dp[rows], cp[rows], ep[rows])
         sharded, offloaded = np.full(pp_inter.shape, shard), np.full(pp_inter.shape, level)
         zero1 = np.full(pp_inter.shape, pinned) | (sharded > 0) | (offloaded > 0)
         args = (tp[rows], pp[rows], dp[rows], m[rows], pp_inter, dp_inter)
+        experts = {"ep": ep[rows], "ep_inter": ep_inter} if cost.model.moe is not None else {}
         terms = cost.time_terms(
             *args,
             recompute=recompute[None, :],
@@ -439,6 +475,7 @@ def _pipeline_times(cost: StageCostModel, distinct: list[np.ndarray], allowed: M
             train_offload=offloaded,
             cp=cp[rows],
             cp_inter=cp_inter,
+            **experts,
         )
         shape = (pp_inter.shape[0], recompute.size)
         blocks.append({name: np.broadcast_to(value, shape).ravel() for name, value in terms.items()})
@@ -455,17 +492,17 @@ def _pipeline_times(cost: StageCostModel, distinct: list[np.ndarray], allowed: M
 def _least_memory(
     memory: dict[str, np.ndarray],
     budget_memory: dict[str, np.ndarray],
-    dp: np.ndarray,
+    shards: np.ndarray,
     allowed: MemoryChoices,
     sharded: np.ndarray,
 ) -> np.ndarray:
     """The smallest footprint any expansion of a row can have (offload moves bytes, not removes
-    them); `budget_memory`: the token terms under the packed budget; `sharded`: rows whose
-    optimizer state is already divided by dp."""
-    total = np.zeros(dp.shape)
+    them); `budget_memory`: the token terms under the packed budget; `shards`: dp x cp, what
+    ZeRO-1 divides the optimizer state by; `sharded`: rows whose optimizer state is already divided."""
+    total = np.zeros(shards.shape)
     for name, value in memory.items():
         if name == "optimizer" and True in allowed.zero1:
-            value = np.where(sharded, value, value / dp)
+            value = np.where(sharded, value, value / shards)
         if name in budget_memory and True in allowed.token_budget:
             value = np.minimum(value, budget_memory[name])
         total = total + value
@@ -485,8 +522,8 @@ def _expand_choices(
 
     Two choices are decided per row before pricing, as one option always dominates the
     other: a token budget holding fewer tokens than the fixed rows has the same time and
-    less memory (more tokens: more memory), and ZeRO-1 over dp > 1 has less optimizer
-    memory and a faster update at the same communication (over one replica it is no change).
+    less memory (more tokens: more memory), and ZeRO-1 over dp x cp > 1 has less optimizer
+    memory and a faster update at the same communication (over one rank it is no change).
     A pinned choice is kept as pinned.
     """
     training = cost.stage == "training"
@@ -494,15 +531,15 @@ def _expand_choices(
     token = _decided(allowed.token_budget, g.token_ratio < 1) if training else np.zeros(n, dtype=bool)
     pinned = training and cost.workload.optimizer.shard_across_dp
     zero1 = np.zeros(n, dtype=bool)
+    shards = (g.layout[3] * g.layout[5]).astype(float)  # dp x cp: the ranks holding the same weights
     if training and not pinned:  # a fully sharded or offloading row's optimizer is sharded already
-        zero1 = _decided(allowed.zero1, g.layout[3] > 1) & (g.layout[3] > 1) & (g.full_shard == 0)
+        zero1 = _decided(allowed.zero1, shards > 1) & (shards > 1) & (g.full_shard == 0)
         zero1 &= g.train_offload == 0
-    dp = g.layout[3].astype(float)
     terms = {k: np.where(token, g.budget_memory[k], v) if k in g.budget_memory else v for k, v in g.memory.items()}
     time = g.time
     if training and not pinned:
-        terms["optimizer"] = np.where(zero1, terms["optimizer"] / dp, terms["optimizer"])
-        time = time - np.where(zero1, g.optimizer_time * (1 - 1 / dp), 0.0)
+        terms["optimizer"] = np.where(zero1, terms["optimizer"] / shards, terms["optimizer"])
+        time = time - np.where(zero1, g.optimizer_time * (1 - 1 / shards), 0.0)
     states = sum((v for k, v in terms.items() if k in RESIDENT_TERMS), np.zeros(n))
     kv = np.where(np.isinf(g.kv), 0.0, g.kv)
     token_budget = np.where(token, g.token_budget, 0.0)
@@ -533,7 +570,7 @@ class LayoutGrid:
     size: np.ndarray
     """The pool size of each candidate, ascending."""
     distinct: list[np.ndarray]
-    """(index, tp, pp, dp, micro_batches) of each distinct layout."""
+    """(index, tp, pp, dp, micro_batches, cp, ep) of each distinct layout."""
     of_candidate: np.ndarray
     """The distinct layout of each candidate."""
 
@@ -545,7 +582,7 @@ def layout_grid(cost: StageCostModel, pool_sizes: list[int], allowed: MemoryChoi
     order = np.argsort(base[0], kind="stable")
     size, *layout = (c[order].astype(np.int64) for c in base)
     key = np.zeros(size.shape, dtype=np.int64)
-    for column in layout:  # one integer per (tp, pp, dp, m, cp)
+    for column in layout:  # one integer per (tp, pp, dp, m, cp, ep)
         key = key * (int(column.max(initial=0)) + 1) + column
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     return LayoutGrid(size, [np.arange(first.size), *(c[first] for c in layout)], inverse.reshape(-1))
@@ -556,7 +593,7 @@ def price_layouts(
 ) -> dict[int, OptionTable]:
     """Price every candidate layout and choice on every pool size, vectorised.
 
-    Time and memory depend on (tp, pp, dp, micro-batches, cp) and the choices, not on the pool
+    Time and memory depend on (tp, pp, dp, micro-batches, cp, ep) and the choices, not on the pool
     size: each distinct layout is priced once, and every pool size's table lists its rows.
     `grid`: `layout_grid(cost, pool_sizes, allowed)`, if already made.
     """

@@ -333,7 +333,7 @@ def generation_profile(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATIO
     dtype = DTYPE_BYTES[workload.dtype]
     hbm = cluster.gpu.hbm_bytes_per_s * calibration.decode_memory
     gpus = entry.replica_size
-    free_bytes = stage_room(cluster, calibration) - float(cost.params_per_gpu(entry.tp, entry.pp)) * dtype
+    free_bytes = stage_room(cluster, calibration) - float(cost.params_per_gpu(entry.tp, entry.pp, entry.ep)) * dtype
     kv_per_gpu = float(cost.kv_bytes_per_token(entry.tp, entry.pp))
     if free_bytes <= 0:
         raise NereusError("actor/generation: the weights leave no GPU memory for the KV cache; use a larger tp or pp")
@@ -349,7 +349,7 @@ def generation_profile(plan: Plan, calibration: Calibration = DEFAULT_CALIBRATIO
         samples_per_instance=samples,
         prompt_len=workload.prompt_len,
         lengths=workload.response_len,
-        weight_read_s=float(cost.params_per_gpu(entry.tp, 1)) * dtype / hbm,
+        weight_read_s=float(cost.params_per_gpu(entry.tp, 1, entry.ep)) * dtype / hbm,
         kv_read_s_per_token=float(cost.kv_bytes_per_token(entry.tp, 1)) / hbm,
         compute_s_per_token=compute,
         prefill_s_per_token=compute,

@@ -32,9 +32,10 @@ from nereus.cost.plan_cost import (
     weight_sync_time,
     workspace_bytes,
 )
-from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel
+from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel, expert_params
 from nereus.solver.layouts import (
     CP,
+    EP,
     Choice,
     LayoutGrid,
     MemoryChoices,
@@ -111,9 +112,11 @@ class Rejection:
     largest_bytes: float
     workspace_bytes: float
     cp: int = 1
+    ep: int = 1
 
     def describe(self) -> str:
         cp = f" cp={self.cp}" if self.cp > 1 else ""
+        cp += f" ep={self.ep}" if self.ep > 1 else ""
         layout = f"tp={self.tp}{cp} pp={self.pp} dp={self.dp} micro_batches={self.micro_batches}{self.choice}"
         largest = f"{self.largest_term} {self.largest_bytes / GIB:.1f} GiB"
         return (
@@ -266,19 +269,20 @@ class _Problem:
 
 
 def _sync_function(request: PlanRequest) -> Callable[[Option, Option, int, int], float]:
-    actor_params = request.model(request.workload.actor).num_params("lm")
+    actor = request.model(request.workload.actor)
+    actor_params, actor_experts = actor.num_params("lm"), expert_params(actor)
     per_node = request.cluster.gpus_per_node
 
     def nodes(layout: tuple[int, ...], start: int) -> tuple[int, int]:
-        """First and last node of the contiguous GPUs a (tp, pp, dp, cp) layout takes from its pool's first GPU."""
-        size = layout[0] * layout[1] * layout[2] * layout[3]
+        """First and last node of the contiguous GPUs a (tp, pp, dp, cp, ep) layout takes from its pool's first GPU."""
+        size = layout[0] * layout[1] * layout[2] * layout[3] * layout[4]
         return start // per_node, (start + size - 1) // per_node
 
     @functools.cache
     def priced(train: tuple[int, ...], dest: tuple[int, ...], train_start: int, dest_start: int) -> float:
-        """The sync time by (tp, pp, dp, cp) of both sides: options differing only in memory
+        """The sync time by (tp, pp, dp, cp, ep) of both sides: options differing only in memory
         choices share it, so the search asks for the same few values many times."""
-        same_layout = train_start == dest_start and train == dest  # equal tp, pp, dp, cp: identical EMUs
+        same_layout = train_start == dest_start and train == dest  # equal tp, pp, dp, cp, ep: identical EMUs
         train_first, train_last = nodes(train, train_start)
         dest_first, dest_last = nodes(dest, dest_start)
         return weight_sync_time(
@@ -290,10 +294,12 @@ def _sync_function(request: PlanRequest) -> Callable[[Option, Option, int, int],
             tp=dest[0],
             pp=dest[1],
             inter=dest_first < train_first or dest_last > train_last,
+            ep=dest[4],
+            expert_params=actor_experts,
         )
 
     def sync(train: Option, dest: Option, train_start: int, dest_start: int) -> float:
-        return priced((*train[3:6], train[CP]), (*dest[3:6], dest[CP]), train_start, dest_start)
+        return priced((*train[3:6], train[CP], train[EP]), (*dest[3:6], dest[CP], dest[EP]), train_start, dest_start)
 
     return sync
 
@@ -367,7 +373,7 @@ def host_budget_per_gpu(cluster: Cluster) -> float:
 def _pareto(options: list[Option], budget: float, *, by_layout: bool, by_host: bool = False) -> list[Option]:
     """Options sorted by time, without any that a faster-or-equal one dominates in memory.
 
-    Actor options are compared only within one (tp, pp, cp): their layout decides the
+    Actor options are compared only within one (tp, pp, cp, ep): their layout decides the
     weight-sync cost, so a slower layout may still win. With `by_host` (host memory may bind),
     options are compared only with others keeping the same host bytes. The kept options' memory frontier
     per key is a staircase (resident ascending, transient descending), so a dominance test
@@ -376,7 +382,8 @@ def _pareto(options: list[Option], budget: float, *, by_layout: bool, by_host: b
     kept: list[Option] = []
     stairs: dict[tuple[float, ...], tuple[list[float], list[float]]] = {}
     for option in sorted(o for o in options if o[1] + o[2] <= budget):
-        key = (*((option[3], option[4], option[CP]) if by_layout else ()), *((option[8],) if by_host else ()))
+        layout = (option[3], option[4], option[CP], option[EP])
+        key = (*(layout if by_layout else ()), *((option[8],) if by_host else ()))
         resident, transient = stairs.setdefault(key, ([], []))
         below = bisect.bisect_right(resident, option[1])
         if below and transient[below - 1] <= option[2]:
@@ -872,7 +879,7 @@ def rejections(
             for i in np.nonzero(needed > budget)[0].tolist():
                 largest = int(stacked[:, i].argmax())
                 tp, pp, dp, micro_batches = (int(c[i]) for c in table.columns[3:])
-                cp = int(table.cp[i])
+                cp, ep = int(table.cp[i]), int(table.ep[i])
                 out.append(
                     Rejection(
                         name,
@@ -887,6 +894,7 @@ def rejections(
                         float(stacked[largest, i]),
                         workspace,
                         cp,
+                        ep,
                     )
                 )
     return out
@@ -903,12 +911,12 @@ def describe_choice(choice: Choice) -> str:
     return "".join(f" {p}" for p in parts if p)
 
 
-def iter_assignments(candidate: Candidate) -> Iterator[tuple[str, str, int, int, int, int, int, Choice, int]]:
-    """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches, choice, cp) per model-stage."""
+def iter_assignments(candidate: Candidate) -> Iterator[tuple[str, str, int, int, int, int, int, Choice, int, int]]:
+    """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches, choice, cp, ep) per model-stage."""
     pool_of = {name: (pool, start) for pool, start, _, stages in candidate.placement.pools for name in stages}
     for name, option in candidate.choices:
         pool, start = pool_of[name]
-        yield name, pool, start, *option[3:8], option[CP]
+        yield name, pool, start, *option[3:8], option[CP], option[EP]
 
 
 @dataclass(frozen=True)
@@ -1014,4 +1022,5 @@ def _transient(terms: dict[str, float], offloaded: bool, workspace: float) -> tu
 
 def _layout_text(option: Option) -> str:
     cp = f" cp={option[CP]}" if option[CP] > 1 else ""
+    cp += f" ep={option[EP]}" if option[EP] > 1 else ""
     return f"tp={option[3]}{cp} pp={option[4]} dp={option[5]}{describe_choice(option[7])}"

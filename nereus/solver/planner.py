@@ -51,8 +51,8 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
         Pool(name=name, gpus=list(range(start, start + size))) for name, start, size, _ in candidate.placement.pools
     ]
     entries = {}
-    for name, pool, start, tp, pp, dp, micro_batches, choice, cp in iter_assignments(candidate):
-        emu_size = tp * cp * pp
+    for name, pool, start, tp, pp, dp, micro_batches, choice, cp, ep in iter_assignments(candidate):
+        emu_size = tp * cp * ep * pp
         kv, recompute, token_budget, zero1, offload, full_shard, train_offload = choice
         training = is_trained(name)
         emus = [list(range(start + k * emu_size, start + (k + 1) * emu_size)) for k in range(dp)]
@@ -62,6 +62,7 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
             tp=tp,
             pp=pp,
             cp=cp,
+            ep=ep,
             dp=dp,
             emus=emus,
             micro_batches=micro_batches,

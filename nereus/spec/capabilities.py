@@ -98,6 +98,13 @@ MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
 }
 
 
+#: Whether `nereus run` executes expert parallelism (a plan entry with ep > 1; docs/moe.md). While
+#: False, the runtime refuses such an entry (`nereus.solver.admission.expert_parallel_problems`)
+#: and plans for itself with ep = 1 (`nereus.solver.layouts.runtime_choices`); the runtime's MoE
+#: layers flip it to True.
+EXPERT_PARALLEL_EXECUTED = False
+
+
 #: Workload dtypes the runtime computes in, with the torch dtype of each (16-bit weights keep
 #: fp32 masters; fp16 is not run: it needs loss scaling).
 RUNTIME_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16"}

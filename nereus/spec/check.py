@@ -56,16 +56,19 @@ def cp_rule(model: Model, tp: int, cp: int) -> str | None:
     `tp`, or None if it can (docs/context-parallel.md).
 
     Around the attention core an all-to-all trades each cp rank's chunk of the sequence with all
-    of its tp rank's heads for the whole sequence with 1/cp of them: every cp rank must get
-    whole KV heads with their query groups, so tp * cp must divide the KV heads (no KV head
-    is replicated across cp ranks).
+    of its tp rank's heads for the whole sequence with 1/cp of them: cp must divide the query
+    heads of a tensor rank. Where it does not divide that rank's KV heads too, each rank
+    repeats the KV head of each of its query heads (GQA run as multi-head attention inside the
+    core, the runtime's `SequenceSplit.attention`; the cost model moves the repeated keys and
+    values through the all-to-alls, `StageCostModel.ulysses_bytes`).
     """
     if cp == 1:
         return None
-    if model.num_kv_heads % (tp * cp):
+    local = model.num_heads // tp
+    if local % cp:
         return (
-            f"cp={cp} with tp={tp} does not divide the {model.num_kv_heads} KV heads of {model.name} "
-            "(Ulysses gives each of the tp x cp ranks whole KV heads: tp * cp must divide them)"
+            f"cp={cp} with tp={tp} does not divide the {local} query heads of a tensor rank of {model.name} "
+            f"({model.num_heads} heads over tp={tp}; Ulysses gives each cp rank whole query heads)"
         )
     return None
 
@@ -289,7 +292,8 @@ def _stage_problems(plan: Plan, i: int, entry: StagePlan) -> Iterator[Problem]:
     for k, emu in enumerate(entry.emus):
         if len(emu) != entry.replica_size:
             cp = f", cp={entry.cp}" if entry.cp > 1 else ""
-            degrees = f"tp={entry.tp}{cp}, pp={entry.pp}"
+            ep = f", ep={entry.ep}" if entry.ep > 1 else ""
+            degrees = f"tp={entry.tp}{cp}{ep}, pp={entry.pp}"
             yield Problem(f"{at}.emus[{k}]", f"an EMU with {degrees} needs {entry.replica_size} GPUs, got {len(emu)}")
             continue
         for j, gpu in enumerate(emu):
@@ -315,15 +319,38 @@ def _cp_problems(model: Model, entry: StagePlan, at: str) -> Iterator[Problem]:
     problem = cp_layout_problem(model, entry.tp, entry.pp, entry.cp)
     if problem:
         yield Problem(f"{at}.cp", problem)
+    problem = ep_rule(model, entry.ep, entry.cp)
+    if problem:
+        yield Problem(f"{at}.ep", problem)
+
+
+def ep_rule(model: Model, ep: int, cp: int = 1) -> str | None:
+    """Why expert parallelism of degree `ep` cannot split `model`'s experts, or None: a dense
+    model has no experts to split, each ep rank holds a contiguous block of E / ep experts (so
+    ep must divide them), and ep beside context parallelism is not supported yet."""
+    if ep == 1:
+        return None
+    if model.moe is None:
+        return f"ep={ep} but {model.name} is a dense model (no experts to split); set ep: 1"
+    if model.moe.num_experts % ep:
+        return (
+            f"ep={ep} does not divide the {model.moe.num_experts} experts of {model.name}; "
+            "pick a divisor (each ep rank holds an equal block of experts)"
+        )
+    if cp > 1:
+        return f"ep={ep} with cp={cp} is not supported; set ep: 1 or cp: 1"
+    return None
 
 
 def _tp_group_problems(cluster: Cluster, entry: StagePlan, emu: list[int], at: str) -> Iterator[Problem]:
+    ranks = entry.cp * entry.ep  # ep with cp > 1 is refused: at most one of them is above 1
     for stage in range(entry.pp):
-        for rank in range(entry.cp):
-            first = (stage * entry.cp + rank) * entry.tp
+        for rank in range(ranks):
+            first = (stage * ranks + rank) * entry.tp
             group = emu[first : first + entry.tp]
             if len({cluster.node_of(gpu) for gpu in group}) > 1:
-                of = f"pipeline stage {stage}" + (f", cp rank {rank}" if entry.cp > 1 else "")
+                name = "cp" if entry.cp > 1 else "ep"
+                of = f"pipeline stage {stage}" + (f", {name} rank {rank}" if ranks > 1 else "")
                 yield Problem(at, f"tp group {group} of {of} spans nodes; keep each tp group in one node")
 
 

@@ -41,11 +41,18 @@ class StagePlan(StrictModel):
     cp: int = Field(default=1, gt=0)
     """Context-parallel degree of one replica (training and inference only): each sequence is cut
     along its tokens into cp parts, one per cp rank, which hold the same weights; 1: no cut."""
+    ep: int = Field(default=1, gt=0, exclude_if=lambda ep: ep == 1)
+    """Expert-parallel degree of one replica (mixture-of-experts models only; docs/moe.md): per
+    pipeline stage, the ep ranks hold the same non-expert weights and take 1/ep of the replica's
+    sequences each, while the experts of every sparse layer are split over them in contiguous
+    blocks (ep rank e holds experts [e E / ep, (e + 1) E / ep)), tokens reaching their experts by
+    an all-to-all; each expert is tp-split like a dense MLP. 1: every rank holds every expert (and
+    the field is left out of written plans, so plans without experts read and write as before)."""
     dp: int = Field(gt=0)
     """Number of replicas (EMUs); equals the length of `emus`."""
     emus: list[list[NonNegativeInt]] = Field(min_length=1)
-    """Each EMU's ordered GPU ids: GPU of (pp stage s, cp rank c, tp rank r) is entry
-    (s * cp + c) * tp + r (with cp = 1: s * tp + r)."""
+    """Each EMU's ordered GPU ids: GPU of (pp stage s, ep rank e, cp rank c, tp rank r) is entry
+    ((s * ep + e) * cp + c) * tp + r (with cp = ep = 1: s * tp + r)."""
     micro_batches: int = Field(default=1, gt=0)
     """Micro-batches per replica: per mini-batch in training, per step in inference; 1 in generation."""
     recompute: Recompute = "none"
@@ -111,8 +118,8 @@ class StagePlan(StrictModel):
 
     @property
     def replica_size(self) -> int:
-        """GPUs of one replica (EMU): tp x cp x pp."""
-        return self.tp * self.cp * self.pp
+        """GPUs of one replica (EMU): tp x cp x ep x pp."""
+        return self.tp * self.cp * self.ep * self.pp
 
     @property
     def gpus(self) -> list[int]:

@@ -115,6 +115,9 @@ _LLAMA3_ROPE: dict[str, Any] = {
 _QWEN3: dict[str, Any] = {"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_positions": 40960, "qk_norm": True}
 #: Qwen3-30B-A3B's experts (its config.json: norm_topk_prob true, every layer sparse).
 _QWEN3_30B_A3B = MoE(num_experts=128, experts_per_token=8, expert_ffn_dim=768, norm_topk_prob=True)
+#: Qwen3-235B-A22B's experts (its config.json: 128 experts, 8 per token, 1536 wide, norm_topk_prob
+#: true, decoder_sparse_step 1, no mlp_only_layers).
+_QWEN3_235B_A22B = MoE(num_experts=128, experts_per_token=8, expert_ffn_dim=1536, norm_topk_prob=True)
 #: Qwen2-7B-Instruct's config.json: QKV bias, theta 1e6, 32768 positions (max_position_embeddings).
 _QWEN2: dict[str, Any] = {"rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "max_positions": 32768, "qkv_bias": True}
 #: LLaMA 1's converted configs (huggyllama/llama-13b, ...): eps 1e-6, 2048 positions.
@@ -132,6 +135,9 @@ MODELS: dict[str, Model] = {
         _llama("qwen3-32b", 64, 5120, 64, 8, 25600, 151936, head_dim=128, **_QWEN3),
         # Qwen3-30B-A3B's config.json: 48 layers of 128 experts, 8 per token, 768 wide each.
         _llama("qwen3-30b-a3b", 48, 2048, 32, 4, 6144, 151936, head_dim=128, moe=_QWEN3_30B_A3B, **_QWEN3),
+        # Qwen3-235B-A22B's config.json: 94 layers, hidden 4096, 64 heads, 4 KV heads of 128, the dense
+        # intermediate_size 12288 (unused: every layer is sparse), 128 experts, 8 per token, 1536 wide.
+        _llama("qwen3-235b-a22b", 94, 4096, 64, 4, 12288, 151936, head_dim=128, moe=_QWEN3_235B_A22B, **_QWEN3),
         _llama("llama-2-7b", 32, 4096, 32, 32, 11008, 32000, max_positions=4096),  # Llama-2-7b-hf: eps 1e-5
         _llama("llama-13b", 40, 5120, 40, 40, 13824, 32000, **_LLAMA1),
         _llama("llama-33b", 60, 6656, 52, 52, 17920, 32000, **_LLAMA1),

@@ -1,5 +1,6 @@
 """Context parallelism (a plan's `cp`) in the exports: verl's Megatron `context_parallel_size`
-for the actor, the reference and the critic (their inference runs with their training's),
+for the actor, the reference and the critic (their inference runs with their training's), or its
+FSDP backend's `ulysses_sequence_parallel_size` for the same three (`--backend fsdp`),
 OpenRLHF's `--ds.ring_attn_size` (one size for every DeepSpeed model); what the trainer cannot
 express is listed, as every other layout it changes. Every key and flag exists, with its type,
 in the pinned releases."""
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import invoke
-from peers import assert_openrlhf_parses, openrlhf_flags, unpacked_wheel, verl_config, verl_type
+from peers import VERL_FSDP_CONFIG, assert_openrlhf_parses, openrlhf_flags, unpacked_wheel, verl_config, verl_type
 
 from nereus.interop.openrlhf import export_openrlhf
 from nereus.interop.verl import export_verl
@@ -36,12 +37,19 @@ def with_cp(cps: dict[str, int], example: str = "plan-tiny-ppo-4rank.yaml") -> P
     values in micro-batches of its training's size (both trainers compute them so)."""
     plan = load_document(EXAMPLES / example)
     assert isinstance(plan, Plan)
+    return on_four_gpus(plan, "cp", cps)
+
+
+def on_four_gpus(plan: Plan, degree: str, degrees: dict[str, int]) -> Plan:
+    """`plan` (a 4-rank example) with every model-stage on all 4 GPUs, tp=1 pp=1, and the replica
+    dimension `degree` (`cp`, `ep`) at `degrees[model_stage]` (1 where not named): dp = 4 /
+    degree replicas; the critic's values in micro-batches of its training's size."""
     stages: list[StagePlan] = []
     for entry in plan.stages:
-        cp = cps.get(entry.model_stage, 1)
-        emus = [list(range(k * cp, (k + 1) * cp)) for k in range(4 // cp)]
+        size = degrees.get(entry.model_stage, 1)
+        emus = [list(range(k * size, (k + 1) * size)) for k in range(4 // size)]
         micro_batches = plan.workload.mini_batches if entry.model_stage == "critic/inference" else 1
-        update = {"tp": 1, "pp": 1, "cp": cp, "dp": len(emus), "emus": emus, "micro_batches": micro_batches}
+        update = {"tp": 1, "pp": 1, degree: size, "dp": len(emus), "emus": emus, "micro_batches": micro_batches}
         stages.append(entry.model_copy(update=update))
     pools = [plan.pools[0].model_copy(update={"gpus": [0, 1, 2, 3]})]
     out = plan.model_copy(update={"stages": [s.model_copy(update={"pool": pools[0].name}) for s in stages]})
@@ -81,6 +89,36 @@ def test_verl_lists_inference_cp_unlike_training_and_a_served_reward_model() -> 
     assert cps["actor/inference"] == 2 and cps["reward/inference"] == 1
 
 
+def test_verl_fsdp_takes_each_models_ulysses_size_and_lists_tp() -> None:
+    """verl's FSDP backend: the actor's, the reference's and the critic's Ulysses degree is their
+    cp; their FSDP workers shard everything over all 4 GPUs (the plan's unsharded replicas are
+    listed), and a planned tp becomes Ulysses x data parallel (listed, saying why)."""
+    cps = {"actor/training": 2, "actor/inference": 2, "reference/inference": 1}
+    plan = with_cp({**cps, "critic/training": 2, "critic/inference": 2})
+    export = export_verl(plan, "fsdp")
+    assert export.settings["actor_rollout_ref.actor.ulysses_sequence_parallel_size"] == 2
+    assert export.settings["actor_rollout_ref.ref.ulysses_sequence_parallel_size"] == 1
+    assert export.settings["critic.ulysses_sequence_parallel_size"] == 2
+    assert not [key for key in export.settings if ".megatron." in key]
+    exported = {e.model_stage: (e.tp, e.cp, e.pp, e.full_shard) for e in export.exported_plan.stages}
+    assert exported["actor/training"] == (1, 2, 1, True) and exported["reference/inference"] == (1, 1, 1, True)
+    assert exported["actor/generation"][3] is False  # vLLM holds whole weights
+    listed = {d.planned.split(" ")[0] for d in export.differences}
+    assert listed == {"actor/training", "actor/inference", "reference/inference", "critic/training", "critic/inference"}
+    assert all("fully sharded over dp" in d.exported for d in export.differences)
+    # tp=2 on the actor's training: FSDP has none, so 4 GPUs run Ulysses 2 x data parallel 2.
+    tp2 = plan.model_copy(
+        update={
+            "stages": [
+                e.model_copy(update={"tp": 2, "cp": 1, "dp": 2}) if e.model_stage == "actor/training" else e
+                for e in plan.stages
+            ]
+        }
+    )
+    moved = [d for d in export_verl(tp2, "fsdp").differences if d.planned.startswith("actor/training tp=2")]
+    assert len(moved) == 1 and "no tensor or pipeline parallelism" in moved[0].exported
+
+
 def test_openrlhf_ring_attention_is_one_size_for_every_deepspeed_model() -> None:
     plan = with_cp({"actor/training": 2, "actor/inference": 2, "critic/training": 2, "critic/inference": 2})
     export = export_openrlhf(plan)
@@ -104,6 +142,12 @@ def test_cp_keys_and_flags_exist_in_the_pinned_releases(peer_root: Path, tmp_pat
     assert settings["actor_rollout_ref.actor.megatron.context_parallel_size"] == 2
     for key, value in settings.items():
         assert isinstance(value, verl_type(root, config, key)), (key, value)
+    fsdp_config = verl_config(root, VERL_FSDP_CONFIG)
+    settings = json.loads(invoke("export", "verl", path, "--backend", "fsdp", "--json").stdout)["settings"]
+    assert settings["actor_rollout_ref.actor.ulysses_sequence_parallel_size"] == 2
+    assert settings["critic.ulysses_sequence_parallel_size"] == 2
+    for key, value in settings.items():
+        assert isinstance(value, verl_type(root, fsdp_config, key)), (key, value)
     flags = openrlhf_flags(unpacked_wheel("openrlhf", peer_root))
     settings = json.loads(invoke("export", "openrlhf", path, "--json").stdout)["settings"]
     assert settings["--ds.ring_attn_size"] == 2

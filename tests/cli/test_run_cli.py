@@ -713,7 +713,7 @@ def test_a_plan_with_a_choice_the_runtime_lacks_is_refused(tmp_path: Path, choic
     result = invoke("run", config, "--out", tmp_path / "out")
     assert result.exit_code == 1 and "Traceback" not in result.output
     line = one_error_line(result)
-    assert "actor/training" in line and "needs full_shard over dp > 1" in line and pin in line
+    assert "actor/training" in line and "needs full_shard over dp x cp > 1" in line and pin in line
     assert not (tmp_path / "out").exists()
 
 

@@ -1,7 +1,8 @@
 """Context parallelism (Ulysses) in the cost model, against hand counts: activations and logits
-divided by cp, model states not; compute divided by cp; 4 all-to-alls of q, k, v and the output
-per layer and forward pass, over the link where the tp x cp group sits; the gradient all-reduce
-over dp x cp ranks."""
+divided by cp, unsharded model states not, sharded ones (ZeRO-1, full sharding, offload) over
+dp x cp; compute divided by cp; 4 all-to-alls of q, k, v and the output per layer and forward
+pass (KV heads repeated where cp does not split them), over the link where the tp x cp group
+sits; the gradient all-reduce over dp x cp ranks."""
 
 from __future__ import annotations
 
@@ -80,6 +81,40 @@ def test_ulysses_all_to_alls_by_hand() -> None:
     inter = c.time_terms(tp, 1, dp, m, False, False, cp=cp, cp_inter=True)
     assert float(inter["cp_comm"]) > 2 * float(terms["cp_comm"])  # the inter-node link is slower
     assert "cp_comm" not in c.time_terms(tp, 1, dp, m, False, False)  # no term without cp
+
+
+def test_ulysses_repeats_the_kv_heads_cp_does_not_split() -> None:
+    """tp=2 leaves 4 KV heads per tensor rank: cp=8 cannot split them, so keys and values move
+    as many heads as the 16 queries (the runtime's repeat); cp=4 splits them and moves 4."""
+    c = cost("training")
+    tokens = 1000.0
+    split = float(c.ulysses_bytes(tokens, 2, 4))
+    repeated = float(c.ulysses_bytes(tokens, 2, 8))
+    assert split == pytest.approx(tokens * (2 * 16 + 2 * 4) * 128 * 2, rel=1e-12)
+    assert repeated == pytest.approx(tokens * (2 * 16 + 2 * 16) * 128 * 2, rel=1e-12)
+    assert float(c.ulysses_bytes(tokens, 2)) == split  # cp = 1: nothing to repeat
+
+
+@pytest.mark.parametrize(("dp", "cp"), [(1, 2), (2, 2), (2, 4)])
+def test_sharded_states_divide_over_dp_times_cp(dp: int, cp: int) -> None:
+    """ZeRO-1 and full sharding split the state over the dp x cp ranks holding the same weights
+    (torchtitan's dp_shard x cp); the optimizer step shrinks with the shard."""
+    c = cost("training")
+    params = float(c.params_per_gpu(2, 1))
+    whole = c.memory_terms(2, 1, dp, 4, zero1=False, cp=cp)
+    zero1 = c.memory_terms(2, 1, dp, 4, zero1=True, cp=cp)
+    full = c.memory_terms(2, 1, dp, 4, zero1=True, full_shard=1, cp=cp)
+    shards = dp * cp
+    assert float(whole["optimizer"]) == pytest.approx(params * 12, rel=1e-12)  # bf16 with fp32 masters
+    assert float(zero1["optimizer"]) == pytest.approx(params * 12 / shards, rel=1e-12)
+    assert float(zero1["parameters"]) == float(whole["parameters"]) == pytest.approx(params * 2, rel=1e-12)
+    for term, per_param in (("parameters", 2), ("gradients", 2), ("optimizer", 12)):
+        assert float(full[term]) == pytest.approx(params * per_param / shards, rel=1e-12), term
+    one = c.time_terms(2, 1, dp, 4, False, False, zero1=False, cp=cp)
+    cut = c.time_terms(2, 1, dp, 4, False, False, zero1=True, cp=cp)
+    assert float(cut["optimizer"]) == pytest.approx(float(one["optimizer"]) / shards, rel=1e-12)
+    host = c.host_terms(2, 1, dp, 1, cp)
+    assert float(host["optimizer"]) == pytest.approx(params * 12 / shards, rel=1e-12)
 
 
 def test_cp_divides_compute_and_joins_the_gradient_all_reduce() -> None:

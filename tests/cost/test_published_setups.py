@@ -237,7 +237,9 @@ def test_the_planner_shards_fully_where_it_pays_and_so_does_the_runtime_s_own() 
     assert searched.predictions is not None and pinned.predictions is not None
     assert searched.predictions.step_time_s < pinned.predictions.step_time_s
     runtime = make_plan(dataclasses.replace(request, choices=RUNTIME_CHOICES))
-    # Every memory choice; context parallelism where the runtime executes it (capabilities).
-    space = MemoryChoices(context_parallel=RUNTIME_CHOICES.context_parallel)
+    # Every memory choice; context and expert parallelism where the runtime executes them (capabilities).
+    space = MemoryChoices(
+        context_parallel=RUNTIME_CHOICES.context_parallel, expert_parallel=RUNTIME_CHOICES.expert_parallel
+    )
     assert space == RUNTIME_CHOICES
     assert runtime.best.stages == make_plan(dataclasses.replace(request, choices=space)).best.stages

@@ -38,14 +38,12 @@ from nereus.runtime.model.transformer import Batch  # noqa: E402
 from nereus.runtime.rl.objectives import ClippedValueObjective, PolicyObjective  # noqa: E402
 from nereus.runtime.state.checkpoint import load_checkpoint, save_checkpoint_distributed  # noqa: E402
 from nereus.runtime.state.shard_layout import RankLayout, local_box, param_infos  # noqa: E402
-from nereus.runtime.state.sharded_state import (  # noqa: E402
-    state_meta,
-)
+from nereus.runtime.state.sharded_state import dp_sharded_families, state_meta  # noqa: E402
 from nereus.solver.transition.schedule import build_transition  # noqa: E402
 from nereus.spec.hf_config import model_from_hf_config  # noqa: E402
 from nereus.spec.model import Head, Model  # noqa: E402
 from nereus.spec.plan import Plan  # noqa: E402
-from nereus.spec.presets import MODELS  # noqa: E402
+from nereus.spec.presets import MODELS, workload_preset  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -54,6 +52,7 @@ TOL = 1e-5
 ROWS, SEQ = 4, 11
 OPTIMIZER = AdamWConfig(lr=1e-3, eps=1e-4, weight_decay=0.1)
 FAMILIES = list(CONFIGS)
+FP32 = workload_preset("tiny-ppo")
 
 
 def make_batch(vocab: int) -> Batch:
@@ -129,43 +128,61 @@ def compare(rank: int, model: Model, head: Head, load: Any, config: EngineConfig
     }
 
 
+#: The ways an engine may split its state across the dp x cp ranks of a position.
+SHARDINGS: dict[str, dict[str, Any]] = {
+    "replicated": {},
+    "zero1": {"shard_across_dp": True},
+    "full_shard": {"full_shard": True},
+}
+
+
 def resume(rank: int, folder: Path) -> dict[str, bool | float]:
-    """Checkpoints across cp: cp=2 -> cp=1 and cp=1 -> cp=2, state bitwise, then one more step each."""
+    """Checkpoints across cp, replicated and with the state split over the cp ranks (ZeRO-1,
+    FSDP2 over dp x cp = 1 x 2): cp=2 -> cp=1 and cp=1 -> cp=2 (each rank alone), and live
+    (a replica's whole state, `Engine.whole_state`) cp=2 -> dp=2 on the same two ranks; the
+    state bitwise, then one more step each, equal to the engine that went on."""
     model, head = MODELS["tiny"], "lm"
     families = ("param", "exp_avg", "exp_avg_sq")
     batch = make_batch(model.vocab_size)
-    config = EngineConfig(optimizer=OPTIMIZER, init_seed=5)
-
-    def trained(layout: RankLayout) -> Engine:
-        engine = Engine.create(model, head, layout, config)
-        assert engine is not None
-        engine.train_step(batch, objective_for(engine))
-        return engine
-
-    solo_layout, cp_layout = RankLayout(1, 1, 1, (rank,)), RankLayout(1, 1, 1, (0, 1), cp=2)
-    cp_engine, solo_engine = trained(cp_layout), trained(solo_layout)
     out: dict[str, bool | float] = {}
-    for name, engine, other_layout in (("cp2->cp1", cp_engine, solo_layout), ("cp1->cp2", solo_engine, cp_layout)):
-        layout = engine.groups.layout
-        saved_on = layout if layout.cp > 1 else RankLayout(1, 1, 1, (0,))  # one writer at cp=1
-        state = {k: t for k, t in engine.local_state().items() if k.split("/")[0] in families}
-        path = folder / name
-        meta = state_meta(model, head, saved_on, families)
-        save_checkpoint_distributed(path, meta, rank, state if rank in saved_on.ranks else {}, engine.optimizer_step)
-        loaded = load_checkpoint(path, other_layout, rank)
-        out[f"{name} exact"] = set(loaded.tensors) == set(state) and all(
-            torch.equal(loaded.tensors[k], state[k]) for k in state
-        )
-        resumed = Engine.create(model, head, other_layout, config)
-        assert resumed is not None
-        resumed.load_local_state(loaded.tensors, loaded.step)
-        resumed_loss = resumed.train_step(batch, objective_for(resumed))
-        going_loss = engine.train_step(batch, objective_for(engine))
-        params = resumed.local_state()
-        going = engine.local_state()
-        out[f"{name} loss"] = abs(resumed_loss - going_loss)
-        out[f"{name} params"] = max(float((params[k] - going[k]).abs().max()) for k in going if k.startswith("param/"))
-        out[f"{name} step"] = float(resumed.optimizer_step == engine.optimizer_step == 2)
+    solo_layout, cp_layout = RankLayout(1, 1, 1, (rank,)), RankLayout(1, 1, 1, (0, 1), cp=2)
+    dp_layout = RankLayout(1, 1, 2, (0, 1))
+    for sharding, choices in SHARDINGS.items():
+        config = EngineConfig(optimizer=OPTIMIZER, init_seed=5, **choices)
+        split = dp_sharded_families(FP32, "training", "shard_across_dp" in choices, "full_shard" in choices)
+
+        def trained(layout: RankLayout, config: EngineConfig = config) -> Engine:
+            engine = Engine.create(model, head, layout, config)
+            assert engine is not None
+            engine.train_step(batch, objective_for(engine))
+            return engine
+
+        cp_engine, solo_engine = trained(cp_layout), trained(solo_layout)
+        moves = (("cp2->cp1", cp_engine, solo_layout), ("cp1->cp2", solo_engine, cp_layout))
+        for name, engine, other_layout in (*moves, ("cp2->dp2 live", cp_engine, dp_layout)):
+            key = f"{sharding} {name}"
+            layout = engine.groups.layout
+            whole = engine.whole_state(families)  # collective over the engine's dp x cp ranks
+            if name.endswith("live"):
+                tensors, step = whole, engine.optimizer_step
+            else:
+                saved_on = layout if layout.cp > 1 else RankLayout(1, 1, 1, (0,))  # one writer at cp=1
+                state = {k: t for k, t in engine.local_state().items() if k.split("/")[0] in families}
+                meta = state_meta(model, head, saved_on, families, dp_sharded=split if layout.cp > 1 else ())
+                mine = state if rank in saved_on.ranks else {}
+                save_checkpoint_distributed(folder / key.replace(" ", "-"), meta, rank, mine, engine.optimizer_step)
+                loaded = load_checkpoint(folder / key.replace(" ", "-"), other_layout, rank)
+                tensors, step = loaded.tensors, loaded.step
+            out[f"{key} exact"] = set(tensors) == set(whole) and all(torch.equal(tensors[k], whole[k]) for k in whole)
+            resumed = Engine.create(model, head, other_layout, config)
+            assert resumed is not None
+            resumed.load_local_state(tensors, step)
+            resumed_loss = resumed.train_step(batch, objective_for(resumed))
+            going_loss = engine.train_step(batch, objective_for(engine))
+            params, going = resumed.whole_state(("param",)), engine.whole_state(("param",))
+            out[f"{key} loss"] = abs(resumed_loss - going_loss)
+            out[f"{key} params"] = max(float((params[k] - going[k]).abs().max()) for k in going)
+            out[f"{key} step"] = float(resumed.optimizer_step == engine.optimizer_step)
     return out
 
 
@@ -233,12 +250,15 @@ def test_cp_equals_cp1_and_tp_on_every_family(results: list[dict[str, Any]]) -> 
 
 
 def test_checkpoints_resume_across_cp(results: list[dict[str, Any]]) -> None:
+    """Replicated, ZeRO-1 and full sharding over the cp ranks: saved, loaded and moved live exactly."""
+    moves = ("cp2->cp1", "cp1->cp2", "cp2->dp2 live")
     for per_rank in results:
         outcome = per_rank["resume"]
-        assert outcome["cp2->cp1 exact"] and outcome["cp1->cp2 exact"], outcome
-        assert outcome["cp2->cp1 step"] == outcome["cp1->cp2 step"] == 1.0, outcome
-        for key in ("cp2->cp1 loss", "cp2->cp1 params", "cp1->cp2 loss", "cp1->cp2 params"):
-            assert outcome[key] < TOL, (key, outcome)
+        assert len(outcome) == 4 * len(moves) * len(SHARDINGS), sorted(outcome)
+        for sharding, move in itertools.product(SHARDINGS, moves):
+            key = f"{sharding} {move}"
+            assert outcome[f"{key} exact"] and outcome[f"{key} step"] == 1.0, (key, outcome)
+            assert outcome[f"{key} loss"] < TOL and outcome[f"{key} params"] < TOL, (key, outcome)
 
 
 def test_cp_refuses_pp_and_heads_it_cannot_split() -> None:
@@ -282,14 +302,28 @@ def sharded_worker(rank: int, world: int) -> dict[str, float]:
         out[f"{name} loss"] = abs(loss - expected_loss)
         out[f"{name} params"] = max(float((whole[k] - expected[k]).abs().max()) for k in expected if k in whole)
         out[f"{name} keys"] = float(set(whole) == {k for k in expected if k.startswith("param/")})
+        if name in ("zero1", "full_shard"):  # the moments split over dp x cp = 4 ranks, not dp = 2
+            share = cut.state_bytes()["optimizer"] / solo.state_bytes()["optimizer"]
+            out[f"{name} optimizer share"] = share
+    # tiny has 4 heads and 2 KV heads: tp=2 leaves one KV head per tensor rank, which cp=2
+    # cannot split, so each cp rank repeats it for its query head (the planner's `cp_rule`).
+    assert model.num_kv_heads // 2 % 2 == 1
+    solo_run = run(model, head, RankLayout(1, 1, 1, (rank,)), lambda engine: None, EngineConfig(init_seed=3))
+    beyond = run(model, head, RankLayout(2, 1, 1, (0, 1, 2, 3), cp=2), lambda engine: None, EngineConfig(init_seed=3))
+    assert solo_run is not None and beyond is not None
+    for key, value in errors(beyond, solo_run, model, head, 2).items():
+        out[f"tp=2 x cp=2 beyond the KV heads {key}"] = value
     return out
 
 
 def test_cp_with_data_parallel_sharding_equals_cp1() -> None:
-    """4 ranks: two replicas of cp=2, under every way the replicas may split the state."""
+    """4 ranks: two replicas of cp=2, under every way the replicas may split the state (over
+    dp x cp); and tp=2 x cp=2, whose cp exceeds the KV heads after tp (repeated), against cp=1."""
     for per_rank in spawn(sharded_worker, 4):
         for key, value in per_rank.items():
             if key.endswith(" keys"):
                 assert value == 1.0, key
+            elif key.endswith(" optimizer share"):  # a quarter, give or take the uneven rows
+                assert 0.2 < value < 0.3, (key, value)
             else:
                 assert value < TOL, (key, value)

@@ -53,7 +53,7 @@ def test_every_group_is_in_ascending_rank_order(dims: tuple[int, int, int, int],
             rng.shuffle(stage)
     given_ranks = tuple(rank for replica in replicas for stage in replica for rank in stage)
     layout = RankLayout(tp, pp, dp, given_ranks, cp)
-    assert layout.replicas_in_group_order
+    assert layout.shards_in_group_order
     for group in _groups(layout):
         assert group == sorted(group), (given_ranks, layout.ranks)
     size = layout.replica_size
@@ -65,9 +65,14 @@ def test_every_group_is_in_ascending_rank_order(dims: tuple[int, int, int, int],
 def test_a_pipeline_keeps_its_direction_and_interleaved_replicas_are_named() -> None:
     assert RankLayout(1, 2, 1, (1, 0)).ranks == (1, 0)  # the critic of the fused schedule runs 1 -> 0
     assert RankLayout(2, 2, 1, (3, 2, 1, 0)).ranks == (2, 3, 0, 1)
-    assert RankLayout(1, 1, 2, (1, 0)).replicas_in_group_order
+    assert RankLayout(1, 1, 2, (1, 0)).shards_in_group_order
     interleaved = RankLayout(1, 2, 2, (0, 3, 1, 2))  # replica 0 below replica 1 at stage 0, above at stage 1
-    assert interleaved.ranks == (0, 3, 1, 2) and not interleaved.replicas_in_group_order
+    assert interleaved.ranks == (0, 3, 1, 2) and not interleaved.shards_in_group_order
+    # cp: a position's dp x cp ranks must ascend replica-major (replica 0's cp ranks first)
+    assert RankLayout(1, 1, 2, (0, 1, 2, 3), cp=2).shards_in_group_order
+    crossed = RankLayout(1, 1, 2, (0, 2, 1, 3), cp=2)  # each replica's cp ranks ascend, but 2 > 1
+    assert not crossed.shards_in_group_order
+    assert [crossed.shard_index(r) for r in (0, 2, 1, 3)] == [0, 1, 2, 3]
 
 
 def _reversed_worker(rank: int, world: int) -> dict[str, float]:

@@ -206,7 +206,7 @@ def test_fully_sharded_inference_is_bitwise_the_replicated() -> None:
 def test_full_sharding_refuses_interleaved_replicas() -> None:
     """Replicas listed downwards are put in group order by the layout; interleaved ones (replica
     0 below replica 1 at one tensor rank, above it at the other) have no such order."""
-    assert RankLayout(1, 1, 2, (1, 0)).replicas_in_group_order
+    assert RankLayout(1, 1, 2, (1, 0)).shards_in_group_order
     for config in (EngineConfig(full_shard=True), EngineConfig(shard_across_dp=True)):
         with pytest.raises(ValueError, match="the replicas interleave"):
             Engine.create(TINY, "lm", RankLayout(2, 1, 2, (0, 3, 1, 2)), config)

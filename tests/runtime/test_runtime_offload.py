@@ -228,5 +228,5 @@ def test_training_time_offload_in_a_pipeline_with_tied_embeddings() -> None:
 
 
 def test_parameter_offload_needs_full_sharding_over_replicas() -> None:
-    with pytest.raises(ValueError, match="needs full_shard over dp > 1"):
+    with pytest.raises(ValueError, match="needs full_shard over dp x cp > 1"):
         Engine.create(TINY, "lm", DP1, EngineConfig(train_offload="params", full_shard=True))

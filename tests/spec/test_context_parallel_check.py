@@ -11,6 +11,7 @@ from cli_helpers import invoke
 
 from nereus.spec.check import cp_rule, semantic_problems
 from nereus.spec.io import document_from_data
+from nereus.spec.long_response_setups import setup_model
 from nereus.spec.presets import MODELS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,13 +32,20 @@ def _errors(data: dict[str, Any]) -> list[str]:
 
 
 @pytest.mark.logic
-def test_cp_rule_needs_whole_kv_heads_per_rank() -> None:
+def test_cp_rule_needs_whole_query_heads_per_rank() -> None:
+    """cp divides a tensor rank's query heads; beyond its KV heads they are repeated (runtime)."""
     qwen3 = MODELS["qwen3-8b"]  # 32 query heads, 8 KV heads
     assert cp_rule(qwen3, 1, 8) is None
     assert cp_rule(qwen3, 2, 4) is None
     assert cp_rule(qwen3, 1, 1) is None
-    assert "tp * cp must divide" in (cp_rule(qwen3, 2, 8) or "")
-    assert "cp=16 with tp=1" in (cp_rule(qwen3, 1, 16) or "")
+    assert cp_rule(qwen3, 2, 8) is None  # 16 query heads per tensor rank, 4 KV heads: repeated
+    assert cp_rule(qwen3, 1, 32) is None
+    assert cp_rule(qwen3, 8, 4) is None
+    assert "cp=8 with tp=8 does not divide the 4 query heads" in (cp_rule(qwen3, 8, 8) or "")
+    assert "cp=64 with tp=1" in (cp_rule(qwen3, 1, 64) or "")
+    qwen25 = setup_model("qwen2.5-32b")  # 40 query heads, 8 KV heads: 5 per tensor rank at tp=8
+    assert cp_rule(qwen25, 4, 2) is None
+    assert "does not divide the 5 query heads" in (cp_rule(qwen25, 8, 2) or "")
 
 
 @pytest.mark.logic
@@ -47,12 +55,15 @@ def test_a_cp_plan_passes_the_checks() -> None:
 
 
 @pytest.mark.logic
-def test_cp_not_dividing_the_kv_heads_is_named() -> None:
-    errors = _errors(_plan_data(tp=2, pp=1, cp=2, dp=1, emus=[[0, 1, 2, 3]], micro_batches=1))
-    assert errors == [
-        f"stages[{TRAINING}].cp: cp=2 with tp=2 does not divide the 2 KV heads of tiny (Ulysses gives each of "
-        "the tp x cp ranks whole KV heads: tp * cp must divide them)"
-    ]
+def test_cp_beyond_the_kv_heads_passes_and_beyond_the_query_heads_is_named() -> None:
+    """tiny: 4 query heads, 2 KV heads. tp=2 x cp=2 repeats the one KV head of a tensor rank;
+    tp=2 x cp=4 has 2 query heads per tensor rank for 4 cp ranks."""
+    assert _errors(_plan_data(tp=2, pp=1, cp=2, dp=1, emus=[[0, 1, 2, 3]], micro_batches=1)) == []
+    errors = _errors(_plan_data(tp=2, pp=1, cp=4, dp=1, emus=[list(range(8))], micro_batches=1))
+    assert (
+        f"stages[{TRAINING}].cp: cp=4 with tp=2 does not divide the 2 query heads of a tensor rank of tiny "
+        "(4 heads over tp=2; Ulysses gives each cp rank whole query heads)"
+    ) in errors
 
 
 @pytest.mark.logic
@@ -72,7 +83,7 @@ def test_an_emu_of_the_wrong_size_names_cp() -> None:
     ("stage", "fields", "expected"),
     [
         (TRAINING, {"tp": 1, "pp": 2, "cp": 2, "dp": 1, "emus": [[0, 1, 2, 3]]}, "stages[5].cp: cp=2 with pp=2"),
-        (TRAINING, {"tp": 2, "pp": 1, "cp": 2, "dp": 1, "emus": [[0, 1, 2, 3]]}, "stages[5].cp: cp=2 with tp=2"),
+        (TRAINING, {"tp": 4, "pp": 1, "cp": 2, "dp": 1, "emus": [list(range(8))]}, "stages[5].cp: cp=2 with tp=4"),
         (0, {"cp": 2, "dp": 1, "emus": [[0, 1, 2, 3]]}, "cp applies to training and inference only"),
     ],
 )
@@ -82,6 +93,11 @@ def test_nereus_check_refuses_bad_cp_in_one_line(
     data = yaml.safe_load(PLAN.read_text())
     data.pop("predictions", None)
     data["stages"][stage].update(fields, micro_batches=1)
+    assert_check_refuses(tmp_path, data, expected)
+
+
+def assert_check_refuses(tmp_path: Path, data: dict[str, Any], expected: str) -> None:
+    """`nereus check` on the plan `data` exits 1 printing `expected`, without a traceback."""
     path = tmp_path / "plan.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     result = invoke("check", path)

@@ -28,9 +28,10 @@ Per-row quantities (a sequence-mean loss's weights, the normaliser) come from th
 Inference gathers each rank's columns of the result (logits, values or next-token log-probs,
 whose targets every rank has) in column order on every rank.
 
-Gradients: every cp rank's weight gradient holds its columns' share; `reduce_gradients` sums
-them over the cp group after the data-parallel reduction (which runs per cp rank over the
-replicas, so the sum over cp x dp is the single-process gradient).
+Gradients: every cp rank's weight gradient holds its columns' share; the engine sums them over
+the dp x cp ranks of each (stage, tensor rank) position in one reduction (`Engine._sync_grads`
+over `ParallelGroups.shard_group`), so the sum is the single-process gradient; ZeRO-1 and full
+sharding split their rows over those same dp x cp ranks (torchtitan's dp_shard x cp mesh).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ import torch
 
 from nereus.runtime.comm import collectives
 from nereus.runtime.model.attention import Packing, grouped_attention
-from nereus.runtime.model.data_parallel import GRAD_BUCKET_ELEMENTS
 from nereus.runtime.model.transformer import Batch, positions_from_mask
 from nereus.runtime.state.sharded_state import even_split
 
@@ -271,26 +271,3 @@ def next_token_log_probs(
     count = lengths[cp.rank]
     mine = head.token_log_probs(hidden[:, :count], tokens[:, start + 1 : start + 1 + count])
     return gather_columns(cp, mine.float(), lengths)
-
-
-@torch.no_grad()
-def reduce_gradients(
-    cp: ContextParallel, grads: Sequence[torch.Tensor], dtype: torch.dtype, device: torch.device
-) -> None:
-    """Sum gradients over the cp ranks in place (collective over the cp group, `dtype` on
-    `device`, buckets of at most GRAD_BUCKET_ELEMENTS): host-memory rows go through the device."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for grad in [*grads, None]:
-        if grad is not None and (not bucket or size + grad.numel() <= GRAD_BUCKET_ELEMENTS):
-            bucket.append(grad)
-            size += grad.numel()
-            continue
-        if bucket:
-            flat = torch.cat([g.reshape(-1).to(device=device, dtype=dtype) for g in bucket])
-            collectives.all_reduce(flat, cp.group)
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-        bucket, size = ([grad], grad.numel()) if grad is not None else ([], 0)

@@ -6,10 +6,12 @@ exactly the parameters `shard_layout.holds` assigns to stage s, each the box
 `local_box(..., r)` of the whole tensor, so `local_state()` / `load_local_state()` speak
 the sharding contract the resharder and the checkpointer use.
 
-Under full sharding (`EngineConfig.full_shard`, dp > 1) torch's FSDP2 holds the parameters:
-`fully_shard` per Block and on the stage over the dp mesh, every family (working weights,
-gradients, fp32 masters, moments) split along its first dimension as the DTensors' `Shard(0)`
-places it, which is `sharded_state.dp_rows`.
+Under full sharding (`EngineConfig.full_shard`, dp x cp > 1) torch's FSDP2 holds the parameters:
+`fully_shard` per Block and on the stage over the dp x cp mesh (the cp ranks of a replica hold
+the same weights, so they shard them with the replicas, as torchtitan's dp_shard x cp mesh
+does), every family (working weights, gradients, fp32 masters, moments) split along its first
+dimension as the DTensors' `Shard(0)` places it, which is `sharded_state.dp_rows`. ZeRO-1 and
+training-time offload split their rows over the same dp x cp ranks.
 
 Offload (`nereus.runtime.model.offload`): an engine with `EngineConfig.offload` sleeps between
 its runs, its state in host memory. Training-time offload (`EngineConfig.train_offload`)
@@ -98,13 +100,14 @@ class EngineConfig:
     precision: Precision = field(default_factory=Precision)
     """Parameter, activation and gradient dtype, master weights, gradient-reduction dtype."""
     shard_across_dp: bool = False
-    """ZeRO-1: each replica keeps only its rows (`sharded_state.dp_rows`) of the fp32 masters
-    and AdamW moments; gradients are reduce-scattered, each replica steps its rows, and the
-    updated weights are all-gathered."""
+    """ZeRO-1: each of the dp x cp ranks of a (stage, tensor rank) position keeps only its rows
+    (`sharded_state.dp_rows`) of the fp32 masters and AdamW moments; gradients are
+    reduce-scattered over them, each steps its rows, and the updated weights are all-gathered."""
     full_shard: bool = False
     """Full sharding (ZeRO-3) on FSDP2: parameters, gradients and optimizer state each held in
-    this replica's rows, the parameters all-gathered per Block for its forward and backward
-    and freed after (`reshard_after_forward`). Supersedes `shard_across_dp`."""
+    this rank's rows (of its position's dp x cp ranks), the parameters all-gathered per Block
+    for its forward and backward and freed after (`reshard_after_forward`). Supersedes
+    `shard_across_dp`."""
     recompute: Recompute = "none"
     """What a training forward recomputes in its backward (`StagePlan.recompute`)."""
     token_budget: int | None = None
@@ -116,8 +119,8 @@ class EngineConfig:
     train_offload: TrainOffload = "none"
     """Training-time offload (`StagePlan.train_offload`): `optimizer` keeps this replica's rows of
     the gradients, fp32 masters and AdamW moments in host memory and steps there (ZeRO-1's
-    sharding across dp is implied); `params` also the parameters' shards (FSDP2's CPU offload:
-    needs `full_shard` over dp > 1)."""
+    sharding across dp x cp is implied); `params` also the parameters' shards (FSDP2's CPU
+    offload: needs `full_shard` over dp x cp > 1)."""
     logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS
     """Tokens per chunk of the LM head's log-probs and entropy in training and log-prob
     inference (`chunked_head`): at most one chunk's logits exist at a time."""
@@ -182,10 +185,11 @@ class Engine:
         """The expert stacks (split over the ep ranks, their gradients summed over dp only)."""
         """The parameters whose gradient this rank counts in the global norm (`grad_norm`)."""
         self.dtype = config.precision.torch_dtype
-        self.full_shard = config.full_shard and layout.dp > 1
+        # Rows split over the dp x cp ranks of this position (the cp ranks hold the same weights).
+        self.full_shard = config.full_shard and layout.shards > 1
         self.train_offload = config.train_offload
         offloaded = self.train_offload != "none"
-        self.zero1 = (config.shard_across_dp or offloaded) and layout.dp > 1 and not self.full_shard
+        self.zero1 = (config.shard_across_dp or offloaded) and layout.shards > 1 and not self.full_shard
         self.parking = Parking()
         """The host buffers of this engine's state while it sleeps (`EngineConfig.offload`)."""
         with torch.no_grad():
@@ -232,16 +236,17 @@ class Engine:
                     f"layout cp={layout.cp} pp={layout.pp}: context parallelism runs with pp 1; set cp or pp to 1"
                 )
             context_parallel.check_heads(model.num_heads, layout.tp, layout.cp)
-        if config.train_offload == "params" and not (config.full_shard and layout.dp > 1):
+        if config.train_offload == "params" and not (config.full_shard and layout.shards > 1):
             raise ValueError(
                 f"train_offload params keeps the parameters' shards in host memory (FSDP2's CPU offload): it needs "
-                f"full_shard over dp > 1 replicas, this layout has dp={layout.dp}; use train_offload optimizer"
+                f"full_shard over dp x cp > 1 ranks, this layout has dp={layout.dp} cp={layout.cp}; use "
+                "train_offload optimizer"
             )
         splits_rows = config.full_shard or config.shard_across_dp or config.train_offload != "none"
-        if splits_rows and layout.dp > 1 and not layout.replicas_in_group_order:
+        if splits_rows and layout.shards > 1 and not layout.shards_in_group_order:
             raise ValueError(
-                f"layout ranks {layout.ranks}: the replicas interleave, so the data-parallel groups cannot "
-                "split rows in replica order (ZeRO-1, full sharding, training-time offload); list each "
+                f"layout ranks {layout.ranks}: the replicas interleave, so the data-parallel (dp x cp) groups "
+                "cannot split rows in replica order (ZeRO-1, full sharding, training-time offload); list each "
                 "replica's ranks above the previous replica's at every position"
             )
         world = dist.get_world_size()
@@ -251,7 +256,8 @@ class Engine:
         return None if groups is None else cls(model, head, groups, config)
 
     def _shard_fully(self) -> None:
-        """Hand the stage to FSDP2 over this rank's dp mesh: each Block its own unit (gathered
+        """Hand the stage to FSDP2 over this rank's dp x cp mesh (`ParallelGroups.shard_group`;
+        torchtitan's dp_shard x cp): each Block its own unit (gathered
         for its forward and backward, resharded after), the stage's other parameters the root's.
         FSDP2 holds the working weights (the engine's dtype; the fp32 masters of this replica's
         rows stay with AdamW, as under ZeRO-1); gradients are summed over the replicas (the
@@ -270,7 +276,7 @@ class Engine:
         for param in self.params.values():
             param.data = param.data.to(self.dtype)
         mixed = MixedPrecisionPolicy(reduce_dtype=self.config.precision.reduce_dtype)
-        mesh = DeviceMesh.from_group(g.dp_group, self.device.type)
+        mesh = DeviceMesh.from_group(g.shard_group, self.device.type)
         units = [*self.pipeline_stage.layers.values(), self.pipeline_stage]
         # train_offload params: the shards, their gradients and the step in host memory
         offload = CPUOffloadPolicy(torch.cuda.is_available()) if self.train_offload == "params" else OffloadPolicy()
@@ -284,7 +290,7 @@ class Engine:
         self.params = dict(self.pipeline_stage.named_parameters())
         for name, param in self.params.items():
             # The rows FSDP2 gave this rank, read off the DTensor's placement, are the contract's.
-            assert placed_rows(param) == dp_rows(param.shape[0], g.layout.dp, g.replica), name
+            assert placed_rows(param) == dp_rows(param.shape[0], g.shards, g.shard_index), name
 
     def _check_contract(self) -> None:
         layout, g = self.groups.layout, self.groups
@@ -298,17 +304,18 @@ class Engine:
 
     # ---- state (the sharding contract) ----
 
-    def rows(self, tensor: torch.Tensor, replica: int) -> torch.Tensor:
-        """`replica`'s rows (`dp_rows`) of a tensor shaped like a parameter of this shard
-        (all of it when the engine splits nothing across dp)."""
+    def rows(self, tensor: torch.Tensor, shard: int) -> torch.Tensor:
+        """Shard `shard`'s rows (`dp_rows` over the dp x cp ranks of this position, shard
+        `replica * cp + cp rank`) of a tensor shaped like a parameter of this rank (all of it
+        when the engine splits nothing)."""
         if not (self.zero1 or self.full_shard):
             return tensor
-        offset, count = dp_rows(tensor.shape[0], self.groups.layout.dp, replica)
+        offset, count = dp_rows(tensor.shape[0], self.groups.shards, shard)
         return tensor[offset : offset + count]
 
     def mine(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This replica's rows of `tensor` (`rows`)."""
-        return self.rows(tensor, self.groups.replica)
+        """This rank's rows of `tensor` (`rows`; with cp = 1 its replica's)."""
+        return self.rows(tensor, self.groups.shard_index)
 
     def _state_shape(self, family: str, name: str) -> tuple[int, ...]:
         """The shape of `family/name` in this rank's state: this replica's rows of a split family."""
@@ -569,10 +576,10 @@ class Engine:
             grad = param.grad
             assert grad is not None
             param.grad = None
-            if self.groups.dp_group is not None:
+            if self.groups.shard_group is not None:
                 dtype = self.config.precision.reduce_dtype
                 for bucket in buckets(self._replica_pieces({name: grad})):
-                    reduce_scatter_bucket(bucket, self.groups.dp_group, self.groups.replica, dtype, self.device)
+                    reduce_scatter_bucket(bucket, self.groups.shard_group, self.groups.shard_index, dtype, self.device)
             self.host_grads[name].add_(self.mine(grad).to(self.host_grads[name].device))
 
         return hook
@@ -664,12 +671,10 @@ class Engine:
     def finish_forward_backward(self, job: TrainingJob, outputs: Mapping[int, torch.Tensor]) -> float:
         """The second half of `forward_backward` once `job`'s ops ran (collective over the
         layout): reduce the gradients, add back the ones set aside, return the loss."""
-        self._sync_grads()
+        self._sync_grads()  # over dp x cp: each cp rank's gradient holds its columns' share
         if self.host_grads:
             self._grads_held = True
         cp = self.groups.cp
-        if cp.size > 1:  # each cp rank's gradient holds its columns' share (summed over dp already)
-            context_parallel.reduce_gradients(cp, self.grads(), self.config.precision.reduce_dtype, self.device)
         if self.groups.ep.size > 1:  # the ep ranks are data-parallel for every weight but their experts
             shared = [grad for name, grad in self._named_grads() if name not in self.expert_params]
             self._all_reduce(shared, self.groups.ep.group)
@@ -712,26 +717,26 @@ class Engine:
             self._gather_params()
 
     def _gather_params(self) -> None:
-        """Every replica's updated rows of every sharded weight onto every replica (collective over dp)."""
+        """Every shard's updated rows of every sharded weight onto every rank (collective over dp x cp)."""
         self._all_gather_rows({n: p.data for n, p in self.params.items()})
 
     @torch.no_grad()
     def _all_gather_rows(self, whole: Mapping[str, torch.Tensor]) -> None:
-        """Fill the other replicas' rows of parameter-shaped tensors whose own rows are set
-        (collective over dp; one dtype per call, buckets of GRAD_BUCKET_ELEMENTS)."""
+        """Fill the other shards' rows of parameter-shaped tensors whose own rows are set
+        (collective over dp x cp; one dtype per call, buckets of GRAD_BUCKET_ELEMENTS)."""
         for bucket in buckets(self._replica_pieces(whole)):
-            all_gather_rows(bucket, self.groups.dp_group, self.groups.replica, self.device)
+            all_gather_rows(bucket, self.groups.shard_group, self.groups.shard_index, self.device)
 
     def _replica_pieces(self, tensors: Mapping[str, torch.Tensor]) -> list[Piece]:
-        """The row blocks (`row_pieces`) of `tensors`, each replica's rows of each tensor."""
-        dp = self.groups.layout.dp
-        return [piece for tensor in tensors.values() for piece in row_pieces([self.rows(tensor, d) for d in range(dp)])]
+        """The row blocks (`row_pieces`) of `tensors`, each shard's rows of each tensor."""
+        shards = range(self.groups.shards)
+        return [piece for tensor in tensors.values() for piece in row_pieces([self.rows(tensor, i) for i in shards])]
 
     def whole_state(self, families: Sequence[str]) -> dict[str, torch.Tensor]:
         """`local_state()`'s `families` with every tensor split across dp assembled whole (a
         copy, in the state arena, so a live transition's peers read it directly; collective over
-        dp): the state of a self-contained replica, which a live transition moves replica by
-        replica. Each replica's rows are `dp_rows`, as ZeRO-1 splits them and as FSDP2's
+        dp x cp): the state of a self-contained replica, which a live transition moves replica by
+        replica. Each rank's rows are `dp_rows` over dp x cp, as ZeRO-1 splits them and as FSDP2's
         placements put them (checked when it shards). Without a split, the live tensors."""
         state = {k: t for k, t in self.local_state().items() if k.split("/")[0] in families}
         if not self.dp_split_grads:
@@ -829,7 +834,7 @@ class Engine:
         return self.pipeline_stage(inputs, mask, positions, reduce=reduce, dispatch=dispatch, routes=routes)
 
     def _sync_grads(self) -> None:
-        """Sum the gradients over tied copies and replicas (FSDP2 reduce-scattered them already
+        """Sum the gradients over tied copies, replicas and cp ranks (FSDP2 reduce-scattered them already
         under full sharding; a tied embedding's rows are summed between its two stages)."""
         if self.host_grads:
             self._sync_host_grads()
@@ -838,15 +843,16 @@ class Engine:
         assert all(g is not None for g in grads), "every shard parameter takes part in the loss"
         if self.groups.embed_group is not None:
             collectives.all_reduce(local(grads_of(self.params["embed.weight"])), self.groups.embed_group)
-        if self.groups.dp_group is None or self.full_shard:
+        group = self.groups.shard_group  # dp x cp: the replicas and the cp ranks of each
+        if group is None or self.full_shard:
             return
         held = {n: p.grad for n, p in self.params.items() if p.grad is not None}
         dtype = self.config.precision.reduce_dtype
         if not self.zero1:
-            self._all_reduce(list(held.values()), self.groups.dp_group)
+            self._all_reduce(list(held.values()), group)
             return
         for bucket in buckets(self._replica_pieces(held)):
-            reduce_scatter_bucket(bucket, self.groups.dp_group, self.groups.replica, dtype, self.device)
+            reduce_scatter_bucket(bucket, group, self.groups.shard_index, dtype, self.device)
 
     @torch.no_grad()
     def _sync_host_grads(self) -> None:

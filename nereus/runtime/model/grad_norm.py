@@ -57,8 +57,8 @@ def global_grad_norm(engine: Engine) -> float:
     groups = engine.groups
     parts: list[torch.Tensor] = []
     for name in engine.counted_params:
-        # Under ZeRO-1 and full sharding a replica's gradient is reduced in its own rows only:
-        # each replica counts those (`Engine.counted_grad`).
+        # Under ZeRO-1 and full sharding a rank's gradient is reduced in its own rows only
+        # (of its position's dp x cp ranks): each counts those (`Engine.counted_grad`).
         piece = engine.counted_grad(name)
         if piece is None:
             continue
@@ -68,8 +68,8 @@ def global_grad_norm(engine: Engine) -> float:
     total = torch.zeros((), dtype=torch.float64, device=engine.device)
     if parts:  # every slice's norm in float64 by one foreach call, then their squares summed
         total += torch.stack(torch._foreach_norm(parts, 2, dtype=torch.float64)).square().sum()
-    if engine.dp_split_grads:
-        collectives.all_reduce(total, groups.dp_group)
+    if engine.dp_split_grads:  # the rows are split over the dp x cp ranks of each position
+        collectives.all_reduce(total, groups.shard_group)
     # Tensor ranks first (each stage's total on each of its ranks), then across the stages.
     if groups.tp.group is not None:
         collectives.all_reduce(total, groups.tp.group)

@@ -1,5 +1,6 @@
 """A rank's place in a RankLayout and its process groups: tensor-, context-, expert-, pipeline-
-and data-parallel groups (and the tied-embedding pair), built collectively by every world rank."""
+and data-parallel groups, the dp x cp sharding group (and the tied-embedding pair), built
+collectively by every world rank."""
 
 from __future__ import annotations
 
@@ -37,6 +38,18 @@ class ParallelGroups:
     """First and last stage of this replica and tensor rank, tied embeddings with pp > 1 only."""
     cp: ContextParallel = field(default_factory=ContextParallel.single)
     """This rank's place among the cp ranks splitting its replica's sequences (same shards)."""
+    shard_group: Any = None
+    """The dp x cp ranks holding this rank's (stage, tensor rank) weights, in `shard_index` order:
+    gradients are summed over them, and ZeRO-1 and full sharding split rows across them (the dp
+    group when cp is 1, the cp group when dp is 1; None when both are 1)."""
+    shard_index: int = 0
+    """This rank's place in `shard_group` (`RankLayout.shard_index`)."""
+
+    @property
+    def shards(self) -> int:
+        """Ranks of `shard_group`: dp x cp."""
+        return self.layout.shards
+
     ep: ExpertParallel = field(default_factory=ExpertParallel.single)
     """This rank's place among the ep ranks of its (replica, stage, tensor rank) position, which
     split the experts and the replica's sequences (`moe`)."""
@@ -64,10 +77,19 @@ def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups
         make("pp", stage_ranks)
         if head == "lm" and model.tied_embeddings and pp > 1:
             make("embed", [stage_ranks[0], stage_ranks[-1]])
-    for kind, degree in (("dp", dp), ("cp", cp), ("ep", ep)):
-        if kind == "dp" or degree > 1:
-            for ranks in _along(layout, kind):
-                make(kind, ranks)
+    for ranks in _along(layout, "dp"):
+        make("dp", ranks)
+    if cp > 1:
+        for ranks in _along(layout, "cp"):
+            make("cp", ranks)
+        if dp > 1:
+            for s in range(pp):
+                for e in range(ep):
+                    for r in range(tp):
+                        make("shard", [layout.rank_at(d, s, r, c, e) for d in range(dp) for c in range(cp)])
+    if ep > 1:
+        for ranks in _along(layout, "ep"):
+            make("ep", ranks)
     if coords is None:
         return None
     replica, stage, tp_rank = coords
@@ -82,7 +104,11 @@ def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups
     tensor = TensorParallel(tp, tp_rank, mine.get("tp"), _mesh(mine.get("tp")), _mesh(mine.get("kv")))
     context = ContextParallel(cp, cp_rank, mine.get("cp"))
     experts = ExpertParallel(ep, ep_rank, mine.get("ep"), _mesh(mine.get("ep")))
-    return ParallelGroups(layout, replica, stage, tensor, link, mine.get("dp"), mine.get("embed"), context, experts)
+    shard_group = mine.get("shard") if dp > 1 and cp > 1 else mine.get("dp") if cp == 1 else mine.get("cp")
+    return ParallelGroups(
+        layout, replica, stage, tensor, link, mine.get("dp"), mine.get("embed"), context, shard_group,
+        layout.shard_index(rank), experts,
+    )  # fmt: skip
 
 
 #: The coordinates of a layout's rank, outermost first (`RankLayout.rank_at`'s order).

@@ -214,8 +214,9 @@ class RankLayout:
     holds which box moves with it, consistently: checkpoints, resharding and transitions read the
     boxes from the layout. Replicas whose ranks interleave (replica 0 below replica 1 at one
     position, above it at another) have no replica order every data-parallel group follows
-    (`replicas_in_group_order`): the state code does not need one, an engine that splits rows
-    across its replicas does (`Engine.create` refuses such a layout for it).
+    (`shards_in_group_order`, which with cp > 1 orders a position's dp x cp ranks): the state
+    code does not need one, an engine that splits rows across its replicas and cp ranks does
+    (`Engine.create` refuses such a layout for it).
     """
 
     tp: int
@@ -258,12 +259,33 @@ class RankLayout:
         return self.tp * self.cp * self.ep * self.pp
 
     @property
-    def replicas_in_group_order(self) -> bool:
-        """Whether every data-parallel group's ranks ascend with the replicas (so its group rank
-        is the replica index, as splitting rows across replicas needs)."""
+    def shards(self) -> int:
+        """Ranks of a (stage, tensor rank) position holding the same weights: dp x cp. ZeRO-1 and
+        full sharding split rows over them (`sharded_state.dp_rows`), shard `shard_index`."""
+        return self.dp * self.cp
+
+    def shard_index(self, rank: int) -> int:
+        """Where a rank of the layout sits among its position's dp x cp ranks: replica-major,
+        `replica * cp + cp rank` (its rows of a split family are `dp_rows(rows, shards, this)`)."""
+        replica, _, cp_rank, _ = self.place(self.ranks.index(rank))
+        return replica * self.cp + cp_rank
+
+    @property
+    def shards_in_group_order(self) -> bool:
+        """Whether every position's dp x cp ranks ascend with `shard_index` (so a group rank of
+        the data-parallel and sharding groups is the replica, or the shard index, as splitting
+        rows across them needs). Within a replica the cp ranks ascend already."""
         size = self.replica_size
-        columns = zip(*(self.ranks[d * size : (d + 1) * size] for d in range(self.dp)), strict=True)
-        return all(list(column) == sorted(column) for column in columns)
+        replicas = [self.ranks[d * size : (d + 1) * size] for d in range(self.dp)]
+        block = self.tp * self.cp
+        for stage in range(self.pp):
+            for tp_rank in range(self.tp):
+                column = [
+                    replica[stage * block + c * self.tp + tp_rank] for replica in replicas for c in range(self.cp)
+                ]
+                if column != sorted(column):
+                    return False
+        return True
 
     def place(self, index: int) -> tuple[int, int, int, int]:
         """(replica, stage, cp rank, tensor rank) of entry `index` of `ranks` (`ep_place`: its ep rank)."""
@@ -339,4 +361,4 @@ def ep_problem(model: Model, ep: int) -> str | None:
 
 def stage_layout(entry: StagePlan) -> RankLayout:
     """The runtime layout of a plan entry: GPU ids are world ranks, EMU by EMU."""
-    return RankLayout(entry.tp, entry.pp, entry.dp, tuple(entry.gpus), entry.cp, getattr(entry, "ep", 1))
+    return RankLayout(entry.tp, entry.pp, entry.dp, tuple(entry.gpus), entry.cp, entry.ep)

@@ -58,7 +58,8 @@ def state_dtypes(workload: Workload, stage: Stage) -> dict[str, str]:
 def dp_sharded_families(
     workload: Workload, stage: Stage, zero1: bool, full_shard: bool = False, train_offload: bool = False
 ) -> frozenset[str]:
-    """The families a model-stage's engine splits across its dp replicas. Full sharding
+    """The families a model-stage's engine splits across its dp replicas (and their cp ranks,
+    which hold the same weights: the rows go over dp x cp, `state_meta`). Full sharding
     (FSDP2) splits every family; ZeRO-1 the AdamW moments and the fp32 masters (the `param`
     family where there are masters; the working weights stay whole on every replica) of a
     training stage, and training-time offload (ZeRO-1 implied) its gradients too: the host
@@ -106,7 +107,8 @@ def dp_rows(rows: int, dp: int, replica: int) -> tuple[int, int]:
 
 
 def dp_box(box: Box, dp: int, replica: int) -> Box:
-    """`replica`'s part of a tp/pp box in a family split across dp: its rows of the first dimension."""
+    """Shard `replica`'s part (of `dp` shards: dp x cp with cp) of a tp/pp box in a family split
+    across them: its rows of the first dimension."""
     if not box:
         return box
     offset, count = dp_rows(box[0][1], dp, replica)
@@ -143,7 +145,8 @@ class StateMeta:
     boxes: dict[int, dict[str, Box]] = field(repr=False)
     """For every rank of the layout, the box of each key it holds."""
     dp_sharded: frozenset[str] = frozenset()
-    """The families split across the replicas (their rows, `dp_box`); the others are whole on each."""
+    """The families split across the dp x cp ranks of a position (their rows, `dp_box`); the others
+    are whole on each."""
 
     def rank_boxes(self, rank: int) -> dict[str, Box]:
         """The boxes `rank` holds; empty for a rank outside the layout."""
@@ -169,8 +172,9 @@ def state_meta(
     """The shard metadata of `model` with `head` laid out as `layout`.
 
     `dtypes` maps a family to its dtype name; families it leaves out are DEFAULT_DTYPE.
-    Families in `dp_sharded` are split across the replicas (ZeRO-1 or full sharding, `dp_box`); the others
-    are whole on every replica. Raises ValueError when the layout cannot shard the model or
+    Families in `dp_sharded` are split across the dp x cp ranks of each position (ZeRO-1 or full
+    sharding, `dp_box`: the cp ranks of a replica hold the same weights, so they share the split);
+    the others are whole on every replica. Raises ValueError when the layout cannot shard the model or
     a family is unknown.
     """
     sharded = frozenset(dp_sharded)
@@ -190,10 +194,11 @@ def state_meta(
     positions = position_boxes(model, head, layout.tp, layout.pp, layout.ep)
     boxes: dict[int, dict[str, Box]] = {}
     for index, rank in enumerate(layout.ranks):
-        replica, stage, _, tp_rank = layout.place(index)  # cp ranks hold their position's boxes
+        replica, stage, cp_rank, tp_rank = layout.place(index)  # cp ranks hold their position's boxes
         position = (stage * layout.ep + layout.ep_place(index)) * layout.tp + tp_rank
+        shard = replica * layout.cp + cp_rank  # a split family's rows: over dp x cp (`RankLayout.shard_index`)
         boxes[rank] = {
-            state_key(family, name): dp_box(box, layout.dp, replica) if family in sharded else box
+            state_key(family, name): dp_box(box, layout.shards, shard) if family in sharded else box
             for name, box in positions[position].items()
             for family in families
         }

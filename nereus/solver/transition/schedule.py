@@ -25,6 +25,7 @@ import numpy as np
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from nereus.cost.plan_cost import replica_state_bytes, resident_share, stage_room
 from nereus.cost.vllm_engine import Engine, engine_rebuild_seconds
+from nereus.errors import NereusError
 from nereus.solver.transition.local import STAR_ROUNDS, Replicas, replica_dag, stamp
 from nereus.solver.transition.order_search import GREEDY_TRIES, SEARCH_BUDGET, OrderSearch
 from nereus.solver.transition.pair import plan_pair
@@ -77,7 +78,14 @@ def state_replicas(entry: StagePlan) -> list[list[int]]:
     """The model-stage's copies of its state as a transition moves them: its EMUs, each a
     (tp, pp) grid of boxes, GPU `s * tp + r` holding box (s, r). Context parallelism's cp ranks
     hold the same weights (only the tokens differ), so an EMU with cp > 1 is cp copies, like dp
-    replicas: cp rank c's copy is its GPUs (s * cp + c) * tp + r (`StagePlan.emus`)."""
+    replicas: cp rank c's copy is its GPUs (s * cp + c) * tp + r (`StagePlan.emus`). An EMU with
+    ep > 1 is neither one copy nor ep copies (its experts are split over the ep ranks, the rest
+    replicated): transitions touching one are refused (docs/moe.md)."""
+    if entry.ep > 1:
+        raise NereusError(
+            f"{entry.model_stage}: transitions of expert-parallel model-stages (ep={entry.ep}) are not planned yet; "
+            "plan both sides with `nereus plan --expert-parallel off` to move this state"
+        )
     if entry.cp == 1:
         return entry.emus
     tp, cp = entry.tp, entry.cp
