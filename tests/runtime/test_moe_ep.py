@@ -49,13 +49,18 @@ TINY_MOE: Model = MODELS["tiny"].model_copy(
 )
 #: (tp, pp, dp, ep) with ep = 2, every one on 4 ranks or fewer; ep = 1 as the control.
 LAYOUTS = [(1, 1, 1, 1), (1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 2), (1, 1, 1, 4)]
+#: Memory choices with ep = 2 checked like the layouts (none yet besides the defaults: ZeRO-1,
+#: full sharding, training-time offload and token budgets are refused with ep > 1).
+CONFIGS: dict[str, tuple[tuple[int, int, int, int], EngineConfig]] = {}
 
 
-def check_layout(dims: tuple[int, int, int, int], ref: dict) -> dict[str, float] | None:
+def check_layout(
+    dims: tuple[int, int, int, int], ref: dict, config: EngineConfig | None = None
+) -> dict[str, float] | None:
     """Run one layout on ranks 0..n-1 (collective over the world); this rank's errors."""
     tp, pp, dp, ep = dims
     layout = RankLayout(tp, pp, dp, tuple(range(tp * pp * dp * ep)), ep=ep)
-    engine = Engine.create(TINY_MOE, "lm", layout, EngineConfig(optimizer=OPTIMIZER))
+    engine = Engine.create(TINY_MOE, "lm", layout, config or EngineConfig(optimizer=OPTIMIZER))
     if engine is None:
         return None
     g = engine.groups
@@ -73,10 +78,11 @@ def check_layout(dims: tuple[int, int, int, int], ref: dict) -> dict[str, float]
         loss = engine.forward_backward(batch, NextTokenLoss(), num_microbatches)
         if step == 0:
             errors["loss"] = abs(loss - ref["loss"])
-            errors["grad"] = _max_error(engine.local_state(), "grad", ref["grads"], shard_of)
+            # whole_state: a split family's rows gathered over dp (ZeRO-1), else the live state
+            errors["grad"] = _max_error(engine.whole_state(["grad"]), "grad", ref["grads"], shard_of)
             errors["grad norm"] = abs(global_grad_norm(engine) - ref["grad_norm"])
         engine.update()
-    state = engine.local_state()
+    state = engine.whole_state(["param", "exp_avg", "exp_avg_sq"])
     for family in ("param", "exp_avg", "exp_avg_sq"):
         key = "params" if family == "param" else family
         errors[f"{family} after {STEPS} steps"] = _max_error(state, family, ref[key], shard_of)
@@ -130,6 +136,10 @@ def world_worker(rank: int, world: int, ref: dict) -> dict[str, dict[str, float]
         errors = check_layout(dims, ref)
         if errors is not None:
             results["tp={} pp={} dp={} ep={}".format(*dims)] = errors
+    for name, (dims, config) in CONFIGS.items():
+        errors = check_layout(dims, ref, config)
+        if errors is not None:
+            results[name] = errors
     moved = check_transition(ref)
     if moved is not None:
         results["ep=2 -> tp=2"] = moved
@@ -144,7 +154,8 @@ def test_expert_parallel_layouts_match_the_reference() -> None:
     assert isinstance(grads, dict)
     ref["grad_norm"] = float(torch.cat([g.reshape(-1) for g in grads.values()]).double().norm())
     merged = merge_rank_errors(spawn(world_worker, WORLD, ref))
-    assert set(merged) == {"tp={} pp={} dp={} ep={}".format(*dims) for dims in LAYOUTS} | {"ep=2 -> tp=2"}
+    layouts = {"tp={} pp={} dp={} ep={}".format(*dims) for dims in LAYOUTS}
+    assert set(merged) == layouts | set(CONFIGS) | {"ep=2 -> tp=2"}
     for case, errors in merged.items():
         for quantity, error in errors.items():
             assert error < TOL, (case, quantity, error)
@@ -172,8 +183,10 @@ def test_the_reference_uses_every_expert() -> None:
     ("dims", "config", "message"),
     [
         ((1, 1, 1, 3), EngineConfig(), "ep=3 does not divide the 4 experts"),
+        ((1, 1, 2, 2), EngineConfig(full_shard=True), "without full_shard"),
         ((1, 1, 2, 2), EngineConfig(shard_across_dp=True), "without ZeRO-1"),
         ((1, 1, 1, 2), EngineConfig(token_budget=64), "without token_budget"),
+        ((1, 1, 1, 2), EngineConfig(train_offload="optimizer"), "without train_offload optimizer"),
     ],
 )
 def test_unexecuted_expert_layouts_are_refused_by_name(
