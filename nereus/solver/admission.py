@@ -195,10 +195,6 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
         problem = layout_problem(model, entry.tp, entry.pp) or cp_layout_problem(model, entry.tp, entry.pp, entry.cp)
         if problem:
             problems.append(f"{name}: {problem}")
-        if model.moe is not None:
-            problems.append(
-                f"{name}: model {model.name} is a mixture of experts; nereus run does not execute expert layers yet"
-            )
         if model.vocab_size < tokenizer.vocab_size:
             problems.append(
                 f"{name}: model {model.name} has {model.vocab_size} tokens, the tokenizer needs {tokenizer.vocab_size}"
@@ -262,17 +258,33 @@ def unexecutable_choices(plan: Plan) -> list[str]:
 
 
 def expert_parallel_problems(plan: Plan) -> list[str]:
-    """Entries with ep > 1 where the runtime does not execute expert parallelism
-    (`nereus.spec.capabilities.EXPERT_PARALLEL_EXECUTED`), each with the `nereus plan` option
-    that leaves it out."""
-    if EXPERT_PARALLEL_EXECUTED:
-        return []
-    return [
-        f"{entry.model_stage}: ep={entry.ep} (expert parallelism) is not executed by the runtime yet; replan with "
-        "`nereus plan --expert-parallel off`"
-        for entry in plan.stages
-        if entry.ep > 1
-    ]
+    """Entries with ep > 1 the runtime does not execute: all of them while it runs no expert
+    parallelism (`nereus.spec.capabilities.EXPERT_PARALLEL_EXECUTED`), else those that pair ep
+    with a memory choice its expert-parallel engine does not combine with yet (ZeRO-1, full
+    sharding, training-time offload, token budgets), each with the fix."""
+    if not EXPERT_PARALLEL_EXECUTED:
+        return [
+            f"{entry.model_stage}: ep={entry.ep} (expert parallelism) is not executed by the runtime yet; "
+            "replan with `nereus plan --expert-parallel off`"
+            for entry in plan.stages
+            if entry.ep > 1
+        ]
+    problems = []
+    for entry in plan.stages:
+        paired = {
+            "zero1": entry.stage == "training"
+            and (entry.zero1 if entry.zero1 is not None else plan.workload.optimizer.shard_across_dp),
+            "full_shard": entry.full_shard,
+            "train_offload": entry.train_offload != "none",
+            "token_budget": entry.token_budget is not None,
+        }
+        named = [name for name, on in paired.items() if on]
+        if entry.ep > 1 and named:
+            problems.append(
+                f"{entry.model_stage}: ep={entry.ep} with {named[0]}: the runtime's expert parallelism runs without "
+                f"{named[0]} for now; replan with `nereus plan --expert-parallel off` or drop {named[0]}"
+            )
+    return problems
 
 
 def offload_problems(plan: Plan) -> list[str]:

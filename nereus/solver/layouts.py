@@ -11,7 +11,7 @@ import numpy as np
 
 from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, stage_room
 from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel
-from nereus.spec.capabilities import EXPERT_PARALLEL_EXECUTED, MEMORY_CHOICES
+from nereus.spec.capabilities import MEMORY_CHOICES
 from nereus.spec.check import cp_rule, ep_rule, kv_heads_rule, pp_rule
 from nereus.spec.plan import RECOMPUTE_LEVELS, Fusion, Recompute
 
@@ -71,14 +71,14 @@ def runtime_choices(fusion: Fusion | None = None) -> MemoryChoices:
     training micro-batch counts, token budgets are pinned off too (the runtime refuses that
     combination: `nereus.solver.admission.token_budget_problems`). Context parallelism (Ulysses,
     docs/context-parallel.md) is searched as by default: the runtime executes it. Expert
-    parallelism is searched where the runtime executes it (`EXPERT_PARALLEL_EXECUTED`), else
-    pinned to ep = 1."""
+    parallelism is pinned to ep = 1: the runtime executes it (`EXPERT_PARALLEL_EXECUTED`) but not
+    beside ZeRO-1, full sharding, training-time offload or token budgets, which this search pairs
+    with it freely; a plan given to `nereus run` may carry ep > 1 without them."""
     every = MemoryChoices()
     pinned: dict[str, Any] = {
         name: getattr(every, name)[:1] for name, support in MEMORY_CHOICES.items() if not support.executed
     }
-    if not EXPERT_PARALLEL_EXECUTED:
-        pinned["expert_parallel"] = (False,)
+    pinned["expert_parallel"] = (False,)
     if fusion is not None and fusion.intra_stage:
         pinned["token_budget"] = (False,)
     return dataclasses.replace(every, **pinned)

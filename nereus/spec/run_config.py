@@ -122,6 +122,14 @@ class RLConfig(StrictModel):
     (verl's TIS), weighs every response token's policy loss by min(exp(old - rollout), tis_cap),
     old the trainer's log-prob and rollout the engine's (docs/rl_step.md); `none`: no weight.
     Needs an engine that returns log-probs (`generation.engine: vllm`)."""
+    routing_replay: bool = False
+    """Mixture-of-experts actors: the trainer's forward (old log-probs and training) routes
+    every response token to the experts the rollout routed it to, per MoE layer, instead of its
+    own router's top-k (rollout routing replay; the weights stay the router's probabilities at
+    those experts; docs/runtime.md, "Running MoE"). The rollout's routing is the generation
+    engine's over the sampled sequences (nereus's own engine; not the fused rollout's or
+    vLLM's). Either way a MoE run records the share of tokens the trainer would route
+    elsewhere (`routing_mismatch` in metrics.jsonl)."""
     tis_cap: float = Field(default=2.0, ge=1)
     """`tis`: the largest importance weight a token gets (verl's `tis_imp_ratio_cap`);
     `off_policy_correction: decoupled`: the largest weight a token keeps (AReaL's

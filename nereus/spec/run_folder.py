@@ -159,6 +159,10 @@ class StepMetrics(StepTimes):
     """Under async execution (docs/async.md, "The run loop"): the trained samples' stream
     ranges, their staleness histogram, the queue depth at the take and each pool's busy time
     (None in synchronous runs)."""
+    routing_mismatch: float | None = None
+    """Mixture-of-experts actors: the share of (real token, MoE layer) pairs, prompts and
+    responses, the trainer's own router sends to other experts than the rollout did
+    (`moe.routing_mismatch`; None for a dense model or a rollout whose routing is not recorded)."""
 
 
 @dataclass(frozen=True)

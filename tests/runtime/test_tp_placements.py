@@ -6,7 +6,9 @@ model, head and admissible tp is held to the box DTensor computes for the placem
 parallelize plan gives that parameter (`compute_local_shape_and_global_offset`'s math, the
 function DCP reads shards by): ColwiseParallel linears (q/k/v, gate/up, the untied LM head) and
 the vocabulary-split embedding (RowwiseParallel on `nn.Embedding`) `Shard(0)`, RowwiseParallel
-linears (o, down) `Shard(1)`, norms and the value head `Replicate()`. K/V projections whose heads
+linears (o, down) `Shard(1)`, norms, routers and the value head `Replicate()`; a stack of
+experts (expert index first) splits each expert as its linear would, `Shard(1)` for gate/up
+[experts, ffn, hidden] and `Shard(2)` for down [experts, hidden, ffn]. K/V projections whose heads
 are fewer than the tensor ranks are replicated in whole heads: on a (kv heads, copies) view of
 the tp mesh, `(Shard(0), Replicate())`. So a DTensor engine and the existing shards agree, and
 state moved by boxes lands where DTensor expects it.
@@ -29,11 +31,18 @@ pytestmark = pytest.mark.one_rank
 COLWISE = ("q_proj.weight", "q_proj.bias", "k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")
 COLWISE += ("gate_proj.weight", "up_proj.weight", "lm_head.weight", "embed.weight")
 ROWWISE = ("o_proj.weight", "down_proj.weight")
+#: Expert stacks: each expert's slice as its column- or row-wise linear's, one dim further in.
+EXPERT_COLWISE = ("experts.gate_proj", "experts.up_proj")
+EXPERT_ROWWISE = ("experts.down_proj",)
 
 
 def placement_box(info: ParamInfo, model: Model, tp: int, tp_rank: int) -> Box:
     """The box of `info` on tensor rank `tp_rank` as DTensor places it under the plan above."""
-    if info.name.endswith(COLWISE):
+    if info.name.endswith(EXPERT_COLWISE):
+        placement = Shard(1)
+    elif info.name.endswith(EXPERT_ROWWISE):
+        placement = Shard(2)
+    elif info.name.endswith(COLWISE):
         placement = Shard(0)
     elif info.name.endswith(ROWWISE):
         placement = Shard(1)
@@ -65,7 +74,8 @@ def test_local_boxes_are_dtensor_placements(name: str, head: Head, tp: int) -> N
     model = MODELS[name]
     # Every block's parameters have the same boxes as block 0's: the others add only time.
     for info in (info for info in param_infos(model, head) if info.layer in (None, 0)):
-        assert info.tp_dim is None or info.name.endswith(COLWISE + ROWWISE), info.name
+        split = COLWISE + ROWWISE + EXPERT_COLWISE + EXPERT_ROWWISE
+        assert info.tp_dim is None or info.name.endswith(split), info.name
         for tp_rank in range(tp):
             assert local_box(info, model, tp, tp_rank) == placement_box(info, model, tp, tp_rank), (info.name, tp_rank)
 

@@ -100,21 +100,23 @@ def test_nereus_check_refuses_bad_ep_in_one_line(
 
 
 @pytest.mark.logic
-def test_the_runtime_refuses_ep_by_one_named_capability() -> None:
-    """Until the runtime executes expert parallelism (`EXPERT_PARALLEL_EXECUTED`), it plans for
-    itself with ep = 1 and refuses a plan with ep > 1, naming the `nereus plan` option."""
+def test_the_runtime_takes_ep_without_the_choices_it_does_not_pair_with() -> None:
+    """The runtime executes expert parallelism (`EXPERT_PARALLEL_EXECUTED`) but not beside ZeRO-1,
+    full sharding, training-time offload or token budgets: such an entry is refused in one line
+    naming the choice; a run planning for itself keeps ep = 1."""
     from nereus.solver.admission import expert_parallel_problems
     from nereus.solver.layouts import RUNTIME_CHOICES
     from nereus.spec.capabilities import EXPERT_PARALLEL_EXECUTED
 
+    assert EXPERT_PARALLEL_EXECUTED
+    assert RUNTIME_CHOICES.expert_parallel == (False,)
     plan = document_from_data(_plan_data(EXPERTS, tp=1, pp=2, ep=2, dp=1, emus=[[0, 1, 2, 3]]), "plan.yaml")
-    if EXPERT_PARALLEL_EXECUTED:
-        assert True in RUNTIME_CHOICES.expert_parallel
-        assert expert_parallel_problems(plan) == []  # type: ignore[arg-type]
-    else:
-        assert RUNTIME_CHOICES.expert_parallel == (False,)
-        assert expert_parallel_problems(plan) == [  # type: ignore[arg-type]
-            "actor/training: ep=2 (expert parallelism) is not executed by the runtime yet; replan with "
-            "`nereus plan --expert-parallel off`"
-        ]
+    assert expert_parallel_problems(plan) == []  # type: ignore[arg-type]
+    zero1 = document_from_data(
+        _plan_data(EXPERTS, tp=1, pp=2, ep=2, dp=1, emus=[[0, 1, 2, 3]], zero1=True), "plan.yaml"
+    )
+    assert expert_parallel_problems(zero1) == [  # type: ignore[arg-type]
+        "actor/training: ep=2 with zero1: the runtime's expert parallelism runs without zero1 for now; replan "
+        "with `nereus plan --expert-parallel off` or drop zero1"
+    ]
     assert MoE(**EXPERTS).num_experts == 4

@@ -123,11 +123,15 @@ def test_qwen3_30b_a3b_counts_and_prices_its_active_parameters() -> None:
     assert held == pytest.approx(model.num_params(), rel=1e-6)
 
 
-def test_nereus_run_refuses_an_expert_model_by_name(tmp_path: Path) -> None:
+def test_nereus_run_takes_an_expert_model_with_its_weights_checked(tmp_path: Path) -> None:
     from nereus.runtime.hf.run_setup import hf_weights
 
-    with pytest.raises(NereusError, match=r"model: .* is a mixture of experts \(6 experts\); nereus run does not"):
-        hf_weights(_saved(tmp_path))
+    transformers = pytest.importorskip("transformers")
+    folder = _saved(tmp_path)
+    config = transformers.AutoConfig.from_pretrained(folder)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    weights = hf_weights(folder)
+    assert weights.model.moe is not None and weights.model.moe.num_experts == 6
 
 
 def test_a_planned_expert_model_is_written_and_read_back_as_planned(tmp_path: Path) -> None:

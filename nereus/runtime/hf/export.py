@@ -20,7 +20,7 @@ import torch
 
 from nereus.errors import NereusError
 from nereus.runtime.hf.files import INDEX_FILE, SINGLE_FILE, checkpoint_tensors
-from nereus.runtime.hf.names import hf_name
+from nereus.runtime.hf.names import hf_tensors
 from nereus.runtime.state.checkpoint import load_checkpoint
 from nereus.runtime.state.checkpoint_index import read_index
 from nereus.runtime.state.shard_layout import RankLayout
@@ -140,9 +140,9 @@ def export_hf(
     params = whole_params(checkpoint / role)
     input_dtypes = {name: entry.dtype for name, entry in checkpoint_tensors(source).items()}
     tensors = {}
-    for name, tensor in params.items():
-        key = hf_name(name)
-        tensors[key] = tensor.to(_TORCH_DTYPES[input_dtypes.get(key, "F32")]).contiguous()
+    for name, whole in params.items():
+        for key, tensor in hf_tensors(name, whole).items():
+            tensors[key] = tensor.to(_TORCH_DTYPES[input_dtypes.get(key, "F32")]).contiguous()
     out.parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nereus.errors import NereusError
-from nereus.runtime.hf.names import OPTIONAL, hf_name
+from nereus.runtime.hf.names import OPTIONAL, Source, expert_layout, sources
 from nereus.runtime.state.shard_layout import param_infos
 from nereus.spec.model import Head, Model
 
@@ -81,25 +81,34 @@ def checkpoint_tensors(folder: Path) -> dict[str, TensorEntry]:
     return tensors
 
 
-def check_weights(folder: Path, model: Model, head: Head) -> dict[str, TensorEntry]:
-    """The checkpoint tensor of every runtime parameter of `model` with `head` (the optional
+#: Where a runtime parameter is in a folder: its checkpoint tensors, each with the part it holds.
+Stored = tuple[tuple[Source, TensorEntry], ...]
+
+
+def check_weights(folder: Path, model: Model, head: Head) -> dict[str, Stored]:
+    """The checkpoint tensors of every runtime parameter of `model` with `head` (the optional
     ones it lacks left out); NereusError naming the file and tensor for a missing tensor, a
     wrong shape or a non-float dtype."""
     tensors = checkpoint_tensors(folder)
+    layout = expert_layout(frozenset(tensors))
     found = {}
     for info in param_infos(model, head):
-        name = hf_name(info.name)
-        entry = tensors.get(name)
-        if entry is None:
-            if info.name in OPTIONAL:
-                continue
-            raise NereusError(f"{folder}: tensor {name} is missing (config.json describes a model that has it)")
-        if entry.shape != info.global_shape:
-            raise NereusError(
-                f"{entry.file}: tensor {name} has shape {list(entry.shape)}, config.json implies "
-                f"{list(info.global_shape)}; the weights and config.json disagree"
-            )
-        if entry.dtype not in FLOAT_DTYPES:
-            raise NereusError(f"{entry.file}: tensor {name} has dtype {entry.dtype}; expected a float type")
-        found[info.name] = entry
+        parts = []
+        for source in sources(info, layout):
+            name = source.hf
+            entry = tensors.get(name)
+            if entry is None:
+                if info.name in OPTIONAL:
+                    break
+                raise NereusError(f"{folder}: tensor {name} is missing (config.json describes a model that has it)")
+            if entry.shape != source.hf_shape:
+                raise NereusError(
+                    f"{entry.file}: tensor {name} has shape {list(entry.shape)}, config.json implies "
+                    f"{list(source.hf_shape)}; the weights and config.json disagree"
+                )
+            if entry.dtype not in FLOAT_DTYPES:
+                raise NereusError(f"{entry.file}: tensor {name} has dtype {entry.dtype}; expected a float type")
+            parts.append((source, entry))
+        else:
+            found[info.name] = tuple(parts)
     return found

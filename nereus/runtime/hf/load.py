@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from nereus.runtime.hf.files import TensorEntry, check_weights
-from nereus.runtime.hf.names import hf_name
+from nereus.runtime.hf.files import Stored, TensorEntry, check_weights
+from nereus.runtime.hf.names import hf_tensors
 from nereus.runtime.model.engine import Engine
-from nereus.runtime.state.shard_layout import Box, local_box, param_infos
+from nereus.runtime.state.shard_layout import Box, box_shape, intersect, local_box, param_infos
 from nereus.spec.model import Head, Model
 
 
@@ -27,6 +27,26 @@ def read_box(entry: TensorEntry, name: str, box: Box) -> torch.Tensor:
     with safe_open(str(entry.file), framework="pt") as handle:
         piece: torch.Tensor = handle.get_slice(name)[tuple(slice(start, start + length) for start, length in box)]
     return piece
+
+
+def read_stored(stored: Stored, box: Box) -> torch.Tensor:
+    """The part of a runtime parameter inside `box`, as float32, from its checkpoint tensors
+    (each read only where it overlaps the box)."""
+    if len(stored) == 1 and not stored[0][0].per_expert and stored[0][0].hf_shape == box_shape(stored[0][0].box):
+        return read_box(stored[0][1], stored[0][0].hf, box).float()
+    out = torch.empty(box_shape(box), dtype=torch.float32)
+    for source, entry in stored:
+        part = intersect(box, source.box)
+        if part is None:
+            continue
+        hf_box = tuple(
+            (start - origin + hf_start, length)
+            for (start, length), (origin, _), hf_start in zip(part, source.box, source.hf_start, strict=True)
+        )
+        piece = read_box(entry, source.hf, hf_box[1:] if source.per_expert else hf_box)
+        target = tuple(slice(start - b, start - b + length) for (start, length), (b, _) in zip(part, box, strict=True))
+        out[target] = piece.unsqueeze(0) if source.per_expert else piece
+    return out
 
 
 def load_engine(engine: Engine, folder: Path) -> list[str]:
@@ -42,8 +62,8 @@ def load_engine(engine: Engine, folder: Path) -> list[str]:
             if info.name not in entries:
                 kept.append(info.name)
                 continue
-            box = local_box(info, model, layout.tp, g.tp.rank)
-            engine.set_param(info.name, read_box(entries[info.name], hf_name(info.name), box))
+            box = local_box(info, model, layout.tp, g.tp.rank, g.ep.size, g.ep.rank)
+            engine.set_param(info.name, read_stored(entries[info.name], box))
     return kept
 
 
@@ -54,10 +74,11 @@ def read_logical(folder: Path, model: Model, head: Head) -> dict[str, torch.Tens
     for info in param_infos(model, head):
         if info.name in entries:
             box = tuple((0, size) for size in info.global_shape)
-            whole[info.name] = read_box(entries[info.name], hf_name(info.name), box).float()
+            whole[info.name] = read_stored(entries[info.name], box)
     return whole
 
 
 def as_hf_state(logical: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Whole runtime parameters under their Hugging Face names."""
-    return {hf_name(name): tensor for name, tensor in logical.items()}
+    """Whole runtime parameters under their Hugging Face names (experts one tensor per expert,
+    as transformers writes them)."""
+    return {key: piece for name, tensor in logical.items() for key, piece in hf_tensors(name, tensor).items()}

@@ -51,11 +51,6 @@ def hf_weights(folder: Path, head: Head = "lm", field: str = "model") -> HfWeigh
 
     folder = folder.resolve()
     model = model_from_hf_config(folder, name=folder.name)
-    if model.moe is not None:
-        raise NereusError(
-            f"{field}: {folder} is a mixture of experts ({model.moe.num_experts} experts); nereus run does not "
-            "execute expert layers yet: plan and export it with nereus plan / nereus export, or run a dense model"
-        )
     found = check_weights(folder, model, head)
     if field == "reward_model" and "value_head.weight" not in found:
         raise NereusError(

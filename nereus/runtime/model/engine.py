@@ -56,6 +56,7 @@ from nereus.runtime.model.grad_norm import counted_params
 from nereus.runtime.model.initialization import box_slice, init_logical_param, shard_params
 from nereus.runtime.model.losses import Objective, next_token_log_probs
 from nereus.runtime.model.micro_batches import split_micro_batches
+from nereus.runtime.model.moe import ROUTES_FIELD, Dispatch, Routes, sparse_layers
 from nereus.runtime.model.offload import Parking, Slot
 from nereus.runtime.model.parallel_groups import ParallelGroups, build_groups
 from nereus.runtime.model.pipeline import (
@@ -73,6 +74,7 @@ from nereus.runtime.state.shard_layout import (
     STATE_FAMILIES,
     RankLayout,
     box_shape,
+    ep_problem,
     holds,
     local_box,
     param_infos,
@@ -146,6 +148,23 @@ class TrainingJob:
     """The gradients held before the call, added back after this call's are reduced."""
 
 
+def _check_expert_parallel(model: Model, layout: RankLayout, config: EngineConfig) -> None:
+    """Refuse, in one line, an ep > 1 layout the runtime does not execute."""
+    problem = ep_problem(model, layout.ep)
+    if problem:
+        raise ValueError(f"layout ep={layout.ep}: {problem}")
+    refused = {
+        "cp > 1": layout.cp > 1,
+        "full_shard": config.full_shard,
+        "ZeRO-1 (shard_across_dp)": config.shard_across_dp,
+        f"train_offload {config.train_offload}": config.train_offload != "none",
+        "token_budget (the ep ranks must run the same micro-batch count)": config.token_budget is not None,
+    }
+    named = [name for name, on in refused.items() if on]
+    if named:
+        raise ValueError(f"layout ep={layout.ep}: expert parallelism runs without {named[0]} for now; set ep to 1")
+
+
 class Engine:
     """One rank's shard of a model in a RankLayout: forward, backward, AdamW, state."""
 
@@ -157,11 +176,13 @@ class Engine:
         self.device = rank_device()
         layout = groups.layout
         self.pipeline_stage = DecoderPipelineStage(
-            model, head, groups.tp, layout.pp, groups.pp_rank, config.recompute, config.logit_chunk_tokens
+            model, head, groups.tp, layout.pp, groups.pp_rank, config.recompute, config.logit_chunk_tokens, groups.ep
         ).to(self.device)
         self.params: dict[str, torch.nn.Parameter] = dict(self.pipeline_stage.named_parameters())
         self._check_contract()
         self.counted_params = counted_params(model, head, groups, self.params)
+        self.expert_params = frozenset(info.name for info in param_infos(model, head) if info.expert)
+        """The expert stacks (split over the ep ranks, their gradients summed over dp only)."""
         """The parameters whose gradient this rank counts in the global norm (`grad_norm`)."""
         self.dtype = config.precision.torch_dtype
         # Rows split over the dp x cp ranks of this position (the cp ranks hold the same weights).
@@ -174,7 +195,7 @@ class Engine:
         with torch.no_grad():
             for info in param_infos(model, head):
                 if info.name in self.params and (config.init_only is None or info.name in config.init_only):
-                    box = local_box(info, model, layout.tp, groups.tp.rank)
+                    box = local_box(info, model, layout.tp, groups.tp.rank, groups.ep.size, groups.ep.rank)
                     self.params[info.name].copy_(box_slice(init_logical_param(info, config.init_seed), box))
             # fp32 masters take the initial values before the parameters are rounded to 16 bits.
             masters = {}
@@ -206,13 +227,15 @@ class Engine:
         problem = layout_problem(model, layout.tp, layout.pp)
         if problem:
             raise ValueError(f"layout tp={layout.tp} pp={layout.pp}: {problem}")
+        config = config or EngineConfig()
+        if layout.ep > 1:
+            _check_expert_parallel(model, layout, config)
         if layout.cp > 1:
             if layout.pp > 1:
                 raise ValueError(
                     f"layout cp={layout.cp} pp={layout.pp}: context parallelism runs with pp 1; set cp or pp to 1"
                 )
             context_parallel.check_heads(model.num_heads, layout.tp, layout.cp)
-        config = config or EngineConfig()
         if config.train_offload == "params" and not (config.full_shard and layout.shards > 1):
             raise ValueError(
                 f"train_offload params keeps the parameters' shards in host memory (FSDP2's CPU offload): it needs "
@@ -272,7 +295,7 @@ class Engine:
     def _check_contract(self) -> None:
         layout, g = self.groups.layout, self.groups
         expected = {
-            info.name: box_shape(local_box(info, self.model, layout.tp, g.tp.rank))
+            info.name: box_shape(local_box(info, self.model, layout.tp, g.tp.rank, g.ep.size, g.ep.rank))
             for info in param_infos(self.model, self.head)
             if holds(info, self.model, layout.pp, g.pp_rank)
         }
@@ -521,7 +544,10 @@ class Engine:
     def load_logical_params(self, logical: Mapping[str, torch.Tensor]) -> None:
         """Set this shard's parameters from whole (unsharded) tensors by name; keeps the optimizer state."""
         g = self.groups
-        shard = shard_params(logical, self.model, self.head, g.layout.tp, g.layout.pp, g.pp_rank, g.tp.rank)
+        layout = g.layout
+        shard = shard_params(
+            logical, self.model, self.head, layout.tp, layout.pp, g.pp_rank, g.tp.rank, layout.ep, g.ep.rank
+        )
         for name in self.params:
             self.set_param(name, shard[name])
 
@@ -567,6 +593,17 @@ class Engine:
         start, stop = even_split(batch.num_rows, dp)[self.groups.replica]
         return batch.rows(start, stop)
 
+    def ep_rows(self, rows: Batch) -> Batch:
+        """This ep rank's share of its replica's rows (all of them without expert parallelism):
+        the ep ranks split a replica's sequences as the replicas split the batch."""
+        ep = self.groups.ep
+        if ep.size == 1:
+            return rows
+        if rows.num_rows < ep.size:
+            raise ValueError(f"{rows.num_rows} rows per replica cannot give each of ep={ep.size} ranks a row")
+        start, stop = even_split(rows.num_rows, ep.size)[ep.rank]
+        return rows.rows(start, stop)
+
     def forward_backward(
         self,
         batch: Batch,
@@ -597,7 +634,7 @@ class Engine:
         normalizer = float(objective.normalizer(batch))
         if normalizer <= 0:
             raise ValueError("the batch has no token with a positive loss weight")
-        parts = split_micro_batches(self.replica_rows(batch), num_microbatches, self.config.token_budget)
+        parts = split_micro_batches(self.ep_rows(self.replica_rows(batch)), num_microbatches, self.config.token_budget)
         if schedule is not None and len(parts) != num_microbatches:
             raise ValueError(
                 f"token_budget {self.config.token_budget} packs this replica's rows into {len(parts)} "
@@ -638,6 +675,9 @@ class Engine:
         if self.host_grads:
             self._grads_held = True
         cp = self.groups.cp
+        if self.groups.ep.size > 1:  # the ep ranks are data-parallel for every weight but their experts
+            shared = [grad for name, grad in self._named_grads() if name not in self.expert_params]
+            self._all_reduce(shared, self.groups.ep.group)
         for name, grad in job.earlier_grads.items():
             if grad is not None:
                 held = self._held_grad(name)
@@ -650,6 +690,8 @@ class Engine:
                 collectives.all_reduce(loss, self.groups.dp_group)
             if cp.group is not None:
                 collectives.all_reduce(loss, cp.group)
+            if self.groups.ep.group is not None:
+                collectives.all_reduce(loss, self.groups.ep.group)
         return float(self.from_last_stage(loss))
 
     def update(self) -> None:
@@ -737,6 +779,11 @@ class Engine:
         """Whether each replica holds the reduced gradient in its rows only (a norm sums over dp)."""
         return self.zero1 or self.full_shard
 
+    def _named_grads(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, gradient) of every gradient this rank holds (`grads`), live."""
+        held = ((name, self._held_grad(name)) for name in self.params)
+        return [(name, grad) for name, grad in held if grad is not None]
+
     def grads(self) -> list[torch.Tensor]:
         """Every gradient this rank holds (its rows under full sharding or training-time offload), live."""
         held = (self._held_grad(name) for name in self.params)
@@ -763,14 +810,28 @@ class Engine:
         part: Batch,
         stage_input: torch.Tensor | None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        dispatch: Dispatch = "all_to_all",
+        routes: Routes | None = None,
     ) -> torch.Tensor:
         """This stage's output for `part`; on the last stage `reduce` of it, run inside the
-        forward (an LM head's final hidden states: `DecoderPipelineStage.forward`)."""
+        forward (an LM head's final hidden states: `DecoderPipelineStage.forward`). `dispatch`:
+        how the MoE layers reach the other ep ranks' experts (`moe`). A part with the
+        `ROUTES_FIELD` replays its routing (`moe.Routes`); `routes` records this stage's."""
+        if (routes is not None or ROUTES_FIELD in part.fields) and self.groups.cp.size > 1:
+            raise ValueError("routing replay and recording run without context parallelism; set cp to 1")
+        if ROUTES_FIELD in part.fields:
+            routes = routes or Routes()
+            given = part.fields[ROUTES_FIELD].to(self.device)
+            moe_layers = sparse_layers(self.model)
+            for layer in self.pipeline_stage.layer_ids:
+                if layer in moe_layers:
+                    routes.replay[layer] = given[:, :, moe_layers.index(layer)]
         if self.groups.cp.size > 1:  # this rank's columns (pp is 1)
             return context_parallel.stage_forward(self.pipeline_stage, self.groups.cp, part, self.device, reduce)
         mask = part.mask().to(self.device)
         inputs = part.tokens.to(self.device) if stage_input is None else stage_input
-        return self.pipeline_stage(inputs, mask, positions_from_mask(mask), reduce=reduce)
+        positions = positions_from_mask(mask)
+        return self.pipeline_stage(inputs, mask, positions, reduce=reduce, dispatch=dispatch, routes=routes)
 
     def _sync_grads(self) -> None:
         """Sum the gradients over tied copies, replicas and cp ranks (FSDP2 reduce-scattered them already
@@ -788,9 +849,7 @@ class Engine:
         held = {n: p.grad for n, p in self.params.items() if p.grad is not None}
         dtype = self.config.precision.reduce_dtype
         if not self.zero1:
-            whole = [piece for grad in held.values() for piece in row_pieces([grad])]
-            for bucket in buckets(whole):
-                all_reduce_bucket([piece[0] for piece in bucket], group, dtype)
+            self._all_reduce(list(held.values()), group)
             return
         for bucket in buckets(self._replica_pieces(held)):
             reduce_scatter_bucket(bucket, group, self.groups.shard_index, dtype, self.device)
@@ -814,13 +873,20 @@ class Engine:
             collectives.all_reduce(summed, self.groups.embed_group)
             held.copy_(summed)
 
+    def _all_reduce(self, grads: list[torch.Tensor], group: Any) -> None:
+        """Sum whole gradients over `group` in buckets, in the precision's reduction dtype."""
+        whole = [piece for grad in grads for piece in row_pieces([grad])]
+        for bucket in buckets(whole):
+            all_reduce_bucket([piece[0] for piece in bucket], group, self.config.precision.reduce_dtype)
+
     def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last stage's `tensor` on every stage of this replica (same shape everywhere)."""
         link = self.groups.link
         if link.num_stages == 1:
             return tensor
         tensor = tensor.contiguous()
-        last = self.groups.layout.rank_at(self.groups.replica, link.num_stages - 1, self.groups.tp.rank)
+        g = self.groups
+        last = g.layout.rank_at(g.replica, link.num_stages - 1, g.tp.rank, g.cp.rank, g.ep.rank)
         collectives.broadcast(tensor, last, link.group)
         return tensor
 
@@ -836,7 +902,9 @@ class Engine:
     ) -> torch.Tensor:
         """Run this replica's forward over `batch`; `reduce(output, part)` turns each last-stage
         output (the head's, or with `from_hidden` an LM head's final hidden states) into the rows
-        of the result, which every rank of the replica receives."""
+        of the result, which every rank of the replica receives. Under expert parallelism every
+        ep rank runs the replica's whole batch, each computing its own experts' share of every
+        token (`replicated` dispatch): the result is the replica's on each without a gather."""
         self.wake()
         parts = split_micro_batches(batch, num_microbatches)
         ops = forward_only(self.groups.layout.pp, num_microbatches)[self.groups.pp_rank]
@@ -844,8 +912,8 @@ class Engine:
         def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
             part = parts[mb]
             if from_hidden:
-                return self._stage_forward(part, stage_input, lambda hidden: reduce(hidden, part))
-            output = self._stage_forward(part, stage_input)
+                return self._stage_forward(part, stage_input, lambda hidden: reduce(hidden, part), "replicated")
+            output = self._stage_forward(part, stage_input, dispatch="replicated")
             return reduce(output, part) if self.pipeline_stage.is_last else output
 
         with torch.no_grad():
@@ -887,6 +955,34 @@ class Engine:
         rank's columns gathered with the other cp ranks'; else `output` itself."""
         cp = self.groups.cp
         return output if cp.size == 1 else context_parallel.whole_columns(cp, output, int(part.tokens.shape[1]))
+
+    def routing(self, batch: Batch, num_microbatches: int = 1) -> torch.Tensor:
+        """[rows, seq, MoE layers, experts_per_token]: the experts each token of this replica's
+        `batch` goes to in every sparse layer (`moe.ROUTES_FIELD`'s layout; a batch carrying
+        that field replays it), on every rank of the replica (collective over it)."""
+        moe = self.model.moe
+        if moe is None:
+            raise ValueError(f"model {self.model.name} has no experts to route to")
+        self.wake()
+        parts = split_micro_batches(batch, num_microbatches)
+        ops = forward_only(self.groups.layout.pp, num_microbatches)[self.groups.pp_rank]
+        recorded: dict[int, dict[int, torch.Tensor]] = {}
+
+        def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
+            routes = Routes()
+            output = self._stage_forward(parts[mb], stage_input, dispatch="replicated", routes=routes)
+            recorded[mb] = {layer: chosen.cpu() for layer, chosen in routes.chosen.items()}
+            return output
+
+        with torch.no_grad():
+            self.executor.run(ops, step, self._hidden_shape(parts), train=False)
+        mine = {layer: torch.cat([recorded[mb][layer] for mb in range(len(parts))]) for layer in recorded[0]}
+        stages: list[Any] = [mine]
+        if self.groups.link.group is not None:
+            stages = [None] * self.groups.layout.pp
+            collectives.all_gather_object(stages, mine, self.groups.link.group)
+        by_layer = {layer: chosen for stage in stages for layer, chosen in stage.items()}
+        return torch.stack([by_layer[layer] for layer in sparse_layers(self.model)], dim=2)
 
     def require_head(self, head: Head) -> None:
         if self.head != head:

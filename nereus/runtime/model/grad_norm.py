@@ -4,7 +4,9 @@ After `Engine.forward_backward` every replica holds the same reduced gradients, 
 the whole model is that of one replica: the sum, over its tensor and pipeline ranks, of the
 squared norms of the gradient pieces each holds. A piece held by several ranks of the replica
 counts once: a parameter every tensor rank holds whole (norms, the value head), a KV head
-copied onto several tensor ranks, and a tied embedding held by the first and the last stage.
+copied onto several tensor ranks, a tied embedding held by the first and the last stage, and
+every weight but the experts under expert parallelism (the ep ranks hold the same copy; each
+holds its own experts).
 The sum runs in float64, so layouts agree with a single rank to rounding.
 """
 
@@ -33,7 +35,8 @@ NORM_SLICE_ELEMENTS = 1 << 22
 def counted_params(model: Model, head: Head, groups: ParallelGroups, held: Collection[str]) -> list[str]:
     """The parameters of this rank (of `held`) whose gradient piece it counts in the replica's
     norm: of the ranks holding the same piece, only the lowest tensor rank on the first stage
-    holding it. An engine works them out once (`Engine.counted_params`): its layout never changes."""
+    holding it, on ep rank 0 unless it is an expert stack (split over the ep ranks). An engine
+    works them out once (`Engine.counted_params`): its layout never changes."""
     tp = groups.layout.tp
     names = []
     for info in param_infos(model, head):
@@ -42,7 +45,8 @@ def counted_params(model: Model, head: Head, groups: ParallelGroups, held: Colle
         box = local_box(info, model, tp, groups.tp.rank)
         first_holder = min(rank for rank in range(tp) if local_box(info, model, tp, rank) == box)
         tied_copy = info.place == "first_and_last" and groups.pp_rank > 0
-        if first_holder == groups.tp.rank and not tied_copy:
+        ep_copy = not info.expert and groups.ep.rank > 0
+        if first_holder == groups.tp.rank and not tied_copy and not ep_copy:
             names.append(info.name)
     return names
 
@@ -71,6 +75,8 @@ def global_grad_norm(engine: Engine) -> float:
         collectives.all_reduce(total, groups.tp.group)
     if groups.link.group is not None:
         collectives.all_reduce(total, groups.link.group)
+    if groups.ep.group is not None:
+        collectives.all_reduce(total, groups.ep.group)
     return math.sqrt(float(total))
 
 

@@ -50,13 +50,21 @@ def box_slice(tensor: torch.Tensor, box: tuple[tuple[int, int], ...]) -> torch.T
 
 
 def shard_params(
-    logical: Mapping[str, torch.Tensor], model: Model, head: Head, tp: int, pp: int, stage: int, tp_rank: int
+    logical: Mapping[str, torch.Tensor],
+    model: Model,
+    head: Head,
+    tp: int,
+    pp: int,
+    stage: int,
+    tp_rank: int,
+    ep: int = 1,
+    ep_rank: int = 0,
 ) -> dict[str, torch.Tensor]:
     """This rank's slices of whole parameters: exactly the names and boxes of the contract."""
     out = {}
     for info in param_infos(model, head):
         if holds(info, model, pp, stage):
-            box = local_box(info, model, tp, tp_rank)
+            box = local_box(info, model, tp, tp_rank, ep, ep_rank)
             piece = box_slice(logical[info.name], box)
             assert tuple(piece.shape) == box_shape(box), (info.name, piece.shape, box)
             out[info.name] = piece.clone()

@@ -1,9 +1,10 @@
-"""A rank's place in a RankLayout and its process groups: tensor-, context-, pipeline- and
-data-parallel groups, the dp x cp sharding group (and the tied-embedding pair), built
+"""A rank's place in a RankLayout and its process groups: tensor-, context-, expert-, pipeline-
+and data-parallel groups, the dp x cp sharding group (and the tied-embedding pair), built
 collectively by every world rank."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from nereus.runtime.comm import collectives
 from nereus.runtime.comm.world import device as rank_device
 from nereus.runtime.model.context_parallel import ContextParallel
+from nereus.runtime.model.moe import ExpertParallel
 from nereus.runtime.model.pipeline import PipelineLink
 from nereus.runtime.model.tensor_parallel import TensorParallel
 from nereus.runtime.state.shard_layout import RankLayout
@@ -30,7 +32,8 @@ class ParallelGroups:
     tp: TensorParallel
     link: PipelineLink
     dp_group: Any
-    """The ranks holding the same shards in the other replicas, at this rank's cp rank (None when dp is 1)."""
+    """The ranks holding the same shards in the other replicas, at this rank's cp and ep rank
+    (None when dp is 1)."""
     embed_group: Any
     """First and last stage of this replica and tensor rank, tied embeddings with pp > 1 only."""
     cp: ContextParallel = field(default_factory=ContextParallel.single)
@@ -47,10 +50,14 @@ class ParallelGroups:
         """Ranks of `shard_group`: dp x cp."""
         return self.layout.shards
 
+    ep: ExpertParallel = field(default_factory=ExpertParallel.single)
+    """This rank's place among the ep ranks of its (replica, stage, tensor rank) position, which
+    split the experts and the replica's sequences (`moe`)."""
+
 
 def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups | None:
     """Create the layout's groups (collective: every world rank calls it, in the same order)."""
-    tp, pp, dp, cp = layout.tp, layout.pp, layout.dp, layout.cp
+    tp, pp, dp, cp, ep = layout.tp, layout.pp, layout.dp, layout.cp, layout.ep
     rank = dist.get_rank()
     coords = layout.coords(rank)
     mine: dict[str, Any] = {}
@@ -60,53 +67,67 @@ def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups
         if rank in ranks:
             mine[kind] = group
 
-    for d in range(dp):
-        for s in range(pp):
-            for c in range(cp):
-                tp_ranks = [layout.rank_at(d, s, r, c) for r in range(tp)]
-                make("tp", tp_ranks)
-                if tp > model.num_kv_heads:
-                    copies = tp // model.num_kv_heads
-                    for kv_head in range(model.num_kv_heads):
-                        make("kv", tp_ranks[kv_head * copies : (kv_head + 1) * copies])
-    for d in range(dp):
-        for c in range(cp):
-            for r in range(tp):
-                stage_ranks = [layout.rank_at(d, s, r, c) for s in range(pp)]
-                make("pp", stage_ranks)
-                if head == "lm" and model.tied_embeddings and pp > 1:
-                    make("embed", [stage_ranks[0], stage_ranks[-1]])
-    for s in range(pp):
-        for c in range(cp):
-            for r in range(tp):
-                make("dp", [layout.rank_at(d, s, r, c) for d in range(dp)])
+    for tp_ranks in _along(layout, "tp"):
+        make("tp", tp_ranks)
+        if tp > model.num_kv_heads:
+            copies = tp // model.num_kv_heads
+            for kv_head in range(model.num_kv_heads):
+                make("kv", tp_ranks[kv_head * copies : (kv_head + 1) * copies])
+    for stage_ranks in _along(layout, "pp"):
+        make("pp", stage_ranks)
+        if head == "lm" and model.tied_embeddings and pp > 1:
+            make("embed", [stage_ranks[0], stage_ranks[-1]])
+    for ranks in _along(layout, "dp"):
+        make("dp", ranks)
     if cp > 1:
-        for d in range(dp):
-            for s in range(pp):
-                for r in range(tp):
-                    make("cp", [layout.rank_at(d, s, r, c) for c in range(cp)])
+        for ranks in _along(layout, "cp"):
+            make("cp", ranks)
         if dp > 1:
             for s in range(pp):
-                for r in range(tp):
-                    make("shard", [layout.rank_at(d, s, r, c) for d in range(dp) for c in range(cp)])
+                for e in range(ep):
+                    for r in range(tp):
+                        make("shard", [layout.rank_at(d, s, r, c, e) for d in range(dp) for c in range(cp)])
+    if ep > 1:
+        for ranks in _along(layout, "ep"):
+            make("ep", ranks)
     if coords is None:
         return None
     replica, stage, tp_rank = coords
-    cp_rank = layout.cp_rank(rank)
+    cp_rank, ep_rank = layout.cp_rank(rank), layout.ep_rank(rank)
     link = PipelineLink(
         stage,
         pp,
-        layout.rank_at(replica, stage - 1, tp_rank, cp_rank) if stage > 0 else None,
-        layout.rank_at(replica, stage + 1, tp_rank, cp_rank) if stage < pp - 1 else None,
+        layout.rank_at(replica, stage - 1, tp_rank, cp_rank, ep_rank) if stage > 0 else None,
+        layout.rank_at(replica, stage + 1, tp_rank, cp_rank, ep_rank) if stage < pp - 1 else None,
         mine.get("pp"),
     )
     tensor = TensorParallel(tp, tp_rank, mine.get("tp"), _mesh(mine.get("tp")), _mesh(mine.get("kv")))
     context = ContextParallel(cp, cp_rank, mine.get("cp"))
+    experts = ExpertParallel(ep, ep_rank, mine.get("ep"), _mesh(mine.get("ep")))
     shard_group = mine.get("shard") if dp > 1 and cp > 1 else mine.get("dp") if cp == 1 else mine.get("cp")
     return ParallelGroups(
         layout, replica, stage, tensor, link, mine.get("dp"), mine.get("embed"), context, shard_group,
-        layout.shard_index(rank),
+        layout.shard_index(rank), experts,
     )  # fmt: skip
+
+
+#: The coordinates of a layout's rank, outermost first (`RankLayout.rank_at`'s order).
+_AXES = ("dp", "pp", "ep", "cp", "tp")
+
+
+def _along(layout: RankLayout, axis: str) -> list[list[int]]:
+    """The ranks along `axis` at every position of the other coordinates (outermost first)."""
+    sizes = {"dp": layout.dp, "pp": layout.pp, "ep": layout.ep, "cp": layout.cp, "tp": layout.tp}
+    others = [name for name in _AXES if name != axis]
+    lines = []
+    for position in itertools.product(*(range(sizes[name]) for name in others)):
+        at = dict(zip(others, position, strict=True))
+        line = []
+        for index in range(sizes[axis]):
+            at[axis] = index
+            line.append(layout.rank_at(at["dp"], at["pp"], at["tp"], at["cp"], at["ep"]))
+        lines.append(line)
+    return lines
 
 
 def _mesh(group: Any) -> Any:

@@ -49,6 +49,7 @@ from nereus.runtime.model.attention import (
     grouped_attention,
     masked_attention,
 )
+from nereus.runtime.model.moe import Dispatch, ExpertParallel, MoEMLP, Routes, activate, route
 from nereus.runtime.model.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -163,13 +164,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (x.float() * torch.rsqrt(variance + eps)).to(x.dtype) * weight
 
 
-def activate(x: torch.Tensor, activation: Activation) -> torch.Tensor:
-    """The MLP's gate activation."""
-    if activation == "silu":
-        return F.silu(x)
-    return F.gelu(x, approximate="tanh" if activation == "gelu_pytorch_tanh" else "none")
-
-
 def check_positions(model: Model, num_positions: int) -> None:
     """Refuse a sequence longer than the model takes (its RoPE was never trained past it)."""
     if num_positions > model.position_limit():
@@ -281,12 +275,25 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, model: Model, tp: TensorParallel, recompute: Recompute = "none"):
+    def __init__(
+        self,
+        model: Model,
+        tp: TensorParallel,
+        recompute: Recompute = "none",
+        layer: int = 0,
+        ep: ExpertParallel | None = None,
+    ):
         super().__init__()
         self.attn_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
         self.attn = Attention(model, tp, recompute_core=recompute == "selective")
         self.mlp_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
-        self.mlp = MLP(model, tp, recompute_gate=recompute == "selective")
+        self.sparse = model.moe is not None and model.moe.is_sparse(layer)
+        """Whether the MLP is the mixture of experts (`moe.MoEMLP`)."""
+        self.mlp: MLP | MoEMLP = (
+            MoEMLP(model, layer, tp, ep or ExpertParallel.single())
+            if self.sparse
+            else MLP(model, tp, recompute_gate=recompute == "selective")
+        )
         self.recompute_all = recompute == "full"
         """Full recompute: the layer keeps only its input and reruns its forward in the backward."""
 
@@ -297,11 +304,13 @@ class Block(nn.Module):
         plan: AttentionPlan,
         cache: KVStore | None = None,
         cache_start: int = 0,
+        routes: Routes | None = None,
+        dispatch: Dispatch = "all_to_all",
     ) -> torch.Tensor:
         if self.recompute_all and cache is None and torch.is_grad_enabled():
-            out: torch.Tensor = checkpoint(self._forward, x, rope, plan, None, 0, use_reentrant=False)
+            out: torch.Tensor = checkpoint(self._forward, x, rope, plan, None, 0, routes, dispatch, use_reentrant=False)
             return out
-        return self._forward(x, rope, plan, cache, cache_start)
+        return self._forward(x, rope, plan, cache, cache_start, routes, dispatch)
 
     def _forward(
         self,
@@ -310,8 +319,12 @@ class Block(nn.Module):
         plan: AttentionPlan,
         cache: KVStore | None = None,
         cache_start: int = 0,
+        routes: Routes | None = None,
+        dispatch: Dispatch = "all_to_all",
     ) -> torch.Tensor:
         x = x + self.attn.forward(self.attn_norm.forward(x), rope, plan, cache, cache_start)
+        if isinstance(self.mlp, MoEMLP):
+            return x + self.mlp.forward(self.mlp_norm.forward(x), routes, dispatch)
         return x + self.mlp.forward(self.mlp_norm.forward(x))
 
 
@@ -335,9 +348,12 @@ class DecoderPipelineStage(nn.Module):
         stage: int,
         recompute: Recompute = "none",
         logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS,
+        ep: ExpertParallel | None = None,
     ):
         super().__init__()
         self.model = model
+        self.ep = ep or ExpertParallel.single()
+        """This rank's place among the ep ranks splitting the experts (`moe`)."""
         self.head = head
         self.logit_chunk_tokens = logit_chunk_tokens
         """Tokens per chunk of the LM head's log-probs and entropy (`chunked_head`)."""
@@ -349,7 +365,7 @@ class DecoderPipelineStage(nn.Module):
         tied = head == "lm" and model.tied_embeddings
         if self.is_first or (self.is_last and tied):
             self.embed = VocabParallelEmbedding(model.vocab_size, model.hidden_dim, tp)
-        self.layers = nn.ModuleDict({str(i): Block(model, tp, recompute) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(model, tp, recompute, i, self.ep) for i in self.layer_ids})
         if self.is_last:
             self.final_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
             if head == "value":
@@ -366,6 +382,8 @@ class DecoderPipelineStage(nn.Module):
         cache_start: int = 0,
         split: SequenceSplit | None = None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        routes: Routes | None = None,
+        dispatch: Dispatch | None = None,
     ) -> torch.Tensor:
         """`inputs`: token ids (first stage) or hidden states; `key_mask` [b, keys] covers the cache.
 
@@ -376,10 +394,18 @@ class DecoderPipelineStage(nn.Module):
         `reduce` (last stage): what the forward returns instead of the head's output, computed
         from it inside the forward (so full sharding holds the gathered head weight while it
         runs); an LM head then passes its final hidden states [b, t, hidden], not logits.
+        `routes`: the MoE layers' replayed and chosen experts (`moe.Routes`), [b, t, k] per
+        layer by column of `inputs` (not under context parallelism); `dispatch`: how tokens
+        reach their experts' ep ranks (`moe`; default: `replicated` for a cached generation
+        pass, whose ep ranks step the same rows, `all_to_all` otherwise).
         """
         check_positions(self.model, key_mask.shape[-1])
+        if dispatch is None:
+            dispatch = "replicated" if caches is not None else "all_to_all"
         hidden_only = reduce is not None and self.head == "lm"
         if split is not None:
+            if routes is not None:
+                raise ValueError("routing replay and recording run without context parallelism; set cp to 1")
             output = self._layers_and_head(inputs, positions, AttentionPlan(split=split), None, 0, hidden_only)
             return output if reduce is None or not self.is_last else reduce(output)
         num_queries = inputs.shape[1]
@@ -393,9 +419,14 @@ class DecoderPipelineStage(nn.Module):
         else:
             plan = AttentionPlan(decode_mask=attention_mask_4d(key_mask, num_queries))
         packing = plan.packing
+        layer_routes = None if routes is None else routes.in_layer_order(packing)
         if packing is not None:
             inputs, positions = packing.pack(inputs), packing.pack(positions)
-        output = self._layers_and_head(inputs, positions, plan, caches, cache_start, hidden_only)
+        output = self._layers_and_head(
+            inputs, positions, plan, caches, cache_start, hidden_only, layer_routes, dispatch
+        )
+        if routes is not None and layer_routes is not None:
+            routes.record_batch_layout(layer_routes, packing, (int(inputs.shape[0]), num_queries))
         output = output if packing is None else packing.unpack(output)
         return output if reduce is None or not self.is_last else reduce(output)
 
@@ -407,11 +438,14 @@ class DecoderPipelineStage(nn.Module):
         caches: Mapping[int, KVStore] | None,
         cache_start: int,
         hidden_only: bool = False,
+        routes: Routes | None = None,
+        dispatch: Dispatch = "all_to_all",
     ) -> torch.Tensor:
         x = self.embed.forward(inputs) if self.is_first else inputs
         rope = rope_tables(positions, self.inv_freq, x.dtype)
         for layer_id, block in zip(self.layer_ids, self.layers.values(), strict=True):
-            x = block.forward(x, rope, plan, None if caches is None else caches[layer_id], cache_start)
+            cache = None if caches is None else caches[layer_id]
+            x = block.forward(x, rope, plan, cache, cache_start, routes, dispatch)
         if not self.is_last:
             return x
         x = self.final_norm.forward(x)
@@ -487,18 +521,46 @@ class ReferenceModel(nn.Module):
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return F.linear(grouped_attention(q, k, v, None), self.param(p + "o_proj.weight"))
 
-    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Full logits [b, t, vocab] or values [b, t] (rows packed as the stages pack them)."""
+    def forward(
+        self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None, routes: Routes | None = None
+    ) -> torch.Tensor:
+        """Full logits [b, t, vocab] or values [b, t] (rows packed as the stages pack them);
+        `routes`: the MoE layers' replayed and chosen experts (`moe.Routes`), [b, t, k] per layer."""
         check_positions(self.model, tokens.shape[1])
         mask = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         positions = positions_from_mask(mask)
         packing = Packing.of(mask)
+        layer_routes = None if routes is None else routes.in_layer_order(packing)
         if packing is not None:
             tokens, positions = packing.pack(tokens), packing.pack(positions)
-        output = self._packed_forward(tokens, positions)
+        output = self._packed_forward(tokens, positions, layer_routes)
+        if routes is not None and layer_routes is not None:
+            routes.record_batch_layout(layer_routes, packing, (int(tokens.shape[0]), int(tokens.shape[1])))
         return output if packing is None else packing.unpack(output)
 
-    def _packed_forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _moe(self, i: int, h: torch.Tensor, routes: Routes | None) -> torch.Tensor:
+        """Sparse layer `i`'s MLP, plainly: every expert on the tokens routed to it."""
+        moe = self.model.moe
+        assert moe is not None
+        p = f"layers.{i}.mlp."
+        hidden = h.reshape(-1, h.shape[-1])
+        logits = F.linear(hidden, self.param(p + "router.weight"))
+        replay = None if routes is None else routes.replay.get(i)
+        weights, experts = route(logits, moe.experts_per_token, moe.norm_topk_prob, replay)
+        if routes is not None:
+            routes.chosen[i] = experts.detach()
+            if routes.keep_logits:
+                routes.router_logits[i] = logits
+        out = torch.zeros_like(hidden)
+        gate_w, up_w, down_w = (self.param(p + f"experts.{n}") for n in ("gate_proj", "up_proj", "down_proj"))
+        for e in range(moe.num_experts):
+            token, slot = torch.where(experts == e)
+            x = hidden[token]
+            y = F.linear(activate(F.linear(x, gate_w[e]), self.model.activation) * F.linear(x, up_w[e]), down_w[e])
+            out = out.index_add(0, token, y * weights[token, slot, None])
+        return out.view(h.shape)
+
+    def _packed_forward(self, tokens: torch.Tensor, positions: torch.Tensor, routes: Routes | None) -> torch.Tensor:
         m = self.model
         x = F.embedding(tokens, self.param("embed.weight"))
         rope = rope_tables(positions, self.inv_freq, x.dtype)
@@ -506,6 +568,9 @@ class ReferenceModel(nn.Module):
             p = f"layers.{i}."
             x = x + self._attention(i, rms_norm(x, self.param(p + "attn_norm.weight"), m.rms_norm_eps), rope)
             h = rms_norm(x, self.param(p + "mlp_norm.weight"), m.rms_norm_eps)
+            if m.moe is not None and m.moe.is_sparse(i):
+                x = x + self._moe(i, h, routes)
+                continue
             gate = F.linear(h, self.param(p + "mlp.gate_proj.weight"))
             up = F.linear(h, self.param(p + "mlp.up_proj.weight"))
             x = x + F.linear(activate(gate, m.activation) * up, self.param(p + "mlp.down_proj.weight"))

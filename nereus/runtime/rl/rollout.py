@@ -19,6 +19,7 @@ from nereus.runtime.generation.generate import generate
 from nereus.runtime.generation.kv_cache import KVBudget, memory_left
 from nereus.runtime.generation.sampling import SamplingConfig
 from nereus.runtime.generation.vllm_engine import VLLMEngine, sleep_mode_available, start_engine
+from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.fused_rollout import RolloutEvent, fused_rollout
 from nereus.runtime.rl.inter_stage import migration_settings
 from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, local_state_bytes, rollout_batch
@@ -64,7 +65,18 @@ def rollout(
     rollout_log_probs = None
     if engine_log_probs is not None:
         rollout_log_probs = token_aligned(prompts, engine_log_probs, batch.tokens.shape)
-    return Rollout(responses, batch, inferred, greedy, greedy_batch, rollout_log_probs)
+    routes = None
+    if generation.model.moe is not None and generation.rollout_engine is None and not fusion.inter_stage:
+        with timed(seconds, ACTOR_GENERATION):
+            routes = replica_routing(generation, batch)
+    return Rollout(responses, batch, inferred, greedy, greedy_batch, rollout_log_probs, routes)
+
+
+def replica_routing(stage: ModelStageRuntime, batch: Batch) -> torch.Tensor:
+    """`Engine.routing` of the whole batch, each replica of `stage` on its rows (collective)."""
+    engine = stage.engine
+    mine = None if engine is None else engine.routing(engine.replica_rows(batch))
+    return torch.cat(by_replica(stage, mine))
 
 
 def generate_responses(

@@ -14,7 +14,7 @@ from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.datasets import Prompt
 from nereus.runtime.rl.objectives import align_to_tokens, values_to_tokens
 from nereus.runtime.rl.rewards import Scorer
-from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of
+from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of, without_routes
 from nereus.runtime.rl.timing import timed
 from nereus.spec.stages import (
     ACTOR_INFERENCE,
@@ -82,7 +82,8 @@ def run_inference(
     for name, output in INFERENCE_OUTPUTS.items():
         if name in stages:
             with timed(seconds, name):
-                local[name] = local_infer(stages[name], batch, output)
+                replays = name == ACTOR_INFERENCE  # the rollout's routing is the actor's (rl.routing_replay)
+                local[name] = local_infer(stages[name], batch if replays else without_routes(batch), output)
     with timed(seconds, "exchange"):
         shares = by_replica_of({name: stages[name] for name in local}, local)
         return {name: torch.cat(parts) for name, parts in shares.items()}

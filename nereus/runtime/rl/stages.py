@@ -23,6 +23,7 @@ from nereus.runtime.generation.vllm_engine import VLLMEngine
 from nereus.runtime.hf.names import OPTIONAL
 from nereus.runtime.model.adamw import AdamWConfig, stage_precision
 from nereus.runtime.model.engine import Engine, EngineConfig
+from nereus.runtime.model.moe import ROUTES_FIELD
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.state.shard_layout import RankLayout, stage_layout
 from nereus.runtime.state.sharded_state import (
@@ -166,13 +167,26 @@ class Rollout:
     rollout_log_probs: torch.Tensor | None = None
     """[b, t] the generation engine's log-probability of every response token, aligned as the
     trainer's old log-probs (vLLM's raw log-probs; None from nereus's own engine)."""
+    routes: torch.Tensor | None = None
+    """[b, t, MoE layers, experts_per_token] the experts the generation engine routed each token
+    to (`moe.ROUTES_FIELD`; None for a dense model, vLLM or the fused rollout)."""
+
+
+def without_routes(batch: Batch) -> Batch:
+    """`batch` without the rollout's routing (`moe.ROUTES_FIELD`): what the models that do not
+    replay it (reference, critic, reward) see."""
+    if ROUTES_FIELD not in batch.fields:
+        return batch
+    fields = {name: tensor for name, tensor in batch.fields.items() if name != ROUTES_FIELD}
+    return Batch(batch.tokens, batch.attention_mask, fields, batch.first_column)
 
 
 def leads(stage: ModelStageRuntime) -> bool:
     """Whether this rank speaks for its replica of `stage` in exchanges (its first rank)."""
     engine = stage.engine
     groups = None if engine is None else engine.groups
-    return groups is not None and groups.pp_rank == 0 and groups.tp.rank == 0 and groups.cp.rank == 0
+    firsts = (groups.pp_rank, groups.tp.rank, groups.cp.rank, groups.ep.rank) if groups is not None else (1,)
+    return not any(firsts)
 
 
 def by_replica(stage: ModelStageRuntime, value: Any) -> list[Any]:

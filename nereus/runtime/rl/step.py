@@ -29,16 +29,18 @@ import torch
 from nereus.cost.vllm_engine import ENGINE_PHASES
 from nereus.runtime.generation.sampling import SamplingConfig
 from nereus.runtime.model.fused_pipeline import OpTiming
+from nereus.runtime.model.moe import ROUTES_FIELD, routing_mismatch
+from nereus.runtime.model.transformer import Batch
 from nereus.runtime.observe.memory import PeakTracker, predicted_rank_host_bytes
 from nereus.runtime.rl.algorithms import masked_mean
 from nereus.runtime.rl.datasets import Prompt
 from nereus.runtime.rl.fused_rollout import RolloutEvent
 from nereus.runtime.rl.optimization import UpdateRule, update_rules
-from nereus.runtime.rl.rollout import rollout
+from nereus.runtime.rl.rollout import replica_routing, rollout
 from nereus.runtime.rl.run_data import StepInputs, step_inputs
 from nereus.runtime.rl.samples import sample_records
 from nereus.runtime.rl.scoring import Scored, score
-from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, local_host_bytes, sleep_offloaded
+from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, local_host_bytes, sleep_offloaded, without_routes
 from nereus.runtime.rl.timing import StepSeconds, StepTotals, record_fused, step_totals, timed
 from nereus.runtime.rl.update import (
     WeightSync,
@@ -51,7 +53,7 @@ from nereus.solver.admission import predicted_peaks
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import StepMetrics
-from nereus.spec.stages import ACTOR_GENERATION
+from nereus.spec.stages import ACTOR_GENERATION, ACTOR_TRAINING
 from nereus.spec.workload import Workload
 
 if TYPE_CHECKING:
@@ -125,6 +127,9 @@ class Trained:
     rollout_log_probs: torch.Tensor | None
     samples: list[dict[str, Any]]
     op_timings: list[OpTiming]
+    routing_mismatch: float | None
+    """Mixture-of-experts actors: the share of routed (token, layer) pairs the trainer's router
+    sends elsewhere than the rollout did (None without a recorded routing)."""
 
     def metrics(
         self,
@@ -152,6 +157,8 @@ class Trained:
         if self.rollout_log_probs is not None:
             mean, largest = log_prob_mismatch(self.scored, self.rollout_log_probs)
             metrics = dataclasses.replace(metrics, rollout_log_prob_diff_mean=mean, rollout_log_prob_diff_max=largest)
+        if self.routing_mismatch is not None:
+            metrics = dataclasses.replace(metrics, routing_mismatch=self.routing_mismatch)
         return metrics
 
 
@@ -172,6 +179,7 @@ def train_phases(
     the ranks the stages exchange over, and the world in the sync). The synchronous step and
     the async run's training pool (`nereus.runtime.run.async_loop`) both run them."""
     problems, prompts, generated = rollout_of
+    generated, routing_mismatch = replayed_routing(config, stages, generated, seconds)
     # 2. inference: old and reference log-probs, values, rewards
     not_run = idle_model_stages(plan, in_force)
     scored = score(stages, inputs.scorer, problems, generated, seconds, skip=not_run)
@@ -214,7 +222,17 @@ def train_phases(
     with timed(seconds, "weight_sync"):
         sync_weights(syncs)
     ran = [n for n in stages if n not in not_run]
-    return Trained(prompts, scored, losses, (rules, grad_norms), ran, generated.rollout_log_probs, samples, op_timings)
+    return Trained(
+        prompts,
+        scored,
+        losses,
+        (rules, grad_norms),
+        ran,
+        generated.rollout_log_probs,
+        samples,
+        op_timings,
+        routing_mismatch,
+    )
 
 
 def begin_step(stages: dict[str, ModelStageRuntime], peaks: PeakTracker | None) -> StepSeconds:
@@ -225,6 +243,30 @@ def begin_step(stages: dict[str, ModelStageRuntime], peaks: PeakTracker | None) 
         peaks.host_bytes = lambda: local_host_bytes(stages)
         peaks.start_step()
     return StepSeconds(peaks, stages)
+
+
+def replayed_routing(
+    config: RLConfig, stages: dict[str, ModelStageRuntime], generated: Rollout, seconds: dict[str, float]
+) -> tuple[Rollout, float | None]:
+    """The rollout with its routing in the batch when `rl.routing_replay` (the actor's old
+    log-probs and training then replay it), and the share of tokens the trainer's own router
+    sends elsewhere (None without a recorded routing). Collective."""
+    if generated.routes is None:
+        if config.routing_replay:
+            raise ValueError(
+                "rl.routing_replay: this run's rollout has no recorded routing (a dense model, a vLLM engine or "
+                "the fused rollout); set it to false"
+            )
+        return generated, None
+    batch = generated.batch
+    with timed(seconds, ACTOR_TRAINING):
+        own = replica_routing(stages[ACTOR_TRAINING], without_routes(batch))
+    mismatch = routing_mismatch(generated.routes, own, batch.mask())
+    if config.routing_replay:
+        fields = {**batch.fields, ROUTES_FIELD: generated.routes}
+        replayed = Batch(batch.tokens, batch.attention_mask, fields, batch.first_column)
+        generated = dataclasses.replace(generated, batch=replayed)
+    return generated, mismatch
 
 
 def draw_prompts(

@@ -35,7 +35,7 @@ from nereus.runtime.rl.objectives import ClippedValueObjective, PolicyObjective
 from nereus.runtime.rl.optimization import UpdateRule, apply_update, fused_update
 from nereus.runtime.rl.rewards import Scorer
 from nereus.runtime.rl.scoring import Scored, reward_of
-from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of
+from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, by_replica_of, without_routes
 from nereus.runtime.rl.timing import timed
 from nereus.runtime.state.reshard import ReshardResult, execute
 from nereus.runtime.state.reshard_plan import ReshardPlan, plan_reshard
@@ -143,7 +143,7 @@ def run_training(
     critic_losses = None
     if critic is not None:
         assert scored.old_values is not None and returns is not None, "a critic is trained under ppo only"
-        critic_fields = {**batch.fields, "old_values": scored.old_values, "returns": returns}
+        critic_fields = {**without_routes(batch).fields, "old_values": scored.old_values, "returns": returns}
         critic_batch = Batch(batch.tokens, batch.attention_mask, critic_fields)
         value_objective = ClippedValueObjective(config.value_clip_eps, config.loss_agg_mode)
     if fusion.intra_stage:

@@ -139,6 +139,7 @@ def _make_index(meta: StateMeta, step: int, shards: Iterable[ShardRecord]) -> Ch
         pp=layout.pp,
         dp=layout.dp,
         cp=layout.cp,
+        ep=layout.ep,
         ranks=list(layout.ranks),
         step=step,
         families=list(meta.families),

@@ -19,7 +19,7 @@ from typing import Literal
 from pydantic import Field, ValidationError
 
 from nereus.errors import NereusError
-from nereus.runtime.state.shard_layout import Box, RankLayout, box_numel, layout_problem
+from nereus.runtime.state.shard_layout import Box, RankLayout, box_numel, ep_problem, layout_problem
 from nereus.runtime.state.sharded_state import TORCH_DTYPE_BYTES, StateMeta, state_meta
 from nereus.spec.base import StrictModel
 from nereus.spec.io import read_utf8
@@ -75,6 +75,8 @@ class CheckpointIndex(StrictModel):
     dp: int
     cp: int = Field(default=1, gt=0)
     """Context-parallel degree of the saved layout; written only when above 1."""
+    ep: int = Field(default=1, gt=0)
+    """Expert-parallel degree of the saved layout; written only when above 1."""
     ranks: list[int]
     """Global ranks of the saved layout (replica-major, stage-major, cp rank, tensor rank innermost)."""
     step: int
@@ -88,13 +90,14 @@ class CheckpointIndex(StrictModel):
     """CRC-32 of the index written with this field at 0: any edit changes it."""
 
     def layout(self) -> RankLayout:
-        return RankLayout(self.tp, self.pp, self.dp, tuple(self.ranks), self.cp)
+        return RankLayout(self.tp, self.pp, self.dp, tuple(self.ranks), self.cp, self.ep)
 
 
 def index_text(index: CheckpointIndex) -> str:
     # Without ZeRO-1 rows or context parallelism the index is written as before those fields
     # existed (same bytes, same CRC).
     exclude = ({"dp_sharded"} if not index.dp_sharded else set()) | ({"cp"} if index.cp == 1 else set())
+    exclude |= {"ep"} if index.ep == 1 else set()
     return index.model_dump_json(indent=1, exclude=exclude or None)
 
 
@@ -133,11 +136,12 @@ def read_index(path: str | Path) -> CheckpointIndex:
 
 def _index_problem(index: CheckpointIndex) -> str | None:
     """Why a checksum-valid index still cannot be right, or None."""
-    problem = layout_problem(index.model, index.tp, index.pp)
-    size = index.tp * index.cp * index.pp * index.dp
+    problem = layout_problem(index.model, index.tp, index.pp) or ep_problem(index.model, index.ep)
+    size = index.tp * index.cp * index.ep * index.pp * index.dp
     if problem or len(index.ranks) != size or len(set(index.ranks)) != len(index.ranks):
         cp = f" cp={index.cp}" if index.cp != 1 else ""
-        return f"saved layout tp={index.tp}{cp} pp={index.pp} dp={index.dp} on ranks {index.ranks} is invalid"
+        ep = f" ep={index.ep}" if index.ep != 1 else ""
+        return f"saved layout tp={index.tp}{cp}{ep} pp={index.pp} dp={index.dp} on ranks {index.ranks} is invalid"
     if not set(index.dp_sharded) <= set(index.families):
         return f"dp-sharded families {index.dp_sharded} are not among the saved families {index.families}"
     try:

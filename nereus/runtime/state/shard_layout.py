@@ -19,9 +19,17 @@ Parameter names (L layers, i in 0..L-1; * marks a tensor-parallel split dim):
     layers.i.mlp.gate_proj.weight     [ffn*, hidden]
     layers.i.mlp.up_proj.weight       [ffn*, hidden]
     layers.i.mlp.down_proj.weight     [hidden, ffn*]
+  sparse (mixture-of-experts) layers instead of the three mlp.*_proj (E experts, F = expert_ffn_dim):
+    layers.i.mlp.router.weight        [E, hidden]
+    layers.i.mlp.experts.gate_proj    [E^, F*, hidden]
+    layers.i.mlp.experts.up_proj      [E^, F*, hidden]
+    layers.i.mlp.experts.down_proj    [E^, hidden, F*]
     final_norm.weight                 [hidden]                  last stage
     lm_head.weight                    [vocab*, hidden]          last stage, untied LM head only
     value_head.weight, .bias          [1, hidden], [1]          last stage, value head only
+
+^ marks the expert dim, split over the ep ranks in contiguous blocks (ep rank e holds experts
+[e E/ep, (e+1) E/ep)); every other parameter is the same on the ep ranks of a position.
 
 When tp exceeds the KV heads, k/v are not split but replicated in whole heads: tensor
 rank r holds KV head r // (tp // kv_heads) (the planner's `kv_heads_rule`).
@@ -58,6 +66,8 @@ class ParamInfo:
     """The transformer block it belongs to (place == "layer")."""
     kv: bool = False
     """A k/v projection: replicated in whole heads once tp exceeds the KV heads."""
+    expert: bool = False
+    """An expert stack: dim 0 (the expert index) is split over the ep ranks."""
 
 
 def _layer_params(model: Model, layer: int) -> list[ParamInfo]:
@@ -69,6 +79,9 @@ def _layer_params(model: Model, layer: int) -> list[ParamInfo]:
     def info(name: str, shape: tuple[int, ...], tp_dim: int | None, kv: bool = False) -> ParamInfo:
         return ParamInfo(prefix + name, shape, tp_dim, "layer", layer, kv)
 
+    def expert(name: str, shape: tuple[int, ...], tp_dim: int) -> ParamInfo:
+        return ParamInfo(prefix + name, shape, tp_dim, "layer", layer, expert=True)
+
     params = [info("attn_norm.weight", (hidden,), None)]
     for proj, dim, kv in (("q", q_dim, False), ("k", kv_dim, True), ("v", kv_dim, True)):
         params.append(info(f"attn.{proj}_proj.weight", (dim, hidden), 0, kv))
@@ -79,9 +92,18 @@ def _layer_params(model: Model, layer: int) -> list[ParamInfo]:
             info("attn.q_norm.weight", (model.head_dim,), None),
             info("attn.k_norm.weight", (model.head_dim,), None),
         ]
+    params += [info("attn.o_proj.weight", (hidden, q_dim), 1), info("mlp_norm.weight", (hidden,), None)]
+    moe = model.moe
+    if moe is not None and moe.is_sparse(layer):
+        experts, ffn = moe.num_experts, moe.expert_ffn_dim
+        return [
+            *params,
+            info("mlp.router.weight", (experts, hidden), None),
+            expert("mlp.experts.gate_proj", (experts, ffn, hidden), 1),
+            expert("mlp.experts.up_proj", (experts, ffn, hidden), 1),
+            expert("mlp.experts.down_proj", (experts, hidden, ffn), 2),
+        ]
     params += [
-        info("attn.o_proj.weight", (hidden, q_dim), 1),
-        info("mlp_norm.weight", (hidden,), None),
         info("mlp.gate_proj.weight", (model.ffn_dim, hidden), 0),
         info("mlp.up_proj.weight", (model.ffn_dim, hidden), 0),
         info("mlp.down_proj.weight", (hidden, model.ffn_dim), 1),
@@ -137,11 +159,14 @@ def tp_slice(info: ParamInfo, model: Model, tp: int, tp_rank: int) -> tuple[int,
     return tp_rank * length, length
 
 
-def local_box(info: ParamInfo, model: Model, tp: int, tp_rank: int) -> Box:
-    """The box of `info` a tensor rank holds (on a stage that holds it)."""
+def local_box(info: ParamInfo, model: Model, tp: int, tp_rank: int, ep: int = 1, ep_rank: int = 0) -> Box:
+    """The box of `info` a (tensor rank, ep rank) holds (on a stage that holds it)."""
     box = [(0, size) for size in info.global_shape]
     if info.tp_dim is not None:
         box[info.tp_dim] = tp_slice(info, model, tp, tp_rank)
+    if info.expert and ep > 1:
+        per_rank = info.global_shape[0] // ep
+        box[0] = (ep_rank * per_rank, per_rank)
     return tuple(box)
 
 
@@ -170,13 +195,15 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 @dataclass(frozen=True)
 class RankLayout:
-    """Where one model's replicas live: (tp, cp, pp) per replica, dp replicas, on these ranks.
+    """Where one model's replicas live: (tp, cp, ep, pp) per replica, dp replicas, on these ranks.
 
-    `ranks` lists tp * cp * pp * dp global ranks, replica-major, then stage-major, then cp
-    rank, tensor rank innermost: replica d, stage s, cp rank c, tensor rank r is
-    `ranks[((d * pp + s) * cp + c) * tp + r]` (cp = 1: `ranks[(d * pp + s) * tp + r]`).
-    Every replica holds the same logical state; the cp ranks of a (replica, stage, tensor
-    rank) hold the same shard of it.
+    `ranks` lists tp * cp * ep * pp * dp global ranks, replica-major, then stage-major, then ep
+    rank, then cp rank, tensor rank innermost: replica d, stage s, ep rank e, cp rank c, tensor
+    rank r is `ranks[(((d * pp + s) * ep + e) * cp + c) * tp + r]` (cp = ep = 1:
+    `ranks[(d * pp + s) * tp + r]`). Every replica holds the same logical state; the cp ranks of
+    a (replica, stage, ep rank, tensor rank) hold the same shard of it; the ep ranks of a
+    (replica, stage, tensor rank) hold the same shard of every parameter but the expert stacks,
+    whose experts they split (`local_box`).
 
     torch's process groups order their ranks ascending, and DTensor's meshes, FSDP2's shards and
     every gather put group rank i's part at coordinate i, so a rank's tensor, cp and replica
@@ -198,14 +225,20 @@ class RankLayout:
     ranks: tuple[int, ...]
     cp: int = 1
     """Context-parallel degree: ranks of a replica splitting each sequence (`StagePlan.cp`)."""
+    ep: int = 1
+    """Expert-parallel degree: ranks of a replica stage splitting the experts and the replica's
+    sequences (`StagePlan.ep`; docs/moe.md)."""
 
     def __post_init__(self) -> None:
         cp = f" cp={self.cp}" if self.cp != 1 else ""
+        ep = f" ep={self.ep}" if self.ep != 1 else ""
         if self.cp < 1:
             raise ValueError(f"layout cp={self.cp}: the context-parallel degree must be at least 1")
+        if self.ep < 1:
+            raise ValueError(f"layout ep={self.ep}: the expert-parallel degree must be at least 1")
         if len(self.ranks) != self.replica_size * self.dp:
             raise ValueError(
-                f"layout tp={self.tp}{cp} pp={self.pp} dp={self.dp} needs {self.replica_size * self.dp} ranks, "
+                f"layout tp={self.tp}{cp}{ep} pp={self.pp} dp={self.dp} needs {self.replica_size * self.dp} ranks, "
                 f"got {len(self.ranks)}"
             )
         if len(set(self.ranks)) != len(self.ranks):
@@ -213,7 +246,7 @@ class RankLayout:
         object.__setattr__(self, "ranks", self._in_group_order())
 
     def _in_group_order(self) -> tuple[int, ...]:
-        block = self.tp * self.cp
+        block = self.tp * self.cp * self.ep
         replicas = sorted(
             [sorted(self.ranks[(d * self.pp + s) * block : (d * self.pp + s + 1) * block]) for s in range(self.pp)]
             for d in range(self.dp)
@@ -222,8 +255,8 @@ class RankLayout:
 
     @property
     def replica_size(self) -> int:
-        """Ranks of one replica: tp x cp x pp."""
-        return self.tp * self.cp * self.pp
+        """Ranks of one replica: tp x cp x ep x pp."""
+        return self.tp * self.cp * self.ep * self.pp
 
     @property
     def shards(self) -> int:
@@ -255,11 +288,15 @@ class RankLayout:
         return True
 
     def place(self, index: int) -> tuple[int, int, int, int]:
-        """(replica, stage, cp rank, tensor rank) of entry `index` of `ranks`."""
-        replica_stage_cp, tp_rank = divmod(index, self.tp)
-        replica_stage, cp_rank = divmod(replica_stage_cp, self.cp)
-        replica, stage = divmod(replica_stage, self.pp)
+        """(replica, stage, cp rank, tensor rank) of entry `index` of `ranks` (`ep_place`: its ep rank)."""
+        replica_stage_ep_cp, tp_rank = divmod(index, self.tp)
+        replica_stage_ep, cp_rank = divmod(replica_stage_ep_cp, self.cp)
+        replica, stage = divmod(replica_stage_ep // self.ep, self.pp)
         return replica, stage, cp_rank, tp_rank
+
+    def ep_place(self, index: int) -> int:
+        """The ep rank of entry `index` of `ranks`."""
+        return (index // (self.tp * self.cp)) % self.ep
 
     def coords(self, rank: int) -> tuple[int, int, int] | None:
         """(replica, stage, tensor rank) of a global rank, or None if it is not in the layout."""
@@ -272,8 +309,12 @@ class RankLayout:
         """The cp rank of a global rank of the layout (0 without context parallelism)."""
         return self.place(self.ranks.index(rank))[2]
 
-    def rank_at(self, replica: int, stage: int, tp_rank: int, cp_rank: int = 0) -> int:
-        return self.ranks[((replica * self.pp + stage) * self.cp + cp_rank) * self.tp + tp_rank]
+    def ep_rank(self, rank: int) -> int:
+        """The ep rank of a global rank of the layout (0 without expert parallelism)."""
+        return self.ep_place(self.ranks.index(rank))
+
+    def rank_at(self, replica: int, stage: int, tp_rank: int, cp_rank: int = 0, ep_rank: int = 0) -> int:
+        return self.ranks[(((replica * self.pp + stage) * self.ep + ep_rank) * self.cp + cp_rank) * self.tp + tp_rank]
 
 
 #: Families of per-parameter state; every family of a parameter shares the parameter's box.
@@ -286,21 +327,38 @@ def state_key(family: str, name: str) -> str:
     return f"{family}/{name}"
 
 
-def position_boxes(model: Model, head: Head, tp: int, pp: int) -> list[dict[str, Box]]:
-    """For each EMU position `s * tp + r`, the box of every parameter it holds."""
-    problem = layout_problem(model, tp, pp)
+def position_boxes(model: Model, head: Head, tp: int, pp: int, ep: int = 1) -> list[dict[str, Box]]:
+    """For each EMU position `(s * ep + e) * tp + r` (stage, ep rank, tensor rank), the box of
+    every parameter it holds."""
+    problem = layout_problem(model, tp, pp) or ep_problem(model, ep)
     if problem:
         raise ValueError(problem)
     infos = param_infos(model, head)
     boxes: list[dict[str, Box]] = []
     for stage in range(pp):
-        for tp_rank in range(tp):
-            boxes.append(
-                {info.name: local_box(info, model, tp, tp_rank) for info in infos if holds(info, model, pp, stage)}
-            )
+        for ep_rank in range(ep):
+            for tp_rank in range(tp):
+                boxes.append(
+                    {
+                        info.name: local_box(info, model, tp, tp_rank, ep, ep_rank)
+                        for info in infos
+                        if holds(info, model, pp, stage)
+                    }
+                )
     return boxes
+
+
+def ep_problem(model: Model, ep: int) -> str | None:
+    """Why the runtime cannot split `model`'s experts over `ep` ranks (None when it can)."""
+    if ep == 1:
+        return None
+    if model.moe is None:
+        return f"ep={ep} splits experts, and {model.name} has none (a dense model runs with ep 1)"
+    if model.moe.num_experts % ep:
+        return f"ep={ep} does not divide the {model.moe.num_experts} experts of {model.name}"
+    return None
 
 
 def stage_layout(entry: StagePlan) -> RankLayout:
     """The runtime layout of a plan entry: GPU ids are world ranks, EMU by EMU."""
-    return RankLayout(entry.tp, entry.pp, entry.dp, tuple(entry.gpus), entry.cp)
+    return RankLayout(entry.tp, entry.pp, entry.dp, tuple(entry.gpus), entry.cp, entry.ep)

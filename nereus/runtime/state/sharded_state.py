@@ -191,11 +191,11 @@ def state_meta(
             key = state_key(family, info.name)
             dtype = (dtypes or {}).get(family, DEFAULT_DTYPE)
             tensors[key] = TensorMeta(key, family, info.name, info.global_shape, dtype)
-    positions = position_boxes(model, head, layout.tp, layout.pp)
+    positions = position_boxes(model, head, layout.tp, layout.pp, layout.ep)
     boxes: dict[int, dict[str, Box]] = {}
     for index, rank in enumerate(layout.ranks):
         replica, stage, cp_rank, tp_rank = layout.place(index)  # cp ranks hold their position's boxes
-        position = stage * layout.tp + tp_rank
+        position = (stage * layout.ep + layout.ep_place(index)) * layout.tp + tp_rank
         shard = replica * layout.cp + cp_rank  # a split family's rows: over dp x cp (`RankLayout.shard_index`)
         boxes[rank] = {
             state_key(family, name): dp_box(box, layout.shards, shard) if family in sharded else box
