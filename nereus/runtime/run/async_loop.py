@@ -22,6 +22,11 @@ Every draw is a function of (seed, batch), and the schedule is fixed, so a run i
 whatever the timing; a checkpoint after step t holds the queue (batches t + 1..t + k, each
 sample with its version; `StalenessQueue.save`, checksummed in the manifest) and a resume's
 generator continues at its `next_index`: no sample is lost or repeated.
+
+Under vLLM generation (`generation.engine: vllm`) the generation pool samples with vLLM engines,
+which keep every token's log-prob (the behaviour log-probs), and the weight sync pushes the
+trained weights into them; every training rank starts a vLLM engine that stands by, since
+vLLM's external launcher builds its groups over the whole world (`start_async_engine`).
 """
 
 from __future__ import annotations
