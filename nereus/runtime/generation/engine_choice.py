@@ -53,6 +53,15 @@ def vllm_layout_problem(plan: Plan) -> str | None:
             f"actor/generation has pp={entry.pp}; vLLM's external launcher cannot run pipeline-parallel "
             "generation (vLLM 0.32): give actor/generation pp: 1 or use generation.engine: nereus"
         )
+    if plan.workload.execution == "async":  # the generation pool: some of the world's tp-sized blocks
+        world = 1 + max(gpu for stage in plan.stages for gpu in stage.gpus)
+        blocks = [list(range(emu[0] - emu[0] % entry.tp, emu[0] - emu[0] % entry.tp + entry.tp)) for emu in entry.emus]
+        if world % entry.tp or [list(emu) for emu in entry.emus] != blocks:
+            return (
+                f"actor/generation runs on {entry.emus} of {world} ranks; vLLM's external launcher groups the whole "
+                f"world in tp-sized blocks in rank order, so each replica must be one such block of {entry.tp} ranks"
+            )
+        return None
     expected = [list(range(r * entry.tp, (r + 1) * entry.tp)) for r in range(entry.dp)]
     if [list(emu) for emu in entry.emus] != expected:
         return (

@@ -152,17 +152,12 @@ def start_rollout_engine(config: RunConfig, plan: Plan, stages: dict[str, ModelS
         return None
     stage = stages[ACTOR_GENERATION]
     assert stage.engine is not None and plan.weights is not None, "checked before the ranks started"
-    entry, workload = stage.plan, plan.workload
-    kv_bytes = entry.kv_budget_bytes
-    if kv_bytes is None:
-        samples = -(-workload.prompts_per_step * workload.samples_per_prompt // entry.dp)
-        room = memory_left(kv_budget(plan, stages), device())
-        kv_bytes = int(max(one_sequence_kv_bytes(plan), min(samples * one_sequence_kv_bytes(plan), room)))
+    entry = stage.plan
     engine = start_engine(
         Path(plan.weights["actor"]),
         entry.tp,
         stage.compute_dtype,
-        kv_bytes,
+        rollout_kv_bytes(plan, stages),
         max_model_len(plan),
         config.rl.seed,
         stage.engine.groups.tp.group,
@@ -171,6 +166,17 @@ def start_rollout_engine(config: RunConfig, plan: Plan, stages: dict[str, ModelS
     assert engine.replica == stage.engine.groups.replica, (engine.replica, stage.engine.groups.replica)
     stage.rollout_engine = engine
     return engine
+
+
+def rollout_kv_bytes(plan: Plan, stages: dict[str, ModelStageRuntime]) -> int:
+    """The KV pool of this rank's vLLM engine: the plan's `kv_budget_bytes`, else room for the
+    replica's share of the step's samples at the model's longest, within the rank's memory."""
+    entry, workload = stages[ACTOR_GENERATION].plan, plan.workload
+    if entry.kv_budget_bytes is not None:
+        return entry.kv_budget_bytes
+    samples = -(-workload.prompts_per_step * workload.samples_per_prompt // entry.dp)
+    room = memory_left(kv_budget(plan, stages), device())
+    return int(max(one_sequence_kv_bytes(plan), min(samples * one_sequence_kv_bytes(plan), room)))
 
 
 def kv_budget(plan: Plan, stages: dict[str, ModelStageRuntime]) -> KVBudget:

@@ -22,6 +22,11 @@ Every draw is a function of (seed, batch), and the schedule is fixed, so a run i
 whatever the timing; a checkpoint after step t holds the queue (batches t + 1..t + k, each
 sample with its version; `StalenessQueue.save`, checksummed in the manifest) and a resume's
 generator continues at its `next_index`: no sample is lost or repeated.
+
+Under vLLM generation (`generation.engine: vllm`) the generation pool samples with vLLM engines,
+which keep every token's log-prob (the behaviour log-probs), and the weight sync pushes the
+trained weights into them; every training rank starts a vLLM engine that stands by, since
+vLLM's external launcher builds its groups over the whole world (`start_async_engine`).
 """
 
 from __future__ import annotations
@@ -34,14 +39,17 @@ from typing import Any
 
 import torch
 
+from nereus.cost.vllm_engine import engine_sleep_level
 from nereus.errors import NereusError
 from nereus.runtime.comm import collectives
-from nereus.runtime.comm.world import collective_timeout
+from nereus.runtime.comm.world import collective_timeout, device
+from nereus.runtime.generation.engine_choice import generation_engine, max_model_len
+from nereus.runtime.generation.vllm_engine import VLLMEngine, sleep_mode_available, start_engine
 from nereus.runtime.observe import timeline
 from nereus.runtime.observe.memory import PeakTracker
 from nereus.runtime.rl.async_queue import StalenessQueue, VersionedSample, read_batch, remove_batch, write_batch
 from nereus.runtime.rl.optimization import with_decay_horizon
-from nereus.runtime.rl.rollout import rollout, token_aligned
+from nereus.runtime.rl.rollout import rollout, rollout_kv_bytes, token_aligned
 from nereus.runtime.rl.run_data import REWARD_ERRORS_NAME, StepInputs, append_reward_errors, step_inputs
 from nereus.runtime.rl.samples import append_samples
 from nereus.runtime.rl.scoring import infer
@@ -95,11 +103,13 @@ def run_async(rank: int, world_size: int, setup: RunSetup) -> int:
     """The whole async run on this rank (the module docstring); returns the steps finished."""
     config, plan = setup.config, setup.plan
     tracker, stages, syncs = prepare_rank(rank, setup)
+    pools = pools_of(plan, world_size)
+    engine = start_async_engine(setup, stages, pools, rank)  # None: nereus's own engine generates
     if setup.checkpoint is not None:
         restore(stages, setup.checkpoint, rank, config.rl)
-        sync_weights(syncs)  # the generation pool gets the restored weights: version start_step
+    if setup.checkpoint is not None or engine is not None:
+        sync_weights(syncs)  # the generation pool gets the restored (or the folder's) weights: version start_step
     inputs = step_inputs(config.rl, setup.data)
-    pools = pools_of(plan, world_size)
     handoff = setup.out / HANDOFF_NAME
     with timeline.recording(timeline.Timeline(setup.out, rank)) as spans:
         if setup.checkpoint is None and config.rl.sft_steps:  # over the world, before the pools part
@@ -130,7 +140,43 @@ def run_async(rank: int, world_size: int, setup: RunSetup) -> int:
             if rank == 0:  # every training rank took it before the step's world collectives
                 remove_batch(handoff, step)
             spans.flush()
+    if engine is not None:
+        engine.close()
     return config.num_steps
+
+
+def start_async_engine(
+    setup: RunSetup, stages: dict[str, ModelStageRuntime], pools: Pools, rank: int
+) -> VLLMEngine | None:
+    """Under vLLM generation, this rank's vLLM engine (collective over the world); None under
+    nereus's own engine. vLLM's external launcher builds its groups over the whole world, so every
+    rank starts one, in tp-sized blocks (`engine_choice.vllm_layout_problem`): a generation rank's
+    engine is its actor/generation replica's, sized as a synchronous run sizes it and filled by
+    the weight sync; a training rank's stands by (so that vLLM's groups form), is never loaded and
+    never generates, but takes the same KV pool: vLLM's external launcher sizes every engine's pool
+    to the smallest any rank of the world asks for (a MIN all-reduce over the world)."""
+    config, plan = setup.config, setup.plan
+    on_cuda = device().type == "cuda"
+    if generation_engine(config, plan, on_cuda) != "vllm":
+        return None
+    assert plan.weights is not None, "checked before the ranks started"
+    stage = stages[ACTOR_GENERATION]
+    generates = rank in pools.generation
+    assert generates == (stage.engine is not None), (rank, pools)
+    engine = start_engine(
+        Path(plan.weights["actor"]),
+        stage.plan.tp,
+        stage.compute_dtype,
+        rollout_kv_bytes(plan, stages),
+        max_model_len(plan),
+        config.rl.seed,
+        stage.engine.groups.tp.group if stage.engine is not None else None,
+        engine_sleep_level(plan, on_cuda and sleep_mode_available()) if generates else None,
+    )
+    if stage.engine is not None:  # vLLM counts its blocks over the world; the plan its replicas over the pool
+        engine.replica = stage.engine.groups.replica
+    stage.rollout_engine = engine
+    return engine
 
 
 def start_queue(setup: RunSetup) -> StalenessQueue:
@@ -204,18 +250,22 @@ class AsyncLoop:
         seconds[GENERATION_BUSY] = time.perf_counter() - start
         with timed(seconds, "weight_sync"):
             sync_weights(self.syncs)
+        self.engine_phases(seconds)
         seconds["step"] = time.perf_counter() - start
         step_totals(seconds, self.names, self.stages)  # the training pool's rank 0 records the step
 
     def generate(self, batch: int, version: int, seconds: dict[str, float]) -> list[VersionedSample]:
         """Batch `batch`'s samples (collective over the generation pool): the responses to the
         batch's prompts (the draw of a synchronous step `batch`) and their behaviour log-probs,
-        the generating engine's log-prob of every response token (a teacher-forced pass of the
-        generation engine over the rollout: nereus's own engine does not keep them while it decodes)."""
+        the generating engine's log-prob of every response token: vLLM's, kept as it sampled
+        (`raw_logprobs`), or under nereus's own engine, which does not keep them while it decodes,
+        a teacher-forced pass of the generation engine over the rollout."""
         _, prompts, sampling = draw_prompts(self.plan.workload, self.config, self.inputs, batch)
         generated = rollout(self.plan, self.stages, prompts, sampling, self.plan.fusion, seconds, [])
-        with timed(seconds, ACTOR_GENERATION):
-            behaviour = infer(self.stages[ACTOR_GENERATION], generated.batch, "log_probs")
+        behaviour = generated.rollout_log_probs  # vLLM's, as it sampled
+        if behaviour is None:
+            with timed(seconds, ACTOR_GENERATION):
+                behaviour = infer(self.stages[ACTOR_GENERATION], generated.batch, "log_probs")
         width = max(len(prompt) for prompt in prompts)
         samples = []
         for row, (prompt, response) in enumerate(zip(prompts, generated.responses, strict=True)):
@@ -228,6 +278,12 @@ class AsyncLoop:
                 tensors["greedy"] = torch.tensor(generated.greedy[row], dtype=torch.long)
             samples.append(VersionedSample(batch * self.batch_size + row, version, tensors, {"batch": batch}))
         return samples
+
+    def engine_phases(self, seconds: dict[str, float]) -> None:
+        """The vLLM engine's start-up and weight loads since the last step, into its record."""
+        engine = self.stages[ACTOR_GENERATION].rollout_engine
+        if engine is not None:
+            seconds.update(engine.drain_phases())
 
     # ---- the training pool ----
 
@@ -260,6 +316,7 @@ class AsyncLoop:
         )
         if rank == 0:
             seconds[TRAINING_SPAN[1]] = time.time() - seconds.get("weight_sync", 0.0)
+        self.engine_phases(seconds)
         seconds["step"] = time.perf_counter() - start
         seconds[BATCH_WAIT] = waited
         seconds[TRAINING_BUSY] = seconds["step"] - waited - seconds.get("weight_sync", 0.0)

@@ -37,21 +37,18 @@ from nereus.spec.trace import Trace
 
 def check_async(config: RunConfig, plan: Plan, where: str) -> None:
     """Refuse, in one line, an async run (`execution: async`) the async run loop does not run
-    (`async_loop`): a partial rollout (nereus's own engine cannot pause a generation at a weight
-    sync), vLLM generation, a controller or plan switches (plan changes under async are
-    simulated, not run), held-out evaluation, inter-stage fusion."""
+    (`async_loop`): a partial rollout (no generation engine of the loop pauses a generation at a
+    weight sync and continues it under the new weights), a controller or plan switches (plan
+    changes under async are simulated, not run), held-out evaluation, inter-stage fusion. Both
+    nereus's own engine and vLLM (`generation.engine: vllm`) generate."""
     workload = plan.workload
     if workload.execution != "async":
         return
     if workload.partial_rollout:
+        engine = switch_engine(config, plan)
         raise NereusError(
-            f"{where}: workload.partial_rollout: nereus's own generation engine cannot pause a generation at a "
-            "weight sync and continue it under the new weights; set partial_rollout: false"
-        )
-    if switch_engine(config, plan) == "vllm":
-        raise NereusError(
-            f"{where}: generation.engine: vllm: an async run generates with nereus's own engine only (vLLM in the "
-            "async run loop is not written yet); set generation.engine: nereus or execution: sync"
+            f"{where}: workload.partial_rollout: the async run loop cannot pause a generation of {engine}'s engine "
+            "at a weight sync and continue it under the new weights; set partial_rollout: false"
         )
     refused = {
         "trace": config.trace is not None,
