@@ -35,6 +35,8 @@ from nereus.cost.plan_cost import (
 from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel, expert_params
 from nereus.solver.layouts import (
     CP,
+    CP_METHOD,
+    CP_METHODS,
     EP,
     Choice,
     LayoutGrid,
@@ -46,7 +48,7 @@ from nereus.solver.layouts import (
 )
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
-from nereus.spec.plan import RECOMPUTE_LEVELS
+from nereus.spec.plan import RECOMPUTE_LEVELS, CpMethod
 from nereus.spec.stages import (
     ACTOR_GENERATION,
     ACTOR_SYNC_TARGETS,
@@ -911,12 +913,15 @@ def describe_choice(choice: Choice) -> str:
     return "".join(f" {p}" for p in parts if p)
 
 
-def iter_assignments(candidate: Candidate) -> Iterator[tuple[str, str, int, int, int, int, int, Choice, int, int]]:
-    """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches, choice, cp, ep) per model-stage."""
+def iter_assignments(
+    candidate: Candidate,
+) -> Iterator[tuple[str, str, int, int, int, int, int, Choice, int, int, CpMethod]]:
+    """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches, choice, cp, ep, cp method)
+    per model-stage."""
     pool_of = {name: (pool, start) for pool, start, _, stages in candidate.placement.pools for name in stages}
     for name, option in candidate.choices:
         pool, start = pool_of[name]
-        yield name, pool, start, *option[3:8], option[CP], option[EP]
+        yield name, pool, start, *option[3:8], option[CP], option[EP], CP_METHODS[option[CP_METHOD]]
 
 
 @dataclass(frozen=True)
@@ -1022,5 +1027,6 @@ def _transient(terms: dict[str, float], offloaded: bool, workspace: float) -> tu
 
 def _layout_text(option: Option) -> str:
     cp = f" cp={option[CP]}" if option[CP] > 1 else ""
+    cp += f" {CP_METHODS[option[CP_METHOD]]}" if option[CP_METHOD] else ""
     cp += f" ep={option[EP]}" if option[EP] > 1 else ""
     return f"tp={option[3]}{cp} pp={option[4]} dp={option[5]}{describe_choice(option[7])}"

@@ -127,6 +127,11 @@ class StagePlan(StrictModel):
         return stage_of(self.model_stage)
 
     @property
+    def cp_label(self) -> str:
+        """The cp degree as shown: `4`, or `4 allgather` by the all-gather method (Ulysses: the default)."""
+        return f"{self.cp} {self.cp_method}" if self.cp > 1 and self.cp_method != "ulysses" else str(self.cp)
+
+    @property
     def replica_size(self) -> int:
         """GPUs of one replica (EMU): tp x cp x ep x pp."""
         return self.tp * self.cp * self.ep * self.pp

@@ -52,15 +52,18 @@ pytestmark = pytest.mark.multiprocess
 ALLGATHER = EngineConfig(cp_method="allgather")
 
 #: (tp, cp, method, emus) of every training and inference model-stage in each plan of the walk.
-WALK = [(1, 2, "allgather", [[0, 1]]), (1, 2, "ulysses", [[1, 0]]), (1, 1, "ulysses", [[0], [1]]), (1, 2, "allgather", [[1, 0]])]
+WALK = [
+    (1, 2, "allgather", [[0, 1]]),
+    (1, 2, "ulysses", [[1, 0]]),
+    (1, 1, "ulysses", [[0], [1]]),
+    (1, 2, "allgather", [[1, 0]]),
+]
 
 
 def walk_plan(tp: int, cp: int, method: str, emus: list[list[int]]) -> Plan:
     """`relaid_plan` with the training and inference model-stages' cp method set."""
     plan = relaid_plan(tp, cp, emus)
-    stages = [
-        entry.model_copy(update={"cp_method": method}) if entry.cp > 1 else entry for entry in plan.stages
-    ]
+    stages = [entry.model_copy(update={"cp_method": method}) if entry.cp > 1 else entry for entry in plan.stages]
     return Plan.model_validate(plan.model_copy(update={"stages": stages}).model_dump())
 
 
@@ -90,7 +93,9 @@ def resume(rank: int, folder: Path) -> dict[str, float | bool]:
             state = {k: t for k, t in engine.local_state().items() if k.split("/")[0] in families}
             meta = state_meta(model, head, saved_on, families, dp_sharded=split if layout.cp > 1 else ())
             path = folder / f"allgather-{key.replace(' ', '-')}"
-            save_checkpoint_distributed(path, meta, rank, state if rank in saved_on.ranks else {}, engine.optimizer_step)
+            save_checkpoint_distributed(
+                path, meta, rank, state if rank in saved_on.ranks else {}, engine.optimizer_step
+            )
             loaded = load_checkpoint(path, other, rank)
             out[f"{key} exact"] = set(loaded.tensors) == set(whole) and all(
                 torch.equal(loaded.tensors[k], whole[k]) for k in whole

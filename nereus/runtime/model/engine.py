@@ -210,11 +210,10 @@ class Engine:
         problem = layout_problem(model, layout.tp, layout.pp)
         if problem:
             raise ValueError(f"layout tp={layout.tp} pp={layout.pp}: {problem}")
-        if layout.cp > 1:
-            if layout.pp > 1:
-                raise ValueError(
-                    f"layout cp={layout.cp} pp={layout.pp}: context parallelism runs with pp 1; set cp or pp to 1"
-                )
+        if layout.cp > 1 and layout.pp > 1:
+            raise ValueError(
+                f"layout cp={layout.cp} pp={layout.pp}: context parallelism runs with pp 1; set cp or pp to 1"
+            )
         config = config or EngineConfig()
         if layout.cp > 1 and config.cp_method == "ulysses":
             context_parallel.check_heads(model.num_heads, layout.tp, layout.cp)
