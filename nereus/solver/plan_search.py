@@ -115,9 +115,11 @@ class Rejection:
     workspace_bytes: float
     cp: int = 1
     ep: int = 1
+    cp_method: CpMethod = "ulysses"
 
     def describe(self) -> str:
         cp = f" cp={self.cp}" if self.cp > 1 else ""
+        cp += f" {self.cp_method}" if self.cp > 1 and self.cp_method != "ulysses" else ""
         cp += f" ep={self.ep}" if self.ep > 1 else ""
         layout = f"tp={self.tp}{cp} pp={self.pp} dp={self.dp} micro_batches={self.micro_batches}{self.choice}"
         largest = f"{self.largest_term} {self.largest_bytes / GIB:.1f} GiB"
@@ -881,7 +883,7 @@ def rejections(
             for i in np.nonzero(needed > budget)[0].tolist():
                 largest = int(stacked[:, i].argmax())
                 tp, pp, dp, micro_batches = (int(c[i]) for c in table.columns[3:])
-                cp, ep = int(table.cp[i]), int(table.ep[i])
+                cp, ep, method = int(table.cp[i]), int(table.ep[i]), CP_METHODS[int(table.cp_method[i])]
                 out.append(
                     Rejection(
                         name,
@@ -897,6 +899,7 @@ def rejections(
                         workspace,
                         cp,
                         ep,
+                        method,
                     )
                 )
     return out
