@@ -13,7 +13,7 @@ from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, stage_room
 from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel
 from nereus.spec.capabilities import EXPERT_PARALLEL_EXECUTED, MEMORY_CHOICES
 from nereus.spec.check import cp_rule, ep_rule, kv_heads_rule, pp_rule
-from nereus.spec.plan import RECOMPUTE_LEVELS, Fusion, Recompute
+from nereus.spec.plan import RECOMPUTE_LEVELS, CpMethod, Fusion, Recompute
 
 #: Bounded KV budgets tried, as fractions of the room a GPU leaves the model-stages (its usable
 #: capacity less the workspace, `stage_room`), plus one maximum-length sequence, the least that
@@ -33,7 +33,7 @@ EP: Final = 10
 #: Where an `Option` keeps its context-parallel method: 1 all-gather KV, 0 Ulysses (`CP_METHODS`).
 CP_METHOD: Final = 11
 #: The cp methods by their `CP_METHOD` code.
-CP_METHODS: Final = ("ulysses", "allgather")
+CP_METHODS: Final[tuple[CpMethod, ...]] = ("ulysses", "allgather")
 
 
 @dataclass(frozen=True)
