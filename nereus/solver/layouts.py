@@ -205,8 +205,8 @@ class OptionTable:
 def _valid_degrees(cost: StageCostModel, allowed: MemoryChoices) -> list[tuple[int, int, int, int, int]]:
     """(tp, pp, cp, ep, cp method code) the model allows: power-of-two tp in a node, pp dividing
     the layers, in training and inference (where allowed) a power-of-two cp > 1 without pipeline
-    stages, by Ulysses where it can split the heads (`cp_rule`) and by all-gather KV with cp up
-    to a node's GPUs (no head bound: `cp_rule` of the method), and for a mixture of experts (where
+    stages, by Ulysses where it can split the heads (`cp_rule`) and by all-gather KV where it
+    cannot, with cp up to a node's GPUs (no head bound), and for a mixture of experts (where
     allowed) every ep > 1 dividing the experts (`ep_rule`), with cp = 1."""
     model = cost.model
     tps = [
@@ -223,7 +223,14 @@ def _valid_degrees(cost: StageCostModel, allowed: MemoryChoices) -> list[tuple[i
         node = cost.cluster.gpus_per_node
         gathered = [1 << i for i in range(1, node.bit_length()) if 1 << i <= node]
         code = CP_METHODS.index("allgather")
-        out += [(tp, 1, cp, 1, code) for tp in tps for cp in gathered if cp_rule(model, tp, cp, "allgather") is None]
+        # All-gather KV where Ulysses cannot split the heads (search time: beside every Ulysses
+        # layout it roughly doubles the grid; docs/context-parallel.md says what that leaves out).
+        out += [
+            (tp, 1, cp, 1, code)
+            for tp in tps
+            for cp in gathered
+            if cp_rule(model, tp, cp) is not None and cp_rule(model, tp, cp, "allgather") is None
+        ]
     if False not in allowed.context_parallel and cost.stage != "generation":  # pinned on
         out = [d for d in out if d[2] > 1]
     if model.moe is not None and True in allowed.expert_parallel:

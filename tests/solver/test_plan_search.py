@@ -24,7 +24,7 @@ from nereus.cost.plan_cost import (
     workspace_bytes,
 )
 from nereus.errors import NereusError
-from nereus.solver.layouts import CP, CP_METHOD, MemoryChoices
+from nereus.solver.layouts import CP, MemoryChoices
 from nereus.solver.plan_search import (
     Candidate,
     PlanRequest,
@@ -312,20 +312,17 @@ def cp_cases(chunk: int, count: int) -> list[tuple[int, PlanRequest]]:
 def test_search_with_cp_matches_reference(chunk: int) -> None:
     """With cp searched (training and inference, Ulysses and all-gather KV), the exact search
     finds the exhaustive enumeration's best step and its top 3, over cases whose option tables
-    list cp > 1 options (all-gather ones among them); every candidate builds into a plan that
+    list cp > 1 options (all-gather ones where a model's heads stop Ulysses); every candidate builds into a plan that
     passes the checks with its stated time, and some optima do use cp."""
     stats: Counter[str] = Counter()
     for seed, request in cp_cases(chunk, 30):
-        tables = price_all(request, placements(request))
-        if any(o[CP] > 1 and o[CP_METHOD] for table in tables.values() for o in table.options):
-            stats["lists_allgather"] += 1
         slow = assert_matches_reference(seed, request)
         if slow.candidates and any(o[CP] > 1 for _, o in slow.candidates[0].choices):
             stats["optimum_uses_cp"] += 1
         if any(o[CP] > 1 for c in slow.candidates for _, o in c.choices):
             stats["top3_uses_cp"] += 1
     # Today 3 (chunk 0) and 8 (chunk 1) of 30 optima use cp (5 and 8 of the top 3s).
-    assert stats["optimum_uses_cp"] >= 2 and stats["lists_allgather"] >= 10, stats
+    assert stats["optimum_uses_cp"] >= 2, stats
 
 
 def dominated_runner_up_case() -> PlanRequest:
