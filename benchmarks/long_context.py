@@ -71,9 +71,9 @@ def _summary(plan: Plan) -> dict[str, Any]:
         "training_time_s": predicted.time_s,
         "training_peak_gib": predicted.peak_memory_bytes / GIB,
         "peak_gib": max(p.peak_memory_bytes for p in plan.predictions.model_stages.values()) / GIB,
-        "training_layout": f"tp={train.tp} cp={train.cp} pp={train.pp} dp={train.dp} m={train.micro_batches}",
+        "training_layout": f"tp={train.tp} cp={train.cp_label} pp={train.pp} dp={train.dp} m={train.micro_batches}",
         "training_recompute": train.recompute,
-        "cp_stages": {e.model_stage: e.cp for e in plan.stages if e.cp > 1},
+        "cp_stages": {e.model_stage: e.cp_label for e in plan.stages if e.cp > 1},
     }
 
 
@@ -171,7 +171,7 @@ def published_layout(setup: Setup, cluster_gpus: int) -> Plan:
 
 def _layout(plan: Plan, name: ModelStageName) -> str:
     e = plan.stage_plan(name)
-    return f"tp={e.tp} cp={e.cp} pp={e.pp} dp={e.dp} m={e.micro_batches}"
+    return f"tp={e.tp} cp={e.cp_label} pp={e.pp} dp={e.dp} m={e.micro_batches}"
 
 
 def measure_published(name: str, setup: Setup) -> dict[str, Any]:

@@ -274,7 +274,7 @@ def _stage_table(plan: Plan, title: str, calibration: Calibration) -> Table:
             entry.model_stage,
             entry.pool,
             str(entry.tp),
-            str(entry.cp),
+            entry.cp_label,
             *((str(entry.ep),) if experts else ()),
             str(entry.pp),
             str(entry.dp),

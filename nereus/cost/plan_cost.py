@@ -214,6 +214,8 @@ def _stage_terms(
     choices = stage_choices(entry)
     cp_inter = cp_spans_nodes(plan.cluster, entry)
     parallel = dict(cp=entry.cp)
+    if entry.cp_method == "allgather":  # all-gather KV's cp terms (Ulysses': the defaults)
+        parallel["cp_allgather"] = 1
     times = model.time_terms(
         entry.tp,
         entry.pp,
@@ -260,7 +262,7 @@ def _weight_sync(plan: Plan, entry: StagePlan, calibration: Calibration) -> floa
 
 def _degrees(entry: StagePlan) -> str:
     """`tp=2, pp=1` (with `, cp=4` or `, ep=8` where context or expert parallelism is in play)."""
-    cp = f", cp={entry.cp}" if entry.cp > 1 else ""
+    cp = f", cp={entry.cp_label}" if entry.cp > 1 else ""
     ep = f", ep={entry.ep}" if entry.ep > 1 else ""
     return f"tp={entry.tp}{cp}{ep}, pp={entry.pp}"
 

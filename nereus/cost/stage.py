@@ -68,7 +68,14 @@ The formulas, per GPU of the busiest pipeline stage:
   tokens x heads-per-tp-rank, (cp - 1) / cp of them leaving the rank, per forward pass (the
   backward is two passes' worth), over the intra- or inter-node link by where the tp x cp
   group sits; KV heads that cp does not split (cp beyond the KV heads after tp) are repeated
-  per query head before the all-to-all and move as such (`ulysses_bytes`).
+  per query head before the all-to-all and move as such (`ulysses_bytes`). The all-gather
+  method (`cp_allgather`, Llama 3's context parallelism) splits no heads: per layer each rank
+  all-gathers the keys and values of the whole sequence (its tp rank's KV heads) in every
+  forward, reruns included, and reduce-scatters their gradients in the backward, (cp - 1) / cp
+  of the bytes moved (`allgather_kv_bytes`); the gathered keys and values of a layer are
+  transient, and saved for the backward unless the attention core is recomputed (`cp_kv`). Its
+  columns are contiguous, so under the causal mask the last cp rank computes (2 cp - 1) / cp^2
+  of the attention instead of 1 / cp, and sets the time (`cp_attention_share`).
 * expert parallelism (`ep`, mixture-of-experts models; Megatron's semantics, docs/moe.md): a
   replica's ep ranks hold the same non-expert weights and take 1/ep of its sequences each (its
   attention is data-parallel over dp x ep), so activations, logits and KV cache are divided by ep;
@@ -311,6 +318,20 @@ class StageCostModel:
         heads = 2.0 * m.num_heads / tp + 2.0 * kv_heads
         return tokens * heads * m.head_dim * self.dtype_bytes
 
+    def allgather_kv_bytes(self, tokens: Array, tp: Array) -> Array:
+        """Bytes of one layer's keys and values of `tokens` tokens (a whole sequence's) on one tp
+        rank: what the all-gather method gathers on each cp rank (and reduce-scatters back)."""
+        kv_heads = np.maximum(self.model.num_kv_heads // np.asarray(tp), 1)
+        return tokens * 2.0 * kv_heads * self.model.head_dim * self.dtype_bytes
+
+    @staticmethod
+    def cp_attention_share(cp: Array, allgather: Array) -> Array:
+        """The slowest cp rank's attention work over the balanced 1 / cp share: Ulysses computes
+        whole sequences on 1/cp of the heads (1); the all-gather method's contiguous columns
+        leave the last rank (2 cp - 1) / cp^2 of the causal work, (2 cp - 1) / cp times 1 / cp."""
+        cp = np.asarray(cp, dtype=float)
+        return np.where(np.asarray(allgather, bool), (2.0 * cp - 1.0) / cp, 1.0)
+
     def p2p_time(self, nbytes: Array, inter: Array) -> Array:
         bandwidth, latency = self.link(inter)
         return latency + nbytes / bandwidth
@@ -390,11 +411,13 @@ class StageCostModel:
         train_offload: Array = 0,
         cp: Array = 1,
         ep: Array = 1,
+        cp_allgather: Array = 0,
     ) -> dict[str, Array]:
         """Peak bytes per GPU by term. Model states are resident; the rest is transient. Bytes
         training-time offload keeps in host memory are not among them (`host_terms`). `cp`: each
-        rank holds 1/cp of the tokens (training and inference); `ep`: each rank holds 1/ep of the
-        experts and of the replica's sequences."""
+        rank holds 1/cp of the tokens (training and inference), `cp_allgather` (1) by the
+        all-gather method, which also holds a layer's gathered keys and values (`cp_kv`); `ep`:
+        each rank holds 1/ep of the experts and of the replica's sequences."""
         w, m = self.workload, self.model
         offloaded = self.stage == "training" and _uses(train_offload)
         if offloaded:  # training-time offload shards the optimizer state across dp
@@ -438,6 +461,15 @@ class StageCostModel:
             terms["kv_cache"] = np.minimum(kv_budget, self.full_kv_bytes(tp, pp, dp, ep))
         if self.head == "lm":
             terms["logits"] = self.logits_bytes(rows * (max_len if self.stage != "generation" else 1), tp)
+        if self.stage != "generation" and _uses(np.logical_and(np.greater(cp, 1), cp_allgather)):
+            # The whole sequences' keys and values of one layer (the ranks' rows are the replica's),
+            # and of every layer in flight where the backward finds them saved (no recompute).
+            whole = rows * cp * max_len
+            gathered = self.allgather_kv_bytes(whole, tp)
+            if self.stage == "training":
+                saved = np.equal(recompute, 0) * (m.num_layers / pp) * np.minimum(pp, micro_batches)
+                gathered = gathered * np.maximum(saved, 1.0)
+            terms["cp_kv"] = np.where(np.greater(cp, 1) & np.asarray(cp_allgather, bool), gathered, 0.0)
         if self.stage == "training":
             terms["tied_gradients"] = self.tied_gradient_bytes(tp, pp)
         return terms
@@ -516,9 +548,11 @@ class StageCostModel:
         cp_inter: Array = False,
         ep: Array = 1,
         ep_inter: Array = False,
+        cp_allgather: Array = 0,
     ) -> dict[str, Array]:
         """Seconds per RL step by term, for the slowest replica. `cp`, `cp_inter`: the context-
-        parallel degree and whether a tp x cp group crosses nodes (training and inference);
+        parallel degree and whether a tp x cp group crosses nodes (training and inference),
+        `cp_allgather` (1) where the cp method is the all-gather one (else Ulysses);
         `ep`, `ep_inter`: the expert-parallel degree and whether a tp x ep group crosses nodes."""
         if self.stage == "generation":
             return self._generation_terms(tp, pp, dp, pp_inter, kv_budget, ep, ep_inter)
@@ -537,6 +571,7 @@ class StageCostModel:
             cp_inter,
             ep,
             ep_inter,
+            cp_allgather,
         )
 
     def _pipeline_terms(
@@ -555,6 +590,7 @@ class StageCostModel:
         cp_inter: Array = False,
         ep: Array = 1,
         ep_inter: Array = False,
+        cp_allgather: Array = 0,
     ) -> dict[str, Array]:
         """Inference forwards or 1F1B training: (m + pp - 1) slots per mini-batch."""
         w, m = self.workload, self.model
@@ -576,13 +612,19 @@ class StageCostModel:
         m_count = micro_batches
         dense = self.dense_flops_per_token(pp, ep) * b * seq * passes
         attention = self.attention_flops(b * seq, seq / 2) / pp * attention_passes  # causal: half the keys
+        attention = attention * self.cp_attention_share(cp, cp_allgather)  # the slowest cp rank's share
         slot_compute = self.compute_time(dense, attention, tp * cp * ep)  # each cp (ep) rank computes 1/cp (1/ep)
         activation_bytes = b * seq * m.hidden_dim * self.dtype_bytes / (cp * ep)
         layers = m.num_layers / pp
         slot_tp = 2 * passes * layers * self.allreduce_time(activation_bytes, tp, False)
         slot_pp = np.where(pp > 1, np.minimum(launches, 2.0) * self.p2p_time(activation_bytes, pp_inter), 0.0)
         # Ulysses: 4 all-to-alls per layer and forward pass (q, k, v in; the output back).
-        slot_cp = passes * layers * self.all_to_all_time(self.ulysses_bytes(b * seq / cp, tp, cp), cp, cp_inter)
+        ulysses = passes * layers * self.all_to_all_time(self.ulysses_bytes(b * seq / cp, tp, cp), cp, cp_inter)
+        # All-gather KV: a gather per forward (reruns too: full, or the core under selective),
+        # a reduce-scatter of the gradients per backward; each moves (cp - 1) / cp of the bytes.
+        gathers = 1.0 if self.stage != "training" else 1.0 + np.greater(recompute, 0) + 1.0
+        kv = gathers * layers * self.all_to_all_time(self.allgather_kv_bytes(b * seq, tp), cp, cp_inter)
+        slot_cp = np.where(np.asarray(cp_allgather, bool), kv, ulysses)
         # Expert parallelism: dispatch and combine per MoE layer and forward pass.
         splits = _splits_experts(m, ep)
         slot_ep: Array = 0.0

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION, Calibration
 from nereus.cost.plan_cost import evaluate_plan, usable_capacity
-from nereus.spec.plan import Fusion, Plan, Pool, StagePlan
+from nereus.spec.plan import CpMethod, Fusion, Plan, Pool, StagePlan
 
 #: A setting's value as the trainers take it (a store-true flag is True).
 Value = int | float | str | bool
@@ -77,7 +77,7 @@ def gpu_ranges(gpus: list[int]) -> str:
 
 def describe(entry: StagePlan) -> str:
     """`actor/training tp=2 pp=1 dp=2 on GPUs 0-3` (`tp=2 cp=2 pp=1` under context parallelism)."""
-    cp = f" cp={entry.cp}" if entry.cp > 1 else ""
+    cp = f" cp={entry.cp_label}" if entry.cp > 1 else ""
     cp += f" ep={entry.ep}" if entry.ep > 1 else ""
     return f"{entry.model_stage} tp={entry.tp}{cp} pp={entry.pp} dp={entry.dp} on GPUs {gpu_ranges(entry.gpus)}"
 
@@ -128,9 +128,11 @@ def laid_out(
     pool: str,
     cp: int = 1,
     ep: int = 1,
+    cp_method: CpMethod = "ulysses",
 ) -> StagePlan:
     """`entry` re-laid over `gpus` (ordered) as consecutive EMUs of tp x cp x ep x pp GPUs, with
-    as many micro-batches as a per-GPU micro-batch of `micro_batch` sequences makes."""
+    as many micro-batches as a per-GPU micro-batch of `micro_batch` sequences makes (`cp_method`:
+    the cp method where cp > 1)."""
     size = tp * cp * ep * pp
     if len(gpus) % size:
         shape = f"tp={tp}" + (f" x cp={cp}" if cp > 1 else "") + (f" x ep={ep}" if ep > 1 else "") + f" x pp={pp}"
@@ -152,6 +154,7 @@ def laid_out(
         dp=dp,
         emus=emus,
         micro_batches=micro_batches,
+        cp_method=cp_method if cp > 1 else "ulysses",
     )
 
 

@@ -139,7 +139,18 @@ def _exported(plan: Plan, entry: StagePlan, ds_tp: int, ds_cp: int, stage: int) 
     owner = plan.stage_plan(TIED.get(entry.model_stage, entry.model_stage))
     micro_from = owner if entry.model_stage == CRITIC_INFERENCE else entry
     micro = per_gpu_micro_batch(plan, micro_from)
-    out = laid_out(plan, entry, sorted(owner.gpus), ds_tp, 1, micro, owner.pool, ds_cp)
+    out = laid_out(
+        plan,
+        entry,
+        sorted(owner.gpus),
+        ds_tp,
+        1,
+        micro,
+        owner.pool,
+        ds_cp,
+        1,
+        plan.stage_plan(ACTOR_TRAINING).cp_method,
+    )
     # ZeRO-3 shards every DeepSpeed model, the inferring ones too; the stage applies to all. Adam
     # offload (no parameter offload: OpenRLHF has no flag for it) applies to every trained one.
     offloaded = "optimizer" if entry.stage == "training" and adam_offload(plan) else "none"

@@ -86,6 +86,10 @@ Backend = Literal["megatron", "fsdp"]
 FSDP_REASON = (
     "verl's FSDP workers have no tensor or pipeline parallelism: Ulysses (cp) and data parallel over all {n} GPUs"
 )
+FSDP_CP_REASON = (
+    "verl's FSDP workers split sequences by Ulysses only (ulysses_sequence_parallel_size); all-gather KV "
+    "context parallelism runs on its Megatron backend (context_parallel_size)"
+)
 FSDP_SHARDING = "verl's FSDP workers shard parameters, gradients and optimizer state over all their GPUs"
 SHARED_POOL = "global_pool"
 #: What verl's `megatron.optimizer_offload` and `param_offload` do with a planned training-time offload.
@@ -142,6 +146,8 @@ WORKERS_OF = {ACTOR_INFERENCE: ACTOR_TRAINING, CRITIC_INFERENCE: CRITIC_TRAINING
 def _reason(entry: StagePlan, pools: list[Pool], backend: Backend = "megatron") -> str:
     if entry.model_stage == REWARD_INFERENCE and entry.cp > 1:
         return SERVED_REASON
+    if backend == "fsdp" and entry.model_stage in FSDP_SECTIONS and entry.cp > 1 and entry.cp_method != "ulysses":
+        return FSDP_CP_REASON
     if backend == "fsdp" and entry.model_stage in FSDP_SECTIONS and (entry.tp > 1 or entry.pp > 1):
         return FSDP_REASON.format(n=len(_pool_for(entry, pools).gpus))
     if len(pools) > 1:  # async: verl's rollout pool and trainer pool
@@ -171,12 +177,17 @@ def _exported_stages(plan: Plan, pools: list[Pool], backend: Backend = "megatron
         # parallelism: Megatron's on its workers, vLLM's in the rollout (the reward model's engine
         # takes none; verl's FSDP workers have none).
         cp = layout.cp if layout.model_stage in MEGATRON_SECTIONS else 1
+        method = layout.cp_method
         ep = 1 if entry.model_stage == REWARD_INFERENCE else layout.ep
         if backend == "fsdp" and layout.model_stage in FSDP_SECTIONS:  # no tp, pp or ep; all sharded
-            exported = laid_out(plan, entry, pool.gpus, 1, 1, micro, pool.name, cp)
+            # verl's FSDP workers run Ulysses only: all-gather KV exports as cp 1 (a Difference).
+            ulysses = cp if method == "ulysses" else 1
+            exported = laid_out(plan, entry, pool.gpus, 1, 1, micro, pool.name, ulysses)
             out[entry.model_stage] = exported.model_copy(update={"full_shard": True})
         else:
-            out[entry.model_stage] = laid_out(plan, entry, pool.gpus, layout.tp, layout.pp, micro, pool.name, cp, ep)
+            out[entry.model_stage] = laid_out(
+                plan, entry, pool.gpus, layout.tp, layout.pp, micro, pool.name, cp, ep, method
+            )
         if entry.train_offload != "none":  # verl's offload puts the states to sleep between phases
             out[entry.model_stage] = out[entry.model_stage].model_copy(update={"offload": True})
     return out

@@ -21,7 +21,7 @@ class StageBranch:
 
 
 def _layout(entry: StagePlan) -> str:
-    cp = f" cp={entry.cp}" if entry.cp > 1 else ""
+    cp = f" cp={entry.cp_label}" if entry.cp > 1 else ""
     cp += f" ep={entry.ep}" if entry.ep > 1 else ""
     return f"tp={entry.tp}{cp} pp={entry.pp} dp={entry.dp}"
 

@@ -192,7 +192,9 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     for entry in plan.stages:
         name = entry.model_stage
         model = plan.model(workload.model_name(entry.role))
-        problem = layout_problem(model, entry.tp, entry.pp) or cp_layout_problem(model, entry.tp, entry.pp, entry.cp)
+        problem = layout_problem(model, entry.tp, entry.pp) or cp_layout_problem(
+            model, entry.tp, entry.pp, entry.cp, entry.cp_method
+        )
         if problem:
             problems.append(f"{name}: {problem}")
         if model.vocab_size < tokenizer.vocab_size:

@@ -13,7 +13,7 @@ from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, stage_room
 from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel
 from nereus.spec.capabilities import MEMORY_CHOICES
 from nereus.spec.check import cp_rule, ep_rule, kv_heads_rule, pp_rule
-from nereus.spec.plan import RECOMPUTE_LEVELS, Fusion, Recompute
+from nereus.spec.plan import RECOMPUTE_LEVELS, CpMethod, Fusion, Recompute
 
 #: Bounded KV budgets tried, as fractions of the room a GPU leaves the model-stages (its usable
 #: capacity less the workspace, `stage_room`), plus one maximum-length sequence, the least that
@@ -23,13 +23,17 @@ KV_BUDGET_FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.7)
 #: (kv_budget_bytes or 0, recompute, token_budget or 0, zero1, offload, full_shard, train_offload level:
 #: `TRAIN_OFFLOADS`' index) of one option.
 Choice = tuple[int, int, int, int, int, int, int]
-#: time, resident, transient, tp, pp, dp, m, choice, host bytes per GPU, cp, ep (last, so that
-#: the fields before them keep their places)
-Option = tuple[float, float, float, int, int, int, int, Choice, float, int, int]
+#: time, resident, transient, tp, pp, dp, m, choice, host bytes per GPU, cp, ep, cp method (1:
+#: all-gather KV, 0: Ulysses; last, so that the fields before them keep their places)
+Option = tuple[float, float, float, int, int, int, int, Choice, float, int, int, int]
 #: Where an `Option` keeps its context-parallel degree.
 CP: Final = 9
 #: Where an `Option` keeps its expert-parallel degree.
 EP: Final = 10
+#: Where an `Option` keeps its context-parallel method: 1 all-gather KV, 0 Ulysses (`CP_METHODS`).
+CP_METHOD: Final = 11
+#: The cp methods by their `CP_METHOD` code.
+CP_METHODS: Final[tuple[CpMethod, ...]] = ("ulysses", "allgather")
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ class ListedOptions:
     offloads: np.ndarray
     """Each block of `timed_row`'s length: its offload flag (1: the states sleep)."""
     layout: tuple[np.ndarray, ...]
-    """(tp, pp, dp, micro_batches, cp, ep) per timed row."""
+    """(tp, pp, dp, micro_batches, cp, ep, cp method code) per timed row."""
     memory: dict[str, np.ndarray]
     """Bytes per memory term, per timed row."""
     choices: tuple[np.ndarray, ...]
@@ -164,6 +168,11 @@ class OptionTable:
         return self.listed.layout[5][self.timed]
 
     @cached_property
+    def cp_method(self) -> np.ndarray:
+        """The context-parallel method's code (`CP_METHODS`)."""
+        return self.listed.layout[6][self.timed]
+
+    @cached_property
     def memory(self) -> dict[str, np.ndarray]:
         """Bytes per memory term."""
         return {k: v[self.timed] for k, v in self.listed.memory.items()}
@@ -185,19 +194,20 @@ class OptionTable:
     def options(self) -> list[Option]:
         time, resident, transient, *layout = (c.tolist() for c in self.columns)
         picks = list(zip(*(c.astype(np.int64).tolist() for c in self.choices), strict=True))
-        host, cp, ep = self.host.tolist(), self.cp.tolist(), self.ep.tolist()
-        return list(zip(time, resident, transient, *layout, picks, host, cp, ep, strict=True))
+        host, cp, ep, method = self.host.tolist(), self.cp.tolist(), self.ep.tolist(), self.cp_method.tolist()
+        return list(zip(time, resident, transient, *layout, picks, host, cp, ep, method, strict=True))
 
     def terms(self, i: int) -> dict[str, float]:
         """Bytes per memory term of option `i`."""
         return {k: float(v[i]) for k, v in self.memory.items()}
 
 
-def _valid_degrees(cost: StageCostModel, allowed: MemoryChoices) -> list[tuple[int, int, int, int]]:
-    """(tp, pp, cp, ep) the model allows: power-of-two tp in a node, pp dividing the layers, in
-    training and inference (where allowed) a power-of-two cp > 1 that Ulysses can split the
-    heads by (`cp_rule`), without pipeline stages, and for a mixture of experts (where allowed)
-    every ep > 1 dividing the experts (`ep_rule`), with cp = 1."""
+def _valid_degrees(cost: StageCostModel, allowed: MemoryChoices) -> list[tuple[int, int, int, int, int]]:
+    """(tp, pp, cp, ep, cp method code) the model allows: power-of-two tp in a node, pp dividing
+    the layers, in training and inference (where allowed) a power-of-two cp > 1 without pipeline
+    stages, by Ulysses where it can split the heads (`cp_rule`) and by all-gather KV where it
+    cannot, with cp up to a node's GPUs (no head bound), and for a mixture of experts (where
+    allowed) every ep > 1 dividing the experts (`ep_rule`), with cp = 1."""
     model = cost.model
     tps = [
         1 << i
@@ -205,16 +215,27 @@ def _valid_degrees(cost: StageCostModel, allowed: MemoryChoices) -> list[tuple[i
         if 1 << i <= cost.cluster.gpus_per_node and kv_heads_rule(model, 1 << i) is None
     ]
     pps = [pp for pp in range(1, model.num_layers + 1) if pp_rule(model, pp) is None]
-    plain = [(tp, pp, 1, 1) for tp in tps for pp in pps]
+    plain = [(tp, pp, 1, 1, 0) for tp in tps for pp in pps]
     out = list(plain)
     if cost.stage != "generation" and True in allowed.context_parallel:
         cps = [1 << i for i in range(1, model.num_heads.bit_length())]  # `cp_rule` keeps those that divide
-        out += [(tp, 1, cp, 1) for tp in tps for cp in cps if cp_rule(model, tp, cp) is None]
+        out += [(tp, 1, cp, 1, 0) for tp in tps for cp in cps if cp_rule(model, tp, cp) is None]
+        node = cost.cluster.gpus_per_node
+        gathered = [1 << i for i in range(1, node.bit_length()) if 1 << i <= node]
+        code = CP_METHODS.index("allgather")
+        # All-gather KV where Ulysses cannot split the heads (search time: beside every Ulysses
+        # layout it roughly doubles the grid; docs/context-parallel.md says what that leaves out).
+        out += [
+            (tp, 1, cp, 1, code)
+            for tp in tps
+            for cp in gathered
+            if cp_rule(model, tp, cp) is not None and cp_rule(model, tp, cp, "allgather") is None
+        ]
     if False not in allowed.context_parallel and cost.stage != "generation":  # pinned on
         out = [d for d in out if d[2] > 1]
     if model.moe is not None and True in allowed.expert_parallel:
         eps = [ep for ep in range(2, model.moe.num_experts + 1) if ep_rule(model, ep) is None]
-        experts = [(tp, pp, 1, ep) for tp, pp, _, _ in plain for ep in eps]
+        experts = [(tp, pp, 1, ep, 0) for tp, pp, _, _, _ in plain for ep in eps]
         out = experts if False not in allowed.expert_parallel else out + experts  # pinned on: ep > 1 only
     return out
 
@@ -226,7 +247,8 @@ def _ceil_div(a: Any, b: Any) -> Any:
 def candidate_grid(
     cost: StageCostModel, pool_sizes: list[int], allowed: MemoryChoices | None = None
 ) -> tuple[np.ndarray, ...]:
-    """(size, tp, pp, dp, micro_batches, cp, ep) columns of every candidate on every pool size.
+    """(size, tp, pp, dp, micro_batches, cp, ep, cp method code) columns of every candidate on
+    every pool size.
 
     tp is a power of two inside a node, pp divides the layers, cp (training and inference) is
     a power of two the heads allow, ep (mixture of experts) divides the experts
@@ -234,30 +256,30 @@ def candidate_grid(
     replica per sample, an ep rank taking 1/ep of a replica's);
     training tries micro-batch sizes 1, 2, 4, ... and the whole share of a replica.
     """
-    degrees = np.array(_valid_degrees(cost, allowed or MemoryChoices()), dtype=np.int64).reshape(-1, 4)
-    size, tp, pp, cp, ep = np.broadcast_arrays(
-        np.array(pool_sizes, dtype=np.int64)[:, None], *(degrees[None, :, k] for k in range(4))
+    degrees = np.array(_valid_degrees(cost, allowed or MemoryChoices()), dtype=np.int64).reshape(-1, 5)
+    size, tp, pp, cp, ep, method = np.broadcast_arrays(
+        np.array(pool_sizes, dtype=np.int64)[:, None], *(degrees[None, :, k] for k in range(5))
     )
     w = cost.workload
     samples = w.samples_per_step // w.mini_batches if cost.stage == "training" else w.samples_per_step
     # Every ep rank needs a sample of its replica's share: ep above the samples would idle ranks.
     keep = (tp * cp * ep * pp <= size) & (ep <= samples)
-    size, tp, pp, cp, ep = size[keep], tp[keep], pp[keep], cp[keep], ep[keep]
+    size, tp, pp, cp, ep, method = size[keep], tp[keep], pp[keep], cp[keep], ep[keep], method[keep]
     # A replica (each of its ep ranks) without samples would idle: leave its GPUs free.
     dp = np.minimum(size // (tp * cp * ep * pp), samples // ep)
     if cost.stage != "training":
         if cost.stage == "generation":
-            return size, tp, pp, dp, np.ones_like(dp), cp, ep
+            return size, tp, pp, dp, np.ones_like(dp), cp, ep, method
         per_replica = _ceil_div(w.samples_per_step, dp)
-        return size, tp, pp, dp, _ceil_div(per_replica, w.micro_batch_size * ep), cp, ep
+        return size, tp, pp, dp, _ceil_div(per_replica, w.micro_batch_size * ep), cp, ep, method
     share = _ceil_div(w.samples_per_step // w.mini_batches, dp)
-    columns: list[list[np.ndarray]] = [[], [], [], [], [], [], []]
+    columns: list[list[np.ndarray]] = [[], [], [], [], [], [], [], []]
     largest = int(share.max()) if share.size else 0
     for b in [*(1 << i for i in range(largest.bit_length())), 0]:
         # b: rows of a replica's micro-batch (an ep rank takes 1/ep of them); 0: the whole share
         pick = (share > b) & (ep <= b) if b else np.ones_like(share, dtype=bool)
         m = _ceil_div(share[pick], b) if b else np.ones(int(pick.sum()), dtype=np.int64)
-        picked = (size[pick], tp[pick], pp[pick], dp[pick], m, cp[pick], ep[pick])
+        picked = (size[pick], tp[pick], pp[pick], dp[pick], m, cp[pick], ep[pick], method[pick])
         for out, col in zip(columns, picked, strict=True):
             out.append(col)
     return tuple(np.concatenate(col) for col in columns)
@@ -305,7 +327,7 @@ class _Timed:
     """Distinct layouts times the choices that change the time's formulas (recompute, KV
     budget), each priced once; the other choices follow by arithmetic (`_expand_choices`)."""
 
-    layout: list[np.ndarray]  # index of the distinct layout, tp, pp, dp, micro-batches, cp, ep
+    layout: list[np.ndarray]  # index of the distinct layout, tp, pp, dp, micro-batches, cp, ep, cp method
     kv: np.ndarray  # KV budget in bytes (inf: none)
     recompute: np.ndarray
     full_shard: np.ndarray  # parameters sharded across dp x cp (the optimizer with them)
@@ -344,7 +366,7 @@ def _timed_grid(
     cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices
 ) -> tuple[list[np.ndarray], np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(columns, kv budget, recompute, full shard, train offload) of the timed rows: distinct
-    (index, tp, pp, dp, m, cp, ep) rows once per block (`_blocks`) and, in a training block, per recompute
+    (index, tp, pp, dp, m, cp, ep, cp method) rows once per block (`_blocks`) and, in a training block, per recompute
     choice; or per KV budget (generation)."""
     if cost.stage == "generation":
         columns = list(distinct)
@@ -371,7 +393,7 @@ def _timed_grid(
 def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: MemoryChoices) -> _Timed:
     """Memory of every timed row, and its time where some choice of it fits alone."""
     layout, kv, recompute, full_shard, train_offload = _timed_grid(cost, distinct, allowed)
-    tp, pp, dp, m, cp, ep = (c.astype(float) for c in layout[1:])
+    tp, pp, dp, m, cp, ep, method = (c.astype(float) for c in layout[1:])
     pinned = cost.stage == "training" and cost.workload.optimizer.shard_across_dp
     zero1 = np.full(tp.shape, pinned) | (full_shard > 0) | (train_offload > 0)
     shard: Any = full_shard if cost.stage != "generation" else 0
@@ -380,6 +402,8 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
     )
     if cost.model.moe is not None:  # a dense model's ep is 1: its pricing is unchanged
         choices["ep"] = ep
+    if method.any():  # all-gather KV rows: their cp terms
+        choices["cp_allgather"] = method
     memory = cost.memory_terms(tp, pp, dp, m, kv_budget=kv, **choices)
     memory = {k: np.broadcast_to(v, tp.shape).astype(float) for k, v in memory.items()}
     token_budget, token_ratio, budget_memory = np.zeros(tp.shape), np.ones(tp.shape), memory
@@ -395,7 +419,7 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
     if cost.stage == "training":
         times = _pipeline_times(cost, distinct, allowed)
     else:
-        layout_columns = (tp, pp, dp, m, cp, ep)
+        layout_columns = (tp, pp, dp, m, cp, ep, method)
         times = _fitting_times(cost, layout_columns, fits, kv_budget=kv, full_shard=full_shard, zero1=zero1)
     time = np.where(fits, sum(times.values(), np.zeros(tp.shape)), np.inf)
     optimizer_time = np.where(fits, times["optimizer"], 0.0) if cost.stage == "training" else np.zeros(tp.shape)
@@ -436,7 +460,7 @@ def _fitting_times(
     cost: StageCostModel, layout: tuple[np.ndarray, ...], fits: np.ndarray, **choices: np.ndarray
 ) -> dict[str, np.ndarray]:
     """Time terms of the timed rows that fit (zero elsewhere), priced row by row."""
-    tp, pp, dp, m, cp, ep = (c[fits] for c in layout)
+    tp, pp, dp, m, cp, ep, method = (c[fits] for c in layout)
     pp_inter, dp_inter, cp_inter, ep_inter = _inter(cost, tp, pp, dp, cp, ep)
     if cost.stage == "generation":
         del choices["full_shard"]  # generation holds whole parameters (and cp = 1)
@@ -445,6 +469,8 @@ def _fitting_times(
         picked.update(ep=ep, ep_inter=ep_inter)
     if cost.stage != "generation":
         picked.update(cp=cp, cp_inter=cp_inter)
+        if method.any():
+            picked.update(cp_allgather=method)
     out = {}
     for name, value in cost.time_terms(tp, pp, dp, m, pp_inter, dp_inter, **picked).items():
         out[name] = np.zeros(fits.shape)
@@ -457,7 +483,7 @@ def _pipeline_times(cost: StageCostModel, distinct: list[np.ndarray], allowed: M
     block's distinct layouts once per recompute choice. The recompute choices broadcast over a
     trailing axis, so what does not depend on them is priced once per layout; the rows that do
     not fit are priced too (their time is dropped)."""
-    tp, pp, dp, m, cp, ep = (c.astype(float)[:, None] for c in distinct[1:])
+    tp, pp, dp, m, cp, ep, method = (c.astype(float)[:, None] for c in distinct[1:])
     recompute = np.array([float(RECOMPUTE_LEVELS.index(r)) for r in allowed.recompute])
     pinned = cost.workload.optimizer.shard_across_dp
     blocks: list[dict[str, np.ndarray]] = []
@@ -467,6 +493,8 @@ def _pipeline_times(cost: StageCostModel, distinct: list[np.ndarray], allowed: M
         zero1 = np.full(pp_inter.shape, pinned) | (sharded > 0) | (offloaded > 0)
         args = (tp[rows], pp[rows], dp[rows], m[rows], pp_inter, dp_inter)
         experts = {"ep": ep[rows], "ep_inter": ep_inter} if cost.model.moe is not None else {}
+        if method[rows].any():
+            experts["cp_allgather"] = method[rows]
         terms = cost.time_terms(
             *args,
             recompute=recompute[None, :],
@@ -570,7 +598,7 @@ class LayoutGrid:
     size: np.ndarray
     """The pool size of each candidate, ascending."""
     distinct: list[np.ndarray]
-    """(index, tp, pp, dp, micro_batches, cp, ep) of each distinct layout."""
+    """(index, tp, pp, dp, micro_batches, cp, ep, cp method code) of each distinct layout."""
     of_candidate: np.ndarray
     """The distinct layout of each candidate."""
 
@@ -582,7 +610,7 @@ def layout_grid(cost: StageCostModel, pool_sizes: list[int], allowed: MemoryChoi
     order = np.argsort(base[0], kind="stable")
     size, *layout = (c[order].astype(np.int64) for c in base)
     key = np.zeros(size.shape, dtype=np.int64)
-    for column in layout:  # one integer per (tp, pp, dp, m, cp, ep)
+    for column in layout:  # one integer per (tp, pp, dp, m, cp, ep, cp method)
         key = key * (int(column.max(initial=0)) + 1) + column
     _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
     return LayoutGrid(size, [np.arange(first.size), *(c[first] for c in layout)], inverse.reshape(-1))

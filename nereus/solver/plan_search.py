@@ -35,6 +35,8 @@ from nereus.cost.plan_cost import (
 from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel, expert_params
 from nereus.solver.layouts import (
     CP,
+    CP_METHOD,
+    CP_METHODS,
     EP,
     Choice,
     LayoutGrid,
@@ -46,7 +48,7 @@ from nereus.solver.layouts import (
 )
 from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
-from nereus.spec.plan import RECOMPUTE_LEVELS
+from nereus.spec.plan import RECOMPUTE_LEVELS, CpMethod
 from nereus.spec.stages import (
     ACTOR_GENERATION,
     ACTOR_SYNC_TARGETS,
@@ -113,9 +115,11 @@ class Rejection:
     workspace_bytes: float
     cp: int = 1
     ep: int = 1
+    cp_method: CpMethod = "ulysses"
 
     def describe(self) -> str:
         cp = f" cp={self.cp}" if self.cp > 1 else ""
+        cp += f" {self.cp_method}" if self.cp > 1 and self.cp_method != "ulysses" else ""
         cp += f" ep={self.ep}" if self.ep > 1 else ""
         layout = f"tp={self.tp}{cp} pp={self.pp} dp={self.dp} micro_batches={self.micro_batches}{self.choice}"
         largest = f"{self.largest_term} {self.largest_bytes / GIB:.1f} GiB"
@@ -879,7 +883,7 @@ def rejections(
             for i in np.nonzero(needed > budget)[0].tolist():
                 largest = int(stacked[:, i].argmax())
                 tp, pp, dp, micro_batches = (int(c[i]) for c in table.columns[3:])
-                cp, ep = int(table.cp[i]), int(table.ep[i])
+                cp, ep, method = int(table.cp[i]), int(table.ep[i]), CP_METHODS[int(table.cp_method[i])]
                 out.append(
                     Rejection(
                         name,
@@ -895,6 +899,7 @@ def rejections(
                         workspace,
                         cp,
                         ep,
+                        method,
                     )
                 )
     return out
@@ -911,12 +916,15 @@ def describe_choice(choice: Choice) -> str:
     return "".join(f" {p}" for p in parts if p)
 
 
-def iter_assignments(candidate: Candidate) -> Iterator[tuple[str, str, int, int, int, int, int, Choice, int, int]]:
-    """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches, choice, cp, ep) per model-stage."""
+def iter_assignments(
+    candidate: Candidate,
+) -> Iterator[tuple[str, str, int, int, int, int, int, Choice, int, int, CpMethod]]:
+    """(model-stage, pool, first GPU of pool, tp, pp, dp, micro-batches, choice, cp, ep, cp method)
+    per model-stage."""
     pool_of = {name: (pool, start) for pool, start, _, stages in candidate.placement.pools for name in stages}
     for name, option in candidate.choices:
         pool, start = pool_of[name]
-        yield name, pool, start, *option[3:8], option[CP], option[EP]
+        yield name, pool, start, *option[3:8], option[CP], option[EP], CP_METHODS[option[CP_METHOD]]
 
 
 @dataclass(frozen=True)
@@ -1022,5 +1030,6 @@ def _transient(terms: dict[str, float], offloaded: bool, workspace: float) -> tu
 
 def _layout_text(option: Option) -> str:
     cp = f" cp={option[CP]}" if option[CP] > 1 else ""
+    cp += f" {CP_METHODS[option[CP_METHOD]]}" if option[CP_METHOD] else ""
     cp += f" ep={option[EP]}" if option[EP] > 1 else ""
     return f"tp={option[3]}{cp} pp={option[4]} dp={option[5]}{describe_choice(option[7])}"

@@ -51,7 +51,7 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
         Pool(name=name, gpus=list(range(start, start + size))) for name, start, size, _ in candidate.placement.pools
     ]
     entries = {}
-    for name, pool, start, tp, pp, dp, micro_batches, choice, cp, ep in iter_assignments(candidate):
+    for name, pool, start, tp, pp, dp, micro_batches, choice, cp, ep, cp_method in iter_assignments(candidate):
         emu_size = tp * cp * ep * pp
         kv, recompute, token_budget, zero1, offload, full_shard, train_offload = choice
         training = is_trained(name)
@@ -62,6 +62,7 @@ def build_plan(request: PlanRequest, candidate: Candidate) -> Plan:
             tp=tp,
             pp=pp,
             cp=cp,
+            cp_method=cp_method,
             ep=ep,
             dp=dp,
             emus=emus,

@@ -11,7 +11,7 @@ from nereus.errors import SpecError
 from nereus.spec.cluster import Cluster
 from nereus.spec.io import ParseError, document_from_data, field_marks, locate, parse_data, read_text
 from nereus.spec.model import LinearRopeScaling, Llama3RopeScaling, Model
-from nereus.spec.plan import Plan, StagePlan
+from nereus.spec.plan import CpMethod, Plan, StagePlan
 from nereus.spec.registry import file_problems, kind_of, semantic_problems
 from nereus.spec.stages import model_stage
 from nereus.spec.workload import Workload, async_problems, model_stages
@@ -51,7 +51,7 @@ def kv_heads_rule(model: Model, tp: int) -> str | None:
     return None
 
 
-def cp_rule(model: Model, tp: int, cp: int) -> str | None:
+def cp_rule(model: Model, tp: int, cp: int, method: CpMethod = "ulysses") -> str | None:
     """Why Ulysses context parallelism of degree `cp` cannot split `model`'s attention after
     `tp`, or None if it can (docs/context-parallel.md).
 
@@ -60,9 +60,10 @@ def cp_rule(model: Model, tp: int, cp: int) -> str | None:
     heads of a tensor rank. Where it does not divide that rank's KV heads too, each rank
     repeats the KV head of each of its query heads (GQA run as multi-head attention inside the
     core, the runtime's `SequenceSplit.attention`; the cost model moves the repeated keys and
-    values through the all-to-alls, `StageCostModel.ulysses_bytes`).
+    values through the all-to-alls, `StageCostModel.ulysses_bytes`). The all-gather method
+    splits no heads: any cp (the sequence length bounds it at run time).
     """
-    if cp == 1:
+    if cp == 1 or method == "allgather":
         return None
     local = model.num_heads // tp
     if local % cp:
@@ -306,17 +307,17 @@ def _stage_problems(plan: Plan, i: int, entry: StagePlan) -> Iterator[Problem]:
         yield from _tp_group_problems(plan.cluster, entry, emu, f"{at}.emus[{k}]")
 
 
-def cp_layout_problem(model: Model, tp: int, pp: int, cp: int) -> str | None:
+def cp_layout_problem(model: Model, tp: int, pp: int, cp: int, method: CpMethod = "ulysses") -> str | None:
     """Why nereus does not run context parallelism `cp` in a (tp, pp) replica of `model`, or None:
     heads Ulysses cannot split (`cp_rule`), or cp beside pipeline stages (cp on generation is
     refused when a plan entry is read)."""
     if cp > 1 and pp > 1:
         return f"cp={cp} with pp={pp} is not supported; set cp: 1 or pp: 1"
-    return cp_rule(model, tp, cp)
+    return cp_rule(model, tp, cp, method)
 
 
 def _cp_problems(model: Model, entry: StagePlan, at: str) -> Iterator[Problem]:
-    problem = cp_layout_problem(model, entry.tp, entry.pp, entry.cp)
+    problem = cp_layout_problem(model, entry.tp, entry.pp, entry.cp, entry.cp_method)
     if problem:
         yield Problem(f"{at}.cp", problem)
     problem = ep_rule(model, entry.ep, entry.cp)

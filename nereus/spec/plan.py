@@ -15,6 +15,9 @@ from nereus.spec.workload import Workload
 #: What a training model-stage recomputes in its backward; a level's index is its code in the
 #: cost model's arrays (`nereus.cost.stage`: 0 none, 1 full, 2 selective).
 Recompute = Literal["none", "full", "selective"]
+
+#: How a context-parallel replica's attention sees the whole sequence (`StagePlan.cp_method`).
+CpMethod = Literal["ulysses", "allgather"]
 RECOMPUTE_LEVELS: tuple[Recompute, ...] = ("none", "full", "selective")
 
 
@@ -41,6 +44,11 @@ class StagePlan(StrictModel):
     cp: int = Field(default=1, gt=0)
     """Context-parallel degree of one replica (training and inference only): each sequence is cut
     along its tokens into cp parts, one per cp rank, which hold the same weights; 1: no cut."""
+    cp_method: CpMethod = Field(default="ulysses", exclude_if=lambda method: method == "ulysses")
+    """How attention sees the whole sequence when cp > 1 (docs/context-parallel.md): `ulysses`
+    trades sequence for heads by all-to-alls (cp must divide a tensor rank's query heads),
+    `allgather` all-gathers every column's keys and values on each cp rank (Llama 3's context
+    parallelism; any cp up to the sequence length). Left out of written plans when `ulysses`."""
     ep: int = Field(default=1, gt=0, exclude_if=lambda ep: ep == 1)
     """Expert-parallel degree of one replica (mixture-of-experts models only; docs/moe.md): per
     pipeline stage, the ep ranks hold the same non-expert weights and take 1/ep of the replica's
@@ -102,6 +110,8 @@ class StagePlan(StrictModel):
             )
         if stage != "generation" and self.kv_budget_bytes is not None:
             raise ValueError(f"kv_budget_bytes applies to generation only; drop it from {self.model_stage}")
+        if self.cp_method != "ulysses" and self.cp == 1:
+            raise ValueError(f"cp_method {self.cp_method} needs cp > 1; drop cp_method from {self.model_stage}")
         if self.cp > 1 and stage == "generation":
             raise ValueError(f"cp applies to training and inference only; set cp: 1 in {self.model_stage}")
         if self.full_shard and stage == "generation":
@@ -115,6 +125,11 @@ class StagePlan(StrictModel):
     @property
     def stage(self) -> Stage:
         return stage_of(self.model_stage)
+
+    @property
+    def cp_label(self) -> str:
+        """The cp degree as shown: `4`, or `4 allgather` by the all-gather method (Ulysses: the default)."""
+        return f"{self.cp} {self.cp_method}" if self.cp > 1 and self.cp_method != "ulysses" else str(self.cp)
 
     @property
     def replica_size(self) -> int:

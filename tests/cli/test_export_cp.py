@@ -119,6 +119,22 @@ def test_verl_fsdp_takes_each_models_ulysses_size_and_lists_tp() -> None:
     assert len(moved) == 1 and "no tensor or pipeline parallelism" in moved[0].exported
 
 
+def test_verl_fsdp_lists_allgather_cp_and_megatron_takes_it() -> None:
+    """verl's FSDP workers have Ulysses only: an all-gather KV actor exports at cp 1, listed with
+    the reason; Megatron's context_parallel_size covers it."""
+    plan = with_cp({"actor/training": 2, "actor/inference": 2, "reference/inference": 1})
+    stages = [e.model_copy(update={"cp_method": "allgather"}) if e.cp > 1 else e for e in plan.stages]
+    plan = plan.model_copy(update={"stages": stages})
+    fsdp = export_verl(plan, "fsdp")
+    assert fsdp.settings["actor_rollout_ref.actor.ulysses_sequence_parallel_size"] == 1
+    listed = [d for d in fsdp.differences if d.planned.startswith("actor/training tp=1 cp=2 allgather")]
+    assert len(listed) == 1 and "Ulysses only" in listed[0].exported, fsdp.differences
+    megatron = export_verl(plan, "megatron")
+    assert megatron.settings["actor_rollout_ref.actor.megatron.context_parallel_size"] == 2
+    trained = next(e for e in megatron.exported_plan.stages if e.model_stage == "actor/training")
+    assert (trained.cp, trained.cp_method) == (2, "allgather")
+
+
 def test_openrlhf_ring_attention_is_one_size_for_every_deepspeed_model() -> None:
     plan = with_cp({"actor/training": 2, "actor/inference": 2, "critic/training": 2, "critic/inference": 2})
     export = export_openrlhf(plan)

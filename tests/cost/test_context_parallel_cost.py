@@ -162,3 +162,47 @@ def test_evaluate_plan_prices_the_cp_group_by_where_it_sits() -> None:
     assert inside.time_breakdown_s["cp_comm"] > 0
     assert across.time_breakdown_s["cp_comm"] > 2 * inside.time_breakdown_s["cp_comm"]
     assert across.memory_breakdown_bytes["activations"] == inside.memory_breakdown_bytes["activations"]
+
+
+def test_allgather_kv_by_hand() -> None:
+    """All-gather KV, tp=2, cp=4, training without recompute: per layer a gather of the whole
+    sequence's keys and values (4 KV heads of a tensor rank, 128 wide, 2 bytes) in the forward and
+    a reduce-scatter of their gradients in the backward, (cp - 1) / cp moved; with selective
+    recompute the core's rerun gathers again. The last cp rank's attention is (2 cp - 1) / cp
+    times the balanced share (contiguous columns), the dense compute is not; no all-to-alls."""
+    c = cost("training")
+    tp, cp, dp, m = 2, 4, 2, 4
+    rows = 32 // 2 // dp // m
+    seq = 1024 + long_workload().response_len.mean()
+    nbytes = rows * seq * 2 * (8 / tp) * 128 * 2
+    bandwidth, latency = DEFAULT_CALIBRATION.link(CLUSTER, False)
+    one = (cp - 1) * latency + (cp - 1) / cp * nbytes / bandwidth
+    rounds = 2 * 1
+    gathered = c.time_terms(tp, 1, dp, m, False, False, cp=cp, cp_inter=False, cp_allgather=1)
+    assert float(gathered["cp_comm"]) == pytest.approx(rounds * m * 2 * 36 * one, rel=1e-12)
+    selective = c.time_terms(tp, 1, dp, m, False, False, recompute=2, cp=cp, cp_inter=False, cp_allgather=1)
+    assert float(selective["cp_comm"]) == pytest.approx(rounds * m * 3 * 36 * one, rel=1e-12)
+    ulysses = c.time_terms(tp, 1, dp, m, False, False, cp=cp, cp_inter=False)
+    dense = c.time_terms(tp, 1, dp, m, False, False, cp=cp, cp_inter=False, cp_allgather=0)
+    assert float(dense["compute"]) == float(ulysses["compute"])
+    attention_flops = c.attention_flops(rows * seq, seq / 2) * 3
+    extra = attention_flops * ((2 * cp - 1) / cp - 1)
+    ratio = float(gathered["compute"] - ulysses["compute"]) / float(c.compute_time(0.0, extra, tp * cp) * rounds * m)
+    assert ratio == pytest.approx(1.0, rel=1e-9)
+    assert float(c.cp_attention_share(1, 1)) == 1.0 and float(c.cp_attention_share(2, 1)) == 1.5
+
+
+def test_allgather_holds_the_gathered_kv_unless_recomputed() -> None:
+    """The whole sequences' keys and values of every layer (no recompute: autograd keeps them for
+    the backward) or of one (recomputed: the core gathers again); none under Ulysses."""
+    c = cost("training")
+    tp, cp, dp, m = 2, 4, 2, 4
+    rows = 32 // 2 // dp // m
+    layer = rows * 33792 * 2 * (8 / tp) * 128 * 2
+    kept = c.memory_terms(tp, 1, dp, m, cp=cp, cp_allgather=1)
+    assert float(kept["cp_kv"]) == pytest.approx(layer * 36, rel=1e-12)
+    rerun = c.memory_terms(tp, 1, dp, m, recompute=1, cp=cp, cp_allgather=1)
+    assert float(rerun["cp_kv"]) == pytest.approx(layer, rel=1e-12)
+    assert "cp_kv" not in c.memory_terms(tp, 1, dp, m, cp=cp)
+    inference = cost("inference").memory_terms(tp, 1, dp, m, cp=cp, cp_allgather=1)
+    assert float(inference["cp_kv"]) == pytest.approx(32 / dp / m * 33792 * 2 * (8 / tp) * 128 * 2, rel=1e-12)

@@ -310,10 +310,10 @@ def cp_cases(chunk: int, count: int) -> list[tuple[int, PlanRequest]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("chunk", range(2))
 def test_search_with_cp_matches_reference(chunk: int) -> None:
-    """With cp searched (training and inference, Ulysses), the exact search finds the exhaustive
-    enumeration's best step and its top 3, over cases whose option tables list cp > 1 options;
-    every candidate builds into a plan that passes the checks with its stated time, and some
-    optima do use cp."""
+    """With cp searched (training and inference, Ulysses and all-gather KV), the exact search
+    finds the exhaustive enumeration's best step and its top 3, over cases whose option tables
+    list cp > 1 options (all-gather ones where a model's heads stop Ulysses); every candidate builds into a plan that
+    passes the checks with its stated time, and some optima do use cp."""
     stats: Counter[str] = Counter()
     for seed, request in cp_cases(chunk, 30):
         slow = assert_matches_reference(seed, request)
@@ -697,8 +697,9 @@ def test_training_without_a_full_layout_leaves_gpus_free(gpus: int) -> None:
 def test_make_plan_without_a_full_training_layout_builds_checked_plans() -> None:
     """make_plan used to fail here with numpy's 'zero-size array' text; now every plan is valid."""
     # full sharding off: its variants (slower by their all-gathers) would crowd the runners-up, as
-    # would recompute's (the colocated plan again, rerunning layers for less activation memory)
-    choices = MemoryChoices(full_shard=(False,), recompute=("none",))
+    # would recompute's (the colocated plan again, rerunning layers for less activation memory) and
+    # all-gather cp's (which one head does not bound)
+    choices = MemoryChoices(full_shard=(False,), recompute=("none",), context_parallel=(False,))
     request = dataclasses.replace(one_layer_request(16), choices=choices)
     result = make_plan(request, top_k=5)
     plans = [result.best, *result.alternatives]

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from cli_helpers import invoke
 
+from nereus.errors import SpecError
 from nereus.spec.check import cp_rule, semantic_problems
 from nereus.spec.io import document_from_data
 from nereus.spec.long_response_setups import setup_model
@@ -46,6 +47,8 @@ def test_cp_rule_needs_whole_query_heads_per_rank() -> None:
     qwen25 = setup_model("qwen2.5-32b")  # 40 query heads, 8 KV heads: 5 per tensor rank at tp=8
     assert cp_rule(qwen25, 4, 2) is None
     assert "does not divide the 5 query heads" in (cp_rule(qwen25, 8, 2) or "")
+    # All-gather KV splits no heads: any cp.
+    assert cp_rule(qwen25, 8, 2, "allgather") is None and cp_rule(qwen3, 8, 8, "allgather") is None
 
 
 @pytest.mark.logic
@@ -64,6 +67,18 @@ def test_cp_beyond_the_kv_heads_passes_and_beyond_the_query_heads_is_named() -> 
         f"stages[{TRAINING}].cp: cp=4 with tp=2 does not divide the 2 query heads of a tensor rank of tiny "
         "(4 heads over tp=2; Ulysses gives each cp rank whole query heads)"
     ) in errors
+
+
+@pytest.mark.logic
+def test_allgather_cp_beyond_the_query_heads_passes() -> None:
+    """tp=2 x cp=4 on tiny, which Ulysses refuses, by all-gather KV; cp_method without cp is named."""
+    layout: dict[str, Any] = dict(tp=2, pp=1, cp=4, dp=1, emus=[list(range(8))], micro_batches=1)
+    # The 4-GPU pool is too small for 8 (named elsewhere); the cp is named for Ulysses only.
+    assert any(f"stages[{TRAINING}].cp:" in e for e in _errors(_plan_data(**layout)))
+    assert not any(".cp:" in e for e in _errors(_plan_data(**layout, cp_method="allgather")))
+    solo = _plan_data(tp=1, pp=1, cp=1, dp=2, emus=[[0], [1]], cp_method="allgather")
+    with pytest.raises(SpecError, match=rf"stages\[{TRAINING}\]: cp_method allgather needs cp > 1; drop cp_method"):
+        _errors(solo)
 
 
 @pytest.mark.logic

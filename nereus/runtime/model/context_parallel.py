@@ -1,5 +1,7 @@
-"""Context parallelism, Ulysses-style: each sequence cut along its tokens over the cp ranks of
-a replica, which hold the same weights.
+"""Context parallelism: each sequence cut along its tokens over the cp ranks of a replica, which
+hold the same weights; attention by one of two methods (`ContextParallel.method`): Ulysses
+(all-to-all of heads, bounded by the heads of a tensor rank) or all-gathered keys and values
+(Llama 3's context parallelism, bounded by nothing but the sequence length).
 
 A replica of tp x cp ranks (pp = 1) gives cp rank c the contiguous columns `spans(seq)[c]`
 of every row (runs differing by at most one column; `sharded_state.even_split`). Everything
@@ -12,6 +14,16 @@ on whole sequences with this rank's share of the heads, and the reverse all-to-a
 the other's backward, so the autograd graph is exact. When the KV heads (after tp) do not
 split over cp, each query head's KV head is repeated first (GQA run as multi-head attention
 inside the core: same numbers, more bytes moved).
+
+All-gather KV (`method` "allgather"): each rank keeps its own columns' queries, all-gathers
+the keys and values of every column (`_GatherColumns`; with GQA a tp rank's few KV heads,
+so few bytes) and runs attention of its queries against every key under a mask built from
+the columns' global order (the packed order when padding needs `Packing`, so each query sees
+exactly the keys it sees unsplit). The backward sums every rank's gradient of the gathered
+keys and values and keeps this rank's columns (a reduce-scatter; on gloo, which has none,
+an all-reduce and a slice). The columns stay contiguous (no zigzag): under the causal mask
+the last cp rank does the most work, (2 cp - 1) / cp^2 of a sequence's attention instead of
+1 / cp, and the cost model prices that imbalance (`StageCostModel.cp_attention_share`).
 
 Whole-sequence facts come from the whole mask, which every cp rank has (the batch is the
 replica's): RoPE positions count the real tokens before each column (`positions_from_mask`
@@ -46,6 +58,7 @@ from nereus.runtime.comm import collectives
 from nereus.runtime.model.attention import Packing, grouped_attention
 from nereus.runtime.model.transformer import Batch, positions_from_mask
 from nereus.runtime.state.sharded_state import even_split
+from nereus.spec.plan import CpMethod
 
 if TYPE_CHECKING:
     from nereus.runtime.model.losses import HeadOps, Objective
@@ -62,6 +75,9 @@ class ContextParallel:
     """This rank's index among them: it holds the rank-th run of columns."""
     group: Any = None
     """The torch process group of the cp ranks (None when size is 1)."""
+    method: CpMethod = "ulysses"
+    """How attention sees the whole sequence (`StagePlan.cp_method`): `ulysses` (all-to-all of
+    heads) or `allgather` (every rank gathers the keys and values of every column)."""
 
     @classmethod
     def single(cls) -> ContextParallel:
@@ -108,6 +124,8 @@ class SequenceSplit:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's columns: q [b, cols, heads, d], k/v [b, cols,
         kv heads, d] (RoPE applied) -> [b, cols, heads * d], over every column of the rows."""
+        if self.cp.method == "allgather":
+            return self._allgather_attention(q, k, v)
         heads, kv_heads = q.shape[2], k.shape[2]
         if kv_heads % self.cp.size:  # whole KV heads cannot be dealt out: one per query head
             k, v = (t.repeat_interleave(heads // kv_heads, dim=2) for t in (k, v))
@@ -120,6 +138,19 @@ class SequenceSplit:
         out = out.view(*out.shape[:2], heads // self.cp.size, -1)
         result: torch.Tensor = _HeadsToSequence.apply(out, self)
         return result.flatten(2)
+
+    def _allgather_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """This rank's queries against every column's keys and values (all-gathered), masked by
+        the columns' global order: the packed order when padding is packed, else the columns'."""
+        k, v = (_GatherColumns.apply(t, self) for t in (k, v))
+        seq = int(k.shape[1])
+        if self.packing is not None:
+            order = self.packing.restore.to(q.device)  # [b, seq] packed place of every column
+        else:
+            order = torch.arange(seq, device=q.device).unsqueeze(0)
+        start, stop = self.span
+        mask = order[:, None, start:stop, None] >= order[:, None, None, :]  # [b | 1, 1, cols, seq]
+        return grouped_attention(q, k, v, mask)
 
 
 def _sequence_to_heads(x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
@@ -172,6 +203,28 @@ class _HeadsToSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _sequence_to_heads(grad.contiguous(), ctx.split), None
+
+
+class _GatherColumns(torch.autograd.Function):
+    """x [b, this rank's columns, ...] -> [b, every column, ...] (all-gather in column order);
+    the backward sums the whole gradient over the cp ranks and keeps this rank's columns (the
+    reduce-scatter of the gathered tensor's gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+        ctx.split = split
+        return gather_columns(split.cp, x, split.lengths)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        split: SequenceSplit = ctx.split
+        cp, widest = split.cp, max(split.lengths)
+        padded = grad.new_zeros((cp.size, grad.shape[0], widest, *grad.shape[2:]))
+        for rank, piece in enumerate(grad.split(list(split.lengths), dim=1)):
+            padded[rank, :, : piece.shape[1]] = piece
+        mine = collectives.reduce_scatter(padded.view(-1), cp.group, cp.size, cp.rank)
+        own = mine.view(padded.shape[1:])[:, : split.lengths[cp.rank]]
+        return own.contiguous(), None
 
 
 class _PreviousColumn(torch.autograd.Function):

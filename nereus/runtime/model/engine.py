@@ -83,6 +83,7 @@ from nereus.runtime.state.shard_layout import (
 from nereus.runtime.state.sharded_state import dp_rows, even_split
 from nereus.spec.check import layout_problem
 from nereus.spec.model import Head, Model
+from nereus.spec.plan import CpMethod
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,9 @@ class EngineConfig:
     the gradients, fp32 masters and AdamW moments in host memory and steps there (ZeRO-1's
     sharding across dp x cp is implied); `params` also the parameters' shards (FSDP2's CPU
     offload: needs `full_shard` over dp x cp > 1)."""
+    cp_method: CpMethod = "ulysses"
+    """How attention sees the whole sequence when cp > 1 (`StagePlan.cp_method`,
+    `ContextParallel.method`)."""
     logit_chunk_tokens: int = LOGIT_CHUNK_TOKENS
     """Tokens per chunk of the LM head's log-probs and entropy in training and log-prob
     inference (`chunked_head`): at most one chunk's logits exist at a time."""
@@ -227,14 +231,14 @@ class Engine:
         problem = layout_problem(model, layout.tp, layout.pp)
         if problem:
             raise ValueError(f"layout tp={layout.tp} pp={layout.pp}: {problem}")
+        if layout.cp > 1 and layout.pp > 1:
+            raise ValueError(
+                f"layout cp={layout.cp} pp={layout.pp}: context parallelism runs with pp 1; set cp or pp to 1"
+            )
         config = config or EngineConfig()
         if layout.ep > 1:
             _check_expert_parallel(model, layout, config)
-        if layout.cp > 1:
-            if layout.pp > 1:
-                raise ValueError(
-                    f"layout cp={layout.cp} pp={layout.pp}: context parallelism runs with pp 1; set cp or pp to 1"
-                )
+        if layout.cp > 1 and config.cp_method == "ulysses":
             context_parallel.check_heads(model.num_heads, layout.tp, layout.cp)
         if config.train_offload == "params" and not (config.full_shard and layout.shards > 1):
             raise ValueError(
@@ -252,7 +256,7 @@ class Engine:
         world = dist.get_world_size()
         if not all(0 <= rank < world for rank in layout.ranks):
             raise ValueError(f"layout ranks {layout.ranks} are not all ranks of this {world}-rank world")
-        groups = build_groups(model, head, layout)
+        groups = build_groups(model, head, layout, config.cp_method)
         return None if groups is None else cls(model, head, groups, config)
 
     def _shard_fully(self) -> None:

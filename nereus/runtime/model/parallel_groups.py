@@ -19,6 +19,7 @@ from nereus.runtime.model.tensor_parallel import TensorParallel
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.check import layout_problem
 from nereus.spec.model import Head, Model
+from nereus.spec.plan import CpMethod
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,11 @@ class ParallelGroups:
     split the experts and the replica's sequences (`moe`)."""
 
 
-def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups | None:
-    """Create the layout's groups (collective: every world rank calls it, in the same order)."""
+def build_groups(
+    model: Model, head: Head, layout: RankLayout, cp_method: CpMethod = "ulysses"
+) -> ParallelGroups | None:
+    """Create the layout's groups (collective: every world rank calls it, in the same order);
+    `cp_method`: how the cp ranks' attention sees the whole sequence (`ContextParallel.method`)."""
     tp, pp, dp, cp, ep = layout.tp, layout.pp, layout.dp, layout.cp, layout.ep
     rank = dist.get_rank()
     coords = layout.coords(rank)
@@ -102,7 +106,7 @@ def build_groups(model: Model, head: Head, layout: RankLayout) -> ParallelGroups
         mine.get("pp"),
     )
     tensor = TensorParallel(tp, tp_rank, mine.get("tp"), _mesh(mine.get("tp")), _mesh(mine.get("kv")))
-    context = ContextParallel(cp, cp_rank, mine.get("cp"))
+    context = ContextParallel(cp, cp_rank, mine.get("cp"), cp_method)
     experts = ExpertParallel(ep, ep_rank, mine.get("ep"), _mesh(mine.get("ep")))
     shard_group = mine.get("shard") if dp > 1 and cp > 1 else mine.get("dp") if cp == 1 else mine.get("cp")
     return ParallelGroups(

@@ -97,6 +97,7 @@ def build_stages(plan: Plan, config: RLConfig) -> dict[str, ModelStageRuntime]:
             token_budget=entry.token_budget,
             offload=entry.offload,
             train_offload=entry.train_offload if entry.stage == "training" else "none",
+            cp_method=entry.cp_method,
         )
         model = plan.model(plan.workload.model_name(role))
         head = head_of(role)
