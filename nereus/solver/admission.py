@@ -261,8 +261,8 @@ def unexecutable_choices(plan: Plan) -> list[str]:
 def expert_parallel_problems(plan: Plan) -> list[str]:
     """Entries with ep > 1 the runtime does not execute: all of them while it runs no expert
     parallelism (`nereus.spec.capabilities.EXPERT_PARALLEL_EXECUTED`), else those that pair ep
-    with a memory choice its expert-parallel engine does not combine with yet (ZeRO-1, full
-    sharding, training-time offload, token budgets), each with the fix."""
+    with a memory choice its expert-parallel engine does not combine with yet (full sharding,
+    training-time offload, token budgets), each with the fix."""
     if not EXPERT_PARALLEL_EXECUTED:
         return [
             f"{entry.model_stage}: ep={entry.ep} (expert parallelism) is not executed by the runtime yet; "
@@ -273,8 +273,6 @@ def expert_parallel_problems(plan: Plan) -> list[str]:
     problems = []
     for entry in plan.stages:
         paired = {
-            "zero1": entry.stage == "training"
-            and (entry.zero1 if entry.zero1 is not None else plan.workload.optimizer.shard_across_dp),
             "full_shard": entry.full_shard,
             "train_offload": entry.train_offload != "none",
             "token_budget": entry.token_budget is not None,

@@ -156,7 +156,6 @@ def _check_expert_parallel(model: Model, layout: RankLayout, config: EngineConfi
     refused = {
         "cp > 1": layout.cp > 1,
         "full_shard": config.full_shard,
-        "ZeRO-1 (shard_across_dp)": config.shard_across_dp,
         f"train_offload {config.train_offload}": config.train_offload != "none",
         "token_budget (the ep ranks must run the same micro-batch count)": config.token_budget is not None,
     }
