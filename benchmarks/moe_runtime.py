@@ -12,11 +12,16 @@ every prompt (the `replicated` dispatch of inference and generation) and split t
 rows (all-to-all dispatch). The two layouts' steps alternate, step by step, so load falls on
 both alike. Reports per rank the median step time, each part's median, the state bytes each
 engine holds, the process's peak resident memory, and the largest difference between the two
-layouts' parameters after the steps (the logical results: target below 1e-5). The predicted
-peak per rank needs the cost model's ep pricing (the planner's MoE work); this file records
-the measured side only. Writes benchmarks/results/moe_runtime.json.
+layouts' parameters after the steps (the logical results: target below 1e-5).
 
-    .venv/bin/python benchmarks/moe_runtime.py [--steps 7] [--warmup 2]
+Predicted vs measured peak per rank (`--parts peaks`): one `nereus run` of two GRPO steps per
+layout of a larger Qwen3-MoE (`PEAK_MODEL`, ~26M parameters, so model state dominates the
+peak), every model-stage colocated on both ranks as memory_parity.py's `colocated-fp32` case,
+actor training at ep=2 (dp=1) or ep=1 (dp=2); memory_parity.py's `measured_rows` reads each
+(model-stage, rank)'s measured peak and the cost model's prediction from the last step's
+metrics (target: within 10%).
+
+    .venv/bin/python benchmarks/moe_runtime.py [--steps 7] [--warmup 2] [--parts steps,peaks]
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import resource
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -31,6 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _record import begin, write_result
+from memory_parity import TARGET, fixed_mmap_threshold, measured_rows, plan_document
 
 from nereus.runtime.comm import collectives
 from nereus.runtime.comm.spawn import spawn
@@ -44,6 +51,7 @@ from nereus.runtime.state.shard_layout import RankLayout, local_box, param_infos
 from nereus.runtime.state.sharded_state import even_split
 from nereus.spec.model import Model, MoE
 from nereus.spec.presets import MODELS
+from nereus.spec.stages import ACTOR_TRAINING
 
 RESULTS = Path(__file__).resolve().parent / "results" / "moe_runtime.json"
 TOLERANCE = 1e-5
@@ -57,6 +65,48 @@ MODEL: Model = MODELS["tiny"].model_copy(
 )
 LAYOUTS = {"ep1_dp2": RankLayout(1, 1, 2, (0, 1)), "ep2": RankLayout(1, 1, 1, (0, 1), ep=2)}
 PROMPT_LEN = 16
+#: The peak cases' model: 6 layers of hidden 384 (layer 1 dense), 8 experts of width 384, 2 per
+#: token, an 8000-token vocabulary; fp32 (~26M parameters, ~21M of them in the experts).
+PEAK_MODEL: Model = MODEL.model_copy(
+    update={
+        "name": "qwen3-moe-26m",
+        "num_layers": 6,
+        "hidden_dim": 384,
+        "num_heads": 6,
+        "num_kv_heads": 2,
+        "head_dim": 64,
+        "ffn_dim": 1024,
+        "vocab_size": 8000,
+        "moe": MoE(num_experts=8, experts_per_token=2, expert_ffn_dim=384, norm_topk_prob=True, dense_layers=[1]),
+    }
+)
+PEAK_NEW_TOKENS = 4
+
+
+def peak_plan(ep: int) -> dict[str, Any]:
+    """memory_parity.py's colocated fp32 GRPO plan on 2 ranks with `PEAK_MODEL`, actor training
+    at `ep` (ep=2: one replica over both ranks; ep=1: dp=2)."""
+    document = plan_document("colocated-fp32")
+    model = {"kind": "Model", **PEAK_MODEL.model_dump(mode="json")}
+    document["models"] = [model]
+    for role in ("actor", "reference", "reward"):
+        document["workload"][role] = PEAK_MODEL.name
+    training = document["stages"][-1]
+    assert training["model_stage"] == ACTOR_TRAINING
+    if ep > 1:
+        training.update({"dp": 1, "ep": ep, "emus": [[0, 1]]})
+    return document
+
+
+def peak_rows(root: Path) -> list[dict[str, Any]]:
+    """Predicted and measured peak per (layout, model-stage, rank) of one `nereus run` per layout."""
+    fixed_mmap_threshold()
+    rows = []
+    for ep in (2, 1):
+        layout = f"ep{ep}" if ep > 1 else "ep1_dp2"
+        found = measured_rows(peak_plan(ep), root / layout, PEAK_NEW_TOKENS)
+        rows += [{"layout": layout, **row} for row in found]
+    return rows
 
 
 def grpo_step(engine: Engine, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, float]:
@@ -155,32 +205,52 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument("--parts", default="steps,peaks", help="Comma-separated: steps, peaks.")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    if not parts or parts - {"steps", "peaks"}:
+        parser.error(f"--parts {args.parts}: choose from steps, peaks")
     started = begin()
-    rows = spawn(rank_main, 2, args)
-    for row in rows:
-        steps = ", ".join(f"{name} {s:.4f} s" for name, s in row["median_step_s"].items())
-        ratio = row["median_step_s"]["ep2"] / row["median_step_s"]["ep1_dp2"]
-        print(
-            f"rank {row['rank']}: {steps} (ep2 / ep1 {ratio:.2f}x); state bytes {row['state_bytes']}; "
-            f"parameters differ by at most {row['max_param_difference']:.2e}"
-        )
-    payload = {
-        "model": MODEL.model_dump(mode="json"),
-        "ranks": 2,
-        "threads_per_rank": 1,
-        "layouts": {name: {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep} for name, lay in LAYOUTS.items()},
-        "prompts": args.prompts,
-        "samples_per_prompt": args.samples,
-        "prompt_len": PROMPT_LEN,
-        "new_tokens": args.new_tokens,
-        "steps": args.steps,
-        "tolerance": TOLERANCE,
-        "identical_within_tolerance": all(row["max_param_difference"] < TOLERANCE for row in rows),
-        "predicted_peak_per_rank": None,
-        "rows": [{k: v for k, v in row.items() if k != "times_s"} for row in rows],
-    }
-    repetitions = {f"rank{row['rank']}/{name}_s": t for row in rows for name, t in row["times_s"].items()}
+    payload: dict[str, Any] = {"ranks": 2, "threads_per_rank": 1}
+    repetitions: dict[str, list[float]] = {}
+    if "steps" in parts:
+        rows = spawn(rank_main, 2, args)
+        for row in rows:
+            steps = ", ".join(f"{name} {s:.4f} s" for name, s in row["median_step_s"].items())
+            ratio = row["median_step_s"]["ep2"] / row["median_step_s"]["ep1_dp2"]
+            print(
+                f"rank {row['rank']}: {steps} (ep2 / ep1 {ratio:.2f}x); state bytes {row['state_bytes']}; "
+                f"parameters differ by at most {row['max_param_difference']:.2e}"
+            )
+        payload |= {
+            "model": MODEL.model_dump(mode="json"),
+            "layouts": {n: {"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "ep": lay.ep} for n, lay in LAYOUTS.items()},
+            "prompts": args.prompts,
+            "samples_per_prompt": args.samples,
+            "prompt_len": PROMPT_LEN,
+            "new_tokens": args.new_tokens,
+            "steps": args.steps,
+            "tolerance": TOLERANCE,
+            "identical_within_tolerance": all(row["max_param_difference"] < TOLERANCE for row in rows),
+            "rows": [{k: v for k, v in row.items() if k != "times_s"} for row in rows],
+        }
+        repetitions = {f"rank{row['rank']}/{name}_s": t for row in rows for name, t in row["times_s"].items()}
+    if "peaks" in parts:
+        with tempfile.TemporaryDirectory(prefix="nereus-moe-peaks-") as root:
+            peaks = peak_rows(Path(root))
+        print(f"{'layout':8} {'model-stage':22} rank {'predicted MB':>12} {'measured MB':>12} {'error':>7}")
+        for row in peaks:
+            if "model_stage" in row:
+                print(
+                    f"{row['layout']:8} {row['model_stage']:22} {row['rank']:4} {row['predicted_bytes'] / 1e6:12.1f} "
+                    f"{row['measured_bytes'] / 1e6:12.1f} {100 * row['error']:+6.1f}%"
+                )
+        payload |= {
+            "peak_model": PEAK_MODEL.model_dump(mode="json"),
+            "peak_target": TARGET,
+            "peaks_within_target": sum(bool(row.get("within_target")) for row in peaks),
+            "peak_rows": peaks,
+        }
     write_result(args.output, payload, started, repetitions=repetitions)
 
 

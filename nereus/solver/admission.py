@@ -208,6 +208,7 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
     problems += expert_parallel_problems(plan)
     problems += offload_problems(plan)
     problems += sft_problems(plan, config)
+    problems += router_aux_problems(plan, config)
     problems += memory_problems(plan, config)
     problems += kv_budget_problems(plan)
     problems += token_budget_problems(plan)
@@ -262,8 +263,8 @@ def unexecutable_choices(plan: Plan) -> list[str]:
 def expert_parallel_problems(plan: Plan) -> list[str]:
     """Entries with ep > 1 the runtime does not execute: all of them while it runs no expert
     parallelism (`nereus.spec.capabilities.EXPERT_PARALLEL_EXECUTED`), else those that pair ep
-    with a memory choice its expert-parallel engine does not combine with yet (ZeRO-1, full
-    sharding, training-time offload, token budgets), each with the fix."""
+    with a memory choice its expert-parallel engine does not combine with yet (full sharding,
+    training-time offload, token budgets), each with the fix."""
     if not EXPERT_PARALLEL_EXECUTED:
         return [
             f"{entry.model_stage}: ep={entry.ep} (expert parallelism) is not executed by the runtime yet; "
@@ -274,8 +275,6 @@ def expert_parallel_problems(plan: Plan) -> list[str]:
     problems = []
     for entry in plan.stages:
         paired = {
-            "zero1": entry.stage == "training"
-            and (entry.zero1 if entry.zero1 is not None else plan.workload.optimizer.shard_across_dp),
             "full_shard": entry.full_shard,
             "train_offload": entry.train_offload != "none",
             "token_budget": entry.token_budget is not None,
@@ -309,6 +308,22 @@ def sft_problems(plan: Plan, config: RLConfig) -> list[str]:
             f"rl.sft_batch: {config.sft_batch} demonstrations over {ACTOR_TRAINING}'s dp={entry.dp} cannot fill "
             f"micro_batches={entry.micro_batches}; raise sft_batch to at least {entry.dp * entry.micro_batches}"
         ]
+    return []
+
+
+def router_aux_problems(plan: Plan, config: RLConfig) -> list[str]:
+    """Why `rl.router_aux_loss_coef` > 0 cannot run: a dense actor (no router), or an actor
+    training layout with pipeline or context parallelism (the loss pools every MoE layer)."""
+    if config.router_aux_loss_coef <= 0:
+        return []
+    entry = plan.stage_plan(ACTOR_TRAINING)
+    model = plan.model(plan.workload.model_name(entry.role))
+    if model.moe is None:
+        return [f"rl.router_aux_loss_coef: {config.router_aux_loss_coef} needs a mixture-of-experts actor; "
+                f"model {model.name} is dense, set it to 0"]  # fmt: skip
+    if entry.pp > 1 or entry.cp > 1:
+        return [f"rl.router_aux_loss_coef: runs with {ACTOR_TRAINING} pp=1 and cp=1, the plan has pp={entry.pp} "
+                f"cp={entry.cp}; replan with pp and cp 1 or set it to 0"]  # fmt: skip
     return []
 
 

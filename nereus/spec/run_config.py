@@ -130,6 +130,13 @@ class RLConfig(StrictModel):
     engine's over the sampled sequences (nereus's own engine; not the fused rollout's or
     vLLM's). Either way a MoE run records the share of tokens the trainer would route
     elsewhere (`routing_mismatch` in metrics.jsonl)."""
+    router_aux_loss_coef: float = Field(default=0.0, ge=0)
+    """Mixture-of-experts actors: the weight of the router's auxiliary load-balancing loss
+    (Switch Transformer's; transformers' `router_aux_loss_coef` with `output_router_logits`)
+    in the actor's training loss: coef x the loss of each training forward (pooled over the
+    MoE layers as transformers pools them), the mean over micro-batches and data-parallel
+    ranks; recorded per step (`router_aux_loss` in metrics.jsonl). 0: off. Refused above 0 on
+    a dense model and with pp or cp above 1 in actor training."""
     tis_cap: float = Field(default=2.0, ge=1)
     """`tis`: the largest importance weight a token gets (verl's `tis_imp_ratio_cap`);
     `off_policy_correction: decoupled`: the largest weight a token keeps (AReaL's

@@ -163,6 +163,10 @@ class StepMetrics(StepTimes):
     """Mixture-of-experts actors: the share of (real token, MoE layer) pairs, prompts and
     responses, the trainer's own router sends to other experts than the rollout did
     (`moe.routing_mismatch`; None for a dense model or a rollout whose routing is not recorded)."""
+    router_aux_loss: float | None = None
+    """`rl.router_aux_loss_coef` > 0: the router's auxiliary load-balancing loss (unweighted) of
+    the actor's last update of the step, the mean over its micro-batches and data-parallel ranks
+    (None without the term; seen by the ranks that train the actor)."""
 
 
 @dataclass(frozen=True)

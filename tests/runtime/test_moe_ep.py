@@ -31,7 +31,7 @@ from nereus.runtime.model.losses import NextTokenLoss
 from nereus.runtime.state.checkpoint import load_checkpoint, save_checkpoint
 from nereus.runtime.state.reshard import execute
 from nereus.runtime.state.reshard_plan import plan_reshard
-from nereus.runtime.state.shard_layout import STATE_FAMILIES, RankLayout
+from nereus.runtime.state.shard_layout import STATE_FAMILIES, RankLayout, state_key
 from nereus.runtime.state.sharded_state import cut, gather, random_logical_state, state_meta
 from nereus.spec.model import Model, MoE
 from nereus.spec.presets import MODELS
@@ -49,9 +49,24 @@ TINY_MOE: Model = MODELS["tiny"].model_copy(
 )
 #: (tp, pp, dp, ep) with ep = 2, every one on 4 ranks or fewer; ep = 1 as the control.
 LAYOUTS = [(1, 1, 1, 1), (1, 1, 1, 2), (2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 2), (1, 1, 1, 4)]
-#: Memory choices with ep = 2 checked like the layouts (none yet besides the defaults: ZeRO-1,
-#: full sharding, training-time offload and token budgets are refused with ep > 1).
-CONFIGS: dict[str, tuple[tuple[int, int, int, int], EngineConfig]] = {}
+#: Memory choices with ep = 2 checked like the layouts: ZeRO-1 with dp = 2 and dp = 1 (full
+#: sharding, training-time offload and token budgets are refused with ep > 1).
+CONFIGS: dict[str, tuple[tuple[int, int, int, int], EngineConfig]] = {
+    "zero1 dp=2 ep=2": ((1, 1, 2, 2), EngineConfig(optimizer=OPTIMIZER, shard_across_dp=True)),
+    "zero1 dp=1 ep=2": ((1, 1, 1, 2), EngineConfig(optimizer=OPTIMIZER, shard_across_dp=True)),
+}
+
+
+def reduced_grads(engine: Engine) -> dict[str, torch.Tensor]:
+    """Every gradient this rank holds, reduced whole: the live ones, or under ZeRO-1 (which sums
+    each replica's rows over dp x cp only into that replica, the other rows keeping its own
+    contribution) each replica's reduced rows gathered from it (collective over dp x cp)."""
+    state = engine.whole_state(["grad"])
+    if not engine.zero1:
+        return state
+    whole = {name: state[state_key("grad", name)].clone() for name in engine.params}
+    engine._all_gather_rows(whole)
+    return {state_key("grad", name): grad for name, grad in whole.items()}
 
 
 def check_layout(
@@ -78,8 +93,7 @@ def check_layout(
         loss = engine.forward_backward(batch, NextTokenLoss(), num_microbatches)
         if step == 0:
             errors["loss"] = abs(loss - ref["loss"])
-            # whole_state: a split family's rows gathered over dp (ZeRO-1), else the live state
-            errors["grad"] = _max_error(engine.whole_state(["grad"]), "grad", ref["grads"], shard_of)
+            errors["grad"] = _max_error(reduced_grads(engine), "grad", ref["grads"], shard_of)
             errors["grad norm"] = abs(global_grad_norm(engine) - ref["grad_norm"])
         engine.update()
     state = engine.whole_state(["param", "exp_avg", "exp_avg_sq"])
@@ -184,7 +198,6 @@ def test_the_reference_uses_every_expert() -> None:
     [
         ((1, 1, 1, 3), EngineConfig(), "ep=3 does not divide the 4 experts"),
         ((1, 1, 2, 2), EngineConfig(full_shard=True), "without full_shard"),
-        ((1, 1, 2, 2), EngineConfig(shard_across_dp=True), "without ZeRO-1"),
         ((1, 1, 1, 2), EngineConfig(token_budget=64), "without token_budget"),
         ((1, 1, 1, 2), EngineConfig(train_offload="optimizer"), "without train_offload optimizer"),
     ],
@@ -201,6 +214,21 @@ def test_unexecuted_expert_layouts_are_refused_by_name(
         Engine.create(MODELS["tiny"], "lm", dense)
 
 
+def layout(dims: tuple[int, int, int, int], first: int) -> RankLayout:
+    """The (tp, pp, dp, ep) layout on consecutive ranks from `first`."""
+    tp, pp, dp, ep = dims
+    return RankLayout(tp, pp, dp, tuple(range(first, first + tp * pp * dp * ep)), ep=ep)
+
+
+def assert_loads_bitwise(tmp_path, source, logical: dict[str, torch.Tensor], target: RankLayout) -> None:
+    """`logical` cut as `source` lays it out, saved, loaded into `target` and gathered: the same."""
+    save_checkpoint(tmp_path / "ckpt", source, {rank: cut(source, logical, rank) for rank in source.layout.ranks}, 9)
+    loaded = {rank: load_checkpoint(tmp_path / "ckpt", target, rank) for rank in target.ranks}
+    back = gather(loaded[target.ranks[0]].meta, {rank: state.tensors for rank, state in loaded.items()})
+    assert back.keys() == logical.keys()
+    assert all(torch.equal(back[key], logical[key]) for key in logical)
+
+
 @pytest.mark.parametrize(
     ("saved_dims", "loaded_dims"),
     [
@@ -214,17 +242,18 @@ def test_a_checkpoint_saved_at_one_ep_loads_bitwise_at_another(tmp_path, saved_d
     """Resume with another ep: the saved experts' blocks and the ep ranks' shared copies load
     into any layout bitwise (each distinct box stored once)."""
 
-    def layout(dims: tuple[int, int, int, int], first: int) -> RankLayout:
-        tp, pp, dp, ep = dims
-        return RankLayout(tp, pp, dp, tuple(range(first, first + tp * pp * dp * ep)), ep=ep)
-
     source = state_meta(TINY_MOE, "lm", layout(saved_dims, 0), STATE_FAMILIES)
     logical = random_logical_state(source, 3)
     experts = source.rank_boxes(0)["param/layers.0.mlp.experts.gate_proj"]
     assert experts[0] == (0, 4 // saved_dims[3])  # ep rank 0 holds the first block of experts
-    save_checkpoint(tmp_path / "ckpt", source, {rank: cut(source, logical, rank) for rank in source.layout.ranks}, 9)
-    target = layout(loaded_dims, 3)
-    loaded = {rank: load_checkpoint(tmp_path / "ckpt", target, rank) for rank in target.ranks}
-    back = gather(loaded[target.ranks[0]].meta, {rank: state.tensors for rank, state in loaded.items()})
-    assert back.keys() == logical.keys()
-    assert all(torch.equal(back[key], logical[key]) for key in logical)
+    assert_loads_bitwise(tmp_path, source, logical, layout(loaded_dims, 3))
+
+
+@pytest.mark.parametrize(("saved_dims", "loaded_dims"), [((1, 1, 2, 2), (1, 1, 1, 1)), ((1, 1, 1, 1), (1, 1, 2, 2))])
+def test_a_zero1_checkpoint_with_ep_loads_bitwise_at_another_ep(tmp_path, saved_dims, loaded_dims) -> None:
+    """ZeRO-1 with ep = 2: the AdamW moments split over dp inside each ep rank's boxes (experts
+    and shared copies alike) save and load into another ep, and back, bitwise."""
+    zero1 = ("exp_avg", "exp_avg_sq")
+
+    source = state_meta(TINY_MOE, "lm", layout(saved_dims, 0), STATE_FAMILIES, dp_sharded=zero1)
+    assert_loads_bitwise(tmp_path, source, random_logical_state(source, 5), layout(loaded_dims, 4))

@@ -10,6 +10,7 @@ can fail)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from nereus.runtime.generation.generate import SamplingConfig, generate  # noqa:
 from nereus.runtime.hf.files import check_weights  # noqa: E402
 from nereus.runtime.hf.load import as_hf_state, load_engine, read_logical  # noqa: E402
 from nereus.runtime.model.engine import Engine  # noqa: E402
+from nereus.runtime.model.losses import NextTokenLoss  # noqa: E402
 from nereus.runtime.model.moe import Routes, load_balancing_loss, route  # noqa: E402
 from nereus.runtime.model.parallel_groups import admissible_layouts  # noqa: E402
 from nereus.runtime.model.transformer import Batch, ReferenceModel  # noqa: E402
@@ -227,3 +229,68 @@ def test_the_auxiliary_loss_is_transformers(cases: dict[str, Any]) -> None:
     assert torch.allclose(masked, load_balancing_loss_func(tuple(layers), 8, 2, mask.long()), atol=1e-7, rtol=1e-6)
     masked.backward()
     assert ref.param("layers.0.mlp.router.weight").grad is not None
+
+
+@dataclass(frozen=True)
+class CrossEntropyWithAux(NextTokenLoss):
+    """The language-model loss with the router's auxiliary loss (`rl.router_aux_loss_coef`)."""
+
+    router_aux_loss_coef: float = 0.0
+
+
+AUX_COEF = 0.5
+
+
+def predicted_tokens(mask: torch.Tensor) -> torch.Tensor:
+    """The real tokens after a real token (a left-padded row's first token follows a pad)."""
+    return torch.nn.functional.pad(mask[:, 1:] & mask[:, :-1], (1, 0))
+
+
+def aux_worker(rank: int, world: int, folder: Path, coef: float) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model = model_from_hf_config(folder)
+    engine = Engine.create(model, "lm", RankLayout(1, 1, 1, (0,)))
+    assert engine is not None
+    assert load_engine(engine, folder) == []
+    tokens, mask = inputs()
+    engine.zero_grad()
+    batch = Batch(tokens, mask, {"loss_mask": predicted_tokens(mask)})
+    loss = engine.forward_backward(batch, CrossEntropyWithAux(coef))
+    routers = {name: param.grad.clone() for name, param in engine.params.items() if name.endswith("router.weight")}
+    return {"loss": loss, "routers": routers, "aux": list(engine.router_aux_losses)}
+
+
+def transformers_loss_with_aux(folder: Path, coef: float) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """transformers' `Qwen3MoeForCausalLM` with `output_router_logits`: the mean next-token
+    cross-entropy over real tokens plus coef x its `aux_loss`; the routers' gradients by layer."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, router_aux_loss_coef=coef, output_router_logits=True
+    )
+    tokens, mask = inputs()
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=tokens, attention_mask=mask.long(), position_ids=positions)
+    log_probs = out.logits[:, :-1].log_softmax(-1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    weights = predicted_tokens(mask)[:, 1:].float()
+    loss = -(log_probs * weights).sum() / weights.sum() + coef * out.aux_loss
+    loss.backward()
+    grads = {i: layer.mlp.gate.weight.grad for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")}
+    return loss.detach(), grads
+
+
+@pytest.mark.one_rank
+@pytest.mark.multiprocess
+def test_the_auxiliary_loss_option_trains_the_router_as_transformers_does(cases: dict[str, Any]) -> None:
+    folder = cases["moe-norm"][0]
+    expected_loss, expected_grads = transformers_loss_with_aux(folder, AUX_COEF)
+    (ours,) = spawn(aux_worker, 1, folder, AUX_COEF)
+    (plain,) = spawn(aux_worker, 1, folder, 0.0)
+    assert abs(ours["loss"] - float(expected_loss)) < 1e-5
+    assert len(ours["aux"]) == 1 and plain["aux"] == []
+    assert sorted(expected_grads) == [0, 2, 3]
+    for layer, grad in expected_grads.items():
+        name = f"layers.{layer}.mlp.router.weight"
+        assert torch.allclose(ours["routers"][name], grad, atol=1e-5), name
+        # the term changes the router's gradient (so the comparison can fail)
+        assert (plain["routers"][name] - grad).abs().max() > 1e-3, name
+    _, without = transformers_loss_with_aux(folder, 0.0)
+    assert torch.allclose(plain["routers"]["layers.0.mlp.router.weight"], without[0], atol=1e-5)

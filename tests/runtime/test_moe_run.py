@@ -175,3 +175,18 @@ def _close(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return abs(a - b) <= 1e-5 * max(1.0, abs(a))
     return bool(a == b)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_the_router_aux_loss_option_is_recorded_every_step(tmp_path: Path) -> None:
+    """`rl.router_aux_loss_coef` > 0: every step records the router's load-balancing loss (a
+    positive number: its value is experts_per_token under perfectly balanced routing)."""
+    moe_folder(tmp_path)
+    rl = {"task": "sort", "seed": 3, "max_new_tokens": 4, "log_samples": 6, "router_aux_loss_coef": 0.01}
+    config = write_config(tmp_path, rl=rl)
+    result = invoke("run", config, "--nproc", "2", "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    metrics = read_metrics(tmp_path / "run")
+    assert len(metrics) == 2
+    assert all(isinstance(r["router_aux_loss"], float) and r["router_aux_loss"] > 0 for r in metrics), metrics

@@ -101,8 +101,8 @@ def test_nereus_check_refuses_bad_ep_in_one_line(
 
 @pytest.mark.logic
 def test_the_runtime_takes_ep_without_the_choices_it_does_not_pair_with() -> None:
-    """The runtime executes expert parallelism (`EXPERT_PARALLEL_EXECUTED`) but not beside ZeRO-1,
-    full sharding, training-time offload or token budgets: such an entry is refused in one line
+    """The runtime executes expert parallelism (`EXPERT_PARALLEL_EXECUTED`), with ZeRO-1, but not
+    beside full sharding, training-time offload or token budgets: such an entry is refused in one line
     naming the choice; a run planning for itself keeps ep = 1."""
     from nereus.solver.admission import expert_parallel_problems
     from nereus.solver.layouts import RUNTIME_CHOICES
@@ -115,8 +115,31 @@ def test_the_runtime_takes_ep_without_the_choices_it_does_not_pair_with() -> Non
     zero1 = document_from_data(
         _plan_data(EXPERTS, tp=1, pp=2, ep=2, dp=1, emus=[[0, 1, 2, 3]], zero1=True), "plan.yaml"
     )
-    assert expert_parallel_problems(zero1) == [  # type: ignore[arg-type]
-        "actor/training: ep=2 with zero1: the runtime's expert parallelism runs without zero1 for now; replan "
-        "with `nereus plan --expert-parallel off` or drop zero1"
+    assert expert_parallel_problems(zero1) == []  # type: ignore[arg-type]
+    full_shard = document_from_data(
+        _plan_data(EXPERTS, tp=1, pp=2, ep=2, dp=1, emus=[[0, 1, 2, 3]], full_shard=True), "plan.yaml"
+    )
+    assert expert_parallel_problems(full_shard) == [  # type: ignore[arg-type]
+        "actor/training: ep=2 with full_shard: the runtime's expert parallelism runs without full_shard for now; "
+        "replan with `nereus plan --expert-parallel off` or drop full_shard"
     ]
     assert MoE(**EXPERTS).num_experts == 4
+
+
+@pytest.mark.logic
+def test_the_router_aux_loss_is_refused_on_a_dense_actor_and_with_pipeline_stages() -> None:
+    from nereus.solver.admission import router_aux_problems
+    from nereus.spec.run_config import RLConfig
+
+    on, off = RLConfig(router_aux_loss_coef=0.01), RLConfig()
+    moe = document_from_data(_plan_data(EXPERTS, tp=1, pp=1, ep=2, dp=1, emus=[[0, 1]]), "plan.yaml")
+    dense = document_from_data(_plan_data(None, tp=1, pp=1, dp=1, emus=[[0]]), "plan.yaml")
+    staged = document_from_data(_plan_data(EXPERTS, tp=1, pp=2, ep=2, dp=1, emus=[[0, 1, 2, 3]]), "plan.yaml")
+    assert router_aux_problems(moe, on) == [] and router_aux_problems(dense, off) == []  # type: ignore[arg-type]
+    assert router_aux_problems(dense, on) == [  # type: ignore[arg-type]
+        "rl.router_aux_loss_coef: 0.01 needs a mixture-of-experts actor; model tiny is dense, set it to 0"
+    ]
+    assert router_aux_problems(staged, on) == [  # type: ignore[arg-type]
+        "rl.router_aux_loss_coef: runs with actor/training pp=1 and cp=1, the plan has pp=2 cp=1; replan with pp "
+        "and cp 1 or set it to 0"
+    ]

@@ -56,7 +56,7 @@ from nereus.runtime.model.grad_norm import counted_params
 from nereus.runtime.model.initialization import box_slice, init_logical_param, shard_params
 from nereus.runtime.model.losses import Objective, next_token_log_probs
 from nereus.runtime.model.micro_batches import split_micro_batches
-from nereus.runtime.model.moe import ROUTES_FIELD, Dispatch, Routes, sparse_layers
+from nereus.runtime.model.moe import ROUTES_FIELD, Dispatch, Routes, load_balancing_loss, sparse_layers
 from nereus.runtime.model.offload import Parking, Slot
 from nereus.runtime.model.parallel_groups import ParallelGroups, build_groups
 from nereus.runtime.model.pipeline import (
@@ -160,7 +160,6 @@ def _check_expert_parallel(model: Model, layout: RankLayout, config: EngineConfi
     refused = {
         "cp > 1": layout.cp > 1,
         "full_shard": config.full_shard,
-        "ZeRO-1 (shard_across_dp)": config.shard_across_dp,
         f"train_offload {config.train_offload}": config.train_offload != "none",
         "token_budget (the ep ranks must run the same micro-batch count)": config.token_budget is not None,
     }
@@ -177,6 +176,11 @@ class Engine:
         self.head = head
         self.groups = groups
         self.config = config
+        self.router_aux_losses: list[float] = []
+        """This rank's router auxiliary loss of each micro-batch of the last `forward_backward`
+        (unweighted; empty unless the objective has a `router_aux_loss_coef`)."""
+        self.router_aux_loss: float | None = None
+        """The mean of those over every data-parallel rank (dp x ep; None without the term)."""
         self.device = rank_device()
         layout = groups.layout
         self.pipeline_stage = DecoderPipelineStage(
@@ -650,17 +654,26 @@ class Engine:
             raise ValueError(f"schedule has {len(op_lists)} stage op lists, the layout has pp={pp}")
         check_op_lists(op_lists, len(parts), backward=True)
 
+        aux_share = self._router_aux_share(objective, len(parts))
+        self.router_aux_losses = []
+
         def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
             part = parts[mb]
+            routes = None if aux_share == 0 else Routes(keep_logits=True)
 
             def loss(output: torch.Tensor) -> torch.Tensor:
                 weights = objective.weights(part).to(self.device)
                 if self.groups.cp.size > 1:  # this rank's columns' share of the loss
                     cp, stage = self.groups.cp, self.pipeline_stage
                     return context_parallel.chunk_loss(cp, objective, output, part, weights, normalizer, stage)
-                return (objective.token_losses(output, part, self.pipeline_stage) * weights).sum() / normalizer
+                value = (objective.token_losses(output, part, self.pipeline_stage) * weights).sum() / normalizer
+                if routes is None:
+                    return value
+                aux = self._router_aux_loss(routes, part)
+                self.router_aux_losses.append(float(aux.detach()))
+                return value + aux_share * aux
 
-            return self._stage_forward(part, stage_input, loss)
+            return self._stage_forward(part, stage_input, loss, routes=routes)
 
         # Reduce only this call's gradient: gradients already held were reduced by earlier calls.
         self.wake()
@@ -671,6 +684,35 @@ class Engine:
                 grad.zero_()
         self.zero_grad()
         return TrainingJob(op_lists[self.groups.pp_rank], step, self._hidden_shape(parts), earlier)
+
+    def _router_aux_share(self, objective: Objective, num_parts: int) -> float:
+        """The weight of each micro-batch's router auxiliary loss in the step loss: the
+        objective's `router_aux_loss_coef` over the micro-batches of every data-parallel rank
+        (dp x ep), so the step adds coef x their mean; 0 without one."""
+        coef = float(getattr(objective, "router_aux_loss_coef", 0.0))
+        if coef == 0:
+            return 0.0
+        if self.model.moe is None:
+            raise ValueError(
+                f"rl.router_aux_loss_coef is {coef}: model {self.model.name} is dense (no router); set it to 0"
+            )
+        if self.groups.layout.pp > 1 or self.groups.cp.size > 1:
+            raise ValueError(
+                "rl.router_aux_loss_coef > 0 runs with pp = 1 and cp = 1 (the loss pools every MoE layer's "
+                f"tokens), the actor's training layout has pp={self.groups.layout.pp} cp={self.groups.cp.size}"
+            )
+        return coef / (num_parts * self.groups.layout.dp * self.groups.ep.size)
+
+    def _router_aux_loss(self, routes: Routes, part: Batch) -> torch.Tensor:
+        """transformers' load-balancing loss of one micro-batch's forward (`moe.load_balancing_loss`
+        over every MoE layer's router logits, real tokens only, as `Qwen3MoeForCausalLM` with
+        `output_router_logits` computes it)."""
+        moe = self.model.moe
+        assert moe is not None
+        logits = [routes.router_logits[layer] for layer in sparse_layers(self.model)]
+        flat = [layer.reshape(-1, layer.shape[-1]) for layer in logits]
+        mask = part.mask().to(self.device).reshape(-1).bool()
+        return load_balancing_loss(flat, moe.num_experts, moe.experts_per_token, mask)
 
     def finish_forward_backward(self, job: TrainingJob, outputs: Mapping[int, torch.Tensor]) -> float:
         """The second half of `forward_backward` once `job`'s ops ran (collective over the
@@ -687,6 +729,13 @@ class Engine:
                 held = self._held_grad(name)
                 assert held is not None
                 held.add_(local(grad))
+        self.router_aux_loss = None
+        if self.router_aux_losses:  # pp = 1 and cp = 1 (`_router_aux_share`): every rank has its own
+            aux = torch.tensor(sum(self.router_aux_losses) / len(self.router_aux_losses), device=self.device)
+            for group in (self.groups.dp_group, self.groups.ep.group):
+                if group is not None:
+                    collectives.all_reduce(aux, group)
+            self.router_aux_loss = float(aux) / (self.groups.layout.dp * self.groups.ep.size)
         loss = torch.zeros((), device=self.device)
         if self.pipeline_stage.is_last:
             loss = torch.stack(list(outputs.values())).sum()

@@ -83,6 +83,11 @@ class PolicyObjective:
     in update.py); `none`: no weight."""
     correction_cap: float = 2.0
     """The weight's cap under `tis` and `decoupled` (`rl.tis_cap`)."""
+    router_aux_loss_coef: float = 0.0
+    """Mixture-of-experts actors: the weight of the router's auxiliary load-balancing loss
+    (transformers' `router_aux_loss_coef`), added by the engine to the step loss as coef x the
+    mean over the micro-batches of each one's forward's loss (`Engine._router_aux_share`);
+    0 disables it (`rl.router_aux_loss_coef`)."""
 
     def weights(self, batch: Batch) -> torch.Tensor:
         return aggregation_weights(batch, self.loss_agg)

@@ -159,6 +159,9 @@ class Trained:
             metrics = dataclasses.replace(metrics, rollout_log_prob_diff_mean=mean, rollout_log_prob_diff_max=largest)
         if self.routing_mismatch is not None:
             metrics = dataclasses.replace(metrics, routing_mismatch=self.routing_mismatch)
+        actor = stages.get(ACTOR_TRAINING)
+        if actor is not None and actor.engine is not None and actor.engine.router_aux_loss is not None:
+            metrics = dataclasses.replace(metrics, router_aux_loss=actor.engine.router_aux_loss)
         return metrics
 
 

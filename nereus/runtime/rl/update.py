@@ -136,7 +136,7 @@ def run_training(
     kl_loss_coef = 0.0 if workload.algorithm == "ppo" else config.kl_loss_coef
     objective = PolicyObjective(
         config.clip_eps, kl_loss_coef, config.entropy_coef, config.loss_agg_mode, current_as_old, correction,
-        config.tis_cap,
+        config.tis_cap, config.router_aux_loss_coef,
     )  # fmt: skip
     actor_batch = Batch(batch.tokens, batch.attention_mask, {**batch.fields, **fields})
     critic = stages.get(CRITIC_TRAINING)
