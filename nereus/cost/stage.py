@@ -31,7 +31,8 @@ The formulas, per GPU of the busiest pipeline stage:
   is the larger of the head's backward (activations, one logits chunk, the head's weight
   gradient) and the backward's end (every gradient and a tied embedding's copies), not their
   sum (`_one_pass_terms`; measured on CPU ranks, docs/memory.md). With more micro-batches the
-  earlier ones' gradients are held beside the later ones' activations: the terms add up.
+  earlier ones' gradients are held beside the later ones' activations, and full recompute
+  peaks in the backward (a rerun layer beside nearly every gradient): the terms add up.
 * token-budget micro-batches (`token_budget` > 0 tokens): a micro-batch is packed to at
   most that many tokens, so activations are sized by the budget rather than by rows of
   the maximum length (verl's `ppo_max_token_len_per_gpu`).
@@ -374,7 +375,13 @@ class StageCostModel:
             rerun = np.where(np.equal(recompute, RECOMPUTE_FULL), np.maximum(full - logits, 0.0), 0.0)
             terms["activations"] = kept * (m.num_layers / pp) * in_flight + rerun
             kept_bytes = kept * (m.num_layers / pp)
-            single = (np.asarray(micro_batches) == 1) & (np.asarray(token_budget) == 0)
+            # Full recompute peaks in the backward (a rerun layer's working set and its gradients
+            # beside nearly every gradient), where the terms' sum holds: no one-pass saving there.
+            single = (
+                (np.asarray(micro_batches) == 1)
+                & (np.asarray(token_budget) == 0)
+                & ~np.equal(recompute, RECOMPUTE_FULL)
+            )
         elif self.stage == "inference":
             rows = self.micro_batch_size(dp, micro_batches) / cp  # a cp rank's share of the rows' tokens
             terms["activations"] = KORTHIKANTI_BYTES_PER_SBH * max_len * rows * m.hidden_dim / tp * self.dtype_bytes / 2
@@ -386,29 +393,28 @@ class StageCostModel:
         if self.stage == "training":
             terms["tied_gradients"] = self.tied_gradient_bytes(tp, pp)
             if _uses(single):
-                rerun_set = np.where(np.equal(recompute, RECOMPUTE_FULL), full, 0.0)
                 own_head = np.asarray(full_shard, bool) | (np.asarray(train_offload) > 0)
                 head_grad = np.where(own_head, 0.0, self.head_gradient_bytes(tp))
-                self._one_pass_terms(terms, single, kept_bytes, head_grad, rerun_set)
+                self._one_pass_terms(terms, single, kept_bytes, head_grad)
         return terms
 
     @staticmethod
-    def _one_pass_terms(terms: dict[str, Array], single: Array, kept: Array, head_grad: Array, rerun: Array) -> None:
+    def _one_pass_terms(terms: dict[str, Array], single: Array, kept: Array, head_grad: Array) -> None:
         """Training's transient terms where a rank runs one micro-batch (`single`): the engine
         sets the gradients to None before it (`Engine.zero_grad`), so the forward's activations
         and the head's logits chunk and weight gradient are held before any other gradient
         exists, and the layers' gradients take the room their activations free in the backward.
         The peak is the larger of the head's backward (kept activations + logits + the head's
-        gradient) and the backward's end (every gradient + the tied sum's copies, or a rerun
-        layer's working set under full recompute, which come one after the other), not their
+        gradient) and the backward's end (every gradient + the tied sum's copies), not their
         sum. The `gradients` term stays whole (resident after the step, beside the next step's
         other model-stages), so the other terms carry what the peak holds above it: at the head,
-        the logits and the activations beyond the gradients' room; at the end, the tied copies
-        (and the rerun's excess over them). With more micro-batches the gradients of the earlier
-        ones are held throughout: the terms stay summed."""
+        the logits and the activations beyond the gradients' room; at the end, the tied copies.
+        With more micro-batches the gradients of the earlier ones are held throughout, and under
+        full recompute the peak is in the backward (a rerun layer beside nearly every
+        gradient): there the terms stay summed."""
         gradients, logits, tied = terms["gradients"], terms.get("logits", 0.0), terms["tied_gradients"]
         head = kept + logits + head_grad
-        end = gradients + np.maximum(tied, rerun)
+        end = gradients + tied
         above = np.maximum(head, end) - gradients
         at_head = head >= end
         held_logits = np.where(at_head, np.minimum(logits, above), 0.0)
