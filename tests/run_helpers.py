@@ -111,3 +111,33 @@ def wait_for(condition: Any, timeout: float) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.05)
+
+
+def kill_async_run_after_step_two_and_resume(
+    config: Path, tmp_path: Path, batch: int, handed_over: bool = False
+) -> Path:
+    """Start the async run of `config` (k = 1, `batch` samples a batch) held after its step-2
+    checkpoint, check the checkpoint's queue holds batch 3 generated at version 1, SIGKILL its
+    process group mid-queue, then `nereus run --resume` it; its run folder. `handed_over`: batch 3
+    also waits in the hand-off folder at the kill."""
+    import json
+
+    from nereus.runtime.run.checkpoints import checkpoint_problem
+    from nereus.spec.run_folder import read_metrics
+    from tests.cli_helpers import invoke
+
+    out, hold = tmp_path / "out", tmp_path / "hold"
+    process = start_run(config, "--out", out, hold=(3, hold))
+    wait_until_held(hold, 2)  # after the step-2 checkpoint; batch 3 generated, in the hand-off folder
+    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
+    assert not handed_over or (out / "async" / "batch-000003.json").is_file()
+    queued = json.loads((out / "checkpoints" / "step-000002" / "queue.json").read_text())
+    assert [(s["index"], s["version"]) for s in queued["samples"]] == [(i, 1) for i in range(2 * batch, 3 * batch)]
+    ranks = rank_pids(process.pid)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate(timeout=120)  # a killed group exits at once; 120 s only bounds a hang
+    wait_for(lambda: not any(alive(pid) for pid in ranks), 60)
+    assert checkpoint_problem(out / "checkpoints" / "step-000002") is None
+    resumed = invoke("run", "--resume", out)
+    assert resumed.exit_code == 0, resumed.output
+    return out

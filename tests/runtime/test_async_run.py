@@ -14,19 +14,16 @@ rank 1, training on rank 0 (tests/data/plan-tiny-grpo-async-2rank.yaml, from `ne
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from nereus.runtime.run.checkpoints import checkpoint_problem
 from nereus.spec.run_folder import read_metrics
 from tests.cli_helpers import invoke, one_error_line
-from tests.run_helpers import DATA, TIMING_FIELDS, alive, rank_pids, start_run, wait_for, wait_until_held
+from tests.run_helpers import DATA, TIMING_FIELDS, kill_async_run_after_step_two_and_resume
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,7 +45,6 @@ TRAINING_FIELDS = (
     "grad_norm",
     "lr",
 )
-EXIT_BOUND_S = 120.0
 
 
 def write_run(folder: Path, num_steps: int, **workload: Any) -> Path:
@@ -142,20 +138,7 @@ def test_k1_trains_each_batch_one_version_behind_in_stream_order(one_step_off: P
 
 def test_sigkill_mid_queue_and_resume_lose_and_repeat_no_sample(one_step_off: Path, tmp_path: Path) -> None:
     config = write_run(tmp_path, 6, max_staleness=1)
-    out, hold = tmp_path / "out", tmp_path / "hold"
-    process = start_run(config, "--out", out, hold=(3, hold))
-    wait_until_held(hold, 2)  # after the step-2 checkpoint; batch 3 generated, in the hand-off folder
-    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
-    assert (out / "async" / "batch-000003.json").is_file()
-    queued = json.loads((out / "checkpoints" / "step-000002" / "queue.json").read_text())
-    assert [(s["index"], s["version"]) for s in queued["samples"]] == [(i, 1) for i in range(2 * BATCH, 3 * BATCH)]
-    ranks = rank_pids(process.pid)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.communicate(timeout=EXIT_BOUND_S)
-    wait_for(lambda: not any(alive(pid) for pid in ranks), 60)
-    assert checkpoint_problem(out / "checkpoints" / "step-000002") is None
-    resumed = invoke("run", "--resume", out)
-    assert resumed.exit_code == 0, resumed.output
+    out = kill_async_run_after_step_two_and_resume(config, tmp_path, BATCH, handed_over=True)
     assert trained_samples(out) == list(range(6 * BATCH))
     assert differences(records(out, ("async_step",)), records(one_step_off, ("async_step",))) == []
     assert final_actor(out, 6) == final_actor(one_step_off, 6)

