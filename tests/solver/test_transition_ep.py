@@ -128,6 +128,7 @@ def test_dag_build_on_two_ep_plans_writes_a_transition_check_accepts(tmp_path: P
         out = tmp_path / f"{a}-{b}"
         result = invoke("dag", "build", paths[a], paths[b], "-o", out)
         assert result.exit_code == 0, result.output
+        assert "tp=1 ep=2 pp=1 dp=2" in result.output  # the summary names the ep side
         assert "actor/training" in out.read_text()
         assert isinstance(load_document(out), Transition)
         assert invoke("check", out).exit_code == 0
