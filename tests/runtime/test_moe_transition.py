@@ -22,14 +22,14 @@ pytestmark = [pytest.mark.one_rank, pytest.mark.multiprocess, pytest.mark.slow]
 MOE = {"num_experts": 4, "experts_per_token": 2, "expert_ffn_dim": 32, "norm_topk_prob": True}
 
 
-def moe_plan(ep: int, emus: list[list[int]], tp: int = 1) -> Plan:
-    """The tiny PPO example on GPUs 0-1 with a Qwen3-MoE model, every model-stage at `tp`, pp1,
+def moe_plan(ep: int, emus: list[list[int]], tp: int = 1, pp: int = 1) -> Plan:
+    """The tiny PPO example on GPUs 0-1 with a Qwen3-MoE model, every model-stage at `tp`, `pp`,
     `ep` on `emus`."""
     document = yaml.safe_load((EXAMPLES / "plan-tiny-ppo-4rank.yaml").read_text())
     document.pop("predictions", None)
     document["models"][0]["moe"] = MOE
     document["pools"] = [{"name": "all", "gpus": [0, 1]}]
-    layout = {"pool": "all", "tp": tp, "pp": 1, "ep": ep, "dp": len(emus), "emus": emus, "micro_batches": 1}
+    layout = {"pool": "all", "tp": tp, "pp": pp, "ep": ep, "dp": len(emus), "emus": emus, "micro_batches": 1}
     document["stages"] = [{**entry, **layout} for entry in document["stages"]]
     return Plan.model_validate(document)
 
@@ -46,10 +46,13 @@ def test_ep2_to_dp2_and_back_keeps_moe_state_bitwise() -> None:
     assert_state_kept(plans, per_rank)
 
 
-def test_ep2_to_tp2_on_the_same_gpus_and_back_keeps_moe_state_bitwise() -> None:
-    """ep2 and tp2 on GPUs 0-1 are grids of the same width: the planner still passes through
-    whole copies (split, then merge) and the executor reads each side's parallelism."""
-    plans = [moe_plan(2, [[0, 1]]), moe_plan(1, [[0, 1]], tp=2), moe_plan(2, [[0, 1]])]
+@pytest.mark.parametrize("other", ["tp2", "pp2-reversed"])
+def test_ep2_to_tp2_or_pp2_on_the_same_gpus_and_back_keeps_moe_state_bitwise(other: str) -> None:
+    """ep2 and tp2 on GPUs 0-1 are grids of the same width, ep2 and pp2 of the same size: the
+    planner still passes through whole copies (split, then merge) and the executor reads each
+    side's parallelism."""
+    middle = moe_plan(1, [[0, 1]], tp=2) if other == "tp2" else moe_plan(1, [[1, 0]], pp=2)
+    plans = [moe_plan(2, [[0, 1]]), middle, moe_plan(2, [[0, 1]])]
     transitions = [build_transition(a, b) for a, b in itertools.pairwise(plans)]
     assert all({p.kind for p in t.primitives} == {"split", "merge"} for t in transitions)
     assert_state_kept(plans, spawn(walk, 2, plans, [(t.primitives, t.schedule) for t in transitions]))
