@@ -152,7 +152,7 @@ def _print_summary(
     from rich.table import Table
 
     from nereus.render import format_bytes
-    from nereus.render.tree import stage_branches
+    from nereus.render.tree import layout_label, stage_branches
 
     console = Console(width=120)
     t, s = document, document.summary
@@ -172,8 +172,8 @@ def _print_summary(
         a, b = t.source.stage_plan(branch.model_stage), t.target.stage_plan(branch.model_stage)
         table.add_row(
             branch.model_stage,
-            f"tp={a.tp} pp={a.pp} dp={a.dp}",
-            f"tp={b.tp} pp={b.pp} dp={b.dp}",
+            layout_label(a),
+            layout_label(b),
             *(str(sum(p.kind == kind for p in primitives)) for kind in KIND_STYLES),
             f"{min(p.start_s for p in primitives):.3f}-{max(p.end_s for p in primitives):.3f}",
         )

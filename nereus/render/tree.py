@@ -20,7 +20,8 @@ class StageBranch:
     """The kind of the primitive on each line (for colouring)."""
 
 
-def _layout(entry: StagePlan) -> str:
+def layout_label(entry: StagePlan) -> str:
+    """E.g. `tp=1 ep=2 pp=1 dp=2` (cp and ep named where above 1)."""
     cp = f" cp={entry.cp_label}" if entry.cp > 1 else ""
     cp += f" ep={entry.ep}" if entry.ep > 1 else ""
     return f"tp={entry.tp}{cp} pp={entry.pp} dp={entry.dp}"
@@ -51,12 +52,12 @@ def stage_branches(transition: Transition) -> list[StageBranch]:
         before = transition.source.stage_plan(entry.model_stage)
         primitives = by_stage.get(entry.model_stage, [])
         if not primitives:
-            heading = f"{entry.model_stage}: unchanged ({_layout(entry)})"
+            heading = f"{entry.model_stage}: unchanged ({layout_label(entry)})"
         else:
             start = min(p.start_s for p in primitives)
             end = max(p.end_s for p in primitives)
             heading = (
-                f"{entry.model_stage}: {_layout(before)} -> {_layout(entry)} "
+                f"{entry.model_stage}: {layout_label(before)} -> {layout_label(entry)} "
                 f"({len(primitives)} primitives, {start:.3f}-{end:.3f} s)"
             )
         branch = StageBranch(entry.model_stage, heading)

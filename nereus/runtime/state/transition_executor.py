@@ -27,8 +27,9 @@ from nereus.runtime.state.reshard_plan import plan_reshard
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.runtime.state.sharded_state import StateMeta, state_dtypes, state_meta
 from nereus.solver.transition.primitives import Emu, Primitive, Schedule
+from nereus.solver.transition.schedule import columns as plan_columns
 from nereus.solver.transition.schedule import plan_emus
-from nereus.spec.plan import Plan
+from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.stages import head_of
 
 if TYPE_CHECKING:
@@ -50,14 +51,20 @@ class ExecutedTransition:
     """Primitives this rank took part in."""
 
 
-def emu_layout(emus: Iterable[Emu]) -> RankLayout:
+def emu_layout(emus: Iterable[Emu], side: StagePlan | None = None) -> RankLayout:
     """Replicas of one layout as one RankLayout (replica-major, in the given order); an EMU's
-    context-parallel degree is its GPUs over tp x pp (its cp ranks hold the same boxes)."""
+    context-parallel degree is its GPUs over tp x pp (its cp ranks hold the same boxes).
+
+    `side`: the plan entry the replicas may be EMUs of (plan A's for a move's sources, plan B's
+    for its targets). The planner's grid is tp x ep columns wide (`schedule.columns`): replicas
+    with the entry's grid have its expert parallelism; every other one (an intermediate
+    replica, `schedule.ep_intermediate`) has none."""
     emus = list(emus)
-    tp, pp = emus[0].layout
-    cp = len(emus[0].gpus) // (tp * pp)
-    assert all(emu.layout == (tp, pp) and len(emu.gpus) == tp * cp * pp for emu in emus), emus
-    return RankLayout(tp, pp, len(emus), tuple(gpu for emu in emus for gpu in emu.gpus), cp)
+    columns, pp = emus[0].layout
+    ep = side.ep if side is not None and (columns, pp) == (plan_columns(side), side.pp) else 1
+    cp = len(emus[0].gpus) // (columns * pp)
+    assert all(emu.layout == (columns, pp) and len(emu.gpus) == columns * cp * pp for emu in emus), emus
+    return RankLayout(columns // ep, pp, len(emus), tuple(gpu for emu in emus for gpu in emu.gpus), cp, ep)
 
 
 def plan_emu_list(plan: Plan, model_stage: str) -> list[Emu]:
@@ -67,8 +74,9 @@ def plan_emu_list(plan: Plan, model_stage: str) -> list[Emu]:
 class _Executor:
     """One rank's replicas of every model-stage, updated primitive by primitive."""
 
-    def __init__(self, plan_a: Plan, rank: int, families: dict[str, tuple[str, ...]]) -> None:
+    def __init__(self, plan_a: Plan, plan_b: Plan, rank: int, families: dict[str, tuple[str, ...]]) -> None:
         self.plan = plan_a
+        self.plan_b = plan_b
         self.rank = rank
         self.families = families
         self.held: dict[Emu, ReplicaState] = {}
@@ -91,7 +99,8 @@ class _Executor:
     def move(self, sources: list[Emu], targets: list[Emu]) -> None:
         """Reshard from the `sources` replicas to the `targets` replicas (collective over their GPUs)."""
         model_stage = sources[0].model_stage
-        source_layout, target_layout = emu_layout(sources), emu_layout(targets)
+        source_layout = emu_layout(sources, self.plan.stage_plan(model_stage))
+        target_layout = emu_layout(targets, self.plan_b.stage_plan(model_stage))
         plan = plan_reshard(self.meta(model_stage, source_layout), self.meta(model_stage, target_layout))
         mine = next((emu for emu in sources if self.rank in emu.gpus), None)
         tensors, step = self.held[mine] if mine is not None else ({}, None)
@@ -168,7 +177,7 @@ def execute_transition(
     it is a GPU of. Primitives of other model-stages are skipped. Model-stages whose layout
     is the same in both plans have no primitives and keep their state.
     """
-    executor = _Executor(plan_a, rank, families)
+    executor = _Executor(plan_a, plan_b, rank, families)
     for model_stage, state in states.items():
         executor.load(model_stage, state)
     for primitive in run_order(primitives, schedule):

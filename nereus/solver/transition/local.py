@@ -551,13 +551,18 @@ def replica_dag(
     star_rounds: int | None = STAR_ROUNDS,
     unswap: bool = False,
     node_size: int | None = None,
+    through: Layout | None = None,
 ) -> list[Primitive]:
     """`local_dag` from GPU tuples: EMUs are made only for the replicas primitives name
-    (most replicas of a large plan stay where they are and need none)."""
+    (most replicas of a large plan stay where they are and need none). `through`: the
+    intermediate layout to pass through instead of `intermediate_layout` (dividing both
+    layouts): a change of expert parallelism goes through one without it, even where the two
+    grids look alike (`schedule.ep_intermediate`)."""
     (layout_a, gpus_a), (layout_b, gpus_b) = side_a, side_b
-    if layout_a == layout_b and len(gpus_a) == len(gpus_b) and set(gpus_a) == set(gpus_b):
+    if through is None and layout_a == layout_b and len(gpus_a) == len(gpus_b) and set(gpus_a) == set(gpus_b):
         return []
-    inter = intermediate_layout(layout_a, layout_b)
+    inter = intermediate_layout(layout_a, layout_b) if through is None else through
+    assert layout_a[0] % inter[0] == layout_a[1] % inter[1] == layout_b[0] % inter[0] == layout_b[1] % inter[1] == 0
     build = _Builder(model_stage, state_bytes, next_id, [], node_size)
     replicas, origin = gpus_a, [-1] * len(gpus_a)  # per I-replica: id of the split that made it (-1: none)
     if layout_a != inter:

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import gc
 import itertools
+import math
 import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -74,17 +75,34 @@ class TransitionResult:
         return not self.blocking_cycle
 
 
+def columns(entry: StagePlan) -> int:
+    """The tensor-dimension width of the model-stage's EMU grid: tp, times ep with expert
+    parallelism (an ep EMU's GPU `(s * ep + e) * tp + r` is column `e * tp + r` of stage s)."""
+    return entry.tp * entry.ep
+
+
+def ep_intermediate(a: StagePlan, b: StagePlan) -> Layout | None:
+    """The intermediate layout a model-stage passes through when its transition changes an
+    expert-parallel layout: (gcd of the tp, gcd of the pp) without expert parallelism, so
+    every replica in between is whole copies over tensor ranks (the runtime's `emu_layout`
+    reads them with ep 1); None when neither side has ep > 1 or only the GPUs change."""
+    if max(a.ep, b.ep) == 1 or (a.tp, a.ep, a.pp) == (b.tp, b.ep, b.pp):
+        return None
+    return (math.gcd(a.tp, b.tp), math.gcd(a.pp, b.pp))
+
+
 def state_replicas(entry: StagePlan) -> list[list[int]]:
     """The model-stage's copies of its state as a transition moves them: its EMUs, each a
-    (tp, pp) grid of boxes, GPU `s * tp + r` holding box (s, r). Context parallelism's cp ranks
-    hold the same weights (only the tokens differ), so an EMU with cp > 1 is cp copies, like dp
-    replicas: cp rank c's copy is its GPUs (s * cp + c) * tp + r (`StagePlan.emus`). An EMU with
-    ep > 1 is neither one copy nor ep copies (its experts are split over the ep ranks, the rest
-    replicated): transitions touching one are refused (docs/moe.md)."""
-    if entry.ep > 1:
+    (columns, pp) grid of boxes, GPU `s * columns + r` holding box (s, r). Context parallelism's
+    cp ranks hold the same weights (only the tokens differ), so an EMU with cp > 1 is cp copies,
+    like dp replicas: cp rank c's copy is its GPUs (s * cp + c) * tp + r (`StagePlan.emus`). An
+    EMU with ep > 1 is one copy whose tp x ep columns split the state (its experts by blocks
+    over the ep ranks, the rest replicated: the boxes price each GPU at 1 / (tp * ep * pp), the
+    runtime moves the real shards, docs/moe.md); with cp > 1 too it is refused."""
+    if entry.ep > 1 and entry.cp > 1:
         raise NereusError(
-            f"{entry.model_stage}: transitions of expert-parallel model-stages (ep={entry.ep}) are not planned yet; "
-            "plan both sides with `nereus plan --expert-parallel off` to move this state"
+            f"{entry.model_stage}: transitions of model-stages with both ep={entry.ep} and cp={entry.cp} are not "
+            "planned yet; plan both sides with `nereus plan --expert-parallel off` to move this state"
         )
     if entry.cp == 1:
         return entry.emus
@@ -103,7 +121,7 @@ def plan_emus(plan: Plan, model_stages: list[str] | None = None) -> dict[str, li
                 make,
                 zip(
                     repeat(entry.model_stage),
-                    repeat(entry.tp),
+                    repeat(columns(entry)),
                     repeat(entry.pp),
                     map(tuple, state_replicas(entry)),
                 ),
@@ -114,13 +132,13 @@ def plan_emus(plan: Plan, model_stages: list[str] | None = None) -> dict[str, li
     }
 
 
-def _layout_of(entry: StagePlan) -> tuple[int, int, list[list[int]]]:
-    return entry.tp, entry.pp, state_replicas(entry)
+def _layout_of(entry: StagePlan) -> tuple[int, int, int, list[list[int]]]:
+    return entry.tp, entry.ep, entry.pp, state_replicas(entry)
 
 
 def _side(entry: StagePlan) -> Replicas:
     """A model-stage's layout and EMU GPU tuples (no Emu objects: most replicas never need one)."""
-    return (entry.tp, entry.pp), list(map(tuple, state_replicas(entry)))
+    return (columns(entry), entry.pp), list(map(tuple, state_replicas(entry)))
 
 
 def _twins(changed: list[str], gpus_a: _PlanGpus, gpus_b: _PlanGpus) -> dict[str, str]:
@@ -138,7 +156,13 @@ def _twins(changed: list[str], gpus_a: _PlanGpus, gpus_b: _PlanGpus) -> dict[str
 
 
 def _same_emus(one: StagePlan, other: StagePlan) -> bool:
-    return one.tp == other.tp and one.pp == other.pp and one.cp == other.cp and one.emus == other.emus
+    return (
+        one.tp == other.tp
+        and one.pp == other.pp
+        and one.cp == other.cp
+        and one.ep == other.ep
+        and one.emus == other.emus
+    )
 
 
 def _state_sizes(plan: Plan, model_stages: Iterable[str], calibration: Calibration) -> dict[str, float]:
@@ -183,7 +207,7 @@ class _PlanGpus:
     def __init__(self, plan: Plan, model_stages: list[str] | None = None) -> None:
         entries = [e for e in plan.stages if model_stages is None or e.model_stage in model_stages]
         self.num_gpus = plan.cluster.num_gpus
-        self.layouts: dict[str, tuple[int, int]] = {entry.model_stage: (entry.tp, entry.pp) for entry in entries}
+        self.layouts: dict[str, tuple[int, int]] = {entry.model_stage: (columns(entry), entry.pp) for entry in entries}
         self.same_as: dict[str, str] = {}
         """Model-stage -> the first one here with the very same layout and EMUs (absent: itself)."""
         own: list[StagePlan] = []
@@ -806,6 +830,7 @@ def _build_transition(
     sides: dict[str, tuple[Replicas, Replicas]] = {
         e.model_stage: (_side(entries_a[e.model_stage]), _side(e)) for e in changed_b if e.model_stage not in twin_of
     }
+    through: dict[str, Layout | None] = {e.model_stage: ep_intermediate(entries_a[e.model_stage], e) for e in changed_b}
     node_size = plan_b.cluster.gpus_per_node
     moved_by_shape: dict[int, dict[str, float]] = {}  # id of a shape's primitive list -> bytes by link class
 
@@ -817,7 +842,9 @@ def _build_transition(
                 local = stamp(built[twin_of[name]], name, sizes[name], len(primitives))
             else:
                 batch_nodes = node_size if batch else None
-                local = replica_dag(name, sizes[name], *sides[name], len(primitives), star_rounds, unswap, batch_nodes)
+                local = replica_dag(
+                    name, sizes[name], *sides[name], len(primitives), star_rounds, unswap, batch_nodes, through[name]
+                )
                 built[name] = local
             primitives += local
         durations, moved = _price(primitives, plan_b.cluster, calibration)
