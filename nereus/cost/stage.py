@@ -26,13 +26,6 @@ The formulas, per GPU of the busiest pipeline stage:
   from kept inputs, so a layer drops the activation's output, 2 * s * b * ffn / tp (with
   fused attention the core keeps no s^2 scores either way, and its output is the output
   projection's kept input), and the attention FLOPs take 4 passes, the dense ones 3.
-* one micro-batch per rank (`micro_batches` 1, no token budget): the engine sets the gradients
-  to None before the step, so they do not exist while the forward's activations do; the peak
-  is the larger of the head's backward (activations, one logits chunk, the head's weight
-  gradient) and the backward's end (every gradient and a tied embedding's copies), not their
-  sum (`_one_pass_terms`; measured on CPU ranks, docs/memory.md). With more micro-batches the
-  earlier ones' gradients are held beside the later ones' activations, and full recompute
-  peaks in the backward (a rerun layer beside nearly every gradient): the terms add up.
 * token-budget micro-batches (`token_budget` > 0 tokens): a micro-batch is packed to at
   most that many tokens, so activations are sized by the budget rather than by rows of
   the maximum length (verl's `ppo_max_token_len_per_gpu`).
@@ -460,14 +453,6 @@ class StageCostModel:
             logits = self.logits_bytes(rows * max_len, tp) if self.head == "lm" else 0.0
             rerun = np.where(np.equal(recompute, RECOMPUTE_FULL), np.maximum(full - logits, 0.0), 0.0)
             terms["activations"] = kept * (m.num_layers / pp) * in_flight + rerun
-            kept_bytes = kept * (m.num_layers / pp)
-            # Full recompute peaks in the backward (a rerun layer's working set and its gradients
-            # beside nearly every gradient), where the terms' sum holds: no one-pass saving there.
-            single = (
-                (np.asarray(micro_batches) == 1)
-                & (np.asarray(token_budget) == 0)
-                & ~np.equal(recompute, RECOMPUTE_FULL)
-            )
         elif self.stage == "inference":
             rows = self.micro_batch_size(dp, micro_batches) / (cp * ep)  # a cp (ep) rank's share of the tokens
             terms["activations"] = KORTHIKANTI_BYTES_PER_SBH * max_len * rows * m.hidden_dim / tp * self.dtype_bytes / 2
@@ -487,43 +472,7 @@ class StageCostModel:
             terms["cp_kv"] = np.where(np.greater(cp, 1) & np.asarray(cp_allgather, bool), gathered, 0.0)
         if self.stage == "training":
             terms["tied_gradients"] = self.tied_gradient_bytes(tp, pp)
-            if _uses(single):
-                own_head = np.asarray(full_shard, bool) | (np.asarray(train_offload) > 0)
-                head_grad = np.where(own_head, 0.0, self.head_gradient_bytes(tp))
-                self._one_pass_terms(terms, single, kept_bytes, head_grad)
         return terms
-
-    @staticmethod
-    def _one_pass_terms(terms: dict[str, Array], single: Array, kept: Array, head_grad: Array) -> None:
-        """Training's transient terms where a rank runs one micro-batch (`single`): the engine
-        sets the gradients to None before it (`Engine.zero_grad`), so the forward's activations
-        and the head's logits chunk and weight gradient are held before any other gradient
-        exists, and the layers' gradients take the room their activations free in the backward.
-        The peak is the larger of the head's backward (kept activations + logits + the head's
-        gradient) and the backward's end (every gradient + the tied sum's copies), not their
-        sum. The `gradients` term stays whole (resident after the step, beside the next step's
-        other model-stages), so the other terms carry what the peak holds above it: at the head,
-        the logits and the activations beyond the gradients' room; at the end, the tied copies.
-        With more micro-batches the gradients of the earlier ones are held throughout, and under
-        full recompute the peak is in the backward (a rerun layer beside nearly every
-        gradient): there the terms stay summed."""
-        gradients, logits, tied = terms["gradients"], terms.get("logits", 0.0), terms["tied_gradients"]
-        head = kept + logits + head_grad
-        end = gradients + tied
-        above = np.maximum(head, end) - gradients
-        at_head = head >= end
-        held_logits = np.where(at_head, np.minimum(logits, above), 0.0)
-        held_tied = np.where(at_head, 0.0, tied)
-        terms["activations"] = np.where(single, above - held_logits - held_tied, terms["activations"])
-        if "logits" in terms:
-            terms["logits"] = np.where(single, held_logits, logits)
-        terms["tied_gradients"] = np.where(single, held_tied, tied)
-
-    def head_gradient_bytes(self, tp: Array) -> Array:
-        """Bytes of the output head's weight gradient on one tp rank (its vocabulary rows; the
-        value head's is a hidden-sized vector), which its backward makes first."""
-        rows = self.model.vocab_size / tp if self.head == "lm" else 1.0 / tp
-        return rows * self.model.hidden_dim * self.dtype_bytes
 
     def logits_bytes(self, tokens: Array, tp: Array) -> Array:
         """Bytes of the LM head's fp32 logits on one tp rank (its vocabulary columns) in a pass
