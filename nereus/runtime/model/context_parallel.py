@@ -118,7 +118,10 @@ class ContextParallel:
         """The cut of a batch whose whole mask is `mask` [b, seq] (True: real token)."""
         runs = tuple(self.runs(int(mask.shape[1])))
         lengths = tuple(sum(stop - start for start, stop in mine) for mine in runs)
-        return SequenceSplit(self, lengths, runs, Packing.of(mask))
+        every = self.columns(int(mask.shape[1]))
+        held = torch.tensor(every[self.rank], device=mask.device)
+        gathered = torch.tensor([col for columns in every for col in columns], device=mask.device)
+        return SequenceSplit(self, lengths, runs, Packing.of(mask), held, gathered)
 
 
 def check_heads(num_heads: int, tp: int, cp: int) -> None:
@@ -144,11 +147,10 @@ class SequenceSplit:
     """Every cp rank's runs of columns (`ContextParallel.runs`), in rank order."""
     packing: Packing | None
     """The whole rows' packing (`Packing.of` the whole mask); None: none needed."""
-
-    def columns(self, rank: int | None = None) -> list[int]:
-        """The columns `rank` (default: this rank) holds, in its order."""
-        mine = self.runs[self.cp.rank if rank is None else rank]
-        return [col for start, stop in mine for col in range(start, stop)]
+    held: torch.Tensor
+    """[cols] the columns this rank holds, in its order."""
+    gathered: torch.Tensor
+    """[seq] every rank's held columns in rank order: the column of each gathered place."""
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's columns: q [b, cols, heads, d], k/v [b, cols,
@@ -177,9 +179,8 @@ class SequenceSplit:
             order = self.packing.restore.to(q.device)  # [b, seq] packed place of every column
         else:
             order = torch.arange(seq, device=q.device).unsqueeze(0)
-        gathered = [col for rank in range(self.cp.size) for col in self.columns(rank)]
-        queries = order[:, torch.tensor(self.columns(), device=q.device)]
-        keys = order[:, torch.tensor(gathered, device=q.device)]
+        queries = order[:, self.held.to(q.device)]
+        keys = order[:, self.gathered.to(q.device)]
         mask = queries[:, None, :, None] >= keys[:, None, None, :]  # [b | 1, 1, cols, seq]
         return grouped_attention(q, k, v, mask)
 
@@ -344,9 +345,9 @@ def stage_forward(
     given a `reduce`, that of it (an LM head's final hidden states [b, cols, hidden]) inside the forward."""
     mask = part.mask().to(device)
     split = cp.split(mask)
-    held = torch.tensor(split.columns())
-    positions = positions_from_mask(mask)[:, held.to(device)]
-    output: torch.Tensor = stage(part.tokens[:, held].to(device), mask, positions, split=split, reduce=reduce)
+    positions = positions_from_mask(mask)[:, split.held]
+    tokens = part.tokens[:, split.held.cpu()].to(device)
+    output: torch.Tensor = stage(tokens, mask, positions, split=split, reduce=reduce)
     return output
 
 
