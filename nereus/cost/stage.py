@@ -74,8 +74,8 @@ The formulas, per GPU of the busiest pipeline stage:
   forward, reruns included, and reduce-scatters their gradients in the backward, (cp - 1) / cp
   of the bytes moved (`allgather_kv_bytes`); the gathered keys and values of a layer are
   transient, and saved for the backward unless the attention core is recomputed (`cp_kv`). Its
-  columns are contiguous, so under the causal mask the last cp rank computes (2 cp - 1) / cp^2
-  of the attention instead of 1 / cp, and sets the time (`cp_attention_share`).
+  columns are cut zigzag (rank c holds runs c and 2 cp - 1 - c of 2 cp), so under the causal
+  mask every cp rank computes 1 / cp of the attention (`cp_attention_share`).
 * expert parallelism (`ep`, mixture-of-experts models; Megatron's semantics, docs/moe.md): a
   replica's ep ranks hold the same non-expert weights and take 1/ep of its sequences each (its
   attention is data-parallel over dp x ep), so activations, logits and KV cache are divided by ep;
@@ -326,11 +326,12 @@ class StageCostModel:
 
     @staticmethod
     def cp_attention_share(cp: Array, allgather: Array) -> Array:
-        """The slowest cp rank's attention work over the balanced 1 / cp share: Ulysses computes
-        whole sequences on 1/cp of the heads (1); the all-gather method's contiguous columns
-        leave the last rank (2 cp - 1) / cp^2 of the causal work, (2 cp - 1) / cp times 1 / cp."""
-        cp = np.asarray(cp, dtype=float)
-        return np.where(np.asarray(allgather, bool), (2.0 * cp - 1.0) / cp, 1.0)
+        """The slowest cp rank's attention work over the balanced 1 / cp share: 1 for both
+        methods. Ulysses computes whole sequences on 1/cp of the heads; the all-gather method
+        cuts each sequence into 2 cp runs and gives rank c runs c and 2 cp - 1 - c (the runtime's
+        zigzag, `ContextParallel.runs`), whose causal work (keys before each query) sums to the
+        same on every rank."""
+        return np.ones(np.broadcast(np.asarray(cp), np.asarray(allgather)).shape)
 
     def p2p_time(self, nbytes: Array, inter: Array) -> Array:
         bandwidth, latency = self.link(inter)

@@ -168,8 +168,8 @@ def test_allgather_kv_by_hand() -> None:
     """All-gather KV, tp=2, cp=4, training without recompute: per layer a gather of the whole
     sequence's keys and values (4 KV heads of a tensor rank, 128 wide, 2 bytes) in the forward and
     a reduce-scatter of their gradients in the backward, (cp - 1) / cp moved; with selective
-    recompute the core's rerun gathers again. The last cp rank's attention is (2 cp - 1) / cp
-    times the balanced share (contiguous columns), the dense compute is not; no all-to-alls."""
+    recompute the core's rerun gathers again. Every cp rank's attention is the balanced share
+    (zigzag runs), as Ulysses'; the dense compute too; no all-to-alls."""
     c = cost("training")
     tp, cp, dp, m = 2, 4, 2, 4
     rows = 32 // 2 // dp // m
@@ -185,11 +185,8 @@ def test_allgather_kv_by_hand() -> None:
     ulysses = c.time_terms(tp, 1, dp, m, False, False, cp=cp, cp_inter=False)
     dense = c.time_terms(tp, 1, dp, m, False, False, cp=cp, cp_inter=False, cp_allgather=0)
     assert float(dense["compute"]) == float(ulysses["compute"])
-    attention_flops = c.attention_flops(rows * seq, seq / 2) * 3
-    extra = attention_flops * ((2 * cp - 1) / cp - 1)
-    ratio = float(gathered["compute"] - ulysses["compute"]) / float(c.compute_time(0.0, extra, tp * cp) * rounds * m)
-    assert ratio == pytest.approx(1.0, rel=1e-9)
-    assert float(c.cp_attention_share(1, 1)) == 1.0 and float(c.cp_attention_share(2, 1)) == 1.5
+    assert float(gathered["compute"]) == float(ulysses["compute"])
+    assert float(c.cp_attention_share(1, 1)) == 1.0 and float(c.cp_attention_share(4, 1)) == 1.0
 
 
 def test_allgather_holds_the_gathered_kv_unless_recomputed() -> None:

@@ -9,6 +9,8 @@ cp ranks) resumes at cp=2 Ulysses, at cp=1, and back, each step equal to the eng
 on; live transitions whose training and inference model-stages change cp and method keep the
 state bitwise. 4 ranks: tp=2 x cp=2 (cp beyond the KV heads after tp) and cp=4 on a model of
 3 query heads and 1 KV head (cp beyond the query heads, which Ulysses refuses) equal cp=1.
+The all-gather method cuts each sequence zigzag (rank c holds runs c and 2 cp - 1 - c of 2 cp),
+so every one of these runs crosses runs held by other ranks; the cut's causal work is balanced.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from test_transition_executor import assert_state_kept, walk  # noqa: E402
 
 from nereus.runtime.comm.spawn import spawn  # noqa: E402
 from nereus.runtime.hf.load import load_engine  # noqa: E402
+from nereus.runtime.model.context_parallel import ContextParallel  # noqa: E402
 from nereus.runtime.model.engine import Engine, EngineConfig  # noqa: E402
 from nereus.runtime.state.checkpoint import load_checkpoint, save_checkpoint_distributed  # noqa: E402
 from nereus.runtime.state.shard_layout import RankLayout  # noqa: E402
@@ -213,3 +216,20 @@ def test_allgather_needs_no_head_rule_but_cp_above_one() -> None:
     entry["cp_method"] = "allgather"
     with pytest.raises(ValueError, match="cp_method allgather needs cp > 1"):
         type(plan.stages[-1]).model_validate(entry)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_allgather_cut_is_zigzag_and_balances_the_causal_work(cp: int) -> None:
+    seq = 2 * cp * 5
+    ranks = [ContextParallel(size=cp, rank=rank, method="allgather") for rank in range(cp)]
+    held = ranks[0].columns(seq)
+    assert sorted(col for columns in held for col in columns) == list(range(seq))
+    runs = ranks[0].runs(seq)
+    for rank in range(cp):
+        assert runs[rank] == ((5 * rank, 5 * rank + 5), (5 * (2 * cp - 1 - rank), 5 * (2 * cp - rank)))
+    work = [sum(col + 1 for col in columns) for columns in held]  # keys each query sees, causal
+    assert len(set(work)) == 1
+    contiguous = [sum(col + 1 for col in columns) for columns in ContextParallel(cp, 0).columns(seq)]
+    assert max(contiguous) / min(contiguous) > 2
+    with pytest.raises(ValueError, match=f"cannot be cut into the 2 x cp={cp} runs"):
+        ranks[0].runs(2 * cp - 1)

@@ -3,10 +3,12 @@ hold the same weights; attention by one of two methods (`ContextParallel.method`
 (all-to-all of heads, bounded by the heads of a tensor rank) or all-gathered keys and values
 (Llama 3's context parallelism, bounded by nothing but the sequence length).
 
-A replica of tp x cp ranks (pp = 1) gives cp rank c the contiguous columns `spans(seq)[c]`
-of every row (runs differing by at most one column; `sharded_state.even_split`). Everything
-but attention works token by token, so it runs on those columns alone: the embedding, the
-norms, the projections, the MLP and the head. Attention needs every key: around its core
+A replica of tp x cp ranks (pp = 1) gives cp rank c its runs of columns of every row
+(`ContextParallel.runs`, runs differing by at most one column; `sharded_state.even_split`):
+under Ulysses the contiguous run `spans(seq)[c]`, under the all-gather method the zigzag of
+2 cp runs, runs c and 2 cp - 1 - c. Everything but attention works token by token, so it
+runs on those columns alone (tokens and positions taken at them): the embedding, the norms,
+the projections, the MLP and the head. Attention needs every key: around its core
 (scores, softmax, weighted values) an all-to-all turns q, k and v from [b, columns of this
 rank, heads, d] into [b, every column, heads / cp, d] (`_SequenceToHeads`), the core runs
 on whole sequences with this rank's share of the heads, and the reverse all-to-all
@@ -19,11 +21,12 @@ All-gather KV (`method` "allgather"): each rank keeps its own columns' queries, 
 the keys and values of every column (`_GatherColumns`; with GQA a tp rank's few KV heads,
 so few bytes) and runs attention of its queries against every key under a mask built from
 the columns' global order (the packed order when padding needs `Packing`, so each query sees
-exactly the keys it sees unsplit). The backward sums every rank's gradient of the gathered
-keys and values and keeps this rank's columns (a reduce-scatter; on gloo, which has none,
-an all-reduce and a slice). The columns stay contiguous (no zigzag): under the causal mask
-the last cp rank does the most work, (2 cp - 1) / cp^2 of a sequence's attention instead of
-1 / cp, and the cost model prices that imbalance (`StageCostModel.cp_attention_share`).
+exactly the keys it sees unsplit), whatever order the ranks hold them in. The backward sums
+every rank's gradient of the gathered keys and values and keeps this rank's columns (a
+reduce-scatter; on gloo, which has none, an all-reduce and a slice). The zigzag balances
+the causal work: contiguous columns would leave the last cp rank (2 cp - 1) / cp^2 of a
+sequence's attention, where runs c and 2 cp - 1 - c give every rank 1 / cp
+(`StageCostModel.cp_attention_share`).
 
 Whole-sequence facts come from the whole mask, which every cp rank has (the batch is the
 replica's): RoPE positions count the real tokens before each column (`positions_from_mask`
@@ -33,12 +36,13 @@ whole-sequence q, k and v and undone on its output. The causal mask is therefore
 
 Scoring: a token's loss at column i reads the head's output at columns i - 1 and i (the
 next-token log-prob of token i comes from position i - 1; the critic's value of token i too).
-Each cp rank scores its own columns: the previous rank's last output column is passed along
-(`_PreviousColumn`, an all-gather of one column whose backward returns its gradient), so
-the objective sees columns [start - 1, stop) with the borrowed column's own loss weighted 0.
+Each cp rank scores its own runs: the last output column of the run before each one is passed
+along (`_PreviousColumns`, an all-gather of each rank's runs' last columns whose backward
+returns their gradients to their owners), so the objective sees each run's columns
+[start - 1, stop) with the borrowed column's own loss weighted 0.
 Per-row quantities (a sequence-mean loss's weights, the normaliser) come from the whole row.
 Inference gathers each rank's columns of the result (logits, values or next-token log-probs,
-whose targets every rank has) in column order on every rank.
+whose targets every rank has) and puts them back in column order on every rank.
 
 Gradients: every cp rank's weight gradient holds its columns' share; the engine sums them over
 the dp x cp ranks of each (stage, tensor rank) position in one reduction (`Engine._sync_grads`
@@ -91,10 +95,33 @@ class ContextParallel:
             )
         return even_split(seq, self.size)
 
+    def runs(self, seq: int) -> list[tuple[tuple[int, int], ...]]:
+        """Every cp rank's runs of columns, (start, stop) each, in the order the rank holds them:
+        Ulysses one contiguous run per rank (`spans`); all-gather the zigzag of 2 cp runs, rank c
+        holding runs c and 2 cp - 1 - c, so under the causal mask each rank does 1 / cp of the
+        attention work."""
+        if self.method != "allgather" or self.size == 1:
+            return [(span,) for span in self.spans(seq)]
+        if seq < 2 * self.size:
+            raise ValueError(
+                f"a batch of {seq} columns cannot be cut into the 2 x cp={self.size} runs of the allgather "
+                f"cp method; use cp <= {seq // 2} or longer sequences"
+            )
+        cut = even_split(seq, 2 * self.size)
+        return [(cut[rank], cut[2 * self.size - 1 - rank]) for rank in range(self.size)]
+
+    def columns(self, seq: int) -> list[list[int]]:
+        """Every cp rank's columns of a `seq`-column batch, in the order the rank holds them."""
+        return [[col for start, stop in runs for col in range(start, stop)] for runs in self.runs(seq)]
+
     def split(self, mask: torch.Tensor) -> SequenceSplit:
         """The cut of a batch whose whole mask is `mask` [b, seq] (True: real token)."""
-        spans = self.spans(int(mask.shape[1]))
-        return SequenceSplit(self, tuple(stop - start for start, stop in spans), spans[self.rank], Packing.of(mask))
+        runs = tuple(self.runs(int(mask.shape[1])))
+        lengths = tuple(sum(stop - start for start, stop in mine) for mine in runs)
+        every = self.columns(int(mask.shape[1]))
+        held = torch.tensor(every[self.rank], device=mask.device)
+        gathered = torch.tensor([col for columns in every for col in columns], device=mask.device)
+        return SequenceSplit(self, lengths, runs, Packing.of(mask), held, gathered)
 
 
 def check_heads(num_heads: int, tp: int, cp: int) -> None:
@@ -116,10 +143,14 @@ class SequenceSplit:
     """The cp ranks the batch is cut over."""
     lengths: tuple[int, ...]
     """Columns of every cp rank, in rank order."""
-    span: tuple[int, int]
-    """(start, stop): this rank's columns."""
+    runs: tuple[tuple[tuple[int, int], ...], ...]
+    """Every cp rank's runs of columns (`ContextParallel.runs`), in rank order."""
     packing: Packing | None
     """The whole rows' packing (`Packing.of` the whole mask); None: none needed."""
+    held: torch.Tensor
+    """[cols] the columns this rank holds, in its order."""
+    gathered: torch.Tensor
+    """[seq] every rank's held columns in rank order: the column of each gathered place."""
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's columns: q [b, cols, heads, d], k/v [b, cols,
@@ -148,8 +179,9 @@ class SequenceSplit:
             order = self.packing.restore.to(q.device)  # [b, seq] packed place of every column
         else:
             order = torch.arange(seq, device=q.device).unsqueeze(0)
-        start, stop = self.span
-        mask = order[:, None, start:stop, None] >= order[:, None, None, :]  # [b | 1, 1, cols, seq]
+        queries = order[:, self.held.to(q.device)]
+        keys = order[:, self.gathered.to(q.device)]
+        mask = queries[:, None, :, None] >= keys[:, None, None, :]  # [b | 1, 1, cols, seq]
         return grouped_attention(q, k, v, mask)
 
 
@@ -227,28 +259,71 @@ class _GatherColumns(torch.autograd.Function):
         return own.contiguous(), None
 
 
-class _PreviousColumn(torch.autograd.Function):
-    """x [b, cols, ...] -> the previous cp rank's last column of x prepended (rank 0: x as it is);
-    the backward hands the borrowed column's gradient back to its owner. Every cp rank's
+class _PreviousColumns(torch.autograd.Function):
+    """x [b, cols, ...] (this rank's runs, `SequenceSplit.runs`) -> every run with the last column
+    of the run before it (another rank's, or this one's) prepended, the first run of the row as it
+    is; the backward hands each borrowed column's gradient back to its owner. Every cp rank's
     output enters its loss, so every rank runs the backward's all-gather."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
-        ctx.cp = cp
-        parts = _gathered(x[:, -1:], cp)
-        if cp.rank == 0:
-            return x.view_as(x)
-        return torch.cat([parts[cp.rank - 1], x], dim=1)
+    def forward(ctx: Any, x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
+        ctx.split = split
+        owners = _run_owners(split)
+        lasts = _gathered(x[:, _run_ends(split, split.cp.rank)], split.cp)  # [b, runs, ...] per rank
+        pieces = []
+        for (start, stop), offset in zip(split.runs[split.cp.rank], _run_offsets(split), strict=True):
+            if start > 0:
+                rank, run = owners[start - 1]
+                pieces.append(lasts[rank][:, run : run + 1])
+            pieces.append(x[:, offset : offset + stop - start])
+        return torch.cat(pieces, dim=1)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        cp: ContextParallel = ctx.cp
-        borrowed, own = (grad[:, :1], grad[:, 1:]) if cp.rank > 0 else (torch.zeros_like(grad[:, :1]), grad)
-        parts = _gathered(borrowed, cp)
-        own = own.contiguous().clone()
-        if cp.rank + 1 < cp.size:
-            own[:, -1:] += parts[cp.rank + 1]
-        return own, None
+        split: SequenceSplit = ctx.split
+        me, owners = split.cp.rank, _run_owners(split)
+        own, borrowed, at = [], [], 0
+        for start, stop in split.runs[me]:
+            if start > 0:
+                borrowed.append(grad[:, at : at + 1])
+                at += 1
+            else:
+                borrowed.append(torch.zeros_like(grad[:, :1]))
+            own.append(grad[:, at : at + stop - start])
+            at += stop - start
+        parts = _gathered(torch.cat(borrowed, dim=1), split.cp)  # [b, runs, ...] per rank
+        result = torch.cat(own, dim=1).contiguous().clone()
+        ends = _run_ends(split, me)
+        for (_, stop), end in zip(split.runs[me], ends, strict=True):
+            if stop in owners:  # the run starting at `stop` borrowed this run's last column
+                rank, run = owners[stop]
+                result[:, end : end + 1] += parts[rank][:, run : run + 1]
+        return result, None
+
+
+def _run_offsets(split: SequenceSplit, rank: int | None = None) -> list[int]:
+    """Where each of `rank`'s runs starts among its held columns."""
+    offsets, at = [], 0
+    for start, stop in split.runs[split.cp.rank if rank is None else rank]:
+        offsets.append(at)
+        at += stop - start
+    return offsets
+
+
+def _run_ends(split: SequenceSplit, rank: int) -> list[int]:
+    """The held-column index of the last column of each of `rank`'s runs."""
+    runs = split.runs[rank]
+    return [offset + stop - start - 1 for (start, stop), offset in zip(runs, _run_offsets(split, rank), strict=True)]
+
+
+def _run_owners(split: SequenceSplit) -> dict[int, tuple[int, int]]:
+    """(rank, index among its runs) of the run holding each run's first and last column: keyed by
+    the start column and by the last column (start and stop - 1 of one run map to the same)."""
+    owners: dict[int, tuple[int, int]] = {}
+    for rank, runs in enumerate(split.runs):
+        for index, (start, stop) in enumerate(runs):
+            owners[start] = owners[stop - 1] = (rank, index)
+    return owners
 
 
 def _gathered(x: torch.Tensor, cp: ContextParallel) -> list[torch.Tensor]:
@@ -270,9 +345,9 @@ def stage_forward(
     given a `reduce`, that of it (an LM head's final hidden states [b, cols, hidden]) inside the forward."""
     mask = part.mask().to(device)
     split = cp.split(mask)
-    start, stop = split.span
-    positions = positions_from_mask(mask)[:, start:stop]
-    output: torch.Tensor = stage(part.tokens[:, start:stop].to(device), mask, positions, split=split, reduce=reduce)
+    positions = positions_from_mask(mask)[:, split.held]
+    tokens = part.tokens[:, split.held.cpu()].to(device)
+    output: torch.Tensor = stage(tokens, mask, positions, split=split, reduce=reduce)
     return output
 
 
@@ -287,15 +362,20 @@ def chunk_loss(
 ) -> torch.Tensor:
     """This rank's share of the normalised loss of `part` from its columns' `output`; `weights`
     [b, seq] are the objective's weights of the whole `part` (a row's weights may depend on
-    the whole row). Summed over the cp ranks it is the unsplit loss."""
-    start, stop = cp.spans(int(part.tokens.shape[1]))[cp.rank]
-    first = start - 1 if cp.rank > 0 else 0
-    extended = _PreviousColumn.apply(output, cp)
-    scored = weights[:, first:stop].clone()
-    if cp.rank > 0:
-        scored[:, 0] = 0.0  # the borrowed column is its owner's to score
-    losses = objective.token_losses(extended, part.columns(first, stop), head)
-    return (losses * scored).sum() / normalizer
+    the whole row). Each run of columns is scored with the column before it borrowed (its
+    loss weighted 0: its owner scores it). Summed over the cp ranks it is the unsplit loss."""
+    split = cp.split(part.mask())
+    extended = _PreviousColumns.apply(output, split)
+    total, at = output.new_zeros((), dtype=torch.float32), 0
+    for start, stop in split.runs[cp.rank]:
+        first = max(start - 1, 0)
+        scored = weights[:, first:stop].clone()
+        if start > 0:
+            scored[:, 0] = 0.0  # the borrowed column is its owner's to score
+        piece = extended[:, at : at + stop - first]
+        at += stop - first
+        total = total + (objective.token_losses(piece, part.columns(first, stop), head) * scored).sum()
+    return total / normalizer
 
 
 def gather_columns(cp: ContextParallel, chunk: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
@@ -307,9 +387,16 @@ def gather_columns(cp: ContextParallel, chunk: torch.Tensor, lengths: Sequence[i
     return torch.cat([part[:, :length] for part, length in zip(parts, lengths, strict=True)], dim=1)
 
 
+def _in_column_order(cp: ContextParallel, chunk: torch.Tensor, held: list[list[int]]) -> torch.Tensor:
+    """Every cp rank's per-column `chunk` of its columns `held[rank]`, gathered and put in column order."""
+    gathered = gather_columns(cp, chunk, [len(columns) for columns in held])
+    where = torch.tensor([col for columns in held for col in columns], device=chunk.device)
+    return gathered[:, where.argsort()]
+
+
 def whole_columns(cp: ContextParallel, chunk: torch.Tensor, seq: int) -> torch.Tensor:
     """A per-column result of this rank's columns of a `seq`-column batch, gathered whole."""
-    return gather_columns(cp, chunk, [stop - start for start, stop in cp.spans(seq)])
+    return _in_column_order(cp, chunk, cp.columns(seq))
 
 
 def next_token_log_probs(
@@ -318,9 +405,9 @@ def next_token_log_probs(
     """[b, seq - 1] log p(tokens[:, i + 1]) from this rank's columns' final hidden states: each rank scores
     the positions it holds that have a next token (every rank has the tokens), gathered whole."""
     seq = int(tokens.shape[1])
-    spans = cp.spans(seq)
-    lengths = [max(0, min(stop, seq - 1) - start) for start, stop in spans]
-    start = spans[cp.rank][0]
-    count = lengths[cp.rank]
-    mine = head.token_log_probs(hidden[:, :count], tokens[:, start + 1 : start + 1 + count])
-    return gather_columns(cp, mine.float(), lengths)
+    every = cp.columns(seq)
+    held = [[col for col in columns if col < seq - 1] for columns in every]
+    local = torch.tensor([index for index, col in enumerate(every[cp.rank]) if col < seq - 1], device=hidden.device)
+    targets = torch.tensor(held[cp.rank], device=tokens.device) + 1
+    scores = head.token_log_probs(hidden[:, local], tokens[:, targets])
+    return _in_column_order(cp, scores.float(), held)
