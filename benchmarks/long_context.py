@@ -30,6 +30,7 @@ import dataclasses
 import math
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,27 +78,31 @@ def _summary(plan: Plan) -> dict[str, Any]:
     }
 
 
+def timed_plan(request: PlanRequest, runs: int, summarize: Callable[[Plan], dict[str, Any]]) -> dict[str, Any]:
+    """`summarize` of the best plan `runs` searches find (or the refusal's first clause when no
+    plan fits), with every search's time and their median in milliseconds."""
+    times: list[float] = []
+    summary: dict[str, Any] = {}
+    for _ in range(runs):
+        started = time.perf_counter()
+        try:
+            result = make_plan(request)
+        except NereusError as exc:  # no plan fits: recorded as such
+            summary = {"no_plan": str(exc).split(";")[0]}
+            break
+        times.append(time.perf_counter() - started)
+        summary = summarize(result.best)
+    summary["search_ms_runs"] = [t * 1000 for t in times]
+    summary["search_ms_median"] = statistics.median(times) * 1000 if times else None
+    return summary
+
+
 def measure(model: Model, gpus: int, response_max: int, runs: int) -> dict[str, Any]:
     workload = with_max_response(workload_preset("grpo-long", actor=model.name), response_max)
     base = PlanRequest(cluster_preset("h100", gpus), models_for(workload, model), workload, gpus)
     row: dict[str, Any] = {"model": model.name, "gpus": gpus, "response_max": response_max}
     for label, choices in (("with_cp", MemoryChoices()), ("without_cp", MemoryChoices(context_parallel=(False,)))):
-        request = dataclasses.replace(base, choices=choices)
-        times: list[float] = []
-        summary: dict[str, Any] | None = None
-        for _ in range(runs):
-            started = time.perf_counter()
-            try:
-                result = make_plan(request)
-            except NereusError as exc:  # no plan fits: recorded as such
-                summary = {"no_plan": str(exc).split(";")[0]}
-                break
-            times.append(time.perf_counter() - started)
-            summary = _summary(result.best)
-        assert summary is not None
-        summary["search_ms_runs"] = [t * 1000 for t in times]
-        summary["search_ms_median"] = statistics.median(times) * 1000 if times else None
-        row[label] = summary
+        row[label] = timed_plan(dataclasses.replace(base, choices=choices), runs, _summary)
     with_cp, without = row["with_cp"], row["without_cp"]
     if "step_time_s" in with_cp and "step_time_s" in without:
         row["gain"] = 1 - with_cp["step_time_s"] / without["step_time_s"]

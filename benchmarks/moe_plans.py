@@ -26,19 +26,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 from _record import begin, write_result
+from long_context import timed_plan
 
 from nereus.cost.calibration import DEFAULT_CALIBRATION
 from nereus.cost.plan_cost import evaluate_plan, stage_cost_model
-from nereus.errors import NereusError
 from nereus.solver.layouts import MemoryChoices
 from nereus.solver.plan_search import PlanRequest
-from nereus.solver.planner import make_plan
 from nereus.spec.check import plan_problems
 from nereus.spec.moe_setups import SETUPS, MoESetup, published_plan
 from nereus.spec.plan import Plan
@@ -74,29 +71,14 @@ def _summary(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _planned(request: PlanRequest, runs: int) -> dict[str, Any]:
-    times: list[float] = []
-    summary: dict[str, Any] = {}
-    for _ in range(runs):
-        started = time.perf_counter()
-        try:
-            result = make_plan(request)
-        except NereusError as exc:  # no plan fits: recorded as such
-            summary = {"no_plan": str(exc).split(";")[0]}
-            break
-        times.append(time.perf_counter() - started)
-        summary = _summary(result.best)
-    summary["search_ms_runs"] = [t * 1000 for t in times]
-    summary["search_ms_median"] = statistics.median(times) * 1000 if times else None
-    return summary
-
-
 def measure(model: str, gpus: int, runs: int) -> dict[str, Any]:
     workload = workload_preset("grpo", actor=model)
     base = PlanRequest(cluster_preset("h100", gpus), models_for(workload, None), workload, gpus)
     row: dict[str, Any] = {"model": model, "gpus": gpus}
-    row["with_ep"] = _planned(base, runs)
-    row["without_ep"] = _planned(dataclasses.replace(base, choices=MemoryChoices(expert_parallel=(False,))), runs)
+    row["with_ep"] = timed_plan(base, runs, _summary)
+    row["without_ep"] = timed_plan(
+        dataclasses.replace(base, choices=MemoryChoices(expert_parallel=(False,))), runs, _summary
+    )
     with_ep, without = row["with_ep"], row["without_ep"]
     if "step_time_s" in with_ep and "step_time_s" in without:
         row["gain"] = 1 - with_ep["step_time_s"] / without["step_time_s"]
@@ -119,7 +101,7 @@ def measure_published(name: str, setup: MoESetup, runs: int) -> dict[str, Any]:
     row: dict[str, Any] = {"setup": name, "url": setup.url, "model": workload.actor, "gpus": setup.gpus}
     row["published_layout"], row["published_gpu"] = setup.published, setup.gpu
     request = PlanRequest(cluster, models_for(workload, None), workload, setup.gpus)
-    row["nereus"] = _planned(request, runs)
+    row["nereus"] = timed_plan(request, runs, _summary)
     plan = published_plan(setup, cluster)
     problems = [p.format("published layout") for p in plan_problems(plan) if p.severity == "error"]
     if problems:
