@@ -63,23 +63,13 @@ def write_plan(folder: Path, name: str, **training: dict[str, Any]) -> str:
     return name
 
 
-@pytest.fixture(scope="module")
-def plain_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The config's 3-step run under its own plan (no recompute, no token budget), the reference
-    of both tests; a test that resumes it works on a copy."""
-    folder = tmp_path_factory.mktemp("plain")
-    result = invoke("run", write_config(folder, num_steps=3), "--out", folder / "out")
-    assert result.exit_code == 0, result.output
-    return folder / "out"
-
-
 def test_recompute_runs_bitwise_the_run_without_it_and_transitions_into_and_out_of_it(
-    plain_run: Path, tmp_path: Path
+    plain_three_step_run: Path, tmp_path: Path
 ) -> None:
     plain, recomputed, switched = (tmp_path / name for name in ("plain", "recomputed", "switched"))
     for folder in (plain, recomputed, switched):
         folder.mkdir()
-    shutil.copytree(plain_run, plain / "out")  # resumed below
+    shutil.copytree(plain_three_step_run, plain / "out")  # resumed below
 
     config = write_config(recomputed, num_steps=3)
     changes = {"actor_training": {"recompute": "full"}, "critic_training": {"recompute": "selective"}}
@@ -114,7 +104,7 @@ def test_recompute_runs_bitwise_the_run_without_it_and_transitions_into_and_out_
     assert training_records(recomputed / "out") == training_records(plain / "out")
 
 
-def test_a_token_budget_run_trains_as_the_run_with_equal_rows(plain_run: Path, tmp_path: Path) -> None:
+def test_a_token_budget_run_trains_as_the_run_with_equal_rows(plain_three_step_run: Path, tmp_path: Path) -> None:
     packed = tmp_path / "packed"
     packed.mkdir()
     config = write_config(packed, num_steps=2)
@@ -122,7 +112,7 @@ def test_a_token_budget_run_trains_as_the_run_with_equal_rows(plain_run: Path, t
     plan = write_plan(packed, "packed.yaml", actor_training=budget, critic_training={"token_budget": TOKEN_BUDGET})
     result = invoke("run", config, "--plan", packed / plan, "--out", packed / "out")
     assert result.exit_code == 0, result.output
-    ours, theirs = read_metrics(packed / "out"), read_metrics(plain_run)[:2]  # its first 2 of 3 steps
+    ours, theirs = read_metrics(packed / "out"), read_metrics(plain_three_step_run)[:2]  # its first 2 of 3 steps
     assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [0, 1]
     # Step 0 samples from the same weights; its second mini-batch follows one AdamW update, which
     # turns rounding-level gradient differences into ~1e-4 relative ones (later steps sample anew).
