@@ -18,7 +18,8 @@ a tiny one, for CI). Then, on a world of one rank (NCCL on CUDA, gloo on the CPU
    skipped), and training-time offload (when this build executes it): measured peak per
    model-stage and rank (`torch.cuda.max_memory_allocated` on CUDA, the runtime tracker's
    resident-set reading on CPU ranks) against the cost model's, and offload's host bytes
-   (`--device cpu`: 8 response tokens instead of 112, since only the code is checked there).
+   (`--device cpu`: 8 response tokens instead of 112 and a ~0.2M-parameter decoder, since only
+   the code is checked there).
 6. vLLM (`--vllm on|only`, when vllm is installed), in a rank of its own as the runtime runs it
    (external launcher, no engine process): the engine's start-up (`LLM(...)` to ready, CUDA
    graphs captured), sampled generation tokens/s of vLLM and of nereus's own engine on the same
@@ -79,12 +80,39 @@ TINY = {
     "vocab_size": 64,
     "max_position_embeddings": 256,
 }
+#: The memory rows' decoder on the CPU: the CPU check only runs the rows' code (every choice
+#: executed, a measured and a predicted peak per model-stage and rank), so it swaps the memory
+#: benchmark's ~26M-parameter `-long` decoder for this ~0.2M one (a few seconds less per row).
+TINY_MEMORY_MODEL = {
+    "name": "decoder-tiny",
+    "num_layers": 2,
+    "hidden_dim": 64,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 16,
+    "ffn_dim": 128,
+    "vocab_size": 512,
+}
 #: Per device: generation (batch, prompt, new tokens), training (batch, sequence, steps), GRPO steps,
-#: and the memory rows' response tokens (None: the memory benchmark's; the CPU check only runs
-#: their code, so it cuts the activation-heavy 112 tokens to a few).
+#: and the memory rows' response tokens and decoder (None: the memory benchmark's; the CPU check
+#: only runs their code, so it cuts the activation-heavy 112 tokens to a few and the decoder to a tiny one).
 SIZES = {
-    "cuda": {"gen": (32, 64, 128), "train": (8, 1024, 4), "rl_steps": 3, "new_tokens": 32, "memory_new_tokens": None},
-    "cpu": {"gen": (2, 8, 4), "train": (2, 16, 2), "rl_steps": 1, "new_tokens": 4, "memory_new_tokens": 8},
+    "cuda": {
+        "gen": (32, 64, 128),
+        "train": (8, 1024, 4),
+        "rl_steps": 3,
+        "new_tokens": 32,
+        "memory_new_tokens": None,
+        "memory_model": None,
+    },
+    "cpu": {
+        "gen": (2, 8, 4),
+        "train": (2, 16, 2),
+        "rl_steps": 1,
+        "new_tokens": 4,
+        "memory_new_tokens": 8,
+        "memory_model": TINY_MEMORY_MODEL,
+    },
 }
 PHASE_TIMEOUT_S = 240
 #: The vLLM section per --vllm-size: samples, prompt tokens, new tokens (every sample that long).
@@ -311,9 +339,19 @@ def memory_rows(device: str, root: Path) -> list[dict[str, Any]]:
         if SIZES[device]["memory_new_tokens"] is not None:
             new_tokens = SIZES[device]["memory_new_tokens"]
             document["workload"]["response_len"] = dict.fromkeys(("median", "p99", "max"), new_tokens)
+        if SIZES[device]["memory_model"] is not None:
+            with_model(document, SIZES[device]["memory_model"])
         measured = memory_row(document, root / "memory" / name, new_tokens, ranks)
         rows.append({"row": name, "ranks": ranks, "stages": measured})
     return rows
+
+
+def with_model(document: dict[str, Any], shapes: dict[str, Any]) -> None:
+    """`document`'s one model, for every role, reshaped to `shapes` (its name included)."""
+    (model,) = document["models"]
+    document["models"] = [{**model, **shapes}]
+    for role in ("actor", "reference", "reward"):
+        document["workload"][role] = shapes["name"]
 
 
 def memory_row_skipped(name: str, ranks: int, gpus: int | None) -> str | None:

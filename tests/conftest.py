@@ -8,6 +8,8 @@ folder. A test with no tier marker is a collection error: the fast loop
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 TIERS = ("logic", "one_rank", "multiprocess", "cli")
@@ -20,3 +22,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"{len(untiered)} test(s) carry no tier marker ({', '.join(TIERS)}), first: {untiered[0]}; "
             "set `pytestmark = pytest.mark.<tier>` in the module"
         )
+
+
+@pytest.fixture(scope="session")
+def plain_three_step_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run folder of `tests.run_helpers.write_config`'s 2-rank config run for 3 steps
+    (checkpoints after steps 2 and 3) under its own plan: the reference several run tests
+    compare against, made once per test process. Read it; a test that resumes it works on a copy."""
+    from tests.cli_helpers import invoke
+    from tests.run_helpers import write_config
+
+    folder = tmp_path_factory.mktemp("plain-three")
+    result = invoke("run", write_config(folder, num_steps=3), "--out", folder / "out")
+    assert result.exit_code == 0, result.output
+    return folder / "out"

@@ -333,14 +333,23 @@ def restored_critic_state(rank: int, world_size: int, setup: Any) -> tuple[list[
 # ---- killed runs (subprocesses) ----
 
 
+@pytest.fixture(scope="module")
+def plain_six(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, float]:
+    """The 2-rank config's plain 6-step run (checkpoints every 2 steps) and its seconds: the
+    reference of the SIGKILL test and of the plan-switch test's steps before its first switch."""
+    folder = tmp_path_factory.mktemp("plain-six")
+    config = write_config(folder, num_steps=6)
+    start = time.monotonic()
+    result = invoke("run", config, "--out", folder / "whole")
+    assert result.exit_code == 0, result.output
+    return folder / "whole", time.monotonic() - start
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_sigkill_at_random_moments_then_resume_is_bitwise(tmp_path: Path) -> None:
+def test_sigkill_at_random_moments_then_resume_is_bitwise(plain_six: tuple[Path, float], tmp_path: Path) -> None:
     config = write_config(tmp_path, num_steps=6)
-    whole = tmp_path / "whole"
-    start = time.monotonic()
-    assert invoke("run", config, "--out", whole).exit_code == 0
-    duration = time.monotonic() - start
+    whole, duration = plain_six
     chooser = random.Random(7)
     for attempt in range(2):
         out = tmp_path / f"killed-{attempt}"
@@ -404,7 +413,9 @@ def test_reward_model_option_runs_checkpoints_and_resumes_bitwise(tmp_path: Path
 
 
 @pytest.mark.multiprocess
-def test_plan_switches_move_state_live_and_resume_under_the_plan_in_force(tmp_path: Path) -> None:
+def test_plan_switches_move_state_live_and_resume_under_the_plan_in_force(
+    plain_six: tuple[Path, float], tmp_path: Path
+) -> None:
     """2 ranks: tp/pp layouts -> colocated dp=2 at step 2 -> actor and critic on their own rank at step 3."""
     plan = yaml.safe_load(PLAN_2RANK.read_text())
     colocated = {**plan, "stages": [{**e, "tp": 1, "pp": 1, "dp": 2, "emus": [[0], [1]]} for e in plan["stages"]]}
@@ -421,13 +432,8 @@ def test_plan_switches_move_state_live_and_resume_under_the_plan_in_force(tmp_pa
     (tmp_path / "split.yaml").write_text(yaml.safe_dump(split))
     switches = [{"step": 2, "plan": "colocated.yaml"}, {"step": 3, "plan": "split.yaml"}]
     config = write_config(tmp_path, num_steps=4, checkpoint_every=3, plan_switches=switches)
-    plain, switched = tmp_path / "plain", tmp_path / "switched"
-    assert (
-        invoke(
-            "run", write_config(tmp_path / "plain-config", num_steps=4) if False else config, "--out", switched
-        ).exit_code
-        == 0
-    )
+    switched = tmp_path / "switched"
+    assert invoke("run", config, "--out", switched).exit_code == 0
     records = read_metrics(switched)
     assert ["transition" in r["stage_seconds"] for r in records] == [False, False, True, True]
     assert (switched / "plan-from-step-000003.yaml").is_file()
@@ -440,8 +446,7 @@ def test_plan_switches_move_state_live_and_resume_under_the_plan_in_force(tmp_pa
     assert [d["decision"]["transition_cost_s"] > 0 for d in decisions] == [True, False]
     assert all(d["measured_cost_s"] > 0 for d in decisions)
     # Before the first switch the run is the plain run, bitwise; after, training goes on.
-    plain_config = write_config(tmp_path, num_steps=4, checkpoint_every=3)
-    assert invoke("run", plain_config, "--out", plain).exit_code == 0
+    plain, _ = plain_six
     assert training_records(switched)[:2] == training_records(plain)[:2]
     assert all(r["actor_loss"] == r["actor_loss"] and r["critic_loss"] is not None for r in records)  # finite
     # Resume after the checkpoint at step 3: under the plan in force then (split).

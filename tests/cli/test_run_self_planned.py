@@ -184,7 +184,9 @@ def test_the_controller_moves_live_into_a_memory_saving_plan_with_the_state_bitw
 @pytest.mark.cli
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_live_moves_into_and_out_of_full_sharding_keep_the_state_bitwise(tmp_path: Path) -> None:
+def test_live_moves_into_and_out_of_full_sharding_keep_the_state_bitwise(
+    plain_three_step_run: Path, tmp_path: Path
+) -> None:
     """2 ranks: the critic (training and inference, dp=2) and the actor's inference are fully
     sharded from step 1 and whole again from step 2; the runtime checks every move bitwise,
     and the run then goes on as the run that never sharded (to the reduction order's rounding)."""
@@ -202,10 +204,7 @@ def test_live_moves_into_and_out_of_full_sharding_keep_the_state_bitwise(tmp_pat
     spans = [json.loads(line) for line in (out / "timeline" / "rank-0.jsonl").read_text().splitlines()]
     checks = [s["args"] for s in spans if s["name"] == "verify state"]
     assert len(checks) == 2 and all(check["equal"] for check in checks)
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    assert invoke("run", write_config(plain, num_steps=3, checkpoint_every=3), "--out", plain / "out").exit_code == 0
-    for a, b in zip(read_metrics(out), read_metrics(plain / "out"), strict=True):
+    for a, b in zip(read_metrics(out), read_metrics(plain_three_step_run), strict=True):
         assert abs(a["reward"] - b["reward"]) <= 0.02
         for field in ("kl", "actor_loss", "critic_loss"):
             assert a[field] == pytest.approx(b[field], rel=1e-3, abs=1e-5), (a["step"], field)

@@ -93,13 +93,23 @@ def migrate_between_decoders(rank: int, world: int, with_cache: bool) -> dict[in
     return source.responses | target.responses
 
 
+def migrate_both_ways(rank: int, world: int) -> dict[str, dict[int, list[int]]]:
+    """`migrate_between_decoders` with the KV cache rows moved (kv-transfer) and without them
+    (recompute: the target prefills the row again), each on decoders of its own."""
+    return {
+        name: migrate_between_decoders(rank, world, with_cache)
+        for name, with_cache in (("kv-transfer", True), ("recompute", False))
+    }
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("with_cache", [True, False], ids=["kv-transfer", "recompute"])
-def test_rows_migrate_between_decoders_unchanged(with_cache: bool) -> None:
-    moved = spawn(migrate_between_decoders, 1, with_cache)[0]
+def test_rows_migrate_between_decoders_unchanged() -> None:
+    """Both mechanisms in one spawned rank (one start-up for the two cases)."""
+    moved = spawn(migrate_both_ways, 1)[0]
     expected = reference_generate(reference_model(), PROMPTS, SAMPLING, budgets=BUDGETS).responses()
-    assert [moved[i] for i in range(12)] == expected
     assert [len(r) for r in expected] == BUDGETS
+    for name in ("kv-transfer", "recompute"):
+        assert [moved[name][i] for i in range(12)] == expected, name
 
 
 def test_a_sample_draws_the_same_tokens_in_any_batch() -> None:
@@ -135,9 +145,23 @@ def rollout_worker(rank: int, world: int, mechanisms: list[str]) -> dict[str, An
     return out
 
 
+def two_rank_worker(rank: int, world: int) -> tuple[dict[str, Any], list[Any]]:
+    """What both 2-rank tests check, one after the other on the same ranks (each builds its own
+    stages): the fused rollout under both mechanisms, then the RL step with and without fusion."""
+    return rollout_worker(rank, world, ["kv-transfer", "recompute"]), step_worker(rank, world)
+
+
+@pytest.fixture(scope="module")
+def two_rank_results() -> list[tuple[dict[str, Any], list[Any]]]:
+    """Per rank, `two_rank_worker`'s results (one spawn of 2 ranks for the two tests)."""
+    return spawn(two_rank_worker, 2)
+
+
 @pytest.mark.multiprocess
-def test_fused_rollout_gives_the_unfused_samples_log_probs_and_values() -> None:
-    results = spawn(rollout_worker, 2, ["kv-transfer", "recompute"])
+def test_fused_rollout_gives_the_unfused_samples_log_probs_and_values(
+    two_rank_results: list[tuple[dict[str, Any], list[Any]]],
+) -> None:
+    results = [rollout for rollout, _ in two_rank_results]
     for rank, by_mechanism in enumerate(results):
         for mechanism, result in by_mechanism.items():
             assert result["same_samples"], (rank, mechanism)
@@ -237,8 +261,10 @@ def step_worker(rank: int, world: int) -> list[Any]:
 
 
 @pytest.mark.multiprocess
-def test_rl_step_with_inter_stage_fusion_matches_the_unfused_step() -> None:
-    (unfused, no_events), (fused, num_events) = spawn(step_worker, 2)[0]
+def test_rl_step_with_inter_stage_fusion_matches_the_unfused_step(
+    two_rank_results: list[tuple[dict[str, Any], list[Any]]],
+) -> None:
+    (unfused, no_events), (fused, num_events) = two_rank_results[0][1]
     assert no_events == 0 and num_events > 0
     for name in ("reward", "score", "response_len_mean", "response_len_min", "response_len_max", "prompt_len"):
         assert getattr(fused, name) == getattr(unfused, name), name

@@ -155,16 +155,23 @@ def test_ppo_steps_are_finite_synced_and_deterministic() -> None:
     assert [numbers(m) for m in result["metrics"]] == [numbers(m) for m in second[0]["metrics"]]
 
 
+def runs_in_turn(rank: int, world: int, runs: list[tuple[Plan, RLConfig, int]]) -> list[dict[str, Any]]:
+    """`run_and_check_sync` for each (plan, config, steps) in turn on the same ranks, each with
+    stages of its own (one start-up of the ranks for several runs)."""
+    return [run_and_check_sync(rank, world, plan, config, num_steps) for plan, config, num_steps in runs]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("algorithm", "split"), [("grpo", True), ("remax", False)])
-def test_critic_free_algorithms_run(algorithm: str, split: bool) -> None:
-    plan = two_rank_plan(algorithm, split)
-    assert plan_problems(plan, 2, CONFIG) == []
-    result = spawn(run_and_check_sync, 2, plan, CONFIG, 2)[0]
-    assert all(math.isfinite(value) for m in result["metrics"] for value in numbers(m) if value is not None)
-    assert all(m.critic_loss is None for m in result["metrics"])
-    assert result["synced"] == {"actor/generation": True, "actor/inference": True}
-    assert result["actor_moved"] and result["reference_kept"]
+def test_critic_free_algorithms_run() -> None:
+    """GRPO on split pools and ReMax colocated, one after the other on the same 2 ranks."""
+    plans = {algorithm: two_rank_plan(algorithm, split) for algorithm, split in (("grpo", True), ("remax", False))}
+    assert all(plan_problems(plan, 2, CONFIG) == [] for plan in plans.values())
+    results = spawn(runs_in_turn, 2, [(plan, CONFIG, 2) for plan in plans.values()])[0]
+    for algorithm, result in zip(plans, results, strict=True):
+        assert all(math.isfinite(value) for m in result["metrics"] for value in numbers(m) if value is not None)
+        assert all(m.critic_loss is None for m in result["metrics"]), algorithm
+        assert result["synced"] == {"actor/generation": True, "actor/inference": True}, algorithm
+        assert result["actor_moved"] and result["reference_kept"], algorithm
 
 
 def run_with_old_log_probs_from(
@@ -180,6 +187,13 @@ def run_with_old_log_probs_from(
     return [numbers(m) for m in metrics], [m.grad_norm for m in metrics], logical_params(stages["actor/training"])
 
 
+def old_log_probs_both_ways(rank: int, world: int, plan: Plan, config: RLConfig) -> tuple[Any, Any]:
+    """`run_with_old_log_probs_from` from the training forward, then (the rule patched in this
+    process from then on) from the inference pass, each run with stages of its own."""
+    skipped = run_with_old_log_probs_from(rank, world, plan, config, True)
+    return skipped, run_with_old_log_probs_from(rank, world, plan, config, False)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_old_log_probs_from_training_equal_the_inference_pass_bitwise() -> None:
@@ -187,8 +201,7 @@ def test_old_log_probs_from_training_equal_the_inference_pass_bitwise() -> None:
     log-probs serve as the old ones, and every number of the run stays the same bits."""
     plan = one_update_plan()
     assert plan_problems(plan, 2, CONFIG) == [] and old_log_probs_from_training(plan, plan.fusion)
-    skipped = spawn(run_with_old_log_probs_from, 2, plan, CONFIG, True)[0]
-    inferred = spawn(run_with_old_log_probs_from, 2, plan, CONFIG, False)[0]
+    skipped, inferred = spawn(old_log_probs_both_ways, 2, plan, CONFIG)[0]
     assert skipped[0] == inferred[0] and skipped[1] == inferred[1]
     assert skipped[0][1][1] != 0.0  # the kl of step 1 (from the old log-probs) is measured
     assert all(torch.equal(skipped[2][key], value) for key, value in inferred[2].items())
@@ -217,11 +230,13 @@ def test_stop_at_eos_off_runs_every_response_to_its_limit() -> None:
     """With EOS honoured some response of the untrained actor stops early (else this test
     could not fail); with `stop_at_eos` off every response is exactly `max_new_tokens` long."""
     plan = two_rank_plan("grpo", split=True)
-    lengths = {}
-    for stop in (True, False):
-        config = RLConfig(max_new_tokens=24, seed=3, stop_at_eos=stop)
-        metrics = spawn(run_and_check_sync, 2, plan, config, 2)[0]["metrics"]
-        lengths[stop] = [(m.response_len_mean, m.response_len_max) for m in metrics]
+    stops = (True, False)
+    runs = [(plan, RLConfig(max_new_tokens=24, seed=3, stop_at_eos=stop), 2) for stop in stops]
+    results = spawn(runs_in_turn, 2, runs)[0]  # both runs on the same 2 ranks, in turn
+    lengths = {
+        stop: [(m.response_len_mean, m.response_len_max) for m in result["metrics"]]
+        for stop, result in zip(stops, results, strict=True)
+    }
     assert any(mean < 24 for mean, _ in lengths[True])
     assert lengths[False] == [(24.0, 24), (24.0, 24)]
 
