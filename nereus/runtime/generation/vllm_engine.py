@@ -39,6 +39,12 @@ through the weight sync that follows every start (the run's first, a resume's, a
 transition's), so the folder is never read twice and the start-up is what the cost model calls
 it, the engine before its weights.
 
+Mixture-of-experts actors (docs/moe.md, "Generation on vLLM"): the sync sends each expert
+stack as one tensor per expert, the names vLLM's fused-MoE loader takes, and re-prepacks vLLM's
+CPU experts after every reload (`_repack_cpu_experts`); the decoding's routing is recorded per
+token and MoE layer (`RoutingRecorder`) for routing replay. Expert parallelism is not run
+(`engine_choice.vllm_expert_parallel_problem` says why).
+
 vllm is imported inside functions only: `nereus --help` and runs on nereus's own engine never
 import it.
 """
