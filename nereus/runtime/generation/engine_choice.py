@@ -149,11 +149,12 @@ def architecture_problem(folder: Path, plan: Plan, on_cuda: bool) -> str | None:
             f"({sizes}); use generation.engine: nereus"
         )
     tp = plan.stage_plan(ACTOR_GENERATION).tp
-    if not on_cuda and model.moe is not None and (model.moe.expert_ffn_dim // tp) % CPU_EXPERT_ALIGNMENT:
+    per_rank = None if model.moe is None else model.moe.expert_ffn_dim // tp
+    if not on_cuda and per_rank is not None and per_rank % CPU_EXPERT_ALIGNMENT:
         return (
-            f"{folder / CONFIG_NAME}: moe_intermediate_size {model.moe.expert_ffn_dim} over actor/generation's "
-            f"tp={tp} is not a multiple of {CPU_EXPERT_ALIGNMENT}, which vLLM's CPU experts pad to and then cannot "
-            "reload weights into (the weight sync); use another tp or generation.engine: nereus"
+            f"{folder / CONFIG_NAME}: moe_intermediate_size {per_rank * tp} over actor/generation's tp={tp} "
+            f"({per_rank} per rank) is not a multiple of {CPU_EXPERT_ALIGNMENT}, which vLLM's CPU experts pad it to "
+            "and then cannot reload weights into (every weight sync); use another tp or generation.engine: nereus"
         )
     return None
 

@@ -404,10 +404,10 @@ class RoutingRecorder:
         """MoE layer `layer`'s experts [tokens, k] for the running forward's tokens."""
         if not self.active:
             return
-        self.pending[layer] = experts.detach().to("cpu", torch.int32, copy=True)
+        self.pending[layer] = experts.detach().to(torch.int32, copy=True)  # on its device: one copy per forward
         if len(self.pending) < self.layers:
             return
-        stacked = torch.stack([self.pending[index] for index in range(self.layers)], dim=1)  # [tokens, layers, k]
+        stacked = torch.stack([self.pending[index] for index in range(self.layers)], dim=1).cpu()  # [tokens, layers, k]
         self.pending.clear()
         requests = self.runner.input_batch.req_ids
         starts = self.runner.query_start_loc.cpu[: len(requests) + 1].tolist()
@@ -621,11 +621,15 @@ def start_engine(
     seed: int,
     tp_group: Any,
     sleep_level: SleepLevel | None = None,
+    moe: bool = False,
 ) -> VLLMEngine:
     """This rank's part of its replica's vLLM engine over `folder`'s model (collective over the
     whole world: vLLM builds its groups on it), with dummy weights until the weight sync loads
     the actor's. `kv_cache_bytes`: the KV pool per rank; `sleep_level`: the level it sleeps at
-    after each rollout (None: it never sleeps; otherwise it is built with vLLM's sleep mode)."""
+    after each rollout (None: it never sleeps; otherwise it is built with vLLM's sleep mode);
+    `moe`: a mixture-of-experts model, whose routing the engine records (`RoutingRecorder`): it
+    runs eager on GPUs too, since the routers' capture hook runs in Python, which a replayed
+    CUDA graph skips."""
     from vllm import LLM
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -647,7 +651,7 @@ def start_engine(
         skip_tokenizer_init=True,
         kv_cache_memory_bytes=kv_cache_bytes,
         max_model_len=max_model_len,
-        enforce_eager=on_cpu,
+        enforce_eager=on_cpu or moe,  # a CUDA graph's replay would not call the routers' capture hook
         enable_prefix_caching=False,
         logprobs_mode=LOGPROBS_MODE,
         generation_config="vllm",

@@ -196,6 +196,7 @@ def start_rollout_engine(config: RunConfig, plan: Plan, stages: dict[str, ModelS
         config.rl.seed,
         stage.engine.groups.tp.group,
         engine_sleep_level(plan, on_cuda and sleep_mode_available()),
+        moe=stage.model.moe is not None,
     )
     assert engine.replica == stage.engine.groups.replica, (engine.replica, stage.engine.groups.replica)
     stage.rollout_engine = engine
