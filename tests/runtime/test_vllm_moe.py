@@ -30,7 +30,7 @@ import torch
 import yaml
 
 from nereus.runtime.comm.spawn import spawn
-from nereus.runtime.generation.engine_choice import architecture_problem
+from nereus.runtime.generation.engine_choice import vllm_layout_problem
 from nereus.runtime.generation.sampling import SamplingConfig
 from nereus.runtime.model.moe import ROUTES_FIELD, sparse_layers
 from nereus.runtime.model.transformer import Batch
@@ -253,5 +253,6 @@ def test_a_vllm_moe_run_records_the_routing_mismatch_and_refuses_ep(tmp_path: Pa
     assert isinstance(source, Plan) and source.models[0].moe is not None
     padded = source.models[0].moe.model_copy(update={"expert_ffn_dim": 48})
     models = [source.models[0].model_copy(update={"moe": padded})]
-    problem = architecture_problem(tmp_path / "moe-tiny", source.model_copy(update={"models": models}), on_cuda=False)
-    assert problem is not None and "moe_intermediate_size 48" in problem and "multiple of 32" in problem, problem
+    problem = vllm_layout_problem(source.model_copy(update={"models": models}))
+    expected = f"stages[{index}].tp: the actor's moe_intermediate_size 48 over actor/generation's tp=1 (48 per rank)"
+    assert problem is not None and problem.startswith(expected), problem

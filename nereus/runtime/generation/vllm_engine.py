@@ -43,7 +43,7 @@ Mixture-of-experts actors (docs/moe.md, "Generation on vLLM"): the sync sends ea
 stack as one tensor per expert, the names vLLM's fused-MoE loader takes, and re-prepacks vLLM's
 CPU experts after every reload (`_repack_cpu_experts`); the decoding's routing is recorded per
 token and MoE layer (`RoutingRecorder`) for routing replay. Expert parallelism is not run
-(`engine_choice.vllm_expert_parallel_problem` says why).
+(`engine_choice.vllm_expert_problem` says why).
 
 vllm is imported inside functions only: `nereus --help` and runs on nereus's own engine never
 import it.
