@@ -128,8 +128,9 @@ class RLConfig(StrictModel):
     own router's top-k (rollout routing replay; the weights stay the router's probabilities at
     those experts; docs/runtime.md, "Running MoE"). The rollout's routing is nereus's own
     generation engine's over the sampled sequences, or the experts a vLLM engine's decoding
-    chose (docs/moe.md); the fused rollout records none. Either way a MoE run records the share
-    of tokens the trainer would route elsewhere (`routing_mismatch` in metrics.jsonl)."""
+    chose (docs/moe.md); the fused rollout and async execution record none. Either way a MoE
+    run records the share of tokens the trainer would route elsewhere (`routing_mismatch` in
+    metrics.jsonl)."""
     router_aux_loss_coef: float = Field(default=0.0, ge=0)
     """Mixture-of-experts actors: the weight of the router's auxiliary load-balancing loss
     (Switch Transformer's; transformers' `router_aux_loss_coef` with `output_router_logits`)

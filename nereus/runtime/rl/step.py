@@ -260,8 +260,8 @@ def replayed_routing(
     if generated.routes is None:
         if config.routing_replay:
             raise ValueError(
-                "rl.routing_replay: this run's rollout has no recorded routing (a dense model or the fused "
-                "rollout); set it to false"
+                "rl.routing_replay: this run's rollout has no recorded routing (a dense model, the fused rollout or "
+                "async execution); set it to false"
             )
         return generated, None
     batch = generated.batch
