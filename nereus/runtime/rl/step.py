@@ -253,20 +253,25 @@ def replayed_routing(
 ) -> tuple[Rollout, float | None]:
     """The rollout with its routing in the batch when `rl.routing_replay` (the actor's old
     log-probs and training then replay it), and the share of tokens the trainer's own router
-    sends elsewhere (None without a recorded routing). Collective."""
+    sends elsewhere (None without a recorded routing). Positions the rollout routed none of
+    (-1: a vLLM engine never feeds a sequence's last token to a forward, and no log-prob
+    depends on that token's output) take the trainer's own routing and are not counted.
+    Collective."""
     if generated.routes is None:
         if config.routing_replay:
             raise ValueError(
-                "rl.routing_replay: this run's rollout has no recorded routing (a dense model, a vLLM engine or "
-                "the fused rollout); set it to false"
+                "rl.routing_replay: this run's rollout has no recorded routing (a dense model, the fused rollout or "
+                "async execution); set it to false"
             )
         return generated, None
     batch = generated.batch
     with timed(seconds, ACTOR_TRAINING):
         own = replica_routing(stages[ACTOR_TRAINING], without_routes(batch))
-    mismatch = routing_mismatch(generated.routes, own, batch.mask())
+    routed = (generated.routes >= 0).all(dim=-1)  # [b, t, layers]
+    routes = torch.where(routed.unsqueeze(-1), generated.routes, own)
+    mismatch = routing_mismatch(routes, own, batch.mask().bool() & routed.all(dim=-1))
     if config.routing_replay:
-        fields = {**batch.fields, ROUTES_FIELD: generated.routes}
+        fields = {**batch.fields, ROUTES_FIELD: routes}
         replayed = Batch(batch.tokens, batch.attention_mask, fields, batch.first_column)
         generated = dataclasses.replace(generated, batch=replayed)
     return generated, mismatch

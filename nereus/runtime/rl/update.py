@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.runtime.comm import collectives
-from nereus.runtime.hf.names import hf_name
+from nereus.runtime.hf.names import hf_tensors
 from nereus.runtime.model.fused_pipeline import FusedPart, OpTiming
 from nereus.runtime.model.fused_schedule import fused_schedule
 from nereus.runtime.model.transformer import Batch
@@ -362,7 +362,7 @@ def sync_weights(syncs: list[WeightSync]) -> None:
             assert result.step is not None
             target.engine.load_local_state(result.tensors, result.step)
             if target.rollout_engine is not None:  # vLLM samples with what the sync just filled in
-                target.rollout_engine.push_weights(target.engine.weights(), weights_meta(target), rank, hf_name)
+                target.rollout_engine.push_weights(target.engine.weights(), weights_meta(target), rank, hf_tensors)
 
 
 def copy_kept(
