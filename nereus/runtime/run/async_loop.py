@@ -59,7 +59,14 @@ from nereus.runtime.observe import timeline
 from nereus.runtime.observe.memory import PeakTracker
 from nereus.runtime.rl.async_queue import StalenessQueue, VersionedSample, read_batch, remove_batch, write_batch
 from nereus.runtime.rl.optimization import with_decay_horizon
-from nereus.runtime.rl.partial_rollout import STATE_FILE, TENSORS_FILE, PartialRollout, Piece, version_spans
+from nereus.runtime.rl.partial_rollout import (
+    STATE_FILE,
+    TENSORS_FILE,
+    PartialRollout,
+    Piece,
+    longest_by_version,
+    version_spans,
+)
 from nereus.runtime.rl.rollout import generate_responses, kv_budget, rollout, rollout_kv_bytes, token_aligned
 from nereus.runtime.rl.run_data import REWARD_ERRORS_NAME, StepInputs, append_reward_errors, step_inputs
 from nereus.runtime.rl.samples import append_samples
@@ -445,6 +452,7 @@ class AsyncLoop:
             "staleness": {str(lag): count for lag, count in staleness.items()},
             "version_spans": {str(span): count for span, count in spans.items()},
             "continued": sum(count for span, count in spans.items() if span > 1),
+            "longest_by_version": {str(version): n for version, n in longest_by_version(taken).items()},
             "queue_depth": depth,
             "max_staleness": self.queue.max_staleness,
             "generation_busy_s": totals.seconds[GENERATION_BUSY],
