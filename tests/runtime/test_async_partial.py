@@ -16,6 +16,7 @@ weights (generation on rank 1, training on rank 0: tests/data/plan-tiny-grpo-asy
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from pathlib import Path
@@ -90,6 +91,63 @@ def test_samples_in_flight_round_trip_and_a_damaged_file_is_refused(tmp_path: Pa
     with pytest.raises(NereusError) as refused:
         PartialRollout(2, 3, 7, 10).load(tmp_path, 2)
     assert str(tmp_path / STATE_FILE) in str(refused.value) and "\n" not in str(refused.value)
+
+
+PROMPTS = [[3, 17, 42, 8, 1], [9, 9], [60, 2, 33], [5, 6, 7, 8], [11, 12], [40, 41, 42]]
+BUDGETS = [6, 20, 3, 12, 9, 1]
+
+
+def pause_worker(rank: int, world: int) -> dict[str, list[list[int]]]:
+    """Samples of two draws (seeds 7 and 8) generated whole, and paused after 2 tokens in one
+    decoder then continued (`continue_generate`), on one rank of the tiny model."""
+    from nereus.runtime.generation.generate import continue_generate, generate
+    from nereus.runtime.generation.sampling import SamplingConfig, sample_seed
+    from nereus.runtime.model.engine import Engine
+    from nereus.runtime.model.initialization import init_logical_params
+    from nereus.runtime.state.shard_layout import RankLayout
+    from nereus.spec.presets import MODELS
+
+    engine = Engine.create(MODELS["tiny"], "lm", RankLayout(1, 1, 1, (0,)))
+    assert engine is not None
+    logical = init_logical_params(MODELS["tiny"], "lm", 5, randomize_all=True)
+    engine.load_logical_params({name: v * 5.0 if v.dim() == 2 else v for name, v in logical.items()})
+    config = SamplingConfig(max_new_tokens=20, temperature=1.0, top_p=0.9)
+    seeds = [7 + row % 2 for row in range(len(PROMPTS))]  # two draws, interleaved in one decoder
+    whole = [
+        generate(engine, [prompt], dataclasses.replace(config, seed=seed), [row], [budget]).responses()[0]
+        for row, (prompt, budget, seed) in enumerate(zip(PROMPTS, BUDGETS, seeds, strict=True))
+    ]
+    keys = [sample_seed(seed, row) for row, seed in enumerate(seeds)]
+    rows = range(len(PROMPTS))
+    first = continue_generate(
+        engine, PROMPTS, [len(p) for p in PROMPTS], [min(2, b) for b in BUDGETS], rows, keys, config
+    )
+    left = [row for row in rows if len(first[row]) < BUDGETS[row]]
+    rest = continue_generate(
+        engine,
+        [PROMPTS[row] + first[row] for row in left],
+        [len(PROMPTS[row]) for row in left],
+        [BUDGETS[row] for row in left],
+        left,
+        [keys[row] for row in left],
+        config,
+    )
+    paused = list(first)
+    for row, tokens in zip(left, rest, strict=True):
+        paused[row] = tokens
+    return {"whole": whole, "paused": paused}
+
+
+@pytest.mark.multiprocess
+def test_a_paused_sample_continues_with_the_tokens_it_would_have_drawn() -> None:
+    """Under the same weights a sample paused and continued from its prompt and tokens is the
+    uninterrupted sample, token for token, though samples of two draws share the decoder: its
+    stream is keyed by its draw and counted by its tokens."""
+    from nereus.runtime.comm.spawn import spawn
+
+    out = spawn(pause_worker, 1)[0]
+    assert out["paused"] == out["whole"]
+    assert [len(tokens) for tokens in out["whole"]] == BUDGETS
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,12 @@ whatever the timing; a checkpoint after step t holds the queue (batches t + 1..t
 sample with its version; `StalenessQueue.save`, checksummed in the manifest) and a resume's
 generator continues at its `next_index`: no sample is lost or repeated.
 
+Under partial rollout (`partial_rollout: true`) at k >= 2 the generation pool generates every
+batch over the k ticks of its window instead, at most ceil(L / k) tokens a sample a tick, all
+batches in flight in one engine, pausing each unfinished sample at the weight sync and continuing
+it under the new weights (`partial_rollout`: the rule, the samples in flight and their
+checkpoint); each token keeps the version that sampled it and its behaviour log-prob.
+
 Under vLLM generation (`generation.engine: vllm`) the generation pool samples with vLLM engines,
 which keep every token's log-prob (the behaviour log-probs), and the weight sync pushes the
 trained weights into them; every training rank starts a vLLM engine that stands by, since
