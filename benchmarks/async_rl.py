@@ -26,7 +26,8 @@ ticks), async k=2 with and without it. Give the responses a long tail (`--sft-st
 --max-new-tokens 32`: the warm start teaches the model to stop after its answer, a few
 responses run on to the budget). Besides the step times it records each tick's decode steps
 (the most tokens a sample generated in it, from the trained batches' `longest_by_version`),
-which the load does not change, and the generation pool's busy seconds a step. Writes
+which the load does not change, and the generation pool's busy seconds and CPU seconds a step
+(the leading generation rank's `time.process_time`, which other jobs stretch less). Writes
 benchmarks/results/async_rl_partial.json.
 
     .venv/bin/python benchmarks/async_rl.py --partial --sft-steps 20 --max-new-tokens 32 [--repetitions 3]
@@ -247,6 +248,7 @@ def main() -> None:
     lengths: dict[str, list[list[float]]] = {mode: [] for mode in modes}
     ticks: dict[str, list[int]] = {}
     generation_s: dict[str, list[float]] = {mode: [] for mode in modes}
+    generation_cpu: dict[str, list[float]] = {mode: [] for mode in modes}
     for repetition in range(args.repetitions):
         for mode, k in modes.items():
             start = time.perf_counter()
@@ -265,6 +267,7 @@ def main() -> None:
                 overlap = statistics.median(r["overlap_s"] / m.step_seconds for r, m in pairs)
                 busy[mode].append(shares | {"overlap_share": overlap})
                 generation_s[mode].append(statistics.median(r["generation_busy_s"] for r in records))
+                generation_cpu[mode].append(statistics.median(r["generation_cpu_s"] for r in records))
             parts = {
                 name: statistics.median(m.stage_seconds.get(name, 0.0) for m in steady)
                 for name in ("actor/generation", "actor/training", "weight_sync")
@@ -302,6 +305,7 @@ def main() -> None:
             "decode_steps_per_tick": ticks[mode],
             "decode_steps_per_tick_median": statistics.median(ticks[mode]),
             "generation_busy_s_median": statistics.median(generation_s[mode]) if generation_s[mode] else None,
+            "generation_cpu_s_median": statistics.median(generation_cpu[mode]) if generation_cpu[mode] else None,
         }
         rows.append(row)
         shares = (

@@ -97,6 +97,9 @@ from nereus.spec.stages import ACTOR_GENERATION
 HANDOFF_NAME = "async"
 #: The busy times each pool adds to the step's gathered seconds (then moved to `async_step`).
 GENERATION_BUSY, TRAINING_BUSY, BATCH_WAIT = "async_generation_busy", "async_training_busy", "async_batch_wait"
+#: The CPU seconds (`time.process_time`) the generation pool's leading rank spent generating:
+#: its work, which other jobs on the machine's cores stretch less than its busy wall seconds.
+GENERATION_CPU = "async_generation_cpu"
 #: When (time.time()) each pool's work of the step began and ended: the generation pool's
 #: generation (its leading rank's), the training pool's inference and training (rank 0's); the
 #: other ranks report 0 and the gather takes the largest.
@@ -249,6 +252,7 @@ class AsyncLoop:
         self.names = [
             *metric_names(self.plan, self.stages),
             GENERATION_BUSY,
+            GENERATION_CPU,
             TRAINING_BUSY,
             BATCH_WAIT,
             *GENERATION_SPAN,
@@ -266,7 +270,7 @@ class AsyncLoop:
     def generation_step(self, step: int, leads: bool) -> None:
         """Step `step` on a generation rank: generate every batch up to step + k at version
         `step` (the leading rank hands each over), then the weight sync and the step's record."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         seconds = begin_step(self.stages, self.tracker)
         if self.partial is not None:
             self.partial_tick(step, leads, seconds)
@@ -282,6 +286,8 @@ class AsyncLoop:
                     write_batch(self.handoff, batch, samples)
             self.next_batch += 1
         seconds[GENERATION_BUSY] = time.perf_counter() - start
+        if leads:
+            seconds[GENERATION_CPU] = time.process_time() - cpu_start
         with timed(seconds, "weight_sync"):
             sync_weights(self.syncs)
         self.engine_phases(seconds)
@@ -462,6 +468,7 @@ class AsyncLoop:
             "queue_depth": depth,
             "max_staleness": self.queue.max_staleness,
             "generation_busy_s": totals.seconds[GENERATION_BUSY],
+            "generation_cpu_s": totals.seconds[GENERATION_CPU],
             "training_busy_s": totals.seconds[TRAINING_BUSY],
             "batch_wait_s": totals.seconds[BATCH_WAIT],
             "overlap_s": overlap(totals.seconds),
