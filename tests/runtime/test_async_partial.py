@@ -71,6 +71,19 @@ def fill(rollout: PartialRollout, tick: int, stop_at: int) -> None:
 
 
 @pytest.mark.logic
+def test_going_on_past_the_last_step_admits_the_missed_batches_whole() -> None:
+    """`--resume --steps N` after a finished run: the batches whose windows opened before the
+    resume are admitted at its first tick and generated whole there (their deadlines passed)."""
+    rollout = PartialRollout(2, 3, 7, 10)
+    rollout.catch_up_from = 4
+    fill(rollout, 5, stop_at=99)  # 4 and 5 are past due, 6 is due now, 7's window opens here
+    assert sorted(rollout.batches) == [4, 5, 6, 7]
+    assert [batch for batch, _ in rollout.hand_over(5)] == [4, 5, 6]
+    assert [len(s.tokens) for s in rollout.batches[7]] == [tick_cap(7, 2, 7)] * 3 == [4] * 3
+    assert rollout.admitted_at(6) == [8] and not rollout.late
+
+
+@pytest.mark.logic
 def test_samples_in_flight_round_trip_and_a_damaged_file_is_refused(tmp_path: Path) -> None:
     rollout = PartialRollout(2, 3, 7, 10)
     handed = []

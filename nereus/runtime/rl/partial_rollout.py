@@ -110,12 +110,20 @@ class PartialRollout:
         """Batches the run trains (none past them is admitted)."""
         self.batches: dict[int, list[InFlight]] = {}
         """Admitted batches not handed over yet, in the stream's order."""
+        self.catch_up_from: int | None = None
+        """The first batch of a run gone on past its last step (`--resume --steps N`) whose window
+        opened before the resume: the resume's first tick admits it and the ones after it late."""
+        self.late: set[int] = set()
+        """Batches admitted after their window opened: generated whole in their first tick."""
 
     def admitted_at(self, tick: int) -> list[int]:
         """The batches tick `tick` admits: those whose window opens there."""
         first = 0 if tick == 0 else tick + self.max_staleness
         last = min(tick + self.max_staleness, self.num_batches - 1)
-        return [batch for batch in range(first, last + 1) if window(batch, self.max_staleness)[0] == tick]
+        if self.catch_up_from is not None:  # the windows of these opened before the run stopped
+            first, self.catch_up_from = self.catch_up_from, None
+            self.late = {batch for batch in range(first, last + 1) if window(batch, self.max_staleness)[0] < tick}
+        return [batch for batch in range(first, last + 1) if window(batch, self.max_staleness)[0] <= tick]
 
     def admit(self, batch: int, prompts: list[list[int]], greedy: list[list[int]] | None = None) -> None:
         """Batch `batch`'s samples, nothing generated yet."""
@@ -129,7 +137,9 @@ class PartialRollout:
         """This tick's work, in the stream's order: every unfinished sample with its cap."""
         pieces = []
         for batch, samples in self.batches.items():
-            cap = tick_cap(batch, self.max_staleness, self.max_new_tokens)
+            cap = (
+                self.max_new_tokens if batch in self.late else tick_cap(batch, self.max_staleness, self.max_new_tokens)
+            )
             for sample in samples:
                 if not sample.finished:
                     pieces.append(Piece(sample, min(cap, self.max_new_tokens - len(sample.tokens))))
@@ -158,6 +168,7 @@ class PartialRollout:
         out = []
         for batch in sorted(self.batches):
             samples = self.batches[batch]
+            self.late.discard(batch)
             if not all(sample.finished for sample in samples):
                 assert window(batch, self.max_staleness)[1] > tick, f"batch {batch} is not whole by its tick {tick}"
                 break
@@ -166,10 +177,6 @@ class PartialRollout:
         for batch in self.batches:
             assert window(batch, self.max_staleness)[1] > tick, f"batch {batch} is not whole by its tick {tick}"
         return out
-
-    def first_batch(self, admitted_through: int) -> int:
-        """The next batch to hand over: the oldest in flight, else the one after the admitted ones."""
-        return min(self.batches, default=admitted_through + 1)
 
     # ---- checkpoints ----
 

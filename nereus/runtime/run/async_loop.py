@@ -575,11 +575,15 @@ def start_partial(setup: RunSetup, queue: StalenessQueue) -> PartialRollout | No
         return partial
     partial.load(setup.checkpoint, setup.start_step - 1)
     admitted = min(setup.start_step - 1 + workload.staleness, config.num_steps - 1)
-    if partial.first_batch(admitted) != queue.next_index // queue.batch_size:
+    queued_through = queue.next_index // queue.batch_size - 1
+    if partial.batches and min(partial.batches) != queued_through + 1:
         raise NereusError(
-            f"{setup.checkpoint}: the samples in flight start at batch {partial.first_batch(admitted)} but the queue "
-            f"ends before batch {queue.next_index // queue.batch_size}; the checkpoint is not one this run wrote"
+            f"{setup.checkpoint}: the samples in flight start at batch {min(partial.batches)} but the queue "
+            f"ends before batch {queued_through + 1}; the checkpoint is not one this run wrote"
         )
+    last_admitted = max(queued_through, *partial.batches)
+    if last_admitted < admitted:  # going on past the steps the checkpoint's run had (`--resume --steps N`)
+        partial.catch_up_from = last_admitted + 1
     return partial
 
 
