@@ -107,8 +107,8 @@ GENERATION_SPAN = ("async_generation_start", "async_generation_end")
 TRAINING_SPAN = ("async_training_start", "async_training_end")
 #: How often the training pool looks for a batch it waits for.
 POLL_S = 0.002
-#: The hand-off folder's copy of the samples in flight after a checkpoint's tick (partial rollout).
-IN_FLIGHT = "in-flight-{:06d}"
+#: The hand-off folder's copies of the samples in flight after a checkpoint's tick (partial rollout).
+IN_FLIGHT_PREFIX = "in-flight-"
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def run_async(rank: int, world_size: int, setup: RunSetup) -> int:
         if rank == 0:  # batches a killed run generated past its checkpoint are generated again
             for stale in handoff.glob("batch-*") if handoff.is_dir() else ():
                 stale.unlink()
-            for stale in handoff.glob(IN_FLIGHT.format(0)[:-6] + "*") if handoff.is_dir() else ():
+            for stale in handoff.glob(IN_FLIGHT_PREFIX + "*") if handoff.is_dir() else ():
                 shutil.rmtree(stale)
             handoff.mkdir(exist_ok=True)
         collectives.barrier()
@@ -353,7 +353,9 @@ class AsyncLoop:
             seconds[GENERATION_SPAN[1]] = time.time()
         done = step + 1
         if leads and (done % self.setup.config.checkpoint_every == 0 or done == self.setup.config.num_steps):
-            partial.save(self.handoff / IN_FLIGHT.format(step), step)  # before the sync: the checkpoint copies it
+            partial.save(
+                self.handoff / f"{IN_FLIGHT_PREFIX}{step:06d}", step
+            )  # before the sync: the checkpoint copies it
 
     def continue_pieces(
         self, pieces: list[Piece], sampling: SamplingConfig, seconds: dict[str, float]
@@ -535,7 +537,7 @@ class AsyncLoop:
         def save(folder: Path) -> None:
             self.queue.save(folder)
             if workload.partial_rollout and workload.staleness >= 2:
-                written = self.handoff / IN_FLIGHT.format(done - 1)
+                written = self.handoff / f"{IN_FLIGHT_PREFIX}{done - 1:06d}"
                 for name in (TENSORS_FILE, STATE_FILE):
                     shutil.copyfile(written / name, folder / name)
                 shutil.rmtree(written)
