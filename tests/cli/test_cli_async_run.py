@@ -1,7 +1,7 @@
 """`nereus run` refuses, in one line and before any rank starts, the async runs its loop cannot
-run (docs/async.md, "The run loop"): a partial rollout with nereus's own engine (it cannot
-pause a generation), async on one rank (no split into pools), vLLM generation without the
-actor's folder or on a generation pool vLLM's external launcher cannot group."""
+run (docs/async.md, "The run loop"): async on one rank (no split into pools), vLLM generation
+without the actor's folder or on a generation pool vLLM's external launcher cannot group. (A
+partial rollout runs with either engine: tests/runtime/test_async_partial.py.)"""
 
 from __future__ import annotations
 
@@ -34,14 +34,6 @@ def write_run(folder: Path, plan: dict[str, Any], **config: Any) -> Path:
 def async_plan() -> dict[str, Any]:
     plan: dict[str, Any] = yaml.safe_load(PLAN.read_text())
     return plan
-
-
-def test_partial_rollout_with_nereus_engine_is_refused(tmp_path: Path) -> None:
-    plan = async_plan()
-    plan["workload"]["partial_rollout"] = True
-    line = one_error_line(invoke("run", write_run(tmp_path, plan), "--out", tmp_path / "out"))
-    assert "workload.partial_rollout" in line and "cannot pause" in line, line
-    assert not (tmp_path / "out").exists()
 
 
 def test_async_on_one_rank_is_refused(tmp_path: Path) -> None:

@@ -254,6 +254,33 @@ class BatchingDecoder:
             else:
                 self._submit([request])
 
+    def resume(
+        self,
+        sequences: Sequence[Sequence[int]],
+        prompt_lens: Sequence[int],
+        budgets: Sequence[int],
+        sample_ids: Sequence[int],
+        keys: Sequence[int],
+    ) -> None:
+        """Queue samples that continue from their prompt and the tokens they generated so far
+        (`sequences[i]`: `prompt_lens[i]` prompt tokens, then those; recomputed when admitted),
+        each stopping once it has generated `budgets[i]` tokens in all and drawing its next token
+        from stream `keys[i]` at its count (`sampling.sample_seed`): samples of several draws in
+        one decoder, as a partial rollout continues them after a weight sync. Their responses
+        (`responses`) hold every generated token, the earlier ones included."""
+        if not len(sequences) == len(prompt_lens) == len(budgets) == len(sample_ids) == len(keys):
+            raise ValueError(f"{len(sequences)} sequences need as many prompt lengths, budgets, sample ids and keys")
+        requests = [
+            Request(int(sid), list(tokens), int(prompt_len), int(budget), int(key))
+            for tokens, prompt_len, budget, sid, key in zip(
+                sequences, prompt_lens, budgets, sample_ids, keys, strict=True
+            )
+        ]
+        if any(not (r.prompt_len > 0 and r.generated < r.budget) for r in requests):
+            raise ValueError("every resumed sample needs a prompt and a budget above the tokens it generated")
+        if requests:
+            self._submit(requests)
+
     def generation(self, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int]) -> Generation:
         """The finished samples `sample_ids` (with these prompts) as one left-padded batch."""
         return assemble(prompts, [self.responses[sid] for sid in sample_ids], self.config.pad_token_id)

@@ -344,3 +344,24 @@ def reference_generate(
 ) -> Generation:
     """`generate` by the single-process reference model, recomputing the prefix every step."""
     return _generate(Decoder(RecomputeForward(model), config), prompts, config, sample_ids, budgets)
+
+
+def continue_generate(
+    engine: Engine,
+    sequences: Sequence[Sequence[int]],
+    prompt_lens: Sequence[int],
+    budgets: Sequence[int],
+    sample_ids: Sequence[int],
+    keys: Sequence[int],
+    config: SamplingConfig,
+    kv_budget: KVBudget | None = None,
+) -> list[list[int]]:
+    """Continue samples from their prompt and tokens so far on this engine's replica
+    (collective over its ranks; the continuous engine, `BatchingDecoder.resume`): sample i
+    stops at a stop token or once it has generated `budgets[i]` tokens in all, drawing from
+    the stream keyed `keys[i]` (its seed is not `config.seed`'s: samples of several draws run
+    together). Each sample's generated tokens, the earlier ones included, in order."""
+    decoder = BatchingDecoder(engine, config, kv_budget or KVBudget())
+    decoder.resume(sequences, prompt_lens, budgets, sample_ids, keys)
+    decoder.run()
+    return [decoder.responses[int(sid)] for sid in sample_ids]

@@ -468,6 +468,31 @@ def continuation_seed(seed: int, sample_id: int, generated: int) -> int:
     return key if generated == 0 else sample_seed(key, generated)
 
 
+def continue_generation(
+    engine: VLLMEngine,
+    sequences: Sequence[list[int]],
+    seeds: Sequence[int],
+    max_tokens: Sequence[int],
+    sampling: SamplingConfig,
+) -> Generated:
+    """Continue samples on `engine` from their prompt and tokens so far (`sequences[i]`, which
+    vLLM prefills again), each drawing from its own `seeds[i]` (`continuation_seed`) at most
+    `max_tokens[i]` more tokens (its pause point: a partial rollout stops every sample after
+    the tokens a tick allows and continues it after the weight sync); the new tokens and their
+    raw log-probs under the engine's weights. Every tp rank of the engine calls it with the
+    same arguments; the samples may come from draws of several steps (the seed is per request)."""
+    from vllm.inputs import TokensPrompt
+
+    if not sequences:
+        return Generated([], [])
+    engine.sleeper.wake()
+    requests = [TokensPrompt(prompt_token_ids=list(sequence)) for sequence in sequences]
+    params = [sampling_params(sampling, seed, cap) for seed, cap in zip(seeds, max_tokens, strict=True)]
+    outputs = engine.llm.generate(requests, params, use_tqdm=False)
+    new = [completion(output) for output in outputs]
+    return Generated([tokens for tokens, _ in new], [values for _, values in new])
+
+
 @dataclass
 class _Running:
     """A request of `VLLMDecoder`: its prompt, what it generated (here and where it started)."""

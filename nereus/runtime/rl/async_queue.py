@@ -52,7 +52,8 @@ class VersionedSample:
     version: int
     """The policy version of the weights that generated it (the oldest, under partial rollout)."""
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Its per-sample tensors (tokens, the behaviour log-probs, ...), saved with the queue."""
+    """Its per-sample tensors (tokens, the behaviour log-probs, `versions`: the version that
+    sampled each response token, ...), saved with the queue."""
     info: dict[str, Any] = field(default_factory=dict)
     """Its JSON-able facts (the prompt's id, the reward, ...), saved with the queue."""
 
@@ -106,6 +107,7 @@ class StalenessQueue:
         trained more than `max_staleness` versions after its own: regenerate it under newer weights."""
         with self._changed:
             assert sample.index == self._next_index, f"sample {sample.index} put where {self._next_index} is next"
+            assert oldest_token(sample) in (None, sample.version), (sample.index, sample.version, oldest_token(sample))
             if self._room(sample.version) == 0:
                 return False
             self._samples.append(sample)
@@ -203,6 +205,8 @@ class StalenessQueue:
                 raise ValueError(f"{where}: tensor {missing[0]!r} missing from the tensors file")
             sample_tensors = {name: tensors[f"{entry['index']}/{name}"] for name in entry["tensors"]}
             sample = VersionedSample(entry["index"], entry["version"], sample_tensors, entry.get("info", {}))
+            if oldest_token(sample) not in (None, sample.version):
+                raise ValueError(f"{where}.version: {sample.version}, but its oldest token's is {oldest_token(sample)}")
             if not queue.put(sample):
                 raise ValueError(f"{where}: version {entry['version']} is more than max_staleness behind its training")
         return queue
@@ -230,6 +234,14 @@ class StalenessQueue:
             return cls.from_state(data, tensors)
         except ValueError as error:
             raise NereusError(f"{state_path}: {error}") from None
+
+
+def oldest_token(sample: VersionedSample) -> int | None:
+    """The oldest version among the sample's tokens (its `versions` tensor, one per response
+    token: a partial rollout's sample spans several), which is the sample's version; None
+    where it records none."""
+    versions = sample.tensors.get("versions")
+    return None if versions is None or versions.numel() == 0 else int(versions.min())
 
 
 def encode_samples(samples: list[VersionedSample]) -> tuple[list[dict[str, Any]], dict[str, torch.Tensor]]:

@@ -23,6 +23,12 @@ whatever the timing; a checkpoint after step t holds the queue (batches t + 1..t
 sample with its version; `StalenessQueue.save`, checksummed in the manifest) and a resume's
 generator continues at its `next_index`: no sample is lost or repeated.
 
+Under partial rollout (`partial_rollout: true`) at k >= 2 the generation pool generates every
+batch over the k ticks of its window instead, at most ceil(L / k) tokens a sample a tick, all
+batches in flight in one engine, pausing each unfinished sample at the weight sync and continuing
+it under the new weights (`partial_rollout`: the rule, the samples in flight and their
+checkpoint); each token keeps the version that sampled it and its behaviour log-prob.
+
 Under vLLM generation (`generation.engine: vllm`) the generation pool samples with vLLM engines,
 which keep every token's log-prob (the behaviour log-probs), and the weight sync pushes the
 trained weights into them; every training rank starts a vLLM engine that stands by, since
@@ -32,7 +38,9 @@ vLLM's external launcher builds its groups over the whole world (`start_async_en
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,17 +52,33 @@ from nereus.errors import NereusError
 from nereus.runtime.comm import collectives
 from nereus.runtime.comm.world import collective_timeout, device
 from nereus.runtime.generation.engine_choice import generation_engine, max_model_len
-from nereus.runtime.generation.vllm_engine import VLLMEngine, sleep_mode_available, start_engine
+from nereus.runtime.generation.generate import continue_generate
+from nereus.runtime.generation.sampling import SamplingConfig, sample_seed
+from nereus.runtime.generation.vllm_engine import (
+    VLLMEngine,
+    continuation_seed,
+    continue_generation,
+    sleep_mode_available,
+    start_engine,
+)
 from nereus.runtime.observe import timeline
 from nereus.runtime.observe.memory import PeakTracker
 from nereus.runtime.rl.async_queue import StalenessQueue, VersionedSample, read_batch, remove_batch, write_batch
 from nereus.runtime.rl.optimization import with_decay_horizon
-from nereus.runtime.rl.rollout import rollout, rollout_kv_bytes, token_aligned
+from nereus.runtime.rl.partial_rollout import (
+    STATE_FILE,
+    TENSORS_FILE,
+    PartialRollout,
+    Piece,
+    longest_by_version,
+    version_spans,
+)
+from nereus.runtime.rl.rollout import generate_responses, kv_budget, rollout, rollout_kv_bytes, token_aligned
 from nereus.runtime.rl.run_data import REWARD_ERRORS_NAME, StepInputs, append_reward_errors, step_inputs
 from nereus.runtime.rl.samples import append_samples
 from nereus.runtime.rl.scoring import infer
-from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, rollout_batch
-from nereus.runtime.rl.step import begin_step, draw_prompts, metric_names, plan_peaks, train_phases
+from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, rollout_batch
+from nereus.runtime.rl.step import begin_step, draw_prompts, metric_names, plan_peaks, step_seed, train_phases
 from nereus.runtime.rl.tasks import get_task
 from nereus.runtime.rl.timing import step_totals, timed
 from nereus.runtime.rl.update import WeightSync, sync_weights
@@ -63,6 +87,7 @@ from nereus.runtime.run.checkpoints import restore, save_run_checkpoint
 from nereus.runtime.run.hold import hold_before
 from nereus.runtime.run.rank_loop import append_metrics, in_force_schedule, measured, prepare_rank, run_state
 from nereus.runtime.run.run_setup import RunSetup
+from nereus.runtime.state.sharded_state import even_split
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
 from nereus.spec.run_folder import METRICS_NAME, SAMPLES_NAME
@@ -72,6 +97,9 @@ from nereus.spec.stages import ACTOR_GENERATION
 HANDOFF_NAME = "async"
 #: The busy times each pool adds to the step's gathered seconds (then moved to `async_step`).
 GENERATION_BUSY, TRAINING_BUSY, BATCH_WAIT = "async_generation_busy", "async_training_busy", "async_batch_wait"
+#: The CPU seconds (`time.process_time`) the generation pool's leading rank spent generating:
+#: its work, which other jobs on the machine's cores stretch less than its busy wall seconds.
+GENERATION_CPU = "async_generation_cpu"
 #: When (time.time()) each pool's work of the step began and ended: the generation pool's
 #: generation (its leading rank's), the training pool's inference and training (rank 0's); the
 #: other ranks report 0 and the gather takes the largest.
@@ -79,6 +107,8 @@ GENERATION_SPAN = ("async_generation_start", "async_generation_end")
 TRAINING_SPAN = ("async_training_start", "async_training_end")
 #: How often the training pool looks for a batch it waits for.
 POLL_S = 0.002
+#: The hand-off folder's copies of the samples in flight after a checkpoint's tick (partial rollout).
+IN_FLIGHT_PREFIX = "in-flight-"
 
 
 @dataclass(frozen=True)
@@ -123,6 +153,8 @@ def run_async(rank: int, world_size: int, setup: RunSetup) -> int:
         if rank == 0:  # batches a killed run generated past its checkpoint are generated again
             for stale in handoff.glob("batch-*") if handoff.is_dir() else ():
                 stale.unlink()
+            for stale in handoff.glob(IN_FLIGHT_PREFIX + "*") if handoff.is_dir() else ():
+                shutil.rmtree(stale)
             handoff.mkdir(exist_ok=True)
         collectives.barrier()
         loop = AsyncLoop(setup, rank, pools, (stages, syncs), tracker, inputs, queue, handoff)
@@ -220,6 +252,7 @@ class AsyncLoop:
         self.names = [
             *metric_names(self.plan, self.stages),
             GENERATION_BUSY,
+            GENERATION_CPU,
             TRAINING_BUSY,
             BATCH_WAIT,
             *GENERATION_SPAN,
@@ -228,18 +261,23 @@ class AsyncLoop:
         self.state = run_state(setup, self.plan) if rank == 0 else None
         self.schedule = in_force_schedule(self.plan, setup.fused_schedule)
         self.peaks = plan_peaks(self.plan, self.stages)
+        self.partial = start_partial(setup, queue) if rank in pools.generation else None
+        """The samples in flight under partial rollout at k >= 2 (None otherwise: every batch is
+        generated whole within one tick)."""
 
     # ---- the generation pool ----
 
     def generation_step(self, step: int, leads: bool) -> None:
         """Step `step` on a generation rank: generate every batch up to step + k at version
         `step` (the leading rank hands each over), then the weight sync and the step's record."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         seconds = begin_step(self.stages, self.tracker)
+        if self.partial is not None:
+            self.partial_tick(step, leads, seconds)
         last = min(step + self.queue.max_staleness, self.setup.config.num_steps - 1)
-        if self.next_batch <= last and leads:
+        if self.partial is None and self.next_batch <= last and leads:
             seconds[GENERATION_SPAN[0]] = time.time()
-        while self.next_batch <= last:
+        while self.partial is None and self.next_batch <= last:
             batch = self.next_batch
             with timeline.span("async", f"generate batch {batch}", version=step):
                 samples = self.generate(batch, step, seconds)
@@ -248,6 +286,8 @@ class AsyncLoop:
                     write_batch(self.handoff, batch, samples)
             self.next_batch += 1
         seconds[GENERATION_BUSY] = time.perf_counter() - start
+        if leads:
+            seconds[GENERATION_CPU] = time.process_time() - cpu_start
         with timed(seconds, "weight_sync"):
             sync_weights(self.syncs)
         self.engine_phases(seconds)
@@ -273,11 +313,105 @@ class AsyncLoop:
                 "prompt": torch.tensor(prompt, dtype=torch.long),
                 "response": torch.tensor(response, dtype=torch.long),
                 "log_probs": behaviour[row, width : width + len(response)].float().clone(),
+                "versions": torch.full((len(response),), version, dtype=torch.long),
             }
             if generated.greedy is not None:
                 tensors["greedy"] = torch.tensor(generated.greedy[row], dtype=torch.long)
             samples.append(VersionedSample(batch * self.batch_size + row, version, tensors, {"batch": batch}))
         return samples
+
+    def partial_tick(self, step: int, leads: bool, seconds: dict[str, float]) -> None:
+        """Tick `step` of a partial rollout (collective over the generation pool;
+        `partial_rollout`'s rule): admit the batches whose window opens here, continue every
+        sample in flight by at most its batch's cap under version `step`, hand over the whole
+        batches (the leading rank), and at a checkpoint's tick save the samples in flight."""
+        partial = self.partial
+        assert partial is not None
+        _, _, sampling = draw_prompts(self.plan.workload, self.config, self.inputs, step)  # its seed is not used
+        for batch in partial.admitted_at(step):
+            _, prompts, drawn = draw_prompts(self.plan.workload, self.config, self.inputs, batch)
+            greedy = None
+            if self.plan.workload.algorithm == "remax":  # ReMax's baseline: greedy, whole, at admission
+                with timed(seconds, ACTOR_GENERATION):
+                    stage = self.stages[ACTOR_GENERATION]
+                    greedy_sampling = dataclasses.replace(drawn, temperature=0.0)
+                    greedy = generate_responses(
+                        stage, prompts, greedy_sampling, kv_budget=kv_budget(self.plan, self.stages)
+                    )
+            partial.admit(batch, prompts, greedy)
+        pieces = partial.work()
+        if pieces and leads:
+            seconds[GENERATION_SPAN[0]] = time.time()
+        if pieces:
+            with timeline.span("async", f"generate tick {step}", version=step, samples=len(pieces)):
+                tokens, log_probs = self.continue_pieces(pieces, sampling, seconds)
+                partial.record(pieces, tokens, log_probs, step, sampling.stop_tokens)
+        for batch, samples in partial.hand_over(step):
+            if leads:
+                write_batch(self.handoff, batch, samples)
+        if pieces and leads:  # stamped after the hand-off: a trainer waiting for it starts after
+            seconds[GENERATION_SPAN[1]] = time.time()
+        done = step + 1
+        if leads and (done % self.setup.config.checkpoint_every == 0 or done == self.setup.config.num_steps):
+            partial.save(
+                self.handoff / f"{IN_FLIGHT_PREFIX}{step:06d}", step
+            )  # before the sync: the checkpoint copies it
+
+    def continue_pieces(
+        self, pieces: list[Piece], sampling: SamplingConfig, seconds: dict[str, float]
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Every piece's new tokens (at most its cap, each replica of actor/generation
+        continuing its contiguous share) and their behaviour log-probs under the weights now
+        held: vLLM's as it sampled, or a teacher-forced pass of nereus's own engine over each
+        sample's prompt and tokens (collective over the generation pool)."""
+        stage = self.stages[ACTOR_GENERATION]
+        assert stage.engine is not None, "a generation rank"
+        seed, batch_size = self.config.seed, self.batch_size
+        start, stop = even_split(len(pieces), stage.layout.dp)[stage.engine.groups.replica]
+        mine = pieces[start:stop]
+        rows = [(step_seed(seed, p.sample.batch), p.sample.index - p.sample.batch * batch_size) for p in mine]
+        with timed(seconds, ACTOR_GENERATION):
+            if stage.rollout_engine is not None:
+                generated = continue_generation(
+                    stage.rollout_engine,
+                    [p.sample.prompt + p.sample.tokens for p in mine],
+                    [
+                        continuation_seed(b_seed, row, len(p.sample.tokens))
+                        for (b_seed, row), p in zip(rows, mine, strict=True)
+                    ],
+                    [p.cap for p in mine],
+                    sampling,
+                )
+                part: tuple[list[list[int]], list[list[float]] | None] = (generated.responses, generated.log_probs)
+            elif mine:
+                responses = continue_generate(
+                    stage.engine,
+                    [p.sample.prompt + p.sample.tokens for p in mine],
+                    [len(p.sample.prompt) for p in mine],
+                    [len(p.sample.tokens) + p.cap for p in mine],
+                    [p.sample.index for p in mine],
+                    [sample_seed(b_seed, row) for b_seed, row in rows],
+                    sampling,
+                    kv_budget(self.plan, self.stages),
+                )
+                part = ([r[len(p.sample.tokens) :] for r, p in zip(responses, mine, strict=True)], None)
+            else:
+                part = ([], None)
+            shares = by_replica(stage, part)
+            tokens = [row for rows_of, _ in shares for row in rows_of]
+            if all(values is not None for _, values in shares):
+                return tokens, [row for _, values in shares for row in values]
+            # nereus's own engine keeps no log-probs while it decodes: a teacher-forced pass now,
+            # under the weights that sampled the tick's tokens.
+            prompts = [p.sample.prompt for p in pieces]
+            whole = [p.sample.tokens + new for p, new in zip(pieces, tokens, strict=True)]
+            behaviour = infer(stage, rollout_batch(prompts, whole, self.inputs.tokenizer.pad_id), "log_probs")
+            width = max(len(prompt) for prompt in prompts)
+            log_probs = [
+                behaviour[row, width + len(p.sample.tokens) : width + len(whole[row])].float().tolist()
+                for row, p in enumerate(pieces)
+            ]
+            return tokens, log_probs
 
     def engine_phases(self, seconds: dict[str, float]) -> None:
         """The vLLM engine's start-up and weight loads since the last step, into its record."""
@@ -298,6 +432,7 @@ class AsyncLoop:
         depth = len(self.queue)
         taken = self.queue.take(step)
         staleness = self.queue.staleness(taken, step)
+        spans = version_spans(taken)
         problems, prompts, _ = draw_prompts(self.plan.workload, self.config, self.inputs, step)
         generated = self.rollout_of(taken, prompts)
         if rank == 0:  # the training pool's span is rank 0's (the others report 0)
@@ -329,9 +464,13 @@ class AsyncLoop:
             "version": step,
             "samples": index_runs([sample.index for sample in taken]),
             "staleness": {str(lag): count for lag, count in staleness.items()},
+            "version_spans": {str(span): count for span, count in spans.items()},
+            "continued": sum(count for span, count in spans.items() if span > 1),
+            "longest_by_version": {str(version): n for version, n in longest_by_version(taken).items()},
             "queue_depth": depth,
             "max_staleness": self.queue.max_staleness,
             "generation_busy_s": totals.seconds[GENERATION_BUSY],
+            "generation_cpu_s": totals.seconds[GENERATION_CPU],
             "training_busy_s": totals.seconds[TRAINING_BUSY],
             "batch_wait_s": totals.seconds[BATCH_WAIT],
             "overlap_s": overlap(totals.seconds),
@@ -389,18 +528,65 @@ class AsyncLoop:
 
     # ---- checkpoints ----
 
+    def save_queue(self, done: int) -> Callable[[Path], None]:
+        """What rank 0 adds to the checkpoint after `done` steps: the queue and, under partial
+        rollout, the samples in flight after tick done - 1 (the generation pool's leading rank
+        wrote them into the hand-off folder before the step's weight sync)."""
+        workload = self.plan.workload
+
+        def save(folder: Path) -> None:
+            self.queue.save(folder)
+            if workload.partial_rollout and workload.staleness >= 2:
+                written = self.handoff / f"{IN_FLIGHT_PREFIX}{done - 1:06d}"
+                for name in (TENSORS_FILE, STATE_FILE):
+                    shutil.copyfile(written / name, folder / name)
+                shutil.rmtree(written)
+
+        return save
+
     def checkpoint(self, done: int, rank: int) -> None:
         """Checkpoint after `done` steps (collective): the models as a synchronous run saves them,
-        and the queue (rank 0): every batch generated and not trained, with its versions."""
+        and the queue (rank 0): every batch generated and not trained, with its versions (under
+        partial rollout, every batch whole and handed over; the rest are in flight)."""
         extra = None
         if rank in self.pools.training:
-            # Every batch up to done - 1 + k was handed over before the step's weight sync.
+            # Every batch up to done - 1 + k was handed over before the step's weight sync; under
+            # partial rollout every batch due by tick done - 1 (up to done) and those whole early.
             last = min(done - 1 + self.queue.max_staleness, self.setup.config.num_steps - 1)
             self.ingest(last)
-            assert self.queue.next_index == (last + 1) * self.batch_size, (self.queue.next_index, last)
+            due = min(done, last) if self.plan.workload.partial_rollout else last
+            assert (due + 1) * self.batch_size <= self.queue.next_index <= (last + 1) * self.batch_size, (
+                self.queue.next_index,
+                due,
+                last,
+            )
             if rank == 0:
-                extra = self.queue.save
+                extra = self.save_queue(done)
         save_run_checkpoint(self.setup, self.plan, self.stages, done, rank, self.state, extra)
+
+
+def start_partial(setup: RunSetup, queue: StalenessQueue) -> PartialRollout | None:
+    """A generation rank's partial rollout (`partial_rollout: true` at k >= 2; None otherwise,
+    where no window spans two ticks): empty, or a resume's samples in flight after the
+    checkpoint's tick, which must continue where the checkpoint's queue ends."""
+    workload, config = setup.plan.workload, setup.config
+    if not (workload.partial_rollout and workload.staleness >= 2):
+        return None
+    partial = PartialRollout(workload.staleness, workload.samples_per_step, config.rl.max_new_tokens, config.num_steps)
+    if setup.checkpoint is None:
+        return partial
+    partial.load(setup.checkpoint, setup.start_step - 1)
+    admitted = min(setup.start_step - 1 + workload.staleness, config.num_steps - 1)
+    queued_through = queue.next_index // queue.batch_size - 1
+    if partial.batches and min(partial.batches) != queued_through + 1:
+        raise NereusError(
+            f"{setup.checkpoint}: the samples in flight start at batch {min(partial.batches)} but the queue "
+            f"ends before batch {queued_through + 1}; the checkpoint is not one this run wrote"
+        )
+    last_admitted = max(queued_through, *partial.batches)
+    if last_admitted < admitted:  # going on past the steps the checkpoint's run had (`--resume --steps N`)
+        partial.catch_up_from = last_admitted + 1
+    return partial
 
 
 def overlap(gathered: dict[str, float]) -> float:

@@ -37,19 +37,13 @@ from nereus.spec.trace import Trace
 
 def check_async(config: RunConfig, plan: Plan, where: str) -> None:
     """Refuse, in one line, an async run (`execution: async`) the async run loop does not run
-    (`async_loop`): a partial rollout (no generation engine of the loop pauses a generation at a
-    weight sync and continues it under the new weights), a controller or plan switches (plan
-    changes under async are simulated, not run), held-out evaluation, inter-stage fusion. Both
-    nereus's own engine and vLLM (`generation.engine: vllm`) generate."""
+    (`async_loop`): a controller or plan switches (plan changes under async are simulated, not
+    run), held-out evaluation, inter-stage fusion. Both nereus's own engine and vLLM
+    (`generation.engine: vllm`) generate, and both pause a partial rollout at a weight sync
+    (`partial_rollout`: each continues a sample from its prompt and tokens so far)."""
     workload = plan.workload
     if workload.execution != "async":
         return
-    if workload.partial_rollout:
-        engine = switch_engine(config, plan)
-        raise NereusError(
-            f"{where}: workload.partial_rollout: the async run loop cannot pause a generation of {engine}'s engine "
-            "at a weight sync and continue it under the new weights; set partial_rollout: false"
-        )
     refused = {
         "trace": config.trace is not None,
         "plan_switches": bool(config.plan_switches),
