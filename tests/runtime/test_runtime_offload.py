@@ -2,7 +2,8 @@
 (`EngineConfig.train_offload`) steps as the engine without it, its host state apart from the
 device's; a sleeping engine (`EngineConfig.offload`) keeps its state bitwise in host memory
 and computes the same awake; the state moves bitwise into and out of offload through
-checkpoints (safetensors, any layout) and live transitions."""
+checkpoints (safetensors, any layout) and live transitions; the updated rows' all-gather under
+training-time offload stages one parameter at a time."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from nereus.runtime.state.checkpoint import load_checkpoint, save_checkpoint_dis
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.runtime.state.sharded_state import check_rank_state, dp_sharded_families, state_dtypes, state_meta
 from nereus.spec.presets import MODELS, workload_preset
+from tests.runtime.test_chunked_head import peak_bytes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -230,3 +232,20 @@ def test_training_time_offload_in_a_pipeline_with_tied_embeddings() -> None:
 def test_parameter_offload_needs_full_sharding_over_replicas() -> None:
     with pytest.raises(ValueError, match="needs full_shard over dp x cp > 1"):
         Engine.create(TINY, "lm", DP1, EngineConfig(train_offload="params", full_shard=True))
+
+
+def gather_worker(rank: int, world: int) -> dict[str, int]:
+    """The staging of the updated rows' all-gather after a step under training-time offload."""
+    torch.set_num_threads(1)
+    e = engine(FP32, DP2, train_offload="optimizer")
+    e.train_step(batch(), NextTokenLoss(), 1)
+    largest = max(e.mine(p.data).numel() * p.element_size() for p in e.params.values())
+    whole = sum(p.numel() * p.element_size() for p in e.params.values())
+    return {"peak": peak_bytes(e._gather_params), "largest": largest, "whole": whole}
+
+
+def test_training_time_offload_gathers_the_updated_rows_one_parameter_at_a_time() -> None:
+    # Its send buffer, the dp received rows and the backend's flat copy of them: (1 + 2 dp) x the
+    # largest parameter's rows a replica holds, where ZeRO-1's buckets would stage the whole model.
+    for result in spawn(gather_worker, 2):
+        assert result["peak"] <= 2 * (1 + 2 * 2) * result["largest"] < result["whole"]

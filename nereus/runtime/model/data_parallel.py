@@ -82,8 +82,10 @@ def all_gather_rows(bucket: list[Piece], group: Any, me: int, device: torch.devi
     dp = len(bucket[0])
     size = max(sum(piece[d].numel() for piece in bucket) for d in range(dp))
     local = torch.zeros(size, dtype=bucket[0][0].dtype, device=device)
-    mine = torch.cat([piece[me].reshape(-1) for piece in bucket])
-    local[: mine.numel()] = mine
+    offset = 0
+    for piece in bucket:  # this replica's rows straight into the send buffer (no concatenated copy)
+        local[offset : offset + piece[me].numel()] = piece[me].reshape(-1)
+        offset += piece[me].numel()
     parts = [torch.empty_like(local) for _ in range(dp)]
     collectives.all_gather(parts, local, group)
     for d, part in enumerate(parts):

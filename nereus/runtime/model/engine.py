@@ -776,8 +776,14 @@ class Engine:
     @torch.no_grad()
     def _all_gather_rows(self, whole: Mapping[str, torch.Tensor]) -> None:
         """Fill the other shards' rows of parameter-shaped tensors whose own rows are set
-        (collective over dp x cp; one dtype per call, buckets of GRAD_BUCKET_ELEMENTS)."""
-        for bucket in buckets(self._replica_pieces(whole)):
+        (collective over dp x cp; one dtype per call, buckets of GRAD_BUCKET_ELEMENTS). Under
+        training-time offload one parameter's rows at a time, as its gradients left the device:
+        the staging (the send buffer, the gathered rows and the backend's flat copy of them, dp +
+        1 + dp of a replica's rows) stays within one parameter's instead of a whole bucket's, which
+        in fp32 at dp=2 is 2^22 x 4 B x 5 = 84 MB, more than the backward's transient it follows."""
+        pieces = self._replica_pieces(whole)
+        runs = [[piece] for piece in pieces] if self.train_offload != "none" else buckets(pieces)
+        for bucket in runs:
             all_gather_rows(bucket, self.groups.shard_group, self.groups.shard_index, self.device)
 
     def _replica_pieces(self, tensors: Mapping[str, torch.Tensor]) -> list[Piece]:
