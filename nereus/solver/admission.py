@@ -24,7 +24,7 @@ from nereus.cost.kv_pool import BLOCK_TOKENS, KV_ELEMENT_BYTES
 from nereus.cost.plan_cost import generation_alone
 from nereus.cost.stage import kv_bytes_per_token
 from nereus.errors import ArgumentError, NereusError, SpecError
-from nereus.spec.capabilities import EXPERT_PARALLEL_EXECUTED, MEMORY_CHOICES, RUNTIME_DTYPES, unexecuted_choices
+from nereus.spec.capabilities import MEMORY_CHOICES, RUNTIME_DTYPES, unexecuted_choices
 from nereus.spec.check import (
     Problem,
     cp_layout_problem,
@@ -261,17 +261,10 @@ def unexecutable_choices(plan: Plan) -> list[str]:
 
 
 def expert_parallel_problems(plan: Plan) -> list[str]:
-    """Entries with ep > 1 the runtime does not execute: all of them while it runs no expert
-    parallelism (`nereus.spec.capabilities.EXPERT_PARALLEL_EXECUTED`), else those that pair ep
-    with a memory choice its expert-parallel engine does not combine with yet (full sharding,
-    training-time offload, token budgets), each with the fix."""
-    if not EXPERT_PARALLEL_EXECUTED:
-        return [
-            f"{entry.model_stage}: ep={entry.ep} (expert parallelism) is not executed by the runtime yet; "
-            "replan with `nereus plan --expert-parallel off`"
-            for entry in plan.stages
-            if entry.ep > 1
-        ]
+    """Entries with ep > 1 the runtime does not execute: those that pair ep with a memory choice
+    its expert-parallel engine does not combine with yet (full sharding, training-time offload,
+    token budgets), each with the fix. A run planning for itself keeps ep = 1
+    (`nereus.solver.layouts.runtime_choices`): its search would pair ep with those choices."""
     problems = []
     for entry in plan.stages:
         paired = {

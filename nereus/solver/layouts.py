@@ -75,7 +75,7 @@ def runtime_choices(fusion: Fusion | None = None) -> MemoryChoices:
     training micro-batch counts, token budgets are pinned off too (the runtime refuses that
     combination: `nereus.solver.admission.token_budget_problems`). Context parallelism (Ulysses,
     docs/context-parallel.md) is searched as by default: the runtime executes it. Expert
-    parallelism is pinned to ep = 1: the runtime executes it (`EXPERT_PARALLEL_EXECUTED`) but not
+    parallelism is pinned to ep = 1: the runtime executes it (docs/moe.md) but not
     beside ZeRO-1, full sharding, training-time offload or token budgets, which this search pairs
     with it freely; a plan given to `nereus run` may carry ep > 1 without them."""
     every = MemoryChoices()

@@ -98,14 +98,6 @@ MEMORY_CHOICES: dict[MemoryChoice, ChoiceSupport] = {
 }
 
 
-#: Whether `nereus run` executes expert parallelism (a plan entry with ep > 1; docs/moe.md): it
-#: does (the runtime's MoE layers, all-to-all dispatch in training), without ZeRO-1, full
-#: sharding, training-time offload or token budgets on the same entry
-#: (`nereus.solver.admission.expert_parallel_problems` names them). A run planning for itself keeps
-#: ep = 1 (`nereus.solver.layouts.runtime_choices`): its search would pair ep with those choices.
-EXPERT_PARALLEL_EXECUTED = True
-
-
 #: Workload dtypes the runtime computes in, with the torch dtype of each (16-bit weights keep
 #: fp32 masters; fp16 is not run: it needs loss scaling).
 RUNTIME_DTYPES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16"}

@@ -2,7 +2,7 @@
 layer): a GRPO run plans itself, its samples' log-probs are transformers', and `nereus export
 hf` writes the per-expert tensors transformers saved, bitwise (a learning rate too small to
 move a float32 weight). A run with every model-stage at ep = 2 on 2 ranks computes what the
-same run at ep = 1 computes (once the admission takes ep > 1: `EXPERT_PARALLEL_EXECUTED`)."""
+same run at ep = 1 computes."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from cli_helpers import invoke
 from hf_helpers import save_random_model
 from run_helpers import TIMING_FIELDS
 
-from nereus.spec.capabilities import EXPERT_PARALLEL_EXECUTED
 from nereus.spec.io import load_document, save_document
 from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.run_folder import read_metrics
@@ -110,9 +109,6 @@ def ep_plan(root: Path, source: Path, ep: int) -> Path:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not EXPERT_PARALLEL_EXECUTED, reason="nereus run admits ep > 1 once EXPERT_PARALLEL_EXECUTED is flipped"
-)
 def test_a_run_at_ep_2_computes_what_the_run_at_ep_1_computes(tmp_path: Path) -> None:
     source = moe_folder(tmp_path)
     records = {}

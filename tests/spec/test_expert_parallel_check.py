@@ -101,14 +101,12 @@ def test_nereus_check_refuses_bad_ep_in_one_line(
 
 @pytest.mark.logic
 def test_the_runtime_takes_ep_without_the_choices_it_does_not_pair_with() -> None:
-    """The runtime executes expert parallelism (`EXPERT_PARALLEL_EXECUTED`), with ZeRO-1, but not
+    """The runtime executes expert parallelism with ZeRO-1, but not
     beside full sharding, training-time offload or token budgets: such an entry is refused in one line
     naming the choice; a run planning for itself keeps ep = 1."""
     from nereus.solver.admission import expert_parallel_problems
     from nereus.solver.layouts import RUNTIME_CHOICES
-    from nereus.spec.capabilities import EXPERT_PARALLEL_EXECUTED
 
-    assert EXPERT_PARALLEL_EXECUTED
     assert RUNTIME_CHOICES.expert_parallel == (False,)
     plan = document_from_data(_plan_data(EXPERTS, tp=1, pp=2, ep=2, dp=1, emus=[[0, 1, 2, 3]]), "plan.yaml")
     assert expert_parallel_problems(plan) == []  # type: ignore[arg-type]
