@@ -24,21 +24,41 @@ EPS = 1e-9
 
 
 class _Profile:
-    """Per GPU: busy intervals and memory events (time, free-before-alloc, bytes delta)."""
+    """Per GPU: busy intervals and memory events (time, free-before-alloc, bytes delta).
+
+    Queries run far more often than placements (every candidate time of every primitive
+    asks them), so each GPU also keeps what answers them without a rescan: the runs'
+    starts and the running maximum of their ends (a binary search finds the few runs that
+    can overlap a window), and, rebuilt on the first query after a placement, the event
+    times with the usage before each event and its maximum over every later event.
+    """
 
     def __init__(self, initial: dict[int, float], capacity: float) -> None:
         self.initial, self.capacity = initial, capacity
         self.busy: dict[int, list[tuple[float, float]]] = {}
         self.events: dict[int, list[tuple[float, int, float]]] = {}
+        self._starts: dict[int, list[float]] = {}  # busy[gpu]'s starts
+        self._reach: dict[int, list[float]] = {}  # the latest end among busy[gpu][: k + 1]
+        self._usage: dict[int, tuple[list[float], list[float], float]] = {}  # see `_usage_of`
+        self._ends: dict[int, list[float]] = {}  # busy[gpu]'s ends, sorted
+        self._releases: dict[int, list[float]] = {}  # the times of the frees in events[gpu], sorted
 
     def gpu_free(self, gpu: int, start: float, end: float) -> bool:
         """No placed run on `gpu` overlaps [start, end) (a zero-length run is the point `start`)."""
-        for busy_start, busy_end in self.busy.get(gpu, ()):
-            if busy_start >= end + EPS and end > start + EPS:
-                break
+        starts = self._starts.get(gpu)
+        if not starts:
+            return True
+        runs, reach = self.busy[gpu], self._reach[gpu]
+        point = end - start <= EPS
+        # Only a run that starts before `end` and ends after `start` can overlap (both
+        # tests below imply it), and the running maximum of ends bounds the runs left.
+        k = bisect.bisect_left(starts, end) - 1
+        while k >= 0 and reach[k] > start:
+            busy_start, busy_end = runs[k]
+            k -= 1
             if busy_end - busy_start <= EPS:
                 continue  # zero-length runs never conflict
-            if end - start <= EPS:
+            if point:
                 if busy_start + EPS < start < busy_end - EPS:
                     return False
             elif busy_start < end - EPS and start < busy_end - EPS:
@@ -47,31 +67,63 @@ class _Profile:
 
     def fits(self, gpu: int, start: float, nbytes: float) -> bool:
         """`nbytes` allocated at `start` stay under capacity at every later moment."""
-        usage = self.initial.get(gpu, 0.0)
-        worst = -float("inf")
-        for time, _, delta in self.events.get(gpu, ()):
-            if time > start + EPS and usage > worst:
-                worst = usage
-            usage += delta
-        worst = max(worst, usage)
+        times, later_peak, final = self._usage_of(gpu)
+        k = bisect.bisect_right(times, start + EPS)  # the first event after start + EPS
+        worst = final if k == len(times) else max(later_peak[k], final)
         return worst + nbytes <= self.capacity + EPS
+
+    def _usage_of(self, gpu: int) -> tuple[list[float], list[float], float]:
+        """(event times, the peak of the usage just before each event and every later one,
+        the usage after the last): the usage summed from the start in event order."""
+        cached = self._usage.get(gpu)
+        if cached is not None:
+            return cached
+        events = self.events.get(gpu, ())
+        usage = self.initial.get(gpu, 0.0)
+        before = []
+        for _, _, delta in events:
+            before.append(usage)
+            usage += delta
+        for k in range(len(before) - 2, -1, -1):
+            if before[k + 1] > before[k]:
+                before[k] = before[k + 1]
+        cached = self._usage[gpu] = ([time for time, _, _ in events], before, usage)
+        return cached
 
     def place(self, primitive: Primitive, start: float) -> None:
         end = start + primitive.duration_s
         for gpu in primitive.gpus:
-            bisect.insort(self.busy.setdefault(gpu, []), (start, end))
+            runs = self.busy.setdefault(gpu, [])
+            k = bisect.bisect_right(runs, (start, end))
+            runs.insert(k, (start, end))
+            self._starts.setdefault(gpu, []).insert(k, start)
+            reach = self._reach.setdefault(gpu, [])
+            reach.insert(k, end if not k or reach[k - 1] < end else reach[k - 1])
+            for i in range(k + 1, len(reach)):
+                if reach[i] >= end:
+                    break  # so are all later ones
+                reach[i] = end
+            bisect.insort(self._ends.setdefault(gpu, []), end)
         for gpu, nbytes in primitive.alloc.items():
             bisect.insort(self.events.setdefault(gpu, []), (start, 1, nbytes))
+            self._usage.pop(gpu, None)
         for gpu, nbytes in primitive.free.items():
-            bisect.insort(self.events.setdefault(gpu, []), (end - EPS if end > start else start, 0, -nbytes))
+            released = end - EPS if end > start else start
+            bisect.insort(self.events.setdefault(gpu, []), (released, 0, -nbytes))
+            bisect.insort(self._releases.setdefault(gpu, []), released)
+            self._usage.pop(gpu, None)
 
     def candidates(self, primitive: Primitive, earliest: float) -> list[float]:
         """Times worth trying: the earliest, and every later end of a run or a free on its GPUs."""
         times = {earliest}
         for gpu in primitive.gpus:
-            times.update(end for _, end in self.busy.get(gpu, ()) if end > earliest)
+            ends = self._ends.get(gpu)
+            if ends:
+                times.update(ends[bisect.bisect_right(ends, earliest) :])
         for gpu in primitive.alloc:
-            times.update(t + EPS for t, kind, _ in self.events.get(gpu, ()) if kind == 0 and t > earliest)
+            releases = self._releases.get(gpu)
+            if releases:
+                times.update([t + EPS for t in releases[bisect.bisect_right(releases, earliest) :]])
         return sorted(times)
 
     def copy(self) -> _Profile:
@@ -79,6 +131,11 @@ class _Profile:
         twin = _Profile(self.initial, self.capacity)
         twin.busy = {gpu: list(runs) for gpu, runs in self.busy.items()}
         twin.events = {gpu: list(events) for gpu, events in self.events.items()}
+        twin._starts = {gpu: list(starts) for gpu, starts in self._starts.items()}
+        twin._reach = {gpu: list(reach) for gpu, reach in self._reach.items()}
+        twin._ends = {gpu: list(ends) for gpu, ends in self._ends.items()}
+        twin._releases = {gpu: list(times) for gpu, times in self._releases.items()}
+        twin._usage = dict(self._usage)  # never changed in place: a placement drops a GPU's entry
         return twin
 
     def peak(self) -> dict[int, float]:
@@ -198,12 +255,21 @@ def pilot_order(
 
 
 def _first_fit(profile: _Profile, primitive: Primitive, earliest: float) -> float | None:
+    """The first candidate time where `primitive`'s GPUs are free for its run and its
+    allocations fit (None if none)."""
+    duration, gpus, alloc = primitive.duration_s, primitive.gpus, primitive.alloc.items()
+    gpu_free, fits = profile.gpu_free, profile.fits
     for start in profile.candidates(primitive, earliest):
-        end = start + primitive.duration_s
-        if all(profile.gpu_free(g, start, end) for g in primitive.gpus) and all(
-            profile.fits(g, start, b) for g, b in primitive.alloc.items()
-        ):
-            return start
+        end = start + duration
+        for gpu in gpus:
+            if not gpu_free(gpu, start, end):
+                break
+        else:
+            for gpu, nbytes in alloc:
+                if not fits(gpu, start, nbytes):
+                    break
+            else:
+                return start
     return None
 
 
