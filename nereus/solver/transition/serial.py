@@ -24,41 +24,21 @@ EPS = 1e-9
 
 
 class _Profile:
-    """Per GPU: busy intervals and memory events (time, free-before-alloc, bytes delta).
-
-    Queries run far more often than placements (every candidate time of every primitive
-    asks them), so each GPU also keeps what answers them without a rescan: the runs'
-    starts and the running maximum of their ends (a binary search finds the few runs that
-    can overlap a window), and, rebuilt on the first query after a placement, the event
-    times with the usage before each event and its maximum over every later event.
-    """
+    """Per GPU: busy intervals and memory events (time, free-before-alloc, bytes delta)."""
 
     def __init__(self, initial: dict[int, float], capacity: float) -> None:
         self.initial, self.capacity = initial, capacity
         self.busy: dict[int, list[tuple[float, float]]] = {}
         self.events: dict[int, list[tuple[float, int, float]]] = {}
-        self._starts: dict[int, list[float]] = {}  # busy[gpu]'s starts
-        self._reach: dict[int, list[float]] = {}  # the latest end among busy[gpu][: k + 1]
-        self._usage: dict[int, tuple[list[float], list[float], float]] = {}  # see `_usage_of`
-        self._ends: dict[int, list[float]] = {}  # busy[gpu]'s ends, sorted
-        self._releases: dict[int, list[float]] = {}  # the times of the frees in events[gpu], sorted
 
     def gpu_free(self, gpu: int, start: float, end: float) -> bool:
         """No placed run on `gpu` overlaps [start, end) (a zero-length run is the point `start`)."""
-        starts = self._starts.get(gpu)
-        if not starts:
-            return True
-        runs, reach = self.busy[gpu], self._reach[gpu]
-        point = end - start <= EPS
-        # Only a run that starts before `end` and ends after `start` can overlap (both
-        # tests below imply it), and the running maximum of ends bounds the runs left.
-        k = bisect.bisect_left(starts, end) - 1
-        while k >= 0 and reach[k] > start:
-            busy_start, busy_end = runs[k]
-            k -= 1
+        for busy_start, busy_end in self.busy.get(gpu, ()):
+            if busy_start >= end + EPS and end > start + EPS:
+                break
             if busy_end - busy_start <= EPS:
                 continue  # zero-length runs never conflict
-            if point:
+            if end - start <= EPS:
                 if busy_start + EPS < start < busy_end - EPS:
                     return False
             elif busy_start < end - EPS and start < busy_end - EPS:
@@ -67,63 +47,31 @@ class _Profile:
 
     def fits(self, gpu: int, start: float, nbytes: float) -> bool:
         """`nbytes` allocated at `start` stay under capacity at every later moment."""
-        times, later_peak, final = self._usage_of(gpu)
-        k = bisect.bisect_right(times, start + EPS)  # the first event after start + EPS
-        worst = final if k == len(times) else max(later_peak[k], final)
-        return worst + nbytes <= self.capacity + EPS
-
-    def _usage_of(self, gpu: int) -> tuple[list[float], list[float], float]:
-        """(event times, the peak of the usage just before each event and every later one,
-        the usage after the last): the usage summed from the start in event order."""
-        cached = self._usage.get(gpu)
-        if cached is not None:
-            return cached
-        events = self.events.get(gpu, ())
         usage = self.initial.get(gpu, 0.0)
-        before = []
-        for _, _, delta in events:
-            before.append(usage)
+        worst = -float("inf")
+        for time, _, delta in self.events.get(gpu, ()):
+            if time > start + EPS and usage > worst:
+                worst = usage
             usage += delta
-        for k in range(len(before) - 2, -1, -1):
-            if before[k + 1] > before[k]:
-                before[k] = before[k + 1]
-        cached = self._usage[gpu] = ([time for time, _, _ in events], before, usage)
-        return cached
+        worst = max(worst, usage)
+        return worst + nbytes <= self.capacity + EPS
 
     def place(self, primitive: Primitive, start: float) -> None:
         end = start + primitive.duration_s
         for gpu in primitive.gpus:
-            runs = self.busy.setdefault(gpu, [])
-            k = bisect.bisect_right(runs, (start, end))
-            runs.insert(k, (start, end))
-            self._starts.setdefault(gpu, []).insert(k, start)
-            reach = self._reach.setdefault(gpu, [])
-            reach.insert(k, end if not k or reach[k - 1] < end else reach[k - 1])
-            for i in range(k + 1, len(reach)):
-                if reach[i] >= end:
-                    break  # so are all later ones
-                reach[i] = end
-            bisect.insort(self._ends.setdefault(gpu, []), end)
+            bisect.insort(self.busy.setdefault(gpu, []), (start, end))
         for gpu, nbytes in primitive.alloc.items():
             bisect.insort(self.events.setdefault(gpu, []), (start, 1, nbytes))
-            self._usage.pop(gpu, None)
         for gpu, nbytes in primitive.free.items():
-            released = end - EPS if end > start else start
-            bisect.insort(self.events.setdefault(gpu, []), (released, 0, -nbytes))
-            bisect.insort(self._releases.setdefault(gpu, []), released)
-            self._usage.pop(gpu, None)
+            bisect.insort(self.events.setdefault(gpu, []), (end - EPS if end > start else start, 0, -nbytes))
 
     def candidates(self, primitive: Primitive, earliest: float) -> list[float]:
         """Times worth trying: the earliest, and every later end of a run or a free on its GPUs."""
         times = {earliest}
         for gpu in primitive.gpus:
-            ends = self._ends.get(gpu)
-            if ends:
-                times.update(ends[bisect.bisect_right(ends, earliest) :])
+            times.update(end for _, end in self.busy.get(gpu, ()) if end > earliest)
         for gpu in primitive.alloc:
-            releases = self._releases.get(gpu)
-            if releases:
-                times.update([t + EPS for t in releases[bisect.bisect_right(releases, earliest) :]])
+            times.update(t + EPS for t, kind, _ in self.events.get(gpu, ()) if kind == 0 and t > earliest)
         return sorted(times)
 
     def copy(self) -> _Profile:
@@ -131,11 +79,6 @@ class _Profile:
         twin = _Profile(self.initial, self.capacity)
         twin.busy = {gpu: list(runs) for gpu, runs in self.busy.items()}
         twin.events = {gpu: list(events) for gpu, events in self.events.items()}
-        twin._starts = {gpu: list(starts) for gpu, starts in self._starts.items()}
-        twin._reach = {gpu: list(reach) for gpu, reach in self._reach.items()}
-        twin._ends = {gpu: list(ends) for gpu, ends in self._ends.items()}
-        twin._releases = {gpu: list(times) for gpu, times in self._releases.items()}
-        twin._usage = dict(self._usage)  # never changed in place: a placement drops a GPU's entry
         return twin
 
     def peak(self) -> dict[int, float]:
@@ -228,29 +171,40 @@ def pilot_order(
     starts: dict[int, float] = {}
     prefix: list[int] = []
     best: tuple[float, list[int]] | None = None
+    # The kept pilot run's own continuation: the primitive it placed next, where, its makespan
+    # and what it placed after. The next step's pilot run for that primitive starts from the
+    # same placements, so it would place the same way: it is not run again.
+    carried: tuple[int, float, list[int], dict[int, float]] | None = None
     while len(starts) < len(primitives):
         candidates = [p for pid, p in dag.by_id.items() if pid not in starts and all(d in starts for d in p.deps)]
-        step: tuple[float, Primitive, float] | None = None  # (pilot makespan, primitive, start); ties: priority
-        for primitive in sorted(candidates, key=priority):
-            start = _first_fit(profile, primitive, _earliest(primitive, dag.by_id, starts))
-            if start is None:
-                continue
-            trial, trial_starts = profile.copy(), {**starts, primitive.id: start}
-            trial.place(primitive, start)
-            rest = _complete(dag, trial, trial_starts, priority)
-            if rest is None:
-                continue
-            span = max((t + dag.by_id[pid].duration_s for pid, t in trial_starts.items()), default=0.0)
+        step: tuple[float, Primitive, float, list[int], dict[int, float]] | None = None  # ties: priority
+        for primitive in sorted(candidates, key=priority):  # (pilot makespan, primitive, start, rest, starts)
+            if carried is not None and carried[0] == primitive.id:
+                _, span, rest, trial_starts = carried
+                start = trial_starts[primitive.id]
+            else:
+                found = _first_fit(profile, primitive, _earliest(primitive, dag.by_id, starts))
+                if found is None:
+                    continue
+                start = found
+                trial, trial_starts = profile.copy(), {**starts, primitive.id: start}
+                trial.place(primitive, start)
+                completed = _complete(dag, trial, trial_starts, priority)
+                if completed is None:
+                    continue
+                rest = completed
+                span = max((t + dag.by_id[pid].duration_s for pid, t in trial_starts.items()), default=0.0)
             if best is None or span < best[0] - EPS:
                 best = (span, [*prefix, primitive.id, *rest])
             if step is None or span < step[0] - EPS:
-                step = (span, primitive, start)
+                step = (span, primitive, start, rest, trial_starts)
         if step is None:
             return best
-        _, primitive, start = step
+        span, primitive, start, rest, trial_starts = step
         profile.place(primitive, start)
         starts[primitive.id] = start
         prefix.append(primitive.id)
+        carried = (rest[0], span, rest[1:], trial_starts) if rest else None
     return best
 
 
