@@ -599,8 +599,17 @@ def _improve(
     if len(primitives) > IMPROVE_LIMIT or best.makespan_s <= lower * (1 + IMPROVE_ABOVE_BOUND):
         return best
 
+    seen: dict[tuple[int, ...], tuple[Schedule, dict[int, float]] | None] = {}
+
+    def scheduled(order: list[int]) -> tuple[Schedule, dict[int, float]] | None:
+        """`_schedule_both`, once per distinct order (the searches revisit orders often)."""
+        key = tuple(order)
+        if key not in seen:
+            seen[key] = _schedule_both(primitives, initial, capacity, order)
+        return seen[key]
+
     def evaluate(order: list[int]) -> Schedule | None:
-        both = _schedule_both(primitives, initial, capacity, order)
+        both = scheduled(order)
         return None if both is None else both[0]
 
     order = best.order
@@ -608,7 +617,7 @@ def _improve(
         found = improve_order(primitives, evaluate, order, best.makespan_s, IMPROVE_STEPS, seed, lower)
         if found is not None:
             order = found[0]
-            both = _schedule_both(primitives, initial, capacity, order)
+            both = scheduled(order)
             assert both is not None  # the same order scheduled before
             best = _Candidate.of(f"local search {seed}", primitives, *both)
     return best

@@ -171,39 +171,59 @@ def pilot_order(
     starts: dict[int, float] = {}
     prefix: list[int] = []
     best: tuple[float, list[int]] | None = None
+    # The kept pilot run's own continuation: the primitive it placed next, where, its makespan
+    # and what it placed after. The next step's pilot run for that primitive starts from the
+    # same placements, so it would place the same way: it is not run again.
+    carried: tuple[int, float, list[int], dict[int, float]] | None = None
     while len(starts) < len(primitives):
         candidates = [p for pid, p in dag.by_id.items() if pid not in starts and all(d in starts for d in p.deps)]
-        step: tuple[float, Primitive, float] | None = None  # (pilot makespan, primitive, start); ties: priority
-        for primitive in sorted(candidates, key=priority):
-            start = _first_fit(profile, primitive, _earliest(primitive, dag.by_id, starts))
-            if start is None:
-                continue
-            trial, trial_starts = profile.copy(), {**starts, primitive.id: start}
-            trial.place(primitive, start)
-            rest = _complete(dag, trial, trial_starts, priority)
-            if rest is None:
-                continue
-            span = max((t + dag.by_id[pid].duration_s for pid, t in trial_starts.items()), default=0.0)
+        step: tuple[float, Primitive, float, list[int], dict[int, float]] | None = None  # ties: priority
+        for primitive in sorted(candidates, key=priority):  # (pilot makespan, primitive, start, rest, starts)
+            if carried is not None and carried[0] == primitive.id:
+                _, span, rest, trial_starts = carried
+                start = trial_starts[primitive.id]
+            else:
+                found = _first_fit(profile, primitive, _earliest(primitive, dag.by_id, starts))
+                if found is None:
+                    continue
+                start = found
+                trial, trial_starts = profile.copy(), {**starts, primitive.id: start}
+                trial.place(primitive, start)
+                completed = _complete(dag, trial, trial_starts, priority)
+                if completed is None:
+                    continue
+                rest = completed
+                span = max((t + dag.by_id[pid].duration_s for pid, t in trial_starts.items()), default=0.0)
             if best is None or span < best[0] - EPS:
                 best = (span, [*prefix, primitive.id, *rest])
             if step is None or span < step[0] - EPS:
-                step = (span, primitive, start)
+                step = (span, primitive, start, rest, trial_starts)
         if step is None:
             return best
-        _, primitive, start = step
+        span, primitive, start, rest, trial_starts = step
         profile.place(primitive, start)
         starts[primitive.id] = start
         prefix.append(primitive.id)
+        carried = (rest[0], span, rest[1:], trial_starts) if rest else None
     return best
 
 
 def _first_fit(profile: _Profile, primitive: Primitive, earliest: float) -> float | None:
+    """The first candidate time where `primitive`'s GPUs are free for its run and its
+    allocations fit (None if none)."""
+    duration, gpus, alloc = primitive.duration_s, primitive.gpus, primitive.alloc.items()
+    gpu_free, fits = profile.gpu_free, profile.fits
     for start in profile.candidates(primitive, earliest):
-        end = start + primitive.duration_s
-        if all(profile.gpu_free(g, start, end) for g in primitive.gpus) and all(
-            profile.fits(g, start, b) for g, b in primitive.alloc.items()
-        ):
-            return start
+        end = start + duration
+        for gpu in gpus:
+            if not gpu_free(gpu, start, end):
+                break
+        else:
+            for gpu, nbytes in alloc:
+                if not fits(gpu, start, nbytes):
+                    break
+            else:
+                return start
     return None
 
 
