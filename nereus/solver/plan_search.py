@@ -787,6 +787,8 @@ class CountProbe:
     def holds(self, stages: tuple[str, ...], size: int) -> bool:
         """Whether the model-stages `stages` fit together on a pool of `size` GPUs."""
         key = (stages, size)
+        if any(math.isinf(self.tables[name, size].fastest) for name in stages):
+            return False  # a model-stage that fits in no layout alone (known without listing options)
         if key not in self.pools:
             fronts = []
             for name in stages:
