@@ -388,16 +388,24 @@ def _pareto(options: list[Option], budget: float, *, by_layout: bool, by_host: b
     for option in sorted(o for o in options if o[1] + o[2] <= budget):
         layout = (option[3], option[4], option[CP], option[EP])
         key = (*(layout if by_layout else ()), *((option[8],) if by_host else ()))
-        resident, transient = stairs.setdefault(key, ([], []))
-        below = bisect.bisect_right(resident, option[1])
-        if below and transient[below - 1] <= option[2]:
-            continue  # the least transient among no-larger residents is no larger
-        kept.append(option)
-        start = end = bisect.bisect_left(resident, option[1])
-        while end < len(resident) and transient[end] >= option[2]:
-            end += 1  # frontier points this option dominates in memory
-        resident[start:end], transient[start:end] = [option[1]], [option[2]]
+        if _climb(stairs.setdefault(key, ([], [])), option[1], option[2]):
+            kept.append(option)
     return kept
+
+
+def _climb(stairs: tuple[list[float], list[float]], x: float, y: float) -> bool:
+    """Add (x, y) to a staircase of points none of which another covers (x ascending, y
+    descending), unless one of them covers it (no larger in both): whether it was added. The
+    points it covers leave the staircase; a test is one bisection."""
+    xs, ys = stairs
+    below = bisect.bisect_right(xs, x)
+    if below and ys[below - 1] <= y:
+        return False  # the least y among no-larger x's is no larger
+    start = end = bisect.bisect_left(xs, x)
+    while end < len(xs) and ys[end] >= y:
+        end += 1  # points (x, y) covers
+    xs[start:end], ys[start:end] = [x], [y]
+    return True
 
 
 class _TopK:
@@ -726,18 +734,6 @@ def search(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int], 
     )
 
 
-class _FirstFit(_TopK):
-    """A `_TopK` that closes the search at its first full assignment: whether anything fits,
-    not which fits best."""
-
-    def __init__(self) -> None:
-        super().__init__(1)
-
-    def offer(self, candidate: Candidate) -> None:
-        super().offer(candidate)
-        self.bound = -math.inf
-
-
 def resized(request: PlanRequest, num_gpus: int) -> PlanRequest:
     """The request on `num_gpus` GPUs of a cluster of the same nodes, as many as they need."""
     cluster = request.cluster.model_copy(update={"num_nodes": -(-num_gpus // request.cluster.gpus_per_node)})
@@ -745,28 +741,31 @@ def resized(request: PlanRequest, num_gpus: int) -> PlanRequest:
 
 
 def fits(request: PlanRequest) -> bool:
-    """Whether some plan of the request fits memory (`search`, stopped at its first plan)."""
+    """Whether some plan of the request fits memory: whether `search` finds one (`CountProbe`)."""
     return CountProbe(request, price_all(request, placements(request))).fits(request.num_gpus)
 
 
 class CountProbe:
     """Whether some plan of a request fits memory on n GPUs (on as many of the request's nodes
-    as n needs), for the counts whose pool sizes `tables` prices: what `search` would find,
-    without its optimum.
+    as n needs), for the counts whose pool sizes `tables` prices: whether `search` would find a
+    plan, without its optimum.
 
-    Each (model-stage, pool size)'s options are compiled once for every count. A placement is
-    searched only where each pool passes a memory bound (each model-stage's least resident bytes
-    over its options that fit alone, plus the largest of their least transient bytes), and the
-    search stops at its first full assignment.
+    Only memory decides it, pool by pool: a placement holds a plan when every pool holds one
+    option per model-stage whose resident bytes plus the largest transient fit the GPU budget
+    and whose host bytes fit the host budget (`_Problem.objective`'s test); the step time and the
+    weight sync (finite) rule nothing out. A pool's answer depends only on its model-stages and
+    size, so each is decided once (`pool_fits`, on each model-stage's `memory_front`) for every
+    placement and count that has it.
     """
 
     def __init__(self, request: PlanRequest, tables: dict[tuple[str, int], OptionTable]) -> None:
         self.request = request
         self.tables = tables
         self.budget = stage_room(request.cluster, request.calibration)
+        self.host_budget = host_budget_per_gpu(request.cluster)
         self.names = [model_stage(r, s) for r, s in model_stages(request.workload)]
-        self.least: dict[tuple[str, int], tuple[float, float] | None] = {}
-        self.compiled: dict[tuple[str, int, bool], list[Option]] = {}
+        self.fronts: dict[tuple[str, int], np.ndarray] = {}
+        self.pools: dict[tuple[tuple[str, ...], int], bool] = {}
 
     @classmethod
     def up_to(cls, request: PlanRequest, largest: int) -> CountProbe:
@@ -785,46 +784,122 @@ class CountProbe:
             for name in self.names
         )
 
-    def _least(self, name: str, size: int) -> tuple[float, float] | None:
-        """(least resident, least transient) bytes over the options that fit alone; None: none does."""
-        key = (name, size)
-        if key not in self.least:
-            resident, transient = self.tables[key].columns[1:3]
-            alone = resident + transient <= self.budget
-            self.least[key] = (float(resident[alone].min()), float(transient[alone].min())) if alone.any() else None
-        return self.least[key]
-
-    def _may_fit(self, placement: Placement) -> bool:
-        pools = placement.pools
-        if any(math.isinf(self.tables[name, size].fastest) for _, _, size, stages in pools for name in stages):
+    def holds(self, stages: tuple[str, ...], size: int) -> bool:
+        """Whether the model-stages `stages` fit together on a pool of `size` GPUs."""
+        key = (stages, size)
+        if any(math.isinf(self.tables[name, size].fastest) for name in stages):
             return False  # a model-stage that fits in no layout alone (known without listing options)
-        for _, _, size, stages in pools:
-            least = [self._least(name, size) for name in stages]
-            bounds = [x for x in least if x is not None]
-            if len(bounds) < len(least) or sum(r for r, _ in bounds) + max(t for _, t in bounds) > self.budget:
-                return False
-        return True
+        if key not in self.pools:
+            fronts = []
+            for name in stages:
+                if (name, size) not in self.fronts:
+                    self.fronts[name, size] = memory_front(self.tables[name, size], self.budget)
+                fronts.append(self.fronts[name, size])
+            self.pools[key] = pool_fits(fronts, self.budget, self.host_budget)
+        return self.pools[key]
 
     def fits(self, num_gpus: int) -> bool:
         """Whether some plan fits on `num_gpus` GPUs (whose pool sizes the tables price)."""
-        request = resized(self.request, num_gpus)
-        for placement in placements(request):
-            if self._may_fit(placement):
-                problem = compile_problem(request, placement, self.tables, prune=True, cache=self.compiled)
-                if problem.host_binds:
-                    # Host memory couples a pool's model-stages: dive first into the options
-                    # using the least of both budgets (a first fit needs no time order).
-                    gpu, host = problem.budget, problem.host_budget
+        return any(
+            all(self.holds(stages, size) for _, _, size, stages in placement.pools)
+            for placement in placements(resized(self.request, num_gpus))
+        )
 
-                    def share(option: Option, gpu: float = gpu, host: float = host) -> float:
-                        return (option[1] + option[2]) / gpu + option[8] / host
 
-                    problem.options = [sorted(opts, key=share) for opts in problem.options]
-                found = _FirstFit()
-                branch_and_bound(problem, found)
-                if found.heap:
-                    return True
+def memory_front(table: OptionTable, budget: float) -> np.ndarray:
+    """A model-stage's options that fit `budget` alone with a finite time, as `front_rows`."""
+    time, resident, transient = table.columns[:3]
+    keep = np.isfinite(time) & (resident + transient <= budget)
+    return front_rows(np.stack([transient[keep], resident[keep], table.host[keep]], axis=1))
+
+
+def front_rows(rows: np.ndarray) -> np.ndarray:
+    """Rows (transient, resident, host bytes per GPU) by transient ascending, without any that
+    another covers (no larger in all three; one of equal rows): all a pool's memory test can
+    tell apart."""
+    rows = np.unique(rows, axis=0)
+    stairs: tuple[list[float], list[float]] = ([], [])
+    # In this order only an earlier row can cover a row: one staircase of (resident, host) serves.
+    return rows[[i for i, (_, res, host) in enumerate(rows.tolist()) if _climb(stairs, res, host)]]
+
+
+#: Relative slack of the necessary memory tests in `pool_fits` and `_sums_fit`: float sums in
+#: another order must never rule out an assignment that fits (the final tests have none).
+MEMORY_SLACK = 1e-9
+
+
+def pool_fits(fronts: Sequence[np.ndarray], budget: float, host_budget: float) -> bool:
+    """Whether one row of each model-stage's `memory_front` fits a pool together: resident bytes
+    summed plus the largest transient within `budget`, host bytes summed within `host_budget`.
+    Exact.
+
+    With the largest transient fixed at T, each model-stage may take any of its rows of transient
+    <= T, and what is left is a choice under two sums (`_sums_fit`). T need be tried only at the
+    fronts' transients, from the largest least one up: between two of them the rows allowed stay
+    the same and the room shrinks. Most T are settled at once, vectorised over all of them, by
+    weighted sums (host weight w >= 0: 0 and `HOST_WEIGHTS`): nothing fits where the least
+    `resident + w * host` summed over the model-stages exceeds `budget - T + w * host_budget`, and
+    the rows with the least `resident + w * host` fit where their two sums do.
+    """
+    if not all(len(front) for front in fronts):
         return False
+    floor = max(float(front[0, 0]) for front in fronts)
+    thresholds = np.unique(np.concatenate([front[:, 0] for front in fronts]))
+    thresholds = thresholds[thresholds >= floor]
+    last = [np.searchsorted(front[:, 0], thresholds, side="right") - 1 for front in fronts]
+    least_host = np.zeros(thresholds.size)
+    for front, k in zip(fronts, last, strict=True):
+        least_host += np.minimum.accumulate(front[:, 2])[k]
+    open_ = least_host <= host_budget * (1 + MEMORY_SLACK)  # the limit of large w
+    for w in (0.0, *HOST_WEIGHTS):
+        least, resident, host = (np.zeros(thresholds.size) for _ in range(3))
+        for front, k in zip(fronts, last, strict=True):
+            mix = front[:, 1] + w * front[:, 2]
+            low = np.minimum.accumulate(mix)
+            at = np.maximum.accumulate(np.where(mix == low, np.arange(mix.size), 0))[k]  # where low[k] is
+            least += low[k]
+            resident += front[at, 1]
+            host += front[at, 2]
+        if np.any((resident + thresholds <= budget) & (host <= host_budget)):
+            return True
+        open_ &= least + thresholds <= (budget + w * host_budget) * (1 + MEMORY_SLACK)
+    return any(
+        _sums_fit(
+            [front[: k[t] + 1, 1:] for front, k in zip(fronts, last, strict=True)], thresholds[t], budget, host_budget
+        )
+        for t in np.nonzero(open_)[0].tolist()
+    )
+
+
+def _sums_fit(rows: list[np.ndarray], transient: float, budget: float, host_budget: float) -> bool:
+    """Whether one (resident, host) row per model-stage has its resident sum plus `transient`
+    within `budget` and its host sum within `host_budget`. Exact: the staircase of the partial
+    sums, model-stage by model-stage, without those the rest's least (weighted) bytes cannot
+    complete."""
+    weights = np.array((0.0, *HOST_WEIGHTS))
+    fronts = [_lowest(r) for r in rows]
+    rest_mix, rest_host = np.zeros((len(fronts) + 1, weights.size)), np.zeros(len(fronts) + 1)
+    for j in range(len(fronts) - 1, -1, -1):
+        rest_mix[j] = rest_mix[j + 1] + (fronts[j][:, :1] + weights * fronts[j][:, 1:]).min(axis=0)
+        rest_host[j] = rest_host[j + 1] + fronts[j][:, 1].min()
+    room = (budget - transient + weights * host_budget) * (1 + MEMORY_SLACK)
+    sums = np.zeros((1, 2))
+    for j, front in enumerate(fronts):
+        sums = (sums[:, None, :] + front[None, :, :]).reshape(-1, 2)
+        keep = sums[:, 1] + rest_host[j + 1] <= host_budget * (1 + MEMORY_SLACK)
+        keep &= np.all(sums[:, :1] + weights * sums[:, 1:] + rest_mix[j + 1] <= room, axis=1)
+        sums = _lowest(sums[keep])
+        if not len(sums):
+            return False
+    return bool(np.any((sums[:, 0] + transient <= budget) & (sums[:, 1] <= host_budget)))
+
+
+def _lowest(points: np.ndarray) -> np.ndarray:
+    """The (x, y) rows no other row covers (no larger in both; one of equal rows), by x ascending."""
+    points = points[np.lexsort((points[:, 1], points[:, 0]))]
+    keep = np.ones(len(points), dtype=bool)
+    keep[1:] = points[1:, 1] < np.minimum.accumulate(points[:, 1])[:-1]
+    return points[keep]
 
 
 #: Growth of the step-time cap between passes of a search whose host memory may bind.

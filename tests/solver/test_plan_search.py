@@ -514,9 +514,9 @@ def test_70b_on_8_gpus_says_what_fits() -> None:
     assert "no memory-feasible plan for ppo on 8 H100-SXM-80GB GPUs" in str(info.value)
     request = ppo_request("llama-3.3-70b", 8)
     assert search(resized(request, 10)).candidates and search(resized(request, 16)).candidates
-    # 9 GPUs hold no plan: `fits` (the search stopped at its first plan, behind a memory bound per
-    # pool; test_fits_agrees_with_the_search) says so in seconds, where the search's capped passes
-    # (host memory binds here) take a minute and a half to find nothing
+    # 9 GPUs hold no plan: `fits` (memory alone, pool by pool; test_fits_agrees_with_the_search)
+    # says so in milliseconds, where the search's capped passes (host memory binds here) take a
+    # minute and a half to find nothing
     assert not fits(resized(request, 9))
     # without training-time offload (issue 47's search space): 20 GPUs fit, 24 (3 nodes) fit,
     # 16 (2 nodes) do not (80 under the old worst-case memory model)
@@ -568,7 +568,7 @@ def test_the_smallest_counts_match_a_search_of_every_count() -> None:
 
     Each count is asked of `fits` on its own request (test_fits_agrees_with_the_search holds it
     to the search): where host memory binds, a full search of a count that holds no plan runs
-    every capped pass (seed 74's counts 16 to 19: a minute and a half together; `fits`: seconds)."""
+    every capped pass (seed 74's counts 16 to 19: a minute and a half together; `fits`: milliseconds)."""
     checked, gaps = 0, 0
     for seed in range(100):
         request = random_request(seed)
@@ -596,7 +596,7 @@ def test_a_whole_node_answer_is_said_once() -> None:
 
 
 def test_fits_agrees_with_the_search() -> None:
-    """`fits` (the search stopped at its first plan, behind a memory bound per pool) says yes
+    """`fits` (whether each pool of some placement holds its model-stages' memory) says yes
     exactly where `search` finds a plan."""
     verdicts = []
     for seed in range(150):
