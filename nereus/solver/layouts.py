@@ -204,7 +204,7 @@ class OptionTable:
 
 def _valid_degrees(cost: StageCostModel, allowed: MemoryChoices) -> list[tuple[int, int, int, int, int]]:
     """(tp, pp, cp, ep, cp method code) the model allows: power-of-two tp in a node, pp dividing
-    the layers, in training and inference (where allowed) a power-of-two cp > 1 without pipeline
+    the layers (at most the cluster's GPUs), in training and inference (where allowed) a power-of-two cp > 1 without pipeline
     stages, by Ulysses where it can split the heads (`cp_rule`) and by all-gather KV where it
     cannot, with cp up to a node's GPUs (no head bound), and for a mixture of experts (where
     allowed) every ep > 1 dividing the experts (`ep_rule`), with cp = 1."""
@@ -214,7 +214,9 @@ def _valid_degrees(cost: StageCostModel, allowed: MemoryChoices) -> list[tuple[i
         for i in range(cost.cluster.gpus_per_node.bit_length())
         if 1 << i <= cost.cluster.gpus_per_node and kv_heads_rule(model, 1 << i) is None
     ]
-    pps = [pp for pp in range(1, model.num_layers + 1) if pp_rule(model, pp) is None]
+    # pp stages take pp GPUs: more than the cluster has place nowhere (and a model file's absurd
+    # layer count would make this loop endless)
+    pps = [pp for pp in range(1, min(model.num_layers, cost.cluster.num_gpus) + 1) if pp_rule(model, pp) is None]
     plain = [(tp, pp, 1, 1, 0) for tp in tps for pp in pps]
     out = list(plain)
     if cost.stage != "generation" and True in allowed.context_parallel:
