@@ -28,8 +28,11 @@ if TYPE_CHECKING:
 
 #: Added to the norm before dividing by it (torch.nn.utils.clip_grad_norm_'s guard).
 CLIP_EPS = 1e-6
-#: Gradient elements squared in float64 at a time (32 MiB of temporaries per slice).
-NORM_SLICE_ELEMENTS = 1 << 22
+#: Gradient elements normed in float64 at a time. `torch.linalg.vector_norm(..., dtype=float64)`
+#: (and `_foreach_norm`, one slice after another on CPU) first copies its input to float64, so a
+#: slice's copy is this many x 8 bytes (2 MiB), freed before the next slice's; 2^22 elements
+#: (a 32 MiB copy) was the peak of bf16 training under offload.
+NORM_SLICE_ELEMENTS = 1 << 18
 
 
 def counted_params(model: Model, head: Head, groups: ParallelGroups, held: Collection[str]) -> list[str]:

@@ -174,9 +174,10 @@ def prepare_rank(
     torch.manual_seed(config.rl.seed)
     # What a step imports on first use belongs to the idle rank, not to a model-stage: DTensor
     # and FSDP2's modules, and torch._dynamo, which activation checkpointing imports on its
-    # first call (each ~35-45 MB of a CPU rank's private memory in Python objects).
-    recompute = any(entry.recompute != "none" for entry in plan.stages)
-    for module in ("torch.distributed.fsdp", "torch.distributed.tensor", *(["torch._dynamo"] if recompute else [])):
+    # first call and FSDP2's `fully_shard` on its first (its hooks are wrapped in
+    # `torch._dynamo.disable`; each ~33-45 MB of a CPU rank's private memory in Python objects).
+    dynamo = any(entry.recompute != "none" or entry.full_shard for entry in plan.stages)
+    for module in ("torch.distributed.fsdp", "torch.distributed.tensor", *(["torch._dynamo"] if dynamo else [])):
         importlib.import_module(module)
 
     tracker = memory.PeakTracker.for_device(device().type, arena.used_bytes)  # the idle baseline, before any state
