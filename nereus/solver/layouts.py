@@ -204,10 +204,11 @@ class OptionTable:
 
 def _valid_degrees(cost: StageCostModel, allowed: MemoryChoices) -> list[tuple[int, int, int, int, int]]:
     """(tp, pp, cp, ep, cp method code) the model allows: power-of-two tp in a node, pp dividing
-    the layers (at most the cluster's GPUs), in training and inference (where allowed) a power-of-two cp > 1 without pipeline
-    stages, by Ulysses where it can split the heads (`cp_rule`) and by all-gather KV where it
-    cannot, with cp up to a node's GPUs (no head bound), and for a mixture of experts (where
-    allowed) every ep > 1 dividing the experts (`ep_rule`), with cp = 1."""
+    the layers (at most the cluster's GPUs), in training and inference (where allowed) a
+    power-of-two cp > 1 without pipeline stages, by Ulysses where it can split the heads
+    (`cp_rule`) and by all-gather KV where it cannot, with cp up to a node's GPUs (no head
+    bound), and for a mixture of experts (where allowed) every ep > 1 dividing the experts
+    (`ep_rule`), with cp = 1."""
     model = cost.model
     tps = [
         1 << i

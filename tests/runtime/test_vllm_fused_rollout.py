@@ -24,7 +24,7 @@ from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.generation.sampling import SamplingConfig
 from nereus.runtime.rl.fused_rollout import fused_rollout
 from nereus.runtime.rl.inter_stage import migration_settings
-from nereus.runtime.rl.rollout import sample_responses, start_rollout_engine
+from nereus.runtime.rl.rollout import sampled, start_rollout_engine
 from nereus.runtime.rl.stages import build_stages
 from nereus.runtime.rl.update import sync_plans, sync_weights
 from nereus.runtime.run.rank_loop import load_folders
@@ -60,7 +60,7 @@ def fused_worker(rank: int, world: int, run: str, plan_path: str, folder: str) -
     settings = dataclasses.replace(migration_settings(plan, Fusion(inter_stage=True)), threshold=0.25)
     fused = fused_rollout(stages, PROMPTS, SAMPLING, settings, {}, BUDGETS)
     again = fused_rollout(stages, PROMPTS, SAMPLING, settings, {}, BUDGETS)
-    plain, plain_log_probs = sample_responses(stages[ACTOR_GENERATION], PROMPTS, SAMPLING, BUDGETS)
+    plain, plain_log_probs, _ = sampled(stages[ACTOR_GENERATION], PROMPTS, SAMPLING, BUDGETS)
     engine.close()
     return {
         "responses": fused.responses,

@@ -95,21 +95,7 @@ def generate_responses(
     i (its tokens come from its own generator, whichever replica decodes it) and stops after
     `budgets[i]` tokens when given. A rank with no part in generation first runs `idle`;
     `kv_budget` bounds each replica's KV pool (default: room for its share at the longest)."""
-    return sample_responses(stage, prompts, sampling, budgets, idle, kv_budget)[0]
-
-
-def sample_responses(
-    stage: ModelStageRuntime,
-    prompts: list[list[int]],
-    sampling: SamplingConfig,
-    budgets: list[int] | None = None,
-    idle: Callable[[], None] | None = None,
-    kv_budget: KVBudget | None = None,
-) -> tuple[list[list[int]], list[list[float]] | None]:
-    """`generate_responses`, with the engine's log-probability of every response token when
-    a vLLM engine sampled them (None from nereus's own engine: the trainer's are the reference)."""
-    responses, log_probs, _ = sampled(stage, prompts, sampling, budgets, idle, kv_budget)
-    return responses, log_probs
+    return sampled(stage, prompts, sampling, budgets, idle, kv_budget)[0]
 
 
 def sampled(
@@ -120,8 +106,10 @@ def sampled(
     idle: Callable[[], None] | None = None,
     kv_budget: KVBudget | None = None,
 ) -> tuple[list[list[int]], list[list[float]] | None, list[torch.Tensor] | None]:
-    """`sample_responses`, with the experts a vLLM engine's decoding routed every position of
-    each sequence to (`Generated.routes`; None from nereus's own engine or a dense model)."""
+    """`generate_responses`, with the engine's log-probability of every response token when a
+    vLLM engine sampled them (None from nereus's own engine: the trainer's are the reference) and
+    the experts its decoding routed every position of each sequence to (`Generated.routes`; None
+    from nereus's own engine or a dense model)."""
     engine = stage.engine
     mine: tuple[list[list[int]], list[list[float]] | None, list[torch.Tensor] | None] | None = None
     if engine is None and idle is not None:
