@@ -173,6 +173,8 @@ class VLLMEngine:
     """The level it sleeps at after each rollout (None: it stays awake; `EngineSleep`)."""
     start_s: float = 0.0
     """Seconds `LLM(...)` took to start it (recorded once, by the first `drain_phases`)."""
+    moe: bool = False
+    """A mixture-of-experts model: its routers are hooked to record the experts chosen."""
     sleeper: EngineSleep = field(init=False)
     routing: RoutingRecorder | None = field(init=False)
     """Mixture-of-experts models: records the experts each generated token was routed to."""
@@ -181,7 +183,7 @@ class VLLMEngine:
         self.sleeper = EngineSleep(self.llm, self.sleep_level)
         if self.start_s > 0:
             self.sleeper.seconds[ENGINE_START_KEY] = [self.start_s]
-        self.routing = RoutingRecorder.attach(self.llm)
+        self.routing = RoutingRecorder.attach(self.llm) if self.moe else None
 
     @property
     def model_runner(self) -> Any:
@@ -689,7 +691,7 @@ def start_engine(
     theirs = list(parallel_state.get_tp_group().ranks)
     mine = list(range(rank - rank % tp, rank - rank % tp + tp))
     assert theirs == mine, f"vLLM's tensor group {theirs} is not the plan's {mine}"
-    return VLLMEngine(llm, rank // tp, tp_group, sleep_level, start_s)
+    return VLLMEngine(llm, rank // tp, tp_group, sleep_level, start_s, moe)
 
 
 def sleep_mode_available() -> bool:
