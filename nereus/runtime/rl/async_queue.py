@@ -220,20 +220,11 @@ class StalenessQueue:
     @classmethod
     def load(cls, folder: Path) -> StalenessQueue:
         """The queue `save` wrote into `folder`; NereusError (one line naming the file) otherwise."""
-        from safetensors.torch import load_file
-
-        state_path, tensors_path = folder / STATE_FILE, folder / TENSORS_FILE
-        try:
-            data = json.loads(state_path.read_text())
-            tensors = load_file(str(tensors_path))
-        except FileNotFoundError as error:
-            raise NereusError(f"{error.filename}: missing; the checkpoint has no async queue") from None
-        except Exception as error:  # JSON and safetensors report bad files in their own error types
-            raise NereusError(f"{folder}: unreadable async queue ({one_line(str(error))})") from None
+        data, tensors = read_pair(folder, STATE_FILE, TENSORS_FILE, "async queue", "the checkpoint has no async queue")
         try:
             return cls.from_state(data, tensors)
         except ValueError as error:
-            raise NereusError(f"{state_path}: {error}") from None
+            raise NereusError(f"{folder / STATE_FILE}: {error}") from None
 
 
 def oldest_token(sample: VersionedSample) -> int | None:
@@ -264,6 +255,21 @@ def write_pair(folder: Path, json_name: str, data: Any, tensors_name: str, tenso
         temporary = folder / f".{name}.tmp"
         write(temporary)
         os.replace(temporary, folder / name)
+
+
+def read_pair(
+    folder: Path, json_name: str, tensors_name: str, what: str, missing: str
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The JSON data and tensors `write_pair` wrote (nothing unpickled); NereusError in one line
+    naming the missing file (with `missing`, what its absence means) or the unreadable `what`."""
+    from safetensors.torch import load_file
+
+    try:
+        return json.loads((folder / json_name).read_text()), load_file(str(folder / tensors_name))
+    except FileNotFoundError as error:
+        raise NereusError(f"{error.filename}: missing; {missing}") from None
+    except Exception as error:  # JSON and safetensors report bad files in their own error types
+        raise NereusError(f"{folder}: unreadable {what} ({one_line(str(error))})") from None
 
 
 # ---- the rollout's hand-off from the generation pool to the training pool ----

@@ -30,7 +30,6 @@ unpickled), so a SIGKILL and `--resume` continue them where the checkpoint's tic
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from typing import Any
 import torch
 
 from nereus.errors import NereusError
-from nereus.runtime.rl.async_queue import VersionedSample, encode_samples, write_pair
+from nereus.runtime.rl.async_queue import VersionedSample, encode_samples, read_pair, write_pair
 from nereus.spec.io import one_line
 
 #: The samples in flight inside a checkpoint folder (and, per tick, in the hand-off folder).
@@ -197,23 +196,12 @@ class PartialRollout:
     def load(self, folder: Path, tick: int) -> None:
         """The samples in flight `save` wrote after tick `tick`; NereusError (one line naming
         the file and the field) when the files are missing, damaged or from another run's settings."""
-        from safetensors.torch import load_file
-
-        state_path = folder / STATE_FILE
-        try:
-            data = json.loads(state_path.read_text())
-            tensors = load_file(str(folder / TENSORS_FILE))
-        except FileNotFoundError as error:
-            raise NereusError(
-                f"{error.filename}: missing; the checkpoint holds no partial rollout (resume with the plan's workload "
-                "unchanged)"
-            ) from None
-        except Exception as error:  # JSON and safetensors report bad files in their own error types
-            raise NereusError(f"{folder}: unreadable partial rollout ({one_line(str(error))})") from None
+        missing = "the checkpoint holds no partial rollout (resume with the plan's workload unchanged)"
+        data, tensors = read_pair(folder, STATE_FILE, TENSORS_FILE, "partial rollout", missing)
         try:
             self.batches = self._from_state(data, tensors, tick)
         except (ValueError, KeyError, TypeError) as error:
-            raise NereusError(f"{state_path}: {one_line(str(error))}") from None
+            raise NereusError(f"{folder / STATE_FILE}: {one_line(str(error))}") from None
 
     def _from_state(self, data: Any, tensors: dict[str, torch.Tensor], tick: int) -> dict[int, list[InFlight]]:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
