@@ -175,6 +175,37 @@ def test_expert_parallel_layouts_match_the_reference() -> None:
             assert error < TOL, (case, quantity, error)
 
 
+def dispatch_worker(rank: int, world: int, ref: dict) -> tuple[bool, bool]:
+    """Whether torch._dynamo was loaded before, and after, an ep = 2 engine (tp = 1) ran every
+    dispatch: the replicated one (logits, routing, a cached generation) and the all-to-all one
+    (a training step)."""
+    import sys
+
+    from nereus.runtime.generation.generate import SamplingConfig, generate
+
+    torch.set_num_threads(1)
+    before = "torch._dynamo" in sys.modules
+    engine = Engine.create(TINY_MOE, "lm", RankLayout(1, 1, 1, (0, 1), ep=2), EngineConfig(optimizer=OPTIMIZER))
+    assert engine is not None
+    engine.load_logical_params(ref["logical"])
+    batch = make_batches("lm", 7)[0]
+    engine.logits(batch)
+    engine.routing(batch)
+    generate(engine, batch.tokens[:2, :4].tolist(), SamplingConfig(max_new_tokens=3, temperature=1.0, seed=0))
+    engine.train_step(batch, NextTokenLoss())
+    return before, "torch._dynamo" in sys.modules
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_dispatch_leaves_dynamo_unloaded() -> None:
+    """The ep ranks meet through plain collectives (tp = 1): no DTensor, whose constructor
+    imports torch._dynamo on its first call, ~35 MB of a CPU rank's private memory that the
+    memory tracker would count in the model-stage that ran first (benchmarks/moe_runtime.py)."""
+    for before, after in spawn(dispatch_worker, 2, reference_run(TINY_MOE, "lm", seed=7)):
+        assert not before  # a fresh rank: the check below can fail
+        assert not after
+
+
 def test_the_reference_uses_every_expert() -> None:
     """The check above is not vacuous: every sparse layer sends tokens to every expert."""
     from nereus.runtime.model.moe import Routes

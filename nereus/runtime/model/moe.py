@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from nereus.runtime.comm import collectives
 from nereus.runtime.model.attention import Packing
 from nereus.runtime.model.tensor_parallel import TensorParallel, replicated, summed
 from nereus.spec.model import Activation, Model
@@ -77,9 +78,8 @@ class ExpertParallel:
     rank: int
     """This rank's index among them (it holds experts [rank E/size, (rank+1) E/size))."""
     group: Any = None
-    """The torch process group of the ep ranks (None when size is 1)."""
-    mesh: Any = None
-    """The 1-D DeviceMesh over `group` (None when size is 1)."""
+    """The torch process group of the ep ranks (None when size is 1): they meet through plain
+    collectives on it (the all-to-alls, the replicated dispatch's sum), never a DTensor."""
 
     @classmethod
     def single(cls) -> ExpertParallel:
@@ -302,10 +302,18 @@ class MoEMLP(nn.Module):
 
     def _replicated(self, rows: torch.Tensor, sorted_experts: torch.Tensor) -> torch.Tensor:
         """Expert outputs of rows sorted by expert: this rank's experts' rows computed here,
-        the others zero, summed over the ep ranks (every ep rank has the same rows)."""
+        the others zero, summed over the ep ranks (every ep rank has the same rows).
+
+        Only forward passes without gradients use this dispatch (generation, log-probs, routing): the ep
+        sum is a plain in-place all-reduce of the fresh buffer, not a DTensor's: DTensor's
+        constructor imports torch._dynamo on its first call, ~35 MB of Python objects in a CPU
+        rank's private memory that its first ep > 1 pass would otherwise leave behind."""
+        assert not torch.is_grad_enabled(), "the replicated dispatch runs without gradients"
         first = self.experts.first_expert
         mine = (sorted_experts >= first) & (sorted_experts < first + self.experts.local_experts)
         index = mine.nonzero().squeeze(-1)
         partial = self.experts.partial(rows[index], sorted_experts[index] - first)
         local = rows.new_zeros((rows.shape[0], partial.shape[-1])).index_copy(0, index, partial)
-        return summed(summed(local, self.tp.mesh), self.ep.mesh)
+        total = summed(local, self.tp.mesh)
+        collectives.all_reduce(total, self.ep.group)
+        return total

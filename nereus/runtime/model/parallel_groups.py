@@ -107,7 +107,7 @@ def build_groups(
     )
     tensor = TensorParallel(tp, tp_rank, mine.get("tp"), _mesh(mine.get("tp")), _mesh(mine.get("kv")))
     context = ContextParallel(cp, cp_rank, mine.get("cp"), cp_method)
-    experts = ExpertParallel(ep, ep_rank, mine.get("ep"), _mesh(mine.get("ep")))
+    experts = ExpertParallel(ep, ep_rank, mine.get("ep"))
     shard_group = mine.get("shard") if dp > 1 and cp > 1 else mine.get("dp") if cp == 1 else mine.get("cp")
     return ParallelGroups(
         layout, replica, stage, tensor, link, mine.get("dp"), mine.get("embed"), context, shard_group,
