@@ -22,10 +22,12 @@ same gradient of every parameter (fp32: within 1e-5 relative, 1e-6 absolute; aft
 tied embedding's first/last-stage sum, which `finish_forward_backward` does for all three).
 Then it times `--iters` steps after `--warmup`, the implementations alternated step by step
 (so load on the shared machine falls on all alike), each step started by a barrier, and
-reports medians and the ratio to `nereus`. Each torch schedule's first step (its one-time
+reports medians and the ratio to `nereus`, and each step's CPU time (the rank process's, all
+threads: what the step costs whatever the load). Each torch schedule's first step (its one-time
 P2P warm-up vote) is timed separately, beside a (warm) nereus step. `--breakdown` also splits
-every step into compute (the stage's forward steps and the backwards, each on a clock) and the
-rest (waiting on the neighbour's data, sends, the schedule's bookkeeping).
+every step into compute (the stage's forward steps and the backwards), point-to-point waits
+(for the neighbour's data, for sends to be taken) and the rest (the executor's or schedule's own
+work), each a median over the timed steps (`breakdown`).
 Writes benchmarks/results/pp_torch.json.
 
     python benchmarks/pp_torch.py [--models tiny,decoder-100m] [--iters 7] [--microbatches 4]
@@ -68,18 +70,18 @@ def models() -> dict[str, Model]:
 
 
 class Clock:
-    """Seconds spent inside the timed regions of one step (`--breakdown`)."""
+    """Seconds one step spent in its compute and in its point-to-point waits (`--breakdown`)."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.seconds = {"compute": 0.0, "p2p_wait": 0.0}
 
     @contextmanager
-    def region(self) -> Any:
+    def region(self, what: str) -> Any:
         started = time.perf_counter()
         try:
             yield
         finally:
-            self.seconds += time.perf_counter() - started
+            self.seconds[what] += time.perf_counter() - started
 
 
 class EngineStageModule(nn.Module):
@@ -200,20 +202,22 @@ def time_model(rank: int, name: str, args: argparse.Namespace) -> dict[str, Any]
     tolerance = (1e-5, 1e-6) if args.dtype == "float32" else (2e-2, 2e-3)
     check = check_same(engine, steps, tolerance)
     times: dict[str, list[float]] = {impl: [] for impl in IMPLEMENTATIONS}
-    compute: dict[str, list[float]] = {impl: [] for impl in IMPLEMENTATIONS}
+    cpu_s: dict[str, list[float]] = {impl: [] for impl in IMPLEMENTATIONS}
+    parts_s: dict[str, dict[str, list[float]]] = {impl: {"compute": [], "p2p_wait": []} for impl in IMPLEMENTATIONS}
     for step in range(args.warmup + args.iters):
         for impl in IMPLEMENTATIONS:  # alternated, step by step
             clock = Clock() if args.breakdown else None
             with breakdown(engine, clock):
                 engine.zero_grad()
                 dist.barrier()
-                started = time.perf_counter()
+                started, cpu_started = time.perf_counter(), time.process_time()
                 steps[impl]()
-                elapsed = time.perf_counter() - started
+                elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
             if step >= args.warmup:
                 times[impl].append(elapsed)
-                if clock is not None:
-                    compute[impl].append(clock.seconds)
+                cpu_s[impl].append(cpu)
+                for what, seconds in ({} if clock is None else clock.seconds).items():
+                    parts_s[impl][what].append(seconds)
     medians = {impl: statistics.median(t) for impl, t in times.items()}
     row: dict[str, Any] = {
         "model": name,
@@ -222,48 +226,63 @@ def time_model(rank: int, name: str, args: argparse.Namespace) -> dict[str, Any]
         "first_step_s": first_step_s,
         "median_step_s": medians,
         "over_nereus": {impl: medians[impl] / medians["nereus"] for impl in IMPLEMENTATIONS[1:]},
+        "median_cpu_s": {impl: statistics.median(c) for impl, c in cpu_s.items()},
         "times_s": times,
     }
-    if args.breakdown:
-        row["median_compute_s"] = {impl: statistics.median(c) for impl, c in compute.items()}
-        row["median_rest_s"] = {
-            impl: statistics.median(t - c for t, c in zip(times[impl], compute[impl], strict=True))
-            for impl in IMPLEMENTATIONS
-        }
+    if args.breakdown:  # medians of each part, and of what is left of each step
+        row["breakdown_median_s"] = {impl: median_parts(times[impl], parts_s[impl]) for impl in IMPLEMENTATIONS}
     return row
+
+
+def median_parts(times: list[float], parts: dict[str, list[float]]) -> dict[str, float]:
+    """The median of each part of the steps and of the rest of them."""
+    rest = [t - sum(part[i] for part in parts.values()) for i, t in enumerate(times)]
+    return {**{what: statistics.median(part) for what, part in parts.items()}, "rest": statistics.median(rest)}
 
 
 @contextmanager
 def breakdown(engine: Engine, clock: Clock | None) -> Any:
-    """Under `clock`, time the stage's compute: every forward step and every backward
-    (`torch.autograd.backward`, which both executors call, the last stage's `loss.backward`
-    included) lands in the clock; the rest of the step is communication and bookkeeping."""
+    """Under `clock`, split the step: compute (every forward step, and every backward:
+    `torch.autograd.backward`, which both executors call, the last stage's `loss.backward`
+    included) and point-to-point waits (the executor's blocking `dist.recv` and its final wait
+    on its sends; torch's schedules' waits on their batched isend/irecv, `_wait_batch_p2p`).
+    What is left of the step is bookkeeping: splitting, posting, the schedule's own code."""
     if clock is None:
         yield
         return
-    original_backward = torch.autograd.backward
-    original_begin = engine.begin_forward_backward
+    from torch.distributed.pipelining import schedules
 
-    def timed_backward(*args: Any, **kwargs: Any) -> Any:
-        with clock.region():
-            return original_backward(*args, **kwargs)
+    from nereus.runtime.model import pipeline
+
+    def timed(what: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with clock.region(what):
+                return call(*args, **kwargs)
+
+        return run
+
+    original_begin = engine.begin_forward_backward
 
     def timed_begin(*args: Any, **kwargs: Any) -> TrainingJob:
         job = original_begin(*args, **kwargs)
-        step = job.forward_step
+        return TrainingJob(job.ops, timed("compute", job.forward_step), job.input_shape, job.earlier_grads)
 
-        def timed_step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
-            with clock.region():
-                return step(mb, stage_input)
-
-        return TrainingJob(job.ops, timed_step, job.input_shape, job.earlier_grads)
-
-    setattr(torch.autograd, "backward", timed_backward)  # noqa: B010 (looked up at each call)
+    # each looked up at its call: a module attribute or a class's method
+    patches = [
+        (torch.autograd, "backward", timed("compute", torch.autograd.backward)),
+        (dist, "recv", timed("p2p_wait", dist.recv)),
+        (pipeline.Sends, "wait", timed("p2p_wait", pipeline.Sends.wait)),
+        (schedules, "_wait_batch_p2p", timed("p2p_wait", schedules._wait_batch_p2p)),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, replacement in patches:
+        setattr(owner, name, replacement)
     engine.begin_forward_backward = timed_begin  # type: ignore[method-assign]
     try:
         yield
     finally:
-        setattr(torch.autograd, "backward", original_backward)  # noqa: B010
+        for owner, name, original in originals:
+            setattr(owner, name, original)
         del engine.begin_forward_backward
 
 
@@ -281,7 +300,9 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=7)
-    parser.add_argument("--breakdown", action="store_true", help="Also split each step into compute and the rest.")
+    parser.add_argument(
+        "--breakdown", action="store_true", help="Also split each step into compute, p2p waits and the rest."
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     unknown = sorted(set(args.models.split(",")) - set(models()))
@@ -295,9 +316,9 @@ def main() -> None:
         steps = ", ".join(f"{impl} {s:.4f} s" for impl, s in row["median_step_s"].items())
         ratios = ", ".join(f"{impl} {r:.2f}x" for impl, r in row["over_nereus"].items())
         print(f"{row['model']:14} rank {row['rank']}: {steps}; over nereus: {ratios}")
-        if "median_rest_s" in row:
-            rest = ", ".join(f"{impl} {s:.4f} s" for impl, s in row["median_rest_s"].items())
-            print(f"{'':14} not compute: {rest}")
+        print(f"{'':14} cpu: " + ", ".join(f"{impl} {s:.4f} s" for impl, s in row["median_cpu_s"].items()))
+        for impl, parts in row.get("breakdown_median_s", {}).items():
+            print(f"{'':14} {impl:12} " + ", ".join(f"{what} {s:.4f} s" for what, s in parts.items()))
     kept, repetitions = rank_times(rows)
     payload = {
         "ranks": PP,
