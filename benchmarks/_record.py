@@ -80,6 +80,15 @@ def write_result(
     return path
 
 
+def rank_times(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, list[float]]]:
+    """Per-rank rows of a benchmark (`model`, `rank`, and `times_s`: what was timed -> its
+    repetitions) split into the rows without their times and the times as `repetitions`
+    (`MODEL/rankN/WHAT_s`)."""
+    kept = [{k: v for k, v in row.items() if k != "times_s"} for row in rows]
+    times = {f"{row['model']}/rank{row['rank']}/{what}_s": t for row in rows for what, t in row["times_s"].items()}
+    return kept, times
+
+
 def _merged(payload: Mapping[str, Any], started: Started, repetitions: Mapping[str, Any]) -> dict[str, Any]:
     clash = [key for key in RESERVED if key in payload]
     if clash:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _record import begin, write_result
+from _record import begin, rank_times, write_result
 from memory_parity import MODEL
 
 from nereus.runtime.comm.spawn import spawn
@@ -109,6 +109,7 @@ def main() -> None:
         steps = ", ".join(f"{e} {s:.4f} s" for e, s in row["median_step_s"].items())
         ratios = ", ".join(f"{e} {r:.2f}x" for e, r in row["ratios"].items())
         print(f"{row['model']:14} rank {row['rank']}: {steps}; against replicated: {ratios}")
+    kept, repetitions = rank_times(rows)
     payload = {
         "target_ratio": TARGET,
         "ranks": 2,
@@ -118,9 +119,8 @@ def main() -> None:
         "dtype": args.dtype,
         "rows_per_batch": args.rows,
         "seq": args.seq,
-        "rows": [{k: v for k, v in row.items() if k != "times_s"} for row in rows],
+        "rows": kept,
     }
-    repetitions = {f"{row['model']}/rank{row['rank']}/{e}_s": t for row in rows for e, t in row["times_s"].items()}
     write_result(args.output, payload, started, repetitions=repetitions)
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _record import begin, write_result
+from _record import begin, rank_times, write_result
 from memory_parity import MODEL
 from torch import nn
 from torch.nn import functional as F
@@ -253,6 +253,7 @@ def main() -> None:
     for row in rows:
         steps = ", ".join(f"{impl} {s:.4f} s" for impl, s in row["median_step_s"].items())
         print(f"{row['model']:14} rank {row['rank']}: {steps}; dtensor / nereus {row['dtensor_over_nereus']:.2f}x")
+    kept, repetitions = rank_times(rows)
     payload = {
         "ranks": TP,
         "threads_per_rank": 1,
@@ -261,10 +262,7 @@ def main() -> None:
         "dtype": "float32",
         "rows_per_batch": args.rows,
         "seq": args.seq,
-        "rows": [{k: v for k, v in row.items() if k != "times_s"} for row in rows],
-    }
-    repetitions = {
-        f"{row['model']}/rank{row['rank']}/{impl}_s": t for row in rows for impl, t in row["times_s"].items()
+        "rows": kept,
     }
     write_result(args.output, payload, started, repetitions=repetitions)
 
