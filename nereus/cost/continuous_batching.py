@@ -16,8 +16,8 @@ running count follows the share of responses still generating, over the longest 
 When it holds the whole batch at its time-averaged context but not at its peak (lengths that
 end together peak together), the batch runs so until the cache overflows, and the sequences
 preempted then run their cut work afterwards (`_overflow_profile`: never fewer iterations, nor
-less work, than the unbounded cache). Otherwise the cache runs full until the queue empties: `capacity` less half a prompt of
-admission slack, shared by sequences whose time-averaged context is
+less work, than the unbounded cache). Otherwise the cache runs full until the queue empties:
+`capacity` less half a prompt of admission slack, shared by sequences whose time-averaged context is
 p + E[L (L + 1) / 2] / E[L], so the KV token-iterations of the whole batch over that
 fill give the saturated iterations. Then the sequences in flight drain; their remaining
 lengths follow the length-biased residual distribution, and the longest of them ends the
