@@ -800,6 +800,8 @@ class CountProbe:
         key = (stages, size)
         if any(math.isinf(self.tables[name, size].fastest) for name in stages):
             return False  # a model-stage that fits in no layout alone (known without listing options)
+        if key not in self.pools and self._witness(stages, size):
+            self.pools[key] = True
         if key not in self.pools:
             fronts = []
             for name in stages:
@@ -808,6 +810,25 @@ class CountProbe:
                 fronts.append(self.fronts[name, size])
             self.pools[key] = pool_fits(fronts, self.budget, self.host_budget)
         return self.pools[key]
+
+    def _witness(self, stages: tuple[str, ...], size: int) -> bool:
+        """Whether each model-stage's option least in `resident + transient + w * host` (host
+        weight w: 0 or 1), all taken together, fit the pool: a quick proof that it holds a plan,
+        before the exact test builds the memory fronts."""
+        for weight in (0.0, 1.0):
+            resident = host = transient = 0.0
+            for name in stages:
+                table = self.tables[name, size]
+                time, res, trans = table.columns[:3]
+                need = np.where(
+                    np.isfinite(time) & (res + trans <= self.budget), res + trans + weight * table.host, np.inf
+                )
+                i = int(np.argmin(need))
+                resident, host = resident + float(res[i]), host + float(table.host[i])
+                transient = max(transient, float(trans[i]))
+            if resident + transient <= self.budget and host <= self.host_budget:
+                return True
+        return False
 
     def fits(self, num_gpus: int) -> bool:
         """Whether some plan fits on `num_gpus` GPUs (whose pool sizes the tables price)."""
