@@ -15,6 +15,15 @@ With --baseline DIR (a checkout of older code, e.g. `git archive c853336 | tar -
 each case is also timed there, in a worker process importing nereus from DIR, alternating
 with a worker on this checkout run by run, so both see the same machine load; the table
 adds both medians and the median of the paired ratios.
+
+With --slow-cases --baseline DIR, the host-memory-bound requests where no placement holds a plan
+(`SLOW_CASES`: LLaMA-65B PPO on 8 H100s, Qwen3-235B-A22B GRPO on 16, which the search once
+explored placement by placement for minutes) are timed instead, one fresh process per search
+(baseline and this checkout alternating), each cut off after --cap seconds (then recorded as
+None: it took longer); writes results/plan_search_slow_cases.json.
+
+    git archive 87d7b24 | tar -x -C /tmp/before-skip    # before the search skipped such placements
+    .venv/bin/python benchmarks/plan_search.py --slow-cases --baseline /tmp/before-skip --runs 3 --cap 60
 """
 
 from __future__ import annotations
@@ -56,6 +65,90 @@ for line in sys.stdin:
     search(requests[line])
     print(time.perf_counter() - started, flush=True)
 """
+
+
+#: (model, workload preset, GPUs, maximum response or None: the preset's) where no placement
+#: holds a plan and host memory binds: `--slow-cases`. LLaMA-65B's 2,048 positions need the cap.
+SLOW_CASES = (("llama-65b", "ppo", 8, 1024), ("qwen3-235b-a22b", "grpo", 16, None))
+
+#: One timed search of a slow case in a fresh process: argv model workload gpus max-response.
+SLOW_WORKER = """
+import sys, time
+from nereus.solver.plan_search import PlanRequest, search
+from nereus.spec.presets import cluster_preset, models_for, workload_preset
+from nereus.spec.workload import with_max_response
+import nereus
+model, name, gpus, longest = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+workload = workload_preset(name, actor=model)
+workload = with_max_response(workload, longest) if longest else workload
+request = PlanRequest(cluster_preset("h100", gpus), models_for(workload, None), workload, gpus)
+started = time.perf_counter()
+outcome = search(request)
+print(nereus.__file__, time.perf_counter() - started, len(outcome.candidates), flush=True)
+"""
+
+
+def slow_search_s(root: Path, case: tuple[str, str, int, int | None], cap: float) -> float | None:
+    """Seconds of one `search` of `case` with nereus from `root` (None: cut off after `cap`)."""
+    model, name, gpus, longest = case
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+    argv = [sys.executable, "-c", SLOW_WORKER, model, name, str(gpus), str(longest or 0)]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=root, timeout=cap, check=True)
+    except subprocess.TimeoutExpired:
+        return None
+    imported, seconds, found = done.stdout.split()
+    if root not in Path(imported).parents:
+        raise RuntimeError(f"the search for {root} imported nereus from {imported}")
+    assert found == "0", f"{case}: the slow cases hold no plan, {found} found"
+    return float(seconds)
+
+
+def slow_cases(baseline: Path, runs: int, cap: float, recording: Started) -> None:
+    """Time `SLOW_CASES` on the baseline and this checkout, alternating run by run."""
+    roots = (baseline.resolve(), Path(__file__).resolve().parent.parent)
+    rows = []
+    print(f"{'case':<34} {'baseline s (median)':>20} {'now s (median)':>15}")
+    for case in SLOW_CASES:
+        times: tuple[list[float | None], list[float | None]] = ([], [])
+        for run in range(runs):
+            for side in (0, 1)[:: 1 if run % 2 == 0 else -1]:
+                times[side].append(slow_search_s(roots[side], case, cap))
+        model, name, gpus, longest = case
+        row = {"model": model, "workload": name, "gpus": gpus, "max_response": longest}
+        for label, runs_s in zip(("baseline", "current"), times, strict=True):
+            finished = [t for t in runs_s if t is not None]
+            row[f"{label}_s_runs"] = runs_s
+            # Cut-off runs took longer than every finished one: the median counts them as the largest.
+            ordered = sorted(finished) + [math.inf] * (len(runs_s) - len(finished))
+            median = statistics.median(ordered)
+            row[f"{label}_median_s"] = median if math.isfinite(median) else None
+            row[f"{label}_cut_off"] = len(runs_s) - len(finished)
+        rows.append(row)
+        said = [
+            f"> {cap:g}" if row[f"{k}_median_s"] is None else f"{row[f'{k}_median_s']:.3f}"
+            for k in ("baseline", "current")
+        ]
+        print(f"{model} {name} {gpus} GPUs{'':<10} {said[0]:>20} {said[1]:>15}")
+    repetitions = {
+        f"{r['model']}/{r['workload']}/{r['gpus']}": {
+            "baseline_s": r.pop("baseline_s_runs"),
+            "current_s": r.pop("current_s_runs"),
+        }
+        for r in rows
+    }
+    payload = {
+        "benchmark": "plan_search_slow_cases",
+        "what": "search() on requests where no placement holds a plan (host memory binds), one fresh process per run",
+        "baseline": str(baseline),
+        "runs": runs,
+        "cap_s": cap,
+        "cut_off_means": "killed after cap_s seconds (None in repetitions); a median of None: above cap_s",
+        "results": rows,
+    }
+    output = RESULTS.with_name("plan_search_slow_cases.json")
+    write_result(output, payload, recording, repetitions)
+    print(f"wrote {output}")
 
 
 class Worker:
@@ -170,8 +263,15 @@ def main() -> None:
         default=None,
         help="a checkout of older code to time side by side (results/plan_search_vs_baseline.json)",
     )
+    parser.add_argument("--slow-cases", action="store_true", help="time SLOW_CASES against --baseline")
+    parser.add_argument("--cap", type=float, default=60.0, help="--slow-cases: seconds before a search is cut off")
     args = parser.parse_args()
     recording = begin()
+    if args.slow_cases:
+        if args.baseline is None:
+            parser.error("--slow-cases needs --baseline DIR")
+        slow_cases(args.baseline, args.runs, args.cap, recording)
+        return
     if args.baseline is not None:
         compare(args.baseline, MODELS, GPU_COUNTS, max(args.runs, 5), recording)
         return

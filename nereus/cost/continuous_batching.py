@@ -13,8 +13,11 @@ tokens) by a few slices in closed form, vectorised over layouts for the planner;
 
 The closed form. When the budget holds every sequence's peak demand, nothing waits: the
 running count follows the share of responses still generating, over the longest response.
-Otherwise the cache runs full until the queue empties: `capacity` less half a prompt of
-admission slack, shared by sequences whose time-averaged context is
+When it holds the whole batch at its time-averaged context but not at its peak (lengths that
+end together peak together), the batch runs so until the cache overflows, and the sequences
+preempted then run their cut work afterwards (`_overflow_profile`: never fewer iterations, nor
+less work, than the unbounded cache). Otherwise the cache runs full until the queue empties:
+`capacity` less half a prompt of admission slack, shared by sequences whose time-averaged context is
 p + E[L (L + 1) / 2] / E[L], so the KV token-iterations of the whole batch over that
 fill give the saturated iterations. Then the sequences in flight drain; their remaining
 lengths follow the length-biased residual distribution, and the longest of them ends the
@@ -102,13 +105,15 @@ def mean_context(lengths: ResponseLengths, prompt: float) -> float:
 def decode_profile(
     lengths: ResponseLengths, prompt: float, n: Array, capacity: Array, longest: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(iterations, running sequences, KV tokens) per slice, shape (..., DECODE_SLICES).
+    """(iterations, running sequences, KV tokens) per slice, shape (..., DECODE_SLICES), or
+    (..., 2 * DECODE_SLICES) where some budget holds the batch but not its peak
+    (`_overflow_profile`; the other rows then end in slices of no iterations).
 
     `n` sequences per replica and `capacity` KV tokens (inf: unbounded) broadcast;
     `longest` is the longest response the replica waits for.
     """
     n, capacity = (np.asarray(x, dtype=float) for x in np.broadcast_arrays(n, capacity))
-    shape = (*n.shape, DECODE_SLICES)
+    dims = n.shape
     n, capacity = n.reshape(-1), capacity.reshape(-1)
     # Unbounded: everything admitted at once, running = n * alive(t).
     t, alive = _slices(lengths, longest)
@@ -116,9 +121,15 @@ def decode_profile(
     profile = (np.full(running.shape, longest / DECODE_SLICES), running, running * (prompt + t))
     bound = capacity < _peak(n[:, None] * alive, prompt, t, n)
     if bound.any():  # the bound rows only: each row's profile is its own
-        for out, rows in zip(profile, _bound_profile(lengths, prompt, n[bound], capacity[bound], longest), strict=True):
-            out[bound] = rows
-    return tuple(x.reshape(shape) for x in profile)  # type: ignore[return-value]
+        rows = _bound_profile(lengths, prompt, n[bound], capacity[bound], longest)
+        if rows[0].shape[1] > DECODE_SLICES:  # slices of no iterations for the others
+            profile = tuple(
+                np.concatenate([x, np.full(x.shape, pad)], 1)
+                for x, pad in zip(profile, (0.0, 1.0, prompt), strict=True)
+            )
+        for out, part in zip(profile, rows, strict=True):
+            out[bound] = part
+    return tuple(x.reshape(*dims, x.shape[1]) for x in profile)  # type: ignore[return-value]
 
 
 def binds(lengths: ResponseLengths, prompt: float, n: Array, capacity: Array, longest: float) -> np.ndarray:
@@ -151,7 +162,77 @@ def _peak(running: np.ndarray, prompt: float, t: np.ndarray, n: np.ndarray) -> n
 def _bound_profile(
     lengths: ResponseLengths, prompt: float, n: np.ndarray, capacity: np.ndarray, longest: float
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`decode_profile` of replicas whose budget binds: saturated, then draining."""
+    """`decode_profile` of replicas whose budget binds: a queue of sequences waiting for room
+    (`_queue_profile`) where the budget holds fewer sequences than the batch at their time-averaged
+    context, else the whole batch admitted and overflowing late (`_overflow_profile`)."""
+    fill = np.maximum(prompt + 1.0, capacity - prompt / 2)  # admission slack
+    late = fill >= n * mean_context(lengths, prompt)
+    queue = _queue_profile(lengths, prompt, n[~late], capacity[~late], longest)
+    if not late.any():
+        return queue
+    out = [np.empty((n.size, 2 * DECODE_SLICES)) for _ in range(3)]
+    for whole, part in zip(out, _overflow_profile(lengths, prompt, n[late], capacity[late], longest), strict=True):
+        whole[late] = part
+    for whole, part, pad in zip(out, queue, (0.0, 1.0, prompt), strict=True):  # slices of no iterations
+        whole[~late] = np.concatenate([part, np.full(part.shape, pad)], 1)
+    return out[0], out[1], out[2]
+
+
+def _overflow_profile(
+    lengths: ResponseLengths, prompt: float, n: np.ndarray, capacity: np.ndarray, longest: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`decode_profile` of replicas whose budget holds the whole batch at its time-averaged context
+    but not at its peak, in 2 x DECODE_SLICES slices. Every sequence runs as with an unbounded cache
+    (its slices) until their contexts outgrow the budget; then the newest wait (preempted) while
+    the cache stays full, and resume once the last slice that overflows ends (equal lengths: as the
+    others finish). Nothing is lost: the sequence-iterations and KV token-iterations cut from the
+    overflowing slices all run after it, the waiting count falling linearly from its most to none
+    (twice their sequence-iterations over that most), alongside the slices still running and then,
+    past the longest response, in DECODE_SLICES slices of their own. So a budget only moves work
+    into more iterations: no fewer than the unbounded cache runs, more as it shrinks."""
+    t, alive = _slices(lengths, longest)
+    width = longest / DECODE_SLICES
+    n, capacity = n[:, None], capacity[:, None]
+    running = np.maximum(1.0, n * alive)  # the unbounded cache's slices
+    demand = running * (prompt + t)
+    kept = np.minimum(1.0, capacity / demand)
+    cut_running = ((1 - kept) * running).sum(axis=1) * width  # sequence-iterations that wait
+    cut_tokens = ((1 - kept) * demand).sum(axis=1) * width
+    most = ((1 - kept) * running).max(axis=1)
+    over = kept < 1
+    resume = (DECODE_SLICES - np.argmax(over[:, ::-1], axis=1)) * width  # the end of the last overflowing slice
+    span = 2 * cut_running / np.maximum(most, 1e-300)
+    context = cut_tokens / np.maximum(cut_running, 1e-300)
+    # The waiting sequences alongside the slices: their linear decline integrated over each slice.
+    edges = np.arange(DECODE_SLICES + 1) * width
+    resumed = _waiting_integral(edges[1:], resume, span, most) - _waiting_integral(edges[:-1], resume, span, most)
+    main_running = kept * running + resumed / width
+    main_tokens = kept * demand + resumed / width * context[:, None]
+    # What still waits past the longest response, in slices of its own (midpoints: exact for a line).
+    end = np.maximum(resume + span, longest)
+    after = (end - longest)[:, None] * (np.arange(DECODE_SLICES) + 0.5) / DECODE_SLICES + longest
+    after_running = most[:, None] * np.clip(1 - (after - resume[:, None]) / np.maximum(span, 1e-300)[:, None], 0, 1)
+    return (
+        np.concatenate(
+            [np.full(running.shape, width), np.repeat((end - longest)[:, None] / DECODE_SLICES, DECODE_SLICES, 1)], 1
+        ),
+        np.concatenate([main_running, after_running], 1),
+        np.concatenate([main_tokens, after_running * context[:, None]], 1),
+    )
+
+
+def _waiting_integral(u: np.ndarray, start: np.ndarray, span: np.ndarray, most: np.ndarray) -> np.ndarray:
+    """The integral from 0 to each `u` (columns) of the waiting count per row: `most` falling
+    linearly to none over `span` iterations from `start`, none before."""
+    x = np.clip(u[None, :] - start[:, None], 0.0, span[:, None])
+    return most[:, None] * (x - x**2 / (2 * np.maximum(span, 1e-300)[:, None]))
+
+
+def _queue_profile(
+    lengths: ResponseLengths, prompt: float, n: np.ndarray, capacity: np.ndarray, longest: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`decode_profile` of replicas whose budget holds fewer sequences than the batch at their
+    time-averaged context: saturated with a queue, then draining."""
     half = DECODE_SLICES // 2
     shape = _shape(lengths, prompt)
     context = mean_context(lengths, prompt)

@@ -711,18 +711,29 @@ def search(request: PlanRequest, top_k: int = 1, progress: Callable[[int, int], 
     tables = price_all(request, layouts)
     fastest = {key: table.fastest for key, table in tables.items()}
     ordered = sorted((_placement_bound(p, fastest), i, p) for i, p in enumerate(layouts))
+    # A placement with a pool that holds no plan (memory only, `CountProbe`) has no leaf that
+    # fits: a search of it could only exhaust its tree, which host memory makes vast. Decided
+    # only for the placements the step-time bound leaves open.
+    probe = CountProbe(request, tables)
+
+    @functools.cache
+    def holds(index: int) -> bool:
+        return all(probe.holds(stages, size) for _, _, size, stages in layouts[index].pools)
+
+    first = next((bound for bound, index, _ in ordered if holds(index)), math.inf)
     cache: dict[tuple[str, int, bool], list[Option]] = {}
     leaves = 0
-    for cap in _caps(request, ordered, tables):
+    for cap in _caps(request, ordered, tables, first):
         best = _TopK(top_k)
         best.bound = cap  # only steps faster than the cap are looked for in this pass
-        for done, (bound, _, placement) in enumerate(ordered, 1):
+        for done, (bound, index, placement) in enumerate(ordered, 1):
             if bound < best.bound:
-                # Dominance pruning keeps the optimum but may drop runners-up: only for top-1.
-                problem = compile_problem(request, placement, tables, prune=top_k == 1, cache=cache)
-                leaves += branch_and_bound(problem, best)
-            else:
-                best.cut()
+                if holds(index):
+                    # Dominance pruning keeps the optimum but may drop runners-up: only for top-1.
+                    problem = compile_problem(request, placement, tables, prune=top_k == 1, cache=cache)
+                    leaves += branch_and_bound(problem, best)
+            elif len(best.heap) < top_k and holds(index):
+                best.cut()  # a feasible placement the cap ruled out: a larger cap may find more
             if progress:
                 progress(done, len(ordered))
         if len(best.heap) == top_k or not best.capped:
@@ -789,6 +800,8 @@ class CountProbe:
         key = (stages, size)
         if any(math.isinf(self.tables[name, size].fastest) for name in stages):
             return False  # a model-stage that fits in no layout alone (known without listing options)
+        if key not in self.pools and self._witness(stages, size):
+            self.pools[key] = True
         if key not in self.pools:
             fronts = []
             for name in stages:
@@ -797,6 +810,25 @@ class CountProbe:
                 fronts.append(self.fronts[name, size])
             self.pools[key] = pool_fits(fronts, self.budget, self.host_budget)
         return self.pools[key]
+
+    def _witness(self, stages: tuple[str, ...], size: int) -> bool:
+        """Whether each model-stage's option least in `resident + transient + w * host` (host
+        weight w: 0 or 1), all taken together, fit the pool: a quick proof that it holds a plan,
+        before the exact test builds the memory fronts."""
+        for weight in (0.0, 1.0):
+            resident = host = transient = 0.0
+            for name in stages:
+                table = self.tables[name, size]
+                time, res, trans = table.columns[:3]
+                need = np.where(
+                    np.isfinite(time) & (res + trans <= self.budget), res + trans + weight * table.host, np.inf
+                )
+                i = int(np.argmin(need))
+                resident, host = resident + float(res[i]), host + float(table.host[i])
+                transient = max(transient, float(trans[i]))
+            if resident + transient <= self.budget and host <= self.host_budget:
+                return True
+        return False
 
     def fits(self, num_gpus: int) -> bool:
         """Whether some plan fits on `num_gpus` GPUs (whose pool sizes the tables price)."""
@@ -909,14 +941,17 @@ MAX_CAPPED_PASSES = 40
 
 
 def _caps(
-    request: PlanRequest, ordered: list[tuple[float, int, Placement]], tables: dict[tuple[str, int], OptionTable]
+    request: PlanRequest,
+    ordered: list[tuple[float, int, Placement]],
+    tables: dict[tuple[str, int], OptionTable],
+    first: float,
 ) -> list[float]:
     """The step-time caps of the search's passes. Host memory binds the model-stages of a pool
     together, so a depth-first search without an incumbent can wander long before its first
     leaf that fits: where host memory may bind, passes look only for steps under a cap growing
     from the best placement's lower bound, and stop at the first that finds the best candidates
-    (each pass is exact below its cap); otherwise one uncapped pass."""
-    first = ordered[0][0] if ordered else math.inf
+    (each pass is exact below its cap); otherwise one uncapped pass. `first`: the least lower
+    bound of a placement that holds a plan (inf: none does)."""
     if not math.isfinite(first) or not any(host_may_bind(request, p, tables) for _, _, p in ordered):
         return [math.inf]
     return [first * CAP_GROWTH**k for k in range(1, MAX_CAPPED_PASSES + 1)] + [math.inf]
