@@ -8,8 +8,12 @@ records the run. Every number is parsed from the text, so none can drift:
 
 - against the recorded result file (logic tier, instant);
 - against a run of the job the suite makes itself (slow + multiprocess: CI's full suite runs
-  it, the fast loop does not). The job is deterministic (per-step seeds, one thread per rank),
-  so a later commit that moves the curve fails here instead of leaving the README wrong.
+  it, the fast loop does not). The job is deterministic on one CPU (per-step seeds, one thread
+  per rank), but not across CPUs: their float kernels round differently and sampling amplifies
+  it (recorded on an Intel Xeon: 0.245 -> 0.635; an AMD EPYC with AVX-512 gives 0.246 -> 0.552).
+  So the run checks what the README claims on any CPU: the warm-start's first 10 steps as
+  quoted (within `FIRST_TOLERANCE`) and GRPO at least doubling them (`LEAST_RATIO`), and that
+  the job prints what its own metrics say.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ SESSION = re.compile(
     r"mean reward: first 10 steps (?P<first>[\d.]+), last 10 steps (?P<last>[\d.]+) \(\+(?P<gain>[\d.]+)\)"
 )
 PER_TEN = re.compile(r"^main job: reward per 10 steps (?P<means>[\d. ]+)$", re.M)
+FIRST_TOLERANCE = 0.02
+"""How far the first 10 steps' mean may be from the quoted one on another CPU (seen: 0.001)."""
+LEAST_RATIO = 2.0
+"""The README's claim, on any CPU: the last 10 steps' mean reward at least doubles the first 10's."""
 
 
 @dataclass(frozen=True)
@@ -81,14 +89,20 @@ def test_the_readme_quotes_the_recorded_main_job() -> None:
 @pytest.mark.multiprocess
 def test_the_main_job_prints_what_the_readme_quotes(tmp_path: Path) -> None:
     """`nereus run examples/run-learn.yaml` as the README runs it (4 ranks; about a minute on 2
-    idle cores, longer on a loaded machine: no time bound, only the numbers are checked)."""
+    idle cores, longer on a loaded machine: no time bound, only the numbers are checked, as the
+    README claims them on any CPU)."""
     out = tmp_path / "learn"
     command = [sys.executable, "-m", "nereus", "run", str(CONFIG), "--out", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-2000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
-    printed = as_printed([r["reward"] for r in records])
-    assert printed == quoted(), f"the README quotes {quoted()}, the job now gives {printed}"
+    printed, readme = as_printed([r["reward"] for r in records]), quoted()
+    assert abs(float(printed.first) - float(readme.first)) <= FIRST_TOLERANCE, (
+        f"the README quotes a first-10 mean of {readme.first}, the job now gives {printed.first}"
+    )
+    assert float(printed.ratio) >= LEAST_RATIO, (
+        f"the README says GRPO at least doubles the reward ({readme.ratio}x recorded), the job gives {printed.ratio}x"
+    )
     session = SESSION.search(result.stdout)
     assert session, result.stdout
     assert (session["first"], session["last"], session["gain"]) == (printed.first, printed.last, printed.gain)
