@@ -390,6 +390,11 @@ def breakdown(step: Any, repeats: int) -> dict[str, float]:
     return {k: round(statistics.median(run[k] for run in runs), 2) for k in runs[0]}
 
 
+def paired(times: list[float], baseline: list[float]) -> float:
+    """The median over the alternation's rounds of `times` / `baseline` in the same round."""
+    return statistics.median(t / b for t, b in zip(times, baseline, strict=True))
+
+
 def time_model(rank: int, name: str, mesh: Any, args: argparse.Namespace) -> dict[str, Any]:
     model = models()[name]
     groups = build_groups(model, "lm", RankLayout(TP, 1, 1, tuple(range(TP))))
@@ -420,20 +425,22 @@ def time_model(rank: int, name: str, mesh: Any, args: argparse.Namespace) -> dic
             except AssertionError as error:
                 raise AssertionError(f"{impl} {info.name}: {error}") from None
     times: dict[str, list[float]] = {impl: [] for impl in IMPLEMENTATIONS}
+    cpu: dict[str, list[float]] = {impl: [] for impl in IMPLEMENTATIONS}
     for step in range(args.warmup + args.iters):
         for impl in IMPLEMENTATIONS:  # alternated, step by step
             stage.zero_grad(set_to_none=True)
             for decoder in decoders.values():
                 decoder.zero_grad(set_to_none=True)
             dist.barrier()
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             if impl == "nereus":
                 nereus_step(stage, tokens)
             else:
                 dtensor_step(decoders[impl], tokens)
-            elapsed = time.perf_counter() - started
+            elapsed, cpu_elapsed = time.perf_counter() - started, time.process_time() - cpu_started
             if step >= args.warmup:
                 times[impl].append(elapsed)
+                cpu[impl].append(cpu_elapsed)
     medians = {impl: statistics.median(t) for impl, t in times.items()}
     profiled: dict[str, dict[str, float]] = {}
     for impl in IMPLEMENTATIONS if args.profile else ():
@@ -450,8 +457,15 @@ def time_model(rank: int, name: str, mesh: Any, args: argparse.Namespace) -> dic
         "loss": losses,
         "median_step_s": medians,
         "over_nereus": {impl: medians[impl] / medians["nereus"] for impl in IMPLEMENTATIONS[1:]},
+        # Under load the steps' wall times vary severalfold; the ratio within each round of the
+        # alternation (same moment), and the process's CPU time (not the time spent descheduled
+        # or waiting for the peer), are steadier.
+        "paired_over_nereus": {impl: paired(times[impl], times["nereus"]) for impl in IMPLEMENTATIONS[1:]},
+        "median_cpu_s": {impl: statistics.median(t) for impl, t in cpu.items()},
+        "cpu_over_nereus": {impl: paired(cpu[impl], cpu["nereus"]) for impl in IMPLEMENTATIONS[1:]},
         "breakdown_ms": profiled,
         "times_s": times,
+        "cpu_s": cpu,
     }
 
 
@@ -482,7 +496,10 @@ def main() -> None:
     rows = [row for per_rank in spawn(time_steps, TP, args) for row in per_rank]
     for row in rows:
         steps = ", ".join(f"{impl} {s:.4f} s" for impl, s in row["median_step_s"].items())
-        ratios = ", ".join(f"{impl} {r:.2f}x" for impl, r in row["over_nereus"].items())
+        ratios = ", ".join(
+            f"{impl} {r:.2f}x (paired {row['paired_over_nereus'][impl]:.2f}x, cpu {row['cpu_over_nereus'][impl]:.2f}x)"
+            for impl, r in row["over_nereus"].items()
+        )
         print(f"{row['model']:14} rank {row['rank']}: {steps}; over nereus: {ratios}")
     payload = {
         "ranks": TP,
@@ -492,10 +509,13 @@ def main() -> None:
         "dtype": "float32",
         "rows_per_batch": args.rows,
         "seq": args.seq,
-        "rows": [{k: v for k, v in row.items() if k != "times_s"} for row in rows],
+        "rows": [{k: v for k, v in row.items() if k not in ("times_s", "cpu_s")} for row in rows],
     }
     repetitions = {
-        f"{row['model']}/rank{row['rank']}/{impl}_s": t for row in rows for impl, t in row["times_s"].items()
+        f"{row['model']}/rank{row['rank']}/{impl}_{kind}": t
+        for row in rows
+        for kind in ("s", "cpu_s")
+        for impl, t in row["times_s" if kind == "s" else "cpu_s"].items()
     }
     write_result(args.output, payload, started, repetitions=repetitions)
 
