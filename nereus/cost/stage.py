@@ -26,13 +26,14 @@ The formulas, per GPU of the busiest pipeline stage:
   from kept inputs, so a layer drops the activation's output, 2 * s * b * ffn / tp (with
   fused attention the core keeps no s^2 scores either way, and its output is the output
   projection's kept input), and the attention FLOPs take 4 passes, the dense ones 3.
-* one micro-batch per rank (`micro_batches` 1, no token budget, no full recompute): the engine
-  sets the gradients to None before the step, so none exists while the forward's activations
-  are kept; the peak is the larger of the LM head's backward (activations, one logits chunk, the
-  head's weight gradient) and the backward's end (every gradient, a tied embedding's copies),
-  not their sum (`_one_pass_terms`). With more micro-batches the earlier ones' gradients are
-  held beside the later ones' activations, and full recompute peaks in the backward (a rerun
-  layer beside nearly every gradient): the terms add up.
+* one micro-batch per rank (`micro_batches` 1, no token budget, no full recompute, no
+  training-time offload): the engine sets the gradients to None before the step, so none
+  exists while the forward's activations are kept; the peak is the larger of the LM head's
+  backward (activations, one logits chunk, the head's weight gradient) and the backward's end
+  (every gradient, a tied embedding's copies), not their sum (`_one_pass_terms`). With more
+  micro-batches the earlier ones' gradients are held beside the later ones' activations, and
+  full recompute peaks in the backward (a rerun layer beside nearly every gradient): the terms
+  add up.
 * token-budget micro-batches (`token_budget` > 0 tokens): a micro-batch is packed to at
   most that many tokens, so activations are sized by the budget rather than by rows of
   the maximum length (verl's `ppo_max_token_len_per_gpu`).
@@ -468,8 +469,11 @@ class StageCostModel:
             rerun = np.where(np.equal(recompute, RECOMPUTE_FULL), np.maximum(full - logits, 0.0), 0.0)
             terms["activations"] = kept * (m.num_layers / pp) * in_flight + rerun
             # One micro-batch per rank (rows, not a token budget's packs) without full recompute:
-            # its gradients do not exist while its activations do (`_one_pass_terms`).
+            # its gradients do not exist while its activations do (`_one_pass_terms`). Not under
+            # training-time offload, whose measured peaks exceed even the summed terms (the
+            # host gradients' device staging, which no term prices: docs/memory.md, offload).
             one_pass = np.equal(micro_batches, 1) & np.equal(token_budget, 0) & ~np.equal(recompute, RECOMPUTE_FULL)
+            one_pass = one_pass & np.equal(train_offload, 0)
         elif self.stage == "inference":
             rows = self.micro_batch_size(dp, micro_batches) / (cp * ep)  # a cp (ep) rank's share of the tokens
             terms["activations"] = KORTHIKANTI_BYTES_PER_SBH * max_len * rows * m.hidden_dim / tp * self.dtype_bytes / 2
@@ -490,9 +494,8 @@ class StageCostModel:
         if self.stage == "training":
             terms["tied_gradients"] = self.tied_gradient_bytes(tp, pp)
             if _uses(one_pass):
-                # Full sharding's gathered units and offload's buffer hold the head's gradient.
-                own_buffer = np.asarray(full_shard, bool) | np.greater(train_offload, 0)
-                head_gradient = np.where(own_buffer, 0.0, self.head_gradient_bytes(tp))
+                # Full sharding's gathered units hold the head's gradient (`gathered_bytes`).
+                head_gradient = np.where(np.asarray(full_shard, bool), 0.0, self.head_gradient_bytes(tp))
                 self._one_pass_terms(terms, one_pass, head_gradient)
         return terms
 

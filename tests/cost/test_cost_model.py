@@ -327,6 +327,10 @@ def test_one_micro_batch_peaks_at_the_head_or_the_end(
         assert float(terms["gradients"]) == gradients
     budget = summed[1]
     assert float(budget["activations"] + budget["logits"]) == pytest.approx(kept + logits, rel=1e-12)
+    # Training-time offload keeps them summed too (its measured peaks exceed even the sum).
+    offloaded = c.memory_terms(1, 1, 1, 1, recompute=recompute, train_offload=1)
+    assert float(offloaded["tied_gradients"]) == tied
+    assert float(offloaded["activations"] + offloaded["logits"]) == pytest.approx(kept + logits, rel=1e-12)
 
 
 # ---- (c) KV cache ----------------------------------------------------------------------------
