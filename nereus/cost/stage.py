@@ -26,6 +26,14 @@ The formulas, per GPU of the busiest pipeline stage:
   from kept inputs, so a layer drops the activation's output, 2 * s * b * ffn / tp (with
   fused attention the core keeps no s^2 scores either way, and its output is the output
   projection's kept input), and the attention FLOPs take 4 passes, the dense ones 3.
+* one micro-batch per rank (`micro_batches` 1, no token budget, no full recompute, no
+  training-time offload): the engine sets the gradients to None before the step, so none
+  exists while the forward's activations are kept; the peak is the larger of the LM head's
+  backward (activations, one logits chunk, the head's weight gradient) and the backward's end
+  (every gradient, a tied embedding's copies), not their sum (`_one_pass_terms`). With more
+  micro-batches the earlier ones' gradients are held beside the later ones' activations, and
+  full recompute peaks in the backward (a rerun layer beside nearly every gradient): the terms
+  add up.
 * token-budget micro-batches (`token_budget` > 0 tokens): a micro-batch is packed to at
   most that many tokens, so activations are sized by the budget rather than by rows of
   the maximum length (verl's `ppo_max_token_len_per_gpu`).
@@ -59,7 +67,10 @@ The formulas, per GPU of the busiest pipeline stage:
 * pipelines run 1F1B: (micro-batches + pp - 1) slots; the pp - 1 extra slots are bubbles.
 * context parallelism (`cp`, training and inference; Ulysses, docs/context-parallel.md): each of a
   replica's cp ranks holds 1/cp of every sequence's tokens, so activations and logits (and the
-  compute, the tp all-reduces and the pipeline sends) are divided by cp. The cp ranks hold the
+  compute, the tp all-reduces and the pipeline sends) are divided by cp; a Ulysses layer trained
+  without recompute keeps its attention output twice, the kernel's (heads layout) and the output
+  projection's input (sequence layout), one output-sized tensor more than unsplit
+  (`attention_output_bytes`). The cp ranks hold the
   same weights, so they join the dp replicas wherever state is shared out: the gradient
   all-reduce, and the shards of ZeRO-1, full sharding and training-time offload, run over the
   dp x cp ranks of a (stage, tp rank) position (torchtitan's dp_shard x cp mesh); unsharded
@@ -447,6 +458,9 @@ class StageCostModel:
                 [RECOMPUTE_BYTES_PER_SBH * sbh, full - gate_output],
                 full,
             )
+            if _uses(np.greater(cp, 1)):  # Ulysses without recompute keeps the core's output twice
+                ulysses = np.greater(cp, 1) & ~np.asarray(cp_allgather, bool) & np.equal(recompute, 0)
+                kept = kept + np.where(ulysses, self.attention_output_bytes(tokens, tp), 0.0)
             rows = tokens / max_len
             # One layer's working set while its backward reruns it (full; the core's is
             # negligible). The layers rerun only after the head's backward has freed the logits
@@ -454,6 +468,12 @@ class StageCostModel:
             logits = self.logits_bytes(rows * max_len, tp) if self.head == "lm" else 0.0
             rerun = np.where(np.equal(recompute, RECOMPUTE_FULL), np.maximum(full - logits, 0.0), 0.0)
             terms["activations"] = kept * (m.num_layers / pp) * in_flight + rerun
+            # One micro-batch per rank (rows, not a token budget's packs) without full recompute:
+            # its gradients do not exist while its activations do (`_one_pass_terms`). Not under
+            # training-time offload, whose measured peaks exceed even the summed terms (the
+            # host gradients' device staging, which no term prices: docs/memory.md, offload).
+            one_pass = np.equal(micro_batches, 1) & np.equal(token_budget, 0) & ~np.equal(recompute, RECOMPUTE_FULL)
+            one_pass = one_pass & np.equal(train_offload, 0)
         elif self.stage == "inference":
             rows = self.micro_batch_size(dp, micro_batches) / (cp * ep)  # a cp (ep) rank's share of the tokens
             terms["activations"] = KORTHIKANTI_BYTES_PER_SBH * max_len * rows * m.hidden_dim / tp * self.dtype_bytes / 2
@@ -473,7 +493,55 @@ class StageCostModel:
             terms["cp_kv"] = np.where(np.greater(cp, 1) & np.asarray(cp_allgather, bool), gathered, 0.0)
         if self.stage == "training":
             terms["tied_gradients"] = self.tied_gradient_bytes(tp, pp)
+            if _uses(one_pass):
+                # Full sharding's gathered units hold the head's gradient (`gathered_bytes`).
+                head_gradient = np.where(np.asarray(full_shard, bool), 0.0, self.head_gradient_bytes(tp))
+                self._one_pass_terms(terms, one_pass, head_gradient)
         return terms
+
+    @staticmethod
+    def _one_pass_terms(terms: dict[str, Array], one_pass: Array, head_gradient: Array) -> None:
+        """Training's transient terms where a rank runs its rows as one micro-batch without full
+        recompute (`one_pass`). The engine sets every gradient to None before the forward
+        (`Engine.train_step`), so while the forward's activations are kept no gradient exists:
+        the step peaks either at the start of the LM head's backward (the kept activations, the
+        logits chunk and the head's weight gradient, the first one made) or at the backward's
+        end (every gradient, and a tied embedding's two extra copies), whichever is larger; in
+        between, each layer's gradients take the room its freed activations held. Summing the
+        terms would price the gradients beside the activations (measured on CPU ranks:
+        docs/memory.md). The `gradients` term stays whole, as the gradients stay resident after
+        the update (beside the next model-stages of a colocated rank), so the transient terms
+        carry what the peak holds above them: at the head, the logits and the activations beyond
+        the gradients' room; at the end, the tied copies. With more micro-batches the earlier
+        ones' gradients are held beside the later ones' activations, and full recompute peaks
+        in the backward (a rerun layer beside nearly every gradient): there the terms add up."""
+        gradients, logits, tied = terms["gradients"], terms.get("logits", 0.0), terms["tied_gradients"]
+        head = terms["activations"] + logits + head_gradient
+        end = gradients + tied
+        above = np.maximum(head, end) - gradients  # at least the tied copies: never negative
+        at_head = head >= end
+        held_logits = np.where(at_head, np.minimum(logits, above), 0.0)
+        held_tied = np.where(at_head, 0.0, tied)
+        terms["activations"] = np.where(one_pass, above - held_logits - held_tied, terms["activations"])
+        if "logits" in terms:
+            terms["logits"] = np.where(one_pass, held_logits, logits)
+        terms["tied_gradients"] = np.where(one_pass, held_tied, tied)
+
+    def head_gradient_bytes(self, tp: Array) -> Array:
+        """Bytes of the output head's weight gradient on one tp rank: its vocabulary rows (a
+        tied embedding's, whose head use comes first in the backward), or the value head's
+        hidden-wide row."""
+        rows = self.model.vocab_size / tp if self.head == "lm" else 1.0
+        return rows * self.model.hidden_dim * self.dtype_bytes
+
+    def attention_output_bytes(self, tokens: Array, tp: Array) -> Array:
+        """Bytes of one layer's attention output for a rank's `tokens` tokens (its tp rank's
+        query heads). Unsplit, the output projection's input is a view of the attention
+        kernel's output, which both keep for the backward; under Ulysses the kernel's output
+        (every column, 1/cp of the heads) and the projection's input (the all-to-all's: 1/cp of
+        the columns, every head) are two tensors, so a layer keeps one more output-sized tensor
+        (unless the core is recomputed, which keeps only the projection's input)."""
+        return tokens * self.model.num_heads / tp * self.model.head_dim * self.dtype_bytes
 
     def logits_bytes(self, tokens: Array, tp: Array) -> Array:
         """Bytes of the LM head's fp32 logits on one tp rank (its vocabulary columns) in a pass

@@ -340,7 +340,6 @@ class _Timed:
     optimizer_time: np.ndarray  # the share of `time` ZeRO-1 divides by dp x cp
     memory: dict[str, np.ndarray]  # without ZeRO-1 (unless pinned or fully sharded) and token budgets
     token_budget: np.ndarray  # the packed budget's tokens (training), 0 elsewhere
-    token_ratio: np.ndarray  # those tokens over the rows' tokens (below 1: the budget holds fewer)
     budget_memory: dict[str, np.ndarray]  # `TOKEN_TERMS` under the packed budget (training; else `memory`'s)
 
 
@@ -409,11 +408,10 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
         choices["cp_allgather"] = method
     memory = cost.memory_terms(tp, pp, dp, m, kv_budget=kv, **choices)
     memory = {k: np.broadcast_to(v, tp.shape).astype(float) for k, v in memory.items()}
-    token_budget, token_ratio, budget_memory = np.zeros(tp.shape), np.ones(tp.shape), memory
+    token_budget, budget_memory = np.zeros(tp.shape), memory
     if cost.stage == "training":
         token_budget = cost.packed_token_budget(dp, m)
-        token_ratio = token_budget / cost.micro_batch_tokens(dp, m)  # cp and ep divide both alike
-        # Priced at the budget, not scaled by the ratio: the logits term is one chunk of the
+        # Priced at the budget, not scaled by its tokens over the rows': the logits term is one chunk of the
         # chunked head whatever the tokens past it, and full recompute's rerun reuses its room.
         at_budget = cost.memory_terms(tp, pp, dp, m, token_budget=token_budget, **choices)
         budget_memory = {k: np.broadcast_to(at_budget[k], tp.shape).astype(float) for k in TOKEN_TERMS if k in memory}
@@ -438,7 +436,6 @@ def _price_timed(cost: StageCostModel, distinct: list[np.ndarray], allowed: Memo
         optimizer_time,
         memory,
         token_budget,
-        token_ratio,
         budget_memory,
     )
 
@@ -540,8 +537,11 @@ def _least_memory(
     return total
 
 
-#: Memory terms of a training model-stage that grow with the tokens of a micro-batch.
-TOKEN_TERMS = ("activations", "logits")
+#: Memory terms of a training model-stage that change under a token budget: those that grow
+#: with the tokens of a micro-batch (the all-gather method's keys and values among them), and
+#: the tied copies, which a rank running its rows as one micro-batch holds only where its
+#: backward's end is its peak (`StageCostModel._one_pass_terms`; a budget's packs add up).
+TOKEN_TERMS = ("activations", "logits", "cp_kv", "tied_gradients")
 
 
 def _expand_choices(
@@ -552,14 +552,18 @@ def _expand_choices(
     row (offload moves bytes, so the terms hold for both).
 
     Two choices are decided per row before pricing, as one option always dominates the
-    other: a token budget holding fewer tokens than the fixed rows has the same time and
-    less memory (more tokens: more memory), and ZeRO-1 over dp x cp > 1 has less optimizer
+    other: a token budget has the same time as the fixed rows, so it is taken where its terms
+    hold less (fewer tokens, unless the rows run as one micro-batch, whose gradients are not
+    held beside its activations: `StageCostModel._one_pass_terms`), and ZeRO-1 over dp x cp > 1 has less optimizer
     memory and a faster update at the same communication (over one rank it is no change).
     A pinned choice is kept as pinned.
     """
     training = cost.stage == "training"
     n = g.time.shape[0]
-    token = _decided(allowed.token_budget, g.token_ratio < 1) if training else np.zeros(n, dtype=bool)
+    token = np.zeros(n, dtype=bool)
+    if training:  # the same time either way: the budget where its terms hold less
+        held = sum((v for k, v in g.memory.items() if k in g.budget_memory), np.zeros(n))
+        token = _decided(allowed.token_budget, sum(g.budget_memory.values(), np.zeros(n)) < held)
     pinned = training and cost.workload.optimizer.shard_across_dp
     zero1 = np.zeros(n, dtype=bool)
     shards = (g.layout[3] * g.layout[5]).astype(float)  # dp x cp: the ranks holding the same weights

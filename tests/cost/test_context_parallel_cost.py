@@ -48,7 +48,9 @@ def test_cp_divides_activations_not_states_nor_the_logits_chunk(stage: str, tp: 
     c = cost(stage)
     one = {k: float(v) for k, v in c.memory_terms(tp, 1, 2, 4).items()}
     cut = {k: float(v) for k, v in c.memory_terms(tp, 1, 2, 4, cp=cp).items()}
-    assert cut["activations"] == pytest.approx(one["activations"] / cp, rel=1e-12)
+    # Training under Ulysses keeps each layer's attention output twice (heads and sequence layouts).
+    output = 33792 * (32 // 2 // 2 // 4) * 4096 / (tp * cp) * 2 * 36 if stage == "training" else 0.0
+    assert cut["activations"] == pytest.approx(one["activations"] / cp + output, rel=1e-12)
     # The chunked head holds one chunk of logits (`LOGIT_CHUNK_TOKENS`) once a rank's tokens fill it.
     chunk = 4 * LOGIT_CHUNK_TOKENS * c.model.vocab_size / tp
     assert one["logits"] == pytest.approx(chunk, rel=1e-12) and cut["logits"] == pytest.approx(chunk, rel=1e-12)
@@ -56,11 +58,37 @@ def test_cp_divides_activations_not_states_nor_the_logits_chunk(stage: str, tp: 
         if term in one:
             assert cut[term] == one[term], term
     # Hand count of the training activations at cp: 34 s b h / (tp cp) bytes per layer (bf16),
-    # micro-batches of 16 / 2 replicas / 4 = 2 rows (training: 32 / 2 mini-batches / 2 / 4) at 33792 tokens.
+    # micro-batches of 16 / 2 replicas / 4 = 2 rows (training: 32 / 2 mini-batches / 2 / 4) at 33792 tokens,
+    # plus the second copy of the attention output, 2 s b h / (tp cp) (32 heads of 128 = h).
     if stage == "training":
         rows = 32 // 2 // 2 // 4
-        per_layer = 34 * 33792 * rows * 4096 / (tp * cp)
+        per_layer = (34 + 2) * 33792 * rows * 4096 / (tp * cp)
         assert cut["activations"] == pytest.approx(per_layer * 36, rel=1e-12)
+
+
+@pytest.mark.parametrize(("recompute", "allgather", "copies"), [(0, 0, 1), (2, 0, 0), (1, 0, 0), (0, 1, 0)])
+def test_ulysses_keeps_the_attention_output_twice_without_recompute(
+    recompute: int, allgather: int, copies: int
+) -> None:
+    """Unsplit, the output projection's input is a view of the attention kernel's output (both
+    kept for the backward). Under Ulysses the kernel's output (every column, 1/cp of the heads)
+    and the projection's input (its columns, every head, after the all-to-all) are two tensors:
+    one more output-sized tensor per layer, 2 s b h / (tp cp) bytes in bf16 (heads x head_dim =
+    h). A recomputed core keeps only the projection's input; the all-gather method's output is
+    in its own columns' layout."""
+    c = cost("training")
+    tp, cp, dp, m = 2, 4, 2, 4
+    rows = 32 // 2 // dp // m
+    method = {"cp_allgather": allgather} if allgather else {}
+    split = c.memory_terms(tp, 1, dp, m, recompute=recompute, cp=cp, **method)
+    whole = c.memory_terms(tp, 1, dp, m, recompute=recompute)
+    output = rows * 33792 / cp * (32 / tp) * 128 * 2 * 36
+    expected = float(whole["activations"]) / cp + copies * output
+    if recompute == 1:  # the rerun's room is the logits' (one chunk whatever cp): not divided by cp
+        kept = 2 * rows * 33792 / cp * 4096 * 36  # each layer's whole input (not split over tp)
+        rerun = max(34 * rows * 33792 * 4096 / (tp * cp) - 4 * LOGIT_CHUNK_TOKENS * QWEN3.vocab_size / tp, 0.0)
+        expected = kept + rerun
+    assert float(split["activations"]) == pytest.approx(expected, rel=1e-12)
 
 
 def test_ulysses_all_to_alls_by_hand() -> None:

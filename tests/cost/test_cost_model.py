@@ -230,7 +230,7 @@ def test_inference_and_generation_hold_parameters_only() -> None:
 @pytest.mark.parametrize(
     ("tp", "pp", "dp", "micro_batches"),
     [
-        (1, 1, 1, 1),
+        (1, 1, 1, 2),
         (2, 2, 2, 4),
         (4, 4, 1, 2),
         (8, 2, 3, 5),
@@ -239,6 +239,8 @@ def test_inference_and_generation_hold_parameters_only() -> None:
     ],
 )
 def test_training_activations_korthikanti(tp: int, pp: int, dp: int, micro_batches: int) -> None:
+    """Two micro-batches or more: the earlier ones' gradients are held beside the later ones'
+    activations, so the terms add up (one: `test_one_micro_batch_peaks_at_the_head_or_the_end`)."""
     w = workload()  # 128 samples, 4 mini-batches, s = 100 + 156
     c = cost("training", w)
     s = 100 + 156
@@ -280,9 +282,55 @@ def test_fp32_activations_are_twice_bf16() -> None:
 
 
 def test_activations_grow_linearly_in_sequence_length() -> None:
-    short = cost("training", workload(prompt_len=100, max_len=156)).memory_terms(1, 1, 1, 1)["activations"]
-    long = cost("training", workload(prompt_len=100, max_len=412)).memory_terms(1, 1, 1, 1)["activations"]
+    short = cost("training", workload(prompt_len=100, max_len=156)).memory_terms(1, 1, 1, 2)["activations"]
+    long = cost("training", workload(prompt_len=100, max_len=412)).memory_terms(1, 1, 1, 2)["activations"]
     assert float(long) / float(short) == pytest.approx(512 / 256, rel=1e-12)
+
+
+@pytest.mark.parametrize("model", [TINY, TINY_TIED])
+@pytest.mark.parametrize(
+    ("prompts", "prompt_len", "max_len", "recompute", "at_head"),
+    [(64, 100, 156, 0, True), (64, 100, 156, 2, True), (2, 2, 2, 0, False)],
+)
+def test_one_micro_batch_peaks_at_the_head_or_the_end(
+    model: Model, prompts: int, prompt_len: int, max_len: int, recompute: int, at_head: bool
+) -> None:
+    """A rank running its rows as one micro-batch: the engine sets the gradients to None before
+    the forward, so the peak is the larger of the LM head's backward (kept activations, one
+    logits chunk, the head's weight gradient; no other gradient yet) and the backward's end
+    (every gradient, the tied sum's two extra copies), not their sum. The gradients term stays
+    whole (resident after the step); the transient terms carry the rest. Short rows of a large
+    model (the last case) peak at the end."""
+    w = workload(prompts=prompts, prompt_len=prompt_len, max_len=max_len)
+    c = cost("training", w, model)
+    s, b = prompt_len + max_len, 2 * prompts // 4  # one micro-batch: a mini-batch's sequences
+    per_sbh = 34 - 2 * 176 / 64 if recompute else 34  # selective drops the gate's output
+    kept = per_sbh * s * b * 64 * 4  # 16-bit, 4 layers
+    logits = 4 * min(s * b, 1024) * 96
+    head_gradient = 96 * 64 * 2
+    tied = 2 * 96 * 64 * 2 if model.tied_embeddings else 0
+    one = c.memory_terms(1, 1, 1, 1, recompute=recompute)
+    gradients = float(one["gradients"])
+    head, end = kept + logits + head_gradient, gradients + tied
+    assert (head >= end) == at_head
+    transient = float(one["activations"] + one["logits"] + one["tied_gradients"])
+    assert gradients + transient == pytest.approx(max(head, end), rel=1e-12)
+    assert min(float(v) for v in one.values()) >= 0
+    # Two micro-batches, a token budget's packs, full recompute: the terms add up.
+    summed = [
+        c.memory_terms(1, 1, 1, 2, recompute=recompute),
+        c.memory_terms(1, 1, 1, 1, recompute=recompute, token_budget=s * b),
+        c.memory_terms(1, 1, 1, 1, recompute=1),
+    ]
+    for terms in summed:
+        assert float(terms["tied_gradients"]) == tied
+        assert float(terms["gradients"]) == gradients
+    budget = summed[1]
+    assert float(budget["activations"] + budget["logits"]) == pytest.approx(kept + logits, rel=1e-12)
+    # Training-time offload keeps them summed too (its measured peaks exceed even the sum).
+    offloaded = c.memory_terms(1, 1, 1, 1, recompute=recompute, train_offload=1)
+    assert float(offloaded["tied_gradients"]) == tied
+    assert float(offloaded["activations"] + offloaded["logits"]) == pytest.approx(kept + logits, rel=1e-12)
 
 
 # ---- (c) KV cache ----------------------------------------------------------------------------

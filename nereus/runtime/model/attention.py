@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.nn import functional as F
@@ -58,10 +58,10 @@ class Packing:
         return Packing(order, order.argsort(dim=1))
 
     def pack(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        return _gather_columns(x, self.order, dim)
+        return _permute_columns(x, self.order, self.restore, dim)
 
     def unpack(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        return _gather_columns(x, self.restore, dim)
+        return _permute_columns(x, self.restore, self.order, dim)
 
 
 def _gather_columns(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
@@ -69,6 +69,33 @@ def _gather_columns(x: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Ten
     shape = [index.shape[0]] + [1] * (x.dim() - 1)
     shape[dim] = index.shape[1]
     return x.gather(dim, index.view(shape).expand(*x.shape[:dim], index.shape[1], *x.shape[dim + 1 :]))
+
+
+def _permute_columns(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, dim: int) -> torch.Tensor:
+    """`_gather_columns(x, index, dim)` whose backward keeps no copy of `x`: torch's `gather`
+    saves its input for the backward's scatter, but a permutation's gradient is the gradient
+    gathered by the inverse permutation (`inverse` [b, t]), which needs only the two indices.
+    Under context parallelism every layer packs its queries, keys and values and unpacks its
+    output, so a saved input per call would keep four tensors per layer that nothing else holds."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return _gather_columns(x, index, dim)
+    result: torch.Tensor = _PermuteColumns.apply(x, index, inverse, dim)
+    return result
+
+
+class _PermuteColumns(torch.autograd.Function):
+    """`_permute_columns` under autograd: gather by `index`, the backward by `inverse`."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.save_for_backward(inverse)  # [b, t] indices: the packing's own tensor, not a copy
+        ctx.dim = dim
+        return _gather_columns(x, index, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return _gather_columns(grad, inverse, ctx.dim), None, None, None
 
 
 #: Longest whole sequence whose inference runs `masked_attention` under a causal bias: up to
