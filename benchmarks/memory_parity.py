@@ -16,9 +16,9 @@ row gives the measured cp=2 / cp=1 ratio, written as `cp_ratios`; rank 0 also ho
 serving model-stages; `-cp2-zero1`: the same with ZeRO-1, whose AdamW moments split over the two
 cp ranks of the one replica (dp x cp = 1 x 2), its ratio against `-cp2`'s). Each case is one `nereus run` step
 (the library's `new_run` + `launch`); metrics.jsonl then holds, per rank and model-stage,
-`memory_peak_bytes_by_stage` (CPU: peak resident set above the idle rank, less the state
-arena's free room; docs/memory.md) and the cost model's `predicted_memory_peak_bytes_by_stage`.
-Target: every row within 10%. Writes benchmarks/results/memory_parity.json.
+`memory_peak_bytes_by_stage` (CPU: peak resident set above the memory holding no tensor at the
+step's start, less the state arena's free room; docs/memory.md) and the cost model's
+`predicted_memory_peak_bytes_by_stage`. Target: every row within 10%. Writes benchmarks/results/memory_parity.json.
 
     .venv/bin/python benchmarks/memory_parity.py [--cases colocated-fp32,...] [--output FILE]
 """

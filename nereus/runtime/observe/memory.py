@@ -6,11 +6,22 @@ process's peak resident set (`VmHWM` in /proc/self/status) less its shared pages
 (`RssShmem`: the state arena, resident whole from its reservation on, and the peers'
 arenas it maps to reshard), less its file pages (`RssFile`: the libraries' code) and less
 the idle rank's private anonymous pages (`RssAnon`, read once the modules a step imports
-are loaded), plus the bytes of tensors in its own arena; the peak is reset at every mark by writing 5 to
-/proc/self/clear_refs (Linux 4.0+). The rank loop makes the tracker and hands it to each step
-(`rl_step(peaks=...)`), with a function that gives the bytes its state occupies in shared
-memory (the arena's used bytes). CPU numbers are an upper bound of the live tensors:
-they include heap the allocator keeps after a free.
+are loaded, then again at every step's start: `rebase`), plus the bytes of tensors in its own arena;
+the peak is reset at every mark by writing 5 to /proc/self/clear_refs (Linux 4.0+). The rank loop
+makes the tracker and hands it to each step (`rl_step(peaks=...)`), with a function that gives the
+bytes its state occupies in shared memory (the arena's used bytes). CPU numbers are an upper bound
+of the live tensors: they include what a step's own kernels, collectives and Python objects add
+to the private memory while it runs.
+
+The step's start re-reads the baseline (`PeakTracker.rebase`) as the private memory that holds
+no tensor then: the resident private anonymous pages, after glibc has returned its free heap
+pages (`malloc_trim`), less every CPU tensor reachable from Python whose storage lies in private
+anonymous memory (`private_tensor_bytes`: host-memory state, and any tensor a previous step left
+behind). What that leaves is process memory no GPU allocator counts: the engines' Python objects
+(modules, shard layouts, reshard plans) and what the first step's kernels, collectives and
+dispatch make once and keep (measured on a 26M-parameter bf16 offload rank: ~7 MB by the second
+step, 8-20% of its 50-110 MB rows). A tensor reachable only from C++ at a step's start (none is,
+by design: no autograd graph outlives a step) would be taken for such memory.
 
 Host memory (offload): the state a rank keeps in host memory (training-time offload's
 gradients, masters and moments, FSDP2's offloaded shards, and offloaded model-stages' sleeping
@@ -41,6 +52,7 @@ if TYPE_CHECKING:
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
+_MAPS = Path("/proc/self/maps")
 
 
 def _status_fields(*field_names: str) -> list[int]:
@@ -67,6 +79,56 @@ def cpu_peak_supported() -> bool:
     return True
 
 
+def trim_heap() -> None:
+    """Return glibc's free heap pages to the system (`malloc_trim(0)`), so memory freed earlier
+    is not resident; nothing where the C library has no `malloc_trim` (not glibc)."""
+    import ctypes
+
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def _private_anonymous_spans() -> list[tuple[int, int]]:
+    """This process's private mappings backed by no file (the heap and anonymous mmaps: what
+    `RssAnon` counts), as sorted (start, end) addresses from /proc/self/maps."""
+    spans = []
+    for line in _MAPS.read_text().splitlines():
+        fields = line.split()
+        if fields[1][3] == "p" and fields[4] == "0":  # private, inode 0
+            start, end = fields[0].split("-")
+            spans.append((int(start, 16), int(end, 16)))
+    return sorted(spans)
+
+
+def private_tensor_bytes() -> int:
+    """Bytes of the storages of every CPU tensor reachable from Python (`gc.get_objects`) that
+    lie in private anonymous memory, each storage once: not the state arena's or a peer's
+    (shared), not a file's. Wrapper tensors (DTensor) count through their local tensors."""
+    import bisect
+    import gc
+
+    import torch
+
+    spans = _private_anonymous_spans()
+    starts = [start for start, _ in spans]
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), torch.Tensor):  # type(): no proxy's __class__ is consulted
+            continue
+        try:
+            if obj.device.type != "cpu" or obj.layout != torch.strided:
+                continue
+            storage = obj.untyped_storage()
+            pointer = storage.data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):  # a wrapper subclass has no storage
+            continue
+        at = bisect.bisect_right(starts, pointer) - 1
+        if pointer and at >= 0 and pointer < spans[at][1]:
+            storages[pointer] = max(storages.get(pointer, 0), storage.nbytes())
+    return sum(storages.values())
+
+
 @dataclass
 class PeakTracker:
     """High-water marks of this rank's memory since `start_step`, overall and per open segment."""
@@ -76,7 +138,8 @@ class PeakTracker:
     """CPU: bytes of this rank's state held in shared memory (its arena's used bytes), counted
     in place of the shared pages, which the reading leaves out."""
     baseline: int = 0
-    """CPU: private anonymous resident bytes (`RssAnon`) of the idle rank, subtracted from every reading."""
+    """CPU: private anonymous resident bytes (`RssAnon`) that hold no tensor, subtracted from every
+    reading: the idle rank's, then, from each step's start, those of that start (`rebase`)."""
     host_bytes: Callable[[], int] = lambda: 0
     """Bytes of this rank's state in host memory now (its engines' `host_bytes`; the step
     sets it to the engines it runs)."""
@@ -124,7 +187,21 @@ class PeakTracker:
         for name in self.open:
             self.segment_peaks[name] = max(self.segment_peaks.get(name, 0), peak)
 
+    def rebase(self) -> None:
+        """CPU: the baseline becomes the private memory that holds no tensor now (between steps):
+        the private anonymous resident bytes, once glibc has returned its free heap pages, less
+        the CPU tensors in private memory (`private_tensor_bytes`). Python objects, and what the
+        kernels and collectives made on first use and keep, then count in no model-stage's peak,
+        as on a GPU; tensors that exist now still count where they are resident (the host bytes
+        apart, the arena's as its used bytes, any other in the reading)."""
+        if self.cuda or not cpu_peak_supported():
+            return
+        trim_heap()
+        (anon,) = _status_fields("RssAnon")
+        self.baseline = anon - private_tensor_bytes()
+
     def start_step(self) -> None:
+        self.rebase()
         self._read_and_reset()
         self.step_peak, self.segment_peaks, self.open = 0, {}, []
         self.host_peak = self.host_bytes()
