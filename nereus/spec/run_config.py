@@ -242,6 +242,13 @@ class RunConfig(Document):
     collective_timeout_s: float = Field(default=120.0, gt=0)
     """Seconds a collective waits for the other ranks before the run stops, naming the rank
     that did not arrive (a hung or stopped rank)."""
+    memory_baseline: Literal["idle", "step"] = "idle"
+    """What a CPU rank's measured memory peaks are counted above (CUDA ranks count allocated
+    tensors either way): `idle`, the rank's private memory before its engines exist, read once;
+    `step`, re-read at every step's start as the private memory that holds no tensor then (the
+    engines' Python objects, what kernels and collectives made on first use), which no GPU
+    allocator counts. `step` walks every Python object at each step's start (~0.2 s a step on a
+    loaded 2-core machine); benchmarks/memory_parity.py sets it."""
     keep_checkpoints: int = Field(default=2, gt=0)
     """Newest checkpoints kept; older ones are deleted once a newer one is complete."""
     plan_switches: list[PlanSwitch] = Field(default_factory=list)

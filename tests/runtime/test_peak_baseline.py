@@ -1,6 +1,7 @@
-"""The CPU peak reading's baseline (`nereus.runtime.observe.memory`): re-read at each step's start
-as the private memory that holds no tensor, so Python objects and other non-tensor memory made
-after the idle reading count in no model-stage's peak, while every tensor still does."""
+"""The CPU peak reading's baseline (`nereus.runtime.observe.memory`): with a run's
+`memory_baseline: step`, re-read at each step's start as the private memory that holds no
+tensor, so Python objects and other non-tensor memory made after the idle reading count in no
+model-stage's peak, while every tensor still does; with `idle` (the default), read once."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def test_private_tensor_bytes_counts_each_private_storage_once() -> None:
 
 
 def test_step_baseline_leaves_out_non_tensor_memory_but_not_tensors() -> None:
-    tracker = memory.PeakTracker.for_device("cpu")  # the idle reading
+    tracker = memory.PeakTracker.for_device("cpu", rebase_each_step=True)  # the idle reading
     junk = b"x" * (48 * MB)  # resident, private, no tensor: Python objects made after the idle reading
     kept = torch.ones(16 * MB, dtype=torch.uint8)  # a tensor that exists when the step starts
     tracker.start_step()
@@ -38,3 +39,14 @@ def test_step_baseline_leaves_out_non_tensor_memory_but_not_tensors() -> None:
     # Both tensors count (32 MB); the 48 MB of bytes, present since before the step, does not.
     assert kept.nbytes + made.nbytes <= peak < kept.nbytes + made.nbytes + 16 * MB
     assert len(junk) == 48 * MB
+
+
+def test_idle_baseline_counts_non_tensor_memory_made_after_it() -> None:
+    tracker = memory.PeakTracker.for_device("cpu")  # `memory_baseline: idle`: read once, here
+    junk = b"x" * (48 * MB)
+    tracker.start_step()
+    tracker.enter("stage")
+    made = torch.ones(16 * MB, dtype=torch.uint8)
+    tracker.exit("stage")
+    # The 48 MB of bytes counts (a few MB of freed heap the earlier tests left may be reused).
+    assert tracker.segment_peaks["stage"] >= len(junk) + made.nbytes // 2

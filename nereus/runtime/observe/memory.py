@@ -6,22 +6,24 @@ process's peak resident set (`VmHWM` in /proc/self/status) less its shared pages
 (`RssShmem`: the state arena, resident whole from its reservation on, and the peers'
 arenas it maps to reshard), less its file pages (`RssFile`: the libraries' code) and less
 the idle rank's private anonymous pages (`RssAnon`, read once the modules a step imports
-are loaded, then again at every step's start: `rebase`), plus the bytes of tensors in its own arena;
+are loaded; with a run's `memory_baseline: step`, again at every step's start: `rebase`), plus
+the bytes of tensors in its own arena;
 the peak is reset at every mark by writing 5 to /proc/self/clear_refs (Linux 4.0+). The rank loop
 makes the tracker and hands it to each step (`rl_step(peaks=...)`), with a function that gives the
 bytes its state occupies in shared memory (the arena's used bytes). CPU numbers are an upper bound
 of the live tensors: they include what a step's own kernels, collectives and Python objects add
 to the private memory while it runs.
 
-The step's start re-reads the baseline (`PeakTracker.rebase`) as the private memory that holds
-no tensor then: the resident private anonymous pages, after glibc has returned its free heap
-pages (`malloc_trim`), less every CPU tensor reachable from Python whose storage lies in private
-anonymous memory (`private_tensor_bytes`: host-memory state, and any tensor a previous step left
-behind). What that leaves is process memory no GPU allocator counts: the engines' Python objects
-(modules, shard layouts, reshard plans) and what the first step's kernels, collectives and
-dispatch make once and keep (measured on a 26M-parameter bf16 offload rank: ~7 MB by the second
-step, 8-20% of its 50-110 MB rows). A tensor reachable only from C++ at a step's start (none is,
-by design: no autograd graph outlives a step) would be taken for such memory.
+With `memory_baseline: step` (what benchmarks/memory_parity.py runs), the step's start re-reads
+the baseline (`PeakTracker.rebase`) as the private memory that holds no tensor then: the
+resident private anonymous pages, after glibc has returned its free heap pages (`malloc_trim`),
+less every CPU tensor reachable from Python whose storage lies in private anonymous memory
+(`private_tensor_bytes`: host-memory state, and any tensor a previous step left behind). What
+that leaves is process memory no GPU allocator counts: the engines' Python objects (modules,
+shard layouts, reshard plans) and what the first step's kernels, collectives and dispatch make
+once and keep (measured on a 26M-parameter bf16 offload rank: ~7 MB by the second step, 8-20% of
+its 50-110 MB rows). A tensor reachable only from C++ at a step's start (none is, by design: no
+autograd graph outlives a step) would be taken for such memory.
 
 Host memory (offload): the state a rank keeps in host memory (training-time offload's
 gradients, masters and moments, FSDP2's offloaded shards, and offloaded model-stages' sleeping
@@ -140,6 +142,8 @@ class PeakTracker:
     baseline: int = 0
     """CPU: private anonymous resident bytes (`RssAnon`) that hold no tensor, subtracted from every
     reading: the idle rank's, then, from each step's start, those of that start (`rebase`)."""
+    rebase_each_step: bool = False
+    """CPU: re-read `baseline` at every step's start (`rebase`; a run's `memory_baseline: step`)."""
     host_bytes: Callable[[], int] = lambda: 0
     """Bytes of this rank's state in host memory now (its engines' `host_bytes`; the step
     sets it to the engines it runs)."""
@@ -150,10 +154,15 @@ class PeakTracker:
     open: list[str] = field(default_factory=list)
 
     @classmethod
-    def for_device(cls, device_type: str, shared_state_bytes: Callable[[], int] = lambda: 0) -> PeakTracker:
+    def for_device(
+        cls, device_type: str, shared_state_bytes: Callable[[], int] = lambda: 0, rebase_each_step: bool = False
+    ) -> PeakTracker:
         """A tracker of this process on `device_type` (create it once per rank, before its engines
-        exist): on CPU its idle baseline is read now."""
-        tracker = cls(cuda=device_type == "cuda", shared_state_bytes=shared_state_bytes)
+        exist): on CPU its idle baseline is read now, and re-read at each step's start where
+        `rebase_each_step` (a run's `memory_baseline: step`)."""
+        tracker = cls(
+            cuda=device_type == "cuda", shared_state_bytes=shared_state_bytes, rebase_each_step=rebase_each_step
+        )
         if not tracker.cuda and cpu_peak_supported():
             (tracker.baseline,) = _status_fields("RssAnon")
         return tracker
@@ -201,7 +210,8 @@ class PeakTracker:
         self.baseline = anon - private_tensor_bytes()
 
     def start_step(self) -> None:
-        self.rebase()
+        if self.rebase_each_step:
+            self.rebase()
         self._read_and_reset()
         self.step_peak, self.segment_peaks, self.open = 0, {}, []
         self.host_peak = self.host_bytes()

@@ -180,7 +180,8 @@ def prepare_rank(
     for module in ("torch.distributed.fsdp", "torch.distributed.tensor", *(["torch._dynamo"] if dynamo else [])):
         importlib.import_module(module)
 
-    tracker = memory.PeakTracker.for_device(device().type, arena.used_bytes)  # the idle baseline, before any state
+    # the idle baseline, before any state
+    tracker = memory.PeakTracker.for_device(device().type, arena.used_bytes, config.memory_baseline == "step")
     reserve_arena(plan, config.rl, rank)
     stages = build_stages(plan, config.rl)
     syncs = sync_plans(stages)
