@@ -120,7 +120,10 @@ def test_recompute_and_token_budget_keep_the_gradients(tmp_path: Path) -> None:
             if key.endswith("reference"):
                 assert value < 1e-5, (key, value)
             elif key.endswith("token budget"):
-                assert value < 1e-6, (key, value)
+                # The same sums grouped into other micro-batches: rounding only, which differs
+                # by CPU (1.1e-6 on an AMD EPYC, under 1e-6 on an Intel Xeon); a lost or doubled
+                # token moves a gradient by orders of magnitude more.
+                assert value < 1e-5, (key, value)
             else:
                 assert value is True, key
 
