@@ -81,9 +81,14 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(local_out)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.on_replicated(replicated(x, self.tp.mesh))
+
+    def on_replicated(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward for an input already through `replicated`: linears sharing one input
+        (q/k/v, gate/up) sum their input gradients locally and all-reduce them once."""
         weight = replicated(self.weight, self.weight_mesh)
         bias = None if self.bias is None else replicated(self.bias, self.weight_mesh)
-        return F.linear(replicated(x, self.tp.mesh), weight, bias)
+        return F.linear(x, weight, bias)
 
 
 class RowParallelLinear(nn.Module):

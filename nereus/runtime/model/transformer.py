@@ -228,9 +228,10 @@ class Attention(nn.Module):
         # as it is, and only attention's inputs are transposed (views). Submodules are called
         # through `forward` (no hooks are ever registered: the hook machinery is pure overhead).
         batch, seq, _ = x.shape
-        q = self.q_proj.forward(x).view(batch, seq, self.local_heads, self.head_dim)
-        k = self.k_proj.forward(x).view(batch, seq, self.local_kv_heads, self.head_dim)
-        v = self.v_proj.forward(x).view(batch, seq, self.local_kv_heads, self.head_dim)
+        x = replicated(x, self.q_proj.tp.mesh)  # one all-reduce of the input gradient for q, k and v
+        q = self.q_proj.on_replicated(x).view(batch, seq, self.local_heads, self.head_dim)
+        k = self.k_proj.on_replicated(x).view(batch, seq, self.local_kv_heads, self.head_dim)
+        v = self.v_proj.on_replicated(x).view(batch, seq, self.local_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -266,7 +267,8 @@ class MLP(nn.Module):
         """Selective recompute: activation(gate) is not kept; the backward reruns it from `gate`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj.forward(x), self.up_proj.forward(x)
+        x = replicated(x, self.gate_proj.tp.mesh)  # one all-reduce of the input gradient for gate and up
+        gate, up = self.gate_proj.on_replicated(x), self.up_proj.on_replicated(x)
         if self.recompute_gate and torch.is_grad_enabled():
             gated: torch.Tensor = checkpoint(_gated, gate, up, self.activation, use_reentrant=False)
         else:
