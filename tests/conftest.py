@@ -8,9 +8,14 @@ folder. A test with no tier marker is a collection error: the fast loop
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# Ranks start from a server that imported torch once instead of each importing it
+# (nereus.runtime.comm.spawn): the suite spawns hundreds of ranks. Subprocesses inherit it.
+os.environ.setdefault("NEREUS_SPAWN_START_METHOD", "forkserver")
 
 TIERS = ("logic", "one_rank", "multiprocess", "cli")
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from nereus.runtime.comm.spawn import START_METHOD_ENV
 from nereus.runtime.run.hold import HOLD_FOLDER_ENV, HOLD_STEP_ENV
 
 DATA = Path(__file__).parent / "data"
@@ -54,7 +55,9 @@ def start_run(*args: str | Path, hold: tuple[int, Path] | None = None) -> subpro
     """`nereus run ARGS` as a process in its own session (a signal to its group reaches the ranks).
     `hold=(step, folder)`: every rank waits before `step` until `release(folder)` (the run's
     HOLD_STEP_ENV hook), so a test acts on a run at a known step, whatever the machine's load."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # As a user starts it: its ranks are fresh interpreters (the suite's forkserver would make
+    # them the server's children, not the launcher's), so the fault tests see the real process tree.
+    env = {**{k: v for k, v in os.environ.items() if k != START_METHOD_ENV}, "PYTHONUNBUFFERED": "1"}
     if hold is not None:
         step, folder = hold
         folder.mkdir(parents=True, exist_ok=True)

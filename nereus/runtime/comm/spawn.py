@@ -54,6 +54,16 @@ HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 TUNABLES_ENV = "GLIBC_TUNABLES"
 STREAMING_COPY_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x100000"
 
+#: "forkserver" starts ranks by forking a server process that imported FORKSERVER_PRELOAD once
+#: (a rank then starts in a fraction of a second instead of importing torch: 2-5 s on 2 busy
+#: cores), when the ranks need no other start-up environment than the server was started
+#: with; anything else (unset, "spawn") starts each rank as a fresh interpreter. The test
+#: suite sets it; a run's ranks are fresh interpreters unless the user sets it.
+START_METHOD_ENV = "NEREUS_SPAWN_START_METHOD"
+
+#: What the forkserver imports before it forks any rank.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "nereus.runtime.comm.spawn"]
+
 #: numpy's OpenBLAS reads this once, at import: a rank's BLAS calls (the online calibration's
 #: least squares) use as many threads as its torch ops, not a pool sized for the whole host
 #: whose spinning workers take the other ranks' cores.
@@ -74,8 +84,10 @@ def _die_with_parent() -> None:
     libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
     # The parent died before the request (this rank was reparented, to init or to a
     # subreaper): go now. Compare with the parent recorded at spawn, not with pid 1.
+    # A forkserver's rank has the server as its parent (the signal follows the server, which
+    # ends when the launcher does): ask the launcher's sentinel instead.
     parent = mp.parent_process()
-    if parent is not None and os.getppid() != parent.pid:
+    if parent is not None and not parent.is_alive():
         os._exit(1)
 
 
@@ -87,8 +99,12 @@ def _child(
     args: tuple[Any, ...],
     num_threads: int,
     timeout: timedelta,
+    environment: dict[str, str] | None = None,
 ) -> None:
     _die_with_parent()
+    if environment is not None:  # forked from the server: the launcher's environment now
+        os.environ.clear()
+        os.environ.update(environment)
     set_collective_timeout(timeout)
     torch.set_num_threads(num_threads)
     os.environ["LOCAL_RANK"] = str(rank)
@@ -146,9 +162,11 @@ def spawn(
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     with tempfile.TemporaryDirectory(prefix="nereus-rdzv-") as folder:
-        child_args = (world_size, folder, fn, args, num_threads, timeout)
         with _rank_environment(huge_pages, num_threads):
-            context = mp.start_processes(_child, args=child_args, nprocs=world_size, join=False, start_method="spawn")
+            method = _start_method()
+            environment = dict(os.environ) if method == "forkserver" else None
+            child_args = (world_size, folder, fn, args, num_threads, timeout, environment)
+            context = mp.start_processes(_child, args=child_args, nprocs=world_size, join=False, start_method=method)
         failure = None
         stopped: set[int] = set()  # ranks seen stopped (SIGSTOP): torch kills them once another fails
         try:
@@ -188,6 +206,23 @@ def spawn(
     if failures:
         raise RuntimeError("\n".join(failures))
     return [outcome[1] for outcome in outcomes.values() if outcome is not None]
+
+
+def _start_method() -> str:
+    """The ranks' start method: "forkserver" when START_METHOD_ENV asks for it and their start-up
+    environment (read by glibc, OpenBLAS and torch's allocator before any rank code runs) is the
+    one the server starts with, `_rank_environment`'s defaults for one thread; else "spawn"."""
+    if os.environ.get(START_METHOD_ENV) != "forkserver":
+        return "spawn"
+    start_up = (os.environ.get(TUNABLES_ENV), os.environ.get(BLAS_THREADS_ENV), os.environ.get(HUGE_PAGES_ENV))
+    if start_up != (STREAMING_COPY_TUNABLE, "1", None):
+        return "spawn"
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    forkserver.ensure_running()  # started now, in this environment, if it is not running yet
+    return "forkserver"
 
 
 @contextmanager
