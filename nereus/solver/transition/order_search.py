@@ -78,15 +78,21 @@ class OrderSearch:
 
     def dead(self, done: int, usage: dict[int, float]) -> bool:
         todo = (1 << len(self.prims)) - 1 & ~done
+        freeable: dict[int, tuple[dict[str, float], float]] = {}  # gpu -> each stage's gain, their sum
         for p in self.bits(todo):
             prim = self.prims[p]
             if not prim.alloc:
                 continue
-            before, loose = self.anc[p] & todo, self.stage_mask[prim.model_stage] & todo & ~self.anc[p] & ~self.desc[p]
+            before = self.bits(self.anc[p] & todo)
+            loose = self.bits(self.stage_mask[prim.model_stage] & todo & ~self.anc[p] & ~self.desc[p] & ~(1 << p))
             for gpu, nbytes in prim.alloc.items():
-                low = usage.get(gpu, 0.0) + nbytes + sum(self.net[i].get(gpu, 0.0) for i in self.bits(before))
-                low -= sum(self.gain(m, gpu, done) for m in self.stages if m != prim.model_stage)
-                low -= sum(self.prims[i].free.get(gpu, 0.0) for i in self.bits(loose & ~(1 << p)))
+                if gpu not in freeable:
+                    gains = {m: self.gain(m, gpu, done) for m in self.stages}
+                    freeable[gpu] = gains, sum(gains.values())
+                gains, total = freeable[gpu]
+                low = usage.get(gpu, 0.0) + nbytes + sum(self.net[i].get(gpu, 0.0) for i in before)
+                low -= total - gains[prim.model_stage]  # what the other stages can free there
+                low -= sum(self.prims[i].free.get(gpu, 0.0) for i in loose)
                 if low > self.limit:
                     return True
         return False
