@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import gc
+import random
 
 import pytest
 from plan_helpers import relayout
@@ -18,6 +20,7 @@ from nereus.solver.transition import (
     intermediate_layout,
     local_dag,
     priced,
+    serial,
     sub_replicas,
 )
 from nereus.spec.io import load_document
@@ -372,3 +375,37 @@ def test_plans_whose_clusters_differ_only_in_node_count_build_on_the_larger_one(
         build_transition(small, small.model_copy(update={"cluster": other}))
     with pytest.raises(NereusError, match="run different model-stages"):
         build_transition(small, small.model_copy(update={"stages": small.stages[1:]}))
+
+
+def _gpu_free_by_scan(runs: list[tuple[float, float]], start: float, end: float) -> bool:
+    """The overlap rule read off every placed run: the reference for `_Profile.gpu_free`."""
+    eps = serial.EPS
+    for busy_start, busy_end in runs:
+        if busy_end - busy_start <= eps:
+            continue
+        if end - start <= eps:
+            if busy_start + eps < start < busy_end - eps:
+                return False
+        elif busy_start < end - eps and start < busy_end - eps:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_gpu_free_equals_a_scan_of_every_run(seed: int) -> None:
+    """Runs placed where they are free (zero-length ones, and runs that touch or overlap by
+    less than EPS, among them): the bisected test answers every query as a full scan does."""
+    rng = random.Random(seed)
+    profile = serial._Profile({}, capacity=1.0)
+    eps = serial.EPS
+    jitter = [0.0, 0.0, eps / 2, -eps / 2]
+    for _ in range(80):
+        start = rng.randrange(40) / 4 + rng.choice(jitter)
+        end = start + rng.choice([0.0, 0.0, eps / 2, 0.25, 0.5, 1.5])
+        if profile.gpu_free(0, start, end):
+            bisect.insort(profile.busy.setdefault(0, []), (start, end))
+        for _ in range(25):
+            query = rng.randrange(44) / 4 + rng.choice([*jitter, 0.1])
+            query_end = query + rng.choice([0.0, eps / 2, 0.25, 1.0])
+            expected = _gpu_free_by_scan(profile.busy.get(0, []), query, query_end)
+            assert profile.gpu_free(0, query, query_end) == expected, (query, query_end)

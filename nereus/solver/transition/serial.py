@@ -33,12 +33,24 @@ class _Profile:
 
     def gpu_free(self, gpu: int, start: float, end: float) -> bool:
         """No placed run on `gpu` overlaps [start, end) (a zero-length run is the point `start`)."""
-        for busy_start, busy_end in self.busy.get(gpu, ()):
-            if busy_start >= end + EPS and end > start + EPS:
+        runs = self.busy.get(gpu)
+        if not runs:
+            return True
+        # Placed runs longer than EPS overlap by EPS at most (each was placed where this test
+        # held), so of those starting before `start` only the last can reach past it.
+        first = bisect.bisect_left(runs, (start,))
+        while first > 0:
+            first -= 1
+            if runs[first][1] - runs[first][0] > EPS:
                 break
+        point = end - start <= EPS
+        for index in range(first, len(runs)):
+            busy_start, busy_end = runs[index]
+            if busy_start >= (start - EPS if point else end + EPS):
+                break  # this run and every later one start too late to overlap
             if busy_end - busy_start <= EPS:
                 continue  # zero-length runs never conflict
-            if end - start <= EPS:
+            if point:
                 if busy_start + EPS < start < busy_end - EPS:
                     return False
             elif busy_start < end - EPS and start < busy_end - EPS:
