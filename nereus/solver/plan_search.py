@@ -238,38 +238,46 @@ class _Problem:
     """Whether some pool's model-stages at their largest host options overflow `host_budget`
     (else the search need not bound by host memory)."""
 
+    sync_pairs: list[tuple[int, int]] = field(init=False, repr=False)
+    """(actor/training, weight-sync target) positions in `names` (none without actor/training)."""
+
     def phase_time(self, per_pool: list[float]) -> float:
         return max(per_pool) if self.concurrent_pools else sum(per_pool)
+
+    def __post_init__(self) -> None:
+        index = {name: i for i, name in enumerate(self.names)}
+        train = index.get(ACTOR_TRAINING)
+        self.sync_pairs = [] if train is None else [(train, index[d]) for d in ACTOR_SYNC_TARGETS if d in index]
 
     def objective(self, chosen: Sequence[Option]) -> float | None:
         """Step time of a full assignment, or None if some pool overflows memory."""
         num_pools = len(self.placement.pools)
         resident, transient, host = [0.0] * num_pools, [0.0] * num_pools, [0.0] * num_pools
         sums = [[0.0] * num_pools for _ in STAGES]
+        pool_of, phase_of = self.pool_of, self.phase_of
         for i, option in enumerate(chosen):
-            p = self.pool_of[i]
+            p = pool_of[i]
             resident[p] += option[1]
-            transient[p] = max(transient[p], option[2])
+            if option[2] > transient[p]:
+                transient[p] = option[2]
             host[p] += option[8]
-            sums[self.phase_of[i]][p] += option[0]
-        if any(r + t > self.budget for r, t in zip(resident, transient, strict=True)):
-            return None
-        if any(h > self.host_budget for h in host):
-            return None
-        return sum(self.phase_time(row) for row in sums) + self.sync_time(chosen) + self.step_overhead_s
+            sums[phase_of[i]][p] += option[0]
+        budget, host_budget = self.budget, self.host_budget
+        for p in range(num_pools):
+            if resident[p] + transient[p] > budget or host[p] > host_budget:
+                return None
+        return sum(map(max if self.concurrent_pools else sum, sums)) + self.sync_time(chosen) + self.step_overhead_s
 
     def sync_time(self, chosen: Sequence[Option]) -> float:
         """Weight-sync time; `chosen` must cover actor/training and the sync targets."""
-        index = {name: i for i, name in enumerate(self.names)}
-        train = index[ACTOR_TRAINING]
-        return max(
-            (
-                self.sync(chosen[train], chosen[index[d]], self.pool_start[train], self.pool_start[index[d]])
-                for d in ACTOR_SYNC_TARGETS
-                if d in index
-            ),
-            default=0.0,
-        )
+        assert ACTOR_TRAINING in self.names, "the weight sync needs actor/training"
+        starts, sync = self.pool_start, self.sync
+        slowest: float | None = None
+        for train, dest in self.sync_pairs:
+            seconds = sync(chosen[train], chosen[dest], starts[train], starts[dest])
+            if slowest is None or seconds > slowest:
+                slowest = seconds
+        return 0.0 if slowest is None else slowest
 
 
 def _sync_function(request: PlanRequest) -> Callable[[Option, Option, int, int], float]:
