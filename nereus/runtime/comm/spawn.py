@@ -61,8 +61,20 @@ STREAMING_COPY_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x100000"
 #: suite sets it; a run's ranks are fresh interpreters unless the user sets it.
 START_METHOD_ENV = "NEREUS_SPAWN_START_METHOD"
 
-#: What the forkserver imports before it forks any rank.
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "nereus.runtime.comm.spawn"]
+#: What the forkserver imports before it forks any rank: torch, the distributed modules every
+#: rank loads before its idle memory baseline (`rank_loop.prepare_rank`), the rank's own code, and
+#: transformers (vLLM's ranks import it); together ~2.5 s of a rank's start on an idle core. Not
+#: torch._dynamo (a rank imports it only when its plan needs it: tp > 1 or recompute) nor vllm,
+#: which imports torch._dynamo. A module that is not installed is skipped.
+FORKSERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.tensor",
+    "torch.distributed.fsdp",
+    "nereus.runtime.comm.spawn",
+    "nereus.runtime.run.rank_entry",
+    "transformers",
+]
 
 #: numpy's OpenBLAS reads this once, at import: a rank's BLAS calls (the online calibration's
 #: least squares) use as many threads as its torch ops, not a pool sized for the whole host
