@@ -473,7 +473,11 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
     memory.
     """
     n, num_pools = len(problem.names), len(problem.placement.pools)
-    if _root_bound(problem) >= best.bound:
+    # Every leaf's step time adds the calibration's fixed step overhead: so do its bounds (without
+    # it, a bound is short by the overhead, which on a small model is larger than the spread of
+    # the candidates, and the search scores millions of leaves that cannot win).
+    overhead = problem.step_overhead_s
+    if _root_bound(problem) + overhead >= best.bound:
         best.cut()
         return 0
     min_time = [opts[0][0] for opts in problem.options]
@@ -560,14 +564,14 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
                 )
             )
             return
-        if i and memory_bound(i) + sync >= best.bound:
+        if i and memory_bound(i) + sync + overhead >= best.bound:
             best.cut()
             return
-        if problem.host_binds and host_bound(i) + sync >= best.bound:
+        if problem.host_binds and host_bound(i) + sync + overhead >= best.bound:
             best.cut()
             return
         p, phase = problem.pool_of[i], problem.phase_of[i]
-        base = sum(phase_max) + sync - phase_max[phase]
+        base = sum(phase_max) + sync + overhead - phase_max[phase]
         for option in problem.options[i]:
             extra = option[0] - min_time[i]
             if base + max(phase_max[phase], sums[phase][p] + extra) >= best.bound:

@@ -918,6 +918,24 @@ def test_split_sizes_are_per_gpu_inside_one_node_and_per_node_beyond() -> None:
     assert split_sizes(1, 8) == []
 
 
+@pytest.mark.parametrize("overhead_s", [0.031, 1.0])
+def test_the_step_overhead_shifts_every_plan_and_prunes_no_less(overhead_s: float) -> None:
+    """A fixed step overhead adds the same seconds to every plan: the search finds the same top 3
+    plans, each slower by it, after scoring as many full assignments. Its bounds once left the
+    overhead out, so on a tiny model (plans 1e-4 s apart, an overhead of 0.03 s) the controller's
+    replans scored 3-10 million leaves and stalled a run for minutes."""
+    plan = load_document(DATA / "plan-tiny-ppo-2rank.yaml")
+    assert isinstance(plan, Plan)
+    calibration = Calibration(launch_overhead_s=5.7e-4, micro_batch_overhead_s=2.4e-3, stage_overhead_s=2.0e-3)
+    request = PlanRequest(plan.cluster, tuple(plan.models), plan.workload, 2, calibration)
+    without = search(request, top_k=3)
+    shifted = dataclasses.replace(request, calibration=calibration.model_copy(update={"step_overhead_s": overhead_s}))
+    with_overhead = search(shifted, top_k=3)
+    assert [c.choices for c in with_overhead.candidates] == [c.choices for c in without.candidates]
+    assert step_times(with_overhead) == pytest.approx([t + overhead_s for t in step_times(without)], rel=REL)
+    assert with_overhead.num_leaves == without.num_leaves
+
+
 def test_two_ranks_of_one_node_can_split_the_actor_from_the_other_models() -> None:
     """Per-rank overheads dominate (tiny model; the calibration `nereus fit` found on 2 CPU ranks,
     rounded): running the actor on one rank and the other models on the other beats every
