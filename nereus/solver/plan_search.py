@@ -266,7 +266,7 @@ class _Problem:
         for p in range(num_pools):
             if resident[p] + transient[p] > budget or host[p] > host_budget:
                 return None
-        return sum(map(max if self.concurrent_pools else sum, sums)) + self.sync_time(chosen) + self.step_overhead_s
+        return sum(map(self.phase_time, sums)) + self.sync_time(chosen) + self.step_overhead_s
 
     def sync_time(self, chosen: Sequence[Option]) -> float:
         """Weight-sync time; `chosen` must cover actor/training and the sync targets."""
@@ -558,7 +558,7 @@ def branch_and_bound(problem: _Problem, best: _TopK) -> int:
             leaves += 1
             best.offer(
                 Candidate(
-                    sum(phase_max) + sync + problem.step_overhead_s,
+                    sum(phase_max) + sync + overhead,
                     problem.placement,
                     tuple(zip(problem.names, chosen, strict=True)),
                 )
