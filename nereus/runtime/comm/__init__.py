@@ -6,6 +6,7 @@
 - `heartbeat` and `guard`: liveness of a joined job's ranks; naming and ending a silent one.
 - `collectives`: the one collectives interface every caller uses (all-reduce, all-gather,
   broadcast, reduce-scatter, object collectives, barrier, subgroups), on the process group.
+- `host_group`: the CPU ranks' process-group backend, gloo with shared-memory collectives.
 - `shm`: shared-memory segments and the host token that decides who shares memory.
 - `arena`: a rank's state arena, CPU tensors its same-host peers read directly when resharding.
 """

@@ -3,14 +3,11 @@
 `all_reduce`, `all_gather`, `broadcast`, `reduce_scatter`, `all_to_all`, the object collectives
 (`all_gather_object`, `broadcast_object_list`, `gather_object`), `barrier`, and `subgroup`,
 the process group of a set of ranks. Every call takes `group` (None: the world) and
-behaves like the `torch.distributed` call of the same name, on the group's own backend
-(gloo on CPU, NCCL on GPUs). Point-to-point sends and receives (pipeline links, resharding)
-call `torch.distributed` directly.
-
-A shared-memory path for the ranks of one host used to carry the CPU all-reduces, all-gathers,
-broadcasts and object collectives; the training engine's step measured faster on gloo (tp=2 and
-dp=2, tiny and ~100M models: benchmarks/README.md "Collectives on gloo"), so every collective
-goes through the process group.
+behaves like the `torch.distributed` call of the same name, on the group's own backend:
+NCCL on GPUs; on CPU ranks the world is gloo and every `subgroup` is the host backend
+(`host_group`: gloo, with all-reduce, all-gather and broadcast through shared memory among
+the ranks of one host). Point-to-point sends and receives (pipeline links, resharding) call
+`torch.distributed` directly.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch.distributed as dist
 
+from nereus.runtime.comm import host_group
 from nereus.runtime.comm.world import collective_timeout
 
 if TYPE_CHECKING:
@@ -103,7 +101,8 @@ class _Subgroups:
         key = tuple(sorted(ranks))
         if key not in self.by_ranks:
             # torch gives a new group its backend's default timeout (30 min for gloo), not the world's
-            self.by_ranks[key] = dist.new_group(list(key), timeout=collective_timeout())
+            # on CPU ranks the host backend (gloo with shared-memory collectives), else the world's
+            self.by_ranks[key] = dist.new_group(list(key), timeout=collective_timeout(), backend=host_group.backend())
         return self.by_ranks[key]
 
 
