@@ -88,7 +88,7 @@ def test_the_readme_quotes_the_recorded_main_job() -> None:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_the_main_job_prints_what_the_readme_quotes(tmp_path: Path) -> None:
-    """`nereus run examples/run-learn.yaml` as the README runs it (4 ranks; about a minute on 2
+    """`nereus run examples/run-learn.yaml` as the README runs it (4 ranks; about 85 s on 2
     idle cores, longer on a loaded machine: no time bound, only the numbers are checked, as the
     README claims them on any CPU)."""
     out = tmp_path / "learn"
