@@ -5,7 +5,6 @@ arrives fails the collective within the timeout; ranks of different nodes stay o
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -119,13 +118,16 @@ def absent_worker(rank: int, world: int, opened: bool) -> str:
     host = collectives.subgroup(range(world))
     if opened:  # one collective together first: the segment is open when rank 1 goes missing
         dist.all_reduce(torch.ones(1), group=host)
-    if rank == 1:
-        time.sleep(5)  # never joins the all-reduce below (and meets rank 0 at spawn's closing barrier)
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:  # never joins the all-reduce below; meets rank 0 at spawn's closing barrier once it has failed
+        store.wait(["failed"], timedelta(seconds=120))
         return "absent"
     try:
         dist.all_reduce(torch.ones(4), group=host)
     except RuntimeError as error:
         return str(error)
+    finally:
+        store.set("failed", "1")
     return "returned"
 
 

@@ -68,6 +68,14 @@ def supported() -> bool:
     return sys.platform == "linux" and platform.machine() == "x86_64" and os.environ.get(ENABLE_ENV, "1") != "0"
 
 
+def _absent(rank: int, size: int, timeout_s: float) -> RuntimeError:
+    """The error of a collective whose group rank `rank` did not arrive (`spawn.timed_out` reads it)."""
+    return RuntimeError(
+        f"{NAME}: rank {rank} of a {size}-rank process group did not arrive within {timeout_s:g} s "
+        "at a collective (it may have stopped or died)"
+    )
+
+
 class _Channel:
     """One group's segment: per rank an `arrived` and a `done` counter, and a slot per set."""
 
@@ -108,10 +116,7 @@ class _Channel:
         deadline = time.monotonic() + self.timeout_s
         while (seen := int(counters[which])) < value:
             if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{NAME}: rank {which % self.size} of a {self.size}-rank process group did not arrive "
-                    f"within {self.timeout_s:g} s at a collective (it may have stopped or died)"
-                )
+                raise _absent(which % self.size, self.size, self.timeout_s)
             # sleeps only while the counter still holds `seen`: a raise in between returns at once
             self.libc.syscall(_SYS_FUTEX, self.addresses[which], _FUTEX_WAIT, seen, ctypes.byref(self.sleep), None, 0)
 
@@ -132,10 +137,10 @@ class _Channel:
         self._raise(self.size + self.index, seq)
 
     def _chunked(
-        self, flat: torch.Tensor, read: Callable[[torch.Tensor, list[torch.Tensor]], object], write: bool
-    ) -> None:
+        self, flat: torch.Tensor, read: Callable[[int, torch.Tensor, list[torch.Tensor]], object], write: bool
+    ) -> None:  # noqa: E501
         """Run `flat` through the slots a chunk at a time: each rank writes its chunk (when
-        `write`), then `read(chunk, every rank's slot)`."""
+        `write`), then `read(start, chunk, every rank's slot)`, `start` the chunk's offset in `flat`."""
         step = max(SLOT_BYTES // flat.element_size(), 1)
         for start in range(0, flat.numel(), step):
             chunk = flat[start : start + step]
@@ -143,10 +148,20 @@ class _Channel:
             def put(slot: torch.Tensor, chunk: torch.Tensor = chunk) -> None:
                 slot.view(chunk.dtype).copy_(chunk)
 
-            def get(slots: list[torch.Tensor], chunk: torch.Tensor = chunk) -> None:
-                read(chunk, [slot.view(chunk.dtype) for slot in slots])
+            def get(slots: list[torch.Tensor], start: int = start, chunk: torch.Tensor = chunk) -> None:
+                read(start, chunk, [slot.view(chunk.dtype) for slot in slots])
 
             self.rendezvous(chunk.numel() * chunk.element_size(), put if write else None, get)
+
+    def _in_place(
+        self, tensor: torch.Tensor, read: Callable[[int, torch.Tensor, list[torch.Tensor]], object], write: bool
+    ) -> None:  # noqa: E501
+        """`_chunked` over `tensor` made flat, whose chunks `read` overwrites: a strided tensor
+        goes through a contiguous copy, written back at the end."""
+        flat = tensor.contiguous().view(-1)
+        self._chunked(flat, read, write)
+        if flat.data_ptr() != tensor.data_ptr():
+            tensor.copy_(flat.view_as(tensor))
 
     def all_reduce(self, tensor: torch.Tensor, maximum: bool) -> None:
         """Sum (or max) `tensor` in place, in rank order on every rank."""
@@ -154,34 +169,27 @@ class _Channel:
 
         combine = torch.maximum if maximum else torch.add
 
-        def reduce(chunk: torch.Tensor, slots: list[torch.Tensor]) -> None:
+        def reduce(_: int, chunk: torch.Tensor, slots: list[torch.Tensor]) -> None:
             combine(slots[0], slots[1], out=chunk)
             for slot in slots[2:]:
                 combine(chunk, slot, out=chunk)
 
-        flat = tensor.contiguous().view(-1)
-        self._chunked(flat, reduce, write=True)
-        if flat.data_ptr() != tensor.data_ptr():
-            tensor.copy_(flat.view_as(tensor))
+        self._in_place(tensor, reduce, write=True)
 
     def all_gather(self, parts: list[torch.Tensor], tensor: torch.Tensor) -> None:
         """`parts[r]` (contiguous, `tensor`'s size) receives rank r's `tensor`."""
-        flat, outputs, offset = tensor.contiguous().view(-1), [part.view(-1) for part in parts], [0]
+        outputs = [part.view(-1) for part in parts]
 
-        def read(chunk: torch.Tensor, slots: list[torch.Tensor]) -> None:
+        def read(start: int, chunk: torch.Tensor, slots: list[torch.Tensor]) -> None:
             for output, slot in zip(outputs, slots, strict=True):
-                output[offset[0] : offset[0] + chunk.numel()].copy_(slot)
-            offset[0] += chunk.numel()
+                output[start : start + chunk.numel()].copy_(slot)
 
-        self._chunked(flat, read, write=True)
+        self._chunked(tensor.contiguous().view(-1), read, write=True)
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> None:
         """`tensor` becomes group rank `root`'s on every rank (only the root writes)."""
-        flat = tensor.contiguous().view(-1)
         mine = root == self.index
-        self._chunked(flat, lambda chunk, slots: None if mine else chunk.copy_(slots[root]), write=mine)
-        if flat.data_ptr() != tensor.data_ptr():
-            tensor.copy_(flat.view_as(tensor))
+        self._in_place(tensor, lambda _, chunk, slots: None if mine else chunk.copy_(slots[root]), write=mine)
 
 
 @functools.cache
@@ -221,17 +229,14 @@ def _class() -> type:
             self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.gloo)
             self._rank, self._size = rank, size
             self._store, self._timeout = store, timeout
-            self._opened = size == 1 or not supported()  # nothing to share: gloo throughout
-            self._shared: _Channel | None = None
 
-        @property
+        @functools.cached_property
         def channel(self) -> _Channel | None:
             """The group's shared segment, opened by its first shared-memory collective (every
             rank's, in the same order), so a group that never runs one maps none; None: gloo."""
-            if not self._opened:
-                self._shared = _open_channel(self._store, self._rank, self._size, self._timeout)
-                self._opened = True
-            return self._shared
+            if self._size == 1 or not supported():
+                return None
+            return _open_channel(self._store, self._rank, self._size, self._timeout)
 
         def getBackendName(self) -> str:
             return NAME
@@ -293,8 +298,7 @@ def _class() -> type:
         def all_to_all_single(self, output: Any, tensor: Any, output_sizes: Any, input_sizes: Any, opts: Any) -> Any:
             return self.gloo.alltoall_base(output, tensor, output_sizes, input_sizes, opts)
 
-        def alltoall_base(self, output: Any, tensor: Any, output_sizes: Any, input_sizes: Any, opts: Any) -> Any:
-            return self.gloo.alltoall_base(output, tensor, output_sizes, input_sizes, opts)
+        alltoall_base = all_to_all_single
 
         def alltoall(self, outputs: Any, inputs: Any, opts: Any) -> Any:
             return self.gloo.alltoall(outputs, inputs, opts)
@@ -367,10 +371,7 @@ def _open_channel(store: Any, rank: int, size: int, timeout: timedelta) -> _Chan
         try:
             theirs = store.get(f"token/{other}").decode()
         except RuntimeError as error:  # the store's timeout: that rank never reached this collective
-            raise RuntimeError(
-                f"{NAME}: rank {other} of a {size}-rank process group did not arrive within "
-                f"{timeout.total_seconds():g} s at a collective (it may have stopped or died)"
-            ) from error
+            raise _absent(other, size, timeout.total_seconds()) from error
         if theirs != token:
             return None
     nbytes = 2 * size * _LINE + 2 * size * SLOT_BYTES
