@@ -6,8 +6,9 @@ thread each), tp=2, float32. Four implementations are timed alternately, step by
 on the shared machine falls on all alike:
 
 * `nereus`: the runtime's `DecoderPipelineStage` as `nereus run` builds it (each rank holds its
-  boxes of the weights as plain tensors; column/row-parallel linears meeting through DTensor
-  placements, vocabulary-split embedding, chunked LM head and cross-entropy);
+  boxes of the weights as plain tensors; column/row-parallel linears meeting through two
+  autograd functions over torch's all-reduce, vocabulary-split embedding, chunked LM head and
+  cross-entropy);
 * `dtensor_flat`: the same decoder of plain `nn.Linear`/`nn.Embedding` modules, parallelised
   torchtitan's way by a flat plan through `parallelize_module` (ColwiseParallel for
   q/k/v/gate/up and the LM head with vocabulary-split logits, RowwiseParallel for o/down and

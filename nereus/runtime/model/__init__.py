@@ -3,8 +3,8 @@
 - `transformer`: the Llama-style decoder (a pipeline stage's shard, and the one-process reference).
 - `attention`: attention kernels, packing of padded rows, decode masks, per-layer KV stores.
 - `initialization`: seeded whole initial weights and a rank's shards of them.
-- `tensor_parallel`: tensor parallelism on DTensor placements (column/row-parallel linears, vocabulary-split
-  embedding) over weights held as their boxes.
+- `tensor_parallel`: tensor parallelism on DTensor's placements (column/row-parallel linears, vocabulary-split
+  embedding) over weights held as their boxes, meeting through autograd functions over torch's all-reduce.
 - `chunked_head`: the LM head's log-probs and entropy in chunks of tokens, never the whole logits.
 - `pipeline`: pipeline stages' op lists, their deadlock check and the send/recv executor.
 - `parallel_groups`: a rank's place in a RankLayout and its process groups.

@@ -1,17 +1,26 @@
-"""Tensor parallelism on torch's DTensor: each tensor rank's weights are its boxes, the ranks
-meet through DTensor placements.
+"""Tensor parallelism on DTensor's placements: each tensor rank's weights are its boxes, the
+ranks meet through two autograd functions over torch's all-reduce.
 
 A rank holds its box of every weight (`shard_layout.local_box`) as a plain tensor: those boxes
 are the placements DTensor gives the weights under torchtitan's plan (ColwiseParallel
 `Shard(0)`, RowwiseParallel `Shard(1)`; tests/runtime/test_tp_placements.py), so checkpoints,
-resharding and live transitions move them as they are. Where the ranks meet, the layers go
-through DTensor: activations between blocks are replicated; a column-parallel linear's input
-enters as a `Replicate()` DTensor whose gradient comes back `Partial()` (summed over the tensor
-ranks) and its output is this rank's `Shard(-1)` columns; a row-parallel linear's output leaves
-`Partial()` and is redistributed to `Replicate()`; the vocabulary-split embedding is DTensor's
-masked partial sum, computed on this rank's rows. The LM head's log-probs
-and entropy come from `chunked_head`, a chunk of tokens at a time over this rank's vocabulary
-rows (DTensor's `loss_parallel` would need a whole micro-batch's logits at once).
+resharding and live transitions move them as they are. Where the ranks meet, activations
+between blocks are replicated: a column-parallel linear's input goes through `replicated`
+(DTensor's `Replicate()` input whose gradient comes back `Partial()`: identity forward, the
+gradient summed over the tensor ranks) and its output is this rank's `Shard(-1)` columns; a
+row-parallel linear's output goes through `summed` (DTensor's `Partial()` -> `Replicate()`:
+summed forward, the gradient passed through); the vocabulary-split embedding is DTensor's
+masked partial sum, computed on this rank's rows. The LM head's log-probs and entropy come
+from `chunked_head`, a chunk of tokens at a time over this rank's vocabulary rows (DTensor's
+`loss_parallel` would need a whole micro-batch's logits at once).
+
+Why not DTensor's own `from_local(...).to_local(grad_placements=...)` and `full_tensor()` at
+the meeting points (what this module did first): the same collectives in the same order, the
+same numbers, but DTensor's Python (spec building, redistribute planning, functional
+collective wrapping) costs ~0.5-0.7 ms per meeting on a CPU rank, against ~0.05 ms for the
+all-reduce itself; a tiny model's tp=2 training step, ~20 meetings, took 1.67x the old
+engine's on DTensor and 1.07x on these (benchmarks/README.md, "Tensor-parallel meeting
+points").
 
 Every function takes a `TensorParallel`; with one tensor rank it is plain single-device math.
 """
@@ -23,8 +32,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn import functional as F
+
+from nereus.runtime.comm import collectives
 
 
 @dataclass(frozen=True)
@@ -48,18 +59,52 @@ class TensorParallel:
         return cls(size=1, rank=0)
 
 
+def _summed_copy(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """A new contiguous tensor: the sum over `group` of every rank's `tensor`."""
+    total = tensor.clone(memory_format=torch.contiguous_format)
+    collectives.all_reduce(total, group)
+    return total
+
+
+class _Replicated(torch.autograd.Function):
+    """Identity forward; the gradient summed over the group."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _summed_copy(grad, ctx.group), None
+
+
+class _Summed(torch.autograd.Function):
+    """The sum over the group forward; the gradient passed through."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        return _summed_copy(tensor, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
 def replicated(tensor: torch.Tensor, mesh: Any) -> torch.Tensor:
     """`tensor` (the same on every rank of `mesh`), whose gradient is summed over `mesh`."""
     if mesh is None:
         return tensor
-    return DTensor.from_local(tensor, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    result: torch.Tensor = _Replicated.apply(tensor, mesh.get_group())
+    return result
 
 
 def summed(tensor: torch.Tensor, mesh: Any) -> torch.Tensor:
     """The sum over `mesh` of every rank's `tensor`; its gradient reaches each rank unchanged."""
     if mesh is None:
         return tensor
-    return DTensor.from_local(tensor, mesh, [Partial()], run_check=False).full_tensor()
+    result: torch.Tensor = _Summed.apply(tensor, mesh.get_group())
+    return result
 
 
 def gather_last_dim(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
