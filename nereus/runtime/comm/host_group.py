@@ -138,7 +138,7 @@ class _Channel:
 
     def _chunked(
         self, flat: torch.Tensor, read: Callable[[int, torch.Tensor, list[torch.Tensor]], object], write: bool
-    ) -> None:  # noqa: E501
+    ) -> None:
         """Run `flat` through the slots a chunk at a time: each rank writes its chunk (when
         `write`), then `read(start, chunk, every rank's slot)`, `start` the chunk's offset in `flat`."""
         step = max(SLOT_BYTES // flat.element_size(), 1)
@@ -155,7 +155,7 @@ class _Channel:
 
     def _in_place(
         self, tensor: torch.Tensor, read: Callable[[int, torch.Tensor, list[torch.Tensor]], object], write: bool
-    ) -> None:  # noqa: E501
+    ) -> None:
         """`_chunked` over `tensor` made flat, whose chunks `read` overwrites: a strided tensor
         goes through a contiguous copy, written back at the end."""
         flat = tensor.contiguous().view(-1)
