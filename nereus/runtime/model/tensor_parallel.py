@@ -18,9 +18,9 @@ Why not DTensor's own `from_local(...).to_local(grad_placements=...)` and `full_
 the meeting points (what this module did first): the same collectives in the same order, the
 same numbers, but DTensor's Python (spec building, redistribute planning, functional
 collective wrapping) costs ~0.5-0.7 ms per meeting on a CPU rank, against ~0.05 ms for the
-all-reduce itself; a tiny model's tp=2 training step, ~20 meetings, took 1.67x the old
-engine's on DTensor and 1.07x on these (benchmarks/README.md, "Tensor-parallel meeting
-points").
+all-reduce itself, and a tiny model's tp=2 training step has ~20 meetings (benchmarks/README.md,
+"Tensor-parallel meeting points"). `gather_last_dim` (generation's vocabulary columns, once per
+decoded token) likewise all-gathers directly rather than through a `Shard(-1)` DTensor.
 
 Every function takes a `TensorParallel`; with one tensor rank it is plain single-device math.
 """
@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 from torch.nn import functional as F
 
 from nereus.runtime.comm import collectives
@@ -111,7 +110,9 @@ def gather_last_dim(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Concatenate the tensor ranks' slices along the last dim (no gradient; inference only)."""
     if tp.mesh is None:
         return tensor
-    return DTensor.from_local(tensor, tp.mesh, [Shard(tensor.dim() - 1)], run_check=False).full_tensor()
+    parts = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(tp.size)]
+    collectives.all_gather(parts, tensor.contiguous(), tp.group)
+    return torch.cat(parts, dim=-1)
 
 
 class ColumnParallelLinear(nn.Module):
