@@ -17,9 +17,9 @@ from `chunked_head`, a chunk of tokens at a time over this rank's vocabulary row
 Why not DTensor's own `from_local(...).to_local(grad_placements=...)` and `full_tensor()` at
 the meeting points (what this module did first): the same collectives in the same order, the
 same numbers, but DTensor's Python (spec building, redistribute planning, functional
-collective wrapping) costs ~0.5-0.7 ms per meeting on a CPU rank, against ~0.05 ms for the
-all-reduce itself, and a tiny model's tp=2 training step has ~20 meetings (benchmarks/README.md,
-"Tensor-parallel meeting points"). `gather_last_dim` (generation's vocabulary columns, once per
+collective wrapping) costs ~0.3 ms per meeting on a CPU rank, against ~0.1 ms for the
+all-reduce and the autograd function around it, and a tiny model's tp=2 training step has ~20
+meetings (benchmarks/README.md, "Tensor-parallel meeting points"). `gather_last_dim` (generation's vocabulary columns, once per
 decoded token) likewise all-gathers directly rather than through a `Shard(-1)` DTensor.
 
 Every function takes a `TensorParallel`; with one tensor rank it is plain single-device math.
