@@ -9,7 +9,9 @@ bf16 with fp32 masters as `nereus run` trains), the two trees are measured in al
 (old then new, new then old, ...), so load on the shared machine falls on both alike; each
 round times `--iters` steps (`Engine.train_step`: zero_grad, forward and backward, gradient
 reduction, AdamW) after `--warmup` untimed ones. Reports each tree's median step over all
-rounds and the ratio new / old (target: at most 1.1).
+rounds and the ratio new / old (target: at most 1.1), and the paired ratio: the median over
+rounds of each round's new / old (the two trees of a round run back to back, so load that
+changes between rounds cancels).
 Writes benchmarks/results/engine_step.json.
 
     .venv/bin/python benchmarks/engine_step.py [--old REF] [--models tiny,decoder-100m] [--layouts tp2,dp2]
@@ -144,15 +146,31 @@ def main() -> None:
         for model in args.models.split(","):
             for layout in layouts:
                 times: dict[str, list[float]] = {"old": [], "new": []}
+                round_ratios = []  # each round's new / old medians: load that shifts between rounds cancels
                 for round_index in range(args.rounds):
                     order = ("old", "new") if round_index % 2 == 0 else ("new", "old")
+                    this_round = {}
                     for which in order:
                         per_rank = measure(trees[which], model, layout, args)
-                        times[which] += [t for rank_times in per_rank for t in rank_times]
+                        this_round[which] = [t for rank_times in per_rank for t in rank_times]
+                        times[which] += this_round[which]
+                    round_ratios.append(statistics.median(this_round["new"]) / statistics.median(this_round["old"]))
                 medians = {which: statistics.median(t) for which, t in times.items()}
-                ratio = medians["new"] / medians["old"]
-                print(f"{model:14} {layout}: old {medians['old']:.4f} s, new {medians['new']:.4f} s, {ratio:.2f}x")
-                rows.append({"model": model, "layout": layout, "median_step_s": medians, "ratio": ratio})
+                ratio, paired = medians["new"] / medians["old"], statistics.median(round_ratios)
+                print(
+                    f"{model:14} {layout}: old {medians['old']:.4f} s, new {medians['new']:.4f} s, {ratio:.2f}x "
+                    f"(paired {paired:.2f}x)"
+                )
+                rows.append(
+                    {
+                        "model": model,
+                        "layout": layout,
+                        "median_step_s": medians,
+                        "ratio": ratio,
+                        "paired_ratio": paired,
+                        "round_ratios": round_ratios,
+                    }
+                )
                 repetitions.update({f"{model}/{layout}/{which}_s": t for which, t in times.items()})
     payload = {
         "target_ratio": TARGET,
