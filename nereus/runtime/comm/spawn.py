@@ -64,7 +64,7 @@ START_METHOD_ENV = "NEREUS_SPAWN_START_METHOD"
 #: What the forkserver imports before it forks any rank: torch, the distributed modules every
 #: rank loads before its idle memory baseline (`rank_loop.prepare_rank`), the rank's own code, and
 #: transformers (vLLM's ranks import it); together ~2.5 s of a rank's start on an idle core. Not
-#: torch._dynamo (a rank imports it only when its plan needs it: tp > 1 or recompute) nor vllm,
+#: torch._dynamo (a rank imports it only when its plan needs it: recompute or full sharding) nor vllm,
 #: which imports torch._dynamo. A module that is not installed is skipped.
 FORKSERVER_PRELOAD = [
     "torch",

@@ -19,8 +19,9 @@ the meeting points (what this module did first): the same collectives in the sam
 same numbers, but DTensor's Python (spec building, redistribute planning, functional
 collective wrapping) costs ~0.3 ms per meeting on a CPU rank, against ~0.1 ms for the
 all-reduce and the autograd function around it, and a tiny model's tp=2 training step has ~20
-meetings (benchmarks/README.md, "Tensor-parallel meeting points"). `gather_last_dim` (generation's vocabulary columns, once per
-decoded token) likewise all-gathers directly rather than through a `Shard(-1)` DTensor.
+meetings (benchmarks/README.md, "Tensor-parallel meeting points"). `gather_last_dim`
+(generation's vocabulary columns, once per decoded token) likewise all-gathers directly rather
+than through a `Shard(-1)` DTensor.
 
 Every function takes a `TensorParallel`; with one tensor rank it is plain single-device math.
 """

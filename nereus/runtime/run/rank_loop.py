@@ -175,9 +175,10 @@ def prepare_rank(
     # What a step imports on first use belongs to the idle rank, not to a model-stage: DTensor
     # and FSDP2's modules, and torch._dynamo, which activation checkpointing imports on its
     # first call and FSDP2's `fully_shard` on its first (its hooks are wrapped in
-    # `torch._dynamo.disable`; each ~33-45 MB of a CPU rank's private memory in Python objects),
-    # and DTensor's first construction, which tensor parallelism makes on its first forward.
-    dynamo = any(entry.recompute != "none" or entry.full_shard or entry.tp > 1 for entry in plan.stages)
+    # `torch._dynamo.disable`; each ~33-45 MB of a CPU rank's private memory in Python objects).
+    # Tensor parallelism makes no DTensor (`tensor_parallel`'s meetings are plain all-reduces),
+    # so tp > 1 alone imports no torch._dynamo.
+    dynamo = any(entry.recompute != "none" or entry.full_shard for entry in plan.stages)
     for module in ("torch.distributed.fsdp", "torch.distributed.tensor", *(["torch._dynamo"] if dynamo else [])):
         importlib.import_module(module)
 
