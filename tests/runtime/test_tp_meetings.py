@@ -34,8 +34,12 @@ def meetings_worker(rank: int, world: int) -> list[str]:
 
     group = collectives.subgroup(range(world))
     mesh = DeviceMesh.from_group(group, "cpu")
-    tp = TensorParallel(size=world, rank=rank, group=group, mesh=mesh)
-    ours = {"replicated": replicated, "summed": summed, "gathered": lambda t, _: gather_last_dim(t, tp)}
+    tp = TensorParallel(size=world, rank=rank, group=group)
+    ours = {
+        "replicated": lambda t: replicated(t, group),
+        "summed": lambda t: summed(t, group),
+        "gathered": lambda t: gather_last_dim(t, tp),
+    }
     mismatches = []
     for dtype in (torch.float32, torch.bfloat16):
         for strided in (False, True):
@@ -47,10 +51,10 @@ def meetings_worker(rank: int, world: int) -> list[str]:
                 base = torch.randn(10, 6, generator=same if kind == "replicated" else own).to(dtype)
                 upstream = torch.randn(6, 10 * (world if kind == "gathered" else 1), generator=own).to(dtype)
                 results = []
-                for function in (meet, lambda t, m, kind=kind: _reference(kind, t, m)):
+                for function in (meet, lambda t, kind=kind: _reference(kind, t, mesh)):
                     leaf = base.clone().requires_grad_(kind != "gathered")
                     x = leaf.t() if strided else leaf.t().contiguous()  # [6, 10], strided or not
-                    y = function(x, mesh)
+                    y = function(x)
                     if kind != "gathered":
                         (y * upstream).sum().backward()
                     results.append((y.detach(), leaf.grad))

@@ -272,9 +272,9 @@ class MoEMLP(nn.Module):
         order = torch.argsort(flat_experts, stable=True)
         token_of = order // self.top_k
         sorted_experts = flat_experts[order]
-        rows = replicated(hidden, self.tp.mesh)[token_of]  # gradient summed over the tensor ranks
+        rows = replicated(hidden, self.tp.group)[token_of]  # gradient summed over the tensor ranks
         if self.ep.size == 1:
-            outputs = summed(self.experts.partial(rows, sorted_experts), self.tp.mesh)
+            outputs = summed(self.experts.partial(rows, sorted_experts), self.tp.group)
         elif dispatch == "all_to_all":
             outputs = self._all_to_all(rows, sorted_experts)
         else:
@@ -296,7 +296,7 @@ class MoEMLP(nn.Module):
         local_expert = arrived_experts - self.experts.first_expert
         order = torch.argsort(local_expert, stable=True)
         partial = self.experts.partial(arrived[order], local_expert[order])
-        done = torch.empty_like(partial).index_copy(0, order, summed(partial, self.tp.mesh))
+        done = torch.empty_like(partial).index_copy(0, order, summed(partial, self.tp.group))
         returned: torch.Tensor = _AllToAll.apply(done, receive, send, group)
         return returned
 
@@ -314,6 +314,6 @@ class MoEMLP(nn.Module):
         index = mine.nonzero().squeeze(-1)
         partial = self.experts.partial(rows[index], sorted_experts[index] - first)
         local = rows.new_zeros((rows.shape[0], partial.shape[-1])).index_copy(0, index, partial)
-        total = summed(local, self.tp.mesh)
+        total = summed(local, self.tp.group)
         collectives.all_reduce(total, self.ep.group)
         return total

@@ -11,7 +11,6 @@ from typing import Any
 import torch.distributed as dist
 
 from nereus.runtime.comm import collectives
-from nereus.runtime.comm.world import device as rank_device
 from nereus.runtime.model.context_parallel import ContextParallel
 from nereus.runtime.model.moe import ExpertParallel
 from nereus.runtime.model.pipeline import PipelineLink
@@ -105,7 +104,7 @@ def build_groups(
         layout.rank_at(replica, stage + 1, tp_rank, cp_rank, ep_rank) if stage < pp - 1 else None,
         mine.get("pp"),
     )
-    tensor = TensorParallel(tp, tp_rank, mine.get("tp"), _mesh(mine.get("tp")), _mesh(mine.get("kv")))
+    tensor = TensorParallel(tp, tp_rank, mine.get("tp"), mine.get("kv"))
     context = ContextParallel(cp, cp_rank, mine.get("cp"), cp_method)
     experts = ExpertParallel(ep, ep_rank, mine.get("ep"))
     shard_group = mine.get("shard") if dp > 1 and cp > 1 else mine.get("dp") if cp == 1 else mine.get("cp")
@@ -132,15 +131,6 @@ def _along(layout: RankLayout, axis: str) -> list[list[int]]:
             line.append(layout.rank_at(at["dp"], at["pp"], at["tp"], at["cp"], at["ep"]))
         lines.append(line)
     return lines
-
-
-def _mesh(group: Any) -> Any:
-    """The 1-D DeviceMesh over a process group's ranks (None for no group); local, no collective."""
-    if group is None:
-        return None
-    from torch.distributed.device_mesh import DeviceMesh
-
-    return DeviceMesh.from_group(group, rank_device().type)
 
 
 def admissible_layouts(model: Model, max_ranks: int) -> list[tuple[int, int, int]]:

@@ -48,10 +48,8 @@ class TensorParallel:
     """This rank's index inside the group."""
     group: Any = None
     """The torch process group of the tensor ranks (None when size is 1)."""
-    mesh: Any = None
-    """The 1-D DeviceMesh over `group` (None when size is 1)."""
-    kv_mesh: Any = None
-    """The 1-D DeviceMesh of the tensor ranks holding the same replicated KV head (None when KV
+    kv_group: Any = None
+    """The process group of the tensor ranks holding the same replicated KV head (None when KV
     heads are split)."""
 
     @classmethod
@@ -91,25 +89,27 @@ class _Summed(torch.autograd.Function):
         return grad, None
 
 
-def replicated(tensor: torch.Tensor, mesh: Any) -> torch.Tensor:
-    """`tensor` (the same on every rank of `mesh`), whose gradient is summed over `mesh`."""
-    if mesh is None:
+def replicated(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """`tensor` (the same on every rank of `group`), whose gradient is summed over `group`
+    (None: no other rank)."""
+    if group is None:
         return tensor
-    result: torch.Tensor = _Replicated.apply(tensor, mesh.get_group())
+    result: torch.Tensor = _Replicated.apply(tensor, group)
     return result
 
 
-def summed(tensor: torch.Tensor, mesh: Any) -> torch.Tensor:
-    """The sum over `mesh` of every rank's `tensor`; its gradient reaches each rank unchanged."""
-    if mesh is None:
+def summed(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """The sum over `group` of every rank's `tensor` (None: no other rank); its gradient
+    reaches each rank unchanged."""
+    if group is None:
         return tensor
-    result: torch.Tensor = _Summed.apply(tensor, mesh.get_group())
+    result: torch.Tensor = _Summed.apply(tensor, group)
     return result
 
 
 def gather_last_dim(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Concatenate the tensor ranks' slices along the last dim (no gradient; inference only)."""
-    if tp.mesh is None:
+    if tp.group is None:
         return tensor
     parts = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(tp.size)]
     collectives.all_gather(parts, tensor.contiguous(), tp.group)
@@ -119,22 +119,22 @@ def gather_last_dim(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
 class ColumnParallelLinear(nn.Module):
     """y[..., local out] = x W_local^T (+ b_local); x is replicated over the tensor ranks."""
 
-    def __init__(self, in_features: int, local_out: int, bias: bool, tp: TensorParallel, weight_mesh: Any = None):
+    def __init__(self, in_features: int, local_out: int, bias: bool, tp: TensorParallel, weight_group: Any = None):
         super().__init__()
         self.tp = tp
-        self.weight_mesh = weight_mesh
+        self.weight_group = weight_group
         """Ranks holding a replica of this slice (replicated KV heads): their gradients are summed."""
         self.weight = nn.Parameter(torch.empty(local_out, in_features))
         self.bias = nn.Parameter(torch.empty(local_out)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.on_replicated(replicated(x, self.tp.mesh))
+        return self.on_replicated(replicated(x, self.tp.group))
 
     def on_replicated(self, x: torch.Tensor) -> torch.Tensor:
         """The forward for an input already through `replicated`: linears sharing one input
         (q/k/v, gate/up) sum their input gradients locally and all-reduce them once."""
-        weight = replicated(self.weight, self.weight_mesh)
-        bias = None if self.bias is None else replicated(self.bias, self.weight_mesh)
+        weight = replicated(self.weight, self.weight_group)
+        bias = None if self.bias is None else replicated(self.bias, self.weight_group)
         return F.linear(x, weight, bias)
 
 
@@ -147,7 +147,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return summed(F.linear(x, self.weight), self.tp.mesh)
+        return summed(F.linear(x, self.weight), self.tp.group)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -163,11 +163,11 @@ class VocabParallelEmbedding(nn.Module):
         rows are summed: DTensor's masked partial embedding, done on the local rows, because
         `F.embedding` on the `Shard(0)` DTensor differentiates into a `Replicate()` gradient of
         the whole vocabulary's rows on every rank (2.2 GB in fp32 for a 152k x 3584 embedding)."""
-        mesh = self.tp.mesh
-        if mesh is None:
+        group = self.tp.group
+        if group is None:
             return F.embedding(tokens, self.weight)
         rows = self.weight.shape[0]
         local = tokens - self.tp.rank * rows
         outside = (local < 0) | (local >= rows)
         embedded = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return summed(embedded, mesh)
+        return summed(embedded, group)

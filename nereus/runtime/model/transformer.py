@@ -174,15 +174,15 @@ def check_positions(model: Model, num_positions: int) -> None:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, grad_mesh: object = None):
+    def __init__(self, dim: int, eps: float, grad_group: object = None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
         self.eps = eps
-        self.grad_mesh = grad_mesh
+        self.grad_group = grad_group
         """Tensor ranks whose partial gradients must be summed (per-head norms see only local heads)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, replicated(self.weight, self.grad_mesh), self.eps)
+        return rms_norm(x, replicated(self.weight, self.grad_group), self.eps)
 
 
 #: What a training forward recomputes in its backward (`StagePlan.recompute`).
@@ -208,11 +208,11 @@ class Attention(nn.Module):
         self.local_kv_heads = max(1, model.num_kv_heads // tp.size)
         kv_out = self.local_kv_heads * model.head_dim
         self.q_proj = ColumnParallelLinear(model.hidden_dim, self.local_heads * model.head_dim, model.qkv_bias, tp)
-        self.k_proj = ColumnParallelLinear(model.hidden_dim, kv_out, model.qkv_bias, tp, tp.kv_mesh)
-        self.v_proj = ColumnParallelLinear(model.hidden_dim, kv_out, model.qkv_bias, tp, tp.kv_mesh)
+        self.k_proj = ColumnParallelLinear(model.hidden_dim, kv_out, model.qkv_bias, tp, tp.kv_group)
+        self.v_proj = ColumnParallelLinear(model.hidden_dim, kv_out, model.qkv_bias, tp, tp.kv_group)
         if model.qk_norm:
-            self.q_norm = RMSNorm(model.head_dim, model.rms_norm_eps, tp.mesh)
-            self.k_norm = RMSNorm(model.head_dim, model.rms_norm_eps, tp.mesh)
+            self.q_norm = RMSNorm(model.head_dim, model.rms_norm_eps, tp.group)
+            self.k_norm = RMSNorm(model.head_dim, model.rms_norm_eps, tp.group)
         self.qk_norm = model.qk_norm
         self.o_proj = RowParallelLinear(self.local_heads * model.head_dim, model.hidden_dim, tp)
 
@@ -228,7 +228,7 @@ class Attention(nn.Module):
         # as it is, and only attention's inputs are transposed (views). Submodules are called
         # through `forward` (no hooks are ever registered: the hook machinery is pure overhead).
         batch, seq, _ = x.shape
-        x = replicated(x, self.q_proj.tp.mesh)  # one all-reduce of the input gradient for q, k and v
+        x = replicated(x, self.q_proj.tp.group)  # one all-reduce of the input gradient for q, k and v
         q = self.q_proj.on_replicated(x).view(batch, seq, self.local_heads, self.head_dim)
         k = self.k_proj.on_replicated(x).view(batch, seq, self.local_kv_heads, self.head_dim)
         v = self.v_proj.on_replicated(x).view(batch, seq, self.local_kv_heads, self.head_dim)
@@ -267,7 +267,7 @@ class MLP(nn.Module):
         """Selective recompute: activation(gate) is not kept; the backward reruns it from `gate`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = replicated(x, self.gate_proj.tp.mesh)  # one all-reduce of the input gradient for gate and up
+        x = replicated(x, self.gate_proj.tp.group)  # one all-reduce of the input gradient for gate and up
         gate, up = self.gate_proj.on_replicated(x), self.up_proj.on_replicated(x)
         if self.recompute_gate and torch.is_grad_enabled():
             gated: torch.Tensor = checkpoint(_gated, gate, up, self.activation, use_reentrant=False)
@@ -458,7 +458,7 @@ class DecoderPipelineStage(nn.Module):
             return values
         if hasattr(self, "lm_head"):
             return self.lm_head.forward(x)
-        return F.linear(replicated(x, self.tp.mesh), self.embed.weight)
+        return F.linear(replicated(x, self.tp.group), self.embed.weight)
 
     def head_shard(self) -> chunked_head.HeadShard:
         """This rank's rows of the LM head weight (the tied embedding's without an LM head)."""
