@@ -14,7 +14,7 @@ a tiny one, for CI). Then, on a world of one rank (NCCL on CUDA, gloo on the CPU
    model-stage's `memory_peak_bytes_by_stage` against `predicted_memory_peak_bytes_by_stage`;
 5. memory rows (`memory_rows`), one `nereus run` each of the memory benchmark's activation-heavy
    GRPO plan with one memory choice: recompute none, full and selective (1 GPU), FSDP2 full
-   sharding and DTensor tensor parallelism at tp=2 (2 GPUs: on fewer the row says so and is
+   sharding and tensor parallelism at tp=2 (2 GPUs: on fewer the row says so and is
    skipped), and training-time offload (when this build executes it): measured peak per
    model-stage and rank (`torch.cuda.max_memory_allocated` on CUDA, the runtime tracker's
    resident-set reading on CPU ranks) against the cost model's, and offload's host bytes
@@ -313,7 +313,7 @@ MEMORY_ROWS = {
     "recompute-full": 1,
     "recompute-selective": 1,
     "fsdp2-full-shard": 2,
-    "dtensor-tp2": 2,
+    "tp2": 2,
     "train-offload": 1,
 }
 
@@ -369,7 +369,7 @@ def memory_row_plan(name: str, device: str) -> tuple[dict[str, Any], int]:
     """The plan document of memory row `name` and its response length, all on the memory
     benchmark's activation-heavy `-long` GRPO plan (a ~26M-parameter decoder, 8 rows of 16 + 112
     tokens). Recompute and offload: on one rank; full sharding: colocated and fully sharded over
-    2 ranks (FSDP2); tensor parallelism: every model-stage at tp=2 on 2 ranks (DTensor). bf16 on
+    2 ranks (FSDP2); tensor parallelism: every model-stage at tp=2 on 2 ranks. bf16 on
     CUDA, fp32 on CPU ranks."""
     from memory_parity import full_shard_plan, new_tokens, plan_document
 
@@ -388,7 +388,7 @@ def memory_row_plan(name: str, device: str) -> tuple[dict[str, Any], int]:
     if name == "fsdp2-full-shard":
         case = f"colocated-{dtype}-long-fullshard"
         return full_shard_plan(case), new_tokens(case)
-    assert name == "dtensor-tp2", name
+    assert name == "tp2", name
     case = f"colocated-{dtype}-long"
     return on_ranks(plan_document(case), 2, tp=2), new_tokens(case)
 

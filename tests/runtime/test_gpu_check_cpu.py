@@ -35,7 +35,7 @@ def test_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
         "recompute-full",
         "recompute-selective",
         "fsdp2-full-shard",
-        "dtensor-tp2",
+        "tp2",
         "train-offload",
     }
     for name, row in rows.items():
@@ -44,5 +44,5 @@ def test_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
             continue
         assert row["stages"], name
         assert all(s["predicted_bytes"] > 0 and s["measured_bytes"] > 0 for s in row["stages"])
-    tp_ranks = {s["rank"] for s in rows["dtensor-tp2"]["stages"] if s["model_stage"] == "actor/training"}
+    tp_ranks = {s["rank"] for s in rows["tp2"]["stages"] if s["model_stage"] == "actor/training"}
     assert tp_ranks == {0, 1}
