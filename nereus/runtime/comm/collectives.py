@@ -40,6 +40,14 @@ def all_gather(parts: list[torch.Tensor], tensor: torch.Tensor, group: Any = Non
     dist.all_gather(parts, tensor.contiguous(), group=group)
 
 
+def all_gathered(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """Every rank of `group`'s `tensor` (one shape and dtype on all), in group rank order."""
+    tensor = tensor.contiguous()
+    parts = [tensor.new_empty(tensor.shape) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor, group=group)
+    return parts
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: Any = None) -> None:
     """Every rank's `tensor` becomes global rank `src`'s."""
     dist.broadcast(tensor, src=src, group=group)

@@ -192,6 +192,31 @@ class _Channel:
         self._in_place(tensor, lambda _, chunk, slots: None if mine else chunk.copy_(slots[root]), write=mine)
 
 
+#: Every other operation: gloo's, by the ProcessGroup method torch's bindings call -> the gloo
+#: Backend method it calls. Through the Backend binding, which drops the GIL while gloo queues
+#: the work: left to ProcessGroup's own binding, a Python subclass keeps the GIL there and
+#: deadlocks with gloo's worker thread, which takes the GIL to free a finished work's tensors
+#: while holding the queue's lock (seen in all-to-all).
+_TO_GLOO = {
+    "all_to_all_single": "alltoall_base",
+    "alltoall_base": "alltoall_base",
+    "alltoall": "alltoall",
+    "send": "send",
+    "recv": "recv",
+    "recv_anysource": "recv_anysource",
+    "barrier": "barrier",
+    "monitored_barrier": "monitored_barrier",
+    "gather": "gather",
+    "scatter": "scatter",
+    "reduce": "reduce",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "_reduce_scatter_base": "_reduce_scatter_base",
+    "allreduce_coalesced": "allreduce_coalesced",
+    "allgather_coalesced": "allgather_coalesced",
+}
+
+
 @functools.cache
 def _class() -> type:
     """`HostGroup`, defined on first use (it subclasses torch's ProcessGroup: torch is imported then)."""
@@ -219,6 +244,12 @@ def _class() -> type:
             future: torch.futures.Future = torch.futures.Future()
             future.set_result(self.tensors)
             return future
+
+    def _pairwise(collective: Callable[..., Any], outputs: Any, inputs: Any, opts: Any) -> Any:
+        """`collective(output, input, opts)` for each pair, every work waited on."""
+        for work in [collective(out, tensor, opts) for out, tensor in zip(outputs, inputs, strict=True)]:
+            work.wait()
+        return Done(outputs)
 
     class HostGroup(process_group):
         """gloo, with all-reduce, all-gather and broadcast of CPU tensors through shared memory."""
@@ -290,75 +321,26 @@ def _class() -> type:
             channel.broadcast(tensors[0], opts.rootRank)
             return Done(tensors)
 
-        # Every other operation is gloo's, called through its Backend binding, which drops the
-        # GIL while gloo queues the work. Left to ProcessGroup's own binding, a Python subclass
-        # keeps the GIL there and deadlocks with gloo's worker thread, which takes the GIL to
-        # free a finished work's tensors while holding the queue's lock (seen in all-to-all).
-
-        def all_to_all_single(self, output: Any, tensor: Any, output_sizes: Any, input_sizes: Any, opts: Any) -> Any:
-            return self.gloo.alltoall_base(output, tensor, output_sizes, input_sizes, opts)
-
-        alltoall_base = all_to_all_single
-
-        def alltoall(self, outputs: Any, inputs: Any, opts: Any) -> Any:
-            return self.gloo.alltoall(outputs, inputs, opts)
-
-        def send(self, tensors: Any, dst: int, tag: int) -> Any:
-            return self.gloo.send(tensors, dst, tag)
-
-        def recv(self, tensors: Any, src: int, tag: int) -> Any:
-            return self.gloo.recv(tensors, src, tag)
-
-        def recv_anysource(self, tensors: Any, tag: int) -> Any:
-            return self.gloo.recv_anysource(tensors, tag)
-
-        def barrier(self, opts: Any) -> Any:
-            return self.gloo.barrier(opts)
-
-        def monitored_barrier(self, timeout: Any = None, wait_all_ranks: bool = False) -> Any:
-            return self.gloo.monitored_barrier(timeout, wait_all_ranks)
-
-        def gather(self, outputs: Any, inputs: Any, opts: Any) -> Any:
-            return self.gloo.gather(outputs, inputs, opts)
-
-        def scatter(self, outputs: Any, inputs: Any, opts: Any) -> Any:
-            return self.gloo.scatter(outputs, inputs, opts)
-
-        def reduce(self, tensors: Any, opts: Any) -> Any:
-            return self.gloo.reduce(tensors, opts)
-
-        def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any) -> Any:
-            return self.gloo.reduce_scatter(outputs, inputs, opts)
-
-        def reduce_scatter_single(self, output: Any, tensor: Any, opts: Any) -> Any:
-            return self.gloo._reduce_scatter_base(output, tensor, opts)
-
-        _reduce_scatter_base = reduce_scatter_single
-
         def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any) -> Any:
             """The functional reduce-scatter's call (FSDP2, DTensor), one pair at a time."""
-            pairs = zip(outputs, inputs, strict=True)
-            for work in [self.gloo._reduce_scatter_base(out, tensor, opts) for out, tensor in pairs]:
-                work.wait()
-            return Done(outputs)
+            return _pairwise(self.gloo._reduce_scatter_base, outputs, inputs, opts)
 
         reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
         def all_gather_single_coalesced(self, outputs: Any, inputs: Any, opts: Any) -> Any:
-            """The functional all-gather's call (DTensor's `full_tensor`, FSDP2), one pair at a time."""
-            pairs = zip(outputs, inputs, strict=True)
-            for work in [self.all_gather_single(out, tensor, opts) for out, tensor in pairs]:
-                work.wait()
-            return Done(outputs)
+            """The functional all-gather's call (FSDP2), one pair at a time."""
+            return _pairwise(self.all_gather_single, outputs, inputs, opts)
 
         allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-        def allreduce_coalesced(self, tensors: Any, opts: Any) -> Any:
-            return self.gloo.allreduce_coalesced(tensors, opts)
+    def to_gloo(method: str) -> Callable[..., Any]:
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return getattr(self.gloo, method)(*args, **kwargs)
 
-        def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any) -> Any:
-            return self.gloo.allgather_coalesced(outputs, inputs, opts)
+        return call
 
+    for name, method in _TO_GLOO.items():
+        setattr(HostGroup, name, to_gloo(method))
     return HostGroup
 
 

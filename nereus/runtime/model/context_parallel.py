@@ -269,7 +269,8 @@ class _PreviousColumns(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
         ctx.split = split
         owners = _run_owners(split)
-        lasts = _gathered(x[:, _run_ends(split, split.cp.rank)], split.cp)  # [b, runs, ...] per rank
+        # [b, runs, ...] per rank
+        lasts = collectives.all_gathered(x[:, _run_ends(split, split.cp.rank)], split.cp.group)
         pieces = []
         for (start, stop), offset in zip(split.runs[split.cp.rank], _run_offsets(split), strict=True):
             if start > 0:
@@ -291,7 +292,7 @@ class _PreviousColumns(torch.autograd.Function):
                 borrowed.append(torch.zeros_like(grad[:, :1]))
             own.append(grad[:, at : at + stop - start])
             at += stop - start
-        parts = _gathered(torch.cat(borrowed, dim=1), split.cp)  # [b, runs, ...] per rank
+        parts = collectives.all_gathered(torch.cat(borrowed, dim=1), split.cp.group)  # [b, runs, ...] per rank
         result = torch.cat(own, dim=1).contiguous().clone()
         ends = _run_ends(split, me)
         for (_, stop), end in zip(split.runs[me], ends, strict=True):
@@ -324,14 +325,6 @@ def _run_owners(split: SequenceSplit) -> dict[int, tuple[int, int]]:
         for index, (start, stop) in enumerate(runs):
             owners[start] = owners[stop - 1] = (rank, index)
     return owners
-
-
-def _gathered(x: torch.Tensor, cp: ContextParallel) -> list[torch.Tensor]:
-    """Every cp rank's `x` (one shape on all), in rank order."""
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(cp.size)]
-    collectives.all_gather(parts, x, cp.group)
-    return parts
 
 
 def stage_forward(
@@ -383,7 +376,7 @@ def gather_columns(cp: ContextParallel, chunk: torch.Tensor, lengths: Sequence[i
     widest = max(lengths)
     padded = chunk.new_zeros((chunk.shape[0], widest, *chunk.shape[2:]))
     padded[:, : chunk.shape[1]] = chunk
-    parts = _gathered(padded, cp)
+    parts = collectives.all_gathered(padded, cp.group)
     return torch.cat([part[:, :length] for part, length in zip(parts, lengths, strict=True)], dim=1)
 
 

@@ -86,9 +86,7 @@ def all_gather_rows(bucket: list[Piece], group: Any, me: int, device: torch.devi
     for piece in bucket:  # this replica's rows straight into the send buffer (no concatenated copy)
         local[offset : offset + piece[me].numel()] = piece[me].reshape(-1)
         offset += piece[me].numel()
-    parts = [torch.empty_like(local) for _ in range(dp)]
-    collectives.all_gather(parts, local, group)
-    for d, part in enumerate(parts):
+    for d, part in enumerate(collectives.all_gathered(local, group)):
         offset = 0
         for piece in bucket:
             piece[d].copy_(part[offset : offset + piece[d].numel()].view_as(piece[d]))

@@ -111,9 +111,7 @@ def gather_last_dim(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Concatenate the tensor ranks' slices along the last dim (no gradient; inference only)."""
     if tp.group is None:
         return tensor
-    parts = [torch.empty_like(tensor, memory_format=torch.contiguous_format) for _ in range(tp.size)]
-    collectives.all_gather(parts, tensor.contiguous(), tp.group)
-    return torch.cat(parts, dim=-1)
+    return torch.cat(collectives.all_gathered(tensor, tp.group), dim=-1)
 
 
 class ColumnParallelLinear(nn.Module):
