@@ -88,12 +88,10 @@ class Batch:
         return self.attention_mask.bool()
 
     def rows(self, start: int, stop: int) -> Batch:
-        mask = None if self.attention_mask is None else self.attention_mask[start:stop]
-        fields = {k: v[start:stop] for k, v in self.fields.items()}
-        return Batch(self.tokens[start:stop], mask, fields, self.first_column)
+        return self.take(slice(start, stop))
 
-    def take(self, index: torch.Tensor) -> Batch:
-        """The rows at `index` (a 1-D long tensor), in its order."""
+    def take(self, index: torch.Tensor | slice) -> Batch:
+        """The rows at `index` (a 1-D long tensor, in its order, or a slice)."""
         mask = None if self.attention_mask is None else self.attention_mask[index]
         fields = {k: v[index] for k, v in self.fields.items()}
         return Batch(self.tokens[index], mask, fields, self.first_column)
@@ -115,6 +113,25 @@ class Batch:
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """RoPE position of every token: how many real tokens precede it (pads get 0)."""
     return (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def run_packed(
+    run: Callable[[torch.Tensor, torch.Tensor, Routes | None], torch.Tensor],
+    inputs: torch.Tensor,
+    positions: torch.Tensor,
+    packing: Packing | None,
+    routes: Routes | None,
+) -> torch.Tensor:
+    """`run(inputs, positions, routes)` on the rows packed by `packing` (None: as they are), its
+    output unpacked; `routes` (`moe.Routes`, the batch's layout) reach it in the layers' order
+    and the experts it chose come back in the batch's layout."""
+    layer_routes = None if routes is None else routes.in_layer_order(packing)
+    if packing is not None:
+        inputs, positions = packing.pack(inputs), packing.pack(positions)
+    output = run(inputs, positions, layer_routes)
+    if routes is not None and layer_routes is not None:
+        routes.record_batch_layout(layer_routes, packing, (int(inputs.shape[0]), int(inputs.shape[1])))
+    return output if packing is None else packing.unpack(output)
 
 
 def rope_inv_freq(model: Model) -> torch.Tensor:
@@ -289,11 +306,10 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
         self.attn = Attention(model, tp, recompute_core=recompute == "selective")
         self.mlp_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
-        self.sparse = model.moe is not None and model.moe.is_sparse(layer)
-        """Whether the MLP is the mixture of experts (`moe.MoEMLP`)."""
+        sparse = model.moe is not None and model.moe.is_sparse(layer)
         self.mlp: MLP | MoEMLP = (
             MoEMLP(model, layer, tp, ep or ExpertParallel.single())
-            if self.sparse
+            if sparse
             else MLP(model, tp, recompute_gate=recompute == "selective")
         )
         self.recompute_all = recompute == "full"
@@ -309,25 +325,15 @@ class Block(nn.Module):
         routes: Routes | None = None,
         dispatch: Dispatch = "all_to_all",
     ) -> torch.Tensor:
-        if self.recompute_all and cache is None and torch.is_grad_enabled():
-            out: torch.Tensor = checkpoint(self._forward, x, rope, plan, None, 0, routes, dispatch, use_reentrant=False)
-            return out
-        return self._forward(x, rope, plan, cache, cache_start, routes, dispatch)
+        def layer(x: torch.Tensor) -> torch.Tensor:
+            x = x + self.attn.forward(self.attn_norm.forward(x), rope, plan, cache, cache_start)
+            if isinstance(self.mlp, MoEMLP):
+                return x + self.mlp.forward(self.mlp_norm.forward(x), routes, dispatch)
+            return x + self.mlp.forward(self.mlp_norm.forward(x))
 
-    def _forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        plan: AttentionPlan,
-        cache: KVStore | None = None,
-        cache_start: int = 0,
-        routes: Routes | None = None,
-        dispatch: Dispatch = "all_to_all",
-    ) -> torch.Tensor:
-        x = x + self.attn.forward(self.attn_norm.forward(x), rope, plan, cache, cache_start)
-        if isinstance(self.mlp, MoEMLP):
-            return x + self.mlp.forward(self.mlp_norm.forward(x), routes, dispatch)
-        return x + self.mlp.forward(self.mlp_norm.forward(x))
+        if self.recompute_all and cache is None and torch.is_grad_enabled():
+            return checkpoint(layer, x, use_reentrant=False)
+        return layer(x)
 
 
 class DecoderPipelineStage(nn.Module):
@@ -420,16 +426,11 @@ class DecoderPipelineStage(nn.Module):
             plan = AttentionPlan(bias=bias, packing=Packing.of(key_mask))
         else:
             plan = AttentionPlan(decode_mask=attention_mask_4d(key_mask, num_queries))
-        packing = plan.packing
-        layer_routes = None if routes is None else routes.in_layer_order(packing)
-        if packing is not None:
-            inputs, positions = packing.pack(inputs), packing.pack(positions)
-        output = self._layers_and_head(
-            inputs, positions, plan, caches, cache_start, hidden_only, layer_routes, dispatch
-        )
-        if routes is not None and layer_routes is not None:
-            routes.record_batch_layout(layer_routes, packing, (int(inputs.shape[0]), num_queries))
-        output = output if packing is None else packing.unpack(output)
+
+        def layers(x: torch.Tensor, positions: torch.Tensor, layer_routes: Routes | None) -> torch.Tensor:
+            return self._layers_and_head(x, positions, plan, caches, cache_start, hidden_only, layer_routes, dispatch)
+
+        output = run_packed(layers, inputs, positions, plan.packing, routes)
         return output if reduce is None or not self.is_last else reduce(output)
 
     def _layers_and_head(
@@ -454,8 +455,7 @@ class DecoderPipelineStage(nn.Module):
         if hidden_only:
             return x
         if self.head == "value":
-            values: torch.Tensor = self.value_head(x).squeeze(-1)
-            return values
+            return self.value_head(x).squeeze(-1)
         if hasattr(self, "lm_head"):
             return self.lm_head.forward(x)
         return F.linear(replicated(x, self.tp.group), self.embed.weight)
@@ -474,8 +474,7 @@ class DecoderPipelineStage(nn.Module):
         return chunked_head.token_entropy(hidden, self.head_shard(), self.logit_chunk_tokens)
 
     def new_caches(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> dict[int, LayerCache]:
-        local_kv = max(1, self.model.num_kv_heads // self.tp.size)
-        shape = (batch, local_kv, capacity, self.model.head_dim)
+        shape = (batch, max(1, self.model.num_kv_heads // self.tp.size), capacity, self.model.head_dim)
         return {
             i: LayerCache(
                 torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
@@ -504,8 +503,7 @@ class ReferenceModel(nn.Module):
 
     def _optional(self, name: str) -> torch.Tensor | None:
         """A parameter the model may lack (biases, the untied LM head)."""
-        weight: torch.Tensor | None = self.weights.get(name.replace(".", "__"))
-        return weight
+        return self.weights.get(name.replace(".", "__"))
 
     def _attention(self, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Causal attention of layer `i` over packed rows."""
@@ -530,15 +528,7 @@ class ReferenceModel(nn.Module):
         `routes`: the MoE layers' replayed and chosen experts (`moe.Routes`), [b, t, k] per layer."""
         check_positions(self.model, tokens.shape[1])
         mask = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        positions = positions_from_mask(mask)
-        packing = Packing.of(mask)
-        layer_routes = None if routes is None else routes.in_layer_order(packing)
-        if packing is not None:
-            tokens, positions = packing.pack(tokens), packing.pack(positions)
-        output = self._packed_forward(tokens, positions, layer_routes)
-        if routes is not None and layer_routes is not None:
-            routes.record_batch_layout(layer_routes, packing, (int(tokens.shape[0]), int(tokens.shape[1])))
-        return output if packing is None else packing.unpack(output)
+        return run_packed(self._packed_forward, tokens, positions_from_mask(mask), Packing.of(mask), routes)
 
     def _moe(self, i: int, h: torch.Tensor, routes: Routes | None) -> torch.Tensor:
         """Sparse layer `i`'s MLP, plainly: every expert on the tokens routed to it."""
