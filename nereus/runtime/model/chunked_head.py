@@ -53,30 +53,25 @@ class HeadShard:
 
 def token_log_probs(hidden: torch.Tensor, targets: torch.Tensor, shard: HeadShard, chunk_tokens: int) -> torch.Tensor:
     """[...] fp32 log p(target) per token from the final hidden states [..., hidden]."""
-    log_probs, _ = _run(hidden, targets, shard, chunk_tokens, entropy=False)
-    assert log_probs is not None
-    return log_probs
+    return _run(hidden, targets, shard, chunk_tokens, entropy=False)[0]
 
 
 def token_entropy(hidden: torch.Tensor, shard: HeadShard, chunk_tokens: int) -> torch.Tensor:
     """[...] fp32 entropy of the softmax over the whole vocabulary per token."""
-    _, entropy = _run(hidden, None, shard, chunk_tokens, entropy=True)
-    assert entropy is not None
-    return entropy
+    return _run(hidden, None, shard, chunk_tokens, entropy=True)[1]
 
 
 def token_log_probs_and_entropy(
     hidden: torch.Tensor, targets: torch.Tensor, shard: HeadShard, chunk_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both, from one pass over the chunks (one matmul per chunk each way instead of two)."""
-    log_probs, entropy = _run(hidden, targets, shard, chunk_tokens, entropy=True)
-    assert log_probs is not None and entropy is not None
-    return log_probs, entropy
+    return _run(hidden, targets, shard, chunk_tokens, entropy=True)
 
 
 def _run(
     hidden: torch.Tensor, targets: torch.Tensor | None, shard: HeadShard, chunk_tokens: int, entropy: bool
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropies) per token of `hidden` [..., hidden]; one not asked for is empty."""
     if chunk_tokens < 1:
         raise ValueError(f"logit_chunk_tokens must be a positive token count, not {chunk_tokens}")
     leading = hidden.shape[:-1]
@@ -92,16 +87,9 @@ def _run(
         chunk_tokens,
         entropy,
     )
-    return (
-        None if targets is None else log_probs.view(leading),
-        entropies.view(leading) if entropy else None,
-    )
-
-
-def _shifted_logits(hidden: torch.Tensor, weight: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
-    """A chunk's fp32 logit columns less each row's maximum (in place on the fp32 copy)."""
-    logits = F.linear(hidden, weight).float()
-    return logits.sub_(row_max.unsqueeze(-1))
+    if targets is not None:
+        log_probs = log_probs.view(leading)
+    return log_probs, entropies.view(leading) if entropy else entropies
 
 
 def _local_targets(targets: torch.Tensor, vocab_start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +173,7 @@ class _ChunkedHead(torch.autograd.Function):
         for start in range(0, tokens, chunk):
             stop = min(tokens, start + chunk)
             part = hidden[start:stop]
-            shifted = _shifted_logits(part, weight, row_max[start:stop])
+            shifted = F.linear(part, weight).float().sub_(row_max[start:stop].unsqueeze(-1))  # z - m
             if g_ent is None:  # dz = g_lp (onehot - p): p made in place
                 grad = shifted.sub_(log_sum[start:stop].unsqueeze(-1)).exp_()
                 assert g_lp is not None
