@@ -362,20 +362,3 @@ def activation_peak(timings: Sequence[OpTiming], schedule: Schedule, node: int) 
     return ActivationPeak(
         max(counts, default=0), max(held, default=0.0), max((t.saved_bytes for t in timings), default=0)
     )
-
-
-__all__ = [
-    "ActivationPeak",
-    "FusedPart",
-    "OpTiming",
-    "OrderedSends",
-    "SavedBytes",
-    "activation_peak",
-    "check_fused_schedule",
-    "fused_forward_backward",
-    "fused_train_step",
-    "message_orders",
-    "run_node",
-    "schedule_node_ops",
-    "schedule_peaks",
-]
