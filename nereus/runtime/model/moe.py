@@ -190,19 +190,15 @@ class Experts(nn.Module):
     def partial(self, rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
         """This tensor rank's partial expert outputs [n, hidden] of rows [n, hidden], row i going
         to local expert `local_expert[i]` (rows sorted by expert)."""
-        out = rows.new_zeros((0, self.down_proj.shape[1]))
         counts = torch.bincount(local_expert, minlength=self.local_experts).tolist()
-        start = 0
-        pieces = []
+        pieces, start = [], 0
         for j, count in enumerate(counts):
-            if count == 0:
-                continue
-            x = rows[start : start + count]
-            gate = F.linear(x, self.gate_proj[j])
-            up = F.linear(x, self.up_proj[j])
-            pieces.append(F.linear(activate(gate, self.activation) * up, self.down_proj[j]))
-            start += count
-        out = torch.cat(pieces, dim=0) if pieces else out
+            if count:
+                x = rows[start : start + count]
+                gate, up = F.linear(x, self.gate_proj[j]), F.linear(x, self.up_proj[j])
+                pieces.append(F.linear(activate(gate, self.activation) * up, self.down_proj[j]))
+                start += count
+        out = torch.cat(pieces, dim=0) if pieces else rows.new_zeros((0, self.down_proj.shape[1]))
         unused = [j for j, count in enumerate(counts) if count == 0]
         if unused and torch.is_grad_enabled():  # every parameter gets a gradient (zero for an idle expert)
             idle = torch.tensor(unused, device=rows.device)

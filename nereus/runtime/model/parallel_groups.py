@@ -66,32 +66,28 @@ def build_groups(
     coords = layout.coords(rank)
     mine: dict[str, Any] = {}
 
-    def make(kind: str, ranks: list[int]) -> None:
-        group = collectives.subgroup(ranks)
-        if rank in ranks:
-            mine[kind] = group
+    def make(kind: str, lines: list[list[int]]) -> None:
+        for ranks in lines:
+            group = collectives.subgroup(ranks)
+            if rank in ranks:
+                mine[kind] = group
 
     for tp_ranks in _along(layout, "tp"):
-        make("tp", tp_ranks)
+        make("tp", [tp_ranks])
         if tp > model.num_kv_heads:
             copies = tp // model.num_kv_heads
-            for kv_head in range(model.num_kv_heads):
-                make("kv", tp_ranks[kv_head * copies : (kv_head + 1) * copies])
+            make("kv", [tp_ranks[kv_head * copies : (kv_head + 1) * copies] for kv_head in range(model.num_kv_heads)])
     for stage_ranks in _along(layout, "pp"):
-        make("pp", stage_ranks)
+        make("pp", [stage_ranks])
         if head == "lm" and model.tied_embeddings and pp > 1:
-            make("embed", [stage_ranks[0], stage_ranks[-1]])
-    for ranks in _along(layout, "dp"):
-        make("dp", ranks)
+            make("embed", [[stage_ranks[0], stage_ranks[-1]]])
+    make("dp", _along(layout, "dp"))
     if cp > 1:
-        for ranks in _along(layout, "cp"):
-            make("cp", ranks)
+        make("cp", _along(layout, "cp"))
         if dp > 1:
-            for ranks in _along(layout, "dp", "cp"):
-                make("shard", ranks)
+            make("shard", _along(layout, "dp", "cp"))
     if ep > 1:
-        for ranks in _along(layout, "ep"):
-            make("ep", ranks)
+        make("ep", _along(layout, "ep"))
     if coords is None:
         return None
     replica, stage, tp_rank = coords
