@@ -37,6 +37,7 @@ import torch
 from torch.nn import functional as F
 
 from nereus.runtime.comm import collectives
+from nereus.runtime.model.tensor_parallel import local_ids
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,6 @@ def _run(
     return log_probs, entropies.view(leading) if entropy else entropies
 
 
-def _local_targets(targets: torch.Tensor, vocab_start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Targets as indices into this rank's columns (0 where outside), and where they are outside."""
-    local = targets - vocab_start
-    outside = (local < 0) | (local >= rows)
-    return local.masked_fill(outside, 0), outside
-
-
 def _sum_over_ranks(tensor: torch.Tensor, group: Any, op: collectives.Op = "sum") -> None:
     if group is not None:
         collectives.all_reduce(tensor, group, op=op)
@@ -131,7 +125,7 @@ class _ChunkedHead(torch.autograd.Function):
             row_max[start:stop] = peak
             shifted = logits.sub_(peak.unsqueeze(-1))
             if targets is not None:
-                local, outside = _local_targets(targets[start:stop], vocab_start, rows)
+                local, outside = local_ids(targets[start:stop], vocab_start, rows)
                 picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1)
                 stats[1, start:stop] = picked.masked_fill(outside, 0.0)
             if entropy:  # sum exp(z) z as a row-by-row dot product: no third chunk-sized tensor
@@ -187,7 +181,7 @@ class _ChunkedHead(torch.autograd.Function):
                 grad.mul_(factor).neg_()
                 del factor
             if g_lp is not None:
-                local, outside = _local_targets(targets[start:stop], ctx.vocab_start, rows)
+                local, outside = local_ids(targets[start:stop], ctx.vocab_start, rows)
                 hit = g_lp[start:stop].float().masked_fill(outside, 0.0)
                 grad.scatter_add_(-1, local.unsqueeze(-1), hit.unsqueeze(-1))
             del shifted

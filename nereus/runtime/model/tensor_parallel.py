@@ -110,6 +110,14 @@ def summed(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     return tensor if group is None else _Summed.apply(tensor, group)
 
 
+def local_ids(ids: torch.Tensor, vocab_start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vocabulary ids as indices into the `rows` rows from `vocab_start` that a tensor rank holds
+    (0 where outside them), and where they are outside."""
+    local = ids - vocab_start
+    outside = (local < 0) | (local >= rows)
+    return local.masked_fill(outside, 0), outside
+
+
 def gather_last_dim(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
     """Concatenate the tensor ranks' slices along the last dim (no gradient; inference only)."""
     if tp.group is None:
@@ -168,7 +176,6 @@ class VocabParallelEmbedding(nn.Module):
         if group is None:
             return F.embedding(tokens, self.weight)
         rows = self.weight.shape[0]
-        local = tokens - self.tp.rank * rows
-        outside = (local < 0) | (local >= rows)
-        embedded = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        local, outside = local_ids(tokens, self.tp.rank * rows, rows)
+        embedded = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return summed(embedded, group)
