@@ -52,6 +52,7 @@ sharding split their rows over those same dp x cp ranks (torchtitan's dp_shard x
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -283,11 +284,7 @@ class _PreviousColumns(torch.autograd.Function):
 
 def _run_offsets(split: SequenceSplit, rank: int) -> list[int]:
     """Where each of `rank`'s runs starts among its held columns."""
-    offsets, at = [], 0
-    for start, stop in split.runs[rank]:
-        offsets.append(at)
-        at += stop - start
-    return offsets
+    return list(itertools.accumulate((stop - start for start, stop in split.runs[rank][:-1]), initial=0))
 
 
 def _run_ends(split: SequenceSplit, rank: int) -> list[int]:
