@@ -294,23 +294,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(
-        self,
-        model: Model,
-        tp: TensorParallel,
-        recompute: Recompute = "none",
-        layer: int = 0,
-        ep: ExpertParallel | None = None,
-    ):
+    def __init__(self, model: Model, tp: TensorParallel, recompute: Recompute, layer: int, ep: ExpertParallel):
         super().__init__()
         self.attn_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
         self.attn = Attention(model, tp, recompute_core=recompute == "selective")
         self.mlp_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
         sparse = model.moe is not None and model.moe.is_sparse(layer)
         self.mlp: MLP | MoEMLP = (
-            MoEMLP(model, layer, tp, ep or ExpertParallel.single())
-            if sparse
-            else MLP(model, tp, recompute_gate=recompute == "selective")
+            MoEMLP(model, layer, tp, ep) if sparse else MLP(model, tp, recompute_gate=recompute == "selective")
         )
         self.recompute_all = recompute == "full"
         """Full recompute: the layer keeps only its input and reruns its forward in the backward."""
