@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -206,6 +206,14 @@ class RMSNorm(nn.Module):
 Recompute = Literal["none", "full", "selective"]
 
 
+def _checkpointed(recompute: bool, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """`fn(*args)`, under autograd with `recompute` by torch's non-reentrant checkpoint: nothing
+    `fn` computes is kept, its backward reruns it."""
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
 def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """Scores, softmax and the weighted sum of the values: [b, t, heads * d]."""
     if plan.split is not None:
@@ -260,11 +268,7 @@ class Attention(nn.Module):
             context = cache.extend(new_keys, new_values, cache_start)
             if plan.decode_mask is not None:
                 k, v = context
-        if self.recompute_core and torch.is_grad_enabled():
-            core = checkpoint(_attention_core, q, k, v, plan, use_reentrant=False)
-        else:
-            core = _attention_core(q, k, v, plan)
-        return self.o_proj.forward(core)
+        return self.o_proj.forward(_checkpointed(self.recompute_core, _attention_core, q, k, v, plan))
 
 
 def _gated(gate: torch.Tensor, up: torch.Tensor, activation: Activation) -> torch.Tensor:
@@ -286,11 +290,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = replicated(x, self.gate_proj.tp.group)  # one all-reduce of the input gradient for gate and up
         gate, up = self.gate_proj.on_replicated(x), self.up_proj.on_replicated(x)
-        if self.recompute_gate and torch.is_grad_enabled():
-            gated: torch.Tensor = checkpoint(_gated, gate, up, self.activation, use_reentrant=False)
-        else:
-            gated = _gated(gate, up, self.activation)
-        return self.down_proj.forward(gated)
+        return self.down_proj.forward(_checkpointed(self.recompute_gate, _gated, gate, up, self.activation))
 
 
 class Block(nn.Module):
@@ -322,9 +322,7 @@ class Block(nn.Module):
                 return x + self.mlp.forward(self.mlp_norm.forward(x), routes, dispatch)
             return x + self.mlp.forward(self.mlp_norm.forward(x))
 
-        if self.recompute_all and cache is None and torch.is_grad_enabled():
-            return checkpoint(layer, x, use_reentrant=False)
-        return layer(x)
+        return _checkpointed(self.recompute_all and cache is None, layer, x)
 
 
 class DecoderPipelineStage(nn.Module):
