@@ -156,11 +156,10 @@ class _ChunkedHead(torch.autograd.Function):
         ctx: Any, grad_log_probs: torch.Tensor | None, grad_entropies: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
         hidden, weight, targets, row_max, log_sum, mean_shifted = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_lp = grad_log_probs if ctx.has_targets and grad_log_probs is not None else None
         g_ent = grad_entropies if ctx.entropy and grad_entropies is not None else None
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         if g_lp is None and g_ent is None:
             return grad_hidden, grad_weight, None, None, None, None, None
         tokens, rows, chunk = hidden.shape[0], weight.shape[0], ctx.chunk_tokens
