@@ -289,8 +289,7 @@ def _run_offsets(split: SequenceSplit, rank: int) -> list[int]:
 
 def _run_ends(split: SequenceSplit, rank: int) -> list[int]:
     """The held-column index of the last column of each of `rank`'s runs."""
-    runs = split.runs[rank]
-    return [offset + stop - start - 1 for (start, stop), offset in zip(runs, _run_offsets(split, rank), strict=True)]
+    return [end - 1 for end in itertools.accumulate(stop - start for start, stop in split.runs[rank])]
 
 
 def _run_owners(split: SequenceSplit) -> dict[int, tuple[int, int]]:
