@@ -115,7 +115,7 @@ def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
-def run_packed(
+def _run_packed(
     run: Callable[[torch.Tensor, torch.Tensor, Routes | None], torch.Tensor],
     inputs: torch.Tensor,
     positions: torch.Tensor,
@@ -419,7 +419,7 @@ class DecoderPipelineStage(nn.Module):
         def layers(x: torch.Tensor, positions: torch.Tensor, layer_routes: Routes | None) -> torch.Tensor:
             return self._layers_and_head(x, positions, plan, caches, cache_start, hidden_only, layer_routes, dispatch)
 
-        output = run_packed(layers, inputs, positions, plan.packing, routes)
+        output = _run_packed(layers, inputs, positions, plan.packing, routes)
         return output if reduce is None or not self.is_last else reduce(output)
 
     def _layers_and_head(
@@ -517,7 +517,7 @@ class ReferenceModel(nn.Module):
         `routes`: the MoE layers' replayed and chosen experts (`moe.Routes`), [b, t, k] per layer."""
         check_positions(self.model, tokens.shape[1])
         mask = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        return run_packed(self._packed_forward, tokens, positions_from_mask(mask), Packing.of(mask), routes)
+        return _run_packed(self._packed_forward, tokens, positions_from_mask(mask), Packing.of(mask), routes)
 
     def _moe(self, i: int, h: torch.Tensor, routes: Routes | None) -> torch.Tensor:
         """Sparse layer `i`'s MLP, plainly: every expert on the tokens routed to it."""
