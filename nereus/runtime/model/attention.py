@@ -79,8 +79,7 @@ def _permute_columns(x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor
     output, so a saved input per call would keep four tensors per layer that nothing else holds."""
     if not (torch.is_grad_enabled() and x.requires_grad):
         return _gather_columns(x, index, dim)
-    result: torch.Tensor = _PermuteColumns.apply(x, index, inverse, dim)
-    return result
+    return _PermuteColumns.apply(x, index, inverse, dim)
 
 
 class _PermuteColumns(torch.autograd.Function):
@@ -131,10 +130,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     causal when `mask` is None."""
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     gqa = q.shape[1] != k.shape[1]
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
     return out.transpose(1, 2).flatten(2)
 
 

@@ -37,6 +37,7 @@ import torch
 from torch.nn import functional as F
 
 from nereus.runtime.comm import collectives
+from nereus.runtime.model.tensor_parallel import local_ids
 
 
 @dataclass(frozen=True)
@@ -53,30 +54,25 @@ class HeadShard:
 
 def token_log_probs(hidden: torch.Tensor, targets: torch.Tensor, shard: HeadShard, chunk_tokens: int) -> torch.Tensor:
     """[...] fp32 log p(target) per token from the final hidden states [..., hidden]."""
-    log_probs, _ = _run(hidden, targets, shard, chunk_tokens, entropy=False)
-    assert log_probs is not None
-    return log_probs
+    return _run(hidden, targets, shard, chunk_tokens, entropy=False)[0]
 
 
 def token_entropy(hidden: torch.Tensor, shard: HeadShard, chunk_tokens: int) -> torch.Tensor:
     """[...] fp32 entropy of the softmax over the whole vocabulary per token."""
-    _, entropy = _run(hidden, None, shard, chunk_tokens, entropy=True)
-    assert entropy is not None
-    return entropy
+    return _run(hidden, None, shard, chunk_tokens, entropy=True)[1]
 
 
 def token_log_probs_and_entropy(
     hidden: torch.Tensor, targets: torch.Tensor, shard: HeadShard, chunk_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Both, from one pass over the chunks (one matmul per chunk each way instead of two)."""
-    log_probs, entropy = _run(hidden, targets, shard, chunk_tokens, entropy=True)
-    assert log_probs is not None and entropy is not None
-    return log_probs, entropy
+    return _run(hidden, targets, shard, chunk_tokens, entropy=True)
 
 
 def _run(
     hidden: torch.Tensor, targets: torch.Tensor | None, shard: HeadShard, chunk_tokens: int, entropy: bool
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropies) per token of `hidden` [..., hidden]; one not asked for is empty."""
     if chunk_tokens < 1:
         raise ValueError(f"logit_chunk_tokens must be a positive token count, not {chunk_tokens}")
     leading = hidden.shape[:-1]
@@ -92,23 +88,9 @@ def _run(
         chunk_tokens,
         entropy,
     )
-    return (
-        None if targets is None else log_probs.view(leading),
-        entropies.view(leading) if entropy else None,
-    )
-
-
-def _shifted_logits(hidden: torch.Tensor, weight: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
-    """A chunk's fp32 logit columns less each row's maximum (in place on the fp32 copy)."""
-    logits = F.linear(hidden, weight).float()
-    return logits.sub_(row_max.unsqueeze(-1))
-
-
-def _local_targets(targets: torch.Tensor, vocab_start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Targets as indices into this rank's columns (0 where outside), and where they are outside."""
-    local = targets - vocab_start
-    outside = (local < 0) | (local >= rows)
-    return local.masked_fill(outside, 0), outside
+    if targets is not None:
+        log_probs = log_probs.view(leading)
+    return log_probs, entropies.view(leading) if entropy else entropies
 
 
 def _sum_over_ranks(tensor: torch.Tensor, group: Any, op: collectives.Op = "sum") -> None:
@@ -143,7 +125,7 @@ class _ChunkedHead(torch.autograd.Function):
             row_max[start:stop] = peak
             shifted = logits.sub_(peak.unsqueeze(-1))
             if targets is not None:
-                local, outside = _local_targets(targets[start:stop], vocab_start, rows)
+                local, outside = local_ids(targets[start:stop], vocab_start, rows)
                 picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1)
                 stats[1, start:stop] = picked.masked_fill(outside, 0.0)
             if entropy:  # sum exp(z) z as a row-by-row dot product: no third chunk-sized tensor
@@ -174,18 +156,17 @@ class _ChunkedHead(torch.autograd.Function):
         ctx: Any, grad_log_probs: torch.Tensor | None, grad_entropies: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
         hidden, weight, targets, row_max, log_sum, mean_shifted = ctx.saved_tensors
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g_lp = grad_log_probs if ctx.has_targets and grad_log_probs is not None else None
         g_ent = grad_entropies if ctx.entropy and grad_entropies is not None else None
-        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         if g_lp is None and g_ent is None:
             return grad_hidden, grad_weight, None, None, None, None, None
         tokens, rows, chunk = hidden.shape[0], weight.shape[0], ctx.chunk_tokens
         for start in range(0, tokens, chunk):
             stop = min(tokens, start + chunk)
             part = hidden[start:stop]
-            shifted = _shifted_logits(part, weight, row_max[start:stop])
+            shifted = F.linear(part, weight).float().sub_(row_max[start:stop].unsqueeze(-1))  # z - m
             if g_ent is None:  # dz = g_lp (onehot - p): p made in place
                 grad = shifted.sub_(log_sum[start:stop].unsqueeze(-1)).exp_()
                 assert g_lp is not None
@@ -199,7 +180,7 @@ class _ChunkedHead(torch.autograd.Function):
                 grad.mul_(factor).neg_()
                 del factor
             if g_lp is not None:
-                local, outside = _local_targets(targets[start:stop], ctx.vocab_start, rows)
+                local, outside = local_ids(targets[start:stop], ctx.vocab_start, rows)
                 hit = g_lp[start:stop].float().masked_fill(outside, 0.0)
                 grad.scatter_add_(-1, local.unsqueeze(-1), hit.unsqueeze(-1))
             del shifted

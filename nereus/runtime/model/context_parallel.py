@@ -10,9 +10,9 @@ under Ulysses the contiguous run `spans(seq)[c]`, under the all-gather method th
 runs on those columns alone (tokens and positions taken at them): the embedding, the norms,
 the projections, the MLP and the head. Attention needs every key: around its core
 (scores, softmax, weighted values) an all-to-all turns q, k and v from [b, columns of this
-rank, heads, d] into [b, every column, heads / cp, d] (`_SequenceToHeads`), the core runs
+rank, heads, d] into [b, every column, heads / cp, d] (`_sequence_to_heads`), the core runs
 on whole sequences with this rank's share of the heads, and the reverse all-to-all
-(`_HeadsToSequence`) brings the output back to this rank's columns with every head. Each is
+(`_heads_to_sequence`) brings the output back to this rank's columns with every head. Each is
 the other's backward, so the autograd graph is exact. When the KV heads (after tp) do not
 split over cp, each query head's KV head is repeated first (GQA run as multi-head attention
 inside the core: same numbers, more bytes moved).
@@ -52,6 +52,7 @@ sharding split their rows over those same dp x cp ranks (torchtitan's dp_shard x
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,7 @@ import torch
 
 from nereus.runtime.comm import collectives
 from nereus.runtime.model.attention import Packing, grouped_attention
+from nereus.runtime.model.tensor_parallel import GroupPlace
 from nereus.runtime.model.transformer import Batch, positions_from_mask
 from nereus.runtime.state.sharded_state import even_split
 from nereus.spec.plan import CpMethod
@@ -70,22 +72,13 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class ContextParallel:
-    """This rank's place among the cp ranks of its (replica, stage, tensor rank)."""
+class ContextParallel(GroupPlace):
+    """This rank's place among the cp ranks of its (replica, stage, tensor rank), which split
+    each sequence: it holds the rank-th run of columns."""
 
-    size: int
-    """cp ranks splitting each sequence."""
-    rank: int
-    """This rank's index among them: it holds the rank-th run of columns."""
-    group: Any = None
-    """The torch process group of the cp ranks (None when size is 1)."""
     method: CpMethod = "ulysses"
     """How attention sees the whole sequence (`StagePlan.cp_method`): `ulysses` (all-to-all of
     heads) or `allgather` (every rank gathers the keys and values of every column)."""
-
-    @classmethod
-    def single(cls) -> ContextParallel:
-        return cls(size=1, rank=0)
 
     def spans(self, seq: int) -> list[tuple[int, int]]:
         """(start, stop) of every cp rank's columns of a `seq`-column batch."""
@@ -160,15 +153,14 @@ class SequenceSplit:
         heads, kv_heads = q.shape[2], k.shape[2]
         if kv_heads % self.cp.size:  # whole KV heads cannot be dealt out: one per query head
             k, v = (t.repeat_interleave(heads // kv_heads, dim=2) for t in (k, v))
-        q, k, v = (_SequenceToHeads.apply(t, self) for t in (q, k, v))
+        q, k, v = (_AllToAllHeads.apply(t, self, True) for t in (q, k, v))
         if self.packing is not None:
             q, k, v = self.packing.pack(q), self.packing.pack(k), self.packing.pack(v)
         out = grouped_attention(q, k, v, None)
         if self.packing is not None:
             out = self.packing.unpack(out)
         out = out.view(*out.shape[:2], heads // self.cp.size, -1)
-        result: torch.Tensor = _HeadsToSequence.apply(out, self)
-        return result.flatten(2)
+        return _AllToAllHeads.apply(out, self, False).flatten(2)
 
     def _allgather_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """This rank's queries against every column's keys and values (all-gathered), masked by
@@ -211,30 +203,18 @@ def _heads_to_sequence(y: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
     return received.view(cp.size, batch, cols, share, dim).permute(1, 2, 0, 3, 4).reshape(batch, cols, -1, dim)
 
 
-class _SequenceToHeads(torch.autograd.Function):
-    """`_sequence_to_heads` forward, `_heads_to_sequence` backward."""
+class _AllToAllHeads(torch.autograd.Function):
+    """`_sequence_to_heads` forward and `_heads_to_sequence` backward (`to_heads`), or the reverse."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
-        ctx.split = split
-        return _sequence_to_heads(x, split)
+    def forward(ctx: Any, x: torch.Tensor, split: SequenceSplit, to_heads: bool) -> torch.Tensor:
+        ctx.split, ctx.to_heads = split, to_heads
+        return _sequence_to_heads(x, split) if to_heads else _heads_to_sequence(x, split)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _heads_to_sequence(grad.contiguous(), ctx.split), None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    """`_heads_to_sequence` forward, `_sequence_to_heads` backward."""
-
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, split: SequenceSplit) -> torch.Tensor:
-        ctx.split = split
-        return _heads_to_sequence(y, split)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _sequence_to_heads(grad.contiguous(), ctx.split), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        undo = _heads_to_sequence if ctx.to_heads else _sequence_to_heads
+        return undo(grad.contiguous(), ctx.split), None, None
 
 
 class _GatherColumns(torch.autograd.Function):
@@ -272,7 +252,7 @@ class _PreviousColumns(torch.autograd.Function):
         # [b, runs, ...] per rank
         lasts = collectives.all_gathered(x[:, _run_ends(split, split.cp.rank)], split.cp.group)
         pieces = []
-        for (start, stop), offset in zip(split.runs[split.cp.rank], _run_offsets(split), strict=True):
+        for (start, stop), offset in zip(split.runs[split.cp.rank], _run_offsets(split, split.cp.rank), strict=True):
             if start > 0:
                 rank, run = owners[start - 1]
                 pieces.append(lasts[rank][:, run : run + 1])
@@ -302,19 +282,14 @@ class _PreviousColumns(torch.autograd.Function):
         return result, None
 
 
-def _run_offsets(split: SequenceSplit, rank: int | None = None) -> list[int]:
+def _run_offsets(split: SequenceSplit, rank: int) -> list[int]:
     """Where each of `rank`'s runs starts among its held columns."""
-    offsets, at = [], 0
-    for start, stop in split.runs[split.cp.rank if rank is None else rank]:
-        offsets.append(at)
-        at += stop - start
-    return offsets
+    return list(itertools.accumulate((stop - start for start, stop in split.runs[rank][:-1]), initial=0))
 
 
 def _run_ends(split: SequenceSplit, rank: int) -> list[int]:
     """The held-column index of the last column of each of `rank`'s runs."""
-    runs = split.runs[rank]
-    return [offset + stop - start - 1 for (start, stop), offset in zip(runs, _run_offsets(split, rank), strict=True)]
+    return [end - 1 for end in itertools.accumulate(stop - start for start, stop in split.runs[rank])]
 
 
 def _run_owners(split: SequenceSplit) -> dict[int, tuple[int, int]]:
@@ -340,8 +315,7 @@ def stage_forward(
     split = cp.split(mask)
     positions = positions_from_mask(mask)[:, split.held]
     tokens = part.tokens[:, split.held.cpu()].to(device)
-    output: torch.Tensor = stage(tokens, mask, positions, split=split, reduce=reduce)
-    return output
+    return stage(tokens, mask, positions, split=split, reduce=reduce)
 
 
 def chunk_loss(

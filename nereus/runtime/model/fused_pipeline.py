@@ -253,32 +253,24 @@ def _unpack(packed: Any) -> torch.Tensor:
     return packed.tensor if isinstance(packed, _Saved) else packed
 
 
-class FusedExecutor:
-    """Runs one rank's interleaved ops of several pipelines (one `PipelineLane` per model)."""
-
-    def __init__(self, lanes: dict[str, PipelineLane], sends: Sends, saved: SavedBytes | None = None):
-        self.lanes = lanes
-        self.sends = sends
-        self.saved = saved or SavedBytes()
-
-    def run(self, ops: Sequence[StageOp]) -> list[OpTiming]:
-        """Run `ops` in order, then wait for every send; each op's timing and what the rank
-        holds after it."""
-        rank = dist.get_rank()
-        timings = []
-        with self.saved.hooks():
-            for model, stage, op in ops:
-                lane = self.lanes[model]
-                assert lane.link.pp_rank == stage, (model, stage, lane.link.pp_rank)
-                start = time.perf_counter()
-                ready = lane.run_op(op, self.sends)
-                end = time.perf_counter()
-                live = tuple((name, len(other.saved)) for name, other in self.lanes.items())
-                timings.append(
-                    OpTiming(rank, model, op.kind, op.microbatch, stage, start, ready, end, 0, live, self.saved.bytes)
-                )
-        self.sends.wait()
-        return timings
+def run_node(ops: Sequence[StageOp], lanes: dict[str, PipelineLane], sends: Sends, saved: SavedBytes) -> list[OpTiming]:
+    """Run one rank's interleaved `ops` of several pipelines (one `PipelineLane` per model) in
+    order, then wait for every send; each op's timing and what the rank holds after it."""
+    rank = dist.get_rank()
+    timings = []
+    with saved.hooks():
+        for model, stage, op in ops:
+            lane = lanes[model]
+            assert lane.link.pp_rank == stage, (model, stage, lane.link.pp_rank)
+            start = time.perf_counter()
+            ready = lane.run_op(op, sends)
+            end = time.perf_counter()
+            live = tuple((name, len(other.saved)) for name, other in lanes.items())
+            timings.append(
+                OpTiming(rank, model, op.kind, op.microbatch, stage, start, ready, end, 0, live, saved.bytes)
+            )
+    sends.wait()
+    return timings
 
 
 def fused_forward_backward(parts: Sequence[FusedPart], schedule: Schedule) -> tuple[list[float], list[OpTiming]]:
@@ -312,7 +304,7 @@ def fused_forward_backward(parts: Sequence[FusedPart], schedule: Schedule) -> tu
         jobs.append(job)
     _, received = message_orders(schedule, node_ops)
     saved = SavedBytes(param for part in parts for param in part.engine.params.values())
-    timings = FusedExecutor(lanes, OrderedSends(node, received), saved).run(node_ops[node])
+    timings = run_node(node_ops[node], lanes, OrderedSends(node, received), saved)
     losses = [
         part.engine.finish_forward_backward(job, lanes[part.name].outputs)
         for part, job in zip(parts, jobs, strict=True)
@@ -370,20 +362,3 @@ def activation_peak(timings: Sequence[OpTiming], schedule: Schedule, node: int) 
     return ActivationPeak(
         max(counts, default=0), max(held, default=0.0), max((t.saved_bytes for t in timings), default=0)
     )
-
-
-__all__ = [
-    "ActivationPeak",
-    "FusedExecutor",
-    "FusedPart",
-    "OpTiming",
-    "OrderedSends",
-    "SavedBytes",
-    "activation_peak",
-    "check_fused_schedule",
-    "fused_forward_backward",
-    "fused_train_step",
-    "message_orders",
-    "schedule_node_ops",
-    "schedule_peaks",
-]

@@ -37,13 +37,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
 from nereus.runtime.comm import collectives
 from nereus.runtime.model.attention import Packing
-from nereus.runtime.model.tensor_parallel import TensorParallel, replicated, summed
+from nereus.runtime.model.tensor_parallel import GroupPlace, TensorParallel, replicated, summed
 from nereus.spec.model import Activation, Model
 
 #: How tokens reach the ep rank holding their expert (module docstring).
@@ -70,20 +69,10 @@ def routing_mismatch(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> fl
 
 
 @dataclass(frozen=True)
-class ExpertParallel:
-    """This rank's place among the ep ranks of its (stage, tensor rank) position."""
-
-    size: int
-    """ep ranks splitting the experts."""
-    rank: int
-    """This rank's index among them (it holds experts [rank E/size, (rank+1) E/size))."""
-    group: Any = None
-    """The torch process group of the ep ranks (None when size is 1): they meet through plain
-    collectives on it (the all-to-alls, the replicated dispatch's sum), never a DTensor."""
-
-    @classmethod
-    def single(cls) -> ExpertParallel:
-        return cls(size=1, rank=0)
+class ExpertParallel(GroupPlace):
+    """This rank's place among the ep ranks of its (stage, tensor rank) position, which split the
+    experts: it holds experts [rank E/size, (rank+1) E/size). They meet through plain collectives
+    on `group` (the all-to-alls, the replicated dispatch's sum), never a DTensor."""
 
 
 @dataclass
@@ -175,15 +164,9 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _exchange(rows: torch.Tensor, send: list[int], receive: list[int], group: Any) -> torch.Tensor:
+    """`rows` [sum(send), ...] sent `send[r]` rows to ep rank r; the [sum(receive), ...] rows received."""
     out = rows.new_empty((sum(receive), *rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), receive, send, group=group)
-    return out
-
-
-def _exchange_counts(counts: torch.Tensor, group: Any) -> torch.Tensor:
-    """Every ep rank's counts for this rank: [ep] (sent [ep], one count per destination)."""
-    out = torch.empty_like(counts)
-    dist.all_to_all_single(out, counts.contiguous(), group=group)
+    collectives.all_to_all(out, rows, receive, send, group)
     return out
 
 
@@ -207,19 +190,15 @@ class Experts(nn.Module):
     def partial(self, rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
         """This tensor rank's partial expert outputs [n, hidden] of rows [n, hidden], row i going
         to local expert `local_expert[i]` (rows sorted by expert)."""
-        out = rows.new_zeros((0, self.down_proj.shape[1]))
         counts = torch.bincount(local_expert, minlength=self.local_experts).tolist()
-        start = 0
-        pieces = []
+        pieces, start = [], 0
         for j, count in enumerate(counts):
-            if count == 0:
-                continue
-            x = rows[start : start + count]
-            gate = F.linear(x, self.gate_proj[j])
-            up = F.linear(x, self.up_proj[j])
-            pieces.append(F.linear(activate(gate, self.activation) * up, self.down_proj[j]))
-            start += count
-        out = torch.cat(pieces, dim=0) if pieces else out
+            if count:
+                x = rows[start : start + count]
+                gate, up = F.linear(x, self.gate_proj[j]), F.linear(x, self.up_proj[j])
+                pieces.append(F.linear(activate(gate, self.activation) * up, self.down_proj[j]))
+                start += count
+        out = torch.cat(pieces, dim=0) if pieces else rows.new_zeros((0, self.down_proj.shape[1]))
         unused = [j for j, count in enumerate(counts) if count == 0]
         if unused and torch.is_grad_enabled():  # every parameter gets a gradient (zero for an idle expert)
             idle = torch.tensor(unused, device=rows.device)
@@ -250,7 +229,6 @@ class MoEMLP(nn.Module):
         assert moe is not None and moe.is_sparse(layer), layer
         self.layer = layer
         self.top_k = moe.experts_per_token
-        self.num_experts = moe.num_experts
         self.norm_topk_prob = moe.norm_topk_prob
         self.tp = tp
         self.ep = ep
@@ -287,9 +265,8 @@ class MoEMLP(nn.Module):
         """Expert outputs of rows sorted by expert, computed on the ep ranks holding them."""
         local = self.experts.local_experts
         send_counts = torch.bincount(sorted_experts // local, minlength=self.ep.size)
-        receive_counts = _exchange_counts(send_counts, self.ep.group)
-        send, receive = send_counts.tolist(), receive_counts.tolist()
-        group = self.ep.group
+        group, ones = self.ep.group, [1] * self.ep.size
+        send, receive = send_counts.tolist(), _exchange(send_counts, ones, ones, group).tolist()
         arrived = _AllToAll.apply(rows, send, receive, group)
         arrived_experts = _exchange(sorted_experts.unsqueeze(-1), send, receive, group).squeeze(-1)
         # arrived rows come by source rank, each source's sorted by expert: sort them by expert
@@ -297,8 +274,7 @@ class MoEMLP(nn.Module):
         order = torch.argsort(local_expert, stable=True)
         partial = self.experts.partial(arrived[order], local_expert[order])
         done = torch.empty_like(partial).index_copy(0, order, summed(partial, self.tp.group))
-        returned: torch.Tensor = _AllToAll.apply(done, receive, send, group)
-        return returned
+        return _AllToAll.apply(done, receive, send, group)
 
     def _replicated(self, rows: torch.Tensor, sorted_experts: torch.Tensor) -> torch.Tensor:
         """Expert outputs of rows sorted by expert: this rank's experts' rows computed here,

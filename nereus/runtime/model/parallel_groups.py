@@ -4,10 +4,11 @@ collectively by every world rank."""
 
 from __future__ import annotations
 
-import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from nereus.runtime.comm import collectives
@@ -65,34 +66,28 @@ def build_groups(
     coords = layout.coords(rank)
     mine: dict[str, Any] = {}
 
-    def make(kind: str, ranks: list[int]) -> None:
-        group = collectives.subgroup(ranks)
-        if rank in ranks:
-            mine[kind] = group
+    def make(kind: str, lines: list[list[int]]) -> None:
+        for ranks in lines:
+            group = collectives.subgroup(ranks)
+            if rank in ranks:
+                mine[kind] = group
 
     for tp_ranks in _along(layout, "tp"):
-        make("tp", tp_ranks)
+        make("tp", [tp_ranks])
         if tp > model.num_kv_heads:
             copies = tp // model.num_kv_heads
-            for kv_head in range(model.num_kv_heads):
-                make("kv", tp_ranks[kv_head * copies : (kv_head + 1) * copies])
+            make("kv", [tp_ranks[kv_head * copies : (kv_head + 1) * copies] for kv_head in range(model.num_kv_heads)])
     for stage_ranks in _along(layout, "pp"):
-        make("pp", stage_ranks)
+        make("pp", [stage_ranks])
         if head == "lm" and model.tied_embeddings and pp > 1:
-            make("embed", [stage_ranks[0], stage_ranks[-1]])
-    for ranks in _along(layout, "dp"):
-        make("dp", ranks)
+            make("embed", [[stage_ranks[0], stage_ranks[-1]]])
+    make("dp", _along(layout, "dp"))
     if cp > 1:
-        for ranks in _along(layout, "cp"):
-            make("cp", ranks)
+        make("cp", _along(layout, "cp"))
         if dp > 1:
-            for s in range(pp):
-                for e in range(ep):
-                    for r in range(tp):
-                        make("shard", [layout.rank_at(d, s, r, c, e) for d in range(dp) for c in range(cp)])
+            make("shard", _along(layout, "dp", "cp"))
     if ep > 1:
-        for ranks in _along(layout, "ep"):
-            make("ep", ranks)
+        make("ep", _along(layout, "ep"))
     if coords is None:
         return None
     replica, stage, tp_rank = coords
@@ -118,19 +113,12 @@ def build_groups(
 _AXES = ("dp", "pp", "ep", "cp", "tp")
 
 
-def _along(layout: RankLayout, axis: str) -> list[list[int]]:
-    """The ranks along `axis` at every position of the other coordinates (outermost first)."""
-    sizes = {"dp": layout.dp, "pp": layout.pp, "ep": layout.ep, "cp": layout.cp, "tp": layout.tp}
-    others = [name for name in _AXES if name != axis]
-    lines = []
-    for position in itertools.product(*(range(sizes[name]) for name in others)):
-        at = dict(zip(others, position, strict=True))
-        line = []
-        for index in range(sizes[axis]):
-            at[axis] = index
-            line.append(layout.rank_at(at["dp"], at["pp"], at["tp"], at["cp"], at["ep"]))
-        lines.append(line)
-    return lines
+def _along(layout: RankLayout, *axes: str) -> list[list[int]]:
+    """The ranks along `axes` (`_AXES` order) at every position of the other coordinates, outermost first."""
+    grid = torch.tensor(layout.ranks).view(*(getattr(layout, name) for name in _AXES))
+    inner = [_AXES.index(name) for name in axes]
+    outer = [dim for dim in range(len(_AXES)) if dim not in inner]
+    return grid.permute(*outer, *inner).reshape(-1, math.prod(grid.shape[dim] for dim in inner)).tolist()
 
 
 def admissible_layouts(model: Model, max_ranks: int) -> list[tuple[int, int, int]]:

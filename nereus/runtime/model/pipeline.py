@@ -179,12 +179,6 @@ class PipelineLink:
         return self.pp_rank == self.num_stages - 1
 
 
-def _tag(microbatch: int, is_grad: bool, channel: int = 0, num_channels: int = 1) -> int:
-    """A message tag unique per micro-batch, direction and channel (one channel per pipeline
-    sharing the ranks), so two pipelines' messages between the same ranks never match."""
-    return 2 * (microbatch * num_channels + channel) + int(is_grad)
-
-
 #: forward_step(microbatch, input or None on the first stage) -> output (on the last stage:
 #: the scalar loss when training, the head output otherwise).
 ForwardStep = Callable[[int, torch.Tensor | None], torch.Tensor]
@@ -275,7 +269,9 @@ class PipelineLane:
         return ready
 
     def _tag(self, microbatch: int, is_grad: bool) -> int:
-        return _tag(microbatch, is_grad, self.channel, self.num_channels)
+        """A message tag unique per micro-batch, direction and channel (one channel per pipeline
+        sharing the ranks), so two pipelines' messages between the same ranks never match."""
+        return 2 * (microbatch * self.num_channels + self.channel) + int(is_grad)
 
     def _recv(self, shape: tuple[int, ...], src: int | None, tag: int) -> torch.Tensor:
         assert src is not None

@@ -29,7 +29,7 @@ Every function takes a `TensorParallel`; with one tensor rank it is plain single
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -37,24 +37,33 @@ from torch.nn import functional as F
 
 from nereus.runtime.comm import collectives
 
+if TYPE_CHECKING:
+    from typing import Self
+
 
 @dataclass(frozen=True)
-class TensorParallel:
-    """This rank's place in its tensor-parallel group."""
+class GroupPlace:
+    """This rank's place among the ranks of one parallelism (tensor, context or expert)."""
 
     size: int
-    """Tensor ranks in the group."""
+    """Ranks in the group."""
     rank: int
     """This rank's index inside the group."""
     group: Any = None
-    """The torch process group of the tensor ranks (None when size is 1)."""
+    """The torch process group of those ranks (None when size is 1)."""
+
+    @classmethod
+    def single(cls) -> Self:
+        return cls(size=1, rank=0)
+
+
+@dataclass(frozen=True)
+class TensorParallel(GroupPlace):
+    """This rank's place in its tensor-parallel group."""
+
     kv_group: Any = None
     """The process group of the tensor ranks holding the same replicated KV head (None when KV
     heads are split)."""
-
-    @classmethod
-    def single(cls) -> TensorParallel:
-        return cls(size=1, rank=0)
 
 
 def _summed_copy(tensor: torch.Tensor, group: Any) -> torch.Tensor:
@@ -92,19 +101,21 @@ class _Summed(torch.autograd.Function):
 def replicated(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """`tensor` (the same on every rank of `group`), whose gradient is summed over `group`
     (None: no other rank)."""
-    if group is None:
-        return tensor
-    result: torch.Tensor = _Replicated.apply(tensor, group)
-    return result
+    return tensor if group is None else _Replicated.apply(tensor, group)
 
 
 def summed(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """The sum over `group` of every rank's `tensor` (None: no other rank); its gradient
     reaches each rank unchanged."""
-    if group is None:
-        return tensor
-    result: torch.Tensor = _Summed.apply(tensor, group)
-    return result
+    return tensor if group is None else _Summed.apply(tensor, group)
+
+
+def local_ids(ids: torch.Tensor, vocab_start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vocabulary ids as indices into the `rows` rows from `vocab_start` that a tensor rank holds
+    (0 where outside them), and where they are outside."""
+    local = ids - vocab_start
+    outside = (local < 0) | (local >= rows)
+    return local.masked_fill(outside, 0), outside
 
 
 def gather_last_dim(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
@@ -165,7 +176,6 @@ class VocabParallelEmbedding(nn.Module):
         if group is None:
             return F.embedding(tokens, self.weight)
         rows = self.weight.shape[0]
-        local = tokens - self.tp.rank * rows
-        outside = (local < 0) | (local >= rows)
-        embedded = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        local, outside = local_ids(tokens, self.tp.rank * rows, rows)
+        embedded = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return summed(embedded, group)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -88,12 +88,10 @@ class Batch:
         return self.attention_mask.bool()
 
     def rows(self, start: int, stop: int) -> Batch:
-        mask = None if self.attention_mask is None else self.attention_mask[start:stop]
-        fields = {k: v[start:stop] for k, v in self.fields.items()}
-        return Batch(self.tokens[start:stop], mask, fields, self.first_column)
+        return self.take(slice(start, stop))
 
-    def take(self, index: torch.Tensor) -> Batch:
-        """The rows at `index` (a 1-D long tensor), in its order."""
+    def take(self, index: torch.Tensor | slice) -> Batch:
+        """The rows at `index` (a 1-D long tensor, in its order, or a slice)."""
         mask = None if self.attention_mask is None else self.attention_mask[index]
         fields = {k: v[index] for k, v in self.fields.items()}
         return Batch(self.tokens[index], mask, fields, self.first_column)
@@ -115,6 +113,25 @@ class Batch:
 def positions_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """RoPE position of every token: how many real tokens precede it (pads get 0)."""
     return (mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def _run_packed(
+    run: Callable[[torch.Tensor, torch.Tensor, Routes | None], torch.Tensor],
+    inputs: torch.Tensor,
+    positions: torch.Tensor,
+    packing: Packing | None,
+    routes: Routes | None,
+) -> torch.Tensor:
+    """`run(inputs, positions, routes)` on the rows packed by `packing` (None: as they are), its
+    output unpacked; `routes` (`moe.Routes`, the batch's layout) reach it in the layers' order
+    and the experts it chose come back in the batch's layout."""
+    layer_routes = None if routes is None else routes.in_layer_order(packing)
+    if packing is not None:
+        inputs, positions = packing.pack(inputs), packing.pack(positions)
+    output = run(inputs, positions, layer_routes)
+    if routes is not None and layer_routes is not None:
+        routes.record_batch_layout(layer_routes, packing, (int(inputs.shape[0]), int(inputs.shape[1])))
+    return output if packing is None else packing.unpack(output)
 
 
 def rope_inv_freq(model: Model) -> torch.Tensor:
@@ -189,6 +206,14 @@ class RMSNorm(nn.Module):
 Recompute = Literal["none", "full", "selective"]
 
 
+def _checkpointed(recompute: bool, fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """`fn(*args)`, under autograd with `recompute` by torch's non-reentrant checkpoint: nothing
+    `fn` computes is kept, its backward reruns it."""
+    if recompute and torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
 def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
     """Scores, softmax and the weighted sum of the values: [b, t, heads * d]."""
     if plan.split is not None:
@@ -243,11 +268,7 @@ class Attention(nn.Module):
             context = cache.extend(new_keys, new_values, cache_start)
             if plan.decode_mask is not None:
                 k, v = context
-        if self.recompute_core and torch.is_grad_enabled():
-            core = checkpoint(_attention_core, q, k, v, plan, use_reentrant=False)
-        else:
-            core = _attention_core(q, k, v, plan)
-        return self.o_proj.forward(core)
+        return self.o_proj.forward(_checkpointed(self.recompute_core, _attention_core, q, k, v, plan))
 
 
 def _gated(gate: torch.Tensor, up: torch.Tensor, activation: Activation) -> torch.Tensor:
@@ -269,32 +290,18 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = replicated(x, self.gate_proj.tp.group)  # one all-reduce of the input gradient for gate and up
         gate, up = self.gate_proj.on_replicated(x), self.up_proj.on_replicated(x)
-        if self.recompute_gate and torch.is_grad_enabled():
-            gated: torch.Tensor = checkpoint(_gated, gate, up, self.activation, use_reentrant=False)
-        else:
-            gated = _gated(gate, up, self.activation)
-        return self.down_proj.forward(gated)
+        return self.down_proj.forward(_checkpointed(self.recompute_gate, _gated, gate, up, self.activation))
 
 
 class Block(nn.Module):
-    def __init__(
-        self,
-        model: Model,
-        tp: TensorParallel,
-        recompute: Recompute = "none",
-        layer: int = 0,
-        ep: ExpertParallel | None = None,
-    ):
+    def __init__(self, model: Model, tp: TensorParallel, recompute: Recompute, layer: int, ep: ExpertParallel):
         super().__init__()
         self.attn_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
         self.attn = Attention(model, tp, recompute_core=recompute == "selective")
         self.mlp_norm = RMSNorm(model.hidden_dim, model.rms_norm_eps)
-        self.sparse = model.moe is not None and model.moe.is_sparse(layer)
-        """Whether the MLP is the mixture of experts (`moe.MoEMLP`)."""
+        sparse = model.moe is not None and model.moe.is_sparse(layer)
         self.mlp: MLP | MoEMLP = (
-            MoEMLP(model, layer, tp, ep or ExpertParallel.single())
-            if self.sparse
-            else MLP(model, tp, recompute_gate=recompute == "selective")
+            MoEMLP(model, layer, tp, ep) if sparse else MLP(model, tp, recompute_gate=recompute == "selective")
         )
         self.recompute_all = recompute == "full"
         """Full recompute: the layer keeps only its input and reruns its forward in the backward."""
@@ -309,25 +316,13 @@ class Block(nn.Module):
         routes: Routes | None = None,
         dispatch: Dispatch = "all_to_all",
     ) -> torch.Tensor:
-        if self.recompute_all and cache is None and torch.is_grad_enabled():
-            out: torch.Tensor = checkpoint(self._forward, x, rope, plan, None, 0, routes, dispatch, use_reentrant=False)
-            return out
-        return self._forward(x, rope, plan, cache, cache_start, routes, dispatch)
+        def layer(x: torch.Tensor) -> torch.Tensor:
+            x = x + self.attn.forward(self.attn_norm.forward(x), rope, plan, cache, cache_start)
+            if isinstance(self.mlp, MoEMLP):
+                return x + self.mlp.forward(self.mlp_norm.forward(x), routes, dispatch)
+            return x + self.mlp.forward(self.mlp_norm.forward(x))
 
-    def _forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        plan: AttentionPlan,
-        cache: KVStore | None = None,
-        cache_start: int = 0,
-        routes: Routes | None = None,
-        dispatch: Dispatch = "all_to_all",
-    ) -> torch.Tensor:
-        x = x + self.attn.forward(self.attn_norm.forward(x), rope, plan, cache, cache_start)
-        if isinstance(self.mlp, MoEMLP):
-            return x + self.mlp.forward(self.mlp_norm.forward(x), routes, dispatch)
-        return x + self.mlp.forward(self.mlp_norm.forward(x))
+        return _checkpointed(self.recompute_all and cache is None, layer, x)
 
 
 class DecoderPipelineStage(nn.Module):
@@ -420,16 +415,11 @@ class DecoderPipelineStage(nn.Module):
             plan = AttentionPlan(bias=bias, packing=Packing.of(key_mask))
         else:
             plan = AttentionPlan(decode_mask=attention_mask_4d(key_mask, num_queries))
-        packing = plan.packing
-        layer_routes = None if routes is None else routes.in_layer_order(packing)
-        if packing is not None:
-            inputs, positions = packing.pack(inputs), packing.pack(positions)
-        output = self._layers_and_head(
-            inputs, positions, plan, caches, cache_start, hidden_only, layer_routes, dispatch
-        )
-        if routes is not None and layer_routes is not None:
-            routes.record_batch_layout(layer_routes, packing, (int(inputs.shape[0]), num_queries))
-        output = output if packing is None else packing.unpack(output)
+
+        def layers(x: torch.Tensor, positions: torch.Tensor, layer_routes: Routes | None) -> torch.Tensor:
+            return self._layers_and_head(x, positions, plan, caches, cache_start, hidden_only, layer_routes, dispatch)
+
+        output = _run_packed(layers, inputs, positions, plan.packing, routes)
         return output if reduce is None or not self.is_last else reduce(output)
 
     def _layers_and_head(
@@ -454,8 +444,7 @@ class DecoderPipelineStage(nn.Module):
         if hidden_only:
             return x
         if self.head == "value":
-            values: torch.Tensor = self.value_head(x).squeeze(-1)
-            return values
+            return self.value_head(x).squeeze(-1)
         if hasattr(self, "lm_head"):
             return self.lm_head.forward(x)
         return F.linear(replicated(x, self.tp.group), self.embed.weight)
@@ -474,8 +463,7 @@ class DecoderPipelineStage(nn.Module):
         return chunked_head.token_entropy(hidden, self.head_shard(), self.logit_chunk_tokens)
 
     def new_caches(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> dict[int, LayerCache]:
-        local_kv = max(1, self.model.num_kv_heads // self.tp.size)
-        shape = (batch, local_kv, capacity, self.model.head_dim)
+        shape = (batch, max(1, self.model.num_kv_heads // self.tp.size), capacity, self.model.head_dim)
         return {
             i: LayerCache(
                 torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
@@ -504,8 +492,7 @@ class ReferenceModel(nn.Module):
 
     def _optional(self, name: str) -> torch.Tensor | None:
         """A parameter the model may lack (biases, the untied LM head)."""
-        weight: torch.Tensor | None = self.weights.get(name.replace(".", "__"))
-        return weight
+        return self.weights.get(name.replace(".", "__"))
 
     def _attention(self, i: int, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Causal attention of layer `i` over packed rows."""
@@ -530,15 +517,7 @@ class ReferenceModel(nn.Module):
         `routes`: the MoE layers' replayed and chosen experts (`moe.Routes`), [b, t, k] per layer."""
         check_positions(self.model, tokens.shape[1])
         mask = torch.ones_like(tokens, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        positions = positions_from_mask(mask)
-        packing = Packing.of(mask)
-        layer_routes = None if routes is None else routes.in_layer_order(packing)
-        if packing is not None:
-            tokens, positions = packing.pack(tokens), packing.pack(positions)
-        output = self._packed_forward(tokens, positions, layer_routes)
-        if routes is not None and layer_routes is not None:
-            routes.record_batch_layout(layer_routes, packing, (int(tokens.shape[0]), int(tokens.shape[1])))
-        return output if packing is None else packing.unpack(output)
+        return _run_packed(self._packed_forward, tokens, positions_from_mask(mask), Packing.of(mask), routes)
 
     def _moe(self, i: int, h: torch.Tensor, routes: Routes | None) -> torch.Tensor:
         """Sparse layer `i`'s MLP, plainly: every expert on the tokens routed to it."""
