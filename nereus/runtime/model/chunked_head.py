@@ -24,7 +24,7 @@ model's `logits` term prices). The per-token math is the unchunked one's; only t
 cut by rows, so results agree with `F.cross_entropy` on whole logits to rounding (1e-6 in fp32,
 tests/runtime/test_chunked_head.py).
 
-Plain tensors only: the caller passes its local weight rows (a DTensor's `to_local()`) and its
+Plain tensors only: the caller passes its local weight rows and its
 tensor-parallel process group (None on one rank).
 """
 
