@@ -130,14 +130,6 @@ def behaviour_weights(
     return torch.ones_like(ratio)
 
 
-def clipped_fraction(
-    log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, clip_eps: float
-) -> torch.Tensor:
-    """Per-token 1.0 where the clipped term is the active one (the gradient is cut), else 0."""
-    ratio = torch.exp(log_probs - old_log_probs)
-    return (((ratio > 1.0 + clip_eps) & (advantages > 0)) | ((ratio < 1.0 - clip_eps) & (advantages < 0))).float()
-
-
 def clipped_value_loss(
     values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip_eps: float
 ) -> torch.Tensor:
