@@ -66,26 +66,17 @@ def advantages_of(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token advantages, and the critic's returns under PPO (None otherwise); under ReMax
     the greedy responses are scored first (collective where a reward model scores them)."""
-    greedy_scores = None
-    if rollout.greedy is not None:
-        assert rollout.greedy_batch is not None
-        greedy_scores = reward_of(stages, scorer, problems, rollout.greedy_batch, rollout.greedy)
-    return compute_advantages(workload.algorithm, config, scored, workload.samples_per_prompt, greedy_scores)
-
-
-def compute_advantages(
-    algorithm: str, config: RLConfig, scored: Scored, group_size: int, greedy_scores: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token advantages, and the critic's returns under PPO (None otherwise)."""
     mask = scored.mask
-    if algorithm == "ppo":
+    if workload.algorithm == "ppo":
         assert scored.old_values is not None and scored.old_log_probs is not None
         rewards = token_rewards(scored.scores, mask, scored.old_log_probs, scored.ref_log_probs, config.kl_coef)
         advantages, returns = gae(rewards, scored.old_values, mask, config.gamma, config.lam)
         return masked_whiten(advantages, mask), returns
-    if algorithm == "grpo":
-        return broadcast_to_tokens(group_advantages(scored.scores, group_size), mask), None
-    assert algorithm == "remax" and greedy_scores is not None, algorithm
+    if workload.algorithm == "grpo":
+        return broadcast_to_tokens(group_advantages(scored.scores, workload.samples_per_prompt), mask), None
+    assert workload.algorithm == "remax", workload.algorithm
+    assert rollout.greedy is not None and rollout.greedy_batch is not None
+    greedy_scores = reward_of(stages, scorer, problems, rollout.greedy_batch, rollout.greedy)
     return broadcast_to_tokens(remax_advantages(scored.scores, greedy_scores), mask), None
 
 
