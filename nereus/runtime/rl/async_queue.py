@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,10 +151,7 @@ class StalenessQueue:
 
     def staleness(self, batch: list[VersionedSample], version: int) -> dict[int, int]:
         """Histogram of a batch trained at `version`: staleness (versions behind) -> sample count."""
-        counts: dict[int, int] = {}
-        for sample in batch:
-            counts[version - sample.version] = counts.get(version - sample.version, 0) + 1
-        return dict(sorted(counts.items()))
+        return dict(sorted(Counter(version - sample.version for sample in batch).items()))
 
     # ---- checkpoints ----
 
@@ -214,7 +211,6 @@ class StalenessQueue:
     def save(self, folder: Path) -> None:
         """Write the queue into `folder` (`STATE_FILE`, `TENSORS_FILE`), each file replaced atomically."""
         data, tensors = self.state()
-        folder.mkdir(parents=True, exist_ok=True)
         write_pair(folder, STATE_FILE, data, TENSORS_FILE, tensors)
 
     @classmethod
