@@ -383,14 +383,13 @@ def fused_rollout(
     decoder: Decoder | None = None
     if generation.rollout_engine is not None:  # vLLM: requests step by step; a migration re-prefills
         decoder = VLLMDecoder(generation.rollout_engine, sampling)
-        first, stop = shares[generation.rollout_engine.replica]
-        if stop > first:
-            decoder.start(prompts[first:stop], range(first, stop), caps[first:stop])
         mechanism = "recompute"
     elif generation.engine is not None:
         # Sized for a destination's load: as many samples as a share, at the batch's longest.
         longest = max(len(p) for p in prompts) + max(caps)
         decoder = BatchingDecoder(generation.engine, sampling, kv_budget or KVBudget(), (capacity, longest))
+    if decoder is not None:
+        assert generation.engine is not None, "a vLLM engine is its engine's replica (`start_rollout_engine`)"
         first, stop = shares[generation.engine.groups.replica]
         if stop > first:
             decoder.start(prompts[first:stop], range(first, stop), caps[first:stop])

@@ -165,10 +165,9 @@ def start_rollout_engine(config: RunConfig, plan: Plan, stages: dict[str, ModelS
     """Under `generation.engine: vllm` (or `auto` resolving to it), start this rank's vLLM
     engine of actor/generation and attach it to the stage (collective over the world: every
     rank is in one engine, `engine_choice.vllm_problem`); None under nereus's own engine.
-    Its KV pool: the plan's `kv_budget_bytes`, else room for the replica's share of the
-    step's samples at the model's longest, within the rank's memory (`kv_cache.memory_left`).
-    It sleeps after each rollout where a training model-stage shares its GPUs and vLLM has a
-    sleep mode (`engine_sleep_level`; not on CPUs, where its pool stays allocated)."""
+    Its KV pool: `rollout_kv_bytes`. It sleeps after each rollout where a training model-stage
+    shares its GPUs and vLLM has a sleep mode (`engine_sleep_level`; not on CPUs, where its
+    pool stays allocated)."""
     on_cuda = device().type == "cuda"
     if generation_engine(config, plan, on_cuda) != "vllm":
         return None
