@@ -239,17 +239,15 @@ def train_phases(
     )
     if old_log_probs is not None:
         scored = dataclasses.replace(scored, old_log_probs=old_log_probs)
-    samples = []
-    if config.log_samples:
-        samples = sample_records(
-            step,
-            prompts,
-            generated.responses,
-            scored,
-            config.log_samples,
-            inputs.tokenizer,
-            generated.rollout_log_probs,
-        )
+    samples = sample_records(
+        step,
+        prompts,
+        generated.responses,
+        scored,
+        config.log_samples,
+        inputs.tokenizer,
+        generated.rollout_log_probs,
+    )
     # 5. weight sync
     with timed(seconds, "weight_sync"):
         sync_weights(syncs)

@@ -159,17 +159,14 @@ def run_training(
         cp = None if actor.engine is None else actor.engine.groups.cp
         if current_as_old is not None and cp is not None and cp.group is not None:
             collectives.all_reduce(current_as_old, cp.group)  # each cp rank wrote its own columns' log-probs
-        trained: dict[str, ModelStageRuntime] = {ACTOR_TRAINING: actor}
-        actor_means = (
-            mean_loss(actor_losses),
-            mean_loss(norms.get(ACTOR_TRAINING, [])),
-            replica_share(actor, current_as_old),
-        )
-        losses: dict[str, tuple[float, float, torch.Tensor | None]] = {ACTOR_TRAINING: actor_means}
+        # Each trained model-stage, its losses and its replica's share of the old log-probs.
+        trained = {ACTOR_TRAINING: (actor, actor_losses, replica_share(actor, current_as_old))}
         if critic is not None and critic_losses is not None:
-            critic_means = (mean_loss(critic_losses), mean_loss(norms.get(CRITIC_TRAINING, [])), None)
-            trained[CRITIC_TRAINING], losses[CRITIC_TRAINING] = critic, critic_means
-        gathered = by_replica_of(trained, losses)
+            trained[CRITIC_TRAINING] = (critic, critic_losses, None)
+        mine = {
+            name: (mean_loss(part), mean_loss(norms.get(name, [])), share) for name, (_, part, share) in trained.items()
+        }
+        gathered = by_replica_of({name: stage for name, (stage, _, _) in trained.items()}, mine)
         # Every replica reports the global batch's loss and the global norm; take the first.
         means = {name: values[0][:2] for name, values in gathered.items()}
     grad_norms.update({name: norm for name, (_, norm) in means.items()})
