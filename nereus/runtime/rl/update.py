@@ -160,7 +160,9 @@ def run_training(
         if current_as_old is not None and cp is not None and cp.group is not None:
             collectives.all_reduce(current_as_old, cp.group)  # each cp rank wrote its own columns' log-probs
         # Each trained model-stage, its losses and its replica's share of the old log-probs.
-        trained = {ACTOR_TRAINING: (actor, actor_losses, replica_share(actor, current_as_old))}
+        trained: dict[str, tuple[ModelStageRuntime, list[float], torch.Tensor | None]] = {
+            ACTOR_TRAINING: (actor, actor_losses, replica_share(actor, current_as_old))
+        }
         if critic is not None and critic_losses is not None:
             trained[CRITIC_TRAINING] = (critic, critic_losses, None)
         mine = {
