@@ -200,8 +200,7 @@ class StalenessQueue:
             missing = [name for name in entry["tensors"] if f"{entry['index']}/{name}" not in tensors]
             if missing:
                 raise ValueError(f"{where}: tensor {missing[0]!r} missing from the tensors file")
-            sample_tensors = {name: tensors[f"{entry['index']}/{name}"] for name in entry["tensors"]}
-            sample = VersionedSample(entry["index"], entry["version"], sample_tensors, entry.get("info", {}))
+            sample = decode_sample(entry, tensors)
             if oldest_token(sample) not in (None, sample.version):
                 raise ValueError(f"{where}.version: {sample.version}, but its oldest token's is {oldest_token(sample)}")
             if not queue.put(sample):
@@ -236,6 +235,12 @@ def encode_samples(samples: list[VersionedSample]) -> tuple[list[dict[str, Any]]
     entries = [{"index": s.index, "version": s.version, "tensors": sorted(s.tensors), "info": s.info} for s in samples]
     tensors = {f"{s.index}/{name}": t.detach().cpu().contiguous() for s in samples for name, t in s.tensors.items()}
     return entries, tensors
+
+
+def decode_sample(entry: dict[str, Any], tensors: dict[str, torch.Tensor]) -> VersionedSample:
+    """The sample of an entry `encode_samples` wrote, its tensors taken from `tensors`."""
+    named = {name: tensors[f"{entry['index']}/{name}"] for name in entry["tensors"]}
+    return VersionedSample(entry["index"], entry["version"], named, entry.get("info", {}))
 
 
 def write_pair(folder: Path, json_name: str, data: Any, tensors_name: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -295,15 +300,7 @@ def read_batch(folder: Path, batch: int) -> list[VersionedSample] | None:
     data = json.loads((folder / json_name).read_text())
     tensors = load_file(str(folder / tensors_name))
     assert data.get("format") == FORMAT and data.get("batch") == batch, (folder / json_name, data.get("batch"))
-    return [
-        VersionedSample(
-            entry["index"],
-            entry["version"],
-            {name: tensors[f"{entry['index']}/{name}"] for name in entry["tensors"]},
-            entry["info"],
-        )
-        for entry in data["samples"]
-    ]
+    return [decode_sample(entry, tensors) for entry in data["samples"]]
 
 
 def remove_batch(folder: Path, batch: int) -> None:

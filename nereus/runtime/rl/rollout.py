@@ -64,16 +64,14 @@ def rollout(
     if generation.rollout_engine is not None:  # a colocated pool's vLLM engine frees its GPU memory
         generation.rollout_engine.sleep()
     batch = rollout_batch(prompts, responses, sampling.pad_token_id)
-    rollout_log_probs = None
-    if engine_log_probs is not None:
-        rollout_log_probs = token_aligned(prompts, engine_log_probs, batch.tokens.shape)
+    behaviour = None if engine_log_probs is None else token_aligned(prompts, engine_log_probs, batch.tokens.shape)
     routes = None
     if engine_routes is not None:  # what vLLM's decoding routed to
         routes = routes_aligned(prompts, engine_routes, batch.tokens.shape)
     elif generation.model.moe is not None and generation.rollout_engine is None and not fusion.inter_stage:
         with timed(seconds, ACTOR_GENERATION):
             routes = replica_routing(generation, batch)
-    return Rollout(responses, batch, inferred, greedy, greedy_batch, rollout_log_probs, routes)
+    return Rollout(responses, batch, inferred, greedy, greedy_batch, behaviour, routes)
 
 
 def replica_routing(stage: ModelStageRuntime, batch: Batch) -> torch.Tensor:

@@ -62,14 +62,13 @@ def score(
         rule_scores = score_all(scorer, problems, rollout.responses)
         reward_values = inferred.get(REWARD_INFERENCE)
         scores = rule_scores if reward_values is None else scores_from_values(reward_values, batch)
-    old_values = inferred[CRITIC_INFERENCE] * mask if CRITIC_INFERENCE in inferred else None
     return Scored(
         mask,
         scores,
         rule_scores,
         old_log_probs=inferred[ACTOR_INFERENCE] * mask if ACTOR_INFERENCE in inferred else None,
         ref_log_probs=inferred[REFERENCE_INFERENCE] * mask,
-        old_values=old_values,
+        old_values=inferred[CRITIC_INFERENCE] * mask if CRITIC_INFERENCE in inferred else None,
     )
 
 

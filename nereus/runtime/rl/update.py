@@ -267,7 +267,7 @@ def fused_training(
     actor_job: TrainingJob,
     critic_job: TrainingJob,
     seconds: dict[str, float],
-    op_timings: list[OpTiming] | None,
+    op_timings: list[OpTiming],
     rules: dict[str, UpdateRule],
     norms: dict[str, list[float]],
     schedule: Schedule | None = None,
@@ -304,8 +304,7 @@ def fused_training(
                 critic_losses.append(critic_loss)
                 norms.setdefault(ACTOR_TRAINING, []).append(actor_norm)
                 norms.setdefault(CRITIC_TRAINING, []).append(critic_norm)
-                if op_timings is not None:
-                    op_timings.extend(dataclasses.replace(timing, update=update) for timing in timings)
+                op_timings.extend(dataclasses.replace(timing, update=update) for timing in timings)
     return actor_losses, critic_losses
 
 
