@@ -183,14 +183,7 @@ class PartialRollout:
         """The samples in flight after tick `tick` into `folder` (`STATE_FILE`, `TENSORS_FILE`)."""
         samples = [sample.sample() for batch in self.batches.values() for sample in batch]
         entries, tensors = encode_samples(samples)
-        data = {
-            "format": FORMAT,
-            "tick": tick,
-            "max_staleness": self.max_staleness,
-            "batch_size": self.batch_size,
-            "max_new_tokens": self.max_new_tokens,
-            "samples": entries,
-        }
+        data = {"format": FORMAT, **self._settings(tick), "samples": entries}
         write_pair(folder, STATE_FILE, data, TENSORS_FILE, tensors)
 
     def load(self, folder: Path, tick: int) -> None:
@@ -203,16 +196,19 @@ class PartialRollout:
         except (ValueError, KeyError, TypeError) as error:
             raise NereusError(f"{folder / STATE_FILE}: {one_line(str(error))}") from None
 
-    def _from_state(self, data: Any, tensors: dict[str, torch.Tensor], tick: int) -> dict[int, list[InFlight]]:
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"format: expected {FORMAT}")
-        expected = {
+    def _settings(self, tick: int) -> dict[str, int]:
+        """What a checkpoint after tick `tick` records of this rollout, and a resume must match."""
+        return {
             "tick": tick,
             "max_staleness": self.max_staleness,
             "batch_size": self.batch_size,
             "max_new_tokens": self.max_new_tokens,
         }
-        for name, value in expected.items():
+
+    def _from_state(self, data: Any, tensors: dict[str, torch.Tensor], tick: int) -> dict[int, list[InFlight]]:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"format: expected {FORMAT}")
+        for name, value in self._settings(tick).items():
             if data.get(name) != value:
                 raise ValueError(
                     f"{name}: {data.get(name)!r}, this run has {value} (resume with the workload unchanged)"
