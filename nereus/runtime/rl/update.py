@@ -274,10 +274,9 @@ def fused_training(
 ) -> tuple[list[float], list[float]]:
     """Epochs of mini-batch updates of actor and critic together, each mini-batch one run of
     the plan's fused `schedule` (searched once when the run was set up; None: `fused_schedule`
-    searches it here) under `rules`; each update's
-    losses (none off the training ranks), and its gradient norms into `norms`. Both
-    model-stages ran for the whole phase, so `seconds` gets its wall time under
-    actor/training and critic/training alike."""
+    searches it here) under `rules`; each update's losses (none off the training ranks), and
+    its gradient norms into `norms`. Both model-stages ran for the whole phase, so `seconds`
+    gets its wall time under actor/training and critic/training alike."""
     workload = plan.workload
     (actor, actor_batch, actor_objective), (critic, critic_batch, critic_objective) = actor_job, critic_job
     actor_losses: list[float] = []
