@@ -57,12 +57,11 @@ def token_rewards(
     log_probs: torch.Tensor,
     ref_log_probs: torch.Tensor,
     kl_coef: float,
-    estimator: KlEstimator = "k1",
 ) -> torch.Tensor:
-    """PPO's per-token reward: -kl_coef * KL on every response token, plus the sequence score
-    on its last token (the KL penalty folded into the reward, as in InstructGPT)."""
+    """PPO's per-token reward: -kl_coef * KL (k1) on every response token, plus the sequence
+    score on its last token (the KL penalty folded into the reward, as in InstructGPT)."""
     mask_f = mask.to(log_probs.dtype)
-    rewards = -kl_coef * kl_divergence(log_probs, ref_log_probs, estimator) * mask_f
+    rewards = -kl_coef * kl_divergence(log_probs, ref_log_probs) * mask_f
     rows = torch.arange(mask.shape[0], device=mask.device)
     rewards[rows, last_token_index(mask)] += scores.to(rewards.dtype)
     return rewards
