@@ -19,7 +19,6 @@ from nereus.runtime.model.transformer import ReferenceModel
 from nereus.runtime.rl.fused_rollout import EARLY_CHUNK, EVENT_KINDS, fused_rollout, plan_moves
 from nereus.runtime.rl.inter_stage import (
     check_inter_stage,
-    effective_fusion,
     migration_mechanism,
     migration_settings,
 )
@@ -298,8 +297,6 @@ def test_threshold_defaults_to_the_migration_sweeps_best() -> None:
     assert migration_settings(plan, Fusion(inter_stage=True, migration_threshold=0.4)).threshold == 0.4
     best = migration_settings(plan, Fusion(inter_stage=True)).threshold
     assert 0.05 <= best <= 0.95
-    assert effective_fusion(plan, None) == plan.fusion
-    assert effective_fusion(plan, Fusion()) == Fusion()
 
 
 def test_plans_fusion_cannot_run_are_refused_with_the_field() -> None:

@@ -57,12 +57,11 @@ def token_rewards(
     log_probs: torch.Tensor,
     ref_log_probs: torch.Tensor,
     kl_coef: float,
-    estimator: KlEstimator = "k1",
 ) -> torch.Tensor:
-    """PPO's per-token reward: -kl_coef * KL on every response token, plus the sequence score
-    on its last token (the KL penalty folded into the reward, as in InstructGPT)."""
+    """PPO's per-token reward: -kl_coef * KL (k1) on every response token, plus the sequence
+    score on its last token (the KL penalty folded into the reward, as in InstructGPT)."""
     mask_f = mask.to(log_probs.dtype)
-    rewards = -kl_coef * kl_divergence(log_probs, ref_log_probs, estimator) * mask_f
+    rewards = -kl_coef * kl_divergence(log_probs, ref_log_probs) * mask_f
     rows = torch.arange(mask.shape[0], device=mask.device)
     rewards[rows, last_token_index(mask)] += scores.to(rewards.dtype)
     return rewards
@@ -128,14 +127,6 @@ def behaviour_weights(
         return torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
     assert correction == "none", correction
     return torch.ones_like(ratio)
-
-
-def clipped_fraction(
-    log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor, clip_eps: float
-) -> torch.Tensor:
-    """Per-token 1.0 where the clipped term is the active one (the gradient is cut), else 0."""
-    ratio = torch.exp(log_probs - old_log_probs)
-    return (((ratio > 1.0 + clip_eps) & (advantages > 0)) | ((ratio < 1.0 - clip_eps) & (advantages < 0))).float()
 
 
 def clipped_value_loss(

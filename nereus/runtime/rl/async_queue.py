@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,10 +151,7 @@ class StalenessQueue:
 
     def staleness(self, batch: list[VersionedSample], version: int) -> dict[int, int]:
         """Histogram of a batch trained at `version`: staleness (versions behind) -> sample count."""
-        counts: dict[int, int] = {}
-        for sample in batch:
-            counts[version - sample.version] = counts.get(version - sample.version, 0) + 1
-        return dict(sorted(counts.items()))
+        return dict(sorted(Counter(version - sample.version for sample in batch).items()))
 
     # ---- checkpoints ----
 
@@ -203,8 +200,7 @@ class StalenessQueue:
             missing = [name for name in entry["tensors"] if f"{entry['index']}/{name}" not in tensors]
             if missing:
                 raise ValueError(f"{where}: tensor {missing[0]!r} missing from the tensors file")
-            sample_tensors = {name: tensors[f"{entry['index']}/{name}"] for name in entry["tensors"]}
-            sample = VersionedSample(entry["index"], entry["version"], sample_tensors, entry.get("info", {}))
+            sample = decode_sample(entry, tensors)
             if oldest_token(sample) not in (None, sample.version):
                 raise ValueError(f"{where}.version: {sample.version}, but its oldest token's is {oldest_token(sample)}")
             if not queue.put(sample):
@@ -214,7 +210,6 @@ class StalenessQueue:
     def save(self, folder: Path) -> None:
         """Write the queue into `folder` (`STATE_FILE`, `TENSORS_FILE`), each file replaced atomically."""
         data, tensors = self.state()
-        folder.mkdir(parents=True, exist_ok=True)
         write_pair(folder, STATE_FILE, data, TENSORS_FILE, tensors)
 
     @classmethod
@@ -240,6 +235,12 @@ def encode_samples(samples: list[VersionedSample]) -> tuple[list[dict[str, Any]]
     entries = [{"index": s.index, "version": s.version, "tensors": sorted(s.tensors), "info": s.info} for s in samples]
     tensors = {f"{s.index}/{name}": t.detach().cpu().contiguous() for s in samples for name, t in s.tensors.items()}
     return entries, tensors
+
+
+def decode_sample(entry: dict[str, Any], tensors: dict[str, torch.Tensor]) -> VersionedSample:
+    """The sample of an entry `encode_samples` wrote, its tensors taken from `tensors`."""
+    named = {name: tensors[f"{entry['index']}/{name}"] for name in entry["tensors"]}
+    return VersionedSample(entry["index"], entry["version"], named, entry.get("info", {}))
 
 
 def write_pair(folder: Path, json_name: str, data: Any, tensors_name: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -299,15 +300,7 @@ def read_batch(folder: Path, batch: int) -> list[VersionedSample] | None:
     data = json.loads((folder / json_name).read_text())
     tensors = load_file(str(folder / tensors_name))
     assert data.get("format") == FORMAT and data.get("batch") == batch, (folder / json_name, data.get("batch"))
-    return [
-        VersionedSample(
-            entry["index"],
-            entry["version"],
-            {name: tensors[f"{entry['index']}/{name}"] for name in entry["tensors"]},
-            entry["info"],
-        )
-        for entry in data["samples"]
-    ]
+    return [decode_sample(entry, tensors) for entry in data["samples"]]
 
 
 def remove_batch(folder: Path, batch: int) -> None:

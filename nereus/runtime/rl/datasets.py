@@ -61,17 +61,15 @@ def read_rows(path: Path) -> Iterator[tuple[int, Any]]:
                 raise NereusError(f"{path}:{number}: not JSON ({error}); each line holds one JSON object") from None
 
 
+def _is_message(value: Any) -> bool:
+    return isinstance(value, dict) and isinstance(value.get("role"), str) and isinstance(value.get("content"), str)
+
+
 def prompt_value(value: Any, where: str, key: str) -> PromptValue:
     """The prompt field: a non-empty string or a list of {role, content} string messages."""
     if isinstance(value, str) and value:
         return value
-    if (
-        isinstance(value, list)
-        and value
-        and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
-        )
-    ):
+    if isinstance(value, list) and value and all(_is_message(m) for m in value):
         return [{"role": m["role"], "content": m["content"]} for m in value]
     raise NereusError(f"{where}: {key}: must be a non-empty string or a list of {{role, content}} chat messages")
 

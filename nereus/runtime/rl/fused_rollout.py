@@ -383,14 +383,13 @@ def fused_rollout(
     decoder: Decoder | None = None
     if generation.rollout_engine is not None:  # vLLM: requests step by step; a migration re-prefills
         decoder = VLLMDecoder(generation.rollout_engine, sampling)
-        first, stop = shares[generation.rollout_engine.replica]
-        if stop > first:
-            decoder.start(prompts[first:stop], range(first, stop), caps[first:stop])
         mechanism = "recompute"
     elif generation.engine is not None:
         # Sized for a destination's load: as many samples as a share, at the batch's longest.
         longest = max(len(p) for p in prompts) + max(caps)
         decoder = BatchingDecoder(generation.engine, sampling, kv_budget or KVBudget(), (capacity, longest))
+    if decoder is not None:
+        assert generation.engine is not None, "a vLLM engine is its engine's replica (`start_rollout_engine`)"
         first, stop = shares[generation.engine.groups.replica]
         if stop > first:
             decoder.start(prompts[first:stop], range(first, stop), caps[first:stop])
@@ -403,20 +402,20 @@ def fused_rollout(
             if sum(counts) <= allowed:
                 break
     planned = _plan_migration(generation, decoder, counts, capacity, settings, mechanism)
-    migration, finished = (planned[0], planned[2]) if planned is not None else (None, {})
+    migration, moves, finished = planned if planned is not None else (None, {}, {})
     busy = set(layout.ranks)
-    if planned is not None:
-        recorder.note("migration_start", samples=planned[0].moved)
-        _migrate(generation, decoder, planned[1], planned[0].mechanism == "kv-transfer")
-        recorder.note("migration_end", samples=planned[0].moved)
+    if migration is not None:
+        recorder.note("migration_start", samples=migration.moved)
+        _migrate(generation, decoder, moves, migration.mechanism == "kv-transfer")
+        recorder.note("migration_end", samples=migration.moved)
         size = layout.replica_size
-        busy = {r for d in planned[0].destinations for r in layout.ranks[d * size : (d + 1) * size]}
+        busy = {r for d in migration.destinations for r in layout.ranks[d * size : (d + 1) * size]}
     rank = dist.get_rank()
     signal = _TailSignal(busy, next(_ROLLOUT_IDS))
     if rank in busy:
         while decoder is not None and decoder.num_active:
             _decode_step(decoder, recorder)
-        if planned is not None:
+        if migration is not None:
             signal.announce(rank)
     recorder.note("generation_end")
     seconds[ACTOR_GENERATION] = seconds.get(ACTOR_GENERATION, 0.0) + time.perf_counter() - start

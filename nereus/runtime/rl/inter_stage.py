@@ -19,11 +19,6 @@ from nereus.spec.run_config import RLConfig
 from nereus.spec.stages import ACTOR_GENERATION, INFERENCE_STAGES, role_of
 
 
-def effective_fusion(plan: Plan, run_fusion: Fusion | None) -> Fusion:
-    """The fusion block in force: the run config's when it has one (it replaces the plan's whole)."""
-    return plan.fusion if run_fusion is None else run_fusion
-
-
 def _ranks_by_replica(plan: Plan, model_stage: str) -> list[set[int]]:
     entry = plan.stage_plan(model_stage)
     size = entry.replica_size

@@ -30,6 +30,7 @@ unpickled), so a SIGKILL and `--resume` continue them where the checkpoint's tic
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,7 +170,6 @@ class PartialRollout:
             samples = self.batches[batch]
             self.late.discard(batch)
             if not all(sample.finished for sample in samples):
-                assert window(batch, self.max_staleness)[1] > tick, f"batch {batch} is not whole by its tick {tick}"
                 break
             out.append((batch, [sample.sample() for sample in samples]))
             del self.batches[batch]
@@ -183,14 +183,7 @@ class PartialRollout:
         """The samples in flight after tick `tick` into `folder` (`STATE_FILE`, `TENSORS_FILE`)."""
         samples = [sample.sample() for batch in self.batches.values() for sample in batch]
         entries, tensors = encode_samples(samples)
-        data = {
-            "format": FORMAT,
-            "tick": tick,
-            "max_staleness": self.max_staleness,
-            "batch_size": self.batch_size,
-            "max_new_tokens": self.max_new_tokens,
-            "samples": entries,
-        }
+        data = {"format": FORMAT, **self._settings(tick), "samples": entries}
         write_pair(folder, STATE_FILE, data, TENSORS_FILE, tensors)
 
     def load(self, folder: Path, tick: int) -> None:
@@ -203,16 +196,19 @@ class PartialRollout:
         except (ValueError, KeyError, TypeError) as error:
             raise NereusError(f"{folder / STATE_FILE}: {one_line(str(error))}") from None
 
-    def _from_state(self, data: Any, tensors: dict[str, torch.Tensor], tick: int) -> dict[int, list[InFlight]]:
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"format: expected {FORMAT}")
-        expected = {
+    def _settings(self, tick: int) -> dict[str, int]:
+        """What a checkpoint after tick `tick` records of this rollout, and a resume must match."""
+        return {
             "tick": tick,
             "max_staleness": self.max_staleness,
             "batch_size": self.batch_size,
             "max_new_tokens": self.max_new_tokens,
         }
-        for name, value in expected.items():
+
+    def _from_state(self, data: Any, tensors: dict[str, torch.Tensor], tick: int) -> dict[int, list[InFlight]]:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"format: expected {FORMAT}")
+        for name, value in self._settings(tick).items():
             if data.get(name) != value:
                 raise ValueError(
                     f"{name}: {data.get(name)!r}, this run has {value} (resume with the workload unchanged)"
@@ -249,12 +245,9 @@ class PartialRollout:
 
 def version_spans(samples: list[VersionedSample]) -> dict[int, int]:
     """Histogram of a batch: versions its samples' tokens span (1: one version) -> samples."""
-    counts: dict[int, int] = {}
-    for sample in samples:
-        versions = sample.tensors.get("versions")
-        span = 1 if versions is None or versions.numel() == 0 else int(versions.max() - versions.min()) + 1
-        counts[span] = counts.get(span, 0) + 1
-    return dict(sorted(counts.items()))
+    versions = [sample.tensors.get("versions") for sample in samples]
+    spans = Counter(1 if v is None or v.numel() == 0 else int(v.max() - v.min()) + 1 for v in versions)
+    return dict(sorted(spans.items()))
 
 
 def longest_by_version(samples: list[VersionedSample]) -> dict[int, int]:

@@ -65,10 +65,9 @@ def as_number(text: str) -> Fraction | None:
     cleaned = re.sub(r"\\frac\{([^{}]+)\}\{([^{}]+)\}", r"\1/\2", text)
     cleaned = re.sub(r"[\s,$%]|\\!|\\,", "", cleaned).rstrip(".")
     try:
-        value = Fraction(cleaned)
+        return Fraction(cleaned)
     except (ValueError, ZeroDivisionError):
         return None
-    return value
 
 
 def reference_answer(answer: str) -> str | None:

@@ -64,16 +64,14 @@ def rollout(
     if generation.rollout_engine is not None:  # a colocated pool's vLLM engine frees its GPU memory
         generation.rollout_engine.sleep()
     batch = rollout_batch(prompts, responses, sampling.pad_token_id)
-    rollout_log_probs = None
-    if engine_log_probs is not None:
-        rollout_log_probs = token_aligned(prompts, engine_log_probs, batch.tokens.shape)
+    behaviour = None if engine_log_probs is None else token_aligned(prompts, engine_log_probs, batch.tokens.shape)
     routes = None
     if engine_routes is not None:  # what vLLM's decoding routed to
         routes = routes_aligned(prompts, engine_routes, batch.tokens.shape)
     elif generation.model.moe is not None and generation.rollout_engine is None and not fusion.inter_stage:
         with timed(seconds, ACTOR_GENERATION):
             routes = replica_routing(generation, batch)
-    return Rollout(responses, batch, inferred, greedy, greedy_batch, rollout_log_probs, routes)
+    return Rollout(responses, batch, inferred, greedy, greedy_batch, behaviour, routes)
 
 
 def replica_routing(stage: ModelStageRuntime, batch: Batch) -> torch.Tensor:
@@ -165,10 +163,9 @@ def start_rollout_engine(config: RunConfig, plan: Plan, stages: dict[str, ModelS
     """Under `generation.engine: vllm` (or `auto` resolving to it), start this rank's vLLM
     engine of actor/generation and attach it to the stage (collective over the world: every
     rank is in one engine, `engine_choice.vllm_problem`); None under nereus's own engine.
-    Its KV pool: the plan's `kv_budget_bytes`, else room for the replica's share of the
-    step's samples at the model's longest, within the rank's memory (`kv_cache.memory_left`).
-    It sleeps after each rollout where a training model-stage shares its GPUs and vLLM has a
-    sleep mode (`engine_sleep_level`; not on CPUs, where its pool stays allocated)."""
+    Its KV pool: `rollout_kv_bytes`. It sleeps after each rollout where a training model-stage
+    shares its GPUs and vLLM has a sleep mode (`engine_sleep_level`; not on CPUs, where its
+    pool stays allocated)."""
     on_cuda = device().type == "cuda"
     if generation_engine(config, plan, on_cuda) != "vllm":
         return None

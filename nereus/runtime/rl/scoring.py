@@ -62,14 +62,13 @@ def score(
         rule_scores = score_all(scorer, problems, rollout.responses)
         reward_values = inferred.get(REWARD_INFERENCE)
         scores = rule_scores if reward_values is None else scores_from_values(reward_values, batch)
-    old_values = inferred[CRITIC_INFERENCE] * mask if CRITIC_INFERENCE in inferred else None
     return Scored(
         mask,
         scores,
         rule_scores,
         old_log_probs=inferred[ACTOR_INFERENCE] * mask if ACTOR_INFERENCE in inferred else None,
         ref_log_probs=inferred[REFERENCE_INFERENCE] * mask,
-        old_values=old_values,
+        old_values=inferred[CRITIC_INFERENCE] * mask if CRITIC_INFERENCE in inferred else None,
     )
 
 
@@ -125,17 +124,14 @@ def reward_of(
 ) -> torch.Tensor:
     """[batch] rewards: the reward model's scores when the run has one, else the scorer's."""
     reward_model = stages.get(REWARD_INFERENCE)
-    return score_all(scorer, problems, responses) if reward_model is None else model_scores(reward_model, batch)
+    if reward_model is None:
+        return score_all(scorer, problems, responses)
+    return scores_from_values(infer(reward_model, batch, "position_values"), batch)
 
 
 def score_all(scorer: Scorer, problems: list[Prompt], responses: list[list[int]]) -> torch.Tensor:
     """[batch] verifiable rewards (rule, math, exact or the user's function)."""
     return torch.tensor(scorer.score_all(problems, responses))
-
-
-def model_scores(stage: ModelStageRuntime, batch: Batch) -> torch.Tensor:
-    """[b] the reward model's score of every row (collective)."""
-    return scores_from_values(infer(stage, batch, "position_values"), batch)
 
 
 def scores_from_values(position_values: torch.Tensor, batch: Batch) -> torch.Tensor:

@@ -79,20 +79,14 @@ def build_stages(plan: Plan, config: RLConfig) -> dict[str, ModelStageRuntime]:
         if not config.runs_engine(role):
             continue
         info = ROLE_INFO[role]
-        lr = getattr(config, info.lr_field)
-        seed = config.seed + info.seed_offset
-        # Weights a Hugging Face folder provides are read into the engine, not seeded first.
-        init_only = OPTIONAL if plan.weights is not None and role in plan.weights else None
-        precision = stage_precision(plan.workload, entry.stage, config.grad_reduce_dtype)
-        optimizer = AdamWConfig(lr=lr, eps=config.adam_eps)
-        zero1 = shards_across_dp(plan.workload, entry)
         engine_config = EngineConfig(
-            optimizer,
-            seed,
-            init_only,
-            precision,
-            zero1,
-            entry.full_shard,
+            optimizer=AdamWConfig(lr=getattr(config, info.lr_field), eps=config.adam_eps),
+            init_seed=config.seed + info.seed_offset,
+            # Weights a Hugging Face folder provides are read into the engine, not seeded first.
+            init_only=OPTIONAL if plan.weights is not None and role in plan.weights else None,
+            precision=stage_precision(plan.workload, entry.stage, config.grad_reduce_dtype),
+            shard_across_dp=shards_across_dp(plan.workload, entry),
+            full_shard=entry.full_shard,
             recompute=entry.recompute,
             token_budget=entry.token_budget,
             offload=entry.offload,

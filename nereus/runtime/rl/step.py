@@ -140,29 +140,58 @@ class Trained:
         predicted: dict[str, dict[int, int]],
         totals: StepTotals | None = None,
     ) -> StepMetrics:
-        """The step's record (`step_metrics`; collective unless `totals` were gathered already)."""
-        metrics = step_metrics(
-            plan,
-            stages,
-            self.ran,
-            step,
-            self.prompts,
-            self.scored,
-            self.losses,
-            seconds,
-            self.updates,
-            predicted,
-            totals,
-        )
+        """The step's record, the same on every rank: its times are the slowest rank's
+        (collective unless `totals` were gathered already). Only the model-stages that ran
+        report measured and predicted peaks by model-stage. `predicted`: the plan's predicted
+        peaks (`plan_peaks`). `totals`: `step_totals` of `metric_names` (and more), gathered
+        already by the caller (names beyond `metric_names` are left out)."""
+        rules, grad_norms = self.updates
+        scored = self.scored
+        assert scored.old_log_probs is not None, "training gave them"
+        lengths = scored.mask.sum(dim=1)
+        names = metric_names(plan, stages)
+        totals = step_totals(seconds, names, stages) if totals is None else totals
+        # A vLLM engine phase that did not happen at this step is left out of the record.
+        stage_seconds = {
+            name: value
+            for name, value in totals.seconds.items()
+            if name in names and (name not in ENGINE_PHASES or value > 0)
+        }
+        num_ranks = len(totals.memory_peak)
+        predicted_by_stage = {
+            name: [by_rank.get(r, 0) for r in range(num_ranks)] for name, by_rank in predicted.items()
+        }
+        diff_mean = diff_max = None
         if self.rollout_log_probs is not None:
-            mean, largest = log_prob_mismatch(self.scored, self.rollout_log_probs)
-            metrics = dataclasses.replace(metrics, rollout_log_prob_diff_mean=mean, rollout_log_prob_diff_max=largest)
-        if self.routing_mismatch is not None:
-            metrics = dataclasses.replace(metrics, routing_mismatch=self.routing_mismatch)
+            diff_mean, diff_max = log_prob_mismatch(scored, self.rollout_log_probs)
         actor = stages.get(ACTOR_TRAINING)
-        if actor is not None and actor.engine is not None and actor.engine.router_aux_loss is not None:
-            metrics = dataclasses.replace(metrics, router_aux_loss=actor.engine.router_aux_loss)
-        return metrics
+        return StepMetrics(
+            step=step,
+            reward=float(scored.scores.mean()),
+            score=float(scored.rule_scores.mean()),
+            kl=float(masked_mean(scored.old_log_probs - scored.ref_log_probs, scored.mask)),
+            response_len_mean=float(lengths.mean()),
+            response_len_min=int(lengths.min()),
+            response_len_max=int(lengths.max()),
+            prompt_len=max(len(prompt) for prompt in self.prompts),
+            actor_loss=self.losses[0],
+            critic_loss=self.losses[1],
+            step_seconds=stage_seconds.pop("step"),
+            stage_seconds=stage_seconds,
+            state_bytes_per_rank=totals.state_bytes,
+            memory_peak_bytes=totals.memory_peak,
+            predicted_memory_peak_bytes=[max(column) for column in zip(*predicted_by_stage.values(), strict=True)],
+            memory_peak_bytes_by_stage={n: v for n, v in totals.memory_peak_by_stage.items() if n in self.ran},
+            predicted_memory_peak_bytes_by_stage={n: v for n, v in predicted_by_stage.items() if n in self.ran},
+            host_memory_bytes=totals.host_peak,
+            predicted_host_memory_bytes=predicted_host(plan, stages, num_ranks),
+            grad_norm=dict(grad_norms),
+            lr={name: rule.lr for name, rule in rules.items()},
+            rollout_log_prob_diff_mean=diff_mean,
+            rollout_log_prob_diff_max=diff_max,
+            routing_mismatch=self.routing_mismatch,
+            router_aux_loss=None if actor is None or actor.engine is None else actor.engine.router_aux_loss,
+        )
 
 
 def train_phases(
@@ -210,17 +239,15 @@ def train_phases(
     )
     if old_log_probs is not None:
         scored = dataclasses.replace(scored, old_log_probs=old_log_probs)
-    samples = []
-    if config.log_samples:
-        samples = sample_records(
-            step,
-            prompts,
-            generated.responses,
-            scored,
-            config.log_samples,
-            inputs.tokenizer,
-            generated.rollout_log_probs,
-        )
+    samples = sample_records(
+        step,
+        prompts,
+        generated.responses,
+        scored,
+        config.log_samples,
+        inputs.tokenizer,
+        generated.rollout_log_probs,
+    )
     # 5. weight sync
     with timed(seconds, "weight_sync"):
         sync_weights(syncs)
@@ -301,63 +328,6 @@ def draw_prompts(
 def step_seed(seed: int, step: int) -> int:
     """A per-step seed that differs across steps and runs with different seeds."""
     return zlib.crc32(f"{seed}:{step}".encode())
-
-
-def step_metrics(
-    plan: Plan,
-    stages: dict[str, ModelStageRuntime],
-    ran: list[str],
-    step: int,
-    prompts: list[list[int]],
-    scored: Scored,
-    losses: tuple[float, float | None],
-    seconds: dict[str, float],
-    updates: tuple[dict[str, UpdateRule], dict[str, float]],
-    predicted: dict[str, dict[int, int]],
-    totals: StepTotals | None = None,
-) -> StepMetrics:
-    """The step's record, the same on every rank: its times are the slowest rank's (collective).
-    `ran`: the model-stages that ran this step (actor/inference does not when training gives the
-    old log-probs): only they report measured and predicted peaks by model-stage.
-    `updates`: each trained model-stage's update rule and mean gradient norm. `predicted`:
-    the plan's predicted peaks (`plan_peaks`). `totals`: `step_totals` of `metric_names`
-    (and more), gathered already by the caller (names beyond `metric_names` are left out)."""
-    rules, grad_norms = updates
-    assert scored.old_log_probs is not None, "training gave them"
-    lengths = scored.mask.sum(dim=1)
-    names = metric_names(plan, stages)
-    totals = step_totals(seconds, names, stages) if totals is None else totals
-    # A vLLM engine phase that did not happen at this step is left out of the record.
-    stage_seconds = {
-        name: value
-        for name, value in totals.seconds.items()
-        if name in names and (name not in ENGINE_PHASES or value > 0)
-    }
-    num_ranks = len(totals.memory_peak)
-    predicted_by_stage = {name: [by_rank.get(r, 0) for r in range(num_ranks)] for name, by_rank in predicted.items()}
-    return StepMetrics(
-        step=step,
-        reward=float(scored.scores.mean()),
-        score=float(scored.rule_scores.mean()),
-        kl=float(masked_mean(scored.old_log_probs - scored.ref_log_probs, scored.mask)),
-        response_len_mean=float(lengths.mean()),
-        response_len_min=int(lengths.min()),
-        response_len_max=int(lengths.max()),
-        prompt_len=max(len(prompt) for prompt in prompts),
-        actor_loss=losses[0],
-        critic_loss=losses[1],
-        step_seconds=stage_seconds.pop("step"),
-        stage_seconds=stage_seconds,
-        state_bytes_per_rank=totals.state_bytes,
-        memory_peak_bytes=totals.memory_peak,
-        predicted_memory_peak_bytes=[max(column) for column in zip(*predicted_by_stage.values(), strict=True)],
-        memory_peak_bytes_by_stage={n: v for n, v in totals.memory_peak_by_stage.items() if n in ran},
-        predicted_memory_peak_bytes_by_stage={n: v for n, v in predicted_by_stage.items() if n in ran},
-        host_memory_bytes=totals.host_peak,
-        predicted_host_memory_bytes=predicted_host(plan, stages, num_ranks),
-        grad_norm=dict(grad_norms),
-        lr={name: rule.lr for name, rule in rules.items()},
-    )
 
 
 def metric_names(plan: Plan, stages: dict[str, ModelStageRuntime]) -> list[str]:

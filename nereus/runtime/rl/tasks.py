@@ -9,6 +9,7 @@ generation has a long tail.
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter
 from collections.abc import Sequence
@@ -61,14 +62,9 @@ class CharTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids` up to the first end-of-sequence token; other special tokens are dropped
         and ids past the alphabet (a model's vocabulary may be larger) become `UNKNOWN_CHAR`."""
-        chars = []
-        for token in ids:
-            if token == self.eos_id:
-                break
-            if token >= self.num_special:
-                index = token - self.num_special
-                chars.append(self.alphabet[index] if index < len(self.alphabet) else UNKNOWN_CHAR)
-        return "".join(chars)
+        kept = itertools.takewhile(lambda token: token != self.eos_id, ids)
+        indices = [token - self.num_special for token in kept if token >= self.num_special]
+        return "".join(self.alphabet[index] if index < len(self.alphabet) else UNKNOWN_CHAR for index in indices)
 
 
 @dataclass(frozen=True)

@@ -72,9 +72,7 @@ def gather_numbers(values: list[float]) -> torch.Tensor:
     if dist.get_world_size() == 1:
         return torch.tensor([values], dtype=torch.float64)
     mine = torch.tensor(values, dtype=torch.float64, device=rank_device())
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    collectives.all_gather(rows, mine)
-    return torch.stack(rows).cpu()
+    return torch.stack(collectives.all_gathered(mine)).cpu()
 
 
 def slowest_rank(seconds: dict[str, float], names: list[str]) -> dict[str, float]:

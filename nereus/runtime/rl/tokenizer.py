@@ -10,6 +10,7 @@ Hugging Face renders it: the template can call no Python outside the sandbox.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -130,11 +131,7 @@ class FolderTokenizer:
         return list(self.backend.encode(text, add_special_tokens=False).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
-        kept = []
-        for token in ids:
-            if token in self.stop_ids:
-                break
-            kept.append(int(token))
+        kept = [int(token) for token in itertools.takewhile(lambda token: token not in self.stop_ids, ids)]
         return str(self.backend.decode(kept, skip_special_tokens=True))
 
     def prompt_ids(self, prompt: PromptValue) -> list[int]:

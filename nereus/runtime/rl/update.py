@@ -66,26 +66,17 @@ def advantages_of(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token advantages, and the critic's returns under PPO (None otherwise); under ReMax
     the greedy responses are scored first (collective where a reward model scores them)."""
-    greedy_scores = None
-    if rollout.greedy is not None:
-        assert rollout.greedy_batch is not None
-        greedy_scores = reward_of(stages, scorer, problems, rollout.greedy_batch, rollout.greedy)
-    return compute_advantages(workload.algorithm, config, scored, workload.samples_per_prompt, greedy_scores)
-
-
-def compute_advantages(
-    algorithm: str, config: RLConfig, scored: Scored, group_size: int, greedy_scores: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token advantages, and the critic's returns under PPO (None otherwise)."""
     mask = scored.mask
-    if algorithm == "ppo":
+    if workload.algorithm == "ppo":
         assert scored.old_values is not None and scored.old_log_probs is not None
         rewards = token_rewards(scored.scores, mask, scored.old_log_probs, scored.ref_log_probs, config.kl_coef)
         advantages, returns = gae(rewards, scored.old_values, mask, config.gamma, config.lam)
         return masked_whiten(advantages, mask), returns
-    if algorithm == "grpo":
-        return broadcast_to_tokens(group_advantages(scored.scores, group_size), mask), None
-    assert algorithm == "remax" and greedy_scores is not None, algorithm
+    if workload.algorithm == "grpo":
+        return broadcast_to_tokens(group_advantages(scored.scores, workload.samples_per_prompt), mask), None
+    assert workload.algorithm == "remax", workload.algorithm
+    assert rollout.greedy is not None and rollout.greedy_batch is not None
+    greedy_scores = reward_of(stages, scorer, problems, rollout.greedy_batch, rollout.greedy)
     return broadcast_to_tokens(remax_advantages(scored.scores, greedy_scores), mask), None
 
 
@@ -168,17 +159,16 @@ def run_training(
         cp = None if actor.engine is None else actor.engine.groups.cp
         if current_as_old is not None and cp is not None and cp.group is not None:
             collectives.all_reduce(current_as_old, cp.group)  # each cp rank wrote its own columns' log-probs
-        trained: dict[str, ModelStageRuntime] = {ACTOR_TRAINING: actor}
-        actor_means = (
-            mean_loss(actor_losses),
-            mean_loss(norms.get(ACTOR_TRAINING, [])),
-            replica_share(actor, current_as_old),
-        )
-        losses: dict[str, tuple[float, float, torch.Tensor | None]] = {ACTOR_TRAINING: actor_means}
+        # Each trained model-stage, its losses and its replica's share of the old log-probs.
+        trained: dict[str, tuple[ModelStageRuntime, list[float], torch.Tensor | None]] = {
+            ACTOR_TRAINING: (actor, actor_losses, replica_share(actor, current_as_old))
+        }
         if critic is not None and critic_losses is not None:
-            critic_means = (mean_loss(critic_losses), mean_loss(norms.get(CRITIC_TRAINING, [])), None)
-            trained[CRITIC_TRAINING], losses[CRITIC_TRAINING] = critic, critic_means
-        gathered = by_replica_of(trained, losses)
+            trained[CRITIC_TRAINING] = (critic, critic_losses, None)
+        mine = {
+            name: (mean_loss(part), mean_loss(norms.get(name, [])), share) for name, (_, part, share) in trained.items()
+        }
+        gathered = by_replica_of({name: stage for name, (stage, _, _) in trained.items()}, mine)
         # Every replica reports the global batch's loss and the global norm; take the first.
         means = {name: values[0][:2] for name, values in gathered.items()}
     grad_norms.update({name: norm for name, (_, norm) in means.items()})
@@ -277,17 +267,16 @@ def fused_training(
     actor_job: TrainingJob,
     critic_job: TrainingJob,
     seconds: dict[str, float],
-    op_timings: list[OpTiming] | None,
+    op_timings: list[OpTiming],
     rules: dict[str, UpdateRule],
     norms: dict[str, list[float]],
     schedule: Schedule | None = None,
 ) -> tuple[list[float], list[float]]:
     """Epochs of mini-batch updates of actor and critic together, each mini-batch one run of
     the plan's fused `schedule` (searched once when the run was set up; None: `fused_schedule`
-    searches it here) under `rules`; each update's
-    losses (none off the training ranks), and its gradient norms into `norms`. Both
-    model-stages ran for the whole phase, so `seconds` gets its wall time under
-    actor/training and critic/training alike."""
+    searches it here) under `rules`; each update's losses (none off the training ranks), and
+    its gradient norms into `norms`. Both model-stages ran for the whole phase, so `seconds`
+    gets its wall time under actor/training and critic/training alike."""
     workload = plan.workload
     (actor, actor_batch, actor_objective), (critic, critic_batch, critic_objective) = actor_job, critic_job
     actor_losses: list[float] = []
@@ -314,8 +303,7 @@ def fused_training(
                 critic_losses.append(critic_loss)
                 norms.setdefault(ACTOR_TRAINING, []).append(actor_norm)
                 norms.setdefault(CRITIC_TRAINING, []).append(critic_norm)
-                if op_timings is not None:
-                    op_timings.extend(dataclasses.replace(timing, update=update) for timing in timings)
+                op_timings.extend(dataclasses.replace(timing, update=update) for timing in timings)
     return actor_losses, critic_losses
 
 
