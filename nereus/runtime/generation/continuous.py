@@ -11,8 +11,8 @@ indexed by how many it has generated, so neither the batch it runs in nor preemp
 re-admission or migration changes them.
 
 `take` and `receive` hand requests between replicas (the fused rollout's long-tail
-migration) in the static engine's `HandOff` format: a running request's cache rows travel,
-or the receiver recomputes them when it admits the request.
+migration) as `decoding.HandOff`s: a running request's cache rows travel, or the receiver
+recomputes them when it admits the request.
 """
 
 from __future__ import annotations
