@@ -94,6 +94,12 @@ class Generated:
     the sequence's p-th token; -1 where it routed none: the last token, which no forward ran).
     None for a dense model (`RoutingRecorder`)."""
 
+    @classmethod
+    def of(cls, outputs: Iterable[Any], routes: list[torch.Tensor] | None = None) -> Generated:
+        """The tokens of vLLM's RequestOutputs and their raw log-probabilities (`completion`)."""
+        new = [completion(output) for output in outputs]
+        return cls([tokens for tokens, _ in new], [values for _, values in new], routes)
+
 
 #: vLLM's tags of the memory a sleeping engine gives back (`LLM.wake_up(tags=...)`).
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
@@ -209,10 +215,7 @@ class VLLMEngine:
         """Responses to `prompts` (sample `sample_ids[i]` seeded by its own key), with the
         raw log-probability of every response token. Every tp rank of the engine calls it
         with the same arguments."""
-        from vllm.inputs import TokensPrompt
-
         self.sleeper.wake()
-        requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
         params = [
             sampling_params(
                 sampling,
@@ -221,21 +224,16 @@ class VLLMEngine:
             )
             for i, sample_id in enumerate(sample_ids)
         ]
-        if not requests:
+        if not prompts:
             return Generated([], [], None if self.routing is None else [])
         if self.routing is not None:
             self.routing.begin()
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        responses, log_probs = [], []
-        for output in outputs:
-            tokens, values = completion(output)
-            responses.append(tokens)
-            log_probs.append(values)
+        outputs = run_requests(self.llm, prompts, params)
         routes = None
         if self.routing is not None:
             routes = [self.routing.take(output.request_id) for output in outputs]
             self.routing.end()
-        return Generated(responses, log_probs, routes)
+        return Generated.of(outputs, routes)
 
     def push_weights(
         self, weights: dict[str, torch.Tensor], meta: StateMeta, rank: int, names: CheckpointNames
@@ -453,6 +451,13 @@ def sampling_params(sampling: SamplingConfig, seed: int, max_tokens: int, delta:
     )
 
 
+def run_requests(llm: Any, sequences: Sequence[list[int]], params: list[Any]) -> list[Any]:
+    """vLLM's RequestOutputs of these token sequences, request i under `params[i]`."""
+    from vllm.inputs import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False)
+
+
 def completion(output: Any) -> tuple[list[int], list[float]]:
     """The tokens of a vLLM RequestOutput and the raw log-probability of each."""
     result = output.outputs[0]
@@ -483,16 +488,11 @@ def continue_generation(
     the tokens a tick allows and continues it after the weight sync); the new tokens and their
     raw log-probs under the engine's weights. Every tp rank of the engine calls it with the
     same arguments; the samples may come from draws of several steps (the seed is per request)."""
-    from vllm.inputs import TokensPrompt
-
     if not sequences:
         return Generated([], [])
     engine.sleeper.wake()
-    requests = [TokensPrompt(prompt_token_ids=list(sequence)) for sequence in sequences]
     params = [sampling_params(sampling, seed, cap) for seed, cap in zip(seeds, max_tokens, strict=True)]
-    outputs = engine.llm.generate(requests, params, use_tqdm=False)
-    new = [completion(output) for output in outputs]
-    return Generated([tokens for tokens, _ in new], [values for _, values in new])
+    return Generated.of(run_requests(engine.llm, sequences, params))
 
 
 @dataclass
