@@ -138,12 +138,6 @@ def sample_at(logits: torch.Tensor, config: SamplingConfig, uniforms: torch.Tens
     return order.gather(-1, index.unsqueeze(-1)).squeeze(-1)
 
 
-def sample_next(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
-    """[b] next tokens from [b, vocab] logits, the uniforms drawn from `generator`."""
-    uniforms = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64).to(logits.device)
-    return sample_at(logits, config, uniforms)
-
-
 def sample_streams(
     logits: torch.Tensor, config: SamplingConfig, keys: torch.Tensor, counters: torch.Tensor
 ) -> torch.Tensor:
