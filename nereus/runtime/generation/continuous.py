@@ -24,7 +24,7 @@ import torch
 from nereus.cost.stage import kv_bytes_per_token
 from nereus.runtime.comm import collectives
 from nereus.runtime.generation.block_scheduler import Request, Scheduler
-from nereus.runtime.generation.decoding import Generation, HandOff, assemble, left_pad, replica_forward
+from nereus.runtime.generation.decoding import HandOff, left_pad, replica_forward
 from nereus.runtime.generation.kv_cache import KVBudget, PagedKVCache, blocks_for, one_sequence_bytes, pool_blocks
 from nereus.runtime.generation.sampling import SamplingConfig, sample_at, sample_seed, stops, stream_uniforms
 from nereus.runtime.model.engine import Engine
@@ -280,7 +280,3 @@ class BatchingDecoder:
             raise ValueError("every resumed sample needs a prompt and a budget above the tokens it generated")
         if requests:
             self._submit(requests)
-
-    def generation(self, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int]) -> Generation:
-        """The finished samples `sample_ids` (with these prompts) as one left-padded batch."""
-        return assemble(prompts, [self.responses[sid] for sid in sample_ids], self.config.pad_token_id)

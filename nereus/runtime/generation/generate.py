@@ -120,10 +120,6 @@ class Decoder:
         while self.num_active:
             self.step()
 
-    def generation(self, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int]) -> Generation:
-        """The finished samples `sample_ids` (with these prompts) as one left-padded batch."""
-        return assemble(prompts, [self.responses[sid] for sid in sample_ids], self.config.pad_token_id)
-
 
 class CachedForward:
     """A replica's stages with a KV cache (collective over the replica's ranks)."""
@@ -187,7 +183,7 @@ def _generate(
     ids = list(range(len(prompts))) if sample_ids is None else list(sample_ids)
     decoder.start(prompts, ids, [config.max_new_tokens] * len(prompts) if budgets is None else budgets)
     decoder.run()
-    return decoder.generation(prompts, ids)
+    return assemble(prompts, [decoder.responses[sid] for sid in ids], config.pad_token_id)
 
 
 def generate(
