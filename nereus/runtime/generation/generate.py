@@ -26,7 +26,7 @@ import torch
 from nereus.runtime.generation.continuous import BatchingDecoder
 from nereus.runtime.generation.decoding import Generation, assemble, left_pad, replica_forward
 from nereus.runtime.generation.kv_cache import KVBudget
-from nereus.runtime.generation.sampling import SamplingConfig, sample_streams, stops, stream_keys
+from nereus.runtime.generation.sampling import SamplingConfig, sample_seed, sample_streams, stops
 from nereus.runtime.model.attention import LayerCache
 from nereus.runtime.model.engine import Engine
 from nereus.runtime.model.tensor_parallel import gather_last_dim
@@ -83,7 +83,7 @@ class Decoder:
         self.sample_ids = list(sample_ids)
         self.budgets = torch.tensor([min(b, self.config.max_new_tokens) for b in budgets], dtype=torch.long)
         self.generated = torch.zeros(len(prompts), dtype=torch.long)
-        self.keys = stream_keys(self.config.seed, sample_ids)
+        self.keys = torch.tensor([sample_seed(self.config.seed, int(i)) for i in sample_ids], dtype=torch.long)
         self.forward.reset(len(prompts), self.tokens.shape[1] + int(self.budgets.max()))
 
     def step(self) -> None:
@@ -131,11 +131,10 @@ class CachedForward:
         self.cached = 0
         """Columns of the batch already in the cache."""
 
-    def _new_caches(self, num_rows: int, capacity: int) -> dict[int, LayerCache]:
-        return self.engine.pipeline_stage.new_caches(num_rows, capacity, self.engine.dtype, self.engine.device)
-
     def reset(self, num_rows: int, capacity: int) -> None:
-        self.caches, self.cached = self._new_caches(num_rows, capacity), 0
+        engine = self.engine
+        self.caches = engine.pipeline_stage.new_caches(num_rows, capacity, engine.dtype, engine.device)
+        self.cached = 0
 
     def logits(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
         output = replica_forward(self.engine, tokens[:, self.cached :], mask, self.caches, self.cached)

@@ -14,7 +14,6 @@ so no product overflows (integer overflow is not defined behaviour for torch ker
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,11 +145,6 @@ def sample_streams(
         return logits.float().argmax(dim=-1)
     uniforms = stream_uniforms(keys.to(logits.device), counters.to(logits.device))
     return sample_at(logits, config, uniforms)
-
-
-def stream_keys(seed: int, sample_ids: Sequence[int]) -> torch.Tensor:
-    """[b] int64 stream keys of these samples."""
-    return torch.tensor([sample_seed(seed, int(i)) for i in sample_ids], dtype=torch.long)
 
 
 def stops(tokens: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
