@@ -82,8 +82,7 @@ class BatchingDecoder:
         self._submit(requests)
 
     def _request(self, sample_id: int, tokens: Sequence[int], prompt_len: int, budget: int) -> Request:
-        key = sample_seed(self.config.seed, sample_id)
-        return Request(int(sample_id), list(tokens), prompt_len, budget, key)
+        return Request(int(sample_id), list(tokens), prompt_len, budget, sample_seed(self.config.seed, sample_id))
 
     def _submit(self, requests: list[Request]) -> None:
         scheduler = self._scheduler(requests)
@@ -216,10 +215,8 @@ class BatchingDecoder:
         recomputed where it lands)."""
         assert self.scheduler is not None and self.cache is not None
         taken = [self.requests.pop(sid) for sid in sample_ids]
-        kv = []
+        kv = [self.cache.export(self.cache.slots(r.blocks, 0, r.cached if r.blocks else 0)) for r in taken]
         for request in taken:
-            cached = request.cached if request.blocks else 0
-            kv.append(self.cache.export(self.cache.slots(request.blocks, 0, cached)))
             if request.blocks:
                 self.scheduler.finish(request)
             else:
