@@ -11,9 +11,8 @@ import torch
 
 from nereus.errors import NereusError
 from nereus.runtime.comm.spawn import spawn
-from nereus.runtime.generation.generate import CachedForward, Decoder, SamplingConfig, reference_generate
+from nereus.runtime.generation.generate import SamplingConfig, reference_generate
 from nereus.runtime.generation.sampling import sample_seed
-from nereus.runtime.model.engine import Engine
 from nereus.runtime.model.initialization import init_logical_params
 from nereus.runtime.model.transformer import ReferenceModel
 from nereus.runtime.rl.fused_rollout import EARLY_CHUNK, EVENT_KINDS, fused_rollout, plan_moves
@@ -27,7 +26,6 @@ from nereus.runtime.rl.scoring import run_inference
 from nereus.runtime.rl.stages import build_stages, rollout_batch
 from nereus.runtime.rl.step import rl_step
 from nereus.runtime.rl.update import sync_plans
-from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan
 from nereus.spec.presets import MODELS
@@ -65,50 +63,6 @@ def reference_model() -> ReferenceModel:
         for name, param in ref.named_logical_parameters().items():
             param.copy_(params[name])
     return ref
-
-
-# ---- decoders on one rank: migration of rows between two replicas' decoders ----
-
-
-def migrate_between_decoders(rank: int, world: int, with_cache: bool) -> dict[int, list[int]]:
-    """Two decoders on one engine stand for two replicas: rows move from one to the other mid-way,
-    once into a wider batch (the incoming row shifts right) and once into a narrower one (the
-    rows there shift)."""
-    engine = Engine.create(TINY, "lm", RankLayout(1, 1, 1, (0,)))
-    assert engine is not None
-    engine.load_logical_params(scaled_params())
-    source, target = Decoder(CachedForward(engine), SAMPLING), Decoder(CachedForward(engine), SAMPLING)
-    source.start(PROMPTS[:6], range(6), BUDGETS[:6])
-    target.start(PROMPTS[6:], range(6, 12), BUDGETS[6:])
-    for _ in range(2):
-        source.step()
-        target.step()
-    target.receive(source.take([5], with_cache))
-    source.step()
-    target.step()
-    source.receive(target.take([11, 8], with_cache))
-    source.run()
-    target.run()
-    return source.responses | target.responses
-
-
-def migrate_both_ways(rank: int, world: int) -> dict[str, dict[int, list[int]]]:
-    """`migrate_between_decoders` with the KV cache rows moved (kv-transfer) and without them
-    (recompute: the target prefills the row again), each on decoders of its own."""
-    return {
-        name: migrate_between_decoders(rank, world, with_cache)
-        for name, with_cache in (("kv-transfer", True), ("recompute", False))
-    }
-
-
-@pytest.mark.multiprocess
-def test_rows_migrate_between_decoders_unchanged() -> None:
-    """Both mechanisms in one spawned rank (one start-up for the two cases)."""
-    moved = spawn(migrate_both_ways, 1)[0]
-    expected = reference_generate(reference_model(), PROMPTS, SAMPLING, budgets=BUDGETS).responses()
-    assert [len(r) for r in expected] == BUDGETS
-    for name in ("kv-transfer", "recompute"):
-        assert [moved[name][i] for i in range(12)] == expected, name
 
 
 def test_a_sample_draws_the_same_tokens_in_any_batch() -> None:

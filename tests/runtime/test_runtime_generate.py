@@ -15,7 +15,7 @@ from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.generation.continuous import BatchingDecoder
 from nereus.runtime.generation.generate import SamplingConfig, generate, left_pad, reference_generate
 from nereus.runtime.generation.kv_cache import KVBudget
-from nereus.runtime.generation.sampling import sample_next
+from nereus.runtime.generation.sampling import sample_at
 from nereus.runtime.model.engine import Engine
 from nereus.runtime.model.initialization import init_logical_params
 from nereus.runtime.model.parallel_groups import admissible_layouts
@@ -144,6 +144,11 @@ def test_generation_stops_at_eos() -> None:
     assert stopped[0] == free[0][: stop_at + 1]
     every_step_eos = SamplingConfig(max_new_tokens=6, eos_token_id=free[1][0])
     assert reference_generate(ref, [PROMPTS[1]], every_step_eos).tokens.shape[1] == len(PROMPTS[1]) + 1
+
+
+def sample_next(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
+    """[b] next tokens from [b, vocab] logits, the uniforms drawn from `generator`."""
+    return sample_at(logits, config, torch.rand(logits.shape[0], generator=generator, dtype=torch.float64))
 
 
 def test_top_p_draws_only_from_the_nucleus() -> None:

@@ -11,8 +11,8 @@ indexed by how many it has generated, so neither the batch it runs in nor preemp
 re-admission or migration changes them.
 
 `take` and `receive` hand requests between replicas (the fused rollout's long-tail
-migration) in the static engine's `HandOff` format: a running request's cache rows travel,
-or the receiver recomputes them when it admits the request.
+migration) as `decoding.HandOff`s: a running request's cache rows travel, or the receiver
+recomputes them when it admits the request.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import torch
 from nereus.cost.stage import kv_bytes_per_token
 from nereus.runtime.comm import collectives
 from nereus.runtime.generation.block_scheduler import Request, Scheduler
-from nereus.runtime.generation.decoding import Generation, HandOff, assemble, left_pad, replica_forward
-from nereus.runtime.generation.kv_cache import KVBudget, PagedKVCache, blocks_for, one_sequence_bytes, pool_blocks
+from nereus.runtime.generation.decoding import HandOff, left_pad, replica_forward
+from nereus.runtime.generation.kv_cache import KVBudget, PagedKVCache, blocks_for, pool_blocks
 from nereus.runtime.generation.sampling import SamplingConfig, sample_at, sample_seed, stops, stream_uniforms
 from nereus.runtime.model.engine import Engine
 from nereus.runtime.model.tensor_parallel import gather_last_dim
@@ -82,50 +82,50 @@ class BatchingDecoder:
         self._submit(requests)
 
     def _request(self, sample_id: int, tokens: Sequence[int], prompt_len: int, budget: int) -> Request:
-        key = sample_seed(self.config.seed, sample_id)
-        return Request(int(sample_id), list(tokens), prompt_len, budget, key)
+        return Request(int(sample_id), list(tokens), prompt_len, budget, sample_seed(self.config.seed, sample_id))
 
     def _submit(self, requests: list[Request]) -> None:
         scheduler = self._scheduler(requests)
         longest = max(r.prompt_len + r.budget for r in requests)
         if not scheduler.fits_alone(longest):
-            self._refuse(longest, scheduler.allocator.num_blocks)
+            needed = blocks_for(longest, self._block) * self._block_bytes
+            raise ValueError(
+                f"a KV budget of {scheduler.allocator.num_blocks} blocks of {self._block} tokens per rank cannot hold "
+                f"one sequence of {longest} tokens: it needs {needed} bytes ({format_bytes(needed)}) per rank; raise "
+                "the KV budget"
+            )
         self.requests.update({r.sample_id: r for r in requests})
         scheduler.submit(requests)
-
-    def _refuse(self, tokens: int, num_blocks: int) -> None:
-        groups, model = self.engine.groups, self.engine.model
-        element = next(self.engine.pipeline_stage.parameters()).element_size()
-        needed = one_sequence_bytes(model, groups.tp.size, groups.link.num_stages, tokens, element, self._block)
-        raise ValueError(
-            f"a KV budget of {num_blocks} blocks of {self._block} tokens per rank cannot hold one sequence of "
-            f"{tokens} tokens: it needs {needed} bytes ({format_bytes(needed)}) per rank; raise the KV budget"
-        )
 
     @property
     def _block(self) -> int:
         return self.budget.block_tokens
+
+    @property
+    def _block_bytes(self) -> int:
+        """KV bytes of one block on this rank."""
+        stage, groups = self.engine.pipeline_stage, self.engine.groups
+        element = next(stage.parameters()).element_size()
+        return self._block * kv_bytes_per_token(stage.model, groups.tp.size, groups.link.num_stages, element)
 
     def _scheduler(self, requests: Sequence[Request]) -> Scheduler:
         """The scheduler, its pool allocated on first use, for `requests` at their longest
         unless `room_for` says otherwise (collective over the replica)."""
         if self.scheduler is not None:
             return self.scheduler
-        stage, groups = self.engine.pipeline_stage, self.engine.groups
-        element = next(stage.parameters()).element_size()
-        block_bytes = self._block * kv_bytes_per_token(stage.model, groups.tp.size, groups.link.num_stages, element)
         if self.room_for is not None:
             demand = self.room_for[0] * blocks_for(self.room_for[1], self._block)
         else:
             demand = sum(blocks_for(r.prompt_len + r.budget, self._block) for r in requests)
-        mine = pool_blocks(self.budget, block_bytes, demand, self.engine.device)
+        mine = pool_blocks(self.budget, self._block_bytes, demand, self.engine.device)
         # Every rank of the replica must hold the same requests: the smallest pool binds.
         agreed = torch.tensor([-float(mine)], dtype=torch.float64, device=self.engine.device)
+        groups = self.engine.groups
         for group in (groups.tp.group, groups.link.group):
             if group is not None:
                 collectives.all_reduce(agreed, group, op="max")
         num_blocks = int(-agreed.item())
-        self.cache = PagedKVCache(stage, num_blocks, self._block, self.engine.device)
+        self.cache = PagedKVCache(self.engine.pipeline_stage, num_blocks, self._block, self.engine.device)
         self.scheduler = Scheduler(num_blocks, self._block)
         return self.scheduler
 
@@ -215,10 +215,8 @@ class BatchingDecoder:
         recomputed where it lands)."""
         assert self.scheduler is not None and self.cache is not None
         taken = [self.requests.pop(sid) for sid in sample_ids]
-        kv = []
+        kv = [self.cache.export(self.cache.slots(r.blocks, 0, r.cached if r.blocks else 0)) for r in taken]
         for request in taken:
-            cached = request.cached if request.blocks else 0
-            kv.append(self.cache.export(self.cache.slots(request.blocks, 0, cached)))
             if request.blocks:
                 self.scheduler.finish(request)
             else:
@@ -280,7 +278,3 @@ class BatchingDecoder:
             raise ValueError("every resumed sample needs a prompt and a budget above the tokens it generated")
         if requests:
             self._submit(requests)
-
-    def generation(self, prompts: Sequence[Sequence[int]], sample_ids: Sequence[int]) -> Generation:
-        """The finished samples `sample_ids` (with these prompts) as one left-padded batch."""
-        return assemble(prompts, [self.responses[sid] for sid in sample_ids], self.config.pad_token_id)

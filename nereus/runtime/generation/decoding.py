@@ -27,24 +27,26 @@ class Generation:
 
     def responses(self) -> list[list[int]]:
         """Each sequence's generated tokens (through EOS when it stopped there)."""
-        out = []
-        for row, mask in zip(
-            self.tokens[:, self.prompt_width :], self.attention_mask[:, self.prompt_width :], strict=True
-        ):
-            out.append([int(t) for t in row[mask]])
-        return out
+        generated = zip(self.tokens[:, self.prompt_width :], self.attention_mask[:, self.prompt_width :], strict=True)
+        return [[int(t) for t in row[mask]] for row, mask in generated]
+
+
+def _padded(rows: Sequence[Sequence[int]], pad_token_id: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` as one [b, longest] batch, padded on the left or the right, and its mask."""
+    width = max(len(row) for row in rows)
+    tokens = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for index, row in enumerate(rows):
+        columns = slice(width - len(row), width) if left else slice(0, len(row))
+        tokens[index, columns] = torch.tensor(list(row), dtype=torch.long)
+        mask[index, columns] = True
+    return tokens, mask
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generation needs at least one prompt and every prompt at least one token")
-    width = max(len(p) for p in prompts)
-    tokens = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        tokens[row, width - len(prompt) :] = torch.tensor(list(prompt), dtype=torch.long)
-        mask[row, width - len(prompt) :] = True
-    return tokens, mask
+    return _padded(prompts, pad_token_id, left=True)
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,7 @@ class HandOff:
 def assemble(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_token_id: int) -> Generation:
     """Left-padded prompts followed by right-padded responses."""
     tokens, mask = left_pad(prompts, pad_token_id)
-    width = max(len(response) for response in responses)
-    generated = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    generated_mask = torch.zeros((len(prompts), width), dtype=torch.bool)
-    for row, response in enumerate(responses):
-        generated[row, : len(response)] = torch.tensor(list(response), dtype=torch.long)
-        generated_mask[row, : len(response)] = True
+    generated, generated_mask = _padded(responses, pad_token_id, left=False)
     return Generation(torch.cat([tokens, generated], dim=1), torch.cat([mask, generated_mask], dim=1), tokens.shape[1])
 
 

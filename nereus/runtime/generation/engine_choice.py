@@ -21,8 +21,6 @@ from nereus.spec.stages import ACTOR_GENERATION
 
 #: Bytes per KV element by workload dtype (vLLM's cache takes the model's dtype).
 KV_ELEMENT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-#: vLLM's dtype argument by workload dtype.
-VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 #: Head sizes vLLM 0.32's CPU attention kernels take (`CPUAttentionBackend.get_supported_head_sizes`).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 #: vLLM 0.32's CPU experts pad each rank's expert intermediate size to a multiple of this
@@ -119,10 +117,7 @@ def vllm_problem(config: RunConfig, plan: Plan, on_cuda: bool) -> str | None:
         return (
             "needs the actor from a Hugging Face folder (set `model:` in the run config) or generation.engine: nereus"
         )
-    problem = vllm_plan_problem(plan)
-    if problem is not None:
-        return problem
-    return architecture_problem(Path(folder), plan, on_cuda)
+    return vllm_plan_problem(plan) or architecture_problem(Path(folder), plan, on_cuda)
 
 
 def vllm_plan_problem(plan: Plan) -> str | None:

@@ -23,9 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from nereus.cost.kv_pool import BLOCK_TOKENS, MEMORY_UTILISATION
-from nereus.cost.stage import kv_bytes_per_token
 from nereus.runtime.model.transformer import DecoderPipelineStage
-from nereus.spec.model import Model
 
 
 @dataclass(frozen=True)
@@ -56,11 +54,6 @@ class KVBudget:
 
 def blocks_for(tokens: int, block_tokens: int) -> int:
     return -(-tokens // block_tokens)
-
-
-def one_sequence_bytes(model: Model, tp: int, pp: int, tokens: int, element_bytes: int, block_tokens: int) -> int:
-    """Bytes per rank of the blocks one sequence of `tokens` tokens takes."""
-    return blocks_for(tokens, block_tokens) * block_tokens * kv_bytes_per_token(model, tp, pp, element_bytes)
 
 
 def memory_left(budget: KVBudget, device: torch.device) -> float:

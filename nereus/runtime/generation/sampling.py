@@ -14,7 +14,6 @@ so no product overflows (integer overflow is not defined behaviour for torch ker
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -138,12 +137,6 @@ def sample_at(logits: torch.Tensor, config: SamplingConfig, uniforms: torch.Tens
     return order.gather(-1, index.unsqueeze(-1)).squeeze(-1)
 
 
-def sample_next(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
-    """[b] next tokens from [b, vocab] logits, the uniforms drawn from `generator`."""
-    uniforms = torch.rand(logits.shape[0], generator=generator, dtype=torch.float64).to(logits.device)
-    return sample_at(logits, config, uniforms)
-
-
 def sample_streams(
     logits: torch.Tensor, config: SamplingConfig, keys: torch.Tensor, counters: torch.Tensor
 ) -> torch.Tensor:
@@ -152,11 +145,6 @@ def sample_streams(
         return logits.float().argmax(dim=-1)
     uniforms = stream_uniforms(keys.to(logits.device), counters.to(logits.device))
     return sample_at(logits, config, uniforms)
-
-
-def stream_keys(seed: int, sample_ids: Sequence[int]) -> torch.Tensor:
-    """[b] int64 stream keys of these samples."""
-    return torch.tensor([sample_seed(seed, int(i)) for i in sample_ids], dtype=torch.long)
 
 
 def stops(tokens: torch.Tensor, config: SamplingConfig) -> torch.Tensor:

@@ -94,6 +94,12 @@ class Generated:
     the sequence's p-th token; -1 where it routed none: the last token, which no forward ran).
     None for a dense model (`RoutingRecorder`)."""
 
+    @classmethod
+    def of(cls, outputs: Iterable[Any], routes: list[torch.Tensor] | None = None) -> Generated:
+        """The tokens of vLLM's RequestOutputs and their raw log-probabilities (`completion`)."""
+        new = [completion(output) for output in outputs]
+        return cls([tokens for tokens, _ in new], [values for _, values in new], routes)
+
 
 #: vLLM's tags of the memory a sleeping engine gives back (`LLM.wake_up(tags=...)`).
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
@@ -209,10 +215,7 @@ class VLLMEngine:
         """Responses to `prompts` (sample `sample_ids[i]` seeded by its own key), with the
         raw log-probability of every response token. Every tp rank of the engine calls it
         with the same arguments."""
-        from vllm.inputs import TokensPrompt
-
         self.sleeper.wake()
-        requests = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts]
         params = [
             sampling_params(
                 sampling,
@@ -221,21 +224,16 @@ class VLLMEngine:
             )
             for i, sample_id in enumerate(sample_ids)
         ]
-        if not requests:
+        if not prompts:
             return Generated([], [], None if self.routing is None else [])
         if self.routing is not None:
             self.routing.begin()
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        responses, log_probs = [], []
-        for output in outputs:
-            tokens, values = completion(output)
-            responses.append(tokens)
-            log_probs.append(values)
+        outputs = run_requests(self.llm, prompts, params)
         routes = None
         if self.routing is not None:
             routes = [self.routing.take(output.request_id) for output in outputs]
             self.routing.end()
-        return Generated(responses, log_probs, routes)
+        return Generated.of(outputs, routes)
 
     def push_weights(
         self, weights: dict[str, torch.Tensor], meta: StateMeta, rank: int, names: CheckpointNames
@@ -243,15 +241,12 @@ class VLLMEngine:
         """Load the generation engine's live weights (`param/name` keys, this rank's shards
         as `meta` lays them out) into vLLM, bucket by bucket (collective over the engine's
         tp ranks); `names` gives the checkpoint (Hugging Face) tensors of a whole runtime
-        parameter (an expert stack: one tensor per expert, the names vLLM's MoE loaders take)."""
-        self.load_weights(self._whole_tensors(weights, meta, meta.rank_boxes(rank), names))
-
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load (checkpoint name, whole tensor) pairs into the engine's parameters, waking the
-        weights' memory first if the engine sleeps; timed as a weight load."""
+        parameter (an expert stack: one tensor per expert, the names vLLM's MoE loaders take).
+        The weights' memory wakes first if the engine sleeps; timed as a weight load."""
+        tensors = self._whole_tensors(weights, meta, meta.rank_boxes(rank), names)
         self.sleeper.wake((WEIGHTS,))
         began = time.perf_counter()
-        self.model_runner.reload_weights(weights_iterator=iter(tensors))
+        self.model_runner.reload_weights(weights_iterator=tensors)
         self._refresh_tied_head()
         self._repack_cpu_experts()
         if torch.cuda.is_available():
@@ -294,37 +289,32 @@ class VLLMEngine:
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, whole tensor) of every weight, assembled across the tp ranks a
         bucket at a time; every tp rank walks the keys in the same (meta) order."""
-        bucket: list[tuple[str, torch.Tensor, bool]] = []
+        bucket: list[tuple[str, torch.Tensor]] = []
+        split: list[torch.Tensor] = []
         size = 0
-        for key in meta.tensors:
-            shard = weights[key]
-            tensor_meta = meta.tensors[key]
-            whole_shape = tensor_meta.global_shape
-            split = tuple(shard.shape) != tuple(whole_shape)
-            if split:
-                whole = torch.zeros(whole_shape, dtype=shard.dtype, device=shard.device)
+        for key, tensor_meta in meta.tensors.items():
+            whole = shard = weights[key]
+            if tuple(shard.shape) != tuple(tensor_meta.global_shape):
+                whole = torch.zeros(tensor_meta.global_shape, dtype=shard.dtype, device=shard.device)
                 whole[box_slices(boxes[key])] = shard
-            else:
-                whole = shard
-            bucket.append((tensor_meta.name, whole, split))
+                split.append(whole)
+            bucket.append((tensor_meta.name, whole))
             size += whole.numel() * whole.element_size()
             if size >= SYNC_BUCKET_BYTES:
-                yield from self._assembled(bucket, names)
-                bucket, size = [], 0
-        yield from self._assembled(bucket, names)
+                yield from self._assembled(bucket, split, names)
+                bucket, split, size = [], [], 0
+        yield from self._assembled(bucket, split, names)
 
     def _assembled(
-        self, bucket: list[tuple[str, torch.Tensor, bool]], names: CheckpointNames
+        self, bucket: list[tuple[str, torch.Tensor]], split: list[torch.Tensor], names: CheckpointNames
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        split = [tensor for _, tensor, is_split in bucket if is_split]
+        """The bucket's checkpoint tensors, its `split` ones (this rank's shard in zeros) made whole first."""
         if split and self.tp_group is not None:
             flat = torch.cat([tensor.reshape(-1) for tensor in split])
             collectives.all_reduce(flat, self.tp_group)  # disjoint shards, zeros elsewhere: the sum is the whole
-            offset = 0
-            for tensor in split:
-                tensor.copy_(flat[offset : offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
-        for name, tensor, _ in bucket:
+            for tensor, whole in zip(split, flat.split([tensor.numel() for tensor in split]), strict=True):
+                tensor.copy_(whole.view_as(tensor))
+        for name, tensor in bucket:
             yield from names(name, tensor).items()
 
     def close(self) -> None:
@@ -453,6 +443,13 @@ def sampling_params(sampling: SamplingConfig, seed: int, max_tokens: int, delta:
     )
 
 
+def run_requests(llm: Any, sequences: Sequence[list[int]], params: list[Any]) -> list[Any]:
+    """vLLM's RequestOutputs of these token sequences, request i under `params[i]`."""
+    from vllm.inputs import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=list(s)) for s in sequences], params, use_tqdm=False)
+
+
 def completion(output: Any) -> tuple[list[int], list[float]]:
     """The tokens of a vLLM RequestOutput and the raw log-probability of each."""
     result = output.outputs[0]
@@ -483,16 +480,11 @@ def continue_generation(
     the tokens a tick allows and continues it after the weight sync); the new tokens and their
     raw log-probs under the engine's weights. Every tp rank of the engine calls it with the
     same arguments; the samples may come from draws of several steps (the seed is per request)."""
-    from vllm.inputs import TokensPrompt
-
     if not sequences:
         return Generated([], [])
     engine.sleeper.wake()
-    requests = [TokensPrompt(prompt_token_ids=list(sequence)) for sequence in sequences]
     params = [sampling_params(sampling, seed, cap) for seed, cap in zip(seeds, max_tokens, strict=True)]
-    outputs = engine.llm.generate(requests, params, use_tqdm=False)
-    new = [completion(output) for output in outputs]
-    return Generated([tokens for tokens, _ in new], [values for _, values in new])
+    return Generated.of(run_requests(engine.llm, sequences, params))
 
 
 @dataclass

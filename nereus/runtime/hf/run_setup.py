@@ -71,9 +71,8 @@ def hf_sources(actor: Path, critic: Path | None, reward: Path | None) -> HfSourc
             continue
         other = hf_weights(folder, "value", field)
         # The head is not the decoder: a value-head checkpoint may say nothing about tying.
-        if other.model.model_copy(update={"name": main.model.name, "tied_embeddings": main.model.tied_embeddings}) != (
-            main.model
-        ):
+        uncompared = {"name": main.model.name, "tied_embeddings": main.model.tied_embeddings}
+        if other.model.model_copy(update=uncompared) != main.model:
             raise NereusError(
                 f"{field}: {other.folder} holds another architecture than {main.folder}; "
                 "every role of a run plays the same model"
