@@ -223,8 +223,7 @@ class Engine:
         """Whether `host_grads` hold a gradient (False after `zero_grad`)."""
         if self.train_offload == "optimizer":
             for name, param in self.params.items():
-                rows = local(param) if self.full_shard else self.mine(param)
-                self.host_grads[name] = host_empty(tuple(rows.shape), self.dtype).zero_()
+                self.host_grads[name] = host_empty(tuple(self.mine(param).shape), self.dtype).zero_()
                 if not self.full_shard:  # FSDP2 reduce-scatters into its own shards: moved after the backward
                     param.register_post_accumulate_grad_hook(self._grad_to_host_hook(name))
         self.executor = PipelineExecutor(groups.link, self.dtype, self.device)
@@ -322,15 +321,15 @@ class Engine:
         return tensor[offset : offset + count]
 
     def mine(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of `tensor` (`rows`; with cp = 1 its replica's)."""
-        return self.rows(tensor, self.groups.shard_index)
+        """This rank's rows of `tensor` (`rows`; with cp = 1 its replica's): a DTensor's local rows
+        (full sharding: FSDP2 placed them as `rows` would cut them)."""
+        held = local(tensor)
+        return self.rows(tensor, self.groups.shard_index) if held is tensor else held
 
     def _state_shape(self, family: str, name: str) -> tuple[int, ...]:
         """The shape of `family/name` in this rank's state: this replica's rows of a split family."""
         param = self.params[name]
-        if self.full_shard:
-            return tuple(local(param).shape)
-        return tuple(self.mine(param).shape) if self.split_family(family) else tuple(param.shape)
+        return tuple((self.mine(param) if self.split_family(family) else param).shape)
 
     def split_family(self, family: str) -> bool:
         """Whether each replica holds only its rows of `family` (`sharded_state.dp_sharded_families`;
@@ -440,62 +439,51 @@ class Engine:
         """The live working parameters (in the engine's dtype), keyed `param/name`: what a
         weight sync sends (the masters stay with the trainer). Under full sharding each is
         all-gathered whole (a copy; collective over dp)."""
-        if self.full_shard:
-            self._awake_for_state()
-            placed: dict[str, Any] = {name: param.detach() for name, param in self.params.items()}
-            return {state_key("param", name): param.full_tensor() for name, param in placed.items()}
-        return {state_key("param", name): param.detach() for name, param in self.params.items()}
+        self._awake_for_state()
+        placed: dict[str, Any] = {state_key("param", name): param.detach() for name, param in self.params.items()}
+        return {key: param.full_tensor() for key, param in placed.items()} if self.full_shard else placed
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds, by the cost model's terms: parameters,
         gradients and optimizer (fp32 masters and AdamW moments)."""
+        on_host = {t.data_ptr() for tensors in self._host_state().values() for t in tensors if t.numel()}
 
-        on_host = {t.data_ptr() for t in self._host_state_tensors() if t.numel()}
-
-        def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors if t is not None and t.data_ptr() not in on_host)
+        def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+            return _nbytes(t for t in tensors if t.data_ptr() not in on_host)
 
         if self.parking.asleep:  # the engine's state tensors are the host buffers (or freed shards)
             return {"parameters": 0, "gradients": 0, "optimizer": 0}
-        optimizer = sum(nbytes(family.values()) for family in self.optimizer.state_tensors().values())
-        return {
-            "parameters": nbytes(local(p) for p in self.params.values()),
-            "gradients": nbytes(local(p.grad) for p in self.params.values() if p.grad is not None),
-            "optimizer": optimizer,
-        }
+        return {term: nbytes(tensors) for term, tensors in self._state().items()}
 
     def host_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank keeps in host memory, by the cost model's terms
         (`StageCostModel.host_terms`, and `asleep` for an offloaded model-stage's host buffers,
         which are kept while it is awake too): what the memory tracker counts apart from the
         device's (`nereus.runtime.observe.memory`)."""
-
-        def nbytes(tensors: Iterable[torch.Tensor]) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors)
-
-        out: dict[str, int] = {}
-        if self.train_offload != "none":  # kept in host memory whether asleep or not
-            optimizer = self.optimizer.state_tensors().values()
-            out["optimizer"] = sum(nbytes(family.values()) for family in optimizer)
-            if self.host_grads:
-                out["gradients"] = nbytes(self.host_grads.values())
-            if self.train_offload == "params":
-                out["parameters"] = nbytes(local(p) for p in self.params.values())
-                out["gradients"] = nbytes(local(p.grad) for p in self.params.values() if p.grad is not None)
+        out = {term: _nbytes(tensors) for term, tensors in self._host_state().items()}
         if self.parking.buffers:
             out["asleep"] = self.parking.nbytes
         return out
 
-    def _host_state_tensors(self) -> list[torch.Tensor]:
-        """The state tensors in host memory (training-time offload's), told apart by address."""
-        if self.train_offload == "none":
-            return []
-        tensors = [t for family in self.optimizer.state_tensors().values() for t in family.values()]
-        tensors += self.host_grads.values()
-        if self.train_offload == "params":
-            tensors += [local(p) for p in self.params.values()]
-            tensors += [local(p.grad) for p in self.params.values() if p.grad is not None]
-        return tensors
+    def _state(self) -> dict[str, list[torch.Tensor]]:
+        """This rank's state tensors by the cost model's terms (a DTensor's local rows), live:
+        parameters, gradients and optimizer (fp32 masters and AdamW moments)."""
+        return {
+            "parameters": [local(p) for p in self.params.values()],
+            "gradients": [local(p.grad) for p in self.params.values() if p.grad is not None],
+            "optimizer": [t for family in self.optimizer.state_tensors().values() for t in family.values()],
+        }
+
+    def _host_state(self) -> dict[str, list[torch.Tensor]]:
+        """Training-time offload's state tensors by term, kept in host memory whether asleep or
+        not (`state_bytes` tells them apart by address): all of it under `params` (FSDP2's CPU
+        offload), the optimizer's and the host gradients under `optimizer`."""
+        if self.train_offload != "optimizer":
+            return self._state() if self.train_offload == "params" else {}
+        host = {"optimizer": self._state()["optimizer"]}
+        if self.host_grads:
+            host["gradients"] = list(self.host_grads.values())
+        return host
 
     # ---- offload: asleep in host memory between runs ----
 
@@ -536,7 +524,7 @@ class Engine:
             if name in self.host_grads or self.train_offload == "params":
                 continue
             if self.full_shard:
-                slots.append(Slot(("grad", name), partial(_local_grad, param), partial(self._put_grad, name)))
+                slots.append(Slot(("grad", name), partial(self._held_grad, name), partial(self._put_grad, name)))
             else:
                 slots.append(Slot(("grad", name), partial(getattr, param, "grad"), partial(setattr, param, "grad")))
         if self.train_offload == "none":
@@ -546,8 +534,16 @@ class Engine:
         return slots
 
     def _put_grad(self, name: str, rows: torch.Tensor | None) -> None:
-        """Full sharding: parameter `name`'s gradient from this replica's `rows` (None: none)."""
-        self.params[name].grad = None if rows is None else self._placed(name, rows)
+        """Full sharding: parameter `name`'s gradient from this replica's `rows` (None: none), a
+        DTensor placed as the parameter is."""
+        from torch.distributed.tensor import DTensor
+
+        param: Any = self.params[name]
+        if rows is not None:
+            rows = DTensor.from_local(
+                rows, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+            )
+        param.grad = rows
 
     def load_logical_params(self, logical: Mapping[str, torch.Tensor]) -> None:
         """Set this shard's parameters from whole (unsharded) tensors by name; keeps the optimizer state."""
@@ -720,7 +716,6 @@ class Engine:
         self._sync_grads()  # over dp x cp: each cp rank's gradient holds its columns' share
         if self.host_grads:
             self._grads_held = True
-        cp = self.groups.cp
         if self.groups.ep.size > 1:  # the ep ranks are data-parallel for every weight but their experts
             shared = [grad for name, grad in self._named_grads() if name not in self.expert_params]
             self._all_reduce(shared, self.groups.ep.group)
@@ -739,12 +734,9 @@ class Engine:
         loss = torch.zeros((), device=self.device)
         if self.pipeline_stage.is_last:
             loss = torch.stack(list(outputs.values())).sum()
-            if self.groups.dp_group is not None:
-                collectives.all_reduce(loss, self.groups.dp_group)
-            if cp.group is not None:
-                collectives.all_reduce(loss, cp.group)
-            if self.groups.ep.group is not None:
-                collectives.all_reduce(loss, self.groups.ep.group)
+            for group in (self.groups.dp_group, self.groups.cp.group, self.groups.ep.group):
+                if group is not None:
+                    collectives.all_reduce(loss, group)
         return float(self.from_last_stage(loss))
 
     def update(self) -> None:
@@ -753,20 +745,15 @@ class Engine:
         steps its rows (the masters', rounded into FSDP2's), which FSDP2 gathers at the next forward.
         Under training-time offload the step runs in host memory on the host gradients' rows."""
         self.wake()
+        if self.host_grads and not self._grads_held:
+            return
         if self.host_grads:
-            if not self._grads_held:
-                return
-            targets = {n: local(p.data) if self.full_shard else self.mine(p.data) for n, p in self.params.items()}
-            self.optimizer.step((n, self.host_grads[n], targets[n]) for n in self.params)
-            if self.zero1:
-                self._gather_params()
-        elif self.full_shard:
-            self.optimizer.step((n, local(p.grad), local(p)) for n, p in self.params.items() if p.grad is not None)
-        elif not self.zero1:
-            self.optimizer.step()
+            self.optimizer.step((n, self.host_grads[n], self.mine(p.data)) for n, p in self.params.items())
         else:
-            grads = ((n, p.grad, p.data) for n, p in self.params.items() if p.grad is not None)
-            self.optimizer.step((n, self.mine(g), self.mine(data)) for n, g, data in grads)
+            self.optimizer.step(
+                (n, self.mine(p.grad), self.mine(p.data)) for n, p in self.params.items() if p.grad is not None
+            )
+        if self.zero1:
             self._gather_params()
 
     def _gather_params(self) -> None:
@@ -813,25 +800,13 @@ class Engine:
             state.update({state_key(family, name): tensor for name, tensor in whole.items()})
         return state
 
-    def _placed(self, name: str, rows: torch.Tensor) -> Any:
-        """This replica's `rows` of a tensor shaped like parameter `name`, as a DTensor placed
-        as the parameter is (full sharding)."""
-        from torch.distributed.tensor import DTensor
-
-        param: Any = self.params[name]
-        return DTensor.from_local(
-            rows, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
-        )
-
     def counted_grad(self, name: str) -> torch.Tensor | None:
         """The piece of parameter `name`'s gradient this replica counts in the global norm:
         its rows where the gradient is reduced only in them (ZeRO-1, full sharding), else all."""
         if name in self.host_grads:
             return self._held_grad(name)  # this replica's rows, in host memory
         grad = self.params[name].grad
-        if grad is None:
-            return None
-        return local(grad) if self.full_shard else self.mine(grad)
+        return None if grad is None else self.mine(grad)
 
     @property
     def dp_split_grads(self) -> bool:
@@ -845,8 +820,7 @@ class Engine:
 
     def grads(self) -> list[torch.Tensor]:
         """Every gradient this rank holds (its rows under full sharding or training-time offload), live."""
-        held = (self._held_grad(name) for name in self.params)
-        return [grad for grad in held if grad is not None]
+        return [grad for _, grad in self._named_grads()]
 
     def train_step(
         self,
@@ -892,45 +866,38 @@ class Engine:
         positions = positions_from_mask(mask)
         return self.pipeline_stage(inputs, mask, positions, reduce=reduce, dispatch=dispatch, routes=routes)
 
+    @torch.no_grad()
     def _sync_grads(self) -> None:
         """Sum the gradients over tied copies, replicas and cp ranks (FSDP2 reduce-scattered them already
-        under full sharding; a tied embedding's rows are summed between its two stages)."""
-        if self.host_grads:
-            self._sync_host_grads()
+        under full sharding; a tied embedding's rows are summed between its two stages). Under
+        `train_offload: optimizer` FSDP2's reduced shards are then added into the host rows and freed
+        (the replicated engine's hooks did that as the backward went, and its tied embedding's host
+        rows are summed through the device: the collective backend's memory)."""
+        embed_group = self.groups.embed_group
+        if self.host_grads and not self.full_shard:
+            if embed_group is not None:
+                held = self.host_grads["embed.weight"]
+                summed = held.to(self.device, copy=True)
+                collectives.all_reduce(summed, embed_group)
+                held.copy_(summed)
             return
-        grads = [p.grad for p in self.params.values()]
-        assert all(g is not None for g in grads), "every shard parameter takes part in the loss"
-        if self.groups.embed_group is not None:
-            collectives.all_reduce(local(grads_of(self.params["embed.weight"])), self.groups.embed_group)
+        grads = {n: grads_of(p) for n, p in self.params.items()}  # every shard parameter takes part in the loss
+        if embed_group is not None:
+            collectives.all_reduce(local(grads["embed.weight"]), embed_group)
+        if self.host_grads:
+            for name, param in self.params.items():
+                self.host_grads[name].add_(local(grads[name]).to(self.host_grads[name].device))
+                param.grad = None
+            return
         group = self.groups.shard_group  # dp x cp: the replicas and the cp ranks of each
         if group is None or self.full_shard:
             return
-        held = {n: p.grad for n, p in self.params.items() if p.grad is not None}
-        dtype = self.config.precision.reduce_dtype
         if not self.zero1:
-            self._all_reduce(list(held.values()), group)
+            self._all_reduce(list(grads.values()), group)
             return
-        for bucket in buckets(self._replica_pieces(held)):
+        dtype = self.config.precision.reduce_dtype
+        for bucket in buckets(self._replica_pieces(grads)):
             reduce_scatter_bucket(bucket, group, self.groups.shard_index, dtype, self.device)
-
-    @torch.no_grad()
-    def _sync_host_grads(self) -> None:
-        """`train_offload: optimizer`: FSDP2's reduced shards added into the host rows and freed
-        (the replicated engine's hooks did that as the backward went); a tied embedding's rows
-        summed between its two stages (through the device: the collective backend's memory)."""
-        if self.full_shard:
-            embed = self.params.get("embed.weight")
-            if self.groups.embed_group is not None and embed is not None:
-                collectives.all_reduce(local(grads_of(embed)), self.groups.embed_group)
-            for name, param in self.params.items():
-                self.host_grads[name].add_(local(grads_of(param)).to(self.host_grads[name].device))
-                param.grad = None
-            return
-        if self.groups.embed_group is not None:
-            held = self.host_grads["embed.weight"]
-            summed = held.to(self.device, copy=True)
-            collectives.all_reduce(summed, self.groups.embed_group)
-            held.copy_(summed)
 
     def _all_reduce(self, grads: list[torch.Tensor], group: Any) -> None:
         """Sum whole gradients over `group` in buckets, in the precision's reduction dtype."""
@@ -964,9 +931,7 @@ class Engine:
         of the result, which every rank of the replica receives. Under expert parallelism every
         ep rank runs the replica's whole batch, each computing its own experts' share of every
         token (`replicated` dispatch): the result is the replica's on each without a gather."""
-        self.wake()
         parts = split_micro_batches(batch, num_microbatches)
-        ops = forward_only(self.groups.layout.pp, num_microbatches)[self.groups.pp_rank]
 
         def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
             part = parts[mb]
@@ -975,12 +940,19 @@ class Engine:
             output = self._stage_forward(part, stage_input, dispatch="replicated")
             return reduce(output, part) if self.pipeline_stage.is_last else output
 
-        with torch.no_grad():
-            outputs = self.executor.run(ops, step, self._hidden_shape(parts), train=False)
+        outputs = self._run_forward(parts, step)
         result = torch.zeros(out_shape, device=self.device)
         if self.pipeline_stage.is_last:  # fp32 results whatever the compute dtype
             result = torch.cat([outputs[mb] for mb in range(num_microbatches)]).float()
         return self.from_last_stage(result)
+
+    def _run_forward(self, parts: Sequence[Batch], step: ForwardStep) -> dict[int, torch.Tensor]:
+        """Run `step` over the micro-batches `parts` without gradients (this stage's forward-only
+        ops, awake); returns the last stage's outputs by micro-batch."""
+        self.wake()
+        ops = forward_only(self.groups.layout.pp, len(parts))[self.groups.pp_rank]
+        with torch.no_grad():
+            return self.executor.run(ops, step, self._hidden_shape(parts), train=False)
 
     def logits(self, batch: Batch, num_microbatches: int = 1) -> torch.Tensor:
         """Full-vocabulary logits [b, t, vocab] of this replica's `batch`, on every rank of it."""
@@ -1022,9 +994,7 @@ class Engine:
         moe = self.model.moe
         if moe is None:
             raise ValueError(f"model {self.model.name} has no experts to route to")
-        self.wake()
         parts = split_micro_batches(batch, num_microbatches)
-        ops = forward_only(self.groups.layout.pp, num_microbatches)[self.groups.pp_rank]
         recorded: dict[int, dict[int, torch.Tensor]] = {}
 
         def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
@@ -1033,8 +1003,7 @@ class Engine:
             recorded[mb] = {layer: chosen.cpu() for layer, chosen in routes.chosen.items()}
             return output
 
-        with torch.no_grad():
-            self.executor.run(ops, step, self._hidden_shape(parts), train=False)
+        self._run_forward(parts, step)
         mine = {layer: torch.cat([recorded[mb][layer] for mb in range(len(parts))]) for layer in recorded[0]}
         stages: list[Any] = [mine]
         if self.groups.link.group is not None:
@@ -1056,9 +1025,9 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
-    """A parameter's gradient on this rank (a DTensor's local rows), or None."""
-    return None if param.grad is None else local(param.grad)
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of `tensors`' elements."""
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def grads_of(param: torch.nn.Parameter) -> torch.Tensor:
