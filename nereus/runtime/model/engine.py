@@ -187,11 +187,18 @@ class Engine:
             model, head, groups.tp, layout.pp, groups.pp_rank, config.recompute, config.logit_chunk_tokens, groups.ep
         ).to(self.device)
         self.params: dict[str, torch.nn.Parameter] = dict(self.pipeline_stage.named_parameters())
-        self._check_contract()
+        boxes = {  # the sharding contract: this stage's parameters, each its box of the whole tensor
+            info: local_box(info, model, layout.tp, groups.tp.rank, groups.ep.size, groups.ep.rank)
+            for info in param_infos(model, head)
+            if holds(info, model, layout.pp, groups.pp_rank)
+        }
+        actual = {name: tuple(p.shape) for name, p in self.params.items()}
+        expected = {info.name: box_shape(box) for info, box in boxes.items()}
+        assert actual == expected, (actual, expected)
         self.counted_params = counted_params(model, head, groups, self.params)
+        """The parameters whose gradient this rank counts in the global norm (`grad_norm`)."""
         self.expert_params = frozenset(info.name for info in param_infos(model, head) if info.expert)
         """The expert stacks (split over the ep ranks, their gradients summed over dp only)."""
-        """The parameters whose gradient this rank counts in the global norm (`grad_norm`)."""
         self.dtype = config.precision.torch_dtype
         # Rows split over the dp x cp ranks of this position (the cp ranks hold the same weights).
         self.full_shard = config.full_shard and layout.shards > 1
@@ -201,9 +208,8 @@ class Engine:
         self.parking = Parking()
         """The host buffers of this engine's state while it sleeps (`EngineConfig.offload`)."""
         with torch.no_grad():
-            for info in param_infos(model, head):
-                if info.name in self.params and (config.init_only is None or info.name in config.init_only):
-                    box = local_box(info, model, layout.tp, groups.tp.rank, groups.ep.size, groups.ep.rank)
+            for info, box in boxes.items():
+                if config.init_only is None or info.name in config.init_only:
                     self.params[info.name].copy_(box_slice(init_logical_param(info, config.init_seed), box))
             # fp32 masters take the initial values before the parameters are rounded to 16 bits.
             masters = {}
@@ -278,6 +284,7 @@ class Engine:
             fully_shard,
             register_fsdp_forward_method,
         )
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         g = self.groups
         for param in self.params.values():
@@ -295,19 +302,13 @@ class Engine:
             unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
             unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         self.params = dict(self.pipeline_stage.named_parameters())
-        for name, param in self.params.items():
-            # The rows FSDP2 gave this rank, read off the DTensor's placement, are the contract's.
-            assert placed_rows(param) == dp_rows(param.shape[0], g.shards, g.shard_index), name
-
-    def _check_contract(self) -> None:
-        layout, g = self.groups.layout, self.groups
-        expected = {
-            info.name: box_shape(local_box(info, self.model, layout.tp, g.tp.rank, g.ep.size, g.ep.rank))
-            for info in param_infos(self.model, self.head)
-            if holds(info, self.model, layout.pp, g.pp_rank)
-        }
-        actual = {name: tuple(p.shape) for name, p in self.params.items()}
-        assert actual == expected, (actual, expected)
+        placed_params: dict[str, Any] = self.params  # DTensors now
+        for name, param in placed_params.items():
+            # The rows FSDP2 gave this rank, read off the DTensor's placement (what DCP reads them
+            # by), are the contract's.
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            placed = (offset[0] if shape[0] else min(offset[0], param.shape[0])), shape[0]
+            assert placed == dp_rows(param.shape[0], g.shards, g.shard_index), name
 
     # ---- state (the sharding contract) ----
 
@@ -325,11 +326,6 @@ class Engine:
         (full sharding: FSDP2 placed them as `rows` would cut them)."""
         held = local(tensor)
         return self.rows(tensor, self.groups.shard_index) if held is tensor else held
-
-    def _state_shape(self, family: str, name: str) -> tuple[int, ...]:
-        """The shape of `family/name` in this rank's state: this replica's rows of a split family."""
-        param = self.params[name]
-        return tuple((self.mine(param) if self.split_family(family) else param).shape)
 
     def split_family(self, family: str) -> bool:
         """Whether each replica holds only its rows of `family` (`sharded_state.dp_sharded_families`;
@@ -370,7 +366,9 @@ class Engine:
             family, _, name = key.partition("/")
             if family not in by_family or name not in self.params:
                 raise ValueError(f"state key {key!r} is not a {'/'.join(STATE_FAMILIES)} tensor of this rank's shard")
-            shape, whole = self._state_shape(family, name), tuple(self.params[name].shape)
+            param = self.params[name]
+            whole = tuple(param.shape)
+            shape = tuple((self.mine(param) if self.split_family(family) else param).shape)  # rows if split
             if shape != whole and tuple(tensor.shape) == whole:
                 tensor = self.mine(tensor)  # a whole replica's state: keep this replica's rows
             elif tuple(tensor.shape) != shape:
@@ -487,11 +485,6 @@ class Engine:
 
     # ---- offload: asleep in host memory between runs ----
 
-    @property
-    def asleep(self) -> bool:
-        """Whether the state is in host memory (`sleep`)."""
-        return self.parking.asleep
-
     def sleep(self) -> None:
         """Move every device-resident state tensor into host memory (`nereus.runtime.model.offload`);
         nothing when the engine is not offloaded or already asleep. Local: no collective."""
@@ -581,9 +574,7 @@ class Engine:
             assert grad is not None
             param.grad = None
             if self.groups.shard_group is not None:
-                dtype = self.config.precision.reduce_dtype
-                for bucket in buckets(self._replica_pieces({name: grad})):
-                    reduce_scatter_bucket(bucket, self.groups.shard_group, self.groups.shard_index, dtype, self.device)
+                self._reduce_scatter({name: grad})
             self.host_grads[name].add_(self.mine(grad).to(self.host_grads[name].device))
 
         return hook
@@ -727,17 +718,19 @@ class Engine:
         self.router_aux_loss = None
         if self.router_aux_losses:  # pp = 1 and cp = 1 (`_router_aux_share`): every rank has its own
             aux = torch.tensor(sum(self.router_aux_losses) / len(self.router_aux_losses), device=self.device)
-            for group in (self.groups.dp_group, self.groups.ep.group):
-                if group is not None:
-                    collectives.all_reduce(aux, group)
+            self._sum_over_data_parallel(aux)
             self.router_aux_loss = float(aux) / (self.groups.layout.dp * self.groups.ep.size)
         loss = torch.zeros((), device=self.device)
         if self.pipeline_stage.is_last:
             loss = torch.stack(list(outputs.values())).sum()
-            for group in (self.groups.dp_group, self.groups.cp.group, self.groups.ep.group):
-                if group is not None:
-                    collectives.all_reduce(loss, group)
+            self._sum_over_data_parallel(loss)
         return float(self.from_last_stage(loss))
+
+    def _sum_over_data_parallel(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` in place over the replicas, then the cp ranks, then the ep ranks."""
+        for group in (self.groups.dp_group, self.groups.cp.group, self.groups.ep.group):
+            if group is not None:
+                collectives.all_reduce(tensor, group)
 
     def update(self) -> None:
         """One AdamW step on every shard (after forward_backward); under ZeRO-1 each replica
@@ -881,7 +874,10 @@ class Engine:
                 collectives.all_reduce(summed, embed_group)
                 held.copy_(summed)
             return
-        grads = {n: grads_of(p) for n, p in self.params.items()}  # every shard parameter takes part in the loss
+        grads: dict[str, torch.Tensor] = {}
+        for name, param in self.params.items():
+            assert param.grad is not None, "every shard parameter takes part in the loss"
+            grads[name] = param.grad
         if embed_group is not None:
             collectives.all_reduce(local(grads["embed.weight"]), embed_group)
         if self.host_grads:
@@ -892,12 +888,17 @@ class Engine:
         group = self.groups.shard_group  # dp x cp: the replicas and the cp ranks of each
         if group is None or self.full_shard:
             return
-        if not self.zero1:
+        if self.zero1:
+            self._reduce_scatter(grads)
+        else:
             self._all_reduce(list(grads.values()), group)
-            return
+
+    def _reduce_scatter(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """ZeRO-1: sum gradients over the dp x cp ranks into this rank's rows, in buckets, in the
+        precision's reduction dtype."""
         dtype = self.config.precision.reduce_dtype
         for bucket in buckets(self._replica_pieces(grads)):
-            reduce_scatter_bucket(bucket, group, self.groups.shard_index, dtype, self.device)
+            reduce_scatter_bucket(bucket, self.groups.shard_group, self.groups.shard_index, dtype, self.device)
 
     def _all_reduce(self, grads: list[torch.Tensor], group: Any) -> None:
         """Sum whole gradients over `group` in buckets, in the precision's reduction dtype."""
@@ -907,11 +908,10 @@ class Engine:
 
     def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last stage's `tensor` on every stage of this replica (same shape everywhere)."""
-        link = self.groups.link
+        g, link = self.groups, self.groups.link
         if link.num_stages == 1:
             return tensor
         tensor = tensor.contiguous()
-        g = self.groups
         last = g.layout.rank_at(g.replica, link.num_stages - 1, g.tp.rank, g.cp.rank, g.ep.rank)
         collectives.broadcast(tensor, last, link.group)
         return tensor
@@ -1028,18 +1028,3 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of `tensors`' elements."""
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def grads_of(param: torch.nn.Parameter) -> torch.Tensor:
-    """A parameter's gradient, which the caller knows is there."""
-    assert param.grad is not None
-    return param.grad
-
-
-def placed_rows(param: Any) -> tuple[int, int]:
-    """(offset, count) of the first-dimension rows of a DTensor this rank holds, as its
-    placements put them (`compute_local_shape_and_global_offset`, what DCP reads them by)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return (offset[0] if shape[0] else min(offset[0], param.shape[0])), shape[0]
