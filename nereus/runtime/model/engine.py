@@ -404,12 +404,10 @@ class Engine:
 
     def _fp32_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """An fp32 copy for the optimizer: in host memory under training-time offload."""
-        if self.train_offload != "none":
-            copy = host_empty(tuple(tensor.shape), torch.float32)
-        else:
-            copy = arena.empty(tuple(tensor.shape), torch.float32, self.device)
-        copy.copy_(tensor.detach())
-        return copy
+        shape = tuple(tensor.shape)
+        offloaded = self.train_offload != "none"
+        copy = host_empty(shape, torch.float32) if offloaded else arena.empty(shape, torch.float32, self.device)
+        return copy.copy_(tensor.detach())
 
     @torch.no_grad()
     def set_param(self, name: str, value: torch.Tensor) -> None:
@@ -438,8 +436,8 @@ class Engine:
         weight sync sends (the masters stay with the trainer). Under full sharding each is
         all-gathered whole (a copy; collective over dp)."""
         self._awake_for_state()
-        placed: dict[str, Any] = {state_key("param", name): param.detach() for name, param in self.params.items()}
-        return {key: param.full_tensor() for key, param in placed.items()} if self.full_shard else placed
+        weights: dict[str, Any] = {state_key("param", name): param.detach() for name, param in self.params.items()}
+        return {key: param.full_tensor() for key, param in weights.items()} if self.full_shard else weights
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds, by the cost model's terms: parameters,
@@ -540,8 +538,7 @@ class Engine:
 
     def load_logical_params(self, logical: Mapping[str, torch.Tensor]) -> None:
         """Set this shard's parameters from whole (unsharded) tensors by name; keeps the optimizer state."""
-        g = self.groups
-        layout = g.layout
+        g, layout = self.groups, self.groups.layout
         shard = shard_params(
             logical, self.model, self.head, layout.tp, layout.pp, g.pp_rank, g.tp.rank, layout.ep, g.ep.rank
         )
@@ -705,8 +702,7 @@ class Engine:
         """The second half of `forward_backward` once `job`'s ops ran (collective over the
         layout): reduce the gradients, add back the ones set aside, return the loss."""
         self._sync_grads()  # over dp x cp: each cp rank's gradient holds its columns' share
-        if self.host_grads:
-            self._grads_held = True
+        self._grads_held = bool(self.host_grads)
         if self.groups.ep.size > 1:  # the ep ranks are data-parallel for every weight but their experts
             shared = [grad for name, grad in self._named_grads() if name not in self.expert_params]
             self._all_reduce(shared, self.groups.ep.group)
