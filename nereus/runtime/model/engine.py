@@ -514,10 +514,7 @@ class Engine:
                 slots.append(Slot(("param", name), partial(getattr, param, "data"), partial(setattr, param, "data")))
             if name in self.host_grads or self.train_offload == "params":
                 continue
-            if self.full_shard:
-                slots.append(Slot(("grad", name), partial(self._held_grad, name), partial(self._put_grad, name)))
-            else:
-                slots.append(Slot(("grad", name), partial(getattr, param, "grad"), partial(setattr, param, "grad")))
+            slots.append(Slot(("grad", name), partial(self._held_grad, name), partial(self._put_grad, name)))
         if self.train_offload == "none":
             for family, tensors in self.optimizer.state_tensors().items():
                 for name in tensors:
@@ -525,12 +522,12 @@ class Engine:
         return slots
 
     def _put_grad(self, name: str, rows: torch.Tensor | None) -> None:
-        """Full sharding: parameter `name`'s gradient from this replica's `rows` (None: none), a
-        DTensor placed as the parameter is."""
+        """Parameter `name`'s gradient from this rank's `rows` (None: none); under full sharding
+        a DTensor placed as the parameter is."""
         from torch.distributed.tensor import DTensor
 
         param: Any = self.params[name]
-        if rows is not None:
+        if rows is not None and self.full_shard:
             rows = DTensor.from_local(
                 rows, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
             )
