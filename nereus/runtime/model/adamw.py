@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 
 from nereus.runtime.comm import arena
+from nereus.runtime.model.data_parallel import bucketed
 from nereus.runtime.state.sharded_state import keeps_masters
 from nereus.spec.capabilities import RUNTIME_DTYPES
 from nereus.spec.stages import Stage
@@ -131,7 +132,8 @@ class AdamW:
         self.step_count += 1
         if pieces is None:
             pieces = ((name, p.grad, p) for name, p in self.params.items() if p.grad is not None)
-        for bucket in _buckets(self._slices(pieces), UPDATE_SLICE_ELEMENTS):
+        # in buckets of slices, so the fp32 temporaries of one bucket's update stay within UPDATE_SLICE_ELEMENTS
+        for bucket in bucketed(self._slices(pieces), lambda piece: piece[0].numel(), UPDATE_SLICE_ELEMENTS):
             self._update_bucket(*(list(column) for column in zip(*bucket, strict=True)))
 
     def _slices(self, pieces: Iterable[tuple[str, torch.Tensor, torch.Tensor]]) -> Iterator[_Slice]:
@@ -200,22 +202,6 @@ class AdamW:
 
 #: One slice of an update: gradient, target, exp_avg, exp_avg_sq and master (None: none).
 _Slice = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
-
-
-def _buckets(slices: Iterable[_Slice], max_elements: int) -> Iterator[list[_Slice]]:
-    """Consecutive slices in buckets of at most `max_elements` elements (a larger slice alone),
-    so the fp32 temporaries of one bucket's update stay that long."""
-    bucket: list[_Slice] = []
-    size = 0
-    for piece in slices:
-        numel = piece[0].numel()
-        if bucket and size + numel > max_elements:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(piece)
-        size += numel
-    if bucket:
-        yield bucket
 
 
 def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

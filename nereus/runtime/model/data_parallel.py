@@ -5,8 +5,8 @@ larger than that goes in row blocks."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -17,6 +17,8 @@ from nereus.runtime.state.sharded_state import even_split
 #: needs is at most this (4 bytes each in fp32), however large the model.
 GRAD_BUCKET_ELEMENTS = 1 << 22
 
+
+T = TypeVar("T")
 
 #: One tensor's piece in a bucket: its rows on each replica (one view: a tensor kept whole).
 Piece = list[torch.Tensor]
@@ -34,28 +36,47 @@ def row_pieces(views: Piece) -> list[Piece]:
     return [[view[a:b] for view, (a, b) in zip(views, block, strict=True)] for block in zip(*bounds, strict=True)]
 
 
+def bucketed(items: Iterable[T], numel: Callable[[T], int], limit: int) -> Iterator[list[T]]:
+    """Consecutive runs of `items` of at most `limit` elements each (by `numel`; a larger item alone)."""
+    bucket: list[T] = []
+    size = 0
+    for item in items:
+        count = numel(item)
+        if bucket and size + count > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(item)
+        size += count
+    if bucket:
+        yield bucket
+
+
 def buckets(pieces: Iterable[Piece]) -> list[list[Piece]]:
     """Consecutive runs of `pieces` of at most GRAD_BUCKET_ELEMENTS elements per replica each."""
-    runs: list[list[Piece]] = [[]]
-    size = 0
-    for piece in pieces:
-        numel = max(view.numel() for view in piece)
-        if runs[-1] and size + numel > GRAD_BUCKET_ELEMENTS:
-            runs.append([])
-            size = 0
-        runs[-1].append(piece)
-        size += numel
-    return [run for run in runs if run]
+    return list(bucketed(pieces, lambda piece: max(view.numel() for view in piece), GRAD_BUCKET_ELEMENTS))
+
+
+def _pack(flat: torch.Tensor, views: Iterable[torch.Tensor]) -> None:
+    """Copy `views` one after another into the start of `flat` (in its dtype)."""
+    offset = 0
+    for view in views:
+        flat[offset : offset + view.numel()] = view.reshape(-1)
+        offset += view.numel()
+
+
+def _unpack(flat: torch.Tensor, views: Iterable[torch.Tensor]) -> None:
+    """Fill `views` one after another from the start of `flat` (in their dtype)."""
+    offset = 0
+    for view in views:
+        view.copy_(flat[offset : offset + view.numel()].view_as(view))
+        offset += view.numel()
 
 
 def all_reduce_bucket(bucket: list[torch.Tensor], group: Any, dtype: torch.dtype) -> None:
     """Sum one bucket of gradients over `group` in `dtype` (the precision's reduction dtype)."""
     flat = torch.cat([g.reshape(-1).to(dtype) for g in bucket])
     collectives.all_reduce(flat, group)
-    offset = 0
-    for g in bucket:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
+    _unpack(flat, bucket)
 
 
 def reduce_scatter_bucket(bucket: list[Piece], group: Any, me: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -65,15 +86,8 @@ def reduce_scatter_bucket(bucket: list[Piece], group: Any, me: int, dtype: torch
     size = max(sum(piece[d].numel() for piece in bucket) for d in range(dp))
     flat = torch.zeros(dp * size, dtype=dtype, device=device)
     for d in range(dp):
-        offset = d * size
-        for piece in bucket:
-            flat[offset : offset + piece[d].numel()] = piece[d].reshape(-1)
-            offset += piece[d].numel()
-    summed = collectives.reduce_scatter(flat, group, dp, me)
-    offset = 0
-    for piece in bucket:
-        piece[me].copy_(summed[offset : offset + piece[me].numel()].view_as(piece[me]))
-        offset += piece[me].numel()
+        _pack(flat[d * size :], (piece[d] for piece in bucket))
+    _unpack(collectives.reduce_scatter(flat, group, dp, me), (piece[me] for piece in bucket))
 
 
 def all_gather_rows(bucket: list[Piece], group: Any, me: int, device: torch.device) -> None:
@@ -82,12 +96,7 @@ def all_gather_rows(bucket: list[Piece], group: Any, me: int, device: torch.devi
     dp = len(bucket[0])
     size = max(sum(piece[d].numel() for piece in bucket) for d in range(dp))
     local = torch.zeros(size, dtype=bucket[0][0].dtype, device=device)
-    offset = 0
-    for piece in bucket:  # this replica's rows straight into the send buffer (no concatenated copy)
-        local[offset : offset + piece[me].numel()] = piece[me].reshape(-1)
-        offset += piece[me].numel()
+    # this replica's rows straight into the send buffer (no concatenated copy)
+    _pack(local, (piece[me] for piece in bucket))
     for d, part in enumerate(collectives.all_gathered(local, group)):
-        offset = 0
-        for piece in bucket:
-            piece[d].copy_(part[offset : offset + piece[d].numel()].view_as(piece[d]))
-            offset += piece[d].numel()
+        _unpack(part, (piece[d] for piece in bucket))

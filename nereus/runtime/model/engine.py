@@ -187,11 +187,18 @@ class Engine:
             model, head, groups.tp, layout.pp, groups.pp_rank, config.recompute, config.logit_chunk_tokens, groups.ep
         ).to(self.device)
         self.params: dict[str, torch.nn.Parameter] = dict(self.pipeline_stage.named_parameters())
-        self._check_contract()
+        boxes = {  # the sharding contract: this stage's parameters, each its box of the whole tensor
+            info: local_box(info, model, layout.tp, groups.tp.rank, groups.ep.size, groups.ep.rank)
+            for info in param_infos(model, head)
+            if holds(info, model, layout.pp, groups.pp_rank)
+        }
+        actual = {name: tuple(p.shape) for name, p in self.params.items()}
+        expected = {info.name: box_shape(box) for info, box in boxes.items()}
+        assert actual == expected, (actual, expected)
         self.counted_params = counted_params(model, head, groups, self.params)
+        """The parameters whose gradient this rank counts in the global norm (`grad_norm`)."""
         self.expert_params = frozenset(info.name for info in param_infos(model, head) if info.expert)
         """The expert stacks (split over the ep ranks, their gradients summed over dp only)."""
-        """The parameters whose gradient this rank counts in the global norm (`grad_norm`)."""
         self.dtype = config.precision.torch_dtype
         # Rows split over the dp x cp ranks of this position (the cp ranks hold the same weights).
         self.full_shard = config.full_shard and layout.shards > 1
@@ -201,9 +208,8 @@ class Engine:
         self.parking = Parking()
         """The host buffers of this engine's state while it sleeps (`EngineConfig.offload`)."""
         with torch.no_grad():
-            for info in param_infos(model, head):
-                if info.name in self.params and (config.init_only is None or info.name in config.init_only):
-                    box = local_box(info, model, layout.tp, groups.tp.rank, groups.ep.size, groups.ep.rank)
+            for info, box in boxes.items():
+                if config.init_only is None or info.name in config.init_only:
                     self.params[info.name].copy_(box_slice(init_logical_param(info, config.init_seed), box))
             # fp32 masters take the initial values before the parameters are rounded to 16 bits.
             masters = {}
@@ -223,8 +229,7 @@ class Engine:
         """Whether `host_grads` hold a gradient (False after `zero_grad`)."""
         if self.train_offload == "optimizer":
             for name, param in self.params.items():
-                rows = local(param) if self.full_shard else self.mine(param)
-                self.host_grads[name] = host_empty(tuple(rows.shape), self.dtype).zero_()
+                self.host_grads[name] = host_empty(tuple(self.mine(param).shape), self.dtype).zero_()
                 if not self.full_shard:  # FSDP2 reduce-scatters into its own shards: moved after the backward
                     param.register_post_accumulate_grad_hook(self._grad_to_host_hook(name))
         self.executor = PipelineExecutor(groups.link, self.dtype, self.device)
@@ -279,6 +284,7 @@ class Engine:
             fully_shard,
             register_fsdp_forward_method,
         )
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
         g = self.groups
         for param in self.params.values():
@@ -296,19 +302,13 @@ class Engine:
             unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
             unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         self.params = dict(self.pipeline_stage.named_parameters())
-        for name, param in self.params.items():
-            # The rows FSDP2 gave this rank, read off the DTensor's placement, are the contract's.
-            assert placed_rows(param) == dp_rows(param.shape[0], g.shards, g.shard_index), name
-
-    def _check_contract(self) -> None:
-        layout, g = self.groups.layout, self.groups
-        expected = {
-            info.name: box_shape(local_box(info, self.model, layout.tp, g.tp.rank, g.ep.size, g.ep.rank))
-            for info in param_infos(self.model, self.head)
-            if holds(info, self.model, layout.pp, g.pp_rank)
-        }
-        actual = {name: tuple(p.shape) for name, p in self.params.items()}
-        assert actual == expected, (actual, expected)
+        placed_params: dict[str, Any] = self.params  # DTensors now
+        for name, param in placed_params.items():
+            # The rows FSDP2 gave this rank, read off the DTensor's placement (what DCP reads them
+            # by), are the contract's.
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            placed = (offset[0] if shape[0] else min(offset[0], param.shape[0])), shape[0]
+            assert placed == dp_rows(param.shape[0], g.shards, g.shard_index), name
 
     # ---- state (the sharding contract) ----
 
@@ -322,15 +322,10 @@ class Engine:
         return tensor[offset : offset + count]
 
     def mine(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of `tensor` (`rows`; with cp = 1 its replica's)."""
-        return self.rows(tensor, self.groups.shard_index)
-
-    def _state_shape(self, family: str, name: str) -> tuple[int, ...]:
-        """The shape of `family/name` in this rank's state: this replica's rows of a split family."""
-        param = self.params[name]
-        if self.full_shard:
-            return tuple(local(param).shape)
-        return tuple(self.mine(param).shape) if self.split_family(family) else tuple(param.shape)
+        """This rank's rows of `tensor` (`rows`; with cp = 1 its replica's): a DTensor's local rows
+        (full sharding: FSDP2 placed them as `rows` would cut them)."""
+        held = local(tensor)
+        return self.rows(tensor, self.groups.shard_index) if held is tensor else held
 
     def split_family(self, family: str) -> bool:
         """Whether each replica holds only its rows of `family` (`sharded_state.dp_sharded_families`;
@@ -371,7 +366,9 @@ class Engine:
             family, _, name = key.partition("/")
             if family not in by_family or name not in self.params:
                 raise ValueError(f"state key {key!r} is not a {'/'.join(STATE_FAMILIES)} tensor of this rank's shard")
-            shape, whole = self._state_shape(family, name), tuple(self.params[name].shape)
+            param = self.params[name]
+            whole = tuple(param.shape)
+            shape = tuple((self.mine(param) if self.split_family(family) else param).shape)  # rows if split
             if shape != whole and tuple(tensor.shape) == whole:
                 tensor = self.mine(tensor)  # a whole replica's state: keep this replica's rows
             elif tuple(tensor.shape) != shape:
@@ -407,12 +404,10 @@ class Engine:
 
     def _fp32_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """An fp32 copy for the optimizer: in host memory under training-time offload."""
-        if self.train_offload != "none":
-            copy = host_empty(tuple(tensor.shape), torch.float32)
-        else:
-            copy = arena.empty(tuple(tensor.shape), torch.float32, self.device)
-        copy.copy_(tensor.detach())
-        return copy
+        shape = tuple(tensor.shape)
+        offloaded = self.train_offload != "none"
+        copy = host_empty(shape, torch.float32) if offloaded else arena.empty(shape, torch.float32, self.device)
+        return copy.copy_(tensor.detach())
 
     @torch.no_grad()
     def set_param(self, name: str, value: torch.Tensor) -> None:
@@ -440,69 +435,53 @@ class Engine:
         """The live working parameters (in the engine's dtype), keyed `param/name`: what a
         weight sync sends (the masters stay with the trainer). Under full sharding each is
         all-gathered whole (a copy; collective over dp)."""
-        if self.full_shard:
-            self._awake_for_state()
-            placed: dict[str, Any] = {name: param.detach() for name, param in self.params.items()}
-            return {state_key("param", name): param.full_tensor() for name, param in placed.items()}
-        return {state_key("param", name): param.detach() for name, param in self.params.items()}
+        self._awake_for_state()
+        weights: dict[str, Any] = {state_key("param", name): param.detach() for name, param in self.params.items()}
+        return {key: param.full_tensor() for key, param in weights.items()} if self.full_shard else weights
 
     def state_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank holds, by the cost model's terms: parameters,
         gradients and optimizer (fp32 masters and AdamW moments)."""
+        on_host = {t.data_ptr() for tensors in self._host_state().values() for t in tensors if t.numel()}
 
-        on_host = {t.data_ptr() for t in self._host_state_tensors() if t.numel()}
-
-        def nbytes(tensors: Iterable[torch.Tensor | None]) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors if t is not None and t.data_ptr() not in on_host)
+        def nbytes(tensors: Iterable[torch.Tensor]) -> int:
+            return _nbytes(t for t in tensors if t.data_ptr() not in on_host)
 
         if self.parking.asleep:  # the engine's state tensors are the host buffers (or freed shards)
             return {"parameters": 0, "gradients": 0, "optimizer": 0}
-        optimizer = sum(nbytes(family.values()) for family in self.optimizer.state_tensors().values())
-        return {
-            "parameters": nbytes(local(p) for p in self.params.values()),
-            "gradients": nbytes(local(p.grad) for p in self.params.values() if p.grad is not None),
-            "optimizer": optimizer,
-        }
+        return {term: nbytes(tensors) for term, tensors in self._state().items()}
 
     def host_bytes(self) -> dict[str, int]:
         """Bytes of model state this rank keeps in host memory, by the cost model's terms
         (`StageCostModel.host_terms`, and `asleep` for an offloaded model-stage's host buffers,
         which are kept while it is awake too): what the memory tracker counts apart from the
         device's (`nereus.runtime.observe.memory`)."""
-
-        def nbytes(tensors: Iterable[torch.Tensor]) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors)
-
-        out: dict[str, int] = {}
-        if self.train_offload != "none":  # kept in host memory whether asleep or not
-            optimizer = self.optimizer.state_tensors().values()
-            out["optimizer"] = sum(nbytes(family.values()) for family in optimizer)
-            if self.host_grads:
-                out["gradients"] = nbytes(self.host_grads.values())
-            if self.train_offload == "params":
-                out["parameters"] = nbytes(local(p) for p in self.params.values())
-                out["gradients"] = nbytes(local(p.grad) for p in self.params.values() if p.grad is not None)
+        out = {term: _nbytes(tensors) for term, tensors in self._host_state().items()}
         if self.parking.buffers:
             out["asleep"] = self.parking.nbytes
         return out
 
-    def _host_state_tensors(self) -> list[torch.Tensor]:
-        """The state tensors in host memory (training-time offload's), told apart by address."""
-        if self.train_offload == "none":
-            return []
-        tensors = [t for family in self.optimizer.state_tensors().values() for t in family.values()]
-        tensors += self.host_grads.values()
-        if self.train_offload == "params":
-            tensors += [local(p) for p in self.params.values()]
-            tensors += [local(p.grad) for p in self.params.values() if p.grad is not None]
-        return tensors
+    def _state(self) -> dict[str, list[torch.Tensor]]:
+        """This rank's state tensors by the cost model's terms (a DTensor's local rows), live:
+        parameters, gradients and optimizer (fp32 masters and AdamW moments)."""
+        return {
+            "parameters": [local(p) for p in self.params.values()],
+            "gradients": [local(p.grad) for p in self.params.values() if p.grad is not None],
+            "optimizer": [t for family in self.optimizer.state_tensors().values() for t in family.values()],
+        }
+
+    def _host_state(self) -> dict[str, list[torch.Tensor]]:
+        """Training-time offload's state tensors by term, kept in host memory whether asleep or
+        not (`state_bytes` tells them apart by address): all of it under `params` (FSDP2's CPU
+        offload), the optimizer's and the host gradients under `optimizer`."""
+        if self.train_offload != "optimizer":
+            return self._state() if self.train_offload == "params" else {}
+        host = {"optimizer": self._state()["optimizer"]}
+        if self.host_grads:
+            host["gradients"] = list(self.host_grads.values())
+        return host
 
     # ---- offload: asleep in host memory between runs ----
-
-    @property
-    def asleep(self) -> bool:
-        """Whether the state is in host memory (`sleep`)."""
-        return self.parking.asleep
 
     def sleep(self) -> None:
         """Move every device-resident state tensor into host memory (`nereus.runtime.model.offload`);
@@ -535,10 +514,7 @@ class Engine:
                 slots.append(Slot(("param", name), partial(getattr, param, "data"), partial(setattr, param, "data")))
             if name in self.host_grads or self.train_offload == "params":
                 continue
-            if self.full_shard:
-                slots.append(Slot(("grad", name), partial(_local_grad, param), partial(self._put_grad, name)))
-            else:
-                slots.append(Slot(("grad", name), partial(getattr, param, "grad"), partial(setattr, param, "grad")))
+            slots.append(Slot(("grad", name), partial(self._held_grad, name), partial(self._put_grad, name)))
         if self.train_offload == "none":
             for family, tensors in self.optimizer.state_tensors().items():
                 for name in tensors:
@@ -546,13 +522,20 @@ class Engine:
         return slots
 
     def _put_grad(self, name: str, rows: torch.Tensor | None) -> None:
-        """Full sharding: parameter `name`'s gradient from this replica's `rows` (None: none)."""
-        self.params[name].grad = None if rows is None else self._placed(name, rows)
+        """Parameter `name`'s gradient from this rank's `rows` (None: none); under full sharding
+        a DTensor placed as the parameter is."""
+        from torch.distributed.tensor import DTensor
+
+        param: Any = self.params[name]
+        if rows is not None and self.full_shard:
+            rows = DTensor.from_local(
+                rows, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
+            )
+        param.grad = rows
 
     def load_logical_params(self, logical: Mapping[str, torch.Tensor]) -> None:
         """Set this shard's parameters from whole (unsharded) tensors by name; keeps the optimizer state."""
-        g = self.groups
-        layout = g.layout
+        g, layout = self.groups, self.groups.layout
         shard = shard_params(
             logical, self.model, self.head, layout.tp, layout.pp, g.pp_rank, g.tp.rank, layout.ep, g.ep.rank
         )
@@ -585,9 +568,7 @@ class Engine:
             assert grad is not None
             param.grad = None
             if self.groups.shard_group is not None:
-                dtype = self.config.precision.reduce_dtype
-                for bucket in buckets(self._replica_pieces({name: grad})):
-                    reduce_scatter_bucket(bucket, self.groups.shard_group, self.groups.shard_index, dtype, self.device)
+                self._reduce_scatter({name: grad})
             self.host_grads[name].add_(self.mine(grad).to(self.host_grads[name].device))
 
         return hook
@@ -718,9 +699,7 @@ class Engine:
         """The second half of `forward_backward` once `job`'s ops ran (collective over the
         layout): reduce the gradients, add back the ones set aside, return the loss."""
         self._sync_grads()  # over dp x cp: each cp rank's gradient holds its columns' share
-        if self.host_grads:
-            self._grads_held = True
-        cp = self.groups.cp
+        self._grads_held = bool(self.host_grads)
         if self.groups.ep.size > 1:  # the ep ranks are data-parallel for every weight but their experts
             shared = [grad for name, grad in self._named_grads() if name not in self.expert_params]
             self._all_reduce(shared, self.groups.ep.group)
@@ -732,20 +711,19 @@ class Engine:
         self.router_aux_loss = None
         if self.router_aux_losses:  # pp = 1 and cp = 1 (`_router_aux_share`): every rank has its own
             aux = torch.tensor(sum(self.router_aux_losses) / len(self.router_aux_losses), device=self.device)
-            for group in (self.groups.dp_group, self.groups.ep.group):
-                if group is not None:
-                    collectives.all_reduce(aux, group)
+            self._sum_over_data_parallel(aux)
             self.router_aux_loss = float(aux) / (self.groups.layout.dp * self.groups.ep.size)
         loss = torch.zeros((), device=self.device)
         if self.pipeline_stage.is_last:
             loss = torch.stack(list(outputs.values())).sum()
-            if self.groups.dp_group is not None:
-                collectives.all_reduce(loss, self.groups.dp_group)
-            if cp.group is not None:
-                collectives.all_reduce(loss, cp.group)
-            if self.groups.ep.group is not None:
-                collectives.all_reduce(loss, self.groups.ep.group)
+            self._sum_over_data_parallel(loss)
         return float(self.from_last_stage(loss))
+
+    def _sum_over_data_parallel(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` in place over the replicas, then the cp ranks, then the ep ranks."""
+        for group in (self.groups.dp_group, self.groups.cp.group, self.groups.ep.group):
+            if group is not None:
+                collectives.all_reduce(tensor, group)
 
     def update(self) -> None:
         """One AdamW step on every shard (after forward_backward); under ZeRO-1 each replica
@@ -753,20 +731,15 @@ class Engine:
         steps its rows (the masters', rounded into FSDP2's), which FSDP2 gathers at the next forward.
         Under training-time offload the step runs in host memory on the host gradients' rows."""
         self.wake()
+        if self.host_grads and not self._grads_held:
+            return
         if self.host_grads:
-            if not self._grads_held:
-                return
-            targets = {n: local(p.data) if self.full_shard else self.mine(p.data) for n, p in self.params.items()}
-            self.optimizer.step((n, self.host_grads[n], targets[n]) for n in self.params)
-            if self.zero1:
-                self._gather_params()
-        elif self.full_shard:
-            self.optimizer.step((n, local(p.grad), local(p)) for n, p in self.params.items() if p.grad is not None)
-        elif not self.zero1:
-            self.optimizer.step()
+            self.optimizer.step((n, self.host_grads[n], self.mine(p.data)) for n, p in self.params.items())
         else:
-            grads = ((n, p.grad, p.data) for n, p in self.params.items() if p.grad is not None)
-            self.optimizer.step((n, self.mine(g), self.mine(data)) for n, g, data in grads)
+            self.optimizer.step(
+                (n, self.mine(p.grad), self.mine(p.data)) for n, p in self.params.items() if p.grad is not None
+            )
+        if self.zero1:
             self._gather_params()
 
     def _gather_params(self) -> None:
@@ -813,25 +786,13 @@ class Engine:
             state.update({state_key(family, name): tensor for name, tensor in whole.items()})
         return state
 
-    def _placed(self, name: str, rows: torch.Tensor) -> Any:
-        """This replica's `rows` of a tensor shaped like parameter `name`, as a DTensor placed
-        as the parameter is (full sharding)."""
-        from torch.distributed.tensor import DTensor
-
-        param: Any = self.params[name]
-        return DTensor.from_local(
-            rows, param.device_mesh, param.placements, shape=param.shape, stride=param.stride(), run_check=False
-        )
-
     def counted_grad(self, name: str) -> torch.Tensor | None:
         """The piece of parameter `name`'s gradient this replica counts in the global norm:
         its rows where the gradient is reduced only in them (ZeRO-1, full sharding), else all."""
         if name in self.host_grads:
             return self._held_grad(name)  # this replica's rows, in host memory
         grad = self.params[name].grad
-        if grad is None:
-            return None
-        return local(grad) if self.full_shard else self.mine(grad)
+        return None if grad is None else self.mine(grad)
 
     @property
     def dp_split_grads(self) -> bool:
@@ -845,8 +806,7 @@ class Engine:
 
     def grads(self) -> list[torch.Tensor]:
         """Every gradient this rank holds (its rows under full sharding or training-time offload), live."""
-        held = (self._held_grad(name) for name in self.params)
-        return [grad for grad in held if grad is not None]
+        return [grad for _, grad in self._named_grads()]
 
     def train_step(
         self,
@@ -892,45 +852,46 @@ class Engine:
         positions = positions_from_mask(mask)
         return self.pipeline_stage(inputs, mask, positions, reduce=reduce, dispatch=dispatch, routes=routes)
 
+    @torch.no_grad()
     def _sync_grads(self) -> None:
         """Sum the gradients over tied copies, replicas and cp ranks (FSDP2 reduce-scattered them already
-        under full sharding; a tied embedding's rows are summed between its two stages)."""
-        if self.host_grads:
-            self._sync_host_grads()
+        under full sharding; a tied embedding's rows are summed between its two stages). Under
+        `train_offload: optimizer` FSDP2's reduced shards are then added into the host rows and freed
+        (the replicated engine's hooks did that as the backward went, and its tied embedding's host
+        rows are summed through the device: the collective backend's memory)."""
+        embed_group = self.groups.embed_group
+        if self.host_grads and not self.full_shard:
+            if embed_group is not None:
+                held = self.host_grads["embed.weight"]
+                summed = held.to(self.device, copy=True)
+                collectives.all_reduce(summed, embed_group)
+                held.copy_(summed)
             return
-        grads = [p.grad for p in self.params.values()]
-        assert all(g is not None for g in grads), "every shard parameter takes part in the loss"
-        if self.groups.embed_group is not None:
-            collectives.all_reduce(local(grads_of(self.params["embed.weight"])), self.groups.embed_group)
+        grads: dict[str, torch.Tensor] = {}
+        for name, param in self.params.items():
+            assert param.grad is not None, "every shard parameter takes part in the loss"
+            grads[name] = param.grad
+        if embed_group is not None:
+            collectives.all_reduce(local(grads["embed.weight"]), embed_group)
+        if self.host_grads:
+            for name, param in self.params.items():
+                self.host_grads[name].add_(local(grads[name]).to(self.host_grads[name].device))
+                param.grad = None
+            return
         group = self.groups.shard_group  # dp x cp: the replicas and the cp ranks of each
         if group is None or self.full_shard:
             return
-        held = {n: p.grad for n, p in self.params.items() if p.grad is not None}
-        dtype = self.config.precision.reduce_dtype
-        if not self.zero1:
-            self._all_reduce(list(held.values()), group)
-            return
-        for bucket in buckets(self._replica_pieces(held)):
-            reduce_scatter_bucket(bucket, group, self.groups.shard_index, dtype, self.device)
+        if self.zero1:
+            self._reduce_scatter(grads)
+        else:
+            self._all_reduce(list(grads.values()), group)
 
-    @torch.no_grad()
-    def _sync_host_grads(self) -> None:
-        """`train_offload: optimizer`: FSDP2's reduced shards added into the host rows and freed
-        (the replicated engine's hooks did that as the backward went); a tied embedding's rows
-        summed between its two stages (through the device: the collective backend's memory)."""
-        if self.full_shard:
-            embed = self.params.get("embed.weight")
-            if self.groups.embed_group is not None and embed is not None:
-                collectives.all_reduce(local(grads_of(embed)), self.groups.embed_group)
-            for name, param in self.params.items():
-                self.host_grads[name].add_(local(grads_of(param)).to(self.host_grads[name].device))
-                param.grad = None
-            return
-        if self.groups.embed_group is not None:
-            held = self.host_grads["embed.weight"]
-            summed = held.to(self.device, copy=True)
-            collectives.all_reduce(summed, self.groups.embed_group)
-            held.copy_(summed)
+    def _reduce_scatter(self, grads: Mapping[str, torch.Tensor]) -> None:
+        """ZeRO-1: sum gradients over the dp x cp ranks into this rank's rows, in buckets, in the
+        precision's reduction dtype."""
+        dtype = self.config.precision.reduce_dtype
+        for bucket in buckets(self._replica_pieces(grads)):
+            reduce_scatter_bucket(bucket, self.groups.shard_group, self.groups.shard_index, dtype, self.device)
 
     def _all_reduce(self, grads: list[torch.Tensor], group: Any) -> None:
         """Sum whole gradients over `group` in buckets, in the precision's reduction dtype."""
@@ -940,11 +901,10 @@ class Engine:
 
     def from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
         """The last stage's `tensor` on every stage of this replica (same shape everywhere)."""
-        link = self.groups.link
+        g, link = self.groups, self.groups.link
         if link.num_stages == 1:
             return tensor
         tensor = tensor.contiguous()
-        g = self.groups
         last = g.layout.rank_at(g.replica, link.num_stages - 1, g.tp.rank, g.cp.rank, g.ep.rank)
         collectives.broadcast(tensor, last, link.group)
         return tensor
@@ -964,9 +924,7 @@ class Engine:
         of the result, which every rank of the replica receives. Under expert parallelism every
         ep rank runs the replica's whole batch, each computing its own experts' share of every
         token (`replicated` dispatch): the result is the replica's on each without a gather."""
-        self.wake()
         parts = split_micro_batches(batch, num_microbatches)
-        ops = forward_only(self.groups.layout.pp, num_microbatches)[self.groups.pp_rank]
 
         def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
             part = parts[mb]
@@ -975,12 +933,19 @@ class Engine:
             output = self._stage_forward(part, stage_input, dispatch="replicated")
             return reduce(output, part) if self.pipeline_stage.is_last else output
 
-        with torch.no_grad():
-            outputs = self.executor.run(ops, step, self._hidden_shape(parts), train=False)
+        outputs = self._run_forward(parts, step)
         result = torch.zeros(out_shape, device=self.device)
         if self.pipeline_stage.is_last:  # fp32 results whatever the compute dtype
             result = torch.cat([outputs[mb] for mb in range(num_microbatches)]).float()
         return self.from_last_stage(result)
+
+    def _run_forward(self, parts: Sequence[Batch], step: ForwardStep) -> dict[int, torch.Tensor]:
+        """Run `step` over the micro-batches `parts` without gradients (this stage's forward-only
+        ops, awake); returns the last stage's outputs by micro-batch."""
+        self.wake()
+        ops = forward_only(self.groups.layout.pp, len(parts))[self.groups.pp_rank]
+        with torch.no_grad():
+            return self.executor.run(ops, step, self._hidden_shape(parts), train=False)
 
     def logits(self, batch: Batch, num_microbatches: int = 1) -> torch.Tensor:
         """Full-vocabulary logits [b, t, vocab] of this replica's `batch`, on every rank of it."""
@@ -1022,9 +987,7 @@ class Engine:
         moe = self.model.moe
         if moe is None:
             raise ValueError(f"model {self.model.name} has no experts to route to")
-        self.wake()
         parts = split_micro_batches(batch, num_microbatches)
-        ops = forward_only(self.groups.layout.pp, num_microbatches)[self.groups.pp_rank]
         recorded: dict[int, dict[int, torch.Tensor]] = {}
 
         def step(mb: int, stage_input: torch.Tensor | None) -> torch.Tensor:
@@ -1033,8 +996,7 @@ class Engine:
             recorded[mb] = {layer: chosen.cpu() for layer, chosen in routes.chosen.items()}
             return output
 
-        with torch.no_grad():
-            self.executor.run(ops, step, self._hidden_shape(parts), train=False)
+        self._run_forward(parts, step)
         mine = {layer: torch.cat([recorded[mb][layer] for mb in range(len(parts))]) for layer in recorded[0]}
         stages: list[Any] = [mine]
         if self.groups.link.group is not None:
@@ -1056,21 +1018,6 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _local_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
-    """A parameter's gradient on this rank (a DTensor's local rows), or None."""
-    return None if param.grad is None else local(param.grad)
-
-
-def grads_of(param: torch.nn.Parameter) -> torch.Tensor:
-    """A parameter's gradient, which the caller knows is there."""
-    assert param.grad is not None
-    return param.grad
-
-
-def placed_rows(param: Any) -> tuple[int, int]:
-    """(offset, count) of the first-dimension rows of a DTensor this rank holds, as its
-    placements put them (`compute_local_shape_and_global_offset`, what DCP reads them by)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return (offset[0] if shape[0] else min(offset[0], param.shape[0])), shape[0]
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of `tensors`' elements."""
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -74,12 +74,9 @@ def global_grad_norm(engine: Engine) -> float:
     if engine.dp_split_grads:  # the rows are split over the dp x cp ranks of each position
         collectives.all_reduce(total, groups.shard_group)
     # Tensor ranks first (each stage's total on each of its ranks), then across the stages.
-    if groups.tp.group is not None:
-        collectives.all_reduce(total, groups.tp.group)
-    if groups.link.group is not None:
-        collectives.all_reduce(total, groups.link.group)
-    if groups.ep.group is not None:
-        collectives.all_reduce(total, groups.ep.group)
+    for group in (groups.tp.group, groups.link.group, groups.ep.group):
+        if group is not None:
+            collectives.all_reduce(total, group)
     return math.sqrt(float(total))
 
 

@@ -54,11 +54,12 @@ class Parking:
         #: Storages resized to nothing (FSDP2's shards), with their byte size, by key.
         self._freed: dict[tuple[str, str], tuple[torch.UntypedStorage, int, torch.Tensor]] = {}
 
-    def _buffer(self, key: tuple[str, str], like: torch.Tensor) -> torch.Tensor:
+    def _park(self, key: tuple[str, str], tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` copied into its host buffer (made, or remade for another shape or dtype)."""
         buffer = self.buffers.get(key)
-        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            buffer = self.buffers[key] = host_empty(tuple(like.shape), like.dtype)
-        return buffer
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self.buffers[key] = host_empty(tuple(tensor.shape), tensor.dtype)
+        return buffer.copy_(tensor)
 
     @torch.no_grad()
     def sleep(self, slots: list[Slot], storages: dict[tuple[str, str], torch.Tensor]) -> None:
@@ -71,13 +72,10 @@ class Parking:
             tensor = slot.get()
             if tensor is None:
                 continue
-            buffer = self._buffer(slot.key, tensor)
-            buffer.copy_(tensor)
             self._held.add(slot.key)
-            slot.put(buffer)
+            slot.put(self._park(slot.key, tensor))
         for key, view in storages.items():
-            buffer = self._buffer(key, view)
-            buffer.copy_(view)
+            self._park(key, view)
             storage = view.untyped_storage()
             self._freed[key] = (storage, storage.nbytes(), view)
             storage.resize_(0)
