@@ -196,19 +196,8 @@ def measure_host_adam(config: ProfileConfig) -> float:
 # ---- collectives, on spawned ranks ----
 
 
-def _agreed_repeats(seconds: float, budget_s: float) -> int:
-    """Repeats every rank agrees on (the largest estimate), so the loops stay matched."""
-    import torch
-
-    from nereus.runtime.comm import collectives
-    from nereus.runtime.comm.world import device as rank_device
-
-    wanted = torch.tensor([max(1.0, min(200.0, budget_s / max(seconds, 1e-7)))], device=rank_device())
-    collectives.all_reduce(wanted, op="max")
-    return int(wanted.item())
-
-
 def _slowest(seconds: float) -> float:
+    """The largest of every rank's `seconds` (collective)."""
     import torch
 
     from nereus.runtime.comm import collectives
@@ -256,7 +245,9 @@ def _time_collective(call: Callable[[], None], budget_s: float, device: str) -> 
     start = time.perf_counter()
     call()
     sync()
-    repeats = _agreed_repeats(time.perf_counter() - start, budget_s / 3)
+    once = time.perf_counter() - start
+    # Repeats every rank agrees on (the largest estimate), so the loops stay matched.
+    repeats = int(_slowest(max(1.0, min(200.0, budget_s / 3 / max(once, 1e-7)))))
     trials = []
     for _ in range(3):
         collectives.barrier()
@@ -299,8 +290,8 @@ def collective_worker(
 
 
 @contextmanager
-def _cpu_only(device: str) -> Any:
-    """Hide GPUs from spawned ranks when profiling the CPU on a GPU machine."""
+def cpu_only(device: str) -> Any:
+    """Hide GPUs from spawned ranks when profiling the CPU on a GPU machine (`device` cpu)."""
     saved = os.environ.get("CUDA_VISIBLE_DEVICES")
     if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -317,7 +308,7 @@ def measure_collectives(config: ProfileConfig) -> tuple[list[CollectiveMeasureme
     from nereus.runtime.comm.spawn import spawn
 
     sizes = config.collective_bytes
-    with _cpu_only(config.device):
+    with cpu_only(config.device):
         results = spawn(
             collective_worker,
             config.num_ranks,

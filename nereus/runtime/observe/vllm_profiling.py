@@ -158,23 +158,16 @@ def engine_worker(rank: int, world: int, folder: str, device: str, repeats: int,
 def measure_vllm_engine(device: str, quick: bool) -> VllmEngineMeasurement:
     """Start a tiny engine on one spawned rank and time its phases (vLLM must be installed)."""
     from nereus.runtime.comm.spawn import spawn
+    from nereus.runtime.observe.profiling import cpu_only
 
     with tempfile.TemporaryDirectory(prefix="nereus-vllm-profile-") as folder:
         params = make_tiny_model(Path(folder), "bf16" if device == "cuda" else "fp32")
-        env = {} if device == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)
         try:
-            result = spawn(engine_worker, 1, folder, device, 3 if quick else 7, _free_port())[0]
+            with cpu_only(device):
+                result = spawn(engine_worker, 1, folder, device, 3 if quick else 7, _free_port())[0]
         except RuntimeError as exc:
             first = next((line for line in str(exc).splitlines() if line.strip()), str(exc))
             raise ValueError(f"the tiny vLLM engine failed here: {first[:300]}") from None
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
     return VllmEngineMeasurement(
         model_params=params,
         engine_start_s=result["start_s"],
