@@ -21,7 +21,6 @@ and decides as the uninterrupted one; nothing in a checkpoint is unpickled or ev
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from nereus.cost.vllm_engine import Engine
 from nereus.errors import NereusError
 from nereus.runtime.generation.engine_choice import vllm_plan_problem
 from nereus.runtime.rl.update import idle_model_stages
+from nereus.runtime.run.folder import append_json_line
 from nereus.runtime.run.plans import plan_schedule
 from nereus.runtime.run.run_setup import Move
 from nereus.runtime.run.run_state import (
@@ -314,7 +314,7 @@ class Controller:
         self.recalibrated = False
         move, refusal = None, None
         if decision.action == "suspend":
-            self._log(refusal)
+            append_json_line(self.log_path, self._record(refusal))
             raise NereusError(f"step {step}: {decision.reason}; no plan fits the GPUs left, the run stops")
         if decision.action in ("transition", "restart"):
             assert self.policy.plan is not None
@@ -328,7 +328,7 @@ class Controller:
             else:
                 move = self._move(decision.action, target)
         if move is None:
-            self._log(refusal)
+            append_json_line(self.log_path, self._record(refusal))
         else:  # logged with its measured cost once the ranks made it (`moved`)
             self.unlogged = self._record(refusal)
         return move
@@ -342,7 +342,7 @@ class Controller:
         record, self.unlogged = self.unlogged, None
         record["engine"] = self.engine
         record["measured_cost_s"] = measured_s
-        self._write(record)
+        append_json_line(self.log_path, record)
 
     def _move(self, action: str, target: Plan) -> Move:
         from nereus.solver.transition.primitives import Schedule
@@ -357,15 +357,8 @@ class Controller:
         self.plan = target
         return Move(action, target, primitives, schedule, predicted, plan_schedule(target))
 
-    def _log(self, refusal: str | None) -> None:
-        self._write(self._record(refusal))
-
     def _record(self, refusal: str | None) -> dict[str, Any]:
         record = record_to_data(self.policy.log[-1])
         if refusal is not None:
             record["runtime"] = refusal
         return record
-
-    def _write(self, record: dict[str, Any]) -> None:
-        with self.log_path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
