@@ -94,20 +94,14 @@ def gemm_shapes(models: tuple[Model, ...], tokens: int) -> list[tuple[int, int, 
             (h, model.ffn_dim),
             (model.vocab_size, h),
         ):
-            if (tokens, n, k) not in shapes:
-                shapes.append((tokens, n, k))
-    return shapes
+            shapes.append((tokens, n, k))
+    return list(dict.fromkeys(shapes))  # each shape once, in first-seen order
 
 
 def attention_shapes(models: tuple[Model, ...], quick: bool) -> list[tuple[int, int, int, int]]:
     """(batch, heads, seq_len, head_dim) per distinct head shape of the models."""
     batch, seq_len = (4, 128) if quick else (8, 512)
-    shapes: list[tuple[int, int, int, int]] = []
-    for model in models:
-        shape = (batch, model.num_heads, seq_len, model.head_dim)
-        if shape not in shapes:
-            shapes.append(shape)
-    return shapes
+    return list(dict.fromkeys((batch, model.num_heads, seq_len, model.head_dim) for model in models))
 
 
 def median_seconds(fn: Callable[[], Any], budget_s: float, synchronize: Callable[[], None]) -> float:
