@@ -38,9 +38,9 @@ vLLM's external launcher builds its groups over the whole world (`start_async_en
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -513,21 +513,17 @@ class AsyncLoop:
 
     # ---- checkpoints ----
 
-    def save_queue(self, done: int) -> Callable[[Path], None]:
-        """What rank 0 adds to the checkpoint after `done` steps: the queue and, under partial
-        rollout, the samples in flight after tick done - 1 (the generation pool's leading rank
-        wrote them into the hand-off folder before the step's weight sync)."""
+    def save_queue(self, done: int, folder: Path) -> None:
+        """What rank 0 adds to the checkpoint `folder` after `done` steps: the queue and, under
+        partial rollout, the samples in flight after tick done - 1 (the generation pool's leading
+        rank wrote them into the hand-off folder before the step's weight sync)."""
+        self.queue.save(folder)
         workload = self.plan.workload
-
-        def save(folder: Path) -> None:
-            self.queue.save(folder)
-            if workload.partial_rollout and workload.staleness >= 2:
-                written = self.handoff / f"{IN_FLIGHT_PREFIX}{done - 1:06d}"
-                for name in (TENSORS_FILE, STATE_FILE):
-                    shutil.copyfile(written / name, folder / name)
-                shutil.rmtree(written)
-
-        return save
+        if workload.partial_rollout and workload.staleness >= 2:
+            written = self.handoff / f"{IN_FLIGHT_PREFIX}{done - 1:06d}"
+            for name in (TENSORS_FILE, STATE_FILE):
+                shutil.copyfile(written / name, folder / name)
+            shutil.rmtree(written)
 
     def checkpoint(self, done: int, rank: int) -> None:
         """Checkpoint after `done` steps (collective): the models as a synchronous run saves them,
@@ -546,7 +542,7 @@ class AsyncLoop:
                 last,
             )
             if rank == 0:
-                extra = self.save_queue(done)
+                extra = functools.partial(self.save_queue, done)
         save_run_checkpoint(self.setup, self.plan, self.stages, done, rank, self.state, extra)
 
 

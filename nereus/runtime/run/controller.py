@@ -202,12 +202,11 @@ class Controller:
         # Plans are priced with generation in the KV pool the runtime's engine gives them, as
         # each step is predicted and the online calibration fits (one rule, `with_engine_budget`),
         # and only plans the runtime runs are proposed, searching every memory choice it executes.
-        engineless = engineless_stages(plan, config)
         self.replanner = Replanner(
             plan,
             calibration=calibration,
             choices=runtime_choices(plan.fusion),
-            engineless=engineless,
+            engineless=engineless_stages(plan, config),
             engine=engine,
             refuses=self.refusal,
         )

@@ -304,8 +304,7 @@ def next_move(setup: RunSetup, state: RunState | None, switches: dict[int, Switc
         with timeline.span("controller", "decide"):
             decided[0] = state.controller.decide(step)
     collectives.broadcast_object_list(decided, 0)
-    move: Move | None = decided[0]
-    return move
+    return decided[0]
 
 
 def load_folders(stages: dict[str, ModelStageRuntime], plan: Plan) -> None:
