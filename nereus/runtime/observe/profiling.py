@@ -12,7 +12,6 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -27,6 +26,7 @@ from nereus.cost.profile import (
     fit_latency_bandwidth,
 )
 from nereus.errors import ArgumentError
+from nereus.runtime.observe.vllm_profiling import cpu_only, measure_vllm_engine, vllm_problem
 from nereus.spec.model import Model
 
 Progress = Callable[[int, int], None]
@@ -283,21 +283,6 @@ def collective_worker(
     return timings, statistics.median(setups)
 
 
-@contextmanager
-def cpu_only(device: str) -> Any:
-    """Hide GPUs from spawned ranks when profiling the CPU on a GPU machine (`device` cpu)."""
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
-
-
 def measure_collectives(config: ProfileConfig) -> tuple[list[CollectiveMeasurement], float]:
     from nereus.runtime.comm.spawn import spawn
 
@@ -360,8 +345,6 @@ def device_problem(config: ProfileConfig) -> str | None:
 def run_profile(config: ProfileConfig, progress: Progress | None = None) -> Profile:
     """Measure this machine; `progress(done, total)` is called after each measurement."""
     import torch
-
-    from nereus.runtime.observe.vllm_profiling import measure_vllm_engine, vllm_problem
 
     problem = device_problem(config) or (vllm_problem() if config.vllm else None)
     if problem:

@@ -20,6 +20,7 @@ import socket
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,21 @@ TINY_QWEN2: dict[str, Any] = {
     "bos_token_id": 1,
     "pad_token_id": 0,
 }
+
+
+@contextmanager
+def cpu_only(device: str) -> Any:
+    """Hide GPUs from spawned ranks when profiling the CPU on a GPU machine (`device` cpu)."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def vllm_problem() -> str | None:
@@ -158,7 +174,6 @@ def engine_worker(rank: int, world: int, folder: str, device: str, repeats: int,
 def measure_vllm_engine(device: str, quick: bool) -> VllmEngineMeasurement:
     """Start a tiny engine on one spawned rank and time its phases (vLLM must be installed)."""
     from nereus.runtime.comm.spawn import spawn
-    from nereus.runtime.observe.profiling import cpu_only
 
     with tempfile.TemporaryDirectory(prefix="nereus-vllm-profile-") as folder:
         params = make_tiny_model(Path(folder), "bf16" if device == "cuda" else "fp32")
