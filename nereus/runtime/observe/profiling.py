@@ -7,6 +7,7 @@ on GPUs). Every time is a median of repeated runs after a warm-up run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
@@ -319,11 +320,8 @@ def _device_facts(config: ProfileConfig) -> tuple[str, int]:
         properties = torch.cuda.get_device_properties(0)
         return str(properties.name), int(properties.total_memory)
     name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            name = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), name)
-    except OSError:
-        pass  # not Linux: keep the platform's name
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:  # not Linux: keep the name
+        name = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), name)
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return name or "cpu", int(total // max(1, config.num_ranks))
 
