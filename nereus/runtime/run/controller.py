@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.fit import STEP_KEY, engineless_stages, measured_plan, predict
+from nereus.cost.fit import engineless_stages, measured_plan, predict
 from nereus.cost.online import OnlineCalibrator
 from nereus.cost.vllm_engine import Engine
 from nereus.errors import NereusError
@@ -165,18 +165,6 @@ class Predictor:
         return not is_model_stage(name) or self.config.runs_engine(role_of(name))
 
 
-def prediction_fields(predicted: dict[str, float]) -> dict[str, Any]:
-    """The metrics record's prediction fields."""
-    stages = {name: seconds for name, seconds in predicted.items() if name != STEP_KEY}
-    return {"predicted_step_seconds": predicted[STEP_KEY], "predicted_stage_seconds": stages}
-
-
-def measured_lengths(mean: float, longest: int) -> ResponseLengths:
-    """A response-length distribution from one step's mean and maximum (tokens, at least 1)."""
-    median = max(1, round(mean))
-    return ResponseLengths(median=median, p99=max(median, longest), max=max(median, longest))
-
-
 class Controller:
     """The policy, the trace and the decision log of one run (lives on rank 0)."""
 
@@ -268,7 +256,10 @@ class Controller:
 
     def measured(self, metrics: Any, calibration: Calibration) -> None:
         """Take in one finished step's StepMetrics and the calibration refitted with them."""
-        self.lengths = measured_lengths(metrics.response_len_mean, metrics.response_len_max)
+        # A response-length distribution from the step's mean and maximum (tokens, at least 1).
+        median = max(1, round(metrics.response_len_mean))
+        longest = max(median, metrics.response_len_max)
+        self.lengths = ResponseLengths(median=median, p99=longest, max=longest)
         held = max(metrics.state_bytes_per_rank, default=0)
         self.memory_used = held / self.plan.cluster.gpu.memory_bytes
         step_seconds = metrics.step_seconds

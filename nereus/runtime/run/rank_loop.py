@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.cost.calibration import Calibration
+from nereus.cost.fit import STEP_KEY
 from nereus.errors import NereusError
 from nereus.runtime.comm import arena, collectives, shm
 from nereus.runtime.comm.world import device
@@ -45,7 +46,7 @@ from nereus.runtime.rl.timing import slowest_rank
 from nereus.runtime.rl.update import WeightSync, sync_plans, sync_weights
 from nereus.runtime.rl.warm_start import warm_start
 from nereus.runtime.run.checkpoints import restore, save_run_checkpoint, state_families
-from nereus.runtime.run.controller import Controller, Predictor, prediction_fields
+from nereus.runtime.run.controller import Controller, Predictor
 from nereus.runtime.run.folder import append_json_line, log_plan_switch
 from nereus.runtime.run.hold import hold_before
 from nereus.runtime.run.plans import plan_schedule
@@ -281,7 +282,10 @@ def measured(state: RunState, plan: Plan, metrics: StepMetrics, moved: bool, lea
     rank 0 no part in generation; the controller takes in the step."""
     state.plan_index += int(moved)
     predicted = state.predictor.predict(plan, metrics.prompt_len, metrics.response_len_max)
-    metrics = dataclasses.replace(metrics, **prediction_fields(predicted), plan_index=state.plan_index)
+    stages = {name: seconds for name, seconds in predicted.items() if name != STEP_KEY}
+    metrics = dataclasses.replace(
+        metrics, predicted_step_seconds=predicted[STEP_KEY], predicted_stage_seconds=stages, plan_index=state.plan_index
+    )
     if learn:
         if 0 in plan.stage_plan(ACTOR_GENERATION).gpus:
             state.predictor.update(plan, metrics)
