@@ -63,12 +63,8 @@ class ProfileConfig:
     @property
     def collective_bytes(self) -> list[int]:
         """Message sizes of the collective sweep: 4 B up to 4 MiB (quick) or 64 MiB."""
-        top, factor = (2**22, 16) if self.quick else (2**26, 4)
-        sizes, size = [], 4
-        while size <= top:
-            sizes.append(size)
-            size *= factor
-        return sizes
+        top, step = (22, 4) if self.quick else (26, 2)  # powers of 2: every 16th or every 4th
+        return [2**exponent for exponent in range(2, top + 1, step)]
 
     @property
     def copy_bytes(self) -> int:
