@@ -7,12 +7,12 @@ on GPUs). Every time is a median of repeated runs after a warm-up run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -27,6 +27,7 @@ from nereus.cost.profile import (
     fit_latency_bandwidth,
 )
 from nereus.errors import ArgumentError
+from nereus.runtime.observe.vllm_profiling import cpu_only, measure_vllm_engine, vllm_problem
 from nereus.spec.model import Model
 
 Progress = Callable[[int, int], None]
@@ -62,12 +63,8 @@ class ProfileConfig:
     @property
     def collective_bytes(self) -> list[int]:
         """Message sizes of the collective sweep: 4 B up to 4 MiB (quick) or 64 MiB."""
-        top, factor = (2**22, 16) if self.quick else (2**26, 4)
-        sizes, size = [], 4
-        while size <= top:
-            sizes.append(size)
-            size *= factor
-        return sizes
+        top, step = (22, 4) if self.quick else (26, 2)  # powers of 2: every 16th or every 4th
+        return [2**exponent for exponent in range(2, top + 1, step)]
 
     @property
     def copy_bytes(self) -> int:
@@ -94,20 +91,14 @@ def gemm_shapes(models: tuple[Model, ...], tokens: int) -> list[tuple[int, int, 
             (h, model.ffn_dim),
             (model.vocab_size, h),
         ):
-            if (tokens, n, k) not in shapes:
-                shapes.append((tokens, n, k))
-    return shapes
+            shapes.append((tokens, n, k))
+    return list(dict.fromkeys(shapes))  # each shape once, in first-seen order
 
 
 def attention_shapes(models: tuple[Model, ...], quick: bool) -> list[tuple[int, int, int, int]]:
     """(batch, heads, seq_len, head_dim) per distinct head shape of the models."""
     batch, seq_len = (4, 128) if quick else (8, 512)
-    shapes: list[tuple[int, int, int, int]] = []
-    for model in models:
-        shape = (batch, model.num_heads, seq_len, model.head_dim)
-        if shape not in shapes:
-            shapes.append(shape)
-    return shapes
+    return list(dict.fromkeys((batch, model.num_heads, seq_len, model.head_dim) for model in models))
 
 
 def median_seconds(fn: Callable[[], Any], budget_s: float, synchronize: Callable[[], None]) -> float:
@@ -196,19 +187,8 @@ def measure_host_adam(config: ProfileConfig) -> float:
 # ---- collectives, on spawned ranks ----
 
 
-def _agreed_repeats(seconds: float, budget_s: float) -> int:
-    """Repeats every rank agrees on (the largest estimate), so the loops stay matched."""
-    import torch
-
-    from nereus.runtime.comm import collectives
-    from nereus.runtime.comm.world import device as rank_device
-
-    wanted = torch.tensor([max(1.0, min(200.0, budget_s / max(seconds, 1e-7)))], device=rank_device())
-    collectives.all_reduce(wanted, op="max")
-    return int(wanted.item())
-
-
 def _slowest(seconds: float) -> float:
+    """The largest of every rank's `seconds` (collective)."""
     import torch
 
     from nereus.runtime.comm import collectives
@@ -256,7 +236,9 @@ def _time_collective(call: Callable[[], None], budget_s: float, device: str) -> 
     start = time.perf_counter()
     call()
     sync()
-    repeats = _agreed_repeats(time.perf_counter() - start, budget_s / 3)
+    once = time.perf_counter() - start
+    # Repeats every rank agrees on (the largest estimate), so the loops stay matched.
+    repeats = int(_slowest(max(1.0, min(200.0, budget_s / 3 / max(once, 1e-7)))))
     trials = []
     for _ in range(3):
         collectives.barrier()
@@ -298,26 +280,11 @@ def collective_worker(
     return timings, statistics.median(setups)
 
 
-@contextmanager
-def _cpu_only(device: str) -> Any:
-    """Hide GPUs from spawned ranks when profiling the CPU on a GPU machine."""
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
-
-
 def measure_collectives(config: ProfileConfig) -> tuple[list[CollectiveMeasurement], float]:
     from nereus.runtime.comm.spawn import spawn
 
     sizes = config.collective_bytes
-    with _cpu_only(config.device):
+    with cpu_only(config.device):
         results = spawn(
             collective_worker,
             config.num_ranks,
@@ -349,11 +316,8 @@ def _device_facts(config: ProfileConfig) -> tuple[str, int]:
         properties = torch.cuda.get_device_properties(0)
         return str(properties.name), int(properties.total_memory)
     name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            name = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), name)
-    except OSError:
-        pass  # not Linux: keep the platform's name
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:  # not Linux: keep the name
+        name = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), name)
     total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return name or "cpu", int(total // max(1, config.num_ranks))
 
@@ -375,8 +339,6 @@ def device_problem(config: ProfileConfig) -> str | None:
 def run_profile(config: ProfileConfig, progress: Progress | None = None) -> Profile:
     """Measure this machine; `progress(done, total)` is called after each measurement."""
     import torch
-
-    from nereus.runtime.observe.vllm_profiling import measure_vllm_engine, vllm_problem
 
     problem = device_problem(config) or (vllm_problem() if config.vllm else None)
     if problem:

@@ -20,6 +20,7 @@ import socket
 import statistics
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,21 @@ TINY_QWEN2: dict[str, Any] = {
     "bos_token_id": 1,
     "pad_token_id": 0,
 }
+
+
+@contextmanager
+def cpu_only(device: str) -> Any:
+    """Hide GPUs from spawned ranks when profiling the CPU on a GPU machine (`device` cpu)."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 def vllm_problem() -> str | None:
@@ -161,20 +177,12 @@ def measure_vllm_engine(device: str, quick: bool) -> VllmEngineMeasurement:
 
     with tempfile.TemporaryDirectory(prefix="nereus-vllm-profile-") as folder:
         params = make_tiny_model(Path(folder), "bf16" if device == "cuda" else "fp32")
-        env = {} if device == "cuda" else {"CUDA_VISIBLE_DEVICES": ""}
-        saved = {key: os.environ.get(key) for key in env}
-        os.environ.update(env)
         try:
-            result = spawn(engine_worker, 1, folder, device, 3 if quick else 7, _free_port())[0]
+            with cpu_only(device):
+                result = spawn(engine_worker, 1, folder, device, 3 if quick else 7, _free_port())[0]
         except RuntimeError as exc:
             first = next((line for line in str(exc).splitlines() if line.strip()), str(exc))
             raise ValueError(f"the tiny vLLM engine failed here: {first[:300]}") from None
-        finally:
-            for key, value in saved.items():
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
     return VllmEngineMeasurement(
         model_params=params,
         engine_start_s=result["start_s"],

@@ -38,9 +38,9 @@ vLLM's external launcher builds its groups over the whole world (`start_async_en
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shutil
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,8 +74,7 @@ from nereus.runtime.rl.partial_rollout import (
     version_spans,
 )
 from nereus.runtime.rl.rollout import generate_responses, kv_budget, rollout, rollout_kv_bytes, token_aligned
-from nereus.runtime.rl.run_data import REWARD_ERRORS_NAME, StepInputs, append_reward_errors, step_inputs
-from nereus.runtime.rl.samples import append_samples
+from nereus.runtime.rl.run_data import StepInputs, step_inputs
 from nereus.runtime.rl.scoring import infer
 from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, rollout_batch
 from nereus.runtime.rl.step import begin_step, draw_prompts, metric_names, plan_peaks, step_seed, train_phases
@@ -85,12 +84,11 @@ from nereus.runtime.rl.update import WeightSync, sync_weights
 from nereus.runtime.rl.warm_start import warm_start
 from nereus.runtime.run.checkpoints import restore, save_run_checkpoint
 from nereus.runtime.run.hold import hold_before
-from nereus.runtime.run.rank_loop import append_metrics, in_force_schedule, measured, prepare_rank, run_state
+from nereus.runtime.run.rank_loop import in_force_schedule, prepare_rank, record_step, run_state
 from nereus.runtime.run.run_setup import RunSetup
 from nereus.runtime.state.sharded_state import even_split
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
-from nereus.spec.run_folder import METRICS_NAME, SAMPLES_NAME
 from nereus.spec.stages import ACTOR_GENERATION
 
 #: The hand-off folder in the run folder: the generated batches not yet trained.
@@ -105,6 +103,8 @@ GENERATION_CPU = "async_generation_cpu"
 #: other ranks report 0 and the gather takes the largest.
 GENERATION_SPAN = ("async_generation_start", "async_generation_end")
 TRAINING_SPAN = ("async_training_start", "async_training_end")
+#: Every time above: what an async step gathers besides the synchronous step's `metric_names`.
+ASYNC_SECONDS = (GENERATION_BUSY, GENERATION_CPU, TRAINING_BUSY, BATCH_WAIT, *GENERATION_SPAN, *TRAINING_SPAN)
 #: How often the training pool looks for a batch it waits for.
 POLL_S = 0.002
 #: The hand-off folder's copies of the samples in flight after a checkpoint's tick (partial rollout).
@@ -249,15 +249,7 @@ class AsyncLoop:
         self.batch_size = queue.batch_size
         self.next_batch = queue.next_index // queue.batch_size
         """The next batch the generation pool generates (a resume: the checkpoint's queue's end)."""
-        self.names = [
-            *metric_names(self.plan, self.stages),
-            GENERATION_BUSY,
-            GENERATION_CPU,
-            TRAINING_BUSY,
-            BATCH_WAIT,
-            *GENERATION_SPAN,
-            *TRAINING_SPAN,
-        ]
+        self.names = [*metric_names(self.plan, self.stages), *ASYNC_SECONDS]
         self.state = run_state(setup, self.plan) if rank == 0 else None
         self.schedule = in_force_schedule(self.plan, setup.fused_schedule)
         self.peaks = plan_peaks(self.plan, self.stages)
@@ -478,15 +470,8 @@ class AsyncLoop:
             "training_busy": totals.seconds[TRAINING_BUSY] / step_s if step_s > 0 else 0.0,
         }
         metrics = dataclasses.replace(metrics, async_step=record)
-        out = self.setup.out
-        if trained.samples:
-            append_samples(out / SAMPLES_NAME, trained.samples)
-        append_reward_errors(out / REWARD_ERRORS_NAME, step, self.inputs.scorer)
         assert self.state is not None
-        with timeline.span("controller", "predict + calibrate"):
-            self.state.predictor.flush()
-            metrics = measured(self.state, self.plan, metrics, False, learn=step > self.setup.start_step)
-        append_metrics(out / METRICS_NAME, metrics)
+        record_step(self.setup, self.state, self.plan, metrics, trained.samples, self.inputs.scorer, False)
 
     def ingest(self, last: int) -> None:
         """Put every handed-over batch up to `last` not queued yet into the queue, in order."""
@@ -528,21 +513,17 @@ class AsyncLoop:
 
     # ---- checkpoints ----
 
-    def save_queue(self, done: int) -> Callable[[Path], None]:
-        """What rank 0 adds to the checkpoint after `done` steps: the queue and, under partial
-        rollout, the samples in flight after tick done - 1 (the generation pool's leading rank
-        wrote them into the hand-off folder before the step's weight sync)."""
+    def save_queue(self, done: int, folder: Path) -> None:
+        """What rank 0 adds to the checkpoint `folder` after `done` steps: the queue and, under
+        partial rollout, the samples in flight after tick done - 1 (the generation pool's leading
+        rank wrote them into the hand-off folder before the step's weight sync)."""
+        self.queue.save(folder)
         workload = self.plan.workload
-
-        def save(folder: Path) -> None:
-            self.queue.save(folder)
-            if workload.partial_rollout and workload.staleness >= 2:
-                written = self.handoff / f"{IN_FLIGHT_PREFIX}{done - 1:06d}"
-                for name in (TENSORS_FILE, STATE_FILE):
-                    shutil.copyfile(written / name, folder / name)
-                shutil.rmtree(written)
-
-        return save
+        if workload.partial_rollout and workload.staleness >= 2:
+            written = self.handoff / f"{IN_FLIGHT_PREFIX}{done - 1:06d}"
+            for name in (TENSORS_FILE, STATE_FILE):
+                shutil.copyfile(written / name, folder / name)
+            shutil.rmtree(written)
 
     def checkpoint(self, done: int, rank: int) -> None:
         """Checkpoint after `done` steps (collective): the models as a synchronous run saves them,
@@ -561,7 +542,7 @@ class AsyncLoop:
                 last,
             )
             if rank == 0:
-                extra = self.save_queue(done)
+                extra = functools.partial(self.save_queue, done)
         save_run_checkpoint(self.setup, self.plan, self.stages, done, rank, self.state, extra)
 
 

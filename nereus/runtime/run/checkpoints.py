@@ -56,11 +56,6 @@ def state_families(model_stage: str, updated: bool = True) -> tuple[str, ...]:
     return ("param", "exp_avg", "exp_avg_sq") if is_trained(model_stage) and updated else ("param",)
 
 
-def optimizer_steps(plan: Plan, num_rl_steps: int) -> int:
-    """AdamW steps each trained model has taken after `num_rl_steps` RL steps."""
-    return num_rl_steps * plan.workload.mini_batches * plan.workload.ppo_epochs
-
-
 # ---- save, seal, prune ----
 
 
@@ -94,7 +89,7 @@ def save_run_checkpoint(
             continue
         stage, families = stages[name], state_families(name, step > 0)
         # Every rank passes the same step to the index: the AdamW steps the model has taken.
-        num_optimizer_steps = optimizer_steps(plan, step)
+        num_optimizer_steps = step * plan.workload.mini_batches * plan.workload.ppo_epochs
         if stage.plan.role == "reward":  # fitted before the run, or read from a folder as it is
             num_optimizer_steps = 0 if "reward" in (plan.weights or {}) else setup.config.rl.reward_model_steps
         if stage.plan.role == "reference":  # the warm-start's weights; RL starts a fresh optimizer

@@ -21,7 +21,6 @@ and decides as the uninterrupted one; nothing in a checkpoint is unpickled or ev
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 from collections import deque
 from collections.abc import Callable
@@ -29,12 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from nereus.cost.calibration import Calibration
-from nereus.cost.fit import STEP_KEY, engineless_stages, measured_plan, predict
+from nereus.cost.fit import engineless_stages, measured_plan, predict
 from nereus.cost.online import OnlineCalibrator
 from nereus.cost.vllm_engine import Engine
 from nereus.errors import NereusError
 from nereus.runtime.generation.engine_choice import vllm_plan_problem
 from nereus.runtime.rl.update import idle_model_stages
+from nereus.runtime.run.folder import append_json_line
 from nereus.runtime.run.plans import plan_schedule
 from nereus.runtime.run.run_setup import Move
 from nereus.runtime.run.run_state import (
@@ -165,18 +165,6 @@ class Predictor:
         return not is_model_stage(name) or self.config.runs_engine(role_of(name))
 
 
-def prediction_fields(predicted: dict[str, float]) -> dict[str, Any]:
-    """The metrics record's prediction fields."""
-    stages = {name: seconds for name, seconds in predicted.items() if name != STEP_KEY}
-    return {"predicted_step_seconds": predicted[STEP_KEY], "predicted_stage_seconds": stages}
-
-
-def measured_lengths(mean: float, longest: int) -> ResponseLengths:
-    """A response-length distribution from one step's mean and maximum (tokens, at least 1)."""
-    median = max(1, round(mean))
-    return ResponseLengths(median=median, p99=max(median, longest), max=max(median, longest))
-
-
 class Controller:
     """The policy, the trace and the decision log of one run (lives on rank 0)."""
 
@@ -202,12 +190,11 @@ class Controller:
         # Plans are priced with generation in the KV pool the runtime's engine gives them, as
         # each step is predicted and the online calibration fits (one rule, `with_engine_budget`),
         # and only plans the runtime runs are proposed, searching every memory choice it executes.
-        engineless = engineless_stages(plan, config)
         self.replanner = Replanner(
             plan,
             calibration=calibration,
             choices=runtime_choices(plan.fusion),
-            engineless=engineless,
+            engineless=engineless_stages(plan, config),
             engine=engine,
             refuses=self.refusal,
         )
@@ -269,7 +256,10 @@ class Controller:
 
     def measured(self, metrics: Any, calibration: Calibration) -> None:
         """Take in one finished step's StepMetrics and the calibration refitted with them."""
-        self.lengths = measured_lengths(metrics.response_len_mean, metrics.response_len_max)
+        # A response-length distribution from the step's mean and maximum (tokens, at least 1).
+        median = max(1, round(metrics.response_len_mean))
+        longest = max(median, metrics.response_len_max)
+        self.lengths = ResponseLengths(median=median, p99=longest, max=longest)
         held = max(metrics.state_bytes_per_rank, default=0)
         self.memory_used = held / self.plan.cluster.gpu.memory_bytes
         step_seconds = metrics.step_seconds
@@ -314,7 +304,7 @@ class Controller:
         self.recalibrated = False
         move, refusal = None, None
         if decision.action == "suspend":
-            self._log(refusal)
+            append_json_line(self.log_path, self._record(refusal))
             raise NereusError(f"step {step}: {decision.reason}; no plan fits the GPUs left, the run stops")
         if decision.action in ("transition", "restart"):
             assert self.policy.plan is not None
@@ -328,7 +318,7 @@ class Controller:
             else:
                 move = self._move(decision.action, target)
         if move is None:
-            self._log(refusal)
+            append_json_line(self.log_path, self._record(refusal))
         else:  # logged with its measured cost once the ranks made it (`moved`)
             self.unlogged = self._record(refusal)
         return move
@@ -342,7 +332,7 @@ class Controller:
         record, self.unlogged = self.unlogged, None
         record["engine"] = self.engine
         record["measured_cost_s"] = measured_s
-        self._write(record)
+        append_json_line(self.log_path, record)
 
     def _move(self, action: str, target: Plan) -> Move:
         from nereus.solver.transition.primitives import Schedule
@@ -357,15 +347,8 @@ class Controller:
         self.plan = target
         return Move(action, target, primitives, schedule, predicted, plan_schedule(target))
 
-    def _log(self, refusal: str | None) -> None:
-        self._write(self._record(refusal))
-
     def _record(self, refusal: str | None) -> dict[str, Any]:
         record = record_to_data(self.policy.log[-1])
         if refusal is not None:
             record["runtime"] = refusal
         return record
-
-    def _write(self, record: dict[str, Any]) -> None:
-        with self.log_path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from nereus.runtime.observe import timeline
 from nereus.runtime.rl.run_data import REWARD_ERRORS_NAME
@@ -60,7 +61,8 @@ def prepare_folder(setup: RunSetup) -> None:
             save_document(setup.plan, out / PLAN_NAME)
     kept = [record for record in read_metrics(out) if record["step"] < setup.start_step]
     write_text_atomic(out / METRICS_NAME, "".join(json.dumps(record) + "\n" for record in kept))
-    drop_decisions_from(out, setup.start_step)
+    # The controller's decisions before the steps a resume decides again.
+    keep_json_lines(out / DECISIONS_NAME, lambda record: record["observation"]["step"] < setup.start_step)
     keep_json_lines(out / SAMPLES_NAME, lambda record: record["step"] < setup.start_step)
     keep_json_lines(out / REWARD_ERRORS_NAME, lambda record: record["step"] < setup.start_step)
     timeline.drop_steps_from(out, setup.start_step)
@@ -71,11 +73,6 @@ def prepare_folder(setup: RunSetup) -> None:
                 shutil.rmtree(path, ignore_errors=True)
     set_aside(setup.damaged, out / DAMAGED_NAME)
     (out / FAILURE_NAME).unlink(missing_ok=True)
-
-
-def drop_decisions_from(out: Path, step: int) -> None:
-    """Drop the controller's decisions before steps >= `step` (a resume decides them again)."""
-    keep_json_lines(out / DECISIONS_NAME, lambda record: record["observation"]["step"] < step)
 
 
 def set_aside(folders: tuple[Path, ...], into: Path) -> None:
@@ -100,8 +97,7 @@ def log_plan_switch(out: Path, step: int, move: Move, engine: str, measured_s: f
         "engine": engine,
         "measured_cost_s": measured_s,
     }
-    with (out / DECISIONS_NAME).open("a") as handle:
-        handle.write(json.dumps(record) + "\n")
+    append_json_line(out / DECISIONS_NAME, record)
 
 
 def log_pool_restart(setup: RunSetup, world_size: int, previous: int | None) -> None:
@@ -115,5 +111,11 @@ def log_pool_restart(setup: RunSetup, world_size: int, previous: int | None) -> 
         "runtime": None,
         "checkpoint": None if setup.checkpoint is None else setup.checkpoint.name,
     }
-    with (setup.out / DECISIONS_NAME).open("a") as handle:
+    append_json_line(setup.out / DECISIONS_NAME, record)
+
+
+def append_json_line(path: Path, record: Any) -> None:
+    """Append `record` to the JSON-lines log at `path` as one line, flushed as the file closes
+    (the launcher and a killed run see it)."""
+    with path.open("a") as handle:
         handle.write(json.dumps(record) + "\n")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from nereus.cost.calibration import Calibration
+from nereus.cost.fit import STEP_KEY
 from nereus.errors import NereusError
 from nereus.runtime.comm import arena, collectives, shm
 from nereus.runtime.comm.world import device
@@ -35,6 +35,7 @@ from nereus.runtime.observe import memory, timeline
 from nereus.runtime.rl.evaluation import eval_due, evaluate
 from nereus.runtime.rl.optimization import with_decay_horizon
 from nereus.runtime.rl.reward_model import fit_reward_model
+from nereus.runtime.rl.rewards import Scorer
 from nereus.runtime.rl.rollout import start_rollout_engine
 from nereus.runtime.rl.run_data import REWARD_ERRORS_NAME, append_reward_errors, step_inputs
 from nereus.runtime.rl.samples import append_samples
@@ -45,8 +46,8 @@ from nereus.runtime.rl.timing import slowest_rank
 from nereus.runtime.rl.update import WeightSync, sync_plans, sync_weights
 from nereus.runtime.rl.warm_start import warm_start
 from nereus.runtime.run.checkpoints import restore, save_run_checkpoint, state_families
-from nereus.runtime.run.controller import Controller, Predictor, prediction_fields
-from nereus.runtime.run.folder import log_plan_switch
+from nereus.runtime.run.controller import Controller, Predictor
+from nereus.runtime.run.folder import append_json_line, log_plan_switch
 from nereus.runtime.run.hold import hold_before
 from nereus.runtime.run.plans import plan_schedule
 from nereus.runtime.run.run_setup import Move, RunSetup, Switch
@@ -142,18 +143,10 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
             metrics = result.metrics
             if eval_due(inputs, step, config.num_steps):
                 metrics = dataclasses.replace(metrics, eval_reward=evaluate(stages, inputs, rl))
-            if rank == 0 and result.samples:
-                append_samples(setup.out / SAMPLES_NAME, result.samples)
-            if rank == 0:
-                append_reward_errors(setup.out / REWARD_ERRORS_NAME, step, inputs.scorer)
             if move is not None:
                 metrics = dataclasses.replace(metrics, stage_seconds={**metrics.stage_seconds, **moved_s})
             if state is not None:
-                with timeline.span("controller", "predict + calibrate"):
-                    state.predictor.flush()  # the last step's update, if generation left no idle time
-                    # A process's first step pays one-off warm-up costs: not a sample of the plan.
-                    metrics = measured(state, plan, metrics, move is not None, learn=step > setup.start_step)
-                append_metrics(setup.out / METRICS_NAME, metrics)
+                record_step(setup, state, plan, metrics, result.samples, inputs.scorer, move is not None)
             done = step + 1
             if done % config.checkpoint_every == 0 or done == config.num_steps:
                 with timeline.span("checkpoint", f"step-{done:06d}"):
@@ -204,8 +197,8 @@ def carry_rollout_engine(
     """This rank's vLLM engine after a plan change from `before` to `plan` (the same on every
     rank): kept, attached to the new stages, when actor/generation's layout is unchanged (the
     move kept its weights, and the transition DAG prices no engine for it); otherwise every
-    engine restarts in the new layout (vLLM's external launcher groups the whole world) and
-    loads the moved weights."""
+    engine closes and the new plan's starts (vLLM's external launcher builds its groups anew
+    over the whole world) and gets the moved weights (collective)."""
     old, new = before.stage_plan(ACTOR_GENERATION), plan.stage_plan(ACTOR_GENERATION)
     if (old.tp, old.pp, old.emus) == (new.tp, new.pp, new.emus):
         stage = stages[ACTOR_GENERATION]
@@ -214,19 +207,11 @@ def carry_rollout_engine(
         stage.rollout_engine = engine
         return engine
     with timeline.span("transition", "restart vLLM engines"):
-        return restart_rollout_engine(engine, config, plan, stages, syncs)
-
-
-def restart_rollout_engine(
-    engine: VLLMEngine, config: RunConfig, plan: Plan, stages: dict[str, ModelStageRuntime], syncs: list[WeightSync]
-) -> VLLMEngine | None:
-    """After a plan change: close this rank's vLLM engine, start the new plan's (vLLM builds its
-    groups anew over the world) and push the moved weights into it (collective)."""
-    engine.close()
-    started = start_rollout_engine(config, plan, stages)
-    if started is not None:
-        sync_weights(syncs)
-    return started
+        engine.close()
+        started = start_rollout_engine(config, plan, stages)
+        if started is not None:
+            sync_weights(syncs)
+        return started
 
 
 def in_force_schedule(plan: Plan, carried: Schedule | None) -> Schedule | None:
@@ -297,7 +282,10 @@ def measured(state: RunState, plan: Plan, metrics: StepMetrics, moved: bool, lea
     rank 0 no part in generation; the controller takes in the step."""
     state.plan_index += int(moved)
     predicted = state.predictor.predict(plan, metrics.prompt_len, metrics.response_len_max)
-    metrics = dataclasses.replace(metrics, **prediction_fields(predicted), plan_index=state.plan_index)
+    stages = {name: seconds for name, seconds in predicted.items() if name != STEP_KEY}
+    metrics = dataclasses.replace(
+        metrics, predicted_step_seconds=predicted[STEP_KEY], predicted_stage_seconds=stages, plan_index=state.plan_index
+    )
     if learn:
         if 0 in plan.stage_plan(ACTOR_GENERATION).gpus:
             state.predictor.update(plan, metrics)
@@ -320,8 +308,7 @@ def next_move(setup: RunSetup, state: RunState | None, switches: dict[int, Switc
         with timeline.span("controller", "decide"):
             decided[0] = state.controller.decide(step)
     collectives.broadcast_object_list(decided, 0)
-    move: Move | None = decided[0]
-    return move
+    return decided[0]
 
 
 def load_folders(stages: dict[str, ModelStageRuntime], plan: Plan) -> None:
@@ -333,13 +320,27 @@ def load_folders(stages: dict[str, ModelStageRuntime], plan: Plan) -> None:
             load_engine(stage.engine, Path((plan.weights or {})[stage.plan.role]))
 
 
-def append_metrics(path: Path, metrics: StepMetrics) -> None:
-    """One JSON line, flushed (the launcher and a killed run see it); a checkpoint makes the
-    lines before it durable (`save_run_checkpoint`), and a resume redoes the steps after it,
-    so a per-step fsync would buy nothing."""
-    with path.open("a") as handle:
-        handle.write(json.dumps(dataclasses.asdict(metrics)) + "\n")
-        handle.flush()
+def record_step(
+    setup: RunSetup,
+    state: RunState,
+    plan: Plan,
+    metrics: StepMetrics,
+    samples: list[dict[str, Any]],
+    scorer: Scorer,
+    moved: bool,
+) -> None:
+    """Rank 0 after a step: its samples and reward errors, then its prediction and calibration
+    (`measured`), and its record appended to metrics.jsonl, flushed (the launcher and a killed
+    run see it); a checkpoint makes the lines before it durable (`save_run_checkpoint`), and a
+    resume redoes the steps after it, so a per-step fsync would buy nothing."""
+    if samples:
+        append_samples(setup.out / SAMPLES_NAME, samples)
+    append_reward_errors(setup.out / REWARD_ERRORS_NAME, metrics.step, scorer)
+    with timeline.span("controller", "predict + calibrate"):
+        state.predictor.flush()  # the last step's update, if generation left no idle time
+        # A process's first step pays one-off warm-up costs: not a sample of the plan.
+        metrics = measured(state, plan, metrics, moved, learn=metrics.step > setup.start_step)
+    append_json_line(setup.out / METRICS_NAME, dataclasses.asdict(metrics))
 
 
 # ---- plan changes ----
@@ -405,15 +406,14 @@ def switch_plan(
     return new_stages
 
 
-def cpu_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {key: tensor.detach().cpu() for key, tensor in tensors.items()}
-
-
 def logical_digests(stages: dict[str, ModelStageRuntime], families: dict[str, tuple[str, ...]]) -> dict[str, str]:
     """sha256 of every model-stage's logical state and optimizer step, assembled on rank 0
     from every rank's shards (collective; other ranks get {}). Replicas must agree bitwise."""
     mine = {
-        name: (cpu_copies(engine_state(stage.engine, families[name])), stage.engine.optimizer_step)
+        name: (
+            {key: tensor.detach().cpu() for key, tensor in engine_state(stage.engine, families[name]).items()},
+            stage.engine.optimizer_step,
+        )
         for name, stage in stages.items()
         if stage.engine is not None and name in families
     }

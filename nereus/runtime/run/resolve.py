@@ -194,8 +194,7 @@ def resolve_calibration(config: RunConfig, folder: Path) -> Calibration | None:
     where = folder / config.calibration
     if not where.is_file():
         raise NereusError(f"calibration: {where} does not exist; give a Calibration YAML (`nereus fit` writes one)")
-    calibration: Calibration = load_as(where, Calibration)
-    return calibration
+    return load_as(where, Calibration)
 
 
 def resolve_trace(config: RunConfig, folder: Path, plan: Plan, num_ranks: int) -> Trace | None:

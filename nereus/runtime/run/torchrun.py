@@ -58,7 +58,8 @@ def joined_setup(
         where = str(plan_path or folder / PLAN_NAME)
     else:
         assert config_path is not None, "checked by the caller"
-        ranks = world_size if plans_itself(config_path, plan_path) else None
+        config: RunConfig = load_as(config_path, RunConfig)
+        ranks = world_size if plan_path is None and config.plan is None else None  # the run plans itself
         setup = new_run(config_path, plan_path, ranks, num_steps, out, trace_path, policy)
         where = str(plan_path or (config_path.parent / setup.config.plan if setup.config.plan else config_path))
     check_world(setup.plan, world_size, where)
@@ -75,12 +76,6 @@ def configured_timeout_s(config_path: Path | None, resume: Path | None) -> float
     except (NereusError, OSError):
         return float(RunConfig.model_fields["collective_timeout_s"].default)
     return float(config.collective_timeout_s)
-
-
-def plans_itself(config_path: Path, plan_path: Path | None) -> bool:
-    """Whether a new run of `config_path` plans its layout for its ranks (no plan given)."""
-    config: RunConfig = load_as(config_path, RunConfig)
-    return plan_path is None and config.plan is None
 
 
 def restart_note(checkpoint: Path | None) -> str:
