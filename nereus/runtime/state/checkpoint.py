@@ -23,10 +23,11 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +87,21 @@ def _file_crc(path: Path) -> int:
         while chunk := handle.read(_CHUNK_BYTES):
             crc = zlib.crc32(chunk, crc)
     return crc
+
+
+def _check_size(path: Path, record: ShardRecord) -> None:
+    """Raise unless the shard file `path` exists at the size the index records."""
+    if not path.is_file():
+        raise NereusError(f"{path}: missing shard; the checkpoint is incomplete")
+    size = path.stat().st_size
+    if size != record.nbytes:
+        raise NereusError(f"{path}: {size} bytes, the index says {record.nbytes}; the shard is truncated or corrupted")
+
+
+def _check_file_crc(path: Path, record: ShardRecord) -> None:
+    """Raise unless the whole shard file `path` has the CRC-32 the index records."""
+    if _file_crc(path) != record.crc32:
+        raise NereusError(f"{path}: fails its CRC-32 check; the shard is corrupted")
 
 
 def fsync_path(path: Path) -> None:
@@ -211,9 +227,8 @@ def save_checkpoint_distributed(
     if isinstance(started[0], NereusError):
         raise started[0]
     folder = Path(started[0])
-    outcome: Any = None
     try:
-        outcome = _write_shard(folder, meta, rank, tensors) if rank in meta.boxes else None
+        outcome: ShardRecord | str | None = _write_shard(folder, meta, rank, tensors) if rank in meta.boxes else None
     except (NereusError, ValueError, OSError) as error:
         outcome = f"rank {rank}: {error}"
     except Exception as error:  # safetensors reports a failed write (a full disk) in its own error type
@@ -257,8 +272,6 @@ def _check_visible(folder: Path, shards: list[ShardRecord]) -> None:
     """Commit only a checkpoint whose every part rank 0 sees whole: each rank reported its
     shard written and fsynced, and rank 0 must find it at full size in the shared folder (a
     rank on another node whose folder is not shared wrote somewhere else)."""
-    import time
-
     deadline = time.monotonic() + SHARD_VISIBLE_S
     for shard in shards:
         path = folder / shard.file
@@ -291,14 +304,7 @@ class _ShardReader:
         if file in self.handles:
             return self.handles[file]
         path = self.folder / file
-        record = self.records[file]
-        if not path.is_file():
-            raise NereusError(f"{path}: missing shard; the checkpoint is incomplete")
-        size = path.stat().st_size
-        if size != record.nbytes:
-            raise NereusError(
-                f"{path}: {size} bytes, the index says {record.nbytes}; the shard is truncated or corrupted"
-            )
+        _check_size(path, self.records[file])
         try:
             handle = safe_open(str(path), framework="pt")
         except Exception as error:  # safetensors raises its own error types for a bad header
@@ -358,7 +364,7 @@ def load_checkpoint(
         raise NereusError(f"cannot load {folder} into tp={layout.tp} pp={layout.pp}: {problem}")
     saved = saved_meta(index)
     meta = state_meta(index.model, index.head, layout, wanted)
-    meta = StateMeta(meta.model, meta.head, layout, wanted, {k: saved.tensors[k] for k in meta.tensors}, meta.boxes)
+    meta = replace(meta, tensors={key: saved.tensors[key] for key in meta.tensors})
     reader = _ShardReader(folder, index)
     stored_boxes: dict[str, list[tuple[str, ShardEntry]]] = defaultdict(list)
     for shard in index.shards:
@@ -382,16 +388,8 @@ def check_files(path: str | Path) -> CheckpointIndex:
     folder = Path(path)
     index = read_index(folder)
     for shard in index.shards:
-        file = folder / shard.file
-        if not file.is_file():
-            raise NereusError(f"{file}: missing shard; the checkpoint is incomplete")
-        size = file.stat().st_size
-        if size != shard.nbytes:
-            raise NereusError(
-                f"{file}: {size} bytes, the index says {shard.nbytes}; the shard is truncated or corrupted"
-            )
-        if _file_crc(file) != shard.crc32:
-            raise NereusError(f"{file}: fails its CRC-32 check; the shard is corrupted")
+        _check_size(folder / shard.file, shard)
+        _check_file_crc(folder / shard.file, shard)
     return index
 
 
@@ -402,8 +400,7 @@ def verify_checkpoint(path: str | Path) -> CheckpointIndex:
     reader = _ShardReader(folder, index)
     for shard in index.shards:
         reader.open(shard.file)
-        if _file_crc(folder / shard.file) != shard.crc32:
-            raise NereusError(f"{folder / shard.file}: fails its CRC-32 check; the shard is corrupted")
+        _check_file_crc(folder / shard.file, shard)
         for entry in shard.entries:
             reader.tensor(shard.file, entry)
     return index

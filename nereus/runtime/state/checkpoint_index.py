@@ -10,6 +10,7 @@ themselves are written and read by `nereus.runtime.state.checkpoint`.
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections import defaultdict
 from dataclasses import replace
@@ -164,14 +165,13 @@ def _index_problem(index: CheckpointIndex) -> str | None:
             stored[entry.key].add(box)
     for key, tensor in expected.tensors.items():
         # Distinct boxes of one layout are disjoint: they cover the tensor iff their sizes add up.
-        if sum(box_numel(box) for box in stored[key]) != box_numel(tuple((0, n) for n in tensor.global_shape)):
+        if sum(box_numel(box) for box in stored[key]) != math.prod(tensor.global_shape):
             return f"the shards do not hold all of {key}"
     return None
 
 
 def saved_meta(index: CheckpointIndex) -> StateMeta:
     dtypes = {record.key: record.dtype for record in index.tensors}
-    families = tuple(index.families)
-    meta = state_meta(index.model, index.head, index.layout(), families, dp_sharded=index.dp_sharded)
+    meta = state_meta(index.model, index.head, index.layout(), index.families, dp_sharded=index.dp_sharded)
     tensors = {key: replace(tensor, dtype=dtypes.get(key, tensor.dtype)) for key, tensor in meta.tensors.items()}
-    return StateMeta(meta.model, meta.head, meta.layout, families, tensors, meta.boxes, meta.dp_sharded)
+    return replace(meta, tensors=tensors)
