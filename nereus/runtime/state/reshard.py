@@ -99,7 +99,7 @@ def execute(
     shared = shared_memory_peers(peers_of(rounds, rank), transport == "auto" and cpu_only)
     moved = Moved()
     for number, hops in enumerate(rounds or [[]]):
-        exchange(hops, rank, tensors, new, copy_local_pieces if number == 0 else _nothing, shared, moved)
+        exchange(hops, rank, tensors, new, copy_local_pieces if number == 0 else lambda: None, shared, moved)
     new_step = _share_step(plan, rank, step, device)
     return ReshardResult(
         new, new_step if in_target else None, moved.sent, moved.received, moved.received_shared, moved.received_direct
@@ -158,10 +158,6 @@ def _run(ops: list[dist.P2POp]) -> None:
     if ops:
         for request in dist.batch_isend_irecv(ops):
             request.wait()
-
-
-def _nothing() -> None:
-    return None
 
 
 def _share_step(plan: ReshardPlan, rank: int, step: int | None, device: torch.device) -> int | None:
