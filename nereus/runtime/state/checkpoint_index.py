@@ -1,10 +1,7 @@
-"""A checkpoint's JSON index (index.json): its schema, its self-checksum, and the reader that
-refuses an index that is malformed, edited, or inconsistent with the layout it names.
-
-The index records the model, head, saved layout, optimizer step, every tensor's global shape
-and dtype, and per shard its file, byte size, CRC-32 and the (key, box, CRC-32) of every
-tensor it holds; it carries a CRC-32 of itself, so an edited index is refused. The shards
-themselves are written and read by `nereus.runtime.state.checkpoint`.
+"""A checkpoint's JSON index (index.json): its schema (`CheckpointIndex`), its self-checksum (an
+edited index is refused), and the reader that refuses an index that is malformed, edited, or
+inconsistent with the layout it names. The shards themselves are written and read by
+`nereus.runtime.state.checkpoint`.
 """
 
 from __future__ import annotations

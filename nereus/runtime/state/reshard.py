@@ -2,19 +2,12 @@
 of `reshard_plan.plan_reshard` (which pieces move where) with `piece_exchange` (how they travel).
 
 `execute` runs a plan on every rank of a torch.distributed job, either straight from each
-piece's source ("p2p") or as a binomial-tree broadcast ("broadcast"): a piece that one
-source sends to several ranks is relayed by the ranks that already received it, so the
-source sends it about log2(receivers + 1) times instead of once per receiver.
-Two ranks on one host holding CPU state exchange their pieces through shared memory
-(`nereus.runtime.comm.shm`: one copy into a pooled segment, one copy out, no sockets); a
-piece that lies in the sender's state arena (`nereus.runtime.comm.arena`) is not staged: the
-receiver copies it straight out of the sender's tensor. While this process has an
-arena, `execute` allocates its results in it, so the next reshard reads them directly too.
-Other pairs (other hosts, GPUs under NCCL) send one process-group message per piece
-(contiguous pieces go without a copy). Pairs swap host tokens first, so the choice is
-made per pair and automatically. `out` lets a repeated reshard fill the previous
-result (or an engine's live tensors) instead of allocating fresh memory.
-The two layouts may use different or overlapping ranks; a rank in neither returns at once.
+piece's source ("p2p") or as a binomial-tree broadcast ("broadcast", `reshard_plan.broadcast_rounds`).
+Same-host pairs holding CPU state exchange pieces through shared memory, other pairs as one
+process-group message per piece (`piece_exchange`). While this process has a state arena
+(`nereus.runtime.comm.arena`), `execute` allocates its results in it, so the next reshard reads
+them directly too. The two layouts may use different or overlapping ranks; a rank in neither
+returns at once.
 """
 
 from __future__ import annotations
