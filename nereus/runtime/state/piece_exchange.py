@@ -63,7 +63,7 @@ def shared_memory_peers(peers: list[int], usable: bool) -> dict[int, bytes]:
     mine = torch.frombuffer(bytearray(token + shm.PROCESS_NONCE), dtype=torch.uint8)
     theirs = {peer: torch.empty_like(mine) for peer in peers}
     requests = [_post(dist.isend, mine, peer, HELLO_TAG) for peer in peers]
-    _wait(requests + [_post(dist.irecv, theirs[peer], peer, HELLO_TAG) for peer in peers])
+    wait_all(requests + [_post(dist.irecv, theirs[peer], peer, HELLO_TAG) for peer in peers])
     shared = {}
     for peer, hello in theirs.items():
         raw = hello.numpy().tobytes()
@@ -94,7 +94,8 @@ class Moved:
     received_direct: int = 0
 
 
-def _wait(requests: list[dist.Work]) -> None:
+def wait_all(requests: list[dist.Work]) -> None:
+    """Wait for every request (asynchronous point-to-point messages) in turn."""
     for request in requests:
         request.wait()
 
@@ -156,13 +157,13 @@ def exchange(
     names = {peer: _stage(peer, pieces, shared[peer], requests) for peer, pieces in sorted(staged.items())}
     meanwhile()
     for peer, views in sorted(unstaged.items()):
-        _wait(list(arrivals[peer]))
+        wait_all(list(arrivals[peer]))
         name = shm.decode_name(headers[peer].numpy().tobytes())
         _unstage(peer, name, wheres[peer].tolist(), views, requests, pending, moved)
     for peer, answer in answers.items():
         answer.wait()
         shm.forget_unopened(names[peer])  # the receiver has mapped and unlinked it (if there was one)
-    _wait(requests)
+    wait_all(requests)
     for view, buffer in pending:
         view.copy_(buffer)
 

@@ -23,6 +23,7 @@ from nereus.runtime.state.piece_exchange import (
     exchange,
     shared_memory_peers,
     src_view,
+    wait_all,
 )
 from nereus.runtime.state.reshard_plan import Hop, Method, ReshardPlan, broadcast_rounds, peers_of
 from nereus.runtime.state.shard_layout import box_shape
@@ -30,7 +31,6 @@ from nereus.runtime.state.sharded_state import check_rank_state, torch_dtype
 
 if TYPE_CHECKING:
     import torch
-    import torch.distributed as dist
 
 
 @dataclass
@@ -145,14 +145,6 @@ def _check_out(
         raise ValueError(f"rank {rank}: out tensors and device disagree: {sorted(map(str, devices))}")
 
 
-def _run(ops: list[dist.P2POp]) -> None:
-    import torch.distributed as dist
-
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-
-
 def _share_step(plan: ReshardPlan, rank: int, step: int | None, device: torch.device) -> int | None:
     """Send the optimizer step from the step source to target ranks that were not in the source."""
     import torch
@@ -161,9 +153,9 @@ def _share_step(plan: ReshardPlan, rank: int, step: int | None, device: torch.de
     newcomers = sorted(set(plan.target.boxes) - set(plan.source.boxes))
     if rank == plan.step_source and newcomers:
         value = torch.tensor([step], dtype=torch.int64, device=device)
-        _run([dist.P2POp(dist.isend, value, newcomer) for newcomer in newcomers])
+        wait_all(dist.batch_isend_irecv([dist.P2POp(dist.isend, value, newcomer) for newcomer in newcomers]))
     if rank in newcomers:
         value = torch.empty(1, dtype=torch.int64, device=device)
-        _run([dist.P2POp(dist.irecv, value, plan.step_source)])
+        wait_all(dist.batch_isend_irecv([dist.P2POp(dist.irecv, value, plan.step_source)]))
         return int(value.item())
     return step
