@@ -340,7 +340,6 @@ def load_checkpoint(
     model: Model | None = None,
     head: Head | None = None,
     families: Iterable[str] | None = None,
-    device: torch.device | None = None,
 ) -> LoadedState:
     """Read `rank`'s state for `layout` from the checkpoint at `path` (any saved layout).
 
@@ -372,7 +371,7 @@ def load_checkpoint(
             stored_boxes[entry.key].append((shard.file, entry))
     tensors = {}
     for key, box in meta.rank_boxes(rank).items():
-        out = torch.empty(box_shape(box), dtype=torch_dtype(meta.tensors[key].dtype), device=device)
+        out = torch.empty(box_shape(box), dtype=torch_dtype(meta.tensors[key].dtype))
         for file, entry in stored_boxes[key]:
             stored_box = tuple(entry.box)
             piece = intersect(box, stored_box)

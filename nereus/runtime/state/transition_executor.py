@@ -51,7 +51,7 @@ class ExecutedTransition:
     """Primitives this rank took part in."""
 
 
-def emu_layout(emus: Iterable[Emu], side: StagePlan | None = None) -> RankLayout:
+def emu_layout(emus: Iterable[Emu], side: StagePlan) -> RankLayout:
     """Replicas of one layout as one RankLayout (replica-major, in the given order); an EMU's
     context-parallel degree is its GPUs over tp x pp (its cp ranks hold the same boxes).
 
@@ -61,7 +61,7 @@ def emu_layout(emus: Iterable[Emu], side: StagePlan | None = None) -> RankLayout
     replica, `schedule.ep_intermediate`) has none."""
     emus = list(emus)
     columns, pp = emus[0].layout
-    ep = side.ep if side is not None and (columns, pp) == (plan_columns(side), side.pp) else 1
+    ep = side.ep if (columns, pp) == (plan_columns(side), side.pp) else 1
     cp = len(emus[0].gpus) // (columns * pp)
     assert all(emu.layout == (columns, pp) and len(emu.gpus) == columns * cp * pp for emu in emus), emus
     return RankLayout(columns // ep, pp, len(emus), tuple(gpu for emu in emus for gpu in emu.gpus), cp, ep)
