@@ -4,7 +4,12 @@ hung one so that its launcher ends the job."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from contextlib import suppress
 from datetime import timedelta
@@ -38,8 +43,6 @@ class Heartbeat:
     host node may be the one that failed)."""
 
     def __init__(self, peers: list[Peer], timeout_s: float, watch: bool) -> None:
-        import threading
-
         self.peers = peers
         """Every rank of the job, by global rank (`world.init_from_env`)."""
         self.timeout_s = timeout_s
@@ -158,8 +161,6 @@ def exit_without_teardown(code: int) -> None:
     """Once the interpreter exits, leave with `code` before the process group's native
     teardown runs: a failed job's group may still have a collective in flight towards a dead
     or stopped peer, and destroying its worker thread aborts the process (SIGABRT)."""
-    import atexit
-    import sys
 
     def leave() -> None:
         sys.stdout.flush()
@@ -171,9 +172,6 @@ def exit_without_teardown(code: int) -> None:
 
 def start_guard(silence_s: float) -> tuple[Any, int]:
     """Start this rank's guard (`nereus.runtime.comm.guard`); returns it and the pipe end to beat on."""
-    import subprocess
-    import sys
-
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     label = f"rank {dist.get_rank()} (node {node_name()}, pid {os.getpid()})"
@@ -206,8 +204,6 @@ def kill_unresponsive_sibling(peer: Peer) -> None:
     """SIGKILL a stopped or hung rank started by this rank's own launcher (same node, same
     parent): the launcher's clean-up would otherwise wait for it (a stopped process ignores
     SIGTERM) and the job would outlive the collective timeout by the launcher's grace period."""
-    import signal
-
     if peer.node == node_name() and _sibling(peer.pid):
         with suppress(ProcessLookupError):
             os.kill(peer.pid, signal.SIGKILL)

@@ -8,6 +8,7 @@ sees an initialised default process group.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -57,8 +58,6 @@ def device() -> torch.device:
 
 def node_name() -> str:
     """This rank's node, as messages name it: `shm.NODE_ENV` when set, else the host name."""
-    import socket
-
     return os.environ.get(shm.NODE_ENV) or socket.gethostname()
 
 
