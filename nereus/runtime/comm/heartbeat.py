@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from nereus.errors import NereusError
-from nereus.runtime.comm.world import Peer, node_name
+from nereus.runtime.comm.world import Peer, attempt_store, node_name
 
 #: How often a joined rank's heartbeat thread beats, in seconds.
 HEARTBEAT_S = 0.5
@@ -47,15 +47,7 @@ class Heartbeat:
         """Every rank of the job, by global rank (`world.init_from_env`)."""
         self.timeout_s = timeout_s
         self.guard, self.beats = start_guard(timeout_s + GUARD_GRACE_S)
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        client = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=timedelta(seconds=5),
-            wait_for_workers=False,
-        )
-        self.store = dist.PrefixStore(f"nereus/attempt-{restart}", client)
+        self.store = attempt_store(timedelta(seconds=5), wait_for_workers=False)
         self.store_lost = False
         self.watched = [peer.rank for peer in self.peers if peer.rank != dist.get_rank()] if watch else []
         now = time.monotonic()
