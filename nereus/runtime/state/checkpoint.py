@@ -145,7 +145,16 @@ def _write_shard(folder: Path, meta: StateMeta, rank: int, tensors: dict[str, to
     return ShardRecord(file=path.name, rank=rank, nbytes=path.stat().st_size, crc32=_file_crc(path), entries=entries)
 
 
-def _make_index(meta: StateMeta, step: int, shards: Iterable[ShardRecord]) -> CheckpointIndex:
+def _start(target: Path) -> Path:
+    if target.exists():
+        raise NereusError(f"{target}: already exists; save each checkpoint into a new folder")
+    if not target.parent.is_dir():
+        raise NereusError(f"{target.parent}: no such folder; create it before saving a checkpoint into it")
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+
+
+def _finish(folder: Path, target: Path, meta: StateMeta, step: int, shards: Iterable[ShardRecord]) -> CheckpointIndex:
+    """Write the index of `shards`, fsync it and the folder, and rename the folder into place."""
     layout = meta.layout
     tensors = [TensorRecord(key=t.key, global_shape=list(t.global_shape), dtype=t.dtype) for t in meta.tensors.values()]
     index = CheckpointIndex(
@@ -163,25 +172,14 @@ def _make_index(meta: StateMeta, step: int, shards: Iterable[ShardRecord]) -> Ch
         tensors=tensors,
         shards=sorted(shards, key=lambda shard: shard.rank),
     )
-    return sealed_index(index)
-
-
-def _start(target: Path) -> Path:
-    if target.exists():
-        raise NereusError(f"{target}: already exists; save each checkpoint into a new folder")
-    if not target.parent.is_dir():
-        raise NereusError(f"{target.parent}: no such folder; create it before saving a checkpoint into it")
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-
-
-def _finish(folder: Path, target: Path, index: CheckpointIndex) -> None:
-    """Write the index, fsync it and the folder, and rename the folder into place."""
+    index = sealed_index(index)
     index_path = folder / INDEX_NAME
     index_path.write_text(index_text(index))
     fsync_path(index_path)
     fsync_path(folder)
     os.rename(folder, target)
     fsync_path(target.parent)
+    return index
 
 
 def save_checkpoint(
@@ -195,8 +193,7 @@ def save_checkpoint(
     folder = _start(target)
     try:
         records = [_write_shard(folder, meta, rank, states[rank]) for rank in meta.layout.ranks]
-        index = _make_index(meta, step, [record for record in records if record is not None])
-        _finish(folder, target, index)
+        index = _finish(folder, target, meta, step, [record for record in records if record is not None])
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -255,9 +252,7 @@ def _seal_or_discard(
             raise NereusError(f"{target}: saving failed on {failures[0]}")
         shards = [outcome for outcome in outcomes if isinstance(outcome, ShardRecord)]
         _check_visible(folder, shards)
-        index = _make_index(meta, step, shards)
-        _finish(folder, target, index)
-        return index
+        return _finish(folder, target, meta, step, shards)
     except (NereusError, OSError) as error:
         shutil.rmtree(folder, ignore_errors=True)
         return str(error)
