@@ -26,13 +26,9 @@ if TYPE_CHECKING:
 Op = Literal["sum", "max"]
 
 
-def _dist_op(op: Op) -> Any:
-    return dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
-
-
 def all_reduce(tensor: torch.Tensor, group: Any = None, op: Op = "sum") -> None:
     """Reduce `tensor` in place over `group`: every rank gets the sum (or max), bitwise equal."""
-    dist.all_reduce(tensor, op=_dist_op(op), group=group)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=group)
 
 
 def all_gather(parts: list[torch.Tensor], tensor: torch.Tensor, group: Any = None) -> None:
@@ -96,33 +92,26 @@ def barrier(group: Any = None) -> None:
     dist.barrier(group=group)
 
 
-class _Subgroups:
-    """The process groups made by `subgroup`, by their ranks, for the current world."""
-
-    def __init__(self) -> None:
-        self.world: Any = None
-        self.by_ranks: dict[tuple[int, ...], Any] = {}
-
-    def get(self, ranks: Sequence[int]) -> Any:
-        if self.world is not dist.group.WORLD:  # a new world (a spawned test's next run)
-            self.world, self.by_ranks = dist.group.WORLD, {}
-        key = tuple(sorted(ranks))
-        if key not in self.by_ranks:
-            # torch gives a new group its backend's default timeout (30 min for gloo), not the world's
-            # on CPU ranks the host backend (gloo with shared-memory collectives), else the world's
-            self.by_ranks[key] = dist.new_group(list(key), timeout=collective_timeout(), backend=host_group.backend())
-        return self.by_ranks[key]
-
-
-#: Process-wide on purpose: a process group is a communicator of the world, created collectively
-#: (every rank, same order) and never freed by torch, so each rank set gets one group per world,
-#: reused by every layout and engine that needs it, rather than one per caller.
-_SUBGROUPS = _Subgroups()
+#: The process groups `subgroup` made, by their ranks, for the world `_subgroups_world`. Process-wide
+#: on purpose: a process group is a communicator of the world, created collectively (every rank, same
+#: order) and never freed by torch, so each rank set gets one group per world, reused by every layout
+#: and engine that needs it, rather than one per caller.
+_subgroups: dict[tuple[int, ...], Any] = {}
+_subgroups_world: Any = None
 
 
 def subgroup(ranks: Sequence[int]) -> Any:
     """The process group of `ranks` (None for a single rank), made on first use. A collective
     on first use: every world rank must ask for the same rank sets in the same order."""
+    global _subgroups_world
     if len(ranks) == 1:
         return None
-    return _SUBGROUPS.get(ranks)
+    if _subgroups_world is not dist.group.WORLD:  # a new world (a spawned test's next run)
+        _subgroups_world = dist.group.WORLD
+        _subgroups.clear()
+    key = tuple(sorted(ranks))
+    if key not in _subgroups:
+        # torch gives a new group its backend's default timeout (30 min for gloo), not the world's
+        # on CPU ranks the host backend (gloo with shared-memory collectives), else the world's
+        _subgroups[key] = dist.new_group(list(key), timeout=collective_timeout(), backend=host_group.backend())
+    return _subgroups[key]

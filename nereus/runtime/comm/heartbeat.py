@@ -4,7 +4,12 @@ hung one so that its launcher ends the job."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 from contextlib import suppress
 from datetime import timedelta
@@ -14,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from nereus.errors import NereusError
-from nereus.runtime.comm.world import Peer, node_name
+from nereus.runtime.comm.world import Peer, attempt_store, node_name
 
 #: How often a joined rank's heartbeat thread beats, in seconds.
 HEARTBEAT_S = 0.5
@@ -38,21 +43,11 @@ class Heartbeat:
     host node may be the one that failed)."""
 
     def __init__(self, peers: list[Peer], timeout_s: float, watch: bool) -> None:
-        import threading
-
         self.peers = peers
         """Every rank of the job, by global rank (`world.init_from_env`)."""
         self.timeout_s = timeout_s
         self.guard, self.beats = start_guard(timeout_s + GUARD_GRACE_S)
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        client = dist.TCPStore(
-            os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
-            is_master=False,
-            timeout=timedelta(seconds=5),
-            wait_for_workers=False,
-        )
-        self.store = dist.PrefixStore(f"nereus/attempt-{restart}", client)
+        self.store = attempt_store(timedelta(seconds=5), wait_for_workers=False)
         self.store_lost = False
         self.watched = [peer.rank for peer in self.peers if peer.rank != dist.get_rank()] if watch else []
         now = time.monotonic()
@@ -158,8 +153,6 @@ def exit_without_teardown(code: int) -> None:
     """Once the interpreter exits, leave with `code` before the process group's native
     teardown runs: a failed job's group may still have a collective in flight towards a dead
     or stopped peer, and destroying its worker thread aborts the process (SIGABRT)."""
-    import atexit
-    import sys
 
     def leave() -> None:
         sys.stdout.flush()
@@ -171,9 +164,6 @@ def exit_without_teardown(code: int) -> None:
 
 def start_guard(silence_s: float) -> tuple[Any, int]:
     """Start this rank's guard (`nereus.runtime.comm.guard`); returns it and the pipe end to beat on."""
-    import subprocess
-    import sys
-
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     label = f"rank {dist.get_rank()} (node {node_name()}, pid {os.getpid()})"
@@ -206,8 +196,6 @@ def kill_unresponsive_sibling(peer: Peer) -> None:
     """SIGKILL a stopped or hung rank started by this rank's own launcher (same node, same
     parent): the launcher's clean-up would otherwise wait for it (a stopped process ignores
     SIGTERM) and the job would outlive the collective timeout by the launcher's grace period."""
-    import signal
-
     if peer.node == node_name() and _sibling(peer.pid):
         with suppress(ProcessLookupError):
             os.kill(peer.pid, signal.SIGKILL)

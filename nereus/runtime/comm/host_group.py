@@ -120,38 +120,26 @@ class _Channel:
             # sleeps only while the counter still holds `seen`: a raise in between returns at once
             self.libc.syscall(_SYS_FUTEX, self.addresses[which], _FUTEX_WAIT, seen, ctypes.byref(self.sleep), None, 0)
 
-    def rendezvous(
-        self, nbytes: int, write: Callable[[torch.Tensor], object] | None, read: Callable[[list[torch.Tensor]], object]
-    ) -> None:
-        """`write` this rank's slot (its first `nbytes`; None: write nothing), wait for every
-        rank's, `read` them all (in rank order), then say so."""
-        self.seq += 1
-        seq = self.seq
-        slots = [slot[:nbytes] for slot in self.slots[seq & 1]]
-        self._wait_others(self.size, seq - 2)  # this set of slots was last read in call seq - 2
-        if write is not None:
-            write(slots[self.index])
-        self._raise(self.index, seq)
-        self._wait_others(0, seq)
-        read(slots)
-        self._raise(self.size + self.index, seq)
-
     def _chunked(
         self, flat: torch.Tensor, read: Callable[[int, torch.Tensor, list[torch.Tensor]], object], write: bool
     ) -> None:
-        """Run `flat` through the slots a chunk at a time: each rank writes its chunk (when
-        `write`), then `read(start, chunk, every rank's slot)`, `start` the chunk's offset in `flat`."""
+        """Run `flat` through the slots a chunk at a time: each rank writes its chunk into its slot
+        (when `write`) and announces it, waits for every rank's, calls `read(start, chunk, every
+        rank's slot in rank order)`, `start` the chunk's offset in `flat`, then says it has read."""
         step = max(SLOT_BYTES // flat.element_size(), 1)
         for start in range(0, flat.numel(), step):
             chunk = flat[start : start + step]
-
-            def put(slot: torch.Tensor, chunk: torch.Tensor = chunk) -> None:
-                slot.view(chunk.dtype).copy_(chunk)
-
-            def get(slots: list[torch.Tensor], start: int = start, chunk: torch.Tensor = chunk) -> None:
-                read(start, chunk, [slot.view(chunk.dtype) for slot in slots])
-
-            self.rendezvous(chunk.numel() * chunk.element_size(), put if write else None, get)
+            nbytes = chunk.numel() * chunk.element_size()
+            self.seq += 1
+            seq = self.seq
+            slots = [slot[:nbytes].view(chunk.dtype) for slot in self.slots[seq & 1]]
+            self._wait_others(self.size, seq - 2)  # this set of slots was last read in call seq - 2
+            if write:
+                slots[self.index].copy_(chunk)
+            self._raise(self.index, seq)
+            self._wait_others(0, seq)
+            read(start, chunk, slots)
+            self._raise(self.size + self.index, seq)
 
     def _in_place(
         self, tensor: torch.Tensor, read: Callable[[int, torch.Tensor, list[torch.Tensor]], object], write: bool
@@ -258,16 +246,15 @@ def _class() -> type:
             super().__init__(rank, size)
             self.gloo: Any = dist.ProcessGroupGloo(store, rank, size, timeout)
             self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.gloo)
-            self._rank, self._size = rank, size
             self._store, self._timeout = store, timeout
 
         @functools.cached_property
         def channel(self) -> _Channel | None:
             """The group's shared segment, opened by its first shared-memory collective (every
             rank's, in the same order), so a group that never runs one maps none; None: gloo."""
-            if self._size == 1 or not supported():
+            if self.size() == 1 or not supported():
                 return None
-            return _open_channel(self._store, self._rank, self._size, self._timeout)
+            return _open_channel(self._store, self.rank(), self.size(), self._timeout)
 
         def getBackendName(self) -> str:
             return NAME
@@ -275,12 +262,6 @@ def _class() -> type:
         @property
         def group_name(self) -> str:
             return str(dist.distributed_c10d._world.pg_names[self])
-
-        def size(self) -> int:
-            return self._size
-
-        def rank(self) -> int:
-            return self._rank
 
         def _channel(self, tensors: list[torch.Tensor]) -> _Channel | None:
             """The channel when one CPU tensor can go through it, else None (gloo)."""
@@ -308,7 +289,7 @@ def _class() -> type:
             channel = self._channel([tensor])
             if channel is None or not output.is_contiguous():
                 return self.gloo._allgather_base(output, tensor, opts)
-            channel.all_gather(list(output.view(-1).chunk(self._size)), tensor)
+            channel.all_gather(list(output.view(-1).chunk(self.size())), tensor)
             return Done([output])
 
         _allgather_base = all_gather_single

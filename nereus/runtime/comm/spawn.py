@@ -22,9 +22,11 @@ two one-thread ranks on two cores really use one core each.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import time
@@ -85,9 +87,6 @@ BLAS_THREADS_ENV = "OPENBLAS_NUM_THREADS"
 def _die_with_parent() -> None:
     """Ask Linux to SIGKILL this rank when its parent dies (torch asks for SIGINT, which a
     rank blocked inside a collective never handles), so a killed launcher leaves no orphans."""
-    import ctypes
-    import signal
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:  # not Linux: nothing to ask

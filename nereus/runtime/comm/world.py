@@ -8,6 +8,7 @@ sees an initialised default process group.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -57,8 +58,6 @@ def device() -> torch.device:
 
 def node_name() -> str:
     """This rank's node, as messages name it: `shm.NODE_ENV` when set, else the host name."""
-    import socket
-
     return os.environ.get(shm.NODE_ENV) or socket.gethostname()
 
 
@@ -77,6 +76,16 @@ class Peer:
         return f"rank {self.rank} (node {self.node}, pid {self.pid})"
 
 
+def attempt_store(timeout: timedelta, wait_for_workers: bool = True) -> Any:
+    """A client of the launcher's store (torchrun's agent store, kept across restarts of the
+    workers) whose keys go under this restart attempt's own prefix, `nereus/attempt-N`: a
+    restarted rank never reads what a dead rank wrote before (e.g. its address)."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    address, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    client = dist.TCPStore(address, port, is_master=False, timeout=timeout, wait_for_workers=wait_for_workers)
+    return dist.PrefixStore(f"nereus/attempt-{restart}", client)
+
+
 def init_from_env(timeout: timedelta = DEFAULT_TIMEOUT) -> list[Peer]:
     """Join the job torchrun (or any env:// launcher) started; returns every rank's `Peer`.
 
@@ -90,13 +99,7 @@ def init_from_env(timeout: timedelta = DEFAULT_TIMEOUT) -> list[Peer]:
     if torch.cuda.is_available():
         torch.cuda.set_device(device())
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True):
-        # torchrun keeps one store across restarts of the workers: each attempt's group keys go
-        # under its own prefix, or a restarted rank may read a dead rank's address from before
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        client = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout
-        )
-        store = dist.PrefixStore(f"nereus/attempt-{restart}/group", client)
+        store = dist.PrefixStore("group", attempt_store(timeout))
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         dist.init_process_group(backend(), store=store, rank=rank, world_size=size, timeout=timeout)
     else:

@@ -23,10 +23,11 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +89,21 @@ def _file_crc(path: Path) -> int:
     return crc
 
 
+def _check_size(path: Path, record: ShardRecord) -> None:
+    """Raise unless the shard file `path` exists at the size the index records."""
+    if not path.is_file():
+        raise NereusError(f"{path}: missing shard; the checkpoint is incomplete")
+    size = path.stat().st_size
+    if size != record.nbytes:
+        raise NereusError(f"{path}: {size} bytes, the index says {record.nbytes}; the shard is truncated or corrupted")
+
+
+def _check_file_crc(path: Path, record: ShardRecord) -> None:
+    """Raise unless the whole shard file `path` has the CRC-32 the index records."""
+    if _file_crc(path) != record.crc32:
+        raise NereusError(f"{path}: fails its CRC-32 check; the shard is corrupted")
+
+
 def fsync_path(path: Path) -> None:
     """Flush a file or folder to disk (a folder: so a rename into it survives a crash)."""
     fd = os.open(path, os.O_RDONLY)
@@ -129,7 +145,16 @@ def _write_shard(folder: Path, meta: StateMeta, rank: int, tensors: dict[str, to
     return ShardRecord(file=path.name, rank=rank, nbytes=path.stat().st_size, crc32=_file_crc(path), entries=entries)
 
 
-def _make_index(meta: StateMeta, step: int, shards: Iterable[ShardRecord]) -> CheckpointIndex:
+def _start(target: Path) -> Path:
+    if target.exists():
+        raise NereusError(f"{target}: already exists; save each checkpoint into a new folder")
+    if not target.parent.is_dir():
+        raise NereusError(f"{target.parent}: no such folder; create it before saving a checkpoint into it")
+    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+
+
+def _finish(folder: Path, target: Path, meta: StateMeta, step: int, shards: Iterable[ShardRecord]) -> CheckpointIndex:
+    """Write the index of `shards`, fsync it and the folder, and rename the folder into place."""
     layout = meta.layout
     tensors = [TensorRecord(key=t.key, global_shape=list(t.global_shape), dtype=t.dtype) for t in meta.tensors.values()]
     index = CheckpointIndex(
@@ -147,25 +172,14 @@ def _make_index(meta: StateMeta, step: int, shards: Iterable[ShardRecord]) -> Ch
         tensors=tensors,
         shards=sorted(shards, key=lambda shard: shard.rank),
     )
-    return sealed_index(index)
-
-
-def _start(target: Path) -> Path:
-    if target.exists():
-        raise NereusError(f"{target}: already exists; save each checkpoint into a new folder")
-    if not target.parent.is_dir():
-        raise NereusError(f"{target.parent}: no such folder; create it before saving a checkpoint into it")
-    return Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-
-
-def _finish(folder: Path, target: Path, index: CheckpointIndex) -> None:
-    """Write the index, fsync it and the folder, and rename the folder into place."""
+    index = sealed_index(index)
     index_path = folder / INDEX_NAME
     index_path.write_text(index_text(index))
     fsync_path(index_path)
     fsync_path(folder)
     os.rename(folder, target)
     fsync_path(target.parent)
+    return index
 
 
 def save_checkpoint(
@@ -179,8 +193,7 @@ def save_checkpoint(
     folder = _start(target)
     try:
         records = [_write_shard(folder, meta, rank, states[rank]) for rank in meta.layout.ranks]
-        index = _make_index(meta, step, [record for record in records if record is not None])
-        _finish(folder, target, index)
+        index = _finish(folder, target, meta, step, [record for record in records if record is not None])
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
@@ -211,9 +224,8 @@ def save_checkpoint_distributed(
     if isinstance(started[0], NereusError):
         raise started[0]
     folder = Path(started[0])
-    outcome: Any = None
     try:
-        outcome = _write_shard(folder, meta, rank, tensors) if rank in meta.boxes else None
+        outcome: ShardRecord | str | None = _write_shard(folder, meta, rank, tensors) if rank in meta.boxes else None
     except (NereusError, ValueError, OSError) as error:
         outcome = f"rank {rank}: {error}"
     except Exception as error:  # safetensors reports a failed write (a full disk) in its own error type
@@ -240,9 +252,7 @@ def _seal_or_discard(
             raise NereusError(f"{target}: saving failed on {failures[0]}")
         shards = [outcome for outcome in outcomes if isinstance(outcome, ShardRecord)]
         _check_visible(folder, shards)
-        index = _make_index(meta, step, shards)
-        _finish(folder, target, index)
-        return index
+        return _finish(folder, target, meta, step, shards)
     except (NereusError, OSError) as error:
         shutil.rmtree(folder, ignore_errors=True)
         return str(error)
@@ -257,8 +267,6 @@ def _check_visible(folder: Path, shards: list[ShardRecord]) -> None:
     """Commit only a checkpoint whose every part rank 0 sees whole: each rank reported its
     shard written and fsynced, and rank 0 must find it at full size in the shared folder (a
     rank on another node whose folder is not shared wrote somewhere else)."""
-    import time
-
     deadline = time.monotonic() + SHARD_VISIBLE_S
     for shard in shards:
         path = folder / shard.file
@@ -291,14 +299,7 @@ class _ShardReader:
         if file in self.handles:
             return self.handles[file]
         path = self.folder / file
-        record = self.records[file]
-        if not path.is_file():
-            raise NereusError(f"{path}: missing shard; the checkpoint is incomplete")
-        size = path.stat().st_size
-        if size != record.nbytes:
-            raise NereusError(
-                f"{path}: {size} bytes, the index says {record.nbytes}; the shard is truncated or corrupted"
-            )
+        _check_size(path, self.records[file])
         try:
             handle = safe_open(str(path), framework="pt")
         except Exception as error:  # safetensors raises its own error types for a bad header
@@ -334,7 +335,6 @@ def load_checkpoint(
     model: Model | None = None,
     head: Head | None = None,
     families: Iterable[str] | None = None,
-    device: torch.device | None = None,
 ) -> LoadedState:
     """Read `rank`'s state for `layout` from the checkpoint at `path` (any saved layout).
 
@@ -358,7 +358,7 @@ def load_checkpoint(
         raise NereusError(f"cannot load {folder} into tp={layout.tp} pp={layout.pp}: {problem}")
     saved = saved_meta(index)
     meta = state_meta(index.model, index.head, layout, wanted)
-    meta = StateMeta(meta.model, meta.head, layout, wanted, {k: saved.tensors[k] for k in meta.tensors}, meta.boxes)
+    meta = replace(meta, tensors={key: saved.tensors[key] for key in meta.tensors})
     reader = _ShardReader(folder, index)
     stored_boxes: dict[str, list[tuple[str, ShardEntry]]] = defaultdict(list)
     for shard in index.shards:
@@ -366,7 +366,7 @@ def load_checkpoint(
             stored_boxes[entry.key].append((shard.file, entry))
     tensors = {}
     for key, box in meta.rank_boxes(rank).items():
-        out = torch.empty(box_shape(box), dtype=torch_dtype(meta.tensors[key].dtype), device=device)
+        out = torch.empty(box_shape(box), dtype=torch_dtype(meta.tensors[key].dtype))
         for file, entry in stored_boxes[key]:
             stored_box = tuple(entry.box)
             piece = intersect(box, stored_box)
@@ -382,16 +382,8 @@ def check_files(path: str | Path) -> CheckpointIndex:
     folder = Path(path)
     index = read_index(folder)
     for shard in index.shards:
-        file = folder / shard.file
-        if not file.is_file():
-            raise NereusError(f"{file}: missing shard; the checkpoint is incomplete")
-        size = file.stat().st_size
-        if size != shard.nbytes:
-            raise NereusError(
-                f"{file}: {size} bytes, the index says {shard.nbytes}; the shard is truncated or corrupted"
-            )
-        if _file_crc(file) != shard.crc32:
-            raise NereusError(f"{file}: fails its CRC-32 check; the shard is corrupted")
+        _check_size(folder / shard.file, shard)
+        _check_file_crc(folder / shard.file, shard)
     return index
 
 
@@ -402,8 +394,7 @@ def verify_checkpoint(path: str | Path) -> CheckpointIndex:
     reader = _ShardReader(folder, index)
     for shard in index.shards:
         reader.open(shard.file)
-        if _file_crc(folder / shard.file) != shard.crc32:
-            raise NereusError(f"{folder / shard.file}: fails its CRC-32 check; the shard is corrupted")
+        _check_file_crc(folder / shard.file, shard)
         for entry in shard.entries:
             reader.tensor(shard.file, entry)
     return index

@@ -1,15 +1,13 @@
-"""A checkpoint's JSON index (index.json): its schema, its self-checksum, and the reader that
-refuses an index that is malformed, edited, or inconsistent with the layout it names.
-
-The index records the model, head, saved layout, optimizer step, every tensor's global shape
-and dtype, and per shard its file, byte size, CRC-32 and the (key, box, CRC-32) of every
-tensor it holds; it carries a CRC-32 of itself, so an edited index is refused. The shards
-themselves are written and read by `nereus.runtime.state.checkpoint`.
+"""A checkpoint's JSON index (index.json): its schema (`CheckpointIndex`), its self-checksum (an
+edited index is refused), and the reader that refuses an index that is malformed, edited, or
+inconsistent with the layout it names. The shards themselves are written and read by
+`nereus.runtime.state.checkpoint`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections import defaultdict
 from dataclasses import replace
@@ -164,14 +162,13 @@ def _index_problem(index: CheckpointIndex) -> str | None:
             stored[entry.key].add(box)
     for key, tensor in expected.tensors.items():
         # Distinct boxes of one layout are disjoint: they cover the tensor iff their sizes add up.
-        if sum(box_numel(box) for box in stored[key]) != box_numel(tuple((0, n) for n in tensor.global_shape)):
+        if sum(box_numel(box) for box in stored[key]) != math.prod(tensor.global_shape):
             return f"the shards do not hold all of {key}"
     return None
 
 
 def saved_meta(index: CheckpointIndex) -> StateMeta:
     dtypes = {record.key: record.dtype for record in index.tensors}
-    families = tuple(index.families)
-    meta = state_meta(index.model, index.head, index.layout(), families, dp_sharded=index.dp_sharded)
+    meta = state_meta(index.model, index.head, index.layout(), index.families, dp_sharded=index.dp_sharded)
     tensors = {key: replace(tensor, dtype=dtypes.get(key, tensor.dtype)) for key, tensor in meta.tensors.items()}
-    return StateMeta(meta.model, meta.head, meta.layout, families, tensors, meta.boxes, meta.dp_sharded)
+    return replace(meta, tensors=tensors)

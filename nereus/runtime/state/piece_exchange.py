@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, field, fields
+from dataclasses import astuple, dataclass, fields
 from typing import TYPE_CHECKING, Literal
 
 from nereus.runtime.comm import arena, shm
@@ -63,7 +63,7 @@ def shared_memory_peers(peers: list[int], usable: bool) -> dict[int, bytes]:
     mine = torch.frombuffer(bytearray(token + shm.PROCESS_NONCE), dtype=torch.uint8)
     theirs = {peer: torch.empty_like(mine) for peer in peers}
     requests = [_post(dist.isend, mine, peer, HELLO_TAG) for peer in peers]
-    _wait(requests + [_post(dist.irecv, theirs[peer], peer, HELLO_TAG) for peer in peers])
+    wait_all(requests + [_post(dist.irecv, theirs[peer], peer, HELLO_TAG) for peer in peers])
     shared = {}
     for peer, hello in theirs.items():
         raw = hello.numpy().tobytes()
@@ -94,7 +94,8 @@ class Moved:
     received_direct: int = 0
 
 
-def _wait(requests: list[dist.Work]) -> None:
+def wait_all(requests: list[dist.Work]) -> None:
+    """Wait for every request (asynchronous point-to-point messages) in turn."""
     for request in requests:
         request.wait()
 
@@ -104,50 +105,6 @@ def _post(operation: Callable[..., dist.Work | None], tensor: torch.Tensor, peer
     request = operation(tensor, peer, tag=tag)
     assert request is not None, "a point-to-point message in this process returned no request"
     return request
-
-
-@dataclass
-class Sorted:
-    """One rank's pieces of one round, by how they travel."""
-
-    ops: list[dist.P2POp] = field(default_factory=list)
-    """Process-group messages, one per piece."""
-    pending: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    """(strided target view, contiguous receive buffer): copied in once the messages arrive."""
-    staged: dict[int, list[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
-    """Pieces to stage in shared memory, by receiving peer, in hop order."""
-    unstaged: dict[int, list[torch.Tensor]] = field(default_factory=lambda: defaultdict(list))
-    """Target views to fill from shared memory, by sending peer, in hop order."""
-
-
-def _sort_hops(
-    hops: list[Hop],
-    rank: int,
-    tensors: dict[str, torch.Tensor],
-    new: dict[str, torch.Tensor],
-    shared: dict[int, bytes],
-    moved: Moved,
-) -> Sorted:
-    import torch.distributed as dist
-
-    pieces = Sorted()
-    for hop in hops:
-        sender, (got, transfer) = sender_of(hop), hop
-        if sender == rank:
-            data = src_view(tensors, transfer) if got is None else dst_view(new, got)
-            if transfer.dst in shared:
-                pieces.staged[transfer.dst].append(data)
-            else:
-                pieces.ops.append(dist.P2POp(dist.isend, data.contiguous(), transfer.dst))
-            moved.sent += transfer.nbytes
-        elif transfer.dst == rank:
-            view = dst_view(new, transfer)
-            if sender in shared:
-                pieces.unstaged[sender].append(view)
-            else:
-                pieces.ops.append(dist.P2POp(dist.irecv, receive_buffer(view, pieces.pending), sender))
-            moved.received += transfer.nbytes
-    return pieces
 
 
 def exchange(
@@ -169,26 +126,45 @@ def exchange(
     import torch
     import torch.distributed as dist
 
-    pieces = _sort_hops(hops, rank, tensors, new, shared, moved)
-    requests = dist.batch_isend_irecv(pieces.ops) if pieces.ops else []
-    headers = {peer: torch.empty(shm.NAME_BYTES, dtype=torch.uint8) for peer in pieces.unstaged}
-    wheres = {peer: torch.empty(len(views), WHERE_WIDTH, dtype=torch.int64) for peer, views in pieces.unstaged.items()}
+    ops: list[dist.P2POp] = []  # process-group messages, one per piece
+    pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (strided view, its receive buffer), copied in at the end
+    staged: dict[int, list[torch.Tensor]] = defaultdict(list)  # pieces to stage, by receiving peer, in hop order
+    unstaged: dict[int, list[torch.Tensor]] = defaultdict(list)  # views to fill, by sending peer, in hop order
+    for hop in hops:
+        sender, (got, transfer) = sender_of(hop), hop
+        if sender == rank:
+            data = src_view(tensors, transfer) if got is None else dst_view(new, got)
+            if transfer.dst in shared:
+                staged[transfer.dst].append(data)
+            else:
+                ops.append(dist.P2POp(dist.isend, data.contiguous(), transfer.dst))
+            moved.sent += transfer.nbytes
+        elif transfer.dst == rank:
+            view = dst_view(new, transfer)
+            if sender in shared:
+                unstaged[sender].append(view)
+            else:
+                ops.append(dist.P2POp(dist.irecv, receive_buffer(view, pending), sender))
+            moved.received += transfer.nbytes
+    requests = dist.batch_isend_irecv(ops) if ops else []
+    headers = {peer: torch.empty(shm.NAME_BYTES, dtype=torch.uint8) for peer in unstaged}
+    wheres = {peer: torch.empty(len(views), WHERE_WIDTH, dtype=torch.int64) for peer, views in unstaged.items()}
     arrivals = {
         peer: (_post(dist.irecv, headers[peer], peer, HEADER_TAG), _post(dist.irecv, wheres[peer], peer, WHERE_TAG))
-        for peer in pieces.unstaged
+        for peer in unstaged
     }
-    answers = {peer: _post(dist.irecv, torch.empty(1, dtype=torch.uint8), peer, DONE_TAG) for peer in pieces.staged}
-    names = {peer: _stage(peer, staged, shared[peer], requests) for peer, staged in sorted(pieces.staged.items())}
+    answers = {peer: _post(dist.irecv, torch.empty(1, dtype=torch.uint8), peer, DONE_TAG) for peer in staged}
+    names = {peer: _stage(peer, pieces, shared[peer], requests) for peer, pieces in sorted(staged.items())}
     meanwhile()
-    for peer, views in sorted(pieces.unstaged.items()):
-        _wait(list(arrivals[peer]))
+    for peer, views in sorted(unstaged.items()):
+        wait_all(list(arrivals[peer]))
         name = shm.decode_name(headers[peer].numpy().tobytes())
-        _unstage(peer, name, wheres[peer].tolist(), views, requests, pieces.pending, moved)
+        _unstage(peer, name, wheres[peer].tolist(), views, requests, pending, moved)
     for peer, answer in answers.items():
         answer.wait()
         shm.forget_unopened(names[peer])  # the receiver has mapped and unlinked it (if there was one)
-    _wait(requests)
-    for view, buffer in pieces.pending:
+    wait_all(requests)
+    for view, buffer in pending:
         view.copy_(buffer)
 
 

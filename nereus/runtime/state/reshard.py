@@ -2,19 +2,12 @@
 of `reshard_plan.plan_reshard` (which pieces move where) with `piece_exchange` (how they travel).
 
 `execute` runs a plan on every rank of a torch.distributed job, either straight from each
-piece's source ("p2p") or as a binomial-tree broadcast ("broadcast"): a piece that one
-source sends to several ranks is relayed by the ranks that already received it, so the
-source sends it about log2(receivers + 1) times instead of once per receiver.
-Two ranks on one host holding CPU state exchange their pieces through shared memory
-(`nereus.runtime.comm.shm`: one copy into a pooled segment, one copy out, no sockets); a
-piece that lies in the sender's state arena (`nereus.runtime.comm.arena`) is not staged: the
-receiver copies it straight out of the sender's tensor. While this process has an
-arena, `execute` allocates its results in it, so the next reshard reads them directly too.
-Other pairs (other hosts, GPUs under NCCL) send one process-group message per piece
-(contiguous pieces go without a copy). Pairs swap host tokens first, so the choice is
-made per pair and automatically. `out` lets a repeated reshard fill the previous
-result (or an engine's live tensors) instead of allocating fresh memory.
-The two layouts may use different or overlapping ranks; a rank in neither returns at once.
+piece's source ("p2p") or as a binomial-tree broadcast ("broadcast", `reshard_plan.broadcast_rounds`).
+Same-host pairs holding CPU state exchange pieces through shared memory, other pairs as one
+process-group message per piece (`piece_exchange`). While this process has a state arena
+(`nereus.runtime.comm.arena`), `execute` allocates its results in it, so the next reshard reads
+them directly too. The two layouts may use different or overlapping ranks; a rank in neither
+returns at once.
 """
 
 from __future__ import annotations
@@ -30,6 +23,7 @@ from nereus.runtime.state.piece_exchange import (
     exchange,
     shared_memory_peers,
     src_view,
+    wait_all,
 )
 from nereus.runtime.state.reshard_plan import Hop, Method, ReshardPlan, broadcast_rounds, peers_of
 from nereus.runtime.state.shard_layout import box_shape
@@ -37,7 +31,6 @@ from nereus.runtime.state.sharded_state import check_rank_state, torch_dtype
 
 if TYPE_CHECKING:
     import torch
-    import torch.distributed as dist
 
 
 @dataclass
@@ -99,7 +92,7 @@ def execute(
     shared = shared_memory_peers(peers_of(rounds, rank), transport == "auto" and cpu_only)
     moved = Moved()
     for number, hops in enumerate(rounds or [[]]):
-        exchange(hops, rank, tensors, new, copy_local_pieces if number == 0 else _nothing, shared, moved)
+        exchange(hops, rank, tensors, new, copy_local_pieces if number == 0 else lambda: None, shared, moved)
     new_step = _share_step(plan, rank, step, device)
     return ReshardResult(
         new, new_step if in_target else None, moved.sent, moved.received, moved.received_shared, moved.received_direct
@@ -152,18 +145,6 @@ def _check_out(
         raise ValueError(f"rank {rank}: out tensors and device disagree: {sorted(map(str, devices))}")
 
 
-def _run(ops: list[dist.P2POp]) -> None:
-    import torch.distributed as dist
-
-    if ops:
-        for request in dist.batch_isend_irecv(ops):
-            request.wait()
-
-
-def _nothing() -> None:
-    return None
-
-
 def _share_step(plan: ReshardPlan, rank: int, step: int | None, device: torch.device) -> int | None:
     """Send the optimizer step from the step source to target ranks that were not in the source."""
     import torch
@@ -172,9 +153,9 @@ def _share_step(plan: ReshardPlan, rank: int, step: int | None, device: torch.de
     newcomers = sorted(set(plan.target.boxes) - set(plan.source.boxes))
     if rank == plan.step_source and newcomers:
         value = torch.tensor([step], dtype=torch.int64, device=device)
-        _run([dist.P2POp(dist.isend, value, newcomer) for newcomer in newcomers])
+        wait_all(dist.batch_isend_irecv([dist.P2POp(dist.isend, value, newcomer) for newcomer in newcomers]))
     if rank in newcomers:
         value = torch.empty(1, dtype=torch.int64, device=device)
-        _run([dist.P2POp(dist.irecv, value, plan.step_source)])
+        wait_all(dist.batch_isend_irecv([dist.P2POp(dist.irecv, value, plan.step_source)]))
         return int(value.item())
     return step

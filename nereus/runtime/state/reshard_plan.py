@@ -145,24 +145,19 @@ def peers_of(rounds: list[list[Hop]], rank: int) -> list[int]:
     return sorted(peers)
 
 
-def _fan_out_groups(plan: ReshardPlan) -> list[list[Transfer]]:
-    """Moved transfers grouped by (source, key, piece): the receivers of one identical piece."""
-    groups: dict[tuple[int, str, Box], list[Transfer]] = defaultdict(list)
-    for transfer in plan.moved():
-        groups[(transfer.src, transfer.key, transfer.piece)].append(transfer)
-    return list(groups.values())
-
-
 def broadcast_rounds(plan: ReshardPlan) -> list[list[Hop]]:
     """The hops of every round: each rank holding a piece passes it on once per round.
 
     A piece one source sends to k ranks then leaves the source about log2(k + 1) times
     instead of k times; receivers relay what they got in earlier rounds.
     """
+    # The receivers of one identical piece: moved transfers grouped by (source, key, piece).
+    groups: dict[tuple[int, str, Box], list[Transfer]] = defaultdict(list)
+    for transfer in plan.moved():
+        groups[(transfer.src, transfer.key, transfer.piece)].append(transfer)
     rounds: list[list[Hop]] = []
-    for group in _fan_out_groups(plan):
+    for waiting in groups.values():
         holders: list[Transfer | None] = [None]
-        waiting = list(group)
         for number in itertools.count():
             if not waiting:
                 break

@@ -37,6 +37,7 @@ rank r holds KV head r // (tp // kv_heads) (the planner's `kv_heads_rule`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -76,11 +77,8 @@ def _layer_params(model: Model, layer: int) -> list[ParamInfo]:
     prefix = f"layers.{layer}."
     hidden = model.hidden_dim
 
-    def info(name: str, shape: tuple[int, ...], tp_dim: int | None, kv: bool = False) -> ParamInfo:
-        return ParamInfo(prefix + name, shape, tp_dim, "layer", layer, kv)
-
-    def expert(name: str, shape: tuple[int, ...], tp_dim: int) -> ParamInfo:
-        return ParamInfo(prefix + name, shape, tp_dim, "layer", layer, expert=True)
+    def info(name: str, shape: tuple[int, ...], split: int | None, kv: bool = False, expert: bool = False) -> ParamInfo:
+        return ParamInfo(prefix + name, shape, split, "layer", layer, kv, expert)
 
     params = [info("attn_norm.weight", (hidden,), None)]
     for proj, dim, kv in (("q", q_dim, False), ("k", kv_dim, True), ("v", kv_dim, True)):
@@ -99,9 +97,9 @@ def _layer_params(model: Model, layer: int) -> list[ParamInfo]:
         return [
             *params,
             info("mlp.router.weight", (experts, hidden), None),
-            expert("mlp.experts.gate_proj", (experts, ffn, hidden), 1),
-            expert("mlp.experts.up_proj", (experts, ffn, hidden), 1),
-            expert("mlp.experts.down_proj", (experts, hidden, ffn), 2),
+            info("mlp.experts.gate_proj", (experts, ffn, hidden), 1, expert=True),
+            info("mlp.experts.up_proj", (experts, ffn, hidden), 1, expert=True),
+            info("mlp.experts.down_proj", (experts, hidden, ffn), 2, expert=True),
         ]
     params += [
         info("mlp.gate_proj.weight", (model.ffn_dim, hidden), 0),
@@ -148,22 +146,15 @@ def holds(info: ParamInfo, model: Model, pp: int, stage: int) -> bool:
     return info.layer in stage_layers(model, pp, stage)
 
 
-def tp_slice(info: ParamInfo, model: Model, tp: int, tp_rank: int) -> tuple[int, int]:
-    """(offset, length) of `info` along its tp_dim on tensor rank `tp_rank`."""
-    assert info.tp_dim is not None
-    size = info.global_shape[info.tp_dim]
-    if info.kv and tp > model.num_kv_heads:
-        head = tp_rank // (tp // model.num_kv_heads)
-        return head * model.head_dim, model.head_dim
-    length = size // tp
-    return tp_rank * length, length
-
-
 def local_box(info: ParamInfo, model: Model, tp: int, tp_rank: int, ep: int = 1, ep_rank: int = 0) -> Box:
     """The box of `info` a (tensor rank, ep rank) holds (on a stage that holds it)."""
     box = [(0, size) for size in info.global_shape]
-    if info.tp_dim is not None:
-        box[info.tp_dim] = tp_slice(info, model, tp, tp_rank)
+    if info.tp_dim is not None and info.kv and tp > model.num_kv_heads:
+        head = tp_rank // (tp // model.num_kv_heads)
+        box[info.tp_dim] = (head * model.head_dim, model.head_dim)
+    elif info.tp_dim is not None:
+        length = info.global_shape[info.tp_dim] // tp
+        box[info.tp_dim] = (tp_rank * length, length)
     if info.expert and ep > 1:
         per_rank = info.global_shape[0] // ep
         box[0] = (ep_rank * per_rank, per_rank)
@@ -175,10 +166,7 @@ def box_shape(box: Box) -> tuple[int, ...]:
 
 
 def box_numel(box: Box) -> int:
-    numel = 1
-    for _, length in box:
-        numel *= length
-    return numel
+    return math.prod(length for _, length in box)
 
 
 def intersect(a: Box, b: Box) -> Box | None:
@@ -334,18 +322,12 @@ def position_boxes(model: Model, head: Head, tp: int, pp: int, ep: int = 1) -> l
     if problem:
         raise ValueError(problem)
     infos = param_infos(model, head)
-    boxes: list[dict[str, Box]] = []
-    for stage in range(pp):
-        for ep_rank in range(ep):
-            for tp_rank in range(tp):
-                boxes.append(
-                    {
-                        info.name: local_box(info, model, tp, tp_rank, ep, ep_rank)
-                        for info in infos
-                        if holds(info, model, pp, stage)
-                    }
-                )
-    return boxes
+    return [
+        {info.name: local_box(info, model, tp, tp_rank, ep, ep_rank) for info in infos if holds(info, model, pp, stage)}
+        for stage in range(pp)
+        for ep_rank in range(ep)
+        for tp_rank in range(tp)
+    ]
 
 
 def ep_problem(model: Model, ep: int) -> str | None:

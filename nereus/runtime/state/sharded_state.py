@@ -9,6 +9,7 @@ per-rank dicts and back, for tests, benchmarks and single-process tools.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -179,18 +180,18 @@ def state_meta(
     """
     sharded = frozenset(dp_sharded)
     families = tuple(families)
-    unknown = [family for family in (*families, *(dtypes or {})) if family not in STATE_FAMILIES]
+    dtypes = dtypes or {}
+    unknown = [family for family in (*families, *dtypes) if family not in STATE_FAMILIES]
     if unknown:
         raise ValueError(f"unknown state families {unknown}; choose from {', '.join(STATE_FAMILIES)}")
-    for family, dtype in (dtypes or {}).items():
+    for family, dtype in dtypes.items():
         if dtype not in TORCH_DTYPE_BYTES:
             raise ValueError(f"family {family}: dtype {dtype!r} is not one of {', '.join(TORCH_DTYPE_BYTES)}")
     tensors = {}
     for info in param_infos(model, head):
         for family in families:
             key = state_key(family, info.name)
-            dtype = (dtypes or {}).get(family, DEFAULT_DTYPE)
-            tensors[key] = TensorMeta(key, family, info.name, info.global_shape, dtype)
+            tensors[key] = TensorMeta(key, family, info.name, info.global_shape, dtypes.get(family, DEFAULT_DTYPE))
     positions = position_boxes(model, head, layout.tp, layout.pp, layout.ep)
     boxes: dict[int, dict[str, Box]] = {}
     for index, rank in enumerate(layout.ranks):
@@ -276,7 +277,7 @@ def gather(meta: StateMeta, states: dict[int, dict[str, torch.Tensor]]) -> dict[
             first_holder[box] = rank
             logical[key][box_slices(box)] = shard
         # The distinct boxes of one layout are disjoint, so they cover the tensor iff their sizes add up.
-        if sum(box_numel(box) for box in first_holder) != box_numel(tuple((0, n) for n in tensor_meta.global_shape)):
+        if sum(box_numel(box) for box in first_holder) != math.prod(tensor_meta.global_shape):
             raise ValueError(f"{key}: no rank holds part of the tensor")
     return logical
 

@@ -51,7 +51,7 @@ class ExecutedTransition:
     """Primitives this rank took part in."""
 
 
-def emu_layout(emus: Iterable[Emu], side: StagePlan | None = None) -> RankLayout:
+def emu_layout(emus: Iterable[Emu], side: StagePlan) -> RankLayout:
     """Replicas of one layout as one RankLayout (replica-major, in the given order); an EMU's
     context-parallel degree is its GPUs over tp x pp (its cp ranks hold the same boxes).
 
@@ -61,14 +61,10 @@ def emu_layout(emus: Iterable[Emu], side: StagePlan | None = None) -> RankLayout
     replica, `schedule.ep_intermediate`) has none."""
     emus = list(emus)
     columns, pp = emus[0].layout
-    ep = side.ep if side is not None and (columns, pp) == (plan_columns(side), side.pp) else 1
+    ep = side.ep if (columns, pp) == (plan_columns(side), side.pp) else 1
     cp = len(emus[0].gpus) // (columns * pp)
     assert all(emu.layout == (columns, pp) and len(emu.gpus) == columns * cp * pp for emu in emus), emus
     return RankLayout(columns // ep, pp, len(emus), tuple(gpu for emu in emus for gpu in emu.gpus), cp, ep)
-
-
-def plan_emu_list(plan: Plan, model_stage: str) -> list[Emu]:
-    return plan_emus(plan, [model_stage])[model_stage]
 
 
 class _Executor:
@@ -92,7 +88,7 @@ class _Executor:
 
     def load(self, model_stage: str, state: ReplicaState) -> None:
         """This rank's plan-A state of `model_stage` becomes the state of its replica."""
-        for emu in plan_emu_list(self.plan, model_stage):
+        for emu in plan_emus(self.plan, [model_stage])[model_stage]:
             if self.rank in emu.gpus:
                 self.held[emu] = state
 
@@ -149,16 +145,10 @@ class _Executor:
         """Each moved model-stage's state in plan B's layout (the rank's replica of it)."""
         states: dict[str, ReplicaState] = {}
         for model_stage in self.families:
-            for emu in plan_emu_list(plan_b, model_stage):
+            for emu in plan_emus(plan_b, [model_stage])[model_stage]:
                 if self.rank in emu.gpus:
                     states[model_stage] = self.held[emu]
         return states
-
-
-def run_order(primitives: list[Primitive], schedule: Schedule) -> list[Primitive]:
-    """The order every rank walks: by predicted start, then id (the schedule respects all edges)."""
-    assert schedule.complete(primitives), "execute only a fully scheduled transition"
-    return sorted(primitives, key=lambda p: (schedule.start_s(p), p.id))
 
 
 def execute_transition(
@@ -180,7 +170,9 @@ def execute_transition(
     executor = _Executor(plan_a, plan_b, rank, families)
     for model_stage, state in states.items():
         executor.load(model_stage, state)
-    for primitive in run_order(primitives, schedule):
+    assert schedule.complete(primitives), "execute only a fully scheduled transition"
+    # Every rank walks them by predicted start, then id (the schedule respects all edges).
+    for primitive in sorted(primitives, key=lambda p: (schedule.start_s(p), p.id)):
         if primitive.model_stage in families:
             executor.run(primitive, schedule)
     return ExecutedTransition(executor.result(plan_b), executor.sent, executor.received, executor.count)
