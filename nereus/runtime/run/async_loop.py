@@ -147,11 +147,11 @@ def run_async(rank: int, world_size: int, setup: RunSetup) -> int:
             stage.pool = pools.generation if name == ACTOR_GENERATION else pools.training
         queue = start_queue(setup)
         if rank == 0:  # batches a killed run generated past its checkpoint are generated again
-            for stale in handoff.glob("batch-*") if handoff.is_dir() else ():
-                stale.unlink()
-            for stale in handoff.glob(IN_FLIGHT_PREFIX + "*") if handoff.is_dir() else ():
-                shutil.rmtree(stale)
             handoff.mkdir(exist_ok=True)
+            for stale in handoff.glob("batch-*"):
+                stale.unlink()
+            for stale in handoff.glob(IN_FLIGHT_PREFIX + "*"):
+                shutil.rmtree(stale)
         collectives.barrier()
         loop = AsyncLoop(setup, rank, pools, (stages, syncs), tracker, inputs, queue, handoff)
         for step in range(setup.start_step, config.num_steps):
