@@ -251,7 +251,7 @@ def gather_worker(rank: int, world: int) -> dict[str, int]:
 
     engine_module.all_gather_rows = recorded  # type: ignore[assignment]
     try:
-        e._gather_params()
+        e._all_gather_rows({n: p.data for n, p in e.params.items()})
     finally:
         engine_module.all_gather_rows = gather  # type: ignore[assignment]
     shards = range(e.groups.shards)

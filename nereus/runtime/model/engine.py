@@ -399,8 +399,8 @@ class Engine:
         self.optimizer.exp_avg = {n: self._fp32_copy(t) for n, t in by_family["exp_avg"].items()}
         self.optimizer.exp_avg_sq = {n: self._fp32_copy(t) for n, t in by_family["exp_avg_sq"].items()}
         self.optimizer.step_count = step
-        if self.zero1 and self.optimizer.masters:
-            self._gather_params()  # each replica set only its rows from its master shard
+        if self.zero1 and self.optimizer.masters:  # each replica set only its rows from its master shard
+            self._all_gather_rows({n: p.data for n, p in self.params.items()})
 
     def _fp32_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """An fp32 copy for the optimizer: in host memory under training-time offload."""
@@ -733,18 +733,10 @@ class Engine:
         self.wake()
         if self.host_grads and not self._grads_held:
             return
-        if self.host_grads:
-            self.optimizer.step((n, self.host_grads[n], self.mine(p.data)) for n, p in self.params.items())
-        else:
-            self.optimizer.step(
-                (n, self.mine(p.grad), self.mine(p.data)) for n, p in self.params.items() if p.grad is not None
-            )
-        if self.zero1:
-            self._gather_params()
-
-    def _gather_params(self) -> None:
-        """Every shard's updated rows of every sharded weight onto every rank (collective over dp x cp)."""
-        self._all_gather_rows({n: p.data for n, p in self.params.items()})
+        held = ((n, self.counted_grad(n), p) for n, p in self.params.items())
+        self.optimizer.step((n, grad, self.mine(p.data)) for n, grad, p in held if grad is not None)
+        if self.zero1:  # every shard's updated rows onto every rank
+            self._all_gather_rows({n: p.data for n, p in self.params.items()})
 
     @torch.no_grad()
     def _all_gather_rows(self, whole: Mapping[str, torch.Tensor]) -> None:

@@ -82,7 +82,7 @@ from nereus.runtime.rl.tasks import get_task
 from nereus.runtime.rl.timing import step_totals, timed
 from nereus.runtime.rl.update import WeightSync, sync_weights
 from nereus.runtime.rl.warm_start import warm_start
-from nereus.runtime.run.checkpoints import restore, save_run_checkpoint
+from nereus.runtime.run.checkpoints import save_run_checkpoint
 from nereus.runtime.run.hold import hold_before
 from nereus.runtime.run.rank_loop import in_force_schedule, prepare_rank, record_step, run_state
 from nereus.runtime.run.run_setup import RunSetup
@@ -132,13 +132,9 @@ def pools_of(plan: Plan, world_size: int) -> Pools:
 def run_async(rank: int, world_size: int, setup: RunSetup) -> int:
     """The whole async run on this rank (the module docstring); returns the steps finished."""
     config, plan = setup.config, setup.plan
-    tracker, stages, syncs = prepare_rank(rank, setup)
     pools = pools_of(plan, world_size)
-    engine = start_async_engine(setup, stages, pools, rank)  # None: nereus's own engine generates
-    if setup.checkpoint is not None:
-        restore(stages, setup.checkpoint, rank, config.rl)
-    if setup.checkpoint is not None or engine is not None:
-        sync_weights(syncs)  # the generation pool gets the restored (or the folder's) weights: version start_step
+    start_engine = functools.partial(start_async_engine, setup, pools, rank)
+    tracker, stages, syncs, engine = prepare_rank(rank, setup, start_engine)  # the weights: version start_step
     inputs = step_inputs(config.rl, setup.data)
     handoff = setup.out / HANDOFF_NAME
     with timeline.recording(timeline.Timeline(setup.out, rank)) as spans:
@@ -151,11 +147,11 @@ def run_async(rank: int, world_size: int, setup: RunSetup) -> int:
             stage.pool = pools.generation if name == ACTOR_GENERATION else pools.training
         queue = start_queue(setup)
         if rank == 0:  # batches a killed run generated past its checkpoint are generated again
-            for stale in handoff.glob("batch-*") if handoff.is_dir() else ():
-                stale.unlink()
-            for stale in handoff.glob(IN_FLIGHT_PREFIX + "*") if handoff.is_dir() else ():
-                shutil.rmtree(stale)
             handoff.mkdir(exist_ok=True)
+            for stale in handoff.glob("batch-*"):
+                stale.unlink()
+            for stale in handoff.glob(IN_FLIGHT_PREFIX + "*"):
+                shutil.rmtree(stale)
         collectives.barrier()
         loop = AsyncLoop(setup, rank, pools, (stages, syncs), tracker, inputs, queue, handoff)
         for step in range(setup.start_step, config.num_steps):
@@ -178,7 +174,7 @@ def run_async(rank: int, world_size: int, setup: RunSetup) -> int:
 
 
 def start_async_engine(
-    setup: RunSetup, stages: dict[str, ModelStageRuntime], pools: Pools, rank: int
+    setup: RunSetup, pools: Pools, rank: int, stages: dict[str, ModelStageRuntime]
 ) -> VLLMEngine | None:
     """Under vLLM generation, this rank's vLLM engine (collective over the world); None under
     nereus's own engine. vLLM's external launcher builds its groups over the whole world, so every

@@ -16,7 +16,9 @@ import dataclasses
 import hashlib
 import importlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -90,12 +92,7 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
     """The whole run on this rank; returns the number of steps the run has finished (a
     synchronous plan: `rank_entry.rank_main` runs an async plan's loop instead)."""
     config, plan = setup.config, setup.plan
-    tracker, stages, syncs = prepare_rank(rank, setup)
-    rollout_engine = start_rollout_engine(config, plan, stages)  # None: nereus's own engine generates
-    if setup.checkpoint is not None:
-        restore(stages, setup.checkpoint, rank, config.rl)
-    if setup.checkpoint is not None or rollout_engine is not None:
-        sync_weights(syncs)  # generation and inference engines get the restored (or the folder's) weights
+    tracker, stages, syncs, rollout_engine = prepare_rank(rank, setup, partial(start_rollout_engine, config, plan))
     switches = {switch.step: switch for switch in setup.switches}
     state = run_state(setup, plan) if rank == 0 else None
     lengths = step_lengths(setup)
@@ -158,11 +155,11 @@ def run_rank(rank: int, world_size: int, setup: RunSetup) -> int:
 
 
 def prepare_rank(
-    rank: int, setup: RunSetup
-) -> tuple[memory.PeakTracker, dict[str, ModelStageRuntime], list[WeightSync]]:
+    rank: int, setup: RunSetup, start_engine: Callable[[dict[str, ModelStageRuntime]], VLLMEngine | None]
+) -> tuple[memory.PeakTracker, dict[str, ModelStageRuntime], list[WeightSync], VLLMEngine | None]:
     """This rank before its first step (collective): the memory tracker (its idle baseline),
-    the arena, the plan's engines with their folders' weights, the fitted reward model and the
-    weight syncs."""
+    the arena, the plan's engines with their folders' weights (or a resume's checkpoint's), the
+    fitted reward model, the weight syncs and `start_engine`'s vLLM engine (None: nereus's own)."""
     config, plan = setup.config, setup.plan
     torch.manual_seed(config.rl.seed)
     # What a step imports on first use belongs to the idle rank, not to a model-stage: DTensor
@@ -183,7 +180,12 @@ def prepare_rank(
     load_folders(stages, plan)
     if REWARD_INFERENCE in stages and setup.checkpoint is None and "reward" not in (plan.weights or {}):
         fit_reward_model(stages[REWARD_INFERENCE], get_task(config.rl.task), config.rl)
-    return tracker, stages, syncs
+    engine = start_engine(stages)
+    if setup.checkpoint is not None:
+        restore(stages, setup.checkpoint, rank, config.rl)
+    if setup.checkpoint is not None or engine is not None:
+        sync_weights(syncs)  # generation and inference engines get the restored (or the folder's) weights
+    return tracker, stages, syncs, engine
 
 
 def carry_rollout_engine(
