@@ -65,7 +65,7 @@ from nereus.runtime.rl.inter_stage import MigrationSettings, migration_settings
 from nereus.runtime.rl.rollout import generate_responses
 from nereus.runtime.rl.scoring import run_inference
 from nereus.runtime.rl.stages import build_stages, rollout_batch
-from nereus.runtime.rl.tasks import CharTokenizer, encode_prompt, get_task, sample_problems
+from nereus.runtime.rl.tasks import CharTokenizer, get_task, sample_problems
 from nereus.runtime.rl.timing import timed
 from nereus.runtime.state.sharded_state import even_split
 from nereus.solver.migration import GenerationProfile, run_batch
@@ -199,7 +199,7 @@ def rollout_times(rank: int, world: int, plan: Plan, args: argparse.Namespace) -
     vllm = attach_vllm(plan, stages, args.seed) if args.engine == "vllm" else None
     tokenizer = CharTokenizer()
     problems = sample_problems(get_task("sort"), plan.workload.samples_per_step, args.seed)
-    prompts = [encode_prompt(tokenizer, problem) for problem in problems]
+    prompts = [tokenizer.prompt_ids(problem.prompt) for problem in problems]
     budgets = [int(n) for n in imposed_lengths(args).ravel()]
     sampling = SamplingConfig(plan.workload.response_len.max, 1.0, eos_token_id=None, seed=args.seed)
     profile = migration_settings(plan, plan.fusion).profile

@@ -1,14 +1,23 @@
-"""Tiny random Hugging Face folders made by transformers itself, for the HF tests."""
+"""Tiny random Hugging Face folders made by transformers itself, and whole-model views of
+Hugging Face weights, for the HF tests."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
+from collections.abc import Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 from repo_paths import EXAMPLES
+
+from nereus.runtime.hf.files import check_weights
+from nereus.runtime.hf.load import read_stored
+from nereus.runtime.hf.names import NAME_TABLE, hf_tensors
+from nereus.runtime.state.shard_layout import param_infos
+from nereus.spec.model import Head, Model
 
 #: Shapes every tiny test model shares (GQA: 4 query heads over 2 KV heads).
 TINY_SHAPES: dict[str, Any] = {
@@ -59,3 +68,30 @@ def tiny_math_model() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def read_logical(folder: Path, model: Model, head: Head) -> dict[str, torch.Tensor]:
+    """Every parameter the folder holds, whole, as float32."""
+    entries = check_weights(folder, model, head)
+    whole: dict[str, torch.Tensor] = {}
+    for info in param_infos(model, head):
+        if info.name in entries:
+            box = tuple((0, size) for size in info.global_shape)
+            whole[info.name] = read_stored(entries[info.name], box)
+    return whole
+
+
+def as_hf_state(logical: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole runtime parameters under their Hugging Face names (experts one tensor per expert,
+    as transformers writes them)."""
+    return {key: piece for name, tensor in logical.items() for key, piece in hf_tensors(name, tensor).items()}
+
+
+def runtime_name(name: str) -> str | None:
+    """The runtime name of a Hugging Face tensor through `NAME_TABLE` (None for one the runtime
+    has no place for, or one expert's piece of an expert stack)."""
+    for ours, theirs in NAME_TABLE:
+        match = re.fullmatch(re.escape(theirs).replace(r"\{i\}", r"(\d+)"), name)
+        if match:
+            return ours.replace("{i}", match.group(1)) if match.groups() else ours
+    return None

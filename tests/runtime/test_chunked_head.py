@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from rl_reference import entropy_from_logits
 from torch.nn import functional as F
 
 from nereus.runtime.comm import collectives
@@ -20,7 +21,6 @@ from nereus.runtime.model.adamw import AdamWConfig
 from nereus.runtime.model.engine import Engine, EngineConfig
 from nereus.runtime.model.initialization import init_logical_params, shard_params
 from nereus.runtime.model.transformer import Batch, ReferenceModel
-from nereus.runtime.rl.algorithms import entropy_from_logits
 from nereus.runtime.rl.objectives import PolicyObjective
 from nereus.runtime.state.shard_layout import RankLayout
 from nereus.spec.presets import MODELS

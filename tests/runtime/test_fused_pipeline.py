@@ -293,11 +293,11 @@ def fused_and_plain_step(rank: int, world: int) -> dict[str, float]:
     errors["fused_training_s"] = fused_metrics.stage_seconds["critic/training"]
     # The op timings the RL step hands out: each of the two updates (mini-batches) runs this
     # rank's node of the schedule once.
-    plan, timings, seconds = two_rank_plan(True), [], {}
+    plan, seconds = two_rank_plan(True), {}
     batch = make_batch("value", 5)
     jobs = [(fused_stages[name], batch, objective) for name, objective in TRAINING_OBJECTIVES.items()]
     rules = update_rules(config, 0, list(fused_stages))
-    fused_training(plan, jobs[0], jobs[1], seconds, timings, rules, {})
+    timings = fused_training(plan, jobs[0], jobs[1], seconds, rules, {})[2]
     node_ops = check_fused_schedule(fused_schedule(plan))[fused_stages["actor/training"].engine.groups.pp_rank]  # type: ignore[union-attr]
     ran = [(t.update, t.model, t.stage, Op(t.kind, t.microbatch)) for t in timings]  # type: ignore[arg-type]
     errors["timings_match"] = float(ran != [(update, *item) for update in range(2) for item in node_ops])

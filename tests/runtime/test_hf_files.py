@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hf_helpers import as_hf_state, read_logical, runtime_name
 from safetensors.torch import save_file
 
 from nereus.errors import NereusError
 from nereus.runtime.hf.files import check_weights
-from nereus.runtime.hf.load import as_hf_state, read_logical
-from nereus.runtime.hf.names import NAME_TABLE, hf_name, runtime_name
+from nereus.runtime.hf.names import NAME_TABLE, hf_name
 from nereus.runtime.model.initialization import init_logical_params
 from nereus.runtime.state.shard_layout import param_infos
 from nereus.spec.presets import MODELS

@@ -18,11 +18,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.one_rank
 
-from hf_helpers import save_random_model  # noqa: E402
+from hf_helpers import read_logical, save_random_model  # noqa: E402
 
 from nereus.runtime.comm.spawn import spawn  # noqa: E402
 from nereus.runtime.generation.generate import SamplingConfig, generate  # noqa: E402
-from nereus.runtime.hf.load import load_engine, read_logical  # noqa: E402
+from nereus.runtime.hf.load import load_engine  # noqa: E402
 from nereus.runtime.model.engine import Engine, EngineConfig  # noqa: E402
 from nereus.runtime.model.parallel_groups import admissible_layouts  # noqa: E402
 from nereus.runtime.model.transformer import Batch, ReferenceModel  # noqa: E402

@@ -17,9 +17,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.one_rank
 
-from hf_helpers import save_random_model  # noqa: E402
+from hf_helpers import read_logical, save_random_model  # noqa: E402
 
-from nereus.runtime.hf.load import read_logical  # noqa: E402
 from nereus.runtime.model.transformer import ReferenceModel  # noqa: E402
 from nereus.spec.hf_config import model_from_hf_config  # noqa: E402
 from nereus.spec.model import LinearRopeScaling, Model  # noqa: E402

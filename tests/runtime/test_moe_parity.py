@@ -19,14 +19,14 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_helpers import save_random_model  # noqa: E402
+from hf_helpers import as_hf_state, read_logical, save_random_model  # noqa: E402
 from test_hf_parity import NEW_TOKENS, TOL, VOCAB, inputs, transformers_outputs  # noqa: E402
 from test_hf_parity import _masked_error as masked_error  # noqa: E402
 
 from nereus.runtime.comm.spawn import spawn  # noqa: E402
 from nereus.runtime.generation.generate import SamplingConfig, generate  # noqa: E402
 from nereus.runtime.hf.files import check_weights  # noqa: E402
-from nereus.runtime.hf.load import as_hf_state, load_engine, read_logical  # noqa: E402
+from nereus.runtime.hf.load import load_engine  # noqa: E402
 from nereus.runtime.model.engine import Engine  # noqa: E402
 from nereus.runtime.model.losses import NextTokenLoss  # noqa: E402
 from nereus.runtime.model.moe import Routes, load_balancing_loss, route  # noqa: E402

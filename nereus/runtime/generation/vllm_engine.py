@@ -216,16 +216,11 @@ class VLLMEngine:
         raw log-probability of every response token. Every tp rank of the engine calls it
         with the same arguments."""
         self.sleeper.wake()
-        params = [
-            sampling_params(
-                sampling,
-                sample_seed(sampling.seed, sample_id),
-                sampling.max_new_tokens if budgets is None else budgets[i],
-            )
-            for i, sample_id in enumerate(sample_ids)
-        ]
         if not prompts:
             return Generated([], [], None if self.routing is None else [])
+        caps = [sampling.max_new_tokens] * len(prompts) if budgets is None else budgets
+        seeds = [sample_seed(sampling.seed, sample_id) for sample_id in sample_ids]
+        params = [sampling_params(sampling, seed, cap) for seed, cap in zip(seeds, caps, strict=True)]
         if self.routing is not None:
             self.routing.begin()
         outputs = run_requests(self.llm, prompts, params)

@@ -8,16 +8,13 @@ mapped pages are resident at a time. Values are converted to the engine's float3
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from nereus.runtime.hf.files import Stored, TensorEntry, check_weights
-from nereus.runtime.hf.names import hf_tensors
 from nereus.runtime.model.engine import Engine
 from nereus.runtime.state.shard_layout import Box, box_shape, intersect, local_box, param_infos
-from nereus.spec.model import Head, Model
 
 
 def read_box(entry: TensorEntry, name: str, box: Box) -> torch.Tensor:
@@ -65,20 +62,3 @@ def load_engine(engine: Engine, folder: Path) -> list[str]:
             box = local_box(info, model, layout.tp, g.tp.rank, g.ep.size, g.ep.rank)
             engine.set_param(info.name, read_stored(entries[info.name], box))
     return kept
-
-
-def read_logical(folder: Path, model: Model, head: Head) -> dict[str, torch.Tensor]:
-    """Every parameter the folder holds, whole, as float32 (single-process use: tests, export)."""
-    entries = check_weights(folder, model, head)
-    whole: dict[str, torch.Tensor] = {}
-    for info in param_infos(model, head):
-        if info.name in entries:
-            box = tuple((0, size) for size in info.global_shape)
-            whole[info.name] = read_stored(entries[info.name], box)
-    return whole
-
-
-def as_hf_state(logical: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Whole runtime parameters under their Hugging Face names (experts one tensor per expert,
-    as transformers writes them)."""
-    return {key: piece for name, tensor in logical.items() for key, piece in hf_tensors(name, tensor).items()}

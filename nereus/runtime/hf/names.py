@@ -61,31 +61,17 @@ def _regex(pattern: str) -> re.Pattern[str]:
     return re.compile("^" + re.escape(pattern).replace(r"\{i\}", r"(\d+)") + "$")
 
 
-#: NAME_TABLE compiled once, each way (immutable).
+#: NAME_TABLE compiled once (immutable).
 _TO_HF = tuple((_regex(ours), theirs) for ours, theirs in NAME_TABLE)
-_FROM_HF = tuple((_regex(theirs), ours) for ours, theirs in NAME_TABLE)
-
-
-def _translate(name: str, table: tuple[tuple[re.Pattern[str], str], ...]) -> str | None:
-    for pattern, target in table:
-        match = pattern.match(name)
-        if match:
-            return target.replace("{i}", match.group(1)) if match.groups() else target
-    return None
 
 
 def hf_name(name: str) -> str:
     """The Hugging Face name of a runtime parameter."""
-    translated = _translate(name, _TO_HF)
-    if translated is None:
-        raise ValueError(f"runtime parameter {name!r} has no Hugging Face name")
-    return translated
-
-
-def runtime_name(name: str) -> str | None:
-    """The runtime name of a Hugging Face tensor (None for one the runtime has no place for, or
-    one expert's piece of an expert stack: `sources`)."""
-    return _translate(name, _FROM_HF)
+    for pattern, target in _TO_HF:
+        match = pattern.match(name)
+        if match:
+            return target.replace("{i}", match.group(1)) if match.groups() else target
+    raise ValueError(f"runtime parameter {name!r} has no Hugging Face name")
 
 
 #: How a checkpoint stores a sparse layer's experts (module docstring).

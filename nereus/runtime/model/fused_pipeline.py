@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from nereus.runtime.model.engine import Engine
 from nereus.runtime.model.losses import Objective
@@ -211,7 +210,7 @@ class SavedBytes:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
     def _pack(self, tensor: torch.Tensor) -> Any:
-        storage = _local(tensor).untyped_storage()
+        storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key in self.excluded or storage.nbytes() == 0:
             return tensor
@@ -226,15 +225,6 @@ class SavedBytes:
         if not self.refs[key]:
             del self.refs[key]
             self.bytes -= self.sizes.pop(key)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor whose storage holds `tensor`'s bytes on this rank: a DTensor's local tensor
-    (tensor parallelism saves some), else `tensor`."""
-    if isinstance(tensor, DTensor):
-        with torch.no_grad():
-            return tensor.to_local()
-    return tensor
 
 
 class _Saved:

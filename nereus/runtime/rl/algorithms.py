@@ -137,12 +137,6 @@ def clipped_value_loss(
     return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dim (full vocabulary)."""
-    log_probs = torch.log_softmax(logits.float(), dim=-1)
-    return -(log_probs.exp() * log_probs).sum(dim=-1)
-
-
 def group_advantages(scores: torch.Tensor, group_size: int, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """GRPO: each score minus the mean of its group (consecutive runs of `group_size`),
     divided by the group's sample std (+ eps) when `scale`. Returns [batch]."""

@@ -52,7 +52,7 @@ from nereus.runtime.rl.scoring import replica_infer
 from nereus.runtime.rl.stages import ModelStageRuntime, leads, rollout_batch
 from nereus.runtime.rl.timing import timed
 from nereus.runtime.state.sharded_state import even_split
-from nereus.spec.stages import ACTOR_GENERATION, INFERENCE_OUTPUTS, INFERENCE_STAGES, InferenceOutput, ModelStageName
+from nereus.spec.stages import ACTOR_GENERATION, INFERENCE_OUTPUTS, INFERENCE_STAGES, ModelStageName
 
 Decoder = BatchingDecoder | VLLMDecoder
 """One replica's decoder: nereus's continuous batching, or a vLLM engine stepped request by request."""
@@ -194,23 +194,6 @@ def _migrate(
                 elif rank == dst:
                     assert decoder is not None
                     decoder.receive(_receive(src))
-
-
-def infer_samples(
-    stage: ModelStageRuntime,
-    output: InferenceOutput,
-    samples: list[int],
-    prompts: Sequence[list[int]],
-    responses: dict[int, list[int]],
-) -> tuple[list[int], torch.Tensor, int] | None:
-    """This replica's rows of `samples` (None when it has none or is off the stage): the
-    sample ids, their token-aligned rows and the batch's prompt width."""
-    if stage.engine is None or not samples:
-        return None
-    # Pads are masked out of attention: their id does not change any real token's row.
-    batch = rollout_batch([prompts[s] for s in samples], [responses[s] for s in samples], 0)
-    rows = replica_infer(stage.engine, batch, output, min(stage.plan.micro_batches, len(samples)))
-    return samples, rows, max(len(prompts[s]) for s in samples)
 
 
 def _share(samples: list[int], replicas: list[int], replica: int) -> list[int]:
@@ -475,14 +458,17 @@ def _infer(
     seconds: dict[str, float],
 ) -> None:
     """This rank's replica of `stage` (when among `replicas`) infers its share of `samples`;
-    the replica's lead keeps the rows for the exchange."""
+    the replica's lead keeps the sample ids, their token-aligned rows and their batch's prompt
+    width for the exchange."""
     engine = stage.engine
     mine = _share(samples, replicas, engine.groups.replica) if engine is not None else []
-    if not mine:
+    if engine is None or not mine:
         return
     recorder.note("inference_start", name, mine)
     with timed(seconds, name):
-        result = infer_samples(stage, INFERENCE_OUTPUTS[name], mine, prompts, responses)
+        # Pads are masked out of attention: their id does not change any real token's row.
+        batch = rollout_batch([prompts[s] for s in mine], [responses[s] for s in mine], 0)
+        rows = replica_infer(engine, batch, INFERENCE_OUTPUTS[name], min(stage.plan.micro_batches, len(mine)))
     recorder.note("inference_end", name, mine)
-    if result is not None and leads(stage):
-        parts.append((name, *result))
+    if leads(stage):
+        parts.append((name, mine, rows, max(len(prompts[s]) for s in mine)))

@@ -230,9 +230,8 @@ class PartialRollout:
                 named["greedy"].tolist() if "greedy" in named else None,
             )
             row = index - batch * self.batch_size
-            if not 0 <= row < self.batch_size or not len(sample.tokens) == len(sample.log_probs) == len(
-                sample.versions
-            ):
+            lengths = {len(sample.tokens), len(sample.log_probs), len(sample.versions)}
+            if not 0 <= row < self.batch_size or len(lengths) != 1:
                 raise ValueError(f"{where}: sample {index} of batch {batch} does not fit the batch or its tokens")
             if sample.versions and min(sample.versions) < window(batch, self.max_staleness)[0]:
                 raise ValueError(f"{where}: a token of version {min(sample.versions)} is older than its batch's window")

@@ -17,7 +17,7 @@ from nereus.runtime.model.losses import ValueLoss
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.scoring import last_token_mask
 from nereus.runtime.rl.stages import ModelStageRuntime, rollout_batch
-from nereus.runtime.rl.tasks import CharTokenizer, Problem, Task, encode_prompt, sample_problems
+from nereus.runtime.rl.tasks import CharTokenizer, Problem, Task, sample_problems
 from nereus.runtime.rl.tasks import score_response as rule_score
 from nereus.runtime.rl.update import train
 from nereus.spec.run_config import RLConfig
@@ -58,7 +58,7 @@ def fit_reward_model(stage: ModelStageRuntime, task: Task, config: RLConfig) -> 
         problems = sample_problems(task, config.reward_model_batch, rng.randrange(2**31))
         vocab_size = stage.model.vocab_size
         responses = [synthetic_response(rng, tokenizer, p, config.max_new_tokens, vocab_size) for p in problems]
-        prompts = [encode_prompt(tokenizer, p) for p in problems]
+        prompts = [tokenizer.prompt_ids(p.prompt) for p in problems]
         batch = rollout_batch(prompts, responses, tokenizer.pad_id)
         last = last_token_mask(batch)
         scores = torch.tensor([rule_score(tokenizer, p, r) for p, r in zip(problems, responses, strict=True)])

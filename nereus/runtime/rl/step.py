@@ -219,23 +219,9 @@ def train_phases(
     with timed(seconds, "advantages"):
         advantages, returns = advantages_of(plan.workload, config, stages, inputs.scorer, problems, generated, scored)
     # 4. training
-    op_timings: list[OpTiming] = []
     rules = update_rules(config, step, list(stages))
-    grad_norms: dict[str, float] = {}
-    losses, old_log_probs = run_training(
-        plan,
-        config,
-        stages,
-        generated,
-        scored,
-        advantages,
-        returns,
-        seconds,
-        in_force,
-        op_timings,
-        rules,
-        grad_norms,
-        schedule,
+    losses, old_log_probs, grad_norms, op_timings = run_training(
+        plan, config, stages, generated, scored, advantages, returns, seconds, in_force, rules, schedule
     )
     if old_log_probs is not None:
         scored = dataclasses.replace(scored, old_log_probs=old_log_probs)

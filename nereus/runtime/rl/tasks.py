@@ -162,11 +162,6 @@ def sample_problems(task: Task, num_problems: int, seed: int) -> list[Problem]:
     return [task.sample(rng) for _ in range(num_problems)]
 
 
-def encode_prompt(tokenizer: CharTokenizer, problem: Problem) -> list[int]:
-    """The prompt's token ids after a begin-of-sequence token."""
-    return tokenizer.prompt_ids(problem.prompt)
-
-
 def score_response(tokenizer: CharTokenizer, problem: Problem, response_ids: Sequence[int]) -> float:
     """Rule-based reward of a generated response (its tokens through EOS)."""
     return answer_score(tokenizer.decode(response_ids), problem.answer)

@@ -93,21 +93,18 @@ def run_training(
     returns: torch.Tensor | None,
     seconds: dict[str, float],
     fusion: Fusion,
-    op_timings: list[OpTiming],
     rules: dict[str, UpdateRule],
-    grad_norms: dict[str, float],
     schedule: Schedule | None = None,
-) -> tuple[tuple[float, float | None], torch.Tensor | None]:
+) -> tuple[tuple[float, float | None], torch.Tensor | None, dict[str, float], list[OpTiming]]:
     """Actor and critic updates on the rollout's batch, each under its model-stage's rule in
     `rules`, then one exchange of their losses and gradient norms (so a critic on its own pool
-    trains while the actor does); the mean actor and critic losses, and the old log-probs
-    when `scored` has none (`old_log_probs_from_training`: the training forward's, on every
-    rank). The mean gradient norm (before clipping) of each trained model-stage goes into
-    `grad_norms`.
+    trains while the actor does); the mean actor and critic losses, the old log-probs when
+    `scored` has none (`old_log_probs_from_training`: the training forward's, on every rank),
+    the mean gradient norm (before clipping) of each trained model-stage, and each fused op's
+    timing on this rank.
 
     Under `fusion.intra_stage` both train together in the fused pipeline, mini-batch by
-    mini-batch (`fused_training`, under `schedule`), and each fused op's timing on this rank is
-    appended to `op_timings`.
+    mini-batch (`fused_training`, under `schedule`); otherwise no op is timed.
     """
     workload, batch = plan.workload, rollout.batch
     norms: dict[str, list[float]] = {}
@@ -132,6 +129,7 @@ def run_training(
     actor_batch = Batch(batch.tokens, batch.attention_mask, {**batch.fields, **fields})
     critic = stages.get(CRITIC_TRAINING)
     critic_losses = None
+    op_timings: list[OpTiming] = []
     if critic is not None:
         assert scored.old_values is not None and returns is not None, "a critic is trained under ppo only"
         critic_fields = {**without_routes(batch).fields, "old_values": scored.old_values, "returns": returns}
@@ -141,8 +139,8 @@ def run_training(
         assert critic is not None, "intra-stage fusion needs a critic (refused with the plan otherwise)"
         actor_job = (actor, actor_batch, objective)
         critic_job = (critic, critic_batch, value_objective)
-        actor_losses, critic_losses = fused_training(
-            plan, actor_job, critic_job, seconds, op_timings, rules, norms, schedule
+        actor_losses, critic_losses, op_timings = fused_training(
+            plan, actor_job, critic_job, seconds, rules, norms, schedule
         )
     else:
         with timed(seconds, ACTOR_TRAINING):
@@ -171,9 +169,10 @@ def run_training(
         gathered = by_replica_of({name: stage for name, (stage, _, _) in trained.items()}, mine)
         # Every replica reports the global batch's loss and the global norm; take the first.
         means = {name: values[0][:2] for name, values in gathered.items()}
-    grad_norms.update({name: norm for name, (_, norm) in means.items()})
+    grad_norms = {name: norm for name, (_, norm) in means.items()}
     old_log_probs = None if current_as_old is None else torch.cat([share for *_, share in gathered[ACTOR_TRAINING]])
-    return (means[ACTOR_TRAINING][0], means[CRITIC_TRAINING][0] if CRITIC_TRAINING in means else None), old_log_probs
+    losses = (means[ACTOR_TRAINING][0], means[CRITIC_TRAINING][0] if CRITIC_TRAINING in means else None)
+    return losses, old_log_probs, grad_norms, op_timings
 
 
 def correction_of(config: RLConfig, workload: Workload) -> BehaviourCorrection:
@@ -267,20 +266,21 @@ def fused_training(
     actor_job: TrainingJob,
     critic_job: TrainingJob,
     seconds: dict[str, float],
-    op_timings: list[OpTiming],
     rules: dict[str, UpdateRule],
     norms: dict[str, list[float]],
     schedule: Schedule | None = None,
-) -> tuple[list[float], list[float]]:
+) -> tuple[list[float], list[float], list[OpTiming]]:
     """Epochs of mini-batch updates of actor and critic together, each mini-batch one run of
     the plan's fused `schedule` (searched once when the run was set up; None: `fused_schedule`
-    searches it here) under `rules`; each update's losses (none off the training ranks), and
-    its gradient norms into `norms`. Both model-stages ran for the whole phase, so `seconds`
-    gets its wall time under actor/training and critic/training alike."""
+    searches it here) under `rules`; each update's losses (none off the training ranks) and
+    each fused op's timing on this rank, tagged with its update, and its gradient norms into
+    `norms`. Both model-stages ran for the whole phase, so `seconds` gets its wall time under
+    actor/training and critic/training alike."""
     workload = plan.workload
     (actor, actor_batch, actor_objective), (critic, critic_batch, critic_objective) = actor_job, critic_job
     actor_losses: list[float] = []
     critic_losses: list[float] = []
+    op_timings: list[OpTiming] = []
     # Searched outside the timed phase when not given.
     if actor.engine is None:
         schedule = None
@@ -304,7 +304,7 @@ def fused_training(
                 norms.setdefault(ACTOR_TRAINING, []).append(actor_norm)
                 norms.setdefault(CRITIC_TRAINING, []).append(critic_norm)
                 op_timings.extend(dataclasses.replace(timing, update=update) for timing in timings)
-    return actor_losses, critic_losses
+    return actor_losses, critic_losses, op_timings
 
 
 # ---- 5. weight sync ----

@@ -17,7 +17,7 @@ from nereus.runtime.model.transformer import Batch
 from nereus.runtime.observe import timeline
 from nereus.runtime.rl.optimization import UpdateRule, apply_update
 from nereus.runtime.rl.stages import ModelStageRuntime, engine_state, rollout_batch
-from nereus.runtime.rl.tasks import CharTokenizer, Task, encode_prompt, sample_problems
+from nereus.runtime.rl.tasks import CharTokenizer, Task, sample_problems
 from nereus.runtime.rl.update import WeightSync, sync_weights, weight_sync
 from nereus.spec.run_config import RLConfig
 from nereus.spec.stages import ACTOR_TRAINING, REFERENCE_INFERENCE
@@ -26,7 +26,7 @@ from nereus.spec.stages import ACTOR_TRAINING, REFERENCE_INFERENCE
 def demonstrations(task: Task, tokenizer: CharTokenizer, num_rows: int, seed: int) -> Batch:
     """`num_rows` seeded problems as prompt + right answer + EOS rows; `loss_mask` marks the answers."""
     problems = sample_problems(task, num_rows, seed)
-    prompts = [encode_prompt(tokenizer, problem) for problem in problems]
+    prompts = [tokenizer.prompt_ids(problem.prompt) for problem in problems]
     answers = [[*tokenizer.encode(problem.answer), tokenizer.eos_id] for problem in problems]
     return rollout_batch(prompts, answers, tokenizer.pad_id)
 
