@@ -119,8 +119,7 @@ def grpo_step(engine: Engine, prompts: list[list[int]], args: argparse.Namespace
     began = time.perf_counter()
     mine = generate(engine, prompts[start:stop], sampling, sample_ids=ids[start:stop])
     seconds["generation"] = time.perf_counter() - began
-    parts: list[Any] = [None] * dist.get_world_size()
-    collectives.all_gather_object(parts, (g.replica, mine.tokens, mine.attention_mask))
+    parts = collectives.all_gathered_objects((g.replica, mine.tokens, mine.attention_mask))
     by_replica = {replica: (tokens, mask) for replica, tokens, mask in parts}
     tokens = torch.cat([by_replica[d][0] for d in range(g.layout.dp)])
     mask = torch.cat([by_replica[d][1] for d in range(g.layout.dp)])
@@ -134,9 +133,7 @@ def grpo_step(engine: Engine, prompts: list[list[int]], args: argparse.Namespace
     rows = even_split(tokens.shape[0], g.layout.dp)[g.replica]
     replica_batch = Batch(tokens[rows[0] : rows[1]], mask[rows[0] : rows[1]])
     mine_old = engine.log_probs(replica_batch)
-    gathered: list[Any] = [None] * dist.get_world_size()
-    collectives.all_gather_object(gathered, (g.replica, mine_old))
-    old_by_replica = dict(gathered)
+    old_by_replica = dict(collectives.all_gathered_objects((g.replica, mine_old)))
     old[:, 1:] = torch.cat([old_by_replica[d] for d in range(g.layout.dp)])
     seconds["old_log_probs"] = time.perf_counter() - began
     fields = {

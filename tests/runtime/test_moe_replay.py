@@ -69,9 +69,7 @@ def worker(rank: int, world: int) -> dict[str, Any]:
         sampled = generate(rollout, prompts.tolist(), SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0))
         batch = Batch(sampled.tokens, sampled.attention_mask)
         recorded = (sampled.tokens, sampled.attention_mask, rollout.routing(batch), rollout.log_probs(batch))
-    shared: list[Any] = [None] * world
-    collectives.all_gather_object(shared, recorded)
-    tokens, mask, routes, rollout_log_probs = shared[0]
+    tokens, mask, routes, rollout_log_probs = collectives.all_gathered_objects(recorded)[0]
     trainer.load_logical_params(logical)
     plain, replayed = Batch(tokens, mask), Batch(tokens, mask, {ROUTES_FIELD: routes})
     scored = mask[:, 1:]

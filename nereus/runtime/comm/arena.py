@@ -298,8 +298,7 @@ def connect(group: Any = None) -> set[int]:
 
     me = dist.get_rank()
     mine = (me, shm.host_token(), _current.locations() if _current is not None else [])
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    collectives.all_gather_object(everyone, mine, group)
+    everyone = collectives.all_gathered_objects(mine, group)
     sources = set()
     for rank, token, locations in everyone:
         if rank == me or token != shm.host_token() or not locations:
@@ -310,8 +309,7 @@ def connect(group: Any = None) -> set[int]:
         except OSError:
             continue
         sources.add(rank)
-    read_by: list[Any] = [None] * dist.get_world_size(group)
-    collectives.all_gather_object(read_by, (me, sources), group)
+    read_by = collectives.all_gathered_objects((me, sources), group)
     _readers.clear()
     _readers.update(rank for rank, theirs in read_by if me in theirs)
     return sources

@@ -1,7 +1,7 @@
 """The runtime's one collectives interface: every collective over a process group goes through here.
 
 `all_reduce`, `all_gather`, `broadcast`, `reduce_scatter`, `all_to_all`, the object collectives
-(`all_gather_object`, `broadcast_object_list`, `gather_object`), `barrier`, and `subgroup`,
+(`all_gathered_objects`, `broadcast_object`, `gather_object`), `barrier`, and `subgroup`,
 the process group of a set of ranks. Every call takes `group` (None: the world) and
 behaves like the `torch.distributed` call of the same name, on the group's own backend:
 NCCL on GPUs; on CPU ranks the world is gloo and every `subgroup` is the host backend
@@ -72,14 +72,18 @@ def all_to_all(
     dist.all_to_all_single(output, tensor.contiguous(), output_sizes, input_sizes, group=group)
 
 
-def all_gather_object(gathered: list[Any], obj: Any, group: Any = None) -> None:
-    """`gathered[r]` becomes group rank r's `obj` (pickled: objects of this run's own ranks)."""
+def all_gathered_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank of `group`'s `obj`, in group rank order (pickled: objects of this run's own ranks)."""
+    gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, obj, group=group)
+    return gathered
 
 
-def broadcast_object_list(objects: list[Any], src: int, group: Any = None) -> None:
-    """`objects` becomes global rank `src`'s list, on every rank."""
+def broadcast_object(obj: Any, src: int, group: Any = None) -> Any:
+    """Global rank `src`'s `obj`, on every rank (the others' `obj` is ignored)."""
+    objects = [obj]
     dist.broadcast_object_list(objects, src=src, group=group)
+    return objects[0]
 
 
 def gather_object(obj: Any, gathered: list[Any] | None, dst: int = 0, group: Any = None) -> None:

@@ -990,10 +990,8 @@ class Engine:
 
         self._run_forward(parts, step)
         mine = {layer: torch.cat([recorded[mb][layer] for mb in range(len(parts))]) for layer in recorded[0]}
-        stages: list[Any] = [mine]
-        if self.groups.link.group is not None:
-            stages = [None] * self.groups.layout.pp
-            collectives.all_gather_object(stages, mine, self.groups.link.group)
+        link = self.groups.link.group
+        stages = [mine] if link is None else collectives.all_gathered_objects(mine, link)
         by_layer = {layer: chosen for stage in stages for layer, chosen in stage.items()}
         return torch.stack([by_layer[layer] for layer in sparse_layers(self.model)], dim=2)
 

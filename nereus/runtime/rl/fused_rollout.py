@@ -133,12 +133,6 @@ def _active_counts(generation: ModelStageRuntime, decoder: Decoder | None) -> li
     return [int(count) for count in counts.tolist()]
 
 
-def _gather(value: Any) -> list[Any]:
-    gathered: list[Any] = [None] * dist.get_world_size()
-    collectives.all_gather_object(gathered, value)
-    return gathered
-
-
 def plan_moves(
     active: Sequence[Sequence[int]], num_destinations: int
 ) -> tuple[list[int], dict[tuple[int, int], list[int]]]:
@@ -247,7 +241,7 @@ def _plan_migration(
     active: list[list[int]] = [[] for _ in counts]
     context: dict[int, int] = {}
     finished: dict[int, list[int]] = {}
-    for part in _gather(mine):
+    for part in collectives.all_gathered_objects(mine):
         if part is None:
             continue
         replica, active[replica], lengths_by_sample, done = part
@@ -411,7 +405,7 @@ def fused_rollout(
         mine = decoder.responses if decoder is not None and leads(generation) else None
         mine_log_probs = decoder.log_probs if isinstance(decoder, VLLMDecoder) and leads(generation) else None
         generated = 0
-        for part, part_log_probs, done in _gather((mine, mine_log_probs, early)):
+        for part, part_log_probs, done in collectives.all_gathered_objects((mine, mine_log_probs, early)):
             generated += len(part or {})
             responses.update(part or {})
             log_probs.update(part_log_probs or {})
@@ -426,7 +420,7 @@ def fused_rollout(
     ordered = [responses[s] for s in range(len(prompts))]
     batch = rollout_batch(prompts, ordered, sampling.pad_token_id)
     with timed(seconds, "exchange"):
-        gathered = [item for chunk in _gather(parts) for item in chunk]
+        gathered = [item for chunk in collectives.all_gathered_objects(parts) for item in chunk]
     inferred: dict[str, torch.Tensor] = {
         name: _place(batch, prompts, [(ids, rows, width) for stage, ids, rows, width in gathered if stage == name])
         for name in INFERENCE_STAGES

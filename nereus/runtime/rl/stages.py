@@ -202,8 +202,7 @@ def by_replica_of(stages: Mapping[str, ModelStageRuntime], values: Mapping[str, 
     size = dist.get_world_size() if pool is None else len(pool)
     gathered: list[Any] = [mine]
     if size > 1:  # alone, the gather (a pickle round trip) would only cost time
-        gathered = [None] * size
-        collectives.all_gather_object(gathered, mine, None if pool is None else collectives.subgroup(pool))
+        gathered = collectives.all_gathered_objects(mine, None if pool is None else collectives.subgroup(pool))
     out = {}
     for name, stage in stages.items():
         parts = sorted((rank_parts[name] for rank_parts in gathered if name in rank_parts), key=lambda p: p[0])

@@ -78,12 +78,11 @@ def save_run_checkpoint(
     from nereus.runtime.state.checkpoint import fsync_path, save_checkpoint_distributed
 
     root = setup.out / CHECKPOINTS_NAME
-    shared: list[Any] = [None]
+    made = None
     if rank == 0:
         root.mkdir(exist_ok=True)
-        shared[0] = tempfile.mkdtemp(prefix=f".step-{step:06d}.tmp-", dir=root)
-    collectives.broadcast_object_list(shared, 0)
-    folder = Path(shared[0])
+        made = tempfile.mkdtemp(prefix=f".step-{step:06d}.tmp-", dir=root)
+    folder = Path(collectives.broadcast_object(made, 0))
     for name in checkpointed_stages(bool(setup.config.rl.sft_steps)):
         if name not in stages:
             continue

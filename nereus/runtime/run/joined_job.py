@@ -64,7 +64,7 @@ class JoinedJob:
     def agree(self, make_setup: Callable[[int], RunSetup]) -> RunSetup:
         """Rank 0 checks and prepares the run for the job's world size; every rank gets the same
         setup, or raises the same error. Refused when a node cannot see the run folder."""
-        payload: list[Any] = [None]
+        payload: Any = None
         if self.rank == 0:
             try:
                 setup = make_setup(self.world_size)
@@ -80,18 +80,17 @@ class JoinedJob:
                     log_pool_restart(setup, self.world_size, previous)
                 marker = setup.out / f".job-{os.getpid()}-{time.time_ns()}"
                 marker.write_text("seen by every rank?\n")
-                payload[0] = (setup, marker.name)
+                payload = (setup, marker.name)
             except NereusError as error:
-                payload[0] = portable_error(error)
+                payload = portable_error(error)
             self.heartbeat.announce("setup")
         else:
             self.heartbeat.wait_for("setup", 0, "the run's setup")
-        collectives.broadcast_object_list(payload, 0)
-        if isinstance(payload[0], NereusError):
-            raise payload[0]
-        setup, marker_name = payload[0]
-        seen: list[Any] = [None] * self.world_size
-        collectives.all_gather_object(seen, (setup.out / marker_name).is_file())
+        payload = collectives.broadcast_object(payload, 0)
+        if isinstance(payload, NereusError):
+            raise payload
+        setup, marker_name = payload
+        seen = collectives.all_gathered_objects((setup.out / marker_name).is_file())
         if self.rank == 0:
             (setup.out / marker_name).unlink()
         blind = sorted({self.peers[rank].node for rank, ok in enumerate(seen) if not ok})

@@ -304,13 +304,12 @@ def next_move(setup: RunSetup, state: RunState | None, switches: dict[int, Switc
         return switches[step].move
     if setup.trace is None:
         return None
-    decided: list[Any] = [None]
+    decided = None
     if state is not None:
         assert state.controller is not None
         with timeline.span("controller", "decide"):
-            decided[0] = state.controller.decide(step)
-    collectives.broadcast_object_list(decided, 0)
-    return decided[0]
+            decided = state.controller.decide(step)
+    return collectives.broadcast_object(decided, 0)
 
 
 def load_folders(stages: dict[str, ModelStageRuntime], plan: Plan) -> None:

@@ -214,32 +214,29 @@ def save_checkpoint_distributed(
     from nereus.runtime.comm import collectives
 
     target = Path(path)
-    started: list[Any] = [None]
+    started: str | NereusError | None = None
     if dist.get_rank() == 0:
         try:
-            started[0] = str(_start(target))
+            started = str(_start(target))
         except NereusError as error:
-            started[0] = error
-    collectives.broadcast_object_list(started, 0)
-    if isinstance(started[0], NereusError):
-        raise started[0]
-    folder = Path(started[0])
+            started = error
+    started = collectives.broadcast_object(started, 0)
+    if isinstance(started, NereusError):
+        raise started
+    folder = Path(started)
     try:
         outcome: ShardRecord | str | None = _write_shard(folder, meta, rank, tensors) if rank in meta.boxes else None
     except (NereusError, ValueError, OSError) as error:
         outcome = f"rank {rank}: {error}"
     except Exception as error:  # safetensors reports a failed write (a full disk) in its own error type
         outcome = f"rank {rank}: writing {folder / f'shard-{rank:05d}.safetensors'} failed: {one_line(str(error))}"
-    outcomes: list[Any] = [None] * dist.get_world_size()
-    collectives.all_gather_object(outcomes, outcome)
-    result: list[Any] = [None]
-    if dist.get_rank() == 0:
-        result[0] = _seal_or_discard(folder, target, meta, step, outcomes)
-    collectives.broadcast_object_list(result, 0)
-    if isinstance(result[0], str):
-        raise NereusError(result[0])
-    assert isinstance(result[0], CheckpointIndex)
-    return result[0]
+    outcomes = collectives.all_gathered_objects(outcome)
+    result = _seal_or_discard(folder, target, meta, step, outcomes) if dist.get_rank() == 0 else None
+    result = collectives.broadcast_object(result, 0)
+    if isinstance(result, str):
+        raise NereusError(result)
+    assert isinstance(result, CheckpointIndex)
+    return result
 
 
 def _seal_or_discard(
