@@ -62,7 +62,7 @@ from nereus.runtime.generation.kv_cache import KVBudget
 from nereus.runtime.generation.sampling import SamplingConfig
 from nereus.runtime.rl.fused_rollout import EARLY_CHUNK, RolloutEvent, fused_rollout, infer_samples
 from nereus.runtime.rl.inter_stage import MigrationSettings, migration_settings
-from nereus.runtime.rl.rollout import generate_responses
+from nereus.runtime.rl.rollout import sampled
 from nereus.runtime.rl.scoring import run_inference
 from nereus.runtime.rl.stages import build_stages, rollout_batch
 from nereus.runtime.rl.tasks import CharTokenizer, get_task, sample_problems
@@ -210,7 +210,7 @@ def rollout_times(rank: int, world: int, plan: Plan, args: argparse.Namespace) -
     def unfused() -> tuple[list[list[int]], dict[str, torch.Tensor]]:
         seconds: dict[str, float] = {}
         with timed(seconds, "generation"):
-            responses = generate_responses(stages[ACTOR_GENERATION], prompts, sampling, budgets)
+            responses = sampled(stages[ACTOR_GENERATION], prompts, sampling, budgets)[0]
         with timed(seconds, "inference"):
             inferred = run_inference(stages, rollout_batch(prompts, responses, tokenizer.pad_id), {})
         for name, value in seconds.items():

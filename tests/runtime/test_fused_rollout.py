@@ -21,7 +21,7 @@ from nereus.runtime.rl.inter_stage import (
     migration_mechanism,
     migration_settings,
 )
-from nereus.runtime.rl.rollout import generate_responses
+from nereus.runtime.rl.rollout import sampled
 from nereus.runtime.rl.scoring import run_inference
 from nereus.runtime.rl.stages import build_stages, rollout_batch
 from nereus.runtime.rl.step import rl_step
@@ -81,7 +81,7 @@ def rollout_worker(rank: int, world: int, mechanisms: list[str]) -> dict[str, An
     plan = example_plan()
     stages = build_stages(plan, RLConfig(reward="model", seed=1))
     sampling = dataclasses.replace(SAMPLING, eos_token_id=None)
-    responses = generate_responses(stages["actor/generation"], PROMPTS, sampling, BUDGETS)
+    responses = sampled(stages["actor/generation"], PROMPTS, sampling, BUDGETS)[0]
     batch = rollout_batch(PROMPTS, responses, 0)
     unfused = run_inference(stages, batch, {})
     mask = batch.field("loss_mask")
@@ -170,7 +170,7 @@ def sharded_rollout_worker(rank: int, world: int) -> dict[str, Any]:
         plan = four_rank_plan(generation)
         stages = build_stages(plan, RLConfig(seed=1))
         sampling = dataclasses.replace(SAMPLING, eos_token_id=None)
-        responses = generate_responses(stages["actor/generation"], PROMPTS, sampling, BUDGETS)
+        responses = sampled(stages["actor/generation"], PROMPTS, sampling, BUDGETS)[0]
         batch = rollout_batch(PROMPTS, responses, 0)
         unfused = run_inference(stages, batch, {})
         settings = dataclasses.replace(migration_settings(plan, plan.fusion), threshold=0.25)

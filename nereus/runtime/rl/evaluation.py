@@ -4,7 +4,7 @@ scored by the run's reward (collective: every rank takes part in generation)."""
 from __future__ import annotations
 
 from nereus.runtime.generation.generate import SamplingConfig
-from nereus.runtime.rl.rollout import generate_responses
+from nereus.runtime.rl.rollout import sampled
 from nereus.runtime.rl.run_data import StepInputs
 from nereus.runtime.rl.stages import ModelStageRuntime
 from nereus.spec.run_config import RLConfig
@@ -23,6 +23,6 @@ def evaluate(stages: dict[str, ModelStageRuntime], inputs: StepInputs, config: R
     tokenizer = inputs.tokenizer
     eos = tokenizer.eos_id if config.stop_at_eos else None
     sampling = SamplingConfig(config.max_new_tokens, 0.0, eos_token_id=eos, pad_token_id=tokenizer.pad_id)
-    responses = generate_responses(stages[ACTOR_GENERATION], [list(p.ids) for p in prompts], sampling)
+    responses = sampled(stages[ACTOR_GENERATION], [list(p.ids) for p in prompts], sampling)[0]
     scores = inputs.scorer.score_all(prompts, responses)
     return sum(scores) / len(scores)

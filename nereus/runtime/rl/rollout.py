@@ -59,7 +59,7 @@ def rollout(
     if plan.workload.algorithm == "remax":
         with timed(seconds, ACTOR_GENERATION):
             greedy_sampling = dataclasses.replace(sampling, temperature=0.0)
-            greedy = generate_responses(generation, prompts, greedy_sampling, kv_budget=budget)
+            greedy = sampled(generation, prompts, greedy_sampling, kv_budget=budget)[0]
         greedy_batch = rollout_batch(prompts, greedy, sampling.pad_token_id)
     if generation.rollout_engine is not None:  # a colocated pool's vLLM engine frees its GPU memory
         generation.rollout_engine.sleep()
@@ -81,21 +81,6 @@ def replica_routing(stage: ModelStageRuntime, batch: Batch) -> torch.Tensor:
     return torch.cat(by_replica(stage, mine))
 
 
-def generate_responses(
-    stage: ModelStageRuntime,
-    prompts: list[list[int]],
-    sampling: SamplingConfig,
-    budgets: list[int] | None = None,
-    idle: Callable[[], None] | None = None,
-    kv_budget: KVBudget | None = None,
-) -> list[list[int]]:
-    """Every prompt's response, each replica sampling its contiguous share; prompt i is sample
-    i (its tokens come from its own generator, whichever replica decodes it) and stops after
-    `budgets[i]` tokens when given. A rank with no part in generation first runs `idle`;
-    `kv_budget` bounds each replica's KV pool (default: room for its share at the longest)."""
-    return sampled(stage, prompts, sampling, budgets, idle, kv_budget)[0]
-
-
 def sampled(
     stage: ModelStageRuntime,
     prompts: list[list[int]],
@@ -104,7 +89,11 @@ def sampled(
     idle: Callable[[], None] | None = None,
     kv_budget: KVBudget | None = None,
 ) -> tuple[list[list[int]], list[list[float]] | None, list[torch.Tensor] | None]:
-    """`generate_responses`, with the engine's log-probability of every response token when a
+    """Every prompt's response, each replica sampling its contiguous share; prompt i is sample
+    i (its tokens come from its own generator, whichever replica decodes it) and stops after
+    `budgets[i]` tokens when given. A rank with no part in generation first runs `idle`;
+    `kv_budget` bounds each replica's KV pool (default: room for its share at the longest).
+    With the responses: the engine's log-probability of every response token when a
     vLLM engine sampled them (None from nereus's own engine: the trainer's are the reference) and
     the experts its decoding routed every position of each sequence to (`Generated.routes`; None
     from nereus's own engine or a dense model)."""

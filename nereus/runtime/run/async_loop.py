@@ -73,7 +73,7 @@ from nereus.runtime.rl.partial_rollout import (
     longest_by_version,
     version_spans,
 )
-from nereus.runtime.rl.rollout import generate_responses, kv_budget, rollout, rollout_kv_bytes, token_aligned
+from nereus.runtime.rl.rollout import kv_budget, rollout, rollout_kv_bytes, sampled, token_aligned
 from nereus.runtime.rl.run_data import StepInputs, step_inputs
 from nereus.runtime.rl.scoring import infer
 from nereus.runtime.rl.stages import ModelStageRuntime, Rollout, by_replica, rollout_batch
@@ -323,9 +323,7 @@ class AsyncLoop:
                 with timed(seconds, ACTOR_GENERATION):
                     stage = self.stages[ACTOR_GENERATION]
                     greedy_sampling = dataclasses.replace(drawn, temperature=0.0)
-                    greedy = generate_responses(
-                        stage, prompts, greedy_sampling, kv_budget=kv_budget(self.plan, self.stages)
-                    )
+                    greedy = sampled(stage, prompts, greedy_sampling, kv_budget=kv_budget(self.plan, self.stages))[0]
             partial.admit(batch, prompts, greedy)
         pieces = partial.work()
         if pieces and leads:
