@@ -3,8 +3,10 @@
 Engine level: in a 2-rank world (pp=2, dp=1) and a 4-rank world (pp=2 with dp=2, and pp=2
 with tp=2), actor and critic engines train two mini-batches through a fused schedule, while
 twin engines (same layouts, same initial weights) train each model alone with 1F1B; the
-losses, gradients, parameters and AdamW moments must agree to 1e-6 (fp32).
-Run level: one PPO step of a plan with `fusion.intra_stage` equals the same plan unfused.
+losses, gradients, parameters and AdamW moments must agree to 1e-6 (fp32). At pp=1 x dp=2,
+fused training under FSDP2's full sharding equals it without, and counts the same saved bytes.
+Run level: one PPO step of a plan with `fusion.intra_stage` equals the same plan unfused (pp=2,
+and cp=2 fully sharded).
 Plan level: a plan whose critic does not mirror the actor's ranks is refused with one line.
 """
 
@@ -89,7 +91,8 @@ def largest_difference(a: Engine, b: Engine | None, families: tuple[str, ...] = 
     assert b is not None
     mine, theirs = a.local_state(), b.local_state()
     assert mine.keys() == theirs.keys() or families == ("param",)
-    keys = [key for key in mine if key.split("/")[0] in families]
+    # under full sharding a rank may hold no rows of a small tensor
+    keys = [key for key in mine if key.split("/")[0] in families and mine[key].numel()]
     return max(float((mine[key] - theirs[key]).abs().max()) for key in keys)
 
 
@@ -157,6 +160,47 @@ def test_fused_training_equals_separate_training_on_two_ranks() -> None:
 def test_fused_training_equals_separate_training_with_dp_and_tp() -> None:
     schedule = schedule_for(ACTOR_MICROBATCHES, CRITIC_MICROBATCHES)
     check_world(spawn(fused_vs_separate, 4, [(1, 2, 2), (2, 2, 1)], schedule), schedule)
+
+
+def fused_full_shard(rank: int, world: int, schedule: Schedule) -> dict[str, Any]:
+    """Actor and critic at pp=1 x dp=2, fused, with and without FSDP2's full sharding: per
+    setting the losses, the whole weights after training and the most autograd-saved bytes."""
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {}
+    for full_shard in (False, True):
+        layout = RankLayout(1, 1, world, tuple(range(world)))
+        actor = Engine.create(TINY, "lm", layout, EngineConfig(OPTIMIZER, init_seed=1, full_shard=full_shard))
+        critic = Engine.create(TINY, "value", layout, EngineConfig(OPTIMIZER, init_seed=2, full_shard=full_shard))
+        assert actor is not None and critic is not None and actor.full_shard is full_shard
+        losses, saved = [], 0
+        for mini_batch in range(MINI_BATCHES):
+            parts = [
+                FusedPart("actor", actor, make_batch("lm", 10 + mini_batch), NextTokenLoss()),
+                FusedPart("critic", critic, make_batch("value", 20 + mini_batch), ValueLoss()),
+            ]
+            step_losses, timings = fused_train_step(parts, schedule)
+            losses += step_losses
+            saved = max([saved] + [t.saved_bytes for t in timings])
+        results[f"full_shard={full_shard}"] = (losses, actor.weights(), critic.weights(), saved)
+    return results
+
+
+@pytest.mark.multiprocess
+def test_fused_training_under_full_sharding_equals_it_without() -> None:
+    """FSDP2's parameters are DTensors and its gathered weights live only during a forward or
+    backward: the fused executor trains them as it trains plain ones, and counts neither as
+    activations (the same saved bytes either way)."""
+    schedule = schedule_for(ACTOR_MICROBATCHES, CRITIC_MICROBATCHES, num_stages=1)
+    for outcome in spawn(fused_full_shard, 2, schedule):
+        (losses, actor, critic, saved), (sharded_losses, sharded_actor, sharded_critic, sharded_saved) = (
+            outcome["full_shard=False"],
+            outcome["full_shard=True"],
+        )
+        assert sharded_losses == pytest.approx(losses, abs=TOL)
+        for plain, sharded in ((actor, sharded_actor), (critic, sharded_critic)):
+            assert plain.keys() == sharded.keys()
+            assert max(float((plain[k] - sharded[k]).abs().max()) for k in plain) < TOL
+        assert 0 < sharded_saved == saved
 
 
 # ---- the schedule's checks (no processes) ----
@@ -252,6 +296,19 @@ def test_reversed_stages_keeps_tensor_ranks_in_order() -> None:
     entry = two_rank_plan(fused=True).stage_plan("actor/training")
     wide = entry.model_copy(update={"tp": 2, "pp": 2, "dp": 2, "emus": [[0, 1, 2, 3], [4, 5, 6, 7]]})
     assert reversed_stages(wide) == [[2, 3, 0, 1], [6, 7, 4, 5]]
+    cut = entry.model_copy(update={"tp": 1, "cp": 2, "pp": 2, "dp": 1, "emus": [[0, 1, 2, 3]]})
+    assert reversed_stages(cut) == [[2, 3, 0, 1]]  # a stage is its tp x cp ranks
+    assert reversed_stages(cut.model_copy(update={"pp": 1, "emus": [[0, 1]]})) == [[0, 1]]
+
+
+def context_parallel_plan(fused: bool) -> Plan:
+    """`two_rank_plan` with actor and critic training each one replica over cp=2 ranks, fully
+    sharded (FSDP2 over the cp ranks): the fused pipeline is then one stage on both ranks."""
+    document = two_rank_plan(fused).model_dump(mode="json")
+    for entry in document["stages"]:
+        if entry["model_stage"].endswith("/training"):
+            entry.update(tp=1, pp=1, cp=2, dp=1, emus=[[0, 1]], full_shard=True)
+    return Plan.model_validate(document)
 
 
 def test_the_run_time_schedule_is_the_plans_whatever_its_predictions() -> None:
@@ -272,13 +329,13 @@ def test_the_run_time_schedule_is_the_plans_whatever_its_predictions() -> None:
 TRAINING_OBJECTIVES = {"actor/training": NextTokenLoss(), "critic/training": ValueLoss()}
 
 
-def fused_and_plain_step(rank: int, world: int) -> dict[str, float]:
+def fused_and_plain_step(rank: int, world: int, make_plan: Any = two_rank_plan) -> dict[str, float]:
     """One PPO step under the fused plan and under the same plan unfused, in one world."""
     torch.set_num_threads(1)
     config = RLConfig(max_new_tokens=6, seed=3)
     runs = {}
     for fused in (True, False):
-        plan = two_rank_plan(fused)
+        plan = make_plan(fused)
         stages = build_stages(plan, config)
         metrics = rl_step(plan, config, stages, sync_plans(stages), 0).metrics
         runs[fused] = (metrics, stages)
@@ -293,7 +350,7 @@ def fused_and_plain_step(rank: int, world: int) -> dict[str, float]:
     errors["fused_training_s"] = fused_metrics.stage_seconds["critic/training"]
     # The op timings the RL step hands out: each of the two updates (mini-batches) runs this
     # rank's node of the schedule once.
-    plan, seconds = two_rank_plan(True), {}
+    plan, seconds = make_plan(True), {}
     batch = make_batch("value", 5)
     jobs = [(fused_stages[name], batch, objective) for name, objective in TRAINING_OBJECTIVES.items()]
     rules = update_rules(config, 0, list(fused_stages))
@@ -306,8 +363,9 @@ def fused_and_plain_step(rank: int, world: int) -> dict[str, float]:
 
 
 @pytest.mark.multiprocess
-def test_an_rl_step_with_intra_stage_fusion_equals_the_unfused_step() -> None:
-    for errors in spawn(fused_and_plain_step, 2):
+@pytest.mark.parametrize("make_plan", [two_rank_plan, context_parallel_plan], ids=["pp2", "cp2-full-shard"])
+def test_an_rl_step_with_intra_stage_fusion_equals_the_unfused_step(make_plan: Any) -> None:
+    for errors in spawn(fused_and_plain_step, 2, make_plan):
         assert errors["fused_training_s"] > 0
         for name, error in errors.items():
             if name != "fused_training_s":

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from nereus.runtime.model.engine import Engine
+from nereus.runtime.model.engine import Engine, local
 from nereus.runtime.model.losses import Objective
 from nereus.runtime.model.pipeline import (
     Op,
@@ -196,11 +196,13 @@ def node_of(schedule: Schedule, part: FusedPart) -> int:
 class SavedBytes:
     """The bytes of the tensors autograd saves for backward while `hooks()` is active, live
     now: each storage counted once while some saved tensor still refers to it, and released
-    when autograd drops the last one (after the backward that uses it). Storages of
-    `parameters` (weights saved by matmuls) are left out: they are not activations."""
+    when autograd drops the last one (after the backward that uses it). Weights saved by
+    matmuls are left out, they are not activations: the storages of `parameters` (a DTensor's
+    local rows) and any `nn.Parameter` or view of one (FSDP2's gathered weights, which exist
+    only between its all-gather and its reshard)."""
 
     def __init__(self, parameters: Iterable[torch.Tensor] = ()):
-        self.excluded = {param.untyped_storage().data_ptr() for param in parameters}
+        self.excluded = {local(param).untyped_storage().data_ptr() for param in parameters}
         self.refs: dict[int, int] = {}
         self.sizes: dict[int, int] = {}
         self.bytes = 0
@@ -212,7 +214,8 @@ class SavedBytes:
     def _pack(self, tensor: torch.Tensor) -> Any:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        if key in self.excluded or storage.nbytes() == 0:
+        root = tensor if tensor._base is None else tensor._base
+        if key in self.excluded or storage.nbytes() == 0 or isinstance(root, torch.nn.Parameter):
             return tensor
         if key not in self.refs:
             self.refs[key], self.sizes[key] = 0, storage.nbytes()

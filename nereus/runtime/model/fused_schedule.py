@@ -45,10 +45,11 @@ SEARCH_TIME_LIMIT_S = 3600.0
 
 
 def reversed_stages(entry: StagePlan) -> list[list[int]]:
-    """`entry`'s EMUs with their pipeline stages in reverse order (tensor ranks kept in order)."""
-    tp = entry.tp
+    """`entry`'s EMUs with their pipeline stages in reverse order (each stage's tp x cp ranks kept in order)."""
+    width = entry.tp * entry.cp
     return [
-        [gpu for stage in reversed(range(entry.pp)) for gpu in emu[stage * tp : (stage + 1) * tp]] for emu in entry.emus
+        [gpu for stage in reversed(range(entry.pp)) for gpu in emu[stage * width : (stage + 1) * width]]
+        for emu in entry.emus
     ]
 
 
