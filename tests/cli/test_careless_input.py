@@ -1,7 +1,9 @@
 """Careless input to every command: random option values and random or mutated files.
 
-Each command runs in-process (CliRunner) under a wall-clock bound (CALL_LIMIT_S, enforced
-with SIGALRM so a hang fails the test instead of stalling it). Whatever it is given, it must
+Each command runs in-process (CliRunner) under a bound on the CPU time it spends
+(CALL_LIMIT_S, enforced with a profiling timer so a spinning command fails the test instead of
+stalling it, however loaded the machine) and a far wider wall-clock bound for one that blocks
+(WALL_LIMIT_S). Whatever it is given, it must
 end with exit 0 (the input happened to be valid), 1 (one `error:` line on stderr; `check`
 reports on stdout) or 2 (a usage error), never a traceback or an internal error (exit 3), and
 a failed command leaves no output file behind. `run` and `profile` stop where the work would
@@ -15,6 +17,7 @@ from __future__ import annotations
 import shutil
 import signal
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,11 +37,15 @@ pytestmark = pytest.mark.cli
 ROOT = Path(__file__).resolve().parent.parent.parent
 EXAMPLES_DIR = ROOT / "examples"
 DATA = ROOT / "tests" / "data"
-#: Seconds one command may take on careless input before it counts as hung: a hang bound, not a
-#: speed check (speed lives in benchmarks/). Measured: every bounded call of three runs of this file
-#: (561) took under 1 s; the slowest careless plan found by hand (a model file with a dimension of
-#: 10**30, so that nothing fits up to 65536 GPUs and every doubled count is priced) about 3 s of CPU.
+#: CPU seconds one command may spend on careless input before it counts as hung: a hang bound, not
+#: a speed check (speed lives in benchmarks/). CPU time, not wall time: under CI's load (the other
+#: worker's multi-rank tests) a 3 s call took over 30 s of wall time. Measured: every bounded call
+#: of three runs of this file (561) took under 1 s, 400 careless `plan` calls under 3 s each; the
+#: slowest careless plan found by hand (a model file with a dimension of 10**30, so that nothing
+#: fits up to 65536 GPUs and every doubled count is priced) about 3 s of CPU.
 CALL_LIMIT_S = 30
+#: Wall-clock seconds before a command that blocks (spends no CPU) counts as hung.
+WALL_LIMIT_S = 300
 #: Hypothesis examples per command (kept modest: the file stays near a minute on one core).
 EXAMPLES = {
     "check": 25,
@@ -61,7 +68,7 @@ EXAMPLES = {
 
 
 class Hung(BaseException):
-    """A command ran past CALL_LIMIT_S (a BaseException: no handler in nereus swallows it)."""
+    """A command ran past CALL_LIMIT_S or WALL_LIMIT_S (a BaseException: no handler in nereus swallows it)."""
 
 
 class Accepted(BaseException):
@@ -69,17 +76,34 @@ class Accepted(BaseException):
 
 
 @contextmanager
-def time_limit(seconds: int) -> Iterator[None]:
-    def expire(signum: int, frame: Any) -> None:
-        raise Hung(f"over {seconds} s")
+def time_limit(cpu_seconds: int, wall_seconds: int = WALL_LIMIT_S) -> Iterator[None]:
+    """Raise Hung in the block once the process has spent `cpu_seconds` of CPU in it (SIGPROF),
+    or `wall_seconds` have passed (SIGALRM)."""
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
+    def expire(signum: int, frame: Any) -> None:
+        spent = f"{cpu_seconds} s of CPU" if signum == signal.SIGPROF else f"{wall_seconds} s"
+        raise Hung(f"over {spent}")
+
+    previous = {sig: signal.signal(sig, expire) for sig in (signal.SIGPROF, signal.SIGALRM)}
+    signal.setitimer(signal.ITIMER_PROF, cpu_seconds)
+    signal.setitimer(signal.ITIMER_REAL, wall_seconds)
     try:
         yield
     finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def test_the_hang_bound_counts_cpu_time_and_wall_time() -> None:
+    with pytest.raises(Hung, match="over 1 s of CPU"), time_limit(1):
+        while True:
+            pass
+    with pytest.raises(Hung, match=r"over 1 s$"), time_limit(30, wall_seconds=1):
+        time.sleep(5)  # blocking spends no CPU: the wall-clock bound ends it
+    with time_limit(1):
+        time.sleep(1.5)  # a wait that spends no CPU is not a hang under the CPU bound
 
 
 # ---- careless files ----
