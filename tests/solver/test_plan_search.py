@@ -152,10 +152,11 @@ def host_binds(request: PlanRequest, outcome: SearchOutcome) -> bool:
     return step_times(free)[:1] != step_times(outcome)[:1]
 
 
-def exhaustive_size(request: PlanRequest) -> int:
-    """Assignments reference_search scores: the option-count product, summed over placements."""
+def exhaustive_size(request: PlanRequest, tables: dict[Any, Any] | None = None) -> int:
+    """Assignments reference_search scores: the option-count product, summed over placements
+    (`tables`: `price_all` of every placement, when the caller has them)."""
     layouts = placements(request)
-    tables = price_all(request, layouts)
+    tables = price_all(request, layouts) if tables is None else tables
     return sum(math.prod(len(o) for o in compile_problem(request, p, tables, prune=False).options) for p in layouts)
 
 
@@ -192,17 +193,21 @@ def training_leaves_gpus_free(request: PlanRequest) -> bool:
     return False
 
 
+#: The seeds `cases` accepted so far, per (chunk, cp), in order: several tests read the same
+#: chunk's cases, and pricing the rejected seeds is most of the selection's time.
+_ACCEPTED: dict[tuple[int, bool], list[int]] = {}
+
+
 def cases(chunk: int, count: int = CASES_PER_CHUNK, cp: bool = False) -> list[tuple[int, PlanRequest]]:
     """The first `count` seeded cases of `chunk` whose exhaustive product is small enough
     (`cp`: with context parallelism searched, `random_request`)."""
-    out: list[tuple[int, PlanRequest]] = []
-    seed = chunk * 1_000_000 + SEED_OFFSET
-    while len(out) < count:
-        request = random_request(seed, cp)
-        if exhaustive_size(request) <= MAX_PRODUCT:
-            out.append((seed, request))
+    seeds = _ACCEPTED.setdefault((chunk, cp), [])
+    seed = seeds[-1] + 1 if seeds else chunk * 1_000_000 + SEED_OFFSET
+    while len(seeds) < count:
+        if exhaustive_size(random_request(seed, cp)) <= MAX_PRODUCT:
+            seeds.append(seed)
         seed += 1
-    return out
+    return [(seed, random_request(seed, cp)) for seed in seeds[:count]]
 
 
 def step_times(outcome: SearchOutcome) -> list[float]:
@@ -302,10 +307,10 @@ def cp_cases(chunk: int, count: int) -> list[tuple[int, PlanRequest]]:
     seed = chunk * 1_000_000
     while len(out) < count:
         request = random_request(seed, cp=True)
-        if exhaustive_size(request) <= MAX_PRODUCT:
-            tables = price_all(request, placements(request))
-            if any(o[CP] > 1 for table in tables.values() for o in table.options):
-                out.append((seed, request))
+        tables = price_all(request, placements(request))
+        has_cp = any(o[CP] > 1 for table in tables.values() for o in table.options)
+        if has_cp and exhaustive_size(request, tables) <= MAX_PRODUCT:
+            out.append((seed, request))
         seed += 1
     return out
 
