@@ -381,6 +381,17 @@ def test_a_cluster_too_large_to_search_is_refused_at_once(args: list[str], expec
     assert_one_line_error(invoke("plan", *args), expected)
 
 
+def test_top_is_bounded() -> None:
+    """Found by the careless-input test: `--top 15756` searched and built plans for 40 s."""
+    from nereus.cli.plan_commands import MAX_TOP
+
+    refused = invoke("plan", "--top", str(MAX_TOP + 1))
+    assert refused.exit_code == 2 and "'--top'" in refused.output  # a usage error (typer's range check)
+    listed = invoke("plan", "--top", str(MAX_TOP), "--json")
+    assert listed.exit_code == 0, listed.output
+    assert len(json.loads(listed.stdout)["alternatives"]) == MAX_TOP - 1
+
+
 def test_a_cluster_file_too_large_is_a_schema_error(tmp_path: Path) -> None:
     data = yaml.safe_load((EXAMPLES / "cluster-h100-2x8.yaml").read_text())
     data["gpus_per_node"] = 10**30
