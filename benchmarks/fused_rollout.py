@@ -60,10 +60,10 @@ from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.generation.continuous import BatchingDecoder
 from nereus.runtime.generation.kv_cache import KVBudget
 from nereus.runtime.generation.sampling import SamplingConfig
-from nereus.runtime.rl.fused_rollout import EARLY_CHUNK, RolloutEvent, fused_rollout, infer_samples
+from nereus.runtime.rl.fused_rollout import EARLY_CHUNK, RolloutEvent, fused_rollout
 from nereus.runtime.rl.inter_stage import MigrationSettings, migration_settings
 from nereus.runtime.rl.rollout import sampled
-from nereus.runtime.rl.scoring import run_inference
+from nereus.runtime.rl.scoring import replica_infer, run_inference
 from nereus.runtime.rl.stages import build_stages, rollout_batch
 from nereus.runtime.rl.tasks import CharTokenizer, get_task, sample_problems
 from nereus.runtime.rl.timing import timed
@@ -175,7 +175,6 @@ def decode_steps(stages: dict[str, Any], prompts: list[list[int]], sampling: Sam
 def bucketed_inference(stages: dict[str, Any], prompts: list[list[int]], responses: list[list[int]]) -> None:
     """Unfused inference without the padding: each replica's half of the batch, sorted by
     length, in chunks of the fused path's size (so a chunk is as narrow as its longest)."""
-    by_id = dict(enumerate(responses))
     for name in INFERENCE_STAGES:
         stage = stages.get(name)
         if stage is None or stage.engine is None:
@@ -183,7 +182,9 @@ def bucketed_inference(stages: dict[str, Any], prompts: list[list[int]], respons
         start, stop = even_split(len(prompts), stage.layout.dp)[stage.engine.groups.replica]
         mine = sorted(range(start, stop), key=lambda s: len(prompts[s]) + len(responses[s]))
         for first in range(0, len(mine), EARLY_CHUNK):
-            infer_samples(stage, INFERENCE_OUTPUTS[name], mine[first : first + EARLY_CHUNK], prompts, by_id)
+            chunk = mine[first : first + EARLY_CHUNK]
+            batch = rollout_batch([prompts[s] for s in chunk], [responses[s] for s in chunk], 0)
+            replica_infer(stage.engine, batch, INFERENCE_OUTPUTS[name], min(stage.plan.micro_batches, len(chunk)))
 
 
 def timed_rollout(fn: Any) -> tuple[float, Any]:

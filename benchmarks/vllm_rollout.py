@@ -328,13 +328,14 @@ def main_profile(args: argparse.Namespace) -> None:
 
 def forced_plan(root: Path, folder: Path, workload: Path, tp: int) -> Path:
     """A 2-rank plan of the workload with every model-stage at `tp` on both ranks (tp=2: one
-    vLLM engine over both; tp=1: two engines, dp=2), from `nereus plan --for-runtime`."""
+    vLLM engine over both; tp=1: two engines, dp=2), from `nereus plan` (whose choices the runtime
+    executes) with every model-stage's layout replaced."""
     from nereus.spec.io import load_document, save_document
     from nereus.spec.plan import Plan
 
     path = root / f"plan-tp{tp}.yaml"
     command = [sys.executable, "-m", "nereus", "plan", "--model", str(folder), "--workload", str(workload)]
-    command += ["--gpus", "2", "--for-runtime", "-o", str(path)]
+    command += ["--gpus", "2", "-o", str(path)]
     subprocess.run(command, check=True, capture_output=True, text=True)
     plan = load_document(path)
     assert isinstance(plan, Plan)
