@@ -224,17 +224,22 @@ class _Waits:
         to be looked at at the same moments).
         """
         replay, woken = self.replay, set()
+        by_id, started, blocked, waiters = self.by_id, replay.start_s, self.blocked, self.waiters
+        horizon = now + EPS
         for pid in order:
-            primitive = self.by_id[pid]
-            if pid in replay.start_s:
+            if pid in started:
                 continue
-            busy, lacking = self._stoppers(primitive, now + EPS)
+            primitive = by_id[pid]
+            busy, lacking = self._stoppers(primitive, horizon)
             if busy or lacking:
                 if lacking:
                     replay.blocked_since.setdefault(pid, now)
-                self.blocked.add(pid)
+                blocked.add(pid)
                 for gpu in busy + lacking:
-                    self.waiters.setdefault(gpu, set()).add(pid)
+                    if gpu in waiters:
+                        waiters[gpu].add(pid)
+                    else:
+                        waiters[gpu] = {pid}
                 continue
             self.blocked.discard(pid)
             replay.start(primitive, now)

@@ -39,7 +39,13 @@ from nereus.solver.transition.replay import (
     release_first,
     stage_index,
 )
-from nereus.solver.transition.serial import improve_order, pilot_order, schedule_in_order, serial_schedule
+from nereus.solver.transition.serial import (
+    improve_order,
+    pilot_order,
+    schedule_in_order,
+    serial_schedule,
+    with_ownership,
+)
 from nereus.spec.cluster import Cluster
 from nereus.spec.plan import Plan, StagePlan
 from nereus.spec.stages import ACTOR_GENERATION, head_of, split
@@ -599,9 +605,9 @@ def _improve(
     if len(primitives) > IMPROVE_LIMIT or best.makespan_s <= lower * (1 + IMPROVE_ABOVE_BOUND):
         return best
 
-    seen: dict[tuple[int, ...], tuple[Schedule, dict[int, float]] | None] = {}
+    seen: dict[tuple[int, ...], _Both | None] = {}
 
-    def scheduled(order: list[int]) -> tuple[Schedule, dict[int, float]] | None:
+    def scheduled(order: list[int]) -> _Both | None:
         """`_schedule_both`, once per distinct order (the searches revisit orders often)."""
         key = tuple(order)
         if key not in seen:
@@ -610,7 +616,7 @@ def _improve(
 
     def evaluate(order: list[int]) -> Schedule | None:
         both = scheduled(order)
-        return None if both is None else both[0]
+        return None if both is None else both.schedule
 
     order = best.order
     for seed in range(IMPROVE_RESTARTS):
@@ -619,27 +625,41 @@ def _improve(
             order = found[0]
             both = scheduled(order)
             assert both is not None  # the same order scheduled before
-            best = _Candidate.of(f"local search {seed}", primitives, *both)
+            schedule = with_ownership(both.schedule, primitives, initial, capacity) if both.serial else both.schedule
+            best = _Candidate.of(f"local search {seed}", primitives, schedule, both.peak)
     return best
+
+
+class _Both(NamedTuple):
+    """What `_schedule_both` keeps: the shorter schedule, its peak bytes per GPU, and whether
+    the serial generator made it (then its GPU-ownership dependencies are not added yet:
+    `serial.with_ownership`; the local search reads only times and discards most orders)."""
+
+    schedule: Schedule
+    peak: dict[int, float]
+    serial: bool
 
 
 def _schedule_both(
     primitives: list[Primitive], initial: dict[int, float], capacity: float, order: list[int]
-) -> tuple[Schedule, dict[int, float]] | None:
+) -> _Both | None:
     """Schedule `order` with the list scheduler and the serial generator; the shorter safe
-    schedule and its peak bytes per GPU (None when both deadlock)."""
+    schedule (the serial one on a tie) and its peak bytes per GPU (None when both deadlock).
+    The serial generator stops once it must end more than EPS after the list scheduler's
+    safe schedule: it would lose."""
     rank = {pid: k for k, pid in enumerate(order)}
 
     def key(p: Primitive) -> tuple[float, ...]:
         return (rank[p.id],)
 
     listed = _replayed(primitives, initial, capacity, key)
-    serial = schedule_in_order(primitives, initial, capacity, order)
+    loses_above = math.inf if listed.cycle else listed.schedule.makespan_s + EPS
+    serial = schedule_in_order(primitives, initial, capacity, order, loses_above, ownership=False)
     if serial is not None and (listed.cycle or serial[0].makespan_s <= listed.schedule.makespan_s + EPS):
-        return serial
+        return _Both(*serial, serial=True)
     if listed.cycle:
         return None
-    return listed.schedule, listed.replay.peak
+    return _Both(listed.schedule, listed.replay.peak, serial=False)
 
 
 def _one_model_stage_at_a_time(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import math
 import random
 from collections.abc import Callable
 
@@ -24,18 +25,35 @@ EPS = 1e-9
 
 
 class _Profile:
-    """Per GPU: busy intervals and memory events (time, free-before-alloc, bytes delta)."""
+    """Per GPU: busy intervals and memory events (time, free-before-alloc, bytes delta).
+
+    Beside them, per GPU and kept sorted as placements come: the ends of its runs and the
+    times of its releases (each with that time plus EPS, the start it offers), so that
+    `candidates` takes the later ones by bisection and `_first_fit` sees at once when a
+    time is past every run on a GPU.
+    """
 
     def __init__(self, initial: dict[int, float], capacity: float) -> None:
         self.initial, self.capacity = initial, capacity
         self.busy: dict[int, list[tuple[float, float]]] = {}
         self.events: dict[int, list[tuple[float, int, float]]] = {}
+        self.ends: dict[int, list[float]] = {}
+        """GPU -> the ends of its runs, sorted."""
+        self.release_times: dict[int, list[float]] = {}
+        """GPU -> the times of its releases (memory events that free), sorted."""
+        self.release_candidates: dict[int, list[float]] = {}
+        """GPU -> each of `release_times` plus EPS, in the same order."""
 
     def gpu_free(self, gpu: int, start: float, end: float) -> bool:
         """No placed run on `gpu` overlaps [start, end) (a zero-length run is the point `start`)."""
+        return self.blocker(gpu, start, end) is None
+
+    def blocker(self, gpu: int, start: float, end: float) -> float | None:
+        """The end of a placed run on `gpu` that overlaps [start, end) (a zero-length run is
+        the point `start`), or None when none does (`gpu_free`)."""
         runs = self.busy.get(gpu)
         if not runs:
-            return True
+            return None
         # Placed runs longer than EPS overlap by EPS at most (each was placed where this test
         # held), so of those starting before `start` only the last can reach past it.
         first = bisect.bisect_left(runs, (start,))
@@ -52,10 +70,10 @@ class _Profile:
                 continue  # zero-length runs never conflict
             if point:
                 if busy_start + EPS < start < busy_end - EPS:
-                    return False
+                    return busy_end
             elif busy_start < end - EPS and start < busy_end - EPS:
-                return False
-        return True
+                return busy_end
+        return None
 
     def fits(self, gpu: int, start: float, nbytes: float) -> bool:
         """`nbytes` allocated at `start` stay under capacity at every later moment."""
@@ -70,27 +88,38 @@ class _Profile:
 
     def place(self, primitive: Primitive, start: float) -> None:
         end = start + primitive.duration_s
+        busy, ends, events = self.busy, self.ends, self.events
         for gpu in primitive.gpus:
-            bisect.insort(self.busy.setdefault(gpu, []), (start, end))
+            bisect.insort(busy.setdefault(gpu, []), (start, end))
+            bisect.insort(ends.setdefault(gpu, []), end)
         for gpu, nbytes in primitive.alloc.items():
-            bisect.insort(self.events.setdefault(gpu, []), (start, 1, nbytes))
+            bisect.insort(events.setdefault(gpu, []), (start, 1, nbytes))
+        released = end - EPS if end > start else start
         for gpu, nbytes in primitive.free.items():
-            bisect.insort(self.events.setdefault(gpu, []), (end - EPS if end > start else start, 0, -nbytes))
+            bisect.insort(events.setdefault(gpu, []), (released, 0, -nbytes))
+            times = self.release_times.setdefault(gpu, [])
+            at = bisect.bisect_right(times, released)
+            times.insert(at, released)
+            self.release_candidates.setdefault(gpu, []).insert(at, released + EPS)
 
     def candidates(self, primitive: Primitive, earliest: float) -> list[float]:
         """Times worth trying: the earliest, and every later end of a run or a free on its GPUs."""
         times = {earliest}
         for gpu in primitive.gpus:
-            times.update(end for _, end in self.busy.get(gpu, ()) if end > earliest)
+            ends = self.ends.get(gpu)
+            if ends:
+                times.update(ends[bisect.bisect_right(ends, earliest) :])
         for gpu in primitive.alloc:
-            times.update(t + EPS for t, kind, _ in self.events.get(gpu, ()) if kind == 0 and t > earliest)
+            released = self.release_times.get(gpu)
+            if released:
+                times.update(self.release_candidates[gpu][bisect.bisect_right(released, earliest) :])
         return sorted(times)
 
     def copy(self) -> _Profile:
         """An independent profile with the same placements (a branch of a search)."""
         twin = _Profile(self.initial, self.capacity)
-        twin.busy = {gpu: list(runs) for gpu, runs in self.busy.items()}
-        twin.events = {gpu: list(events) for gpu, events in self.events.items()}
+        for name in ("busy", "events", "ends", "release_times", "release_candidates"):
+            setattr(twin, name, {gpu: list(values) for gpu, values in getattr(self, name).items()})
         return twin
 
     def peak(self) -> dict[int, float]:
@@ -109,23 +138,42 @@ def serial_schedule(
     initial: dict[int, float],
     capacity: float,
     priority: Callable[[Primitive], tuple[float, ...]],
+    stop_above: float = math.inf,
+    ownership: bool = True,
 ) -> tuple[Schedule, dict[int, float]] | None:
     """Place every primitive (ready ones in `priority` order); return the schedule and peak
-    bytes per GPU, or None when some primitive never fits."""
+    bytes per GPU, or None when some primitive never fits or would end after `stop_above`
+    (a caller that only wants a schedule up to that long stops early).
+
+    Without `ownership` the schedule has no GPU-ownership dependencies yet: for a caller
+    that often discards it, `with_ownership` adds them to the one it keeps.
+    """
     profile = _Profile(initial, capacity)
     starts: dict[int, float] = {}
-    if _complete(_Dag(primitives), profile, starts, priority) is None:
+    if _complete(_Dag(primitives), profile, starts, priority, stop_above) is None:
         return None
     start = {p.id: starts[p.id] for p in primitives}
     end = {p.id: starts[p.id] + p.duration_s for p in primitives}
-    return Schedule(start, end, _ownership_edges(primitives, start, end, initial, capacity)), profile.peak()
+    schedule = Schedule(start, end)
+    if ownership:
+        schedule = with_ownership(schedule, primitives, initial, capacity)
+    return schedule, profile.peak()
+
+
+def with_ownership(
+    schedule: Schedule, primitives: list[Primitive], initial: dict[int, float], capacity: float
+) -> Schedule:
+    """A serial schedule built without `ownership`, with its GPU-ownership dependencies."""
+    start, end = schedule.start, schedule.end
+    return Schedule(start, end, _ownership_edges(primitives, start, end, initial, capacity))
 
 
 class _Dag:
-    """The primitives by id and each one's dependents."""
+    """The primitives by id, each one's dependents and its count of dependencies."""
 
     def __init__(self, primitives: list[Primitive]) -> None:
         self.by_id = {p.id: p for p in primitives}
+        self.dep_counts = {p.id: len(p.deps) for p in primitives}
         self.dependents: dict[int, list[int]] = {}
         for p in primitives:
             for dep in p.deps:
@@ -133,19 +181,28 @@ class _Dag:
 
 
 def _complete(
-    dag: _Dag, profile: _Profile, starts: dict[int, float], priority: Callable[[Primitive], tuple[float, ...]]
+    dag: _Dag,
+    profile: _Profile,
+    starts: dict[int, float],
+    priority: Callable[[Primitive], tuple[float, ...]],
+    stop_above: float = math.inf,
 ) -> list[int] | None:
     """Place every primitive not in `starts` yet (ready ones in `priority` order) on
-    `profile`, recording their starts; the order placed, or None when one never fits."""
+    `profile`, recording their starts; the order placed, or None when one never fits or
+    would end after `stop_above` (then the makespan would exceed it: the caller has no use
+    for the rest)."""
     by_id = dag.by_id
-    waiting = {pid: sum(d not in starts for d in p.deps) for pid, p in by_id.items() if pid not in starts}
+    if starts:
+        waiting = {pid: sum(d not in starts for d in p.deps) for pid, p in by_id.items() if pid not in starts}
+    else:
+        waiting = dict(dag.dep_counts)
     ready = [(priority(by_id[pid]), pid) for pid, count in waiting.items() if not count]
     heapq.heapify(ready)
     placed = []
     while ready:
         primitive = by_id[heapq.heappop(ready)[1]]
         start = _first_fit(profile, primitive, _earliest(primitive, by_id, starts))
-        if start is None:
+        if start is None or start + primitive.duration_s > stop_above:
             return None
         profile.place(primitive, start)
         starts[primitive.id] = start
@@ -201,7 +258,10 @@ def pilot_order(
                 start = found
                 trial, trial_starts = profile.copy(), {**starts, primitive.id: start}
                 trial.place(primitive, start)
-                completed = _complete(dag, trial, trial_starts, priority)
+                # A pilot run no shorter than this step's best and the best so far (by EPS)
+                # changes neither: it stops as soon as it must end later.
+                useless = math.inf if step is None or best is None else max(step[0], best[0]) - EPS
+                completed = _complete(dag, trial, trial_starts, priority, useless)
                 if completed is None:
                     continue
                 rest = completed
@@ -222,13 +282,29 @@ def pilot_order(
 
 def _first_fit(profile: _Profile, primitive: Primitive, earliest: float) -> float | None:
     """The first candidate time where `primitive`'s GPUs are free for its run and its
-    allocations fit (None if none)."""
+    allocations fit (None if none).
+
+    A run that overlaps a candidate's run also overlaps that of every later candidate
+    (with the same point-or-not test, see `_Profile.gpu_free`) that starts more than EPS
+    before the run ends: those fail the same test, so they are passed over unchecked.
+    """
     duration, gpus, alloc = primitive.duration_s, primitive.gpus, primitive.alloc.items()
-    gpu_free, fits = profile.gpu_free, profile.fits
+    blocker, fits, ends = profile.blocker, profile.fits, profile.ends
+    blocked_before, blocked_point = -math.inf, False  # later candidates before this time fail
     for start in profile.candidates(primitive, earliest):
         end = start + duration
+        point = end - start <= EPS
+        if point != blocked_point:
+            blocked_before, blocked_point = -math.inf, point
+        if start < blocked_before:
+            continue
         for gpu in gpus:
-            if not gpu_free(gpu, start, end):
+            gpu_ends = ends.get(gpu)
+            if not gpu_ends or start >= gpu_ends[-1] - EPS:
+                continue  # every run there ends by then: none overlaps
+            until = blocker(gpu, start, end)
+            if until is not None:
+                blocked_before = max(blocked_before, until - EPS)
                 break
         else:
             for gpu, nbytes in alloc:
@@ -313,11 +389,16 @@ def improve_order(
 
 
 def schedule_in_order(
-    primitives: list[Primitive], initial: dict[int, float], capacity: float, order: list[int]
+    primitives: list[Primitive],
+    initial: dict[int, float],
+    capacity: float,
+    order: list[int],
+    stop_above: float = math.inf,
+    ownership: bool = True,
 ) -> tuple[Schedule, dict[int, float]] | None:
     """`serial_schedule` with the priority given as a list of primitive ids."""
     rank = {pid: k for k, pid in enumerate(order)}
-    return serial_schedule(primitives, initial, capacity, lambda p: (rank[p.id],))
+    return serial_schedule(primitives, initial, capacity, lambda p: (rank[p.id],), stop_above, ownership)
 
 
 def _neighbour(order: list[int], schedule: Schedule, by_id: dict[int, Primitive], rng: random.Random) -> list[int]:
