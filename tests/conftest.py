@@ -16,6 +16,12 @@ import pytest
 # Ranks start from a server that imported torch once instead of each importing it
 # (nereus.runtime.comm.spawn): the suite spawns hundreds of ranks. Subprocesses inherit it.
 os.environ.setdefault("NEREUS_SPAWN_START_METHOD", "forkserver")
+# One torch (OpenMP) thread per test process, as every rank already has: the suite runs one
+# worker per core, and a worker's default of one thread per core oversubscribes them (OpenMP's
+# threads spin while they wait). Measured on the 2 cores, `pytest tests/runtime -m "one_rank and
+# not slow" -n 2`: 54-58 s of CPU with one thread, 65-185 s with the default. Set before any test
+# module imports torch; subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TIERS = ("logic", "one_rank", "multiprocess", "cli")
 
