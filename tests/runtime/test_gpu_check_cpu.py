@@ -1,8 +1,9 @@
 """`benchmarks/gpu_check.py --device cpu` runs end to end on a tiny model (so the GPU check
-cannot rot between GPU runs) and records every phase it promises."""
+cannot rot between GPU runs) and records every phase it promises, its vLLM section included."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -46,3 +47,11 @@ def test_gpu_check_runs_on_the_cpu(tmp_path: Path) -> None:
         assert all(s["predicted_bytes"] > 0 and s["measured_bytes"] > 0 for s in row["stages"])
     tp_ranks = {s["rank"] for s in rows["tp2"]["stages"] if s["model_stage"] == "actor/training"}
     assert tp_ranks == {0, 1}
+    vllm = result["vllm"]
+    if importlib.util.find_spec("vllm") is None:
+        assert vllm == "skipped: vLLM is not installed"
+        return
+    assert vllm["size"] == "small" and vllm["engine_start_s"] > 0
+    assert vllm["nereus_tokens_per_s"] > 0 and vllm["vllm_tokens_per_s"] > 0
+    assert vllm["weight_bytes"] > 0 and len(vllm["weight_sync_s"]) == 3 and min(vllm["weight_sync_s"]) > 0
+    assert vllm["median_weight_sync_s"] == sorted(vllm["weight_sync_s"])[1]
