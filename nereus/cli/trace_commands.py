@@ -11,6 +11,7 @@ import typer
 
 from nereus.cli.outputs import check_output
 from nereus.errors import NereusError
+from nereus.spec.trace import MAX_STEPS
 
 if TYPE_CHECKING:
     from nereus.solver.traces import GrowthConfig, SpotConfig
@@ -51,7 +52,7 @@ def build_trace(
 def generate(
     kind: Annotated[TraceKind, typer.Argument(help="seq-growth, spot, combined or growing-pool.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Trace file to write (YAML or .json).")],
-    steps: Annotated[int, typer.Option("--steps", min=2, help="RL steps the trace covers.")] = 1000,
+    steps: Annotated[int, typer.Option("--steps", min=2, max=MAX_STEPS, help="RL steps the trace covers.")] = 1000,
     gpus: Annotated[int, typer.Option("--gpus", min=1, help="GPUs available at step 0.")] = 16,
     seed: Annotated[int, typer.Option("--seed", help="Random seed (same seed, same trace).")] = 0,
     start_tokens: Annotated[int, typer.Option("--start-tokens", min=1, help="Response-length cap at step 0.")] = 500,

@@ -16,6 +16,10 @@ from nereus.spec.base import Document, StrictModel
 from nereus.spec.check import Problem
 from nereus.spec.workload import ResponseLengths
 
+#: Most steps a trace covers: RL jobs run thousands of steps, and everything that reads a trace
+#: (`trace show`, `simulate`, the controller's replay) walks it step by step.
+MAX_STEPS = 1_000_000
+
 
 class TraceEvent(StrictModel):
     """What changes at one step; fields left out keep their previous value."""
@@ -40,8 +44,8 @@ class Trace(Document):
     """Name used in reports, e.g. `seq-growth`."""
     description: str = ""
     """How the trace was made (generator and its parameters) or where it was measured."""
-    num_steps: int = Field(gt=0)
-    """RL steps the trace covers."""
+    num_steps: int = Field(gt=0, le=MAX_STEPS)
+    """RL steps the trace covers (at most MAX_STEPS)."""
     gpus: int = Field(gt=0)
     """GPUs available at step 0."""
     response_len: ResponseLengths

@@ -125,3 +125,20 @@ def test_cli_generate_errors_are_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "t.yaml").exists()
     growing = invoke("trace", "generate", "growing-pool", "-o", tmp_path / "g.yaml")
     assert growing.exit_code == 1 and "--end-gpus" in growing.stderr
+
+
+def test_a_trace_longer_than_max_steps_is_a_schema_error(tmp_path: Path) -> None:
+    """Found by the careless-input test: `nereus trace show` walked a trace of 10**30 steps."""
+    from cli_helpers import one_error_line
+
+    from nereus.spec.trace import MAX_STEPS
+
+    document = load_document(EXAMPLES / "trace-spot.yaml").model_dump(mode="json")  # type: ignore[union-attr]
+    assert Trace.model_validate({**document, "num_steps": MAX_STEPS}).num_steps == MAX_STEPS
+    for steps in (MAX_STEPS + 1, 10**30):
+        path = tmp_path / f"t{steps}.yaml"
+        path.write_text(json.dumps({**document, "num_steps": steps}))
+        line = one_error_line(invoke("trace", "show", path))
+        assert "num_steps: Input should be less than or equal to 1000000" in line
+    generated = invoke("trace", "generate", "spot", "--steps", MAX_STEPS + 1, "--out", tmp_path / "g.yaml")
+    assert generated.exit_code == 2 and "'--steps'" in generated.output and not (tmp_path / "g.yaml").exists()
