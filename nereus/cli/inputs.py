@@ -15,6 +15,11 @@ from nereus.spec.cluster import Cluster
 from nereus.spec.model import Model
 from nereus.spec.workload import Workload
 
+#: Most local ranks `--nproc` spawns on this machine (`nereus run`, `nereus profile`): one rank
+#: per GPU or core of one host. Beyond it a run that plans for itself searched for minutes
+#: (1,024 ranks: a minute) before it could spawn them.
+MAX_LOCAL_RANKS = 256
+
 
 def load_kind(path: str, kind: type[Document]) -> Document:
     """Load `path` and insist it is a `kind` document."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 
+from nereus.cli.inputs import MAX_LOCAL_RANKS
 from nereus.cli.outputs import check_output
 from nereus.cli.progress import progress_bar
 from nereus.errors import NereusError
@@ -38,7 +39,9 @@ def _profile_models(models: list[str] | None, plan: Path | None) -> tuple[Model,
 
 def profile(
     output: Annotated[Path, typer.Option("-o", "--output", help="Write the Profile to this YAML/JSON file.")],
-    nproc: Annotated[int, typer.Option("--nproc", min=1, help="Local ranks for the collectives (1 skips them).")] = 2,
+    nproc: Annotated[
+        int, typer.Option("--nproc", min=1, max=MAX_LOCAL_RANKS, help="Local ranks for the collectives (1 skips them).")
+    ] = 2,
     device: Annotated[Literal["cpu", "cuda"], typer.Option(help="Measure the CPU (gloo) or the GPUs (NCCL).")] = "cpu",
     quick: Annotated[bool, typer.Option("--quick", help="Fewer, shorter measurements (under a minute).")] = False,
     model: Annotated[

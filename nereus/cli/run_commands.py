@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from nereus.cli.inputs import MAX_LOCAL_RANKS
 from nereus.cli.outputs import check_output_folder
 from nereus.errors import NereusError
 
@@ -100,6 +101,7 @@ def run(
         typer.Option(
             "--nproc",
             min=1,
+            max=MAX_LOCAL_RANKS,
             help="Local ranks to spawn (default: the plan's). On --resume without --plan, "
             "a different count makes the planner lay the run out anew.",
         ),

@@ -89,6 +89,17 @@ def test_bad_config_or_plan_is_refused_before_spawning(
     assert not out.exists()
 
 
+def test_local_ranks_are_bounded(tmp_path: Path) -> None:
+    """Found by the careless-input test: `--resume --nproc 3000` replanned for minutes."""
+    from nereus.cli.inputs import MAX_LOCAL_RANKS
+
+    config, too_many = write_config(tmp_path), str(MAX_LOCAL_RANKS + 1)
+    for command in (["run", config, "--out", tmp_path / "out"], ["profile", "-o", tmp_path / "p.yaml"]):
+        refused = invoke(*command, "--nproc", too_many)
+        assert refused.exit_code == 2 and "'--nproc'" in refused.output, command  # a usage error
+    assert not (tmp_path / "out").exists() and not (tmp_path / "p.yaml").exists()
+
+
 def test_resume_refuses_a_plan_with_another_workload(tmp_path: Path) -> None:
     out = tmp_path / "out"
     (out).mkdir()
