@@ -224,22 +224,17 @@ class _Waits:
         to be looked at at the same moments).
         """
         replay, woken = self.replay, set()
-        by_id, started, blocked, waiters = self.by_id, replay.start_s, self.blocked, self.waiters
-        horizon = now + EPS
         for pid in order:
-            if pid in started:
+            primitive = self.by_id[pid]
+            if pid in replay.start_s:
                 continue
-            primitive = by_id[pid]
-            busy, lacking = self._stoppers(primitive, horizon)
+            busy, lacking = self._stoppers(primitive, now + EPS)
             if busy or lacking:
                 if lacking:
                     replay.blocked_since.setdefault(pid, now)
-                blocked.add(pid)
+                self.blocked.add(pid)
                 for gpu in busy + lacking:
-                    if gpu in waiters:
-                        waiters[gpu].add(pid)
-                    else:
-                        waiters[gpu] = {pid}
+                    self.waiters.setdefault(gpu, set()).add(pid)
                 continue
             self.blocked.discard(pid)
             replay.start(primitive, now)

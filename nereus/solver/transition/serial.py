@@ -28,9 +28,8 @@ class _Profile:
     """Per GPU: busy intervals and memory events (time, free-before-alloc, bytes delta).
 
     Beside them, per GPU and kept sorted as placements come: the ends of its runs and the
-    times of its releases (each with that time plus EPS, the start it offers), so that
-    `candidates` takes the later ones by bisection and `_first_fit` sees at once when a
-    time is past every run on a GPU.
+    times of its releases, so that `candidates` takes the later ones by bisection and
+    `_first_fit` sees at once when a time is past every run on a GPU.
     """
 
     def __init__(self, initial: dict[int, float], capacity: float) -> None:
@@ -41,8 +40,6 @@ class _Profile:
         """GPU -> the ends of its runs, sorted."""
         self.release_times: dict[int, list[float]] = {}
         """GPU -> the times of its releases (memory events that free), sorted."""
-        self.release_candidates: dict[int, list[float]] = {}
-        """GPU -> each of `release_times` plus EPS, in the same order."""
 
     def gpu_free(self, gpu: int, start: float, end: float) -> bool:
         """No placed run on `gpu` overlaps [start, end) (a zero-length run is the point `start`)."""
@@ -97,10 +94,7 @@ class _Profile:
         released = end - EPS if end > start else start
         for gpu, nbytes in primitive.free.items():
             bisect.insort(events.setdefault(gpu, []), (released, 0, -nbytes))
-            times = self.release_times.setdefault(gpu, [])
-            at = bisect.bisect_right(times, released)
-            times.insert(at, released)
-            self.release_candidates.setdefault(gpu, []).insert(at, released + EPS)
+            bisect.insort(self.release_times.setdefault(gpu, []), released)
 
     def candidates(self, primitive: Primitive, earliest: float) -> list[float]:
         """Times worth trying: the earliest, and every later end of a run or a free on its GPUs."""
@@ -112,13 +106,13 @@ class _Profile:
         for gpu in primitive.alloc:
             released = self.release_times.get(gpu)
             if released:
-                times.update(self.release_candidates[gpu][bisect.bisect_right(released, earliest) :])
+                times.update(t + EPS for t in released[bisect.bisect_right(released, earliest) :])
         return sorted(times)
 
     def copy(self) -> _Profile:
         """An independent profile with the same placements (a branch of a search)."""
         twin = _Profile(self.initial, self.capacity)
-        for name in ("busy", "events", "ends", "release_times", "release_candidates"):
+        for name in ("busy", "events", "ends", "release_times"):
             setattr(twin, name, {gpu: list(values) for gpu, values in getattr(self, name).items()})
         return twin
 
@@ -169,11 +163,10 @@ def with_ownership(
 
 
 class _Dag:
-    """The primitives by id, each one's dependents and its count of dependencies."""
+    """The primitives by id and each one's dependents."""
 
     def __init__(self, primitives: list[Primitive]) -> None:
         self.by_id = {p.id: p for p in primitives}
-        self.dep_counts = {p.id: len(p.deps) for p in primitives}
         self.dependents: dict[int, list[int]] = {}
         for p in primitives:
             for dep in p.deps:
@@ -192,10 +185,7 @@ def _complete(
     would end after `stop_above` (then the makespan would exceed it: the caller has no use
     for the rest)."""
     by_id = dag.by_id
-    if starts:
-        waiting = {pid: sum(d not in starts for d in p.deps) for pid, p in by_id.items() if pid not in starts}
-    else:
-        waiting = dict(dag.dep_counts)
+    waiting = {pid: sum(d not in starts for d in p.deps) for pid, p in by_id.items() if pid not in starts}
     ready = [(priority(by_id[pid]), pid) for pid, count in waiting.items() if not count]
     heapq.heapify(ready)
     placed = []
