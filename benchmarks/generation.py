@@ -1,5 +1,5 @@
-"""Benchmark: generation tokens/s of nereus's continuous-batching engine, the static engine it
-replaced, and transformers' `generate`, on the same model, prompts and lengths.
+"""Benchmark: generation tokens/s of nereus's continuous-batching engine and transformers'
+`generate`, on the same model, prompts and lengths.
 
 The model is a random Llama made and saved by `transformers` (`--model default`: 4 layers,
 hidden 256, 8 heads over 4 KV heads, vocabulary 1024, fp32; `--model tiny`: the size
@@ -18,18 +18,18 @@ parallel, the fastest way two one-thread processes run it; one process with two 
 spends the second core less well). `generate` cannot stop rows at different lengths, so it
 decodes every row to its batch's longest budget (`min_new_tokens` = `max_new_tokens`): that
 is what a static batch does to a long tail. tokens/s counts the tokens the workload asked for
-(the sum of the budgets) over the slowest rank's wall time for every engine. Each repetition
-runs nereus, the static engine and transformers back to back, in an order rotated every
-repetition, so the three see the same machine load; the ratios quoted are medians of the
-per-repetition (paired) ratios, tokens/s the median over repetitions. nereus's engines must
-give identical samples (checked), and nereus's greedy tokens are compared with
-transformers' on the uniform mix.
+(the sum of the budgets) over the slowest rank's wall time for both engines. Each repetition
+runs nereus and transformers back to back, in an order alternated every repetition, so both
+see the same machine load; the ratios quoted are medians of the per-repetition (paired)
+ratios, tokens/s the median over repetitions. nereus's greedy tokens are compared with
+transformers' on the uniform mix. (Until the static engine left nereus, a third column timed
+it; benchmarks/README.md keeps those numbers.)
 
 `long-tail-kv` is the long tail where memory binds: each rank's KV cache may hold only
 `--kv-fraction` of the batch's tokens (at tp=1; tp=2 ranks hold half the heads, so twice the
-tokens), an emulation of GPU memory pressure on a CPU. The static engine and transformers then
-run the batch in waves of rows preallocated to their prompt width plus longest budget; nereus
-admits and preempts by what the sequences actually hold.
+tokens), an emulation of GPU memory pressure on a CPU. transformers then runs the batch in
+waves of rows preallocated to their prompt width plus longest budget; nereus admits and
+preempts by what the sequences actually hold.
 
 The compute floor beside the engines: the time, on one thread, of the model's matrix
 multiplications alone (every linear layer and the LM head, this rank's tensor-parallel shard of
@@ -95,7 +95,7 @@ MODEL_NOTES = {
     "default": "random Llama: 4 layers, hidden 256, 8 heads / 4 KV heads, vocab 1024, fp32",
     "tiny": "random Llama of trl_compare's size: 4 layers, hidden 64, 4 heads / 2 KV heads, vocab 40, tied, fp32",
 }
-ENGINES = ("continuous", "static", "transformers")
+ENGINES = ("continuous", "transformers")
 MODES = ("greedy", "sampled")
 
 
@@ -152,8 +152,9 @@ def slowest(seconds: float) -> float:
 
 
 def static_waves(prompts: list[list[int]], budgets: list[int], kv_tokens: float) -> list[tuple[int, int]]:
-    """Consecutive row ranges a static engine runs one after another when its KV cache may hold
-    `kv_tokens` tokens: it preallocates every row to the batch's prompt width plus its longest budget."""
+    """Consecutive row ranges a static batch (transformers') runs one after another when its KV
+    cache may hold `kv_tokens` tokens: it preallocates every row to the batch's prompt width plus
+    its longest budget."""
     waves, start = [], 0
     while start < len(prompts):
         stop = start + 1
@@ -178,24 +179,17 @@ def token_bytes(model: Any, tp: int) -> int:
     return kv_bytes_per_token(model, tp, 1, KV_ELEMENT_BYTES)
 
 
-def timed_engine(engine: Engine, name: str, prompts: list, config: SamplingConfig, budgets: list, kv: int | None):
-    """(slowest rank's seconds, responses) of one engine on the batch under `kv` bytes per rank."""
+def timed_engine(engine: Engine, prompts: list, config: SamplingConfig, budgets: list, kv: int | None):
+    """(slowest rank's seconds, responses) of nereus's engine on the batch under `kv` bytes per rank."""
     dist.barrier()
     started = time.perf_counter()
-    if name == "continuous":
-        responses = generate(engine, prompts, config, budgets=budgets, kv_budget=KVBudget(budget_bytes=kv)).responses()
-    else:
-        tokens = math.inf if kv is None else kv / token_bytes(engine.model, engine.groups.tp.size)
-        responses = []
-        for a, b in static_waves(prompts, budgets, tokens):
-            part = generate(engine, prompts[a:b], config, range(a, b), budgets[a:b], strategy="static")
-            responses += part.responses()
+    responses = generate(engine, prompts, config, budgets=budgets, kv_budget=KVBudget(budget_bytes=kv)).responses()
     return slowest(time.perf_counter() - started), responses
 
 
 def transformers_generate(model: Any, prompts: list, budgets: list, mode: str, kv_tokens: float, seed: int) -> list:
-    """transformers' generate on these rows (left-padded; in the static engine's waves when
-    the KV cache is bounded): each row's generated tokens."""
+    """transformers' generate on these rows (left-padded; in waves when the KV cache is
+    bounded, `static_waves`): each row's generated tokens."""
     options: dict[str, Any] = {"do_sample": False} if mode == "greedy" else {"do_sample": True, "top_p": 0.9}
     torch.manual_seed(seed)
     generated = []
@@ -289,12 +283,11 @@ def nereus_worker(rank: int, world: int, folder: Path, prompts: list[list[int]],
                             hf, prompts, budgets, mode, kv_tokens, args.seed + rep
                         )
                     else:
-                        elapsed, responses[name] = timed_engine(engine, name, prompts, config, budgets, kv)
+                        elapsed, responses[name] = timed_engine(engine, prompts, config, budgets, kv)
                     if rep >= args.warmup:
                         times[name].append(elapsed)
             out[f"{mix}/{mode}"] = {
                 "times": times,
-                "same_samples": responses["continuous"] == responses["static"],
                 "responses": responses["continuous"],
                 "transformers_responses": responses["transformers"],
                 "kv_budget_bytes": kv,
@@ -363,7 +356,7 @@ def main() -> None:
                 rate = {name: wanted / statistics.median(t) for name, t in times.items()}
                 floor = floors[mix]
                 over_floor = {name: statistics.median(t) / floor for name, t in times.items()}
-                over_hf, over_static = paired(times, "transformers"), paired(times, "static")
+                over_hf = paired(times, "transformers")
                 agree = None
                 if mode == "greedy" and mix == "uniform":
                     pairs = zip(result["responses"], result["transformers_responses"], strict=True)
@@ -379,28 +372,22 @@ def main() -> None:
                         "tokens": wanted,
                         "tokens_per_s": {
                             "nereus": rate["continuous"],
-                            "static": rate["static"],
                             "transformers": rate["transformers"],
                         },
                         "matmul_floor_tokens_per_s": wanted / floor,
                         "time_over_matmul_floor": {
                             "nereus": over_floor["continuous"],
-                            "static": over_floor["static"],
                             "transformers": over_floor["transformers"],
                         },
                         "nereus_over_transformers": over_hf,
-                        "nereus_over_static": over_static,
-                        "same_samples_nereus_static": result["same_samples"],
                         "kv_budget_bytes_per_rank": result["kv_budget_bytes"],
                         "greedy_same_as_transformers": agree,
                     }
                 )
                 print(
-                    f"tp={ranks} {mix:>9} {mode:>7}: nereus {rate['continuous']:8.0f} tok/s, static "
-                    f"{rate['static']:8.0f}, transformers {rate['transformers']:8.0f}, matmul floor "
-                    f"{wanted / floor:8.0f} (nereus {over_floor['continuous']:.1f}x its time) -> "
-                    f"{over_hf:.2f}x transformers, {over_static:.2f}x static (paired medians); "
-                    f"same samples {result['same_samples']}"
+                    f"tp={ranks} {mix:>9} {mode:>7}: nereus {rate['continuous']:8.0f} tok/s, transformers "
+                    f"{rate['transformers']:8.0f}, matmul floor {wanted / floor:8.0f} (nereus "
+                    f"{over_floor['continuous']:.1f}x its time) -> {over_hf:.2f}x transformers (paired medians)"
                     + ("" if agree is None else f"; greedy = transformers for {agree:.0%} of rows")
                 )
     payload = {
@@ -420,7 +407,7 @@ def main() -> None:
         "kv_fraction": args.kv_fraction,
         "kv_note": (
             "long-tail-kv: each rank's KV cache may hold kv_fraction of the whole batch's tokens at tp=1 "
-            "(emulating GPU memory pressure on a CPU); the static engine and transformers then run the batch "
+            "(emulating GPU memory pressure on a CPU); transformers then runs the batch "
             "in waves of rows preallocated to prompt width + longest budget, nereus batches continuously "
             "(tp=2 ranks hold half the heads, so the same bytes hold twice the tokens)"
         ),

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference_generation import reference_generate
 from test_runtime_parallel import merge_rank_errors
 
 from nereus.runtime.comm.spawn import spawn
 from nereus.runtime.generation.continuous import BatchingDecoder
-from nereus.runtime.generation.generate import SamplingConfig, generate, left_pad, reference_generate
+from nereus.runtime.generation.decoding import left_pad
+from nereus.runtime.generation.generate import SamplingConfig, generate
 from nereus.runtime.generation.kv_cache import KVBudget
 from nereus.runtime.generation.sampling import sample_at
 from nereus.runtime.model.engine import Engine
@@ -187,6 +189,10 @@ MIX_PROMPTS = PROMPTS * 3
 MIX_BUDGETS = [6, 20, 3, 12, 30, 1, 9, 25, 4]
 #: KV bytes per token of the tiny model on one rank: 2 x 2 kv heads x 16 x 4 layers x fp32.
 TOKEN_BYTES = 1024
+BUDGET_SAMPLING = {
+    "greedy": SamplingConfig(max_new_tokens=30),
+    "sampled": SamplingConfig(max_new_tokens=30, temperature=1.0, top_p=0.9, top_k=40, seed=7),
+}
 
 
 def budget_worker(rank: int, world: int) -> dict[str, object]:
@@ -194,8 +200,7 @@ def budget_worker(rank: int, world: int) -> dict[str, object]:
     assert engine is not None
     engine.load_logical_params(logical_params("lm"))
     out: dict[str, object] = {}
-    sampled = SamplingConfig(max_new_tokens=30, temperature=1.0, top_p=0.9, top_k=40, seed=7)
-    for kind, config in (("greedy", SamplingConfig(max_new_tokens=30)), ("sampled", sampled)):
+    for kind, config in BUDGET_SAMPLING.items():
         runs = []
         for budget in (KVBudget(), KVBudget(budget_bytes=12 * 4 * TOKEN_BYTES, block_tokens=4)):
             decoder = BatchingDecoder(engine, config, budget)
@@ -204,8 +209,6 @@ def budget_worker(rank: int, world: int) -> dict[str, object]:
             assert decoder.scheduler is not None
             runs.append((decoder.responses, decoder.scheduler.preemptions, decoder.peak_blocks))
         out[kind] = runs
-        static = generate(engine, MIX_PROMPTS, config, budgets=MIX_BUDGETS, strategy="static")
-        out[f"{kind}-static"] = static.responses()
     try:
         BatchingDecoder(engine, GREEDY, KVBudget(budget_bytes=TOKEN_BYTES * 8)).start([PROMPTS[0]], [0], [6])
     except ValueError as error:
@@ -216,13 +219,15 @@ def budget_worker(rank: int, world: int) -> dict[str, object]:
 @pytest.mark.multiprocess
 def test_preemption_under_a_tight_budget_gives_the_unconstrained_tokens() -> None:
     out = spawn(budget_worker, 1)[0]
+    lm = reference("lm")
     for kind in ("greedy", "sampled"):
         (free, free_preemptions, _), (tight, preemptions, peak) = out[kind]
         assert free_preemptions == 0 and preemptions > 0, (kind, preemptions)
         assert peak <= 12
         assert [tight[i] for i in range(len(MIX_PROMPTS))] == [free[i] for i in range(len(MIX_PROMPTS))], kind
         assert [len(free[i]) for i in range(len(MIX_PROMPTS))] == MIX_BUDGETS
-        assert out[f"{kind}-static"] == [free[i] for i in range(len(MIX_PROMPTS))], kind
+        expected = reference_generate(lm, MIX_PROMPTS, BUDGET_SAMPLING[kind], budgets=MIX_BUDGETS).responses()
+        assert [free[i] for i in range(len(MIX_PROMPTS))] == expected, kind
     # 5 + 6 tokens need one block of 16: 16 x 1024 bytes.
     assert "cannot hold one sequence of 11 tokens: it needs 16384 bytes" in str(out["refused"])
 

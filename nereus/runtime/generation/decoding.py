@@ -1,5 +1,5 @@
-"""What both generation engines share: left-padded prompts, the finished batch, rows handed
-from one replica's decoder to another's, and one forward through a replica's stages."""
+"""What the decoders share: left-padded prompts, the finished batch, rows handed from one
+replica's decoder to another's (nereus's or vLLM's), and one forward through a replica's stages."""
 
 from __future__ import annotations
 

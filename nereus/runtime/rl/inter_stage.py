@@ -68,13 +68,6 @@ def inter_stage_problems(plan: Plan, fusion: Fusion, config: RLConfig) -> list[s
     return problems
 
 
-def check_inter_stage(plan: Plan, fusion: Fusion, config: RLConfig, where: str) -> None:
-    """NereusError naming `where` (the file the fusion block came from) and the field."""
-    problems = inter_stage_problems(plan, fusion, config)
-    if problems:
-        raise NereusError(f"{where}: fusion.inter_stage: {problems[0]}")
-
-
 @dataclass(frozen=True)
 class MigrationSettings:
     """When the long tail migrates and what moving it costs, for one plan."""
