@@ -18,15 +18,14 @@ the queue accepts them in that order only and hands them out in that order, so n
 repeated, and a checkpoint of the queue (`save`, `load`: JSON plus one safetensors file, nothing
 unpickled) tells a resumed generator where to continue (`next_index`).
 
-The queue is shared by a generation thread and a training thread: every method holds its lock,
-and `wait_for_batch` and `wait_for_version` block on its condition.
+The training pool's ranks each keep a queue, fed from the generation pool's hand-off folder
+(`nereus.runtime.run.async_loop`); the generation pool writes batches by the same rule.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,7 +71,6 @@ class StalenessQueue:
         self._version = version
         self._next_index = next_index
         self._samples: deque[VersionedSample] = deque()
-        self._changed = threading.Condition()
 
     @property
     def version(self) -> int:
@@ -87,67 +85,38 @@ class StalenessQueue:
     def __len__(self) -> int:
         return len(self._samples)
 
-    def training_version(self, position: int) -> int:
-        """The version that trains a sample put at queue position `position` (0: the head)."""
-        return self._version + position // self.batch_size
-
     def room(self, version: int) -> int:
         """How many samples generated at `version` the queue would accept now, in a row."""
-        with self._changed:
-            return self._room(version)
-
-    def _room(self, version: int) -> int:
         assert version <= self._version, f"generation at version {version} is ahead of training ({self._version})"
-        # Positions p with training_version(p) <= version + k: p < (version + k + 1 - v) * batch_size.
+        # Position p is trained at v + p // batch_size; it must be at most version + k.
         limit = (version + self.max_staleness + 1 - self._version) * self.batch_size
         return max(0, limit - len(self._samples))
 
     def put(self, sample: VersionedSample) -> bool:
         """Queue `sample`, the stream's next; False (and nothing queued) where it would be
         trained more than `max_staleness` versions after its own: regenerate it under newer weights."""
-        with self._changed:
-            assert sample.index == self._next_index, f"sample {sample.index} put where {self._next_index} is next"
-            assert oldest_token(sample) in (None, sample.version), (sample.index, sample.version, oldest_token(sample))
-            if self._room(sample.version) == 0:
-                return False
-            self._samples.append(sample)
-            self._next_index += 1
-            self._changed.notify_all()
-            return True
+        assert sample.index == self._next_index, f"sample {sample.index} put where {self._next_index} is next"
+        assert oldest_token(sample) in (None, sample.version), (sample.index, sample.version, oldest_token(sample))
+        if self.room(sample.version) == 0:
+            return False
+        self._samples.append(sample)
+        self._next_index += 1
+        return True
 
     def ready(self) -> bool:
         """Whether a whole batch is queued."""
-        with self._changed:
-            return len(self._samples) >= self.batch_size
+        return len(self._samples) >= self.batch_size
 
     def take(self, version: int) -> list[VersionedSample]:
         """The batch that training at `version` (the queue's `version`) trains on; the queue then
-        expects `version + 1`. A batch must be queued (`ready`, `wait_for_batch`)."""
-        with self._changed:
-            assert version == self._version, f"training at version {version} takes where {self._version} is next"
-            assert len(self._samples) >= self.batch_size, "take before a whole batch is queued"
-            batch = [self._samples.popleft() for _ in range(self.batch_size)]
-            for sample in batch:  # the hard invariant
-                assert version - self.max_staleness <= sample.version <= version, (
-                    sample.index,
-                    sample.version,
-                    version,
-                )
-            self._version += 1
-            self._changed.notify_all()
-            return batch
-
-    def wait_for_batch(self, timeout: float | None = None) -> bool:
-        """Block until a whole batch is queued; False if `timeout` seconds pass first."""
-        with self._changed:
-            return self._changed.wait_for(lambda: len(self._samples) >= self.batch_size, timeout)
-
-    def wait_for_version(self, version: int, timeout: float | None = None) -> bool:
-        """Block until training has reached `version` (a generator with no `room` under its weights
-        waits for the next ones: taking a batch frees no room for a version already there, as the
-        training version of every queue position moves with it); False if `timeout` seconds pass first."""
-        with self._changed:
-            return self._changed.wait_for(lambda: self._version >= version, timeout)
+        expects `version + 1`. A batch must be queued (`ready`)."""
+        assert version == self._version, f"training at version {version} takes where {self._version} is next"
+        assert len(self._samples) >= self.batch_size, "take before a whole batch is queued"
+        batch = [self._samples.popleft() for _ in range(self.batch_size)]
+        for sample in batch:  # the hard invariant
+            assert version - self.max_staleness <= sample.version <= version, (sample.index, sample.version, version)
+        self._version += 1
+        return batch
 
     def staleness(self, batch: list[VersionedSample], version: int) -> dict[int, int]:
         """Histogram of a batch trained at `version`: staleness (versions behind) -> sample count."""
@@ -157,17 +126,16 @@ class StalenessQueue:
 
     def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """The queue as a JSON-able dict and its samples' tensors (keyed `index/name`)."""
-        with self._changed:
-            samples, tensors = encode_samples(list(self._samples))
-            data = {
-                "format": FORMAT,
-                "max_staleness": self.max_staleness,
-                "batch_size": self.batch_size,
-                "version": self._version,
-                "next_index": self._next_index,
-                "samples": samples,
-            }
-            return data, tensors
+        samples, tensors = encode_samples(list(self._samples))
+        data = {
+            "format": FORMAT,
+            "max_staleness": self.max_staleness,
+            "batch_size": self.batch_size,
+            "version": self._version,
+            "next_index": self._next_index,
+            "samples": samples,
+        }
+        return data, tensors
 
     @classmethod
     def from_state(cls, data: dict[str, Any], tensors: dict[str, torch.Tensor]) -> StalenessQueue:
