@@ -18,11 +18,10 @@ import pytest
 import yaml
 from repo_paths import DATA, EXAMPLES
 
-from nereus.runtime.observe.memory import predicted_rank_peaks
 from nereus.runtime.run.run_state import read_run_state
 from nereus.runtime.state.checkpoint import verify_checkpoint
 from nereus.runtime.state.sharded_state import box_slices
-from nereus.solver.admission import memory_problems, plan_problems, state_bytes_by_rank
+from nereus.solver.admission import memory_problems, plan_problems, predicted_peaks, state_bytes_by_rank
 from nereus.spec.io import load_document
 from nereus.spec.plan import Plan
 from nereus.spec.run_config import RLConfig
@@ -124,6 +123,15 @@ def test_a_plan_over_the_per_gpu_memory_is_refused(tmp_path: Path) -> None:
     # The runtime's own check, from the exact shard sizes (it also vets the controller's targets).
     problems = memory_problems(Plan.model_validate(plan), RLConfig())
     assert problems and problems[0].startswith("rank 0 would hold") and "per GPU of cluster" in problems[0]
+
+
+def predicted_rank_peaks(plan: Plan, num_ranks: int, skip: list[str]) -> list[int]:
+    """Per rank, the largest predicted peak of the model-stages it runs (0 for an idle rank)."""
+    peaks = [0] * num_ranks
+    for by_rank in predicted_peaks(plan, skip=skip).values():
+        for rank, peak in by_rank.items():
+            peaks[rank] = max(peaks[rank], peak)
+    return peaks
 
 
 @pytest.mark.multiprocess

@@ -30,7 +30,7 @@ gradients, masters and moments, FSDP2's offloaded shards, and offloaded model-st
 states: `Engine.host_bytes`) is counted apart, by its tensors' bytes (`PeakTracker.host_bytes`),
 its highest reading of the step in `host_peak`. On CPU ranks host and device memory are the
 same RAM: those bytes are taken out of the resident-set reading, so the device reading is what
-a GPU would hold. Predicted (`predicted_rank_host_bytes`): per rank, the cost model's host
+a GPU would hold. Predicted (`nereus.runtime.rl.step.predicted_host`): per rank, the cost model's host
 bytes per GPU of every model-stage on it (`Prediction.host_memory_bytes`), which it holds
 for the whole step.
 
@@ -43,14 +43,9 @@ busiest GPU), without the allocator workspace the cost model reserves on a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from nereus.cost.calibration import Calibration
-    from nereus.spec.plan import Plan
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -227,38 +222,3 @@ class PeakTracker:
     def end_step(self) -> int:
         self._fold()
         return self.step_peak
-
-
-def predicted_rank_peaks(
-    plan: Plan, num_ranks: int, calibration: Calibration | None = None, skip: Collection[str] = ()
-) -> list[int]:
-    """Per rank, the largest predicted peak of the model-stages it runs (0 for an idle rank)."""
-    from nereus.solver.admission import predicted_peaks
-
-    peaks = [0] * num_ranks
-    for by_rank in predicted_peaks(plan, calibration, skip).values():
-        for rank, peak in by_rank.items():
-            if rank < num_ranks:
-                peaks[rank] = max(peaks[rank], peak)
-    return peaks
-
-
-def predicted_rank_host_bytes(
-    plan: Plan, num_ranks: int, calibration: Calibration | None = None, skip: Collection[str] = ()
-) -> list[int]:
-    """Per rank, the host bytes the cost model puts there: for every model-stage on it (not in
-    `skip`), its host bytes per GPU (training-time offload's terms and, offloaded, its states
-    asleep), once per GPU of the model-stage on the rank."""
-    from nereus.cost.calibration import DEFAULT_CALIBRATION
-    from nereus.cost.plan_cost import evaluate_plan
-
-    evaluation = evaluate_plan(plan, calibration or DEFAULT_CALIBRATION)
-    host = [0] * num_ranks
-    for entry in plan.stages:
-        if entry.model_stage in skip:
-            continue
-        per_gpu = sum(evaluation.predictions.model_stages[entry.model_stage].host_memory_bytes.values())
-        for rank in set(entry.gpus):
-            if rank < num_ranks:
-                host[rank] += int(per_gpu)
-    return host

@@ -26,12 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nereus.cost.calibration import DEFAULT_CALIBRATION
+from nereus.cost.plan_cost import evaluate_plan
 from nereus.cost.vllm_engine import ENGINE_PHASES
 from nereus.runtime.generation.sampling import SamplingConfig
 from nereus.runtime.model.fused_pipeline import OpTiming
 from nereus.runtime.model.moe import ROUTES_FIELD, routing_mismatch
 from nereus.runtime.model.transformer import Batch
-from nereus.runtime.observe.memory import PeakTracker, predicted_rank_host_bytes
+from nereus.runtime.observe.memory import PeakTracker
 from nereus.runtime.rl.algorithms import masked_mean
 from nereus.runtime.rl.datasets import Prompt
 from nereus.runtime.rl.fused_rollout import RolloutEvent
@@ -337,11 +339,20 @@ def log_prob_mismatch(scored: Scored, rollout_log_probs: torch.Tensor) -> tuple[
 
 
 def predicted_host(plan: Plan, stages: dict[str, ModelStageRuntime], num_ranks: int) -> list[int]:
-    """`predicted_rank_host_bytes` of the plan the steps run (zeros, unpriced, where nothing offloads)."""
+    """Per rank, the host bytes the cost model puts there (zeros, unpriced, where nothing
+    offloads): for every model-stage of `stages`, its host bytes per GPU (training-time offload's
+    terms and, offloaded, its states asleep), once per GPU of the model-stage on the rank."""
+    host = [0] * num_ranks
     if not any(entry.offload or entry.train_offload != "none" for entry in plan.stages):
-        return [0] * num_ranks
-    skip = tuple(e.model_stage for e in plan.stages if e.model_stage not in stages)
-    return predicted_rank_host_bytes(plan, num_ranks, skip=skip)
+        return host
+    predictions = evaluate_plan(plan, DEFAULT_CALIBRATION).predictions.model_stages
+    for entry in plan.stages:
+        if entry.model_stage in stages:
+            per_gpu = int(sum(predictions[entry.model_stage].host_memory_bytes.values()))
+            for rank in set(entry.gpus):
+                if rank < num_ranks:
+                    host[rank] += per_gpu
+    return host
 
 
 def plan_peaks(plan: Plan, stages: dict[str, ModelStageRuntime]) -> dict[str, dict[int, int]]:
