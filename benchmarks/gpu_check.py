@@ -15,11 +15,10 @@ a tiny one, for CI). Then, on a world of one rank (NCCL on CUDA, gloo on the CPU
 5. memory rows (`memory_rows`), one `nereus run` each of the memory benchmark's activation-heavy
    GRPO plan with one memory choice: recompute none, full and selective (1 GPU), FSDP2 full
    sharding and tensor parallelism at tp=2 (2 GPUs: on fewer the row says so and is
-   skipped), and training-time offload (when this build executes it): measured peak per
-   model-stage and rank (`torch.cuda.max_memory_allocated` on CUDA, the runtime tracker's
-   resident-set reading on CPU ranks) against the cost model's, and offload's host bytes
-   (`--device cpu`: 8 response tokens instead of 112 and a ~0.2M-parameter decoder, since only
-   the code is checked there).
+   skipped), and training-time offload: measured peak per model-stage and rank
+   (`torch.cuda.max_memory_allocated` on CUDA, the runtime tracker's resident-set reading on CPU
+   ranks) against the cost model's, and offload's host bytes (`--device cpu`: 8 response tokens
+   instead of 112 and a ~0.2M-parameter decoder, since only the code is checked there).
 6. vLLM (`--vllm on|only`, when vllm is installed), in a rank of its own as the runtime runs it
    (external launcher, no engine process): the engine's start-up (`LLM(...)` to ready, CUDA
    graphs captured), sampled generation tokens/s of vLLM and of nereus's own engine on the same
@@ -322,8 +321,8 @@ def memory_rows(device: str, root: Path) -> list[dict[str, Any]]:
     """One row per memory choice (`MEMORY_ROWS`): two RL steps of a GRPO plan with that choice
     (`nereus run`), and per model-stage and rank the runtime's measured peak of the last step
     (CUDA: `torch.cuda.max_memory_allocated`; CPU: the private resident peak its tracker
-    reads) against the cost model's. A layout wider than the machine's GPUs, or a choice this
-    build does not execute, gives a row that says so instead of numbers."""
+    reads) against the cost model's. A layout wider than the machine's GPUs gives a row that
+    says so instead of numbers."""
     import torch
     from memory_parity import fixed_mmap_threshold
 
@@ -331,9 +330,8 @@ def memory_rows(device: str, root: Path) -> list[dict[str, Any]]:
     rows = []
     for name, ranks in MEMORY_ROWS.items():
         gpus = torch.cuda.device_count() if device == "cuda" else None
-        skipped = memory_row_skipped(name, ranks, gpus)
-        if skipped is not None:
-            rows.append({"row": name, "ranks": ranks, "skipped": skipped})
+        if gpus is not None and gpus < ranks:
+            rows.append({"row": name, "ranks": ranks, "skipped": f"needs {ranks} GPUs, this machine has {gpus}"})
             continue
         document, new_tokens = memory_row_plan(name, device)
         if SIZES[device]["memory_new_tokens"] is not None:
@@ -352,17 +350,6 @@ def with_model(document: dict[str, Any], shapes: dict[str, Any]) -> None:
     document["models"] = [{**model, **shapes}]
     for role in ("actor", "reference", "reward"):
         document["workload"][role] = shapes["name"]
-
-
-def memory_row_skipped(name: str, ranks: int, gpus: int | None) -> str | None:
-    """Why the row `name` cannot run here (None: it can). `gpus`: the CUDA devices (None: CPU ranks)."""
-    from nereus.spec.capabilities import executed
-
-    if gpus is not None and gpus < ranks:
-        return f"needs {ranks} GPUs, this machine has {gpus}"
-    if name == "train-offload" and not executed("train_offload"):
-        return "offload not executed by this build"
-    return None
 
 
 def memory_row_plan(name: str, device: str) -> tuple[dict[str, Any], int]:

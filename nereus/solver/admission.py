@@ -4,8 +4,8 @@ rank, in one place, for `nereus run` and `nereus check` alike.
 `nereus run` calls `check_config` on the config it reads and `check_plan` on every plan it
 would run (the first, each plan switch, a replanned resume; the controller vets its targets
 with `plan_problems`). `nereus check run.yaml` runs `run_config_problems`: the same config
-rules and, for a config naming a plan file, the same plan admission. What the runtime
-executes at all (memory-saving choices, dtypes) is `nereus.spec.capabilities`'s table.
+rules and, for a config naming a plan file, the same plan admission. The dtypes the runtime
+computes in are `nereus.spec.capabilities`'s.
 
 The spec layer's own rules (`nereus.spec.check`: a workload's groups and critic, the layout
 rules) are shared, not restated. No torch: a refusal takes a fraction of a second.
@@ -24,7 +24,7 @@ from nereus.cost.kv_pool import BLOCK_TOKENS, KV_ELEMENT_BYTES
 from nereus.cost.plan_cost import generation_alone
 from nereus.cost.stage import kv_bytes_per_token
 from nereus.errors import ArgumentError, NereusError, SpecError
-from nereus.spec.capabilities import MEMORY_CHOICES, RUNTIME_DTYPES, unexecuted_choices
+from nereus.spec.capabilities import RUNTIME_DTYPES
 from nereus.spec.check import (
     Problem,
     cp_layout_problem,
@@ -204,7 +204,6 @@ def plan_problems(plan: Plan, world_size: int, config: RLConfig) -> list[str]:
         rows = num_rows // workload.mini_batches if entry.stage == "training" else num_rows
         if rows // entry.dp < entry.micro_batches:
             problems.append(f"{name}: {rows} rows over dp={entry.dp} cannot fill micro_batches={entry.micro_batches}")
-    problems += unexecutable_choices(plan)
     problems += expert_parallel_problems(plan)
     problems += offload_problems(plan)
     problems += sft_problems(plan, config)
@@ -245,19 +244,6 @@ def async_run_problems(plan: Plan) -> list[str]:
             "pool; put actor/generation on the last ranks (`nereus plan` does)"
         ]
     return []
-
-
-def unexecutable_choices(plan: Plan) -> list[str]:
-    """Memory-saving choices of the plan the runtime does not execute (`nereus.spec.capabilities`),
-    each with the `nereus plan` option that leaves it out; and cp > 1 where the runtime does not
-    execute context parallelism."""
-    found = [
-        f"{entry.model_stage}: {name} is not executed by the runtime yet; replan with "
-        f"`nereus plan {MEMORY_CHOICES[name].pin}`"
-        for entry in plan.stages
-        for name in unexecuted_choices(entry)
-    ]
-    return found
 
 
 def expert_parallel_problems(plan: Plan) -> list[str]:

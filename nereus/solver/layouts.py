@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Final
@@ -11,7 +10,6 @@ import numpy as np
 
 from nereus.cost.plan_cost import RESIDENT_TERMS, split_resident, stage_room
 from nereus.cost.stage import TRAIN_OFFLOADS, StageCostModel
-from nereus.spec.capabilities import MEMORY_CHOICES
 from nereus.spec.check import cp_rule, ep_rule, kv_heads_rule, pp_rule
 from nereus.spec.plan import RECOMPUTE_LEVELS, CpMethod, Fusion, Recompute
 
@@ -70,22 +68,18 @@ class MemoryChoices:
 
 def runtime_choices(fusion: Fusion | None = None) -> MemoryChoices:
     """What `nereus run` plans for itself (a run planning itself, its resume replanner, its
-    controller): every choice it executes (`nereus.spec.capabilities`) searched as by default,
-    each other one pinned off. Under `fusion`'s intra-stage fusion, whose schedule fixes the
-    training micro-batch counts, token budgets are pinned off too (the runtime refuses that
-    combination: `nereus.solver.admission.token_budget_problems`). Context parallelism (Ulysses,
+    controller): every memory choice searched as by default, since the runtime executes them all.
+    Under `fusion`'s intra-stage fusion, whose schedule fixes the training micro-batch counts,
+    token budgets are pinned off (the runtime refuses that combination:
+    `nereus.solver.admission.token_budget_problems`). Context parallelism (Ulysses,
     docs/context-parallel.md) is searched as by default: the runtime executes it. Expert
     parallelism is pinned to ep = 1: the runtime executes it (docs/moe.md) but not
     beside ZeRO-1, full sharding, training-time offload or token budgets, which this search pairs
     with it freely; a plan given to `nereus run` may carry ep > 1 without them."""
-    every = MemoryChoices()
-    pinned: dict[str, Any] = {
-        name: getattr(every, name)[:1] for name, support in MEMORY_CHOICES.items() if not support.executed
-    }
-    pinned["expert_parallel"] = (False,)
+    pinned: dict[str, Any] = {"expert_parallel": (False,)}
     if fusion is not None and fusion.intra_stage:
         pinned["token_budget"] = (False,)
-    return dataclasses.replace(every, **pinned)
+    return MemoryChoices(**pinned)
 
 
 #: What `nereus run` plans for itself without intra-stage fusion (`runtime_choices`).

@@ -1,15 +1,16 @@
-"""`nereus run` plans for itself with every memory choice it executes: a run without a plan,
-its resume replanner and its controller search recompute, token budgets, ZeRO-1, KV budgets,
-full sharding and both offloads (whatever `nereus.spec.capabilities` marks executed); the
-controller moves into such a plan by a live transition that keeps the logical state bitwise;
-live moves into and out of full sharding keep it too; and the choices `nereus plan` makes for
-Llama-3.1-8B PPO on 8 H100s run on a tiny model on 2 CPU ranks.
+"""`nereus run` plans for itself with every memory choice: a run without a plan, its resume
+replanner and its controller search recompute, token budgets, ZeRO-1, KV budgets, full sharding
+and both offloads (the runtime executes them all); the controller moves into such a plan by a
+live transition that keeps the logical state bitwise; live moves into and out of full sharding
+keep it too; and the choices `nereus plan` makes for Llama-3.1-8B PPO on 8 H100s run on a tiny
+model on 2 CPU ranks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,6 @@ from nereus.solver.layouts import RUNTIME_CHOICES, MemoryChoices, runtime_choice
 from nereus.solver.plan_search import PlanRequest
 from nereus.solver.planner import make_plan
 from nereus.solver.policy import Observation, Replanner, make_policy
-from nereus.spec.capabilities import MEMORY_CHOICES, MemoryChoice, executed
 from nereus.spec.io import load_document
 from nereus.spec.plan import Fusion, Plan, StagePlan
 from nereus.spec.run_config import RLConfig
@@ -62,8 +62,21 @@ def runtime_plan(base: Plan, choices: MemoryChoices = RUNTIME_CHOICES) -> Plan:
     return make_plan(request).best
 
 
-def uses(entry: StagePlan) -> list[MemoryChoice]:
-    return [name for name, support in MEMORY_CHOICES.items() if support.used(entry)]
+#: Whether a plan entry makes each memory choice, in the planner's order (an entry leaving `zero1`
+#: to the workload's optimizer counts as not choosing it: the runtime follows the optimizer either way).
+CHOICES: dict[str, Callable[[StagePlan], bool]] = {
+    "recompute": lambda e: e.recompute != "none",
+    "token_budget": lambda e: e.token_budget is not None,
+    "zero1": lambda e: bool(e.zero1),
+    "offload": lambda e: e.offload,
+    "kv_budget": lambda e: e.kv_budget_bytes is not None,
+    "full_shard": lambda e: e.full_shard,
+    "train_offload": lambda e: e.train_offload != "none",
+}
+
+
+def uses(entry: StagePlan) -> list[str]:
+    return [name for name, used in CHOICES.items() if used(entry)]
 
 
 #: The runtime's choices with neither recompute nor offload: at `CAPACITY` and 256-token
@@ -79,11 +92,9 @@ def saves(entry: StagePlan) -> bool:
 
 
 @pytest.mark.logic
-def test_the_runtime_s_own_search_space_is_every_executed_choice() -> None:
-    every = MemoryChoices()
-    for name, support in MEMORY_CHOICES.items():
-        searched = getattr(RUNTIME_CHOICES, name)
-        assert searched == (getattr(every, name) if support.executed else getattr(every, name)[:1]), name
+def test_the_runtime_s_own_search_space_is_every_memory_choice() -> None:
+    # Every memory choice and cp as by default; ep = 1 (`admission.expert_parallel_problems`).
+    assert dataclasses.replace(MemoryChoices(), expert_parallel=(False,)) == RUNTIME_CHOICES
     # Intra-stage fusion fixes the training micro-batch counts: only token budgets are left out.
     fused = runtime_choices(Fusion(intra_stage=True))
     assert fused == dataclasses.replace(RUNTIME_CHOICES, token_budget=(False,))
@@ -226,10 +237,9 @@ def kv_bytes(plan: Plan, entry: StagePlan, sequences: int) -> int:
 
 
 def on_tiny(big: Plan, tiny: Plan) -> Plan:
-    """`tiny` with every memory choice each model-stage makes in `big` that the runtime
-    executes: the same recompute level, ZeRO-1, full sharding and offloads; a token budget of as
-    many maximum-length rows as `big`'s holds; a KV budget holding the same share of a
-    replica's sequences (at least one)."""
+    """`tiny` with every memory choice each model-stage makes in `big`: the same recompute level,
+    ZeRO-1, full sharding and offloads; a token budget of as many maximum-length rows as `big`'s
+    holds; a KV budget holding the same share of a replica's sequences (at least one)."""
     stages = []
     for entry in tiny.stages:
         chosen = big.stage_plan(entry.model_stage)
@@ -243,16 +253,8 @@ def on_tiny(big: Plan, tiny: Plan) -> Plan:
             values["kv_budget_bytes"] = max(kv_bytes(tiny, entry, 1), int(share * kv_bytes(tiny, entry, sequences)))
         values |= {"recompute": chosen.recompute, "zero1": chosen.zero1, "full_shard": chosen.full_shard}
         values |= {"offload": chosen.offload, "train_offload": chosen.train_offload}
-        copied = entry.model_copy(update=values)
-        # Only what the runtime executes; every choice it gains is carried by the same code.
-        kept = {name for name in uses(copied) if executed(name)}
-        undo = {name: getattr(entry, FIELD.get(name, name)) for name in MEMORY_CHOICES if name not in kept}
-        stages.append(copied.model_copy(update={FIELD.get(name, name): value for name, value in undo.items()}))
+        stages.append(entry.model_copy(update=values))
     return tiny.model_copy(update={"stages": stages, "predictions": None})
-
-
-#: The plan entry's field of each memory choice whose name differs.
-FIELD = {"kv_budget": "kv_budget_bytes"}
 
 
 @pytest.mark.cli
@@ -263,15 +265,14 @@ def test_the_choices_nereus_plan_makes_for_8b_ppo_on_8_h100s_run_on_a_tiny_model
     big = load_document(tmp_path / "p.yaml")
     assert isinstance(big, Plan)
     made = {(entry.model_stage, name) for entry in big.stages for name in uses(entry)}
-    runnable = {(stage, name) for stage, name in made if executed(name)}
-    assert runnable, made  # the 8B plan needs memory choices the runtime runs
+    assert made  # the 8B plan needs memory choices
     # The tiny plan: every model-stage on both ranks (dp=2), so ZeRO-1 and full sharding split.
     base = yaml.safe_load(PLAN_2RANK.read_text())
     base.pop("predictions", None)
     base["stages"] = [{**e, "tp": 1, "pp": 1, "dp": 2, "emus": [[0], [1]]} for e in base["stages"]]
     tiny = Plan.model_validate(base)
     applied = on_tiny(big, tiny)
-    assert {(entry.model_stage, name) for entry in applied.stages for name in uses(entry)} == runnable
+    assert {(entry.model_stage, name) for entry in applied.stages for name in uses(entry)} == made
     (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(applied.model_dump(mode="json", exclude_none=True)))
     config = write_config(tmp_path, num_steps=2, checkpoint_every=2)
     out = tmp_path / "out"
@@ -279,7 +280,7 @@ def test_the_choices_nereus_plan_makes_for_8b_ppo_on_8_h100s_run_on_a_tiny_model
     assert run.exit_code == 0, run.output
     stored = load_document(out / "plan.yaml")
     assert isinstance(stored, Plan)
-    assert {(entry.model_stage, name) for entry in stored.stages for name in uses(entry)} == runnable
+    assert {(entry.model_stage, name) for entry in stored.stages for name in uses(entry)} == made
     records = read_metrics(out)
     assert len(records) == 2 and all(r["actor_loss"] == r["actor_loss"] for r in records)  # finite
 

@@ -226,7 +226,7 @@ def test_full_sharding_is_what_fits_verls_qwen2_7b_grpo() -> None:
 def test_the_planner_shards_fully_where_it_pays_and_so_does_the_runtime_s_own() -> None:
     """verl's Qwen2-7B GRPO with recomputation, fixed rows and nothing offloaded: fully sharding
     some model-stage gives a faster plan than pinning it off. The runtime's own choices are every
-    choice it executes, which now is the planner's whole space: its plan is `nereus plan`'s."""
+    memory choice, the planner's whole space: its plan is `nereus plan`'s."""
     workload = workload_of(SETUPS[0])
     request = PlanRequest(cluster_preset("h100", 8), models_for(workload, None), workload, 8)
     fixed = MemoryChoices(recompute=("full",), token_budget=(False,), offload=(False,))
@@ -237,7 +237,7 @@ def test_the_planner_shards_fully_where_it_pays_and_so_does_the_runtime_s_own() 
     assert searched.predictions is not None and pinned.predictions is not None
     assert searched.predictions.step_time_s < pinned.predictions.step_time_s
     runtime = make_plan(dataclasses.replace(request, choices=RUNTIME_CHOICES))
-    # Every memory choice; context and expert parallelism where the runtime executes them (capabilities).
+    # Every memory choice; context and expert parallelism as the runtime searches them (`runtime_choices`).
     space = MemoryChoices(
         context_parallel=RUNTIME_CHOICES.context_parallel, expert_parallel=RUNTIME_CHOICES.expert_parallel
     )

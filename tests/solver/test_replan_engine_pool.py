@@ -1,6 +1,6 @@
 """The controller's replanner under an emulated per-rank capacity: generation priced in the KV
 pool nereus's engine gives it (the runtime's own pool rule), refits that keep to the memory-saving
-choices they are given (the runtime's own: every choice it executes, recompute included), plans the
+choices they are given (the runtime's own: every memory choice, recompute included), plans the
 runtime refuses proposed last, and the memory benchmark's oracle choosing only among plans that
 rule lets run."""
 
@@ -123,7 +123,7 @@ def test_the_replanner_prices_generation_in_the_pool_the_runtime_sizes(plans: di
 def test_refits_keep_to_their_choices_and_the_runtime_s_own_recompute(plans: dict[str, Plan]) -> None:
     """A refit keeps the layout and searches only the choices it is given: without recompute
     only while one-row micro-batches fit, sized for the growth margin first, else for the
-    lengths measured; with the runtime's own choices (every choice it executes) it recomputes."""
+    lengths measured; with the runtime's own choices (every memory choice) it recomputes."""
     initial = plans["initial"]
     own = Replanner(initial, choices=RUNTIME_CHOICES)
     pinned = Replanner(initial, choices=ENGINE_POOL)

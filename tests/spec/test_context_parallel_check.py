@@ -124,9 +124,10 @@ def assert_check_refuses(tmp_path: Path, data: dict[str, Any], expected: str) ->
 @pytest.mark.logic
 def test_the_runtime_plans_and_admits_cp() -> None:
     """`nereus run` executes context parallelism: it searches cp for itself and admits a cp plan."""
-    from nereus.solver.admission import unexecutable_choices
+    from nereus.solver.admission import plan_problems
     from nereus.solver.layouts import RUNTIME_CHOICES
+    from nereus.spec.run_config import RLConfig
 
     plan = document_from_data(_plan_data(tp=1, pp=1, cp=2, dp=2, emus=[[0, 1], [2, 3]]), "plan.yaml")
     assert True in RUNTIME_CHOICES.context_parallel
-    assert unexecutable_choices(plan) == []  # type: ignore[arg-type]
+    assert plan_problems(plan, 4, RLConfig(task="sort")) == []  # type: ignore[arg-type]

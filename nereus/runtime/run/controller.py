@@ -189,7 +189,7 @@ class Controller:
         self.num_ranks = num_ranks
         # Plans are priced with generation in the KV pool the runtime's engine gives them, as
         # each step is predicted and the online calibration fits (one rule, `with_engine_budget`),
-        # and only plans the runtime runs are proposed, searching every memory choice it executes.
+        # and only plans the runtime runs are proposed, searching every memory choice.
         self.replanner = Replanner(
             plan,
             calibration=calibration,
