@@ -1,7 +1,7 @@
 """What inter-stage fusion needs from a plan, settled before any rank is spawned (no torch).
 
-`check_inter_stage` refuses a plan the fused rollout cannot run with one line naming the
-file and the field; `migration_settings` resolves the threshold (the plan's, or the best of
+`inter_stage_problems` says why the fused rollout cannot run a plan (admission reports each
+under `fusion.inter_stage`); `migration_settings` resolves the threshold (the plan's, or the best of
 `nereus schedule migrate` for the plan) and the cost model's per-token migration costs,
 from which `migration_mechanism` picks KV-cache transfer or prefix recompute.
 """
