@@ -11,7 +11,8 @@ round times `--iters` steps (`Engine.train_step`: zero_grad, forward and backwar
 reduction, AdamW) after `--warmup` untimed ones. Reports each tree's median step over all
 rounds and the ratio new / old (target: at most 1.1), and the paired ratio: the median over
 rounds of each round's new / old (the two trees of a round run back to back, so load that
-changes between rounds cancels).
+changes between rounds cancels). The step's loss (`--objective`): next-token cross-entropy, or
+`ppo-entropy`, the actor's clipped PPO loss with an entropy bonus of 0.01 (its fields random).
 Writes benchmarks/results/engine_step.json.
 
     .venv/bin/python benchmarks/engine_step.py [--old REF] [--models tiny,decoder-100m] [--layouts tp2,dp2]
@@ -39,6 +40,8 @@ TARGET = 1.1
 #: Layout name -> (tp, pp, dp) on the 2 ranks.
 LAYOUTS = {"tp2": (2, 1, 1), "dp2": (1, 1, 2)}
 MODELS = ("tiny", "decoder-100m")
+#: The step's loss: next-token cross-entropy, or PPO's clipped policy loss with an entropy bonus.
+OBJECTIVES = ("next-token", "ppo-entropy")
 
 
 def time_steps(rank: int, world: int, args: dict[str, Any]) -> list[float]:
@@ -49,6 +52,7 @@ def time_steps(rank: int, world: int, args: dict[str, Any]) -> list[float]:
     from nereus.runtime.model.engine import Engine, EngineConfig
     from nereus.runtime.model.losses import NextTokenLoss
     from nereus.runtime.model.transformer import Batch
+    from nereus.runtime.rl.objectives import PolicyObjective
     from nereus.runtime.state.shard_layout import RankLayout
     from nereus.spec.model import Model
     from nereus.spec.presets import MODELS as PRESETS
@@ -60,12 +64,23 @@ def time_steps(rank: int, world: int, args: dict[str, Any]) -> list[float]:
     engine = Engine.create(model, "lm", RankLayout(tp, pp, dp, tuple(range(world))), config)
     assert engine is not None
     generator = torch.Generator().manual_seed(0)
-    batch = Batch(torch.randint(0, model.vocab_size, (args["rows"], args["seq"]), generator=generator))
+    shape = (args["rows"], args["seq"])
+    tokens = torch.randint(0, model.vocab_size, shape, generator=generator)
+    objective: Any = NextTokenLoss()
+    batch = Batch(tokens)
+    if args["objective"] == "ppo-entropy":
+        objective = PolicyObjective(0.2, 0.0, 0.01, "token-mean")
+        fields = {
+            "loss_mask": torch.ones(shape),
+            "old_log_probs": -10.0 + 0.1 * torch.randn(shape, generator=generator),
+            "advantages": torch.randn(shape, generator=generator),
+        }
+        batch = Batch(tokens, torch.ones(shape, dtype=torch.bool), fields)
     times = []
     for step in range(args["warmup"] + args["iters"]):
         torch.distributed.barrier()
         started = time.perf_counter()
-        engine.train_step(batch, NextTokenLoss())
+        engine.train_step(batch, objective)
         if step >= args["warmup"]:
             times.append(time.perf_counter() - started)
     return times
@@ -79,7 +94,7 @@ def worker(args: argparse.Namespace) -> None:
     tree = Path(args.tree).resolve()
     if not Path(nereus.__file__).resolve().is_relative_to(tree):
         raise SystemExit(f"worker imported nereus from {nereus.__file__}, not from {tree}")
-    settings = {k: getattr(args, k) for k in ("model", "layout", "rows", "seq", "warmup", "iters")}
+    settings = {k: getattr(args, k) for k in ("model", "layout", "rows", "seq", "warmup", "iters", "objective")}
     settings["model_document"] = json.loads(args.model_document)
     per_rank = spawn(time_steps, 2, settings)
     print(json.dumps(per_rank))
@@ -101,6 +116,7 @@ def measure(tree: Path, model: str, layout: str, args: argparse.Namespace) -> li
     command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--tree", str(tree)]
     command += ["--model", model, "--layout", layout, "--rows", str(args.rows), "--seq", str(args.seq)]
     command += ["--warmup", str(args.warmup), "--iters", str(args.iters), "--model-document", json.dumps(MODEL)]
+    command += ["--objective", args.objective]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"worker on {tree} ({model}, {layout}) failed:\n{done.stderr[-2000:]}")
@@ -122,6 +138,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64, help="Tokens per sequence.")
     parser.add_argument("--warmup", type=int, default=2, help="Untimed steps per round.")
     parser.add_argument("--iters", type=int, default=5, help="Timed steps per round.")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="next-token", help="The step's loss (see above).")
     parser.add_argument("--rounds", type=int, default=2, help="Rounds per tree (alternated).")
     parser.add_argument("--output", type=Path, default=RESULTS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -180,6 +197,7 @@ def main() -> None:
         "threads_per_rank": 1,
         "layouts": {name: dict(zip(("tp", "pp", "dp"), LAYOUTS[name], strict=True)) for name in layouts},
         "dtype": "bfloat16 with fp32 masters",
+        "objective": args.objective,
         "rows_per_batch": args.rows,
         "seq": args.seq,
         "steps_per_round": args.iters,

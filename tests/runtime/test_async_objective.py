@@ -27,9 +27,11 @@ class Head:
     def token_log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
-    def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+    def token_log_probs_and_entropy(
+        self, logits: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         log_probs = logits.float().log_softmax(-1)
-        return -(log_probs.exp() * log_probs).sum(-1)
+        return self.token_log_probs(logits, targets), -(log_probs.exp() * log_probs).sum(-1)
 
 
 def case(seed: int) -> tuple[torch.Tensor, Batch]:
@@ -69,6 +71,19 @@ def test_on_policy_equals_the_uncorrected_loss_bitwise(
     losses, grad = losses_and_grad(corrected, logits, on_policy)
     assert torch.equal(losses, expected_losses)
     assert torch.equal(grad, expected_grad)
+
+
+def test_the_entropy_bonus_is_the_next_token_entropy_weighted() -> None:
+    """With entropy_coef c the token losses are those without it less c x the entropy of the
+    distribution that predicted each token (column 0, predicted by nothing, gets none)."""
+    logits, batch = case(1)
+    with torch.no_grad():
+        without = PolicyObjective(0.2, 0.0, 0.0, "token-mean").token_losses(logits, batch, Head())
+        bonus = PolicyObjective(0.2, 0.0, 0.05, "token-mean").token_losses(logits, batch, Head())
+        probs = logits[:, :-1].softmax(-1)
+        entropy = -(probs * probs.log()).sum(-1)
+    assert torch.equal(bonus[:, 0], without[:, 0])
+    assert torch.allclose(bonus[:, 1:], without[:, 1:] - 0.05 * entropy, atol=1e-6)
 
 
 def test_weights_by_hand() -> None:

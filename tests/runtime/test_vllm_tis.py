@@ -19,7 +19,9 @@ class Head:
     def token_log_probs(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
-    def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+    def token_log_probs_and_entropy(
+        self, logits: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         raise AssertionError("these objectives have no entropy term")
 
 

@@ -2,8 +2,9 @@
 
 The logits of a long response do not fit: 32k tokens of a 152k-token vocabulary are 20 GB in
 fp32. So the last stage hands its final hidden states [tokens, hidden] and this tensor rank's
-rows of the LM head weight [vocab / tp, hidden] (`HeadShard`) to `token_log_probs` /
-`token_entropy`, which walk the tokens in chunks of `chunk_tokens`. A chunk's logits (this
+rows of the LM head weight [vocab / tp, hidden] (`HeadShard`) to `token_log_probs` (or
+`token_log_probs_and_entropy`, both in the same pass), which walk the tokens in chunks of
+`chunk_tokens`. A chunk's logits (this
 rank's vocabulary columns, promoted to fp32) are made by one matmul, reduced to per-token
 numbers, and dropped before the next chunk's are made:
 
@@ -57,40 +58,32 @@ def token_log_probs(hidden: torch.Tensor, targets: torch.Tensor, shard: HeadShar
     return _run(hidden, targets, shard, chunk_tokens, entropy=False)[0]
 
 
-def token_entropy(hidden: torch.Tensor, shard: HeadShard, chunk_tokens: int) -> torch.Tensor:
-    """[...] fp32 entropy of the softmax over the whole vocabulary per token."""
-    return _run(hidden, None, shard, chunk_tokens, entropy=True)[1]
-
-
 def token_log_probs_and_entropy(
     hidden: torch.Tensor, targets: torch.Tensor, shard: HeadShard, chunk_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both, from one pass over the chunks (one matmul per chunk each way instead of two)."""
+    """`token_log_probs` and the fp32 entropy of the softmax over the whole vocabulary per
+    token, from one pass over the chunks (one matmul per chunk each way instead of two)."""
     return _run(hidden, targets, shard, chunk_tokens, entropy=True)
 
 
 def _run(
-    hidden: torch.Tensor, targets: torch.Tensor | None, shard: HeadShard, chunk_tokens: int, entropy: bool
+    hidden: torch.Tensor, targets: torch.Tensor, shard: HeadShard, chunk_tokens: int, entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log-probs, entropies) per token of `hidden` [..., hidden]; one not asked for is empty."""
+    """(log-probs, entropies) per token of `hidden` [..., hidden]; entropies empty unless asked for."""
     if chunk_tokens < 1:
         raise ValueError(f"logit_chunk_tokens must be a positive token count, not {chunk_tokens}")
     leading = hidden.shape[:-1]
-    if targets is not None:
-        assert targets.shape == leading, (tuple(targets.shape), tuple(hidden.shape))
-    flat_targets = None if targets is None else targets.reshape(-1)
+    assert targets.shape == leading, (tuple(targets.shape), tuple(hidden.shape))
     log_probs, entropies = _ChunkedHead.apply(
         hidden.reshape(-1, hidden.shape[-1]),
         shard.weight,
-        flat_targets,
+        targets.reshape(-1),
         shard.vocab_start,
         shard.group,
         chunk_tokens,
         entropy,
     )
-    if targets is not None:
-        log_probs = log_probs.view(leading)
-    return log_probs, entropies.view(leading) if entropy else entropies
+    return log_probs.view(leading), entropies.view(leading) if entropy else entropies
 
 
 def _sum_over_ranks(tensor: torch.Tensor, group: Any, op: collectives.Op = "sum") -> None:
@@ -100,15 +93,14 @@ def _sum_over_ranks(tensor: torch.Tensor, group: Any, op: collectives.Op = "sum"
 
 class _ChunkedHead(torch.autograd.Function):
     """(log-probs, entropies) [tokens] of hidden [tokens, hidden] under weight [local vocab, hidden],
-    chunk by chunk (module docstring). A quantity not asked for (no targets; entropy False) is an
-    empty tensor."""
+    chunk by chunk (module docstring). Entropies not asked for (entropy False) are an empty tensor."""
 
     @staticmethod
     def forward(
         ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
-        targets: torch.Tensor | None,
+        targets: torch.Tensor,
         vocab_start: int,
         group: Any,
         chunk_tokens: int,
@@ -124,10 +116,9 @@ class _ChunkedHead(torch.autograd.Function):
             _sum_over_ranks(peak, group, "max")
             row_max[start:stop] = peak
             shifted = logits.sub_(peak.unsqueeze(-1))
-            if targets is not None:
-                local, outside = local_ids(targets[start:stop], vocab_start, rows)
-                picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1)
-                stats[1, start:stop] = picked.masked_fill(outside, 0.0)
+            local, outside = local_ids(targets[start:stop], vocab_start, rows)
+            picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1)
+            stats[1, start:stop] = picked.masked_fill(outside, 0.0)
             if entropy:  # sum exp(z) z as a row-by-row dot product: no third chunk-sized tensor
                 exp = shifted.exp()
                 stats[0, start:stop] = exp.sum(dim=-1)
@@ -139,14 +130,10 @@ class _ChunkedHead(torch.autograd.Function):
         _sum_over_ranks(stats, group)
         log_sum = stats[0].log()
         mean_shifted = stats[2] / stats[0]
-        log_probs = stats[1] - log_sum if targets is not None else hidden.new_empty(0, dtype=torch.float32)
+        log_probs = stats[1] - log_sum
         entropies = log_sum - mean_shifted if entropy else hidden.new_empty(0, dtype=torch.float32)
-        saved_targets = targets if targets is not None else hidden.new_empty(0, dtype=torch.long)
-        ctx.save_for_backward(hidden, weight, saved_targets, row_max, log_sum, mean_shifted)
-        ctx.vocab_start, ctx.group, ctx.chunk_tokens = vocab_start, group, chunk_tokens
-        ctx.has_targets, ctx.entropy = targets is not None, entropy
-        if targets is None:
-            ctx.mark_non_differentiable(log_probs)
+        ctx.save_for_backward(hidden, weight, targets, row_max, log_sum, mean_shifted)
+        ctx.vocab_start, ctx.group, ctx.chunk_tokens, ctx.entropy = vocab_start, group, chunk_tokens, entropy
         if not entropy:
             ctx.mark_non_differentiable(entropies)
         return log_probs, entropies
@@ -156,7 +143,7 @@ class _ChunkedHead(torch.autograd.Function):
         ctx: Any, grad_log_probs: torch.Tensor | None, grad_entropies: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
         hidden, weight, targets, row_max, log_sum, mean_shifted = ctx.saved_tensors
-        g_lp = grad_log_probs if ctx.has_targets and grad_log_probs is not None else None
+        g_lp = grad_log_probs
         g_ent = grad_entropies if ctx.entropy and grad_entropies is not None else None
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None

@@ -21,8 +21,11 @@ class HeadOps(Protocol):
         """[...] fp32 log p(target) at every position of `output` [..., features]."""
         ...
 
-    def token_entropy(self, output: torch.Tensor) -> torch.Tensor:
-        """[...] fp32 entropy of the next-token distribution at every position."""
+    def token_log_probs_and_entropy(
+        self, output: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`token_log_probs` and the fp32 entropy of the next-token distribution at every
+        position, from one pass over the head."""
         ...
 
 

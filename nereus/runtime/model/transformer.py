@@ -332,7 +332,7 @@ class DecoderPipelineStage(nn.Module):
     last stage returns its head's output: this rank's logit columns [b, t, vocab / tp] or
     values [b, t]; the others return hidden states [b, t, hidden]. Given a `reduce`, the last
     stage of an LM head instead hands its final hidden states to it, inside the forward, and
-    `token_log_probs` / `token_entropy` compute from them in chunks of tokens (`chunked_head`):
+    `token_log_probs` / `token_log_probs_and_entropy` compute from them in chunks of tokens (`chunked_head`):
     the engine's training and log-prob passes never make the whole logits.
     """
 
@@ -458,9 +458,11 @@ class DecoderPipelineStage(nn.Module):
         """fp32 log p(target) per token from the final hidden states (a `reduce`'s input)."""
         return chunked_head.token_log_probs(hidden, targets, self.head_shard(), self.logit_chunk_tokens)
 
-    def token_entropy(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 entropy of the next-token distribution per token from the final hidden states."""
-        return chunked_head.token_entropy(hidden, self.head_shard(), self.logit_chunk_tokens)
+    def token_log_probs_and_entropy(
+        self, hidden: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`token_log_probs` and the fp32 next-token entropy per token, in one pass over the chunks."""
+        return chunked_head.token_log_probs_and_entropy(hidden, targets, self.head_shard(), self.logit_chunk_tokens)
 
     def new_caches(self, batch: int, capacity: int, dtype: torch.dtype, device: torch.device) -> dict[int, LayerCache]:
         shape = (batch, max(1, self.model.num_kv_heads // self.tp.size), capacity, self.model.head_dim)
@@ -566,7 +568,9 @@ class ReferenceModel(nn.Module):
         flat = -F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="none")
         return flat.view(targets.shape)
 
-    def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """Entropy per token from the whole logits: -sum p log p."""
+    def token_log_probs_and_entropy(
+        self, logits: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`token_log_probs` and the entropy per token from the whole logits: -sum p log p."""
         log_probs = torch.log_softmax(logits.float(), dim=-1)
-        return -(log_probs.exp() * log_probs).sum(dim=-1)
+        return self.token_log_probs(logits, targets), -(log_probs.exp() * log_probs).sum(dim=-1)

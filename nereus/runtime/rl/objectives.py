@@ -97,7 +97,12 @@ class PolicyObjective:
 
     def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
         device = output.device
-        log_probs = align_to_tokens(next_token_log_probs(output, batch.tokens.to(device), head))
+        entropy = None
+        if self.entropy_coef > 0:  # both from one pass over the LM head
+            token_log_probs, entropy = head.token_log_probs_and_entropy(output[:, :-1], batch.tokens[:, 1:].to(device))
+        else:
+            token_log_probs = next_token_log_probs(output, batch.tokens.to(device), head)
+        log_probs = align_to_tokens(token_log_probs)
         if self.current_as_old is None:
             old_log_probs = batch.field("old_log_probs").to(device)
         else:  # masked and in fp32, as the actor/inference pass gives them
@@ -111,8 +116,8 @@ class PolicyObjective:
         if self.kl_loss_coef > 0:
             ref = batch.field("ref_log_probs").to(device)
             losses = losses + self.kl_loss_coef * kl_divergence(log_probs, ref, "k3")
-        if self.entropy_coef > 0:
-            losses = losses - self.entropy_coef * align_to_tokens(head.token_entropy(output[:, :-1]))
+        if entropy is not None:
+            losses = losses - self.entropy_coef * align_to_tokens(entropy)
         return losses
 
 
