@@ -4,9 +4,8 @@ The logits of a long response do not fit: 32k tokens of a 152k-token vocabulary 
 fp32. So the last stage hands its final hidden states [tokens, hidden] and this tensor rank's
 rows of the LM head weight [vocab / tp, hidden] (`HeadShard`) to `token_log_probs` (or
 `token_log_probs_and_entropy`, both in the same pass), which walk the tokens in chunks of
-`chunk_tokens`. A chunk's logits (this
-rank's vocabulary columns, promoted to fp32) are made by one matmul, reduced to per-token
-numbers, and dropped before the next chunk's are made:
+`chunk_tokens`. A chunk's logits (this rank's vocabulary columns, promoted to fp32) are made by
+one matmul, reduced to per-token numbers, and dropped before the next chunk's are made:
 
 * m, the row's largest logit (all-reduced with max over the tensor ranks), and the shifted
   logits z - m;
