@@ -573,4 +573,5 @@ class ReferenceModel(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`token_log_probs` and the entropy per token from the whole logits: -sum p log p."""
         log_probs = torch.log_softmax(logits.float(), dim=-1)
-        return self.token_log_probs(logits, targets), -(log_probs.exp() * log_probs).sum(dim=-1)
+        picked = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return picked, -(log_probs.exp() * log_probs).sum(dim=-1)

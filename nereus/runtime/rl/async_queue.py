@@ -18,8 +18,8 @@ the queue accepts them in that order only and hands them out in that order, so n
 repeated, and a checkpoint of the queue (`save`, `load`: JSON plus one safetensors file, nothing
 unpickled) tells a resumed generator where to continue (`next_index`).
 
-The training pool's ranks each keep a queue, fed from the generation pool's hand-off folder
-(`nereus.runtime.run.async_loop`); the generation pool writes batches by the same rule.
+Each training rank of an async run keeps one in its one thread, fed from the generation pool's
+hand-off folder (`nereus.runtime.run.async_loop`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nereus.runtime.model.losses import HeadOps, next_token_log_probs
+from nereus.runtime.model.losses import HeadOps
 from nereus.runtime.model.transformer import Batch
 from nereus.runtime.rl.algorithms import (
     BehaviourCorrection,
@@ -97,11 +97,11 @@ class PolicyObjective:
 
     def token_losses(self, output: torch.Tensor, batch: Batch, head: HeadOps) -> torch.Tensor:
         device = output.device
-        entropy = None
+        predicting, targets = output[:, :-1], batch.tokens[:, 1:].to(device)  # position i predicts token i + 1
         if self.entropy_coef > 0:  # both from one pass over the LM head
-            token_log_probs, entropy = head.token_log_probs_and_entropy(output[:, :-1], batch.tokens[:, 1:].to(device))
+            token_log_probs, entropy = head.token_log_probs_and_entropy(predicting, targets)
         else:
-            token_log_probs = next_token_log_probs(output, batch.tokens.to(device), head)
+            token_log_probs, entropy = head.token_log_probs(predicting, targets), None
         log_probs = align_to_tokens(token_log_probs)
         if self.current_as_old is None:
             old_log_probs = batch.field("old_log_probs").to(device)
